@@ -1,0 +1,6 @@
+"""``python -m dpprof`` is ``dpprof``."""
+
+from dpprof.cli import main
+
+if __name__ == "__main__":
+    main()

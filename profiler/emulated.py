@@ -1,0 +1,335 @@
+"""The emulated backend: every scenario re-enacted on virtual devices.
+
+Meta tensors by default (memory only: any model size, seconds, cost independent of the
+batch size); CPU tensors with ``compute=True`` (real numbers, for checks and tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpprof.emulated_parallel import EmulatedDataParallel, EmulatedDDP
+from dpprof.result import (
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_OOM,
+    DeviceResult,
+    ScenarioResult,
+    TimelinePoint,
+)
+from dpprof.scenarios.base import (
+    DDP,
+    DP_LOSS_FORWARD,
+    DP_LOSS_PRIMARY,
+    SINGLE,
+    ModelWithLoss,
+    StepHooks,
+    train_step,
+)
+from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.units import fmt_bytes
+from dpprof.vdevice import HOST, VirtualDevices, to_device
+
+TIMELINE_POINTS = 400  # points kept per device and scenario (maxima of equal slices)
+
+PHASE_CATEGORY = {
+    "inputs": "inputs",
+    "forward": "activations",
+    "loss": "loss",
+    "backward": "activations",
+    "optimizer": "optimizer_state",
+    "zero_grad": "other",
+}
+
+ASSUMPTIONS = [
+    "Emulated: the training step runs on virtual devices over meta tensors (memory only); "
+    "no GPU was used.",
+    "Allocated = live tensor storages, each rounded up to 512 B as the CUDA caching "
+    "allocator rounds them; peaks are over the measured step (after one warm-up step) and "
+    "include what was resident before it.",
+    "DataParallel is re-enacted step by step from torch.nn.parallel (scatter, replicate with "
+    "10 MiB coalesced broadcasts, parallel_apply, gather, reduce-add of gradients onto "
+    "cuda:0), taking the NCCL paths of a CUDA build.",
+    "DDP: one rank per GPU, each with ceil(B / N) rows (DistributedSampler pads the last "
+    "shard); gradient buckets of 25 MiB kept for good, rebuilt on iteration 2.",
+    "Optimizers use the foreach implementation, as PyTorch picks by default on CUDA.",
+    "Not included: caching-allocator reserve and fragmentation, the CUDA context, cuBLAS/"
+    "cuDNN workspaces and NCCL buffers (typically 0.3 to 1.5 GiB more per GPU).",
+]
+
+
+@dataclass
+class EmulationConfig:
+    batch: int  # global batch (rows)
+    gpus: int  # virtual devices
+    gpu_memory_bytes: int  # capacity of each
+    seed: int = 0  # torch.manual_seed before each scenario
+    compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
+    warmup_steps: int = 1  # steps before the measured one (the optimizer state must exist)
+    debug: bool = False  # keep tracebacks of failing scenarios
+
+
+def _leaves(x: Any) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _leaves(v)
+
+
+def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)((k, _map(v, fn)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_map(v, fn) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, fn) for v in x)
+    return x
+
+
+class _CategoryHooks:
+    """Files allocations made while the loss's autograd nodes run under 'loss'."""
+
+    def __init__(self, rt: VirtualDevices) -> None:
+        self.rt = rt
+        self.output_nodes: set[Any] = set()
+        self.handles: list[Any] = []
+
+    def after_forward(self, outputs: Any) -> None:
+        self.rt.label(list(_leaves(outputs)), "outputs")
+        self.output_nodes = {t.grad_fn for t in _leaves(outputs) if t.grad_fn is not None}
+
+    def after_loss(self, loss: torch.Tensor, outputs: Any) -> None:
+        rt = self.rt
+        seen: set[Any] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in self.output_nodes:
+                continue
+            seen.add(node)
+            self.handles.append(node.register_prehook(lambda *_: rt._set_category("loss")))
+            self.handles.append(node.register_hook(lambda *_: rt._set_category("activations")))
+            stack.extend(n for n, _ in node.next_functions)
+
+    def clear(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _build(
+    rt: VirtualDevices, wl: Workload, base: torch.device, device: int
+) -> tuple[nn.Module, Any, torch.optim.Optimizer, list[nn.Parameter]]:
+    with rt.device(device), rt.category("parameters"):
+        model = wl.model()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model() returned {type(model).__name__}, not an nn.Module")
+        # Parameters built outside the mode (or on the CPU) are copied onto the device.
+        model._apply(lambda t: t if rt.device_of(t) == device else t.to(base, copy=True))
+        if wl.dtype != torch.float32:
+            model.to(wl.dtype)
+        loss_fn = wl.loss
+        if isinstance(loss_fn, nn.Module):
+            loss_fn = copy.deepcopy(loss_fn)
+            loss_fn._apply(lambda t: t.to(base, copy=True))
+            if wl.dtype != torch.float32:
+                loss_fn.to(wl.dtype)
+    params = list(model.parameters())
+    if isinstance(loss_fn, nn.Module):
+        params += list(loss_fn.parameters())
+    opt = wl.optimizer(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer() returned {type(opt).__name__}, not a torch Optimizer")
+    for group in opt.param_groups:
+        # torch picks foreach by default for CUDA tensors; meta and CPU would not.
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
+    return model, loss_fn, opt, params
+
+
+def _cast_inputs(x: Any, dtype: torch.dtype) -> Any:
+    if dtype == torch.float32:
+        return x
+    return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResult:
+    """Emulate one scenario; a failure is a result (status "error"), not an exception."""
+    shards = shard_sizes(cfg.batch, cfg.gpus)
+    rank_rows = shards[0]
+    base = torch.device("cpu" if cfg.compute else "meta")
+    n_dev = 1 if name == SINGLE else cfg.gpus
+    rt = VirtualDevices(n_dev, base="cpu" if cfg.compute else "meta")
+    result = ScenarioResult(name=name, batch=cfg.batch)
+    torch.manual_seed(cfg.seed)
+    cats = _CategoryHooks(rt)
+    measure_start = 0
+    try:
+        with rt:
+            model, loss_fn, opt, params = _build(rt, wl, base, 0)
+            loss_inside = name == DP_LOSS_FORWARD
+            wrapped: Any
+            if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
+                inner = ModelWithLoss(model, loss_fn) if loss_inside else model
+                wrapped = EmulatedDataParallel(inner, rt, list(range(cfg.gpus)))
+                rows = cfg.batch
+            elif name == DDP:
+                with rt.device(0):
+                    wrapped = EmulatedDDP(model, rt, world_size=cfg.gpus)
+                rows = rank_rows
+            elif name == SINGLE:
+                wrapped = model
+                rows = rank_rows
+            else:
+                raise ValueError(f"unknown scenario {name!r}")
+
+            def after_backward() -> None:
+                rt.label([p.grad for p in params if p.grad is not None], "gradients")
+
+            def after_optimizer() -> None:
+                rt.label([t for st in opt.state.values() for t in st.values()
+                          if isinstance(t, torch.Tensor)], "optimizer_state")
+
+            hooks = StepHooks(
+                # Factories take the current device: cuda:0 for the step (as after
+                # torch.cuda.set_device), the host inside optimizer.step (its CPU scalars).
+                phase=lambda p: rt.phase(p, PHASE_CATEGORY.get(p),
+                                         HOST if p == "optimizer" else 0),
+                after_forward=cats.after_forward,
+                after_loss=cats.after_loss,
+                after_backward=after_backward,
+                after_optimizer=after_optimizer,
+            )
+            model.train()
+            loss_val = None
+            for step in range(cfg.warmup_steps + 1):
+                if step == cfg.warmup_steps:
+                    rt.reset_peaks()
+                    measure_start = len(rt.events)
+                with rt.device(HOST), rt.category("inputs"):
+                    inputs, targets = wl.batch(rows, torch.device("cpu"))
+                    inputs, targets = _cast_inputs(inputs, wl.dtype), targets
+                with rt.phase("inputs", "inputs"):
+                    inputs = _map(inputs, lambda t: to_device(rt, t, 0))
+                    targets = _map(targets, lambda t: to_device(rt, t, 0))
+                loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
+                cats.clear()
+                del inputs, targets
+                if cfg.compute:
+                    loss_val = float(loss)
+                del loss
+            used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
+                    else [0])
+            result.devices = _device_results(rt, cfg, name, shards, used, measure_start)
+            result.loss = loss_val
+            if isinstance(wrapped, EmulatedDDP):
+                wrapped.remove_hooks()
+    except Exception as e:  # the user's code, or an impossible program: a result
+        result.status = STATUS_ERROR
+        result.message = f"{type(e).__name__}: {e}".strip()
+        if cfg.debug:
+            result.notes.append(traceback.format_exc())
+        return result
+    finally:
+        cats.clear()
+    _notes(result, name, cfg, shards)
+    over = [d for d in result.devices if d.peak_allocated_bytes > cfg.gpu_memory_bytes]
+    if over:
+        worst = over[0]
+        result.status = STATUS_OOM
+        result.oom_device = worst.index
+        result.oom_bytes = worst.peak_allocated_bytes
+        result.message = (
+            f"out of memory on cuda:{worst.index}: needs {fmt_bytes(worst.peak_allocated_bytes)}"
+            f" at its peak ({worst.peak_phase}), has {fmt_bytes(cfg.gpu_memory_bytes)}"
+        )
+    else:
+        result.status = STATUS_OK
+    return result
+
+
+def _device_results(
+    rt: VirtualDevices, cfg: EmulationConfig, name: str, shards: list[int], used: list[int],
+    measure_start: int,
+) -> list[DeviceResult]:
+    out = []
+    for i in range(rt.num_devices):
+        c = rt.counters[i]
+        snap = rt.peak_snapshot(i)
+        dev = DeviceResult(
+            index=i,
+            peak_allocated_bytes=c.peak_allocated,
+            peak_requested_bytes=c.peak_requested,
+            capacity_bytes=cfg.gpu_memory_bytes,
+            breakdown_bytes={k: v for k, v in sorted(snap.by_category.items()) if v},
+            peak_phase=c.peak_phase,
+            used=i in used,
+            batch_rows=shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
+            and i < len(shards) else shards[0],
+            timeline=_timeline(rt, i, measure_start),
+        )
+        out.append(dev)
+    if name == DDP:
+        # Every rank runs the same program on the same number of rows: rank 0 stands for all.
+        template = out[0]
+        out = [
+            DeviceResult(**{**template.__dict__, "index": r, "rank": r, "used": True,
+                            "timeline": list(template.timeline)})
+            for r in range(cfg.gpus)
+        ]
+    return out
+
+
+def _timeline(rt: VirtualDevices, index: int, start: int) -> list[TimelinePoint]:
+    points = rt.timeline(index, start)
+    marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+
+    def phase_at(ev: int) -> str:
+        name = ""
+        for idx, p in marks:
+            if idx <= ev:
+                name = p
+            else:
+                break
+        return name
+
+    if len(points) > TIMELINE_POINTS:
+        step = len(points) / TIMELINE_POINTS
+        kept = []
+        for k in range(TIMELINE_POINTS):
+            chunk = points[int(k * step): int((k + 1) * step) or None]
+            if chunk:
+                kept.append(max(chunk, key=lambda p: p[1]))
+        points = kept
+    return [TimelinePoint(float(ev - start), b, phase_at(ev)) for ev, b in points]
+
+
+def _notes(result: ScenarioResult, name: str, cfg: EmulationConfig, shards: list[int]) -> None:
+    if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
+        if len(shards) < cfg.gpus:
+            result.notes.append(
+                f"batch {cfg.batch} over {cfg.gpus} GPUs: tensor.chunk makes {len(shards)} "
+                f"chunk(s) {shards}, so DataParallel uses only {len(shards)} GPU(s)"
+            )
+        elif len(set(shards)) > 1:
+            result.notes.append(
+                f"batch {cfg.batch} is not divisible by {cfg.gpus}: shards {shards}"
+            )
+    elif name in (DDP, SINGLE) and cfg.batch % cfg.gpus:
+        result.notes.append(
+            f"each rank gets ceil({cfg.batch} / {cfg.gpus}) = {shards[0]} rows "
+            "(DistributedSampler pads)"
+        )

@@ -1,0 +1,562 @@
+"""DataParallel and DistributedDataParallel re-enacted on virtual devices.
+
+Each function here mirrors one piece of ``torch.nn.parallel`` (torch 2.13), allocation for
+allocation; the C++ parts (``torch/csrc/cuda/comm.cpp``, ``torch/csrc/utils/
+tensor_flatten.cpp``, ``c10d/reducer.cpp``) are mirrored from their source. Where a CUDA
+build takes the NCCL path (``nccl::is_available``: contiguous dense CUDA tensors), so do we.
+
+* scatter: ``tensor.chunk(n, dim)``; a chunk already on its target device stays a view, the
+  others are copied (``comm.cpp: scatter``, ``.to(device, copy=False)``);
+* replicate: parameters through :class:`Broadcast` (device 0 keeps the originals; the
+  others get flat buffers of <= 10 MiB groups and views into them), buffers broadcast
+  detached (``replicate.py``, ``comm.cpp: broadcast_coalesced``);
+* parallel_apply: each replica on its device (sequentially here: per-device memory does
+  not depend on the interleaving of devices);
+* gather: the full output allocated on the output device, pieces copied in
+  (``comm.cpp: gather``); 0-dim outputs become a vector;
+* backward: ``Gather.backward`` scatters the gradient (device 0's share a view),
+  ``Broadcast.backward`` is ``ReduceAddCoalesced`` onto device 0 (``comm.py``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import (
+    _flatten_dense_tensors,
+    _reorder_tensors_as,
+    _take_tensors,
+    _unflatten_dense_tensors,
+)
+
+from dpprof.vdevice import VirtualDevices, copy_to
+
+BROADCAST_BUFFER_BYTES = 10 * 1024 * 1024  # comm.broadcast_coalesced / reduce_add_coalesced
+DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+# ---- comm primitives (C++ in torch, Python here) ------------------------------------------
+
+
+def _type_key(t: torch.Tensor) -> tuple[str, torch.dtype]:
+    return (t.layout.__repr__(), t.dtype)
+
+
+def take_tensors_cpp(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``torch::utils::take_tensors`` (not fine-grained): a group per type closes once its
+    size *reaches* the limit, so it may overshoot by its last tensor; the groups left open
+    at the end follow, ordered by type."""
+    results: list[list[torch.Tensor]] = []
+    groups: dict[tuple[str, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    for t in tensors:
+        key = _type_key(t)
+        group, size = groups.setdefault(key, ([], [0]))
+        group.append(t)
+        size[0] += t.numel() * t.element_size()
+        if size[0] >= limit:
+            results.append(group)
+            del groups[key]
+    for key in sorted(groups, key=lambda k: str(k)):
+        results.append(groups[key][0])
+    return results
+
+
+def broadcast_coalesced(
+    rt: VirtualDevices, tensors: Sequence[torch.Tensor], devices: Sequence[int],
+    buffer_size: int = BROADCAST_BUFFER_BYTES,
+) -> list[list[torch.Tensor]]:
+    """``torch::cuda::broadcast_coalesced``: device 0 gets the inputs themselves."""
+    outputs: list[list[torch.Tensor]] = [list(tensors)] + [[] for _ in devices[1:]]
+    types = {_type_key(t) for t in tensors}
+    for chunk in take_tensors_cpp(tensors, buffer_size):
+        with rt.category("communication"):
+            flat = torch._C._nn.flatten_dense_tensors(chunk)  # a view if one tensor, else cat
+        results = [flat]
+        for d in devices[1:]:
+            with rt.placing_on(d), rt.category("parameters"):
+                out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
+                out.copy_(flat)  # nccl::broadcast
+            results.append(out)
+        for i in range(1, len(devices)):
+            for t in torch._C._nn.unflatten_dense_tensors(results[i], chunk):
+                outputs[i].append(t.detach())  # make_variable(var.tensor_data(), false)
+        del flat, results
+    if len(types) > 1:
+        outputs = [outputs[0]] + [reorder_tensors_like(o, tensors) for o in outputs[1:]]
+    return outputs
+
+
+def reorder_tensors_like(
+    tensors: Sequence[torch.Tensor], order: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``torch::utils::reorder_tensors_like``: per type, in the order of ``order``."""
+    by_type: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_type.setdefault(_type_key(t), []).append(t)
+    used: dict[tuple[str, torch.dtype], int] = {}
+    out = []
+    for t in order:
+        k = _type_key(t)
+        out.append(by_type[k][used.get(k, 0)])
+        used[k] = used.get(k, 0) + 1
+    return out
+
+
+def reduce_add(
+    rt: VirtualDevices, inputs: Sequence[torch.Tensor], destination: int
+) -> torch.Tensor:
+    """``comm.reduce_add`` on the NCCL path: ``empty_like`` on the destination, reduce."""
+    root = [rt.device_of(t) for t in inputs].index(destination)
+    if len(inputs) == 1:
+        return inputs[0]
+    result = torch.empty_like(inputs[root])
+    with rt.cross_device():
+        result.copy_(inputs[root])  # nccl.reduce writes the sum into result
+        for i, t in enumerate(inputs):
+            if i != root:
+                result.add_(t)
+    return result
+
+
+def reduce_add_coalesced(
+    rt: VirtualDevices, inputs: Sequence[Sequence[torch.Tensor]], destination: int,
+    buffer_size: int = BROADCAST_BUFFER_BYTES,
+) -> tuple[torch.Tensor, ...]:
+    """``comm.reduce_add_coalesced``: groups close *before* exceeding ``buffer_size``."""
+    dense_tensors: list[list[torch.Tensor]] = [[] for _ in inputs]
+    output: list[torch.Tensor] = []
+    ref_order: list[torch.Tensor] = []
+    for tensor_at_gpus in zip(*inputs, strict=True):
+        for coll, t in zip(dense_tensors, tensor_at_gpus, strict=True):
+            coll.append(t)
+        ref_order.append(dense_tensors[0][-1])
+    itrs = [_take_tensors(tensors, buffer_size) for tensors in dense_tensors]
+    for chunks in zip(*itrs, strict=True):
+        flat_tensors = [_flatten_dense_tensors(chunk) for chunk in chunks]
+        flat_result = reduce_add(rt, flat_tensors, destination)
+        rt.label(flat_result, "gradients")
+        for t in _unflatten_dense_tensors(flat_result, chunks[0]):
+            output.append(t.data)
+        del flat_tensors, flat_result
+    return tuple(_reorder_tensors_as(output, ref_order))
+
+
+def scatter_tensor(
+    rt: VirtualDevices, tensor: torch.Tensor, devices: Sequence[int],
+    chunk_sizes: Sequence[int] | None, dim: int,
+) -> tuple[torch.Tensor, ...]:
+    """``torch::cuda::scatter``: chunk or narrow, then ``.to(device, copy=False)``."""
+    if chunk_sizes is not None:
+        chunks, start = [], 0
+        for size in chunk_sizes:
+            chunks.append(tensor.narrow(dim, start, size))
+            start += size
+    else:
+        chunks = list(tensor.chunk(len(devices), dim))
+    out = []
+    for i, c in enumerate(chunks):
+        out.append(c if rt.device_of(c) == devices[i] else copy_to(rt, c, devices[i]))
+    return tuple(out)
+
+
+def gather_tensors(
+    rt: VirtualDevices, tensors: Sequence[torch.Tensor], dim: int, destination: int
+) -> torch.Tensor:
+    """``torch::cuda::gather``: one ``empty`` of the full shape, pieces copied in."""
+    first = tensors[0]
+    size = list(first.shape)
+    size[dim] = sum(t.shape[dim] for t in tensors)
+    channels_last = all(
+        t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+        and not t.is_contiguous() for t in tensors
+    )
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    with rt.placing_on(destination):
+        result = torch.empty(size, dtype=first.dtype, device=first.device, memory_format=fmt)
+    start = 0
+    with rt.cross_device():
+        for t in tensors:
+            result.narrow(dim, start, t.shape[dim]).copy_(t)
+            start += t.shape[dim]
+    return result
+
+
+# ---- autograd functions (torch/nn/parallel/_functions.py) ---------------------------------
+
+
+class Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rt: VirtualDevices, target_gpus: list[int], *inputs: torch.Tensor):  # type: ignore[no-untyped-def]
+        ctx.rt = rt
+        ctx.target_gpus = target_gpus
+        if len(inputs) == 0:
+            return ()
+        ctx.num_inputs = len(inputs)
+        ctx.input_device = rt.device_of(inputs[0])
+        outputs = broadcast_coalesced(rt, inputs, target_gpus)
+        non_differentiables = []
+        for idx, input_requires_grad in enumerate(ctx.needs_input_grad[2:]):
+            if not input_requires_grad:
+                non_differentiables.extend(output[idx] for output in outputs)
+        ctx.mark_non_differentiable(*non_differentiables)
+        return tuple(chain.from_iterable(outputs))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor):  # type: ignore[no-untyped-def]
+        return (None, None, *ReduceAddCoalesced.apply(
+            ctx.rt, ctx.input_device, ctx.num_inputs, *grad_outputs
+        ))
+
+
+class ReduceAddCoalesced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rt: VirtualDevices, destination: int, num_inputs: int,  # type: ignore[no-untyped-def]
+                *grads: torch.Tensor):
+        ctx.rt = rt
+        ctx.target_gpus = [rt.device_of(grads[i]) for i in range(0, len(grads), num_inputs)]
+        rt.label(grads, "gradients")  # the replicas' gradients, held until all arrive
+        grads_ = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
+        return reduce_add_coalesced(rt, grads_, destination)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor):  # type: ignore[no-untyped-def]
+        return (None, None, None, *Broadcast.apply(ctx.rt, ctx.target_gpus, *grad_outputs))
+
+
+class Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rt: VirtualDevices, target_device: int, dim: int,  # type: ignore[no-untyped-def]
+                *inputs: torch.Tensor):
+        ctx.rt = rt
+        ctx.target_device = target_device
+        ctx.dim = dim
+        ctx.input_gpus = tuple(rt.device_of(i) for i in inputs)
+        if all(t.dim() == 0 for t in inputs) and dim == 0:
+            inputs = tuple(t.view(1) for t in inputs)  # torch warns and returns a vector
+            ctx.unsqueezed_scalar = True
+        else:
+            ctx.unsqueezed_scalar = False
+        ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
+        with rt.category("outputs"):
+            return gather_tensors(rt, inputs, ctx.dim, target_device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
+        with ctx.rt.category("outputs"):
+            scattered = Scatter.apply(
+                ctx.rt, ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output
+            )
+        if ctx.unsqueezed_scalar:
+            scattered = tuple(g[0] for g in scattered)
+        return (None, None, None, *scattered)
+
+
+class Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, rt: VirtualDevices, target_gpus: Sequence[int],  # type: ignore[no-untyped-def]
+                chunk_sizes: Sequence[int] | None, dim: int, input: torch.Tensor):
+        ctx.rt = rt
+        ctx.dim = dim
+        ctx.input_device = rt.device_of(input)
+        return scatter_tensor(rt, input, target_gpus, chunk_sizes, dim)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
+        return (None, None, None, None,
+                Gather.apply(ctx.rt, ctx.input_device, ctx.dim, *grad_output))
+
+
+# ---- scatter_gather.py, replicate.py, parallel_apply.py ----------------------------------
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: int = 0) -> Any:
+    def scatter_map(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return Scatter.apply(rt, list(target_gpus), None, dim, obj)
+        if _is_namedtuple(obj):
+            return [type(obj)(*args) for args in zip(*map(scatter_map, obj), strict=False)]
+        if isinstance(obj, tuple) and len(obj) > 0:
+            return list(zip(*map(scatter_map, obj), strict=False))
+        if isinstance(obj, list) and len(obj) > 0:
+            return [list(i) for i in zip(*map(scatter_map, obj), strict=False)]
+        if isinstance(obj, dict) and len(obj) > 0:
+            return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()), strict=False)]
+        return [obj for _ in target_gpus]
+
+    return scatter_map(inputs)
+
+
+def scatter_kwargs(
+    rt: VirtualDevices, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
+    target_gpus: Sequence[int], dim: int = 0,
+) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    scattered_inputs = scatter(rt, inputs, target_gpus, dim) if inputs else []
+    scattered_kwargs = scatter(rt, kwargs, target_gpus, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def gather(rt: VirtualDevices, outputs: Any, target_device: int, dim: int = 0) -> Any:
+    def gather_map(outputs: Any) -> Any:
+        out = outputs[0]
+        if isinstance(out, torch.Tensor):
+            return Gather.apply(rt, target_device, dim, *outputs)
+        if out is None:
+            return None
+        if isinstance(out, dict):
+            return type(out)((k, gather_map([d[k] for d in outputs])) for k in out)
+        if _is_namedtuple(out):
+            return type(out)._make(map(gather_map, zip(*outputs, strict=True)))
+        return type(out)(map(gather_map, zip(*outputs, strict=True)))
+
+    return gather_map(outputs)
+
+
+def _broadcast_coalesced_reshape(
+    rt: VirtualDevices, tensors: Sequence[torch.Tensor], devices: Sequence[int],
+    detach: bool = False,
+) -> list[list[torch.Tensor]]:
+    if len(tensors) == 0:
+        return []
+    if detach:
+        return broadcast_coalesced(rt, tensors, devices)
+    tensor_copies = Broadcast.apply(rt, list(devices), *tensors)
+    return [
+        list(tensor_copies[i : i + len(tensors)])
+        for i in range(0, len(tensor_copies), len(tensors))
+    ]
+
+
+def replicate(
+    rt: VirtualDevices, network: nn.Module, devices: Sequence[int], detach: bool = False
+) -> list[nn.Module]:
+    """``torch.nn.parallel.replicate``, line for line, over emulated broadcasts."""
+    num_replicas = len(devices)
+    params = list(network.parameters())
+    param_indices = {param: idx for idx, param in enumerate(params)}
+    param_copies = _broadcast_coalesced_reshape(rt, params, devices, detach)
+
+    buffers = list(network.buffers())
+    buffers_rg = [b for b in buffers if b.requires_grad and not detach]
+    buffers_not_rg = [b for b in buffers if not (b.requires_grad and not detach)]
+    buffer_indices_rg = {buf: idx for idx, buf in enumerate(buffers_rg)}
+    buffer_indices_not_rg = {buf: idx for idx, buf in enumerate(buffers_not_rg)}
+    buffer_copies_rg = _broadcast_coalesced_reshape(rt, buffers_rg, devices, detach=detach)
+    buffer_copies_not_rg = _broadcast_coalesced_reshape(rt, buffers_not_rg, devices, detach=True)
+
+    modules = list(network.modules())
+    module_copies: list[list[nn.Module]] = [[] for _ in devices]
+    module_indices: dict[nn.Module, int] = {}
+    for i, module in enumerate(modules):
+        module_indices[module] = i
+        for j in range(num_replicas):
+            replica = module._replicate_for_data_parallel()
+            replica._former_parameters = OrderedDict()  # type: ignore[assignment]
+            module_copies[j].append(replica)
+
+    for i, module in enumerate(modules):
+        for key, child in module._modules.items():
+            if child is None:
+                for j in range(num_replicas):
+                    module_copies[j][i]._modules[key] = None
+            else:
+                module_idx = module_indices[child]
+                for j in range(num_replicas):
+                    setattr(module_copies[j][i], key, module_copies[j][module_idx])
+        for key, param in module._parameters.items():
+            if param is None:
+                for j in range(num_replicas):
+                    module_copies[j][i]._parameters[key] = None
+            else:
+                param_idx = param_indices[param]
+                for j in range(num_replicas):
+                    replica = module_copies[j][i]
+                    param_copy = param_copies[j][param_idx]
+                    setattr(replica, key, param_copy)
+                    replica._former_parameters[key] = param_copy  # type: ignore[index]
+        for key, buf in module._buffers.items():
+            if buf is None:
+                for j in range(num_replicas):
+                    module_copies[j][i]._buffers[key] = None
+            else:
+                if buf.requires_grad and not detach:
+                    buffer_copies, buffer_idx = buffer_copies_rg, buffer_indices_rg[buf]
+                else:
+                    buffer_copies, buffer_idx = buffer_copies_not_rg, buffer_indices_not_rg[buf]
+                for j in range(num_replicas):
+                    setattr(module_copies[j][i], key, buffer_copies[j][buffer_idx])
+    return [module_copies[j][0] for j in range(num_replicas)]
+
+
+def parallel_apply(
+    rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
+) -> list[Any]:
+    """Each replica on its own device; threads in torch, one after another here."""
+    outputs = []
+    for module, inp, kwargs, device in zip(modules, inputs, kwargs_tup, devices, strict=True):
+        if not isinstance(inp, (list, tuple)):
+            inp = (inp,)
+        with rt.device(device), rt.category("activations"):
+            outputs.append(module(*inp, **kwargs))
+    return outputs
+
+
+class EmulatedDataParallel(nn.Module):
+    """``nn.DataParallel(module, device_ids, output_device)`` on virtual devices."""
+
+    def __init__(self, module: nn.Module, rt: VirtualDevices,
+                 device_ids: Sequence[int] | None = None, output_device: int | None = None,
+                 dim: int = 0) -> None:
+        super().__init__()
+        self.module = module
+        self.rt = rt
+        self.device_ids = list(device_ids if device_ids is not None else range(rt.num_devices))
+        self.output_device = self.device_ids[0] if output_device is None else output_device
+        self.dim = dim
+        self.used_devices: list[int] = []
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        rt = self.rt
+        src = self.device_ids[0]
+        for t in chain(self.module.parameters(), self.module.buffers()):
+            if rt.device_of(t) != src:
+                raise RuntimeError(
+                    "module must have its parameters and buffers on device "
+                    f"cuda:{src} (device_ids[0]) but found one of them on device: "
+                    f"cuda:{rt.device_of(t)}"
+                )
+        with rt.category("inputs"):
+            inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, self.device_ids, self.dim)
+        if not inputs and not module_kwargs:
+            inputs, module_kwargs = ((),), ({},)
+        if len(self.device_ids) == 1:
+            self.used_devices = [src]
+            return self.module(*inputs[0], **module_kwargs[0])
+        used = self.device_ids[: len(inputs)]
+        self.used_devices = used
+        replicas = replicate(rt, self.module, used, not torch.is_grad_enabled())
+        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
+        return gather(rt, outputs, self.output_device, self.dim)
+
+
+# ---- DistributedDataParallel: one rank (c10d/reducer.cpp) ---------------------------------
+
+
+class EmulatedDDP(nn.Module):
+    """One rank of ``DistributedDataParallel(module)`` on a virtual device: memory only.
+
+    The reducer keeps one flat gradient buffer per bucket for good (allocated at
+    construction): on the first iteration one bucket per dtype holds every parameter
+    (no ``find_unused_parameters``); at the start of the second iteration the buckets are
+    rebuilt in gradient-ready order with caps of 1 MiB for the first bucket and
+    ``bucket_cap_mb`` for the others. When a gradient is ready it is divided by the world
+    size into its bucket view (``mul_out``); after the all-reduce the bucket is copied back
+    into ``.grad`` in place. With ``gradient_as_bucket_view`` ``.grad`` *is* the view.
+    The all-reduce itself allocates nothing that the caching allocator sees.
+    """
+
+    def __init__(self, module: nn.Module, rt: VirtualDevices, world_size: int,
+                 bucket_cap_mb: float = DDP_BUCKET_CAP_MB,
+                 gradient_as_bucket_view: bool = False) -> None:
+        super().__init__()
+        self.module = module
+        self.rt = rt
+        self.world_size = world_size
+        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.iteration = 0
+        self._ready_order: list[int] = []
+        self._buckets: list[torch.Tensor] = []
+        self._views: dict[int, torch.Tensor] = {}
+        self._build_buckets([list(range(len(self.params)))] if self.params else [])
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params
+        ]
+
+    def _build_buckets(self, assignment: list[list[int]]) -> None:
+        rt = self.rt
+        self._buckets, self._views = [], {}
+        device = rt.device_of(self.params[0]) if self.params else 0
+        with rt.category("communication"), rt.device(device):
+            for indices in assignment:
+                p0 = self.params[indices[0]]
+                total = sum(self.params[i].numel() for i in indices)
+                flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+                self._buckets.append(flat)
+                offset = 0
+                for i in indices:
+                    p = self.params[i]
+                    self._views[i] = flat.narrow(0, offset, p.numel()).view(p.shape)
+                    offset += p.numel()
+
+    def _rebuild_assignment(self) -> list[list[int]]:
+        """``_compute_bucket_assignment_by_size`` over the ready order, per dtype."""
+        order = self._ready_order or list(range(len(self.params)))
+        limits = [DDP_FIRST_BUCKET_BYTES, self.bucket_cap_bytes]
+        open_: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
+        buckets: list[list[int]] = []
+        for i in order:
+            p = self.params[i]
+            idx, size, limit_i = open_.setdefault(p.dtype, ([], [0], [0]))
+            idx.append(i)
+            size[0] += p.numel() * p.element_size()
+            if size[0] >= limits[min(limit_i[0], len(limits) - 1)]:
+                buckets.append(list(idx))
+                open_[p.dtype] = ([], [0], [limit_i[0] + 1])
+        buckets += [v[0] for v in open_.values() if v[0]]
+        return buckets
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        i = next(k for k, q in enumerate(self.params) if q is p)
+        if self.iteration == 1:
+            self._ready_order.append(i)
+        view = self._views[i]
+        grad = p.grad
+        assert grad is not None
+        if grad.untyped_storage() is view.untyped_storage():
+            view.div_(self.world_size)
+            return
+        torch.mul(grad, 1.0 / self.world_size, out=view)
+        if self.gradient_as_bucket_view:
+            p.grad = view
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.iteration += 1
+        if self.iteration == 2:
+            # Reducer::rebuild_buckets on the second iteration, in gradient-ready order.
+            self._buckets = []
+            self._views = {}
+            self._build_buckets(self._rebuild_assignment())
+        return self.module(*inputs, **kwargs)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+__all__ = [
+    "EmulatedDDP",
+    "EmulatedDataParallel",
+    "broadcast_coalesced",
+    "gather_tensors",
+    "reduce_add_coalesced",
+    "replicate",
+    "scatter_kwargs",
+    "take_tensors_cpp",
+]
+

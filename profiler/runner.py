@@ -1,0 +1,137 @@
+"""Run a comparison: pick the backend, run every scenario, build the :class:`RunResult`."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from dpprof import __version__
+from dpprof.analysis import compare
+from dpprof.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
+from dpprof.errors import UsageError
+from dpprof.result import RunResult
+from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
+
+GiB = 2**30
+DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
+DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
+BACKENDS = ("auto", "emulated")
+
+Progress = Callable[[str, int, int], None]  # (scenario, index, total)
+
+
+@dataclass
+class CompareConfig:
+    workload: str = DEFAULT  # built-in name, module.path:function or file.py:function
+    batch: int = 512  # global batch, split over the GPUs as DataParallel splits it
+    gpus: int | None = None  # None: every visible GPU (cuda) or 4 virtual ones (emulated)
+    gpu_memory_bytes: int = DEFAULT_GPU_MEMORY  # capacity of each (virtual) GPU
+    scenarios: tuple[str, ...] = SCENARIOS  # which of the paired scenarios to run
+    backend: str = "auto"  # auto: cuda with >= 2 visible GPUs, else emulated
+    seed: int = 0  # torch.manual_seed before each scenario: paired data and weights
+    compute: bool = False  # emulated over CPU tensors (real numbers) instead of meta
+    warmup_steps: int = 1  # steps before the measured one
+    debug: bool = False  # keep tracebacks
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.batch < 1:
+            raise UsageError(f"--batch must be a positive number of rows, got {self.batch}")
+        if self.gpus is not None and self.gpus < 1:
+            raise UsageError(f"--gpus must be at least 1, got {self.gpus}")
+        if self.gpu_memory_bytes <= 0:
+            raise UsageError("--gpu-memory must be larger than zero")
+        unknown = [s for s in self.scenarios if s not in SCENARIOS]
+        if unknown:
+            raise UsageError(
+                f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}"
+            )
+        if not self.scenarios:
+            raise UsageError(f"--scenarios is empty; choose from {', '.join(SCENARIOS)}")
+        if self.backend not in BACKENDS:
+            raise UsageError(
+                f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}"
+            )
+        if self.warmup_steps < 0:
+            raise UsageError("--warmup must be 0 or more")
+
+
+def visible_cuda_gpus() -> int:
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver counts as none
+        return 0
+
+
+def resolve_backend(requested: str) -> str:
+    """``auto`` means emulated until the cuda backend lands; see the README."""
+    if requested == "auto":
+        return "emulated"
+    return requested
+
+
+def basic_environment() -> dict[str, object]:
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_device_count": visible_cuda_gpus(),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "dpprof": __version__,
+    }
+
+
+def run_compare(
+    cfg: CompareConfig, progress: Progress | None = None, workload: Workload | None = None
+) -> RunResult:
+    """Run every requested scenario of one comparison and analyse the result."""
+    cfg.validate()
+    wl = workload or load_workload(cfg.workload)
+    backend = resolve_backend(cfg.backend)
+    gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
+    run = RunResult(
+        backend=backend,
+        workload=wl.name,
+        batch=cfg.batch,
+        gpus=gpus,
+        gpu_memory_bytes=cfg.gpu_memory_bytes,
+        dpprof_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        seed=cfg.seed,
+        dtype=str(wl.dtype).removeprefix("torch."),
+        config={k: v for k, v in asdict(cfg).items() if k != "extra"} | dict(cfg.extra),
+        environment=basic_environment(),
+    )
+    run.config["gpus"] = gpus
+    run.config["scenarios"] = list(cfg.scenarios)
+    run.config["workload_description"] = wl.description
+    run.config["workload_shapes"] = dict(wl.shapes)
+    ecfg = EmulationConfig(
+        batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
+        compute=cfg.compute, warmup_steps=cfg.warmup_steps, debug=cfg.debug,
+    )
+    run.assumptions = list(ASSUMPTIONS)
+    if cfg.compute:
+        run.assumptions[0] = (
+            "Emulated over CPU tensors (real numbers): the training step runs on virtual "
+            "devices; no GPU was used."
+        )
+    for i, name in enumerate(cfg.scenarios):
+        if progress:
+            progress(name, i, len(cfg.scenarios))
+        run.scenarios.append(run_scenario(name, wl, ecfg))
+    if progress:
+        progress("", len(cfg.scenarios), len(cfg.scenarios))
+    run.comparison = compare(run)
+    return run

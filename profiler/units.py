@@ -1,0 +1,58 @@
+"""Parsing and formatting of byte sizes. Bytes inside; human units only at the edges."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` -> 85899345920; ``"40GB"`` -> 40e9; a bare number is bytes.
+
+    Raises ValueError with a message that shows the accepted forms.
+    """
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size; write a number and a unit, "
+            "e.g. 80GiB, 40GB, 24G (= GiB) or 512MiB"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be larger than zero")
+    return int(value)
+
+
+def fmt_bytes(n: float | int | None, signed: bool = False) -> str:
+    """Binary units, three significant digits: 1536 -> '1.50 KiB'."""
+    if n is None:
+        return "n/a"
+    sign = ""
+    if n < 0:
+        sign, n = "-", -n
+    elif signed:
+        sign = "+"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            v = n / size
+            digits = 2 if v < 10 else 1 if v < 100 else 0
+            return f"{sign}{v:.{digits}f} {unit}"
+    return f"{sign}{int(n)} B"

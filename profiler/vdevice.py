@@ -1,0 +1,405 @@
+"""The virtual-device runtime: GPUs that exist only as byte counters.
+
+A :class:`VirtualDevices` is a ``TorchDispatchMode``. Under it, every tensor storage that an
+aten op creates is placed on a *virtual device* and counted there until it dies:
+
+* an op's new storages live on the device of its tensor inputs (0-dim host tensors are
+  ignored, as CUDA ignores CPU scalars); inputs on two devices are an error, as on GPUs;
+  ops with no tensor inputs (factories) take the current device (:meth:`device`, like
+  ``torch.cuda.device``);
+* crossing devices is explicit: :meth:`to` is an autograd function whose forward copies to
+  the target device and whose backward copies the gradient back;
+* storages are tracked by weak reference, so a free is seen when the last tensor (or view)
+  of a storage dies; both the requested bytes and the bytes as the CUDA caching allocator
+  rounds them (multiples of 512 B) are counted;
+* each storage is filed under a category (see ``dpprof.result.CATEGORIES``), from the
+  current :meth:`category` at allocation, or later by :meth:`label` (e.g. a gradient that
+  became a parameter's ``.grad``). The breakdown at a peak uses each storage's final label.
+
+The tensors themselves are meta tensors (memory only, any size, no arithmetic) or CPU
+tensors (real numbers, for checks). The device index :data:`HOST` stands for the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST = -1
+ROUND_BYTES = 512  # the CUDA caching allocator rounds every block to a multiple of 512 B
+
+aten = torch.ops.aten
+
+# Ops that legitimately read one device and write another (a copy between GPUs).
+_CROSS_DEVICE_OK = {
+    aten.copy_.default,
+    aten._to_copy.default,
+    aten.copy.default,
+}
+
+
+def round_size(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator hands out for a request (``round_size``)."""
+    if nbytes <= 0:
+        return 0
+    return ((nbytes + ROUND_BYTES - 1) // ROUND_BYTES) * ROUND_BYTES
+
+
+class VirtualDeviceError(RuntimeError):
+    """The program did something a real GPU would refuse (tensors on two devices)."""
+
+
+@dataclass
+class _Storage:
+    serial: int
+    device: int
+    requested: int
+    rounded: int
+
+
+@dataclass
+class DeviceCounters:
+    live_requested: int = 0
+    live_allocated: int = 0
+    peak_requested: int = 0
+    peak_allocated: int = 0
+    peak_event: int = -1  # index into the event log where peak_allocated was reached
+    peak_phase: str = ""
+
+
+@dataclass
+class Event:
+    """One allocation (+) or free (-) on a device."""
+
+    device: int
+    serial: int
+    requested: int  # signed
+    allocated: int  # signed, rounded
+
+
+@dataclass
+class PhaseMark:
+    event_index: int  # events before this index happened before the phase began
+    name: str
+
+
+@dataclass
+class _State:
+    category: str = "activations"
+    device: int = HOST
+    forced: int | None = None  # place every new storage here (copies between devices)
+    allow_cross: bool = False
+    phase: str = ""
+
+
+@dataclass
+class Snapshot:
+    """Bytes per category live on one device at one event index."""
+
+    allocated_bytes: int
+    requested_bytes: int
+    by_category: dict[str, int] = field(default_factory=dict)
+
+
+class VirtualDevices(TorchDispatchMode):
+    """Count live bytes per virtual device for everything run under it.
+
+    ``base`` is the real device the tensors live on: ``"meta"`` (memory only) or ``"cpu"``.
+    """
+
+    def __init__(self, num_devices: int, base: str = "meta") -> None:
+        super().__init__()
+        if num_devices < 1:
+            raise ValueError("num_devices must be at least 1")
+        self.num_devices = num_devices
+        self.base = torch.device(base)
+        self.counters = [DeviceCounters() for _ in range(num_devices)]
+        self.events: list[Event] = []
+        self.phases: list[PhaseMark] = []
+        self._labels: dict[int, str] = {}  # serial -> category (the latest label wins)
+        self._storages: dict[int, _Storage] = {}  # id(storage object) -> record
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._serial = 0
+        self._state = _State()
+        self._lock = threading.RLock()
+        self._measuring_since = 0
+        self.host_requested = 0
+
+    # ---- contexts ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _set(self, **changes: Any) -> Iterator[None]:
+        old = {k: getattr(self._state, k) for k in changes}
+        for k, v in changes.items():
+            setattr(self._state, k, v)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                setattr(self._state, k, v)
+
+    def device(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """Factory ops (no tensor inputs) place their storage on ``index``."""
+        self._check_index(index)
+        return self._set(device=index)
+
+    def category(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """New storages are filed under ``name`` until the context ends."""
+        return self._set(category=name)
+
+    def placing_on(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """Every new storage goes to ``index``, whatever the inputs (a copy's target)."""
+        self._check_index(index)
+        return self._set(forced=index, allow_cross=True)
+
+    def cross_device(self) -> contextlib.AbstractContextManager[None]:
+        """Allow ops that read several devices (a reduction written by a collective)."""
+        return self._set(allow_cross=True)
+
+    @contextlib.contextmanager
+    def phase(
+        self, name: str, category: str | None = None, device: int | None = None
+    ) -> Iterator[None]:
+        """Mark a phase of the step (shown on timelines); optionally its default category
+        and current device."""
+        self.phases.append(PhaseMark(len(self.events), name))
+        changes: dict[str, Any] = {"phase": name}
+        if category is not None:
+            changes["category"] = category
+        if device is not None:
+            self._check_index(device)
+            changes["device"] = device
+        with self._set(**changes):
+            yield
+
+    def _set_category(self, name: str) -> None:
+        """Switch the category without a context (autograd hooks switch it back)."""
+        self._state.category = name
+
+    @property
+    def current_device(self) -> int:
+        return self._state.device
+
+    @property
+    def current_phase(self) -> str:
+        return self._state.phase
+
+    def _check_index(self, index: int) -> None:
+        if index != HOST and not 0 <= index < self.num_devices:
+            raise VirtualDeviceError(
+                f"virtual device {index} does not exist (have {self.num_devices})"
+            )
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def device_of(self, t: torch.Tensor) -> int:
+        """The virtual device of ``t``'s storage (HOST for storages made outside the mode)."""
+        rec = self._storages.get(id(t.untyped_storage()))
+        return HOST if rec is None else rec.device
+
+    def label(self, tensors: Any, category: str) -> None:
+        """File the storages of ``tensors`` (a tensor or an iterable) under ``category``."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        for t in tensors:
+            if t is None:
+                continue
+            rec = self._storages.get(id(t.untyped_storage()))
+            if rec is not None:
+                self._labels[rec.serial] = category
+
+    def live_bytes(self, index: int) -> int:
+        return self.counters[index].live_allocated
+
+    def reset_peaks(self) -> None:
+        """Start a measurement: peaks restart from what is resident now."""
+        with self._lock:
+            self._measuring_since = len(self.events)
+            for c in self.counters:
+                c.peak_allocated = c.live_allocated
+                c.peak_requested = c.live_requested
+                c.peak_event = len(self.events)
+                c.peak_phase = self._state.phase
+
+    def snapshot(self, index: int, event_index: int) -> Snapshot:
+        """Bytes per (final) category live on device ``index`` before ``event_index``."""
+        live: dict[int, tuple[int, int]] = {}
+        for ev in self.events[:event_index]:
+            if ev.device != index:
+                continue
+            if ev.allocated > 0 or ev.requested > 0:
+                live[ev.serial] = (ev.allocated, ev.requested)
+            else:
+                live.pop(ev.serial, None)
+        by_cat: dict[str, int] = {}
+        alloc = req = 0
+        for serial, (a, r) in live.items():
+            cat = self._labels.get(serial, "other")
+            by_cat[cat] = by_cat.get(cat, 0) + a
+            alloc += a
+            req += r
+        return Snapshot(alloc, req, by_cat)
+
+    def peak_snapshot(self, index: int) -> Snapshot:
+        return self.snapshot(index, self.counters[index].peak_event)
+
+    def timeline(self, index: int, start: int = 0) -> list[tuple[int, int]]:
+        """(event index, live allocated bytes) after every event on device ``index``."""
+        base = self.snapshot(index, start).allocated_bytes if start else 0
+        out = [(start, base)]
+        live = base
+        for i in range(start, len(self.events)):
+            ev = self.events[i]
+            if ev.device == index:
+                live += ev.allocated
+                out.append((i + 1, live))
+        return out
+
+    # ---- tracking ---------------------------------------------------------------------
+
+    def _track(self, st: Any, device: int) -> None:
+        requested = int(st.nbytes())
+        self._serial += 1
+        rec = _Storage(self._serial, device, requested, round_size(requested))
+        key = id(st)
+        self._storages[key] = rec
+        self._labels[rec.serial] = self._state.category
+        self._refs[key] = weakref.ref(st, lambda _r, key=key: self._on_free(key))
+        if device == HOST:
+            self.host_requested += requested
+            return
+        self._account(rec, +1)
+
+    def _account(self, rec: _Storage, sign: int) -> None:
+        c = self.counters[rec.device]
+        with self._lock:
+            self.events.append(Event(rec.device, rec.serial, sign * rec.requested,
+                                     sign * rec.rounded))
+            c.live_requested += sign * rec.requested
+            c.live_allocated += sign * rec.rounded
+            if c.live_allocated > c.peak_allocated:
+                c.peak_allocated = c.live_allocated
+                c.peak_event = len(self.events)
+                c.peak_phase = self._state.phase
+            if c.live_requested > c.peak_requested:
+                c.peak_requested = c.live_requested
+
+    def _on_free(self, key: int) -> None:
+        rec = self._storages.pop(key, None)
+        self._refs.pop(key, None)
+        if rec is None:
+            return
+        if rec.device == HOST:
+            self.host_requested -= rec.requested
+            return
+        self._account(rec, -1)
+
+    def _resized(self, st: Any, rec: _Storage) -> None:
+        """A storage that grew or shrank in place (``resize_``, ``out=`` variants)."""
+        if rec.device != HOST:
+            self._account(rec, -1)
+        rec.requested = int(st.nbytes())
+        rec.rounded = round_size(rec.requested)
+        if rec.device != HOST:
+            self._account(rec, +1)
+
+    # ---- dispatch ---------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.base.type == "meta" and kwargs.get("device") is not None:
+            # Factories and conversions: the bytes live on meta; the place is virtual.
+            kwargs = {**kwargs, "device": self.base}
+        devices: set[int] = set()
+        saw_host = False
+        for a in _tensor_args(args, kwargs):
+            rec = self._storages.get(id(a.untyped_storage()))
+            if rec is None:
+                continue
+            if rec.device == HOST:
+                saw_host = True
+            else:
+                devices.add(rec.device)
+        if len(devices) > 1 and not self._state.allow_cross and func not in _CROSS_DEVICE_OK:
+            a, b = sorted(devices)[:2]
+            raise VirtualDeviceError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, cuda:{a} and cuda:{b}! (while running {func})"
+            )
+        out = func(*args, **kwargs)
+        if self._state.forced is not None:
+            target = self._state.forced
+        elif devices:
+            target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
+        elif saw_host:
+            target = HOST
+        else:
+            target = self._state.device  # a factory: the current device
+        for t in _tensor_outputs(out):
+            st = t.untyped_storage()
+            rec = self._storages.get(id(st))
+            if rec is None:
+                self._track(st, target)
+            elif rec.requested != st.nbytes():
+                self._resized(st, rec)
+        return out
+
+
+def _tensor_args(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def _tensor_outputs(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                yield o
+
+
+# ---- crossings ---------------------------------------------------------------------------
+
+
+class _ToDevice(torch.autograd.Function):
+    """``tensor.to(cuda:k)``: forward copies to ``k``, backward copies the gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, rt: VirtualDevices, t: torch.Tensor, index: int) -> torch.Tensor:
+        ctx.rt = rt
+        ctx.source = rt.device_of(t)
+        return copy_to(rt, t, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, None]:
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        return None, copy_to(ctx.rt, grad, ctx.source), None
+
+
+def copy_to(rt: VirtualDevices, t: torch.Tensor, index: int) -> torch.Tensor:
+    """A new tensor on ``index`` with ``t``'s contents (``_to_copy``, preserve format)."""
+    with rt.placing_on(index):
+        return t.clone(memory_format=torch.preserve_format)
+
+
+def to_device(rt: VirtualDevices, t: torch.Tensor, index: int) -> torch.Tensor:
+    """The emulated ``t.to(f"cuda:{index}")``: no copy when already there (as torch)."""
+    if rt.device_of(t) == index:
+        return t
+    if t.requires_grad:
+        return _ToDevice.apply(rt, t, index)
+    return copy_to(rt, t, index)

@@ -1,0 +1,48 @@
+"""Terminal: a rich table (one row per scenario, one column per GPU) and the verdict."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from dpprof.result import STATUS_OK, STATUS_OOM, RunResult
+from dpprof.units import fmt_bytes
+
+
+def render(run: RunResult) -> Group:
+    title = (
+        f"{run.workload} · batch {run.batch} · {run.gpus} GPUs of "
+        f"{fmt_bytes(run.gpu_memory_bytes)} · {run.backend}"
+    )
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table.add_column("scenario", no_wrap=True)
+    for i in range(run.gpus):
+        table.add_column(f"cuda:{i}", justify="right", no_wrap=True)
+    table.add_column("cuda:0 excess", justify="right", no_wrap=True)
+    table.add_column("max/mean", justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    for s in run.scenarios:
+        cells: list[Text | str] = [s.name]
+        for i in range(run.gpus):
+            d = s.device(i)
+            if d is None or not d.used or s.status not in (STATUS_OK, STATUS_OOM):
+                cells.append(Text("-", style="dim"))
+                continue
+            over = d.peak_allocated_bytes > d.capacity_bytes > 0
+            cells.append(Text(fmt_bytes(d.peak_allocated_bytes), style="bold red" if over else ""))
+        c = run.comparison.scenarios.get(s.name)
+        cells.append(fmt_bytes(c.primary_excess_bytes, signed=True) if c else "-")
+        cells.append(f"{c.imbalance:.2f}" if c else "-")
+        status = {STATUS_OK: Text("ok", style="green"), STATUS_OOM: Text("OOM", style="bold red")}
+        cells.append(status.get(s.status, Text(s.status, style="red")))
+        table.add_row(*cells)
+    parts: list[Table | Text] = [table, Text(run.comparison.verdict, style="bold")]
+    for s in run.scenarios:
+        if s.message and s.status != STATUS_OK:
+            parts.append(Text(f"{s.name}: {s.message}", style="red"))
+        for note in s.notes:
+            if "Traceback" not in note:
+                parts.append(Text(f"{s.name}: {note}", style="dim"))
+    return Group(*parts)

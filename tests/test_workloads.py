@@ -1,0 +1,64 @@
+"""Built-in workloads run under every scenario; users' own load from a module or a file."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.errors import WorkloadError
+from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.workloads import BUILTINS, Workload, load_workload
+
+USER = '''
+import torch
+from torch import nn
+import dpprof
+
+def workload():
+    return dpprof.Workload(
+        name="user-mlp",
+        model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+        batch=lambda rows, device: (torch.randn(rows, 16, device=device),
+                                    torch.randint(0, 4, (rows,), device=device)),
+        loss=nn.functional.cross_entropy,
+    )
+'''
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_builtins_run_under_every_scenario(name: str, scenario: str) -> None:
+    r = run_scenario(scenario, load_workload(name),
+                     EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=2**40, debug=True))
+    assert r.status == "ok", r.message + "".join(r.notes)
+    assert r.devices[0].peak_allocated_bytes > 0
+    assert "parameters" in r.devices[0].breakdown_bytes
+
+
+def test_load_from_a_file_and_a_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "my_workload.py"
+    f.write_text(USER)
+    wl = load_workload(f"{f}:workload")
+    assert isinstance(wl, Workload) and wl.name == "user-mlp"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wl2 = load_workload("my_workload:workload")
+    assert wl2.name == "user-mlp"
+    r = run_scenario("dp-loss-primary", wl2, EmulationConfig(batch=8, gpus=2,
+                                                             gpu_memory_bytes=2**30))
+    assert r.status == "ok"
+    sys.modules.pop("my_workload", None)
+
+
+def test_unknown_builtin_lists_the_known_ones() -> None:
+    with pytest.raises(WorkloadError, match="built-ins are lm, mlp, convnet, classifier"):
+        load_workload("resnet")
+
+
+def test_a_failing_model_is_an_error_result_not_a_crash() -> None:
+    def boom():
+        raise RuntimeError("CUDA kernel missing")
+
+    wl = Workload(name="boom", model=boom, batch=lambda r, d: (None, None), loss=lambda o, t: o)
+    r = run_scenario("single", wl, EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=2**30))
+    assert r.status == "error" and "CUDA kernel missing" in r.message
