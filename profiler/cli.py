@@ -38,7 +38,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
 )
 err = Console(stderr=True, highlight=False)
 # Piped output gets room for a table of 8 GPUs instead of rich's 80 columns.
