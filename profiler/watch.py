@@ -121,7 +121,7 @@ REPORT_POINTS = 4000  # timeline points per GPU in a report (the samples file ke
 OOM_WINDOW_S = 1.0  # "peak before the OOM": the readings in this window before the message
 SI_KERNEL = 0x80  # siginfo si_code of a signal sent by the kernel (the terminal driver)
 WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-_RUNG = {signal.SIGINT: 0, signal.SIGHUP: 0, signal.SIGTERM: 1, signal.SIGQUIT: 1}
+_RUNG: dict[int, int] = {signal.SIGINT: 0, signal.SIGHUP: 0, signal.SIGTERM: 1, signal.SIGQUIT: 1}
 _LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 _LINE_END = re.compile(rb"[\r\n]")
 
@@ -609,7 +609,7 @@ class Watcher:
         self.sampler.sample_once()  # the baseline, before the command starts
 
         previous = {s: signal.signal(s, self._early_handler) for s in WATCHED_SIGNALS}
-        mask: set[signal.Signals] | None = None
+        mask: set[int] | None = None
         threads: list[threading.Thread] = []
         try:
             self.proc = self._spawn()
@@ -793,12 +793,12 @@ def build_run(
         if oom.t_s is None:
             continue
         for nvml_index, points in series.items():
-            key = f"cuda:{cuda_of[nvml_index]}"
+            label = f"cuda:{cuda_of[nvml_index]}"
             prior = [p for p in points if p[0] <= oom.t_s]
             if prior:
-                oom.used_at_oom_bytes[key] = prior[-1][1]
+                oom.used_at_oom_bytes[label] = prior[-1][1]
                 window = [p[1] for p in prior if p[0] >= oom.t_s - OOM_WINDOW_S]
-                oom.peak_before_oom_bytes[key] = max(window or [prior[-1][1]])
+                oom.peak_before_oom_bytes[label] = max(window or [prior[-1][1]])
 
     command = [str(c) for c in header.get("command", [])]
     rc = end.get("returncode") if end else None
