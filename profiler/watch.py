@@ -645,6 +645,8 @@ class Watcher:
             for s, h in previous.items():
                 signal.signal(s, h)
             self.writer.close()
+        if self.sampler.thread_error:
+            self.notes.append(f"the sampler stopped: {self.sampler.thread_error}")
         if self.sampler.sink_error:
             self.notes.append(f"samples file: {self.sampler.sink_error}")
         if self.writer.error:
@@ -800,6 +802,9 @@ def build_run(
                 window = [p[1] for p in prior if p[0] >= oom.t_s - OOM_WINDOW_S]
                 oom.peak_before_oom_bytes[label] = max(window or [prior[-1][1]])
 
+    for d in devices:
+        if d.stopped_reason:
+            notes.append(f"cuda:{d.cuda_index}: NVML sampling stopped early: {d.stopped_reason}")
     command = [str(c) for c in header.get("command", [])]
     rc = end.get("returncode") if end else None
     watch = WatchResult(

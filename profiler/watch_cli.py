@@ -186,6 +186,9 @@ def watch_cmd(
                 markup=False, soft_wrap=True,
             )
         outcome = Watcher(cfg, nvml, devices, notes=notes).run()
+    except KeyboardInterrupt:  # before the command started
+        err.print("dpprof: interrupted")
+        raise typer.Exit(code=130) from None
     except SpawnError as e:
         err.print(f"dpprof: {e}", markup=False, soft_wrap=True)
         raise typer.Exit(code=e.exit_code) from None

@@ -520,3 +520,35 @@ with open({str(log)!r}) as f:
     assert run.watch is not None
     [sig] = run.watch.signals
     assert sig["from_terminal"] is True and sig["action"].startswith("not forwarded")
+
+
+def test_closed_output_reaches_the_command_as_sigpipe(tmp_path: Path) -> None:
+    """`dpprof watch -- yes | head -1`: when dpprof's stdout is gone, the command gets
+    SIGPIPE on its next write, as it would writing there itself."""
+    nvml = watch_fakes.two_gpus()
+    devices, _ = select_devices(nvml, None, env={})
+    r, w = os.pipe()
+    os.close(r)  # the reader (head) has exited
+    err_fd = os.open(tmp_path / "err.bin", os.O_WRONLY | os.O_CREAT)
+    cfg = WatchConfig(["yes"], tmp_path / "y.samples.jsonl", interval_s=0.02)
+    try:
+        t0 = time.monotonic()
+        outcome = Watcher(cfg, nvml, devices, stdout_fd=w, stderr_fd=err_fd).run()
+    finally:
+        os.close(w)
+        os.close(err_fd)
+    assert outcome.exit_status == 128 + signal.SIGPIPE
+    assert time.monotonic() - t0 < 10
+
+
+def test_cli_load_turns_a_samples_file_into_reports(tmp_path: Path) -> None:
+    samples = tmp_path / "old.samples.jsonl"
+    recs = [*_records(), {"kind": "exit", "t_s": 1.0, "returncode": 0, "exit_status": 0}]
+    samples.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "again.json"
+    result = CliRunner().invoke(app, ["watch", "--load", str(samples), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    run = RunResult.from_dict(json.loads(out.read_text()))
+    assert run.watch is not None and run.watch.devices[0].peak_used_bytes == 55 * GIB
+    bad = CliRunner().invoke(app, ["watch", "--load", str(tmp_path / "missing.jsonl")])
+    assert bad.exit_code == 1 and "missing.jsonl" in bad.output
