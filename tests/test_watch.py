@@ -552,3 +552,32 @@ def test_cli_load_turns_a_samples_file_into_reports(tmp_path: Path) -> None:
     assert run.watch is not None and run.watch.devices[0].peak_used_bytes == 55 * GIB
     bad = CliRunner().invoke(app, ["watch", "--load", str(tmp_path / "missing.jsonl")])
     assert bad.exit_code == 1 and "missing.jsonl" in bad.output
+
+
+def test_stdout_and_stderr_to_one_pipe_keep_their_order(tmp_path: Path) -> None:
+    """`dpprof watch -- cmd 2>&1 | less`: one pipe for both streams, order kept exactly."""
+    script = """
+import sys
+for i in range(300):
+    sys.stdout.write(f"o{i} "); sys.stdout.flush()
+    sys.stderr.write(f"e{i} "); sys.stderr.flush()
+"""
+    nvml = watch_fakes.two_gpus()
+    devices, _ = select_devices(nvml, None, env={})
+    r, w = os.pipe()
+    cfg = WatchConfig([PY, "-c", script], tmp_path / "o.samples.jsonl", interval_s=0.05)
+    try:
+        outcome = Watcher(cfg, nvml, devices, stdout_fd=w, stderr_fd=w).run()
+    finally:
+        os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    assert outcome.exit_status == 0
+    assert data.decode() == "".join(f"o{i} e{i} " for i in range(300))
+
+
+def test_a_gpu_lost_mid_run_is_noted() -> None:
+    recs = [*_records(), {"kind": "stopped", "t_s": 0.95, "device": 0, "reason": "GPU is lost"}]
+    run = build_run(recs)
+    assert run.watch is not None and run.watch.devices[1].stopped_reason == "GPU is lost"
+    assert "cuda:1: NVML sampling stopped early: GPU is lost" in run.notes
