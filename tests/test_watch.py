@@ -581,3 +581,35 @@ def test_a_gpu_lost_mid_run_is_noted() -> None:
     run = build_run(recs)
     assert run.watch is not None and run.watch.devices[1].stopped_reason == "GPU is lost"
     assert "cuda:1: NVML sampling stopped early: GPU is lost" in run.notes
+
+
+def _scan_chunks(chunks: list[bytes]) -> list:
+    from dpprof.watch import OutputScanner
+
+    found: list = []
+    scanner = OutputScanner("stderr", found.append)
+    for chunk in chunks:
+        scanner.feed(chunk)
+    scanner.close()
+    return found
+
+
+def test_scanner_finds_a_message_split_anywhere() -> None:
+    text = (b"x" * 100 + b"\nstep 3\r" + b"Traceback\n" + OOM_MESSAGE.encode() + b"\nbye\n")
+    for cut in range(1, len(text), 7):
+        for cut2 in (cut + 1, cut + 50, len(text)):
+            found = _scan_chunks([text[:cut], text[cut:cut2], text[cut2:]])
+            assert len(found) == 1, (cut, cut2)
+            assert found[0].requested_bytes == 2 * GIB
+    # without a final newline, at the end of the stream
+    assert len(_scan_chunks([OOM_MESSAGE.encode()[:50], OOM_MESSAGE.encode()[50:]])) == 1
+
+
+def test_scanner_is_bounded_and_ignores_ordinary_output() -> None:
+    from dpprof.watch import LINE_LIMIT
+
+    huge = b"y" * (5 * LINE_LIMIT)  # one endless line, then the OOM on the next one
+    found = _scan_chunks([huge[i : i + 4096] for i in range(0, len(huge), 4096)]
+                         + [b"\n" + OOM_MESSAGE.encode() + b"\n"])
+    assert len(found) == 1
+    assert _scan_chunks([b"loss 0.1 memory 3 GiB\n" * 1000, b"\r100%|####|\r"]) == []
