@@ -4,9 +4,9 @@
 
 Prints, and appends to ``benchmarks/watch_overhead.txt``: the time for a child to write
 256 MiB to stdout directly (to /dev/null) and through the watcher; the time of one
-``ProcessTree.pids()`` (the /proc scan done at every reading); and one ``sample_once`` of
-two fake GPUs with per-process memory. A fake NVML stands in for the driver here, so the
-NVML calls themselves are not in the tick time.
+``ProcessTree`` /proc scan (done every 0.5 s during a watch); and one ``sample_once`` of
+two fake GPUs with per-process memory and a fresh scan. A fake NVML stands in for the
+driver here, so the NVML calls themselves are not in the tick time.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def main() -> None:
         f"Python {sys.version.split()[0]}",
         f"256 MiB to stdout: direct {direct:.2f} s, through dpprof watch {watched:.2f} s "
         f"({256 / watched:.0f} MiB/s; includes the watcher's start and its report build)",
-        f"ProcessTree.pids() with {procs} processes in /proc: {scan_ms:.2f} ms",
-        f"one sampling tick, 2 fake GPUs with per-process memory: {tick_ms:.2f} ms",
+        f"one /proc scan of the process tree, {procs} processes: {scan_ms:.2f} ms",
+        f"one sampling tick, 2 fake GPUs, per-process memory, fresh scan: {tick_ms:.2f} ms",
     ]
     text = "\n".join(lines)
     print(text)

@@ -34,7 +34,7 @@ Every GPU the command can see (``CUDA_VISIBLE_DEVICES`` resolved by UUID with
 :mod:`dpprof.devices`, never by initialising CUDA in dpprof), or the CUDA indices of
 ``--gpus``: NVML's used memory of the whole device every ``interval_s``, one reading before
 the command starts (the baseline), and the memory of the command's own processes (the child
-and its descendants, found in ``/proc`` at every reading) from
+and its descendants, read from ``/proc`` every 0.5 s) from
 ``nvmlDeviceGetComputeRunningProcesses``.
 
 The samples file
@@ -117,6 +117,7 @@ DEFAULT_KILL_AFTER_S = 10.0
 LINE_LIMIT = 64 * 1024  # bytes of one output line kept for the OOM scan
 FSYNC_EVERY_S = 1.0
 TEE_JOIN_S = 5.0  # how long to wait for the output pipes after the command ended
+PROCESS_SCAN_S = 0.5  # how often the command's process tree is read from /proc
 REPORT_POINTS = 4000  # timeline points per GPU in a report (the samples file keeps all)
 OOM_WINDOW_S = 1.0  # "peak before the OOM": the readings in this window before the message
 SI_KERNEL = 0x80  # siginfo si_code of a signal sent by the kernel (the terminal driver)
@@ -148,12 +149,24 @@ class ProcessTree:
     reused PID is not mistaken for it.
     """
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, refresh_s: float = 0.0) -> None:
         self.root = root
+        self.refresh_s = refresh_s
         self._known: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._cached: set[int] | None = None
+        self._scanned_at = 0.0
 
     def pids(self) -> set[int]:
+        """The command's live processes; /proc is read again at most every ``refresh_s``."""
+        now = time.monotonic()
+        if self._cached is not None and now - self._scanned_at < self.refresh_s:
+            return set(self._cached)
+        found = self._scan()
+        self._cached, self._scanned_at = found, now
+        return set(found)
+
+    def _scan(self) -> set[int]:
         children: dict[int, list[int]] = {}
         starts: dict[int, int] = {}
         try:
@@ -473,6 +486,7 @@ class WatchConfig:
     interval_s: float = DEFAULT_INTERVAL_S
     kill_after_s: float = DEFAULT_KILL_AFTER_S
     gpus: str | None = None
+    process_scan_s: float = PROCESS_SCAN_S  # a process younger than this may be missed
 
 
 @dataclass
@@ -638,7 +652,7 @@ class Watcher:
         try:
             self.proc = self._spawn()
             self._record({"kind": "spawn", "t_s": round(self._now(), 6), "pid": self.proc.pid})
-            self.tree = ProcessTree(self.proc.pid)
+            self.tree = ProcessTree(self.proc.pid, refresh_s=self.cfg.process_scan_s)
             # Block the watched signals only now: a child would inherit a blocked mask.
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED_SIGNALS)
             self.sampler.start()  # threads started from here on inherit the mask

@@ -93,7 +93,7 @@ def run_watch(
         in_fd = os.open(tmp_path / "in.bin", os.O_RDONLY)
     cfg = WatchConfig(
         command=[PY, "-c", script], samples_path=tmp_path / "run.samples.jsonl",
-        interval_s=interval_s, kill_after_s=kill_after_s,
+        interval_s=interval_s, kill_after_s=kill_after_s, process_scan_s=0.05,
     )
     watcher = Watcher(
         cfg, nvml, devices, stdin_fd=in_fd, stdout_fd=out_fd, stderr_fd=err_fd,
