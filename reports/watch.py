@@ -55,11 +55,14 @@ def render_terminal(run: RunResult) -> Group:
     w = run.watch
     assert w is not None
     title = f"{run.workload} · {len(w.devices)} GPUs · every {w.interval_s:g} s · {run.backend}"
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    # Text, not str: a command such as `train.py --ids [1,2]` is shown, not read as markup.
+    table = Table(
+        title=Text(title), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD
+    )
     for i, name in enumerate(_HEAD):
         table.add_column(name, justify="left" if i < 2 else "right", no_wrap=True)
     for row in _rows(w):
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))
     parts: list[Any] = [table, Text(run.comparison.verdict, style="bold")]
     if w.post_mortem:
         parts.append(Text("Post-mortem", style="bold red"))

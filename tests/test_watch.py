@@ -402,9 +402,11 @@ def test_terminal_rendering_of_a_watch() -> None:
     from rich.console import Console
 
     console = Console(width=160, record=True)
+    recs[0]["command"] = ["python", "train.py", "--ids", "[bold]x[/bold]"]
     console.print(terminal.render(build_run(recs)))
     text = console.export_text()
     assert "cuda:0" in text and "55.0 GiB" in text and "exited with status 0" in text
+    assert "[bold]x[/bold]" in text  # the command as typed, not rich markup
 
 
 # --------------------------------------------------------------------------- the CLI
