@@ -615,3 +615,19 @@ def test_scanner_is_bounded_and_ignores_ordinary_output() -> None:
                          + [b"\n" + OOM_MESSAGE.encode() + b"\n"])
     assert len(found) == 1
     assert _scan_chunks([b"loss 0.1 memory 3 GiB\n" * 1000, b"\r100%|####|\r"]) == []
+
+
+@pytest.mark.slow  # imports torch in the child: 3-8 s
+def test_a_real_torch_out_of_memory_error(tmp_path: Path) -> None:
+    """torch's own exception class, raised and printed by Python, with the allocator's text."""
+    message = OOM_MESSAGE.split(": ", 1)[1]
+    script = f"import torch, time\ntime.sleep(0.3)\nraise torch.OutOfMemoryError({message!r})\n"
+    outcome, _, err = run_watch(tmp_path, script)
+    assert outcome.exit_status == 1
+    assert err.decode().endswith(OOM_MESSAGE + "\n")
+    w = outcome.run.watch if outcome.run else None
+    assert w is not None
+    [oom] = w.ooms
+    assert oom.exception == "torch.OutOfMemoryError"
+    assert (oom.cuda_index, oom.requested_bytes) == (0, 2 * GIB)
+    assert w.post_mortem and w.post_mortem[0].startswith("PyTorch ran out of memory on cuda:0")
