@@ -1044,13 +1044,20 @@ def post_mortem(w: WatchResult) -> tuple[list[str], list[str]]:
         median = statistics.median(others)
         excess = at[key] - median
         total = dev.total_bytes if dev and dev.total_bytes else max(at.values())
-        if excess > 0.1 * total:
+        primary = min(d.cuda_index for d in w.devices)
+        if excess > 0.1 * total and oom.cuda_index == primary:
             unbalanced = True
             lines.append(
                 f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs: "
-                "the load was unbalanced. Under nn.DataParallel the primary GPU also holds "
-                "the gathered outputs of the whole batch, the loss and its gradient, and "
-                "the replicated parameters' sources."
+                "the load was unbalanced. Under nn.DataParallel the first GPU also holds the "
+                "outputs gathered from the whole batch, the loss and its gradient, the "
+                "gradients reduced from every replica and the optimizer state."
+            )
+        elif excess > 0.1 * total:
+            lines.append(
+                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs, but "
+                f"it is not the first GPU (cuda:{primary}), where nn.DataParallel puts its "
+                "extra load: look for tensors or a model part placed on it explicitly."
             )
         else:
             lines.append(

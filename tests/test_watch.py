@@ -631,3 +631,22 @@ def test_a_real_torch_out_of_memory_error(tmp_path: Path) -> None:
     assert oom.exception == "torch.OutOfMemoryError"
     assert (oom.cuda_index, oom.requested_bytes) == (0, 2 * GIB)
     assert w.post_mortem and w.post_mortem[0].startswith("PyTorch ran out of memory on cuda:0")
+
+
+def test_an_oom_on_a_heavy_non_primary_gpu_is_not_blamed_on_dataparallel() -> None:
+    recs = _records()
+    # cuda:1 (NVML 0) made the heaviest by far
+    recs = [
+        {**r, "used_bytes": 70 * GIB} if r.get("kind") == "sample" and r["device"] == 0 else r
+        for r in recs
+    ]
+    recs.append({
+        "kind": "oom", "t_s": 0.95, "stream": "stderr", "text": OOM_MESSAGE,
+        "format": "caching-allocator", "cuda_index": 1, "requested_bytes": GIB,
+        "total_bytes": 80 * GIB, "free_bytes": GIB,
+    })
+    w = build_run(recs).watch
+    assert w is not None
+    text = " ".join(w.post_mortem)
+    assert "it is not the first GPU (cuda:0)" in text
+    assert not any("ModelWithLoss" in s for s in w.next_steps)
