@@ -273,7 +273,12 @@ def report_cmd(
     from dpprof.reports import terminal
 
     try:
-        run = load(result)
+        if result.suffix == ".jsonl":  # a `dpprof watch` samples file, maybe cut short
+            from dpprof.watch import load_run
+
+            run = load_run(result)
+        else:
+            run = load(result)
         if not output:
             out.print(terminal.render(run))
             return
@@ -282,6 +287,11 @@ def report_cmd(
         raise _fail(DpprofError(str(e)), debug) from None
     except DpprofError as e:
         raise _fail(e, debug) from None
+
+
+from dpprof.watch_cli import register as _register_watch  # noqa: E402
+
+_register_watch(app)
 
 
 def main() -> None:

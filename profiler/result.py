@@ -127,6 +127,7 @@ class RunResult:
     environment: dict[str, Any] = field(default_factory=dict)
     assumptions: list[str] = field(default_factory=list)  # how the numbers were obtained
     notes: list[str] = field(default_factory=list)
+    watch: WatchResult | None = None  # `dpprof watch -- CMD` runs only (backend "nvml-watch")
 
     def scenario(self, name: str) -> ScenarioResult | None:
         for s in self.scenarios:
@@ -145,6 +146,65 @@ class RunResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
         return _from_dict(cls, data)
+
+
+@dataclass
+class WatchDevice:
+    """One GPU watched by ``dpprof watch``: NVML's used memory of the whole device."""
+
+    cuda_index: int  # as the command saw it (through CUDA_VISIBLE_DEVICES)
+    nvml_index: int
+    uuid: str | None = None
+    name: str | None = None
+    total_bytes: int | None = None
+    peak_used_bytes: int | None = None  # highest NVML reading (a lower bound of the true peak)
+    peak_t_s: float | None = None  # seconds since dpprof started watching
+    baseline_used_bytes: int | None = None  # first reading, before the command started
+    command_peak_bytes: int | None = None  # the command's own processes, summed per reading
+    samples: int = 0
+    stopped_reason: str | None = None  # why sampling of this GPU ended early
+
+
+@dataclass
+class WatchOom:
+    """A CUDA out-of-memory error found in the command's output."""
+
+    t_s: float | None  # when dpprof read the line (seconds since watching began)
+    stream: str  # "stdout" | "stderr"
+    text: str  # the message as printed (truncated to 1000 characters)
+    format: str  # "caching-allocator" (PyTorch >= 2.1), "caching-allocator-1.x", "cuda-error"
+    cuda_index: int | None = None  # "GPU N" of the message: a CUDA index of the command
+    requested_bytes: int | None = None  # "Tried to allocate" (rounded as PyTorch prints it)
+    total_bytes: int | None = None  # "total capacity"
+    free_bytes: int | None = None  # "of which ... is free" / "... free"
+    allocated_by_pytorch_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    exception: str | None = None  # e.g. torch.OutOfMemoryError
+    # per watched GPU ("cuda:N"): the last NVML reading at or before t_s, and the highest in
+    # the second before it
+    used_at_oom_bytes: dict[str, int] = field(default_factory=dict)
+    peak_before_oom_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class WatchResult:
+    """What ``dpprof watch -- CMD`` saw: the command, how it ended, each GPU, any OOM."""
+
+    command: list[str]
+    pid: int | None = None
+    returncode: int | None = None  # Popen's: negative for a signal; None: end not recorded
+    exit_status: int | None = None  # what a shell reports: returncode, or 128 + signal
+    signal: str | None = None  # the signal that ended the command, e.g. "SIGKILL"
+    complete: bool = True  # False: the samples file ends before the command did
+    started: str = ""  # ISO 8601, UTC
+    duration_s: float | None = None  # of the watch, from the first reading to the last record
+    interval_s: float = 0.0
+    samples_path: str = ""
+    devices: list[WatchDevice] = field(default_factory=list)
+    ooms: list[WatchOom] = field(default_factory=list)
+    signals: list[dict[str, Any]] = field(default_factory=list)  # what dpprof received/sent
+    post_mortem: list[str] = field(default_factory=list)  # sentences, for every renderer
+    next_steps: list[str] = field(default_factory=list)  # dpprof checks to run next
 
 
 class ResultFileError(Exception):
@@ -180,6 +240,11 @@ _NESTED: dict[tuple[str, str], tuple[str, Any]] = {
     ("ScenarioResult", "devices"): ("list", DeviceResult),
     ("DeviceResult", "timeline"): ("list", TimelinePoint),
 }
+
+
+_NESTED[("RunResult", "watch")] = ("one", WatchResult)
+_NESTED[("WatchResult", "devices")] = ("list", WatchDevice)
+_NESTED[("WatchResult", "ooms")] = ("list", WatchOom)
 
 
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:

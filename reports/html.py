@@ -209,6 +209,14 @@ def render(run: RunResult) -> str:
         fig = _timeline_figure(run, name)
         if fig is not None:
             figures.append((f"timeline-{name}", f"Memory over the step: {name}", fig))
+    watch_html = ""
+    if run.watch is not None:  # `dpprof watch -- CMD` (reports/watch.py)
+        from dpprof.reports import watch as watch_report
+
+        watch_html = watch_report.html_section(run)
+        fig = watch_report.timeline_figure(run)
+        if fig is not None:
+            figures.append(("timeline-watch", "Memory over the run", fig))
     sections = []
     for key, title, _ in figures:
         sections.append(
@@ -238,6 +246,7 @@ def render(run: RunResult) -> str:
 <p class="verdict{verdict_cls}" id="verdict">{_e(run.comparison.verdict)}</p>
 {_table(run)}
 {"<ul>" + problems + "</ul>" if problems else ""}
+{watch_html}
 {"".join(sections)}
 <h2>Notes</h2><ul>{notes or "<li>none</li>"}</ul>
 <h2>How these numbers were obtained</h2>

@@ -12,6 +12,10 @@ from dpprof.units import fmt_bytes
 
 
 def render(run: RunResult) -> Group:
+    if run.watch is not None:  # `dpprof watch -- CMD`: its own view (reports/watch.py)
+        from dpprof.reports.watch import render_terminal
+
+        return render_terminal(run)
     title = (
         f"{run.workload} · batch {run.batch} · {run.gpus} GPUs of "
         f"{fmt_bytes(run.gpu_memory_bytes)} · {run.backend}"
