@@ -138,7 +138,7 @@ def parse_oom_message(message: str) -> OomInfo:
     gpu = _OOM_GPU.search(message)
     nbytes = None
     if size:
-        nbytes = int(round(float(size.group(1)) * _UNITS[size.group(2).lower()]))
+        nbytes = round(float(size.group(1)) * _UNITS[size.group(2).lower()])
     return OomInfo(int(gpu.group(1)) if gpu else None, nbytes)
 
 
@@ -641,8 +641,11 @@ def _fail(out: Measured, exc: BaseException, run: _Run | None, cfg: CudaRunConfi
             out.oom_device = phys.index(info.device) if info.device in phys else None
             if out.oom_device is None:
                 out.notes.append(f"the OOM happened on cuda:{info.device}, outside the run")
-        elif run is not None:
-            out.oom_device = run.logical[0] if len(run.logical) == 1 else None
+        elif run is not None:  # CPU test mode: logical indices stand for the devices
+            if info.device in run.logical:
+                out.oom_device = info.device
+            elif len(run.logical) == 1:
+                out.oom_device = run.logical[0]
         first = out.message.split(". ", 2)
         out.message = "out of memory" + (
             f" on cuda:{info.device}" if info.device is not None else ""

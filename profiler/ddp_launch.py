@@ -150,7 +150,8 @@ def _init(job: DdpJob, info: RankInfo, store: Any) -> Any:
         kwargs.update(store=store, rank=info.rank, world_size=info.world_size)
     else:
         kwargs.update(init_method="env://", rank=info.rank, world_size=info.world_size)
-    if job.device == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+    params = inspect.signature(dist.init_process_group).parameters
+    if job.device == "cuda" and "device_id" in params:
         # binds the NCCL communicator to this rank's GPU (torch >= 2.3): no stray context
         kwargs["device_id"] = torch.device("cuda", local_device(job, info))
     dist.init_process_group(**kwargs)
