@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dpprof.devices import resolve_visible_devices, torch_cuda_uuids
 from dpprof.nvml import NvmlBackend, default_nvml
@@ -250,6 +251,11 @@ class CudaOps(DeviceOps):
     def release(self) -> None:
         gc.collect()
         with contextlib.suppress(Exception):  # a broken context after a fault
+            # cuBLAS workspaces are live allocator blocks, one per (handle, stream): DataParallel's
+            # worker threads leave some behind; they are made again on demand
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             for d in self.devices:
                 with torch.cuda.device(d):
                     torch.cuda.empty_cache()
@@ -774,8 +780,6 @@ def measure_ddp_rank(
     and ``init_process_group``. ``visible``: the CUDA indices to watch for stray contexts of
     this process (default: every visible GPU). Never raises.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     ops = make_ops(ops_kind, [local_device])
     out = Measured(rank=rank)
     pid = os.getpid()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,12 +98,15 @@ def _config(
     )
 
 
-def _job(spec: str, ccfg: CudaRunConfig, opts: CudaOptions) -> DdpJob:
+def _job(spec: str, ccfg: CudaRunConfig, opts: CudaOptions, run_id: str | None = None) -> DdpJob:
     cpu = opts.device_kind == "cpu"
-    return DdpJob(
+    job = DdpJob(
         workload=spec, cfg=ccfg, backend="gloo" if cpu else "nccl",
         device="cpu" if cpu else "cuda", timeout_s=opts.ddp_timeout_s,
     )
+    if run_id is not None:  # torchrun: every rank must use the same store keys
+        job.run_id = run_id
+    return job
 
 
 def _fill(run: RunResult, ccfg: CudaRunConfig, opts: CudaOptions) -> None:
@@ -170,7 +174,8 @@ def torchrun_compare(
     """This rank's part of ``ddp`` under torchrun; the result on rank 0, None elsewhere."""
     devices = list(opts.devices) if opts.devices else []
     ccfg = _config(run.batch, seed, debug, devices, opts)
-    outcomes = rank_entry(_job(spec, ccfg, opts), info)
+    run_id = "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    outcomes = rank_entry(_job(spec, ccfg, opts, run_id), info)
     if outcomes is None:
         return None
     _fill(run, ccfg, opts)
