@@ -717,6 +717,16 @@ def run_local_scenario(
         dev = run.device_result(i, rows_i, i < used) if run else DeviceResult(index=i)
         watch.fill(dev, cfg.devices[i])
         result.devices.append(dev)
+    pid = os.getpid()
+    for cuda, used_bytes in sorted(watch.contexts_of(pid).items()):
+        if cuda not in cfg.devices:  # e.g. --devices 2,3 and something touched cuda:0
+            result.stray_contexts.append(
+                {"rank": None, "pid": pid, "cuda_index": cuda, "used_bytes": used_bytes}
+            )
+            result.notes.append(
+                f"this process (pid {pid}) holds a CUDA context on cuda:{cuda}, outside the "
+                f"chosen GPUs {cfg.devices}"
+            )
     _finish(result, out, cfg)
     if name != SINGLE and len(shards) < n:
         result.notes.append(

@@ -180,6 +180,19 @@ def test_nvml_view_is_matched_by_uuid_not_position() -> None:
                                                                     "zero_grad", ""}
     assert d.nvml_unexplained_bytes is None  # no allocator numbers on CPU: not invented
     assert nvml.calls("memory", 0) > 0  # B sampled too: a stray context would show there
+    assert r.stray_contexts == []
+
+
+def test_a_context_outside_the_chosen_gpus_is_flagged() -> None:
+    me = os.getpid()
+    nvml = FakeNvml([FakeDevice(uuid=UA, processes=[(me, 500 * 2**20)]),
+                     FakeDevice(uuid=UB, processes=[(me, 900 * 2**20)])])
+    # --devices 1: only cuda:1 (B) is the run's; this process also sits on cuda:0 (A)
+    r = run_local_scenario("single", _tiny(), _cfg(devices=[1]), ops=CpuOps([1]), nvml=nvml,
+                           cuda_uuids=[UA, UB])
+    assert r.stray_contexts == [
+        {"rank": None, "pid": me, "cuda_index": 0, "used_bytes": 500 * 2**20}]
+    assert r.devices[0].uuid == UB and r.devices[0].process_used_bytes == {str(me): 900 * 2**20}
 
 
 def test_nvml_unavailable_degrades_to_a_reason() -> None:
@@ -258,3 +271,42 @@ def test_ddp_scenario_reports_the_first_failure_and_the_slowest_rank() -> None:
     assert s.status == "oom" and s.oom_device == 1 and s.message.startswith("rank 1")
     assert s.traceback == "Traceback ..." and "rank 0: Connection closed" in s.notes[0]
     gc.collect()
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def test_cli_backend_cuda_without_gpus_is_one_line_and_exit_2() -> None:
+    from typer.testing import CliRunner
+
+    from dpprof.cli import app
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = CliRunner().invoke(app, ["compare", "--backend", "cuda", "-b", "8"])
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU visible" in lines[0] and "Traceback" not in r.output
+
+
+def test_cli_bad_devices_and_steps_are_usage_errors() -> None:
+    from typer.testing import CliRunner
+
+    from dpprof.cli import app
+
+    for args in (["--devices", "a,b"], ["--steps", "0"], ["--nvml-interval", "0"]):
+        r = CliRunner().invoke(app, ["compare", "-w", "mlp", "-b", "8", *args])
+        assert r.exit_code == 2, (args, r.output)
+
+
+def test_cli_env_table_and_markdown() -> None:
+    from typer.testing import CliRunner
+
+    from dpprof.cli import app
+
+    r = CliRunner().invoke(app, ["env"])
+    assert r.exit_code == 0, r.output
+    assert "PyTorch" in r.stdout and "NVML" in r.stdout and "CUDA_VISIBLE_DEVICES" in r.stdout
+    r = CliRunner().invoke(app, ["env", "--markdown"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("### Environment") and "- **PyTorch**:" in r.stdout
