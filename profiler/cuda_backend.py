@@ -104,7 +104,9 @@ ASSUMPTIONS = [
     "NVML used minus reserved is what the allocator does not see: the CUDA context, "
     "cuBLAS/cuDNN/NCCL buffers and other processes.",
     "Step time: median over the measured steps of the wall clock (each step ends with "
-    "torch.cuda.synchronize), and of CUDA events on the first device's stream.",
+    "torch.cuda.synchronize), and of CUDA events on the first device's stream. The first "
+    "measured step also reads the per-phase peaks (one synchronize per phase), so it is "
+    "slower; the median is robust to it. DDP: per step, the slowest rank.",
 ]
 
 
