@@ -258,6 +258,17 @@ def compare_cmd(
                 f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
                 f"({kind}); workload {wl.name}, batch {batch}"
             )
+        if resolved == "cuda" and not quiet:
+            where = f"torchrun rank 0 of {rank.world_size}" if rank else (
+                f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
+                else f"{cfg.gpus or 'every visible'} CUDA GPU(s)"
+            )
+            mode = " (test mode: CPU tensors, gloo)" if cpu_test_mode else ""
+            err.print(
+                f"dpprof: measuring on {where}{mode}; workload {wl.name}, batch {batch}, "
+                f"{cfg.warmup if cfg.warmup is not None else 3} warm-up + "
+                f"{cfg.steps or 10} measured steps"
+            )
         if quiet:
             run = run_compare(cfg, workload=wl)
         else:

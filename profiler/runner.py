@@ -123,7 +123,9 @@ def run_compare(
 ) -> RunResult | None:
     """Run every requested scenario of one comparison and analyse the result.
 
-    Under torchrun (the cuda backend's ``ddp``), ranks other than 0 return None.
+    Under torchrun (the cuda backend's ``ddp``), ranks other than 0 return None. The cuda
+    backend's DDP ranks are separate processes: they load the workload from ``cfg.workload``
+    (a spec), not from the ``workload`` object given here.
     """
     cfg.validate()
     wl = workload or load_workload(cfg.workload)
