@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dpprof.runner import CompareConfig, run_compare
+
 DATA = Path(__file__).parent / "data"
 TINY = f"{DATA / 'ddp_workloads.py'}:tiny"
 PY = sys.executable
@@ -32,15 +34,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def test_cli_runs_every_scenario_with_ddp_ranks_spawned(tmp_path: Path) -> None:
-    out = tmp_path / "run.json"
-    r = subprocess.run(
-        [PY, "-m", "dpprof", "compare", "--cpu-test-mode", "-w", TINY, "-b", "8", "-g", "2",
-         "--warmup", "1", "--steps", "2", "-o", str(out), "-q"],
-        env=_env(DPPROF_TEST_OOM_ROWS="4"), capture_output=True, text=True, timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+def test_every_scenario_runs_with_ddp_ranks_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DPPROF_TEST_OOM_ROWS", "4")  # inherited by the spawned ranks
+    cfg = CompareConfig(workload=TINY, batch=8, gpus=2, warmup=1, steps=2, device_kind="cpu",
+                        backend="cuda", ddp_timeout_s=60)
+    run = run_compare(cfg)
+    assert run is not None
+    data = json.loads(run.to_json())
     status = {s["name"]: s["status"] for s in data["scenarios"]}
     # the full batch OOMs in DataParallel's forward; a 4-row shard fits: ddp and single run
     assert status == {"dp-loss-primary": "oom", "dp-loss-forward": "oom", "ddp": "ok",
