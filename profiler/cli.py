@@ -170,9 +170,32 @@ def compare_cmd(
         str,
         typer.Option(
             "--backend",
-            help="auto (emulated without at least two GPUs) or emulated.",
+            help="auto (cuda with at least two visible GPUs, else emulated), cuda or emulated.",
         ),
     ] = "auto",
+    devices: Annotated[
+        str | None,
+        typer.Option("--devices", help="cuda: exactly these CUDA indices, e.g. 2,3."),
+    ] = None,
+    warmup: Annotated[
+        int | None,
+        typer.Option("--warmup", help="Warm-up steps before measuring (cuda default 3)."),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", help="Measured steps (cuda default 10).")
+    ] = None,
+    nvml_interval: Annotated[
+        float, typer.Option("--nvml-interval", help="cuda: NVML sampling period in seconds.")
+    ] = 0.02,
+    ddp_timeout: Annotated[
+        float,
+        typer.Option("--ddp-timeout", help="cuda: collective timeout of the ddp ranks (s)."),
+    ] = 300.0,
+    cpu_test_mode: Annotated[
+        bool,
+        typer.Option("--cpu-test-mode", hidden=True,
+                     help="Run the cuda backend's code on CPU tensors with gloo (tests)."),
+    ] = False,
     compute: Annotated[
         bool,
         typer.Option(
@@ -207,16 +230,23 @@ def compare_cmd(
             memory = parse_bytes(gpu_memory)
         except ValueError as e:
             raise UsageError(f"--gpu-memory: {e}") from e
+        from dpprof.ddp_launch import torchrun_info
+
+        rank = torchrun_info()
+        if rank is not None and rank.rank != 0:
+            quiet = True  # only rank 0 speaks and writes reports
         cfg = CompareConfig(
             workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
             scenarios=_parse_scenarios(scenarios), backend=backend, seed=seed,
-            compute=compute, debug=debug,
+            compute=compute, debug=debug, devices=_parse_devices(devices), warmup=warmup,
+            steps=steps, nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
+            device_kind="cpu" if cpu_test_mode else "cuda",
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths = _output_paths(output, f"compare-{stamp}")
         _check_writable(paths)
-        resolved = resolve_backend(cfg.backend)
+        resolved = resolve_backend(cfg.backend, cfg.device_kind)
         from dpprof.scenarios.workloads import load_workload
 
         wl = load_workload(cfg.workload)
@@ -227,6 +257,17 @@ def compare_cmd(
             err.print(
                 f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
                 f"({kind}); workload {wl.name}, batch {batch}"
+            )
+        if resolved == "cuda" and not quiet:
+            where = f"torchrun rank 0 of {rank.world_size}" if rank else (
+                f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
+                else f"{cfg.gpus or 'every visible'} CUDA GPU(s)"
+            )
+            mode = " (test mode: CPU tensors, gloo)" if cpu_test_mode else ""
+            err.print(
+                f"dpprof: measuring on {where}{mode}; workload {wl.name}, batch {batch}, "
+                f"{cfg.warmup if cfg.warmup is not None else 3} warm-up + "
+                f"{cfg.steps or 10} measured steps"
             )
         if quiet:
             run = run_compare(cfg, workload=wl)
@@ -243,6 +284,8 @@ def compare_cmd(
                     bar.update(task, completed=i, description=desc)
 
                 run = run_compare(cfg, progress=progress, workload=wl)
+        if run is None:  # a torchrun rank other than 0: rank 0 writes the report
+            return
         if not quiet:
             out.print(terminal.render(run))
         write_reports(run, paths, quiet)
@@ -256,6 +299,45 @@ def compare_cmd(
             raise
         err.print(f"dpprof: internal error: {type(e).__name__}: {e} (rerun with --debug)")
         raise typer.Exit(code=1) from None
+
+
+def _parse_devices(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        found = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        found = ()
+    if not found or any(d < 0 for d in found):
+        raise UsageError(f"--devices {text!r}: give CUDA indices separated by commas, e.g. 2,3")
+    return found
+
+
+@app.command("env")
+def env_cmd(
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Markdown ready to paste into a GitHub issue.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """GPUs, driver, CUDA/NCCL/torch versions, GPU links, CUDA_VISIBLE_DEVICES."""
+    from rich.table import Table
+
+    from dpprof.env import collect_environment, environment_markdown, environment_rows
+
+    try:
+        env = collect_environment()
+        if markdown:
+            sys.stdout.write(environment_markdown(env))
+            return
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for label, value in environment_rows(env):
+            table.add_row(label, value)
+        out.print(table)
+    except Exception as e:
+        raise _fail(e, debug) from None
 
 
 @app.command("report")

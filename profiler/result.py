@@ -63,6 +63,21 @@ class DeviceResult:
     used: bool = True  # False when the scenario put no work on this device
     batch_rows: int = 0  # rows of the batch this device computed
     timeline: list[TimelinePoint] = field(default_factory=list)
+    # ---- real GPUs (cuda backend); None where not measured -------------------------------
+    cuda_index: int | None = None  # the physical CUDA index (index is the position/rank)
+    uuid: str | None = None  # GPU-... (or MIG-...), as NVML and nvidia-smi -L print it
+    nvml_index: int | None = None  # matched by UUID, never by position
+    nvml_reason: str | None = None  # why NVML's view is missing, when it is
+    nvml_unexplained_bytes: int | None = None  # NVML peak used minus peak reserved
+    nvml_baseline_used_bytes: int | None = None  # NVML used at the first sample
+    gpu_utilization_mean_percent: float | None = None  # NVML, over the scenario
+    gpu_utilization_max_percent: int | None = None
+    process_used_bytes: dict[str, int] = field(default_factory=dict)  # pid -> NVML peak
+    phase_peak_allocated_bytes: dict[str, int] = field(default_factory=dict)  # first measured
+    phase_peak_reserved_bytes: dict[str, int] = field(default_factory=dict)  # step, per phase
+    allocator_stats: bool = False  # peak_* came from torch.cuda's allocator statistics
+    node_rank: int | None = None  # torchrun GROUP_RANK (the node's number)
+    local_rank: int | None = None  # torchrun LOCAL_RANK
 
     @property
     def total_peak_bytes(self) -> int:
@@ -85,6 +100,13 @@ class ScenarioResult:
     throughput_samples_per_s: float | None = None
     batch: int = 0
     notes: list[str] = field(default_factory=list)
+    # ---- real GPUs (cuda backend) ----------------------------------------------------------
+    oom_phase: str | None = None  # the phase in which the OOM was raised
+    step_times_s: list[float] = field(default_factory=list)  # wall clock, each measured step
+    event_step_time_s: float | None = None  # median of CUDA-event step times
+    traceback: str | None = None  # of an error (or of an OOM with --debug); DDP: the rank's
+    # a process's CUDA context on a GPU it should not touch: {rank, pid, cuda_index, used_bytes}
+    stray_contexts: list[dict[str, Any]] = field(default_factory=list)
 
     def device(self, index: int) -> DeviceResult | None:
         for d in self.devices:

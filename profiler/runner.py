@@ -23,7 +23,7 @@ from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
-BACKENDS = ("auto", "emulated")
+BACKENDS = ("auto", "emulated", "cuda")
 
 Progress = Callable[[str, int, int], None]  # (scenario, index, total)
 
@@ -41,6 +41,13 @@ class CompareConfig:
     warmup_steps: int = 1  # steps before the measured one
     debug: bool = False  # keep tracebacks
     extra: dict[str, object] = field(default_factory=dict)
+    # ---- the cuda backend (real GPUs) ------------------------------------------------------
+    devices: tuple[int, ...] | None = None  # --devices 2,3: exactly these CUDA indices
+    warmup: int | None = None  # --warmup (cuda default 3; overrides warmup_steps when given)
+    steps: int | None = None  # --steps: measured steps (cuda default 10)
+    nvml_interval_s: float = 0.02  # --nvml-interval
+    ddp_timeout_s: float = 300.0  # collective timeout / bound on every DDP wait
+    device_kind: str = "cuda"  # "cpu": the cuda backend's code on CPU tensors, gloo (tests)
 
     def validate(self) -> None:
         if self.batch < 1:
@@ -60,8 +67,12 @@ class CompareConfig:
             raise UsageError(
                 f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}"
             )
-        if self.warmup_steps < 0:
+        if self.warmup_steps < 0 or (self.warmup is not None and self.warmup < 0):
             raise UsageError("--warmup must be 0 or more")
+        if self.steps is not None and self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.nvml_interval_s <= 0:
+            raise UsageError("--nvml-interval must be larger than zero, e.g. 0.02")
 
 
 def visible_cuda_gpus() -> int:
@@ -71,10 +82,25 @@ def visible_cuda_gpus() -> int:
         return 0
 
 
-def resolve_backend(requested: str) -> str:
-    """``auto`` means emulated until the cuda backend lands; see the README."""
+def resolve_backend(requested: str, device_kind: str = "cuda") -> str:
+    """``auto``: cuda with at least two visible GPUs (one under torchrun), else emulated.
+
+    ``cuda`` without a GPU is a :class:`UsageError` (unless ``device_kind="cpu"``, the
+    test mode that runs the cuda backend's code on CPU tensors).
+    """
+    from dpprof.ddp_launch import torchrun_info
+
+    if requested == "cuda" and device_kind == "cuda" and visible_cuda_gpus() == 0:
+        raise UsageError(
+            "--backend cuda: no CUDA GPU visible (torch.cuda.is_available() is False; check "
+            "the driver, CUDA_VISIBLE_DEVICES and that torch is a CUDA build); use --backend "
+            "emulated"
+        )
     if requested == "auto":
-        return "emulated"
+        if device_kind == "cpu":
+            return "cuda"
+        need = 1 if torchrun_info() is not None else 2
+        return "cuda" if visible_cuda_gpus() >= need else "emulated"
     return requested
 
 
@@ -94,11 +120,16 @@ def basic_environment() -> dict[str, object]:
 
 def run_compare(
     cfg: CompareConfig, progress: Progress | None = None, workload: Workload | None = None
-) -> RunResult:
-    """Run every requested scenario of one comparison and analyse the result."""
+) -> RunResult | None:
+    """Run every requested scenario of one comparison and analyse the result.
+
+    Under torchrun (the cuda backend's ``ddp``), ranks other than 0 return None. The cuda
+    backend's DDP ranks are separate processes: they load the workload from ``cfg.workload``
+    (a spec), not from the ``workload`` object given here.
+    """
     cfg.validate()
     wl = workload or load_workload(cfg.workload)
-    backend = resolve_backend(cfg.backend)
+    backend = resolve_backend(cfg.backend, cfg.device_kind)
     gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
     run = RunResult(
         backend=backend,
@@ -113,13 +144,17 @@ def run_compare(
         config={k: v for k, v in asdict(cfg).items() if k != "extra"} | dict(cfg.extra),
         environment=basic_environment(),
     )
+    run.environment.update(_full_environment(backend))
     run.config["gpus"] = gpus
     run.config["scenarios"] = list(cfg.scenarios)
     run.config["workload_description"] = wl.description
     run.config["workload_shapes"] = dict(wl.shapes)
+    if backend == "cuda":
+        return _cuda(cfg, wl, run, progress)
     ecfg = EmulationConfig(
         batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
-        compute=cfg.compute, warmup_steps=cfg.warmup_steps, debug=cfg.debug,
+        compute=cfg.compute,
+        warmup_steps=cfg.warmup_steps if cfg.warmup is None else cfg.warmup, debug=cfg.debug,
     )
     run.assumptions = list(ASSUMPTIONS)
     if cfg.compute:
@@ -135,3 +170,49 @@ def run_compare(
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)
     return run
+
+
+def _full_environment(backend: str) -> dict[str, object]:
+    """The ``dpprof env`` block (:func:`dpprof.env.collect_environment`); never raises."""
+    from dpprof.env import collect_environment
+
+    try:
+        return collect_environment(use_cuda=backend == "cuda")
+    except Exception as e:  # pragma: no cover - collect_environment does not raise
+        return {"environment_error": f"{type(e).__name__}: {e}"}
+
+
+def _cuda(
+    cfg: CompareConfig, wl: Workload, run: RunResult, progress: Progress | None
+) -> RunResult | None:
+    from dpprof.cuda_run import CudaOptions, cuda_compare, torchrun_compare
+    from dpprof.ddp_launch import torchrun_info
+    from dpprof.scenarios.base import DDP
+
+    opts = CudaOptions(
+        gpus=cfg.gpus, devices=cfg.devices, warmup=cfg.warmup, steps=cfg.steps,
+        nvml_interval_s=cfg.nvml_interval_s, ddp_timeout_s=cfg.ddp_timeout_s,
+        device_kind=cfg.device_kind,
+    )
+    info = torchrun_info()
+    if info is not None:
+        if tuple(cfg.scenarios) != (DDP,):
+            raise UsageError(
+                "under torchrun only the ddp scenario runs (one process per GPU): add "
+                "--scenarios ddp; run the DataParallel scenarios without torchrun"
+            )
+        done = torchrun_compare(run, cfg.workload, info, cfg.seed, cfg.debug, opts)
+    else:
+        if cfg.device_kind == "cuda":
+            visible = visible_cuda_gpus()
+        else:  # test mode: as many "devices" as asked for
+            visible = max(cfg.gpus or 0, max(cfg.devices or (-1,)) + 1) or 2
+        done = cuda_compare(
+            run, cfg.workload, wl, cfg.scenarios, cfg.seed, cfg.debug, opts, visible, progress
+        )
+    if done is None:
+        return None
+    if progress:
+        progress("", len(cfg.scenarios), len(cfg.scenarios))
+    done.comparison = compare(done)
+    return done

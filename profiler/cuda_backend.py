@@ -1,0 +1,895 @@
+"""The cuda backend: the paired scenarios on real GPUs, measured two ways per device.
+
+- ``dp-loss-primary`` / ``dp-loss-forward``: the real ``torch.nn.DataParallel`` over the
+  chosen devices (``device_ids``; ``output_device`` = the first), in this process;
+- ``single``: the bare model on the first chosen device, batch ``ceil(B / N)``;
+- ``ddp``: ``DistributedDataParallel``, one process per GPU, through :mod:`dpprof.ddp_launch`
+  (spawned by dpprof, or started by ``torchrun``); each rank runs :func:`measure_ddp_rank`.
+
+Every scenario runs ``warmup_steps`` steps, then ``steps`` measured ones of the one shared
+:func:`~dpprof.scenarios.base.train_step`. Memory is read two ways:
+
+- the caching allocator's view: ``torch.cuda.reset_peak_memory_stats`` at the start of each
+  phase (input transfer, forward, loss, backward, optimizer step, zero_grad) of the first
+  measured step, ``max_memory_allocated`` / ``max_memory_reserved`` at its end (the device is
+  synchronised at both ends); the overall peaks cover every measured step;
+- NVML's view, from an :class:`~dpprof.sampler.NvmlSampler` thread (every 20 ms by default)
+  over every visible GPU, matched to CUDA indices by UUID (:mod:`dpprof.devices`): the peak
+  ``used``, the timeline with phase markers, GPU utilisation, and per-process usage of this
+  process (a rank's context on a GPU that is not its own is flagged: the DDP "forgot
+  ``set_device``" case). What NVML sees beyond the allocator's reserve (context, NCCL, other
+  processes) is kept as ``nvml_unexplained_bytes``.
+
+Step time is the wall clock around each measured step (ended by a synchronise) and, on CUDA,
+``torch.cuda.Event`` timing on the first device's current stream; median and max - min.
+
+An out-of-memory error is a result: caught, parsed (device, bytes asked for), recorded with
+the phase and the peaks so far; the frames holding the tensors are dropped, then ``gc`` and
+``empty_cache`` give the memory back before the next scenario.
+
+Everything device-specific sits behind :class:`DeviceOps` (:class:`CudaOps` over
+``torch.cuda``; :class:`CpuOps`, the same code on CPU tensors, used for the gloo/CPU runs of
+the DDP path and for tests on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import math
+import os
+import re
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dpprof.devices import resolve_visible_devices, torch_cuda_uuids
+from dpprof.nvml import NvmlBackend, default_nvml
+from dpprof.result import (
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_OOM,
+    DeviceResult,
+    ScenarioResult,
+    TimelinePoint,
+)
+from dpprof.sampler import NvmlSampler
+from dpprof.scenarios.base import (
+    DDP,
+    DP_LOSS_FORWARD,
+    DP_LOSS_PRIMARY,
+    SINGLE,
+    ModelWithLoss,
+    StepHooks,
+    train_step,
+)
+from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.units import fmt_bytes
+
+__all__ = [
+    "ASSUMPTIONS",
+    "CpuOps",
+    "CudaOps",
+    "CudaRunConfig",
+    "DeviceOps",
+    "Measured",
+    "OomInfo",
+    "is_oom",
+    "measure_ddp_rank",
+    "parse_oom_message",
+    "run_local_scenario",
+]
+
+DEFAULT_WARMUP = 3
+DEFAULT_STEPS = 10
+DEFAULT_NVML_INTERVAL_S = 0.02
+TIMELINE_POINTS = 400  # NVML points kept per device and scenario (maxima of equal slices)
+
+ASSUMPTIONS = [
+    "Measured on real GPUs: DataParallel scenarios through torch.nn.DataParallel in one "
+    "process; ddp through DistributedDataParallel (NCCL), one process per GPU.",
+    "Allocated/reserved: torch.cuda.max_memory_allocated / max_memory_reserved over the "
+    "measured steps (peaks reset at their start); per phase from the first measured step, "
+    "with the peaks reset at the start of each phase.",
+    "NVML used: nvmlDeviceGetMemoryInfo sampled by a thread; a sampled peak is a lower bound. "
+    "NVML used minus reserved is what the allocator does not see: the CUDA context, "
+    "cuBLAS/cuDNN/NCCL buffers and other processes.",
+    "Step time: median over the measured steps of the wall clock (each step ends with "
+    "torch.cuda.synchronize), and of CUDA events on the first device's stream. The first "
+    "measured step also reads the per-phase peaks (one synchronize per phase), so it is "
+    "slower; the median is robust to it. DDP: per step, the slowest rank.",
+]
+
+
+# --------------------------------------------------------------------------- OOM
+
+
+_OOM_BYTES = re.compile(
+    r"Tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)", re.IGNORECASE
+)
+_OOM_GPU = re.compile(r"\bGPU\s+(\d+)")
+_UNITS = {"bytes": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass
+class OomInfo:
+    """What an out-of-memory message says: the CUDA device and the bytes asked for."""
+
+    device: int | None
+    bytes_requested: int | None
+
+
+def parse_oom_message(message: str) -> OomInfo:
+    """Read device and size from the caching allocator's message.
+
+    Formats (``c10/cuda/CUDACachingAllocator.cpp``): since torch 2.1 ``"CUDA out of memory.
+    Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which ..."``;
+    before, ``"... Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity; ..."``.
+    ``format_size`` prints two decimals, so the bytes are exact to 1 % of the unit.
+    The GPU number is the process's CUDA index (after ``CUDA_VISIBLE_DEVICES``).
+    """
+    size = _OOM_BYTES.search(message)
+    gpu = _OOM_GPU.search(message)
+    nbytes = None
+    if size:
+        nbytes = round(float(size.group(1)) * _UNITS[size.group(2).lower()])
+    return OomInfo(int(gpu.group(1)) if gpu else None, nbytes)
+
+
+def _oom_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = []
+    for owner in (torch, torch.cuda):
+        t = getattr(owner, "OutOfMemoryError", None)
+        if isinstance(t, type) and t not in types:
+            types.append(t)
+    return tuple(types)
+
+
+OOM_ERRORS = _oom_error_types()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """``torch.cuda.OutOfMemoryError``, or a library's allocation failure (cuBLAS, NCCL)."""
+    if isinstance(exc, OOM_ERRORS):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "CUDA out of memory" in text
+        or "CUBLAS_STATUS_ALLOC_FAILED" in text
+        or ("NCCL error" in text and "out of memory" in text.lower())
+    )
+
+
+# --------------------------------------------------------------------------- the device seam
+
+
+class DeviceOps:
+    """What the measuring code asks of a device. Logical indices: positions in the run's list.
+
+    The base class is the CPU implementation: one host device behind every logical index, no
+    allocator statistics (None), wall-clock timing only.
+    """
+
+    kind = "cpu"
+
+    def __init__(self, devices: Sequence[int]) -> None:
+        self.devices = list(devices)  # physical index per logical index
+
+    def device(self, logical: int) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, logical: int) -> None:
+        """Make ``logical`` the current device (``torch.cuda.set_device``)."""
+
+    def synchronize(self) -> None:
+        """Wait for every queued kernel on every device of the run."""
+
+    def reset_peaks(self, logical: int) -> None: ...
+
+    def max_allocated(self, logical: int) -> int | None:
+        return None
+
+    def max_reserved(self, logical: int) -> int | None:
+        return None
+
+    def allocated(self, logical: int) -> int | None:
+        return None
+
+    def capacity(self, logical: int) -> int | None:
+        return None
+
+    def release(self) -> None:
+        """Give cached memory back (after an OOM)."""
+        gc.collect()
+
+    def start_timer(self) -> Callable[[], float | None]:
+        """Start timing on the first device's stream; the returned call gives seconds."""
+        return lambda: None
+
+
+class CpuOps(DeviceOps):
+    """CPU tensors: the same code paths as :class:`CudaOps`, no allocator statistics."""
+
+
+class CudaOps(DeviceOps):
+    """``torch.cuda`` for the chosen CUDA indices (``devices[logical]`` is a CUDA index)."""
+
+    kind = "cuda"
+
+    def device(self, logical: int) -> torch.device:
+        return torch.device("cuda", self.devices[logical])
+
+    def set_device(self, logical: int) -> None:
+        torch.cuda.set_device(self.devices[logical])
+
+    def synchronize(self) -> None:
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+
+    def reset_peaks(self, logical: int) -> None:
+        torch.cuda.reset_peak_memory_stats(self.devices[logical])
+
+    def max_allocated(self, logical: int) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.devices[logical]))
+
+    def max_reserved(self, logical: int) -> int | None:
+        return int(torch.cuda.max_memory_reserved(self.devices[logical]))
+
+    def allocated(self, logical: int) -> int | None:
+        return int(torch.cuda.memory_allocated(self.devices[logical]))
+
+    def capacity(self, logical: int) -> int | None:
+        return int(torch.cuda.get_device_properties(self.devices[logical]).total_memory)
+
+    def release(self) -> None:
+        gc.collect()
+        with contextlib.suppress(Exception):  # a broken context after a fault
+            # cuBLAS workspaces are live allocator blocks, one per (handle, stream): DataParallel's
+            # worker threads leave some behind; they are made again on demand
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            for d in self.devices:
+                with torch.cuda.device(d):
+                    torch.cuda.empty_cache()
+
+    def start_timer(self) -> Callable[[], float | None]:
+        dev = self.devices[0]
+        with torch.cuda.device(dev):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+
+        def stop() -> float | None:
+            with torch.cuda.device(dev):
+                end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1000.0
+
+        return stop
+
+
+def make_ops(kind: str, devices: Sequence[int]) -> DeviceOps:
+    """``cuda`` or ``cpu`` ops over ``devices``."""
+    if kind == "cuda":
+        return CudaOps(devices)
+    if kind == "cpu":
+        return CpuOps(devices)
+    raise ValueError(f"unknown device kind {kind!r}")
+
+
+# --------------------------------------------------------------------------- NVML
+
+
+class NvmlWatch:
+    """An :class:`NvmlSampler` over every visible GPU, with CUDA index -> NVML index by UUID.
+
+    ``cuda_uuids``: the UUID per CUDA index (default: what the CUDA runtime reports). When
+    NVML or the UUIDs are unavailable, :attr:`reason` says why and nothing is sampled.
+    """
+
+    def __init__(
+        self,
+        nvml: NvmlBackend | None,
+        interval_s: float,
+        cuda_uuids: Sequence[str] | None,
+        pids: Sequence[int] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.nvml = nvml
+        self.map: dict[int, int] = {}  # cuda index -> nvml index
+        self.uuids: dict[int, str] = {}
+        self.reason: str | None = None
+        self.sampler: NvmlSampler | None = None
+        self.pids = list(pids)
+        if nvml is None:
+            self.reason = "NVML not used on CPU devices"
+            return
+        status = nvml.status()
+        if not status.available:
+            self.reason = f"NVML not available: {status.reason}"
+            return
+        if cuda_uuids is None:
+            self.reason = "the CUDA runtime reports no device UUIDs"
+            return
+        found = resolve_visible_devices(nvml, env, list(cuda_uuids))
+        for dev in found.devices:
+            if dev.nvml_index is not None:
+                self.map[dev.cuda_index] = dev.nvml_index
+                if dev.uuid:
+                    self.uuids[dev.cuda_index] = dev.uuid
+        if not self.map:
+            self.reason = "no CUDA device could be matched to an NVML device by UUID"
+            return
+        self.sampler = NvmlSampler(
+            nvml, sorted(set(self.map.values())), interval_s, pids=self.pids or None
+        )
+
+    def __enter__(self) -> NvmlWatch:
+        if self.sampler is not None:
+            self.sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+
+    def mark(self, name: str) -> None:
+        if self.sampler is not None:
+            self.sampler.mark(name)
+
+    def fill(self, dev: DeviceResult, cuda_index: int) -> None:
+        """Put NVML's view of ``cuda_index`` into ``dev`` (or the reason it is missing)."""
+        dev.uuid = self.uuids.get(cuda_index)
+        nvml_index = self.map.get(cuda_index)
+        dev.nvml_index = nvml_index
+        if self.sampler is None or nvml_index is None:
+            dev.nvml_reason = self.reason or f"cuda:{cuda_index} not matched to an NVML device"
+            return
+        s = self.sampler
+        dev.nvml_peak_used_bytes = s.peak_used_bytes(nvml_index)
+        if dev.nvml_peak_used_bytes is None:
+            dev.nvml_reason = s.errors.get(nvml_index, "no NVML sample was taken")
+        elif dev.peak_reserved_bytes is not None:
+            dev.nvml_unexplained_bytes = dev.nvml_peak_used_bytes - dev.peak_reserved_bytes
+        samples = [x for x in s.samples if x.device == nvml_index]
+        if samples:
+            dev.nvml_baseline_used_bytes = samples[0].used_bytes
+        utils = [x.util_percent for x in samples if x.util_percent is not None]
+        if utils:
+            dev.gpu_utilization_mean_percent = float(statistics.fmean(utils))
+            dev.gpu_utilization_max_percent = int(max(utils))
+        markers = s.markers
+        points = []
+        for x in samples:
+            phase = ""
+            for m in markers:
+                if m.t_s <= x.t_s:
+                    phase = m.name
+                else:
+                    break
+            points.append(TimelinePoint(x.t_s, x.used_bytes, phase))
+        dev.timeline = _thin(points)
+        for pid in self.pids:
+            peak = s.peak_process_bytes(nvml_index, pid)
+            if peak is not None:
+                dev.process_used_bytes[str(pid)] = peak
+
+    def contexts_of(self, pid: int) -> dict[int, int | None]:
+        """CUDA index -> used bytes (None: unknown) of every GPU where ``pid`` had a context."""
+        if self.sampler is None:
+            return {}
+        back = {v: k for k, v in self.map.items()}
+        found: dict[int, int | None] = {}
+        for p in self.sampler.process_samples:
+            if p.pid == pid and p.device in back:
+                cuda = back[p.device]
+                old = found.get(cuda)
+                found[cuda] = p.used_bytes if old is None else max(old, p.used_bytes or 0)
+        return found
+
+
+def _thin(points: list[TimelinePoint]) -> list[TimelinePoint]:
+    if len(points) <= TIMELINE_POINTS:
+        return points
+    step = len(points) / TIMELINE_POINTS
+    kept = []
+    for k in range(TIMELINE_POINTS):
+        chunk = points[int(k * step) : int((k + 1) * step) or None]
+        if chunk:
+            kept.append(max(chunk, key=lambda p: p.allocated_bytes))
+    return kept
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class CudaRunConfig:
+    """What every cuda-backend scenario shares (picklable: it travels to DDP ranks)."""
+
+    batch: int
+    devices: list[int]  # CUDA indices, in DataParallel device_ids order
+    seed: int = 0
+    warmup_steps: int = DEFAULT_WARMUP
+    steps: int = DEFAULT_STEPS
+    nvml_interval_s: float = DEFAULT_NVML_INTERVAL_S
+    debug: bool = False
+    device_kind: str = "cuda"  # "cpu": the same code on CPU tensors (gloo tests)
+
+
+@dataclass
+class Measured:
+    """One process's measurement of one scenario (a DDP rank's travels to rank 0)."""
+
+    status: str = STATUS_OK
+    message: str = ""
+    devices: list[DeviceResult] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    event_times_s: list[float] = field(default_factory=list)
+    loss: float | None = None
+    rows: int = 0
+    oom_device: int | None = None  # logical index (DP position, or the rank under DDP)
+    oom_bytes: int | None = None
+    oom_phase: str | None = None
+    traceback: str | None = None
+    notes: list[str] = field(default_factory=list)
+    stray_contexts: list[dict[str, Any]] = field(default_factory=list)
+    rank: int | None = None
+    first_failure: bool = False  # this rank failed before any other (DDP)
+
+
+class PhaseRecorder:
+    """The ``phase`` hook of :class:`StepHooks`: allocator peaks per phase and device."""
+
+    def __init__(self, ops: DeviceOps, logical: Sequence[int], watch: NvmlWatch | None) -> None:
+        self.ops = ops
+        self.logical = list(logical)
+        self.watch = watch
+        self.current = ""
+        self.profile = False
+        self.peak_allocated: dict[int, dict[str, int]] = {i: {} for i in self.logical}
+        self.peak_reserved: dict[int, dict[str, int]] = {i: {} for i in self.logical}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.current = name
+        if self.watch is not None:
+            self.watch.mark(name)
+        if not self.profile:
+            yield
+            return
+        self.ops.synchronize()
+        for i in self.logical:
+            self.ops.reset_peaks(i)
+        yield
+        self.ops.synchronize()
+        for i in self.logical:
+            a, r = self.ops.max_allocated(i), self.ops.max_reserved(i)
+            if a is not None:
+                self.peak_allocated[i][name] = max(a, self.peak_allocated[i].get(name, 0))
+            if r is not None:
+                self.peak_reserved[i][name] = max(r, self.peak_reserved[i].get(name, 0))
+
+
+def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)((k, _map(v, fn)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_map(v, fn) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(v, fn) for v in x)
+    return x
+
+
+def _rows(x: Any, start: int, stop: int) -> Any:
+    return _map(x, lambda t: t[start:stop] if t.dim() > 0 else t)
+
+
+def global_batch(wl: Workload, cfg: CudaRunConfig, world: int) -> tuple[Any, Any]:
+    """The paired data: ``ceil(B/N) * N`` rows on the CPU from the seed (DDP pads as
+    ``DistributedSampler`` does); DataParallel takes the first B, ``single`` and rank r their
+    ``ceil(B/N)`` slice."""
+    per = math.ceil(cfg.batch / world)
+    torch.manual_seed(cfg.seed + 1)
+    inputs, targets = wl.batch(per * world, torch.device("cpu"))
+    if wl.dtype != torch.float32:
+        inputs = _map(inputs, lambda t: t.to(wl.dtype) if t.is_floating_point() else t)
+    return inputs, targets
+
+
+def _model(wl: Workload, device: torch.device, seed: int) -> tuple[nn.Module, Any]:
+    """The model (and a loss module, if the loss is one) from the seed, on ``device``."""
+    torch.manual_seed(seed)
+    model = wl.model()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model() returned {type(model).__name__}, not an nn.Module")
+    model = model.to(device)
+    loss_fn = wl.loss
+    if isinstance(loss_fn, nn.Module):
+        loss_fn = copy.deepcopy(loss_fn).to(device)
+    if wl.dtype != torch.float32:
+        model = model.to(wl.dtype)
+        if isinstance(loss_fn, nn.Module):
+            loss_fn = loss_fn.to(wl.dtype)
+    return model, loss_fn
+
+
+def _optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if isinstance(loss_fn, nn.Module):
+        params += list(loss_fn.parameters())
+    opt = wl.optimizer(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer() returned {type(opt).__name__}, not a torch Optimizer")
+    return opt
+
+
+class _Run:
+    """The measuring loop around one wrapped model; shared by DP, single and each DDP rank."""
+
+    def __init__(
+        self,
+        ops: DeviceOps,
+        cfg: CudaRunConfig,
+        logical: Sequence[int],
+        watch: NvmlWatch | None,
+    ) -> None:
+        self.ops = ops
+        self.cfg = cfg
+        self.logical = list(logical)
+        self.rec = PhaseRecorder(ops, logical, watch)
+        self.overall_allocated: dict[int, int] = {}
+        self.overall_reserved: dict[int, int] = {}
+        self.measuring = False
+
+    def peaks_now(self) -> None:
+        """Fold the allocator's current peaks into the overall peaks (measured steps only)."""
+        if not self.measuring:
+            return
+        for i in self.logical:
+            a, r = self.ops.max_allocated(i), self.ops.max_reserved(i)
+            if a is not None:
+                self.overall_allocated[i] = max(a, self.overall_allocated.get(i, 0))
+            if r is not None:
+                self.overall_reserved[i] = max(r, self.overall_reserved.get(i, 0))
+
+    def loop(
+        self,
+        wrapped: Callable[..., Any],
+        loss_fn: Any,
+        opt: torch.optim.Optimizer,
+        inputs_cpu: Any,
+        targets_cpu: Any,
+        loss_inside: bool,
+        out: Measured,
+    ) -> None:
+        dev0 = self.ops.device(self.logical[0])
+        hooks = StepHooks(phase=self.rec.phase)
+        for step in range(self.cfg.warmup_steps + self.cfg.steps):
+            measured = step >= self.cfg.warmup_steps
+            if step == self.cfg.warmup_steps:
+                self.ops.synchronize()
+                for i in self.logical:
+                    self.ops.reset_peaks(i)
+                self.measuring = True
+            self.rec.profile = step == self.cfg.warmup_steps
+            t0 = time.perf_counter()
+            stop = self.ops.start_timer() if measured else None
+            with self.rec.phase("inputs"):
+                inputs = _map(inputs_cpu, lambda t: t.to(dev0))
+                targets = _map(targets_cpu, lambda t: t.to(dev0))
+            loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
+            del inputs, targets
+            event_s = stop() if stop is not None else None
+            self.ops.synchronize()
+            wall = time.perf_counter() - t0
+            self.rec.current = ""
+            if measured:
+                self.peaks_now()
+                out.step_times_s.append(wall)
+                if event_s is not None:
+                    out.event_times_s.append(event_s)
+                out.loss = float(loss)
+            del loss
+        self.rec.profile = False
+
+    def fold_phases(self) -> None:
+        for i in self.logical:
+            for _name, a in self.rec.peak_allocated[i].items():
+                self.overall_allocated[i] = max(a, self.overall_allocated.get(i, 0))
+            for _name, r in self.rec.peak_reserved[i].items():
+                self.overall_reserved[i] = max(r, self.overall_reserved.get(i, 0))
+
+    def device_result(self, logical: int, rows: int, used: bool) -> DeviceResult:
+        alloc = self.overall_allocated.get(logical)
+        phases = self.rec.peak_allocated.get(logical, {})
+        peak_phase = max(phases, key=lambda k: phases[k]) if phases else ""
+        return DeviceResult(
+            index=logical,
+            peak_allocated_bytes=alloc or 0,
+            capacity_bytes=self.ops.capacity(logical) or 0,
+            peak_reserved_bytes=self.overall_reserved.get(logical),
+            peak_phase=peak_phase,
+            used=used,
+            batch_rows=rows,
+            cuda_index=self.ops.devices[logical] if self.ops.kind == "cuda" else None,
+            phase_peak_allocated_bytes=dict(phases),
+            phase_peak_reserved_bytes=dict(self.rec.peak_reserved.get(logical, {})),
+            allocator_stats=alloc is not None,
+        )
+
+
+def _fail(out: Measured, exc: BaseException, run: _Run | None, cfg: CudaRunConfig) -> None:
+    """Record ``exc`` in ``out`` (OOM or error); keeps only strings and numbers."""
+    out.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    out.message = f"{type(exc).__name__}: {exc}".strip()
+    if run is not None:
+        out.oom_phase = run.rec.current or None
+        with contextlib.suppress(Exception):
+            run.measuring = True
+            run.peaks_now()
+    if is_oom(exc):
+        out.status = STATUS_OOM
+        info = parse_oom_message(str(exc))
+        out.oom_bytes = info.bytes_requested
+        if info.device is not None and run is not None and run.ops.kind == "cuda":
+            phys = run.ops.devices
+            out.oom_device = phys.index(info.device) if info.device in phys else None
+            if out.oom_device is None:
+                out.notes.append(f"the OOM happened on cuda:{info.device}, outside the run")
+        elif run is not None:  # CPU test mode: logical indices stand for the devices
+            if info.device in run.logical:
+                out.oom_device = info.device
+            elif len(run.logical) == 1:
+                out.oom_device = run.logical[0]
+        first = out.message.split(". ", 2)
+        out.message = "out of memory" + (
+            f" on cuda:{info.device}" if info.device is not None else ""
+        ) + (f" asking for {fmt_bytes(info.bytes_requested)}" if info.bytes_requested else "") + (
+            f" during {out.oom_phase}" if out.oom_phase else ""
+        ) + f" ({first[0][:200]})"
+    else:
+        out.status = STATUS_ERROR
+
+
+def run_local_scenario(
+    name: str,
+    wl: Workload,
+    cfg: CudaRunConfig,
+    ops: DeviceOps | None = None,
+    nvml: NvmlBackend | None = None,
+    cuda_uuids: Sequence[str] | None = None,
+) -> ScenarioResult:
+    """Run ``dp-loss-primary``, ``dp-loss-forward`` or ``single`` in this process.
+
+    Never raises for the workload's failures: an OOM or any error becomes the result's
+    status, and the memory is given back before returning.
+    """
+    if name not in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, SINGLE):
+        raise ValueError(f"{name!r} is not an in-process scenario")
+    ops = ops or make_ops(cfg.device_kind, cfg.devices)
+    n = len(cfg.devices)
+    logical = [0] if name == SINGLE else list(range(n))
+    result = ScenarioResult(name=name, batch=cfg.batch)
+    out = Measured()
+    watch = _watch(ops, cfg, nvml, cuda_uuids, [os.getpid()])
+    run: _Run | None = None
+    shards = shard_sizes(cfg.batch, n)
+    def body() -> None:  # its frame holds the tensors: gone with the exception
+        nonlocal run
+        run = _Run(ops, cfg, logical, watch)
+        ops.set_device(0)
+        inputs, targets = global_batch(wl, cfg, n)
+        rows = shards[0] if name == SINGLE else cfg.batch
+        inputs, targets = _rows(inputs, 0, rows), _rows(targets, 0, rows)
+        model, loss_fn = _model(wl, ops.device(0), cfg.seed)
+        opt = _optimizer(wl, model, loss_fn)
+        model.train()
+        loss_inside = name == DP_LOSS_FORWARD
+        wrapped: Any = model
+        if name != SINGLE:
+            inner = ModelWithLoss(model, loss_fn) if loss_inside else model
+            ids = cfg.devices if ops.kind == "cuda" else None
+            wrapped = nn.DataParallel(inner, device_ids=ids, output_device=ids[0] if ids else None)
+        out.rows = rows
+        run.loop(wrapped, loss_fn, opt, inputs, targets, loss_inside, out)
+        run.fold_phases()
+
+    try:
+        with watch:
+            body()
+    except Exception as exc:
+        _fail(out, exc, run, cfg)
+    ops.release()  # after the except block: the exception, its frames and tensors are gone
+    used = len(shards) if name != SINGLE else 1
+    for i in logical:
+        rows_i = shards[i] if name != SINGLE and i < len(shards) else (shards[0] if i == 0 else 0)
+        dev = run.device_result(i, rows_i, i < used) if run else DeviceResult(index=i)
+        watch.fill(dev, cfg.devices[i])
+        result.devices.append(dev)
+    pid = os.getpid()
+    for cuda, used_bytes in sorted(watch.contexts_of(pid).items()):
+        if cuda not in cfg.devices:  # e.g. --devices 2,3 and something touched cuda:0
+            result.stray_contexts.append(
+                {"rank": None, "pid": pid, "cuda_index": cuda, "used_bytes": used_bytes}
+            )
+            result.notes.append(
+                f"this process (pid {pid}) holds a CUDA context on cuda:{cuda}, outside the "
+                f"chosen GPUs {cfg.devices}"
+            )
+    _finish(result, out, cfg)
+    if name != SINGLE and len(shards) < n:
+        result.notes.append(
+            f"batch {cfg.batch} over {n} GPUs: tensor.chunk makes {len(shards)} chunk(s) "
+            f"{shards}, so DataParallel uses only {len(shards)} GPU(s)"
+        )
+    return result
+
+
+def _watch(
+    ops: DeviceOps,
+    cfg: CudaRunConfig,
+    nvml: NvmlBackend | None,
+    cuda_uuids: Sequence[str] | None,
+    pids: Sequence[int],
+) -> NvmlWatch:
+    if nvml is None and ops.kind == "cuda":
+        nvml = default_nvml()
+    if cuda_uuids is None and ops.kind == "cuda":
+        cuda_uuids = torch_cuda_uuids()
+    return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids)
+
+
+def _finish(result: ScenarioResult, out: Measured, cfg: CudaRunConfig) -> None:
+    """Timing, status and OOM fields of ``result`` from ``out``."""
+    result.status = out.status
+    result.message = out.message
+    result.loss = out.loss
+    result.oom_device = out.oom_device
+    result.oom_bytes = out.oom_bytes
+    result.oom_phase = out.oom_phase
+    result.notes.extend(out.notes)
+    result.step_times_s = list(out.step_times_s)
+    if out.step_times_s:
+        result.step_time_s = statistics.median(out.step_times_s)
+        result.step_time_spread_s = max(out.step_times_s) - min(out.step_times_s)
+        result.throughput_samples_per_s = cfg.batch / result.step_time_s
+    if out.event_times_s:
+        result.event_step_time_s = statistics.median(out.event_times_s)
+    if out.traceback and (out.status == STATUS_ERROR or cfg.debug):
+        result.traceback = out.traceback
+
+
+# --------------------------------------------------------------------------- DDP, one rank
+
+
+def measure_ddp_rank(
+    wl: Workload,
+    cfg: CudaRunConfig,
+    rank: int,
+    world: int,
+    local_device: int,
+    ops_kind: str,
+    nvml: NvmlBackend | None = None,
+    cuda_uuids: Sequence[str] | None = None,
+    visible: Sequence[int] | None = None,
+) -> Measured:
+    """Measure this rank's device under ``DistributedDataParallel`` (process group set up).
+
+    The caller (:mod:`dpprof.ddp_launch`) has called ``torch.cuda.set_device(local_device)``
+    and ``init_process_group``. ``visible``: the CUDA indices to watch for stray contexts of
+    this process (default: every visible GPU). Never raises.
+    """
+    ops = make_ops(ops_kind, [local_device])
+    out = Measured(rank=rank)
+    pid = os.getpid()
+    watch = _watch(ops, cfg, nvml, cuda_uuids, [pid])
+    run: _Run | None = None
+    per = math.ceil(cfg.batch / world)
+    def body() -> None:  # its frame holds the tensors: gone with the exception
+        nonlocal run
+        run = _Run(ops, cfg, [0], watch)
+        inputs, targets = global_batch(wl, cfg, world)
+        inputs = _rows(inputs, rank * per, (rank + 1) * per)
+        targets = _rows(targets, rank * per, (rank + 1) * per)
+        model, loss_fn = _model(wl, ops.device(0), cfg.seed)
+        model.train()
+        ids = [local_device] if ops_kind == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids)
+        opt = _optimizer(wl, model, loss_fn)
+        out.rows = per
+        run.loop(wrapped, loss_fn, opt, inputs, targets, False, out)
+        run.fold_phases()
+
+    try:
+        with watch:
+            body()
+    except Exception as exc:
+        _fail(out, exc, run, cfg)
+        if out.status == STATUS_OOM:
+            out.oom_device = rank
+    ops.release()
+    dev = run.device_result(0, per, True) if run else DeviceResult(index=0)
+    dev.index = rank
+    dev.rank = rank
+    dev.cuda_index = local_device if ops_kind == "cuda" else None
+    dev.node = socket.gethostname()
+    watch.fill(dev, local_device)
+    out.devices = [dev]
+    strays = {
+        cuda: used
+        for cuda, used in watch.contexts_of(pid).items()
+        if cuda != local_device and (visible is None or cuda in visible)
+    }
+    for cuda, used in sorted(strays.items()):
+        out.stray_contexts.append(
+            {"rank": rank, "pid": pid, "cuda_index": cuda, "used_bytes": used}
+        )
+        out.notes.append(
+            f"rank {rank} (pid {pid}) holds a CUDA context on cuda:{cuda}"
+            + (f" ({fmt_bytes(used)})" if used else "")
+            + f", not only on its own cuda:{local_device}: call torch.cuda.set_device("
+            "local_rank) before anything touches CUDA"
+        )
+    return out
+
+
+def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -> ScenarioResult:
+    """The ``ddp`` result from every rank's :class:`Measured` (rank order)."""
+    result = ScenarioResult(name=DDP, batch=cfg.batch)
+    merged = Measured()
+    failed = [o for o in outcomes if o.status != STATUS_OK]
+    first = next(
+        (o for o in failed if o.first_failure),
+        next((o for o in failed if o.status == STATUS_OOM), failed[0] if failed else None),
+    )
+    for o in sorted(outcomes, key=lambda o: o.rank or 0):
+        result.devices.extend(o.devices)
+        result.stray_contexts.extend(o.stray_contexts)
+        for note in o.notes:
+            if note not in result.notes:
+                result.notes.append(note)
+    ok = [o for o in outcomes if o.step_times_s]
+    if ok and not failed:
+        # a DDP step ends when the slowest rank's does: median over steps of the max over ranks
+        steps = min(len(o.step_times_s) for o in ok)
+        merged.step_times_s = [max(o.step_times_s[k] for o in ok) for k in range(steps)]
+        events = [o for o in ok if o.event_times_s]
+        if events:
+            n_ev = min(len(o.event_times_s) for o in events)
+            merged.event_times_s = [max(o.event_times_s[k] for o in events) for k in range(n_ev)]
+        losses = [o.loss for o in ok if o.loss is not None]
+        merged.loss = statistics.fmean(losses) if losses else None
+    if first is not None:
+        merged.status = first.status
+        merged.message = f"rank {first.rank}: {first.message}"
+        merged.oom_device = first.oom_device
+        merged.oom_bytes = first.oom_bytes
+        merged.oom_phase = first.oom_phase
+        merged.traceback = first.traceback
+        others = [o for o in failed if o is not first]
+        if others:
+            merged.notes.append(
+                "then: " + "; ".join(f"rank {o.rank}: {o.message[:160]}" for o in others)
+            )
+    _finish(result, merged, cfg)
+    if first is not None and first.traceback:
+        result.traceback = first.traceback
+    if cfg.batch % world:
+        result.notes.append(
+            f"each rank gets ceil({cfg.batch} / {world}) = {math.ceil(cfg.batch / world)} rows "
+            "(DistributedSampler pads)"
+        )
+    return result

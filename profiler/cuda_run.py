@@ -1,0 +1,196 @@
+"""One comparison on real GPUs: choose the devices, run every scenario, build the result.
+
+- :func:`select_devices`: ``--gpus N`` (the first N visible GPUs) or ``--devices 2,3``;
+- :func:`cuda_compare`: the scenarios in this process (DataParallel, single) and the ``ddp``
+  ranks spawned one per GPU (:func:`dpprof.ddp_launch.spawn_ddp`, NCCL);
+- :func:`torchrun_compare`: the ``ddp`` scenario when torchrun started this process: every
+  rank measures its device, rank 0 gets every rank's measurement and builds the result
+  (one device row per rank, with its node).
+
+``device_kind="cpu"`` runs the same code on CPU tensors with gloo (tests, no GPU needed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dpprof.cuda_backend import (
+    ASSUMPTIONS,
+    DEFAULT_STEPS,
+    DEFAULT_WARMUP,
+    CudaRunConfig,
+    ddp_scenario,
+    make_ops,
+    run_local_scenario,
+)
+from dpprof.ddp_launch import DdpJob, RankInfo, rank_entry, spawn_ddp
+from dpprof.errors import UsageError
+from dpprof.result import RunResult
+from dpprof.scenarios.base import DDP
+from dpprof.scenarios.workloads import Workload
+
+__all__ = ["CudaOptions", "cuda_compare", "select_devices", "torchrun_compare"]
+
+Progress = Callable[[str, int, int], None]
+
+CPU_ASSUMPTION = (
+    "Test mode: the cuda backend's code ran on CPU tensors (DDP over gloo); no GPU was "
+    "used, so there are no allocator or NVML numbers."
+)
+
+
+@dataclass
+class CudaOptions:
+    """The cuda backend's part of the command line."""
+
+    gpus: int | None = None  # the first N visible GPUs
+    devices: tuple[int, ...] | None = None  # or exactly these CUDA indices
+    warmup: int | None = None  # default 3
+    steps: int | None = None  # default 10
+    nvml_interval_s: float = 0.02
+    ddp_timeout_s: float = 300.0
+    device_kind: str = "cuda"  # "cpu": the same code on CPU tensors, gloo (tests)
+
+
+def select_devices(gpus: int | None, devices: Sequence[int] | None, visible: int) -> list[int]:
+    """The CUDA indices to use, or :class:`UsageError` naming what is wrong."""
+    if devices:
+        bad = [d for d in devices if d < 0 or d >= visible]
+        if bad:
+            raise UsageError(
+                f"--devices {','.join(map(str, devices))}: no CUDA device "
+                f"{', '.join(map(str, bad))} (this process sees {visible}: 0..{visible - 1}; "
+                "CUDA_VISIBLE_DEVICES renumbers them)"
+            )
+        if len(set(devices)) != len(devices):
+            raise UsageError("--devices lists a GPU twice; give each CUDA index once")
+        if gpus is not None and gpus != len(devices):
+            raise UsageError(
+                f"--gpus {gpus} and --devices {','.join(map(str, devices))} disagree; "
+                "give one of them"
+            )
+        return list(devices)
+    n = visible if gpus is None else gpus
+    if n > visible:
+        raise UsageError(f"--gpus {n}: only {visible} CUDA GPU(s) visible; use --gpus {visible}")
+    if n < 1:
+        raise UsageError("no CUDA GPU visible; use --backend emulated")
+    return list(range(n))
+
+
+def _config(
+    batch: int, seed: int, debug: bool, devices: list[int], opts: CudaOptions
+) -> CudaRunConfig:
+    return CudaRunConfig(
+        batch=batch,
+        devices=devices,
+        seed=seed,
+        warmup_steps=DEFAULT_WARMUP if opts.warmup is None else opts.warmup,
+        steps=DEFAULT_STEPS if opts.steps is None else opts.steps,
+        nvml_interval_s=opts.nvml_interval_s,
+        debug=debug,
+        device_kind=opts.device_kind,
+    )
+
+
+def _job(spec: str, ccfg: CudaRunConfig, opts: CudaOptions, run_id: str | None = None) -> DdpJob:
+    cpu = opts.device_kind == "cpu"
+    job = DdpJob(
+        workload=spec, cfg=ccfg, backend="gloo" if cpu else "nccl",
+        device="cpu" if cpu else "cuda", timeout_s=opts.ddp_timeout_s,
+    )
+    if run_id is not None:  # torchrun: every rank must use the same store keys
+        job.run_id = run_id
+    return job
+
+
+def _fill(run: RunResult, ccfg: CudaRunConfig, opts: CudaOptions) -> None:
+    run.backend = "cpu" if opts.device_kind == "cpu" else "cuda"
+    run.assumptions = list(ASSUMPTIONS)
+    if opts.device_kind == "cpu":
+        run.assumptions.insert(0, CPU_ASSUMPTION)
+    run.config.update(
+        warmup_steps=ccfg.warmup_steps, steps=ccfg.steps, devices=list(ccfg.devices),
+        nvml_interval_s=ccfg.nvml_interval_s, ddp_timeout_s=opts.ddp_timeout_s,
+        device_kind=opts.device_kind,
+    )
+
+
+def _capacity(devices: Sequence[int], opts: CudaOptions, fallback: int) -> int:
+    if opts.device_kind != "cuda":
+        return fallback
+    return min(int(torch.cuda.get_device_properties(d).total_memory) for d in devices)
+
+
+def cuda_compare(
+    run: RunResult,
+    spec: str,
+    wl: Workload,
+    scenarios: Sequence[str],
+    seed: int,
+    debug: bool,
+    opts: CudaOptions,
+    visible: int,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Fill ``run`` (made by the runner) with every scenario measured on the chosen GPUs."""
+    devices = select_devices(opts.gpus, opts.devices, visible)
+    ccfg = _config(run.batch, seed, debug, devices, opts)
+    _fill(run, ccfg, opts)
+    run.gpus = len(devices)
+    run.config["gpus"] = len(devices)
+    run.gpu_memory_bytes = _capacity(devices, opts, run.gpu_memory_bytes)
+    ops = make_ops(opts.device_kind, devices)
+    for i, name in enumerate(scenarios):
+        if progress:
+            progress(name, i, len(scenarios))
+        if name == DDP:
+            outcomes = spawn_ddp(_job(spec, ccfg, opts), len(devices))
+            run.scenarios.append(ddp_scenario(outcomes, ccfg, len(devices)))
+        else:
+            run.scenarios.append(run_local_scenario(name, wl, ccfg, ops))
+    if DDP in scenarios and any(s != DDP for s in scenarios) and opts.device_kind == "cuda":
+        run.notes.append(
+            "the ddp ranks ran while this process kept its CUDA context on every GPU (from "
+            "the DataParallel scenarios): NVML's used memory includes it; the rank's own "
+            "usage is in process_used_bytes"
+        )
+    return run
+
+
+def torchrun_compare(
+    run: RunResult,
+    spec: str,
+    info: RankInfo,
+    seed: int,
+    debug: bool,
+    opts: CudaOptions,
+) -> RunResult | None:
+    """This rank's part of ``ddp`` under torchrun; the result on rank 0, None elsewhere."""
+    devices = list(opts.devices) if opts.devices else []
+    ccfg = _config(run.batch, seed, debug, devices, opts)
+    run_id = "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    outcomes = rank_entry(_job(spec, ccfg, opts, run_id), info)
+    if outcomes is None:
+        return None
+    _fill(run, ccfg, opts)
+    run.gpus = info.world_size
+    run.config["gpus"] = info.world_size
+    run.config["torchrun"] = True
+    run.config["world_size"] = info.world_size
+    caps = [d.capacity_bytes for o in outcomes for d in o.devices if d.capacity_bytes]
+    if caps:
+        run.gpu_memory_bytes = min(caps)
+    run.scenarios.append(ddp_scenario(outcomes, ccfg, info.world_size))
+    nodes = sorted({(d.node_rank, d.node) for s in run.scenarios for d in s.devices},
+                   key=lambda x: (x[0] is None, x[0] or 0))
+    run.notes.append(
+        f"torchrun: {info.world_size} ranks on {len(nodes)} node(s), "
+        f"{math.ceil(run.batch / info.world_size)} rows each"
+    )
+    return run
