@@ -67,7 +67,8 @@ def oom_lines(run: RunResult) -> list[str]:
     for s in run.scenarios:
         if s.status == STATUS_OOM:
             dev = f"cuda:{s.oom_device}" if s.oom_device is not None else "a GPU"
-            need = f" (needs {fmt_bytes(s.oom_bytes)})" if s.oom_bytes else ""
+            verb = "tried to allocate" if is_real(run) else "needs"
+            need = f" ({verb} {fmt_bytes(s.oom_bytes)})" if s.oom_bytes else ""
             lines.append(f"{s.name} {word} on {dev}{need}: {s.message}".rstrip(": "))
         elif s.status not in MEASURED:
             lines.append(f"{s.name} failed: {s.message}")

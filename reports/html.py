@@ -206,13 +206,17 @@ def _peak_figure(run: RunResult) -> dict[str, Any] | None:
     for i, s in enumerate(_drawn(run)):
         devs = used_devices(s)
         top = max(top, *(d.peak_allocated_bytes for d in devs))
-        over = [d.peak_allocated_bytes > d.capacity_bytes > 0 for d in devs]
+        over = [d.peak_allocated_bytes > d.capacity_bytes > 0
+                or (s.status == STATUS_OOM and d.index == s.oom_device) for d in devs]
         data.append({
             "type": "bar",
             "name": _pt(s.name),
             "x": [_pt(device_label(s, d)) for d in devs],
             "y": [_gib(d.peak_allocated_bytes) for d in devs],
-            "customdata": [fmt_bytes(d.peak_allocated_bytes) for d in devs],
+            "customdata": [fmt_bytes(d.peak_allocated_bytes) + (" · out of memory" if o else "")
+                           for d, o in zip(devs, over, strict=True)],
+            "text": ["OOM" if o else "" for o in over], "textposition": "outside",
+            "textfont": {"color": "#c62828"}, "cliponaxis": False,
             "marker": {
                 "color": _colour(s.name, i),
                 "line": {"color": ["#7f0000" if o else "rgba(0,0,0,0)" for o in over],
@@ -267,7 +271,9 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
         "type": "bar", "orientation": "h", "y": [_pt(n) for n in names],
         "x": [_gib(x) for x in xs], "base": [_gib(b) for b in bases],
         "marker": {"color": colours}, "text": [_pt(t) for t in texts],
-        "textposition": "outside", "cliponaxis": False, "showlegend": False,
+        "textposition": ["inside" if k in (0, len(names) - 1) else "outside"
+                         for k in range(len(names))],
+        "insidetextanchor": "end", "cliponaxis": False, "showlegend": False,
         "hovertemplate": "%{y}: %{text}<extra></extra>", "name": _pt(ex.scenario),
     }]
     layout = _base_layout("")
@@ -361,7 +367,7 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
             ys = [p.used_bytes for p in d.timeline if p.used_bytes is not None]
             top = max(top, *ys)
             data.append({
-                "type": "scatter", "mode": "lines", "name": f"{label} NVML used",
+                "type": "scatter", "mode": "lines", "name": label, "legendgroup": label,
                 "x": [p.t for p in d.timeline if p.used_bytes is not None],
                 "y": [_gib(y) for y in ys], "line": {"color": colour, "width": 2},
                 "customdata": [_pt(p.phase) for p in d.timeline if p.used_bytes is not None],
@@ -371,7 +377,8 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
             top = max(top, *(p.allocated_bytes for p in d.timeline))
             data.append({
                 "type": "scatter", "mode": "lines",
-                "name": f"{label} allocated" if nvml else label,
+                "name": f"{label} allocated" if nvml else label, "legendgroup": label,
+                "showlegend": not nvml,
                 "x": xs, "y": [_gib(p.allocated_bytes) for p in d.timeline],
                 "line": {"color": colour, "width": 1.5 if nvml else 2,
                          "dash": "dot" if nvml else "solid"},
@@ -496,7 +503,9 @@ def _table(run: RunResult) -> str:
             if d is None or not d.used or not measured(s):
                 cells.append("<td class='dim'>-</td>")
             else:
-                cls = " class='oom'" if d.peak_allocated_bytes > d.capacity_bytes > 0 else ""
+                oom = d.peak_allocated_bytes > d.capacity_bytes > 0 or (
+                    s.status == STATUS_OOM and d.index == s.oom_device)
+                cls = " class='oom'" if oom else ""
                 cells.append(f"<td{cls}>{_e(fmt_bytes(d.peak_allocated_bytes))}</td>")
         c = run.comparison.scenarios.get(s.name)
         exc = _e(fmt_bytes(c.primary_excess_bytes, signed=True)) if c else "-"
@@ -602,7 +611,7 @@ def render(run: RunResult) -> str:
     if peak is not None:
         body.append(h2("Peak memory per GPU"))
         body.append("<p class='lead'>Peak allocated memory of each GPU during the measured "
-                    "step, per scenario. A dark outline marks a GPU over its capacity.</p>")
+                    "step, per scenario. A dark outline marks a GPU that ran out of memory.</p>")
         body.append(chart("peaks", peak, 400))
 
     exs = _excesses(run)
@@ -641,8 +650,8 @@ def render(run: RunResult) -> str:
                              + chart(f"timeline-{len(timelines)}", fig, 330))
     if timelines:
         body.append(h2("Memory over the step"))
-        what = ("NVML's used memory (solid; includes the CUDA context and the allocator's "
-                "reserve) and allocated memory (dotted), sampled" if is_real(run)
+        what = ("NVML's used memory (solid: includes the CUDA context and the allocator's "
+                "reserve) and allocated memory (dotted) of every GPU, sampled" if is_real(run)
                 else "Live allocated bytes of every emulated GPU, event by event")
         body.append(f"<p class='lead'>{_e(what)} through the measured step; the bands "
                     "mark its phases.</p>")
