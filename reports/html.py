@@ -66,6 +66,10 @@ CATEGORY_COLOURS = {
     "communication": "#ff9da6",
     "other": "#bab0ac",
 }
+PHASE_COLOURS = {
+    "inputs": "#f4f4f4", "forward": "#edf2fa", "loss": "#fbe9e9", "backward": "#f2edf8",
+    "optimizer": "#eaf5ec", "zero_grad": "#f4f4f4",
+}
 UP, DOWN, TOTAL = "#c44e52", "#55a868", "#5b6372"
 
 _CSS = """
@@ -215,8 +219,11 @@ def _peak_figure(run: RunResult) -> dict[str, Any] | None:
             "y": [_gib(d.peak_allocated_bytes) for d in devs],
             "customdata": [fmt_bytes(d.peak_allocated_bytes) + (" · out of memory" if o else "")
                            for d, o in zip(devs, over, strict=True)],
-            "text": ["OOM" if o else "" for o in over], "textposition": "outside",
-            "textfont": {"color": "#c62828"}, "cliponaxis": False,
+            "text": [("OOM " if o else "") + f"{d.peak_allocated_bytes / GiB:.1f}"
+                     for d, o in zip(devs, over, strict=True)],
+            "textposition": "outside", "textangle": 0,
+            "textfont": {"color": ["#c62828" if o else "#5b6372" for o in over], "size": 11},
+            "cliponaxis": False,
             "marker": {
                 "color": _colour(s.name, i),
                 "line": {"color": ["#7f0000" if o else "rgba(0,0,0,0)" for o in over],
@@ -271,7 +278,7 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
         "type": "bar", "orientation": "h", "y": [_pt(n) for n in names],
         "x": [_gib(x) for x in xs], "base": [_gib(b) for b in bases],
         "marker": {"color": colours}, "text": [_pt(t) for t in texts],
-        "textposition": ["inside" if k in (0, len(names) - 1) else "outside"
+        "textposition": ["auto" if k in (0, len(names) - 1) else "outside"
                          for k in range(len(names))],
         "insidetextanchor": "end", "cliponaxis": False, "showlegend": False,
         "hovertemplate": "%{y}: %{text}<extra></extra>", "name": _pt(ex.scenario),
@@ -390,10 +397,10 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
     shapes: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
     width = (ref[-1].t - ref[0].t) or 1.0
-    for k, (x0, x1, name) in enumerate(spans):
+    for x0, x1, name in spans:
         shapes.append({
             "type": "rect", "xref": "x", "yref": "paper", "x0": x0, "x1": x1, "y0": 0, "y1": 1,
-            "fillcolor": "#eef1f6" if k % 2 == 0 else "#ffffff", "line": {"width": 0},
+            "fillcolor": PHASE_COLOURS.get(name, "#f4f5f7"), "line": {"width": 0},
             "layer": "below",
         })
         if (x1 - x0) / width > 0.04:
@@ -611,7 +618,8 @@ def render(run: RunResult) -> str:
     if peak is not None:
         body.append(h2("Peak memory per GPU"))
         body.append("<p class='lead'>Peak allocated memory of each GPU during the measured "
-                    "step, per scenario. A dark outline marks a GPU that ran out of memory.</p>")
+                    "step, per scenario (labels in GiB). A dark outline marks a GPU that ran "
+                    "out of memory.</p>")
         body.append(chart("peaks", peak, 400))
 
     exs = _excesses(run)
@@ -687,7 +695,8 @@ def render(run: RunResult) -> str:
 
     title = f"dpprof: {run.workload}, batch {run.batch}, {run.gpus} GPUs"
     kind = "measured" if is_real(run) else "emulated"
-    sub = (f"{kind} ({run.backend} backend) · {fmt_bytes(run.gpu_memory_bytes)} per GPU · "
+    backend = "" if run.backend == kind else f" ({run.backend} backend)"
+    sub = (f"{kind}{backend} · {fmt_bytes(run.gpu_memory_bytes)} per GPU · "
            f"{run.dtype} · seed {run.seed} · dpprof {run.dpprof_version} · {run.created}")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("result", nargs="?", default=str(ROOT / "tests/data/emulated-lm.json"))
     ap.add_argument("-o", "--output", default=str(ROOT / "docs/report.png"))
     ap.add_argument("--full", action="store_true", help="the whole page, not the first screen")
-    ap.add_argument("--height", type=int, default=1500, help="viewport height (px)")
+    ap.add_argument("--height", type=int, default=1372, help="viewport height (px)")
     a = ap.parse_args()
     from playwright.sync_api import sync_playwright
 

@@ -115,7 +115,7 @@ def test_oom_is_called_out_in_red() -> None:
            "3.00 GiB)" in page
     assert "<span class='oom'>OOM</span>" in page
     peaks = _figures(page)["peaks"]["data"][0]
-    assert peaks["text"][0] == "OOM"
+    assert peaks["text"][0] == "OOM 22.0"
 
 
 def test_ddp_over_two_nodes_labels_devices_by_host() -> None:
