@@ -715,10 +715,15 @@ def render(run: RunResult) -> str:
 <script>
 (function(){{
   var figs = JSON.parse(document.getElementById('dpprof-figures').textContent);
-  document.querySelectorAll('[data-figure]').forEach(function(div){{
+  var divs = Array.prototype.slice.call(document.querySelectorAll('[data-figure]'));
+  // One chart per task, top to bottom: the first screen is drawn before the rest.
+  (function next(){{
+    var div = divs.shift();
+    if (!div) return;
     var f = figs[div.getAttribute('data-figure')];
-    Plotly.newPlot(div, f.data, f.layout, {{displaylogo:false, responsive:true}});
-  }});
+    Plotly.newPlot(div, f.data, f.layout, {{displaylogo:false, responsive:true}})
+      .then(function(){{ setTimeout(next, 0); }});
+  }})();
 }})();
 </script>
 </body></html>
