@@ -206,17 +206,30 @@ def render_markdown(rd: RunDiff) -> str:
 def render_html(rd: RunDiff) -> str:
     from dpprof.reports import html as h
 
+    top = max((max(d.before_bytes or 0, d.after_bytes or 0) for s in rd.scenarios
+               for d in s.devices), default=0)
+    token = h._UNIT.set(h.unit_for(top))
+    try:
+        return _render_html(rd)
+    finally:
+        h._UNIT.reset(token)
+
+
+def _render_html(rd: RunDiff) -> str:
+    from dpprof.reports import html as h
+
     xs: list[list[str]] = [[], []]
     before_y, after_y, before_t, after_t = [], [], [], []
     for s in rd.scenarios:
         for d in s.devices:
             xs[0].append(h._pt(s.name))
             xs[1].append(h._pt(d.label))
-            before_y.append(None if d.before_bytes is None else h._gib(d.before_bytes))
-            after_y.append(None if d.after_bytes is None else h._gib(d.after_bytes))
+            before_y.append(None if d.before_bytes is None else h._sc(d.before_bytes))
+            after_y.append(None if d.after_bytes is None else h._sc(d.after_bytes))
             before_t.append(_b(d.before_bytes))
             after_t.append(f"{_b(d.after_bytes)} ({_b(d.delta_bytes, True)})")
-    layout = h._base_layout("peak allocated (GiB)", barmode="group", bargap=0.2, height=420)
+    layout = h._base_layout(f"peak allocated ({h._un()})", barmode="group", bargap=0.2,
+                            height=420)
     layout["xaxis"] = {"type": "multicategory", "automargin": True}
     fig = {"data": [
         {"type": "bar", "name": "before", "x": xs, "y": before_y, "customdata": before_t,

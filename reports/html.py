@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html
 import json
+from contextvars import ContextVar
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -147,8 +148,29 @@ def plotly_js() -> str:
     return (resources.files("dpprof.reports") / PLOTLY_JS).read_text(encoding="utf-8")
 
 
-def _gib(n: float) -> float:
-    return round(n / GiB, 4)
+# The unit of every chart of one page: GiB, MiB or KiB, whichever suits its largest value.
+_UNIT: ContextVar[tuple[str, int]] = ContextVar("dpprof_html_unit", default=("GiB", GiB))
+
+
+def unit_for(top_bytes: float) -> tuple[str, int]:
+    """The unit for charts whose largest value is ``top_bytes``."""
+    for name, size in (("GiB", GiB), ("MiB", 2**20)):
+        if top_bytes >= 2 * size:
+            return name, size
+    return "KiB", 2**10
+
+
+def _sc(n: float) -> float:
+    """Bytes in the page's chart unit."""
+    return round(n / _UNIT.get()[1], 4)
+
+
+def _short(v: float) -> str:
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _un() -> str:
+    return _UNIT.get()[0]
 
 
 def _colour(name: str, i: int) -> str:
@@ -180,11 +202,11 @@ def _capacity(
         return
     if cap <= 1.6 * max(top_bytes, 1):
         layout["shapes"] = [*layout.get("shapes", []), {
-            "type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": _gib(cap), "y1": _gib(cap),
+            "type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": _sc(cap), "y1": _sc(cap),
             "line": {"color": "#c62828", "dash": "dash", "width": 1.5},
         }]
         layout.setdefault("annotations", []).append({
-            "xref": "paper", "x": 0, "y": _gib(cap), "xanchor": "left", "yanchor": "bottom",
+            "xref": "paper", "x": 0, "y": _sc(cap), "xanchor": "left", "yanchor": "bottom",
             "showarrow": False, "text": f"capacity {fmt_bytes(cap)} per GPU",
             "font": {"color": "#c62828", "size": 12},
         })
@@ -216,10 +238,10 @@ def _peak_figure(run: RunResult) -> dict[str, Any] | None:
             "type": "bar",
             "name": _pt(s.name),
             "x": [_pt(device_label(s, d)) for d in devs],
-            "y": [_gib(d.peak_allocated_bytes) for d in devs],
+            "y": [_sc(d.peak_allocated_bytes) for d in devs],
             "customdata": [fmt_bytes(d.peak_allocated_bytes) + (" · out of memory" if o else "")
                            for d, o in zip(devs, over, strict=True)],
-            "text": [("OOM " if o else "") + f"{d.peak_allocated_bytes / GiB:.1f}"
+            "text": [("OOM " if o else "") + _short(_sc(d.peak_allocated_bytes))
                      for d, o in zip(devs, over, strict=True)],
             "textposition": "outside", "textangle": 0,
             "textfont": {"color": ["#c62828" if o else "#5b6372" for o in over], "size": 11},
@@ -233,7 +255,7 @@ def _peak_figure(run: RunResult) -> dict[str, Any] | None:
         })
     if not data:
         return None
-    layout = _base_layout("peak allocated (GiB)", barmode="group", bargap=0.25)
+    layout = _base_layout(f"peak allocated ({_un()})", barmode="group", bargap=0.25)
     _capacity(layout, run, top)
     return {"data": data, "layout": layout}
 
@@ -276,7 +298,7 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
     texts.append(f"{fmt_bytes(ex.primary_bytes)} ({fmt_bytes(ex.excess_bytes, signed=True)})")
     data = [{
         "type": "bar", "orientation": "h", "y": [_pt(n) for n in names],
-        "x": [_gib(x) for x in xs], "base": [_gib(b) for b in bases],
+        "x": [_sc(x) for x in xs], "base": [_sc(b) for b in bases],
         "marker": {"color": colours}, "text": [_pt(t) for t in texts],
         "textposition": ["auto" if k in (0, len(names) - 1) else "outside"
                          for k in range(len(names))],
@@ -285,8 +307,8 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
     }]
     layout = _base_layout("")
     layout["yaxis"] = {"autorange": "reversed", "automargin": True}
-    layout["xaxis"] = {"title": {"text": "GiB"}, "gridcolor": "#eceef1",
-                       "range": [0, _gib(x_max) * 1.45]}
+    layout["xaxis"] = {"title": {"text": _un()}, "gridcolor": "#eceef1",
+                       "range": [0, _sc(x_max) * 1.45]}
     layout["height"] = 90 + 34 * len(names)
     layout["margin"] = {"t": 10, "r": 20, "b": 44, "l": 10}
     layout["bargap"] = 0.3
@@ -329,13 +351,13 @@ def _breakdown_figure(run: RunResult) -> dict[str, Any] | None:
         if any(vals):
             data.append({
                 "type": "bar", "name": _pt(CAUSES.get(cat, cat)), "x": xs,
-                "y": [_gib(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
+                "y": [_sc(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
                 "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
                 "hovertemplate": "%{x[1]}: %{customdata}<extra>%{fullData.name}</extra>",
             })
     if not data:
         return None
-    layout = _base_layout("GiB at the device's peak", barmode="stack", bargap=0.2)
+    layout = _base_layout(f"{_un()} at the device's peak", barmode="stack", bargap=0.2)
     layout["xaxis"] = {"type": "multicategory", "automargin": True}
     layout["margin"]["b"] = 70
     return {"data": data, "layout": layout}
@@ -364,7 +386,7 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
     if not devs:
         return None
     nvml = any(p.used_bytes is not None for d in devs for p in d.timeline)
-    data = []
+    data: list[dict[str, Any]] = []
     top = 0
     for i, d in enumerate(devs):
         colour = DEVICE_COLOURS[i % len(DEVICE_COLOURS)]
@@ -376,9 +398,10 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
             data.append({
                 "type": "scatter", "mode": "lines", "name": label, "legendgroup": label,
                 "x": [p.t for p in d.timeline if p.used_bytes is not None],
-                "y": [_gib(y) for y in ys], "line": {"color": colour, "width": 2},
+                "y": [_sc(y) for y in ys], "line": {"color": colour, "width": 2},
                 "customdata": [_pt(p.phase) for p in d.timeline if p.used_bytes is not None],
-                "hovertemplate": "%{y:.2f} GiB · %{customdata}<extra>%{fullData.name}</extra>",
+                "hovertemplate": "%{y:.2f} " + _un()
+                + " · %{customdata}<extra>%{fullData.name}</extra>",
             })
         if not nvml or any(p.allocated_bytes for p in d.timeline):
             top = max(top, *(p.allocated_bytes for p in d.timeline))
@@ -386,11 +409,12 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
                 "type": "scatter", "mode": "lines",
                 "name": f"{label} allocated" if nvml else label, "legendgroup": label,
                 "showlegend": not nvml,
-                "x": xs, "y": [_gib(p.allocated_bytes) for p in d.timeline],
+                "x": xs, "y": [_sc(p.allocated_bytes) for p in d.timeline],
                 "line": {"color": colour, "width": 1.5 if nvml else 2,
                          "dash": "dot" if nvml else "solid"},
                 "customdata": [_pt(p.phase) for p in d.timeline],
-                "hovertemplate": "%{y:.2f} GiB · %{customdata}<extra>%{fullData.name}</extra>",
+                "hovertemplate": "%{y:.2f} " + _un()
+                + " · %{customdata}<extra>%{fullData.name}</extra>",
             })
     ref = devs[0].timeline
     spans = _phase_spans([p.t for p in ref], [p.phase for p in ref])
@@ -417,7 +441,7 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
     peak_y = peak_pt.used_bytes if nvml and peak_pt.used_bytes is not None \
         else peak_pt.allocated_bytes
     annotations.append({
-        "x": peak_pt.t, "y": _gib(peak_y), "xref": "x", "yref": "y", "ax": 40, "ay": -24,
+        "x": peak_pt.t, "y": _sc(peak_y), "xref": "x", "yref": "y", "ax": 40, "ay": -24,
         "showarrow": True, "arrowhead": 0, "arrowcolor": "#5b6372",
         "text": _pt(f"{device_label(s, peak_dev)} peak {fmt_bytes(peak_y)}"
                     + (f" ({peak_pt.phase.replace('_', ' ')})" if peak_pt.phase else "")),
@@ -425,7 +449,7 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
     })
     unit = "seconds since the step began" if is_real(run) else (
         "allocation events of the measured step")
-    layout = _base_layout("GiB", shapes=shapes, annotations=annotations)
+    layout = _base_layout(_un(), shapes=shapes, annotations=annotations)
     layout["xaxis"] = {"title": {"text": unit}, "showgrid": False, "zeroline": False}
     layout["yaxis"]["rangemode"] = "tozero"
     layout["legend"] = {"orientation": "v", "y": 1, "x": 1.01}
@@ -586,7 +610,21 @@ def _fixes_html(run: RunResult) -> str:
     return "".join(parts)
 
 
+def _top_bytes(run: RunResult) -> int:
+    return max((max(d.peak_allocated_bytes, d.nvml_peak_used_bytes or 0)
+                for s in _drawn(run) for d in used_devices(s)), default=0)
+
+
 def render(run: RunResult) -> str:
+    """The page for ``run``."""
+    token = _UNIT.set(unit_for(_top_bytes(run)))
+    try:
+        return _render(run)
+    finally:
+        _UNIT.reset(token)
+
+
+def _render(run: RunResult) -> str:
     n = 0
 
     def h2(title: str) -> str:
@@ -618,7 +656,7 @@ def render(run: RunResult) -> str:
     if peak is not None:
         body.append(h2("Peak memory per GPU"))
         body.append("<p class='lead'>Peak allocated memory of each GPU during the measured "
-                    "step, per scenario (labels in GiB). A dark outline marks a GPU that ran "
+                    f"step, per scenario (labels in {_un()}). A dark outline marks a GPU that ran "
                     "out of memory.</p>")
         body.append(chart("peaks", peak, 400))
 
@@ -648,7 +686,7 @@ def render(run: RunResult) -> str:
             body.append("<details open><summary>What every GPU holds at its peak</summary>"
                         + chart("breakdown", bd, 400) + "</details>")
 
-    timelines = []
+    timelines: list[str] = []
     for s in _drawn(run):
         got = _timeline_figure(run, s)
         if got is not None:

@@ -155,3 +155,28 @@ def test_nothing_to_fix_when_balanced() -> None:
     page = html.render(run)
     assert "Switch to DistributedDataParallel" in page or "Nothing to change" in page
     assert "Compute the loss inside forward" not in page
+
+
+def test_a_run_where_every_scenario_failed_still_renders() -> None:
+    from dpprof.reports import markdown
+
+    run = RunResult.from_dict(saved("cpu-mlp").to_dict())
+    for s in run.scenarios:
+        s.status, s.message, s.devices = "error", "RuntimeError: boom <b>", []
+    from dpprof.analysis import compare
+
+    run.comparison = compare(run)
+    page = html.render(run)
+    assert "failed: dp-loss-primary" in page and "RuntimeError: boom &lt;b&gt;" in page
+    assert _figures(page) == {}
+    assert _headings(page) == ["What to change", "How these numbers were obtained"]
+    text = markdown.render(run)
+    assert "```mermaid" not in text and "boom &lt;b&gt;" in text
+
+
+def test_small_runs_are_charted_in_mib() -> None:
+    page = html.render(saved("cpu-mlp"))
+    figs = _figures(page)
+    assert figs["peaks"]["layout"]["yaxis"]["title"]["text"] == "peak allocated (MiB)"
+    assert max(figs["peaks"]["data"][0]["y"]) == pytest.approx(288, abs=1)
+    assert "capacity 80.0 GiB per GPU (above the scale)" in json.dumps(figs["peaks"]["layout"])
