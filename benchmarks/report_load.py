@@ -22,7 +22,8 @@ from dpprof.reports import html
 from dpprof.result import load
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-dev-shm-usage"]
 DRAWN = ("() => [...document.querySelectorAll('[data-figure]')]"
          ".every(d => d.querySelector('.main-svg .trace'))")
 FIRST = "() => document.querySelector('[data-figure] .main-svg .trace') !== null"

@@ -2,7 +2,8 @@
 
 The verdict, a table of peak memory per device per scenario, a mermaid ``xychart-beta``
 bar chart per scenario that GitHub draws (one bar series and the capacity as a line: the
-subset of the syntax every mermaid release with xycharts draws), cuda:0's excess by
+subset of the syntax every mermaid release with xycharts draws; coloured through an
+``init`` directive, which a renderer that ignores it simply skips), cuda:0's excess by
 cause, the fix, and how the numbers were obtained, the environment and the full
 configuration in collapsed ``<details>`` blocks. It reads as plain text too.
 
@@ -30,6 +31,10 @@ from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult, Scenario
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
+BAR_COLOURS = {
+    "dp-loss-primary": "#c44e52", "dp-loss-forward": "#dd8452", "ddp": "#55a868",
+    "single": "#8c8c8c",
+}
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|#!~])")
 
 
@@ -88,7 +93,11 @@ def _chart(run: RunResult, s: ScenarioResult, top: int) -> str:
     cap = run.gpu_memory_bytes
     show_cap = 0 < cap <= 1.6 * max(top, 1)
     y_max = max(top, cap if show_cap else 0) * 1.05
+    colour = BAR_COLOURS.get(s.name, "#4c72b0")
     lines = [
+        # the bar in the scenario's colour of the HTML report, the capacity line in red
+        '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "'
+        + colour + ', #c62828"}}}}%%',
         "xychart-beta",
         f"    title {_mermaid_str(f'{s.name}: peak allocated per GPU (GiB)')}",
         "    x-axis [" + ", ".join(_mermaid_str(device_label(s, d)) for d in devs) + "]",

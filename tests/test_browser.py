@@ -19,7 +19,8 @@ from reports_data import HOSTILE, SAVED, hostile, saved
 from dpprof.reports import diff, html
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-dev-shm-usage"]
 
 pytestmark = [
     pytest.mark.browser,

@@ -23,7 +23,8 @@ def test_every_saved_result_renders(name: str) -> None:
     drawn = [s for s in run.scenarios if s.status in ("ok", "oom")]
     assert len(charts) == len(drawn)
     for chart, s in zip(charts, drawn, strict=True):
-        lines = chart.splitlines()
+        lines = chart.splitlines()[1:]  # after the init directive (colours)
+        assert chart.startswith("%%{init: ")
         assert lines[0] == "xychart-beta"
         assert lines[1].startswith('    title "') and s.name in lines[1]
         labels = re.findall(r'"([^"]*)"', lines[2])
