@@ -206,3 +206,33 @@ def fixes(run: RunResult) -> list[Fix]:
             ),
         ))
     return out
+
+
+MEMORY_COLUMNS = (
+    ("peak_allocated_bytes", "allocated"),
+    ("peak_requested_bytes", "requested"),
+    ("peak_reserved_bytes", "reserved"),
+    ("context_bytes", "context + workspaces"),
+    ("nvml_peak_used_bytes", "NVML used"),
+)
+
+
+def memory_rows(run: RunResult) -> tuple[list[str], list[list[str]]]:
+    """Per scenario and device: allocated, reserved, context and NVML peaks (plain text).
+
+    Columns that no device has are left out; empty when only allocated is known.
+    """
+    devs = [(s, d) for s in run.scenarios if measured(s) for d in used_devices(s)]
+    cols = [(k, name) for k, name in MEMORY_COLUMNS
+            if any(getattr(d, k) for _, d in devs)]
+    if [k for k, _ in cols] in ([], ["peak_allocated_bytes"],
+                                ["peak_allocated_bytes", "peak_requested_bytes"]):
+        return [], []
+    head = ["scenario", "device", *(name for _, name in cols), "phase of the peak"]
+    rows = []
+    for s, d in devs:
+        vals = [getattr(d, k) for k, _ in cols]
+        rows.append([s.name, device_label(s, d),
+                     *(fmt_bytes(v) if v is not None else "-" for v in vals),
+                     d.peak_phase.replace("_", " ") or "-"])
+    return head, rows

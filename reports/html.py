@@ -35,6 +35,7 @@ from dpprof.reports.common import (
     fixes,
     is_real,
     measured,
+    memory_rows,
     oom_lines,
     provenance,
     used_devices,
@@ -651,6 +652,13 @@ def _render(run: RunResult) -> str:
         body.append("<ul class='alerts' id='alerts'>" + "".join(
             f"<li class='oom'>{_e(a)}</li>" for a in alerts) + "</ul>")
     body.append(_table(run))
+    head, rows = memory_rows(run)
+    if rows:
+        body.append(
+            "<details><summary>Allocated, reserved, context and NVML peaks per GPU</summary>"
+            "<div class='card'><table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head)
+            + "</tr>" + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>"
+                                for r in rows) + "</table></div></details>")
 
     peak = _peak_figure(run)
     if peak is not None:

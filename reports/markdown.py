@@ -23,6 +23,7 @@ from dpprof.reports.common import (
     fixes,
     is_real,
     measured,
+    memory_rows,
     oom_lines,
     provenance,
     used_devices,
@@ -161,7 +162,15 @@ def render(run: RunResult) -> str:
         lines.append(f"> **⚠ {md(a)}**")
     if oom_lines(run):
         lines.append("")
-    lines += ["### Peak memory per GPU", "", *_peak_table(run), "", *_charts(run)]
+    lines += ["### Peak memory per GPU", "", *_peak_table(run), ""]
+    head, rows = memory_rows(run)
+    if rows:
+        lines += ["<details><summary>Allocated, reserved, context and NVML peaks per GPU"
+                  "</summary>", "", "| " + " | ".join(md(h) for h in head) + " |",
+                  "| --- | --- |" + " ---: |" * (len(head) - 3) + " --- |"]
+        lines += ["| " + " | ".join(md(c) for c in r) + " |" for r in rows]
+        lines += ["", "</details>", ""]
+    lines += _charts(run)
     excess = _excess_table(run)
     if excess:
         lines += ["### cuda:0's excess by cause", "",

@@ -180,3 +180,8 @@ def test_small_runs_are_charted_in_mib() -> None:
     assert figs["peaks"]["layout"]["yaxis"]["title"]["text"] == "peak allocated (MiB)"
     assert max(figs["peaks"]["data"][0]["y"]) == pytest.approx(288, abs=1)
     assert "capacity 80.0 GiB per GPU (above the scale)" in json.dumps(figs["peaks"]["layout"])
+
+
+def test_reserved_and_nvml_peaks_only_where_known() -> None:
+    assert "<th>NVML used</th>" in html.render(saved("synthetic-nvml"))
+    assert "NVML used" not in html.render(saved("emulated-lm"))

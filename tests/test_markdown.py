@@ -33,7 +33,8 @@ def test_every_saved_result_renders(name: str) -> None:
         top = float(re.search(r"--> ([0-9.]+)", chart).group(1))
         assert max(bars) <= top
     # collapsed blocks open and close; the full configuration is JSON
-    assert text.count("<details>") == text.count("</details>") == 3
+    real = run.backend == "cuda"  # + allocated/reserved/context/NVML peaks
+    assert text.count("<details>") == text.count("</details>") == (4 if real else 3)
     assert "<details><summary>Full configuration</summary>" in text
     assert '"batch": ' in text
 
@@ -88,3 +89,12 @@ def test_md_escapes_markdown_and_html() -> None:
     assert md("<b>x</b>") == "&lt;b&gt;x&lt;/b&gt;"
     assert md("one\ntwo") == "one two"
     assert md("my_pkg.train:wl") == "my\\_pkg.train:wl"
+
+
+def test_reserved_context_and_nvml_peaks_of_a_real_gpu_run() -> None:
+    text = markdown.render(saved("synthetic-nvml"))
+    assert "| scenario | device | allocated | requested | reserved | context + workspaces | " \
+        "NVML used | phase of the peak |" in text
+    assert "| dp-loss-primary | cuda:0 | 46.0 GiB | 45.1 GiB | 49.7 GiB | 520 MiB | 50.2 GiB | " \
+        "backward |" in text
+    assert "NVML used" not in markdown.render(saved("emulated-lm"))
