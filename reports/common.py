@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpprof.attribution import CAUSES, excess_by_cause
+from dpprof.excess import Excess, cause_label, excess_by_cause
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
 from dpprof.units import fmt_bytes
@@ -75,14 +75,35 @@ def oom_lines(run: RunResult) -> list[str]:
     return lines
 
 
+def excess_of(run: RunResult, s: ScenarioResult) -> Excess | None:
+    """cuda:0's excess by cause in ``s``: the result's own attribution where it has one.
+
+    ``RunResult.attribution`` (issue 6, read by name so that results without it work) wins
+    when its causes add up to the same excess; :func:`dpprof.excess.excess_by_cause`
+    otherwise, and always for the two peaks the waterfall starts and ends at.
+    """
+    ex = excess_by_cause(s)
+    if ex is None:
+        return None
+    att = (getattr(run, "attribution", None) or {}).get(s.name)
+    causes = getattr(att, "causes_bytes", None)
+    if causes and sum(causes.values()) == ex.excess_bytes:
+        return Excess(ex.scenario, ex.primary_bytes, ex.reference_bytes, dict(causes))
+    return ex
+
+
+def excesses(run: RunResult) -> list[Excess]:
+    return [ex for s in run.scenarios if (ex := excess_of(run, s)) is not None]
+
+
 def top_causes(run: RunResult, scenario: str, n: int = 3) -> list[tuple[str, int]]:
     """The largest positive causes of cuda:0's excess in ``scenario``: (cause, bytes)."""
     s = run.scenario(scenario)
-    ex = excess_by_cause(s) if s is not None else None
+    ex = excess_of(run, s) if s is not None else None
     if ex is None:
         return []
     pos = sorted(((v, c) for c, v in ex.by_category.items() if v > 0), reverse=True)
-    return [(CAUSES.get(c, c), v) for v, c in pos[:n]]
+    return [(cause_label(c), v) for v, c in pos[:n]]
 
 
 @dataclass(frozen=True)
@@ -148,8 +169,39 @@ def _max_peak(s: ScenarioResult | None) -> int | None:
     return max(d.peak_allocated_bytes for d in used_devices(s))
 
 
+def max_batches(run: RunResult) -> list[tuple[str, int]]:
+    """(scenario, largest global batch that fits) where computed.
+
+    From the result's max-batch search (``RunResult.maxbatch``, issue 6, read by name) when
+    it has one, else from ``ScenarioResult.max_batch``.
+    """
+    entries = getattr(getattr(run, "maxbatch", None), "entries", None)
+    if entries:
+        return [(str(e.scenario), int(e.max_batch)) for e in entries
+                if getattr(e, "max_batch", None) is not None]
+    return [(s.name, s.max_batch) for s in run.scenarios if s.max_batch is not None]
+
+
 def fixes(run: RunResult) -> list[Fix]:
-    """The code changes that fit the findings, most useful first (empty: nothing to fix)."""
+    """The code changes that fit the findings, most useful first (empty: nothing to fix).
+
+    The result's own fixes (``RunResult.fixes``, issue 6, read by name: emulated with the
+    change applied) when it has them; otherwise chosen here from the scenarios' peaks.
+    """
+    given = getattr(run, "fixes", None)
+    if given:
+        out = []
+        for f in given:
+            why = str(getattr(f, "detail", "") or "")
+            saves = getattr(f, "saves_bytes", None)
+            if saves is not None:
+                why = (why + " " if why else "") + f"Saves {fmt_bytes(saves)} on cuda:0."
+            out.append(Fix(title=str(f.title), why=why, code=str(getattr(f, "code", "") or "")))
+        return out
+    return _own_fixes(run)
+
+
+def _own_fixes(run: RunResult) -> list[Fix]:
     out: list[Fix] = []
     prim, fwd, ddp = (run.scenario(n) for n in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP))
     p0, f0, dmax = _peak0(prim), _peak0(fwd), _max_peak(ddp)

@@ -29,11 +29,13 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from dpprof.attribution import CAUSES, excess_by_cause
+from dpprof.excess import cause_label
 from dpprof.reports.common import (
     device_label,
+    excesses,
     fixes,
     is_real,
+    max_batches,
     measured,
     memory_rows,
     oom_lines,
@@ -264,20 +266,11 @@ def _peak_figure(run: RunResult) -> dict[str, Any] | None:
 # ---- 3. cuda:0's excess by cause --------------------------------------------------------
 
 
-def _excesses(run: RunResult) -> list[Any]:
-    out = []
-    for s in run.scenarios:
-        ex = excess_by_cause(s)
-        if ex is not None:
-            out.append(ex)
-    return out
-
-
 def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
     """From the median other GPU to cuda:0, cause by cause (horizontal bars with a base)."""
     # Causes smaller than 0.5 % of cuda:0's peak are folded into one step.
     small = max(ex.primary_bytes // 200, 1)
-    steps = [(CAUSES.get(c, c), v) for c, v in ex.by_category.items() if abs(v) >= small]
+    steps = [(cause_label(c), v) for c, v in ex.by_category.items() if abs(v) >= small]
     steps.sort(key=lambda cv: -abs(cv[1]))
     folded = sum(v for v in ex.by_category.values() if abs(v) < small)
     if folded:
@@ -317,7 +310,7 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
 
 
 def _excess_table(run: RunResult) -> str:
-    exs = _excesses(run)
+    exs = excesses(run)
     if not exs:
         return ""
     cats = [c for c in CATEGORIES if any(ex.by_category.get(c) for ex in exs)]
@@ -329,7 +322,7 @@ def _excess_table(run: RunResult) -> str:
             f"<td>{_e(fmt_bytes(ex.by_category[c], signed=True)) if c in ex.by_category else ''}"
             "</td>" for ex in exs
         )
-        rows.append(f"<tr><td>{_e(CAUSES.get(c, c))}</td>{cells}</tr>")
+        rows.append(f"<tr><td>{_e(cause_label(c))}</td>{cells}</tr>")
     total = "".join(f"<th>{_e(fmt_bytes(ex.excess_bytes, signed=True))}</th>" for ex in exs)
     return (
         "<details><summary>The numbers: cuda:0 minus the median other GPU, by cause"
@@ -351,7 +344,7 @@ def _breakdown_figure(run: RunResult) -> dict[str, Any] | None:
         vals = [d.breakdown_bytes.get(cat, 0) for _, d in pairs]
         if any(vals):
             data.append({
-                "type": "bar", "name": _pt(CAUSES.get(cat, cat)), "x": xs,
+                "type": "bar", "name": _pt(cause_label(cat)), "x": xs,
                 "y": [_sc(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
                 "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
                 "hovertemplate": "%{x[1]}: %{customdata}<extra>%{fullData.name}</extra>",
@@ -505,16 +498,15 @@ def _timing(run: RunResult) -> tuple[dict[str, Any] | None, str]:
 
 
 def _max_batch(run: RunResult) -> tuple[dict[str, Any] | None, str]:
-    rows = [s for s in run.scenarios if s.max_batch is not None]
+    rows = max_batches(run)
     if not rows:
         return None, ""
     fig = _hbar(
-        [s.name for s in rows], [float(s.max_batch or 0) for s in rows],
-        [f"{s.max_batch:,}" for s in rows],
+        [name for name, _ in rows], [float(b) for _, b in rows], [f"{b:,}" for _, b in rows],
         f"largest global batch that fits in {fmt_bytes(run.gpu_memory_bytes)} per GPU",
-        [_colour(s.name, i) for i, s in enumerate(rows)],
+        [_colour(name, i) for i, (name, _) in enumerate(rows)],
     )
-    table = "".join(f"<tr><td>{_e(s.name)}</td><td>{s.max_batch:,}</td></tr>" for s in rows)
+    table = "".join(f"<tr><td>{_e(name)}</td><td>{b:,}</td></tr>" for name, b in rows)
     return fig, f"<table><tr><th>scenario</th><th>largest batch</th></tr>{table}</table>"
 
 
@@ -668,7 +660,7 @@ def _render(run: RunResult) -> str:
                     "out of memory.</p>")
         body.append(chart("peaks", peak, 400))
 
-    exs = _excesses(run)
+    exs = excesses(run)
     if exs:
         body.append(h2("Why cuda:0 is heavier"))
         body.append("<p class='lead'>From the median other GPU to cuda:0, cause by cause: "

@@ -17,11 +17,13 @@ import json
 import re
 from typing import Any
 
-from dpprof.attribution import CAUSES, excess_by_cause
+from dpprof.excess import cause_label
 from dpprof.reports.common import (
     device_label,
+    excesses,
     fixes,
     is_real,
+    max_batches,
     measured,
     memory_rows,
     oom_lines,
@@ -126,7 +128,7 @@ def _charts(run: RunResult) -> list[str]:
 
 
 def _excess_table(run: RunResult) -> list[str]:
-    exs = [ex for s in run.scenarios if (ex := excess_by_cause(s)) is not None]
+    exs = excesses(run)
     if not exs:
         return []
     cats = [c for c in CATEGORIES if any(ex.by_category.get(c) for ex in exs)]
@@ -136,7 +138,7 @@ def _excess_table(run: RunResult) -> list[str]:
     for c in cats:
         cells = [fmt_bytes(ex.by_category[c], signed=True) if c in ex.by_category else ""
                  for ex in exs]
-        lines.append(f"| {md(CAUSES.get(c, c))} | " + " | ".join(cells) + " |")
+        lines.append(f"| {md(cause_label(c))} | " + " | ".join(cells) + " |")
     lines.append("| **cuda:0's excess** | " + " | ".join(
         f"**{fmt_bytes(ex.excess_bytes, signed=True)}**" for ex in exs) + " |")
     return lines
@@ -188,11 +190,11 @@ def render(run: RunResult) -> str:
             lines.append(f"| {md(s.name)} | {(s.step_time_s or 0) * 1e3:.1f} ms | {spread} | "
                          f"{thr} |")
         lines.append("")
-    sized = [s for s in run.scenarios if s.max_batch is not None]
+    sized = max_batches(run)
     if sized:
         lines += [f"### Largest batch that fits in {fmt_bytes(run.gpu_memory_bytes)} per GPU", "",
                   "| scenario | largest batch |", "| --- | ---: |"]
-        lines += [f"| {md(s.name)} | {s.max_batch:,} |" for s in sized]
+        lines += [f"| {md(name)} | {b:,} |" for name, b in sized]
         lines.append("")
     lines += ["### What to change", ""]
     found = fixes(run)

@@ -185,3 +185,31 @@ def test_small_runs_are_charted_in_mib() -> None:
 def test_reserved_and_nvml_peaks_only_where_known() -> None:
     assert "<th>NVML used</th>" in html.render(saved("synthetic-nvml"))
     assert "NVML used" not in html.render(saved("emulated-lm"))
+
+
+def test_the_results_own_attribution_fixes_and_max_batch_are_used_when_present() -> None:
+    """Results of issue 6 carry attribution, fixes and maxbatch; the reports prefer them."""
+    from types import SimpleNamespace
+
+    from dpprof.reports import markdown
+
+    run = saved("emulated-lm")
+    excess = run.comparison.scenarios["dp-loss-primary"].primary_excess_bytes
+    run.attribution = {"dp-loss-primary": SimpleNamespace(  # type: ignore[attr-defined]
+        causes_bytes={"loss": excess - 2**30, "gathered_outputs": 2**30})}
+    run.fixes = [SimpleNamespace(  # type: ignore[attr-defined]
+        title="Emulated fix", detail="measured with the change applied.", code="fixed = True",
+        saves_bytes=3 * 2**30)]
+    run.maxbatch = SimpleNamespace(entries=[  # type: ignore[attr-defined]
+        SimpleNamespace(scenario="ddp", max_batch=2048),
+        SimpleNamespace(scenario="dp-loss-primary", max_batch=None)])
+    page = html.render(run)
+    figs = _figures(page)
+    wf = figs["excess-0"]["data"][0]
+    assert wf["y"][1:3] == ["loss and its gradient", "gathered outputs"]
+    assert "Emulated fix" in page and "Saves 3.00 GiB on cuda:0." in page
+    assert "fixed = True" in page and "ModelWithLoss(model, loss_fn)" not in page
+    assert figs["maxbatch"]["data"][0]["y"] == ["ddp"]
+    text = markdown.render(run)
+    assert "| ddp | 2,048 |" in text and "**Emulated fix.**" in text
+    assert "| gathered outputs | +1.00 GiB |" in text

@@ -18,7 +18,7 @@ def test_compare_writes_markdown(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     text = out.read_text()
     assert text.startswith("## dpprof: mlp, batch 8, 4 GPUs (emulated)")
-    assert "```mermaid\nxychart-beta" in text and "<details><summary>Environment" in text
+    assert "```mermaid\n%%{init: " in text and "\nxychart-beta\n" in text and "<details><summary>Environment" in text
 
 
 @pytest.mark.parametrize("suffix", [".md", ".html", ".json"])

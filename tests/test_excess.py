@@ -3,7 +3,7 @@
 from reports_data import saved
 
 from dpprof.analysis import compare_scenario
-from dpprof.attribution import excess_by_cause
+from dpprof.excess import excess_by_cause
 from dpprof.result import STATUS_ERROR, DeviceResult, ScenarioResult
 
 

@@ -5,8 +5,10 @@ of the other used devices by peak; with an even number, the mean of the two midd
 the same figure as :attr:`ScenarioComparison.primary_excess_bytes`. It is split by the
 per-category ``breakdown_bytes`` of the two, so the causes add up to the excess exactly.
 
-This is deliberately the minimal attribution the reports need; the authoritative one may
-replace :func:`excess_by_cause` (same signature) without touching the renderers.
+This is deliberately the minimal attribution the reports need. Where a result carries the
+authoritative attribution (``RunResult.attribution``, issue 6), the reports use its causes
+instead (:func:`dpprof.reports.common.excesses`); this module then only supplies cuda:0's
+and the reference device's peaks for the waterfall.
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ CAUSES: dict[str, str] = {
     "activations": "activations",
     "other": "other",
 }
+
+
+def cause_label(key: str) -> str:
+    """The words for a cause: this module's, the authoritative attribution's, or the key."""
+    if key in CAUSES:
+        return CAUSES[key]
+    try:  # the authoritative attribution's labels, where that module exists
+        from dpprof.attribution import CAUSES as labels  # type: ignore[import-not-found]
+
+        return str(labels.get(key, key.replace("_", " ")))
+    except ImportError:
+        return key.replace("_", " ")
 
 
 @dataclass(frozen=True)
