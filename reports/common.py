@@ -226,7 +226,7 @@ def _own_fixes(run: RunResult) -> list[Fix]:
             because = (
                 "; under DataParallel cuda:0 keeps "
                 + ", ".join(f"{c} ({fmt_bytes(b)})" for c, b in rest)
-                + " for every GPU"
+                + " that the other GPUs do not hold"
             ) if rest else ""
             n = len(used_devices(ddp)) if ddp is not None else run.gpus
             fits = "" if dmax <= cap else f" (still above the {fmt_bytes(cap)} per GPU)"
@@ -236,8 +236,8 @@ def _own_fixes(run: RunResult) -> list[Fix]:
                     f"DDP balances all {n} GPUs at {fmt_bytes(dmax)} each{fits}"
                     + (f", {fmt_bytes(worst_dp - dmax)} less than DataParallel's best "
                        "cuda:0" if worst_dp is not None and worst_dp > dmax else "")
-                    + ", with no gradient reduction onto one GPU and no replication of the "
-                    "model every step (DDP is usually faster too)"
+                    + " (no gradient reduction onto one GPU, no replication of the model "
+                    "every step)"
                     + because + "."
                 ),
                 code=DDP_CODE,
