@@ -44,7 +44,7 @@ err = Console(stderr=True, highlight=False)
 # Piped output gets room for a table of 8 GPUs instead of rich's 80 columns.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
 
-FORMATS = {".html": "html", ".json": "json"}
+FORMATS = {".html": "html", ".json": "json", ".md": "markdown"}
 DEFAULT_DIR = Path("dpprof-reports")
 
 
@@ -109,6 +109,10 @@ def render_to(run: RunResult, fmt: str) -> str:
         from dpprof.reports import html
 
         return html.render(run)
+    if fmt == "markdown":
+        from dpprof.reports import markdown
+
+        return markdown.render(run)
     from dpprof.reports import json as json_report
 
     return json_report.render(run)
@@ -207,7 +211,8 @@ def compare_cmd(
         list[Path] | None,
         typer.Option(
             "--output", "-o",
-            help="Report file; repeat for several. The suffix picks the format (.html, .json). "
+            help="Report file; repeat for several. The suffix picks the format (.html, .json, "
+            ".md for a GitHub issue). "
             "Default: both, in ./dpprof-reports/compare-YYYYmmdd-HHMMSS.*",
         ),
     ] = None,
@@ -340,31 +345,74 @@ def env_cmd(
         raise _fail(e, debug) from None
 
 
+def _load_any(path: Path) -> RunResult:
+    """A saved result, or a `dpprof watch` samples file (maybe cut short)."""
+    if path.suffix == ".jsonl":
+        from dpprof.watch import load_run
+
+        return load_run(path)
+    return load(path)
+
+
 @app.command("report")
 def report_cmd(
-    result: Annotated[Path, typer.Argument(help="A result saved by dpprof (JSON).")],
+    results: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A result saved by dpprof (JSON); give two (before.json after.json) to "
+            "compare them.",
+            show_default=False,
+        ),
+    ],
     output: Annotated[
         list[Path] | None,
         typer.Option(
-            "--output", "-o", help="Write these files (.html, .json) instead of printing."
+            "--output", "-o",
+            help="Write these files instead of printing; the suffix picks the format (.html, "
+            ".md, and .json for a single result).",
         ),
     ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    """Re-render a saved result without running anything."""
+    """Re-render a saved result without running anything, or compare two.
+
+    Example: dpprof report run.json -o run.md; dpprof report before.json after.json
+    """
     from dpprof.reports import terminal
 
     try:
-        if result.suffix == ".jsonl":  # a `dpprof watch` samples file, maybe cut short
-            from dpprof.watch import load_run
-
-            run = load_run(result)
-        else:
-            run = load(result)
-        if not output:
-            out.print(terminal.render(run))
+        if len(results) > 2:
+            raise UsageError(
+                f"report takes one result, or two to compare (before after); got {len(results)}"
+            )
+        paths = _output_paths(output, "report") if output else []
+        runs = [_load_any(r) for r in results]
+        if len(runs) == 1:
+            if not paths:
+                out.print(terminal.render(runs[0]))
+                return
+            _check_writable(paths)
+            write_reports(runs[0], paths, quiet=False)
             return
-        write_reports(run, _output_paths(output, "report"), quiet=False)
+        from dpprof.reports import diff
+
+        rd = diff.diff(runs[0], runs[1])
+        if not paths:
+            out.print(diff.render_terminal(rd))
+            return
+        renderers = {"html": diff.render_html, "markdown": diff.render_markdown}
+        for p, fmt in paths:
+            if fmt not in renderers:
+                raise UsageError(
+                    f"--output {p}: a comparison of two results is written as .html or .md"
+                )
+        _check_writable(paths)
+        for p, fmt in paths:
+            try:
+                write_atomic(p, renderers[fmt](rd))
+            except OSError as e:
+                raise DpprofError(f"could not write {p}: {e.strerror or e}") from e
+            out.print(f"wrote {p}")
     except ResultFileError as e:
         raise _fail(DpprofError(str(e)), debug) from None
     except DpprofError as e:

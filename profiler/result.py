@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class TimelinePoint:
     t: float  # seconds since the step began (measured) or event index (emulated)
     allocated_bytes: int
     phase: str = ""
+    used_bytes: int | None = None  # NVML's "used" at this moment (real GPUs only)
 
 
 @dataclass
@@ -107,6 +109,7 @@ class ScenarioResult:
     traceback: str | None = None  # of an error (or of an OOM with --debug); DDP: the rank's
     # a process's CUDA context on a GPU it should not touch: {rank, pid, cuda_index, used_bytes}
     stray_contexts: list[dict[str, Any]] = field(default_factory=list)
+    max_batch: int | None = None  # largest global batch that fits (where computed)
 
     def device(self, index: int) -> DeviceResult | None:
         for d in self.devices:
@@ -267,10 +270,27 @@ _NESTED: dict[tuple[str, str], tuple[str, Any]] = {
 _NESTED[("RunResult", "watch")] = ("one", WatchResult)
 _NESTED[("WatchResult", "devices")] = ("list", WatchDevice)
 _NESTED[("WatchResult", "ooms")] = ("list", WatchOom)
+# Upgrades from each older schema version to the next: ``_UPGRADES[v]`` turns a version-v
+# dict into a version-(v + 1) dict. Version 1 is the first, so there is none yet; when the
+# schema changes, bump SCHEMA_VERSION and register the step from the previous version here.
+Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
+_UPGRADES: dict[int, Upgrade] = {}
+FIRST_SCHEMA_VERSION = 1
 
 
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """Bring an older result up to :data:`SCHEMA_VERSION` (no older schema exists yet)."""
+    """Bring a result of an older ``schema_version`` up to :data:`SCHEMA_VERSION`, step by step.
+
+    Raises ValueError when a step is missing (a version this dpprof never wrote).
+    """
+    version = data.get("schema_version", SCHEMA_VERSION)
+    while version < SCHEMA_VERSION:
+        step = _UPGRADES.get(version)
+        if step is None:
+            raise ValueError(f"schema_version {version} is not one this dpprof can read")
+        data = step(dict(data))
+        version += 1
+        data["schema_version"] = version
     return data
 
 
@@ -283,17 +303,27 @@ def load(path: str | Path) -> RunResult:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultFileError(f"{p}: not JSON ({e})") from e
+    except OSError as e:
+        raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
     if not isinstance(data, dict) or "schema_version" not in data or "scenarios" not in data:
         raise ResultFileError(f"{p}: not a dpprof result (no schema_version/scenarios)")
     version = data["schema_version"]
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version < FIRST_SCHEMA_VERSION:
+        raise ResultFileError(
+            f"{p}: not a dpprof result (schema_version {version!r} is not one dpprof wrote)"
+        )
+    if version > SCHEMA_VERSION:
         raise ResultFileError(
             f"{p}: schema_version {version} is newer than this dpprof reads "
             f"({SCHEMA_VERSION}); upgrade dpprof (pip install -U dpprof)"
         )
     try:
-        return RunResult.from_dict(upgrade(data))
-    except (TypeError, ValueError, AttributeError) as e:
+        data = upgrade(data)
+    except ValueError as e:
+        raise ResultFileError(f"{p}: {e}") from e
+    try:
+        return RunResult.from_dict(data)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
         raise ResultFileError(f"{p}: malformed dpprof result ({e})") from e
 
 

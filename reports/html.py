@@ -1,23 +1,64 @@
-"""HTML: one self-contained page that opens offline (plotly inlined, no network).
+"""HTML: one self-contained page that opens offline in any browser and reads top to bottom.
 
-The only module of dpprof that imports plotly. Every string that comes from the user or
-the environment is escaped; chart data is embedded as JSON with ``<`` escaped, so a
-hostile workload name renders as text.
+The page: the verdict (out-of-memory results in red), peak memory per GPU per scenario
+with the capacity line, cuda:0's excess by cause as a waterfall per scenario, what each
+GPU holds at its peak, memory over the step per device with the phases marked, step time
+and throughput, the largest batch, the code to change, and how the numbers were obtained
+(assumptions, configuration, environment).
+
+Charts are drawn by plotly.js's *basic* partial bundle (bar, scatter and pie traces:
+everything this page needs; the waterfall is bars with a ``base``), vendored next to
+this module from the npm package ``plotly.js-basic-dist-min`` (MIT; see
+``scripts/update_plotly_js.sh``) and inlined as a plain ``<script>``. At 1.2 MB instead of
+the full bundle's 4.8 MB, it keeps a report near 1.3 MB, parses in a fraction of the time,
+and needs nothing a browser might lack (no decompression, no module loading, no network).
+
+Every string that comes from the user or the environment is escaped: HTML text through
+:func:`html.escape`; chart data is JSON with ``<``, ``>`` and ``&`` escaped inside a
+``type="application/json"`` script, and the labels plotly draws have ``<``, ``>`` and
+``&`` turned into entities (plotly reads a few HTML tags in labels). A hostile workload
+name renders as text.
 """
 
 from __future__ import annotations
 
 import html
 import json
+from contextvars import ContextVar
+from functools import cache
+from importlib import resources
 from typing import Any
 
-from plotly.offline import get_plotlyjs
-
-from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult
+from dpprof.excess import cause_label
+from dpprof.reports.common import (
+    device_label,
+    excesses,
+    fixes,
+    is_real,
+    max_batches,
+    measured,
+    memory_rows,
+    oom_lines,
+    provenance,
+    used_devices,
+)
+from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
+PLOTLY_JS = "plotly-basic.min.js"
 
+SCENARIO_COLOURS = {
+    "dp-loss-primary": "#c44e52",
+    "dp-loss-forward": "#dd8452",
+    "ddp": "#55a868",
+    "single": "#8c8c8c",
+}
+EXTRA_COLOURS = ("#4c72b0", "#8172b3", "#937860", "#da8bc3", "#64b5cd")
+DEVICE_COLOURS = (
+    "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
+    "#ccb974", "#64b5cd",
+)
 CATEGORY_COLOURS = {
     "parameters": "#4c78a8",
     "gradients": "#72b7b2",
@@ -29,28 +70,67 @@ CATEGORY_COLOURS = {
     "communication": "#ff9da6",
     "other": "#bab0ac",
 }
+PHASE_COLOURS = {
+    "inputs": "#f4f4f4", "forward": "#edf2fa", "loss": "#fbe9e9", "backward": "#f2edf8",
+    "optimizer": "#eaf5ec", "zero_grad": "#f4f4f4",
+}
+UP, DOWN, TOTAL = "#c44e52", "#55a868", "#5b6372"
 
 _CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#1d2330;
-background:#f6f7f9}
-main{max-width:1100px;margin:0 auto;padding:24px}
-h1{font-size:22px;margin:0 0 4px}
-h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #dde1e6;padding-bottom:4px}
+*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1d2330;
+background:#f4f5f7;line-height:1.45}
+main{max-width:1120px;margin:0 auto;padding:24px 28px 60px}
+h1{font-size:23px;margin:0 0 2px}
+h2{font-size:18px;margin:34px 0 6px}
+h2 .n{color:#8a93a3;font-weight:400;margin-right:6px}
 .sub{color:#5b6372;font-size:14px}
-.verdict{font-size:18px;background:#fff;border-left:5px solid #3b6fd8;padding:14px 18px;
-margin:18px 0;border-radius:4px}
+.lead{color:#5b6372;font-size:14px;margin:0 0 10px;max-width:900px}
+.verdict{font-size:19px;background:#fff;border-left:6px solid #3b6fd8;padding:16px 20px;
+margin:18px 0 8px;border-radius:6px;box-shadow:0 1px 2px rgba(0,0,0,.06)}
+.verdict.bad{border-left-color:#c62828}
 .oom{color:#c62828;font-weight:600}
-table{border-collapse:collapse;background:#fff;font-size:14px}
-td,th{padding:5px 10px;border-bottom:1px solid #e6e8eb;text-align:right}
+.alerts{margin:8px 0;padding:10px 16px 10px 34px;background:#fdecea;border-radius:6px;
+font-size:14px}
+.card{background:#fff;border-radius:6px;padding:10px 14px;margin:8px 0;
+box-shadow:0 1px 2px rgba(0,0,0,.06)}
+table{border-collapse:collapse;font-size:14px;font-variant-numeric:tabular-nums}
+td,th{padding:5px 12px;border-bottom:1px solid #e6e8eb;text-align:right;vertical-align:top}
+th{font-weight:600;color:#3c4452}
 td:first-child,th:first-child{text-align:left}
-.chart{background:#fff;border-radius:4px;margin:8px 0}
-ul{font-size:14px} code,pre{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:13px}
-pre{background:#fff;padding:12px;border-radius:4px;overflow:auto}
+td.l{text-align:left}
+.dim{color:#8a93a3}
+.chart{min-height:200px}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:0 14px}
+.wf-title{font-weight:600;font-size:14px;margin:8px 0 -4px}
+.prov{font-weight:600}
+ul{font-size:14px;margin:6px 0}
+code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px}
+pre{background:#f7f8fa;border:1px solid #e6e8eb;padding:12px 14px;border-radius:6px;
+overflow:auto;margin:6px 0 14px}
+details summary{cursor:pointer;color:#3b6fd8;font-size:14px;margin:6px 0}
+.kv td:first-child{color:#5b6372;white-space:nowrap}
+.kv td{text-align:left}
+.fix h3{font-size:15px;margin:10px 0 2px}
+.fix p{margin:2px 0 6px;font-size:14px}
+footer{margin-top:40px;color:#8a93a3;font-size:12px}
 """
+
+
+# Nothing leaves the page: no fetch, no image, no font from anywhere but the file itself.
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "img-src data:; font-src data:"
+)
 
 
 def _e(x: object) -> str:
     return html.escape(str(x), quote=True)
+
+
+def _pt(x: object) -> str:
+    """A label for plotly to draw: its own mini-HTML (<b>, <a href>...) disarmed."""
+    return str(x).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _json(x: Any) -> str:
@@ -65,203 +145,632 @@ def _json(x: Any) -> str:
     )
 
 
-def _gib(n: float) -> float:
-    return round(n / GiB, 4)
+@cache
+def plotly_js() -> str:
+    """The vendored plotly.js basic bundle (inlined into every page)."""
+    return (resources.files("dpprof.reports") / PLOTLY_JS).read_text(encoding="utf-8")
 
 
-def _peak_figure(run: RunResult) -> dict[str, Any]:
+# The unit of every chart of one page: GiB, MiB or KiB, whichever suits its largest value.
+_UNIT: ContextVar[tuple[str, int]] = ContextVar("dpprof_html_unit", default=("GiB", GiB))
+
+
+def unit_for(top_bytes: float) -> tuple[str, int]:
+    """The unit for charts whose largest value is ``top_bytes``."""
+    for name, size in (("GiB", GiB), ("MiB", 2**20)):
+        if top_bytes >= 2 * size:
+            return name, size
+    return "KiB", 2**10
+
+
+def _sc(n: float) -> float:
+    """Bytes in the page's chart unit."""
+    return round(n / _UNIT.get()[1], 4)
+
+
+def _short(v: float) -> str:
+    return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def _un() -> str:
+    return _UNIT.get()[0]
+
+
+def _colour(name: str, i: int) -> str:
+    return SCENARIO_COLOURS.get(name, EXTRA_COLOURS[i % len(EXTRA_COLOURS)])
+
+
+def _base_layout(y_title: str, **extra: Any) -> dict[str, Any]:
+    layout: dict[str, Any] = {
+        "yaxis": {"title": {"text": y_title}, "gridcolor": "#eceef1", "zeroline": False},
+        "xaxis": {"automargin": True},
+        "margin": {"t": 36, "r": 16, "b": 40, "l": 64},
+        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
+        "font": {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif",
+                 "size": 13, "color": "#1d2330"},
+        "paper_bgcolor": "#ffffff",
+        "plot_bgcolor": "#ffffff",
+        "hoverlabel": {"namelength": -1},
+    }
+    layout.update(extra)
+    return layout
+
+
+def _capacity(
+    layout: dict[str, Any], run: RunResult, top_bytes: int, off_scale_note: bool = True
+) -> None:
+    """Draw the capacity line when it is on the scale; otherwise say where it is."""
+    cap = run.gpu_memory_bytes
+    if cap <= 0:
+        return
+    if cap <= 1.6 * max(top_bytes, 1):
+        layout["shapes"] = [*layout.get("shapes", []), {
+            "type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": _sc(cap), "y1": _sc(cap),
+            "line": {"color": "#c62828", "dash": "dash", "width": 1.5},
+        }]
+        layout.setdefault("annotations", []).append({
+            "xref": "paper", "x": 0, "y": _sc(cap), "xanchor": "left", "yanchor": "bottom",
+            "showarrow": False, "text": f"capacity {fmt_bytes(cap)} per GPU",
+            "font": {"color": "#c62828", "size": 12},
+        })
+    elif off_scale_note:
+        layout.setdefault("annotations", []).append({
+            "xref": "paper", "yref": "paper", "x": 1, "y": 1, "xanchor": "right",
+            "yanchor": "bottom", "showarrow": False,
+            "text": f"capacity {fmt_bytes(cap)} per GPU (above the scale)",
+            "font": {"color": "#c62828", "size": 12},
+        })
+
+
+def _drawn(run: RunResult) -> list[ScenarioResult]:
+    return [s for s in run.scenarios if measured(s) and used_devices(s)]
+
+
+# ---- 2. peak memory per device per scenario --------------------------------------------
+
+
+def _peak_figure(run: RunResult) -> dict[str, Any] | None:
     data = []
-    for s in run.scenarios:
-        if s.status not in (STATUS_OK, STATUS_OOM):
-            continue
-        devs = [d for d in s.devices if d.used]
+    top = 0
+    for i, s in enumerate(_drawn(run)):
+        devs = used_devices(s)
+        top = max(top, *(d.peak_allocated_bytes for d in devs))
+        over = [d.peak_allocated_bytes > d.capacity_bytes > 0
+                or (s.status == STATUS_OOM and d.index == s.oom_device) for d in devs]
         data.append({
             "type": "bar",
-            "name": s.name,
-            "x": [f"cuda:{d.index}" for d in devs],
-            "y": [_gib(d.peak_allocated_bytes) for d in devs],
-            "text": [fmt_bytes(d.peak_allocated_bytes) for d in devs],
-            "hovertemplate": "%{x}: %{text}<extra>%{fullData.name}</extra>",
-        })
-    layout = {
-        "barmode": "group",
-        "yaxis": {"title": {"text": "peak allocated (GiB)"}},
-        "shapes": [{
-            "type": "line", "xref": "paper", "x0": 0, "x1": 1,
-            "y0": _gib(run.gpu_memory_bytes), "y1": _gib(run.gpu_memory_bytes),
-            "line": {"color": "#c62828", "dash": "dash"},
-        }],
-        "annotations": [{
-            "xref": "paper", "x": 1, "y": _gib(run.gpu_memory_bytes), "xanchor": "right",
-            "yanchor": "bottom", "showarrow": False,
-            "text": f"capacity {fmt_bytes(run.gpu_memory_bytes)}",
-            "font": {"color": "#c62828"},
-        }],
-        "margin": {"t": 30, "r": 20},
-        "legend": {"orientation": "h"},
-    }
-    return {"data": data, "layout": layout}
-
-
-def _breakdown_figure(run: RunResult) -> dict[str, Any]:
-    """Stacked bars: for each scenario and device, bytes per category at the peak."""
-    xs: list[list[str]] = [[], []]
-    for s in run.scenarios:
-        if s.status not in (STATUS_OK, STATUS_OOM):
-            continue
-        for d in s.devices:
-            if d.used:
-                xs[0].append(s.name)
-                xs[1].append(f"cuda:{d.index}")
-    data = []
-    for cat in CATEGORIES:
-        ys, texts = [], []
-        for s in run.scenarios:
-            if s.status not in (STATUS_OK, STATUS_OOM):
-                continue
-            for d in s.devices:
-                if d.used:
-                    b = d.breakdown_bytes.get(cat, 0)
-                    ys.append(_gib(b))
-                    texts.append(fmt_bytes(b))
-        if any(ys):
-            data.append({
-                "type": "bar", "name": cat.replace("_", " "), "x": xs, "y": ys,
-                "text": texts, "textposition": "none",
-                "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
-                "hovertemplate": "%{x}: %{text}<extra>%{fullData.name}</extra>",
-            })
-    layout = {
-        "barmode": "stack",
-        "yaxis": {"title": {"text": "GiB at the device's peak"}},
-        "margin": {"t": 30, "r": 20},
-        "legend": {"orientation": "h"},
-    }
-    return {"data": data, "layout": layout}
-
-
-def _timeline_figure(run: RunResult, scenario: str) -> dict[str, Any] | None:
-    s = run.scenario(scenario)
-    if s is None or s.status not in (STATUS_OK, STATUS_OOM):
-        return None
-    data = []
-    for d in s.devices:
-        if not d.used or not d.timeline or (s.name == "ddp" and d.index > 0):
-            continue
-        data.append({
-            "type": "scatter", "mode": "lines", "name": f"cuda:{d.index}",
-            "x": [p.t for p in d.timeline], "y": [_gib(p.allocated_bytes) for p in d.timeline],
-            "text": [p.phase for p in d.timeline],
-            "hovertemplate": "%{y:.2f} GiB during %{text}<extra>%{fullData.name}</extra>",
+            "name": _pt(s.name),
+            "x": [_pt(device_label(s, d)) for d in devs],
+            "y": [_sc(d.peak_allocated_bytes) for d in devs],
+            "customdata": [fmt_bytes(d.peak_allocated_bytes) + (" · out of memory" if o else "")
+                           for d, o in zip(devs, over, strict=True)],
+            "text": [("OOM " if o else "") + _short(_sc(d.peak_allocated_bytes))
+                     for d, o in zip(devs, over, strict=True)],
+            "textposition": "outside", "textangle": 0,
+            "textfont": {"color": ["#c62828" if o else "#5b6372" for o in over], "size": 11},
+            "cliponaxis": False,
+            "marker": {
+                "color": _colour(s.name, i),
+                "line": {"color": ["#7f0000" if o else "rgba(0,0,0,0)" for o in over],
+                         "width": [3 if o else 0 for o in over]},
+            },
+            "hovertemplate": "%{x}: %{customdata}<extra>%{fullData.name}</extra>",
         })
     if not data:
         return None
-    unit = "seconds" if run.backend == "cuda" else "allocation events"
-    layout = {
-        "xaxis": {"title": {"text": f"measured step ({unit})"}},
-        "yaxis": {"title": {"text": "allocated (GiB)"}},
-        "margin": {"t": 30, "r": 20},
-        "legend": {"orientation": "h"},
-    }
+    layout = _base_layout(f"peak allocated ({_un()})", barmode="group", bargap=0.25)
+    _capacity(layout, run, top)
     return {"data": data, "layout": layout}
 
 
+# ---- 3. cuda:0's excess by cause --------------------------------------------------------
+
+
+def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
+    """From the median other GPU to cuda:0, cause by cause (horizontal bars with a base)."""
+    # Causes smaller than 0.5 % of cuda:0's peak are folded into one step.
+    small = max(ex.primary_bytes // 200, 1)
+    steps = [(cause_label(c), v) for c, v in ex.by_category.items() if abs(v) >= small]
+    steps.sort(key=lambda cv: -abs(cv[1]))
+    folded = sum(v for v in ex.by_category.values() if abs(v) < small)
+    if folded:
+        steps.append(("smaller causes", folded))
+    names, xs, bases, colours, texts = ["median other GPU"], [ex.reference_bytes], [0], [TOTAL], [
+        fmt_bytes(ex.reference_bytes)]
+    level = ex.reference_bytes
+    for cause, v in steps:
+        names.append(cause)
+        xs.append(v)
+        bases.append(level)
+        colours.append(UP if v > 0 else DOWN)
+        texts.append(fmt_bytes(v, signed=True))
+        level += v
+    names.append("cuda:0")
+    xs.append(ex.primary_bytes)
+    bases.append(0)
+    colours.append("#1d2330")
+    texts.append(f"{fmt_bytes(ex.primary_bytes)} ({fmt_bytes(ex.excess_bytes, signed=True)})")
+    data = [{
+        "type": "bar", "orientation": "h", "y": [_pt(n) for n in names],
+        "x": [_sc(x) for x in xs], "base": [_sc(b) for b in bases],
+        "marker": {"color": colours}, "text": [_pt(t) for t in texts],
+        "textposition": ["auto" if k in (0, len(names) - 1) else "outside"
+                         for k in range(len(names))],
+        "insidetextanchor": "end", "cliponaxis": False, "showlegend": False,
+        "hovertemplate": "%{y}: %{text}<extra></extra>", "name": _pt(ex.scenario),
+    }]
+    layout = _base_layout("")
+    layout["yaxis"] = {"autorange": "reversed", "automargin": True}
+    layout["xaxis"] = {"title": {"text": _un()}, "gridcolor": "#eceef1",
+                       "range": [0, _sc(x_max) * 1.45]}
+    layout["height"] = 90 + 34 * len(names)
+    layout["margin"] = {"t": 10, "r": 20, "b": 44, "l": 10}
+    layout["bargap"] = 0.3
+    return {"data": data, "layout": layout}
+
+
+def _excess_table(run: RunResult) -> str:
+    exs = excesses(run)
+    if not exs:
+        return ""
+    cats = [c for c in CATEGORIES if any(ex.by_category.get(c) for ex in exs)]
+    cats += sorted({c for ex in exs for c in ex.by_category} - set(cats))
+    head = "".join(f"<th>{_e(ex.scenario)}</th>" for ex in exs)
+    rows = []
+    for c in cats:
+        cells = "".join(
+            f"<td>{_e(fmt_bytes(ex.by_category[c], signed=True)) if c in ex.by_category else ''}"
+            "</td>" for ex in exs
+        )
+        rows.append(f"<tr><td>{_e(cause_label(c))}</td>{cells}</tr>")
+    total = "".join(f"<th>{_e(fmt_bytes(ex.excess_bytes, signed=True))}</th>" for ex in exs)
+    return (
+        "<details><summary>The numbers: cuda:0 minus the median other GPU, by cause"
+        f"</summary><table><tr><th>cause</th>{head}</tr>{''.join(rows)}"
+        f"<tr><th>cuda:0's excess</th>{total}</tr></table></details>"
+    )
+
+
+def _breakdown_figure(run: RunResult) -> dict[str, Any] | None:
+    """Stacked bars: for each scenario and device, bytes per category at the peak."""
+    pairs = [(s, d) for s in _drawn(run) for d in used_devices(s)]
+    if not pairs:
+        return None
+    xs = [[_pt(s.name) for s, _ in pairs], [_pt(device_label(s, d)) for s, d in pairs]]
+    cats = list(CATEGORIES) + sorted(
+        {c for _, d in pairs for c in d.breakdown_bytes} - set(CATEGORIES))
+    data = []
+    for cat in cats:
+        vals = [d.breakdown_bytes.get(cat, 0) for _, d in pairs]
+        if any(vals):
+            data.append({
+                "type": "bar", "name": _pt(cause_label(cat)), "x": xs,
+                "y": [_sc(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
+                "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
+                "hovertemplate": "%{x[1]}: %{customdata}<extra>%{fullData.name}</extra>",
+            })
+    if not data:
+        return None
+    layout = _base_layout(f"{_un()} at the device's peak", barmode="stack", bargap=0.2)
+    layout["xaxis"] = {"type": "multicategory", "automargin": True}
+    layout["margin"]["b"] = 70
+    return {"data": data, "layout": layout}
+
+
+# ---- 4. timelines -------------------------------------------------------------------------
+
+
+def _phase_spans(xs: list[float], phases: list[str]) -> list[tuple[float, float, str]]:
+    spans: list[tuple[float, float, str]] = []
+    for x, p in zip(xs, phases, strict=True):
+        if spans and spans[-1][2] == p:
+            spans[-1] = (spans[-1][0], x, p)
+        else:
+            if spans:
+                spans[-1] = (spans[-1][0], x, spans[-1][2])
+            spans.append((x, x, p))
+    return [sp for sp in spans if sp[2]]
+
+
+def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any], str] | None:
+    devs = [d for d in used_devices(s) if d.timeline]
+    note = ""
+    if not is_real(run) and s.name == "ddp" and len(devs) > 1:
+        devs, note = devs[:1], "Emulated DDP: every rank runs the same program; rank 0 shown."
+    if not devs:
+        return None
+    nvml = any(p.used_bytes is not None for d in devs for p in d.timeline)
+    data: list[dict[str, Any]] = []
+    top = 0
+    for i, d in enumerate(devs):
+        colour = DEVICE_COLOURS[i % len(DEVICE_COLOURS)]
+        xs = [p.t for p in d.timeline]
+        label = _pt(device_label(s, d))
+        if nvml:
+            ys = [p.used_bytes for p in d.timeline if p.used_bytes is not None]
+            top = max(top, *ys)
+            data.append({
+                "type": "scatter", "mode": "lines", "name": label, "legendgroup": label,
+                "x": [p.t for p in d.timeline if p.used_bytes is not None],
+                "y": [_sc(y) for y in ys], "line": {"color": colour, "width": 2},
+                "customdata": [_pt(p.phase) for p in d.timeline if p.used_bytes is not None],
+                "hovertemplate": "%{y:.2f} " + _un()
+                + " · %{customdata}<extra>%{fullData.name}</extra>",
+            })
+        if not nvml or any(p.allocated_bytes for p in d.timeline):
+            top = max(top, *(p.allocated_bytes for p in d.timeline))
+            data.append({
+                "type": "scatter", "mode": "lines",
+                "name": f"{label} allocated" if nvml else label, "legendgroup": label,
+                "showlegend": not nvml,
+                "x": xs, "y": [_sc(p.allocated_bytes) for p in d.timeline],
+                "line": {"color": colour, "width": 1.5 if nvml else 2,
+                         "dash": "dot" if nvml else "solid"},
+                "customdata": [_pt(p.phase) for p in d.timeline],
+                "hovertemplate": "%{y:.2f} " + _un()
+                + " · %{customdata}<extra>%{fullData.name}</extra>",
+            })
+    ref = devs[0].timeline
+    spans = _phase_spans([p.t for p in ref], [p.phase for p in ref])
+    shapes: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    width = (ref[-1].t - ref[0].t) or 1.0
+    for x0, x1, name in spans:
+        shapes.append({
+            "type": "rect", "xref": "x", "yref": "paper", "x0": x0, "x1": x1, "y0": 0, "y1": 1,
+            "fillcolor": PHASE_COLOURS.get(name, "#f4f5f7"), "line": {"width": 0},
+            "layer": "below",
+        })
+        if (x1 - x0) / width > 0.04:
+            annotations.append({
+                "x": (x0 + x1) / 2, "y": 1, "xref": "x", "yref": "paper", "yanchor": "bottom",
+                "showarrow": False, "text": _pt(name.replace("_", " ")),
+                "font": {"size": 11, "color": "#5b6372"},
+            })
+    peak_dev = max(devs, key=lambda d: max(
+        (p.used_bytes if nvml and p.used_bytes is not None else p.allocated_bytes)
+        for p in d.timeline))
+    peak_pt = max(peak_dev.timeline, key=lambda p: (
+        p.used_bytes if nvml and p.used_bytes is not None else p.allocated_bytes))
+    peak_y = peak_pt.used_bytes if nvml and peak_pt.used_bytes is not None \
+        else peak_pt.allocated_bytes
+    annotations.append({
+        "x": peak_pt.t, "y": _sc(peak_y), "xref": "x", "yref": "y", "ax": 40, "ay": -24,
+        "showarrow": True, "arrowhead": 0, "arrowcolor": "#5b6372",
+        "text": _pt(f"{device_label(s, peak_dev)} peak {fmt_bytes(peak_y)}"
+                    + (f" ({peak_pt.phase.replace('_', ' ')})" if peak_pt.phase else "")),
+        "font": {"size": 12}, "bgcolor": "rgba(255,255,255,.85)",
+    })
+    unit = "seconds since the step began" if is_real(run) else (
+        "allocation events of the measured step")
+    layout = _base_layout(_un(), shapes=shapes, annotations=annotations)
+    layout["xaxis"] = {"title": {"text": unit}, "showgrid": False, "zeroline": False}
+    layout["yaxis"]["rangemode"] = "tozero"
+    layout["legend"] = {"orientation": "v", "y": 1, "x": 1.01}
+    layout["margin"]["b"] = 50
+    _capacity(layout, run, top, off_scale_note=False)
+    return {"data": data, "layout": layout}, note
+
+
+# ---- 5, 6. step time and throughput, largest batch --------------------------------------
+
+
+def _hbar(names: list[str], values: list[float], texts: list[str], x_title: str,
+          colours: list[str]) -> dict[str, Any]:
+    data = [{
+        "type": "bar", "orientation": "h", "y": [_pt(n) for n in names], "x": values,
+        "text": [_pt(t) for t in texts], "textposition": "auto", "marker": {"color": colours},
+        "hovertemplate": "%{y}: %{text}<extra></extra>", "showlegend": False,
+    }]
+    layout = _base_layout("")
+    layout["xaxis"] = {"title": {"text": x_title}, "gridcolor": "#eceef1", "rangemode": "tozero"}
+    layout["yaxis"] = {"autorange": "reversed", "automargin": True}
+    layout["height"] = 70 + 44 * len(names)
+    layout["margin"] = {"t": 10, "r": 16, "b": 44, "l": 10}
+    return {"data": data, "layout": layout}
+
+
+def _timing(run: RunResult) -> tuple[dict[str, Any] | None, str]:
+    rows = [s for s in run.scenarios if s.step_time_s is not None]
+    if not rows:
+        return None, ""
+    table = ["<table><tr><th>scenario</th><th>step time (median)</th><th>spread (max-min)"
+             "</th><th>throughput</th></tr>"]
+    for s in rows:
+        spread = f"{s.step_time_spread_s * 1e3:.1f} ms" if s.step_time_spread_s is not None \
+            else "-"
+        thr = (f"{s.throughput_samples_per_s:,.0f} samples/s"
+               if s.throughput_samples_per_s is not None else "-")
+        table.append(f"<tr><td>{_e(s.name)}</td><td>{(s.step_time_s or 0) * 1e3:.1f} ms</td>"
+                     f"<td>{_e(spread)}</td><td>{_e(thr)}</td></tr>")
+    table.append("</table>")
+    thr_rows = [s for s in rows if s.throughput_samples_per_s]
+    fig = None
+    if thr_rows:
+        fig = _hbar(
+            [s.name for s in thr_rows], [s.throughput_samples_per_s or 0 for s in thr_rows],
+            [f"{s.throughput_samples_per_s:,.0f}/s · {(s.step_time_s or 0) * 1e3:.0f} ms"
+             for s in thr_rows],
+            "throughput (samples per second)",
+            [_colour(s.name, i) for i, s in enumerate(thr_rows)],
+        )
+    return fig, "".join(table)
+
+
+def _max_batch(run: RunResult) -> tuple[dict[str, Any] | None, str]:
+    rows = max_batches(run)
+    if not rows:
+        return None, ""
+    fig = _hbar(
+        [name for name, _ in rows], [float(b) for _, b in rows], [f"{b:,}" for _, b in rows],
+        f"largest global batch that fits in {fmt_bytes(run.gpu_memory_bytes)} per GPU",
+        [_colour(name, i) for i, (name, _) in enumerate(rows)],
+    )
+    table = "".join(f"<tr><td>{_e(name)}</td><td>{b:,}</td></tr>" for name, b in rows)
+    return fig, f"<table><tr><th>scenario</th><th>largest batch</th></tr>{table}</table>"
+
+
+# ---- tables and text ----------------------------------------------------------------------
+
+
 def _table(run: RunResult) -> str:
-    head = "".join(f"<th>cuda:{i}</th>" for i in range(run.gpus))
+    cols = max((len(s.devices) for s in run.scenarios), default=run.gpus)
+    ref = max(run.scenarios, key=lambda s: len(s.devices), default=None)
+    labels = [device_label(ref, d) for d in ref.devices] if ref and ref.devices else [
+        f"cuda:{i}" for i in range(cols)]
+    head = "".join(f"<th>{_e(lb)}</th>" for lb in labels)
     rows = []
     for s in run.scenarios:
         cells = []
-        for i in range(run.gpus):
-            d = s.device(i)
-            if d is None or not d.used or s.status not in (STATUS_OK, STATUS_OOM):
-                cells.append("<td>-</td>")
+        for k in range(cols):
+            d = s.devices[k] if k < len(s.devices) else None
+            if d is None or not d.used or not measured(s):
+                cells.append("<td class='dim'>-</td>")
             else:
-                cls = ' class="oom"' if d.peak_allocated_bytes > d.capacity_bytes > 0 else ""
+                oom = d.peak_allocated_bytes > d.capacity_bytes > 0 or (
+                    s.status == STATUS_OOM and d.index == s.oom_device)
+                cls = " class='oom'" if oom else ""
                 cells.append(f"<td{cls}>{_e(fmt_bytes(d.peak_allocated_bytes))}</td>")
         c = run.comparison.scenarios.get(s.name)
         exc = _e(fmt_bytes(c.primary_excess_bytes, signed=True)) if c else "-"
         imb = f"{c.imbalance:.2f}" if c else "-"
-        status = "ok" if s.status == STATUS_OK else f'<span class="oom">{_e(s.status)}</span>'
+        status = {STATUS_OK: "ok", STATUS_OOM: "<span class='oom'>OOM</span>"}.get(
+            s.status, f"<span class='oom'>{_e(s.status)}</span>")
         rows.append(
             f"<tr><td>{_e(s.name)}</td>{''.join(cells)}<td>{exc}</td><td>{imb}</td>"
             f"<td>{status}</td></tr>"
         )
     return (
-        f"<table><tr><th>scenario</th>{head}<th>cuda:0 excess</th><th>max/mean</th>"
-        f"<th>status</th></tr>{''.join(rows)}</table>"
+        f"<div class='card'><table><tr><th>scenario</th>{head}<th>cuda:0 excess</th>"
+        f"<th>max/mean</th><th>status</th></tr>{''.join(rows)}</table></div>"
     )
+
+
+def _value(v: Any) -> str:
+    """A configuration or environment value: nested lists and dicts as small tables."""
+    if isinstance(v, dict):
+        if not v:
+            return "<span class='dim'>(empty)</span>"
+        return _kv_table(v)
+    if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+        keys = list(dict.fromkeys(k for x in v for k in x))
+        head = "".join(f"<th>{_e(k)}</th>" for k in keys)
+        body = "".join(
+            "<tr>" + "".join(f"<td class='l'>{_e(x.get(k, ''))}</td>" for k in keys) + "</tr>"
+            for x in v
+        )
+        return f"<table><tr>{head}</tr>{body}</table>"
+    if isinstance(v, list):
+        return _e(", ".join(str(x) for x in v))
+    if v is None:
+        return "<span class='dim'>n/a</span>"
+    return _e(v)
 
 
 def _kv_table(items: dict[str, Any]) -> str:
-    rows = "".join(
-        f"<tr><td>{_e(k)}</td><td style='text-align:left'>{_e(v)}</td></tr>"
-        for k, v in items.items()
-    )
-    return f"<table>{rows}</table>"
+    rows = []
+    for k, v in items.items():
+        shown = _value(v)
+        if isinstance(v, int) and not isinstance(v, bool) and str(k).endswith("_bytes"):
+            shown = f"{_e(fmt_bytes(v))} <span class='dim'>({v:,} B)</span>"
+        rows.append(f"<tr><td>{_e(k)}</td><td>{shown}</td></tr>")
+    return f"<table class='kv'>{''.join(rows)}</table>"
+
+
+def _verdict_html(run: RunResult) -> str:
+    """The verdict, with its out-of-memory clause in red."""
+    text = run.comparison.verdict or "No verdict: the result has no comparison."
+    marker = "; out of memory"
+    if marker in text:
+        head, tail = text.split(marker, 1)
+        clause, sep, rest = tail.partition(";")
+        return (f"{_e(head)}; <span class='oom'>out of memory{_e(clause)}</span>"
+                f"{_e(sep + rest)}")
+    return _e(text)
+
+
+def _fixes_html(run: RunResult) -> str:
+    found = fixes(run)
+    if not found:
+        return ("<p class='lead'>Nothing to change: cuda:0 carries no excess worth a change "
+                "in any scenario measured.</p>")
+    parts = []
+    for i, f in enumerate(found):
+        parts.append(
+            f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{_e(f.title)}</h3>"
+            f"<p>{_e(f.why)}</p><pre><code>{_e(f.code)}</code></pre></div>"
+        )
+    return "".join(parts)
+
+
+def _top_bytes(run: RunResult) -> int:
+    return max((max(d.peak_allocated_bytes, d.nvml_peak_used_bytes or 0)
+                for s in _drawn(run) for d in used_devices(s)), default=0)
 
 
 def render(run: RunResult) -> str:
-    figures: list[tuple[str, str, dict[str, Any]]] = [
-        ("peaks", "Peak memory per GPU", _peak_figure(run)),
-        ("breakdown", "What each GPU holds at its peak", _breakdown_figure(run)),
-    ]
-    for name in ("dp-loss-primary", "dp-loss-forward", "ddp", "single"):
-        fig = _timeline_figure(run, name)
-        if fig is not None:
-            figures.append((f"timeline-{name}", f"Memory over the step: {name}", fig))
-    watch_html = ""
+    """The page for ``run``."""
+    token = _UNIT.set(unit_for(_top_bytes(run)))
+    try:
+        return _render(run)
+    finally:
+        _UNIT.reset(token)
+
+
+def _render(run: RunResult) -> str:
+    n = 0
+
+    def h2(title: str) -> str:
+        nonlocal n
+        n += 1
+        return f"<h2><span class='n'>{n}</span>{_e(title)}</h2>"
+
+    figures: dict[str, dict[str, Any]] = {}
+
+    def chart(key: str, fig: dict[str, Any] | None, height: int | None = None) -> str:
+        if fig is None:
+            return ""
+        if height is not None:
+            fig["layout"].setdefault("height", height)
+        figures[key] = fig
+        return f"<div class='card'><div class='chart' id='fig-{key}' data-figure='{key}'></div>" \
+               "</div>"
+
+    body: list[str] = []
+    alerts = oom_lines(run)
+    bad = bool(alerts)
+    body.append(f"<p class='verdict{' bad' if bad else ''}' id='verdict'>{_verdict_html(run)}</p>")
+    if alerts:
+        body.append("<ul class='alerts' id='alerts'>" + "".join(
+            f"<li class='oom'>{_e(a)}</li>" for a in alerts) + "</ul>")
+    body.append(_table(run))
+    head, rows = memory_rows(run)
+    if rows:
+        body.append(
+            "<details><summary>Allocated, reserved, context and NVML peaks per GPU</summary>"
+            "<div class='card'><table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head)
+            + "</tr>" + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>"
+                                for r in rows) + "</table></div></details>")
+
     if run.watch is not None:  # `dpprof watch -- CMD` (reports/watch.py)
         from dpprof.reports import watch as watch_report
 
-        watch_html = watch_report.html_section(run)
-        fig = watch_report.timeline_figure(run)
-        if fig is not None:
-            figures.append(("timeline-watch", "Memory over the run", fig))
-    sections = []
-    for key, title, _ in figures:
-        sections.append(
-            f"<h2>{_e(title)}</h2><div class='chart' id='fig-{_e(key)}' "
-            f"data-figure='{_e(key)}'></div>"
-        )
-    problems = "".join(
-        f"<li class='oom'>{_e(s.name)}: {_e(s.message)}</li>"
-        for s in run.scenarios if s.status != STATUS_OK
-    )
-    notes = "".join(
-        f"<li>{_e(s.name)}: {_e(n)}</li>" for s in run.scenarios for n in s.notes
-        if "Traceback" not in n
-    )
-    verdict_cls = " oom" if any(s.status == STATUS_OOM for s in run.scenarios) else ""
-    fig_json = _json({key: fig for key, _, fig in figures})
+        body.append(watch_report.html_section(run))
+        wfig = watch_report.timeline_figure(run)
+        if wfig is not None:
+            body.append(h2("Memory over the run"))
+            body.append(chart("timeline-watch", wfig, 360))
+
+    peak = _peak_figure(run)
+    if peak is not None:
+        body.append(h2("Peak memory per GPU"))
+        body.append("<p class='lead'>Peak allocated memory of each GPU during the measured "
+                    f"step, per scenario (labels in {_un()}). A dark outline marks a GPU that ran "
+                    "out of memory.</p>")
+        body.append(chart("peaks", peak, 400))
+
+    exs = excesses(run)
+    if exs:
+        body.append(h2("Why cuda:0 is heavier"))
+        body.append("<p class='lead'>From the median other GPU to cuda:0, cause by cause: "
+                    "red steps are memory that cuda:0 holds and the others do not, green "
+                    "steps memory it holds less of.</p>")
+        x_max = max(max(ex.primary_bytes, ex.reference_bytes) for ex in exs)
+        shown = [ex for ex in exs if abs(ex.excess_bytes) > 0.01 * max(ex.primary_bytes, 1)]
+        cells = []
+        for k, ex in enumerate(shown):
+            cells.append(
+                f"<div class='wf'><div class='wf-title'>{_e(ex.scenario)}: cuda:0 "
+                f"{_e(fmt_bytes(ex.excess_bytes, signed=True))}</div>"
+                + chart(f"excess-{k}", _waterfall_figure(ex, x_max)) + "</div>")
+        body.append("<div class='grid'>" + "".join(cells) + "</div>")
+        flat = [ex for ex in exs if ex not in shown]
+        if flat:
+            body.append("<p class='lead'>Balanced (cuda:0 within 1 % of the others): "
+                        + _e(", ".join(f"{ex.scenario} ({fmt_bytes(ex.excess_bytes, signed=True)})"
+                                       for ex in flat)) + ".</p>")
+        body.append(_excess_table(run))
+        bd = _breakdown_figure(run)
+        if bd is not None:
+            body.append("<details open><summary>What every GPU holds at its peak</summary>"
+                        + chart("breakdown", bd, 400) + "</details>")
+
+    timelines: list[str] = []
+    for s in _drawn(run):
+        got = _timeline_figure(run, s)
+        if got is not None:
+            fig, note = got
+            title = f"<h3 style='font-size:15px;margin:14px 0 0'>{_e(s.name)}</h3>"
+            timelines.append(title + (f"<p class='lead'>{_e(note)}</p>" if note else "")
+                             + chart(f"timeline-{len(timelines)}", fig, 330))
+    if timelines:
+        body.append(h2("Memory over the step"))
+        what = ("NVML's used memory (solid: includes the CUDA context and the allocator's "
+                "reserve) and allocated memory (dotted) of every GPU, sampled" if is_real(run)
+                else "Live allocated bytes of every emulated GPU, event by event")
+        body.append(f"<p class='lead'>{_e(what)} through the measured step; the bands "
+                    "mark its phases.</p>")
+        body.extend(timelines)
+
+    tfig, ttable = _timing(run)
+    if ttable:
+        body.append(h2("Step time and throughput"))
+        body.append(f"<div class='card'>{ttable}</div>")
+        body.append(chart("timing", tfig))
+
+    mfig, mtable = _max_batch(run)
+    if mtable:
+        body.append(h2("Largest batch that fits"))
+        body.append(chart("maxbatch", mfig))
+        body.append(f"<details><summary>The numbers</summary>{mtable}</details>")
+
+    body.append(h2("What to change"))
+    body.append(_fixes_html(run))
+
+    body.append(h2("How these numbers were obtained"))
+    body.append(f"<p class='prov'>{_e(provenance(run))}</p>")
+    body.append("<ul>" + "".join(f"<li>{_e(a)}</li>" for a in run.assumptions) + "</ul>")
+    notes = [f"{s.name}: {x}" for s in run.scenarios for x in s.notes if "Traceback" not in x]
+    notes = [*run.notes, *notes]
+    if notes:
+        body.append("<h3 style='font-size:15px'>Notes</h3><ul>"
+                    + "".join(f"<li>{_e(x)}</li>" for x in notes) + "</ul>")
+    body.append("<details open><summary>Configuration</summary>"
+                f"<div class='card'>{_kv_table(run.config)}</div></details>")
+    body.append("<details open><summary>Environment</summary>"
+                f"<div class='card'>{_kv_table(run.environment)}</div></details>")
+
     title = f"dpprof: {run.workload}, batch {run.batch}, {run.gpus} GPUs"
+    kind = "measured" if is_real(run) else "emulated"
+    backend = "" if run.backend == kind else f" ({run.backend} backend)"
+    sub = (f"{kind}{backend} · {fmt_bytes(run.gpu_memory_bytes)} per GPU · "
+           f"{run.dtype} · seed {run.seed} · dpprof {run.dpprof_version} · {run.created}")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{_e(title)}</title><style>{_CSS}</style>
-<script>{get_plotlyjs()}</script></head>
+<meta http-equiv="Content-Security-Policy" content="{_CSP}">
+<title>{_e(title)}</title><style>{_CSS}</style></head>
 <body><main>
-<h1>{_e(title)}</h1>
-<div class="sub">{_e(run.backend)} backend · dpprof {_e(run.dpprof_version)} ·
-{_e(run.created)} · {_e(fmt_bytes(run.gpu_memory_bytes))} per GPU</div>
-<p class="verdict{verdict_cls}" id="verdict">{_e(run.comparison.verdict)}</p>
-{_table(run)}
-{"<ul>" + problems + "</ul>" if problems else ""}
-{watch_html}
-{"".join(sections)}
-<h2>Notes</h2><ul>{notes or "<li>none</li>"}</ul>
-<h2>How these numbers were obtained</h2>
-<ul>{"".join(f"<li>{_e(a)}</li>" for a in run.assumptions)}</ul>
-<h2>Configuration</h2>{_kv_table(run.config)}
-<h2>Environment</h2>{_kv_table(run.environment)}
+<h1 id="title">{_e(title)}</h1>
+<div class="sub">{_e(sub)}</div>
+{"".join(body)}
+<footer>Generated by dpprof {_e(run.dpprof_version)}. Charts: plotly.js (MIT), inlined.
+</footer>
 </main>
-<script id="dpprof-figures" type="application/json">{fig_json}</script>
+<script id="dpprof-figures" type="application/json">{_json(figures)}</script>
+<script>{plotly_js()}</script>
 <script>
 (function(){{
   var figs = JSON.parse(document.getElementById('dpprof-figures').textContent);
-  document.querySelectorAll('[data-figure]').forEach(function(div){{
+  var divs = Array.prototype.slice.call(document.querySelectorAll('[data-figure]'));
+  // One chart per task, top to bottom: the first screen is drawn before the rest.
+  (function next(){{
+    var div = divs.shift();
+    if (!div) return;
     var f = figs[div.getAttribute('data-figure')];
-    Plotly.newPlot(div, f.data, f.layout, {{displaylogo:false, responsive:true}});
-  }});
+    Plotly.newPlot(div, f.data, f.layout, {{displaylogo:false, responsive:true}})
+      .then(function(){{ setTimeout(next, 0); }});
+  }})();
 }})();
 </script>
 </body></html>

@@ -20,7 +20,9 @@ def render(run: RunResult) -> Group:
         f"{run.workload} · batch {run.batch} · {run.gpus} GPUs of "
         f"{fmt_bytes(run.gpu_memory_bytes)} · {run.backend}"
     )
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    # Text, not str: a workload or scenario name is shown as is, never read as rich markup.
+    table = Table(title=Text(title), title_justify="left", header_style="bold",
+                  box=box.SIMPLE_HEAD)
     table.add_column("scenario", no_wrap=True)
     for i in range(run.gpus):
         table.add_column(f"cuda:{i}", justify="right", no_wrap=True)
@@ -28,7 +30,7 @@ def render(run: RunResult) -> Group:
     table.add_column("max/mean", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
     for s in run.scenarios:
-        cells: list[Text | str] = [s.name]
+        cells: list[Text | str] = [Text(s.name)]
         for i in range(run.gpus):
             d = s.device(i)
             if d is None or not d.used or s.status not in (STATUS_OK, STATUS_OOM):

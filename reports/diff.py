@@ -1,0 +1,289 @@
+"""Two saved results side by side: did a change fix the imbalance?
+
+``dpprof report before.json after.json`` prints :func:`render_terminal`; ``-o diff.md``
+writes :func:`render_markdown`, ``-o diff.html`` :func:`render_html`. :func:`diff` is the
+pure comparison they share: per scenario and device, the peak before, after and the
+difference; cuda:0's excess before and after; and what differs in the configuration (a
+diff across different batches or GPU counts is shown, and said to be one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from dpprof.reports.common import device_label, measured
+from dpprof.result import STATUS_OK, RunResult, ScenarioResult
+from dpprof.units import fmt_bytes
+
+CONFIG_KEYS = ("backend", "workload", "batch", "gpus", "gpu_memory_bytes", "dtype", "seed")
+
+
+@dataclass
+class DeviceDiff:
+    label: str
+    before_bytes: int | None  # None: the device did not take part (or no measurement)
+    after_bytes: int | None
+
+    @property
+    def delta_bytes(self) -> int | None:
+        if self.before_bytes is None or self.after_bytes is None:
+            return None
+        return self.after_bytes - self.before_bytes
+
+
+@dataclass
+class ScenarioDiff:
+    name: str
+    before_status: str | None  # None: the scenario is absent from that run
+    after_status: str | None
+    before_excess_bytes: int | None
+    after_excess_bytes: int | None
+    devices: list[DeviceDiff] = field(default_factory=list)
+
+
+@dataclass
+class RunDiff:
+    before: RunResult
+    after: RunResult
+    changed: dict[str, tuple[Any, Any]]  # configuration key -> (before, after)
+    scenarios: list[ScenarioDiff]
+
+
+def _peaks(run: RunResult, s: ScenarioResult | None) -> dict[str, int]:
+    if s is None or not measured(s):
+        return {}
+    return {device_label(s, d): d.peak_allocated_bytes for d in s.devices if d.used}
+
+
+def _excess(run: RunResult, name: str) -> int | None:
+    c = run.comparison.scenarios.get(name)
+    return c.primary_excess_bytes if c else None
+
+
+def diff(before: RunResult, after: RunResult) -> RunDiff:
+    """Compare two results scenario by scenario and device by device."""
+    changed = {
+        k: (getattr(before, k), getattr(after, k))
+        for k in CONFIG_KEYS if getattr(before, k) != getattr(after, k)
+    }
+    names = list(dict.fromkeys([s.name for s in before.scenarios]
+                               + [s.name for s in after.scenarios]))
+    out = []
+    for name in names:
+        b, a = before.scenario(name), after.scenario(name)
+        pb, pa = _peaks(before, b), _peaks(after, a)
+        labels = list(dict.fromkeys([*pb, *pa]))
+        out.append(ScenarioDiff(
+            name=name,
+            before_status=b.status if b else None,
+            after_status=a.status if a else None,
+            before_excess_bytes=_excess(before, name),
+            after_excess_bytes=_excess(after, name),
+            devices=[DeviceDiff(lb, pb.get(lb), pa.get(lb)) for lb in labels],
+        ))
+    return RunDiff(before, after, changed, out)
+
+
+def _b(n: int | None, signed: bool = False) -> str:
+    return "-" if n is None else fmt_bytes(n, signed=signed)
+
+
+def _pct(d: DeviceDiff) -> str:
+    if d.delta_bytes is None or not d.before_bytes:
+        return ""
+    return f"{100 * d.delta_bytes / d.before_bytes:+.0f}%"
+
+
+def _status(st: str | None) -> str:
+    return "absent" if st is None else ("ok" if st == STATUS_OK else st.upper())
+
+
+def _changed_text(rd: RunDiff) -> str:
+    parts = []
+    for k, (b, a) in rd.changed.items():
+        if k.endswith("_bytes"):
+            b, a = fmt_bytes(b), fmt_bytes(a)
+        parts.append(f"{k} {b} → {a}")
+    return "; ".join(parts)
+
+
+def summary(rd: RunDiff) -> list[str]:
+    """One line per scenario in both runs: cuda:0's peak and excess, before → after."""
+    lines = []
+    for s in rd.scenarios:
+        if s.before_status is None or s.after_status is None:
+            which = "after" if s.before_status is None else "before"
+            lines.append(f"{s.name}: only in the {which} run")
+            continue
+        d0 = s.devices[0] if s.devices else None
+        status = ""
+        if s.before_status != s.after_status:
+            status = f"; status {_status(s.before_status)} → {_status(s.after_status)}"
+        if d0 is None or d0.delta_bytes is None:
+            lines.append(f"{s.name}: no measurement to compare{status}")
+            continue
+        exc = ""
+        if s.before_excess_bytes is not None and s.after_excess_bytes is not None \
+                and d0 is not None:
+            exc = (f", excess over the others {_b(s.before_excess_bytes, True)} → "
+                   f"{_b(s.after_excess_bytes, True)}")
+        lines.append(
+            f"{s.name}: {d0.label} {_b(d0.before_bytes)} → {_b(d0.after_bytes)} "
+            f"({_b(d0.delta_bytes, True)} {_pct(d0)}){exc}{status}"
+        )
+    return lines
+
+
+def _title(run: RunResult) -> str:
+    return (f"{run.workload} · batch {run.batch} · {run.gpus} GPUs of "
+            f"{fmt_bytes(run.gpu_memory_bytes)} · {run.backend} · {run.created}")
+
+
+# ---- terminal -----------------------------------------------------------------------------
+
+
+def render_terminal(rd: RunDiff) -> Group:
+    parts: list[Any] = [
+        Text(f"before: {_title(rd.before)}", style="bold"),
+        Text(f"after:  {_title(rd.after)}", style="bold"),
+    ]
+    if rd.changed:
+        parts.append(Text(f"the runs differ in: {_changed_text(rd)}", style="yellow"))
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    for col, j in (("scenario", "left"), ("device", "left"), ("before", "right"),
+                   ("after", "right"), ("change", "right"), ("", "right")):
+        table.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
+    for s in rd.scenarios:
+        first = True
+        rows = s.devices or [DeviceDiff("-", None, None)]
+        for d in rows:
+            delta = d.delta_bytes
+            style = "" if delta is None or delta == 0 else ("green" if delta < 0 else "red")
+            table.add_row(
+                s.name if first else "", d.label, _b(d.before_bytes), _b(d.after_bytes),
+                Text(_b(delta, True), style=style), Text(_pct(d), style=style),
+            )
+            first = False
+        table.add_row("", Text("cuda:0 excess", style="dim"), _b(s.before_excess_bytes, True),
+                      _b(s.after_excess_bytes, True), "", "", end_section=True)
+    parts.append(table)
+    parts += [Text(line) for line in summary(rd)]
+    return Group(*parts)
+
+
+# ---- markdown -----------------------------------------------------------------------------
+
+
+def render_markdown(rd: RunDiff) -> str:
+    from dpprof.reports.markdown import md
+
+    lines = ["## dpprof: before and after", "",
+             f"- **before**: {md(_title(rd.before))}", f"- **after**: {md(_title(rd.after))}"]
+    if rd.changed:
+        lines.append(f"- **the runs differ in**: {md(_changed_text(rd))}")
+    lines += ["", *[f"- {md(x)}" for x in summary(rd)], "",
+              "| scenario | device | before | after | change | |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for s in rd.scenarios:
+        for k, d in enumerate(s.devices):
+            lines.append(f"| {md(s.name) if k == 0 else ''} | {md(d.label)} | "
+                         f"{_b(d.before_bytes)} | {_b(d.after_bytes)} | "
+                         f"{_b(d.delta_bytes, True)} | {_pct(d)} |")
+        lines.append(f"| | *cuda:0 excess* | {_b(s.before_excess_bytes, True)} | "
+                     f"{_b(s.after_excess_bytes, True)} | | |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- html ---------------------------------------------------------------------------------
+
+
+def render_html(rd: RunDiff) -> str:
+    from dpprof.reports import html as h
+
+    top = max((max(d.before_bytes or 0, d.after_bytes or 0) for s in rd.scenarios
+               for d in s.devices), default=0)
+    token = h._UNIT.set(h.unit_for(top))
+    try:
+        return _render_html(rd)
+    finally:
+        h._UNIT.reset(token)
+
+
+def _render_html(rd: RunDiff) -> str:
+    from dpprof.reports import html as h
+
+    xs: list[list[str]] = [[], []]
+    before_y, after_y, before_t, after_t = [], [], [], []
+    for s in rd.scenarios:
+        for d in s.devices:
+            xs[0].append(h._pt(s.name))
+            xs[1].append(h._pt(d.label))
+            before_y.append(None if d.before_bytes is None else h._sc(d.before_bytes))
+            after_y.append(None if d.after_bytes is None else h._sc(d.after_bytes))
+            before_t.append(_b(d.before_bytes))
+            after_t.append(f"{_b(d.after_bytes)} ({_b(d.delta_bytes, True)})")
+    layout = h._base_layout(f"peak allocated ({h._un()})", barmode="group", bargap=0.2,
+                            height=420)
+    layout["xaxis"] = {"type": "multicategory", "automargin": True}
+    fig = {"data": [
+        {"type": "bar", "name": "before", "x": xs, "y": before_y, "customdata": before_t,
+         "marker": {"color": "#b0b7c3"},
+         "hovertemplate": "%{x[1]}: %{customdata}<extra>before</extra>"},
+        {"type": "bar", "name": "after", "x": xs, "y": after_y, "customdata": after_t,
+         "marker": {"color": "#4c72b0"},
+         "hovertemplate": "%{x[1]}: %{customdata}<extra>after</extra>"},
+    ], "layout": layout}
+    e = h._e
+    rows = []
+    for s in rd.scenarios:
+        for k, d in enumerate(s.devices):
+            delta = d.delta_bytes
+            cls = "" if not delta else (" style='color:#2e7d32'" if delta < 0 else " class='oom'")
+            rows.append(f"<tr><td>{e(s.name) if k == 0 else ''}</td><td class='l'>"
+                        f"{e(d.label)}</td><td>{e(_b(d.before_bytes))}</td>"
+                        f"<td>{e(_b(d.after_bytes))}</td><td{cls}>{e(_b(delta, True))}</td>"
+                        f"<td{cls}>{e(_pct(d))}</td></tr>")
+        rows.append(f"<tr><td></td><td class='l dim'>cuda:0 excess</td>"
+                    f"<td>{e(_b(s.before_excess_bytes, True))}</td>"
+                    f"<td>{e(_b(s.after_excess_bytes, True))}</td><td></td><td></td></tr>")
+    changed = (f"<p class='oom'>The runs differ in: {e(_changed_text(rd))}</p>"
+               if rd.changed else "")
+    title = "dpprof: before and after"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="{h._CSP}">
+<title>{e(title)}</title><style>{h._CSS}</style></head>
+<body><main>
+<h1 id="title">{e(title)}</h1>
+<div class="sub">before: {e(_title(rd.before))}<br>after: {e(_title(rd.after))}</div>
+{changed}
+<div class="verdict" id="verdict">{"<br>".join(e(x) for x in summary(rd))}</div>
+<div class="card"><div class="chart" id="fig-diff" data-figure="diff"></div></div>
+<div class="card"><table><tr><th>scenario</th><th>device</th><th>before</th><th>after</th>
+<th>change</th><th></th></tr>{"".join(rows)}</table></div>
+</main>
+<script id="dpprof-figures" type="application/json">{h._json({"diff": fig})}</script>
+<script>{h.plotly_js()}</script>
+<script>
+(function(){{
+  var figs = JSON.parse(document.getElementById('dpprof-figures').textContent);
+  var divs = Array.prototype.slice.call(document.querySelectorAll('[data-figure]'));
+  // One chart per task, top to bottom: the first screen is drawn before the rest.
+  (function next(){{
+    var div = divs.shift();
+    if (!div) return;
+    var f = figs[div.getAttribute('data-figure')];
+    Plotly.newPlot(div, f.data, f.layout, {{displaylogo:false, responsive:true}})
+      .then(function(){{ setTimeout(next, 0); }});
+  }})();
+}})();
+</script>
+</body></html>
+"""

@@ -1,0 +1,49 @@
+"""The saved results every renderer is tested against (``tests/data/``)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from dpprof.result import RunResult, load
+
+DATA = Path(__file__).parent / "data"
+SAVED = {
+    # produced by dpprof itself (scripts/make_test_data.py)
+    "emulated-lm": DATA / "emulated-lm.json",
+    "cpu-mlp": DATA / "cpu-mlp.json",
+    # built by tests/synthetic.py, shaped like real-GPU runs, and saying so
+    "synthetic-nvml": DATA / "synthetic-nvml.json",
+    "synthetic-oom": DATA / "synthetic-oom.json",
+    "synthetic-ddp-2-nodes": DATA / "synthetic-ddp-2-nodes.json",
+}
+
+HOSTILE = (
+    "</script><script>window.__pwned=1</script>"
+    "<img src=x onerror=\"window.__pwned=2\">\"'&<b>bold</b>|`x`*_[a](javascript:alert(1))"
+)
+
+
+def saved(name: str) -> RunResult:
+    return load(SAVED[name])
+
+
+def hostile(run: RunResult) -> RunResult:
+    """The same result with hostile text wherever the user or the environment writes."""
+    run = copy.deepcopy(run)
+    run.workload = HOSTILE
+    run.config["workload"] = HOSTILE
+    run.environment["hostname"] = HOSTILE
+    run.environment["gpus"] = [{"name": HOSTILE, "uuid": HOSTILE}]
+    run.notes.append(HOSTILE)
+    run.assumptions.append(HOSTILE)
+    for s in run.scenarios:
+        s.notes.append(HOSTILE)
+        s.message = s.message and HOSTILE
+        for d in s.devices:
+            if d.node:
+                d.node = HOSTILE + d.node
+            for p in d.timeline[:3]:
+                p.phase = HOSTILE
+    run.comparison.verdict = "Verdict: " + HOSTILE
+    return run

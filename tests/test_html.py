@@ -1,0 +1,215 @@
+"""The HTML report against every saved result: order, content, escaping, size, offline."""
+
+import html as std_html
+import json
+import re
+
+import pytest
+from reports_data import HOSTILE, SAVED, hostile, saved
+
+from dpprof.reports import html
+from dpprof.result import RunResult
+
+SECTIONS = [
+    "Peak memory per GPU",
+    "Why cuda:0 is heavier",
+    "Memory over the step",
+    "Step time and throughput",
+    "Largest batch that fits",
+    "What to change",
+    "How these numbers were obtained",
+]
+
+
+def _figures(page: str) -> dict:
+    m = re.search(r'<script id="dpprof-figures" type="application/json">(.*?)</script>', page,
+                  re.S)
+    assert m
+    return json.loads(m.group(1))
+
+
+def _headings(page: str) -> list[str]:
+    return [std_html.unescape(h) for h in re.findall(r"<h2><span class='n'>\d+</span>(.*?)</h2>",
+                                                      page)]
+
+
+@pytest.mark.parametrize("name", list(SAVED))
+def test_every_saved_result_renders(name: str) -> None:
+    run = saved(name)
+    page = html.render(run)
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    verdict = re.search(r"id='verdict'>(.*?)</p>", page, re.S)
+    assert verdict and re.sub(r"<[^>]+>", "", std_html.unescape(verdict.group(1))) == \
+        run.comparison.verdict
+    heads = _headings(page)
+    assert heads == [h for h in SECTIONS if h in heads]  # the issue's order
+    assert {"Peak memory per GPU", "What to change", "How these numbers were obtained"} <= set(
+        heads)
+    figs = _figures(page)
+    assert set(figs) == set(re.findall(r"data-figure='([^']+)'", page))
+    for fig in figs.values():
+        assert fig["data"] and all(("x" in t or "y" in t) for t in fig["data"])
+    assert "Plotly.newPlot" in page and "plotly.js (basic - minified)" in page
+
+
+def test_the_default_comparison_reads_top_to_bottom() -> None:
+    run = saved("emulated-lm")
+    page = html.render(run)
+    heads = _headings(page)
+    # emulated: no step time, no largest batch -> those sections are absent, not empty
+    assert heads == ["Peak memory per GPU", "Why cuda:0 is heavier", "Memory over the step",
+                     "What to change", "How these numbers were obtained"]
+    figs = _figures(page)
+    peaks = figs["peaks"]
+    assert [t["name"] for t in peaks["data"]] == [s.name for s in run.scenarios]
+    cap_line = peaks["layout"]["shapes"][0]
+    assert cap_line["y0"] == pytest.approx(80.0)  # 80 GiB capacity line
+    wf = figs["excess-0"]["data"][0]
+    assert wf["y"][0] == "median other GPU" and wf["y"][-1] == "cuda:0"
+    assert wf["y"][1] == "loss and its gradient"  # the largest cause first
+    # the waterfall's steps lead from the median other GPU to cuda:0
+    level = wf["x"][0]
+    for step, base in zip(wf["x"][1:-1], wf["base"][1:-1], strict=True):
+        assert base == pytest.approx(level, abs=1e-3)
+        level += step
+    assert level == pytest.approx(wf["x"][-1], abs=0.01)
+    assert "timeline-0" in figs and "Compute the loss inside forward" in page
+    assert "Emulated: 4 virtual GPU(s) of 80.0 GiB over meta tensors" in page
+    # phases are marked on the timelines
+    tl = figs["timeline-0"]["layout"]
+    assert {a["text"] for a in tl["annotations"]} >= {"forward", "backward"}
+    assert any(sh["type"] == "rect" for sh in tl["shapes"])
+
+
+def test_default_comparison_report_is_small_and_offline() -> None:
+    page = html.render(saved("emulated-lm"))
+    assert len(page.encode()) < 5 * 2**20
+    assert len(page.encode()) < 2 * 2**20  # the basic bundle, not the full 4.8 MB one
+    # nothing is fetched: no src/href attribute to anywhere, a CSP that forbids it anyway
+    assert not re.search(r"""\s(src|href)\s*=\s*["']?(https?:|//)""", page)
+    assert "default-src 'none'" in page
+
+
+def test_real_gpu_shapes_show_timing_max_batch_and_nvml() -> None:
+    run = saved("synthetic-nvml")
+    page = html.render(run)
+    heads = _headings(page)
+    assert "Step time and throughput" in heads and "Largest batch that fits" in heads
+    assert "610.0 ms" in page  # dp-loss-primary's step time
+    figs = _figures(page)
+    assert figs["timing"]["data"][0]["x"][0] == pytest.approx(512 / 0.61)
+    assert figs["maxbatch"]["data"][0]["x"] == [s.max_batch for s in run.scenarios
+                                                if s.max_batch is not None]
+    names = [t["name"] for t in figs["timeline-0"]["data"]]
+    assert "cuda:0" in names and "cuda:0 allocated" in names  # NVML used, and allocated
+    assert "seconds since the step began" in json.dumps(figs["timeline-0"]["layout"])
+    assert "synthetic: built by tests/synthetic.py" in page
+    assert "Measured on 4 CUDA GPU(s)" in page
+
+
+def test_oom_is_called_out_in_red() -> None:
+    page = html.render(saved("synthetic-oom"))
+    m = re.search(r"<p class='verdict bad' id='verdict'>(.*?)</p>", page, re.S)
+    assert m and "<span class='oom'>out of memory at 24.0 GiB per GPU" in m.group(1)
+    assert "<li class='oom'>dp-loss-primary ran out of memory on cuda:0 (tried to allocate " \
+           "3.00 GiB)" in page
+    assert "<span class='oom'>OOM</span>" in page
+    peaks = _figures(page)["peaks"]["data"][0]
+    assert peaks["text"][0] == "OOM 22.0"
+
+
+def test_ddp_over_two_nodes_labels_devices_by_host() -> None:
+    page = html.render(saved("synthetic-ddp-2-nodes"))
+    ddp = next(t for t in _figures(page)["peaks"]["data"] if t["name"] == "ddp")
+    assert ddp["x"] == ["node-a/cuda:0", "node-a/cuda:1", "node-b/cuda:0", "node-b/cuda:1"]
+
+
+def test_emulated_ddp_shows_one_rank_and_says_why() -> None:
+    page = html.render(saved("emulated-lm"))
+    assert "Emulated DDP: every rank runs the same program; rank 0 shown." in page
+
+
+def test_a_hostile_result_renders_as_text() -> None:
+    for name in SAVED:
+        page = html.render(hostile(saved(name)))
+        assert "<script>window.__pwned" not in page
+        assert "<img src=x" not in page
+        assert "<b>bold</b>" not in page
+        assert std_html.escape(HOSTILE, quote=True) in page  # shown, as text
+        # inside the figure JSON, '<' never appears raw; plotly labels get entities
+        m = re.search(r'<script id="dpprof-figures" type="application/json">(.*?)</script>',
+                      page, re.S)
+        assert m and "<" not in m.group(1)
+        figs = json.loads(m.group(1))
+        text = json.dumps(figs)
+        assert "&lt;script&gt;" in text  # the labels plotly draws carry entities
+        assert not re.search(r"<(script|img|b>|a )", text)
+        # exactly the three scripts dpprof writes
+        assert page.count("<script") == 3
+
+
+def test_nothing_to_fix_when_balanced() -> None:
+    run = saved("emulated-lm")
+    run = RunResult.from_dict(run.to_dict())
+    run.scenarios = [s for s in run.scenarios if s.name in ("ddp", "single")]
+    page = html.render(run)
+    assert "Switch to DistributedDataParallel" in page or "Nothing to change" in page
+    assert "Compute the loss inside forward" not in page
+
+
+def test_a_run_where_every_scenario_failed_still_renders() -> None:
+    from dpprof.reports import markdown
+
+    run = RunResult.from_dict(saved("cpu-mlp").to_dict())
+    for s in run.scenarios:
+        s.status, s.message, s.devices = "error", "RuntimeError: boom <b>", []
+    from dpprof.analysis import compare
+
+    run.comparison = compare(run)
+    page = html.render(run)
+    assert "failed: dp-loss-primary" in page and "RuntimeError: boom &lt;b&gt;" in page
+    assert _figures(page) == {}
+    assert _headings(page) == ["What to change", "How these numbers were obtained"]
+    text = markdown.render(run)
+    assert "```mermaid" not in text and "boom &lt;b&gt;" in text
+
+
+def test_small_runs_are_charted_in_mib() -> None:
+    page = html.render(saved("cpu-mlp"))
+    figs = _figures(page)
+    assert figs["peaks"]["layout"]["yaxis"]["title"]["text"] == "peak allocated (MiB)"
+    assert max(figs["peaks"]["data"][0]["y"]) == pytest.approx(288, abs=1)
+    assert "capacity 80.0 GiB per GPU (above the scale)" in json.dumps(figs["peaks"]["layout"])
+
+
+def test_reserved_and_nvml_peaks_only_where_known() -> None:
+    assert "<th>NVML used</th>" in html.render(saved("synthetic-nvml"))
+    assert "NVML used" not in html.render(saved("emulated-lm"))
+
+
+def test_the_results_own_attribution_fixes_and_max_batch_are_used_when_present() -> None:
+    """Results of issue 6 carry attribution, fixes and maxbatch; the reports prefer them."""
+    from types import SimpleNamespace
+
+    from dpprof.reports import markdown
+
+    run = saved("emulated-lm")
+    excess = run.comparison.scenarios["dp-loss-primary"].primary_excess_bytes
+    run.attribution = {"dp-loss-primary": SimpleNamespace(  # type: ignore[attr-defined]
+        causes_bytes={"loss": excess - 2**30, "gathered_outputs": 2**30})}
+    run.fixes = [SimpleNamespace(  # type: ignore[attr-defined]
+        title="Emulated fix", detail="measured with the change applied.", code="fixed = True",
+        saves_bytes=3 * 2**30)]
+    run.maxbatch = SimpleNamespace(entries=[  # type: ignore[attr-defined]
+        SimpleNamespace(scenario="ddp", max_batch=2048),
+        SimpleNamespace(scenario="dp-loss-primary", max_batch=None)])
+    page = html.render(run)
+    figs = _figures(page)
+    wf = figs["excess-0"]["data"][0]
+    assert wf["y"][1:3] == ["loss and its gradient", "gathered outputs"]
+    assert "Emulated fix" in page and "Saves 3.00 GiB on cuda:0." in page
+    assert "fixed = True" in page and "ModelWithLoss(model, loss_fn)" not in page
+    assert figs["maxbatch"]["data"][0]["y"] == ["ddp"]
+    text = markdown.render(run)
+    assert "| ddp | 2,048 |" in text and "**Emulated fix.**" in text
+    assert "| gathered outputs | +1.00 GiB |" in text

@@ -1,0 +1,96 @@
+"""dpprof report before.json after.json: side by side, the difference per scenario and device."""
+
+import json
+from pathlib import Path
+
+from reports_data import SAVED, hostile, saved
+from typer.testing import CliRunner
+
+from dpprof.cli import app
+from dpprof.reports import diff
+from dpprof.result import RunResult
+
+runner = CliRunner()
+
+
+def _after_fix() -> RunResult:
+    """The default comparison as if the user had fixed the loss: primary = forward."""
+    run = saved("emulated-lm")
+    after = RunResult.from_dict(run.to_dict())
+    prim, fwd = after.scenario("dp-loss-primary"), after.scenario("dp-loss-forward")
+    for a, b in zip(prim.devices, fwd.devices, strict=True):
+        a.peak_allocated_bytes = b.peak_allocated_bytes
+    from dpprof.analysis import compare
+
+    after.comparison = compare(after)
+    return after
+
+
+def test_diff_per_scenario_and_device() -> None:
+    before, after = saved("emulated-lm"), _after_fix()
+    rd = diff.diff(before, after)
+    assert rd.changed == {}
+    prim = next(s for s in rd.scenarios if s.name == "dp-loss-primary")
+    d0 = prim.devices[0]
+    assert d0.label == "cuda:0"
+    assert d0.delta_bytes == (after.scenario("dp-loss-primary").devices[0].peak_allocated_bytes
+                              - before.scenario("dp-loss-primary").devices[0].peak_allocated_bytes)
+    assert d0.delta_bytes < -30 * 2**30
+    assert prim.after_excess_bytes < prim.before_excess_bytes
+    ddp = next(s for s in rd.scenarios if s.name == "ddp")
+    assert all(d.delta_bytes == 0 for d in ddp.devices)
+    lines = diff.summary(rd)
+    assert lines[0].startswith("dp-loss-primary: cuda:0 55.0 GiB → 19.9 GiB (-35.2 GiB -64%)")
+
+
+def test_diff_across_configurations_says_so() -> None:
+    rd = diff.diff(saved("emulated-lm"), saved("cpu-mlp"))
+    assert set(rd.changed) >= {"workload", "batch"}
+    assert "the runs differ in" in diff.render_markdown(rd)
+
+
+def test_diff_with_absent_scenarios_and_oom() -> None:
+    before = saved("synthetic-oom")
+    after = RunResult.from_dict(saved("synthetic-nvml").to_dict())
+    after.scenarios = after.scenarios[:2]
+    rd = diff.diff(before, after)
+    lines = diff.summary(rd)
+    assert any("status OOM → ok" in x for x in lines)
+    assert "ddp: only in the before run" in lines
+
+
+def test_cli_terminal_md_and_html(tmp_path: Path) -> None:
+    b = SAVED["emulated-lm"]
+    a = tmp_path / "after.json"
+    a.write_text(_after_fix().to_json())
+    r = runner.invoke(app, ["report", str(b), str(a)])
+    assert r.exit_code == 0, r.output
+    assert "before:" in r.stdout and "-35.2 GiB" in r.stdout and "cuda:0 excess" in r.stdout
+    r = runner.invoke(app, ["report", str(b), str(a), "-o", str(tmp_path / "d.md"),
+                            "-o", str(tmp_path / "d.html")])
+    assert r.exit_code == 0, r.output
+    md = (tmp_path / "d.md").read_text()
+    assert "| dp-loss-primary | cuda:0 | 55.0 GiB | 19.9 GiB | -35.2 GiB | -64% |" in md
+    page = (tmp_path / "d.html").read_text()
+    assert "data-figure=\"diff\"" in page and "-35.2 GiB" in page
+    r = runner.invoke(app, ["report", str(b), str(a), "-o", str(tmp_path / "d.json")])
+    assert r.exit_code == 2 and "written as .html or .md" in r.output
+
+
+def test_cli_bad_second_file_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = runner.invoke(app, ["report", str(SAVED["emulated-lm"]), str(bad)])
+    assert r.exit_code == 1 and "not JSON" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    r = runner.invoke(app, ["report", str(bad), str(bad), str(bad)])
+    assert r.exit_code == 2 and "one result, or two" in r.output
+
+
+def test_hostile_diff_html_is_text(tmp_path: Path) -> None:
+    rd = diff.diff(hostile(saved("synthetic-ddp-2-nodes")), saved("synthetic-ddp-2-nodes"))
+    page = diff.render_html(rd)
+    assert "<script>window" not in page and "<img" not in page
+    data = page.split('type="application/json">')[1].split("</script>")[0]
+    json.loads(data)
+    assert "<" not in data

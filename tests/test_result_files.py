@@ -1,0 +1,72 @@
+"""Saved results: loading, the schema upgrade hook, and the saved test data itself."""
+
+import json
+from pathlib import Path
+
+import pytest
+import synthetic
+from reports_data import SAVED
+
+from dpprof import result
+from dpprof.result import ResultFileError, load
+
+
+def test_saved_synthetic_results_are_what_the_helper_builds() -> None:
+    for name, build in synthetic.SYNTHETIC.items():
+        saved = json.loads((synthetic.DATA / name).read_text())
+        assert saved == json.loads(build().to_json()), f"rerun python tests/synthetic.py ({name})"
+        assert saved["notes"][0].startswith("synthetic:")
+        assert saved["environment"]["synthetic"] is True
+
+
+def test_saved_emulated_results_were_produced_by_dpprof() -> None:
+    lm = load(SAVED["emulated-lm"])
+    assert lm.backend == "emulated" and lm.workload == "lm" and lm.batch == 512
+    assert lm.config["compute"] is False and lm.dpprof_version
+    cpu = load(SAVED["cpu-mlp"])
+    assert cpu.config["compute"] is True and all(s.loss is not None for s in cpu.scenarios)
+
+
+def test_upgrade_hook_brings_an_older_result_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                ) -> None:
+    data = json.loads(SAVED["emulated-lm"].read_text())
+    data["workload_name"] = data.pop("workload")  # pretend version 1 called it so
+    p = tmp_path / "v1.json"
+    p.write_text(json.dumps(data))
+
+    def v1_to_v2(d: dict) -> dict:
+        d["workload"] = d.pop("workload_name")
+        return d
+
+    monkeypatch.setattr(result, "SCHEMA_VERSION", 2)
+    monkeypatch.setitem(result._UPGRADES, 1, v1_to_v2)
+    run = load(p)
+    assert run.workload == "lm" and run.schema_version == 2
+
+
+def test_an_older_version_without_an_upgrade_step_is_one_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps({"schema_version": 1, "scenarios": []}))
+    monkeypatch.setattr(result, "SCHEMA_VERSION", 3)
+    monkeypatch.setitem(result._UPGRADES, 1, lambda d: d)
+    with pytest.raises(ResultFileError, match="schema_version 2 is not one this dpprof can read"):
+        load(p)
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ('{"schema_version": 0, "scenarios": []}', "not a dpprof result"),
+    ('{"schema_version": "1", "scenarios": []}', "not a dpprof result"),
+    ('{"schema_version": 1, "scenarios": [1]}', "malformed dpprof result"),
+    ("[1, 2]", "not a dpprof result"),
+])
+def test_bad_results(tmp_path: Path, content: str, needle: str) -> None:
+    p = tmp_path / "r.json"
+    p.write_text(content)
+    with pytest.raises(ResultFileError, match=needle):
+        load(p)
+
+
+def test_a_directory_is_not_a_result(tmp_path: Path) -> None:
+    with pytest.raises(ResultFileError, match="cannot read it"):
+        load(tmp_path)
