@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dpprof import __version__
+from dpprof import cli_answers as answer_opts
 from dpprof.errors import DpprofError, UsageError
 from dpprof.result import ResultFileError, RunResult, load, write_atomic
 from dpprof.runner import (
@@ -29,7 +30,7 @@ from dpprof.runner import (
 )
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.workloads import BUILTINS, DEFAULT
-from dpprof.units import fmt_bytes, parse_bytes
+from dpprof.units import fmt_bytes
 
 app = typer.Typer(
     name="dpprof",
@@ -161,8 +162,10 @@ def compare_cmd(
         ),
     ] = None,
     gpu_memory: Annotated[
-        str, typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G.")
-    ] = "80GiB",
+        str | None,
+        typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G "
+                     "(default: --gpu's, else 80GiB)."),
+    ] = None,
     scenarios: Annotated[
         str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios to run.")
     ] = ",".join(SCENARIOS),
@@ -190,6 +193,13 @@ def compare_cmd(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    gpu: Annotated[str, answer_opts.GPU] = "",
+    maxbatch: Annotated[bool, answer_opts.MAXBATCH] = False,
+    multiple_of: Annotated[int, answer_opts.MULTIPLE_OF] = 1,
+    count_reserved: Annotated[bool, answer_opts.COUNT_RESERVED] = False,
+    fixes: Annotated[bool, answer_opts.FIXES] = True,
+    fail_on_imbalance: Annotated[float | None, answer_opts.FAIL_ON_IMBALANCE] = None,
+    fail_on_oom: Annotated[bool, answer_opts.FAIL_ON_OOM] = False,
 ) -> None:
     """Run your training step as paired scenarios and compare every GPU's peak memory.
 
@@ -203,14 +213,14 @@ def compare_cmd(
     from dpprof.runner import run_compare
 
     try:
-        try:
-            memory = parse_bytes(gpu_memory)
-        except ValueError as e:
-            raise UsageError(f"--gpu-memory: {e}") from e
+        memory, spec = answer_opts.gpu_memory_and_spec(gpu_memory, gpu)
         cfg = CompareConfig(
             workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
             scenarios=_parse_scenarios(scenarios), backend=backend, seed=seed,
-            compute=compute, debug=debug,
+            compute=compute, debug=debug, fixes=fixes, maxbatch=maxbatch,
+            multiple_of=multiple_of, gpu=spec.key if spec else "",
+            count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
+            fail_on_oom=fail_on_oom,
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -256,6 +266,7 @@ def compare_cmd(
             raise
         err.print(f"dpprof: internal error: {type(e).__name__}: {e} (rerun with --debug)")
         raise typer.Exit(code=1) from None
+    answer_opts.exit_on_fail_reasons(run, err)
 
 
 @app.command("report")
@@ -282,6 +293,9 @@ def report_cmd(
         raise _fail(DpprofError(str(e)), debug) from None
     except DpprofError as e:
         raise _fail(e, debug) from None
+
+
+answer_opts.register(app)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from plotly.offline import get_plotlyjs
 
+from dpprof.reports import answers
 from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult
 from dpprof.units import fmt_bytes
 
@@ -239,6 +240,7 @@ def render(run: RunResult) -> str:
 {_table(run)}
 {"<ul>" + problems + "</ul>" if problems else ""}
 {"".join(sections)}
+{answers.html_sections(run)}
 <h2>Notes</h2><ul>{notes or "<li>none</li>"}</ul>
 <h2>How these numbers were obtained</h2>
 <ul>{"".join(f"<li>{_e(a)}</li>" for a in run.assumptions)}</ul>
