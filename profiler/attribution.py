@@ -23,6 +23,7 @@ difference is split into the part explained by cuda:0's extra rows and the remai
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from dpprof.result import (
@@ -101,18 +102,27 @@ def attribute(s: ScenarioResult) -> Attribution | None:
             diff["activations_timing"] = diff.get("activations_timing", 0.0) + amount - shard
         else:
             diff[cause] = diff.get(cause, 0.0) + amount
-    causes = {k: round(v) for k, v in diff.items()}
-    # Integer rounding (and a reference averaged over two devices) may leave a few bytes:
-    # give them to the largest cause so the split is exact.
-    residue = excess - sum(causes.values())
-    if residue:
-        top = max(causes, key=lambda k: abs(causes[k])) if causes else "other"
-        causes[top] = causes.get(top, 0) + residue
+    causes = _exact_split(diff, excess)
     ordered = {k: causes[k] for k in CAUSES if causes.get(k)}
     att = Attribution(scenario=s.name, excess_bytes=excess, reference=ref_name,
                       causes_bytes=ordered)
     att.answer = answer(att)
     return att
+
+
+def _exact_split(diff: dict[str, float], total: int) -> dict[str, int]:
+    """Whole bytes per cause summing to ``total`` (largest remainder): the fractions come
+    from a reference averaged over two devices, and ``total`` from an integer median."""
+    floors = {k: math.floor(v) for k, v in diff.items()}
+    residue = total - sum(floors.values())
+    by_fraction = sorted(diff, key=lambda k: diff[k] - floors[k], reverse=residue > 0)
+    if by_fraction and abs(residue) <= len(by_fraction):
+        for k in by_fraction[: abs(residue)]:
+            floors[k] += 1 if residue > 0 else -1
+    elif residue:
+        top = max(floors, key=lambda k: abs(floors[k])) if floors else "other"
+        floors[top] = floors.get(top, 0) + residue
+    return floors
 
 
 def answer(att: Attribution) -> str:

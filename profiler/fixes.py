@@ -111,12 +111,17 @@ def balance_chunks(
     denom = s0 + sk / (gpus - 1)
     if denom <= 0:
         return None
-    r0 = (ak + sk * batch / (gpus - 1) - a0) / denom
-    r0 = int(min(max(math.floor(r0), 1), batch - (gpus - 1)))
-    rest = shard_sizes(batch - r0, gpus - 1)
-    if len(rest) < gpus - 1:
-        return None
-    return [r0, *rest]
+    exact = (ak + sk * batch / (gpus - 1) - a0) / denom
+    best: tuple[float, list[int]] | None = None
+    for r0 in {math.floor(exact), math.ceil(exact)}:
+        r0 = int(min(max(r0, 1), batch - (gpus - 1)))
+        rest = shard_sizes(batch - r0, gpus - 1)
+        if len(rest) < gpus - 1:
+            continue
+        predicted = max(a0 + s0 * r0, ak + sk * rest[0])
+        if best is None or predicted < best[0]:
+            best = (predicted, [r0, *rest])
+    return None if best is None else best[1]
 
 
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,

@@ -149,33 +149,49 @@ def search(probe: Probe, multiple_of: int = 1, upper: int = DEFAULT_UPPER,
             return None
         return ka + int((capacity_bytes - pa.worst_total_bytes) / slope)
 
-    k = min(kmax, max(2, 64 // m))  # a second point, far enough for a slope
-    widths: list[int] = []
-    while True:
+    def from_below() -> int | None:
+        """Extrapolate along the two largest fitting probes of different totals (reserved
+        memory grows in segment-sized steps, so equal totals give no slope)."""
+        fitting = sorted(j for j, q in cache.items() if q.fits)
+        below = [j for j in fitting if cache[j].worst_total_bytes < cache[lo].worst_total_bytes]
+        return secant(below[-1], lo) if below else None
+
+    # Unbracketed: extrapolate (quadruple while the totals are flat); when the prediction
+    # stops moving up, gallop with small doubling steps.
+    k = min(kmax, max(2, 64 // m))
+    step = 0
+    extrapolations = 0
+    while hi is None:
         p = at(k)
-        if p.fits:
+        if not p.fits:
+            hi = k
+            break
+        lo = k
+        if lo >= kmax:
+            return lo * m, rows(cache), True
+        guess = from_below()
+        if step == 0 and guess is not None and guess > lo and extrapolations < 8:
+            k = guess
+            extrapolations += 1
+        elif guess is None and step == 0 and extrapolations == 0:
+            k = lo * 4
+        else:
+            step = max(1, lo // 1024) if step == 0 else step * 2
+            k = lo + step
+        k = min(k, kmax)
+    # Bracketed: alternate an extrapolation from below with a bisection, so the bracket at
+    # least halves every two probes whatever the shape of the curve.
+    use_secant = True
+    while hi - lo > 1:
+        guess = from_below() if use_secant else None
+        if guess is not None and guess <= lo:
+            guess = lo + 1
+        k = guess if guess is not None and lo < guess < hi else (lo + hi) // 2
+        if at(k).fits:
             lo = k
-            if k >= kmax:
-                return lo * m, rows(cache), True
         else:
             hi = k
-        if hi is not None and hi - lo <= 1:
-            break
-        if hi is None:  # extrapolate from the two largest fitting probes
-            fitting = sorted(j for j, q in cache.items() if q.fits)
-            guess = secant(fitting[-2], fitting[-1]) if len(fitting) > 1 else None
-            k = guess + 1 if guess is not None and guess > lo else lo * 2
-            k = min(max(k, lo + 1), kmax)
-            continue
-        widths.append(hi - lo)
-        guess = secant(lo, hi)
-        stalled = len(widths) > 2 and widths[-1] * 2 > widths[-3]
-        if guess is None or stalled:
-            k = (lo + hi) // 2
-        elif p.fits:  # the boundary is just above the fitting probe: test one step up
-            k = min(max(guess, lo + 1), hi - 1)
-        else:
-            k = max(min(guess, hi - 1), lo + 1)
+        use_secant = not use_secant
     return lo * m, rows(cache), False
 
 

@@ -125,8 +125,8 @@ def terminal_parts(run: RunResult) -> list[Table | Text]:
         parts.append(_table(
             f"same math? each scenario vs single on the full batch ({run.equivalence.batch} "
             f"rows, tolerance {run.equivalence.tolerance:g})", EQ_HEADER, equivalence_rows(run)))
-        for f in run.equivalence.findings:
-            parts.append(Text(f"{f.kind}: {f.message}"))
+        for finding in run.equivalence.findings:
+            parts.append(Text(f"{finding.kind}: {finding.message}"))
     for reason in run.fail_reasons:
         parts.append(Text(f"check failed: {reason}", style="bold red"))
     return parts
