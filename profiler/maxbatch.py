@@ -170,7 +170,7 @@ def search(probe: Probe, multiple_of: int = 1, upper: int = DEFAULT_UPPER,
         if lo >= kmax:
             return lo * m, rows(cache), True
         guess = from_below()
-        if step == 0 and guess is not None and guess > lo and extrapolations < 8:
+        if step == 0 and guess is not None and guess > lo and extrapolations < 3:
             k = guess
             extrapolations += 1
         elif guess is None and step == 0 and extrapolations == 0:
@@ -179,19 +179,23 @@ def search(probe: Probe, multiple_of: int = 1, upper: int = DEFAULT_UPPER,
             step = max(1, lo // 1024) if step == 0 else step * 2
             k = lo + step
         k = min(k, kmax)
-    # Bracketed: alternate an extrapolation from below with a bisection, so the bracket at
-    # least halves every two probes whatever the shape of the curve.
-    use_secant = True
+    # Bracketed: extrapolate from below, else interpolate between the bracket's ends; when
+    # two probes in a row fail to halve the bracket, bisect once, so the search stays
+    # logarithmic whatever the shape of the curve.
+    widths = [hi - lo]
     while hi - lo > 1:
-        guess = from_below() if use_secant else None
+        guess = from_below()
         if guess is not None and guess <= lo:
-            guess = lo + 1
-        k = guess if guess is not None and lo < guess < hi else (lo + hi) // 2
+            guess = lo + 1  # the boundary is right above lo: check the next step
+        if guess is None or not lo < guess < hi:
+            guess = secant(lo, hi)
+        stalled = len(widths) >= 3 and widths[-1] * 2 > widths[-3]
+        k = guess if guess is not None and lo < guess < hi and not stalled else (lo + hi) // 2
         if at(k).fits:
             lo = k
         else:
             hi = k
-        use_secant = not use_secant
+        widths.append(hi - lo)
     return lo * m, rows(cache), False
 
 

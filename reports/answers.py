@@ -37,6 +37,10 @@ def _gpu_label(run: RunResult) -> str:
 # ---- rows shared by every format ----------------------------------------------------------
 
 
+NEGATIVE_NOTE = ("A negative cause: the reference GPU holds more of it at its own peak "
+                 "(e.g. its replica's gradients, or its share of the output gradient).")
+
+
 def attribution_rows(run: RunResult) -> list[tuple[str, list[tuple[str, int]], int, str]]:
     """(scenario, [(cause label, bytes)], excess, answer) for scenarios with an excess."""
     out = []
@@ -114,6 +118,8 @@ def terminal_parts(run: RunResult) -> list[Table | Text]:
                    "its peak", ["cause", "bytes"],
                    [[label, fmt_bytes(v, signed=True)] for label, v in causes])
         parts += [t, Text(answer)]
+        if any(v < 0 for _, v in causes):
+            parts.append(Text(NEGATIVE_NOTE, style="dim"))
     if run.fixes:
         parts.append(_table("what each fix buys (emulated on this workload and batch)",
                             FIX_HEADER, fix_rows(run)))
@@ -169,7 +175,8 @@ def markdown_sections(run: RunResult) -> str:
         out.append(f"### Why cuda:0 is heavier under `{name}` ({fmt_bytes(excess, signed=True)})"
                    "\n\n" + _md_table(["cause", "bytes"],
                                       [[lbl, fmt_bytes(v, signed=True)] for lbl, v in causes])
-                   + f"\n\n{answer}.")
+                   + f"\n\n{answer}."
+                   + (f" {NEGATIVE_NOTE}" if any(v < 0 for _, v in causes) else ""))
     if run.fixes:
         out.append("### What each fix buys\n\n" + _md_table(FIX_HEADER, fix_rows(run)))
         for f in run.fixes:
@@ -212,7 +219,9 @@ def html_sections(run: RunResult) -> str:
             out.append(f"<h3>{_e(name)}: {_e(fmt_bytes(excess, signed=True))} at cuda:0's peak"
                        "</h3>" + _html_table(["cause", "bytes"], [
                            [lbl, fmt_bytes(v, signed=True)] for lbl, v in causes])
-                       + f"<p class='answer'>{_e(answer)}</p>")
+                       + f"<p class='answer'>{_e(answer)}</p>"
+                       + (f"<p class='sub'>{_e(NEGATIVE_NOTE)}</p>"
+                          if any(v < 0 for _, v in causes) else ""))
         out.append("</section>")
     if run.fixes:
         out.append("<section id='fixes'><h2>What each fix buys</h2>"

@@ -67,3 +67,32 @@ def test_balanced_split_lowers_the_heaviest_device() -> None:
     assert [d.batch_rows for d in check.devices] == bal.chunk_sizes
     assert max(d.peak_allocated_bytes for d in check.devices) == bal.max_peak_bytes
     assert "BalancedDataParallel" in bal.code
+
+
+def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> None:
+    """The BalancedDataParallel code handed to users: run its scatter with a CPU stand-in
+    for the CUDA Scatter (the one part that needs GPUs)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import _functions
+
+    from dpprof.fixes import CODE_BALANCED
+
+    code = "\n".join(line[1:] for line in CODE_BALANCED.format(shares=[0.1, 0.3, 0.3, 0.3],
+                                                                batch=40).splitlines()
+                     if line.startswith("+"))
+    calls = []
+
+    def fake_apply(devices, sizes, dim, x):
+        calls.append(list(sizes))
+        return tuple(x.split(sizes, dim))
+
+    monkeypatch.setattr(_functions.Scatter, "apply", staticmethod(fake_apply))
+    scope = {"nn": nn, "torch": torch}
+    exec(code.split("model = BalancedDataParallel")[0], scope)
+    dp = scope["BalancedDataParallel"](nn.Linear(2, 2), shares=[0.1, 0.3, 0.3, 0.3])
+    dp.dim = 0  # DataParallel.__init__ stops before setting it when no GPU is visible
+    inputs, kwargs = dp.scatter((torch.zeros(40, 2), torch.ones(40)), {}, [0, 1, 2, 3])
+    assert calls[0] == [4, 12, 12, 12]
+    assert [tuple(t.shape[0] for t in args) for args in inputs] == [(4, 4), (12, 12), (12, 12), (12, 12)]
+    assert len(kwargs) == 4
