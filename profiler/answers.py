@@ -34,11 +34,6 @@ def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,
         for s in run.scenarios:
             if s.status == STATUS_OOM:
                 reasons.append(f"{s.name}: {s.message or 'out of memory'} (--fail-on-oom)")
-    if fail_on_oom and run.maxbatch is not None:
-        for e in run.maxbatch.entries:
-            if e.max_batch is not None and e.max_batch < run.batch:
-                reasons.append(f"{e.scenario}: batch {run.batch} is above its largest "
-                               f"batch {e.max_batch} (--fail-on-oom)")
     return reasons
 
 
@@ -55,11 +50,16 @@ def add_answers(
 ) -> RunResult:
     """Fill the answer fields of ``run`` (in place) and return it."""
     run.attribution = attribute_run(run)
+    n = len(run.scenarios)
+
+    def step(name: str, i: int = 0, total: int = 0) -> None:
+        if progress and name:  # the scenarios' bar stays full while the answers run
+            progress(name, n, n)
+
     if fixes and run.backend == "emulated":
         from dpprof.fixes import evaluate
 
-        if progress:
-            progress("fixes", 0, 1)
+        step("the fixes")
         run.fixes = evaluate(run, wl, ecfg)
     if maxbatch:
         from dpprof.maxbatch import run_maxbatch
@@ -67,13 +67,13 @@ def add_answers(
         run.maxbatch = run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
             ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, seed=ecfg.seed,
-            warmup_steps=ecfg.warmup_steps, progress=progress,
+            warmup_steps=ecfg.warmup_steps,
+            progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
         )
     if equivalence:
         from dpprof.equivalence import check
 
-        if progress:
-            progress("equivalence", 0, 1)
+        step("the math against single")
         run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.seed,
                                 scenarios or tuple(s.name for s in run.scenarios),
                                 backend=run.backend)

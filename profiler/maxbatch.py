@@ -69,7 +69,7 @@ def fill_reserved_and_context(
     """
     reserved: dict[int, int] = {}
     for d in result.devices:
-        src = d.index if d.index < rt.num_devices else 0  # DDP: rank 0 was emulated
+        src = 0 if d.rank is not None else d.index  # DDP: rank 0 was emulated for all
         if d.peak_reserved_bytes is None:
             if src not in reserved:
                 evs = _events(rt, src)

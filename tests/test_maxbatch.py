@@ -61,7 +61,7 @@ def test_search_nothing_fits_and_capped() -> None:
 def test_fill_reserved_and_context_counts_segments_and_context() -> None:
     box: dict[str, VirtualDevices] = {}
     cfg = EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=80 << 30,
-                          inspect=lambda rt, res: box.setdefault("rt", rt))
+                          inspect=lambda rt, res: box.__setitem__("rt", rt))
     s = run_scenario("dp-loss-primary", lm(SMALL_LM), cfg)
     ctx = context_bytes_for(None)
     assert ctx > 250 << 20  # the CUDA context alone is ~254 MiB
@@ -72,6 +72,11 @@ def test_fill_reserved_and_context_counts_segments_and_context() -> None:
         assert d.total_peak_bytes == d.peak_reserved_bytes + ctx
     # reserved memory comes in segments of at least 2 MiB
     assert s.devices[0].peak_reserved_bytes % (2 << 20) == 0
+    # a DDP rank stands for every rank: the same reserved memory on each
+    ddp = run_scenario("ddp", lm(SMALL_LM), cfg)
+    fill_reserved_and_context(ddp, box["rt"], ctx)
+    assert len({d.peak_reserved_bytes for d in ddp.devices}) == 1
+    assert ddp.devices[-1].peak_reserved_bytes > ddp.devices[-1].peak_allocated_bytes
     before = s.devices[0].peak_reserved_bytes
     fill_reserved_and_context(s, box["rt"], 1)  # fields already set: left as they are
     assert s.devices[0].peak_reserved_bytes == before and s.devices[0].context_bytes == ctx
