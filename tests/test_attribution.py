@@ -66,3 +66,14 @@ def test_loss_inside_forward_and_still_heavier_points_to_optimizer_state_and_ddp
 def test_single_device_scenario_has_no_attribution() -> None:
     s = ScenarioResult(name="single", devices=[_dev(0, 4, parameters=10)])
     assert attribute(s) is None
+
+
+def test_larger_shard_is_named_when_cuda0_has_more_rows() -> None:
+    from dpprof.scenarios.workloads import LMConfig, lm
+
+    wl = lm(LMConfig(vocab=2000, seq=64, d_model=64, layers=1))  # activations dominate
+    run = run_compare(CompareConfig(batch=7, gpus=2, fixes=False,
+                                    scenarios=("dp-loss-forward",)), workload=wl)  # 4, 3 rows
+    att = run.attribution["dp-loss-forward"]
+    assert att.causes_bytes.get("larger_shard", 0) > 0
+    assert sum(att.causes_bytes.values()) == att.excess_bytes

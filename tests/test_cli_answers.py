@@ -107,3 +107,17 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
     # re-rendering the saved result shows the same answers
     r = runner.invoke(app, ["report", str(js)])
     assert r.exit_code == 0 and "why cuda:0 is heavier" in r.stdout
+
+
+def test_compare_with_a_catalog_gpu_counts_reserved_and_context(tmp_path: Path) -> None:
+    from dpprof.gpus import lookup_gpu
+
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["compare", *FAST, "-q", "--no-fixes", "--gpu", "rtx-4090",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    run = load(out)
+    assert run.gpu_memory_bytes == lookup_gpu("rtx-4090").total_memory_bytes
+    d = run.scenario("dp-loss-primary").devices[0]
+    assert d.peak_reserved_bytes >= d.peak_allocated_bytes and d.context_bytes > 0
+    assert any("CUDA context" in a for a in run.assumptions)
