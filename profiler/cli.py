@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dpprof import __version__
+from dpprof import cli_answers as answer_opts
 from dpprof.errors import DpprofError, UsageError
 from dpprof.result import ResultFileError, RunResult, load, write_atomic
 from dpprof.runner import (
@@ -29,7 +30,7 @@ from dpprof.runner import (
 )
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.workloads import BUILTINS, DEFAULT
-from dpprof.units import fmt_bytes, parse_bytes
+from dpprof.units import fmt_bytes
 
 app = typer.Typer(
     name="dpprof",
@@ -165,8 +166,10 @@ def compare_cmd(
         ),
     ] = None,
     gpu_memory: Annotated[
-        str, typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G.")
-    ] = "80GiB",
+        str | None,
+        typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G "
+                     "(default: --gpu's, else 80GiB)."),
+    ] = None,
     scenarios: Annotated[
         str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios to run.")
     ] = ",".join(SCENARIOS),
@@ -218,6 +221,13 @@ def compare_cmd(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    gpu: Annotated[str, answer_opts.GPU] = "",
+    maxbatch: Annotated[bool, answer_opts.MAXBATCH] = False,
+    multiple_of: Annotated[int, answer_opts.MULTIPLE_OF] = 1,
+    count_reserved: Annotated[bool, answer_opts.COUNT_RESERVED] = False,
+    fixes: Annotated[bool, answer_opts.FIXES] = True,
+    fail_on_imbalance: Annotated[float | None, answer_opts.FAIL_ON_IMBALANCE] = None,
+    fail_on_oom: Annotated[bool, answer_opts.FAIL_ON_OOM] = False,
 ) -> None:
     """Run your training step as paired scenarios and compare every GPU's peak memory.
 
@@ -231,10 +241,7 @@ def compare_cmd(
     from dpprof.runner import run_compare
 
     try:
-        try:
-            memory = parse_bytes(gpu_memory)
-        except ValueError as e:
-            raise UsageError(f"--gpu-memory: {e}") from e
+        memory, spec = answer_opts.gpu_memory_and_spec(gpu_memory, gpu)
         from dpprof.ddp_launch import torchrun_info
 
         rank = torchrun_info()
@@ -246,6 +253,10 @@ def compare_cmd(
             compute=compute, debug=debug, devices=_parse_devices(devices), warmup=warmup,
             steps=steps, nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
             device_kind="cpu" if cpu_test_mode else "cuda",
+            fixes=fixes, maxbatch=maxbatch,
+            multiple_of=multiple_of, gpu=spec.key if spec else "",
+            count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
+            fail_on_oom=fail_on_oom,
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -304,6 +315,7 @@ def compare_cmd(
             raise
         err.print(f"dpprof: internal error: {type(e).__name__}: {e} (rerun with --debug)")
         raise typer.Exit(code=1) from None
+    answer_opts.exit_on_fail_reasons(run, err)
 
 
 def _parse_devices(text: str | None) -> tuple[int, ...] | None:
@@ -422,6 +434,7 @@ def report_cmd(
 from dpprof.watch_cli import register as _register_watch  # noqa: E402
 
 _register_watch(app)
+answer_opts.register(app)
 
 
 def main() -> None:

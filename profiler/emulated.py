@@ -74,6 +74,13 @@ class EmulationConfig:
     compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
     warmup_steps: int = 1  # steps before the measured one (the optimizer state must exist)
     debug: bool = False  # keep tracebacks of failing scenarios
+    # Variants the fixes analysis emulates (dpprof.fixes); the defaults are plain PyTorch.
+    dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
+    dp_chunk_sizes: tuple[int, ...] | None = None  # uneven scatter (BalancedDataParallel)
+    ddp_gradient_as_bucket_view: bool = False  # DDP(gradient_as_bucket_view=True)
+    # Called with the runtime and the devices' results after the measured step, before the
+    # out-of-memory check (maxbatch replays the event log to fill reserved + context).
+    inspect: Callable[[VirtualDevices, ScenarioResult], None] | None = None
 
 
 def _leaves(x: Any) -> Iterable[torch.Tensor]:
@@ -168,7 +175,8 @@ def _cast_inputs(x: Any, dtype: torch.dtype) -> Any:
 
 def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResult:
     """Emulate one scenario; a failure is a result (status "error"), not an exception."""
-    shards = shard_sizes(cfg.batch, cfg.gpus)
+    shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
+        DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
     rank_rows = shards[0]
     base = torch.device("cpu" if cfg.compute else "meta")
     n_dev = 1 if name == SINGLE else cfg.gpus
@@ -184,11 +192,15 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
             wrapped: Any
             if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
                 inner = ModelWithLoss(model, loss_fn) if loss_inside else model
-                wrapped = EmulatedDataParallel(inner, rt, list(range(cfg.gpus)))
+                wrapped = EmulatedDataParallel(inner, rt, list(range(cfg.gpus)),
+                                               output_device=cfg.dp_output_device)
+                wrapped.chunk_sizes = cfg.dp_chunk_sizes
                 rows = cfg.batch
             elif name == DDP:
                 with rt.device(0):
-                    wrapped = EmulatedDDP(model, rt, world_size=cfg.gpus)
+                    wrapped = EmulatedDDP(
+                        model, rt, world_size=cfg.gpus,
+                        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view)
                 rows = rank_rows
             elif name == SINGLE:
                 wrapped = model
@@ -215,6 +227,8 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
             )
             model.train()
             loss_val = None
+            # DataParallel(output_device=k): the loss runs there, so the targets go there.
+            target_dev = (cfg.dp_output_device or 0) if name == DP_LOSS_PRIMARY else 0
             for step in range(cfg.warmup_steps + 1):
                 if step == cfg.warmup_steps:
                     rt.reset_peaks()
@@ -224,7 +238,7 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
                     inputs, targets = _cast_inputs(inputs, wl.dtype), targets
                 with rt.phase("inputs", "inputs"):
                     inputs = _map(inputs, lambda t: to_device(rt, t, 0))
-                    targets = _map(targets, lambda t: to_device(rt, t, 0))
+                    targets = _map(targets, lambda t: to_device(rt, t, target_dev))
                 loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
                 cats.clear()
                 del inputs, targets
@@ -235,6 +249,8 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
                     else [0])
             result.devices = _device_results(rt, cfg, name, shards, used, measure_start)
             result.loss = loss_val
+            if cfg.inspect is not None:
+                cfg.inspect(rt, result)
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
     except Exception as e:  # the user's code, or an impossible program: a result
@@ -246,14 +262,15 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
     finally:
         cats.clear()
     _notes(result, name, cfg, shards)
-    over = [d for d in result.devices if d.peak_allocated_bytes > cfg.gpu_memory_bytes]
+    # total_peak_bytes: allocated, or reserved + context where they were counted.
+    over = [d for d in result.devices if d.total_peak_bytes > cfg.gpu_memory_bytes]
     if over:
         worst = over[0]
         result.status = STATUS_OOM
         result.oom_device = worst.index
-        result.oom_bytes = worst.peak_allocated_bytes
+        result.oom_bytes = worst.total_peak_bytes
         result.message = (
-            f"out of memory on cuda:{worst.index}: needs {fmt_bytes(worst.peak_allocated_bytes)}"
+            f"out of memory on cuda:{worst.index}: needs {fmt_bytes(worst.total_peak_bytes)}"
             f" at its peak ({worst.peak_phase}), has {fmt_bytes(cfg.gpu_memory_bytes)}"
         )
     else:

@@ -279,10 +279,18 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
-def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: int = 0) -> Any:
+def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: int = 0,
+            chunk_sizes: Sequence[int] | None = None) -> Any:
+    """``scatter_gather.scatter``; ``chunk_sizes`` (rows per device) as a
+    BalancedDataParallel-style override passes them to ``Scatter.apply``."""
+    if chunk_sizes is not None:
+        chunk_sizes = [c for c in chunk_sizes if c > 0]
+        target_gpus = list(target_gpus)[: len(chunk_sizes)]
+
     def scatter_map(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            return Scatter.apply(rt, list(target_gpus), None, dim, obj)
+            sizes = chunk_sizes if chunk_sizes is not None and obj.dim() > dim else None
+            return Scatter.apply(rt, list(target_gpus), sizes, dim, obj)
         if _is_namedtuple(obj):
             return [type(obj)(*args) for args in zip(*map(scatter_map, obj), strict=False)]
         if isinstance(obj, tuple) and len(obj) > 0:
@@ -298,10 +306,10 @@ def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: in
 
 def scatter_kwargs(
     rt: VirtualDevices, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
-    target_gpus: Sequence[int], dim: int = 0,
+    target_gpus: Sequence[int], dim: int = 0, chunk_sizes: Sequence[int] | None = None,
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
-    scattered_inputs = scatter(rt, inputs, target_gpus, dim) if inputs else []
-    scattered_kwargs = scatter(rt, kwargs, target_gpus, dim) if kwargs else []
+    scattered_inputs = scatter(rt, inputs, target_gpus, dim, chunk_sizes) if inputs else []
+    scattered_kwargs = scatter(rt, kwargs, target_gpus, dim, chunk_sizes) if kwargs else []
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(inputs):
@@ -428,6 +436,8 @@ class EmulatedDataParallel(nn.Module):
         self.output_device = self.device_ids[0] if output_device is None else output_device
         self.dim = dim
         self.used_devices: list[int] = []
+        # Rows per device (a BalancedDataParallel-style scatter); None: tensor.chunk.
+        self.chunk_sizes: Sequence[int] | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         rt = self.rt
@@ -440,7 +450,8 @@ class EmulatedDataParallel(nn.Module):
                     f"cuda:{rt.device_of(t)}"
                 )
         with rt.category("inputs"):
-            inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, self.device_ids, self.dim)
+            inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, self.device_ids, self.dim,
+                                                   self.chunk_sizes)
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
         if len(self.device_ids) == 1:

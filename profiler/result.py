@@ -135,6 +135,88 @@ class Comparison:
 
 
 @dataclass
+class Attribution:
+    """cuda:0's excess over the median other device, in bytes per cause at cuda:0's peak.
+
+    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.attribution`).
+    """
+
+    scenario: str
+    excess_bytes: int  # == ScenarioComparison.primary_excess_bytes
+    reference: str = ""  # e.g. "cuda:2", or "mean of cuda:1 and cuda:2"
+    causes_bytes: dict[str, int] = field(default_factory=dict)
+    answer: str = ""  # one sentence: what dominates and what fixes it
+
+
+@dataclass
+class Fix:
+    """What one change buys on the user's workload (see :mod:`dpprof.fixes`)."""
+
+    name: str  # loss-in-forward | ddp | gradient-as-bucket-view | output-device | balanced-split
+    title: str
+    primary_peak_bytes: int | None = None  # cuda:0's peak with the fix
+    max_peak_bytes: int | None = None  # the heaviest device's peak with the fix
+    saves_bytes: int | None = None  # on cuda:0, against dp-loss-primary's cuda:0
+    detail: str = ""
+    code: str = ""  # the minimal change to a typical training loop
+    chunk_sizes: list[int] = field(default_factory=list)  # balanced-split: rows per GPU
+
+
+@dataclass
+class MaxBatchEntry:
+    """The largest global batch one scenario fits (see :mod:`dpprof.maxbatch`)."""
+
+    scenario: str
+    max_batch: int | None = None  # None: not even the smallest step fits
+    limit_device: int | None = None  # the device that runs out first at max_batch + step
+    needed_bytes: int | None = None  # that device's total (reserved + context) at max_batch
+    next_needed_bytes: int | None = None  # ... at max_batch + step (over capacity)
+    capped: bool = False  # the search stopped at its upper bound, not at the memory
+    emulations: int = 0  # emulated steps the search ran
+    message: str = ""
+
+
+@dataclass
+class MaxBatch:
+    capacity_bytes: int
+    gpu: str = ""  # catalog name, or "" when --gpu-memory was given
+    multiple_of: int = 1
+    counts: str = ""  # what "fits" counts: e.g. "peak reserved + CUDA context"
+    entries: list[MaxBatchEntry] = field(default_factory=list)
+
+
+@dataclass
+class EquivalenceEntry:
+    scenario: str
+    loss: float | None = None
+    loss_diff: float | None = None  # |loss - single's on the full batch|
+    grad_max_diff: float | None = None  # largest |gradient difference| over all parameters
+    param_max_diff: float | None = None  # largest |parameter difference| after the step
+    equivalent: bool | None = None  # within tolerance
+
+
+@dataclass
+class EquivalenceFinding:
+    kind: str  # uneven-mean | batchnorm | dropout | sum-reduction
+    scenario: str = ""  # "" when it concerns the workload as a whole
+    effect: float = 0.0  # size of the effect (see message for its unit)
+    message: str = ""
+
+
+@dataclass
+class Equivalence:
+    """Do the paired scenarios compute the same thing as ``single`` on the full batch?"""
+
+    backend: str = ""
+    batch: int = 0
+    tolerance: float = 0.0
+    reference_loss: float | None = None
+    entries: list[EquivalenceEntry] = field(default_factory=list)
+    findings: list[EquivalenceFinding] = field(default_factory=list)
+    largest_diff: float = 0.0  # the largest difference of any scenario (loss, grads, params)
+
+
+@dataclass
 class RunResult:
     backend: str  # "emulated" | "cpu" | "cuda"
     workload: str
@@ -153,6 +235,12 @@ class RunResult:
     assumptions: list[str] = field(default_factory=list)  # how the numbers were obtained
     notes: list[str] = field(default_factory=list)
     watch: WatchResult | None = None  # `dpprof watch -- CMD` runs only (backend "nvml-watch")
+    # ---- answers (issue 6): all optional, absent from older results -----------------------
+    attribution: dict[str, Attribution] = field(default_factory=dict)  # per DP scenario
+    fixes: list[Fix] = field(default_factory=list)
+    maxbatch: MaxBatch | None = None
+    equivalence: Equivalence | None = None
+    fail_reasons: list[str] = field(default_factory=list)  # --fail-on-* checks that failed
 
     def scenario(self, name: str) -> ScenarioResult | None:
         for s in self.scenarios:
@@ -264,6 +352,13 @@ _NESTED: dict[tuple[str, str], tuple[str, Any]] = {
     ("Comparison", "scenarios"): ("dict", ScenarioComparison),
     ("ScenarioResult", "devices"): ("list", DeviceResult),
     ("DeviceResult", "timeline"): ("list", TimelinePoint),
+    ("RunResult", "attribution"): ("dict", Attribution),
+    ("RunResult", "fixes"): ("list", Fix),
+    ("RunResult", "maxbatch"): ("one", MaxBatch),
+    ("MaxBatch", "entries"): ("list", MaxBatchEntry),
+    ("RunResult", "equivalence"): ("one", Equivalence),
+    ("Equivalence", "entries"): ("list", EquivalenceEntry),
+    ("Equivalence", "findings"): ("list", EquivalenceFinding),
 }
 
 

@@ -14,6 +14,7 @@ import torch
 
 from dpprof import __version__
 from dpprof.analysis import compare
+from dpprof.answers import add_answers, gpu_spec
 from dpprof.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
 from dpprof.errors import UsageError
 from dpprof.result import RunResult
@@ -41,6 +42,17 @@ class CompareConfig:
     warmup_steps: int = 1  # steps before the measured one
     debug: bool = False  # keep tracebacks
     extra: dict[str, object] = field(default_factory=dict)
+    # ---- answers (dpprof.answers) -----------------------------------------------------
+    fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
+    maxbatch: bool = False  # search the largest batch per scenario
+    multiple_of: int = 1  # maxbatch granularity
+    gpu: str = ""  # catalog name (--gpu a100-80gb): memory and context model
+    count_reserved: bool = False  # peaks count simulated reserved memory + the context
+    equivalence: bool | None = None  # compare the math with single (None: with --compute)
+    fail_on_imbalance: float | None = None  # exit 3 above this max/mean
+    fail_on_oom: bool = False  # exit 3 on any out-of-memory
+
+
     # ---- the cuda backend (real GPUs) ------------------------------------------------------
     devices: tuple[int, ...] | None = None  # --devices 2,3: exactly these CUDA indices
     warmup: int | None = None  # --warmup (cuda default 3; overrides warmup_steps when given)
@@ -73,6 +85,12 @@ class CompareConfig:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.nvml_interval_s <= 0:
             raise UsageError("--nvml-interval must be larger than zero, e.g. 0.02")
+        if self.multiple_of < 1:
+            raise UsageError(f"--multiple-of must be at least 1, got {self.multiple_of}")
+        if self.fail_on_imbalance is not None and self.fail_on_imbalance < 1:
+            raise UsageError(
+                f"--fail-on-imbalance is a max/mean ratio (>= 1.0), got {self.fail_on_imbalance}"
+            )
 
 
 def visible_cuda_gpus() -> int:
@@ -156,7 +174,17 @@ def run_compare(
         compute=cfg.compute,
         warmup_steps=cfg.warmup_steps if cfg.warmup is None else cfg.warmup, debug=cfg.debug,
     )
+    spec = gpu_spec(cfg.gpu)
+    count_reserved = cfg.count_reserved or cfg.maxbatch or spec is not None
+    if count_reserved:
+        from dpprof.maxbatch import COUNTS, context_bytes_for, reserved_inspector
+
+        ctx = context_bytes_for(spec)
+        ecfg.inspect = reserved_inspector(ctx)
     run.assumptions = list(ASSUMPTIONS)
+    if count_reserved:
+        run.assumptions.append(f"Out of memory when {COUNTS} ({ctx} B per GPU) exceeds the "
+                               "GPU's memory.")
     if cfg.compute:
         run.assumptions[0] = (
             "Emulated over CPU tensors (real numbers): the training step runs on virtual "
@@ -169,7 +197,12 @@ def run_compare(
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)
-    return run
+    return add_answers(
+        run, wl, ecfg, fixes=cfg.fixes, maxbatch=cfg.maxbatch, multiple_of=cfg.multiple_of,
+        gpu=spec, equivalence=cfg.compute if cfg.equivalence is None else cfg.equivalence,
+        scenarios=cfg.scenarios, fail_on_imbalance=cfg.fail_on_imbalance,
+        fail_on_oom=cfg.fail_on_oom, progress=progress,
+    )
 
 
 def _full_environment(backend: str) -> dict[str, object]:

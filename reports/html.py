@@ -30,6 +30,7 @@ from importlib import resources
 from typing import Any
 
 from dpprof.excess import cause_label
+from dpprof.reports import answers
 from dpprof.reports.common import (
     device_label,
     excesses,
@@ -726,6 +727,7 @@ def _render(run: RunResult) -> str:
 
     body.append(h2("What to change"))
     body.append(_fixes_html(run))
+    body.append(answers.html_sections(run, parts=("equivalence", "checks")))
 
     body.append(h2("How these numbers were obtained"))
     body.append(f"<p class='prov'>{_e(provenance(run))}</p>")

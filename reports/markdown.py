@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from dpprof.excess import cause_label
+from dpprof.reports import answers
 from dpprof.reports.common import (
     device_label,
     excesses,
@@ -202,7 +203,11 @@ def render(run: RunResult) -> str:
         lines += ["Nothing: cuda:0 carries no excess worth a change in any scenario measured.",
                   ""]
     for f in found:
-        lines += [f"**{md(f.title)}.** {md(f.why)}", "", _fence(f.code, "python"), ""]
+        lang = "diff" if f.code.lstrip().startswith(("-", "+", "@@")) else "python"
+        lines += [f"**{md(f.title)}.** {md(f.why)}", "", _fence(f.code, lang), ""]
+    extra = answers.markdown_sections(run, parts=("equivalence", "checks"))
+    if extra:
+        lines += [extra]
     lines += ["<details><summary>How these numbers were obtained</summary>", "",
               md(provenance(run)), ""]
     lines += [f"- {md(a)}" for a in run.assumptions]

@@ -7,6 +7,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from dpprof.reports import answers
 from dpprof.result import STATUS_OK, STATUS_OOM, RunResult
 from dpprof.units import fmt_bytes
 
@@ -51,4 +52,5 @@ def render(run: RunResult) -> Group:
         for note in s.notes:
             if "Traceback" not in note:
                 parts.append(Text(f"{s.name}: {note}", style="dim"))
+    parts += answers.terminal_parts(run)
     return Group(*parts)

@@ -1,0 +1,81 @@
+"""The answers a comparison adds to its numbers (issue 6), run after the scenarios.
+
+* ``attribution``: why cuda:0 is heavier, by cause (:mod:`dpprof.attribution`);
+* ``fixes``: what each fix buys on this workload, with its code (:mod:`dpprof.fixes`);
+* ``maxbatch``: the largest batch per scenario (:mod:`dpprof.maxbatch`, ``--maxbatch``);
+* ``equivalence``: whether the scenarios compute the same step (:mod:`dpprof.equivalence`,
+  with ``--compute``);
+* ``fail_reasons``: the ``--fail-on-imbalance`` / ``--fail-on-oom`` checks (exit 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dpprof.attribution import attribute_run
+from dpprof.emulated import EmulationConfig
+from dpprof.gpus import GpuSpec, lookup_gpu
+from dpprof.result import STATUS_OOM, RunResult
+from dpprof.scenarios.workloads import Workload
+
+EXIT_CHECK_FAILED = 3  # --fail-on-imbalance / --fail-on-oom
+
+
+def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,
+                 fail_on_oom: bool = False) -> list[str]:
+    """Why a CI job should fail: a scenario's max/mean above the ratio, or an OOM."""
+    reasons: list[str] = []
+    if fail_on_imbalance is not None:
+        for name, c in run.comparison.scenarios.items():
+            if c.imbalance > fail_on_imbalance:
+                reasons.append(f"{name}: max/mean {c.imbalance:.3f} exceeds "
+                               f"--fail-on-imbalance {fail_on_imbalance:g}")
+    if fail_on_oom:
+        for s in run.scenarios:
+            if s.status == STATUS_OOM:
+                reasons.append(f"{s.name}: {s.message or 'out of memory'} (--fail-on-oom)")
+    return reasons
+
+
+def gpu_spec(name: str) -> GpuSpec | None:
+    return lookup_gpu(name) if name else None
+
+
+def add_answers(
+    run: RunResult, wl: Workload, ecfg: EmulationConfig, *, fixes: bool = True,
+    maxbatch: bool = False, multiple_of: int = 1, gpu: GpuSpec | None = None,
+    equivalence: bool = False, scenarios: tuple[str, ...] = (),
+    fail_on_imbalance: float | None = None, fail_on_oom: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> RunResult:
+    """Fill the answer fields of ``run`` (in place) and return it."""
+    run.attribution = attribute_run(run)
+    n = len(run.scenarios)
+
+    def step(name: str, i: int = 0, total: int = 0) -> None:
+        if progress and name:  # the scenarios' bar stays full while the answers run
+            progress(name, n, n)
+
+    if fixes and run.backend == "emulated":
+        from dpprof.fixes import evaluate
+
+        step("the fixes")
+        run.fixes = evaluate(run, wl, ecfg)
+    if maxbatch:
+        from dpprof.maxbatch import run_maxbatch
+
+        run.maxbatch = run_maxbatch(
+            wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
+            ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, seed=ecfg.seed,
+            warmup_steps=ecfg.warmup_steps,
+            progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
+        )
+    if equivalence:
+        from dpprof.equivalence import check
+
+        step("the math against single")
+        run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.seed,
+                                scenarios or tuple(s.name for s in run.scenarios),
+                                backend=run.backend)
+    run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
+    return run

@@ -1,0 +1,220 @@
+"""What each fix buys on the user's workload, and the code for it.
+
+Every fix is measured, not estimated: the scenario is emulated again with the change
+(``DataParallel(output_device=...)``, ``DDP(gradient_as_bucket_view=True)``, an uneven
+scatter) and cuda:0's peak is compared with ``dp-loss-primary``'s. The balanced split
+(:func:`balance_chunks`) is solved from two emulations, each device's peak being affine in
+its rows, then checked by a third.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.units import fmt_bytes
+
+Emulate = Callable[[str, EmulationConfig], ScenarioResult]
+
+TYPICAL_LOOP = """\
+model = nn.DataParallel(model.cuda())
+for inputs, targets in loader:
+    loss = loss_fn(model(inputs.cuda()), targets.cuda())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()"""
+
+CODE_LOSS_IN_FORWARD = """\
+-model = nn.DataParallel(model.cuda())
++model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn).cuda())
+ for inputs, targets in loader:
+-    loss = loss_fn(model(inputs.cuda()), targets.cuda())
++    loss = dpprof.ModelWithLoss.combine(model(inputs.cuda(), targets.cuda()))"""
+
+CODE_DDP = """\
++# torchrun --nproc-per-node {gpus} train.py
++dist.init_process_group("nccl")
++rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
+-model = nn.DataParallel(model.cuda())
++model = DDP(model.cuda(rank), device_ids=[rank])
++loader = DataLoader(dataset, batch_size={per_rank},
++                    sampler=DistributedSampler(dataset))  # per-rank batch
+ for inputs, targets in loader:
+-    loss = loss_fn(model(inputs.cuda()), targets.cuda())
++    loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))"""
+
+CODE_BUCKET_VIEW = """\
+-model = DDP(model.cuda(rank), device_ids=[rank])
++model = DDP(model.cuda(rank), device_ids=[rank], gradient_as_bucket_view=True)"""
+
+CODE_OUTPUT_DEVICE = """\
+-model = nn.DataParallel(model.cuda())
++model = nn.DataParallel(model.cuda(), output_device={dev})
+ for inputs, targets in loader:
+-    loss = loss_fn(model(inputs.cuda()), targets.cuda())
++    loss = loss_fn(model(inputs.cuda()), targets.cuda({dev}))"""
+
+CODE_BALANCED = """\
++from torch.nn.parallel._functions import Scatter
++
++class BalancedDataParallel(nn.DataParallel):
++    \"\"\"DataParallel with rows per GPU in proportion to `shares` (cuda:0 first).\"\"\"
++    def __init__(self, module, shares, **kwargs):
++        super().__init__(module, **kwargs)
++        self.shares = shares
++    def scatter(self, inputs, kwargs, device_ids):
++        rows = next(t for t in inputs if torch.is_tensor(t)).size(self.dim)
++        sizes = [int(rows * s / sum(self.shares)) for s in self.shares]
++        sizes[-1] += rows - sum(sizes)
++        def split(x):
++            if torch.is_tensor(x):
++                return Scatter.apply(device_ids, sizes, self.dim, x)
++            return [x] * len(device_ids)
++        inputs = list(zip(*map(split, inputs)))
++        return inputs, [kwargs] * len(inputs)
++
+-model = nn.DataParallel(model.cuda())
++model = BalancedDataParallel(model.cuda(), shares={shares})  # rows at batch {batch}"""
+
+
+def _ok(s: ScenarioResult | None) -> bool:
+    return s is not None and s.status in (STATUS_OK, STATUS_OOM) and bool(s.devices)
+
+
+def _peaks(s: ScenarioResult) -> tuple[int, int]:
+    used = [d for d in s.devices if d.used]
+    return used[0].peak_allocated_bytes, max(d.peak_allocated_bytes for d in used)
+
+
+def balance_chunks(
+    batch: int, gpus: int, rows0_a: int, peak0_a: int, rows0_b: int, peak0_b: int,
+    rowsk_a: float, peakk_a: int, rowsk_b: float, peakk_b: int,
+) -> list[int] | None:
+    """Rows per device that equalise cuda:0 and the others, from two measured splits.
+
+    Each device's peak is taken as affine in its own rows (``a`` and ``b`` are two splits;
+    ``k`` is a typical other device). cuda:0 gets ``r0`` rows, the others share the rest as
+    ``tensor.chunk`` would; ``r0`` solves ``P0(r0) = Pk((batch - r0) / (gpus - 1))``.
+    Returns None when the measurements give no usable slope.
+    """
+    if gpus < 2 or rows0_a == rows0_b or rowsk_a == rowsk_b:
+        return None
+    s0 = (peak0_a - peak0_b) / (rows0_a - rows0_b)
+    sk = (peakk_a - peakk_b) / (rowsk_a - rowsk_b)
+    a0 = peak0_a - s0 * rows0_a
+    ak = peakk_a - sk * rowsk_a
+    denom = s0 + sk / (gpus - 1)
+    if denom <= 0:
+        return None
+    exact = (ak + sk * batch / (gpus - 1) - a0) / denom
+    best: tuple[float, list[int]] | None = None
+    for r0 in {math.floor(exact), math.ceil(exact)}:
+        r0 = int(min(max(r0, 1), batch - (gpus - 1)))
+        rest = shard_sizes(batch - r0, gpus - 1)
+        if len(rest) < gpus - 1:
+            continue
+        predicted = max(a0 + s0 * r0, ak + sk * rest[0])
+        if best is None or predicted < best[0]:
+            best = (predicted, [r0, *rest])
+    return None if best is None else best[1]
+
+
+def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
+             emulate: Emulate | None = None) -> list[Fix]:
+    """Emulate each fix on the run's workload and batch; what it saves on cuda:0."""
+    em: Emulate = emulate or (lambda name, cfg: run_scenario(name, wl, cfg))
+    base = dataclasses.replace(base, inspect=None)
+    gpus, batch = base.gpus, base.batch
+    primary = run.scenario(DP_LOSS_PRIMARY)
+    if not _ok(primary):
+        primary = em(DP_LOSS_PRIMARY, base)
+    if not _ok(primary) or gpus < 2:
+        return []
+    assert primary is not None
+    p0, _pmax = _peaks(primary)
+    fixes: list[Fix] = []
+
+    def add(name: str, title: str, s: ScenarioResult | None, detail: str, code: str,
+            chunks: list[int] | None = None) -> None:
+        if not _ok(s):
+            return
+        assert s is not None
+        q0, qmax = _peaks(s)
+        fixes.append(Fix(name=name, title=title, primary_peak_bytes=q0, max_peak_bytes=qmax,
+                         saves_bytes=p0 - q0, detail=detail, code=code,
+                         chunk_sizes=list(chunks or [])))
+
+    fwd = run.scenario(DP_LOSS_FORWARD)
+    fwd = fwd if _ok(fwd) else em(DP_LOSS_FORWARD, base)
+    add("loss-in-forward", "Compute the loss inside forward", fwd,
+        "DataParallel(ModelWithLoss(model, loss_fn)): cuda:0 gathers one number per GPU "
+        "instead of the batch's outputs", CODE_LOSS_IN_FORWARD)
+    ddp = run.scenario(DDP)
+    ddp = ddp if _ok(ddp) else em(DDP, base)
+    per_rank = shard_sizes(batch, gpus)[0]
+    add("ddp", "DistributedDataParallel", ddp,
+        "every GPU holds its own parameters, gradients and optimizer state and its shard",
+        CODE_DDP.format(gpus=gpus, per_rank=per_rank))
+    gabv = em(DDP, dataclasses.replace(base, ddp_gradient_as_bucket_view=True))
+    if _ok(gabv) and _ok(ddp):
+        assert ddp is not None and gabv is not None
+        extra = _peaks(ddp)[0] - _peaks(gabv)[0]
+        add("gradient-as-bucket-view", "DDP with gradient_as_bucket_view=True", gabv,
+            f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less than "
+            "plain DDP per GPU at the peak" + (
+                "" if extra > 0 else " (the peak comes before the gradients all exist; the "
+                "gradient-sized copy is still saved later in the step)"), CODE_BUCKET_VIEW)
+    used = len(shard_sizes(batch, gpus))
+    if used >= 2:
+        dev = used - 1
+        out = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_output_device=dev))
+        if _ok(out):
+            assert out is not None
+            heavy = max((d for d in out.devices if d.used),
+                        key=lambda d: d.peak_allocated_bytes)
+            add("output-device", f"DataParallel(output_device={dev})", out,
+                f"the gathered outputs and the loss move to cuda:{dev}, which then peaks at "
+                f"{fmt_bytes(heavy.peak_allocated_bytes)} (cuda:{heavy.index} is the "
+                "heaviest): it moves the imbalance, it does not remove it",
+                CODE_OUTPUT_DEVICE.format(dev=dev))
+    bal = balanced_split(primary, batch, gpus, base, em)
+    if bal is not None:
+        chunks, s = bal
+        shares = [round(c / batch, 4) for c in chunks]
+        add("balanced-split", "A smaller share of the batch on cuda:0", s,
+            f"rows per GPU {chunks} instead of {shard_sizes(batch, gpus)}; a "
+            "BalancedDataParallel-style scatter override (Scatter.apply with chunk_sizes)",
+            CODE_BALANCED.format(shares=shares, batch=batch), chunks)
+    return fixes
+
+
+def balanced_split(primary: ScenarioResult, batch: int, gpus: int, base: EmulationConfig,
+                   em: Emulate) -> tuple[list[int], ScenarioResult] | None:
+    """Chunk sizes that balance ``dp-loss-primary``, and the emulation that checks them."""
+    even = shard_sizes(batch, gpus)
+    if len(even) < gpus or even[0] < 2:
+        return None
+    used = [d for d in primary.devices if d.used]
+    r0_a = even[0]
+    r0_b = max(1, r0_a // 2)
+    trial = [r0_b, *shard_sizes(batch - r0_b, gpus - 1)]
+    if len(trial) < gpus:
+        return None
+    b = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=tuple(trial)))
+    if not _ok(b):
+        return None
+    used_b = [d for d in b.devices if d.used]
+    k = 1
+    chunks = balance_chunks(
+        batch, gpus, r0_a, used[0].peak_allocated_bytes, r0_b, used_b[0].peak_allocated_bytes,
+        even[k], used[k].peak_allocated_bytes, trial[k], used_b[k].peak_allocated_bytes,
+    )
+    if chunks is None or chunks == even:
+        return None
+    best = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=tuple(chunks)))
+    return (chunks, best) if _ok(best) else None

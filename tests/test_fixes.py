@@ -1,0 +1,98 @@
+"""What each fix buys: measured by emulating it, and the balanced split."""
+
+from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.fixes import balance_chunks
+from dpprof.runner import CompareConfig, run_compare
+from dpprof.scenarios.workloads import LMConfig, lm
+
+SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
+
+
+def test_balance_chunks_solves_affine_peaks() -> None:
+    # cuda:0: 1000 + 10 r0 + 500 (a loss that does not depend on r0); others: 1000 + 10 r
+    def p0(r: int) -> int:
+        return 1500 + 10 * r
+
+    def pk(r: float) -> int:
+        return int(1000 + 10 * r)
+
+    chunks = balance_chunks(40, 4, 10, p0(10), 5, p0(5), 10, pk(10), 35 / 3, pk(35 / 3))
+    assert chunks is not None and sum(chunks) == 40 and len(chunks) == 4
+    # exact solution: 1500 + 10 r0 = 1000 + 10 (40 - r0) / 3  ->  r0 = -3.5 -> clipped to 1
+    assert chunks[0] == 1
+    chunks = balance_chunks(400, 4, 100, 2000 + 10 * 100, 50, 2000 + 10 * 50,
+                            100, 1000 + 10 * 100, 350 / 3, int(1000 + 10 * 350 / 3))
+    # 2000 + 10 r0 = 1000 + 10 (400 - r0) / 3  ->  r0 = 25
+    assert chunks == [25, 125, 125, 125]
+
+
+def test_no_slope_gives_no_split() -> None:
+    assert balance_chunks(40, 4, 10, 100, 10, 100, 10, 100, 11, 100) is None
+    assert balance_chunks(40, 1, 10, 100, 5, 50, 10, 100, 11, 110) is None
+
+
+def test_each_fix_is_measured_on_the_workload() -> None:
+    wl = lm(SMALL_LM)
+    run = run_compare(CompareConfig(batch=32), workload=wl)
+    fixes = {f.name: f for f in run.fixes}
+    assert set(fixes) == {"loss-in-forward", "ddp", "gradient-as-bucket-view",
+                          "output-device", "balanced-split"}
+    base0 = run.scenario("dp-loss-primary").devices[0].peak_allocated_bytes
+    for f in fixes.values():
+        assert f.saves_bytes == base0 - f.primary_peak_bytes
+        assert f.code.strip()
+    assert fixes["loss-in-forward"].saves_bytes == run.comparison.savings_bytes["dp-loss-forward"]
+    assert fixes["ddp"].saves_bytes == run.comparison.savings_bytes["ddp"]
+    # the gathered logits and the loss leave cuda:0 for cuda:3 ...
+    out = fixes["output-device"]
+    assert out.saves_bytes > 0 and out.max_peak_bytes > out.primary_peak_bytes
+    assert "output_device=3" in out.code
+    # ... and gradient_as_bucket_view never costs more than plain DDP
+    assert fixes["gradient-as-bucket-view"].primary_peak_bytes <= fixes["ddp"].primary_peak_bytes
+    assert "gradient_as_bucket_view=True" in fixes["gradient-as-bucket-view"].code
+    assert "ModelWithLoss.combine" in fixes["loss-in-forward"].code
+
+
+def test_balanced_split_lowers_the_heaviest_device() -> None:
+    wl = lm(SMALL_LM)
+    run = run_compare(CompareConfig(batch=32, scenarios=("dp-loss-primary",)), workload=wl)
+    bal = next(f for f in run.fixes if f.name == "balanced-split")
+    assert sum(bal.chunk_sizes) == 32 and len(bal.chunk_sizes) == 4
+    assert bal.chunk_sizes[0] < 8  # cuda:0 takes less than its even share
+    even_max = max(d.peak_allocated_bytes for d in run.scenario("dp-loss-primary").devices)
+    assert bal.max_peak_bytes < even_max
+    # the reported figures are those of an emulation with these chunk sizes
+    check = run_scenario("dp-loss-primary", wl, EmulationConfig(
+        batch=32, gpus=4, gpu_memory_bytes=80 << 30, dp_chunk_sizes=tuple(bal.chunk_sizes)))
+    assert [d.batch_rows for d in check.devices] == bal.chunk_sizes
+    assert max(d.peak_allocated_bytes for d in check.devices) == bal.max_peak_bytes
+    assert "BalancedDataParallel" in bal.code
+
+
+def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> None:
+    """The BalancedDataParallel code handed to users: run its scatter with a CPU stand-in
+    for the CUDA Scatter (the one part that needs GPUs)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import _functions
+
+    from dpprof.fixes import CODE_BALANCED
+
+    code = "\n".join(line[1:] for line in CODE_BALANCED.format(shares=[0.1, 0.3, 0.3, 0.3],
+                                                                batch=40).splitlines()
+                     if line.startswith("+"))
+    calls = []
+
+    def fake_apply(devices, sizes, dim, x):
+        calls.append(list(sizes))
+        return tuple(x.split(sizes, dim))
+
+    monkeypatch.setattr(_functions.Scatter, "apply", staticmethod(fake_apply))
+    scope = {"nn": nn, "torch": torch}
+    exec(code.split("model = BalancedDataParallel")[0], scope)
+    dp = scope["BalancedDataParallel"](nn.Linear(2, 2), shares=[0.1, 0.3, 0.3, 0.3])
+    dp.dim = 0  # DataParallel.__init__ stops before setting it when no GPU is visible
+    inputs, kwargs = dp.scatter((torch.zeros(40, 2), torch.ones(40)), {}, [0, 1, 2, 3])
+    assert calls[0] == [4, 12, 12, 12]
+    assert [tuple(t.shape[0] for t in args) for args in inputs] == [(4, 4), (12, 12), (12, 12), (12, 12)]
+    assert len(kwargs) == 4

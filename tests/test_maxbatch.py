@@ -1,0 +1,115 @@
+"""The largest batch: the search itself, the accounting, and consistency with compare."""
+
+import pytest
+
+from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.maxbatch import (
+    _Probe,
+    context_bytes_for,
+    fill_reserved_and_context,
+    run_maxbatch,
+    search,
+)
+from dpprof.result import STATUS_OK, STATUS_OOM
+from dpprof.runner import CompareConfig, run_compare
+from dpprof.scenarios.workloads import LMConfig, lm
+from dpprof.vdevice import VirtualDevices
+
+SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
+
+
+def _threshold_probe(limit: int, base: int = 1000, per_row: int = 7, calls: list | None = None):
+    capacity = base + per_row * limit
+
+    def probe(batch: int) -> _Probe:
+        if calls is not None:
+            calls.append(batch)
+        total = base + per_row * batch + (batch % 3)  # not quite affine
+        return _Probe(total <= capacity, 0, total, STATUS_OK, "")
+
+    return probe, capacity
+
+
+@pytest.mark.parametrize("limit,multiple", [(1, 1), (2, 1), (63, 1), (64, 1), (1000, 1),
+                                            (12345, 8), (777, 64), (100_000, 3)])
+def test_search_finds_the_boundary(limit: int, multiple: int) -> None:
+    calls: list[int] = []
+    probe, capacity = _threshold_probe(limit, calls=calls)
+    best, probes, capped = search(probe, multiple, upper=1 << 22, capacity_bytes=capacity)
+
+    def fits(b: int) -> bool:
+        return 1000 + 7 * b + (b % 3) <= capacity
+
+    assert not capped
+    if best is None:
+        assert not fits(multiple)
+        return
+    assert best % multiple == 0 and fits(best) and not fits(best + multiple)
+    assert len(calls) == len(set(calls)) == len(probes)  # nothing emulated twice
+    assert len(calls) <= 12  # the secant gets there in a few steps
+
+
+def test_search_nothing_fits_and_capped() -> None:
+    probe, capacity = _threshold_probe(0)
+    best, _, _ = search(probe, 4, capacity_bytes=capacity)
+    assert best is None
+    probe, capacity = _threshold_probe(10**9)
+    best, _, capped = search(probe, 1, upper=5000, capacity_bytes=capacity)
+    assert capped and best == 5000
+
+
+def test_fill_reserved_and_context_counts_segments_and_context() -> None:
+    box: dict[str, VirtualDevices] = {}
+    cfg = EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=80 << 30,
+                          inspect=lambda rt, res: box.__setitem__("rt", rt))
+    s = run_scenario("dp-loss-primary", lm(SMALL_LM), cfg)
+    ctx = context_bytes_for(None)
+    assert ctx > 250 << 20  # the CUDA context alone is ~254 MiB
+    fill_reserved_and_context(s, box["rt"], ctx)
+    for d in s.devices:
+        assert d.peak_reserved_bytes is not None and d.peak_reserved_bytes >= d.peak_allocated_bytes
+        assert d.context_bytes == ctx
+        assert d.total_peak_bytes == d.peak_reserved_bytes + ctx
+    # reserved memory comes in segments of at least 2 MiB
+    assert s.devices[0].peak_reserved_bytes % (2 << 20) == 0
+    # a DDP rank stands for every rank: the same reserved memory on each
+    ddp = run_scenario("ddp", lm(SMALL_LM), cfg)
+    fill_reserved_and_context(ddp, box["rt"], ctx)
+    assert len({d.peak_reserved_bytes for d in ddp.devices}) == 1
+    assert ddp.devices[-1].peak_reserved_bytes > ddp.devices[-1].peak_allocated_bytes
+    before = s.devices[0].peak_reserved_bytes
+    fill_reserved_and_context(s, box["rt"], 1)  # fields already set: left as they are
+    assert s.devices[0].peak_reserved_bytes == before and s.devices[0].context_bytes == ctx
+
+
+def test_reported_batch_fits_under_compare_and_the_next_step_does_not() -> None:
+    wl = lm(SMALL_LM)
+    capacity = 1 << 30
+    names = ("dp-loss-primary", "ddp")
+    mb = run_maxbatch(wl, names, gpus=4, capacity_bytes=capacity, multiple_of=4)
+    for e in mb.entries:
+        assert e.max_batch is not None and not e.capped and e.max_batch % 4 == 0
+        assert e.needed_bytes <= capacity < e.next_needed_bytes
+        for batch, expected in ((e.max_batch, STATUS_OK), (e.max_batch + 4, STATUS_OOM)):
+            run = run_compare(CompareConfig(batch=batch, gpu_memory_bytes=capacity,
+                                            scenarios=(e.scenario,), count_reserved=True,
+                                            fixes=False), workload=wl)
+            assert run.scenarios[0].status == expected, (e.scenario, batch)
+    best = {e.scenario: e.max_batch for e in mb.entries}
+    assert best["ddp"] > best["dp-loss-primary"]
+
+
+def test_reserved_is_counted_not_only_allocated() -> None:
+    """At a capacity between allocated and reserved + context, compare with the count says
+    out of memory while the allocated bytes alone would fit."""
+    wl = lm(SMALL_LM)
+    plain = run_compare(CompareConfig(batch=8, scenarios=("ddp",), fixes=False), workload=wl)
+    alloc = plain.scenarios[0].devices[0].peak_allocated_bytes
+    cap = alloc + (64 << 20)
+    loose = run_compare(CompareConfig(batch=8, scenarios=("ddp",), fixes=False,
+                                      gpu_memory_bytes=cap), workload=wl)
+    counted = run_compare(CompareConfig(batch=8, scenarios=("ddp",), fixes=False,
+                                        gpu_memory_bytes=cap, count_reserved=True),
+                          workload=wl)
+    assert loose.scenarios[0].status == STATUS_OK
+    assert counted.scenarios[0].status == STATUS_OOM
