@@ -76,7 +76,7 @@ class DeviceCounters:
 
 @dataclass
 class Event:
-    """One allocation (+) or free (-) on a device."""
+    """One allocation (+) or free (-) on a device (``HOST`` for host storages)."""
 
     device: int
     serial: int
@@ -274,6 +274,7 @@ class VirtualDevices(TorchDispatchMode):
         self._refs[key] = weakref.ref(st, lambda _r, key=key: self._on_free(key))
         if device == HOST:
             self.host_requested += requested
+            self.events.append(Event(HOST, rec.serial, requested, rec.rounded))
             return
         self._account(rec, +1)
 
@@ -298,6 +299,7 @@ class VirtualDevices(TorchDispatchMode):
             return
         if rec.device == HOST:
             self.host_requested -= rec.requested
+            self.events.append(Event(HOST, rec.serial, -rec.requested, -rec.rounded))
             return
         self._account(rec, -1)
 
