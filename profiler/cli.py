@@ -170,7 +170,8 @@ def compare_cmd(
         str,
         typer.Option(
             "--backend",
-            help="auto (emulated without at least two GPUs) or emulated.",
+            help="auto (emulated without at least two GPUs), emulated, or cpu (real "
+            "computation: DP on virtual devices over CPU tensors, ddp as gloo processes).",
         ),
     ] = "auto",
     compute: Annotated[
@@ -180,6 +181,23 @@ def compare_cmd(
         ),
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed shared by every scenario.")] = 0,
+    bucket_cap_mb: Annotated[
+        float | None,
+        typer.Option("--bucket-cap-mb", help="DDP gradient bucket cap in MiB (torch: 25; "
+                     "unset also makes the first bucket 1 MiB)."),
+    ] = None,
+    gradient_as_bucket_view: Annotated[
+        bool, typer.Option("--gradient-as-bucket-view",
+                           help="DDP: .grad as views of the reducer's buckets.")
+    ] = False,
+    find_unused_parameters: Annotated[
+        bool, typer.Option("--find-unused-parameters",
+                           help="DDP: search for unused parameters (clones the outputs).")
+    ] = False,
+    no_broadcast_buffers: Annotated[
+        bool, typer.Option("--no-broadcast-buffers",
+                           help="DDP: broadcast_buffers=False (no buffer sync per forward).")
+    ] = False,
     output: Annotated[
         list[Path] | None,
         typer.Option(
@@ -210,7 +228,10 @@ def compare_cmd(
         cfg = CompareConfig(
             workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
             scenarios=_parse_scenarios(scenarios), backend=backend, seed=seed,
-            compute=compute, debug=debug,
+            compute=compute, debug=debug, bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=not no_broadcast_buffers,
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -221,6 +242,11 @@ def compare_cmd(
 
         wl = load_workload(cfg.workload)
         n = cfg.gpus or DEFAULT_EMULATED_GPUS
+        if resolved == "cpu" and not quiet:
+            err.print(
+                f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
+                f"processes); workload {wl.name}, batch {batch}"
+            )
         if resolved == "emulated" and not quiet:
             why = "no CUDA GPUs found" if cfg.backend == "auto" else "--backend emulated"
             kind = "CPU tensors" if compute else "meta tensors, memory only"

@@ -63,6 +63,11 @@ class DeviceResult:
     used: bool = True  # False when the scenario put no work on this device
     batch_rows: int = 0  # rows of the batch this device computed
     timeline: list[TimelinePoint] = field(default_factory=list)
+    # Library workspaces served by the caching allocator (cuBLAS per handle and stream),
+    # included in peak_reserved_bytes (modelled or measured); never in peak_allocated_bytes.
+    workspace_bytes: int | None = None
+    # context_bytes split by component (cuda_context, cudnn_library, ...), when modelled
+    context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_peak_bytes(self) -> int:

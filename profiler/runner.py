@@ -17,13 +17,13 @@ from dpprof.analysis import compare
 from dpprof.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
 from dpprof.errors import UsageError
 from dpprof.result import RunResult
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.base import DDP, SCENARIOS
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
 GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
-BACKENDS = ("auto", "emulated")
+BACKENDS = ("auto", "emulated", "cpu")
 
 Progress = Callable[[str, int, int], None]  # (scenario, index, total)
 
@@ -40,6 +40,11 @@ class CompareConfig:
     compute: bool = False  # emulated over CPU tensors (real numbers) instead of meta
     warmup_steps: int = 1  # steps before the measured one
     debug: bool = False  # keep tracebacks
+    # DistributedDataParallel's options for the ddp scenario (torch's names and defaults)
+    bucket_cap_mb: float | None = None  # None: 25 MiB buckets, the first one 1 MiB
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
     extra: dict[str, object] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -62,6 +67,10 @@ class CompareConfig:
             )
         if self.warmup_steps < 0:
             raise UsageError("--warmup must be 0 or more")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise UsageError(
+                f"--bucket-cap-mb must be a positive number of MiB, got {self.bucket_cap_mb}"
+            )
 
 
 def visible_cuda_gpus() -> int:
@@ -120,6 +129,9 @@ def run_compare(
     ecfg = EmulationConfig(
         batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
         compute=cfg.compute, warmup_steps=cfg.warmup_steps, debug=cfg.debug,
+        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        find_unused_parameters=cfg.find_unused_parameters,
+        broadcast_buffers=cfg.broadcast_buffers,
     )
     run.assumptions = list(ASSUMPTIONS)
     if cfg.compute:
@@ -127,11 +139,43 @@ def run_compare(
             "Emulated over CPU tensors (real numbers): the training step runs on virtual "
             "devices; no GPU was used."
         )
+    if backend == "cpu":
+        ecfg.compute = True
+        run.assumptions = cpu_backend_assumptions(cfg)
     for i, name in enumerate(cfg.scenarios):
         if progress:
             progress(name, i, len(cfg.scenarios))
-        run.scenarios.append(run_scenario(name, wl, ecfg))
+        if backend == "cpu" and name == DDP:
+            from dpprof.cpu_backend import run_ddp_gloo
+
+            run.scenarios.append(run_ddp_gloo(cfg.workload, gpus, cfg))
+        else:
+            run.scenarios.append(run_scenario(name, wl, ecfg))
+    if backend == "emulated":
+        from dpprof.emulated import context_model, gpu_model_notes
+
+        with torch.device("meta"):
+            model = wl.model()
+        run.assumptions += gpu_model_notes(context_model(ecfg, model))
+        run.assumptions.append(
+            "Kernels as the target GPU (compute capability {}.{}) picks them: "
+            "scaled_dot_product_attention as flash / memory-efficient / math by "
+            "sdp_utils' rules, dropout as the fused native_dropout (bool mask)".format(
+                *ecfg.compute_capability))
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)
     return run
+
+
+def cpu_backend_assumptions(cfg: CompareConfig) -> list[str]:
+    return [
+        "cpu backend: real computation on the CPU. DataParallel scenarios and single run on "
+        "virtual devices over CPU tensors (the emulator with real numbers); ddp runs as real "
+        "torch.distributed processes over gloo, one per simulated GPU, measured with "
+        "torch.profiler's allocation records.",
+        "CPU kernels allocate some scratch that CUDA kernels do not (mse_loss's elementwise "
+        "buffer, mkldnn convolution and CPU norm scratch, 0-dim wrapped scalars); the ddp "
+        "figures include it, the emulated ones do not.",
+        "No GPU effects: no caching-allocator reserve, CUDA context or library workspaces.",
+    ]
