@@ -194,6 +194,22 @@ def compare_cmd(
         bool, typer.Option("--find-unused-parameters",
                            help="DDP: search for unused parameters (clones the outputs).")
     ] = False,
+    compute_capability: Annotated[
+        str,
+        typer.Option("--compute-capability", help="The target GPU's compute capability "
+                     "(8.0 A100, 9.0 H100, 7.5 T4, or a catalog name such as h100-80gb): "
+                     "cuBLAS workspace size and which attention kernel runs."),
+    ] = "8.0",
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="float32, bfloat16 or float16: train the workload in "
+                     "that dtype (pure low precision)."),
+    ] = None,
+    amp: Annotated[
+        str | None,
+        typer.Option("--amp", help="bfloat16 or float16: forward and loss under autocast "
+                     "(float32 master weights)."),
+    ] = None,
     no_broadcast_buffers: Annotated[
         bool, typer.Option("--no-broadcast-buffers",
                            help="DDP: broadcast_buffers=False (no buffer sync per forward).")
@@ -225,13 +241,20 @@ def compare_cmd(
             memory = parse_bytes(gpu_memory)
         except ValueError as e:
             raise UsageError(f"--gpu-memory: {e}") from e
+        from dpprof.gpus import _cc_of
+
+        try:
+            cc = _cc_of(compute_capability)
+        except (KeyError, ValueError) as e:
+            raise UsageError(f"--compute-capability {compute_capability!r}: {e}") from e
         cfg = CompareConfig(
+            compute_capability=cc,
             workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
             scenarios=_parse_scenarios(scenarios), backend=backend, seed=seed,
             compute=compute, debug=debug, bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=not no_broadcast_buffers,
+            broadcast_buffers=not no_broadcast_buffers, dtype=dtype, amp=amp,
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -22,7 +22,7 @@ def run_ddp_gloo(workload: str, gpus: int, cfg: Any) -> ScenarioResult:
         workload=workload, rows=rows, seed=cfg.seed, warmup_steps=cfg.warmup_steps,
         bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers,
+        broadcast_buffers=cfg.broadcast_buffers, dtype=cfg.dtype,
     )
     result = ScenarioResult(name=DDP, batch=cfg.batch)
     try:

@@ -66,6 +66,7 @@ class RankSpec:
     device: str = "cpu"  # "cpu" | "cuda" (cuda:LOCAL_RANK)
     memory: str = "profiler"  # "profiler" | "cuda" | "none"
     return_parameters: bool = False
+    dtype: str | None = None  # override the workload's dtype (float32, bfloat16, float16)
     wrap: str = "ddp"  # "ddp" | "none" (the bare model: the single scenario, no group needed)
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
@@ -158,6 +159,10 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
     from dpprof.scenarios.workloads import load_workload
 
     wl = load_workload(spec.workload)
+    if spec.dtype is not None:
+        import dataclasses
+
+        wl = dataclasses.replace(wl, dtype=getattr(torch, spec.dtype))
     device = torch.device("cpu") if spec.device == "cpu" else torch.device(
         "cuda", rank if local_rank is None else local_rank)
     result = RankResult(rank=rank, world_size=world_size, hostname=socket.gethostname())

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpprof.emulated_parallel import EmulatedDataParallel, EmulatedDDP
-from dpprof.kernels import DEFAULT_COMPUTE_CAPABILITY, GpuKernels
+from dpprof.kernels import DEFAULT_COMPUTE_CAPABILITY, EmulatedAutocast, GpuKernels
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -87,6 +87,7 @@ class EmulationConfig:
     broadcast_buffers: bool = True
     # the target GPU's compute capability: which kernels it runs (SDPA, fused dropout)
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
+    amp: str | None = None  # "bfloat16" | "float16": forward and loss under autocast
 
 
 def _leaves(x: Any) -> Iterable[torch.Tensor]:
@@ -198,8 +199,10 @@ def run_scenario(
     cats = _CategoryHooks(rt)
     measure_start = 0
     kernels = GpuKernels(cfg.compute_capability)
+    amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
     try:
-        with rt, (contextlib.nullcontext() if cfg.compute else kernels):  # type: ignore[attr-defined]
+        with rt, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
+                amp or contextlib.nullcontext()):
             model, loss_fn, opt, params = _build(rt, wl, base, 0)
             loss_inside = name == DP_LOSS_FORWARD
             wrapped: Any
@@ -229,11 +232,15 @@ def run_scenario(
                 rt.label([t for st in opt.state.values() for t in st.values()
                           if isinstance(t, torch.Tensor)], "optimizer_state")
 
-            hooks = StepHooks(
+            def phase(p: str) -> contextlib.AbstractContextManager[None]:
+                if amp is not None and p == "backward":
+                    amp.clear_cache()  # autocast's region (forward + loss) has ended
                 # Factories take the current device: cuda:0 for the step (as after
                 # torch.cuda.set_device), the host inside optimizer.step (its CPU scalars).
-                phase=lambda p: rt.phase(p, PHASE_CATEGORY.get(p),
-                                         HOST if p == "optimizer" else 0),
+                return rt.phase(p, PHASE_CATEGORY.get(p), HOST if p == "optimizer" else 0)
+
+            hooks = StepHooks(
+                phase=phase,
                 after_forward=cats.after_forward,
                 after_loss=cats.after_loss,
                 after_backward=after_backward,

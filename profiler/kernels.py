@@ -121,3 +121,77 @@ class GpuKernels:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa)[0]
+
+
+# ---- autocast --------------------------------------------------------------------------
+
+# torch/csrc/autograd/autocast_mode.cpp (CUDA): ops that run in the low dtype and ops that
+# run in float32. Only the functions models reach through torch.nn.functional / torch /
+# Tensor.__matmul__ are re-routed here (what nn.Linear, nn.Conv*, nn.LayerNorm call).
+_LOWER = [(F, "linear"), (F, "conv1d"), (F, "conv2d"), (F, "conv3d"),
+          (torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "addmm"),
+          (torch, "baddbmm"), (torch.Tensor, "__matmul__"), (torch.Tensor, "matmul"),
+          (F, "scaled_dot_product_attention")]
+_FP32 = [(F, "softmax"), (F, "log_softmax"), (F, "cross_entropy"), (F, "nll_loss"),
+         (F, "layer_norm"), (F, "group_norm"), (F, "mse_loss"), (F, "l1_loss"),
+         (F, "binary_cross_entropy_with_logits")]
+
+
+class EmulatedAutocast:
+    """``torch.autocast("cuda", dtype)`` for tensors on any device (meta included).
+
+    Autocast's dispatch keys only act on CUDA tensors, so over meta tensors the casts are
+    re-enacted at the function level: floating arguments of the low-precision ops are cast
+    to ``dtype`` (``.to``, recorded by autograd as on a GPU), those of the float32 ops to
+    float32; casts of leaf tensors that require grad (the weights) are cached until
+    :meth:`clear_cache` (autocast clears its cache when the outermost region exits: once per
+    forward), so each weight is copied once per forward and the copy lives as long as
+    autograd saves it. Parameters, gradients and optimizer state stay float32.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self._cache: dict[int, torch.Tensor] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+        self.casts = 0
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if isinstance(x, torch.Tensor):
+            if not x.is_floating_point() or x.dtype == dtype or x.dtype == torch.float64:
+                return x
+            if x.is_leaf and x.requires_grad and torch.is_grad_enabled():
+                hit = self._cache.get(id(x))
+                if hit is None:
+                    hit = self._cache[id(x)] = x.to(dtype)
+                    self.casts += 1
+                return hit
+            self.casts += 1
+            return x.to(dtype)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._cast(v, dtype) for v in x)
+        return x
+
+    def _wrap(self, fn: Any, dtype: torch.dtype | None) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            target = self.dtype if dtype is None else dtype
+            args = tuple(self._cast(a, target) for a in args)
+            kwargs = {k: self._cast(v, target) for k, v in kwargs.items()}
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def __enter__(self) -> EmulatedAutocast:
+        for owner, name in _LOWER + _FP32:
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._wrap(fn, None if (owner, name) in _LOWER
+                                            else torch.float32))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved = []
+        self.clear_cache()

@@ -24,6 +24,7 @@ GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
 BACKENDS = ("auto", "emulated", "cpu")
+DTYPES = {"--dtype": ("float32", "bfloat16", "float16"), "--amp": ("bfloat16", "float16")}
 
 Progress = Callable[[str, int, int], None]  # (scenario, index, total)
 
@@ -45,6 +46,9 @@ class CompareConfig:
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    compute_capability: tuple[int, int] = (8, 0)  # the target GPU (a100-80gb by default)
+    dtype: str | None = None  # float32 | bfloat16 | float16: the workload's dtype, overridden
+    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
     extra: dict[str, object] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -67,6 +71,9 @@ class CompareConfig:
             )
         if self.warmup_steps < 0:
             raise UsageError("--warmup must be 0 or more")
+        for opt, val in (("--dtype", self.dtype), ("--amp", self.amp)):
+            if val is not None and val not in DTYPES[opt]:
+                raise UsageError(f"{opt} {val!r}: choose from {', '.join(DTYPES[opt])}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise UsageError(
                 f"--bucket-cap-mb must be a positive number of MiB, got {self.bucket_cap_mb}"
@@ -107,6 +114,10 @@ def run_compare(
     """Run every requested scenario of one comparison and analyse the result."""
     cfg.validate()
     wl = workload or load_workload(cfg.workload)
+    if cfg.dtype is not None:
+        import dataclasses
+
+        wl = dataclasses.replace(wl, dtype=getattr(torch, cfg.dtype))
     backend = resolve_backend(cfg.backend)
     gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
     run = RunResult(
@@ -123,6 +134,7 @@ def run_compare(
         environment=basic_environment(),
     )
     run.config["gpus"] = gpus
+    run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
     run.config["scenarios"] = list(cfg.scenarios)
     run.config["workload_description"] = wl.description
     run.config["workload_shapes"] = dict(wl.shapes)
@@ -131,9 +143,21 @@ def run_compare(
         compute=cfg.compute, warmup_steps=cfg.warmup_steps, debug=cfg.debug,
         bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers,
+        broadcast_buffers=cfg.broadcast_buffers, amp=cfg.amp,
+        compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
     )
     run.assumptions = list(ASSUMPTIONS)
+    if cfg.dtype not in (None, "float32"):
+        run.assumptions.append(
+            f"--dtype {cfg.dtype}: parameters, gradients, optimizer state and floating "
+            "inputs in that dtype (pure low precision: no float32 master weights)")
+    if cfg.amp:
+        run.assumptions.append(
+            f"--amp {cfg.amp}: forward and loss under autocast, re-enacted from autocast's "
+            "CUDA op lists (linear, matmul, conv, SDPA in the low dtype; softmax, losses, "
+            "norms in float32); each weight cast once per forward (autocast's cache) and kept "
+            "while autograd saves it; parameters, gradients and optimizer state float32 "
+            "(the master weights); no GradScaler")
     if cfg.compute:
         run.assumptions[0] = (
             "Emulated over CPU tensors (real numbers): the training step runs on virtual "

@@ -192,6 +192,36 @@ def _table(run: RunResult) -> str:
     )
 
 
+def _gpu_table(run: RunResult) -> str:
+    """Per device: allocated, reserved (allocator segments, workspaces included) and the
+    context, each in its own column: a GPU adds them, they are never folded together."""
+    rows = []
+    for s in run.scenarios:
+        if s.status not in (STATUS_OK, STATUS_OOM):
+            continue
+        for d in s.devices:
+            if not d.used or d.peak_reserved_bytes is None:
+                continue
+            total = d.total_peak_bytes
+            cls = ' class="oom"' if total > d.capacity_bytes > 0 else ""
+            rows.append(
+                f"<tr><td>{_e(s.name)}</td><td>cuda:{d.index}</td>"
+                f"<td>{_e(fmt_bytes(d.peak_allocated_bytes))}</td>"
+                f"<td>{_e(fmt_bytes(d.peak_reserved_bytes))}</td>"
+                f"<td>{_e(fmt_bytes(d.workspace_bytes or 0))}</td>"
+                f"<td>{_e(fmt_bytes(d.context_bytes or 0))}</td>"
+                f"<td{cls}>{_e(fmt_bytes(total))}</td></tr>"
+            )
+    if not rows:
+        return ""
+    return (
+        "<h2>What a GPU adds: reserved and context</h2><table id='gpu-overheads'><tr>"
+        "<th>scenario</th><th>device</th><th>allocated</th><th>reserved</th>"
+        "<th>of which workspaces</th><th>context</th><th>reserved + context</th></tr>"
+        + "".join(rows) + "</table>"
+    )
+
+
 def _kv_table(items: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td>{_e(k)}</td><td style='text-align:left'>{_e(v)}</td></tr>"
@@ -238,6 +268,7 @@ def render(run: RunResult) -> str:
 <p class="verdict{verdict_cls}" id="verdict">{_e(run.comparison.verdict)}</p>
 {_table(run)}
 {"<ul>" + problems + "</ul>" if problems else ""}
+{_gpu_table(run)}
 {"".join(sections)}
 <h2>Notes</h2><ul>{notes or "<li>none</li>"}</ul>
 <h2>How these numbers were obtained</h2>
