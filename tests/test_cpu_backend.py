@@ -79,3 +79,27 @@ def test_a_failing_rank_is_reported_with_its_traceback_and_nothing_hangs() -> No
     assert set(info.value.failures) == {0, 1}
     assert all("Traceback" in tb and "no_such_module_xyz" in tb
                for tb in info.value.failures.values())
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_gather_their_results_on_rank_0(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from dpprof.distributed import free_port
+
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "from dpprof.distributed import RankSpec, torchrun_main\n"
+        "res = torchrun_main(RankSpec(workload='mlp', rows=2))\n"
+        "if res is not None:\n"
+        "    print('GATHERED', [(r.rank, r.world_size, r.step_peak_requested_bytes > 0)"
+        " for r in res])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(script)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "GATHERED [(0, 2, True), (1, 2, True)]" in r.stdout
