@@ -66,3 +66,21 @@ def test_reserved_and_context_are_shown_separately() -> None:
     assert d.workspace_bytes == 2 * 8_519_680
     assert d.context_bytes == d.context_breakdown_bytes["cuda_context"] > 200 * 2**20
     assert d.total_peak_bytes == d.peak_reserved_bytes + d.context_bytes
+
+
+def test_reports_show_allocated_reserved_and_context_per_device() -> None:
+    from rich.console import Console
+
+    from dpprof.reports import html, terminal
+    from dpprof.runner import CompareConfig, run_compare
+
+    run = run_compare(CompareConfig(workload="mlp", batch=8, gpus=2,
+                                    scenarios=("dp-loss-primary",)))
+    page = html.render(run)
+    assert "id='gpu-overheads'" in page and "of which workspaces" in page
+    assert page.count("<td>dp-loss-primary</td><td>cuda:") == 2
+    console = Console(width=200, record=True)
+    console.print(terminal.render(run))
+    text = console.export_text()
+    assert "on a GPU: reserved" in text and "+ 254 MiB" in text
+    assert any("cuBLAS workspace" in a for a in run.assumptions)
