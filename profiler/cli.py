@@ -177,7 +177,9 @@ def compare_cmd(
         str,
         typer.Option(
             "--backend",
-            help="auto (cuda with at least two visible GPUs, else emulated), cuda or emulated.",
+            help="auto (cuda with at least two visible GPUs, else emulated), emulated, "
+            "cpu (real computation: DP on virtual devices over CPU tensors, ddp as gloo "
+            "processes) or cuda (real GPUs).",
         ),
     ] = "auto",
     devices: Annotated[
@@ -210,6 +212,40 @@ def compare_cmd(
         ),
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed shared by every scenario.")] = 0,
+    bucket_cap_mb: Annotated[
+        float | None,
+        typer.Option("--bucket-cap-mb", help="DDP gradient bucket cap in MiB (torch: 25; "
+                     "unset also makes the first bucket 1 MiB)."),
+    ] = None,
+    gradient_as_bucket_view: Annotated[
+        bool, typer.Option("--gradient-as-bucket-view",
+                           help="DDP: .grad as views of the reducer's buckets.")
+    ] = False,
+    find_unused_parameters: Annotated[
+        bool, typer.Option("--find-unused-parameters",
+                           help="DDP: search for unused parameters (clones the outputs).")
+    ] = False,
+    compute_capability: Annotated[
+        str | None,
+        typer.Option("--compute-capability", help="The target GPU's compute capability "
+                     "(8.0 A100, 9.0 H100, 7.5 T4, or a catalog name such as h100-80gb): "
+                     "cuBLAS workspace size and which attention kernel runs. Default: the "
+                     "--gpu's, else 8.0."),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="float32, bfloat16 or float16: train the workload in "
+                     "that dtype (pure low precision)."),
+    ] = None,
+    amp: Annotated[
+        str | None,
+        typer.Option("--amp", help="bfloat16 or float16: forward and loss under autocast "
+                     "(float32 master weights)."),
+    ] = None,
+    no_broadcast_buffers: Annotated[
+        bool, typer.Option("--no-broadcast-buffers",
+                           help="DDP: broadcast_buffers=False (no buffer sync per forward).")
+    ] = False,
     output: Annotated[
         list[Path] | None,
         typer.Option(
@@ -247,7 +283,16 @@ def compare_cmd(
         rank = torchrun_info()
         if rank is not None and rank.rank != 0:
             quiet = True  # only rank 0 speaks and writes reports
+        from dpprof.gpus import _cc_of
+
+        try:
+            # --gpu NAME sets the target generation unless --compute-capability says otherwise
+            cc = _cc_of(spec if spec is not None and compute_capability is None
+                        else compute_capability or "8.0")
+        except (KeyError, ValueError) as e:
+            raise UsageError(f"--compute-capability {compute_capability!r}: {e}") from e
         cfg = CompareConfig(
+            compute_capability=cc,
             workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
             scenarios=_parse_scenarios(scenarios), backend=backend, seed=seed,
             compute=compute, debug=debug, devices=_parse_devices(devices), warmup=warmup,
@@ -257,6 +302,10 @@ def compare_cmd(
             multiple_of=multiple_of, gpu=spec.key if spec else "",
             count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
             fail_on_oom=fail_on_oom,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=not no_broadcast_buffers, dtype=dtype, amp=amp,
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -267,6 +316,11 @@ def compare_cmd(
 
         wl = load_workload(cfg.workload)
         n = cfg.gpus or DEFAULT_EMULATED_GPUS
+        if resolved == "cpu" and not quiet:
+            err.print(
+                f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
+                f"processes); workload {wl.name}, batch {batch}"
+            )
         if resolved == "emulated" and not quiet:
             why = "no CUDA GPUs found" if cfg.backend == "auto" else "--backend emulated"
             kind = "CPU tensors" if compute else "meta tensors, memory only"

@@ -29,8 +29,8 @@ MAXBATCH = typer.Option(
     "the CUDA context counted).")
 MULTIPLE_OF = typer.Option("--multiple-of", help="Batch granularity of the largest-batch search.")
 COUNT_RESERVED = typer.Option(
-    "--count-reserved", help="Count simulated reserved memory and the CUDA context in the "
-    "out-of-memory check (implied by --gpu and --maxbatch).")
+    "--count-reserved", help="With --compute: count simulated reserved memory and the CUDA "
+    "context in the out-of-memory check (meta emulation always counts them).")
 FIXES = typer.Option("--fixes/--no-fixes", help="Emulate each fix and what it saves.")
 FAIL_ON_IMBALANCE = typer.Option(
     "--fail-on-imbalance", metavar="RATIO",

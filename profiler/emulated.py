@@ -6,6 +6,7 @@ batch size); CPU tensors with ``compute=True`` (real numbers, for checks and tes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from dpprof.emulated_parallel import EmulatedDataParallel, EmulatedDDP
+from dpprof.kernels import DEFAULT_COMPUTE_CAPABILITY, EmulatedAutocast, GpuKernels
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -58,10 +60,14 @@ ASSUMPTIONS = [
     "10 MiB coalesced broadcasts, parallel_apply, gather, reduce-add of gradients onto "
     "cuda:0), taking the NCCL paths of a CUDA build.",
     "DDP: one rank per GPU, each with ceil(B / N) rows (DistributedSampler pads the last "
-    "shard); gradient buckets of 25 MiB kept for good, rebuilt on iteration 2.",
+    "shard); the reducer re-enacted from reducer.cpp: one bucket per dtype on iteration 1, "
+    "rebuilt in gradient-ready order at the start of iteration 2 (first bucket 1 MiB, then "
+    "bucket_cap_mb, default 25), kept for good; options as configured.",
     "Optimizers use the foreach implementation, as PyTorch picks by default on CUDA.",
-    "Not included: caching-allocator reserve and fragmentation, the CUDA context, cuBLAS/"
-    "cuDNN workspaces and NCCL buffers (typically 0.3 to 1.5 GiB more per GPU).",
+    "Allocated excludes, and the report shows separately per device: reserved (the caching "
+    "allocator simulated over the allocation sequence, cuBLAS workspaces included) and the "
+    "CUDA context (+ cuDNN library code where convolutions run). Not included anywhere: "
+    "NCCL's buffers, other processes, cuDNN's transient convolution workspace.",
 ]
 
 
@@ -74,10 +80,18 @@ class EmulationConfig:
     compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
     warmup_steps: int = 1  # steps before the measured one (the optimizer state must exist)
     debug: bool = False  # keep tracebacks of failing scenarios
-    # Variants the fixes analysis emulates (dpprof.fixes); the defaults are plain PyTorch.
+    # DistributedDataParallel's options (ddp scenario), as torch names them
+    bucket_cap_mb: float | None = None  # None: 25 MiB, first bucket 1 MiB
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    # the target GPU's compute capability: which kernels it runs (SDPA, fused dropout)
+    compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
+    amp: str | None = None  # "bfloat16" | "float16": forward and loss under autocast
+    # Variants the fixes analysis emulates (dpprof.fixes); the defaults are plain PyTorch
+    # (gradient_as_bucket_view above serves it too).
     dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
     dp_chunk_sizes: tuple[int, ...] | None = None  # uneven scatter (BalancedDataParallel)
-    ddp_gradient_as_bucket_view: bool = False  # DDP(gradient_as_bucket_view=True)
     # Called with the runtime and the devices' results after the measured step, before the
     # out-of-memory check (maxbatch replays the event log to fill reserved + context).
     inspect: Callable[[VirtualDevices, ScenarioResult], None] | None = None
@@ -173,8 +187,15 @@ def _cast_inputs(x: Any, dtype: torch.dtype) -> Any:
     return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResult:
-    """Emulate one scenario; a failure is a result (status "error"), not an exception."""
+def run_scenario(
+    name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None = None
+) -> ScenarioResult:
+    """Emulate one scenario; a failure is a result (status "error"), not an exception.
+
+    With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
+    (``"wrapped"``), the parameters (``"params"``) and the event indices where the measured
+    ``train_step`` began and ended (``"step_start"``, ``"step_end"``), for the checks.
+    """
     shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
         DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
     rank_rows = shards[0]
@@ -185,8 +206,11 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
     torch.manual_seed(cfg.seed)
     cats = _CategoryHooks(rt)
     measure_start = 0
+    kernels = GpuKernels(cfg.compute_capability)
+    amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
     try:
-        with rt:
+        with rt, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
+                amp or contextlib.nullcontext()):
             model, loss_fn, opt, params = _build(rt, wl, base, 0)
             loss_inside = name == DP_LOSS_FORWARD
             wrapped: Any
@@ -199,8 +223,11 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
             elif name == DDP:
                 with rt.device(0):
                     wrapped = EmulatedDDP(
-                        model, rt, world_size=cfg.gpus,
-                        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view)
+                        model, rt, world_size=cfg.gpus, bucket_cap_mb=cfg.bucket_cap_mb,
+                        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                        find_unused_parameters=cfg.find_unused_parameters,
+                        broadcast_buffers=cfg.broadcast_buffers,
+                    )
                 rows = rank_rows
             elif name == SINGLE:
                 wrapped = model
@@ -215,11 +242,15 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
                 rt.label([t for st in opt.state.values() for t in st.values()
                           if isinstance(t, torch.Tensor)], "optimizer_state")
 
-            hooks = StepHooks(
+            def phase(p: str) -> contextlib.AbstractContextManager[None]:
+                if amp is not None and p == "backward":
+                    amp.clear_cache()  # autocast's region (forward + loss) has ended
                 # Factories take the current device: cuda:0 for the step (as after
                 # torch.cuda.set_device), the host inside optimizer.step (its CPU scalars).
-                phase=lambda p: rt.phase(p, PHASE_CATEGORY.get(p),
-                                         HOST if p == "optimizer" else 0),
+                return rt.phase(p, PHASE_CATEGORY.get(p), HOST if p == "optimizer" else 0)
+
+            hooks = StepHooks(
+                phase=phase,
                 after_forward=cats.after_forward,
                 after_loss=cats.after_loss,
                 after_backward=after_backward,
@@ -239,7 +270,9 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
                 with rt.phase("inputs", "inputs"):
                     inputs = _map(inputs, lambda t: to_device(rt, t, 0))
                     targets = _map(targets, lambda t: to_device(rt, t, target_dev))
+                step_start = len(rt.events)
                 loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
+                step_end = len(rt.events)
                 cats.clear()
                 del inputs, targets
                 if cfg.compute:
@@ -248,9 +281,20 @@ def run_scenario(name: str, wl: Workload, cfg: EmulationConfig) -> ScenarioResul
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                     else [0])
             result.devices = _device_results(rt, cfg, name, shards, used, measure_start)
+            if not cfg.compute:
+                _gpu_overheads(result, rt, cfg, model, used)
             result.loss = loss_val
             if cfg.inspect is not None:
                 cfg.inspect(rt, result)
+            if kernels.chosen:
+                result.notes.append(
+                    "kernels as on a GPU of compute capability {}.{}: {}".format(
+                        *cfg.compute_capability,
+                        ", ".join(f"{k} x{v}" for k, v in sorted(kernels.chosen.items())))
+                )
+            if trace is not None:
+                trace.update(rt=rt, wrapped=wrapped, params=params, model=model,
+                             step_start=step_start, step_end=step_end)
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
     except Exception as e:  # the user's code, or an impossible program: a result
@@ -308,6 +352,58 @@ def _device_results(
             for r in range(cfg.gpus)
         ]
     return out
+
+
+CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's device thread
+
+
+def context_model(cfg: EmulationConfig, model: nn.Module) -> Any:
+    """The context/workspace model for the target GPU (cuDNN where convolutions run)."""
+    from dpprof.gpus import context_overhead
+
+    uses_cudnn = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return context_overhead(cfg.compute_capability, uses_cudnn=uses_cudnn,
+                            cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
+
+
+def _gpu_overheads(result: ScenarioResult, rt: VirtualDevices, cfg: EmulationConfig,
+                   model: nn.Module, used: list[int]) -> None:
+    """Per device: the caching allocator's reserve (a simulation of its pools over the
+    device's allocation sequence, cuBLAS workspaces included) and the context."""
+    from dpprof.allocator import simulate
+
+    ctx = context_model(cfg, model)
+    per_device: dict[int, list[tuple[str, int, int]]] = {}
+    for ev in rt.events:
+        if ev.device < 0 or ev.requested == 0:
+            continue  # host storages; a 0-byte storage takes no block
+        kind = "alloc" if ev.requested > 0 else "free"
+        per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
+    for d in result.devices:
+        # DDP: every rank runs the same program, rank 0's sequence stands for all
+        src = 0 if result.name == DDP else d.index
+        if not d.used:
+            continue
+        ws = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
+        events = ws + per_device.get(src, [])
+        stats = simulate(events, timeline_points=None, stop_on_oom=False)
+        d.peak_reserved_bytes = stats.peak_reserved_bytes
+        d.workspace_bytes = ctx.workspace_bytes
+        d.context_bytes = ctx.outside_allocator_bytes
+        d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
+                                     if v and k in ("cuda_context", "cudnn_library")}
+
+
+def gpu_model_notes(ctx: Any) -> list[str]:
+    """The assumptions behind reserved and context figures, for the report."""
+    return [
+        "reserved: dpprof.allocator's simulation of the CUDA caching allocator (512 B "
+        "rounding, 1 MiB small / large pools, 2 / 20 MiB segments, best-fit splitting and "
+        "merging, one stream) over this device's emulated allocation sequence, with "
+        f"{CUBLAS_HANDLES_PER_DEVICE} cuBLAS workspaces (forward thread + autograd thread) "
+        "allocated first",
+        *ctx.assumptions,
+    ]
 
 
 def _timeline(rt: VirtualDevices, index: int, start: int) -> list[TimelinePoint]:

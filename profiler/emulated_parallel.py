@@ -20,6 +20,7 @@ build takes the NCCL path (``nccl::is_available``: contiguous dense CUDA tensors
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
@@ -34,7 +35,7 @@ from torch._utils import (
     _unflatten_dense_tensors,
 )
 
-from dpprof.vdevice import VirtualDevices, copy_to
+from dpprof.vdevice import HOST, VirtualDevices, copy_to
 
 BROADCAST_BUFFER_BYTES = 10 * 1024 * 1024  # comm.broadcast_coalesced / reduce_add_coalesced
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
@@ -85,7 +86,8 @@ def broadcast_coalesced(
             results.append(out)
         for i in range(1, len(devices)):
             for t in torch._C._nn.unflatten_dense_tensors(results[i], chunk):
-                outputs[i].append(t.detach())  # make_variable(var.tensor_data(), false)
+                # make_variable(var.tensor_data(), false): a fresh version counter
+                outputs[i].append(t.data)
         del flat, results
     if len(types) > 1:
         outputs = [outputs[0]] + [reorder_tensors_like(o, tensors) for o in outputs[1:]]
@@ -466,79 +468,259 @@ class EmulatedDataParallel(nn.Module):
 
 # ---- DistributedDataParallel: one rank (c10d/reducer.cpp) ---------------------------------
 
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
+DDP_MAX_IN_FLIGHT = 2  # c10d/comm.cpp broadcast_coalesced: at most two broadcasts in flight
+
+
+def compute_bucket_assignment_by_size(
+    tensors: Sequence[torch.Tensor], limits: Sequence[int],
+    tensor_indices: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """``c10d::compute_bucket_assignment_by_size`` (reducer.cpp), dense tensors.
+
+    One open bucket per (dtype, device); a bucket closes once its size *reaches* its limit,
+    and the next bucket of that key takes the next limit (the last one repeats). Open
+    buckets follow at the end. Without ``tensor_indices`` the result is sorted by the
+    smallest tensor index of each bucket; with them (the gradient-ready order of a rebuild)
+    it is left in that order.
+    """
+    result: list[list[int]] = []
+    open_: dict[tuple[torch.dtype, str], list[int]] = {}
+    sizes: dict[tuple[torch.dtype, str], int] = {}
+    limit_at: dict[tuple[torch.dtype, str], int] = {}
+    for i, t in enumerate(tensors):
+        index = tensor_indices[i] if tensor_indices else i
+        key = (t.dtype, str(t.device))
+        bucket = open_.setdefault(key, [])
+        bucket.append(index)
+        sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
+        li = limit_at.setdefault(key, 0)
+        if sizes[key] >= limits[li]:
+            result.append(bucket)
+            open_[key] = []
+            sizes[key] = 0
+            limit_at[key] = min(li + 1, len(limits) - 1)
+    result += [b for b in open_.values() if b]
+    if not tensor_indices:
+        result.sort(key=min)
+    return result
+
+
+def ddp_broadcast_coalesced(
+    rt: VirtualDevices, tensors: Sequence[torch.Tensor],
+    buffer_size: int = DDP_BROADCAST_BUCKET_BYTES,
+) -> None:
+    """``c10d::broadcast_coalesced`` (c10d/comm.cpp) as one rank sees it: per bucket of
+    ``buffer_size`` a flat copy (``flatten_dense_tensors``: a view for one tensor, else a
+    ``cat``) is broadcast in place, then copied back; at most two buckets in flight."""
+    if not tensors:
+        return
+    in_flight: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def finish(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+        for t, out in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            if out.numel():
+                t.copy_(out)
+
+    with torch.no_grad(), rt.category("communication"):
+        for indices in compute_bucket_assignment_by_size(tensors, [buffer_size]):
+            if len(in_flight) >= DDP_MAX_IN_FLIGHT:
+                finish(*in_flight.pop(0))
+            bucket = [tensors[i] for i in indices]
+            in_flight.append((_flatten_dense_tensors(bucket), bucket))
+        while in_flight:
+            finish(*in_flight.pop(0))
+
+
+class _DDPSink(torch.autograd.Function):
+    """``torch.nn.parallel.distributed._DDPSink``: outputs cloned (``_ddp_sink_clone``),
+    gradients passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any):  # type: ignore[no-untyped-def]
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):  # type: ignore[no-untyped-def]
+        return grads
+
+
+def _flatten_outputs(x: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensors of a (nested) output and a function that rebuilds it from new tensors."""
+    leaves: list[torch.Tensor] = []
+
+    def collect(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            leaves.append(o)
+            return len(leaves) - 1
+        if isinstance(o, dict):
+            return type(o)((k, collect(v)) for k, v in o.items())
+        if _is_namedtuple(o):
+            return type(o)(*(collect(v) for v in o))
+        if isinstance(o, (list, tuple)):
+            return type(o)(collect(v) for v in o)
+        return o
+
+    spec = collect(x)
+    return leaves, lambda new: _rebuild(spec, new, x)
+
+
+def _rebuild(spec: Any, new: Sequence[torch.Tensor], orig: Any) -> Any:
+    if isinstance(orig, torch.Tensor):
+        return new[spec]
+    if isinstance(orig, dict):
+        return type(orig)((k, _rebuild(spec[k], new, orig[k])) for k in orig)
+    if _is_namedtuple(orig):
+        return type(orig)(*(_rebuild(s, new, o) for s, o in zip(spec, orig, strict=True)))
+    if isinstance(orig, (list, tuple)):
+        return type(orig)(_rebuild(s, new, o) for s, o in zip(spec, orig, strict=True))
+    return orig
+
 
 class EmulatedDDP(nn.Module):
-    """One rank of ``DistributedDataParallel(module)`` on a virtual device: memory only.
+    """One rank of ``DistributedDataParallel(module, ...)`` on a virtual device: memory only.
 
-    The reducer keeps one flat gradient buffer per bucket for good (allocated at
-    construction): on the first iteration one bucket per dtype holds every parameter
-    (no ``find_unused_parameters``); at the start of the second iteration the buckets are
-    rebuilt in gradient-ready order with caps of 1 MiB for the first bucket and
-    ``bucket_cap_mb`` for the others. When a gradient is ready it is divided by the world
-    size into its bucket view (``mul_out``); after the all-reduce the bucket is copied back
-    into ``.grad`` in place. With ``gradient_as_bucket_view`` ``.grad`` *is* the view.
-    The all-reduce itself allocates nothing that the caching allocator sees.
+    Mirrors torch 2.13's ``distributed.py`` and ``c10d/reducer.cpp``:
+
+    * construction: ``_sync_module_states`` broadcasts parameters (and buffers with
+      ``broadcast_buffers``) from rank 0 in flat 250 MiB buckets, two in flight (a transient);
+      ``initialize_buckets`` allocates one flat ``at::empty`` per bucket, kept for good. On
+      iteration 1 the bucket limits are ``[sys.maxsize]`` (one bucket per dtype) unless
+      ``find_unused_parameters``, then ``[first, cap]`` (first 1 MiB when ``bucket_cap_mb``
+      is left unset, else the cap); buckets are assigned over the reversed parameters;
+    * ``find_unused_parameters``: ``local_used_map_dev_`` (int32 per parameter) on the
+      device; every forward's output tensors are cloned by ``_DDPSink``; no rebuild;
+    * every forward with grad enabled: buffers broadcast (``broadcast_buffers``, flat
+      copies per 250 MiB bucket); on the first forward after a backward the buckets are
+      rebuilt once (``rebuild_buckets``) in gradient-ready order with limits ``[first,
+      cap]``: ``sync_bucket_indices`` allocates two small int32 tensors on the device (and
+      two on the host), the old buckets are freed, the new ones allocated;
+    * ``mark_variable_ready_dense``: the gradient is scaled into its bucket view
+      (``mul_out``); with ``gradient_as_bucket_view`` ``.grad`` becomes the view (the
+      freshly accumulated gradient dies); ``finalize_bucket_dense`` copies the all-reduced
+      bucket back into ``.grad`` in place (``copy_bucket_to_grad``). The all-reduce writes
+      the bucket in place (NCCL/gloo allocate nothing that the caching allocator sees).
     """
 
     def __init__(self, module: nn.Module, rt: VirtualDevices, world_size: int,
-                 bucket_cap_mb: float = DDP_BUCKET_CAP_MB,
-                 gradient_as_bucket_view: bool = False) -> None:
+                 bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.module = module
         self.rt = rt
         self.world_size = world_size
-        self.bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        default = bucket_cap_mb is None
+        self.bucket_bytes_cap = int((DDP_BUCKET_CAP_MB if default else bucket_cap_mb)  # type: ignore[operator]
+                                    * 1024 * 1024)
+        self.first_bucket_bytes_cap = DDP_FIRST_BUCKET_BYTES if default else self.bucket_bytes_cap
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.iteration = 0
-        self._ready_order: list[int] = []
+        self.has_rebuilt = False
+        self._rebuilt: list[int] = []
+        self._expect_hooks = False
         self._buckets: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
-        self._build_buckets([list(range(len(self.params)))] if self.params else [])
+        self.assignments: list[list[list[int]]] = []  # every bucket assignment, for tests
+        self.local_used_map_dev: torch.Tensor | None = None
+        device = rt.device_of(self.params[0]) if self.params else 0
+        self.device = device
+        with rt.device(device):
+            states = [p.detach() for p in module.parameters()]
+            if broadcast_buffers:
+                states += [b.detach() for b in module.buffers()]
+            ddp_broadcast_coalesced(rt, states)
+            if self.params:
+                limits = ([sys.maxsize] if not find_unused_parameters
+                          else [self.first_bucket_bytes_cap, self.bucket_bytes_cap]
+                          if self.first_bucket_bytes_cap < self.bucket_bytes_cap
+                          else [self.bucket_bytes_cap])
+                indices = compute_bucket_assignment_by_size(self.params, limits)
+                self._initialize_buckets(list(reversed(indices)))
+            if find_unused_parameters and self.params:
+                with rt.category("communication"):
+                    self.local_used_map_dev = torch.empty(len(self.params), dtype=torch.int32)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params
+            p.register_post_accumulate_grad_hook(self._autograd_hook) for p in self.params
         ]
 
-    def _build_buckets(self, assignment: list[list[int]]) -> None:
+    # reducer.cpp: initialize_buckets + initialize_bucket_views
+    def _initialize_buckets(self, assignment: list[list[int]]) -> None:
         rt = self.rt
         self._buckets, self._views = [], {}
-        device = rt.device_of(self.params[0]) if self.params else 0
-        with rt.category("communication"), rt.device(device):
+        self.assignments.append([list(b) for b in assignment])
+        with rt.category("communication"), rt.device(self.device):
             for indices in assignment:
                 p0 = self.params[indices[0]]
                 total = sum(self.params[i].numel() for i in indices)
-                flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+                flat = torch.empty(total, dtype=p0.dtype, device=p0.device)
                 self._buckets.append(flat)
                 offset = 0
                 for i in indices:
                     p = self.params[i]
-                    self._views[i] = flat.narrow(0, offset, p.numel()).view(p.shape)
+                    if _non_overlapping_and_dense(p):
+                        view = flat.as_strided(p.shape, p.stride(), offset)
+                    else:
+                        view = flat.narrow(0, offset, p.numel()).view(p.shape)
+                    self._views[i] = view
                     offset += p.numel()
+                    grad = p.grad
+                    if (self.gradient_as_bucket_view and grad is not None
+                            and grad.untyped_storage() is not view.untyped_storage()):
+                        view.copy_(grad)
+                        p.grad = view
 
-    def _rebuild_assignment(self) -> list[list[int]]:
-        """``_compute_bucket_assignment_by_size`` over the ready order, per dtype."""
-        order = self._ready_order or list(range(len(self.params)))
-        limits = [DDP_FIRST_BUCKET_BYTES, self.bucket_cap_bytes]
-        open_: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
-        buckets: list[list[int]] = []
-        for i in order:
-            p = self.params[i]
-            idx, size, limit_i = open_.setdefault(p.dtype, ([], [0], [0]))
-            idx.append(i)
-            size[0] += p.numel() * p.element_size()
-            if size[0] >= limits[min(limit_i[0], len(limits) - 1)]:
-                buckets.append(list(idx))
-                open_[p.dtype] = ([], [0], [limit_i[0] + 1])
-        buckets += [v[0] for v in open_.values() if v[0]]
-        return buckets
+    def _sync_bucket_indices(self, assignment: list[list[int]]) -> None:
+        """``sync_bucket_indices``: the indices and the bucket sizes, broadcast from rank 0
+        through int32 tensors on the device (and their host copies), freed on return."""
+        rt = self.rt
+        total = sum(len(b) for b in assignment)
+        with rt.category("communication"):
+            with rt.device(HOST):
+                idx_host = torch.empty(total + 1, dtype=torch.int32)
+            with rt.device(self.device):
+                idx_dev = torch.empty(total + 1, dtype=torch.int32)
+            with rt.device(HOST):
+                sizes_host = torch.empty(len(assignment), dtype=torch.int32)
+            with rt.device(self.device):
+                sizes_dev = torch.empty(len(assignment), dtype=torch.int32)
+        del sizes_dev, sizes_host, idx_dev, idx_host
 
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        i = next(k for k, q in enumerate(self.params) if q is p)
-        if self.iteration == 1:
-            self._ready_order.append(i)
+    def rebuild_buckets(self) -> bool:
+        """``Reducer::rebuild_buckets``: once, in gradient-ready order, limits [first, cap]."""
+        if self.has_rebuilt or self.find_unused_parameters or not self._rebuilt:
+            return False
+        order = self._rebuilt
+        assignment = compute_bucket_assignment_by_size(
+            [self.params[i] for i in order],
+            [self.first_bucket_bytes_cap, self.bucket_bytes_cap], order,
+        )
+        self._sync_bucket_indices(assignment)
+        self.has_rebuilt = True
+        self._rebuilt = []
+        self._buckets, self._views = [], {}  # buckets_.clear(): the old flat buffers die
+        self._initialize_buckets(assignment)
+        return True
+
+    def _autograd_hook(self, p: torch.Tensor) -> None:
+        if not self._expect_hooks:
+            return
+        i = self._index[id(p)]
+        if not self.has_rebuilt and not self.find_unused_parameters:
+            self._rebuilt.append(i)
+        self._mark_variable_ready_dense(i)
+
+    def _mark_variable_ready_dense(self, i: int) -> None:
+        p = self.params[i]
         view = self._views[i]
         grad = p.grad
-        assert grad is not None
+        if grad is None:
+            view.zero_()
+            return
         if grad.untyped_storage() is view.untyped_storage():
             view.div_(self.world_size)
             return
@@ -547,23 +729,46 @@ class EmulatedDDP(nn.Module):
             p.grad = view
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.iteration += 1
-        if self.iteration == 2:
-            # Reducer::rebuild_buckets on the second iteration, in gradient-ready order.
-            self._buckets = []
-            self._views = {}
-            self._build_buckets(self._rebuild_assignment())
-        return self.module(*inputs, **kwargs)
+        rt = self.rt
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.iteration += 1  # prepare_for_forward
+            self.rebuild_buckets()
+            if self.broadcast_buffers:
+                bufs = [b for b in self.module.buffers()]
+                with rt.device(self.device):
+                    ddp_broadcast_coalesced(rt, bufs)
+        output = self.module(*inputs, **kwargs)
+        if grad:
+            self._expect_hooks = True  # prepare_for_backward
+            if self.find_unused_parameters:
+                leaves, rebuild = _flatten_outputs(output)
+                with rt.device(self.device):
+                    passed = _DDPSink.apply(*leaves)
+                new = [o if o.grad_fn is None else n for o, n in zip(leaves, passed, strict=True)]
+                del passed, leaves
+                output = rebuild(new)
+        return output
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
 
 
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Dense layouts the bucket view can match with ``as_strided`` (contiguous or
+    channels-last); anything else gets a contiguous ``narrow().view()``."""
+    return t.is_contiguous() or (
+        t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
 __all__ = [
     "EmulatedDDP",
     "EmulatedDataParallel",
     "broadcast_coalesced",
+    "compute_bucket_assignment_by_size",
+    "ddp_broadcast_coalesced",
     "gather_tensors",
     "reduce_add_coalesced",
     "replicate",

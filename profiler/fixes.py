@@ -160,7 +160,7 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     add("ddp", "DistributedDataParallel", ddp,
         "every GPU holds its own parameters, gradients and optimizer state and its shard",
         CODE_DDP.format(gpus=gpus, per_rank=per_rank))
-    gabv = em(DDP, dataclasses.replace(base, ddp_gradient_as_bucket_view=True))
+    gabv = em(DDP, dataclasses.replace(base, gradient_as_bucket_view=True))
     if _ok(gabv) and _ok(ddp):
         assert ddp is not None and gabv is not None
         extra = _peaks(ddp)[0] - _peaks(gabv)[0]

@@ -80,6 +80,11 @@ class DeviceResult:
     allocator_stats: bool = False  # peak_* came from torch.cuda's allocator statistics
     node_rank: int | None = None  # torchrun GROUP_RANK (the node's number)
     local_rank: int | None = None  # torchrun LOCAL_RANK
+    # Library workspaces served by the caching allocator (cuBLAS per handle and stream),
+    # included in peak_reserved_bytes (modelled or measured); never in peak_allocated_bytes.
+    workspace_bytes: int | None = None
+    # context_bytes split by component (cuda_context, cudnn_library, ...), when modelled
+    context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_peak_bytes(self) -> int:

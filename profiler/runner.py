@@ -18,13 +18,14 @@ from dpprof.answers import add_answers, gpu_spec
 from dpprof.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
 from dpprof.errors import UsageError
 from dpprof.result import RunResult
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.base import DDP, SCENARIOS
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
 GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
-BACKENDS = ("auto", "emulated", "cuda")
+BACKENDS = ("auto", "emulated", "cpu", "cuda")
+DTYPES = {"--dtype": ("float32", "bfloat16", "float16"), "--amp": ("bfloat16", "float16")}
 
 Progress = Callable[[str, int, int], None]  # (scenario, index, total)
 
@@ -41,6 +42,14 @@ class CompareConfig:
     compute: bool = False  # emulated over CPU tensors (real numbers) instead of meta
     warmup_steps: int = 1  # steps before the measured one
     debug: bool = False  # keep tracebacks
+    # DistributedDataParallel's options for the ddp scenario (torch's names and defaults)
+    bucket_cap_mb: float | None = None  # None: 25 MiB buckets, the first one 1 MiB
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    compute_capability: tuple[int, int] = (8, 0)  # the target GPU (a100-80gb by default)
+    dtype: str | None = None  # float32 | bfloat16 | float16: the workload's dtype, overridden
+    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
     extra: dict[str, object] = field(default_factory=dict)
     # ---- answers (dpprof.answers) -----------------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
@@ -90,6 +99,13 @@ class CompareConfig:
         if self.fail_on_imbalance is not None and self.fail_on_imbalance < 1:
             raise UsageError(
                 f"--fail-on-imbalance is a max/mean ratio (>= 1.0), got {self.fail_on_imbalance}"
+            )
+        for opt, val in (("--dtype", self.dtype), ("--amp", self.amp)):
+            if val is not None and val not in DTYPES[opt]:
+                raise UsageError(f"{opt} {val!r}: choose from {', '.join(DTYPES[opt])}")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise UsageError(
+                f"--bucket-cap-mb must be a positive number of MiB, got {self.bucket_cap_mb}"
             )
 
 
@@ -147,6 +163,10 @@ def run_compare(
     """
     cfg.validate()
     wl = workload or load_workload(cfg.workload)
+    if cfg.dtype is not None:
+        import dataclasses
+
+        wl = dataclasses.replace(wl, dtype=getattr(torch, cfg.dtype))
     backend = resolve_backend(cfg.backend, cfg.device_kind)
     gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
     run = RunResult(
@@ -164,6 +184,7 @@ def run_compare(
     )
     run.environment.update(_full_environment(backend))
     run.config["gpus"] = gpus
+    run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
     run.config["scenarios"] = list(cfg.scenarios)
     run.config["workload_description"] = wl.description
     run.config["workload_shapes"] = dict(wl.shapes)
@@ -173,6 +194,10 @@ def run_compare(
         batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
         compute=cfg.compute,
         warmup_steps=cfg.warmup_steps if cfg.warmup is None else cfg.warmup, debug=cfg.debug,
+        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        find_unused_parameters=cfg.find_unused_parameters,
+        broadcast_buffers=cfg.broadcast_buffers, amp=cfg.amp,
+        compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
     )
     spec = gpu_spec(cfg.gpu)
     count_reserved = cfg.count_reserved or cfg.maxbatch or spec is not None
@@ -185,15 +210,45 @@ def run_compare(
     if count_reserved:
         run.assumptions.append(f"Out of memory when {COUNTS} ({ctx} B per GPU) exceeds the "
                                "GPU's memory.")
+    if cfg.dtype not in (None, "float32"):
+        run.assumptions.append(
+            f"--dtype {cfg.dtype}: parameters, gradients, optimizer state and floating "
+            "inputs in that dtype (pure low precision: no float32 master weights)")
+    if cfg.amp:
+        run.assumptions.append(
+            f"--amp {cfg.amp}: forward and loss under autocast, re-enacted from autocast's "
+            "CUDA op lists (linear, matmul, conv, SDPA in the low dtype; softmax, losses, "
+            "norms in float32); each weight cast once per forward (autocast's cache) and kept "
+            "while autograd saves it; parameters, gradients and optimizer state float32 "
+            "(the master weights); no GradScaler")
     if cfg.compute:
         run.assumptions[0] = (
             "Emulated over CPU tensors (real numbers): the training step runs on virtual "
             "devices; no GPU was used."
         )
+    if backend == "cpu":
+        ecfg.compute = True
+        run.assumptions = cpu_backend_assumptions(cfg)
     for i, name in enumerate(cfg.scenarios):
         if progress:
             progress(name, i, len(cfg.scenarios))
-        run.scenarios.append(run_scenario(name, wl, ecfg))
+        if backend == "cpu" and name == DDP:
+            from dpprof.cpu_backend import run_ddp_gloo
+
+            run.scenarios.append(run_ddp_gloo(cfg.workload, gpus, cfg))
+        else:
+            run.scenarios.append(run_scenario(name, wl, ecfg))
+    if backend == "emulated":
+        from dpprof.emulated import context_model, gpu_model_notes
+
+        with torch.device("meta"):
+            model = wl.model()
+        run.assumptions += gpu_model_notes(context_model(ecfg, model))
+        run.assumptions.append(
+            "Kernels as the target GPU (compute capability {}.{}) picks them: "
+            "scaled_dot_product_attention as flash / memory-efficient / math by "
+            "sdp_utils' rules, dropout as the fused native_dropout (bool mask)".format(
+                *ecfg.compute_capability))
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)
@@ -249,3 +304,14 @@ def _cuda(
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     done.comparison = compare(done)
     return done
+def cpu_backend_assumptions(cfg: CompareConfig) -> list[str]:
+    return [
+        "cpu backend: real computation on the CPU. DataParallel scenarios and single run on "
+        "virtual devices over CPU tensors (the emulator with real numbers); ddp runs as real "
+        "torch.distributed processes over gloo, one per simulated GPU, measured with "
+        "torch.profiler's allocation records.",
+        "CPU kernels allocate some scratch that CUDA kernels do not (mse_loss's elementwise "
+        "buffer, mkldnn convolution and CPU norm scratch, 0-dim wrapped scalars); the ddp "
+        "figures include it, the emulated ones do not.",
+        "No GPU effects: no caching-allocator reserve, CUDA context or library workspaces.",
+    ]

@@ -76,7 +76,7 @@ class DeviceCounters:
 
 @dataclass
 class Event:
-    """One allocation (+) or free (-) on a device."""
+    """One allocation (+) or free (-) on a device (``HOST`` for host storages)."""
 
     device: int
     serial: int
@@ -131,6 +131,11 @@ class VirtualDevices(TorchDispatchMode):
         self._lock = threading.RLock()
         self._measuring_since = 0
         self.host_requested = 0
+        self._meta = self.base.type == "meta"
+        # Meta kernels are mostly Python (torch._refs): the same op on the same shapes is
+        # run once and its outputs' metadata replayed (fresh storages only, see _run).
+        self._op_cache: dict[Any, Any] = {}
+        self.cache_hits = 0
 
     # ---- contexts ---------------------------------------------------------------------
 
@@ -274,6 +279,7 @@ class VirtualDevices(TorchDispatchMode):
         self._refs[key] = weakref.ref(st, lambda _r, key=key: self._on_free(key))
         if device == HOST:
             self.host_requested += requested
+            self.events.append(Event(HOST, rec.serial, requested, rec.rounded))
             return
         self._account(rec, +1)
 
@@ -298,6 +304,7 @@ class VirtualDevices(TorchDispatchMode):
             return
         if rec.device == HOST:
             self.host_requested -= rec.requested
+            self.events.append(Event(HOST, rec.serial, -rec.requested, -rec.rounded))
             return
         self._account(rec, -1)
 
@@ -311,6 +318,30 @@ class VirtualDevices(TorchDispatchMode):
             self._account(rec, +1)
 
     # ---- dispatch ---------------------------------------------------------------------
+
+    def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)`` over meta tensors, memoised for functional ops."""
+        if not _functional(func):
+            return func(*args, **kwargs)
+        key = _key_of((args, tuple(sorted(kwargs.items()))))
+        if key is _NO:
+            return func(*args, **kwargs)
+        key = (func, key)
+        tmpl = self._op_cache.get(key)
+        if tmpl is None:
+            out = func(*args, **kwargs)
+            tmpl = _template(out)
+            if tmpl is not _NO:
+                # ops like _unsafe_view return an input's storage without saying so
+                ins = {id(a.untyped_storage()) for a in _tensor_args(args, kwargs)}
+                if any(id(o.untyped_storage()) in ins for o in _tensor_outputs(out)):
+                    tmpl = _NO
+            self._op_cache[key] = tmpl
+            return out
+        if tmpl is _NO:
+            return func(*args, **kwargs)
+        self.cache_hits += 1
+        return _rebuild(tmpl)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -333,7 +364,7 @@ class VirtualDevices(TorchDispatchMode):
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, cuda:{a} and cuda:{b}! (while running {func})"
             )
-        out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
         if self._state.forced is not None:
             target = self._state.forced
         elif devices:
@@ -350,6 +381,72 @@ class VirtualDevices(TorchDispatchMode):
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)
         return out
+
+
+_NO = object()  # "not cacheable"
+_SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+           torch.memory_format)
+_FUNCTIONAL: dict[Any, bool] = {}
+
+
+def _functional(func: Any) -> bool:
+    """No argument written, no output aliasing an input (per the op's schema)."""
+    known = _FUNCTIONAL.get(func)
+    if known is None:
+        try:
+            schema = func._schema
+            known = not any(a.alias_info is not None for a in schema.returns) and not any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            known = known and not schema.is_mutable and "rand" not in func.__name__
+        except AttributeError:
+            known = False
+        _FUNCTIONAL[func] = known
+    return known
+
+
+def _key_of(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset(),
+                x.device.type, x.layout)
+    if isinstance(x, _SIMPLE):
+        return (type(x), x)
+    if isinstance(x, (list, tuple)):
+        parts = tuple(_key_of(v) for v in x)
+        return _NO if any(p is _NO for p in parts) else ("seq", parts)
+    return _NO
+
+
+def _template(out: Any) -> Any:
+    """Outputs as (shape, stride, dtype) to rebuild, or _NO when they cannot be rebuilt
+    from metadata alone (a view, an offset, a storage larger than its strides need)."""
+    if isinstance(out, torch.Tensor):
+        if out.storage_offset() != 0 or out.layout != torch.strided or out.device.type != "meta":
+            return _NO
+        need = (1 + sum((n - 1) * st for n, st in zip(out.shape, out.stride(), strict=True))
+                if out.numel() else 0) * out.element_size()
+        if out.untyped_storage().nbytes() != need:
+            return _NO
+        return ("t", tuple(out.shape), tuple(out.stride()), out.dtype)
+    if isinstance(out, (list, tuple)):
+        parts = [_template(o) for o in out]
+        if any(p is _NO for p in parts):
+            return _NO
+        storages = [id(o.untyped_storage()) for o in out if isinstance(o, torch.Tensor)]
+        if len(set(storages)) != len(storages):
+            return _NO
+        return ("seq", type(out), parts)
+    if isinstance(out, _SIMPLE):
+        return ("v", out)
+    return _NO
+
+
+def _rebuild(tmpl: Any) -> Any:
+    kind = tmpl[0]
+    if kind == "t":
+        return torch.empty_strided(tmpl[1], tmpl[2], dtype=tmpl[3], device="meta")
+    if kind == "seq":
+        return tmpl[1](_rebuild(p) for p in tmpl[2])
+    return tmpl[1]
 
 
 def _tensor_args(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:

@@ -264,7 +264,8 @@ MEMORY_COLUMNS = (
     ("peak_allocated_bytes", "allocated"),
     ("peak_requested_bytes", "requested"),
     ("peak_reserved_bytes", "reserved"),
-    ("context_bytes", "context + workspaces"),
+    ("workspace_bytes", "of which workspaces"),
+    ("context_bytes", "context"),
     ("nvml_peak_used_bytes", "NVML used"),
 )
 

@@ -648,8 +648,10 @@ def _render(run: RunResult) -> str:
     head, rows = memory_rows(run)
     if rows:
         body.append(
-            "<details><summary>Allocated, reserved, context and NVML peaks per GPU</summary>"
-            "<div class='card'><table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head)
+            "<details open><summary>What a GPU adds: allocated, reserved (with the "
+            "library workspaces), context and NVML peaks per GPU</summary>"
+            "<div class='card'><table id='gpu-overheads'><tr>"
+            + "".join(f"<th>{_e(h)}</th>" for h in head)
             + "</tr>" + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>"
                                 for r in rows) + "</table></div></details>")
 

@@ -45,7 +45,11 @@ def render(run: RunResult) -> Group:
         status = {STATUS_OK: Text("ok", style="green"), STATUS_OOM: Text("OOM", style="bold red")}
         cells.append(status.get(s.status, Text(s.status, style="red")))
         table.add_row(*cells)
-    parts: list[Table | Text] = [table, Text(run.comparison.verdict, style="bold")]
+    parts: list[Table | Text] = [table]
+    gpu = _gpu_table(run)
+    if gpu is not None:
+        parts.append(gpu)
+    parts.append(Text(run.comparison.verdict, style="bold"))
     for s in run.scenarios:
         if s.message and s.status != STATUS_OK:
             parts.append(Text(f"{s.name}: {s.message}", style="red"))
@@ -54,3 +58,30 @@ def render(run: RunResult) -> Group:
                 parts.append(Text(f"{s.name}: {note}", style="dim"))
     parts += answers.terminal_parts(run)
     return Group(*parts)
+
+
+def _gpu_table(run: RunResult) -> Table | None:
+    """Allocated (above) is what the tensors hold; a GPU also reserves allocator segments
+    and holds the context: shown separately, never folded into allocated."""
+    rows = [s for s in run.scenarios if s.status in (STATUS_OK, STATUS_OOM)
+            and any(d.peak_reserved_bytes is not None for d in s.devices)]
+    if not rows:
+        return None
+    table = Table(title="on a GPU: reserved (allocator segments, cuBLAS workspaces "
+                  "included) + CUDA context", title_justify="left", header_style="bold",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("scenario", no_wrap=True)
+    for i in range(run.gpus):
+        table.add_column(f"cuda:{i}", justify="right", no_wrap=True)
+    for s in rows:
+        cells: list[Text | str] = [s.name]
+        for i in range(run.gpus):
+            d = s.device(i)
+            if d is None or not d.used or d.peak_reserved_bytes is None:
+                cells.append(Text("-", style="dim"))
+                continue
+            text = f"{fmt_bytes(d.peak_reserved_bytes)} + {fmt_bytes(d.context_bytes or 0)}"
+            over = d.total_peak_bytes > d.capacity_bytes > 0
+            cells.append(Text(text, style="bold red" if over else ""))
+        table.add_row(*cells)
+    return table

@@ -261,11 +261,98 @@ def classifier() -> Workload:
     )
 
 
+@dataclass
+class AttnConfig:
+    vocab: int = 8192  # tokens
+    seq: int = 1024  # tokens per row: the attention matrix is seq x seq per head
+    d_model: int = 512
+    layers: int = 4
+    heads: int = 8
+    ff_mult: int = 4
+    dropout: float = 0.1  # on residual branches (not inside attention)
+    tie_embeddings: bool = True  # GPT-2 ties the output projection to the token embedding
+
+
+class _SdpaBlock(nn.Module):
+    """A pre-norm transformer block whose attention is ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, c: AttnConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.fc = nn.Linear(c.d_model, c.ff_mult * c.d_model)
+        self.out = nn.Linear(c.ff_mult * c.d_model, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, s, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class SdpaLM(nn.Module):
+    """GPT-style LM on ``scaled_dot_product_attention`` (flash / memory-efficient on GPUs)."""
+
+    def __init__(self, c: AttnConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab, c.d_model)
+        self.pos = nn.Embedding(c.seq, c.d_model)
+        self.blocks = nn.ModuleList(_SdpaBlock(c) for _ in range(c.layers))
+        self.ln = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+        if c.tie_embeddings:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def attention(config: AttnConfig | None = None, name: str = "attention") -> Workload:
+    """A transformer on ``F.scaled_dot_product_attention``: its memory depends on the
+    kernel the target GPU picks (flash / memory-efficient save O(seq) per head, math saves
+    the seq x seq attention matrix)."""
+    c = config or AttnConfig()
+    return Workload(
+        name=name,
+        description=(
+            f"SDPA transformer LM, {c.layers} layers, d={c.d_model}, {c.heads} heads, "
+            f"vocab {c.vocab}, seq {c.seq}"
+        ),
+        model=lambda: SdpaLM(c),
+        batch=lambda rows, device: (
+            torch.randint(0, c.vocab, (rows, c.seq), device=device),
+            torch.randint(0, c.vocab, (rows, c.seq), device=device),
+        ),
+        loss=lm_loss,
+        optimizer=_adamw,
+        shapes={"seq": c.seq, "vocab": c.vocab, "d_model": c.d_model, "layers": c.layers,
+                "heads": c.heads},
+    )
+
+
+def gpt2_small() -> Workload:
+    """GPT-2 small's shape (124M parameters: 12 layers, d=768, 12 heads, vocab 50257,
+    seq 1024, tied embeddings) on SDPA: the benchmark's workload."""
+    return attention(AttnConfig(vocab=50257, seq=1024, d_model=768, layers=12, heads=12),
+                     name="gpt2-small")
+
+
 BUILTINS: dict[str, Callable[[], Workload]] = {
     "lm": lm,
     "mlp": mlp,
     "convnet": convnet,
     "classifier": classifier,
+    "attention": attention,
 }
 DEFAULT = "lm"
 

@@ -93,7 +93,7 @@ def test_md_escapes_markdown_and_html() -> None:
 
 def test_reserved_context_and_nvml_peaks_of_a_real_gpu_run() -> None:
     text = markdown.render(saved("synthetic-nvml"))
-    assert "| scenario | device | allocated | requested | reserved | context + workspaces | " \
+    assert "| scenario | device | allocated | requested | reserved | context | " \
         "NVML used | phase of the peak |" in text
     assert "| dp-loss-primary | cuda:0 | 46.0 GiB | 45.1 GiB | 49.7 GiB | 520 MiB | 50.2 GiB | " \
         "backward |" in text

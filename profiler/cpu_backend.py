@@ -1,0 +1,55 @@
+"""The ``cpu`` backend's ddp scenario: real gloo ranks, one per simulated GPU.
+
+The DataParallel scenarios and ``single`` of the ``cpu`` backend are the emulator over CPU
+tensors (:mod:`dpprof.emulated` with ``compute=True``); ``ddp`` is measured for real
+through :func:`dpprof.distributed.launch`, each rank's memory from ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpprof.distributed import DistributedRunError, RankSpec, launch
+from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, ScenarioResult
+from dpprof.scenarios.base import DDP
+from dpprof.scenarios.workloads import shard_sizes
+
+
+def run_ddp_gloo(workload: str, gpus: int, cfg: Any) -> ScenarioResult:
+    """Run the ddp scenario as ``gpus`` gloo processes; a failure is a result."""
+    rows = shard_sizes(cfg.batch, gpus)[0]
+    spec = RankSpec(
+        workload=workload, rows=rows, seed=cfg.seed, warmup_steps=cfg.warmup_steps,
+        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        find_unused_parameters=cfg.find_unused_parameters,
+        broadcast_buffers=cfg.broadcast_buffers, dtype=cfg.dtype,
+    )
+    result = ScenarioResult(name=DDP, batch=cfg.batch)
+    try:
+        ranks = launch(spec, gpus)
+    except DistributedRunError as e:
+        result.status = STATUS_ERROR
+        result.message = str(e)
+        result.notes.append(e.details() if cfg.debug else
+                            "rerun with --debug for every rank's traceback")
+        return result
+    for r in ranks:
+        result.devices.append(DeviceResult(
+            index=r.rank, rank=r.rank, node=r.hostname, used=True, batch_rows=rows,
+            peak_allocated_bytes=r.peak_allocated_bytes or 0,
+            peak_requested_bytes=r.peak_requested_bytes or 0,
+            capacity_bytes=cfg.gpu_memory_bytes,
+            breakdown_bytes={"other": r.peak_allocated_bytes or 0},
+            peak_phase="step",
+        ))
+    times = sorted(r.step_time_s for r in ranks if r.step_time_s is not None)
+    if times:
+        result.step_time_s = times[len(times) // 2]
+        result.step_time_spread_s = times[-1] - times[0]
+        result.throughput_samples_per_s = rows * gpus / result.step_time_s
+    losses = [r.loss for r in ranks if r.loss is not None]
+    result.loss = sum(losses) / len(losses) if losses else None
+    result.status = STATUS_OK
+    if cfg.batch % gpus:
+        result.notes.append(f"each rank gets ceil({cfg.batch} / {gpus}) = {rows} rows")
+    return result

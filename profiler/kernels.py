@@ -1,0 +1,197 @@
+"""Kernel choice on the target GPU: run the kernels CUDA would pick, not meta's or CPU's.
+
+Some ATen ops pick an implementation by device, and the implementations save different
+tensors for backward. Over meta tensors the emulator would otherwise get the *CPU/meta*
+choice. :class:`GpuKernels` is a ``TorchFunctionMode`` that re-routes them, per target GPU
+(compute capability) and dtype:
+
+* ``F.scaled_dot_product_attention`` — ``sdp_utils.cpp`` (CUDA) tries, in order, flash
+  attention (compute capability >= 8.0, float16/bfloat16, no ``attn_mask``, head dim a
+  multiple of 8 and at most 256), memory-efficient attention (cc >= 5.0, float32/float16,
+  bfloat16 only from cc 8.0, head dim a multiple of 8 (4 for float32)), then the math
+  path. Flash and memory-efficient save the output and an O(seq) log-sum-exp per head
+  (``_scaled_dot_product_{flash,efficient}_attention``, called directly so their autograd
+  nodes save what CUDA saves); the math path saves the seq x seq attention matrix. cuDNN
+  attention is not picked by default in torch 2.13 and is not modelled.
+* ``F.dropout`` in training — CUDA uses the fused ``native_dropout`` (a 1-byte bool mask
+  saved for backward, ``is_fused_kernel_acceptable``); CPU and meta build the mask with
+  ``bernoulli_`` as a tensor of the input's dtype and multiply (4 bytes per element for
+  float32).
+
+Only meaningful over meta tensors: over CPU tensors (``--compute``) the CPU kernels run,
+as the CPU would run them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FLASH = "flash"
+EFFICIENT = "efficient"
+MATH = "math"
+
+DEFAULT_COMPUTE_CAPABILITY = (8, 0)  # the catalog's default GPU, a100-80gb
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    head_dim: int
+    dtype: torch.dtype
+    has_mask: bool
+
+
+def sdpa_backend(cc: tuple[int, int], call: SdpaCall) -> str:
+    """The backend CUDA's ``select_sdp_backend`` picks for ``call`` on compute capability
+    ``cc`` (default priority: flash, memory-efficient, math)."""
+    major = cc[0]
+    half = call.dtype in (torch.float16, torch.bfloat16)
+    if (major >= 8 and half and not call.has_mask and call.head_dim % 8 == 0
+            and call.head_dim <= 256):
+        return FLASH
+    dtype_ok = call.dtype in (torch.float32, torch.float16) or (
+        call.dtype == torch.bfloat16 and major >= 8)
+    align = 4 if call.dtype == torch.float32 else 8
+    if major >= 5 and dtype_ok and call.head_dim % align == 0:
+        return EFFICIENT
+    return MATH
+
+
+class GpuKernels:
+    """Route device-dependent ops to the implementation the target GPU would use.
+
+    A context manager that swaps ``torch.nn.functional.scaled_dot_product_attention`` and
+    ``torch.nn.functional.dropout`` (what ``nn.Dropout`` calls) for the duration. (A
+    ``TorchFunctionMode`` would catch more spellings, but makes every torch call go through
+    Python and imports torch._dynamo: several times slower.) A model that imported the
+    function by name before the emulation (``from torch.nn.functional import
+    scaled_dot_product_attention``) keeps the original. ``chosen`` counts the choices made
+    (e.g. ``{"sdpa:efficient": 4, "dropout:fused": 8}``) so a report can state them.
+    """
+
+    def __init__(self, compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY):
+        self.cc = compute_capability
+        self.chosen: dict[str, int] = {}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> GpuKernels:
+        self._saved = {"scaled_dot_product_attention": F.scaled_dot_product_attention,
+                       "dropout": F.dropout}
+        orig_dropout = self._saved["dropout"]
+        F.scaled_dot_product_attention = self._sdpa  # type: ignore[assignment]
+        F.dropout = lambda *a, **k: self._dropout(orig_dropout, *a, **k)  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._saved.items():
+            setattr(F, name, fn)
+        self._saved = {}
+
+    def _count(self, key: str) -> None:
+        self.chosen[key] = self.chosen.get(key, 0) + 1
+
+    def _dropout(self, func: Callable[..., Any], input: torch.Tensor, p: float = 0.5,
+                 training: bool = True, inplace: bool = False, **kw: Any) -> torch.Tensor:
+        train = kw.get("train", training)
+        if not train or p == 0 or p == 1 or inplace or not input.is_floating_point():
+            return func(input, p, train, inplace)
+        self._count("dropout:fused")
+        return torch.native_dropout(input, p, True)[0]
+
+    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+        call = SdpaCall(int(query.shape[-1]), query.dtype, attn_mask is not None)
+        backend = sdpa_backend(self.cc, call) if not enable_gqa else MATH
+        self._count(f"sdpa:{backend}")
+        if backend == FLASH:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if backend == EFFICIENT:
+            need_lse = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, need_lse, dropout_p, is_causal,
+                scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+            enable_gqa=enable_gqa)[0]
+
+
+# ---- autocast --------------------------------------------------------------------------
+
+# torch/csrc/autograd/autocast_mode.cpp (CUDA): ops that run in the low dtype and ops that
+# run in float32. Only the functions models reach through torch.nn.functional / torch /
+# Tensor.__matmul__ are re-routed here (what nn.Linear, nn.Conv*, nn.LayerNorm call).
+_LOWER = [(F, "linear"), (F, "conv1d"), (F, "conv2d"), (F, "conv3d"),
+          (torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "addmm"),
+          (torch, "baddbmm"), (torch.Tensor, "__matmul__"), (torch.Tensor, "matmul"),
+          (F, "scaled_dot_product_attention")]
+_FP32 = [(F, "softmax"), (F, "log_softmax"), (F, "cross_entropy"), (F, "nll_loss"),
+         (F, "layer_norm"), (F, "group_norm"), (F, "mse_loss"), (F, "l1_loss"),
+         (F, "binary_cross_entropy_with_logits")]
+
+
+class EmulatedAutocast:
+    """``torch.autocast("cuda", dtype)`` for tensors on any device (meta included).
+
+    Autocast's dispatch keys only act on CUDA tensors, so over meta tensors the casts are
+    re-enacted at the function level: floating arguments of the low-precision ops are cast
+    to ``dtype`` (``.to``, recorded by autograd as on a GPU), those of the float32 ops to
+    float32; casts of leaf tensors that require grad (the weights) are cached until
+    :meth:`clear_cache` (autocast clears its cache when the outermost region exits: once per
+    forward), so each weight is copied once per forward and the copy lives as long as
+    autograd saves it. Parameters, gradients and optimizer state stay float32.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self._cache: dict[int, torch.Tensor] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+        self.casts = 0
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if isinstance(x, torch.Tensor):
+            if not x.is_floating_point() or x.dtype == dtype or x.dtype == torch.float64:
+                return x
+            if x.is_leaf and x.requires_grad and torch.is_grad_enabled():
+                hit = self._cache.get(id(x))
+                if hit is None:
+                    hit = self._cache[id(x)] = x.to(dtype)
+                    self.casts += 1
+                return hit
+            self.casts += 1
+            return x.to(dtype)
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._cast(v, dtype) for v in x)
+        return x
+
+    def _wrap(self, fn: Any, dtype: torch.dtype | None) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            target = self.dtype if dtype is None else dtype
+            args = tuple(self._cast(a, target) for a in args)
+            kwargs = {k: self._cast(v, target) for k, v in kwargs.items()}
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def __enter__(self) -> EmulatedAutocast:
+        for owner, name in _LOWER + _FP32:
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._wrap(fn, None if (owner, name) in _LOWER
+                                            else torch.float32))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved = []
+        self.clear_cache()

@@ -1,0 +1,202 @@
+"""Allocation records from ``torch.profiler``: the allocator's own account of a step.
+
+``record()`` runs a function under ``torch.profiler.profile(profile_memory=True)`` and
+returns every allocation and free the profiler saw, in time order (walk of
+``prof.profiler.kineto_results.experimental_event_tree()`` for ``_EventType.Allocation``
+nodes; ``alloc_size`` is positive for an allocation, negative for a free). On CPU tensors
+these come from the CPU allocator, so they include whatever a CPU kernel allocates
+internally (see :data:`CPU_ONLY_ALLOCATIONS`); on CUDA tensors from the caching allocator.
+
+:func:`peak_of` turns such a list into the peak of live bytes, relative to the start of
+the recording (requested bytes; ``rounded=True`` rounds each block as the CUDA caching
+allocator does, 512 B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Known differences between what a CPU kernel allocates and what a CUDA kernel (or the
+# meta kernel the emulator runs) allocates, found by the checks in tests/test_fidelity.py.
+CPU_ONLY_ALLOCATIONS: dict[str, str] = {
+    "aten::mse_loss": (
+        "the CPU kernel (reduction='mean') computes the elementwise loss into a buffer the "
+        "size of the input and returns a 0-dim view of it: the 4-byte loss keeps the whole "
+        "buffer alive until it dies (meta and CUDA return a 4-byte storage); the CPU kernel "
+        "also allocates a second input-sized temporary during the call"
+    ),
+    "mkldnn convolution scratch": (
+        "the CPU (oneDNN) convolution and its backward allocate reordered copies and "
+        "scratch inside the kernel (e.g. a contiguous copy of grad_output); on a GPU cuDNN "
+        "takes a workspace from the caching allocator instead (modelled separately)"
+    ),
+    "CPU batch_norm scratch": (
+        "the CPU batch_norm kernel allocates per-channel temporaries inside the kernel"
+    ),
+    "CPU layer_norm backward scratch": (
+        "the CPU layer_norm backward resizes per-row buffers inside the kernel"
+    ),
+    "CPU flash attention scratch": (
+        "the CPU flash-attention kernel and its backward allocate per-thread query/key "
+        "blocks and accumulators inside the kernel (on a GPU the kernel uses shared memory)"
+    ),
+    "wrapped scalars": (
+        "0-dim CPU tensors made from Python or C++ numbers outside the dispatcher "
+        "(c10::scalar_to_tensor, e.g. the reducer's 1/world_size in mul_out, the scalar of "
+        "div_/mul_ by a number): 4 or 8 bytes each, host memory on a GPU"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """One allocator event: ``size`` > 0 allocates, < 0 frees."""
+
+    t_ns: int
+    size: int
+    op: str  # the enclosing profiler ops, innermost first, joined by " < " ("" if none)
+    ptr: int = 0  # the block's address (pairs an allocation with its free)
+
+
+def record(fn: Callable[[], T]) -> tuple[T, list[Alloc]]:
+    """Run ``fn`` under the profiler; its result and the allocation events, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                 record_shapes=False) as prof:
+        out = fn()
+    return out, allocations(prof)
+
+
+def allocations(prof: Any) -> list[Alloc]:
+    """The ``_EventType.Allocation`` nodes of a finished profile, in time order."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int, Alloc]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    order = 0
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            names = []
+            parent = node.parent
+            while parent is not None:
+                names.append(parent.name)
+                parent = parent.parent
+            events.append((node.start_time_ns, order, Alloc(
+                node.start_time_ns, int(node.extra_fields.alloc_size), " < ".join(names),
+                int(node.extra_fields.ptr),
+            )))
+            order += 1
+        stack.extend(node.children)
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [e[2] for e in events]
+
+
+def peak_of(events: Sequence[Alloc], rounded: bool = False) -> int:
+    """Peak of live bytes over ``events`` (0 at the start; frees of older blocks count)."""
+    live = peak = 0
+    for e in events:
+        if rounded:
+            mag = ((abs(e.size) + 511) // 512) * 512
+            live += mag if e.size > 0 else -mag
+        else:
+            live += e.size
+        peak = max(peak, live)
+    return peak
+
+
+def relative_peak(deltas: Sequence[int]) -> int:
+    """Peak of the running sum of ``deltas`` (bytes, signed), starting from 0."""
+    live = peak = 0
+    for d in deltas:
+        live += d
+        if live > peak:
+            peak = live
+    return peak
+
+
+def step_span(prof: Any, name: str) -> tuple[int, int] | None:
+    """(start, end) in the profiler's clock of the first event called ``name``
+    (a ``torch.profiler.record_function``), or None."""
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.name == name:
+            return int(node.start_time_ns), int(node.end_time_ns)
+        stack.extend(node.children)
+    return None
+
+
+# CPU kernels (a record inside one of these, with no counterpart at the dispatcher, is the
+# kernel's own scratch; a CUDA kernel allocates differently or through cuDNN's workspace).
+_CPU_KERNELS: dict[str, str] = {
+    "mse_loss": "aten::mse_loss",
+    "MseLoss": "aten::mse_loss",
+    "mkldnn_convolution": "mkldnn convolution scratch",
+    "convolution_backward": "mkldnn convolution scratch",
+    "native_batch_norm": "CPU batch_norm scratch",
+    "native_layer_norm_backward": "CPU layer_norm backward scratch",
+    "flash_attention_for_cpu": "CPU flash attention scratch",
+}
+
+
+def cpu_only_reason(e: Alloc) -> str | None:
+    """Why a profiler record with no emulator counterpart is expected (a key of
+    :data:`CPU_ONLY_ALLOCATIONS`), or None when it should have had one."""
+    for needle, why in _CPU_KERNELS.items():
+        if needle in e.op:
+            return why
+    if abs(e.size) <= 8:
+        return "wrapped scalars"
+    return None
+
+
+@dataclass
+class Alignment:
+    """The emulator's events matched, in order, against the profiler's records."""
+
+    matched: int  # emulator events found in the records, same size, same order
+    missing: list[int]  # emulator events with no record
+    unexplained: list[Alloc]  # records with no emulator event and no known reason
+    cpu_only: dict[str, int]  # reason -> number of records it explains
+    kept: list[Alloc]  # the records less the explained ones (their peak is comparable)
+
+
+def align(emulated: Sequence[int], measured: Sequence[Alloc]) -> Alignment:
+    """Match the emulator's signed sizes against the profiler's (``difflib`` longest
+    matching blocks, no junk heuristic); classify what is left over. A free whose
+    allocation was explained (same address) is explained with it."""
+    import difflib
+
+    a = [x for x in emulated if x]  # a 0-byte storage takes no block
+    b = [e.size for e in measured]
+    sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    missing: list[int] = []
+    unexplained: list[Alloc] = []
+    cpu_only: dict[str, int] = {}
+    explained_ptrs: dict[int, str] = {}
+    drop: set[int] = set()
+    matched = 0
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            matched += i2 - i1
+            continue
+        missing += a[i1:i2]
+        for j in range(j1, j2):
+            e = measured[j]
+            why = explained_ptrs.pop(e.ptr, None) if e.size < 0 else None
+            why = why or cpu_only_reason(e)
+            if why is None:
+                unexplained.append(e)
+                continue
+            if e.size > 0:
+                explained_ptrs[e.ptr] = why
+            cpu_only[why] = cpu_only.get(why, 0) + 1
+            drop.add(j)
+    kept = [e for j, e in enumerate(measured) if j not in drop]
+    return Alignment(matched, missing, unexplained, cpu_only, kept)

@@ -1,0 +1,120 @@
+"""Three more shapes of model for the fidelity checks (loaded by path in the gloo ranks).
+
+* ``tied``: an embedding whose weight is also the output projection (one parameter used
+  twice: one gradient, one bucket slot);
+* ``structured``: forward takes a dict and a tensor and returns a dict holding a tuple;
+* ``buffers``: float and integer buffers, persistent and not, updated in forward (DDP
+  broadcasts them before every forward).
+
+No BatchNorm anywhere, so DataParallel on equal shards equals one device on the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpprof
+
+V, D = 500, 64
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.mix = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+def tied() -> dpprof.Workload:
+    return dpprof.Workload(
+        name="tied",
+        model=Tied,
+        batch=lambda rows, device: (
+            torch.randint(0, V, (rows, 16), device=device),
+            torch.randint(0, V, (rows, 16), device=device),
+        ),
+        loss=lambda out, t: F.cross_entropy(out.reshape(-1, V), t.reshape(-1)),
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    )
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, D)
+        self.b = nn.Linear(16, D)
+        self.out = nn.Linear(D, 8)
+        self.aux = nn.Linear(D, 4)
+
+    def forward(self, parts: dict[str, torch.Tensor], scale: torch.Tensor) -> dict[str, Any]:
+        h = torch.relu(self.a(parts["a"]) + self.b(parts["b"])) * scale
+        return {"main": self.out(h), "extra": (self.aux(h), h.mean(dim=1))}
+
+
+def structured_loss(out: dict[str, Any], targets: tuple[torch.Tensor, torch.Tensor]):  # type: ignore[no-untyped-def]
+    main_t, aux_t = targets
+    aux, m = out["extra"]
+    return F.cross_entropy(out["main"], main_t) + F.l1_loss(aux, aux_t) + 0.1 * m.pow(2).mean()
+
+
+def structured() -> dpprof.Workload:
+    return dpprof.Workload(
+        name="structured",
+        model=Structured,
+        batch=lambda rows, device: (
+            ({"a": torch.randn(rows, 32, device=device), "b": torch.randn(rows, 16, device=device)},
+             torch.rand(rows, 1, device=device) + 0.5),
+            (torch.randint(0, 8, (rows,), device=device), torch.randn(rows, 4, device=device)),
+        ),
+        loss=structured_loss,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    )
+
+
+class WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(48, 96)
+        self.fc2 = nn.Linear(96, 10)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 96))
+        self.register_buffer("ema", torch.zeros(96))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("table", torch.randn(64, 96), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x)) * self.scale
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+                self.steps += 1
+        return self.fc2(h + self.table[0])
+
+
+def buffers() -> dpprof.Workload:
+    return dpprof.Workload(
+        name="buffers",
+        model=WithBuffers,
+        batch=lambda rows, device: (
+            torch.randn(rows, 48, device=device),
+            torch.randint(0, 10, (rows,), device=device),
+        ),
+        loss=F.cross_entropy,
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    )
+
+
+def attention_small() -> dpprof.Workload:
+    """The ``attention`` built-in's model and loss at a size the CPU runs in a second."""
+    from dpprof.scenarios.workloads import AttnConfig, attention
+
+    return attention(AttnConfig(vocab=512, seq=128, d_model=64, layers=2, heads=4),
+                     name="attention-small")

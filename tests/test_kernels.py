@@ -1,0 +1,86 @@
+"""What a GPU adds: kernel choice (SDPA, fused dropout), autocast, reserved and context."""
+
+from __future__ import annotations
+
+import torch
+
+from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.kernels import EFFICIENT, FLASH, MATH, SdpaCall, sdpa_backend
+from dpprof.scenarios.workloads import AttnConfig, attention, mlp
+
+SEQ, HEADS, ROWS, LAYERS = 1024, 8, 4, 2
+
+
+def test_sdpa_backend_follows_sdp_utils_rules() -> None:
+    assert sdpa_backend((8, 0), SdpaCall(64, torch.bfloat16, False)) == FLASH
+    assert sdpa_backend((9, 0), SdpaCall(64, torch.float16, False)) == FLASH
+    assert sdpa_backend((8, 0), SdpaCall(64, torch.float32, False)) == EFFICIENT  # no fp32 flash
+    assert sdpa_backend((8, 0), SdpaCall(64, torch.bfloat16, True)) == EFFICIENT  # a mask
+    assert sdpa_backend((7, 5), SdpaCall(64, torch.bfloat16, False)) == MATH  # bf16 needs sm80
+    assert sdpa_backend((7, 5), SdpaCall(64, torch.float16, False)) == EFFICIENT
+    assert sdpa_backend((4, 0), SdpaCall(64, torch.float32, False)) == MATH
+
+
+def _single(cc: tuple[int, int], amp: str | None = None) -> tuple[int, list[str]]:
+    wl = attention(AttnConfig(seq=SEQ, heads=HEADS, layers=LAYERS, d_model=256, vocab=1024,
+                              dropout=0.0))
+    r = run_scenario("single", wl, EmulationConfig(batch=ROWS, gpus=1, gpu_memory_bytes=2**40,
+                                                   compute_capability=cc, amp=amp))
+    assert r.status == "ok", r.message
+    return r.devices[0].peak_allocated_bytes, r.notes
+
+
+def test_the_attention_workload_proves_the_kernel_choice() -> None:
+    fused, notes = _single((8, 0))
+    assert any("sdpa:efficient" in n for n in notes)
+    math, notes = _single((4, 0))
+    assert any("sdpa:math" in n for n in notes)
+    # The math path saves the softmax output (and the masked scores it came from) per
+    # layer: at least one rows x heads x seq x seq float32 matrix per layer more.
+    assert math - fused >= LAYERS * ROWS * HEADS * SEQ * SEQ * 4
+
+
+def test_amp_casts_to_flash_and_keeps_float32_master_weights() -> None:
+    peak, notes = _single((8, 0), amp="bfloat16")
+    assert any("sdpa:flash" in n for n in notes)  # bf16 inputs: flash on sm80
+    full, _ = _single((8, 0))
+    assert peak < full  # bf16 activations
+
+
+def test_fused_dropout_saves_a_bool_mask() -> None:
+    # mlp has no dropout; the attention workload with dropout on residuals does
+    wl = attention(AttnConfig(seq=128, heads=2, layers=1, d_model=64, vocab=128, dropout=0.1))
+    r = run_scenario("single", wl, EmulationConfig(batch=2, gpus=1, gpu_memory_bytes=2**40))
+    assert any("dropout:fused" in n for n in r.notes)
+
+
+def test_reserved_and_context_are_shown_separately() -> None:
+    r = run_scenario("single", mlp(), EmulationConfig(batch=64, gpus=1,
+                                                     gpu_memory_bytes=2**40))
+    d = r.devices[0]
+    assert d.peak_reserved_bytes is not None and d.context_bytes is not None
+    # reserved holds every allocated block plus two cuBLAS workspaces (8.125 MiB each on
+    # sm80), in 2 MiB-rounded segments
+    assert d.peak_reserved_bytes >= d.peak_allocated_bytes + 2 * 8_519_680
+    assert d.peak_reserved_bytes % (2 * 1024 * 1024) == 0
+    assert d.workspace_bytes == 2 * 8_519_680
+    assert d.context_bytes == d.context_breakdown_bytes["cuda_context"] > 200 * 2**20
+    assert d.total_peak_bytes == d.peak_reserved_bytes + d.context_bytes
+
+
+def test_reports_show_allocated_reserved_and_context_per_device() -> None:
+    from rich.console import Console
+
+    from dpprof.reports import html, terminal
+    from dpprof.runner import CompareConfig, run_compare
+
+    run = run_compare(CompareConfig(workload="mlp", batch=8, gpus=2,
+                                    scenarios=("dp-loss-primary",)))
+    page = html.render(run)
+    assert "id='gpu-overheads'" in page and "of which workspaces" in page
+    assert page.count("<td>dp-loss-primary</td><td>cuda:") == 2
+    console = Console(width=200, record=True)
+    console.print(terminal.render(run))
+    text = console.export_text()
+    assert "on a GPU: reserved" in text and "+ 254 MiB" in text
+    assert any("cuBLAS workspace" in a for a in run.assumptions)
