@@ -648,7 +648,7 @@ def _render(run: RunResult) -> str:
     head, rows = memory_rows(run)
     if rows:
         body.append(
-            "<details open><summary>What a GPU adds: allocated, reserved (with the "
+            "<details><summary>What a GPU adds: allocated, reserved (with the "
             "library workspaces), context and NVML peaks per GPU</summary>"
             "<div class='card'><table id='gpu-overheads'><tr>"
             + "".join(f"<th>{_e(h)}</th>" for h in head)
