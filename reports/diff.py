@@ -269,21 +269,6 @@ def _render_html(rd: RunDiff) -> str:
 <div class="card"><table><tr><th>scenario</th><th>device</th><th>before</th><th>after</th>
 <th>change</th><th></th></tr>{"".join(rows)}</table></div>
 </main>
-<script id="dpprof-figures" type="application/json">{h._json({"diff": fig})}</script>
-<script>{h.plotly_js()}</script>
-<script>
-(function(){{
-  var figs = JSON.parse(document.getElementById('dpprof-figures').textContent);
-  var divs = Array.prototype.slice.call(document.querySelectorAll('[data-figure]'));
-  // One chart per task, top to bottom: the first screen is drawn before the rest.
-  (function next(){{
-    var div = divs.shift();
-    if (!div) return;
-    var f = figs[div.getAttribute('data-figure')];
-    Plotly.newPlot(div, f.data, f.layout, {{displaylogo:false, responsive:true}})
-      .then(function(){{ setTimeout(next, 0); }});
-  }})();
-}})();
-</script>
+{h.page_scripts({"diff": fig})}
 </body></html>
 """
