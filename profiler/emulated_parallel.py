@@ -202,7 +202,7 @@ class Broadcast(torch.autograd.Function):
         ctx.num_inputs = len(inputs)
         ctx.input_device = rt.device_of(inputs[0])
         outputs = broadcast_coalesced(rt, inputs, target_gpus)
-        non_differentiables = []
+        non_differentiables: list[torch.Tensor] = []
         for idx, input_requires_grad in enumerate(ctx.needs_input_grad[2:]):
             if not input_requires_grad:
                 non_differentiables.extend(output[idx] for output in outputs)
@@ -396,7 +396,7 @@ def replicate(
                     replica = module_copies[j][i]
                     param_copy = param_copies[j][param_idx]
                     setattr(replica, key, param_copy)
-                    replica._former_parameters[key] = param_copy  # type: ignore[index]
+                    replica._former_parameters[key] = param_copy  # type: ignore[index,operator]
         for key, buf in module._buffers.items():
             if buf is None:
                 for j in range(num_replicas):

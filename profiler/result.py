@@ -338,7 +338,7 @@ def _from_dict(tp: Any, data: Any) -> Any:
         if name not in data:
             continue
         value = data[name]
-        sub = _NESTED.get((tp.__name__, name))
+        sub = _NESTED.get((getattr(tp, "__name__", ""), name))
         if sub is not None and value is not None:
             kind, inner = sub
             if kind == "list":
@@ -348,7 +348,7 @@ def _from_dict(tp: Any, data: Any) -> Any:
             else:
                 value = _from_dict(inner, value)
         kwargs[name] = value
-    return tp(**kwargs)
+    return tp(**kwargs)  # type: ignore[operator]
 
 
 _NESTED: dict[tuple[str, str], tuple[str, Any]] = {

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,7 +276,7 @@ class VirtualDevices(TorchDispatchMode):
         key = id(st)
         self._storages[key] = rec
         self._labels[rec.serial] = self._state.category
-        self._refs[key] = weakref.ref(st, lambda _r, key=key: self._on_free(key))
+        self._refs[key] = weakref.ref(st, self._free_callback(key))
         if device == HOST:
             self.host_requested += requested
             self.events.append(Event(HOST, rec.serial, requested, rec.rounded))
@@ -296,6 +296,12 @@ class VirtualDevices(TorchDispatchMode):
                 c.peak_phase = self._state.phase
             if c.live_requested > c.peak_requested:
                 c.peak_requested = c.live_requested
+
+    def _free_callback(self, key: int) -> Callable[[Any], None]:
+        def callback(_ref: Any) -> None:
+            self._on_free(key)
+
+        return callback
 
     def _on_free(self, key: int) -> None:
         rec = self._storages.pop(key, None)

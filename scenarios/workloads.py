@@ -112,7 +112,8 @@ class _Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
-        att = att.masked_fill(self.causal[:s, :s], float("-inf")).softmax(dim=-1)
+        causal: torch.Tensor = self.causal  # type: ignore[assignment]
+        att = att.masked_fill(causal[:s, :s], float("-inf")).softmax(dim=-1)
         y = (self.drop(att) @ v).transpose(1, 2).reshape(b, s, d)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
