@@ -14,7 +14,9 @@ allocator does, 512 B).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,13 +64,48 @@ class Alloc:
     ptr: int = 0  # the block's address (pairs an allocation with its free)
 
 
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null for a moment: libkineto prints a
+    ``USDT: ... profiler_start`` / ``profiler_stop`` line on every profiler start and stop,
+    which is noise in dpprof's output. Python-level errors raised meanwhile still propagate."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to silence
+        yield
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+        finally:
+            os.close(devnull)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def start_profiler(prof: Any) -> None:
+    with quiet_stderr():
+        prof.__enter__()
+
+
+def stop_profiler(prof: Any) -> None:
+    with quiet_stderr():
+        prof.__exit__(None, None, None)
+
+
 def record(fn: Callable[[], T]) -> tuple[T, list[Alloc]]:
     """Run ``fn`` under the profiler; its result and the allocation events, in time order."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                 record_shapes=False) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    start_profiler(prof)
+    try:
         out = fn()
+    finally:
+        stop_profiler(prof)
     return out, allocations(prof)
 
 
