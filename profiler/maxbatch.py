@@ -209,9 +209,14 @@ def run_maxbatch(
     ctx = context_bytes_for(gpu)
     base = EmulationConfig(batch=multiple_of, gpus=gpus, gpu_memory_bytes=capacity_bytes,
                            seed=seed, warmup_steps=warmup_steps)
+    if gpu is not None:  # the emulator models this GPU's workspaces and kernels
+        base.compute_capability = gpu.compute_capability
+    # Over meta tensors the emulator fills reserved (cuBLAS workspaces included) and the
+    # context itself; ``ctx`` only serves runs where it does not.
     out = MaxBatch(capacity_bytes=capacity_bytes, gpu=gpu.key if gpu else "",
                    multiple_of=multiple_of,
-                   counts=f"{COUNTS} ({fmt_bytes(ctx)} per GPU)")
+                   counts="peak reserved (simulated caching allocator, cuBLAS workspaces "
+                   "included) + the CUDA context")
     for i, name in enumerate(scenarios):
         if progress:
             progress(name, i, len(scenarios))

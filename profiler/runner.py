@@ -207,7 +207,7 @@ def run_compare(
         ctx = context_bytes_for(spec)
         ecfg.inspect = reserved_inspector(ctx)
     run.assumptions = list(ASSUMPTIONS)
-    if count_reserved:
+    if count_reserved and cfg.compute:  # meta emulation models reserved + context itself
         run.assumptions.append(f"Out of memory when {COUNTS} ({ctx} B per GPU) exceeds the "
                                "GPU's memory.")
     if cfg.dtype not in (None, "float32"):
