@@ -5,7 +5,9 @@ through the c10d store and the NCCL abort watcher are :mod:`dpprof.ranks`, share
 ``cpu`` backend (:mod:`dpprof.distributed`). Here:
 
 - :class:`DdpJob`: what every rank needs (workload spec, :class:`CudaRunConfig`, ``backend``
-  ``"nccl"`` | ``"gloo"``, ``device`` ``"cuda"`` | ``"cpu"``, collective timeout, run id);
+  ``"nccl"`` | ``"gloo"``, ``device`` ``"cuda"`` | ``"cpu"``, collective timeout, run id,
+  the reducer options :class:`dpprof.ranks.DdpOptions` and a ``dtype`` override, as the
+  ``cpu`` backend's :class:`dpprof.distributed.RankSpec`);
   it is the picklable body: called in a rank, it measures that rank's device
   (:func:`dpprof.cuda_backend.measure_ddp_rank`, CUDA events, NVML, OOM as a result);
 - :func:`rank_entry` ``(job, info, store=None)``: one rank through
@@ -25,12 +27,14 @@ from typing import Any
 from dpprof.cuda_backend import CudaRunConfig, Measured, measure_ddp_rank
 from dpprof.ranks import (
     DEFAULT_TIMEOUT_S,
+    DdpOptions,
     Group,
     RankInfo,
     RankOutcome,
     run_in_group,
     spawn_ranks,
     torchrun_info,
+    with_dtype,
 )
 from dpprof.result import STATUS_ERROR, STATUS_OK
 
@@ -47,6 +51,8 @@ class DdpJob:
     device: str = "cuda"  # "cuda" | "cpu"
     timeout_s: float = DEFAULT_TIMEOUT_S  # collective timeout, and the bound on every wait
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    ddp: DdpOptions = field(default_factory=DdpOptions)  # the reducer options
+    dtype: str | None = None  # override the workload's dtype (float32, bfloat16, float16)
 
     def __post_init__(self) -> None:
         self.group()  # validates backend and device
@@ -60,9 +66,9 @@ class DdpJob:
         """The body of one rank: measure its device under DDP."""
         from dpprof.scenarios.workloads import load_workload
 
-        wl = load_workload(self.workload)
+        wl = with_dtype(load_workload(self.workload), self.dtype)
         measured = measure_ddp_rank(
-            wl, self.cfg, info.rank, info.world_size, device_index, self.device
+            wl, self.cfg, info.rank, info.world_size, device_index, self.device, ddp=self.ddp
         )
         for d in measured.devices:
             d.node = info.hostname

@@ -49,6 +49,7 @@ import torch
 
 from dpprof.memtrace import Alloc, allocations, peak_of, step_span
 from dpprof.ranks import (
+    DdpOptions,
     Group,
     RankInfo,
     RankOutcome,
@@ -57,6 +58,7 @@ from dpprof.ranks import (
     spawn_ranks,
     torchrun_info,
     torchrun_run_id,
+    with_dtype,
 )
 
 STEP_MARK = "dpprof::measured_step"  # record_function around the measured train_step
@@ -81,6 +83,13 @@ class RankSpec:
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
     grace_s: float = 10.0  # after one rank fails, how long the others may take to fail
+
+    def ddp_options(self) -> DdpOptions:
+        return DdpOptions(
+            bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
+        )
 
 
 @dataclass
@@ -139,18 +148,11 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
              local_rank: int | None = None) -> RankResult:
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
     import copy
-    import warnings
-
-    from torch.nn.parallel import DistributedDataParallel
 
     from dpprof.scenarios.base import train_step
     from dpprof.scenarios.workloads import load_workload
 
-    wl = load_workload(spec.workload)
-    if spec.dtype is not None:
-        import dataclasses
-
-        wl = dataclasses.replace(wl, dtype=getattr(torch, spec.dtype))
+    wl = with_dtype(load_workload(spec.workload), spec.dtype)
     device = torch.device("cpu") if spec.device == "cpu" else torch.device(
         "cuda", rank if local_rank is None else local_rank)
     result = RankResult(rank=rank, world_size=world_size, hostname=socket.gethostname())
@@ -171,17 +173,8 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             loss_fn = copy.deepcopy(loss_fn).to(device)
             if wl.dtype != torch.float32:
                 loss_fn.to(wl.dtype)
-        kwargs: dict[str, Any] = {}
-        if spec.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = spec.bucket_cap_mb
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated
-            ddp = model if spec.wrap == "none" else DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None,
-                gradient_as_bucket_view=spec.gradient_as_bucket_view,
-                find_unused_parameters=spec.find_unused_parameters,
-                broadcast_buffers=spec.broadcast_buffers, **kwargs,
-            )
+        ddp = model if spec.wrap == "none" else spec.ddp_options().wrap(
+            model, [device.index] if device.type == "cuda" else None)
         params = list(model.parameters())
         if isinstance(loss_fn, torch.nn.Module):
             params += list(loss_fn.parameters())
