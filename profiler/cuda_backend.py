@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dpprof.devices import resolve_visible_devices, torch_cuda_uuids
 from dpprof.nvml import NvmlBackend, default_nvml
+from dpprof.ranks import DdpOptions
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -785,12 +785,14 @@ def measure_ddp_rank(
     nvml: NvmlBackend | None = None,
     cuda_uuids: Sequence[str] | None = None,
     visible: Sequence[int] | None = None,
+    ddp: DdpOptions | None = None,
 ) -> Measured:
     """Measure this rank's device under ``DistributedDataParallel`` (process group set up).
 
-    The caller (:mod:`dpprof.ddp_launch`) has called ``torch.cuda.set_device(local_device)``
+    The caller (:mod:`dpprof.ranks`) has called ``torch.cuda.set_device(local_device)``
     and ``init_process_group``. ``visible``: the CUDA indices to watch for stray contexts of
-    this process (default: every visible GPU). Never raises.
+    this process (default: every visible GPU). ``ddp``: the reducer options (default
+    DDP's). Never raises.
     """
     ops = make_ops(ops_kind, [local_device])
     out = Measured(rank=rank)
@@ -807,7 +809,7 @@ def measure_ddp_rank(
         model, loss_fn = _model(wl, ops.device(0), cfg.seed)
         model.train()
         ids = [local_device] if ops_kind == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=ids)
+        wrapped = (ddp or DdpOptions()).wrap(model, ids)
         opt = _optimizer(wl, model, loss_fn)
         out.rows = per
         run.loop(wrapped, loss_fn, opt, inputs, targets, False, out)

@@ -1,31 +1,35 @@
-"""Real ``DistributedDataParallel``: one process per rank, started by dpprof or by torchrun.
+"""The ``cpu`` backend's ``ddp`` ranks: its per-rank body over the shared :mod:`dpprof.ranks`.
 
-The ``ddp`` scenario of the ``cpu`` backend (gloo) and, later, of the ``cuda`` backend
-(NCCL) runs here. Interface:
+The processes (spawn or torchrun), the process group, the timeouts, the failure reporting
+and the gather on rank 0 are :mod:`dpprof.ranks`, shared with the ``cuda`` backend
+(:mod:`dpprof.ddp_launch`: NCCL, CUDA/NVML measurements). Here (gloo by default):
 
 * :class:`RankSpec` — everything a rank needs, picklable: the workload spec (a built-in
   name, ``module:function`` or ``file.py:function``: each process loads it itself), rows
-  per rank, seed, warm-up steps, the DDP options, ``backend`` (``"gloo"`` or ``"nccl"``),
-  ``device`` (``"cpu"`` or ``"cuda"``: rank r uses ``cuda:LOCAL_RANK``), ``memory``
-  (``"profiler"``: torch.profiler allocation records, the CPU way; ``"cuda"``:
-  ``torch.cuda.max_memory_allocated/reserved`` with peaks reset before the measured step;
-  ``"none"``), ``return_parameters`` (send the parameters after the last step back, for
-  equivalence checks) and the timeouts.
+  per rank, seed, warm-up steps, the DDP options (``bucket_cap_mb``,
+  ``gradient_as_bucket_view``, ``find_unused_parameters``, ``broadcast_buffers``,
+  ``dtype``), ``backend`` (``"gloo"`` or ``"nccl"``), ``device`` (``"cpu"`` or ``"cuda"``:
+  rank r uses ``cuda:LOCAL_RANK``), ``memory`` (``"profiler"``: torch.profiler allocation
+  records, the CPU way; ``"cuda"``: ``torch.cuda.max_memory_allocated/reserved`` with peaks
+  reset before the measured step; ``"none"``), ``return_parameters`` (send the parameters
+  after the last step back, for equivalence checks) and the timeouts (``pg_timeout_s``: the
+  collective timeout and the bound on every wait; ``grace_s``: after a failure, how long
+  rank 0 waits for the others' outcomes; ``join_timeout_s``: the whole spawned run).
 * :func:`run_rank(spec, rank, world_size, local_rank)` — the per-rank step, in a process
-  whose default process group is already initialised (:func:`init_process_group`):
-  builds the model on its device under ``torch.manual_seed(seed)``, wraps it in
-  ``DistributedDataParallel`` with the options, takes rank r's shard of the global batch,
-  runs ``warmup_steps`` steps and one measured step of the shared
-  :func:`dpprof.scenarios.base.train_step`, and returns a :class:`RankResult`.
-* :func:`launch(spec, world_size)` — dpprof starts the ranks itself: a free TCP port on
-  127.0.0.1, one ``spawn``-ed process per rank, process-group timeout
-  ``spec.pg_timeout_s``, a join deadline ``spec.join_timeout_s``; returns the results by
-  rank, or raises :class:`DistributedRunError` carrying every failed rank's traceback (the
-  other ranks are terminated after ``spec.grace_s``, so nothing hangs).
-* :func:`torchrun_main(spec)` — under ``torchrun`` (``RANK``, ``LOCAL_RANK``,
-  ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment): initialises the
-  group from the environment, runs :func:`run_rank`, and rank 0 gathers every rank's
-  :class:`RankResult` with ``gather_object`` (other ranks return ``None``).
+  whose default process group is already initialised: builds the model on its device
+  under ``torch.manual_seed(seed)``, wraps it in ``DistributedDataParallel`` with the
+  options, takes rank r's shard of the global batch, runs ``warmup_steps`` steps and one
+  measured step of the shared :func:`dpprof.scenarios.base.train_step`, and returns a
+  :class:`RankResult`.
+* :class:`CpuRanks` — the picklable body :mod:`dpprof.ranks` runs in each rank:
+  :func:`run_rank` for each spec in turn.
+* :func:`launch(spec, world_size)` / :func:`launch_many(specs, world_size)` — dpprof starts
+  the ranks itself (:func:`dpprof.ranks.spawn_ranks`); returns the results by rank, or
+  raises :class:`DistributedRunError` carrying every failed rank's traceback.
+* :func:`torchrun_main(spec)` — under ``torchrun``: :func:`dpprof.ranks.run_in_group`
+  from the environment; rank 0 returns every rank's :class:`RankResult` (or raises
+  :class:`DistributedRunError`), other ranks return ``None``.
+* :func:`free_port` — from :mod:`dpprof.ranks`.
 
 Memory with ``memory="profiler"``: the profiler runs from before the model is built, so
 the live bytes at the measured step's start are known: ``peak_requested_bytes`` is the
@@ -36,18 +40,26 @@ measured step's allocation records (signed sizes, in order).
 
 from __future__ import annotations
 
-import datetime as _dt
-import os
-import queue as _queue
 import socket
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dpprof.memtrace import Alloc, allocations, peak_of, step_span
+from dpprof.ranks import (
+    DdpOptions,
+    Group,
+    RankInfo,
+    RankOutcome,
+    free_port,
+    run_in_group,
+    spawn_ranks,
+    torchrun_info,
+    torchrun_run_id,
+    with_dtype,
+)
 
 STEP_MARK = "dpprof::measured_step"  # record_function around the measured train_step
 
@@ -71,6 +83,13 @@ class RankSpec:
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
     grace_s: float = 10.0  # after one rank fails, how long the others may take to fail
+
+    def ddp_options(self) -> DdpOptions:
+        return DdpOptions(
+            bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
+        )
 
 
 @dataclass
@@ -105,28 +124,6 @@ class DistributedRunError(RuntimeError):
         return "\n".join(f"--- rank {r} ---\n{tb.rstrip()}" for r, tb in self.failures.items())
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_process_group(spec: RankSpec, rank: int, world_size: int,
-                       init_method: str | None = None) -> None:
-    import torch.distributed as dist
-
-    kwargs: dict[str, Any] = {}
-    if spec.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        kwargs["device_id"] = torch.device("cuda", local)
-    dist.init_process_group(
-        spec.backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-        timeout=_dt.timedelta(seconds=spec.pg_timeout_s), **kwargs,
-    )
-
-
 def _shard(x: Any, rank: int, rows: int) -> Any:
     if isinstance(x, torch.Tensor):
         return x.narrow(0, rank * rows, rows).clone() if x.dim() else x
@@ -151,18 +148,11 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
              local_rank: int | None = None) -> RankResult:
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
     import copy
-    import warnings
-
-    from torch.nn.parallel import DistributedDataParallel
 
     from dpprof.scenarios.base import train_step
     from dpprof.scenarios.workloads import load_workload
 
-    wl = load_workload(spec.workload)
-    if spec.dtype is not None:
-        import dataclasses
-
-        wl = dataclasses.replace(wl, dtype=getattr(torch, spec.dtype))
+    wl = with_dtype(load_workload(spec.workload), spec.dtype)
     device = torch.device("cpu") if spec.device == "cpu" else torch.device(
         "cuda", rank if local_rank is None else local_rank)
     result = RankResult(rank=rank, world_size=world_size, hostname=socket.gethostname())
@@ -183,17 +173,8 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             loss_fn = copy.deepcopy(loss_fn).to(device)
             if wl.dtype != torch.float32:
                 loss_fn.to(wl.dtype)
-        kwargs: dict[str, Any] = {}
-        if spec.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = spec.bucket_cap_mb
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated
-            ddp = model if spec.wrap == "none" else DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None,
-                gradient_as_bucket_view=spec.gradient_as_bucket_view,
-                find_unused_parameters=spec.find_unused_parameters,
-                broadcast_buffers=spec.broadcast_buffers, **kwargs,
-            )
+        ddp = model if spec.wrap == "none" else spec.ddp_options().wrap(
+            model, [device.index] if device.type == "cuda" else None)
         params = list(model.parameters())
         if isinstance(loss_fn, torch.nn.Module):
             params += list(loss_fn.parameters())
@@ -264,23 +245,34 @@ def _profiler_figures(result: RankResult, events: list[Alloc], t0: int, t1: int)
     result.step_events = [(e.size, e.op, e.ptr) for e in step]
 
 
-# ---- dpprof starts the ranks -------------------------------------------------------------
+# ---- the ranks: the shared layer (dpprof.ranks) runs this body ----------------------------
 
 
-def _worker(specs: list[RankSpec], rank: int, world_size: int, port: int,
-            results: Any) -> None:
-    try:
-        init_process_group(specs[0], rank, world_size, f"tcp://127.0.0.1:{port}")
-        try:
-            res = [run_rank(spec, rank, world_size, local_rank=rank) for spec in specs]
-        finally:
-            import torch.distributed as dist
+@dataclass
+class CpuRanks:
+    """The per-rank body: :func:`run_rank` for each spec in turn; picklable."""
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        results.put((rank, "ok", res))
-    except BaseException:  # every failure goes back with its traceback
-        results.put((rank, "error", traceback.format_exc()))
+    specs: list[RankSpec]
+
+    def group(self, run_id: str | None = None) -> Group:
+        spec = self.specs[0]
+        kwargs: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
+        return Group(backend=spec.backend, device=spec.device, timeout_s=spec.pg_timeout_s,
+                     grace_s=spec.grace_s, join_timeout_s=spec.join_timeout_s, **kwargs)
+
+    def __call__(self, info: RankInfo, device_index: int) -> list[RankResult]:
+        return [run_rank(spec, info.rank, info.world_size, local_rank=device_index)
+                for spec in self.specs]
+
+    def succeeded(self, value: Any) -> bool:
+        return True  # a failure raises
+
+
+def _results(outcomes: list[RankOutcome]) -> list[list[RankResult]]:
+    failures = {o.rank: o.traceback or o.message for o in outcomes if not o.ok}
+    if failures:
+        raise DistributedRunError(failures)
+    return [o.value for o in sorted(outcomes, key=lambda o: o.rank)]
 
 
 def launch(spec: RankSpec, world_size: int) -> list[RankResult]:
@@ -292,75 +284,12 @@ def launch_many(specs: list[RankSpec], world_size: int) -> list[list[RankResult]
     """As :func:`launch` for several specs run one after another in the same processes and
     process group (start-up paid once); results by rank, then by spec. The first spec's
     backend, device and timeouts apply to the group."""
-    import multiprocessing as mp
-
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
     if not specs:
         return [[] for _ in range(world_size)]
-    spec = specs[0]
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(specs, r, world_size, port, results),
-                         name=f"dpprof-rank{r}", daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    done: dict[int, list[RankResult]] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + spec.join_timeout_s
-    try:
-        while len(done) + len(failures) < world_size:
-            now = time.monotonic()
-            if now > deadline:
-                for r in range(world_size):
-                    if r not in done and r not in failures:
-                        failures[r] = (f"no result within the join timeout of "
-                                       f"{spec.join_timeout_s:.0f} s: terminated")
-                break
-            try:
-                rank, status, payload = results.get(timeout=0.2)
-            except _queue.Empty:
-                for r, p in enumerate(procs):
-                    if r in done or r in failures or p.is_alive():
-                        continue
-                    # A process that died without a word (killed, segfault, os._exit).
-                    try:
-                        rank, status, payload = results.get(timeout=1.0)
-                    except _queue.Empty:
-                        failures[r] = f"process exited with code {p.exitcode} and no result"
-                        break
-                    else:
-                        _file(rank, status, payload, done, failures)
-                        break
-                if failures:
-                    deadline = min(deadline, time.monotonic() + spec.grace_s)
-                continue
-            _file(rank, status, payload, done, failures)
-            if failures:
-                deadline = min(deadline, time.monotonic() + spec.grace_s)
-    finally:
-        for p in procs:
-            p.join(timeout=0.5 if failures else 5.0)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
-    if failures:
-        raise DistributedRunError(failures)
-    return [done[r] for r in range(world_size)]
-
-
-def _file(rank: int, status: str, payload: Any, done: dict[int, list[RankResult]],
-          failures: dict[int, str]) -> None:
-    if status == "ok":
-        done[rank] = payload
-    else:
-        failures[rank] = payload
+    body = CpuRanks(list(specs))
+    return _results(spawn_ranks(body.group(), body, world_size))
 
 
 # ---- torchrun starts the ranks -----------------------------------------------------------
@@ -368,27 +297,20 @@ def _file(rank: int, status: str, payload: Any, done: dict[int, list[RankResult]
 
 def torchrun_main(spec: RankSpec) -> list[RankResult] | None:
     """Under torchrun: run this rank, gather every result on rank 0 (others get None)."""
-    import torch.distributed as dist
-
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    init_process_group(spec, rank, world_size)
-    try:
-        res = run_rank(spec, rank, world_size, local_rank=local_rank)
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(res, gathered, dst=0)
-        return [g for g in gathered if g is not None] if gathered is not None else None
-    finally:
-        dist.destroy_process_group()
+    info = torchrun_info()
+    if info is None:
+        raise RuntimeError("torchrun_main needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
+    body = CpuRanks([spec])
+    outcomes = run_in_group(body.group(torchrun_run_id()), body, info)
+    return None if outcomes is None else [r[0] for r in _results(outcomes)]
 
 
 __all__ = [
+    "CpuRanks",
     "DistributedRunError",
     "RankResult",
     "RankSpec",
     "free_port",
-    "init_process_group",
     "launch",
     "launch_many",
     "run_rank",

@@ -8,6 +8,7 @@ import gc
 import os
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from dpprof.cuda_run import select_devices
 from dpprof.ddp_launch import torchrun_info
 from dpprof.errors import UsageError
 from dpprof.nvml import FakeDevice, FakeNvml
+from dpprof.ranks import DdpOptions
 from dpprof.result import DeviceResult, RunResult
 from dpprof.runner import CompareConfig, resolve_backend, run_compare
 
@@ -226,6 +228,20 @@ def test_ddp_rank_flags_its_context_on_another_gpu(one_rank_group: None) -> None
         {"rank": 0, "pid": me, "cuda_index": 1, "used_bytes": 300 * 2**20}]
     assert "set_device" in out.notes[0]
     assert out.devices[0].process_used_bytes == {str(me): 1 * GiB}
+
+
+def test_ddp_rank_takes_the_reducer_options(one_rank_group: None) -> None:
+    # a parameter forward never uses: DDP's defaults fail on the next step's forward,
+    # find_unused_parameters=True (DdpOptions, shared with the cpu backend) runs it
+    wl = _tiny(model_cb=lambda m: setattr(m, "unused", nn.Linear(8, 4)))
+    nvml = FakeNvml([FakeDevice(uuid=UA, used=1 * GiB)])
+    kw: dict[str, Any] = dict(rank=0, world=1, local_device=0, ops_kind="cpu", nvml=nvml,
+                              cuda_uuids=[UA])
+    bad = measure_ddp_rank(wl, _cfg(devices=[0]), **kw)
+    assert bad.status == "error" and "reduction" in bad.message
+    good = measure_ddp_rank(wl, _cfg(devices=[0]), ddp=DdpOptions(find_unused_parameters=True),
+                            **kw)
+    assert good.status == "ok", good.message
 
 
 # ---- choosing devices, backends, torchrun ---------------------------------------------------

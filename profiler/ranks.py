@@ -1,0 +1,418 @@
+"""The one multi-process layer for ``DistributedDataParallel`` ranks (gloo on CPU, NCCL on GPUs).
+
+Both backends' ``ddp`` scenario runs through here; only the per-rank body differs (the
+``cpu`` backend's profiler-measured :class:`dpprof.distributed.CpuRanks`, the ``cuda``
+backend's CUDA/NVML-measured :class:`dpprof.ddp_launch.DdpJob`). Interface:
+
+- :class:`Group`: how the ranks talk: ``backend`` (``"gloo"`` | ``"nccl"``), ``device``
+  (``"cpu"`` | ``"cuda"``), ``devices`` (the CUDA index of each local rank; default the
+  local rank), ``timeout_s`` (the collective timeout and the bound on every wait),
+  ``grace_s`` (after a failure, how long rank 0 waits for the others' outcomes; default
+  ``timeout_s``), ``join_timeout_s`` (spawn mode: the whole run; default
+  ``3 * timeout_s + 60``), ``run_id`` (the store keys' prefix: the same on every rank);
+- :class:`RankBody`: a picklable callable ``body(info, device_index) -> value`` run in a
+  process whose default process group is initialised; ``body.succeeded(value)`` says whether
+  a returned value is a failure (an OOM is a value, not an exception);
+- :func:`run_in_group` ``(group, body, info, store=None)``: one rank: ``set_device`` first
+  (cuda), ``init_process_group`` (the given store, or ``env://`` under torchrun), the body,
+  and on rank 0 every rank's :class:`RankOutcome` in rank order (None elsewhere): through
+  ``gather_object`` when every rank succeeded, through the c10d store otherwise;
+- :func:`spawn_ranks` ``(group, body, world)``: dpprof starts the ranks itself (``spawn``,
+  a ``TCPStore`` on a free port of 127.0.0.1 in the parent) and returns rank 0's list;
+- :func:`torchrun_info`, :func:`torchrun_run_id`: the rank torchrun started this process
+  as; :func:`free_port`;
+- :class:`DdpOptions` (``bucket_cap_mb``, ``gradient_as_bucket_view``,
+  ``find_unused_parameters``, ``broadcast_buffers``) with :meth:`DdpOptions.wrap`, and
+  :func:`with_dtype`: how both bodies wrap their model and override the workload's dtype.
+
+Failure handling (nothing hangs): a rank whose body raises or returns a failure records its
+traceback, marks the run failed in the store and leaves the process group (gloo: its
+sockets close, so peers blocked in a collective fail at once; NCCL: it aborts its
+communicator). Every rank runs a watcher thread that aborts its NCCL process group when the
+store says another rank failed. The collective timeout bounds the rest; in spawn mode the
+parent also notices a rank that died without a word (killed, segfault) and stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import inspect
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DdpOptions",
+    "Group",
+    "RankBody",
+    "RankInfo",
+    "RankOutcome",
+    "free_port",
+    "run_in_group",
+    "spawn_ranks",
+    "torchrun_info",
+    "torchrun_run_id",
+    "with_dtype",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank sits: global rank, world, rank on its node, node number, host."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int = 0
+    hostname: str = field(default_factory=socket.gethostname)
+
+
+@dataclass
+class Group:
+    """How the ranks talk; picklable (it travels to spawned processes)."""
+
+    backend: str = "nccl"  # "nccl" | "gloo"
+    device: str = "cuda"  # "cuda" | "cpu"
+    devices: tuple[int, ...] | None = None  # CUDA index per local rank (default: local rank)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # collective timeout, and the bound on every wait
+    grace_s: float | None = None  # after a failure: the wait for the others (timeout_s)
+    join_timeout_s: float | None = None  # spawn mode, the whole run (3 * timeout_s + 60)
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be nccl or gloo, not {self.backend!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, not {self.device!r}")
+
+    def device_index(self, info: RankInfo) -> int:
+        """The CUDA index of this rank: ``devices`` by local rank, else the local rank."""
+        if self.devices and info.local_rank < len(self.devices):
+            return self.devices[info.local_rank]
+        return info.local_rank
+
+
+@dataclass
+class RankOutcome:
+    """One rank's result: the body's value, or why there is none."""
+
+    rank: int
+    ok: bool
+    value: Any = None  # what the body returned (also a failure it reported, e.g. an OOM)
+    message: str = ""  # one line, when the body raised or the rank did not report
+    traceback: str = ""  # when the body raised
+    first_failure: bool = False  # this rank failed before any other
+
+
+@dataclass(frozen=True)
+class DdpOptions:
+    """The ``DistributedDataParallel`` reducer options both backends' ranks accept."""
+
+    bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB)
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+
+    def wrap(self, model: torch.nn.Module, device_ids: list[int] | None) -> torch.nn.Module:
+        """``model`` in ``DistributedDataParallel`` with these options."""
+        import warnings
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        kwargs: dict[str, Any] = {}
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated
+            return DistributedDataParallel(
+                model, device_ids=device_ids,
+                gradient_as_bucket_view=self.gradient_as_bucket_view,
+                find_unused_parameters=self.find_unused_parameters,
+                broadcast_buffers=self.broadcast_buffers, **kwargs,
+            )
+
+
+def with_dtype(wl: Any, dtype: str | None) -> Any:
+    """The workload with its dtype overridden (``"bfloat16"``...), or as it is (None)."""
+    if dtype is None:
+        return wl
+    import dataclasses
+
+    return dataclasses.replace(wl, dtype=getattr(torch, dtype))
+
+
+class RankBody(Protocol):
+    """The per-rank work: picklable; the process group is initialised when it is called."""
+
+    def __call__(self, info: RankInfo, device_index: int) -> Any: ...
+
+    def succeeded(self, value: Any) -> bool: ...
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_info(environ: dict[str, str] | os._Environ[str] | None = None) -> RankInfo | None:
+    """The rank torchrun started this process as, or None outside torchrun."""
+    env = os.environ if environ is None else environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+    try:
+        return RankInfo(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
+        )
+    except ValueError:
+        return None
+
+
+def torchrun_run_id() -> str:
+    """A run id every rank of one torchrun job agrees on (its store keys' prefix)."""
+    return "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "none")
+
+
+class _Watcher:
+    """Aborts this rank's NCCL process group when another rank reports a failure."""
+
+    def __init__(self, store: Any, key: str, backend: str) -> None:
+        self.store, self.key, self.backend = store, key, backend
+        self.done = threading.Event()
+        self.fired = False
+        self.thread = threading.Thread(target=self._run, name="dpprof-ddp-watch", daemon=True)
+
+    def start(self) -> _Watcher:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.done.wait(_POLL_S):
+            try:
+                failed = self.store.check([self.key])
+            except Exception:
+                return
+            if failed and not self.done.is_set():
+                self.fired = True
+                if self.backend == "nccl":
+                    _abort()
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def _abort() -> None:
+    """Abort every process group (NCCL: ncclCommAbort unblocks pending collectives)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    with contextlib.suppress(Exception):
+        if abort is not None:
+            abort()
+        else:  # pragma: no cover - older torch
+            dist.destroy_process_group()
+
+
+def _init(group: Group, info: RankInfo, store: Any) -> Any:
+    timeout = _dt.timedelta(seconds=group.timeout_s)
+    kwargs: dict[str, Any] = {"backend": group.backend, "timeout": timeout}
+    if store is not None:
+        kwargs.update(store=store, rank=info.rank, world_size=info.world_size)
+    else:
+        kwargs.update(init_method="env://", rank=info.rank, world_size=info.world_size)
+    params = inspect.signature(dist.init_process_group).parameters
+    if group.device == "cuda" and "device_id" in params:
+        # binds the NCCL communicator to this rank's GPU (torch >= 2.3): no stray context
+        kwargs["device_id"] = torch.device("cuda", group.device_index(info))
+    dist.init_process_group(**kwargs)
+    return store if store is not None else dist.distributed_c10d._get_default_store()
+
+
+def run_in_group(group: Group, body: RankBody, info: RankInfo,
+                 store: Any = None) -> list[RankOutcome] | None:
+    """One rank (see the module docstring); on rank 0, every rank's outcome in rank order."""
+    dev = group.device_index(info)
+    if group.device == "cuda":
+        torch.cuda.set_device(dev)  # first, before anything touches CUDA
+    prefix = f"dpprof/{group.run_id}"
+    store = _init(group, info, store)
+    watcher = _Watcher(store, f"{prefix}/failed", group.backend).start()
+    try:
+        value = body(info, dev)
+        outcome = RankOutcome(rank=info.rank, ok=bool(body.succeeded(value)), value=value)
+    except Exception as exc:  # loading the workload, or a bug: still an outcome
+        outcome = RankOutcome(rank=info.rank, ok=False, message=f"{type(exc).__name__}: {exc}",
+                              traceback=traceback.format_exc())
+    watcher.stop()
+    status = "ok" if outcome.ok else "error"
+    if not outcome.ok:
+        if int(store.add(f"{prefix}/nfailed", 1)) == 1:
+            outcome.first_failure = True
+        store.set(f"{prefix}/failed", str(info.rank))
+    store.set(f"{prefix}/status/{info.rank}", status)
+    if _all_ok(store, prefix, info.world_size, group.timeout_s):
+        gathered: list[Any] | None = [None] * info.world_size if info.rank == 0 else None
+        dist.gather_object(outcome, gathered, dst=0)
+        dist.destroy_process_group()
+        return [g for g in gathered if g is not None] if gathered is not None else None
+    # a failure: no more collectives; every rank leaves its outcome in the store
+    store.set(f"{prefix}/outcome/{info.rank}", pickle.dumps(outcome))
+    if group.backend == "nccl":
+        _abort()
+    else:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if info.rank != 0:
+        return None
+    grace = group.timeout_s if group.grace_s is None else group.grace_s
+    return _collect(store, prefix, info.world_size, grace)
+
+
+def _all_ok(store: Any, prefix: str, world: int, timeout_s: float) -> bool:
+    """Wait (bounded) until every rank reported; True when all succeeded."""
+    keys = [f"{prefix}/status/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.check([f"{prefix}/failed"]):
+            return False
+        if store.check(keys):
+            return all(store.get(k).decode() == "ok" for k in keys)
+        time.sleep(_POLL_S)
+    return False
+
+
+def _collect(store: Any, prefix: str, world: int, timeout_s: float) -> list[RankOutcome]:
+    out: list[RankOutcome] = []
+    deadline = time.monotonic() + timeout_s
+    for r in range(world):
+        key = f"{prefix}/outcome/{r}"
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if store.check([key]):
+            out.append(pickle.loads(store.get(key)))
+        else:
+            out.append(RankOutcome(rank=r, ok=False, message=f"rank {r} did not report"))
+    return out
+
+
+# --------------------------------------------------------------------------- spawn mode
+
+
+def _spawned_rank(group: Group, body: RankBody, rank: int, world: int, port: int,
+                  queue: Any) -> None:
+    """A process started by :func:`spawn_ranks`."""
+    # what torchrun would set: workloads may read them
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=_dt.timedelta(
+            seconds=group.timeout_s))
+        result = run_in_group(group, body, RankInfo(rank, world, rank), store)
+        if rank == 0:
+            queue.put(("ok", pickle.dumps(result)))
+    except BaseException as exc:
+        if rank == 0:
+            queue.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
+    """Start ``world`` ranks, wait for them (bounded), return every rank's outcome."""
+    from queue import Empty
+
+    if world < 1:
+        raise ValueError("world must be at least 1")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world + 1, True, timeout=_dt.timedelta(seconds=group.timeout_s),
+        wait_for_workers=False,
+    )
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(group, body, r, world, store.port, queue),
+                    name=f"dpprof-ddp-rank{r}", daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    prefix = f"dpprof/{group.run_id}"
+    limit = group.join_timeout_s
+    if limit is None:
+        limit = 3 * group.timeout_s + 60
+    deadline = time.monotonic() + limit
+    result: list[RankOutcome] | None = None
+    error: str | None = None
+    reported_dead: set[int] = set()
+    try:
+        while time.monotonic() < deadline:
+            try:
+                kind, payload = queue.get(timeout=_POLL_S * 2)
+            except Empty:
+                pass
+            else:
+                if kind == "ok":
+                    result = pickle.loads(payload)
+                else:
+                    error = str(payload)
+                break
+            for r, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and r not in reported_dead:
+                    reported_dead.add(r)
+                    _report_dead(store, prefix, r, p.exitcode)
+            if procs[0].exitcode is not None and queue.empty():
+                time.sleep(0.5)  # rank 0's last message may still be in the pipe
+                if queue.empty():
+                    error = f"rank 0 exited with code {procs[0].exitcode} without a result"
+                    break
+        else:
+            error = f"the DDP ranks did not finish within {limit:.0f} s"
+    finally:
+        for p in procs:
+            p.join(timeout=10 if result is not None else 2)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():  # pragma: no cover - a rank that ignores SIGTERM
+                p.kill()
+                p.join(5)
+        queue.close()
+    if result is not None:
+        return result
+    outcomes = []
+    for r in range(world):
+        key = f"{prefix}/outcome/{r}"
+        if store.check([key]):
+            outcomes.append(pickle.loads(store.get(key)))
+        else:
+            outcomes.append(RankOutcome(rank=r, ok=False, message=error or "no result"))
+    return outcomes
+
+
+def _report_dead(store: Any, prefix: str, rank: int, code: int | None) -> None:
+    """Speak for a rank that died silently, so the others stop waiting for it."""
+    if store.check([f"{prefix}/outcome/{rank}"]):
+        return
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    dead = RankOutcome(rank=rank, ok=False, message=f"rank {rank} died ({how})")
+    store.set(f"{prefix}/outcome/{rank}", pickle.dumps(dead))
+    store.set(f"{prefix}/status/{rank}", "error")
+    store.add(f"{prefix}/nfailed", 1)
+    store.set(f"{prefix}/failed", str(rank))

@@ -1,0 +1,77 @@
+"""The shared DDP process layer (:mod:`dpprof.ranks`) over gloo: results gathered on rank 0,
+a rank that raises while its peer waits in a collective takes the group down with its
+traceback, a rank that dies without a word is reported, and nothing hangs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dpprof.ranks import Group, RankInfo, spawn_ranks, torchrun_info
+
+
+@dataclass
+class SumBody:
+    """all_reduce of (rank + 1); ``fail_rank`` raises before the collective, ``die_rank``
+    exits without a word; the others block in the all_reduce until the group is gone."""
+
+    fail_rank: int | None = None
+    die_rank: int | None = None
+
+    def __call__(self, info: RankInfo, device_index: int) -> Any:
+        if info.rank == self.die_rank:
+            os._exit(3)
+        if info.rank == self.fail_rank:
+            raise ValueError(f"boom on rank {info.rank}")
+        t = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(t)
+        return {"rank": info.rank, "sum": float(t.item()), "device": device_index}
+
+    def succeeded(self, value: Any) -> bool:
+        return True
+
+
+def _group() -> Group:
+    return Group(backend="gloo", device="cpu", timeout_s=30, grace_s=5, join_timeout_s=120)
+
+
+def test_every_rank_outcome_is_gathered_on_rank_0() -> None:
+    outcomes = spawn_ranks(_group(), SumBody(), 2)
+    assert [o.rank for o in outcomes] == [0, 1]
+    assert all(o.ok for o in outcomes)
+    assert [o.value for o in outcomes] == [
+        {"rank": 0, "sum": 3.0, "device": 0}, {"rank": 1, "sum": 3.0, "device": 1}]
+
+
+def test_a_raising_rank_takes_the_waiting_peer_down_with_its_traceback() -> None:
+    outcomes = spawn_ranks(_group(), SumBody(fail_rank=1), 2)
+    failed = outcomes[1]
+    assert not failed.ok and failed.first_failure
+    assert failed.message == "ValueError: boom on rank 1"
+    assert "Traceback" in failed.traceback and "boom on rank 1" in failed.traceback
+    # rank 0 was blocked in all_reduce: it failed at once because the peer left the group
+    # (not at the 30 s collective timeout), and said so
+    assert not outcomes[0].ok and not outcomes[0].first_failure
+    assert "Connection closed by peer" in outcomes[0].message
+
+
+def test_a_rank_that_dies_silently_is_reported() -> None:
+    outcomes = spawn_ranks(_group(), SumBody(die_rank=1), 2)
+    assert not outcomes[1].ok and outcomes[1].message == "rank 1 died (exit code 3)"
+    assert not outcomes[0].ok
+
+
+def test_group_checks_backend_and_device_and_maps_devices() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        Group(backend="mpi")
+    with pytest.raises(ValueError, match="device"):
+        Group(device="xpu")
+    info = RankInfo(rank=3, world_size=4, local_rank=1)
+    assert Group(devices=(2, 5)).device_index(info) == 5
+    assert Group().device_index(info) == 1
+    assert torchrun_info({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}) is None
