@@ -2,7 +2,7 @@
 
 - :func:`select_devices`: ``--gpus N`` (the first N visible GPUs) or ``--devices 2,3``;
 - :func:`cuda_compare`: the scenarios in this process (DataParallel, single) and the ``ddp``
-  ranks spawned one per GPU (:func:`dpprof.ddp_launch.spawn_ddp`, NCCL);
+  ranks spawned one per GPU (:func:`dpprof.ddp_launch.spawn_ddp` over :mod:`dpprof.ranks`, NCCL);
 - :func:`torchrun_compare`: the ``ddp`` scenario when torchrun started this process: every
   rank measures its device, rank 0 gets every rank's measurement and builds the result
   (one device row per rank, with its node).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from dpprof.cuda_backend import (
 )
 from dpprof.ddp_launch import DdpJob, RankInfo, rank_entry, spawn_ddp
 from dpprof.errors import UsageError
+from dpprof.ranks import DdpOptions
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP
 from dpprof.scenarios.workloads import Workload
@@ -55,6 +56,8 @@ class CudaOptions:
     nvml_interval_s: float = 0.02
     ddp_timeout_s: float = 300.0
     device_kind: str = "cuda"  # "cpu": the same code on CPU tensors, gloo (tests)
+    ddp: DdpOptions = field(default_factory=DdpOptions)  # the ddp scenario's reducer options
+    dtype: str | None = None  # --dtype: override the workload's dtype
 
 
 def select_devices(gpus: int | None, devices: Sequence[int] | None, visible: int) -> list[int]:
@@ -102,7 +105,8 @@ def _job(spec: str, ccfg: CudaRunConfig, opts: CudaOptions, run_id: str | None =
     cpu = opts.device_kind == "cpu"
     job = DdpJob(
         workload=spec, cfg=ccfg, backend="gloo" if cpu else "nccl",
-        device="cpu" if cpu else "cuda", timeout_s=opts.ddp_timeout_s,
+        device="cpu" if cpu else "cuda", timeout_s=opts.ddp_timeout_s, ddp=opts.ddp,
+        dtype=opts.dtype,
     )
     if run_id is not None:  # torchrun: every rank must use the same store keys
         job.run_id = run_id

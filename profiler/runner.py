@@ -275,12 +275,17 @@ def _cuda(
 ) -> RunResult | None:
     from dpprof.cuda_run import CudaOptions, cuda_compare, torchrun_compare
     from dpprof.ddp_launch import torchrun_info
+    from dpprof.ranks import DdpOptions
     from dpprof.scenarios.base import DDP
 
     opts = CudaOptions(
         gpus=cfg.gpus, devices=cfg.devices, warmup=cfg.warmup, steps=cfg.steps,
         nvml_interval_s=cfg.nvml_interval_s, ddp_timeout_s=cfg.ddp_timeout_s,
-        device_kind=cfg.device_kind,
+        device_kind=cfg.device_kind, dtype=cfg.dtype,
+        ddp=DdpOptions(bucket_cap_mb=cfg.bucket_cap_mb,
+                       gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                       find_unused_parameters=cfg.find_unused_parameters,
+                       broadcast_buffers=cfg.broadcast_buffers),
     )
     info = torchrun_info()
     if info is not None:

@@ -326,3 +326,28 @@ def test_cli_env_table_and_markdown() -> None:
     r = CliRunner().invoke(app, ["env", "--markdown"])
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("### Environment") and "- **PyTorch**:" in r.stdout
+
+
+def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--bucket-cap-mb, --find-unused-parameters, ... and --dtype travel to every rank."""
+    from dpprof import cuda_run
+    from dpprof.cuda_backend import CudaRunConfig
+    from dpprof.ranks import DdpOptions
+    from dpprof.runner import CompareConfig, run_compare
+
+    seen: list[cuda_run.CudaOptions] = []
+
+    def fake_compare(run, spec, wl, scenarios, seed, debug, opts, visible, progress):  # type: ignore[no-untyped-def]
+        seen.append(opts)
+        return run
+
+    monkeypatch.setattr(cuda_run, "cuda_compare", fake_compare)
+    run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, backend="cuda",
+                              device_kind="cpu", scenarios=("ddp",), bucket_cap_mb=5,
+                              find_unused_parameters=True, gradient_as_bucket_view=True,
+                              broadcast_buffers=False, dtype="bfloat16"))
+    (opts,) = seen
+    assert opts.ddp == DdpOptions(bucket_cap_mb=5, gradient_as_bucket_view=True,
+                                  find_unused_parameters=True, broadcast_buffers=False)
+    job = cuda_run._job("mlp", CudaRunConfig(batch=4, devices=[0, 1], device_kind="cpu"), opts)
+    assert job.ddp == opts.ddp and job.dtype == "bfloat16"
