@@ -47,7 +47,14 @@ from typing import Any
 
 import torch
 
-from dpprof.memtrace import Alloc, allocations, peak_of, step_span
+from dpprof.memtrace import (
+    Alloc,
+    allocations,
+    peak_of,
+    start_profiler,
+    step_span,
+    stop_profiler,
+)
 from dpprof.ranks import (
     DdpOptions,
     Group,
@@ -161,7 +168,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         from torch.profiler import ProfilerActivity, profile
 
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        prof.__enter__()
+        start_profiler(prof)  # without libkineto's start/stop lines on stderr
     try:
         torch.manual_seed(spec.seed)
         # As the emulator: the model built on the host, then moved to the rank's device.
@@ -216,7 +223,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
                                  for n, p in model.named_parameters()}
     finally:
         if prof is not None:
-            prof.__exit__(None, None, None)
+            stop_profiler(prof)
     if prof is not None and result.step_time_s is not None:
         span = step_span(prof, STEP_MARK)
         if span is not None:
