@@ -110,6 +110,11 @@ def check(spec: str, scenario: str, rows: int, measured: RankResult,
         tol += sum(b.numel() * b.element_size() for b in model.buffers())
     if options.get("find_unused_parameters"):
         tol += 1024  # the previous step's outputs (< 1 KiB here), freed by Python's gc
+    if scenario == "ddp":
+        # The bucket rebuild's small int32 tensors (sync_bucket_indices: tens of bytes) go
+        # through a gloo broadcast whose work object, reaped on gloo's thread, sometimes
+        # frees them after the step's peak: seen once as a 20 B difference in CI.
+        tol += 64
     diff = peak_of(al.kept) - relative_peak(cpu)
     assert abs(diff) <= tol, (spec, scenario, diff, tol, al.cpu_only)
     meta = [x for x in emulated_step(spec, scenario, rows, False, **options)
