@@ -91,9 +91,14 @@ class LMConfig:
     heads: int = 8  # attention heads (d_model / heads per head)
     ff_mult: int = 4  # MLP hidden = ff_mult * d_model
     dropout: float = 0.1  # on attention weights and residual branches
+    tie_embeddings: bool = False  # the output projection shares the token embedding
 
 
 class _Block(nn.Module):
+    """A pre-norm transformer block; attention written out (softmax(q k^T) v, masked)."""
+
+    needs_mask = True  # the written-out attention masks with a causal buffer
+
     def __init__(self, c: LMConfig) -> None:
         super().__init__()
         self.heads = c.heads
@@ -104,17 +109,22 @@ class _Block(nn.Module):
         self.fc = nn.Linear(c.d_model, c.ff_mult * c.d_model)
         self.out = nn.Linear(c.ff_mult * c.d_model, c.d_model)
         self.drop = nn.Dropout(c.dropout)
-        mask = torch.ones(c.seq, c.seq, dtype=torch.bool).triu(1)
-        self.register_buffer("causal", mask, persistent=False)
+        if self.needs_mask:
+            mask = torch.ones(c.seq, c.seq, dtype=torch.bool).triu(1)
+            self.register_buffer("causal", mask, persistent=False)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = q.shape[2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        causal: torch.Tensor = self.causal  # type: ignore[assignment]
+        att = att.masked_fill(causal[:s, :s], float("-inf")).softmax(dim=-1)
+        return self.drop(att) @ v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
-        causal: torch.Tensor = self.causal  # type: ignore[assignment]
-        att = att.masked_fill(causal[:s, :s], float("-inf")).softmax(dim=-1)
-        y = (self.drop(att) @ v).transpose(1, 2).reshape(b, s, d)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(b, s, d)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
@@ -122,13 +132,15 @@ class _Block(nn.Module):
 class TinyLM(nn.Module):
     """A GPT-style language model: the classic DataParallel cuda:0 out-of-memory case."""
 
-    def __init__(self, c: LMConfig) -> None:
+    def __init__(self, c: LMConfig, block: type[_Block] = _Block) -> None:
         super().__init__()
         self.tok = nn.Embedding(c.vocab, c.d_model)
         self.pos = nn.Embedding(c.seq, c.d_model)
-        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(block(c) for _ in range(c.layers))
         self.ln = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+        if c.tie_embeddings:
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -263,59 +275,27 @@ def classifier() -> Workload:
 
 
 @dataclass
-class AttnConfig:
+class AttnConfig(LMConfig):
     vocab: int = 8192  # tokens
     seq: int = 1024  # tokens per row: the attention matrix is seq x seq per head
-    d_model: int = 512
-    layers: int = 4
-    heads: int = 8
-    ff_mult: int = 4
     dropout: float = 0.1  # on residual branches (not inside attention)
     tie_embeddings: bool = True  # GPT-2 ties the output projection to the token embedding
 
 
-class _SdpaBlock(nn.Module):
+class _SdpaBlock(_Block):
     """A pre-norm transformer block whose attention is ``F.scaled_dot_product_attention``."""
 
-    def __init__(self, c: AttnConfig) -> None:
-        super().__init__()
-        self.heads = c.heads
-        self.ln1 = nn.LayerNorm(c.d_model)
-        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
-        self.proj = nn.Linear(c.d_model, c.d_model)
-        self.ln2 = nn.LayerNorm(c.d_model)
-        self.fc = nn.Linear(c.d_model, c.ff_mult * c.d_model)
-        self.out = nn.Linear(c.ff_mult * c.d_model, c.d_model)
-        self.drop = nn.Dropout(c.dropout)
+    needs_mask = False  # is_causal=True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, s, d)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-class SdpaLM(nn.Module):
+class SdpaLM(TinyLM):
     """GPT-style LM on ``scaled_dot_product_attention`` (flash / memory-efficient on GPUs)."""
 
     def __init__(self, c: AttnConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(c.vocab, c.d_model)
-        self.pos = nn.Embedding(c.seq, c.d_model)
-        self.blocks = nn.ModuleList(_SdpaBlock(c) for _ in range(c.layers))
-        self.ln = nn.LayerNorm(c.d_model)
-        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
-        if c.tie_embeddings:
-            self.head.weight = self.tok.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+        super().__init__(c, _SdpaBlock)
 
 
 def attention(config: AttnConfig | None = None, name: str = "attention") -> Workload:
