@@ -102,17 +102,18 @@ EQ_HEADER = ["scenario", "loss", "|Δloss|", "max rel. Δgrad", "max |Δparam|",
 # ---- terminal -----------------------------------------------------------------------------
 
 
-def _table(title: str, header: list[str], rows: list[list[str]]) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
+    """A titled table; the title is a line of its own (a table's title wraps to its width)."""
+    t = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for i, h in enumerate(header):
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in rows:
         t.add_row(*r)
-    return t
+    return Group(Text(""), Text(title, style="bold"), t)
 
 
-def terminal_parts(run: RunResult) -> list[Table | Text]:
-    parts: list[Table | Text] = []
+def terminal_parts(run: RunResult) -> list[Group | Table | Text]:
+    parts: list[Group | Table | Text] = []
     for name, causes, excess, answer in attribution_rows(run):
         t = _table(f"why cuda:0 is heavier under {name}: {fmt_bytes(excess, signed=True)} at "
                    "its peak", ["cause", "bytes"],
@@ -138,7 +139,7 @@ def terminal_parts(run: RunResult) -> list[Table | Text]:
     return parts
 
 
-def maxbatch_table(run: RunResult) -> Table:
+def maxbatch_table(run: RunResult) -> Group:
     mb = run.maxbatch
     assert mb is not None
     return _table(f"largest global batch on {_gpu_label(run)}, multiples of {mb.multiple_of}; "
@@ -146,7 +147,7 @@ def maxbatch_table(run: RunResult) -> Table:
 
 
 def maxbatch_renderable(run: RunResult) -> Group:
-    parts: list[Table | Text] = [maxbatch_table(run)]
+    parts: list[Group | Table | Text] = [maxbatch_table(run)]
     mb = run.maxbatch
     assert mb is not None
     best = {e.scenario: e.max_batch for e in mb.entries}

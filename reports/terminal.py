@@ -45,7 +45,7 @@ def render(run: RunResult) -> Group:
         status = {STATUS_OK: Text("ok", style="green"), STATUS_OOM: Text("OOM", style="bold red")}
         cells.append(status.get(s.status, Text(s.status, style="red")))
         table.add_row(*cells)
-    parts: list[Table | Text] = [table]
+    parts: list[Group | Table | Text] = [table]
     gpu = _gpu_table(run)
     if gpu is not None:
         parts.append(gpu)
@@ -60,16 +60,16 @@ def render(run: RunResult) -> Group:
     return Group(*parts)
 
 
-def _gpu_table(run: RunResult) -> Table | None:
+def _gpu_table(run: RunResult) -> Group | None:
     """Allocated (above) is what the tensors hold; a GPU also reserves allocator segments
     and holds the context: shown separately, never folded into allocated."""
     rows = [s for s in run.scenarios if s.status in (STATUS_OK, STATUS_OOM)
             and any(d.peak_reserved_bytes is not None for d in s.devices)]
     if not rows:
         return None
-    table = Table(title="on a GPU: reserved (allocator segments, cuBLAS workspaces "
-                  "included) + CUDA context", title_justify="left", header_style="bold",
-                  box=box.SIMPLE_HEAD)
+    title = Text("on a GPU: reserved (allocator segments, cuBLAS workspaces included) + CUDA "
+                 "context")  # a line of its own: a table's title wraps to the table's width
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
     table.add_column("scenario", no_wrap=True)
     for i in range(run.gpus):
         table.add_column(f"cuda:{i}", justify="right", no_wrap=True)
@@ -84,4 +84,4 @@ def _gpu_table(run: RunResult) -> Table | None:
             over = d.total_peak_bytes > d.capacity_bytes > 0
             cells.append(Text(text, style="bold red" if over else ""))
         table.add_row(*cells)
-    return table
+    return Group(title, table)
