@@ -322,7 +322,11 @@ def compare_cmd(
                 f"processes); workload {wl.name}, batch {batch}"
             )
         if resolved == "emulated" and not quiet:
-            why = "no CUDA GPUs found" if cfg.backend == "auto" else "--backend emulated"
+            from dpprof.runner import visible_cuda_gpus
+
+            found = visible_cuda_gpus()
+            why = ("--backend emulated" if cfg.backend != "auto" else "no CUDA GPUs found"
+                   if found == 0 else f"{found} CUDA GPU found (the comparison needs 2)")
             kind = "CPU tensors" if compute else "meta tensors, memory only"
             err.print(
                 f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
