@@ -103,7 +103,7 @@ def maxbatch_cmd(
     from dpprof import cli as main_cli
     from dpprof.maxbatch import run_maxbatch
     from dpprof.reports.answers import maxbatch_renderable
-    from dpprof.runner import basic_environment
+    from dpprof.runner import environment
     from dpprof.scenarios.workloads import load_workload
 
     try:
@@ -129,7 +129,7 @@ def maxbatch_cmd(
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             seed=seed, dtype=str(wl.dtype).removeprefix("torch."),
             config=_config(workload, gpus, memory, spec, multiple_of, names),
-            environment=basic_environment(), maxbatch=mb,
+            environment=environment("emulated"), maxbatch=mb,
         )
         if not quiet:
             main_cli.out.print(maxbatch_renderable(run))

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
-import platform
-import socket
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -138,20 +134,6 @@ def resolve_backend(requested: str, device_kind: str = "cuda") -> str:
     return requested
 
 
-def basic_environment() -> dict[str, object]:
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_device_count": visible_cuda_gpus(),
-        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "dpprof": __version__,
-    }
-
-
 def run_compare(
     cfg: CompareConfig, progress: Progress | None = None, workload: Workload | None = None
 ) -> RunResult | None:
@@ -180,9 +162,8 @@ def run_compare(
         seed=cfg.seed,
         dtype=str(wl.dtype).removeprefix("torch."),
         config={k: v for k, v in asdict(cfg).items() if k != "extra"} | dict(cfg.extra),
-        environment=basic_environment(),
+        environment=environment(backend),
     )
-    run.environment.update(_full_environment(backend))
     run.config["gpus"] = gpus
     run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
     run.config["scenarios"] = list(cfg.scenarios)
@@ -260,7 +241,7 @@ def run_compare(
     )
 
 
-def _full_environment(backend: str) -> dict[str, object]:
+def environment(backend: str) -> dict[str, object]:
     """The ``dpprof env`` block (:func:`dpprof.env.collect_environment`); never raises."""
     from dpprof.env import collect_environment
 
