@@ -44,7 +44,7 @@ def fresh_process_compare() -> float:
 
 
 def in_process(batch: int, gpus: int) -> float:
-    from dpprof.runner import CompareConfig, run_compare
+    from dpprof.pipeline import CompareConfig, run_compare
 
     t0 = time.perf_counter()
     run_compare(CompareConfig(workload=GPT2, batch=batch, gpus=gpus))
@@ -52,9 +52,9 @@ def in_process(batch: int, gpus: int) -> float:
 
 
 def tracker_overhead(steps: int = 3) -> tuple[float, float]:
+    from dpprof.emulator.vdevice import VirtualDevices, to_device
     from dpprof.scenarios.base import train_step
     from dpprof.scenarios.workloads import lm
-    from dpprof.vdevice import VirtualDevices, to_device
 
     wl = lm()  # many small ops: the dispatch-bound case, where tracking costs the most
     rows = 2

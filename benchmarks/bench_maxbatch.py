@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 import time
 
-from dpprof.emulated import EmulationConfig
-from dpprof.gpus import lookup_gpu
-from dpprof.maxbatch import context_bytes_for, probe_emulated, search
+from dpprof.analysis.maxbatch import context_bytes_for, probe_emulated, search
+from dpprof.backends.emulated import EmulationConfig
+from dpprof.emulator.gpus import lookup_gpu
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.workloads import load_workload
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
-from dpprof.runner import CompareConfig, run_compare
 from dpprof.units import fmt_bytes
 
 RECORD = Path(__file__).with_name("emulator_vs_gpu.jsonl")

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpprof.nvml import FakeDevice, FakeNvml
-from dpprof.sampler import NvmlSampler
-from dpprof.watch import ProcessTree, WatchConfig, Watcher, select_devices
+from dpprof.nvml.libnvml import FakeDevice, FakeNvml
+from dpprof.nvml.sampler import NvmlSampler
+from dpprof.watch.monitor import ProcessTree, WatchConfig, Watcher, select_devices
 
 MIB = 2**20
 WRITER = (

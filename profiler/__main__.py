@@ -1,6 +1,6 @@
 """``python -m dpprof`` is ``dpprof``."""
 
-from dpprof.cli import main
+from dpprof.cli.app import main
 
 if __name__ == "__main__":
     main()

@@ -143,7 +143,7 @@ class Comparison:
 class Attribution:
     """cuda:0's excess over the median other device, in bytes per cause at cuda:0's peak.
 
-    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.attribution`).
+    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.analysis.attribution`).
     """
 
     scenario: str
@@ -155,7 +155,7 @@ class Attribution:
 
 @dataclass
 class Fix:
-    """What one change buys on the user's workload (see :mod:`dpprof.fixes`)."""
+    """What one change buys on the user's workload (see :mod:`dpprof.analysis.fixes`)."""
 
     name: str  # loss-in-forward | ddp | gradient-as-bucket-view | output-device | balanced-split
     title: str
@@ -169,7 +169,7 @@ class Fix:
 
 @dataclass
 class MaxBatchEntry:
-    """The largest global batch one scenario fits (see :mod:`dpprof.maxbatch`)."""
+    """The largest global batch one scenario fits (see :mod:`dpprof.analysis.maxbatch`)."""
 
     scenario: str
     max_batch: int | None = None  # None: not even the smallest step fits

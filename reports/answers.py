@@ -15,7 +15,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dpprof.attribution import CAUSES
+from dpprof.analysis.attribution import CAUSES
 from dpprof.result import Fix, RunResult
 from dpprof.units import fmt_bytes
 

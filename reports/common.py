@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpprof.excess import Excess, cause_label, excess_by_cause
+from dpprof.analysis.excess import Excess, cause_label, excess_by_cause
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
 from dpprof.units import fmt_bytes
@@ -79,7 +79,7 @@ def excess_of(run: RunResult, s: ScenarioResult) -> Excess | None:
     """cuda:0's excess by cause in ``s``: the result's own attribution where it has one.
 
     ``RunResult.attribution`` (issue 6, read by name so that results without it work) wins
-    when its causes add up to the same excess; :func:`dpprof.excess.excess_by_cause`
+    when its causes add up to the same excess; :func:`dpprof.analysis.excess.excess_by_cause`
     otherwise, and always for the two peaks the waterfall starts and ends at.
     """
     ex = excess_by_cause(s)

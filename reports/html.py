@@ -29,7 +29,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from dpprof.excess import cause_label
+from dpprof.analysis.excess import cause_label
 from dpprof.reports import answers
 from dpprof.reports.common import (
     device_label,

@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from dpprof.excess import cause_label
+from dpprof.analysis.excess import cause_label
 from dpprof.reports import answers
 from dpprof.reports.common import (
     device_label,

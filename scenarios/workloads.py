@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from dpprof.errors import WorkloadError
 
@@ -428,6 +429,17 @@ def _suggest(module: Any) -> str:
     names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
     found = [n for n in names if "workload" in n.lower()]
     return f" (it has: {', '.join(found)})" if found else ""
+
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of a nested batch or output (torch's pytree: tuples,
+    lists, dicts, namedtuples and every type registered with it); other leaves are kept."""
+    return tree_map_only(torch.Tensor, fn, x)
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested batch or output, in pytree order."""
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def shard_sizes(batch: int, devices: int) -> list[int]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult, TimelinePoint, write_atomic
-from dpprof.runner import CompareConfig, run_compare
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 POINTS = 120

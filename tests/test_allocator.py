@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from dpprof.allocator import (
+from dpprof.emulator.allocator import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     AllocatorConfig,

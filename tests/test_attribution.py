@@ -2,10 +2,10 @@
 
 import pytest
 
-from dpprof.analysis import compare_scenario
-from dpprof.attribution import attribute, attribute_run
+from dpprof.analysis.attribution import attribute, attribute_run
+from dpprof.analysis.comparison import compare_scenario
+from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import DeviceResult, ScenarioResult
-from dpprof.runner import CompareConfig, run_compare
 
 
 def _dev(i: int, rows: int, **cats: int) -> DeviceResult:

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dpprof import __version__
-from dpprof.cli import app
+from dpprof.cli.app import app
 
 runner = CliRunner()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from dpprof.cli import app
+from dpprof.cli.app import app
 from dpprof.reports.answers import markdown_sections
 from dpprof.result import load
 
@@ -116,7 +116,7 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
 
 
 def test_compare_with_a_catalog_gpu_counts_reserved_and_context(tmp_path: Path) -> None:
-    from dpprof.gpus import lookup_gpu
+    from dpprof.emulator.gpus import lookup_gpu
 
     out = tmp_path / "r.json"
     r = runner.invoke(app, ["compare", *FAST, "-q", "--no-fixes", "--gpu", "rtx-4090",

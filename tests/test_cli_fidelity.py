@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dpprof.cli import app
+from dpprof.cli.app import app
 
 runner = CliRunner()
 FAST = ["-w", "mlp", "-b", "8", "-q"]

@@ -2,10 +2,10 @@
 
 import pytest
 
+from dpprof.emulator.vdevice import round_size
+from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
-from dpprof.runner import CompareConfig, run_compare
 from dpprof.scenarios.workloads import LMConfig
-from dpprof.vdevice import round_size
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_breakdowns_add_up_and_json_round_trips(run: RunResult) -> None:
 
 def test_cost_does_not_grow_with_batch() -> None:
     """Meta tensors: a 64x larger batch changes the bytes, not the work (same op count)."""
-    from dpprof.emulated import EmulationConfig, run_scenario
+    from dpprof.backends.emulated import EmulationConfig, run_scenario
     from dpprof.scenarios.workloads import lm
 
     small = run_scenario("single", lm(), EmulationConfig(batch=8, gpus=4, gpu_memory_bytes=2**40))

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from dpprof.distributed import DistributedRunError, RankSpec, launch
-from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.scenarios.base import train_step
 from dpprof.scenarios.workloads import load_workload
 
@@ -86,11 +86,11 @@ def test_torchrun_ranks_gather_their_results_on_rank_0(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from dpprof.distributed import free_port
+    from dpprof.backends.gloo import free_port
 
     script = tmp_path / "ranks.py"
     script.write_text(
-        "from dpprof.distributed import RankSpec, torchrun_main\n"
+        "from dpprof.backends.gloo import RankSpec, torchrun_main\n"
         "res = torchrun_main(RankSpec(workload='mlp', rows=2))\n"
         "if res is not None:\n"
         "    print('GATHERED', [(r.rank, r.world_size, r.step_peak_requested_bytes > 0)"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dpprof
-from dpprof.cuda_backend import (
+from dpprof.backends.cuda import (
     CpuOps,
     CudaRunConfig,
     Measured,
@@ -26,13 +26,13 @@ from dpprof.cuda_backend import (
     parse_oom_message,
     run_local_scenario,
 )
-from dpprof.cuda_run import select_devices
-from dpprof.ddp_launch import torchrun_info
+from dpprof.backends.cuda_ddp import torchrun_info
+from dpprof.backends.cuda_run import select_devices
+from dpprof.backends.ranks import DdpOptions
 from dpprof.errors import UsageError
-from dpprof.nvml import FakeDevice, FakeNvml
-from dpprof.ranks import DdpOptions
+from dpprof.nvml.libnvml import FakeDevice, FakeNvml
+from dpprof.pipeline import CompareConfig, resolve_backend, run_compare
 from dpprof.result import DeviceResult, RunResult
-from dpprof.runner import CompareConfig, resolve_backend, run_compare
 
 DATA = Path(__file__).parent / "data"
 GiB = 2**30
@@ -295,7 +295,7 @@ def test_ddp_scenario_reports_the_first_failure_and_the_slowest_rank() -> None:
 def test_cli_backend_cuda_without_gpus_is_one_line_and_exit_2() -> None:
     from typer.testing import CliRunner
 
-    from dpprof.cli import app
+    from dpprof.cli.app import app
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -308,7 +308,7 @@ def test_cli_backend_cuda_without_gpus_is_one_line_and_exit_2() -> None:
 def test_cli_bad_devices_and_steps_are_usage_errors() -> None:
     from typer.testing import CliRunner
 
-    from dpprof.cli import app
+    from dpprof.cli.app import app
 
     for args in (["--devices", "a,b"], ["--steps", "0"], ["--nvml-interval", "0"]):
         r = CliRunner().invoke(app, ["compare", "-w", "mlp", "-b", "8", *args])
@@ -318,7 +318,7 @@ def test_cli_bad_devices_and_steps_are_usage_errors() -> None:
 def test_cli_env_table_and_markdown() -> None:
     from typer.testing import CliRunner
 
-    from dpprof.cli import app
+    from dpprof.cli.app import app
 
     r = CliRunner().invoke(app, ["env"])
     assert r.exit_code == 0, r.output
@@ -330,10 +330,10 @@ def test_cli_env_table_and_markdown() -> None:
 
 def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """--bucket-cap-mb, --find-unused-parameters, ... and --dtype travel to every rank."""
-    from dpprof import cuda_run
-    from dpprof.cuda_backend import CudaRunConfig
-    from dpprof.ranks import DdpOptions
-    from dpprof.runner import CompareConfig, run_compare
+    from dpprof.backends import cuda_run
+    from dpprof.backends.cuda import CudaRunConfig
+    from dpprof.backends.ranks import DdpOptions
+    from dpprof.pipeline import CompareConfig, run_compare
 
     seen: list[cuda_run.CudaOptions] = []
 

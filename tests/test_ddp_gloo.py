@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dpprof.runner import CompareConfig, run_compare
+from dpprof.pipeline import CompareConfig, run_compare
 
 DATA = Path(__file__).parent / "data"
 TINY = f"{DATA / 'ddp_workloads.py'}:tiny"

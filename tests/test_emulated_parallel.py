@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.emulated_parallel import (
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.parallel import (
     broadcast_coalesced,
     gather_tensors,
     reduce_add_coalesced,
     scatter_tensor,
     take_tensors_cpp,
 )
+from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.scenarios.workloads import Workload, shard_sizes
-from dpprof.vdevice import VirtualDevices
 
 
 def test_shard_sizes_follow_tensor_chunk() -> None:
@@ -169,8 +169,8 @@ def test_compute_mode_dp_matches_single_device_full_batch() -> None:
         for p in ref.parameters():
             p -= 0.1 * p.grad
 
-    from dpprof.emulated_parallel import EmulatedDataParallel
-    from dpprof.vdevice import to_device
+    from dpprof.emulator.parallel import EmulatedDataParallel
+    from dpprof.emulator.vdevice import to_device
 
     rt = VirtualDevices(3, base="cpu")
     with rt:

@@ -2,8 +2,8 @@
 
 from reports_data import saved
 
-from dpprof.analysis import compare_scenario
-from dpprof.excess import excess_by_cause
+from dpprof.analysis.comparison import compare_scenario
+from dpprof.analysis.excess import excess_by_cause
 from dpprof.result import STATUS_ERROR, DeviceResult, ScenarioResult
 
 

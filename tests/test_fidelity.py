@@ -4,7 +4,7 @@ For ``single`` and for each rank of a real two-process gloo DDP run, the measure
 ``train_step``'s allocation records (``profile_memory=True``) are matched, in order,
 against the emulator's events for the same step. Every record must either match an
 emulator event of the same size, or be explained by a known CPU-kernel difference
-(``dpprof.memtrace.CPU_ONLY_ALLOCATIONS``: allocations inside a CPU kernel that the
+(``dpprof.backends.memtrace.CPU_ONLY_ALLOCATIONS``: allocations inside a CPU kernel that the
 dispatcher never sees, and that a CUDA kernel does not make). Then, to the byte:
 
 * the peak of live requested bytes of the records less the explained ones equals the
@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 import torch
 
-from dpprof.distributed import RankResult, RankSpec, launch_many, run_rank
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.memtrace import Alloc, align, peak_of, relative_peak
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.gloo import RankResult, RankSpec, launch_many, run_rank
+from dpprof.backends.memtrace import Alloc, align, peak_of, relative_peak
+from dpprof.emulator.vdevice import HOST
 from dpprof.scenarios.workloads import load_workload
-from dpprof.vdevice import HOST
 
 MODELS = Path(__file__).with_name("fidelity_models.py")
 WORKLOADS = {
@@ -56,7 +56,7 @@ OPTIONS: list[tuple[str, dict[str, Any]]] = [
                               "gradient_as_bucket_view": True}),
 ]
 MSE_WORKLOADS = {"mlp"}  # F.mse_loss: meta returns 4 B, the CPU kernel an input-sized buffer
-# Over meta tensors the emulator runs the target GPU's kernels (dpprof.kernels): SDPA as
+# Over meta tensors the emulator runs the target GPU's kernels (dpprof.emulator.kernels): SDPA as
 # memory-efficient attention and the fused dropout, where the CPU runs its own flash kernel
 # and a float mask; their meta peak is checked in test_kernels.py instead.
 GPU_KERNEL_WORKLOADS = {"attention_small"}
@@ -158,7 +158,7 @@ def test_each_ddp_rank_matches_the_profiler(gloo_runs: list[list[RankResult]], k
 
 def test_profiler_records_a_known_sequence() -> None:
     """The recipe itself: a matmul, a relu and a free, in order, with their sizes."""
-    from dpprof.memtrace import record
+    from dpprof.backends.memtrace import record
 
     x = torch.randn(100, 100)
 

@@ -1,8 +1,8 @@
 """What each fix buys: measured by emulating it, and the balanced split."""
 
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.fixes import balance_chunks
-from dpprof.runner import CompareConfig, run_compare
+from dpprof.analysis.fixes import balance_chunks
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.scenarios.workloads import LMConfig, lm
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
@@ -76,7 +76,7 @@ def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> N
     from torch import nn
     from torch.nn.parallel import _functions
 
-    from dpprof.fixes import CODE_BALANCED
+    from dpprof.analysis.fixes import CODE_BALANCED
 
     code = "\n".join(line[1:] for line in CODE_BALANCED.format(shares=[0.1, 0.3, 0.3, 0.3],
                                                                 batch=40).splitlines()

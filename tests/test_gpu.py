@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dpprof
-from dpprof.cuda_backend import CudaRunConfig, parse_oom_message, run_local_scenario
+from dpprof.backends.cuda import CudaRunConfig, parse_oom_message, run_local_scenario
 from dpprof.scenarios.workloads import load_workload
 
 pytestmark = pytest.mark.gpu

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpprof.gpus import (
+from dpprof.emulator.gpus import (
     GPUS,
     GpuSpec,
     context_overhead,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.kernels import EFFICIENT, FLASH, MATH, SdpaCall, sdpa_backend
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.kernels import EFFICIENT, FLASH, MATH, SdpaCall, sdpa_backend
 from dpprof.scenarios.workloads import AttnConfig, attention, mlp
 
 SEQ, HEADS, ROWS, LAYERS = 1024, 8, 4, 2
@@ -71,8 +71,8 @@ def test_reserved_and_context_are_shown_separately() -> None:
 def test_reports_show_allocated_reserved_and_context_per_device() -> None:
     from rich.console import Console
 
+    from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.reports import html, terminal
-    from dpprof.runner import CompareConfig, run_compare
 
     run = run_compare(CompareConfig(workload="mlp", batch=8, gpus=2,
                                     scenarios=("dp-loss-primary",)))

@@ -2,18 +2,18 @@
 
 import pytest
 
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.maxbatch import (
+from dpprof.analysis.maxbatch import (
     _Probe,
     context_bytes_for,
     fill_reserved_and_context,
     run_maxbatch,
     search,
 )
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
-from dpprof.runner import CompareConfig, run_compare
 from dpprof.scenarios.workloads import LMConfig, lm
-from dpprof.vdevice import VirtualDevices
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
 

@@ -1,4 +1,4 @@
-"""The shared DDP process layer (:mod:`dpprof.ranks`) over gloo: results gathered on rank 0,
+"""The shared DDP process layer (:mod:`dpprof.backends.ranks`) over gloo: results gathered on rank 0,
 a rank that raises while its peer waits in a collective takes the group down with its
 traceback, a rank that dies without a word is reported, and nothing hangs."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpprof.ranks import Group, RankInfo, spawn_ranks, torchrun_info
+from dpprof.backends.ranks import Group, RankInfo, spawn_ranks, torchrun_info
 
 
 @dataclass

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.emulated_parallel import EmulatedDDP, compute_bucket_assignment_by_size
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.parallel import EmulatedDDP, compute_bucket_assignment_by_size
+from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.scenarios.workloads import Workload
-from dpprof.vdevice import VirtualDevices
 
 MiB = 1024 * 1024
 

@@ -7,7 +7,7 @@ import pytest
 from reports_data import SAVED
 from typer.testing import CliRunner
 
-from dpprof.cli import app
+from dpprof.cli.app import app
 
 runner = CliRunner()
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from reports_data import SAVED, hostile, saved
 from typer.testing import CliRunner
 
-from dpprof.cli import app
+from dpprof.cli.app import app
 from dpprof.reports import diff
 from dpprof.result import RunResult
 
@@ -20,7 +20,7 @@ def _after_fix() -> RunResult:
     prim, fwd = after.scenario("dp-loss-primary"), after.scenario("dp-loss-forward")
     for a, b in zip(prim.devices, fwd.devices, strict=True):
         a.peak_allocated_bytes = b.peak_allocated_bytes
-    from dpprof.analysis import compare
+    from dpprof.analysis.comparison import compare
 
     after.comparison = compare(after)
     return after

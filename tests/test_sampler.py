@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dpprof.nvml import (
+from dpprof.nvml.libnvml import (
     FakeDevice,
     FakeNvml,
     MemoryInfo,
@@ -18,7 +18,7 @@ from dpprof.nvml import (
     RealNvml,
     Utilization,
 )
-from dpprof.sampler import (
+from dpprof.nvml.sampler import (
     DeviceStopped,
     JsonlSink,
     Marker,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dpprof.vdevice import HOST, VirtualDeviceError, VirtualDevices, round_size, to_device
+from dpprof.emulator.vdevice import HOST, VirtualDeviceError, VirtualDevices, round_size, to_device
 
 
 @pytest.fixture(params=["meta", "cpu"])

@@ -22,13 +22,13 @@ import pytest
 import watch_fakes
 from typer.testing import CliRunner
 
-from dpprof.cli import app
-from dpprof.nvml import FakeNvml
+from dpprof.cli.app import app
+from dpprof.nvml.libnvml import FakeNvml
 from dpprof.reports import html as html_report
 from dpprof.reports import json as json_report
 from dpprof.reports import terminal
 from dpprof.result import RunResult
-from dpprof.watch import (
+from dpprof.watch.monitor import (
     REPORT_POINTS,
     WatchConfig,
     Watcher,
@@ -283,7 +283,7 @@ def test_command_not_found(tmp_path: Path) -> None:
     nvml = watch_fakes.two_gpus()
     devices, _ = select_devices(nvml, None, env={})
     cfg = WatchConfig(["/no/such/program"], tmp_path / "x.samples.jsonl")
-    from dpprof.watch import SpawnError
+    from dpprof.watch.monitor import SpawnError
 
     with pytest.raises(SpawnError) as e:
         Watcher(cfg, nvml, devices).run()
@@ -586,7 +586,7 @@ def test_a_gpu_lost_mid_run_is_noted() -> None:
 
 
 def _scan_chunks(chunks: list[bytes]) -> list:
-    from dpprof.watch import OutputScanner
+    from dpprof.watch.monitor import OutputScanner
 
     found: list = []
     scanner = OutputScanner("stderr", found.append)
@@ -608,7 +608,7 @@ def test_scanner_finds_a_message_split_anywhere() -> None:
 
 
 def test_scanner_is_bounded_and_ignores_ordinary_output() -> None:
-    from dpprof.watch import LINE_LIMIT
+    from dpprof.watch.monitor import LINE_LIMIT
 
     huge = b"y" * (5 * LINE_LIMIT)  # one endless line, then the OOM on the next one
     found = _scan_chunks([huge[i : i + 4096] for i in range(0, len(huge), 4096)]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.errors import WorkloadError
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.workloads import BUILTINS, Workload, load_workload

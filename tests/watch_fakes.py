@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from dpprof.nvml import FakeDevice, FakeNvml
-from dpprof.watch import descendants
+from dpprof.nvml.libnvml import FakeDevice, FakeNvml
+from dpprof.watch.monitor import descendants
 
 GIB = 2**30
 MIB = 2**20

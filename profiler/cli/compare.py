@@ -1,152 +1,45 @@
-"""The ``dpprof`` command line.
+"""``dpprof compare``: the user's training step as paired scenarios, every GPU measured.
 
     dpprof compare --batch 512
     dpprof compare --workload my_pkg.train:workload --gpus 8 --gpu-memory 40GB
-    dpprof report run.json -o run.html
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import os
-import sys
-import tempfile
-import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dpprof import __version__
-from dpprof import cli_answers as answer_opts
-from dpprof.errors import DpprofError, UsageError
-from dpprof.result import ResultFileError, RunResult, load, write_atomic
-from dpprof.runner import (
-    DEFAULT_EMULATED_GPUS,
-    CompareConfig,
-    resolve_backend,
+from dpprof.cli.common import (
+    check_writable,
+    err,
+    fail,
+    out,
+    output_paths,
+    parse_scenarios,
+    write_reports,
 )
+from dpprof.cli.options import (
+    COUNT_RESERVED,
+    FAIL_ON_IMBALANCE,
+    FAIL_ON_OOM,
+    FIXES,
+    GPU,
+    MAXBATCH,
+    MULTIPLE_OF,
+    exit_on_fail_reasons,
+    gpu_memory_and_spec,
+)
+from dpprof.errors import DpprofError, UsageError
+from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, resolve_backend
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.workloads import BUILTINS, DEFAULT
 from dpprof.units import fmt_bytes
 
-app = typer.Typer(
-    name="dpprof",
-    help="Why does cuda:0 run out of memory under nn.DataParallel, and what should you "
-    "change? dpprof runs your training step as paired scenarios and tells you.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="markdown",
-)
-err = Console(stderr=True, highlight=False)
-# Piped output gets room for a table of 8 GPUs instead of rich's 80 columns.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
 
-FORMATS = {".html": "html", ".json": "json", ".md": "markdown"}
-DEFAULT_DIR = Path("dpprof-reports")
-
-
-def _fail(e: Exception, debug: bool) -> typer.Exit:
-    if debug:
-        err.print(traceback.format_exc(), markup=False)
-    code = e.exit_code if isinstance(e, DpprofError) else 1
-    err.print(f"dpprof: error: {e}", markup=False, soft_wrap=True)
-    return typer.Exit(code=code)
-
-
-def _version(value: bool) -> None:
-    if value:
-        out.print(f"dpprof {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _main(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
-    ] = False,
-) -> None:
-    """dpprof: a DataParallel load-imbalance profiler for PyTorch."""
-
-
-def _output_paths(outputs: list[Path] | None, stem: str) -> list[tuple[Path, str]]:
-    if not outputs:
-        return [(DEFAULT_DIR / f"{stem}.html", "html"), (DEFAULT_DIR / f"{stem}.json", "json")]
-    result = []
-    for p in outputs:
-        fmt = FORMATS.get(p.suffix.lower())
-        if fmt is None:
-            raise UsageError(
-                f"--output {p}: unknown format {p.suffix or '(no suffix)'}; end the path "
-                f"with one of {', '.join(FORMATS)}"
-            )
-        result.append((p, fmt))
-    return result
-
-
-def _check_writable(paths: list[tuple[Path, str]]) -> None:
-    """Fail before measuring, not after, when a report cannot be written."""
-    for p, _ in paths:
-        parent = p.parent if str(p.parent) else Path(".")
-        if p.is_dir():
-            raise UsageError(f"--output {p} is a directory; give a file name such as {p}/run.html")
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".dpprof-check-", dir=parent)
-            os.close(fd)
-            os.unlink(tmp)
-        except OSError as e:
-            raise UsageError(
-                f"cannot write reports to {parent}/ ({e.strerror or e}); choose another "
-                "place with -o/--output"
-            ) from e
-
-
-def render_to(run: RunResult, fmt: str) -> str:
-    if fmt == "html":
-        from dpprof.reports import html
-
-        return html.render(run)
-    if fmt == "markdown":
-        from dpprof.reports import markdown
-
-        return markdown.render(run)
-    from dpprof.reports import json as json_report
-
-    return json_report.render(run)
-
-
-def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool) -> list[Path]:
-    written = []
-    failures = []
-    for p, fmt in paths:
-        try:
-            written.append(write_atomic(p, render_to(run, fmt)))
-        except OSError as e:
-            failures.append(f"{p}: {e.strerror or e}")
-    for w in written:
-        if not quiet:
-            out.print(f"wrote {w}")
-    if failures:
-        raise DpprofError("could not write " + "; ".join(failures))
-    return written
-
-
-def _parse_scenarios(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in SCENARIOS]
-    if unknown or not names:
-        raise UsageError(
-            f"--scenarios {text!r}: unknown {', '.join(unknown) or '(empty)'}; "
-            f"choose from {', '.join(SCENARIOS)} (comma-separated)"
-        )
-    return names
-
-
-@app.command("compare")
 def compare_cmd(
     batch: Annotated[
         int, typer.Option("--batch", "-b", help="Global batch size (rows), split over the GPUs.")
@@ -257,13 +150,13 @@ def compare_cmd(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
-    gpu: Annotated[str, answer_opts.GPU] = "",
-    maxbatch: Annotated[bool, answer_opts.MAXBATCH] = False,
-    multiple_of: Annotated[int, answer_opts.MULTIPLE_OF] = 1,
-    count_reserved: Annotated[bool, answer_opts.COUNT_RESERVED] = False,
-    fixes: Annotated[bool, answer_opts.FIXES] = True,
-    fail_on_imbalance: Annotated[float | None, answer_opts.FAIL_ON_IMBALANCE] = None,
-    fail_on_oom: Annotated[bool, answer_opts.FAIL_ON_OOM] = False,
+    gpu: Annotated[str, GPU] = "",
+    maxbatch: Annotated[bool, MAXBATCH] = False,
+    multiple_of: Annotated[int, MULTIPLE_OF] = 1,
+    count_reserved: Annotated[bool, COUNT_RESERVED] = False,
+    fixes: Annotated[bool, FIXES] = True,
+    fail_on_imbalance: Annotated[float | None, FAIL_ON_IMBALANCE] = None,
+    fail_on_oom: Annotated[bool, FAIL_ON_OOM] = False,
 ) -> None:
     """Run your training step as paired scenarios and compare every GPU's peak memory.
 
@@ -273,28 +166,28 @@ def compare_cmd(
 
     Example: dpprof compare --batch 512 --gpus 8 --gpu-memory 40GB
     """
+    from dpprof.pipeline import run_compare
     from dpprof.reports import terminal
-    from dpprof.runner import run_compare
 
     try:
-        memory, spec = answer_opts.gpu_memory_and_spec(gpu_memory, gpu)
-        from dpprof.ddp_launch import torchrun_info
+        memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
+        from dpprof.backends.cuda_ddp import torchrun_info
 
         rank = torchrun_info()
         if rank is not None and rank.rank != 0:
             quiet = True  # only rank 0 speaks and writes reports
-        from dpprof.gpus import _cc_of
+        from dpprof.emulator.gpus import compute_capability_of
 
         try:
             # --gpu NAME sets the target generation unless --compute-capability says otherwise
-            cc = _cc_of(spec if spec is not None and compute_capability is None
+            cc = compute_capability_of(spec if spec is not None and compute_capability is None
                         else compute_capability or "8.0")
         except (KeyError, ValueError) as e:
             raise UsageError(f"--compute-capability {compute_capability!r}: {e}") from e
         cfg = CompareConfig(
             compute_capability=cc,
             workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
-            scenarios=_parse_scenarios(scenarios), backend=backend, seed=seed,
+            scenarios=parse_scenarios(scenarios), backend=backend, seed=seed,
             compute=compute, debug=debug, devices=_parse_devices(devices), warmup=warmup,
             steps=steps, nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
             device_kind="cpu" if cpu_test_mode else "cuda",
@@ -309,8 +202,8 @@ def compare_cmd(
         )
         cfg.validate()
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        paths = _output_paths(output, f"compare-{stamp}")
-        _check_writable(paths)
+        paths = output_paths(output, f"compare-{stamp}")
+        check_writable(paths)
         resolved = resolve_backend(cfg.backend, cfg.device_kind)
         from dpprof.scenarios.workloads import load_workload
 
@@ -322,7 +215,7 @@ def compare_cmd(
                 f"processes); workload {wl.name}, batch {batch}"
             )
         if resolved == "emulated" and not quiet:
-            from dpprof.runner import visible_cuda_gpus
+            from dpprof.pipeline import visible_cuda_gpus
 
             found = visible_cuda_gpus()
             why = ("--backend emulated" if cfg.backend != "auto" else "no CUDA GPUs found"
@@ -364,7 +257,7 @@ def compare_cmd(
             out.print(terminal.render(run))
         write_reports(run, paths, quiet)
     except (DpprofError, OSError) as e:
-        raise _fail(e, debug) from None
+        raise fail(e, debug) from None
     except KeyboardInterrupt:
         err.print("dpprof: interrupted")
         raise typer.Exit(code=130) from None
@@ -373,7 +266,7 @@ def compare_cmd(
             raise
         err.print(f"dpprof: internal error: {type(e).__name__}: {e} (rerun with --debug)")
         raise typer.Exit(code=1) from None
-    answer_opts.exit_on_fail_reasons(run, err)
+    exit_on_fail_reasons(run, err)
 
 
 def _parse_devices(text: str | None) -> tuple[int, ...] | None:
@@ -386,121 +279,3 @@ def _parse_devices(text: str | None) -> tuple[int, ...] | None:
     if not found or any(d < 0 for d in found):
         raise UsageError(f"--devices {text!r}: give CUDA indices separated by commas, e.g. 2,3")
     return found
-
-
-@app.command("env")
-def env_cmd(
-    markdown: Annotated[
-        bool, typer.Option("--markdown", help="Markdown ready to paste into a GitHub issue.")
-    ] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
-) -> None:
-    """GPUs, driver, CUDA/NCCL/torch versions, GPU links, CUDA_VISIBLE_DEVICES."""
-    from rich.table import Table
-
-    from dpprof.env import collect_environment, environment_markdown, environment_rows
-
-    try:
-        env = collect_environment()
-        if markdown:
-            sys.stdout.write(environment_markdown(env))
-            return
-        table = Table(show_header=False, box=None, pad_edge=False)
-        table.add_column(style="bold", no_wrap=True)
-        table.add_column()
-        for label, value in environment_rows(env):
-            table.add_row(label, value)
-        out.print(table)
-    except Exception as e:
-        raise _fail(e, debug) from None
-
-
-def _load_any(path: Path) -> RunResult:
-    """A saved result, or a `dpprof watch` samples file (maybe cut short)."""
-    if path.suffix == ".jsonl":
-        from dpprof.watch import load_run
-
-        return load_run(path)
-    return load(path)
-
-
-@app.command("report")
-def report_cmd(
-    results: Annotated[
-        list[Path],
-        typer.Argument(
-            help="A result saved by dpprof (JSON); give two (before.json after.json) to "
-            "compare them.",
-            show_default=False,
-        ),
-    ],
-    output: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--output", "-o",
-            help="Write these files instead of printing; the suffix picks the format (.html, "
-            ".md, and .json for a single result).",
-        ),
-    ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
-) -> None:
-    """Re-render a saved result without running anything, or compare two.
-
-    Example: dpprof report run.json -o run.md; dpprof report before.json after.json
-    """
-    from dpprof.reports import terminal
-
-    try:
-        if len(results) > 2:
-            raise UsageError(
-                f"report takes one result, or two to compare (before after); got {len(results)}"
-            )
-        paths = _output_paths(output, "report") if output else []
-        runs = [_load_any(r) for r in results]
-        if len(runs) == 1:
-            if not paths:
-                out.print(terminal.render(runs[0]))
-                return
-            _check_writable(paths)
-            write_reports(runs[0], paths, quiet=False)
-            return
-        from dpprof.reports import diff
-
-        rd = diff.diff(runs[0], runs[1])
-        if not paths:
-            out.print(diff.render_terminal(rd))
-            return
-        renderers = {"html": diff.render_html, "markdown": diff.render_markdown}
-        for p, fmt in paths:
-            if fmt not in renderers:
-                raise UsageError(
-                    f"--output {p}: a comparison of two results is written as .html or .md"
-                )
-        _check_writable(paths)
-        for p, fmt in paths:
-            try:
-                write_atomic(p, renderers[fmt](rd))
-            except OSError as e:
-                raise DpprofError(f"could not write {p}: {e.strerror or e}") from e
-            out.print(f"wrote {p}")
-    except ResultFileError as e:
-        raise _fail(DpprofError(str(e)), debug) from None
-    except DpprofError as e:
-        raise _fail(e, debug) from None
-
-
-from dpprof.watch_cli import register as _register_watch  # noqa: E402
-
-_register_watch(app)
-answer_opts.register(app)
-
-
-def main() -> None:
-    try:
-        app()
-    except BrokenPipeError:  # `dpprof ... | head`
-        sys.stderr.close()
-
-
-if __name__ == "__main__":
-    main()

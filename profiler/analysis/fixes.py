@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from dpprof.emulated import EmulationConfig, run_scenario
+from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import Workload, shard_sizes

@@ -6,7 +6,7 @@ How the command runs
 - **stdout / stderr** go through pipes that dpprof copies, byte for byte as they arrive
   (``os.read`` / ``os.write``, no decoding, no buffering of its own), to its own stdout and
   stderr, scanning a bounded copy of each line for CUDA out-of-memory errors
-  (:mod:`dpprof.oom_messages`). When dpprof's stdout and stderr are one terminal or one pipe
+  (:mod:`dpprof.watch.oom_messages`). When dpprof's stdout and stderr are one terminal or one pipe
   (``2>&1``), the command gets a single pipe for both, so their order is kept exactly; else
   the two streams are copied by two threads, and their relative order on a shared
   destination is only as good as the arrival of the bytes. A pipe makes C stdio and Python
@@ -31,7 +31,7 @@ How the command runs
 What is sampled
 ---------------
 Every GPU the command can see (``CUDA_VISIBLE_DEVICES`` resolved by UUID with
-:mod:`dpprof.devices`, never by initialising CUDA in dpprof), or the CUDA indices of
+:mod:`dpprof.nvml.devices`, never by initialising CUDA in dpprof), or the CUDA indices of
 ``--gpus``: NVML's used memory of the whole device every ``interval_s``, one reading before
 the command starts (the baseline), and the memory of the command's own processes (the child
 and its descendants, read from ``/proc`` every 0.5 s) from
@@ -44,7 +44,7 @@ at most once a second), so a run killed with SIGKILL, or a machine that goes dow
 readable partial timeline; :func:`load_run` (``dpprof report FILE.samples.jsonl``,
 ``dpprof watch --load FILE``) turns any prefix of it into a report. Records (``kind``):
 ``watch`` (the header: command, devices, interval), ``spawn``, ``sample``, ``process``,
-``stopped`` (from :mod:`dpprof.sampler`), ``oom``, ``signal``, ``exit``. ``t_s`` is seconds
+``stopped`` (from :mod:`dpprof.nvml.sampler`), ``oom``, ``signal``, ``exit``. ``t_s`` is seconds
 since the watch began (monotonic clock).
 """
 
@@ -70,11 +70,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dpprof.analysis import compare_scenario
-from dpprof.devices import resolve_visible_devices
+from dpprof.analysis.comparison import compare_scenario
 from dpprof.errors import DpprofError, UsageError
-from dpprof.nvml import NvmlBackend
-from dpprof.oom_messages import parse_oom_line
+from dpprof.nvml.devices import resolve_visible_devices
+from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.sampler import Event, NvmlSampler, event_to_dict
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -89,8 +89,8 @@ from dpprof.result import (
     WatchOom,
     WatchResult,
 )
-from dpprof.sampler import Event, NvmlSampler, event_to_dict
 from dpprof.units import fmt_bytes
+from dpprof.watch.oom_messages import parse_oom_line
 
 __all__ = [
     "BACKEND",

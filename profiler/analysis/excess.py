@@ -36,7 +36,7 @@ def cause_label(key: str) -> str:
     if key in CAUSES:
         return CAUSES[key]
     try:  # the authoritative attribution's labels, where that module exists
-        from dpprof.attribution import CAUSES as labels  # type: ignore[import-not-found]
+        from dpprof.analysis.attribution import CAUSES as labels  # type: ignore[import-not-found]
 
         return str(labels.get(key, key.replace("_", " ")))
     except ImportError:

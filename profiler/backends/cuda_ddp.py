@@ -1,21 +1,21 @@
-"""The ``cuda`` backend's ``ddp`` ranks: its per-rank body over the shared :mod:`dpprof.ranks`.
+"""The ``cuda`` backend's ``ddp`` ranks: the per-rank body over :mod:`dpprof.backends.ranks`.
 
 The processes (spawn or torchrun), the process group, the timeouts, the failure reporting
-through the c10d store and the NCCL abort watcher are :mod:`dpprof.ranks`, shared with the
-``cpu`` backend (:mod:`dpprof.distributed`). Here:
+through the c10d store and the NCCL abort watcher are :mod:`dpprof.backends.ranks`, shared with the
+``cpu`` backend (:mod:`dpprof.backends.gloo`). Here:
 
 - :class:`DdpJob`: what every rank needs (workload spec, :class:`CudaRunConfig`, ``backend``
   ``"nccl"`` | ``"gloo"``, ``device`` ``"cuda"`` | ``"cpu"``, collective timeout, run id,
-  the reducer options :class:`dpprof.ranks.DdpOptions` and a ``dtype`` override, as the
-  ``cpu`` backend's :class:`dpprof.distributed.RankSpec`);
+  the reducer options :class:`dpprof.backends.ranks.DdpOptions` and a ``dtype`` override, as the
+  ``cpu`` backend's :class:`dpprof.backends.gloo.RankSpec`);
   it is the picklable body: called in a rank, it measures that rank's device
-  (:func:`dpprof.cuda_backend.measure_ddp_rank`, CUDA events, NVML, OOM as a result);
+  (:func:`dpprof.backends.cuda.measure_ddp_rank`, CUDA events, NVML, OOM as a result);
 - :func:`rank_entry` ``(job, info, store=None)``: one rank through
-  :func:`dpprof.ranks.run_in_group`; on rank 0 every rank's :class:`Measured` (None
+  :func:`dpprof.backends.ranks.run_in_group`; on rank 0 every rank's :class:`Measured` (None
   elsewhere), a rank that raised or never reported as an error :class:`Measured`;
 - :func:`spawn_ddp` ``(job, world)``: dpprof starts the ranks itself
-  (:func:`dpprof.ranks.spawn_ranks`), every rank's :class:`Measured`;
-- :class:`RankInfo`, :func:`torchrun_info`: from :mod:`dpprof.ranks`.
+  (:func:`dpprof.backends.ranks.spawn_ranks`), every rank's :class:`Measured`;
+- :class:`RankInfo`, :func:`torchrun_info`: from :mod:`dpprof.backends.ranks`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpprof.cuda_backend import CudaRunConfig, Measured, measure_ddp_rank
-from dpprof.ranks import (
+from dpprof.backends.cuda import CudaRunConfig, Measured, measure_ddp_rank
+from dpprof.backends.ranks import (
     DEFAULT_TIMEOUT_S,
     DdpOptions,
     Group,

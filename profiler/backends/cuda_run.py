@@ -2,7 +2,8 @@
 
 - :func:`select_devices`: ``--gpus N`` (the first N visible GPUs) or ``--devices 2,3``;
 - :func:`cuda_compare`: the scenarios in this process (DataParallel, single) and the ``ddp``
-  ranks spawned one per GPU (:func:`dpprof.ddp_launch.spawn_ddp` over :mod:`dpprof.ranks`, NCCL);
+  ranks spawned one per GPU (:func:`dpprof.backends.cuda_ddp.spawn_ddp` over
+  :mod:`dpprof.backends.ranks`, NCCL);
 - :func:`torchrun_compare`: the ``ddp`` scenario when torchrun started this process: every
   rank measures its device, rank 0 gets every rank's measurement and builds the result
   (one device row per rank, with its node).
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpprof.cuda_backend import (
+from dpprof.backends.cuda import (
     ASSUMPTIONS,
     DEFAULT_STEPS,
     DEFAULT_WARMUP,
@@ -28,9 +29,9 @@ from dpprof.cuda_backend import (
     make_ops,
     run_local_scenario,
 )
-from dpprof.ddp_launch import DdpJob, RankInfo, rank_entry, spawn_ddp
+from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
+from dpprof.backends.ranks import DdpOptions
 from dpprof.errors import UsageError
-from dpprof.ranks import DdpOptions
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP
 from dpprof.scenarios.workloads import Workload

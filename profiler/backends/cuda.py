@@ -3,7 +3,7 @@
 - ``dp-loss-primary`` / ``dp-loss-forward``: the real ``torch.nn.DataParallel`` over the
   chosen devices (``device_ids``; ``output_device`` = the first), in this process;
 - ``single``: the bare model on the first chosen device, batch ``ceil(B / N)``;
-- ``ddp``: ``DistributedDataParallel``, one process per GPU, through :mod:`dpprof.ddp_launch`
+- ``ddp``: ``DistributedDataParallel``, one process per GPU, through :mod:`dpprof.backends.cuda_ddp`
   (spawned by dpprof, or started by ``torchrun``); each rank runs :func:`measure_ddp_rank`.
 
 Every scenario runs ``warmup_steps`` steps, then ``steps`` measured ones of the one shared
@@ -13,8 +13,8 @@ Every scenario runs ``warmup_steps`` steps, then ``steps`` measured ones of the 
   phase (input transfer, forward, loss, backward, optimizer step, zero_grad) of the first
   measured step, ``max_memory_allocated`` / ``max_memory_reserved`` at its end (the device is
   synchronised at both ends); the overall peaks cover every measured step;
-- NVML's view, from an :class:`~dpprof.sampler.NvmlSampler` thread (every 20 ms by default)
-  over every visible GPU, matched to CUDA indices by UUID (:mod:`dpprof.devices`): the peak
+- NVML's view, from an :class:`~dpprof.nvml.sampler.NvmlSampler` thread (every 20 ms by default)
+  over every visible GPU, matched to CUDA indices by UUID (:mod:`dpprof.nvml.devices`): the peak
   ``used``, the timeline with phase markers, GPU utilisation, and per-process usage of this
   process (a rank's context on a GPU that is not its own is flagged: the DDP "forgot
   ``set_device``" case). What NVML sees beyond the allocator's reserve (context, NCCL, other
@@ -51,9 +51,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.devices import resolve_visible_devices, torch_cuda_uuids
-from dpprof.nvml import NvmlBackend, default_nvml
-from dpprof.ranks import DdpOptions
+from dpprof.backends.ranks import DdpOptions
+from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
+from dpprof.nvml.libnvml import NvmlBackend, default_nvml
+from dpprof.nvml.sampler import NvmlSampler
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -62,7 +63,6 @@ from dpprof.result import (
     ScenarioResult,
     TimelinePoint,
 )
-from dpprof.sampler import NvmlSampler
 from dpprof.scenarios.base import (
     DDP,
     DP_LOSS_FORWARD,
@@ -72,7 +72,7 @@ from dpprof.scenarios.base import (
     StepHooks,
     train_step,
 )
-from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 from dpprof.units import fmt_bytes
 
 __all__ = [
@@ -481,20 +481,10 @@ class PhaseRecorder:
                 self.peak_reserved[i][name] = max(r, self.peak_reserved[i].get(name, 0))
 
 
-def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return type(x)((k, _map(v, fn)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_map(v, fn) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(v, fn) for v in x)
-    return x
 
 
 def _rows(x: Any, start: int, stop: int) -> Any:
-    return _map(x, lambda t: t[start:stop] if t.dim() > 0 else t)
+    return map_tensors(x, lambda t: t[start:stop] if t.dim() > 0 else t)
 
 
 def global_batch(wl: Workload, cfg: CudaRunConfig, world: int) -> tuple[Any, Any]:
@@ -505,7 +495,7 @@ def global_batch(wl: Workload, cfg: CudaRunConfig, world: int) -> tuple[Any, Any
     torch.manual_seed(cfg.seed + 1)
     inputs, targets = wl.batch(per * world, torch.device("cpu"))
     if wl.dtype != torch.float32:
-        inputs = _map(inputs, lambda t: t.to(wl.dtype) if t.is_floating_point() else t)
+        inputs = map_tensors(inputs, lambda t: t.to(wl.dtype) if t.is_floating_point() else t)
     return inputs, targets
 
 
@@ -588,8 +578,8 @@ class _Run:
             t0 = time.perf_counter()
             stop = self.ops.start_timer() if measured else None
             with self.rec.phase("inputs"):
-                inputs = _map(inputs_cpu, lambda t: t.to(dev0))
-                targets = _map(targets_cpu, lambda t: t.to(dev0))
+                inputs = map_tensors(inputs_cpu, lambda t: t.to(dev0))
+                targets = map_tensors(targets_cpu, lambda t: t.to(dev0))
             loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
             del inputs, targets
             event_s = stop() if stop is not None else None
@@ -789,7 +779,7 @@ def measure_ddp_rank(
 ) -> Measured:
     """Measure this rank's device under ``DistributedDataParallel`` (process group set up).
 
-    The caller (:mod:`dpprof.ranks`) has called ``torch.cuda.set_device(local_device)``
+    The caller (:mod:`dpprof.backends.ranks`) has called ``torch.cuda.set_device(local_device)``
     and ``init_process_group``. ``visible``: the CUDA indices to watch for stray contexts of
     this process (default: every visible GPU). ``ddp``: the reducer options (default
     DDP's). Never raises.

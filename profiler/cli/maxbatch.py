@@ -1,7 +1,6 @@
-"""The command line of the answers: ``dpprof maxbatch`` and the options ``compare`` shares.
+"""``dpprof maxbatch``: the largest global batch each scenario fits.
 
     dpprof maxbatch --workload lm --gpu a100-80gb --gpus 4 --multiple-of 8
-    dpprof compare --batch 512 --maxbatch --fail-on-imbalance 1.5 --fail-on-oom
 """
 
 from __future__ import annotations
@@ -12,64 +11,21 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
+from dpprof.cli.common import (
+    check_writable,
+    err,
+    fail,
+    out,
+    output_paths,
+    parse_scenarios,
+    write_reports,
+)
+from dpprof.cli.options import GPU, MULTIPLE_OF, gpu_memory_and_spec
+from dpprof.emulator.gpus import GpuSpec
 from dpprof.errors import DpprofError, UsageError
-from dpprof.gpus import GpuSpec, known_gpus, lookup_gpu
 from dpprof.result import RunResult
-from dpprof.units import parse_bytes
-
-DEFAULT_MEMORY = "80GiB"
-
-GPU = typer.Option(
-    "--gpu", help="A GPU from the catalog (e.g. a100-80gb, h100-80gb, rtx-4090): its memory, "
-    "and its context counted. Unknown names list the known ones.")
-MAXBATCH = typer.Option(
-    "--maxbatch", help="Also find the largest batch each scenario fits (reserved memory and "
-    "the CUDA context counted).")
-MULTIPLE_OF = typer.Option("--multiple-of", help="Batch granularity of the largest-batch search.")
-COUNT_RESERVED = typer.Option(
-    "--count-reserved", help="With --compute: count simulated reserved memory and the CUDA "
-    "context in the out-of-memory check (meta emulation always counts them).")
-FIXES = typer.Option("--fixes/--no-fixes", help="Emulate each fix and what it saves.")
-FAIL_ON_IMBALANCE = typer.Option(
-    "--fail-on-imbalance", metavar="RATIO",
-    help="Exit 3 when a scenario's max/mean peak exceeds RATIO (for CI).")
-FAIL_ON_OOM = typer.Option(
-    "--fail-on-oom", help="Exit 3 when any scenario runs out of memory (for CI).")
-
-
-def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec | None]:
-    """``--gpu-memory`` wins over ``--gpu``'s memory; an unknown GPU lists the known ones."""
-    spec = None
-    if gpu:
-        try:
-            spec = lookup_gpu(gpu)
-        except KeyError:
-            raise UsageError(
-                f"--gpu {gpu}: unknown GPU; known GPUs: {', '.join(known_gpus())} (or give "
-                "--gpu-memory, e.g. 80GiB)"
-            ) from None
-    if gpu_memory is None:
-        return (spec.total_memory_bytes if spec else parse_bytes(DEFAULT_MEMORY)), spec
-    try:
-        return parse_bytes(gpu_memory), spec
-    except ValueError as e:
-        raise UsageError(f"--gpu-memory: {e}") from e
-
-
-def exit_on_fail_reasons(run: RunResult, err: Console) -> None:
-    """Exit 3 with one line per failed --fail-on-* check."""
-    from dpprof.answers import EXIT_CHECK_FAILED
-
-    for reason in run.fail_reasons:
-        err.print(f"dpprof: check failed: {reason}", markup=False, soft_wrap=True)
-    if run.fail_reasons:
-        raise typer.Exit(code=EXIT_CHECK_FAILED)
-
-
-def register(app: typer.Typer) -> None:
-    app.command("maxbatch")(maxbatch_cmd)
+from dpprof.units import fmt_bytes
 
 
 def maxbatch_cmd(
@@ -100,10 +56,9 @@ def maxbatch_cmd(
     counting the caching allocator's reserved memory and the CUDA context, not only the
     allocated bytes. Example: dpprof maxbatch -w lm --gpu a100-80gb --multiple-of 8
     """
-    from dpprof import cli as main_cli
-    from dpprof.maxbatch import run_maxbatch
+    from dpprof.analysis.maxbatch import run_maxbatch
+    from dpprof.pipeline import environment
     from dpprof.reports.answers import maxbatch_renderable
-    from dpprof.runner import environment
     from dpprof.scenarios.workloads import load_workload
 
     try:
@@ -112,14 +67,14 @@ def maxbatch_cmd(
             raise UsageError(f"--gpus must be at least 1, got {gpus}")
         if multiple_of < 1:
             raise UsageError(f"--multiple-of must be at least 1, got {multiple_of}")
-        names = main_cli._parse_scenarios(scenarios)
-        paths = main_cli._output_paths(output, "maxbatch") if output else []
-        main_cli._check_writable(paths)
+        names = parse_scenarios(scenarios)
+        paths = output_paths(output, "maxbatch") if output else []
+        check_writable(paths)
         wl = load_workload(workload)
         if not quiet:
-            main_cli.err.print(
+            err.print(
                 f"dpprof: searching the largest batch of {wl.name} on {gpus} emulated GPUs of "
-                f"{main_cli.fmt_bytes(memory)}{f' ({spec.key})' if spec else ''}, multiples "
+                f"{fmt_bytes(memory)}{f' ({spec.key})' if spec else ''}, multiples "
                 f"of {multiple_of}"
             )
         mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
@@ -132,11 +87,11 @@ def maxbatch_cmd(
             environment=environment("emulated"), maxbatch=mb,
         )
         if not quiet:
-            main_cli.out.print(maxbatch_renderable(run))
+            out.print(maxbatch_renderable(run))
         if paths:
-            main_cli.write_reports(run, paths, quiet)
+            write_reports(run, paths, quiet)
     except DpprofError as e:
-        raise main_cli._fail(e, debug) from None
+        raise fail(e, debug) from None
     except Exception as e:
         if debug:
             raise

@@ -1,8 +1,8 @@
 """The one multi-process layer for ``DistributedDataParallel`` ranks (gloo on CPU, NCCL on GPUs).
 
 Both backends' ``ddp`` scenario runs through here; only the per-rank body differs (the
-``cpu`` backend's profiler-measured :class:`dpprof.distributed.CpuRanks`, the ``cuda``
-backend's CUDA/NVML-measured :class:`dpprof.ddp_launch.DdpJob`). Interface:
+``cpu`` backend's profiler-measured :class:`dpprof.backends.gloo.CpuRanks`, the ``cuda``
+backend's CUDA/NVML-measured :class:`dpprof.backends.cuda_ddp.DdpJob`). Interface:
 
 - :class:`Group`: how the ranks talk: ``backend`` (``"gloo"`` | ``"nccl"``), ``device``
   (``"cpu"`` | ``"cuda"``), ``devices`` (the CUDA index of each local rank; default the

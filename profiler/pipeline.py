@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dpprof import __version__
-from dpprof.analysis import compare
-from dpprof.answers import add_answers, gpu_spec
-from dpprof.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
+from dpprof.analysis.answers import add_answers, gpu_spec
+from dpprof.analysis.comparison import compare
+from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
 from dpprof.errors import UsageError
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP, SCENARIOS
@@ -47,7 +47,7 @@ class CompareConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16: the workload's dtype, overridden
     amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
     extra: dict[str, object] = field(default_factory=dict)
-    # ---- answers (dpprof.answers) -----------------------------------------------------
+    # ---- answers (dpprof.analysis.answers) -----------------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
     maxbatch: bool = False  # search the largest batch per scenario
     multiple_of: int = 1  # maxbatch granularity
@@ -118,7 +118,7 @@ def resolve_backend(requested: str, device_kind: str = "cuda") -> str:
     ``cuda`` without a GPU is a :class:`UsageError` (unless ``device_kind="cpu"``, the
     test mode that runs the cuda backend's code on CPU tensors).
     """
-    from dpprof.ddp_launch import torchrun_info
+    from dpprof.backends.cuda_ddp import torchrun_info
 
     if requested == "cuda" and device_kind == "cuda" and visible_cuda_gpus() == 0:
         raise UsageError(
@@ -183,7 +183,7 @@ def run_compare(
     spec = gpu_spec(cfg.gpu)
     count_reserved = cfg.count_reserved or cfg.maxbatch or spec is not None
     if count_reserved:
-        from dpprof.maxbatch import COUNTS, context_bytes_for, reserved_inspector
+        from dpprof.analysis.maxbatch import COUNTS, context_bytes_for, reserved_inspector
 
         ctx = context_bytes_for(spec)
         ecfg.inspect = reserved_inspector(ctx)
@@ -214,13 +214,13 @@ def run_compare(
         if progress:
             progress(name, i, len(cfg.scenarios))
         if backend == "cpu" and name == DDP:
-            from dpprof.cpu_backend import run_ddp_gloo
+            from dpprof.backends.cpu import run_ddp_gloo
 
             run.scenarios.append(run_ddp_gloo(cfg.workload, gpus, cfg))
         else:
             run.scenarios.append(run_scenario(name, wl, ecfg))
     if backend == "emulated":
-        from dpprof.emulated import context_model, gpu_model_notes
+        from dpprof.backends.emulated import context_model, gpu_model_notes
 
         with torch.device("meta"):
             model = wl.model()
@@ -242,8 +242,8 @@ def run_compare(
 
 
 def environment(backend: str) -> dict[str, object]:
-    """The ``dpprof env`` block (:func:`dpprof.env.collect_environment`); never raises."""
-    from dpprof.env import collect_environment
+    """The ``dpprof env`` block (:func:`dpprof.environment.collect_environment`); never raises."""
+    from dpprof.environment import collect_environment
 
     try:
         return collect_environment(use_cuda=backend == "cuda")
@@ -254,9 +254,9 @@ def environment(backend: str) -> dict[str, object]:
 def _cuda(
     cfg: CompareConfig, wl: Workload, run: RunResult, progress: Progress | None
 ) -> RunResult | None:
-    from dpprof.cuda_run import CudaOptions, cuda_compare, torchrun_compare
-    from dpprof.ddp_launch import torchrun_info
-    from dpprof.ranks import DdpOptions
+    from dpprof.backends.cuda_ddp import torchrun_info
+    from dpprof.backends.cuda_run import CudaOptions, cuda_compare, torchrun_compare
+    from dpprof.backends.ranks import DdpOptions
     from dpprof.scenarios.base import DDP
 
     opts = CudaOptions(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from dpprof.allocator import simulate
+from dpprof.emulator.allocator import simulate
 
 __all__ = [
     "GPUS",
@@ -290,7 +290,7 @@ _CUBLAS_DEFAULT_32MB = 4096 * 8 * 1024  # 33,554,432 B
 _CUBLAS_32MB_MAJORS = (9, 10, 11, 12)
 
 
-def _cc_of(spec_or_cc: GpuSpec | tuple[int, int] | str) -> tuple[int, int]:
+def compute_capability_of(spec_or_cc: GpuSpec | tuple[int, int] | str) -> tuple[int, int]:
     """A compute capability from a spec, a (major, minor) pair, "8.6", "sm_90" or a name."""
     if isinstance(spec_or_cc, GpuSpec):
         return spec_or_cc.compute_capability
@@ -325,7 +325,7 @@ def cublas_workspace_size(
     """
     if cublas_workspace_config:
         return _parse_cublas_config(cublas_workspace_config)
-    major, _ = _cc_of(spec_or_cc)
+    major, _ = compute_capability_of(spec_or_cc)
     return _CUBLAS_DEFAULT_32MB if major in _CUBLAS_32MB_MAJORS else _CUBLAS_DEFAULT_OLD
 
 
@@ -425,7 +425,7 @@ def context_overhead(
     """
     if cublas_handles < 0 or streams < 1:
         raise ValueError("cublas_handles must be >= 0 and streams >= 1")
-    cc = _cc_of(spec_or_cc)
+    cc = compute_capability_of(spec_or_cc)
     assumptions: list[str] = []
 
     if cuda_context_bytes is None:

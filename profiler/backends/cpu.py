@@ -1,15 +1,15 @@
 """The ``cpu`` backend's ddp scenario: real gloo ranks, one per simulated GPU.
 
 The DataParallel scenarios and ``single`` of the ``cpu`` backend are the emulator over CPU
-tensors (:mod:`dpprof.emulated` with ``compute=True``); ``ddp`` is measured for real
-through :func:`dpprof.distributed.launch`, each rank's memory from ``torch.profiler``.
+tensors (:mod:`dpprof.backends.emulated` with ``compute=True``); ``ddp`` is measured for real
+through :func:`dpprof.backends.gloo.launch`, each rank's memory from ``torch.profiler``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dpprof.distributed import DistributedRunError, RankSpec, launch
+from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, ScenarioResult
 from dpprof.scenarios.base import DDP
 from dpprof.scenarios.workloads import shard_sizes

@@ -9,15 +9,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpprof.emulated_parallel import EmulatedDataParallel, EmulatedDDP
-from dpprof.kernels import DEFAULT_COMPUTE_CAPABILITY, EmulatedAutocast, GpuKernels
+from dpprof.emulator.kernels import DEFAULT_COMPUTE_CAPABILITY, EmulatedAutocast, GpuKernels
+from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
+from dpprof.emulator.vdevice import HOST, VirtualDevices, to_device
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -35,9 +36,8 @@ from dpprof.scenarios.base import (
     StepHooks,
     train_step,
 )
-from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
 from dpprof.units import fmt_bytes
-from dpprof.vdevice import HOST, VirtualDevices, to_device
 
 TIMELINE_POINTS = 400  # points kept per device and scenario (maxima of equal slices)
 
@@ -88,7 +88,7 @@ class EmulationConfig:
     # the target GPU's compute capability: which kernels it runs (SDPA, fused dropout)
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
     amp: str | None = None  # "bfloat16" | "float16": forward and loss under autocast
-    # Variants the fixes analysis emulates (dpprof.fixes); the defaults are plain PyTorch
+    # Variants the fixes analysis emulates (dpprof.analysis.fixes); the defaults are plain PyTorch
     # (gradient_as_bucket_view above serves it too).
     dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
     dp_chunk_sizes: tuple[int, ...] | None = None  # uneven scatter (BalancedDataParallel)
@@ -97,27 +97,8 @@ class EmulationConfig:
     inspect: Callable[[VirtualDevices, ScenarioResult], None] | None = None
 
 
-def _leaves(x: Any) -> Iterable[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _leaves(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _leaves(v)
 
 
-def _map(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return type(x)((k, _map(v, fn)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_map(v, fn) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(v, fn) for v in x)
-    return x
 
 
 class _CategoryHooks:
@@ -129,8 +110,8 @@ class _CategoryHooks:
         self.handles: list[Any] = []
 
     def after_forward(self, outputs: Any) -> None:
-        self.rt.label(list(_leaves(outputs)), "outputs")
-        self.output_nodes = {t.grad_fn for t in _leaves(outputs) if t.grad_fn is not None}
+        self.rt.label(list(tensors_in(outputs)), "outputs")
+        self.output_nodes = {t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None}
 
     def after_loss(self, loss: torch.Tensor, outputs: Any) -> None:
         rt = self.rt
@@ -151,7 +132,7 @@ class _CategoryHooks:
         self.handles = []
 
 
-def _build(
+def build_on_device(
     rt: VirtualDevices, wl: Workload, base: torch.device, device: int
 ) -> tuple[nn.Module, Any, torch.optim.Optimizer, list[nn.Parameter]]:
     with rt.device(device), rt.category("parameters"):
@@ -181,10 +162,10 @@ def _build(
     return model, loss_fn, opt, params
 
 
-def _cast_inputs(x: Any, dtype: torch.dtype) -> Any:
+def cast_inputs(x: Any, dtype: torch.dtype) -> Any:
     if dtype == torch.float32:
         return x
-    return _map(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def run_scenario(
@@ -211,7 +192,7 @@ def run_scenario(
     try:
         with rt, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
                 amp or contextlib.nullcontext()):
-            model, loss_fn, opt, params = _build(rt, wl, base, 0)
+            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0)
             loss_inside = name == DP_LOSS_FORWARD
             wrapped: Any
             if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
@@ -266,10 +247,10 @@ def run_scenario(
                     measure_start = len(rt.events)
                 with rt.device(HOST), rt.category("inputs"):
                     inputs, targets = wl.batch(rows, torch.device("cpu"))
-                    inputs, targets = _cast_inputs(inputs, wl.dtype), targets
+                    inputs, targets = cast_inputs(inputs, wl.dtype), targets
                 with rt.phase("inputs", "inputs"):
-                    inputs = _map(inputs, lambda t: to_device(rt, t, 0))
-                    targets = _map(targets, lambda t: to_device(rt, t, target_dev))
+                    inputs = map_tensors(inputs, lambda t: to_device(rt, t, 0))
+                    targets = map_tensors(targets, lambda t: to_device(rt, t, target_dev))
                 step_start = len(rt.events)
                 loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
                 step_end = len(rt.events)
@@ -359,7 +340,7 @@ CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's 
 
 def context_model(cfg: EmulationConfig, model: nn.Module) -> Any:
     """The context/workspace model for the target GPU (cuDNN where convolutions run)."""
-    from dpprof.gpus import context_overhead
+    from dpprof.emulator.gpus import context_overhead
 
     uses_cudnn = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     return context_overhead(cfg.compute_capability, uses_cudnn=uses_cudnn,
@@ -370,7 +351,7 @@ def _gpu_overheads(result: ScenarioResult, rt: VirtualDevices, cfg: EmulationCon
                    model: nn.Module, used: list[int]) -> None:
     """Per device: the caching allocator's reserve (a simulation of its pools over the
     device's allocation sequence, cuBLAS workspaces included) and the context."""
-    from dpprof.allocator import simulate
+    from dpprof.emulator.allocator import simulate
 
     ctx = context_model(cfg, model)
     per_device: dict[int, list[tuple[str, int, int]]] = {}
@@ -397,7 +378,7 @@ def _gpu_overheads(result: ScenarioResult, rt: VirtualDevices, cfg: EmulationCon
 def gpu_model_notes(ctx: Any) -> list[str]:
     """The assumptions behind reserved and context figures, for the report."""
     return [
-        "reserved: dpprof.allocator's simulation of the CUDA caching allocator (512 B "
+        "reserved: dpprof.emulator.allocator's simulation of the CUDA caching allocator (512 B "
         "rounding, 1 MiB small / large pools, 2 / 20 MiB segments, best-fit splitting and "
         "merging, one stream) over this device's emulated allocation sequence, with "
         f"{CUBLAS_HANDLES_PER_DEVICE} cuBLAS workspaces (forward thread + autograd thread) "

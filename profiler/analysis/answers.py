@@ -1,9 +1,9 @@
 """The answers a comparison adds to its numbers (issue 6), run after the scenarios.
 
-* ``attribution``: why cuda:0 is heavier, by cause (:mod:`dpprof.attribution`);
-* ``fixes``: what each fix buys on this workload, with its code (:mod:`dpprof.fixes`);
-* ``maxbatch``: the largest batch per scenario (:mod:`dpprof.maxbatch`, ``--maxbatch``);
-* ``equivalence``: whether the scenarios compute the same step (:mod:`dpprof.equivalence`,
+* ``attribution``: why cuda:0 is heavier, by cause (:mod:`dpprof.analysis.attribution`);
+* ``fixes``: what each fix buys on this workload, with its code (:mod:`dpprof.analysis.fixes`);
+* ``maxbatch``: the largest batch per scenario (:mod:`dpprof.analysis.maxbatch`, ``--maxbatch``);
+* ``equivalence``: whether the scenarios compute the same step (:mod:`dpprof.analysis.equivalence`,
   with ``--compute``);
 * ``fail_reasons``: the ``--fail-on-imbalance`` / ``--fail-on-oom`` checks (exit 3).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dpprof.attribution import attribute_run
-from dpprof.emulated import EmulationConfig
-from dpprof.gpus import GpuSpec, lookup_gpu
+from dpprof.analysis.attribution import attribute_run
+from dpprof.backends.emulated import EmulationConfig
+from dpprof.emulator.gpus import GpuSpec, lookup_gpu
 from dpprof.result import STATUS_OOM, RunResult
 from dpprof.scenarios.workloads import Workload
 
@@ -57,12 +57,12 @@ def add_answers(
             progress(name, n, n)
 
     if fixes and run.backend == "emulated":
-        from dpprof.fixes import evaluate
+        from dpprof.analysis.fixes import evaluate
 
         step("the fixes")
         run.fixes = evaluate(run, wl, ecfg)
     if maxbatch:
-        from dpprof.maxbatch import run_maxbatch
+        from dpprof.analysis.maxbatch import run_maxbatch
 
         run.maxbatch = run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
@@ -71,7 +71,7 @@ def add_answers(
             progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
         )
     if equivalence:
-        from dpprof.equivalence import check
+        from dpprof.analysis.equivalence import check
 
         step("the math against single")
         run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.seed,

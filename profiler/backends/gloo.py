@@ -1,8 +1,8 @@
-"""The ``cpu`` backend's ``ddp`` ranks: its per-rank body over the shared :mod:`dpprof.ranks`.
+"""The ``cpu`` backend's ``ddp`` ranks: the per-rank body over :mod:`dpprof.backends.ranks`.
 
 The processes (spawn or torchrun), the process group, the timeouts, the failure reporting
-and the gather on rank 0 are :mod:`dpprof.ranks`, shared with the ``cuda`` backend
-(:mod:`dpprof.ddp_launch`: NCCL, CUDA/NVML measurements). Here (gloo by default):
+and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cuda`` backend
+(:mod:`dpprof.backends.cuda_ddp`: NCCL, CUDA/NVML measurements). Here (gloo by default):
 
 * :class:`RankSpec` — everything a rank needs, picklable: the workload spec (a built-in
   name, ``module:function`` or ``file.py:function``: each process loads it itself), rows
@@ -21,15 +21,15 @@ and the gather on rank 0 are :mod:`dpprof.ranks`, shared with the ``cuda`` backe
   options, takes rank r's shard of the global batch, runs ``warmup_steps`` steps and one
   measured step of the shared :func:`dpprof.scenarios.base.train_step`, and returns a
   :class:`RankResult`.
-* :class:`CpuRanks` — the picklable body :mod:`dpprof.ranks` runs in each rank:
+* :class:`CpuRanks` — the picklable body :mod:`dpprof.backends.ranks` runs in each rank:
   :func:`run_rank` for each spec in turn.
 * :func:`launch(spec, world_size)` / :func:`launch_many(specs, world_size)` — dpprof starts
-  the ranks itself (:func:`dpprof.ranks.spawn_ranks`); returns the results by rank, or
+  the ranks itself (:func:`dpprof.backends.ranks.spawn_ranks`); returns the results by rank, or
   raises :class:`DistributedRunError` carrying every failed rank's traceback.
-* :func:`torchrun_main(spec)` — under ``torchrun``: :func:`dpprof.ranks.run_in_group`
+* :func:`torchrun_main(spec)` — under ``torchrun``: :func:`dpprof.backends.ranks.run_in_group`
   from the environment; rank 0 returns every rank's :class:`RankResult` (or raises
   :class:`DistributedRunError`), other ranks return ``None``.
-* :func:`free_port` — from :mod:`dpprof.ranks`.
+* :func:`free_port` — from :mod:`dpprof.backends.ranks`.
 
 Memory with ``memory="profiler"``: the profiler runs from before the model is built, so
 the live bytes at the measured step's start are known: ``peak_requested_bytes`` is the
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from dpprof.memtrace import (
+from dpprof.backends.memtrace import (
     Alloc,
     allocations,
     peak_of,
@@ -55,7 +55,7 @@ from dpprof.memtrace import (
     step_span,
     stop_profiler,
 )
-from dpprof.ranks import (
+from dpprof.backends.ranks import (
     DdpOptions,
     Group,
     RankInfo,
@@ -252,7 +252,7 @@ def _profiler_figures(result: RankResult, events: list[Alloc], t0: int, t1: int)
     result.step_events = [(e.size, e.op, e.ptr) for e in step]
 
 
-# ---- the ranks: the shared layer (dpprof.ranks) runs this body ----------------------------
+# ---- the ranks: the shared layer (dpprof.backends.ranks) runs this body --------------------
 
 
 @dataclass

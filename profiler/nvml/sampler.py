@@ -1,6 +1,6 @@
 """A background thread that samples GPU memory through NVML: the timeline behind each report.
 
-:class:`NvmlSampler` asks an :class:`~dpprof.nvml.NvmlBackend` every ``interval_s`` seconds
+:class:`NvmlSampler` asks an :class:`~dpprof.nvml.libnvml.NvmlBackend` every ``interval_s`` seconds
 (default 0.02 s) for each device's used memory (``nvmlDeviceGetMemoryInfo``), and optionally
 its utilisation and the used memory of given processes, and keeps the readings as
 :class:`Sample` tuples ``(t_s, device, used_bytes, util_percent)``. ``t_s`` is seconds since
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, NamedTuple
 
-from dpprof.nvml import NvmlBackend
+from dpprof.nvml.libnvml import NvmlBackend
 
 __all__ = [
     "DeviceStopped",
@@ -133,7 +133,7 @@ class JsonlSink:
 class NvmlSampler:
     """Samples used memory per device on a background thread.
 
-    ``devices``: NVML indices (map CUDA indices with :mod:`dpprof.devices`). ``utilization``:
+    ``devices``: NVML indices (map CUDA indices with :mod:`dpprof.nvml.devices`). ``utilization``:
     also read ``nvmlDeviceGetUtilizationRates`` (a device that does not support it gets
     ``util_percent=None`` from then on). ``pids``: PIDs (or a callable returning them, asked
     at every tick) whose per-process used memory to record from

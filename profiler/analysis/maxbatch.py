@@ -2,8 +2,9 @@
 
 What must fit on a device is its total: peak *reserved* memory (the caching allocator's
 segments, simulated over the emulated step's allocation events by
-:func:`dpprof.allocator.simulate`) plus the CUDA context and library workspaces
-(:func:`dpprof.gpus.context_overhead`). :func:`fill_reserved_and_context` computes both into
+:func:`dpprof.emulator.allocator.simulate`) plus the CUDA context and library workspaces
+(:func:`dpprof.emulator.gpus.context_overhead`). :func:`fill_reserved_and_context` computes
+both into
 each :class:`DeviceResult` when the backend has not (the ``fidelity`` work fills them in the
 backend itself; then its numbers are used as they are).
 
@@ -20,9 +21,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dpprof.allocator import simulate
-from dpprof.emulated import EmulationConfig, run_scenario
-from dpprof.gpus import GpuSpec, context_overhead
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.allocator import simulate
+from dpprof.emulator.gpus import GpuSpec, context_overhead
+from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -33,7 +35,6 @@ from dpprof.result import (
 )
 from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
-from dpprof.vdevice import VirtualDevices
 
 DEFAULT_UPPER = 1 << 22  # rows: a search bound, reported as "capped" when reached
 DEFAULT_CC = (8, 0)  # compute capability assumed for the context when only --gpu-memory

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.emulated import _build, _cast_inputs, _map
-from dpprof.emulated_parallel import EmulatedDataParallel
+from dpprof.backends.emulated import build_on_device, cast_inputs
+from dpprof.emulator.parallel import EmulatedDataParallel
+from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.result import Equivalence, EquivalenceEntry, EquivalenceFinding
 from dpprof.scenarios.base import (
     DDP,
@@ -42,8 +43,7 @@ from dpprof.scenarios.base import (
     as_args,
     train_step,
 )
-from dpprof.scenarios.workloads import Workload, shard_sizes
-from dpprof.vdevice import VirtualDevices, to_device
+from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 
 TOLERANCE = 1e-4  # relative: float32 sums in another order differ by ~1e-6
 REFERENCE = "single-full-batch"
@@ -115,7 +115,7 @@ def _no_dropout(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 def _batch(wl: Workload, batch: int, seed: int) -> tuple[Any, Any]:
     torch.manual_seed(seed + 1)
     inputs, targets = wl.batch(batch, torch.device("cpu"))
-    return _cast_inputs(inputs, wl.dtype), targets
+    return cast_inputs(inputs, wl.dtype), targets
 
 
 def _step_state(named: list[tuple[str, nn.Parameter]], loss: torch.Tensor,
@@ -131,7 +131,7 @@ def _run_emulated(wl: Workload, name: str, batch: int, gpus: int, seed: int) -> 
     inputs0, targets0 = _batch(wl, batch, seed)
     torch.manual_seed(seed)
     with rt:
-        model, loss_fn, opt, _ = _build(rt, wl, torch.device("cpu"), 0)
+        model, loss_fn, opt, _ = build_on_device(rt, wl, torch.device("cpu"), 0)
         named = _named(model, loss_fn)
         loss_inside = name == DP_LOSS_FORWARD
         wrapped: Any = model
@@ -153,8 +153,8 @@ def _run_emulated(wl: Workload, name: str, batch: int, gpus: int, seed: int) -> 
         hooks = StepHooks(phase=lambda p: rt.device(0), after_forward=after_forward,
                           after_backward=after_backward)
         model.train()
-        inputs = _map(inputs0, lambda t: to_device(rt, t, 0))
-        targets = _map(targets0, lambda t: to_device(rt, t, 0))
+        inputs = map_tensors(inputs0, lambda t: to_device(rt, t, 0))
+        targets = map_tensors(targets0, lambda t: to_device(rt, t, 0))
         torch.manual_seed(seed + 2)  # the dropout stream
         loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
         return _step_state(named, loss, grads, extra)

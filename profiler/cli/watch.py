@@ -1,11 +1,11 @@
-"""The ``dpprof watch`` command (registered on the main app by :func:`register`).
+"""``dpprof watch``: an NVML timeline of any command on real GPUs.
 
     dpprof watch -- python train.py --lr 3e-4
     dpprof watch --interval 0.05 --gpus 0,1 -o run.html -- torchrun --nproc-per-node 2 train.py
     dpprof watch --load dpprof-reports/watch-20261122-001500.samples.jsonl -o run.html
 
 dpprof prints one line on stderr before the command starts and one after it ends; everything
-else on the terminal is the command's. See :mod:`dpprof.watch` for the semantics.
+else on the terminal is the command's. See :mod:`dpprof.watch.monitor` for the semantics.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Annotated
 import typer
 
 from dpprof.errors import DpprofError, UsageError
-from dpprof.nvml import NvmlBackend, default_nvml
+from dpprof.nvml.libnvml import NvmlBackend, default_nvml
 from dpprof.result import ResultFileError, RunResult
 from dpprof.units import fmt_bytes
 
-__all__ = ["nvml_factory", "register", "watch_cmd"]
+__all__ = ["nvml_factory", "watch_cmd"]
 
 #: Where the NVML backend comes from; tests point ``--nvml-backend`` at a fake instead.
 nvml_factory: Callable[[], NvmlBackend] = default_nvml
@@ -137,8 +137,8 @@ def watch_cmd(
 
     Example: dpprof watch -- python train.py --batch-size 256
     """
-    from dpprof.cli import _check_writable, _output_paths, err, write_reports
-    from dpprof.watch import (
+    from dpprof.cli.common import check_writable, err, output_paths, write_reports
+    from dpprof.watch.monitor import (
         SpawnError,
         WatchConfig,
         Watcher,
@@ -148,12 +148,12 @@ def watch_cmd(
 
     try:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        paths = _output_paths(output, f"watch-{stamp}")
+        paths = output_paths(output, f"watch-{stamp}")
         if load is not None:
             if command:
                 raise UsageError("--load runs nothing: give either --load FILE or -- CMD")
             run = load_run(load)
-            _check_writable(paths)
+            check_writable(paths)
             written = write_reports(run, paths, quiet=True)
             if not quiet:
                 err.print(_summary(run, written, load), markup=False, soft_wrap=True)
@@ -173,7 +173,7 @@ def watch_cmd(
                 "the command was not run"
             )
         devices, notes = select_devices(nvml, gpus)
-        _check_writable(paths)
+        check_writable(paths)
         samples = _samples_path(paths)
         cfg = WatchConfig(
             command=list(command), samples_path=samples, interval_s=interval,
@@ -225,12 +225,3 @@ def watch_cmd(
         )
     sys.stdout.flush()
     raise typer.Exit(code=outcome.exit_status)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``watch`` to the ``dpprof`` app."""
-    app.command(
-        "watch",
-        context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
-    )(watch_cmd)
-

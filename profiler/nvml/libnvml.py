@@ -295,7 +295,7 @@ class NvmlBackend(ABC):
     Implementations provide :meth:`status` and the ``_query_*`` primitives, which return a
     value or raise :class:`NvmlQueryError`; the public methods turn a failure into ``None`` and
     remember why (see :meth:`reason`). Device indices are NVML indices (PCI bus order), not
-    CUDA indices: map between them by UUID with :mod:`dpprof.devices`.
+    CUDA indices: map between them by UUID with :mod:`dpprof.nvml.devices`.
     """
 
     def __init__(self) -> None:
@@ -842,7 +842,7 @@ class FakeDevice:
     or a callable of the call number returning them. ``fail``: query name -> reason, to make
     any query (``"name"``, ``"uuid"``, ``"pci_bus_id"``, ...) fail with ``not_supported``.
     ``mig``: the MIG devices of this GPU. Note that :meth:`NvmlBackend.device_info` (and so
-    :func:`dpprof.devices.visible_devices`) reads memory too, taking one reading.
+    :func:`dpprof.nvml.devices.visible_devices`) reads memory too, taking one reading.
     """
 
     uuid: str

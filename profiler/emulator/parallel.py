@@ -35,7 +35,7 @@ from torch._utils import (
     _unflatten_dense_tensors,
 )
 
-from dpprof.vdevice import HOST, VirtualDevices, copy_to
+from dpprof.emulator.vdevice import HOST, VirtualDevices, copy_to
 
 BROADCAST_BUFFER_BYTES = 10 * 1024 * 1024  # comm.broadcast_coalesced / reduce_add_coalesced
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB

@@ -25,8 +25,8 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dpprof.devices import resolve_visible_devices, torch_cuda_uuids
-from dpprof.nvml import NvmlBackend, cuda_version_string, default_nvml
+from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
+from dpprof.nvml.libnvml import NvmlBackend, cuda_version_string, default_nvml
 from dpprof.units import fmt_bytes
 
 __all__ = ["collect_environment", "environment_markdown", "environment_rows"]
@@ -64,7 +64,8 @@ def collect_environment(
 ) -> dict[str, Any]:
     """Collect the environment; never raises.
 
-    ``nvml`` defaults to the process-wide :class:`~dpprof.nvml.RealNvml`. ``environ`` defaults
+    ``nvml`` defaults to the process-wide :class:`~dpprof.nvml.libnvml.RealNvml`. ``environ``
+    defaults
     to ``os.environ``. ``use_cuda=False`` keeps torch from initialising CUDA (GPU facts then
     come from NVML alone).
     """

@@ -1,0 +1,67 @@
+"""The ``dpprof`` command line: the app, and each command registered from its own module.
+
+    dpprof compare --batch 512
+    dpprof maxbatch --workload lm --gpu a100-80gb
+    dpprof watch -- python train.py
+    dpprof report run.json -o run.html
+    dpprof env
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from dpprof import __version__
+from dpprof.cli.common import out
+from dpprof.cli.compare import compare_cmd
+from dpprof.cli.env import env_cmd
+from dpprof.cli.maxbatch import maxbatch_cmd
+from dpprof.cli.report import report_cmd
+from dpprof.cli.watch import watch_cmd
+
+app = typer.Typer(
+    name="dpprof",
+    help="Why does cuda:0 run out of memory under nn.DataParallel, and what should you "
+    "change? dpprof runs your training step as paired scenarios and tells you.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"dpprof {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """dpprof: a DataParallel load-imbalance profiler for PyTorch."""
+
+
+app.command("compare")(compare_cmd)
+app.command("maxbatch")(maxbatch_cmd)
+app.command(
+    "watch",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)(watch_cmd)
+app.command("report")(report_cmd)
+app.command("env")(env_cmd)
+
+
+def main() -> None:
+    try:
+        app()
+    except BrokenPipeError:  # `dpprof ... | head`
+        sys.stderr.close()
+
+
+if __name__ == "__main__":
+    main()

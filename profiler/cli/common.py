@@ -1,0 +1,107 @@
+"""What every command shares: the consoles, output paths, writing reports, one error line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from dpprof.errors import DpprofError, UsageError
+from dpprof.result import RunResult, write_atomic
+from dpprof.scenarios.base import SCENARIOS
+
+err = Console(stderr=True, highlight=False)
+# Piped output gets room for a table of 8 GPUs instead of rich's 80 columns.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+
+FORMATS = {".html": "html", ".json": "json", ".md": "markdown"}
+DEFAULT_DIR = Path("dpprof-reports")
+
+
+def fail(e: Exception, debug: bool) -> typer.Exit:
+    if debug:
+        err.print(traceback.format_exc(), markup=False)
+    code = e.exit_code if isinstance(e, DpprofError) else 1
+    err.print(f"dpprof: error: {e}", markup=False, soft_wrap=True)
+    return typer.Exit(code=code)
+
+
+
+
+def output_paths(outputs: list[Path] | None, stem: str) -> list[tuple[Path, str]]:
+    if not outputs:
+        return [(DEFAULT_DIR / f"{stem}.html", "html"), (DEFAULT_DIR / f"{stem}.json", "json")]
+    result = []
+    for p in outputs:
+        fmt = FORMATS.get(p.suffix.lower())
+        if fmt is None:
+            raise UsageError(
+                f"--output {p}: unknown format {p.suffix or '(no suffix)'}; end the path "
+                f"with one of {', '.join(FORMATS)}"
+            )
+        result.append((p, fmt))
+    return result
+
+
+def check_writable(paths: list[tuple[Path, str]]) -> None:
+    """Fail before measuring, not after, when a report cannot be written."""
+    for p, _ in paths:
+        parent = p.parent if str(p.parent) else Path(".")
+        if p.is_dir():
+            raise UsageError(f"--output {p} is a directory; give a file name such as {p}/run.html")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".dpprof-check-", dir=parent)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            raise UsageError(
+                f"cannot write reports to {parent}/ ({e.strerror or e}); choose another "
+                "place with -o/--output"
+            ) from e
+
+
+def render_to(run: RunResult, fmt: str) -> str:
+    if fmt == "html":
+        from dpprof.reports import html
+
+        return html.render(run)
+    if fmt == "markdown":
+        from dpprof.reports import markdown
+
+        return markdown.render(run)
+    from dpprof.reports import json as json_report
+
+    return json_report.render(run)
+
+
+def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool) -> list[Path]:
+    written = []
+    failures = []
+    for p, fmt in paths:
+        try:
+            written.append(write_atomic(p, render_to(run, fmt)))
+        except OSError as e:
+            failures.append(f"{p}: {e.strerror or e}")
+    for w in written:
+        if not quiet:
+            out.print(f"wrote {w}")
+    if failures:
+        raise DpprofError("could not write " + "; ".join(failures))
+    return written
+
+
+def parse_scenarios(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown or not names:
+        raise UsageError(
+            f"--scenarios {text!r}: unknown {', '.join(unknown) or '(empty)'}; "
+            f"choose from {', '.join(SCENARIOS)} (comma-separated)"
+        )
+    return names

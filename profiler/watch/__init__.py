@@ -1,0 +1,1 @@
+"""`dpprof watch`: an NVML timeline of any command on real GPUs."""
