@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -12,7 +14,7 @@ from dpprof import __version__
 from dpprof.analysis.answers import add_answers, gpu_spec
 from dpprof.analysis.comparison import compare
 from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
-from dpprof.errors import UsageError
+from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP, SCENARIOS
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
@@ -170,7 +172,10 @@ def run_compare(
     run.config["workload_description"] = wl.description
     run.config["workload_shapes"] = dict(wl.shapes)
     if backend == "cuda":
-        return _cuda(cfg, wl, run, progress)
+        try:
+            return _cuda(cfg, wl, run, progress)
+        except (KeyboardInterrupt, Interrupted) as e:
+            raise _interrupted(e, run) from None
     ecfg = EmulationConfig(
         batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
         compute=cfg.compute,
@@ -210,15 +215,18 @@ def run_compare(
     if backend == "cpu":
         ecfg.compute = True
         run.assumptions = cpu_backend_assumptions(cfg)
-    for i, name in enumerate(cfg.scenarios):
-        if progress:
-            progress(name, i, len(cfg.scenarios))
-        if backend == "cpu" and name == DDP:
-            from dpprof.backends.cpu import run_ddp_gloo
+    try:
+        for i, name in enumerate(cfg.scenarios):
+            if progress:
+                progress(name, i, len(cfg.scenarios))
+            if backend == "cpu" and name == DDP:
+                from dpprof.backends.cpu import run_ddp_gloo
 
-            run.scenarios.append(run_ddp_gloo(cfg.workload, gpus, cfg))
-        else:
-            run.scenarios.append(run_scenario(name, wl, ecfg))
+                run.scenarios.append(run_ddp_gloo(cfg.workload, gpus, cfg))
+            else:
+                run.scenarios.append(run_scenario(name, wl, ecfg))
+    except (KeyboardInterrupt, Interrupted) as e:
+        raise _interrupted(e, run) from None
     if backend == "emulated":
         from dpprof.backends.emulated import context_model, gpu_model_notes
 
@@ -239,6 +247,28 @@ def run_compare(
         scenarios=cfg.scenarios, fail_on_imbalance=cfg.fail_on_imbalance,
         fail_on_oom=cfg.fail_on_oom, progress=progress,
     )
+
+
+def _interrupted(e: BaseException, run: RunResult) -> Interrupted:
+    """SIGINT/SIGTERM during the scenarios: carry what was measured (the CLI writes it)."""
+    signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+    return Interrupted(signum, partial=run if run.scenarios else None)
+
+
+def mark_partial(run: RunResult, signum: int) -> RunResult:
+    """An interrupted run as a result: its comparison over the scenarios measured, marked
+    partial (``interrupted``, the verdict and a note say so in every format)."""
+    name = signal.Signals(signum).name
+    run.interrupted = name
+    with contextlib.suppress(Exception):  # what was measured is still worth keeping
+        run.comparison = compare(run)
+    done = ", ".join(s.name for s in run.scenarios) or "none"
+    asked = run.config.get("scenarios") or []
+    head = (f"Partial result: interrupted by {name} after {len(run.scenarios)} of "
+            f"{len(asked) or '?'} scenarios ({done}).")
+    run.comparison.verdict = f"{head} {run.comparison.verdict}".strip()
+    run.notes.append(head)
+    return run
 
 
 def environment(backend: str) -> dict[str, object]:

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpprof.errors import DpprofError
+
 SCHEMA_VERSION = 1
 
 # Categories of memory, one name each, used by the emulator's breakdown and the reports.
@@ -179,6 +181,7 @@ class MaxBatchEntry:
     capped: bool = False  # the search stopped at its upper bound, not at the memory
     emulations: int = 0  # emulated steps the search ran
     message: str = ""
+    errored: bool = False  # the step raised (not out of memory): nothing was measured
 
 
 @dataclass
@@ -246,6 +249,8 @@ class RunResult:
     maxbatch: MaxBatch | None = None
     equivalence: Equivalence | None = None
     fail_reasons: list[str] = field(default_factory=list)  # --fail-on-* checks that failed
+    # "SIGINT" | "SIGTERM": cut short; ``scenarios`` holds those measured before (partial)
+    interrupted: str | None = None
 
     def scenario(self, name: str) -> ScenarioResult | None:
         for s in self.scenarios:
@@ -325,8 +330,8 @@ class WatchResult:
     next_steps: list[str] = field(default_factory=list)  # dpprof checks to run next
 
 
-class ResultFileError(Exception):
-    """A file that is missing, not JSON, not a dpprof result, or from a newer dpprof."""
+class ResultFileError(DpprofError):
+    """A file that is missing, not JSON, not a dpprof result, or from a newer dpprof: exit 1."""
 
 
 def _from_dict(tp: Any, data: Any) -> Any:

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpprof.analysis.attribution import CAUSES
+from dpprof.reports.escape import code_fence, code_span, markdown_text
 from dpprof.result import Fix, RunResult
 from dpprof.units import fmt_bytes
 
@@ -165,38 +166,44 @@ def maxbatch_renderable(run: RunResult) -> Group:
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    lines = ["| " + " | ".join(markdown_text(h) for h in header) + " |",
+             "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(markdown_text(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def markdown_sections(run: RunResult, parts: tuple[str, ...] = ("attribution", "fixes",
                                                                   "maxbatch", "equivalence",
                                                                   "checks")) -> str:
-    """The answers as Markdown sections; ``parts`` picks which."""
+    """The answers as Markdown sections; ``parts`` picks which. Every string from the result
+    goes through :func:`dpprof.reports.escape.markdown_text` (code through a fence longer
+    than any run of backticks in it)."""
+    m = markdown_text
     out: list[str] = []
     for name, causes, excess, answer in attribution_rows(run) if "attribution" in parts else []:
-        out.append(f"### Why cuda:0 is heavier under `{name}` ({fmt_bytes(excess, signed=True)})"
+        out.append(f"### Why cuda:0 is heavier under {code_span(name)} "
+                   f"({m(fmt_bytes(excess, signed=True))})"
                    "\n\n" + _md_table(["cause", "bytes"],
                                       [[lbl, fmt_bytes(v, signed=True)] for lbl, v in causes])
-                   + f"\n\n{answer}."
-                   + (f" {NEGATIVE_NOTE}" if any(v < 0 for _, v in causes) else ""))
+                   + f"\n\n{m(answer)}."
+                   + (f" {m(NEGATIVE_NOTE)}" if any(v < 0 for _, v in causes) else ""))
     if run.fixes and "fixes" in parts:
         out.append("### What each fix buys\n\n" + _md_table(FIX_HEADER, fix_rows(run)))
         for f in run.fixes:
-            out.append(f"**{f.title}**: {f.detail}\n\n```diff\n{f.code}\n```")
+            out.append(f"**{m(f.title)}**: {m(f.detail)}\n\n{code_fence(f.code, 'diff')}")
     if run.maxbatch is not None and "maxbatch" in parts:
         mb = run.maxbatch
-        out.append(f"### Largest batch on {_gpu_label(run)}\n\nMultiples of {mb.multiple_of};"
-                   f" counts {mb.counts}.\n\n" + _md_table(MAXBATCH_HEADER, maxbatch_rows(run)))
+        out.append(f"### Largest batch on {m(_gpu_label(run))}\n\nMultiples of "
+                   f"{mb.multiple_of}; counts {m(mb.counts)}.\n\n"
+                   + _md_table(MAXBATCH_HEADER, maxbatch_rows(run)))
     if run.equivalence is not None and "equivalence" in parts:
         eq = run.equivalence
         out.append(f"### Same math?\n\nEach scenario against `single` on the full batch "
                    f"({eq.batch} rows, tolerance {eq.tolerance:g}).\n\n"
                    + _md_table(EQ_HEADER, equivalence_rows(run))
-                   + "".join(f"\n\n- **{f.kind}**: {f.message}" for f in eq.findings))
+                   + "".join(f"\n\n- **{m(f.kind)}**: {m(f.message)}" for f in eq.findings))
     if run.fail_reasons and "checks" in parts:
-        out.append("### Checks failed\n\n" + "\n".join(f"- {r}" for r in run.fail_reasons))
+        out.append("### Checks failed\n\n" + "\n".join(f"- {m(r)}" for r in run.fail_reasons))
     return "\n\n".join(out) + ("\n" if out else "")
 
 

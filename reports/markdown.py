@@ -31,6 +31,7 @@ from dpprof.reports.common import (
     provenance,
     used_devices,
 )
+from dpprof.reports.escape import markdown_text, mermaid_label
 from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
 from dpprof.units import fmt_bytes
 
@@ -39,21 +40,16 @@ BAR_COLOURS = {
     "dp-loss-primary": "#c44e52", "dp-loss-forward": "#dd8452", "ddp": "#55a868",
     "single": "#8c8c8c",
 }
-_SPECIAL = re.compile(r"([\\`*_\[\]<>|#!~])")
 
 
 def md(x: object) -> str:
-    """Text for Markdown (tables included): one line, every special character escaped."""
-    text = " ".join(str(x).split())
-    text = text.replace("&", "&amp;")
-    return _SPECIAL.sub(lambda m: "&lt;" if m.group(1) == "<" else "&gt;" if m.group(1) == ">"
-                        else "\\" + m.group(1), text)
+    """Text for Markdown (tables included): :func:`dpprof.reports.escape.markdown_text`."""
+    return markdown_text(x)
 
 
 def _mermaid_str(x: object) -> str:
-    """A quoted mermaid string: no quotes, brackets or newlines inside."""
-    text = re.sub(r'["\[\]\n\r`<>#;]', " ", str(x))
-    return '"' + " ".join(text.split()) + '"'
+    """A quoted mermaid string: :func:`dpprof.reports.escape.mermaid_label`."""
+    return mermaid_label(x)
 
 
 def _fence(text: str, lang: str = "") -> str:

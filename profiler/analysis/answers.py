@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dpprof.analysis.attribution import attribute_run
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
+from dpprof.errors import EXIT_CHECK_FAILED  # noqa: F401 (the policy's 3, for old importers)
 from dpprof.result import STATUS_OOM, RunResult
 from dpprof.scenarios.workloads import Workload
-
-EXIT_CHECK_FAILED = 3  # --fail-on-imbalance / --fail-on-oom
 
 
 def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,

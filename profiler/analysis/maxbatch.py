@@ -227,6 +227,7 @@ def run_maxbatch(
                               emulations=len(probes))
         if best is None:
             p = probes[multiple_of]
+            entry.errored = p.status not in (STATUS_OK, STATUS_OOM)
             entry.message = (p.message if p.status not in (STATUS_OK, STATUS_OOM)
                              else f"batch {multiple_of} does not fit: needs "
                              f"{fmt_bytes(p.worst_total_bytes)} on cuda:{p.worst_device}")

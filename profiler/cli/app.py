@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Annotated
 
@@ -18,9 +19,11 @@ from dpprof import __version__
 from dpprof.cli.common import out
 from dpprof.cli.compare import compare_cmd
 from dpprof.cli.env import env_cmd
+from dpprof.cli.guard import install_signal_handlers, interrupted_line
 from dpprof.cli.maxbatch import maxbatch_cmd
 from dpprof.cli.report import report_cmd
 from dpprof.cli.watch import watch_cmd
+from dpprof.errors import EXIT_SIGINT, EXIT_STATUS_HELP, WATCH_EXIT_STATUS_HELP, Interrupted
 
 app = typer.Typer(
     name="dpprof",
@@ -30,6 +33,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
+    epilog=EXIT_STATUS_HELP,
 )
 def _version(value: bool) -> None:
     if value:
@@ -46,21 +50,31 @@ def _main(
     """dpprof: a DataParallel load-imbalance profiler for PyTorch."""
 
 
-app.command("compare")(compare_cmd)
-app.command("maxbatch")(maxbatch_cmd)
+app.command("compare", epilog=EXIT_STATUS_HELP)(compare_cmd)
+app.command("maxbatch", epilog=EXIT_STATUS_HELP)(maxbatch_cmd)
 app.command(
     "watch",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    epilog=WATCH_EXIT_STATUS_HELP,
 )(watch_cmd)
-app.command("report")(report_cmd)
-app.command("env")(env_cmd)
+app.command("report", epilog=EXIT_STATUS_HELP)(report_cmd)
+app.command("env", epilog=EXIT_STATUS_HELP)(env_cmd)
 
 
 def main() -> None:
+    """The ``dpprof`` entry point: SIGTERM unwinds as Ctrl-C does (children ended, temporary
+    files removed), and an interrupt outside a command's guard still exits 130/143."""
+    install_signal_handlers()
     try:
         app()
     except BrokenPipeError:  # `dpprof ... | head`
         sys.stderr.close()
+    except Interrupted as e:
+        print(interrupted_line(e.signum), file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print(interrupted_line(signal.SIGINT), file=sys.stderr)
+        sys.exit(EXIT_SIGINT)
 
 
 if __name__ == "__main__":

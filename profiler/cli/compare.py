@@ -16,12 +16,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from dpprof.cli.common import (
     check_writable,
     err,
-    fail,
     out,
     output_paths,
     parse_scenarios,
     write_reports,
 )
+from dpprof.cli.guard import exit_for_run, guarded
 from dpprof.cli.options import (
     COUNT_RESERVED,
     FAIL_ON_IMBALANCE,
@@ -30,11 +30,14 @@ from dpprof.cli.options import (
     GPU,
     MAXBATCH,
     MULTIPLE_OF,
+    check_bounds,
     exit_on_fail_reasons,
     gpu_memory_and_spec,
 )
-from dpprof.errors import DpprofError, UsageError
-from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, resolve_backend
+from dpprof.errors import UsageError
+from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, mark_partial, resolve_backend
+from dpprof.reports.escape import for_terminal, terminal_text
+from dpprof.result import RunResult
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.workloads import BUILTINS, DEFAULT
 from dpprof.units import fmt_bytes
@@ -140,7 +143,7 @@ def compare_cmd(
                            help="DDP: broadcast_buffers=False (no buffer sync per forward).")
     ] = False,
     output: Annotated[
-        list[Path] | None,
+        list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
             "--output", "-o",
             help="Report file; repeat for several. The suffix picks the format (.html, .json, "
@@ -169,7 +172,12 @@ def compare_cmd(
     from dpprof.pipeline import run_compare
     from dpprof.reports import terminal
 
-    try:
+    paths: list[tuple[Path, str]] = []
+
+    def write_partial(partial: RunResult, signum: int) -> list[str]:
+        return [str(p) for p in write_reports(mark_partial(partial, signum), paths, True)]
+
+    with guarded(debug, on_interrupt=write_partial):
         memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
         from dpprof.backends.cuda_ddp import torchrun_info
 
@@ -201,8 +209,13 @@ def compare_cmd(
             broadcast_buffers=not no_broadcast_buffers, dtype=dtype, amp=amp,
         )
         cfg.validate()
+        check_bounds({"--batch": batch, "--gpus": gpus, "--seed": seed, "--warmup": warmup,
+                      "--steps": steps, "--multiple-of": multiple_of,
+                      "--nvml-interval": nvml_interval, "--ddp-timeout": ddp_timeout,
+                      "--bucket-cap-mb": bucket_cap_mb,
+                      "--fail-on-imbalance": fail_on_imbalance})
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        paths = output_paths(output, f"compare-{stamp}")
+        paths[:] = output_paths(output, f"compare-{stamp}")
         check_writable(paths)
         resolved = resolve_backend(cfg.backend, cfg.device_kind)
         from dpprof.scenarios.workloads import load_workload
@@ -212,7 +225,7 @@ def compare_cmd(
         if resolved == "cpu" and not quiet:
             err.print(
                 f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
-                f"processes); workload {wl.name}, batch {batch}"
+                f"processes); workload {terminal_text(wl.name)}, batch {batch}"
             )
         if resolved == "emulated" and not quiet:
             from dpprof.pipeline import visible_cuda_gpus
@@ -223,7 +236,7 @@ def compare_cmd(
             kind = "CPU tensors" if compute else "meta tensors, memory only"
             err.print(
                 f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
-                f"({kind}); workload {wl.name}, batch {batch}"
+                f"({kind}); workload {terminal_text(wl.name)}, batch {batch}"
             )
         if resolved == "cuda" and not quiet:
             where = f"torchrun rank 0 of {rank.world_size}" if rank else (
@@ -232,7 +245,8 @@ def compare_cmd(
             )
             mode = " (test mode: CPU tensors, gloo)" if cpu_test_mode else ""
             err.print(
-                f"dpprof: measuring on {where}{mode}; workload {wl.name}, batch {batch}, "
+                f"dpprof: measuring on {where}{mode}; workload {terminal_text(wl.name)}, "
+                f"batch {batch}, "
                 f"{cfg.warmup if cfg.warmup is not None else 3} warm-up + "
                 f"{cfg.steps or 10} measured steps"
             )
@@ -254,18 +268,9 @@ def compare_cmd(
         if run is None:  # a torchrun rank other than 0: rank 0 writes the report
             return
         if not quiet:
-            out.print(terminal.render(run))
+            out.print(terminal.render(for_terminal(run)))
         write_reports(run, paths, quiet)
-    except (DpprofError, OSError) as e:
-        raise fail(e, debug) from None
-    except KeyboardInterrupt:
-        err.print("dpprof: interrupted")
-        raise typer.Exit(code=130) from None
-    except Exception as e:  # a bug in dpprof: say so, in one line unless --debug
-        if debug:
-            raise
-        err.print(f"dpprof: internal error: {type(e).__name__}: {e} (rerun with --debug)")
-        raise typer.Exit(code=1) from None
+    exit_for_run(run)
     exit_on_fail_reasons(run, err)
 
 

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from dpprof.cli.common import fail, out
+from dpprof.cli.common import out
+from dpprof.cli.guard import guarded
 
 
 def env_cmd(
@@ -24,7 +25,7 @@ def env_cmd(
 
     from dpprof.environment import collect_environment, environment_markdown, environment_rows
 
-    try:
+    with guarded(debug):
         env = collect_environment()
         if markdown:
             sys.stdout.write(environment_markdown(env))
@@ -35,5 +36,3 @@ def env_cmd(
         for label, value in environment_rows(env):
             table.add_row(label, value)
         out.print(table)
-    except Exception as e:
-        raise fail(e, debug) from None

@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,15 +13,16 @@ import typer
 from dpprof.cli.common import (
     check_writable,
     err,
-    fail,
     out,
     output_paths,
     parse_scenarios,
     write_reports,
 )
-from dpprof.cli.options import GPU, MULTIPLE_OF, gpu_memory_and_spec
+from dpprof.cli.guard import guarded
+from dpprof.cli.options import GPU, MULTIPLE_OF, check_bounds, gpu_memory_and_spec
 from dpprof.emulator.gpus import GpuSpec
-from dpprof.errors import DpprofError, UsageError
+from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
@@ -44,7 +43,7 @@ def maxbatch_cmd(
     ] = "dp-loss-primary,dp-loss-forward,ddp,single",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     output: Annotated[
-        list[Path] | None,
+        list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", help="Also write the result (.json, .html)."),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
@@ -61,19 +60,21 @@ def maxbatch_cmd(
     from dpprof.reports.answers import maxbatch_renderable
     from dpprof.scenarios.workloads import load_workload
 
-    try:
+    with guarded(debug):
         memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
         if gpus < 1:
             raise UsageError(f"--gpus must be at least 1, got {gpus}")
         if multiple_of < 1:
             raise UsageError(f"--multiple-of must be at least 1, got {multiple_of}")
+        check_bounds({"--gpus": gpus, "--multiple-of": multiple_of, "--seed": seed})
         names = parse_scenarios(scenarios)
         paths = output_paths(output, "maxbatch") if output else []
         check_writable(paths)
         wl = load_workload(workload)
         if not quiet:
             err.print(
-                f"dpprof: searching the largest batch of {wl.name} on {gpus} emulated GPUs of "
+                f"dpprof: searching the largest batch of {terminal_text(wl.name)} on {gpus} "
+                "emulated GPUs of "
                 f"{fmt_bytes(memory)}{f' ({spec.key})' if spec else ''}, multiples "
                 f"of {multiple_of}"
             )
@@ -87,17 +88,14 @@ def maxbatch_cmd(
             environment=environment("emulated"), maxbatch=mb,
         )
         if not quiet:
-            out.print(maxbatch_renderable(run))
+            out.print(maxbatch_renderable(for_terminal(run)))
         if paths:
             write_reports(run, paths, quiet)
-    except DpprofError as e:
-        raise fail(e, debug) from None
-    except Exception as e:
-        if debug:
-            raise
-        print(f"dpprof: internal error: {type(e).__name__}: {e} (rerun with --debug)",
-              file=sys.stderr)
-        raise typer.Exit(code=1) from None
+    errored = [e.scenario for e in mb.entries if e.errored]
+    if errored:
+        err.print(f"dpprof: {len(errored)} scenario(s) errored: {', '.join(errored)} "
+                  "(exit status 1)", markup=False)
+        raise typer.Exit(code=EXIT_ERROR)
 
 
 def _config(workload: str, gpus: int, memory: int, spec: GpuSpec | None, multiple_of: int,

@@ -5,15 +5,40 @@
 
 from __future__ import annotations
 
+import math
+
 import typer
 from rich.console import Console
 
 from dpprof.emulator.gpus import GpuSpec, known_gpus, lookup_gpu
-from dpprof.errors import UsageError
+from dpprof.errors import EXIT_CHECK_FAILED, UsageError
 from dpprof.result import RunResult
 from dpprof.units import parse_bytes
 
 DEFAULT_MEMORY = "80GiB"
+
+# Every numeric option's range (inclusive), checked after the options' own lower-bound
+# messages: upper bounds keep a typo from running for minutes (--gpus 10000), floats must be
+# finite (NaN passes every comparison).
+MAX_GPUS = 64  # nn.DataParallel is one process on one node; 64 emulated GPUs take ~20 s
+MAX_BATCH = 2**30  # rows
+MAX_SEED = 2**63 - 1 - 10**6  # torch.manual_seed's range, less the per-step offsets
+MAX_GPU_MEMORY_BYTES = 2**50  # 1 PiB per GPU
+BOUNDS: dict[str, tuple[float, float]] = {
+    "--batch": (1, MAX_BATCH),
+    "--gpus": (1, MAX_GPUS),
+    "--seed": (0, MAX_SEED),
+    "--warmup": (0, 1000),
+    "--steps": (1, 100_000),
+    "--multiple-of": (1, MAX_BATCH),
+    "--nvml-interval": (0.001, 60.0),
+    "--ddp-timeout": (1.0, 7 * 24 * 3600.0),
+    "--bucket-cap-mb": (1e-6, 2**20),
+    "--fail-on-imbalance": (1.0, 1e6),
+    "--gpu-memory": (1, MAX_GPU_MEMORY_BYTES),
+    "--interval": (0.001, 3600.0),
+    "--kill-after": (0.0, 7 * 24 * 3600.0),
+}
 
 GPU = typer.Option(
     "--gpu", help="A GPU from the catalog (e.g. a100-80gb, h100-80gb, rtx-4090): its memory, "
@@ -47,15 +72,35 @@ def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec 
     if gpu_memory is None:
         return (spec.total_memory_bytes if spec else parse_bytes(DEFAULT_MEMORY)), spec
     try:
-        return parse_bytes(gpu_memory), spec
-    except ValueError as e:
+        memory = parse_bytes(gpu_memory)
+    except (ValueError, OverflowError) as e:
         raise UsageError(f"--gpu-memory: {e}") from e
+    if memory > MAX_GPU_MEMORY_BYTES:
+        raise UsageError(f"--gpu-memory {gpu_memory}: more than 1 PiB per GPU; give the "
+                         "memory of one GPU, e.g. 80GiB")
+    return memory, spec
+
+
+def check_bounds(values: dict[str, float | int | None]) -> None:
+    """Refuse a value outside :data:`BOUNDS` (or not finite) in one line naming the option."""
+    for opt, value in values.items():
+        if value is None or isinstance(value, bool):
+            continue
+        lo, hi = BOUNDS[opt]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{opt} {value}: give a finite number from {_num(lo)} to "
+                             f"{_num(hi)}")
+        if not lo <= value <= hi:
+            raise UsageError(f"{opt} {value}: out of range; give a number from {_num(lo)} to "
+                             f"{_num(hi)}")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 def exit_on_fail_reasons(run: RunResult, err: Console) -> None:
     """Exit 3 with one line per failed --fail-on-* check."""
-    from dpprof.analysis.answers import EXIT_CHECK_FAILED
-
     for reason in run.fail_reasons:
         err.print(f"dpprof: check failed: {reason}", markup=False, soft_wrap=True)
     if run.fail_reasons:

@@ -11,9 +11,11 @@ from typing import Annotated
 
 import typer
 
-from dpprof.cli.common import check_writable, fail, out, output_paths, write_reports
+from dpprof.cli.common import check_writable, out, output_paths, write_reports
+from dpprof.cli.guard import guarded
 from dpprof.errors import DpprofError, UsageError
-from dpprof.result import ResultFileError, RunResult, load, write_atomic
+from dpprof.reports.escape import for_terminal, terminal_text
+from dpprof.result import RunResult, load, write_atomic
 
 
 def _load_any(path: Path) -> RunResult:
@@ -35,7 +37,7 @@ def report_cmd(
         ),
     ],
     output: Annotated[
-        list[Path] | None,
+        list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
             "--output", "-o",
             help="Write these files instead of printing; the suffix picks the format (.html, "
@@ -50,7 +52,7 @@ def report_cmd(
     """
     from dpprof.reports import terminal
 
-    try:
+    with guarded(debug):
         if len(results) > 2:
             raise UsageError(
                 f"report takes one result, or two to compare (before after); got {len(results)}"
@@ -59,7 +61,7 @@ def report_cmd(
         runs = [_load_any(r) for r in results]
         if len(runs) == 1:
             if not paths:
-                out.print(terminal.render(runs[0]))
+                out.print(terminal.render(for_terminal(runs[0])))
                 return
             check_writable(paths)
             write_reports(runs[0], paths, quiet=False)
@@ -67,8 +69,9 @@ def report_cmd(
         from dpprof.reports import diff
 
         rd = diff.diff(runs[0], runs[1])
+        trd = diff.diff(for_terminal(runs[0]), for_terminal(runs[1]))
         if not paths:
-            out.print(diff.render_terminal(rd))
+            out.print(diff.render_terminal(trd))
             return
         renderers = {"html": diff.render_html, "markdown": diff.render_markdown}
         for p, fmt in paths:
@@ -82,8 +85,4 @@ def report_cmd(
                 write_atomic(p, renderers[fmt](rd))
             except OSError as e:
                 raise DpprofError(f"could not write {p}: {e.strerror or e}") from e
-            out.print(f"wrote {p}")
-    except ResultFileError as e:
-        raise fail(DpprofError(str(e)), debug) from None
-    except DpprofError as e:
-        raise fail(e, debug) from None
+            out.print(f"wrote {terminal_text(str(p))}", soft_wrap=True)

@@ -90,7 +90,7 @@ def watch_cmd(
         float, typer.Option("--interval", "-i", help="Seconds between two NVML readings.")
     ] = 0.1,
     output: Annotated[
-        list[Path] | None,
+        list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
             "--output", "-o",
             help="Report file; repeat for several (.html, .json). The samples are written "
