@@ -360,19 +360,33 @@ def _gpu_overheads(result: ScenarioResult, rt: VirtualDevices, cfg: EmulationCon
             continue  # host storages; a 0-byte storage takes no block
         kind = "alloc" if ev.requested > 0 else "free"
         per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
+    ws = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
+    simulated: dict[Any, Any] = {}  # one simulation per distinct allocation sequence
     for d in result.devices:
         # DDP: every rank runs the same program, rank 0's sequence stands for all
         src = 0 if result.name == DDP else d.index
         if not d.used:
             continue
-        ws = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
-        events = ws + per_device.get(src, [])
-        stats = simulate(events, timeline_points=None, stop_on_oom=False)
+        seq = per_device.get(src, [])
+        key = _sequence_key(seq)
+        stats = simulated.get(key)
+        if stats is None:
+            stats = simulate(ws + seq, timeline_points=None, stop_on_oom=False)
+            simulated[key] = stats
         d.peak_reserved_bytes = stats.peak_reserved_bytes
         d.workspace_bytes = ctx.workspace_bytes
         d.context_bytes = ctx.outside_allocator_bytes
         d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
                                      if v and k in ("cuda_context", "cudnn_library")}
+
+
+def _sequence_key(seq: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
+    """An allocation sequence up to the names of its storages (serials renumbered in order
+    of first appearance): two devices with equal keys simulate alike (DataParallel's
+    replicas on equal shards, DDP's ranks)."""
+    names: dict[int, int] = {}
+    return tuple((kind, names.setdefault(serial, len(names)), size)
+                 for kind, serial, size in seq)
 
 
 def gpu_model_notes(ctx: Any) -> list[str]:
