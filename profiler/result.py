@@ -9,16 +9,48 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Ge, Le, MaxLen, Predicate
 
 from dpprof.errors import DpprofError
 
 SCHEMA_VERSION = 1
+
+# ---- what a result may hold (checked on load, see :func:`load`) --------------------------
+# The field types below carry their ranges (annotated_types: pydantic checks them on load,
+# plain dataclasses ignore them): a renderer never receives a value the model does not allow.
+MAX_BYTES = 2**60  # 1 EiB: any sum of a few of them stays exact in a float's range
+MAX_DEVICES = 1024  # devices (GPUs, ranks) of one scenario; a result's `gpus`
+MAX_SCENARIOS = 64
+MAX_ALL_DEVICES = 4 * MAX_DEVICES  # over every scenario (the terminal's table is gpus x these)
+MAX_POINTS = 2_000_000  # timeline points of one device
+MAX_ITEMS = 100_000  # any other list or mapping
+MAX_TEXT = 1_000_000  # characters of one string (a traceback, a note)
+MAX_RESULT_FILE_BYTES = 64 * 2**20  # `dpprof report` reads regular files up to 64 MiB
+Bytes = Annotated[int, Ge(0), Le(MAX_BYTES)]
+SignedBytes = Annotated[int, Ge(-MAX_BYTES), Le(MAX_BYTES)]
+Index = Annotated[int, Ge(0), Le(MAX_DEVICES)]  # a device, rank or node number; a GPU count
+Count = Annotated[int, Ge(0), Le(2**53)]
+Int = Annotated[int, Ge(-(2**63)), Le(2**64 - 1)]
+Float = float  # finite: every dataclass here refuses NaN and infinities (see _adapter)
+Text = Annotated[str, MaxLen(MAX_TEXT)]
+TextList = Annotated[list[Text], MaxLen(MAX_ITEMS)]
+BytesMap = Annotated[dict[Text, SignedBytes], MaxLen(MAX_ITEMS)]
+
+
+def _is_status(value: str) -> bool:
+    return value in (STATUS_OK, STATUS_OOM, STATUS_ERROR)
+
+
+Status = Annotated[str, Predicate(_is_status)]  # "ok" | "oom" | "error"
 
 # Categories of memory, one name each, used by the emulator's breakdown and the reports.
 CATEGORIES: tuple[str, ...] = (
@@ -42,51 +74,51 @@ STATUS_ERROR = "error"
 class TimelinePoint:
     """Memory on one device at one moment of the measured step."""
 
-    t: float  # seconds since the step began (measured) or event index (emulated)
-    allocated_bytes: int
-    phase: str = ""
-    used_bytes: int | None = None  # NVML's "used" at this moment (real GPUs only)
+    t: Float  # seconds since the step began (measured) or event index (emulated)
+    allocated_bytes: Bytes
+    phase: Text = ""
+    used_bytes: Bytes | None = None  # NVML's "used" at this moment (real GPUs only)
 
 
 @dataclass
 class DeviceResult:
     """What one device held during one scenario's measured step."""
 
-    index: int  # cuda index (or virtual device index); DDP: the rank's device
-    peak_allocated_bytes: int = 0  # allocator blocks, rounded as the CUDA allocator rounds
-    peak_requested_bytes: int = 0  # bytes the tensors asked for, before rounding
-    capacity_bytes: int = 0
+    index: Index  # cuda index (or virtual device index); DDP: the rank's device
+    peak_allocated_bytes: Bytes = 0  # allocator blocks, rounded as the CUDA allocator rounds
+    peak_requested_bytes: Bytes = 0  # bytes the tensors asked for, before rounding
+    capacity_bytes: Bytes = 0
     # bytes per category at the moment of peak_allocated_bytes (sums to it)
-    breakdown_bytes: dict[str, int] = field(default_factory=dict)
-    peak_reserved_bytes: int | None = None  # caching-allocator segments (measured or simulated)
-    context_bytes: int | None = None  # CUDA context + library workspaces (measured or modelled)
-    nvml_peak_used_bytes: int | None = None  # NVML's view (real GPUs only)
-    peak_phase: str = ""  # the phase of the step in which the peak happened
-    rank: int | None = None  # DDP rank, where the device belongs to one
-    node: str | None = None  # host name (DDP across nodes)
+    breakdown_bytes: BytesMap = field(default_factory=dict)
+    peak_reserved_bytes: Bytes | None = None  # caching-allocator segments (measured or simulated)
+    context_bytes: Bytes | None = None  # CUDA context + library workspaces (measured or modelled)
+    nvml_peak_used_bytes: Bytes | None = None  # NVML's view (real GPUs only)
+    peak_phase: Text = ""  # the phase of the step in which the peak happened
+    rank: Index | None = None  # DDP rank, where the device belongs to one
+    node: Text | None = None  # host name (DDP across nodes)
     used: bool = True  # False when the scenario put no work on this device
-    batch_rows: int = 0  # rows of the batch this device computed
-    timeline: list[TimelinePoint] = field(default_factory=list)
+    batch_rows: Count = 0  # rows of the batch this device computed
+    timeline: Annotated[list[TimelinePoint], MaxLen(MAX_POINTS)] = field(default_factory=list)
     # ---- real GPUs (cuda backend); None where not measured -------------------------------
-    cuda_index: int | None = None  # the physical CUDA index (index is the position/rank)
-    uuid: str | None = None  # GPU-... (or MIG-...), as NVML and nvidia-smi -L print it
-    nvml_index: int | None = None  # matched by UUID, never by position
-    nvml_reason: str | None = None  # why NVML's view is missing, when it is
-    nvml_unexplained_bytes: int | None = None  # NVML peak used minus peak reserved
-    nvml_baseline_used_bytes: int | None = None  # NVML used at the first sample
-    gpu_utilization_mean_percent: float | None = None  # NVML, over the scenario
-    gpu_utilization_max_percent: int | None = None
-    process_used_bytes: dict[str, int] = field(default_factory=dict)  # pid -> NVML peak
-    phase_peak_allocated_bytes: dict[str, int] = field(default_factory=dict)  # first measured
-    phase_peak_reserved_bytes: dict[str, int] = field(default_factory=dict)  # step, per phase
+    cuda_index: Index | None = None  # the physical CUDA index (index is the position/rank)
+    uuid: Text | None = None  # GPU-... (or MIG-...), as NVML and nvidia-smi -L print it
+    nvml_index: Index | None = None  # matched by UUID, never by position
+    nvml_reason: Text | None = None  # why NVML's view is missing, when it is
+    nvml_unexplained_bytes: SignedBytes | None = None  # NVML peak used minus peak reserved
+    nvml_baseline_used_bytes: Bytes | None = None  # NVML used at the first sample
+    gpu_utilization_mean_percent: Float | None = None  # NVML, over the scenario
+    gpu_utilization_max_percent: Int | None = None
+    process_used_bytes: BytesMap = field(default_factory=dict)  # pid -> NVML peak
+    phase_peak_allocated_bytes: BytesMap = field(default_factory=dict)  # first measured
+    phase_peak_reserved_bytes: BytesMap = field(default_factory=dict)  # step, per phase
     allocator_stats: bool = False  # peak_* came from torch.cuda's allocator statistics
-    node_rank: int | None = None  # torchrun GROUP_RANK (the node's number)
-    local_rank: int | None = None  # torchrun LOCAL_RANK
+    node_rank: Index | None = None  # torchrun GROUP_RANK (the node's number)
+    local_rank: Index | None = None  # torchrun LOCAL_RANK
     # Library workspaces served by the caching allocator (cuBLAS per handle and stream),
     # included in peak_reserved_bytes (modelled or measured); never in peak_allocated_bytes.
-    workspace_bytes: int | None = None
+    workspace_bytes: Bytes | None = None
     # context_bytes split by component (cuda_context, cudnn_library, ...), when modelled
-    context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
+    context_breakdown_bytes: BytesMap = field(default_factory=dict)
 
     @property
     def total_peak_bytes(self) -> int:
@@ -97,26 +129,28 @@ class DeviceResult:
 
 @dataclass
 class ScenarioResult:
-    name: str
-    status: str = STATUS_OK  # "ok" | "oom" | "error"
-    message: str = ""
-    devices: list[DeviceResult] = field(default_factory=list)
-    oom_device: int | None = None
-    oom_bytes: int | None = None  # bytes the device needed (emulated) or asked for (real OOM)
-    loss: float | None = None
-    step_time_s: float | None = None  # median over measured steps (real backends)
-    step_time_spread_s: float | None = None  # max - min over measured steps
-    throughput_samples_per_s: float | None = None
-    batch: int = 0
-    notes: list[str] = field(default_factory=list)
+    name: Text
+    status: Status = STATUS_OK  # "ok" | "oom" | "error"
+    message: Text = ""
+    devices: Annotated[list[DeviceResult], MaxLen(MAX_DEVICES)] = field(default_factory=list)
+    oom_device: Index | None = None
+    oom_bytes: Bytes | None = None  # bytes the device needed (emulated) or asked for (real OOM)
+    loss: Float | None = None
+    step_time_s: Float | None = None  # median over measured steps (real backends)
+    step_time_spread_s: Float | None = None  # max - min over measured steps
+    throughput_samples_per_s: Float | None = None
+    batch: Count = 0
+    notes: TextList = field(default_factory=list)
     # ---- real GPUs (cuda backend) ----------------------------------------------------------
-    oom_phase: str | None = None  # the phase in which the OOM was raised
-    step_times_s: list[float] = field(default_factory=list)  # wall clock, each measured step
-    event_step_time_s: float | None = None  # median of CUDA-event step times
-    traceback: str | None = None  # of an error (or of an OOM with --debug); DDP: the rank's
+    oom_phase: Text | None = None  # the phase in which the OOM was raised
+    # wall clock, each measured step
+    step_times_s: Annotated[list[Float], MaxLen(MAX_ITEMS)] = field(
+        default_factory=list)
+    event_step_time_s: Float | None = None  # median of CUDA-event step times
+    traceback: Text | None = None  # of an error (or of an OOM with --debug); DDP: the rank's
     # a process's CUDA context on a GPU it should not touch: {rank, pid, cuda_index, used_bytes}
-    stray_contexts: list[dict[str, Any]] = field(default_factory=list)
-    max_batch: int | None = None  # largest global batch that fits (where computed)
+    stray_contexts: Annotated[list[dict[str, Any]], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    max_batch: Count | None = None  # largest global batch that fits (where computed)
 
     def device(self, index: int) -> DeviceResult | None:
         for d in self.devices:
@@ -127,18 +161,20 @@ class ScenarioResult:
 
 @dataclass
 class ScenarioComparison:
-    primary_excess_bytes: int  # cuda:0 (device_ids[0]) minus the median of the other used devices
-    imbalance: float  # max / mean of peak allocated over the used devices
-    max_bytes: int
-    mean_bytes: float
+    # cuda:0 (device_ids[0]) minus the median of the other used devices
+    primary_excess_bytes: SignedBytes
+    imbalance: Float  # max / mean of peak allocated over the used devices
+    max_bytes: Bytes
+    mean_bytes: Float
 
 
 @dataclass
 class Comparison:
-    scenarios: dict[str, ScenarioComparison] = field(default_factory=dict)
-    verdict: str = ""
+    scenarios: Annotated[dict[Text, ScenarioComparison], MaxLen(MAX_ITEMS)] = field(
+        default_factory=dict)
+    verdict: Text = ""
     # bytes of cuda:0's peak that a fix removes: {"dp-loss-forward": ..., "ddp": ...}
-    savings_bytes: dict[str, int] = field(default_factory=dict)
+    savings_bytes: BytesMap = field(default_factory=dict)
 
 
 @dataclass
@@ -148,109 +184,116 @@ class Attribution:
     ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.analysis.attribution`).
     """
 
-    scenario: str
-    excess_bytes: int  # == ScenarioComparison.primary_excess_bytes
-    reference: str = ""  # e.g. "cuda:2", or "mean of cuda:1 and cuda:2"
-    causes_bytes: dict[str, int] = field(default_factory=dict)
-    answer: str = ""  # one sentence: what dominates and what fixes it
+    scenario: Text
+    excess_bytes: SignedBytes  # == ScenarioComparison.primary_excess_bytes
+    reference: Text = ""  # e.g. "cuda:2", or "mean of cuda:1 and cuda:2"
+    causes_bytes: BytesMap = field(default_factory=dict)
+    answer: Text = ""  # one sentence: what dominates and what fixes it
 
 
 @dataclass
 class Fix:
     """What one change buys on the user's workload (see :mod:`dpprof.analysis.fixes`)."""
 
-    name: str  # loss-in-forward | ddp | gradient-as-bucket-view | output-device | balanced-split
-    title: str
-    primary_peak_bytes: int | None = None  # cuda:0's peak with the fix
-    max_peak_bytes: int | None = None  # the heaviest device's peak with the fix
-    saves_bytes: int | None = None  # on cuda:0, against dp-loss-primary's cuda:0
-    detail: str = ""
-    code: str = ""  # the minimal change to a typical training loop
-    chunk_sizes: list[int] = field(default_factory=list)  # balanced-split: rows per GPU
+    name: Text  # loss-in-forward | ddp | gradient-as-bucket-view | output-device | balanced-split
+    title: Text
+    primary_peak_bytes: Bytes | None = None  # cuda:0's peak with the fix
+    max_peak_bytes: Bytes | None = None  # the heaviest device's peak with the fix
+    saves_bytes: SignedBytes | None = None  # on cuda:0, against dp-loss-primary's cuda:0
+    detail: Text = ""
+    code: Text = ""  # the minimal change to a typical training loop
+    # balanced-split: rows per GPU
+    chunk_sizes: Annotated[list[Count], MaxLen(MAX_DEVICES)] = field(
+        default_factory=list)
 
 
 @dataclass
 class MaxBatchEntry:
     """The largest global batch one scenario fits (see :mod:`dpprof.analysis.maxbatch`)."""
 
-    scenario: str
-    max_batch: int | None = None  # None: not even the smallest step fits
-    limit_device: int | None = None  # the device that runs out first at max_batch + step
-    needed_bytes: int | None = None  # that device's total (reserved + context) at max_batch
-    next_needed_bytes: int | None = None  # ... at max_batch + step (over capacity)
+    scenario: Text
+    max_batch: Count | None = None  # None: not even the smallest step fits
+    limit_device: Index | None = None  # the device that runs out first at max_batch + step
+    needed_bytes: Bytes | None = None  # that device's total (reserved + context) at max_batch
+    next_needed_bytes: Bytes | None = None  # ... at max_batch + step (over capacity)
     capped: bool = False  # the search stopped at its upper bound, not at the memory
-    emulations: int = 0  # emulated steps the search ran
-    message: str = ""
+    emulations: Count = 0  # emulated steps the search ran
+    message: Text = ""
     errored: bool = False  # the step raised (not out of memory): nothing was measured
 
 
 @dataclass
 class MaxBatch:
-    capacity_bytes: int
-    gpu: str = ""  # catalog name, or "" when --gpu-memory was given
-    multiple_of: int = 1
-    counts: str = ""  # what "fits" counts: e.g. "peak reserved + CUDA context"
-    entries: list[MaxBatchEntry] = field(default_factory=list)
+    capacity_bytes: Bytes
+    gpu: Text = ""  # catalog name, or "" when --gpu-memory was given
+    multiple_of: Count = 1
+    counts: Text = ""  # what "fits" counts: e.g. "peak reserved + CUDA context"
+    entries: Annotated[list[MaxBatchEntry], MaxLen(MAX_ITEMS)] = field(default_factory=list)
 
 
 @dataclass
 class EquivalenceEntry:
-    scenario: str
-    loss: float | None = None
-    loss_diff: float | None = None  # |loss - single's on the full batch|
-    grad_max_diff: float | None = None  # largest |gradient difference| over all parameters
-    param_max_diff: float | None = None  # largest |parameter difference| after the step
+    scenario: Text
+    loss: Float | None = None
+    loss_diff: Float | None = None  # |loss - single's on the full batch|
+    grad_max_diff: Float | None = None  # largest |gradient difference| over all parameters
+    param_max_diff: Float | None = None  # largest |parameter difference| after the step
     equivalent: bool | None = None  # within tolerance
 
 
 @dataclass
 class EquivalenceFinding:
-    kind: str  # uneven-mean | batchnorm | dropout | sum-reduction
-    scenario: str = ""  # "" when it concerns the workload as a whole
-    effect: float = 0.0  # size of the effect (see message for its unit)
-    message: str = ""
+    kind: Text  # uneven-mean | batchnorm | dropout | sum-reduction
+    scenario: Text = ""  # "" when it concerns the workload as a whole
+    effect: Float = 0.0  # size of the effect (see message for its unit)
+    message: Text = ""
 
 
 @dataclass
 class Equivalence:
     """Do the paired scenarios compute the same thing as ``single`` on the full batch?"""
 
-    backend: str = ""
-    batch: int = 0
-    tolerance: float = 0.0
-    reference_loss: float | None = None
-    entries: list[EquivalenceEntry] = field(default_factory=list)
-    findings: list[EquivalenceFinding] = field(default_factory=list)
-    largest_diff: float = 0.0  # the largest difference of any scenario (loss, grads, params)
+    backend: Text = ""
+    batch: Count = 0
+    tolerance: Float = 0.0
+    reference_loss: Float | None = None
+    entries: Annotated[list[EquivalenceEntry], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    findings: Annotated[list[EquivalenceFinding], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    largest_diff: Float = 0.0  # the largest difference of any scenario (loss, grads, params)
 
 
 @dataclass
 class RunResult:
-    backend: str  # "emulated" | "cpu" | "cuda"
-    workload: str
-    batch: int
-    gpus: int
-    gpu_memory_bytes: int
-    scenarios: list[ScenarioResult] = field(default_factory=list)
+    backend: Text  # "emulated" | "cpu" | "cuda"
+    workload: Text
+    batch: Count
+    gpus: Index
+    gpu_memory_bytes: Bytes
+    scenarios: Annotated[list[ScenarioResult], MaxLen(MAX_SCENARIOS)] = field(
+        default_factory=list)
     comparison: Comparison = field(default_factory=Comparison)
-    schema_version: int = SCHEMA_VERSION
-    dpprof_version: str = ""
-    created: str = ""  # ISO 8601, UTC
-    seed: int = 0
-    dtype: str = "float32"
-    config: dict[str, Any] = field(default_factory=dict)  # every option the run used
-    environment: dict[str, Any] = field(default_factory=dict)
-    assumptions: list[str] = field(default_factory=list)  # how the numbers were obtained
-    notes: list[str] = field(default_factory=list)
+    schema_version: Int = SCHEMA_VERSION
+    dpprof_version: Text = ""
+    created: Text = ""  # ISO 8601, UTC
+    seed: Int = 0
+    dtype: Text = "float32"
+    # every option the run used
+    config: Annotated[dict[Text, Any], MaxLen(MAX_ITEMS)] = field(
+        default_factory=dict)
+    environment: Annotated[dict[Text, Any], MaxLen(MAX_ITEMS)] = field(default_factory=dict)
+    assumptions: TextList = field(default_factory=list)  # how the numbers were obtained
+    notes: TextList = field(default_factory=list)
     watch: WatchResult | None = None  # `dpprof watch -- CMD` runs only (backend "nvml-watch")
     # ---- answers (issue 6): all optional, absent from older results -----------------------
-    attribution: dict[str, Attribution] = field(default_factory=dict)  # per DP scenario
-    fixes: list[Fix] = field(default_factory=list)
+    # per DP scenario
+    attribution: Annotated[dict[Text, Attribution], MaxLen(MAX_ITEMS)] = field(
+        default_factory=dict)
+    fixes: Annotated[list[Fix], MaxLen(MAX_ITEMS)] = field(default_factory=list)
     maxbatch: MaxBatch | None = None
     equivalence: Equivalence | None = None
-    fail_reasons: list[str] = field(default_factory=list)  # --fail-on-* checks that failed
+    fail_reasons: TextList = field(default_factory=list)  # --fail-on-* checks that failed
     # "SIGINT" | "SIGTERM": cut short; ``scenarios`` holds those measured before (partial)
-    interrupted: str | None = None
+    interrupted: Text | None = None
 
     def scenario(self, name: str) -> ScenarioResult | None:
         for s in self.scenarios:
@@ -264,7 +307,9 @@ class RunResult:
         return asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False)
+        """Strict JSON: a NaN or an infinity (a diverged loss) is written as null."""
+        return json.dumps(json_safe(self.to_dict()), indent=1, sort_keys=False,
+                          allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
@@ -275,59 +320,73 @@ class RunResult:
 class WatchDevice:
     """One GPU watched by ``dpprof watch``: NVML's used memory of the whole device."""
 
-    cuda_index: int  # as the command saw it (through CUDA_VISIBLE_DEVICES)
-    nvml_index: int
-    uuid: str | None = None
-    name: str | None = None
-    total_bytes: int | None = None
-    peak_used_bytes: int | None = None  # highest NVML reading (a lower bound of the true peak)
-    peak_t_s: float | None = None  # seconds since dpprof started watching
-    baseline_used_bytes: int | None = None  # first reading, before the command started
-    command_peak_bytes: int | None = None  # the command's own processes, summed per reading
-    samples: int = 0
-    stopped_reason: str | None = None  # why sampling of this GPU ended early
+    cuda_index: Index  # as the command saw it (through CUDA_VISIBLE_DEVICES)
+    nvml_index: Index
+    uuid: Text | None = None
+    name: Text | None = None
+    total_bytes: Bytes | None = None
+    peak_used_bytes: Bytes | None = None  # highest NVML reading (a lower bound of the true peak)
+    peak_t_s: Float | None = None  # seconds since dpprof started watching
+    baseline_used_bytes: Bytes | None = None  # first reading, before the command started
+    command_peak_bytes: Bytes | None = None  # the command's own processes, summed per reading
+    samples: Count = 0
+    stopped_reason: Text | None = None  # why sampling of this GPU ended early
 
 
 @dataclass
 class WatchOom:
     """A CUDA out-of-memory error found in the command's output."""
 
-    t_s: float | None  # when dpprof read the line (seconds since watching began)
-    stream: str  # "stdout" | "stderr"
-    text: str  # the message as printed (truncated to 1000 characters)
-    format: str  # "caching-allocator" (PyTorch >= 2.1), "caching-allocator-1.x", "cuda-error"
-    cuda_index: int | None = None  # "GPU N" of the message: a CUDA index of the command
-    requested_bytes: int | None = None  # "Tried to allocate" (rounded as PyTorch prints it)
-    total_bytes: int | None = None  # "total capacity"
-    free_bytes: int | None = None  # "of which ... is free" / "... free"
-    allocated_by_pytorch_bytes: int | None = None
-    reserved_unallocated_bytes: int | None = None
-    exception: str | None = None  # e.g. torch.OutOfMemoryError
+    t_s: Float | None  # when dpprof read the line (seconds since watching began)
+    stream: Text  # "stdout" | "stderr"
+    text: Text  # the message as printed (truncated to 1000 characters)
+    format: Text  # "caching-allocator" (PyTorch >= 2.1), "caching-allocator-1.x", "cuda-error"
+    cuda_index: Index | None = None  # "GPU N" of the message: a CUDA index of the command
+    requested_bytes: Bytes | None = None  # "Tried to allocate" (rounded as PyTorch prints it)
+    total_bytes: Bytes | None = None  # "total capacity"
+    free_bytes: Bytes | None = None  # "of which ... is free" / "... free"
+    allocated_by_pytorch_bytes: Bytes | None = None
+    reserved_unallocated_bytes: Bytes | None = None
+    exception: Text | None = None  # e.g. torch.OutOfMemoryError
     # per watched GPU ("cuda:N"): the last NVML reading at or before t_s, and the highest in
     # the second before it
-    used_at_oom_bytes: dict[str, int] = field(default_factory=dict)
-    peak_before_oom_bytes: dict[str, int] = field(default_factory=dict)
+    used_at_oom_bytes: BytesMap = field(default_factory=dict)
+    peak_before_oom_bytes: BytesMap = field(default_factory=dict)
 
 
 @dataclass
 class WatchResult:
     """What ``dpprof watch -- CMD`` saw: the command, how it ended, each GPU, any OOM."""
 
-    command: list[str]
-    pid: int | None = None
-    returncode: int | None = None  # Popen's: negative for a signal; None: end not recorded
-    exit_status: int | None = None  # what a shell reports: returncode, or 128 + signal
-    signal: str | None = None  # the signal that ended the command, e.g. "SIGKILL"
+    command: TextList
+    pid: Count | None = None
+    returncode: Int | None = None  # Popen's: negative for a signal; None: end not recorded
+    exit_status: Int | None = None  # what a shell reports: returncode, or 128 + signal
+    signal: Text | None = None  # the signal that ended the command, e.g. "SIGKILL"
     complete: bool = True  # False: the samples file ends before the command did
-    started: str = ""  # ISO 8601, UTC
-    duration_s: float | None = None  # of the watch, from the first reading to the last record
-    interval_s: float = 0.0
-    samples_path: str = ""
-    devices: list[WatchDevice] = field(default_factory=list)
-    ooms: list[WatchOom] = field(default_factory=list)
-    signals: list[dict[str, Any]] = field(default_factory=list)  # what dpprof received/sent
-    post_mortem: list[str] = field(default_factory=list)  # sentences, for every renderer
-    next_steps: list[str] = field(default_factory=list)  # dpprof checks to run next
+    started: Text = ""  # ISO 8601, UTC
+    duration_s: Float | None = None  # of the watch, from the first reading to the last record
+    interval_s: Float = 0.0
+    samples_path: Text = ""
+    devices: Annotated[list[WatchDevice], MaxLen(MAX_DEVICES)] = field(default_factory=list)
+    ooms: Annotated[list[WatchOom], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    # what dpprof received/sent
+    signals: Annotated[list[dict[str, Any]], MaxLen(MAX_ITEMS)] = field(
+        default_factory=list)
+    post_mortem: TextList = field(default_factory=list)  # sentences, for every renderer
+    next_steps: TextList = field(default_factory=list)  # dpprof checks to run next
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN and infinity replaced by None: what strict JSON (and a
+    browser's ``JSON.parse``) can read."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 class ResultFileError(DpprofError):
@@ -400,36 +459,115 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(path: str | Path) -> RunResult:
-    """Read a saved result; raise :class:`ResultFileError` with a one-line reason."""
-    p = Path(path)
-    if not p.exists():
-        raise ResultFileError(f"{p}: no such file")
+    """Read a saved result; raise :class:`ResultFileError` with a one-line reason.
+
+    Only a regular file of at most :data:`MAX_RESULT_FILE_BYTES` is read (not ``/dev/zero``,
+    a FIFO or a directory). The JSON must be strict (no ``NaN``/``Infinity``), and the result
+    is validated against this module's model by pydantic (types in strict mode, the ranges
+    the field types carry, lengths, finite floats): the first field that fails is named.
+    """
+    data = _read_json(Path(path))
+    return validate(data, str(path))
+
+
+def _read_json(p: Path) -> dict[str, Any]:
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ResultFileError(f"{p}: not JSON ({e})") from e
+        st = p.stat()
+    except FileNotFoundError:
+        raise ResultFileError(f"{p}: no such file") from None
     except OSError as e:
         raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise ResultFileError(f"{p}: cannot read it ({kind}); give a result file written by "
+                              "dpprof (.json)")
+    if st.st_size > MAX_RESULT_FILE_BYTES:
+        raise ResultFileError(f"{p}: {st.st_size} bytes, more than a dpprof result holds "
+                              f"(at most {MAX_RESULT_FILE_BYTES // 2**20} MiB)")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_RESULT_FILE_BYTES + 1)
+    except OSError as e:
+        raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
+    if len(raw) > MAX_RESULT_FILE_BYTES:
+        raise ResultFileError(f"{p}: more than {MAX_RESULT_FILE_BYTES // 2**20} MiB")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultFileError(f"{p}: not JSON ({e})") from e
+    except ValueError as e:  # NaN/Infinity, or an integer too long to read
+        raise ResultFileError(f"{p}: not strict JSON ({e})") from e
+    except RecursionError:
+        raise ResultFileError(f"{p}: not a dpprof result (nested too deeply)") from None
     if not isinstance(data, dict) or "schema_version" not in data or "scenarios" not in data:
         raise ResultFileError(f"{p}: not a dpprof result (no schema_version/scenarios)")
-    version = data["schema_version"]
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def validate(data: dict[str, Any], where: str = "result") -> RunResult:
+    """A :class:`RunResult` from a saved result's dict (any schema version this dpprof
+    reads), validated against the model; :class:`ResultFileError` names the first bad field."""
+    version = data.get("schema_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < FIRST_SCHEMA_VERSION:
         raise ResultFileError(
-            f"{p}: not a dpprof result (schema_version {version!r} is not one dpprof wrote)"
+            f"{where}: not a dpprof result (schema_version {version!r:.40} is not one dpprof "
+            "wrote)"
         )
     if version > SCHEMA_VERSION:
         raise ResultFileError(
-            f"{p}: schema_version {version} is newer than this dpprof reads "
+            f"{where}: schema_version {version} is newer than this dpprof reads "
             f"({SCHEMA_VERSION}); upgrade dpprof (pip install -U dpprof)"
         )
     try:
         data = upgrade(data)
     except ValueError as e:
-        raise ResultFileError(f"{p}: {e}") from e
+        raise ResultFileError(f"{where}: {e}") from e
+    import pydantic
+
     try:
-        return RunResult.from_dict(data)
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
-        raise ResultFileError(f"{p}: malformed dpprof result ({e})") from e
+        text = json.dumps(data, allow_nan=False)
+        run: RunResult = _adapter().validate_json(text, strict=True)
+    except pydantic.ValidationError as e:
+        raise ResultFileError(f"{where}: {_first_error(e)}") from None
+    except (ValueError, RecursionError) as e:  # not representable as strict JSON
+        raise ResultFileError(f"{where}: malformed dpprof result ({e})") from None
+    devices = sum(len(s.devices) for s in run.scenarios)
+    if devices > MAX_ALL_DEVICES:
+        raise ResultFileError(f"{where}: field scenarios: {devices} devices in all, more "
+                              f"than {MAX_ALL_DEVICES}")
+    return run
+
+
+_ADAPTER: Any = None
+
+
+def _adapter() -> Any:
+    """pydantic's validator of :class:`RunResult`, built once (strict, finite floats)."""
+    global _ADAPTER
+    if _ADAPTER is None:
+        import pydantic
+
+        config = {"strict": True, "allow_inf_nan": False}
+        for cls in (TimelinePoint, DeviceResult, ScenarioResult, ScenarioComparison,
+                    Comparison, Attribution, Fix, MaxBatchEntry, MaxBatch, EquivalenceEntry,
+                    EquivalenceFinding, Equivalence, RunResult, WatchDevice, WatchOom,
+                    WatchResult):
+            setattr(cls, "__pydantic_config__", config)  # noqa: B010 (a stdlib dataclass)
+        _ADAPTER = pydantic.TypeAdapter(RunResult)
+    return _ADAPTER
+
+
+def _first_error(e: Any) -> str:
+    err = e.errors(include_url=False)[0]
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {json.dumps(got)[:60]})"
+    more = f"; {e.error_count() - 1} more" if e.error_count() > 1 else ""
+    return f"malformed dpprof result: field {loc or '(top level)'}: {err['msg']}{shown}{more}"
 
 
 def write_atomic(path: str | Path, text: str) -> Path:

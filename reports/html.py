@@ -43,7 +43,14 @@ from dpprof.reports.common import (
     provenance,
     used_devices,
 )
-from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
+from dpprof.result import (
+    CATEGORIES,
+    STATUS_OK,
+    STATUS_OOM,
+    RunResult,
+    ScenarioResult,
+    json_safe,
+)
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
@@ -137,7 +144,7 @@ def _pt(x: object) -> str:
 def _json(x: Any) -> str:
     """JSON safe inside a <script> element."""
     return (
-        json.dumps(x, separators=(",", ":"))
+        json.dumps(json_safe(x), separators=(",", ":"), allow_nan=False)
         .replace("<", "\\u003c")
         .replace(">", "\\u003e")
         .replace("&", "\\u0026")
