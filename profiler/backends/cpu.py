@@ -7,26 +7,22 @@ through :func:`dpprof.backends.gloo.launch`, each rank's memory from ``torch.pro
 
 from __future__ import annotations
 
-from dpprof.backends.emulated import EmulationConfig
+from typing import Any
+
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, ScenarioResult
 from dpprof.scenarios.base import DDP
 from dpprof.scenarios.workloads import shard_sizes
 
 
-def run_ddp_gloo(workload: str, cfg: EmulationConfig, dtype: str | None = None) -> ScenarioResult:
-    """Run the ddp scenario as ``cfg.gpus`` gloo processes with the options the emulated
-    scenarios beside it get (warm-up, autocast, DDP's options, seed); a failure is a result.
-
-    ``workload`` is the spec each rank loads; ``dtype`` overrides its dtype.
-    """
-    gpus = cfg.gpus
+def run_ddp_gloo(workload: str, gpus: int, cfg: Any) -> ScenarioResult:
+    """Run the ddp scenario as ``gpus`` gloo processes; a failure is a result."""
     rows = shard_sizes(cfg.batch, gpus)[0]
     spec = RankSpec(
         workload=workload, rows=rows, seed=cfg.seed, warmup_steps=cfg.warmup_steps,
         bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers, dtype=dtype, amp=cfg.amp,
+        broadcast_buffers=cfg.broadcast_buffers, dtype=cfg.dtype,
     )
     result = ScenarioResult(name=DDP, batch=cfg.batch)
     try:

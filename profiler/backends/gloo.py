@@ -40,7 +40,6 @@ measured step's allocation records (signed sizes, in order).
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import time
 from dataclasses import dataclass, field
@@ -87,7 +86,6 @@ class RankSpec:
     memory: str = "profiler"  # "profiler" | "cuda" | "none"
     return_parameters: bool = False
     dtype: str | None = None  # override the workload's dtype (float32, bfloat16, float16)
-    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast (StepAutocast)
     wrap: str = "ddp"  # "ddp" | "none" (the bare model: the single scenario, no group needed)
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
@@ -158,8 +156,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
     import copy
 
-    from dpprof.emulator.kernels import StepAutocast
-    from dpprof.scenarios.base import StepHooks, train_step
+    from dpprof.scenarios.base import train_step
     from dpprof.scenarios.workloads import load_workload
 
     wl = with_dtype(load_workload(spec.workload), spec.dtype)
@@ -193,8 +190,6 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             if group.get("foreach") is None and not group.get("fused"):
                 group["foreach"] = True  # as on CUDA, and as the emulator
         model.train()
-        amp = StepAutocast(spec.amp, device.type)
-        hooks = StepHooks(phase=amp.phase(lambda name: contextlib.nullcontext()))
         for step in range(spec.warmup_steps + 1):
             # Every rank makes the same global batch and takes its shard (equal shards).
             gen_state = torch.random.get_rng_state()
@@ -210,14 +205,13 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
-                with torch.profiler.record_function(STEP_MARK), amp:
-                    loss = train_step(ddp, loss_fn, opt, inputs, targets, False, hooks)
+                with torch.profiler.record_function(STEP_MARK):
+                    loss = train_step(ddp, loss_fn, opt, inputs, targets, False)
                 if spec.device == "cuda":
                     torch.cuda.synchronize(device)
                 result.step_time_s = time.perf_counter() - t0
             else:
-                with amp:
-                    loss = train_step(ddp, loss_fn, opt, inputs, targets, False, hooks)
+                loss = train_step(ddp, loss_fn, opt, inputs, targets, False)
             del inputs, targets
             result.loss = float(loss)
             del loss  # as the emulator: the step's loss dies before the next step

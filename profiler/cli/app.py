@@ -2,6 +2,7 @@
 
     dpprof compare --batch 512
     dpprof maxbatch --workload lm --gpu a100-80gb
+    dpprof run -- python train.py
     dpprof watch -- python train.py
     dpprof report run.json -o run.html
     dpprof env
@@ -22,6 +23,7 @@ from dpprof.cli.env import env_cmd
 from dpprof.cli.guard import install_signal_handlers, interrupted_line
 from dpprof.cli.maxbatch import maxbatch_cmd
 from dpprof.cli.report import report_cmd
+from dpprof.cli.run import run_cmd
 from dpprof.cli.watch import watch_cmd
 from dpprof.errors import EXIT_SIGINT, EXIT_STATUS_HELP, WATCH_EXIT_STATUS_HELP, Interrupted
 
@@ -57,6 +59,11 @@ app.command(
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     epilog=WATCH_EXIT_STATUS_HELP,
 )(watch_cmd)
+app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    epilog=EXIT_STATUS_HELP,
+)(run_cmd)
 app.command("report", epilog=EXIT_STATUS_HELP)(report_cmd)
 app.command("env", epilog=EXIT_STATUS_HELP)(env_cmd)
 

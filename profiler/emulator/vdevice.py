@@ -202,6 +202,10 @@ class VirtualDevices(TorchDispatchMode):
         return self._state.device
 
     @property
+    def current_category(self) -> str:
+        return self._state.category
+
+    @property
     def current_phase(self) -> str:
         return self._state.phase
 
@@ -375,11 +379,22 @@ class VirtualDevices(TorchDispatchMode):
         self.cache_hits += 1
         return _rebuild(tmpl)
 
+    def placement(self, device: torch.device) -> tuple[torch.device, int | None]:
+        """Where an op's ``device=`` puts its result: the real device the bytes live on and
+        the virtual device (None: the rules of :meth:`__torch_dispatch__`). Here every
+        ``device=`` means meta over meta tensors and is left alone over CPU tensors;
+        :mod:`dpprof.emulator.virtual_cuda` maps ``cuda:k``."""
+        return (self.base if self._meta else device), None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if self.base.type == "meta" and kwargs.get("device") is not None:
-            # Factories and conversions: the bytes live on meta; the place is virtual.
-            kwargs = {**kwargs, "device": self.base}
+        placed = None  # the virtual device a device= argument names
+        if kwargs.get("device") is not None:
+            # Factories and conversions: the bytes live on the base (or where placement
+            # says); the place is virtual.
+            real, placed = self.placement(kwargs["device"])
+            if real != kwargs["device"]:
+                kwargs = {**kwargs, "device": real}
         devices: set[int] = set()
         saw_host = False
         for a in _tensor_args(args, kwargs):
@@ -399,6 +414,8 @@ class VirtualDevices(TorchDispatchMode):
         out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
         if self._state.forced is not None:
             target = self._state.forced
+        elif placed is not None:
+            target = placed
         elif devices:
             target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
         elif saw_host:

@@ -1,0 +1,648 @@
+"""``dpprof run -- python train.py``: the user's unmodified script on virtual GPUs.
+
+The script runs in dpprof's process (``runpy``: ``__main__``, ``sys.argv`` as given, its
+folder first on ``sys.path``) under a :class:`~dpprof.emulator.virtual_cuda.VirtualCuda`,
+and is stopped after ``steps`` optimizer steps (counted with torch's global optimizer step
+hooks; the first is the warm-up, peaks are over the others), or when it ends, or when it
+raises. ``torchrun`` / ``python -m torch.distributed.run|launch`` commands run rank 0 with
+the environment torchrun gives it; ``mp.spawn`` runs rank 0 in place; the ranks of DDP are
+alike (DistributedSampler pads the shards), so rank 0 stands for every rank.
+
+Paired answers: a script that wraps its model in ``nn.DataParallel`` is also run with
+DDP in its place (one emulated rank, each DataLoader's batch divided among the GPUs, as a
+DDP script sets it) and, where its loss is an ``nn.Module`` loss called on the gathered
+outputs, with that loss computed inside forward on every replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpprof.emulator import script_parallel
+from dpprof.emulator.gpus import GpuSpec, context_overhead, lookup_gpu
+from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
+from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
+from dpprof.errors import UsageError
+from dpprof.result import (
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_OOM,
+    DeviceResult,
+    RunResult,
+    ScenarioResult,
+    TimelinePoint,
+)
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.units import fmt_bytes
+
+MODEL_PARALLEL = "model-parallel"  # the script's own placement over several GPUs
+AS_WRITTEN = "as-written"
+TIMELINE_POINTS = 400
+CUBLAS_HANDLES = 2  # the forward's thread and the autograd engine's device thread
+
+
+class StopScript(BaseException):
+    """Raised in the script once it has run enough optimizer steps (a BaseException, so
+    the script's own ``except Exception`` does not swallow it)."""
+
+
+@dataclass
+class Launch:
+    """What the command after ``--`` runs."""
+
+    target: str  # a script path, or a module name
+    is_module: bool
+    argv: list[str]  # sys.argv[1:] of the script
+    env: dict[str, str] = field(default_factory=dict)  # set for the run (torchrun's)
+    launcher: str = "python"  # python | torchrun | torch.distributed.launch
+    nproc: int | None = None  # torchrun --nproc-per-node
+
+    @property
+    def display(self) -> str:
+        name = self.target if self.is_module else Path(self.target).name
+        return " ".join([name, *self.argv])
+
+
+def parse_command(command: list[str], gpus: int) -> Launch:
+    """``python [-u] train.py args``, ``python -m pkg args``, ``train.py args``,
+    ``torchrun [opts] train.py args``, ``python -m torch.distributed.run|launch ...``."""
+    if not command:
+        raise UsageError("dpprof run: give the command after --, e.g. dpprof run -- python "
+                         "train.py")
+    head, rest = command[0], list(command[1:])
+    base = Path(head).name
+    if base.endswith(".py"):
+        return Launch(head, False, rest)
+    if base in ("torchrun",):
+        return _torchrun(rest, gpus, "torchrun")
+    if not base.startswith("python"):
+        raise UsageError(
+            f"dpprof run: cannot run {head!r}: give a Python command (python train.py, python "
+            "-m pkg.train, torchrun ... train.py)")
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest.pop(0)  # interpreter flags: -u, -O, -W...
+    if not rest:
+        raise UsageError("dpprof run: the python command names no script")
+    if rest[0] == "-c":
+        raise UsageError("dpprof run: python -c is not supported; put the code in a file")
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            raise UsageError("dpprof run: python -m needs a module name")
+        mod = rest[1]
+        if mod in ("torch.distributed.run", "torch.distributed.launch"):
+            return _torchrun(rest[2:], gpus, mod)
+        return Launch(mod, True, rest[2:])
+    return Launch(rest[0], False, rest[1:])
+
+
+def _torchrun(args: list[str], gpus: int, launcher: str) -> Launch:
+    if launcher == "torch.distributed.launch":
+        from torch.distributed.launch import get_args_parser as launch_parser
+
+        parser = launch_parser()
+    else:
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit:
+        raise UsageError(f"dpprof run: {launcher}: cannot parse {' '.join(args)!r}") from None
+    nproc_text = str(ns.nproc_per_node)
+    nproc = gpus if nproc_text in ("gpu", "auto") else int(nproc_text)
+    nnodes = str(ns.nnodes).split(":")[-1]
+    world = nproc * int(nnodes or 1)
+    env = {
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "dpprof",
+    }
+    argv = list(ns.training_script_args)
+    if launcher == "torch.distributed.launch" and not getattr(ns, "use_env", False):
+        argv = ["--local-rank=0", *argv]
+    return Launch(ns.training_script, bool(ns.module), argv, env, launcher, nproc)
+
+
+@dataclass
+class ScriptConfig:
+    launch: Launch
+    gpus: int = 4
+    gpu: GpuSpec = field(default_factory=lambda: lookup_gpu("a100-80gb"))
+    gpu_memory_bytes: int | None = None  # None: the GPU's
+    steps: int = 3  # optimizer steps before stopping; the first is the warm-up
+    compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
+    variant: str = AS_WRITTEN  # AS_WRITTEN | DDP_IN_PLACE | LOSS_IN_FORWARD
+    debug: bool = False
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.gpu_memory_bytes or self.gpu.total_memory_bytes
+
+
+@dataclass
+class ScriptRun:
+    """What one run of the script gave."""
+
+    scenario: ScenarioResult
+    steps_done: int = 0
+    ended: str = ""  # "steps" | "script ended" | "script raised"
+    exit_status: int = 0
+    script_traceback: str | None = None
+    stand_ins: dict[str, int] = field(default_factory=dict)
+    stand_in_sites: dict[str, int] = field(default_factory=dict)
+    data_parallel: bool = False
+    ddp: bool = False
+    world_size: int = 1
+    batch_rows: int = 0
+    seconds: float = 0.0
+    loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
+    replica_scalars: bool = False  # the DataParallel replicas returned their losses
+    materialized: list[str] = field(default_factory=list)  # see script_parallel.LOG
+
+
+StepCallback = Callable[[int], None]
+
+
+class _Stepper:
+    """Counts optimizer steps, marks phases, stops the script after ``steps``."""
+
+    def __init__(self, rt: CudaDevices, steps: int, on_step: StepCallback | None) -> None:
+        self.rt = rt
+        self.steps = steps
+        self.done = 0
+        self.on_step = on_step
+        self.measure_start = 0
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._handles: list[Any] = []
+        self._phase: contextlib.ExitStack | None = None
+
+    def phase(self, name: str) -> None:
+        if self._phase is not None:
+            self._phase.close()
+        self._phase = contextlib.ExitStack()
+        self._phase.enter_context(self.rt.phase(name))
+
+    def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt not in self.optimizers:
+            self.optimizers.append(opt)
+        self._label(opt)
+        self.phase(f"optimizer (step {self.done + 1})")
+
+    def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._label(opt)
+        self.done += 1
+        if self.on_step is not None:
+            self.on_step(self.done)
+        if self.done == 1 and self.steps > 1:
+            self.rt.reset_peaks()  # step 1 was the warm-up: measure from here
+            self.measure_start = len(self.rt.events)
+        if self.done >= self.steps:
+            raise StopScript
+        self.phase(f"forward (step {self.done + 1})")
+
+    def _label(self, opt: torch.optim.Optimizer) -> None:
+        rt = self.rt
+        params = [p for g in opt.param_groups for p in g["params"]]
+        rt.label(params, "parameters")
+        rt.label([p.grad for p in params if p.grad is not None], "gradients")
+        rt.label([t for st in opt.state.values() for t in st.values()
+                  if isinstance(t, torch.Tensor)], "optimizer_state")
+
+    def backward_started(self) -> None:
+        self.phase(f"backward (step {self.done + 1})")
+
+    def install(self) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._handles = [register_optimizer_step_pre_hook(self.pre),
+                         register_optimizer_step_post_hook(self.post)]
+        self.phase("forward (step 1)")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        if self._phase is not None:
+            self._phase.close()
+            self._phase = None
+
+
+@contextlib.contextmanager
+def _script_process(launch: Launch) -> Iterator[None]:
+    """sys.argv, sys.path[0], the environment and __main__ as the script expects them;
+    all restored afterwards."""
+    saved_argv = list(sys.argv)
+    saved_path = list(sys.path)
+    saved_env = dict(os.environ)
+    saved_main = sys.modules.get("__main__")
+    try:
+        os.environ.update(launch.env)
+        if launch.is_module:
+            sys.argv = [launch.target, *launch.argv]
+            sys.path.insert(0, os.getcwd())
+        else:
+            path = Path(launch.target).resolve()
+            sys.argv = [str(launch.target), *launch.argv]
+            sys.path.insert(0, str(path.parent))
+        yield
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+
+
+def _user_traceback(e: BaseException) -> str:
+    """The traceback as the script would print it: dpprof's and runpy's frames left out."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(_DPPROF_DIR) and "runpy" not in f.filename]
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames),
+             *traceback.format_exception_only(type(e), e)]
+    return "".join(lines)
+
+
+_DPPROF_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> ScriptRun:
+    """Run the script once on virtual GPUs and measure it (see the module)."""
+    launch = cfg.launch
+    if not launch.is_module and not Path(launch.target).is_file():
+        raise UsageError(f"dpprof run: {launch.target}: no such file")
+    vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
+                     gpu_memory_bytes=cfg.capacity_bytes)
+    rt = vc.rt
+    stepper = _Stepper(rt, cfg.steps, on_step)
+    run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
+    variant = _Variant(cfg.variant, vc, cfg.gpus)
+    start = time.perf_counter()
+    exc: BaseException | None = None
+    with _script_process(launch):
+        seed_state = torch.random.get_rng_state()
+        torch.manual_seed(0)
+        try:
+            with vc:
+                variant.install(vc)
+                orig_backward = torch.autograd.backward
+
+                def backward(*args: Any, **kwargs: Any) -> Any:
+                    stepper.backward_started()
+                    return orig_backward(*args, **kwargs)
+
+                torch.autograd.backward = backward  # type: ignore[assignment]
+                stepper.install()
+                try:
+                    if launch.is_module:
+                        runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
+                    else:
+                        runpy.run_path(launch.target, run_name="__main__")
+                    run.ended = "script ended"
+                except StopScript:
+                    run.ended = "steps"
+                except SystemExit as e:
+                    code = e.code
+                    run.exit_status = code if isinstance(code, int) else (0 if code is None
+                                                                          else 1)
+                    run.ended = "script ended" if run.exit_status == 0 else "script raised"
+                    if run.exit_status:
+                        run.script_traceback = f"SystemExit: {code}"
+                except Exception as e:  # the script's own error: its result
+                    exc = e
+                    run.ended = "script raised"
+                    run.exit_status = 1
+                    run.script_traceback = _user_traceback(e)
+                finally:
+                    stepper.remove()
+                    torch.autograd.backward = orig_backward
+                    variant.remove()
+                    script_parallel.cleanup()
+                    log = script_parallel.LOG
+                    run.data_parallel = log.data_parallel > 0
+                    run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
+                                               and bool(log.ddp_devices))
+                    run.replica_scalars = log.replica_scalars
+                    run.materialized = list(log.materialized)
+                    run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
+                                         vc.device_count() if cfg.variant == DDP_IN_PLACE
+                                         else 1)
+                    used = list(log.used_devices)
+                    ddp_devices = list(log.ddp_devices)
+                    run.batch_rows = variant.batch_rows or vc.first_input_rows
+                    run.loss_modules = variant.loss_calls
+        finally:
+            torch.random.set_rng_state(seed_state)
+    run.seconds = time.perf_counter() - start
+    run.steps_done = stepper.done
+    run.stand_ins = dict(rt.stand_ins.counts)
+    run.stand_in_sites = dict(rt.stand_ins.sites)
+    run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
+    return run
+
+
+class _Variant:
+    """The paired alternatives: DDP in place of DataParallel, or the loss inside forward."""
+
+    def __init__(self, name: str, vc: VirtualCuda, gpus: int) -> None:
+        self.name = name
+        self.vc = vc
+        self.gpus = gpus
+        self.batch_rows = 0
+        self.loss_calls = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _patch(self, owner: Any, attr: str, value: Any) -> None:
+        self._saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def install(self, vc: VirtualCuda) -> None:
+        from torch import nn
+        from torch.utils.data import DataLoader
+
+        variant = self
+        script_parallel.MODE = "" if self.name == AS_WRITTEN else self.name
+        if self.name == DDP_IN_PLACE:
+            world = vc.device_count()
+            orig_init = DataLoader.__init__
+
+            def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
+                            *args: Any, **kwargs: Any) -> None:
+                if batch_size:
+                    batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
+                    variant.batch_rows = variant.batch_rows or batch_size
+                orig_init(loader, dataset, batch_size, *args, **kwargs)
+
+            self._patch(DataLoader, "__init__", loader_init)
+        elif self.name == LOSS_IN_FORWARD:
+            from dpprof.emulator.script_parallel import loss_in_forward_loss_call
+
+            loss_cls = nn.modules.loss._Loss
+            orig_call = loss_cls.__call__
+
+            def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                out = loss_in_forward_loss_call(vc, loss, args, kwargs)
+                if out is None:
+                    return orig_call(loss, *args, **kwargs)
+                variant.loss_calls += 1
+                return out
+
+            self._patch(loss_cls, "__call__", loss_call)
+
+    def remove(self) -> None:
+        for owner, attr, value in reversed(self._saved):
+            setattr(owner, attr, value)
+        self._saved.clear()
+        script_parallel.MODE = ""
+
+
+def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
+    if run.ddp:
+        return DDP
+    if run.data_parallel:
+        return DP_LOSS_FORWARD if run.replica_scalars else DP_LOSS_PRIMARY
+    if len(devices_touched) > 1:
+        return MODEL_PARALLEL
+    return SINGLE
+
+
+def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Stepper,
+              used: list[int], ddp_devices: list[int],
+              exc: BaseException | None) -> ScenarioResult:
+    rt = vc.rt
+    n = vc.device_count()
+    visible = vc.visible
+    touched = [i for i in visible if rt.counters[i].peak_allocated > 0]
+    name = _kind(run, used, touched)
+    s = ScenarioResult(name=name, batch=run.batch_rows)
+    start = stepper.measure_start
+    devices: list[DeviceResult] = []
+    for logical, i in enumerate(visible):
+        c = rt.counters[i]
+        snap = rt.peak_snapshot(i)
+        devices.append(DeviceResult(
+            index=logical,
+            peak_allocated_bytes=c.peak_allocated,
+            peak_requested_bytes=c.peak_requested,
+            capacity_bytes=cfg.capacity_bytes,
+            breakdown_bytes={k: v for k, v in sorted(snap.by_category.items()) if v},
+            peak_phase=c.peak_phase,
+            used=c.peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
+            batch_rows=run.batch_rows,
+            timeline=_timeline(rt, i, start),
+        ))
+    if name == DDP and run.world_size > 1:
+        # every rank runs the same program on as many rows: rank 0 stands for all
+        src = next((d for d in devices if d.used), devices[0])
+        devices = [DeviceResult(**{**src.__dict__, "index": r, "rank": r, "used": True,
+                                   "timeline": list(src.timeline)})
+                   for r in range(min(run.world_size, n))]
+    s.devices = devices
+    if not cfg.compute:
+        _overheads(s, vc, cfg)
+    if exc is not None or (run.ended == "script raised"):
+        s.status = STATUS_ERROR
+        s.message = (f"the script raised {type(exc).__name__}: {exc}" if exc is not None
+                     else f"the script exited with status {run.exit_status}")
+        s.traceback = run.script_traceback
+    else:
+        over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
+        if over:
+            worst = max(over, key=lambda d: d.total_peak_bytes)
+            s.status = STATUS_OOM
+            s.oom_device = worst.index
+            s.oom_bytes = worst.total_peak_bytes
+            s.message = (f"out of memory on cuda:{worst.index}: needs "
+                         f"{fmt_bytes(worst.total_peak_bytes)} at its peak ({worst.peak_phase}),"
+                         f" has {fmt_bytes(cfg.capacity_bytes)}")
+        else:
+            s.status = STATUS_OK
+    return s
+
+
+def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
+    """Reserved (the caching allocator simulated over each device's allocations, cuBLAS
+    workspaces first) and the CUDA context, per used device."""
+    from dpprof.emulator.allocator import simulate
+
+    ctx = context_overhead(cfg.gpu, uses_cudnn=vc.rt.saw_convolution,
+                           cublas_handles=CUBLAS_HANDLES)
+    per_device: dict[int, list[tuple[str, int, int]]] = {}
+    for ev in vc.rt.events:
+        if ev.device < 0 or ev.requested == 0:
+            continue
+        kind = "alloc" if ev.requested > 0 else "free"
+        per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
+    for d in s.devices:
+        if not d.used:
+            continue
+        src = vc.visible[0] if d.rank is not None else vc.visible[d.index]
+        if d.rank is not None:
+            src = next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0), src)
+        ws = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
+        stats = simulate(ws + per_device.get(src, []), timeline_points=None, stop_on_oom=False)
+        d.peak_reserved_bytes = stats.peak_reserved_bytes
+        d.workspace_bytes = ctx.workspace_bytes
+        d.context_bytes = ctx.outside_allocator_bytes
+        d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
+                                     if v and k in ("cuda_context", "cudnn_library")}
+
+
+def _timeline(rt: CudaDevices, index: int, start: int) -> list[TimelinePoint]:
+    points = rt.timeline(index, start)
+    marks = [(m.event_index, m.name) for m in rt.phases]
+
+    def phase_at(ev: int) -> str:
+        name = ""
+        for idx, p in marks:
+            if idx <= ev:
+                name = p
+            else:
+                break
+        return name
+
+    if len(points) > TIMELINE_POINTS:
+        step = len(points) / TIMELINE_POINTS
+        kept = []
+        for k in range(TIMELINE_POINTS):
+            chunk = points[int(k * step): int((k + 1) * step) or None]
+            if chunk:
+                kept.append(max(chunk, key=lambda p: p[1]))
+        points = kept
+    return [TimelinePoint(float(ev - start), b, phase_at(ev)) for ev, b in points]
+
+
+ALTERNATIVES = {
+    DDP_IN_PLACE: "the same script with DistributedDataParallel in place of DataParallel (one "
+    "emulated rank of {n}; each DataLoader's batch divided by {n}, as a DDP script sets it)",
+    LOSS_IN_FORWARD: "the same script with its loss computed inside forward on every replica "
+    "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
+    "instead of the gathered outputs)",
+}
+
+Progress = Callable[[str, int, int], None]  # (what, steps done, steps)
+
+
+def run_command(cfg: ScriptConfig, alternatives: bool = True,
+                progress: Progress | None = None) -> tuple[RunResult, ScriptRun]:
+    """Run the script as written (and its paired alternatives); the result and the
+    as-written run (its traceback and exit status)."""
+    import dataclasses
+    import datetime as _dt
+
+    from dpprof import __version__
+    from dpprof.analysis.attribution import attribute_run
+    from dpprof.analysis.comparison import compare
+
+    def step_cb(what: str) -> StepCallback:
+        return lambda k: progress(what, k, cfg.steps) if progress else None
+
+    main = run_script(cfg, step_cb("as written"))
+    n = len(main.scenario.devices) if main.scenario.name != DDP else cfg.gpus
+    runs = [(AS_WRITTEN, main)]
+    notes: list[str] = []
+    if alternatives and main.scenario.name == DP_LOSS_PRIMARY and main.ended != "script raised":
+        for variant in (LOSS_IN_FORWARD, DDP_IN_PLACE):
+            alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
+            if variant == DDP_IN_PLACE and not alt.batch_rows:
+                notes.append("no DDP alternative: the script makes its batches without a "
+                             "DataLoader, so dpprof cannot give each rank its share")
+                continue
+            if variant == LOSS_IN_FORWARD and not alt.loss_modules:
+                notes.append("no loss-inside-forward alternative: the script's loss is not an "
+                             "nn.Module loss called on DataParallel's outputs")
+                continue
+            alt.scenario.notes.insert(0, ALTERNATIVES[variant].format(n=n))
+            if alt.materialized:
+                alt.scenario.notes.append(
+                    "the script also uses the outputs besides the loss ("
+                    + ", ".join(sorted(set(alt.materialized)))
+                    + "): after the loss, this alternative gives them as stand-ins of the "
+                    "gathered shape on cuda:0 (no gradient); before it, as written")
+            runs.append((variant, alt))
+    s0 = main.scenario
+    s0.notes.insert(0, _how_it_ended(main, cfg))
+    if main.stand_ins:
+        s0.notes.append(
+            f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
+            "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
+                main.stand_ins.items())) + "): " + "; ".join(
+                f"{site} x{c}" for site, c in list(main.stand_in_sites.items())[:5]))
+    result = RunResult(
+        backend="emulated",
+        workload=cfg.launch.display,
+        batch=main.batch_rows,
+        gpus=n,
+        gpu_memory_bytes=cfg.capacity_bytes,
+        dpprof_version=__version__,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        scenarios=[r.scenario for _, r in runs],
+        config={
+            "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
+            "argv": list(cfg.launch.argv), "steps": cfg.steps, "compute": cfg.compute,
+            "gpu": cfg.gpu.key, "gpus": n,
+            "steps_done": {v: r.steps_done for v, r in runs},
+            "seconds": {v: round(r.seconds, 3) for v, r in runs},
+            "exit_status": main.exit_status,
+        },
+        assumptions=_assumptions(cfg),
+        notes=notes,
+    )
+    from dpprof.pipeline import environment
+
+    result.environment = environment("emulated")
+    result.comparison = compare(result)
+    result.attribution = attribute_run(result)
+    return result, main
+
+
+def _how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
+    steps = f"{run.steps_done} optimizer step(s)"
+    if run.ended == "steps":
+        how = f"stopped after {steps} (--steps {cfg.steps}; the first is the warm-up, " \
+              "peaks are over the others)"
+    elif run.ended == "script ended":
+        how = f"the script ended after {steps}"
+    else:
+        how = f"the script raised after {steps} (exit status {run.exit_status})"
+    if run.steps_done == 0:
+        how += ("; it never called optimizer.step(), so the peaks are over the whole run "
+                "(no warm-up step to leave out)")
+    elif run.steps_done == 1:
+        how += "; only one step: the peaks include the warm-up"
+    return how + f"; {run.seconds:.1f} s"
+
+
+def _assumptions(cfg: ScriptConfig) -> list[str]:
+    kind = "CPU tensors (real numbers)" if cfg.compute else "meta tensors (memory only)"
+    return [
+        f"Emulated: the script ran unchanged in dpprof's process with {cfg.gpus} virtual "
+        f"{cfg.gpu.name} GPUs played by {kind}; no GPU was used. The host side (data "
+        "loading, the model built on the CPU) ran for real.",
+        "Allocated = live tensor storages on each virtual GPU, each rounded up to 512 B as "
+        "the CUDA caching allocator rounds them; peaks are over the optimizer steps after the "
+        "first (the warm-up) and include what was resident before them.",
+        "DataParallel is re-enacted step by step from torch.nn.parallel (scatter, replicate, "
+        "parallel_apply, gather, reduce-add of gradients onto cuda:0); "
+        "DistributedDataParallel as one rank (the reducer's buckets re-enacted) over a fake "
+        "process group: every rank runs the same program, rank 0 stands for all.",
+        "Categories: parameters, gradients and optimizer state as the optimizers hold them; "
+        "inputs = tensors the script moved to a GPU; outputs = DataParallel's gathered "
+        "outputs; activations = everything else the step computed.",
+        STAND_INS + ".",
+        "Reserved (the caching allocator simulated over each GPU's allocations, cuBLAS "
+        "workspaces included) and the CUDA context are shown separately from allocated.",
+    ]

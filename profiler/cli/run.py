@@ -1,0 +1,117 @@
+"""``dpprof run``: your unmodified training script on virtual GPUs.
+
+    dpprof run -- python train.py --batch-size 256
+    dpprof run --gpus 8 --gpu a100-80gb -- python train.py
+    dpprof run --gpus 4 -- torchrun --nproc-per-node 4 train.py
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from dpprof.cli.common import check_writable, err, out, output_paths, write_reports
+from dpprof.cli.guard import guarded
+from dpprof.cli.options import GPU, gpu_memory_and_spec
+from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.reports.escape import for_terminal, terminal_text
+from dpprof.units import fmt_bytes
+
+DEFAULT_GPUS = 4
+
+
+def run_cmd(
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(help="The training command, after --: dpprof run -- python train.py"),
+    ] = None,
+    gpus: Annotated[
+        int, typer.Option("--gpus", "-g", help="Virtual GPUs the script sees (before "
+                          "CUDA_VISIBLE_DEVICES).")
+    ] = DEFAULT_GPUS,
+    gpu_memory: Annotated[
+        str | None,
+        typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 24G (default: "
+                     "--gpu's, else 80GiB)."),
+    ] = None,
+    steps: Annotated[
+        int, typer.Option("--steps", help="Stop after this many optimizer steps (the first "
+                          "is the warm-up).")
+    ] = 3,
+    compute: Annotated[
+        bool, typer.Option("--compute", help="Emulate over CPU tensors (real numbers: "
+                           "data-dependent shapes work; small models only).")
+    ] = False,
+    alternatives: Annotated[
+        bool, typer.Option("--alternatives/--no-alternatives",
+                           help="For a DataParallel script, also run it with DDP in place and "
+                           "with the loss inside forward.")
+    ] = True,
+    output: Annotated[
+        list[Path] | None,
+        typer.Option("--output", "-o", help="Report file; repeat for several (.html, .json, "
+                     ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}"),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.")] = False,
+    gpu: Annotated[str, GPU] = "",
+) -> None:
+    """Run your training script unchanged on virtual GPUs and report each GPU's memory.
+
+    The script runs in dpprof's process with CUDA played by virtual devices over meta
+    tensors, and is stopped after --steps optimizer steps. nn.DataParallel, DDP (under
+    torchrun or mp.spawn) and layers placed on cuda:k by hand are measured as they would
+    run; a DataParallel script is also run with DDP in place and with the loss inside
+    forward. The script's own error ends the run with its traceback and exit status 1.
+
+    Example: dpprof run --gpus 8 -- python train.py --batch-size 256
+    """
+    from dpprof.backends.script import ScriptConfig, parse_command, run_command
+    from dpprof.emulator.gpus import lookup_gpu
+    from dpprof.reports import terminal
+
+    main = None
+    with guarded(debug):
+        if gpus < 1:
+            raise UsageError(f"--gpus must be at least 1, got {gpus}")
+        if steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {steps}")
+        memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
+        launch = parse_command(list(command or []), gpus)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        paths = output_paths(output, f"run-{stamp}")
+        check_writable(paths)
+        cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=spec or lookup_gpu("a100-80gb"),
+                           gpu_memory_bytes=memory, steps=steps, compute=compute, debug=debug)
+        if not quiet:
+            kind = "CPU tensors" if compute else "meta tensors, memory only"
+            how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
+                   "ranks are alike)" if launch.launcher != "python" else "")
+            err.print(f"dpprof: running {terminal_text(launch.display)} on {gpus} virtual "
+                      f"{cfg.gpu.name} GPUs of {fmt_bytes(cfg.capacity_bytes)} ({kind}){how}; "
+                      f"stopping after {steps} optimizer steps", markup=False)
+        if quiet:
+            result, main = run_command(cfg, alternatives)
+        else:
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total} steps"),
+                          TimeElapsedColumn(), console=err, transient=True) as bar:
+                task = bar.add_task("as written", total=steps)
+
+                def progress(what: str, done: int, total: int) -> None:
+                    bar.update(task, completed=done, description=what)
+
+                result, main = run_command(cfg, alternatives, progress)
+        if main.script_traceback:  # verbatim, as the script would have printed it
+            sys.stderr.write(main.script_traceback.rstrip() + "\n")
+        if not quiet:
+            out.print(terminal.render(for_terminal(result)))
+        write_reports(result, paths, quiet)
+    if main is not None and main.exit_status:
+        # the script's own status (its error is its result; the reports are written)
+        raise typer.Exit(code=main.exit_status if main.exit_status > 0 else EXIT_ERROR)

@@ -1,0 +1,440 @@
+"""The parallel wrappers a script names, re-enacted while a :class:`VirtualCuda` is active.
+
+``nn.DataParallel`` (every spelling: ``torch.nn.DataParallel``,
+``torch.nn.parallel.DataParallel``, ``nn.parallel.data_parallel(...)``) becomes
+:class:`VirtualDataParallel`: a subclass of the real class (``isinstance`` and ``.module``
+work as in the script's own code) whose forward is :mod:`dpprof.emulator.parallel`'s
+re-enactment of scatter, replicate, parallel_apply and gather on the virtual devices.
+
+``DistributedDataParallel`` becomes :class:`VirtualDDP` (one emulated rank: the reducer's
+buckets re-enacted, :class:`dpprof.emulator.parallel.EmulatedDDP`), over a fake process group
+(``torch.testing._internal.distributed.fake_pg``: collectives return at once, tensors keep
+their shapes). ``init_process_group`` with any backend initialises that fake group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from dpprof.emulator.parallel import EmulatedDDP, gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.virtual_cuda import caller_site
+
+if TYPE_CHECKING:
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+
+Patch = Callable[[Any, str, Any], None]
+
+_DataParallel = nn.DataParallel
+_DDP = nn.parallel.DistributedDataParallel
+
+
+@dataclass
+class ParallelLog:
+    """What the script wrapped, for the report."""
+
+    data_parallel: int = 0  # DataParallel forwards
+    ddp: int = 0  # DistributedDataParallel wrappers built
+    used_devices: list[int] = field(default_factory=list)  # runtime indices DP computed on
+    world_size: int = 1  # of the (fake) process group, where one was initialised
+    spawned: int = 0  # nprocs of mp.spawn / start_processes, where called
+    ddp_devices: list[int] = field(default_factory=list)  # runtime index of each DDP wrapper
+    replica_scalars: bool = False  # DataParallel's replicas returned one number each
+    loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
+    materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
+    fake_group: bool = False  # a fake default process group was initialised
+
+
+def _logical_ids(vc: VirtualCuda, ids: Sequence[Any] | None) -> list[int]:
+    if ids is None:
+        return list(range(vc.device_count()))
+    out = []
+    for d in ids:
+        if isinstance(d, torch.device):
+            out.append(d.index if d.index is not None else vc.current_device())
+        elif isinstance(d, str):
+            dev = torch.device(d)
+            out.append(dev.index if dev.index is not None else vc.current_device())
+        else:
+            out.append(int(d))
+    return out
+
+
+class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
+    """``nn.DataParallel`` on virtual devices (see the module)."""
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
+                 output_device: Any = None, dim: int = 0) -> None:
+        from dpprof.emulator.virtual_cuda import active
+
+        nn.Module.__init__(self)
+        vc = active()
+        if vc is None:
+            raise RuntimeError("VirtualDataParallel needs an active VirtualCuda")
+        self._vc = vc
+        self.dim = dim
+        self.module = module
+        self.device_ids = _logical_ids(vc, device_ids)
+        if not self.device_ids:
+            return
+        if output_device is None:
+            output_device = self.device_ids[0]
+        self.output_device = _logical_ids(vc, [output_device])[0]
+        self.src_device_obj = torch.device("cuda", self.device_ids[0])
+        if len(self.device_ids) == 1:
+            self.module.to(self.src_device_obj)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self.device_ids:
+            return self.module(*inputs, **kwargs)
+        LOG.data_parallel += 1
+        if MODE == DDP_IN_PLACE:
+            return self._ddp_forward(inputs, kwargs)
+        if (MODE == LOSS_IN_FORWARD and not kwargs and len(self.device_ids) > 1
+                and torch.is_grad_enabled()):
+            return DeferredOutputs(self, inputs, caller_site())
+        return self.run(self.module, inputs, kwargs)
+
+    def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """DataParallel's forward (``data_parallel.py``) on virtual devices, for ``module``
+        (the wrapped module, or it with the loss inside)."""
+        vc = self._vc
+        rt = vc.rt
+        ids = [vc.index_of(i) for i in self.device_ids]
+        src = ids[0]
+        self._check_placement(src)
+        with rt.category("inputs"):
+            inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, ids, self.dim)
+        if not inputs and not module_kwargs:
+            inputs, module_kwargs = ((),), ({},)
+        if len(ids) == 1:
+            LOG.used_devices = [src]
+            with rt.device(src):
+                return module(*inputs[0], **module_kwargs[0])
+        used = ids[: len(inputs)]
+        LOG.used_devices = used
+        replicas = replicate(rt, module, used, not torch.is_grad_enabled())
+        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
+        if all(t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
+            LOG.replica_scalars = True  # per-replica losses: the loss is inside forward
+        with rt.category("outputs"):
+            return gather(rt, outputs, vc.index_of(self.output_device), self.dim)
+
+    def _check_placement(self, src: int) -> None:
+        rt = self._vc.rt
+        for t in chain(self.module.parameters(), self.module.buffers()):
+            if rt.device_of(t) != src:
+                raise RuntimeError(
+                    "module must have its parameters and buffers on device "
+                    f"{self.src_device_obj} (device_ids[0]) but found one of them on "
+                    f"device: {t.device}"
+                )
+
+    def _ddp_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The DDP-in-place alternative: one rank of DDP on cuda:0 (lazily built: the
+        script may move the module after wrapping it)."""
+        vc = self._vc
+        rt = vc.rt
+        src = vc.index_of(self.device_ids[0])
+        self._check_placement(src)
+        impl = self.__dict__.get("_ddp_impl")
+        if impl is None:
+            with rt.device(src):
+                impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids))
+            object.__setattr__(self, "_ddp_impl", impl)
+            LOG.ddp_devices.append(src)
+        LOG.used_devices = [src]
+        from dpprof.emulator.parallel import scatter
+
+        with rt.category("inputs"):
+            moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if inputs or kwargs \
+                else ((), {})
+        inputs, kwargs = moved
+        with rt.device(src):
+            return impl(*inputs, **kwargs)
+
+
+DDP_IN_PLACE = "ddp-in-place"
+LOSS_IN_FORWARD = "loss-in-forward"
+MODE = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD: the paired alternatives
+
+
+class DeferredOutputs:
+    """DataParallel's outputs in the loss-in-forward alternative: nothing is computed until
+    the loss module is called on them (then every replica computes its loss,
+    ``ModelWithLoss``); any other use computes them as written (gathered)."""
+
+    def __init__(self, dp: VirtualDataParallel, inputs: tuple[Any, ...], site: str) -> None:
+        self.dp = dp
+        self.inputs = inputs
+        self.site = site
+        self.value: Any = None
+        self.used_as_loss = False
+        self.shapes: list[Any] = []  # each replica's outputs as (shape, dtype) leaves
+
+    def materialize(self) -> Any:
+        if self.value is None:
+            LOG.materialized.append(caller_site())
+            if self.used_as_loss:
+                # used after the loss (accuracy, logging): the replicas kept no outputs;
+                # stand-ins of the gathered shapes on the output device, no gradient
+                self.value = self._stand_ins()
+            else:  # used before any loss: computed as written
+                self.value = self.dp.run(self.dp.module, self.inputs, {})
+        return self.value
+
+    def _stand_ins(self) -> Any:
+        vc = self.dp._vc
+        rt = vc.rt
+        per_replica = self.shapes
+        dim = self.dp.dim
+
+        def gathered(*leaves: Any) -> Any:
+            first = leaves[0]
+            if not isinstance(first, tuple):
+                return first
+            shape, dtype = first
+            size = list(shape)
+            if size:
+                size[dim] = sum(leaf[0][dim] for leaf in leaves)
+            with rt.category("outputs"):
+                return torch.empty(size, dtype=dtype,
+                                   device=torch.device("cuda", self.dp.output_device))
+
+        rt.stand_ins.add("outputs after the loss")
+        flat = [tree_leaves(r, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                            and isinstance(x[1], torch.dtype)) for r in per_replica]
+        spec = tree_map(lambda x: x, per_replica[0],
+                        is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                        and isinstance(x[1], torch.dtype))
+        leaves = [gathered(*cols) for cols in zip(*flat, strict=True)]
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        _, treespec = tree_flatten(spec, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                                   and isinstance(x[1], torch.dtype))
+        return tree_unflatten(leaves, treespec)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        def real(x: Any) -> Any:
+            return x.materialize() if isinstance(x, DeferredOutputs) else x
+
+        args = tree_map(real, args, is_leaf=lambda x: isinstance(x, DeferredOutputs))
+        kwargs = tree_map(real, kwargs or {}, is_leaf=lambda x: isinstance(x, DeferredOutputs))
+        return func(*args, **kwargs)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.materialize()[key]
+
+    def __len__(self) -> int:
+        return len(self.materialize())
+
+    def __iter__(self) -> Any:
+        return iter(self.materialize())
+
+
+def _recording_class() -> type:
+    from dpprof.scenarios.base import ModelWithLoss, as_args
+
+    class RecordingModelWithLoss(ModelWithLoss):
+        """``ModelWithLoss`` that notes each replica's output shapes (for stand-ins)."""
+
+        shapes: list[Any]
+
+        def forward(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            outputs = self.model(*as_args(inputs))
+            self.shapes.append(tree_map(
+                lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
+                outputs))
+            loss = self.loss_fn(outputs, targets)
+            rows = float(t_rows(targets) or t_rows(inputs))
+            return loss.reshape(1) * rows, loss.new_full((1,), rows)
+
+    return RecordingModelWithLoss
+
+
+def t_rows(x: Any) -> int:
+    from dpprof.scenarios.base import batch_rows
+
+    return batch_rows(x)
+
+
+def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
+    inside forward on every replica, combined by rows (None: not such a call)."""
+    from dpprof.scenarios.base import ModelWithLoss
+
+    if not args or not isinstance(args[0], DeferredOutputs) or args[0].value is not None:
+        return None
+    deferred: DeferredOutputs = args[0]
+    targets = args[1] if len(args) > 1 else kwargs.get("target")
+    if targets is None or len(args) > 2:
+        return None
+    deferred.used_as_loss = True
+    wrapped = _recording_class()(deferred.dp.module, loss_fn)
+    wrapped.shapes = deferred.shapes
+    inputs = deferred.inputs if len(deferred.inputs) != 1 else deferred.inputs[0]
+    out = deferred.dp.run(wrapped, (inputs, targets), {})
+    LOG.loss_in_forward += 1
+    return ModelWithLoss.combine(out)
+
+
+def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[Any] | None = None,
+                  output_device: Any = None, dim: int = 0,
+                  module_kwargs: dict[str, Any] | None = None) -> Any:
+    """``nn.parallel.data_parallel`` on virtual devices."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    wrapper = VirtualDataParallel(module, device_ids, output_device, dim)
+    return wrapper(*inputs, **(module_kwargs or {}))
+
+
+class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
+    """``DistributedDataParallel`` as one emulated rank (see the module)."""
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
+                 process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 **_: Any) -> None:
+        import torch.distributed as dist
+
+        from dpprof.emulator.virtual_cuda import active
+
+        nn.Module.__init__(self)
+        vc = active()
+        if vc is None:
+            raise RuntimeError("VirtualDDP needs an active VirtualCuda")
+        self._vc = vc
+        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.module = module
+        self.device_ids = _logical_ids(vc, device_ids) if device_ids else None
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.process_group = process_group
+        self.require_backward_grad_sync = True
+        impl = EmulatedDDP(
+            module, vc.rt, world_size=world, bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+        )
+        # EmulatedDDP is a Module with the user's module as a child; keep it out of this
+        # module's tree so parameters() and state_dict() are DDP's ("module." prefixes).
+        object.__setattr__(self, "_ddp_impl", impl)
+        LOG.ddp += 1
+        LOG.world_size = world
+        LOG.ddp_devices.append(impl.device)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        ddp: EmulatedDDP = self.__dict__["_ddp_impl"]
+        if self.device_ids:
+            rt = self._vc.rt
+            index = self._vc.index_of(self.device_ids[0])
+            from dpprof.emulator.parallel import scatter
+
+            with rt.category("inputs"):
+                moved = scatter(rt, (inputs, kwargs), [index], self.dim)[0]
+            inputs, kwargs = moved
+        return ddp(*inputs, **kwargs)
+
+    def no_sync(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+LOG = ParallelLog()
+
+
+def install(vc: VirtualCuda, patch: Patch) -> None:
+    """Replace the wrappers for the duration of ``vc`` (``patch`` records and restores)."""
+    global LOG
+    LOG = ParallelLog()
+    import torch.nn.parallel as par
+    import torch.nn.parallel.data_parallel as dp_mod
+    import torch.nn.parallel.distributed as ddp_mod
+
+    dp_cls = vc.data_parallel_factory or VirtualDataParallel
+    for owner in (nn, par, dp_mod):
+        patch(owner, "DataParallel", dp_cls)
+    patch(par, "data_parallel", data_parallel)
+    patch(dp_mod, "data_parallel", data_parallel)
+    ddp_cls = vc.ddp_factory or VirtualDDP
+    for owner in (nn.parallel, ddp_mod):
+        patch(owner, "DistributedDataParallel", ddp_cls)
+    _install_distributed(vc, patch)
+
+
+def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
+    import os
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        return
+    orig_init = dist.init_process_group
+
+    def init_process_group(backend: Any = None, init_method: str | None = None,
+                           timeout: Any = None, world_size: int = -1, rank: int = -1,
+                           store: Any = None, group_name: str = "", pg_options: Any = None,
+                           device_id: Any = None, **_: Any) -> None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if world_size is None or world_size < 0:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if rank is None or rank < 0:
+            rank = int(os.environ.get("RANK", "0"))
+        orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        LOG.world_size = world_size
+        LOG.fake_group = True
+
+    patch(dist, "init_process_group", init_process_group)
+    patch(dist, "is_nccl_available", lambda: True)
+
+    def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
+              join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
+        """``mp.spawn``: one process per rank; ranks are alike, so rank 0 runs here."""
+        LOG.spawned = nprocs
+        fn(0, *args)
+        return None
+
+    def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
+                        join: bool = True, daemon: bool = False,
+                        start_method: str = "spawn") -> None:
+        return spawn(fn, args, nprocs, join, daemon, start_method)
+
+    import torch.multiprocessing.spawn as spawn_mod
+
+    patch(mp, "spawn", spawn)
+    patch(mp, "start_processes", start_processes)
+    patch(spawn_mod, "spawn", spawn)
+    patch(spawn_mod, "start_processes", start_processes)
+
+
+def cleanup() -> None:
+    """Destroy the fake process group a stopped script left behind."""
+    import torch.distributed as dist
+
+    if LOG.fake_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    LOG.fake_group = False

@@ -1,0 +1,851 @@
+"""A CUDA that is not there: ``torch.cuda`` played by virtual devices, in any torch build.
+
+While a :class:`VirtualCuda` is active, a program written for GPUs runs unchanged:
+
+* ``torch.cuda`` and ``torch.accelerator`` report ``num_gpus`` GPUs of the chosen model
+  (``is_available``, ``device_count``, ``get_device_properties/name/capability``,
+  ``mem_get_info``, ``current_device``/``set_device``/``device(...)``), after
+  ``CUDA_VISIBLE_DEVICES`` (read when the program first asks, as CUDA reads it at
+  initialisation, so a script that sets it before its first CUDA call is honoured);
+* tensors created on, or moved to, ``"cuda"``, ``"cuda:k"``, ``torch.device("cuda", k)``
+  (``.cuda()``, ``.to(...)``, ``torch.tensor(..., device=...)``, factories' ``device=``,
+  ``Module.to/cuda``) live on virtual device ``k`` of a :class:`VirtualDevices` runtime, over
+  meta tensors (memory only) or CPU tensors (``base="cpu"``: real numbers); they report
+  ``device == cuda:k`` and ``is_cuda``; the host side of the program stays real;
+* ``torch.cuda.memory_allocated()`` and friends answer from the emulator; streams, events,
+  ``synchronize``, ``empty_cache``, seeds, ``pin_memory`` and ``non_blocking`` behave;
+* ``.item()``, ``bool()``, ``float()``, ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a meta
+  tensor answer with stated stand-ins (floats 1.0, integers 1, booleans False, host copies
+  zeros), counted per call site; ops whose output shape depends on values (``nonzero``,
+  boolean masks) stop with one line naming the fix;
+* ``nn.DataParallel`` / ``nn.parallel.data_parallel`` are re-enacted by
+  :mod:`dpprof.emulator.parallel`.
+
+Where the hooks are: a CPU-only build raises "Torch not compiled with CUDA enabled" from
+``torch.cuda._lazy_init``, which C++ calls (``torch::utils::device_lazy_init``) before a
+factory with a CUDA ``device=`` reaches the dispatcher; with it replaced, the factory
+reaches the runtime's ``TorchDispatchMode``, which maps the device
+(:meth:`VirtualDevices.placement`). ``Tensor.to``/``cuda``/``cpu`` and ``torch.tensor`` /
+``as_tensor`` fail earlier (a CUDA device guard in C++), so they are replaced at the Python
+API. Everything is restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpprof.emulator.gpus import GpuSpec, lookup_gpu
+from dpprof.emulator.vdevice import HOST, VirtualDevices
+
+aten = torch.ops.aten
+
+STAND_IN_FLOAT = 1.0
+STAND_IN_INT = 1
+STAND_IN_BOOL = False
+STAND_INS = (
+    f"values read from emulated tensors are stand-ins: floats {STAND_IN_FLOAT}, integers "
+    f"{STAND_IN_INT}, booleans {STAND_IN_BOOL}, host copies (.cpu(), .numpy(), .tolist()) zeros"
+)
+
+# Ops whose output shape depends on the values (meta tensors have none).
+DATA_DEPENDENT = {
+    aten.nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
+    aten._unique2.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
+    aten.nonzero_static.default, aten._unique.default,
+}
+
+_NOT_SPLIT = object()
+_DPPROF_DIR = str(Path(__file__).resolve().parents[1])
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
+class DataDependentShapeError(RuntimeError):
+    """An op whose output shape depends on tensor values, which meta tensors do not have."""
+
+
+def caller_site() -> str:
+    """``file:line`` of the innermost frame outside torch and dpprof (the user's line)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIR)
+                or name.startswith("<")):
+            return f"{name}:{f.f_lineno}"
+        f = f.f_back  # type: ignore[assignment]
+    return "?"
+
+
+@dataclass
+class StandIns:
+    """Values the emulation made up, counted by kind and by the user's line."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    sites: dict[str, int] = field(default_factory=dict)  # "file:line (kind)" -> count
+
+    def add(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        key = f"{caller_site()} ({kind})"
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+class CudaDevices(VirtualDevices):
+    """The runtime under a :class:`VirtualCuda`: ``device=cuda:k`` means virtual device k,
+    the host stays real, reading a meta tensor's value gives a stand-in."""
+
+    def __init__(self, num_devices: int, base: str = "meta") -> None:
+        super().__init__(num_devices, base)
+        self.cuda: VirtualCuda | None = None
+        self.stand_ins = StandIns()
+        self.in_dispatch = 0
+        self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
+
+    def placement(self, device: torch.device) -> tuple[torch.device, int | None]:
+        if isinstance(device, str):
+            device = torch.device(device)
+        if device.type == "cuda":
+            cuda = self.cuda
+            index = cuda.index_of(device) if cuda is not None else (device.index or 0)
+            return self.base, index
+        if device.type == "cpu":
+            # the host is real; over CPU tensors "cpu" is also every virtual tensor's device
+            return torch.device("cpu"), (HOST if self.base.type == "meta" else None)
+        if device.type == "meta" and self.cuda is not None:
+            # x.device of an emulated tensor seen by torch's own code: the current GPU
+            return self.base, None
+        return self.base, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is aten._local_scalar_dense.default and _is_meta(args[0]):
+            return self.stand_in_scalar(args[0])
+        if func in DATA_DEPENDENT and any(
+                isinstance(a, torch.Tensor) and _is_meta(a) for a in args):
+            raise DataDependentShapeError(
+                f"{func.__name__} makes a tensor whose shape depends on the values, and the "
+                "emulated tensors have none (meta tensors); rerun with --compute (the same "
+                "emulation over CPU tensors, real numbers)"
+            )
+        if func is aten.index.Tensor and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool and _is_meta(i)
+                for i in (args[1] if len(args) > 1 else ())):
+            raise DataDependentShapeError(
+                "indexing with a boolean mask makes a tensor whose shape depends on the "
+                "values, and the emulated tensors have none (meta tensors); rerun with "
+                "--compute (the same emulation over CPU tensors, real numbers)"
+            )
+        if func is aten.convolution.default:
+            self.saw_convolution = True
+        if func.__name__.startswith("_foreach_"):
+            split = self._foreach_by_device(func, types, args, kwargs or {})
+            if split is not _NOT_SPLIT:
+                return split
+        self.in_dispatch += 1
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.in_dispatch -= 1
+
+    def _foreach_by_device(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A ``_foreach_*`` op over tensors of several virtual devices, run per device as
+        the optimizers run it on GPUs (``_group_tensors_by_device_and_dtype`` groups by
+        the real device, which is the same for every emulated tensor)."""
+        lists = [a for a in args if isinstance(a, (list, tuple)) and a
+                 and isinstance(a[0], torch.Tensor)]
+        if not lists:
+            return _NOT_SPLIT
+        n = len(lists[0])
+        where = [self.device_of(t) for t in lists[0]]
+        if len(set(where)) < 2:
+            return _NOT_SPLIT
+        groups: dict[int, list[int]] = {}
+        for i, d in enumerate(where):
+            groups.setdefault(d, []).append(i)
+        results: list[Any] = [None] * n
+        single: Any = None
+        for idx in groups.values():
+            part = [type(a)(a[i] for i in idx) if isinstance(a, (list, tuple)) and len(a) == n
+                    else a for a in args]
+            out = self.__torch_dispatch__(func, types, tuple(part), kwargs)
+            if isinstance(out, (list, tuple)) and len(out) == len(idx):
+                for i, o in zip(idx, out, strict=True):
+                    results[i] = o
+            else:
+                single = out
+        return results if any(r is not None for r in results) else single
+
+    def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
+        if t.dtype == torch.bool:
+            self.stand_ins.add("bool")
+            return STAND_IN_BOOL
+        if t.is_floating_point() or t.is_complex():
+            self.stand_ins.add("item")
+            return STAND_IN_FLOAT
+        self.stand_ins.add("item")
+        return STAND_IN_INT
+
+
+# ---- crossings with autograd -----------------------------------------------------------------
+
+
+def _host_stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A real host tensor of ``t``'s shape and dtype (zeros): the value of a meta tensor
+    copied to the host."""
+    return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+
+
+class _Cross(torch.autograd.Function):
+    """``t.to(device)`` between the host and virtual devices: forward copies to the target,
+    backward copies the gradient back (as CUDA's ``_to_copy`` backward does)."""
+
+    @staticmethod
+    def forward(ctx: Any, vc: VirtualCuda, t: torch.Tensor, index: int,  # type: ignore[override]
+                dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.vc = vc
+        ctx.source = vc.rt.device_of(t)
+        ctx.source_dtype = t.dtype
+        ctx.source_real = real_device(t)
+        return vc.copy(t, index, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, None, None]:
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        vc: VirtualCuda = ctx.vc
+        back = vc.copy(grad, ctx.source, ctx.source_dtype, real=ctx.source_real)
+        return None, back, None, None
+
+
+class _DeviceProperties(SimpleNamespace):
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
+                f"minor={self.minor}, total_memory={self.total_memory // 2**20}MB, "
+                f"multi_processor_count={self.multi_processor_count})")
+
+
+class _Stream:
+    """``torch.cuda.Stream`` on a virtual device: work is in order, nothing to wait for."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.device = torch.device("cuda", _index(device) or 0)
+        self.priority = priority
+        self.cuda_stream = 0
+
+    def wait_stream(self, stream: Any) -> None: ...
+    def wait_event(self, event: Any) -> None: ...
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event or _Event()
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, **_: Any) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None: ...
+    def wait(self, stream: Any = None) -> None: ...
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
+def _index(device: Any) -> int | None:
+    """The cuda index named by ``device`` (None: the current one)."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        return device.index
+    return None
+
+
+def parse_visible_devices(value: str | None, physical: int) -> list[int]:
+    """The physical indices ``CUDA_VISIBLE_DEVICES`` leaves, as CUDA parses it: a comma-
+    separated list read up to its first invalid, out-of-range or repeated entry; unset: all."""
+    if value is None:
+        return list(range(physical))
+    out: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        try:
+            i = int(part)
+        except ValueError:
+            break
+        if i < 0 or i >= physical or i in out:
+            break
+        out.append(i)
+    return out
+
+
+class VirtualCuda:
+    """Context manager: ``torch.cuda`` played by ``num_gpus`` virtual GPUs (see the module).
+
+    ``rt`` may be given (a :class:`CudaDevices`); otherwise one is made over ``base``.
+    ``on_data_parallel`` builds what ``nn.DataParallel(...)`` returns (default: the
+    re-enactment, :class:`VirtualDataParallel`).
+    """
+
+    def __init__(self, num_gpus: int = 4, gpu: str | GpuSpec = "a100-80gb",
+                 base: str = "meta", rt: CudaDevices | None = None,
+                 gpu_memory_bytes: int | None = None) -> None:
+        self.spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
+        self.physical = num_gpus
+        self.rt = rt or CudaDevices(num_gpus, base)
+        self.rt.cuda = self
+        self.base = self.rt.base
+        self.capacity_bytes = gpu_memory_bytes or self.spec.total_memory_bytes
+        self._visible: list[int] | None = None
+        self._current = 0
+        self._peak_from = [0] * num_gpus  # event index of each device's last peak reset
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._stack = contextlib.ExitStack()
+        self._local = threading.local()
+        self.data_parallel_factory: Callable[..., nn.Module] | None = None
+        self.ddp_factory: Callable[..., nn.Module] | None = None
+        self.active = False
+        self.first_input_rows = 0  # rows of the first tensor the program moved to a GPU
+
+    # ---- devices ------------------------------------------------------------------------
+
+    @property
+    def visible(self) -> list[int]:
+        """Physical virtual devices the program sees, read once (CUDA's initialisation)."""
+        if self._visible is None:
+            self._visible = parse_visible_devices(
+                os.environ.get("CUDA_VISIBLE_DEVICES"), self.physical)
+        return self._visible
+
+    def device_count(self) -> int:
+        return len(self.visible)
+
+    def current_device(self) -> int:
+        """The current device: the replica's inside DataParallel's threads, else the one
+        set with ``set_device``."""
+        d = self.rt.current_device
+        return d if d != HOST else self._current
+
+    def index_of(self, device: Any) -> int:
+        """The runtime's device index for a cuda device the program names (logical index
+        through CUDA_VISIBLE_DEVICES; the runtime counts all devices physically)."""
+        i = _index(device)
+        if i is None:
+            i = self.current_device() if isinstance(device, (str, torch.device)) else 0
+        n = self.device_count()
+        if not 0 <= i < n:
+            raise RuntimeError(
+                "CUDA error: invalid device ordinal (cuda:{} of {} visible GPU{})".format(
+                    i, n, "" if n == 1 else "s"))
+        return self.visible[i]
+
+    def logical(self, index: int) -> int:
+        """The index the program sees for runtime device ``index``."""
+        return self.visible.index(index) if index in self.visible else index
+
+    def set_device(self, device: Any) -> None:
+        if isinstance(device, (str, torch.device)) and torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        i = _index(device)
+        if i is not None and i >= 0:
+            self.index_of(i)  # validates
+            self._current = i
+
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        i = _index(device)
+        if i is None or i < 0:
+            yield
+            return
+        prev = self._current
+        self.set_device(i)
+        try:
+            yield
+        finally:
+            self._current = prev
+
+    def properties(self, device: Any = None) -> _DeviceProperties:
+        i = self.index_of(device if device is not None else self.current_device())
+        major, minor = self.spec.compute_capability
+        return _DeviceProperties(
+            name=self.spec.name, major=major, minor=minor, total_memory=self.capacity_bytes,
+            multi_processor_count=108, is_integrated=False, is_multi_gpu_board=False,
+            uuid=f"GPU-dpprof-virtual-{i}", L2_cache_size=40 * 2**20,
+            gcnArchName="", warp_size=32, pci_bus_id=i, pci_device_id=0, pci_domain_id=0,
+        )
+
+    # ---- memory ------------------------------------------------------------------------
+
+    def _dev(self, device: Any) -> int:
+        return self.index_of(device if device is not None else self.current_device())
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return self.rt.live_bytes(self._dev(device))
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        i = self._dev(device)
+        return max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
+
+    def _reserved(self, i: int) -> tuple[int, int]:
+        """(current, peak since the last reset) reserved bytes: the caching allocator
+        simulated over the device's allocations so far."""
+        from dpprof.emulator.allocator import simulate
+
+        events: list[tuple[str, int, int]] = []
+        for k, ev in enumerate(self.rt.events):
+            if k == self._peak_from[i]:
+                events.append(("reset_peak", -1, 0))
+            if ev.device == i and ev.requested != 0:
+                events.append(("alloc" if ev.requested > 0 else "free", ev.serial,
+                               max(ev.requested, 0)))
+        stats = simulate(events, timeline_points=None, stop_on_oom=False)
+        return stats.final_reserved_bytes, stats.peak_reserved_bytes
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return self._reserved(self._dev(device))[0]
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return self._reserved(self._dev(device))[1]
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._peak_from[self._dev(device)] = len(self.rt.events)
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        return (max(self.capacity_bytes - self.memory_reserved(device), 0), self.capacity_bytes)
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        i = self._dev(device)
+        reserved, peak_reserved = self._reserved(i)
+        return {
+            "allocated_bytes.all.current": self.rt.live_bytes(i),
+            "allocated_bytes.all.peak": self.max_memory_allocated(i),
+            "reserved_bytes.all.current": reserved,
+            "reserved_bytes.all.peak": peak_reserved,
+            "active_bytes.all.current": self.rt.live_bytes(i),
+            "requested_bytes.all.current": self.rt.counters[i].live_requested,
+        }
+
+    def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
+        stats = self.memory_stats(device)
+        return "\n".join(f"{k}: {v}" for k, v in stats.items())
+
+    # ---- tensors -----------------------------------------------------------------------
+
+    def copy(self, t: torch.Tensor, index: int, dtype: torch.dtype | None,
+             real: torch.device | None = None) -> torch.Tensor:
+        """A copy of ``t`` on runtime device ``index`` (HOST: the host) as ``dtype``."""
+        rt = self.rt
+        dtype = dtype or t.dtype
+        with rt.placing_on(index):
+            if index == HOST:
+                if _is_meta(t) and (real is None or real.type != "meta"):
+                    rt.stand_ins.add("host copy")
+                    return torch.zeros(t.shape, dtype=dtype, device="cpu")
+                return _ORIG["to"](t, device=real or torch.device("cpu"), dtype=dtype,
+                                   copy=True)
+            if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
+                if not self.first_input_rows and t.dim() > 0 and rt.current_category != \
+                        "parameters":
+                    self.first_input_rows = int(t.shape[0])
+                with rt.category(rt.current_category if rt.current_category == "parameters"
+                                 else "inputs"):
+                    return _ORIG["to"](t, device=self.base, dtype=dtype, copy=True)
+            return _ORIG["to"](t, device=self.base, dtype=dtype, copy=True)
+
+    def to_index(self, t: torch.Tensor, index: int, dtype: torch.dtype | None = None,
+                 copy: bool = False, memory_format: Any = None) -> torch.Tensor:
+        src = self.rt.device_of(t)
+        if src == index and not (src == HOST and _is_meta(t)):
+            if dtype is None and memory_format is None and not copy:
+                return t
+            kw: dict[str, Any] = {"copy": copy}
+            if dtype is not None:
+                kw["dtype"] = dtype
+            if memory_format is not None:
+                kw["memory_format"] = memory_format
+            return _ORIG["to"](t, **kw)
+        if t.requires_grad and torch.is_grad_enabled():
+            return _Cross.apply(self, t, index, dtype)
+        return self.copy(t, index, dtype)
+
+    def target_of(self, device: Any) -> int | None:
+        """Runtime index for a device argument (None: no device change)."""
+        if device is None:
+            return None
+        if isinstance(device, int):
+            return self.index_of(device)
+        d = torch.device(device) if isinstance(device, str) else device
+        if d.type == "cuda":
+            return self.index_of(d)
+        if d.type == "cpu":
+            return HOST
+        if d.type == "meta":
+            return None
+        return None
+
+    def tensor_to(self, t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and isinstance(args[0], torch.Tensor):  # t.to(other)
+            other = args[0]
+            index = self.rt.device_of(other)
+            return self.to_index(t, index, other.dtype, copy=bool(kwargs.get("copy", False)))
+        device = kwargs.pop("device", None)
+        rest = list(args)
+        if rest and (isinstance(rest[0], (str, torch.device, int))
+                     and not isinstance(rest[0], bool)):
+            device = rest.pop(0)
+        dtype = kwargs.pop("dtype", None)
+        if rest and isinstance(rest[0], torch.dtype):
+            dtype = rest.pop(0)
+        non_blocking = kwargs.pop("non_blocking", rest.pop(0) if rest else False)
+        copy = kwargs.pop("copy", rest.pop(0) if rest else False)
+        memory_format = kwargs.pop("memory_format", None)
+        del non_blocking  # copies are in order on virtual devices
+        target = self.target_of(device)
+        if target is None:
+            kw: dict[str, Any] = {"copy": copy}
+            if dtype is not None:
+                kw["dtype"] = dtype
+            if memory_format is not None:
+                kw["memory_format"] = memory_format
+            return _ORIG["to"](t, **kw)
+        return self.to_index(t, target, dtype, copy, memory_format)
+
+    def virtual_device(self, t: torch.Tensor) -> torch.device:
+        real = _ORIG["device"].__get__(t)
+        if real != self.base or self.rt.in_dispatch:
+            return real
+        i = self.rt.device_of(t)
+        if i == HOST:
+            return real if real.type != "meta" else torch.device("cuda", self.current_device())
+        return torch.device("cuda", self.logical(i))
+
+    # ---- activation --------------------------------------------------------------------
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)
+                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def __enter__(self) -> VirtualCuda:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("a VirtualCuda is already active")
+        _ACTIVE = self
+        self.active = True
+        # torch._dynamo (imported on first use by nn.init and others) indexes torch's
+        # functions once: let it see the originals, not the hooks below.
+        import torch._dynamo  # noqa: F401
+
+        try:
+            self._stack.enter_context(self.rt)
+            self._stack.enter_context(self.rt.device(HOST))
+            self._install()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        for owner, name, value in reversed(self._saved):
+            if value is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        self._saved.clear()
+        self._stack.close()
+        self.active = False
+        self.first_input_rows = 0  # rows of the first tensor the program moved to a GPU
+        _ACTIVE = None
+
+    def _install(self) -> None:
+        vc = self
+        cuda = torch.cuda
+        p = self._patch
+
+        # torch.cuda: the module's functions
+        p(cuda, "_lazy_init", lambda: None)
+        p(cuda, "init", lambda: None)
+        p(cuda, "is_initialized", lambda: True)
+        p(cuda, "is_available", lambda: vc.device_count() > 0)
+        p(cuda, "device_count", vc.device_count)
+        p(cuda, "current_device", vc.current_device)
+        p(cuda, "set_device", vc.set_device)
+        p(cuda, "device", _device_class(vc))
+        p(cuda, "device_of", lambda obj: _device_class(vc)(
+            vc.virtual_device(obj).index if obj.is_cuda else -1))
+        p(cuda, "get_device_properties", vc.properties)
+        p(cuda, "get_device_name", lambda device=None: vc.properties(device).name)
+        p(cuda, "get_device_capability",
+          lambda device=None: (vc.properties(device).major, vc.properties(device).minor))
+        p(cuda, "get_arch_list", lambda: ["sm_{}{}".format(*vc.spec.compute_capability)])
+        p(cuda, "is_bf16_supported",
+          lambda including_emulation=True: vc.spec.compute_capability >= (8, 0))
+        p(cuda, "is_tf32_supported", lambda: vc.spec.compute_capability >= (8, 0))
+        p(cuda, "can_device_access_peer", lambda device, peer: True)
+        p(cuda, "mem_get_info", vc.mem_get_info)
+        for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                     "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
+                     "memory_summary"):
+            p(cuda, name, getattr(vc, name))
+        p(cuda, "reset_max_memory_allocated", vc.reset_peak_memory_stats)
+        p(cuda, "reset_accumulated_memory_stats", lambda device=None: None)
+        p(cuda, "memory_cached", vc.memory_reserved)
+        p(cuda, "max_memory_cached", vc.max_memory_reserved)
+        for name in ("synchronize", "empty_cache", "ipc_collect", "manual_seed",
+                     "manual_seed_all", "seed", "seed_all", "set_rng_state",
+                     "set_rng_state_all", "set_sync_debug_mode"):
+            p(cuda, name, _Noop())
+        p(cuda, "initial_seed", lambda: 0)
+        p(cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
+        p(cuda, "get_rng_state_all",
+          lambda: [torch.zeros(16, dtype=torch.uint8) for _ in range(vc.device_count())])
+        p(cuda, "Stream", _Stream)
+        p(cuda, "Event", _Event)
+        p(cuda, "current_stream", lambda device=None: _Stream(device))
+        p(cuda, "default_stream", lambda device=None: _Stream(device))
+        p(cuda, "stream", lambda stream=None: contextlib.nullcontext(stream))
+        p(cuda, "set_stream", _Noop())
+        p(cuda, "is_current_stream_capturing", lambda: False)
+        with contextlib.suppress(ImportError, AttributeError):
+            import torch.cuda.memory as cuda_memory
+
+            for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                         "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
+                         "mem_get_info", "empty_cache"):
+                p(cuda_memory, name, getattr(cuda, name))
+        with contextlib.suppress(ImportError, AttributeError):
+            import torch.cuda.nvtx as nvtx
+
+            p(nvtx, "range_push", lambda msg: 0)
+            p(nvtx, "range_pop", lambda: 0)
+            p(nvtx, "mark", _Noop())
+            p(nvtx, "range", lambda msg, *a, **k: contextlib.nullcontext())
+
+        # torch.accelerator (torch >= 2.6)
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None:
+            p(acc, "is_available", cuda.is_available)
+            p(acc, "current_accelerator",
+              lambda check_available=False: torch.device("cuda"))
+            p(acc, "device_count", vc.device_count)
+            p(acc, "current_device_index", vc.current_device)
+            p(acc, "current_device_idx", vc.current_device)
+            p(acc, "set_device_index", vc.set_device)
+            p(acc, "set_device_idx", vc.set_device)
+            p(acc, "synchronize", _Noop())
+            p(acc, "current_stream", lambda device=None: _Stream(device))
+            p(acc, "set_stream", _Noop())
+            p(acc, "device_index", _device_class(vc))
+            p(acc, "get_device_capability", lambda device=None: {
+                "major": vc.spec.compute_capability[0],
+                "minor": vc.spec.compute_capability[1]})
+            mems = [acc]
+            if hasattr(acc, "memory"):
+                mems.append(acc.memory)
+            for m in mems:
+                for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                             "max_memory_reserved", "reset_peak_memory_stats", "memory_stats"):
+                    if hasattr(m, name):
+                        p(m, name, getattr(vc, name))
+                for name in ("empty_cache", "empty_host_cache",
+                             "reset_accumulated_memory_stats"):
+                    if hasattr(m, name):
+                        p(m, name, _Noop())
+                if hasattr(m, "get_memory_info"):
+                    p(m, "get_memory_info", vc.mem_get_info)
+
+        # Tensor methods that a CPU build refuses before dispatch, and stand-ins
+        T = torch.Tensor
+
+        def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return vc.tensor_to(self, *args, **kwargs)
+
+        def cuda_(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
+                  memory_format: Any = None) -> torch.Tensor:
+            i = vc.index_of(device if device is not None else vc.current_device())
+            return vc.to_index(self, i, memory_format=memory_format)
+
+        def cpu(self: torch.Tensor, memory_format: Any = None) -> torch.Tensor:
+            return vc.to_index(self, HOST, memory_format=memory_format)
+
+        def tolist(self: torch.Tensor) -> Any:
+            if _is_meta(self):
+                vc.rt.stand_ins.add("tolist")
+                return _ORIG["tolist"](_host_stand_in(self))
+            return _ORIG["tolist"](self)
+
+        def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
+            if _ORIG["device"].__get__(self).type == "meta":
+                vc.rt.stand_ins.add("numpy")
+                return _ORIG["numpy"](_host_stand_in(self))
+            return _ORIG["numpy"](self, force=force)
+
+        def is_cuda(self: torch.Tensor) -> bool:
+            return vc.virtual_device(self).type == "cuda"
+
+        def get_device(self: torch.Tensor) -> int:
+            d = vc.virtual_device(self)
+            return d.index if d.type == "cuda" and d.index is not None else -1
+
+        orig_format = T.__format__
+
+        def format_(self: torch.Tensor, spec: str) -> str:
+            if self.dim() == 0 and _is_meta(self):
+                return format(self.detach().item(), spec)  # a stand-in, counted
+            return orig_format(self, spec)
+
+        p(T, "__format__", format_)
+        p(T, "to", to)
+        p(T, "cuda", cuda_)
+        p(T, "cpu", cpu)
+        p(T, "tolist", tolist)
+        p(T, "numpy", numpy)
+        p(T, "pin_memory", lambda self, device=None: self)
+        p(T, "is_pinned", lambda self, device=None: False)
+        p(T, "record_stream", lambda self, stream: None)
+        p(T, "device", property(vc.virtual_device))
+        p(T, "is_cuda", property(is_cuda))
+        p(T, "get_device", get_device)
+
+        # torch.tensor / torch.as_tensor with a CUDA device: made on the host, then moved
+        def make(orig: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            def factory(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+                device = kwargs.pop("device", None)
+                index = vc.target_of(device)
+                if index is None or index == HOST:
+                    if device is not None:
+                        kwargs["device"] = device
+                    return orig(data, *args, **kwargs)
+                requires_grad = kwargs.pop("requires_grad", False)
+                out = vc.copy(orig(data, *args, **kwargs), index, None)
+                return out.requires_grad_(requires_grad) if requires_grad else out
+
+            return factory
+
+        # Module.to / cuda: what they move is parameters and buffers
+        def module_mover(orig: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+            def move(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+                # module.to(rank): an int names an accelerator, which C++ cannot find
+                args = tuple(torch.device("cuda", a) if isinstance(a, int)
+                             and not isinstance(a, bool) else a for a in args)
+                if isinstance(kwargs.get("device"), int):
+                    kwargs["device"] = torch.device("cuda", kwargs["device"])
+                with vc.rt.category("parameters"):
+                    return orig(self, *args, **kwargs)
+
+            return move
+
+        for name in ("to", "cuda", "to_empty"):
+            p(nn.Module, name, module_mover(getattr(nn.Module, name)))
+        # A CPU parameter cannot take a meta tensor as .data: swap the tensors instead
+        # (torch.utils.swap_tensors), so the Parameter objects an optimizer built before
+        # .cuda() holds stay the module's, as on a GPU.
+        p(torch.__future__, "_swap_module_params_on_conversion", True)
+        p(torch, "tensor", make(_ORIG["tensor"]))
+        p(torch, "as_tensor", make(_ORIG["as_tensor"]))
+
+        # Parallel wrappers
+        from dpprof.emulator import script_parallel
+
+        script_parallel.install(vc, p)
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+_ACTIVE: VirtualCuda | None = None
+_ORIG: dict[str, Any] = {
+    "to": torch.Tensor.to,
+    "tolist": torch.Tensor.tolist,
+    "numpy": torch.Tensor.numpy,
+    "device": torch._C.TensorBase.__dict__["device"],
+    "tensor": torch.tensor,
+    "as_tensor": torch.as_tensor,
+}
+
+
+def real_device(t: torch.Tensor) -> torch.device:
+    """The device the tensor's bytes are on (``meta`` or ``cpu`` for emulated tensors)."""
+    return _ORIG["device"].__get__(t)  # type: ignore[no-any-return]
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return real_device(t).type == "meta"
+
+
+def active() -> VirtualCuda | None:
+    """The active :class:`VirtualCuda`, if any."""
+    return _ACTIVE
+
+
+class _Noop:
+    """A callable that does nothing (one per hooked name)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _noop_factory() -> _Noop:
+    return _Noop()
+
+
+def _device_class(vc: VirtualCuda) -> type:
+    class device:
+        """``torch.cuda.device(k)``: the current device inside the block."""
+
+        def __init__(self, device: Any) -> None:
+            self.idx = _index(device)
+            self._cm: contextlib.AbstractContextManager[None] | None = None
+
+        def __enter__(self) -> None:
+            self._cm = vc.device(self.idx)
+            self._cm.__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            if self._cm is not None:
+                self._cm.__exit__(*exc)
+
+    return device
+
+
+def devices_of(tensors: Sequence[torch.Tensor]) -> list[int]:
+    vc = _ACTIVE
+    if vc is None:
+        return []
+    return [vc.rt.device_of(t) for t in tensors]

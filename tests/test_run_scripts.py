@@ -1,0 +1,295 @@
+"""``dpprof run``: real scripts in the styles people write, run unchanged (tests/scripts/).
+
+Every byte count is derived from the shapes in the script (4 bytes per float32, 8 per
+int64, each storage rounded up to 512 B as the CUDA caching allocator rounds it); the
+one-device script is also checked against torch.profiler's records of the same script on
+real CPU tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dpprof.backends.memtrace import peak_of, record
+from dpprof.backends.script import ScriptConfig, parse_command, run_command, run_script
+from dpprof.cli.app import app
+from dpprof.result import DeviceResult, RunResult
+
+SCRIPTS = Path(__file__).parent / "scripts"
+runner = CliRunner()
+
+
+def r512(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def params_bytes(*shapes: tuple[int, ...]) -> int:
+    """Each float32 parameter in its own block, as ``.to("cuda")`` allocates them."""
+    total = 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        total += r512(4 * n)
+    return total
+
+
+def numel(*shapes: tuple[int, ...]) -> int:
+    total = 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def run(cmd: list[str], gpus: int = 4, steps: int = 3, alternatives: bool = True) -> RunResult:
+    result, _ = run_command(ScriptConfig(launch=parse_command(cmd, gpus), gpus=gpus,
+                                         steps=steps), alternatives)
+    return result
+
+
+def devs(result: RunResult, name: str) -> list[DeviceResult]:
+    s = result.scenario(name)
+    assert s is not None, [x.name for x in result.scenarios]
+    assert s.status == "ok", s.message
+    return s.devices
+
+
+MLP = [(256, 32), (256,), (1000, 256), (1000,)]  # dp_loss_outside.py's Net
+
+
+def test_data_parallel_loss_outside_forward_and_its_alternatives() -> None:
+    result = run(["python", str(SCRIPTS / "dp_loss_outside.py"), "--batch-size", "64"])
+    assert [s.name for s in result.scenarios] == ["dp-loss-primary", "dp-loss-forward", "ddp"]
+    assert result.batch == 64 and result.gpus == 4
+    dp = devs(result, "dp-loss-primary")
+    assert all(dp[0].peak_allocated_bytes > d.peak_allocated_bytes for d in dp[1:])
+    cuda0 = dp[0].breakdown_bytes
+    assert cuda0["parameters"] == params_bytes(*MLP)
+    assert cuda0["optimizer_state"] == params_bytes(*MLP)  # SGD momentum, on cuda:0 only
+    assert cuda0["outputs"] == 64 * 1000 * 4  # the gathered logits, kept by the loop
+    for d in dp[1:]:
+        # a replica's parameters: one flat broadcast buffer (< 10 MiB), no optimizer state
+        assert d.breakdown_bytes["parameters"] == r512(4 * numel(*MLP))
+        assert "optimizer_state" not in d.breakdown_bytes
+    # The loss inside forward: cuda:0 no longer holds the gathered logits at its peak.
+    fwd = devs(result, "dp-loss-forward")
+    assert "outputs" not in fwd[0].breakdown_bytes
+    assert dp[0].peak_allocated_bytes - fwd[0].peak_allocated_bytes == 64 * 1000 * 4
+    assert result.comparison.savings_bytes["dp-loss-forward"] == 64 * 1000 * 4
+    # DDP in place: every rank holds the model, its gradients and its momentum; 16 rows
+    ddp = devs(result, "ddp")
+    assert result.scenario("ddp").batch == 16  # type: ignore[union-attr]
+    assert len({d.peak_allocated_bytes for d in ddp}) == 1 and len(ddp) == 4
+    assert ddp[0].breakdown_bytes["parameters"] == params_bytes(*MLP)
+    assert ddp[0].breakdown_bytes["optimizer_state"] == params_bytes(*MLP)
+    assert ddp[0].breakdown_bytes["communication"] >= 4 * numel(*MLP)  # the buckets
+    notes = " ".join(result.scenario("dp-loss-primary").notes)  # type: ignore[union-attr]
+    assert "stopped after 3 optimizer step(s)" in notes and "item x" in notes
+    assert "dp_loss_outside.py:47" in notes  # loss.item(): the user's own line
+
+
+def test_data_parallel_loss_inside_forward_is_recognised() -> None:
+    result = run(["python", str(SCRIPTS / "dp_loss_inside.py")])
+    assert [s.name for s in result.scenarios] == ["dp-loss-forward"]  # no alternatives
+    d = devs(result, "dp-loss-forward")
+    assert d[0].breakdown_bytes["parameters"] == params_bytes(*MLP)
+    assert d[0].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*MLP)  # Adam
+    assert "outputs" not in d[0].breakdown_bytes
+    assert all("optimizer_state" not in x.breakdown_bytes for x in d[1:])
+
+
+def test_model_parallel_shows_each_gpus_share() -> None:
+    result = run(["python", str(SCRIPTS / "model_parallel.py")])
+    (s,) = result.scenarios
+    assert s.name == "model-parallel" and s.status == "ok"
+    d0, d1, d2, d3 = s.devices
+    net1, net2 = [(2000, 1000), (2000,)], [(500, 2000), (500,)]
+    assert d0.breakdown_bytes["parameters"] == params_bytes(*net1)
+    assert d1.breakdown_bytes["parameters"] == params_bytes(*net2)
+    assert d0.breakdown_bytes["inputs"] == 128 * 1000 * 4  # x.to("cuda:0")
+    assert d1.breakdown_bytes["inputs"] == 128 * 500 * 4  # labels.to("cuda:1")
+    # at cuda:0's peak (backward) net1's gradients exist; cuda:1 holds x.to("cuda:1")
+    assert d0.breakdown_bytes["gradients"] == params_bytes(*net1)
+    assert d1.breakdown_bytes["activations"] >= 128 * 2000 * 4
+    assert not d2.used and not d3.used and d2.peak_allocated_bytes == 0
+
+
+def test_one_gpu_script_matches_torch_profiler_on_cpu() -> None:
+    """The same script on real CPU tensors (no GPU: it trains on "cpu"), recorded by
+    torch.profiler from before the model is built: its peak of live bytes equals the
+    emulated cuda:0 peak, to the byte."""
+    path = str(SCRIPTS / "single_gpu.py")
+    _, events = record(lambda: runpy.run_path(path, run_name="__main__"))
+    result = run(["python", path], steps=4)
+    (s,) = result.scenarios
+    assert s.name == "single"
+    assert s.devices[0].peak_requested_bytes == peak_of(events)
+    assert s.devices[0].peak_allocated_bytes == peak_of(events, rounded=True)
+
+
+def test_ddp_under_torchrun() -> None:
+    result = run(["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_torchrun.py")])
+    (s,) = result.scenarios
+    assert s.name == "ddp" and s.status == "ok" and s.batch == 32
+    assert [d.rank for d in s.devices] == [0, 1, 2, 3]
+    shapes = [(512, 64), (512,), (100, 512), (100,)]
+    for d in s.devices:
+        assert d.breakdown_bytes["parameters"] == params_bytes(*shapes)
+        assert d.breakdown_bytes["optimizer_state"] == 2 * params_bytes(*shapes)  # AdamW
+        assert d.breakdown_bytes["communication"] >= 4 * numel(*shapes)
+        assert d.peak_allocated_bytes == s.devices[0].peak_allocated_bytes
+
+
+def test_ddp_under_mp_spawn() -> None:
+    result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=2)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and len(s.devices) == 2  # nprocs = torch.cuda.device_count()
+    shapes = [(512, 64), (512,), (100, 512), (100,)]
+    assert s.devices[1].breakdown_bytes["parameters"] == params_bytes(*shapes)
+    assert s.devices[1].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*shapes)
+
+
+def test_script_that_sets_cuda_visible_devices_itself() -> None:
+    result = run(["python", str(SCRIPTS / "sets_visible_devices.py")], gpus=4,
+                 alternatives=False)
+    assert result.gpus == 2  # CUDA_VISIBLE_DEVICES=1,2 of 4
+    d = devs(result, "dp-loss-primary")
+    assert len(d) == 2
+    assert d[0].breakdown_bytes["parameters"] == params_bytes(*MLP)
+    assert d[1].breakdown_bytes["parameters"] == r512(4 * numel(*MLP))
+
+
+def test_script_using_torch_accelerator() -> None:
+    result = run(["python", str(SCRIPTS / "accelerator.py")])
+    (s,) = result.scenarios
+    assert s.name == "single" and s.status == "ok"
+    shapes = [(1024, 128), (1024,), (10, 1024), (10,)]
+    assert s.devices[0].breakdown_bytes["parameters"] == params_bytes(*shapes)
+    assert s.devices[0].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*shapes)
+
+
+def test_resnet18_in_data_parallel_loads_cuda0() -> None:
+    from torchvision_shim import import_torchvision
+
+    try:
+        import_torchvision()
+    except Exception as e:  # pragma: no cover - no torchvision installed
+        pytest.skip(f"torchvision unavailable: {e}")
+    result = run(["python", str(SCRIPTS / "resnet_dp.py"), "-b", "32", "--image-size", "32"])
+    dp = devs(result, "dp-loss-primary")
+    assert all(dp[0].peak_allocated_bytes > d.peak_allocated_bytes for d in dp[1:])
+    att = result.attribution["dp-loss-primary"]
+    assert att.excess_bytes > 0
+    named = {k for k, v in att.causes_bytes.items() if v > 0}
+    assert {"reduced gradients", "optimizer state and step temporaries"} <= {
+        c for c in named} or any("gradients" in c for c in named)
+    assert dp[0].breakdown_bytes["outputs"] == 32 * 1000 * 4
+
+
+def test_stops_after_steps_and_measures_after_the_warm_up() -> None:
+    one = run_script(ScriptConfig(launch=parse_command(
+        ["python", str(SCRIPTS / "single_gpu.py")], 4), steps=1))
+    assert one.steps_done == 1 and one.ended == "steps"
+    three = run_script(ScriptConfig(launch=parse_command(
+        ["python", str(SCRIPTS / "single_gpu.py")], 4), steps=3))
+    assert three.steps_done == 3
+    # step 1 has no momentum buffers before its update: the warm-up peak is lower
+    assert (one.scenario.devices[0].peak_allocated_bytes
+            <= three.scenario.devices[0].peak_allocated_bytes)
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def test_cli_run_writes_reports(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    md = tmp_path / "run.md"
+    r = runner.invoke(app, ["run", "-g", "2", "-o", str(out), "-o", str(md), "--",
+                            "python", str(SCRIPTS / "dp_loss_outside.py"), "--batch-size", "32"])
+    assert r.exit_code == 0, r.output
+    assert "running dp_loss_outside.py --batch-size 32 on 2 virtual" in r.stderr
+    assert "dp-loss-primary" in r.stdout and "cuda:1" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["gpus"] == 2 and data["batch"] == 32 and data["config"]["command"] == "run"
+    assert "dp-loss-primary" in md.read_text()
+
+
+def test_cli_script_error_is_the_scripts(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text("import torch\nx = torch.zeros(3, device='cuda')\n"
+                      "def f():\n    return 1 / 0\nf()\n")
+    r = runner.invoke(app, ["run", "-q", "-o", str(tmp_path / "r.json"), "--", "python",
+                            str(script)])
+    assert r.exit_code == 1
+    assert "Traceback" in r.stderr and "boom.py\", line 4" in r.stderr
+    assert "ZeroDivisionError" in r.stderr and "dpprof/" not in r.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["scenarios"][0]["status"] == "error"
+
+
+def test_cli_no_optimizer_step_is_said(tmp_path: Path) -> None:
+    script = tmp_path / "infer.py"
+    script.write_text("import torch\nm = torch.nn.Linear(8, 8).cuda()\n"
+                      "y = m(torch.randn(4, 8).cuda())\n")
+    r = runner.invoke(app, ["run", "-o", str(tmp_path / "r.json"), "--", "python",
+                            str(script)])
+    assert r.exit_code == 0, r.output
+    assert "never called optimizer.step()" in r.stdout
+
+
+def test_cli_data_dependent_shape_names_compute(tmp_path: Path) -> None:
+    script = tmp_path / "mask.py"
+    script.write_text("import torch\nx = torch.randn(8, device='cuda')\ny = x[x > 0]\n")
+    r = runner.invoke(app, ["run", "-q", "-o", str(tmp_path / "r.json"), "--", "python",
+                            str(script)])
+    assert r.exit_code == 1
+    assert "mask.py\", line 3" in r.stderr and "--compute" in r.stderr
+    r = runner.invoke(app, ["run", "-q", "--compute", "-o", str(tmp_path / "r.json"), "--",
+                            "python", str(script)])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["run", "--", "python", "does_not_exist.py"], "does_not_exist.py: no such file"),
+    (["run"], "give the command after --"),
+    (["run", "--", "ls", "-l"], "give a Python command"),
+    (["run", "--steps", "0", "--", "python", "x.py"], "--steps must be at least 1"),
+])
+def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_parse_command_forms() -> None:
+    assert parse_command(["python", "-u", "train.py", "--lr", "1"], 4).argv == ["--lr", "1"]
+    m = parse_command(["python", "-m", "pkg.train", "--x"], 4)
+    assert m.is_module and m.target == "pkg.train" and m.argv == ["--x"]
+    t = parse_command(["torchrun", "--nproc_per_node=2", "--nnodes", "1", "t.py", "-b", "8"],
+                      4)
+    assert t.target == "t.py" and t.argv == ["-b", "8"] and t.nproc == 2
+    assert t.env["WORLD_SIZE"] == "2" and t.env["LOCAL_RANK"] == "0"
+    launch = parse_command(["python", "-m", "torch.distributed.launch", "--nproc-per-node",
+                            "4", "t.py"], 4)
+    assert launch.argv[0] == "--local-rank=0" and launch.nproc == 4
+    assert parse_command(["train.py"], 4).target == "train.py"
+
+
+def test_virtual_cuda_is_gone_after_a_run() -> None:
+    run(["python", str(SCRIPTS / "single_gpu.py")], steps=1)
+    assert not torch.zeros(1).is_cuda and torch.zeros(1).device.type == "cpu"
+    assert torch.nn.DataParallel.__module__ == "torch.nn.parallel.data_parallel"

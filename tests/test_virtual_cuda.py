@@ -1,0 +1,222 @@
+"""VirtualCuda: torch.cuda played by virtual devices in a CPU-only build.
+
+Byte counts are derived from the shapes in each test (4 bytes per float32 element, 8 per
+int64, every storage rounded up to 512 B as the CUDA caching allocator rounds it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dpprof.emulator.vdevice import HOST
+from dpprof.emulator.virtual_cuda import (
+    STAND_IN_FLOAT,
+    STAND_IN_INT,
+    DataDependentShapeError,
+    VirtualCuda,
+    parse_visible_devices,
+)
+
+
+def r512(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+@pytest.fixture(autouse=True)
+def _no_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_reports_the_virtual_gpus() -> None:
+    with VirtualCuda(4, gpu="a100-80gb"):
+        assert torch.cuda.is_available()
+        assert torch.cuda.device_count() == 4
+        props = torch.cuda.get_device_properties(2)
+        assert props.name == torch.cuda.get_device_name(2) == "NVIDIA A100-SXM4-80GB"
+        assert torch.cuda.get_device_capability() == (8, 0)
+        assert props.total_memory == 80 * 2**30 or props.total_memory > 79 * 2**30
+        free, total = torch.cuda.mem_get_info()
+        assert total == props.total_memory and free <= total
+        assert torch.cuda.current_device() == 0
+        torch.cuda.set_device(3)
+        assert torch.cuda.current_device() == 3
+        with torch.cuda.device(1):
+            assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_device() == 3
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.manual_seed_all(0)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+        assert e.query() and s.query()
+
+
+def test_everything_is_restored_on_exit() -> None:
+    before = (torch.cuda.is_available, torch.cuda.device_count, torch.Tensor.to,
+              torch.Tensor.cuda, torch.tensor, nn.DataParallel, nn.Module.to)
+    with VirtualCuda(2):
+        assert torch.cuda.is_available()
+    after = (torch.cuda.is_available, torch.cuda.device_count, torch.Tensor.to,
+             torch.Tensor.cuda, torch.tensor, nn.DataParallel, nn.Module.to)
+    assert before == after
+    assert torch.zeros(2).device.type == "cpu"
+    assert not torch.zeros(2).is_cuda
+
+
+def test_factories_and_moves_land_on_the_named_device() -> None:
+    with VirtualCuda(4) as vc:
+        a = torch.zeros(1000, device="cuda:1")  # 4000 B
+        b = torch.ones(10, 10, device=torch.device("cuda", 2))  # 400 B
+        c = torch.tensor([1.0, 2.0, 3.0], device="cuda")  # current device: 0, 12 B
+        d = torch.randn(300, 5).cuda(3)  # 6000 B
+        e = torch.arange(100).to("cuda:3")  # int64: 800 B
+        assert [vc.rt.device_of(t) for t in (a, b, c, d, e)] == [1, 2, 0, 3, 3]
+        assert a.device == torch.device("cuda", 1) and a.is_cuda and a.get_device() == 1
+        assert torch.cuda.memory_allocated(0) == r512(12)
+        assert torch.cuda.memory_allocated(1) == r512(4000)
+        assert torch.cuda.memory_allocated(2) == r512(400)
+        assert torch.cuda.memory_allocated(3) == r512(6000) + r512(800)
+        host = e.cpu()
+        assert host.device.type == "cpu" and vc.rt.device_of(host) == HOST
+        del a
+        assert torch.cuda.memory_allocated(1) == 0
+        assert torch.cuda.max_memory_allocated(1) == r512(4000)
+        torch.cuda.reset_peak_memory_stats(1)
+        assert torch.cuda.max_memory_allocated(1) == 0
+
+
+def test_module_to_and_cuda_move_parameters_and_buffers() -> None:
+    with VirtualCuda(2) as vc:
+        m = nn.Sequential(nn.Linear(100, 300), nn.BatchNorm1d(300)).to("cuda:1")
+        # weight 100*300, bias 300, bn weight/bias 300 each, running mean/var 300 each,
+        # num_batches_tracked one int64
+        expected = r512(4 * 30000) + 5 * r512(4 * 300) + r512(8)
+        assert torch.cuda.memory_allocated(1) == expected
+        assert torch.cuda.memory_allocated(0) == 0
+        assert all(vc.rt.device_of(p) == 1 for p in m.parameters())
+        m2 = nn.Linear(10, 10).cuda()
+        assert next(m2.parameters()).device == torch.device("cuda", 0)
+        ints = nn.Linear(10, 10).to(1)  # an int device, as mp.spawn scripts write it
+        assert vc.rt.device_of(ints.weight) == 1
+
+
+def test_a_crossing_sends_the_gradient_back() -> None:
+    with VirtualCuda(2) as vc:
+        x = torch.randn(64, 32, device="cuda:0", requires_grad=True)
+        y = x.to("cuda:1")
+        assert vc.rt.device_of(y) == 1
+        (y * 2).sum().backward()
+        assert x.grad is not None and vc.rt.device_of(x.grad) == 0
+
+
+def test_cuda_visible_devices_maps_logical_to_virtual(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    with VirtualCuda(4) as vc:
+        assert torch.cuda.device_count() == 2
+        t = torch.zeros(256, device="cuda:0")
+        assert vc.rt.device_of(t) == 2  # logical 0 is the third virtual GPU
+        assert t.device == torch.device("cuda", 0)
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.zeros(1, device="cuda:2")
+
+
+def test_cuda_visible_devices_set_before_the_first_cuda_call() -> None:
+    with VirtualCuda(4):
+        os.environ["CUDA_VISIBLE_DEVICES"] = "3"  # as a script does before its first use
+        try:
+            assert torch.cuda.device_count() == 1
+            os.environ["CUDA_VISIBLE_DEVICES"] = "0,1,2"  # after initialisation: ignored
+            assert torch.cuda.device_count() == 1
+        finally:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, [0, 1, 2, 3]), ("", []), ("1,3", [1, 3]), ("1,7,2", [1]), ("0,0", [0]),
+    ("GPU-abc", []), (" 2 , 1 ", [2, 1]),
+])
+def test_parse_visible_devices(value: str | None, expected: list[int]) -> None:
+    assert parse_visible_devices(value, 4) == expected
+
+
+def test_accelerator_api() -> None:
+    with VirtualCuda(3):
+        acc = torch.accelerator
+        assert acc.is_available() and acc.device_count() == 3
+        assert acc.current_accelerator() == torch.device("cuda")
+        acc.set_device_index(2)
+        assert acc.current_device_index() == 2
+        t = torch.zeros(1024, device=acc.current_accelerator())  # current device: 2
+        assert acc.memory_allocated(2) == 4096 and acc.memory_allocated(0) == 0
+        assert acc.max_memory_allocated(2) == 4096
+        del t
+
+
+def test_values_of_meta_tensors_are_counted_stand_ins() -> None:
+    with VirtualCuda(2) as vc:
+        loss = torch.randn(8, 4, device="cuda").sum()
+        assert loss.item() == STAND_IN_FLOAT
+        assert f"{loss:.2f}" == f"{STAND_IN_FLOAT:.2f}"
+        n = torch.ones(5, dtype=torch.int64, device="cuda").sum()
+        assert int(n) == STAND_IN_INT
+        assert bool(torch.ones(1, device="cuda") > 0) is False
+        assert torch.zeros(2, 3, device="cuda").tolist() == [[0.0] * 3] * 2
+        assert torch.zeros(4, device="cuda").numpy().shape == (4,)
+        counts = vc.rt.stand_ins.counts
+        assert counts == {"item": 3, "bool": 1, "tolist": 1, "numpy": 1}
+        assert any("test_virtual_cuda.py" in site for site in vc.rt.stand_ins.sites)
+
+
+def test_data_dependent_shapes_name_the_fix() -> None:
+    with VirtualCuda(1):
+        x = torch.randn(10, device="cuda")
+        with pytest.raises(DataDependentShapeError, match="--compute"):
+            torch.nonzero(x > 0)
+        with pytest.raises(DataDependentShapeError, match="--compute"):
+            x[x > 0]
+
+
+def test_over_cpu_tensors_values_are_real() -> None:
+    with VirtualCuda(2, base="cpu") as vc:
+        x = torch.ones(3, device="cuda:1") * 2
+        assert x.sum().item() == 6.0
+        assert torch.nonzero(x).shape == (3, 1)  # data-dependent shapes work
+        assert vc.rt.device_of(x) == 1
+        assert not vc.rt.stand_ins.counts
+
+
+def test_data_parallel_is_the_re_enactment() -> None:
+    with VirtualCuda(4) as vc:
+        model = nn.DataParallel(nn.Linear(20, 30)).cuda()
+        assert isinstance(model, nn.DataParallel)
+        out = model(torch.randn(16, 20).cuda())
+        assert out.shape == (16, 30) and vc.rt.device_of(out) == 0
+        # each other GPU held the replica's weight and bias as one flat broadcast buffer
+        # ((20*30 + 30) floats), its 4-row chunk of the input (4*20 floats) and its output
+        # (4*30 floats); afterwards only the chunk, which the replica's Linear saved
+        for i in (1, 2, 3):
+            assert torch.cuda.max_memory_allocated(i) == (
+                r512(4 * 630) + r512(4 * 80) + r512(4 * 120))
+            assert torch.cuda.memory_allocated(i) == r512(4 * 80)
+        out.sum().backward()
+        assert vc.rt.device_of(model.module.weight.grad) == 0
+
+
+def test_an_optimizer_built_before_cuda_keeps_the_modules_parameters() -> None:
+    with VirtualCuda(1) as vc:
+        m = nn.Linear(16, 16)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        m.cuda()
+        assert opt.param_groups[0]["params"][0] is m.weight
+        m(torch.randn(4, 16).cuda()).sum().backward()
+        opt.step()
+        momentum = opt.state[m.weight]["momentum_buffer"]
+        assert vc.rt.device_of(momentum) == 0
+        # weight, bias, their gradients and momentum (the batch died with backward)
+        assert torch.cuda.memory_allocated() == 3 * (r512(4 * 256) + r512(4 * 16))
