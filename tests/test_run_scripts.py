@@ -126,6 +126,7 @@ def test_model_parallel_shows_each_gpus_share() -> None:
     assert d0.breakdown_bytes["gradients"] == params_bytes(*net1)
     assert d1.breakdown_bytes["activations"] >= 128 * 2000 * 4
     assert not d2.used and not d3.used and d2.peak_allocated_bytes == 0
+    assert result.comparison.verdict.startswith("The script places its work on cuda:0 (")
 
 
 def test_one_gpu_script_matches_torch_profiler_on_cpu() -> None:
