@@ -75,6 +75,18 @@ def oom_lines(run: RunResult) -> list[str]:
     return lines
 
 
+def failure_tracebacks(run: RunResult, max_chars: int = 20_000) -> list[tuple[str, str]]:
+    """(scenario, traceback) for each failed scenario that kept one (DDP: the rank that
+    caused the failure, not the peers that lost their connection to it); the end of a long
+    traceback, where the error is."""
+    out = []
+    for s in run.scenarios:
+        if s.status not in MEASURED and s.traceback:
+            tb = s.traceback.rstrip()
+            out.append((s.name, tb if len(tb) <= max_chars else "...\n" + tb[-max_chars:]))
+    return out
+
+
 def excess_of(run: RunResult, s: ScenarioResult) -> Excess | None:
     """cuda:0's excess by cause in ``s``: the result's own attribution where it has one.
 

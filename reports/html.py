@@ -34,6 +34,7 @@ from dpprof.reports import answers
 from dpprof.reports.common import (
     device_label,
     excesses,
+    failure_tracebacks,
     fixes,
     is_real,
     max_batches,
@@ -651,6 +652,9 @@ def _render(run: RunResult) -> str:
     if alerts:
         body.append("<ul class='alerts' id='alerts'>" + "".join(
             f"<li class='oom'>{_e(a)}</li>" for a in alerts) + "</ul>")
+    for name, tb in failure_tracebacks(run):
+        body.append(f"<details class='traceback'><summary>{_e(name)}: the traceback</summary>"
+                    f"<pre>{_e(tb)}</pre></details>")
     body.append(_table(run))
     head, rows = memory_rows(run)
     if rows:

@@ -22,6 +22,7 @@ from dpprof.reports import answers
 from dpprof.reports.common import (
     device_label,
     excesses,
+    failure_tracebacks,
     fixes,
     is_real,
     max_batches,
@@ -31,7 +32,7 @@ from dpprof.reports.common import (
     provenance,
     used_devices,
 )
-from dpprof.reports.escape import markdown_text, mermaid_label
+from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
 from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
 from dpprof.units import fmt_bytes
 
@@ -161,6 +162,9 @@ def render(run: RunResult) -> str:
         lines.append(f"> **⚠ {md(a)}**")
     if oom_lines(run):
         lines.append("")
+    for name, tb in failure_tracebacks(run):
+        lines += [f"<details><summary>{md(name)}: the traceback</summary>", "",
+                  code_fence(tb, "text"), "", "</details>", ""]
     lines += ["### Peak memory per GPU", "", *_peak_table(run), ""]
     head, rows = memory_rows(run)
     if rows:

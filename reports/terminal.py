@@ -53,6 +53,9 @@ def render(run: RunResult) -> Group:
     for s in run.scenarios:
         if s.message and s.status != STATUS_OK:
             parts.append(Text(f"{s.name}: {s.message}", style="red"))
+        if s.traceback and s.status not in (STATUS_OK, STATUS_OOM):
+            tail = s.traceback.rstrip().splitlines()[-6:]  # where the error is
+            parts.append(Text("\n".join(f"  {line}" for line in tail), style="dim"))
         for note in s.notes:
             if "Traceback" not in note:
                 parts.append(Text(f"{s.name}: {note}", style="dim"))

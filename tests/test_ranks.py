@@ -62,8 +62,10 @@ def test_a_raising_rank_takes_the_waiting_peer_down_with_its_traceback() -> None
 
 def test_a_rank_that_dies_silently_is_reported() -> None:
     outcomes = spawn_ranks(_group(), SumBody(die_rank=1), 2)
-    assert not outcomes[1].ok and outcomes[1].message == "rank 1 died (exit code 3)"
+    assert not outcomes[1].ok
+    assert outcomes[1].message == "rank 1 exited with code 3 before it reported"
     assert not outcomes[0].ok
+    assert outcomes[1].first_failure and not outcomes[0].first_failure  # the cause, not rank 0
 
 
 def test_group_checks_backend_and_device_and_maps_devices() -> None:

@@ -23,6 +23,10 @@ def run_ddp_gloo(workload: str, gpus: int, cfg: Any) -> ScenarioResult:
         bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         find_unused_parameters=cfg.find_unused_parameters,
         broadcast_buffers=cfg.broadcast_buffers, dtype=cfg.dtype,
+        # --ddp-timeout bounds every wait of the gloo ranks too (collectives, the store, the
+        # wait for the others after a failure); the whole run stays bounded by the join
+        pg_timeout_s=cfg.ddp_timeout_s, grace_s=min(10.0, cfg.ddp_timeout_s),
+        join_timeout_s=max(600.0, 3 * cfg.ddp_timeout_s + 60),
     )
     result = ScenarioResult(name=DDP, batch=cfg.batch)
     try:
@@ -30,8 +34,11 @@ def run_ddp_gloo(workload: str, gpus: int, cfg: Any) -> ScenarioResult:
     except DistributedRunError as e:
         result.status = STATUS_ERROR
         result.message = str(e)
-        result.notes.append(e.details() if cfg.debug else
-                            "rerun with --debug for every rank's traceback")
+        result.traceback = e.culprit_traceback()
+        if e.others():
+            result.notes.append(f"then: {e.others()[:2000]}")
+        if cfg.debug:
+            result.notes.append(e.details())
         return result
     for r in ranks:
         result.devices.append(DeviceResult(

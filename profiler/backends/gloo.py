@@ -116,16 +116,29 @@ class RankResult:
 
 
 class DistributedRunError(RuntimeError):
-    """One or more ranks failed; ``failures`` maps rank -> traceback (or reason)."""
+    """One or more ranks failed; ``failures`` maps rank -> traceback (or reason), the rank
+    that caused it (``culprit``, :func:`dpprof.backends.ranks.blame`) first."""
 
-    def __init__(self, failures: dict[int, str]) -> None:
-        self.failures = dict(sorted(failures.items()))
-        first = next(iter(self.failures.items()))
-        lines = first[1].strip().splitlines()
-        summary = lines[-1] if lines else "failed"
-        super().__init__(
-            f"{len(self.failures)} rank(s) failed: rank {first[0]}: {summary}"
-        )
+    def __init__(self, failures: dict[int, str], culprit: int | None = None,
+                 messages: dict[int, str] | None = None) -> None:
+        ordered = sorted(failures.items(), key=lambda kv: (kv[0] != culprit, kv[0]))
+        self.failures = dict(ordered)
+        self.culprit = ordered[0][0]
+        self.messages = messages or {}
+        lines = ordered[0][1].strip().splitlines()
+        summary = self.messages.get(self.culprit) or (lines[-1] if lines else "failed")
+        others = len(self.failures) - 1
+        then = f" (then {others} other rank(s) failed after it)" if others else ""
+        super().__init__(f"rank {self.culprit} failed: {summary}{then}")
+
+    def culprit_traceback(self) -> str:
+        """The failing rank's own traceback (or why there is none)."""
+        return self.failures[self.culprit]
+
+    def others(self) -> str:
+        """One line: how the other ranks failed after the culprit."""
+        return "; ".join(f"rank {r}: {self.messages.get(r) or tb.strip().splitlines()[-1]}"
+                         for r, tb in self.failures.items() if r != self.culprit and tb.strip())
 
     def details(self) -> str:
         return "\n".join(f"--- rank {r} ---\n{tb.rstrip()}" for r, tb in self.failures.items())
@@ -278,7 +291,9 @@ class CpuRanks:
 def _results(outcomes: list[RankOutcome]) -> list[list[RankResult]]:
     failures = {o.rank: o.traceback or o.message for o in outcomes if not o.ok}
     if failures:
-        raise DistributedRunError(failures)
+        culprit = next((o.rank for o in outcomes if o.first_failure), None)
+        raise DistributedRunError(failures, culprit,
+                                  {o.rank: o.message for o in outcomes if not o.ok})
     return [o.value for o in sorted(outcomes, key=lambda o: o.rank)]
 
 

@@ -41,6 +41,7 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -58,7 +59,10 @@ __all__ = [
     "RankBody",
     "RankInfo",
     "RankOutcome",
+    "StoreWatcher",
+    "blame",
     "free_port",
+    "is_peer_error",
     "run_in_group",
     "spawn_ranks",
     "torchrun_info",
@@ -115,7 +119,8 @@ class RankOutcome:
     value: Any = None  # what the body returned (also a failure it reported, e.g. an OOM)
     message: str = ""  # one line, when the body raised or the rank did not report
     traceback: str = ""  # when the body raised
-    first_failure: bool = False  # this rank failed before any other
+    first_failure: bool = False  # this rank caused the failure (see :func:`blame`)
+    reported_first: bool = False  # this rank's failure reached the store before any other
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,7 @@ def torchrun_run_id() -> str:
     return "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "none")
 
 
-class _Watcher:
+class StoreWatcher:
     """Aborts this rank's NCCL process group when another rank reports a failure."""
 
     def __init__(self, store: Any, key: str, backend: str) -> None:
@@ -200,7 +205,7 @@ class _Watcher:
         self.fired = False
         self.thread = threading.Thread(target=self._run, name="dpprof-ddp-watch", daemon=True)
 
-    def start(self) -> _Watcher:
+    def start(self) -> StoreWatcher:
         self.thread.start()
         return self
 
@@ -217,7 +222,12 @@ class _Watcher:
                 return
 
     def stop(self) -> None:
+        """Stop and join the thread: a daemon thread still inside a c10d store call when the
+        interpreter finalizes is ended by pthread_exit while in C++ frames, and the process
+        dies of SIGABRT ("terminate called without an active exception")."""
         self.done.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=_POLL_S * 50)
 
 
 def _abort() -> None:
@@ -253,18 +263,24 @@ def run_in_group(group: Group, body: RankBody, info: RankInfo,
         torch.cuda.set_device(dev)  # first, before anything touches CUDA
     prefix = f"dpprof/{group.run_id}"
     store = _init(group, info, store)
-    watcher = _Watcher(store, f"{prefix}/failed", group.backend).start()
+    watcher = StoreWatcher(store, f"{prefix}/failed", group.backend).start()
     try:
         value = body(info, dev)
         outcome = RankOutcome(rank=info.rank, ok=bool(body.succeeded(value)), value=value)
     except Exception as exc:  # loading the workload, or a bug: still an outcome
         outcome = RankOutcome(rank=info.rank, ok=False, message=f"{type(exc).__name__}: {exc}",
                               traceback=traceback.format_exc())
-    watcher.stop()
+    except SystemExit as exc:  # the workload called sys.exit(): a failure, not a success
+        outcome = RankOutcome(
+            rank=info.rank, ok=False,
+            message=f"the workload called sys.exit({exc.code!r}) in rank {info.rank}",
+            traceback=traceback.format_exc())
+    finally:
+        watcher.stop()
     status = "ok" if outcome.ok else "error"
     if not outcome.ok:
         if int(store.add(f"{prefix}/nfailed", 1)) == 1:
-            outcome.first_failure = True
+            outcome.reported_first = outcome.first_failure = True
         store.set(f"{prefix}/failed", str(info.rank))
     store.set(f"{prefix}/status/{info.rank}", status)
     if _all_ok(store, prefix, info.world_size, group.timeout_s):
@@ -308,8 +324,47 @@ def _collect(store: Any, prefix: str, world: int, timeout_s: float) -> list[Rank
         if store.check([key]):
             out.append(pickle.loads(store.get(key)))
         else:
-            out.append(RankOutcome(rank=r, ok=False, message=f"rank {r} did not report"))
-    return out
+            out.append(RankOutcome(rank=r, ok=False, message=(
+                f"rank {r} did not report within {timeout_s:g} s of the first failure "
+                "(hung, or died without a word)")))
+    return blame(out)
+
+
+# What a rank says when another rank failed under it: never the cause.
+_PEER_ERRORS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+    "timeout", "socket closed", "was aborted", "aborted", "connection refused",
+    "read error", "write error", "unexpected end of stream", "did not finish within",
+)
+
+
+def is_peer_error(message: str) -> bool:
+    """Whether ``message`` is what a collective says when *another* rank went away (gloo's
+    "Connection closed by peer", a timeout, an NCCL abort): a symptom, not the cause."""
+    low = message.lower()
+    return any(p in low for p in _PEER_ERRORS)
+
+
+def blame(outcomes: list[RankOutcome]) -> list[RankOutcome]:
+    """Mark the one rank that caused a failed run (``first_failure``) and return the list.
+
+    In order: a rank that failed with its own error (not a peer error), the earliest to
+    report first; else a rank that died, exited or never reported (it hung: the others' only
+    timed out waiting for it); else the first to fail."""
+    failed = [o for o in outcomes if not o.ok]
+    for o in outcomes:
+        o.first_failure = False
+    if not failed:
+        return outcomes
+    own = [o for o in failed if o.value is not None or (
+        o.traceback and not is_peer_error(o.message) and not is_peer_error(
+            o.traceback.strip().splitlines()[-1] if o.traceback.strip() else ""))]
+    silent = [o for o in failed if not o.traceback and o.value is None]
+    first = [o for o in failed if o.reported_first]
+    pick = (next((o for o in own if o.reported_first), None) or (own[0] if own else None)
+            or (silent[0] if silent else None) or (first[0] if first else failed[0]))
+    pick.first_failure = True
+    return outcomes
 
 
 # --------------------------------------------------------------------------- spawn mode
@@ -318,6 +373,7 @@ def _collect(store: Any, prefix: str, world: int, timeout_s: float) -> list[Rank
 def _spawned_rank(group: Group, body: RankBody, rank: int, world: int, port: int,
                   queue: Any) -> None:
     """A process started by :func:`spawn_ranks`."""
+    _exit_with_parent()
     # what torchrun would set: workloads may read them
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
@@ -331,6 +387,36 @@ def _spawned_rank(group: Group, body: RankBody, rank: int, world: int, port: int
         if rank == 0:
             queue.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
+
+
+def _exit_with_parent() -> None:
+    """End this rank when the process that spawned it is gone (killed with SIGKILL, say):
+    a rank never outlives dpprof. SIGTERM (what dpprof sends) ends it at once, silently."""
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="dpprof-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Any:
+    """Start processes with SIGINT ignored (they inherit it): Ctrl-C reaches the whole
+    process group, and only dpprof should answer it (one line, then it ends the ranks)."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
@@ -350,8 +436,9 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
                     name=f"dpprof-ddp-rank{r}", daemon=True)
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    with _children_ignore_sigint():
+        for p in procs:
+            p.start()
     prefix = f"dpprof/{group.run_id}"
     limit = group.join_timeout_s
     if limit is None:
@@ -360,6 +447,7 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
     result: list[RankOutcome] | None = None
     error: str | None = None
     reported_dead: set[int] = set()
+    interrupted = False
     try:
         while time.monotonic() < deadline:
             try:
@@ -373,8 +461,9 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
                     error = str(payload)
                 break
             for r, p in enumerate(procs):
-                if p.exitcode not in (None, 0) and r not in reported_dead:
-                    reported_dead.add(r)
+                if (p.exitcode is not None and r not in reported_dead
+                        and not store.check([f"{prefix}/status/{r}"])):
+                    reported_dead.add(r)  # died, or exited, before it reported
                     _report_dead(store, prefix, r, p.exitcode)
             if procs[0].exitcode is not None and queue.empty():
                 time.sleep(0.5)  # rank 0's last message may still be in the pipe
@@ -383,9 +472,13 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
                     break
         else:
             error = f"the DDP ranks did not finish within {limit:.0f} s"
+    except BaseException:  # Ctrl-C, SIGTERM: end the ranks now, then unwind
+        interrupted = True
+        raise
     finally:
         for p in procs:
-            p.join(timeout=10 if result is not None else 2)
+            if not interrupted:
+                p.join(timeout=10 if result is not None else 2)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -395,7 +488,7 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
                 p.join(5)
         queue.close()
     if result is not None:
-        return result
+        return blame(result)
     outcomes = []
     for r in range(world):
         key = f"{prefix}/outcome/{r}"
@@ -403,15 +496,21 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
             outcomes.append(pickle.loads(store.get(key)))
         else:
             outcomes.append(RankOutcome(rank=r, ok=False, message=error or "no result"))
-    return outcomes
+    return blame(outcomes)
 
 
 def _report_dead(store: Any, prefix: str, rank: int, code: int | None) -> None:
     """Speak for a rank that died silently, so the others stop waiting for it."""
     if store.check([f"{prefix}/outcome/{rank}"]):
         return
-    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    dead = RankOutcome(rank=rank, ok=False, message=f"rank {rank} died ({how})")
+    if code is not None and code < 0:
+        try:
+            how = f"died of {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"died of signal {-code}"
+    else:
+        how = f"exited with code {code} before it reported"
+    dead = RankOutcome(rank=rank, ok=False, message=f"rank {rank} {how}")
     store.set(f"{prefix}/outcome/{rank}", pickle.dumps(dead))
     store.set(f"{prefix}/status/{rank}", "error")
     store.add(f"{prefix}/nfailed", 1)

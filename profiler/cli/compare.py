@@ -94,7 +94,9 @@ def compare_cmd(
     ] = 0.02,
     ddp_timeout: Annotated[
         float,
-        typer.Option("--ddp-timeout", help="cuda: collective timeout of the ddp ranks (s)."),
+        typer.Option("--ddp-timeout", help="cpu and cuda: the ddp ranks' collective timeout "
+                     "and the bound on every wait for a rank (s); a hung rank is named "
+                     "after it."),
     ] = 300.0,
     cpu_test_mode: Annotated[
         bool,
