@@ -8,6 +8,7 @@ real CPU tensors.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import runpy
 from pathlib import Path
@@ -137,7 +138,7 @@ def test_one_gpu_script_matches_torch_profiler_on_cpu() -> None:
     _, events = record(lambda: runpy.run_path(path, run_name="__main__"))
     result = run(["python", path], steps=4)
     (s,) = result.scenarios
-    assert s.name == "single"
+    assert s.name == "single" and s.batch == 96
     assert s.devices[0].peak_requested_bytes == peak_of(events)
     assert s.devices[0].peak_allocated_bytes == peak_of(events, rounded=True)
 
@@ -181,6 +182,20 @@ def test_script_using_torch_accelerator() -> None:
     shapes = [(1024, 128), (1024,), (10, 1024), (10,)]
     assert s.devices[0].breakdown_bytes["parameters"] == params_bytes(*shapes)
     assert s.devices[0].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*shapes)
+
+
+def test_keras3_model_on_the_torch_backend() -> None:
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed (pip install -e '.[test]')")
+    result = run(["python", str(SCRIPTS / "keras_torch.py")])
+    (s,) = result.scenarios
+    assert s.name == "single" and s.status == "ok" and s.batch == 128
+    # Dense(64 -> 512) and Dense(512 -> 10): the Keras variables followed the model to cuda:0
+    shapes = [(64, 512), (512,), (512, 10), (10,)]
+    d = s.devices[0].breakdown_bytes
+    assert d["parameters"] == params_bytes(*shapes)
+    assert d["optimizer_state"] == 2 * params_bytes(*shapes)  # torch.optim.Adam
+    assert not any(x.used for x in s.devices[1:])
 
 
 def test_resnet18_in_data_parallel_loads_cuda0() -> None:

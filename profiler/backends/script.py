@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator import script_parallel
 from dpprof.emulator.gpus import GpuSpec, context_overhead, lookup_gpu
@@ -186,6 +187,9 @@ class _Stepper:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._handles: list[Any] = []
         self._phase: contextlib.ExitStack | None = None
+        self.batch_rows = 0  # rows of the first batch that reached backward
+        self._last_rows = 0  # rows of the last outermost module call
+        self._depth = 0
 
     def phase(self, name: str) -> None:
         if self._phase is not None:
@@ -221,15 +225,33 @@ class _Stepper:
 
     def backward_started(self) -> None:
         self.phase(f"backward (step {self.done + 1})")
+        if not self.batch_rows:
+            self.batch_rows = self._last_rows  # the batch of the forward this backs
+
+    def _pre_forward(self, module: Any, args: Any) -> None:
+        if self._depth == 0:
+            first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+            if first is not None and first.dim() > 0:
+                self._last_rows = int(first.shape[0])
+        self._depth += 1
+
+    def _post_forward(self, module: Any, args: Any, output: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
 
     def install(self) -> None:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
         )
 
         self._handles = [register_optimizer_step_pre_hook(self.pre),
-                         register_optimizer_step_post_hook(self.post)]
+                         register_optimizer_step_post_hook(self.post),
+                         register_module_forward_pre_hook(self._pre_forward),
+                         register_module_forward_hook(self._post_forward, always_call=True)]
         self.phase("forward (step 1)")
 
     def remove(self) -> None:
@@ -342,7 +364,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                                          else 1)
                     used = list(log.used_devices)
                     ddp_devices = list(log.ddp_devices)
-                    run.batch_rows = variant.batch_rows or vc.first_input_rows
+                    run.batch_rows = stepper.batch_rows or variant.batch_rows
                     run.loss_modules = variant.loss_calls
         finally:
             torch.random.set_rng_state(seed_state)

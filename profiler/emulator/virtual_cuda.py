@@ -337,7 +337,6 @@ class VirtualCuda:
         self.data_parallel_factory: Callable[..., nn.Module] | None = None
         self.ddp_factory: Callable[..., nn.Module] | None = None
         self.active = False
-        self.first_input_rows = 0  # rows of the first tensor the program moved to a GPU
 
     # ---- devices ------------------------------------------------------------------------
 
@@ -476,9 +475,6 @@ class VirtualCuda:
                 return _ORIG["to"](t, device=real or torch.device("cpu"), dtype=dtype,
                                    copy=True)
             if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
-                if not self.first_input_rows and t.dim() > 0 and rt.current_category != \
-                        "parameters":
-                    self.first_input_rows = int(t.shape[0])
                 with rt.category(rt.current_category if rt.current_category == "parameters"
                                  else "inputs"):
                     return _ORIG["to"](t, device=self.base, dtype=dtype, copy=True)
@@ -588,7 +584,6 @@ class VirtualCuda:
         self._saved.clear()
         self._stack.close()
         self.active = False
-        self.first_input_rows = 0  # rows of the first tensor the program moved to a GPU
         _ACTIVE = None
 
     def _install(self) -> None:
@@ -737,6 +732,23 @@ class VirtualCuda:
         p(T, "pin_memory", lambda self, device=None: self)
         p(T, "is_pinned", lambda self, device=None: False)
         p(T, "record_stream", lambda self, stream: None)
+        def is_meta(self: torch.Tensor) -> bool:
+            # an emulated GPU tensor is not "meta" to the program (Keras re-creates meta
+            # tensors with empty_like, dropping autograd)
+            return _is_meta(self) and (vc.rt.in_dispatch > 0
+                                       or vc.rt.device_of(self) == HOST)
+
+        orig_repr = T.__repr__
+
+        def repr_(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+            vc.rt.in_dispatch += 1  # torch's printing sees the real (meta) device
+            try:
+                return orig_repr(self, *args, **kwargs)
+            finally:
+                vc.rt.in_dispatch -= 1
+
+        p(T, "is_meta", property(is_meta))
+        p(T, "__repr__", repr_)
         p(T, "device", property(vc.virtual_device))
         p(T, "is_cuda", property(is_cuda))
         p(T, "get_device", get_device)
@@ -746,6 +758,12 @@ class VirtualCuda:
             def factory(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
                 device = kwargs.pop("device", None)
                 index = vc.target_of(device)
+                if orig is _ORIG["as_tensor"] and isinstance(data, torch.Tensor):
+                    # as_tensor of a tensor: no copy where it already is (autograd kept)
+                    dtype = kwargs.get("dtype", args[0] if args else None)
+                    if index is None:
+                        return orig(data, dtype=dtype) if dtype is not None else data
+                    return vc.to_index(data, index, dtype)
                 if index is None or index == HOST:
                     if device is not None:
                         kwargs["device"] = device
@@ -775,6 +793,15 @@ class VirtualCuda:
         # (torch.utils.swap_tensors), so the Parameter objects an optimizer built before
         # .cuda() holds stay the module's, as on a GPU.
         p(torch.__future__, "_swap_module_params_on_conversion", True)
+        # torch.Generator(device="cuda"): a host generator (the values are not emulated)
+        generator = torch.Generator
+
+        class Generator(generator):  # type: ignore[misc,valid-type]
+            def __new__(cls, device: Any = "cpu") -> Any:
+                d = torch.device(device) if isinstance(device, (str, int)) else device
+                return generator("cpu" if d.type == "cuda" else d)
+
+        p(torch, "Generator", Generator)
         p(torch, "tensor", make(_ORIG["tensor"]))
         p(torch, "as_tensor", make(_ORIG["as_tensor"]))
 
