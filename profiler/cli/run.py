@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,7 +16,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from dpprof.cli.common import check_writable, err, out, output_paths, write_reports
 from dpprof.cli.guard import guarded
-from dpprof.cli.options import GPU, gpu_memory_and_spec
+from dpprof.cli.options import GPU, check_bounds, gpu_memory_and_spec
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.units import fmt_bytes
@@ -53,7 +52,7 @@ def run_cmd(
                            "with the loss inside forward.")
     ] = True,
     output: Annotated[
-        list[Path] | None,
+        list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", help="Report file; repeat for several (.html, .json, "
                      ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}"),
     ] = None,
@@ -81,6 +80,7 @@ def run_cmd(
             raise UsageError(f"--gpus must be at least 1, got {gpus}")
         if steps < 1:
             raise UsageError(f"--steps must be at least 1, got {steps}")
+        check_bounds({"--gpus": gpus, "--steps": steps})
         memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
         launch = parse_command(list(command or []), gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

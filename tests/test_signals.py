@@ -1,0 +1,124 @@
+"""SIGINT/SIGTERM: dpprof ends its children, removes its temporary files, writes the
+scenarios already measured (marked partial) and exits 130/143, in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PY = sys.executable
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(entry))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_the_ddp_ranks(tmp_path: Path, sig: int, code: int) -> None:
+    out = tmp_path / "run.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [PY, "-m", "dpprof", "compare", "--backend", "cpu", "-w", "mlp", "-b", "8", "-g", "2",
+         "-s", "single,ddp", "--no-fixes", "-o", str(out), "-q"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # our own process group: a signal for dpprof only
+    )
+    try:
+        deadline = time.monotonic() + 120
+        ranks: set[int] = set()
+        while time.monotonic() < deadline and proc.poll() is None:
+            ranks = {p for p in _children(proc.pid) if "rank" in _cmdline(p) or
+                     "multiprocessing" in _cmdline(p)}
+            if len(ranks) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(ranks) >= 2, "the ddp ranks never started"
+        time.sleep(1.0)  # the ranks are up and running
+        everyone = _children(proc.pid)
+        if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole process group
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dpprof: interrupted"), err
+    assert "Traceback" not in err
+    time.sleep(1.0)
+    left = [p for p in everyone if _alive(p)]
+    assert not left, f"children still running: {[_cmdline(p) for p in left]}"
+    assert not list(tmp_path.rglob("*.tmp")), list(tmp_path.rglob("*"))
+    data = json.loads(out.read_text())  # the scenario measured before the signal
+    assert data["interrupted"] == signal.Signals(sig).name
+    assert [s["name"] for s in data["scenarios"]] == ["single"]
+    assert "Partial result" in data["comparison"]["verdict"]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_sigterm_during_the_final_write_leaves_no_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpprof.cli.guard import install_signal_handlers
+    from dpprof.errors import Interrupted
+    from dpprof.result import write_atomic
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    real_replace = os.replace
+
+    def replace_after_sigterm(src: str, dst: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the report is being written
+        time.sleep(0.5)
+        real_replace(src, dst)
+
+    try:
+        install_signal_handlers()
+        monkeypatch.setattr(os, "replace", replace_after_sigterm)
+        with pytest.raises(Interrupted) as e:
+            write_atomic(tmp_path / "run.json", "{}" * 100_000)
+        assert e.value.exit_code == 143
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    assert list(tmp_path.iterdir()) == []
