@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +96,9 @@ class EmulationConfig:
     # Called with the runtime and the devices' results after the measured step, before the
     # out-of-memory check (maxbatch replays the event log to fill reserved + context).
     inspect: Callable[[VirtualDevices, ScenarioResult], None] | None = None
+    # DataParallel replicas on equal shards emulated once and replayed on the other devices
+    # (meta only; the per-device results are the same, see dpprof.emulator.replicas)
+    dedupe_replicas: bool = True
 
 
 
@@ -183,11 +187,13 @@ def run_scenario(
     base = torch.device("cpu" if cfg.compute else "meta")
     n_dev = 1 if name == SINGLE else cfg.gpus
     rt = VirtualDevices(n_dev, base="cpu" if cfg.compute else "meta")
+    rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and cfg.amp is None
     result = ScenarioResult(name=name, batch=cfg.batch)
     torch.manual_seed(cfg.seed)
     cats = _CategoryHooks(rt)
     measure_start = 0
     kernels = GpuKernels(cfg.compute_capability)
+    rt.replayed_counts.append(kernels.chosen)
     amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
     try:
         with rt, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
@@ -279,6 +285,10 @@ def run_scenario(
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
     except Exception as e:  # the user's code, or an impossible program: a result
+        if rt.dedupe_failure is not None:  # the replay could not stand for a replica
+            cats.clear()
+            return run_scenario(name, wl, dataclasses.replace(cfg, dedupe_replicas=False),
+                                trace)
         result.status = STATUS_ERROR
         result.message = f"{type(e).__name__}: {e}".strip()
         if cfg.debug:

@@ -413,15 +413,34 @@ def replicate(
 
 def parallel_apply(
     rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
-    kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
+    kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int], alone: Sequence[int] = (),
 ) -> list[Any]:
-    """Each replica on its own device; threads in torch, one after another here."""
-    outputs = []
-    for module, inp, kwargs, device in zip(modules, inputs, kwargs_tup, devices, strict=True):
+    """Each replica on its own device; threads in torch, one after another here.
+
+    With ``rt.dedupe_replicas`` (meta tensors), consecutive replicas on equal shards (from
+    replica 1 on, none on a device in ``alone``) run as one group: the first for real, the
+    others replayed from its events (:mod:`dpprof.emulator.replicas`), with the same
+    per-device results.
+    """
+    from dpprof.emulator.replicas import group_replicas, run_group
+
+    runs = {start: stop for start, stop in
+            group_replicas(rt, modules, inputs, kwargs_tup, devices, alone)}
+    outputs: list[Any] = []
+    k = 0
+    while k < len(modules):
+        stop = runs.get(k)
+        if stop is not None:
+            outputs += run_group(rt, modules[k:stop], inputs[k:stop], kwargs_tup[k:stop],
+                                 devices[k:stop])
+            k = stop
+            continue
+        inp = inputs[k]
         if not isinstance(inp, (list, tuple)):
             inp = (inp,)
-        with rt.device(device), rt.category("activations"):
-            outputs.append(module(*inp, **kwargs))
+        with rt.device(devices[k]), rt.category("activations"):
+            outputs.append(modules[k](*inp, **kwargs_tup[k]))
+        k += 1
     return outputs
 
 
@@ -462,7 +481,8 @@ class EmulatedDataParallel(nn.Module):
         used = self.device_ids[: len(inputs)]
         self.used_devices = used
         replicas = replicate(rt, self.module, used, not torch.is_grad_enabled())
-        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
+        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used,
+                                 alone=[self.output_device])
         return gather(rt, outputs, self.output_device, self.dim)
 
 

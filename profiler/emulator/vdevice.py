@@ -139,6 +139,17 @@ class VirtualDevices(TorchDispatchMode):
         self._op_cache = _OP_CACHE
         self.cache_hits = 0
         self._by_device: tuple[int, dict[int, list[int]]] = (0, {})
+        # DataParallel replicas on equal shards are emulated once and replayed onto the
+        # other devices (dpprof.emulator.replicas), over meta tensors only.
+        self.dedupe_replicas = False
+        self.dedupe_failure: str | None = None  # why a replay could not stand for a replica
+        self.replayed_replicas = 0  # replica forwards replayed rather than run
+        self._recording: list[tuple[int, int, int, int]] | None = None
+        self._watched: set[int] = set()
+        self.watched_freed: list[int] = []
+        # counters of choices made as a replica runs (GpuKernels.chosen): a replayed replica
+        # adds what its template added
+        self.replayed_counts: list[dict[str, int]] = []
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -307,19 +318,25 @@ class VirtualDevices(TorchDispatchMode):
         self._storages[key] = rec
         self._labels[rec.serial] = self._state.category
         self._refs[key] = weakref.ref(st, self._free_callback(key))
-        if device == HOST:
-            self.host_requested += requested
-            self.events.append(Event(HOST, rec.serial, requested, rec.rounded))
-            return
-        self._account(rec, +1)
+        self.emit(device, rec.serial, requested, rec.rounded)
 
     def _account(self, rec: _Storage, sign: int) -> None:
-        c = self.counters[rec.device]
+        self.emit(rec.device, rec.serial, sign * rec.requested, sign * rec.rounded)
+
+    def emit(self, device: int, serial: int, requested: int, allocated: int) -> None:
+        """Append one event (signed bytes) and count it; while :meth:`recording`, keep it
+        aside instead (:meth:`publish` counts it later)."""
         with self._lock:
-            self.events.append(Event(rec.device, rec.serial, sign * rec.requested,
-                                     sign * rec.rounded))
-            c.live_requested += sign * rec.requested
-            c.live_allocated += sign * rec.rounded
+            if self._recording is not None:
+                self._recording.append((device, serial, requested, allocated))
+                return
+            self.events.append(Event(device, serial, requested, allocated))
+            if device == HOST:
+                self.host_requested += requested
+                return
+            c = self.counters[device]
+            c.live_requested += requested
+            c.live_allocated += allocated
             if c.live_allocated > c.peak_allocated:
                 c.peak_allocated = c.live_allocated
                 c.peak_event = len(self.events)
@@ -338,10 +355,8 @@ class VirtualDevices(TorchDispatchMode):
         self._refs.pop(key, None)
         if rec is None:
             return
-        if rec.device == HOST:
-            self.host_requested -= rec.requested
-            self.events.append(Event(HOST, rec.serial, -rec.requested, -rec.rounded))
-            return
+        if self._watched and rec.serial in self._watched:
+            self.watched_freed.append(rec.serial)
         self._account(rec, -1)
 
     def _resized(self, st: Any, rec: _Storage) -> None:
@@ -352,6 +367,73 @@ class VirtualDevices(TorchDispatchMode):
         rec.rounded = round_size(rec.requested)
         if rec.device != HOST:
             self._account(rec, +1)
+
+    # ---- replays (dpprof.emulator.replicas) ------------------------------------------
+
+    def record_of(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+        """(serial, device, requested bytes) of ``t``'s storage, None when untracked."""
+        rec = self._storages.get(id(t.untyped_storage()))
+        return None if rec is None else (rec.serial, rec.device, rec.requested)
+
+    def new_serial(self) -> int:
+        self._serial += 1
+        return self._serial
+
+    def label_of(self, serial: int) -> str:
+        return self._labels.get(serial, "other")
+
+    def set_label(self, serial: int, category: str) -> None:
+        self._labels[serial] = category
+
+    def adopt(self, t: torch.Tensor, device: int, serial: int, requested: int) -> None:
+        """Track ``t``'s storage as ``serial`` on ``device`` without an event (a replay
+        emitted its allocation); its death emits the free as for any storage."""
+        st = t.untyped_storage()
+        key = id(st)
+        self._storages[key] = _Storage(serial, device, requested, round_size(requested))
+        self._refs[key] = weakref.ref(st, self._free_callback(key))
+
+    def disown(self, t: torch.Tensor) -> None:
+        """Stop tracking ``t``'s storage without an event (a replay emitted its free)."""
+        key = id(t.untyped_storage())
+        self._storages.pop(key, None)
+        self._refs.pop(key, None)
+
+    def disown_storage(self, st: Any) -> bool:
+        """:meth:`disown` by storage; False when it was not tracked."""
+        key = id(st)
+        self._refs.pop(key, None)
+        return self._storages.pop(key, None) is not None
+
+    def transfer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst``'s storage takes over ``src``'s record: the free is emitted when ``dst``'s
+        storage dies, ``src``'s death goes unseen."""
+        key = id(src.untyped_storage())
+        rec = self._storages.pop(key)
+        self._refs.pop(key, None)
+        st = dst.untyped_storage()
+        self._storages[id(st)] = rec
+        self._refs[id(st)] = weakref.ref(st, self._free_callback(id(st)))
+
+    def start_recording(self) -> None:
+        """Keep new events aside (see :meth:`emit`) until :meth:`stop_recording`."""
+        self._recording = []
+
+    def stop_recording(self) -> list[tuple[int, int, int, int]]:
+        out, self._recording = self._recording or [], None
+        return out
+
+    def publish(self, events: list[tuple[int, int, int, int]]) -> None:
+        """Count recorded events now, in order."""
+        for ev in events:
+            self.emit(*ev)
+
+    def watch(self, serials: set[int]) -> None:
+        """Note frees of these storages in :attr:`watched_freed` (a replay depends on them)."""
+        self._watched |= serials
+
+    def unwatch(self, serials: set[int]) -> None:
+        self._watched -= serials
 
     # ---- dispatch ---------------------------------------------------------------------
 
