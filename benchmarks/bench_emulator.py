@@ -181,7 +181,7 @@ def fresh_process_compare() -> float:
 
 def tracker_overhead(steps: int = 3) -> tuple[float, float]:
     from dpprof.emulator.vdevice import VirtualDevices, to_device
-    from dpprof.scenarios.base import train_step
+    from dpprof.scenarios.base import training_loop
     from dpprof.scenarios.workloads import lm
 
     wl = lm()  # many small ops: the dispatch-bound case, where tracking costs the most
@@ -203,7 +203,7 @@ def tracker_overhead(steps: int = 3) -> tuple[float, float]:
                 if tracked:
                     x, y = to_device(rt, x, 0), to_device(rt, y, 0)
                 t0 = time.perf_counter()
-                train_step(model, wl.loss, opt, x, y, False)
+                training_loop(model, wl.loss, opt, [(x, y)], lambda v, _: v, False)
                 times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 

@@ -16,7 +16,7 @@ from dpprof.analysis.comparison import compare
 from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
-from dpprof.scenarios.base import DDP, SCENARIOS
+from dpprof.scenarios.base import DDP, SCENARIOS, loop_description
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
 GiB = 2**30
@@ -215,6 +215,8 @@ def run_compare(
     if backend == "cpu":
         ecfg.compute = True
         run.assumptions = cpu_backend_assumptions(cfg)
+    run.config["loop"] = loop_description(ecfg.warmup_steps + 1)
+    run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     try:
         for i, name in enumerate(cfg.scenarios):
             if progress:

@@ -7,14 +7,15 @@
 | `ddp`             | ``DistributedDataParallel``, one rank per GPU   | on each rank           |
 | `single`          | one GPU, batch = ceil(B / N)                    | the floor to approach  |
 
-The measured step (:func:`train_step`): the batch, already moved to the device, goes
-through forward, loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``.
+The measured loop (:func:`training_loop`): the PyTorch tutorial's loop in steady state,
+several iterations in one scope, the last measured, every variable alive until the loop
+rebinds it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ DESCRIPTIONS: dict[str, str] = {
     SINGLE: "one GPU with batch ceil(B / N): the floor a balanced scheme approaches",
 }
 
-PHASES: tuple[str, ...] = ("inputs", "forward", "loss", "backward", "optimizer", "zero_grad")
+PHASES: tuple[str, ...] = ("inputs", "zero_grad", "forward", "loss", "backward", "optimizer")
 
 
 def batch_rows(x: Any) -> int:
@@ -79,7 +80,7 @@ class ModelWithLoss(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        outputs = self.model(*as_args(inputs))
+        outputs = call_model(self.model, inputs)
         loss = self.loss_fn(outputs, targets)
         rows = float(batch_rows(targets) or batch_rows(inputs))
         return loss.reshape(1) * rows, loss.new_full((1,), rows)
@@ -91,50 +92,109 @@ class ModelWithLoss(nn.Module):
         return weighted.sum() / rows.sum()
 
 
-@dataclass
-class StepHooks:
-    """What a backend plugs into :func:`train_step`."""
-
-    phase: Callable[[str], contextlib.AbstractContextManager[None]]
-    after_forward: Callable[[Any], None] = lambda outputs: None
-    after_loss: Callable[[torch.Tensor, Any], None] = lambda loss, outputs: None
-    after_backward: Callable[[], None] = lambda: None
-    after_optimizer: Callable[[], None] = lambda: None
-
-
 @contextlib.contextmanager
 def _no_phase(name: str) -> Iterator[None]:
     yield
 
 
-def train_step(
+@dataclass
+class StepHooks:
+    """What a backend plugs into :func:`training_loop`.
+
+    ``phase(name)`` is entered around each phase of every iteration; ``iteration(k,
+    measured)`` around the whole of iteration ``k`` (``measured``: the last one, from the
+    moment its batch is assigned to the end of ``optimizer.step()``).
+    """
+
+    phase: Callable[[str], contextlib.AbstractContextManager[None]] = _no_phase
+    after_forward: Callable[[Any], None] = lambda outputs: None
+    after_loss: Callable[[torch.Tensor, Any], None] = lambda loss, outputs: None
+    after_backward: Callable[[], None] = lambda: None
+    after_optimizer: Callable[[], None] = lambda: None
+    iteration: Callable[[int, bool], contextlib.AbstractContextManager[None]] = (
+        lambda k, measured: contextlib.nullcontext())
+
+
+LOOP_DESCRIPTION = (
+    "the PyTorch tutorial loop in steady state: for inputs, targets in loader: inputs, "
+    "targets = inputs.to(device), targets.to(device); optimizer.zero_grad(); "
+    "outputs = model(inputs); loss = criterion(outputs, targets); loss.backward(); "
+    "optimizer.step() -- {n} iterations in one scope, {measured} measured; every variable "
+    "lives until the loop reassigns it (outputs and loss through backward and the optimizer "
+    "step; the previous iteration's outputs and batch until the new ones are assigned)"
+)
+
+
+def loop_description(iterations: int, measured: int = 1) -> str:
+    """The loop dpprof measured, in one sentence (for the report)."""
+    which = "the last" if measured == 1 else f"the last {measured}"
+    return LOOP_DESCRIPTION.format(n=iterations, measured=which)
+
+
+def call_model(model: Callable[..., Any], inputs: Any) -> Any:
+    """The model called on a workload's inputs: a dict as keyword arguments (``model(**batch)``,
+    the Hugging Face way), a tuple as positional arguments, anything else as the one
+    argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(*as_args(inputs))
+
+
+def training_loop(
     model: Callable[..., Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: torch.optim.Optimizer,
-    inputs: Any,
-    targets: Any,
+    batches: Sequence[tuple[Any, Any]],
+    to_device: Callable[[Any, bool], Any],
     loss_inside: bool,
     hooks: StepHooks | None = None,
 ) -> torch.Tensor:
-    """One training step, the same for every scenario and backend; returns the loss.
+    """The measured loop, the same for every scenario and backend; returns the last loss.
+
+    The PyTorch tutorial's loop, written out as users write it, over ``batches`` (the
+    loader's host batches, one per iteration; the last iteration is the measured one)::
+
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            optimizer.zero_grad()
+            outputs = model(inputs)
+            loss = criterion(outputs, targets)
+            loss.backward()
+            optimizer.step()
+
+    Every name lives until the loop rebinds it, as in Python: the previous iteration's
+    outputs and loss through this iteration's ``zero_grad`` and forward, this iteration's
+    through backward and the optimizer step; the previous batch until the new one is
+    assigned; gradients until ``zero_grad()`` (``set_to_none=True``, torch's default).
 
     ``model`` is the wrapped model (DataParallel, DDP or the bare model); with
-    ``loss_inside`` it is a :class:`ModelWithLoss` inside and gets the targets too.
+    ``loss_inside`` it is a :class:`ModelWithLoss` inside, gets the targets too, and the
+    loss is :meth:`ModelWithLoss.combine` of what it returns. ``to_device(x, is_target)``
+    moves a (nested) host batch to the device the model takes it on.
     """
-    hooks = hooks or StepHooks(phase=_no_phase)
-    with hooks.phase("forward"):
-        outputs = model(inputs, targets) if loss_inside else model(*as_args(inputs))
-        hooks.after_forward(outputs)
-    with hooks.phase("loss"):
-        loss = ModelWithLoss.combine(outputs) if loss_inside else loss_fn(outputs, targets)
-        hooks.after_loss(loss, outputs)
-    del outputs
-    with hooks.phase("backward"):
-        loss.backward()
-        hooks.after_backward()
-    with hooks.phase("optimizer"):
-        optimizer.step()
-        hooks.after_optimizer()
-    with hooks.phase("zero_grad"):
-        optimizer.zero_grad(set_to_none=True)
+    hooks = hooks or StepHooks()
+    loss: torch.Tensor | None = None
+    last = len(batches) - 1
+    for k in range(len(batches)):
+        with hooks.iteration(k, k == last):
+            with hooks.phase("inputs"):
+                inputs, targets = batches[k]  # the previous (device) batch dies here
+                inputs, targets = to_device(inputs, False), to_device(targets, True)
+            with hooks.phase("zero_grad"):
+                optimizer.zero_grad()
+            with hooks.phase("forward"):
+                outputs = model(inputs, targets) if loss_inside else call_model(model, inputs)
+                hooks.after_forward(outputs)
+            with hooks.phase("loss"):
+                loss = ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
+                    outputs, targets)
+                hooks.after_loss(loss, outputs)
+            with hooks.phase("backward"):
+                loss.backward()
+                hooks.after_backward()
+            with hooks.phase("optimizer"):
+                optimizer.step()
+                hooks.after_optimizer()
+    if loss is None:
+        raise ValueError("training_loop needs at least one batch")
     return loss.detach()

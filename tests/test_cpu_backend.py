@@ -12,7 +12,7 @@ import torch
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
-from dpprof.scenarios.base import train_step
+from dpprof.scenarios.base import training_loop
 from dpprof.scenarios.workloads import load_workload
 
 MODELS = Path(__file__).with_name("fidelity_models.py")
@@ -30,7 +30,7 @@ def _reference(spec: str) -> dict[str, torch.Tensor]:
         g["foreach"] = True
     inputs, targets = wl.batch(BATCH, torch.device("cpu"))
     model.train()
-    train_step(model, wl.loss, opt, inputs, targets, False)
+    training_loop(model, wl.loss, opt, [(inputs, targets)], lambda x, _: x, False)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -118,9 +118,10 @@ def _peaks(name: str, compute: bool = False) -> list[int]:
 def test_dp_loss_primary_hand_count() -> None:
     dev0, dev1 = _peaks("dp-loss-primary")
     # cuda:0 at the reduce-add: the parameter, its replica's gradient and the reduced
-    # gradient (3 W), the whole batch and targets moved there (2 x 4 rows), the loss (4 B)
-    # and the gradient seed (4 B).
-    assert dev0 == 3 * W + 2 * 4 * ROW + 4 + 4
+    # gradient (3 W), the whole batch and targets moved there and the gathered outputs,
+    # which the loop's ``outputs`` keeps through backward (3 x 4 rows), the loss (4 B) and
+    # the gradient seed (4 B).
+    assert dev0 == 3 * W + 3 * 4 * ROW + 4 + 4
     # cuda:1 in forward: the broadcast weight, its 2-row input chunk and output. (The weight
     # is not saved for backward: the input needs no gradient.)
     assert dev1 == W + 2 * ROW + 2 * ROW
@@ -128,7 +129,9 @@ def test_dp_loss_primary_hand_count() -> None:
 
 def test_dp_loss_forward_hand_count() -> None:
     dev0, dev1 = _peaks("dp-loss-forward")
-    assert dev0 == 3 * W + 2 * 4 * ROW + 4 + 4  # the weight's share still dominates
+    # the weight's share still dominates; the gathered (loss * rows, rows) of the two
+    # replicas (16 B) live through backward as the loop's ``outputs``
+    assert dev0 == 3 * W + 2 * 4 * ROW + 4 + 4 + 16
     # cuda:1 in forward: weight, input and target chunks, output, and three 4 B scalars
     # (the replica's loss, loss * rows, rows).
     assert dev1 == W + 3 * 2 * ROW + 3 * 4
@@ -136,9 +139,9 @@ def test_dp_loss_forward_hand_count() -> None:
 
 def test_single_and_ddp_hand_count() -> None:
     (single,) = _peaks("single")
-    # parameter and gradient; 2 rows of inputs and targets; the output's gradient; loss
-    # and seed.
-    assert single == 2 * W + 3 * 2 * ROW + 4 + 4
+    # parameter and gradient; 2 rows of inputs and targets; the output (the loop keeps it
+    # through backward) and its gradient; loss and seed.
+    assert single == 2 * W + 4 * 2 * ROW + 4 + 4
     ddp = _peaks("ddp")
     assert ddp == [single + W, single + W]  # plus the reducer's bucket (= gradient size)
 

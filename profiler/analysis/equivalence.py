@@ -40,8 +40,8 @@ from dpprof.scenarios.base import (
     DP_LOSS_PRIMARY,
     ModelWithLoss,
     StepHooks,
-    as_args,
-    train_step,
+    call_model,
+    training_loop,
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 
@@ -153,10 +153,10 @@ def _run_emulated(wl: Workload, name: str, batch: int, gpus: int, seed: int) -> 
         hooks = StepHooks(phase=lambda p: rt.device(0), after_forward=after_forward,
                           after_backward=after_backward)
         model.train()
-        inputs = map_tensors(inputs0, lambda t: to_device(rt, t, 0))
-        targets = map_tensors(targets0, lambda t: to_device(rt, t, 0))
         torch.manual_seed(seed + 2)  # the dropout stream
-        loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
+        loss = training_loop(wrapped, loss_fn, opt, [(inputs0, targets0)],
+                             lambda x, _: map_tensors(x, lambda t: to_device(rt, t, 0)),
+                             loss_inside, hooks)
         return _step_state(named, loss, grads, extra)
 
 
@@ -183,7 +183,7 @@ def _run_ddp(wl: Workload, batch: int, gpus: int, seed: int) -> StepState:
         m, lf = copy.deepcopy(init)
         m.train()
         torch.manual_seed(seed + 2)
-        out = m(*as_args(shards_in[r]))
+        out = call_model(m, shards_in[r])
         loss = lf(out, shards_t[r])
         loss.backward()
         losses.append(float(loss.detach()))
@@ -255,7 +255,7 @@ def is_sum_reduction(wl: Workload, batch: int, gpus: int, seed: int) -> bool:
     torch.manual_seed(seed)
     model = wl.model().eval()
     with torch.no_grad():
-        out = model(*as_args(inputs))
+        out = call_model(model, inputs)
         full = float(wl.loss(out, targets))
         parts = [float(wl.loss(o, t)) for o, t in zip(
             _chunks(out, len(rows)), _chunks(targets, len(rows)), strict=True)]

@@ -6,11 +6,11 @@
 - ``ddp``: ``DistributedDataParallel``, one process per GPU, through :mod:`dpprof.backends.cuda_ddp`
   (spawned by dpprof, or started by ``torchrun``); each rank runs :func:`measure_ddp_rank`.
 
-Every scenario runs ``warmup_steps`` steps, then ``steps`` measured ones of the one shared
-:func:`~dpprof.scenarios.base.train_step`. Memory is read two ways:
+Every scenario runs the one shared loop, :func:`~dpprof.scenarios.base.training_loop`:
+``warmup_steps`` iterations, then ``steps`` measured ones. Memory is read two ways:
 
 - the caching allocator's view: ``torch.cuda.reset_peak_memory_stats`` at the start of each
-  phase (input transfer, forward, loss, backward, optimizer step, zero_grad) of the first
+  phase (input transfer, zero_grad, forward, loss, backward, optimizer step) of the first
   measured step, ``max_memory_allocated`` / ``max_memory_reserved`` at its end (the device is
   synchronised at both ends); the overall peaks cover every measured step;
 - NVML's view, from an :class:`~dpprof.nvml.sampler.NvmlSampler` thread (every 20 ms by default)
@@ -70,7 +70,7 @@ from dpprof.scenarios.base import (
     SINGLE,
     ModelWithLoss,
     StepHooks,
-    train_step,
+    training_loop,
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 from dpprof.units import fmt_bytes
@@ -566,22 +566,20 @@ class _Run:
         out: Measured,
     ) -> None:
         dev0 = self.ops.device(self.logical[0])
-        hooks = StepHooks(phase=self.rec.phase)
-        for step in range(self.cfg.warmup_steps + self.cfg.steps):
-            measured = step >= self.cfg.warmup_steps
-            if step == self.cfg.warmup_steps:
+        cfg = self.cfg
+
+        @contextlib.contextmanager
+        def iteration(k: int, last: bool) -> Iterator[None]:
+            measured = k >= cfg.warmup_steps
+            if k == cfg.warmup_steps:
                 self.ops.synchronize()
                 for i in self.logical:
                     self.ops.reset_peaks(i)
                 self.measuring = True
-            self.rec.profile = step == self.cfg.warmup_steps
+            self.rec.profile = k == cfg.warmup_steps
             t0 = time.perf_counter()
             stop = self.ops.start_timer() if measured else None
-            with self.rec.phase("inputs"):
-                inputs = map_tensors(inputs_cpu, lambda t: t.to(dev0))
-                targets = map_tensors(targets_cpu, lambda t: t.to(dev0))
-            loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
-            del inputs, targets
+            yield
             event_s = stop() if stop is not None else None
             self.ops.synchronize()
             wall = time.perf_counter() - t0
@@ -591,8 +589,17 @@ class _Run:
                 out.step_times_s.append(wall)
                 if event_s is not None:
                     out.event_times_s.append(event_s)
-                out.loss = float(loss)
-            del loss
+
+        def move(x: Any, is_target: bool) -> Any:
+            # On the CPU (the test mode) the host-to-device copy is a copy too.
+            return map_tensors(x, lambda t: t.clone() if dev0.type == "cpu" else t.to(dev0))
+
+        # The loader's host batches: the same data every iteration, as the paired scenarios
+        # share it (each iteration assigns its own copy to the device).
+        batches = [(inputs_cpu, targets_cpu)] * (cfg.warmup_steps + cfg.steps)
+        hooks = StepHooks(phase=self.rec.phase, iteration=iteration)
+        loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks)
+        out.loss = float(loss)
         self.rec.profile = False
 
     def fold_phases(self) -> None:

@@ -33,7 +33,7 @@ from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
 from dpprof.backends.ranks import DdpOptions
 from dpprof.errors import UsageError
 from dpprof.result import RunResult
-from dpprof.scenarios.base import DDP
+from dpprof.scenarios.base import DDP, loop_description
 from dpprof.scenarios.workloads import Workload
 
 __all__ = ["CudaOptions", "cuda_compare", "select_devices", "torchrun_compare"]
@@ -119,6 +119,8 @@ def _fill(run: RunResult, ccfg: CudaRunConfig, opts: CudaOptions) -> None:
     run.assumptions = list(ASSUMPTIONS)
     if opts.device_kind == "cpu":
         run.assumptions.insert(0, CPU_ASSUMPTION)
+    run.config["loop"] = loop_description(ccfg.warmup_steps + ccfg.steps, ccfg.steps)
+    run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     run.config.update(
         warmup_steps=ccfg.warmup_steps, steps=ccfg.steps, devices=list(ccfg.devices),
         nvml_interval_s=ccfg.nvml_interval_s, ddp_timeout_s=opts.ddp_timeout_s,

@@ -10,7 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from dpprof.scenarios.base import (
     SINGLE,
     ModelWithLoss,
     StepHooks,
-    train_step,
+    training_loop,
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
 from dpprof.units import fmt_bytes
@@ -55,7 +55,7 @@ ASSUMPTIONS = [
     "Emulated: the training step runs on virtual devices over meta tensors (memory only); "
     "no GPU was used.",
     "Allocated = live tensor storages, each rounded up to 512 B as the CUDA caching "
-    "allocator rounds them; peaks are over the measured step (after one warm-up step) and "
+    "allocator rounds them; peaks are over the loop's measured (last) iteration and "
     "include what was resident before it.",
     "DataParallel is re-enacted step by step from torch.nn.parallel (scatter, replicate with "
     "10 MiB coalesced broadcasts, parallel_apply, gather, reduce-add of gradients onto "
@@ -179,7 +179,7 @@ def run_scenario(
 
     With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
     (``"wrapped"``), the parameters (``"params"``) and the event indices where the measured
-    ``train_step`` began and ended (``"step_start"``, ``"step_end"``), for the checks.
+    iteration began and ended (``"step_start"``, ``"step_end"``), for the checks.
     """
     shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
         DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
@@ -244,27 +244,42 @@ def run_scenario(
                 after_optimizer=after_optimizer,
             )
             model.train()
-            loss_val = None
             # DataParallel(output_device=k): the loss runs there, so the targets go there.
             target_dev = (cfg.dp_output_device or 0) if name == DP_LOSS_PRIMARY else 0
-            for step in range(cfg.warmup_steps + 1):
-                if step == cfg.warmup_steps:
-                    rt.reset_peaks()
-                    measure_start = len(rt.events)
-                with rt.device(HOST), rt.category("inputs"):
+            # The loader's host batches, one per iteration, made before the loop.
+            batches = []
+            with rt.device(HOST), rt.category("inputs"):
+                for _ in range(cfg.warmup_steps + 1):
                     inputs, targets = wl.batch(rows, torch.device("cpu"))
-                    inputs, targets = cast_inputs(inputs, wl.dtype), targets
-                with rt.phase("inputs", "inputs"):
-                    inputs = map_tensors(inputs, lambda t: to_device(rt, t, 0))
-                    targets = map_tensors(targets, lambda t: to_device(rt, t, target_dev))
-                step_start = len(rt.events)
-                loss = train_step(wrapped, loss_fn, opt, inputs, targets, loss_inside, hooks)
-                step_end = len(rt.events)
-                cats.clear()
+                    batches.append((cast_inputs(inputs, wl.dtype), targets))
                 del inputs, targets
-                if cfg.compute:
-                    loss_val = float(loss)
-                del loss
+
+            def move(x: Any, is_target: bool) -> Any:
+                with rt.category("inputs"):
+                    return map_tensors(
+                        x, lambda t: to_device(rt, t, target_dev if is_target else 0))
+
+            marks: dict[str, int] = {}
+
+            @contextlib.contextmanager
+            def iteration(k: int, measured: bool) -> Iterator[None]:
+                if measured:
+                    rt.reset_peaks()
+                    marks["start"] = len(rt.events)
+                try:
+                    yield
+                finally:
+                    cats.clear()
+                if measured:
+                    marks["end"] = len(rt.events)
+
+            hooks.iteration = iteration
+            loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks)
+            del batches
+            measure_start = step_start = marks["start"]
+            step_end = marks["end"]
+            loss_val = float(loss) if cfg.compute else None
+            del loss
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                     else [0])
             result.devices = _device_results(rt, cfg, name, shards, used, measure_start)

@@ -19,7 +19,7 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
   whose default process group is already initialised: builds the model on its device
   under ``torch.manual_seed(seed)``, wraps it in ``DistributedDataParallel`` with the
   options, takes rank r's shard of the global batch, runs ``warmup_steps`` steps and one
-  measured step of the shared :func:`dpprof.scenarios.base.train_step`, and returns a
+  measured iteration of the shared :func:`dpprof.scenarios.base.training_loop`, and returns a
   :class:`RankResult`.
 * :class:`CpuRanks` — the picklable body :mod:`dpprof.backends.ranks` runs in each rank:
   :func:`run_rank` for each spec in turn.
@@ -33,21 +33,24 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
 
 Memory with ``memory="profiler"``: the profiler runs from before the model is built, so
 the live bytes at the measured step's start are known: ``peak_requested_bytes`` is the
-peak of live requested bytes over the measured ``train_step`` (absolute),
+peak of live requested bytes over the measured iteration (absolute),
 ``step_peak_requested_bytes`` the same relative to the step's start, ``step_events`` the
 measured step's allocation records (signed sizes, in order).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dpprof.backends.memtrace import (
+    SCALAR_BYTES,
     Alloc,
     allocations,
     peak_of,
@@ -67,8 +70,9 @@ from dpprof.backends.ranks import (
     torchrun_run_id,
     with_dtype,
 )
+from dpprof.scenarios.workloads import map_tensors
 
-STEP_MARK = "dpprof::measured_step"  # record_function around the measured train_step
+STEP_MARK = "dpprof::measured_step"  # record_function around the measured iteration
 
 
 @dataclass
@@ -109,6 +113,8 @@ class RankResult:
     peak_allocated_bytes: int | None = None  # same, each block rounded to 512 B / cuda
     peak_reserved_bytes: int | None = None  # cuda only
     start_requested_bytes: int | None = None  # live at the measured step's start
+    # the same, of blocks larger than memtrace.SCALAR_BYTES (what the fidelity checks compare)
+    start_large_requested_bytes: int | None = None
     step_peak_requested_bytes: int | None = None  # relative to the step's start
     step_events: list[tuple[int, str, int]] = field(default_factory=list)  # (size, op, ptr)
     parameters: dict[str, list[Any]] | None = None  # name -> nested list (return_parameters)
@@ -145,23 +151,7 @@ class DistributedRunError(RuntimeError):
 
 
 def _shard(x: Any, rank: int, rows: int) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.narrow(0, rank * rows, rows).clone() if x.dim() else x
-    if isinstance(x, dict):
-        return type(x)((k, _shard(v, rank, rows)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return type(x)(_shard(v, rank, rows) for v in x)
-    return x
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, dict):
-        return type(x)((k, _to(v, device)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    return x
+    return map_tensors(x, lambda t: t.narrow(0, rank * rows, rows).clone() if t.dim() else t)
 
 
 def run_rank(spec: RankSpec, rank: int, world_size: int,
@@ -169,7 +159,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
     import copy
 
-    from dpprof.scenarios.base import train_step
+    from dpprof.scenarios.base import StepHooks, training_loop
     from dpprof.scenarios.workloads import load_workload
 
     wl = with_dtype(load_workload(spec.workload), spec.dtype)
@@ -203,31 +193,44 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             if group.get("foreach") is None and not group.get("fused"):
                 group["foreach"] = True  # as on CUDA, and as the emulator
         model.train()
+        # The loader's host batches, one per iteration, made before the loop: every rank
+        # makes the same global batch and takes its shard (equal shards).
+        batches = []
         for step in range(spec.warmup_steps + 1):
-            # Every rank makes the same global batch and takes its shard (equal shards).
             gen_state = torch.random.get_rng_state()
             torch.manual_seed(spec.seed + 1000 + step)
             inputs, targets = wl.batch(spec.rows * world_size, torch.device("cpu"))
             torch.random.set_rng_state(gen_state)
-            inputs = _to(_shard(inputs, rank, spec.rows), device)
-            targets = _to(_shard(targets, rank, spec.rows), device)
+            inputs = _shard(inputs, rank, spec.rows)
             if wl.dtype != torch.float32:
                 inputs = _cast(inputs, wl.dtype)
-            if step == spec.warmup_steps:
-                if spec.memory == "cuda":
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                t0 = time.perf_counter()
-                with torch.profiler.record_function(STEP_MARK):
-                    loss = train_step(ddp, loss_fn, opt, inputs, targets, False)
-                if spec.device == "cuda":
-                    torch.cuda.synchronize(device)
-                result.step_time_s = time.perf_counter() - t0
-            else:
-                loss = train_step(ddp, loss_fn, opt, inputs, targets, False)
-            del inputs, targets
-            result.loss = float(loss)
-            del loss  # as the emulator: the step's loss dies before the next step
+            batches.append((inputs, _shard(targets, rank, spec.rows)))
+        del inputs, targets, gen_state
+
+        def move(x: Any, is_target: bool) -> Any:
+            # On the CPU the host-to-device copy a GPU run makes is a copy too.
+            return map_tensors(x, lambda t: t.clone() if device.type == "cpu" else t.to(device))
+
+        @contextlib.contextmanager
+        def iteration(k: int, measured: bool) -> Iterator[None]:
+            if not measured:
+                yield
+                return
+            if spec.memory == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(STEP_MARK):
+                yield
+            if spec.device == "cuda":
+                torch.cuda.synchronize(device)
+            result.step_time_s = time.perf_counter() - t0
+
+        loss = training_loop(ddp, loss_fn, opt, batches, move, False,
+                             StepHooks(iteration=iteration))
+        del batches
+        result.loss = float(loss)
+        del loss
         if spec.memory == "cuda":
             result.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))
             result.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(device))
@@ -245,13 +248,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, dict):
-        return type(x)((k, _cast(v, dtype)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast(v, dtype) for v in x)
-    return x
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _profiler_figures(result: RankResult, events: list[Alloc], t0: int, t1: int) -> None:
@@ -259,6 +256,7 @@ def _profiler_figures(result: RankResult, events: list[Alloc], t0: int, t1: int)
     step = [e for e in events if t0 <= e.t_ns <= t1]
     start = sum(e.size for e in before)
     result.start_requested_bytes = start
+    result.start_large_requested_bytes = sum(e.size for e in before if abs(e.size) > SCALAR_BYTES)
     result.step_peak_requested_bytes = peak_of(step)
     result.peak_requested_bytes = start + result.step_peak_requested_bytes
     result.peak_allocated_bytes = peak_of(before + step, rounded=True) if step else None

@@ -54,6 +54,13 @@ CPU_ONLY_ALLOCATIONS: dict[str, str] = {
 }
 
 
+# Records and events this small are wrapped scalars or 0-dim tensors: the CPU makes 0-dim
+# wrapped scalars (4-8 B) outside the dispatcher, in patterns that cannot be told apart from
+# the 4-8 byte tensors both sides make (losses, DDP's bucket-count tensors); the checks
+# leave them out on both sides.
+SCALAR_BYTES = 8
+
+
 @dataclass(frozen=True)
 class Alloc:
     """One allocator event: ``size`` > 0 allocates, < 0 frees."""

@@ -479,9 +479,12 @@ class VirtualDevices(TorchDispatchMode):
                 kwargs = {**kwargs, "device": real}
         devices: set[int] = set()
         saw_host = False
+        outside: set[int] = set()  # storages made outside the mode (a view of one is no new one)
         for a in _tensor_args(args, kwargs):
-            rec = self._storages.get(id(a.untyped_storage()))
+            key = id(a.untyped_storage())
+            rec = self._storages.get(key)
             if rec is None:
+                outside.add(key)
                 continue
             if rec.device == HOST:
                 saw_host = True
@@ -508,6 +511,8 @@ class VirtualDevices(TorchDispatchMode):
             st = t.untyped_storage()
             rec = self._storages.get(id(st))
             if rec is None:
+                if id(st) in outside:
+                    continue  # e.g. ``param.data`` of a module built before the mode
                 self._track(st, target)
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)

@@ -1,0 +1,89 @@
+"""The measured loop is the PyTorch tutorial's loop: what lives when, as Python keeps it."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.scenarios.base import loop_description, training_loop
+from dpprof.scenarios.workloads import Workload
+
+
+class Probe(nn.Module):
+    """A linear layer that notes, at each forward, what of the last iteration is alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.outputs: list[weakref.ref[torch.Tensor]] = []
+        self.inputs: list[weakref.ref[torch.Tensor]] = []
+        self.seen: list[dict[str, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append({
+            "previous outputs alive": bool(self.outputs) and self.outputs[-1]() is not None,
+            "previous batch alive": bool(self.inputs) and self.inputs[-1]() is not None,
+            "gradient alive": self.fc.weight.grad is not None,
+        })
+        self.inputs.append(weakref.ref(x))
+        y = self.fc(x)
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+def test_the_loop_keeps_what_the_tutorial_loop_keeps() -> None:
+    model = Probe()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alive_in_backward: list[bool] = []
+
+    def criterion(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ref = weakref.ref(out)
+        loss = nn.functional.mse_loss(out, target)
+        # during backward: are this iteration's outputs still alive (they are, in the loop)
+        loss.register_hook(lambda g: alive_in_backward.append(ref() is not None))
+        return loss
+
+    batches = [(torch.randn(2, 4), torch.randn(2, 3)) for _ in range(3)]
+    training_loop(model, criterion, opt, batches, lambda x, _: x.clone(), False)
+    assert model.seen[0] == {"previous outputs alive": False, "previous batch alive": False,
+                             "gradient alive": False}
+    for seen in model.seen[1:]:
+        # outputs = model(inputs) has not rebound ``outputs`` yet: the previous outputs live
+        # through the next forward; the batch was rebound before; zero_grad() set the
+        # gradients to None before the forward.
+        assert seen == {"previous outputs alive": True, "previous batch alive": False,
+                        "gradient alive": False}
+    assert alive_in_backward == [True, True, True]
+
+
+def test_the_report_names_the_loop() -> None:
+    text = loop_description(2)
+    assert "optimizer.zero_grad(); outputs = model(inputs)" in text
+    assert "2 iterations in one scope, the last measured" in text
+
+
+def _head_workload() -> Workload:
+    """Outputs 256x larger than the activations they come from, and a loss that saves none of
+    them for backward (a mean): only the loop's ``outputs`` name keeps them alive there."""
+    return Workload(
+        name="wide-head",
+        model=lambda: nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4096)),
+        batch=lambda rows, device: (torch.randn(rows, 16, device=device),
+                                    torch.randn(rows, device=device)),
+        loss=lambda out, target: (out.mean(dim=1) - target).abs().mean(),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+    )
+
+
+def test_the_gathered_outputs_live_through_backward_under_dp_loss_primary() -> None:
+    """cuda:0's peak (in backward) holds the whole batch's gathered outputs: the loop keeps
+    ``outputs`` through backward (a step that deleted them before backward would not)."""
+    cfg = EmulationConfig(batch=64, gpus=4, gpu_memory_bytes=2**40)
+    r = run_scenario("dp-loss-primary", _head_workload(), cfg)
+    assert r.status == "ok", r.message
+    dev0 = r.devices[0]
+    assert dev0.peak_phase == "backward"
+    assert dev0.breakdown_bytes.get("outputs", 0) >= 64 * 4096 * 4
