@@ -43,7 +43,7 @@ def test_every_saved_result_renders(name: str) -> None:
 def test_default_comparison_table_and_fix() -> None:
     run = saved("emulated-lm")
     text = markdown.render(run)
-    assert "| dp-loss-primary | 53.9 GiB | 10.6 GiB | 10.6 GiB | 10.6 GiB | +43.2 GiB | 2.51 | ok |" \
+    assert "| dp-loss-primary | 69.5 GiB | 10.6 GiB | 10.6 GiB | 10.6 GiB | +58.9 GiB | 2.74 | ok |" \
         in text
     assert "| loss and its gradient | +46.9 GiB |" in text
     assert "dpprof.ModelWithLoss(model, loss_fn)" in text

@@ -40,7 +40,7 @@ def test_diff_per_scenario_and_device() -> None:
     ddp = next(s for s in rd.scenarios if s.name == "ddp")
     assert all(d.delta_bytes == 0 for d in ddp.devices)
     lines = diff.summary(rd)
-    assert lines[0].startswith("dp-loss-primary: cuda:0 53.9 GiB → 18.7 GiB (-35.2 GiB -65%)")
+    assert lines[0].startswith("dp-loss-primary: cuda:0 69.5 GiB → 18.7 GiB (-50.8 GiB -73%)")
 
 
 def test_diff_across_configurations_says_so() -> None:
@@ -65,14 +65,14 @@ def test_cli_terminal_md_and_html(tmp_path: Path) -> None:
     a.write_text(_after_fix().to_json())
     r = runner.invoke(app, ["report", str(b), str(a)])
     assert r.exit_code == 0, r.output
-    assert "before:" in r.stdout and "-35.2 GiB" in r.stdout and "cuda:0 excess" in r.stdout
+    assert "before:" in r.stdout and "-50.8 GiB" in r.stdout and "cuda:0 excess" in r.stdout
     r = runner.invoke(app, ["report", str(b), str(a), "-o", str(tmp_path / "d.md"),
                             "-o", str(tmp_path / "d.html")])
     assert r.exit_code == 0, r.output
     md = (tmp_path / "d.md").read_text()
-    assert "| dp-loss-primary | cuda:0 | 53.9 GiB | 18.7 GiB | -35.2 GiB | -65% |" in md
+    assert "| dp-loss-primary | cuda:0 | 69.5 GiB | 18.7 GiB | -50.8 GiB | -73% |" in md
     page = (tmp_path / "d.html").read_text()
-    assert "data-figure=\"diff\"" in page and "-35.2 GiB" in page
+    assert "data-figure=\"diff\"" in page and "-50.8 GiB" in page
     r = runner.invoke(app, ["report", str(b), str(a), "-o", str(tmp_path / "d.json")])
     assert r.exit_code == 2 and "written as .html or .md" in r.output
 
