@@ -16,7 +16,24 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0+unknown"
 
-from dpprof.scenarios.base import SCENARIOS, ModelWithLoss
-from dpprof.scenarios.workloads import Workload
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpprof.scenarios.base import SCENARIOS, ModelWithLoss
+    from dpprof.scenarios.workloads import Workload
 
 __all__ = ["SCENARIOS", "ModelWithLoss", "Workload", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """``dpprof.Workload`` and friends, imported on first use: ``import dpprof`` stays light
+    (no torch), so the command line handles Ctrl-C and SIGTERM from its first moment."""
+    if name in ("SCENARIOS", "ModelWithLoss"):
+        from dpprof.scenarios import base
+
+        return getattr(base, name)
+    if name == "Workload":
+        from dpprof.scenarios.workloads import Workload
+
+        return Workload
+    raise AttributeError(f"module 'dpprof' has no attribute {name!r}")

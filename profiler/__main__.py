@@ -1,6 +1,6 @@
 """``python -m dpprof`` is ``dpprof``."""
 
-from dpprof.cli.app import main
+from dpprof.cli.entry import main
 
 if __name__ == "__main__":
     main()

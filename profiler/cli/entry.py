@@ -1,0 +1,30 @@
+"""The ``dpprof`` console script (and ``python -m dpprof``): signals first, then the commands.
+
+Importing the commands imports torch (a second or more); a Ctrl-C or SIGTERM in that time
+gets dpprof's one line and its exit status (130/143), not an import traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def main() -> None:
+    from dpprof.cli.guard import install_signal_handlers, interrupted_line
+    from dpprof.errors import EXIT_SIGINT, Interrupted
+
+    install_signal_handlers()
+    try:
+        from dpprof.cli.app import main as app_main
+    except KeyboardInterrupt:
+        print(interrupted_line(signal.SIGINT), file=sys.stderr)
+        sys.exit(EXIT_SIGINT)
+    except Interrupted as e:
+        print(interrupted_line(e.signum), file=sys.stderr)
+        sys.exit(e.exit_code)
+    app_main()
+
+
+if __name__ == "__main__":
+    main()
