@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from dpprof.analysis.maxbatch import context_bytes_for, probe_emulated, search
+from dpprof.analysis.maxbatch import probe_emulated, search
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.emulator.gpus import lookup_gpu
 from dpprof.scenarios.base import SCENARIOS
@@ -22,15 +22,15 @@ from dpprof.scenarios.workloads import load_workload
 def main(workload: str = "lm", gpu: str = "a100-80gb", gpus: int = 4, multiple: int = 8) -> None:
     wl = load_workload(workload)
     spec = lookup_gpu(gpu)
-    ctx = context_bytes_for(spec)
     cap = spec.total_memory_bytes
-    base = EmulationConfig(batch=multiple, gpus=gpus, gpu_memory_bytes=cap)
+    base = EmulationConfig(batch=multiple, gpus=gpus, gpu_memory_bytes=cap,
+                           compute_capability=spec.compute_capability)
     print(f"{workload} on {gpus} x {gpu} ({cap} B), multiples of {multiple}")
     total = 0.0
     for name in SCENARIOS:
         t0 = time.perf_counter()
         times: list[float] = []
-        probe = probe_emulated(name, wl, base, ctx)
+        probe = probe_emulated(name, wl, base)
 
         def timed(batch: int, probe=probe, times=times):  # type: ignore[no-untyped-def]
             t = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import signal
 from collections.abc import Callable
@@ -13,7 +14,9 @@ import torch
 from dpprof import __version__
 from dpprof.analysis.answers import add_answers, gpu_spec
 from dpprof.analysis.comparison import compare
+from dpprof.analysis.maxbatch import COUNTS
 from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
+from dpprof.emulator.gpus import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP, SCENARIOS, loop_description
@@ -22,6 +25,7 @@ from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
+DEFAULT_WARMUP = 1  # emulated and cpu: the optimizer state must exist before the measured step
 BACKENDS = ("auto", "emulated", "cpu", "cuda")
 DTYPES = {"--dtype": ("float32", "bfloat16", "float16"), "--amp": ("bfloat16", "float16")}
 
@@ -38,7 +42,8 @@ class CompareConfig:
     backend: str = "auto"  # auto: cuda with >= 2 visible GPUs, else emulated
     seed: int = 0  # torch.manual_seed before each scenario: paired data and weights
     compute: bool = False  # emulated over CPU tensors (real numbers) instead of meta
-    warmup_steps: int = 1  # steps before the measured one
+    # steps before the measured one(s); None: DEFAULT_WARMUP, on GPUs the cuda backend's 3
+    warmup: int | None = None
     debug: bool = False  # keep tracebacks
     # DistributedDataParallel's options for the ddp scenario (torch's names and defaults)
     bucket_cap_mb: float | None = None  # None: 25 MiB buckets, the first one 1 MiB
@@ -62,7 +67,6 @@ class CompareConfig:
 
     # ---- the cuda backend (real GPUs) ------------------------------------------------------
     devices: tuple[int, ...] | None = None  # --devices 2,3: exactly these CUDA indices
-    warmup: int | None = None  # --warmup (cuda default 3; overrides warmup_steps when given)
     steps: int | None = None  # --steps: measured steps (cuda default 10)
     nvml_interval_s: float = 0.02  # --nvml-interval
     ddp_timeout_s: float = 300.0  # collective timeout / bound on every DDP wait
@@ -86,7 +90,7 @@ class CompareConfig:
             raise UsageError(
                 f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}"
             )
-        if self.warmup_steps < 0 or (self.warmup is not None and self.warmup < 0):
+        if self.warmup is not None and self.warmup < 0:
             raise UsageError("--warmup must be 0 or more")
         if self.steps is not None and self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
@@ -136,10 +140,38 @@ def resolve_backend(requested: str, device_kind: str = "cuda") -> str:
     return requested
 
 
+def warmup_steps(cfg: CompareConfig, backend: str) -> int:
+    """``--warmup``, or the backend's default: 3 on real GPUs, 1 emulated."""
+    if cfg.warmup is not None:
+        return cfg.warmup
+    if backend == "cuda":
+        from dpprof.backends.cuda import DEFAULT_WARMUP as CUDA_WARMUP
+
+        return CUDA_WARMUP
+    return DEFAULT_WARMUP
+
+
+def emulation_config(cfg: CompareConfig, backend: str, gpus: int) -> EmulationConfig:
+    """The emulator's part of ``cfg``, as it is: the scenarios of the emulated and cpu
+    backends, and the predictions (fixes, largest batch) of every backend."""
+    return EmulationConfig(
+        batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
+        compute=cfg.compute or backend == "cpu", warmup_steps=warmup_steps(cfg, backend),
+        debug=cfg.debug, bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        find_unused_parameters=cfg.find_unused_parameters,
+        broadcast_buffers=cfg.broadcast_buffers, amp=cfg.amp,
+        compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
+        count_reserved=cfg.count_reserved or cfg.maxbatch or bool(cfg.gpu),
+    )
+
+
 def run_compare(
     cfg: CompareConfig, progress: Progress | None = None, workload: Workload | None = None
 ) -> RunResult | None:
-    """Run every requested scenario of one comparison and analyse the result.
+    """One comparison, the same pipeline for every backend: the spec, the backend's
+    scenarios, the comparison, the answers (attribution, fixes, largest batch, equivalence,
+    the CI checks); the reports render the result.
 
     Under torchrun (the cuda backend's ``ddp``), ranks other than 0 return None. The cuda
     backend's DDP ranks are separate processes: they load the workload from ``cfg.workload``
@@ -148,10 +180,37 @@ def run_compare(
     cfg.validate()
     wl = workload or load_workload(cfg.workload)
     if cfg.dtype is not None:
-        import dataclasses
-
         wl = dataclasses.replace(wl, dtype=getattr(torch, cfg.dtype))
     backend = resolve_backend(cfg.backend, cfg.device_kind)
+    run = _new_run(cfg, wl, backend)
+    ecfg = emulation_config(cfg, backend, run.gpus)
+    try:
+        if backend == "cuda":
+            measured = _cuda(cfg, wl, run, progress)
+        else:
+            _emulate(cfg, wl, run, ecfg, progress)
+    except (KeyboardInterrupt, Interrupted) as e:
+        raise _interrupted(e, run) from None
+    if backend == "cuda":
+        if measured is None:
+            return None
+        # the emulator predicts the fixes and the largest batch for the GPUs measured
+        ecfg = dataclasses.replace(ecfg, gpus=measured.gpus, compute=False,
+                                   gpu_memory_bytes=measured.gpu_memory_bytes)
+        run = measured
+    if progress:
+        progress("", len(cfg.scenarios), len(cfg.scenarios))
+    run.comparison = compare(run)
+    return add_answers(
+        run, wl, ecfg, fixes=cfg.fixes, maxbatch=cfg.maxbatch, multiple_of=cfg.multiple_of,
+        gpu=gpu_spec(cfg.gpu),
+        equivalence=cfg.compute if cfg.equivalence is None else cfg.equivalence,
+        scenarios=cfg.scenarios, fail_on_imbalance=cfg.fail_on_imbalance,
+        fail_on_oom=cfg.fail_on_oom, progress=progress,
+    )
+
+
+def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
     gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
     run = RunResult(
         backend=backend,
@@ -167,35 +226,27 @@ def run_compare(
         environment=environment(backend),
     )
     run.config["gpus"] = gpus
+    run.config["warmup_steps"] = warmup_steps(cfg, backend)
     run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
     run.config["scenarios"] = list(cfg.scenarios)
     run.config["workload_description"] = wl.description
     run.config["workload_shapes"] = dict(wl.shapes)
-    if backend == "cuda":
-        try:
-            return _cuda(cfg, wl, run, progress)
-        except (KeyboardInterrupt, Interrupted) as e:
-            raise _interrupted(e, run) from None
-    ecfg = EmulationConfig(
-        batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
-        compute=cfg.compute,
-        warmup_steps=cfg.warmup_steps if cfg.warmup is None else cfg.warmup, debug=cfg.debug,
-        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers, amp=cfg.amp,
-        compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
-    )
-    spec = gpu_spec(cfg.gpu)
-    count_reserved = cfg.count_reserved or cfg.maxbatch or spec is not None
-    if count_reserved:
-        from dpprof.analysis.maxbatch import COUNTS, context_bytes_for, reserved_inspector
+    return run
 
-        ctx = context_bytes_for(spec)
-        ecfg.inspect = reserved_inspector(ctx)
+
+def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig,
+             progress: Progress | None) -> None:
+    """The emulated and cpu backends: every scenario on virtual devices (cpu: over CPU
+    tensors, and ``ddp`` as gloo processes), with the same options."""
+    from dpprof.backends.emulated import context_model
+
+    with torch.device("meta"):
+        ctx = context_model(ecfg, wl.model())
     run.assumptions = list(ASSUMPTIONS)
-    if count_reserved and cfg.compute:  # meta emulation models reserved + context itself
-        run.assumptions.append(f"Out of memory when {COUNTS} ({ctx} B per GPU) exceeds the "
-                               "GPU's memory.")
+    if ecfg.count_reserved and cfg.compute:  # meta emulation models reserved + context itself
+        run.assumptions.append(
+            f"Out of memory when {COUNTS} ({ctx.outside_allocator_bytes} B per GPU, "
+            f"{ctx.workspace_bytes} B of workspaces) exceeds the GPU's memory.")
     if cfg.dtype not in (None, "float32"):
         run.assumptions.append(
             f"--dtype {cfg.dtype}: parameters, gradients, optimizer state and floating "
@@ -212,43 +263,26 @@ def run_compare(
             "Emulated over CPU tensors (real numbers): the training step runs on virtual "
             "devices; no GPU was used."
         )
-    if backend == "cpu":
-        ecfg.compute = True
+    if run.backend == "cpu":
         run.assumptions = cpu_backend_assumptions(cfg)
     run.config["loop"] = loop_description(ecfg.warmup_steps + 1)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
-    try:
-        for i, name in enumerate(cfg.scenarios):
-            if progress:
-                progress(name, i, len(cfg.scenarios))
-            if backend == "cpu" and name == DDP:
-                from dpprof.backends.cpu import run_ddp_gloo
+    for i, name in enumerate(cfg.scenarios):
+        if progress:
+            progress(name, i, len(cfg.scenarios))
+        if run.backend == "cpu" and name == DDP:
+            from dpprof.backends.cpu import run_ddp_gloo
 
-                run.scenarios.append(run_ddp_gloo(cfg.workload, gpus, cfg))
-            else:
-                run.scenarios.append(run_scenario(name, wl, ecfg))
-    except (KeyboardInterrupt, Interrupted) as e:
-        raise _interrupted(e, run) from None
-    if backend == "emulated":
-        from dpprof.backends.emulated import context_model, gpu_model_notes
-
-        with torch.device("meta"):
-            model = wl.model()
-        run.assumptions += gpu_model_notes(context_model(ecfg, model))
+            run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.dtype, cfg.ddp_timeout_s))
+        else:
+            run.scenarios.append(run_scenario(name, wl, ecfg))
+    if run.backend == "emulated":
+        run.assumptions += gpu_model_notes(ctx)
         run.assumptions.append(
             "Kernels as the target GPU (compute capability {}.{}) picks them: "
             "scaled_dot_product_attention as flash / memory-efficient / math by "
             "sdp_utils' rules, dropout as the fused native_dropout (bool mask)".format(
                 *ecfg.compute_capability))
-    if progress:
-        progress("", len(cfg.scenarios), len(cfg.scenarios))
-    run.comparison = compare(run)
-    return add_answers(
-        run, wl, ecfg, fixes=cfg.fixes, maxbatch=cfg.maxbatch, multiple_of=cfg.multiple_of,
-        gpu=spec, equivalence=cfg.compute if cfg.equivalence is None else cfg.equivalence,
-        scenarios=cfg.scenarios, fail_on_imbalance=cfg.fail_on_imbalance,
-        fail_on_oom=cfg.fail_on_oom, progress=progress,
-    )
 
 
 def _interrupted(e: BaseException, run: RunResult) -> Interrupted:
@@ -316,11 +350,6 @@ def _cuda(
         done = cuda_compare(
             run, cfg.workload, wl, cfg.scenarios, cfg.seed, cfg.debug, opts, visible, progress
         )
-    if done is None:
-        return None
-    if progress:
-        progress("", len(cfg.scenarios), len(cfg.scenarios))
-    done.comparison = compare(done)
     return done
 def cpu_backend_assumptions(cfg: CompareConfig) -> list[str]:
     return [

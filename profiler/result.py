@@ -200,6 +200,8 @@ class Fix:
     primary_peak_bytes: Bytes | None = None  # cuda:0's peak with the fix
     max_peak_bytes: Bytes | None = None  # the heaviest device's peak with the fix
     saves_bytes: SignedBytes | None = None  # on cuda:0, against dp-loss-primary's cuda:0
+    # on the heaviest GPU, against dp-loss-primary's heaviest: > 0 makes it a recommendation
+    heaviest_saves_bytes: SignedBytes | None = None
     detail: Text = ""
     code: Text = ""  # the minimal change to a typical training loop
     # balanced-split: rows per GPU

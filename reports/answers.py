@@ -216,6 +216,14 @@ def _html_table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
     return f"<table class='{_e(cls)}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def html_fix_table(run: RunResult) -> str:
+    """Every fix emulated, recommended or not, with what it saves (collapsed)."""
+    if not run.fixes:
+        return ""
+    return ("<details><summary>Every fix, emulated on this workload and batch</summary>"
+            + _html_table(FIX_HEADER, fix_rows(run)) + "</details>")
+
+
 def _fix_html(f: Fix) -> str:
     return (f"<h3>{_e(f.title)}</h3><p>{_e(f.detail)}</p>"
             f"<pre><code>{_e(f.code)}</code></pre>")

@@ -1,17 +1,17 @@
-"""What every renderer says the same way: device labels, OOM lines, provenance, the fix.
+"""What every renderer says the same way: device labels, OOM lines, provenance, cuda:0's
+excess by cause (the attribution), the recommended fixes.
 
-Pure functions of a :class:`RunResult`; no formatting beyond plain text. The choice of the
-fix (:func:`fixes`) is deliberately small: the authoritative advice may replace it (same
-signature) without touching the renderers.
+Pure functions of a :class:`RunResult`; no formatting beyond plain text. The analysis lives
+in :mod:`dpprof.analysis` (attribution, fixes); this module only shapes it for renderers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpprof.analysis.excess import Excess, cause_label, excess_by_cause
-from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, RunResult, ScenarioResult
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.analysis.attribution import CAUSES, attribute
+from dpprof.analysis.fixes import from_scenarios, heaviest_saving
+from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, Fix, RunResult, ScenarioResult
 from dpprof.units import fmt_bytes
 
 MEASURED = ("ok", "oom")
@@ -87,189 +87,72 @@ def failure_tracebacks(run: RunResult, max_chars: int = 20_000) -> list[tuple[st
     return out
 
 
-def excess_of(run: RunResult, s: ScenarioResult) -> Excess | None:
-    """cuda:0's excess by cause in ``s``: the result's own attribution where it has one.
+@dataclass(frozen=True)
+class Excess:
+    """cuda:0 against the median other device of one scenario, by cause (the attribution,
+    :mod:`dpprof.analysis.attribution`: the only split of the excess)."""
 
-    ``RunResult.attribution`` (issue 6, read by name so that results without it work) wins
-    when its causes add up to the same excess; :func:`dpprof.analysis.excess.excess_by_cause`
-    otherwise, and always for the two peaks the waterfall starts and ends at.
-    """
-    ex = excess_by_cause(s)
-    if ex is None:
+    scenario: str
+    primary_bytes: int  # cuda:0's peak allocated
+    causes_bytes: dict[str, int]  # cause -> bytes; sums to the excess
+    excess_bytes: int
+
+    @property
+    def reference_bytes(self) -> int:
+        """The median other device's peak."""
+        return self.primary_bytes - self.excess_bytes
+
+
+def excess_of(run: RunResult, s: ScenarioResult) -> Excess | None:
+    """cuda:0's excess by cause in ``s``: the result's attribution (computed by the same
+    function for results saved without one)."""
+    att = run.attribution.get(s.name) or attribute(s)
+    used = used_devices(s)
+    if att is None or not used or not measured(s):
         return None
-    att = (getattr(run, "attribution", None) or {}).get(s.name)
-    causes = getattr(att, "causes_bytes", None)
-    if causes and sum(causes.values()) == ex.excess_bytes:
-        return Excess(ex.scenario, ex.primary_bytes, ex.reference_bytes, dict(causes))
-    return ex
+    return Excess(s.name, used[0].peak_allocated_bytes, dict(att.causes_bytes),
+                  att.excess_bytes)
 
 
 def excesses(run: RunResult) -> list[Excess]:
     return [ex for s in run.scenarios if (ex := excess_of(run, s)) is not None]
 
 
-def top_causes(run: RunResult, scenario: str, n: int = 3) -> list[tuple[str, int]]:
-    """The largest positive causes of cuda:0's excess in ``scenario``: (cause, bytes)."""
-    s = run.scenario(scenario)
-    ex = excess_of(run, s) if s is not None else None
-    if ex is None:
-        return []
-    pos = sorted(((v, c) for c, v in ex.by_category.items() if v > 0), reverse=True)
-    return [(cause_label(c), v) for v, c in pos[:n]]
-
-
-@dataclass(frozen=True)
-class Fix:
-    """A change to the user's code that the findings support."""
-
-    title: str
-    why: str  # one or two sentences with the numbers behind it
-    code: str  # Python the user can paste
-
-
-MODEL_WITH_LOSS_CODE = """\
-import dpprof  # or copy dpprof.ModelWithLoss into your code: it is 20 lines
-from torch import nn
-
-model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn).cuda())
-
-for inputs, targets in loader:
-    inputs, targets = inputs.cuda(), targets.cuda()
-    # every replica computes its own loss: cuda:0 gets one number per GPU, not the outputs
-    loss = dpprof.ModelWithLoss.combine(model(inputs, targets))  # weighted by shard size
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-"""
-
-DDP_CODE = """\
-# torchrun --nproc-per-node=NUM_GPUS train.py
-import os
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
-
-dist.init_process_group("nccl")
-rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(rank)  # without it every rank also puts a CUDA context on cuda:0
-
-model = DDP(model.cuda(rank), device_ids=[rank])
-optimizer = torch.optim.AdamW(model.parameters())  # built after DDP, on this rank
-sampler = DistributedSampler(dataset)  # each rank its own shard: batch_size per GPU
-loader = DataLoader(dataset, batch_size=per_gpu_batch, sampler=sampler)
-
-for epoch in range(epochs):
-    sampler.set_epoch(epoch)
-    for inputs, targets in loader:
-        loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # gradients all-reduced in buckets, the same on every rank
-        optimizer.step()
-"""
-
-
-def _peak0(s: ScenarioResult | None) -> int | None:
-    if s is None or not measured(s) or not s.devices:
-        return None
-    return s.devices[0].peak_allocated_bytes
-
-
-def _max_peak(s: ScenarioResult | None) -> int | None:
-    if s is None or not measured(s) or not used_devices(s):
-        return None
-    return max(d.peak_allocated_bytes for d in used_devices(s))
+def cause_rows(exs: list[Excess]) -> list[str]:
+    """The causes any of ``exs`` names, in the attribution's order."""
+    return [c for c in CAUSES if any(ex.causes_bytes.get(c) for ex in exs)]
 
 
 def max_batches(run: RunResult) -> list[tuple[str, int]]:
-    """(scenario, largest global batch that fits) where computed.
-
-    From the result's max-batch search (``RunResult.maxbatch``, issue 6, read by name) when
-    it has one, else from ``ScenarioResult.max_batch``.
-    """
-    entries = getattr(getattr(run, "maxbatch", None), "entries", None)
-    if entries:
-        return [(str(e.scenario), int(e.max_batch)) for e in entries
-                if getattr(e, "max_batch", None) is not None]
+    """(scenario, largest global batch that fits) where computed: the result's max-batch
+    search when it has one, else ``ScenarioResult.max_batch``."""
+    if run.maxbatch is not None and run.maxbatch.entries:
+        return [(e.scenario, e.max_batch) for e in run.maxbatch.entries
+                if e.max_batch is not None]
     return [(s.name, s.max_batch) for s in run.scenarios if s.max_batch is not None]
 
 
-def fixes(run: RunResult) -> list[Fix]:
-    """The code changes that fit the findings, most useful first (empty: nothing to fix).
-
-    The result's own fixes (``RunResult.fixes``, issue 6, read by name: emulated with the
-    change applied) when it has them; otherwise chosen here from the scenarios' peaks.
-    """
-    given = getattr(run, "fixes", None)
-    if given:
-        out = []
-        for f in given:
-            why = str(getattr(f, "detail", "") or "")
-            saves = getattr(f, "saves_bytes", None)
-            if saves is not None:
-                why = (why + " " if why else "") + f"Saves {fmt_bytes(saves)} on cuda:0."
-            out.append(Fix(title=str(f.title), why=why, code=str(getattr(f, "code", "") or "")))
-        return out
-    return _own_fixes(run)
+def fix_why(run: RunResult, f: Fix) -> str:
+    """The fix's detail and what it saves, one sentence each."""
+    saves = ""
+    heaviest = heaviest_saving(run, f)
+    if f.saves_bytes is not None and heaviest is not None:
+        saves = (f"Saves {fmt_bytes(f.saves_bytes)} on cuda:0"
+                 + ("" if heaviest == f.saves_bytes else
+                    f", {fmt_bytes(heaviest)} on the heaviest GPU") + ".")
+    return " ".join(x for x in (f.detail.rstrip(".") + "." if f.detail else "", saves) if x)
 
 
-def _own_fixes(run: RunResult) -> list[Fix]:
-    out: list[Fix] = []
-    prim, fwd, ddp = (run.scenario(n) for n in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP))
-    p0, f0, dmax = _peak0(prim), _peak0(fwd), _max_peak(ddp)
-    cap = run.gpu_memory_bytes
-    if p0 is not None and f0 is not None and p0 - f0 > 0.05 * p0:
-        causes = ", ".join(f"{c} {fmt_bytes(b)}" for c, b in top_causes(run, DP_LOSS_PRIMARY))
-        fits = "" if f0 <= cap else f" (still above the {fmt_bytes(cap)} per GPU)"
-        out.append(Fix(
-            title="Compute the loss inside forward (keep DataParallel)",
-            why=(
-                f"Under {DP_LOSS_PRIMARY} cuda:0 peaks at {fmt_bytes(p0)}"
-                + (f"; its excess is mostly {causes}" if causes else "")
-                + f". Wrapping model and loss in ModelWithLoss brings cuda:0 to "
-                f"{fmt_bytes(f0)}{fits}, a saving of {fmt_bytes(p0 - f0)}."
-            ),
-            code=MODEL_WITH_LOSS_CODE,
-        ))
-    if dmax is not None:
-        worst_dp = min((x for x in (p0, f0) if x is not None), default=None)
-        if worst_dp is None or dmax < worst_dp * 1.05:
-            rest = top_causes(run, DP_LOSS_FORWARD) if f0 is not None else []
-            because = (
-                "; under DataParallel cuda:0 keeps "
-                + ", ".join(f"{c} ({fmt_bytes(b)})" for c, b in rest)
-                + " that the other GPUs do not hold"
-            ) if rest else ""
-            n = len(used_devices(ddp)) if ddp is not None else run.gpus
-            fits = "" if dmax <= cap else f" (still above the {fmt_bytes(cap)} per GPU)"
-            out.append(Fix(
-                title="Switch to DistributedDataParallel",
-                why=(
-                    f"DDP balances all {n} GPUs at {fmt_bytes(dmax)} each{fits}"
-                    + (f", {fmt_bytes(worst_dp - dmax)} less than DataParallel's best "
-                       "cuda:0" if worst_dp is not None and worst_dp > dmax else "")
-                    + " (no gradient reduction onto one GPU, no replication of the model "
-                    "every step)"
-                    + because + "."
-                ),
-                code=DDP_CODE,
-            ))
-    single = run.scenario(SINGLE)
-    s0 = _peak0(single)
-    if s0 is not None and s0 > cap:
-        out.append(Fix(
-            title="Make the step itself smaller",
-            why=(
-                f"Even one GPU with ceil(B / N) rows needs {fmt_bytes(s0)} (more than "
-                f"{fmt_bytes(cap)}): no way of splitting the batch fits. Lower the batch per "
-                "GPU, use mixed precision (torch.autocast) or activation checkpointing."
-            ),
-            code=(
-                "with torch.autocast('cuda', dtype=torch.bfloat16):\n"
-                "    loss = loss_fn(model(inputs), targets)\n"
-            ),
-        ))
-    return out
+def nothing_to_change(run: RunResult) -> str:
+    """What the reports say when no fix is recommended: never "nothing to change" about a
+    run that measured nothing."""
+    if not any(measured(s) for s in run.scenarios):
+        return ("No recommendation: no scenario produced a measurement (see the errors "
+                "above).")
+    if run.fixes or from_scenarios(run):
+        return ("Nothing to change: no fix lowers the heaviest GPU's peak in this "
+                "comparison.")
+    return "Nothing to change: cuda:0 carries no excess worth a change in any scenario measured."
 
 
 MEMORY_COLUMNS = (

@@ -29,17 +29,20 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from dpprof.analysis.excess import cause_label
+from dpprof.analysis.attribution import category_label, cause_label
+from dpprof.analysis.fixes import recommended
 from dpprof.reports import answers
 from dpprof.reports.common import (
+    cause_rows,
     device_label,
     excesses,
     failure_tracebacks,
-    fixes,
+    fix_why,
     is_real,
     max_batches,
     measured,
     memory_rows,
+    nothing_to_change,
     oom_lines,
     provenance,
     used_devices,
@@ -279,9 +282,9 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
     """From the median other GPU to cuda:0, cause by cause (horizontal bars with a base)."""
     # Causes smaller than 0.5 % of cuda:0's peak are folded into one step.
     small = max(ex.primary_bytes // 200, 1)
-    steps = [(cause_label(c), v) for c, v in ex.by_category.items() if abs(v) >= small]
+    steps = [(cause_label(c), v) for c, v in ex.causes_bytes.items() if abs(v) >= small]
     steps.sort(key=lambda cv: -abs(cv[1]))
-    folded = sum(v for v in ex.by_category.values() if abs(v) < small)
+    folded = sum(v for v in ex.causes_bytes.values() if abs(v) < small)
     if folded:
         steps.append(("smaller causes", folded))
     names, xs, bases, colours, texts = ["median other GPU"], [ex.reference_bytes], [0], [TOTAL], [
@@ -322,13 +325,11 @@ def _excess_table(run: RunResult) -> str:
     exs = excesses(run)
     if not exs:
         return ""
-    cats = [c for c in CATEGORIES if any(ex.by_category.get(c) for ex in exs)]
-    cats += sorted({c for ex in exs for c in ex.by_category} - set(cats))
     head = "".join(f"<th>{_e(ex.scenario)}</th>" for ex in exs)
     rows = []
-    for c in cats:
+    for c in cause_rows(exs):
         cells = "".join(
-            f"<td>{_e(fmt_bytes(ex.by_category[c], signed=True)) if c in ex.by_category else ''}"
+            f"<td>{_e(fmt_bytes(ex.causes_bytes[c], signed=True)) if c in ex.causes_bytes else ''}"
             "</td>" for ex in exs
         )
         rows.append(f"<tr><td>{_e(cause_label(c))}</td>{cells}</tr>")
@@ -353,7 +354,7 @@ def _breakdown_figure(run: RunResult) -> dict[str, Any] | None:
         vals = [d.breakdown_bytes.get(cat, 0) for _, d in pairs]
         if any(vals):
             data.append({
-                "type": "bar", "name": _pt(cause_label(cat)), "x": xs,
+                "type": "bar", "name": _pt(category_label(cat)), "x": xs,
                 "y": [_sc(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
                 "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
                 "hovertemplate": "%{x[1]}: %{customdata}<extra>%{fullData.name}</extra>",
@@ -599,17 +600,16 @@ def _verdict_html(run: RunResult) -> str:
 
 
 def _fixes_html(run: RunResult) -> str:
-    found = fixes(run)
+    found = recommended(run)
     if not found:
-        return ("<p class='lead'>Nothing to change: cuda:0 carries no excess worth a change "
-                "in any scenario measured.</p>")
+        return f"<p class='lead'>{_e(nothing_to_change(run))}</p>" + answers.html_fix_table(run)
     parts = []
     for i, f in enumerate(found):
         parts.append(
             f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{_e(f.title)}</h3>"
-            f"<p>{_e(f.why)}</p><pre><code>{_e(f.code)}</code></pre></div>"
+            f"<p>{_e(fix_why(run, f))}</p><pre><code>{_e(f.code)}</code></pre></div>"
         )
-    return "".join(parts)
+    return "".join(parts) + answers.html_fix_table(run)
 
 
 def _top_bytes(run: RunResult) -> int:

@@ -17,23 +17,26 @@ import json
 import re
 from typing import Any
 
-from dpprof.analysis.excess import cause_label
+from dpprof.analysis.attribution import cause_label
+from dpprof.analysis.fixes import recommended
 from dpprof.reports import answers
 from dpprof.reports.common import (
+    cause_rows,
     device_label,
     excesses,
     failure_tracebacks,
-    fixes,
+    fix_why,
     is_real,
     max_batches,
     measured,
     memory_rows,
+    nothing_to_change,
     oom_lines,
     provenance,
     used_devices,
 )
 from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
-from dpprof.result import CATEGORIES, STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
+from dpprof.result import STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
@@ -129,12 +132,10 @@ def _excess_table(run: RunResult) -> list[str]:
     exs = excesses(run)
     if not exs:
         return []
-    cats = [c for c in CATEGORIES if any(ex.by_category.get(c) for ex in exs)]
-    cats += sorted({c for ex in exs for c in ex.by_category} - set(cats))
     lines = ["| cause | " + " | ".join(md(ex.scenario) for ex in exs) + " |",
              "| --- |" + " ---: |" * len(exs)]
-    for c in cats:
-        cells = [fmt_bytes(ex.by_category[c], signed=True) if c in ex.by_category else ""
+    for c in cause_rows(exs):
+        cells = [fmt_bytes(ex.causes_bytes[c], signed=True) if c in ex.causes_bytes else ""
                  for ex in exs]
         lines.append(f"| {md(cause_label(c))} | " + " | ".join(cells) + " |")
     lines.append("| **cuda:0's excess** | " + " | ".join(
@@ -198,13 +199,12 @@ def render(run: RunResult) -> str:
         lines += [f"| {md(name)} | {b:,} |" for name, b in sized]
         lines.append("")
     lines += ["### What to change", ""]
-    found = fixes(run)
+    found = recommended(run)
     if not found:
-        lines += ["Nothing: cuda:0 carries no excess worth a change in any scenario measured.",
-                  ""]
+        lines += [md(nothing_to_change(run)), ""]
     for f in found:
         lang = "diff" if f.code.lstrip().startswith(("-", "+", "@@")) else "python"
-        lines += [f"**{md(f.title)}.** {md(f.why)}", "", _fence(f.code, lang), ""]
+        lines += [f"**{md(f.title)}.** {md(fix_why(run, f))}", "", _fence(f.code, lang), ""]
     extra = answers.markdown_sections(run, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]

@@ -77,3 +77,68 @@ def test_larger_shard_is_named_when_cuda0_has_more_rows() -> None:
     att = run.attribution["dp-loss-forward"]
     assert att.causes_bytes.get("larger_shard", 0) > 0
     assert sum(att.causes_bytes.values()) == att.excess_bytes
+
+
+def test_median_other_device_by_category() -> None:
+    s = ScenarioResult(name="dp-loss-primary", devices=[
+        _dev(0, 2, parameters=100, outputs=500, activations=50),
+        _dev(1, 2, parameters=100, activations=70),
+        _dev(2, 2, parameters=100, activations=40),
+        _dev(3, 2, parameters=100, activations=60),
+    ])
+    att = attribute(s)
+    assert att is not None
+    assert att.reference == "cuda:3"  # the median of 170, 140, 160
+    assert att.causes_bytes == {"gathered_outputs": 500, "activations_timing": -10}
+    assert att.excess_bytes == 490
+
+
+def test_breakdown_that_does_not_sum_to_the_peak_goes_to_other() -> None:
+    a = DeviceResult(index=0, peak_allocated_bytes=1000, breakdown_bytes={"loss": 600})
+    b = DeviceResult(index=1, peak_allocated_bytes=300, breakdown_bytes={})
+    att = attribute(ScenarioResult(name="x", devices=[a, b]))
+    assert att is not None and att.causes_bytes == {"loss": 600, "other": 100}
+
+
+def test_measured_gpus_are_split_by_the_phase_of_the_peak() -> None:
+    """Real GPUs give the allocator's peak per phase, no categories."""
+    def dev(i: int, **phases: int) -> DeviceResult:
+        peak = max(phases, key=phases.__getitem__)
+        return DeviceResult(index=i, peak_allocated_bytes=phases[peak], peak_phase=peak,
+                            phase_peak_allocated_bytes=phases, batch_rows=2)
+
+    s = ScenarioResult(name="dp-loss-primary", devices=[
+        dev(0, forward=500, loss=900, backward=700, optimizer=600),
+        dev(1, forward=450, loss=300, backward=520, optimizer=510),
+        dev(2, forward=460, loss=310, backward=530, optimizer=500),
+    ])
+    att = attribute(s)
+    assert att is not None and att.excess_bytes == 900 - 525
+    # cuda:0 holds 900 - 305 more in the loss phase; the reference peaks 220 higher in backward
+    assert att.causes_bytes == {"phase_loss": 595, "reference_peak_elsewhere": -220}
+    assert "inside forward" in att.answer
+
+
+def test_no_attribution_without_two_used_devices_or_a_measurement() -> None:
+    from dpprof.result import STATUS_ERROR
+
+    two = [_dev(0, 1, loss=1), _dev(1, 1, loss=1)]
+    assert attribute(ScenarioResult(name="x", status=STATUS_ERROR, devices=two)) is None
+    unused = [_dev(0, 1, loss=1), DeviceResult(index=1, used=False)]
+    assert attribute(ScenarioResult(name="x", devices=unused)) is None
+
+
+def test_causes_of_the_saved_default_comparison_add_up_to_the_excess() -> None:
+    from reports_data import saved
+
+    run = saved("emulated-lm")
+    prim = attribute(run.scenario("dp-loss-primary"))
+    assert prim is not None
+    assert sum(prim.causes_bytes.values()) == prim.excess_bytes == \
+        run.comparison.scenarios["dp-loss-primary"].primary_excess_bytes
+    biggest = max(prim.causes_bytes, key=lambda c: prim.causes_bytes[c])
+    assert biggest == "loss" and prim.causes_bytes["loss"] > 40 * 2**30
+    # The loop keeps the gathered logits (512 x 256 x 32000 floats) alive on cuda:0 through
+    # backward; each other GPU holds its replica's quarter at its own peak.
+    logits = 512 * 256 * 32000 * 4
+    assert prim.causes_bytes["gathered_outputs"] == logits - logits // 4

@@ -66,7 +66,7 @@ def test_the_default_comparison_reads_top_to_bottom() -> None:
     assert cap_line["y0"] == pytest.approx(80.0)  # 80 GiB capacity line
     wf = figs["excess-0"]["data"][0]
     assert wf["y"][0] == "median other GPU" and wf["y"][-1] == "cuda:0"
-    assert wf["y"][1] == "loss and its gradient"  # the largest cause first
+    assert wf["y"][1] == "loss, its temporaries and its gradient"  # the largest cause first
     # the waterfall's steps lead from the median other GPU to cuda:0
     level = wf["x"][0]
     for step, base in zip(wf["x"][1:-1], wf["base"][1:-1], strict=True):
@@ -188,28 +188,31 @@ def test_reserved_and_nvml_peaks_only_where_known() -> None:
     assert "NVML used" not in html.render(saved("emulated-lm"))
 
 
-def test_the_results_own_attribution_fixes_and_max_batch_are_used_when_present() -> None:
-    """Results of issue 6 carry attribution, fixes and maxbatch; the reports prefer them."""
-    from types import SimpleNamespace
-
+def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
+    """The reports render the result's attribution, fixes and largest batch as they are."""
     from dpprof.reports import markdown
+    from dpprof.result import Attribution, Fix, MaxBatch, MaxBatchEntry
 
     run = saved("emulated-lm")
     excess = run.comparison.scenarios["dp-loss-primary"].primary_excess_bytes
-    run.attribution = {"dp-loss-primary": SimpleNamespace(  # type: ignore[attr-defined]
+    run.attribution = {"dp-loss-primary": Attribution(
+        scenario="dp-loss-primary", excess_bytes=excess,
         causes_bytes={"loss": excess - 2**30, "gathered_outputs": 2**30})}
-    run.fixes = [SimpleNamespace(  # type: ignore[attr-defined]
-        title="Emulated fix", detail="measured with the change applied.", code="fixed = True",
-        saves_bytes=3 * 2**30)]
-    run.maxbatch = SimpleNamespace(entries=[  # type: ignore[attr-defined]
-        SimpleNamespace(scenario="ddp", max_batch=2048),
-        SimpleNamespace(scenario="dp-loss-primary", max_batch=None)])
+    run.fixes = [Fix(name="ddp", title="Emulated fix", detail="measured with the change applied",
+                     code="fixed = True", saves_bytes=3 * 2**30,
+                     heaviest_saves_bytes=3 * 2**30),
+                 Fix(name="output-device", title="Moves it", code="moved = True",
+                     saves_bytes=2**30, heaviest_saves_bytes=0)]
+    run.maxbatch = MaxBatch(capacity_bytes=run.gpu_memory_bytes, entries=[
+        MaxBatchEntry(scenario="ddp", max_batch=2048),
+        MaxBatchEntry(scenario="dp-loss-primary", max_batch=None)])
     page = html.render(run)
     figs = _figures(page)
     wf = figs["excess-0"]["data"][0]
-    assert wf["y"][1:3] == ["loss and its gradient", "gathered outputs"]
-    assert "Emulated fix" in page and "Saves 3.00 GiB on cuda:0." in page
+    assert wf["y"][1:3] == ["loss, its temporaries and its gradient", "gathered outputs"]
+    assert "Recommended: Emulated fix" in page and "Saves 3.00 GiB on cuda:0." in page
     assert "fixed = True" in page and "ModelWithLoss(model, loss_fn)" not in page
+    assert "moved = True" not in page  # the heaviest GPU is as heavy: not recommended
     assert figs["maxbatch"]["data"][0]["y"] == ["ddp"]
     text = markdown.render(run)
     assert "| ddp | 2,048 |" in text and "**Emulated fix.**" in text

@@ -45,7 +45,7 @@ def test_default_comparison_table_and_fix() -> None:
     text = markdown.render(run)
     assert "| dp-loss-primary | 69.5 GiB | 10.6 GiB | 10.6 GiB | 10.6 GiB | +58.9 GiB | 2.74 | ok |" \
         in text
-    assert "| loss and its gradient | +46.9 GiB |" in text
+    assert "| loss, its temporaries and its gradient | +46.9 GiB |" in text
     assert "dpprof.ModelWithLoss(model, loss_fn)" in text
     assert "line [80.00, 80.00, 80.00, 80.00]" in text  # capacity on the scale
 

@@ -1,16 +1,16 @@
 """The largest batch: the search itself, the accounting, and consistency with compare."""
 
+import dataclasses
+
 import pytest
 
 from dpprof.analysis.maxbatch import (
-    _Probe,
-    context_bytes_for,
-    fill_reserved_and_context,
+    ProbeResult,
     run_maxbatch,
     search,
 )
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.gpus import device_context
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
 from dpprof.scenarios.workloads import LMConfig, lm
@@ -21,11 +21,11 @@ SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
 def _threshold_probe(limit: int, base: int = 1000, per_row: int = 7, calls: list | None = None):
     capacity = base + per_row * limit
 
-    def probe(batch: int) -> _Probe:
+    def probe(batch: int) -> ProbeResult:
         if calls is not None:
             calls.append(batch)
         total = base + per_row * batch + (batch % 3)  # not quite affine
-        return _Probe(total <= capacity, 0, total, STATUS_OK, "")
+        return ProbeResult(total <= capacity, 0, total, STATUS_OK, "")
 
     return probe, capacity
 
@@ -58,29 +58,25 @@ def test_search_nothing_fits_and_capped() -> None:
     assert capped and best == 5000
 
 
-def test_fill_reserved_and_context_counts_segments_and_context() -> None:
-    box: dict[str, VirtualDevices] = {}
-    # CPU tensors: the emulator leaves reserved and context unset, and this fills them
-    cfg = EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=80 << 30, compute=True,
-                          inspect=lambda rt, res: box.__setitem__("rt", rt))
-    s = run_scenario("dp-loss-primary", lm(SMALL_LM), cfg)
-    ctx = context_bytes_for(None)
-    assert ctx > 250 << 20  # the CUDA context alone is ~254 MiB
-    fill_reserved_and_context(s, box["rt"], ctx)
+def test_count_reserved_over_cpu_tensors_counts_segments_and_context() -> None:
+    # CPU tensors: reserved and context only when asked for, from the one model (gpus.py)
+    cfg = EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=80 << 30, compute=True)
+    plain = run_scenario("dp-loss-primary", lm(SMALL_LM), cfg)
+    assert all(d.peak_reserved_bytes is None and d.context_bytes is None for d in plain.devices)
+    counted = dataclasses.replace(cfg, count_reserved=True)
+    s = run_scenario("dp-loss-primary", lm(SMALL_LM), counted)
+    ctx = device_context(cfg.compute_capability, uses_cudnn=False)
+    assert ctx.outside_allocator_bytes > 250 << 20  # the CUDA context alone is ~254 MiB
     for d in s.devices:
         assert d.peak_reserved_bytes is not None and d.peak_reserved_bytes >= d.peak_allocated_bytes
-        assert d.context_bytes == ctx
-        assert d.total_peak_bytes == d.peak_reserved_bytes + ctx
+        assert d.context_bytes == ctx.outside_allocator_bytes
+        assert d.total_peak_bytes == d.peak_reserved_bytes + d.context_bytes
     # reserved memory comes in segments of at least 2 MiB
     assert s.devices[0].peak_reserved_bytes % (2 << 20) == 0
     # a DDP rank stands for every rank: the same reserved memory on each
-    ddp = run_scenario("ddp", lm(SMALL_LM), cfg)
-    fill_reserved_and_context(ddp, box["rt"], ctx)
+    ddp = run_scenario("ddp", lm(SMALL_LM), counted)
     assert len({d.peak_reserved_bytes for d in ddp.devices}) == 1
     assert ddp.devices[-1].peak_reserved_bytes > ddp.devices[-1].peak_allocated_bytes
-    before = s.devices[0].peak_reserved_bytes
-    fill_reserved_and_context(s, box["rt"], 1)  # fields already set: left as they are
-    assert s.devices[0].peak_reserved_bytes == before and s.devices[0].context_bytes == ctx
 
 
 def test_reported_batch_fits_under_compare_and_the_next_step_does_not() -> None:

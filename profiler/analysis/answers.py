@@ -55,7 +55,7 @@ def add_answers(
         if progress and name:  # the scenarios' bar stays full while the answers run
             progress(name, n, n)
 
-    if fixes and run.backend == "emulated":
+    if fixes:
         from dpprof.analysis.fixes import evaluate
 
         step("the fixes")
@@ -66,7 +66,7 @@ def add_answers(
         run.maxbatch = run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
             ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, seed=ecfg.seed,
-            warmup_steps=ecfg.warmup_steps,
+            warmup_steps=ecfg.warmup_steps, emulation=ecfg,
             progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
         )
     if equivalence:

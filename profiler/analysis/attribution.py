@@ -19,6 +19,12 @@ category is named after its cause under DataParallel:
 
 The causes add up exactly to ``primary_excess_bytes`` (a byte-exact split; the activation
 difference is split into the part explained by cuda:0's extra rows and the remainder).
+
+Measured on real GPUs there is no breakdown by category, only the allocator's peak per phase
+of the step: the excess is then split by phase (how much more cuda:0 holds in the phase it
+peaks in, and how much higher the reference's own peak is in another phase).
+
+This is the only split of the excess: every report renders :data:`CAUSES`' labels.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from dpprof.analysis.comparison import median_devices, primary_excess
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,
@@ -35,7 +42,7 @@ from dpprof.result import (
     ScenarioResult,
 )
 
-# cause name -> (category it comes from, one-line label for reports)
+# cause -> its words in every report (the one set of labels: terminal, Markdown, HTML)
 CAUSES: dict[str, str] = {
     "gathered_outputs": "gathered outputs",
     "loss": "loss, its temporaries and its gradient",
@@ -46,6 +53,14 @@ CAUSES: dict[str, str] = {
     "communication": "communication buffers",
     "larger_shard": "cuda:0's larger shard (ceil division)",
     "activations_timing": "activations at cuda:0's peak moment",
+    # measured on GPUs without a breakdown: the phase of the step cuda:0 is heavier in
+    "phase_inputs": "heavier while the inputs move to the GPUs",
+    "phase_forward": "heavier during forward",
+    "phase_loss": "heavier during the loss (gathered outputs and the loss)",
+    "phase_backward": "heavier during backward",
+    "phase_optimizer": "heavier during optimizer.step",
+    "phase_zero_grad": "heavier during zero_grad",
+    "reference_peak_elsewhere": "the reference GPU peaks in another phase",
     "other": "other",
 }
 
@@ -61,34 +76,31 @@ _CATEGORY_CAUSE = {
 }
 
 
-def _reference(others: list[DeviceResult]) -> tuple[dict[str, float], float, float, str]:
-    """Breakdown, peak and rows of the median other device (or the mean of the middle two)."""
-    ordered = sorted(others, key=lambda d: (d.peak_allocated_bytes, d.index))
-    k = len(ordered)
-    mids = [ordered[k // 2]] if k % 2 else [ordered[k // 2 - 1], ordered[k // 2]]
+def cause_label(key: str) -> str:
+    """A cause's words in every report."""
+    return CAUSES.get(key, key.replace("_", " "))
+
+
+def category_label(category: str) -> str:
+    """A memory category (``DeviceResult.breakdown_bytes``) in the words of its cause."""
+    cause = _CATEGORY_CAUSE.get(category)
+    return CAUSES[cause] if cause else category.replace("_", " ")
+
+
+def _reference(middle: list[DeviceResult]) -> tuple[dict[str, float], float, str]:
+    """Breakdown and rows of the median other device (or the mean of the middle two)."""
     cats: dict[str, float] = {}
-    for d in mids:
+    for d in middle:
         for c, b in d.breakdown_bytes.items():
-            cats[c] = cats.get(c, 0.0) + b / len(mids)
-    rows = statistics.fmean(d.batch_rows for d in mids)
-    peak = statistics.fmean(d.peak_allocated_bytes for d in mids)
-    name = (f"cuda:{mids[0].index}" if len(mids) == 1
-            else f"mean of cuda:{mids[0].index} and cuda:{mids[1].index}")
-    return cats, peak, rows, name
+            cats[c] = cats.get(c, 0.0) + b / len(middle)
+    rows = statistics.fmean(d.batch_rows for d in middle)
+    name = (f"cuda:{middle[0].index}" if len(middle) == 1
+            else f"mean of cuda:{middle[0].index} and cuda:{middle[1].index}")
+    return cats, rows, name
 
 
-def attribute(s: ScenarioResult) -> Attribution | None:
-    """Split cuda:0's excess over the median other used device by cause, byte-exact."""
-    if s.status not in (STATUS_OK, STATUS_OOM):
-        return None
-    devs = [d for d in s.devices if d.used]
-    if len(devs) < 2:
-        return None
-    primary, others = devs[0], devs[1:]
-    # The same definition as analysis.compare_scenario, so the two always agree.
-    excess = primary.peak_allocated_bytes - int(statistics.median(
-        d.peak_allocated_bytes for d in others))
-    ref, _ref_peak, ref_rows, ref_name = _reference(others)
+def _by_category(primary: DeviceResult, middle: list[DeviceResult]) -> dict[str, float]:
+    ref, ref_rows, _ = _reference(middle)
     diff: dict[str, float] = {}
     for c in set(primary.breakdown_bytes) | set(ref):
         cause = _CATEGORY_CAUSE.get(c)
@@ -102,9 +114,42 @@ def attribute(s: ScenarioResult) -> Attribution | None:
             diff["activations_timing"] = diff.get("activations_timing", 0.0) + amount - shard
         else:
             diff[cause] = diff.get(cause, 0.0) + amount
+    return diff
+
+
+def _by_phase(primary: DeviceResult, middle: list[DeviceResult]) -> dict[str, float]:
+    """Measured peaks per phase (real GPUs): the phase cuda:0 peaks in, what the reference
+    holds in that phase, and how much higher the reference's own peak is elsewhere."""
+    phases = primary.phase_peak_allocated_bytes
+    ph = primary.peak_phase if primary.peak_phase in phases else max(phases, key=phases.__getitem__)
+    ref_here = statistics.fmean(d.phase_peak_allocated_bytes.get(ph, d.peak_allocated_bytes)
+                                for d in middle)
+    ref_peak = statistics.fmean(d.peak_allocated_bytes for d in middle)
+    key = f"phase_{ph}" if f"phase_{ph}" in CAUSES else "other"
+    return {key: phases[ph] - ref_here, "reference_peak_elsewhere": ref_here - ref_peak,
+            "other": primary.peak_allocated_bytes - phases[ph]}
+
+
+def attribute(s: ScenarioResult) -> Attribution | None:
+    """Split cuda:0's excess over the median other used device by cause, byte-exact.
+
+    By memory category where the backend files every byte under one (the emulator); by
+    phase of the step where it measured per-phase peaks only (real GPUs); else "other".
+    """
+    if s.status not in (STATUS_OK, STATUS_OOM):
+        return None
+    devs = [d for d in s.devices if d.used]
+    if len(devs) < 2:
+        return None
+    primary, middle = devs[0], median_devices(devs[1:])
+    excess = primary_excess(devs)  # the comparison's own figure, so the two always agree
+    if any(d.breakdown_bytes for d in devs) or not primary.phase_peak_allocated_bytes:
+        diff = _by_category(primary, middle)
+    else:
+        diff = _by_phase(primary, middle)
     causes = _exact_split(diff, excess)
     ordered = {k: causes[k] for k in CAUSES if causes.get(k)}
-    att = Attribution(scenario=s.name, excess_bytes=excess, reference=ref_name,
+    att = Attribution(scenario=s.name, excess_bytes=excess, reference=_reference(middle)[2],
                       causes_bytes=ordered)
     att.answer = answer(att)
     return att
@@ -112,7 +157,9 @@ def attribute(s: ScenarioResult) -> Attribution | None:
 
 def _exact_split(diff: dict[str, float], total: int) -> dict[str, int]:
     """Whole bytes per cause summing to ``total`` (largest remainder): the fractions come
-    from a reference averaged over two devices, and ``total`` from an integer median."""
+    from a reference averaged over two devices, and ``total`` from an integer median.
+    More than rounding left (breakdowns that do not sum to the peaks, a backend without
+    any) is filed under "other"."""
     floors = {k: math.floor(v) for k, v in diff.items()}
     residue = total - sum(floors.values())
     by_fraction = sorted(diff, key=lambda k: diff[k] - floors[k], reverse=residue > 0)
@@ -120,8 +167,7 @@ def _exact_split(diff: dict[str, float], total: int) -> dict[str, int]:
         for k in by_fraction[: abs(residue)]:
             floors[k] += 1 if residue > 0 else -1
     elif residue:
-        top = max(floors, key=lambda k: abs(floors[k])) if floors else "other"
-        floors[top] = floors.get(top, 0) + residue
+        floors["other"] = floors.get("other", 0) + residue
     return floors
 
 
@@ -135,8 +181,9 @@ def answer(att: Attribution) -> str:
     share = {k: positive[k] / total for k in top}
     lead = [k for k in top if share[k] >= 0.1][:3] or top[:1]
     named = ", ".join(f"{CAUSES[k]} ({share[k]:.0%})" for k in lead)
-    loss_side = {"gathered_outputs", "loss"}
-    state_side = {"optimizer_state", "reduced_gradients", "master_parameters"}
+    loss_side = {"gathered_outputs", "loss", "phase_loss", "phase_forward"}
+    state_side = {"optimizer_state", "reduced_gradients", "master_parameters",
+                  "phase_backward", "phase_optimizer"}
     if lead[0] in loss_side:
         fix = "compute the loss inside forward (dpprof.ModelWithLoss) or use DDP"
     elif lead[0] in state_side:

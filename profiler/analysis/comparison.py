@@ -21,15 +21,30 @@ def used_devices(s: ScenarioResult) -> list[DeviceResult]:
     return [d for d in s.devices if d.used]
 
 
+def median_devices(others: list[DeviceResult]) -> list[DeviceResult]:
+    """The median device by peak: the middle one, or the two middle ones of an even number
+    (their mean is the median). The reference cuda:0 is measured against."""
+    ordered = sorted(others, key=lambda d: (d.peak_allocated_bytes, d.index))
+    k = len(ordered)
+    return [ordered[k // 2]] if k % 2 else ordered[k // 2 - 1: k // 2 + 1]
+
+
+def primary_excess(devs: list[DeviceResult]) -> int:
+    """cuda:0 (the first used device) minus the median of the other used devices."""
+    if len(devs) < 2:
+        return 0
+    middle = median_devices(devs[1:])
+    median = statistics.fmean(d.peak_allocated_bytes for d in middle)
+    return devs[0].peak_allocated_bytes - int(median)
+
+
 def compare_scenario(s: ScenarioResult) -> ScenarioComparison | None:
     """cuda:0's excess over the median of the other used devices, and max / mean."""
     devs = used_devices(s)
     if not devs or s.status not in (STATUS_OK, STATUS_OOM):
         return None
     peaks = [d.peak_allocated_bytes for d in devs]
-    primary = devs[0].peak_allocated_bytes
-    others = peaks[1:]
-    excess = primary - int(statistics.median(others)) if others else 0
+    excess = primary_excess(devs)
     mean = statistics.fmean(peaks)
     return ScenarioComparison(
         primary_excess_bytes=excess,

@@ -91,6 +91,67 @@ def _peaks(s: ScenarioResult) -> tuple[int, int]:
     return used[0].peak_allocated_bytes, max(d.peak_allocated_bytes for d in used)
 
 
+def _fix(name: str, title: str, s: ScenarioResult | None, baseline: ScenarioResult,
+         detail: str, code: str, chunks: list[int] | None = None) -> Fix | None:
+    """``s`` (the scenario with the fix) against ``baseline`` (dp-loss-primary)."""
+    if not _ok(s):
+        return None
+    assert s is not None
+    p0, pmax = _peaks(baseline)
+    q0, qmax = _peaks(s)
+    return Fix(name=name, title=title, primary_peak_bytes=q0, max_peak_bytes=qmax,
+               saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax, detail=detail,
+               code=code, chunk_sizes=list(chunks or []))
+
+
+def _loss_in_forward(fwd: ScenarioResult | None, primary: ScenarioResult) -> Fix | None:
+    return _fix("loss-in-forward", "Compute the loss inside forward", fwd, primary,
+                "DataParallel(ModelWithLoss(model, loss_fn)): cuda:0 gathers one number per "
+                "GPU instead of the batch's outputs", CODE_LOSS_IN_FORWARD)
+
+
+def _ddp(ddp: ScenarioResult | None, primary: ScenarioResult, gpus: int,
+         batch: int) -> Fix | None:
+    return _fix("ddp", "DistributedDataParallel", ddp, primary,
+                "every GPU holds its own parameters, gradients and optimizer state and its "
+                "shard", CODE_DDP.format(gpus=gpus, per_rank=shard_sizes(batch, gpus)[0]))
+
+
+def from_scenarios(run: RunResult) -> list[Fix]:
+    """The fixes the run's own scenarios measure, without emulating anything: for results
+    saved without fixes (``--no-fixes``, older files)."""
+    primary = run.scenario(DP_LOSS_PRIMARY)
+    if not _ok(primary) or run.gpus < 2:
+        return []
+    assert primary is not None
+    found = [_loss_in_forward(run.scenario(DP_LOSS_FORWARD), primary),
+             _ddp(run.scenario(DDP), primary, run.gpus, run.batch)]
+    return [f for f in found if f is not None]
+
+
+def recommended(run: RunResult) -> list[Fix]:
+    """The fixes that lower the heaviest GPU's peak, the largest saving first.
+
+    A fix that only moves memory (output_device) or that saves nothing (the loss already
+    inside forward, DDP heavier than DataParallel) is not recommended, in any format.
+    """
+    found = run.fixes or from_scenarios(run)
+    helps = [f for f in found if (heaviest_saving(run, f) or 0) > 0]
+    return sorted(helps, key=lambda f: -(heaviest_saving(run, f) or 0))
+
+
+def heaviest_saving(run: RunResult, f: Fix) -> int | None:
+    """What ``f`` saves on the heaviest GPU; for files saved before the field existed, from
+    the run's own dp-loss-primary where the emulator made both."""
+    if f.heaviest_saves_bytes is not None:
+        return f.heaviest_saves_bytes
+    primary = run.scenario(DP_LOSS_PRIMARY)
+    if run.backend != "emulated" or not _ok(primary) or f.max_peak_bytes is None:
+        return None
+    assert primary is not None
+    return _peaks(primary)[1] - f.max_peak_bytes
+
+
 def balance_chunks(
     batch: int, gpus: int, rows0_a: int, peak0_a: int, rows0_b: int, peak0_b: int,
     rowsk_a: float, peakk_a: int, rowsk_b: float, peakk_b: int,
@@ -126,40 +187,44 @@ def balance_chunks(
 
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
              emulate: Emulate | None = None) -> list[Fix]:
-    """Emulate each fix on the run's workload and batch; what it saves on cuda:0."""
+    """Emulate each fix on the run's workload and batch; what it saves on cuda:0.
+
+    The run's own scenarios are the baseline where the emulator made them (the same
+    emulation as the variants); for a measured run (cpu, cuda) every figure is the
+    emulator's prediction for ``base``, so that measured and emulated bytes never mix.
+    """
     em: Emulate = emulate or (lambda name, cfg: run_scenario(name, wl, cfg))
-    base = dataclasses.replace(base, inspect=None)
+    base = dataclasses.replace(base, count_reserved=False)
     gpus, batch = base.gpus, base.batch
-    primary = run.scenario(DP_LOSS_PRIMARY)
+    own = run.backend == "emulated"
+
+    def scenario(name: str) -> ScenarioResult | None:
+        return run.scenario(name) if own else None
+
+    primary = scenario(DP_LOSS_PRIMARY)
     if not _ok(primary):
         primary = em(DP_LOSS_PRIMARY, base)
     if not _ok(primary) or gpus < 2:
         return []
     assert primary is not None
-    p0, _pmax = _peaks(primary)
     fixes: list[Fix] = []
 
     def add(name: str, title: str, s: ScenarioResult | None, detail: str, code: str,
             chunks: list[int] | None = None) -> None:
-        if not _ok(s):
-            return
-        assert s is not None
-        q0, qmax = _peaks(s)
-        fixes.append(Fix(name=name, title=title, primary_peak_bytes=q0, max_peak_bytes=qmax,
-                         saves_bytes=p0 - q0, detail=detail, code=code,
-                         chunk_sizes=list(chunks or [])))
+        assert primary is not None
+        f = _fix(name, title, s, primary, detail, code, chunks)
+        if f is not None:
+            fixes.append(f)
 
-    fwd = run.scenario(DP_LOSS_FORWARD)
-    fwd = fwd if _ok(fwd) else em(DP_LOSS_FORWARD, base)
-    add("loss-in-forward", "Compute the loss inside forward", fwd,
-        "DataParallel(ModelWithLoss(model, loss_fn)): cuda:0 gathers one number per GPU "
-        "instead of the batch's outputs", CODE_LOSS_IN_FORWARD)
-    ddp = run.scenario(DDP)
+    def keep(f: Fix | None) -> None:
+        if f is not None:
+            fixes.append(f)
+
+    fwd = scenario(DP_LOSS_FORWARD)
+    keep(_loss_in_forward(fwd if _ok(fwd) else em(DP_LOSS_FORWARD, base), primary))
+    ddp = scenario(DDP)
     ddp = ddp if _ok(ddp) else em(DDP, base)
-    per_rank = shard_sizes(batch, gpus)[0]
-    add("ddp", "DistributedDataParallel", ddp,
-        "every GPU holds its own parameters, gradients and optimizer state and its shard",
-        CODE_DDP.format(gpus=gpus, per_rank=per_rank))
+    keep(_ddp(ddp, primary, gpus, batch))
     gabv = em(DDP, dataclasses.replace(base, gradient_as_bucket_view=True))
     if _ok(gabv) and _ok(ddp):
         assert ddp is not None and gabv is not None

@@ -3,10 +3,8 @@
 What must fit on a device is its total: peak *reserved* memory (the caching allocator's
 segments, simulated over the emulated step's allocation events by
 :func:`dpprof.emulator.allocator.simulate`) plus the CUDA context and library workspaces
-(:func:`dpprof.emulator.gpus.context_overhead`). :func:`fill_reserved_and_context` computes
-both into
-each :class:`DeviceResult` when the backend has not (the ``fidelity`` work fills them in the
-backend itself; then its numbers are used as they are).
+(:func:`dpprof.emulator.gpus.fill_gpu_overheads`, the one model of both, for the target
+GPU's compute capability and the workload's cuDNN use).
 
 The search is over multiples of ``multiple_of``. Meta emulation costs the same at any batch,
 and each device's peak is close to affine in the batch, so the search first measures two
@@ -22,73 +20,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.allocator import simulate
-from dpprof.emulator.gpus import GpuSpec, context_overhead
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.gpus import GpuSpec
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_OOM,
     MaxBatch,
     MaxBatchEntry,
-    ScenarioResult,
 )
 from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
 
 DEFAULT_UPPER = 1 << 22  # rows: a search bound, reported as "capped" when reached
-DEFAULT_CC = (8, 0)  # compute capability assumed for the context when only --gpu-memory
-CUBLAS_HANDLES = 2  # the forward thread's and the autograd device thread's (gpus.py)
-
-COUNTS = "peak reserved (simulated caching allocator) + CUDA context and workspaces"
-
-
-def context_bytes_for(gpu: GpuSpec | None) -> int:
-    """Bytes per device outside the tensors: context, library code, cuBLAS workspaces."""
-    return context_overhead(gpu if gpu is not None else DEFAULT_CC,
-                            cublas_handles=CUBLAS_HANDLES).total_bytes
-
-
-def _events(rt: VirtualDevices, device: int) -> list[tuple[str, int, int]]:
-    out = []
-    for e in rt.events:
-        if e.device != device or (e.requested == 0 and e.allocated == 0):
-            continue
-        out.append(("alloc" if e.allocated > 0 or e.requested > 0 else "free", e.serial,
-                    e.requested))
-    return out
-
-
-def fill_reserved_and_context(
-    result: ScenarioResult, rt: VirtualDevices, context_bytes: int
-) -> None:
-    """Set ``peak_reserved_bytes`` and ``context_bytes`` of each device (where unset).
-
-    The swap point for the lead: once the backend fills these fields itself, this does
-    nothing. Reserved memory is the simulated caching allocator's peak over the whole run
-    (segments are kept, so the warm-up counts); a DDP rank stands for every rank.
-    """
-    reserved: dict[int, int] = {}
-    for d in result.devices:
-        src = 0 if d.rank is not None else d.index  # DDP: rank 0 was emulated for all
-        if d.peak_reserved_bytes is None:
-            if src not in reserved:
-                evs = _events(rt, src)
-                reserved[src] = simulate(evs, timeline_points=None).peak_reserved_bytes
-            d.peak_reserved_bytes = max(reserved[src], d.peak_allocated_bytes)
-        if d.context_bytes is None and d.used:
-            d.context_bytes = context_bytes
-
-
-def reserved_inspector(context_bytes: int) -> Callable[[VirtualDevices, ScenarioResult], None]:
-    """An ``EmulationConfig.inspect`` hook that counts reserved memory and the context."""
-    def inspect(rt: VirtualDevices, result: ScenarioResult) -> None:
-        fill_reserved_and_context(result, rt, context_bytes)
-    return inspect
+COUNTS = ("peak reserved (simulated caching allocator, cuBLAS workspaces included) + the "
+          "CUDA context")
 
 
 @dataclass
-class _Probe:
+class ProbeResult:
     fits: bool
     worst_device: int | None
     worst_total_bytes: int
@@ -96,43 +45,41 @@ class _Probe:
     message: str
 
 
-Probe = Callable[[int], _Probe]
+Probe = Callable[[int], ProbeResult]
 
 
-def probe_emulated(
-    name: str, wl: Workload, base: EmulationConfig, context_bytes: int
-) -> Probe:
+def probe_emulated(name: str, wl: Workload, base: EmulationConfig) -> Probe:
     """Emulate ``name`` at a batch; does every used device's total fit the capacity?"""
-    cfg0 = dataclasses.replace(base, inspect=reserved_inspector(context_bytes))
+    cfg0 = dataclasses.replace(base, count_reserved=True)
 
-    def probe(batch: int) -> _Probe:
+    def probe(batch: int) -> ProbeResult:
         s = run_scenario(name, wl, dataclasses.replace(cfg0, batch=batch))
         if s.status == STATUS_ERROR:
-            return _Probe(False, None, 0, s.status, s.message)
+            return ProbeResult(False, None, 0, s.status, s.message)
         used = [d for d in s.devices if d.used]
         worst = max(used, key=lambda d: d.total_peak_bytes)
-        return _Probe(s.status == STATUS_OK, worst.index, worst.total_peak_bytes, s.status,
+        return ProbeResult(s.status == STATUS_OK, worst.index, worst.total_peak_bytes, s.status,
                       s.message)
 
     return probe
 
 
 def search(probe: Probe, multiple_of: int = 1, upper: int = DEFAULT_UPPER,
-           capacity_bytes: int | None = None) -> tuple[int | None, dict[int, _Probe], bool]:
+           capacity_bytes: int | None = None) -> tuple[int | None, dict[int, ProbeResult], bool]:
     """Largest ``k * multiple_of`` (k >= 1) that fits; the probes run (by batch); whether
     the search stopped at ``upper``. ``capacity_bytes`` lets it extrapolate the boundary
     from two probes (otherwise it doubles). Assumes fitting is monotone in the batch.
     """
     m = multiple_of
     kmax = max(1, upper // m)
-    cache: dict[int, _Probe] = {}
+    cache: dict[int, ProbeResult] = {}
 
-    def at(k: int) -> _Probe:
+    def at(k: int) -> ProbeResult:
         if k not in cache:
             cache[k] = probe(k * m)
         return cache[k]
 
-    def rows(cache_: dict[int, _Probe]) -> dict[int, _Probe]:
+    def rows(cache_: dict[int, ProbeResult]) -> dict[int, ProbeResult]:
         return {k * m: v for k, v in cache_.items()}
 
     first = at(1)
@@ -205,23 +152,27 @@ def run_maxbatch(
     gpu: GpuSpec | None = None, multiple_of: int = 1, seed: int = 0,
     upper: int = DEFAULT_UPPER, warmup_steps: int = 1,
     progress: Callable[[str, int, int], None] | None = None,
+    emulation: EmulationConfig | None = None,
 ) -> MaxBatch:
-    """The largest batch each scenario fits, with reserved memory and the context counted."""
-    ctx = context_bytes_for(gpu)
+    """The largest batch each scenario fits, with reserved memory and the context counted.
+
+    ``emulation``: the comparison's emulation options (compute capability, autocast, DDP's
+    options), used as they are; otherwise those of ``gpu`` (or an A100).
+    """
     base = EmulationConfig(batch=multiple_of, gpus=gpus, gpu_memory_bytes=capacity_bytes,
                            seed=seed, warmup_steps=warmup_steps)
-    if gpu is not None:  # the emulator models this GPU's workspaces and kernels
+    if emulation is not None:
+        base = dataclasses.replace(emulation, batch=multiple_of, gpus=gpus, compute=False,
+                                   gpu_memory_bytes=capacity_bytes)
+    elif gpu is not None:  # the emulator models this GPU's workspaces and kernels
         base.compute_capability = gpu.compute_capability
-    # Over meta tensors the emulator fills reserved (cuBLAS workspaces included) and the
-    # context itself; ``ctx`` only serves runs where it does not.
     out = MaxBatch(capacity_bytes=capacity_bytes, gpu=gpu.key if gpu else "",
                    multiple_of=multiple_of,
-                   counts="peak reserved (simulated caching allocator, cuBLAS workspaces "
-                   "included) + the CUDA context")
+                   counts=COUNTS)
     for i, name in enumerate(scenarios):
         if progress:
             progress(name, i, len(scenarios))
-        best, probes, capped = search(probe_emulated(name, wl, base, ctx), multiple_of, upper,
+        best, probes, capped = search(probe_emulated(name, wl, base), multiple_of, upper,
                                        capacity_bytes)
         entry = MaxBatchEntry(scenario=name, max_batch=best, capped=capped,
                               emulations=len(probes))

@@ -7,26 +7,31 @@ through :func:`dpprof.backends.gloo.launch`, each rank's memory from ``torch.pro
 
 from __future__ import annotations
 
-from typing import Any
-
+from dpprof.backends.emulated import EmulationConfig
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, ScenarioResult
 from dpprof.scenarios.base import DDP
 from dpprof.scenarios.workloads import shard_sizes
 
 
-def run_ddp_gloo(workload: str, gpus: int, cfg: Any) -> ScenarioResult:
-    """Run the ddp scenario as ``gpus`` gloo processes; a failure is a result."""
+def run_ddp_gloo(workload: str, cfg: EmulationConfig, dtype: str | None,
+                 ddp_timeout_s: float) -> ScenarioResult:
+    """Run the ddp scenario as ``cfg.gpus`` gloo processes with the options the emulated
+    scenarios beside it get (warm-up, autocast, DDP's options, seed); a failure is a result.
+
+    ``workload`` is the spec each rank loads; ``dtype`` overrides its dtype.
+    """
+    gpus = cfg.gpus
     rows = shard_sizes(cfg.batch, gpus)[0]
     spec = RankSpec(
         workload=workload, rows=rows, seed=cfg.seed, warmup_steps=cfg.warmup_steps,
         bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers, dtype=cfg.dtype,
+        broadcast_buffers=cfg.broadcast_buffers, dtype=dtype, amp=cfg.amp,
         # --ddp-timeout bounds every wait of the gloo ranks too (collectives, the store, the
         # wait for the others after a failure); the whole run stays bounded by the join
-        pg_timeout_s=cfg.ddp_timeout_s, grace_s=min(10.0, cfg.ddp_timeout_s),
-        join_timeout_s=max(600.0, 3 * cfg.ddp_timeout_s + 60),
+        pg_timeout_s=ddp_timeout_s, grace_s=min(10.0, ddp_timeout_s),
+        join_timeout_s=max(600.0, 3 * ddp_timeout_s + 60),
     )
     result = ScenarioResult(name=DDP, batch=cfg.batch)
     try:

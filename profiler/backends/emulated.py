@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
 from dpprof.emulator.kernels import DEFAULT_COMPUTE_CAPABILITY, EmulatedAutocast, GpuKernels
 from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
 from dpprof.emulator.vdevice import HOST, VirtualDevices, to_device
@@ -93,9 +94,9 @@ class EmulationConfig:
     # (gradient_as_bucket_view above serves it too).
     dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
     dp_chunk_sizes: tuple[int, ...] | None = None  # uneven scatter (BalancedDataParallel)
-    # Called with the runtime and the devices' results after the measured step, before the
-    # out-of-memory check (maxbatch replays the event log to fill reserved + context).
-    inspect: Callable[[VirtualDevices, ScenarioResult], None] | None = None
+    # Over CPU tensors (compute): also simulate reserved memory and the context, as over meta
+    # (dpprof.emulator.gpus.fill_gpu_overheads), and count them in the out-of-memory check.
+    count_reserved: bool = False
     # DataParallel replicas on equal shards emulated once and replayed on the other devices
     # (meta only; the per-device results are the same, see dpprof.emulator.replicas)
     dedupe_replicas: bool = True
@@ -283,11 +284,10 @@ def run_scenario(
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                     else [0])
             result.devices = _device_results(rt, cfg, name, shards, used, measure_start)
-            if not cfg.compute:
-                _gpu_overheads(result, rt, cfg, model, used)
+            if not cfg.compute or cfg.count_reserved:
+                fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
+                                   same_program=name == DDP)
             result.loss = loss_val
-            if cfg.inspect is not None:
-                cfg.inspect(rt, result)
             if kernels.chosen:
                 result.notes.append(
                     "kernels as on a GPU of compute capability {}.{}: {}".format(
@@ -360,70 +360,10 @@ def _device_results(
     return out
 
 
-CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's device thread
-
-
-def context_model(cfg: EmulationConfig, model: nn.Module) -> Any:
+def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:
     """The context/workspace model for the target GPU (cuDNN where convolutions run)."""
-    from dpprof.emulator.gpus import context_overhead
-
     uses_cudnn = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    return context_overhead(cfg.compute_capability, uses_cudnn=uses_cudnn,
-                            cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
-
-
-def _gpu_overheads(result: ScenarioResult, rt: VirtualDevices, cfg: EmulationConfig,
-                   model: nn.Module, used: list[int]) -> None:
-    """Per device: the caching allocator's reserve (a simulation of its pools over the
-    device's allocation sequence, cuBLAS workspaces included) and the context."""
-    from dpprof.emulator.allocator import simulate
-
-    ctx = context_model(cfg, model)
-    per_device: dict[int, list[tuple[str, int, int]]] = {}
-    for ev in rt.events:
-        if ev.device < 0 or ev.requested == 0:
-            continue  # host storages; a 0-byte storage takes no block
-        kind = "alloc" if ev.requested > 0 else "free"
-        per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
-    ws = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
-    simulated: dict[Any, Any] = {}  # one simulation per distinct allocation sequence
-    for d in result.devices:
-        # DDP: every rank runs the same program, rank 0's sequence stands for all
-        src = 0 if result.name == DDP else d.index
-        if not d.used:
-            continue
-        seq = per_device.get(src, [])
-        key = _sequence_key(seq)
-        stats = simulated.get(key)
-        if stats is None:
-            stats = simulate(ws + seq, timeline_points=None, stop_on_oom=False)
-            simulated[key] = stats
-        d.peak_reserved_bytes = stats.peak_reserved_bytes
-        d.workspace_bytes = ctx.workspace_bytes
-        d.context_bytes = ctx.outside_allocator_bytes
-        d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
-                                     if v and k in ("cuda_context", "cudnn_library")}
-
-
-def _sequence_key(seq: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
-    """An allocation sequence up to the names of its storages (serials renumbered in order
-    of first appearance): two devices with equal keys simulate alike (DataParallel's
-    replicas on equal shards, DDP's ranks)."""
-    names: dict[int, int] = {}
-    return tuple((kind, names.setdefault(serial, len(names)), size)
-                 for kind, serial, size in seq)
-
-
-def gpu_model_notes(ctx: Any) -> list[str]:
-    """The assumptions behind reserved and context figures, for the report."""
-    return [
-        "reserved: dpprof.emulator.allocator's simulation of the CUDA caching allocator (512 B "
-        "rounding, 1 MiB small / large pools, 2 / 20 MiB segments, best-fit splitting and "
-        "merging, one stream) over this device's emulated allocation sequence, with "
-        f"{CUBLAS_HANDLES_PER_DEVICE} cuBLAS workspaces (forward thread + autograd thread) "
-        "allocated first",
-        *ctx.assumptions,
-    ]
+    return device_context(cfg.compute_capability, uses_cudnn)
 
 
 def _timeline(rt: VirtualDevices, index: int, start: int) -> list[TimelinePoint]:

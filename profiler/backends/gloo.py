@@ -90,6 +90,7 @@ class RankSpec:
     memory: str = "profiler"  # "profiler" | "cuda" | "none"
     return_parameters: bool = False
     dtype: str | None = None  # override the workload's dtype (float32, bfloat16, float16)
+    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast (StepAutocast)
     wrap: str = "ddp"  # "ddp" | "none" (the bare model: the single scenario, no group needed)
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
@@ -159,6 +160,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
     import copy
 
+    from dpprof.emulator.kernels import StepAutocast
     from dpprof.scenarios.base import StepHooks, training_loop
     from dpprof.scenarios.workloads import load_workload
 
@@ -193,6 +195,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             if group.get("foreach") is None and not group.get("fused"):
                 group["foreach"] = True  # as on CUDA, and as the emulator
         model.train()
+        amp = StepAutocast(spec.amp, device.type)  # --amp: forward and loss
         # The loader's host batches, one per iteration, made before the loop: every rank
         # makes the same global batch and takes its shard (equal shards).
         batches = []
@@ -226,8 +229,11 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
                 torch.cuda.synchronize(device)
             result.step_time_s = time.perf_counter() - t0
 
-        loss = training_loop(ddp, loss_fn, opt, batches, move, False,
-                             StepHooks(iteration=iteration))
+        with amp:
+            loss = training_loop(
+                ddp, loss_fn, opt, batches, move, False,
+                StepHooks(iteration=iteration,
+                          phase=amp.phase(lambda name: contextlib.nullcontext())))
         del batches
         result.loss = float(loss)
         del loss

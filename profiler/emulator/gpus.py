@@ -28,17 +28,23 @@ allocator itself serves (cuBLAS / cuBLASLt workspaces), with the assumptions spe
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from dpprof.emulator.allocator import simulate
 
 __all__ = [
+    "CUBLAS_HANDLES_PER_DEVICE",
     "GPUS",
     "ContextModel",
     "GpuSpec",
     "context_overhead",
     "cublas_workspace_size",
     "cublaslt_workspace_size",
+    "device_context",
+    "fill_gpu_overheads",
+    "gpu_model_notes",
     "known_gpus",
     "lookup_gpu",
 ]
@@ -506,3 +512,87 @@ def context_overhead(
         workspace_reserved_bytes=reserved,
         assumptions=assumptions,
     )
+
+
+# ---- the one model of a device's memory outside the tensors ---------------------------------
+# Every emulated figure of reserved memory and context comes from here (meta, --compute,
+# --count-reserved, --maxbatch): the caching allocator simulated over the device's own
+# allocation sequence, the long-lived cuBLAS workspaces first, and the context beside it.
+
+CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's device thread
+
+
+def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
+    """The context/workspace model of one device of the target GPU running a model."""
+    return context_overhead(compute_capability, uses_cudnn=uses_cudnn,
+                            cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
+
+
+class AllocationEvent(Protocol):
+    """What the model reads of an emulated allocation (``VirtualDevices.events``)."""
+
+    device: int  # < 0: a host storage
+    serial: int
+    requested: int  # > 0: an allocation of that size, < 0: a free
+
+
+class DeviceFigures(Protocol):
+    index: int
+    used: bool
+    peak_reserved_bytes: int | None
+    workspace_bytes: int | None
+    context_bytes: int | None
+    context_breakdown_bytes: dict[str, int]
+
+
+def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[AllocationEvent],
+                       ctx: ContextModel, same_program: bool) -> None:
+    """Per used device: the caching allocator's reserve (a simulation of its pools over the
+    device's allocation sequence, cuBLAS workspaces included) and the context.
+
+    ``same_program``: every device runs the same allocations (DDP ranks), device 0's
+    sequence stands for all.
+    """
+    per_device: dict[int, list[tuple[str, int, int]]] = {}
+    for ev in events:
+        if ev.device < 0 or ev.requested == 0:
+            continue  # host storages; a 0-byte storage takes no block
+        kind = "alloc" if ev.requested > 0 else "free"
+        per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
+    workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
+    simulated: dict[tuple[tuple[str, int, int], ...], Any] = {}  # one per distinct sequence
+    for d in devices:
+        if not d.used:
+            continue
+        seq = per_device.get(0 if same_program else d.index, [])
+        key = _sequence_key(seq)
+        stats = simulated.get(key)
+        if stats is None:
+            stats = simulated[key] = simulate(workspaces + seq, timeline_points=None,
+                                              stop_on_oom=False)
+        d.peak_reserved_bytes = stats.peak_reserved_bytes
+        d.workspace_bytes = ctx.workspace_bytes
+        d.context_bytes = ctx.outside_allocator_bytes
+        d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
+                                     if v and k in ("cuda_context", "cudnn_library")}
+
+
+def _sequence_key(seq: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
+    """An allocation sequence up to the names of its storages (serials renumbered in order
+    of first appearance): two devices with equal keys simulate alike (DataParallel's
+    replicas on equal shards, DDP's ranks)."""
+    names: dict[int, int] = {}
+    return tuple((kind, names.setdefault(serial, len(names)), size)
+                 for kind, serial, size in seq)
+
+
+def gpu_model_notes(ctx: ContextModel) -> list[str]:
+    """The assumptions behind reserved and context figures, for the report."""
+    return [
+        "reserved: dpprof.emulator.allocator's simulation of the CUDA caching allocator (512 B "
+        "rounding, 1 MiB small / large pools, 2 / 20 MiB segments, best-fit splitting and "
+        "merging, one stream) over this device's emulated allocation sequence, with "
+        f"{CUBLAS_HANDLES_PER_DEVICE} cuBLAS workspaces (forward thread + autograd thread) "
+        "allocated first",
+        *ctx.assumptions,
+    ]

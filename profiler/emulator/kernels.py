@@ -24,6 +24,7 @@ as the CPU would run them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -195,3 +196,43 @@ class EmulatedAutocast:
             setattr(owner, name, fn)
         self._saved = []
         self.clear_cache()
+
+
+class StepAutocast:
+    """``--amp`` in a real training step, as a user writes it: forward and loss under
+    autocast, backward and the optimizer outside (:meth:`phase` wraps a ``StepHooks.phase``).
+
+    On CUDA tensors it is ``torch.autocast("cuda", dtype)``; on any other device (the cpu
+    backend's gloo ranks, the cuda backend's test mode) :class:`EmulatedAutocast`, CUDA's op
+    lists re-enacted, so the ranks cast exactly as the emulated scenarios beside them.
+    Use it as a context manager around the steps: an exception mid-step ends the region.
+    """
+
+    def __init__(self, amp: str | None, device_type: str) -> None:
+        self.dtype: torch.dtype | None = getattr(torch, amp) if amp else None
+        self.device_type = device_type
+        self._region = contextlib.ExitStack()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        assert self.dtype is not None
+        if self.device_type == "cuda":
+            return torch.autocast("cuda", dtype=self.dtype)
+        return EmulatedAutocast(self.dtype)
+
+    def phase(
+        self, inner: Callable[[str], contextlib.AbstractContextManager[None]]
+    ) -> Callable[[str], contextlib.AbstractContextManager[None]]:
+        def phase(name: str) -> contextlib.AbstractContextManager[None]:
+            if self.dtype is not None:
+                if name == "forward":
+                    self._region.enter_context(self._autocast())
+                elif name == "backward":
+                    self._region.close()  # the region (forward + loss) ends: cache cleared
+            return inner(name)
+        return phase
+
+    def __enter__(self) -> StepAutocast:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._region.close()
