@@ -200,7 +200,7 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
         causes_bytes={"loss": excess - 2**30, "gathered_outputs": 2**30})}
     run.fixes = [Fix(name="ddp", title="Emulated fix", detail="measured with the change applied",
                      code="fixed = True", saves_bytes=3 * 2**30,
-                     heaviest_saves_bytes=3 * 2**30),
+                     heaviest_saves_bytes=3 * 2**30, max_peak_bytes=60 * 2**30),
                  Fix(name="output-device", title="Moves it", code="moved = True",
                      saves_bytes=2**30, heaviest_saves_bytes=0)]
     run.maxbatch = MaxBatch(capacity_bytes=run.gpu_memory_bytes, entries=[

@@ -169,13 +169,14 @@ def test_one_model_of_reserved_memory_and_context() -> None:
 
 
 def test_a_fix_that_saves_nothing_is_not_recommended() -> None:
-    """Defect 5: convnet's loss is tiny: computing it inside forward saves 0 B and DDP is
-    heavier than DataParallel; neither may be recommended, in any format."""
+    """Defect 5: convnet's loss is tiny: computing it inside forward saves (next to) nothing
+    and DDP is heavier than DataParallel; neither may be recommended, in any format."""
     run = run_compare(CompareConfig(workload="convnet", batch=64))
     assert run is not None
     by_name = {f.name: f for f in run.fixes}
-    assert by_name["loss-in-forward"].saves_bytes == 0
-    assert (by_name["ddp"].saves_bytes or 0) < 0
+    heaviest = max(d.peak_allocated_bytes for d in run.scenarios[0].devices if d.used)
+    assert 0 <= (by_name["loss-in-forward"].heaviest_saves_bytes or 0) < 0.01 * heaviest
+    assert (by_name["ddp"].heaviest_saves_bytes or 0) < 0
     page = html.render(run)
     assert "Recommended: Compute the loss inside forward" not in page
     assert "Recommended: DistributedDataParallel" not in page

@@ -129,15 +129,25 @@ def from_scenarios(run: RunResult) -> list[Fix]:
     return [f for f in found if f is not None]
 
 
+MIN_SAVING = 0.01  # of the heaviest GPU's peak: less is noise (a loss tensor), not a fix
+
+
 def recommended(run: RunResult) -> list[Fix]:
-    """The fixes that lower the heaviest GPU's peak, the largest saving first.
+    """The fixes that lower the heaviest GPU's peak (by at least :data:`MIN_SAVING` of it),
+    the largest saving first.
 
     A fix that only moves memory (output_device) or that saves nothing (the loss already
     inside forward, DDP heavier than DataParallel) is not recommended, in any format.
     """
     found = run.fixes or from_scenarios(run)
-    helps = [f for f in found if (heaviest_saving(run, f) or 0) > 0]
-    return sorted(helps, key=lambda f: -(heaviest_saving(run, f) or 0))
+
+    def helps(f: Fix) -> bool:
+        saving = heaviest_saving(run, f)
+        if saving is None or saving <= 0 or f.max_peak_bytes is None:
+            return False
+        return saving >= MIN_SAVING * (f.max_peak_bytes + saving)
+
+    return sorted(filter(helps, found), key=lambda f: -(heaviest_saving(run, f) or 0))
 
 
 def heaviest_saving(run: RunResult, f: Fix) -> int | None:

@@ -10,7 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
