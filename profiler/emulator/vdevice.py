@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,7 +56,7 @@ class VirtualDeviceError(RuntimeError):
     """The program did something a real GPU would refuse (tensors on two devices)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Storage:
     serial: int
     device: int
@@ -74,9 +74,9 @@ class DeviceCounters:
     peak_phase: str = ""
 
 
-@dataclass
-class Event:
-    """One allocation (+) or free (-) on a device (``HOST`` for host storages)."""
+class Event(NamedTuple):
+    """One allocation (+) or free (-) on a device (``HOST`` for host storages). A tuple:
+    cheap to make, and of ints only, so the garbage collector stops scanning it."""
 
     device: int
     serial: int
@@ -439,12 +439,16 @@ class VirtualDevices(TorchDispatchMode):
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` over meta tensors, memoised for functional ops."""
-        if not _functional(func):
+        functional = _FUNCTIONAL.get(func)
+        if functional is None:
+            functional = _functional(func)
+        if not functional:
+            if func in _FILLS_ONLY:
+                return args[0]  # a random fill of a meta tensor writes nothing, returns self
             return func(*args, **kwargs)
-        key = _key_of((args, tuple(sorted(kwargs.items()))))
+        key = _key_of_call(func, args, kwargs)
         if key is _NO:
             return func(*args, **kwargs)
-        key = (func, key)
         tmpl = self._op_cache.get(key)
         if tmpl is None:
             out = func(*args, **kwargs)
@@ -541,16 +545,52 @@ def _functional(func: Any) -> bool:
     return known
 
 
+# In-place random fills: over meta tensors they allocate nothing and return ``self`` (their
+# meta kernels are Python refs whose first call imports torch._dynamo, about a second).
+_FILLS_ONLY = {
+    aten.normal_.default, aten.uniform_.default, aten.random_.default,
+    getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default,
+    aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
+    aten.bernoulli_.float, aten.bernoulli_.Tensor,
+}
+_SIMPLE_TYPES = frozenset(_SIMPLE)
+_SEQ = (list, tuple)
+
+
 def _key_of(x: Any) -> Any:
+    """A hashable summary of an argument: tensors by metadata, simple values by type and
+    value, sequences element-wise; _NO for anything else."""
+    cls = type(x)
+    if cls in _SIMPLE_TYPES:
+        return (cls, x)
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset(),
-                x.device.type, x.layout)
-    if isinstance(x, _SIMPLE):
-        return (type(x), x)
-    if isinstance(x, (list, tuple)):
-        parts = tuple(_key_of(v) for v in x)
-        return _NO if any(p is _NO for p in parts) else ("seq", parts)
+        return (x.shape, x.stride(), x.dtype, x.storage_offset(),
+                "meta" if x.is_meta else x.device.type, x.layout)
+    if cls in _SEQ or isinstance(x, _SEQ):
+        parts = []
+        for v in x:
+            p = _key_of(v)
+            if p is _NO:
+                return _NO
+            parts.append(p)
+        return (cls, tuple(parts))
     return _NO
+
+
+def _key_of_call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    parts: list[Any] = [func]
+    for a in args:
+        p = _key_of(a)
+        if p is _NO:
+            return _NO
+        parts.append(p)
+    if kwargs:
+        for name in sorted(kwargs):
+            p = _key_of(kwargs[name])
+            if p is _NO:
+                return _NO
+            parts.append((name, p))
+    return tuple(parts)
 
 
 def _template(out: Any) -> Any:
