@@ -20,6 +20,7 @@ build takes the NCCL path (``nccl::is_available``: contiguous dense CUDA tensors
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -79,19 +80,42 @@ def broadcast_coalesced(
         with rt.category("communication"):
             flat = torch._C._nn.flatten_dense_tensors(chunk)  # a view if one tensor, else cat
         results = [flat]
+        meta = rt.base.type == "meta"
         for d in devices[1:]:
             with rt.placing_on(d), rt.category("parameters"):
-                out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
-                out.copy_(flat)  # nccl::broadcast
+                if meta:  # the same allocation, without dispatching empty + copy_
+                    out = rt.new_empty(flat.shape, flat.dtype, d)
+                else:
+                    out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
+                    out.copy_(flat)  # nccl::broadcast
             results.append(out)
         for i in range(1, len(devices)):
-            for t in torch._C._nn.unflatten_dense_tensors(results[i], chunk):
+            with _no_dispatch(meta):  # views: nothing to count
+                views = torch._C._nn.unflatten_dense_tensors(results[i], chunk)
                 # make_variable(var.tensor_data(), false): a fresh version counter
-                outputs[i].append(t.data)
+                outputs[i] += [t.data for t in views]
+            del views
         del flat, results
     if len(types) > 1:
         outputs = [outputs[0]] + [reorder_tensors_like(o, tensors) for o in outputs[1:]]
     return outputs
+
+
+def _no_dispatch(meta: bool) -> Any:
+    """Views and in-place writes over meta tensors allocate nothing: skip the mode."""
+    return torch._C._DisableTorchDispatch() if meta else contextlib.nullcontext()
+
+
+def _flatten_on_device(rt: VirtualDevices, chunk: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``_flatten_dense_tensors(chunk)``: a view of a lone contiguous tensor, else a ``cat``
+    on the chunk's device (over meta: the same allocation without dispatching)."""
+    if rt.base.type != "meta" or not all(t.is_contiguous() for t in chunk):
+        return _flatten_dense_tensors(chunk)
+    if len(chunk) == 1:
+        with torch._C._DisableTorchDispatch():
+            return chunk[0].view(-1)
+    numel = sum(t.numel() for t in chunk)
+    return rt.new_empty((numel,), chunk[0].dtype, rt.device_of(chunk[0]))
 
 
 def reorder_tensors_like(
@@ -118,7 +142,7 @@ def reduce_add(
     if len(inputs) == 1:
         return inputs[0]
     result = torch.empty_like(inputs[root])
-    with rt.cross_device():
+    with rt.cross_device(), _no_dispatch(rt.base.type == "meta"):
         result.copy_(inputs[root])  # nccl.reduce writes the sum into result
         for i, t in enumerate(inputs):
             if i != root:
@@ -140,7 +164,7 @@ def reduce_add_coalesced(
         ref_order.append(dense_tensors[0][-1])
     itrs = [_take_tensors(tensors, buffer_size) for tensors in dense_tensors]
     for chunks in zip(*itrs, strict=True):
-        flat_tensors = [_flatten_dense_tensors(chunk) for chunk in chunks]
+        flat_tensors = [_flatten_on_device(rt, chunk) for chunk in chunks]
         flat_result = reduce_add(rt, flat_tensors, destination)
         rt.label(flat_result, "gradients")
         for t in _unflatten_dense_tensors(flat_result, chunks[0]):
@@ -182,7 +206,7 @@ def gather_tensors(
     with rt.placing_on(destination):
         result = torch.empty(size, dtype=first.dtype, device=first.device, memory_format=fmt)
     start = 0
-    with rt.cross_device():
+    with rt.cross_device(), _no_dispatch(rt.base.type == "meta"):
         for t in tensors:
             result.narrow(dim, start, t.shape[dim]).copy_(t)
             start += t.shape[dim]

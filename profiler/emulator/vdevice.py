@@ -375,6 +375,15 @@ class VirtualDevices(TorchDispatchMode):
         rec = self._storages.get(id(t.untyped_storage()))
         return None if rec is None else (rec.serial, rec.device, rec.requested)
 
+    def new_empty(self, shape: Any, dtype: torch.dtype, device: int) -> torch.Tensor:
+        """A new contiguous meta tensor on ``device``, counted as any allocation (current
+        category), made without dispatching: what ``torch.empty`` under the mode does,
+        for the comm paths that make one per device."""
+        with torch._C._DisableTorchDispatch():
+            t = torch.empty(shape, dtype=dtype, device="meta")
+        self._track(t.untyped_storage(), device)
+        return t
+
     def new_serial(self) -> int:
         self._serial += 1
         return self._serial
