@@ -148,7 +148,8 @@ def training_loop(
     to_device: Callable[[Any, bool], Any],
     loss_inside: bool,
     hooks: StepHooks | None = None,
-) -> torch.Tensor:
+    step: UserStep | None = None,
+) -> torch.Tensor | None:
     """The measured loop, the same for every scenario and backend; returns the last loss.
 
     The PyTorch tutorial's loop, written out as users write it, over ``batches`` (the
@@ -171,8 +172,13 @@ def training_loop(
     ``loss_inside`` it is a :class:`ModelWithLoss` inside, gets the targets too, and the
     loss is :meth:`ModelWithLoss.combine` of what it returns. ``to_device(x, is_target)``
     moves a (nested) host batch to the device the model takes it on.
+
+    With ``step`` (a workload's own loop body), :func:`user_loop` runs instead.
     """
     hooks = hooks or StepHooks()
+    if step is not None:
+        return user_loop(step, model, loss_fn, optimizer, batches, to_device, loss_inside,
+                         hooks)
     loss: torch.Tensor | None = None
     last = len(batches) - 1
     for k in range(len(batches)):
@@ -198,3 +204,178 @@ def training_loop(
     if loss is None:
         raise ValueError("training_loop needs at least one batch")
     return loss.detach()
+
+
+# ---- the user's own loop body -------------------------------------------------------------
+
+UserStep = Callable[[Any, tuple[Any, Any], Callable[..., Any], torch.optim.Optimizer], Any]
+
+
+class StepError(RuntimeError):
+    """The user's step did something its scenario cannot run (said in one line, with the
+    fix)."""
+
+
+class _PhaseDriver:
+    """The backend's phase, switched as the user's step calls the model, the criterion
+    and ``optimizer.step()``."""
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.hooks = hooks
+        self.stack = contextlib.ExitStack()
+        self.current = ""
+
+    def switch(self, name: str) -> None:
+        if name == self.current:
+            return
+        self.stack.close()
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.hooks.phase(name))
+        self.current = name
+
+    def close(self) -> None:
+        self.stack.close()
+        self.current = ""
+
+
+class DeferredOutputs:
+    """What ``model(...)`` returns to a user's step under ``dp-loss-forward``: the call,
+    not yet made. ``criterion(outputs, targets)`` makes it, as
+    ``DataParallel(ModelWithLoss(model, criterion))(inputs, targets)``, so the loss is
+    computed on every replica; the outputs themselves never reach cuda:0."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if args and kwargs:
+            raise StepError(
+                "dp-loss-forward: the step called the model with positional and keyword "
+                "arguments at once; ModelWithLoss passes one of the two: call model(*inputs) "
+                "or model(**inputs)")
+        self.inputs: Any = dict(kwargs) if kwargs else tuple(args)
+
+    def __getattr__(self, name: str) -> Any:
+        raise StepError(
+            f"dp-loss-forward: the step used the model's outputs (.{name}) other than through "
+            "criterion(outputs, targets); under this scenario the outputs exist only inside "
+            "each replica (ModelWithLoss computes the loss there): compute everything the "
+            "loss needs inside the criterion")
+
+    def __iter__(self) -> Any:
+        return self.__getattr__("__iter__")
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.__getattr__(f"__getitem__[{key!r}]")
+
+
+class StepModel:
+    """The ``model`` a user's step gets: the scenario's wrapper (DataParallel, DDP or the
+    bare model), called inside dpprof's phases. Attributes (``parameters()``, ``train()``,
+    ``module``...) are the wrapper's."""
+
+    def __init__(self, wrapped: Any, driver: _PhaseDriver, hooks: StepHooks,
+                 loss_inside: bool) -> None:
+        self._wrapped = wrapped
+        self._driver = driver
+        self._hooks = hooks
+        self._loss_inside = loss_inside
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._loss_inside:
+            return DeferredOutputs(args, kwargs)
+        self._driver.switch("forward")
+        outputs = self._wrapped(*args, **kwargs)
+        self._hooks.after_forward(outputs)
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+class StepCriterion:
+    """The ``criterion`` a user's step gets: the workload's loss, inside dpprof's phases;
+    under ``dp-loss-forward`` it runs the deferred forward with the loss on every replica
+    and combines the replicas' losses (:meth:`ModelWithLoss.combine`)."""
+
+    def __init__(self, loss_fn: Callable[..., Any], wrapped: Any, driver: _PhaseDriver,
+                 hooks: StepHooks) -> None:
+        self._loss_fn = loss_fn
+        self._wrapped = wrapped
+        self._driver = driver
+        self._hooks = hooks
+
+    def __call__(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(outputs, DeferredOutputs):
+            if args or kwargs:
+                raise StepError(
+                    "dp-loss-forward: the step passed more than (outputs, targets) to the "
+                    "criterion; ModelWithLoss calls criterion(outputs, targets): put the rest "
+                    "in the targets or in the criterion")
+            self._driver.switch("forward")
+            gathered = self._wrapped(outputs.inputs, targets)
+            self._hooks.after_forward(gathered)
+            self._driver.switch("loss")
+            loss = ModelWithLoss.combine(gathered)
+            self._hooks.after_loss(loss, gathered)
+        else:
+            self._driver.switch("loss")
+            loss = self._loss_fn(outputs, targets, *args, **kwargs)
+            self._hooks.after_loss(loss, outputs)
+        self._driver.switch("backward")
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loss_fn, name)
+
+
+def user_loop(
+    step: UserStep,
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[Any, Any]],
+    to_device: Callable[[Any, bool], Any],
+    loss_inside: bool,
+    hooks: StepHooks | None = None,
+) -> torch.Tensor | None:
+    """The loop around a workload's own step, the same for every scenario and backend::
+
+        for batch in loader:
+            batch = batch[0].to(device), batch[1].to(device)
+            loss = step(model, batch, criterion, optimizer)
+
+    ``model`` is the scenario's wrapper and ``criterion`` the workload's loss, both called
+    inside dpprof's phases (:class:`StepModel`, :class:`StepCriterion`; under
+    ``dp-loss-forward`` the model call is deferred to the criterion call, which runs
+    ``DataParallel(ModelWithLoss(model, criterion))``). What the step returns lives until the
+    next step returns, as the loop's ``loss`` does; the last one is returned (detached) when
+    it is a tensor."""
+    hooks = hooks or StepHooks()
+    driver = _PhaseDriver(hooks)
+    smodel = StepModel(model, driver, hooks, loss_inside)
+    scrit = StepCriterion(loss_fn, model, driver, hooks)
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        hooks.after_backward()
+        driver.switch("optimizer")
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        hooks.after_optimizer()
+        driver.switch("zero_grad")
+
+    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    result: Any = None
+    last = len(batches) - 1
+    try:
+        for k in range(len(batches)):
+            with hooks.iteration(k, k == last):
+                with hooks.phase("inputs"):
+                    batch = batches[k]  # the previous (device) batch dies here
+                    batch = (to_device(batch[0], False), to_device(batch[1], True))
+                driver.switch("zero_grad")
+                try:
+                    result = step(smodel, batch, scrit, optimizer)
+                finally:
+                    driver.close()
+    finally:
+        for h in handles:
+            h.remove()
+    return result.detach() if isinstance(result, torch.Tensor) else None

@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from dpprof.errors import WorkloadError
+from dpprof.scenarios.base import UserStep
 
 
 def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -55,6 +56,16 @@ class Workload:
     tensor or a tuple of the model's positional arguments. ``loss(outputs, targets)``
     returns a scalar; it may be an ``nn.Module`` with parameters (they are trained too).
     ``optimizer(params)`` builds the optimizer over the model's and the loss's parameters.
+
+    ``step(model, batch, criterion, optimizer)``, if given, is your loop body, run by every
+    scenario in place of the tutorial's (zero_grad placement, gradient accumulation,
+    ``clip_grad_norm_``, autocast, ``del`` habits): ``batch`` is ``(inputs, targets)`` on
+    the device, ``model`` the scenario's wrapper (DataParallel, DDP or the bare model),
+    ``criterion`` the workload's ``loss``. Return the loss: it lives until the next step
+    returns, as ``loss = step(...)`` in a loop would. Under ``dp-loss-forward`` the call
+    ``model(...)`` is deferred to ``criterion(outputs, targets)``, which runs
+    ``DataParallel(ModelWithLoss(model, criterion))``, so use the outputs only through the
+    criterion.
     """
 
     model: Callable[[], nn.Module]
@@ -66,6 +77,8 @@ class Workload:
     description: str = ""
     # Shapes that analysis uses to explain numbers (e.g. {"seq": 256, "vocab": 32000}).
     shapes: dict[str, int] = field(default_factory=dict)
+    # Your loop body: step(model, batch, criterion, optimizer) -> loss; None: the tutorial's.
+    step: UserStep | None = None
 
     def validate(self) -> None:
         """Raise :class:`WorkloadError` naming the first malformed field."""
@@ -76,6 +89,10 @@ class Workload:
                     f"{type(getattr(self, name, None)).__name__}; see the Workload example "
                     "in the README"
                 )
+        if self.step is not None and not callable(self.step):
+            raise WorkloadError(
+                f"workload {self.name!r}: 'step' must be a function step(model, batch, "
+                f"criterion, optimizer), got {type(self.step).__name__}")
         if not isinstance(self.dtype, torch.dtype):
             raise WorkloadError(f"workload {self.name!r}: dtype must be a torch.dtype")
 

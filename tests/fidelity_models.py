@@ -118,3 +118,28 @@ def attention_small() -> dpprof.Workload:
 
     return attention(AttnConfig(vocab=512, seq=128, d_model=64, layers=2, heads=4),
                      name="attention-small")
+
+
+def accumulating_step(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.Tensor:
+    """A loop body of its own: zero_grad after the step, two micro-batches per optimizer
+    step, gradients clipped, the outputs deleted before backward."""
+    inputs, targets = batch
+    total = torch.zeros(())
+    for x, y in zip(inputs.chunk(2), targets.chunk(2), strict=True):
+        out = model(x)
+        loss = criterion(out, y) / 2
+        del out
+        loss.backward()
+        total = total + loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
+def accumulate() -> dpprof.Workload:
+    """The ``tied`` model trained by :func:`accumulating_step`."""
+    wl = tied()
+    wl.name = "accumulate"
+    wl.step = accumulating_step
+    return wl

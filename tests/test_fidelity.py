@@ -49,6 +49,7 @@ WORKLOADS = {
     f"{MODELS}:tied": 2,
     f"{MODELS}:structured": 2,
     f"{MODELS}:buffers": 2,
+    f"{MODELS}:accumulate": 2,  # a workload's own step (accumulation, clipping, del)
 }
 # DDP options checked on two workloads (buffers: broadcast per forward; mlp: buckets)
 OPTIONS: list[tuple[str, dict[str, Any]]] = [

@@ -156,7 +156,10 @@ def _run_emulated(wl: Workload, name: str, batch: int, gpus: int, seed: int) -> 
         torch.manual_seed(seed + 2)  # the dropout stream
         loss = training_loop(wrapped, loss_fn, opt, [(inputs0, targets0)],
                              lambda x, _: map_tensors(x, lambda t: to_device(rt, t, 0)),
-                             loss_inside, hooks)
+                             loss_inside, hooks, step=wl.step)
+        if loss is None:
+            raise ValueError(f"workload {wl.name!r}: its step returned no loss; return it "
+                             "from step() for the equivalence checks")
         return _step_state(named, loss, grads, extra)
 
 

@@ -70,6 +70,7 @@ from dpprof.scenarios.base import (
     SINGLE,
     ModelWithLoss,
     StepHooks,
+    UserStep,
     training_loop,
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
@@ -564,7 +565,9 @@ class _Run:
         targets_cpu: Any,
         loss_inside: bool,
         out: Measured,
+        wl_step: UserStep | None = None,
     ) -> None:
+        """The shared loop (the workload's own step, if it has one), timed and measured."""
         dev0 = self.ops.device(self.logical[0])
         cfg = self.cfg
 
@@ -598,8 +601,9 @@ class _Run:
         # share it (each iteration assigns its own copy to the device).
         batches = [(inputs_cpu, targets_cpu)] * (cfg.warmup_steps + cfg.steps)
         hooks = StepHooks(phase=self.rec.phase, iteration=iteration)
-        loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks)
-        out.loss = float(loss)
+        loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
+                             step=wl_step)
+        out.loss = None if loss is None else float(loss)
         self.rec.profile = False
 
     def fold_phases(self) -> None:
@@ -701,7 +705,7 @@ def run_local_scenario(
             ids = cfg.devices if ops.kind == "cuda" else None
             wrapped = nn.DataParallel(inner, device_ids=ids, output_device=ids[0] if ids else None)
         out.rows = rows
-        run.loop(wrapped, loss_fn, opt, inputs, targets, loss_inside, out)
+        run.loop(wrapped, loss_fn, opt, inputs, targets, loss_inside, out, wl.step)
         run.fold_phases()
 
     try:
@@ -809,7 +813,7 @@ def measure_ddp_rank(
         wrapped = (ddp or DdpOptions()).wrap(model, ids)
         opt = _optimizer(wl, model, loss_fn)
         out.rows = per
-        run.loop(wrapped, loss_fn, opt, inputs, targets, False, out)
+        run.loop(wrapped, loss_fn, opt, inputs, targets, False, out, wl.step)
         run.fold_phases()
 
     try:

@@ -18,7 +18,12 @@ import torch
 from torch import nn
 
 from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
-from dpprof.emulator.kernels import DEFAULT_COMPUTE_CAPABILITY, EmulatedAutocast, GpuKernels
+from dpprof.emulator.kernels import (
+    DEFAULT_COMPUTE_CAPABILITY,
+    CudaAutocastNames,
+    EmulatedAutocast,
+    GpuKernels,
+)
 from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
 from dpprof.emulator.vdevice import HOST, VirtualDevices, to_device
 from dpprof.result import (
@@ -196,9 +201,10 @@ def run_scenario(
     kernels = GpuKernels(cfg.compute_capability)
     rt.replayed_counts.append(kernels.chosen)
     amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
+    autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)
     try:
         with rt, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
-                amp or contextlib.nullcontext()):
+                amp or contextlib.nullcontext()), autocast_names:
             model, loss_fn, opt, params = build_on_device(rt, wl, base, 0)
             loss_inside = name == DP_LOSS_FORWARD
             wrapped: Any
@@ -275,11 +281,12 @@ def run_scenario(
                     marks["end"] = len(rt.events)
 
             hooks.iteration = iteration
-            loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks)
+            loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
+                                 step=wl.step)
             del batches
             measure_start = step_start = marks["start"]
             step_end = marks["end"]
-            loss_val = float(loss) if cfg.compute else None
+            loss_val = float(loss) if cfg.compute and loss is not None else None
             del loss
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                     else [0])
@@ -288,6 +295,10 @@ def run_scenario(
                 fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
                                    same_program=name == DDP)
             result.loss = loss_val
+            if autocast_names.regions:
+                result.notes.append(
+                    f"torch.autocast('cuda') in the workload's code: {autocast_names.regions} "
+                    "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
             if kernels.chosen:
                 result.notes.append(
                     "kernels as on a GPU of compute capability {}.{}: {}".format(

@@ -160,7 +160,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
     import copy
 
-    from dpprof.emulator.kernels import StepAutocast
+    from dpprof.emulator.kernels import CudaAutocastNames, StepAutocast
     from dpprof.scenarios.base import StepHooks, training_loop
     from dpprof.scenarios.workloads import load_workload
 
@@ -229,13 +229,16 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
                 torch.cuda.synchronize(device)
             result.step_time_s = time.perf_counter() - t0
 
-        with amp:
+        # the workload's own torch.autocast("cuda"), as the emulated scenarios run it
+        names = CudaAutocastNames() if device.type != "cuda" else contextlib.nullcontext()
+        with amp, names:
             loss = training_loop(
                 ddp, loss_fn, opt, batches, move, False,
                 StepHooks(iteration=iteration,
-                          phase=amp.phase(lambda name: contextlib.nullcontext())))
+                          phase=amp.phase(lambda name: contextlib.nullcontext())),
+                step=wl.step)
         del batches
-        result.loss = float(loss)
+        result.loss = None if loss is None else float(loss)
         del loss
         if spec.memory == "cuda":
             result.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))

@@ -236,3 +236,54 @@ class StepAutocast:
 
     def __exit__(self, *exc: Any) -> None:
         self._region.close()
+
+
+class CudaAutocastNames:
+    """``torch.autocast("cuda", ...)`` in the user's code (their step, their forward), as a
+    GPU would run it: a CPU build of torch disables a CUDA autocast ("CUDA is not
+    available"), and over meta tensors autocast's dispatch keys never act, so while this
+    context is active ``torch.autocast``, ``torch.amp.autocast`` and
+    ``torch.cuda.amp.autocast`` with ``device_type="cuda"`` (enabled) return an
+    :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's);
+    other device types get torch's own. ``regions`` counts the CUDA regions entered."""
+
+    def __init__(self) -> None:
+        self.regions = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _factory(self, original: Any) -> Any:
+        def autocast(device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                     cache_enabled: bool | None = None) -> Any:
+            if device_type == "cuda" and enabled:
+                self.regions += 1
+                return EmulatedAutocast(dtype or torch.float16)
+            return original(device_type, dtype=dtype, enabled=enabled,
+                            cache_enabled=cache_enabled)
+        return autocast
+
+    def _cuda_factory(self, original: Any) -> Any:
+        def autocast(enabled: bool = True, dtype: torch.dtype = torch.float16,
+                     cache_enabled: bool = True) -> Any:
+            if enabled:
+                self.regions += 1
+                return EmulatedAutocast(dtype)
+            return original(enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+        return autocast
+
+    def __enter__(self) -> CudaAutocastNames:
+        import torch.amp
+        import torch.cuda.amp
+
+        for owner in (torch, torch.amp):
+            fn = owner.autocast
+            self._saved.append((owner, "autocast", fn))
+            owner.autocast = self._factory(fn)  # type: ignore[assignment]
+        fn = torch.cuda.amp.autocast
+        self._saved.append((torch.cuda.amp, "autocast", fn))
+        torch.cuda.amp.autocast = self._cuda_factory(fn)  # type: ignore[assignment,misc]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved = []
