@@ -275,12 +275,12 @@ class CudaAutocastNames:
         import torch.cuda.amp
 
         for owner in (torch, torch.amp):
-            fn = owner.autocast
+            fn = getattr(owner, "autocast")  # noqa: B009 (torch.amp's is not in its stubs)
             self._saved.append((owner, "autocast", fn))
-            owner.autocast = self._factory(fn)  # type: ignore[assignment]
+            setattr(owner, "autocast", self._factory(fn))  # noqa: B010
         fn = torch.cuda.amp.autocast
         self._saved.append((torch.cuda.amp, "autocast", fn))
-        torch.cuda.amp.autocast = self._cuda_factory(fn)  # type: ignore[assignment,misc]
+        setattr(torch.cuda.amp, "autocast", self._cuda_factory(fn))  # noqa: B010
         return self
 
     def __exit__(self, *exc: Any) -> None:
