@@ -531,9 +531,14 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
 class AllocationEvent(Protocol):
     """What the model reads of an emulated allocation (``VirtualDevices.events``)."""
 
-    device: int  # < 0: a host storage
-    serial: int
-    requested: int  # > 0: an allocation of that size, < 0: a free
+    @property
+    def device(self) -> int: ...  # < 0: a host storage
+
+    @property
+    def serial(self) -> int: ...
+
+    @property
+    def requested(self) -> int: ...  # > 0: an allocation of that size, < 0: a free
 
 
 class DeviceFigures(Protocol):
