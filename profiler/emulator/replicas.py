@@ -217,7 +217,7 @@ class _Group:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), \
                 rt.device(first.device), rt.category("activations"):
             out = first.module(*inp, **kwargs)
-        window = [(e.device, e.serial, e.requested, e.allocated) for e in rt.events[start:]]
+        window: list[Ev] = list(rt.events[start:])
         for before, counts in zip(counts_before, rt.replayed_counts, strict=True):
             for name, n in list(counts.items()):
                 counts[name] = n + (n - before.get(name, 0)) * (len(self.members) - 1)

@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,6 +85,46 @@ class Event(NamedTuple):
     allocated: int  # signed, rounded
 
 
+class EventLog(Sequence[Event]):
+    """The runtime's events, one int column per field (appending makes no Python object
+    per event); reads give :class:`Event` tuples."""
+
+    __slots__ = ("allocated", "device", "requested", "serial")
+
+    def __init__(self) -> None:
+        self.device = array("q")
+        self.serial = array("q")
+        self.requested = array("q")
+        self.allocated = array("q")
+
+    def add(self, device: int, serial: int, requested: int, allocated: int) -> None:
+        self.device.append(device)
+        self.serial.append(serial)
+        self.requested.append(requested)
+        self.allocated.append(allocated)
+
+    def append(self, ev: Event) -> None:
+        self.add(*ev)
+
+    def __len__(self) -> int:
+        return len(self.device)
+
+    @overload
+    def __getitem__(self, i: int) -> Event: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Event]: ...
+
+    def __getitem__(self, i: int | slice) -> Event | list[Event]:
+        if isinstance(i, slice):
+            return list(map(Event, self.device[i], self.serial[i], self.requested[i],
+                            self.allocated[i]))
+        return Event(self.device[i], self.serial[i], self.requested[i], self.allocated[i])
+
+    def __iter__(self) -> Iterator[Event]:
+        return map(Event, self.device, self.serial, self.requested, self.allocated)
+
+
 @dataclass
 class PhaseMark:
     event_index: int  # events before this index happened before the phase began
@@ -121,7 +162,7 @@ class VirtualDevices(TorchDispatchMode):
         self.num_devices = num_devices
         self.base = torch.device(base)
         self.counters = [DeviceCounters() for _ in range(num_devices)]
-        self.events: list[Event] = []
+        self.events = EventLog()
         self.phases: list[PhaseMark] = []
         self._labels: dict[int, str] = {}  # serial -> category (the latest label wins)
         self._storages: dict[int, _Storage] = {}  # id(storage object) -> record
@@ -263,10 +304,10 @@ class VirtualDevices(TorchDispatchMode):
         n = len(self.events)
         if self._by_device[0] != n or not self._by_device[1]:
             by: dict[int, list[int]] = {}
-            for i, ev in enumerate(self.events):
-                lst = by.get(ev.device)
+            for i, dev in enumerate(self.events.device):
+                lst = by.get(dev)
                 if lst is None:
-                    lst = by[ev.device] = []
+                    lst = by[dev] = []
                 lst.append(i)
             self._by_device = (n, by)
         return self._by_device[1].get(index, [])
@@ -274,15 +315,15 @@ class VirtualDevices(TorchDispatchMode):
     def snapshot(self, index: int, event_index: int) -> Snapshot:
         """Bytes per (final) category live on device ``index`` before ``event_index``."""
         live: dict[int, tuple[int, int]] = {}
-        events = self.events
+        serials, reqs, allocs = self.events.serial, self.events.requested, self.events.allocated
         for i in self.event_indices(index):
             if i >= event_index:
                 break
-            ev = events[i]
-            if ev.allocated > 0 or ev.requested > 0:
-                live[ev.serial] = (ev.allocated, ev.requested)
+            a, r = allocs[i], reqs[i]
+            if a > 0 or r > 0:
+                live[serials[i]] = (a, r)
             else:
-                live.pop(ev.serial, None)
+                live.pop(serials[i], None)
         by_cat: dict[str, int] = {}
         alloc = req = 0
         for serial, (a, r) in live.items():
@@ -300,11 +341,11 @@ class VirtualDevices(TorchDispatchMode):
         base = self.snapshot(index, start).allocated_bytes if start else 0
         out = [(start, base)]
         live = base
-        events = self.events
+        allocs = self.events.allocated
         for i in self.event_indices(index):
             if i < start:
                 continue
-            live += events[i].allocated
+            live += allocs[i]
             out.append((i + 1, live))
         return out
 
@@ -330,7 +371,7 @@ class VirtualDevices(TorchDispatchMode):
             if self._recording is not None:
                 self._recording.append((device, serial, requested, allocated))
                 return
-            self.events.append(Event(device, serial, requested, allocated))
+            self.events.add(device, serial, requested, allocated)
             if device == HOST:
                 self.host_requested += requested
                 return
