@@ -426,6 +426,12 @@ def _import(name: str, spec: str) -> Any:
 def _load_file(path: Path, spec: str) -> Any:
     if not path.is_file():
         raise WorkloadError(f"workload {spec!r}: no such file {str(path)!r}")
+    # The file's own folder is importable, as `python path/to/file.py` makes it: a workload
+    # that imports a module beside it works wherever dpprof is started (kept on the path:
+    # model() and batch() may import lazily).
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     mod_name = f"dpprof_user_workload_{abs(hash(str(path.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(mod_name, path)
     if loader_spec is None or loader_spec.loader is None:

@@ -62,3 +62,22 @@ def test_a_failing_model_is_an_error_result_not_a_crash() -> None:
     wl = Workload(name="boom", model=boom, batch=lambda r, d: (None, None), loss=lambda o, t: o)
     r = run_scenario("single", wl, EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=2**30))
     assert r.status == "error" and "CUDA kernel missing" in r.message
+
+
+def test_a_workload_file_imports_a_module_beside_it(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``path/to/file.py:fn`` makes the file's folder importable, as ``python file.py``
+    does, wherever dpprof is started (even when the import is inside ``model()``)."""
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "mynet_beside.py").write_text(
+        "from torch import nn\n"
+        "def build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n")
+    (folder / "train.py").write_text(USER.replace(
+        'model=lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),',
+        'model=lambda: __import__("mynet_beside").build(),'))
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(folder))])
+    wl = load_workload("proj/train.py:workload")
+    r = run_scenario("single", wl, EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**40))
+    assert r.status == "ok", r.message
