@@ -263,6 +263,7 @@ def run_in_group(group: Group, body: RankBody, info: RankInfo,
         torch.cuda.set_device(dev)  # first, before anything touches CUDA
     prefix = f"dpprof/{group.run_id}"
     store = _init(group, info, store)
+    store.add(f"{prefix}/joined", 1)
     watcher = StoreWatcher(store, f"{prefix}/failed", group.backend).start()
     try:
         value = body(info, dev)
@@ -290,6 +291,11 @@ def run_in_group(group: Group, body: RankBody, info: RankInfo,
         return [g for g in gathered if g is not None] if gathered is not None else None
     # a failure: no more collectives; every rank leaves its outcome in the store
     store.set(f"{prefix}/outcome/{info.rank}", pickle.dumps(outcome))
+    grace = group.timeout_s if group.grace_s is None else group.grace_s
+    # gloo's init returns on one rank while a peer may still be connecting its pairs: tearing
+    # the group down now would kill that peer inside init ("Connection closed by peer")
+    # before it reaches, and reports, its own error
+    _wait_joined(store, prefix, info.world_size, grace)
     if group.backend == "nccl":
         _abort()
     else:
@@ -297,8 +303,14 @@ def run_in_group(group: Group, body: RankBody, info: RankInfo,
             dist.destroy_process_group()
     if info.rank != 0:
         return None
-    grace = group.timeout_s if group.grace_s is None else group.grace_s
     return _collect(store, prefix, info.world_size, grace)
+
+
+def _wait_joined(store: Any, prefix: str, world: int, timeout_s: float) -> None:
+    """Wait (bounded) until every rank has finished joining the process group."""
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(f"{prefix}/joined", 0)) < world and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def _all_ok(store: Any, prefix: str, world: int, timeout_s: float) -> bool:
