@@ -16,6 +16,7 @@ from dpprof.analysis.answers import add_answers, gpu_spec
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.maxbatch import COUNTS
 from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
+from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.gpus import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
@@ -45,11 +46,9 @@ class CompareConfig:
     # steps before the measured one(s); None: DEFAULT_WARMUP, on GPUs the cuda backend's 3
     warmup: int | None = None
     debug: bool = False  # keep tracebacks
-    # DistributedDataParallel's options for the ddp scenario (torch's names and defaults)
-    bucket_cap_mb: float | None = None  # None: 25 MiB buckets, the first one 1 MiB
-    gradient_as_bucket_view: bool = False
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
+    # DistributedDataParallel's options for the ddp scenario (torch's names and defaults),
+    # the same for the emulator, the gloo ranks and the GPU ranks
+    ddp: DdpOptions = field(default_factory=DdpOptions)
     compute_capability: tuple[int, int] = (8, 0)  # the target GPU (a100-80gb by default)
     dtype: str | None = None  # float32 | bfloat16 | float16: the workload's dtype, overridden
     amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
@@ -105,10 +104,9 @@ class CompareConfig:
         for opt, val in (("--dtype", self.dtype), ("--amp", self.amp)):
             if val is not None and val not in DTYPES[opt]:
                 raise UsageError(f"{opt} {val!r}: choose from {', '.join(DTYPES[opt])}")
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise UsageError(
-                f"--bucket-cap-mb must be a positive number of MiB, got {self.bucket_cap_mb}"
-            )
+        cap = self.ddp.bucket_cap_mb
+        if cap is not None and not cap > 0:
+            raise UsageError(f"--bucket-cap-mb must be a positive number of MiB, got {cap}")
 
 
 def visible_cuda_gpus() -> int:
@@ -157,10 +155,7 @@ def emulation_config(cfg: CompareConfig, backend: str, gpus: int) -> EmulationCo
     return EmulationConfig(
         batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
         compute=cfg.compute or backend == "cpu", warmup_steps=warmup_steps(cfg, backend),
-        debug=cfg.debug, bucket_cap_mb=cfg.bucket_cap_mb,
-        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers, amp=cfg.amp,
+        debug=cfg.debug, ddp=cfg.ddp, amp=cfg.amp,
         compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
         count_reserved=cfg.count_reserved or cfg.maxbatch or bool(cfg.gpu),
     )
@@ -222,7 +217,9 @@ def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         seed=cfg.seed,
         dtype=str(wl.dtype).removeprefix("torch."),
-        config={k: v for k, v in asdict(cfg).items() if k != "extra"} | dict(cfg.extra),
+        # one flat record of every option, DDP's under torch's names
+        config={k: v for k, v in asdict(cfg).items() if k not in ("extra", "ddp")}
+        | asdict(cfg.ddp) | dict(cfg.extra),
         environment=environment(backend),
     )
     run.config["gpus"] = gpus
@@ -321,19 +318,8 @@ def _cuda(
     cfg: CompareConfig, wl: Workload, run: RunResult, progress: Progress | None
 ) -> RunResult | None:
     from dpprof.backends.cuda_ddp import torchrun_info
-    from dpprof.backends.cuda_run import CudaOptions, cuda_compare, torchrun_compare
-    from dpprof.backends.ranks import DdpOptions
-    from dpprof.scenarios.base import DDP
+    from dpprof.backends.cuda_run import cuda_compare, torchrun_compare
 
-    opts = CudaOptions(
-        gpus=cfg.gpus, devices=cfg.devices, warmup=cfg.warmup, steps=cfg.steps,
-        nvml_interval_s=cfg.nvml_interval_s, ddp_timeout_s=cfg.ddp_timeout_s,
-        device_kind=cfg.device_kind, dtype=cfg.dtype,
-        ddp=DdpOptions(bucket_cap_mb=cfg.bucket_cap_mb,
-                       gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                       find_unused_parameters=cfg.find_unused_parameters,
-                       broadcast_buffers=cfg.broadcast_buffers),
-    )
     info = torchrun_info()
     if info is not None:
         if tuple(cfg.scenarios) != (DDP,):
@@ -341,16 +327,14 @@ def _cuda(
                 "under torchrun only the ddp scenario runs (one process per GPU): add "
                 "--scenarios ddp; run the DataParallel scenarios without torchrun"
             )
-        done = torchrun_compare(run, cfg.workload, info, cfg.seed, cfg.debug, opts)
-    else:
-        if cfg.device_kind == "cuda":
-            visible = visible_cuda_gpus()
-        else:  # test mode: as many "devices" as asked for
-            visible = max(cfg.gpus or 0, max(cfg.devices or (-1,)) + 1) or 2
-        done = cuda_compare(
-            run, cfg.workload, wl, cfg.scenarios, cfg.seed, cfg.debug, opts, visible, progress
-        )
-    return done
+        return torchrun_compare(run, cfg, info)
+    if cfg.device_kind == "cuda":
+        visible = visible_cuda_gpus()
+    else:  # test mode: as many "devices" as asked for
+        visible = max(cfg.gpus or 0, max(cfg.devices or (-1,)) + 1) or 2
+    return cuda_compare(run, cfg, wl, visible, progress)
+
+
 def cpu_backend_assumptions(cfg: CompareConfig) -> list[str]:
     return [
         "cpu backend: real computation on the CPU. DataParallel scenarios and single run on "

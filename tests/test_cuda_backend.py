@@ -329,25 +329,24 @@ def test_cli_env_table_and_markdown() -> None:
 
 
 def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--bucket-cap-mb, --find-unused-parameters, ... and --dtype travel to every rank."""
+    """--bucket-cap-mb, --find-unused-parameters, ... --dtype and --amp travel to every rank."""
     from dpprof.backends import cuda_run
-    from dpprof.backends.cuda import CudaRunConfig
     from dpprof.backends.ranks import DdpOptions
     from dpprof.pipeline import CompareConfig, run_compare
 
-    seen: list[cuda_run.CudaOptions] = []
+    seen: list[CompareConfig] = []
 
-    def fake_compare(run, spec, wl, scenarios, seed, debug, opts, visible, progress):  # type: ignore[no-untyped-def]
-        seen.append(opts)
+    def fake_compare(run, cfg, wl, visible, progress):  # type: ignore[no-untyped-def]
+        seen.append(cfg)
         return run
 
     monkeypatch.setattr(cuda_run, "cuda_compare", fake_compare)
-    run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, backend="cuda",
-                              device_kind="cpu", scenarios=("ddp",), bucket_cap_mb=5,
-                              find_unused_parameters=True, gradient_as_bucket_view=True,
-                              broadcast_buffers=False, dtype="bfloat16"))
-    (opts,) = seen
-    assert opts.ddp == DdpOptions(bucket_cap_mb=5, gradient_as_bucket_view=True,
-                                  find_unused_parameters=True, broadcast_buffers=False)
-    job = cuda_run._job("mlp", CudaRunConfig(batch=4, devices=[0, 1], device_kind="cpu"), opts)
-    assert job.ddp == opts.ddp and job.dtype == "bfloat16"
+    ddp = DdpOptions(bucket_cap_mb=5, gradient_as_bucket_view=True,
+                     find_unused_parameters=True, broadcast_buffers=False)
+    run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, backend="cuda", fixes=False,
+                              device_kind="cpu", scenarios=("ddp",), ddp=ddp,
+                              dtype="bfloat16", amp="float16"))
+    (cfg,) = seen
+    ccfg = cuda_run.run_config(cfg, [0, 1])
+    job = cuda_run.ddp_job(ccfg, cfg)
+    assert job.ddp == ddp and job.dtype == "bfloat16" and job.cfg.amp == "float16"

@@ -34,6 +34,7 @@ import torch
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
+from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.vdevice import HOST
 from dpprof.scenarios.workloads import load_workload
 
@@ -75,7 +76,8 @@ def emulated_step(spec: str, scenario: str, rows: int, compute: bool,
     allocator), blocks larger than SCALAR_BYTES only."""
     trace: dict[str, Any] = {}
     r = run_scenario(scenario, load_workload(spec), EmulationConfig(
-        batch=rows * WORLD, gpus=WORLD, gpu_memory_bytes=2**40, compute=compute, **options,
+        batch=rows * WORLD, gpus=WORLD, gpu_memory_bytes=2**40, compute=compute,
+        ddp=DdpOptions(**options),
     ), trace)
     assert r.status == "ok", r.message
     events = [e.requested for e in trace["rt"].events if e.device in (0, HOST)]
@@ -167,7 +169,8 @@ def check(spec: str, scenario: str, rows: int, measured: RankResult,
 @pytest.fixture(scope="module")
 def gloo_runs() -> list[list[RankResult]]:
     specs = [RankSpec(workload=w, rows=r) for w, r in WORKLOADS.items()]
-    specs += [RankSpec(workload=w, rows=WORKLOADS[w], **opts) for w, opts in OPTIONS]
+    specs += [RankSpec(workload=w, rows=WORKLOADS[w], ddp=DdpOptions(**opts))
+              for w, opts in OPTIONS]
     return launch_many(specs, WORLD)
 
 

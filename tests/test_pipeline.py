@@ -206,3 +206,15 @@ def test_a_run_that_measured_nothing_is_not_called_fine() -> None:
     assert run is not None and {s.status for s in run.scenarios} == {STATUS_ERROR}
     for fmt, text in _formats(run).items():
         assert "Nothing to change" not in text and "Nothing: cuda:0" not in text, fmt
+
+
+def test_amp_reaches_the_cuda_backends_step() -> None:
+    """One config: --amp reached the emulated and cpu scenarios but not the cuda backend's."""
+    losses = {}
+    for amp in (None, "bfloat16"):
+        run = run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, warmup=0, steps=1,
+                                        scenarios=(DP_LOSS_PRIMARY, SINGLE), amp=amp,
+                                        device_kind="cpu", backend="cuda", fixes=False))
+        assert run is not None and {s.status for s in run.scenarios} == {"ok"}
+        losses[amp] = [s.loss for s in run.scenarios]
+    assert all(a != b for a, b in zip(losses[None], losses["bfloat16"], strict=True))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.parallel import EmulatedDDP, compute_bucket_assignment_by_size
 from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.scenarios.workloads import Workload
@@ -109,7 +110,7 @@ def _ddp_peak(**options: object) -> int:
 
 def test_gradient_as_bucket_view_saves_the_gradients_but_one() -> None:
     default = _ddp_peak()
-    view = _ddp_peak(gradient_as_bucket_view=True)
+    view = _ddp_peak(ddp=DdpOptions(gradient_as_bucket_view=True))
     # default: at the end of backward 4 gradients + 4 bucket slots; as views, each new
     # gradient dies once copied into its slot: at most one lives beside the buckets. (The
     # peak moves by a few activation gradients: 2 rows x 1024 floats each.)

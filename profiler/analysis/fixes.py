@@ -235,7 +235,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     ddp = scenario(DDP)
     ddp = ddp if _ok(ddp) else em(DDP, base)
     keep(_ddp(ddp, primary, gpus, batch))
-    gabv = em(DDP, dataclasses.replace(base, gradient_as_bucket_view=True))
+    gabv = em(DDP, dataclasses.replace(
+        base, ddp=dataclasses.replace(base.ddp, gradient_as_bucket_view=True)))
     if _ok(gabv) and _ok(ddp):
         assert ddp is not None and gabv is not None
         extra = _peaks(ddp)[0] - _peaks(gabv)[0]

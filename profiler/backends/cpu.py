@@ -25,9 +25,7 @@ def run_ddp_gloo(workload: str, cfg: EmulationConfig, dtype: str | None,
     rows = shard_sizes(cfg.batch, gpus)[0]
     spec = RankSpec(
         workload=workload, rows=rows, seed=cfg.seed, warmup_steps=cfg.warmup_steps,
-        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        find_unused_parameters=cfg.find_unused_parameters,
-        broadcast_buffers=cfg.broadcast_buffers, dtype=dtype, amp=cfg.amp,
+        ddp=cfg.ddp, dtype=dtype, amp=cfg.amp,
         # --ddp-timeout bounds every wait of the gloo ranks too (collectives, the store, the
         # wait for the others after a failure); the whole run stays bounded by the join
         pg_timeout_s=ddp_timeout_s, grace_s=min(10.0, ddp_timeout_s),

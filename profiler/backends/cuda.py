@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from dpprof.backends.ranks import DdpOptions
+from dpprof.emulator.kernels import StepAutocast
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
 from dpprof.nvml.libnvml import NvmlBackend, default_nvml
 from dpprof.nvml.sampler import NvmlSampler
@@ -426,6 +427,7 @@ class CudaRunConfig:
     nvml_interval_s: float = DEFAULT_NVML_INTERVAL_S
     debug: bool = False
     device_kind: str = "cuda"  # "cpu": the same code on CPU tensors (gloo tests)
+    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
 
 
 @dataclass
@@ -600,9 +602,11 @@ class _Run:
         # The loader's host batches: the same data every iteration, as the paired scenarios
         # share it (each iteration assigns its own copy to the device).
         batches = [(inputs_cpu, targets_cpu)] * (cfg.warmup_steps + cfg.steps)
-        hooks = StepHooks(phase=self.rec.phase, iteration=iteration)
-        loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
-                             step=wl_step)
+        amp = StepAutocast(cfg.amp, dev0.type)  # --amp: forward and loss, as the user's
+        hooks = StepHooks(phase=amp.phase(self.rec.phase), iteration=iteration)
+        with amp:
+            loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
+                                 step=wl_step)
         out.loss = None if loss is None else float(loss)
         self.rec.profile = False
 

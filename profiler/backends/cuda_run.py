@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,13 +30,15 @@ from dpprof.backends.cuda import (
     run_local_scenario,
 )
 from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
-from dpprof.backends.ranks import DdpOptions
 from dpprof.errors import UsageError
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP, loop_description
 from dpprof.scenarios.workloads import Workload
 
-__all__ = ["CudaOptions", "cuda_compare", "select_devices", "torchrun_compare"]
+if TYPE_CHECKING:
+    from dpprof.pipeline import CompareConfig
+
+__all__ = ["cuda_compare", "ddp_job", "run_config", "select_devices", "torchrun_compare"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -44,21 +46,6 @@ CPU_ASSUMPTION = (
     "Test mode: the cuda backend's code ran on CPU tensors (DDP over gloo); no GPU was "
     "used, so there are no allocator or NVML numbers."
 )
-
-
-@dataclass
-class CudaOptions:
-    """The cuda backend's part of the command line."""
-
-    gpus: int | None = None  # the first N visible GPUs
-    devices: tuple[int, ...] | None = None  # or exactly these CUDA indices
-    warmup: int | None = None  # default 3
-    steps: int | None = None  # default 10
-    nvml_interval_s: float = 0.02
-    ddp_timeout_s: float = 300.0
-    device_kind: str = "cuda"  # "cpu": the same code on CPU tensors, gloo (tests)
-    ddp: DdpOptions = field(default_factory=DdpOptions)  # the ddp scenario's reducer options
-    dtype: str | None = None  # --dtype: override the workload's dtype
 
 
 def select_devices(gpus: int | None, devices: Sequence[int] | None, visible: int) -> list[int]:
@@ -87,81 +74,78 @@ def select_devices(gpus: int | None, devices: Sequence[int] | None, visible: int
     return list(range(n))
 
 
-def _config(
-    batch: int, seed: int, debug: bool, devices: list[int], opts: CudaOptions
-) -> CudaRunConfig:
+def run_config(cfg: CompareConfig, devices: list[int]) -> CudaRunConfig:
     return CudaRunConfig(
-        batch=batch,
+        batch=cfg.batch,
         devices=devices,
-        seed=seed,
-        warmup_steps=DEFAULT_WARMUP if opts.warmup is None else opts.warmup,
-        steps=DEFAULT_STEPS if opts.steps is None else opts.steps,
-        nvml_interval_s=opts.nvml_interval_s,
-        debug=debug,
-        device_kind=opts.device_kind,
+        seed=cfg.seed,
+        warmup_steps=DEFAULT_WARMUP if cfg.warmup is None else cfg.warmup,
+        steps=DEFAULT_STEPS if cfg.steps is None else cfg.steps,
+        nvml_interval_s=cfg.nvml_interval_s,
+        debug=cfg.debug,
+        device_kind=cfg.device_kind,
+        amp=cfg.amp,
     )
 
 
-def _job(spec: str, ccfg: CudaRunConfig, opts: CudaOptions, run_id: str | None = None) -> DdpJob:
-    cpu = opts.device_kind == "cpu"
+def ddp_job(ccfg: CudaRunConfig, cfg: CompareConfig, run_id: str | None = None) -> DdpJob:
+    cpu = cfg.device_kind == "cpu"
     job = DdpJob(
-        workload=spec, cfg=ccfg, backend="gloo" if cpu else "nccl",
-        device="cpu" if cpu else "cuda", timeout_s=opts.ddp_timeout_s, ddp=opts.ddp,
-        dtype=opts.dtype,
+        workload=cfg.workload, cfg=ccfg, backend="gloo" if cpu else "nccl",
+        device="cpu" if cpu else "cuda", timeout_s=cfg.ddp_timeout_s, ddp=cfg.ddp,
+        dtype=cfg.dtype,
     )
     if run_id is not None:  # torchrun: every rank must use the same store keys
         job.run_id = run_id
     return job
 
 
-def _fill(run: RunResult, ccfg: CudaRunConfig, opts: CudaOptions) -> None:
-    run.backend = "cpu" if opts.device_kind == "cpu" else "cuda"
+def _fill(run: RunResult, ccfg: CudaRunConfig, cfg: CompareConfig) -> None:
+    run.backend = "cpu" if cfg.device_kind == "cpu" else "cuda"
     run.assumptions = list(ASSUMPTIONS)
-    if opts.device_kind == "cpu":
+    if cfg.device_kind == "cpu":
         run.assumptions.insert(0, CPU_ASSUMPTION)
     run.config["loop"] = loop_description(ccfg.warmup_steps + ccfg.steps, ccfg.steps)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     run.config.update(
         warmup_steps=ccfg.warmup_steps, steps=ccfg.steps, devices=list(ccfg.devices),
-        nvml_interval_s=ccfg.nvml_interval_s, ddp_timeout_s=opts.ddp_timeout_s,
-        device_kind=opts.device_kind,
+        nvml_interval_s=ccfg.nvml_interval_s, ddp_timeout_s=cfg.ddp_timeout_s,
+        device_kind=cfg.device_kind,
     )
 
 
-def _capacity(devices: Sequence[int], opts: CudaOptions, fallback: int) -> int:
-    if opts.device_kind != "cuda":
+def _capacity(devices: Sequence[int], device_kind: str, fallback: int) -> int:
+    if device_kind != "cuda":
         return fallback
     return min(int(torch.cuda.get_device_properties(d).total_memory) for d in devices)
 
 
 def cuda_compare(
     run: RunResult,
-    spec: str,
+    cfg: CompareConfig,
     wl: Workload,
-    scenarios: Sequence[str],
-    seed: int,
-    debug: bool,
-    opts: CudaOptions,
     visible: int,
     progress: Progress | None = None,
 ) -> RunResult:
-    """Fill ``run`` (made by the runner) with every scenario measured on the chosen GPUs."""
-    devices = select_devices(opts.gpus, opts.devices, visible)
-    ccfg = _config(run.batch, seed, debug, devices, opts)
-    _fill(run, ccfg, opts)
+    """Fill ``run`` (made by the runner) with every scenario of ``cfg`` measured on the
+    chosen GPUs. The DDP ranks load the workload from ``cfg.workload`` (a spec)."""
+    devices = select_devices(cfg.gpus, cfg.devices, visible)
+    scenarios = cfg.scenarios
+    ccfg = run_config(cfg, devices)
+    _fill(run, ccfg, cfg)
     run.gpus = len(devices)
     run.config["gpus"] = len(devices)
-    run.gpu_memory_bytes = _capacity(devices, opts, run.gpu_memory_bytes)
-    ops = make_ops(opts.device_kind, devices)
+    run.gpu_memory_bytes = _capacity(devices, cfg.device_kind, run.gpu_memory_bytes)
+    ops = make_ops(cfg.device_kind, devices)
     for i, name in enumerate(scenarios):
         if progress:
             progress(name, i, len(scenarios))
         if name == DDP:
-            outcomes = spawn_ddp(_job(spec, ccfg, opts), len(devices))
+            outcomes = spawn_ddp(ddp_job(ccfg, cfg), len(devices))
             run.scenarios.append(ddp_scenario(outcomes, ccfg, len(devices)))
         else:
             run.scenarios.append(run_local_scenario(name, wl, ccfg, ops))
-    if DDP in scenarios and any(s != DDP for s in scenarios) and opts.device_kind == "cuda":
+    if DDP in scenarios and any(s != DDP for s in scenarios) and cfg.device_kind == "cuda":
         run.notes.append(
             "the ddp ranks ran while this process kept its CUDA context on every GPU (from "
             "the DataParallel scenarios): NVML's used memory includes it; the rank's own "
@@ -170,22 +154,15 @@ def cuda_compare(
     return run
 
 
-def torchrun_compare(
-    run: RunResult,
-    spec: str,
-    info: RankInfo,
-    seed: int,
-    debug: bool,
-    opts: CudaOptions,
-) -> RunResult | None:
+def torchrun_compare(run: RunResult, cfg: CompareConfig, info: RankInfo) -> RunResult | None:
     """This rank's part of ``ddp`` under torchrun; the result on rank 0, None elsewhere."""
-    devices = list(opts.devices) if opts.devices else []
-    ccfg = _config(run.batch, seed, debug, devices, opts)
+    devices = list(cfg.devices) if cfg.devices else []
+    ccfg = run_config(cfg, devices)
     run_id = "torchrun-" + os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    outcomes = rank_entry(_job(spec, ccfg, opts, run_id), info)
+    outcomes = rank_entry(ddp_job(ccfg, cfg, run_id), info)
     if outcomes is None:
         return None
-    _fill(run, ccfg, opts)
+    _fill(run, ccfg, cfg)
     run.gpus = info.world_size
     run.config["gpus"] = info.world_size
     run.config["torchrun"] = True

@@ -11,12 +11,13 @@ import copy
 import dataclasses
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
 from dpprof.emulator.kernels import (
     DEFAULT_COMPUTE_CAPABILITY,
@@ -88,10 +89,7 @@ class EmulationConfig:
     warmup_steps: int = 1  # steps before the measured one (the optimizer state must exist)
     debug: bool = False  # keep tracebacks of failing scenarios
     # DistributedDataParallel's options (ddp scenario), as torch names them
-    bucket_cap_mb: float | None = None  # None: 25 MiB, first bucket 1 MiB
-    gradient_as_bucket_view: bool = False
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
+    ddp: DdpOptions = field(default_factory=DdpOptions)
     # the target GPU's compute capability: which kernels it runs (SDPA, fused dropout)
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
     amp: str | None = None  # "bfloat16" | "float16": forward and loss under autocast
@@ -217,10 +215,10 @@ def run_scenario(
             elif name == DDP:
                 with rt.device(0):
                     wrapped = EmulatedDDP(
-                        model, rt, world_size=cfg.gpus, bucket_cap_mb=cfg.bucket_cap_mb,
-                        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                        find_unused_parameters=cfg.find_unused_parameters,
-                        broadcast_buffers=cfg.broadcast_buffers,
+                        model, rt, world_size=cfg.gpus, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                        gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+                        find_unused_parameters=cfg.ddp.find_unused_parameters,
+                        broadcast_buffers=cfg.ddp.broadcast_buffers,
                     )
                 rows = rank_rows
             elif name == SINGLE:

@@ -6,9 +6,8 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
 
 * :class:`RankSpec` — everything a rank needs, picklable: the workload spec (a built-in
   name, ``module:function`` or ``file.py:function``: each process loads it itself), rows
-  per rank, seed, warm-up steps, the DDP options (``bucket_cap_mb``,
-  ``gradient_as_bucket_view``, ``find_unused_parameters``, ``broadcast_buffers``,
-  ``dtype``), ``backend`` (``"gloo"`` or ``"nccl"``), ``device`` (``"cpu"`` or ``"cuda"``:
+  per rank, seed, warm-up steps, the DDP options (``ddp``: ``DdpOptions``), ``dtype``,
+  ``amp``, ``backend`` (``"gloo"`` or ``"nccl"``), ``device`` (``"cpu"`` or ``"cuda"``:
   rank r uses ``cuda:LOCAL_RANK``), ``memory`` (``"profiler"``: torch.profiler allocation
   records, the CPU way; ``"cuda"``: ``torch.cuda.max_memory_allocated/reserved`` with peaks
   reset before the measured step; ``"none"``), ``return_parameters`` (send the parameters
@@ -81,10 +80,7 @@ class RankSpec:
     rows: int  # rows of the batch per rank
     seed: int = 0
     warmup_steps: int = 1
-    bucket_cap_mb: float | None = None
-    gradient_as_bucket_view: bool = False
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
+    ddp: DdpOptions = field(default_factory=DdpOptions)  # DistributedDataParallel's options
     backend: str = "gloo"  # "gloo" | "nccl"
     device: str = "cpu"  # "cpu" | "cuda" (cuda:LOCAL_RANK)
     memory: str = "profiler"  # "profiler" | "cuda" | "none"
@@ -96,12 +92,6 @@ class RankSpec:
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
     grace_s: float = 10.0  # after one rank fails, how long the others may take to fail
 
-    def ddp_options(self) -> DdpOptions:
-        return DdpOptions(
-            bucket_cap_mb=self.bucket_cap_mb, gradient_as_bucket_view=self.gradient_as_bucket_view,
-            find_unused_parameters=self.find_unused_parameters,
-            broadcast_buffers=self.broadcast_buffers,
-        )
 
 
 @dataclass
@@ -185,7 +175,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             loss_fn = copy.deepcopy(loss_fn).to(device)
             if wl.dtype != torch.float32:
                 loss_fn.to(wl.dtype)
-        ddp = model if spec.wrap == "none" else spec.ddp_options().wrap(
+        ddp = model if spec.wrap == "none" else spec.ddp.wrap(
             model, [device.index] if device.type == "cuda" else None)
         params = list(model.parameters())
         if isinstance(loss_fn, torch.nn.Module):

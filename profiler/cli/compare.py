@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from dpprof.backends.ranks import DdpOptions
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -205,10 +206,11 @@ def compare_cmd(
             multiple_of=multiple_of, gpu=spec.key if spec else "",
             count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
             fail_on_oom=fail_on_oom,
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=not no_broadcast_buffers, dtype=dtype, amp=amp,
+            ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
+                           gradient_as_bucket_view=gradient_as_bucket_view,
+                           find_unused_parameters=find_unused_parameters,
+                           broadcast_buffers=not no_broadcast_buffers),
+            dtype=dtype, amp=amp,
         )
         cfg.validate()
         check_bounds({"--batch": batch, "--gpus": gpus, "--seed": seed, "--warmup": warmup,
