@@ -15,7 +15,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dpprof.analysis.attribution import CAUSES
+from dpprof.analysis.attribution import attribute_run, cause_label
 from dpprof.reports.escape import code_fence, code_span, markdown_text
 from dpprof.result import Fix, RunResult
 from dpprof.units import fmt_bytes
@@ -45,10 +45,11 @@ NEGATIVE_NOTE = ("A negative cause: the reference GPU holds more of it at its ow
 def attribution_rows(run: RunResult) -> list[tuple[str, list[tuple[str, int]], int, str]]:
     """(scenario, [(cause label, bytes)], excess, answer) for scenarios with an excess."""
     out = []
-    for name, att in run.attribution.items():
+    # results saved without an attribution: the same function, computed here
+    for name, att in (run.attribution or attribute_run(run)).items():
         if att.excess_bytes == 0 and not att.causes_bytes:
             continue
-        causes = [(CAUSES.get(k, k), v) for k, v in att.causes_bytes.items()]
+        causes = [(cause_label(k), v) for k, v in att.causes_bytes.items()]
         out.append((name, causes, att.excess_bytes, att.answer))
     return out
 

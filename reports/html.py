@@ -32,6 +32,7 @@ from typing import Any
 from dpprof.analysis.attribution import category_label, cause_label
 from dpprof.analysis.fixes import recommended
 from dpprof.reports import answers
+from dpprof.reports.base import Renderer
 from dpprof.reports.common import (
     cause_rows,
     device_label,
@@ -796,3 +797,14 @@ def page_scripts(figures: dict[str, Any]) -> str:
   }})();
 }})();
 </script>"""
+
+
+class HtmlRenderer(Renderer):
+    """A self-contained page with interactive charts."""
+
+    name = "html"
+    suffix = '.html'
+    description = "A self-contained page with interactive charts."
+
+    def render(self, run: RunResult) -> str:
+        return render(run)

@@ -20,6 +20,7 @@ from typing import Any
 from dpprof.analysis.attribution import cause_label
 from dpprof.analysis.fixes import recommended
 from dpprof.reports import answers
+from dpprof.reports.base import Renderer
 from dpprof.reports.common import (
     cause_rows,
     device_label,
@@ -226,3 +227,14 @@ def render(run: RunResult) -> str:
     lines += ["", "</details>", "", "<details><summary>Full configuration</summary>", "",
               _fence(json.dumps(config, indent=2, default=str), "json"), "", "</details>", ""]
     return "\n".join(lines)
+
+
+class MarkdownRenderer(Renderer):
+    """Markdown for a GitHub issue."""
+
+    name = "markdown"
+    suffix = '.md'
+    description = "Markdown for a GitHub issue."
+
+    def render(self, run: RunResult) -> str:
+        return render(run)

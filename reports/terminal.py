@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+
 from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from dpprof.reports import answers
+from dpprof.reports.base import Renderer
 from dpprof.result import STATUS_OK, STATUS_OOM, RunResult
 from dpprof.units import fmt_bytes
 
@@ -88,3 +91,18 @@ def _gpu_table(run: RunResult) -> Group | None:
             cells.append(Text(text, style="bold red" if over else ""))
         table.add_row(*cells)
     return Group(title, table)
+
+
+class TerminalRenderer(Renderer):
+    """The terminal view as plain text."""
+
+    name = "terminal"
+    suffix = None
+    description = "The terminal view as plain text."
+
+    def render(self, run: RunResult) -> str:
+        from rich.console import Console
+
+        console = Console(record=True, width=160, color_system=None, file=io.StringIO())
+        console.print(render(run))
+        return console.export_text()

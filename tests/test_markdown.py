@@ -2,7 +2,6 @@
 
 import re
 
-import pytest
 from reports_data import HOSTILE, SAVED, hostile, saved
 
 from dpprof.reports import markdown
@@ -11,33 +10,6 @@ from dpprof.reports.markdown import md
 
 def _mermaid(text: str) -> list[str]:
     return re.findall(r"```mermaid\n(.*?)\n```", text, re.S)
-
-
-@pytest.mark.parametrize("name", list(SAVED))
-def test_every_saved_result_renders(name: str) -> None:
-    run = saved(name)
-    text = markdown.render(run)
-    assert md(run.comparison.verdict) in text
-    assert "### Peak memory per GPU" in text and "### What to change" in text
-    charts = _mermaid(text)
-    drawn = [s for s in run.scenarios if s.status in ("ok", "oom")]
-    assert len(charts) == len(drawn)
-    for chart, s in zip(charts, drawn, strict=True):
-        lines = chart.splitlines()[1:]  # after the init directive (colours)
-        assert chart.startswith("%%{init: ")
-        assert lines[0] == "xychart-beta"
-        assert lines[1].startswith('    title "') and s.name in lines[1]
-        labels = re.findall(r'"([^"]*)"', lines[2])
-        bars = [float(x) for x in re.search(r"bar \[(.*)\]", chart).group(1).split(", ")]
-        assert len(labels) == len(bars) == len([d for d in s.devices if d.used])
-        top = float(re.search(r"--> ([0-9.]+)", chart).group(1))
-        assert max(bars) <= top
-    # collapsed blocks open and close; the full configuration is JSON
-    # + a block of allocated/reserved/context/NVML peaks where reserved was measured or modelled
-    peaks = any(d.peak_reserved_bytes for s in run.scenarios for d in s.devices)
-    assert text.count("<details>") == text.count("</details>") == (4 if peaks else 3)
-    assert "<details><summary>Full configuration</summary>" in text
-    assert '"batch": ' in text
 
 
 def test_default_comparison_table_and_fix() -> None:

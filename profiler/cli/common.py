@@ -14,6 +14,7 @@ from rich.console import Console
 
 from dpprof.errors import DpprofError, UsageError
 from dpprof.reports.escape import terminal_text
+from dpprof.reports.registry import file_suffixes, for_path, renderers
 from dpprof.result import RunResult, write_atomic
 from dpprof.scenarios.base import SCENARIOS
 
@@ -23,7 +24,6 @@ err = Console(stderr=True, highlight=False, markup=False, emoji=False)
 out = Console(highlight=False, markup=False, emoji=False,
               width=None if sys.stdout.isatty() else 140)
 
-FORMATS = {".html": "html", ".json": "json", ".md": "markdown"}
 DEFAULT_DIR = Path("dpprof-reports")
 
 
@@ -55,14 +55,14 @@ def output_paths(outputs: Sequence[Path | str] | None, stem: str) -> list[tuple[
         p = Path(text)
         if any(p == q for q, _ in result):
             raise UsageError(f"--output {terminal_text(text)} given twice")
-        fmt = FORMATS.get(p.suffix.lower())
-        if fmt is None:
+        renderer = for_path(p)
+        if renderer is None:
             raise UsageError(
                 f"--output {terminal_text(text)}: unknown format "
                 f"{terminal_text(p.suffix) or '(no suffix)'}; end the path "
-                f"with one of {', '.join(FORMATS)}"
+                f"with one of {', '.join(file_suffixes())}"
             )
-        result.append((p, fmt))
+        result.append((p, renderer.name))
     return result
 
 
@@ -87,17 +87,8 @@ def check_writable(paths: list[tuple[Path, str]]) -> None:
 
 
 def render_to(run: RunResult, fmt: str) -> str:
-    if fmt == "html":
-        from dpprof.reports import html
-
-        return html.render(run)
-    if fmt == "markdown":
-        from dpprof.reports import markdown
-
-        return markdown.render(run)
-    from dpprof.reports import json as json_report
-
-    return json_report.render(run)
+    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.registry`)."""
+    return renderers()[fmt].render(run)
 
 
 def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool) -> list[Path]:

@@ -1,0 +1,128 @@
+"""Every saved result in ``tests/data/`` rendered in every format of the registry: one test.
+
+What every format must say (the verdict, every scenario, the recommended fixes, cuda:0's
+excess by cause with the attribution's labels) is checked once for all; what is particular
+to a format (HTML's sections and figures, Markdown's charts, JSON's round trip) is checked
+by that format's checker below.
+"""
+
+from __future__ import annotations
+
+import html as std_html
+import json
+import re
+from collections.abc import Callable
+
+import pytest
+from reports_data import SAVED, saved
+
+from dpprof.analysis.attribution import cause_label
+from dpprof.analysis.fixes import recommended
+from dpprof.reports.common import excesses
+from dpprof.reports.markdown import md
+from dpprof.reports.registry import renderers
+from dpprof.result import RunResult
+
+HTML_SECTIONS = [
+    "Peak memory per GPU",
+    "Why cuda:0 is heavier",
+    "Memory over the step",
+    "Step time and throughput",
+    "Largest batch that fits",
+    "What to change",
+    "How these numbers were obtained",
+]
+
+
+def _plain(fmt: str, text: str) -> str:
+    """The words of a report: markup and escapes removed, whitespace folded."""
+    if fmt == "html":
+        text = std_html.unescape(re.sub(r"<[^>]+>", " ", text))
+    if fmt == "markdown":
+        text = re.sub(r"\\(.)", r"\1", std_html.unescape(text))
+    return " ".join(text.split())
+
+
+def _html(run: RunResult, page: str) -> None:
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    verdict = re.search(r"id='verdict'>(.*?)</p>", page, re.S)
+    assert verdict and re.sub(r"<[^>]+>", "", std_html.unescape(verdict.group(1))) == \
+        run.comparison.verdict
+    heads = [std_html.unescape(h) for h in re.findall(
+        r"<h2><span class='n'>\d+</span>(.*?)</h2>", page)]
+    assert heads == [h for h in HTML_SECTIONS if h in heads]  # the issue's order
+    assert {"Peak memory per GPU", "What to change", "How these numbers were obtained"} <= set(
+        heads)
+    m = re.search(r'<script id="dpprof-figures" type="application/json">(.*?)</script>', page,
+                  re.S)
+    assert m
+    figs = json.loads(m.group(1))
+    assert set(figs) == set(re.findall(r"data-figure='([^']+)'", page))
+    for fig in figs.values():
+        assert fig["data"] and all(("x" in t or "y" in t) for t in fig["data"])
+    assert "Plotly.newPlot" in page and "plotly.js (basic - minified)" in page
+
+
+def _markdown(run: RunResult, text: str) -> None:
+    assert md(run.comparison.verdict) in text
+    assert "### Peak memory per GPU" in text and "### What to change" in text
+    charts = re.findall(r"```mermaid\n(.*?)\n```", text, re.S)
+    drawn = [s for s in run.scenarios if s.status in ("ok", "oom")]
+    assert len(charts) == len(drawn)
+    for chart, s in zip(charts, drawn, strict=True):
+        lines = chart.splitlines()[1:]  # after the init directive (colours)
+        assert chart.startswith("%%{init: ")
+        assert lines[0] == "xychart-beta"
+        assert lines[1].startswith('    title "') and s.name in lines[1]
+        labels = re.findall(r'"([^"]*)"', lines[2])
+        bars = [float(x) for x in re.search(r"bar \[(.*)\]", chart).group(1).split(", ")]
+        assert len(labels) == len(bars) == len([d for d in s.devices if d.used])
+        top = float(re.search(r"--> ([0-9.]+)", chart).group(1))
+        assert max(bars) <= top
+    # collapsed blocks open and close; the full configuration is JSON
+    # + a block of allocated/reserved/context/NVML peaks where reserved was measured or modelled
+    peaks = any(d.peak_reserved_bytes for s in run.scenarios for d in s.devices)
+    tracebacks = sum(1 for s in run.scenarios if s.status not in ("ok", "oom") and s.traceback)
+    assert text.count("<details>") == text.count("</details>") == \
+        (4 if peaks else 3) + tracebacks
+    assert "<details><summary>Full configuration</summary>" in text
+    assert '"batch": ' in text
+
+
+def _json(run: RunResult, text: str) -> None:
+    assert RunResult.from_dict(json.loads(text)) == run
+
+
+def _terminal(run: RunResult, text: str) -> None:
+    assert " ".join(run.comparison.verdict.split()) in " ".join(text.split())
+
+
+CHECKS: dict[str, Callable[[RunResult, str], None]] = {
+    "html": _html, "markdown": _markdown, "json": _json, "terminal": _terminal,
+}
+
+
+def test_every_format_has_a_checker() -> None:
+    assert set(renderers()) == set(CHECKS)
+
+
+@pytest.mark.parametrize("fmt", sorted(CHECKS))
+@pytest.mark.parametrize("name", list(SAVED))
+def test_every_saved_result_in_every_format(name: str, fmt: str) -> None:
+    run = saved(name)
+    text = renderers()[fmt].render(run)
+    CHECKS[fmt](run, text)
+    if fmt == "json":
+        return  # the result itself: its words are data, checked by the round trip
+    words = _plain(fmt, text)
+    for s in run.scenarios:
+        assert s.name in words
+    # cuda:0's excess by cause: the attribution's labels, the same in every format
+    for ex in excesses(run):
+        for cause, b in ex.causes_bytes.items():
+            if b and abs(b) > 0.01 * max(ex.primary_bytes, 1):
+                assert cause_label(cause) in words, (fmt, cause)
+    # the recommended fixes, by title, in the formats that recommend
+    if fmt in ("html", "markdown"):
+        for f in recommended(run):
+            assert f.title in words, (fmt, f.title)
