@@ -5,8 +5,9 @@
 
 Cost is CPU time of this process (``time.process_time``), every ratio measured side by
 side in one run, after one warm-up comparison (imports, first-call costs): the machine is
-shared, CPU-time ratios are robust to that, wall times are not. Each round measures every
-ratio once; the rounds give the min-max printed beside each goal.
+shared, CPU-time ratios are robust to that, wall times are not. Each in-process figure is
+the least of two runs; each round measures every ratio once; the rounds give the min-max
+printed beside each goal.
 
 Goals (issue 14), GPT-2 small (124M parameters, seq 1024, dpprof's ``gpt2_small``):
 
@@ -31,6 +32,7 @@ GPUs with the fixes (< 20 s wall) and the tracker's overhead on a real CPU step 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -49,13 +51,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 GPT2 = "dpprof.scenarios.workloads:gpt2_small"
 ALL = ("dp-loss-primary", "dp-loss-forward", "ddp", "single")
+BEST_OF = 2  # each in-process figure: the least of two runs (the cores are shared)
 SETS: dict[str, tuple[str, ...]] = {s: (s,) for s in ALL} | {"all": ALL}
 
 
-def cpu_s(fn: Callable[[], object]) -> float:
-    t0 = time.process_time()
-    fn()
-    return time.process_time() - t0
+def cpu_s(fn: Callable[[], object], best_of: int = 1) -> float:
+    """CPU seconds of ``fn()``, the least of ``best_of`` runs (each after a collection)."""
+    times = []
+    for _ in range(best_of):
+        gc.collect()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return min(times)
 
 
 def compare(batch: int, gpus: int, scenarios: tuple[str, ...] = ALL, fixes: bool = False,
@@ -151,16 +159,22 @@ def llama_envelope() -> dict[str, dict[str, float]]:
     ddp: the same + the reducer's flat buckets (2P B) = 12P B;
     DataParallel cuda:0 (backward): params 2P + moments 4P + its replica's gradients 2P +
     the reduce-add's result 2P = 10P B; cuda:k: its replica's parameters 2P + gradients
-    2P = 4P B.
+    2P = 4P B. The training loop keeps the logits (seq x vocab bf16 per row) through
+    backward: one row's on single and DDP, the gathered batch's on cuda:0 under
+    dp-loss-primary (dp-loss-forward gathers one number per GPU).
     """
     from llama_shape import LLAMA_70B
 
-    p = LLAMA_70B.parameter_count()
+    c = LLAMA_70B
+    p = c.parameter_count()
     b = 2 * p  # bytes of one parameter-sized bf16 tensor set
-    dp = {"cuda:0": 5 * b, "cuda:k": 2 * b}
-    return {"parameters": {"count": p}, "single": {"cuda:0": 5 * b},
-            "ddp": {"cuda:0": 6 * b, "cuda:k": 6 * b},
-            "dp-loss-primary": dp, "dp-loss-forward": dp}
+    logits_row = c.seq * c.vocab * 2  # one row's bf16 logits, kept through backward
+    rows = 8
+    return {"parameters": {"count": p},
+            "single": {"cuda:0": 5 * b + logits_row},
+            "ddp": {"cuda:0": 6 * b + logits_row, "cuda:k": 6 * b + logits_row},
+            "dp-loss-primary": {"cuda:0": 5 * b + rows * logits_row, "cuda:k": 2 * b},
+            "dp-loss-forward": {"cuda:0": 5 * b, "cuda:k": 2 * b}}
 
 
 # ---- issue 3 -----------------------------------------------------------------------------
@@ -269,15 +283,15 @@ def main() -> None:
     for r in range(args.repeat):
         print(f"round {r + 1}/{args.repeat}", flush=True)
         for name, sset in SETS.items():
-            c2 = cpu_s(compare(64, 2, sset))
-            c16 = cpu_s(compare(64, 16, sset))
+            c2 = cpu_s(compare(64, 2, sset), BEST_OF)
+            c16 = cpu_s(compare(64, 16, sset), BEST_OF)
             add(f"gpus16_over_gpus2[{name}]", c16 / c2)
             add(f"cpu_s[{name}, batch 64, 2 gpus]", c2)
             add(f"cpu_s[{name}, batch 64, 16 gpus]", c16)
-        b8 = cpu_s(compare(8, 8, fixes=True))
-        b512 = cpu_s(compare(512, 8, fixes=True))
-        b8n = cpu_s(compare(8, 8, fixes=False))
-        b512n = cpu_s(compare(512, 8, fixes=False))
+        b8 = cpu_s(compare(8, 8, fixes=True), BEST_OF)
+        b512 = cpu_s(compare(512, 8, fixes=True), BEST_OF)
+        b8n = cpu_s(compare(8, 8, fixes=False), BEST_OF)
+        b512n = cpu_s(compare(512, 8, fixes=False), BEST_OF)
         add("batch512_over_batch8[fixes on]", b512 / b8)
         add("batch512_over_batch8[fixes off]", b512n / b8n)
         add("fixes_overhead[batch 8]", b8 / b8n - 1)
@@ -285,8 +299,8 @@ def main() -> None:
         for k, v in (("batch 8, fixes on", b8), ("batch 512, fixes on", b512),
                      ("batch 8, fixes off", b8n), ("batch 512, fixes off", b512n)):
             add(f"cpu_s[all, 8 gpus, {k}]", v)
-        ours = cpu_s(dpprof_single)
-        theirs = cpu_s(memtracker_single)
+        ours = cpu_s(dpprof_single, BEST_OF)
+        theirs = cpu_s(memtracker_single, BEST_OF)
         add("memtracker_over_dpprof", theirs / ours)
         add("cpu_s[dpprof single, 8 rows]", ours)
         add("cpu_s[MemTracker+FakeTensorMode, 8 rows]", theirs)
