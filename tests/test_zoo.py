@@ -1,0 +1,113 @@
+"""Real models from the libraries people train with (``tests/zoo.py``: transformers,
+torchvision, timm, built from tiny configs), checked as the built-ins are.
+
+* every model runs all four scenarios under emulation (meta tensors, the default);
+* ``single`` against ``torch.profiler`` on the same loop over real CPU tensors (profiling
+  from before the model is built): the bytes live when the measured iteration begins are
+  equal to the byte, and so is the iteration's peak, except for the CPU-only kernel scratch
+  named in ``dpprof.backends.memtrace.CPU_ONLY_ALLOCATIONS`` (oneDNN convolution and batch
+  norm scratch), by which the profiler's peak may exceed the emulator's and no more;
+* over meta tensors (what users get) the same peak, except where the emulator runs the GPU's
+  kernels on purpose (GPT-2's dropout: the fused kernel's 1-byte mask).
+
+The profiler's records are not also matched one by one here as they are for the built-ins:
+in these larger graphs the autograd engine accumulates some gradients in another order under
+a dispatch mode, so an in-order alignment reports frees as unmatched though the peaks agree.
+
+``benchmarks/zoo.py`` prints and records the same per model, with times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.gloo import RankSpec, run_rank
+from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, cpu_only_reason, peak_of
+from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.workloads import load_workload
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fidelity import emulated_step
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("transformers", "torchvision", "timm")),
+    reason="the zoo needs the zoo extra: pip install -e '.[zoo]'")
+
+ZOO = Path(__file__).with_name("zoo.py")
+RUNS_ON_META = ["gpt2", "llama", "bert", "resnet18", "vit"]
+# timm computes its drop-path rates in __init__ with .tolist()/.item() on a CPU tensor,
+# which over meta tensors has no value (stand-ins for such reads: not yet in the emulator)
+NEEDS_VALUES = ["timm_vit", "timm_convnext"]
+GPU_DROPOUT = {"gpt2"}  # meta runs the GPU's fused dropout (bool mask): lower than the CPU's
+ROWS = 2
+
+
+@pytest.mark.parametrize("name", RUNS_ON_META)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_zoo_model_runs_every_scenario(name: str, scenario: str) -> None:
+    r = run_scenario(scenario, load_workload(f"{ZOO}:{name}"),
+                     EmulationConfig(batch=2 * ROWS, gpus=2, gpu_memory_bytes=2**40))
+    assert r.status == "ok", r.message
+    assert r.devices[0].peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("name", NEEDS_VALUES)
+@pytest.mark.xfail(strict=True, reason="timm reads tensor values in __init__ (see NEEDS_VALUES)")
+def test_timm_on_meta(name: str) -> None:
+    r = run_scenario("single", load_workload(f"{ZOO}:{name}"),
+                     EmulationConfig(batch=2 * ROWS, gpus=2, gpu_memory_bytes=2**40))
+    assert r.status == "ok", r.message
+
+
+def cpu_only_peak(records: list[Alloc]) -> int:
+    """The most CPU-only kernel scratch live at once (records explained by
+    memtrace.cpu_only_reason, their frees paired by address)."""
+    live = peak = 0
+    sizes: dict[int, int] = {}
+    for e in records:
+        if e.size > 0 and cpu_only_reason(e) is not None:
+            sizes[e.ptr] = e.size
+            live += e.size
+        elif e.size < 0 and e.ptr in sizes:
+            live -= sizes.pop(e.ptr)
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS_ON_META + NEEDS_VALUES)
+def test_single_matches_the_profiler(name: str) -> None:
+    spec = f"{ZOO}:{name}"
+    measured = run_rank(RankSpec(workload=spec, rows=ROWS, wrap="none"), 0, 2)
+    records = [Alloc(0, s, op, p) for s, op, p in measured.step_events if abs(s) > SCALAR_BYTES]
+    start, cpu = emulated_step(spec, "single", ROWS, True)
+    assert measured.start_large_requested_bytes == start
+    profiler_peak = start + peak_of(records)
+    emulated_peak = start + max(0, *_running(cpu))
+    scratch = cpu_only_peak(records)
+    assert emulated_peak <= profiler_peak <= emulated_peak + scratch, (
+        name, profiler_peak, emulated_peak, scratch)
+    if scratch == 0:
+        assert profiler_peak == emulated_peak
+    if name in NEEDS_VALUES:
+        return
+    meta_start, meta = emulated_step(spec, "single", ROWS, False)
+    assert meta_start == start
+    meta_peak = meta_start + max(0, *_running(meta))
+    if name in GPU_DROPOUT:
+        assert meta_peak < emulated_peak
+    else:
+        assert meta_peak == emulated_peak
+
+
+def _running(deltas: list[int]) -> list[int]:
+    out, live = [], 0
+    for d in deltas:
+        live += d
+        out.append(live)
+    return out
