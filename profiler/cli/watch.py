@@ -22,6 +22,7 @@ import typer
 
 from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml.libnvml import NvmlBackend, default_nvml
+from dpprof.reports.escape import terminal_text
 from dpprof.result import ResultFileError, RunResult
 from dpprof.units import fmt_bytes
 
@@ -78,7 +79,8 @@ def _summary(run: RunResult, written: list[Path], samples: Path) -> str:
     imbalance = f" (max/mean {c.imbalance:.2f})" if c and len(w.devices) > 1 else ""
     where_to = str(written[0]) if written else str(samples)
     what = "post-mortem" if w.ooms else "report"
-    return f"dpprof: {head}; peak {peaks or 'n/a'}{imbalance}; {what}: {where_to}"
+    return (f"dpprof: {head}; peak {peaks or 'n/a'}{imbalance}; {what}: "
+            f"{terminal_text(where_to)}")
 
 
 def watch_cmd(
@@ -138,6 +140,7 @@ def watch_cmd(
     Example: dpprof watch -- python train.py --batch-size 256
     """
     from dpprof.cli.common import check_writable, err, output_paths, write_reports
+    from dpprof.cli.options import check_bounds
     from dpprof.watch.monitor import (
         SpawnError,
         WatchConfig,
@@ -164,6 +167,7 @@ def watch_cmd(
             raise UsageError(f"--interval {interval}: give a positive number of seconds")
         if not kill_after >= 0:
             raise UsageError(f"--kill-after {kill_after}: give seconds, 0 or more")
+        check_bounds({"--interval": interval, "--kill-after": kill_after})
         nvml = _load_backend(nvml_backend) if nvml_backend else nvml_factory()
         status = nvml.status()
         if not status.available:
