@@ -459,6 +459,7 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
     result: list[RankOutcome] | None = None
     error: str | None = None
     reported_dead: set[int] = set()
+    rank0_failure: str | None = None
     interrupted = False
     try:
         while time.monotonic() < deadline:
@@ -469,8 +470,8 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
             else:
                 if kind == "ok":
                     result = pickle.loads(payload)
-                else:
-                    error = str(payload)
+                else:  # rank 0 raised outside its body (setting up the group, say)
+                    error = rank0_failure = str(payload)
                 break
             for r, p in enumerate(procs):
                 if (p.exitcode is not None and r not in reported_dead
@@ -491,6 +492,13 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
         for p in procs:
             if not interrupted:
                 p.join(timeout=10 if result is not None else 2)
+        if result is None and not interrupted:  # a rank that died is the news, before we
+            for r, p in enumerate(procs):       # end the ones still running
+                if (p.exitcode is not None and r not in reported_dead
+                        and not store.check([f"{prefix}/status/{r}"])
+                        and not (r == 0 and rank0_failure)):
+                    reported_dead.add(r)
+                    _report_dead(store, prefix, r, p.exitcode)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -502,12 +510,18 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
     if result is not None:
         return blame(result)
     outcomes = []
+    why = (error or "no result").strip().splitlines()[0]
     for r in range(world):
         key = f"{prefix}/outcome/{r}"
         if store.check([key]):
             outcomes.append(pickle.loads(store.get(key)))
+        elif r == 0 and rank0_failure:
+            outcomes.append(RankOutcome(rank=0, ok=False, message=why, traceback=rank0_failure))
+        elif rank0_failure:
+            outcomes.append(RankOutcome(rank=r, ok=False, message=(
+                f"rank {r} did not report (rank 0 failed: {why[:200]})")))
         else:
-            outcomes.append(RankOutcome(rank=r, ok=False, message=error or "no result"))
+            outcomes.append(RankOutcome(rank=r, ok=False, message=why))
     return blame(outcomes)
 
 
