@@ -34,7 +34,8 @@ def thin(points: list[TimelinePoint], keep: int = POINTS) -> list[TimelinePoint]
     return out
 
 
-def thinned(run: RunResult) -> RunResult:
+def thinned(run: RunResult | None) -> RunResult:
+    assert run is not None
     for s in run.scenarios:
         for d in s.devices:
             d.timeline = thin(d.timeline)
@@ -45,12 +46,22 @@ def thinned(run: RunResult) -> RunResult:
     return run
 
 
+def _ran(run: RunResult | None) -> RunResult:
+    assert run is not None  # None only for torchrun ranks other than 0
+    return run
+
+
+def build() -> dict[str, RunResult]:
+    """Every result this script saves, by file name, as dpprof produces it now."""
+    return {
+        "emulated-lm.json": thinned(run_compare(CompareConfig())),
+        "cpu-mlp.json": _ran(run_compare(CompareConfig(workload="mlp", batch=16, compute=True))),
+    }
+
+
 def main() -> None:
-    run = thinned(run_compare(CompareConfig()))
-    write_atomic(DATA / "emulated-lm.json", run.to_json() + "\n")
-    cpu = run_compare(CompareConfig(workload="mlp", batch=16, compute=True))
-    write_atomic(DATA / "cpu-mlp.json", cpu.to_json() + "\n")
-    for name in ("emulated-lm.json", "cpu-mlp.json"):
+    for name, run in build().items():
+        write_atomic(DATA / name, run.to_json() + "\n")
         print(f"wrote {DATA / name} ({(DATA / name).stat().st_size:,} bytes)")
 
 
