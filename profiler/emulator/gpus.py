@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dpprof.emulator.allocator import simulate
+from dpprof.emulator.vdevice import EventLog
 
 __all__ = [
     "CUBLAS_HANDLES_PER_DEVICE",
@@ -559,11 +560,15 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     sequence stands for all.
     """
     per_device: dict[int, list[tuple[str, int, int]]] = {}
-    for ev in events:
-        if ev.device < 0 or ev.requested == 0:
+    rows: Iterable[tuple[int, int, int]] = (  # an EventLog's columns: no object per event
+        zip(events.device, events.serial, events.requested, strict=True)
+        if isinstance(events, EventLog)
+        else ((ev.device, ev.serial, ev.requested) for ev in events))
+    for device, serial, requested in rows:
+        if device < 0 or requested == 0:
             continue  # host storages; a 0-byte storage takes no block
-        kind = "alloc" if ev.requested > 0 else "free"
-        per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
+        kind = "alloc" if requested > 0 else "free"
+        per_device.setdefault(device, []).append((kind, serial, max(requested, 0)))
     workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
     simulated: dict[tuple[tuple[str, int, int], ...], Any] = {}  # one per distinct sequence
     for d in devices:

@@ -142,7 +142,9 @@ def reduce_add(
     if len(inputs) == 1:
         return inputs[0]
     result = torch.empty_like(inputs[root])
-    with rt.cross_device(), _no_dispatch(rt.base.type == "meta"):
+    if rt.base.type == "meta":
+        return result  # the sum is written in place: over meta there is nothing to write
+    with rt.cross_device():
         result.copy_(inputs[root])  # nccl.reduce writes the sum into result
         for i, t in enumerate(inputs):
             if i != root:
@@ -205,8 +207,10 @@ def gather_tensors(
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with rt.placing_on(destination):
         result = torch.empty(size, dtype=first.dtype, device=first.device, memory_format=fmt)
+    if rt.base.type == "meta":
+        return result  # the pieces are copied in place: over meta nothing is written
     start = 0
-    with rt.cross_device(), _no_dispatch(rt.base.type == "meta"):
+    with rt.cross_device():
         for t in tensors:
             result.narrow(dim, start, t.shape[dim]).copy_(t)
             start += t.shape[dim]
@@ -448,16 +452,16 @@ def parallel_apply(
     """
     from dpprof.emulator.replicas import group_replicas, run_group
 
-    runs = {start: stop for start, stop in
-            group_replicas(rt, modules, inputs, kwargs_tup, devices, alone)}
+    groups = {g[0].index: g for g in
+              group_replicas(rt, modules, inputs, kwargs_tup, devices, alone)}
     outputs: list[Any] = []
     k = 0
     while k < len(modules):
-        stop = runs.get(k)
-        if stop is not None:
-            outputs += run_group(rt, modules[k:stop], inputs[k:stop], kwargs_tup[k:stop],
-                                 devices[k:stop])
-            k = stop
+        group = groups.get(k)
+        if group is not None:
+            outputs += run_group(rt, group)
+            k += len(group)
+            del group
             continue
         inp = inputs[k]
         if not isinstance(inp, (list, tuple)):

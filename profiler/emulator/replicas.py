@@ -88,9 +88,10 @@ class _Member:
     """One replica of the group: its module, its tensors (unique, in slot order), inputs."""
 
     def __init__(self, module: nn.Module, inp: tuple[Any, ...], kwargs: dict[str, Any],
-                 device: int) -> None:
+                 device: int, index: int) -> None:
         self.module = module
         self.device = device
+        self.index = index  # among DataParallel's replicas
         self.slots = _slots(module)
         uniq: dict[int, int] = {}
         self.slot_index: list[int] = []
@@ -130,30 +131,34 @@ class _Member:
 def group_replicas(
     rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int], alone: Sequence[int] = (),
-) -> list[tuple[int, int]]:
-    """Runs ``[start, stop)`` of replicas (from index 1 on) to emulate as replayed groups:
+) -> list[list[_Member]]:
+    """Groups of replicas (from index 1 on) to emulate as replayed groups, each a run of
     at least two consecutive replicas with equal shards, none on a device in ``alone``
     (DataParallel's output device: its share of the gradient is a view, not a copy)."""
     if not (rt.dedupe_replicas and rt.base.type == "meta" and torch.is_grad_enabled()
             and len(modules) >= 3 and hasattr(torch.autograd.graph, "get_gradient_edge")):
         return []
+    members: list[_Member | None] = [None]
     keys: list[Any] = [None]
     for k in range(1, len(modules)):
         if devices[k] in alone:
+            members.append(None)
             keys.append(None)
             continue
         inp = inputs[k] if isinstance(inputs[k], (list, tuple)) else (inputs[k],)
-        keys.append(_Member(modules[k], tuple(inp), kwargs_tup[k], devices[k]).key())
-    runs = []
+        m = _Member(modules[k], tuple(inp), kwargs_tup[k], devices[k], k)
+        members.append(m)
+        keys.append(m.key())
+    groups = []
     k = 1
     while k < len(keys):
         stop = k + 1
         while keys[k] is not None and stop < len(keys) and keys[stop] == keys[k]:
             stop += 1
         if stop - k >= 2:
-            runs.append((k, stop))
+            groups.append([m for m in members[k:stop] if m is not None])
         k = stop
-    return runs
+    return groups
 
 
 class _Group:
@@ -291,6 +296,7 @@ class _Group:
         dev1 = self.members[0].device
         dev = self.members[k].device
         smap, real, holds, phantoms = self.maps[k], self.real[k], self.holds[k], self.phantoms[k]
+        serials: list[int] = []
         for d, s, req, alloc in window:
             if d != dev1:
                 raise _fail(rt, f"a replica touched device {d} besides its own")
@@ -316,7 +322,9 @@ class _Group:
                     phantoms.discard(s)
             else:
                 raise _fail(rt, "a replica resized a storage")
-            rt.emit(dev, sk, req, alloc)
+            serials.append(sk)
+        # nothing above emits (no storage of the runtime dies in the loop): emit at once
+        rt.emit_many(dev, serials, [ev[2] for ev in window], [ev[3] for ev in window])
 
     # ---- backward ---------------------------------------------------------------------
 
@@ -460,15 +468,9 @@ class _ReplicaGroup(torch.autograd.Function):
         return (None, *group.backward(grads))
 
 
-def run_group(
-    rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
-    kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
-) -> list[Any]:
-    """Replicas ``modules`` (equal shards) as one replayed group; their outputs, in order."""
-    members = []
-    for module, inp, kw, d in zip(modules, inputs, kwargs_tup, devices, strict=True):
-        inp = inp if isinstance(inp, (list, tuple)) else (inp,)
-        members.append(_Member(module, tuple(inp), kw, d))
+def run_group(rt: VirtualDevices, members: list[_Member]) -> list[Any]:
+    """A group from :func:`group_replicas` as one replayed node; the replicas' outputs, in
+    order."""
     group = _Group(rt, members)
     flat = [t for m in members for t in m.tensors]
     outs = _ReplicaGroup.apply(group, *flat)

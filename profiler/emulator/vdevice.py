@@ -385,6 +385,35 @@ class VirtualDevices(TorchDispatchMode):
             if c.live_requested > c.peak_requested:
                 c.peak_requested = c.live_requested
 
+    def emit_many(self, device: int, serials: list[int], requested: list[int],
+                  allocated: list[int]) -> None:
+        """:meth:`emit` for a run of events on one device (a replayed replica's)."""
+        with self._lock:
+            if self._recording is not None or device == HOST:
+                for ev in zip(serials, requested, allocated, strict=True):
+                    self.emit(device, *ev)
+                return
+            log = self.events
+            start = len(log)
+            log.device.extend([device] * len(serials))
+            log.serial.extend(serials)
+            log.requested.extend(requested)
+            log.allocated.extend(allocated)
+            c = self.counters[device]
+            live_r, live_a = c.live_requested, c.live_allocated
+            peak_r, peak_a, peak_event = c.peak_requested, c.peak_allocated, c.peak_event
+            for i, (r, a) in enumerate(zip(requested, allocated, strict=True), start + 1):
+                live_r += r
+                live_a += a
+                if live_a > peak_a:
+                    peak_a, peak_event = live_a, i
+                if live_r > peak_r:
+                    peak_r = live_r
+            if peak_event != c.peak_event:
+                c.peak_phase = self._state.phase
+            c.live_requested, c.live_allocated = live_r, live_a
+            c.peak_requested, c.peak_allocated, c.peak_event = peak_r, peak_a, peak_event
+
     def _free_callback(self, key: int) -> Callable[[Any], None]:
         def callback(_ref: Any) -> None:
             self._on_free(key)
