@@ -235,10 +235,9 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
              progress: Progress | None) -> None:
     """The emulated and cpu backends: every scenario on virtual devices (cpu: over CPU
     tensors, and ``ddp`` as gloo processes), with the same options."""
-    from dpprof.backends.emulated import context_model
+    from dpprof.backends.emulated import context_model, probe_model
 
-    with torch.device("meta"):
-        ctx = context_model(ecfg, wl.model())
+    ctx = context_model(ecfg, probe_model(wl, ecfg.gpus))
     run.assumptions = list(ASSUMPTIONS)
     if ecfg.count_reserved and cfg.compute:  # meta emulation models reserved + context itself
         run.assumptions.append(

@@ -27,6 +27,7 @@ from dpprof.emulator.kernels import (
 )
 from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
 from dpprof.emulator.vdevice import HOST, VirtualDevices, to_device
+from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -147,8 +148,9 @@ def build_on_device(
         model = wl.model()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model() returned {type(model).__name__}, not an nn.Module")
-        # Parameters built outside the mode (or on the CPU) are copied onto the device.
-        model._apply(lambda t: t if rt.device_of(t) == device else t.to(base, copy=True))
+        # Parameters built outside the mode (or on the CPU) are copied onto the device;
+        # those the model placed on a GPU itself (.to("cuda:1")) stay there.
+        model._apply(lambda t: t if rt.device_of(t) != HOST else t.to(base, copy=True))
         if wl.dtype != torch.float32:
             model.to(wl.dtype)
         loss_fn = wl.loss
@@ -189,9 +191,13 @@ def run_scenario(
         DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
     rank_rows = shards[0]
     base = torch.device("cpu" if cfg.compute else "meta")
-    n_dev = 1 if name == SINGLE else cfg.gpus
-    rt = VirtualDevices(n_dev, base="cpu" if cfg.compute else "meta")
+    # single: one GPU, unless the model places its layers on several itself
+    n_dev = cfg.gpus
+    rt = CudaDevices(n_dev, base="cpu" if cfg.compute else "meta", real_host=False,
+                     fix=DATA_DEPENDENT_FIX)
     rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and cfg.amp is None
+    # the model's own "cuda", "cuda:1", .cuda(), .to(...) name the virtual devices
+    cuda = VirtualCuda(n_dev, rt=rt, enter_runtime=False, honour_visible_devices=False)
     result = ScenarioResult(name=name, batch=cfg.batch)
     torch.manual_seed(cfg.seed)
     cats = _CategoryHooks(rt)
@@ -201,7 +207,7 @@ def run_scenario(
     amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
     autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)
     try:
-        with rt, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
+        with rt, cuda, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
                 amp or contextlib.nullcontext()), autocast_names:
             model, loss_fn, opt, params = build_on_device(rt, wl, base, 0)
             loss_inside = name == DP_LOSS_FORWARD
@@ -213,6 +219,13 @@ def run_scenario(
                 wrapped.chunk_sizes = cfg.dp_chunk_sizes
                 rows = cfg.batch
             elif name == DDP:
+                spans = sorted({rt.device_of(p) for p in params})
+                if len(spans) > 1:
+                    raise ValueError(
+                        "the model places its layers on {} GPUs itself ({}): DDP with one "
+                        "process per GPU does not apply; each rank would need that many "
+                        "GPUs (see single for this model's share of each)".format(
+                            len(spans), ", ".join(f"cuda:{i}" for i in spans)))
                 with rt.device(0):
                     wrapped = EmulatedDDP(
                         model, rt, world_size=cfg.gpus, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
@@ -287,8 +300,12 @@ def run_scenario(
             loss_val = float(loss) if cfg.compute and loss is not None else None
             del loss
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
-                    else [0])
+                    else placed_devices(rt))
             result.devices = _device_results(rt, cfg, name, shards, used, measure_start)
+            if name == SINGLE:  # the GPUs a model-parallel model placed itself on, else one
+                result.devices = result.devices[: max(used) + 1]
+            if rt.stand_ins.counts:
+                result.notes.append(stand_in_note(rt))
             if not cfg.compute or cfg.count_reserved:
                 fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
                                    same_program=name == DDP)
@@ -335,6 +352,32 @@ def run_scenario(
     else:
         result.status = STATUS_OK
     return result
+
+
+DATA_DEPENDENT_FIX = ("rerun with --compute (the same emulation over CPU tensors, real "
+                      "numbers) or --backend cpu")
+
+
+def probe_model(wl: Workload, gpus: int) -> nn.Module:
+    """The workload's model over meta tensors, to see what it contains (a model that
+    names its GPUs builds under a virtual CUDA)."""
+    rt = CudaDevices(gpus, "meta", real_host=False)
+    with VirtualCuda(gpus, rt=rt, honour_visible_devices=False), torch.device("meta"):
+        return wl.model()
+
+
+def placed_devices(rt: VirtualDevices) -> list[int]:
+    """The devices the model used: cuda:0, and any other it placed layers on itself."""
+    return [0] + [i for i in range(1, rt.num_devices) if rt.counters[i].peak_allocated > 0]
+
+
+def stand_in_note(rt: CudaDevices) -> str:
+    """The values read from emulated tensors (``.item()`` & co.) and where."""
+    st = rt.stand_ins
+    kinds = ", ".join(f"{k} x{v}" for k, v in sorted(st.counts.items()))
+    sites = "; ".join(f"{s} x{c}" for s, c in list(st.sites.items())[:3])
+    return (f"{st.total} value(s) read from emulated tensors answered with stand-ins "
+            f"({kinds}: {STAND_INS}): {sites}")
 
 
 def _device_results(

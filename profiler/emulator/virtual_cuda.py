@@ -107,9 +107,15 @@ class CudaDevices(VirtualDevices):
     """The runtime under a :class:`VirtualCuda`: ``device=cuda:k`` means virtual device k,
     the host stays real, reading a meta tensor's value gives a stand-in."""
 
-    def __init__(self, num_devices: int, base: str = "meta") -> None:
+    def __init__(self, num_devices: int, base: str = "meta", real_host: bool = True,
+                 fix: str = "rerun with --compute (the same emulation over CPU tensors, "
+                 "real numbers)") -> None:
         super().__init__(num_devices, base)
         self.cuda: VirtualCuda | None = None
+        # dpprof run: the script's host side is real (data loading); compare: the host
+        # holds meta tensors too (the workload's batch, made on the host, is moved)
+        self.real_host = real_host
+        self.fix = fix
         self.stand_ins = StandIns()
         self.in_dispatch = 0
         self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
@@ -123,6 +129,8 @@ class CudaDevices(VirtualDevices):
             return self.base, index
         if device.type == "cpu":
             # the host is real; over CPU tensors "cpu" is also every virtual tensor's device
+            if not self.real_host:
+                return self.base, None
             return torch.device("cpu"), (HOST if self.base.type == "meta" else None)
         if device.type == "meta" and self.cuda is not None:
             # x.device of an emulated tensor seen by torch's own code: the current GPU
@@ -136,16 +144,15 @@ class CudaDevices(VirtualDevices):
                 isinstance(a, torch.Tensor) and _is_meta(a) for a in args):
             raise DataDependentShapeError(
                 f"{func.__name__} makes a tensor whose shape depends on the values, and the "
-                "emulated tensors have none (meta tensors); rerun with --compute (the same "
-                "emulation over CPU tensors, real numbers)"
+                f"emulated tensors have none (meta tensors), at {caller_site()}; {self.fix}"
             )
         if func is aten.index.Tensor and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool and _is_meta(i)
                 for i in (args[1] if len(args) > 1 else ())):
             raise DataDependentShapeError(
                 "indexing with a boolean mask makes a tensor whose shape depends on the "
-                "values, and the emulated tensors have none (meta tensors); rerun with "
-                "--compute (the same emulation over CPU tensors, real numbers)"
+                f"values, and the emulated tensors have none (meta tensors), at "
+                f"{caller_site()}; {self.fix}"
             )
         if func is aten.convolution.default:
             self.saw_convolution = True
@@ -321,7 +328,8 @@ class VirtualCuda:
 
     def __init__(self, num_gpus: int = 4, gpu: str | GpuSpec = "a100-80gb",
                  base: str = "meta", rt: CudaDevices | None = None,
-                 gpu_memory_bytes: int | None = None) -> None:
+                 gpu_memory_bytes: int | None = None, enter_runtime: bool = True,
+                 honour_visible_devices: bool = True) -> None:
         self.spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
         self.physical = num_gpus
         self.rt = rt or CudaDevices(num_gpus, base)
@@ -334,6 +342,8 @@ class VirtualCuda:
         self._saved: list[tuple[Any, str, Any]] = []
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
+        self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``
+        self.honour_visible_devices = honour_visible_devices
         self.data_parallel_factory: Callable[..., nn.Module] | None = None
         self.ddp_factory: Callable[..., nn.Module] | None = None
         self.active = False
@@ -345,7 +355,8 @@ class VirtualCuda:
         """Physical virtual devices the program sees, read once (CUDA's initialisation)."""
         if self._visible is None:
             self._visible = parse_visible_devices(
-                os.environ.get("CUDA_VISIBLE_DEVICES"), self.physical)
+                os.environ.get("CUDA_VISIBLE_DEVICES") if self.honour_visible_devices
+                else None, self.physical)
         return self._visible
 
     def device_count(self) -> int:
@@ -565,8 +576,9 @@ class VirtualCuda:
         import torch._dynamo  # noqa: F401
 
         try:
-            self._stack.enter_context(self.rt)
-            self._stack.enter_context(self.rt.device(HOST))
+            if self.enter_runtime:
+                self._stack.enter_context(self.rt)
+                self._stack.enter_context(self.rt.device(HOST))
             self._install()
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -585,6 +597,11 @@ class VirtualCuda:
         self._stack.close()
         self.active = False
         _ACTIVE = None
+        keras_core = sys.modules.get("keras.src.backend.torch.core")
+        if (keras_core is not None and str(getattr(keras_core, "DEFAULT_DEVICE", "")) ==
+                "cuda" and not torch.cuda.is_available()):
+            # Keras was first imported under the emulation
+            setattr(keras_core, "DEFAULT_DEVICE", "cpu")  # noqa: B010 - a module mypy cannot see
 
     def _install(self) -> None:
         vc = self
@@ -804,6 +821,12 @@ class VirtualCuda:
         p(torch, "Generator", Generator)
         p(torch, "tensor", make(_ORIG["tensor"]))
         p(torch, "as_tensor", make(_ORIG["as_tensor"]))
+
+        # Keras 3 on torch picks its device once, at import: a Keras imported before the
+        # GPUs appeared must place its variables and inputs on them too
+        keras_core = sys.modules.get("keras.src.backend.torch.core")
+        if keras_core is not None and hasattr(keras_core, "DEFAULT_DEVICE"):
+            p(keras_core, "DEFAULT_DEVICE", "cuda")
 
         # Parallel wrappers
         from dpprof.emulator import script_parallel
