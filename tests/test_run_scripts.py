@@ -98,6 +98,18 @@ def test_data_parallel_loss_outside_forward_and_its_alternatives() -> None:
     assert ddp[0].breakdown_bytes["parameters"] == params_bytes(*MLP)
     assert ddp[0].breakdown_bytes["optimizer_state"] == params_bytes(*MLP)
     assert ddp[0].breakdown_bytes["communication"] >= 4 * numel(*MLP)  # the buckets
+    # what each alternative saves, with the change as a diff of the script's own lines
+    fixes = {f.name: f for f in result.fixes}
+    assert fixes["loss-in-forward"].saves_bytes == 64 * 1000 * 4
+    code = fixes["loss-in-forward"].code
+    assert "@@ line 30 @@\n-    model = nn.DataParallel(model)\n" in code
+    assert "+    model = nn.DataParallel(dpprof.ModelWithLoss(model, criterion))" in code
+    assert ("-        outputs = model(inputs)\n-        loss = criterion(outputs, labels)\n"
+            "+        loss = dpprof.ModelWithLoss.combine(model(inputs, labels))") in code
+    assert "-    model = nn.DataParallel(model)" in fixes["ddp"].code
+    assert "DDP(model.cuda(rank), device_ids=[rank])" in fixes["ddp"].code
+    assert fixes["ddp"].saves_bytes == (dp[0].peak_allocated_bytes
+                                        - ddp[0].peak_allocated_bytes)
     notes = " ".join(result.scenario("dp-loss-primary").notes)  # type: ignore[union-attr]
     assert "stopped after 3 optimizer step(s)" in notes and "item x" in notes
     assert "dp_loss_outside.py:47" in notes  # loss.item(): the user's own line

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import runpy
 import sys
 import time
@@ -40,6 +41,7 @@ from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,
     DeviceResult,
+    Fix,
     RunResult,
     ScenarioResult,
     TimelinePoint,
@@ -170,6 +172,9 @@ class ScriptRun:
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
     materialized: list[str] = field(default_factory=list)  # see script_parallel.LOG
+    dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
+    call_sites: list[str] = field(default_factory=list)
+    loss_sites: list[str] = field(default_factory=list)
 
 
 StepCallback = Callable[[int], None]
@@ -359,6 +364,9 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                                                and bool(log.ddp_devices))
                     run.replica_scalars = log.replica_scalars
                     run.materialized = list(log.materialized)
+                    run.dp_sites = list(log.dp_sites)
+                    run.call_sites = list(log.call_sites)
+                    run.loss_sites = list(log.loss_sites)
                     run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
                                          vc.device_count() if cfg.variant == DDP_IN_PLACE
                                          else 1)
@@ -576,6 +584,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     n = len(main.scenario.devices) if main.scenario.name != DDP else cfg.gpus
     runs = [(AS_WRITTEN, main)]
     notes: list[str] = []
+    fixes: list[Fix] = []
     if alternatives and main.scenario.name == DP_LOSS_PRIMARY and main.ended != "script raised":
         for variant in (LOSS_IN_FORWARD, DDP_IN_PLACE):
             alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
@@ -595,6 +604,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                     + "): after the loss, this alternative gives them as stand-ins of the "
                     "gathered shape on cuda:0 (no gradient); before it, as written")
             runs.append((variant, alt))
+            fix = script_fix(variant, main, alt, n)
+            if fix is not None:
+                fixes.append(fix)
     s0 = main.scenario
     s0.notes.insert(0, _how_it_ended(main, cfg))
     if main.stand_ins:
@@ -622,6 +634,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         },
         assumptions=_assumptions(cfg),
         notes=notes,
+        fixes=fixes,
     )
     from dpprof.pipeline import environment
 
@@ -654,6 +667,94 @@ def script_verdict(s: ScenarioResult, cfg: ScriptConfig) -> str:
     worst = max(used, key=lambda d: d.total_peak_bytes)
     return (f"{head}; it fits: the fullest GPU needs {fmt_bytes(worst.total_peak_bytes)} of "
             f"{fmt_bytes(cfg.capacity_bytes)} with reserved memory and the CUDA context.")
+
+
+def _line(site: str) -> tuple[str, int, str] | None:
+    """(file, line number, text) of a "file:line" site."""
+    import linecache
+
+    path, _, num = site.rpartition(":")
+    if not num.isdigit():
+        return None
+    text = linecache.getline(path, int(num)).rstrip("\n")
+    return (path, int(num), text) if text.strip() else None
+
+
+_ASSIGN_CALL = re.compile(r"^(\s*)([\w.]+)\s*=\s*([\w.]+)\((.*)\)\s*$")
+
+
+def diff_loss_in_forward(run: ScriptRun) -> str:
+    """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
+    saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
+    dp = _line(run.dp_sites[0]) if run.dp_sites else None
+    call = _line(run.call_sites[0]) if run.call_sites else None
+    loss = _line(run.loss_sites[0]) if run.loss_sites else None
+    if dp is None or call is None or loss is None:
+        return ""
+    m_loss = _ASSIGN_CALL.match(loss[2])
+    m_call = _ASSIGN_CALL.match(call[2])
+    if m_loss is None or m_call is None:
+        return ""
+    indent, loss_var, loss_fn, loss_args = m_loss.groups()
+    _, _, model, model_args = m_call.groups()
+    targets = loss_args.split(",", 1)[1].strip() if "," in loss_args else "targets"
+    wrapped = re.sub(r"DataParallel\((\s*)([^,)]+)",
+                     lambda m: f"DataParallel({m.group(1)}dpprof.ModelWithLoss({m.group(2)}, "
+                     f"{loss_fn})", dp[2], count=1)
+    name = Path(dp[0]).name
+    out = [f"--- {name} (as written)", f"+++ {name} (the loss inside forward)",
+           f"@@ line {dp[1]} @@", f"-{dp[2]}", f"+{wrapped}"]
+    lines = sorted({call[1]: call[2], loss[1]: loss[2]}.items())
+    out.append(f"@@ line {lines[0][0]} @@")
+    out += [f"-{text}" for _, text in lines]
+    out.append(f"+{indent}{loss_var} = dpprof.ModelWithLoss.combine({model}({model_args}, "
+               f"{targets}))")
+    if run.materialized:
+        out.append(f"+{indent}# the outputs no longer reach cuda:0: compute what you log "
+                   "from them inside forward")
+    return "\n".join(out)
+
+
+def diff_ddp(run: ScriptRun, gpus: int) -> str:
+    """The DDP change around the script's own DataParallel line."""
+    dp = _line(run.dp_sites[0]) if run.dp_sites else None
+    if dp is None:
+        return ""
+    indent = dp[2][: len(dp[2]) - len(dp[2].lstrip())]
+    m = re.search(r"DataParallel\((\s*)([^,)]+)", dp[2])
+    module = m.group(2).strip() if m else "model"
+    target = dp[2].split("=", 1)[0].strip() if "=" in dp[2] else "model"
+    name = Path(dp[0]).name
+    return "\n".join([
+        f"--- {name} (as written)", f"+++ {name} (DistributedDataParallel)",
+        f"+{indent}# torchrun --nproc-per-node {gpus} {name}",
+        f'+{indent}dist.init_process_group("nccl")',
+        f'+{indent}rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)',
+        f"@@ line {dp[1]} @@", f"-{dp[2]}",
+        f"+{indent}{target} = DDP({module}.cuda(rank), device_ids=[rank])",
+        f"+{indent}# and each DataLoader: batch_size // {gpus}, "
+        "sampler=DistributedSampler(dataset); inputs .cuda(rank)",
+    ])
+
+
+def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
+    """What the alternative saves on cuda:0, with its change to the script's lines."""
+    if not main.scenario.devices or not alt.scenario.devices:
+        return None
+    p0 = main.scenario.devices[0].peak_allocated_bytes
+    q0 = alt.scenario.devices[0].peak_allocated_bytes
+    heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
+    if variant == LOSS_IN_FORWARD:
+        return Fix(name="loss-in-forward", title="Compute the loss inside forward",
+                   primary_peak_bytes=q0, max_peak_bytes=heaviest, saves_bytes=p0 - q0,
+                   detail="the same script with DataParallel(ModelWithLoss(model, loss)): "
+                   "cuda:0 gathers one number per GPU instead of the outputs.",
+                   code=diff_loss_in_forward(alt))
+    return Fix(name="ddp", title="DistributedDataParallel", primary_peak_bytes=q0,
+               max_peak_bytes=heaviest, saves_bytes=p0 - q0,
+               detail=f"the same script as {gpus} DDP ranks: every GPU its own parameters, "
+               "gradients, optimizer state and its share of each batch.",
+               code=diff_ddp(main, gpus))
 
 
 def _how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:

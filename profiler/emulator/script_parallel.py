@@ -49,6 +49,9 @@ class ParallelLog:
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     fake_group: bool = False  # a fake default process group was initialised
+    dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
+    call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
+    loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
 
 
 def _logical_ids(vc: VirtualCuda, ids: Sequence[Any] | None) -> list[int]:
@@ -78,6 +81,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         if vc is None:
             raise RuntimeError("VirtualDataParallel needs an active VirtualCuda")
         self._vc = vc
+        LOG.dp_sites.append(caller_site())
         self.dim = dim
         self.module = module
         self.device_ids = _logical_ids(vc, device_ids)
@@ -284,6 +288,8 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
     if targets is None or len(args) > 2:
         return None
     deferred.used_as_loss = True
+    LOG.call_sites.append(deferred.site)
+    LOG.loss_sites.append(caller_site())
     wrapped = _recording_class()(deferred.dp.module, loss_fn)
     wrapped.shapes = deferred.shapes
     inputs = deferred.inputs if len(deferred.inputs) != 1 else deferred.inputs[0]

@@ -480,11 +480,11 @@ class VirtualCuda:
         dtype = dtype or t.dtype
         with rt.placing_on(index):
             if index == HOST:
-                if _is_meta(t) and (real is None or real.type != "meta"):
+                if rt.real_host and _is_meta(t) and (real is None or real.type != "meta"):
                     rt.stand_ins.add("host copy")
                     return torch.zeros(t.shape, dtype=dtype, device="cpu")
-                return _ORIG["to"](t, device=real or torch.device("cpu"), dtype=dtype,
-                                   copy=True)
+                host = real or (torch.device("cpu") if rt.real_host else self.base)
+                return _ORIG["to"](t, device=host, dtype=dtype, copy=True)
             if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
                 with rt.category(rt.current_category if rt.current_category == "parameters"
                                  else "inputs"):
@@ -494,7 +494,7 @@ class VirtualCuda:
     def to_index(self, t: torch.Tensor, index: int, dtype: torch.dtype | None = None,
                  copy: bool = False, memory_format: Any = None) -> torch.Tensor:
         src = self.rt.device_of(t)
-        if src == index and not (src == HOST and _is_meta(t)):
+        if src == index and not (src == HOST and _is_meta(t) and self.rt.real_host):
             if dtype is None and memory_format is None and not copy:
                 return t
             kw: dict[str, Any] = {"copy": copy}
@@ -517,7 +517,8 @@ class VirtualCuda:
         if d.type == "cuda":
             return self.index_of(d)
         if d.type == "cpu":
-            return HOST
+            # compare: the emulator's own "cpu" is its base, placed by the dispatch rules
+            return HOST if self.rt.real_host else None
         if d.type == "meta":
             return None
         return None
@@ -540,8 +541,10 @@ class VirtualCuda:
         memory_format = kwargs.pop("memory_format", None)
         del non_blocking  # copies are in order on virtual devices
         target = self.target_of(device)
-        if target is None:
+        if target is None:  # no device, or the real one (meta): torch's own conversion
             kw: dict[str, Any] = {"copy": copy}
+            if device is not None:
+                kw["device"] = device
             if dtype is not None:
                 kw["dtype"] = dtype
             if memory_format is not None:
