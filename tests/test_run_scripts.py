@@ -210,6 +210,17 @@ def test_keras3_model_on_the_torch_backend() -> None:
     assert not any(x.used for x in s.devices[1:])
 
 
+def test_autocast_and_grad_scaler_take_every_step() -> None:
+    main = run_script(ScriptConfig(launch=parse_command(
+        ["python", str(SCRIPTS / "amp_autocast.py")], 4), steps=3))
+    # GradScaler's found_inf is a meta tensor: no inf, every optimizer step is taken
+    assert main.steps_done == 3 and main.ended == "steps"
+    assert main.autocast_regions >= 2
+    d = main.scenario.devices[0].breakdown_bytes
+    # float32 master weights: Linear(256, 2048) and Linear(2048, 256)
+    assert d["parameters"] == params_bytes((2048, 256), (2048,), (256, 2048), (256,))
+
+
 def test_resnet18_in_data_parallel_loads_cuda0() -> None:
     from torchvision_shim import import_torchvision
 

@@ -170,6 +170,9 @@ def test_values_of_meta_tensors_are_counted_stand_ins() -> None:
         assert torch.zeros(4, device="cuda").numpy().shape == (4,)
         counts = vc.rt.stand_ins.counts
         assert counts == {"item": 3, "bool": 1, "tolist": 1, "numpy": 1}
+        # torch.isfinite(x).all() on the user's line: the emulated values are finite
+        assert bool(torch.isfinite(loss).all()) is True
+        assert vc.rt.stand_ins.counts["bool (isfinite)"] == 1
         assert any("test_virtual_cuda.py" in site for site in vc.rt.stand_ins.sites)
 
 

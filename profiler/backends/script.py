@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator import script_parallel
 from dpprof.emulator.gpus import GpuSpec, context_overhead, lookup_gpu
+from dpprof.emulator.kernels import CudaAutocastNames
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.errors import UsageError
@@ -170,6 +171,7 @@ class ScriptRun:
     batch_rows: int = 0
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
+    autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
     materialized: list[str] = field(default_factory=list)  # see script_parallel.LOG
     dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
@@ -317,13 +319,15 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     stepper = _Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
     variant = _Variant(cfg.variant, vc, cfg.gpus)
+    # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
+    autocast = CudaAutocastNames()
     start = time.perf_counter()
     exc: BaseException | None = None
     with _script_process(launch):
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
         try:
-            with vc:
+            with vc, autocast:
                 variant.install(vc)
                 orig_backward = torch.autograd.backward
 
@@ -380,6 +384,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.steps_done = stepper.done
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
+    run.autocast_regions = autocast.regions
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
     return run
 
@@ -609,6 +614,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                 fixes.append(fix)
     s0 = main.scenario
     s0.notes.insert(0, _how_it_ended(main, cfg))
+    if main.autocast_regions:
+        s0.notes.append(f"torch.autocast('cuda') in the script: {main.autocast_regions} "
+                        "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
     if main.stand_ins:
         s0.notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "

@@ -55,7 +55,8 @@ STAND_IN_INT = 1
 STAND_IN_BOOL = False
 STAND_INS = (
     f"values read from emulated tensors are stand-ins: floats {STAND_IN_FLOAT}, integers "
-    f"{STAND_IN_INT}, booleans {STAND_IN_BOOL}, host copies (.cpu(), .numpy(), .tolist()) zeros"
+    f"{STAND_IN_INT}, booleans {STAND_IN_BOOL} (True where the line asks torch.isfinite), "
+    "host copies (.cpu(), .numpy(), .tolist()) zeros; GradScaler finds no inf"
 )
 
 # Ops whose output shape depends on the values (meta tensors have none).
@@ -84,6 +85,14 @@ def caller_site() -> str:
             return f"{name}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     return "?"
+
+
+def caller_line() -> str:
+    """The source text of :func:`caller_site`'s line ("" where unknown)."""
+    import linecache
+
+    path, _, num = caller_site().rpartition(":")
+    return linecache.getline(path, int(num)) if num.isdigit() else ""
 
 
 @dataclass
@@ -160,6 +169,9 @@ class CudaDevices(VirtualDevices):
             split = self._foreach_by_device(func, types, args, kwargs or {})
             if split is not _NOT_SPLIT:
                 return split
+        return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         self.in_dispatch += 1
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -196,6 +208,9 @@ class CudaDevices(VirtualDevices):
 
     def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
         if t.dtype == torch.bool:
+            if "isfinite" in caller_line():  # torch.isfinite(loss): emulated values are
+                self.stand_ins.add("bool (isfinite)")
+                return True
             self.stand_ins.add("bool")
             return STAND_IN_BOOL
         if t.is_floating_point() or t.is_complex():
@@ -830,6 +845,22 @@ class VirtualCuda:
         keras_core = sys.modules.get("keras.src.backend.torch.core")
         if keras_core is not None and hasattr(keras_core, "DEFAULT_DEVICE"):
             p(keras_core, "DEFAULT_DEVICE", "cuda")
+
+        # GradScaler: over meta tensors no gradient is inf, so the step is taken (the
+        # stand-in 1.0 for found_inf would skip every step)
+        import torch.amp.grad_scaler as grad_scaler
+
+        orig_opt_step = grad_scaler.GradScaler._maybe_opt_step
+
+        def maybe_opt_step(scaler: Any, optimizer: Any, optimizer_state: dict[str, Any],
+                           *args: Any, **kwargs: Any) -> Any:
+            found = list(optimizer_state["found_inf_per_device"].values())
+            if found and all(_is_meta(v) for v in found):
+                vc.rt.stand_ins.add("found_inf (none)")
+                return optimizer.step(*args, **kwargs)
+            return orig_opt_step(scaler, optimizer, optimizer_state, *args, **kwargs)
+
+        p(grad_scaler.GradScaler, "_maybe_opt_step", maybe_opt_step)
 
         # Parallel wrappers
         from dpprof.emulator import script_parallel
