@@ -19,9 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpprof.nvml.libnvml import FakeDevice, FakeNvml
 from dpprof.nvml.sampler import NvmlSampler
 from dpprof.watch.monitor import ProcessTree, WatchConfig, Watcher, select_devices
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fake_nvml import FakeDevice, FakeNvml  # the tests' fake NVML (not shipped)
 
 MIB = 2**20
 WRITER = (

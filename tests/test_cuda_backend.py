@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from fake_nvml import FakeDevice, FakeNvml
 from torch import nn
 
 import dpprof
@@ -30,7 +31,6 @@ from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.backends.cuda_run import select_devices
 from dpprof.backends.ranks import DdpOptions
 from dpprof.errors import UsageError
-from dpprof.nvml.libnvml import FakeDevice, FakeNvml
 from dpprof.pipeline import CompareConfig, resolve_backend, run_compare
 from dpprof.result import DeviceResult, RunResult
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fake_nvml import FakeDevice, FakeMig, FakeNvml
 
 from dpprof.nvml.devices import (
     match_torch_uuid,
@@ -13,7 +14,6 @@ from dpprof.nvml.devices import (
     torch_cuda_uuids,
     visible_devices,
 )
-from dpprof.nvml.libnvml import FakeDevice, FakeMig, FakeNvml
 
 U0 = "GPU-aaaa0000-1111-2222-3333-444444444444"
 U1 = "GPU-aaaa1111-1111-2222-3333-444444444444"

@@ -11,13 +11,11 @@ from typing import Any
 
 import pynvml
 import pytest
+from fake_nvml import FakeDevice, FakeLink, FakeNvml
 
 from dpprof.nvml.libnvml import (
     HINT_PERMISSION,
     NVML_VALUE_NOT_AVAILABLE,
-    FakeDevice,
-    FakeLink,
-    FakeNvml,
     NvmlQueryError,
     PeerLink,
     ProcessMemory,

@@ -9,15 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_nvml import FakeDevice, FakeNvml
 
-from dpprof.nvml.libnvml import (
-    FakeDevice,
-    FakeNvml,
-    MemoryInfo,
-    NvmlQueryError,
-    RealNvml,
-    Utilization,
-)
+from dpprof.nvml.libnvml import MemoryInfo, NvmlQueryError, RealNvml, Utilization
 from dpprof.nvml.sampler import (
     DeviceStopped,
     JsonlSink,

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import watch_fakes
+from fake_nvml import FakeNvml
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
-from dpprof.nvml.libnvml import FakeNvml
 from dpprof.reports import html as html_report
 from dpprof.reports import json as json_report
 from dpprof.reports import terminal

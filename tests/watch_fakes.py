@@ -8,9 +8,14 @@ is never the command's, so the tests see whether dpprof keeps only the command's
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-from dpprof.nvml.libnvml import FakeDevice, FakeNvml
 from dpprof.watch.monitor import descendants
+
+# loaded by file path in the watching process (--nvml-backend): its neighbour too
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_nvml import FakeDevice, FakeNvml
 
 GIB = 2**30
 MIB = 2**20
