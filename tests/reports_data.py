@@ -18,6 +18,17 @@ SAVED = {
     "synthetic-ddp-2-nodes": DATA / "synthetic-ddp-2-nodes.json",
 }
 
+# The HTML report's sections, in the issue's order (the ones a result has appear)
+HTML_SECTIONS = [
+    "Peak memory per GPU",
+    "Why cuda:0 is heavier",
+    "Memory over the step",
+    "Step time and throughput",
+    "Largest batch that fits",
+    "What to change",
+    "How these numbers were obtained",
+]
+
 HOSTILE = (
     "</script><script>window.__pwned=1</script>"
     "<img src=x onerror=\"window.__pwned=2\">\"'&<b>bold</b>|`x`*_[a](javascript:alert(1))"

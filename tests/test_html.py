@@ -10,17 +10,6 @@ from reports_data import HOSTILE, SAVED, hostile, saved
 from dpprof.reports import html
 from dpprof.result import RunResult
 
-SECTIONS = [
-    "Peak memory per GPU",
-    "Why cuda:0 is heavier",
-    "Memory over the step",
-    "Step time and throughput",
-    "Largest batch that fits",
-    "What to change",
-    "How these numbers were obtained",
-]
-
-
 def _figures(page: str) -> dict:
     m = re.search(r'<script id="dpprof-figures" type="application/json">(.*?)</script>', page,
                   re.S)

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 
 import pytest
-from reports_data import SAVED, saved
+from reports_data import HTML_SECTIONS, SAVED, saved
 
 from dpprof.analysis.attribution import cause_label
 from dpprof.analysis.fixes import recommended
@@ -22,17 +22,6 @@ from dpprof.reports.common import excesses
 from dpprof.reports.markdown import md
 from dpprof.reports.registry import renderers
 from dpprof.result import RunResult
-
-HTML_SECTIONS = [
-    "Peak memory per GPU",
-    "Why cuda:0 is heavier",
-    "Memory over the step",
-    "Step time and throughput",
-    "Largest batch that fits",
-    "What to change",
-    "How these numbers were obtained",
-]
-
 
 def _plain(fmt: str, text: str) -> str:
     """The words of a report: markup and escapes removed, whitespace folded."""

@@ -32,7 +32,13 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator import script_parallel
-from dpprof.emulator.gpus import GpuSpec, context_overhead, lookup_gpu
+from dpprof.emulator.gpus import (
+    DeviceFigures,
+    GpuSpec,
+    device_context,
+    fill_gpu_overheads,
+    lookup_gpu,
+)
 from dpprof.emulator.kernels import CudaAutocastNames
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
@@ -53,7 +59,6 @@ from dpprof.units import fmt_bytes
 MODEL_PARALLEL = "model-parallel"  # the script's own placement over several GPUs
 AS_WRITTEN = "as-written"
 TIMELINE_POINTS = 400
-CUBLAS_HANDLES = 2  # the forward's thread and the autograd engine's device thread
 
 
 class StopScript(BaseException):
@@ -509,31 +514,18 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
 
 
 def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
-    """Reserved (the caching allocator simulated over each device's allocations, cuBLAS
-    workspaces first) and the CUDA context, per used device."""
-    from dpprof.emulator.allocator import simulate
+    """Reserved and the CUDA context per used device: the emulator's one model
+    (:func:`dpprof.emulator.gpus.fill_gpu_overheads`) over the script's allocations."""
+    ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
 
-    ctx = context_overhead(cfg.gpu, uses_cudnn=vc.rt.saw_convolution,
-                           cublas_handles=CUBLAS_HANDLES)
-    per_device: dict[int, list[tuple[str, int, int]]] = {}
-    for ev in vc.rt.events:
-        if ev.device < 0 or ev.requested == 0:
-            continue
-        kind = "alloc" if ev.requested > 0 else "free"
-        per_device.setdefault(ev.device, []).append((kind, ev.serial, max(ev.requested, 0)))
-    for d in s.devices:
-        if not d.used:
-            continue
-        src = vc.visible[0] if d.rank is not None else vc.visible[d.index]
-        if d.rank is not None:
-            src = next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0), src)
-        ws = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
-        stats = simulate(ws + per_device.get(src, []), timeline_points=None, stop_on_oom=False)
-        d.peak_reserved_bytes = stats.peak_reserved_bytes
-        d.workspace_bytes = ctx.workspace_bytes
-        d.context_bytes = ctx.outside_allocator_bytes
-        d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
-                                     if v and k in ("cuda_context", "cudnn_library")}
+    def source(d: DeviceFigures) -> int:
+        if d.rank is None:
+            return vc.visible[d.index]
+        # a DDP rank: the visible device that ran it stands for every rank
+        return next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
+                    vc.visible[0])
+
+    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source)
 
 
 def _timeline(rt: CudaDevices, index: int, start: int) -> list[TimelinePoint]:

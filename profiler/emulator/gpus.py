@@ -28,7 +28,7 @@ allocator itself serves (cuBLAS / cuBLASLt workspaces), with the assumptions spe
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ __all__ = [
     "CUBLAS_HANDLES_PER_DEVICE",
     "GPUS",
     "ContextModel",
+    "DeviceFigures",
     "GpuSpec",
     "context_overhead",
     "cublas_workspace_size",
@@ -545,6 +546,7 @@ class AllocationEvent(Protocol):
 class DeviceFigures(Protocol):
     index: int
     used: bool
+    rank: int | None  # DDP: the rank, else None
     peak_reserved_bytes: int | None
     workspace_bytes: int | None
     context_bytes: int | None
@@ -552,12 +554,14 @@ class DeviceFigures(Protocol):
 
 
 def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[AllocationEvent],
-                       ctx: ContextModel, same_program: bool) -> None:
+                       ctx: ContextModel, same_program: bool = False,
+                       source: Callable[[DeviceFigures], int] | None = None) -> None:
     """Per used device: the caching allocator's reserve (a simulation of its pools over the
     device's allocation sequence, cuBLAS workspaces included) and the context.
 
     ``same_program``: every device runs the same allocations (DDP ranks), device 0's
-    sequence stands for all.
+    sequence stands for all. ``source``: the event log's device whose sequence a result's
+    device stands for (default: its index).
     """
     per_device: dict[int, list[tuple[str, int, int]]] = {}
     rows: Iterable[tuple[int, int, int]] = (  # an EventLog's columns: no object per event
@@ -574,7 +578,8 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     for d in devices:
         if not d.used:
             continue
-        seq = per_device.get(0 if same_program else d.index, [])
+        src = source(d) if source is not None else 0 if same_program else d.index
+        seq = per_device.get(src, [])
         key = _sequence_key(seq)
         stats = simulated.get(key)
         if stats is None:
