@@ -10,6 +10,7 @@ from reports_data import HOSTILE, SAVED, hostile, saved
 from dpprof.reports import html
 from dpprof.result import RunResult
 
+
 def _figures(page: str) -> dict:
     m = re.search(r'<script id="dpprof-figures" type="application/json">(.*?)</script>', page,
                   re.S)

@@ -23,6 +23,7 @@ from dpprof.reports.markdown import md
 from dpprof.reports.registry import renderers
 from dpprof.result import RunResult
 
+
 def _plain(fmt: str, text: str) -> str:
     """The words of a report: markup and escapes removed, whitespace folded."""
     if fmt == "html":
