@@ -168,6 +168,26 @@ def test_ddp_under_torchrun() -> None:
         assert d.peak_allocated_bytes == s.devices[0].peak_allocated_bytes
 
 
+def test_collectives_on_the_fake_process_group(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "coll.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('nccl')\n"
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "t = torch.ones(1000, device='cuda')\n"
+        "dist.all_reduce(t)\n"
+        "outs = [torch.empty(1000, device='cuda') for _ in range(dist.get_world_size())]\n"
+        "dist.all_gather(outs, t)\n"
+        "dist.broadcast(t, 0)\n"
+        "dist.barrier()\n"
+        "print('allocated', torch.cuda.memory_allocated(), len(outs))\n")
+    result = run(["torchrun", "--nproc-per-node", "3", str(script)])
+    assert result.scenarios[0].status == "ok"
+    # t and the three gathered tensors: 4 x 1000 floats, each in its own block
+    assert "allocated 16384 3" in capsys.readouterr().out
+
+
 def test_ddp_under_mp_spawn() -> None:
     result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=2)
     (s,) = result.scenarios
@@ -288,6 +308,7 @@ def test_cli_no_optimizer_step_is_said(tmp_path: Path) -> None:
                             str(script)])
     assert r.exit_code == 0, r.output
     assert "never called optimizer.step()" in r.stdout
+    assert "saw 1 forward pass(es) and 0 backward pass(es)" in " ".join(r.stdout.split())
 
 
 def test_cli_data_dependent_shape_names_compute(tmp_path: Path) -> None:

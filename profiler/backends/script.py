@@ -177,6 +177,8 @@ class ScriptRun:
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
+    forwards: int = 0  # outermost module calls seen
+    backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
     materialized: list[str] = field(default_factory=list)  # see script_parallel.LOG
     dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
@@ -201,6 +203,8 @@ class _Stepper:
         self._phase: contextlib.ExitStack | None = None
         self.batch_rows = 0  # rows of the first batch that reached backward
         self._last_rows = 0  # rows of the last outermost module call
+        self.forwards = 0  # outermost module calls
+        self.backwards = 0  # backward() calls
         self._depth = 0
 
     def phase(self, name: str) -> None:
@@ -236,12 +240,14 @@ class _Stepper:
                   if isinstance(t, torch.Tensor)], "optimizer_state")
 
     def backward_started(self) -> None:
+        self.backwards += 1
         self.phase(f"backward (step {self.done + 1})")
         if not self.batch_rows:
             self.batch_rows = self._last_rows  # the batch of the forward this backs
 
     def _pre_forward(self, module: Any, args: Any) -> None:
         if self._depth == 0:
+            self.forwards += 1
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
                 self._last_rows = int(first.shape[0])
@@ -387,6 +393,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
             torch.random.set_rng_state(seed_state)
     run.seconds = time.perf_counter() - start
     run.steps_done = stepper.done
+    run.forwards, run.backwards = stepper.forwards, stepper.backwards
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
@@ -767,8 +774,9 @@ def _how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
     else:
         how = f"the script raised after {steps} (exit status {run.exit_status})"
     if run.steps_done == 0:
-        how += ("; it never called optimizer.step(), so the peaks are over the whole run "
-                "(no warm-up step to leave out)")
+        how += (f"; it never called optimizer.step() (dpprof saw {run.forwards} forward "
+                f"pass(es) and {run.backwards} backward pass(es) instead), so the peaks are "
+                "over the whole run (no warm-up step to leave out)")
     elif run.steps_done == 1:
         how += "; only one step: the peaks include the warm-up"
     return how + f"; {run.seconds:.1f} s"
