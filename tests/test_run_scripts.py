@@ -155,6 +155,19 @@ def test_one_gpu_script_matches_torch_profiler_on_cpu() -> None:
     assert s.devices[0].peak_allocated_bytes == peak_of(events, rounded=True)
 
 
+def test_accelerator_script_matches_torch_profiler_on_cpu() -> None:
+    """torch.accelerator code runs on the CPU where no accelerator is: the same script under
+    torch.profiler. Adam's step counters are the difference: torch keeps ``state["step"]``
+    on the host for GPU parameters (not capturable, not fused), so the GPU does not hold
+    them; on the CPU they are four 4-byte tensors of the same allocator."""
+    path = str(SCRIPTS / "accelerator.py")
+    _, events = record(lambda: runpy.run_path(path, run_name="__main__"))
+    result = run(["python", path], steps=4)
+    (s,) = result.scenarios
+    host_step_counters = 4 * 4  # one float32 0-dim tensor per parameter
+    assert s.devices[0].peak_requested_bytes == peak_of(events) - host_step_counters
+
+
 def test_ddp_under_torchrun() -> None:
     result = run(["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_torchrun.py")])
     (s,) = result.scenarios

@@ -5,7 +5,8 @@ import torch.nn as nn
 
 device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
 print("training on", device, "x", torch.accelerator.device_count())
-torch.accelerator.set_device_index(0)
+if torch.accelerator.is_available():
+    torch.accelerator.set_device_index(0)
 model = nn.Sequential(nn.Linear(128, 1024), nn.GELU(), nn.Linear(1024, 10)).to(device)
 optimizer = torch.optim.Adam(model.parameters())
 for _step in range(4):
@@ -15,6 +16,7 @@ for _step in range(4):
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
-    torch.accelerator.synchronize()
-    print("allocated", torch.accelerator.memory_allocated(), "peak",
-          torch.accelerator.max_memory_allocated())
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+        print("allocated", torch.accelerator.memory_allocated(), "peak",
+              torch.accelerator.max_memory_allocated())
