@@ -115,6 +115,20 @@ def test_data_parallel_loss_outside_forward_and_its_alternatives() -> None:
     assert "dp_loss_outside.py:47" in notes  # loss.item(): the user's own line
 
 
+def test_dataloader_workers_and_pinned_memory_change_nothing_on_the_gpus(
+        tmp_path: Path) -> None:
+    """The loader's real work (worker processes, pinned host memory) is the script's."""
+    text = (SCRIPTS / "dp_loss_outside.py").read_text()
+    plain = "DataLoader(data, batch_size=args.batch_size, shuffle=True)"
+    assert plain in text
+    script = tmp_path / "dp_workers.py"
+    script.write_text(text.replace(plain, plain[:-1] + ", num_workers=2, pin_memory=True)"))
+    with_workers = run(["python", str(script)], alternatives=False)
+    without = run(["python", str(SCRIPTS / "dp_loss_outside.py")], alternatives=False)
+    assert ([d.peak_allocated_bytes for d in devs(with_workers, "dp-loss-primary")]
+            == [d.peak_allocated_bytes for d in devs(without, "dp-loss-primary")])
+
+
 def test_data_parallel_loss_inside_forward_is_recognised() -> None:
     result = run(["python", str(SCRIPTS / "dp_loss_inside.py")])
     assert [s.name for s in result.scenarios] == ["dp-loss-forward"]  # no alternatives
