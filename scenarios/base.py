@@ -15,6 +15,8 @@ rebinds it.
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +131,38 @@ def loop_description(iterations: int, measured: int = 1) -> str:
     """The loop dpprof measured, in one sentence (for the report)."""
     which = "the last" if measured == 1 else f"the last {measured}"
     return LOOP_DESCRIPTION.format(n=iterations, measured=which)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    import dpprof
+    import dpprof.reports
+    import dpprof.scenarios
+
+    dirs = [os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
+    dirs += [os.path.dirname(m.__file__ or "") for m in (dpprof, dpprof.scenarios, dpprof.reports)]
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def error_site(exc: BaseException) -> str:
+    """Where ``exc`` happened, for a one-line error: the aten op that failed (when the
+    emulator saw it) and the innermost frame of the user's code (not torch's, dpprof's or
+    the standard library's) with its line, e.g. ``" (in aten::mm, at model.py:42 in
+    forward: return h @ self.w)"``; "" when neither is known."""
+    parts = []
+    op = getattr(exc, "dpprof_op", None)
+    if op:
+        parts.append(f"in {op}")
+    skip = _library_dirs()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = os.path.realpath(frame.filename)
+        if path.startswith(skip) or frame.filename.startswith("<"):
+            continue
+        code = f": {frame.line.strip()}" if frame.line else ""
+        parts.append(f"at {frame.filename}:{frame.lineno} in {frame.name}{code}")
+        break
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def call_model(model: Callable[..., Any], inputs: Any) -> Any:

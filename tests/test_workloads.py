@@ -4,6 +4,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.errors import WorkloadError
@@ -81,3 +83,31 @@ def test_a_workload_file_imports_a_module_beside_it(tmp_path: Path,
     wl = load_workload("proj/train.py:workload")
     r = run_scenario("single", wl, EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**40))
     assert r.status == "ok", r.message
+
+
+class _Mismatch(nn.Module):
+    """A shape bug in forward: (rows, 16) @ (8, 4) fails in aten::mm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.ones(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) @ self.w  # the user's line
+
+
+@pytest.mark.parametrize("compute", [False, True])
+def test_an_error_names_the_users_line_and_the_op(compute: bool) -> None:
+    wl = Workload(name="mismatch", model=_Mismatch,
+                  batch=lambda rows, device: (torch.randn(rows, 16, device=device),
+                                              torch.randn(rows, 4, device=device)),
+                  loss=nn.functional.mse_loss)
+    for name in SCENARIOS:
+        r = run_scenario(name, wl, EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**30,
+                                                   compute=compute))
+        assert r.status == "error"
+        assert "aten::mm" in r.message, r.message
+        assert f"{__file__}:" in r.message and "in forward: return self.fc(x) @ self.w" \
+            in r.message, r.message
+        assert "\n" not in r.message.split(" (aten::")[-1]

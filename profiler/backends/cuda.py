@@ -72,6 +72,7 @@ from dpprof.scenarios.base import (
     ModelWithLoss,
     StepHooks,
     UserStep,
+    error_site,
     training_loop,
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
@@ -639,7 +640,7 @@ class _Run:
 def _fail(out: Measured, exc: BaseException, run: _Run | None, cfg: CudaRunConfig) -> None:
     """Record ``exc`` in ``out`` (OOM or error); keeps only strings and numbers."""
     out.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    out.message = f"{type(exc).__name__}: {exc}".strip()
+    out.message = f"{type(exc).__name__}: {exc}".strip() + error_site(exc)
     if run is not None:
         out.oom_phase = run.rec.current or None
         with contextlib.suppress(Exception):

@@ -43,6 +43,7 @@ from dpprof.scenarios.base import (
     SINGLE,
     ModelWithLoss,
     StepHooks,
+    error_site,
     training_loop,
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
@@ -331,7 +332,7 @@ def run_scenario(
             return run_scenario(name, wl, dataclasses.replace(cfg, dedupe_replicas=False),
                                 trace)
         result.status = STATUS_ERROR
-        result.message = f"{type(e).__name__}: {e}".strip()
+        result.message = f"{type(e).__name__}: {e}".strip() + error_site(e)
         if cfg.debug:
             result.notes.append(traceback.format_exc())
         return result

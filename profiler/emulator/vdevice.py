@@ -579,7 +579,13 @@ class VirtualDevices(TorchDispatchMode):
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, cuda:{a} and cuda:{b}! (while running {func})"
             )
-        out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
+        try:
+            out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
+        except Exception as e:  # the innermost op is the one that failed: name it
+            if getattr(e, "dpprof_op", None) is None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    e.dpprof_op = getattr(getattr(func, "_schema", None), "name", str(func))  # type: ignore[attr-defined]
+            raise
         if self._state.forced is not None:
             target = self._state.forced
         elif placed is not None:
