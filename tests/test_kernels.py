@@ -84,3 +84,35 @@ def test_reports_show_allocated_reserved_and_context_per_device() -> None:
     text = console.export_text()
     assert "on a GPU: reserved" in text and "+ 254 MiB" in text
     assert any("cuBLAS workspace" in a for a in run.assumptions)
+
+
+def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs() -> None:
+    """F.rms_norm on a bfloat16 input: CUDA's _fused_rms_norm keeps the bf16 input, a
+    bf16 output and a float32 rstd per row; the composite a CPU/meta build runs keeps
+    float32 copies of the input-sized tensors."""
+    from dpprof.emulator.kernels import GpuKernels
+    from dpprof.emulator.vdevice import VirtualDevices
+
+    rows, width = 64, 1024
+    rt = VirtualDevices(1, base="meta")
+    with rt, rt.device(0), GpuKernels() as kernels:
+        x = torch.empty(rows, width, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.ones(width, dtype=torch.bfloat16, requires_grad=True)
+        before = rt.counters[0].live_requested
+        y = torch.nn.functional.rms_norm(x, (width,), w, 1e-6)
+        fused = rt.counters[0].live_requested - before
+        assert fused == rows * width * 2 + rows * 4  # output (bf16) + rstd (float32)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16
+        assert w.grad is not None and w.grad.shape == (width,)
+        del y
+    assert kernels.chosen == {"rms_norm:fused": 1}
+    rt2 = VirtualDevices(1, base="meta")
+    with rt2, rt2.device(0):  # the composite (what meta runs without the routing)
+        x = torch.empty(rows, width, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.ones(width, dtype=torch.bfloat16, requires_grad=True)
+        before = rt2.counters[0].live_requested
+        y = torch.nn.functional.rms_norm(x, (width,), w, 1e-6)
+        composite = rt2.counters[0].live_requested - before
+        assert y.dtype == torch.bfloat16
+    assert composite >= fused + rows * width * 4  # at least one float32 input-sized copy

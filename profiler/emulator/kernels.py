@@ -81,10 +81,12 @@ class GpuKernels:
 
     def __enter__(self) -> GpuKernels:
         self._saved = {"scaled_dot_product_attention": F.scaled_dot_product_attention,
-                       "dropout": F.dropout}
+                       "dropout": F.dropout, "rms_norm": F.rms_norm}
         orig_dropout = self._saved["dropout"]
+        orig_rms_norm = self._saved["rms_norm"]
         F.scaled_dot_product_attention = self._sdpa  # type: ignore[assignment]
         F.dropout = lambda *a, **k: self._dropout(orig_dropout, *a, **k)  # type: ignore[assignment]
+        F.rms_norm = lambda *a, **k: self._rms_norm(orig_rms_norm, *a, **k)  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -102,6 +104,15 @@ class GpuKernels:
             return func(input, p, train, inplace)
         self._count("dropout:fused")
         return torch.native_dropout(input, p, True)[0]
+
+    def _rms_norm(self, func: Callable[..., Any], input: torch.Tensor,
+                  normalized_shape: Any, weight: torch.Tensor | None = None,
+                  eps: float | None = None) -> torch.Tensor:
+        if not fused_rms_norm_applies(input, weight):
+            return func(input, normalized_shape, weight, eps)
+        self._count("rms_norm:fused")
+        dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+        return FusedRmsNorm.apply(input, weight, dims)  # type: ignore[no-any-return]
 
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
@@ -122,6 +133,52 @@ class GpuKernels:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa)[0]
+
+
+class FusedRmsNorm(torch.autograd.Function):
+    """``aten::_fused_rms_norm`` as a CUDA build runs it, over meta tensors.
+
+    ``rms_norm_symint`` (aten/src/ATen/native/layer_norm.cpp) calls ``at::_fused_rms_norm``,
+    which a CUDA build implements with its own kernel, while a CPU build (and meta) has only
+    the composite decomposition (``rms_norm_composite``: a float32 copy of a low-precision
+    input, its square, the normalised float32 product, each saved for backward by its own
+    autograd node). The fused op returns the output in the input's dtype and ``rstd`` in
+    the accumulation type (float32 for float16/bfloat16/float32 inputs) with the reduced
+    dims kept as 1; derivatives.yaml saves ``input``, ``weight`` and ``rstd`` (result1) and
+    backward is ``_fused_rms_norm_backward``: ``grad_input`` like the input and
+    ``grad_weight`` like the weight. Workspaces inside the CUDA backward kernel are not
+    modelled."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
+                dims: int) -> torch.Tensor:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        rstd = x.new_empty(tuple(x.shape[:x.dim() - dims]) + (1,) * dims, dtype=acc)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        x, weight, _rstd = ctx.saved_tensors  # rstd: kept for backward, as CUDA keeps it
+        grad_input = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_weight = (torch.empty_like(weight)
+                       if weight is not None and ctx.needs_input_grad[1] else None)
+        return grad_input, grad_weight, None
+
+
+def fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether ``rms_norm_symint`` takes the fused kernel on CUDA: not for channels-last
+    or complex inputs, nor when the weight's dtype differs from the input's."""
+    if x.is_complex():
+        return False
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not \
+            x.is_contiguous():
+        return False
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not \
+            x.is_contiguous():
+        return False
+    return weight is None or weight.dtype == x.dtype
 
 
 # ---- autocast --------------------------------------------------------------------------
