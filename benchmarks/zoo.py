@@ -73,7 +73,7 @@ def cpu_check(name: str) -> dict[str, Any]:
         "emulator_start_bytes": start,
         "profiler_peak_bytes": (measured.start_large_requested_bytes or 0) + peak_of(records),
         "emulator_cpu_peak_bytes": start + max(0, *_running(cpu)),
-        "cpu_only_scratch_bytes": cpu_only_peak(records),
+        "cpu_only_scratch_bytes": cpu_only_peak(records, cpu),
         "profiler_seconds": round(t_profiler, 3),
         "emulator_cpu_seconds": round(t_cpu, 3),
     }
