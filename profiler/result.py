@@ -472,7 +472,9 @@ def load(path: str | Path) -> RunResult:
     return validate(data, str(path))
 
 
-def _read_json(p: Path) -> dict[str, Any]:
+def read_bounded(p: Path, limit: int = MAX_RESULT_FILE_BYTES) -> bytes:
+    """The bytes of ``p``, a regular file of at most ``limit`` bytes (never ``/dev/zero``, a
+    FIFO or a directory); :class:`ResultFileError` in one line otherwise."""
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -481,18 +483,22 @@ def _read_json(p: Path) -> dict[str, Any]:
         raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise ResultFileError(f"{p}: cannot read it ({kind}); give a result file written by "
-                              "dpprof (.json)")
-    if st.st_size > MAX_RESULT_FILE_BYTES:
+        raise ResultFileError(f"{p}: cannot read it ({kind}); give a file written by dpprof")
+    if st.st_size > limit:
         raise ResultFileError(f"{p}: {st.st_size} bytes, more than a dpprof result holds "
-                              f"(at most {MAX_RESULT_FILE_BYTES // 2**20} MiB)")
+                              f"(at most {limit // 2**20} MiB)")
     try:
         with open(p, "rb") as f:
-            raw = f.read(MAX_RESULT_FILE_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as e:
         raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
-    if len(raw) > MAX_RESULT_FILE_BYTES:
-        raise ResultFileError(f"{p}: more than {MAX_RESULT_FILE_BYTES // 2**20} MiB")
+    if len(raw) > limit:
+        raise ResultFileError(f"{p}: more than {limit // 2**20} MiB")
+    return raw
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    raw = read_bounded(p)
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -79,6 +79,10 @@ def test_report_reads_only_regular_files_of_bounded_size(tmp_path: Path) -> None
         if os.path.exists(special):
             r = runner.invoke(app, ["report", special])
             assert r.exit_code == 1 and "not a regular file" in r.output, r.output
+    zero = tmp_path / "samples.jsonl"  # a watch samples file is read the same way
+    zero.symlink_to("/dev/zero")
+    r = runner.invoke(app, ["report", str(zero)])
+    assert r.exit_code == 1 and "not a regular file" in r.output, r.output
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     r = runner.invoke(app, ["report", str(fifo)])  # opening it would block forever

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -15,7 +16,7 @@ from dpprof.cli.common import check_writable, out, output_paths, write_reports
 from dpprof.cli.guard import guarded
 from dpprof.errors import DpprofError, UsageError
 from dpprof.reports.escape import for_terminal, terminal_text
-from dpprof.result import RunResult, load, write_atomic
+from dpprof.result import RunResult, load, validate, write_atomic
 
 
 def _load_any(path: Path) -> RunResult:
@@ -23,7 +24,8 @@ def _load_any(path: Path) -> RunResult:
     if path.suffix == ".jsonl":
         from dpprof.watch.monitor import load_run
 
-        return load_run(path)
+        # validated as a saved result is: renderers get only what the model allows
+        return validate(json.loads(load_run(path).to_json()), str(path))
     return load(path)
 
 

@@ -88,6 +88,7 @@ from dpprof.result import (
     WatchDevice,
     WatchOom,
     WatchResult,
+    read_bounded,
 )
 from dpprof.units import fmt_bytes
 from dpprof.watch.oom_messages import parse_oom_line
@@ -121,6 +122,8 @@ PROCESS_SCAN_S = 0.5  # how often the command's process tree is read from /proc
 REPORT_POINTS = 4000  # timeline points per GPU in a report (the samples file keeps all)
 OOM_WINDOW_S = 1.0  # "peak before the OOM": the readings in this window before the message
 SI_KERNEL = 0x80  # siginfo si_code of a signal sent by the kernel (the terminal driver)
+MAX_SAMPLES_FILE_BYTES = 2**30  # hours of readings of 8 GPUs at 10 per second
+
 WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _RUNG: dict[int, int] = {signal.SIGINT: 0, signal.SIGHUP: 0, signal.SIGTERM: 1, signal.SIGQUIT: 1}
 _LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
@@ -274,10 +277,7 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     skipped and counted, not fatal.
     """
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ResultFileError(f"{p}: {e.strerror or e}") from e
+    raw = read_bounded(p, MAX_SAMPLES_FILE_BYTES)  # a regular file, bounded
     records: list[dict[str, Any]] = []
     bad = 0
     lines = raw.split(b"\n")
