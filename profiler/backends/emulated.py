@@ -399,7 +399,7 @@ def _device_results(
             used=i in used,
             batch_rows=shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
             and i < len(shards) else shards[0],
-            timeline=_timeline(rt, i, measure_start),
+            timeline=timeline_points(rt, i, measure_start),
         )
         out.append(dev)
     if name == DDP:
@@ -419,9 +419,18 @@ def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:
     return device_context(cfg.compute_capability, uses_cudnn)
 
 
-def _timeline(rt: VirtualDevices, index: int, start: int) -> list[TimelinePoint]:
+def timeline_points(rt: VirtualDevices, index: int, start: int, *,
+                    phase_before_start: bool = False) -> list[TimelinePoint]:
+    """Device ``index``'s live bytes from event ``start`` on, each point labelled with its
+    phase, kept to at most :data:`TIMELINE_POINTS` (the maximum of each equal slice).
+
+    ``phase_before_start``: a point before the window's first phase mark carries the phase
+    begun before the window (``dpprof run``, whose window starts mid-phase); otherwise it
+    is unlabelled (``compare``, whose window starts at a phase mark).
+    """
     points = rt.timeline(index, start)
-    marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+    marks = [(m.event_index, m.name) for m in rt.phases
+             if phase_before_start or m.event_index >= start]
 
     def phase_at(ev: int) -> str:
         name = ""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from dpprof.backends.emulated import timeline_points
 from dpprof.emulator import script_parallel
 from dpprof.emulator.gpus import (
     DeviceFigures,
@@ -51,14 +52,12 @@ from dpprof.result import (
     Fix,
     RunResult,
     ScenarioResult,
-    TimelinePoint,
 )
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
 from dpprof.units import fmt_bytes
 
 MODEL_PARALLEL = "model-parallel"  # the script's own placement over several GPUs
 AS_WRITTEN = "as-written"
-TIMELINE_POINTS = 400
 
 
 class StopScript(BaseException):
@@ -489,7 +488,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
             peak_phase=c.peak_phase,
             used=c.peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
             batch_rows=run.batch_rows,
-            timeline=_timeline(rt, i, start),
+            timeline=timeline_points(rt, i, start, phase_before_start=True),
         ))
     if name == DDP and run.world_size > 1:
         # every rank runs the same program on as many rows: rank 0 stands for all
@@ -534,29 +533,6 @@ def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
 
     fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source)
 
-
-def _timeline(rt: CudaDevices, index: int, start: int) -> list[TimelinePoint]:
-    points = rt.timeline(index, start)
-    marks = [(m.event_index, m.name) for m in rt.phases]
-
-    def phase_at(ev: int) -> str:
-        name = ""
-        for idx, p in marks:
-            if idx <= ev:
-                name = p
-            else:
-                break
-        return name
-
-    if len(points) > TIMELINE_POINTS:
-        step = len(points) / TIMELINE_POINTS
-        kept = []
-        for k in range(TIMELINE_POINTS):
-            chunk = points[int(k * step): int((k + 1) * step) or None]
-            if chunk:
-                kept.append(max(chunk, key=lambda p: p[1]))
-        points = kept
-    return [TimelinePoint(float(ev - start), b, phase_at(ev)) for ev, b in points]
 
 
 ALTERNATIVES = {
