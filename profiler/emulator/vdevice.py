@@ -558,13 +558,6 @@ class VirtualDevices(TorchDispatchMode):
             # Factories and conversions: the bytes live on the base (or where placement
             # says); the place is virtual.
             real, placed = self.placement(kwargs["device"])
-            if (self._meta and func in _HOST_CONSTANTS
-                    and getattr(kwargs["device"], "type", None) == "cpu"):
-                # a constant the host computes from numbers alone, such as timm's drop-path
-                # rates (linspace(..., device="cpu").tolist() in __init__): its values are
-                # real on a GPU machine too, so it is made for real on the host (small: a
-                # schedule, not a batch); the memo never rebuilds a non-meta output
-                real, placed = torch.device("cpu"), HOST
             if real != kwargs["device"]:
                 kwargs = {**kwargs, "device": real}
         devices: set[int] = set()
@@ -645,12 +638,6 @@ _FILLS_ONLY = {
     aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
     aten.bernoulli_.float, aten.bernoulli_.Tensor,
 }
-# Factories whose values follow from their numeric arguments alone: made on the host for real
-# when the code asks for them there explicitly (device="cpu"), so that reading them works.
-_HOST_CONSTANTS = frozenset({
-    aten.linspace.default, aten.logspace.default, aten.arange.default, aten.arange.start,
-    aten.arange.start_step,
-})
 _SIMPLE_TYPES = frozenset(_SIMPLE)
 _SEQ = (list, tuple)
 
