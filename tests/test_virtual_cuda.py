@@ -223,3 +223,21 @@ def test_an_optimizer_built_before_cuda_keeps_the_modules_parameters() -> None:
         assert vc.rt.device_of(momentum) == 0
         # weight, bias, their gradients and momentum (the batch died with backward)
         assert torch.cuda.memory_allocated() == 3 * (r512(4 * 256) + r512(4 * 16))
+
+
+def test_numbers_made_from_numbers_alone_are_read_with_their_real_values() -> None:
+    # timm's drop-path rates: linspace(0, rate, depth), split per stage and read with
+    # .tolist()/.item() in __init__; the values follow from the arguments, so the emulator
+    # recomputes them on the host instead of answering with stand-ins
+    expected = torch.linspace(0, 0.1, 6)
+    with VirtualCuda(2) as vc:
+        rates = torch.linspace(0, 0.1, 6, device="cuda")
+        on_host = torch.linspace(0, 0.1, 6, device="cpu")
+        assert [p.tolist() for p in rates.split([2, 4])] == [
+            expected[:2].tolist(), expected[2:].tolist()]
+        assert on_host[4].item() == expected[4].item()
+        assert torch.arange(3, 30, 3, device="cuda")[5].item() == 18
+        assert vc.rt.stand_ins.total == 0
+        # values that follow from no arguments still get their stated stand-ins
+        assert torch.randn(3, device="cuda")[0].item() == STAND_IN_FLOAT
+        assert vc.rt.stand_ins.counts == {"item": 1}

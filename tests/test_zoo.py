@@ -39,12 +39,10 @@ pytestmark = pytest.mark.skipif(
     reason="the zoo needs the zoo extra: pip install -e '.[zoo]'")
 
 ZOO = Path(__file__).with_name("zoo.py")
-# timm's ViT reads its drop-path rates with .item() in __init__: the emulator answers with
-# stated stand-ins (dpprof.emulator.virtual_cuda), and the rates are 0 either way here.
-RUNS_ON_META = ["gpt2", "llama", "bert", "resnet18", "vit", "timm_vit"]
-# timm's ConvNeXt reads them with .tolist() on an explicitly CPU tensor, which over meta
-# tensors has no value and no stand-in yet
-NEEDS_VALUES = ["timm_convnext"]
+# timm computes its drop-path rates as linspace(0, rate, depth) and reads them in __init__
+# (.item() in ViT, .tolist() in ConvNeXt): over meta the emulator answers such reads with the
+# real numbers (dpprof.emulator.virtual_cuda.NUMERIC_FACTORIES), so every zoo model runs.
+RUNS_ON_META = ["gpt2", "llama", "bert", "resnet18", "vit", "timm_convnext", "timm_vit"]
 GPU_DROPOUT = {"gpt2"}  # meta runs the GPU's fused dropout (bool mask): lower than the CPU's
 ROWS = 2
 
@@ -57,13 +55,6 @@ def test_every_zoo_model_runs_every_scenario(name: str, scenario: str) -> None:
     assert r.status == "ok", r.message
     assert r.devices[0].peak_allocated_bytes > 0
 
-
-@pytest.mark.parametrize("name", NEEDS_VALUES)
-@pytest.mark.xfail(strict=True, reason="timm's ConvNeXt reads .tolist() in __init__")
-def test_timm_on_meta(name: str) -> None:
-    r = run_scenario("single", load_workload(f"{ZOO}:{name}"),
-                     EmulationConfig(batch=2 * ROWS, gpus=2, gpu_memory_bytes=2**40))
-    assert r.status == "ok", r.message
 
 
 def cpu_only_peak(records: list[Alloc], emulated: list[int]) -> int:
@@ -80,7 +71,7 @@ def cpu_only_peak(records: list[Alloc], emulated: list[int]) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RUNS_ON_META + NEEDS_VALUES)
+@pytest.mark.parametrize("name", RUNS_ON_META)
 def test_single_matches_the_profiler(name: str) -> None:
     spec = f"{ZOO}:{name}"
     measured = run_rank(RankSpec(workload=spec, rows=ROWS, wrap="none"), 0, 2)
@@ -94,8 +85,6 @@ def test_single_matches_the_profiler(name: str) -> None:
         name, profiler_peak, emulated_peak, scratch)
     if scratch == 0:
         assert profiler_peak == emulated_peak
-    if name in NEEDS_VALUES:
-        return
     meta_start, meta = emulated_step(spec, "single", ROWS, False)
     assert meta_start == start
     meta_peak = meta_start + max(0, *_running(meta))

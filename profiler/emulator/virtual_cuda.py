@@ -36,6 +36,7 @@ import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
 from dpprof.emulator.vdevice import HOST, VirtualDevices
@@ -65,6 +67,12 @@ DATA_DEPENDENT = {
     aten._unique2.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
     aten.nonzero_static.default, aten._unique.default,
 }
+# Factories whose values follow from their numeric arguments alone: over meta a read of their
+# values (``.item()``, ``.tolist()``) is answered with the real numbers, recomputed on the host.
+NUMERIC_FACTORIES = frozenset({
+    aten.linspace.default, aten.logspace.default, aten.arange.default, aten.arange.start,
+    aten.arange.start_step,
+})
 
 _NOT_SPLIT = object()
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
@@ -126,6 +134,9 @@ class CudaDevices(VirtualDevices):
         self.real_host = real_host
         self.fix = fix
         self.stand_ins = StandIns()
+        # storages made over meta by factories whose values follow from numbers alone
+        # (linspace, arange, ...): their recipe, to answer a read with the real values
+        self.numeric_recipes: dict[int, tuple[weakref.ref[Any], Any, Any, dict[str, Any]]] = {}
         self.in_dispatch = 0
         self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
 
@@ -163,6 +174,11 @@ class CudaDevices(VirtualDevices):
                 f"values, and the emulated tensors have none (meta tensors), at "
                 f"{caller_site()}; {self.fix}"
             )
+        if func in NUMERIC_FACTORIES and self.base.type == "meta":
+            out = self._dispatch(func, types, args, kwargs)
+            st = out.untyped_storage()
+            self.numeric_recipes[id(st)] = (weakref.ref(st), func, args, dict(kwargs or {}))
+            return out
         if func is aten.convolution.default:
             self.saw_convolution = True
         if func.__name__.startswith("_foreach_"):
@@ -206,7 +222,21 @@ class CudaDevices(VirtualDevices):
                 single = out
         return results if any(r is not None for r in results) else single
 
+    def real_values(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s real values on the host when its storage was made from numbers alone
+        (timm's drop-path rates: ``linspace(0, rate, depth)`` read in ``__init__``)."""
+        found = self.numeric_recipes.get(id(t.untyped_storage()))
+        if found is None or found[0]() is not t.untyped_storage():
+            return None
+        _, func, args, kwargs = found
+        with _disable_current_modes():
+            full = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            return full.as_strided(t.shape, t.stride(), t.storage_offset()).to(t.dtype)
+
     def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
+        real = self.real_values(t)
+        if real is not None:
+            return real.item()
         if t.dtype == torch.bool:
             if "isfinite" in caller_line():  # torch.isfinite(loss): emulated values are
                 self.stand_ins.add("bool (isfinite)")
@@ -734,6 +764,9 @@ class VirtualCuda:
 
         def tolist(self: torch.Tensor) -> Any:
             if _is_meta(self):
+                real = vc.rt.real_values(self)
+                if real is not None:
+                    return _ORIG["tolist"](real)
                 vc.rt.stand_ins.add("tolist")
                 return _ORIG["tolist"](_host_stand_in(self))
             return _ORIG["tolist"](self)
