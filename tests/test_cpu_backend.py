@@ -82,6 +82,7 @@ def test_a_failing_rank_is_reported_with_its_traceback_and_nothing_hangs() -> No
 
 
 @pytest.mark.slow
+@pytest.mark.torchrun
 def test_torchrun_ranks_gather_their_results_on_rank_0(tmp_path: Path) -> None:
     import subprocess
     import sys

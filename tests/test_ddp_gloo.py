@@ -61,6 +61,7 @@ def _check_torchrun_report(path: Path, nodes: set[int]) -> None:
     assert all(d["node"] for d in ddp["devices"]) and ddp["loss"] is not None
 
 
+@pytest.mark.torchrun
 def test_torchrun_standalone_a_rank_out_of_memory_is_reported_by_rank_0(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     r = subprocess.run(
@@ -81,6 +82,7 @@ def test_torchrun_standalone_a_rank_out_of_memory_is_reported_by_rank_0(tmp_path
     assert [d["rank"] for d in s["devices"]] == [0, 1]
 
 
+@pytest.mark.torchrun
 def test_torchrun_two_nodes_on_localhost(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     port = _free_port()
