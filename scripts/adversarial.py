@@ -41,6 +41,8 @@ from typer.testing import CliRunner
 from dpprof.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' /proc helpers: one copy
+from proctree import alive, descendants  # noqa: E402
 DATA = ROOT / "tests" / "data"
 RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 runner = CliRunner()
@@ -243,31 +245,6 @@ def area_control(tally: Tally) -> None:
 # ---- signals ----------------------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                with open(f"/proc/{e}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            kids.setdefault(ppid, []).append(int(e))
-    out, todo = set(), [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def area_signals(tally: Tally) -> None:
     for sig, code, when in ((signal.SIGTERM, 143, "ranks"), (signal.SIGINT, 130, "ranks"),
@@ -283,12 +260,12 @@ def area_signals(tally: Tally) -> None:
             deadline = time.monotonic() + 120
             if when.startswith("ranks"):
                 while time.monotonic() < deadline and proc.poll() is None and len(
-                        _descendants(proc.pid)) < 3:
+                        descendants(proc.pid)) < 3:
                     time.sleep(0.1)
                 time.sleep(3.0 if when == "ranks-late" else 1.0)
             else:
                 time.sleep(2.0)
-            everyone = _descendants(proc.pid)
+            everyone = descendants(proc.pid)
             if sig == signal.SIGINT:
                 os.killpg(proc.pid, sig)
             else:
@@ -299,7 +276,7 @@ def area_signals(tally: Tally) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, err = proc.communicate()
             time.sleep(1.0)
-            left = [p for p in everyone if _alive(p)]
+            left = [p for p in everyone if alive(p)]
             tmps = list(tmp.rglob("*.tmp"))
             lines = [ln for ln in err.splitlines() if ln.strip()]
             tally.check(f"{sig.name} {when}: exit", proc.returncode == code,

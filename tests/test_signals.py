@@ -12,37 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from proctree import alive, descendants
 
 PY = sys.executable
 
-
-def _children(pid: int) -> set[int]:
-    """Every descendant of ``pid`` (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        kids.setdefault(int(fields[1]), []).append(int(entry))
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
@@ -60,14 +33,14 @@ def test_a_signal_during_the_ddp_ranks(tmp_path: Path, sig: int, code: int) -> N
         deadline = time.monotonic() + 120
         ranks: set[int] = set()
         while time.monotonic() < deadline and proc.poll() is None:
-            ranks = {p for p in _children(proc.pid) if "rank" in _cmdline(p) or
+            ranks = {p for p in descendants(proc.pid) if "rank" in _cmdline(p) or
                      "multiprocessing" in _cmdline(p)}
             if len(ranks) >= 2:
                 break
             time.sleep(0.1)
         assert len(ranks) >= 2, "the ddp ranks never started"
         time.sleep(1.0)  # the ranks are up and running
-        everyone = _children(proc.pid)
+        everyone = descendants(proc.pid)
         if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole process group
             os.killpg(proc.pid, sig)
         else:
@@ -81,7 +54,7 @@ def test_a_signal_during_the_ddp_ranks(tmp_path: Path, sig: int, code: int) -> N
     assert len(lines) == 1 and lines[0].startswith("dpprof: interrupted"), err
     assert "Traceback" not in err
     time.sleep(1.0)
-    left = [p for p in everyone if _alive(p)]
+    left = [p for p in everyone if alive(p)]
     assert not left, f"children still running: {[_cmdline(p) for p in left]}"
     assert not list(tmp_path.rglob("*.tmp")), list(tmp_path.rglob("*"))
     data = json.loads(out.read_text())  # the scenario measured before the signal
