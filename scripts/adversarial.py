@@ -43,6 +43,7 @@ from dpprof.cli.app import app
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' /proc helpers: one copy
 from proctree import alive, descendants  # noqa: E402
+
 DATA = ROOT / "tests" / "data"
 RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 runner = CliRunner()
