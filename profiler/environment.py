@@ -25,8 +25,9 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
-from dpprof.nvml.libnvml import NvmlBackend, cuda_version_string, default_nvml
+from dpprof.nvml.libnvml import NvmlBackend, cuda_version_string
 from dpprof.units import fmt_bytes
 
 __all__ = ["collect_environment", "environment_markdown", "environment_rows"]
@@ -112,7 +113,7 @@ def collect_environment(
             lambda: int(torch_mod.cuda.device_count()) if available else 0,
         )
 
-    backend = nvml if nvml is not None else default_nvml()
+    backend = nvml if nvml is not None else libnvml.default_nvml()
     try:
         status = backend.status()
         env["nvml"] = {"available": status.available, "reason": status.reason, "hint": status.hint}

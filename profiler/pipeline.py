@@ -69,7 +69,6 @@ class CompareConfig:
     steps: int | None = None  # --steps: measured steps (cuda default 10)
     nvml_interval_s: float = 0.02  # --nvml-interval
     ddp_timeout_s: float = 300.0  # collective timeout / bound on every DDP wait
-    device_kind: str = "cuda"  # "cpu": the cuda backend's code on CPU tensors, gloo (tests)
 
     def validate(self) -> None:
         if self.batch < 1:
@@ -110,29 +109,26 @@ class CompareConfig:
 
 
 def visible_cuda_gpus() -> int:
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver counts as none
-        return 0
+    """The CUDA GPUs the cuda backend's host sees (:func:`dpprof.backends.cuda.host`)."""
+    from dpprof.backends.cuda import host
+
+    return host().visible_gpus()
 
 
-def resolve_backend(requested: str, device_kind: str = "cuda") -> str:
+def resolve_backend(requested: str) -> str:
     """``auto``: cuda with at least two visible GPUs (one under torchrun), else emulated.
 
-    ``cuda`` without a GPU is a :class:`UsageError` (unless ``device_kind="cpu"``, the
-    test mode that runs the cuda backend's code on CPU tensors).
+    ``cuda`` without a GPU is a :class:`UsageError`.
     """
     from dpprof.backends.cuda_ddp import torchrun_info
 
-    if requested == "cuda" and device_kind == "cuda" and visible_cuda_gpus() == 0:
+    if requested == "cuda" and visible_cuda_gpus() == 0:
         raise UsageError(
             "--backend cuda: no CUDA GPU visible (torch.cuda.is_available() is False; check "
             "the driver, CUDA_VISIBLE_DEVICES and that torch is a CUDA build); use --backend "
             "emulated"
         )
     if requested == "auto":
-        if device_kind == "cpu":
-            return "cuda"
         need = 1 if torchrun_info() is not None else 2
         return "cuda" if visible_cuda_gpus() >= need else "emulated"
     return requested
@@ -176,7 +172,7 @@ def run_compare(
     wl = workload or load_workload(cfg.workload)
     if cfg.dtype is not None:
         wl = dataclasses.replace(wl, dtype=getattr(torch, cfg.dtype))
-    backend = resolve_backend(cfg.backend, cfg.device_kind)
+    backend = resolve_backend(cfg.backend)
     run = _new_run(cfg, wl, backend)
     ecfg = emulation_config(cfg, backend, run.gpus)
     try:
@@ -327,11 +323,7 @@ def _cuda(
                 "--scenarios ddp; run the DataParallel scenarios without torchrun"
             )
         return torchrun_compare(run, cfg, info)
-    if cfg.device_kind == "cuda":
-        visible = visible_cuda_gpus()
-    else:  # test mode: as many "devices" as asked for
-        visible = max(cfg.gpus or 0, max(cfg.devices or (-1,)) + 1) or 2
-    return cuda_compare(run, cfg, wl, visible, progress)
+    return cuda_compare(run, cfg, wl, visible_cuda_gpus(), progress)
 
 
 def cpu_backend_assumptions(cfg: CompareConfig) -> list[str]:

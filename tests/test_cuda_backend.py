@@ -10,15 +10,16 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import fake_cuda
 import pytest
 import torch
 import torch.distributed as dist
+from fake_cuda import CpuOps
 from fake_nvml import FakeDevice, FakeNvml
 from torch import nn
 
 import dpprof
 from dpprof.backends.cuda import (
-    CpuOps,
     CudaRunConfig,
     Measured,
     ddp_scenario,
@@ -63,8 +64,7 @@ def _tiny(oom_rows: int | None = None, model_cb=None) -> dpprof.Workload:
 
 
 def _cfg(**kw: object) -> CudaRunConfig:
-    base = dict(batch=8, devices=[0, 1], warmup_steps=1, steps=2, device_kind="cpu",
-                nvml_interval_s=0.001)
+    base = dict(batch=8, devices=[0, 1], warmup_steps=1, steps=2, nvml_interval_s=0.001)
     base.update(kw)
     return CudaRunConfig(**base)  # type: ignore[arg-type]
 
@@ -122,17 +122,19 @@ def test_oom_is_a_result_and_the_tensors_are_gone_before_release() -> None:
 def test_an_error_keeps_its_traceback() -> None:
     wl = _tiny()
     wl.loss = lambda out, tgt: (_ for _ in ()).throw(KeyError("no such label"))
-    r = run_local_scenario("single", wl, _cfg())
+    r = run_local_scenario("single", wl, _cfg(), ops=CpuOps([0, 1]))
     assert r.status == "error" and "KeyError" in r.message
     assert r.traceback and "Traceback" in r.traceback
 
 
-def test_compare_runs_the_remaining_scenarios_after_an_oom() -> None:
+def test_compare_runs_the_remaining_scenarios_after_an_oom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_cuda.install(monkeypatch, gpus=2, children=False)
     cfg = CompareConfig(workload="tiny", batch=8, gpus=2, warmup=1, steps=2,
-                        scenarios=("dp-loss-primary", "dp-loss-forward", "single"),
-                        device_kind="cpu")
-    run = run_compare(cfg, workload=_tiny(oom_rows=4))
-    assert run is not None and run.backend == "cpu"
+                        scenarios=("dp-loss-primary", "dp-loss-forward", "single"))
+    run = run_compare(cfg, workload=_tiny(oom_rows=4))  # auto: the host's 2 GPUs
+    assert run is not None and run.backend == "cuda"
     assert [s.status for s in run.scenarios] == ["oom", "oom", "ok"]
     assert run.scenarios[2].step_time_s is not None
     assert run.scenarios[2].throughput_samples_per_s == pytest.approx(
@@ -222,7 +224,7 @@ def test_ddp_rank_flags_its_context_on_another_gpu(one_rank_group: None) -> None
         FakeDevice(uuid=UB, used=1 * GiB, processes=[(me, 300 * 2**20)]),  # forgot set_device
     ])
     out = measure_ddp_rank(_tiny(), _cfg(devices=[0]), rank=0, world=1, local_device=0,
-                           ops_kind="cpu", nvml=nvml, cuda_uuids=[UA, UB])
+                           ops=CpuOps([0]), nvml=nvml, cuda_uuids=[UA, UB])
     assert out.status == "ok", out.message
     assert out.stray_contexts == [
         {"rank": 0, "pid": me, "cuda_index": 1, "used_bytes": 300 * 2**20}]
@@ -235,7 +237,7 @@ def test_ddp_rank_takes_the_reducer_options(one_rank_group: None) -> None:
     # find_unused_parameters=True (DdpOptions, shared with the cpu backend) runs it
     wl = _tiny(model_cb=lambda m: setattr(m, "unused", nn.Linear(8, 4)))
     nvml = FakeNvml([FakeDevice(uuid=UA, used=1 * GiB)])
-    kw: dict[str, Any] = dict(rank=0, world=1, local_device=0, ops_kind="cpu", nvml=nvml,
+    kw: dict[str, Any] = dict(rank=0, world=1, local_device=0, ops=CpuOps([0]), nvml=nvml,
                               cuda_uuids=[UA])
     bad = measure_ddp_rank(wl, _cfg(devices=[0]), **kw)
     assert bad.status == "error" and "reduction" in bad.message
@@ -256,12 +258,15 @@ def test_select_devices() -> None:
             select_devices(gpus, devices, 4)
 
 
-def test_backend_cuda_without_a_gpu_is_a_usage_error() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+def test_backend_cuda_without_a_gpu_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = fake_cuda.install(monkeypatch, gpus=0, children=False)
     with pytest.raises(UsageError, match="no CUDA GPU visible"):
         resolve_backend("cuda")
     assert resolve_backend("auto") == "emulated"
+    host.gpus = 1  # DataParallel needs two
+    assert (resolve_backend("auto"), resolve_backend("cuda")) == ("emulated", "cuda")
+    host.gpus = 2
+    assert resolve_backend("auto") == "cuda"
 
 
 def test_torchrun_info() -> None:
@@ -341,10 +346,11 @@ def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatc
         return run
 
     monkeypatch.setattr(cuda_run, "cuda_compare", fake_compare)
+    fake_cuda.install(monkeypatch, gpus=2, children=False)
     ddp = DdpOptions(bucket_cap_mb=5, gradient_as_bucket_view=True,
                      find_unused_parameters=True, broadcast_buffers=False)
     run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, backend="cuda", fixes=False,
-                              device_kind="cpu", scenarios=("ddp",), ddp=ddp,
+                              scenarios=("ddp",), ddp=ddp,
                               dtype="bfloat16", amp="float16"))
     (cfg,) = seen
     ccfg = cuda_run.run_config(cfg, [0, 1])

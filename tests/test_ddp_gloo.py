@@ -1,6 +1,7 @@
 """The ddp path for real over gloo on CPU: dpprof's own spawned ranks, torchrun on one node,
-and torchrun as two "nodes" on localhost. The code is the cuda backend's; only the process
-group backend (gloo, not NCCL) and the device (cpu, not cuda) differ."""
+and torchrun as two "nodes" on localhost. The code is the cuda backend's, on the tests' CPU
+host (``fake_cuda.CpuHost``, installed in the child processes by ``tests/fakehost``): only
+the process group backend (gloo, not NCCL) and the device (cpu, not cuda) differ."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_cuda
 import pytest
 
 from dpprof.pipeline import CompareConfig, run_compare
@@ -31,12 +33,13 @@ def _free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPPROF_TEST_")}
     env.update(extra)
-    return env
+    return fake_cuda.fakehost_env(gpus=2, base=env)
 
 
 def test_every_scenario_runs_with_ddp_ranks_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPPROF_TEST_OOM_ROWS", "4")  # inherited by the spawned ranks
-    cfg = CompareConfig(workload=TINY, batch=8, gpus=2, warmup=1, steps=2, device_kind="cpu",
+    fake_cuda.install(monkeypatch, gpus=2)  # here and in the spawned ranks
+    cfg = CompareConfig(workload=TINY, batch=8, gpus=2, warmup=1, steps=2,
                         backend="cuda", ddp_timeout_s=60)
     run = run_compare(cfg)
     assert run is not None
@@ -66,7 +69,7 @@ def test_torchrun_standalone_a_rank_out_of_memory_is_reported_by_rank_0(tmp_path
     out = tmp_path / "run.json"
     r = subprocess.run(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dpprof", "compare", "--cpu-test-mode", "--scenarios", "ddp", "-w", TINY,
+         "-m", "dpprof", "compare", "--scenarios", "ddp", "-w", TINY,
          "-b", "8", "--warmup", "1", "--steps", "2", "-o", str(out), "-q"],
         env=_env(DPPROF_TEST_OOM_RANK="1"), capture_output=True, text=True, timeout=300,
     )
@@ -91,7 +94,7 @@ def test_torchrun_two_nodes_on_localhost(tmp_path: Path) -> None:
             [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
              "--node-rank", str(node), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dpprof-test",
-             "-m", "dpprof", "compare", "--cpu-test-mode", "--scenarios", "ddp", "-w", TINY,
+             "-m", "dpprof", "compare", "--scenarios", "ddp", "-w", TINY,
              "-b", "8", "--warmup", "1", "--steps", "2", "-o", str(out), "-q"],
             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )

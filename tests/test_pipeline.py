@@ -9,11 +9,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import fake_cuda
 import pytest
+from fake_cuda import CpuOps
 from typer.testing import CliRunner
 
 from dpprof.analysis.attribution import CAUSES
-from dpprof.backends.cuda import CpuOps, DeviceOps
+from dpprof.backends.cuda import DeviceOps
 from dpprof.cli.app import app
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.reports import html, markdown, terminal
@@ -48,18 +50,16 @@ class FakeCudaAllocator(CpuOps):
 
 @pytest.fixture
 def fake_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpprof.backends import cuda_run
-
-    def make(kind: str, devices: Sequence[int]) -> DeviceOps:
+    def make(devices: Sequence[int]) -> DeviceOps:
         return FakeCudaAllocator(devices, primary_bytes=300 * MiB, other_bytes=100 * MiB)
 
-    monkeypatch.setattr(cuda_run, "make_ops", make)
+    fake_cuda.install(monkeypatch, gpus=3, ops=make, children=False)
 
 
 def test_real_gpus_get_attribution_fixes_and_ci_checks(fake_allocator: None) -> None:
     """Defect 1: the cuda backend's result goes through the same answers as every other."""
     cfg = CompareConfig(workload="mlp", batch=6, gpus=3, warmup=0, steps=1,
-                        scenarios=DP_AND_SINGLE, device_kind="cpu", backend="cuda",
+                        scenarios=DP_AND_SINGLE, backend="cuda",
                         fail_on_imbalance=1.5)
     run = run_compare(cfg)
     assert run is not None
@@ -81,7 +81,7 @@ def test_cli_fails_a_ci_job_on_real_gpus(fake_allocator: None, tmp_path: Path) -
     """Defect 1: --fail-on-imbalance exits 3 on the cuda backend (it exited 0)."""
     out = tmp_path / "run.json"
     res = CliRunner().invoke(app, [
-        "compare", "--cpu-test-mode", "--workload", "mlp", "--batch", "6", "--gpus", "3",
+        "compare", "--workload", "mlp", "--batch", "6", "--gpus", "3",
         "--warmup", "0", "--steps", "1", "--scenarios", ",".join(DP_AND_SINGLE),
         "--fail-on-imbalance", "1.5", "--no-fixes", "-q", "-o", str(out),
     ])
@@ -208,13 +208,14 @@ def test_a_run_that_measured_nothing_is_not_called_fine() -> None:
         assert "Nothing to change" not in text and "Nothing: cuda:0" not in text, fmt
 
 
-def test_amp_reaches_the_cuda_backends_step() -> None:
+def test_amp_reaches_the_cuda_backends_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """One config: --amp reached the emulated and cpu scenarios but not the cuda backend's."""
+    fake_cuda.install(monkeypatch, gpus=2, children=False)
     losses = {}
     for amp in (None, "bfloat16"):
         run = run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, warmup=0, steps=1,
                                         scenarios=(DP_LOSS_PRIMARY, SINGLE), amp=amp,
-                                        device_kind="cpu", backend="cuda", fixes=False))
+                                        backend="cuda", fixes=False))
         assert run is not None and {s.status for s in run.scenarios} == {"ok"}
         losses[amp] = [s.loss for s in run.scenarios]
     assert all(a != b for a, b in zip(losses[None], losses["bfloat16"], strict=True))

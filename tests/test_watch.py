@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import fake_cuda
 import pytest
 import watch_fakes
 from fake_nvml import FakeNvml
@@ -43,7 +44,6 @@ from dpprof.watch.monitor import (
 GIB = 2**30
 MIB = 2**20
 PY = sys.executable
-FAKES = str(Path(__file__).with_name("watch_fakes.py"))
 
 OOM_MESSAGE = (
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
@@ -412,12 +412,13 @@ def test_terminal_rendering_of_a_watch() -> None:
 # --------------------------------------------------------------------------- the CLI
 
 
-def test_cli_without_nvml_says_so_and_does_not_run(tmp_path: Path) -> None:
+def test_cli_without_nvml_says_so_and_does_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watch_fakes.install(monkeypatch, watch_fakes.unavailable())
     marker = tmp_path / "ran"
     result = CliRunner().invoke(
-        app,
-        ["watch", "--nvml-backend", f"{FAKES}:unavailable", "--", PY, "-c",
-         f"open({str(marker)!r}, 'w')"],
+        app, ["watch", "--", PY, "-c", f"open({str(marker)!r}, 'w')"],
     )
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
@@ -427,7 +428,12 @@ def test_cli_without_nvml_says_so_and_does_not_run(tmp_path: Path) -> None:
 
 
 def _dpprof(*args: str) -> list[str]:
-    return [PY, "-m", "dpprof", "watch", "--nvml-backend", f"{FAKES}:two_gpus", *args]
+    """``dpprof watch ARGS`` as a command; run it with :data:`TWO_GPUS` as its environment."""
+    return [PY, "-m", "dpprof", "watch", *args]
+
+
+#: two fake GPUs (watch_fakes.two_gpus) in the dpprof process, through tests/fakehost
+TWO_GPUS = fake_cuda.fakehost_env(nvml="two_gpus")
 
 
 def test_cli_end_to_end_one_line_before_and_after(tmp_path: Path) -> None:
@@ -435,7 +441,7 @@ def test_cli_end_to_end_one_line_before_and_after(tmp_path: Path) -> None:
     proc = subprocess.run(
         _dpprof("-o", str(tmp_path / "r.html"), "-o", str(tmp_path / "r.json"), "--",
                 PY, "-c", script),
-        input=b"hello\n", capture_output=True, timeout=120, cwd=tmp_path,
+        input=b"hello\n", capture_output=True, timeout=120, cwd=tmp_path, env=TWO_GPUS,
     )
     assert proc.returncode == 4
     assert proc.stdout == b"HELLO\n"
@@ -453,7 +459,7 @@ def test_cli_killed_mid_run_leaves_a_readable_timeline(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         _dpprof("--interval", "0.02", "-o", str(tmp_path / "r.json"), "--", PY, "-c",
                 "import time; time.sleep(60)"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, env=TWO_GPUS,
     )
     try:
         deadline = time.monotonic() + 60
@@ -496,7 +502,8 @@ with open({str(log)!r}) as f:
     pid, master = pty.fork()
     if pid == 0:  # the child: session leader on the pty, dpprof in the foreground
         os.chdir(tmp_path)
-        os.execv(PY, _dpprof("-o", str(tmp_path / "r.json"), "--", PY, "-c", script))
+        os.execve(PY, _dpprof("-o", str(tmp_path / "r.json"), "--", PY, "-c", script),
+                  TWO_GPUS)
     buf = b""
     try:
         deadline = time.monotonic() + 60

@@ -1,4 +1,5 @@
-"""Fake NVML backends for the ``dpprof watch`` tests (loaded through ``--nvml-backend``).
+"""Fake NVML backends for the ``dpprof watch`` tests: passed to the watcher in this process,
+or installed in a ``dpprof`` child by ``tests/fakehost/sitecustomize.py`` (``nvml=NAME``).
 
 They run inside the watching dpprof process: per-process memory is reported for the real
 descendants of that process (the command dpprof started and its children), plus PID 1, which
@@ -8,17 +9,25 @@ is never the command's, so the tests see whether dpprof keeps only the command's
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fake_nvml import FakeDevice, FakeNvml
+
+from dpprof.nvml import libnvml
+from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.watch.monitor import descendants
 
-# loaded by file path in the watching process (--nvml-backend): its neighbour too
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_nvml import FakeDevice, FakeNvml
+if TYPE_CHECKING:
+    import pytest
 
 GIB = 2**30
 MIB = 2**20
+
+
+def install(monkeypatch: pytest.MonkeyPatch, nvml: NvmlBackend) -> None:
+    """Make ``nvml`` this process's NVML backend (what ``libnvml.default_nvml()`` returns);
+    a child process gets one through ``fake_cuda.fakehost_env(nvml=NAME)``."""
+    monkeypatch.setattr(libnvml, "default_nvml", lambda: nvml)
 
 
 def _procs(per_process: int):

@@ -27,9 +27,11 @@ An out-of-memory error is a result: caught, parsed (device, bytes asked for), re
 the phase and the peaks so far; the frames holding the tensors are dropped, then ``gc`` and
 ``empty_cache`` give the memory back before the next scenario.
 
-Everything device-specific sits behind :class:`DeviceOps` (:class:`CudaOps` over
-``torch.cuda``; :class:`CpuOps`, the same code on CPU tensors, used for the gloo/CPU runs of
-the DDP path and for tests on machines without a GPU).
+Everything the backend asks of the machine sits behind :class:`CudaHost` (the GPUs it sees,
+how the ddp ranks talk, the :class:`DeviceOps` over the chosen devices: :class:`CudaOps` over
+``torch.cuda``); the process-wide instance is :data:`HOST`, read through :func:`host`. The
+tests run this code without a GPU by installing a CPU implementation of that interface
+(``tests/fakehost``); nothing here knows about it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import socket
 import statistics
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,8 +56,9 @@ from torch import nn
 
 from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.kernels import StepAutocast
+from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
-from dpprof.nvml.libnvml import NvmlBackend, default_nvml
+from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler
 from dpprof.result import (
     STATUS_ERROR,
@@ -80,12 +84,14 @@ from dpprof.units import fmt_bytes
 
 __all__ = [
     "ASSUMPTIONS",
-    "CpuOps",
+    "HOST",
+    "CudaHost",
     "CudaOps",
     "CudaRunConfig",
     "DeviceOps",
     "Measured",
     "OomInfo",
+    "host",
     "is_oom",
     "measure_ddp_rank",
     "parse_oom_message",
@@ -175,52 +181,52 @@ def is_oom(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- the device seam
 
 
-class DeviceOps:
-    """What the measuring code asks of a device. Logical indices: positions in the run's list.
+class DeviceOps(ABC):
+    """What the measuring code asks of the devices of a run. Logical indices: positions in
+    the run's list; ``devices[logical]`` is the physical index.
 
-    The base class is the CPU implementation: one host device behind every logical index, no
-    allocator statistics (None), wall-clock timing only.
+    ``kind`` is the torch device type the scenarios run on: with ``"cuda"``, DataParallel and
+    DDP get explicit ``device_ids`` and the results carry CUDA indices and NVML readings.
     """
 
-    kind = "cpu"
+    kind = "cuda"
 
     def __init__(self, devices: Sequence[int]) -> None:
         self.devices = list(devices)  # physical index per logical index
 
-    def device(self, logical: int) -> torch.device:
-        return torch.device("cpu")
+    @abstractmethod
+    def device(self, logical: int) -> torch.device: ...
 
+    @abstractmethod
     def set_device(self, logical: int) -> None:
         """Make ``logical`` the current device (``torch.cuda.set_device``)."""
 
+    @abstractmethod
     def synchronize(self) -> None:
         """Wait for every queued kernel on every device of the run."""
 
+    @abstractmethod
     def reset_peaks(self, logical: int) -> None: ...
 
-    def max_allocated(self, logical: int) -> int | None:
-        return None
+    @abstractmethod
+    def max_allocated(self, logical: int) -> int | None: ...
 
-    def max_reserved(self, logical: int) -> int | None:
-        return None
+    @abstractmethod
+    def max_reserved(self, logical: int) -> int | None: ...
 
-    def allocated(self, logical: int) -> int | None:
-        return None
+    @abstractmethod
+    def allocated(self, logical: int) -> int | None: ...
 
-    def capacity(self, logical: int) -> int | None:
-        return None
+    @abstractmethod
+    def capacity(self, logical: int) -> int | None: ...
 
+    @abstractmethod
     def release(self) -> None:
         """Give cached memory back (after an OOM)."""
-        gc.collect()
 
+    @abstractmethod
     def start_timer(self) -> Callable[[], float | None]:
         """Start timing on the first device's stream; the returned call gives seconds."""
-        return lambda: None
-
-
-class CpuOps(DeviceOps):
-    """CPU tensors: the same code paths as :class:`CudaOps`, no allocator statistics."""
 
 
 class CudaOps(DeviceOps):
@@ -281,13 +287,33 @@ class CudaOps(DeviceOps):
         return stop
 
 
-def make_ops(kind: str, devices: Sequence[int]) -> DeviceOps:
-    """``cuda`` or ``cpu`` ops over ``devices``."""
-    if kind == "cuda":
+class CudaHost:
+    """What the cuda backend asks of the machine: how many GPUs it sees, the operations over
+    the chosen ones, and how the ``ddp`` ranks talk (``torch.distributed`` backend and device
+    type, as :class:`dpprof.backends.ranks.Group` takes them)."""
+
+    ddp_backend = "nccl"
+    ddp_device = "cuda"
+
+    def visible_gpus(self) -> int:
+        """The CUDA GPUs this process sees (0 when CUDA is unusable)."""
+        try:
+            return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:  # a broken driver counts as none
+            return 0
+
+    def ops(self, devices: Sequence[int]) -> DeviceOps:
+        """The device operations over ``devices`` (CUDA indices)."""
         return CudaOps(devices)
-    if kind == "cpu":
-        return CpuOps(devices)
-    raise ValueError(f"unknown device kind {kind!r}")
+
+
+#: The machine the cuda backend runs on (the tests replace it with a CPU implementation).
+HOST: CudaHost = CudaHost()
+
+
+def host() -> CudaHost:
+    """The installed :class:`CudaHost` (read at call time, so a replacement is seen)."""
+    return HOST
 
 
 # --------------------------------------------------------------------------- NVML
@@ -427,7 +453,6 @@ class CudaRunConfig:
     steps: int = DEFAULT_STEPS
     nvml_interval_s: float = DEFAULT_NVML_INTERVAL_S
     debug: bool = False
-    device_kind: str = "cuda"  # "cpu": the same code on CPU tensors (gloo tests)
     amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
 
 
@@ -685,7 +710,7 @@ def run_local_scenario(
     """
     if name not in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, SINGLE):
         raise ValueError(f"{name!r} is not an in-process scenario")
-    ops = ops or make_ops(cfg.device_kind, cfg.devices)
+    ops = ops or host().ops(cfg.devices)
     n = len(cfg.devices)
     logical = [0] if name == SINGLE else list(range(n))
     result = ScenarioResult(name=name, batch=cfg.batch)
@@ -752,7 +777,7 @@ def _watch(
     pids: Sequence[int],
 ) -> NvmlWatch:
     if nvml is None and ops.kind == "cuda":
-        nvml = default_nvml()
+        nvml = libnvml.default_nvml()
     if cuda_uuids is None and ops.kind == "cuda":
         cuda_uuids = torch_cuda_uuids()
     return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids)
@@ -787,7 +812,7 @@ def measure_ddp_rank(
     rank: int,
     world: int,
     local_device: int,
-    ops_kind: str,
+    ops: DeviceOps | None = None,
     nvml: NvmlBackend | None = None,
     cuda_uuids: Sequence[str] | None = None,
     visible: Sequence[int] | None = None,
@@ -800,7 +825,7 @@ def measure_ddp_rank(
     this process (default: every visible GPU). ``ddp``: the reducer options (default
     DDP's). Never raises.
     """
-    ops = make_ops(ops_kind, [local_device])
+    ops = ops or host().ops([local_device])
     out = Measured(rank=rank)
     pid = os.getpid()
     watch = _watch(ops, cfg, nvml, cuda_uuids, [pid])
@@ -814,7 +839,7 @@ def measure_ddp_rank(
         targets = _rows(targets, rank * per, (rank + 1) * per)
         model, loss_fn = _model(wl, ops.device(0), cfg.seed)
         model.train()
-        ids = [local_device] if ops_kind == "cuda" else None
+        ids = [local_device] if ops.kind == "cuda" else None
         wrapped = (ddp or DdpOptions()).wrap(model, ids)
         opt = _optimizer(wl, model, loss_fn)
         out.rows = per
@@ -832,7 +857,7 @@ def measure_ddp_rank(
     dev = run.device_result(0, per, True) if run else DeviceResult(index=0)
     dev.index = rank
     dev.rank = rank
-    dev.cuda_index = local_device if ops_kind == "cuda" else None
+    dev.cuda_index = local_device if ops.kind == "cuda" else None
     dev.node = socket.gethostname()
     watch.fill(dev, local_device)
     out.devices = [dev]

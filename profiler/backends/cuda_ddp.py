@@ -68,7 +68,7 @@ class DdpJob:
 
         wl = with_dtype(load_workload(self.workload), self.dtype)
         measured = measure_ddp_rank(
-            wl, self.cfg, info.rank, info.world_size, device_index, self.device, ddp=self.ddp
+            wl, self.cfg, info.rank, info.world_size, device_index, ddp=self.ddp
         )
         for d in measured.devices:
             d.node = info.hostname

@@ -8,7 +8,8 @@
   rank measures its device, rank 0 gets every rank's measurement and builds the result
   (one device row per rank, with its node).
 
-``device_kind="cpu"`` runs the same code on CPU tensors with gloo (tests, no GPU needed).
+What the machine offers (visible GPUs, device operations, the ranks' process group) comes
+from :func:`dpprof.backends.cuda.host`.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from dpprof.backends.cuda import (
     ASSUMPTIONS,
     DEFAULT_STEPS,
     DEFAULT_WARMUP,
     CudaRunConfig,
+    DeviceOps,
     ddp_scenario,
-    make_ops,
+    host,
     run_local_scenario,
 )
 from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
@@ -41,12 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["cuda_compare", "ddp_job", "run_config", "select_devices", "torchrun_compare"]
 
 Progress = Callable[[str, int, int], None]
-
-CPU_ASSUMPTION = (
-    "Test mode: the cuda backend's code ran on CPU tensors (DDP over gloo); no GPU was "
-    "used, so there are no allocator or NVML numbers."
-)
-
 
 def select_devices(gpus: int | None, devices: Sequence[int] | None, visible: int) -> list[int]:
     """The CUDA indices to use, or :class:`UsageError` naming what is wrong."""
@@ -83,16 +77,15 @@ def run_config(cfg: CompareConfig, devices: list[int]) -> CudaRunConfig:
         steps=DEFAULT_STEPS if cfg.steps is None else cfg.steps,
         nvml_interval_s=cfg.nvml_interval_s,
         debug=cfg.debug,
-        device_kind=cfg.device_kind,
         amp=cfg.amp,
     )
 
 
 def ddp_job(ccfg: CudaRunConfig, cfg: CompareConfig, run_id: str | None = None) -> DdpJob:
-    cpu = cfg.device_kind == "cpu"
+    machine = host()
     job = DdpJob(
-        workload=cfg.workload, cfg=ccfg, backend="gloo" if cpu else "nccl",
-        device="cpu" if cpu else "cuda", timeout_s=cfg.ddp_timeout_s, ddp=cfg.ddp,
+        workload=cfg.workload, cfg=ccfg, backend=machine.ddp_backend,
+        device=machine.ddp_device, timeout_s=cfg.ddp_timeout_s, ddp=cfg.ddp,
         dtype=cfg.dtype,
     )
     if run_id is not None:  # torchrun: every rank must use the same store keys
@@ -101,23 +94,21 @@ def ddp_job(ccfg: CudaRunConfig, cfg: CompareConfig, run_id: str | None = None) 
 
 
 def _fill(run: RunResult, ccfg: CudaRunConfig, cfg: CompareConfig) -> None:
-    run.backend = "cpu" if cfg.device_kind == "cpu" else "cuda"
+    run.backend = "cuda"
     run.assumptions = list(ASSUMPTIONS)
-    if cfg.device_kind == "cpu":
-        run.assumptions.insert(0, CPU_ASSUMPTION)
     run.config["loop"] = loop_description(ccfg.warmup_steps + ccfg.steps, ccfg.steps)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     run.config.update(
         warmup_steps=ccfg.warmup_steps, steps=ccfg.steps, devices=list(ccfg.devices),
         nvml_interval_s=ccfg.nvml_interval_s, ddp_timeout_s=cfg.ddp_timeout_s,
-        device_kind=cfg.device_kind,
     )
 
 
-def _capacity(devices: Sequence[int], device_kind: str, fallback: int) -> int:
-    if device_kind != "cuda":
-        return fallback
-    return min(int(torch.cuda.get_device_properties(d).total_memory) for d in devices)
+def _capacity(ops: DeviceOps, fallback: int) -> int:
+    """The smallest GPU's memory (``fallback`` where the devices cannot tell)."""
+    caps = [ops.capacity(i) for i in range(len(ops.devices))]
+    known = [c for c in caps if c is not None]
+    return min(known) if known and len(known) == len(caps) else fallback
 
 
 def cuda_compare(
@@ -135,8 +126,8 @@ def cuda_compare(
     _fill(run, ccfg, cfg)
     run.gpus = len(devices)
     run.config["gpus"] = len(devices)
-    run.gpu_memory_bytes = _capacity(devices, cfg.device_kind, run.gpu_memory_bytes)
-    ops = make_ops(cfg.device_kind, devices)
+    ops = host().ops(devices)
+    run.gpu_memory_bytes = _capacity(ops, run.gpu_memory_bytes)
     for i, name in enumerate(scenarios):
         if progress:
             progress(name, i, len(scenarios))
@@ -145,7 +136,7 @@ def cuda_compare(
             run.scenarios.append(ddp_scenario(outcomes, ccfg, len(devices)))
         else:
             run.scenarios.append(run_local_scenario(name, wl, ccfg, ops))
-    if DDP in scenarios and any(s != DDP for s in scenarios) and cfg.device_kind == "cuda":
+    if DDP in scenarios and any(s != DDP for s in scenarios) and ops.kind == "cuda":
         run.notes.append(
             "the ddp ranks ran while this process kept its CUDA context on every GPU (from "
             "the DataParallel scenarios): NVML's used memory includes it; the rank's own "

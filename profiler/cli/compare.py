@@ -99,11 +99,6 @@ def compare_cmd(
                      "and the bound on every wait for a rank (s); a hung rank is named "
                      "after it."),
     ] = 300.0,
-    cpu_test_mode: Annotated[
-        bool,
-        typer.Option("--cpu-test-mode", hidden=True,
-                     help="Run the cuda backend's code on CPU tensors with gloo (tests)."),
-    ] = False,
     compute: Annotated[
         bool,
         typer.Option(
@@ -201,7 +196,6 @@ def compare_cmd(
             scenarios=parse_scenarios(scenarios), backend=backend, seed=seed,
             compute=compute, debug=debug, devices=_parse_devices(devices), warmup=warmup,
             steps=steps, nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
-            device_kind="cpu" if cpu_test_mode else "cuda",
             fixes=fixes, maxbatch=maxbatch,
             multiple_of=multiple_of, gpu=spec.key if spec else "",
             count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
@@ -221,7 +215,7 @@ def compare_cmd(
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths[:] = output_paths(output, f"compare-{stamp}")
         check_writable(paths)
-        resolved = resolve_backend(cfg.backend, cfg.device_kind)
+        resolved = resolve_backend(cfg.backend)
         from dpprof.scenarios.workloads import load_workload
 
         wl = load_workload(cfg.workload)
@@ -247,9 +241,8 @@ def compare_cmd(
                 f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
                 else f"{cfg.gpus or 'every visible'} CUDA GPU(s)"
             )
-            mode = " (test mode: CPU tensors, gloo)" if cpu_test_mode else ""
             err.print(
-                f"dpprof: measuring on {where}{mode}; workload {terminal_text(wl.name)}, "
+                f"dpprof: measuring on {where}; workload {terminal_text(wl.name)}, "
                 f"batch {batch}, "
                 f"{cfg.warmup if cfg.warmup is not None else 3} warm-up + "
                 f"{cfg.steps or 10} measured steps"

@@ -11,48 +11,19 @@ else on the terminal is the command's. See :mod:`dpprof.watch.monitor` for the s
 from __future__ import annotations
 
 import datetime as _dt
-import importlib
-import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from dpprof.errors import DpprofError, UsageError
-from dpprof.nvml.libnvml import NvmlBackend, default_nvml
+from dpprof.nvml import libnvml
 from dpprof.reports.escape import terminal_text
 from dpprof.result import ResultFileError, RunResult
 from dpprof.units import fmt_bytes
 
-__all__ = ["nvml_factory", "watch_cmd"]
-
-#: Where the NVML backend comes from; tests point ``--nvml-backend`` at a fake instead.
-nvml_factory: Callable[[], NvmlBackend] = default_nvml
-
-
-def _load_backend(spec: str) -> NvmlBackend:
-    """``module:function`` (or ``path/to/file.py:function``) returning an NvmlBackend."""
-    target, _, func = spec.rpartition(":")
-    if not target or not func:
-        raise UsageError(f"--nvml-backend {spec!r}: write module:function")
-    try:
-        if target.endswith(".py"):
-            loaded = importlib.util.spec_from_file_location("_dpprof_nvml_backend", target)
-            if loaded is None or loaded.loader is None:
-                raise ImportError(target)
-            module = importlib.util.module_from_spec(loaded)
-            loaded.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-        backend = getattr(module, func)()
-    except (ImportError, AttributeError, OSError) as e:
-        raise UsageError(f"--nvml-backend {spec!r}: {e}") from e
-    if not isinstance(backend, NvmlBackend):
-        raise UsageError(f"--nvml-backend {spec!r} did not return an NvmlBackend")
-    return backend
-
+__all__ = ["watch_cmd"]
 
 def _samples_path(outputs: list[tuple[Path, str]]) -> Path:
     first = outputs[0][0]
@@ -126,9 +97,6 @@ def watch_cmd(
         bool, typer.Option("--quiet", "-q", help="Print nothing of dpprof's own but errors.")
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
-    nvml_backend: Annotated[
-        str | None, typer.Option("--nvml-backend", hidden=True, help="Tests: module:function.")
-    ] = None,
 ) -> None:
     """Run a command, sample every GPU it uses through NVML, and explain an OOM.
 
@@ -168,7 +136,7 @@ def watch_cmd(
         if not kill_after >= 0:
             raise UsageError(f"--kill-after {kill_after}: give seconds, 0 or more")
         check_bounds({"--interval": interval, "--kill-after": kill_after})
-        nvml = _load_backend(nvml_backend) if nvml_backend else nvml_factory()
+        nvml = libnvml.default_nvml()
         status = nvml.status()
         if not status.available:
             hint = f"; {status.hint}" if status.hint else ""

@@ -790,8 +790,12 @@ _default_lock = threading.Lock()
 _default: RealNvml | None = None
 
 
-def default_nvml() -> RealNvml:
-    """The process-wide :class:`RealNvml` (created on first call; NVML still starts lazily)."""
+def default_nvml() -> NvmlBackend:
+    """The process-wide :class:`RealNvml` (created on first call; NVML still starts lazily).
+
+    Every part of dpprof gets its NVML backend here, looked up at call time
+    (``libnvml.default_nvml()``): the tests install their fake by replacing this function.
+    """
     global _default
     with _default_lock:
         if _default is None:
