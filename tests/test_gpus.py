@@ -10,6 +10,8 @@ from dpprof.emulator.gpus import (
     context_overhead,
     cublas_workspace_size,
     cublaslt_workspace_size,
+    device_context,
+    fill_gpu_overheads,
     known_gpus,
     lookup_gpu,
 )
@@ -211,3 +213,63 @@ def test_context_overhead_rejects_bad_counts() -> None:
         context_overhead((8, 0), streams=0)
     with pytest.raises(KeyError):
         context_overhead("not-a-gpu")
+
+
+def test_devices_with_the_same_allocation_sequence_share_one_simulation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences equal up to their storages' serials simulate once; any other difference
+    (a size, the order of a free, which storage is freed) gets its own simulation, and each
+    device's figure is that of simulating its own sequence."""
+    from dataclasses import dataclass, field
+
+    from dpprof.emulator import gpus
+    from dpprof.emulator.allocator import simulate
+    from dpprof.emulator.vdevice import EventLog, round_size
+
+    @dataclass
+    class Dev:
+        index: int
+        used: bool = True
+        rank: int | None = None
+        peak_reserved_bytes: int | None = None
+        workspace_bytes: int | None = None
+        context_bytes: int | None = None
+        context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
+
+    mib = 2**20
+    # (serial, signed bytes); device 1 is device 0 renamed, 2 frees in another order,
+    # 3 frees the other storage, 4 differs in one size, 5 has no events
+    seqs = {
+        0: [(1, 30 * mib), (2, 5 * mib), (1, -30 * mib), (3, 40 * mib), (2, -5 * mib)],
+        1: [(11, 30 * mib), (12, 5 * mib), (11, -30 * mib), (13, 40 * mib), (12, -5 * mib)],
+        2: [(21, 30 * mib), (22, 5 * mib), (22, -5 * mib), (23, 40 * mib), (21, -30 * mib)],
+        3: [(31, 30 * mib), (32, 5 * mib), (32, -5 * mib), (33, 40 * mib), (33, -40 * mib)],
+        4: [(41, 30 * mib), (42, 6 * mib), (41, -30 * mib), (43, 40 * mib), (42, -6 * mib)],
+    }
+    log = EventLog()
+    log.add(-1, 99, 123, 512)  # a host storage: not on any GPU
+    for k in range(5):  # interleaved, as devices' events are
+        for d, seq in seqs.items():
+            serial, size = seq[k]
+            log.add(d, serial, size, round_size(abs(size)) * (1 if size > 0 else -1))
+    calls: list[int] = []
+
+    def counting(events, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return simulate(events, *a, **kw)
+
+    ctx = device_context((8, 0), uses_cudnn=False)
+    monkeypatch.setattr(gpus, "simulate", counting)
+    devs = [Dev(i) for i in range(6)]
+    fill_gpu_overheads(devs, log, ctx)
+    assert len(calls) == 5  # {0, 1}, 2, 3, 4 and 5 (no events)
+    workspaces = [("alloc", -1 - k, s) for k, s in enumerate(ctx.allocator_requests)]
+    for d in devs:
+        own = [("alloc", s, b) if b > 0 else ("free", s, 0) for s, b in seqs.get(d.index, [])]
+        assert d.peak_reserved_bytes == simulate(
+            workspaces + own, timeline_points=None, stop_on_oom=False).peak_reserved_bytes
+    # the same figures from a plain list of events (no EventLog)
+    again = [Dev(i) for i in range(6)]
+    calls.clear()
+    fill_gpu_overheads(again, list(log), ctx)
+    assert [d.peak_reserved_bytes for d in again] == [d.peak_reserved_bytes for d in devs]

@@ -138,3 +138,106 @@ def test_unknown_device_is_refused() -> None:
     rt = VirtualDevices(2)
     with pytest.raises(VirtualDeviceError, match="does not exist"):
         rt.device(2)
+
+
+def _reference_snapshot(events: list[tuple[int, int, int, int]], labels: dict[int, str],
+                        index: int, before: int) -> tuple[int, int, dict[str, int]]:
+    """The live set replayed event by event: a storage is live after an allocation (or a
+    resize's re-allocation), gone after its free or a 0-byte event."""
+    live: dict[int, tuple[int, int]] = {}
+    for dev, serial, req, alloc in events[:before]:
+        if dev != index:
+            continue
+        if alloc > 0 or req > 0:
+            live[serial] = (alloc, req)
+        else:
+            live.pop(serial, None)
+    by_cat: dict[str, int] = {}
+    for serial, (a, _) in live.items():
+        by_cat[labels.get(serial, "other")] = by_cat.get(labels.get(serial, "other"), 0) + a
+    return (sum(a for a, _ in live.values()), sum(r for _, r in live.values()),
+            {k: v for k, v in by_cat.items()})
+
+
+def test_snapshots_and_timelines_match_an_event_by_event_replay() -> None:
+    """Read from the log's columns as arrays: the same live sets as replaying the log in
+    order, on every device, at every event index (frees, resizes, 0-byte storages, the
+    host, devices without events)."""
+    import random
+
+    rng = random.Random(7)
+    rt = VirtualDevices(3)
+    events: list[tuple[int, int, int, int]] = []
+    live: dict[int, tuple[int, int]] = {}  # serial -> (device, requested)
+    for _ in range(600):
+        serial = rng.randrange(1, 80)
+        if serial in live:
+            dev, req = live[serial]
+            if rng.random() < 0.3:  # a resize: the old size freed, the new one allocated
+                new = rng.choice([0, 1, 700, 4096])
+                events += [(dev, serial, -req, -round_size(req)),
+                           (dev, serial, new, round_size(new))]
+                live[serial] = (dev, new)
+            else:
+                events.append((dev, serial, -req, -round_size(req)))
+                del live[serial]
+        else:
+            dev = rng.choice([HOST, 0, 1])
+            req = rng.choice([0, 3, 512, 513, 10_000])
+            events.append((dev, serial, req, round_size(req)))
+            live[serial] = (dev, req)
+    labels = {s: rng.choice(["parameters", "activations"]) for s in range(1, 80, 2)}
+    for ev in events:
+        rt.events.add(*ev)
+    for s, cat in labels.items():
+        rt.set_label(s, cat)
+    for index in (0, 1, 2):
+        for before in range(0, len(events) + 1, 7):
+            snap = rt.snapshot(index, before)
+            alloc, req, by_cat = _reference_snapshot(events, labels, index, before)
+            assert (snap.allocated_bytes, snap.requested_bytes) == (alloc, req)
+            assert {k: v for k, v in snap.by_category.items() if v} == {
+                k: v for k, v in by_cat.items() if v}
+        for start in (0, 1, 250, len(events)):
+            points = rt.timeline(index, start)
+            live_bytes = _reference_snapshot(events, labels, index, start)[0]
+            want = [(start, live_bytes)]
+            for i in range(start, len(events)):
+                if events[i][0] == index:
+                    live_bytes += events[i][3]
+                    want.append((i + 1, live_bytes))
+            assert points == want
+        assert rt.event_indices(index) == [i for i, e in enumerate(events) if e[0] == index]
+
+
+def test_frozen_heap_spares_older_objects_and_gives_them_back() -> None:
+    """Inside, a full collection skips what existed before (gc.freeze); after, those objects
+    are collectable again, nothing stays frozen, and an enclosing freeze is left alone."""
+    import gc
+
+    from dpprof.emulator.heap import frozen_heap
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    assert gc.get_freeze_count() == 0
+    import weakref
+
+    old = Cycle()
+    old_ref = weakref.ref(old)
+    del old  # garbage already, but not collected before the context starts
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+        new = Cycle()
+        new_ref = weakref.ref(new)
+        del new
+        gc.collect()
+        assert new_ref() is None  # the emulation's own garbage is collected
+        assert old_ref() is not None  # the older object is skipped
+        with frozen_heap():  # nested: leaves the outer freeze alone
+            pass
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old_ref() is None  # collectable again after the context

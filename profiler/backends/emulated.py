@@ -19,6 +19,7 @@ from torch import nn
 
 from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
+from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import (
     DEFAULT_COMPUTE_CAPABILITY,
     CudaAutocastNames,
@@ -187,7 +188,17 @@ def run_scenario(
     With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
     (``"wrapped"``), the parameters (``"params"``) and the event indices where the measured
     iteration began and ended (``"step_start"``, ``"step_end"``), for the checks.
+
+    Full garbage collections meanwhile skip the objects made before it
+    (:func:`dpprof.emulator.heap.frozen_heap`).
     """
+    with frozen_heap():
+        return _run_scenario(name, wl, cfg, trace)
+
+
+def _run_scenario(
+    name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None
+) -> ScenarioResult:
     shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
         DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
     rank_rows = shards[0]

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.vdevice import EventLog
 
@@ -563,28 +565,18 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     sequence stands for all. ``source``: the event log's device whose sequence a result's
     device stands for (default: its index).
     """
-    per_device: dict[int, list[tuple[str, int, int]]] = {}
-    rows: Iterable[tuple[int, int, int]] = (  # an EventLog's columns: no object per event
-        zip(events.device, events.serial, events.requested, strict=True)
-        if isinstance(events, EventLog)
-        else ((ev.device, ev.serial, ev.requested) for ev in events))
-    for device, serial, requested in rows:
-        if device < 0 or requested == 0:
-            continue  # host storages; a 0-byte storage takes no block
-        kind = "alloc" if requested > 0 else "free"
-        per_device.setdefault(device, []).append((kind, serial, max(requested, 0)))
     workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
-    simulated: dict[tuple[tuple[str, int, int], ...], Any] = {}  # one per distinct sequence
+    sequences = _DeviceSequences(events)
+    simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
     for d in devices:
         if not d.used:
             continue
         src = source(d) if source is not None else 0 if same_program else d.index
-        seq = per_device.get(src, [])
-        key = _sequence_key(seq)
+        key = sequences.key(src)
         stats = simulated.get(key)
         if stats is None:
-            stats = simulated[key] = simulate(workspaces + seq, timeline_points=None,
-                                              stop_on_oom=False)
+            stats = simulated[key] = simulate(workspaces + sequences.sequence(src),
+                                              timeline_points=None, stop_on_oom=False)
         d.peak_reserved_bytes = stats.peak_reserved_bytes
         d.workspace_bytes = ctx.workspace_bytes
         d.context_bytes = ctx.outside_allocator_bytes
@@ -592,13 +584,50 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
                                      if v and k in ("cuda_context", "cudnn_library")}
 
 
-def _sequence_key(seq: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int], ...]:
-    """An allocation sequence up to the names of its storages (serials renumbered in order
-    of first appearance): two devices with equal keys simulate alike (DataParallel's
-    replicas on equal shards, DDP's ranks)."""
-    names: dict[int, int] = {}
-    return tuple((kind, names.setdefault(serial, len(names)), size)
-                 for kind, serial, size in seq)
+class _DeviceSequences:
+    """Each device's allocation sequence (host storages and 0-byte storages left out: they
+    take no block) as ("alloc" | "free", serial, bytes) rows, and a key per sequence equal
+    for two devices exactly when their sequences are equal up to the names of their
+    storages (DataParallel's replicas on equal shards, DDP's ranks): they simulate alike.
+    Over an :class:`EventLog` the columns are read as arrays, so the cost of a device's key
+    is not a Python step per event."""
+
+    def __init__(self, events: Iterable[AllocationEvent]) -> None:
+        if isinstance(events, EventLog):
+            dev = events.column("device")
+            req = events.column("requested")
+            keep = (dev >= 0) & (req != 0)
+            self.device, self.serial, self.requested = (
+                dev[keep], events.column("serial")[keep], req[keep])
+        else:
+            rows = [(ev.device, ev.serial, ev.requested) for ev in events
+                    if ev.device >= 0 and ev.requested != 0]
+            self.device, self.serial, self.requested = (
+                np.array([r[i] for r in rows], dtype=np.int64) for i in range(3))
+        self._rows: dict[int, np.ndarray] = {}
+
+    def _of(self, device: int) -> np.ndarray:
+        rows = self._rows.get(device)
+        if rows is None:
+            rows = self._rows[device] = np.flatnonzero(self.device == device)
+        return rows
+
+    def key(self, device: int) -> tuple[bytes, bytes]:
+        """The sequence with its serials renumbered in order of first appearance."""
+        rows = self._of(device)
+        serials = self.serial[rows]
+        _, first, inverse = np.unique(serials, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
+        sizes = self.requested[rows]
+        # (kind, bytes) as one number: an allocation's size, or -1 for a free
+        return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes())
+
+    def sequence(self, device: int) -> list[tuple[str, int, int]]:
+        rows = self._of(device)
+        return [("alloc", serial, size) if size > 0 else ("free", serial, 0)
+                for serial, size in zip(self.serial[rows].tolist(),
+                                        self.requested[rows].tolist(), strict=True)]
 
 
 def gpu_model_notes(ctx: ContextModel) -> list[str]:

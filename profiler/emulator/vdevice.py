@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, overload
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -124,6 +125,19 @@ class EventLog(Sequence[Event]):
     def __iter__(self) -> Iterator[Event]:
         return map(Event, self.device, self.serial, self.requested, self.allocated)
 
+    def column(self, name: str) -> np.ndarray:
+        """One field as an int64 array (a copy: the log may grow while it is in use)."""
+        return np.array(getattr(self, name), dtype=np.int64)
+
+    def indices_by_device(self) -> dict[int, np.ndarray]:
+        """Each device's event indices, in order."""
+        dev = self.column("device")
+        order = np.argsort(dev, kind="stable")
+        devices, starts = np.unique(dev[order], return_index=True)
+        ends = [*starts[1:].tolist(), len(order)]
+        return {int(d): order[a:b] for d, a, b in zip(devices.tolist(), starts.tolist(), ends,
+                                                      strict=True)}
+
 
 @dataclass
 class PhaseMark:
@@ -179,7 +193,7 @@ class VirtualDevices(TorchDispatchMode):
         # scenarios and fixes run the same ops on the same shapes).
         self._op_cache = _OP_CACHE
         self.cache_hits = 0
-        self._by_device: tuple[int, dict[int, list[int]]] = (0, {})
+        self._by_device: tuple[int, dict[str, np.ndarray], dict[int, np.ndarray]] = (-1, {}, {})
         # DataParallel replicas on equal shards are emulated once and replayed onto the
         # other devices (dpprof.emulator.replicas), over meta tensors only.
         self.dedupe_replicas = False
@@ -299,39 +313,43 @@ class VirtualDevices(TorchDispatchMode):
                 c.peak_phase = self._state.phase
 
     def event_indices(self, index: int) -> list[int]:
-        """Indices into :attr:`events` of device ``index``'s events (computed once per length
-        of the log, for all devices in one pass)."""
+        """Indices into :attr:`events` of device ``index``'s events."""
+        return self._device_index_array(index).tolist()  # type: ignore[no-any-return]
+
+    def _device_index_array(self, index: int) -> np.ndarray:
+        """:meth:`event_indices` as an array."""
+        return self._columns()[1].get(index, _NO_INDICES)
+
+    def _columns(self) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+        """The log's columns as arrays and each device's event indices (computed once per
+        length of the log, for all devices in one pass)."""
         n = len(self.events)
-        if self._by_device[0] != n or not self._by_device[1]:
-            by: dict[int, list[int]] = {}
-            for i, dev in enumerate(self.events.device):
-                lst = by.get(dev)
-                if lst is None:
-                    lst = by[dev] = []
-                lst.append(i)
-            self._by_device = (n, by)
-        return self._by_device[1].get(index, [])
+        if self._by_device[0] != n:
+            log = self.events
+            cols = {k: log.column(k) for k in ("serial", "requested", "allocated")}
+            self._by_device = (n, cols, log.indices_by_device())
+        return self._by_device[1], self._by_device[2]
 
     def snapshot(self, index: int, event_index: int) -> Snapshot:
         """Bytes per (final) category live on device ``index`` before ``event_index``."""
-        live: dict[int, tuple[int, int]] = {}
-        serials, reqs, allocs = self.events.serial, self.events.requested, self.events.allocated
-        for i in self.event_indices(index):
-            if i >= event_index:
-                break
-            a, r = allocs[i], reqs[i]
-            if a > 0 or r > 0:
-                live[serials[i]] = (a, r)
-            else:
-                live.pop(serials[i], None)
+        cols, by_device = self._columns()
+        idx = by_device.get(index, _NO_INDICES)
+        idx = idx[: int(np.searchsorted(idx, event_index))]
+        if not len(idx):
+            return Snapshot(0, 0, {})
+        serials = cols["serial"][idx]
+        # a storage is live when its last event (so far) is an allocation
+        last_rev = np.unique(serials[::-1], return_index=True)[1]
+        last = idx[len(idx) - 1 - last_rev]
+        allocs, reqs = cols["allocated"][last], cols["requested"][last]
+        keep = (allocs > 0) | (reqs > 0)
         by_cat: dict[str, int] = {}
-        alloc = req = 0
-        for serial, (a, r) in live.items():
-            cat = self._labels.get(serial, "other")
+        labels = self._labels
+        for serial, a in zip(cols["serial"][last[keep]].tolist(),
+                             allocs[keep].tolist(), strict=True):
+            cat = labels.get(serial, "other")
             by_cat[cat] = by_cat.get(cat, 0) + a
-            alloc += a
-            req += r
-        return Snapshot(alloc, req, by_cat)
+        return Snapshot(int(allocs[keep].sum()), int(reqs[keep].sum()), by_cat)
 
     def peak_snapshot(self, index: int) -> Snapshot:
         return self.snapshot(index, self.counters[index].peak_event)
@@ -339,15 +357,11 @@ class VirtualDevices(TorchDispatchMode):
     def timeline(self, index: int, start: int = 0) -> list[tuple[int, int]]:
         """(event index, live allocated bytes) after every event on device ``index``."""
         base = self.snapshot(index, start).allocated_bytes if start else 0
-        out = [(start, base)]
-        live = base
-        allocs = self.events.allocated
-        for i in self.event_indices(index):
-            if i < start:
-                continue
-            live += allocs[i]
-            out.append((i + 1, live))
-        return out
+        cols, by_device = self._columns()
+        idx = by_device.get(index, _NO_INDICES)
+        idx = idx[int(np.searchsorted(idx, start)):]
+        live = np.cumsum(cols["allocated"][idx]) + base
+        return [(start, base), *zip((idx + 1).tolist(), live.tolist(), strict=True)]
 
     # ---- tracking ---------------------------------------------------------------------
 
@@ -609,6 +623,7 @@ class VirtualDevices(TorchDispatchMode):
 
 
 _NO = object()  # "not cacheable"
+_NO_INDICES = np.zeros(0, dtype=np.int64)
 _OP_CACHE: dict[Any, Any] = {}  # (op, metadata of its arguments) -> template of its outputs
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format)
