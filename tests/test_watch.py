@@ -55,13 +55,45 @@ OOM_MESSAGE = (
     "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
 )
 
-# A training script that dies as PyTorch does: a traceback ending in the allocator's
-# message, exit status 1. It starts a grandchild first (a process of the command too).
-OOM_SCRIPT = f"""
-import subprocess, sys, time
-helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+# Python for a watched command: wait (bounded) until the watcher's samples file, whose
+# records are flushed one by one as they happen, holds what the test needs. ``path``: the
+# file; ``done(records)``: the condition. No fixed time window: under load it waits longer.
+WAIT_FOR_RECORDS = """
+import json, os, sys, time
+def wait_for_records(path, done, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.endswith("\\n")]
+        except FileNotFoundError:
+            records = []
+        if done(records):
+            return records
+        time.sleep(0.01)
+    sys.stderr.write(f"the watcher's records never met the condition in {timeout} s\\n")
+    sys.exit(99)
+"""
+
+
+def oom_script(samples: Path) -> str:
+    """A training script that dies as PyTorch does: a traceback ending in the allocator's
+    message, exit status 1. It starts a grandchild first (a process of the command too) and
+    fails once the watcher has read both GPUs full (the fake's last readings: 78 and 40 GiB)
+    and has seen the child and the grandchild on cuda:0 in one reading."""
+    return WAIT_FOR_RECORDS + f"""
+import subprocess
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 print("epoch 1 step 1 loss 2.3", flush=True)
-time.sleep(0.6)
+def full(records):
+    last = {{r["device"]: r["used_bytes"] for r in records if r["kind"] == "sample"}}
+    on_0 = {{}}
+    for r in records:
+        if r["kind"] == "process" and r["device"] == 0:
+            on_0.setdefault(r["t_s"], set()).add(r["pid"])
+    both = any({{os.getpid(), helper.pid}} <= pids for pids in on_0.values())
+    return last.get(0) == 78 * 2**30 and last.get(1) == 40 * 2**30 and both
+wait_for_records({str(samples)!r}, full)
 sys.stderr.write('Traceback (most recent call last):\\n  File "train.py", line 41, in <module>\\n'
                  '    loss.backward()\\n')
 sys.stderr.write({OOM_MESSAGE!r} + "\\n")
@@ -69,6 +101,11 @@ sys.stderr.flush()
 helper.kill()
 sys.exit(1)
 """
+
+
+def samples_of(tmp_path: Path) -> Path:
+    """Where :func:`run_watch` has the watcher write its records."""
+    return tmp_path / "run.samples.jsonl"
 
 
 def run_watch(
@@ -92,7 +129,7 @@ def run_watch(
         (tmp_path / "in.bin").write_bytes(stdin)
         in_fd = os.open(tmp_path / "in.bin", os.O_RDONLY)
     cfg = WatchConfig(
-        command=[PY, "-c", script], samples_path=tmp_path / "run.samples.jsonl",
+        command=[PY, "-c", script], samples_path=samples_of(tmp_path),
         interval_s=interval_s, kill_after_s=kill_after_s, process_scan_s=0.05,
     )
     watcher = Watcher(
@@ -127,7 +164,7 @@ def wait_for(path: Path, needle: bytes, timeout: float = 20.0) -> None:
 
 
 def test_oom_script_status_passthrough_and_post_mortem(tmp_path: Path) -> None:
-    outcome, out, err = run_watch(tmp_path, OOM_SCRIPT)
+    outcome, out, err = run_watch(tmp_path, oom_script(samples_of(tmp_path)))
     assert outcome.exit_status == 1
     assert out == b"epoch 1 step 1 loss 2.3\n"
     assert err.endswith(OOM_MESSAGE.encode() + b"\n")
@@ -189,8 +226,14 @@ def test_stdin_passes_through(tmp_path: Path) -> None:
 
 
 def test_command_killed_by_sigkill(tmp_path: Path) -> None:
-    script = "import os, signal, time; print('x', flush=True); time.sleep(0.2); " \
-        "os.kill(os.getpid(), signal.SIGKILL)"
+    script = WAIT_FOR_RECORDS + f"""
+import signal
+print('x', flush=True)
+wait_for_records({str(samples_of(tmp_path))!r},  # three readings of each GPU, then die
+                 lambda rs: min(sum(r["kind"] == "sample" and r["device"] == d for r in rs)
+                                for d in (0, 1)) >= 3)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
     outcome, out, _ = run_watch(tmp_path, script)
     assert outcome.exit_status == 128 + 9
     assert out == b"x\n"
@@ -201,15 +244,28 @@ def test_command_killed_by_sigkill(tmp_path: Path) -> None:
     assert run.watch.devices[0].samples >= 3  # the timeline up to the kill
 
 
-def _send_to_main(signum: int, times: int = 1, gap: float = 0.3) -> callable:  # type: ignore[valid-type]
+def wait_for_count(path: Path, needle: str, count: int, timeout: float = 60.0) -> None:
+    """Until ``path`` holds ``needle`` ``count`` times (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text(errors="replace").count(needle) >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{needle!r} never appeared {count} times in {path}")
+
+
+def _send_to_main(signum: int, times: int = 1) -> callable:  # type: ignore[valid-type]
+    """Once the command prints "ready", send ``signum`` to dpprof ``times`` times, each after
+    the watcher has handled the one before (its record is in the samples file)."""
     main = threading.main_thread().ident
     assert main is not None
 
     def during(out_path: Path) -> None:
         wait_for(out_path, b"ready")
-        for _ in range(times):
+        samples = out_path.with_name("run.samples.jsonl")
+        for i in range(times):
             signal.pthread_kill(main, signum)  # sent to dpprof alone, not from a terminal
-            time.sleep(gap)
+            wait_for_count(samples, '"kind":"signal"', i + 1)
 
     return during
 
@@ -488,14 +544,19 @@ def test_cli_ctrl_c_in_a_terminal_reaches_the_command_once(tmp_path: Path) -> No
     """A terminal's Ctrl-C goes to dpprof and the command (one process group): dpprof must
     not send it a second time."""
     log = tmp_path / "signals.log"
-    script = f"""
-import signal, sys, time
+    script = WAIT_FOR_RECORDS + f"""
+import signal
+got = []
 def on_int(*_):
+    got.append(1)
     with open({str(log)!r}, "a") as f:
         f.write("INT\\n")
 signal.signal(signal.SIGINT, on_int)
 print("ready", flush=True)
-time.sleep(1.5)
+# the terminal's SIGINT has reached this process, and dpprof has recorded what it did with
+# its own copy (after passing it on, had it done so: a second one would be here by now)
+wait_for_records({str(tmp_path / "r.samples.jsonl")!r},
+                 lambda rs: got and any(r["kind"] == "signal" for r in rs))
 with open({str(log)!r}) as f:
     sys.exit(10 + len(f.read().splitlines()))
 """
@@ -628,7 +689,12 @@ def test_scanner_is_bounded_and_ignores_ordinary_output() -> None:
 def test_a_real_torch_out_of_memory_error(tmp_path: Path) -> None:
     """torch's own exception class, raised and printed by Python, with the allocator's text."""
     message = OOM_MESSAGE.split(": ", 1)[1]
-    script = f"import torch, time\ntime.sleep(0.3)\nraise torch.OutOfMemoryError({message!r})\n"
+    script = WAIT_FOR_RECORDS + f"""
+import torch
+wait_for_records({str(samples_of(tmp_path))!r},  # the GPUs read before the error
+                 lambda rs: {{r["device"] for r in rs if r["kind"] == "sample"}} == {{0, 1}})
+raise torch.OutOfMemoryError({message!r})
+"""
     outcome, _, err = run_watch(tmp_path, script)
     assert outcome.exit_status == 1
     assert err.decode().endswith(OOM_MESSAGE + "\n")
