@@ -81,6 +81,32 @@ def test_only_nvml_module_imports_pynvml() -> None:
 # --------------------------------------------------------------------------- a scripted pynvml
 
 
+def memory_struct(total: int, free: int, used: int, reserved: int | None = None) -> Any:
+    """What pynvml's nvmlDeviceGetMemoryInfo returns: its ctypes structure (v2 with
+    ``reserved``), so a field dpprof reads by a wrong name fails here."""
+    if reserved is None:
+        return pynvml.c_nvmlMemory_t(total=total, free=free, used=used)
+    return pynvml.c_nvmlMemory_v2_t(version=pynvml.nvmlMemory_v2, total=total,
+                                    reserved=reserved, free=free, used=used)
+
+
+def process_info(pid: int, used: int | None, converted: bool = True) -> Any:
+    """One entry of pynvml's nvmlDeviceGetComputeRunningProcesses_v2: its friendly object
+    made from the ctypes structure; NVML's "not available" becomes None as pynvml does it
+    (``converted=False``: an older pynvml that left the raw value)."""
+    raw = NVML_VALUE_NOT_AVAILABLE if used is None else used
+    obj = pynvml.nvmlStructToFriendlyObject(
+        pynvml.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=raw))
+    if converted and obj.usedGpuMemory == NVML_VALUE_NOT_AVAILABLE:
+        obj.usedGpuMemory = None
+    return obj
+
+
+def pci_info(bus_id: str) -> Any:
+    """What pynvml's nvmlDeviceGetPciInfo returns: its ctypes structure."""
+    return pynvml.nvmlPciInfo_t(busId=bus_id.encode())
+
+
 def scripted_pynvml(**overrides: Any) -> SimpleNamespace:
     """An object shaped like the pynvml module, with two GPUs, raising pynvml's own errors."""
     calls: dict[str, int] = {}
@@ -99,7 +125,7 @@ def scripted_pynvml(**overrides: Any) -> SimpleNamespace:
             raise err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         if handle == 101:
             raise err(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return SimpleNamespace(total=80 * 2**30, free=70 * 2**30, used=10 * 2**30)
+        return memory_struct(total=80 * 2**30, free=70 * 2**30, used=10 * 2**30)
 
     def procs_v3(handle: int) -> Any:
         raise err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -107,9 +133,9 @@ def scripted_pynvml(**overrides: Any) -> SimpleNamespace:
     def procs_v2(handle: int) -> Any:
         count("procs_v2")
         return [
-            SimpleNamespace(pid=11, usedGpuMemory=5 * 2**20),
-            SimpleNamespace(pid=12, usedGpuMemory=None),
-            SimpleNamespace(pid=13, usedGpuMemory=NVML_VALUE_NOT_AVAILABLE),
+            process_info(11, 5 * 2**20),
+            process_info(12, None),
+            process_info(13, None, converted=False),
         ]
 
     def p2p(a: int, b: int, caps: Any) -> int:
@@ -139,9 +165,7 @@ def scripted_pynvml(**overrides: Any) -> SimpleNamespace:
         nvmlDeviceGetComputeRunningProcesses_v2=procs_v2,
         nvmlSystemGetDriverVersion=lambda: b"470.82.01",
         nvmlSystemGetCudaDriverVersion=lambda: 11040,
-        nvmlDeviceGetPciInfo=lambda h: SimpleNamespace(
-            busId=f"00000000:{h - 60:02X}:00.0".encode()
-        ),
+        nvmlDeviceGetPciInfo=lambda h: pci_info(f"00000000:{h - 60:02X}:00.0"),
         nvmlDeviceGetCudaComputeCapability=lambda h: (8, 0),
         nvmlDeviceGetP2PStatus=lambda a, b, caps: p2p(a, b, caps),
         nvmlDeviceGetTopologyCommonAncestor=lambda a, b: 20,
@@ -211,7 +235,7 @@ def test_real_nvml_memory_v2_is_used_when_the_driver_has_it() -> None:
     def memory(handle: int, version: int | None = None) -> Any:
         if version is None:
             raise AssertionError("v1 must not be asked when v2 works")
-        return SimpleNamespace(total=100, free=40, used=50, reserved=10)
+        return memory_struct(total=100, free=40, used=50, reserved=10)
 
     nvml = RealNvml(scripted_pynvml(nvmlDeviceGetMemoryInfo=memory))
     mem = nvml.memory(0)
@@ -358,7 +382,7 @@ def test_real_nvml_counts_nvlinks_to_the_peer_and_through_switches() -> None:
 
     def remote_pci(handle: int, link: int) -> Any:
         bus = "0000:29:00.0" if link < 2 else "0000:77:00.0"
-        return SimpleNamespace(busId=bus.encode())
+        return pci_info(bus)
 
     module = scripted_pynvml(
         nvmlDeviceGetNvLinkState=state,

@@ -30,11 +30,9 @@ class FakeCudaAllocator(CpuOps):
     """The cuda backend's device layer on CPU tensors, with scripted allocator peaks: the
     CUDA caching allocator's statistics are what a machine without GPUs cannot give.
 
-    Device 0 (DataParallel's output device) reports ``primary_bytes`` in the loss phase and
-    ``other_bytes`` elsewhere; every other device ``other_bytes``.
+    Device 0 (DataParallel's output device) reports ``primary_bytes`` as its peak in every
+    phase, every other device ``other_bytes``; reserved is 2 MiB above allocated.
     """
-
-    kind = "cpu"
 
     def __init__(self, devices: Sequence[int], primary_bytes: int, other_bytes: int) -> None:
         super().__init__(devices)
