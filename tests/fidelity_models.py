@@ -143,3 +143,53 @@ def accumulate() -> dpprof.Workload:
     wl.name = "accumulate"
     wl.step = accumulating_step
     return wl
+
+
+# ---- embedding backward on the sort path -------------------------------------------------
+
+SORT_SEQ, SORT_VOCAB, SORT_WIDTH = 2048, 8192, 16  # 2 rows: 4096 indices, above 3072
+
+
+class WideEmbedding(nn.Module):
+    """A vocabulary wider than the batch's indices and a 1-wide head: the step's peak is
+    where the embedding's gradient is made (the head's saved input is gone by then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(SORT_VOCAB, SORT_WIDTH)
+        self.head = nn.Linear(SORT_WIDTH, 1, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx))
+
+
+def embedding_sorted() -> dpprof.Workload:
+    """More than 3072 indices per device: CUDA's embedding backward takes the sort path."""
+    return dpprof.Workload(
+        name="embedding-sorted",
+        model=WideEmbedding,
+        batch=lambda rows, device: (
+            torch.randint(0, SORT_VOCAB, (rows, SORT_SEQ), device=device),
+            torch.zeros(rows, SORT_SEQ, 1, device=device)),
+        loss=lambda out, target: (out - target).abs().mean(),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+    )
+
+
+def sort_path_bytes_at_peak(rows: int, rounded: bool = False) -> int:
+    """What ``embedding_dense_backward_cuda`` holds besides the gradient when it allocates
+    its last buffer, ``grad_weight_per_segment`` (Embedding.cu, EmbeddingBackwardKernel.cu;
+    int64 indices, float32 gradient): ``sorted_indices`` and ``orig_indices`` (n each),
+    ``segment_offsets`` (n), the 0-dim int64 ``num_of_segments`` and
+    ``num_of_partial_segments``, ``partials_per_segment`` and its offsets (``min(n,
+    vocab)`` each), ``partial_segment_offset`` (``n // 10 + min(n, vocab)``) and
+    ``grad_weight_per_segment`` (that many rows of the width, float32). With ``rounded``,
+    each as the caching allocator rounds it (512 B)."""
+    n = rows * SORT_SEQ
+    segments = min(n, SORT_VOCAB)
+    partials = n // 10 + segments
+    sizes = [8 * n, 8 * n, 8 * n, 8, 8, 8 * segments, 8 * segments, 8 * partials,
+             4 * SORT_WIDTH * partials]
+    if rounded:
+        sizes = [-(-s // 512) * 512 for s in sizes]
+    return sum(sizes)

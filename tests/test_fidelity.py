@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from fidelity_models import sort_path_bytes_at_peak
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many, run_rank
@@ -51,6 +52,7 @@ WORKLOADS = {
     f"{MODELS}:structured": 2,
     f"{MODELS}:buffers": 2,
     f"{MODELS}:accumulate": 2,  # a workload's own step (accumulation, clipping, del)
+    f"{MODELS}:embedding_sorted": 2,  # 4096 indices: CUDA's embedding backward sorts
 }
 # DDP options checked on two workloads (buffers: broadcast per forward; mlp: buckets)
 OPTIONS: list[tuple[str, dict[str, Any]]] = [
@@ -66,6 +68,10 @@ MSE_WORKLOADS = {"mlp"}  # F.mse_loss: meta returns 4 B, the CPU kernel an input
 # memory-efficient attention and the fused dropout, where the CPU runs its own flash kernel
 # and a float mask; their meta peak is checked in test_kernels.py instead.
 GPU_KERNEL_WORKLOADS = {"attention_small"}
+# Over meta the embedding backward also holds the CUDA sort path's buffers at its peak: the
+# meta peak is higher by exactly those (less the two 0-dim int64 tensors, 8 B each, which
+# are left out as SCALAR_BYTES on both sides).
+SORT_PATH_WORKLOADS = {"embedding_sorted"}
 WORLD = 2
 
 
@@ -161,7 +167,10 @@ def check(spec: str, scenario: str, rows: int, measured: RankResult,
     name = spec.rpartition(":")[2] if ":" in spec else spec
     if name in GPU_KERNEL_WORKLOADS:
         return
-    if name in MSE_WORKLOADS:
+    if name in SORT_PATH_WORKLOADS:
+        assert meta_start == start
+        assert relative_peak(meta) - relative_peak(cpu) == sort_path_bytes_at_peak(rows) - 16
+    elif name in MSE_WORKLOADS:
         assert 0 <= start - meta_start < 4 * rows * 1024 * 4
         assert 0 <= relative_peak(cpu) - relative_peak(meta) < 4 * rows * 1024 * 4
     elif options.get("find_unused_parameters"):

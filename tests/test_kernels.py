@@ -1,8 +1,10 @@
-"""What a GPU adds: kernel choice (SDPA, fused dropout), autocast, reserved and context."""
+"""What a GPU adds: kernel choice (SDPA, fused dropout, embedding backward), autocast,
+reserved and context."""
 
 from __future__ import annotations
 
 import torch
+from fidelity_models import embedding_sorted, sort_path_bytes_at_peak
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.kernels import EFFICIENT, FLASH, MATH, SdpaCall, sdpa_backend
@@ -116,3 +118,32 @@ def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs() -> None:
         composite = rt2.counters[0].live_requested - before
         assert y.dtype == torch.bfloat16
     assert composite >= fused + rows * width * 4  # at least one float32 input-sized copy
+
+
+def _embedding_peaks(compute: bool, rows: int) -> tuple[int, int, list[str]]:
+    r = run_scenario("single", embedding_sorted(), EmulationConfig(
+        batch=rows, gpus=1, gpu_memory_bytes=2**40, compute=compute))
+    assert r.status == "ok", r.message
+    d = r.devices[0]
+    return d.peak_requested_bytes, d.peak_allocated_bytes, r.notes
+
+
+def test_embedding_backward_plays_the_cuda_sort_path_buffers() -> None:
+    """Over meta (the CUDA route) the embedding's backward holds, at its peak, the sort
+    path's buffers besides the gradient (Embedding.cu / EmbeddingBackwardKernel.cu); over
+    CPU tensors the CPU kernel runs and nothing is added (checked against torch.profiler
+    in test_fidelity.py)."""
+    rows = 2  # 4096 indices: the sort path
+    cuda_req, cuda_alloc, notes = _embedding_peaks(False, rows)
+    cpu_req, cpu_alloc, _ = _embedding_peaks(True, rows)
+    assert any("embedding_backward:sorted x2" in n for n in notes)  # two iterations
+    assert cuda_req - cpu_req == sort_path_bytes_at_peak(rows)
+    assert cuda_alloc - cpu_alloc == sort_path_bytes_at_peak(rows, rounded=True)
+
+
+def test_embedding_backward_direct_path_adds_nothing() -> None:
+    """Up to 3072 indices one kernel writes the gradient: nothing besides it."""
+    cuda_req, cuda_alloc, notes = _embedding_peaks(False, 1)  # 2048 indices
+    cpu_req, cpu_alloc, _ = _embedding_peaks(True, 1)
+    assert any("embedding_backward:direct x2" in n for n in notes)
+    assert (cuda_req, cuda_alloc) == (cpu_req, cpu_alloc)

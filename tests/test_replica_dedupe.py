@@ -3,6 +3,7 @@ the per-device results must equal those of emulating every replica, byte for byt
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ CASES = [
     ("attention", 16, 8),  # SDPA (flash kernel), tied embeddings
     ("classifier", 64, 8),  # a loss with parameters
     ("convnet", 24, 4),  # batch norm buffers
+    # 4096 indices per replica: the embedding backward's sort-path buffers, replayed
+    (f"{Path(__file__).with_name('fidelity_models.py')}:embedding_sorted", 8, 4),
 ]
 
 

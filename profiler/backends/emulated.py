@@ -214,7 +214,7 @@ def _run_scenario(
     torch.manual_seed(cfg.seed)
     cats = _CategoryHooks(rt)
     measure_start = 0
-    kernels = GpuKernels(cfg.compute_capability)
+    kernels = GpuKernels(cfg.compute_capability, rt)
     rt.replayed_counts.append(kernels.chosen)
     amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
     autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)

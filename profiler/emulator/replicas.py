@@ -223,9 +223,7 @@ class _Group:
                 rt.device(first.device), rt.category("activations"):
             out = first.module(*inp, **kwargs)
         window: list[Ev] = list(rt.events[start:])
-        for before, counts in zip(counts_before, rt.replayed_counts, strict=True):
-            for name, n in list(counts.items()):
-                counts[name] = n + (n - before.get(name, 0)) * (len(self.members) - 1)
+        _scale_counts(counts_before, rt.replayed_counts, len(self.members))
         out_leaves, self.out_spec = tree_flatten(out)
         del out
         self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
@@ -369,6 +367,7 @@ class _Group:
             handles.append(node.register_prehook(hook))
         wanted = [i for i, a in enumerate(self.leaves_in) if a is not None]
         leaves = [a for a in self.leaves_in if a is not None]
+        counts_before = [dict(c) for c in rt.replayed_counts]
         rt.start_recording()
         try:
             got = torch.autograd.grad(roots, leaves, root_grads,
@@ -377,6 +376,7 @@ class _Group:
             window = rt.stop_recording()
             for h in handles:
                 h.remove()
+        _scale_counts(counts_before, rt.replayed_counts, len(self.members))
         del root_grads, roots, leaves
         self.edges = []
         got_by_serial: dict[int, torch.Tensor] = {}
@@ -431,6 +431,14 @@ class _Group:
         rt.publish(window)
         self.leaves_in = []
         return [g for r in result for g in r]
+
+
+def _scale_counts(before: list[dict[str, int]], counts: list[dict[str, int]],
+                  members: int) -> None:
+    """Choices the template made (kernel counters) count once per member replayed."""
+    for was, now in zip(before, counts, strict=True):
+        for name, n in list(now.items()):
+            now[name] = n + (n - was.get(name, 0)) * (members - 1)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

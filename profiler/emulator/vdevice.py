@@ -54,6 +54,28 @@ def round_size(nbytes: int) -> int:
     return ((nbytes + ROUND_BYTES - 1) // ROUND_BYTES) * ROUND_BYTES
 
 
+ALLOC = "alloc"
+FREE = "free"
+
+
+class KernelStep(NamedTuple):
+    """One buffer a kernel allocates (:data:`ALLOC`, ``nbytes`` requested) or frees
+    (:data:`FREE`) inside itself, by name."""
+
+    kind: str
+    name: str
+    nbytes: int = 0
+
+
+class KernelPlan(NamedTuple):
+    """The buffers an op's kernel on the target GPU allocates and frees itself, around its
+    output: ``before`` runs before the output is allocated, ``after`` after it. Every buffer
+    allocated is freed by the end of ``after``."""
+
+    before: tuple[KernelStep, ...]
+    after: tuple[KernelStep, ...]
+
+
 class VirtualDeviceError(RuntimeError):
     """The program did something a real GPU would refuse (tensors on two devices)."""
 
@@ -205,6 +227,9 @@ class VirtualDevices(TorchDispatchMode):
         # counters of choices made as a replica runs (GpuKernels.chosen): a replayed replica
         # adds what its template added
         self.replayed_counts: list[dict[str, int]] = []
+        # ops whose kernel on the target GPU allocates buffers of its own that the meta
+        # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
+        self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -610,6 +635,13 @@ class VirtualDevices(TorchDispatchMode):
             target = HOST
         else:
             target = self._state.device  # a factory: the current device
+        plan = None
+        if self.kernel_plans and target != HOST:
+            plan_of = self.kernel_plans.get(func)
+            plan = plan_of(args, kwargs) if plan_of is not None else None
+        live: dict[str, tuple[int, int]] = {}
+        if plan is not None:
+            self._play(plan.before, target, live)
         for t in _tensor_outputs(out):
             st = t.untyped_storage()
             rec = self._storages.get(id(st))
@@ -619,7 +651,23 @@ class VirtualDevices(TorchDispatchMode):
                 self._track(st, target)
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)
+        if plan is not None:
+            self._play(plan.after, target, live)
         return out
+
+    def _play(self, steps: Sequence[KernelStep], device: int,
+              live: dict[str, tuple[int, int]]) -> None:
+        """Emit a kernel's own allocations and frees on ``device``, filed under the
+        current category."""
+        for step in steps:
+            if step.kind == ALLOC:
+                serial = self.new_serial()
+                self._labels[serial] = self._state.category
+                live[step.name] = (serial, step.nbytes)
+                self.emit(device, serial, step.nbytes, round_size(step.nbytes))
+            else:
+                serial, nbytes = live.pop(step.name)
+                self.emit(device, serial, -nbytes, -round_size(nbytes))
 
 
 _NO = object()  # "not cacheable"
