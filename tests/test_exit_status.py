@@ -123,3 +123,20 @@ def test_maxbatch_exits_1_when_the_step_raises(wl_file: Path) -> None:
     r = runner.invoke(app, ["maxbatch", "-w", f"{wl_file}:boom", "-s", "single", "--gpus", "2"])
     assert r.exit_code == 1, r.output
     assert "scenario(s) errored: single" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_a_gloo_rank_that_raises_reports_the_users_line(wl_file: Path, tmp_path: Path) -> None:
+    """compare --backend cpu: ddp runs as gloo processes; the rank's error names the line of
+    the workload file that raised, as the emulated scenarios do, in every report."""
+    line = WORKLOADS.splitlines().index('        raise RuntimeError("boom in forward")') + 1
+    site = f"wl.py:{line} in forward"
+    outs = [tmp_path / f"run.{ext}" for ext in ("json", "md", "html")]
+    r = runner.invoke(app, ["compare", "-w", f"{wl_file}:boom", "-b", "4", "-g", "2",
+                            "-s", "ddp", "--backend", "cpu", "--no-fixes",
+                            *[a for o in outs for a in ("-o", str(o))]])
+    assert r.exit_code == 1, r.output
+    assert "1 scenario(s) errored: ddp" in r.output and "Traceback" not in r.output
+    assert site in " ".join(r.output.split()), r.output  # the terminal wraps long lines
+    for out in outs:
+        assert site in out.read_text(encoding="utf-8"), out.name

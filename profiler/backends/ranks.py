@@ -53,6 +53,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dpprof.scenarios.base import error_site
+
 __all__ = [
     "DdpOptions",
     "Group",
@@ -269,7 +271,9 @@ def run_in_group(group: Group, body: RankBody, info: RankInfo,
         value = body(info, dev)
         outcome = RankOutcome(rank=info.rank, ok=bool(body.succeeded(value)), value=value)
     except Exception as exc:  # loading the workload, or a bug: still an outcome
-        outcome = RankOutcome(rank=info.rank, ok=False, message=f"{type(exc).__name__}: {exc}",
+        # the message names the user's own line, as the emulated scenarios do
+        outcome = RankOutcome(rank=info.rank, ok=False,
+                              message=f"{type(exc).__name__}: {exc}".strip() + error_site(exc),
                               traceback=traceback.format_exc())
     except SystemExit as exc:  # the workload called sys.exit(): a failure, not a success
         outcome = RankOutcome(
@@ -397,7 +401,8 @@ def _spawned_rank(group: Group, body: RankBody, rank: int, world: int, port: int
             queue.put(("ok", pickle.dumps(result)))
     except BaseException as exc:
         if rank == 0:
-            queue.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            queue.put(("error", f"{type(exc).__name__}: {exc}{error_site(exc)}\n"
+                                f"{traceback.format_exc()}"))
         raise
 
 
