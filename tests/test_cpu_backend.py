@@ -96,6 +96,10 @@ def test_torchrun_ranks_gather_their_results_on_rank_0(tmp_path: Path) -> None:
         "if res is not None:\n"
         "    print('GATHERED', [(r.rank, r.world_size, r.step_peak_requested_bytes > 0)"
         " for r in res])\n"
+        "import os\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip()"
+        " for t in os.listdir('/proc/self/task')]\n"
+        "print('GLOO THREADS LEFT', sum('gloo' in n for n in names))\n"
     )
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -104,3 +108,6 @@ def test_torchrun_ranks_gather_their_results_on_rank_0(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "GATHERED [(0, 2, True), (1, 2, True)]" in r.stdout
+    # the group is freed when the rank leaves it: no gloo thread is left to outlive the
+    # interpreter and abort the rank at exit (the SIGABRT after results, see ranks._init)
+    assert r.stdout.count("GLOO THREADS LEFT 0") == 2, r.stdout

@@ -243,6 +243,16 @@ def _abort() -> None:
 
 
 def _init(group: Group, info: RankInfo, store: Any) -> Any:
+    # ``torch.distributed.nn.functional`` binds ``group.WORLD`` as its functions' default
+    # arguments when it is first imported. Imported while a group is up (the optimizer's
+    # first step imports torch._dynamo, which imports it), it keeps the default group alive
+    # after ``destroy_process_group``: gloo's worker threads then outlive the interpreter, and
+    # one that drops its last work's Python-owned tensors during finalization cannot take the
+    # GIL, is pthread_exit-ed inside a noexcept destructor, and the rank dies of SIGABRT
+    # ("terminate called without an active exception") after its results were gathered.
+    # Imported first (about 3 ms), the defaults are None and the group is freed on destroy.
+    import torch.distributed.nn  # noqa: F401
+
     timeout = _dt.timedelta(seconds=group.timeout_s)
     kwargs: dict[str, Any] = {"backend": group.backend, "timeout": timeout}
     if store is not None:
