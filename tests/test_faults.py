@@ -141,7 +141,7 @@ class SlowStore:
 def test_the_store_watcher_is_joined_when_stopped() -> None:
     """The watcher thread polls the c10d store; left running, it can still be inside a store
     call when the interpreter finalizes, and the rank dies of SIGABRT ("terminate called
-    without an active exception": the torchrun flake). stop() joins it."""
+    without an active exception"). stop() joins it."""
     from dpprof.backends.ranks import StoreWatcher
 
     store = SlowStore()

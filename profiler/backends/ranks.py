@@ -251,7 +251,7 @@ def _init(group: Group, info: RankInfo, store: Any) -> Any:
     # GIL, is pthread_exit-ed inside a noexcept destructor, and the rank dies of SIGABRT
     # ("terminate called without an active exception") after its results were gathered.
     # Imported first (about 3 ms), the defaults are None and the group is freed on destroy.
-    import torch.distributed.nn  # noqa: F401
+    import torch.distributed.nn
 
     timeout = _dt.timedelta(seconds=group.timeout_s)
     kwargs: dict[str, Any] = {"backend": group.backend, "timeout": timeout}
