@@ -9,7 +9,7 @@ diff across different batches or GPU counts is shown, and said to be one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rich import box
@@ -17,14 +17,16 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dpprof.reports.common import device_label, measured
-from dpprof.result import STATUS_OK, RunResult, ScenarioResult
+from dpprof.reports.common import b as _b
+from dpprof.reports.common import run_title
+from dpprof.reports.view import ReportView, ScenarioView, build_view
+from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
 CONFIG_KEYS = ("backend", "workload", "batch", "gpus", "gpu_memory_bytes", "dtype", "seed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceDiff:
     label: str
     before_bytes: int | None  # None: the device did not take part (or no measurement)
@@ -36,72 +38,70 @@ class DeviceDiff:
             return None
         return self.after_bytes - self.before_bytes
 
+    @property
+    def change_percent(self) -> float | None:
+        """The change against before, in percent; None where there is none to state."""
+        if self.delta_bytes is None or not self.before_bytes:
+            return None
+        return 100 * self.delta_bytes / self.before_bytes
 
-@dataclass
+
+@dataclass(frozen=True)
 class ScenarioDiff:
     name: str
     before_status: str | None  # None: the scenario is absent from that run
     after_status: str | None
     before_excess_bytes: int | None
     after_excess_bytes: int | None
-    devices: list[DeviceDiff] = field(default_factory=list)
+    devices: tuple[DeviceDiff, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunDiff:
-    before: RunResult
-    after: RunResult
+    """The view of two results side by side (each the one view of its result)."""
+
+    before: ReportView
+    after: ReportView
     changed: dict[str, tuple[Any, Any]]  # configuration key -> (before, after)
-    scenarios: list[ScenarioDiff]
+    scenarios: tuple[ScenarioDiff, ...]
 
 
-def _peaks(run: RunResult, s: ScenarioResult | None) -> dict[str, int]:
-    if s is None or not measured(s):
+def _peaks(s: ScenarioView | None) -> dict[str, int]:
+    if s is None or not s.measured:
         return {}
-    return {device_label(s, d): d.peak_allocated_bytes for d in s.devices if d.used}
-
-
-def _excess(run: RunResult, name: str) -> int | None:
-    c = run.comparison.scenarios.get(name)
-    return c.primary_excess_bytes if c else None
+    return {d.label: d.peak_allocated_bytes for d in s.devices}
 
 
 def diff(before: RunResult, after: RunResult) -> RunDiff:
     """Compare two results scenario by scenario and device by device."""
+    vb, va = build_view(before), build_view(after)
     changed = {
-        k: (getattr(before, k), getattr(after, k))
-        for k in CONFIG_KEYS if getattr(before, k) != getattr(after, k)
+        k: (getattr(vb, k), getattr(va, k))
+        for k in CONFIG_KEYS if getattr(vb, k) != getattr(va, k)
     }
-    names = list(dict.fromkeys([s.name for s in before.scenarios]
-                               + [s.name for s in after.scenarios]))
+    names = list(dict.fromkeys([s.name for s in vb.scenarios] + [s.name for s in va.scenarios]))
     out = []
     for name in names:
-        b, a = before.scenario(name), after.scenario(name)
-        pb, pa = _peaks(before, b), _peaks(after, a)
+        b, a = vb.scenario(name), va.scenario(name)
+        pb, pa = _peaks(b), _peaks(a)
         labels = list(dict.fromkeys([*pb, *pa]))
         out.append(ScenarioDiff(
             name=name,
             before_status=b.status if b else None,
             after_status=a.status if a else None,
-            before_excess_bytes=_excess(before, name),
-            after_excess_bytes=_excess(after, name),
-            devices=[DeviceDiff(lb, pb.get(lb), pa.get(lb)) for lb in labels],
+            before_excess_bytes=b.excess_bytes if b else None,
+            after_excess_bytes=a.excess_bytes if a else None,
+            devices=tuple(DeviceDiff(lb, pb.get(lb), pa.get(lb)) for lb in labels),
         ))
-    return RunDiff(before, after, changed, out)
-
-
-def _b(n: int | None, signed: bool = False) -> str:
-    return "-" if n is None else fmt_bytes(n, signed=signed)
+    return RunDiff(vb, va, changed, tuple(out))
 
 
 def _pct(d: DeviceDiff) -> str:
-    if d.delta_bytes is None or not d.before_bytes:
-        return ""
-    return f"{100 * d.delta_bytes / d.before_bytes:+.0f}%"
+    return "" if d.change_percent is None else f"{d.change_percent:+.0f}%"
 
 
 def _status(st: str | None) -> str:
-    return "absent" if st is None else ("ok" if st == STATUS_OK else st.upper())
+    return "absent" if st is None else ("ok" if st == "ok" else st.upper())
 
 
 def _changed_text(rd: RunDiff) -> str:
@@ -140,9 +140,8 @@ def summary(rd: RunDiff) -> list[str]:
     return lines
 
 
-def _title(run: RunResult) -> str:
-    return (f"{run.workload} · batch {run.batch} · {run.gpus} GPUs of "
-            f"{fmt_bytes(run.gpu_memory_bytes)} · {run.backend} · {run.created}")
+def _title(view: ReportView) -> str:
+    return f"{run_title(view)} · {view.created}"
 
 
 # ---- terminal -----------------------------------------------------------------------------
@@ -161,7 +160,7 @@ def render_terminal(rd: RunDiff) -> Group:
         table.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
     for s in rd.scenarios:
         first = True
-        rows = s.devices or [DeviceDiff("-", None, None)]
+        rows = s.devices or (DeviceDiff("-", None, None),)
         for d in rows:
             delta = d.delta_bytes
             style = "" if delta is None or delta == 0 else ("green" if delta < 0 else "red")

@@ -24,38 +24,31 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Mapping
 from contextvars import ContextVar
 from functools import cache
 from importlib import resources
 from typing import Any
 
-from dpprof.analysis.attribution import category_label, cause_label
-from dpprof.analysis.fixes import recommended
 from dpprof.reports import answers
 from dpprof.reports.base import Renderer
 from dpprof.reports.common import (
-    cause_rows,
-    device_label,
-    excesses,
-    failure_tracebacks,
+    alert_lines,
+    capacity_on_scale,
     fix_why,
-    is_real,
-    max_batches,
-    measured,
-    memory_rows,
-    nothing_to_change,
-    oom_lines,
+    memory_table,
     provenance,
-    used_devices,
+    spread,
+    step_time,
+    throughput,
 )
-from dpprof.result import (
-    CATEGORIES,
-    STATUS_OK,
-    STATUS_OOM,
-    RunResult,
-    ScenarioResult,
-    json_safe,
+from dpprof.reports.view import (
+    AttributionView,
+    ReportView,
+    TimelineView,
+    build_view,
 )
+from dpprof.result import RunResult, json_safe
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
@@ -210,13 +203,13 @@ def _base_layout(y_title: str, **extra: Any) -> dict[str, Any]:
 
 
 def _capacity(
-    layout: dict[str, Any], run: RunResult, top_bytes: int, off_scale_note: bool = True
+    layout: dict[str, Any], view: ReportView, top_bytes: int, off_scale_note: bool = True
 ) -> None:
     """Draw the capacity line when it is on the scale; otherwise say where it is."""
-    cap = run.gpu_memory_bytes
+    cap = view.gpu_memory_bytes
     if cap <= 0:
         return
-    if cap <= 1.6 * max(top_bytes, 1):
+    if capacity_on_scale(cap, top_bytes):
         layout["shapes"] = [*layout.get("shapes", []), {
             "type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": _sc(cap), "y1": _sc(cap),
             "line": {"color": "#c62828", "dash": "dash", "width": 1.5},
@@ -235,25 +228,18 @@ def _capacity(
         })
 
 
-def _drawn(run: RunResult) -> list[ScenarioResult]:
-    return [s for s in run.scenarios if measured(s) and used_devices(s)]
-
-
 # ---- 2. peak memory per device per scenario --------------------------------------------
 
 
-def _peak_figure(run: RunResult) -> dict[str, Any] | None:
+def _peak_figure(view: ReportView) -> dict[str, Any] | None:
     data = []
-    top = 0
-    for i, s in enumerate(_drawn(run)):
-        devs = used_devices(s)
-        top = max(top, *(d.peak_allocated_bytes for d in devs))
-        over = [d.peak_allocated_bytes > d.capacity_bytes > 0
-                or (s.status == STATUS_OOM and d.index == s.oom_device) for d in devs]
+    for i, s in enumerate(view.drawn):
+        devs = s.devices
+        over = [d.out_of_memory for d in devs]
         data.append({
             "type": "bar",
             "name": _pt(s.name),
-            "x": [_pt(device_label(s, d)) for d in devs],
+            "x": [_pt(d.label) for d in devs],
             "y": [_sc(d.peak_allocated_bytes) for d in devs],
             "customdata": [fmt_bytes(d.peak_allocated_bytes) + (" · out of memory" if o else "")
                            for d, o in zip(devs, over, strict=True)],
@@ -272,32 +258,25 @@ def _peak_figure(run: RunResult) -> dict[str, Any] | None:
     if not data:
         return None
     layout = _base_layout(f"peak allocated ({_un()})", barmode="group", bargap=0.25)
-    _capacity(layout, run, top)
+    _capacity(layout, view, view.top_allocated_bytes)
     return {"data": data, "layout": layout}
 
 
 # ---- 3. cuda:0's excess by cause --------------------------------------------------------
 
 
-def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
+def _waterfall_figure(ex: AttributionView, x_max: int) -> dict[str, Any]:
     """From the median other GPU to cuda:0, cause by cause (horizontal bars with a base)."""
-    # Causes smaller than 0.5 % of cuda:0's peak are folded into one step.
-    small = max(ex.primary_bytes // 200, 1)
-    steps = [(cause_label(c), v) for c, v in ex.causes_bytes.items() if abs(v) >= small]
-    steps.sort(key=lambda cv: -abs(cv[1]))
-    folded = sum(v for v in ex.causes_bytes.values() if abs(v) < small)
-    if folded:
-        steps.append(("smaller causes", folded))
     names, xs, bases, colours, texts = ["median other GPU"], [ex.reference_bytes], [0], [TOTAL], [
         fmt_bytes(ex.reference_bytes)]
     level = ex.reference_bytes
-    for cause, v in steps:
-        names.append(cause)
-        xs.append(v)
+    for step in ex.steps:
+        names.append(step.label)
+        xs.append(step.bytes)
         bases.append(level)
-        colours.append(UP if v > 0 else DOWN)
-        texts.append(fmt_bytes(v, signed=True))
-        level += v
+        colours.append(UP if step.bytes > 0 else DOWN)
+        texts.append(fmt_bytes(step.bytes, signed=True))
+        level += step.bytes
     names.append("cuda:0")
     xs.append(ex.primary_bytes)
     bases.append(0)
@@ -322,19 +301,19 @@ def _waterfall_figure(ex: Any, x_max: int) -> dict[str, Any]:
     return {"data": data, "layout": layout}
 
 
-def _excess_table(run: RunResult) -> str:
-    exs = excesses(run)
-    if not exs:
+def _excess_table(view: ReportView) -> str:
+    atts = view.attributions
+    if not atts:
         return ""
-    head = "".join(f"<th>{_e(ex.scenario)}</th>" for ex in exs)
+    head = "".join(f"<th>{_e(a.scenario)}</th>" for a in atts)
     rows = []
-    for c in cause_rows(exs):
+    for cause, label in view.cause_rows:
         cells = "".join(
-            f"<td>{_e(fmt_bytes(ex.causes_bytes[c], signed=True)) if c in ex.causes_bytes else ''}"
-            "</td>" for ex in exs
+            f"<td>{'' if (v := a.bytes_of(cause)) is None else _e(fmt_bytes(v, signed=True))}"
+            "</td>" for a in atts
         )
-        rows.append(f"<tr><td>{_e(cause_label(c))}</td>{cells}</tr>")
-    total = "".join(f"<th>{_e(fmt_bytes(ex.excess_bytes, signed=True))}</th>" for ex in exs)
+        rows.append(f"<tr><td>{_e(label)}</td>{cells}</tr>")
+    total = "".join(f"<th>{_e(fmt_bytes(a.excess_bytes, signed=True))}</th>" for a in atts)
     return (
         "<details><summary>The numbers: cuda:0 minus the median other GPU, by cause"
         f"</summary><table><tr><th>cause</th>{head}</tr>{''.join(rows)}"
@@ -342,24 +321,21 @@ def _excess_table(run: RunResult) -> str:
     )
 
 
-def _breakdown_figure(run: RunResult) -> dict[str, Any] | None:
+def _breakdown_figure(view: ReportView) -> dict[str, Any] | None:
     """Stacked bars: for each scenario and device, bytes per category at the peak."""
-    pairs = [(s, d) for s in _drawn(run) for d in used_devices(s)]
+    pairs = [(s, d) for s in view.drawn for d in s.devices]
     if not pairs:
         return None
-    xs = [[_pt(s.name) for s, _ in pairs], [_pt(device_label(s, d)) for s, d in pairs]]
-    cats = list(CATEGORIES) + sorted(
-        {c for _, d in pairs for c in d.breakdown_bytes} - set(CATEGORIES))
+    xs = [[_pt(s.name) for s, _ in pairs], [_pt(d.label) for _, d in pairs]]
     data = []
-    for cat in cats:
+    for cat, label in view.breakdown_categories:
         vals = [d.breakdown_bytes.get(cat, 0) for _, d in pairs]
-        if any(vals):
-            data.append({
-                "type": "bar", "name": _pt(category_label(cat)), "x": xs,
-                "y": [_sc(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
-                "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
-                "hovertemplate": "%{x[1]}: %{customdata}<extra>%{fullData.name}</extra>",
-            })
+        data.append({
+            "type": "bar", "name": _pt(label), "x": xs,
+            "y": [_sc(v) for v in vals], "customdata": [fmt_bytes(v) for v in vals],
+            "marker": {"color": CATEGORY_COLOURS.get(cat, "#999")},
+            "hovertemplate": "%{x[1]}: %{customdata}<extra>%{fullData.name}</extra>",
+        })
     if not data:
         return None
     layout = _base_layout(f"{_un()} at the device's peak", barmode="stack", bargap=0.2)
@@ -371,62 +347,40 @@ def _breakdown_figure(run: RunResult) -> dict[str, Any] | None:
 # ---- 4. timelines -------------------------------------------------------------------------
 
 
-def _phase_spans(xs: list[float], phases: list[str]) -> list[tuple[float, float, str]]:
-    spans: list[tuple[float, float, str]] = []
-    for x, p in zip(xs, phases, strict=True):
-        if spans and spans[-1][2] == p:
-            spans[-1] = (spans[-1][0], x, p)
-        else:
-            if spans:
-                spans[-1] = (spans[-1][0], x, spans[-1][2])
-            spans.append((x, x, p))
-    return [sp for sp in spans if sp[2]]
-
-
-def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any], str] | None:
-    devs = [d for d in used_devices(s) if d.timeline]
-    note = ""
-    if not is_real(run) and s.name == "ddp" and len(devs) > 1:
-        devs, note = devs[:1], "Emulated DDP: every rank runs the same program; rank 0 shown."
-    if not devs:
-        return None
-    nvml = any(p.used_bytes is not None for d in devs for p in d.timeline)
+def _timeline_figure(view: ReportView, tl: TimelineView) -> dict[str, Any]:
+    nvml = tl.nvml
     data: list[dict[str, Any]] = []
-    top = 0
-    for i, d in enumerate(devs):
+    for i, series in enumerate(tl.series):
+        points = series.points
         colour = DEVICE_COLOURS[i % len(DEVICE_COLOURS)]
-        xs = [p.t for p in d.timeline]
-        label = _pt(device_label(s, d))
+        label = _pt(series.label)
         if nvml:
-            ys = [p.used_bytes for p in d.timeline if p.used_bytes is not None]
-            top = max(top, *ys)
             data.append({
                 "type": "scatter", "mode": "lines", "name": label, "legendgroup": label,
-                "x": [p.t for p in d.timeline if p.used_bytes is not None],
-                "y": [_sc(y) for y in ys], "line": {"color": colour, "width": 2},
-                "customdata": [_pt(p.phase) for p in d.timeline if p.used_bytes is not None],
+                "x": [p.t for p in points if p.used_bytes is not None],
+                "y": [_sc(p.used_bytes) for p in points if p.used_bytes is not None],
+                "line": {"color": colour, "width": 2},
+                "customdata": [_pt(p.phase) for p in points if p.used_bytes is not None],
                 "hovertemplate": "%{y:.2f} " + _un()
                 + " · %{customdata}<extra>%{fullData.name}</extra>",
             })
-        if not nvml or any(p.allocated_bytes for p in d.timeline):
-            top = max(top, *(p.allocated_bytes for p in d.timeline))
+        if not nvml or any(p.allocated_bytes for p in points):
             data.append({
                 "type": "scatter", "mode": "lines",
                 "name": f"{label} allocated" if nvml else label, "legendgroup": label,
                 "showlegend": not nvml,
-                "x": xs, "y": [_sc(p.allocated_bytes) for p in d.timeline],
+                "x": [p.t for p in points], "y": [_sc(p.allocated_bytes) for p in points],
                 "line": {"color": colour, "width": 1.5 if nvml else 2,
                          "dash": "dot" if nvml else "solid"},
-                "customdata": [_pt(p.phase) for p in d.timeline],
+                "customdata": [_pt(p.phase) for p in points],
                 "hovertemplate": "%{y:.2f} " + _un()
                 + " · %{customdata}<extra>%{fullData.name}</extra>",
             })
-    ref = devs[0].timeline
-    spans = _phase_spans([p.t for p in ref], [p.phase for p in ref])
+    ref = tl.series[0].points
     shapes: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
     width = (ref[-1].t - ref[0].t) or 1.0
-    for x0, x1, name in spans:
+    for x0, x1, name in tl.phase_spans:
         shapes.append({
             "type": "rect", "xref": "x", "yref": "paper", "x0": x0, "x1": x1, "y0": 0, "y1": 1,
             "fillcolor": PHASE_COLOURS.get(name, "#f4f5f7"), "line": {"width": 0},
@@ -438,29 +392,22 @@ def _timeline_figure(run: RunResult, s: ScenarioResult) -> tuple[dict[str, Any],
                 "showarrow": False, "text": _pt(name.replace("_", " ")),
                 "font": {"size": 11, "color": "#5b6372"},
             })
-    peak_dev = max(devs, key=lambda d: max(
-        (p.used_bytes if nvml and p.used_bytes is not None else p.allocated_bytes)
-        for p in d.timeline))
-    peak_pt = max(peak_dev.timeline, key=lambda p: (
-        p.used_bytes if nvml and p.used_bytes is not None else p.allocated_bytes))
-    peak_y = peak_pt.used_bytes if nvml and peak_pt.used_bytes is not None \
-        else peak_pt.allocated_bytes
     annotations.append({
-        "x": peak_pt.t, "y": _sc(peak_y), "xref": "x", "yref": "y", "ax": 40, "ay": -24,
+        "x": tl.peak_t, "y": _sc(tl.peak_bytes), "xref": "x", "yref": "y", "ax": 40, "ay": -24,
         "showarrow": True, "arrowhead": 0, "arrowcolor": "#5b6372",
-        "text": _pt(f"{device_label(s, peak_dev)} peak {fmt_bytes(peak_y)}"
-                    + (f" ({peak_pt.phase.replace('_', ' ')})" if peak_pt.phase else "")),
+        "text": _pt(f"{tl.peak_label} peak {fmt_bytes(tl.peak_bytes)}"
+                    + (f" ({tl.peak_phase})" if tl.peak_phase else "")),
         "font": {"size": 12}, "bgcolor": "rgba(255,255,255,.85)",
     })
-    unit = "seconds since the step began" if is_real(run) else (
+    unit = "seconds since the step began" if view.real else (
         "allocation events of the measured step")
     layout = _base_layout(_un(), shapes=shapes, annotations=annotations)
     layout["xaxis"] = {"title": {"text": unit}, "showgrid": False, "zeroline": False}
     layout["yaxis"]["rangemode"] = "tozero"
     layout["legend"] = {"orientation": "v", "y": 1, "x": 1.01}
     layout["margin"]["b"] = 50
-    _capacity(layout, run, top, off_scale_note=False)
-    return {"data": data, "layout": layout}, note
+    _capacity(layout, view, tl.top_bytes, off_scale_note=False)
+    return {"data": data, "layout": layout}
 
 
 # ---- 5, 6. step time and throughput, largest batch --------------------------------------
@@ -481,19 +428,16 @@ def _hbar(names: list[str], values: list[float], texts: list[str], x_title: str,
     return {"data": data, "layout": layout}
 
 
-def _timing(run: RunResult) -> tuple[dict[str, Any] | None, str]:
-    rows = [s for s in run.scenarios if s.step_time_s is not None]
+def _timing(view: ReportView) -> tuple[dict[str, Any] | None, str]:
+    rows = view.timed
     if not rows:
         return None, ""
     table = ["<table><tr><th>scenario</th><th>step time (median)</th><th>spread (max-min)"
              "</th><th>throughput</th></tr>"]
     for s in rows:
-        spread = f"{s.step_time_spread_s * 1e3:.1f} ms" if s.step_time_spread_s is not None \
-            else "-"
-        thr = (f"{s.throughput_samples_per_s:,.0f} samples/s"
-               if s.throughput_samples_per_s is not None else "-")
-        table.append(f"<tr><td>{_e(s.name)}</td><td>{(s.step_time_s or 0) * 1e3:.1f} ms</td>"
-                     f"<td>{_e(spread)}</td><td>{_e(thr)}</td></tr>")
+        table.append(f"<tr><td>{_e(s.name)}</td><td>{step_time(s.step_time_s)}</td>"
+                     f"<td>{_e(spread(s.step_time_spread_s))}</td>"
+                     f"<td>{_e(throughput(s.throughput_samples_per_s))}</td></tr>")
     table.append("</table>")
     thr_rows = [s for s in rows if s.throughput_samples_per_s]
     fig = None
@@ -508,13 +452,13 @@ def _timing(run: RunResult) -> tuple[dict[str, Any] | None, str]:
     return fig, "".join(table)
 
 
-def _max_batch(run: RunResult) -> tuple[dict[str, Any] | None, str]:
-    rows = max_batches(run)
+def _max_batch(view: ReportView) -> tuple[dict[str, Any] | None, str]:
+    rows = view.max_batches
     if not rows:
         return None, ""
     fig = _hbar(
         [name for name, _ in rows], [float(b) for _, b in rows], [f"{b:,}" for _, b in rows],
-        f"largest global batch that fits in {fmt_bytes(run.gpu_memory_bytes)} per GPU",
+        f"largest global batch that fits in {fmt_bytes(view.gpu_memory_bytes)} per GPU",
         [_colour(name, i) for i, (name, _) in enumerate(rows)],
     )
     table = "".join(f"<tr><td>{_e(name)}</td><td>{b:,}</td></tr>" for name, b in rows)
@@ -524,29 +468,22 @@ def _max_batch(run: RunResult) -> tuple[dict[str, Any] | None, str]:
 # ---- tables and text ----------------------------------------------------------------------
 
 
-def _table(run: RunResult) -> str:
-    cols = max((len(s.devices) for s in run.scenarios), default=run.gpus)
-    ref = max(run.scenarios, key=lambda s: len(s.devices), default=None)
-    labels = [device_label(ref, d) for d in ref.devices] if ref and ref.devices else [
-        f"cuda:{i}" for i in range(cols)]
-    head = "".join(f"<th>{_e(lb)}</th>" for lb in labels)
+def _table(view: ReportView) -> str:
+    head = "".join(f"<th>{_e(lb)}</th>" for lb in view.columns)
     rows = []
-    for s in run.scenarios:
+    for s in view.scenarios:
         cells = []
-        for k in range(cols):
-            d = s.devices[k] if k < len(s.devices) else None
-            if d is None or not d.used or not measured(s):
+        for k in range(len(view.columns)):
+            d = s.cells[k] if k < len(s.cells) else None
+            if d is None:
                 cells.append("<td class='dim'>-</td>")
             else:
-                oom = d.peak_allocated_bytes > d.capacity_bytes > 0 or (
-                    s.status == STATUS_OOM and d.index == s.oom_device)
-                cls = " class='oom'" if oom else ""
+                cls = " class='oom'" if d.out_of_memory else ""
                 cells.append(f"<td{cls}>{_e(fmt_bytes(d.peak_allocated_bytes))}</td>")
-        c = run.comparison.scenarios.get(s.name)
-        exc = _e(fmt_bytes(c.primary_excess_bytes, signed=True)) if c else "-"
-        imb = f"{c.imbalance:.2f}" if c else "-"
-        status = {STATUS_OK: "ok", STATUS_OOM: "<span class='oom'>OOM</span>"}.get(
-            s.status, f"<span class='oom'>{_e(s.status)}</span>")
+        exc = "-" if s.excess_bytes is None else _e(fmt_bytes(s.excess_bytes, signed=True))
+        imb = "-" if s.imbalance is None else f"{s.imbalance:.2f}"
+        status = "ok" if s.status_label == "ok" else \
+            f"<span class='oom'>{_e(s.status_label)}</span>"
         rows.append(
             f"<tr><td>{_e(s.name)}</td>{''.join(cells)}<td>{exc}</td><td>{imb}</td>"
             f"<td>{status}</td></tr>"
@@ -578,7 +515,7 @@ def _value(v: Any) -> str:
     return _e(v)
 
 
-def _kv_table(items: dict[str, Any]) -> str:
+def _kv_table(items: Mapping[str, Any]) -> str:
     rows = []
     for k, v in items.items():
         shown = _value(v)
@@ -588,46 +525,43 @@ def _kv_table(items: dict[str, Any]) -> str:
     return f"<table class='kv'>{''.join(rows)}</table>"
 
 
-def _verdict_html(run: RunResult) -> str:
+def _verdict_html(view: ReportView) -> str:
     """The verdict, with its out-of-memory clause in red."""
-    text = run.comparison.verdict or "No verdict: the result has no comparison."
-    marker = "; out of memory"
-    if marker in text:
-        head, tail = text.split(marker, 1)
-        clause, sep, rest = tail.partition(";")
-        return (f"{_e(head)}; <span class='oom'>out of memory{_e(clause)}</span>"
-                f"{_e(sep + rest)}")
-    return _e(text)
+    parts = view.headline.verdict_parts
+    if parts is not None:
+        before, clause, after = parts
+        return f"{_e(before)}<span class='oom'>{_e(clause)}</span>{_e(after)}"
+    return _e(view.headline.verdict)
 
 
-def _fixes_html(run: RunResult) -> str:
-    found = recommended(run)
-    if not found:
-        return f"<p class='lead'>{_e(nothing_to_change(run))}</p>" + answers.html_fix_table(run)
+def _fixes_html(view: ReportView) -> str:
+    if not view.recommended:
+        return (f"<p class='lead'>{_e(view.nothing_to_change)}</p>"
+                + answers.html_fix_table(view))
     parts = []
-    for i, f in enumerate(found):
+    for i, f in enumerate(view.recommended):
         parts.append(
             f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{_e(f.title)}</h3>"
-            f"<p>{_e(fix_why(run, f))}</p><pre><code>{_e(f.code)}</code></pre></div>"
+            f"<p>{_e(fix_why(f))}</p><pre><code>{_e(f.code)}</code></pre></div>"
         )
-    return "".join(parts) + answers.html_fix_table(run)
-
-
-def _top_bytes(run: RunResult) -> int:
-    return max((max(d.peak_allocated_bytes, d.nvml_peak_used_bytes or 0)
-                for s in _drawn(run) for d in used_devices(s)), default=0)
+    return "".join(parts) + answers.html_fix_table(view)
 
 
 def render(run: RunResult) -> str:
     """The page for ``run``."""
-    token = _UNIT.set(unit_for(_top_bytes(run)))
+    return render_view(build_view(run))
+
+
+def render_view(view: ReportView) -> str:
+    """The page for a result's view."""
+    token = _UNIT.set(unit_for(view.top_bytes))
     try:
-        return _render(run)
+        return _render(view)
     finally:
         _UNIT.reset(token)
 
 
-def _render(run: RunResult) -> str:
+def _render(view: ReportView) -> str:
     n = 0
 
     def h2(title: str) -> str:
@@ -647,17 +581,17 @@ def _render(run: RunResult) -> str:
                "</div>"
 
     body: list[str] = []
-    alerts = oom_lines(run)
+    alerts = alert_lines(view)
     bad = bool(alerts)
-    body.append(f"<p class='verdict{' bad' if bad else ''}' id='verdict'>{_verdict_html(run)}</p>")
+    body.append(f"<p class='verdict{' bad' if bad else ''}' id='verdict'>{_verdict_html(view)}</p>")
     if alerts:
         body.append("<ul class='alerts' id='alerts'>" + "".join(
             f"<li class='oom'>{_e(a)}</li>" for a in alerts) + "</ul>")
-    for name, tb in failure_tracebacks(run):
+    for name, tb in view.tracebacks:
         body.append(f"<details class='traceback'><summary>{_e(name)}: the traceback</summary>"
                     f"<pre>{_e(tb)}</pre></details>")
-    body.append(_table(run))
-    head, rows = memory_rows(run)
+    body.append(_table(view))
+    head, rows = memory_table(view)
     if rows:
         body.append(
             "<details><summary>What a GPU adds: allocated, reserved (with the "
@@ -667,16 +601,16 @@ def _render(run: RunResult) -> str:
             + "</tr>" + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>"
                                 for r in rows) + "</table></div></details>")
 
-    if run.watch is not None:  # `dpprof watch -- CMD` (reports/watch.py)
+    if view.watch is not None:  # `dpprof watch -- CMD` (reports/watch.py)
         from dpprof.reports import watch as watch_report
 
-        body.append(watch_report.html_section(run))
-        wfig = watch_report.timeline_figure(run)
+        body.append(watch_report.html_section(view, view.watch))
+        wfig = watch_report.timeline_figure(view.watch)
         if wfig is not None:
             body.append(h2("Memory over the run"))
             body.append(chart("timeline-watch", wfig, 360))
 
-    peak = _peak_figure(run)
+    peak = _peak_figure(view)
     if peak is not None:
         body.append(h2("Peak memory per GPU"))
         body.append("<p class='lead'>Peak allocated memory of each GPU during the measured "
@@ -684,14 +618,14 @@ def _render(run: RunResult) -> str:
                     "out of memory.</p>")
         body.append(chart("peaks", peak, 400))
 
-    exs = excesses(run)
+    exs = view.attributions
     if exs:
         body.append(h2("Why cuda:0 is heavier"))
         body.append("<p class='lead'>From the median other GPU to cuda:0, cause by cause: "
                     "red steps are memory that cuda:0 holds and the others do not, green "
                     "steps memory it holds less of.</p>")
-        x_max = max(max(ex.primary_bytes, ex.reference_bytes) for ex in exs)
-        shown = [ex for ex in exs if abs(ex.excess_bytes) > 0.01 * max(ex.primary_bytes, 1)]
+        x_max = view.attribution_top_bytes
+        shown = [ex for ex in exs if not ex.balanced]
         cells = []
         for k, ex in enumerate(shown):
             cells.append(
@@ -699,68 +633,65 @@ def _render(run: RunResult) -> str:
                 f"{_e(fmt_bytes(ex.excess_bytes, signed=True))}</div>"
                 + chart(f"excess-{k}", _waterfall_figure(ex, x_max)) + "</div>")
         body.append("<div class='grid'>" + "".join(cells) + "</div>")
-        flat = [ex for ex in exs if ex not in shown]
+        flat = [ex for ex in exs if ex.balanced]
         if flat:
             body.append("<p class='lead'>Balanced (cuda:0 within 1 % of the others): "
                         + _e(", ".join(f"{ex.scenario} ({fmt_bytes(ex.excess_bytes, signed=True)})"
                                        for ex in flat)) + ".</p>")
-        body.append(_excess_table(run))
-        bd = _breakdown_figure(run)
+        body.append(_excess_table(view))
+        bd = _breakdown_figure(view)
         if bd is not None:
             body.append("<details open><summary>What every GPU holds at its peak</summary>"
                         + chart("breakdown", bd, 400) + "</details>")
 
     timelines: list[str] = []
-    for s in _drawn(run):
-        got = _timeline_figure(run, s)
-        if got is not None:
-            fig, note = got
+    for s in view.drawn:
+        if s.timeline is not None:
+            fig, note = _timeline_figure(view, s.timeline), s.timeline.note
             title = f"<h3 style='font-size:15px;margin:14px 0 0'>{_e(s.name)}</h3>"
             timelines.append(title + (f"<p class='lead'>{_e(note)}</p>" if note else "")
                              + chart(f"timeline-{len(timelines)}", fig, 330))
     if timelines:
         body.append(h2("Memory over the step"))
         what = ("NVML's used memory (solid: includes the CUDA context and the allocator's "
-                "reserve) and allocated memory (dotted) of every GPU, sampled" if is_real(run)
+                "reserve) and allocated memory (dotted) of every GPU, sampled" if view.real
                 else "Live allocated bytes of every emulated GPU, event by event")
         body.append(f"<p class='lead'>{_e(what)} through the measured step; the bands "
                     "mark its phases.</p>")
         body.extend(timelines)
 
-    tfig, ttable = _timing(run)
+    tfig, ttable = _timing(view)
     if ttable:
         body.append(h2("Step time and throughput"))
         body.append(f"<div class='card'>{ttable}</div>")
         body.append(chart("timing", tfig))
 
-    mfig, mtable = _max_batch(run)
+    mfig, mtable = _max_batch(view)
     if mtable:
         body.append(h2("Largest batch that fits"))
         body.append(chart("maxbatch", mfig))
         body.append(f"<details><summary>The numbers</summary>{mtable}</details>")
 
     body.append(h2("What to change"))
-    body.append(_fixes_html(run))
-    body.append(answers.html_sections(run, parts=("equivalence", "checks")))
+    body.append(_fixes_html(view))
+    body.append(answers.html_sections(view, parts=("equivalence", "checks")))
 
     body.append(h2("How these numbers were obtained"))
-    body.append(f"<p class='prov'>{_e(provenance(run))}</p>")
-    body.append("<ul>" + "".join(f"<li>{_e(a)}</li>" for a in run.assumptions) + "</ul>")
-    notes = [f"{s.name}: {x}" for s in run.scenarios for x in s.notes if "Traceback" not in x]
-    notes = [*run.notes, *notes]
-    if notes:
+    body.append(f"<p class='prov'>{_e(provenance(view))}</p>")
+    body.append("<ul>" + "".join(f"<li>{_e(a)}</li>" for a in view.assumptions) + "</ul>")
+    if view.notes:
         body.append("<h3 style='font-size:15px'>Notes</h3><ul>"
-                    + "".join(f"<li>{_e(x)}</li>" for x in notes) + "</ul>")
+                    + "".join(f"<li>{_e(x)}</li>" for x in view.notes) + "</ul>")
     body.append("<details open><summary>Configuration</summary>"
-                f"<div class='card'>{_kv_table(run.config)}</div></details>")
+                f"<div class='card'>{_kv_table(view.config)}</div></details>")
     body.append("<details open><summary>Environment</summary>"
-                f"<div class='card'>{_kv_table(run.environment)}</div></details>")
+                f"<div class='card'>{_kv_table(view.environment)}</div></details>")
 
-    title = f"dpprof: {run.workload}, batch {run.batch}, {run.gpus} GPUs"
-    kind = "measured" if is_real(run) else "emulated"
-    backend = "" if run.backend == kind else f" ({run.backend} backend)"
-    sub = (f"{kind}{backend} · {fmt_bytes(run.gpu_memory_bytes)} per GPU · "
-           f"{run.dtype} · seed {run.seed} · dpprof {run.dpprof_version} · {run.created}")
+    title = f"dpprof: {view.workload}, batch {view.batch}, {view.gpus} GPUs"
+    kind = view.kind
+    backend = "" if view.backend == kind else f" ({view.backend} backend)"
+    sub = (f"{kind}{backend} · {fmt_bytes(view.gpu_memory_bytes)} per GPU · "
+           f"{view.dtype} · seed {view.seed} · dpprof {view.dpprof_version} · {view.created}")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -770,7 +701,7 @@ def _render(run: RunResult) -> str:
 <h1 id="title">{_e(title)}</h1>
 <div class="sub">{_e(sub)}</div>
 {"".join(body)}
-<footer>Generated by dpprof {_e(run.dpprof_version)}. Charts: plotly.js (MIT), inlined.
+<footer>Generated by dpprof {_e(view.dpprof_version)}. Charts: plotly.js (MIT), inlined.
 </footer>
 </main>
 {page_scripts(figures)}
@@ -806,5 +737,5 @@ class HtmlRenderer(Renderer):
     suffix = '.html'
     description = "A self-contained page with interactive charts."
 
-    def render(self, run: RunResult) -> str:
-        return render(run)
+    def render_view(self, view: ReportView) -> str:
+        return render_view(view)

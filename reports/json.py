@@ -1,8 +1,11 @@
-"""JSON: the result itself (``dpprof report run.json`` reads it back)."""
+"""JSON: the result itself, not a view of it (``dpprof report run.json`` reads it back and
+renders it again in any format): the one format that bypasses
+:class:`dpprof.reports.view.ReportView`."""
 
 from __future__ import annotations
 
 from dpprof.reports.base import Renderer
+from dpprof.reports.view import ReportView
 from dpprof.result import RunResult
 
 
@@ -19,3 +22,6 @@ class JsonRenderer(Renderer):
 
     def render(self, run: RunResult) -> str:
         return render(run)
+
+    def render_view(self, view: ReportView) -> str:
+        raise TypeError("JSON is the result itself, not a view: call render(run)")

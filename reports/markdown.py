@@ -17,27 +17,21 @@ import json
 import re
 from typing import Any
 
-from dpprof.analysis.attribution import cause_label
-from dpprof.analysis.fixes import recommended
 from dpprof.reports import answers
 from dpprof.reports.base import Renderer
 from dpprof.reports.common import (
-    cause_rows,
-    device_label,
-    excesses,
-    failure_tracebacks,
+    alert_lines,
+    capacity_on_scale,
     fix_why,
-    is_real,
-    max_batches,
-    measured,
-    memory_rows,
-    nothing_to_change,
-    oom_lines,
+    memory_table,
     provenance,
-    used_devices,
+    spread,
+    step_time,
+    throughput,
 )
 from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
-from dpprof.result import STATUS_OK, STATUS_OOM, RunResult, ScenarioResult
+from dpprof.reports.view import ReportView, ScenarioView, build_view
+from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
@@ -68,35 +62,30 @@ def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f}"
 
 
-def _peak_table(run: RunResult) -> list[str]:
-    cols = max((len(s.devices) for s in run.scenarios), default=0)
-    ref = max(run.scenarios, key=lambda s: len(s.devices), default=None)
-    labels = [device_label(ref, d) for d in ref.devices] if ref and ref.devices else []
-    head = ["scenario", *labels, "cuda:0 excess", "max/mean", "status"]
+def _peak_table(view: ReportView) -> list[str]:
+    head = ["scenario", *view.columns, "cuda:0 excess", "max/mean", "status"]
     lines = ["| " + " | ".join(md(h) for h in head) + " |",
              "| --- |" + " ---: |" * (len(head) - 2) + " --- |"]
-    for s in run.scenarios:
+    for s in view.scenarios:
         cells = [md(s.name)]
-        for k in range(cols):
-            d = s.devices[k] if k < len(s.devices) else None
-            if d is None or not d.used or not measured(s):
+        for k in range(len(view.columns)):
+            d = s.cells[k] if k < len(s.cells) else None
+            if d is None:
                 cells.append("-")
             else:
                 v = fmt_bytes(d.peak_allocated_bytes)
-                cells.append(f"**{v}** (over)" if d.peak_allocated_bytes > d.capacity_bytes > 0
-                             else v)
-        c = run.comparison.scenarios.get(s.name)
-        cells.append(fmt_bytes(c.primary_excess_bytes, signed=True) if c else "-")
-        cells.append(f"{c.imbalance:.2f}" if c else "-")
-        cells.append({STATUS_OK: "ok", STATUS_OOM: "**OOM**"}.get(s.status, f"**{md(s.status)}**"))
+                cells.append(f"**{v}** (over)" if d.over_capacity else v)
+        cells.append("-" if s.excess_bytes is None else fmt_bytes(s.excess_bytes, signed=True))
+        cells.append("-" if s.imbalance is None else f"{s.imbalance:.2f}")
+        cells.append("ok" if s.status_label == "ok" else f"**{md(s.status_label)}**")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _chart(run: RunResult, s: ScenarioResult, top: int) -> str:
-    devs = used_devices(s)
-    cap = run.gpu_memory_bytes
-    show_cap = 0 < cap <= 1.6 * max(top, 1)
+def _chart(view: ReportView, s: ScenarioView, top: int) -> str:
+    devs = s.devices
+    cap = view.gpu_memory_bytes
+    show_cap = capacity_on_scale(cap, top)
     y_max = max(top, cap if show_cap else 0) * 1.05
     colour = BAR_COLOURS.get(s.name, "#4c72b0")
     lines = [
@@ -105,7 +94,7 @@ def _chart(run: RunResult, s: ScenarioResult, top: int) -> str:
         + colour + ', #c62828"}}}}%%',
         "xychart-beta",
         f"    title {_mermaid_str(f'{s.name}: peak allocated per GPU (GiB)')}",
-        "    x-axis [" + ", ".join(_mermaid_str(device_label(s, d)) for d in devs) + "]",
+        "    x-axis [" + ", ".join(_mermaid_str(d.label) for d in devs) + "]",
         f'    y-axis "GiB" 0 --> {float(_gib(y_max)):.4g}',
         "    bar [" + ", ".join(_gib(d.peak_allocated_bytes) for d in devs) + "]",
     ]
@@ -114,33 +103,32 @@ def _chart(run: RunResult, s: ScenarioResult, top: int) -> str:
     return _fence("\n".join(lines), "mermaid")
 
 
-def _charts(run: RunResult) -> list[str]:
-    drawn = [s for s in run.scenarios if measured(s) and used_devices(s)]
-    if not drawn:
+def _charts(view: ReportView) -> list[str]:
+    if not view.drawn:
         return []
-    top = max(d.peak_allocated_bytes for s in drawn for d in used_devices(s))
-    cap = run.gpu_memory_bytes
+    top = view.top_allocated_bytes
+    cap = view.gpu_memory_bytes
     out = []
-    if 0 < cap <= 1.6 * max(top, 1):
+    if capacity_on_scale(cap, top):
         out += [f"The line is each GPU's capacity, {fmt_bytes(cap)}; every chart has the same "
                 "scale.", ""]
-    for s in drawn:
-        out += [_chart(run, s, top), ""]
+    for s in view.drawn:
+        out += [_chart(view, s, top), ""]
     return out
 
 
-def _excess_table(run: RunResult) -> list[str]:
-    exs = excesses(run)
-    if not exs:
+def _excess_table(view: ReportView) -> list[str]:
+    atts = view.attributions
+    if not atts:
         return []
-    lines = ["| cause | " + " | ".join(md(ex.scenario) for ex in exs) + " |",
-             "| --- |" + " ---: |" * len(exs)]
-    for c in cause_rows(exs):
-        cells = [fmt_bytes(ex.causes_bytes[c], signed=True) if c in ex.causes_bytes else ""
-                 for ex in exs]
-        lines.append(f"| {md(cause_label(c))} | " + " | ".join(cells) + " |")
+    lines = ["| cause | " + " | ".join(md(a.scenario) for a in atts) + " |",
+             "| --- |" + " ---: |" * len(atts)]
+    for cause, label in view.cause_rows:
+        cells = ["" if (v := a.bytes_of(cause)) is None else fmt_bytes(v, signed=True)
+                 for a in atts]
+        lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
     lines.append("| **cuda:0's excess** | " + " | ".join(
-        f"**{fmt_bytes(ex.excess_bytes, signed=True)}**" for ex in exs) + " |")
+        f"**{fmt_bytes(a.excess_bytes, signed=True)}**" for a in atts) + " |")
     return lines
 
 
@@ -153,79 +141,70 @@ def _value(v: Any) -> str:
 
 
 def render(run: RunResult) -> str:
-    kind = "measured" if is_real(run) else "emulated"
+    """The Markdown report of ``run``."""
+    return render_view(build_view(run))
+
+
+def render_view(view: ReportView) -> str:
     lines = [
-        f"## dpprof: {md(run.workload)}, batch {run.batch}, {run.gpus} GPUs ({kind})",
+        f"## dpprof: {md(view.workload)}, batch {view.batch}, {view.gpus} GPUs ({view.kind})",
         "",
-        f"**{md(run.comparison.verdict or 'No verdict: the result has no comparison.')}**",
+        f"**{md(view.headline.verdict)}**",
         "",
     ]
-    for a in oom_lines(run):
+    alerts = alert_lines(view)
+    for a in alerts:
         lines.append(f"> **⚠ {md(a)}**")
-    if oom_lines(run):
+    if alerts:
         lines.append("")
-    for name, tb in failure_tracebacks(run):
+    for name, tb in view.tracebacks:
         lines += [f"<details><summary>{md(name)}: the traceback</summary>", "",
                   code_fence(tb, "text"), "", "</details>", ""]
-    lines += ["### Peak memory per GPU", "", *_peak_table(run), ""]
-    head, rows = memory_rows(run)
+    lines += ["### Peak memory per GPU", "", *_peak_table(view), ""]
+    head, rows = memory_table(view)
     if rows:
         lines += ["<details><summary>Allocated, reserved, context and NVML peaks per GPU"
                   "</summary>", "", "| " + " | ".join(md(h) for h in head) + " |",
                   "| --- | --- |" + " ---: |" * (len(head) - 3) + " --- |"]
         lines += ["| " + " | ".join(md(c) for c in r) + " |" for r in rows]
         lines += ["", "</details>", ""]
-    lines += _charts(run)
-    excess = _excess_table(run)
+    lines += _charts(view)
+    excess = _excess_table(view)
     if excess:
         lines += ["### cuda:0's excess by cause", "",
                   "cuda:0 minus the median other GPU, at each device's peak.", "", *excess, ""]
-    timed = [s for s in run.scenarios if s.step_time_s is not None]
-    if timed:
+    if view.timed:
         lines += ["### Step time and throughput", "",
                   "| scenario | step time (median) | spread | throughput |",
                   "| --- | ---: | ---: | ---: |"]
-        for s in timed:
-            spread = (f"{s.step_time_spread_s * 1e3:.1f} ms"
-                      if s.step_time_spread_s is not None else "-")
-            thr = (f"{s.throughput_samples_per_s:,.0f} samples/s"
-                   if s.throughput_samples_per_s is not None else "-")
-            lines.append(f"| {md(s.name)} | {(s.step_time_s or 0) * 1e3:.1f} ms | {spread} | "
-                         f"{thr} |")
+        for s in view.timed:
+            lines.append(f"| {md(s.name)} | {step_time(s.step_time_s)} | "
+                         f"{spread(s.step_time_spread_s)} | "
+                         f"{throughput(s.throughput_samples_per_s)} |")
         lines.append("")
-    sized = max_batches(run)
-    if sized:
-        lines += [f"### Largest batch that fits in {fmt_bytes(run.gpu_memory_bytes)} per GPU", "",
-                  "| scenario | largest batch |", "| --- | ---: |"]
-        lines += [f"| {md(name)} | {b:,} |" for name, b in sized]
+    if view.max_batches:
+        lines += [f"### Largest batch that fits in {fmt_bytes(view.gpu_memory_bytes)} per GPU",
+                  "", "| scenario | largest batch |", "| --- | ---: |"]
+        lines += [f"| {md(name)} | {b:,} |" for name, b in view.max_batches]
         lines.append("")
     lines += ["### What to change", ""]
-    found = recommended(run)
-    if not found:
-        lines += [md(nothing_to_change(run)), ""]
-    for f in found:
-        lang = "diff" if f.code.lstrip().startswith(("-", "+", "@@")) else "python"
-        lines += [f"**{md(f.title)}.** {md(fix_why(run, f))}", "", _fence(f.code, lang), ""]
-    extra = answers.markdown_sections(run, parts=("equivalence", "checks"))
+    if not view.recommended:
+        lines += [md(view.nothing_to_change), ""]
+    for f in view.recommended:
+        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", _fence(f.code, f.code_lang), ""]
+    extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]
     lines += ["<details><summary>How these numbers were obtained</summary>", "",
-              md(provenance(run)), ""]
-    lines += [f"- {md(a)}" for a in run.assumptions]
-    notes = [*run.notes, *(f"{s.name}: {n}" for s in run.scenarios for n in s.notes
-                           if "Traceback" not in n)]
-    if notes:
-        lines += ["", "Notes:", ""] + [f"- {md(n)}" for n in notes]
+              md(provenance(view)), ""]
+    lines += [f"- {md(a)}" for a in view.assumptions]
+    if view.notes:
+        lines += ["", "Notes:", ""] + [f"- {md(n)}" for n in view.notes]
     lines += ["", "</details>", "", "<details><summary>Environment</summary>", ""]
-    lines += [f"- **{md(k)}**: {_value(v)}" for k, v in run.environment.items()]
-    config = {
-        "backend": run.backend, "workload": run.workload, "batch": run.batch, "gpus": run.gpus,
-        "gpu_memory_bytes": run.gpu_memory_bytes, "dtype": run.dtype, "seed": run.seed,
-        "dpprof_version": run.dpprof_version, "created": run.created,
-        "schema_version": run.schema_version, "config": run.config,
-    }
+    lines += [f"- **{md(k)}**: {_value(v)}" for k, v in view.environment.items()]
     lines += ["", "</details>", "", "<details><summary>Full configuration</summary>", "",
-              _fence(json.dumps(config, indent=2, default=str), "json"), "", "</details>", ""]
+              _fence(json.dumps(view.full_configuration, indent=2, default=str), "json"), "",
+              "</details>", ""]
     return "\n".join(lines)
 
 
@@ -236,5 +215,5 @@ class MarkdownRenderer(Renderer):
     suffix = '.md'
     description = "Markdown for a GitHub issue."
 
-    def render(self, run: RunResult) -> str:
-        return render(run)
+    def render_view(self, view: ReportView) -> str:
+        return render_view(view)

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.reports.answers import markdown_sections
+from dpprof.reports.view import build_view
 from dpprof.result import load
 
 runner = CliRunner()
@@ -107,7 +108,7 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
         assert section in text
     for fix in run.fixes:
         assert html.escape(fix.title) in text
-    md = markdown_sections(run)
+    md = markdown_sections(build_view(run))
     assert "### Why cuda:0 is heavier under `dp-loss-primary`" in md
     assert "```diff" in md and "| scenario | largest batch |" in md
     # re-rendering the saved result shows the same answers

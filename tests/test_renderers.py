@@ -18,9 +18,9 @@ from reports_data import HTML_SECTIONS, SAVED, saved
 
 from dpprof.analysis.attribution import cause_label
 from dpprof.analysis.fixes import recommended
-from dpprof.reports.common import excesses
 from dpprof.reports.markdown import md
 from dpprof.reports.registry import renderers
+from dpprof.reports.view import build_view
 from dpprof.result import RunResult
 
 
@@ -108,10 +108,10 @@ def test_every_saved_result_in_every_format(name: str, fmt: str) -> None:
     for s in run.scenarios:
         assert s.name in words
     # cuda:0's excess by cause: the attribution's labels, the same in every format
-    for ex in excesses(run):
-        for cause, b in ex.causes_bytes.items():
-            if b and abs(b) > 0.01 * max(ex.primary_bytes, 1):
-                assert cause_label(cause) in words, (fmt, cause)
+    for ex in build_view(run).attributions:
+        for c in ex.causes:
+            if c.bytes and abs(c.bytes) > 0.01 * max(ex.primary_bytes, 1):
+                assert cause_label(c.key) in words, (fmt, c.key)
     # the recommended fixes, by title, in the formats that recommend
     if fmt in ("html", "markdown"):
         for f in recommended(run):

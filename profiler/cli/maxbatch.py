@@ -58,6 +58,7 @@ def maxbatch_cmd(
     from dpprof.analysis.maxbatch import run_maxbatch
     from dpprof.pipeline import environment
     from dpprof.reports.answers import maxbatch_renderable
+    from dpprof.reports.view import build_view
     from dpprof.scenarios.workloads import load_workload
 
     with guarded(debug):
@@ -88,7 +89,7 @@ def maxbatch_cmd(
             environment=environment("emulated"), maxbatch=mb,
         )
         if not quiet:
-            out.print(maxbatch_renderable(for_terminal(run)))
+            out.print(maxbatch_renderable(build_view(for_terminal(run))))
         if paths:
             write_reports(run, paths, quiet)
     errored = [e.scenario for e in mb.entries if e.errored]
