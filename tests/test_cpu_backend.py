@@ -13,6 +13,7 @@ import torch
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.scenarios.base import training_loop
+from dpprof.scenarios.step import build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import load_workload
 
 MODELS = Path(__file__).with_name("fidelity_models.py")
@@ -21,16 +22,16 @@ BATCH, GPUS = 8, 4  # equal shards of 2
 
 
 def _reference(spec: str) -> dict[str, torch.Tensor]:
-    """One device, the full batch, one step, the emulator's seeding order."""
+    """One device, the full batch, one step, seeded by the one seed rule."""
     wl = load_workload(spec)
-    torch.manual_seed(0)
-    model = wl.model()
+    model = build_model(wl, 0)
     opt = wl.optimizer(list(model.parameters()))
     for g in opt.param_groups:
         g["foreach"] = True
-    inputs, targets = wl.batch(BATCH, torch.device("cpu"))
+    batch = scenario_batch(wl, 0, 0, BATCH, GPUS)  # step 0: DataParallel's whole batch
     model.train()
-    training_loop(model, wl.loss, opt, [(inputs, targets)], lambda x, _: x, False)
+    with step_stream(0):
+        training_loop(model, wl.loss, opt, [batch], lambda x, _: x, False)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.backends.emulated import build_on_device, cast_inputs
+from dpprof.backends.emulated import build_on_device
 from dpprof.emulator.parallel import EmulatedDataParallel
 from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.result import Equivalence, EquivalenceEntry, EquivalenceFinding
@@ -43,6 +43,7 @@ from dpprof.scenarios.base import (
     call_model,
     training_loop,
 )
+from dpprof.scenarios.step import build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 
 TOLERANCE = 1e-4  # relative: float32 sums in another order differ by ~1e-6
@@ -112,10 +113,9 @@ def _no_dropout(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return build
 
 
-def _batch(wl: Workload, batch: int, seed: int) -> tuple[Any, Any]:
-    torch.manual_seed(seed + 1)
-    inputs, targets = wl.batch(batch, torch.device("cpu"))
-    return cast_inputs(inputs, wl.dtype), targets
+def _batch(wl: Workload, batch: int, gpus: int, seed: int) -> tuple[Any, Any]:
+    """Step 0's batch by the one seed rule: the ``batch`` rows DataParallel takes."""
+    return scenario_batch(wl, seed, 0, batch, gpus)
 
 
 def _step_state(named: list[tuple[str, nn.Parameter]], loss: torch.Tensor,
@@ -128,10 +128,9 @@ def _run_emulated(wl: Workload, name: str, batch: int, gpus: int, seed: int) -> 
     """One step of ``name`` over CPU tensors on virtual devices (``single``: one device)."""
     n = 1 if name == REFERENCE else gpus
     rt = VirtualDevices(n, base="cpu")
-    inputs0, targets0 = _batch(wl, batch, seed)
-    torch.manual_seed(seed)
+    inputs0, targets0 = _batch(wl, batch, gpus, seed)
     with rt:
-        model, loss_fn, opt, _ = build_on_device(rt, wl, torch.device("cpu"), 0)
+        model, loss_fn, opt, _ = build_on_device(rt, wl, torch.device("cpu"), 0, seed)
         named = _named(model, loss_fn)
         loss_inside = name == DP_LOSS_FORWARD
         wrapped: Any = model
@@ -153,10 +152,10 @@ def _run_emulated(wl: Workload, name: str, batch: int, gpus: int, seed: int) -> 
         hooks = StepHooks(phase=lambda p: rt.device(0), after_forward=after_forward,
                           after_backward=after_backward)
         model.train()
-        torch.manual_seed(seed + 2)  # the dropout stream
-        loss = training_loop(wrapped, loss_fn, opt, [(inputs0, targets0)],
-                             lambda x, _: map_tensors(x, lambda t: to_device(rt, t, 0)),
-                             loss_inside, hooks, step=wl.step)
+        with step_stream(seed):  # the dropout stream
+            loss = training_loop(wrapped, loss_fn, opt, [(inputs0, targets0)],
+                                 lambda x, _: map_tensors(x, lambda t: to_device(rt, t, 0)),
+                                 loss_inside, hooks, step=wl.step)
         if loss is None:
             raise ValueError(f"workload {wl.name!r}: its step returned no loss; return it "
                              "from step() for the equivalence checks")
@@ -167,9 +166,8 @@ def _run_ddp(wl: Workload, batch: int, gpus: int, seed: int) -> StepState:
     """DDP's math on the CPU: every rank its shard (``tensor.chunk``) from the same
     weights and the same generator state (one process each), gradients averaged over the
     ranks (the all-reduce), one optimizer step; buffers from rank 0 (broadcast_buffers)."""
-    inputs0, targets0 = _batch(wl, batch, seed)
-    torch.manual_seed(seed)
-    model = wl.model()
+    inputs0, targets0 = _batch(wl, batch, gpus, seed)
+    model = build_model(wl, seed)
     if wl.dtype != torch.float32:
         model.to(wl.dtype)
     loss_fn = copy.deepcopy(wl.loss) if isinstance(wl.loss, nn.Module) else wl.loss
@@ -185,10 +183,10 @@ def _run_ddp(wl: Workload, batch: int, gpus: int, seed: int) -> StepState:
     for r in range(len(rows)):
         m, lf = copy.deepcopy(init)
         m.train()
-        torch.manual_seed(seed + 2)
-        out = call_model(m, shards_in[r])
-        loss = lf(out, shards_t[r])
-        loss.backward()
+        with step_stream(seed):  # each rank's process seeds the same
+            out = call_model(m, shards_in[r])
+            loss = lf(out, shards_t[r])
+            loss.backward()
         losses.append(float(loss.detach()))
         for k, p in _named(m, lf):
             if p.grad is not None:
@@ -254,9 +252,8 @@ def is_sum_reduction(wl: Workload, batch: int, gpus: int, seed: int) -> bool:
     rows = shard_sizes(batch, gpus)
     if len(rows) < 2:
         return False
-    inputs, targets = _batch(wl, batch, seed)
-    torch.manual_seed(seed)
-    model = wl.model().eval()
+    inputs, targets = _batch(wl, batch, gpus, seed)
+    model = build_model(wl, seed).eval()
     with torch.no_grad():
         out = call_model(model, inputs)
         full = float(wl.loss(out, targets))
@@ -278,7 +275,7 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
                       reference_loss=ref.loss,
                       entries=compare_states(ref, states, tolerance))
     res.largest_diff = _worst(res.entries)
-    probe_model = wl.model()
+    probe_model = build_model(wl, seed)
     rows = shard_sizes(batch, gpus)
     # 1. a plain mean of per-replica losses over uneven shards
     fwd = states.get(DP_LOSS_FORWARD)

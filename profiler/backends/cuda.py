@@ -79,6 +79,7 @@ from dpprof.scenarios.base import (
     error_site,
     training_loop,
 )
+from dpprof.scenarios.step import Batch, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 from dpprof.units import fmt_bytes
 
@@ -512,29 +513,9 @@ class PhaseRecorder:
 
 
 
-def _rows(x: Any, start: int, stop: int) -> Any:
-    return map_tensors(x, lambda t: t[start:stop] if t.dim() > 0 else t)
-
-
-def global_batch(wl: Workload, cfg: CudaRunConfig, world: int) -> tuple[Any, Any]:
-    """The paired data: ``ceil(B/N) * N`` rows on the CPU from the seed (DDP pads as
-    ``DistributedSampler`` does); DataParallel takes the first B, ``single`` and rank r their
-    ``ceil(B/N)`` slice."""
-    per = math.ceil(cfg.batch / world)
-    torch.manual_seed(cfg.seed + 1)
-    inputs, targets = wl.batch(per * world, torch.device("cpu"))
-    if wl.dtype != torch.float32:
-        inputs = map_tensors(inputs, lambda t: t.to(wl.dtype) if t.is_floating_point() else t)
-    return inputs, targets
-
-
 def _model(wl: Workload, device: torch.device, seed: int) -> tuple[nn.Module, Any]:
     """The model (and a loss module, if the loss is one) from the seed, on ``device``."""
-    torch.manual_seed(seed)
-    model = wl.model()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model() returned {type(model).__name__}, not an nn.Module")
-    model = model.to(device)
+    model = build_model(wl, seed).to(device)
     loss_fn = wl.loss
     if isinstance(loss_fn, nn.Module):
         loss_fn = copy.deepcopy(loss_fn).to(device)
@@ -543,6 +524,31 @@ def _model(wl: Workload, device: torch.device, seed: int) -> tuple[nn.Module, An
         if isinstance(loss_fn, nn.Module):
             loss_fn = loss_fn.to(wl.dtype)
     return model, loss_fn
+
+
+class StepBatches(Sequence[Batch]):
+    """The loader's host batches, one per iteration, each made by the one seed rule
+    (:func:`dpprof.scenarios.step.scenario_batch`) when :meth:`prepare` asks for it, outside
+    the timed step; only the current one is kept (a long run holds one batch, not one per
+    step)."""
+
+    def __init__(self, make: Callable[[int], Batch], count: int) -> None:
+        self.make = make
+        self.count = count
+        self.current: tuple[int, Batch] | None = None
+
+    def prepare(self, k: int) -> None:
+        if self.current is None or self.current[0] != k:
+            self.current = None  # the previous host batch goes before the next is made
+            self.current = (k, self.make(k))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, k: int) -> Batch:  # type: ignore[override]
+        self.prepare(k)
+        assert self.current is not None
+        return self.current[1]
 
 
 def _optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.Optimizer:
@@ -589,8 +595,7 @@ class _Run:
         wrapped: Callable[..., Any],
         loss_fn: Any,
         opt: torch.optim.Optimizer,
-        inputs_cpu: Any,
-        targets_cpu: Any,
+        batches: StepBatches,
         loss_inside: bool,
         out: Measured,
         wl_step: UserStep | None = None,
@@ -601,6 +606,7 @@ class _Run:
 
         @contextlib.contextmanager
         def iteration(k: int, last: bool) -> Iterator[None]:
+            batches.prepare(k)  # the loader's work, before the step's clock starts
             measured = k >= cfg.warmup_steps
             if k == cfg.warmup_steps:
                 self.ops.synchronize()
@@ -625,12 +631,9 @@ class _Run:
             # On the CPU (the test mode) the host-to-device copy is a copy too.
             return map_tensors(x, lambda t: t.clone() if dev0.type == "cpu" else t.to(dev0))
 
-        # The loader's host batches: the same data every iteration, as the paired scenarios
-        # share it (each iteration assigns its own copy to the device).
-        batches = [(inputs_cpu, targets_cpu)] * (cfg.warmup_steps + cfg.steps)
         amp = StepAutocast(cfg.amp, dev0.type)  # --amp: forward and loss, as the user's
         hooks = StepHooks(phase=amp.phase(self.rec.phase), iteration=iteration)
-        with amp:
+        with amp, step_stream(cfg.seed):
             loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
                                  step=wl_step)
         out.loss = None if loss is None else float(loss)
@@ -722,9 +725,11 @@ def run_local_scenario(
         nonlocal run
         run = _Run(ops, cfg, logical, watch)
         ops.set_device(0)
-        inputs, targets = global_batch(wl, cfg, n)
         rows = shards[0] if name == SINGLE else cfg.batch
-        inputs, targets = _rows(inputs, 0, rows), _rows(targets, 0, rows)
+        rank = 0 if name == SINGLE else None  # single: one GPU's share, DP: the whole batch
+        batches = StepBatches(
+            lambda k: scenario_batch(wl, cfg.seed, k, cfg.batch, n, rank),
+            cfg.warmup_steps + cfg.steps)
         model, loss_fn = _model(wl, ops.device(0), cfg.seed)
         opt = _optimizer(wl, model, loss_fn)
         model.train()
@@ -735,7 +740,7 @@ def run_local_scenario(
             ids = cfg.devices if ops.kind == "cuda" else None
             wrapped = nn.DataParallel(inner, device_ids=ids, output_device=ids[0] if ids else None)
         out.rows = rows
-        run.loop(wrapped, loss_fn, opt, inputs, targets, loss_inside, out, wl.step)
+        run.loop(wrapped, loss_fn, opt, batches, loss_inside, out, wl.step)
         run.fold_phases()
 
     try:
@@ -834,16 +839,16 @@ def measure_ddp_rank(
     def body() -> None:  # its frame holds the tensors: gone with the exception
         nonlocal run
         run = _Run(ops, cfg, [0], watch)
-        inputs, targets = global_batch(wl, cfg, world)
-        inputs = _rows(inputs, rank * per, (rank + 1) * per)
-        targets = _rows(targets, rank * per, (rank + 1) * per)
+        batches = StepBatches(
+            lambda k: scenario_batch(wl, cfg.seed, k, cfg.batch, world, rank),
+            cfg.warmup_steps + cfg.steps)
         model, loss_fn = _model(wl, ops.device(0), cfg.seed)
         model.train()
         ids = [local_device] if ops.kind == "cuda" else None
         wrapped = (ddp or DdpOptions()).wrap(model, ids)
         opt = _optimizer(wl, model, loss_fn)
         out.rows = per
-        run.loop(wrapped, loss_fn, opt, inputs, targets, False, out, wl.step)
+        run.loop(wrapped, loss_fn, opt, batches, False, out, wl.step)
         run.fold_phases()
 
     try:

@@ -47,6 +47,7 @@ from dpprof.scenarios.base import (
     error_site,
     training_loop,
 )
+from dpprof.scenarios.step import build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
 from dpprof.units import fmt_bytes
 
@@ -144,12 +145,12 @@ class _CategoryHooks:
 
 
 def build_on_device(
-    rt: VirtualDevices, wl: Workload, base: torch.device, device: int
+    rt: VirtualDevices, wl: Workload, base: torch.device, device: int, seed: int
 ) -> tuple[nn.Module, Any, torch.optim.Optimizer, list[nn.Parameter]]:
+    """The model (from ``seed``, :func:`dpprof.scenarios.step.build_model`), the loss
+    module and the optimizer on virtual device ``device``."""
     with rt.device(device), rt.category("parameters"):
-        model = wl.model()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model() returned {type(model).__name__}, not an nn.Module")
+        model = build_model(wl, seed)
         # Parameters built outside the mode (or on the CPU) are copied onto the device;
         # those the model placed on a GPU itself (.to("cuda:1")) stay there.
         model._apply(lambda t: t if rt.device_of(t) != HOST else t.to(base, copy=True))
@@ -174,12 +175,6 @@ def build_on_device(
     return model, loss_fn, opt, params
 
 
-def cast_inputs(x: Any, dtype: torch.dtype) -> Any:
-    if dtype == torch.float32:
-        return x
-    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
 def run_scenario(
     name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None = None
 ) -> ScenarioResult:
@@ -201,7 +196,6 @@ def _run_scenario(
 ) -> ScenarioResult:
     shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
         DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
-    rank_rows = shards[0]
     base = torch.device("cpu" if cfg.compute else "meta")
     # single: one GPU, unless the model places its layers on several itself
     n_dev = cfg.gpus
@@ -211,7 +205,6 @@ def _run_scenario(
     # the model's own "cuda", "cuda:1", .cuda(), .to(...) name the virtual devices
     cuda = VirtualCuda(n_dev, rt=rt, enter_runtime=False, honour_visible_devices=False)
     result = ScenarioResult(name=name, batch=cfg.batch)
-    torch.manual_seed(cfg.seed)
     cats = _CategoryHooks(rt)
     measure_start = 0
     kernels = GpuKernels(cfg.compute_capability, rt)
@@ -221,7 +214,7 @@ def _run_scenario(
     try:
         with rt, cuda, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
                 amp or contextlib.nullcontext()), autocast_names:
-            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0)
+            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0, cfg.seed)
             loss_inside = name == DP_LOSS_FORWARD
             wrapped: Any
             if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
@@ -229,7 +222,7 @@ def _run_scenario(
                 wrapped = EmulatedDataParallel(inner, rt, list(range(cfg.gpus)),
                                                output_device=cfg.dp_output_device)
                 wrapped.chunk_sizes = cfg.dp_chunk_sizes
-                rows = cfg.batch
+                rank = None  # the whole batch, scattered
             elif name == DDP:
                 spans = sorted({rt.device_of(p) for p in params})
                 if len(spans) > 1:
@@ -245,10 +238,10 @@ def _run_scenario(
                         find_unused_parameters=cfg.ddp.find_unused_parameters,
                         broadcast_buffers=cfg.ddp.broadcast_buffers,
                     )
-                rows = rank_rows
+                rank = 0  # rank 0's rows; every rank runs the same program
             elif name == SINGLE:
                 wrapped = model
-                rows = rank_rows
+                rank = 0  # one GPU's share: ceil(B / N) rows
             else:
                 raise ValueError(f"unknown scenario {name!r}")
 
@@ -276,13 +269,11 @@ def _run_scenario(
             model.train()
             # DataParallel(output_device=k): the loss runs there, so the targets go there.
             target_dev = (cfg.dp_output_device or 0) if name == DP_LOSS_PRIMARY else 0
-            # The loader's host batches, one per iteration, made before the loop.
-            batches = []
+            # The loader's host batches, one per iteration, made before the loop: the
+            # scenario's part of each step's global batch (the one seed rule).
             with rt.device(HOST), rt.category("inputs"):
-                for _ in range(cfg.warmup_steps + 1):
-                    inputs, targets = wl.batch(rows, torch.device("cpu"))
-                    batches.append((cast_inputs(inputs, wl.dtype), targets))
-                del inputs, targets
+                batches = [scenario_batch(wl, cfg.seed, k, cfg.batch, cfg.gpus, rank)
+                           for k in range(cfg.warmup_steps + 1)]
 
             def move(x: Any, is_target: bool) -> Any:
                 with rt.category("inputs"):
@@ -304,8 +295,9 @@ def _run_scenario(
                     marks["end"] = len(rt.events)
 
             hooks.iteration = iteration
-            loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
-                                 step=wl.step)
+            with step_stream(cfg.seed):
+                loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside,
+                                     hooks, step=wl.step)
             del batches
             measure_start = step_start = marks["start"]
             step_end = marks["end"]
@@ -375,7 +367,7 @@ def probe_model(wl: Workload, gpus: int) -> nn.Module:
     names its GPUs builds under a virtual CUDA)."""
     rt = CudaDevices(gpus, "meta", real_host=False)
     with VirtualCuda(gpus, rt=rt, honour_visible_devices=False), torch.device("meta"):
-        return wl.model()
+        return build_model(wl, 0)  # no values over meta; the caller's RNG untouched
 
 
 def placed_devices(rt: VirtualDevices) -> list[int]:

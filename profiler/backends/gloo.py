@@ -16,10 +16,10 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
   rank 0 waits for the others' outcomes; ``join_timeout_s``: the whole spawned run).
 * :func:`run_rank(spec, rank, world_size, local_rank)` — the per-rank step, in a process
   whose default process group is already initialised: builds the model on its device
-  under ``torch.manual_seed(seed)``, wraps it in ``DistributedDataParallel`` with the
-  options, takes rank r's shard of the global batch, runs ``warmup_steps`` steps and one
-  measured iteration of the shared :func:`dpprof.scenarios.base.training_loop`, and returns a
-  :class:`RankResult`.
+  and takes rank r's shard of each step's global batch by the one seed rule
+  (:mod:`dpprof.scenarios.step`), wraps it in ``DistributedDataParallel`` with the
+  options, runs ``warmup_steps`` steps and one measured iteration of the shared
+  :func:`dpprof.scenarios.base.training_loop`, and returns a :class:`RankResult`.
 * :class:`CpuRanks` — the picklable body :mod:`dpprof.backends.ranks` runs in each rank:
   :func:`run_rank` for each spec in turn.
 * :func:`launch(spec, world_size)` / :func:`launch_many(specs, world_size)` — dpprof starts
@@ -141,10 +141,6 @@ class DistributedRunError(RuntimeError):
         return "\n".join(f"--- rank {r} ---\n{tb.rstrip()}" for r, tb in self.failures.items())
 
 
-def _shard(x: Any, rank: int, rows: int) -> Any:
-    return map_tensors(x, lambda t: t.narrow(0, rank * rows, rows).clone() if t.dim() else t)
-
-
 def run_rank(spec: RankSpec, rank: int, world_size: int,
              local_rank: int | None = None) -> RankResult:
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
@@ -152,6 +148,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
 
     from dpprof.emulator.kernels import CudaAutocastNames, StepAutocast
     from dpprof.scenarios.base import StepHooks, training_loop
+    from dpprof.scenarios.step import build_model, scenario_batch, step_stream
     from dpprof.scenarios.workloads import load_workload
 
     wl = with_dtype(load_workload(spec.workload), spec.dtype)
@@ -165,9 +162,8 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         start_profiler(prof)  # without libkineto's start/stop lines on stderr
     try:
-        torch.manual_seed(spec.seed)
         # As the emulator: the model built on the host, then moved to the rank's device.
-        model = wl.model().to(device)
+        model = build_model(wl, spec.seed).to(device)
         if wl.dtype != torch.float32:
             model.to(wl.dtype)
         loss_fn = wl.loss
@@ -187,18 +183,9 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         model.train()
         amp = StepAutocast(spec.amp, device.type)  # --amp: forward and loss
         # The loader's host batches, one per iteration, made before the loop: every rank
-        # makes the same global batch and takes its shard (equal shards).
-        batches = []
-        for step in range(spec.warmup_steps + 1):
-            gen_state = torch.random.get_rng_state()
-            torch.manual_seed(spec.seed + 1000 + step)
-            inputs, targets = wl.batch(spec.rows * world_size, torch.device("cpu"))
-            torch.random.set_rng_state(gen_state)
-            inputs = _shard(inputs, rank, spec.rows)
-            if wl.dtype != torch.float32:
-                inputs = _cast(inputs, wl.dtype)
-            batches.append((inputs, _shard(targets, rank, spec.rows)))
-        del inputs, targets, gen_state
+        # makes the same global batch and takes its shard (the one seed rule).
+        batches = [scenario_batch(wl, spec.seed, k, spec.rows * world_size, world_size, rank)
+                   for k in range(spec.warmup_steps + 1)]
 
         def move(x: Any, is_target: bool) -> Any:
             # On the CPU the host-to-device copy a GPU run makes is a copy too.
@@ -221,7 +208,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
 
         # the workload's own torch.autocast("cuda"), as the emulated scenarios run it
         names = CudaAutocastNames() if device.type != "cuda" else contextlib.nullcontext()
-        with amp, names:
+        with amp, names, step_stream(spec.seed):
             loss = training_loop(
                 ddp, loss_fn, opt, batches, move, False,
                 StepHooks(iteration=iteration,
@@ -244,10 +231,6 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         if span is not None:
             _profiler_figures(result, allocations(prof), *span)
     return result
-
-
-def _cast(x: Any, dtype: torch.dtype) -> Any:
-    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _profiler_figures(result: RankResult, events: list[Alloc], t0: int, t1: int) -> None:
