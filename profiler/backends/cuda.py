@@ -534,7 +534,7 @@ class StepBatches(Sequence[Batch]):
 
     def __init__(self, make: Callable[[int], Batch], count: int) -> None:
         self.make = make
-        self.count = count
+        self.length = count
         self.current: tuple[int, Batch] | None = None
 
     def prepare(self, k: int) -> None:
@@ -543,7 +543,7 @@ class StepBatches(Sequence[Batch]):
             self.current = (k, self.make(k))
 
     def __len__(self) -> int:
-        return self.count
+        return self.length
 
     def __getitem__(self, k: int) -> Batch:  # type: ignore[override]
         self.prepare(k)
