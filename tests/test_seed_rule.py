@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import fake_cuda
 import pytest
 import torch
+from fake_cuda import CpuOps
 
 from dpprof.analysis.equivalence import check
 from dpprof.backends.cuda import CudaRunConfig, run_local_scenario
@@ -58,15 +60,15 @@ def _emulated(scenario: str, seed: int = SEED) -> None:
 
 
 def _cuda_cfg(seed: int = SEED) -> CudaRunConfig:
-    return CudaRunConfig(batch=BATCH, devices=[0, 1], seed=seed, warmup_steps=1, steps=1,
-                         device_kind="cpu")
+    return CudaRunConfig(batch=BATCH, devices=[0, 1], seed=seed, warmup_steps=1, steps=1)
 
 
 def test_every_backend_builds_the_same_weights_and_feeds_the_same_step_batches(
-        record) -> None:  # type: ignore[no-untyped-def]
+        record, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake_cuda.install(monkeypatch, gpus=GPUS)  # the cuda backend's code on CPU tensors
     emulated = record(lambda: _emulated("single"))[None]
     cuda_single = record(lambda: run_local_scenario(
-        "single", load_workload(SPEC), _cuda_cfg()))[None]
+        "single", load_workload(SPEC), _cuda_cfg(), ops=CpuOps([0, 1])))[None]
     gloo = record(lambda: launch(RankSpec(workload=SPEC, rows=BATCH // GPUS, seed=SEED,
                                           warmup_steps=1), GPUS))
     cuda_ddp = record(lambda: spawn_ddp(DdpJob(workload=SPEC, cfg=_cuda_cfg(),
@@ -110,7 +112,7 @@ def test_dropout_draws_the_same_stream_in_the_emulator_and_the_cuda_code() -> No
     emulated = run_scenario("single", wl, EmulationConfig(
         batch=BATCH, gpus=GPUS, gpu_memory_bytes=2**40, seed=SEED, compute=True,
         warmup_steps=1))
-    cuda = run_local_scenario("single", wl, _cuda_cfg())
+    cuda = run_local_scenario("single", wl, _cuda_cfg(), ops=CpuOps([0, 1]))
     assert emulated.loss is not None and cuda.loss is not None
     assert emulated.loss == pytest.approx(cuda.loss, rel=1e-5)
 
@@ -123,7 +125,7 @@ def test_building_running_and_checking_leave_the_callers_rng_alone() -> None:
     scenario_batch(wl, SEED, 3, BATCH, GPUS, 1)
     _emulated("single")
     _emulated("dp-loss-primary")
-    run_local_scenario("dp-loss-forward", wl, _cuda_cfg())
+    run_local_scenario("dp-loss-forward", wl, _cuda_cfg(), ops=CpuOps([0, 1]))
     check(wl, BATCH, GPUS, SEED)
     assert torch.equal(torch.random.get_rng_state(), before)
 
