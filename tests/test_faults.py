@@ -146,7 +146,9 @@ def test_the_store_watcher_is_joined_when_stopped() -> None:
 
     store = SlowStore()
     w = StoreWatcher(store, "dpprof/x/failed", "gloo").start()
-    while store.calls == 0:
+    deadline = time.monotonic() + 60
+    while store.calls == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert store.calls > 0, "the watcher never polled the store"
     w.stop()
     assert not w.thread.is_alive()
