@@ -161,6 +161,25 @@ def group_replicas(
     return groups
 
 
+class _Plan:
+    """One walk of a window (:meth:`_Group._walk`): the template serials known before it,
+    the new storages in order (with their labels), the steps on real tensors, the
+    phantoms it added and dropped, and the window's columns."""
+
+    def __init__(self, window: list[Ev], known: set[int], real_known: set[int]) -> None:
+        self.window = window
+        self.known = known
+        self.real_known = real_known
+        self.new: list[int] = []
+        self.new_labels: list[str] = []
+        self.real_steps: list[tuple[bool, int]] = []  # (a new tensor, else a free), serial
+        self.phantom_add: set[int] = set()
+        self.phantom_discard: set[int] = set()
+        self.serials: list[int] = []
+        self.requested: list[int] = []
+        self.allocated: list[int] = []
+
+
 class _Group:
     """The state the group's autograd node keeps between forward and backward."""
 
@@ -180,6 +199,7 @@ class _Group:
         self.mask: list[bool] = []  # which outputs need a gradient
         self.leaves_in: list[torch.Tensor | None] = []
         self.watched: set[int] = set()
+        self._plan: _Plan | None = None  # the last window's walk, for the other members
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -289,11 +309,29 @@ class _Group:
         return [t for r in results for t in r]
 
     def _replay(self, window: list[Ev], k: int, make: Any) -> None:
-        """Emit ``window`` (the template's events) as member ``k``'s."""
+        """Emit ``window`` (the template's events) as member ``k``'s.
+
+        What the replay does at each event depends only on the template's serials (known to
+        the member or new, a real tensor of the member's or a phantom), and every member
+        starts a window knowing the same template serials: the first member's walk is kept
+        as a :class:`_Plan` that the others follow (their new storages numbered as one
+        block, the window's serials mapped in one pass, a Python step only where a storage
+        is a real tensor). A member whose known serials differ walks the window itself.
+        """
+        smap, real = self.maps[k], self.real[k]
+        plan = self._plan
+        if (plan is not None and plan.window is window and smap.keys() == plan.known
+                and real.keys() == plan.real_known):
+            self._follow(plan, k, make)
+            return
+        self._plan = self._walk(window, k, make)
+
+    def _walk(self, window: list[Ev], k: int, make: Any) -> _Plan:
         rt = self.rt
         dev1 = self.members[0].device
         dev = self.members[k].device
         smap, real, holds, phantoms = self.maps[k], self.real[k], self.holds[k], self.phantoms[k]
+        plan = _Plan(window, set(smap), set(real))
         serials: list[int] = []
         for d, s, req, alloc in window:
             if d != dev1:
@@ -304,25 +342,60 @@ class _Group:
                     raise _fail(rt, "a replica freed a storage the replay does not know")
                 sk = rt.new_serial()
                 smap[s] = sk
-                rt.set_label(sk, rt.label_of(s))
+                label = rt.label_of(s)
+                rt.set_label(sk, label)
+                plan.new.append(s)
+                plan.new_labels.append(label)
                 t = make(s, sk, dev)
                 if t is None:
                     phantoms.add(s)
+                    plan.phantom_add.add(s)
                 else:
                     real[s] = weakref.ref(t.untyped_storage())
+                    plan.real_steps.append((True, s))
             elif req < 0 or alloc < 0 or (req == 0 and alloc == 0):
                 if s in real:
                     st = real.pop(s)()
                     holds.pop(s, None)
                     if st is None or not rt.disown_storage(st):
                         raise _fail(rt, "a replica's storage died before its replay")
+                    plan.real_steps.append((False, s))
                 else:
                     phantoms.discard(s)
+                    plan.phantom_discard.add(s)
             else:
                 raise _fail(rt, "a replica resized a storage")
             serials.append(sk)
+        plan.serials = [ev[1] for ev in window]
+        plan.requested = [ev[2] for ev in window]
+        plan.allocated = [ev[3] for ev in window]
         # nothing above emits (no storage of the runtime dies in the loop): emit at once
-        rt.emit_many(dev, serials, [ev[2] for ev in window], [ev[3] for ev in window])
+        rt.emit_many(dev, serials, plan.requested, plan.allocated)
+        return plan
+
+    def _follow(self, plan: _Plan, k: int, make: Any) -> None:
+        """:meth:`_walk`'s steps for member ``k``, taken from ``plan``."""
+        rt = self.rt
+        dev = self.members[k].device
+        smap, real, holds, phantoms = self.maps[k], self.real[k], self.holds[k], self.phantoms[k]
+        fresh = rt.new_serials(len(plan.new))
+        smap.update(zip(plan.new, fresh, strict=True))
+        rt.set_labels(zip(fresh, plan.new_labels, strict=True))
+        for is_new, s in plan.real_steps:
+            if is_new:
+                t = make(s, smap[s], dev)
+                if t is None:
+                    raise _fail(rt, "a replica's storage is a tensor for one member only")
+                real[s] = weakref.ref(t.untyped_storage())
+            else:
+                st = real.pop(s)()
+                holds.pop(s, None)
+                if st is None or not rt.disown_storage(st):
+                    raise _fail(rt, "a replica's storage died before its replay")
+        phantoms |= plan.phantom_add
+        phantoms -= plan.phantom_discard
+        rt.emit_many(dev, list(map(smap.__getitem__, plan.serials)), plan.requested,
+                     plan.allocated)
 
     # ---- backward ---------------------------------------------------------------------
 

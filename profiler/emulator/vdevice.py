@@ -26,7 +26,7 @@ import contextlib
 import threading
 import weakref
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, overload
 
@@ -497,11 +497,21 @@ class VirtualDevices(TorchDispatchMode):
         self._serial += 1
         return self._serial
 
+    def new_serials(self, n: int) -> range:
+        """``n`` new serials at once (as ``n`` calls of :meth:`new_serial`)."""
+        first = self._serial + 1
+        self._serial += n
+        return range(first, first + n)
+
     def label_of(self, serial: int) -> str:
         return self._labels.get(serial, "other")
 
     def set_label(self, serial: int, category: str) -> None:
         self._labels[serial] = category
+
+    def set_labels(self, pairs: Iterable[tuple[int, str]]) -> None:
+        """:meth:`set_label` for each (serial, category)."""
+        self._labels.update(pairs)
 
     def adopt(self, t: torch.Tensor, device: int, serial: int, requested: int) -> None:
         """Track ``t``'s storage as ``serial`` on ``device`` without an event (a replay
