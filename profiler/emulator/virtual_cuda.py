@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
+from dpprof.emulator.standins import load_real, standing_in
 from dpprof.emulator.vdevice import HOST, VirtualDevices
 
 aten = torch.ops.aten
@@ -619,11 +620,12 @@ class VirtualCuda:
             raise RuntimeError("a VirtualCuda is already active")
         _ACTIVE = self
         self.active = True
-        # torch._dynamo (imported on first use by nn.init and others) indexes torch's
-        # functions once: let it see the originals, not the hooks below.
-        import torch._dynamo  # noqa: F401
-
         try:
+            # torch._dynamo and symbolic_shapes: stand-ins until something needs the real
+            # ones (an eager step imports them for nothing, dpprof.emulator.standins); a
+            # real one is loaded with torch's originals in place, since dynamo indexes
+            # torch's functions once.
+            self._stack.enter_context(standing_in(self._real_module))
             if self.enter_runtime:
                 self._stack.enter_context(self.rt)
                 self._stack.enter_context(self.rt.device(HOST))
@@ -632,6 +634,21 @@ class VirtualCuda:
             self.__exit__(*sys.exc_info())
             raise
         return self
+
+    def _real_module(self, module: str) -> ModuleType:
+        """The real module ``module`` (a stand-in's), imported with torch's originals in
+        place of the hooks and with no mode counting what its import makes."""
+        current = []
+        for owner, name, original in reversed(self._saved):
+            current.append((owner, name, owner.__dict__.get(name, _MISSING)
+                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
+            _put(owner, name, original)
+        try:
+            with torch._C._DisableTorchDispatch():
+                return load_real(module)
+        finally:
+            for owner, name, value in reversed(current):
+                _put(owner, name, value)
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
@@ -906,6 +923,15 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _put(owner: Any, name: str, value: Any) -> None:
+    """``setattr``, or ``delattr`` for :data:`_MISSING`."""
+    if value is _MISSING:
+        with contextlib.suppress(AttributeError):
+            delattr(owner, name)
+    else:
+        setattr(owner, name, value)
 _ACTIVE: VirtualCuda | None = None
 _ORIG: dict[str, Any] = {
     "to": torch.Tensor.to,
