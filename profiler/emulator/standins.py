@@ -74,7 +74,7 @@ class _Package(StandIn):
     """A stand-in for a package."""
 
     @property
-    def __path__(self) -> list[str]:
+    def __path__(self) -> list[str]:  # type: ignore[override]
         # ``import pkg.x`` and ``from pkg import x`` read the package's path first: the
         # real one's
         return list(self.real().__path__)
