@@ -69,9 +69,12 @@ def cpu_s(fn: Callable[[], object], best_of: int = 1) -> float:
 def compare(batch: int, gpus: int, scenarios: tuple[str, ...] = ALL, fixes: bool = False,
             workload: str = GPT2) -> Callable[[], object]:
     from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.step import StepConfig
 
-    cfg = CompareConfig(workload=workload, batch=batch, gpus=gpus, scenarios=scenarios,
-                        fixes=fixes)
+    cfg = CompareConfig(
+        workload=workload, gpus=gpus, scenarios=scenarios, fixes=fixes,
+        step=StepConfig(batch=batch),
+    )
     return lambda: run_compare(cfg)
 
 
@@ -82,10 +85,13 @@ ROWS = 8
 
 def dpprof_single() -> int:
     from dpprof.backends.emulated import EmulationConfig, run_scenario
+    from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import gpt2_small
 
     res = run_scenario("single", gpt2_small(), EmulationConfig(
-        batch=ROWS, gpus=1, gpu_memory_bytes=2**50))
+        gpus=1, gpu_memory_bytes=2**50,
+        step=StepConfig(batch=ROWS),
+    ))
     return res.devices[0].peak_allocated_bytes
 
 

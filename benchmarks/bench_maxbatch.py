@@ -16,6 +16,7 @@ from dpprof.analysis.maxbatch import probe_emulated, search
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.emulator.gpus import lookup_gpu
 from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 
 
@@ -23,8 +24,10 @@ def main(workload: str = "lm", gpu: str = "a100-80gb", gpus: int = 4, multiple: 
     wl = load_workload(workload)
     spec = lookup_gpu(gpu)
     cap = spec.total_memory_bytes
-    base = EmulationConfig(batch=multiple, gpus=gpus, gpu_memory_bytes=cap,
-                           compute_capability=spec.compute_capability)
+    base = EmulationConfig(
+        gpus=gpus, gpu_memory_bytes=cap, compute_capability=spec.compute_capability,
+        step=StepConfig(batch=multiple),
+    )
     print(f"{workload} on {gpus} x {gpu} ({cap} B), multiples of {multiple}")
     total = 0.0
     for name in SCENARIOS:

@@ -33,14 +33,17 @@ ROWS = 2
 def scenario_peaks(name: str) -> dict[str, Any]:
     from dpprof.backends.emulated import EmulationConfig, run_scenario
     from dpprof.scenarios.base import SCENARIOS
+    from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import load_workload
 
     out: dict[str, Any] = {}
     wl = load_workload(f"{ZOO}:{name}")
     for scenario in SCENARIOS:
         t0 = time.perf_counter()
-        r = run_scenario(scenario, wl, EmulationConfig(batch=2 * ROWS, gpus=2,
-                                                       gpu_memory_bytes=2**40))
+        r = run_scenario(scenario, wl, EmulationConfig(
+            gpus=2, gpu_memory_bytes=2**40,
+            step=StepConfig(batch=2 * ROWS),
+        ))
         entry: dict[str, Any] = {"status": r.status, "seconds": round(time.perf_counter() - t0, 3)}
         if r.status == "ok":
             entry["cuda0_peak_allocated_bytes"] = r.devices[0].peak_allocated_bytes
@@ -59,10 +62,12 @@ def cpu_check(name: str) -> dict[str, Any]:
 
     from dpprof.backends.gloo import RankSpec, run_rank
     from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, peak_of
+    from dpprof.scenarios.step import StepConfig
 
     spec = f"{ZOO}:{name}"
     t0 = time.perf_counter()
-    measured = run_rank(RankSpec(workload=spec, rows=ROWS, wrap="none"), 0, 2)
+    measured = run_rank(RankSpec(workload=spec, step=StepConfig(batch=ROWS * 2), wrap="none"),
+                        0, 2)
     t_profiler = time.perf_counter() - t0
     records = [Alloc(0, s, op, p) for s, op, p in measured.step_events if abs(s) > SCALAR_BYTES]
     t0 = time.perf_counter()

@@ -9,26 +9,22 @@ import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from dpprof import __version__
 from dpprof.analysis.answers import add_answers, gpu_spec
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.maxbatch import COUNTS
 from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
-from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.gpus import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP, SCENARIOS, loop_description
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
 GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
 DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
-DEFAULT_WARMUP = 1  # emulated and cpu: the optimizer state must exist before the measured step
 BACKENDS = ("auto", "emulated", "cpu", "cuda")
-DTYPES = {"--dtype": ("float32", "bfloat16", "float16"), "--amp": ("bfloat16", "float16")}
 
 Progress = Callable[[str, int, int], None]  # (scenario, index, total)
 
@@ -36,22 +32,16 @@ Progress = Callable[[str, int, int], None]  # (scenario, index, total)
 @dataclass
 class CompareConfig:
     workload: str = DEFAULT  # built-in name, module.path:function or file.py:function
-    batch: int = 512  # global batch, split over the GPUs as DataParallel splits it
+    # the training step's options (batch, seed, warm-up and measured steps, dtype, autocast,
+    # DDP's options), declared once in dpprof.scenarios.step and passed to every backend
+    step: StepConfig = field(default_factory=StepConfig)
     gpus: int | None = None  # None: every visible GPU (cuda) or 4 virtual ones (emulated)
     gpu_memory_bytes: int = DEFAULT_GPU_MEMORY  # capacity of each (virtual) GPU
     scenarios: tuple[str, ...] = SCENARIOS  # which of the paired scenarios to run
     backend: str = "auto"  # auto: cuda with >= 2 visible GPUs, else emulated
-    seed: int = 0  # torch.manual_seed before each scenario: paired data and weights
     compute: bool = False  # emulated over CPU tensors (real numbers) instead of meta
-    # steps before the measured one(s); None: DEFAULT_WARMUP, on GPUs the cuda backend's 3
-    warmup: int | None = None
     debug: bool = False  # keep tracebacks
-    # DistributedDataParallel's options for the ddp scenario (torch's names and defaults),
-    # the same for the emulator, the gloo ranks and the GPU ranks
-    ddp: DdpOptions = field(default_factory=DdpOptions)
     compute_capability: tuple[int, int] = (8, 0)  # the target GPU (a100-80gb by default)
-    dtype: str | None = None  # float32 | bfloat16 | float16: the workload's dtype, overridden
-    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
     extra: dict[str, object] = field(default_factory=dict)
     # ---- answers (dpprof.analysis.answers) -----------------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
@@ -66,13 +56,13 @@ class CompareConfig:
 
     # ---- the cuda backend (real GPUs) ------------------------------------------------------
     devices: tuple[int, ...] | None = None  # --devices 2,3: exactly these CUDA indices
-    steps: int | None = None  # --steps: measured steps (cuda default 10)
     nvml_interval_s: float = 0.02  # --nvml-interval
     ddp_timeout_s: float = 300.0  # collective timeout / bound on every DDP wait
 
     def validate(self) -> None:
-        if self.batch < 1:
-            raise UsageError(f"--batch must be a positive number of rows, got {self.batch}")
+        problems = self.step.problems()
+        if problems:
+            raise UsageError(problems[0])
         if self.gpus is not None and self.gpus < 1:
             raise UsageError(f"--gpus must be at least 1, got {self.gpus}")
         if self.gpu_memory_bytes <= 0:
@@ -88,10 +78,6 @@ class CompareConfig:
             raise UsageError(
                 f"unknown backend {self.backend!r}; choose from {', '.join(BACKENDS)}"
             )
-        if self.warmup is not None and self.warmup < 0:
-            raise UsageError("--warmup must be 0 or more")
-        if self.steps is not None and self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.nvml_interval_s <= 0:
             raise UsageError("--nvml-interval must be larger than zero, e.g. 0.02")
         if self.multiple_of < 1:
@@ -100,12 +86,6 @@ class CompareConfig:
             raise UsageError(
                 f"--fail-on-imbalance is a max/mean ratio (>= 1.0), got {self.fail_on_imbalance}"
             )
-        for opt, val in (("--dtype", self.dtype), ("--amp", self.amp)):
-            if val is not None and val not in DTYPES[opt]:
-                raise UsageError(f"{opt} {val!r}: choose from {', '.join(DTYPES[opt])}")
-        cap = self.ddp.bucket_cap_mb
-        if cap is not None and not cap > 0:
-            raise UsageError(f"--bucket-cap-mb must be a positive number of MiB, got {cap}")
 
 
 def visible_cuda_gpus() -> int:
@@ -134,24 +114,12 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
-def warmup_steps(cfg: CompareConfig, backend: str) -> int:
-    """``--warmup``, or the backend's default: 3 on real GPUs, 1 emulated."""
-    if cfg.warmup is not None:
-        return cfg.warmup
-    if backend == "cuda":
-        from dpprof.backends.cuda import DEFAULT_WARMUP as CUDA_WARMUP
-
-        return CUDA_WARMUP
-    return DEFAULT_WARMUP
-
-
 def emulation_config(cfg: CompareConfig, backend: str, gpus: int) -> EmulationConfig:
     """The emulator's part of ``cfg``, as it is: the scenarios of the emulated and cpu
     backends, and the predictions (fixes, largest batch) of every backend."""
     return EmulationConfig(
-        batch=cfg.batch, gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, seed=cfg.seed,
-        compute=cfg.compute or backend == "cpu", warmup_steps=warmup_steps(cfg, backend),
-        debug=cfg.debug, ddp=cfg.ddp, amp=cfg.amp,
+        gpus=gpus, gpu_memory_bytes=cfg.gpu_memory_bytes, step=cfg.step.resolved(backend),
+        compute=cfg.compute or backend == "cpu", debug=cfg.debug,
         compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
         count_reserved=cfg.count_reserved or cfg.maxbatch or bool(cfg.gpu),
     )
@@ -170,8 +138,7 @@ def run_compare(
     """
     cfg.validate()
     wl = workload or load_workload(cfg.workload)
-    if cfg.dtype is not None:
-        wl = dataclasses.replace(wl, dtype=getattr(torch, cfg.dtype))
+    wl = cfg.step.workload(wl)  # --dtype
     backend = resolve_backend(cfg.backend)
     run = _new_run(cfg, wl, backend)
     ecfg = emulation_config(cfg, backend, run.gpus)
@@ -201,25 +168,32 @@ def run_compare(
     )
 
 
+def option_record(cfg: CompareConfig) -> dict[str, object]:
+    """One flat record of every option (the result's ``config``): the step's options and
+    DDP's under their own names, then the rest, then ``extra``."""
+    step = {k: v for k, v in asdict(cfg.step).items() if k != "ddp"}
+    rest = {k: v for k, v in asdict(cfg).items() if k not in ("extra", "step")}
+    return {"workload": cfg.workload} | step | rest | asdict(cfg.step.ddp) | dict(cfg.extra)
+
+
 def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
     gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
     run = RunResult(
         backend=backend,
         workload=wl.name,
-        batch=cfg.batch,
+        batch=cfg.step.batch,
         gpus=gpus,
         gpu_memory_bytes=cfg.gpu_memory_bytes,
         dpprof_version=__version__,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        seed=cfg.seed,
+        seed=cfg.step.seed,
         dtype=str(wl.dtype).removeprefix("torch."),
         # one flat record of every option, DDP's under torch's names
-        config={k: v for k, v in asdict(cfg).items() if k not in ("extra", "ddp")}
-        | asdict(cfg.ddp) | dict(cfg.extra),
+        config=option_record(cfg),
         environment=environment(backend),
     )
     run.config["gpus"] = gpus
-    run.config["warmup_steps"] = warmup_steps(cfg, backend)
+    run.config["warmup_steps"] = cfg.step.warmup_steps(backend)
     run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
     run.config["scenarios"] = list(cfg.scenarios)
     run.config["workload_description"] = wl.description
@@ -239,13 +213,13 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
         run.assumptions.append(
             f"Out of memory when {COUNTS} ({ctx.outside_allocator_bytes} B per GPU, "
             f"{ctx.workspace_bytes} B of workspaces) exceeds the GPU's memory.")
-    if cfg.dtype not in (None, "float32"):
+    if cfg.step.dtype not in (None, "float32"):
         run.assumptions.append(
-            f"--dtype {cfg.dtype}: parameters, gradients, optimizer state and floating "
+            f"--dtype {cfg.step.dtype}: parameters, gradients, optimizer state and floating "
             "inputs in that dtype (pure low precision: no float32 master weights)")
-    if cfg.amp:
+    if cfg.step.amp:
         run.assumptions.append(
-            f"--amp {cfg.amp}: forward and loss under autocast, re-enacted from autocast's "
+            f"--amp {cfg.step.amp}: forward and loss under autocast, re-enacted from autocast's "
             "CUDA op lists (linear, matmul, conv, SDPA in the low dtype; softmax, losses, "
             "norms in float32); each weight cast once per forward (autocast's cache) and kept "
             "while autograd saves it; parameters, gradients and optimizer state float32 "
@@ -257,7 +231,7 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
         )
     if run.backend == "cpu":
         run.assumptions = cpu_backend_assumptions(cfg)
-    run.config["loop"] = loop_description(ecfg.warmup_steps + 1)
+    run.config["loop"] = loop_description(ecfg.step.warmup_steps(run.backend) + 1)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     for i, name in enumerate(cfg.scenarios):
         if progress:
@@ -265,7 +239,7 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
         if run.backend == "cpu" and name == DDP:
             from dpprof.backends.cpu import run_ddp_gloo
 
-            run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.dtype, cfg.ddp_timeout_s))
+            run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
         else:
             run.scenarios.append(run_scenario(name, wl, ecfg))
     if run.backend == "emulated":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult, TimelinePoint, write_atomic
+from dpprof.scenarios.step import StepConfig
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 POINTS = 120
@@ -55,7 +56,10 @@ def build() -> dict[str, RunResult]:
     """Every result this script saves, by file name, as dpprof produces it now."""
     return {
         "emulated-lm.json": thinned(run_compare(CompareConfig())),
-        "cpu-mlp.json": _ran(run_compare(CompareConfig(workload="mlp", batch=16, compute=True))),
+        "cpu-mlp.json": _ran(run_compare(CompareConfig(
+            workload="mlp", compute=True,
+            step=StepConfig(batch=16),
+        ))),
     }
 
 

@@ -6,6 +6,7 @@ from dpprof.analysis.attribution import attribute, attribute_run
 from dpprof.analysis.comparison import compare_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import DeviceResult, ScenarioResult
+from dpprof.scenarios.step import StepConfig
 
 
 def _dev(i: int, rows: int, **cats: int) -> DeviceResult:
@@ -17,8 +18,11 @@ def _dev(i: int, rows: int, **cats: int) -> DeviceResult:
     ("mlp", 10, 4), ("mlp", 8, 3), ("classifier", 7, 2), ("convnet", 9, 4),
 ])
 def test_causes_add_up_to_the_excess(workload: str, batch: int, gpus: int) -> None:
-    run = run_compare(CompareConfig(workload=workload, batch=batch, gpus=gpus, fixes=False,
-                                    scenarios=("dp-loss-primary", "dp-loss-forward", "ddp")))
+    run = run_compare(CompareConfig(
+        workload=workload, gpus=gpus, fixes=False,
+        scenarios=("dp-loss-primary", "dp-loss-forward", "ddp"),
+        step=StepConfig(batch=batch),
+    ))
     atts = attribute_run(run)
     assert set(atts) == {"dp-loss-primary", "dp-loss-forward", "ddp"}
     for name, att in atts.items():
@@ -53,7 +57,9 @@ def test_loss_inside_forward_and_still_heavier_points_to_optimizer_state_and_ddp
     from dpprof.scenarios.workloads import LMConfig, lm
 
     wl = lm(LMConfig(vocab=2000, seq=16, d_model=64, layers=1))
-    run = run_compare(CompareConfig(batch=8, fixes=False, scenarios=("dp-loss-forward",)),
+    run = run_compare(CompareConfig(
+        fixes=False, scenarios=("dp-loss-forward",), step=StepConfig(batch=8),
+    ),
                       workload=wl)
     att = run.attribution["dp-loss-forward"]
     assert att.excess_bytes > 0
@@ -72,8 +78,10 @@ def test_larger_shard_is_named_when_cuda0_has_more_rows() -> None:
     from dpprof.scenarios.workloads import LMConfig, lm
 
     wl = lm(LMConfig(vocab=2000, seq=64, d_model=64, layers=1))  # activations dominate
-    run = run_compare(CompareConfig(batch=7, gpus=2, fixes=False,
-                                    scenarios=("dp-loss-forward",)), workload=wl)  # 4, 3 rows
+    run = run_compare(CompareConfig(
+        gpus=2, fixes=False, scenarios=("dp-loss-forward",),
+        step=StepConfig(batch=7),
+    ), workload=wl)  # 4, 3 rows
     att = run.attribution["dp-loss-forward"]
     assert att.causes_bytes.get("larger_shard", 0) > 0
     assert sum(att.causes_bytes.values()) == att.excess_bytes

@@ -5,12 +5,13 @@ import pytest
 from dpprof.emulator.vdevice import round_size
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import LMConfig
 
 
 @pytest.fixture(scope="module")
 def run() -> RunResult:
-    return run_compare(CompareConfig(batch=512))
+    return run_compare(CompareConfig(step=StepConfig(batch=512)))
 
 
 def test_cuda0_carries_the_gathered_logits_and_their_loss(run: RunResult) -> None:
@@ -77,14 +78,20 @@ def test_cost_does_not_grow_with_batch() -> None:
     from dpprof.backends.emulated import EmulationConfig, run_scenario
     from dpprof.scenarios.workloads import lm
 
-    small = run_scenario("single", lm(), EmulationConfig(batch=8, gpus=4, gpu_memory_bytes=2**40))
-    big = run_scenario("single", lm(), EmulationConfig(batch=512, gpus=4, gpu_memory_bytes=2**40))
+    small = run_scenario("single", lm(), EmulationConfig(
+        gpus=4, gpu_memory_bytes=2**40,
+        step=StepConfig(batch=8),
+    ))
+    big = run_scenario("single", lm(), EmulationConfig(
+        gpus=4, gpu_memory_bytes=2**40,
+        step=StepConfig(batch=512),
+    ))
     assert big.devices[0].peak_allocated_bytes > 20 * small.devices[0].peak_allocated_bytes
     assert len(big.devices[0].timeline) == len(small.devices[0].timeline)
 
 
 def test_oom_is_a_result_naming_the_device() -> None:
-    run = run_compare(CompareConfig(batch=512, gpu_memory_bytes=30 * 2**30))
+    run = run_compare(CompareConfig(gpu_memory_bytes=30 * 2**30, step=StepConfig(batch=512)))
     prim = run.scenario("dp-loss-primary")
     assert prim is not None and prim.status == "oom" and prim.oom_device == 0
     assert "cuda:0" in prim.message and "needs" in prim.message

@@ -13,7 +13,7 @@ import torch
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.scenarios.base import training_loop
-from dpprof.scenarios.step import build_model, scenario_batch, step_stream
+from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import load_workload
 
 MODELS = Path(__file__).with_name("fidelity_models.py")
@@ -40,7 +40,9 @@ def _reference(spec: str) -> dict[str, torch.Tensor]:
 def test_one_dp_step_equals_one_device_on_the_full_batch(spec: str, scenario: str) -> None:
     trace: dict[str, Any] = {}
     r = run_scenario(scenario, load_workload(spec), EmulationConfig(
-        batch=BATCH, gpus=GPUS, gpu_memory_bytes=2**40, compute=True, warmup_steps=0,
+        gpus=GPUS, gpu_memory_bytes=2**40,
+        compute=True,
+        step=StepConfig(batch=BATCH, warmup=0),
     ), trace)
     assert r.status == "ok", r.message
     assert [d.batch_rows for d in r.devices] == [2] * GPUS
@@ -59,7 +61,10 @@ def test_dp_peaks_over_meta_equal_peaks_over_cpu(spec: str, scenario: str) -> No
     peaks = []
     for compute in (False, True):
         r = run_scenario(scenario, load_workload(spec), EmulationConfig(
-            batch=BATCH, gpus=GPUS, gpu_memory_bytes=2**40, compute=compute))
+            gpus=GPUS, gpu_memory_bytes=2**40,
+            compute=compute,
+            step=StepConfig(batch=BATCH),
+        ))
         assert r.status == "ok", r.message
         peaks.append([d.peak_requested_bytes for d in r.devices])
     meta, cpu = peaks
@@ -73,7 +78,7 @@ def test_dp_peaks_over_meta_equal_peaks_over_cpu(spec: str, scenario: str) -> No
 
 
 def test_a_failing_rank_is_reported_with_its_traceback_and_nothing_hangs() -> None:
-    spec = RankSpec(workload="no_such_module_xyz:workload", rows=1, join_timeout_s=120,
+    spec = RankSpec(workload="no_such_module_xyz:workload", join_timeout_s=120,
                     grace_s=5)
     with pytest.raises(DistributedRunError) as info:
         launch(spec, 2)
@@ -93,7 +98,8 @@ def test_torchrun_ranks_gather_their_results_on_rank_0(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(
         "from dpprof.backends.gloo import RankSpec, torchrun_main\n"
-        "res = torchrun_main(RankSpec(workload='mlp', rows=2))\n"
+        "from dpprof.scenarios.step import StepConfig\n"
+        "res = torchrun_main(RankSpec(workload='mlp', step=StepConfig(batch=4)))\n"
         "if res is not None:\n"
         "    print('GATHERED', [(r.rank, r.world_size, r.step_peak_requested_bytes > 0)"
         " for r in res])\n"

@@ -3,6 +3,7 @@ matched by UUID), device choice, DDP outcome merging, and DataParallel's loss co
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import gc
 import os
@@ -30,10 +31,10 @@ from dpprof.backends.cuda import (
 )
 from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.backends.cuda_run import select_devices
-from dpprof.backends.ranks import DdpOptions
 from dpprof.errors import UsageError
 from dpprof.pipeline import CompareConfig, resolve_backend, run_compare
 from dpprof.result import DeviceResult, RunResult
+from dpprof.scenarios.step import DdpOptions, StepConfig
 
 DATA = Path(__file__).parent / "data"
 GiB = 2**30
@@ -63,10 +64,10 @@ def _tiny(oom_rows: int | None = None, model_cb=None) -> dpprof.Workload:
     )
 
 
-def _cfg(**kw: object) -> CudaRunConfig:
-    base = dict(batch=8, devices=[0, 1], warmup_steps=1, steps=2, nvml_interval_s=0.001)
-    base.update(kw)
-    return CudaRunConfig(**base)  # type: ignore[arg-type]
+def _cfg(devices: tuple[int, ...] = (0, 1), batch: int = 8,
+         ddp: DdpOptions | None = None) -> CudaRunConfig:
+    return CudaRunConfig(devices=list(devices), nvml_interval_s=0.001, step=StepConfig(
+        batch=batch, warmup=1, steps=2, ddp=ddp or DdpOptions()))
 
 
 # ---- OOM ----------------------------------------------------------------------------------
@@ -131,8 +132,10 @@ def test_compare_runs_the_remaining_scenarios_after_an_oom(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake_cuda.install(monkeypatch, gpus=2, children=False)
-    cfg = CompareConfig(workload="tiny", batch=8, gpus=2, warmup=1, steps=2,
-                        scenarios=("dp-loss-primary", "dp-loss-forward", "single"))
+    cfg = CompareConfig(
+        workload="tiny", gpus=2, scenarios=("dp-loss-primary", "dp-loss-forward", "single"),
+        step=StepConfig(batch=8, warmup=1, steps=2),
+    )
     run = run_compare(cfg, workload=_tiny(oom_rows=4))  # auto: the host's 2 GPUs
     assert run is not None and run.backend == "cuda"
     assert [s.status for s in run.scenarios] == ["oom", "oom", "ok"]
@@ -192,7 +195,7 @@ def test_a_context_outside_the_chosen_gpus_is_flagged() -> None:
     nvml = FakeNvml([FakeDevice(uuid=UA, processes=[(me, 500 * 2**20)]),
                      FakeDevice(uuid=UB, processes=[(me, 900 * 2**20)])])
     # --devices 1: only cuda:1 (B) is the run's; this process also sits on cuda:0 (A)
-    r = run_local_scenario("single", _tiny(), _cfg(devices=[1]), ops=CpuOps([1]), nvml=nvml,
+    r = run_local_scenario("single", _tiny(), _cfg(devices=(1,)), ops=CpuOps([1]), nvml=nvml,
                            cuda_uuids=[UA, UB])
     assert r.stray_contexts == [
         {"rank": None, "pid": me, "cuda_index": 0, "used_bytes": 500 * 2**20}]
@@ -223,7 +226,7 @@ def test_ddp_rank_flags_its_context_on_another_gpu(one_rank_group: None) -> None
         FakeDevice(uuid=UA, used=2 * GiB, processes=[(me, 1 * GiB), (4242, 3 * GiB)]),
         FakeDevice(uuid=UB, used=1 * GiB, processes=[(me, 300 * 2**20)]),  # forgot set_device
     ])
-    out = measure_ddp_rank(_tiny(), _cfg(devices=[0]), rank=0, world=1, local_device=0,
+    out = measure_ddp_rank(_tiny(), _cfg(devices=(0,)), rank=0, world=1, local_device=0,
                            ops=CpuOps([0]), nvml=nvml, cuda_uuids=[UA, UB])
     assert out.status == "ok", out.message
     assert out.stray_contexts == [
@@ -239,10 +242,10 @@ def test_ddp_rank_takes_the_reducer_options(one_rank_group: None) -> None:
     nvml = FakeNvml([FakeDevice(uuid=UA, used=1 * GiB)])
     kw: dict[str, Any] = dict(rank=0, world=1, local_device=0, ops=CpuOps([0]), nvml=nvml,
                               cuda_uuids=[UA])
-    bad = measure_ddp_rank(wl, _cfg(devices=[0]), **kw)
+    bad = measure_ddp_rank(wl, _cfg(devices=(0,)), **kw)
     assert bad.status == "error" and "reduction" in bad.message
-    good = measure_ddp_rank(wl, _cfg(devices=[0]), ddp=DdpOptions(find_unused_parameters=True),
-                            **kw)
+    good = measure_ddp_rank(
+        wl, _cfg(devices=(0,), ddp=DdpOptions(find_unused_parameters=True)), **kw)
     assert good.status == "ok", good.message
 
 
@@ -336,8 +339,8 @@ def test_cli_env_table_and_markdown() -> None:
 def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """--bucket-cap-mb, --find-unused-parameters, ... --dtype and --amp travel to every rank."""
     from dpprof.backends import cuda_run
-    from dpprof.backends.ranks import DdpOptions
     from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.step import DdpOptions
 
     seen: list[CompareConfig] = []
 
@@ -349,10 +352,14 @@ def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatc
     fake_cuda.install(monkeypatch, gpus=2, children=False)
     ddp = DdpOptions(bucket_cap_mb=5, gradient_as_bucket_view=True,
                      find_unused_parameters=True, broadcast_buffers=False)
-    run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, backend="cuda", fixes=False,
-                              scenarios=("ddp",), ddp=ddp,
-                              dtype="bfloat16", amp="float16"))
+    run_compare(CompareConfig(
+        workload="mlp", gpus=2, backend="cuda", fixes=False, scenarios=("ddp",),
+        step=StepConfig(batch=4, ddp=ddp, dtype="bfloat16", amp="float16"),
+    ))
     (cfg,) = seen
     ccfg = cuda_run.run_config(cfg, [0, 1])
     job = cuda_run.ddp_job(ccfg, cfg)
-    assert job.ddp == ddp and job.dtype == "bfloat16" and job.cfg.amp == "float16"
+    # the step's options as they are, with the cuda backend's warm-up and steps filled in
+    assert job.cfg.step == dataclasses.replace(cfg.step, warmup=3, steps=10)
+    assert job.cfg.step.ddp == ddp and job.cfg.step.dtype == "bfloat16"
+    assert job.cfg.step.amp == "float16"

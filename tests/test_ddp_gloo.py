@@ -16,6 +16,7 @@ import fake_cuda
 import pytest
 
 from dpprof.pipeline import CompareConfig, run_compare
+from dpprof.scenarios.step import StepConfig
 
 DATA = Path(__file__).parent / "data"
 TINY = f"{DATA / 'ddp_workloads.py'}:tiny"
@@ -39,8 +40,10 @@ def _env(**extra: str) -> dict[str, str]:
 def test_every_scenario_runs_with_ddp_ranks_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPPROF_TEST_OOM_ROWS", "4")  # inherited by the spawned ranks
     fake_cuda.install(monkeypatch, gpus=2)  # here and in the spawned ranks
-    cfg = CompareConfig(workload=TINY, batch=8, gpus=2, warmup=1, steps=2,
-                        backend="cuda", ddp_timeout_s=60)
+    cfg = CompareConfig(
+        workload=TINY, gpus=2, backend="cuda", ddp_timeout_s=60,
+        step=StepConfig(batch=8, warmup=1, steps=2),
+    )
     run = run_compare(cfg)
     assert run is not None
     data = json.loads(run.to_json())

@@ -12,6 +12,7 @@ import pytest
 
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
+from dpprof.scenarios.step import StepConfig
 
 WL = Path(__file__).parent / "data" / "device_workloads.py"
 
@@ -21,8 +22,8 @@ def r512(n: int) -> int:
 
 
 def compare(name: str, batch: int = 64, **kw: object) -> RunResult:
-    run = run_compare(CompareConfig(workload=f"{WL}:{name}", batch=batch, fixes=False,
-                                    **kw))  # type: ignore[arg-type]
+    run = run_compare(CompareConfig(workload=f"{WL}:{name}", step=StepConfig(batch=batch),
+                                    fixes=False, **kw))  # type: ignore[arg-type]
     assert run is not None
     return run
 

@@ -17,6 +17,7 @@ from dpprof.emulator.parallel import (
     take_tensors_cpp,
 )
 from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload, shard_sizes
 
 
@@ -109,8 +110,10 @@ def _tiny() -> Workload:
 
 
 def _peaks(name: str, compute: bool = False) -> list[int]:
-    r = run_scenario(name, _tiny(), EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**30,
-                                                    compute=compute))
+    r = run_scenario(name, _tiny(), EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**30, compute=compute,
+        step=StepConfig(batch=4),
+    ))
     assert r.status == "ok", r.message
     return [d.peak_requested_bytes for d in r.devices]
 
@@ -148,7 +151,9 @@ def test_single_and_ddp_hand_count() -> None:
 
 @pytest.mark.parametrize("name", ["dp-loss-primary", "dp-loss-forward", "ddp"])
 def test_uneven_and_small_batches_use_fewer_devices(name: str) -> None:
-    r = run_scenario(name, _tiny(), EmulationConfig(batch=6, gpus=4, gpu_memory_bytes=2**30))
+    r = run_scenario(name, _tiny(), EmulationConfig(
+        gpus=4, gpu_memory_bytes=2**30, step=StepConfig(batch=6),
+    ))
     assert r.status == "ok"
     used = [d.index for d in r.devices if d.used]
     if name == "ddp":

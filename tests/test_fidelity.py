@@ -35,8 +35,8 @@ from fidelity_models import sort_path_bytes_at_peak
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
-from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.vdevice import HOST
+from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import load_workload
 
 MODELS = Path(__file__).with_name("fidelity_models.py")
@@ -82,8 +82,9 @@ def emulated_step(spec: str, scenario: str, rows: int, compute: bool,
     allocator), blocks larger than SCALAR_BYTES only."""
     trace: dict[str, Any] = {}
     r = run_scenario(scenario, load_workload(spec), EmulationConfig(
-        batch=rows * WORLD, gpus=WORLD, gpu_memory_bytes=2**40, compute=compute,
-        ddp=DdpOptions(**options),
+        gpus=WORLD, gpu_memory_bytes=2**40,
+        compute=compute,
+        step=StepConfig(batch=rows * WORLD, ddp=DdpOptions(**options)),
     ), trace)
     assert r.status == "ok", r.message
     events = [e.requested for e in trace["rt"].events if e.device in (0, HOST)]
@@ -182,8 +183,10 @@ def check(spec: str, scenario: str, rows: int, measured: RankResult,
 
 @pytest.fixture(scope="module")
 def gloo_runs() -> list[list[RankResult]]:
-    specs = [RankSpec(workload=w, rows=r) for w, r in WORKLOADS.items()]
-    specs += [RankSpec(workload=w, rows=WORKLOADS[w], ddp=DdpOptions(**opts))
+    specs = [RankSpec(workload=w, step=StepConfig(batch=r * WORLD))
+             for w, r in WORKLOADS.items()]
+    specs += [RankSpec(workload=w, step=StepConfig(batch=WORKLOADS[w] * WORLD,
+                                                   ddp=DdpOptions(**opts)))
               for w, opts in OPTIONS]
     return launch_many(specs, WORLD)
 
@@ -192,7 +195,8 @@ def gloo_runs() -> list[list[RankResult]]:
 @pytest.mark.parametrize("spec", list(WORKLOADS))
 def test_single_matches_the_profiler(spec: str) -> None:
     rows = WORKLOADS[spec]
-    measured = run_rank(RankSpec(workload=spec, rows=rows, wrap="none"), 0, WORLD)
+    measured = run_rank(RankSpec(workload=spec, step=StepConfig(batch=rows * WORLD),
+                                 wrap="none"), 0, WORLD)
     check(spec, "single", rows, measured)
 
 

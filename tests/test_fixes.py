@@ -3,6 +3,7 @@
 from dpprof.analysis.fixes import balance_chunks
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.pipeline import CompareConfig, run_compare
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import LMConfig, lm
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
@@ -33,7 +34,7 @@ def test_no_slope_gives_no_split() -> None:
 
 def test_each_fix_is_measured_on_the_workload() -> None:
     wl = lm(SMALL_LM)
-    run = run_compare(CompareConfig(batch=32), workload=wl)
+    run = run_compare(CompareConfig(step=StepConfig(batch=32)), workload=wl)
     fixes = {f.name: f for f in run.fixes}
     assert set(fixes) == {"loss-in-forward", "ddp", "gradient-as-bucket-view",
                           "output-device", "balanced-split"}
@@ -55,7 +56,7 @@ def test_each_fix_is_measured_on_the_workload() -> None:
 
 def test_balanced_split_lowers_the_heaviest_device() -> None:
     wl = lm(SMALL_LM)
-    run = run_compare(CompareConfig(batch=32, scenarios=("dp-loss-primary",)), workload=wl)
+    run = run_compare(CompareConfig(scenarios=("dp-loss-primary",), step=StepConfig(batch=32)), workload=wl)
     bal = next(f for f in run.fixes if f.name == "balanced-split")
     assert sum(bal.chunk_sizes) == 32 and len(bal.chunk_sizes) == 4
     assert bal.chunk_sizes[0] < 8  # cuda:0 takes less than its even share
@@ -63,7 +64,10 @@ def test_balanced_split_lowers_the_heaviest_device() -> None:
     assert bal.max_peak_bytes < even_max
     # the reported figures are those of an emulation with these chunk sizes
     check = run_scenario("dp-loss-primary", wl, EmulationConfig(
-        batch=32, gpus=4, gpu_memory_bytes=80 << 30, dp_chunk_sizes=tuple(bal.chunk_sizes)))
+        gpus=4, gpu_memory_bytes=80 << 30,
+        dp_chunk_sizes=tuple(bal.chunk_sizes),
+        step=StepConfig(batch=32),
+    ))
     assert [d.batch_rows for d in check.devices] == bal.chunk_sizes
     assert max(d.peak_allocated_bytes for d in check.devices) == bal.max_peak_bytes
     assert "BalancedDataParallel" in bal.code

@@ -18,6 +18,7 @@ from torch import nn
 
 import dpprof
 from dpprof.backends.cuda import CudaRunConfig, parse_oom_message, run_local_scenario
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +69,7 @@ def test_compare_on_two_gpus_end_to_end(tmp_path: Path) -> None:
 
 def test_a_real_oom_is_a_result_and_the_memory_comes_back() -> None:
     wl = load_workload(f"{DATA / 'gpu_workloads.py'}:greedy")
-    cfg = CudaRunConfig(batch=128, devices=[0, 1], warmup_steps=1, steps=2)
+    cfg = CudaRunConfig(devices=[0, 1], step=StepConfig(batch=128, warmup=1, steps=2))
     for d in (0, 1):  # cuBLAS keeps its workspace allocated once a matmul ran: run one first
         torch.ones(8, 8, device=f"cuda:{d}") @ torch.ones(8, 8, device=f"cuda:{d}")
     before = torch.cuda.memory_allocated(0)

@@ -8,6 +8,7 @@ from fidelity_models import embedding_sorted, sort_path_bytes_at_peak
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.kernels import EFFICIENT, FLASH, MATH, SdpaCall, sdpa_backend
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import AttnConfig, attention, mlp
 
 SEQ, HEADS, ROWS, LAYERS = 1024, 8, 4, 2
@@ -26,8 +27,10 @@ def test_sdpa_backend_follows_sdp_utils_rules() -> None:
 def _single(cc: tuple[int, int], amp: str | None = None) -> tuple[int, list[str]]:
     wl = attention(AttnConfig(seq=SEQ, heads=HEADS, layers=LAYERS, d_model=256, vocab=1024,
                               dropout=0.0))
-    r = run_scenario("single", wl, EmulationConfig(batch=ROWS, gpus=1, gpu_memory_bytes=2**40,
-                                                   compute_capability=cc, amp=amp))
+    r = run_scenario("single", wl, EmulationConfig(
+        gpus=1, gpu_memory_bytes=2**40, compute_capability=cc,
+        step=StepConfig(batch=ROWS, amp=amp),
+    ))
     assert r.status == "ok", r.message
     return r.devices[0].peak_allocated_bytes, r.notes
 
@@ -52,13 +55,16 @@ def test_amp_casts_to_flash_and_keeps_float32_master_weights() -> None:
 def test_fused_dropout_saves_a_bool_mask() -> None:
     # mlp has no dropout; the attention workload with dropout on residuals does
     wl = attention(AttnConfig(seq=128, heads=2, layers=1, d_model=64, vocab=128, dropout=0.1))
-    r = run_scenario("single", wl, EmulationConfig(batch=2, gpus=1, gpu_memory_bytes=2**40))
+    r = run_scenario("single", wl, EmulationConfig(
+        gpus=1, gpu_memory_bytes=2**40, step=StepConfig(batch=2),
+    ))
     assert any("dropout:fused" in n for n in r.notes)
 
 
 def test_reserved_and_context_are_shown_separately() -> None:
-    r = run_scenario("single", mlp(), EmulationConfig(batch=64, gpus=1,
-                                                     gpu_memory_bytes=2**40))
+    r = run_scenario("single", mlp(), EmulationConfig(
+        gpus=1, gpu_memory_bytes=2**40, step=StepConfig(batch=64),
+    ))
     d = r.devices[0]
     assert d.peak_reserved_bytes is not None and d.context_bytes is not None
     # reserved holds every allocated block plus two cuBLAS workspaces (8.125 MiB each on
@@ -76,8 +82,10 @@ def test_reports_show_allocated_reserved_and_context_per_device() -> None:
     from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.reports import html, terminal
 
-    run = run_compare(CompareConfig(workload="mlp", batch=8, gpus=2,
-                                    scenarios=("dp-loss-primary",)))
+    run = run_compare(CompareConfig(
+        workload="mlp", gpus=2, scenarios=("dp-loss-primary",),
+        step=StepConfig(batch=8),
+    ))
     page = html.render(run)
     assert "id='gpu-overheads'" in page and "of which workspaces" in page
     assert page.count("<td>dp-loss-primary</td><td>cuda:") == 2
@@ -122,7 +130,9 @@ def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs() -> None:
 
 def _embedding_peaks(compute: bool, rows: int) -> tuple[int, int, list[str]]:
     r = run_scenario("single", embedding_sorted(), EmulationConfig(
-        batch=rows, gpus=1, gpu_memory_bytes=2**40, compute=compute))
+        gpus=1, gpu_memory_bytes=2**40,
+        compute=compute, step=StepConfig(batch=rows),
+    ))
     assert r.status == "ok", r.message
     d = r.devices[0]
     return d.peak_requested_bytes, d.peak_allocated_bytes, r.notes

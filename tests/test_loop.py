@@ -9,6 +9,7 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.scenarios.base import loop_description, training_loop
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 
 
@@ -81,7 +82,7 @@ def _head_workload() -> Workload:
 def test_the_gathered_outputs_live_through_backward_under_dp_loss_primary() -> None:
     """cuda:0's peak (in backward) holds the whole batch's gathered outputs: the loop keeps
     ``outputs`` through backward (a step that deleted them before backward would not)."""
-    cfg = EmulationConfig(batch=64, gpus=4, gpu_memory_bytes=2**40)
+    cfg = EmulationConfig(gpus=4, gpu_memory_bytes=2**40, step=StepConfig(batch=64))
     r = run_scenario("dp-loss-primary", _head_workload(), cfg)
     assert r.status == "ok", r.message
     dev0 = r.devices[0]

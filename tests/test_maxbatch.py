@@ -13,6 +13,7 @@ from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.gpus import device_context
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import LMConfig, lm
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
@@ -60,7 +61,7 @@ def test_search_nothing_fits_and_capped() -> None:
 
 def test_count_reserved_over_cpu_tensors_counts_segments_and_context() -> None:
     # CPU tensors: reserved and context only when asked for, from the one model (gpus.py)
-    cfg = EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=80 << 30, compute=True)
+    cfg = EmulationConfig(gpus=2, gpu_memory_bytes=80 << 30, compute=True, step=StepConfig(batch=8))
     plain = run_scenario("dp-loss-primary", lm(SMALL_LM), cfg)
     assert all(d.peak_reserved_bytes is None and d.context_bytes is None for d in plain.devices)
     counted = dataclasses.replace(cfg, count_reserved=True)
@@ -88,9 +89,10 @@ def test_reported_batch_fits_under_compare_and_the_next_step_does_not() -> None:
         assert e.max_batch is not None and not e.capped and e.max_batch % 4 == 0
         assert e.needed_bytes <= capacity < e.next_needed_bytes
         for batch, expected in ((e.max_batch, STATUS_OK), (e.max_batch + 4, STATUS_OOM)):
-            run = run_compare(CompareConfig(batch=batch, gpu_memory_bytes=capacity,
-                                            scenarios=(e.scenario,), count_reserved=True,
-                                            fixes=False), workload=wl)
+            run = run_compare(CompareConfig(
+                gpu_memory_bytes=capacity, scenarios=(e.scenario,),
+                count_reserved=True, fixes=False, step=StepConfig(batch=batch),
+            ), workload=wl)
             assert run.scenarios[0].status == expected, (e.scenario, batch)
     best = {e.scenario: e.max_batch for e in mb.entries}
     assert best["ddp"] > best["dp-loss-primary"]
@@ -100,14 +102,19 @@ def test_reserved_is_counted_not_only_allocated() -> None:
     """The emulator predicts out of memory from reserved + context (what a GPU must hold),
     not from the allocated bytes alone: at a capacity between the two, it is an OOM."""
     wl = lm(SMALL_LM)
-    plain = run_compare(CompareConfig(batch=8, scenarios=("ddp",), fixes=False), workload=wl)
+    plain = run_compare(CompareConfig(scenarios=("ddp",), fixes=False, step=StepConfig(batch=8)), workload=wl)
     d = plain.scenarios[0].devices[0]
     assert d.peak_reserved_bytes is not None and d.context_bytes
     assert d.total_peak_bytes >= d.peak_allocated_bytes + (200 << 20)  # the context alone
-    between = run_compare(CompareConfig(batch=8, scenarios=("ddp",), fixes=False,
-                                        gpu_memory_bytes=d.peak_allocated_bytes + (64 << 20)),
+    between = run_compare(CompareConfig(
+        scenarios=("ddp",), fixes=False,
+        gpu_memory_bytes=d.peak_allocated_bytes + (64 << 20),
+        step=StepConfig(batch=8),
+    ),
                           workload=wl)
     assert between.scenarios[0].status == STATUS_OOM
-    fits = run_compare(CompareConfig(batch=8, scenarios=("ddp",), fixes=False,
-                                     gpu_memory_bytes=d.total_peak_bytes), workload=wl)
+    fits = run_compare(CompareConfig(
+        scenarios=("ddp",), fixes=False, gpu_memory_bytes=d.total_peak_bytes,
+        step=StepConfig(batch=8),
+    ), workload=wl)
     assert fits.scenarios[0].status == STATUS_OK

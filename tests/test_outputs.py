@@ -14,6 +14,7 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 
 ROWS, CLASSES = 8, 4000  # logits 8 x 4000 floats: 128000 B gathered on cuda:0
@@ -71,8 +72,10 @@ def _wl(kind: str) -> Workload:
 @pytest.mark.parametrize("kind", ["ordered", "namedtuple", "nested"])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_dict_batches_and_structured_outputs_run_everywhere(kind: str, scenario: str) -> None:
-    r = run_scenario(scenario, _wl(kind), EmulationConfig(batch=ROWS, gpus=4,
-                                                         gpu_memory_bytes=2**40, compute=True))
+    r = run_scenario(scenario, _wl(kind), EmulationConfig(
+        gpus=4, gpu_memory_bytes=2**40, compute=True,
+        step=StepConfig(batch=ROWS),
+    ))
     assert r.status == "ok", r.message
     assert r.loss is not None
 
@@ -82,7 +85,7 @@ def test_gathered_outputs_are_filed_as_outputs_on_cuda0(kind: str) -> None:
     """Every tensor of the gathered structure is cuda:0's 'outputs'; the loss computed from
     them is 'loss'."""
     r = run_scenario("dp-loss-primary", _wl(kind),
-                     EmulationConfig(batch=ROWS, gpus=4, gpu_memory_bytes=2**40))
+                     EmulationConfig(gpus=4, gpu_memory_bytes=2**40, step=StepConfig(batch=ROWS)))
     assert r.status == "ok", r.message
     dev0 = r.devices[0].breakdown_bytes
     assert dev0["outputs"] >= ROWS * CLASSES * 4 + ROWS * 16 * 4  # logits and the 2nd leaf
@@ -93,7 +96,7 @@ def test_a_dataclass_output_fails_as_dataparallel_fails() -> None:
     """torch's gather_map rebuilds dicts, namedtuples and sequences; a plain dataclass is
     none of them, so nn.DataParallel raises "'Plain' object is not iterable": so does the
     emulation, and the other scenarios run."""
-    cfg = EmulationConfig(batch=ROWS, gpus=4, gpu_memory_bytes=2**40)
+    cfg = EmulationConfig(gpus=4, gpu_memory_bytes=2**40, step=StepConfig(batch=ROWS))
     r = run_scenario("dp-loss-primary", _wl("plain"), cfg)
     assert r.status == "error" and "'Plain' object is not iterable" in r.message
     assert run_scenario("single", _wl("plain"), cfg).status == "ok"

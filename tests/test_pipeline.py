@@ -21,6 +21,7 @@ from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.reports import html, markdown, terminal
 from dpprof.result import STATUS_ERROR, RunResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.scenarios.step import StepConfig
 
 MiB = 2**20
 DP_AND_SINGLE = (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, SINGLE)
@@ -56,9 +57,10 @@ def fake_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_real_gpus_get_attribution_fixes_and_ci_checks(fake_allocator: None) -> None:
     """Defect 1: the cuda backend's result goes through the same answers as every other."""
-    cfg = CompareConfig(workload="mlp", batch=6, gpus=3, warmup=0, steps=1,
-                        scenarios=DP_AND_SINGLE, backend="cuda",
-                        fail_on_imbalance=1.5)
+    cfg = CompareConfig(
+        workload="mlp", gpus=3, scenarios=DP_AND_SINGLE, backend="cuda",
+        fail_on_imbalance=1.5, step=StepConfig(batch=6, warmup=0, steps=1),
+    )
     run = run_compare(cfg)
     assert run is not None
     primary = run.scenario(DP_LOSS_PRIMARY)
@@ -106,14 +108,16 @@ def test_cpu_backend_ranks_run_the_same_warmup_and_autocast(
     monkeypatch.setattr(cpu, "launch", launch)
     losses = {}
     for amp in (None, "bfloat16"):
-        run = run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, backend="cpu",
-                                        scenarios=(DDP,), warmup=0, amp=amp, fixes=False))
+        run = run_compare(CompareConfig(
+            workload="mlp", gpus=2, backend="cpu", scenarios=(DDP,), fixes=False,
+            step=StepConfig(batch=4, warmup=0, amp=amp),
+        ))
         assert run is not None
         (ddp,) = run.scenarios
         assert ddp.status == "ok", ddp.message
         losses[amp] = ddp.loss
-    assert [s.warmup_steps for s in specs] == [0, 0]
-    assert [s.amp for s in specs] == [None, "bfloat16"]
+    assert [s.step.warmup for s in specs] == [0, 0]
+    assert [s.step.amp for s in specs] == [None, "bfloat16"]
     # autocast really ran: bfloat16 matmuls give another loss than float32
     assert losses[None] != losses["bfloat16"]
 
@@ -130,7 +134,7 @@ def _formats(run: RunResult) -> dict[str, str]:
 def test_every_format_names_the_same_causes() -> None:
     """Defect 3: one attribution and one set of labels (markdown and HTML said "loss and its
     gradient" where the terminal said "loss, its temporaries and its gradient")."""
-    run = run_compare(CompareConfig(workload="mlp", batch=8, fixes=False))
+    run = run_compare(CompareConfig(workload="mlp", fixes=False, step=StepConfig(batch=8)))
     assert run is not None
     att = run.attribution[DP_LOSS_PRIMARY]
     labels = [CAUSES[k] for k, v in att.causes_bytes.items() if v]
@@ -147,19 +151,25 @@ def test_one_model_of_reserved_memory_and_context() -> None:
     against 468 MiB: the second model ignored the compute capability and cuDNN)."""
     totals = {}
     for compute in (False, True):
-        run = run_compare(CompareConfig(workload="mlp", batch=8, count_reserved=True,
-                                        compute=compute, compute_capability=(9, 0),
-                                        scenarios=(DP_LOSS_PRIMARY, SINGLE), fixes=False))
+        run = run_compare(CompareConfig(
+            workload="mlp", count_reserved=True, compute=compute,
+            compute_capability=(9, 0), scenarios=(DP_LOSS_PRIMARY, SINGLE),
+            fixes=False, step=StepConfig(batch=8),
+        ))
         assert run is not None
         totals[compute] = [(d.peak_reserved_bytes, d.context_bytes, d.total_peak_bytes)
                            for s in run.scenarios for d in s.devices if d.used]
     assert totals[False] == totals[True]
-    hopper = run_compare(CompareConfig(workload="mlp", batch=8, count_reserved=True,
-                                       compute=True, compute_capability=(9, 0),
-                                       scenarios=(SINGLE,), fixes=False))
-    ampere = run_compare(CompareConfig(workload="mlp", batch=8, count_reserved=True,
-                                       compute=True, compute_capability=(8, 0),
-                                       scenarios=(SINGLE,), fixes=False))
+    hopper = run_compare(CompareConfig(
+        workload="mlp", count_reserved=True, compute=True,
+        compute_capability=(9, 0), scenarios=(SINGLE,), fixes=False,
+        step=StepConfig(batch=8),
+    ))
+    ampere = run_compare(CompareConfig(
+        workload="mlp", count_reserved=True, compute=True,
+        compute_capability=(8, 0), scenarios=(SINGLE,), fixes=False,
+        step=StepConfig(batch=8),
+    ))
     assert hopper is not None and ampere is not None
     # Hopper's cuBLAS workspaces are larger (32 MiB against 4 MiB + cuBLASLt's)
     assert (hopper.scenarios[0].devices[0].total_peak_bytes
@@ -169,7 +179,7 @@ def test_one_model_of_reserved_memory_and_context() -> None:
 def test_a_fix_that_saves_nothing_is_not_recommended() -> None:
     """Defect 5: convnet's loss is tiny: computing it inside forward saves (next to) nothing
     and DDP is heavier than DataParallel; neither may be recommended, in any format."""
-    run = run_compare(CompareConfig(workload="convnet", batch=64))
+    run = run_compare(CompareConfig(workload="convnet", step=StepConfig(batch=64)))
     assert run is not None
     by_name = {f.name: f for f in run.fixes}
     heaviest = max(d.peak_allocated_bytes for d in run.scenarios[0].devices if d.used)
@@ -200,7 +210,7 @@ def test_a_run_that_measured_nothing_is_not_called_fine() -> None:
                                      __import__("torch").randn(rows, 2)),
         loss=lambda out, tgt: broken(out),
     )
-    run = run_compare(CompareConfig(workload="broken", batch=8, fixes=True), workload=wl)
+    run = run_compare(CompareConfig(workload="broken", fixes=True, step=StepConfig(batch=8)), workload=wl)
     assert run is not None and {s.status for s in run.scenarios} == {STATUS_ERROR}
     for fmt, text in _formats(run).items():
         assert "Nothing to change" not in text and "Nothing: cuda:0" not in text, fmt
@@ -211,9 +221,11 @@ def test_amp_reaches_the_cuda_backends_step(monkeypatch: pytest.MonkeyPatch) -> 
     fake_cuda.install(monkeypatch, gpus=2, children=False)
     losses = {}
     for amp in (None, "bfloat16"):
-        run = run_compare(CompareConfig(workload="mlp", batch=4, gpus=2, warmup=0, steps=1,
-                                        scenarios=(DP_LOSS_PRIMARY, SINGLE), amp=amp,
-                                        backend="cuda", fixes=False))
+        run = run_compare(CompareConfig(
+            workload="mlp", gpus=2, scenarios=(DP_LOSS_PRIMARY, SINGLE),
+            backend="cuda", fixes=False,
+            step=StepConfig(batch=4, warmup=0, steps=1, amp=amp),
+        ))
         assert run is not None and {s.status for s in run.scenarios} == {"ok"}
         losses[amp] = [s.loss for s in run.scenarios]
     assert all(a != b for a, b in zip(losses[None], losses["bfloat16"], strict=True))

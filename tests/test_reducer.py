@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.parallel import EmulatedDDP, compute_bucket_assignment_by_size
 from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import Workload
 
 MiB = 1024 * 1024
@@ -101,9 +101,9 @@ def _deep() -> Workload:
     )
 
 
-def _ddp_peak(**options: object) -> int:
-    r = run_scenario("ddp", _deep(), EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**40,
-                                                    **options))  # type: ignore[arg-type]
+def _ddp_peak(ddp: DdpOptions | None = None) -> int:
+    r = run_scenario("ddp", _deep(), EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**40, step=StepConfig(batch=4, ddp=ddp or DdpOptions())))
     assert r.status == "ok", r.message
     return r.devices[0].peak_requested_bytes
 

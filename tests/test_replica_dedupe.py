@@ -12,12 +12,13 @@ from torch import nn
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.result import ScenarioResult
 from dpprof.scenarios.base import DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload, load_workload
 
 
 def _run(wl: Workload, batch: int, gpus: int, name: str, dedupe: bool,
          **extra: object) -> tuple[ScenarioResult, dict]:
-    cfg = EmulationConfig(batch=batch, gpus=gpus, gpu_memory_bytes=2**50,
+    cfg = EmulationConfig(step=StepConfig(batch=batch), gpus=gpus, gpu_memory_bytes=2**50,
                           dedupe_replicas=dedupe, debug=True, **extra)  # type: ignore[arg-type]
     trace: dict = {}
     return run_scenario(name, wl, cfg, trace), trace

@@ -20,7 +20,7 @@ from dpprof.backends.cuda import CudaRunConfig, run_local_scenario
 from dpprof.backends.cuda_ddp import DdpJob, spawn_ddp
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankSpec, launch
-from dpprof.scenarios.step import build_model, scenario_batch, step_batch
+from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_batch
 from dpprof.scenarios.workloads import load_workload
 
 SPEC = f"{Path(__file__).with_name('seed_workload.py')}:workload"
@@ -54,13 +54,15 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-
 
 def _emulated(scenario: str, seed: int = SEED) -> None:
     r = run_scenario(scenario, load_workload(SPEC), EmulationConfig(
-        batch=BATCH, gpus=GPUS, gpu_memory_bytes=2**40, seed=seed, compute=True,
-        warmup_steps=1))
+        gpus=GPUS, gpu_memory_bytes=2**40,
+        compute=True,
+        step=StepConfig(batch=BATCH, seed=seed, warmup=1),
+    ))
     assert r.status == "ok", r.message
 
 
 def _cuda_cfg(seed: int = SEED) -> CudaRunConfig:
-    return CudaRunConfig(batch=BATCH, devices=[0, 1], seed=seed, warmup_steps=1, steps=1)
+    return CudaRunConfig(devices=[0, 1], step=StepConfig(batch=BATCH, seed=seed, warmup=1, steps=1))
 
 
 def test_every_backend_builds_the_same_weights_and_feeds_the_same_step_batches(
@@ -69,8 +71,8 @@ def test_every_backend_builds_the_same_weights_and_feeds_the_same_step_batches(
     emulated = record(lambda: _emulated("single"))[None]
     cuda_single = record(lambda: run_local_scenario(
         "single", load_workload(SPEC), _cuda_cfg(), ops=CpuOps([0, 1])))[None]
-    gloo = record(lambda: launch(RankSpec(workload=SPEC, rows=BATCH // GPUS, seed=SEED,
-                                          warmup_steps=1), GPUS))
+    gloo = record(lambda: launch(RankSpec(workload=SPEC, step=StepConfig(
+        batch=BATCH, seed=SEED, warmup=1)), GPUS))
     cuda_ddp = record(lambda: spawn_ddp(DdpJob(workload=SPEC, cfg=_cuda_cfg(),
                                                backend="gloo", device="cpu"), GPUS))
     equiv = record(lambda: check(load_workload(SPEC), BATCH, GPUS, SEED,
@@ -110,8 +112,9 @@ def test_dropout_draws_the_same_stream_in_the_emulator_and_the_cuda_code() -> No
     after a warm-up step (the optimizers differ only in foreach, not in the math)."""
     wl = load_workload(SPEC)
     emulated = run_scenario("single", wl, EmulationConfig(
-        batch=BATCH, gpus=GPUS, gpu_memory_bytes=2**40, seed=SEED, compute=True,
-        warmup_steps=1))
+        gpus=GPUS, gpu_memory_bytes=2**40, compute=True,
+        step=StepConfig(batch=BATCH, seed=SEED, warmup=1),
+    ))
     cuda = run_local_scenario("single", wl, _cuda_cfg(), ops=CpuOps([0, 1]))
     assert emulated.loss is not None and cuda.loss is not None
     assert emulated.loss == pytest.approx(cuda.loss, rel=1e-5)

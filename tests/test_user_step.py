@@ -13,6 +13,7 @@ from torch import nn
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.errors import WorkloadError
 from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 
 ROWS, WIDE = 64, 4096
@@ -68,8 +69,8 @@ def accumulate(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.
 
 
 def _run(name: str, wl: Workload, compute: bool = False, **kw: Any) -> Any:
-    r = run_scenario(name, wl, EmulationConfig(batch=ROWS, gpus=4, gpu_memory_bytes=2**40,
-                                               compute=compute, **kw))
+    r = run_scenario(name, wl, EmulationConfig(step=StepConfig(batch=ROWS), gpus=4,
+                                               gpu_memory_bytes=2**40, compute=compute, **kw))
     assert r.status == "ok", r.message
     return r
 
@@ -96,7 +97,7 @@ def test_the_step_runs_inside_the_phases() -> None:
     """The model call is forward, the criterion loss, then backward until optimizer.step()."""
     trace: dict[str, Any] = {}
     run_scenario("dp-loss-primary", _wide(accumulate),
-                 EmulationConfig(batch=ROWS, gpus=4, gpu_memory_bytes=2**40), trace)
+                 EmulationConfig(gpus=4, gpu_memory_bytes=2**40, step=StepConfig(batch=ROWS)), trace)
     marks = [m.name for m in trace["rt"].phases]
     # the measured iteration: two micro-batches, then the optimizer step
     one = ["inputs", "zero_grad", "forward", "loss", "backward", "forward", "loss", "backward",
@@ -127,7 +128,7 @@ def test_using_the_outputs_under_dp_loss_forward_says_what_to_do() -> None:
         return criterion(outputs, targets)
 
     r = run_scenario("dp-loss-forward", _wide(peek),
-                     EmulationConfig(batch=ROWS, gpus=4, gpu_memory_bytes=2**40))
+                     EmulationConfig(gpus=4, gpu_memory_bytes=2**40, step=StepConfig(batch=ROWS)))
     assert r.status == "error"
     assert "(.shape) other than through criterion(outputs, targets)" in r.message
 

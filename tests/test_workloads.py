@@ -10,6 +10,7 @@ from torch import nn
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.errors import WorkloadError
 from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import BUILTINS, Workload, load_workload
 
 USER = '''
@@ -32,7 +33,9 @@ def workload():
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_builtins_run_under_every_scenario(name: str, scenario: str) -> None:
     r = run_scenario(scenario, load_workload(name),
-                     EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=2**40, debug=True))
+                     EmulationConfig(
+                         gpus=2, gpu_memory_bytes=2**40, debug=True, step=StepConfig(batch=8),
+                     ))
     assert r.status == "ok", r.message + "".join(r.notes)
     assert r.devices[0].peak_allocated_bytes > 0
     assert "parameters" in r.devices[0].breakdown_bytes
@@ -46,8 +49,10 @@ def test_load_from_a_file_and_a_module(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.syspath_prepend(str(tmp_path))
     wl2 = load_workload("my_workload:workload")
     assert wl2.name == "user-mlp"
-    r = run_scenario("dp-loss-primary", wl2, EmulationConfig(batch=8, gpus=2,
-                                                             gpu_memory_bytes=2**30))
+    r = run_scenario("dp-loss-primary", wl2, EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**30,
+        step=StepConfig(batch=8),
+    ))
     assert r.status == "ok"
     sys.modules.pop("my_workload", None)
 
@@ -62,7 +67,9 @@ def test_a_failing_model_is_an_error_result_not_a_crash() -> None:
         raise RuntimeError("CUDA kernel missing")
 
     wl = Workload(name="boom", model=boom, batch=lambda r, d: (None, None), loss=lambda o, t: o)
-    r = run_scenario("single", wl, EmulationConfig(batch=8, gpus=2, gpu_memory_bytes=2**30))
+    r = run_scenario("single", wl, EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**30, step=StepConfig(batch=8),
+    ))
     assert r.status == "error" and "CUDA kernel missing" in r.message
 
 
@@ -81,7 +88,9 @@ def test_a_workload_file_imports_a_module_beside_it(tmp_path: Path,
     monkeypatch.chdir(tmp_path)  # not the file's folder
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(folder))])
     wl = load_workload("proj/train.py:workload")
-    r = run_scenario("single", wl, EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**40))
+    r = run_scenario("single", wl, EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**40, step=StepConfig(batch=4),
+    ))
     assert r.status == "ok", r.message
 
 
@@ -104,8 +113,10 @@ def test_an_error_names_the_users_line_and_the_op(compute: bool) -> None:
                                               torch.randn(rows, 4, device=device)),
                   loss=nn.functional.mse_loss)
     for name in SCENARIOS:
-        r = run_scenario(name, wl, EmulationConfig(batch=4, gpus=2, gpu_memory_bytes=2**30,
-                                                   compute=compute))
+        r = run_scenario(name, wl, EmulationConfig(
+            gpus=2, gpu_memory_bytes=2**30, compute=compute,
+            step=StepConfig(batch=4),
+        ))
         assert r.status == "error"
         assert "aten::mm" in r.message, r.message
         assert f"{__file__}:" in r.message and "in forward: return self.fc(x) @ self.w" \

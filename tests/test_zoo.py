@@ -29,6 +29,7 @@ from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of
 from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,7 +52,9 @@ ROWS = 2
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_zoo_model_runs_every_scenario(name: str, scenario: str) -> None:
     r = run_scenario(scenario, load_workload(f"{ZOO}:{name}"),
-                     EmulationConfig(batch=2 * ROWS, gpus=2, gpu_memory_bytes=2**40))
+                     EmulationConfig(
+                         gpus=2, gpu_memory_bytes=2**40, step=StepConfig(batch=2 * ROWS),
+                     ))
     assert r.status == "ok", r.message
     assert r.devices[0].peak_allocated_bytes > 0
 
@@ -74,7 +77,8 @@ def cpu_only_peak(records: list[Alloc], emulated: list[int]) -> int:
 @pytest.mark.parametrize("name", RUNS_ON_META)
 def test_single_matches_the_profiler(name: str) -> None:
     spec = f"{ZOO}:{name}"
-    measured = run_rank(RankSpec(workload=spec, rows=ROWS, wrap="none"), 0, 2)
+    measured = run_rank(RankSpec(workload=spec, step=StepConfig(batch=ROWS * 2), wrap="none"),
+                        0, 2)
     records = [Alloc(0, s, op, p) for s, op, p in measured.step_events if abs(s) > SCALAR_BYTES]
     start, cpu = emulated_step(spec, "single", ROWS, True)
     assert measured.start_large_requested_bytes == start

@@ -65,15 +65,14 @@ def add_answers(
 
         run.maxbatch = run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
-            ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, seed=ecfg.seed,
-            warmup_steps=ecfg.warmup_steps, emulation=ecfg,
+            ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, emulation=ecfg,
             progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
         )
     if equivalence:
         from dpprof.analysis.equivalence import check
 
         step("the math against single")
-        run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.seed,
+        run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.step.seed,
                                 scenarios or tuple(s.name for s in run.scenarios),
                                 backend=run.backend)
     run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)

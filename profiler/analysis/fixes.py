@@ -205,7 +205,7 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     """
     em: Emulate = emulate or (lambda name, cfg: run_scenario(name, wl, cfg))
     base = dataclasses.replace(base, count_reserved=False)
-    gpus, batch = base.gpus, base.batch
+    gpus, batch = base.gpus, base.step.batch
     own = run.backend == "emulated"
 
     def scenario(name: str) -> ScenarioResult | None:
@@ -235,8 +235,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     ddp = scenario(DDP)
     ddp = ddp if _ok(ddp) else em(DDP, base)
     keep(_ddp(ddp, primary, gpus, batch))
-    gabv = em(DDP, dataclasses.replace(
-        base, ddp=dataclasses.replace(base.ddp, gradient_as_bucket_view=True)))
+    gabv = em(DDP, base.with_step(
+        ddp=dataclasses.replace(base.step.ddp, gradient_as_bucket_view=True)))
     if _ok(gabv) and _ok(ddp):
         assert ddp is not None and gabv is not None
         extra = _peaks(ddp)[0] - _peaks(gabv)[0]

@@ -28,6 +28,7 @@ from dpprof.result import (
     MaxBatch,
     MaxBatchEntry,
 )
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
 
@@ -53,7 +54,7 @@ def probe_emulated(name: str, wl: Workload, base: EmulationConfig) -> Probe:
     cfg0 = dataclasses.replace(base, count_reserved=True)
 
     def probe(batch: int) -> ProbeResult:
-        s = run_scenario(name, wl, dataclasses.replace(cfg0, batch=batch))
+        s = run_scenario(name, wl, cfg0.with_step(batch=batch))
         if s.status == STATUS_ERROR:
             return ProbeResult(False, None, 0, s.status, s.message)
         used = [d for d in s.devices if d.used]
@@ -149,23 +150,25 @@ def search(probe: Probe, multiple_of: int = 1, upper: int = DEFAULT_UPPER,
 
 def run_maxbatch(
     wl: Workload, scenarios: tuple[str, ...], gpus: int, capacity_bytes: int,
-    gpu: GpuSpec | None = None, multiple_of: int = 1, seed: int = 0,
-    upper: int = DEFAULT_UPPER, warmup_steps: int = 1,
+    gpu: GpuSpec | None = None, multiple_of: int = 1, step: StepConfig | None = None,
+    upper: int = DEFAULT_UPPER,
     progress: Callable[[str, int, int], None] | None = None,
     emulation: EmulationConfig | None = None,
 ) -> MaxBatch:
     """The largest batch each scenario fits, with reserved memory and the context counted.
 
-    ``emulation``: the comparison's emulation options (compute capability, autocast, DDP's
-    options), used as they are; otherwise those of ``gpu`` (or an A100).
+    ``step``: the step's options (seed, warm-up, dtype, autocast, DDP's; the batch is
+    searched). ``emulation``: the comparison's emulation options (compute capability, the
+    step), used as they are; otherwise those of ``gpu`` (or an A100).
     """
-    base = EmulationConfig(batch=multiple_of, gpus=gpus, gpu_memory_bytes=capacity_bytes,
-                           seed=seed, warmup_steps=warmup_steps)
+    base = EmulationConfig(gpus=gpus, gpu_memory_bytes=capacity_bytes,
+                           step=step or StepConfig())
     if emulation is not None:
-        base = dataclasses.replace(emulation, batch=multiple_of, gpus=gpus, compute=False,
+        base = dataclasses.replace(emulation, gpus=gpus, compute=False,
                                    gpu_memory_bytes=capacity_bytes)
     elif gpu is not None:  # the emulator models this GPU's workspaces and kernels
         base.compute_capability = gpu.compute_capability
+    base = base.with_step(batch=multiple_of)
     out = MaxBatch(capacity_bytes=capacity_bytes, gpu=gpu.key if gpu else "",
                    multiple_of=multiple_of,
                    counts=COUNTS)

@@ -14,24 +14,24 @@ from dpprof.scenarios.base import DDP
 from dpprof.scenarios.workloads import shard_sizes
 
 
-def run_ddp_gloo(workload: str, cfg: EmulationConfig, dtype: str | None,
-                 ddp_timeout_s: float) -> ScenarioResult:
-    """Run the ddp scenario as ``cfg.gpus`` gloo processes with the options the emulated
-    scenarios beside it get (warm-up, autocast, DDP's options, seed); a failure is a result.
+def run_ddp_gloo(workload: str, cfg: EmulationConfig, ddp_timeout_s: float) -> ScenarioResult:
+    """Run the ddp scenario as ``cfg.gpus`` gloo processes with the step the emulated
+    scenarios beside it get (``cfg.step`` as it is: batch, seed, warm-up, dtype, autocast,
+    DDP's options); a failure is a result.
 
-    ``workload`` is the spec each rank loads; ``dtype`` overrides its dtype.
+    ``workload`` is the spec each rank loads.
     """
     gpus = cfg.gpus
-    rows = shard_sizes(cfg.batch, gpus)[0]
+    batch = cfg.step.batch
+    rows = shard_sizes(batch, gpus)[0]
     spec = RankSpec(
-        workload=workload, rows=rows, seed=cfg.seed, warmup_steps=cfg.warmup_steps,
-        ddp=cfg.ddp, dtype=dtype, amp=cfg.amp,
+        workload=workload, step=cfg.step,
         # --ddp-timeout bounds every wait of the gloo ranks too (collectives, the store, the
         # wait for the others after a failure); the whole run stays bounded by the join
         pg_timeout_s=ddp_timeout_s, grace_s=min(10.0, ddp_timeout_s),
         join_timeout_s=max(600.0, 3 * ddp_timeout_s + 60),
     )
-    result = ScenarioResult(name=DDP, batch=cfg.batch)
+    result = ScenarioResult(name=DDP, batch=batch)
     try:
         ranks = launch(spec, gpus)
     except DistributedRunError as e:
@@ -60,6 +60,6 @@ def run_ddp_gloo(workload: str, cfg: EmulationConfig, dtype: str | None,
     losses = [r.loss for r in ranks if r.loss is not None]
     result.loss = sum(losses) / len(losses) if losses else None
     result.status = STATUS_OK
-    if cfg.batch % gpus:
-        result.notes.append(f"each rank gets ceil({cfg.batch} / {gpus}) = {rows} rows")
+    if batch % gpus:
+        result.notes.append(f"each rank gets ceil({batch} / {gpus}) = {rows} rows")
     return result

@@ -54,7 +54,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.kernels import StepAutocast
 from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
@@ -79,7 +78,13 @@ from dpprof.scenarios.base import (
     error_site,
     training_loop,
 )
-from dpprof.scenarios.step import Batch, build_model, scenario_batch, step_stream
+from dpprof.scenarios.step import (
+    Batch,
+    StepConfig,
+    build_model,
+    scenario_batch,
+    step_stream,
+)
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 from dpprof.units import fmt_bytes
 
@@ -99,8 +104,6 @@ __all__ = [
     "run_local_scenario",
 ]
 
-DEFAULT_WARMUP = 3
-DEFAULT_STEPS = 10
 DEFAULT_NVML_INTERVAL_S = 0.02
 TIMELINE_POINTS = 400  # NVML points kept per device and scenario (maxima of equal slices)
 
@@ -447,14 +450,20 @@ def _thin(points: list[TimelinePoint]) -> list[TimelinePoint]:
 class CudaRunConfig:
     """What every cuda-backend scenario shares (picklable: it travels to DDP ranks)."""
 
-    batch: int
     devices: list[int]  # CUDA indices, in DataParallel device_ids order
-    seed: int = 0
-    warmup_steps: int = DEFAULT_WARMUP
-    steps: int = DEFAULT_STEPS
+    # the step's options as they are (batch, seed, warm-up and measured steps, dtype,
+    # autocast, DDP's options); unset warm-up and steps: the cuda backend's defaults
+    step: StepConfig = field(default_factory=StepConfig)
     nvml_interval_s: float = DEFAULT_NVML_INTERVAL_S
     debug: bool = False
-    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.step.warmup_steps("cuda")
+
+    @property
+    def steps(self) -> int:
+        return self.step.measured_steps("cuda")
 
 
 @dataclass
@@ -631,9 +640,9 @@ class _Run:
             # On the CPU (the test mode) the host-to-device copy is a copy too.
             return map_tensors(x, lambda t: t.clone() if dev0.type == "cpu" else t.to(dev0))
 
-        amp = StepAutocast(cfg.amp, dev0.type)  # --amp: forward and loss, as the user's
+        amp = StepAutocast(cfg.step.amp, dev0.type)  # --amp: forward and loss, as the user's
         hooks = StepHooks(phase=amp.phase(self.rec.phase), iteration=iteration)
-        with amp, step_stream(cfg.seed):
+        with amp, step_stream(cfg.step.seed):
             loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
                                  step=wl_step)
         out.loss = None if loss is None else float(loss)
@@ -716,21 +725,21 @@ def run_local_scenario(
     ops = ops or host().ops(cfg.devices)
     n = len(cfg.devices)
     logical = [0] if name == SINGLE else list(range(n))
-    result = ScenarioResult(name=name, batch=cfg.batch)
+    result = ScenarioResult(name=name, batch=cfg.step.batch)
     out = Measured()
     watch = _watch(ops, cfg, nvml, cuda_uuids, [os.getpid()])
     run: _Run | None = None
-    shards = shard_sizes(cfg.batch, n)
+    shards = shard_sizes(cfg.step.batch, n)
     def body() -> None:  # its frame holds the tensors: gone with the exception
         nonlocal run
         run = _Run(ops, cfg, logical, watch)
         ops.set_device(0)
-        rows = shards[0] if name == SINGLE else cfg.batch
+        rows = shards[0] if name == SINGLE else cfg.step.batch
         rank = 0 if name == SINGLE else None  # single: one GPU's share, DP: the whole batch
         batches = StepBatches(
-            lambda k: scenario_batch(wl, cfg.seed, k, cfg.batch, n, rank),
+            lambda k: scenario_batch(wl, cfg.step.seed, k, cfg.step.batch, n, rank),
             cfg.warmup_steps + cfg.steps)
-        model, loss_fn = _model(wl, ops.device(0), cfg.seed)
+        model, loss_fn = _model(wl, ops.device(0), cfg.step.seed)
         opt = _optimizer(wl, model, loss_fn)
         model.train()
         loss_inside = name == DP_LOSS_FORWARD
@@ -768,7 +777,7 @@ def run_local_scenario(
     _finish(result, out, cfg)
     if name != SINGLE and len(shards) < n:
         result.notes.append(
-            f"batch {cfg.batch} over {n} GPUs: tensor.chunk makes {len(shards)} chunk(s) "
+            f"batch {cfg.step.batch} over {n} GPUs: tensor.chunk makes {len(shards)} chunk(s) "
             f"{shards}, so DataParallel uses only {len(shards)} GPU(s)"
         )
     return result
@@ -801,7 +810,7 @@ def _finish(result: ScenarioResult, out: Measured, cfg: CudaRunConfig) -> None:
     if out.step_times_s:
         result.step_time_s = statistics.median(out.step_times_s)
         result.step_time_spread_s = max(out.step_times_s) - min(out.step_times_s)
-        result.throughput_samples_per_s = cfg.batch / result.step_time_s
+        result.throughput_samples_per_s = cfg.step.batch / result.step_time_s
     if out.event_times_s:
         result.event_step_time_s = statistics.median(out.event_times_s)
     if out.traceback and (out.status == STATUS_ERROR or cfg.debug):
@@ -821,31 +830,30 @@ def measure_ddp_rank(
     nvml: NvmlBackend | None = None,
     cuda_uuids: Sequence[str] | None = None,
     visible: Sequence[int] | None = None,
-    ddp: DdpOptions | None = None,
 ) -> Measured:
     """Measure this rank's device under ``DistributedDataParallel`` (process group set up).
 
     The caller (:mod:`dpprof.backends.ranks`) has called ``torch.cuda.set_device(local_device)``
     and ``init_process_group``. ``visible``: the CUDA indices to watch for stray contexts of
-    this process (default: every visible GPU). ``ddp``: the reducer options (default
-    DDP's). Never raises.
+    this process (default: every visible GPU). DDP's options are ``cfg.step.ddp``. Never
+    raises.
     """
     ops = ops or host().ops([local_device])
     out = Measured(rank=rank)
     pid = os.getpid()
     watch = _watch(ops, cfg, nvml, cuda_uuids, [pid])
     run: _Run | None = None
-    per = math.ceil(cfg.batch / world)
+    per = math.ceil(cfg.step.batch / world)
     def body() -> None:  # its frame holds the tensors: gone with the exception
         nonlocal run
         run = _Run(ops, cfg, [0], watch)
         batches = StepBatches(
-            lambda k: scenario_batch(wl, cfg.seed, k, cfg.batch, world, rank),
+            lambda k: scenario_batch(wl, cfg.step.seed, k, cfg.step.batch, world, rank),
             cfg.warmup_steps + cfg.steps)
-        model, loss_fn = _model(wl, ops.device(0), cfg.seed)
+        model, loss_fn = _model(wl, ops.device(0), cfg.step.seed)
         model.train()
         ids = [local_device] if ops.kind == "cuda" else None
-        wrapped = (ddp or DdpOptions()).wrap(model, ids)
+        wrapped = cfg.step.ddp.wrap(model, ids)
         opt = _optimizer(wl, model, loss_fn)
         out.rows = per
         run.loop(wrapped, loss_fn, opt, batches, False, out, wl.step)
@@ -886,7 +894,7 @@ def measure_ddp_rank(
 
 def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -> ScenarioResult:
     """The ``ddp`` result from every rank's :class:`Measured` (rank order)."""
-    result = ScenarioResult(name=DDP, batch=cfg.batch)
+    result = ScenarioResult(name=DDP, batch=cfg.step.batch)
     merged = Measured()
     failed = [o for o in outcomes if o.status != STATUS_OK]
     first = next(
@@ -925,9 +933,10 @@ def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -
     _finish(result, merged, cfg)
     if first is not None and first.traceback:
         result.traceback = first.traceback
-    if cfg.batch % world:
+    batch = cfg.step.batch
+    if batch % world:
         result.notes.append(
-            f"each rank gets ceil({cfg.batch} / {world}) = {math.ceil(cfg.batch / world)} rows "
+            f"each rank gets ceil({batch} / {world}) = {math.ceil(batch / world)} rows "
             "(DistributedSampler pads)"
         )
     return result

@@ -4,10 +4,9 @@ The processes (spawn or torchrun), the process group, the timeouts, the failure 
 through the c10d store and the NCCL abort watcher are :mod:`dpprof.backends.ranks`, shared with the
 ``cpu`` backend (:mod:`dpprof.backends.gloo`). Here:
 
-- :class:`DdpJob`: what every rank needs (workload spec, :class:`CudaRunConfig`, ``backend``
-  ``"nccl"`` | ``"gloo"``, ``device`` ``"cuda"`` | ``"cpu"``, collective timeout, run id,
-  the reducer options :class:`dpprof.backends.ranks.DdpOptions` and a ``dtype`` override, as the
-  ``cpu`` backend's :class:`dpprof.backends.gloo.RankSpec`);
+- :class:`DdpJob`: what every rank needs (workload spec, :class:`CudaRunConfig` with the
+  step's options, DDP's and the dtype among them, ``backend`` ``"nccl"`` | ``"gloo"``,
+  ``device`` ``"cuda"`` | ``"cpu"``, collective timeout, run id);
   it is the picklable body: called in a rank, it measures that rank's device
   (:func:`dpprof.backends.cuda.measure_ddp_rank`, CUDA events, NVML, OOM as a result);
 - :func:`rank_entry` ``(job, info, store=None)``: one rank through
@@ -27,14 +26,12 @@ from typing import Any
 from dpprof.backends.cuda import CudaRunConfig, Measured, measure_ddp_rank
 from dpprof.backends.ranks import (
     DEFAULT_TIMEOUT_S,
-    DdpOptions,
     Group,
     RankInfo,
     RankOutcome,
     run_in_group,
     spawn_ranks,
     torchrun_info,
-    with_dtype,
 )
 from dpprof.result import STATUS_ERROR, STATUS_OK
 
@@ -51,8 +48,6 @@ class DdpJob:
     device: str = "cuda"  # "cuda" | "cpu"
     timeout_s: float = DEFAULT_TIMEOUT_S  # collective timeout, and the bound on every wait
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    ddp: DdpOptions = field(default_factory=DdpOptions)  # the reducer options
-    dtype: str | None = None  # override the workload's dtype (float32, bfloat16, float16)
 
     def __post_init__(self) -> None:
         self.group()  # validates backend and device
@@ -66,10 +61,8 @@ class DdpJob:
         """The body of one rank: measure its device under DDP."""
         from dpprof.scenarios.workloads import load_workload
 
-        wl = with_dtype(load_workload(self.workload), self.dtype)
-        measured = measure_ddp_rank(
-            wl, self.cfg, info.rank, info.world_size, device_index, ddp=self.ddp
-        )
+        wl = self.cfg.step.workload(load_workload(self.workload))
+        measured = measure_ddp_rank(wl, self.cfg, info.rank, info.world_size, device_index)
         for d in measured.devices:
             d.node = info.hostname
             d.node_rank = info.node_rank

@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 
 from dpprof.backends.cuda import (
     ASSUMPTIONS,
-    DEFAULT_STEPS,
-    DEFAULT_WARMUP,
     CudaRunConfig,
     DeviceOps,
     ddp_scenario,
@@ -69,24 +67,15 @@ def select_devices(gpus: int | None, devices: Sequence[int] | None, visible: int
 
 
 def run_config(cfg: CompareConfig, devices: list[int]) -> CudaRunConfig:
-    return CudaRunConfig(
-        batch=cfg.batch,
-        devices=devices,
-        seed=cfg.seed,
-        warmup_steps=DEFAULT_WARMUP if cfg.warmup is None else cfg.warmup,
-        steps=DEFAULT_STEPS if cfg.steps is None else cfg.steps,
-        nvml_interval_s=cfg.nvml_interval_s,
-        debug=cfg.debug,
-        amp=cfg.amp,
-    )
+    return CudaRunConfig(devices=devices, step=cfg.step.resolved("cuda"),
+                         nvml_interval_s=cfg.nvml_interval_s, debug=cfg.debug)
 
 
 def ddp_job(ccfg: CudaRunConfig, cfg: CompareConfig, run_id: str | None = None) -> DdpJob:
     machine = host()
     job = DdpJob(
         workload=cfg.workload, cfg=ccfg, backend=machine.ddp_backend,
-        device=machine.ddp_device, timeout_s=cfg.ddp_timeout_s, ddp=cfg.ddp,
-        dtype=cfg.dtype,
+        device=machine.ddp_device, timeout_s=cfg.ddp_timeout_s,
     )
     if run_id is not None:  # torchrun: every rank must use the same store keys
         job.run_id = run_id

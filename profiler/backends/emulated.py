@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.backends.ranks import DdpOptions
 from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import (
@@ -47,7 +46,7 @@ from dpprof.scenarios.base import (
     error_site,
     training_loop,
 )
-from dpprof.scenarios.step import build_model, scenario_batch, step_stream
+from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
 from dpprof.units import fmt_bytes
 
@@ -85,18 +84,14 @@ ASSUMPTIONS = [
 
 @dataclass
 class EmulationConfig:
-    batch: int  # global batch (rows)
     gpus: int  # virtual devices
     gpu_memory_bytes: int  # capacity of each
-    seed: int = 0  # torch.manual_seed before each scenario
+    # the step's options as they are (batch, seed, warm-up, dtype, autocast, DDP's options)
+    step: StepConfig = field(default_factory=StepConfig)
     compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
-    warmup_steps: int = 1  # steps before the measured one (the optimizer state must exist)
     debug: bool = False  # keep tracebacks of failing scenarios
-    # DistributedDataParallel's options (ddp scenario), as torch names them
-    ddp: DdpOptions = field(default_factory=DdpOptions)
     # the target GPU's compute capability: which kernels it runs (SDPA, fused dropout)
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
-    amp: str | None = None  # "bfloat16" | "float16": forward and loss under autocast
     # Variants the fixes analysis emulates (dpprof.analysis.fixes); the defaults are plain PyTorch
     # (gradient_as_bucket_view above serves it too).
     dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
@@ -107,6 +102,10 @@ class EmulationConfig:
     # DataParallel replicas on equal shards emulated once and replayed on the other devices
     # (meta only; the per-device results are the same, see dpprof.emulator.replicas)
     dedupe_replicas: bool = True
+
+    def with_step(self, **changes: Any) -> EmulationConfig:
+        """A copy with the step's options changed (``batch=...``, ``ddp=...``)."""
+        return dataclasses.replace(self, step=dataclasses.replace(self.step, **changes))
 
 
 
@@ -194,27 +193,29 @@ def run_scenario(
 def _run_scenario(
     name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None
 ) -> ScenarioResult:
+    step = cfg.step
+    wl = step.workload(wl)  # --dtype
     shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
-        DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(cfg.batch, cfg.gpus))
+        DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(step.batch, cfg.gpus))
     base = torch.device("cpu" if cfg.compute else "meta")
     # single: one GPU, unless the model places its layers on several itself
     n_dev = cfg.gpus
     rt = CudaDevices(n_dev, base="cpu" if cfg.compute else "meta", real_host=False,
                      fix=DATA_DEPENDENT_FIX)
-    rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and cfg.amp is None
+    rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
     # the model's own "cuda", "cuda:1", .cuda(), .to(...) name the virtual devices
     cuda = VirtualCuda(n_dev, rt=rt, enter_runtime=False, honour_visible_devices=False)
-    result = ScenarioResult(name=name, batch=cfg.batch)
+    result = ScenarioResult(name=name, batch=step.batch)
     cats = _CategoryHooks(rt)
     measure_start = 0
     kernels = GpuKernels(cfg.compute_capability, rt)
     rt.replayed_counts.append(kernels.chosen)
-    amp = EmulatedAutocast(getattr(torch, cfg.amp)) if cfg.amp else None
+    amp = EmulatedAutocast(getattr(torch, step.amp)) if step.amp else None
     autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)
     try:
         with rt, cuda, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
                 amp or contextlib.nullcontext()), autocast_names:
-            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0, cfg.seed)
+            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0, step.seed)
             loss_inside = name == DP_LOSS_FORWARD
             wrapped: Any
             if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
@@ -233,10 +234,10 @@ def _run_scenario(
                             len(spans), ", ".join(f"cuda:{i}" for i in spans)))
                 with rt.device(0):
                     wrapped = EmulatedDDP(
-                        model, rt, world_size=cfg.gpus, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
-                        gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
-                        find_unused_parameters=cfg.ddp.find_unused_parameters,
-                        broadcast_buffers=cfg.ddp.broadcast_buffers,
+                        model, rt, world_size=cfg.gpus, bucket_cap_mb=step.ddp.bucket_cap_mb,
+                        gradient_as_bucket_view=step.ddp.gradient_as_bucket_view,
+                        find_unused_parameters=step.ddp.find_unused_parameters,
+                        broadcast_buffers=step.ddp.broadcast_buffers,
                     )
                 rank = 0  # rank 0's rows; every rank runs the same program
             elif name == SINGLE:
@@ -272,8 +273,8 @@ def _run_scenario(
             # The loader's host batches, one per iteration, made before the loop: the
             # scenario's part of each step's global batch (the one seed rule).
             with rt.device(HOST), rt.category("inputs"):
-                batches = [scenario_batch(wl, cfg.seed, k, cfg.batch, cfg.gpus, rank)
-                           for k in range(cfg.warmup_steps + 1)]
+                batches = [scenario_batch(wl, step.seed, k, step.batch, cfg.gpus, rank)
+                           for k in range(step.warmup_steps("emulated") + 1)]
 
             def move(x: Any, is_target: bool) -> Any:
                 with rt.category("inputs"):
@@ -295,7 +296,7 @@ def _run_scenario(
                     marks["end"] = len(rt.events)
 
             hooks.iteration = iteration
-            with step_stream(cfg.seed):
+            with step_stream(step.seed):
                 loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside,
                                      hooks, step=wl.step)
             del batches
@@ -459,15 +460,15 @@ def _notes(result: ScenarioResult, name: str, cfg: EmulationConfig, shards: list
     if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
         if len(shards) < cfg.gpus:
             result.notes.append(
-                f"batch {cfg.batch} over {cfg.gpus} GPUs: tensor.chunk makes {len(shards)} "
+                f"batch {cfg.step.batch} over {cfg.gpus} GPUs: tensor.chunk makes {len(shards)} "
                 f"chunk(s) {shards}, so DataParallel uses only {len(shards)} GPU(s)"
             )
         elif len(set(shards)) > 1:
             result.notes.append(
-                f"batch {cfg.batch} is not divisible by {cfg.gpus}: shards {shards}"
+                f"batch {cfg.step.batch} is not divisible by {cfg.gpus}: shards {shards}"
             )
-    elif name in (DDP, SINGLE) and cfg.batch % cfg.gpus:
+    elif name in (DDP, SINGLE) and cfg.step.batch % cfg.gpus:
         result.notes.append(
-            f"each rank gets ceil({cfg.batch} / {cfg.gpus}) = {shards[0]} rows "
+            f"each rank gets ceil({cfg.step.batch} / {cfg.gpus}) = {shards[0]} rows "
             "(DistributedSampler pads)"
         )

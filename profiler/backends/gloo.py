@@ -5,9 +5,10 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
 (:mod:`dpprof.backends.cuda_ddp`: NCCL, CUDA/NVML measurements). Here (gloo by default):
 
 * :class:`RankSpec` — everything a rank needs, picklable: the workload spec (a built-in
-  name, ``module:function`` or ``file.py:function``: each process loads it itself), rows
-  per rank, seed, warm-up steps, the DDP options (``ddp``: ``DdpOptions``), ``dtype``,
-  ``amp``, ``backend`` (``"gloo"`` or ``"nccl"``), ``device`` (``"cpu"`` or ``"cuda"``:
+  name, ``module:function`` or ``file.py:function``: each process loads it itself), the
+  step's options as they are (``step``: :class:`dpprof.scenarios.step.StepConfig`: the
+  global batch, seed, warm-up steps, dtype, autocast, DDP's options), ``backend``
+  (``"gloo"`` or ``"nccl"``), ``device`` (``"cpu"`` or ``"cuda"``:
   rank r uses ``cuda:LOCAL_RANK``), ``memory`` (``"profiler"``: torch.profiler allocation
   records, the CPU way; ``"cuda"``: ``torch.cuda.max_memory_allocated/reserved`` with peaks
   reset before the measured step; ``"none"``), ``return_parameters`` (send the parameters
@@ -58,7 +59,6 @@ from dpprof.backends.memtrace import (
     stop_profiler,
 )
 from dpprof.backends.ranks import (
-    DdpOptions,
     Group,
     RankInfo,
     RankOutcome,
@@ -67,8 +67,8 @@ from dpprof.backends.ranks import (
     spawn_ranks,
     torchrun_info,
     torchrun_run_id,
-    with_dtype,
 )
+from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import map_tensors
 
 STEP_MARK = "dpprof::measured_step"  # record_function around the measured iteration
@@ -77,16 +77,12 @@ STEP_MARK = "dpprof::measured_step"  # record_function around the measured itera
 @dataclass
 class RankSpec:
     workload: str  # built-in name, module.path:function or path/file.py:function
-    rows: int  # rows of the batch per rank
-    seed: int = 0
-    warmup_steps: int = 1
-    ddp: DdpOptions = field(default_factory=DdpOptions)  # DistributedDataParallel's options
+    # the step's options as they are: every rank takes ceil(batch / world) rows
+    step: StepConfig = field(default_factory=StepConfig)
     backend: str = "gloo"  # "gloo" | "nccl"
     device: str = "cpu"  # "cpu" | "cuda" (cuda:LOCAL_RANK)
     memory: str = "profiler"  # "profiler" | "cuda" | "none"
     return_parameters: bool = False
-    dtype: str | None = None  # override the workload's dtype (float32, bfloat16, float16)
-    amp: str | None = None  # bfloat16 | float16: forward and loss under autocast (StepAutocast)
     wrap: str = "ddp"  # "ddp" | "none" (the bare model: the single scenario, no group needed)
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
@@ -151,7 +147,8 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
     from dpprof.scenarios.step import build_model, scenario_batch, step_stream
     from dpprof.scenarios.workloads import load_workload
 
-    wl = with_dtype(load_workload(spec.workload), spec.dtype)
+    step = spec.step
+    wl = step.workload(load_workload(spec.workload))
     device = torch.device("cpu") if spec.device == "cpu" else torch.device(
         "cuda", rank if local_rank is None else local_rank)
     result = RankResult(rank=rank, world_size=world_size, hostname=socket.gethostname())
@@ -163,7 +160,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         start_profiler(prof)  # without libkineto's start/stop lines on stderr
     try:
         # As the emulator: the model built on the host, then moved to the rank's device.
-        model = build_model(wl, spec.seed).to(device)
+        model = build_model(wl, step.seed).to(device)
         if wl.dtype != torch.float32:
             model.to(wl.dtype)
         loss_fn = wl.loss
@@ -171,7 +168,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             loss_fn = copy.deepcopy(loss_fn).to(device)
             if wl.dtype != torch.float32:
                 loss_fn.to(wl.dtype)
-        ddp = model if spec.wrap == "none" else spec.ddp.wrap(
+        ddp = model if spec.wrap == "none" else step.ddp.wrap(
             model, [device.index] if device.type == "cuda" else None)
         params = list(model.parameters())
         if isinstance(loss_fn, torch.nn.Module):
@@ -181,11 +178,11 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             if group.get("foreach") is None and not group.get("fused"):
                 group["foreach"] = True  # as on CUDA, and as the emulator
         model.train()
-        amp = StepAutocast(spec.amp, device.type)  # --amp: forward and loss
+        amp = StepAutocast(step.amp, device.type)  # --amp: forward and loss
         # The loader's host batches, one per iteration, made before the loop: every rank
         # makes the same global batch and takes its shard (the one seed rule).
-        batches = [scenario_batch(wl, spec.seed, k, spec.rows * world_size, world_size, rank)
-                   for k in range(spec.warmup_steps + 1)]
+        batches = [scenario_batch(wl, step.seed, k, step.batch, world_size, rank)
+                   for k in range(step.warmup_steps("cpu") + 1)]
 
         def move(x: Any, is_target: bool) -> Any:
             # On the CPU the host-to-device copy a GPU run makes is a copy too.
@@ -208,7 +205,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
 
         # the workload's own torch.autocast("cuda"), as the emulated scenarios run it
         names = CudaAutocastNames() if device.type != "cuda" else contextlib.nullcontext()
-        with amp, names, step_stream(spec.seed):
+        with amp, names, step_stream(step.seed):
             loss = training_loop(
                 ddp, loss_fn, opt, batches, move, False,
                 StepHooks(iteration=iteration,

@@ -20,10 +20,11 @@ backend's CUDA/NVML-measured :class:`dpprof.backends.cuda_ddp.DdpJob`). Interfac
 - :func:`spawn_ranks` ``(group, body, world)``: dpprof starts the ranks itself (``spawn``,
   a ``TCPStore`` on a free port of 127.0.0.1 in the parent) and returns rank 0's list;
 - :func:`torchrun_info`, :func:`torchrun_run_id`: the rank torchrun started this process
-  as; :func:`free_port`;
-- :class:`DdpOptions` (``bucket_cap_mb``, ``gradient_as_bucket_view``,
-  ``find_unused_parameters``, ``broadcast_buffers``) with :meth:`DdpOptions.wrap`, and
-  :func:`with_dtype`: how both bodies wrap their model and override the workload's dtype.
+  as; :func:`free_port`.
+
+Both bodies wrap their model with :meth:`dpprof.scenarios.step.DdpOptions.wrap` and take
+the step's options (batch, seed, warm-up, dtype, autocast) as one
+:class:`dpprof.scenarios.step.StepConfig`.
 
 Failure handling (nothing hangs): a rank whose body raises or returns a failure records its
 traceback, marks the run failed in the store and leaves the process group (gloo: its
@@ -56,7 +57,6 @@ import torch.distributed as dist
 from dpprof.scenarios.base import error_site
 
 __all__ = [
-    "DdpOptions",
     "Group",
     "RankBody",
     "RankInfo",
@@ -69,7 +69,6 @@ __all__ = [
     "spawn_ranks",
     "torchrun_info",
     "torchrun_run_id",
-    "with_dtype",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -123,43 +122,6 @@ class RankOutcome:
     traceback: str = ""  # when the body raised
     first_failure: bool = False  # this rank caused the failure (see :func:`blame`)
     reported_first: bool = False  # this rank's failure reached the store before any other
-
-
-@dataclass(frozen=True)
-class DdpOptions:
-    """The ``DistributedDataParallel`` reducer options both backends' ranks accept."""
-
-    bucket_cap_mb: float | None = None  # None: DDP's default (25 MiB)
-    gradient_as_bucket_view: bool = False
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
-
-    def wrap(self, model: torch.nn.Module, device_ids: list[int] | None) -> torch.nn.Module:
-        """``model`` in ``DistributedDataParallel`` with these options."""
-        import warnings
-
-        from torch.nn.parallel import DistributedDataParallel
-
-        kwargs: dict[str, Any] = {}
-        if self.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated
-            return DistributedDataParallel(
-                model, device_ids=device_ids,
-                gradient_as_bucket_view=self.gradient_as_bucket_view,
-                find_unused_parameters=self.find_unused_parameters,
-                broadcast_buffers=self.broadcast_buffers, **kwargs,
-            )
-
-
-def with_dtype(wl: Any, dtype: str | None) -> Any:
-    """The workload with its dtype overridden (``"bfloat16"``...), or as it is (None)."""
-    if dtype is None:
-        return wl
-    import dataclasses
-
-    return dataclasses.replace(wl, dtype=getattr(torch, dtype))
 
 
 class RankBody(Protocol):

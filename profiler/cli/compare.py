@@ -13,7 +13,6 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dpprof.backends.ranks import DdpOptions
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -39,15 +38,24 @@ from dpprof.errors import UsageError
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, mark_partial, resolve_backend
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
-from dpprof.scenarios.base import SCENARIOS
-from dpprof.scenarios.workloads import BUILTINS, DEFAULT
+from dpprof.scenarios.step import (
+    DEFAULT_MEASURED_STEPS,
+    DEFAULT_WARMUP_STEPS,
+    DdpOptions,
+    StepConfig,
+)
+from dpprof.scenarios.workloads import BUILTINS
 from dpprof.units import fmt_bytes
 
+# Every default below is read from the one declaration of each option: the step's options
+# from StepConfig, the rest from CompareConfig (tests/test_config.py checks each one).
+STEP = StepConfig()
+CONFIG = CompareConfig()
 
 def compare_cmd(
     batch: Annotated[
         int, typer.Option("--batch", "-b", help="Global batch size (rows), split over the GPUs.")
-    ] = 512,
+    ] = STEP.batch,
     workload: Annotated[
         str,
         typer.Option(
@@ -55,13 +63,13 @@ def compare_cmd(
             help=f"Built-in ({', '.join(BUILTINS)}) or your own: module.path:function or "
             "path/to/file.py:function returning a dpprof.Workload.",
         ),
-    ] = DEFAULT,
+    ] = CONFIG.workload,
     gpus: Annotated[
         int | None,
         typer.Option(
             "--gpus", "-g", help=f"GPUs to use (emulated default {DEFAULT_EMULATED_GPUS})."
         ),
-    ] = None,
+    ] = CONFIG.gpus,
     gpu_memory: Annotated[
         str | None,
         typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G "
@@ -69,7 +77,7 @@ def compare_cmd(
     ] = None,
     scenarios: Annotated[
         str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios to run.")
-    ] = ",".join(SCENARIOS),
+    ] = ",".join(CONFIG.scenarios),
     backend: Annotated[
         str,
         typer.Option(
@@ -78,47 +86,52 @@ def compare_cmd(
             "cpu (real computation: DP on virtual devices over CPU tensors, ddp as gloo "
             "processes) or cuda (real GPUs).",
         ),
-    ] = "auto",
+    ] = CONFIG.backend,
     devices: Annotated[
         str | None,
         typer.Option("--devices", help="cuda: exactly these CUDA indices, e.g. 2,3."),
     ] = None,
     warmup: Annotated[
         int | None,
-        typer.Option("--warmup", help="Warm-up steps before measuring (cuda default 3)."),
-    ] = None,
+        typer.Option("--warmup", help="Warm-up steps before measuring (default "
+                     f"{DEFAULT_WARMUP_STEPS['emulated']}, cuda "
+                     f"{DEFAULT_WARMUP_STEPS['cuda']})."),
+    ] = STEP.warmup,
     steps: Annotated[
-        int | None, typer.Option("--steps", help="Measured steps (cuda default 10).")
-    ] = None,
+        int | None, typer.Option("--steps", help="Measured steps (cuda default "
+                                 f"{DEFAULT_MEASURED_STEPS['cuda']}).")
+    ] = STEP.steps,
     nvml_interval: Annotated[
         float, typer.Option("--nvml-interval", help="cuda: NVML sampling period in seconds.")
-    ] = 0.02,
+    ] = CONFIG.nvml_interval_s,
     ddp_timeout: Annotated[
         float,
         typer.Option("--ddp-timeout", help="cpu and cuda: the ddp ranks' collective timeout "
                      "and the bound on every wait for a rank (s); a hung rank is named "
                      "after it."),
-    ] = 300.0,
+    ] = CONFIG.ddp_timeout_s,
     compute: Annotated[
         bool,
         typer.Option(
             "--compute", help="Emulate over CPU tensors (real numbers; small workloads only)."
         ),
-    ] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed shared by every scenario.")] = 0,
+    ] = CONFIG.compute,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed shared by every scenario: the weights, each step's batch, "
+        "the steps' random draws.")] = STEP.seed,
     bucket_cap_mb: Annotated[
         float | None,
         typer.Option("--bucket-cap-mb", help="DDP gradient bucket cap in MiB (torch: 25; "
                      "unset also makes the first bucket 1 MiB)."),
-    ] = None,
+    ] = STEP.ddp.bucket_cap_mb,
     gradient_as_bucket_view: Annotated[
         bool, typer.Option("--gradient-as-bucket-view",
                            help="DDP: .grad as views of the reducer's buckets.")
-    ] = False,
+    ] = STEP.ddp.gradient_as_bucket_view,
     find_unused_parameters: Annotated[
         bool, typer.Option("--find-unused-parameters",
                            help="DDP: search for unused parameters (clones the outputs).")
-    ] = False,
+    ] = STEP.ddp.find_unused_parameters,
     compute_capability: Annotated[
         str | None,
         typer.Option("--compute-capability", help="The target GPU's compute capability "
@@ -130,16 +143,16 @@ def compare_cmd(
         str | None,
         typer.Option("--dtype", help="float32, bfloat16 or float16: train the workload in "
                      "that dtype (pure low precision)."),
-    ] = None,
+    ] = STEP.dtype,
     amp: Annotated[
         str | None,
         typer.Option("--amp", help="bfloat16 or float16: forward and loss under autocast "
                      "(float32 master weights)."),
-    ] = None,
+    ] = STEP.amp,
     no_broadcast_buffers: Annotated[
         bool, typer.Option("--no-broadcast-buffers",
                            help="DDP: broadcast_buffers=False (no buffer sync per forward).")
-    ] = False,
+    ] = not STEP.ddp.broadcast_buffers,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
@@ -150,14 +163,14 @@ def compare_cmd(
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
-    gpu: Annotated[str, GPU] = "",
-    maxbatch: Annotated[bool, MAXBATCH] = False,
-    multiple_of: Annotated[int, MULTIPLE_OF] = 1,
-    count_reserved: Annotated[bool, COUNT_RESERVED] = False,
-    fixes: Annotated[bool, FIXES] = True,
-    fail_on_imbalance: Annotated[float | None, FAIL_ON_IMBALANCE] = None,
-    fail_on_oom: Annotated[bool, FAIL_ON_OOM] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = CONFIG.debug,
+    gpu: Annotated[str, GPU] = CONFIG.gpu,
+    maxbatch: Annotated[bool, MAXBATCH] = CONFIG.maxbatch,
+    multiple_of: Annotated[int, MULTIPLE_OF] = CONFIG.multiple_of,
+    count_reserved: Annotated[bool, COUNT_RESERVED] = CONFIG.count_reserved,
+    fixes: Annotated[bool, FIXES] = CONFIG.fixes,
+    fail_on_imbalance: Annotated[float | None, FAIL_ON_IMBALANCE] = CONFIG.fail_on_imbalance,
+    fail_on_oom: Annotated[bool, FAIL_ON_OOM] = CONFIG.fail_on_oom,
 ) -> None:
     """Run your training step as paired scenarios and compare every GPU's peak memory.
 
@@ -190,21 +203,22 @@ def compare_cmd(
                         else compute_capability or "8.0")
         except (KeyError, ValueError) as e:
             raise UsageError(f"--compute-capability {compute_capability!r}: {e}") from e
-        cfg = CompareConfig(
-            compute_capability=cc,
-            workload=workload, batch=batch, gpus=gpus, gpu_memory_bytes=memory,
-            scenarios=parse_scenarios(scenarios), backend=backend, seed=seed,
-            compute=compute, debug=debug, devices=_parse_devices(devices), warmup=warmup,
-            steps=steps, nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
-            fixes=fixes, maxbatch=maxbatch,
-            multiple_of=multiple_of, gpu=spec.key if spec else "",
-            count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
-            fail_on_oom=fail_on_oom,
+        step = StepConfig(
+            batch=batch, seed=seed, warmup=warmup, steps=steps, dtype=dtype, amp=amp,
             ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
                            gradient_as_bucket_view=gradient_as_bucket_view,
                            find_unused_parameters=find_unused_parameters,
                            broadcast_buffers=not no_broadcast_buffers),
-            dtype=dtype, amp=amp,
+        )
+        cfg = CompareConfig(
+            compute_capability=cc, workload=workload, step=step, gpus=gpus,
+            gpu_memory_bytes=memory, scenarios=parse_scenarios(scenarios), backend=backend,
+            compute=compute, debug=debug, devices=_parse_devices(devices),
+            nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
+            fixes=fixes, maxbatch=maxbatch,
+            multiple_of=multiple_of, gpu=spec.key if spec else "",
+            count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
+            fail_on_oom=fail_on_oom,
         )
         cfg.validate()
         check_bounds({"--batch": batch, "--gpus": gpus, "--seed": seed, "--warmup": warmup,
@@ -244,8 +258,8 @@ def compare_cmd(
             err.print(
                 f"dpprof: measuring on {where}; workload {terminal_text(wl.name)}, "
                 f"batch {batch}, "
-                f"{cfg.warmup if cfg.warmup is not None else 3} warm-up + "
-                f"{cfg.steps or 10} measured steps"
+                f"{cfg.step.warmup_steps('cuda')} warm-up + "
+                f"{cfg.step.measured_steps('cuda')} measured steps"
             )
         if quiet:
             run = run_compare(cfg, workload=wl)

@@ -22,8 +22,12 @@ from dpprof.cli.guard import guarded
 from dpprof.cli.options import GPU, MULTIPLE_OF, check_bounds, gpu_memory_and_spec
 from dpprof.emulator.gpus import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
+from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.step import StepConfig
+from dpprof.scenarios.workloads import DEFAULT
 from dpprof.units import fmt_bytes
 
 
@@ -31,17 +35,18 @@ def maxbatch_cmd(
     workload: Annotated[
         str, typer.Option("--workload", "-w", help="Built-in or module.path:function or "
                           "path/to/file.py:function returning a dpprof.Workload.")
-    ] = "lm",
-    gpus: Annotated[int, typer.Option("--gpus", "-g", help="GPUs (emulated).")] = 4,
+    ] = DEFAULT,
+    gpus: Annotated[int, typer.Option("--gpus", "-g", help="GPUs (emulated).")
+                    ] = DEFAULT_EMULATED_GPUS,
     gpu_memory: Annotated[
         str | None, typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 24GiB.")
     ] = None,
     gpu: Annotated[str, GPU] = "",
-    multiple_of: Annotated[int, MULTIPLE_OF] = 1,
+    multiple_of: Annotated[int, MULTIPLE_OF] = CompareConfig().multiple_of,
     scenarios: Annotated[
         str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios.")
-    ] = "dp-loss-primary,dp-loss-forward,ddp,single",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    ] = ",".join(SCENARIOS),
+    seed: Annotated[int, typer.Option("--seed")] = StepConfig().seed,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", help="Also write the result (.json, .html)."),
@@ -80,7 +85,7 @@ def maxbatch_cmd(
                 f"of {multiple_of}"
             )
         mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
-                          seed=seed)
+                          step=StepConfig(seed=seed))
         run = RunResult(
             backend="emulated", workload=wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
