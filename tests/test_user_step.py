@@ -68,9 +68,9 @@ def accumulate(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.
     return total
 
 
-def _run(name: str, wl: Workload, compute: bool = False, **kw: Any) -> Any:
-    r = run_scenario(name, wl, EmulationConfig(step=StepConfig(batch=ROWS), gpus=4,
-                                               gpu_memory_bytes=2**40, compute=compute, **kw))
+def _run(name: str, wl: Workload, compute: bool = False, amp: str | None = None) -> Any:
+    r = run_scenario(name, wl, EmulationConfig(step=StepConfig(batch=ROWS, amp=amp), gpus=4,
+                                               gpu_memory_bytes=2**40, compute=compute))
     assert r.status == "ok", r.message
     return r
 
