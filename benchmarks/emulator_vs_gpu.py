@@ -22,6 +22,7 @@ import torch
 
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
+from dpprof.scenarios.step import StepConfig
 from dpprof.units import fmt_bytes
 
 RECORD = Path(__file__).with_name("emulator_vs_gpu.jsonl")
@@ -66,7 +67,8 @@ def main() -> int:
         print(f"needs {args.gpus} CUDA GPUs; found "
               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}", file=sys.stderr)
         return 2
-    common = {"workload": args.workload, "batch": args.batch, "gpus": args.gpus, "fixes": False}
+    common = {"workload": args.workload, "step": StepConfig(batch=args.batch),
+              "gpus": args.gpus, "fixes": False}
     props = torch.cuda.get_device_properties(0)
     capacity = props.total_memory
     cc = (props.major, props.minor)

@@ -25,9 +25,11 @@ EMULATE = """
     {before}
     from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.result import json_safe
+    from dpprof.scenarios.step import StepConfig
     out = {{}}
     for wl, batch, gpus in [("lm", 30, 4), ("convnet", 8, 2), ("attention", 8, 4)]:
-        run = run_compare(CompareConfig(workload=wl, batch=batch, gpus=gpus, fixes=True))
+        run = run_compare(CompareConfig(workload=wl, step=StepConfig(batch=batch), gpus=gpus,
+                                        fixes=True))
         d = json_safe(dataclasses.asdict(run))
         for k in ("created", "environment"):
             d.pop(k)
