@@ -11,6 +11,15 @@ from __future__ import annotations
 from dpprof.reports.view import Alert, FixView, ReportView
 from dpprof.units import fmt_bytes
 
+# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars)
+SCENARIO_COLOURS = {
+    "dp-loss-primary": "#c44e52",
+    "dp-loss-forward": "#dd8452",
+    "ddp": "#55a868",
+    "single": "#8c8c8c",
+}
+EXTRA_COLOURS = ("#4c72b0", "#8172b3", "#937860", "#da8bc3", "#64b5cd")  # other scenarios
+
 
 def b(n: int | None, signed: bool = False) -> str:
     """Bytes in binary units; ``-`` when unknown."""

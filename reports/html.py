@@ -33,6 +33,8 @@ from typing import Any
 from dpprof.reports import answers
 from dpprof.reports.base import Renderer
 from dpprof.reports.common import (
+    EXTRA_COLOURS,
+    SCENARIO_COLOURS,
     alert_lines,
     capacity_on_scale,
     fix_why,
@@ -54,13 +56,6 @@ from dpprof.units import fmt_bytes
 GiB = 2**30
 PLOTLY_JS = "plotly-basic.min.js"
 
-SCENARIO_COLOURS = {
-    "dp-loss-primary": "#c44e52",
-    "dp-loss-forward": "#dd8452",
-    "ddp": "#55a868",
-    "single": "#8c8c8c",
-}
-EXTRA_COLOURS = ("#4c72b0", "#8172b3", "#937860", "#da8bc3", "#64b5cd")
 DEVICE_COLOURS = (
     "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
     "#ccb974", "#64b5cd",

@@ -14,12 +14,13 @@ renders inline HTML), and stripped of what would break a mermaid string or a cod
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from dpprof.reports import answers
 from dpprof.reports.base import Renderer
 from dpprof.reports.common import (
+    EXTRA_COLOURS,
+    SCENARIO_COLOURS,
     alert_lines,
     capacity_on_scale,
     fix_why,
@@ -35,10 +36,6 @@ from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
-BAR_COLOURS = {
-    "dp-loss-primary": "#c44e52", "dp-loss-forward": "#dd8452", "ddp": "#55a868",
-    "single": "#8c8c8c",
-}
 
 
 def md(x: object) -> str:
@@ -49,13 +46,6 @@ def md(x: object) -> str:
 def _mermaid_str(x: object) -> str:
     """A quoted mermaid string: :func:`dpprof.reports.escape.mermaid_label`."""
     return mermaid_label(x)
-
-
-def _fence(text: str, lang: str = "") -> str:
-    """A code block whose fence is longer than any run of backticks inside."""
-    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
 def _gib(n: int | float) -> str:
@@ -87,7 +77,7 @@ def _chart(view: ReportView, s: ScenarioView, top: int) -> str:
     cap = view.gpu_memory_bytes
     show_cap = capacity_on_scale(cap, top)
     y_max = max(top, cap if show_cap else 0) * 1.05
-    colour = BAR_COLOURS.get(s.name, "#4c72b0")
+    colour = SCENARIO_COLOURS.get(s.name, EXTRA_COLOURS[0])
     lines = [
         # the bar in the scenario's colour of the HTML report, the capacity line in red
         '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "'
@@ -100,7 +90,7 @@ def _chart(view: ReportView, s: ScenarioView, top: int) -> str:
     ]
     if show_cap:
         lines.append("    line [" + ", ".join(_gib(cap) for _ in devs) + "]")
-    return _fence("\n".join(lines), "mermaid")
+    return code_fence("\n".join(lines), "mermaid")
 
 
 def _charts(view: ReportView) -> list[str]:
@@ -191,7 +181,8 @@ def render_view(view: ReportView) -> str:
     if not view.recommended:
         lines += [md(view.nothing_to_change), ""]
     for f in view.recommended:
-        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", _fence(f.code, f.code_lang), ""]
+        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", code_fence(f.code, f.code_lang),
+                  ""]
     extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]
@@ -203,8 +194,8 @@ def render_view(view: ReportView) -> str:
     lines += ["", "</details>", "", "<details><summary>Environment</summary>", ""]
     lines += [f"- **{md(k)}**: {_value(v)}" for k, v in view.environment.items()]
     lines += ["", "</details>", "", "<details><summary>Full configuration</summary>", "",
-              _fence(json.dumps(view.full_configuration, indent=2, default=str), "json"), "",
-              "</details>", ""]
+              code_fence(json.dumps(view.full_configuration, indent=2, default=str), "json"),
+              "", "</details>", ""]
     return "\n".join(lines)
 
 

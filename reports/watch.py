@@ -16,14 +16,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from dpprof.reports.common import b as _b
 from dpprof.reports.view import ReportView, WatchRowView, WatchView
 from dpprof.units import fmt_bytes
 
 __all__ = ["html_section", "render_terminal", "timeline_figure"]
-
-
-def _b(n: int | None) -> str:
-    return "-" if n is None else fmt_bytes(n)
 
 
 def _cells(r: WatchRowView) -> list[str]:
