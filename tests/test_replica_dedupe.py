@@ -114,3 +114,46 @@ def test_real_numbers_run_every_replica() -> None:
     _, trace = _run(wl, 16, 4, DP_LOSS_PRIMARY, dedupe=True, compute=True)
     assert trace["rt"].dedupe_replicas is False
     assert trace["rt"].replayed_replicas == 0
+
+
+def _shape_of(replica: nn.Module, names: dict[int, str]) -> list[object]:
+    """A replica's modules as (type, __dict__ keys in order, each value named: a tensor or
+    module by what it is, anything else by identity): equal for equal constructions."""
+    out: list[object] = []
+    for m in replica.modules():
+        row = []
+        for k, v in m.__dict__.items():
+            if isinstance(v, dict):
+                v = tuple((kk, names.get(id(vv), id(vv))) for kk, vv in v.items())
+            row.append((k, names.get(id(v), id(v)) if not isinstance(v, tuple) else v))
+        out.append((type(m), row))
+    return out
+
+
+@pytest.mark.parametrize("workload", ["lm", "attention", "convnet", "classifier"])
+def test_cloned_replicas_are_the_modules_replicate_builds(workload: str) -> None:
+    """clone_replica (replicas 2.. under the replay) builds, for each device, modules with
+    the same __dict__ keys in the same order holding the same objects as replicate's line
+    for line construction: its own modules and tensors, the originals' hooks and plain
+    attributes."""
+    from dpprof.emulator.parallel import replicate
+    from dpprof.emulator.vdevice import VirtualDevices
+
+    wl = load_workload(workload)
+    shapes = []
+    rt = VirtualDevices(4)
+    with rt, rt.device(0):
+        model = wl.model()  # one model: the originals' objects are the same in both
+    for dedupe in (False, True):
+        rt.dedupe_replicas = dedupe
+        with rt, rt.device(0):
+            replicas = replicate(rt, model, [0, 1, 2, 3])
+            names: dict[int, str] = {}
+            for j, r in enumerate(replicas):
+                for i, m in enumerate(r.modules()):
+                    names[id(m)] = f"module {i} of replica {j}"
+                    for k, t in [*m.__dict__.items(), *m._buffers.items()]:
+                        if isinstance(t, torch.Tensor):
+                            names[id(t)] = f"{k} of module {i} on {rt.device_of(t)}"
+            shapes.append([_shape_of(r, names) for r in replicas])
+    assert shapes[0] == shapes[1]

@@ -241,3 +241,41 @@ def test_frozen_heap_spares_older_objects_and_gives_them_back() -> None:
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert old_ref() is None  # collectable again after the context
+
+
+@pytest.mark.parametrize("n_events", [5, 399, 400, 401, 799, 800, 801, 1203, 5000])
+def test_timeline_points_keep_the_first_maximum_of_each_equal_slice(n_events: int) -> None:
+    """The downsampled timeline (at most TIMELINE_POINTS per device): the maximum of each
+    equal slice of the points, the first one where several reach it, as a walk over the
+    slices finds them; ties are frequent here (sizes from a small set)."""
+    import random
+
+    from dpprof.backends.emulated import TIMELINE_POINTS, timeline_points
+    from dpprof.emulator.vdevice import PhaseMark
+
+    rng = random.Random(n_events)
+    rt = VirtualDevices(2)
+    live: list[tuple[int, int]] = []
+    for i in range(n_events):
+        if live and rng.random() < 0.45:
+            dev, serial = live.pop(rng.randrange(len(live)))
+            rt.events.add(dev, serial, -512, -512)
+        else:
+            dev = rng.choice([0, 1])
+            rt.events.add(dev, i + 1, 512, 512)
+            live.append((dev, i + 1))
+        if i % 97 == 0:
+            rt.phases.append(PhaseMark(i, f"phase {i}"))
+    for start in (0, n_events // 3):
+        for index in (0, 1):
+            points = rt.timeline(index, start)
+            if len(points) > TIMELINE_POINTS:  # the walk over the slices
+                step = len(points) / TIMELINE_POINTS
+                points = [max(points[int(k * step): int((k + 1) * step) or None],
+                              key=lambda p: p[1]) for k in range(TIMELINE_POINTS)]
+            got = timeline_points(rt, index, start)
+            assert [(p.t, p.allocated_bytes) for p in got] == [
+                (float(ev - start), b) for ev, b in points]
+            marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+            assert [p.phase for p in got] == [
+                ([name for idx, name in marks if idx <= ev] or [""])[-1] for ev, _ in points]

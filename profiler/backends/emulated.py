@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -432,7 +433,7 @@ def timeline_points(rt: VirtualDevices, index: int, start: int, *,
     begun before the window (``dpprof run``, whose window starts mid-phase); otherwise it
     is unlabelled (``compare``, whose window starts at a phase mark).
     """
-    points = rt.timeline(index, start)
+    at, live = rt.timeline_arrays(index, start)
     marks = [(m.event_index, m.name) for m in rt.phases
              if phase_before_start or m.event_index >= start]
 
@@ -445,15 +446,21 @@ def timeline_points(rt: VirtualDevices, index: int, start: int, *,
                 break
         return name
 
-    if len(points) > TIMELINE_POINTS:
-        step = len(points) / TIMELINE_POINTS
-        kept = []
-        for k in range(TIMELINE_POINTS):
-            chunk = points[int(k * step): int((k + 1) * step) or None]
-            if chunk:
-                kept.append(max(chunk, key=lambda p: p[1]))
-        points = kept
-    return [TimelinePoint(float(ev - start), b, phase_at(ev)) for ev, b in points]
+    if len(at) > TIMELINE_POINTS:
+        # the maximum of each equal slice (its first point where several reach it)
+        step = len(at) / TIMELINE_POINTS
+        bounds = [(int(k * step), int((k + 1) * step) or len(at))
+                  for k in range(TIMELINE_POINTS)]
+        bounds = [(a, b) for a, b in bounds if b > a]
+        starts = np.array([a for a, _ in bounds])
+        ends = np.array([b for _, b in bounds])
+        used = live[: ends[-1]]  # the slices follow each other from 0 to the last's end
+        slice_of = np.repeat(np.arange(len(bounds)), ends - starts)
+        hit = np.flatnonzero(used == np.maximum.reduceat(used, starts)[slice_of])
+        first = hit[np.unique(slice_of[hit], return_index=True)[1]]
+        at, live = at[first], live[first]
+    return [TimelinePoint(float(ev - start), b, phase_at(ev))
+            for ev, b in zip(at.tolist(), live.tolist(), strict=True)]
 
 
 def _notes(result: ScenarioResult, name: str, cfg: EmulationConfig, shards: list[int]) -> None:

@@ -381,7 +381,14 @@ def _broadcast_coalesced_reshape(
 def replicate(
     rt: VirtualDevices, network: nn.Module, devices: Sequence[int], detach: bool = False
 ) -> list[nn.Module]:
-    """``torch.nn.parallel.replicate``, line for line, over emulated broadcasts."""
+    """``torch.nn.parallel.replicate``, line for line, over emulated broadcasts.
+
+    With ``rt.dedupe_replicas`` (meta tensors), replicas 2.. are :func:`clone_replica`s of
+    replica 1 where that builds the same objects (every module a plain ``nn.Module`` in
+    how it replicates and sets attributes): the same modules, dicts and tensors, without
+    running the per-module Python of ``_replicate_for_data_parallel`` and ``setattr`` for
+    every device.
+    """
     num_replicas = len(devices)
     params = list(network.parameters())
     param_indices = {param: idx for idx, param in enumerate(params)}
@@ -396,11 +403,15 @@ def replicate(
     buffer_copies_not_rg = _broadcast_coalesced_reshape(rt, buffers_not_rg, devices, detach=True)
 
     modules = list(network.modules())
+    cloned = range(2, num_replicas) if (
+        rt.dedupe_replicas and rt.base.type == "meta" and num_replicas >= 3
+        and all(_clonable(type(m)) for m in modules)) else range(0)
+    built = range(num_replicas - len(cloned))
     module_copies: list[list[nn.Module]] = [[] for _ in devices]
     module_indices: dict[nn.Module, int] = {}
     for i, module in enumerate(modules):
         module_indices[module] = i
-        for j in range(num_replicas):
+        for j in built:
             replica = module._replicate_for_data_parallel()
             replica._former_parameters = OrderedDict()  # type: ignore[assignment]
             module_copies[j].append(replica)
@@ -408,35 +419,87 @@ def replicate(
     for i, module in enumerate(modules):
         for key, child in module._modules.items():
             if child is None:
-                for j in range(num_replicas):
+                for j in built:
                     module_copies[j][i]._modules[key] = None
             else:
                 module_idx = module_indices[child]
-                for j in range(num_replicas):
+                for j in built:
                     setattr(module_copies[j][i], key, module_copies[j][module_idx])
         for key, param in module._parameters.items():
             if param is None:
-                for j in range(num_replicas):
+                for j in built:
                     module_copies[j][i]._parameters[key] = None
             else:
                 param_idx = param_indices[param]
-                for j in range(num_replicas):
+                for j in built:
                     replica = module_copies[j][i]
                     param_copy = param_copies[j][param_idx]
                     setattr(replica, key, param_copy)
                     replica._former_parameters[key] = param_copy  # type: ignore[index,operator]
         for key, buf in module._buffers.items():
             if buf is None:
-                for j in range(num_replicas):
+                for j in built:
                     module_copies[j][i]._buffers[key] = None
             else:
                 if buf.requires_grad and not detach:
                     buffer_copies, buffer_idx = buffer_copies_rg, buffer_indices_rg[buf]
                 else:
                     buffer_copies, buffer_idx = buffer_copies_not_rg, buffer_indices_not_rg[buf]
-                for j in range(num_replicas):
+                for j in built:
                     setattr(module_copies[j][i], key, buffer_copies[j][buffer_idx])
+    if cloned:
+        def copies(j: int) -> list[torch.Tensor]:
+            return [t for c in (param_copies, buffer_copies_rg, buffer_copies_not_rg) if c
+                    for t in c[j]]
+
+        template_ids = [id(t) for t in copies(1)]
+        for j in cloned:
+            module_copies[j] = clone_replica(
+                module_copies[1], dict(zip(template_ids, copies(j), strict=True)))
     return [module_copies[j][0] for j in range(num_replicas)]
+
+
+def _clonable(cls: type) -> bool:
+    """Modules of ``cls`` replicate as ``nn.Module`` does (no override of how, no global
+    registration hook that ``setattr`` would call)."""
+    registry = torch.nn.modules.module
+    return (getattr(cls, "_replicate_for_data_parallel", None)
+            is nn.Module._replicate_for_data_parallel
+            and cls.__setattr__ is nn.Module.__setattr__ and cls.__new__ is object.__new__
+            and not getattr(registry, "_global_module_registration_hooks", None)
+            and not getattr(registry, "_global_buffer_registration_hooks", None))
+
+
+def clone_replica(template: Sequence[nn.Module], tensors: dict[int, torch.Tensor]
+                  ) -> list[nn.Module]:
+    """The modules :func:`replicate` builds for one device, from those it built for
+    another (``template``, in ``network.modules()`` order) and the device's own tensors
+    (``tensors``: the template's tensor's id -> this device's).
+
+    ``replicate`` makes each replica module as a copy of the original's ``__dict__``
+    (``_replicate_for_data_parallel``: fresh ``_parameters``, copies of ``_buffers`` and
+    ``_modules``, ``_is_replica``) and then sets, in the same order on every device, its
+    children (into ``_modules``), its parameters (as plain attributes, and into a fresh
+    ``_former_parameters``) and its buffers (into ``_buffers``). So a replica's
+    ``__dict__`` is the template's with this device's modules and tensors in place of
+    the template's: the same keys in the same order, the same objects elsewhere (hooks,
+    plain attributes, shared with the original as in every replica).
+    """
+    made = [type(m).__new__(type(m)) for m in template]
+    mine = {id(m): r for m, r in zip(template, made, strict=True)}
+    for m, r in zip(template, made, strict=True):
+        d = m.__dict__.copy()
+        d["_parameters"] = dict(m._parameters)
+        d["_buffers"] = {k: None if b is None else tensors[id(b)]
+                         for k, b in m._buffers.items()}
+        d["_modules"] = {k: None if c is None else mine[id(c)]
+                         for k, c in m._modules.items()}
+        former = OrderedDict((k, tensors[id(t)])
+                             for k, t in m.__dict__["_former_parameters"].items())
+        d["_former_parameters"] = former
+        d.update(former)
+        object.__setattr__(r, "__dict__", d)
+    return made
 
 
 def parallel_apply(

@@ -60,11 +60,18 @@ class StandIn(types.ModuleType):
     def __init__(self, name: str, load_real: LoadReal) -> None:
         super().__init__(name, __doc__)
         self._load_real = load_real
+        # the module's own __getattr__ (PEP 562), not the class's: a name found in the
+        # module's dict is then read as fast as from any module
+        self.__dict__["__getattr__"] = self._missing
+        # an import of a loaded module reads __spec__._initializing (absent on None: an
+        # exception made and cleared at every ``import``)
+        self.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        self.__spec__._initializing = False  # type: ignore[attr-defined]
 
     def real(self) -> types.ModuleType:
         return self._load_real(self.__name__)
 
-    def __getattr__(self, name: str) -> Any:
+    def _missing(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.real(), name)
@@ -119,6 +126,15 @@ class SymbolicShapesStandIn(StandIn):
     """``symbolic_shapes``' helpers that the meta kernels call, on concrete values; each
     is the real function's branch for a non-symbolic argument (torch 2.4-2.13)."""
 
+    HELPERS = ("expect_true", "guard_size_oblivious", "guard_or_false", "guard_or_true",
+               "statically_known_true", "guarding_hint_or_throw", "has_guarding_hint",
+               "is_nested_int", "sym_eq", "sym_and", "sym_or")
+
+    def __init__(self, name: str, load_real: LoadReal) -> None:
+        super().__init__(name, load_real)
+        for helper in self.HELPERS:  # module attributes: no method bound per lookup
+            setattr(self, helper, getattr(self, helper))
+
     def expect_true(self, a: Any, skip: int = 0) -> Any:
         if type(a) is bool:
             return a
@@ -160,6 +176,11 @@ class SymbolicShapesStandIn(StandIn):
         return self.real().is_nested_int(s)
 
     def sym_eq(self, x: Any, y: Any) -> Any:
+        if isinstance(x, (tuple, list)) and isinstance(y, (list, tuple)):
+            if len(x) != len(y):
+                return False
+            if all(type(a) is int for a in x) and all(type(b) is int for b in y):
+                return tuple(x) == tuple(y)  # shapes: each pair ==, joined by &
         if _plain(x) and _plain(y):
             return _sym_eq(x, y)
         return self.real().sym_eq(x, y)
@@ -196,10 +217,9 @@ class SympyStandIn(_Package):
     nothing is an instance of while sympy is not loaded (no sympy expression can exist),
     sympy's own once it is."""
 
-    @property
-    def Basic(self) -> type:
-        real = real_module(SYMPY)
-        return _NoSympyExpression if real is None else real.Basic  # type: ignore[no-any-return]
+    def __init__(self, name: str, load_real: LoadReal) -> None:
+        super().__init__(name, load_real)
+        self.Basic = _NoSympyExpression  # sympy's once loaded (see load_real)
 
 
 STAND_INS: dict[str, type[StandIn]] = {
@@ -294,4 +314,7 @@ def load_real(name: str) -> types.ModuleType:
     stand_in = sys.modules.get(name)
     if isinstance(stand_in, StandIn):
         _remove(name, stand_in)
-    return importlib.import_module(name)
+    real = importlib.import_module(name)
+    if isinstance(stand_in, SympyStandIn):  # code that kept the stand-in: sympy's class now
+        stand_in.Basic = real.Basic
+    return real

@@ -381,12 +381,18 @@ class VirtualDevices(TorchDispatchMode):
 
     def timeline(self, index: int, start: int = 0) -> list[tuple[int, int]]:
         """(event index, live allocated bytes) after every event on device ``index``."""
+        at, live = self.timeline_arrays(index, start)
+        return list(zip(at.tolist(), live.tolist(), strict=True))
+
+    def timeline_arrays(self, index: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`timeline` as two arrays: event indices, live allocated bytes."""
         base = self.snapshot(index, start).allocated_bytes if start else 0
         cols, by_device = self._columns()
         idx = by_device.get(index, _NO_INDICES)
         idx = idx[int(np.searchsorted(idx, start)):]
-        live = np.cumsum(cols["allocated"][idx]) + base
-        return [(start, base), *zip((idx + 1).tolist(), live.tolist(), strict=True)]
+        at = np.concatenate(([start], idx + 1))
+        live = np.concatenate(([base], np.cumsum(cols["allocated"][idx]) + base))
+        return at, live
 
     # ---- tracking ---------------------------------------------------------------------
 
