@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,7 +53,9 @@ def test_a_raising_rank_takes_the_waiting_peer_down_with_its_traceback() -> None
     outcomes = spawn_ranks(_group(), SumBody(fail_rank=1), 2)
     failed = outcomes[1]
     assert not failed.ok and failed.first_failure
-    assert failed.message == "ValueError: boom on rank 1"
+    # the message names the raising line (the user's own, here this file's body)
+    assert failed.message.startswith("ValueError: boom on rank 1 (at ")
+    assert f"{Path(__file__).name}:" in failed.message and "in __call__" in failed.message
     assert "Traceback" in failed.traceback and "boom on rank 1" in failed.traceback
     # rank 0 was blocked in all_reduce: it failed at once because the peer left the group
     # (not at the 30 s collective timeout), and said so
