@@ -106,6 +106,18 @@ def test_module_to_and_cuda_move_parameters_and_buffers() -> None:
         assert vc.rt.device_of(ints.weight) == 1
 
 
+def test_module_to_a_dtype_alone_converts_in_place() -> None:
+    """Module.to(dtype) calls t.to(None, dtype, False) on each tensor: device None stays
+    where it is, the dtype converts (a bf16 workload builds this way)."""
+    with VirtualCuda(2) as vc:
+        m = nn.Linear(100, 300).to("cuda:1").to(torch.bfloat16)
+        assert m.weight.dtype == torch.bfloat16
+        assert vc.rt.device_of(m.weight) == 1
+        assert torch.cuda.memory_allocated(1) == r512(2 * 30000) + r512(2 * 300)
+        t = torch.empty(8, device="cuda:1").to(None, torch.float16, False)
+        assert t.dtype == torch.float16 and vc.rt.device_of(t) == 1
+
+
 def test_a_crossing_sends_the_gradient_back() -> None:
     with VirtualCuda(2) as vc:
         x = torch.randn(64, 32, device="cuda:0", requires_grad=True)

@@ -575,12 +575,16 @@ class VirtualCuda:
             index = self.rt.device_of(other)
             return self.to_index(t, index, other.dtype, copy=bool(kwargs.get("copy", False)))
         device = kwargs.pop("device", None)
-        rest = list(args)
-        if rest and (isinstance(rest[0], (str, torch.device, int))
-                     and not isinstance(rest[0], bool)):
-            device = rest.pop(0)
         dtype = kwargs.pop("dtype", None)
-        if rest and isinstance(rest[0], torch.dtype):
+        rest = list(args)
+        if rest and (rest[0] is None or (isinstance(rest[0], (str, torch.device, int))
+                     and not isinstance(rest[0], bool))):
+            # to(device=None, dtype=None, non_blocking, copy): Module.to's own call is
+            # t.to(None, dtype, False) for a dtype alone
+            device = rest.pop(0)
+            if rest and (rest[0] is None or isinstance(rest[0], torch.dtype)):
+                dtype = rest.pop(0)
+        elif rest and isinstance(rest[0], torch.dtype):
             dtype = rest.pop(0)
         non_blocking = kwargs.pop("non_blocking", rest.pop(0) if rest else False)
         copy = kwargs.pop("copy", rest.pop(0) if rest else False)
