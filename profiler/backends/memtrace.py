@@ -138,7 +138,35 @@ def allocations(prof: Any) -> list[Alloc]:
             order += 1
         stack.extend(node.children)
     events.sort(key=lambda e: (e[0], e[1]))
-    return [e[2] for e in events]
+    return with_unseen_frees([e[2] for e in events])
+
+
+UNSEEN_FREE = "[freed on a thread the profiler does not see]"
+
+
+def with_unseen_frees(events: Sequence[Alloc]) -> list[Alloc]:
+    """``events`` with the frees the profiler could not record put back.
+
+    The profiler records an allocator event only on a thread where it is enabled (its state
+    is thread-local): a block whose last reference dies on another thread (gloo's worker
+    threads, started before the profiler, destroy their work objects and the tensors they
+    hold) has its allocation recorded and its free not, so it would count as live for
+    ever. When an address is handed out again while its block still counts as live, that
+    block was freed before: its free (``op`` :data:`UNSEEN_FREE`) is put just before the
+    new allocation, the latest moment it can have happened. A block freed unseen whose
+    address is never reused stays live."""
+    out: list[Alloc] = []
+    live: dict[int, int] = {}
+    for e in events:
+        if e.size > 0 and e.ptr:
+            old = live.pop(e.ptr, None)
+            if old is not None:
+                out.append(Alloc(e.t_ns, -old, UNSEEN_FREE, e.ptr))
+            live[e.ptr] = e.size
+        elif e.size < 0:
+            live.pop(e.ptr, None)
+        out.append(e)
+    return out
 
 
 def peak_of(events: Sequence[Alloc], rounded: bool = False) -> int:
