@@ -22,7 +22,9 @@ DEFAULT_MEMORY = "80GiB"
 # finite (NaN passes every comparison).
 MAX_GPUS = 64  # nn.DataParallel is one process on one node; 64 emulated GPUs take ~20 s
 MAX_BATCH = 2**30  # rows
-MAX_SEED = 2**63 - 1 - 10**6  # torch.manual_seed's range, less the per-step offsets
+# --seed's published range (within torch.manual_seed's; the batches' and the steps' seeds
+# are hashed from it, dpprof.scenarios.step.derived_seed, so any value in it is valid)
+MAX_SEED = 2**63 - 1 - 10**6
 MAX_GPU_MEMORY_BYTES = 2**50  # 1 PiB per GPU
 BOUNDS: dict[str, tuple[float, float]] = {
     "--batch": (1, MAX_BATCH),
