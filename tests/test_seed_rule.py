@@ -139,3 +139,36 @@ def test_the_model_is_what_manual_seed_then_model_builds() -> None:
     mine = wl.model()
     for a, b in zip(build_model(wl, SEED).parameters(), mine.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_largest_seed_is_valid_for_every_stream() -> None:
+    from dpprof.cli.options import MAX_SEED
+
+    wl = load_workload(SPEC)
+    top = scenario_batch(wl, MAX_SEED, 1000, BATCH, GPUS, 1)[0]
+    assert not torch.equal(top, scenario_batch(wl, 0, 1000, BATCH, GPUS, 1)[0])
+    assert build_model(wl, MAX_SEED) is not None
+
+
+def test_the_cuda_loop_holds_one_host_batch_at_a_time() -> None:
+    """The cuda backend makes each step's batch before the step's clock starts and lets
+    the previous one go: a run of many steps holds one host batch, not one per step."""
+    import weakref
+
+    from dpprof.backends.cuda import StepBatches
+
+    wl = load_workload(SPEC)
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def make(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = scenario_batch(wl, SEED, k, BATCH, GPUS)
+        made.append(weakref.ref(b[0]))
+        return b
+
+    batches = StepBatches(make, 5)
+    seen = []
+    for k in range(len(batches)):
+        batches.prepare(k)
+        seen.append(batches[k][0].sum().item())
+        assert sum(r() is not None for r in made) == 1
+    assert len(made) == 5 and len(set(seen)) == 5  # made once each, all different
