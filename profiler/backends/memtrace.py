@@ -46,6 +46,12 @@ CPU_ONLY_ALLOCATIONS: dict[str, str] = {
         "the CPU flash-attention kernel and its backward allocate per-thread query/key "
         "blocks and accumulators inside the kernel (on a GPU the kernel uses shared memory)"
     ),
+    "freed unseen": (
+        "a free the profiler did not record, made on a thread it does not see (gloo's worker "
+        "threads destroy their work objects and the tensors they hold), put back when the "
+        "address was handed out again (with_unseen_frees): when it really happened is "
+        "unknown, so it is not matched"
+    ),
     "wrapped scalars": (
         "0-dim CPU tensors made from Python or C++ numbers outside the dispatcher "
         "(c10::scalar_to_tensor, e.g. the reducer's 1/world_size in mul_out, the scalar of "
@@ -220,6 +226,8 @@ _CPU_KERNELS: dict[str, str] = {
 def cpu_only_reason(e: Alloc) -> str | None:
     """Why a profiler record with no emulator counterpart is expected (a key of
     :data:`CPU_ONLY_ALLOCATIONS`), or None when it should have had one."""
+    if e.op == UNSEEN_FREE:
+        return "freed unseen"
     for needle, why in _CPU_KERNELS.items():
         if needle in e.op:
             return why
