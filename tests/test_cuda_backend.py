@@ -140,8 +140,10 @@ def test_compare_runs_the_remaining_scenarios_after_an_oom(
     assert run is not None and run.backend == "cuda"
     assert [s.status for s in run.scenarios] == ["oom", "oom", "ok"]
     assert run.scenarios[2].step_time_s is not None
+    # single trains its ceil(8 / 2) = 4 rows a step, not the comparison's batch of 8
+    assert run.scenarios[2].devices[0].batch_rows == 4
     assert run.scenarios[2].throughput_samples_per_s == pytest.approx(
-        8 / run.scenarios[2].step_time_s)
+        4 / run.scenarios[2].step_time_s)
     assert "nvml" in run.environment and "gpus" in run.environment  # the dpprof env block
     assert RunResult.from_dict(run.to_dict()).scenarios[0].oom_phase == "forward"
 

@@ -56,7 +56,7 @@ def run_ddp_gloo(workload: str, cfg: EmulationConfig, ddp_timeout_s: float) -> S
     if times:
         result.step_time_s = times[len(times) // 2]
         result.step_time_spread_s = times[-1] - times[0]
-        result.throughput_samples_per_s = rows * gpus / result.step_time_s
+        result.throughput_samples_per_s = batch / result.step_time_s  # pad rows repeat
     losses = [r.loss for r in ranks if r.loss is not None]
     result.loss = sum(losses) / len(losses) if losses else None
     result.status = STATUS_OK

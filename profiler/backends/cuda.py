@@ -774,7 +774,7 @@ def run_local_scenario(
                 f"this process (pid {pid}) holds a CUDA context on cuda:{cuda}, outside the "
                 f"chosen GPUs {cfg.devices}"
             )
-    _finish(result, out, cfg)
+    _finish(result, out, cfg, shards[0] if name == SINGLE else cfg.step.batch)
     if name != SINGLE and len(shards) < n:
         result.notes.append(
             f"batch {cfg.step.batch} over {n} GPUs: tensor.chunk makes {len(shards)} chunk(s) "
@@ -797,8 +797,11 @@ def _watch(
     return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids)
 
 
-def _finish(result: ScenarioResult, out: Measured, cfg: CudaRunConfig) -> None:
-    """Timing, status and OOM fields of ``result`` from ``out``."""
+def _finish(result: ScenarioResult, out: Measured, cfg: CudaRunConfig,
+            samples_per_step: int) -> None:
+    """Timing, status and OOM fields of ``result`` from ``out``; throughput is the samples
+    one step trains (``single``: its ``ceil(B / N)`` rows; DataParallel and DDP: the batch)
+    over the median step time."""
     result.status = out.status
     result.message = out.message
     result.loss = out.loss
@@ -810,7 +813,7 @@ def _finish(result: ScenarioResult, out: Measured, cfg: CudaRunConfig) -> None:
     if out.step_times_s:
         result.step_time_s = statistics.median(out.step_times_s)
         result.step_time_spread_s = max(out.step_times_s) - min(out.step_times_s)
-        result.throughput_samples_per_s = cfg.step.batch / result.step_time_s
+        result.throughput_samples_per_s = samples_per_step / result.step_time_s
     if out.event_times_s:
         result.event_step_time_s = statistics.median(out.event_times_s)
     if out.traceback and (out.status == STATUS_ERROR or cfg.debug):
@@ -930,7 +933,7 @@ def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -
             merged.notes.append(
                 "then: " + "; ".join(f"rank {o.rank}: {o.message[:160]}" for o in others)
             )
-    _finish(result, merged, cfg)
+    _finish(result, merged, cfg, cfg.step.batch)  # DistributedSampler's pad rows repeat
     if first is not None and first.traceback:
         result.traceback = first.traceback
     batch = cfg.step.batch
