@@ -1,13 +1,22 @@
 """How far the emulator is from real GPUs: the same comparison run both ways.
 
-    python benchmarks/emulator_vs_gpu.py --workload lm --batch 64 --gpus 2
+    python benchmarks/emulator_vs_gpu.py                      # every visible GPU, all models
+    python benchmarks/emulator_vs_gpu.py --gpus 1 --workloads lm,tests/zoo.py:gpt2 --batch 16
 
-Needs at least two CUDA GPUs (exits 2 otherwise). Runs ``--backend cuda`` and
-``--backend emulated`` with the same workload, batch, GPUs and seed, prints per scenario
-and device the measured and emulated peaks (allocated from ``torch.cuda.max_memory_allocated``,
-reserved from ``max_memory_reserved``) and the relative error, and appends the rows to
-``benchmarks/emulator_vs_gpu.jsonl`` with the GPU names and versions, so the figures are
-recorded. Nothing here has been run yet: no GPU was available where dpprof was written.
+Needs at least one CUDA GPU (exits 2 otherwise). For each workload (the built-ins and, when
+``tests/zoo.py``'s libraries are installed, the real-model zoo) it runs ``--backend cuda``
+and ``--backend emulated`` with the same workload, batch, GPUs, seed and the GPU's capacity
+and compute capability, then prints, per scenario and device:
+
+* allocated: ``torch.cuda.max_memory_allocated`` against the emulated peak;
+* reserved: ``max_memory_reserved`` against the simulated caching allocator;
+* the device total: NVML's peak "used" against the emulated reserved + modelled context.
+
+The rows (with errors, and any scenario's failure) are appended to
+``benchmarks/emulator_vs_gpu.jsonl`` with the GPU's name and the versions. With one GPU,
+DataParallel and DDP run over that single device: the rows still check ``single``, the
+reserved model and the context. Nothing here has been run on a GPU yet: none was available
+where dpprof was written.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import datetime as _dt
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,9 +33,11 @@ import torch
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
 from dpprof.scenarios.step import StepConfig
+from dpprof.scenarios.workloads import BUILTINS
 from dpprof.units import fmt_bytes
 
 RECORD = Path(__file__).with_name("emulator_vs_gpu.jsonl")
+ZOO_FILE = Path(__file__).resolve().parent.parent / "tests" / "zoo.py"
 
 
 def _err(emulated: int | None, measured: int | None) -> float | None:
@@ -35,7 +47,7 @@ def _err(emulated: int | None, measured: int | None) -> float | None:
 
 
 def compare_runs(real: RunResult, emu: RunResult) -> list[dict[str, object]]:
-    """One row per scenario and device present in both runs."""
+    """One row per scenario and used device present in both runs."""
     rows: list[dict[str, object]] = []
     for s in real.scenarios:
         e = emu.scenario(s.name)
@@ -45,56 +57,99 @@ def compare_runs(real: RunResult, emu: RunResult) -> list[dict[str, object]]:
             ed = e.device(d.index)
             if ed is None or not d.used:
                 continue
+            emulated_total = (ed.peak_reserved_bytes or 0) + (ed.context_bytes or 0)
             rows.append({
                 "scenario": s.name, "device": d.index, "status": [s.status, e.status],
+                "messages": [s.message, e.message],
                 "measured_allocated_bytes": d.peak_allocated_bytes,
                 "emulated_allocated_bytes": ed.peak_allocated_bytes,
                 "allocated_error": _err(ed.peak_allocated_bytes, d.peak_allocated_bytes),
                 "measured_reserved_bytes": d.peak_reserved_bytes,
                 "emulated_reserved_bytes": ed.peak_reserved_bytes,
                 "reserved_error": _err(ed.peak_reserved_bytes, d.peak_reserved_bytes),
+                "nvml_peak_used_bytes": d.nvml_peak_used_bytes,
+                "emulated_context_bytes": ed.context_bytes,
+                "emulated_total_bytes": emulated_total or None,
+                "total_error": _err(emulated_total, d.nvml_peak_used_bytes),
             })
     return rows
 
 
+def default_workloads() -> list[str]:
+    """The built-ins, then the zoo's models when their libraries import."""
+    names = list(BUILTINS)
+    sys.path.insert(0, str(ZOO_FILE.parent))
+    try:
+        import zoo  # tests/zoo.py: models from configs, no weights
+
+        names += [f"{ZOO_FILE}:{name}" for name in zoo.ZOO]
+    except ImportError as e:
+        print(f"zoo skipped ({e}); pip install -e '.[zoo]'", file=sys.stderr)
+    finally:
+        sys.path.remove(str(ZOO_FILE.parent))
+    return names
+
+
+def _pct(x: object) -> str:
+    return f"{x:+.1%}" if isinstance(x, float) else "-"
+
+
+def _b(x: object) -> str:
+    return fmt_bytes(x) if isinstance(x, int) else "-"
+
+
+def print_rows(workload: str, rows: list[dict[str, object]]) -> None:
+    print(f"\n{workload}")
+    print(f"{'scenario':<16} {'dev':>3} {'allocated':>10} {'emulated':>10} {'error':>7}"
+          f" {'reserved':>10} {'emulated':>10} {'error':>7}"
+          f" {'NVML used':>10} {'emu total':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['scenario']!s:<16} {r['device']!s:>3} "
+              f"{_b(r['measured_allocated_bytes']):>10} {_b(r['emulated_allocated_bytes']):>10} "
+              f"{_pct(r['allocated_error']):>7} "
+              f"{_b(r['measured_reserved_bytes']):>10} {_b(r['emulated_reserved_bytes']):>10} "
+              f"{_pct(r['reserved_error']):>7} "
+              f"{_b(r['nvml_peak_used_bytes']):>10} {_b(r['emulated_total_bytes']):>10} "
+              f"{_pct(r['total_error']):>7}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default="lm")
+    ap.add_argument("--workloads", default="",
+                    help="comma-separated workload specs (default: built-ins and the zoo)")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--gpus", type=int, default=0, help="0: every visible GPU")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
-        print(f"needs {args.gpus} CUDA GPUs; found "
-              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}", file=sys.stderr)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = args.gpus or visible
+    if visible < 1 or gpus > visible:
+        print(f"needs {max(gpus, 1)} CUDA GPU(s); found {visible}", file=sys.stderr)
         return 2
-    common = {"workload": args.workload, "step": StepConfig(batch=args.batch),
-              "gpus": args.gpus, "fixes": False}
     props = torch.cuda.get_device_properties(0)
-    capacity = props.total_memory
     cc = (props.major, props.minor)
-    real = run_compare(CompareConfig(backend="cuda", gpu_memory_bytes=capacity, **common))
-    emu = run_compare(CompareConfig(backend="emulated", gpu_memory_bytes=capacity,
-                                    compute_capability=cc, **common))
-    assert real is not None and emu is not None
-    rows = compare_runs(real, emu)
-    print(f"{'scenario':<16} {'dev':>3} {'measured':>10} {'emulated':>10} {'error':>7}"
-          f" {'reserved':>10} {'emulated':>10} {'error':>7}")
-    for r in rows:
-        def pct(x: object) -> str:
-            return f"{x:+.1%}" if isinstance(x, float) else "-"
-        print(f"{r['scenario']:<16} {r['device']:>3} "
-              f"{fmt_bytes(r['measured_allocated_bytes']):>10} "  # type: ignore[arg-type]
-              f"{fmt_bytes(r['emulated_allocated_bytes']):>10} {pct(r['allocated_error']):>7} "  # type: ignore[arg-type]
-              f"{fmt_bytes(r['measured_reserved_bytes']):>10} "  # type: ignore[arg-type]
-              f"{fmt_bytes(r['emulated_reserved_bytes']):>10} {pct(r['reserved_error']):>7}")  # type: ignore[arg-type]
-    record = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "args": vars(args), "rows": rows,
-    }
-    with RECORD.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    print(f"recorded in {RECORD}")
+    workloads = [w for w in args.workloads.split(",") if w] or default_workloads()
+    for workload in workloads:
+        common = {"workload": workload, "step": StepConfig(batch=args.batch), "gpus": gpus,
+                  "fixes": False, "gpu_memory_bytes": props.total_memory,
+                  "count_reserved": True}
+        t0 = time.perf_counter()
+        real = run_compare(CompareConfig(backend="cuda", **common))
+        t1 = time.perf_counter()
+        emu = run_compare(CompareConfig(backend="emulated", compute_capability=cc, **common))
+        t2 = time.perf_counter()
+        assert real is not None and emu is not None
+        rows = compare_runs(real, emu)
+        print_rows(workload, rows)
+        record = {
+            "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": props.name, "gpus": gpus, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "workload": workload, "batch": args.batch,
+            "cuda_wall_s": round(t1 - t0, 2), "emulated_wall_s": round(t2 - t1, 2),
+            "rows": rows,
+        }
+        with RECORD.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    print(f"\nrecorded in {RECORD}")
     return 0
 
 
