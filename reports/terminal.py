@@ -61,7 +61,7 @@ def render_view(view: ReportView) -> Group:
     gpu = _gpu_table(view)
     if gpu is not None:
         parts.append(gpu)
-    parts.append(Text(view.headline.verdict if view.has_comparison else "", style="bold"))
+    parts.append(Text(view.headline.verdict, style="bold"))  # or why there is none
     for s in view.scenarios:
         if s.message and s.status != "ok":
             parts.append(Text(f"{s.name}: {s.message}", style="red"))

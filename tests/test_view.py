@@ -228,3 +228,13 @@ def test_terminal_render_is_the_view_rendered() -> None:
         return c.export_text()
 
     assert text(terminal.render(run)) == text(terminal.render_view(build_view(run)))
+
+
+@pytest.mark.parametrize("fmt", HUMAN)
+def test_a_result_without_a_comparison_says_so_in_every_format(fmt: str) -> None:
+    run = saved(next(iter(SAVED)))
+    run.comparison.verdict = ""
+    view = build_view(run)
+    assert not view.has_comparison
+    assert view.headline.verdict in _render(fmt, view)
+    assert "No verdict" in view.headline.verdict
