@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import html as std_html
+import re
 from pathlib import Path
 
 from dpprof.result import RunResult, load
@@ -58,3 +60,12 @@ def hostile(run: RunResult) -> RunResult:
                 p.phase = HOSTILE
     run.comparison.verdict = "Verdict: " + HOSTILE
     return run
+
+
+def report_words(fmt: str, text: str) -> str:
+    """The words of a report: markup and escapes removed, whitespace folded."""
+    if fmt == "html":
+        text = std_html.unescape(re.sub(r"<[^>]+>", " ", text))
+    if fmt == "markdown":
+        text = re.sub(r"\\(.)", r"\1", std_html.unescape(text))
+    return " ".join(text.split())

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 
 import pytest
-from reports_data import HTML_SECTIONS, SAVED, saved
+from reports_data import HTML_SECTIONS, SAVED, report_words, saved
 
 from dpprof.analysis.attribution import cause_label
 from dpprof.analysis.fixes import recommended
@@ -22,15 +22,6 @@ from dpprof.reports.markdown import md
 from dpprof.reports.registry import renderers
 from dpprof.reports.view import build_view
 from dpprof.result import RunResult
-
-
-def _plain(fmt: str, text: str) -> str:
-    """The words of a report: markup and escapes removed, whitespace folded."""
-    if fmt == "html":
-        text = std_html.unescape(re.sub(r"<[^>]+>", " ", text))
-    if fmt == "markdown":
-        text = re.sub(r"\\(.)", r"\1", std_html.unescape(text))
-    return " ".join(text.split())
 
 
 def _html(run: RunResult, page: str) -> None:
@@ -104,7 +95,7 @@ def test_every_saved_result_in_every_format(name: str, fmt: str) -> None:
     CHECKS[fmt](run, text)
     if fmt == "json":
         return  # the result itself: its words are data, checked by the round trip
-    words = _plain(fmt, text)
+    words = report_words(fmt, text)
     for s in run.scenarios:
         assert s.name in words
     # cuda:0's excess by cause: the attribution's labels, the same in every format

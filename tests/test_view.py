@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import html as std_html
 import re
 from pathlib import Path
 
 import pytest
-from reports_data import SAVED, saved
+from reports_data import SAVED, report_words, saved
 
 from dpprof.reports import diff, terminal
 from dpprof.reports.registry import renderers
@@ -33,17 +32,8 @@ HUMAN = ("html", "markdown", "terminal")
 REPORTS = Path(__file__).parent.parent / "reports"
 
 
-def _words(fmt: str, text: str) -> str:
-    """The words of a report: markup and escapes removed, whitespace folded."""
-    if fmt == "html":
-        text = std_html.unescape(re.sub(r"<[^>]+>", " ", text))
-    if fmt == "markdown":
-        text = re.sub(r"\\(.)", r"\1", std_html.unescape(text))
-    return " ".join(text.split())
-
-
 def _render(fmt: str, view: ReportView) -> str:
-    return _words(fmt, renderers()[fmt].render_view(view))
+    return report_words(fmt, renderers()[fmt].render_view(view))
 
 
 # Distinct values no saved result has: each one can only come from the edited view.
