@@ -386,36 +386,46 @@ def stand_in_note(rt: CudaDevices) -> str:
             f"({kinds}: {STAND_INS}): {sites}")
 
 
+def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, used: bool,
+                  batch_rows: int, timeline: list[TimelinePoint]) -> DeviceResult:
+    """Virtual device ``i``'s figures (its peaks, the categories at its peak moment, the
+    phase of the peak), reported as ``index``."""
+    c = rt.counters[i]
+    snap = rt.peak_snapshot(i)
+    return DeviceResult(
+        index=index,
+        peak_allocated_bytes=c.peak_allocated,
+        peak_requested_bytes=c.peak_requested,
+        capacity_bytes=capacity_bytes,
+        breakdown_bytes={k: v for k, v in sorted(snap.by_category.items()) if v},
+        peak_phase=c.peak_phase,
+        used=used,
+        batch_rows=batch_rows,
+        timeline=timeline,
+    )
+
+
+def ddp_ranks(template: DeviceResult, world: int) -> list[DeviceResult]:
+    """Every DDP rank runs the same program on as many rows: ``template`` (rank 0's device)
+    stands for all ``world`` ranks."""
+    return [DeviceResult(**{**template.__dict__, "index": r, "rank": r, "used": True,
+                            "timeline": list(template.timeline)})
+            for r in range(world)]
+
+
 def _device_results(
     rt: VirtualDevices, cfg: EmulationConfig, name: str, shards: list[int], used: list[int],
     measure_start: int,
 ) -> list[DeviceResult]:
-    out = []
-    for i in range(rt.num_devices):
-        c = rt.counters[i]
-        snap = rt.peak_snapshot(i)
-        dev = DeviceResult(
-            index=i,
-            peak_allocated_bytes=c.peak_allocated,
-            peak_requested_bytes=c.peak_requested,
-            capacity_bytes=cfg.gpu_memory_bytes,
-            breakdown_bytes={k: v for k, v in sorted(snap.by_category.items()) if v},
-            peak_phase=c.peak_phase,
-            used=i in used,
-            batch_rows=shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
-            and i < len(shards) else shards[0],
-            timeline=timeline_points(rt, i, measure_start),
-        )
-        out.append(dev)
-    if name == DDP:
-        # Every rank runs the same program on the same number of rows: rank 0 stands for all.
-        template = out[0]
-        out = [
-            DeviceResult(**{**template.__dict__, "index": r, "rank": r, "used": True,
-                            "timeline": list(template.timeline)})
-            for r in range(cfg.gpus)
-        ]
-    return out
+    out = [
+        device_result(
+            rt, i, i, cfg.gpu_memory_bytes, i in used,
+            shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and i < len(shards)
+            else shards[0],
+            timeline_points(rt, i, measure_start))
+        for i in range(rt.num_devices)
+    ]
+    return ddp_ranks(out[0], cfg.gpus) if name == DDP else out
 
 
 def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from dpprof.backends.emulated import timeline_points
+from dpprof.backends.emulated import ddp_ranks, device_result, timeline_points
 from dpprof.emulator import script_parallel
 from dpprof.emulator.gpus import (
     DeviceFigures,
@@ -48,7 +48,6 @@ from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_OOM,
-    DeviceResult,
     Fix,
     RunResult,
     ScenarioResult,
@@ -475,27 +474,16 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
     name = _kind(run, used, touched)
     s = ScenarioResult(name=name, batch=run.batch_rows)
     start = stepper.measure_start
-    devices: list[DeviceResult] = []
-    for logical, i in enumerate(visible):
-        c = rt.counters[i]
-        snap = rt.peak_snapshot(i)
-        devices.append(DeviceResult(
-            index=logical,
-            peak_allocated_bytes=c.peak_allocated,
-            peak_requested_bytes=c.peak_requested,
-            capacity_bytes=cfg.capacity_bytes,
-            breakdown_bytes={k: v for k, v in sorted(snap.by_category.items()) if v},
-            peak_phase=c.peak_phase,
-            used=c.peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
-            batch_rows=run.batch_rows,
-            timeline=timeline_points(rt, i, start, phase_before_start=True),
-        ))
+    devices = [
+        device_result(
+            rt, i, logical, cfg.capacity_bytes,
+            rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
+            run.batch_rows, timeline_points(rt, i, start, phase_before_start=True))
+        for logical, i in enumerate(visible)
+    ]
     if name == DDP and run.world_size > 1:
-        # every rank runs the same program on as many rows: rank 0 stands for all
-        src = next((d for d in devices if d.used), devices[0])
-        devices = [DeviceResult(**{**src.__dict__, "index": r, "rank": r, "used": True,
-                                   "timeline": list(src.timeline)})
-                   for r in range(min(run.world_size, n))]
+        devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
+                            min(run.world_size, n))
     s.devices = devices
     if not cfg.compute:
         _overheads(s, vc, cfg)
