@@ -134,6 +134,36 @@ def test_phases_and_timeline(rt: VirtualDevices) -> None:
     del b
 
 
+def test_mirrored_devices_repeat_each_event_of_their_devices_storages() -> None:
+    rt = VirtualDevices(4)
+    with rt:
+        with rt.device(1):
+            before = torch.empty(256)  # made before the mirrors: cuda:1's alone
+        rt.set_mirrors({1: [2, 3]})
+        assert (rt.multiplicity(1), rt.multiplicity(2), rt.multiplicity(0)) == (3, 1, 1)
+        with rt.device(1), rt.category("activations"):
+            a = torch.empty(512)  # 2 KiB on cuda:1, and a mirror on cuda:2 and cuda:3
+            b = torch.empty(128)
+        rt.label(a, "gradients")  # a later label is its mirrors' too
+        with rt.device(0):
+            c = torch.empty(64)  # cuda:0 is not mirrored
+        rt.set_mirrors({})  # a storage keeps the mirrors it was made with
+        del a, before
+        with rt.device(1):
+            d = torch.empty(64)  # made after: not mirrored
+    log = [(e.device, e.requested) for e in rt.events]
+    assert log == [(1, 1024), (1, 2048), (2, 2048), (3, 2048), (1, 512), (2, 512), (3, 512),
+                   (0, 256), (1, -2048), (2, -2048), (3, -2048), (1, -1024), (1, 256)]
+    assert len({e.serial for e in rt.events if e.requested > 0}) == 9  # a serial each
+    for dev in (2, 3):
+        assert rt.counters[dev].peak_allocated == 2048 + 512
+        assert rt.counters[dev].live_allocated == 512
+        snap = rt.peak_snapshot(dev)
+        assert snap.by_category == {"gradients": 2048, "activations": 512}
+    assert rt.counters[1].live_allocated == 512 + 512
+    del b, c, d
+
+
 def test_unknown_device_is_refused() -> None:
     rt = VirtualDevices(2)
     with pytest.raises(VirtualDeviceError, match="does not exist"):

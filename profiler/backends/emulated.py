@@ -100,8 +100,8 @@ class EmulationConfig:
     # Over CPU tensors (compute): also simulate reserved memory and the context, as over meta
     # (dpprof.emulator.gpus.fill_gpu_overheads), and count them in the out-of-memory check.
     count_reserved: bool = False
-    # DataParallel replicas on equal shards emulated once and replayed on the other devices
-    # (meta only; the per-device results are the same, see dpprof.emulator.replicas)
+    # DataParallel replicas on equal shards: one runs, the others' devices mirror its device
+    # (meta only; every device's own events are the same, see VirtualDevices.set_mirrors)
     dedupe_replicas: bool = True
 
     def with_step(self, **changes: Any) -> EmulationConfig:
@@ -210,7 +210,6 @@ def _run_scenario(
     cats = _CategoryHooks(rt)
     measure_start = 0
     kernels = GpuKernels(cfg.compute_capability, rt)
-    rt.replayed_counts.append(kernels.chosen)
     amp = EmulatedAutocast(getattr(torch, step.amp)) if step.amp else None
     autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)
     try:
@@ -332,7 +331,7 @@ def _run_scenario(
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
     except Exception as e:  # the user's code, or an impossible program: a result
-        if rt.dedupe_failure is not None:  # the replay could not stand for a replica
+        if rt.dedupe_failure is not None:  # a mirror could not stand for a replica
             cats.clear()
             return run_scenario(name, wl, dataclasses.replace(cfg, dedupe_replicas=False),
                                 trace)

@@ -121,18 +121,21 @@ class GpuKernels:
             grad_copy_bytes=0 if grad.is_contiguous() else grad.numel() * grad.element_size(),
             indices_copy_bytes=(0 if indices.is_contiguous()
                                 else indices.numel() * indices.element_size()))
-        self._count("embedding_backward:" + ("sorted" if plan.before else "direct"))
+        self._count("embedding_backward:" + ("sorted" if plan.before else "direct"), grad)
         return plan if plan.before or plan.after else None
 
-    def _count(self, key: str) -> None:
-        self.chosen[key] = self.chosen.get(key, 0) + 1
+    def _count(self, key: str, on: torch.Tensor) -> None:
+        """One more choice of ``key``, for every device ``on``'s storage stands for (a
+        DataParallel replica's device mirrored by its equals' counts for each of them)."""
+        n = 1 if self.rt is None else self.rt.multiplicity(self.rt.device_of(on))
+        self.chosen[key] = self.chosen.get(key, 0) + n
 
     def _dropout(self, func: Callable[..., Any], input: torch.Tensor, p: float = 0.5,
                  training: bool = True, inplace: bool = False, **kw: Any) -> torch.Tensor:
         train = kw.get("train", training)
         if not train or p == 0 or p == 1 or inplace or not input.is_floating_point():
             return func(input, p, train, inplace)
-        self._count("dropout:fused")
+        self._count("dropout:fused", input)
         return torch.native_dropout(input, p, True)[0]
 
     def _rms_norm(self, func: Callable[..., Any], input: torch.Tensor,
@@ -140,7 +143,7 @@ class GpuKernels:
                   eps: float | None = None) -> torch.Tensor:
         if not fused_rms_norm_applies(input, weight):
             return func(input, normalized_shape, weight, eps)
-        self._count("rms_norm:fused")
+        self._count("rms_norm:fused", input)
         dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
         return FusedRmsNorm.apply(input, weight, dims)  # type: ignore[no-any-return]
 
@@ -150,7 +153,7 @@ class GpuKernels:
               enable_gqa: bool = False) -> torch.Tensor:
         call = SdpaCall(int(query.shape[-1]), query.dtype, attn_mask is not None)
         backend = sdpa_backend(self.cc, call) if not enable_gqa else MATH
-        self._count(f"sdpa:{backend}")
+        self._count(f"sdpa:{backend}", query)
         if backend == FLASH:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]

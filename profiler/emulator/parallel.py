@@ -25,7 +25,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from torch._utils import (
     _take_tensors,
     _unflatten_dense_tensors,
 )
+from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.vdevice import HOST, VirtualDevices, copy_to
 
@@ -194,12 +195,14 @@ def scatter_tensor(
 
 
 def gather_tensors(
-    rt: VirtualDevices, tensors: Sequence[torch.Tensor], dim: int, destination: int
+    rt: VirtualDevices, tensors: Sequence[torch.Tensor], dim: int, destination: int,
+    counts: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``torch::cuda::gather``: one ``empty`` of the full shape, pieces copied in."""
+    """``torch::cuda::gather``: one ``empty`` of the full shape, pieces copied in.
+    ``counts``: how many devices each piece stands for (mirrored replicas)."""
     first = tensors[0]
     size = list(first.shape)
-    size[dim] = sum(t.shape[dim] for t in tensors)
+    size[dim] = sum(t.shape[dim] * (counts[i] if counts else 1) for i, t in enumerate(tensors))
     channels_last = all(
         t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
         and not t.is_contiguous() for t in tensors
@@ -260,12 +263,16 @@ class ReduceAddCoalesced(torch.autograd.Function):
 
 
 class Gather(torch.autograd.Function):
+    """``_functions.Gather``; ``counts`` (or None): how many devices each input stands for
+    (one replica run for several mirrored ones), so that the output has the full size."""
+
     @staticmethod
     def forward(ctx: Any, rt: VirtualDevices, target_device: int, dim: int,  # type: ignore[no-untyped-def]
-                *inputs: torch.Tensor):
+                counts: Sequence[int] | None, *inputs: torch.Tensor):
         ctx.rt = rt
         ctx.target_device = target_device
         ctx.dim = dim
+        ctx.counts = counts
         ctx.input_gpus = tuple(rt.device_of(i) for i in inputs)
         if all(t.dim() == 0 for t in inputs) and dim == 0:
             inputs = tuple(t.view(1) for t in inputs)  # torch warns and returns a vector
@@ -274,32 +281,36 @@ class Gather(torch.autograd.Function):
             ctx.unsqueezed_scalar = False
         ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
         with rt.category("outputs"):
-            return gather_tensors(rt, inputs, ctx.dim, target_device)
+            return gather_tensors(rt, inputs, ctx.dim, target_device, counts)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
         with ctx.rt.category("outputs"):
             scattered = Scatter.apply(
-                ctx.rt, ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output
+                ctx.rt, ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output, ctx.counts
             )
         if ctx.unsqueezed_scalar:
             scattered = tuple(g[0] for g in scattered)
-        return (None, None, None, *scattered)
+        return (None, None, None, None, *scattered)
 
 
 class Scatter(torch.autograd.Function):
+    """``_functions.Scatter``; ``counts`` as for :class:`Gather` (its backward)."""
+
     @staticmethod
     def forward(ctx: Any, rt: VirtualDevices, target_gpus: Sequence[int],  # type: ignore[no-untyped-def]
-                chunk_sizes: Sequence[int] | None, dim: int, input: torch.Tensor):
+                chunk_sizes: Sequence[int] | None, dim: int, input: torch.Tensor,
+                counts: Sequence[int] | None = None):
         ctx.rt = rt
         ctx.dim = dim
+        ctx.counts = counts
         ctx.input_device = rt.device_of(input)
         return scatter_tensor(rt, input, target_gpus, chunk_sizes, dim)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
         return (None, None, None, None,
-                Gather.apply(ctx.rt, ctx.input_device, ctx.dim, *grad_output))
+                Gather.apply(ctx.rt, ctx.input_device, ctx.dim, ctx.counts, *grad_output), None)
 
 
 # ---- scatter_gather.py, replicate.py, parallel_apply.py ----------------------------------
@@ -310,9 +321,10 @@ def _is_namedtuple(obj: Any) -> bool:
 
 
 def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: int = 0,
-            chunk_sizes: Sequence[int] | None = None) -> Any:
+            chunk_sizes: Sequence[int] | None = None, plan: ShardPlan | None = None) -> Any:
     """``scatter_gather.scatter``; ``chunk_sizes`` (rows per device) as a
-    BalancedDataParallel-style override passes them to ``Scatter.apply``."""
+    BalancedDataParallel-style override passes them to ``Scatter.apply``. With ``plan``,
+    only its representatives get their shards (their mirrors stand for the others)."""
     if chunk_sizes is not None:
         chunk_sizes = [c for c in chunk_sizes if c > 0]
         target_gpus = list(target_gpus)[: len(chunk_sizes)]
@@ -320,7 +332,11 @@ def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: in
     def scatter_map(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             sizes = chunk_sizes if chunk_sizes is not None and obj.dim() > dim else None
-            return Scatter.apply(rt, list(target_gpus), sizes, dim, obj)
+            if plan is not None:
+                rows = _rows(obj, len(target_gpus), dim, sizes)
+                return Scatter.apply(rt, plan.devices, [rows[i] for i in plan.positions],
+                                     dim, obj, plan.counts)
+            return Scatter.apply(rt, list(target_gpus), sizes, dim, obj, None)
         if _is_namedtuple(obj):
             return [type(obj)(*args) for args in zip(*map(scatter_map, obj), strict=False)]
         if isinstance(obj, tuple) and len(obj) > 0:
@@ -329,17 +345,70 @@ def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: in
             return [list(i) for i in zip(*map(scatter_map, obj), strict=False)]
         if isinstance(obj, dict) and len(obj) > 0:
             return [type(obj)(i) for i in zip(*map(scatter_map, obj.items()), strict=False)]
-        return [obj for _ in target_gpus]
+        return [obj for _ in (plan.devices if plan is not None else target_gpus)]
 
     return scatter_map(inputs)
+
+
+def _rows(t: torch.Tensor, n: int, dim: int, sizes: Sequence[int] | None) -> list[int]:
+    """The rows :func:`scatter_tensor` gives each device of ``n`` from ``t``."""
+    if sizes is not None:
+        return list(sizes)
+    with torch._C._DisableTorchDispatch():
+        return [c.shape[dim] for c in t.chunk(n, dim)]
+
+
+class ShardPlan(NamedTuple):
+    """DataParallel's devices in classes of equal shards: ``devices`` run a replica each
+    (``positions``: their places among the used devices), ``mirrors[i]`` are the devices
+    whose replicas ``devices[i]`` stands for, ``counts[i]`` = 1 + their number."""
+
+    devices: list[int]
+    positions: list[int]
+    mirrors: list[list[int]]
+    counts: list[int]
+
+
+def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
+               devices: Sequence[int], dim: int, chunk_sizes: Sequence[int] | None,
+               alone: Sequence[int]) -> ShardPlan | None:
+    """The classes of replicas that see equal shards (the same shape of every scattered
+    tensor, the same other arguments), from the second used device on and none on a
+    device in ``alone`` (the output device: its share of the gradient is a view, not a
+    copy); None when no two replicas are alike. A run of equal neighbours is one class:
+    its first device runs, the others mirror it (:meth:`VirtualDevices.set_mirrors`)."""
+    leaves = [t for t in tree_leaves((inputs, kwargs or {})) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return None
+    sizes = [c for c in chunk_sizes if c > 0] if chunk_sizes is not None else None
+    n = len(sizes) if sizes is not None else len(devices)  # scatter's target devices
+    rows = [_rows(t, n, dim, sizes if sizes is not None and t.dim() > dim else None)
+            for t in leaves]
+    used = min(len(r) for r in rows)
+    signature = [tuple(r[i] for r in rows) for i in range(used)]
+    plan = ShardPlan([], [], [], [])
+    i = 0
+    while i < used:
+        stop = i + 1
+        if i > 0 and devices[i] not in alone:
+            while (stop < used and signature[stop] == signature[i]
+                   and devices[stop] not in alone):
+                stop += 1
+        plan.devices.append(devices[i])
+        plan.positions.append(i)
+        plan.mirrors.append(list(devices[i + 1: stop]))
+        plan.counts.append(stop - i)
+        i = stop
+    return plan if len(plan.devices) < used else None
 
 
 def scatter_kwargs(
     rt: VirtualDevices, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
     target_gpus: Sequence[int], dim: int = 0, chunk_sizes: Sequence[int] | None = None,
+    plan: ShardPlan | None = None,
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
-    scattered_inputs = scatter(rt, inputs, target_gpus, dim, chunk_sizes) if inputs else []
-    scattered_kwargs = scatter(rt, kwargs, target_gpus, dim, chunk_sizes) if kwargs else []
+    scattered_inputs = scatter(rt, inputs, target_gpus, dim, chunk_sizes, plan) if inputs else []
+    scattered_kwargs = scatter(rt, kwargs, target_gpus, dim, chunk_sizes, plan) if kwargs else []
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(inputs):
@@ -347,11 +416,12 @@ def scatter_kwargs(
     return tuple(scattered_inputs), tuple(scattered_kwargs)
 
 
-def gather(rt: VirtualDevices, outputs: Any, target_device: int, dim: int = 0) -> Any:
+def gather(rt: VirtualDevices, outputs: Any, target_device: int, dim: int = 0,
+           counts: Sequence[int] | None = None) -> Any:
     def gather_map(outputs: Any) -> Any:
         out = outputs[0]
         if isinstance(out, torch.Tensor):
-            return Gather.apply(rt, target_device, dim, *outputs)
+            return Gather.apply(rt, target_device, dim, counts, *outputs)
         if out is None:
             return None
         if isinstance(out, dict):
@@ -381,14 +451,7 @@ def _broadcast_coalesced_reshape(
 def replicate(
     rt: VirtualDevices, network: nn.Module, devices: Sequence[int], detach: bool = False
 ) -> list[nn.Module]:
-    """``torch.nn.parallel.replicate``, line for line, over emulated broadcasts.
-
-    With ``rt.dedupe_replicas`` (meta tensors), replicas 2.. are :func:`clone_replica`s of
-    replica 1 where that builds the same objects (every module a plain ``nn.Module`` in
-    how it replicates and sets attributes): the same modules, dicts and tensors, without
-    running the per-module Python of ``_replicate_for_data_parallel`` and ``setattr`` for
-    every device.
-    """
+    """``torch.nn.parallel.replicate``, line for line, over emulated broadcasts."""
     num_replicas = len(devices)
     params = list(network.parameters())
     param_indices = {param: idx for idx, param in enumerate(params)}
@@ -403,15 +466,11 @@ def replicate(
     buffer_copies_not_rg = _broadcast_coalesced_reshape(rt, buffers_not_rg, devices, detach=True)
 
     modules = list(network.modules())
-    cloned = range(2, num_replicas) if (
-        rt.dedupe_replicas and rt.base.type == "meta" and num_replicas >= 3
-        and all(_clonable(type(m)) for m in modules)) else range(0)
-    built = range(num_replicas - len(cloned))
     module_copies: list[list[nn.Module]] = [[] for _ in devices]
     module_indices: dict[nn.Module, int] = {}
     for i, module in enumerate(modules):
         module_indices[module] = i
-        for j in built:
+        for j in range(num_replicas):
             replica = module._replicate_for_data_parallel()
             replica._former_parameters = OrderedDict()  # type: ignore[assignment]
             module_copies[j].append(replica)
@@ -419,120 +478,70 @@ def replicate(
     for i, module in enumerate(modules):
         for key, child in module._modules.items():
             if child is None:
-                for j in built:
+                for j in range(num_replicas):
                     module_copies[j][i]._modules[key] = None
             else:
                 module_idx = module_indices[child]
-                for j in built:
+                for j in range(num_replicas):
                     setattr(module_copies[j][i], key, module_copies[j][module_idx])
         for key, param in module._parameters.items():
             if param is None:
-                for j in built:
+                for j in range(num_replicas):
                     module_copies[j][i]._parameters[key] = None
             else:
                 param_idx = param_indices[param]
-                for j in built:
+                for j in range(num_replicas):
                     replica = module_copies[j][i]
                     param_copy = param_copies[j][param_idx]
                     setattr(replica, key, param_copy)
                     replica._former_parameters[key] = param_copy  # type: ignore[index,operator]
         for key, buf in module._buffers.items():
             if buf is None:
-                for j in built:
+                for j in range(num_replicas):
                     module_copies[j][i]._buffers[key] = None
             else:
                 if buf.requires_grad and not detach:
                     buffer_copies, buffer_idx = buffer_copies_rg, buffer_indices_rg[buf]
                 else:
                     buffer_copies, buffer_idx = buffer_copies_not_rg, buffer_indices_not_rg[buf]
-                for j in built:
+                for j in range(num_replicas):
                     setattr(module_copies[j][i], key, buffer_copies[j][buffer_idx])
-    if cloned:
-        def copies(j: int) -> list[torch.Tensor]:
-            return [t for c in (param_copies, buffer_copies_rg, buffer_copies_not_rg) if c
-                    for t in c[j]]
-
-        template_ids = [id(t) for t in copies(1)]
-        for j in cloned:
-            module_copies[j] = clone_replica(
-                module_copies[1], dict(zip(template_ids, copies(j), strict=True)))
     return [module_copies[j][0] for j in range(num_replicas)]
-
-
-def _clonable(cls: type) -> bool:
-    """Modules of ``cls`` replicate as ``nn.Module`` does (no override of how, no global
-    registration hook that ``setattr`` would call)."""
-    registry = torch.nn.modules.module
-    return (getattr(cls, "_replicate_for_data_parallel", None)
-            is nn.Module._replicate_for_data_parallel
-            and cls.__setattr__ is nn.Module.__setattr__ and cls.__new__ is object.__new__
-            and not getattr(registry, "_global_module_registration_hooks", None)
-            and not getattr(registry, "_global_buffer_registration_hooks", None))
-
-
-def clone_replica(template: Sequence[nn.Module], tensors: dict[int, torch.Tensor]
-                  ) -> list[nn.Module]:
-    """The modules :func:`replicate` builds for one device, from those it built for
-    another (``template``, in ``network.modules()`` order) and the device's own tensors
-    (``tensors``: the template's tensor's id -> this device's).
-
-    ``replicate`` makes each replica module as a copy of the original's ``__dict__``
-    (``_replicate_for_data_parallel``: fresh ``_parameters``, copies of ``_buffers`` and
-    ``_modules``, ``_is_replica``) and then sets, in the same order on every device, its
-    children (into ``_modules``), its parameters (as plain attributes, and into a fresh
-    ``_former_parameters``) and its buffers (into ``_buffers``). So a replica's
-    ``__dict__`` is the template's with this device's modules and tensors in place of
-    the template's: the same keys in the same order, the same objects elsewhere (hooks,
-    plain attributes, shared with the original as in every replica).
-    """
-    made = [type(m).__new__(type(m)) for m in template]
-    mine = {id(m): r for m, r in zip(template, made, strict=True)}
-    for m, r in zip(template, made, strict=True):
-        d = m.__dict__.copy()
-        d["_parameters"] = dict(m._parameters)
-        d["_buffers"] = {k: None if b is None else tensors[id(b)]
-                         for k, b in m._buffers.items()}
-        d["_modules"] = {k: None if c is None else mine[id(c)]
-                         for k, c in m._modules.items()}
-        former = OrderedDict((k, tensors[id(t)])
-                             for k, t in m.__dict__["_former_parameters"].items())
-        d["_former_parameters"] = former
-        d.update(former)
-        object.__setattr__(r, "__dict__", d)
-    return made
 
 
 def parallel_apply(
     rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
-    kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int], alone: Sequence[int] = (),
+    kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
+    mirrors: Sequence[Sequence[int]] = (),
 ) -> list[Any]:
     """Each replica on its own device; threads in torch, one after another here.
 
-    With ``rt.dedupe_replicas`` (meta tensors), consecutive replicas on equal shards (from
-    replica 1 on, none on a device in ``alone``) run as one group: the first for real, the
-    others replayed from its events (:mod:`dpprof.emulator.replicas`), with the same
-    per-device results.
+    A replica whose device is mirrored (``mirrors[k]``: the devices mirroring it) must keep
+    to its device: its mirrors copy that device's events only. One that touches another
+    device sets ``rt.dedupe_failure`` and raises :class:`MirrorUnsafe` (the scenario is
+    then emulated again with every replica run).
     """
-    from dpprof.emulator.replicas import group_replicas, run_group
-
-    groups = {g[0].index: g for g in
-              group_replicas(rt, modules, inputs, kwargs_tup, devices, alone)}
     outputs: list[Any] = []
-    k = 0
-    while k < len(modules):
-        group = groups.get(k)
-        if group is not None:
-            outputs += run_group(rt, group)
-            k += len(group)
-            del group
-            continue
+    log = rt.events.device
+    for k, module in enumerate(modules):
         inp = inputs[k]
         if not isinstance(inp, (list, tuple)):
             inp = (inp,)
+        start = len(log)
         with rt.device(devices[k]), rt.category("activations"):
-            outputs.append(modules[k](*inp, **kwargs_tup[k]))
-        k += 1
+            outputs.append(module(*inp, **kwargs_tup[k]))
+        if k < len(mirrors) and mirrors[k]:
+            own = {devices[k], *mirrors[k]}
+            other = next((d for d in log[start:] if d not in own), None)
+            if other is not None:
+                rt.dedupe_failure = (f"the replica on cuda:{devices[k]} touched "
+                                     f"{'the host' if other == HOST else f'cuda:{other}'}")
+                raise MirrorUnsafe(rt.dedupe_failure)
     return outputs
+
+
+class MirrorUnsafe(RuntimeError):
+    """A mirrored replica did something its mirrors would not copy; run them all."""
 
 
 class EmulatedDataParallel(nn.Module):
@@ -561,20 +570,34 @@ class EmulatedDataParallel(nn.Module):
                     f"cuda:{src} (device_ids[0]) but found one of them on device: "
                     f"cuda:{rt.device_of(t)}"
                 )
+        plan = None
+        if (rt.dedupe_replicas and rt.base.type == "meta" and torch.is_grad_enabled()
+                and len(self.device_ids) > 2):
+            plan = shard_plan(inputs, kwargs, self.device_ids, self.dim, self.chunk_sizes,
+                              alone=[self.output_device])
+        # replicas on equal shards: one runs, the devices of the others mirror its device
+        rt.set_mirrors({} if plan is None else dict(zip(plan.devices, plan.mirrors,
+                                                        strict=True)))
         with rt.category("inputs"):
             inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, self.device_ids, self.dim,
-                                                   self.chunk_sizes)
+                                                   self.chunk_sizes, plan)
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
         if len(self.device_ids) == 1:
             self.used_devices = [src]
             return self.module(*inputs[0], **module_kwargs[0])
-        used = self.device_ids[: len(inputs)]
-        self.used_devices = used
-        replicas = replicate(rt, self.module, used, not torch.is_grad_enabled())
-        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used,
-                                 alone=[self.output_device])
-        return gather(rt, outputs, self.output_device, self.dim)
+        if plan is None:
+            used = self.device_ids[: len(inputs)]
+            self.used_devices = used
+            replicas = replicate(rt, self.module, used, not torch.is_grad_enabled())
+            outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
+            return gather(rt, outputs, self.output_device, self.dim)
+        self.used_devices = sorted(chain(plan.devices, *plan.mirrors))
+        rt.mirrored_replicas += sum(plan.counts) - len(plan.counts)
+        replicas = replicate(rt, self.module, plan.devices, not torch.is_grad_enabled())
+        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, plan.devices,
+                                 plan.mirrors)
+        return gather(rt, outputs, self.output_device, self.dim, plan.counts)
 
 
 # ---- DistributedDataParallel: one rank (c10d/reducer.cpp) ---------------------------------

@@ -26,8 +26,9 @@ import contextlib
 import threading
 import weakref
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any, NamedTuple, overload
 
 import numpy as np
@@ -216,17 +217,15 @@ class VirtualDevices(TorchDispatchMode):
         self._op_cache = _OP_CACHE
         self.cache_hits = 0
         self._by_device: tuple[int, dict[str, np.ndarray], dict[int, np.ndarray]] = (-1, {}, {})
-        # DataParallel replicas on equal shards are emulated once and replayed onto the
-        # other devices (dpprof.emulator.replicas), over meta tensors only.
+        # DataParallel replicas on equal shards: one runs, the devices of the others
+        # mirror its device event for event (:meth:`set_mirrors`), over meta tensors only.
         self.dedupe_replicas = False
-        self.dedupe_failure: str | None = None  # why a replay could not stand for a replica
-        self.replayed_replicas = 0  # replica forwards replayed rather than run
-        self._recording: list[tuple[int, int, int, int]] | None = None
-        self._watched: set[int] = set()
-        self.watched_freed: list[int] = []
-        # counters of choices made as a replica runs (GpuKernels.chosen): a replayed replica
-        # adds what its template added
-        self.replayed_counts: list[dict[str, int]] = []
+        self.dedupe_failure: str | None = None  # why mirroring could not stand for a replica
+        self.mirrored_replicas = 0  # replica forwards stood for by a mirror, not run
+        self._mirrors: dict[int, tuple[int, ...]] = {}  # device -> the devices mirroring it
+        # serial -> (the first of its mirrors' serials, their devices), for its later events
+        self._mirror_serials: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._mirror_of: dict[int, int] = {}  # a mirror's serial -> the mirrored storage's
         # ops whose kernel on the target GPU allocates buffers of its own that the meta
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
@@ -369,10 +368,10 @@ class VirtualDevices(TorchDispatchMode):
         allocs, reqs = cols["allocated"][last], cols["requested"][last]
         keep = (allocs > 0) | (reqs > 0)
         by_cat: dict[str, int] = {}
-        labels = self._labels
+        label_of = self.label_of
         for serial, a in zip(cols["serial"][last[keep]].tolist(),
                              allocs[keep].tolist(), strict=True):
-            cat = labels.get(serial, "other")
+            cat = label_of(serial)
             by_cat[cat] = by_cat.get(cat, 0) + a
         return Snapshot(int(allocs[keep].sum()), int(reqs[keep].sum()), by_cat)
 
@@ -410,54 +409,76 @@ class VirtualDevices(TorchDispatchMode):
         self.emit(rec.device, rec.serial, sign * rec.requested, sign * rec.rounded)
 
     def emit(self, device: int, serial: int, requested: int, allocated: int) -> None:
-        """Append one event (signed bytes) and count it; while :meth:`recording`, keep it
-        aside instead (:meth:`publish` counts it later)."""
+        """Append one event (signed bytes) and count it, then the same event on each
+        device mirroring this storage's (:meth:`set_mirrors`)."""
         with self._lock:
-            if self._recording is not None:
-                self._recording.append((device, serial, requested, allocated))
-                return
             self.events.add(device, serial, requested, allocated)
             if device == HOST:
                 self.host_requested += requested
                 return
-            c = self.counters[device]
+            self._count(device, requested, allocated)
+            if self._mirror_serials or self._mirrors:
+                self._emit_mirrors(device, serial, requested, allocated)
+
+    def _count(self, device: int, requested: int, allocated: int) -> None:
+        c = self.counters[device]
+        c.live_requested += requested
+        c.live_allocated += allocated
+        if c.live_allocated > c.peak_allocated:
+            c.peak_allocated = c.live_allocated
+            c.peak_event = len(self.events)
+            c.peak_phase = self._state.phase
+        if c.live_requested > c.peak_requested:
+            c.peak_requested = c.live_requested
+
+    def _emit_mirrors(self, device: int, serial: int, requested: int, allocated: int) -> None:
+        entry = self._mirror_serials.get(serial)
+        if entry is None:
+            devices = self._mirrors.get(device)
+            if not devices or requested < 0 or allocated < 0:
+                return  # not mirrored, or made before its device was
+            first = self._serial + 1
+            self._serial += len(devices)
+            entry = (first, devices)
+            self._mirror_serials[serial] = entry
+            for j in range(len(devices)):
+                self._mirror_of[first + j] = serial
+        first, devices = entry
+        n = len(devices)
+        log = self.events
+        log.device.extend(devices)
+        log.serial.extend(range(first, first + n))
+        log.requested.extend(repeat(requested, n))
+        log.allocated.extend(repeat(allocated, n))
+        at = len(log) - n
+        phase = self._state.phase
+        for d in devices:
+            at += 1
+            c = self.counters[d]
             c.live_requested += requested
             c.live_allocated += allocated
             if c.live_allocated > c.peak_allocated:
                 c.peak_allocated = c.live_allocated
-                c.peak_event = len(self.events)
-                c.peak_phase = self._state.phase
+                c.peak_event = at
+                c.peak_phase = phase
             if c.live_requested > c.peak_requested:
                 c.peak_requested = c.live_requested
 
-    def emit_many(self, device: int, serials: list[int], requested: list[int],
-                  allocated: list[int]) -> None:
-        """:meth:`emit` for a run of events on one device (a replayed replica's)."""
-        with self._lock:
-            if self._recording is not None or device == HOST:
-                for ev in zip(serials, requested, allocated, strict=True):
-                    self.emit(device, *ev)
-                return
-            log = self.events
-            start = len(log)
-            log.device.extend([device] * len(serials))
-            log.serial.extend(serials)
-            log.requested.extend(requested)
-            log.allocated.extend(allocated)
-            c = self.counters[device]
-            live_r, live_a = c.live_requested, c.live_allocated
-            peak_r, peak_a, peak_event = c.peak_requested, c.peak_allocated, c.peak_event
-            for i, (r, a) in enumerate(zip(requested, allocated, strict=True), start + 1):
-                live_r += r
-                live_a += a
-                if live_a > peak_a:
-                    peak_a, peak_event = live_a, i
-                if live_r > peak_r:
-                    peak_r = live_r
-            if peak_event != c.peak_event:
-                c.peak_phase = self._state.phase
-            c.live_requested, c.live_allocated = live_r, live_a
-            c.peak_requested, c.peak_allocated, c.peak_event = peak_r, peak_a, peak_event
+    def set_mirrors(self, mirrors: dict[int, Sequence[int]]) -> None:
+        """From now on every storage made on a device ``d`` in ``mirrors`` stands for one
+        on each device of ``mirrors[d]`` too: each of its events (allocation, free,
+        resize) is followed by the same event on those devices, in order, under serials
+        of their own filed under its category. DataParallel's replicas on equal shards
+        run the same program on their devices, so one runs and the others mirror it;
+        each device's own sequence of events is then the one it would have. Replaces the
+        previous mapping; storages made under it keep their mirrors."""
+        for d in (*mirrors, *chain.from_iterable(mirrors.values())):
+            self._check_index(d)
+        self._mirrors = {d: tuple(ms) for d, ms in mirrors.items() if ms}
+
+    def multiplicity(self, device: int) -> int:
+        """How many devices ``device``'s storages stand for now (itself and its mirrors)."""
+        return 1 + len(self._mirrors.get(device, ()))
 
     def _free_callback(self, key: int) -> Callable[[Any], None]:
         def callback(_ref: Any) -> None:
@@ -470,8 +491,6 @@ class VirtualDevices(TorchDispatchMode):
         self._refs.pop(key, None)
         if rec is None:
             return
-        if self._watched and rec.serial in self._watched:
-            self.watched_freed.append(rec.serial)
         self._account(rec, -1)
 
     def _resized(self, st: Any, rec: _Storage) -> None:
@@ -483,7 +502,7 @@ class VirtualDevices(TorchDispatchMode):
         if rec.device != HOST:
             self._account(rec, +1)
 
-    # ---- replays (dpprof.emulator.replicas) ------------------------------------------
+    # ---- a few records -----------------------------------------------------------------
 
     def record_of(self, t: torch.Tensor) -> tuple[int, int, int] | None:
         """(serial, device, requested bytes) of ``t``'s storage, None when untracked."""
@@ -503,71 +522,12 @@ class VirtualDevices(TorchDispatchMode):
         self._serial += 1
         return self._serial
 
-    def new_serials(self, n: int) -> range:
-        """``n`` new serials at once (as ``n`` calls of :meth:`new_serial`)."""
-        first = self._serial + 1
-        self._serial += n
-        return range(first, first + n)
-
-    def label_of(self, serial: int) -> str:
-        return self._labels.get(serial, "other")
-
     def set_label(self, serial: int, category: str) -> None:
         self._labels[serial] = category
 
-    def set_labels(self, pairs: Iterable[tuple[int, str]]) -> None:
-        """:meth:`set_label` for each (serial, category)."""
-        self._labels.update(pairs)
-
-    def adopt(self, t: torch.Tensor, device: int, serial: int, requested: int) -> None:
-        """Track ``t``'s storage as ``serial`` on ``device`` without an event (a replay
-        emitted its allocation); its death emits the free as for any storage."""
-        st = t.untyped_storage()
-        key = id(st)
-        self._storages[key] = _Storage(serial, device, requested, round_size(requested))
-        self._refs[key] = weakref.ref(st, self._free_callback(key))
-
-    def disown(self, t: torch.Tensor) -> None:
-        """Stop tracking ``t``'s storage without an event (a replay emitted its free)."""
-        key = id(t.untyped_storage())
-        self._storages.pop(key, None)
-        self._refs.pop(key, None)
-
-    def disown_storage(self, st: Any) -> bool:
-        """:meth:`disown` by storage; False when it was not tracked."""
-        key = id(st)
-        self._refs.pop(key, None)
-        return self._storages.pop(key, None) is not None
-
-    def transfer(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """``dst``'s storage takes over ``src``'s record: the free is emitted when ``dst``'s
-        storage dies, ``src``'s death goes unseen."""
-        key = id(src.untyped_storage())
-        rec = self._storages.pop(key)
-        self._refs.pop(key, None)
-        st = dst.untyped_storage()
-        self._storages[id(st)] = rec
-        self._refs[id(st)] = weakref.ref(st, self._free_callback(id(st)))
-
-    def start_recording(self) -> None:
-        """Keep new events aside (see :meth:`emit`) until :meth:`stop_recording`."""
-        self._recording = []
-
-    def stop_recording(self) -> list[tuple[int, int, int, int]]:
-        out, self._recording = self._recording or [], None
-        return out
-
-    def publish(self, events: list[tuple[int, int, int, int]]) -> None:
-        """Count recorded events now, in order."""
-        for ev in events:
-            self.emit(*ev)
-
-    def watch(self, serials: set[int]) -> None:
-        """Note frees of these storages in :attr:`watched_freed` (a replay depends on them)."""
-        self._watched |= serials
-
-    def unwatch(self, serials: set[int]) -> None:
-        self._watched -= serials
+    def label_of(self, serial: int) -> str:
+        """The category of storage ``serial`` (a mirror's: the mirrored storage's)."""
+        return self._labels.get(self._mirror_of.get(serial, serial), "other")
 
     # ---- dispatch ---------------------------------------------------------------------
 
