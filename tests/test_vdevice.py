@@ -309,3 +309,33 @@ def test_timeline_points_keep_the_first_maximum_of_each_equal_slice(n_events: in
             marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
             assert [p.phase for p in got] == [
                 ([name for idx, name in marks if idx <= ev] or [""])[-1] for ev, _ in points]
+
+
+def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An optimizer's foreach updates allocate nothing: over meta their (Python) meta
+    kernels are skipped, with the same events as running them; host tensors still run."""
+    import dpprof.emulator.vdevice as vdevice
+
+    def adamw_steps(skip: bool) -> tuple[list[tuple[int, int, int]], float]:
+        monkeypatch.setattr(vdevice, "_IN_PLACE_ONLY", {})
+        if not skip:
+            monkeypatch.setattr(vdevice, "_writes_in_place_only", lambda func: False)
+        rt = VirtualDevices(1)
+        with rt, rt.device(0):
+            lin = torch.nn.Linear(64, 32, device="meta")
+            opt = torch.optim.AdamW(lin.parameters(), foreach=True)
+            for _ in range(2):
+                lin(torch.empty(8, 64, device="meta")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        monkeypatch.undo()
+        step = float(next(iter(opt.state.values()))["step"])  # a host tensor: it ran
+        return [(e.device, e.requested, e.allocated) for e in rt.events], step
+
+    skipped, steps = adamw_steps(skip=True)
+    assert vdevice._writes_in_place_only(torch.ops.aten._foreach_lerp_.Scalar)
+    assert not vdevice._writes_in_place_only(torch.ops.aten._foreach_add.List)  # allocates
+    assert adamw_steps(skip=False) == (skipped, steps)
+    assert steps == 2.0

@@ -539,6 +539,9 @@ class VirtualDevices(TorchDispatchMode):
         if not functional:
             if func in _FILLS_ONLY:
                 return args[0]  # a random fill of a meta tensor writes nothing, returns self
+            if _writes_in_place_only(func) and all(
+                    t.is_meta for t in _tensor_args(args, kwargs)):
+                return None  # e.g. an optimizer's foreach updates: nothing to write or count
             return func(*args, **kwargs)
         key = _key_of_call(func, args, kwargs)
         if key is _NO:
@@ -666,6 +669,27 @@ def _functional(func: Any) -> bool:
         except AttributeError:
             known = False
         _FUNCTIONAL[func] = known
+    return known
+
+
+_IN_PLACE_ONLY: dict[Any, bool] = {}
+
+
+def _writes_in_place_only(func: Any) -> bool:
+    """An in-place op that returns nothing (``_foreach_mul_``, ``_fused_adamw_``, ...):
+    over meta tensors (only: the optimizers' step counts are real host tensors) it
+    allocates nothing and writes nothing, and its meta kernel (Python
+    refs, per tensor: the optimizers' foreach updates were half of a step's emulation)
+    can be skipped. ``out=`` variants are not in-place (they may resize their outputs)."""
+    known = _IN_PLACE_ONLY.get(func)
+    if known is None:
+        try:
+            schema = func._schema
+            known = (schema.is_mutable and not schema.returns
+                     and func._overloadpacket.__name__.endswith("_"))
+        except AttributeError:
+            known = False
+        _IN_PLACE_ONLY[func] = known
     return known
 
 
