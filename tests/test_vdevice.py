@@ -339,3 +339,26 @@ def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
     assert not vdevice._writes_in_place_only(torch.ops.aten._foreach_add.List)  # allocates
     assert adamw_steps(skip=False) == (skipped, steps)
     assert steps == 2.0
+
+
+def test_mirror_classes_can_change_between_mappings() -> None:
+    """Devices of a class share their counts only while they mirror the same device."""
+    rt = VirtualDevices(5)
+    with rt:
+        rt.set_mirrors({1: [2, 3, 4]})
+        with rt.device(1):
+            a = torch.empty(256)  # 1 KiB on cuda:1..4
+        del a
+        rt.set_mirrors({1: [2, 3]})  # cuda:4 leaves the class
+        with rt.device(1):
+            b = torch.empty(512)  # 2 KiB on cuda:1..3
+        with rt.device(4):
+            c = torch.empty(64)
+        rt.set_mirrors({})
+        with rt.device(3):
+            d = torch.empty(128)  # cuda:3 alone now
+    peaks = [rt.counters[i].peak_allocated for i in range(5)]
+    live = [rt.counters[i].live_allocated for i in range(5)]
+    assert peaks == [0, 2048, 2048, 2560, 1024]
+    assert live == [0, 2048, 2048, 2560, 512]
+    del b, c, d

@@ -6,6 +6,7 @@ batch size); CPU tensors with ``compute=True`` (real numbers, for checks and tes
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import dataclasses
@@ -306,14 +307,15 @@ def _run_scenario(
             del loss
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                     else placed_devices(rt))
-            result.devices = _device_results(rt, cfg, name, shards, used, measure_start)
-            if name == SINGLE:  # the GPUs a model-parallel model placed itself on, else one
-                result.devices = result.devices[: max(used) + 1]
+            sources: dict[int, int] = {}  # a mirror's device -> the device it mirrors
+            result.devices = _device_results(rt, cfg, name, shards, used, measure_start,
+                                             sources)
             if rt.stand_ins.counts:
                 result.notes.append(stand_in_note(rt))
             if not cfg.compute or cfg.count_reserved:
                 fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
-                                   same_program=name == DDP)
+                                   source=lambda d: 0 if name == DDP
+                                   else sources.get(d.index, d.index))
             result.loss = loss_val
             if autocast_names.regions:
                 result.notes.append(
@@ -414,16 +416,30 @@ def ddp_ranks(template: DeviceResult, world: int) -> list[DeviceResult]:
 
 def _device_results(
     rt: VirtualDevices, cfg: EmulationConfig, name: str, shards: list[int], used: list[int],
-    measure_start: int,
+    measure_start: int, sources: dict[int, int] | None = None,
 ) -> list[DeviceResult]:
-    out = [
-        device_result(
-            rt, i, i, cfg.gpu_memory_bytes, i in used,
-            shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and i < len(shards)
-            else shards[0],
-            timeline_points(rt, i, measure_start))
-        for i in range(rt.num_devices)
-    ]
+    """Each device's figures; a mirror's (:meth:`VirtualDevices.mirror_shift`) are its
+    device's, noted in ``sources`` (the mirror -> the device its sequence is)."""
+    # DDP: rank 0's device stands for every rank; single: the GPUs a model-parallel model
+    # placed itself on, else one; DataParallel: every GPU
+    shown = (1 if name == DDP else max(used) + 1 if name == SINGLE else rt.num_devices)
+    out: list[DeviceResult] = []
+    for i in range(shown):
+        rows = (shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and i < len(shards)
+                else shards[0])
+        of = rt.mirrored_device(i)
+        shift = None if of is None or of > i else rt.mirror_shift(i, of)
+        if shift is not None:  # a mirror: its device's figures, the timeline shifted
+            assert of is not None
+            if sources is not None:
+                sources[i] = of
+            src = out[of]
+            out.append(DeviceResult(**{
+                **src.__dict__, "index": i, "used": i in used, "batch_rows": rows,
+                "timeline": shift_timeline(rt, src.timeline, shift, measure_start)}))
+            continue
+        out.append(device_result(rt, i, i, cfg.gpu_memory_bytes, i in used, rows,
+                                 timeline_points(rt, i, measure_start)))
     return ddp_ranks(out[0], cfg.gpus) if name == DDP else out
 
 
@@ -431,6 +447,23 @@ def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:
     """The context/workspace model for the target GPU (cuDNN where convolutions run)."""
     uses_cudnn = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     return device_context(cfg.compute_capability, uses_cudnn)
+
+
+def shift_timeline(rt: VirtualDevices, points: list[TimelinePoint], shift: int,
+                   start: int) -> list[TimelinePoint]:
+    """A mirror's timeline from its device's (:meth:`VirtualDevices.mirror_shift`): every
+    point but the window's first ``shift`` events later, each labelled with its own
+    phase (a phase may begin between an event and its mirror's)."""
+    marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+    firsts = [idx for idx, _ in marks]
+    names = ["", *(name for _, name in marks)]
+    out = points[:1]
+    for p in points[1:]:
+        t = p.t + shift
+        out.append(TimelinePoint(t, p.allocated_bytes,
+                                 names[bisect.bisect_right(firsts, start + int(t))],
+                                 p.used_bytes))
+    return out
 
 
 def timeline_points(rt: VirtualDevices, index: int, start: int, *,

@@ -568,11 +568,14 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
     sequences = _DeviceSequences(events)
     simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
+    keys: dict[int, Any] = {}
     for d in devices:
         if not d.used:
             continue
         src = source(d) if source is not None else 0 if same_program else d.index
-        key = sequences.key(src)
+        key = keys.get(src)
+        if key is None:
+            key = keys[src] = sequences.key(src)
         stats = simulated.get(key)
         if stats is None:
             stats = simulated[key] = simulate(workspaces + sequences.sequence(src),

@@ -22,13 +22,15 @@ tensors (real numbers, for checks). The device index :data:`HOST` stands for the
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
 import threading
 import weakref
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any, NamedTuple, overload
 
 import numpy as np
@@ -224,8 +226,14 @@ class VirtualDevices(TorchDispatchMode):
         self.mirrored_replicas = 0  # replica forwards stood for by a mirror, not run
         self._mirrors: dict[int, tuple[int, ...]] = {}  # device -> the devices mirroring it
         # serial -> (the first of its mirrors' serials, their devices), for its later events
-        self._mirror_serials: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._mirror_of: dict[int, int] = {}  # a mirror's serial -> the mirrored storage's
+        self._mirror_serials: dict[int, tuple[array[int], array[int]]] = {}
+        # the blocks of mirrors' serials: their first serials (ascending), (length, the
+        # mirrored storage's serial)
+        self._mirror_firsts: list[int] = []
+        self._mirror_blocks: list[tuple[int, int]] = []
+        self._device_columns: dict[tuple[int, ...], array[int]] = {}  # kept: ids are keys
+        self._distinct_counters: dict[int, list[DeviceCounters]] = {}
+        self._fills: dict[tuple[int, int], array[int]] = {}
         # ops whose kernel on the target GPU allocates buffers of its own that the meta
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
@@ -354,6 +362,30 @@ class VirtualDevices(TorchDispatchMode):
             self._by_device = (n, cols, log.indices_by_device())
         return self._by_device[1], self._by_device[2]
 
+    def mirror_shift(self, index: int, of: int) -> int | None:
+        """How many events after each of device ``of``'s events device ``index`` has the
+        same event, when every event of ``index`` is one of ``of``'s so placed (a mirror
+        of it, :meth:`set_mirrors`); None otherwise. Such a device's figures are
+        ``of``'s, its timeline ``of``'s shifted by that many events."""
+        cols, by_device = self._columns()
+        mine, theirs = by_device.get(index, _NO_INDICES), by_device.get(of, _NO_INDICES)
+        if len(mine) != len(theirs) or not len(mine):
+            return None
+        shift = int(mine[0] - theirs[0])
+        if shift <= 0 or not np.array_equal(mine - theirs, np.full(len(mine), shift)):
+            return None
+        for name in ("requested", "allocated"):
+            if not np.array_equal(cols[name][mine], cols[name][theirs]):
+                return None
+        return shift
+
+    def mirrored_device(self, index: int) -> int | None:
+        """The device ``index`` mirrors now (:meth:`set_mirrors`), if any."""
+        for d, ms in self._mirrors.items():
+            if index in ms:
+                return d
+        return None
+
     def snapshot(self, index: int, event_index: int) -> Snapshot:
         """Bytes per (final) category live on device ``index`` before ``event_index``."""
         cols, by_device = self._columns()
@@ -437,32 +469,58 @@ class VirtualDevices(TorchDispatchMode):
             devices = self._mirrors.get(device)
             if not devices or requested < 0 or allocated < 0:
                 return  # not mirrored, or made before its device was
+            n = len(devices)
             first = self._serial + 1
-            self._serial += len(devices)
-            entry = (first, devices)
+            self._serial += n
+            entry = (array("q", range(first, first + n)), self._device_columns[devices])
             self._mirror_serials[serial] = entry
-            for j in range(len(devices)):
-                self._mirror_of[first + j] = serial
-        first, devices = entry
-        n = len(devices)
+            self._mirror_firsts.append(first)  # serials first..first + n - 1 mirror serial
+            self._mirror_blocks.append((n, serial))
+        serials, device_column = entry
+        n = len(serials)
         log = self.events
-        log.device.extend(devices)
-        log.serial.extend(range(first, first + n))
-        log.requested.extend(repeat(requested, n))
-        log.allocated.extend(repeat(allocated, n))
-        at = len(log) - n
-        phase = self._state.phase
-        for d in devices:
-            at += 1
-            c = self.counters[d]
+        log.device.extend(device_column)
+        log.serial.extend(serials)
+        fills = self._fills
+        col = fills.get((requested, n))
+        log.requested.extend(col if col is not None else self._filled(requested, n))
+        col = fills.get((allocated, n))
+        log.allocated.extend(col if col is not None else self._filled(allocated, n))
+        # Each mirror's peak event is the index after this whole run of mirror events: a
+        # snapshot there sees the same events of its device as one right after its own
+        # event, so the devices of a class stay equal and share their counters.
+        at = len(log.device)
+        counters = self._distinct_counters.get(id(device_column))
+        if counters is None:
+            counters = self._class_counters(device_column)
+        for c in counters:
             c.live_requested += requested
             c.live_allocated += allocated
             if c.live_allocated > c.peak_allocated:
                 c.peak_allocated = c.live_allocated
                 c.peak_event = at
-                c.peak_phase = phase
+                c.peak_phase = self._state.phase
             if c.live_requested > c.peak_requested:
                 c.peak_requested = c.live_requested
+
+    def _filled(self, value: int, n: int) -> array[int]:
+        """``value`` ``n`` times, as a column to append (the same sizes recur)."""
+        key = (value, n)
+        col = self._fills.get(key)
+        if col is None:
+            if len(self._fills) > 4096:
+                self._fills.clear()
+            col = self._fills[key] = array("q", (value,)) * n
+        return col
+
+    def _class_counters(self, devices: array[int]) -> list[DeviceCounters]:
+        """The distinct counters of ``devices`` (a class of mirrors shares one)."""
+        seen: dict[int, DeviceCounters] = {}
+        for d in devices:
+            c = self.counters[d]
+            seen.setdefault(id(c), c)
+        found = self._distinct_counters[id(devices)] = list(seen.values())
+        return found
 
     def set_mirrors(self, mirrors: dict[int, Sequence[int]]) -> None:
         """From now on every storage made on a device ``d`` in ``mirrors`` stands for one
@@ -475,6 +533,27 @@ class VirtualDevices(TorchDispatchMode):
         for d in (*mirrors, *chain.from_iterable(mirrors.values())):
             self._check_index(d)
         self._mirrors = {d: tuple(ms) for d, ms in mirrors.items() if ms}
+        for ms in self._mirrors.values():
+            self._device_columns.setdefault(ms, array("q", ms))
+        # Devices that mirror the same device share one counters object from now on (their
+        # events are the same): those that already share one, or that hold nothing (no
+        # storage mirrored under an older mapping can reach some of them only) and have
+        # equal counters. All others get their own.
+        holders: dict[int, list[int]] = {}
+        for i, c in enumerate(self.counters):
+            holders.setdefault(id(c), []).append(i)
+        classes = {tuple(sorted(ms)) for ms in self._mirrors.values()}
+        for devices in holders.values():
+            if len(devices) > 1 and tuple(devices) not in classes:
+                for i in devices[1:]:
+                    self.counters[i] = dataclasses.replace(self.counters[i])
+        for ms in self._mirrors.values():
+            first = self.counters[ms[0]]
+            if all(self.counters[m] == first and not self.counters[m].live_requested
+                   and not self.counters[m].live_allocated for m in ms):
+                for m in ms[1:]:
+                    self.counters[m] = first
+        self._distinct_counters.clear()
 
     def multiplicity(self, device: int) -> int:
         """How many devices ``device``'s storages stand for now (itself and its mirrors)."""
@@ -527,7 +606,14 @@ class VirtualDevices(TorchDispatchMode):
 
     def label_of(self, serial: int) -> str:
         """The category of storage ``serial`` (a mirror's: the mirrored storage's)."""
-        return self._labels.get(self._mirror_of.get(serial, serial), "other")
+        label = self._labels.get(serial)
+        if label is None and self._mirror_firsts:
+            k = bisect.bisect_right(self._mirror_firsts, serial) - 1
+            if k >= 0:
+                n, mirrored = self._mirror_blocks[k]
+                if serial < self._mirror_firsts[k] + n:
+                    label = self._labels.get(mirrored)
+        return label or "other"
 
     # ---- dispatch ---------------------------------------------------------------------
 
