@@ -156,3 +156,35 @@ def test_real_numbers_run_every_replica() -> None:
     _, trace = _run(wl, 16, 4, DP_LOSS_PRIMARY, dedupe=True, compute=True)
     assert trace["rt"].dedupe_replicas is False
     assert trace["rt"].mirrored_replicas == 0
+
+
+class _KeywordsModel(nn.Module):
+    """Called the Hugging Face way (keyword tensors), returns a dict with a per-replica
+    scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.lin = nn.Linear(16, 100)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        h = self.emb(input_ids) * mask.unsqueeze(-1)
+        return {"logits": self.lin(h), "aux": h.pow(2).mean()}
+
+
+def test_keyword_inputs_and_dict_outputs_are_mirrored() -> None:
+    wl = Workload(
+        model=_KeywordsModel,
+        batch=lambda rows, device: (
+            {"input_ids": torch.randint(0, 100, (rows, 12), device=device),
+             "mask": torch.ones(rows, 12, device=device)},
+            torch.randint(0, 100, (rows, 12), device=device)),
+        loss=lambda out, y: nn.functional.cross_entropy(
+            out["logits"].flatten(0, 1), y.flatten()) + out["aux"].mean(),
+        name="keywords",
+    )
+    for batch in (32, 30):  # 8 equal shards; [4] * 7 + [2]
+        plain = _run(wl, batch, 8, DP_LOSS_PRIMARY, dedupe=False)
+        mirrored = _run(wl, batch, 8, DP_LOSS_PRIMARY, dedupe=True)
+        assert mirrored[1]["rt"].mirrored_replicas == (12 if batch == 32 else 10)
+        _assert_same(plain, mirrored)
