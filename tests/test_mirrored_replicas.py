@@ -188,3 +188,25 @@ def test_keyword_inputs_and_dict_outputs_are_mirrored() -> None:
         mirrored = _run(wl, batch, 8, DP_LOSS_PRIMARY, dedupe=True)
         assert mirrored[1]["rt"].mirrored_replicas == (12 if batch == 32 else 10)
         _assert_same(plain, mirrored)
+
+
+class _ReadsAValue(nn.Module):
+    """Reads a number in forward (an emulated value: a stand-in, counted per replica)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = 1.0 + 0.0 * float(x.abs().max().item())
+        return self.lin(x) * scale, x[:, :4]
+
+
+def test_values_read_in_a_mirrored_replica_are_counted_for_every_replica() -> None:
+    wl = _workload(_ReadsAValue)
+    plain = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=False)
+    mirrored = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=True)
+    assert mirrored[1]["rt"].mirrored_replicas == 4
+    _assert_same(plain, mirrored)
+    assert plain[0].notes == mirrored[0].notes
+    assert plain[1]["rt"].stand_ins.total == 2 * 4  # two steps, four replicas

@@ -362,3 +362,31 @@ def test_mirror_classes_can_change_between_mappings() -> None:
     assert peaks == [0, 2048, 2048, 2560, 1024]
     assert live == [0, 2048, 2048, 2560, 512]
     del b, c, d
+
+
+class _ZerosInBackward(torch.autograd.Function):
+    """A backward formula that makes a tensor from nothing (as ``at::zeros`` in one)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        scratch = torch.zeros(100)  # 400 B, no tensor input, no device
+        return grad * 2 + scratch.sum()
+
+
+def test_a_factory_inside_backward_lands_on_the_nodes_device(rt: VirtualDevices) -> None:
+    """CUDA's engine runs a node under its device's guard: a factory in cuda:1's backward
+    is on cuda:1, whatever the current device (cuda:0 here)."""
+    with rt:
+        with rt.device(1):
+            x = torch.ones(8, requires_grad=True)
+        with rt.device(0):
+            _ZerosInBackward.apply(x).sum().backward()
+            y = torch.empty(100)  # outside backward: the current device again
+    on = {e.device for e in rt.events if abs(e.requested) == 400}
+    assert on == {1, 0}
+    assert [e.device for e in rt.events if e.requested == 400] == [1, 0]
+    del x, y

@@ -28,12 +28,14 @@ import pytest
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.base import DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fidelity import emulated_step
+from test_mirrored_replicas import _assert_same as assert_same_per_device
+from test_mirrored_replicas import _run as run_mirrored
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "torchvision", "timm")),
@@ -58,6 +60,19 @@ def test_every_zoo_model_runs_every_scenario(name: str, scenario: str) -> None:
     assert r.status == "ok", r.message
     assert r.devices[0].peak_allocated_bytes > 0
 
+
+
+@pytest.mark.parametrize("name", RUNS_ON_META)
+@pytest.mark.parametrize("scenario", [DP_LOSS_PRIMARY, DP_LOSS_FORWARD])
+def test_every_zoo_model_is_mirrored_byte_for_byte(name: str, scenario: str) -> None:
+    """At 4 GPUs cuda:1 runs and cuda:2..3 mirror it (no model falls back to running every
+    replica), every device's events as when every replica runs."""
+    wl = load_workload(f"{ZOO}:{name}")
+    plain = run_mirrored(wl, 4 * ROWS, 4, scenario, dedupe=False)
+    mirrored = run_mirrored(wl, 4 * ROWS, 4, scenario, dedupe=True)
+    assert mirrored[1]["rt"].mirrored_replicas == 2 * 2  # two steps, two mirrors
+    assert_same_per_device(plain, mirrored)
+    assert plain[0].notes == mirrored[0].notes
 
 
 def cpu_only_peak(records: list[Alloc], emulated: list[int]) -> int:

@@ -223,6 +223,37 @@ def gather_tensors(
 # ---- autograd functions (torch/nn/parallel/_functions.py) ---------------------------------
 
 
+class _OutputMeta(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+    device: int
+    differentiable: bool
+
+
+def _note_outputs(ctx: Any, rt: VirtualDevices, outputs: Sequence[torch.Tensor],
+                  differentiable: Sequence[bool]) -> None:
+    """Keep what the engine needs to make a zero gradient for each output (not the
+    outputs), and make them here: see :func:`_materialize`."""
+    ctx.set_materialize_grads(False)
+    ctx.out_meta = [_OutputMeta(t.shape, t.dtype, rt.device_of(t), d)
+                    for t, d in zip(outputs, differentiable, strict=True)]
+
+
+def _materialize(ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[Any]:
+    """The zero gradients the autograd engine makes for a Python function's differentiable
+    outputs that got none (``PyNode::apply``: ``output_info[i].zeros(device_guard)``),
+    in output order, each on its output's device: over virtual devices the engine's own
+    ``zeros`` would land on the current device, not the replica's."""
+    rt: VirtualDevices = ctx.rt
+    out: list[Any] = []
+    for g, meta in zip(grads, ctx.out_meta, strict=True):
+        if g is None and meta.differentiable:
+            with rt.placing_on(meta.device):
+                g = torch.zeros(meta.shape, dtype=meta.dtype, device=rt.base)
+        out.append(g)
+    return out
+
+
 class Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rt: VirtualDevices, target_gpus: list[int], *inputs: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -238,12 +269,14 @@ class Broadcast(torch.autograd.Function):
             if not input_requires_grad:
                 non_differentiables.extend(output[idx] for output in outputs)
         ctx.mark_non_differentiable(*non_differentiables)
+        _note_outputs(ctx, rt, list(chain.from_iterable(outputs)),
+                      list(ctx.needs_input_grad[2:]) * len(outputs))
         return tuple(chain.from_iterable(outputs))
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None):  # type: ignore[no-untyped-def]
         return (None, None, *ReduceAddCoalesced.apply(
-            ctx.rt, ctx.input_device, ctx.num_inputs, *grad_outputs
+            ctx.rt, ctx.input_device, ctx.num_inputs, *_materialize(ctx, grad_outputs)
         ))
 
 
@@ -305,12 +338,15 @@ class Scatter(torch.autograd.Function):
         ctx.dim = dim
         ctx.counts = counts
         ctx.input_device = rt.device_of(input)
-        return scatter_tensor(rt, input, target_gpus, chunk_sizes, dim)
+        outputs = scatter_tensor(rt, input, target_gpus, chunk_sizes, dim)
+        _note_outputs(ctx, rt, outputs, [True] * len(outputs))
+        return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, *grad_output: torch.Tensor | None):  # type: ignore[no-untyped-def]
         return (None, None, None, None,
-                Gather.apply(ctx.rt, ctx.input_device, ctx.dim, ctx.counts, *grad_output), None)
+                Gather.apply(ctx.rt, ctx.input_device, ctx.dim, ctx.counts,
+                             *_materialize(ctx, grad_output)), None)
 
 
 # ---- scatter_gather.py, replicate.py, parallel_apply.py ----------------------------------

@@ -212,6 +212,7 @@ class VirtualDevices(TorchDispatchMode):
         self._measuring_since = 0
         self.host_requested = 0
         self._meta = self.base.type == "meta"
+        self._last_device: int | None = None  # of the last op with device tensor inputs
         # Meta kernels are mostly Python (torch._refs): the same op on the same shapes is
         # run once and its outputs' metadata replayed (fresh storages only, see _run). The
         # memo is a pure function of metadata, so every runtime shares it (a comparison's
@@ -696,8 +697,14 @@ class VirtualDevices(TorchDispatchMode):
             target = placed
         elif devices:
             target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
+            self._last_device = target
         elif saw_host:
             target = HOST
+        elif self._last_device is not None and torch._C._current_graph_task_id() != -1:
+            # a factory inside a backward node (``at::zeros`` in a backward formula): CUDA's
+            # engine runs each node under its device's guard; here, the device of the
+            # node's tensors, the last ones an op read
+            target = self._last_device
         else:
             target = self._state.device  # a factory: the current device
         plan = None

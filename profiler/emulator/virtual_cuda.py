@@ -111,10 +111,12 @@ class StandIns:
     counts: dict[str, int] = field(default_factory=dict)
     sites: dict[str, int] = field(default_factory=dict)  # "file:line (kind)" -> count
 
-    def add(self, kind: str) -> None:
-        self.counts[kind] = self.counts.get(kind, 0) + 1
+    def add(self, kind: str, times: int = 1) -> None:
+        """One more value of ``kind`` made up (``times``: for a mirrored DataParallel
+        replica, once for each replica it stands for)."""
+        self.counts[kind] = self.counts.get(kind, 0) + times
         key = f"{caller_site()} ({kind})"
-        self.sites[key] = self.sites.get(key, 0) + 1
+        self.sites[key] = self.sites.get(key, 0) + times
 
     @property
     def total(self) -> int:
@@ -234,20 +236,24 @@ class CudaDevices(VirtualDevices):
             full = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return full.as_strided(t.shape, t.stride(), t.storage_offset()).to(t.dtype)
 
+    def stand_in(self, kind: str, t: torch.Tensor) -> None:
+        """Count a value of ``t`` made up, once per device ``t``'s storage stands for."""
+        self.stand_ins.add(kind, self.multiplicity(self.device_of(t)))
+
     def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
         real = self.real_values(t)
         if real is not None:
             return real.item()
         if t.dtype == torch.bool:
             if "isfinite" in caller_line():  # torch.isfinite(loss): emulated values are
-                self.stand_ins.add("bool (isfinite)")
+                self.stand_in("bool (isfinite)", t)
                 return True
-            self.stand_ins.add("bool")
+            self.stand_in("bool", t)
             return STAND_IN_BOOL
         if t.is_floating_point() or t.is_complex():
-            self.stand_ins.add("item")
+            self.stand_in("item", t)
             return STAND_IN_FLOAT
-        self.stand_ins.add("item")
+        self.stand_in("item", t)
         return STAND_IN_INT
 
 
@@ -527,7 +533,7 @@ class VirtualCuda:
         with rt.placing_on(index):
             if index == HOST:
                 if rt.real_host and _is_meta(t) and (real is None or real.type != "meta"):
-                    rt.stand_ins.add("host copy")
+                    rt.stand_in("host copy", t)
                     return torch.zeros(t.shape, dtype=dtype, device="cpu")
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
                 return _ORIG["to"](t, device=host, dtype=dtype, copy=True)
@@ -788,13 +794,13 @@ class VirtualCuda:
                 real = vc.rt.real_values(self)
                 if real is not None:
                     return _ORIG["tolist"](real)
-                vc.rt.stand_ins.add("tolist")
+                vc.rt.stand_in("tolist", self)
                 return _ORIG["tolist"](_host_stand_in(self))
             return _ORIG["tolist"](self)
 
         def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
             if _ORIG["device"].__get__(self).type == "meta":
-                vc.rt.stand_ins.add("numpy")
+                vc.rt.stand_in("numpy", self)
                 return _ORIG["numpy"](_host_stand_in(self))
             return _ORIG["numpy"](self, force=force)
 
