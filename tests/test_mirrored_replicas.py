@@ -112,12 +112,8 @@ class _EchoesInput(nn.Module):
         return self.lin(x), x[:, :4]
 
 
-class _TouchesCuda0(nn.Module):
+class _TouchesCuda0(_EchoesInput):
     """Every replica makes a tensor on cuda:0 (a mirror of cuda:1 would not copy it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = torch.ones(16, device="cuda:0").to(x.device)
@@ -190,12 +186,8 @@ def test_keyword_inputs_and_dict_outputs_are_mirrored() -> None:
         _assert_same(plain, mirrored)
 
 
-class _ReadsAValue(nn.Module):
+class _ReadsAValue(_EchoesInput):
     """Reads a number in forward (an emulated value: a stand-in, counted per replica)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = 1.0 + 0.0 * float(x.abs().max().item())

@@ -226,7 +226,7 @@ class VirtualDevices(TorchDispatchMode):
         self.dedupe_failure: str | None = None  # why mirroring could not stand for a replica
         self.mirrored_replicas = 0  # replica forwards stood for by a mirror, not run
         self._mirrors: dict[int, tuple[int, ...]] = {}  # device -> the devices mirroring it
-        # serial -> (the first of its mirrors' serials, their devices), for its later events
+        # serial -> (its mirrors' serials, their devices), for its later events
         self._mirror_serials: dict[int, tuple[array[int], array[int]]] = {}
         # the blocks of mirrors' serials: their first serials (ascending), (length, the
         # mirrored storage's serial)
@@ -583,11 +583,6 @@ class VirtualDevices(TorchDispatchMode):
             self._account(rec, +1)
 
     # ---- a few records -----------------------------------------------------------------
-
-    def record_of(self, t: torch.Tensor) -> tuple[int, int, int] | None:
-        """(serial, device, requested bytes) of ``t``'s storage, None when untracked."""
-        rec = self._storages.get(id(t.untyped_storage()))
-        return None if rec is None else (rec.serial, rec.device, rec.requested)
 
     def new_empty(self, shape: Any, dtype: torch.dtype, device: int) -> torch.Tensor:
         """A new contiguous meta tensor on ``device``, counted as any allocation (current
