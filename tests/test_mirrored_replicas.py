@@ -26,6 +26,16 @@ def _run(wl: Workload, batch: int, gpus: int, name: str, dedupe: bool,
     return run_scenario(name, wl, cfg, trace), trace
 
 
+Run = tuple[ScenarioResult, dict]
+
+
+def run_both(wl: Workload, batch: int, gpus: int, name: str = DP_LOSS_PRIMARY,
+             **extra: object) -> tuple[Run, Run]:
+    """The scenario with every replica run, and with equal replicas mirrored."""
+    return (_run(wl, batch, gpus, name, False, **extra),
+            _run(wl, batch, gpus, name, True, **extra))
+
+
 def _per_device(r: ScenarioResult) -> str:
     """The result with each device's timeline as its sequence of (bytes, phase): where a
     mirror's events sit among the other devices' is a serialization of replicas that run
@@ -43,7 +53,7 @@ def _events_by_device(rt: Any) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _assert_same(plain: tuple[ScenarioResult, dict], mirrored: tuple[ScenarioResult, dict]
+def assert_same(plain: tuple[ScenarioResult, dict], mirrored: tuple[ScenarioResult, dict]
                  ) -> None:
     (a, ta), (b, tb) = plain, mirrored
     assert a.status == "ok", a.message
@@ -76,13 +86,12 @@ def test_mirrored_replicas_give_every_device_the_same_events(
     workload: str, batch: int, gpus: int, name: str
 ) -> None:
     wl = load_workload(workload)
-    plain = _run(wl, batch, gpus, name, dedupe=False)
-    mirrored = _run(wl, batch, gpus, name, dedupe=True)
+    plain, mirrored = run_both(wl, batch, gpus, name)
     # mirrors really stood for replicas (two steps: warm-up + measured)
     assert mirrored[1]["rt"].dedupe_failure is None
     assert mirrored[1]["rt"].mirrored_replicas > 0
     assert plain[1]["rt"].mirrored_replicas == 0
-    _assert_same(plain, mirrored)
+    assert_same(plain, mirrored)
     # the kernels' choices are counted for every replica (the notes say how many)
     assert plain[0].notes == mirrored[0].notes
 
@@ -95,10 +104,9 @@ def test_uneven_chunks_and_output_device_as_the_fixes_emulate_them() -> None:
         (8, {"dp_output_device": 3}, 2 * (1 + 3)),  # classes 1..2 and 4..7
     ]
     for gpus, extra, mirrored in cases:
-        plain = _run(wl, 32, gpus, DP_LOSS_PRIMARY, False, **extra)
-        dedup = _run(wl, 32, gpus, DP_LOSS_PRIMARY, True, **extra)
+        plain, dedup = run_both(wl, 32, gpus, **extra)
         assert dedup[1]["rt"].mirrored_replicas == mirrored, extra
-        _assert_same(plain, dedup)
+        assert_same(plain, dedup)
 
 
 class _EchoesInput(nn.Module):
@@ -132,19 +140,17 @@ def _workload(model: type[nn.Module]) -> Workload:
 
 def test_a_replica_that_returns_a_view_of_its_input_is_mirrored() -> None:
     wl = _workload(_EchoesInput)
-    plain = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=False)
-    mirrored = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=True)
+    plain, mirrored = run_both(wl, 32, 4)
     assert mirrored[1]["rt"].mirrored_replicas == 4
-    _assert_same(plain, mirrored)
+    assert_same(plain, mirrored)
 
 
 def test_a_replica_that_touches_another_device_is_run_on_every_device() -> None:
     wl = _workload(_TouchesCuda0)
-    plain = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=False)
-    rerun = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=True)
+    plain, rerun = run_both(wl, 32, 4)
     assert rerun[1]["rt"].dedupe_replicas is False  # the result comes from the rerun
     assert rerun[1]["rt"].mirrored_replicas == 0
-    _assert_same(plain, rerun)
+    assert_same(plain, rerun)
 
 
 def test_real_numbers_run_every_replica() -> None:
@@ -180,10 +186,9 @@ def test_keyword_inputs_and_dict_outputs_are_mirrored() -> None:
         name="keywords",
     )
     for batch in (32, 30):  # 8 equal shards; [4] * 7 + [2]
-        plain = _run(wl, batch, 8, DP_LOSS_PRIMARY, dedupe=False)
-        mirrored = _run(wl, batch, 8, DP_LOSS_PRIMARY, dedupe=True)
+        plain, mirrored = run_both(wl, batch, 8)
         assert mirrored[1]["rt"].mirrored_replicas == (12 if batch == 32 else 10)
-        _assert_same(plain, mirrored)
+        assert_same(plain, mirrored)
 
 
 class _ReadsAValue(_EchoesInput):
@@ -196,9 +201,8 @@ class _ReadsAValue(_EchoesInput):
 
 def test_values_read_in_a_mirrored_replica_are_counted_for_every_replica() -> None:
     wl = _workload(_ReadsAValue)
-    plain = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=False)
-    mirrored = _run(wl, 32, 4, DP_LOSS_PRIMARY, dedupe=True)
+    plain, mirrored = run_both(wl, 32, 4)
     assert mirrored[1]["rt"].mirrored_replicas == 4
-    _assert_same(plain, mirrored)
+    assert_same(plain, mirrored)
     assert plain[0].notes == mirrored[0].notes
     assert plain[1]["rt"].stand_ins.total == 2 * 4  # two steps, four replicas

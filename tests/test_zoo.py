@@ -34,8 +34,7 @@ from dpprof.scenarios.workloads import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fidelity import emulated_step
-from test_mirrored_replicas import _assert_same as assert_same_per_device
-from test_mirrored_replicas import _run as run_mirrored
+from test_mirrored_replicas import assert_same, run_both
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "torchvision", "timm")),
@@ -68,10 +67,9 @@ def test_every_zoo_model_is_mirrored_byte_for_byte(name: str, scenario: str) -> 
     """At 4 GPUs cuda:1 runs and cuda:2..3 mirror it (no model falls back to running every
     replica), every device's events as when every replica runs."""
     wl = load_workload(f"{ZOO}:{name}")
-    plain = run_mirrored(wl, 4 * ROWS, 4, scenario, dedupe=False)
-    mirrored = run_mirrored(wl, 4 * ROWS, 4, scenario, dedupe=True)
+    plain, mirrored = run_both(wl, 4 * ROWS, 4, scenario)
     assert mirrored[1]["rt"].mirrored_replicas == 2 * 2  # two steps, two mirrors
-    assert_same_per_device(plain, mirrored)
+    assert_same(plain, mirrored)
     assert plain[0].notes == mirrored[0].notes
 
 

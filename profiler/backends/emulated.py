@@ -307,15 +307,14 @@ def _run_scenario(
             del loss
             used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                     else placed_devices(rt))
-            sources: dict[int, int] = {}  # a mirror's device -> the device it mirrors
+            sources: dict[int, int] = {}  # a device -> the one whose events it stands on
             result.devices = _device_results(rt, cfg, name, shards, used, measure_start,
                                              sources)
             if rt.stand_ins.counts:
                 result.notes.append(stand_in_note(rt))
             if not cfg.compute or cfg.count_reserved:
                 fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
-                                   source=lambda d: 0 if name == DDP
-                                   else sources.get(d.index, d.index))
+                                   source=lambda d: sources.get(d.index, d.index))
             result.loss = loss_val
             if autocast_names.regions:
                 result.notes.append(
@@ -416,10 +415,11 @@ def ddp_ranks(template: DeviceResult, world: int) -> list[DeviceResult]:
 
 def _device_results(
     rt: VirtualDevices, cfg: EmulationConfig, name: str, shards: list[int], used: list[int],
-    measure_start: int, sources: dict[int, int] | None = None,
+    measure_start: int, sources: dict[int, int],
 ) -> list[DeviceResult]:
     """Each device's figures; a mirror's (:meth:`VirtualDevices.mirror_shift`) are its
-    device's, noted in ``sources`` (the mirror -> the device its sequence is)."""
+    device's and every DDP rank's are rank 0's, noted in ``sources`` (the device shown ->
+    the one whose event sequence it is)."""
     # DDP: rank 0's device stands for every rank; single: the GPUs a model-parallel model
     # placed itself on, else one; DataParallel: every GPU
     shown = (1 if name == DDP else max(used) + 1 if name == SINGLE else rt.num_devices)
@@ -431,8 +431,7 @@ def _device_results(
         shift = None if of is None or of > i else rt.mirror_shift(i, of)
         if shift is not None:  # a mirror: its device's figures, the timeline shifted
             assert of is not None
-            if sources is not None:
-                sources[i] = of
+            sources[i] = of
             src = out[of]
             out.append(DeviceResult(**{
                 **src.__dict__, "index": i, "used": i in used, "batch_rows": rows,
@@ -440,7 +439,10 @@ def _device_results(
             continue
         out.append(device_result(rt, i, i, cfg.gpu_memory_bytes, i in used, rows,
                                  timeline_points(rt, i, measure_start)))
-    return ddp_ranks(out[0], cfg.gpus) if name == DDP else out
+    if name == DDP:
+        sources.update(dict.fromkeys(range(cfg.gpus), 0))
+        return ddp_ranks(out[0], cfg.gpus)
+    return out
 
 
 def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:

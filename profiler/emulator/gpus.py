@@ -556,14 +556,13 @@ class DeviceFigures(Protocol):
 
 
 def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[AllocationEvent],
-                       ctx: ContextModel, same_program: bool = False,
+                       ctx: ContextModel,
                        source: Callable[[DeviceFigures], int] | None = None) -> None:
     """Per used device: the caching allocator's reserve (a simulation of its pools over the
     device's allocation sequence, cuBLAS workspaces included) and the context.
 
-    ``same_program``: every device runs the same allocations (DDP ranks), device 0's
-    sequence stands for all. ``source``: the event log's device whose sequence a result's
-    device stands for (default: its index).
+    ``source``: the event log's device whose sequence a result's device stands for
+    (default: its index; DDP ranks: rank 0's device; a mirror: the device it mirrors).
     """
     workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
     sequences = _DeviceSequences(events)
@@ -572,7 +571,7 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     for d in devices:
         if not d.used:
             continue
-        src = source(d) if source is not None else 0 if same_program else d.index
+        src = source(d) if source is not None else d.index
         key = keys.get(src)
         if key is None:
             key = keys[src] = sequences.key(src)

@@ -333,7 +333,7 @@ class Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rt: VirtualDevices, target_gpus: Sequence[int],  # type: ignore[no-untyped-def]
                 chunk_sizes: Sequence[int] | None, dim: int, input: torch.Tensor,
-                counts: Sequence[int] | None = None):
+                counts: Sequence[int] | None):
         ctx.rt = rt
         ctx.dim = dim
         ctx.counts = counts
