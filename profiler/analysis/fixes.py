@@ -3,8 +3,9 @@
 Every fix is measured, not estimated: the scenario is emulated again with the change
 (``DataParallel(output_device=...)``, ``DDP(gradient_as_bucket_view=True)``, an uneven
 scatter) and cuda:0's peak is compared with ``dp-loss-primary``'s. The balanced split
-(:func:`balance_chunks`) is solved from two emulations, each device's peak being affine in
-its rows, then checked by a third.
+(:func:`balanced_split`) is solved from the even split's peaks and what grows with each
+device's rows there (each device's peak taken as affine in its rows), emulated, and
+refined once by a secant where that still promises a saving.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from collections.abc import Callable
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
+from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import Workload, shard_sizes
 from dpprof.units import fmt_bytes
@@ -162,37 +163,75 @@ def heaviest_saving(run: RunResult, f: Fix) -> int | None:
     return _peaks(primary)[1] - f.max_peak_bytes
 
 
-def balance_chunks(
-    batch: int, gpus: int, rows0_a: int, peak0_a: int, rows0_b: int, peak0_b: int,
-    rowsk_a: float, peakk_a: int, rowsk_b: float, peakk_b: int,
-) -> list[int] | None:
-    """Rows per device that equalise cuda:0 and the others, from two measured splits.
+# The categories at a device's peak that grow with its own rows: on cuda:0 (the output
+# device) only its replica's activations, its inputs, outputs and loss being the whole
+# batch's (moved there, gathered there); on the others everything but the model's state.
+OWN_ROWS_ON_PRIMARY = ("activations",)
+OWN_ROWS_ELSEWHERE = ("inputs", "activations", "outputs", "loss")
 
-    Each device's peak is taken as affine in its own rows (``a`` and ``b`` are two splits;
-    ``k`` is a typical other device). cuda:0 gets ``r0`` rows, the others share the rest as
-    ``tensor.chunk`` would; ``r0`` solves ``P0(r0) = Pk((batch - r0) / (gpus - 1))``.
-    Returns None when the measurements give no usable slope.
-    """
-    if gpus < 2 or rows0_a == rows0_b or rowsk_a == rowsk_b:
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Rows per device and the heaviest peak the affine model predicts for them."""
+
+    chunks: list[int]
+    predicted_peak_bytes: float
+
+
+def solve_split(batch: int, gpus: int, rows0: float, peak0: float, slope0: float,
+                rowsk: float, peakk: float, slopek: float) -> Split | None:
+    """Rows per device that equalise cuda:0 and the others, each device's peak taken as
+    affine in its own rows: cuda:0's through (``rows0``, ``peak0``) with slope ``slope0``
+    (bytes per row), a typical other device's through (``rowsk``, ``peakk``) with
+    ``slopek``. cuda:0 gets ``r0`` rows, the others share the rest as ``tensor.chunk``
+    would; ``r0`` solves ``P0(r0) = Pk((batch - r0) / (gpus - 1))``. None when the slopes
+    give no solution."""
+    if gpus < 2:
         return None
-    s0 = (peak0_a - peak0_b) / (rows0_a - rows0_b)
-    sk = (peakk_a - peakk_b) / (rowsk_a - rowsk_b)
-    a0 = peak0_a - s0 * rows0_a
-    ak = peakk_a - sk * rowsk_a
-    denom = s0 + sk / (gpus - 1)
+    a0 = peak0 - slope0 * rows0
+    ak = peakk - slopek * rowsk
+    denom = slope0 + slopek / (gpus - 1)
     if denom <= 0:
         return None
-    exact = (ak + sk * batch / (gpus - 1) - a0) / denom
-    best: tuple[float, list[int]] | None = None
+    exact = (ak + slopek * batch / (gpus - 1) - a0) / denom
+    best: Split | None = None
     for r0 in {math.floor(exact), math.ceil(exact)}:
         r0 = int(min(max(r0, 1), batch - (gpus - 1)))
         rest = shard_sizes(batch - r0, gpus - 1)
         if len(rest) < gpus - 1:
             continue
-        predicted = max(a0 + s0 * r0, ak + sk * rest[0])
-        if best is None or predicted < best[0]:
-            best = (predicted, [r0, *rest])
-    return None if best is None else best[1]
+        predicted = max(a0 + slope0 * r0, ak + slopek * rest[0])
+        if best is None or predicted < best.predicted_peak_bytes:
+            best = Split([r0, *rest], predicted)
+    return best
+
+
+def balance_chunks(
+    batch: int, gpus: int, rows0_a: int, peak0_a: int, rows0_b: int, peak0_b: int,
+    rowsk_a: float, peakk_a: int, rowsk_b: float, peakk_b: int,
+) -> list[int] | None:
+    """:func:`solve_split` with the slopes of two measured splits ``a`` and ``b`` (``k``
+    is a typical other device); None when they give no usable slope."""
+    split = secant_split(batch, gpus, rows0_a, peak0_a, rows0_b, peak0_b,
+                         rowsk_a, peakk_a, rowsk_b, peakk_b)
+    return None if split is None else split.chunks
+
+
+def secant_split(
+    batch: int, gpus: int, rows0_a: float, peak0_a: float, rows0_b: float, peak0_b: float,
+    rowsk_a: float, peakk_a: float, rowsk_b: float, peakk_b: float,
+) -> Split | None:
+    """:func:`balance_chunks`, with the peak it predicts."""
+    if rows0_a == rows0_b or rowsk_a == rowsk_b:
+        return None
+    return solve_split(batch, gpus, rows0_a, peak0_a,
+                       (peak0_a - peak0_b) / (rows0_a - rows0_b),
+                       rowsk_a, peakk_a, (peakk_a - peakk_b) / (rowsk_a - rowsk_b))
+
+
+def per_row_bytes(d: DeviceResult, categories: tuple[str, ...]) -> float:
+    """Bytes per row of ``d``'s own shard in ``categories`` at its peak."""
+    return sum(d.breakdown_bytes.get(c, 0) for c in categories) / max(d.batch_rows, 1)
 
 
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
@@ -204,7 +243,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     emulator's prediction for ``base``, so that measured and emulated bytes never mix.
     """
     em: Emulate = emulate or (lambda name, cfg: run_scenario(name, wl, cfg))
-    base = dataclasses.replace(base, count_reserved=False)
+    # each variant reports its peaks only
+    base = dataclasses.replace(base, count_reserved=False, peaks_only=True)
     gpus, batch = base.gpus, base.step.batch
     own = run.backend == "emulated"
 
@@ -271,26 +311,43 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
 
 def balanced_split(primary: ScenarioResult, batch: int, gpus: int, base: EmulationConfig,
                    em: Emulate) -> tuple[list[int], ScenarioResult] | None:
-    """Chunk sizes that balance ``dp-loss-primary``, and the emulation that checks them."""
+    """Chunk sizes that balance ``dp-loss-primary``, and the emulation that measured them.
+
+    The first split comes from the even split alone: each device's slope (bytes per row)
+    is what grows with its own rows at its peak (:data:`OWN_ROWS_ON_PRIMARY`,
+    :data:`OWN_ROWS_ELSEWHERE`). It is emulated; where the secant through the even split
+    and that one still promises :data:`MIN_SAVING` of the heaviest peak, its split is
+    emulated too, and the lighter of the two is the answer.
+    """
     even = shard_sizes(batch, gpus)
     if len(even) < gpus or even[0] < 2:
         return None
     used = [d for d in primary.devices if d.used]
-    r0_a = even[0]
-    r0_b = max(1, r0_a // 2)
-    trial = [r0_b, *shard_sizes(batch - r0_b, gpus - 1)]
-    if len(trial) < gpus:
+    k = 1  # a typical other device (the last may have fewer rows)
+    d0, dk = used[0], used[k]
+    first = solve_split(batch, gpus, even[0], d0.peak_allocated_bytes,
+                        per_row_bytes(d0, OWN_ROWS_ON_PRIMARY), even[k],
+                        dk.peak_allocated_bytes, per_row_bytes(dk, OWN_ROWS_ELSEWHERE))
+    if first is None or first.chunks == even:
         return None
-    b = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=tuple(trial)))
-    if not _ok(b):
+
+    def measure(chunks: list[int]) -> ScenarioResult | None:
+        s = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=tuple(chunks)))
+        return s if _ok(s) else None
+
+    a = measure(first.chunks)
+    if a is None:
         return None
-    used_b = [d for d in b.devices if d.used]
-    k = 1
-    chunks = balance_chunks(
-        batch, gpus, r0_a, used[0].peak_allocated_bytes, r0_b, used_b[0].peak_allocated_bytes,
-        even[k], used[k].peak_allocated_bytes, trial[k], used_b[k].peak_allocated_bytes,
-    )
-    if chunks is None or chunks == even:
-        return None
-    best = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=tuple(chunks)))
-    return (chunks, best) if _ok(best) else None
+    used_a = [d for d in a.devices if d.used]
+    heaviest_a = max(d.peak_allocated_bytes for d in used_a)
+    ca = first.chunks
+    second = secant_split(batch, gpus, even[0], d0.peak_allocated_bytes, ca[0],
+                          used_a[0].peak_allocated_bytes, even[k], dk.peak_allocated_bytes,
+                          ca[k], used_a[k].peak_allocated_bytes)
+    if (second is None or second.chunks in (ca, even)
+            or heaviest_a - second.predicted_peak_bytes < MIN_SAVING * heaviest_a):
+        return ca, a
+    b = measure(second.chunks)
+    if b is None or max(d.peak_allocated_bytes for d in b.devices if d.used) >= heaviest_a:
+        return ca, a
+    return second.chunks, b

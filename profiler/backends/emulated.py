@@ -104,6 +104,9 @@ class EmulationConfig:
     # DataParallel replicas on equal shards: one runs, the others' devices mirror its device
     # (meta only; every device's own events are the same, see VirtualDevices.set_mirrors)
     dedupe_replicas: bool = True
+    # Peaks only: each device's peaks and its categories at the peak, no timeline and no
+    # reserved/context simulation (the fixes' variants, which report nothing else).
+    peaks_only: bool = False
 
     def with_step(self, **changes: Any) -> EmulationConfig:
         """A copy with the step's options changed (``batch=...``, ``ddp=...``)."""
@@ -312,7 +315,7 @@ def _run_scenario(
                                              sources)
             if rt.stand_ins.counts:
                 result.notes.append(stand_in_note(rt))
-            if not cfg.compute or cfg.count_reserved:
+            if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
                 fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
                                    source=lambda d: sources.get(d.index, d.index))
             result.loss = loss_val
@@ -438,7 +441,7 @@ def _device_results(
                 "timeline": shift_timeline(rt, src.timeline, shift, measure_start)}))
             continue
         out.append(device_result(rt, i, i, cfg.gpu_memory_bytes, i in used, rows,
-                                 timeline_points(rt, i, measure_start)))
+                                 [] if cfg.peaks_only else timeline_points(rt, i, measure_start)))
     if name == DDP:
         sources.update(dict.fromkeys(range(cfg.gpus), 0))
         return ddp_ranks(out[0], cfg.gpus)
