@@ -1,10 +1,22 @@
 """What each fix buys: measured by emulating it, and the balanced split."""
 
-from dpprof.analysis.fixes import balance_chunks
+import dataclasses
+
+import pytest
+import torch
+
+from dpprof.analysis.fixes import BalancedSplits, balance_chunks, balanced_split
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.scenarios.step import StepConfig
-from dpprof.scenarios.workloads import LMConfig, lm
+from dpprof.scenarios.workloads import (
+    LMConfig,
+    Workload,
+    classifier,
+    convnet,
+    lm,
+    shard_sizes,
+)
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
 
@@ -100,3 +112,130 @@ def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> N
     assert calls[0] == [4, 12, 12, 12]
     assert [tuple(t.shape[0] for t in args) for args in inputs] == [(4, 4), (12, 12), (12, 12), (12, 12)]
     assert len(kwargs) == 4
+
+
+# ---- the balanced split's search, in dp-loss-primary's own loop ----------------------------
+
+def _peaks_by_device(s):
+    return [(d.index, d.used, d.batch_rows, d.peak_allocated_bytes, d.peak_requested_bytes,
+             d.peak_phase, d.breakdown_bytes) for d in s.devices]
+
+
+class _Recorded(BalancedSplits):
+    """The search, keeping every figure it was fed."""
+
+    def __init__(self, batch, gpus):
+        super().__init__(batch, gpus)
+        self.fed = []
+
+    def __call__(self, last):
+        self.fed.append(last)
+        return super().__call__(last)
+
+
+@pytest.mark.parametrize("workload, batch, gpus, steps", [
+    (lambda: lm(SMALL_LM), 32, 4, 1),  # cuda:0 down to one row
+    (classifier, 512, 8, 2),  # a secant step after the first split
+    (convnet, 100, 3, 1),  # uneven shards
+])
+def test_each_further_split_is_that_splits_own_measured_step(workload, batch, gpus,
+                                                              steps) -> None:
+    """The steps after the measured one, with other chunk sizes, give what emulating each
+    split on its own gives, byte for byte, and leave the scenario's own figures as they
+    are without them."""
+    wl = workload()
+    base = EmulationConfig(gpus=gpus, gpu_memory_bytes=80 << 30, step=StepConfig(batch=batch))
+    plan = _Recorded(batch, gpus)
+    chained = run_scenario("dp-loss-primary", wl, base, then=plan)
+    assert chained == run_scenario("dp-loss-primary", wl, base)
+    assert plan.finished and plan.result is not None
+    splits = plan.fed[1:]
+    assert len(splits) == steps and plan.fed[0] is chained
+    for s in splits:
+        chunks = tuple(d.batch_rows for d in s.devices)
+        assert chunks != tuple(shard_sizes(batch, gpus))
+        alone = run_scenario("dp-loss-primary", wl, dataclasses.replace(
+            base, dp_chunk_sizes=chunks, peaks_only=True))
+        assert _peaks_by_device(s) == _peaks_by_device(alone)
+    chunks, best = plan.result
+    assert best in splits and [d.batch_rows for d in best.devices] == chunks
+
+
+def test_the_search_in_the_loop_finds_what_emulating_each_split_finds() -> None:
+    wl = classifier()
+    base = EmulationConfig(gpus=8, gpu_memory_bytes=80 << 30, step=StepConfig(batch=512),
+                           peaks_only=True)
+    plan = BalancedSplits(512, 8)
+    primary = run_scenario("dp-loss-primary", wl, base, then=plan)
+    alone = balanced_split(primary, 512, 8, base, lambda name, cfg: run_scenario(name, wl, cfg))
+    assert plan.result is not None and alone is not None
+    assert plan.result[0] == alone[0]
+    assert _peaks_by_device(plan.result[1]) == _peaks_by_device(alone[1])
+
+
+def test_compare_measures_the_balanced_split_in_the_scenarios_loop(monkeypatch) -> None:
+    """No split is emulated on its own when dp-loss-primary's loop measured them."""
+    from dpprof.analysis import fixes as fixes_module
+
+    emulated = []
+    real = fixes_module.run_scenario
+
+    def counting(name, wl, cfg, *args, **kwargs):
+        emulated.append(cfg.dp_chunk_sizes)
+        return real(name, wl, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(fixes_module, "run_scenario", counting)
+    run = run_compare(CompareConfig(step=StepConfig(batch=32)), workload=lm(SMALL_LM))
+    bal = next(f for f in run.fixes if f.name == "balanced-split")
+    assert bal.chunk_sizes[0] < 8
+    assert emulated and not any(emulated)  # the other fixes only, none with chunk sizes
+
+
+class _BatchNormNet(torch.nn.Module):
+    """Fails on a one-row shard in training mode (BatchNorm needs two values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.bn = torch.nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+class _OneRowFirst:
+    max_steps = 2
+
+    def __init__(self) -> None:
+        self.fed = []
+
+    def __call__(self, last):
+        self.fed.append(last)
+        return (1, 11, 10, 10)
+
+
+def test_a_failing_split_leaves_the_scenario_and_stops_the_search() -> None:
+    wl = Workload(name="bn", description="", model=_BatchNormNet,
+                  batch=lambda rows, device: (torch.randn(rows, 64, device=device),
+                                              torch.randn(rows, 64, device=device)),
+                  loss=torch.nn.functional.mse_loss)
+    base = EmulationConfig(gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32))
+    plan = _OneRowFirst()
+    chained = run_scenario("dp-loss-primary", wl, base, then=plan)
+    assert chained.status == "ok"
+    assert chained == run_scenario("dp-loss-primary", wl, base)
+    assert len(plan.fed) == 1  # the failed split fed nothing back: the caller emulates it
+    alone = run_scenario("dp-loss-primary", wl, dataclasses.replace(
+        base, dp_chunk_sizes=(1, 11, 10, 10)))
+    assert alone.status == "error" and "channel" in alone.message
+
+
+def test_no_further_splits_over_cpu_tensors() -> None:
+    """Over CPU tensors each step's data differ: the search is left to its own
+    emulations."""
+    wl = lm(SMALL_LM)
+    plan = BalancedSplits(32, 4)
+    run_scenario("dp-loss-primary", wl, EmulationConfig(
+        gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32), compute=True),
+        then=plan)
+    assert not plan.finished and plan.result is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dpprof.analysis.attribution import attribute_run
+from dpprof.analysis.fixes import BalancedSplits, evaluate
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
 from dpprof.errors import EXIT_CHECK_FAILED  # noqa: F401 (the policy's 3, for old importers)
@@ -46,8 +47,10 @@ def add_answers(
     equivalence: bool = False, scenarios: tuple[str, ...] = (),
     fail_on_imbalance: float | None = None, fail_on_oom: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    balanced: BalancedSplits | None = None,
 ) -> RunResult:
-    """Fill the answer fields of ``run`` (in place) and return it."""
+    """Fill the answer fields of ``run`` (in place) and return it; ``balanced``: the
+    balanced split's search as the run's own ``dp-loss-primary`` ran it, if it did."""
     run.attribution = attribute_run(run)
     n = len(run.scenarios)
 
@@ -56,10 +59,8 @@ def add_answers(
             progress(name, n, n)
 
     if fixes:
-        from dpprof.analysis.fixes import evaluate
-
         step("the fixes")
-        run.fixes = evaluate(run, wl, ecfg)
+        run.fixes = evaluate(run, wl, ecfg, balanced)
     if maxbatch:
         from dpprof.analysis.maxbatch import run_maxbatch
 

@@ -235,14 +235,19 @@ def per_row_bytes(d: DeviceResult, categories: tuple[str, ...]) -> float:
 
 
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
-             emulate: Emulate | None = None) -> list[Fix]:
+             balanced: BalancedSplits | None = None) -> list[Fix]:
     """Emulate each fix on the run's workload and batch; what it saves on cuda:0.
 
     The run's own scenarios are the baseline where the emulator made them (the same
     emulation as the variants); for a measured run (cpu, cuda) every figure is the
     emulator's prediction for ``base``, so that measured and emulated bytes never mix.
+    ``balanced``: the balanced split's search as the run's own ``dp-loss-primary`` ran it
+    (further steps of its loop); where it did not finish, its splits are emulated here.
     """
-    em: Emulate = emulate or (lambda name, cfg: run_scenario(name, wl, cfg))
+
+    def em(name: str, cfg: EmulationConfig) -> ScenarioResult:
+        return run_scenario(name, wl, cfg)
+
     # each variant reports its peaks only
     base = dataclasses.replace(base, count_reserved=False, peaks_only=True)
     gpus, batch = base.gpus, base.step.batch
@@ -253,7 +258,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
 
     primary = scenario(DP_LOSS_PRIMARY)
     if not _ok(primary):
-        primary = em(DP_LOSS_PRIMARY, base)
+        balanced = BalancedSplits(batch, gpus)  # searched in the loop of this emulation
+        primary = run_scenario(DP_LOSS_PRIMARY, wl, base, then=balanced)
     if not _ok(primary) or gpus < 2:
         return []
     assert primary is not None
@@ -298,7 +304,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
                 f"{fmt_bytes(heavy.peak_allocated_bytes)} (cuda:{heavy.index} is the "
                 "heaviest): it moves the imbalance, it does not remove it",
                 CODE_OUTPUT_DEVICE.format(dev=dev))
-    bal = balanced_split(primary, batch, gpus, base, em)
+    bal = (balanced.result if balanced is not None and balanced.finished
+           else balanced_split(primary, batch, gpus, base, em))
     if bal is not None:
         chunks, s = bal
         shares = [round(c / batch, 4) for c in chunks]
@@ -309,45 +316,78 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     return fixes
 
 
-def balanced_split(primary: ScenarioResult, batch: int, gpus: int, base: EmulationConfig,
-                   em: Emulate) -> tuple[list[int], ScenarioResult] | None:
-    """Chunk sizes that balance ``dp-loss-primary``, and the emulation that measured them.
+class BalancedSplits:
+    """The balanced split's search, as :class:`~dpprof.backends.emulated.FurtherSplits`:
+    fed ``dp-loss-primary``'s figures, then each split's, it names the next split to
+    measure; :attr:`result` is the answer once :attr:`finished`.
 
     The first split comes from the even split alone: each device's slope (bytes per row)
     is what grows with its own rows at its peak (:data:`OWN_ROWS_ON_PRIMARY`,
-    :data:`OWN_ROWS_ELSEWHERE`). It is emulated; where the secant through the even split
-    and that one still promises :data:`MIN_SAVING` of the heaviest peak, its split is
-    emulated too, and the lighter of the two is the answer.
+    :data:`OWN_ROWS_ELSEWHERE`). Where the secant through the even split and that one
+    still promises :data:`MIN_SAVING` of the heaviest peak, its split is measured too,
+    and the lighter of the two is the answer.
     """
-    even = shard_sizes(batch, gpus)
-    if len(even) < gpus or even[0] < 2:
-        return None
-    used = [d for d in primary.devices if d.used]
-    k = 1  # a typical other device (the last may have fewer rows)
-    d0, dk = used[0], used[k]
-    first = solve_split(batch, gpus, even[0], d0.peak_allocated_bytes,
-                        per_row_bytes(d0, OWN_ROWS_ON_PRIMARY), even[k],
-                        dk.peak_allocated_bytes, per_row_bytes(dk, OWN_ROWS_ELSEWHERE))
-    if first is None or first.chunks == even:
-        return None
 
-    def measure(chunks: list[int]) -> ScenarioResult | None:
-        s = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=tuple(chunks)))
-        return s if _ok(s) else None
+    max_steps = 2
 
-    a = measure(first.chunks)
-    if a is None:
-        return None
-    used_a = [d for d in a.devices if d.used]
-    heaviest_a = max(d.peak_allocated_bytes for d in used_a)
-    ca = first.chunks
-    second = secant_split(batch, gpus, even[0], d0.peak_allocated_bytes, ca[0],
-                          used_a[0].peak_allocated_bytes, even[k], dk.peak_allocated_bytes,
-                          ca[k], used_a[k].peak_allocated_bytes)
-    if (second is None or second.chunks in (ca, even)
-            or heaviest_a - second.predicted_peak_bytes < MIN_SAVING * heaviest_a):
-        return ca, a
-    b = measure(second.chunks)
-    if b is None or max(d.peak_allocated_bytes for d in b.devices if d.used) >= heaviest_a:
-        return ca, a
-    return second.chunks, b
+    def __init__(self, batch: int, gpus: int) -> None:
+        self.batch, self.gpus = batch, gpus
+        self.even = shard_sizes(batch, gpus)
+        self.finished = False
+        self.result: tuple[list[int], ScenarioResult] | None = None
+        self._primary: ScenarioResult | None = None
+        self._tried: list[tuple[list[int], ScenarioResult]] = []
+        self._next: list[int] | None = None
+
+    def __call__(self, last: ScenarioResult) -> tuple[int, ...] | None:
+        if self._primary is None:
+            self._primary = last
+            self._next = self._first(last)
+        else:
+            assert self._next is not None
+            self._next = self._after(self._next, last) if _ok(last) else None
+        if self._next is None:
+            self.finished = True
+            return None
+        return tuple(self._next)
+
+    def _first(self, primary: ScenarioResult) -> list[int] | None:
+        even, k = self.even, 1  # k: a typical other device (the last may have fewer rows)
+        if not _ok(primary) or len(even) < self.gpus or even[0] < 2:
+            return None
+        used = [d for d in primary.devices if d.used]
+        d0, dk = used[0], used[k]
+        first = solve_split(self.batch, self.gpus, even[0], d0.peak_allocated_bytes,
+                            per_row_bytes(d0, OWN_ROWS_ON_PRIMARY), even[k],
+                            dk.peak_allocated_bytes, per_row_bytes(dk, OWN_ROWS_ELSEWHERE))
+        return None if first is None or first.chunks == even else first.chunks
+
+    def _after(self, chunks: list[int], s: ScenarioResult) -> list[int] | None:
+        self._tried.append((chunks, s))
+        self.result = min(self._tried, key=lambda t: _peaks(t[1])[1])  # the first on ties
+        if len(self._tried) > 1:
+            return None
+        assert self._primary is not None
+        even, k = self.even, 1
+        used = [d for d in self._primary.devices if d.used]
+        used_a = [d for d in s.devices if d.used]
+        heaviest = _peaks(s)[1]
+        second = secant_split(self.batch, self.gpus, even[0], used[0].peak_allocated_bytes,
+                              chunks[0], used_a[0].peak_allocated_bytes, even[k],
+                              used[k].peak_allocated_bytes, chunks[k],
+                              used_a[k].peak_allocated_bytes)
+        if (second is None or second.chunks in (chunks, even)
+                or heaviest - second.predicted_peak_bytes < MIN_SAVING * heaviest):
+            return None
+        return second.chunks
+
+
+def balanced_split(primary: ScenarioResult, batch: int, gpus: int, base: EmulationConfig,
+                   em: Emulate) -> tuple[list[int], ScenarioResult] | None:
+    """Chunk sizes that balance ``dp-loss-primary``, and the emulation that measured them
+    (:class:`BalancedSplits`, each split emulated on its own)."""
+    plan = BalancedSplits(batch, gpus)
+    chunks = plan(primary)
+    while chunks is not None:
+        chunks = plan(em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_chunk_sizes=chunks)))
+    return plan.result

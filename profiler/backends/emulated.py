@@ -13,7 +13,7 @@ import dataclasses
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -180,9 +180,14 @@ def build_on_device(
 
 
 def run_scenario(
-    name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None = None
+    name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None = None,
+    then: FurtherSplits | None = None,
 ) -> ScenarioResult:
     """Emulate one scenario; a failure is a result (status "error"), not an exception.
+
+    With ``then`` (``dp-loss-primary`` over meta tensors), the loop goes on after the
+    measured step with the splits it asks for (:class:`FurtherSplits`); a fallback to
+    replica-by-replica emulation drops them (``then`` is then left unfinished).
 
     With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
     (``"wrapped"``), the parameters (``"params"``) and the event indices where the measured
@@ -192,11 +197,12 @@ def run_scenario(
     (:func:`dpprof.emulator.heap.frozen_heap`).
     """
     with frozen_heap():
-        return _run_scenario(name, wl, cfg, trace)
+        return _run_scenario(name, wl, cfg, trace, then)
 
 
 def _run_scenario(
-    name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None
+    name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None,
+    then: FurtherSplits | None = None,
 ) -> ScenarioResult:
     step = cfg.step
     wl = step.workload(wl)  # --dtype
@@ -212,7 +218,6 @@ def _run_scenario(
     cuda = VirtualCuda(n_dev, rt=rt, enter_runtime=False, honour_visible_devices=False)
     result = ScenarioResult(name=name, batch=step.batch)
     cats = _CategoryHooks(rt)
-    measure_start = 0
     kernels = GpuKernels(cfg.compute_capability, rt)
     amp = EmulatedAutocast(getattr(torch, step.amp)) if step.amp else None
     autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)
@@ -276,9 +281,13 @@ def _run_scenario(
             target_dev = (cfg.dp_output_device or 0) if name == DP_LOSS_PRIMARY else 0
             # The loader's host batches, one per iteration, made before the loop: the
             # scenario's part of each step's global batch (the one seed rule).
+            warm = step.warmup_steps("emulated")
+            chain = then if (then is not None and name == DP_LOSS_PRIMARY and not cfg.compute
+                             and cfg.dp_output_device is None) else None
+            steps = warm + 1 + (chain.max_steps if chain is not None else 0)
             with rt.device(HOST), rt.category("inputs"):
                 batches = [scenario_batch(wl, step.seed, k, step.batch, cfg.gpus, rank)
-                           for k in range(step.warmup_steps("emulated") + 1)]
+                           for k in range(steps)]
 
             def move(x: Any, is_target: bool) -> Any:
                 with rt.category("inputs"):
@@ -286,52 +295,86 @@ def _run_scenario(
                         x, lambda t: to_device(rt, t, target_dev if is_target else 0))
 
             marks: dict[str, int] = {}
+            chained: dict[str, ScenarioResult] = {}  # the last measured figures ("last")
+
+            def figures() -> None:
+                """The measured step's figures, taken as it ends (the loop may go on)."""
+                used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
+                        else placed_devices(rt))
+                sources: dict[int, int] = {}  # a device -> the one whose events it stands on
+                result.devices = _device_results(rt, cfg, name, shards, used, marks["start"],
+                                                 sources)
+                if rt.stand_ins.counts:
+                    result.notes.append(stand_in_note(rt))
+                if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
+                    fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
+                                       source=lambda d: sources.get(d.index, d.index))
+                if autocast_names.regions:
+                    result.notes.append(
+                        f"torch.autocast('cuda') in the workload's code: "
+                        f"{autocast_names.regions} region(s) re-enacted as on a GPU "
+                        "(autocast's CUDA op lists)")
+                if kernels.chosen:
+                    result.notes.append(
+                        "kernels as on a GPU of compute capability {}.{}: {}".format(
+                            *cfg.compute_capability,
+                            ", ".join(f"{k} x{v}" for k, v in sorted(kernels.chosen.items())))
+                    )
+                chained["last"] = result
+
+            def split_figures(chunks: list[int]) -> None:
+                """A further split's figures (peaks only), as its step ends."""
+                s = ScenarioResult(name=name, batch=step.batch)
+                s.devices = _device_results(
+                    rt, dataclasses.replace(cfg, peaks_only=True), name, chunks,
+                    wrapped.used_devices, marks["split_start"], {})
+                _judge(s, cfg)
+                chained["last"] = s
 
             @contextlib.contextmanager
             def iteration(k: int, measured: bool) -> Iterator[None]:
-                if measured:
+                if chain is not None and k > warm:  # a further split, in the same loop
+                    assert chain is not None
+                    chunks = chain(chained["last"])
+                    if chunks is None:
+                        raise _SplitsDone
+                    wrapped.chunk_sizes = tuple(chunks)
+                    rt.reset_peaks()
+                    marks["split_start"] = len(rt.events)
+                elif k == warm:
                     rt.reset_peaks()
                     marks["start"] = len(rt.events)
                 try:
                     yield
+                except Exception as e:
+                    if chain is None or k <= warm:
+                        raise
+                    # a further split failed (or needs replica-by-replica emulation): the
+                    # scenario's own figures stand; the plan, unfinished, is emulated alone
+                    rt.dedupe_failure = None
+                    raise _SplitsDone from e
                 finally:
                     cats.clear()
-                if measured:
+                if chain is not None and k > warm:
+                    split_figures(list(wrapped.chunk_sizes))
+                elif k == warm:
                     marks["end"] = len(rt.events)
+                    figures()
 
             hooks.iteration = iteration
-            with step_stream(step.seed):
+            loss: torch.Tensor | None = None
+            with step_stream(step.seed), contextlib.suppress(_SplitsDone):
                 loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside,
                                      hooks, step=wl.step)
+                if chain is not None:  # every further step ran: the last one's figures
+                    chain(chained["last"])
             del batches
-            measure_start = step_start = marks["start"]
-            step_end = marks["end"]
             loss_val = float(loss) if cfg.compute and loss is not None else None
             del loss
-            used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
-                    else placed_devices(rt))
-            sources: dict[int, int] = {}  # a device -> the one whose events it stands on
-            result.devices = _device_results(rt, cfg, name, shards, used, measure_start,
-                                             sources)
-            if rt.stand_ins.counts:
-                result.notes.append(stand_in_note(rt))
-            if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
-                fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
-                                   source=lambda d: sources.get(d.index, d.index))
             result.loss = loss_val
-            if autocast_names.regions:
-                result.notes.append(
-                    f"torch.autocast('cuda') in the workload's code: {autocast_names.regions} "
-                    "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
-            if kernels.chosen:
-                result.notes.append(
-                    "kernels as on a GPU of compute capability {}.{}: {}".format(
-                        *cfg.compute_capability,
-                        ", ".join(f"{k} x{v}" for k, v in sorted(kernels.chosen.items())))
-                )
             if trace is not None:
                 trace.update(rt=rt, wrapped=wrapped, params=params, model=model,
-                             step_start=step_start, step_end=step_end)
+                             step_start=marks["start"], step_end=marks["end"])
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
     except Exception as e:  # the user's code, or an impossible program: a result
@@ -347,6 +390,33 @@ def _run_scenario(
     finally:
         cats.clear()
     _notes(result, name, cfg, shards)
+    _judge(result, cfg)
+    return result
+
+
+class _SplitsDone(Exception):
+    """The further splits' plan has no more: the loop stops there."""
+
+
+class FurtherSplits(Protocol):
+    """Splits of the batch measured after ``dp-loss-primary``'s step, in its own loop.
+
+    A DataParallel step leaves the same state whatever the split (the parameters, their
+    gradients and optimizer state on cuda:0; the gathered outputs, the loss and the batch,
+    all the whole batch's, on cuda:0; nothing on the other GPUs), so the step after the
+    measured one, run with other chunk sizes, is what that split's own measured step is
+    (``tests/test_fixes.py`` checks it byte for byte). Called with the last measured
+    figures (the scenario's, then each split's, peaks only), it returns the next chunk
+    sizes, or None to stop; at most :attr:`max_steps` further steps.
+    """
+
+    max_steps: int
+
+    def __call__(self, last: ScenarioResult) -> tuple[int, ...] | None: ...
+
+
+def _judge(result: ScenarioResult, cfg: EmulationConfig) -> None:
+    """Status "oom" (the first device over the GPU's memory) or "ok"."""
     # total_peak_bytes: allocated, or reserved + context where they were counted.
     over = [d for d in result.devices if d.total_peak_bytes > cfg.gpu_memory_bytes]
     if over:
@@ -360,7 +430,6 @@ def _run_scenario(
         )
     else:
         result.status = STATUS_OK
-    return result
 
 
 DATA_DEPENDENT_FIX = ("rerun with --compute (the same emulation over CPU tensors, real "
