@@ -196,11 +196,19 @@ class _BatchNormNet(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc = torch.nn.Linear(64, 64)
-        self.bn = torch.nn.BatchNorm1d(64)
+        self.fc = torch.nn.Linear(64, 256)
+        self.bn = torch.nn.BatchNorm1d(256)
+        self.out = torch.nn.Linear(256, 5000)
 
     def forward(self, x):
-        return self.bn(self.fc(x))
+        return self.out(self.bn(self.fc(x)))
+
+
+def _bn_workload() -> Workload:
+    return Workload(name="bn", description="", model=_BatchNormNet,
+                    batch=lambda rows, device: (torch.randn(rows, 64, device=device),
+                                                torch.randint(0, 5000, (rows,), device=device)),
+                    loss=torch.nn.functional.cross_entropy)
 
 
 class _OneRowFirst:
@@ -215,10 +223,7 @@ class _OneRowFirst:
 
 
 def test_a_failing_split_leaves_the_scenario_and_stops_the_search() -> None:
-    wl = Workload(name="bn", description="", model=_BatchNormNet,
-                  batch=lambda rows, device: (torch.randn(rows, 64, device=device),
-                                              torch.randn(rows, 64, device=device)),
-                  loss=torch.nn.functional.mse_loss)
+    wl = _bn_workload()
     base = EmulationConfig(gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32))
     plan = _OneRowFirst()
     chained = run_scenario("dp-loss-primary", wl, base, then=plan)
@@ -239,3 +244,14 @@ def test_no_further_splits_over_cpu_tensors() -> None:
         gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32), compute=True),
         then=plan)
     assert not plan.finished and plan.result is None
+
+
+def test_a_failed_one_row_split_is_measured_with_two_rows() -> None:
+    """BatchNorm cannot train on one row: the search that put one row on cuda:0 measures
+    two instead, and still answers."""
+    run = run_compare(CompareConfig(scenarios=("dp-loss-primary",), step=StepConfig(batch=64)),
+                      workload=_bn_workload())
+    bal = next(f for f in run.fixes if f.name == "balanced-split")
+    assert bal.chunk_sizes == [2, 21, 21, 20]
+    plan = BalancedSplits(64, 4)
+    assert plan(run.scenario("dp-loss-primary"))[0] == 1  # what it tried first

@@ -325,10 +325,11 @@ class BalancedSplits:
     is what grows with its own rows at its peak (:data:`OWN_ROWS_ON_PRIMARY`,
     :data:`OWN_ROWS_ELSEWHERE`). Where the secant through the even split and that one
     still promises :data:`MIN_SAVING` of the heaviest peak, its split is measured too,
-    and the lighter of the two is the answer.
+    and the lighter of the two is the answer. A split with one row on cuda:0 that fails
+    (``BatchNorm`` needs two values per channel in training) is measured again with two.
     """
 
-    max_steps = 2
+    max_steps = 2  # further steps of the scenario's loop (a failed split stops the loop)
 
     def __init__(self, batch: int, gpus: int) -> None:
         self.batch, self.gpus = batch, gpus
@@ -338,6 +339,7 @@ class BalancedSplits:
         self._primary: ScenarioResult | None = None
         self._tried: list[tuple[list[int], ScenarioResult]] = []
         self._next: list[int] | None = None
+        self.min_rows = 1  # cuda:0's fewest rows: 2 once a one-row split has failed
 
     def __call__(self, last: ScenarioResult) -> tuple[int, ...] | None:
         if self._primary is None:
@@ -345,7 +347,13 @@ class BalancedSplits:
             self._next = self._first(last)
         else:
             assert self._next is not None
-            self._next = self._after(self._next, last) if _ok(last) else None
+            if _ok(last):
+                self._next = self._after(self._next, last)
+            elif self._next[0] == 1 and self.even[0] > 2 and self.min_rows == 1:
+                self.min_rows = 2
+                self._next = [2, *shard_sizes(self.batch - 2, self.gpus - 1)]
+            else:
+                self._next = None
         if self._next is None:
             self.finished = True
             return None
@@ -376,7 +384,7 @@ class BalancedSplits:
                               chunks[0], used_a[0].peak_allocated_bytes, even[k],
                               used[k].peak_allocated_bytes, chunks[k],
                               used_a[k].peak_allocated_bytes)
-        if (second is None or second.chunks in (chunks, even)
+        if (second is None or second.chunks in (chunks, even) or second.chunks[0] < self.min_rows
                 or heaviest - second.predicted_peak_bytes < MIN_SAVING * heaviest):
             return None
         return second.chunks
