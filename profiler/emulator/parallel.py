@@ -35,9 +35,9 @@ from torch._utils import (
     _take_tensors,
     _unflatten_dense_tensors,
 )
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from dpprof.emulator.vdevice import HOST, VirtualDevices, copy_to
+from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, copy_to
 
 BROADCAST_BUFFER_BYTES = 10 * 1024 * 1024  # comm.broadcast_coalesced / reduce_add_coalesced
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
@@ -716,36 +716,69 @@ class _DDPSink(torch.autograd.Function):
         return grads
 
 
-def _flatten_outputs(x: Any) -> tuple[list[torch.Tensor], Any]:
-    """Tensors of a (nested) output and a function that rebuilds it from new tensors."""
-    leaves: list[torch.Tensor] = []
+class BucketViewFollower:
+    """What ``gradient_as_bucket_view=True`` allocates, followed in a
+    :class:`~dpprof.emulator.vdevice.VariantLedger` while plain DDP runs the same program.
 
-    def collect(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            leaves.append(o)
-            return len(leaves) - 1
-        if isinstance(o, dict):
-            return type(o)((k, collect(v)) for k, v in o.items())
-        if _is_namedtuple(o):
-            return type(o)(*(collect(v) for v in o))
-        if isinstance(o, (list, tuple)):
-            return type(o)(collect(v) for v in o)
-        return o
+    The two differ only where reducer.cpp lets ``.grad`` point at the bucket's view
+    (``mark_variable_ready_dense``, ``initialize_bucket_views``): there the gradient the
+    parameter held dies, if nothing else holds its storage; a bucket whose views some
+    gradients still are outlives ``buckets_.clear()`` until the last of them is
+    re-pointed. The variant's ``.grad`` of parameter ``i`` is a bucket view exactly when
+    plain DDP's ``.grad`` is the storage it re-pointed last (``_grad_serials``): the
+    gradient accumulated in place since, or the view kept since. Anything else holding a
+    dying gradient's storage makes the ledger ``unsure``.
+    """
 
-    spec = collect(x)
-    return leaves, lambda new: _rebuild(spec, new, x)
+    def __init__(self, rt: VirtualDevices, ledger: VariantLedger) -> None:
+        self.rt, self.ledger = rt, ledger
+        self._grad_serials: dict[int, int] = {}  # i -> plain .grad's serial when re-pointed
+        self._view_bucket: dict[int, int] = {}  # i -> the bucket serial its variant view is in
+        self._holders: dict[int, int] = {}  # an old bucket's serial -> gradients viewing it
+
+    def _is_view(self, i: int, grad: torch.Tensor | None) -> bool:
+        return grad is not None and self._grad_serials.get(i) == self.rt.serial_of(grad)
+
+    def regrad(self, i: int, grad: torch.Tensor | None, view: torch.Tensor) -> None:
+        """``.grad`` of parameter ``i`` becomes ``view`` in the variant (when it has one)."""
+        if grad is None:
+            return
+        if self._is_view(i, grad):  # the variant's .grad was a view: an old bucket's?
+            old = self._view_bucket.get(i)
+            left = self._holders.get(old, 0) - 1 if old is not None else -1
+            if left == 0:
+                del self._holders[old]  # type: ignore[arg-type]
+                self.ledger.release(old)  # type: ignore[arg-type]
+            elif left > 0:
+                self._holders[old] = left  # type: ignore[index]
+        else:  # a gradient of its own dies into the view
+            serial = self.rt.serial_of(grad)
+            if serial is None or _storage_users(grad) != 1:
+                self.ledger.unsure = ("a gradient's storage is shared, so when it dies "
+                                      "under gradient_as_bucket_view is not known")
+            else:
+                self.ledger.release(serial)
+        bucket = self.rt.serial_of(view)
+        self._grad_serials[i] = self.rt.serial_of(grad)  # type: ignore[assignment]
+        if bucket is not None:
+            self._view_bucket[i] = bucket
+
+    def buckets_cleared(self, params: list[torch.Tensor], views: dict[int, torch.Tensor]
+                        ) -> None:
+        """``buckets_.clear()``: a bucket some variant gradients view lives on in them."""
+        for i, p in enumerate(params):
+            if i in views and self._is_view(i, p.grad):
+                bucket = self.rt.serial_of(views[i])
+                if bucket is not None:
+                    self._holders[bucket] = self._holders.get(bucket, 0) + 1
+                    self._view_bucket[i] = bucket
+        for bucket in self._holders:
+            self.ledger.detach(bucket)
 
 
-def _rebuild(spec: Any, new: Sequence[torch.Tensor], orig: Any) -> Any:
-    if isinstance(orig, torch.Tensor):
-        return new[spec]
-    if isinstance(orig, dict):
-        return type(orig)((k, _rebuild(spec[k], new, orig[k])) for k in orig)
-    if _is_namedtuple(orig):
-        return type(orig)(*(_rebuild(s, new, o) for s, o in zip(spec, orig, strict=True)))
-    if isinstance(orig, (list, tuple)):
-        return type(orig)(_rebuild(s, new, o) for s, o in zip(spec, orig, strict=True))
-    return orig
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (its use count, less the handle asked)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
 
 
 class EmulatedDDP(nn.Module):
@@ -775,8 +808,14 @@ class EmulatedDDP(nn.Module):
 
     def __init__(self, module: nn.Module, rt: VirtualDevices, world_size: int,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True) -> None:
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 bucket_view_ledger: VariantLedger | None = None) -> None:
         super().__init__()
+        # Plain DDP that also follows, in the ledger, what gradient_as_bucket_view=True would
+        # allocate on the same program (:class:`BucketViewFollower`).
+        self.follower = (BucketViewFollower(rt, bucket_view_ledger)
+                         if bucket_view_ledger is not None and not gradient_as_bucket_view
+                         else None)
         self.module = module
         self.rt = rt
         self.world_size = world_size
@@ -838,6 +877,8 @@ class EmulatedDDP(nn.Module):
                         view = flat.narrow(0, offset, p.numel()).view(p.shape)
                     self._views[i] = view
                     offset += p.numel()
+                    if self.follower is not None:
+                        self.follower.regrad(i, p.grad, view)
                     grad = p.grad
                     if (self.gradient_as_bucket_view and grad is not None
                             and grad.untyped_storage() is not view.untyped_storage()):
@@ -872,6 +913,8 @@ class EmulatedDDP(nn.Module):
         self._sync_bucket_indices(assignment)
         self.has_rebuilt = True
         self._rebuilt = []
+        if self.follower is not None:
+            self.follower.buckets_cleared(self.params, self._views)
         self._buckets, self._views = [], {}  # buckets_.clear(): the old flat buffers die
         self._initialize_buckets(assignment)
         return True
@@ -897,6 +940,8 @@ class EmulatedDDP(nn.Module):
         torch.mul(grad, 1.0 / self.world_size, out=view)
         if self.gradient_as_bucket_view:
             p.grad = view
+        elif self.follower is not None:
+            self.follower.regrad(i, grad, view)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         rt = self.rt
@@ -912,12 +957,16 @@ class EmulatedDDP(nn.Module):
         if grad:
             self._expect_hooks = True  # prepare_for_backward
             if self.find_unused_parameters:
-                leaves, rebuild = _flatten_outputs(output)
+                # distributed.py: pytree-flattened, the outputs with a grad_fn through
+                # _DDPSink; the flat list (the outputs before their clones) lives until
+                # forward returns
+                flat, spec = tree_flatten(output)
                 with rt.device(self.device):
-                    passed = _DDPSink.apply(*leaves)
-                new = [o if o.grad_fn is None else n for o, n in zip(leaves, passed, strict=True)]
-                del passed, leaves
-                output = rebuild(new)
+                    passed = _DDPSink.apply(*flat)
+                output = tree_unflatten(
+                    [o if not isinstance(o, torch.Tensor) or o.grad_fn is None else n
+                     for o, n in zip(flat, passed, strict=True)], spec)
+                del passed
         return output
 
     def remove_hooks(self) -> None:
