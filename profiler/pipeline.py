@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from dpprof import __version__
 from dpprof.analysis.answers import add_answers, gpu_spec
 from dpprof.analysis.comparison import compare
-from dpprof.analysis.fixes import BalancedSplits
+from dpprof.analysis.fixes import alongside
 from dpprof.analysis.maxbatch import COUNTS
-from dpprof.backends.emulated import ASSUMPTIONS, EmulationConfig, run_scenario
+from dpprof.backends.emulated import ASSUMPTIONS, Alongside, EmulationConfig, run_scenario
 from dpprof.emulator.gpus import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
@@ -143,13 +143,13 @@ def run_compare(
     backend = resolve_backend(cfg.backend)
     run = _new_run(cfg, wl, backend)
     ecfg = emulation_config(cfg, backend, run.gpus)
-    balanced: BalancedSplits | None = None  # searched in dp-loss-primary's own loop
+    besides: Alongside | None = None  # what the scenarios measure for the fixes
     try:
         if backend == "cuda":
             measured = _cuda(cfg, wl, run, progress)
         else:
-            balanced = BalancedSplits(cfg.step.batch, run.gpus) if cfg.fixes else None
-            _emulate(cfg, wl, run, ecfg, progress, balanced)
+            besides = alongside(cfg.step.batch, run.gpus) if cfg.fixes else None
+            _emulate(cfg, wl, run, ecfg, progress, besides)
     except (KeyboardInterrupt, Interrupted) as e:
         raise _interrupted(e, run) from None
     if backend == "cuda":
@@ -167,7 +167,7 @@ def run_compare(
         gpu=gpu_spec(cfg.gpu),
         equivalence=cfg.compute if cfg.equivalence is None else cfg.equivalence,
         scenarios=cfg.scenarios, fail_on_imbalance=cfg.fail_on_imbalance,
-        fail_on_oom=cfg.fail_on_oom, progress=progress, balanced=balanced,
+        fail_on_oom=cfg.fail_on_oom, progress=progress, alongside=besides,
     )
 
 
@@ -205,10 +205,10 @@ def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
 
 
 def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig,
-             progress: Progress | None, balanced: BalancedSplits | None = None) -> None:
+             progress: Progress | None, besides: Alongside | None = None) -> None:
     """The emulated and cpu backends: every scenario on virtual devices (cpu: over CPU
-    tensors, and ``ddp`` as gloo processes), with the same options; ``dp-loss-primary``'s
-    loop goes on with the ``balanced`` split's search (over meta tensors)."""
+    tensors, and ``ddp`` as gloo processes), with the same options; each also measures
+    what ``besides`` asks of it (over meta tensors)."""
     from dpprof.backends.emulated import context_model, probe_model
 
     ctx = context_model(ecfg, probe_model(wl, ecfg.gpus))
@@ -245,7 +245,7 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
 
             run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
         else:
-            run.scenarios.append(run_scenario(name, wl, ecfg, then=balanced))
+            run.scenarios.append(run_scenario(name, wl, ecfg, alongside=besides))
     if run.backend == "emulated":
         run.assumptions += gpu_model_notes(ctx)
         run.assumptions.append(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dpprof.analysis.fixes import BalancedSplits, balance_chunks, balanced_split
-from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import (
@@ -133,20 +133,37 @@ class _Recorded(BalancedSplits):
         return super().__call__(last)
 
 
-@pytest.mark.parametrize("workload, batch, gpus, steps", [
-    (lambda: lm(SMALL_LM), 32, 4, 1),  # cuda:0 down to one row
-    (classifier, 512, 8, 2),  # a secant step after the first split
-    (convnet, 100, 3, 1),  # uneven shards
+def _clipped(model, batch, criterion, optimizer):
+    """A user's step: the outputs deleted before backward, gradients clipped."""
+    inputs, targets = batch
+    optimizer.zero_grad()
+    outputs = model(inputs)
+    loss = criterion(outputs, targets)
+    del outputs
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("workload, batch, gpus, steps, options", [
+    (lambda: lm(SMALL_LM), 32, 4, 1, {}),  # cuda:0 down to one row
+    (classifier, 512, 8, 2, {}),  # a secant step after the first split
+    (convnet, 100, 3, 1, {}),  # uneven shards
+    (lambda: lm(SMALL_LM), 32, 4, 1, {"amp": "bfloat16"}),  # autocast: no mirrors
+    (lambda: lm(SMALL_LM), 32, 4, 1, {"dtype": "bfloat16"}),
+    (lambda: dataclasses.replace(lm(SMALL_LM), step=_clipped), 64, 4, 1, {}),
 ])
-def test_each_further_split_is_that_splits_own_measured_step(workload, batch, gpus,
-                                                              steps) -> None:
+def test_each_further_split_is_that_splits_own_measured_step(workload, batch, gpus, steps,
+                                                              options) -> None:
     """The steps after the measured one, with other chunk sizes, give what emulating each
     split on its own gives, byte for byte, and leave the scenario's own figures as they
     are without them."""
     wl = workload()
-    base = EmulationConfig(gpus=gpus, gpu_memory_bytes=80 << 30, step=StepConfig(batch=batch))
+    base = EmulationConfig(gpus=gpus, gpu_memory_bytes=80 << 30,
+                           step=StepConfig(batch=batch, **options))
     plan = _Recorded(batch, gpus)
-    chained = run_scenario("dp-loss-primary", wl, base, then=plan)
+    chained = run_scenario("dp-loss-primary", wl, base, alongside=Alongside(splits=plan))
     assert chained == run_scenario("dp-loss-primary", wl, base)
     assert plan.finished and plan.result is not None
     splits = plan.fed[1:]
@@ -166,7 +183,7 @@ def test_the_search_in_the_loop_finds_what_emulating_each_split_finds() -> None:
     base = EmulationConfig(gpus=8, gpu_memory_bytes=80 << 30, step=StepConfig(batch=512),
                            peaks_only=True)
     plan = BalancedSplits(512, 8)
-    primary = run_scenario("dp-loss-primary", wl, base, then=plan)
+    primary = run_scenario("dp-loss-primary", wl, base, alongside=Alongside(splits=plan))
     alone = balanced_split(primary, 512, 8, base, lambda name, cfg: run_scenario(name, wl, cfg))
     assert plan.result is not None and alone is not None
     assert plan.result[0] == alone[0]
@@ -226,7 +243,7 @@ def test_a_failing_split_leaves_the_scenario_and_stops_the_search() -> None:
     wl = _bn_workload()
     base = EmulationConfig(gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32))
     plan = _OneRowFirst()
-    chained = run_scenario("dp-loss-primary", wl, base, then=plan)
+    chained = run_scenario("dp-loss-primary", wl, base, alongside=Alongside(splits=plan))
     assert chained.status == "ok"
     assert chained == run_scenario("dp-loss-primary", wl, base)
     assert len(plan.fed) == 1  # the failed split fed nothing back: the caller emulates it
@@ -242,7 +259,7 @@ def test_no_further_splits_over_cpu_tensors() -> None:
     plan = BalancedSplits(32, 4)
     run_scenario("dp-loss-primary", wl, EmulationConfig(
         gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32), compute=True),
-        then=plan)
+        alongside=Alongside(splits=plan))
     assert not plan.finished and plan.result is None
 
 

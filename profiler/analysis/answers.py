@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dpprof.analysis.attribution import attribute_run
-from dpprof.analysis.fixes import BalancedSplits, evaluate
-from dpprof.backends.emulated import EmulationConfig
+from dpprof.analysis.fixes import evaluate
+from dpprof.backends.emulated import Alongside, EmulationConfig
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
 from dpprof.errors import EXIT_CHECK_FAILED  # noqa: F401 (the policy's 3, for old importers)
 from dpprof.result import STATUS_OOM, RunResult
@@ -47,10 +47,10 @@ def add_answers(
     equivalence: bool = False, scenarios: tuple[str, ...] = (),
     fail_on_imbalance: float | None = None, fail_on_oom: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
-    balanced: BalancedSplits | None = None,
+    alongside: Alongside | None = None,
 ) -> RunResult:
-    """Fill the answer fields of ``run`` (in place) and return it; ``balanced``: the
-    balanced split's search as the run's own ``dp-loss-primary`` ran it, if it did."""
+    """Fill the answer fields of ``run`` (in place) and return it; ``alongside``: what the
+    run's own scenarios measured for the fixes (:func:`dpprof.analysis.fixes.alongside`)."""
     run.attribution = attribute_run(run)
     n = len(run.scenarios)
 
@@ -60,7 +60,7 @@ def add_answers(
 
     if fixes:
         step("the fixes")
-        run.fixes = evaluate(run, wl, ecfg, balanced)
+        run.fixes = evaluate(run, wl, ecfg, alongside)
     if maxbatch:
         from dpprof.analysis.maxbatch import run_maxbatch
 

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import Workload, shard_sizes
@@ -234,15 +234,22 @@ def per_row_bytes(d: DeviceResult, categories: tuple[str, ...]) -> float:
     return sum(d.breakdown_bytes.get(c, 0) for c in categories) / max(d.batch_rows, 1)
 
 
+def alongside(batch: int, gpus: int) -> Alongside:
+    """What a comparison's own scenarios measure for the fixes as they run: the balanced
+    split's search in ``dp-loss-primary``'s loop, ``gradient_as_bucket_view`` beside
+    ``ddp``."""
+    return Alongside(splits=BalancedSplits(batch, gpus), bucket_view=True)
+
+
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
-             balanced: BalancedSplits | None = None) -> list[Fix]:
+             measured: Alongside | None = None) -> list[Fix]:
     """Emulate each fix on the run's workload and batch; what it saves on cuda:0.
 
     The run's own scenarios are the baseline where the emulator made them (the same
     emulation as the variants); for a measured run (cpu, cuda) every figure is the
     emulator's prediction for ``base``, so that measured and emulated bytes never mix.
-    ``balanced``: the balanced split's search as the run's own ``dp-loss-primary`` ran it
-    (further steps of its loop); where it did not finish, its splits are emulated here.
+    ``measured``: what the run's own scenarios measured alongside (:func:`alongside`);
+    what they did not is emulated here.
     """
 
     def em(name: str, cfg: EmulationConfig) -> ScenarioResult:
@@ -257,9 +264,12 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         return run.scenario(name) if own else None
 
     primary = scenario(DP_LOSS_PRIMARY)
+    ddp = scenario(DDP)
+    if not own or measured is None:
+        measured = alongside(batch, gpus)
     if not _ok(primary):
-        balanced = BalancedSplits(batch, gpus)  # searched in the loop of this emulation
-        primary = run_scenario(DP_LOSS_PRIMARY, wl, base, then=balanced)
+        measured.splits = BalancedSplits(batch, gpus)  # searched in this emulation's loop
+        primary = run_scenario(DP_LOSS_PRIMARY, wl, base, alongside=measured)
     if not _ok(primary) or gpus < 2:
         return []
     assert primary is not None
@@ -278,10 +288,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
 
     fwd = scenario(DP_LOSS_FORWARD)
     keep(_loss_in_forward(fwd if _ok(fwd) else em(DP_LOSS_FORWARD, base), primary))
-    ddp = scenario(DDP)
-    ddp = ddp if _ok(ddp) else em(DDP, base)
+    if not _ok(ddp):
+        measured.bucket_view_result = None
+        ddp = run_scenario(DDP, wl, base, alongside=measured)
     keep(_ddp(ddp, primary, gpus, batch))
-    gabv = em(DDP, base.with_step(
+    gabv = measured.bucket_view_result or em(DDP, base.with_step(
         ddp=dataclasses.replace(base.step.ddp, gradient_as_bucket_view=True)))
     if _ok(gabv) and _ok(ddp):
         assert ddp is not None and gabv is not None
@@ -304,7 +315,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
                 f"{fmt_bytes(heavy.peak_allocated_bytes)} (cuda:{heavy.index} is the "
                 "heaviest): it moves the imbalance, it does not remove it",
                 CODE_OUTPUT_DEVICE.format(dev=dev))
-    bal = (balanced.result if balanced is not None and balanced.finished
+    splits = measured.splits
+    bal = (splits.result if isinstance(splits, BalancedSplits) and splits.finished
            else balanced_split(primary, batch, gpus, base, em))
     if bal is not None:
         chunks, s = bal

@@ -28,7 +28,7 @@ from dpprof.emulator.kernels import (
     GpuKernels,
 )
 from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
-from dpprof.emulator.vdevice import HOST, VirtualDevices, to_device
+from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.result import (
     STATUS_ERROR,
@@ -181,13 +181,13 @@ def build_on_device(
 
 def run_scenario(
     name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None = None,
-    then: FurtherSplits | None = None,
+    alongside: Alongside | None = None,
 ) -> ScenarioResult:
     """Emulate one scenario; a failure is a result (status "error"), not an exception.
 
-    With ``then`` (``dp-loss-primary`` over meta tensors), the loop goes on after the
-    measured step with the splits it asks for (:class:`FurtherSplits`); a fallback to
-    replica-by-replica emulation drops them (``then`` is then left unfinished).
+    With ``alongside``, the emulation also measures what it asks for that belongs to this
+    scenario (:class:`Alongside`); what it could not is left undone, for the caller to
+    emulate on its own.
 
     With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
     (``"wrapped"``), the parameters (``"params"``) and the event indices where the measured
@@ -197,12 +197,12 @@ def run_scenario(
     (:func:`dpprof.emulator.heap.frozen_heap`).
     """
     with frozen_heap():
-        return _run_scenario(name, wl, cfg, trace, then)
+        return _run_scenario(name, wl, cfg, trace, alongside or Alongside())
 
 
 def _run_scenario(
     name: str, wl: Workload, cfg: EmulationConfig, trace: dict[str, Any] | None,
-    then: FurtherSplits | None = None,
+    alongside: Alongside,
 ) -> ScenarioResult:
     step = cfg.step
     wl = step.workload(wl)  # --dtype
@@ -214,6 +214,11 @@ def _run_scenario(
     rt = CudaDevices(n_dev, base="cpu" if cfg.compute else "meta", real_host=False,
                      fix=DATA_DEPENDENT_FIX)
     rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
+    # ddp with gradient_as_bucket_view=True, followed from the first allocation on
+    ledger = (VariantLedger(0) if alongside.bucket_view and name == DDP and not cfg.compute
+              and not step.ddp.gradient_as_bucket_view else None)
+    if ledger is not None:
+        rt.ledgers[0] = ledger
     # the model's own "cuda", "cuda:1", .cuda(), .to(...) name the virtual devices
     cuda = VirtualCuda(n_dev, rt=rt, enter_runtime=False, honour_visible_devices=False)
     result = ScenarioResult(name=name, batch=step.batch)
@@ -247,6 +252,7 @@ def _run_scenario(
                         gradient_as_bucket_view=step.ddp.gradient_as_bucket_view,
                         find_unused_parameters=step.ddp.find_unused_parameters,
                         broadcast_buffers=step.ddp.broadcast_buffers,
+                        bucket_view_ledger=ledger,
                     )
                 rank = 0  # rank 0's rows; every rank runs the same program
             elif name == SINGLE:
@@ -282,8 +288,8 @@ def _run_scenario(
             # The loader's host batches, one per iteration, made before the loop: the
             # scenario's part of each step's global batch (the one seed rule).
             warm = step.warmup_steps("emulated")
-            chain = then if (then is not None and name == DP_LOSS_PRIMARY and not cfg.compute
-                             and cfg.dp_output_device is None) else None
+            chain = alongside.splits if (name == DP_LOSS_PRIMARY and not cfg.compute
+                                         and cfg.dp_output_device is None) else None
             steps = warm + 1 + (chain.max_steps if chain is not None else 0)
             with rt.device(HOST), rt.category("inputs"):
                 batches = [scenario_batch(wl, step.seed, k, step.batch, cfg.gpus, rank)
@@ -369,6 +375,8 @@ def _run_scenario(
                 if chain is not None:  # every further step ran: the last one's figures
                     chain(chained["last"])
             del batches
+            if ledger is not None and ledger.unsure is None and result.devices:
+                alongside.bucket_view_result = _ledger_result(ledger, result, cfg)
             loss_val = float(loss) if cfg.compute and loss is not None else None
             del loss
             result.loss = loss_val
@@ -398,6 +406,24 @@ class _SplitsDone(Exception):
     """The further splits' plan has no more: the loop stops there."""
 
 
+@dataclass
+class Alongside:
+    """What a comparison's scenarios measure besides themselves, over meta tensors, for
+    the fixes (:mod:`dpprof.analysis.fixes`):
+
+    * ``splits``: further splits of the batch, measured in ``dp-loss-primary``'s own loop
+      after its measured step (:class:`FurtherSplits`);
+    * ``bucket_view``: ``ddp`` with ``gradient_as_bucket_view=True``, followed in a ledger
+      while ``ddp`` runs plain (:class:`~dpprof.emulator.parallel.BucketViewFollower`);
+      its figures (peaks only) land in ``bucket_view_result``, None where it could not
+      be followed.
+    """
+
+    splits: FurtherSplits | None = None
+    bucket_view: bool = False
+    bucket_view_result: ScenarioResult | None = None
+
+
 class FurtherSplits(Protocol):
     """Splits of the batch measured after ``dp-loss-primary``'s step, in its own loop.
 
@@ -413,6 +439,21 @@ class FurtherSplits(Protocol):
     max_steps: int
 
     def __call__(self, last: ScenarioResult) -> tuple[int, ...] | None: ...
+
+
+def _ledger_result(ledger: VariantLedger, scenario: ScenarioResult,
+                   cfg: EmulationConfig) -> ScenarioResult:
+    """The variant a ledger followed, as its scenario's result with the ledger's peaks
+    (every DDP rank the same; no breakdown, no timeline)."""
+    d = scenario.devices[0]
+    template = DeviceResult(
+        index=0, peak_allocated_bytes=ledger.peak_allocated,
+        peak_requested_bytes=ledger.peak_requested, capacity_bytes=d.capacity_bytes,
+        used=True, batch_rows=d.batch_rows, timeline=[])
+    out = ScenarioResult(name=scenario.name, batch=scenario.batch,
+                         devices=ddp_ranks(template, len(scenario.devices)))
+    _judge(out, cfg)
+    return out
 
 
 def _judge(result: ScenarioResult, cfg: EmulationConfig) -> None:

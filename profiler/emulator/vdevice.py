@@ -188,6 +188,57 @@ class Snapshot:
     by_category: dict[str, int] = field(default_factory=dict)
 
 
+class VariantLedger:
+    """One device's allocations as a variant of the program would make them, where the
+    variant differs only in when some storages die: every event of the device counts, but
+    a storage :meth:`detach`-ed no longer follows its own events (its bytes stay until
+    :meth:`release`). DDP's ``gradient_as_bucket_view`` is such a variant of plain DDP
+    (:class:`dpprof.emulator.parallel.EmulatedDDP`): a gradient dies into its bucket's
+    view at its hook, the old buckets live on in the gradients at the rebuild.
+
+    ``unsure`` says why the variant could not be followed (a storage shared with
+    something the ledger cannot see); the variant must then be emulated on its own.
+    """
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.live_allocated = self.live_requested = 0
+        self.peak_allocated = self.peak_requested = 0
+        self.unsure: str | None = None
+        self._sizes: dict[int, tuple[int, int]] = {}  # serial -> (requested, allocated)
+        self._detached: set[int] = set()
+
+    def on_event(self, serial: int, requested: int, allocated: int) -> None:
+        if serial in self._detached:
+            return
+        r, a = self._sizes.get(serial, (0, 0))
+        r, a = r + requested, a + allocated
+        if a or r:
+            self._sizes[serial] = (r, a)
+        else:
+            self._sizes.pop(serial, None)
+        self._add(requested, allocated)
+
+    def _add(self, requested: int, allocated: int) -> None:
+        self.live_requested += requested
+        self.live_allocated += allocated
+        self.peak_allocated = max(self.peak_allocated, self.live_allocated)
+        self.peak_requested = max(self.peak_requested, self.live_requested)
+
+    def reset_peaks(self) -> None:
+        self.peak_allocated, self.peak_requested = self.live_allocated, self.live_requested
+
+    def detach(self, serial: int) -> None:
+        """The storage's own events no longer count; its bytes stay."""
+        self._detached.add(serial)
+
+    def release(self, serial: int) -> None:
+        """The storage dies now in the variant (its later events do not count)."""
+        self._detached.add(serial)
+        r, a = self._sizes.pop(serial, (0, 0))
+        self._add(-r, -a)
+
+
 class VirtualDevices(TorchDispatchMode):
     """Count live bytes per virtual device for everything run under it.
 
@@ -238,6 +289,7 @@ class VirtualDevices(TorchDispatchMode):
         # ops whose kernel on the target GPU allocates buffers of its own that the meta
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
+        self.ledgers: dict[int, VariantLedger] = {}  # device -> a variant of its allocations
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -332,6 +384,11 @@ class VirtualDevices(TorchDispatchMode):
             if rec is not None:
                 self._labels[rec.serial] = category
 
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        """The serial of ``t``'s storage, if it is tracked."""
+        rec = self._storages.get(id(t.untyped_storage()))
+        return None if rec is None else rec.serial
+
     def live_bytes(self, index: int) -> int:
         return self.counters[index].live_allocated
 
@@ -344,6 +401,8 @@ class VirtualDevices(TorchDispatchMode):
                 c.peak_requested = c.live_requested
                 c.peak_event = len(self.events)
                 c.peak_phase = self._state.phase
+            for ledger in self.ledgers.values():
+                ledger.reset_peaks()
 
     def event_indices(self, index: int) -> list[int]:
         """Indices into :attr:`events` of device ``index``'s events."""
@@ -452,6 +511,10 @@ class VirtualDevices(TorchDispatchMode):
             self._count(device, requested, allocated)
             if self._mirror_serials or self._mirrors:
                 self._emit_mirrors(device, serial, requested, allocated)
+            if self.ledgers:
+                ledger = self.ledgers.get(device)
+                if ledger is not None:
+                    ledger.on_event(serial, requested, allocated)
 
     def _count(self, device: int, requested: int, allocated: int) -> None:
         c = self.counters[device]
