@@ -85,17 +85,16 @@ def test_balanced_split_lowers_the_heaviest_device() -> None:
     assert "BalancedDataParallel" in bal.code
 
 
-def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> None:
-    """The BalancedDataParallel code handed to users: run its scatter with a CPU stand-in
-    for the CUDA Scatter (the one part that needs GPUs)."""
-    import torch
+def _snippet_scatter(monkeypatch, shares, batch):
+    """The BalancedDataParallel code handed to users, its Scatter.apply recording the
+    sizes (the one part that needs GPUs) and returning CPU splits."""
     from torch import nn
     from torch.nn.parallel import _functions
 
     from dpprof.analysis.fixes import CODE_BALANCED
 
-    code = "\n".join(line[1:] for line in CODE_BALANCED.format(shares=[0.1, 0.3, 0.3, 0.3],
-                                                                batch=40).splitlines()
+    code = "\n".join(line[1:] for line in CODE_BALANCED.format(shares=shares,
+                                                                batch=batch).splitlines()
                      if line.startswith("+"))
     calls = []
 
@@ -106,12 +105,32 @@ def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> N
     monkeypatch.setattr(_functions.Scatter, "apply", staticmethod(fake_apply))
     scope = {"nn": nn, "torch": torch}
     exec(code.split("model = BalancedDataParallel")[0], scope)
-    dp = scope["BalancedDataParallel"](nn.Linear(2, 2), shares=[0.1, 0.3, 0.3, 0.3])
+    assert f"shares={shares}" in code
+    dp = scope["BalancedDataParallel"](nn.Linear(2, 2), shares=shares)
     dp.dim = 0  # DataParallel.__init__ stops before setting it when no GPU is visible
+    return dp, calls
+
+
+def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> None:
+    dp, calls = _snippet_scatter(monkeypatch, [4, 12, 12, 12], 40)
     inputs, kwargs = dp.scatter((torch.zeros(40, 2), torch.ones(40)), {}, [0, 1, 2, 3])
     assert calls[0] == [4, 12, 12, 12]
     assert [tuple(t.shape[0] for t in args) for args in inputs] == [(4, 4), (12, 12), (12, 12), (12, 12)]
     assert len(kwargs) == 4
+
+
+@pytest.mark.parametrize("rows", [512, 256, 100, 7])
+def test_the_emulator_splits_as_the_snippet_does(monkeypatch, rows) -> None:
+    """At the batch, exactly the measured rows (no rounding of shares); a micro-batch in
+    proportion, as the emulated BalancedDataParallel splits it."""
+    from dpprof.emulator.parallel import balanced_sizes
+
+    chunks = [1, 73, 73, 73, 73, 73, 73, 73]
+    dp, calls = _snippet_scatter(monkeypatch, chunks, 512)
+    dp.scatter((torch.zeros(rows, 2),), {}, list(range(8)))
+    assert calls[0] == balanced_sizes(chunks, rows)
+    if rows == 512:
+        assert calls[0] == chunks
 
 
 # ---- the balanced split's search, in dp-loss-primary's own loop ----------------------------
@@ -131,6 +150,18 @@ class _Recorded(BalancedSplits):
     def __call__(self, last):
         self.fed.append(last)
         return super().__call__(last)
+
+
+def _micro_batches(model, batch, criterion, optimizer):
+    """A user's step: two micro-batches per optimizer step (each split in proportion)."""
+    inputs, targets = batch
+    optimizer.zero_grad()
+    half = inputs.shape[0] // 2
+    for part in (slice(0, half), slice(half, None)):
+        loss = criterion(model(inputs[part]), targets[part]) / 2
+        loss.backward()
+    optimizer.step()
+    return loss
 
 
 def _clipped(model, batch, criterion, optimizer):
@@ -153,6 +184,7 @@ def _clipped(model, batch, criterion, optimizer):
     (lambda: lm(SMALL_LM), 32, 4, 1, {"amp": "bfloat16"}),  # autocast: no mirrors
     (lambda: lm(SMALL_LM), 32, 4, 1, {"dtype": "bfloat16"}),
     (lambda: dataclasses.replace(lm(SMALL_LM), step=_clipped), 64, 4, 1, {}),
+    (lambda: dataclasses.replace(lm(SMALL_LM), step=_micro_batches), 64, 4, 1, {}),
 ])
 def test_each_further_split_is_that_splits_own_measured_step(workload, batch, gpus, steps,
                                                               options) -> None:

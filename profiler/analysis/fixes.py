@@ -70,7 +70,7 @@ CODE_BALANCED = """\
 +        self.shares = shares
 +    def scatter(self, inputs, kwargs, device_ids):
 +        rows = next(t for t in inputs if torch.is_tensor(t)).size(self.dim)
-+        sizes = [int(rows * s / sum(self.shares)) for s in self.shares]
++        sizes = [rows * s // sum(self.shares) for s in self.shares]
 +        sizes[-1] += rows - sum(sizes)
 +        def split(x):
 +            if torch.is_tensor(x):
@@ -80,7 +80,8 @@ CODE_BALANCED = """\
 +        return inputs, [kwargs] * len(inputs)
 +
 -model = nn.DataParallel(model.cuda())
-+model = BalancedDataParallel(model.cuda(), shares={shares})  # rows at batch {batch}"""
++# rows per GPU at batch {batch}; another batch (a micro-batch) is split in proportion
++model = BalancedDataParallel(model.cuda(), shares={shares})"""
 
 
 def _ok(s: ScenarioResult | None) -> bool:
@@ -320,11 +321,10 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
            else balanced_split(primary, batch, gpus, base, em))
     if bal is not None:
         chunks, s = bal
-        shares = [round(c / batch, 4) for c in chunks]
         add("balanced-split", "A smaller share of the batch on cuda:0", s,
             f"rows per GPU {chunks} instead of {shard_sizes(batch, gpus)}; a "
             "BalancedDataParallel-style scatter override (Scatter.apply with chunk_sizes)",
-            CODE_BALANCED.format(shares=shares, batch=batch), chunks)
+            CODE_BALANCED.format(shares=chunks, batch=batch), chunks)
     return fixes
 
 

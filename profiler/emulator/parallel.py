@@ -361,10 +361,6 @@ def scatter(rt: VirtualDevices, inputs: Any, target_gpus: Sequence[int], dim: in
     """``scatter_gather.scatter``; ``chunk_sizes`` (rows per device) as a
     BalancedDataParallel-style override passes them to ``Scatter.apply``. With ``plan``,
     only its representatives get their shards (their mirrors stand for the others)."""
-    if chunk_sizes is not None:
-        chunk_sizes = [c for c in chunk_sizes if c > 0]
-        target_gpus = list(target_gpus)[: len(chunk_sizes)]
-
     def scatter_map(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             sizes = chunk_sizes if chunk_sizes is not None and obj.dim() > dim else None
@@ -416,8 +412,8 @@ def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
     leaves = [t for t in tree_leaves((inputs, kwargs or {})) if isinstance(t, torch.Tensor)]
     if not leaves:
         return None
-    sizes = [c for c in chunk_sizes if c > 0] if chunk_sizes is not None else None
-    n = len(sizes) if sizes is not None else len(devices)  # scatter's target devices
+    sizes = chunk_sizes
+    n = len(devices)  # scatter's target devices
     rows = [_rows(t, n, dim, sizes if sizes is not None and t.dim() > dim else None)
             for t in leaves]
     used = min(len(r) for r in rows)
@@ -580,6 +576,16 @@ class MirrorUnsafe(RuntimeError):
     """A mirrored replica did something its mirrors would not copy; run them all."""
 
 
+def balanced_sizes(shares: Sequence[int], rows: int) -> list[int]:
+    """``BalancedDataParallel``'s rows per device for a batch of ``rows`` (the code the
+    balanced-split fix hands out, :data:`dpprof.analysis.fixes.CODE_BALANCED`): in
+    proportion to ``shares``, rounded down, the remainder to the last device."""
+    total = sum(shares)
+    sizes = [rows * s // total for s in shares]
+    sizes[-1] += rows - sum(sizes)
+    return sizes
+
+
 class EmulatedDataParallel(nn.Module):
     """``nn.DataParallel(module, device_ids, output_device)`` on virtual devices."""
 
@@ -593,7 +599,7 @@ class EmulatedDataParallel(nn.Module):
         self.output_device = self.device_ids[0] if output_device is None else output_device
         self.dim = dim
         self.used_devices: list[int] = []
-        # Rows per device (a BalancedDataParallel-style scatter); None: tensor.chunk.
+        # Rows per device at the batch (BalancedDataParallel's shares); None: tensor.chunk.
         self.chunk_sizes: Sequence[int] | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -606,17 +612,21 @@ class EmulatedDataParallel(nn.Module):
                     f"cuda:{src} (device_ids[0]) but found one of them on device: "
                     f"cuda:{rt.device_of(t)}"
                 )
+        sizes = self.chunk_sizes
+        first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+        if sizes is not None and first is not None:  # a batch of other rows: in proportion
+            sizes = balanced_sizes(sizes, first.size(self.dim))
         plan = None
         if (rt.dedupe_replicas and rt.base.type == "meta" and torch.is_grad_enabled()
                 and len(self.device_ids) > 2):
-            plan = shard_plan(inputs, kwargs, self.device_ids, self.dim, self.chunk_sizes,
+            plan = shard_plan(inputs, kwargs, self.device_ids, self.dim, sizes,
                               alone=[self.output_device])
         # replicas on equal shards: one runs, the devices of the others mirror its device
         rt.set_mirrors({} if plan is None else dict(zip(plan.devices, plan.mirrors,
                                                         strict=True)))
         with rt.category("inputs"):
             inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, self.device_ids, self.dim,
-                                                   self.chunk_sizes, plan)
+                                                   sizes, plan)
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
         if len(self.device_ids) == 1:
@@ -745,12 +755,11 @@ class BucketViewFollower:
             return
         if self._is_view(i, grad):  # the variant's .grad was a view: an old bucket's?
             old = self._view_bucket.get(i)
-            left = self._holders.get(old, 0) - 1 if old is not None else -1
-            if left == 0:
-                del self._holders[old]  # type: ignore[arg-type]
-                self.ledger.release(old)  # type: ignore[arg-type]
-            elif left > 0:
-                self._holders[old] = left  # type: ignore[index]
+            if old is not None and old in self._holders:
+                self._holders[old] -= 1
+                if not self._holders[old]:
+                    del self._holders[old]
+                    self.ledger.release(old)
         else:  # a gradient of its own dies into the view
             serial = self.rt.serial_of(grad)
             if serial is None or _storage_users(grad) != 1:
@@ -758,13 +767,14 @@ class BucketViewFollower:
                                       "under gradient_as_bucket_view is not known")
             else:
                 self.ledger.release(serial)
-        bucket = self.rt.serial_of(view)
-        self._grad_serials[i] = self.rt.serial_of(grad)  # type: ignore[assignment]
+        serial, bucket = self.rt.serial_of(grad), self.rt.serial_of(view)
+        if serial is not None:
+            self._grad_serials[i] = serial
         if bucket is not None:
             self._view_bucket[i] = bucket
 
-    def buckets_cleared(self, params: list[torch.Tensor], views: dict[int, torch.Tensor]
-                        ) -> None:
+    def buckets_cleared(self, params: Sequence[torch.Tensor],
+                        views: dict[int, torch.Tensor]) -> None:
         """``buckets_.clear()``: a bucket some variant gradients view lives on in them."""
         for i, p in enumerate(params):
             if i in views and self._is_view(i, p.grad):
@@ -983,8 +993,10 @@ def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
 
 
 __all__ = [
+    "BucketViewFollower",
     "EmulatedDDP",
     "EmulatedDataParallel",
+    "balanced_sizes",
     "broadcast_coalesced",
     "compute_bucket_assignment_by_size",
     "ddp_broadcast_coalesced",
