@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dpprof.analysis.fixes import BalancedSplits, balance_chunks, balanced_split
+from dpprof.analysis.fixes import alongside as fixes_alongside
 from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.scenarios.step import StepConfig
@@ -237,7 +238,7 @@ def test_compare_measures_the_balanced_split_in_the_scenarios_loop(monkeypatch) 
     run = run_compare(CompareConfig(step=StepConfig(batch=32)), workload=lm(SMALL_LM))
     bal = next(f for f in run.fixes if f.name == "balanced-split")
     assert bal.chunk_sizes[0] < 8
-    assert emulated and not any(emulated)  # the other fixes only, none with chunk sizes
+    assert not any(emulated)  # no split emulated on its own
 
 
 class _BatchNormNet(torch.nn.Module):
@@ -304,3 +305,101 @@ def test_a_failed_one_row_split_is_measured_with_two_rows() -> None:
     assert bal.chunk_sizes == [2, 21, 21, 20]
     plan = BalancedSplits(64, 4)
     assert plan(run.scenario("dp-loss-primary"))[0] == 1  # what it tried first
+
+
+# ---- DataParallel(output_device=k), one more step of the same loop -------------------------
+
+def _keeps_losses():
+    """A user's step that keeps every step's loss (a running history)."""
+    history = []
+
+    def step(model, batch, criterion, optimizer):
+        inputs, targets = batch
+        optimizer.zero_grad()
+        loss = criterion(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        history.append(loss.detach())
+        return loss
+
+    return step
+
+
+def _leaves_a_tensor(model, batch, criterion, optimizer):
+    """A user's step that leaves a tensor of its own on cuda:0 (made after the step)."""
+    loss = _clipped(model, batch, criterion, optimizer)
+    model.scratch = torch.zeros(1024, device="cuda")
+    return loss
+
+
+def _exact(s, alone) -> bool:
+    return _peaks_by_device(s) == _peaks_by_device(alone)
+
+
+@pytest.mark.parametrize("workload, batch, gpus, options", [
+    (lambda: lm(SMALL_LM), 32, 4, {}),
+    (lambda: lm(SMALL_LM), 13, 4, {}),  # uneven shards
+    (lambda: lm(SMALL_LM), 3, 4, {}),  # fewer rows than GPUs: cuda:2 is the output device
+    (convnet, 100, 3, {}),
+    (lambda: lm(SMALL_LM), 32, 4, {"amp": "bfloat16"}),
+    (lambda: lm(SMALL_LM), 32, 4, {"dtype": "bfloat16"}),
+    (lambda: lm(SMALL_LM), 32, 4, {"warmup": 3}),
+    (lambda: dataclasses.replace(lm(SMALL_LM), step=_clipped), 32, 4, {}),
+])
+def test_the_output_device_step_is_that_options_own_measured_step(workload, batch, gpus,
+                                                                   options) -> None:
+    """After the scenario's step (and the splits), one step with output_device=k, the loop's
+    outputs, loss and targets moved to cuda:k first: what emulating that option on its own
+    gives, byte for byte."""
+    wl = workload()
+    base = EmulationConfig(gpus=gpus, gpu_memory_bytes=80 << 30,
+                           step=StepConfig(batch=batch, **options))
+    seen = fixes_alongside(batch, gpus)
+    chained = run_scenario("dp-loss-primary", wl, base, alongside=seen)
+    assert chained == run_scenario("dp-loss-primary", wl, base)
+    assert seen.output_device_result is not None
+    alone = run_scenario("dp-loss-primary", wl, dataclasses.replace(
+        base, dp_output_device=seen.output_device, peaks_only=True))
+    assert _exact(seen.output_device_result, alone)
+    assert alone.devices[seen.output_device].peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("step, options", [
+    (_keeps_losses, {"warmup": 2}),  # not steady: one more step keeps one more loss
+    (lambda: _micro_batches, {}),  # it returns loss / 2, made in backward: where is it?
+    (lambda: None, {"warmup": 0}),  # no step before the measured one: steady or not?
+])
+def test_no_further_steps_where_the_loop_does_not_say_they_are_exact(step, options) -> None:
+    wl = dataclasses.replace(lm(SMALL_LM), step=step())
+    base = EmulationConfig(gpus=4, gpu_memory_bytes=80 << 30,
+                           step=StepConfig(batch=32, **options))
+    seen = fixes_alongside(32, 4)
+    chained = run_scenario("dp-loss-primary", wl, base, alongside=seen)
+    assert chained == run_scenario("dp-loss-primary", wl, base)
+    assert seen.output_device_result is None
+    if step() is not _micro_batches:
+        assert not seen.splits.finished
+
+
+def test_a_step_that_leaves_its_own_tensors_gets_the_output_device_emulated_alone(
+        monkeypatch) -> None:
+    from dpprof.analysis import fixes as fixes_module
+
+    wl = dataclasses.replace(lm(SMALL_LM), step=_leaves_a_tensor)
+    base = EmulationConfig(gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32))
+    seen = fixes_alongside(32, 4)
+    run_scenario("dp-loss-primary", wl, base, alongside=seen)
+    assert seen.output_device_result is None  # where would that tensor be? not known
+    emulated = []
+    real = fixes_module.run_scenario
+
+    def counting(name, wl, cfg, *args, **kwargs):
+        emulated.append(cfg.dp_output_device)
+        return real(name, wl, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(fixes_module, "run_scenario", counting)
+    run = run_compare(CompareConfig(step=StepConfig(batch=32)), workload=wl)
+    assert 3 in emulated
+    fix = next(f for f in run.fixes if f.name == "output-device")
+    alone = real("dp-loss-primary", wl, dataclasses.replace(base, dp_output_device=3))
+    assert fix.primary_peak_bytes == alone.devices[0].peak_allocated_bytes

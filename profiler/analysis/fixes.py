@@ -235,11 +235,18 @@ def per_row_bytes(d: DeviceResult, categories: tuple[str, ...]) -> float:
     return sum(d.breakdown_bytes.get(c, 0) for c in categories) / max(d.batch_rows, 1)
 
 
+def output_device(batch: int, gpus: int) -> int | None:
+    """The output device the fix moves the outputs to: the last GPU used."""
+    used = len(shard_sizes(batch, gpus))
+    return used - 1 if used >= 2 else None
+
+
 def alongside(batch: int, gpus: int) -> Alongside:
     """What a comparison's own scenarios measure for the fixes as they run: the balanced
-    split's search in ``dp-loss-primary``'s loop, ``gradient_as_bucket_view`` beside
-    ``ddp``."""
-    return Alongside(splits=BalancedSplits(batch, gpus), bucket_view=True)
+    split's search and then ``output_device`` in ``dp-loss-primary``'s loop,
+    ``gradient_as_bucket_view`` beside ``ddp``."""
+    return Alongside(splits=BalancedSplits(batch, gpus), bucket_view=True,
+                     output_device=output_device(batch, gpus))
 
 
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
@@ -268,8 +275,9 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     ddp = scenario(DDP)
     if not own or measured is None:
         measured = alongside(batch, gpus)
-    if not _ok(primary):
-        measured.splits = BalancedSplits(batch, gpus)  # searched in this emulation's loop
+    if not _ok(primary):  # the variants measured in this emulation's loop
+        measured.splits = BalancedSplits(batch, gpus)
+        measured.output_device_result = None
         primary = run_scenario(DP_LOSS_PRIMARY, wl, base, alongside=measured)
     if not _ok(primary) or gpus < 2:
         return []
@@ -303,12 +311,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
             "plain DDP per GPU at the peak" + (
                 "" if extra > 0 else " (the peak comes before the gradients all exist; the "
                 "gradient-sized copy is still saved later in the step)"), CODE_BUCKET_VIEW)
-    used = len(shard_sizes(batch, gpus))
-    if used >= 2:
-        dev = used - 1
-        out = em(DP_LOSS_PRIMARY, dataclasses.replace(base, dp_output_device=dev))
+    dev = output_device(batch, gpus)
+    if dev is not None:
+        out = measured.output_device_result or em(
+            DP_LOSS_PRIMARY, dataclasses.replace(base, dp_output_device=dev))
         if _ok(out):
-            assert out is not None
             heavy = max((d for d in out.devices if d.used),
                         key=lambda d: d.peak_allocated_bytes)
             add("output-device", f"DataParallel(output_device={dev})", out,

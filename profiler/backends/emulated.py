@@ -285,23 +285,27 @@ def _run_scenario(
             model.train()
             # DataParallel(output_device=k): the loss runs there, so the targets go there.
             target_dev = (cfg.dp_output_device or 0) if name == DP_LOSS_PRIMARY else 0
+            warm = step.warmup_steps("emulated")
+            further = (_FurtherSteps(rt, wrapped, alongside, cfg)
+                       if name == DP_LOSS_PRIMARY and not cfg.compute
+                       and cfg.dp_output_device is None else None)
             # The loader's host batches, one per iteration, made before the loop: the
             # scenario's part of each step's global batch (the one seed rule).
-            warm = step.warmup_steps("emulated")
-            chain = alongside.splits if (name == DP_LOSS_PRIMARY and not cfg.compute
-                                         and cfg.dp_output_device is None) else None
-            steps = warm + 1 + (chain.max_steps if chain is not None else 0)
+            steps = warm + 1 + (further.max_steps if further is not None else 0)
             with rt.device(HOST), rt.category("inputs"):
                 batches = [scenario_batch(wl, step.seed, k, step.batch, cfg.gpus, rank)
                            for k in range(steps)]
 
             def move(x: Any, is_target: bool) -> Any:
+                dev = (further.target_device if further is not None and further.active
+                       else target_dev)
                 with rt.category("inputs"):
-                    return map_tensors(
-                        x, lambda t: to_device(rt, t, target_dev if is_target else 0))
+                    moved = map_tensors(x, lambda t: to_device(rt, t, dev if is_target else 0))
+                if is_target and further is not None:
+                    further.note_targets(moved)
+                return moved
 
             marks: dict[str, int] = {}
-            chained: dict[str, ScenarioResult] = {}  # the last measured figures ("last")
 
             def figures() -> None:
                 """The measured step's figures, taken as it ends (the loop may go on)."""
@@ -326,54 +330,42 @@ def _run_scenario(
                             *cfg.compute_capability,
                             ", ".join(f"{k} x{v}" for k, v in sorted(kernels.chosen.items())))
                     )
-                chained["last"] = result
-
-            def split_figures(chunks: list[int]) -> None:
-                """A further split's figures (peaks only), as its step ends."""
-                s = ScenarioResult(name=name, batch=step.batch)
-                s.devices = _device_results(
-                    rt, dataclasses.replace(cfg, peaks_only=True), name, chunks,
-                    wrapped.used_devices, marks["split_start"], {})
-                _judge(s, cfg)
-                chained["last"] = s
 
             @contextlib.contextmanager
             def iteration(k: int, measured: bool) -> Iterator[None]:
-                if chain is not None and k > warm:  # a further split, in the same loop
-                    assert chain is not None
-                    chunks = chain(chained["last"])
-                    if chunks is None:
-                        raise _SplitsDone
-                    wrapped.chunk_sizes = tuple(chunks)
-                    rt.reset_peaks()
-                    marks["split_start"] = len(rt.events)
+                if further is not None and k > warm:  # a variant, in the same loop
+                    further.begin(result)
                 elif k == warm:
                     rt.reset_peaks()
                     marks["start"] = len(rt.events)
+                    if further is not None:
+                        further.step_began()
                 try:
                     yield
                 except Exception as e:
-                    if chain is None or k <= warm:
+                    if further is None or k <= warm:
                         raise
-                    # a further split failed (or needs replica-by-replica emulation): the
-                    # scenario's own figures stand; the plan, unfinished, is emulated alone
+                    # a variant failed (or needs replica-by-replica emulation): the
+                    # scenario's own figures stand; the variant is left to be emulated alone
                     rt.dedupe_failure = None
-                    raise _SplitsDone from e
+                    raise _StepsDone from e
                 finally:
                     cats.clear()
-                if chain is not None and k > warm:
-                    split_figures(list(wrapped.chunk_sizes))
+                if further is not None and k > warm:
+                    further.end(step.batch)
                 elif k == warm:
                     marks["end"] = len(rt.events)
                     figures()
+                if further is not None and k in (warm - 1, warm):
+                    further.step_ended(k == warm)
 
             hooks.iteration = iteration
             loss: torch.Tensor | None = None
-            with step_stream(step.seed), contextlib.suppress(_SplitsDone):
+            with step_stream(step.seed), contextlib.suppress(_StepsDone):
                 loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside,
                                      hooks, step=wl.step)
-                if chain is not None:  # every further step ran: the last one's figures
-                    chain(chained["last"])
+                if further is not None:  # every further step ran
+                    further.finish()
             del batches
             if ledger is not None and ledger.unsure is None and result.devices:
                 alongside.bucket_view_result = _ledger_result(ledger, result, cfg)
@@ -402,8 +394,130 @@ def _run_scenario(
     return result
 
 
-class _SplitsDone(Exception):
-    """The further splits' plan has no more: the loop stops there."""
+class _StepsDone(Exception):
+    """Nothing more to measure after the scenario's step: the loop stops there."""
+
+
+# What the loop may have left on cuda:0 after dp-loss-primary's step, by category: what
+# DataParallel(output_device=k) leaves on cuda:k instead (the gathered outputs, the loss,
+# and the targets, marked as they are moved), and what it leaves on cuda:0 as well.
+ON_THE_OUTPUT_DEVICE = ("outputs", "loss")
+ON_CUDA0 = ("parameters", "gradients", "optimizer_state", "inputs")
+
+
+class _FurtherSteps:
+    """``dp-loss-primary``'s loop after its measured step (:class:`Alongside`): the splits
+    the plan asks for, then one step of ``DataParallel(output_device=k)``.
+
+    Only after a steady step (:meth:`step_ended`). A split's step starts from what the
+    scenario's own step left (it leaves the same, whatever the split). The output
+    device's step starts from it too, with the loop's leftovers that live on cuda:k under
+    that option (the outputs, the loss, the targets) moved there first
+    (:meth:`VirtualDevices.rehome`); where the step left anything else on cuda:0 of no
+    known kind, or anything on another GPU, it is not run (the caller emulates it on its
+    own). ``tests/test_fixes.py`` checks both against emulating each variant alone, byte
+    for byte.
+    """
+
+    def __init__(self, rt: VirtualDevices, wrapped: EmulatedDataParallel, alongside: Alongside,
+                 cfg: EmulationConfig) -> None:
+        self.rt, self.wrapped, self.alongside, self.cfg = rt, wrapped, alongside, cfg
+        self.splits = alongside.splits
+        self.splits_open = self.splits is not None
+        self.output_device = alongside.output_device
+        self.max_steps = ((self.splits.max_steps if self.splits is not None else 0)
+                          + (self.output_device is not None))
+        self.active: str | None = None  # "split" | "output_device" while one runs
+        self.target_device = 0
+        self._targets: set[int] = set()  # serials of the targets moved (any step)
+        self._step_serial = 0  # the first serial of the scenario's measured step
+        self._start = 0
+        self._last: ScenarioResult | None = None
+        self._before: list[int] | None = None  # live bytes after the step before
+        self.steady = False
+
+    def note_targets(self, moved: Any) -> None:
+        for t in tensors_in(moved):
+            serial = self.rt.serial_of(t)
+            if serial is not None:
+                self._targets.add(serial)
+
+    def step_began(self) -> None:
+        self._step_serial = self.rt.last_serial
+
+    def step_ended(self, measured: bool) -> None:
+        """The step before the measured one, or the measured one, ended: each device's
+        live bytes. The loop is steady when the measured step left what the one before
+        it left; only then is a further step what a variant's own measured step is (a
+        user's step that keeps something of every step is not)."""
+        live = [self.rt.live_bytes(i) for i in range(self.rt.num_devices)]
+        if measured:
+            self.steady = live == self._before
+        else:
+            self._before = live
+
+    def begin(self, scenario: ScenarioResult) -> None:
+        """Before a further step: the next variant set up, or :class:`_StepsDone`."""
+        if not self.steady:
+            raise _StepsDone
+        if self._last is None:
+            self._last = scenario
+        chunks = self._next_split()
+        if chunks is not None:
+            self.active = "split"
+            self.wrapped.chunk_sizes = chunks
+        elif self.output_device is not None and self.alongside.output_device_result is None:
+            if not self._move_leftovers(self.output_device):
+                raise _StepsDone
+            self.active = "output_device"
+            self.wrapped.chunk_sizes = None
+            self.wrapped.output_device = self.target_device = self.output_device
+        else:
+            raise _StepsDone
+        self.rt.reset_peaks()
+        self._start = len(self.rt.events)
+
+    def _next_split(self) -> tuple[int, ...] | None:
+        if not self.splits_open or self.splits is None or self._last is None:
+            return None
+        chunks = self.splits(self._last)
+        if chunks is None:
+            self.splits_open = False
+        return chunks
+
+    def _move_leftovers(self, device: int) -> bool:
+        rt = self.rt
+        if any(rt.live_bytes(i) for i in range(1, rt.num_devices)):
+            return False
+        moving = []
+        for serial, category in rt.live_storages(0):
+            if category in ON_THE_OUTPUT_DEVICE or serial in self._targets:
+                moving.append(serial)
+            elif category not in ON_CUDA0 and serial > self._step_serial:
+                return False  # left by the step, of no known kind
+        rt.rehome(set(moving), device)
+        return True
+
+    def end(self, batch: int) -> None:
+        """After a further step: its figures (peaks only)."""
+        wrapped = self.wrapped
+        s = ScenarioResult(name=DP_LOSS_PRIMARY, batch=batch)
+        chunks = (list(wrapped.chunk_sizes) if wrapped.chunk_sizes is not None
+                  else shard_sizes(batch, self.cfg.gpus))
+        s.devices = _device_results(self.rt, dataclasses.replace(self.cfg, peaks_only=True),
+                                    DP_LOSS_PRIMARY, chunks, wrapped.used_devices,
+                                    self._start, {})
+        _judge(s, self.cfg)
+        if self.active == "output_device":
+            self.alongside.output_device_result = s
+        else:
+            self._last = s
+        self.active = None
+
+    def finish(self) -> None:
+        """Every further step ran: the plan gets the last split's figures."""
+        if self.splits_open:
+            self._next_split()
 
 
 @dataclass
@@ -416,12 +530,17 @@ class Alongside:
     * ``bucket_view``: ``ddp`` with ``gradient_as_bucket_view=True``, followed in a ledger
       while ``ddp`` runs plain (:class:`~dpprof.emulator.parallel.BucketViewFollower`);
       its figures (peaks only) land in ``bucket_view_result``, None where it could not
-      be followed.
+      be followed;
+    * ``output_device``: ``DataParallel(output_device=k)`` as one more step of
+      ``dp-loss-primary``'s loop, after the splits; its figures (peaks only) land in
+      ``output_device_result``, None where it could not run there.
     """
 
     splits: FurtherSplits | None = None
     bucket_view: bool = False
     bucket_view_result: ScenarioResult | None = None
+    output_device: int | None = None
+    output_device_result: ScenarioResult | None = None
 
 
 class FurtherSplits(Protocol):

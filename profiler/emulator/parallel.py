@@ -462,7 +462,8 @@ def gather(rt: VirtualDevices, outputs: Any, target_device: int, dim: int = 0,
             return type(out)._make(map(gather_map, zip(*outputs, strict=True)))
         return type(out)(map(gather_map, zip(*outputs, strict=True)))
 
-    return gather_map(outputs)
+    with rt.category("outputs"):  # what an output's own class makes of its parts, too
+        return gather_map(outputs)
 
 
 def _broadcast_coalesced_reshape(

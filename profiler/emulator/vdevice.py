@@ -28,7 +28,7 @@ import dataclasses
 import threading
 import weakref
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, NamedTuple, overload
@@ -384,6 +384,26 @@ class VirtualDevices(TorchDispatchMode):
             if rec is not None:
                 self._labels[rec.serial] = category
 
+    def live_storages(self, index: int) -> list[tuple[int, str]]:
+        """(serial, category) of every storage live on device ``index``, oldest first."""
+        return sorted((rec.serial, self._labels.get(rec.serial, "other"))
+                      for rec in self._storages.values() if rec.device == index)
+
+    def rehome(self, serials: Collection[int], index: int) -> None:
+        """Storages (by serial, none of them mirrored) move to device ``index`` in the
+        accounting: freed where they were, allocated there, and their later events
+        there. (The step after ``dp-loss-primary``'s, run as
+        ``DataParallel(output_device=index)``: the loop's leftovers live there.)"""
+        self._check_index(index)
+        self.set_mirrors({})  # no shared counters while bytes move
+        for rec in list(self._storages.values()):
+            if rec.serial in serials and rec.device != index:
+                if rec.serial in self._mirror_serials:
+                    raise ValueError(f"storage {rec.serial} is mirrored: it cannot move")
+                self._account(rec, -1)
+                rec.device = index
+                self._account(rec, +1)
+
     def serial_of(self, t: torch.Tensor) -> int | None:
         """The serial of ``t``'s storage, if it is tracked."""
         rec = self._storages.get(id(t.untyped_storage()))
@@ -655,6 +675,11 @@ class VirtualDevices(TorchDispatchMode):
             t = torch.empty(shape, dtype=dtype, device="meta")
         self._track(t.untyped_storage(), device)
         return t
+
+    @property
+    def last_serial(self) -> int:
+        """The serial of the storage made last (storages made later have higher ones)."""
+        return self._serial
 
     def new_serial(self) -> int:
         self._serial += 1
