@@ -100,8 +100,11 @@ def test_uneven_chunks_and_output_device_as_the_fixes_emulate_them() -> None:
     wl = load_workload("lm")
     cases: list[tuple[int, dict, int]] = [
         (7, {"dp_chunk_sizes": (2, 5, 5, 5, 5, 5, 5)}, 2 * 5),  # cuda:2..6 mirror cuda:1
-        (8, {"dp_output_device": 7}, 2 * 5),  # cuda:7 gets a view of the gradient: alone
-        (8, {"dp_output_device": 3}, 2 * (1 + 3)),  # classes 1..2 and 4..7
+        # the output device mirrors cuda:1 too: its share of the gradient is a view there
+        # (held until cuda:1's copy dies), its gathered outputs and loss its own events
+        (8, {"dp_output_device": 7}, 2 * 6),
+        (8, {"dp_output_device": 3}, 2 * 6),
+        (8, {"dp_output_device": 1}, 2 * 5),  # it never runs for others: 2..7 mirror 2
     ]
     for gpus, extra, mirrored in cases:
         plain, dedup = run_both(wl, 32, gpus, **extra)

@@ -76,6 +76,17 @@ def test_every_zoo_model_is_mirrored_byte_for_byte(name: str, scenario: str) -> 
 
 
 @pytest.mark.parametrize("name", RUNS_ON_META)
+def test_every_zoo_model_mirrors_onto_the_output_device_byte_for_byte(name: str) -> None:
+    """DataParallel(output_device=3): cuda:3 mirrors cuda:1 as well (its share of the
+    gradient a view, its gathered outputs and loss its own), every device's events as
+    when every replica runs."""
+    wl = load_workload(f"{ZOO}:{name}")
+    plain, mirrored = run_both(wl, 4 * ROWS, 4, dp_output_device=3)
+    assert mirrored[1]["rt"].mirrored_replicas == 2 * 2
+    assert_same(plain, mirrored)
+
+
+@pytest.mark.parametrize("name", RUNS_ON_META)
 def test_every_zoo_model_measures_the_fixes_in_its_own_loop_byte_for_byte(name: str) -> None:
     """dp-loss-primary's further steps (the balanced split's search, then output_device)
     and gradient_as_bucket_view beside ddp: what emulating each on its own gives, or left

@@ -318,10 +318,19 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
-        with ctx.rt.category("outputs"):
+        rt = ctx.rt
+        target = rt.device_of(grad_output)
+        rep = rt.mirrored_device(target)  # the output device mirrors this replica's device
+        # Its share is a view of grad_output there (no copy): the copy made for ``rep``
+        # has no mirror on it, and a view keeps grad_output until that copy dies (when
+        # the output device's own replica would drop its view).
+        with rt.category("outputs"), rt.not_mirrored_on([target] if rep is not None else []):
             scattered = Scatter.apply(
-                ctx.rt, ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output, ctx.counts
+                rt, ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output, ctx.counts
             )
+        if rep is not None and rep in ctx.input_gpus:
+            held = [grad_output.narrow(ctx.dim, 0, 0)]
+            rt.on_free(scattered[ctx.input_gpus.index(rep)], held.clear)
         if ctx.unsqueezed_scalar:
             scattered = tuple(g[0] for g in scattered)
         return (None, None, None, None, *scattered)
@@ -405,10 +414,10 @@ def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                devices: Sequence[int], dim: int, chunk_sizes: Sequence[int] | None,
                alone: Sequence[int]) -> ShardPlan | None:
     """The classes of replicas that see equal shards (the same shape of every scattered
-    tensor, the same other arguments), from the second used device on and none on a
-    device in ``alone`` (the output device: its share of the gradient is a view, not a
-    copy); None when no two replicas are alike. A run of equal neighbours is one class:
-    its first device runs, the others mirror it (:meth:`VirtualDevices.set_mirrors`)."""
+    tensor, the same other arguments), from the second used device on; None when no two
+    replicas are alike. A run of equal neighbours is one class: its first device runs,
+    the others mirror it (:meth:`VirtualDevices.set_mirrors`). A device in ``alone`` (the
+    output device: it has events of its own) may mirror but never runs for others."""
     leaves = [t for t in tree_leaves((inputs, kwargs or {})) if isinstance(t, torch.Tensor)]
     if not leaves:
         return None
@@ -423,8 +432,7 @@ def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
     while i < used:
         stop = i + 1
         if i > 0 and devices[i] not in alone:
-            while (stop < used and signature[stop] == signature[i]
-                   and devices[stop] not in alone):
+            while stop < used and signature[stop] == signature[i]:
                 stop += 1
         plan.devices.append(devices[i])
         plan.positions.append(i)
@@ -624,7 +632,8 @@ class EmulatedDataParallel(nn.Module):
                               alone=[self.output_device])
         # replicas on equal shards: one runs, the devices of the others mirror its device
         rt.set_mirrors({} if plan is None else dict(zip(plan.devices, plan.mirrors,
-                                                        strict=True)))
+                                                        strict=True)),
+                       own=[self.output_device])
         with rt.category("inputs"):
             inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, self.device_ids, self.dim,
                                                    sizes, plan)

@@ -277,6 +277,9 @@ class VirtualDevices(TorchDispatchMode):
         self.dedupe_failure: str | None = None  # why mirroring could not stand for a replica
         self.mirrored_replicas = 0  # replica forwards stood for by a mirror, not run
         self._mirrors: dict[int, tuple[int, ...]] = {}  # device -> the devices mirroring it
+        self._own: frozenset[int] = frozenset()  # mirrors with events of their own too
+        self._unmirrored: frozenset[int] = frozenset()  # mirrors new storages skip for now
+        self._on_free_calls: dict[int, list[Callable[[], None]]] = {}  # serial -> callbacks
         # serial -> (its mirrors' serials, their devices), for its later events
         self._mirror_serials: dict[int, tuple[array[int], array[int]]] = {}
         # the blocks of mirrors' serials: their first serials (ascending), (length, the
@@ -553,6 +556,11 @@ class VirtualDevices(TorchDispatchMode):
             devices = self._mirrors.get(device)
             if not devices or requested < 0 or allocated < 0:
                 return  # not mirrored, or made before its device was
+            if self._unmirrored:
+                devices = tuple(d for d in devices if d not in self._unmirrored)
+                if not devices:
+                    return
+                self._device_columns.setdefault(devices, array("q", devices))
             n = len(devices)
             first = self._serial + 1
             self._serial += n
@@ -606,17 +614,21 @@ class VirtualDevices(TorchDispatchMode):
         found = self._distinct_counters[id(devices)] = list(seen.values())
         return found
 
-    def set_mirrors(self, mirrors: dict[int, Sequence[int]]) -> None:
+    def set_mirrors(self, mirrors: dict[int, Sequence[int]], own: Collection[int] = ()) -> None:
         """From now on every storage made on a device ``d`` in ``mirrors`` stands for one
         on each device of ``mirrors[d]`` too: each of its events (allocation, free,
         resize) is followed by the same event on those devices, in order, under serials
         of their own filed under its category. DataParallel's replicas on equal shards
         run the same program on their devices, so one runs and the others mirror it;
         each device's own sequence of events is then the one it would have. Replaces the
-        previous mapping; storages made under it keep their mirrors."""
+        previous mapping; storages made under it keep their mirrors.
+
+        ``own``: mirrors that also have events of their own (DataParallel's output device:
+        the gathered outputs, the loss); they never share counters with their class."""
         for d in (*mirrors, *chain.from_iterable(mirrors.values())):
             self._check_index(d)
         self._mirrors = {d: tuple(ms) for d, ms in mirrors.items() if ms}
+        self._own = frozenset(own)
         for ms in self._mirrors.values():
             self._device_columns.setdefault(ms, array("q", ms))
         # Devices that mirror the same device share one counters object from now on (their
@@ -626,18 +638,40 @@ class VirtualDevices(TorchDispatchMode):
         holders: dict[int, list[int]] = {}
         for i, c in enumerate(self.counters):
             holders.setdefault(id(c), []).append(i)
-        classes = {tuple(sorted(ms)) for ms in self._mirrors.values()}
+        classes = {tuple(sorted(m for m in ms if m not in self._own))
+                   for ms in self._mirrors.values()}
         for devices in holders.values():
             if len(devices) > 1 and tuple(devices) not in classes:
                 for i in devices[1:]:
                     self.counters[i] = dataclasses.replace(self.counters[i])
         for ms in self._mirrors.values():
-            first = self.counters[ms[0]]
+            shared = [m for m in ms if m not in self._own]
+            if not shared:
+                continue
+            first = self.counters[shared[0]]
             if all(self.counters[m] == first and not self.counters[m].live_requested
-                   and not self.counters[m].live_allocated for m in ms):
-                for m in ms[1:]:
+                   and not self.counters[m].live_allocated for m in shared):
+                for m in shared[1:]:
                     self.counters[m] = first
         self._distinct_counters.clear()
+
+    @contextlib.contextmanager
+    def not_mirrored_on(self, devices: Collection[int]) -> Iterator[None]:
+        """Storages made in the block have no mirror on ``devices`` (a mirror whose own
+        program differs there: the output device's share of the gradient is a view)."""
+        old = self._unmirrored
+        self._unmirrored = old | frozenset(devices)
+        try:
+            yield
+        finally:
+            self._unmirrored = old
+
+    def on_free(self, t: torch.Tensor, callback: Callable[[], None]) -> None:
+        """Call ``callback`` right after ``t``'s storage dies (its free counted)."""
+        serial = self.serial_of(t)
+        if serial is None:
+            raise ValueError("on_free needs a tracked storage")
+        self._on_free_calls.setdefault(serial, []).append(callback)
 
     def multiplicity(self, device: int) -> int:
         """How many devices ``device``'s storages stand for now (itself and its mirrors)."""
@@ -655,6 +689,9 @@ class VirtualDevices(TorchDispatchMode):
         if rec is None:
             return
         self._account(rec, -1)
+        if self._on_free_calls:
+            for callback in self._on_free_calls.pop(rec.serial, ()):
+                callback()
 
     def _resized(self, st: Any, rec: _Storage) -> None:
         """A storage that grew or shrank in place (``resize_``, ``out=`` variants)."""
