@@ -1,11 +1,13 @@
 """What each fix buys on the user's workload, and the code for it.
 
-Every fix is measured, not estimated: the scenario is emulated again with the change
+Every fix is measured, not estimated: the step with the change
 (``DataParallel(output_device=...)``, ``DDP(gradient_as_bucket_view=True)``, an uneven
-scatter) and cuda:0's peak is compared with ``dp-loss-primary``'s. The balanced split
-(:func:`balanced_split`) is solved from the even split's peaks and what grows with each
-device's rows there (each device's peak taken as affine in its rows), emulated, and
-refined once by a secant where that still promises a saving.
+scatter) is emulated and cuda:0's peak is compared with ``dp-loss-primary``'s. A
+comparison's own scenarios measure them as they run (:func:`alongside`: further steps of
+``dp-loss-primary``'s loop, a ledger beside ``ddp``); what they could not is emulated here
+on its own. The balanced split (:class:`BalancedSplits`) is solved from the even split's
+peaks and what grows with each device's rows there (each device's peak taken as affine in
+its rows), measured, and refined once by a secant where that still promises a saving.
 """
 
 from __future__ import annotations
