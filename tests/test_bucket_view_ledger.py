@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from fix_helpers import count_emulations, keep_grads, micro_batches, zero_grad_late
 from torch import nn
 
-from dpprof.analysis import fixes as fixes_module
 from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.scenarios.step import DdpOptions, StepConfig
@@ -24,38 +24,6 @@ def _peaks(s: Any) -> list[tuple[int, int, int]]:
     return [(d.index, d.peak_allocated_bytes, d.peak_requested_bytes) for d in s.devices]
 
 
-def _keep_grads(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.Tensor:
-    """Gradients zeroed in place (set_to_none=False): they outlive every step."""
-    inputs, targets = batch
-    optimizer.zero_grad(set_to_none=False)
-    loss = criterion(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def _zero_late(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.Tensor:
-    """zero_grad after the forward: last step's gradients are alive at the rebuild."""
-    inputs, targets = batch
-    loss = criterion(model(inputs), targets)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def _accumulate(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.Tensor:
-    """Two backward passes into the same gradients."""
-    inputs, targets = batch
-    optimizer.zero_grad()
-    half = inputs.shape[0] // 2
-    for part in (slice(0, half), slice(half, None)):
-        loss = criterion(model(inputs[part]), targets[part]) / 2
-        loss.backward()
-    optimizer.step()
-    return loss
-
-
 CASES = {
     "lm": (lambda: lm(SMALL_LM), {}),
     "lm, 1 MiB buckets": (lambda: lm(SMALL_LM), {"ddp": DdpOptions(bucket_cap_mb=1)}),
@@ -66,10 +34,10 @@ CASES = {
     "mlp": (mlp, {}),
     "convnet": (convnet, {}),
     "classifier (a loss with parameters)": (classifier, {}),
-    "gradients kept": (lambda: dataclasses.replace(lm(SMALL_LM), step=_keep_grads), {}),
+    "gradients kept": (lambda: dataclasses.replace(lm(SMALL_LM), step=keep_grads), {}),
     "zero_grad after forward": (
-        lambda: dataclasses.replace(lm(SMALL_LM), step=_zero_late), {}),
-    "two backward passes": (lambda: dataclasses.replace(lm(SMALL_LM), step=_accumulate), {}),
+        lambda: dataclasses.replace(lm(SMALL_LM), step=zero_grad_late), {}),
+    "two backward passes": (lambda: dataclasses.replace(lm(SMALL_LM), step=micro_batches), {}),
     "three steps": (lambda: lm(SMALL_LM), {"warmup": 2}),
 }
 
@@ -139,17 +107,10 @@ def test_a_shared_gradient_storage_is_not_followed_and_the_fix_is_emulated() -> 
 
 def test_compare_takes_the_bucket_view_fix_from_the_ddp_scenario(monkeypatch) -> None:
     """No DDP is emulated again for the fix when the ddp scenario followed it."""
-    emulated = []
-    real = fixes_module.run_scenario
-
-    def counting(name: str, wl: Any, cfg: Any, *args: Any, **kwargs: Any) -> Any:
-        emulated.append(name)
-        return real(name, wl, cfg, *args, **kwargs)
-
-    monkeypatch.setattr(fixes_module, "run_scenario", counting)
+    emulated = count_emulations(monkeypatch)
     run = run_compare(CompareConfig(step=StepConfig(batch=16)), workload=lm(SMALL_LM))
     fix = next(f for f in run.fixes if f.name == "gradient-as-bucket-view")
-    assert "ddp" not in emulated
+    assert "ddp" not in [name for name, _ in emulated]
     alone = run_scenario("ddp", lm(SMALL_LM), EmulationConfig(
         gpus=4, gpu_memory_bytes=80 << 30,
         step=StepConfig(batch=16, ddp=DdpOptions(gradient_as_bucket_view=True))))

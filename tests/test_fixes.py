@@ -1,9 +1,11 @@
-"""What each fix buys: measured by emulating it, and the balanced split."""
+"""What each fix buys: measured in the scenarios' own loops (or emulated alone), and the balanced
+split."""
 
 import dataclasses
 
 import pytest
 import torch
+from fix_helpers import count_emulations, micro_batches
 
 from dpprof.analysis.fixes import BalancedSplits, balance_chunks, balanced_split
 from dpprof.analysis.fixes import alongside as fixes_alongside
@@ -153,18 +155,6 @@ class _Recorded(BalancedSplits):
         return super().__call__(last)
 
 
-def _micro_batches(model, batch, criterion, optimizer):
-    """A user's step: two micro-batches per optimizer step (each split in proportion)."""
-    inputs, targets = batch
-    optimizer.zero_grad()
-    half = inputs.shape[0] // 2
-    for part in (slice(0, half), slice(half, None)):
-        loss = criterion(model(inputs[part]), targets[part]) / 2
-        loss.backward()
-    optimizer.step()
-    return loss
-
-
 def _clipped(model, batch, criterion, optimizer):
     """A user's step: the outputs deleted before backward, gradients clipped."""
     inputs, targets = batch
@@ -185,7 +175,7 @@ def _clipped(model, batch, criterion, optimizer):
     (lambda: lm(SMALL_LM), 32, 4, 1, {"amp": "bfloat16"}),  # autocast: no mirrors
     (lambda: lm(SMALL_LM), 32, 4, 1, {"dtype": "bfloat16"}),
     (lambda: dataclasses.replace(lm(SMALL_LM), step=_clipped), 64, 4, 1, {}),
-    (lambda: dataclasses.replace(lm(SMALL_LM), step=_micro_batches), 64, 4, 1, {}),
+    (lambda: dataclasses.replace(lm(SMALL_LM), step=micro_batches), 64, 4, 1, {}),
 ])
 def test_each_further_split_is_that_splits_own_measured_step(workload, batch, gpus, steps,
                                                               options) -> None:
@@ -225,20 +215,11 @@ def test_the_search_in_the_loop_finds_what_emulating_each_split_finds() -> None:
 
 def test_compare_measures_the_balanced_split_in_the_scenarios_loop(monkeypatch) -> None:
     """No split is emulated on its own when dp-loss-primary's loop measured them."""
-    from dpprof.analysis import fixes as fixes_module
-
-    emulated = []
-    real = fixes_module.run_scenario
-
-    def counting(name, wl, cfg, *args, **kwargs):
-        emulated.append(cfg.dp_chunk_sizes)
-        return real(name, wl, cfg, *args, **kwargs)
-
-    monkeypatch.setattr(fixes_module, "run_scenario", counting)
+    emulated = count_emulations(monkeypatch)
     run = run_compare(CompareConfig(step=StepConfig(batch=32)), workload=lm(SMALL_LM))
     bal = next(f for f in run.fixes if f.name == "balanced-split")
     assert bal.chunk_sizes[0] < 8
-    assert not any(emulated)  # no split emulated on its own
+    assert not emulated  # nothing emulated on its own: every variant measured in a loop
 
 
 class _BatchNormNet(torch.nn.Module):
@@ -366,7 +347,7 @@ def test_the_output_device_step_is_that_options_own_measured_step(workload, batc
 
 @pytest.mark.parametrize("step, options", [
     (_keeps_losses, {"warmup": 2}),  # not steady: one more step keeps one more loss
-    (lambda: _micro_batches, {}),  # it returns loss / 2, made in backward: where is it?
+    (lambda: micro_batches, {}),  # it returns loss / 2, made in backward: where is it?
     (lambda: None, {"warmup": 0}),  # no step before the measured one: steady or not?
 ])
 def test_no_further_steps_where_the_loop_does_not_say_they_are_exact(step, options) -> None:
@@ -377,29 +358,20 @@ def test_no_further_steps_where_the_loop_does_not_say_they_are_exact(step, optio
     chained = run_scenario("dp-loss-primary", wl, base, alongside=seen)
     assert chained == run_scenario("dp-loss-primary", wl, base)
     assert seen.output_device_result is None
-    if step() is not _micro_batches:
+    if step() is not micro_batches:
         assert not seen.splits.finished
 
 
 def test_a_step_that_leaves_its_own_tensors_gets_the_output_device_emulated_alone(
         monkeypatch) -> None:
-    from dpprof.analysis import fixes as fixes_module
-
     wl = dataclasses.replace(lm(SMALL_LM), step=_leaves_a_tensor)
     base = EmulationConfig(gpus=4, gpu_memory_bytes=80 << 30, step=StepConfig(batch=32))
     seen = fixes_alongside(32, 4)
     run_scenario("dp-loss-primary", wl, base, alongside=seen)
     assert seen.output_device_result is None  # where would that tensor be? not known
-    emulated = []
-    real = fixes_module.run_scenario
-
-    def counting(name, wl, cfg, *args, **kwargs):
-        emulated.append(cfg.dp_output_device)
-        return real(name, wl, cfg, *args, **kwargs)
-
-    monkeypatch.setattr(fixes_module, "run_scenario", counting)
+    emulated = count_emulations(monkeypatch)
     run = run_compare(CompareConfig(step=StepConfig(batch=32)), workload=wl)
-    assert 3 in emulated
+    assert [cfg.dp_output_device for _, cfg in emulated] == [3]
     fix = next(f for f in run.fixes if f.name == "output-device")
-    alone = real("dp-loss-primary", wl, dataclasses.replace(base, dp_output_device=3))
+    alone = run_scenario("dp-loss-primary", wl, dataclasses.replace(base, dp_output_device=3))
     assert fix.primary_peak_bytes == alone.devices[0].peak_allocated_bytes
