@@ -375,3 +375,17 @@ def test_a_step_that_leaves_its_own_tensors_gets_the_output_device_emulated_alon
     fix = next(f for f in run.fixes if f.name == "output-device")
     alone = run_scenario("dp-loss-primary", wl, dataclasses.replace(base, dp_output_device=3))
     assert fix.primary_peak_bytes == alone.devices[0].peak_allocated_bytes
+
+
+@pytest.mark.parametrize("gpus, batch", [(1, 8), (4, 1), (4, 3), (2, 2)])
+def test_few_gpus_or_rows_leave_every_scenario_whole(gpus, batch) -> None:
+    """One GPU, fewer rows than GPUs, one row each: nothing to split or move, and the
+    scenarios' own figures are what they are without the fixes."""
+    cfg = CompareConfig(gpus=gpus, step=StepConfig(batch=batch))
+    run = run_compare(cfg, workload=lm(SMALL_LM))
+    plain = run_compare(dataclasses.replace(cfg, fixes=False), workload=lm(SMALL_LM))
+    assert all(s.status == "ok" for s in run.scenarios)
+    assert [s.devices for s in run.scenarios] == [s.devices for s in plain.scenarios]
+    names = {f.name for f in run.fixes}
+    assert "balanced-split" not in names
+    assert ("output-device" in names) == (min(gpus, batch) >= 2)

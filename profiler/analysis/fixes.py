@@ -382,9 +382,10 @@ class BalancedSplits:
 
     def _first(self, primary: ScenarioResult) -> list[int] | None:
         even, k = self.even, 1  # k: a typical other device (the last may have fewer rows)
-        if not _ok(primary) or len(even) < self.gpus or even[0] < 2:
-            return None
         used = [d for d in primary.devices if d.used]
+        every_gpu_used = len(even) == len(used) == self.gpus
+        if not _ok(primary) or self.gpus < 2 or not every_gpu_used or even[0] < 2:
+            return None
         d0, dk = used[0], used[k]
         first = solve_split(self.batch, self.gpus, even[0], d0.peak_allocated_bytes,
                             per_row_bytes(d0, OWN_ROWS_ON_PRIMARY), even[k],

@@ -334,7 +334,12 @@ def _run_scenario(
             @contextlib.contextmanager
             def iteration(k: int, measured: bool) -> Iterator[None]:
                 if further is not None and k > warm:  # a variant, in the same loop
-                    further.begin(result)
+                    try:
+                        further.begin(result)
+                    except _StepsDone:
+                        raise
+                    except Exception as e:  # the scenario's own figures stand
+                        raise _StepsDone from e
                 elif k == warm:
                     rt.reset_peaks()
                     marks["start"] = len(rt.events)
