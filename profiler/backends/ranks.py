@@ -476,10 +476,13 @@ def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
                         and not (r == 0 and rank0_failure)):
                     reported_dead.add(r)
                     _report_dead(store, prefix, r, p.exitcode)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        # every rank ended at once: one left running while another is joined would see
+        # its peer gone, and gloo would print its connect errors on the user's terminal
+        running = [p for p in procs if p.is_alive()]
+        for p in running:
+            p.terminate()
+        for p in running:
+            p.join(5)
             if p.is_alive():  # pragma: no cover - a rank that ignores SIGTERM
                 p.kill()
                 p.join(5)
