@@ -209,22 +209,12 @@ def solve_split(batch: int, gpus: int, rows0: float, peak0: float, slope0: float
     return best
 
 
-def balance_chunks(
-    batch: int, gpus: int, rows0_a: int, peak0_a: int, rows0_b: int, peak0_b: int,
-    rowsk_a: float, peakk_a: int, rowsk_b: float, peakk_b: int,
-) -> list[int] | None:
-    """:func:`solve_split` with the slopes of two measured splits ``a`` and ``b`` (``k``
-    is a typical other device); None when they give no usable slope."""
-    split = secant_split(batch, gpus, rows0_a, peak0_a, rows0_b, peak0_b,
-                         rowsk_a, peakk_a, rowsk_b, peakk_b)
-    return None if split is None else split.chunks
-
-
 def secant_split(
     batch: int, gpus: int, rows0_a: float, peak0_a: float, rows0_b: float, peak0_b: float,
     rowsk_a: float, peakk_a: float, rowsk_b: float, peakk_b: float,
 ) -> Split | None:
-    """:func:`balance_chunks`, with the peak it predicts."""
+    """:func:`solve_split` with the slopes of two measured splits ``a`` and ``b`` (``k``
+    is a typical other device); None when they give no usable slope."""
     if rows0_a == rows0_b or rowsk_a == rowsk_b:
         return None
     return solve_split(batch, gpus, rows0_a, peak0_a,

@@ -97,7 +97,8 @@ class EmulationConfig:
     # Variants the fixes analysis emulates (dpprof.analysis.fixes); the defaults are plain PyTorch
     # (gradient_as_bucket_view above serves it too).
     dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
-    dp_chunk_sizes: tuple[int, ...] | None = None  # uneven scatter (BalancedDataParallel)
+    # BalancedDataParallel: rows per device at the batch (a micro-batch in proportion)
+    dp_chunk_sizes: tuple[int, ...] | None = None
     # Over CPU tensors (compute): also simulate reserved memory and the context, as over meta
     # (dpprof.emulator.gpus.fill_gpu_overheads), and count them in the out-of-memory check.
     count_reserved: bool = False
