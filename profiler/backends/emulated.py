@@ -216,7 +216,7 @@ def _run_scenario(
                      fix=DATA_DEPENDENT_FIX)
     rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
     # ddp with gradient_as_bucket_view=True, followed from the first allocation on
-    ledger = (VariantLedger(0) if alongside.bucket_view and name == DDP and not cfg.compute
+    ledger = (VariantLedger() if alongside.bucket_view and name == DDP and not cfg.compute
               and not step.ddp.gradient_as_bucket_view else None)
     if ledger is not None:
         rt.ledgers[0] = ledger
@@ -298,8 +298,7 @@ def _run_scenario(
                            for k in range(steps)]
 
             def move(x: Any, is_target: bool) -> Any:
-                dev = (further.target_device if further is not None and further.active
-                       else target_dev)
+                dev = (further.target_device if further is not None else target_dev)
                 with rt.category("inputs"):
                     moved = map_tensors(x, lambda t: to_device(rt, t, dev if is_target else 0))
                 if is_target and further is not None:
@@ -434,13 +433,17 @@ class _FurtherSteps:
         self.max_steps = ((self.splits.max_steps if self.splits is not None else 0)
                           + (self.output_device is not None))
         self.active: str | None = None  # "split" | "output_device" while one runs
-        self.target_device = 0
         self._targets: set[int] = set()  # serials of the targets moved (any step)
         self._step_serial = 0  # the first serial of the scenario's measured step
         self._start = 0
         self._last: ScenarioResult | None = None
         self._before: list[int] | None = None  # live bytes after the step before
         self.steady = False
+
+    @property
+    def target_device(self) -> int:
+        """Where the step now running moves the targets: the output device's step's."""
+        return self.wrapped.output_device if self.active == "output_device" else 0
 
     def note_targets(self, moved: Any) -> None:
         for t in tensors_in(moved):
@@ -477,7 +480,7 @@ class _FurtherSteps:
                 raise _StepsDone
             self.active = "output_device"
             self.wrapped.chunk_sizes = None
-            self.wrapped.output_device = self.target_device = self.output_device
+            self.wrapped.output_device = self.output_device
         else:
             raise _StepsDone
         self.rt.reset_peaks()

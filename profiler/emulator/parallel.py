@@ -412,18 +412,17 @@ class ShardPlan(NamedTuple):
 
 def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                devices: Sequence[int], dim: int, chunk_sizes: Sequence[int] | None,
-               alone: Sequence[int]) -> ShardPlan | None:
+               never_first: Sequence[int]) -> ShardPlan | None:
     """The classes of replicas that see equal shards (the same shape of every scattered
     tensor, the same other arguments), from the second used device on; None when no two
     replicas are alike. A run of equal neighbours is one class: its first device runs,
-    the others mirror it (:meth:`VirtualDevices.set_mirrors`). A device in ``alone`` (the
-    output device: it has events of its own) may mirror but never runs for others."""
+    the others mirror it (:meth:`VirtualDevices.set_mirrors`). A device in
+    ``never_first`` (the output device: it has events of its own) may mirror but never
+    runs for others."""
     leaves = [t for t in tree_leaves((inputs, kwargs or {})) if isinstance(t, torch.Tensor)]
     if not leaves:
         return None
-    sizes = chunk_sizes
-    n = len(devices)  # scatter's target devices
-    rows = [_rows(t, n, dim, sizes if sizes is not None and t.dim() > dim else None)
+    rows = [_rows(t, len(devices), dim, chunk_sizes if t.dim() > dim else None)
             for t in leaves]
     used = min(len(r) for r in rows)
     signature = [tuple(r[i] for r in rows) for i in range(used)]
@@ -431,7 +430,7 @@ def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
     i = 0
     while i < used:
         stop = i + 1
-        if i > 0 and devices[i] not in alone:
+        if i > 0 and devices[i] not in never_first:
             while stop < used and signature[stop] == signature[i]:
                 stop += 1
         plan.devices.append(devices[i])
@@ -629,7 +628,7 @@ class EmulatedDataParallel(nn.Module):
         if (rt.dedupe_replicas and rt.base.type == "meta" and torch.is_grad_enabled()
                 and len(self.device_ids) > 2):
             plan = shard_plan(inputs, kwargs, self.device_ids, self.dim, sizes,
-                              alone=[self.output_device])
+                              never_first=[self.output_device])
         # replicas on equal shards: one runs, the devices of the others mirror its device
         rt.set_mirrors({} if plan is None else dict(zip(plan.devices, plan.mirrors,
                                                         strict=True)),
@@ -776,7 +775,7 @@ class BucketViewFollower:
                 self.ledger.unsure = ("a gradient's storage is shared, so when it dies "
                                       "under gradient_as_bucket_view is not known")
             else:
-                self.ledger.release(serial)
+                self.ledger.release(serial, *self.rt.bytes_of(grad))
         serial, bucket = self.rt.serial_of(grad), self.rt.serial_of(view)
         if serial is not None:
             self._grad_serials[i] = serial
@@ -790,10 +789,10 @@ class BucketViewFollower:
             if i in views and self._is_view(i, p.grad):
                 bucket = self.rt.serial_of(views[i])
                 if bucket is not None:
+                    if bucket not in self._holders:
+                        self.ledger.detach(bucket, *self.rt.bytes_of(views[i]))
                     self._holders[bucket] = self._holders.get(bucket, 0) + 1
                     self._view_bucket[i] = bucket
-        for bucket in self._holders:
-            self.ledger.detach(bucket)
 
 
 def _storage_users(t: torch.Tensor) -> int:

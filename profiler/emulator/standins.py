@@ -122,48 +122,40 @@ def _plain(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, SYM_TYPES)
 
 
+# symbolic_shapes' helpers that return a plain argument as it is (a bool; an int too where
+# named), and ask the real module for anything symbolic
+_PASS_THROUGH: dict[str, tuple[type, ...]] = {
+    "guard_size_oblivious": (bool,), "guard_or_false": (bool,), "guard_or_true": (bool,),
+    "statically_known_true": (bool,), "guarding_hint_or_throw": (bool, int),
+}
+
+
 class SymbolicShapesStandIn(StandIn):
     """``symbolic_shapes``' helpers that the meta kernels call, on concrete values; each
     is the real function's branch for a non-symbolic argument (torch 2.4-2.13)."""
 
-    HELPERS = ("expect_true", "guard_size_oblivious", "guard_or_false", "guard_or_true",
-               "statically_known_true", "guarding_hint_or_throw", "has_guarding_hint",
-               "is_nested_int", "sym_eq", "sym_and", "sym_or")
-
+    HELPERS = ("expect_true", "has_guarding_hint", "is_nested_int", "sym_eq", "sym_and",
+               "sym_or")
     def __init__(self, name: str, load_real: LoadReal) -> None:
         super().__init__(name, load_real)
         for helper in self.HELPERS:  # module attributes: no method bound per lookup
             setattr(self, helper, getattr(self, helper))
+        for helper, plain in _PASS_THROUGH.items():
+            setattr(self, helper, self._pass_through(helper, plain))
+
+    def _pass_through(self, helper: str, plain: tuple[type, ...]) -> Callable[[Any], Any]:
+        def fn(a: Any) -> Any:
+            if type(a) in plain:
+                return a
+            return getattr(self.real(), helper)(a)
+
+        fn.__name__ = helper
+        return fn
 
     def expect_true(self, a: Any, skip: int = 0) -> Any:
         if type(a) is bool:
             return a
         return self.real().expect_true(a, skip + 1)
-
-    def guard_size_oblivious(self, expr: Any) -> Any:
-        if type(expr) is bool:
-            return expr
-        return self.real().guard_size_oblivious(expr)
-
-    def guard_or_false(self, a: Any) -> Any:
-        if type(a) is bool:
-            return a
-        return self.real().guard_or_false(a)
-
-    def guard_or_true(self, a: Any) -> Any:
-        if type(a) is bool:
-            return a
-        return self.real().guard_or_true(a)
-
-    def statically_known_true(self, x: Any) -> Any:
-        if type(x) is bool:
-            return x
-        return self.real().statically_known_true(x)
-
-    def guarding_hint_or_throw(self, a: Any) -> Any:
-        if type(a) in (bool, int):
-            return a
-        return self.real().guarding_hint_or_throw(a)
 
     def has_guarding_hint(self, a: Any) -> Any:
         if not isinstance(a, SYM_TYPES):

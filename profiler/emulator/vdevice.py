@@ -190,34 +190,27 @@ class Snapshot:
 
 class VariantLedger:
     """One device's allocations as a variant of the program would make them, where the
-    variant differs only in when some storages die: every event of the device counts, but
-    a storage :meth:`detach`-ed no longer follows its own events (its bytes stay until
-    :meth:`release`). DDP's ``gradient_as_bucket_view`` is such a variant of plain DDP
-    (:class:`dpprof.emulator.parallel.EmulatedDDP`): a gradient dies into its bucket's
-    view at its hook, the old buckets live on in the gradients at the rebuild.
+    variant differs only in when some storages die: every event of the device counts,
+    except a storage's once it is :meth:`detach`-ed (its bytes stay until
+    :meth:`release`) or :meth:`release`-d. DDP's ``gradient_as_bucket_view`` is such a
+    variant of plain DDP (:class:`dpprof.emulator.parallel.BucketViewFollower`): a
+    gradient dies into its bucket's view at its hook, the old buckets live on in the
+    gradients at the rebuild.
 
     ``unsure`` says why the variant could not be followed (a storage shared with
     something the ledger cannot see); the variant must then be emulated on its own.
     """
 
-    def __init__(self, device: int) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.live_allocated = self.live_requested = 0
         self.peak_allocated = self.peak_requested = 0
         self.unsure: str | None = None
-        self._sizes: dict[int, tuple[int, int]] = {}  # serial -> (requested, allocated)
-        self._detached: set[int] = set()
+        # serial -> the bytes a storage that no longer follows its events still holds
+        self._detached: dict[int, tuple[int, int]] = {}
 
     def on_event(self, serial: int, requested: int, allocated: int) -> None:
-        if serial in self._detached:
-            return
-        r, a = self._sizes.get(serial, (0, 0))
-        r, a = r + requested, a + allocated
-        if a or r:
-            self._sizes[serial] = (r, a)
-        else:
-            self._sizes.pop(serial, None)
-        self._add(requested, allocated)
+        if serial not in self._detached:
+            self._add(requested, allocated)
 
     def _add(self, requested: int, allocated: int) -> None:
         self.live_requested += requested
@@ -228,14 +221,15 @@ class VariantLedger:
     def reset_peaks(self) -> None:
         self.peak_allocated, self.peak_requested = self.live_allocated, self.live_requested
 
-    def detach(self, serial: int) -> None:
-        """The storage's own events no longer count; its bytes stay."""
-        self._detached.add(serial)
+    def detach(self, serial: int, requested: int, allocated: int) -> None:
+        """The storage (of these bytes) no longer follows its own events; its bytes stay."""
+        self._detached.setdefault(serial, (requested, allocated))
 
-    def release(self, serial: int) -> None:
-        """The storage dies now in the variant (its later events do not count)."""
-        self._detached.add(serial)
-        r, a = self._sizes.pop(serial, (0, 0))
+    def release(self, serial: int, requested: int = 0, allocated: int = 0) -> None:
+        """The storage dies now in the variant: the bytes it held when detached, else
+        these (its own, live); its later events do not count."""
+        r, a = self._detached.get(serial, (requested, allocated))
+        self._detached[serial] = (0, 0)
         self._add(-r, -a)
 
 
@@ -411,6 +405,11 @@ class VirtualDevices(TorchDispatchMode):
         """The serial of ``t``'s storage, if it is tracked."""
         rec = self._storages.get(id(t.untyped_storage()))
         return None if rec is None else rec.serial
+
+    def bytes_of(self, t: torch.Tensor) -> tuple[int, int]:
+        """(requested, allocated) bytes of ``t``'s storage as counted (0, 0 untracked)."""
+        rec = self._storages.get(id(t.untyped_storage()))
+        return (0, 0) if rec is None else (rec.requested, rec.rounded)
 
     def live_bytes(self, index: int) -> int:
         return self.counters[index].live_allocated
