@@ -159,6 +159,8 @@ class EventLog(Sequence[Event]):
         dev = self.column("device")
         order = np.argsort(dev, kind="stable")
         devices, starts = np.unique(dev[order], return_index=True)
+        if not len(devices):
+            return {}
         ends = [*starts[1:].tolist(), len(order)]
         return {int(d): order[a:b] for d, a, b in zip(devices.tolist(), starts.tolist(), ends,
                                                       strict=True)}
@@ -863,7 +865,22 @@ class VirtualDevices(TorchDispatchMode):
 
 _NO = object()  # "not cacheable"
 _NO_INDICES = np.zeros(0, dtype=np.int64)
-_OP_CACHE: dict[Any, Any] = {}  # (op, metadata of its arguments) -> template of its outputs
+
+
+class _OpMemo(dict[Any, Any]):
+    """(op, metadata of its meta-tensor arguments) -> template of its outputs, bounded: a
+    long search (maxbatch) meets new shapes at every batch size, so it starts afresh when
+    full rather than growing without end."""
+
+    MAX_ENTRIES = 1 << 16
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if len(self) >= self.MAX_ENTRIES:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+_OP_CACHE = _OpMemo()
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format)
 _FUNCTIONAL: dict[Any, bool] = {}
@@ -924,8 +941,12 @@ def _key_of(x: Any) -> Any:
     if cls in _SIMPLE_TYPES:
         return (cls, x)
     if isinstance(x, torch.Tensor):
-        return (x.shape, x.stride(), x.dtype, x.storage_offset(),
-                "meta" if x.is_meta else x.device.type, x.layout)
+        # Only a meta tensor is its metadata: a real tensor's results depend on its values,
+        # so a call that reads one is never memoised (it would hand one tensor's values to
+        # another of the same shape).
+        if not x.is_meta:
+            return _NO
+        return (x.shape, x.stride(), x.dtype, x.storage_offset(), x.layout)
     if cls in _SEQ or isinstance(x, _SEQ):
         parts = []
         for v in x:
