@@ -142,6 +142,30 @@ class CudaDevices(VirtualDevices):
         self.numeric_recipes: dict[int, tuple[weakref.ref[Any], Any, Any, dict[str, Any]]] = {}
         self.in_dispatch = 0
         self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
+        # host copies made up for values read from virtual GPUs (zeros): id of the
+        # storage -> a weak reference to it, so that nothing saves them as real values
+        self._host_stand_ins: dict[int, weakref.ref[Any]] = {}
+
+    def host_stand_in(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A real host tensor of ``t``'s shape (zeros) for a value read from a virtual GPU,
+        remembered as a stand-in (:meth:`is_emulated`)."""
+        host = torch.zeros(t.shape, dtype=dtype or t.dtype, device="cpu")
+        st = host.untyped_storage()
+        key = id(st)
+        self._host_stand_ins[key] = weakref.ref(
+            st, lambda _ref: self._host_stand_ins.pop(key, None))
+        return host
+
+    def is_emulated(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` holds no value of the program's own: a tensor of a virtual GPU
+        (meta bytes, or CPU bytes the emulation computed) or a host stand-in for one."""
+        if real_device(t).type == "meta":
+            return True
+        st = t.untyped_storage()
+        ref = self._host_stand_ins.get(id(st))
+        if ref is not None and ref() is st:
+            return True
+        return self.device_of(t) != HOST
 
     def placement(self, device: torch.device) -> tuple[torch.device, int | None]:
         if isinstance(device, str):
@@ -258,12 +282,6 @@ class CudaDevices(VirtualDevices):
 
 
 # ---- crossings with autograd -----------------------------------------------------------------
-
-
-def _host_stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A real host tensor of ``t``'s shape and dtype (zeros): the value of a meta tensor
-    copied to the host."""
-    return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
 
 
 class _Cross(torch.autograd.Function):
@@ -534,7 +552,7 @@ class VirtualCuda:
             if index == HOST:
                 if rt.real_host and _is_meta(t) and (real is None or real.type != "meta"):
                     rt.stand_in("host copy", t)
-                    return torch.zeros(t.shape, dtype=dtype, device="cpu")
+                    return rt.host_stand_in(t, dtype)
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
                 return _ORIG["to"](t, device=host, dtype=dtype, copy=True)
             if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
@@ -795,13 +813,13 @@ class VirtualCuda:
                 if real is not None:
                     return _ORIG["tolist"](real)
                 vc.rt.stand_in("tolist", self)
-                return _ORIG["tolist"](_host_stand_in(self))
+                return _ORIG["tolist"](vc.rt.host_stand_in(self))
             return _ORIG["tolist"](self)
 
         def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
             if _ORIG["device"].__get__(self).type == "meta":
                 vc.rt.stand_in("numpy", self)
-                return _ORIG["numpy"](_host_stand_in(self))
+                return _ORIG["numpy"](vc.rt.host_stand_in(self))
             return _ORIG["numpy"](self, force=force)
 
         def is_cuda(self: torch.Tensor) -> bool:

@@ -1,0 +1,296 @@
+"""What a script under ``dpprof run`` does outside its own process: files and output.
+
+Two rules hold while it runs:
+
+* **Emulated tensors never reach the user's files.** ``torch.save``, safetensors'
+  ``save_file`` / ``save_model`` and ``numpy.save`` / ``savez`` of anything that holds a tensor
+  of a virtual GPU (meta bytes with no values, or CPU bytes the emulation computed), or a
+  host copy that stands in for one, write nothing: the call returns as if it had written, and
+  the report counts it with the script's line. Over meta tensors ``torch.save`` would
+  otherwise open (truncate) the file and only then fail on the first storage.
+* **An alternative run writes nothing the user can see.** The paired alternatives (DDP in
+  place, the loss inside forward) run the same script again; every file it opens for
+  writing, every folder it makes, every checkpoint it saves goes under a private folder
+  (reads of a path it wrote there read it back), and its standard output and error are kept,
+  not shown. So a log or a TensorBoard event file is written once, by the run as written.
+
+The wrappers stay correct when a library binds them by name during one run (transformers'
+``from safetensors.torch import save_file``) and calls them in a later one or after the
+emulation: they consult the effects active then, or call the original.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import importlib.util
+import io
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpprof.emulator.patcher import Patcher
+from dpprof.emulator.virtual_cuda import caller_site
+
+IsEmulated = Callable[[torch.Tensor], bool]
+
+_WRITE_MODES = frozenset("wax+")
+_OUTPUT_TAIL_BYTES = 8192  # what an alternative's run printed, kept for its error message
+_MAX_WALK = 100_000  # objects looked at in one saved object (a checkpoint's nested state)
+
+
+@dataclass
+class Writes:
+    """What the effects held back, by what and where (``"torch.save ckpt.pt at
+    train.py:40"`` -> times)."""
+
+    skipped: dict[str, int] = field(default_factory=dict)  # emulated values, not written
+    redirected: dict[str, int] = field(default_factory=dict)  # an alternative's own writes
+
+    def add(self, table: dict[str, int], what: str, target: Any) -> None:
+        key = f"{what} {_name(target)} at {_short_site(caller_site())}"
+        table[key] = table.get(key, 0) + 1
+
+
+class _Silenced(io.TextIOBase):
+    """Standard output or error of an alternative's run: kept (its tail), not shown. Rich
+    writes its progress bar to the stream it proxies (``rich_proxied_file``), so the bar
+    still shows while the script's prints do not."""
+
+    def __init__(self, real: Any, tail: collections.deque[str]) -> None:
+        self.rich_proxied_file = real
+        self._tail = tail
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self._tail.append(s)
+        return len(s)
+
+    def isatty(self) -> bool:
+        return False
+
+
+class ScriptEffects:
+    """The rules of the module for one run of the script; a context manager.
+
+    ``is_emulated`` tells a tensor of a virtual GPU (or a host stand-in for one);
+    ``sandbox``: the private folder of an alternative's run (None: the run as written,
+    whose writes of host data are the script's own)."""
+
+    def __init__(self, is_emulated: IsEmulated, sandbox: Path | None = None) -> None:
+        self.is_emulated = is_emulated
+        self.sandbox = sandbox
+        self.writes = Writes()
+        self._patcher = Patcher()
+        self._originals: dict[str, Any] = {}
+        self._moved: dict[str, str] = {}  # a path the script wrote -> where it went
+        self._tail: collections.deque[str] = collections.deque()
+        self._previous: ScriptEffects | None = None
+
+    # ---- activation ------------------------------------------------------------------
+
+    def __enter__(self) -> ScriptEffects:
+        global _ACTIVE
+        self._previous, _ACTIVE = _ACTIVE, self
+        p = self._patcher.patch
+        self._originals["torch.save"] = torch.save
+        p(torch, "save", _torch_save)
+        np = sys.modules.get("numpy")
+        if np is not None:
+            for name in ("save", "savez", "savez_compressed"):
+                self._originals[f"numpy.{name}"] = getattr(np, name)
+                p(np, name, _numpy_writer(name))
+        if importlib.util.find_spec("safetensors") is not None:
+            import safetensors.torch as st
+
+            for name in ("save_file", "save_model"):
+                self._originals[f"safetensors.{name}"] = getattr(st, name)
+                p(st, name, _safetensors_writer(name))
+        if self.sandbox is not None:
+            self._originals["open"] = builtins.open
+            self._originals["os.makedirs"] = os.makedirs
+            self._originals["os.mkdir"] = os.mkdir
+            p(builtins, "open", _open)
+            p(io, "open", _open)
+            p(os, "makedirs", _makedirs)
+            p(os, "mkdir", _mkdir)
+            p(sys, "stdout", _Silenced(sys.stdout, self._tail))
+            p(sys, "stderr", _Silenced(sys.stderr, self._tail))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        self._patcher.restore()
+        _ACTIVE = self._previous
+
+    @property
+    def output_tail(self) -> str:
+        """The end of what an alternative's run printed."""
+        text = "".join(self._tail)
+        return text[-_OUTPUT_TAIL_BYTES:]
+
+    def trim_output(self) -> None:
+        while sum(map(len, self._tail)) > 4 * _OUTPUT_TAIL_BYTES and len(self._tail) > 1:
+            self._tail.popleft()
+
+    # ---- what is emulated ------------------------------------------------------------
+
+    def holds_emulated(self, obj: Any) -> bool:
+        """Whether ``obj`` (a checkpoint: nested dicts, lists, modules, optimizers, tensors,
+        arrays) holds a tensor of a virtual GPU or a stand-in for one."""
+        seen: set[int] = set()
+        todo = [obj]
+        while todo and len(seen) < _MAX_WALK:
+            x = todo.pop()
+            if id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None))):
+                continue
+            seen.add(id(x))
+            if isinstance(x, torch.Tensor):
+                if self.is_emulated(x):
+                    return True
+                continue
+            behind = _tensor_behind(x)
+            if behind is not None:
+                if self.is_emulated(behind):
+                    return True
+                continue
+            if isinstance(x, torch.nn.Module):
+                todo.extend(x.state_dict(keep_vars=True).values())
+            elif isinstance(x, dict):
+                todo.extend(x.values())
+            elif isinstance(x, (list, tuple, set, frozenset)):
+                todo.extend(x)
+            elif hasattr(x, "__dict__") and not isinstance(x, type):
+                todo.extend(vars(x).values())
+        return False
+
+    # ---- paths of an alternative's run -------------------------------------------------
+
+    def redirect(self, path: Any, writing: bool) -> Any:
+        """Where an alternative's run reads or writes ``path``."""
+        if self.sandbox is None or isinstance(path, int):
+            return path
+        try:
+            real = os.path.abspath(os.fsdecode(os.fspath(path)))
+        except TypeError:
+            return path
+        if real.startswith(str(self.sandbox) + os.sep):
+            return path  # os.makedirs making the parents of a path already moved
+        moved = self._moved.get(real)
+        if moved is None and writing:
+            moved = str(self.sandbox / real.lstrip(os.sep))
+            self._moved[real] = moved
+            self._originals["os.makedirs"](os.path.dirname(moved), exist_ok=True)
+            self.writes.add(self.writes.redirected, "write", path)
+        return moved if moved is not None else path
+
+
+_ACTIVE: ScriptEffects | None = None
+
+
+def active() -> ScriptEffects | None:
+    """The effects of the run now under way, if any."""
+    return _ACTIVE
+
+
+def _name(target: Any) -> str:
+    if isinstance(target, (str, os.PathLike)):
+        return Path(os.fsdecode(os.fspath(target))).name or str(target)
+    name = getattr(target, "name", None)
+    return Path(name).name if isinstance(name, str) else type(target).__name__
+
+
+def _short_site(site: str) -> str:
+    path, _, line = site.rpartition(":")
+    return f"{Path(path).name}:{line}" if path else site
+
+
+def _tensor_behind(x: Any) -> torch.Tensor | None:
+    """The tensor whose memory a NumPy array (``tensor.numpy()``, a slice of one) shows."""
+    if type(x).__module__ != "numpy":
+        return None
+    for _ in range(64):
+        x = getattr(x, "base", None)
+        if x is None or isinstance(x, torch.Tensor):
+            return x
+    return None
+
+
+def _original(name: str) -> Any:
+    """The function a wrapper stands for: as the active effects found it, else (no run under
+    way, the patches undone) the module's own."""
+    effects = _ACTIVE
+    if effects is not None and name in effects._originals:
+        return effects._originals[name]
+    owner, _, attr = name.rpartition(".")
+    if owner == "safetensors":
+        owner = "safetensors.torch"
+    return getattr(sys.modules[owner or "builtins"], attr)
+
+
+def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+    effects = _ACTIVE
+    if effects is not None:
+        if effects.holds_emulated(obj):
+            effects.writes.add(effects.writes.skipped, "torch.save", f)
+            return
+        if effects.sandbox is not None and not hasattr(f, "write"):
+            f = effects.redirect(f, writing=True)
+    _original("torch.save")(obj, f, *args, **kwargs)
+
+
+def _numpy_writer(name: str) -> Callable[..., Any]:
+    def write(file: Any, *args: Any, **kwargs: Any) -> Any:
+        effects = _ACTIVE
+        if effects is not None:
+            if effects.holds_emulated([args, kwargs]):
+                effects.writes.add(effects.writes.skipped, f"numpy.{name}", file)
+                return None
+            if effects.sandbox is not None and not hasattr(file, "write"):
+                file = effects.redirect(file, writing=True)
+        return _original(f"numpy.{name}")(file, *args, **kwargs)
+
+    return write
+
+
+def _safetensors_writer(name: str) -> Callable[..., Any]:
+    def write(obj: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
+        effects = _ACTIVE
+        if effects is not None:
+            if effects.holds_emulated(obj):
+                effects.writes.add(effects.writes.skipped, f"safetensors.{name}", filename)
+                return None
+            filename = effects.redirect(filename, writing=True)
+        return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
+
+    return write
+
+
+def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+    effects = _ACTIVE
+    if effects is not None and effects.sandbox is not None:
+        file = effects.redirect(file, writing=bool(_WRITE_MODES & set(mode)))
+        effects.trim_output()
+    return _original("open")(file, mode, *args, **kwargs)
+
+
+def _makedirs(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
+    effects = _ACTIVE
+    if effects is not None and effects.sandbox is not None:
+        name = effects.redirect(name, writing=True)
+        exist_ok = True
+    _original("os.makedirs")(name, mode, exist_ok)
+
+
+def _mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+    effects = _ACTIVE
+    if effects is not None and effects.sandbox is not None and dir_fd is None:
+        path = effects.redirect(path, writing=True)
+    _original("os.mkdir")(path, mode, dir_fd=dir_fd)
