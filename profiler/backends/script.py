@@ -17,10 +17,13 @@ outputs, with that loss computed inside forward on every replica.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import runpy
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -32,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from dpprof.backends.emulated import ddp_ranks, device_result, timeline_points
+from dpprof.backends.script_effects import ScriptEffects, Writes
 from dpprof.emulator import script_parallel
 from dpprof.emulator.gpus import (
     DeviceFigures,
@@ -43,7 +47,7 @@ from dpprof.emulator.gpus import (
 from dpprof.emulator.kernels import CudaAutocastNames
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
-from dpprof.errors import UsageError
+from dpprof.errors import Interrupted, UsageError
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -182,6 +186,9 @@ class ScriptRun:
     dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
     call_sites: list[str] = field(default_factory=list)
     loss_sites: list[str] = field(default_factory=list)
+    writes: Writes = field(default_factory=Writes)  # what dpprof kept from the user's files
+    output_tail: str = ""  # an alternative's run: the end of what it printed (not shown)
+    interrupted_by: int = 0  # the signal that cut the run short (ended == "interrupted")
 
 
 StepCallback = Callable[[int], None]
@@ -286,6 +293,8 @@ def _script_process(launch: Launch) -> Iterator[None]:
     saved_path = list(sys.path)
     saved_env = dict(os.environ)
     saved_main = sys.modules.get("__main__")
+    root = logging.getLogger()
+    saved_logging = (list(root.handlers), root.level)
     try:
         os.environ.update(launch.env)
         if launch.is_module:
@@ -303,15 +312,25 @@ def _script_process(launch: Launch) -> Iterator[None]:
         os.environ.update(saved_env)
         if saved_main is not None:
             sys.modules["__main__"] = saved_main
+        # logging.basicConfig in the script: the next run configures it afresh, as a new
+        # process would (and an alternative's run does not log through this run's handlers)
+        for handler in root.handlers:
+            if handler not in saved_logging[0]:
+                handler.flush()
+        root.handlers[:] = saved_logging[0]
+        root.setLevel(saved_logging[1])
 
 
-def _user_traceback(e: BaseException) -> str:
-    """The traceback as the script would print it: dpprof's and runpy's frames left out."""
+def _user_traceback(e: BaseException, launch: Launch) -> str:
+    """The traceback as Python would print it for the script: dpprof's and runpy's frames
+    left out (a script that does not compile, or a module not found, has none of its own)."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not f.filename.startswith(_DPPROF_DIR) and "runpy" not in f.filename]
-    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames),
-             *traceback.format_exception_only(type(e), e)]
-    return "".join(lines)
+    if launch.is_module and isinstance(e, ImportError) and not frames:
+        return f"{sys.executable}: {e}"  # python -m no_such_module says just this
+    head = ["Traceback (most recent call last):\n"] if frames else []
+    return "".join([*head, *traceback.format_list(frames),
+                    *traceback.format_exception_only(type(e), e)])
 
 
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
@@ -332,11 +351,15 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     autocast = CudaAutocastNames()
     start = time.perf_counter()
     exc: BaseException | None = None
-    with _script_process(launch):
+    # an alternative's run writes into a private folder and prints nothing (script_effects)
+    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-") if cfg.variant != AS_WRITTEN
+               else contextlib.nullcontext(None))
+    with _script_process(launch), sandbox as private:
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
+        effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast:
+            with vc, autocast, effects:
                 variant.install(vc)
                 orig_backward = torch.autograd.backward
 
@@ -354,6 +377,10 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                     run.ended = "script ended"
                 except StopScript:
                     run.ended = "steps"
+                except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: keep what it measured
+                    run.ended = "interrupted"
+                    run.interrupted_by = (e.signum if isinstance(e, Interrupted)
+                                          else signal.SIGINT)
                 except SystemExit as e:
                     code = e.code
                     run.exit_status = code if isinstance(code, int) else (0 if code is None
@@ -365,7 +392,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                     exc = e
                     run.ended = "script raised"
                     run.exit_status = 1
-                    run.script_traceback = _user_traceback(e)
+                    run.script_traceback = _user_traceback(e, launch)
                 finally:
                     stepper.remove()
                     torch.autograd.backward = orig_backward
@@ -390,6 +417,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
         finally:
             torch.random.set_rng_state(seed_state)
     run.seconds = time.perf_counter() - start
+    run.writes = effects.writes
+    run.output_tail = effects.output_tail
     run.steps_done = stepper.done
     run.forwards, run.backwards = stepper.forwards, stepper.backwards
     run.stand_ins = dict(rt.stand_ins.counts)
@@ -553,7 +582,8 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     runs = [(AS_WRITTEN, main)]
     notes: list[str] = []
     fixes: list[Fix] = []
-    if alternatives and main.scenario.name == DP_LOSS_PRIMARY and main.ended != "script raised":
+    if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
+            and main.ended not in ("script raised", "interrupted")):
         for variant in (LOSS_IN_FORWARD, DDP_IN_PLACE):
             alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
             if variant == DDP_IN_PLACE and not alt.batch_rows:
@@ -565,6 +595,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                              "nn.Module loss called on DataParallel's outputs")
                 continue
             alt.scenario.notes.insert(0, ALTERNATIVES[variant].format(n=n))
+            alt.scenario.notes.extend(_alternative_notes(alt))
             if alt.materialized:
                 alt.scenario.notes.append(
                     "the script also uses the outputs besides the loss ("
@@ -580,6 +611,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     if main.autocast_regions:
         s0.notes.append(f"torch.autocast('cuda') in the script: {main.autocast_regions} "
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
+    s0.notes.extend(_write_notes(main.writes))
     if main.stand_ins:
         s0.notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
@@ -614,7 +646,45 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     if s0.name not in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
         result.comparison.verdict = script_verdict(s0, cfg)
     result.attribution = attribute_run(result)
+    if main.ended == "interrupted":
+        name = signal.Signals(main.interrupted_by).name
+        result.interrupted = name
+        head = (f"Partial result: interrupted by {name} after {main.steps_done} optimizer "
+                "step(s) of the script as written; no alternative was run.")
+        result.comparison.verdict = f"{head} {result.comparison.verdict}".strip()
+        result.notes.append(head)
+        raise Interrupted(main.interrupted_by, partial=result)
     return result, main
+
+
+def nothing_on_a_gpu(run: ScriptRun) -> str:
+    """One line for a run that put nothing on a GPU: how the script ended."""
+    if run.ended == "script raised":
+        return (f"the script failed (exit status {run.exit_status}) before it put anything on "
+                "a GPU: nothing was measured")
+    return ("the script ended without putting anything on a GPU (no tensor or module moved "
+            "to cuda): nothing was measured")
+
+
+def _write_notes(writes: Writes) -> list[str]:
+    """What dpprof kept the script from writing, in a line."""
+    if not writes.skipped:
+        return []
+    calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.skipped.items())
+    return [f"not written, your files untouched: {calls} (what it saved holds tensors of "
+            "virtual GPUs, which have no values)"]
+
+
+def _alternative_notes(alt: ScriptRun) -> list[str]:
+    """An alternative's run: its writes kept private, its output not shown."""
+    notes = _write_notes(alt.writes)
+    if alt.writes.redirected:
+        files = sum(alt.writes.redirected.values())
+        notes.append(f"its {files} write(s) of files and folders went to a private folder "
+                     "(deleted), so nothing of yours was written twice; its output is not shown")
+    if alt.ended == "script raised" and alt.output_tail.strip():
+        notes.append("its last output: " + alt.output_tail.strip()[-400:])
+    return notes
 
 
 def script_verdict(s: ScenarioResult, cfg: ScriptConfig) -> str:
@@ -733,6 +803,8 @@ def _how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
     if run.ended == "steps":
         how = f"stopped after {steps} (--steps {cfg.steps}; the first is the warm-up, " \
               "peaks are over the others)"
+    elif run.ended == "interrupted":
+        how = f"interrupted after {steps}"
     elif run.ended == "script ended":
         how = f"the script ended after {steps}"
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,6 +20,7 @@ from dpprof.cli.guard import guarded
 from dpprof.cli.options import GPU, check_bounds, gpu_memory_and_spec
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.reports.escape import for_terminal, terminal_text
+from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
 DEFAULT_GPUS = 4
@@ -70,12 +72,23 @@ def run_cmd(
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
-    from dpprof.backends.script import ScriptConfig, parse_command, run_command
+    from dpprof.backends.script import (
+        ScriptConfig,
+        nothing_on_a_gpu,
+        parse_command,
+        run_command,
+    )
     from dpprof.emulator.gpus import lookup_gpu
     from dpprof.reports import terminal
 
     main = None
-    with guarded(debug):
+    paths: list[tuple[Path, str]] = []
+
+    def write_partial(partial: RunResult, signum: int) -> list[str]:
+        # marked partial where it was measured (run_command); only written here
+        return [str(p) for p in write_reports(partial, paths, True)]
+
+    with guarded(debug, on_interrupt=write_partial):
         if gpus < 1:
             raise UsageError(f"--gpus must be at least 1, got {gpus}")
         if steps < 1:
@@ -84,7 +97,7 @@ def run_cmd(
         memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
         launch = parse_command(list(command or []), gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        paths = output_paths(output, f"run-{stamp}")
+        paths[:] = output_paths(output, f"run-{stamp}")
         check_writable(paths)
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=spec or lookup_gpu("a100-80gb"),
                            gpu_memory_bytes=memory, steps=steps, compute=compute, debug=debug)
@@ -109,9 +122,14 @@ def run_cmd(
                 result, main = run_command(cfg, alternatives, progress)
         if main.script_traceback:  # verbatim, as the script would have printed it
             sys.stderr.write(main.script_traceback.rstrip() + "\n")
-        if not quiet:
-            out.print(terminal.render(for_terminal(result)))
-        write_reports(result, paths, quiet)
+        if not any(d.peak_allocated_bytes for s in result.scenarios for d in s.devices):
+            # nothing reached a GPU: that is the answer, and there is no report to write
+            err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written", markup=False,
+                      highlight=False, soft_wrap=True)
+        else:
+            if not quiet:
+                out.print(terminal.render(for_terminal(result)))
+            write_reports(result, paths, quiet)
     if main is not None and main.exit_status:
         # the script's own status (its error is its result; the reports are written)
         raise typer.Exit(code=main.exit_status if main.exit_status > 0 else EXIT_ERROR)

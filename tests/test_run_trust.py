@@ -1,0 +1,273 @@
+"""``dpprof run`` leaves the script's host side, files and errors as they are.
+
+* The host is real: host-side scripts print under ``dpprof run`` exactly what they print
+  under plain Python (a differential test over scripts that read values back from CPU
+  tensors, index memmaps with ``int()`` offsets and branch on host values).
+* Nothing of the user's is lost: a checkpoint of emulated tensors never reaches the user's
+  file; an alternative's run writes nothing the user sees and prints nothing.
+* The script's errors are the script's: its traceback and status, one line from dpprof,
+  never an internal error; an interrupted run writes what it measured, marked partial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dpprof.backends.script import ScriptConfig, parse_command, run_command
+from dpprof.cli.app import app
+from dpprof.errors import Interrupted
+
+runner = CliRunner()
+
+# Host-side scripts: every value printed comes from CPU tensors (and NumPy), as a data
+# loader, a metric or a schedule computes them while the model trains on a GPU.
+HOST_SCRIPTS = {
+    "scalars": """
+        import torch
+        a = torch.tensor(13); b = torch.tensor(5)
+        print(int(a), int(b), int(a + b), float(torch.tensor(2.5)), float(torch.tensor(7.25)))
+        print(int(torch.arange(10).sum()), torch.arange(6).view(2, 3).sum(0).tolist())
+        print(bool(torch.tensor(3) > 4), bool(torch.tensor(5) > 4))
+    """,
+    "seeded_random": """
+        import torch
+        torch.manual_seed(1337)
+        x = torch.randn(4, 3)
+        print([round(v, 5) for v in x.sum(1).tolist()], round(x.max().item(), 5))
+        print(torch.randint(0, 100, (6,)).tolist())
+    """,
+    "memmap_loader": """
+        # nanoGPT's get_batch: random offsets into a memmap of token ids
+        import os, tempfile
+        import numpy as np
+        import torch
+        path = os.path.join(tempfile.mkdtemp(), "train.bin")
+        np.arange(1000, dtype=np.uint16).tofile(path)
+        torch.manual_seed(0)
+        data = np.memmap(path, dtype=np.uint16, mode="r")
+        block_size, batch_size = 8, 4
+        ix = torch.randint(len(data) - block_size, (batch_size,))
+        x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64))
+                         for i in ix])
+        print(x.shape, y.shape, int(x[0, 0]), int(y[-1, -1]), [int(i) for i in ix])
+    """,
+    "host_branches": """
+        import torch
+        lr = 0.0
+        for it in range(5):
+            warm = torch.tensor(it) < 2
+            lr = 0.1 * (it + 1) / 2 if bool(warm) else lr * 0.5
+            print(it, round(lr, 6))
+        counts = torch.bincount(torch.tensor([0, 1, 1, 3, 3, 3]))
+        print(counts.tolist(), counts.argmax().item(), torch.unique(torch.tensor([3, 1, 3])).tolist())
+    """,
+}
+
+
+def _plain(path: Path) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        runpy.run_path(str(path), run_name="__main__")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name", sorted(HOST_SCRIPTS))
+def test_host_side_scripts_print_what_plain_python_prints(name: str, tmp_path: Path) -> None:
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(HOST_SCRIPTS[name]))
+    expected = _plain(script)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4)))
+    assert out.getvalue() == expected
+
+
+TRAIN_AND_SAVE = """
+    import torch
+    model = torch.nn.Linear(4, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+        torch.save(model.state_dict(), "ckpt.pt")
+        torch.save({"model": model, "optimizer": opt.state_dict(), "step": step}, "full.pt")
+        torch.save({"step": step}, "progress.pt")
+    print("saved")
+"""
+
+
+@pytest.mark.parametrize("compute", [False, True], ids=["meta", "compute"])
+def test_a_checkpoint_of_emulated_tensors_never_reaches_the_users_file(
+        compute: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN_AND_SAVE))
+    (tmp_path / "ckpt.pt").write_bytes(b"the user's own checkpoint")
+    args = ["run", "--steps", "5", "-o", str(tmp_path / "r.json"), "-q"]
+    res = runner.invoke(app, [*args, *(["--compute"] if compute else []), "--",
+                              "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's own checkpoint"
+    assert not (tmp_path / "full.pt").exists()
+    # host values are the script's own: written as it wrote them
+    assert torch.load(tmp_path / "progress.pt") == {"step": 2}
+    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    assert "torch.save ckpt.pt at train.py:7 x3" in notes
+    assert "torch.save full.pt at train.py:8 x3" in notes
+
+
+def test_numpy_save_of_values_read_from_a_virtual_gpu_is_not_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import numpy as np, torch
+        out = torch.nn.Linear(4, 2).cuda()(torch.randn(8, 4).cuda())
+        np.save("preds.npy", out.detach().cpu().numpy())
+        np.save("host.npy", np.arange(3))
+    """))
+    (tmp_path / "preds.npy").write_bytes(b"earlier predictions")
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 2),
+                                         gpus=2))
+    assert (tmp_path / "preds.npy").read_bytes() == b"earlier predictions"
+    import numpy as np
+
+    assert np.load(tmp_path / "host.npy").tolist() == [0, 1, 2]
+    assert "numpy.save preds.npy at train.py:4" in " ".join(result.scenarios[0].notes)
+
+
+DP_WITH_SIDE_EFFECTS = """
+    import logging, os
+    import torch
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.makedirs("out", exist_ok=True)
+    model = torch.nn.DataParallel(torch.nn.Linear(16, 4).cuda())
+    criterion = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    loader = torch.utils.data.DataLoader(ds, batch_size=16)
+    with open("out/log.txt", "a") as log:
+        for step, (x, y) in enumerate(loader):
+            outputs = model(x.cuda())
+            loss = criterion(outputs, y.cuda())
+            opt.zero_grad(); loss.backward(); opt.step()
+            print("step", step)
+            logging.info("logged %d", step)
+            log.write(f"{step}\\n")
+            torch.save({"step": step}, "out/progress.pt")
+"""
+
+
+def test_the_alternatives_write_and_print_nothing_the_user_sees(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(DP_WITH_SIDE_EFFECTS))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4)))
+    names = [s.name for s in result.scenarios]
+    assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]  # both alternatives ran
+    captured = capsys.readouterr()
+    assert captured.out == "step 0\nstep 1\n"  # the run as written only, once
+    assert (tmp_path / "out" / "log.txt").read_text() == "0\n1\n"
+    assert torch.load(tmp_path / "out" / "progress.pt") == {"step": 1}
+    alt_notes = " ".join(result.scenarios[1].notes)
+    assert "went to a private folder" in alt_notes
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("def f(:\n", "SyntaxError: invalid syntax"),
+    ("import torch\nraise RuntimeError('my own error')\n", "RuntimeError: my own error"),
+    ("import datasets_that_are_not_installed\n",
+     "ModuleNotFoundError: No module named 'datasets_that_are_not_installed'"),
+], ids=["syntax", "raises", "import"])
+def test_the_scripts_error_is_shown_as_the_script_would_show_it(
+        source: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(source)
+    res = runner.invoke(app, ["run", "--", "python", "train.py"])
+    assert res.exit_code == 1
+    assert expected in res.stderr
+    assert "internal error" not in res.output
+    assert "nothing was measured; no report written" in res.stderr
+    assert not list(tmp_path.glob("dpprof-reports/*"))
+    if "SyntaxError" not in expected:
+        assert 'File "train.py", line' in res.stderr  # the script's own frame
+        assert "dpprof/" not in res.stderr.split("Traceback", 1)[-1]
+
+
+def test_a_module_that_does_not_exist_says_what_python_says(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["run", "--", "python", "-m", "no_such_module_here"])
+    assert res.exit_code == 1
+    assert f"{sys.executable}: No module named no_such_module_here" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_script_that_never_touches_cuda_is_an_answer_not_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hello')\n")
+    res = runner.invoke(app, ["run", "--", "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("hello\n")
+    assert "without putting anything on a GPU" in res.stderr
+
+
+def test_a_rank_of_mp_spawn_that_raises_shows_its_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        import torch.multiprocessing as mp
+
+        def main(rank, world_size):
+            model = torch.nn.Linear(4, 4).to(rank)
+            raise ValueError(f"rank {rank} cannot find its data")
+
+        if __name__ == "__main__":
+            mp.spawn(main, args=(2,), nprocs=2, join=True)
+    """))
+    res = runner.invoke(app, ["run", "--gpus", "2", "-o", str(tmp_path / "r.json"), "--",
+                              "python", "train.py"])
+    assert res.exit_code == 1
+    assert "ValueError: rank 0 cannot find its data" in res.stderr
+    assert "internal error" not in res.output
+    assert os.path.exists(tmp_path / "r.json")  # its parameters reached the GPU: measured
+
+
+def test_an_interrupted_run_writes_what_it_measured_marked_partial(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(10):
+            model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+            if step == 1:
+                raise KeyboardInterrupt  # what Ctrl-C raises in the script's loop
+    """))
+    with pytest.raises(Interrupted) as caught:
+        run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4), steps=5))
+    assert caught.value.signum == signal.SIGINT
+    partial = caught.value.partial
+    assert partial.interrupted == "SIGINT"
+    assert partial.scenarios[0].devices[0].peak_allocated_bytes > 0
+    res = runner.invoke(app, ["run", "--steps", "5", "-o", str(tmp_path / "r.json"), "--",
+                              "python", "train.py"])
+    assert res.exit_code == 130
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["interrupted"] == "SIGINT"
+    assert saved["comparison"]["verdict"].startswith("Partial result: interrupted by SIGINT")
