@@ -745,7 +745,7 @@ class VirtualDevices(TorchDispatchMode):
         if functional is None:
             functional = _functional(func)
         if not functional:
-            if func in _FILLS_ONLY:
+            if func in _FILLS_ONLY and args[0].is_meta:
                 return args[0]  # a random fill of a meta tensor writes nothing, returns self
             if _writes_in_place_only(func) and all(
                     t.is_meta for t in _tensor_args(args, kwargs)):

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
+from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.standins import load_real, standing_in
 from dpprof.emulator.vdevice import HOST, VirtualDevices
 
@@ -142,6 +143,9 @@ class CudaDevices(VirtualDevices):
         self.numeric_recipes: dict[int, tuple[weakref.ref[Any], Any, Any, dict[str, Any]]] = {}
         self.in_dispatch = 0
         self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
+        # dpprof run over meta tensors: the real values of small tensors that follow from
+        # host data, so that reading one back needs no stand-in
+        self.small_values = SmallValues() if real_host and self.base.type == "meta" else None
         # host copies made up for values read from virtual GPUs (zeros): id of the
         # storage -> a weak reference to it, so that nothing saves them as real values
         self._host_stand_ins: dict[int, weakref.ref[Any]] = {}
@@ -187,6 +191,13 @@ class CudaDevices(VirtualDevices):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is aten._local_scalar_dense.default and _is_meta(args[0]):
             return self.stand_in_scalar(args[0])
+        data_dependent = func in DATA_DEPENDENT or (func is aten.index.Tensor and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool and _is_meta(i)
+            for i in (args[1] if len(args) > 1 else ())))
+        if data_dependent and self.small_values is not None:
+            shaped = self._by_values(func, types, args, kwargs or {})
+            if shaped is not None:
+                return shaped
         if func in DATA_DEPENDENT and any(
                 isinstance(a, torch.Tensor) and _is_meta(a) for a in args):
             raise DataDependentShapeError(
@@ -212,7 +223,26 @@ class CudaDevices(VirtualDevices):
             split = self._foreach_by_device(func, types, args, kwargs or {})
             if split is not _NOT_SPLIT:
                 return split
-        return self._dispatch(func, types, args, kwargs)
+        out = self._dispatch(func, types, args, kwargs)
+        if self.small_values is not None:
+            self.small_values.follow(func, args, kwargs or {}, out)
+        return out
+
+    def _by_values(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """An op whose output shape depends on the values, over inputs whose values are
+        followed (:class:`SmallValues`): computed on the host, its output allocated on the
+        inputs' GPU with the shape it has; None where the values are not known."""
+        assert self.small_values is not None
+        real = self.small_values.compute(func, args, kwargs)
+        if not isinstance(real, torch.Tensor):
+            return None
+        where = [self.device_of(a) for a in _tensors_in(args) if _is_meta(a)]
+        with self.placing_on(where[0] if where else self.current_device):
+            out = self._dispatch(aten.empty_strided.default, types,
+                                 (list(real.shape), list(real.stride())),
+                                 {"dtype": real.dtype, "device": self.base})
+        self.small_values.keep(out, real)
+        return out
 
     def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         self.in_dispatch += 1
@@ -252,6 +282,10 @@ class CudaDevices(VirtualDevices):
     def real_values(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t``'s real values on the host when its storage was made from numbers alone
         (timm's drop-path rates: ``linspace(0, rate, depth)`` read in ``__init__``)."""
+        if self.small_values is not None:
+            small = self.small_values.value_of(t)
+            if small is not None:
+                return small.clone()
         found = self.numeric_recipes.get(id(t.untyped_storage()))
         if found is None or found[0]() is not t.untyped_storage():
             return None
@@ -551,6 +585,9 @@ class VirtualCuda:
         with rt.placing_on(index):
             if index == HOST:
                 if rt.real_host and _is_meta(t) and (real is None or real.type != "meta"):
+                    values = rt.real_values(t)
+                    if values is not None:
+                        return values.to(dtype)
                     rt.stand_in("host copy", t)
                     return rt.host_stand_in(t, dtype)
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
@@ -818,6 +855,9 @@ class VirtualCuda:
 
         def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
             if _ORIG["device"].__get__(self).type == "meta":
+                values = vc.rt.real_values(self)
+                if values is not None:
+                    return _ORIG["numpy"](values)
                 vc.rt.stand_in("numpy", self)
                 return _ORIG["numpy"](vc.rt.host_stand_in(self))
             return _ORIG["numpy"](self, force=force)
@@ -978,6 +1018,16 @@ def real_device(t: torch.Tensor) -> torch.device:
 
 def _is_meta(t: torch.Tensor) -> bool:
     return real_device(t).type == "meta"
+
+
+def _tensors_in(args: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(b for b in a if isinstance(b, torch.Tensor))
+    return found
 
 
 def active() -> VirtualCuda | None:
