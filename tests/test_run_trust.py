@@ -74,6 +74,14 @@ HOST_SCRIPTS = {
         counts = torch.bincount(torch.tensor([0, 1, 1, 3, 3, 3]))
         print(counts.tolist(), counts.argmax().item(), torch.unique(torch.tensor([3, 1, 3])).tolist())
     """,
+    "model_init_then_random": """
+        # a model built on the host draws its initial weights from the host's generator:
+        # what the script draws next depends on it
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Dropout(0.1))
+        print(round(model[0].weight.sum().item(), 5), torch.randn(3).tolist())
+    """,
 }
 
 
@@ -271,3 +279,78 @@ def test_an_interrupted_run_writes_what_it_measured_marked_partial(
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["interrupted"] == "SIGINT"
     assert saved["comparison"]["verdict"].startswith("Partial result: interrupted by SIGINT")
+
+
+SMALL_VALUES = """
+    import torch
+    labels = torch.tensor([3, 1, 2, 0]).cuda()
+    mask = torch.ones(2, 8, dtype=torch.long).to("cuda")
+    print("mask", bool(mask.all()), "labels", int(labels.sum()), labels.tolist(),
+          labels.cpu().numpy().tolist(), int((labels == 2).nonzero()[0, 0]))
+    model = torch.nn.Linear(4, 4).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = torch.zeros((), device="cuda")
+    total = torch.zeros(4, device="cuda")
+    for step in range(3):
+        out = model(torch.randn(2, 4).cuda())
+        total.add_(out[0].detach())  # now follows the model's arithmetic: no values
+        out.sum().backward(); opt.step(); opt.zero_grad()
+        seen += 1
+        print("seen", int(seen), "total", total.sum().item())
+"""
+
+
+def test_small_values_from_host_data_are_read_back_real(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(SMALL_VALUES))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 2),
+                                         gpus=2, steps=5))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "mask True labels 6 [3, 1, 2, 0] [3, 1, 2, 0] 2"
+    # the counter is real; the sum of model outputs is a stand-in (1.0), never a stale 0
+    assert lines[1:] == ["seen 1 total 1.0", "seen 2 total 1.0", "seen 3 total 1.0"]
+    notes = " ".join(result.scenarios[0].notes)
+    assert "3 value(s) read from emulated tensors answered with stand-ins (item x3)" in notes
+
+
+def test_a_library_branching_on_a_stand_in_is_named() -> None:
+    from dpprof.backends.script import _library_branches
+
+    lib = "/opt/py/site-packages"
+    sites = {f"{lib}/transformers/masking_utils.py:292 (bool)": 3,
+             "/home/me/train.py:40 (bool)": 1, f"{lib}/timm/layers.py:9 (item)": 2}
+    (note,) = _library_branches(sites, {lib})
+    assert "transformers/masking_utils.py:292" in note
+    assert "train.py" not in note and "timm" not in note
+    assert "may take the other path" in note
+
+
+def test_hugging_face_reads_an_all_ones_attention_mask_as_a_gpu_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from torchvision_shim import import_torchvision
+
+    import_torchvision()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=64)
+        model = LlamaForCausalLM(config).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(3):
+            ids = torch.randint(0, 128, (2, 16)).cuda()
+            mask = torch.ones(2, 16, dtype=torch.long).cuda()
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+    """))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 1),
+                                         gpus=1))
+    notes = " ".join(result.scenarios[0].notes)
+    assert result.scenarios[0].devices[0].peak_allocated_bytes > 0
+    assert "stand-in" not in notes  # the mask's values are real: no branch guessed

@@ -618,6 +618,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
                 f"{site} x{c}" for site, c in list(main.stand_in_sites.items())[:5]))
+        s0.notes.extend(_library_branches(main.stand_in_sites))
     result = RunResult(
         backend="emulated",
         workload=cfg.launch.display,
@@ -655,6 +656,30 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         result.notes.append(head)
         raise Interrupted(main.interrupted_by, partial=result)
     return result, main
+
+
+def _library_branches(sites: dict[str, int], libraries: set[str] | None = None) -> list[str]:
+    """Where a library (not the script) decided something on a stand-in: the GPU, which
+    has the real value, may take the other path there. ``libraries``: the folders
+    installed packages live in (default: this Python's site-packages)."""
+    import sysconfig
+
+    if libraries is None:
+        libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    found = []
+    for key in sites:
+        site, _, kind = key.rpartition(" (")
+        path = site.rpartition(":")[0]
+        if kind.startswith("bool") and any(path.startswith(lib) for lib in libraries):
+            short = site
+            for lib in libraries:
+                short = short.removeprefix(lib + os.sep)
+            found.append(short)
+    if not found:
+        return []
+    return [f"a library decided a branch on a stand-in value at {', '.join(found[:5])}: on a "
+            "GPU, which has the real value, it may take the other path (and allocate "
+            "otherwise); --compute runs it on real numbers"]
 
 
 def nothing_on_a_gpu(run: ScriptRun) -> str:
