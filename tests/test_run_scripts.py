@@ -257,6 +257,21 @@ def test_keras3_model_on_the_torch_backend() -> None:
     assert not any(x.used for x in s.devices[1:])
 
 
+def test_keras3_guide_ddp_mnist_with_uint8_labels() -> None:
+    """The Keras 3 multi-GPU guide: MNIST's uint8 labels go to CrossEntropyLoss as they are
+    (CUDA's nll_loss takes uint8 targets); DDP under start_processes, the model moved with
+    .to(rank)."""
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed (pip install -e '.[test]')")
+    result = run(["python", str(SCRIPTS / "keras_mnist_ddp.py")], gpus=2)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and s.status == "ok", s.message
+    assert s.batch == 64 and [d.rank for d in s.devices] == [0, 1]
+    # the batch on the rank's GPU: 64 float32 28x28x1 images and 64 uint8 labels
+    assert s.devices[0].breakdown_bytes["inputs"] == r512(64 * 28 * 28 * 4) + r512(64)
+    assert "stopped after 3 optimizer step(s)" in " ".join(s.notes)
+
+
 def test_autocast_and_grad_scaler_take_every_step() -> None:
     main = run_script(ScriptConfig(launch=parse_command(
         ["python", str(SCRIPTS / "amp_autocast.py")], 4), steps=3))
@@ -325,6 +340,17 @@ def test_cli_script_error_is_the_scripts(tmp_path: Path) -> None:
     assert "ZeroDivisionError" in r.stderr and "dpprof/" not in r.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["scenarios"][0]["status"] == "error"
+
+
+def test_a_script_that_fails_before_its_first_gpu_tensor_is_its_own_error(
+        tmp_path: Path) -> None:
+    """No allocation was seen on any GPU: the result is the script's error, not dpprof's."""
+    script = tmp_path / "early.py"
+    script.write_text("import torch\nraise ValueError('bad config')\n")
+    r = runner.invoke(app, ["run", "-q", "-o", str(tmp_path / "r.json"), "--", "python",
+                            str(script)])
+    assert r.exit_code == 1, r.stderr
+    assert "ValueError: bad config" in r.stderr and "internal error" not in r.stderr
 
 
 def test_cli_no_optimizer_step_is_said(tmp_path: Path) -> None:

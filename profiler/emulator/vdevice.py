@@ -37,6 +37,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpprof.emulator.index_dtypes import RULES as CUDA_INDEX_RULES
+from dpprof.emulator.index_dtypes import as_on_cuda
+
 HOST = -1
 ROUND_BYTES = 512  # the CUDA caching allocator rounds every block to a multiple of 512 B
 
@@ -159,7 +162,7 @@ class EventLog(Sequence[Event]):
         dev = self.column("device")
         order = np.argsort(dev, kind="stable")
         devices, starts = np.unique(dev[order], return_index=True)
-        ends = [*starts[1:].tolist(), len(order)]
+        ends = [*starts[1:].tolist(), len(order)] if len(order) else []  # no events yet
         return {int(d): order[a:b] for d, a, b in zip(devices.tolist(), starts.tolist(), ends,
                                                       strict=True)}
 
@@ -803,6 +806,8 @@ class VirtualDevices(TorchDispatchMode):
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, cuda:{a} and cuda:{b}! (while running {func})"
             )
+        if self._meta and func in CUDA_INDEX_RULES:  # the meta kernels take other dtypes
+            args = as_on_cuda(func, args)
         try:
             out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
         except Exception as e:  # the innermost op is the one that failed: name it
