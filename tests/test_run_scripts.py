@@ -224,6 +224,19 @@ def test_ddp_under_mp_spawn() -> None:
     assert s.devices[1].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*shapes)
 
 
+def test_ddp_tutorial_with_the_rank_as_the_device() -> None:
+    """The DDP tutorial's demo_basic under mp.spawn: .to(rank), device=rank, .cuda(rank),
+    torch.device(rank)."""
+    result = run(["python", str(SCRIPTS / "ddp_tutorial.py")], gpus=2)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and s.status == "ok", s.message
+    assert s.batch == 200 and [d.rank for d in s.devices] == [0, 1]
+    shapes = [(1000, 10), (1000,), (5, 1000), (5,)]
+    d = s.devices[0].breakdown_bytes
+    assert d["parameters"] == params_bytes(*shapes)
+    assert d["inputs"] == r512(200 * 5 * 4)  # the labels, moved with .cuda(rank)
+
+
 def test_script_that_sets_cuda_visible_devices_itself() -> None:
     result = run(["python", str(SCRIPTS / "sets_visible_devices.py")], gpus=4,
                  alternatives=False)
