@@ -129,6 +129,20 @@ def test_dataloader_workers_and_pinned_memory_change_nothing_on_the_gpus(
             == [d.peak_allocated_bytes for d in devs(without, "dp-loss-primary")])
 
 
+def test_batches_passed_as_keyword_arguments_are_counted_as_scattered() -> None:
+    """A Trainer-style ``model(**inputs)``: the rows each GPU got are those DataParallel's
+    scatter split (62 rows in chunks of ceil(62 / 4): 16, 16, 16, 14), and the DDP
+    alternative's rank its share."""
+    result = run(["python", str(SCRIPTS / "hf_trainer_kwargs.py")])
+    assert result.batch == 62
+    dp = result.scenario("dp-loss-primary")
+    assert dp is not None and dp.status == "ok" and dp.batch == 62
+    assert [d.batch_rows for d in dp.devices] == [16, 16, 16, 14]
+    ddp = result.scenario("ddp")
+    assert ddp is not None and ddp.status == "ok", ddp and ddp.message
+    assert ddp.batch == 16 and all(d.batch_rows == 16 for d in ddp.devices)
+
+
 def test_data_parallel_loss_inside_forward_is_recognised() -> None:
     result = run(["python", str(SCRIPTS / "dp_loss_inside.py")])
     assert [s.name for s in result.scenarios] == ["dp-loss-forward"]  # no alternatives

@@ -182,6 +182,7 @@ class ScriptRun:
     dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
     call_sites: list[str] = field(default_factory=list)
     loss_sites: list[str] = field(default_factory=list)
+    shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
 
 
 StepCallback = Callable[[int], None]
@@ -385,7 +386,9 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                                          else 1)
                     used = list(log.used_devices)
                     ddp_devices = list(log.ddp_devices)
-                    run.batch_rows = stepper.batch_rows or variant.batch_rows
+                    run.shard_rows = dict(log.shard_rows)
+                    run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
+                                      or variant.batch_rows)
                     run.loss_modules = variant.loss_calls
         finally:
             torch.random.set_rng_state(seed_state)
@@ -474,11 +477,13 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
     name = _kind(run, used, touched)
     s = ScenarioResult(name=name, batch=run.batch_rows)
     start = stepper.measure_start
+    split = name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and run.shard_rows
     devices = [
         device_result(
             rt, i, logical, cfg.capacity_bytes,
             rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
-            run.batch_rows, timeline_points(rt, i, start, phase_before_start=True))
+            run.shard_rows.get(i, 0) if split else run.batch_rows,
+            timeline_points(rt, i, start, phase_before_start=True))
         for logical, i in enumerate(visible)
     ]
     if name == DDP and run.world_size > 1:
