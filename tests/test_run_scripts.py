@@ -261,6 +261,29 @@ def test_script_that_sets_cuda_visible_devices_itself() -> None:
     assert d[1].breakdown_bytes["parameters"] == r512(4 * numel(*MLP))
 
 
+def test_every_alternative_keeps_to_the_gpus_the_script_made_visible() -> None:
+    """CUDA_VISIBLE_DEVICES="2,3" set by the script: 2 of the 4 GPUs, for the script as
+    written and for each alternative (DDP: one rank per visible GPU, the loader's batch
+    halved)."""
+    result = run(["python", str(SCRIPTS / "visible_devices_loader.py")], gpus=4)
+    assert result.gpus == 2
+    names = [s.name for s in result.scenarios]
+    assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]
+    for s in result.scenarios:
+        assert s.status == "ok" and len(s.devices) == 2, (s.name, s.message)
+    assert [d.batch_rows for d in devs(result, "dp-loss-primary")] == [32, 32]
+    ddp = result.scenario("ddp")
+    assert ddp is not None and ddp.batch == 32 and "one emulated rank of 2" in ddp.notes[0]
+
+
+def test_a_ddp_script_under_cuda_visible_devices_counts_those_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=4)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and len(s.devices) == 2 and result.gpus == 2
+
+
 def test_script_using_torch_accelerator() -> None:
     result = run(["python", str(SCRIPTS / "accelerator.py")])
     (s,) = result.scenarios

@@ -183,6 +183,7 @@ class ScriptRun:
     call_sites: list[str] = field(default_factory=list)
     loss_sites: list[str] = field(default_factory=list)
     shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
+    visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
 
 
 StepCallback = Callable[[int], None]
@@ -424,12 +425,14 @@ class _Variant:
         variant = self
         script_parallel.MODE = "" if self.name == AS_WRITTEN else self.name
         if self.name == DDP_IN_PLACE:
-            world = vc.device_count()
             orig_init = DataLoader.__init__
 
             def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                             *args: Any, **kwargs: Any) -> None:
                 if batch_size:
+                    # one rank per GPU the script sees: asked here, not before the script
+                    # ran (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+                    world = vc.device_count()
                     batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
                     variant.batch_rows = variant.batch_rows or batch_size
                 orig_init(loader, dataset, batch_size, *args, **kwargs)
@@ -472,6 +475,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
               exc: BaseException | None) -> ScenarioResult:
     rt = vc.rt
     n = vc.device_count()
+    run.visible_gpus = n
     visible = vc.visible
     touched = [i for i in visible if rt.counters[i].peak_allocated > 0]
     name = _kind(run, used, touched)
@@ -554,7 +558,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
     main = run_script(cfg, step_cb("as written"))
-    n = len(main.scenario.devices) if main.scenario.name != DDP else cfg.gpus
+    n = len(main.scenario.devices) if main.scenario.name != DDP else main.visible_gpus
     runs = [(AS_WRITTEN, main)]
     notes: list[str] = []
     fixes: list[Fix] = []
