@@ -190,6 +190,20 @@ def takes_one_dict(model: Callable[..., Any], inputs: dict[str, Any]) -> bool:
         bool(positional) and all(p.default is not p.empty for p in positional[1:]))
 
 
+def where_outputs_are(targets: Any, outputs: Any) -> Any:
+    """``targets`` on the device of the first tensor of ``outputs``: the model-parallel
+    tutorial's ``labels.to(outputs.device)``, for a model that ends on another GPU than the
+    one its inputs went to (elsewhere a no-op: the outputs are where the targets are)."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    out = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
+    if out is None:
+        return targets
+    device = out.device
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor)
+                    and t.device != device else t, targets)
+
+
 def call_model(model: Callable[..., Any], inputs: Any) -> Any:
     """The model called on a workload's inputs: a dict as keyword arguments (``model(**batch)``,
     the Hugging Face way) or, where the model's forward takes one positional parameter and not
@@ -253,7 +267,7 @@ def training_loop(
                 hooks.after_forward(outputs)
             with hooks.phase("loss"):
                 loss = ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
-                    outputs, targets)
+                    outputs, where_outputs_are(targets, outputs))
                 hooks.after_loss(loss, outputs)
             with hooks.phase("backward"):
                 loss.backward()
