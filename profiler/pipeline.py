@@ -18,7 +18,7 @@ from dpprof.backends.emulated import ASSUMPTIONS, Alongside, EmulationConfig, ru
 from dpprof.emulator.gpus import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
-from dpprof.scenarios.base import DDP, SCENARIOS, loop_description
+from dpprof.scenarios.base import DDP, SCENARIOS, SINGLE, loop_description
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
@@ -144,12 +144,13 @@ def run_compare(
     run = _new_run(cfg, wl, backend)
     ecfg = emulation_config(cfg, backend, run.gpus)
     besides: Alongside | None = None  # what the scenarios measure for the fixes
+    not_applicable: tuple[str, ...] = ()  # scenarios the workload's model rules out
     try:
         if backend == "cuda":
             measured = _cuda(cfg, wl, run, progress)
         else:
             besides = alongside(cfg.step.batch, run.gpus) if cfg.fixes else None
-            _emulate(cfg, wl, run, ecfg, progress, besides)
+            not_applicable = _emulate(cfg, wl, run, ecfg, progress, besides)
     except (KeyboardInterrupt, Interrupted) as e:
         raise _interrupted(e, run) from None
     if backend == "cuda":
@@ -162,11 +163,12 @@ def run_compare(
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)
+    ran = tuple(s for s in cfg.scenarios if s not in not_applicable)
     return add_answers(
-        run, wl, ecfg, fixes=cfg.fixes, maxbatch=cfg.maxbatch, multiple_of=cfg.multiple_of,
-        gpu=gpu_spec(cfg.gpu),
+        run, wl, ecfg, fixes=cfg.fixes and not not_applicable, maxbatch=cfg.maxbatch,
+        multiple_of=cfg.multiple_of, gpu=gpu_spec(cfg.gpu),
         equivalence=cfg.compute if cfg.equivalence is None else cfg.equivalence,
-        scenarios=cfg.scenarios, fail_on_imbalance=cfg.fail_on_imbalance,
+        scenarios=ran, fail_on_imbalance=cfg.fail_on_imbalance,
         fail_on_oom=cfg.fail_on_oom, progress=progress, alongside=besides,
     )
 
@@ -205,11 +207,12 @@ def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
 
 
 def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig,
-             progress: Progress | None, besides: Alongside | None = None) -> None:
+             progress: Progress | None, besides: Alongside | None = None) -> tuple[str, ...]:
     """The emulated and cpu backends: every scenario on virtual devices (cpu: over CPU
     tensors, and ``ddp`` as gloo processes), with the same options; each also measures
-    what ``besides`` asks of it (over meta tensors)."""
-    from dpprof.backends.emulated import context_model, probe_model
+    what ``besides`` asks of it (over meta tensors). Returns the scenarios that do not apply
+    to the workload's model (said in a note, not run)."""
+    from dpprof.backends.emulated import context_model, model_devices, probe_model
 
     ctx = context_model(ecfg, probe_model(wl, ecfg.gpus))
     run.assumptions = list(ASSUMPTIONS)
@@ -237,9 +240,20 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
         run.assumptions = cpu_backend_assumptions(cfg)
     run.config["loop"] = loop_description(ecfg.step.warmup_steps(run.backend) + 1)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
+    spans = model_devices(wl, ecfg.gpus)
+    not_applicable = tuple(s for s in cfg.scenarios if s != SINGLE) if len(spans) > 1 else ()
+    if not_applicable:
+        gpus = ", ".join(f"cuda:{i}" for i in spans)
+        run.notes.append(
+            f"{', '.join(not_applicable)}: not applicable: the model places its layers on "
+            f"{len(spans)} GPUs itself ({gpus}); DataParallel replicates a model that lives "
+            f"on one GPU (device_ids[0]), and DDP with one process per GPU would need "
+            f"{len(spans)} GPUs per rank; single shows this model's share of each GPU")
     for i, name in enumerate(cfg.scenarios):
         if progress:
             progress(name, i, len(cfg.scenarios))
+        if name in not_applicable:
+            continue
         if run.backend == "cpu" and name == DDP:
             from dpprof.backends.cpu import run_ddp_gloo
 
@@ -253,6 +267,7 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
             "scaled_dot_product_attention as flash / memory-efficient / math by "
             "sdp_utils' rules, dropout as the fused native_dropout (bool mask)".format(
                 *ecfg.compute_capability))
+    return not_applicable
 
 
 def _interrupted(e: BaseException, run: RunResult) -> Interrupted:

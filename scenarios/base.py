@@ -15,6 +15,7 @@ rebinds it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -165,12 +166,51 @@ def error_site(exc: BaseException) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def takes_one_dict(model: Callable[..., Any], inputs: dict[str, Any]) -> bool:
+    """Whether the plain model (inside DataParallel, DDP, ModelWithLoss) takes the dict
+    ``inputs`` as its one positional parameter (``forward(self, batch)``) rather than its keys
+    as keyword arguments (``forward(self, input_ids, labels)``, the Hugging Face way)."""
+    inner: Any = model
+    while isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    if isinstance(inner, ModelWithLoss):
+        inner = inner.model
+    try:
+        params = list(inspect.signature(inner.forward if isinstance(inner, nn.Module)
+                                        else inner).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the keys, as before
+        return False
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return False
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if set(inputs) <= named:
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1 or (
+        bool(positional) and all(p.default is not p.empty for p in positional[1:]))
+
+
+def where_outputs_are(targets: Any, outputs: Any) -> Any:
+    """``targets`` on the device of the first tensor of ``outputs``: the model-parallel
+    tutorial's ``labels.to(outputs.device)``, for a model that ends on another GPU than the
+    one its inputs went to (elsewhere a no-op: the outputs are where the targets are)."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    out = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
+    if out is None:
+        return targets
+    device = out.device
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor)
+                    and t.device != device else t, targets)
+
+
 def call_model(model: Callable[..., Any], inputs: Any) -> Any:
     """The model called on a workload's inputs: a dict as keyword arguments (``model(**batch)``,
-    the Hugging Face way), a tuple as positional arguments, anything else as the one
-    argument."""
+    the Hugging Face way) or, where the model's forward takes one positional parameter and not
+    the keys, as that one argument (``model(batch)``); a tuple as positional arguments,
+    anything else as the one argument."""
     if isinstance(inputs, dict):
-        return model(**inputs)
+        return model(inputs) if takes_one_dict(model, inputs) else model(**inputs)
     return model(*as_args(inputs))
 
 
@@ -227,7 +267,7 @@ def training_loop(
                 hooks.after_forward(outputs)
             with hooks.phase("loss"):
                 loss = ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
-                    outputs, targets)
+                    outputs, where_outputs_are(targets, outputs))
                 hooks.after_loss(loss, outputs)
             with hooks.phase("backward"):
                 loss.backward()

@@ -36,13 +36,27 @@ def test_model_parallel_model_shows_each_gpus_share() -> None:
     assert d0.breakdown_bytes["parameters"] == r512(4 * 1000 * 2000) + r512(4 * 2000)
     assert d1.breakdown_bytes["parameters"] == r512(4 * 2000 * 500) + r512(4 * 500)
     assert d0.breakdown_bytes["gradients"] == d0.breakdown_bytes["parameters"]
-    # DataParallel refuses such a model, as torch does; DDP per GPU does not apply
-    for name in ("dp-loss-primary", "dp-loss-forward"):
-        s = run.scenario(name)
-        assert s is not None and s.status == "error"
-        assert "must have its parameters and buffers on device cuda:0" in s.message
-    ddp = run.scenario("ddp")
-    assert ddp is not None and ddp.status == "error" and "2 GPUs itself" in ddp.message
+    # DataParallel and DDP per GPU do not apply to such a model: a note, not errors
+    assert [s.name for s in run.scenarios] == ["single"]
+    assert any("not applicable" in n and "2 GPUs itself" in n for n in run.notes)
+
+
+def test_model_parallel_with_a_plain_loss_runs_single_and_rules_out_the_rest() -> None:
+    """The loop moves the labels to the outputs' GPU (the tutorial's
+    ``labels.to(outputs.device)``); DataParallel and DDP are not applicable, said in a note,
+    not errors."""
+    run = compare("model_parallel_plain_loss")
+    assert [s.name for s in run.scenarios] == ["single"]
+    single = run.scenarios[0]
+    assert single.status == "ok", single.message
+    assert len(single.devices) == 2  # the labels went to cuda:1, beside the outputs
+    assert single.devices[1].breakdown_bytes["parameters"] == (
+        r512(4 * 2000 * 500) + r512(4 * 500))
+    note = next(n for n in run.notes if "not applicable" in n)
+    assert note.startswith("dp-loss-primary, dp-loss-forward, ddp: not applicable")
+    assert "2 GPUs itself (cuda:0, cuda:1)" in note
+    assert run.comparison.verdict.startswith("The model places its work on cuda:0 (")
+    assert not run.fixes
 
 
 def test_item_and_bool_in_forward_are_counted_stand_ins() -> None:

@@ -129,6 +129,20 @@ def test_dataloader_workers_and_pinned_memory_change_nothing_on_the_gpus(
             == [d.peak_allocated_bytes for d in devs(without, "dp-loss-primary")])
 
 
+def test_batches_passed_as_keyword_arguments_are_counted_as_scattered() -> None:
+    """A Trainer-style ``model(**inputs)``: the rows each GPU got are those DataParallel's
+    scatter split (62 rows in chunks of ceil(62 / 4): 16, 16, 16, 14), and the DDP
+    alternative's rank its share."""
+    result = run(["python", str(SCRIPTS / "hf_trainer_kwargs.py")])
+    assert result.batch == 62
+    dp = result.scenario("dp-loss-primary")
+    assert dp is not None and dp.status == "ok" and dp.batch == 62
+    assert [d.batch_rows for d in dp.devices] == [16, 16, 16, 14]
+    ddp = result.scenario("ddp")
+    assert ddp is not None and ddp.status == "ok", ddp and ddp.message
+    assert ddp.batch == 16 and all(d.batch_rows == 16 for d in ddp.devices)
+
+
 def test_data_parallel_loss_inside_forward_is_recognised() -> None:
     result = run(["python", str(SCRIPTS / "dp_loss_inside.py")])
     assert [s.name for s in result.scenarios] == ["dp-loss-forward"]  # no alternatives
@@ -224,6 +238,19 @@ def test_ddp_under_mp_spawn() -> None:
     assert s.devices[1].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*shapes)
 
 
+def test_ddp_tutorial_with_the_rank_as_the_device() -> None:
+    """The DDP tutorial's demo_basic under mp.spawn: .to(rank), device=rank, .cuda(rank),
+    torch.device(rank)."""
+    result = run(["python", str(SCRIPTS / "ddp_tutorial.py")], gpus=2)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and s.status == "ok", s.message
+    assert s.batch == 200 and [d.rank for d in s.devices] == [0, 1]
+    shapes = [(1000, 10), (1000,), (5, 1000), (5,)]
+    d = s.devices[0].breakdown_bytes
+    assert d["parameters"] == params_bytes(*shapes)
+    assert d["inputs"] == r512(200 * 5 * 4)  # the labels, moved with .cuda(rank)
+
+
 def test_script_that_sets_cuda_visible_devices_itself() -> None:
     result = run(["python", str(SCRIPTS / "sets_visible_devices.py")], gpus=4,
                  alternatives=False)
@@ -232,6 +259,29 @@ def test_script_that_sets_cuda_visible_devices_itself() -> None:
     assert len(d) == 2
     assert d[0].breakdown_bytes["parameters"] == params_bytes(*MLP)
     assert d[1].breakdown_bytes["parameters"] == r512(4 * numel(*MLP))
+
+
+def test_every_alternative_keeps_to_the_gpus_the_script_made_visible() -> None:
+    """CUDA_VISIBLE_DEVICES="2,3" set by the script: 2 of the 4 GPUs, for the script as
+    written and for each alternative (DDP: one rank per visible GPU, the loader's batch
+    halved)."""
+    result = run(["python", str(SCRIPTS / "visible_devices_loader.py")], gpus=4)
+    assert result.gpus == 2
+    names = [s.name for s in result.scenarios]
+    assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]
+    for s in result.scenarios:
+        assert s.status == "ok" and len(s.devices) == 2, (s.name, s.message)
+    assert [d.batch_rows for d in devs(result, "dp-loss-primary")] == [32, 32]
+    ddp = result.scenario("ddp")
+    assert ddp is not None and ddp.batch == 32 and "one emulated rank of 2" in ddp.notes[0]
+
+
+def test_a_ddp_script_under_cuda_visible_devices_counts_those_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=4)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and len(s.devices) == 2 and result.gpus == 2
 
 
 def test_script_using_torch_accelerator() -> None:
@@ -255,6 +305,21 @@ def test_keras3_model_on_the_torch_backend() -> None:
     assert d["parameters"] == params_bytes(*shapes)
     assert d["optimizer_state"] == 2 * params_bytes(*shapes)  # torch.optim.Adam
     assert not any(x.used for x in s.devices[1:])
+
+
+def test_keras3_guide_ddp_mnist_with_uint8_labels() -> None:
+    """The Keras 3 multi-GPU guide: MNIST's uint8 labels go to CrossEntropyLoss as they are
+    (CUDA's nll_loss takes uint8 targets); DDP under start_processes, the model moved with
+    .to(rank)."""
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed (pip install -e '.[test]')")
+    result = run(["python", str(SCRIPTS / "keras_mnist_ddp.py")], gpus=2)
+    (s,) = result.scenarios
+    assert s.name == "ddp" and s.status == "ok", s.message
+    assert s.batch == 64 and [d.rank for d in s.devices] == [0, 1]
+    # the batch on the rank's GPU: 64 float32 28x28x1 images and 64 uint8 labels
+    assert s.devices[0].breakdown_bytes["inputs"] == r512(64 * 28 * 28 * 4) + r512(64)
+    assert "stopped after 3 optimizer step(s)" in " ".join(s.notes)
 
 
 def test_autocast_and_grad_scaler_take_every_step() -> None:
@@ -325,6 +390,17 @@ def test_cli_script_error_is_the_scripts(tmp_path: Path) -> None:
     assert "ZeroDivisionError" in r.stderr and "dpprof/" not in r.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["scenarios"][0]["status"] == "error"
+
+
+def test_a_script_that_fails_before_its_first_gpu_tensor_is_its_own_error(
+        tmp_path: Path) -> None:
+    """No allocation was seen on any GPU: the result is the script's error, not dpprof's."""
+    script = tmp_path / "early.py"
+    script.write_text("import torch\nraise ValueError('bad config')\n")
+    r = runner.invoke(app, ["run", "-q", "-o", str(tmp_path / "r.json"), "--", "python",
+                            str(script)])
+    assert r.exit_code == 1, r.stderr
+    assert "ValueError: bad config" in r.stderr and "internal error" not in r.stderr
 
 
 def test_cli_no_optimizer_step_is_said(tmp_path: Path) -> None:

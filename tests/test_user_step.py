@@ -139,6 +139,35 @@ def test_a_step_that_is_not_callable_is_named() -> None:
         wl.validate()
 
 
+class DictModel(nn.Module):
+    """A model whose forward takes the batch dict itself (``forward(self, batch)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(batch["features"] * batch["mask"])
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_model_taking_the_batch_dict_is_called_with_it(scenario: str) -> None:
+    """``forward(self, batch)`` gets ``model(batch)``; ``forward(self, input_ids, ...)``
+    ``model(**batch)`` (the test above): the signature says which."""
+    wl = Workload(
+        name="dict-arg",
+        model=DictModel,
+        batch=lambda rows, device: ({"features": torch.randn(rows, 8, device=device),
+                                     "mask": torch.ones(rows, 8, device=device)},
+                                    torch.randint(0, 4, (rows,), device=device)),
+        loss=F.cross_entropy,
+    )
+    r = run_scenario(scenario, wl, EmulationConfig(gpus=2, gpu_memory_bytes=2**30,
+                                                   step=StepConfig(batch=8)))
+    assert r.status == "ok", r.message
+    assert r.devices[0].breakdown_bytes["parameters"] == 2 * 512  # weight 128 B, bias 16 B
+
+
 def test_huggingface_style_dict_batch_and_output() -> None:
     """A dict batch is passed as keyword arguments; a dict output is gathered key by key."""
 

@@ -91,6 +91,28 @@ def test_factories_and_moves_land_on_the_named_device() -> None:
         assert torch.cuda.max_memory_allocated(1) == 0
 
 
+def test_an_int_names_a_cuda_device_as_on_a_gpu_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DDP tutorial's rank as a device: an int names the accelerator (CUDA there), which
+    a CPU build's C++ cannot find; here it is the virtual CUDA, through CUDA_VISIBLE_DEVICES
+    as any logical index."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    real, randn, new_zeros = torch.device, torch.randn, torch.Tensor.new_zeros
+    with VirtualCuda(4) as vc:
+        a = torch.randn(100, device=1)
+        b = torch.zeros(2, 3).cuda(1)
+        c = torch.zeros(2, 3).to(1)
+        d = a.new_zeros(10, device=0)
+        e = torch.empty(5, device=torch.device(1))
+        f = torch.full((4,), 2.0, device=0)
+        assert torch.device(1) == real("cuda", 1) and type(torch.device(0)) is real
+        assert isinstance(a.device, torch.device) and issubclass(real, torch.device)
+        assert torch.device("cuda:1") == real("cuda", 1) and torch.device("cpu").type == "cpu"
+        assert [vc.rt.device_of(t) for t in (a, b, c, d, e, f)] == [3, 3, 3, 1, 3, 1]
+        assert a.device == torch.device(1)
+    assert (torch.device, torch.randn, torch.Tensor.new_zeros) == (real, randn, new_zeros)
+
+
 def test_module_to_and_cuda_move_parameters_and_buffers() -> None:
     with VirtualCuda(2) as vc:
         m = nn.Sequential(nn.Linear(100, 300), nn.BatchNorm1d(300)).to("cuda:1")

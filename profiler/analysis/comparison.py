@@ -109,6 +109,12 @@ def verdict(run: RunResult, c: Comparison) -> str:
                 f"under {DP_LOSS_FORWARD} cuda:0 needs {fmt_bytes(fwd_c.primary_excess_bytes)}"
                 " more than the other GPUs"
             )
+    single = run.scenario(SINGLE)
+    if not parts and single is not None and len(used_devices(single)) > 1:
+        # a model that places its layers on several GPUs itself (model parallel)
+        parts.append("the model places its work on " + ", ".join(
+            f"cuda:{d.index} ({fmt_bytes(d.peak_allocated_bytes)})"
+            for d in used_devices(single)) + " itself")
     ooms = [s for s in run.scenarios if s.status == STATUS_OOM]
     sentence = "; ".join(parts) if parts else "no scenario produced a measurement"
     if ooms:

@@ -613,6 +613,14 @@ def probe_model(wl: Workload, gpus: int) -> nn.Module:
         return build_model(wl, 0)  # no values over meta; the caller's RNG untouched
 
 
+def model_devices(wl: Workload, gpus: int) -> list[int]:
+    """The GPUs the workload's model puts its parameters on itself (``[0]``: one GPU)."""
+    rt = CudaDevices(gpus, "meta", real_host=False)
+    with VirtualCuda(gpus, rt=rt, honour_visible_devices=False), torch.device("meta"):
+        model = build_model(wl, 0)
+        return sorted({max(rt.device_of(p), 0) for p in model.parameters()}) or [0]
+
+
 def placed_devices(rt: VirtualDevices) -> list[int]:
     """The devices the model used: cuda:0, and any other it placed layers on itself."""
     return [0] + [i for i in range(1, rt.num_devices) if rt.counters[i].peak_allocated > 0]

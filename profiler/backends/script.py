@@ -189,6 +189,8 @@ class ScriptRun:
     writes: Writes = field(default_factory=Writes)  # what dpprof kept from the user's files
     output_tail: str = ""  # an alternative's run: the end of what it printed (not shown)
     interrupted_by: int = 0  # the signal that cut the run short (ended == "interrupted")
+    shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
+    visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
 
 
 StepCallback = Callable[[int], None]
@@ -412,7 +414,9 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                                          else 1)
                     used = list(log.used_devices)
                     ddp_devices = list(log.ddp_devices)
-                    run.batch_rows = stepper.batch_rows or variant.batch_rows
+                    run.shard_rows = dict(log.shard_rows)
+                    run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
+                                      or variant.batch_rows)
                     run.loss_modules = variant.loss_calls
         finally:
             torch.random.set_rng_state(seed_state)
@@ -450,12 +454,14 @@ class _Variant:
         variant = self
         script_parallel.MODE = "" if self.name == AS_WRITTEN else self.name
         if self.name == DDP_IN_PLACE:
-            world = vc.device_count()
             orig_init = DataLoader.__init__
 
             def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                             *args: Any, **kwargs: Any) -> None:
                 if batch_size:
+                    # one rank per GPU the script sees: asked here, not before the script
+                    # ran (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+                    world = vc.device_count()
                     batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
                     variant.batch_rows = variant.batch_rows or batch_size
                 orig_init(loader, dataset, batch_size, *args, **kwargs)
@@ -498,16 +504,19 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
               exc: BaseException | None) -> ScenarioResult:
     rt = vc.rt
     n = vc.device_count()
+    run.visible_gpus = n
     visible = vc.visible
     touched = [i for i in visible if rt.counters[i].peak_allocated > 0]
     name = _kind(run, used, touched)
     s = ScenarioResult(name=name, batch=run.batch_rows)
     start = stepper.measure_start
+    split = name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and run.shard_rows
     devices = [
         device_result(
             rt, i, logical, cfg.capacity_bytes,
             rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
-            run.batch_rows, timeline_points(rt, i, start, phase_before_start=True))
+            run.shard_rows.get(i, 0) if split else run.batch_rows,
+            timeline_points(rt, i, start, phase_before_start=True))
         for logical, i in enumerate(visible)
     ]
     if name == DDP and run.world_size > 1:
@@ -578,7 +587,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
     main = run_script(cfg, step_cb("as written"))
-    n = len(main.scenario.devices) if main.scenario.name != DDP else cfg.gpus
+    n = len(main.scenario.devices) if main.scenario.name != DDP else main.visible_gpus
     runs = [(AS_WRITTEN, main)]
     notes: list[str] = []
     fixes: list[Fix] = []

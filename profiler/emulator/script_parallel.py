@@ -52,6 +52,19 @@ class ParallelLog:
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
+    # rows each device got of the first batch a training forward split (DataParallel's
+    # scatter) or moved (DDP), positional and keyword inputs alike: runtime index -> rows
+    shard_rows: dict[int, int] = field(default_factory=dict)
+
+    def note_shards(self, devices: Sequence[int], inputs: Sequence[Any],
+                    kwargs: Sequence[dict[str, Any]], dim: int) -> None:
+        if self.shard_rows or not torch.is_grad_enabled():
+            return
+        for device, args, kw in zip(devices, inputs, kwargs, strict=False):
+            rows = next((int(t.shape[dim]) for t in tree_leaves((args, kw))
+                         if isinstance(t, torch.Tensor) and t.dim() > dim), 0)
+            if rows:
+                self.shard_rows[device] = rows
 
 
 def _logical_ids(vc: VirtualCuda, ids: Sequence[Any] | None) -> list[int]:
@@ -115,6 +128,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         self._check_placement(src)
         with rt.category("inputs"):
             inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, ids, self.dim)
+        LOG.note_shards(ids, inputs, module_kwargs, self.dim)
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
         if len(ids) == 1:
@@ -160,6 +174,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if inputs or kwargs \
                 else ((), {})
         inputs, kwargs = moved
+        LOG.note_shards([src], [inputs], [kwargs], self.dim)
         with rt.device(src):
             return impl(*inputs, **kwargs)
 
@@ -360,6 +375,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
             with rt.category("inputs"):
                 moved = scatter(rt, (inputs, kwargs), [index], self.dim)[0]
             inputs, kwargs = moved
+            LOG.note_shards([index], [inputs], [kwargs], self.dim)
         return ddp(*inputs, **kwargs)
 
     def no_sync(self) -> Any:

@@ -37,6 +37,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpprof.emulator.index_dtypes import RULES as CUDA_INDEX_RULES
+from dpprof.emulator.index_dtypes import as_on_cuda
+
 HOST = -1
 ROUND_BYTES = 512  # the CUDA caching allocator rounds every block to a multiple of 512 B
 
@@ -805,6 +808,8 @@ class VirtualDevices(TorchDispatchMode):
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, cuda:{a} and cuda:{b}! (while running {func})"
             )
+        if self._meta and func in CUDA_INDEX_RULES:  # the meta kernels take other dtypes
+            args = as_on_cuda(func, args)
         try:
             out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
         except Exception as e:  # the innermost op is the one that failed: name it

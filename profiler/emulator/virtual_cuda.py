@@ -33,6 +33,7 @@ API. Everything is restored on exit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -957,6 +958,14 @@ class VirtualCuda:
         p(torch, "Generator", Generator)
         p(torch, "tensor", make(_ORIG["tensor"]))
         p(torch, "as_tensor", make(_ORIG["as_tensor"]))
+        # device=rank, torch.device(rank): an int names the accelerator, which C++ looks up
+        # before dispatch and a CPU build does not have; here the accelerator is CUDA
+        for name in INT_DEVICE_FACTORIES:
+            if hasattr(torch, name):
+                p(torch, name, _int_device(getattr(torch, name)))
+        for name in INT_DEVICE_METHODS:
+            p(T, name, _int_device(getattr(T, name)))
+        p(torch, "device", Device)
 
         # Keras 3 on torch picks its device once, at import: a Keras imported before the
         # GPUs appeared must place its variables and inputs on them too
@@ -1009,6 +1018,58 @@ _ORIG: dict[str, Any] = {
     "tensor": torch.tensor,
     "as_tensor": torch.as_tensor,
 }
+
+
+_REAL_DEVICE = torch.device
+# torch functions and Tensor methods that take device= (and may be given an int)
+INT_DEVICE_FACTORIES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange",
+    "range", "linspace", "logspace", "eye", "empty_strided", "empty_permuted", "empty_like",
+    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "scalar_tensor", "tril_indices", "triu_indices", "asarray", "normal",
+)
+INT_DEVICE_METHODS = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor",
+                      "new_zeros")
+
+
+def _cuda_if_int(device: Any) -> Any:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _REAL_DEVICE("cuda", device)
+    return device
+
+
+def _int_device(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig`` with ``device=k`` (an int) read as ``cuda:k``, as on a CUDA machine."""
+
+    @functools.wraps(orig)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cuda_if_int(kwargs["device"])
+        return orig(*args, **kwargs)
+
+    return call
+
+
+class _DeviceType(type):
+    """The type of :class:`Device`: calling it makes a real ``torch.device``;
+    ``isinstance`` and ``issubclass`` answer for ``torch.device``."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs:
+            return _REAL_DEVICE(_cuda_if_int(args[0]))
+        return _REAL_DEVICE(*args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_DEVICE)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _REAL_DEVICE)
+
+
+class Device(metaclass=_DeviceType):
+    """``torch.device`` while a :class:`VirtualCuda` is active: ``torch.device(rank)`` is
+    ``cuda:rank`` (a CPU build's C++ finds no accelerator for an int); every object it makes
+    is a real ``torch.device``."""
 
 
 def real_device(t: torch.Tensor) -> torch.device:

@@ -108,3 +108,16 @@ def keras_mlp() -> dpprof.Workload:
         loss=nn.functional.cross_entropy,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
     )
+
+
+def model_parallel_plain_loss() -> dpprof.Workload:
+    """The tutorial's ToyModel with a plain loss: the loop moves the labels to the outputs'
+    GPU (the tutorial's ``labels.to(outputs.device)``)."""
+    return dpprof.Workload(
+        name="two-gpu-toy-mse",
+        model=TwoGpuModel,
+        batch=lambda rows, device: (torch.randn(rows, 1000, device=device),
+                                    torch.randn(rows, 500, device=device)),
+        loss=nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.001),
+    )
