@@ -530,8 +530,9 @@ def _verdict_html(view: ReportView) -> str:
 
 
 def _fixes_html(view: ReportView) -> str:
+    notes = "".join(f"<p class='lead'>{_e(n)}</p>" for n in view.advice_notes)
     if not view.recommended:
-        return (f"<p class='lead'>{_e(view.nothing_to_change)}</p>"
+        return (f"<p class='lead'>{_e(view.nothing_to_change)}</p>" + notes
                 + answers.html_fix_table(view))
     parts = []
     for i, f in enumerate(view.recommended):
@@ -539,7 +540,7 @@ def _fixes_html(view: ReportView) -> str:
             f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{_e(f.title)}</h3>"
             f"<p>{_e(fix_why(f))}</p><pre><code>{_e(f.code)}</code></pre></div>"
         )
-    return "".join(parts) + answers.html_fix_table(view)
+    return "".join(parts) + notes + answers.html_fix_table(view)
 
 
 def render(run: RunResult) -> str:

@@ -183,6 +183,7 @@ def render_view(view: ReportView) -> str:
     for f in view.recommended:
         lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", code_fence(f.code, f.code_lang),
                   ""]
+    lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
     extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]
