@@ -286,6 +286,7 @@ class ReportView:
     created: str
     real: bool  # measured on CUDA GPUs, not emulated
     over_cpu_tensors: bool  # emulated with real numbers (cpu backend, --compute)
+    batch_label: str  # "batch 512", or "largest batch" for a search of it (dpprof maxbatch)
     headline: Headline
     has_comparison: bool  # the result has a verdict
     columns: tuple[str, ...]  # device labels of the peak table
@@ -354,6 +355,8 @@ def build_view(run: RunResult) -> ReportView:
         gpu_memory_bytes=run.gpu_memory_bytes, dtype=run.dtype, seed=run.seed,
         dpprof_version=run.dpprof_version, created=run.created, real=real,
         over_cpu_tensors=run.backend == "cpu" or bool(run.config.get("compute")),
+        batch_label=(f"batch {run.batch}" if run.scenarios or run.maxbatch is None
+                     else "largest batch"),
         headline=_headline(answer, scenarios),
         has_comparison=bool(answer.verdict),
         columns=columns,

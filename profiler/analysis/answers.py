@@ -185,10 +185,11 @@ def build_answer(run: RunResult) -> Answer:
 
 def baseline(run: RunResult) -> ScenarioResult | None:
     """The scenario that stands for what the user runs: DataParallel with the loss on cuda:0
-    where it was run, else the first of :data:`BASELINES` the result holds."""
+    where it was measured, else the first of :data:`BASELINES` measured; of a result that
+    measured none, its first scenario."""
     for name in BASELINES:
         s = run.scenario(name)
-        if s is not None:
+        if measured(s):
             return s
     return run.scenarios[0] if run.scenarios else None
 
@@ -218,13 +219,15 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
     prefix = partial + " " if partial else ""
     if base is None:
         return prefix + "no scenario was run", "", ""
-    head = _headline(run, base)
+    script = run.config.get("command") == "run"
+    head = _headline(run, base) if measured(base) or script else (
+        "no scenario produced a measurement")
     others = [s for s in run.scenarios if s is not base and measured(s)
               and s.status == STATUS_OK and s.name in ALTERNATIVE_WORDS]
     parts = [head] + [c for s in others if (c := _alternative(base, s))]
     ooms = [s for s in run.scenarios if measured(s) and s.status == STATUS_OOM]
     fits = [s for s in run.scenarios if measured(s) and s.status == STATUS_OK]
-    failed = [s.name for s in run.scenarios if not measured(s) and s is not base]
+    failed = [s.name for s in run.scenarios if not measured(s) and (s is not base or not script)]
     tail: list[str] = []
     clause = ""
     if ooms:
@@ -431,7 +434,7 @@ def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
         return "No recommendation: no scenario produced a measurement (see the errors above)."
     assert base is not None
     if setup == SPLIT_MODEL:
-        return ("No DataParallel or DDP fix applies: the script places its layers on the GPUs "
+        return ("No fix of dpprof's applies: the script places its layers on the GPUs "
                 f"itself (model parallel); its heaviest GPU is {_dev(heaviest(base))}.")
     if setup == ONE_GPU:
         return "No fix applies: the step runs on one GPU."
@@ -517,7 +520,7 @@ def _maxbatch_answer(run: RunResult) -> Answer:
         elif e.max_batch is None:
             cells.append(f"{e.scenario} fits no batch")
         else:
-            need = f", needing {fmt_bytes(e.needed_bytes)}" if e.needed_bytes else ""
+            need = f" (needs {fmt_bytes(e.needed_bytes)})" if e.needed_bytes else ""
             cells.append(f"{e.scenario} {'at least ' if e.capped else ''}{e.max_batch}{need}")
     gpu = f" ({mb.gpu})" if mb.gpu else ""
     text = (f"Largest global batch on {run.gpus} GPUs of {fmt_bytes(mb.capacity_bytes)}{gpu}, "
@@ -527,8 +530,9 @@ def _maxbatch_answer(run: RunResult) -> Answer:
         text += (f"; DDP fits {ratio[2]:.2f}x the batch of DataParallel with the loss on cuda:0 "
                  f"({ratio[0]} vs {ratio[1]})")
     fitting = [e for e in mb.entries if e.max_batch]
-    nothing = ("No recommendation: no scenario fits a batch." if not fitting else
-               f"The largest batch: {max(fitting, key=lambda e: e.max_batch or 0).scenario}.")
+    best = max(fitting, key=lambda e: e.max_batch or 0) if fitting else None
+    nothing = ("No recommendation: no scenario fits a batch." if best is None else
+               f"{best.scenario} fits the largest batch ({best.max_batch}).")
     return Answer(setup=MAXBATCH, verdict=_sentence(text), verdict_parts=None, baseline=None,
                   recommended=(), worse=(), nothing_to_change=nothing, explained=())
 
