@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from dpprof import __version__
-from dpprof.analysis.answers import add_answers, gpu_spec
+from dpprof.analysis.answers import add_answers, gpu_spec, partial_sentence
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.fixes import alongside
 from dpprof.analysis.maxbatch import COUNTS
@@ -279,16 +279,11 @@ def _interrupted(e: BaseException, run: RunResult) -> Interrupted:
 def mark_partial(run: RunResult, signum: int) -> RunResult:
     """An interrupted run as a result: its comparison over the scenarios measured, marked
     partial (``interrupted``, the verdict and a note say so in every format)."""
-    name = signal.Signals(signum).name
-    run.interrupted = name
+    run.interrupted = signal.Signals(signum).name
     with contextlib.suppress(Exception):  # what was measured is still worth keeping
-        run.comparison = compare(run)
-    done = ", ".join(s.name for s in run.scenarios) or "none"
-    asked = run.config.get("scenarios") or []
-    head = (f"Partial result: interrupted by {name} after {len(run.scenarios)} of "
-            f"{len(asked) or '?'} scenarios ({done}).")
-    run.comparison.verdict = f"{head} {run.comparison.verdict}".strip()
-    run.notes.append(head)
+        run.comparison = compare(run)  # its verdict begins with partial_sentence
+    run.comparison.verdict = run.comparison.verdict or partial_sentence(run)
+    run.notes.append(partial_sentence(run))
     return run
 
 

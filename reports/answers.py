@@ -117,6 +117,8 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
                             FIX_HEADER, fix_rows(view)))
         for f in view.fixes:
             parts.append(Text(f"{f.title}: {f.detail}", style="dim"))
+        for note in view.advice_notes:
+            parts.append(Text(note))
     if view.maxbatch is not None:
         parts.append(maxbatch_table(view))
     if view.equivalence is not None:
@@ -142,10 +144,7 @@ def maxbatch_renderable(view: ReportView) -> Group:
     parts: list[Group | Table | Text] = [maxbatch_table(view)]
     mb = view.maxbatch
     assert mb is not None
-    if mb.ddp_vs_primary is not None:
-        ddp, prim, ratio = mb.ddp_vs_primary
-        parts.append(Text(f"DDP fits {ratio:.2f}x the batch of DataParallel with the "
-                          f"loss on cuda:0 ({ddp} vs {prim}).", style="bold"))
+    parts.append(Text(view.headline.verdict, style="bold"))
     for e in mb.entries:
         if e.message:
             parts.append(Text(f"{e.scenario}: {e.message}", style="dim"))

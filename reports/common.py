@@ -55,14 +55,8 @@ def alert_lines(view: ReportView) -> list[str]:
 
 
 def fix_why(f: FixView) -> str:
-    """The fix's detail and what it saves, one sentence each."""
-    saves = ""
-    heaviest = f.heaviest_saves_bytes
-    if f.saves_bytes is not None and heaviest is not None:
-        saves = (f"Saves {fmt_bytes(f.saves_bytes)} on cuda:0"
-                 + ("" if heaviest == f.saves_bytes else
-                    f", {fmt_bytes(heaviest)} on the heaviest GPU") + ".")
-    return " ".join(x for x in (f.detail.rstrip(".") + "." if f.detail else "", saves) if x)
+    """The answer's sentence about a fix (:func:`dpprof.analysis.answers.build_answer`)."""
+    return f.why
 
 
 def capacity_on_scale(capacity_bytes: int, top_bytes: int) -> bool:

@@ -530,8 +530,9 @@ def _verdict_html(view: ReportView) -> str:
 
 
 def _fixes_html(view: ReportView) -> str:
+    notes = "".join(f"<p class='lead'>{_e(n)}</p>" for n in view.advice_notes)
     if not view.recommended:
-        return (f"<p class='lead'>{_e(view.nothing_to_change)}</p>"
+        return (f"<p class='lead'>{_e(view.nothing_to_change)}</p>" + notes
                 + answers.html_fix_table(view))
     parts = []
     for i, f in enumerate(view.recommended):
@@ -539,7 +540,7 @@ def _fixes_html(view: ReportView) -> str:
             f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{_e(f.title)}</h3>"
             f"<p>{_e(fix_why(f))}</p><pre><code>{_e(f.code)}</code></pre></div>"
         )
-    return "".join(parts) + answers.html_fix_table(view)
+    return "".join(parts) + notes + answers.html_fix_table(view)
 
 
 def render(run: RunResult) -> str:
@@ -585,7 +586,8 @@ def _render(view: ReportView) -> str:
     for name, tb in view.tracebacks:
         body.append(f"<details class='traceback'><summary>{_e(name)}: the traceback</summary>"
                     f"<pre>{_e(tb)}</pre></details>")
-    body.append(_table(view))
+    if view.scenarios:
+        body.append(_table(view))
     head, rows = memory_table(view)
     if rows:
         body.append(
@@ -665,7 +667,9 @@ def _render(view: ReportView) -> str:
     if mtable:
         body.append(h2("Largest batch that fits"))
         body.append(chart("maxbatch", mfig))
-        body.append(f"<details><summary>The numbers</summary>{mtable}</details>")
+        if view.maxbatch is not None:  # what each needs, the next step, the limiting GPU
+            mtable = answers.html_sections(view, parts=("maxbatch",))
+        body.append(f"<details open><summary>The numbers</summary>{mtable}</details>")
 
     body.append(h2("What to change"))
     body.append(_fixes_html(view))
@@ -682,7 +686,7 @@ def _render(view: ReportView) -> str:
     body.append("<details open><summary>Environment</summary>"
                 f"<div class='card'>{_kv_table(view.environment)}</div></details>")
 
-    title = f"dpprof: {view.workload}, batch {view.batch}, {view.gpus} GPUs"
+    title = f"dpprof: {view.workload}, {view.batch_label}, {view.gpus} GPUs"
     kind = view.kind
     backend = "" if view.backend == kind else f" ({view.backend} backend)"
     sub = (f"{kind}{backend} · {fmt_bytes(view.gpu_memory_bytes)} per GPU · "

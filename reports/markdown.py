@@ -137,7 +137,7 @@ def render(run: RunResult) -> str:
 
 def render_view(view: ReportView) -> str:
     lines = [
-        f"## dpprof: {md(view.workload)}, batch {view.batch}, {view.gpus} GPUs ({view.kind})",
+        f"## dpprof: {md(view.workload)}, {view.batch_label}, {view.gpus} GPUs ({view.kind})",
         "",
         f"**{md(view.headline.verdict)}**",
         "",
@@ -150,7 +150,8 @@ def render_view(view: ReportView) -> str:
     for name, tb in view.tracebacks:
         lines += [f"<details><summary>{md(name)}: the traceback</summary>", "",
                   code_fence(tb, "text"), "", "</details>", ""]
-    lines += ["### Peak memory per GPU", "", *_peak_table(view), ""]
+    if view.scenarios:
+        lines += ["### Peak memory per GPU", "", *_peak_table(view), ""]
     head, rows = memory_table(view)
     if rows:
         lines += ["<details><summary>Allocated, reserved, context and NVML peaks per GPU"
@@ -172,7 +173,9 @@ def render_view(view: ReportView) -> str:
                          f"{spread(s.step_time_spread_s)} | "
                          f"{throughput(s.throughput_samples_per_s)} |")
         lines.append("")
-    if view.max_batches:
+    if view.maxbatch is not None:  # what each needs, the next step, the limiting GPU
+        lines += [answers.markdown_sections(view, parts=("maxbatch",))]
+    elif view.max_batches:
         lines += [f"### Largest batch that fits in {fmt_bytes(view.gpu_memory_bytes)} per GPU",
                   "", "| scenario | largest batch |", "| --- | ---: |"]
         lines += [f"| {md(name)} | {b:,} |" for name, b in view.max_batches]
@@ -183,6 +186,7 @@ def render_view(view: ReportView) -> str:
     for f in view.recommended:
         lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", code_fence(f.code, f.code_lang),
                   ""]
+    lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
     extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dpprof.analysis.answers import BALANCED_FRACTION, Advice, Answer, build_answer, maxbatch_ratio
 from dpprof.analysis.attribution import CAUSES, attribute, category_label, cause_label
-from dpprof.analysis.fixes import from_scenarios, heaviest_saving, recommended
 from dpprof.result import (
     CATEGORIES,
     STATUS_OK,
@@ -47,12 +47,9 @@ MEMORY_COLUMNS = (
 )
 TRACEBACK_MAX_CHARS = 20_000  # the end of a long traceback (where the error is) is shown
 TRACEBACK_TAIL_LINES = 6  # the terminal's share of it
-BALANCED_FRACTION = 0.01  # cuda:0 within 1 % of the others: no waterfall of causes
 SMALL_CAUSE_DIVISOR = 200  # causes under 1/200 of cuda:0's peak: one step, "smaller causes"
 NEGATIVE_NOTE = ("A negative cause: the reference GPU holds more of it at its own peak "
                  "(e.g. its replica's gradients, or its share of the output gradient).")
-NO_VERDICT = "No verdict: the result has no comparison."
-OOM_MARKER = "; out of memory"
 
 
 # ---- devices and scenarios ---------------------------------------------------------------
@@ -187,7 +184,8 @@ class FixView:
     code: str
     code_lang: str  # "diff" or "python"
     saves_bytes: int | None  # on cuda:0
-    heaviest_saves_bytes: int | None  # on the heaviest GPU
+    heaviest_saves_bytes: int | None  # on the heaviest GPU of the scenario it changes
+    why: str  # the answer's sentence: its detail, what it saves against what, what is unknown
     primary_peak_bytes: int | None  # cuda:0's peak with the fix
     max_peak_bytes: int | None  # the heaviest GPU's peak with the fix
 
@@ -288,6 +286,7 @@ class ReportView:
     created: str
     real: bool  # measured on CUDA GPUs, not emulated
     over_cpu_tensors: bool  # emulated with real numbers (cpu backend, --compute)
+    batch_label: str  # "batch 512", or "largest batch" for a search of it (dpprof maxbatch)
     headline: Headline
     has_comparison: bool  # the result has a verdict
     columns: tuple[str, ...]  # device labels of the peak table
@@ -305,6 +304,7 @@ class ReportView:
     fixes: tuple[FixView, ...]  # every fix emulated
     recommended: tuple[FixView, ...]  # those that lower the heaviest GPU's peak
     nothing_to_change: str  # what to say when none is recommended
+    advice_notes: tuple[str, ...]  # the fixes that make the heaviest GPU worse, and why
     max_batches: tuple[tuple[str, int], ...]  # (scenario, largest global batch)
     maxbatch: MaxBatchView | None
     equivalence: EquivalenceView | None
@@ -340,21 +340,25 @@ class ReportView:
 def build_view(run: RunResult) -> ReportView:
     """The one view of ``run`` every human format renders."""
     real = run.backend == "cuda"
+    answer = build_answer(run)
     scenarios = tuple(_scenario(run, s) for s in run.scenarios)
     ref = max(scenarios, key=lambda s: len(s.all_devices), default=None)
     columns = tuple(d.label for d in ref.all_devices) if ref and ref.all_devices else tuple(
         f"cuda:{i}" for i in range(run.gpus))
     drawn = [s for s in scenarios if s.measured and s.devices]
-    attributions = tuple(a for s in run.scenarios if (a := _attribution(run, s)) is not None)
-    found = run.fixes or from_scenarios(run)
+    attributions = tuple(a for s in run.scenarios if s.name in answer.explained
+                         and (a := _attribution(run, s, answer)) is not None)
+    advice = {a.fix.name: a for a in (*answer.recommended, *answer.worse)}
     memory_columns, memory_rows = _memory(run, scenarios)
     return ReportView(
         backend=run.backend, workload=run.workload, batch=run.batch, gpus=run.gpus,
         gpu_memory_bytes=run.gpu_memory_bytes, dtype=run.dtype, seed=run.seed,
         dpprof_version=run.dpprof_version, created=run.created, real=real,
         over_cpu_tensors=run.backend == "cpu" or bool(run.config.get("compute")),
-        headline=_headline(run, scenarios),
-        has_comparison=bool(run.comparison.verdict),
+        batch_label=(f"batch {run.batch}" if run.scenarios or run.maxbatch is None
+                     else "largest batch"),
+        headline=_headline(answer, scenarios),
+        has_comparison=bool(answer.verdict),
         columns=columns,
         scenarios=scenarios,
         alerts=tuple(_alerts(run)),
@@ -371,9 +375,10 @@ def build_view(run: RunResult) -> ReportView:
                          if any(a.bytes_of(c) for a in attributions)),
         attribution_top_bytes=max((max(a.primary_bytes, a.reference_bytes)
                                    for a in attributions), default=0),
-        fixes=tuple(_fix(run, f) for f in run.fixes),
-        recommended=tuple(_fix(run, f) for f in recommended(run)),
-        nothing_to_change=_nothing_to_change(run, bool(found)),
+        fixes=tuple(_fix(f, advice.get(f.name)) for f in run.fixes),
+        recommended=tuple(_fix(a.fix, a) for a in answer.recommended),
+        nothing_to_change=answer.nothing_to_change,
+        advice_notes=answer.notes,
         max_batches=_max_batches(run),
         maxbatch=_maxbatch(run),
         equivalence=_equivalence(run),
@@ -390,7 +395,7 @@ def build_view(run: RunResult) -> ReportView:
             "schema_version": run.schema_version, "config": run.config,
         },
         environment=run.environment,
-        watch=_watch(run, run.watch) if run.watch is not None else None,
+        watch=_watch(run, run.watch, answer) if run.watch is not None else None,
     )
 
 
@@ -450,13 +455,8 @@ def _scenario(run: RunResult, s: ScenarioResult) -> ScenarioView:
     )
 
 
-def _headline(run: RunResult, scenarios: tuple[ScenarioView, ...]) -> Headline:
-    verdict = run.comparison.verdict or NO_VERDICT
-    parts = None
-    if OOM_MARKER in verdict:
-        head, tail = verdict.split(OOM_MARKER, 1)
-        clause, sep, rest = tail.partition(";")
-        parts = (head + "; ", "out of memory" + clause, sep + rest)
+def _headline(answer: Answer, scenarios: tuple[ScenarioView, ...]) -> Headline:
+    verdict, parts = answer.verdict, answer.verdict_parts
     compared = [s for s in scenarios if s.imbalance is not None and s.devices]
     if not compared:
         return Headline(verdict, parts, None, None, None, None, None)
@@ -549,9 +549,9 @@ def _timeline(run: RunResult, s: ScenarioResult, used: tuple[DeviceView, ...]
         peak_bytes=height(peak), peak_phase=peak.phase.replace("_", " "), top_bytes=top)
 
 
-def _attribution(run: RunResult, s: ScenarioResult) -> AttributionView | None:
+def _attribution(run: RunResult, s: ScenarioResult, answer: Answer) -> AttributionView | None:
     """cuda:0's excess by cause in ``s``: the result's attribution (computed by the same
-    function for results saved without one)."""
+    function for results saved without one), with the answer's sentence."""
     att: Attribution | None = run.attribution.get(s.name) or attribute(s)
     used = [d for d in s.devices if d.used]
     if att is None or not used or not _measured(s):
@@ -565,29 +565,21 @@ def _attribution(run: RunResult, s: ScenarioResult) -> AttributionView | None:
         steps.append(CauseView("", "smaller causes", folded))
     return AttributionView(
         scenario=s.name, primary_bytes=primary, reference_bytes=primary - att.excess_bytes,
-        excess_bytes=att.excess_bytes, causes=causes, answer=att.answer,
+        excess_bytes=att.excess_bytes, causes=causes, answer=answer.why.get(s.name, att.answer),
         negative_note=NEGATIVE_NOTE if any(c.bytes < 0 for c in causes) else None,
         balanced=abs(att.excess_bytes) <= BALANCED_FRACTION * max(primary, 1),
         steps=tuple(steps))
 
 
-def _fix(run: RunResult, f: Fix) -> FixView:
+def _fix(f: Fix, advice: Advice | None) -> FixView:
+    """A fix; ``advice``: the answer's measure of it against the scenario it changes."""
     lang = "diff" if f.code.lstrip().startswith(("-", "+", "@@")) else "python"
     return FixView(name=f.name, title=f.title, detail=f.detail, code=f.code, code_lang=lang,
-                   saves_bytes=f.saves_bytes, heaviest_saves_bytes=heaviest_saving(run, f),
-                   primary_peak_bytes=f.primary_peak_bytes, max_peak_bytes=f.max_peak_bytes)
-
-
-def _nothing_to_change(run: RunResult, any_fix: bool) -> str:
-    """What the reports say when no fix is recommended: never "nothing to change" about a
-    run that measured nothing."""
-    if not any(_measured(s) for s in run.scenarios):
-        return ("No recommendation: no scenario produced a measurement (see the errors "
-                "above).")
-    if any_fix:
-        return ("Nothing to change: no fix lowers the heaviest GPU's peak in this "
-                "comparison.")
-    return "Nothing to change: cuda:0 carries no excess worth a change in any scenario measured."
+                   saves_bytes=advice.primary_saves_bytes if advice else f.saves_bytes,
+                   heaviest_saves_bytes=(advice.heaviest_saves_bytes if advice
+                                         else f.heaviest_saves_bytes),
+                   primary_peak_bytes=f.primary_peak_bytes, max_peak_bytes=f.max_peak_bytes,
+                   why=advice.why if advice else f.detail)
 
 
 def _max_batches(run: RunResult) -> tuple[tuple[str, int], ...]:
@@ -603,8 +595,6 @@ def _maxbatch(run: RunResult) -> MaxBatchView | None:
     mb = run.maxbatch
     if mb is None:
         return None
-    best = {e.scenario: e.max_batch for e in mb.entries}
-    prim, ddp = best.get("dp-loss-primary"), best.get("ddp")
     return MaxBatchView(
         capacity_bytes=mb.capacity_bytes, gpu=mb.gpu, multiple_of=mb.multiple_of,
         counts=mb.counts,
@@ -612,7 +602,7 @@ def _maxbatch(run: RunResult) -> MaxBatchView | None:
             e.scenario, e.max_batch, e.capped, e.needed_bytes, e.next_needed_bytes,
             None if e.limit_device is None else f"cuda:{e.limit_device}", e.emulations,
             e.message) for e in mb.entries),
-        ddp_vs_primary=(ddp, prim, ddp / prim) if prim and ddp else None)
+        ddp_vs_primary=maxbatch_ratio(run))
 
 
 def _equivalence(run: RunResult) -> EquivalenceView | None:
@@ -627,7 +617,7 @@ def _equivalence(run: RunResult) -> EquivalenceView | None:
         findings=tuple((f.kind, f.message) for f in eq.findings))
 
 
-def _watch(run: RunResult, w: WatchResult) -> WatchView:
+def _watch(run: RunResult, w: WatchResult, answer: Answer) -> WatchView:
     at = w.ooms[0].used_at_oom_bytes if w.ooms else {}
     rows = []
     for d in w.devices:
@@ -643,10 +633,10 @@ def _watch(run: RunResult, w: WatchResult) -> WatchView:
     return WatchView(
         interval_s=w.interval_s,
         message=run.scenarios[0].message if run.scenarios else "",
-        rows=tuple(rows), post_mortem=tuple(w.post_mortem),
+        rows=tuple(rows), post_mortem=answer.post_mortem,
         oom_text=w.ooms[0].text if w.ooms else None,
         oom_times_s=tuple(o.t_s for o in w.ooms if o.t_s is not None),
-        next_steps=tuple(w.next_steps),
+        next_steps=answer.next_steps,
         signals=tuple((float(s.get("t_s", 0)), str(s.get("signal") or ""),
                        str(s.get("action", ""))) for s in w.signals),
         samples_path=w.samples_path, series=series)

@@ -29,6 +29,9 @@ DP_LOSS_PRIMARY = "dp-loss-primary"
 DP_LOSS_FORWARD = "dp-loss-forward"
 DDP = "ddp"
 SINGLE = "single"
+# not a paired scenario: what `dpprof run` names a script that places its own work on
+# several GPUs (no DataParallel, no DDP)
+MODEL_PARALLEL = "model-parallel"
 
 SCENARIOS: tuple[str, ...] = (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP, SINGLE)
 

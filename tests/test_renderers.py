@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 from reports_data import HTML_SECTIONS, SAVED, report_words, saved
 
+from dpprof.analysis.answers import build_answer
 from dpprof.analysis.attribution import cause_label
-from dpprof.analysis.fixes import recommended
 from dpprof.reports.markdown import md
 from dpprof.reports.registry import renderers
 from dpprof.reports.view import build_view
@@ -28,7 +28,7 @@ def _html(run: RunResult, page: str) -> None:
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     verdict = re.search(r"id='verdict'>(.*?)</p>", page, re.S)
     assert verdict and re.sub(r"<[^>]+>", "", std_html.unescape(verdict.group(1))) == \
-        run.comparison.verdict
+        build_answer(run).verdict
     heads = [std_html.unescape(h) for h in re.findall(
         r"<h2><span class='n'>\d+</span>(.*?)</h2>", page)]
     assert heads == [h for h in HTML_SECTIONS if h in heads]  # the order
@@ -45,7 +45,7 @@ def _html(run: RunResult, page: str) -> None:
 
 
 def _markdown(run: RunResult, text: str) -> None:
-    assert md(run.comparison.verdict) in text
+    assert md(build_answer(run).verdict) in text
     assert "### Peak memory per GPU" in text and "### What to change" in text
     charts = re.findall(r"```mermaid\n(.*?)\n```", text, re.S)
     drawn = [s for s in run.scenarios if s.status in ("ok", "oom")]
@@ -75,7 +75,7 @@ def _json(run: RunResult, text: str) -> None:
 
 
 def _terminal(run: RunResult, text: str) -> None:
-    assert " ".join(run.comparison.verdict.split()) in " ".join(text.split())
+    assert " ".join(build_answer(run).verdict.split()) in " ".join(text.split())
 
 
 CHECKS: dict[str, Callable[[RunResult, str], None]] = {
@@ -105,5 +105,5 @@ def test_every_saved_result_in_every_format(name: str, fmt: str) -> None:
                 assert cause_label(c.key) in words, (fmt, c.key)
     # the recommended fixes, by title, in the formats that recommend
     if fmt in ("html", "markdown"):
-        for f in recommended(run):
-            assert f.title in words, (fmt, f.title)
+        for a in build_answer(run).recommended:
+            assert a.fix.title in words, (fmt, a.fix.title)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from reports_data import SAVED, report_words, saved
 
+from dpprof.analysis.answers import build_answer
 from dpprof.reports import diff, terminal
 from dpprof.reports.registry import renderers
 from dpprof.reports.view import (
@@ -26,6 +27,7 @@ from dpprof.reports.view import (
     ScenarioView,
     build_view,
 )
+from dpprof.result import Comparison
 from dpprof.units import fmt_bytes
 
 HUMAN = ("html", "markdown", "terminal")
@@ -60,7 +62,7 @@ def _edited(view: ReportView) -> ReportView:
     fix = FixView(name="x", title="fix title from the view", detail="fix detail from the view",
                   code="print('code from the view')", code_lang="python",
                   saves_bytes=CAUSE_BYTES, heaviest_saves_bytes=CAUSE_BYTES,
-                  primary_peak_bytes=1, max_peak_bytes=1)
+                  primary_peak_bytes=1, max_peak_bytes=1, why="fix detail from the view")
     return dataclasses.replace(
         view,
         headline=dataclasses.replace(view.headline, verdict="verdict from the view",
@@ -150,7 +152,7 @@ def test_headline_is_the_comparison_s_most_imbalanced_scenario(name: str) -> Non
     h = build_view(run).headline
     worst = max(run.comparison.scenarios, key=lambda k: run.comparison.scenarios[k].imbalance)
     c = run.comparison.scenarios[worst]
-    assert h.verdict == run.comparison.verdict
+    assert h.verdict == build_answer(run).verdict
     assert (h.scenario, h.imbalance, h.heaviest_bytes, h.excess_bytes) == (
         worst, c.imbalance, c.max_bytes, c.primary_excess_bytes)
 
@@ -223,8 +225,7 @@ def test_terminal_render_is_the_view_rendered() -> None:
 @pytest.mark.parametrize("fmt", HUMAN)
 def test_a_result_without_a_comparison_says_so_in_every_format(fmt: str) -> None:
     run = saved(next(iter(SAVED)))
-    run.comparison.verdict = ""
+    run.scenarios, run.comparison = [], Comparison()
     view = build_view(run)
-    assert not view.has_comparison
     assert view.headline.verdict in _render(fmt, view)
-    assert "No verdict" in view.headline.verdict
+    assert view.headline.verdict == "No scenario was run."

@@ -1,24 +1,700 @@
-"""The answers a comparison adds to its numbers (issue 6), run after the scenarios.
+"""The one answer of a result: its verdict, what to change, and the notes beside them.
 
-* ``attribution``: why cuda:0 is heavier, by cause (:mod:`dpprof.analysis.attribution`);
-* ``fixes``: what each fix buys on this workload, with its code (:mod:`dpprof.analysis.fixes`);
-* ``maxbatch``: the largest batch per scenario (:mod:`dpprof.analysis.maxbatch`, ``--maxbatch``);
-* ``equivalence``: whether the scenarios compute the same step (:mod:`dpprof.analysis.equivalence`,
-  with ``--compute``);
-* ``fail_reasons``: the ``--fail-on-imbalance`` / ``--fail-on-oom`` checks (exit 3).
+:func:`build_answer` is the only place that composes these sentences, for every command
+(``compare``, ``run``, ``maxbatch``, ``watch``, ``report``) and every format: the renderers
+show its :class:`Answer`, the commands store its verdict in the result. Its rules:
+
+* a scenario that is out of memory is never offered as the answer: the verdict names what
+  fits, counting what the out-of-memory check counts (:func:`need_bytes`), and what each
+  fit needs;
+* a fix is measured against a scenario the user ran (:func:`baseline`) and recommended only
+  where it lowers that scenario's heaviest GPU; one that raises it says so;
+* the words fit the setup (DataParallel, DDP, model parallel, one GPU): "why cuda:0 is
+  heavier" is explained for DataParallel scenarios whose cuda:0 is heavier, and nowhere else;
+* nothing is claimed that was not measured: a figure is named for what it counts (allocated
+  only, or reserved memory and the CUDA context where they were emulated or measured).
+
+The answer fields a comparison computes (attribution, fixes, largest batch, equivalence, the
+``--fail-on-*`` checks) are filled by :func:`add_answers`, run after the scenarios.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from dpprof.analysis.attribution import attribute_run
-from dpprof.analysis.fixes import evaluate
-from dpprof.backends.emulated import Alongside, EmulationConfig
-from dpprof.emulator.gpus import GpuSpec, lookup_gpu
 from dpprof.errors import EXIT_CHECK_FAILED  # noqa: F401 (the policy's 3, for old importers)
-from dpprof.result import STATUS_OOM, RunResult
-from dpprof.scenarios.workloads import Workload
+from dpprof.result import (
+    STATUS_OK,
+    STATUS_OOM,
+    Attribution,
+    DeviceResult,
+    Fix,
+    RunResult,
+    ScenarioResult,
+    WatchResult,
+)
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.backends.emulated import Alongside, EmulationConfig
+    from dpprof.emulator.gpus import GpuSpec
+    from dpprof.scenarios.workloads import Workload
+
+MEASURED = (STATUS_OK, STATUS_OOM)
+# A difference under 1 % of the heaviest GPU's peak is noise (a loss tensor), not a change:
+# a fix that saves less is not recommended, a cuda:0 within it is balanced.
+MIN_SAVING = 0.01
+BALANCED_FRACTION = MIN_SAVING
+
+DATA_PARALLEL, DISTRIBUTED, SPLIT_MODEL, ONE_GPU = "DataParallel", "DDP", "model parallel", \
+    "one GPU"
+WATCH, MAXBATCH, NOTHING = "watch", "maxbatch", "none"
+SETUPS = {DP_LOSS_PRIMARY: DATA_PARALLEL, DP_LOSS_FORWARD: DATA_PARALLEL, DDP: DISTRIBUTED,
+          MODEL_PARALLEL: SPLIT_MODEL, SINGLE: ONE_GPU}
+# the scenario that stands for what the user runs, the first of these a result holds
+BASELINES = (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP, MODEL_PARALLEL, SINGLE)
+# which scenario each fix changes (a fix of another setup is not offered)
+FIX_APPLIES: dict[str, tuple[str, ...]] = {
+    "loss-in-forward": (DP_LOSS_PRIMARY,),
+    "ddp": (DP_LOSS_PRIMARY, DP_LOSS_FORWARD),
+    "gradient-as-bucket-view": (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP),
+    "output-device": (DP_LOSS_PRIMARY,),
+    "balanced-split": (DP_LOSS_PRIMARY,),
+}
+FIX_SCENARIO = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}  # measured as a scenario too
+# how the verdict names another scenario the user ran, against the baseline
+ALTERNATIVE_WORDS = {DP_LOSS_FORWARD: "computing the loss inside forward", DDP: "DDP",
+                     DP_LOSS_PRIMARY: "the loss on cuda:0 (dp-loss-primary)"}
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A fix against the baseline scenario: what it saves there, whether it fits."""
+
+    fix: Fix
+    baseline: str
+    heaviest_saves_bytes: int  # the baseline's heaviest GPU minus the fix's (allocated)
+    primary_saves_bytes: int | None  # the same on cuda:0
+    fits: bool | None  # None: the fix's reserved memory and context were not emulated
+    why: str  # its detail, what it saves, and what is not known
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What every format says about a result (see the module docstring)."""
+
+    setup: str  # DATA_PARALLEL, DISTRIBUTED, SPLIT_MODEL, ONE_GPU, WATCH, MAXBATCH, NOTHING
+    verdict: str
+    verdict_parts: tuple[str, str, str] | None  # (before, the out-of-memory clause, after)
+    baseline: str | None  # the scenario fixes are measured against
+    recommended: tuple[Advice, ...]  # lower the baseline's heaviest GPU; first: the answer
+    worse: tuple[Advice, ...]  # raise it
+    nothing_to_change: str  # what "what to change" says when nothing is recommended
+    explained: tuple[str, ...]  # scenarios whose "why cuda:0 is heavier" applies
+    why: Mapping[str, str] = field(default_factory=dict)  # scenario -> one sentence
+    notes: tuple[str, ...] = ()
+    post_mortem: tuple[str, ...] = ()  # watch: what happened at the out-of-memory error
+    next_steps: tuple[str, ...] = ()  # watch: the dpprof checks to run next
+
+
+# ---- figures -----------------------------------------------------------------------------
+
+
+def used(s: ScenarioResult) -> list[DeviceResult]:
+    return [d for d in s.devices if d.used]
+
+
+def measured(s: ScenarioResult | None) -> bool:
+    return s is not None and s.status in MEASURED and bool(used(s))
+
+
+def need_bytes(s: ScenarioResult) -> int:
+    """What the fullest GPU needs, as the out-of-memory check counts it: reserved (or
+    allocated) plus the context, where they were modelled or measured."""
+    return max((d.total_peak_bytes for d in used(s)), default=0)
+
+
+def heaviest(s: ScenarioResult) -> DeviceResult:
+    return max(used(s), key=lambda d: (d.peak_allocated_bytes, -d.index))
+
+
+def counts(run: RunResult) -> str:
+    """What :func:`need_bytes` counts in ``run``, in words."""
+    devs = [d for s in run.scenarios if measured(s) for d in used(s)]
+    reserved = any(d.peak_reserved_bytes is not None for d in devs)
+    context = any(d.context_bytes is not None for d in devs)
+    if reserved and context:
+        return "reserved memory and the CUDA context counted"
+    if reserved:
+        return "reserved memory counted"
+    return "allocated only: reserved memory and the CUDA context were not emulated"
+
+
+def excess_over_median(first: float, others: list[float]) -> float:
+    """``first`` minus the median of ``others`` (the mean of the middle two of an even
+    number): how cuda:0's excess is measured everywhere."""
+    return first - statistics.median(others) if others else 0.0
+
+
+def balanced(excess: float, peak: float) -> bool:
+    return abs(excess) <= BALANCED_FRACTION * max(peak, 1)
+
+
+def _dev(d: DeviceResult) -> str:
+    return f"{d.node}/cuda:{d.index}" if d.node else f"cuda:{d.index}"
+
+
+# ---- the builder -------------------------------------------------------------------------
+
+
+def build_answer(run: RunResult) -> Answer:
+    """The answer of ``run``: every sentence a report or a command says about it."""
+    if run.watch is not None:
+        return _watch_answer(run, run.watch)
+    if not run.scenarios and run.maxbatch is not None:
+        return _maxbatch_answer(run)
+    base = baseline(run)
+    setup = SETUPS.get(base.name, NOTHING) if base is not None else NOTHING
+    advice = _advice(run, base) if base is not None and measured(base) else []
+    binding = any(s.status == STATUS_OOM for s in run.scenarios)
+    recommended = tuple(sorted((a for a in advice if _helps(a, binding)),
+                               key=lambda a: -a.heaviest_saves_bytes))
+    worse = tuple(a for a in advice if a.heaviest_saves_bytes < 0 and not _noise(a))
+    explained = tuple(s.name for s in run.scenarios if _explains(run, s))
+    why = {name: why_heavier(att) for name in explained
+           if (att := run.attribution.get(name) or _attribute(run, name)) is not None}
+    before, clause, after = _verdict(run, base)
+    verdict = _sentence(before + clause + after)
+    parts = None
+    if clause:  # _sentence changes the first letter and the end only
+        cut = len(before) + len(clause)
+        parts = (verdict[: len(before)], verdict[len(before): cut], verdict[cut:])
+    unsure = tuple(a for a in advice if binding and a.fits is None and a.heaviest_saves_bytes > 0
+                   and not _noise(a))
+    notes = tuple(f"{a.fix.title}: {a.why}" for a in (*worse, *unsure))
+    return Answer(setup=setup, verdict=verdict, verdict_parts=parts,
+                  baseline=base.name if base is not None else None,
+                  recommended=recommended, worse=worse,
+                  nothing_to_change=_nothing_to_change(run, base, setup, advice),
+                  explained=explained, why=why, notes=notes)
+
+
+def baseline(run: RunResult) -> ScenarioResult | None:
+    """The scenario that stands for what the user runs: DataParallel with the loss on cuda:0
+    where it was measured, else the first of :data:`BASELINES` measured; of a result that
+    measured none, its first scenario."""
+    for name in BASELINES:
+        s = run.scenario(name)
+        if measured(s):
+            return s
+    return run.scenarios[0] if run.scenarios else None
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    if not text:
+        return text
+    if not text.startswith("cuda"):
+        text = text[0].upper() + text[1:]
+    return text if text.endswith(".") else text + "."
+
+
+def partial_sentence(run: RunResult) -> str:
+    """What an interrupted comparison holds (``run.interrupted``), or ""."""
+    if not run.interrupted:
+        return ""
+    if run.config.get("command") == "run":
+        steps = (run.config.get("steps_done") or {}).get("as-written", 0)
+        return (f"Partial result: interrupted by {run.interrupted} after {steps} optimizer "
+                "step(s) of the script as written; no alternative was run.")
+    done = ", ".join(s.name for s in run.scenarios) or "none"
+    asked = run.config.get("scenarios") or []
+    return (f"Partial result: interrupted by {run.interrupted} after {len(run.scenarios)} of "
+            f"{len(asked) or '?'} scenarios ({done}).")
+
+
+def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str]:
+    """(before, the out-of-memory clause, after) of the verdict."""
+    partial = partial_sentence(run)
+    prefix = partial + " " if partial else ""
+    if base is None:
+        return prefix + "no scenario was run", "", ""
+    script = run.config.get("command") == "run"
+    head = _headline(run, base) if measured(base) or script else (
+        "no scenario produced a measurement")
+    others = [s for s in run.scenarios if s is not base and measured(s)
+              and s.status == STATUS_OK and s.name in ALTERNATIVE_WORDS]
+    parts = [head] + [c for s in others if (c := _alternative(base, s))]
+    ooms = [s for s in run.scenarios if measured(s) and s.status == STATUS_OOM]
+    fits = [s for s in run.scenarios if measured(s) and s.status == STATUS_OK]
+    failed = [s.name for s in run.scenarios if not measured(s) and (s is not base or not script)]
+    tail: list[str] = []
+    clause = ""
+    if ooms:
+        verb = "tried to allocate" if run.backend == "cuda" else "needs"
+        clause = (f"out of memory at {fmt_bytes(run.gpu_memory_bytes)} per GPU: " + ", ".join(
+            f"{s.name} (cuda:{s.oom_device} {verb} "
+            f"{fmt_bytes(s.oom_bytes or need_bytes(s))})" if s.oom_device is not None
+            else s.name for s in ooms))
+        if len(fits) == 1:
+            tail.append(f"only {fits[0].name} fits: {_fit_cost(run, fits[0], 'its')} "
+                        f"({counts(run)})")
+        elif fits:
+            tail.append(f"{', '.join(s.name for s in fits)} fit: " + ", ".join(
+                f"{s.name}: {_fit_cost(run, s, 'the')}" for s in fits) + f" ({counts(run)})")
+        else:
+            lightest = min(ooms, key=need_bytes)
+            tail.append(f"none of the scenarios run fits: the lightest, {lightest.name}, "
+                        f"needs {fmt_bytes(need_bytes(lightest))} on its fullest GPU "
+                        f"({counts(run)})")
+    elif measured(base) and len(run.scenarios) == 1:
+        tail.append(f"it fits: the fullest GPU needs {fmt_bytes(need_bytes(base))} of "
+                    f"{fmt_bytes(run.gpu_memory_bytes)} ({counts(run)})")
+    if failed:
+        tail.append(f"failed: {', '.join(failed)}")
+    before = prefix + "; ".join(parts)
+    after = "".join("; " + t for t in tail)
+    if clause:
+        return before + "; ", clause, after
+    return before + after, "", ""
+
+
+def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
+    cost = f"{article} fullest GPU needs {fmt_bytes(need_bytes(s))}"
+    if s.name == SINGLE and s.batch and s.batch < run.batch:
+        cost += f" (one GPU, {s.batch} of the {run.batch} rows)"
+    return cost
+
+
+def _placement(s: ScenarioResult) -> str:
+    return ", ".join(f"{_dev(d)} ({fmt_bytes(d.peak_allocated_bytes)})" for d in used(s))
+
+
+def _headline(run: RunResult, s: ScenarioResult) -> str:
+    """The first clause: what the baseline scenario does, in its setup's words."""
+    script = run.config.get("command") == "run"
+    devs = used(s)
+    if not measured(s):
+        if not any(d.peak_allocated_bytes for d in devs):
+            who = "the script" if script else s.name
+            return f"{who} failed before it put anything on a GPU: {s.message}"
+        top = heaviest(s)
+        what = s.message if script and s.message.startswith("the script") else (
+            f"{s.name} failed ({s.message})")
+        return (f"{what}; up to the failure it peaked at {fmt_bytes(top.peak_allocated_bytes)} "
+                f"on {_dev(top)}")
+    c = run.comparison.scenarios.get(s.name)
+    top = heaviest(s)
+    setup = SETUPS.get(s.name)
+    if setup == DATA_PARALLEL:
+        if len(devs) < 2:
+            return f"{s.name} uses a single GPU at this batch size"
+        excess = c.primary_excess_bytes if c else int(excess_over_median(
+            devs[0].peak_allocated_bytes, [d.peak_allocated_bytes for d in devs[1:]]))
+        imbalance = f" ({c.imbalance:.2f}x the mean)" if c else ""
+        if balanced(excess, top.peak_allocated_bytes):
+            return (f"under {s.name} cuda:0 is within {fmt_bytes(abs(excess))} of the other "
+                    f"GPUs; the heaviest peaks at {fmt_bytes(top.peak_allocated_bytes)}")
+        if excess < 0:
+            return (f"under {s.name} cuda:0 holds {fmt_bytes(-excess)} less than the other "
+                    f"GPUs; the heaviest, {_dev(top)}, peaks at "
+                    f"{fmt_bytes(top.peak_allocated_bytes)}")
+        return f"cuda:0 needs {fmt_bytes(excess)} more than the other GPUs under {s.name}" \
+               + imbalance
+    if setup == DISTRIBUTED:
+        if len(devs) < 2:
+            return f"DDP runs one rank, peaking at {fmt_bytes(top.peak_allocated_bytes)}"
+        mean = statistics.fmean(d.peak_allocated_bytes for d in devs)
+        if s.status == STATUS_OOM:
+            return f"DDP spreads the step over {len(devs)} GPUs"
+        if balanced(top.peak_allocated_bytes - mean, top.peak_allocated_bytes):
+            return f"DDP balances all {len(devs)} GPUs at {fmt_bytes(top.peak_allocated_bytes)}"
+        return (f"under DDP the heaviest of the {len(devs)} GPUs, {_dev(top)}, peaks at "
+                f"{fmt_bytes(top.peak_allocated_bytes)} ({top.peak_allocated_bytes / mean:.2f}x "
+                "the mean)")
+    if len(devs) == 1:
+        who = "the script" if script else s.name
+        return f"{who} peaks at {fmt_bytes(top.peak_allocated_bytes)} on {_dev(top)}"
+    who = "the script places its work" if script else f"{s.name} places its work"
+    return f"{who} on {_placement(s)}; the heaviest is {_dev(top)}"
+
+
+def _alternative(base: ScenarioResult, s: ScenarioResult) -> str:
+    """One clause: what another scenario the user ran does to the baseline's heaviest GPU."""
+    if not measured(base) or SETUPS.get(base.name) == ONE_GPU:
+        return ""
+    was = heaviest(base).peak_allocated_bytes
+    now = heaviest(s).peak_allocated_bytes
+    words = ALTERNATIVE_WORDS[s.name]
+    if s.name == DDP:
+        devs = used(s)
+        words = (f"DDP balances all {len(devs)} GPUs at {fmt_bytes(now)}"
+                 if balanced(now - statistics.fmean(d.peak_allocated_bytes for d in devs), now)
+                 else f"DDP's heaviest GPU peaks at {fmt_bytes(now)}")
+        if abs(was - now) < MIN_SAVING * max(was, now):
+            return f"{words}, about the same as under {base.name}"
+        if now < was:
+            return f"{words}, {fmt_bytes(was - now)} less than the heaviest under {base.name}"
+        return f"{words}, {fmt_bytes(now - was)} more than the heaviest under {base.name}"
+    if abs(was - now) < MIN_SAVING * max(was, now):
+        return (f"{words} does not lower the heaviest GPU ({fmt_bytes(now)} against "
+                f"{fmt_bytes(was)})")
+    if now < was:
+        return f"{words} lowers the heaviest GPU to {fmt_bytes(now)} ({fmt_bytes(was - now)} less)"
+    return f"{words} raises the heaviest GPU to {fmt_bytes(now)} ({fmt_bytes(now - was)} more)"
+
+
+# ---- what to change ------------------------------------------------------------------------
+
+
+def _found_fixes(run: RunResult) -> list[Fix]:
+    if run.fixes:
+        return list(run.fixes)
+    from dpprof.analysis.fixes import from_scenarios
+
+    return from_scenarios(run)
+
+
+def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
+    """Each fix that changes the baseline's setup, measured against the baseline."""
+    out = []
+    was_top = heaviest(base)
+    for f in _found_fixes(run):
+        if base.name not in FIX_APPLIES.get(f.name, (DP_LOSS_PRIMARY,)):
+            continue
+        if FIX_SCENARIO.get(f.name) == base.name or f.max_peak_bytes is None:
+            continue
+        if base.name == DP_LOSS_PRIMARY and f.heaviest_saves_bytes is not None:
+            saving = f.heaviest_saves_bytes
+        elif run.backend == "emulated":  # the fix's figures come from the same emulation
+            saving = was_top.peak_allocated_bytes - f.max_peak_bytes
+        else:  # measured and emulated bytes never mix
+            continue
+        primary = None
+        if f.primary_peak_bytes is not None and run.backend == "emulated":
+            primary = used(base)[0].peak_allocated_bytes - f.primary_peak_bytes
+        elif base.name == DP_LOSS_PRIMARY:
+            primary = f.saves_bytes
+        fits = _fix_fits(run, f)
+        out.append(Advice(fix=f, baseline=base.name, heaviest_saves_bytes=saving,
+                          primary_saves_bytes=primary, fits=fits,
+                          why=_why_fix(run, f, base, saving, primary, fits)))
+    return out
+
+
+def _fix_fits(run: RunResult, f: Fix) -> bool | None:
+    own = run.scenario(FIX_SCENARIO.get(f.name, ""))
+    if measured(own):
+        assert own is not None
+        return own.status == STATUS_OK
+    if f.max_peak_bytes is not None and f.max_peak_bytes > run.gpu_memory_bytes:
+        return False
+    if counts(run).startswith("allocated"):
+        return True  # the out-of-memory check counts allocated only, as the fix's figure does
+    return None
+
+
+def _noise(a: Advice) -> bool:
+    top = a.fix.max_peak_bytes or 0
+    return abs(a.heaviest_saves_bytes) < MIN_SAVING * (top + max(a.heaviest_saves_bytes, 0))
+
+
+def _helps(a: Advice, binding: bool) -> bool:
+    """Lowers the heaviest GPU, and is not out of memory; where the memory binds (some
+    scenario ran out), it must be known to fit."""
+    return (a.heaviest_saves_bytes > 0 and not _noise(a)
+            and (a.fits is True or (a.fits is None and not binding)))
+
+
+def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, saving: int, primary: int | None,
+             fits: bool | None) -> str:
+    detail = f.detail.rstrip(".") + "." if f.detail else ""
+    top = fmt_bytes(f.max_peak_bytes)
+    if saving >= 0:
+        effect = f"Against {base.name}: the heaviest GPU peaks at {top}, {fmt_bytes(saving)} less"
+    else:
+        effect = (f"Against {base.name}: it makes the heaviest GPU worse, {top} at its peak, "
+                  f"{fmt_bytes(-saving)} more")
+    if primary is not None and primary != saving:
+        effect += (f"; cuda:0 {fmt_bytes(primary)} less" if primary >= 0
+                   else f"; cuda:0 {fmt_bytes(-primary)} more")
+    effect += "."
+    caveat = ""
+    if fits is None:
+        caveat = (f" Its reserved memory and CUDA context were not emulated: whether it fits "
+                  f"in {fmt_bytes(run.gpu_memory_bytes)} is not known.")
+    elif fits is False:
+        caveat = f" It does not fit in {fmt_bytes(run.gpu_memory_bytes)}."
+    return " ".join(x for x in (detail, effect) if x) + caveat
+
+
+def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
+                       advice: list[Advice]) -> str:
+    if not any(measured(s) for s in run.scenarios):
+        return "No recommendation: no scenario produced a measurement (see the errors above)."
+    assert base is not None
+    if setup == SPLIT_MODEL:
+        return ("No fix of dpprof's applies: the script places its layers on the GPUs "
+                f"itself (model parallel); its heaviest GPU is {_dev(heaviest(base))}.")
+    if setup == ONE_GPU:
+        return "No fix applies: the step runs on one GPU."
+    if setup == DISTRIBUTED and not advice:
+        return "Nothing to change: DDP already gives every GPU its own share."
+    if not measured(base):
+        return f"No recommendation: {base.name}, the scenario fixes are measured against, failed."
+    if advice:
+        return (f"Nothing to change: no fix measured here lowers the heaviest GPU's peak under "
+                f"{base.name}.")
+    return "Nothing to change: cuda:0 carries no excess worth a change in any scenario measured."
+
+
+# ---- why cuda:0 is heavier ------------------------------------------------------------------
+
+
+def _attribute(run: RunResult, name: str) -> Attribution | None:
+    from dpprof.analysis.attribution import attribute
+
+    s = run.scenario(name)
+    return attribute(s) if s is not None else None
+
+
+def _explains(run: RunResult, s: ScenarioResult) -> bool:
+    """"Why cuda:0 is heavier" applies: a DataParallel scenario whose cuda:0 is heavier."""
+    if SETUPS.get(s.name) != DATA_PARALLEL or not measured(s) or len(used(s)) < 2:
+        return False
+    att = run.attribution.get(s.name) or _attribute(run, s.name)
+    if att is None:
+        return False
+    return att.excess_bytes > 0 and not balanced(att.excess_bytes,
+                                                 used(s)[0].peak_allocated_bytes)
+
+
+def why_heavier(att: Attribution) -> str:
+    """The dominant causes of cuda:0's excess and the fix that removes them."""
+    from dpprof.analysis.attribution import CAUSES
+
+    positive = {k: v for k, v in att.causes_bytes.items() if v > 0}
+    if att.excess_bytes <= 0 or not positive:
+        return f"{att.scenario}: cuda:0 is not heavier than {att.reference}"
+    total = sum(positive.values())
+    top = sorted(positive, key=lambda k: -positive[k])
+    share = {k: positive[k] / total for k in top}
+    lead = [k for k in top if share[k] >= 0.1][:3] or top[:1]
+    named = ", ".join(f"{CAUSES.get(k, k)} ({share[k]:.0%})" for k in lead)
+    loss_side = {"gathered_outputs", "loss", "phase_loss", "phase_forward"}
+    state_side = {"optimizer_state", "reduced_gradients", "master_parameters",
+                  "phase_backward", "phase_optimizer"}
+    if lead[0] in loss_side:
+        fix = "compute the loss inside forward (dpprof.ModelWithLoss) or use DDP"
+    elif lead[0] in state_side:
+        fix = ("the loss is not the problem: DataParallel keeps the parameters, gradients and "
+               "optimizer state on cuda:0 only; DistributedDataParallel gives every GPU its own")
+    elif lead[0] == "larger_shard":
+        fix = "give cuda:0 a smaller share of the batch (or a batch divisible by the GPU count)"
+    elif lead[0] == "input_batch":
+        fix = "move inputs straight to their GPUs (DDP) or keep the batch on the CPU (pinned)"
+    else:
+        fix = "DDP balances the devices"
+    return f"{att.scenario}: cuda:0's excess is mostly {named}; {fix}"
+
+
+# ---- maxbatch ------------------------------------------------------------------------------
+
+
+def maxbatch_ratio(run: RunResult) -> tuple[int, int, float] | None:
+    """(DDP's largest batch, dp-loss-primary's, their ratio) where both fit some batch."""
+    if run.maxbatch is None:
+        return None
+    best = {e.scenario: e.max_batch for e in run.maxbatch.entries}
+    prim, ddp = best.get(DP_LOSS_PRIMARY), best.get(DDP)
+    return (ddp, prim, ddp / prim) if prim and ddp else None
+
+
+def _maxbatch_answer(run: RunResult) -> Answer:
+    mb = run.maxbatch
+    assert mb is not None
+    cells = []
+    for e in mb.entries:
+        if e.errored:
+            cells.append(f"{e.scenario} errored")
+        elif e.max_batch is None:
+            cells.append(f"{e.scenario} fits no batch")
+        else:
+            need = f" (needs {fmt_bytes(e.needed_bytes)})" if e.needed_bytes else ""
+            cells.append(f"{e.scenario} {'at least ' if e.capped else ''}{e.max_batch}{need}")
+    gpu = f" ({mb.gpu})" if mb.gpu else ""
+    text = (f"Largest global batch on {run.gpus} GPUs of {fmt_bytes(mb.capacity_bytes)}{gpu}, "
+            f"multiples of {mb.multiple_of}: " + (", ".join(cells) or "no scenario searched"))
+    ratio = maxbatch_ratio(run)
+    if ratio is not None:
+        text += (f"; DDP fits {ratio[2]:.2f}x the batch of DataParallel with the loss on cuda:0 "
+                 f"({ratio[0]} vs {ratio[1]})")
+    fitting = [e for e in mb.entries if e.max_batch]
+    best = max(fitting, key=lambda e: e.max_batch or 0) if fitting else None
+    nothing = ("No recommendation: no scenario fits a batch." if best is None else
+               f"{best.scenario} fits the largest batch ({best.max_batch}).")
+    return Answer(setup=MAXBATCH, verdict=_sentence(text), verdict_parts=None, baseline=None,
+                  recommended=(), worse=(), nothing_to_change=nothing, explained=())
+
+
+# ---- watch ---------------------------------------------------------------------------------
+
+
+def _ending(w: WatchResult) -> str:
+    if not w.complete:
+        return (f"the samples end at {w.duration_s or 0:.1f} s without the command's end: dpprof "
+                "or the machine stopped first")
+    if w.signal:
+        return f"killed by {w.signal} after {w.duration_s or 0:.1f} s (exit status {w.exit_status})"
+    return f"exited with status {w.returncode} after {w.duration_s or 0:.1f} s"
+
+
+def watch_ending(w: WatchResult) -> str:
+    """How the watched command ended, in words."""
+    return _ending(w)
+
+
+def _pct(n: int, total: int | None) -> str:
+    return f" ({100 * n / total:.0f}%)" if total else ""
+
+
+def watch_verdict(w: WatchResult, imbalance: float | None) -> str:
+    """One sentence: the peak per GPU, the imbalance, how the command ended."""
+    peaks = [d for d in w.devices if d.peak_used_bytes is not None]
+    if not peaks:
+        return f"No GPU memory reading was taken; the command {_ending(w)}."
+    text = "Peak used memory: " + ", ".join(
+        f"cuda:{d.cuda_index} {fmt_bytes(d.peak_used_bytes)}" for d in peaks)
+    if len(peaks) > 1 and imbalance is not None:
+        text += f" (max/mean {imbalance:.2f})"
+    if w.ooms:
+        where = w.ooms[0].cuda_index
+        text += (f"; the command ran out of CUDA memory on cuda:{where}" if where is not None
+                 else "; the command ran out of CUDA memory")
+    return f"{text}; it {_ending(w)}."
+
+
+def _watch_answer(run: RunResult, w: WatchResult) -> Answer:
+    c = next(iter(run.comparison.scenarios.values()), None)
+    lines, steps = post_mortem(w)
+    return Answer(setup=WATCH, verdict=watch_verdict(w, c.imbalance if c else None),
+                  verdict_parts=None, baseline=None, recommended=(), worse=(),
+                  nothing_to_change="", explained=(), post_mortem=tuple(lines),
+                  next_steps=tuple(steps))
+
+
+def post_mortem(w: WatchResult) -> tuple[list[str], list[str]]:
+    """What happened at the first out-of-memory error, and which dpprof checks to run next.
+
+    Pure: reads only ``w``. Empty when the command's output had no out-of-memory error. The
+    GPU that ran out is measured against the median of the others as the comparison measures
+    cuda:0 (:func:`excess_over_median`, :func:`balanced`).
+    """
+    if not w.ooms:
+        return [], []
+    oom = w.ooms[0]
+    by_cuda = {d.cuda_index: d for d in w.devices}
+    dev = by_cuda.get(oom.cuda_index) if oom.cuda_index is not None else None
+    lines: list[str] = []
+    if oom.cuda_index is None:
+        lines.append(f"The command hit a CUDA out-of-memory error ({oom.text[:120]}) that "
+                     "names neither the GPU nor the size.")
+    else:
+        label = f"cuda:{oom.cuda_index}"
+        if dev is not None:
+            label += f" ({', '.join(x for x in (dev.name, dev.uuid) if x)})"
+        asked = fmt_bytes(oom.requested_bytes) if oom.requested_bytes is not None else "?"
+        text = f"PyTorch ran out of memory on {label}: it tried to allocate {asked}"
+        if oom.free_bytes is not None and oom.total_bytes is not None:
+            text += f" with {fmt_bytes(oom.free_bytes)} of {fmt_bytes(oom.total_bytes)} free"
+        if oom.allocated_by_pytorch_bytes is not None:
+            text += f"; PyTorch itself held {fmt_bytes(oom.allocated_by_pytorch_bytes)}"
+            if oom.reserved_unallocated_bytes:
+                text += f" plus {fmt_bytes(oom.reserved_unallocated_bytes)} reserved but unused"
+        lines.append(text + ".")
+        if dev is None:
+            lines.append(f"cuda:{oom.cuda_index} was not watched (watched: "
+                         f"{', '.join(f'cuda:{i}' for i in sorted(by_cuda))}).")
+        elif dev.total_bytes and oom.total_bytes and (
+                abs(dev.total_bytes - oom.total_bytes) > 0.1 * dev.total_bytes):
+            lines.append(
+                f"PyTorch's GPU {oom.cuda_index} has {fmt_bytes(oom.total_bytes)} but the "
+                f"watched cuda:{oom.cuda_index} has {fmt_bytes(dev.total_bytes)}: the command "
+                "probably set CUDA_VISIBLE_DEVICES itself, so this may be another GPU.")
+    if len(w.ooms) > 1:
+        where = sorted({o.cuda_index for o in w.ooms if o.cuda_index is not None})
+        lines.append(f"{len(w.ooms)} different out-of-memory messages in the output"
+                     + (f" (on {', '.join(f'cuda:{i}' for i in where)})" if where else "")
+                     + "; the first one is described here.")
+    at = oom.used_at_oom_bytes
+    if at:
+        cells = [f"cuda:{d.cuda_index} {fmt_bytes(at[k])}{_pct(at[k], d.total_bytes)}"
+                 for d in w.devices if (k := f"cuda:{d.cuda_index}") in at]
+        lines.append("At the last reading before the message, the GPUs held: "
+                     + ", ".join(cells) + ".")
+        key = f"cuda:{oom.cuda_index}"
+        in_use = (oom.total_bytes - oom.free_bytes
+                  if oom.total_bytes is not None and oom.free_bytes is not None else None)
+        if key in at and in_use is not None and at[key] < 0.8 * in_use:
+            lines.append(
+                f"NVML's last reading of {key} ({fmt_bytes(at[key])}) is well below the "
+                f"{fmt_bytes(in_use)} in use that PyTorch reports: the memory rose between "
+                "two readings (a shorter --interval sees more of it).")
+    elif oom.t_s is not None:
+        lines.append("No reading was taken before the message.")
+    unbalanced = False
+    key = f"cuda:{oom.cuda_index}"
+    if oom.cuda_index is not None and key in at and len(at) > 1:
+        excess = excess_over_median(at[key], [v for k, v in at.items() if k != key])
+        primary = min(d.cuda_index for d in w.devices)
+        if balanced(excess, at[key]):
+            lines.append(
+                f"The GPUs were about equally full ({key} within {fmt_bytes(abs(excess))} of "
+                "the median of the others): the step itself does not fit, not one GPU's "
+                "share of it.")
+        elif excess < 0:
+            lines.append(
+                f"{key} held {fmt_bytes(-excess)} less than the median of the other GPUs at "
+                "the last reading: it filled up between two readings, or another process "
+                "took its memory.")
+        elif oom.cuda_index == primary:
+            unbalanced = True
+            lines.append(
+                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs: the "
+                "load was unbalanced. Under nn.DataParallel the first GPU also holds the "
+                "outputs gathered from the whole batch, the loss and its gradient, the "
+                "gradients reduced from every replica and the optimizer state.")
+        else:
+            lines.append(
+                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs, but it "
+                f"is not the first GPU (cuda:{primary}), where nn.DataParallel puts its extra "
+                "load: look for tensors or a model part placed on it explicitly.")
+    n = max(len(w.devices), 1)
+    totals = [d.total_bytes for d in w.devices if d.total_bytes]
+    memory = f"{int(min(totals) / 2**30 * 10) / 10:g}GiB" if totals else "80GiB"
+    compare = ("dpprof compare --workload your_module:workload --batch <your batch> "
+               f"--gpus {n} --gpu-memory {memory}")
+    steps: list[str] = []
+    if unbalanced:
+        steps.append(
+            "If the script uses nn.DataParallel, compute the loss inside forward on every "
+            "replica: model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn)); "
+            "loss = dpprof.ModelWithLoss.combine(model(inputs, targets)); or move to "
+            "DistributedDataParallel (one process per GPU).")
+    steps.append("Measure what each fix saves before changing the script: write the training "
+                 "step as a dpprof.Workload (model, loss, optimizer, a batch) and run "
+                 + compare + ".")
+    if not unbalanced:
+        steps.append(f"{compare} also shows the single-GPU floor: if even 'single' does not "
+                     "fit, lower the batch per GPU, use activation checkpointing or more GPUs.")
+    return lines, steps
+
+
+# ---- the answer fields a comparison computes -----------------------------------------------
 
 
 def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,
@@ -38,6 +714,8 @@ def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,
 
 
 def gpu_spec(name: str) -> GpuSpec | None:
+    from dpprof.emulator.gpus import lookup_gpu
+
     return lookup_gpu(name) if name else None
 
 
@@ -49,8 +727,12 @@ def add_answers(
     progress: Callable[[str, int, int], None] | None = None,
     alongside: Alongside | None = None,
 ) -> RunResult:
-    """Fill the answer fields of ``run`` (in place) and return it; ``alongside``: what the
-    run's own scenarios measured for the fixes (:func:`dpprof.analysis.fixes.alongside`)."""
+    """Fill the answer fields of ``run`` (in place), its verdict last, and return it;
+    ``alongside``: what the run's own scenarios measured for the fixes
+    (:func:`dpprof.analysis.fixes.alongside`)."""
+    from dpprof.analysis.attribution import attribute_run
+    from dpprof.analysis.fixes import evaluate
+
     run.attribution = attribute_run(run)
     n = len(run.scenarios)
 
@@ -77,4 +759,5 @@ def add_answers(
                                 scenarios or tuple(s.name for s in run.scenarios),
                                 backend=run.backend)
     run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
+    run.comparison.verdict = build_answer(run).verdict
     return run

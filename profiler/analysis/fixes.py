@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from dpprof.analysis.answers import MIN_SAVING
 from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
@@ -131,39 +132,6 @@ def from_scenarios(run: RunResult) -> list[Fix]:
     found = [_loss_in_forward(run.scenario(DP_LOSS_FORWARD), primary),
              _ddp(run.scenario(DDP), primary, run.gpus, run.batch)]
     return [f for f in found if f is not None]
-
-
-MIN_SAVING = 0.01  # of the heaviest GPU's peak: less is noise (a loss tensor), not a fix
-
-
-def recommended(run: RunResult) -> list[Fix]:
-    """The fixes that lower the heaviest GPU's peak (by at least :data:`MIN_SAVING` of it),
-    the largest saving first.
-
-    A fix that only moves memory (output_device) or that saves nothing (the loss already
-    inside forward, DDP heavier than DataParallel) is not recommended, in any format.
-    """
-    found = run.fixes or from_scenarios(run)
-
-    def helps(f: Fix) -> bool:
-        saving = heaviest_saving(run, f)
-        if saving is None or saving <= 0 or f.max_peak_bytes is None:
-            return False
-        return saving >= MIN_SAVING * (f.max_peak_bytes + saving)
-
-    return sorted(filter(helps, found), key=lambda f: -(heaviest_saving(run, f) or 0))
-
-
-def heaviest_saving(run: RunResult, f: Fix) -> int | None:
-    """What ``f`` saves on the heaviest GPU; for files saved before the field existed, from
-    the run's own dp-loss-primary where the emulator made both."""
-    if f.heaviest_saves_bytes is not None:
-        return f.heaviest_saves_bytes
-    primary = run.scenario(DP_LOSS_PRIMARY)
-    if run.backend != "emulated" or not _ok(primary) or f.max_peak_bytes is None:
-        return None
-    assert primary is not None
-    return _peaks(primary)[1] - f.max_peak_bytes
 
 
 # The categories at a device's peak that grow with its own rows: on cuda:0 (the output

@@ -580,6 +580,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     import datetime as _dt
 
     from dpprof import __version__
+    from dpprof.analysis.answers import partial_sentence
     from dpprof.analysis.attribution import attribute_run
     from dpprof.analysis.comparison import compare
 
@@ -653,16 +654,12 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
 
     result.environment = environment("emulated")
     result.comparison = compare(result)
-    if s0.name not in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
-        result.comparison.verdict = script_verdict(s0, cfg)
     result.attribution = attribute_run(result)
     if main.ended == "interrupted":
-        name = signal.Signals(main.interrupted_by).name
-        result.interrupted = name
-        head = (f"Partial result: interrupted by {name} after {main.steps_done} optimizer "
-                "step(s) of the script as written; no alternative was run.")
-        result.comparison.verdict = f"{head} {result.comparison.verdict}".strip()
-        result.notes.append(head)
+        result.interrupted = signal.Signals(main.interrupted_by).name
+        result.notes.append(partial_sentence(result))
+    result.comparison.verdict = script_verdict(result)
+    if main.ended == "interrupted":
         raise Interrupted(main.interrupted_by, partial=result)
     return result, main
 
@@ -721,27 +718,12 @@ def _alternative_notes(alt: ScriptRun) -> list[str]:
     return notes
 
 
-def script_verdict(s: ScenarioResult, cfg: ScriptConfig) -> str:
-    """One sentence for a script without DataParallel: each used GPU's peak and the fit."""
-    used = [d for d in s.devices if d.used]
-    if s.status == STATUS_ERROR and not any(d.peak_allocated_bytes for d in used):
-        return f"The script failed before it put anything on a GPU: {s.message}."
-    if not used:
-        return "The script put nothing on a GPU."
-    if s.name == DDP:
-        head = (f"DDP: each of the {len(used)} ranks peaks at "
-                f"{fmt_bytes(used[0].peak_allocated_bytes)} allocated")
-    elif len(used) == 1:
-        head = f"The script peaks at {fmt_bytes(used[0].peak_allocated_bytes)} on cuda:" \
-               f"{used[0].index}"
-    else:
-        head = "The script places its work on " + ", ".join(
-            f"cuda:{d.index} ({fmt_bytes(d.peak_allocated_bytes)})" for d in used)
-    if s.status == STATUS_OOM:
-        return f"{head}; {s.message}."
-    worst = max(used, key=lambda d: d.total_peak_bytes)
-    return (f"{head}; it fits: the fullest GPU needs {fmt_bytes(worst.total_peak_bytes)} of "
-            f"{fmt_bytes(cfg.capacity_bytes)} with reserved memory and the CUDA context.")
+def script_verdict(result: RunResult) -> str:
+    """The verdict of a script's result: the one answer builder's
+    (:func:`dpprof.analysis.answers.build_answer`), as for every other command."""
+    from dpprof.analysis.answers import build_answer
+
+    return build_answer(result).verdict
 
 
 def _line(site: str) -> tuple[str, int, str] | None:

@@ -60,6 +60,8 @@ def maxbatch_cmd(
     counting the caching allocator's reserved memory and the CUDA context, not only the
     allocated bytes. Example: dpprof maxbatch -w lm --gpu a100-80gb --multiple-of 8
     """
+    from dpprof import __version__
+    from dpprof.analysis.answers import build_answer
     from dpprof.analysis.maxbatch import run_maxbatch
     from dpprof.pipeline import environment
     from dpprof.reports.answers import maxbatch_renderable
@@ -88,11 +90,13 @@ def maxbatch_cmd(
                           step=StepConfig(seed=seed))
         run = RunResult(
             backend="emulated", workload=wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
+            dpprof_version=__version__,
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             seed=seed, dtype=str(wl.dtype).removeprefix("torch."),
             config=_config(workload, gpus, memory, spec, multiple_of, names),
             environment=environment("emulated"), maxbatch=mb,
         )
+        run.comparison.verdict = build_answer(run).verdict
         if not quiet:
             out.print(maxbatch_renderable(build_view(for_terminal(run))))
         if paths:

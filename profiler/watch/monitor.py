@@ -61,7 +61,6 @@ import shlex
 import signal
 import socket
 import stat
-import statistics
 import subprocess
 import threading
 import time
@@ -70,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dpprof.analysis.answers import post_mortem, watch_ending, watch_verdict
 from dpprof.analysis.comparison import compare_scenario
 from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml.devices import resolve_visible_devices
@@ -90,7 +90,6 @@ from dpprof.result import (
     WatchResult,
     read_bounded,
 )
-from dpprof.units import fmt_bytes
 from dpprof.watch.oom_messages import parse_oom_line
 
 __all__ = [
@@ -882,6 +881,7 @@ def build_run(
     sc = compare_scenario(dataclasses.replace(scenario, status=STATUS_OK))
     if sc is not None:
         comparison.scenarios[name] = sc
+    # the one answer builder's (dpprof.analysis.answers), stored for the JSON
     watch.post_mortem, watch.next_steps = post_mortem(watch)
     comparison.verdict = watch_verdict(watch, sc.imbalance if sc else None)
     totals = [d.total_bytes for d in devices if d.total_bytes]
@@ -925,167 +925,4 @@ def _known(tp: Any, data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _ending(w: WatchResult) -> str:
-    if not w.complete:
-        return (
-            f"the samples end at {w.duration_s:.1f} s without the command's end: dpprof or "
-            "the machine stopped first"
-        )
-    if w.signal:
-        return f"killed by {w.signal} after {w.duration_s:.1f} s (exit status {w.exit_status})"
-    return f"exited with status {w.returncode} after {w.duration_s:.1f} s"
-
-
-def _pct(used: int, total: int | None) -> str:
-    return f" ({100 * used / total:.0f}%)" if total else ""
-
-
-def watch_verdict(w: WatchResult, imbalance: float | None) -> str:
-    """One sentence: the peak per GPU, the imbalance, how the command ended."""
-    peaks = [d for d in w.devices if d.peak_used_bytes is not None]
-    if not peaks:
-        return f"No GPU memory reading was taken; the command {_ending(w)}."
-    parts = ", ".join(
-        f"cuda:{d.cuda_index} {fmt_bytes(d.peak_used_bytes)}" for d in peaks
-    )
-    text = f"Peak used memory: {parts}"
-    if len(peaks) > 1 and imbalance is not None:
-        text += f" (max/mean {imbalance:.2f})"
-    if w.ooms:
-        where = w.ooms[0].cuda_index
-        text += (
-            f"; the command ran out of CUDA memory on cuda:{where}" if where is not None
-            else "; the command ran out of CUDA memory"
-        )
-    return f"{text}; it {_ending(w)}."
-
-
-def post_mortem(w: WatchResult) -> tuple[list[str], list[str]]:
-    """What happened at the first out-of-memory error, and which dpprof checks to run next.
-
-    Pure: reads only ``w``. Empty when the command's output had no out-of-memory error.
-    """
-    if not w.ooms:
-        return [], []
-    oom = w.ooms[0]
-    by_cuda = {d.cuda_index: d for d in w.devices}
-    dev = by_cuda.get(oom.cuda_index) if oom.cuda_index is not None else None
-    lines: list[str] = []
-    if oom.cuda_index is None:
-        lines.append(
-            f"The command hit a CUDA out-of-memory error ({oom.text[:120]}) that names "
-            "neither the GPU nor the size."
-        )
-    else:
-        label = f"cuda:{oom.cuda_index}"
-        if dev is not None:
-            label += f" ({', '.join(x for x in (dev.name, dev.uuid) if x)})"
-        asked = fmt_bytes(oom.requested_bytes) if oom.requested_bytes is not None else "?"
-        text = f"PyTorch ran out of memory on {label}: it tried to allocate {asked}"
-        if oom.free_bytes is not None and oom.total_bytes is not None:
-            text += (
-                f" with {fmt_bytes(oom.free_bytes)} of {fmt_bytes(oom.total_bytes)} free"
-            )
-        if oom.allocated_by_pytorch_bytes is not None:
-            text += f"; PyTorch itself held {fmt_bytes(oom.allocated_by_pytorch_bytes)}"
-            if oom.reserved_unallocated_bytes:
-                text += (
-                    f" plus {fmt_bytes(oom.reserved_unallocated_bytes)} reserved but unused"
-                )
-        lines.append(text + ".")
-        if dev is None:
-            lines.append(
-                f"cuda:{oom.cuda_index} was not watched (watched: "
-                f"{', '.join(f'cuda:{i}' for i in sorted(by_cuda))})."
-            )
-        elif dev.total_bytes and oom.total_bytes and (
-            abs(dev.total_bytes - oom.total_bytes) > 0.1 * dev.total_bytes
-        ):
-            lines.append(
-                f"PyTorch's GPU {oom.cuda_index} has {fmt_bytes(oom.total_bytes)} but the "
-                f"watched cuda:{oom.cuda_index} has {fmt_bytes(dev.total_bytes)}: the command "
-                "probably set CUDA_VISIBLE_DEVICES itself, so this may be another GPU."
-            )
-    if len(w.ooms) > 1:
-        where = sorted({o.cuda_index for o in w.ooms if o.cuda_index is not None})
-        lines.append(
-            f"{len(w.ooms)} different out-of-memory messages in the output"
-            + (f" (on {', '.join(f'cuda:{i}' for i in where)})" if where else "")
-            + "; the first one is described here."
-        )
-    at = oom.used_at_oom_bytes
-    if at:
-        cells = []
-        for d in w.devices:
-            key = f"cuda:{d.cuda_index}"
-            if key in at:
-                cells.append(f"{key} {fmt_bytes(at[key])}{_pct(at[key], d.total_bytes)}")
-        lines.append(
-            "At the last reading before the message, the GPUs held: " + ", ".join(cells) + "."
-        )
-        key = f"cuda:{oom.cuda_index}"
-        in_use = (
-            oom.total_bytes - oom.free_bytes
-            if oom.total_bytes is not None and oom.free_bytes is not None else None
-        )
-        if key in at and in_use is not None and at[key] < 0.8 * in_use:
-            lines.append(
-                f"NVML's last reading of {key} ({fmt_bytes(at[key])}) is well below the "
-                f"{fmt_bytes(in_use)} in use that PyTorch reports: the memory rose between "
-                "two readings (a shorter --interval sees more of it)."
-            )
-    elif oom.t_s is not None:
-        lines.append("No reading was taken before the message.")
-
-    steps: list[str] = []
-    unbalanced = False
-    if oom.cuda_index is not None and f"cuda:{oom.cuda_index}" in at and len(at) > 1:
-        key = f"cuda:{oom.cuda_index}"
-        others = [v for k, v in at.items() if k != key]
-        median = statistics.median(others)
-        excess = at[key] - median
-        total = dev.total_bytes if dev and dev.total_bytes else max(at.values())
-        primary = min(d.cuda_index for d in w.devices)
-        if excess > 0.1 * total and oom.cuda_index == primary:
-            unbalanced = True
-            lines.append(
-                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs: "
-                "the load was unbalanced. Under nn.DataParallel the first GPU also holds the "
-                "outputs gathered from the whole batch, the loss and its gradient, the "
-                "gradients reduced from every replica and the optimizer state."
-            )
-        elif excess > 0.1 * total:
-            lines.append(
-                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs, but "
-                f"it is not the first GPU (cuda:{primary}), where nn.DataParallel puts its "
-                "extra load: look for tensors or a model part placed on it explicitly."
-            )
-        else:
-            lines.append(
-                f"The GPUs were about equally full ({key} within {fmt_bytes(abs(excess))} "
-                "of the median of the others): the step itself does not fit, not one GPU's "
-                "share of it."
-            )
-    n = max(len(w.devices), 1)
-    totals = [d.total_bytes for d in w.devices if d.total_bytes]
-    memory = f"{int(min(totals) / 2**30 * 10) / 10:g}GiB" if totals else "80GiB"
-    compare = (
-        "dpprof compare --workload your_module:workload --batch <your batch> "
-        f"--gpus {n} --gpu-memory {memory}"
-    )
-    if unbalanced:
-        steps.append(
-            "If the script uses nn.DataParallel, compute the loss inside forward on every "
-            "replica: model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn)); "
-            "loss = dpprof.ModelWithLoss.combine(model(inputs, targets)); or move to "
-            "DistributedDataParallel (one process per GPU)."
-        )
-    steps.append(
-        "Measure what each fix saves before changing the script: write the training step "
-        "as a dpprof.Workload (model, loss, optimizer, a batch) and run " + compare + "."
-    )
-    if not unbalanced:
-        steps.append(
-            f"{compare} also shows the single-GPU floor: if even 'single' does not fit, "
-            "lower the batch per GPU, use activation checkpointing or more GPUs."
-        )
-    return lines, steps
+    return watch_ending(w)

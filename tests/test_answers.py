@@ -1,0 +1,200 @@
+"""The one answer (``dpprof.analysis.answers.build_answer``) against the numbers of the result
+it speaks of: every saved result in ``tests/data/`` and results hypothesis generates.
+
+Each claim of the text is checked: every size it names is a figure of the result (a peak,
+what a GPU needs, a difference of two peaks, the capacity); an out-of-memory scenario is
+never said to fit nor its fix recommended; a recommended fix lowers the heaviest GPU of a
+scenario the user ran; the words fit the setup; reserved memory is claimed only where it
+was measured or modelled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reports_data import SAVED, saved
+
+from dpprof.analysis.answers import Answer, build_answer, heaviest, measured, need_bytes
+from dpprof.analysis.comparison import compare
+from dpprof.result import (
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_OOM,
+    DeviceResult,
+    Fix,
+    RunResult,
+    ScenarioResult,
+)
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.units import fmt_bytes
+
+MiB, GiB = 2**20, 2**30
+SIZE = re.compile(r"(?<![\w.])\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b")
+DP_WORDS = ("scatter", "gathered", "reduced gradients", "DataParallel", "loss inside forward",
+            "more than the other GPUs")
+
+
+def _figures(run: RunResult) -> set[str]:
+    """Every size a claim about ``run`` may name, formatted as the answer formats it."""
+    values: set[int] = {run.gpu_memory_bytes}
+    peaks: list[int] = []
+    for s in run.scenarios:
+        for d in s.devices:
+            values |= {d.peak_allocated_bytes, d.total_peak_bytes}
+        if s.oom_bytes is not None:
+            values.add(s.oom_bytes)
+        if s.devices and any(d.used for d in s.devices):
+            values.add(need_bytes(s))
+            top = heaviest(s).peak_allocated_bytes
+            peaks += [top, next(d for d in s.devices if d.used).peak_allocated_bytes]
+    for c in run.comparison.scenarios.values():
+        values |= {abs(c.primary_excess_bytes), c.max_bytes}
+    for f in run.fixes:
+        values |= {abs(x) for x in (f.max_peak_bytes, f.primary_peak_bytes, f.saves_bytes,
+                                    f.heaviest_saves_bytes) if x is not None}
+        peaks += [x for x in (f.max_peak_bytes, f.primary_peak_bytes) if x is not None]
+    values |= {abs(a - b) for a, b in itertools.combinations(peaks, 2)}
+    if run.maxbatch is not None:
+        values |= {e.needed_bytes for e in run.maxbatch.entries if e.needed_bytes}
+        values.add(run.maxbatch.capacity_bytes)
+    return {fmt_bytes(v) for v in values}
+
+
+def _claims(answer: Answer) -> str:
+    """The builder's own sentences (a fix's stored detail is the fix's, not the answer's)."""
+    whys = [a.why.replace(a.fix.detail.rstrip(".") + ".", "") if a.fix.detail else a.why
+            for a in (*answer.recommended, *answer.worse)]
+    return " ".join([answer.verdict, answer.nothing_to_change, *whys,
+                     *(n.split(": ", 1)[-1] for n in answer.notes)])
+
+
+def check(run: RunResult) -> Answer:
+    answer = build_answer(run)
+    text = _claims(answer)
+    # every size is a figure of the result
+    figures = _figures(run)
+    stray = [m for m in SIZE.findall(text) if m not in figures]
+    assert not stray, (stray, text)
+    # out of memory: never said to fit, never the answer
+    ooms = [s for s in run.scenarios if measured(s) and s.status == STATUS_OOM]
+    fits = [s for s in run.scenarios if measured(s) and s.status == STATUS_OK]
+    verdict = answer.verdict
+    for s in ooms:
+        assert re.search(rf"\b{re.escape(s.name)} \(cuda:\d+ (needs|tried)", verdict), verdict
+        assert f"only {s.name} fits" not in verdict
+    if ooms and fits:
+        clause = verdict.split("out of memory at", 1)[1]
+        for s in fits:
+            assert s.name in clause and fmt_bytes(need_bytes(s)) in clause, verdict
+        fit_clause = re.search(r"(only [\w-]+ fits|[\w, -]+ fit):", clause)
+        assert fit_clause, verdict
+        assert not any(s.name in fit_clause.group(1) for s in ooms), verdict
+    if ooms and not fits:
+        assert "none of the scenarios run fits" in verdict
+    if not ooms and "it fits" in verdict:
+        assert len(fits) == 1
+    # a recommended fix lowers the heaviest GPU of a scenario the user ran, and fits
+    for a in answer.recommended:
+        base = run.scenario(a.baseline)
+        assert base is not None and measured(base), a
+        assert a.fix.max_peak_bytes is not None
+        saving = (a.fix.heaviest_saves_bytes if a.baseline == DP_LOSS_PRIMARY
+                  and a.fix.heaviest_saves_bytes is not None
+                  else heaviest(base).peak_allocated_bytes - a.fix.max_peak_bytes)
+        assert saving > 0 and saving == a.heaviest_saves_bytes
+        own = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}.get(a.fix.name)
+        own_s = run.scenario(own) if own else None
+        assert own_s is None or own_s.status != STATUS_OOM, a
+        assert a.fix.max_peak_bytes <= run.gpu_memory_bytes
+        if ooms:
+            assert a.fits is True
+    for a in answer.worse:
+        assert a.heaviest_saves_bytes < 0 and "worse" in a.why
+        assert any(a.fix.title in n for n in answer.notes)
+    # the words fit the setup
+    if not any(s.name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) for s in run.scenarios):
+        said = [w for w in DP_WORDS if w in text]
+        assert not said, (said, text)
+        assert not answer.explained
+    for name in answer.explained:
+        s = run.scenario(name)
+        assert s is not None and name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
+        c = run.comparison.scenarios[name]
+        assert c.primary_excess_bytes > 0
+    # reserved memory and the context are claimed only where they were counted
+    devs = [d for s in run.scenarios for d in s.devices]
+    if not any(d.peak_reserved_bytes is not None for d in devs):
+        assert "reserved memory and the CUDA context counted" not in text
+    return answer
+
+
+def test_every_saved_result() -> None:
+    for name in SAVED:
+        check(saved(name))
+
+
+# ---- generated results ---------------------------------------------------------------------
+
+peaks = st.integers(min_value=1 * MiB, max_value=100 * GiB)
+
+
+@st.composite
+def devices(draw: st.DrawFn, n: int, overheads: bool) -> list[DeviceResult]:
+    out = []
+    for i in range(n):
+        alloc = draw(peaks)
+        d = DeviceResult(index=i, peak_allocated_bytes=alloc, capacity_bytes=0, batch_rows=8)
+        if overheads:
+            d.peak_reserved_bytes = alloc + draw(st.integers(0, 4 * GiB))
+            d.context_bytes = draw(st.integers(200 * MiB, 600 * MiB))
+        out.append(d)
+    return out
+
+
+@st.composite
+def results(draw: st.DrawFn) -> RunResult:
+    gpus = draw(st.integers(2, 4))
+    capacity = draw(st.sampled_from([24 * GiB, 40 * GiB, 80 * GiB]))
+    overheads = draw(st.booleans())
+    setup = draw(st.sampled_from(["dp", "ddp", "model-parallel", "single"]))
+    if setup == "dp":
+        names = draw(st.lists(st.sampled_from([DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP, SINGLE]),
+                              min_size=1, max_size=4, unique=True))
+    else:
+        names = [{"ddp": DDP, "model-parallel": MODEL_PARALLEL, "single": SINGLE}[setup]]
+    run = RunResult(backend="emulated", workload="w", batch=8 * gpus, gpus=gpus,
+                    gpu_memory_bytes=capacity, config={"command": draw(
+                        st.sampled_from(["compare", "run"]))})
+    for name in names:
+        n = 1 if name == SINGLE else gpus
+        s = ScenarioResult(name=name, devices=draw(devices(n, overheads)), batch=8)
+        for d in s.devices:
+            d.capacity_bytes = capacity
+        over = [d for d in s.devices if d.total_peak_bytes > capacity]
+        if draw(st.integers(0, 9)) == 0:
+            s.status, s.message = STATUS_ERROR, "the script raised RuntimeError: boom"
+        elif over:
+            s.status, s.oom_device = STATUS_OOM, over[0].index
+            s.oom_bytes = over[0].total_peak_bytes
+        run.scenarios.append(s)
+    primary = run.scenario(DP_LOSS_PRIMARY)
+    if primary is not None and primary.status != STATUS_ERROR:
+        p0 = primary.devices[0].peak_allocated_bytes
+        pmax = max(d.peak_allocated_bytes for d in primary.devices)
+        for fname in draw(st.lists(st.sampled_from(
+                ["gradient-as-bucket-view", "output-device", "balanced-split"]), unique=True)):
+            q0, qmax = sorted([draw(peaks), draw(peaks)])
+            run.fixes.append(Fix(name=fname, title=fname, primary_peak_bytes=q0,
+                                 max_peak_bytes=qmax, saves_bytes=p0 - q0,
+                                 heaviest_saves_bytes=pmax - qmax))
+    run.comparison = compare(run)
+    return run
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(results())
+def test_generated_results(run: RunResult) -> None:
+    check(run)
