@@ -113,10 +113,14 @@ ASSUMPTIONS = [
     "process; ddp through DistributedDataParallel (NCCL), one process per GPU.",
     "Allocated/reserved: torch.cuda.max_memory_allocated / max_memory_reserved over the "
     "measured steps (peaks reset at their start); per phase from the first measured step, "
-    "with the peaks reset at the start of each phase.",
+    "with the peaks reset at the start of each phase. A scenario that runs out of memory "
+    "before its measured steps reports the peak since its own start (reset there too).",
+    "cuBLAS workspaces are caching-allocator blocks (one per cuBLAS handle and stream, "
+    "torch's aten/src/ATen/cuda/CublasHandlePool.cpp): they count in allocated and reserved.",
     "NVML used: nvmlDeviceGetMemoryInfo sampled by a thread; a sampled peak is a lower bound. "
-    "NVML used minus reserved is what the allocator does not see: the CUDA context, "
-    "cuBLAS/cuDNN/NCCL buffers and other processes.",
+    "NVML used minus reserved is what the allocator does not see: the CUDA context and "
+    "library code, cuDNN and NCCL buffers allocated outside the caching allocator, and "
+    "other processes.",
     "Step time: median over the measured steps of the wall clock (each step ends with "
     "torch.cuda.synchronize), and of CUDA events on the first device's stream. The first "
     "measured step also reads the per-phase peaks (one synchronize per phase), so it is "
