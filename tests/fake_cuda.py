@@ -124,6 +124,20 @@ class CpuHost(CudaHost):
     def ops(self, devices: Sequence[int]) -> DeviceOps:
         return self.make_ops(devices)
 
+    def uuids(self) -> list[str] | None:
+        """The installed NVML's first ``gpus`` GPUs, as the runtime spells them (no prefix);
+        None without NVML (a real runtime would still know them, this stand-in does not)."""
+        from dpprof.nvml import libnvml
+
+        nvml = libnvml.default_nvml()
+        if not nvml.available or nvml.device_count() < self.gpus:
+            return None
+        found = [nvml.uuid(i) for i in range(self.gpus)]
+        return [u[4:] for u in found if u] if all(found) else None
+
+    def properties(self, index: int) -> tuple[str, int, tuple[int, int]] | None:
+        return None
+
 
 def install(
     monkeypatch: pytest.MonkeyPatch,

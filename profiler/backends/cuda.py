@@ -103,6 +103,7 @@ __all__ = [
     "measure_ddp_rank",
     "parse_oom_message",
     "run_local_scenario",
+    "step_closure",
 ]
 
 DEFAULT_NVML_INTERVAL_S = 0.02
@@ -261,6 +262,12 @@ class DeviceOps(ABC):
     def start_timer(self) -> Callable[[], float | None]:
         """Start timing on the first device's stream; the returned call gives seconds."""
 
+    def probe(self, logical: int) -> dict[str, int]:
+        """What ``dpprof check`` measures of the allocator beside a workload: the bytes one
+        cuBLAS workspace holds (``cublas_workspace_bytes``) and the reserved bytes after it
+        (``reserved_bytes``); empty where the devices keep no allocator statistics."""
+        return {}
+
 
 class CudaOps(DeviceOps):
     """``torch.cuda`` for the chosen CUDA indices (``devices[logical]`` is a CUDA index)."""
@@ -306,6 +313,24 @@ class CudaOps(DeviceOps):
                 # the next reader of max_memory_allocated starts from what is left
                 torch.cuda.reset_peak_memory_stats(d)
 
+    def probe(self, logical: int) -> dict[str, int]:
+        d = self.devices[logical]
+        torch.cuda.synchronize(d)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(d)
+        with torch.cuda.device(d):
+            side = torch.cuda.Stream(d)  # a new (handle, stream) pair: one new workspace
+            with torch.cuda.stream(side):
+                a = torch.ones(64, 64, device=d)
+                b = a @ a
+            torch.cuda.synchronize(d)
+            del a, b
+        return {"cublas_workspace_bytes": int(torch.cuda.memory_allocated(d) - before),
+                "reserved_bytes": int(torch.cuda.memory_reserved(d))}
+
     def start_timer(self) -> Callable[[], float | None]:
         dev = self.devices[0]
         with torch.cuda.device(dev):
@@ -340,6 +365,18 @@ class CudaHost:
     def ops(self, devices: Sequence[int]) -> DeviceOps:
         """The device operations over ``devices`` (CUDA indices)."""
         return CudaOps(devices)
+
+    def uuids(self) -> list[str] | None:
+        """The UUID of each CUDA device, as the runtime reports it (None: unknown)."""
+        return torch_cuda_uuids()
+
+    def properties(self, index: int) -> tuple[str, int, tuple[int, int]] | None:
+        """Name, memory and compute capability of CUDA device ``index`` (None: unknown)."""
+        try:
+            p = torch.cuda.get_device_properties(index)
+        except Exception:
+            return None
+        return str(p.name), int(p.total_memory), (int(p.major), int(p.minor))
 
 
 #: The machine the cuda backend runs on (the tests replace it with a CPU implementation).
@@ -641,6 +678,24 @@ class StepBatches(Sequence[Batch]):
         return self.current[1]
 
 
+def step_closure(wl: Workload, ops: DeviceOps, rows: int, seed: int = 0) -> Callable[[], None]:
+    """One training step of ``wl`` on ``ops``' first device, ``rows`` rows, through the
+    shared loop: the model, optimizer and batch are made once and kept by the closure."""
+    dev = ops.device(0)
+    model, loss_fn = _model(wl, dev, seed)
+    opt = _optimizer(wl, model, loss_fn)
+    model.train()
+    batch = [scenario_batch(wl, seed, 0, rows, 1, 0)]
+
+    def move(x: Any, is_target: bool) -> Any:
+        return map_tensors(x, lambda t: t.clone() if dev.type == "cpu" else t.to(dev))
+
+    def step() -> None:
+        training_loop(model, loss_fn, opt, batch, move, False, step=wl.step)
+
+    return step
+
+
 def _optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.Optimizer:
     params = list(model.parameters())
     if isinstance(loss_fn, nn.Module):
@@ -882,7 +937,7 @@ def _watch(
     if nvml is None and ops.kind == "cuda":
         nvml = libnvml.default_nvml()
     if cuda_uuids is None and ops.kind == "cuda":
-        cuda_uuids = torch_cuda_uuids()
+        cuda_uuids = host().uuids()
     return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids)
 
 
