@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,14 +78,23 @@ def compare_runs(real: RunResult, emu: RunResult) -> list[dict[str, object]]:
     return rows
 
 
-def default_workloads() -> list[str]:
-    """The built-ins, then the zoo's models when their libraries import."""
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def default_workloads(importable: Callable[[str], bool] = _importable) -> list[str]:
+    """The built-ins, then each zoo model whose library is installed (``tests/zoo.py``
+    imports without them; its models import their library when built)."""
     names = list(BUILTINS)
     sys.path.insert(0, str(ZOO_FILE.parent))
     try:
         import zoo  # tests/zoo.py: models from configs, no weights
 
-        names += [f"{ZOO_FILE}:{name}" for name in zoo.ZOO]
+        missing = sorted({zoo.NEEDS[n] for n in zoo.ZOO if not importable(zoo.NEEDS[n])})
+        names += [f"{ZOO_FILE}:{name}" for name in zoo.ZOO if importable(zoo.NEEDS[name])]
+        if missing:
+            print(f"zoo models without {', '.join(missing)} skipped; pip install -e '.[zoo]'",
+                  file=sys.stderr)
     except ImportError as e:
         print(f"zoo skipped ({e}); pip install -e '.[zoo]'", file=sys.stderr)
     finally:
@@ -133,20 +145,26 @@ def main() -> int:
                   "fixes": False, "gpu_memory_bytes": props.total_memory,
                   "count_reserved": True}
         t0 = time.perf_counter()
-        real = run_compare(CompareConfig(backend="cuda", **common))
-        t1 = time.perf_counter()
-        emu = run_compare(CompareConfig(backend="emulated", compute_capability=cc, **common))
-        t2 = time.perf_counter()
-        assert real is not None and emu is not None
-        rows = compare_runs(real, emu)
-        print_rows(workload, rows)
-        record = {
+        record: dict[str, object] = {
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "gpu": props.name, "gpus": gpus, "torch": torch.__version__,
             "cuda": torch.version.cuda, "workload": workload, "batch": args.batch,
-            "cuda_wall_s": round(t1 - t0, 2), "emulated_wall_s": round(t2 - t1, 2),
-            "rows": rows,
         }
+        try:  # one workload that cannot run (a missing library, a bug) is a row, not the end
+            real = run_compare(CompareConfig(backend="cuda", **common))
+            t1 = time.perf_counter()
+            emu = run_compare(CompareConfig(backend="emulated", compute_capability=cc, **common))
+            t2 = time.perf_counter()
+        except Exception as e:
+            record["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            record["traceback"] = traceback.format_exc()
+            print(f"\n{workload}: {record['error']}", file=sys.stderr)
+        else:
+            assert real is not None and emu is not None
+            rows = compare_runs(real, emu)
+            print_rows(workload, rows)
+            record.update(cuda_wall_s=round(t1 - t0, 2), emulated_wall_s=round(t2 - t1, 2),
+                          rows=rows)
         with RECORD.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
     print(f"\nrecorded in {RECORD}")

@@ -231,6 +231,9 @@ def _gpus(
                 gpu["total_memory_bytes"] = int(props.total_memory)
                 gpu["compute_capability"] = f"{props.major}.{props.minor}"
                 gpu["uuid"] = uuids[i] if uuids and i < len(uuids) else None
+                known = matched[i].uuid if i < len(matched) else None
+                if known:  # NVML's spelling, with the GPU- or MIG- prefix the runtime omits
+                    gpu["uuid"] = known
             except Exception as exc:
                 for key in ("name", "total_memory_bytes", "compute_capability", "uuid"):
                     gpu.setdefault(key, None)

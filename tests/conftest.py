@@ -1,4 +1,6 @@
-"""Shared fixtures: fast CPU tests by default; ``gpu`` tests skip without two GPUs."""
+"""Shared fixtures: fast CPU tests by default; ``gpu`` tests skip without a CUDA GPU, and
+those also marked ``gpus2`` (what truly needs two: uneven shards over two devices, a rank's
+context on a GPU not its own) without two."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import torch
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    skip_gpu = pytest.mark.skip(reason=f"needs at least two CUDA GPUs (found {gpus})")
     for item in items:
-        if "gpu" in item.keywords and gpus < 2:
-            item.add_marker(skip_gpu)
+        if "gpu" not in item.keywords:
+            continue
+        need = 2 if "gpus2" in item.keywords else 1
+        if gpus < need:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need} CUDA GPU{'s' if need > 1 else ''} (found {gpus})"))

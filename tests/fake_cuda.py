@@ -68,6 +68,44 @@ class CpuOps(DeviceOps):
         return lambda: None
 
 
+class AllocatorStats:
+    """The caching allocator's counters for each device, process-wide as torch keeps them:
+    ``max_memory_allocated`` is the peak since the program started or since the last
+    ``reset_peak_memory_stats``; ``empty_cache`` does not reset it (c10/cuda/
+    CUDACachingAllocator.cpp: only resetPeakStats sets peak = current)."""
+
+    def __init__(self) -> None:
+        self.current: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+
+    def touch(self, device: int, nbytes: int) -> None:
+        """Allocate ``nbytes`` on ``device`` and free them again (a temporary)."""
+        now = self.current.get(device, 0)
+        self.peak[device] = max(self.peak.get(device, 0), now + nbytes)
+
+
+class AllocatorOps(CpuOps):
+    """:class:`CpuOps` with allocator statistics that behave like torch's (shared by every
+    scenario of the process; the workload calls :meth:`AllocatorStats.touch`)."""
+
+    def __init__(self, devices: Sequence[int], stats: AllocatorStats) -> None:
+        super().__init__(devices)
+        self.stats = stats
+
+    def reset_peaks(self, logical: int) -> None:
+        d = self.devices[logical]
+        self.stats.peak[d] = self.stats.current.get(d, 0)
+
+    def max_allocated(self, logical: int) -> int | None:
+        return self.stats.peak.get(self.devices[logical], 0)
+
+    def max_reserved(self, logical: int) -> int | None:
+        return self.max_allocated(logical)
+
+    def allocated(self, logical: int) -> int | None:
+        return self.stats.current.get(self.devices[logical], 0)
+
+
 class CpuHost(CudaHost):
     """``gpus`` GPUs of CPU tensors; the ``ddp`` ranks over gloo on the CPU."""
 
@@ -85,6 +123,20 @@ class CpuHost(CudaHost):
 
     def ops(self, devices: Sequence[int]) -> DeviceOps:
         return self.make_ops(devices)
+
+    def uuids(self) -> list[str] | None:
+        """The installed NVML's first ``gpus`` GPUs, as the runtime spells them (no prefix);
+        None without NVML (a real runtime would still know them, this stand-in does not)."""
+        from dpprof.nvml import libnvml
+
+        nvml = libnvml.default_nvml()
+        if not nvml.available or nvml.device_count() < self.gpus:
+            return None
+        found = [nvml.uuid(i) for i in range(self.gpus)]
+        return [u[4:] for u in found if u] if all(found) else None
+
+    def properties(self, index: int) -> tuple[str, int, tuple[int, int]] | None:
+        return None
 
 
 def install(

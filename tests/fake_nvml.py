@@ -23,6 +23,8 @@ from dpprof.nvml.libnvml import (
     NvmlStatus,
     ProcessMemory,
     Utilization,
+    mig_device_index,
+    split_mig_index,
 )
 
 T = TypeVar("T")
@@ -35,12 +37,32 @@ Readings = int | Sequence[Reading] | Callable[[int], Reading]
 
 @dataclass
 class FakeMig:
-    """A MIG device of a :class:`FakeDevice`."""
+    """A MIG device of a :class:`FakeDevice`, read through its own handle (its index is
+    :func:`mig_device_index` of the parent and its slot): ``used``, ``processes`` and ``fail``
+    as for :class:`FakeDevice`; utilisation is not supported on MIG devices, as on real ones."""
 
     uuid: str
     gpu_instance_id: int = 0
     compute_instance_id: int = 0
     total_bytes: int = 10 * 2**30
+    used: Readings = 0
+    processes: Sequence[tuple[int, int | None]] | Callable[[int], Any] = ()
+    util: Readings | None = None
+    fail: Mapping[str, str | NvmlQueryError] = field(default_factory=dict)
+
+
+def denied(what: str = "Insufficient Permissions") -> NvmlQueryError:
+    """NVML_ERROR_NO_PERMISSION, as :class:`RealNvml` translates it: what a user without root
+    gets for the memory and processes of a MIG-enabled GPU, or in a locked-down container."""
+    return NvmlQueryError(what, "no_permission")
+
+
+def mig_parent(uuid: str, *migs: FakeMig, **kw: Any) -> FakeDevice:
+    """A MIG-enabled GPU as a user without root sees it: its own memory and process queries
+    fail with NoPermission (they would span every slice), its MIG devices answer."""
+    fail: dict[str, str | NvmlQueryError] = {"memory": denied(), "processes": denied(),
+                                              "utilization": "Not Supported"}
+    return FakeDevice(uuid=uuid, mig=migs, fail=fail, **kw)
 
 
 @dataclass
@@ -53,8 +75,12 @@ class FakeDevice:
     fails that query with its reason; anything else too, as an unexpected error); ``None``
     makes the query fail as "Not Supported". ``util`` works the same way for the GPU
     utilisation percent (None: not supported). ``processes``: (pid, used bytes or None) pairs,
-    or a callable of the call number returning them. ``fail``: query name -> reason, to make
-    any query (``"name"``, ``"uuid"``, ``"pci_bus_id"``, ...) fail with ``not_supported``.
+    or a callable of the call number returning them. As on a real machine, NVML lists a
+    process that maps this GPU's memory through peer access (NVLink, P2P) with 0 bytes, and
+    in a container without the host PID namespace it lists host PIDs: record them so.
+    ``fail``: query name -> reason, to make any query (``"name"``, ``"uuid"``,
+    ``"pci_bus_id"``, ...) fail with ``not_supported``, or -> an :class:`NvmlQueryError`
+    (e.g. :func:`denied`) raised as it is.
     ``mig``: the MIG devices of this GPU. Note that :meth:`NvmlBackend.device_info` (and so
     :func:`dpprof.nvml.devices.visible_devices`) reads memory too, taking one reading.
     """
@@ -68,7 +94,7 @@ class FakeDevice:
     pci_bus_id: str | None = None
     compute_capability: tuple[int, int] | None = (9, 0)
     mig: Sequence[FakeMig] = ()
-    fail: Mapping[str, str] = field(default_factory=dict)
+    fail: Mapping[str, str | NvmlQueryError] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -134,9 +160,29 @@ class FakeNvml(NvmlBackend):
         if not 0 <= index < len(self.fake_devices):
             raise NvmlQueryError(f"Invalid Argument (no device {index})", "invalid_argument")
         device = self.fake_devices[index]
-        if query in device.fail:
-            raise NvmlQueryError(device.fail[query], "not_supported")
+        self._fail(device.fail, query)
         return device
+
+    @staticmethod
+    def _fail(fail: Mapping[str, str | NvmlQueryError], query: str) -> None:
+        why = fail.get(query)
+        if isinstance(why, NvmlQueryError):
+            raise why
+        if why is not None:
+            raise NvmlQueryError(why, "not_supported")
+
+    def _target(self, index: int, query: str) -> FakeDevice | FakeMig:
+        """The GPU, or the MIG device a :func:`mig_device_index` names."""
+        mig = split_mig_index(index)
+        if mig is None:
+            return self._device(index, query)
+        parent, slot = mig
+        if not 0 <= parent < len(self.fake_devices) or slot >= len(
+                self.fake_devices[parent].mig):
+            raise NvmlQueryError(f"Not Found (no MIG device {index})", "not_found")
+        target = self.fake_devices[parent].mig[slot]
+        self._fail(target.fail, query)
+        return target
 
     def _next(self, query: str, index: int) -> int:
         with self._lock:
@@ -172,19 +218,19 @@ class FakeNvml(NvmlBackend):
         return self._device(index, "name").name
 
     def _query_memory(self, index: int) -> MemoryInfo:
-        device = self._device(index, "memory")
+        device = self._target(index, "memory")
         used = self._read(device.used, self._next("memory", index))
         return MemoryInfo(device.total_bytes, max(device.total_bytes - used, 0), used)
 
     def _query_utilization(self, index: int) -> Utilization:
-        device = self._device(index, "utilization")
+        device = self._target(index, "utilization")
         if device.util is None:
             raise NvmlQueryError("Not Supported", "not_supported")
         gpu = self._read(device.util, self._next("utilization", index))
         return Utilization(gpu, 0)
 
     def _query_processes(self, index: int) -> list[ProcessMemory]:
-        device = self._device(index, "processes")
+        device = self._target(index, "processes")
         n = self._next("processes", index)
         procs = device.processes(n) if callable(device.processes) else device.processes
         if isinstance(procs, BaseException):
@@ -246,6 +292,7 @@ class FakeNvml(NvmlBackend):
     def _query_mig_devices(self, index: int) -> list[MigDevice]:
         device = self._device(index, "mig_devices")
         return [
-            MigDevice(index, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.total_bytes)
-            for m in device.mig
+            MigDevice(index, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.total_bytes,
+                      mig_device_index(index, slot))
+            for slot, m in enumerate(device.mig)
         ]

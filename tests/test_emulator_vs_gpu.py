@@ -62,3 +62,11 @@ def test_the_zoo_joins_the_default_workloads_when_it_imports() -> None:
         assert zoo == []
     else:
         assert zoo and Path(zoo[0].rsplit(":", 1)[0]).name == "zoo.py"
+
+
+def test_a_zoo_model_joins_only_when_its_library_is_installed() -> None:
+    bench = _bench()
+    none = bench.default_workloads(lambda module: False)  # type: ignore[attr-defined]
+    assert none == ["lm", "mlp", "convnet", "classifier", "attention"]
+    only_timm = bench.default_workloads(lambda module: module == "timm")  # type: ignore[attr-defined]
+    assert [n.rsplit(":", 1)[1] for n in only_timm[5:]] == ["timm_convnext", "timm_vit"]

@@ -84,3 +84,37 @@ def test_group_checks_backend_and_device_and_maps_devices() -> None:
     assert Group(devices=(2, 5)).device_index(info) == 5
     assert Group().device_index(info) == 1
     assert torchrun_info({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}) is None
+
+
+@dataclass
+class DiesBeforeJoining(Group):
+    """Rank 1 dies (``die=True``) or raises while the group is being set up, the way a rank
+    dies in NCCL's communicator init: its peer is then waiting inside init_process_group."""
+
+    die: bool = True
+
+    def device_index(self, info: RankInfo) -> int:
+        if info.rank == 1 and self.die:
+            os._exit(3)
+        if info.rank == 1:
+            raise RuntimeError("NCCL error: unhandled system error")
+        return super().device_index(info)
+
+
+@pytest.mark.parametrize("die", [True, False])
+def test_a_rank_that_fails_while_the_group_is_set_up_does_not_hang_its_peer(die: bool) -> None:
+    import time
+
+    # without the watcher during set-up, rank 0 would wait the whole 30 s timeout in init
+    group = DiesBeforeJoining(backend="gloo", device="cpu", timeout_s=30, grace_s=5,
+                              join_timeout_s=120, die=die)
+    t0 = time.monotonic()
+    outcomes = spawn_ranks(group, SumBody(), 2)
+    assert time.monotonic() - t0 < 20
+    assert [o.ok for o in outcomes] == [False, False]
+    assert outcomes[1].first_failure and not outcomes[0].first_failure
+    if die:
+        assert outcomes[1].message == "rank 1 exited with code 3 before it reported"
+    else:
+        assert outcomes[1].message.startswith("RuntimeError: NCCL error: unhandled system error")
+    assert "rank 0 stopped waiting in init_process_group: rank 1 failed" in outcomes[0].message

@@ -143,3 +143,8 @@ def timm_vit() -> dpprof.Workload:
 
 
 ZOO = ["gpt2", "llama", "bert", "resnet18", "vit", "timm_convnext", "timm_vit"]
+
+# the library each model is built with (the functions import it when called)
+NEEDS = {"gpt2": "transformers", "llama": "transformers", "bert": "transformers",
+         "resnet18": "torchvision", "vit": "torchvision", "timm_convnext": "timm",
+         "timm_vit": "timm"}

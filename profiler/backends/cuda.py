@@ -87,6 +87,7 @@ from dpprof.scenarios.step import (
 )
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
 from dpprof.units import fmt_bytes
+from dpprof.watch.oom_messages import parse_oom_line
 
 __all__ = [
     "ASSUMPTIONS",
@@ -102,6 +103,7 @@ __all__ = [
     "measure_ddp_rank",
     "parse_oom_message",
     "run_local_scenario",
+    "step_closure",
 ]
 
 DEFAULT_NVML_INTERVAL_S = 0.02
@@ -112,10 +114,14 @@ ASSUMPTIONS = [
     "process; ddp through DistributedDataParallel (NCCL), one process per GPU.",
     "Allocated/reserved: torch.cuda.max_memory_allocated / max_memory_reserved over the "
     "measured steps (peaks reset at their start); per phase from the first measured step, "
-    "with the peaks reset at the start of each phase.",
+    "with the peaks reset at the start of each phase. A scenario that runs out of memory "
+    "before its measured steps reports the peak since its own start (reset there too).",
+    "cuBLAS workspaces are caching-allocator blocks (one per cuBLAS handle and stream, "
+    "torch's aten/src/ATen/cuda/CublasHandlePool.cpp): they count in allocated and reserved.",
     "NVML used: nvmlDeviceGetMemoryInfo sampled by a thread; a sampled peak is a lower bound. "
-    "NVML used minus reserved is what the allocator does not see: the CUDA context, "
-    "cuBLAS/cuDNN/NCCL buffers and other processes.",
+    "NVML used minus reserved is what the allocator does not see: the CUDA context and "
+    "library code, cuDNN and NCCL buffers allocated outside the caching allocator, and "
+    "other processes.",
     "Step time: median over the measured steps of the wall clock (each step ends with "
     "torch.cuda.synchronize), and of CUDA events on the first device's stream. The first "
     "measured step also reads the per-phase peaks (one synchronize per phase), so it is "
@@ -171,15 +177,39 @@ OOM_ERRORS = _oom_error_types()
 
 
 def is_oom(exc: BaseException) -> bool:
-    """``torch.cuda.OutOfMemoryError``, or a library's allocation failure (cuBLAS, NCCL)."""
+    """``torch.cuda.OutOfMemoryError``, or an allocation failure that torch raises as a
+    ``RuntimeError``: ``CUDA error: out of memory`` (a ``cudaMalloc`` outside the caching
+    allocator, a context or kernel workspace), cuBLAS / cuDNN ``*_STATUS_ALLOC_FAILED``,
+    NCCL's out of memory: the formats ``dpprof watch`` recognises in a program's output."""
     if isinstance(exc, OOM_ERRORS):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and (
-        "CUDA out of memory" in text
-        or "CUBLAS_STATUS_ALLOC_FAILED" in text
+        oom_line(text) is not None
+        or "CUDA out of memory" in text
         or ("NCCL error" in text and "out of memory" in text.lower())
     )
+
+
+def oom_line(text: str) -> str | None:
+    """The line of ``text`` that states an out-of-memory error (DataParallel re-raises a
+    replica's error with the replica's traceback in the message), or None."""
+    for line in reversed(text.splitlines()):
+        found = parse_oom_line(line)
+        if found is not None:
+            return found.text
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line. DataParallel's worker threads re-raise a replica's
+    error as ``Caught X in replica 0 on device 0.`` followed by the original traceback;
+    the original error's own line (the traceback's last) is what the user needs."""
+    text = str(exc).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1 and "Original Traceback" in text:
+        return lines[-1]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()
 
 
 # --------------------------------------------------------------------------- the device seam
@@ -232,6 +262,12 @@ class DeviceOps(ABC):
     def start_timer(self) -> Callable[[], float | None]:
         """Start timing on the first device's stream; the returned call gives seconds."""
 
+    def probe(self, logical: int) -> dict[str, int]:
+        """What ``dpprof check`` measures of the allocator beside a workload: the bytes one
+        cuBLAS workspace holds (``cublas_workspace_bytes``) and the reserved bytes after it
+        (``reserved_bytes``); empty where the devices keep no allocator statistics."""
+        return {}
+
 
 class CudaOps(DeviceOps):
     """``torch.cuda`` for the chosen CUDA indices (``devices[logical]`` is a CUDA index)."""
@@ -274,6 +310,26 @@ class CudaOps(DeviceOps):
             for d in self.devices:
                 with torch.cuda.device(d):
                     torch.cuda.empty_cache()
+                # the next reader of max_memory_allocated starts from what is left
+                torch.cuda.reset_peak_memory_stats(d)
+
+    def probe(self, logical: int) -> dict[str, int]:
+        d = self.devices[logical]
+        torch.cuda.synchronize(d)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(d)
+        with torch.cuda.device(d):
+            side = torch.cuda.Stream(d)  # a new (handle, stream) pair: one new workspace
+            with torch.cuda.stream(side):
+                a = torch.ones(64, 64, device=d)
+                b = a @ a
+            torch.cuda.synchronize(d)
+            del a, b
+        return {"cublas_workspace_bytes": int(torch.cuda.memory_allocated(d) - before),
+                "reserved_bytes": int(torch.cuda.memory_reserved(d))}
 
     def start_timer(self) -> Callable[[], float | None]:
         dev = self.devices[0]
@@ -310,6 +366,18 @@ class CudaHost:
         """The device operations over ``devices`` (CUDA indices)."""
         return CudaOps(devices)
 
+    def uuids(self) -> list[str] | None:
+        """The UUID of each CUDA device, as the runtime reports it (None: unknown)."""
+        return torch_cuda_uuids()
+
+    def properties(self, index: int) -> tuple[str, int, tuple[int, int]] | None:
+        """Name, memory and compute capability of CUDA device ``index`` (None: unknown)."""
+        try:
+            p = torch.cuda.get_device_properties(index)
+        except Exception:
+            return None
+        return str(p.name), int(p.total_memory), (int(p.major), int(p.minor))
+
 
 #: The machine the cuda backend runs on (the tests replace it with a CPU implementation).
 HOST: CudaHost = CudaHost()
@@ -327,7 +395,10 @@ class NvmlWatch:
     """An :class:`NvmlSampler` over every visible GPU, with CUDA index -> NVML index by UUID.
 
     ``cuda_uuids``: the UUID per CUDA index (default: what the CUDA runtime reports). When
-    NVML or the UUIDs are unavailable, :attr:`reason` says why and nothing is sampled.
+    NVML or the UUIDs are unavailable, :attr:`reason` says why and nothing is sampled. A MIG
+    device is sampled through its own NVML handle (the parent GPU's figures span every slice,
+    and a user without root may not read them); ``nvml_index`` in the results stays the
+    parent GPU's.
     """
 
     def __init__(
@@ -339,8 +410,10 @@ class NvmlWatch:
         env: dict[str, str] | None = None,
     ) -> None:
         self.nvml = nvml
-        self.map: dict[int, int] = {}  # cuda index -> nvml index
+        self.map: dict[int, int] = {}  # cuda index -> the NVML index sampled for it
+        self.parents: dict[int, int] = {}  # cuda index -> the physical GPU's NVML index
         self.uuids: dict[int, str] = {}
+        self.unsampled: dict[int, str] = {}  # cuda index -> why it is matched but not sampled
         self.reason: str | None = None
         self.sampler: NvmlSampler | None = None
         self.pids = list(pids)
@@ -356,12 +429,20 @@ class NvmlWatch:
             return
         found = resolve_visible_devices(nvml, env, list(cuda_uuids))
         for dev in found.devices:
-            if dev.nvml_index is not None:
-                self.map[dev.cuda_index] = dev.nvml_index
-                if dev.uuid:
-                    self.uuids[dev.cuda_index] = dev.uuid
+            if dev.nvml_index is None:
+                continue
+            self.parents[dev.cuda_index] = dev.nvml_index
+            if dev.uuid:
+                self.uuids[dev.cuda_index] = dev.uuid
+            if dev.sample_index is None:
+                self.unsampled[dev.cuda_index] = (
+                    f"MIG device {dev.uuid}: NVML cannot address it on its own here, and the "
+                    "parent GPU's figures would span every MIG slice")
+            else:
+                self.map[dev.cuda_index] = dev.sample_index
         if not self.map:
-            self.reason = "no CUDA device could be matched to an NVML device by UUID"
+            self.reason = next(iter(self.unsampled.values()), None) or (
+                "no CUDA device could be matched to an NVML device by UUID")
             return
         self.sampler = NvmlSampler(
             nvml, sorted(set(self.map.values())), interval_s, pids=self.pids or None
@@ -383,10 +464,11 @@ class NvmlWatch:
     def fill(self, dev: DeviceResult, cuda_index: int) -> None:
         """Put NVML's view of ``cuda_index`` into ``dev`` (or the reason it is missing)."""
         dev.uuid = self.uuids.get(cuda_index)
+        dev.nvml_index = self.parents.get(cuda_index)
         nvml_index = self.map.get(cuda_index)
-        dev.nvml_index = nvml_index
         if self.sampler is None or nvml_index is None:
-            dev.nvml_reason = self.reason or f"cuda:{cuda_index} not matched to an NVML device"
+            dev.nvml_reason = self.unsampled.get(cuda_index) or self.reason or (
+                f"cuda:{cuda_index} not matched to an NVML device")
             return
         s = self.sampler
         dev.nvml_peak_used_bytes = s.peak_used_bytes(nvml_index)
@@ -417,17 +499,53 @@ class NvmlWatch:
             if peak is not None:
                 dev.process_used_bytes[str(pid)] = peak
 
-    def contexts_of(self, pid: int) -> dict[int, int | None]:
-        """CUDA index -> used bytes (None: unknown) of every GPU where ``pid`` had a context."""
+    def foreign_pids(self, cuda_indices: Sequence[int]) -> bool:
+        """Whether NVML listed processes on these GPUs (where this process worked) but never
+        this process's PIDs: it reports the PIDs of another PID namespace (a container run
+        without the host's), so per-process usage and stray contexts cannot be seen."""
+        if self.sampler is None or not self.pids:
+            return False
+        devices = {self.map[c] for c in cuda_indices if c in self.map}
+        listed = {d for d in devices if self.sampler.listed_processes(d)}
+        return bool(listed) and not any(
+            self.sampler.listed_pid(d, pid) for d in listed for pid in self.pids)
+
+    def notes(self, cuda_indices: Sequence[int]) -> list[str]:
+        """What the sampler could not read, per CUDA device, for the scenario's notes."""
+        if self.sampler is None:
+            return []
+        s = self.sampler
+        back = {v: k for k, v in self.map.items()}
+        found: list[str] = []
+        for device, texts in sorted(s.notes.items()):
+            where = f"cuda:{back[device]}" if device in back else "NVML"
+            found.extend(f"NVML on {where}: {t}" for t in texts)
+        if s.thread_error:
+            found.append(f"the NVML sampler stopped: {s.thread_error}")
+        if self.foreign_pids(cuda_indices):
+            found.append(
+                "NVML lists processes on the GPUs but never dpprof's own: it reports the PIDs "
+                "of another PID namespace (a container without the host's, e.g. docker run "
+                "without --pid=host), so per-process usage and CUDA contexts on the wrong GPU "
+                "cannot be seen here")
+        return found
+
+    def contexts_of(self, pid: int) -> dict[int, int]:
+        """CUDA index -> peak used bytes of every GPU where ``pid`` held memory.
+
+        An entry of 0 bytes is not a context: with peer access (NVLink, P2P over PCIe) NVML
+        lists every process that mapped a GPU's memory on that GPU with 0 bytes, so each DDP
+        rank shows up on every peer's GPU. An entry whose usage the driver cannot tell
+        (None) proves nothing either way and is left out too.
+        """
         if self.sampler is None:
             return {}
         back = {v: k for k, v in self.map.items()}
-        found: dict[int, int | None] = {}
+        found: dict[int, int] = {}
         for p in self.sampler.process_samples:
-            if p.pid == pid and p.device in back:
+            if p.pid == pid and p.device in back and p.used_bytes:
                 cuda = back[p.device]
-                old = found.get(cuda)
-                found[cuda] = p.used_bytes if old is None else max(old, p.used_bytes or 0)
+                found[cuda] = max(found.get(cuda, 0), p.used_bytes)
         return found
 
 
@@ -560,6 +678,24 @@ class StepBatches(Sequence[Batch]):
         return self.current[1]
 
 
+def step_closure(wl: Workload, ops: DeviceOps, rows: int, seed: int = 0) -> Callable[[], None]:
+    """One training step of ``wl`` on ``ops``' first device, ``rows`` rows, through the
+    shared loop: the model, optimizer and batch are made once and kept by the closure."""
+    dev = ops.device(0)
+    model, loss_fn = _model(wl, dev, seed)
+    opt = _optimizer(wl, model, loss_fn)
+    model.train()
+    batch = [scenario_batch(wl, seed, 0, rows, 1, 0)]
+
+    def move(x: Any, is_target: bool) -> Any:
+        return map_tensors(x, lambda t: t.clone() if dev.type == "cpu" else t.to(dev))
+
+    def step() -> None:
+        training_loop(model, loss_fn, opt, batch, move, False, step=wl.step)
+
+    return step
+
+
 def _optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.Optimizer:
     params = list(model.parameters())
     if isinstance(loss_fn, nn.Module):
@@ -587,6 +723,12 @@ class _Run:
         self.overall_allocated: dict[int, int] = {}
         self.overall_reserved: dict[int, int] = {}
         self.measuring = False
+        # The allocator's peaks are process-wide and cumulative until reset: without this,
+        # an OOM in a warm-up step (before the reset of the first measured one) would report
+        # the previous scenario's peak as this one's.
+        ops.synchronize()
+        for i in self.logical:
+            ops.reset_peaks(i)
 
     def peaks_now(self) -> None:
         """Fold the allocator's current peaks into the overall peaks (measured steps only)."""
@@ -677,7 +819,7 @@ class _Run:
 def _fail(out: Measured, exc: BaseException, run: _Run | None, cfg: CudaRunConfig) -> None:
     """Record ``exc`` in ``out`` (OOM or error); keeps only strings and numbers."""
     out.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    out.message = f"{type(exc).__name__}: {exc}".strip() + error_site(exc)
+    out.message = one_line(exc) + error_site(exc)
     if run is not None:
         out.oom_phase = run.rec.current or None
         with contextlib.suppress(Exception):
@@ -697,7 +839,7 @@ def _fail(out: Measured, exc: BaseException, run: _Run | None, cfg: CudaRunConfi
                 out.oom_device = info.device
             elif len(run.logical) == 1:
                 out.oom_device = run.logical[0]
-        first = out.message.split(". ", 2)
+        first = (oom_line(str(exc)) or out.message).split(". ", 2)
         out.message = "out of memory" + (
             f" on cuda:{info.device}" if info.device is not None else ""
         ) + (f" asking for {fmt_bytes(info.bytes_requested)}" if info.bytes_requested else "") + (
@@ -764,6 +906,8 @@ def run_local_scenario(
         dev = run.device_result(i, rows_i, i < used) if run else DeviceResult(index=i)
         watch.fill(dev, cfg.devices[i])
         result.devices.append(dev)
+    worked = [cfg.devices[i] for i in logical] if out.step_times_s else []
+    result.notes.extend(watch.notes(worked))
     pid = os.getpid()
     for cuda, used_bytes in sorted(watch.contexts_of(pid).items()):
         if cuda not in cfg.devices:  # e.g. --devices 2,3 and something touched cuda:0
@@ -793,7 +937,7 @@ def _watch(
     if nvml is None and ops.kind == "cuda":
         nvml = libnvml.default_nvml()
     if cuda_uuids is None and ops.kind == "cuda":
-        cuda_uuids = torch_cuda_uuids()
+        cuda_uuids = host().uuids()
     return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids)
 
 
@@ -892,6 +1036,7 @@ def measure_ddp_rank(
             + f", not only on its own cuda:{local_device}: call torch.cuda.set_device("
             "local_rank) before anything touches CUDA"
         )
+    out.notes.extend(watch.notes([local_device] if out.step_times_s else []))
     return out
 
 

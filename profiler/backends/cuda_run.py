@@ -29,7 +29,7 @@ from dpprof.backends.cuda import (
 )
 from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
 from dpprof.errors import UsageError
-from dpprof.result import RunResult
+from dpprof.result import RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, loop_description
 from dpprof.scenarios.workloads import Workload
 
@@ -117,20 +117,20 @@ def cuda_compare(
     run.config["gpus"] = len(devices)
     ops = host().ops(devices)
     run.gpu_memory_bytes = _capacity(ops, run.gpu_memory_bytes)
-    for i, name in enumerate(scenarios):
+    # ddp first: its ranks must find the GPUs as a real DDP job does, without this process's
+    # CUDA context (hundreds of MiB per GPU, never given back) that the in-process scenarios
+    # create; reading the devices' properties above creates none
+    order = sorted(scenarios, key=lambda name: name != DDP)
+    done: dict[str, ScenarioResult] = {}
+    for i, name in enumerate(order):
         if progress:
-            progress(name, i, len(scenarios))
+            progress(name, i, len(order))
         if name == DDP:
             outcomes = spawn_ddp(ddp_job(ccfg, cfg), len(devices))
-            run.scenarios.append(ddp_scenario(outcomes, ccfg, len(devices)))
+            done[name] = ddp_scenario(outcomes, ccfg, len(devices))
         else:
-            run.scenarios.append(run_local_scenario(name, wl, ccfg, ops))
-    if DDP in scenarios and any(s != DDP for s in scenarios) and ops.kind == "cuda":
-        run.notes.append(
-            "the ddp ranks ran while this process kept its CUDA context on every GPU (from "
-            "the DataParallel scenarios): NVML's used memory includes it; the rank's own "
-            "usage is in process_used_bytes"
-        )
+            done[name] = run_local_scenario(name, wl, ccfg, ops)
+    run.scenarios.extend(done[name] for name in scenarios)
     return run
 
 

@@ -161,13 +161,27 @@ def torchrun_run_id() -> str:
 
 
 class StoreWatcher:
-    """Aborts this rank's NCCL process group when another rank reports a failure."""
+    """Aborts this rank's NCCL process group when another rank reports a failure.
 
-    def __init__(self, store: Any, key: str, backend: str) -> None:
+    Started before ``init_process_group`` (spawn mode, where the store exists first): a peer
+    that dies while the others wait in the group's set-up (NCCL's ``ncclCommInitRank`` waits
+    for every rank, gloo for every rank's address, up to the timeout) has no process group to
+    abort yet, so until :meth:`joined` the watcher leaves this rank's outcome in the store
+    and ends the process instead (``before_init``: this rank's number and the store prefix).
+    """
+
+    def __init__(self, store: Any, key: str, backend: str,
+                 before_init: tuple[int, str] | None = None) -> None:
         self.store, self.key, self.backend = store, key, backend
         self.done = threading.Event()
         self.fired = False
+        self.before_init = before_init
+        self.in_init = before_init is not None
         self.thread = threading.Thread(target=self._run, name="dpprof-ddp-watch", daemon=True)
+
+    def joined(self) -> None:
+        """The process group is up: from now on a peer's failure aborts it."""
+        self.in_init = False
 
     def start(self) -> StoreWatcher:
         self.thread.start()
@@ -181,9 +195,21 @@ class StoreWatcher:
                 return
             if failed and not self.done.is_set():
                 self.fired = True
+                if self.in_init and self.before_init is not None:
+                    self._leave_init()
                 if self.backend == "nccl":
                     _abort()
                 return
+
+    def _leave_init(self) -> None:
+        rank, prefix = self.before_init or (0, "")
+        with contextlib.suppress(Exception):
+            peer = self.store.get(self.key).decode()
+            outcome = RankOutcome(rank=rank, ok=False, message=(
+                f"rank {rank} stopped waiting in init_process_group: rank {peer} failed"))
+            self.store.set(f"{prefix}/outcome/{rank}", pickle.dumps(outcome))
+            self.store.set(f"{prefix}/status/{rank}", "error")
+        os._exit(1)  # blocked inside the group's C++ set-up: nothing else unblocks it
 
     def stop(self) -> None:
         """Stop and join the thread: a daemon thread still inside a c10d store call when the
@@ -230,15 +256,32 @@ def _init(group: Group, info: RankInfo, store: Any) -> Any:
 
 
 def run_in_group(group: Group, body: RankBody, info: RankInfo,
-                 store: Any = None) -> list[RankOutcome] | None:
-    """One rank (see the module docstring); on rank 0, every rank's outcome in rank order."""
-    dev = group.device_index(info)
-    if group.device == "cuda":
-        torch.cuda.set_device(dev)  # first, before anything touches CUDA
+                 store: Any = None, watch_store: Any = None) -> list[RankOutcome] | None:
+    """One rank (see the module docstring); on rank 0, every rank's outcome in rank order.
+
+    ``watch_store``: a second client of ``store`` for the watcher thread: a c10d store client
+    serves one request at a time, and during set-up the main thread blocks in one (waiting
+    for the peers' addresses), so a watcher on the same client would wait behind it.
+    """
     prefix = f"dpprof/{group.run_id}"
-    store = _init(group, info, store)
+    watcher: StoreWatcher | None = None
+    if watch_store is not None:  # spawn mode: watch the peers while the group is set up
+        watcher = StoreWatcher(watch_store, f"{prefix}/failed", group.backend,
+                               before_init=(info.rank, prefix)).start()
+    try:
+        dev = group.device_index(info)
+        if group.device == "cuda":
+            torch.cuda.set_device(dev)  # first, before anything touches CUDA
+        store = _init(group, info, store)
+    except Exception as exc:
+        if watcher is not None:
+            watcher.stop()
+            _failed_in_init(store, prefix, info.rank, exc)
+        raise
     store.add(f"{prefix}/joined", 1)
-    watcher = StoreWatcher(store, f"{prefix}/failed", group.backend).start()
+    if watcher is None:
+        watcher = StoreWatcher(store, f"{prefix}/failed", group.backend).start()
+    watcher.joined()
     try:
         value = body(info, dev)
         outcome = RankOutcome(rank=info.rank, ok=bool(body.succeeded(value)), value=value)
@@ -282,6 +325,19 @@ def run_in_group(group: Group, body: RankBody, info: RankInfo,
     return _collect(store, prefix, info.world_size, grace)
 
 
+def _failed_in_init(store: Any, prefix: str, rank: int, exc: BaseException) -> None:
+    """Tell the peers at once that this rank's set-up failed (they wait in theirs)."""
+    with contextlib.suppress(Exception):
+        outcome = RankOutcome(
+            rank=rank, ok=False, traceback=traceback.format_exc(),
+            message=f"{type(exc).__name__}: {exc}".strip().splitlines()[0] + error_site(exc))
+        if int(store.add(f"{prefix}/nfailed", 1)) == 1:
+            outcome.reported_first = outcome.first_failure = True
+        store.set(f"{prefix}/outcome/{rank}", pickle.dumps(outcome))
+        store.set(f"{prefix}/status/{rank}", "error")
+        store.set(f"{prefix}/failed", str(rank))
+
+
 def _wait_joined(store: Any, prefix: str, world: int, timeout_s: float) -> None:
     """Wait (bounded) until every rank has finished joining the process group."""
     deadline = time.monotonic() + timeout_s
@@ -323,6 +379,7 @@ _PEER_ERRORS = (
     "connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
     "timeout", "socket closed", "was aborted", "aborted", "connection refused",
     "read error", "write error", "unexpected end of stream", "did not finish within",
+    "stopped waiting in init_process_group",
 )
 
 
@@ -347,7 +404,8 @@ def blame(outcomes: list[RankOutcome]) -> list[RankOutcome]:
     own = [o for o in failed if o.value is not None or (
         o.traceback and not is_peer_error(o.message) and not is_peer_error(
             o.traceback.strip().splitlines()[-1] if o.traceback.strip() else ""))]
-    silent = [o for o in failed if not o.traceback and o.value is None]
+    silent = [o for o in failed
+              if not o.traceback and o.value is None and not is_peer_error(o.message)]
     first = [o for o in failed if o.reported_first]
     pick = (next((o for o in own if o.reported_first), None) or (own[0] if own else None)
             or (silent[0] if silent else None) or (first[0] if first else failed[0]))
@@ -366,9 +424,10 @@ def _spawned_rank(group: Group, body: RankBody, rank: int, world: int, port: int
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=_dt.timedelta(
-            seconds=group.timeout_s))
-        result = run_in_group(group, body, RankInfo(rank, world, rank), store)
+        timeout = _dt.timedelta(seconds=group.timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timeout)
+        watch_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timeout)
+        result = run_in_group(group, body, RankInfo(rank, world, rank), store, watch_store)
         if rank == 0:
             queue.put(("ok", pickle.dumps(result)))
     except BaseException as exc:

@@ -6,6 +6,7 @@
     dpprof watch -- python train.py
     dpprof report run.json -o run.html
     dpprof env
+    dpprof check
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Annotated
 import typer
 
 from dpprof import __version__
+from dpprof.cli.check import check_cmd
 from dpprof.cli.common import out
 from dpprof.cli.compare import compare_cmd
 from dpprof.cli.env import env_cmd
@@ -66,6 +68,7 @@ app.command(
 )(run_cmd)
 app.command("report", epilog=EXIT_STATUS_HELP)(report_cmd)
 app.command("env", epilog=EXIT_STATUS_HELP)(env_cmd)
+app.command("check", epilog=EXIT_STATUS_HELP)(check_cmd)
 
 
 def main() -> None:

@@ -116,9 +116,11 @@ class VisibleDevice:
     """The GPU behind one CUDA index.
 
     ``nvml_index`` is None when it could not be matched (``reason`` says why); for a MIG device
-    it is the parent GPU's index and ``uuid`` the MIG UUID. ``matched_by``: ``uuid`` (exact),
-    ``uuid-prefix`` (an abbreviated UUID in ``CUDA_VISIBLE_DEVICES``), ``pci-bus-order`` (an
-    integer, through CUDA_DEVICE_ORDER and PCI bus ids) or None. ``note`` flags a match that
+    it is the parent GPU's index, ``uuid`` the MIG UUID and ``mig_index`` the index under which
+    NVML reads the MIG device's own memory and processes (the parent's cover every slice).
+    ``matched_by``: ``uuid`` (exact), ``uuid-prefix`` (an abbreviated UUID in
+    ``CUDA_VISIBLE_DEVICES``), ``pci-bus-order`` (an integer, through CUDA_DEVICE_ORDER and
+    PCI bus ids) or None. ``note`` flags a match that
     rests on an assumption.
     """
 
@@ -132,6 +134,13 @@ class VisibleDevice:
     matched_by: str | None = None
     reason: str | None = None
     note: str | None = None
+    mig_index: int | None = None
+
+    @property
+    def sample_index(self) -> int | None:
+        """The NVML index whose memory and processes are this CUDA device's: the MIG device's
+        own for a MIG device (None when it cannot be addressed), else ``nvml_index``."""
+        return self.mig_index if self.mig else self.nvml_index
 
     @property
     def matched(self) -> bool:
@@ -286,7 +295,9 @@ def nvml_index_for_uuid(nvml: NvmlBackend, uuid: object) -> int | None:
 
 
 def torch_cuda_uuids() -> list[str] | None:
-    """The UUID of every CUDA device as the CUDA runtime reports it (``GPU-...``).
+    """The UUID of every CUDA device as the CUDA runtime reports it: 36 hex characters and
+    dashes, without a prefix, since the runtime does not say whether it is a GPU (``GPU-``) or
+    a MIG device (``MIG-``); :func:`resolve_visible_devices` tries both against NVML.
 
     None when torch is missing, CUDA is unavailable, or the UUIDs cannot be read. This
     initialises CUDA in the calling process: do not call it in a process that should stay
@@ -303,7 +314,9 @@ def torch_cuda_uuids() -> list[str] | None:
             uuid = normalize_uuid(getattr(props, "uuid", None))
             if uuid is None:
                 return None
-            result.append(uuid)
+            raw = str(getattr(props, "uuid", "")).strip()
+            # keep a prefix only where the runtime wrote one; never invent "GPU-"
+            result.append(uuid if raw[:4].upper() in ("GPU-", "MIG-") else uuid[4:])
         return result
     except Exception:
         return None
@@ -469,6 +482,7 @@ def _mig(
                         pci_bus_id=gpu.pci_bus_id,
                         mig=True,
                         matched_by="uuid",
+                        mig_index=mig.index,
                     )
                 ]
     notes.append(f"CUDA_VISIBLE_DEVICES stops at {entry.text!r}: no such MIG device")
@@ -518,6 +532,7 @@ def _by_cuda_uuids(nvml: NvmlBackend, cuda_uuids: Sequence[object]) -> list[Visi
                     gpu.pci_bus_id,
                     mig=True,
                     matched_by="uuid",
+                    mig_index=mig.index,
                 )
             )
             continue

@@ -56,6 +56,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 __all__ = [
+    "MIG_INDEX_BASE",
     "NVML_VALUE_NOT_AVAILABLE",
     "DeviceInfo",
     "MemoryInfo",
@@ -69,8 +70,10 @@ __all__ = [
     "Utilization",
     "cuda_version_string",
     "default_nvml",
+    "mig_device_index",
     "normalize_pci_bus_id",
     "nvml_status",
+    "split_mig_index",
 ]
 
 T = TypeVar("T")
@@ -183,6 +186,31 @@ class MigDevice:
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
     total_bytes: int | None = None
+    # the index under which memory(), processes() and utilization() read this MIG device
+    # itself (see mig_device_index); None where the backend cannot address it
+    index: int | None = None
+
+
+#: NVML indices from here up address MIG devices (:func:`mig_device_index`), not GPUs.
+MIG_INDEX_BASE = 1 << 16
+_MIG_SLOTS = 64  # nvmlDeviceGetMaxMigDeviceCount is 7 on every MIG GPU so far
+
+
+def mig_device_index(parent: int, slot: int) -> int:
+    """The index that names MIG device ``slot`` of GPU ``parent`` in the per-device queries.
+
+    On a MIG-enabled GPU the parent's memory and process queries answer for every slice
+    (or, for a user without root, fail with NoPermission): what a CUDA process on one MIG
+    device uses is only readable through that MIG device's own handle.
+    """
+    return MIG_INDEX_BASE + parent * _MIG_SLOTS + slot
+
+
+def split_mig_index(index: int) -> tuple[int, int] | None:
+    """``(parent, slot)`` of an index made by :func:`mig_device_index`; None for a GPU's."""
+    if index < MIG_INDEX_BASE:
+        return None
+    return divmod(index - MIG_INDEX_BASE, _MIG_SLOTS)
 
 
 @dataclass(frozen=True)
@@ -490,7 +518,7 @@ class RealNvml(NvmlBackend):
         self._initialized = False
         self._handles: dict[int, Any] = {}
         self._process_fn: Callable[[Any], Any] | None = None
-        self._memory_v2: bool | None = None
+        self._memory_v2: dict[int, bool] = {}  # per device: whether the v2 query works
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -537,7 +565,7 @@ class RealNvml(NvmlBackend):
                 atexit.unregister(self.shutdown)
             self._handles.clear()
             self._process_fn = None
-            self._memory_v2 = None
+            self._memory_v2 = {}
             self._status = None
 
     # -- error translation ---------------------------------------------------------------
@@ -595,7 +623,12 @@ class RealNvml(NvmlBackend):
         with self._lock:
             handle = self._handles.get(index)
             if handle is None:
-                handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+                mig = split_mig_index(index)
+                if mig is None:
+                    handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+                else:
+                    handle = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex",
+                                        self._handle(mig[0]), mig[1])
                 self._handles[index] = handle
             return handle
 
@@ -613,17 +646,23 @@ class RealNvml(NvmlBackend):
     def _query_memory(self, index: int) -> MemoryInfo:
         handle = self._handle(index)
         version = getattr(self._nv, "nvmlMemory_v2", None)
-        if version is not None and self._memory_v2 is not False:
+        if version is not None and self._memory_v2.get(index) is not False:
             try:
                 mem = self._nvml("nvmlDeviceGetMemoryInfo", handle, version)
             except (NvmlQueryError, TypeError) as exc:
-                # No nvmlDeviceGetMemoryInfo_v2 in this driver (pre-R510), a version
-                # mismatch, or a pynvml without the version argument: use v1 from now on.
-                if isinstance(exc, NvmlQueryError) and exc.kind in ("gpu_lost", "not_available"):
+                # Only "this query does not exist here" switches this device to v1: no
+                # nvmlDeviceGetMemoryInfo_v2 in the driver (pre-R510), a version mismatch, a
+                # pynvml without the version argument. Anything else (NoPermission on a MIG
+                # parent, a lost GPU) is this reading's failure: v1 would fail alike, and
+                # switching would change what "used" means on every GPU (v1 counts the
+                # driver's reserve, v2 does not).
+                if isinstance(exc, NvmlQueryError) and exc.kind != "not_supported":
                     raise
-                self._memory_v2 = False
+                with self._lock:
+                    self._memory_v2[index] = False
             else:
-                self._memory_v2 = True
+                with self._lock:
+                    self._memory_v2[index] = True
                 return MemoryInfo(int(mem.total), int(mem.free), int(mem.used), int(mem.reserved))
         mem = self._nvml("nvmlDeviceGetMemoryInfo", handle)
         return MemoryInfo(int(mem.total), int(mem.free), int(mem.used))
@@ -759,6 +798,9 @@ class RealNvml(NvmlBackend):
             gi = _optional(partial(self._nvml, "nvmlDeviceGetGpuInstanceId", mig))
             ci = _optional(partial(self._nvml, "nvmlDeviceGetComputeInstanceId", mig))
             mem = _optional(partial(self._nvml, "nvmlDeviceGetMemoryInfo", mig))
+            if slot < _MIG_SLOTS:
+                with self._lock:
+                    self._handles[mig_device_index(index, slot)] = mig
             result.append(
                 MigDevice(
                     parent_index=index,
@@ -766,6 +808,7 @@ class RealNvml(NvmlBackend):
                     gpu_instance_id=None if gi is None else int(gi),
                     compute_instance_id=None if ci is None else int(ci),
                     total_bytes=None if mem is None else int(mem.total),
+                    index=mig_device_index(index, slot) if slot < _MIG_SLOTS else None,
                 )
             )
         return result

@@ -183,6 +183,7 @@ class NvmlSampler:
         self._active: list[int] = list(self.devices)
         self._util_off: set[int] = set() if utilization else set(self.devices)
         self._process_off: set[int] = set()
+        self._listed: dict[int, set[int]] = {}  # device -> every PID NVML listed on it
         self.errors: dict[int, str] = {}
         """Device -> why its sampling stopped."""
         self.notes: dict[int, list[str]] = {}
@@ -296,6 +297,8 @@ class NvmlSampler:
                 why = self.nvml.reason("processes", device) or "not available"
                 self._note(device, f"per-process memory: {why}")
             else:
+                with self._lock:
+                    self._listed.setdefault(device, set()).update(p.pid for p in procs)
                 events.extend(
                     ProcessSample(t, device, p.pid, p.used_bytes) for p in procs if p.pid in pids
                 )
@@ -387,6 +390,16 @@ class NvmlSampler:
         """Highest used memory of process ``pid`` on ``device``; None if never known."""
         with self._lock:
             return self._process_peak.get((device, pid))
+
+    def listed_processes(self, device: int) -> int:
+        """How many distinct PIDs NVML listed on ``device`` (any process, wanted or not)."""
+        with self._lock:
+            return len(self._listed.get(device, ()))
+
+    def listed_pid(self, device: int, pid: int) -> bool:
+        """Whether NVML ever listed ``pid`` on ``device``."""
+        with self._lock:
+            return pid in self._listed.get(device, ())
 
     def timeline(self, device: int) -> list[tuple[float, int]]:
         """``(t_s, used_bytes)`` of one device, in time order."""

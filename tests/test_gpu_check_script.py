@@ -1,0 +1,33 @@
+"""scripts/gpu_check.sh's dry run: its plumbing (steps, timeouts, files, the summary) over the
+tests' fakes, with only the ``dpprof check`` step, so it fits CI; on a GPU the script runs
+every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_the_dry_run_checks_one_fake_gpu_end_to_end(tmp_path: Path) -> None:
+    env = dict(os.environ, GPU_CHECK_DRY="1", GPU_CHECK_STEPS="dpprof_check",
+               OUT=str(tmp_path), PYTHON=sys.executable, HARD_S="200")
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = {line.split("\t")[0]: line.split("\t")[1]
+             for line in (tmp_path / "steps.tsv").read_text().splitlines()[1:]}
+    assert steps["dpprof_check"] == "0", (tmp_path / "dpprof_check.err").read_text()[-3000:]
+    assert steps["compare"] == "skipped"  # not asked for
+    summary = {row["check"]: row for row in json.loads((tmp_path / "summary.json").read_text())}
+    assert summary["dpprof check: every scenario ok"]["ok"] is True
+    assert summary["dpprof check: every CUDA device matched to NVML"]["ok"] is True
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["gpu"] == "NVIDIA Fake 80GB" and report["sampler"]["tick_s"] > 0
