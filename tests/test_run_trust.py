@@ -169,7 +169,7 @@ DP_WITH_SIDE_EFFECTS = """
             outputs = model(x.cuda())
             loss = criterion(outputs, y.cuda())
             opt.zero_grad(); loss.backward(); opt.step()
-            print("step", step)
+            print("step", step, loss.item())  # what the model computes: a stand-in
             logging.info("logged %d", step)
             log.write(f"{step}\\n")
             torch.save({"step": step}, "out/progress.pt")
@@ -185,7 +185,7 @@ def test_the_alternatives_write_and_print_nothing_the_user_sees(
     names = [s.name for s in result.scenarios]
     assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]  # both alternatives ran
     captured = capsys.readouterr()
-    assert captured.out == "step 0\nstep 1\n"  # the run as written only, once
+    assert captured.out == "step 0 1.0\nstep 1 1.0\n"  # the run as written only, once
     assert (tmp_path / "out" / "log.txt").read_text() == "0\n1\n"
     assert torch.load(tmp_path / "out" / "progress.pt") == {"step": 1}
     alt_notes = " ".join(result.scenarios[1].notes)

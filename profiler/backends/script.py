@@ -189,6 +189,10 @@ class ScriptRun:
     writes: Writes = field(default_factory=Writes)  # what dpprof kept from the user's files
     output_tail: str = ""  # an alternative's run: the end of what it printed (not shown)
     interrupted_by: int = 0  # the signal that cut the run short (ended == "interrupted")
+    # the DDP alternative: its rank's peak under gradient_as_bucket_view=True (followed in a
+    # ledger while it ran plain), or why it could not be followed
+    bucket_view_peak_bytes: int | None = None
+    bucket_view_unsure: str | None = None
     shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
 
@@ -429,6 +433,10 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
+    ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
+    if cfg.variant == DDP_IN_PLACE and ledger is not None:
+        run.bucket_view_peak_bytes = ledger.peak_allocated if ledger.unsure is None else None
+        run.bucket_view_unsure = ledger.unsure
     return run
 
 

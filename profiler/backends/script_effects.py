@@ -63,7 +63,9 @@ class _Silenced(io.TextIOBase):
     still shows while the script's prints do not."""
 
     def __init__(self, real: Any, tail: collections.deque[str]) -> None:
-        self.rich_proxied_file = real
+        # under a live progress bar, sys.stdout is rich's proxy of the terminal: the bar
+        # writes to the terminal itself
+        self.rich_proxied_file = getattr(real, "rich_proxied_file", real)
         self._tail = tail
 
     def writable(self) -> bool:

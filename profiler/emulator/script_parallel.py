@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator.parallel import EmulatedDDP, gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.vdevice import VariantLedger
 from dpprof.emulator.virtual_cuda import caller_site
 
 if TYPE_CHECKING:
@@ -163,8 +164,16 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         self._check_placement(src)
         impl = self.__dict__.get("_ddp_impl")
         if impl is None:
+            # DDP(gradient_as_bucket_view=True) followed in a ledger of the rank's device,
+            # from what the device holds now (the model, moved before it was wrapped)
+            ledger = VariantLedger()
+            counters = rt.counters[src]
+            ledger.live_requested = ledger.peak_requested = counters.live_requested
+            ledger.live_allocated = ledger.peak_allocated = counters.live_allocated
+            rt.ledgers[src] = ledger
             with rt.device(src):
-                impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids))
+                impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids),
+                                   bucket_view_ledger=ledger)
             object.__setattr__(self, "_ddp_impl", impl)
             LOG.ddp_devices.append(src)
         LOG.used_devices = [src]

@@ -79,7 +79,8 @@ class SmallValues:
             return
         small = all(o.untyped_storage().nbytes() <= self.max_tensor_bytes for o in outs) and all(
             _REAL_DEVICE.__get__(a).type in ("meta", "cpu") for a in leaves)
-        result = self.compute(func, args, kwargs) if small else None
+        result = (self.compute(func, args, kwargs)
+                  if small and func not in _UNINITIALIZED else None)
         if result is None:
             self._forget_written(func, metas_in)
             return
@@ -145,6 +146,15 @@ class SmallValues:
             found = self._values.pop(id(st), None)
             if found is not None:
                 self.total_bytes -= found[1].untyped_storage().nbytes()
+
+
+_aten = torch.ops.aten
+# ops whose output holds whatever memory held: no values until something writes them
+_UNINITIALIZED = frozenset({
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
+    _aten.resize_.default,
+})
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
