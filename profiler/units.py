@@ -41,6 +41,12 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def has_unit(text: str) -> bool:
+    """Does ``text`` name its unit (``80GiB``, ``512 MiB``), not only a number (``80``)?"""
+    m = _SIZE.match(str(text))
+    return bool(m and m.group(2))
+
+
 def fmt_bytes(n: float | int | None, signed: bool = False) -> str:
     """Binary units, three significant digits: 1536 -> '1.50 KiB'."""
     if n is None:
