@@ -104,7 +104,7 @@ def maxbatch_cmd(
                 f"{fmt_bytes(memory)}{f' ({spec.key})' if spec else ''}, multiples "
                 f"of {multiple_of}"
             )
-        if quiet:
+        if quiet or not err.is_terminal:  # a log gets no progress bar's leftovers
             mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
                               step=StepConfig(seed=seed))
         else:  # a search takes seconds to minutes: say which scenario it is on
