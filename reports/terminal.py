@@ -19,7 +19,7 @@ from dpprof.reports.base import Renderer
 from dpprof.reports.common import run_title
 from dpprof.reports.view import DeviceView, ReportView, ScenarioView, build_view
 from dpprof.result import RunResult
-from dpprof.units import fmt_bytes
+from dpprof.units import fmt_bytes, unit_for
 
 
 def render(run: RunResult) -> Group:
@@ -73,15 +73,6 @@ class FirstThatFits:
 
 
 UNBOUNDED = 1_000_000  # columns: a table's natural width, unconstrained
-UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-
-
-def unit_for(values: list[int]) -> tuple[str, int]:
-    """The binary unit of the largest value (what fmt_bytes would print it in)."""
-    top = max((abs(v) for v in values), default=0)
-    return next(((u, size) for u, size in UNITS if top >= size), ("B", 1))
-
-
 def in_unit(n: int, size: int, signed: bool = False) -> str:
     """``n`` bytes as a number of ``size``-byte units, three significant digits: ``69.5``,
     ``0.40``, ``0``; a non-zero value too small to show is ``<0.01``."""
