@@ -52,11 +52,13 @@ class OneLineErrors(TyperGroup):
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+             windows_expand_args: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+            return super().main(args, prog_name, complete_var, standalone_mode,
+                                windows_expand_args, **extra)
         try:
-            rv = super().main(args, prog_name, complete_var, False, **extra)
+            rv = super().main(args, prog_name, complete_var, False, windows_expand_args,
+                              **extra)
         except _click_errors.ClickException as e:
             if type(e).__name__ == "NoArgsIsHelpError":  # the help was printed
                 sys.exit(EXIT_USAGE)
