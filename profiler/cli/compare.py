@@ -255,8 +255,8 @@ def compare_cmd(
         if resolved == "cpu" and not quiet:
             err.print(
                 f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
-                f"processes); workload {terminal_text(wl.name)}, batch {batch}"
-            )
+                f"processes); workload {terminal_text(wl.name)}, batch {batch}",
+                soft_wrap=True)  # one line, as a log shows it
         if resolved == "emulated" and not quiet:
             from dpprof.pipeline import visible_cuda_gpus
 
@@ -266,8 +266,8 @@ def compare_cmd(
             kind = "CPU tensors" if compute else "meta tensors, memory only"
             err.print(
                 f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
-                f"({kind}); workload {terminal_text(wl.name)}, batch {batch}"
-            )
+                f"({kind}); workload {terminal_text(wl.name)}, batch {batch}",
+                soft_wrap=True)  # one line, as a log shows it
         if resolved == "cuda" and not quiet:
             where = f"torchrun rank 0 of {rank.world_size}" if rank else (
                 f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
@@ -277,8 +277,8 @@ def compare_cmd(
                 f"dpprof: measuring on {where}; workload {terminal_text(wl.name)}, "
                 f"batch {batch}, "
                 f"{cfg.step.warmup_steps('cuda')} warm-up + "
-                f"{cfg.step.measured_steps('cuda')} measured steps"
-            )
+                f"{cfg.step.measured_steps('cuda')} measured steps",
+                soft_wrap=True)  # one line, as a log shows it
         if quiet:
             run = run_compare(cfg, workload=wl)
         else:
