@@ -30,6 +30,24 @@ EXIT_STATUS_HELP = (
     "Exit status: 0 measured; 1 a scenario errored or nothing was measured; 2 usage; "
     "3 a `--fail-on-*` check failed; 130/143 interrupted (SIGINT/SIGTERM)."
 )
+# Each command's own line: only the statuses (and options) that command has.
+MAXBATCH_EXIT_STATUS_HELP = (
+    "Exit status: 0 searched; 1 a scenario errored; 2 usage; 130/143 interrupted "
+    "(SIGINT/SIGTERM)."
+)
+RUN_EXIT_STATUS_HELP = (
+    "Exit status: 0 the script ran and was measured; the script's own (1 for an uncaught "
+    "error) when it failed; 2 usage; 130/143 interrupted (SIGINT/SIGTERM)."
+)
+REPORT_EXIT_STATUS_HELP = (
+    "Exit status: 0 rendered; 1 a file could not be read or written; 2 usage; 130/143 "
+    "interrupted (SIGINT/SIGTERM)."
+)
+ENV_EXIT_STATUS_HELP = "Exit status: 0 printed; 2 usage; 130/143 interrupted (SIGINT/SIGTERM)."
+CHECK_EXIT_STATUS_HELP = (
+    "Exit status: 0 checked; 1 a check could not run; 2 usage, or no CUDA GPU here; "
+    "130/143 interrupted (SIGINT/SIGTERM)."
+)
 WATCH_EXIT_STATUS_HELP = (
     "Exit status: the command's own once it ran (128 + N when a signal N ended it); before "
     "it ran: 1 dpprof could not start it, 2 usage, 130/143 interrupted (SIGINT/SIGTERM)."

@@ -41,6 +41,12 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def has_unit(text: str) -> bool:
+    """Does ``text`` name its unit (``80GiB``, ``512 MiB``), not only a number (``80``)?"""
+    m = _SIZE.match(str(text))
+    return bool(m and m.group(2))
+
+
 def fmt_bytes(n: float | int | None, signed: bool = False) -> str:
     """Binary units, three significant digits: 1536 -> '1.50 KiB'."""
     if n is None:
@@ -56,3 +62,13 @@ def fmt_bytes(n: float | int | None, signed: bool = False) -> str:
             digits = 2 if v < 10 else 1 if v < 100 else 0
             return f"{sign}{v:.{digits}f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def unit_for(values: list[int] | list[float]) -> tuple[str, int]:
+    """The binary unit :func:`fmt_bytes` would print the largest of ``values`` in, and its
+    size: one unit for a table or a chart whose numbers are compared."""
+    top = max((abs(v) for v in values), default=0)
+    return next(((u, size) for u, size in BINARY_UNITS if top >= size), ("B", 1))

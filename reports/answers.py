@@ -110,8 +110,10 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
                    f"{fmt_bytes(a.excess_bytes, signed=True)} at its peak", ["cause", "bytes"],
                    _cause_rows(a))
         parts += [t, Text(a.answer)]
-        if a.negative_note:
-            parts.append(Text(a.negative_note, style="dim"))
+    # the same footnote for every table with a negative cause: said once, after the last
+    note = next((a.negative_note for a in attribution_rows(view) if a.negative_note), None)
+    if note:
+        parts.append(Text(note, style="dim"))
     if view.fixes:
         parts.append(_table("what each fix buys (emulated on this workload and batch)",
                             FIX_HEADER, fix_rows(view)))

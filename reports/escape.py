@@ -15,6 +15,12 @@ anything: rich markup (``[red]``, ``[/x]``), ``:emoji:`` codes, terminal control
   special character escaped, HTML as entities, ``@mentions`` neutralised.
 * :func:`mermaid_label`: a quoted mermaid string: no quotes, brackets, ``%%`` directives,
   ``|``, ``;``, ``#`` or newlines.
+* :func:`for_files`: a copy of a result with every control character removed from its
+  strings (newlines and tabs kept): what the HTML and Markdown files are rendered from, so
+  a report opened with ``cat`` or ``less -r`` cannot retitle or clear the terminal either.
+
+:func:`without_host` is what a public report may show of the machine: a copy of a result
+without the host name, the GPUs' UUIDs and PCI bus ids, and with nodes named by rank.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import re
 from typing import Any, TypeVar
 
 __all__ = [
-    "code_fence", "code_span", "for_terminal", "markdown_text", "mermaid_label", "terminal_text",
+    "code_fence", "code_span", "file_text", "for_files", "for_terminal", "markdown_text",
+    "mermaid_label", "terminal_text", "without_host",
 ]
 
 # C0 (but tab/newline handled apart), DEL, C1, zero-width and bidirectional controls,
@@ -59,20 +66,76 @@ def for_terminal(obj: T) -> T:
     return _walk(obj)  # type: ignore[no-any-return]
 
 
-def _walk(obj: Any) -> Any:
+def file_text(text: object) -> str:
+    """``text`` without its control characters (newlines and tabs kept)."""
+    return _CONTROL.sub("", str(text))
+
+
+def for_files(obj: T) -> T:
+    """A copy of ``obj`` with :func:`file_text` applied to every string."""
+    return _walk(obj, file_text)  # type: ignore[no-any-return]
+
+
+def _walk(obj: Any, text: Any = None) -> Any:
     if isinstance(obj, str):
-        return terminal_text(obj, newlines=True)
+        return terminal_text(obj, newlines=True) if text is None else text(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _walk(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+        changes = {f.name: _walk(getattr(obj, f.name), text) for f in dataclasses.fields(obj)
                    if f.init}
         return dataclasses.replace(obj, **changes)
     if isinstance(obj, list):
-        return [_walk(v) for v in obj]
+        return [_walk(v, text) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_walk(v) for v in obj)
+        return tuple(_walk(v, text) for v in obj)
     if isinstance(obj, dict):
-        return {_walk(k): _walk(v) for k, v in obj.items()}
+        return {_walk(k, text): _walk(v, text) for k, v in obj.items()}
     return obj
+
+
+# The environment's keys and the GPUs' fields that name this machine, not its setup.
+HOST_KEYS = ("hostname", "hostnames")
+GPU_IDENTITY_KEYS = ("uuid", "pci_bus_id", "serial")
+_GPU_ID = re.compile(r"\b(?:GPU|MIG)-[0-9A-Za-z-]+")
+LEFT_OUT = "left out (--include-host keeps it)"
+
+
+def without_host(run: T) -> T:
+    """A copy of a result (a :class:`dpprof.result.RunResult`) without what identifies the
+    machine: the host name(s), the GPUs' UUIDs (in ``CUDA_VISIBLE_DEVICES`` too), PCI bus
+    ids and serials; nodes are called ``node0``, ``node1``... in rank order."""
+    copy = _walk(run, str)  # a deep copy of the dataclass tree
+    env = getattr(copy, "environment", None)
+    if isinstance(env, dict):
+        for key in HOST_KEYS:
+            if key in env:
+                env[key] = LEFT_OUT
+        for gpu in env.get("gpus") or []:
+            if isinstance(gpu, dict):
+                for key in GPU_IDENTITY_KEYS:
+                    if gpu.get(key):
+                        gpu[key] = LEFT_OUT
+        if isinstance(env.get("cuda_visible_devices"), str):
+            env["cuda_visible_devices"] = _GPU_ID.sub("GPU-…", env["cuda_visible_devices"])
+    names: dict[str, str] = {}
+    devices = [d for s in getattr(copy, "scenarios", []) for d in s.devices]
+    for d in sorted(devices, key=lambda d: (d.node_rank is None, d.node_rank or 0)):
+        if d.node and d.node not in names:
+            names[d.node] = f"node{len(names)}"
+    for d in devices:
+        if d.node:
+            d.node = names[d.node]
+        d.uuid = None
+    watch = getattr(copy, "watch", None)
+    for d in getattr(watch, "devices", None) or []:
+        if hasattr(d, "uuid"):
+            d.uuid = None
+    for host, alias in names.items():  # a note may name a node ("rank 3 on host-a failed")
+        word = re.compile(rf"(?<![\w.-]){re.escape(host)}(?![\w-])")
+        for s in copy.scenarios:
+            s.notes = [word.sub(alias, n) for n in s.notes]
+            s.message = word.sub(alias, s.message)
+        copy.notes = [word.sub(alias, n) for n in copy.notes]
+    return copy  # type: ignore[no-any-return]
 
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|#!~$])")

@@ -5,7 +5,12 @@ bar chart per scenario that GitHub draws (one bar series and the capacity as a l
 subset of the syntax every mermaid release with xycharts draws; coloured through an
 ``init`` directive, which a renderer that ignores it simply skips), cuda:0's excess by
 cause, the fix, and how the numbers were obtained, the environment and the full
-configuration in collapsed ``<details>`` blocks. It reads as plain text too.
+configuration in collapsed ``<details>`` blocks (the charts, and a fix's code longer than
+:data:`LONG_CODE_LINES`, too). Sizes are in the unit that fits them (a chart of MiB is drawn
+in MiB). It reads as plain text too.
+
+What it shows of the machine is the caller's choice: ``dpprof`` renders it from
+:func:`dpprof.reports.escape.without_host` unless ``--include-host``.
 
 Strings from the user or the environment are escaped for Markdown and HTML (GitHub
 renders inline HTML), and stripped of what would break a mermaid string or a code fence.
@@ -33,9 +38,11 @@ from dpprof.reports.common import (
 from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
 from dpprof.reports.view import ReportView, ScenarioView, build_view
 from dpprof.result import RunResult
-from dpprof.units import fmt_bytes
+from dpprof.units import fmt_bytes, unit_for
 
-GiB = 2**30
+# A fix's code longer than this goes into a collapsed block: the issue shows what to change
+# first, the whole class on a click.
+LONG_CODE_LINES = 12
 
 
 def md(x: object) -> str:
@@ -48,8 +55,9 @@ def _mermaid_str(x: object) -> str:
     return mermaid_label(x)
 
 
-def _gib(n: int | float) -> str:
-    return f"{n / GiB:.2f}"
+def _in(n: int | float, size: int) -> str:
+    """``n`` bytes in units of ``size`` bytes, to four significant digits (a chart value)."""
+    return f"{n / size:.4g}"
 
 
 def _peak_table(view: ReportView) -> list[str]:
@@ -77,19 +85,20 @@ def _chart(view: ReportView, s: ScenarioView, top: int) -> str:
     cap = view.gpu_memory_bytes
     show_cap = capacity_on_scale(cap, top)
     y_max = max(top, cap if show_cap else 0) * 1.05
+    unit, size = unit_for([y_max])  # one unit for every chart: they share the scale
     colour = SCENARIO_COLOURS.get(s.name, EXTRA_COLOURS[0])
     lines = [
         # the bar in the scenario's colour of the HTML report, the capacity line in red
         '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "'
         + colour + ', #c62828"}}}}%%',
         "xychart-beta",
-        f"    title {_mermaid_str(f'{s.name}: peak allocated per GPU (GiB)')}",
+        f"    title {_mermaid_str(f'{s.name}: peak allocated per GPU, {unit}')}",
         "    x-axis [" + ", ".join(_mermaid_str(d.label) for d in devs) + "]",
-        f'    y-axis "GiB" 0 --> {float(_gib(y_max)):.4g}',
-        "    bar [" + ", ".join(_gib(d.peak_allocated_bytes) for d in devs) + "]",
+        f'    y-axis "{unit}" 0 --> {_in(y_max, size)}',
+        "    bar [" + ", ".join(_in(d.peak_allocated_bytes, size) for d in devs) + "]",
     ]
     if show_cap:
-        lines.append("    line [" + ", ".join(_gib(cap) for _ in devs) + "]")
+        lines.append("    line [" + ", ".join(_in(cap, size) for _ in devs) + "]")
     return code_fence("\n".join(lines), "mermaid")
 
 
@@ -98,13 +107,23 @@ def _charts(view: ReportView) -> list[str]:
         return []
     top = view.top_allocated_bytes
     cap = view.gpu_memory_bytes
-    out = []
+    out = ["<details><summary>Charts: peak allocated per GPU, one per scenario</summary>", ""]
     if capacity_on_scale(cap, top):
         out += [f"The line is each GPU's capacity, {fmt_bytes(cap)}; every chart has the same "
                 "scale.", ""]
     for s in view.drawn:
         out += [_chart(view, s, top), ""]
-    return out
+    return [*out, "</details>", ""]
+
+
+def _code(code: str, lang: str) -> list[str]:
+    """A fix's code: shown when short, collapsed when long (a whole class)."""
+    fence = code_fence(code, lang)
+    lines = code.strip("\n").count("\n") + 1
+    if lines <= LONG_CODE_LINES:
+        return [fence, ""]
+    return [f"<details><summary>The change ({lines} lines)</summary>", "", fence, "",
+            "</details>", ""]
 
 
 def _excess_table(view: ReportView) -> list[str]:
@@ -184,8 +203,7 @@ def render_view(view: ReportView) -> str:
     if not view.recommended:
         lines += [md(view.nothing_to_change), ""]
     for f in view.recommended:
-        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", code_fence(f.code, f.code_lang),
-                  ""]
+        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", *_code(f.code, f.code_lang)]
     lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
     extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:

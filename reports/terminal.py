@@ -6,9 +6,11 @@ Renders the result's :class:`~dpprof.reports.view.ReportView` only.
 from __future__ import annotations
 
 import io
+import re
 
 from rich import box
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -17,7 +19,7 @@ from dpprof.reports.base import Renderer
 from dpprof.reports.common import run_title
 from dpprof.reports.view import DeviceView, ReportView, ScenarioView, build_view
 from dpprof.result import RunResult
-from dpprof.units import fmt_bytes
+from dpprof.units import fmt_bytes, unit_for
 
 
 def render(run: RunResult) -> Group:
@@ -35,29 +37,7 @@ def render_view(view: ReportView) -> Group:
         from dpprof.reports.watch import render_terminal
 
         return render_terminal(view)
-    # Text, not str: a workload or scenario name is shown as is, never read as rich markup.
-    table = Table(title=Text(run_title(view)), title_justify="left", header_style="bold",
-                  box=box.SIMPLE_HEAD)
-    table.add_column("scenario", no_wrap=True)
-    for label in view.columns:
-        table.add_column(label, justify="right", no_wrap=True)
-    table.add_column("cuda:0 excess", justify="right", no_wrap=True)
-    table.add_column("max/mean", justify="right", no_wrap=True)
-    table.add_column("status", no_wrap=True)
-    for s in view.scenarios:
-        cells: list[Text | str] = [Text(s.name)]
-        for d in _cells(view, s):
-            if d is None:
-                cells.append(Text("-", style="dim"))
-                continue
-            cells.append(Text(fmt_bytes(d.peak_allocated_bytes),
-                              style="bold red" if d.over_capacity else ""))
-        cells.append("-" if s.excess_bytes is None else fmt_bytes(s.excess_bytes, signed=True))
-        cells.append("-" if s.imbalance is None else f"{s.imbalance:.2f}")
-        style = {"ok": "green", "OOM": "bold red"}.get(s.status_label, "red")
-        cells.append(Text(s.status_label, style=style))
-        table.add_row(*cells)
-    parts: list[Group | Table | Text] = [table]
+    parts: list[RenderableType] = [_peak_table(view)]
     gpu = _gpu_table(view)
     if gpu is not None:
         parts.append(gpu)
@@ -67,34 +47,201 @@ def render_view(view: ReportView) -> Group:
             parts.append(Text(f"{s.name}: {s.message}", style="red"))
         if s.traceback_tail:
             parts.append(Text("\n".join(f"  {line}" for line in s.traceback_tail), style="dim"))
-        for note in s.notes:
-            parts.append(Text(f"{s.name}: {note}", style="dim"))
+    parts += [Text(note, style="dim") for note in _scenario_notes(view)]
     parts += answers.terminal_parts(view)
     return Group(*parts)
 
 
-def _gpu_table(view: ReportView) -> Group | None:
+# ---- fitting the width ------------------------------------------------------------------
+
+
+class FirstThatFits:
+    """The first of several layouts of one table whose natural width fits the console (the
+    last one otherwise): wide terminals keep every GPU with its units, 80 columns get the
+    units in the header, many GPUs cuda:0 against the others' min / median / max."""
+
+    def __init__(self, *layouts: tuple[RenderableType, Table]) -> None:
+        self.layouts = layouts  # (what to print, the table whose width decides)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        unbounded = options.update_width(UNBOUNDED)  # Measurement.get clamps to the width
+        for shown, table in self.layouts[:-1]:
+            if Measurement.get(console, unbounded, table).maximum <= options.max_width:
+                yield shown
+                return
+        yield self.layouts[-1][0]
+
+
+UNBOUNDED = 1_000_000  # columns: a table's natural width, unconstrained
+def in_unit(n: int, size: int, signed: bool = False) -> str:
+    """``n`` bytes as a number of ``size``-byte units, three significant digits: ``69.5``,
+    ``0.40``, ``0``; a non-zero value too small to show is ``<0.01``."""
+    sign = "-" if n < 0 else "+" if signed and n > 0 else ""
+    v = abs(n) / size
+    if v == 0:
+        return "0" if not signed else "+0"
+    if v < 0.005:
+        return f"{sign}<0.01"
+    digits = 0 if v >= 100 or size == 1 else 1 if v >= 10 else 2
+    return f"{sign}{v:.{digits}f}"
+
+
+def _table(*header: tuple[str, str], title: Text | None = None, narrow: bool = False
+           ) -> Table:
+    """A table of the terminal's style; ``header``: (label, "left" | "right") per column. No
+    cell wraps (a label may hold its own line break). ``narrow``: columns two spaces apart,
+    not three."""
+    table = Table(title=title, title_justify="left", header_style="bold",
+                  box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1) if narrow else (0, 1))
+    for label, justify in header:
+        table.add_column(label, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    return table
+
+
+def _head(label: str) -> str:
+    """A GPU's column label for a narrow table: the host on a line of its own
+    (``node-a/`` over ``cuda:0``)."""
+    return label.replace("/", "/\n")
+
+
+def _status(s: ScenarioView) -> Text:
+    style = {"ok": "green", "OOM": "bold red"}.get(s.status_label, "red")
+    return Text(s.status_label, style=style)
+
+
+def _spread(devices: list[DeviceView | None], key: str = "peak_allocated_bytes"
+            ) -> list[DeviceView | None]:
+    """The GPUs after the first with the least, the median and the most ``key``."""
+    others = sorted((d for d in devices[1:] if d is not None and getattr(d, key) is not None),
+                    key=lambda d: getattr(d, key))
+    if not others:
+        return [None, None, None]
+    return [others[0], others[len(others) // 2], others[-1]]
+
+
+def _peak_table(view: ReportView) -> FirstThatFits:
+    """Peak allocated per GPU per scenario, with cuda:0's excess and max/mean."""
+    title = Text(run_title(view))  # Text: a name is shown as is, never read as markup
+    rows = [(s, _cells(view, s)) for s in view.scenarios]
+    peaks = [d.peak_allocated_bytes for _, cells in rows for d in cells if d is not None]
+    excesses = [s.excess_bytes for s, _ in rows if s.excess_bytes is not None]
+    unit, size = unit_for(peaks + excesses)
+
+    def cell(d: DeviceView | None, text: str | None = None) -> Text:
+        if d is None:
+            return Text("-", style="dim")
+        shown = text if text is not None else fmt_bytes(d.peak_allocated_bytes)
+        return Text(shown, style="bold red" if d.over_capacity else "")
+
+    def tail(s: ScenarioView, condensed: bool) -> list[Text | str]:
+        if s.excess_bytes is None:
+            excess = "-"
+        else:
+            excess = (in_unit(s.excess_bytes, size, signed=True) if condensed
+                      else fmt_bytes(s.excess_bytes, signed=True))
+        return [excess, "-" if s.imbalance is None else f"{s.imbalance:.2f}", _status(s)]
+
+    def value(d: DeviceView | None) -> Text:
+        return cell(d, in_unit(d.peak_allocated_bytes, size)) if d is not None else cell(None)
+
+    # every GPU, each cell with its unit
+    full = _table(("scenario", "left"), *((c, "right") for c in view.columns),
+                  ("cuda:0 excess", "right"), ("max/mean", "right"), ("status", "left"),
+                  title=title)
+    for s, cells in rows:
+        full.add_row(Text(s.name), *(cell(d) for d in cells), *tail(s, False))
+    # every GPU, one unit for the table, in its title
+    title_in_unit = Text(f"{run_title(view)} · peak allocated in {unit}")
+    short = _table(("scenario", "left"), *((_head(c), "right") for c in view.columns),
+                   ("cuda:0\nexcess", "right"), ("max/mean", "right"), ("status", "left"),
+                   title=title_in_unit, narrow=True)
+    for s, cells in rows:
+        short.add_row(Text(s.name), *(value(d) for d in cells), *tail(s, True))
+    # cuda:0, and the other GPUs' min / median / max
+    spread = _table(("scenario", "left"), (_head(view.columns[0]) if view.columns
+                                          else "cuda:0", "right"),
+                    ("others\nmin", "right"), ("\nmedian", "right"), ("\nmax", "right"),
+                    ("cuda:0\nexcess", "right"), ("max/mean", "right"), ("status", "left"),
+                    title=title_in_unit, narrow=True)
+    for s, cells in rows:
+        spread.add_row(Text(s.name), *(value(d) for d in [cells[0] if cells else None,
+                                                          *_spread(cells)]), *tail(s, True))
+    return FirstThatFits((full, full), (short, short), (spread, spread))
+
+
+def _scenario_notes(view: ReportView) -> list[str]:
+    """Each scenario's notes; the kernels each one picked, which differ only in their counts,
+    once for all, in one line: "kernels as on sm_80: dropout:fused, ..." (the counts per
+    scenario are in the reports' notes)."""
+    lines: list[str] = []
+    kernels: dict[str, dict[str, list[str]]] = {}  # capability -> op -> variants
+    for s in view.scenarios:
+        for note in s.notes:
+            m = KERNEL_NOTE.fullmatch(note)
+            if m is None:
+                lines.append(f"{s.name}: {note}")
+                continue
+            ops = kernels.setdefault(m.group(1), {})
+            for choice in m.group(2).split(", "):
+                op, _, variant = choice.rsplit(" x", 1)[0].partition(":")
+                if variant not in ops.setdefault(op, []):
+                    ops[op].append(variant)
+    for cc, ops in kernels.items():
+        picked = ", ".join(f"{op}:{'/'.join(v)}" if any(v) else op for op, v in ops.items())
+        major, minor = cc.split(".")
+        lines.append(f"kernels as on sm_{major}{minor}: {picked}")
+    return lines
+
+
+# the emulator's note of the kernels a scenario chose (dpprof.backends.emulated)
+KERNEL_NOTE = re.compile(r"kernels as on a GPU of compute capability (\d+\.\d+): "
+                         r"((?:[\w.]+(?::[\w.]+)? x\d+)(?:, [\w.]+(?::[\w.]+)? x\d+)*)")
+
+
+def _gpu_table(view: ReportView) -> RenderableType | None:
     """Allocated (above) is what the tensors hold; a GPU also reserves allocator segments
     and holds the context: shown separately, never folded into allocated."""
-    rows = [s for s in view.scenarios if s.measured and s.has_reserved]
+    rows = [(s, _cells(view, s)) for s in view.scenarios if s.measured and s.has_reserved]
     if not rows:
         return None
-    title = Text("on a GPU: reserved (allocator segments, cuBLAS workspaces included) + CUDA "
-                 "context")  # a line of its own: a table's title wraps to the table's width
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
-    table.add_column("scenario", no_wrap=True)
-    for label in view.columns:
-        table.add_column(label, justify="right", no_wrap=True)
-    for s in rows:
-        cells: list[Text | str] = [s.name]
-        for d in _cells(view, s):
-            if d is None or d.peak_reserved_bytes is None:
-                cells.append(Text("-", style="dim"))
-                continue
+    what = "on a GPU: reserved (allocator segments, cuBLAS workspaces included)"
+    devices = [d for _, cells in rows for d in cells
+               if d is not None and d.peak_reserved_bytes is not None]
+    contexts = {d.context_bytes or 0 for d in devices}
+    unit, size = unit_for([d.peak_reserved_bytes or 0 for d in devices])
+    one_context = len(contexts) == 1
+
+    def cell(d: DeviceView | None, condensed: bool) -> Text:
+        if d is None or d.peak_reserved_bytes is None:
+            return Text("-", style="dim")
+        if not condensed:
             text = f"{fmt_bytes(d.peak_reserved_bytes)} + {fmt_bytes(d.context_bytes or 0)}"
-            cells.append(Text(text, style="bold red" if d.total_over_capacity else ""))
-        table.add_row(*cells)
-    return Group(title, table)
+        elif one_context:
+            text = in_unit(d.peak_reserved_bytes, size)
+        else:
+            text = (f"{in_unit(d.peak_reserved_bytes, size)}+"
+                    f"{in_unit(d.context_bytes or 0, size)}")
+        return Text(text, style="bold red" if d.total_over_capacity else "")
+
+    # a line of its own: a table's title wraps to the table's width
+    full_title = Text(f"{what} + CUDA context")
+    short_title = Text(
+        f"{what} in {unit}, + the CUDA context ({fmt_bytes(contexts.pop())} on each GPU)"
+        if one_context else f"{what} + CUDA context, in {unit}")
+    full = _table(("scenario", "left"), *((c, "right") for c in view.columns))
+    short = _table(("scenario", "left"), *((_head(c), "right") for c in view.columns),
+                   narrow=True)
+    spread = _table(("scenario", "left"), (_head(view.columns[0]) if view.columns
+                                          else "cuda:0", "right"),
+                    ("others\nmin", "right"), ("\nmedian", "right"), ("\nmax", "right"),
+                    narrow=True)
+    for s, cells in rows:
+        full.add_row(s.name, *(cell(d, False) for d in cells))
+        short.add_row(s.name, *(cell(d, True) for d in cells))
+        spread.add_row(s.name, *(cell(d, True) for d in [
+            cells[0] if cells else None, *_spread(cells, "peak_reserved_bytes")]))
+    return FirstThatFits((Group(full_title, full), full), (Group(short_title, short), short),
+                         (Group(short_title, spread), spread))
 
 
 class TerminalRenderer(Renderer):

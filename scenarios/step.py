@@ -181,7 +181,11 @@ def build_model(wl: Workload, seed: int) -> nn.Module:
     with seeded(seed):
         model = wl.model()
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model() returned {type(model).__name__}, not an nn.Module")
+        from dpprof.errors import WorkloadError  # a usage error: one line, exit status 2
+
+        raise WorkloadError(f"workload {wl.name!r}: model() returned "
+                            f"{type(model).__name__}, not an nn.Module; the workload's "
+                            "model must be a callable that builds and returns the nn.Module")
     return model
 
 

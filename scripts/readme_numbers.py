@@ -24,23 +24,15 @@ from pathlib import Path
 README = Path(__file__).resolve().parent.parent / "README.md"
 WIDTH = 104  # columns of the quoted terminal (stdout); stderr's lines unwrapped, as in a log
 STAMP = re.compile(r"\d{8}-\d{6}")  # the report files' time stamp
-KERNEL_CHOICES = re.compile(r"^\s*(\w+:\w+ x\d+,?\s*)+$")  # "embedding_backward:sorted x8, ..."
 
 
 def _compare_excerpt(lines: list[str]) -> list[str]:
-    """The default comparison: the kernel notes and, after the first attribution table,
-    the other scenarios' tables and the fixes' details are left out."""
+    """The default comparison: after the first attribution table, the other scenarios'
+    tables and the fixes' details are left out."""
     out: list[str] = []
     skipping = ""
     seen_attribution = False
     for line in lines:
-        if ": kernels as on a GPU of compute capability" in line:
-            skipping = "kernels"
-            continue
-        if skipping == "kernels":
-            if KERNEL_CHOICES.match(line):
-                continue  # the note wrapped onto this line
-            skipping = ""
         if line.startswith("why cuda:0 is heavier under "):
             if seen_attribution:
                 name = line.removeprefix("why cuda:0 is heavier under ").split(":")[0]

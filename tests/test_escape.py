@@ -131,3 +131,20 @@ def test_markdown_report_of_a_hostile_result_has_no_raw_html_or_mentions() -> No
     prose = re.sub(r"(?<!\\)(`+)(?!`).*?(?<!`)\1(?!`)", "", prose, flags=re.S)
     for bad in ("<b>", "<script>", "<i>", "@alice", "@bob", "@carol"):
         assert bad not in prose, bad
+
+
+def test_report_files_hold_no_control_characters_from_user_strings(tmp_path: Path) -> None:
+    """A terminal escape in a workload's name is not written into a report file either
+    (``cat run.html`` would run it)."""
+    name = "\x1b]0;pwned\x07wl\x1b[2J\u202e"
+    f = tmp_path / "wl.py"
+    f.write_text(f"NAME = {name!r}\n" + NAMED)
+    outs = [tmp_path / f"r.{ext}" for ext in ("html", "md", "json")]
+    r = runner.invoke(app, ["compare", "-w", f"{f}:wl", "-b", "4", "-s", "single",
+                            "--no-fixes", *[a for o in outs for a in ("-o", str(o))]])
+    assert r.exit_code == 0, r.output
+    for out in outs:
+        text = out.read_text(encoding="utf-8")
+        for c in ("\x1b", "\x07", "\u202e"):
+            assert c not in text, (out.name, repr(c))
+    assert "wl" in (tmp_path / "r.html").read_text(encoding="utf-8")

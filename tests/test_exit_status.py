@@ -1,12 +1,22 @@
 """One exit-status policy (dpprof.errors) for every command, and the option bounds."""
 
+import re
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
-from dpprof.errors import EXIT_STATUS_HELP, run_exit_status
+from dpprof.errors import (
+    ENV_EXIT_STATUS_HELP,
+    EXIT_STATUS_HELP,
+    MAXBATCH_EXIT_STATUS_HELP,
+    REPORT_EXIT_STATUS_HELP,
+    RUN_EXIT_STATUS_HELP,
+    WATCH_EXIT_STATUS_HELP,
+    run_exit_status,
+)
 from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, RunResult, ScenarioResult
 
 runner = CliRunner()
@@ -80,13 +90,24 @@ def test_run_exit_status_counts_errors_and_empty_runs() -> None:
     assert run_exit_status(RunResult(**base, scenarios=[no_devices])) == 1
 
 
-@pytest.mark.parametrize("command", ["compare", "maxbatch", "report", "watch", "env"])
-def test_every_command_documents_the_policy(command: str) -> None:
+EPILOGS = {"compare": EXIT_STATUS_HELP, "maxbatch": MAXBATCH_EXIT_STATUS_HELP,
+           "run": RUN_EXIT_STATUS_HELP, "report": REPORT_EXIT_STATUS_HELP,
+           "env": ENV_EXIT_STATUS_HELP, "watch": WATCH_EXIT_STATUS_HELP}
+
+
+@pytest.mark.parametrize("command", list(EPILOGS))
+def test_every_command_documents_its_own_exit_statuses(command: str) -> None:
     r = runner.invoke(app, [command, "--help"], terminal_width=200)
     assert r.exit_code == 0
-    assert "Exit status:" in r.output
-    if command != "watch":
-        assert " ".join(EXIT_STATUS_HELP.replace("`", "").split()) in " ".join(r.output.split())
+    text = " ".join(r.output.split())
+    assert " ".join(EPILOGS[command].replace("`", "").split()) in text
+    # the epilog names only options this command has (no --fail-on-* under maxbatch)
+    epilog = text[text.index("Exit status:"):]
+    own = {o for p in typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
+           for o in (*p.opts, *p.secondary_opts)}
+    for named in re.findall(r"--[a-z][a-z-]*\*?", epilog):
+        assert any(o.startswith(named.rstrip("*")) if named.endswith("*") else o == named
+                   for o in own), f"{command}'s epilog names {named}"
 
 
 @pytest.mark.parametrize(

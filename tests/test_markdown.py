@@ -1,10 +1,15 @@
 """Markdown for a GitHub issue, against every saved result."""
 
 import re
+from pathlib import Path
 
+import pytest
 from reports_data import HOSTILE, SAVED, hostile, saved
+from typer.testing import CliRunner
 
+from dpprof.cli.app import app
 from dpprof.reports import markdown
+from dpprof.reports.escape import without_host
 from dpprof.reports.markdown import md
 
 
@@ -19,7 +24,7 @@ def test_default_comparison_table_and_fix() -> None:
         in text
     assert "| loss, its temporaries and its gradient | +46.9 GiB |" in text
     assert "dpprof.ModelWithLoss(model, loss_fn)" in text
-    assert "line [80.00, 80.00, 80.00, 80.00]" in text  # capacity on the scale
+    assert "line [80, 80, 80, 80]" in text  # capacity on the scale, in GiB
 
 
 def test_oom_and_timing_and_max_batch() -> None:
@@ -71,3 +76,57 @@ def test_reserved_context_and_nvml_peaks_of_a_real_gpu_run() -> None:
     assert "| dp-loss-primary | cuda:0 | 46.0 GiB | 45.1 GiB | 49.7 GiB | 520 MiB | 50.2 GiB | " \
         "backward |" in text
     assert "NVML used" not in markdown.render(saved("emulated-lm"))
+
+
+def test_charts_are_in_the_unit_that_fits() -> None:
+    """cpu-mlp's peaks are MiB: charted in MiB, not as "0.09" GiB."""
+    run = saved("cpu-mlp")
+    top = max(d.peak_allocated_bytes for s in run.scenarios for d in s.devices)
+    assert top < 2**30
+    charts = _mermaid(markdown.render(run))
+    assert charts and all('y-axis "MiB"' in c and "per GPU, MiB" in c for c in charts)
+    bars = [float(v) for c in charts for v in re.search(r"bar \[(.*?)\]", c).group(1)  # type: ignore[union-attr]
+            .split(", ")]
+    assert max(bars) == pytest.approx(top / 2**20, rel=1e-3) and min(bars) >= 1
+
+
+def test_charts_and_long_code_are_collapsed() -> None:
+    text = markdown.render(saved("emulated-lm"))
+    for chart in re.finditer(r"```mermaid", text):
+        opened = text.rfind("<details>", 0, chart.start())
+        assert opened > text.rfind("</details>", 0, chart.start()), "a chart outside <details>"
+    balanced = text.index("class BalancedDataParallel")
+    summary = text.rfind("<summary>", 0, balanced)
+    assert text.rfind("</details>", 0, balanced) < summary
+    assert re.match(r"<summary>The change \(\d+ lines\)</summary>", text[summary:])
+    short = text.index("+model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn).cuda())")
+    assert text.rfind("<details>", 0, short) < text.rfind("</details>", 0, short)  # shown
+
+
+def test_a_public_report_leaves_the_machine_out(tmp_path: Path) -> None:
+    import json
+    import socket
+
+    host = socket.gethostname()
+    runner = CliRunner()
+    args = ["compare", "-w", "mlp", "-b", "4", "-s", "single", "--no-fixes"]
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "a.md"), "-o", str(tmp_path / "a.json")])
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "a.md").read_text()
+    assert f"**hostname**: {md(host)}" not in text and "left out (--include-host" in text
+    assert json.loads((tmp_path / "a.json").read_text())["environment"]["hostname"] == host
+    r = runner.invoke(app, ["report", str(tmp_path / "a.json"), "-o", str(tmp_path / "b.md")])
+    assert r.exit_code == 0 and f"**hostname**: {md(host)}" not in (tmp_path / "b.md").read_text()
+    r = runner.invoke(app, [*args, "--include-host", "-o", str(tmp_path / "c.md")])
+    assert r.exit_code == 0 and f"**hostname**: {md(host)}" in (tmp_path / "c.md").read_text()
+
+
+def test_nodes_and_gpu_ids_are_left_out_of_a_public_report() -> None:
+    run = saved("synthetic-ddp-2-nodes")
+    run.environment["hostname"] = "node-a"
+    run.environment["cuda_visible_devices"] = "GPU-00000000-synthetic,1"
+    text = markdown.render(without_host(run))
+    for private in ("node-a", "node-b", "GPU-00000000-synthetic"):
+        assert private not in text, private
+    assert "node0/cuda:0" in text and "node1/cuda:1" in text
+    assert "node-a" in markdown.render(run)  # the result itself keeps them

@@ -64,8 +64,9 @@ def _markdown(run: RunResult, text: str) -> None:
     # + a block of allocated/reserved/context/NVML peaks where reserved was measured or modelled
     peaks = any(d.peak_reserved_bytes for s in run.scenarios for d in s.devices)
     tracebacks = sum(1 for s in run.scenarios if s.status not in ("ok", "oom") and s.traceback)
+    collapsed_code = text.count("<summary>The change (")  # a fix's long code
     assert text.count("<details>") == text.count("</details>") == \
-        (4 if peaks else 3) + tracebacks
+        (4 if peaks else 3) + tracebacks + (1 if charts else 0) + collapsed_code
     assert "<details><summary>Full configuration</summary>" in text
     assert '"batch": ' in text
 

@@ -11,15 +11,18 @@
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from dpprof import __version__
 from dpprof.cli.check import check_cmd
-from dpprof.cli.common import out
+from dpprof.cli.common import err, fit_output_width, out
 from dpprof.cli.compare import compare_cmd
 from dpprof.cli.env import env_cmd
 from dpprof.cli.guard import install_signal_handlers, interrupted_line
@@ -27,9 +30,55 @@ from dpprof.cli.maxbatch import maxbatch_cmd
 from dpprof.cli.report import report_cmd
 from dpprof.cli.run import run_cmd
 from dpprof.cli.watch import watch_cmd
-from dpprof.errors import EXIT_SIGINT, EXIT_STATUS_HELP, WATCH_EXIT_STATUS_HELP, Interrupted
+from dpprof.errors import (
+    CHECK_EXIT_STATUS_HELP,
+    ENV_EXIT_STATUS_HELP,
+    EXIT_SIGINT,
+    EXIT_STATUS_HELP,
+    EXIT_USAGE,
+    MAXBATCH_EXIT_STATUS_HELP,
+    REPORT_EXIT_STATUS_HELP,
+    RUN_EXIT_STATUS_HELP,
+    WATCH_EXIT_STATUS_HELP,
+    Interrupted,
+)
+from dpprof.reports.escape import terminal_text
+
+# click's exceptions, from wherever this typer takes click (its own copy, or the package)
+_click_errors = importlib.import_module(typer.BadParameter.__module__)
+
+
+class OneLineErrors(TyperGroup):
+    """A parse error (unknown option, a value of the wrong type) in dpprof's one-line style,
+    as every other error is: ``dpprof: error: ...`` naming the fix, exit status 2; not
+    typer's boxed panel."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             windows_expand_args: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode,
+                                windows_expand_args, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, windows_expand_args,
+                              **extra)
+        except _click_errors.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # the help was printed
+                sys.exit(EXIT_USAGE)
+            ctx = getattr(e, "ctx", None)
+            where = f" ({ctx.command_path} --help lists the options)" if ctx else ""
+            err.print(f"dpprof: error: {terminal_text(e.format_message())}{where}",
+                      soft_wrap=True)
+            sys.exit(e.exit_code)
+        except _click_errors.Abort:
+            err.print("dpprof: aborted", soft_wrap=True)
+            sys.exit(1)
+        # typer returns a command's typer.Exit code, or what the command returned (None)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
+    cls=OneLineErrors,
     name="dpprof",
     help="Why does cuda:0 run out of memory under nn.DataParallel, and what should you "
     "change? dpprof runs your training step as paired scenarios and tells you.",
@@ -52,10 +101,11 @@ def _main(
     ] = False,
 ) -> None:
     """dpprof: a DataParallel load-imbalance profiler for PyTorch."""
+    fit_output_width()
 
 
 app.command("compare", epilog=EXIT_STATUS_HELP)(compare_cmd)
-app.command("maxbatch", epilog=EXIT_STATUS_HELP)(maxbatch_cmd)
+app.command("maxbatch", epilog=MAXBATCH_EXIT_STATUS_HELP)(maxbatch_cmd)
 app.command(
     "watch",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
@@ -64,11 +114,11 @@ app.command(
 app.command(
     "run",
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
-    epilog=EXIT_STATUS_HELP,
+    epilog=RUN_EXIT_STATUS_HELP,
 )(run_cmd)
-app.command("report", epilog=EXIT_STATUS_HELP)(report_cmd)
-app.command("env", epilog=EXIT_STATUS_HELP)(env_cmd)
-app.command("check", epilog=EXIT_STATUS_HELP)(check_cmd)
+app.command("report", epilog=REPORT_EXIT_STATUS_HELP)(report_cmd)
+app.command("env", epilog=ENV_EXIT_STATUS_HELP)(env_cmd)
+app.command("check", epilog=CHECK_EXIT_STATUS_HELP)(check_cmd)
 
 
 def main() -> None:

@@ -8,23 +8,49 @@ import tempfile
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
-from dpprof.errors import DpprofError, UsageError
-from dpprof.reports.escape import terminal_text
+from dpprof.errors import DpprofError, Interrupted, UsageError, WorkloadError
+from dpprof.reports.escape import for_files, terminal_text, without_host
 from dpprof.reports.registry import file_suffixes, for_path, renderers
 from dpprof.result import RunResult, write_atomic
 from dpprof.scenarios.base import SCENARIOS
 
+if TYPE_CHECKING:
+    from dpprof.scenarios.workloads import Workload
+
 # User text is data: no console markup or :emoji: codes is ever read from what dpprof prints.
 err = Console(stderr=True, highlight=False, markup=False, emoji=False)
-# Piped output gets room for a table of 8 GPUs instead of rich's 80 columns.
+PIPED_WIDTH = 140  # piped output without COLUMNS: room for a table of 8 GPUs
 out = Console(highlight=False, markup=False, emoji=False,
-              width=None if sys.stdout.isatty() else 140)
+              width=None if sys.stdout.isatty() else PIPED_WIDTH)
 
 DEFAULT_DIR = Path("dpprof-reports")
+# What each resolved report path is called on the terminal: the path as the user gave it
+# (or the default's relative path), not the absolute one it was resolved to.
+_shown: dict[Path, str] = {}
+
+
+def output_width(environ: dict[str, str] | None = None, tty: bool | None = None) -> int | None:
+    """stdout's width: ``COLUMNS`` when set (piped or not), the terminal's on a terminal
+    (None: rich asks it), else :data:`PIPED_WIDTH`."""
+    env = os.environ if environ is None else environ
+    columns = env.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if sys.stdout.isatty() if tty is None else tty:
+        return None
+    return PIPED_WIDTH
+
+
+def fit_output_width() -> None:
+    """Set :data:`out`'s width for this command (the environment of this invocation)."""
+    width = output_width()
+    if width is not None:
+        out.width = width
 
 
 def fail(e: Exception, debug: bool) -> typer.Exit:
@@ -37,9 +63,24 @@ def fail(e: Exception, debug: bool) -> typer.Exit:
 
 
 
+def _resolved(p: Path, shown: str) -> Path:
+    """``p`` made absolute now, before the workload runs (it may change directory)."""
+    full = Path(os.path.abspath(p))
+    _shown[full] = shown
+    return full
+
+
+def shown_path(p: Path) -> str:
+    """A report path as the user named it."""
+    return _shown.get(p, str(p))
+
+
 def output_paths(outputs: Sequence[Path | str] | None, stem: str) -> list[tuple[Path, str]]:
+    """Each report's absolute path and format: the ``-o`` files, else the default HTML and
+    JSON in ``./dpprof-reports/``."""
     if not outputs:
-        return [(DEFAULT_DIR / f"{stem}.html", "html"), (DEFAULT_DIR / f"{stem}.json", "json")]
+        return [(_resolved(DEFAULT_DIR / f"{stem}.{ext}", str(DEFAULT_DIR / f"{stem}.{ext}")),
+                 ext) for ext in ("html", "json")]
     result: list[tuple[Path, str]] = []
     for given in outputs:
         text = str(given)
@@ -52,7 +93,7 @@ def output_paths(outputs: Sequence[Path | str] | None, stem: str) -> list[tuple[
             )
         if "\x00" in text:
             raise UsageError(f"--output {terminal_text(text)}: a file name cannot hold NUL")
-        p = Path(text)
+        p = _resolved(Path(text), text)
         if any(p == q for q, _ in result):
             raise UsageError(f"--output {terminal_text(text)} given twice")
         renderer = for_path(p)
@@ -67,44 +108,75 @@ def output_paths(outputs: Sequence[Path | str] | None, stem: str) -> list[tuple[
 
 
 def check_writable(paths: list[tuple[Path, str]]) -> None:
-    """Fail before measuring, not after, when a report cannot be written."""
+    """Fail before measuring, not after, when a report cannot be written. Creates nothing:
+    the directory a report goes to is made when the report is written, so a run that
+    measures nothing leaves no empty ``dpprof-reports/`` behind."""
     for p, _ in paths:
-        parent = p.parent if str(p.parent) else Path(".")
+        shown = terminal_text(shown_path(p))
         if p.is_dir():
-            raise UsageError(f"--output {terminal_text(str(p))} is a directory; give a file name "
-                             f"such as {terminal_text(str(p))}/run.html")
+            raise UsageError(f"--output {shown} is a directory; give a file name such as "
+                             f"{shown}/run.html")
+        parent = p.parent
+        existing = parent
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent  # the directories below it are made on writing
+        where = terminal_text(str(parent))
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".dpprof-check-", dir=parent)
+            if not existing.is_dir():
+                raise NotADirectoryError(20, "Not a directory")
+            fd, tmp = tempfile.mkstemp(prefix=".dpprof-check-", dir=existing)
             os.close(fd)
             os.unlink(tmp)
         except OSError as e:
             raise UsageError(
-                f"cannot write reports to {terminal_text(str(parent))}/ ({e.strerror or e}); "
-                "choose another "
+                f"cannot write reports to {where}/ ({e.strerror or e}); choose another "
                 "place with -o/--output"
             ) from e
 
 
-def render_to(run: RunResult, fmt: str) -> str:
-    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.registry`)."""
-    return renderers()[fmt].render(run)
+def render_to(run: RunResult, fmt: str, include_host: bool = False) -> str:
+    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.registry`); a human format
+    gets the run with control characters stripped from its strings, and Markdown (for a
+    public issue) without the machine's identity unless ``include_host``."""
+    if fmt == "json":  # the result itself; JSON escapes control characters
+        return renderers()[fmt].render(run)
+    shown = for_files(run)
+    if fmt == "markdown" and not include_host:
+        shown = without_host(shown)
+    return renderers()[fmt].render(shown)
 
 
-def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool) -> list[Path]:
+def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
+                  include_host: bool = False) -> list[Path]:
     written = []
     failures = []
     for p, fmt in paths:
         try:
-            written.append(write_atomic(p, render_to(run, fmt)))
+            written.append(write_atomic(p, render_to(run, fmt, include_host)))
         except OSError as e:
             failures.append(f"{p}: {e.strerror or e}")
     for w in written:
         if not quiet:
-            out.print(f"wrote {terminal_text(str(w))}", soft_wrap=True)
+            out.print(f"wrote {terminal_text(shown_path(w))}", soft_wrap=True)
     if failures:
         raise DpprofError("could not write " + "; ".join(failures))
     return written
+
+
+def load_user_workload(spec: str) -> Workload:
+    """:func:`dpprof.scenarios.workloads.load_workload`, where a workload whose factory
+    raises a ``BaseException`` that is not an ``Exception`` (nor an interrupt or an exit) is
+    the usage error any other raising factory is."""
+    from dpprof.scenarios.workloads import load_workload
+
+    try:
+        return load_workload(spec)
+    except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise WorkloadError(f"workload {spec!r}: raised {type(e).__name__}: {e}") from e
 
 
 def parse_scenarios(text: str) -> tuple[str, ...]:

@@ -16,21 +16,32 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from dpprof.cli.common import (
     check_writable,
     err,
+    load_user_workload,
     out,
     output_paths,
     parse_scenarios,
+    shown_path,
     write_reports,
 )
 from dpprof.cli.guard import exit_for_run, guarded
 from dpprof.cli.options import (
     COUNT_RESERVED,
+    DEBUG,
     FAIL_ON_IMBALANCE,
     FAIL_ON_OOM,
     FIXES,
     GPU,
+    INCLUDE_HOST,
     MAXBATCH,
     MULTIPLE_OF,
+    PANEL_DDP,
+    PANEL_GPUS,
+    PANEL_MEASURE,
+    PANEL_OUTPUT,
+    PANEL_WORKLOAD,
+    QUIET,
     check_bounds,
+    compute_capability,
     exit_on_fail_reasons,
     gpu_memory_and_spec,
 )
@@ -54,7 +65,8 @@ CONFIG = CompareConfig()
 
 def compare_cmd(
     batch: Annotated[
-        int, typer.Option("--batch", "-b", help="Global batch size (rows), split over the GPUs.")
+        int, typer.Option("--batch", "-b", help="Global batch size (rows), split over the GPUs.",
+            rich_help_panel=PANEL_WORKLOAD)
     ] = STEP.batch,
     workload: Annotated[
         str,
@@ -62,21 +74,22 @@ def compare_cmd(
             "--workload", "-w",
             help=f"Built-in ({', '.join(BUILTINS)}) or your own: module.path:function or "
             "path/to/file.py:function returning a dpprof.Workload.",
-        ),
+            rich_help_panel=PANEL_WORKLOAD),
     ] = CONFIG.workload,
     gpus: Annotated[
         int | None,
         typer.Option(
-            "--gpus", "-g", help=f"GPUs to use (emulated default {DEFAULT_EMULATED_GPUS})."
-        ),
+            "--gpus", "-g", help=f"GPUs to use (emulated default {DEFAULT_EMULATED_GPUS}).",
+                rich_help_panel=PANEL_GPUS),
     ] = CONFIG.gpus,
     gpu_memory: Annotated[
         str | None,
         typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G "
-                     "(default: --gpu's, else 80GiB)."),
+                     "(default: --gpu's, else 80GiB).", rich_help_panel=PANEL_GPUS),
     ] = None,
     scenarios: Annotated[
-        str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios to run.")
+        str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios to run.",
+            rich_help_panel=PANEL_WORKLOAD)
     ] = ",".join(CONFIG.scenarios),
     backend: Annotated[
         str,
@@ -85,73 +98,79 @@ def compare_cmd(
             help="auto (cuda with at least two visible GPUs, else emulated), emulated, "
             "cpu (real computation: DP on virtual devices over CPU tensors, ddp as gloo "
             "processes) or cuda (real GPUs).",
-        ),
+            rich_help_panel=PANEL_GPUS),
     ] = CONFIG.backend,
     devices: Annotated[
         str | None,
-        typer.Option("--devices", help="cuda: exactly these CUDA indices, e.g. 2,3."),
+        typer.Option("--devices", help="cuda: exactly these CUDA indices, e.g. 2,3.",
+            rich_help_panel=PANEL_GPUS),
     ] = None,
     warmup: Annotated[
         int | None,
         typer.Option("--warmup", help="Warm-up steps before measuring (default "
                      f"{DEFAULT_WARMUP_STEPS['emulated']}, cuda "
-                     f"{DEFAULT_WARMUP_STEPS['cuda']})."),
+                     f"{DEFAULT_WARMUP_STEPS['cuda']}).", rich_help_panel=PANEL_MEASURE),
     ] = STEP.warmup,
     steps: Annotated[
         int | None, typer.Option("--steps", help="Measured steps (cuda default "
-                                 f"{DEFAULT_MEASURED_STEPS['cuda']}).")
+                                 f"{DEFAULT_MEASURED_STEPS['cuda']}).",
+                                     rich_help_panel=PANEL_MEASURE)
     ] = STEP.steps,
     nvml_interval: Annotated[
-        float, typer.Option("--nvml-interval", help="cuda: NVML sampling period in seconds.")
+        float, typer.Option("--nvml-interval", help="cuda: NVML sampling period in seconds.",
+            rich_help_panel=PANEL_MEASURE)
     ] = CONFIG.nvml_interval_s,
     ddp_timeout: Annotated[
         float,
         typer.Option("--ddp-timeout", help="cpu and cuda: the ddp ranks' collective timeout "
                      "and the bound on every wait for a rank (s); a hung rank is named "
-                     "after it."),
+                     "after it.", rich_help_panel=PANEL_DDP),
     ] = CONFIG.ddp_timeout_s,
     compute: Annotated[
         bool,
         typer.Option(
-            "--compute", help="Emulate over CPU tensors (real numbers; small workloads only)."
-        ),
+            "--compute", help="Emulate over CPU tensors (real numbers; small workloads only).",
+                rich_help_panel=PANEL_GPUS),
     ] = CONFIG.compute,
     seed: Annotated[int, typer.Option(
         "--seed", help="Seed shared by every scenario: the weights, each step's batch, "
-        "the steps' random draws.")] = STEP.seed,
+        "the steps' random draws.", rich_help_panel=PANEL_WORKLOAD)] = STEP.seed,
     bucket_cap_mb: Annotated[
         float | None,
         typer.Option("--bucket-cap-mb", help="DDP gradient bucket cap in MiB (torch: 25; "
-                     "unset also makes the first bucket 1 MiB)."),
+                     "unset also makes the first bucket 1 MiB).", rich_help_panel=PANEL_DDP),
     ] = STEP.ddp.bucket_cap_mb,
     gradient_as_bucket_view: Annotated[
         bool, typer.Option("--gradient-as-bucket-view",
-                           help="DDP: .grad as views of the reducer's buckets.")
+                           help="DDP: .grad as views of the reducer's buckets.",
+                               rich_help_panel=PANEL_DDP)
     ] = STEP.ddp.gradient_as_bucket_view,
     find_unused_parameters: Annotated[
         bool, typer.Option("--find-unused-parameters",
-                           help="DDP: search for unused parameters (clones the outputs).")
+                           help="DDP: search for unused parameters (clones the outputs).",
+                               rich_help_panel=PANEL_DDP)
     ] = STEP.ddp.find_unused_parameters,
-    compute_capability: Annotated[
+    compute_capability_text: Annotated[
         str | None,
         typer.Option("--compute-capability", help="The target GPU's compute capability "
                      "(8.0 A100, 9.0 H100, 7.5 T4, or a catalog name such as h100-80gb): "
                      "cuBLAS workspace size and which attention kernel runs. Default: the "
-                     "--gpu's, else 8.0."),
+                     "--gpu's, else 8.0.", rich_help_panel=PANEL_GPUS),
     ] = None,
     dtype: Annotated[
         str | None,
         typer.Option("--dtype", help="float32, bfloat16 or float16: train the workload in "
-                     "that dtype (pure low precision)."),
+                     "that dtype (pure low precision).", rich_help_panel=PANEL_WORKLOAD),
     ] = STEP.dtype,
     amp: Annotated[
         str | None,
         typer.Option("--amp", help="bfloat16 or float16: forward and loss under autocast "
-                     "(float32 master weights)."),
+                     "(float32 master weights).", rich_help_panel=PANEL_WORKLOAD),
     ] = STEP.amp,
     no_broadcast_buffers: Annotated[
         bool, typer.Option("--no-broadcast-buffers",
-                           help="DDP: broadcast_buffers=False (no buffer sync per forward).")
+                           help="DDP: broadcast_buffers=False (no buffer sync per forward).",
+                               rich_help_panel=PANEL_DDP)
     ] = not STEP.ddp.broadcast_buffers,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
@@ -160,10 +179,10 @@ def compare_cmd(
             help="Report file; repeat for several. The suffix picks the format (.html, .json, "
             ".md for a GitHub issue). "
             "Default: both, in ./dpprof-reports/compare-YYYYmmdd-HHMMSS.*",
-        ),
+            rich_help_panel=PANEL_OUTPUT),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = CONFIG.debug,
+    quiet: Annotated[bool, QUIET] = False,
+    debug: Annotated[bool, DEBUG] = CONFIG.debug,
     gpu: Annotated[str, GPU] = CONFIG.gpu,
     maxbatch: Annotated[bool, MAXBATCH] = CONFIG.maxbatch,
     multiple_of: Annotated[int, MULTIPLE_OF] = CONFIG.multiple_of,
@@ -171,6 +190,7 @@ def compare_cmd(
     fixes: Annotated[bool, FIXES] = CONFIG.fixes,
     fail_on_imbalance: Annotated[float | None, FAIL_ON_IMBALANCE] = CONFIG.fail_on_imbalance,
     fail_on_oom: Annotated[bool, FAIL_ON_OOM] = CONFIG.fail_on_oom,
+    include_host: Annotated[bool, INCLUDE_HOST] = False,
 ) -> None:
     """Run your training step as paired scenarios and compare every GPU's peak memory.
 
@@ -186,7 +206,8 @@ def compare_cmd(
     paths: list[tuple[Path, str]] = []
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
-        return [str(p) for p in write_reports(mark_partial(partial, signum), paths, True)]
+        return [shown_path(p) for p in write_reports(mark_partial(partial, signum), paths, True,
+                                                     include_host)]
 
     with guarded(debug, on_interrupt=write_partial):
         memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
@@ -195,14 +216,8 @@ def compare_cmd(
         rank = torchrun_info()
         if rank is not None and rank.rank != 0:
             quiet = True  # only rank 0 speaks and writes reports
-        from dpprof.emulator.gpus import compute_capability_of
-
-        try:
-            # --gpu NAME sets the target generation unless --compute-capability says otherwise
-            cc = compute_capability_of(spec if spec is not None and compute_capability is None
-                        else compute_capability or "8.0")
-        except (KeyError, ValueError) as e:
-            raise UsageError(f"--compute-capability {compute_capability!r}: {e}") from e
+        # --gpu NAME sets the target generation unless --compute-capability says otherwise
+        cc = compute_capability(compute_capability_text, spec)
         step = StepConfig(
             batch=batch, seed=seed, warmup=warmup, steps=steps, dtype=dtype, amp=amp,
             ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
@@ -230,15 +245,18 @@ def compare_cmd(
         paths[:] = output_paths(output, f"compare-{stamp}")
         check_writable(paths)
         resolved = resolve_backend(cfg.backend)
-        from dpprof.scenarios.workloads import load_workload
-
-        wl = load_workload(cfg.workload)
+        if cfg.devices is not None and resolved != "cuda":
+            raise UsageError(
+                f"--devices {devices}: picks real CUDA GPUs, but the {resolved} backend runs "
+                "virtual ones (numbered from 0); give --gpus N instead, or --backend cuda "
+                "on a machine with GPUs")
+        wl = load_user_workload(cfg.workload)
         n = cfg.gpus or DEFAULT_EMULATED_GPUS
         if resolved == "cpu" and not quiet:
             err.print(
                 f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
-                f"processes); workload {terminal_text(wl.name)}, batch {batch}"
-            )
+                f"processes); workload {terminal_text(wl.name)}, batch {batch}",
+                soft_wrap=True)  # one line, as a log shows it
         if resolved == "emulated" and not quiet:
             from dpprof.pipeline import visible_cuda_gpus
 
@@ -248,8 +266,8 @@ def compare_cmd(
             kind = "CPU tensors" if compute else "meta tensors, memory only"
             err.print(
                 f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
-                f"({kind}); workload {terminal_text(wl.name)}, batch {batch}"
-            )
+                f"({kind}); workload {terminal_text(wl.name)}, batch {batch}",
+                soft_wrap=True)  # one line, as a log shows it
         if resolved == "cuda" and not quiet:
             where = f"torchrun rank 0 of {rank.world_size}" if rank else (
                 f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
@@ -259,8 +277,8 @@ def compare_cmd(
                 f"dpprof: measuring on {where}; workload {terminal_text(wl.name)}, "
                 f"batch {batch}, "
                 f"{cfg.step.warmup_steps('cuda')} warm-up + "
-                f"{cfg.step.measured_steps('cuda')} measured steps"
-            )
+                f"{cfg.step.measured_steps('cuda')} measured steps",
+                soft_wrap=True)  # one line, as a log shows it
         if quiet:
             run = run_compare(cfg, workload=wl)
         else:
@@ -280,7 +298,7 @@ def compare_cmd(
             return
         if not quiet:
             out.print(terminal.render(for_terminal(run)))
-        write_reports(run, paths, quiet)
+        write_reports(run, paths, quiet, include_host)
     exit_for_run(run)
     exit_on_fail_reasons(run, err)
 

@@ -2,7 +2,8 @@
 
     with guarded(debug):
         ...  # a DpprofError -> its one line and exit status; Ctrl-C -> 130; SIGTERM -> 143;
-             # any other exception -> "internal error", exit 1 (the traceback with --debug)
+             # any other exception -> "internal error", exit 1 (the traceback with --debug);
+             # a workload's BaseException (not an Exception) -> one line, exit 1
 
 The statuses are :mod:`dpprof.errors`'; :func:`install_signal_handlers` makes SIGTERM unwind
 as Ctrl-C does (``finally`` blocks end the children and remove temporary files).
@@ -94,6 +95,11 @@ def guarded(debug: bool, on_interrupt: PartialWriter | None = None) -> Iterator[
                    "(rerun with --debug)",
                    soft_wrap=True)
         raise typer.Exit(code=EXIT_ERROR) from None
+    except BaseException as e:  # GeneratorExit, or a workload's own BaseException subclass
+        raise _fail(e, debug, EXIT_ERROR, f"the workload raised {type(e).__name__}"
+                    f"{': ' + str(e) if str(e) else ''}, a BaseException that is not an "
+                    "Exception, which stops dpprof as it would stop the training loop: "
+                    "nothing was measured; raise an Exception subclass instead") from None
 
 
 def _fail(e: BaseException, debug: bool, code: int, text: str | None = None) -> typer.Exit:

@@ -9,17 +9,30 @@ import datetime as _dt
 from typing import Annotated, Any
 
 import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dpprof.cli.common import (
     check_writable,
     err,
+    load_user_workload,
     out,
     output_paths,
     parse_scenarios,
     write_reports,
 )
 from dpprof.cli.guard import guarded
-from dpprof.cli.options import GPU, MULTIPLE_OF, check_bounds, gpu_memory_and_spec
+from dpprof.cli.options import (
+    DEBUG,
+    GPU,
+    INCLUDE_HOST,
+    MULTIPLE_OF,
+    PANEL_GPUS,
+    PANEL_OUTPUT,
+    PANEL_WORKLOAD,
+    QUIET,
+    check_bounds,
+    gpu_memory_and_spec,
+)
 from dpprof.emulator.gpus import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
@@ -34,25 +47,33 @@ from dpprof.units import fmt_bytes
 def maxbatch_cmd(
     workload: Annotated[
         str, typer.Option("--workload", "-w", help="Built-in or module.path:function or "
-                          "path/to/file.py:function returning a dpprof.Workload.")
+                          "path/to/file.py:function returning a dpprof.Workload.",
+                          rich_help_panel=PANEL_WORKLOAD)
     ] = DEFAULT,
-    gpus: Annotated[int, typer.Option("--gpus", "-g", help="GPUs (emulated).")
-                    ] = DEFAULT_EMULATED_GPUS,
+    gpus: Annotated[int, typer.Option("--gpus", "-g", help="GPUs (emulated).",
+                                      rich_help_panel=PANEL_GPUS)] = DEFAULT_EMULATED_GPUS,
     gpu_memory: Annotated[
-        str | None, typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 24GiB.")
+        str | None, typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 24GiB.",
+                                 rich_help_panel=PANEL_GPUS)
     ] = None,
     gpu: Annotated[str, GPU] = "",
     multiple_of: Annotated[int, MULTIPLE_OF] = CompareConfig().multiple_of,
     scenarios: Annotated[
-        str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios.")
+        str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios.",
+                          rich_help_panel=PANEL_WORKLOAD)
     ] = ",".join(SCENARIOS),
-    seed: Annotated[int, typer.Option("--seed")] = StepConfig().seed,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed shared by every scenario and every batch tried: the weights, "
+        "each step's batch, the steps' random draws.", rich_help_panel=PANEL_WORKLOAD)
+    ] = StepConfig().seed,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
-        typer.Option("--output", "-o", help="Also write the result (.json, .html)."),
+        typer.Option("--output", "-o", help="Also write the result (.json, .html, .md).",
+                     rich_help_panel=PANEL_OUTPUT),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    include_host: Annotated[bool, INCLUDE_HOST] = False,
+    quiet: Annotated[bool, QUIET] = False,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """The largest global batch each scenario fits on the given GPUs.
 
@@ -66,7 +87,6 @@ def maxbatch_cmd(
     from dpprof.pipeline import environment
     from dpprof.reports.answers import maxbatch_renderable
     from dpprof.reports.view import build_view
-    from dpprof.scenarios.workloads import load_workload
 
     with guarded(debug):
         memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
@@ -78,7 +98,7 @@ def maxbatch_cmd(
         names = parse_scenarios(scenarios)
         paths = output_paths(output, "maxbatch") if output else []
         check_writable(paths)
-        wl = load_workload(workload)
+        wl = load_user_workload(workload)
         if not quiet:
             err.print(
                 f"dpprof: searching the largest batch of {terminal_text(wl.name)} on {gpus} "
@@ -86,8 +106,20 @@ def maxbatch_cmd(
                 f"{fmt_bytes(memory)}{f' ({spec.key})' if spec else ''}, multiples "
                 f"of {multiple_of}"
             )
-        mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
-                          step=StepConfig(seed=seed))
+        if quiet or not err.is_terminal:  # a log gets no progress bar's leftovers
+            mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
+                              step=StepConfig(seed=seed))
+        else:  # a search takes seconds to minutes: say which scenario it is on
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total} scenarios"),
+                          TimeElapsedColumn(), console=err, transient=True) as bar:
+                task = bar.add_task("starting", total=len(names))
+
+                def progress(name: str, done: int, total: int) -> None:
+                    bar.update(task, completed=done, description=f"searching {name}")
+
+                mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
+                                  step=StepConfig(seed=seed), progress=progress)
         run = RunResult(
             backend="emulated", workload=wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
             dpprof_version=__version__,
@@ -100,7 +132,7 @@ def maxbatch_cmd(
         if not quiet:
             out.print(maxbatch_renderable(build_view(for_terminal(run))))
         if paths:
-            write_reports(run, paths, quiet)
+            write_reports(run, paths, quiet, include_host)
     errored = [e.scenario for e in mb.entries if e.errored]
     if errored:
         err.print(f"dpprof: {len(errored)} scenario(s) errored: {', '.join(errored)} "

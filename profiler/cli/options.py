@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -13,7 +14,7 @@ from rich.console import Console
 from dpprof.emulator.gpus import GpuSpec, known_gpus, lookup_gpu
 from dpprof.errors import EXIT_CHECK_FAILED, UsageError
 from dpprof.result import RunResult
-from dpprof.units import parse_bytes
+from dpprof.units import has_unit, parse_bytes
 
 DEFAULT_MEMORY = "80GiB"
 
@@ -42,28 +43,64 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "--kill-after": (0.0, 7 * 24 * 3600.0),
 }
 
+# The --help panels: compare has some 30 options; grouped, each panel's table is narrow
+# enough that no option's name is cut at 80 columns.
+PANEL_WORKLOAD = "Workload"
+PANEL_GPUS = "GPUs"
+PANEL_MEASURE = "Measurement"
+PANEL_DDP = "DDP"
+PANEL_OUTPUT = "Output and CI"
+
+# A compute capability dpprof knows kernels and workspaces for (Kepler 3.0 to Blackwell 12.x)
+MIN_COMPUTE_CAPABILITY = (3, 0)
+MAX_COMPUTE_CAPABILITY = (12, 9)
+
+
+def _gpu_given(ctx: typer.Context, param: Any, value: str | None) -> str | None:
+    """``--gpu ""`` is a typo, not "no GPU": refused (the default, unset, is "")."""
+    source = ctx.get_parameter_source(param.name)
+    given = source is not None and source.name == "COMMANDLINE"
+    if given and value is not None and not value.strip():
+        # a parse error (exit 2), worded by the app's one-line error handler
+        raise typer.BadParameter(f"empty; give a GPU from the catalog, one of "
+                                 f"{', '.join(known_gpus())} (or leave --gpu out)")
+    return value
+
+
 GPU = typer.Option(
     "--gpu", help="A GPU from the catalog (e.g. a100-80gb, h100-80gb, rtx-4090): its memory, "
-    "and its context counted. Unknown names list the known ones.")
+    "and its context counted. Unknown names list the known ones.", callback=_gpu_given,
+    rich_help_panel=PANEL_GPUS)
 MAXBATCH = typer.Option(
     "--maxbatch", help="Also find the largest batch each scenario fits (reserved memory and "
-    "the CUDA context counted).")
-MULTIPLE_OF = typer.Option("--multiple-of", help="Batch granularity of the largest-batch search.")
+    "the CUDA context counted).", rich_help_panel=PANEL_MEASURE)
+MULTIPLE_OF = typer.Option("--multiple-of", help="Batch granularity of the largest-batch search.",
+                           rich_help_panel=PANEL_MEASURE)
 COUNT_RESERVED = typer.Option(
     "--count-reserved", help="With --compute: count simulated reserved memory and the CUDA "
-    "context in the out-of-memory check (meta emulation always counts them).")
-FIXES = typer.Option("--fixes/--no-fixes", help="Emulate each fix and what it saves.")
+    "context in the out-of-memory check (meta emulation always counts them).",
+    rich_help_panel=PANEL_MEASURE)
+FIXES = typer.Option("--fixes/--no-fixes", help="Emulate each fix and what it saves.",
+                     rich_help_panel=PANEL_MEASURE)
 FAIL_ON_IMBALANCE = typer.Option(
     "--fail-on-imbalance", metavar="RATIO",
-    help="Exit 3 when a scenario's max/mean peak exceeds RATIO (for CI).")
+    help="Exit 3 when a scenario's max/mean peak exceeds RATIO (for CI).",
+    rich_help_panel=PANEL_OUTPUT)
 FAIL_ON_OOM = typer.Option(
-    "--fail-on-oom", help="Exit 3 when any scenario runs out of memory (for CI).")
+    "--fail-on-oom", help="Exit 3 when any scenario runs out of memory (for CI).",
+    rich_help_panel=PANEL_OUTPUT)
+INCLUDE_HOST = typer.Option(
+    "--include-host", help="Keep the host name, GPU UUIDs and PCI bus ids in Markdown "
+    "reports (left out by default: the report is for a public issue).",
+    rich_help_panel=PANEL_OUTPUT)
+QUIET = typer.Option("--quiet", "-q", help="Print only errors.", rich_help_panel=PANEL_OUTPUT)
+DEBUG = typer.Option("--debug", help="Show tracebacks.", rich_help_panel=PANEL_OUTPUT)
 
 
 def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec | None]:
     """``--gpu-memory`` wins over ``--gpu``'s memory; an unknown GPU lists the known ones."""
     spec = None
-    if gpu:
+    if gpu and gpu.strip():
         try:
             spec = lookup_gpu(gpu)
         except KeyError:
@@ -77,10 +114,31 @@ def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec 
         memory = parse_bytes(gpu_memory)
     except (ValueError, OverflowError) as e:
         raise UsageError(f"--gpu-memory: {e}") from e
+    if not has_unit(gpu_memory):  # "80" would be 80 bytes: every scenario out of memory
+        raise UsageError(f"--gpu-memory {gpu_memory.strip()}: a size needs its unit; write "
+                         f"{gpu_memory.strip()}GiB (or GB, MiB)")
     if memory > MAX_GPU_MEMORY_BYTES:
         raise UsageError(f"--gpu-memory {gpu_memory}: more than 1 PiB per GPU; give the "
                          "memory of one GPU, e.g. 80GiB")
     return memory, spec
+
+
+def compute_capability(given: str | None, spec: GpuSpec | None) -> tuple[int, int]:
+    """``--compute-capability``: a version dpprof knows GPUs of, or a catalog name; default
+    the ``--gpu``'s, else 8.0 (A100)."""
+    from dpprof.emulator.gpus import compute_capability_of
+
+    if given is None:
+        return compute_capability_of(spec) if spec is not None else (8, 0)
+    try:
+        cc = compute_capability_of(given)
+    except (KeyError, ValueError) as e:
+        raise UsageError(f"--compute-capability {given!r}: {str(e).strip(chr(34) + chr(39))}"
+                         ) from e
+    if not MIN_COMPUTE_CAPABILITY <= cc <= MAX_COMPUTE_CAPABILITY:
+        raise UsageError(f"--compute-capability {given}: no GPU has it; give one from 3.0 to "
+                         "12.x (8.0 A100, 9.0 H100, 7.5 T4) or a catalog name such as h100-80gb")
+    return cc
 
 
 def check_bounds(values: dict[str, float | int | None]) -> None:

@@ -12,15 +12,26 @@ from typing import Annotated
 
 import typer
 
-from dpprof.cli.common import check_writable, out, output_paths, write_reports
+from dpprof.cli.common import check_writable, out, output_paths, shown_path, write_reports
 from dpprof.cli.guard import guarded
+from dpprof.cli.options import INCLUDE_HOST
 from dpprof.errors import DpprofError, UsageError
-from dpprof.reports.escape import for_terminal, terminal_text
+from dpprof.reports.escape import for_files, for_terminal, terminal_text, without_host
 from dpprof.result import RunResult, load, validate, write_atomic
+
+# the files dpprof renders from a result: what `report` writes, not what it reads
+RENDERED_SUFFIXES = (".md", ".html", ".htm", ".markdown")
 
 
 def _load_any(path: Path) -> RunResult:
     """A saved result, or a `dpprof watch` samples file (maybe cut short)."""
+    if path.suffix.lower() in RENDERED_SUFFIXES:
+        beside = path.with_suffix(".json")
+        hint = (f"pass {terminal_text(str(beside))}" if beside.is_file() else
+                "pass the .json written beside it (dpprof writes one by default, or with "
+                "-o run.json)")
+        raise UsageError(f"{terminal_text(str(path))} is a rendered report, which dpprof "
+                         f"cannot read back; {hint}")
     if path.suffix == ".jsonl":
         from dpprof.watch.monitor import load_run
 
@@ -46,6 +57,7 @@ def report_cmd(
             ".md, and .json for a single result).",
         ),
     ] = None,
+    include_host: Annotated[bool, INCLUDE_HOST] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     """Re-render a saved result without running anything, or compare two.
@@ -66,11 +78,12 @@ def report_cmd(
                 out.print(terminal.render(for_terminal(runs[0])))
                 return
             check_writable(paths)
-            write_reports(runs[0], paths, quiet=False)
+            write_reports(runs[0], paths, quiet=False, include_host=include_host)
             return
         from dpprof.reports import diff
 
-        rd = diff.diff(runs[0], runs[1])
+        files = [for_files(r) for r in runs]  # no control characters in a file
+        public = files if include_host else [without_host(r) for r in files]
         trd = diff.diff(for_terminal(runs[0]), for_terminal(runs[1]))
         if not paths:
             out.print(diff.render_terminal(trd))
@@ -79,12 +92,14 @@ def report_cmd(
         for p, fmt in paths:
             if fmt not in renderers:
                 raise UsageError(
-                    f"--output {p}: a comparison of two results is written as .html or .md"
+                    f"--output {terminal_text(shown_path(p))}: a comparison of two results is "
+                    "written as .html or .md"
                 )
         check_writable(paths)
         for p, fmt in paths:
             try:
-                write_atomic(p, renderers[fmt](rd))
+                pair = public if fmt == "markdown" else files  # for a public issue
+                write_atomic(p, renderers[fmt](diff.diff(pair[0], pair[1])))
             except OSError as e:
-                raise DpprofError(f"could not write {p}: {e.strerror or e}") from e
-            out.print(f"wrote {terminal_text(str(p))}", soft_wrap=True)
+                raise DpprofError(f"could not write {shown_path(p)}: {e.strerror or e}") from e
+            out.print(f"wrote {terminal_text(shown_path(p))}", soft_wrap=True)

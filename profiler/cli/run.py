@@ -17,7 +17,15 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from dpprof.cli.common import check_writable, err, out, output_paths, write_reports
 from dpprof.cli.guard import guarded
-from dpprof.cli.options import GPU, check_bounds, gpu_memory_and_spec
+from dpprof.cli.options import (
+    GPU,
+    PANEL_GPUS,
+    PANEL_MEASURE,
+    PANEL_OUTPUT,
+    QUIET,
+    check_bounds,
+    gpu_memory_and_spec,
+)
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
@@ -33,33 +41,36 @@ def run_cmd(
     ] = None,
     gpus: Annotated[
         int, typer.Option("--gpus", "-g", help="Virtual GPUs the script sees (before "
-                          "CUDA_VISIBLE_DEVICES).")
+                          "CUDA_VISIBLE_DEVICES).", rich_help_panel=PANEL_GPUS)
     ] = DEFAULT_GPUS,
     gpu_memory: Annotated[
         str | None,
         typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 24G (default: "
-                     "--gpu's, else 80GiB)."),
+                     "--gpu's, else 80GiB).", rich_help_panel=PANEL_GPUS),
     ] = None,
     steps: Annotated[
         int, typer.Option("--steps", help="Stop after this many optimizer steps (the first "
-                          "is the warm-up).")
+                          "is the warm-up).", rich_help_panel=PANEL_MEASURE)
     ] = 3,
     compute: Annotated[
         bool, typer.Option("--compute", help="Emulate over CPU tensors (real numbers: "
-                           "data-dependent shapes work; small models only).")
+                           "data-dependent shapes work; small models only).",
+                           rich_help_panel=PANEL_GPUS)
     ] = False,
     alternatives: Annotated[
         bool, typer.Option("--alternatives/--no-alternatives",
                            help="For a DataParallel script, also run it with DDP in place and "
-                           "with the loss inside forward.")
+                           "with the loss inside forward.", rich_help_panel=PANEL_MEASURE)
     ] = True,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", help="Report file; repeat for several (.html, .json, "
-                     ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}"),
+                     ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}",
+                     rich_help_panel=PANEL_OUTPUT),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
-    debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.")] = False,
+    quiet: Annotated[bool, QUIET] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.",
+                                        rich_help_panel=PANEL_OUTPUT)] = False,
     gpu: Annotated[str, GPU] = "",
 ) -> None:
     """Run your training script unchanged on virtual GPUs and report each GPU's memory.
