@@ -70,10 +70,6 @@ class WorkloadError(UsageError):
     """A workload that cannot be found, loaded or used."""
 
 
-class NothingMeasured(DpprofError):
-    """A run that produced no measurement (every scenario errored, or none ran): exit 1."""
-
-
 class Interrupted(BaseException):
     """SIGINT or SIGTERM arrived: unwind (children ended, temporary files removed) and exit
     ``128 + signum``. A BaseException, as KeyboardInterrupt: ``except Exception`` lets it

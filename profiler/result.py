@@ -286,7 +286,7 @@ class RunResult:
     assumptions: TextList = field(default_factory=list)  # how the numbers were obtained
     notes: TextList = field(default_factory=list)
     watch: WatchResult | None = None  # `dpprof watch -- CMD` runs only (backend "nvml-watch")
-    # ---- answers (issue 6): all optional, absent from older results -----------------------
+    # ---- answers: all optional, so that results saved before they existed still load ----
     # per DP scenario
     attribution: Annotated[dict[Text, Attribution], MaxLen(MAX_ITEMS)] = field(
         default_factory=dict)

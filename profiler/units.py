@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import re
 
-_UNITS = {
+BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+# Every unit name a size may carry, lower case: the binary and decimal units, "bytes" (as
+# PyTorch's format_size prints small sizes) and the one-letter shorthands, which are binary
+# as in nvidia-smi and PyTorch's messages ("24G" = 24 GiB).
+UNIT_BYTES: dict[str, int] = {
     "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
+    "bytes": 1,
+    **{name.lower(): size for name, size in BINARY_UNITS + DECIMAL_UNITS},
+    **{name[0].lower(): size for name, size in BINARY_UNITS if name != "B"},
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -30,12 +26,12 @@ def parse_bytes(text: str) -> int:
     """
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
+    if not m or unit not in UNIT_BYTES:
         raise ValueError(
             f"cannot read {text!r} as a size; write a number and a unit, "
             "e.g. 80GiB, 40GB, 24G (= GiB) or 512MiB"
         )
-    value = float(m.group(1)) * _UNITS[unit]
+    value = float(m.group(1)) * UNIT_BYTES[unit]
     if value <= 0:
         raise ValueError(f"size {text!r} must be larger than zero")
     return int(value)
@@ -56,15 +52,12 @@ def fmt_bytes(n: float | int | None, signed: bool = False) -> str:
         sign, n = "-", -n
     elif signed:
         sign = "+"
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in BINARY_UNITS[:-1]:
         if n >= size:
             v = n / size
             digits = 2 if v < 10 else 1 if v < 100 else 0
             return f"{sign}{v:.{digits}f} {unit}"
     return f"{sign}{int(n)} B"
-
-
-BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def unit_for(values: list[int] | list[float]) -> tuple[str, int]:

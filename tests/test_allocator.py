@@ -14,6 +14,7 @@ from dpprof.emulator.allocator import (
     AllocatorConfig,
     CachingAllocatorSim,
     SimulatedOutOfMemory,
+    block_bytes,
     get_allocation_size,
     round_size,
     roundup_power2_next_division,
@@ -37,6 +38,14 @@ def allocs(*sizes: int) -> list[tuple[str, int, int]]:
 )
 def test_round_size_is_512_byte_multiples(request_bytes: int, expected: int) -> None:
     assert round_size(request_bytes) == expected
+
+
+def test_block_bytes_rounds_as_the_allocator_and_an_empty_storage_holds_none() -> None:
+    assert block_bytes(0) == 0  # allocate(0) never reaches malloc; block_bytes(0) would be 512
+    assert block_bytes(1) == 512
+    assert block_bytes(512) == 512
+    assert block_bytes(513) == 1024
+    assert block_bytes(4_000_000) == 4_000_256
 
 
 @pytest.mark.parametrize(
@@ -71,29 +80,18 @@ def test_round_size_with_power2_divisions() -> None:
     assert round_size(3 * MiB + 1) == 3 * MiB + 512  # default: off
 
 
-def test_config_from_string_mirrors_parse_args() -> None:
-    cfg = AllocatorConfig.from_string(
-        "max_split_size_mb:128, roundup_power2_divisions:[256:1,512:2,>:4], "
-        "expandable_segments:False"
-    )
-    assert cfg.max_split_size == 128 * MiB
-    # first entry fills the intervals below it; ">" fills from the last index on (inclusive)
-    assert cfg.roundup_power2_divisions == (1,) * 9 + (4,) * 7
+def test_divisions_per_power_of_two_interval() -> None:
+    # roundup_power2_divisions:[256:1,512:2,>:4] as AllocatorConfig::parseArgs fills it
+    cfg = AllocatorConfig(roundup_power2_divisions=(1,) * 9 + (4,) * 7)
     assert cfg.divisions_for(300 * MiB) == 1
     assert cfg.divisions_for(600 * MiB) == 4
-    assert AllocatorConfig.from_string("roundup_power2_divisions:8").divisions_for(MiB) == 8
-    assert AllocatorConfig.from_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}) == (
-        AllocatorConfig(max_split_size=64 * MiB)
-    )
-    with pytest.raises(ValueError, match="too small"):
-        AllocatorConfig.from_string("max_split_size_mb:8")
-    with pytest.raises(ValueError, match="unrecognized"):
-        AllocatorConfig.from_string("max_split_sizes_mb:64")
+    assert AllocatorConfig(roundup_power2_divisions=8).divisions_for(MiB) == 8
+    with pytest.raises(ValueError, match="at least 20 MiB"):
+        AllocatorConfig(max_split_size=8 * MiB)
 
 
 def test_large_segment_size_option() -> None:
-    cfg = AllocatorConfig.from_string("large_segment_size_mb:32")
-    assert cfg.large_segment_size == 32 * MiB
+    cfg = AllocatorConfig(large_segment_size=32 * MiB)
     assert simulate(allocs(5 * MiB), config=cfg).peak_reserved_bytes == 32 * MiB
     assert simulate(allocs(12 * MiB), config=cfg).peak_reserved_bytes == 12 * MiB  # >= 10 MiB
     with pytest.raises(ValueError, match="large_segment_size"):

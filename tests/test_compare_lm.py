@@ -2,7 +2,7 @@
 
 import pytest
 
-from dpprof.emulator.vdevice import round_size
+from dpprof.emulator.allocator import block_bytes
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
 from dpprof.scenarios.step import StepConfig
@@ -23,11 +23,11 @@ def test_cuda0_carries_the_gathered_logits_and_their_loss(run: RunResult) -> Non
     # At cuda:0's peak (log_softmax backward): the saved log_softmax output, the gradient
     # nll_loss hands back and the gradient of the logits: three whole-batch logits; and the
     # gathered logits themselves, which the loop's ``outputs`` keeps alive through backward.
-    assert dev0.breakdown_bytes["loss"] == 3 * round_size(logits) + 512  # + the loss itself
-    assert dev0.breakdown_bytes["outputs"] == round_size(logits)
+    assert dev0.breakdown_bytes["loss"] == 3 * block_bytes(logits) + 512  # + the loss itself
+    assert dev0.breakdown_bytes["outputs"] == block_bytes(logits)
     assert dev0.peak_phase == "backward"
     # The other GPUs hold their quarter of the logits' gradient, scattered back.
-    assert dev1.breakdown_bytes["outputs"] == round_size(logits // 4)
+    assert dev1.breakdown_bytes["outputs"] == block_bytes(logits // 4)
     excess = run.comparison.scenarios["dp-loss-primary"].primary_excess_bytes
     # The excess is those four logits less the quarter the others hold, give or take the
     # master copy's optimizer state and parameters (< 1 GiB here).

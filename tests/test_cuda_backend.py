@@ -24,9 +24,9 @@ from dpprof.backends.cuda import (
     CudaRunConfig,
     Measured,
     ddp_scenario,
+    find_oom,
     is_oom,
     measure_ddp_rank,
-    parse_oom_message,
     run_local_scenario,
 )
 from dpprof.backends.cuda_ddp import torchrun_info
@@ -73,17 +73,17 @@ def _cfg(devices: tuple[int, ...] = (0, 1), batch: int = 8,
 # ---- OOM ----------------------------------------------------------------------------------
 
 
-def test_parse_oom_message_current_and_old_formats() -> None:
+def test_find_oom_reads_the_device_and_size_of_the_current_and_old_formats() -> None:
     new = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 3 has a total capacity of "
            "79.15 GiB of which 1.02 GiB is free.")
-    assert parse_oom_message(new).device == 3
-    assert parse_oom_message(new).bytes_requested == int(2.5 * GiB)
+    found = find_oom("Caught OutOfMemoryError in replica 3 on device 3.\nOriginal Traceback"
+                     " (most recent call last):\n  ...\ntorch.OutOfMemoryError: " + new)
+    assert found is not None and (found.cuda_index, found.requested_bytes) == (3, int(2.5 * GiB))
     old = ("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 1; 10.76 GiB total capacity; "
-           "9.70 GiB already allocated)")
-    assert (parse_oom_message(old).device, parse_oom_message(old).bytes_requested) == (
-        1, 20 * 2**20)
-    assert parse_oom_message("Tried to allocate 512 bytes").bytes_requested == 512
-    assert parse_oom_message("something else").device is None
+           "9.70 GiB already allocated; 3.81 MiB free; 10.76 GiB reserved in total by PyTorch)")
+    found = find_oom(old)
+    assert found is not None and (found.cuda_index, found.requested_bytes) == (1, 20 * 2**20)
+    assert find_oom("something else") is None
 
 
 def test_is_oom() -> None:

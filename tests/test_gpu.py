@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import dpprof
-from dpprof.backends.cuda import CudaRunConfig, parse_oom_message, run_local_scenario
+from dpprof.backends.cuda import CudaRunConfig, find_oom, run_local_scenario
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 
@@ -113,8 +113,9 @@ def test_an_oom_in_warm_up_reports_its_own_peak() -> None:
 def test_the_allocator_message_parses() -> None:
     with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
         torch.empty(2**50, dtype=torch.uint8, device=f"cuda:{_gpus() - 1}")
-    info = parse_oom_message(str(caught.value))
-    assert info.device == _gpus() - 1 and info.bytes_requested == 2**50
+    info = find_oom(str(caught.value))
+    assert info is not None
+    assert info.cuda_index == _gpus() - 1 and info.requested_bytes == 2**50
 
 
 @pytest.mark.gpus2

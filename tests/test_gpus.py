@@ -223,8 +223,8 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     from dataclasses import dataclass, field
 
     from dpprof.emulator import gpus
-    from dpprof.emulator.allocator import simulate
-    from dpprof.emulator.vdevice import EventLog, round_size
+    from dpprof.emulator.allocator import block_bytes, simulate
+    from dpprof.emulator.vdevice import EventLog
 
     @dataclass
     class Dev:
@@ -251,7 +251,7 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     for k in range(5):  # interleaved, as devices' events are
         for d, seq in seqs.items():
             serial, size = seq[k]
-            log.add(d, serial, size, round_size(abs(size)) * (1 if size > 0 else -1))
+            log.add(d, serial, size, block_bytes(abs(size)) * (1 if size > 0 else -1))
     calls: list[int] = []
 
     def counting(events, *a, **kw):  # type: ignore[no-untyped-def]

@@ -3,20 +3,13 @@
 import pytest
 import torch
 
-from dpprof.emulator.vdevice import HOST, VirtualDeviceError, VirtualDevices, round_size, to_device
+from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.vdevice import HOST, VirtualDeviceError, VirtualDevices, to_device
 
 
 @pytest.fixture(params=["meta", "cpu"])
 def rt(request: pytest.FixtureRequest) -> VirtualDevices:
     return VirtualDevices(2, base=request.param)
-
-
-def test_round_size() -> None:
-    assert round_size(0) == 0
-    assert round_size(1) == 512
-    assert round_size(512) == 512
-    assert round_size(513) == 1024
-    assert round_size(4_000_000) == 4_000_256
 
 
 def test_factories_take_the_current_device_and_round(rt: VirtualDevices) -> None:
@@ -205,16 +198,16 @@ def test_snapshots_and_timelines_match_an_event_by_event_replay() -> None:
             dev, req = live[serial]
             if rng.random() < 0.3:  # a resize: the old size freed, the new one allocated
                 new = rng.choice([0, 1, 700, 4096])
-                events += [(dev, serial, -req, -round_size(req)),
-                           (dev, serial, new, round_size(new))]
+                events += [(dev, serial, -req, -block_bytes(req)),
+                           (dev, serial, new, block_bytes(new))]
                 live[serial] = (dev, new)
             else:
-                events.append((dev, serial, -req, -round_size(req)))
+                events.append((dev, serial, -req, -block_bytes(req)))
                 del live[serial]
         else:
             dev = rng.choice([HOST, 0, 1])
             req = rng.choice([0, 3, 512, 513, 10_000])
-            events.append((dev, serial, req, round_size(req)))
+            events.append((dev, serial, req, block_bytes(req)))
             live[serial] = (dev, req)
     labels = {s: rng.choice(["parameters", "activations"]) for s in range(1, 80, 2)}
     for ev in events:

@@ -41,7 +41,6 @@ import copy
 import gc
 import math
 import os
-import re
 import socket
 import statistics
 import time
@@ -66,6 +65,7 @@ from dpprof.result import (
     DeviceResult,
     ScenarioResult,
     TimelinePoint,
+    WatchOom,
 )
 from dpprof.scenarios.base import (
     DDP,
@@ -97,11 +97,10 @@ __all__ = [
     "CudaRunConfig",
     "DeviceOps",
     "Measured",
-    "OomInfo",
+    "find_oom",
     "host",
     "is_oom",
     "measure_ddp_rank",
-    "parse_oom_message",
     "run_local_scenario",
     "step_closure",
 ]
@@ -132,38 +131,6 @@ ASSUMPTIONS = [
 # --------------------------------------------------------------------------- OOM
 
 
-_OOM_BYTES = re.compile(
-    r"Tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)", re.IGNORECASE
-)
-_OOM_GPU = re.compile(r"\bGPU\s+(\d+)")
-_UNITS = {"bytes": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-@dataclass
-class OomInfo:
-    """What an out-of-memory message says: the CUDA device and the bytes asked for."""
-
-    device: int | None
-    bytes_requested: int | None
-
-
-def parse_oom_message(message: str) -> OomInfo:
-    """Read device and size from the caching allocator's message.
-
-    Formats (``c10/cuda/CUDACachingAllocator.cpp``): since torch 2.1 ``"CUDA out of memory.
-    Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which ..."``;
-    before, ``"... Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity; ..."``.
-    ``format_size`` prints two decimals, so the bytes are exact to 1 % of the unit.
-    The GPU number is the process's CUDA index (after ``CUDA_VISIBLE_DEVICES``).
-    """
-    size = _OOM_BYTES.search(message)
-    gpu = _OOM_GPU.search(message)
-    nbytes = None
-    if size:
-        nbytes = round(float(size.group(1)) * _UNITS[size.group(2).lower()])
-    return OomInfo(int(gpu.group(1)) if gpu else None, nbytes)
-
-
 def _oom_error_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = []
     for owner in (torch, torch.cuda):
@@ -185,19 +152,21 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and (
-        oom_line(text) is not None
+        find_oom(text) is not None
         or "CUDA out of memory" in text
         or ("NCCL error" in text and "out of memory" in text.lower())
     )
 
 
-def oom_line(text: str) -> str | None:
-    """The line of ``text`` that states an out-of-memory error (DataParallel re-raises a
-    replica's error with the replica's traceback in the message), or None."""
+def find_oom(text: str) -> WatchOom | None:
+    """The out-of-memory error stated in ``text``, read by the one parser of PyTorch's
+    messages (:func:`dpprof.watch.oom_messages.parse_oom_line`): device and bytes asked for
+    where the caching allocator's message gives them. DataParallel re-raises a replica's
+    error with the replica's traceback in the message, so the last such line wins."""
     for line in reversed(text.splitlines()):
         found = parse_oom_line(line)
         if found is not None:
-            return found.text
+            return found
     return None
 
 
@@ -827,22 +796,23 @@ def _fail(out: Measured, exc: BaseException, run: _Run | None, cfg: CudaRunConfi
             run.peaks_now()
     if is_oom(exc):
         out.status = STATUS_OOM
-        info = parse_oom_message(str(exc))
-        out.oom_bytes = info.bytes_requested
-        if info.device is not None and run is not None and run.ops.kind == "cuda":
+        oom = find_oom(str(exc))
+        device = oom.cuda_index if oom else None
+        out.oom_bytes = oom.requested_bytes if oom else None
+        if device is not None and run is not None and run.ops.kind == "cuda":
             phys = run.ops.devices
-            out.oom_device = phys.index(info.device) if info.device in phys else None
+            out.oom_device = phys.index(device) if device in phys else None
             if out.oom_device is None:
-                out.notes.append(f"the OOM happened on cuda:{info.device}, outside the run")
+                out.notes.append(f"the OOM happened on cuda:{device}, outside the run")
         elif run is not None:  # CPU test mode: logical indices stand for the devices
-            if info.device in run.logical:
-                out.oom_device = info.device
+            if device in run.logical:
+                out.oom_device = device
             elif len(run.logical) == 1:
                 out.oom_device = run.logical[0]
-        first = (oom_line(str(exc)) or out.message).split(". ", 2)
+        first = (oom.text if oom else out.message).split(". ", 2)
         out.message = "out of memory" + (
-            f" on cuda:{info.device}" if info.device is not None else ""
-        ) + (f" asking for {fmt_bytes(info.bytes_requested)}" if info.bytes_requested else "") + (
+            f" on cuda:{device}" if device is not None else ""
+        ) + (f" asking for {fmt_bytes(out.oom_bytes)}" if out.oom_bytes else "") + (
             f" during {out.oom_phase}" if out.oom_phase else ""
         ) + f" ({first[0][:200]})"
     else:

@@ -55,9 +55,8 @@ processes (or ``set_per_process_memory_fraction``'s limit, which fails the same 
 from __future__ import annotations
 
 import math
-import os
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -72,6 +71,7 @@ __all__ = [
     "AllocatorStats",
     "CachingAllocatorSim",
     "SimulatedOutOfMemory",
+    "block_bytes",
     "get_allocation_size",
     "round_size",
     "roundup_power2_next_division",
@@ -116,7 +116,6 @@ class AllocatorConfig:
     large_segment_size: int = K_LARGE_BUFFER  # segment for 1-10 MiB requests (torch 2.13+)
     roundup_power2_divisions: int | tuple[int, ...] = 0
     expandable_segments: bool = False
-    garbage_collection_threshold: float = 0.0  # parsed, not modelled (needs a memory fraction)
     backend: str = "native"
 
     def __post_init__(self) -> None:
@@ -150,153 +149,6 @@ class AllocatorConfig:
             return divs
         index = (size.bit_length() - 1) - _ROUNDUP_START_LOG2
         return divs[min(max(index, 0), _ROUNDUP_INTERVALS - 1)]
-
-    @classmethod
-    def from_string(cls, text: str | None) -> AllocatorConfig:
-        """Parse a ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` value.
-
-        ``"max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:4]"``. Mirrors
-        ``AcceleratorAllocatorConfig::parseArgs``; options that do not change device-memory
-        decisions (pinned memory, ``release_lock_on_cudamalloc``) are accepted and ignored.
-        """
-        if not text or not text.strip():
-            return cls()
-        tokens = _lex_config(text)
-        kwargs: dict[str, Any] = {}
-        divisions = [0] * _ROUNDUP_INTERVALS
-        i = 0
-
-        def value(j: int) -> str:
-            if j + 2 >= len(tokens) or tokens[j + 1] != ":":
-                raise ValueError(f"allocator option {tokens[j]!r} needs ':value' in {text!r}")
-            return tokens[j + 2]
-
-        while i < len(tokens):
-            key = tokens[i]
-            if key == ",":
-                i += 1
-                continue
-            if key == "max_split_size_mb":
-                mb = int(value(i))
-                if mb < K_LARGE_BUFFER // _MB:
-                    raise ValueError(
-                        f"max_split_size_mb too small, must be >= {K_LARGE_BUFFER // _MB}"
-                    )
-                kwargs["max_split_size"] = mb * _MB
-                i += 3
-            elif key == "max_non_split_rounding_mb":
-                mb = int(value(i))
-                if mb < K_LARGE_BUFFER // _MB:
-                    raise ValueError(
-                        f"max_non_split_rounding_mb too small, must be >= {K_LARGE_BUFFER // _MB}"
-                    )
-                kwargs["max_non_split_rounding_size"] = mb * _MB
-                i += 3
-            elif key == "large_segment_size_mb":
-                kwargs["large_segment_size"] = int(value(i)) * _MB
-                i += 3
-            elif key == "garbage_collection_threshold":
-                kwargs["garbage_collection_threshold"] = float(value(i))
-                i += 3
-            elif key == "expandable_segments":
-                kwargs["expandable_segments"] = value(i).lower() == "true"
-                i += 3
-            elif key == "backend":
-                kwargs["backend"] = value(i)
-                i += 3
-            elif key == "roundup_power2_divisions":
-                i = _parse_roundup(tokens, i, divisions, text)
-                kwargs["roundup_power2_divisions"] = tuple(divisions)
-            elif key in _IGNORED_OPTIONS:
-                value(i)
-                i += 3
-            else:
-                raise ValueError(f"unrecognized allocator option {key!r} in {text!r}")
-        return cls(**kwargs)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> AllocatorConfig:
-        """The config from ``PYTORCH_ALLOC_CONF`` (or the older ``PYTORCH_CUDA_ALLOC_CONF``)."""
-        env = os.environ if environ is None else environ
-        return cls.from_string(env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF"))
-
-
-_IGNORED_OPTIONS = frozenset(
-    {
-        "release_lock_on_cudamalloc",
-        "release_lock_on_hipmalloc",
-        "pinned_use_cuda_host_register",
-        "pinned_use_hip_host_register",
-        "pinned_num_register_threads",
-        "pinned_use_background_threads",
-        "pinned_reserve_segment_size_mb",
-        "pinned_free_catch_all",
-        "per_process_memory_fraction",
-        "graph_capture_record_stream_reuse",
-        "throw_on_cudamalloc_oom",
-    }
-)
-
-
-def _lex_config(text: str) -> list[str]:
-    """``AllocatorConfig::lexArgs``: split on ``, : [ ]``, keeping them as tokens."""
-    tokens: list[str] = []
-    buf: list[str] = []
-    for ch in text:
-        if ch in ",:[]":
-            if buf:
-                tokens.append("".join(buf))
-                buf = []
-            tokens.append(ch)
-        elif not ch.isspace():
-            buf.append(ch)
-    if buf:
-        tokens.append("".join(buf))
-    return tokens
-
-
-def _parse_roundup(tokens: list[str], i: int, divisions: list[int], text: str) -> int:
-    """``parseRoundUpPower2Divisions``: one number for all, or ``[MB:div,...,>:div]``."""
-    if i + 2 >= len(tokens) or tokens[i + 1] != ":":
-        raise ValueError(f"roundup_power2_divisions needs a value in {text!r}")
-    i += 2
-    if tokens[i] != "[":
-        val = int(tokens[i])
-        if val & (val - 1):
-            raise ValueError("roundup_power2_divisions must be a power of 2")
-        divisions[:] = [val] * _ROUNDUP_INTERVALS
-        return i + 1
-    first = True
-    last_index = 0
-    i += 1
-    while i < len(tokens) and tokens[i] != "]":
-        if tokens[i] == ",":
-            i += 1
-            continue
-        interval = tokens[i]
-        if i + 2 >= len(tokens) or tokens[i + 1] != ":":
-            raise ValueError(f"bad roundup_power2_divisions entry in {text!r}")
-        div = int(tokens[i + 2])
-        if div & (div - 1):
-            raise ValueError("roundup_power2_divisions must be 0 or powers of 2")
-        if interval == ">":
-            for k in range(last_index, _ROUNDUP_INTERVALS):
-                divisions[k] = div
-        else:
-            mb = int(interval)
-            if mb <= 0 or mb & (mb - 1):
-                raise ValueError("roundup_power2_divisions intervals must be powers of 2 (MB)")
-            index = min(max(mb.bit_length() - 1, 0), _ROUNDUP_INTERVALS - 1)
-            if first:
-                for k in range(index):
-                    divisions[k] = div
-                first = False
-            divisions[index] = div
-            last_index = index
-        i += 3
-    if i >= len(tokens):
-        raise ValueError(f"roundup_power2_divisions list is not closed in {text!r}")
-    return i + 1
 
 
 DEFAULT_CONFIG = AllocatorConfig()
@@ -332,6 +184,13 @@ def round_size(size: int, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
     if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
         return roundup_power2_next_division(size, divisions)
     return -(-size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+
+
+def block_bytes(nbytes: int, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
+    """The bytes a storage of ``nbytes`` holds in the caching allocator: ``round_size``'s
+    block, and nothing for an empty storage (``NativeCachingAllocator::allocate`` never calls
+    ``malloc`` for 0 bytes, so the 512 B minimum does not apply to it)."""
+    return round_size(nbytes, config) if nbytes > 0 else 0
 
 
 def get_allocation_size(size: int, large_segment_size: int = K_LARGE_BUFFER) -> int:

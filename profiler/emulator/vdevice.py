@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpprof.emulator.allocator import block_bytes
 from dpprof.emulator.index_dtypes import RULES as CUDA_INDEX_RULES
 from dpprof.emulator.index_dtypes import as_on_cuda
 
 HOST = -1
-ROUND_BYTES = 512  # the CUDA caching allocator rounds every block to a multiple of 512 B
 
 aten = torch.ops.aten
 
@@ -51,13 +51,6 @@ _CROSS_DEVICE_OK = {
     aten._to_copy.default,
     aten.copy.default,
 }
-
-
-def round_size(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request (``round_size``)."""
-    if nbytes <= 0:
-        return 0
-    return ((nbytes + ROUND_BYTES - 1) // ROUND_BYTES) * ROUND_BYTES
 
 
 ALLOC = "alloc"
@@ -517,7 +510,7 @@ class VirtualDevices(TorchDispatchMode):
     def _track(self, st: Any, device: int) -> None:
         requested = int(st.nbytes())
         self._serial += 1
-        rec = _Storage(self._serial, device, requested, round_size(requested))
+        rec = _Storage(self._serial, device, requested, block_bytes(requested))
         key = id(st)
         self._storages[key] = rec
         self._labels[rec.serial] = self._state.category
@@ -702,7 +695,7 @@ class VirtualDevices(TorchDispatchMode):
         if rec.device != HOST:
             self._account(rec, -1)
         rec.requested = int(st.nbytes())
-        rec.rounded = round_size(rec.requested)
+        rec.rounded = block_bytes(rec.requested)
         if rec.device != HOST:
             self._account(rec, +1)
 
@@ -862,10 +855,10 @@ class VirtualDevices(TorchDispatchMode):
                 serial = self.new_serial()
                 self._labels[serial] = self._state.category
                 live[step.name] = (serial, step.nbytes)
-                self.emit(device, serial, step.nbytes, round_size(step.nbytes))
+                self.emit(device, serial, step.nbytes, block_bytes(step.nbytes))
             else:
                 serial, nbytes = live.pop(step.name)
-                self.emit(device, serial, -nbytes, -round_size(nbytes))
+                self.emit(device, serial, -nbytes, -block_bytes(nbytes))
 
 
 _NO = object()  # "not cacheable"

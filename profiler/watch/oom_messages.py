@@ -37,12 +37,12 @@ from __future__ import annotations
 import re
 
 from dpprof.result import WatchOom
+from dpprof.units import UNIT_BYTES
 
 __all__ = ["MAX_TEXT", "parse_oom_line", "parse_size"]
 
 MAX_TEXT = 1000
 
-_UNIT = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"([0-9]+(?:\.[0-9]+)?) ?(bytes|B|KiB|MiB|GiB|TiB)"
 _SIZE_RE = re.compile(rf"^{_SIZE}$")
 
@@ -70,11 +70,11 @@ def parse_size(text: str) -> int:
     m = _SIZE_RE.match(text.strip())
     if not m:
         raise ValueError(f"not a PyTorch size: {text!r}")
-    return round(float(m.group(1)) * _UNIT[m.group(2)])
+    return _size(m.group(1), m.group(2))
 
 
 def _size(num: str, unit: str) -> int:
-    return round(float(num) * _UNIT[unit])
+    return round(float(num) * UNIT_BYTES[unit.lower()])
 
 
 def parse_oom_line(
