@@ -174,7 +174,7 @@ def run_check(
     sampler_steps: int = 20,
 ) -> dict[str, Any]:
     """Everything ``dpprof check`` reports, as a JSON-ready dict (see the module docstring)."""
-    from dpprof.emulator.gpus import device_context
+    from dpprof.emulator.context import device_context
     from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import load_workload

@@ -15,16 +15,15 @@ from dpprof.analysis.comparison import compare
 from dpprof.analysis.fixes import alongside
 from dpprof.analysis.maxbatch import COUNTS
 from dpprof.backends.emulated import ASSUMPTIONS, Alongside, EmulationConfig, run_scenario
-from dpprof.emulator.gpus import gpu_model_notes
+from dpprof.emulator.catalog import DEFAULT_GPU
+from dpprof.emulator.context import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import RunResult
 from dpprof.scenarios.base import DDP, SCENARIOS, SINGLE, loop_description
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
-GiB = 2**30
 DEFAULT_EMULATED_GPUS = 4  # virtual devices when no --gpus is given
-DEFAULT_GPU_MEMORY = 80 * GiB  # an A100/H100 80 GB
 BACKENDS = ("auto", "emulated", "cpu", "cuda")
 
 Progress = Callable[[str, int, int], None]  # (scenario, index, total)
@@ -37,12 +36,12 @@ class CompareConfig:
     # DDP's options), declared once in dpprof.scenarios.step and passed to every backend
     step: StepConfig = field(default_factory=StepConfig)
     gpus: int | None = None  # None: every visible GPU (cuda) or 4 virtual ones (emulated)
-    gpu_memory_bytes: int = DEFAULT_GPU_MEMORY  # capacity of each (virtual) GPU
+    gpu_memory_bytes: int = DEFAULT_GPU.total_memory_bytes  # of each (virtual) GPU
     scenarios: tuple[str, ...] = SCENARIOS  # which of the paired scenarios to run
     backend: str = "auto"  # auto: cuda with >= 2 visible GPUs, else emulated
     compute: bool = False  # emulated over CPU tensors (real numbers) instead of meta
     debug: bool = False  # keep tracebacks
-    compute_capability: tuple[int, int] = (8, 0)  # the target GPU (a100-80gb by default)
+    compute_capability: tuple[int, int] = DEFAULT_GPU.compute_capability  # the target GPU's
     extra: dict[str, object] = field(default_factory=dict)
     # ---- answers (dpprof.analysis.answers) -----------------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)

@@ -117,7 +117,7 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
 
 
 def test_compare_with_a_catalog_gpu_counts_reserved_and_context(tmp_path: Path) -> None:
-    from dpprof.emulator.gpus import lookup_gpu
+    from dpprof.emulator.catalog import lookup_gpu
 
     out = tmp_path / "r.json"
     r = runner.invoke(app, ["compare", *FAST, "-q", "--no-fixes", "--gpu", "rtx-4090",

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from dpprof.emulator.gpus import (
-    GPUS,
-    GpuSpec,
+from dpprof.emulator.catalog import GPUS, GpuSpec, known_gpus, lookup_gpu
+from dpprof.emulator.context import (
     context_overhead,
     cublas_workspace_size,
     cublaslt_workspace_size,
     device_context,
-    fill_gpu_overheads,
-    known_gpus,
-    lookup_gpu,
 )
+from dpprof.emulator.reserved import fill_gpu_overheads
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -222,7 +219,7 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     device's figure is that of simulating its own sequence."""
     from dataclasses import dataclass, field
 
-    from dpprof.emulator import gpus
+    from dpprof.emulator import reserved
     from dpprof.emulator.allocator import block_bytes, simulate
     from dpprof.emulator.vdevice import EventLog
 
@@ -259,7 +256,7 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
         return simulate(events, *a, **kw)
 
     ctx = device_context((8, 0), uses_cudnn=False)
-    monkeypatch.setattr(gpus, "simulate", counting)
+    monkeypatch.setattr(reserved, "simulate", counting)
     devs = [Dev(i) for i in range(6)]
     fill_gpu_overheads(devs, log, ctx)
     assert len(calls) == 5  # {0, 1}, 2, 3, 4 and 5 (no events)

@@ -10,7 +10,7 @@ from dpprof.analysis.maxbatch import (
     search,
 )
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.gpus import device_context
+from dpprof.emulator.context import device_context
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
 from dpprof.scenarios.step import StepConfig
@@ -60,7 +60,7 @@ def test_search_nothing_fits_and_capped() -> None:
 
 
 def test_count_reserved_over_cpu_tensors_counts_segments_and_context() -> None:
-    # CPU tensors: reserved and context only when asked for, from the one model (gpus.py)
+    # CPU tensors: reserved and context only when asked for, from the one model (reserved.py)
     cfg = EmulationConfig(gpus=2, gpu_memory_bytes=80 << 30, compute=True, step=StepConfig(batch=8))
     plain = run_scenario("dp-loss-primary", lm(SMALL_LM), cfg)
     assert all(d.peak_reserved_bytes is None and d.context_bytes is None for d in plain.devices)

@@ -41,7 +41,7 @@ from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
     from dpprof.backends.emulated import Alongside, EmulationConfig
-    from dpprof.emulator.gpus import GpuSpec
+    from dpprof.emulator.catalog import GpuSpec
     from dpprof.scenarios.workloads import Workload
 
 MEASURED = (STATUS_OK, STATUS_OOM)
@@ -675,9 +675,10 @@ def post_mortem(w: WatchResult) -> tuple[list[str], list[str]]:
                 "load: look for tensors or a model part placed on it explicitly.")
     n = max(len(w.devices), 1)
     totals = [d.total_bytes for d in w.devices if d.total_bytes]
-    memory = f"{int(min(totals) / 2**30 * 10) / 10:g}GiB" if totals else "80GiB"
+    # without NVML's totals the compare default (the catalog's A100 80GB) stands
+    memory = f" --gpu-memory {int(min(totals) / 2**30 * 10) / 10:g}GiB" if totals else ""
     compare = ("dpprof compare --workload your_module:workload --batch <your batch> "
-               f"--gpus {n} --gpu-memory {memory}")
+               f"--gpus {n}{memory}")
     steps: list[str] = []
     if unbalanced:
         steps.append(
@@ -714,7 +715,7 @@ def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,
 
 
 def gpu_spec(name: str) -> GpuSpec | None:
-    from dpprof.emulator.gpus import lookup_gpu
+    from dpprof.emulator.catalog import lookup_gpu
 
     return lookup_gpu(name) if name else None
 

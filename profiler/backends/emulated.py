@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
+from dpprof.emulator.context import ContextModel, device_context
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import (
     DEFAULT_COMPUTE_CAPABILITY,
@@ -28,6 +28,7 @@ from dpprof.emulator.kernels import (
     GpuKernels,
 )
 from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
+from dpprof.emulator.reserved import fill_gpu_overheads
 from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.result import (
@@ -100,7 +101,7 @@ class EmulationConfig:
     # BalancedDataParallel: rows per device at the batch (a micro-batch in proportion)
     dp_chunk_sizes: tuple[int, ...] | None = None
     # Over CPU tensors (compute): also simulate reserved memory and the context, as over meta
-    # (dpprof.emulator.gpus.fill_gpu_overheads), and count them in the out-of-memory check.
+    # (dpprof.emulator.reserved.fill_gpu_overheads), and count them in the out-of-memory check.
     count_reserved: bool = False
     # DataParallel replicas on equal shards: one runs, the others' devices mirror its device
     # (meta only; every device's own events are the same, see VirtualDevices.set_mirrors)

@@ -37,14 +37,10 @@ from torch.utils._pytree import tree_leaves
 from dpprof.backends.emulated import ddp_ranks, device_result, timeline_points
 from dpprof.backends.script_effects import ScriptEffects, Writes
 from dpprof.emulator import script_parallel
-from dpprof.emulator.gpus import (
-    DeviceFigures,
-    GpuSpec,
-    device_context,
-    fill_gpu_overheads,
-    lookup_gpu,
-)
+from dpprof.emulator.catalog import GpuSpec, lookup_gpu
+from dpprof.emulator.context import device_context
 from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.errors import Interrupted, UsageError
@@ -555,7 +551,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
 
 def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
     """Reserved and the CUDA context per used device: the emulator's one model
-    (:func:`dpprof.emulator.gpus.fill_gpu_overheads`) over the script's allocations."""
+    (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's allocations."""
     ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
 
     def source(d: DeviceFigures) -> int:

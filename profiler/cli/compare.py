@@ -41,9 +41,8 @@ from dpprof.cli.options import (
     PANEL_WORKLOAD,
     QUIET,
     check_bounds,
-    compute_capability,
     exit_on_fail_reasons,
-    gpu_memory_and_spec,
+    target_gpu,
 )
 from dpprof.errors import UsageError
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, mark_partial, resolve_backend
@@ -85,7 +84,8 @@ def compare_cmd(
     gpu_memory: Annotated[
         str | None,
         typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 40GB, 24G "
-                     "(default: --gpu's, else 80GiB).", rich_help_panel=PANEL_GPUS),
+                     "(default: --gpu's, else the A100 80GB's 79.25 GiB).",
+                     rich_help_panel=PANEL_GPUS),
     ] = None,
     scenarios: Annotated[
         str, typer.Option("--scenarios", "-s", help="Comma-separated scenarios to run.",
@@ -210,14 +210,13 @@ def compare_cmd(
                                                      include_host)]
 
     with guarded(debug, on_interrupt=write_partial):
-        memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
+        # --gpu NAME sets the target generation unless --compute-capability says otherwise
+        target = target_gpu(gpu_memory, gpu, compute_capability_text)
         from dpprof.backends.cuda_ddp import torchrun_info
 
         rank = torchrun_info()
         if rank is not None and rank.rank != 0:
             quiet = True  # only rank 0 speaks and writes reports
-        # --gpu NAME sets the target generation unless --compute-capability says otherwise
-        cc = compute_capability(compute_capability_text, spec)
         step = StepConfig(
             batch=batch, seed=seed, warmup=warmup, steps=steps, dtype=dtype, amp=amp,
             ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
@@ -226,12 +225,13 @@ def compare_cmd(
                            broadcast_buffers=not no_broadcast_buffers),
         )
         cfg = CompareConfig(
-            compute_capability=cc, workload=workload, step=step, gpus=gpus,
-            gpu_memory_bytes=memory, scenarios=parse_scenarios(scenarios), backend=backend,
+            compute_capability=target.compute_capability, workload=workload, step=step,
+            gpus=gpus, gpu_memory_bytes=target.memory_bytes,
+            scenarios=parse_scenarios(scenarios), backend=backend,
             compute=compute, debug=debug, devices=_parse_devices(devices),
             nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
             fixes=fixes, maxbatch=maxbatch,
-            multiple_of=multiple_of, gpu=spec.key if spec else "",
+            multiple_of=multiple_of, gpu=target.spec.key if target.named else "",
             count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
             fail_on_oom=fail_on_oom,
         )
@@ -265,7 +265,7 @@ def compare_cmd(
                    if found == 0 else f"{found} CUDA GPU found (the comparison needs 2)")
             kind = "CPU tensors" if compute else "meta tensors, memory only"
             err.print(
-                f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory)} "
+                f"dpprof: {why}: emulating {n} devices of {fmt_bytes(target.memory_bytes)} "
                 f"({kind}); workload {terminal_text(wl.name)}, batch {batch}",
                 soft_wrap=True)  # one line, as a log shows it
         if resolved == "cuda" and not quiet:

@@ -31,9 +31,9 @@ from dpprof.cli.options import (
     PANEL_WORKLOAD,
     QUIET,
     check_bounds,
-    gpu_memory_and_spec,
+    target_gpu,
 )
-from dpprof.emulator.gpus import GpuSpec
+from dpprof.emulator.catalog import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
 from dpprof.reports.escape import for_terminal, terminal_text
@@ -89,7 +89,8 @@ def maxbatch_cmd(
     from dpprof.reports.view import build_view
 
     with guarded(debug):
-        memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
+        target = target_gpu(gpu_memory, gpu)
+        memory, spec = target.memory_bytes, (target.spec if target.named else None)
         if gpus < 1:
             raise UsageError(f"--gpus must be at least 1, got {gpus}")
         if multiple_of < 1:

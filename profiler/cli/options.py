@@ -11,12 +11,10 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from dpprof.emulator.gpus import GpuSpec, known_gpus, lookup_gpu
+from dpprof.emulator.catalog import TargetGpu, compute_capability_of, known_gpus, lookup_gpu
 from dpprof.errors import EXIT_CHECK_FAILED, UsageError
 from dpprof.result import RunResult
 from dpprof.units import has_unit, parse_bytes
-
-DEFAULT_MEMORY = "80GiB"
 
 # Every numeric option's range (inclusive), checked after the options' own lower-bound
 # messages: upper bounds keep a typo from running for minutes (--gpus 10000), floats must be
@@ -97,8 +95,11 @@ QUIET = typer.Option("--quiet", "-q", help="Print only errors.", rich_help_panel
 DEBUG = typer.Option("--debug", help="Show tracebacks.", rich_help_panel=PANEL_OUTPUT)
 
 
-def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec | None]:
-    """``--gpu-memory`` wins over ``--gpu``'s memory; an unknown GPU lists the known ones."""
+def target_gpu(gpu_memory: str | None, gpu: str,
+               compute_capability: str | None = None) -> TargetGpu:
+    """The GPU a command emulates or predicts for, from ``--gpu``, ``--gpu-memory`` and
+    ``--compute-capability``: each given one wins over the catalog model's (``--gpu``, else
+    :data:`~dpprof.emulator.catalog.DEFAULT_GPU`); an unknown GPU lists the known ones."""
     spec = None
     if gpu and gpu.strip():
         try:
@@ -108,8 +109,13 @@ def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec 
                 f"--gpu {gpu}: unknown GPU; known GPUs: {', '.join(known_gpus())} (or give "
                 "--gpu-memory, e.g. 80GiB)"
             ) from None
-    if gpu_memory is None:
-        return (spec.total_memory_bytes if spec else parse_bytes(DEFAULT_MEMORY)), spec
+    memory = None if gpu_memory is None else _memory_bytes(gpu_memory)
+    cc = None if compute_capability is None else _compute_capability(compute_capability)
+    return TargetGpu.of(spec, memory, cc)
+
+
+def _memory_bytes(gpu_memory: str) -> int:
+    """``--gpu-memory``: a size with its unit, at most 1 PiB."""
     try:
         memory = parse_bytes(gpu_memory)
     except (ValueError, OverflowError) as e:
@@ -120,16 +126,11 @@ def gpu_memory_and_spec(gpu_memory: str | None, gpu: str) -> tuple[int, GpuSpec 
     if memory > MAX_GPU_MEMORY_BYTES:
         raise UsageError(f"--gpu-memory {gpu_memory}: more than 1 PiB per GPU; give the "
                          "memory of one GPU, e.g. 80GiB")
-    return memory, spec
+    return memory
 
 
-def compute_capability(given: str | None, spec: GpuSpec | None) -> tuple[int, int]:
-    """``--compute-capability``: a version dpprof knows GPUs of, or a catalog name; default
-    the ``--gpu``'s, else 8.0 (A100)."""
-    from dpprof.emulator.gpus import compute_capability_of
-
-    if given is None:
-        return compute_capability_of(spec) if spec is not None else (8, 0)
+def _compute_capability(given: str) -> tuple[int, int]:
+    """``--compute-capability``: a version dpprof knows GPUs of, or a catalog name."""
     try:
         cc = compute_capability_of(given)
     except (KeyError, ValueError) as e:

@@ -24,7 +24,7 @@ from dpprof.cli.options import (
     PANEL_OUTPUT,
     QUIET,
     check_bounds,
-    gpu_memory_and_spec,
+    target_gpu,
 )
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.reports.escape import for_terminal, terminal_text
@@ -46,7 +46,7 @@ def run_cmd(
     gpu_memory: Annotated[
         str | None,
         typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 24G (default: "
-                     "--gpu's, else 80GiB).", rich_help_panel=PANEL_GPUS),
+                     "--gpu's, else the A100 80GB's 79.25 GiB).", rich_help_panel=PANEL_GPUS),
     ] = None,
     steps: Annotated[
         int, typer.Option("--steps", help="Stop after this many optimizer steps (the first "
@@ -89,7 +89,6 @@ def run_cmd(
         parse_command,
         run_command,
     )
-    from dpprof.emulator.gpus import lookup_gpu
     from dpprof.reports import terminal
 
     main = None
@@ -105,13 +104,14 @@ def run_cmd(
         if steps < 1:
             raise UsageError(f"--steps must be at least 1, got {steps}")
         check_bounds({"--gpus": gpus, "--steps": steps})
-        memory, spec = gpu_memory_and_spec(gpu_memory, gpu)
+        target = target_gpu(gpu_memory, gpu)
         launch = parse_command(list(command or []), gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths[:] = output_paths(output, f"run-{stamp}")
         check_writable(paths)
-        cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=spec or lookup_gpu("a100-80gb"),
-                           gpu_memory_bytes=memory, steps=steps, compute=compute, debug=debug)
+        cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
+                           gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
+                           debug=debug)
         if not quiet:
             kind = "CPU tensors" if compute else "meta tensors, memory only"
             how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "

@@ -38,13 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.vdevice import ALLOC, FREE, KernelPlan, KernelStep, VirtualDevices
 
 FLASH = "flash"
 EFFICIENT = "efficient"
 MATH = "math"
 
-DEFAULT_COMPUTE_CAPABILITY = (8, 0)  # the catalog's default GPU, a100-80gb
+DEFAULT_COMPUTE_CAPABILITY = DEFAULT_GPU.compute_capability
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dpprof.emulator.gpus import GpuSpec, lookup_gpu
+from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.standins import load_real, standing_in
 from dpprof.emulator.vdevice import HOST, VirtualDevices

@@ -1,0 +1,273 @@
+"""What the CUDA context and libraries cost on a device, beside the tensors.
+
+:func:`context_overhead` models what a process pays on a device beyond the caching
+allocator's segments (the CUDA context, library code) and which library workspaces the
+allocator itself serves (cuBLAS / cuBLASLt workspaces), with the assumptions spelled out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from dpprof.emulator.allocator import simulate
+from dpprof.emulator.catalog import GpuSpec, compute_capability_of
+
+__all__ = [
+    "CUBLAS_HANDLES_PER_DEVICE",
+    "ContextModel",
+    "context_overhead",
+    "cublas_workspace_size",
+    "cublaslt_workspace_size",
+    "device_context",
+    "gpu_model_notes",
+]
+
+_MiB = 1024 * 1024
+
+# PyTorch PR 86509 (CUDA_MODULE_LOADING=LAZY by default): after
+# torch.randn(20, 16, 50, 100).cuda(), total - free = 287,047,680 B with lazy loading and
+# 666,632,192 B with eager loading. That tensor (6.4 MB) sits in a 20 MiB segment of the
+# caching allocator, so the context itself is 20 MiB less.
+_PR86509_LAZY = 287_047_680
+_PR86509_EAGER = 666_632_192
+CUDA_CONTEXT_LAZY_BYTES = _PR86509_LAZY - 20 * _MiB  # 266,076,160 B = 253.75 MiB
+CUDA_CONTEXT_EAGER_BYTES = _PR86509_EAGER - 20 * _MiB  # 645,660,672 B = 615.75 MiB
+
+# Assumptions without a measurement to cite (override them through context_overhead()).
+CUDNN_LIBRARY_LAZY_BYTES = 64 * _MiB
+CUDNN_LIBRARY_EAGER_BYTES = 512 * _MiB
+CUDNN_WORKSPACE_BYTES = 128 * _MiB
+
+# aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize():
+# ":4096:2:16:8 default, 32MiB for Hopper and Blackwell"
+_CUBLAS_DEFAULT_OLD = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B = 8.125 MiB
+_CUBLAS_DEFAULT_32MB = 4096 * 8 * 1024  # 33,554,432 B
+_CUBLAS_32MB_MAJORS = (9, 10, 11, 12)
+
+
+
+def _parse_cublas_config(text: str) -> int:
+    """``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT`` pairs) to bytes, as PyTorch sums it."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", text)
+    if not pairs:
+        raise ValueError(
+            f"cannot parse CUBLAS_WORKSPACE_CONFIG {text!r}; expected ':SIZE:COUNT' pairs, "
+            "e.g. ':4096:8'"
+        )
+    return sum(int(size) * 1024 * int(count) for size, count in pairs)
+
+
+def cublas_workspace_size(
+    spec_or_cc: GpuSpec | tuple[int, int] | str, cublas_workspace_config: str | None = None
+) -> int:
+    """``getChosenWorkspaceSize()``: bytes of one cuBLAS workspace (one per handle and stream).
+
+    32 MiB on compute capability 9.x-12.x (Hopper, Blackwell), else ``:4096:2:16:8`` =
+    2 x 4 MiB + 8 x 16 KiB = 8,519,680 B; ``CUBLAS_WORKSPACE_CONFIG`` overrides it.
+    """
+    if cublas_workspace_config:
+        return _parse_cublas_config(cublas_workspace_config)
+    major, _ = compute_capability_of(spec_or_cc)
+    return _CUBLAS_DEFAULT_32MB if major in _CUBLAS_32MB_MAJORS else _CUBLAS_DEFAULT_OLD
+
+
+def cublaslt_workspace_size(
+    *, unified: bool = True, cublaslt_workspace_kib: int | None = None
+) -> int:
+    """Bytes of a cuBLASLt workspace of its own (``getCUDABlasLtWorkspaceSize()``).
+
+    Unified (``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` unset, the default outside fbcode) cuBLASLt
+    uses the cuBLAS workspace of the same handle and stream: 0 extra bytes. Otherwise it gets
+    its own ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024 KiB on every compute capability in
+    CUDA builds; 76 MiB is the ROCm default).
+    """
+    if unified:
+        return 0
+    kib = 1024 if cublaslt_workspace_kib is None else cublaslt_workspace_kib
+    return kib * 1024
+
+
+@dataclass
+class ContextModel:
+    """What a process costs on one device besides its tensors. Bytes are bytes.
+
+    ``outside_allocator_bytes`` is memory NVML sees but ``torch.cuda.memory_reserved()``
+    does not (context, library code); ``allocator_requests`` are long-lived allocations the
+    caching allocator serves (workspaces), ``transient_allocator_requests`` short-lived ones
+    (cuDNN convolution workspace), both to be added to the device's allocation events.
+    """
+
+    compute_capability: tuple[int, int]
+    cuda_context_bytes: int
+    cudnn_library_bytes: int
+    cublas_workspace_bytes: int  # one workspace
+    cublas_workspaces: int  # handles x streams
+    cublaslt_workspace_bytes: int  # one separate cuBLASLt workspace (0 when unified)
+    cublaslt_workspaces: int
+    cudnn_workspace_bytes: int  # transient, per convolution call
+    workspace_reserved_bytes: int  # segments the long-lived workspaces take on their own
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        return self.cuda_context_bytes + self.cudnn_library_bytes
+
+    @property
+    def allocator_requests(self) -> list[int]:
+        return [self.cublas_workspace_bytes] * self.cublas_workspaces + [
+            self.cublaslt_workspace_bytes
+        ] * (self.cublaslt_workspaces if self.cublaslt_workspace_bytes else 0)
+
+    @property
+    def transient_allocator_requests(self) -> list[int]:
+        return [self.cudnn_workspace_bytes] if self.cudnn_workspace_bytes else []
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes the long-lived workspaces ask for (before the allocator rounds them)."""
+        return sum(self.allocator_requests)
+
+    @property
+    def total_bytes(self) -> int:
+        """Context + library code + the segments the workspaces take when alone."""
+        return self.outside_allocator_bytes + self.workspace_reserved_bytes
+
+    def components(self) -> dict[str, int]:
+        """Per component bytes, for a report's breakdown."""
+        return {
+            "cuda_context": self.cuda_context_bytes,
+            "cudnn_library": self.cudnn_library_bytes,
+            "cublas_workspaces": self.cublas_workspace_bytes * self.cublas_workspaces,
+            "cublaslt_workspaces": self.cublaslt_workspace_bytes * self.cublaslt_workspaces,
+            "cudnn_workspace_transient": self.cudnn_workspace_bytes,
+        }
+
+
+def context_overhead(
+    spec_or_cc: GpuSpec | tuple[int, int] | str,
+    *,
+    lazy_loading: bool = True,
+    uses_cudnn: bool = False,
+    cublas_handles: int = 1,
+    streams: int = 1,
+    cublaslt_unified: bool = True,
+    cublas_workspace_config: str | None = None,
+    cublaslt_workspace_kib: int | None = None,
+    cuda_context_bytes: int | None = None,
+    cudnn_library_bytes: int | None = None,
+    cudnn_workspace_bytes: int | None = None,
+) -> ContextModel:
+    """Model the CUDA context and library workspaces on one device.
+
+    ``spec_or_cc`` is a :class:`GpuSpec`, a catalog name, or a compute capability
+    (``(8, 0)``, ``"8.0"``, ``"sm_90"``). ``cublas_handles`` counts the threads that run cuBLAS
+    on the device (PyTorch keeps one handle per thread and device: under DataParallel, the
+    parallel_apply worker thread and the autograd engine's device thread each have one),
+    ``streams`` the streams each handle runs on; one workspace per (handle, stream).
+    """
+    if cublas_handles < 0 or streams < 1:
+        raise ValueError("cublas_handles must be >= 0 and streams >= 1")
+    cc = compute_capability_of(spec_or_cc)
+    assumptions: list[str] = []
+
+    if cuda_context_bytes is None:
+        cuda_context_bytes = CUDA_CONTEXT_LAZY_BYTES if lazy_loading else CUDA_CONTEXT_EAGER_BYTES
+        assumptions.append(
+            "CUDA context: {:.0f} MiB with {} module loading, from PyTorch PR 86509 "
+            "(287,047,680 B lazy / 666,632,192 B eager used after one 6.4 MB tensor, less the "
+            "20 MiB segment holding it); reports range from ~250 to ~400 MiB with the GPU, "
+            "driver and CUDA version; memory outside the caching allocator".format(
+                cuda_context_bytes / _MiB, "lazy" if lazy_loading else "eager"
+            )
+        )
+    else:
+        assumptions.append(f"CUDA context: {cuda_context_bytes} B as given")
+
+    if not uses_cudnn:
+        cudnn_library_bytes = 0
+        cudnn_workspace_bytes = 0
+    else:
+        if cudnn_library_bytes is None:
+            cudnn_library_bytes = (
+                CUDNN_LIBRARY_LAZY_BYTES if lazy_loading else CUDNN_LIBRARY_EAGER_BYTES
+            )
+            assumptions.append(
+                f"cuDNN library code and handle: {cudnn_library_bytes // _MiB} MiB, an "
+                "assumption (no measurement cited); kernels load into the context on first "
+                "use, outside the caching allocator"
+            )
+        if cudnn_workspace_bytes is None:
+            cudnn_workspace_bytes = CUDNN_WORKSPACE_BYTES
+            assumptions.append(
+                f"cuDNN convolution workspace: {cudnn_workspace_bytes // _MiB} MiB at the "
+                "largest convolution, an assumption; it is taken from the caching allocator "
+                "for the call and freed after it, its real size depends on the algorithm "
+                "(larger with torch.backends.cudnn.benchmark) and CUDNN_CONV_WSCAP_DBG caps it"
+            )
+
+    cublas_ws = cublas_workspace_size(cc, cublas_workspace_config)
+    n_ws = cublas_handles * streams
+    assumptions.append(
+        f"cuBLAS workspace: {cublas_ws} B per (handle, stream), {n_ws} of them; "
+        "getChosenWorkspaceSize() in aten/src/ATen/cuda/CublasHandlePool.cpp: 32 MiB on "
+        "compute capability 9.x-12.x, else :4096:2:16:8 = 8,519,680 B"
+        + (" (CUBLAS_WORKSPACE_CONFIG given)" if cublas_workspace_config else "")
+        + "; allocated through the CUDA caching allocator by setWorkspaceForHandle() on the "
+        "handle's first use and kept for the process, so it counts in memory_reserved() "
+        "and memory_allocated(), not in the context (torch 2.13; newer trees make this "
+        "caching opt-in with TORCH_CUBLAS_WORKSPACE_CACHE=1 and otherwise leave cuBLAS its "
+        "own default workspace, outside the allocator)"
+    )
+    lt_ws = cublaslt_workspace_size(
+        unified=cublaslt_unified, cublaslt_workspace_kib=cublaslt_workspace_kib
+    )
+    if cublaslt_unified:
+        assumptions.append(
+            "cuBLASLt workspace: shares the cuBLAS workspace of the same handle and stream "
+            "(TORCH_CUBLASLT_UNIFIED_WORKSPACE unset, the default outside fbcode), no extra bytes"
+        )
+    else:
+        assumptions.append(
+            f"cuBLASLt workspace: {lt_ws} B per (handle, stream), its own allocation from the "
+            "caching allocator (CUBLASLT_WORKSPACE_SIZE, default 1024 KiB)"
+        )
+
+    requests = [cublas_ws] * n_ws + ([lt_ws] * n_ws if lt_ws else [])
+    events = [("alloc", i, size) for i, size in enumerate(requests)]
+    reserved = simulate(events, timeline_points=None).peak_reserved_bytes if events else 0
+
+    return ContextModel(
+        compute_capability=cc,
+        cuda_context_bytes=cuda_context_bytes,
+        cudnn_library_bytes=cudnn_library_bytes or 0,
+        cublas_workspace_bytes=cublas_ws,
+        cublas_workspaces=n_ws,
+        cublaslt_workspace_bytes=lt_ws,
+        cublaslt_workspaces=n_ws if lt_ws else 0,
+        cudnn_workspace_bytes=cudnn_workspace_bytes or 0,
+        workspace_reserved_bytes=reserved,
+        assumptions=assumptions,
+    )
+
+
+
+CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's device thread
+
+
+def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
+    """The context/workspace model of one device of the target GPU running a model."""
+    return context_overhead(compute_capability, uses_cudnn=uses_cudnn,
+                            cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
+
+
+def gpu_model_notes(ctx: ContextModel) -> list[str]:
+    """The assumptions behind reserved and context figures, for the report."""
+    return [
+        "reserved: dpprof.emulator.allocator's simulation of the CUDA caching allocator (512 B "
+        "rounding, 1 MiB small / large pools, 2 / 20 MiB segments, best-fit splitting and "
+        "merging, one stream) over this device's emulated allocation sequence, with "
+        f"{CUBLAS_HANDLES_PER_DEVICE} cuBLAS workspaces (forward thread + autograd thread) "
+        "allocated first",
+        *ctx.assumptions,
+    ]
