@@ -34,7 +34,7 @@ def test_the_default_comparison_reads_top_to_bottom() -> None:
     peaks = figs["peaks"]
     assert [t["name"] for t in peaks["data"]] == [s.name for s in run.scenarios]
     cap_line = peaks["layout"]["shapes"][0]
-    assert cap_line["y0"] == pytest.approx(80.0)  # 80 GiB capacity line
+    assert cap_line["y0"] == pytest.approx(79.25)  # the default A100 80GB's capacity line
     wf = figs["excess-0"]["data"][0]
     assert wf["y"][0] == "median other GPU" and wf["y"][-1] == "cuda:0"
     assert wf["y"][1] == "loss, its temporaries and its gradient"  # the largest cause first
@@ -45,7 +45,7 @@ def test_the_default_comparison_reads_top_to_bottom() -> None:
         level += step
     assert level == pytest.approx(wf["x"][-1], abs=0.01)
     assert "timeline-0" in figs and "Compute the loss inside forward" in page
-    assert "Emulated: 4 virtual GPU(s) of 80.0 GiB over meta tensors" in page
+    assert "Emulated: 4 virtual GPU(s) of 79.2 GiB over meta tensors" in page
     # phases are marked on the timelines
     tl = figs["timeline-0"]["layout"]
     assert {a["text"] for a in tl["annotations"]} >= {"forward", "backward"}
@@ -151,7 +151,7 @@ def test_small_runs_are_charted_in_mib() -> None:
     figs = _figures(page)
     assert figs["peaks"]["layout"]["yaxis"]["title"]["text"] == "peak allocated (MiB)"
     assert max(figs["peaks"]["data"][0]["y"]) == pytest.approx(288, abs=1)
-    assert "capacity 80.0 GiB per GPU (above the scale)" in json.dumps(figs["peaks"]["layout"])
+    assert "capacity 79.2 GiB per GPU (above the scale)" in json.dumps(figs["peaks"]["layout"])
 
 
 def test_reserved_and_nvml_peaks_only_where_known() -> None:

@@ -24,22 +24,15 @@ import watch_fakes
 from fake_nvml import FakeNvml
 from typer.testing import CliRunner
 
+from dpprof.analysis.answers import post_mortem
 from dpprof.cli.app import app
 from dpprof.reports import html as html_report
 from dpprof.reports import json as json_report
 from dpprof.reports import terminal
 from dpprof.result import RunResult
-from dpprof.watch.monitor import (
-    REPORT_POINTS,
-    WatchConfig,
-    Watcher,
-    WatchOutcome,
-    build_run,
-    load_run,
-    post_mortem,
-    read_records,
-    select_devices,
-)
+from dpprof.watch.analysis import REPORT_POINTS, build_run, load_run
+from dpprof.watch.monitor import WatchConfig, Watcher, WatchOutcome, select_devices
+from dpprof.watch.samples import read_records
 
 GIB = 2**30
 MIB = 2**20
@@ -656,7 +649,7 @@ def test_a_gpu_lost_mid_run_is_noted() -> None:
 
 
 def _scan_chunks(chunks: list[bytes]) -> list:
-    from dpprof.watch.monitor import OutputScanner
+    from dpprof.watch.output import OutputScanner
 
     found: list = []
     scanner = OutputScanner("stderr", found.append)
@@ -678,7 +671,7 @@ def test_scanner_finds_a_message_split_anywhere() -> None:
 
 
 def test_scanner_is_bounded_and_ignores_ordinary_output() -> None:
-    from dpprof.watch.monitor import LINE_LIMIT
+    from dpprof.watch.output import LINE_LIMIT
 
     huge = b"y" * (5 * LINE_LIMIT)  # one endless line, then the OOM on the next one
     found = _scan_chunks([huge[i : i + 4096] for i in range(0, len(huge), 4096)]

@@ -33,7 +33,7 @@ def _load_any(path: Path) -> RunResult:
         raise UsageError(f"{terminal_text(str(path))} is a rendered report, which dpprof "
                          f"cannot read back; {hint}")
     if path.suffix == ".jsonl":
-        from dpprof.watch.monitor import load_run
+        from dpprof.watch.analysis import load_run
 
         # validated as a saved result is: renderers get only what the model allows
         return validate(json.loads(load_run(path).to_json()), str(path))

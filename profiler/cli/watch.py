@@ -109,13 +109,8 @@ def watch_cmd(
     """
     from dpprof.cli.common import check_writable, err, output_paths, write_reports
     from dpprof.cli.options import check_bounds
-    from dpprof.watch.monitor import (
-        SpawnError,
-        WatchConfig,
-        Watcher,
-        load_run,
-        select_devices,
-    )
+    from dpprof.watch.analysis import load_run
+    from dpprof.watch.monitor import SpawnError, WatchConfig, Watcher, select_devices
 
     try:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -37,15 +37,9 @@ the command starts (the baseline), and the memory of the command's own processes
 and its descendants, read from ``/proc`` every 0.5 s) from
 ``nvmlDeviceGetComputeRunningProcesses``.
 
-The samples file
-----------------
-Every record is appended to a JSON-lines file as it happens and flushed at once (``fsync``
-at most once a second), so a run killed with SIGKILL, or a machine that goes down, leaves a
-readable partial timeline; :func:`load_run` (``dpprof report FILE.samples.jsonl``,
-``dpprof watch --load FILE``) turns any prefix of it into a report. Records (``kind``):
-``watch`` (the header: command, devices, interval), ``spawn``, ``sample``, ``process``,
-``stopped`` (from :mod:`dpprof.nvml.sampler`), ``oom``, ``signal``, ``exit``. ``t_s`` is seconds
-since the watch began (monotonic clock).
+The samples file (:mod:`dpprof.watch.samples`) records everything as it happens; the result
+is built from it (:mod:`dpprof.watch.analysis`), the command's output copied and scanned by
+:mod:`dpprof.watch.output`.
 """
 
 from __future__ import annotations
@@ -53,80 +47,52 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import json
 import os
-import re
-import select
-import shlex
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from dpprof.analysis.answers import post_mortem, watch_ending, watch_verdict
-from dpprof.analysis.comparison import compare_scenario
 from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml.devices import resolve_visible_devices
 from dpprof.nvml.libnvml import NvmlBackend
-from dpprof.nvml.sampler import Event, NvmlSampler, event_to_dict
+from dpprof.nvml.sampler import NvmlSampler
 from dpprof.result import (
-    STATUS_ERROR,
-    STATUS_OK,
-    STATUS_OOM,
-    Comparison,
-    DeviceResult,
     ResultFileError,
     RunResult,
-    ScenarioResult,
-    TimelinePoint,
     WatchDevice,
     WatchOom,
-    WatchResult,
-    read_bounded,
 )
-from dpprof.watch.oom_messages import parse_oom_line
+from dpprof.watch.analysis import load_run
+from dpprof.watch.output import OutputScanner, pump, same_stream
+from dpprof.watch.samples import SAMPLES_FORMAT, SamplesWriter
 
 __all__ = [
-    "BACKEND",
     "DEFAULT_INTERVAL_S",
     "DEFAULT_KILL_AFTER_S",
-    "SamplesWriter",
     "SpawnError",
     "WatchConfig",
     "WatchOutcome",
     "Watcher",
-    "build_run",
     "descendants",
     "exit_status",
-    "load_run",
-    "post_mortem",
-    "read_records",
     "select_devices",
 ]
 
-BACKEND = "nvml-watch"
-SAMPLES_FORMAT = 1
 DEFAULT_INTERVAL_S = 0.1
 DEFAULT_KILL_AFTER_S = 10.0
-LINE_LIMIT = 64 * 1024  # bytes of one output line kept for the OOM scan
-FSYNC_EVERY_S = 1.0
 TEE_JOIN_S = 5.0  # how long to wait for the output pipes after the command ended
 PROCESS_SCAN_S = 0.5  # how often the command's process tree is read from /proc
-REPORT_POINTS = 4000  # timeline points per GPU in a report (the samples file keeps all)
-OOM_WINDOW_S = 1.0  # "peak before the OOM": the readings in this window before the message
 SI_KERNEL = 0x80  # siginfo si_code of a signal sent by the kernel (the terminal driver)
-MAX_SAMPLES_FILE_BYTES = 2**30  # hours of readings of 8 GPUs at 10 per second
 
 WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _RUNG: dict[int, int] = {signal.SIGINT: 0, signal.SIGHUP: 0, signal.SIGTERM: 1, signal.SIGQUIT: 1}
 _LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
-_LINE_END = re.compile(rb"[\r\n]")
 
 
 # --------------------------------------------------------------------------- processes
@@ -215,96 +181,6 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-# --------------------------------------------------------------------------- samples file
-
-
-class SamplesWriter:
-    """Appends JSON lines to the samples file and flushes each at once; thread-safe.
-
-    Sampler events are accepted directly (it is the sampler's sink). A write that fails
-    (disk full) stops the writing and is kept in :attr:`error`; the watch goes on.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = path.open("w", encoding="utf-8")
-        self._lock = threading.Lock()
-        self._last_sync = time.monotonic()
-        self.error: str | None = None
-        self.lines = 0
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        with self._lock:
-            if self._file is None:
-                return
-            try:
-                self._file.write(line)
-                self._file.flush()
-                self.lines += 1
-                now = time.monotonic()
-                if now - self._last_sync >= FSYNC_EVERY_S:
-                    os.fsync(self._file.fileno())
-                    self._last_sync = now
-            except OSError as e:
-                self.error = f"{self.path}: {e.strerror or e}"
-                with contextlib.suppress(OSError):
-                    self._file.close()
-                self._file = None
-
-    def __call__(self, event: Event) -> None:
-        self.write(event_to_dict(event))
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is None:
-                return
-            try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
-            except OSError as e:
-                self.error = f"{self.path}: {e.strerror or e}"
-            self._file = None
-
-
-def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The records of a samples file, and notes on what could not be read.
-
-    A last line cut short (the run was killed while writing it) and unreadable lines are
-    skipped and counted, not fatal.
-    """
-    p = Path(path)
-    raw = read_bounded(p, MAX_SAMPLES_FILE_BYTES)  # a regular file, bounded
-    records: list[dict[str, Any]] = []
-    bad = 0
-    lines = raw.split(b"\n")
-    cut = lines[-1] != b""  # no newline at the end: the last write was interrupted
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            bad += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-        else:
-            bad += 1
-    notes = []
-    if bad:
-        what = "the last line was cut short" if bad == 1 and cut else f"{bad} lines unreadable"
-        notes.append(f"{p.name}: {what}; skipped")
-    if not records or records[0].get("kind") != "watch":
-        raise ResultFileError(
-            f"{p}: not a dpprof watch samples file (no header line); give the "
-            "*.samples.jsonl file that dpprof watch wrote"
-        )
-    return records, notes
-
-
 # --------------------------------------------------------------------------- devices
 
 
@@ -354,115 +230,6 @@ def select_devices(
             )
         )
     return devices, notes
-
-
-# --------------------------------------------------------------------------- output copying
-
-
-_KEYS = (b"memory", b"ALLOC_FAILED")  # every line parse_oom_line accepts has one of these
-
-
-def _has_key(data: bytes) -> bool:
-    return any(k in data for k in _KEYS)
-
-
-class OutputScanner:
-    """Splits one output stream into lines (``\\n`` or ``\\r``, at most :data:`LINE_LIMIT`
-    bytes kept of each) and reports the out-of-memory errors among them.
-
-    A chunk with no key word (``memory``, ``ALLOC_FAILED``) in it, at its edges or in the
-    pending partial line is only searched with ``bytes.find`` (memchr speed), so ordinary
-    output costs next to nothing; the others are split into lines and parsed.
-    """
-
-    def __init__(self, stream: str, on_oom: Callable[[WatchOom], None]) -> None:
-        self.stream = stream
-        self._on_oom = on_oom
-        self._buf = b""
-        self._buf_hit = False  # the pending partial line holds a key word
-        self._overflow = False
-
-    def feed(self, data: bytes) -> None:
-        edge = self._buf[-16:] + data[:16]
-        if not self._buf_hit and not _has_key(data) and not _has_key(edge):
-            cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
-            if cut < 0:
-                self._buf = (self._buf + data)[-LINE_LIMIT:]
-            else:
-                self._buf = data[cut + 1 :][-LINE_LIMIT:]
-                self._overflow = False
-            return
-        parts = _LINE_END.split(self._buf + data)
-        self._buf = parts.pop()
-        for line in parts:
-            if self._overflow:
-                self._overflow = False  # the rest of an over-long line: already scanned
-                continue
-            self._scan(line)
-        if len(self._buf) > LINE_LIMIT:
-            if not self._overflow:
-                self._scan(self._buf[:LINE_LIMIT])
-            self._overflow = True
-            self._buf = b""
-        self._buf_hit = _has_key(self._buf)
-
-    def close(self) -> None:
-        if self._buf and not self._overflow:
-            self._scan(self._buf)
-        self._buf = b""
-        self._buf_hit = False
-
-    def _scan(self, line: bytes) -> None:
-        if not _has_key(line):
-            return
-        oom = parse_oom_line(line.decode("utf-8", "replace"), stream=self.stream)
-        if oom is not None:
-            self._on_oom(oom)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:  # a non-blocking terminal or pipe: wait until writable
-            select.select([], [fd], [])
-            continue
-        view = view[n:]
-
-
-def _pump(src: int, dst: int, scanners: Sequence[OutputScanner]) -> None:
-    """Copy ``src`` to ``dst`` until EOF; if ``dst`` is gone, close ``src`` (the writer then
-    gets EPIPE/SIGPIPE, as it would have writing to ``dst`` itself)."""
-    try:
-        while True:
-            try:
-                data = os.read(src, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            try:
-                _write_all(dst, data)
-            except OSError:
-                break
-            for scanner in scanners:
-                scanner.feed(data)
-    finally:
-        for scanner in scanners:
-            scanner.close()
-        with contextlib.suppress(OSError):
-            os.close(src)
-
-
-def _same_stream(a: int, b: int) -> bool:
-    """Whether fds ``a`` and ``b`` are one terminal or one pipe (e.g. ``2>&1``)."""
-    try:
-        sa, sb = os.fstat(a), os.fstat(b)
-    except OSError:
-        return False
-    same = (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
-    return same and (os.isatty(a) or stat.S_ISFIFO(sa.st_mode) or stat.S_ISSOCK(sa.st_mode))
 
 
 # --------------------------------------------------------------------------- the watcher
@@ -699,7 +466,7 @@ class Watcher:
         self._early.append(signum)
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        merged = _same_stream(self.stdout_fd, self.stderr_fd)
+        merged = same_stream(self.stdout_fd, self.stderr_fd)
         out_r, out_w = os.pipe()
         err_r, err_w = (out_r, out_w) if merged else os.pipe()
         self._pipes = (out_r, err_r, merged)
@@ -731,7 +498,7 @@ class Watcher:
         for src, dst, name in jobs:
             scanner = OutputScanner("stdout+stderr" if merged else name, self._on_oom)
             t = threading.Thread(
-                target=_pump, args=(src, dst, [scanner]), name=f"dpprof-watch-{name}",
+                target=pump, args=(src, dst, [scanner]), name=f"dpprof-watch-{name}",
                 daemon=True,
             )
             t.start()
@@ -743,186 +510,3 @@ def _version() -> str:
     from dpprof import __version__
 
     return __version__
-
-
-# --------------------------------------------------------------------------- the result
-
-
-def load_run(path: str | Path, extra_notes: Iterable[str] = ()) -> RunResult:
-    """A report-ready :class:`RunResult` from a samples file, complete or cut short."""
-    records, notes = read_records(path)
-    return build_run(records, samples_path=str(path), notes=[*extra_notes, *notes])
-
-
-def _downsample(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]]:
-    """At most ``limit`` points that keep each bucket's lowest and highest reading (so the
-    peak survives), in time order."""
-    if len(points) <= limit:
-        return points
-    buckets = max(limit // 2, 1)
-    size = len(points) / buckets
-    out: list[tuple[float, int]] = []
-    for b in range(buckets):
-        chunk = points[int(b * size) : int((b + 1) * size)]
-        if not chunk:
-            continue
-        lo = min(range(len(chunk)), key=lambda i: chunk[i][1])
-        hi = max(range(len(chunk)), key=lambda i: chunk[i][1])
-        out.extend(chunk[i] for i in sorted({lo, hi}))
-    return out
-
-
-def scenario_name(command: Sequence[str], limit: int = 60) -> str:
-    """The command as a shell would show it, shortened to ``limit`` characters."""
-    text = shlex.join(command)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def build_run(
-    records: list[dict[str, Any]], *, samples_path: str = "", notes: Iterable[str] = ()
-) -> RunResult:
-    """Turn the records of a samples file into a :class:`RunResult` (pure)."""
-    header = records[0]
-    notes = list(notes)
-    devices = [WatchDevice(**_known(WatchDevice, d)) for d in header.get("devices", [])]
-    by_nvml = {d.nvml_index: d for d in devices}
-    series: dict[int, list[tuple[float, int]]] = {d.nvml_index: [] for d in devices}
-    command_bytes: dict[tuple[int, float], int] = {}
-    ooms: list[WatchOom] = []
-    signals: list[dict[str, Any]] = []
-    spawn_t: float | None = None
-    pid: int | None = None
-    end: dict[str, Any] | None = None
-    last_t = 0.0
-    for rec in records[1:]:
-        kind = rec.get("kind")
-        t = rec.get("t_s")
-        if isinstance(t, int | float):
-            last_t = max(last_t, float(t))
-        try:
-            if kind == "sample" and rec["device"] in series:
-                series[rec["device"]].append((float(rec["t_s"]), int(rec["used_bytes"])))
-            elif kind == "process" and rec.get("used_bytes") is not None:
-                key = (int(rec["device"]), float(rec["t_s"]))
-                command_bytes[key] = command_bytes.get(key, 0) + int(rec["used_bytes"])
-            elif kind == "stopped" and rec["device"] in by_nvml:
-                by_nvml[rec["device"]].stopped_reason = str(rec.get("reason"))
-            elif kind == "spawn":
-                spawn_t, pid = float(rec["t_s"]), int(rec["pid"])
-            elif kind == "oom":
-                ooms.append(WatchOom(**_known(WatchOom, rec)))
-            elif kind == "signal":
-                signals.append({k: v for k, v in rec.items() if k != "kind"})
-            elif kind == "exit":
-                end = rec
-        except (KeyError, TypeError, ValueError):
-            notes.append(f"a malformed {kind!r} record was skipped")
-    for d in devices:
-        points = series[d.nvml_index]
-        d.samples = len(points)
-        if points:
-            t_peak, d.peak_used_bytes = max(points, key=lambda p: (p[1], -p[0]))
-            d.peak_t_s = t_peak
-            before = [p for p in points if spawn_t is None or p[0] <= spawn_t]
-            d.baseline_used_bytes = (before[-1] if before else points[0])[1]
-        mine = [b for (dev, _), b in command_bytes.items() if dev == d.nvml_index]
-        d.command_peak_bytes = max(mine) if mine else None
-    cuda_of = {d.nvml_index: d.cuda_index for d in devices}
-    for oom in ooms:
-        if oom.t_s is None:
-            continue
-        for nvml_index, points in series.items():
-            label = f"cuda:{cuda_of[nvml_index]}"
-            prior = [p for p in points if p[0] <= oom.t_s]
-            if prior:
-                oom.used_at_oom_bytes[label] = prior[-1][1]
-                window = [p[1] for p in prior if p[0] >= oom.t_s - OOM_WINDOW_S]
-                oom.peak_before_oom_bytes[label] = max(window or [prior[-1][1]])
-
-    for d in devices:
-        if d.stopped_reason:
-            notes.append(f"cuda:{d.cuda_index}: NVML sampling stopped early: {d.stopped_reason}")
-    command = [str(c) for c in header.get("command", [])]
-    rc = end.get("returncode") if end else None
-    watch = WatchResult(
-        command=command, pid=pid, returncode=rc,
-        exit_status=end.get("exit_status") if end else None,
-        signal=end.get("signal") if end else None, complete=end is not None,
-        started=str(header.get("started", "")), duration_s=round(last_t, 6),
-        interval_s=float(header.get("interval_s", 0.0)), samples_path=samples_path,
-        devices=devices, ooms=ooms, signals=signals,
-    )
-    name = scenario_name(command)
-    if ooms:
-        status = STATUS_OOM
-    elif rc == 0:
-        status = STATUS_OK
-    else:
-        status = STATUS_ERROR
-    results = []
-    for d in devices:
-        points = _downsample(series[d.nvml_index], REPORT_POINTS)
-        results.append(
-            DeviceResult(
-                index=d.cuda_index, peak_allocated_bytes=d.peak_used_bytes or 0,
-                capacity_bytes=d.total_bytes or 0, nvml_peak_used_bytes=d.peak_used_bytes,
-                used=d.peak_used_bytes is not None,
-                timeline=[TimelinePoint(t=t, allocated_bytes=b) for t, b in points],
-            )
-        )
-    first_oom = ooms[0] if ooms else None
-    scenario = ScenarioResult(
-        name=name, status=status, message=_ending(watch),
-        devices=results, oom_device=first_oom.cuda_index if first_oom else None,
-        oom_bytes=first_oom.requested_bytes if first_oom else None,
-        notes=[],
-    )
-    comparison = Comparison()
-    sc = compare_scenario(dataclasses.replace(scenario, status=STATUS_OK))
-    if sc is not None:
-        comparison.scenarios[name] = sc
-    # the one answer builder's (dpprof.analysis.answers), stored for the JSON
-    watch.post_mortem, watch.next_steps = post_mortem(watch)
-    comparison.verdict = watch_verdict(watch, sc.imbalance if sc else None)
-    totals = [d.total_bytes for d in devices if d.total_bytes]
-    return RunResult(
-        backend=BACKEND, workload=shlex.join(command), batch=0,
-        gpus=max((d.cuda_index for d in devices), default=-1) + 1,
-        gpu_memory_bytes=max(totals, default=0), scenarios=[scenario],
-        comparison=comparison, dpprof_version=str(header.get("dpprof_version", "")),
-        created=watch.started,
-        config={
-            "command": command, "interval_s": watch.interval_s,
-            "kill_after_s": header.get("kill_after_s"),
-            "gpus": [d.cuda_index for d in devices],
-        },
-        environment={
-            "hostname": header.get("hostname"), "driver_version": header.get("driver_version"),
-            "cuda_visible_devices": header.get("cuda_visible_devices"),
-            "gpus": [f"cuda:{d.cuda_index}: {d.name} {d.uuid}" for d in devices],
-        },
-        assumptions=[
-            "Memory is NVML's used memory of each whole GPU (every process, CUDA contexts "
-            "included; nvmlDeviceGetMemoryInfo), read every "
-            f"{watch.interval_s:g} s: a peak between two readings is missed, so each peak "
-            "is a lower bound. In the tables it stands where other backends put the "
-            "allocator's peak.",
-            "The command's own memory is the sum over its processes (the child and its "
-            "descendants) of nvmlDeviceGetComputeRunningProcesses' used memory; in a "
-            "container without the host's PID namespace NVML reports other PIDs, and this "
-            "stays empty.",
-            "'GPU N' in PyTorch's out-of-memory message is a CUDA index of the command; it "
-            "is mapped to a GPU through the CUDA_VISIBLE_DEVICES the command started with.",
-        ],
-        notes=list(dict.fromkeys([*header.get("notes", []), *notes])),
-        watch=watch,
-    )
-
-
-def _known(tp: Any, data: Mapping[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(tp)}
-    return {k: v for k, v in data.items() if k in names}
-
-
-def _ending(w: WatchResult) -> str:
-    return watch_ending(w)
