@@ -14,7 +14,7 @@ import time
 
 from dpprof.analysis.maxbatch import probe_emulated, search
 from dpprof.backends.emulated import EmulationConfig
-from dpprof.emulator.gpus import lookup_gpu
+from dpprof.emulator.catalog import lookup_gpu
 from dpprof.scenarios.base import SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload

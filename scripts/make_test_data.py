@@ -3,8 +3,8 @@
     python scripts/make_test_data.py
 
 - ``emulated-lm.json``: the default comparison (``dpprof compare``: lm, batch 512, 4
-  emulated GPUs of the default A100 80GB, meta tensors), its timelines thinned to 120 points per device
-  (maxima of equal slices, so every peak survives) to keep the file small;
+  emulated GPUs of the default A100 80GB, meta tensors), its timelines thinned to 120
+  points per device (maxima of equal slices, so every peak survives) to keep the file small;
 - ``cpu-mlp.json``: ``dpprof compare --compute -w mlp -b 16`` (CPU tensors, real losses).
 
 The synthetic real-GPU-shaped results come from ``tests/synthetic.py``.
