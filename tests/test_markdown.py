@@ -24,7 +24,7 @@ def test_default_comparison_table_and_fix() -> None:
         in text
     assert "| loss, its temporaries and its gradient | +46.9 GiB |" in text
     assert "dpprof.ModelWithLoss(model, loss_fn)" in text
-    assert "line [80, 80, 80, 80]" in text  # capacity on the scale, in GiB
+    assert "line [79.25, 79.25, 79.25, 79.25]" in text  # capacity on the scale, in GiB
 
 
 def test_oom_and_timing_and_max_batch() -> None:
