@@ -92,9 +92,10 @@ class _Source:
         return self.starts[lineno - 1] + len(line.encode()[:col_bytes].decode(errors="replace"))
 
     def span(self, node: ast.AST) -> tuple[int, int]:
-        assert node.end_lineno is not None and node.end_col_offset is not None
-        return (self.offset(node.lineno, node.col_offset),
-                self.offset(node.end_lineno, node.end_col_offset))
+        """The text offsets of a node that has a position (an expression or statement)."""
+        line, col, end_line, end_col = (getattr(node, k) for k in (
+            "lineno", "col_offset", "end_lineno", "end_col_offset"))
+        return self.offset(line, col), self.offset(end_line, end_col)
 
     def seg(self, node: ast.AST) -> str:
         start, end = self.span(node)
@@ -265,7 +266,8 @@ def _loaded_names(node: ast.AST) -> set[str]:
 
 
 def _pos(node: ast.AST) -> tuple[int, int]:
-    return node.lineno, node.col_offset
+    """(line, column) where a node with a position starts."""
+    return getattr(node, "lineno", 0), getattr(node, "col_offset", 0)
 
 
 def _bound_between(src: _Source, scope: ast.AST, names: set[str], after: tuple[int, int],
@@ -599,7 +601,7 @@ def _loss_in_forward(src: _Source, dp_line: int, call_line: int, loss_line: int)
     if any(isinstance(n, ast.Attribute) and n.attr == "module" for n in ast.walk(src.tree)):
         notes.append("the wrapped module is now the ModelWithLoss: the model is .module.model "
                      "(its state_dict keys gain `model.`)")
-    if any(isinstance(a, ast.If) for a in _until_scope(src, wrap)):
+    if any(isinstance(a, (ast.If, ast.IfExp)) for a in [*_until_scope(src, dp)]):
         notes.append(f"the wrap (line {wrap.lineno}) is conditional: where it does not run, "
                      "the model's call with the targets needs dpprof.ModelWithLoss too")
     return _finish(src, edits, LOSS_IN_FORWARD_TITLE, notes)
@@ -664,7 +666,7 @@ def _init_line(src: _Source, wrap: ast.stmt) -> tuple[int, str]:
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
             and isinstance(first.value.value, str) and len(body) > 1:
         first = body[1]
-    if first.lineno == src.parents[first].lineno:  # ``def f(): x`` on one line
+    if first.lineno == _pos(src.parents[first])[0]:  # ``def f(): x`` on one line
         raise NoRewrite(f"line {first.lineno}: the body shares its line with the def")
     return first.lineno, src.indent(first.lineno)
 
