@@ -572,8 +572,6 @@ def _loss_in_forward(src: _Source, dp_line: int, call_line: int, loss_line: int)
             where = ", ".join(str(u) for u in uses)
             lines.append(f"{indent}# {site.outputs_name} no longer reaches cuda:0 (line {where} "
                          "uses it): compute that inside forward")
-            notes.append(f"line {where} still uses {site.outputs_name}, which the loss "
-                         "inside forward no longer gathers")
         if len(src.block(stmt)) == 1:
             lines.append(f"{indent}pass")
         edits.replace(start, end, "".join(line + src.newline() for line in lines))
