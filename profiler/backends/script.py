@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import runpy
 import signal
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from dpprof.analysis import script_rewrite
 from dpprof.backends.emulated import ddp_ranks, device_result, timeline_points
 from dpprof.backends.script_effects import ScriptEffects, Writes
 from dpprof.emulator import script_parallel
@@ -734,72 +734,20 @@ def script_verdict(result: RunResult) -> str:
     return build_answer(result).verdict
 
 
-def _line(site: str) -> tuple[str, int, str] | None:
-    """(file, line number, text) of a "file:line" site."""
-    import linecache
-
-    path, _, num = site.rpartition(":")
-    if not num.isdigit():
-        return None
-    text = linecache.getline(path, int(num)).rstrip("\n")
-    return (path, int(num), text) if text.strip() else None
-
-
-_ASSIGN_CALL = re.compile(r"^(\s*)([\w.]+)\s*=\s*([\w.]+)\((.*)\)\s*$")
-
-
 def diff_loss_in_forward(run: ScriptRun) -> str:
     """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
     saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
-    dp = _line(run.dp_sites[0]) if run.dp_sites else None
-    call = _line(run.call_sites[0]) if run.call_sites else None
-    loss = _line(run.loss_sites[0]) if run.loss_sites else None
-    if dp is None or call is None or loss is None:
+    if not (run.dp_sites and run.call_sites and run.loss_sites):
         return ""
-    m_loss = _ASSIGN_CALL.match(loss[2])
-    m_call = _ASSIGN_CALL.match(call[2])
-    if m_loss is None or m_call is None:
-        return ""
-    indent, loss_var, loss_fn, loss_args = m_loss.groups()
-    _, _, model, model_args = m_call.groups()
-    targets = loss_args.split(",", 1)[1].strip() if "," in loss_args else "targets"
-    wrapped = re.sub(r"DataParallel\((\s*)([^,)]+)",
-                     lambda m: f"DataParallel({m.group(1)}dpprof.ModelWithLoss({m.group(2)}, "
-                     f"{loss_fn})", dp[2], count=1)
-    name = Path(dp[0]).name
-    out = [f"--- {name} (as written)", f"+++ {name} (the loss inside forward)",
-           f"@@ line {dp[1]} @@", f"-{dp[2]}", f"+{wrapped}"]
-    lines = sorted({call[1]: call[2], loss[1]: loss[2]}.items())
-    out.append(f"@@ line {lines[0][0]} @@")
-    out += [f"-{text}" for _, text in lines]
-    out.append(f"+{indent}{loss_var} = dpprof.ModelWithLoss.combine({model}({model_args}, "
-               f"{targets}))")
-    if run.materialized:
-        out.append(f"+{indent}# the outputs no longer reach cuda:0: compute what you log "
-                   "from them inside forward")
-    return "\n".join(out)
+    return script_rewrite.rewrite_text(script_rewrite.loss_in_forward_at(
+        run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
 
 
 def diff_ddp(run: ScriptRun, gpus: int) -> str:
     """The DDP change around the script's own DataParallel line."""
-    dp = _line(run.dp_sites[0]) if run.dp_sites else None
-    if dp is None:
+    if not run.dp_sites:
         return ""
-    indent = dp[2][: len(dp[2]) - len(dp[2].lstrip())]
-    m = re.search(r"DataParallel\((\s*)([^,)]+)", dp[2])
-    module = m.group(2).strip() if m else "model"
-    target = dp[2].split("=", 1)[0].strip() if "=" in dp[2] else "model"
-    name = Path(dp[0]).name
-    return "\n".join([
-        f"--- {name} (as written)", f"+++ {name} (DistributedDataParallel)",
-        f"+{indent}# torchrun --nproc-per-node {gpus} {name}",
-        f'+{indent}dist.init_process_group("nccl")',
-        f'+{indent}rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)',
-        f"@@ line {dp[1]} @@", f"-{dp[2]}",
-        f"+{indent}{target} = DDP({module}.cuda(rank), device_ids=[rank])",
-        f"+{indent}# and each DataLoader: batch_size // {gpus}, "
-        "sampler=DistributedSampler(dataset); inputs .cuda(rank)",
-    ])
+    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus))
 
 
 def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
