@@ -409,7 +409,7 @@ def test_dpprof_run_gives_fixes_that_compile_when_applied(tmp_path: Path,
     r = CliRunner().invoke(app, ["run", "-q", "-o", str(out), "--", "python", str(path)])
     assert r.exit_code == 0, r.output
     fixes = {f["name"]: f["code"] for f in json.loads(out.read_text())["fixes"]}
-    assert set(fixes) == {"loss-in-forward", "ddp"}
+    assert set(fixes) == {"loss-in-forward", "ddp", "gradient-as-bucket-view"}
     new = apply_diff(ARGS_SCRIPT, fixes["loss-in-forward"])
     compile(new, str(path), "exec")
     assert ("criterion = nn.CrossEntropyLoss()\nmodel = nn.DataParallel(dpprof.ModelWithLoss("
@@ -421,3 +421,6 @@ def test_dpprof_run_gives_fixes_that_compile_when_applied(tmp_path: Path,
     assert "model = DDP(Net(32, 64,\n                            classes=100).cuda(rank), " \
         "device_ids=[rank])\n" in new
     assert 'device = torch.device("cuda")\n' in new
+    new = apply_diff(ARGS_SCRIPT, fixes["gradient-as-bucket-view"])
+    compile(new, str(path), "exec")
+    assert "device_ids=[rank], gradient_as_bucket_view=True)\n" in new

@@ -624,6 +624,13 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             fix = script_fix(variant, main, alt, n)
             if fix is not None:
                 fixes.append(fix)
+            if variant == DDP_IN_PLACE:
+                bucket_view = bucket_view_fix(main, alt, n)
+                if bucket_view is not None:
+                    fixes.append(bucket_view)
+                elif alt.bucket_view_unsure:
+                    notes.append("no gradient_as_bucket_view alternative: "
+                                 f"{alt.bucket_view_unsure}")
     s0 = main.scenario
     s0.notes.insert(0, _how_it_ended(main, cfg))
     if main.autocast_regions:
@@ -743,11 +750,30 @@ def diff_loss_in_forward(run: ScriptRun) -> str:
         run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
 
 
-def diff_ddp(run: ScriptRun, gpus: int) -> str:
+def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False) -> str:
     """The DDP change around the script's own DataParallel line."""
     if not run.dp_sites:
         return ""
-    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus))
+    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus,
+                                                             bucket_view=bucket_view))
+
+
+def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
+    """DDP with ``gradient_as_bucket_view=True``: the DDP alternative's rank as that option
+    makes it, followed in a ledger while the alternative ran plain DDP."""
+    if alt.bucket_view_peak_bytes is None or not main.scenario.devices:
+        return None
+    p0 = main.scenario.devices[0].peak_allocated_bytes
+    q = alt.bucket_view_peak_bytes
+    plain = max((d.peak_allocated_bytes for d in alt.scenario.devices), default=q)
+    extra = plain - q
+    return Fix(name="gradient-as-bucket-view", title="DDP with gradient_as_bucket_view=True",
+               primary_peak_bytes=q, max_peak_bytes=q, saves_bytes=p0 - q,
+               detail=f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less "
+               "than plain DDP per GPU at the peak" + (
+                   "" if extra > 0 else " (the peak comes before the gradients all exist; "
+                   "the gradient-sized copy is still saved later in the step)"),
+               code=diff_ddp(main, gpus, bucket_view=True))
 
 
 def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
