@@ -45,6 +45,7 @@ from dpprof.emulator.gpus import (
     lookup_gpu,
 )
 from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.errors import Interrupted, UsageError
@@ -365,15 +366,15 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
         torch.manual_seed(0)
         effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast, effects:
-                variant.install(vc)
+            with vc, autocast, effects, Patcher() as patcher:
+                variant.install(vc, patcher)
                 orig_backward = torch.autograd.backward
 
                 def backward(*args: Any, **kwargs: Any) -> Any:
                     stepper.backward_started()
                     return orig_backward(*args, **kwargs)
 
-                torch.autograd.backward = backward  # type: ignore[assignment]
+                patcher.patch(torch.autograd, "backward", backward)
                 stepper.install()
                 try:
                     if launch.is_module:
@@ -401,10 +402,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                     run.script_traceback = _user_traceback(e, launch)
                 finally:
                     stepper.remove()
-                    torch.autograd.backward = orig_backward
-                    variant.remove()
-                    script_parallel.cleanup()
-                    log = script_parallel.LOG
+                    script_parallel.cleanup(vc)
+                    log = script_parallel.state_of(vc).log
                     run.data_parallel = log.data_parallel > 0
                     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                                and bool(log.ddp_devices))
@@ -449,18 +448,14 @@ class _Variant:
         self.gpus = gpus
         self.batch_rows = 0
         self.loss_calls = 0
-        self._saved: list[tuple[Any, str, Any]] = []
 
-    def _patch(self, owner: Any, attr: str, value: Any) -> None:
-        self._saved.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, value)
-
-    def install(self, vc: VirtualCuda) -> None:
+    def install(self, vc: VirtualCuda, patcher: Patcher) -> None:
+        """The variant's patches, through the run's ``patcher`` (undone with the run's)."""
         from torch import nn
         from torch.utils.data import DataLoader
 
         variant = self
-        script_parallel.MODE = "" if self.name == AS_WRITTEN else self.name
+        script_parallel.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
         if self.name == DDP_IN_PLACE:
             orig_init = DataLoader.__init__
 
@@ -474,7 +469,7 @@ class _Variant:
                     variant.batch_rows = variant.batch_rows or batch_size
                 orig_init(loader, dataset, batch_size, *args, **kwargs)
 
-            self._patch(DataLoader, "__init__", loader_init)
+            patcher.patch(DataLoader, "__init__", loader_init)
         elif self.name == LOSS_IN_FORWARD:
             from dpprof.emulator.script_parallel import loss_in_forward_loss_call
 
@@ -488,13 +483,8 @@ class _Variant:
                 variant.loss_calls += 1
                 return out
 
-            self._patch(loss_cls, "__call__", loss_call)
+            patcher.patch(loss_cls, "__call__", loss_call)
 
-    def remove(self) -> None:
-        for owner, attr, value in reversed(self._saved):
-            setattr(owner, attr, value)
-        self._saved.clear()
-        script_parallel.MODE = ""
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
