@@ -67,7 +67,7 @@ def test_every_patched_owner_is_restored_after_a_run_that_raises(
         original_patch(self, owner, name, value)
 
     monkeypatch.setattr(Patcher, "patch", recording_patch)
-    result, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4),
+    _, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4),
                                             steps=5, compute=compute))
     assert main.exit_status == 1 and "mid-step" in (main.script_traceback or "")
     owners = {type(o).__name__ if not isinstance(o, type) else o.__name__

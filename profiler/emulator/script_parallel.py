@@ -3,11 +3,11 @@
 ``nn.DataParallel`` (every spelling: ``torch.nn.DataParallel``,
 ``torch.nn.parallel.DataParallel``, ``nn.parallel.data_parallel(...)``) becomes
 :class:`VirtualDataParallel`: a subclass of the real class (``isinstance`` and ``.module``
-work as in the script's own code) whose forward is :mod:`dpprof.emulator.parallel`'s
+work as in the script's own code) whose forward is :mod:`dpprof.emulator.data_parallel`'s
 re-enactment of scatter, replicate, parallel_apply and gather on the virtual devices.
 
 ``DistributedDataParallel`` becomes :class:`VirtualDDP` (one emulated rank: the reducer's
-buckets re-enacted, :class:`dpprof.emulator.parallel.EmulatedDDP`), over a fake process group
+buckets re-enacted, :class:`dpprof.emulator.ddp.EmulatedDDP`), over a fake process group
 (``torch.testing._internal.distributed.fake_pg``: collectives return at once, tensors keep
 their shapes). ``init_process_group`` with any backend initialises that fake group.
 """
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpprof.emulator.parallel import EmulatedDDP, gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.vdevice import VariantLedger
 from dpprof.emulator.virtual_cuda import caller_site
 
@@ -177,7 +178,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             object.__setattr__(self, "_ddp_impl", impl)
             _log().ddp_devices.append(src)
         _log().used_devices = [src]
-        from dpprof.emulator.parallel import scatter
+        from dpprof.emulator.data_parallel import scatter
 
         with rt.category("inputs"):
             moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if inputs or kwargs \
@@ -378,7 +379,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         if self.device_ids:
             rt = self._vc.rt
             index = self._vc.index_of(self.device_ids[0])
-            from dpprof.emulator.parallel import scatter
+            from dpprof.emulator.data_parallel import scatter
 
             with rt.category("inputs"):
                 moved = scatter(rt, (inputs, kwargs), [index], self.dim)[0]

@@ -19,7 +19,7 @@ While a :class:`VirtualCuda` is active, a program written for GPUs runs unchange
   zeros), counted per call site; ops whose output shape depends on values (``nonzero``,
   boolean masks) stop with one line naming the fix;
 * ``nn.DataParallel`` / ``nn.parallel.data_parallel`` are re-enacted by
-  :mod:`dpprof.emulator.parallel`.
+  :mod:`dpprof.emulator.data_parallel` and :mod:`dpprof.emulator.ddp`.
 
 Where the hooks are: a CPU-only build raises "Torch not compiled with CUDA enabled" from
 ``torch.cuda._lazy_init``, which C++ calls (``torch::utils::device_lazy_init``) before a
