@@ -86,7 +86,7 @@ CATEGORY_COLOURS = {
     "activations": "#9d755d",
     "outputs": "#f58518",
     "loss": "#b279a2",
-    "communication": "#ff9da6",
+    "communication": "#c9a0dc",
     "other": "#bab0ac",
 }
 # translucent tints: they read on a white and on a dark card alike
