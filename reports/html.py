@@ -71,9 +71,9 @@ GiB = 2**30
 PLOTLY_JS = "plotly-basic.min.js"
 
 INK, MUTED, GRID, CLEAR = "#1d2330", "#5b6372", "#eceef1", "rgba(0,0,0,0)"
+ON_INK = "#ffffff"  # text on an ink bar (the waterfall's cuda:0)
 OOM = "#c62828"  # out of memory and the capacity line: the page's only red
 OOM_OUTLINE = "#7f0000"
-LABEL_BG = "rgba(255,255,255,0.85)"
 # Each GPU's line in the timelines: dark hues no scenario colour uses (those are light:
 # orange, sky blue, green, grey), none of them red.
 GPU_COLOURS = ("#3949ab", "#8e24aa", "#6d4c41", "#c2185b", "#455a64", "#827717")
@@ -99,7 +99,7 @@ PHASE_COLOURS = {
 REFERENCE, UP, DOWN, TOTAL = "#9aa3b5", "#5b6372", "#c3cad6", INK
 # Dark mode: every colour of a figure that would vanish on a dark card, and its stand-in.
 DARK_COLOURS = {
-    INK: "#e4e7ee", MUTED: "#a6aebd", GRID: "#2c323d", LABEL_BG: "rgba(27,31,39,0.85)",
+    INK: "#e4e7ee", ON_INK: "#1b1f27", MUTED: "#a6aebd", GRID: "#2c323d",
     OOM: "#ff6b6b", OOM_OUTLINE: "#ffb4b4", UP: "#a6aebd", DOWN: "#4a5261",
     REFERENCE: "#6b7385", "#3949ab": "#8c9eff", "#8e24aa": "#ce93d8", "#6d4c41": "#bcaaa4",
     "#c2185b": "#f48fb1", "#455a64": "#b0bec5", "#827717": "#d4e157",
@@ -171,7 +171,7 @@ td,th{padding:4px 7px}
 body{font-size:12px}
 main{max-width:none;padding:0}
 h2{margin:18px 0 4px;break-after:avoid}
-h3,.wf-title,details summary{break-after:avoid}
+h3,.wf-title,.lead,details summary{break-after:avoid}
 .card,.verdict,.wf,tr,pre{break-inside:avoid;box-shadow:none}
 .card{border:1px solid var(--line);padding:4px}
 .grid{display:block}
@@ -384,6 +384,8 @@ def _waterfall_figure(ex: AttributionView, x_max: int) -> go.Figure:
         textposition=["auto" if end else "outside" for end in ends],
         insidetextanchor="end", cliponaxis=False, showlegend=False,
         constraintext="none", textfont={"size": 12},
+        insidetextfont={"size": 12, "color": [ON_INK if k == len(names) - 1 else INK
+                                              for k in range(len(names))]},
         hovertemplate="%{y}: %{text}<extra></extra>", name=_pt(ex.scenario),
     )
     layout = _base_layout("")
