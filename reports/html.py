@@ -41,7 +41,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-import plotly.graph_objects as go
+import plotly.graph_objects as go  # type: ignore[import-untyped]
 
 from dpprof.reports import answers
 from dpprof.reports.base import Renderer
@@ -707,11 +707,11 @@ def _render(view: ReportView) -> str:
               height: int | None = None) -> str:
         if fig is None:
             return ""
-        if not isinstance(fig, go.Figure):  # a plain dict (reports/watch.py): validated here
-            fig = go.Figure(dict(fig))
-        if height is not None and fig.layout.height is None:
-            fig.update_layout(height=height)
-        figures[key] = fig
+        # a plain dict (reports/watch.py) is validated here
+        built = fig if isinstance(fig, go.Figure) else go.Figure(dict(fig))
+        if height is not None and built.layout.height is None:
+            built.update_layout(height=height)
+        figures[key] = built
         return f"<div class='card'><div class='chart' id='fig-{key}' data-figure='{key}'></div>" \
                "</div>"
 
