@@ -11,14 +11,15 @@ from __future__ import annotations
 from dpprof.reports.view import Alert, FixView, ReportView
 from dpprof.units import fmt_bytes
 
-# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars)
+# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars). Red is
+# kept for out-of-memory and the capacity line; the HTML timelines' GPU colours are another set.
 SCENARIO_COLOURS = {
-    "dp-loss-primary": "#c44e52",
-    "dp-loss-forward": "#dd8452",
-    "ddp": "#55a868",
-    "single": "#8c8c8c",
+    "dp-loss-primary": "#e69f00",
+    "dp-loss-forward": "#56b4e9",
+    "ddp": "#009e73",
+    "single": "#999999",
 }
-EXTRA_COLOURS = ("#4c72b0", "#8172b3", "#937860", "#da8bc3", "#64b5cd")  # other scenarios
+EXTRA_COLOURS = ("#c9a400", "#8fbc5a", "#d2a679", "#7fb8b0", "#b3a1d6")  # other scenarios
 
 
 def b(n: int | None, signed: bool = False) -> str:
