@@ -319,7 +319,7 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
     if len(devs) == 1:
         who = "the script" if script else s.name
         return f"{who} peaks at {fmt_bytes(top.peak_allocated_bytes)} on {_dev(top)}"
-    who = "the script places its work" if script else f"{s.name} places its work"
+    who = "the script places its work" if script else "the model places its work"
     return f"{who} on {_placement(s)}; the heaviest is {_dev(top)}"
 
 
