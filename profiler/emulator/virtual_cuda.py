@@ -993,7 +993,7 @@ class VirtualCuda:
             if not _is_meta(self):
                 return orig_data_ptr(self)
             base = vc.rt.address_of(self.untyped_storage())
-            return base + self.storage_offset() * self.element_size() if base else 0
+            return base + int(self.storage_offset()) * self.element_size() if base else 0
 
         def storage_ptr(self: Any) -> int:
             if self.device.type != "meta":
