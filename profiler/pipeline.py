@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
 import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from dpprof import __version__
 from dpprof.analysis.answers import add_answers, gpu_spec, partial_sentence
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.fixes import alongside
@@ -17,8 +15,9 @@ from dpprof.analysis.maxbatch import COUNTS
 from dpprof.backends.emulated import ASSUMPTIONS, Alongside, EmulationConfig, run_scenario
 from dpprof.emulator.gpus import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
-from dpprof.result import RunResult
-from dpprof.scenarios.base import DDP, SCENARIOS, SINGLE, loop_description
+from dpprof.result import RunResult, new_result
+from dpprof.scenarios.base import loop_description
+from dpprof.scenarios.registry import SCENARIOS, scenario
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
@@ -183,19 +182,12 @@ def option_record(cfg: CompareConfig) -> dict[str, object]:
 
 def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
     gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
-    run = RunResult(
-        backend=backend,
-        workload=wl.name,
-        batch=cfg.step.batch,
-        gpus=gpus,
+    run = new_result(
+        backend, wl.name, batch=cfg.step.batch, gpus=gpus,
         gpu_memory_bytes=cfg.gpu_memory_bytes,
-        dpprof_version=__version__,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        seed=cfg.step.seed,
-        dtype=str(wl.dtype).removeprefix("torch."),
         # one flat record of every option, DDP's under torch's names
         config=option_record(cfg),
-        environment=environment(backend),
+        seed=cfg.step.seed, dtype=str(wl.dtype).removeprefix("torch."),
     )
     run.config["gpus"] = gpus
     run.config["warmup_steps"] = cfg.step.warmup_steps(backend)
@@ -241,7 +233,8 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
     run.config["loop"] = loop_description(ecfg.step.warmup_steps(run.backend) + 1)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     spans = model_devices(wl, ecfg.gpus)
-    not_applicable = tuple(s for s in cfg.scenarios if s != SINGLE) if len(spans) > 1 else ()
+    not_applicable = tuple(s for s in cfg.scenarios
+                           if scenario(s).model_on_one_gpu) if len(spans) > 1 else ()
     if not_applicable:
         gpus = ", ".join(f"cuda:{i}" for i in spans)
         run.notes.append(
@@ -254,7 +247,7 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
             progress(name, i, len(cfg.scenarios))
         if name in not_applicable:
             continue
-        if run.backend == "cpu" and name == DDP:
+        if run.backend == "cpu" and scenario(name).one_process_per_gpu:
             from dpprof.backends.cpu import run_ddp_gloo
 
             run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
@@ -287,16 +280,6 @@ def mark_partial(run: RunResult, signum: int) -> RunResult:
     return run
 
 
-def environment(backend: str) -> dict[str, object]:
-    """The ``dpprof env`` block (:func:`dpprof.environment.collect_environment`); never raises."""
-    from dpprof.environment import collect_environment
-
-    try:
-        return collect_environment(use_cuda=backend == "cuda")
-    except Exception as e:  # pragma: no cover - collect_environment does not raise
-        return {"environment_error": f"{type(e).__name__}: {e}"}
-
-
 def _cuda(
     cfg: CompareConfig, wl: Workload, run: RunResult, progress: Progress | None
 ) -> RunResult | None:
@@ -305,7 +288,7 @@ def _cuda(
 
     info = torchrun_info()
     if info is not None:
-        if tuple(cfg.scenarios) != (DDP,):
+        if not all(scenario(s).one_process_per_gpu for s in cfg.scenarios):
             raise UsageError(
                 "under torchrun only the ddp scenario runs (one process per GPU): add "
                 "--scenarios ddp; run the DataParallel scenarios without torchrun"
