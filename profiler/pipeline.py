@@ -140,7 +140,11 @@ def run_compare(
     wl = workload or load_workload(cfg.workload)
     wl = cfg.step.workload(wl)  # --dtype
     backend = resolve_backend(cfg.backend)
-    run = _new_run(cfg, wl, backend)
+    run = new_result(
+        backend, wl.name, batch=cfg.step.batch, gpus=cfg.gpus or DEFAULT_EMULATED_GPUS,
+        gpu_memory_bytes=cfg.gpu_memory_bytes, config=option_record(cfg, wl, backend),
+        seed=cfg.step.seed, dtype=str(wl.dtype).removeprefix("torch."),
+    )
     ecfg = emulation_config(cfg, backend, run.gpus)
     besides: Alongside | None = None  # what the scenarios measure for the fixes
     not_applicable: tuple[str, ...] = ()  # scenarios the workload's model rules out
@@ -172,30 +176,20 @@ def run_compare(
     )
 
 
-def option_record(cfg: CompareConfig) -> dict[str, object]:
+def option_record(cfg: CompareConfig, wl: Workload, backend: str) -> dict[str, object]:
     """One flat record of every option (the result's ``config``): the step's options and
-    DDP's under their own names, then the rest, then ``extra``."""
+    DDP's under their own (torch's) names, then the rest, then ``extra``; the GPUs, warm-up
+    and compute capability as resolved, the workload's description and shapes."""
     step = {k: v for k, v in asdict(cfg.step).items() if k != "ddp"}
     rest = {k: v for k, v in asdict(cfg).items() if k not in ("extra", "step")}
-    return {"workload": cfg.workload} | step | rest | asdict(cfg.step.ddp) | dict(cfg.extra)
-
-
-def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
-    gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
-    run = new_result(
-        backend, wl.name, batch=cfg.step.batch, gpus=gpus,
-        gpu_memory_bytes=cfg.gpu_memory_bytes,
-        # one flat record of every option, DDP's under torch's names
-        config=option_record(cfg),
-        seed=cfg.step.seed, dtype=str(wl.dtype).removeprefix("torch."),
-    )
-    run.config["gpus"] = gpus
-    run.config["warmup_steps"] = cfg.step.warmup_steps(backend)
-    run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
-    run.config["scenarios"] = list(cfg.scenarios)
-    run.config["workload_description"] = wl.description
-    run.config["workload_shapes"] = dict(wl.shapes)
-    return run
+    out = {"workload": cfg.workload} | step | rest | asdict(cfg.step.ddp) | dict(cfg.extra)
+    out["gpus"] = cfg.gpus or DEFAULT_EMULATED_GPUS
+    out["warmup_steps"] = cfg.step.warmup_steps(backend)
+    out["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
+    out["scenarios"] = list(cfg.scenarios)
+    out["workload_description"] = wl.description
+    out["workload_shapes"] = dict(wl.shapes)
+    return out
 
 
 def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig,
