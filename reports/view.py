@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpprof.analysis.answers import BALANCED_FRACTION, Advice, Answer, build_answer, maxbatch_ratio
-from dpprof.analysis.attribution import CAUSES, attribute, category_label, cause_label
+from dpprof.analysis.attribution import CAUSES, attribute, cause_label
 from dpprof.result import (
     CATEGORIES,
     STATUS_OK,
@@ -507,7 +507,9 @@ def _memory(run: RunResult, scenarios: tuple[ScenarioView, ...]
 def _categories(drawn: list[ScenarioView]) -> tuple[tuple[str, str], ...]:
     devs = [d for s in drawn for d in s.devices]
     extra = sorted({c for d in devs for c in d.breakdown_bytes} - set(CATEGORIES))
-    return tuple((c, category_label(c)) for c in (*CATEGORIES, *extra)
+    # what a device holds, in the categories' own words: a cause's ("gathered outputs") is
+    # cuda:0's against the others under DataParallel, wrong for a DDP rank's own outputs
+    return tuple((c, c.replace("_", " ")) for c in (*CATEGORIES, *extra)
                  if any(d.breakdown_bytes.get(c, 0) for d in devs))
 
 

@@ -354,3 +354,30 @@ def test_hugging_face_reads_an_all_ones_attention_mask_as_a_gpu_would(
     notes = " ".join(result.scenarios[0].notes)
     assert result.scenarios[0].devices[0].peak_allocated_bytes > 0
     assert "stand-in" not in notes  # the mask's values are real: no branch guessed
+
+
+def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """run's third answer, DDP(gradient_as_bucket_view=True), is followed in a ledger while
+    the DDP alternative runs plain: it must equal running that alternative with the option."""
+    import dataclasses
+    import functools
+
+    from dpprof.backends.script import DDP_IN_PLACE, run_script
+    from dpprof.emulator import script_parallel
+
+    script = str(Path(__file__).parent / "scripts" / "dp_loss_outside.py")
+    cfg = ScriptConfig(launch=parse_command(["python", script], 4), variant=DDP_IN_PLACE)
+    followed = run_script(cfg)
+    assert followed.bucket_view_peak_bytes is not None
+    plain_peak = followed.scenario.devices[0].peak_allocated_bytes
+    monkeypatch.setattr(script_parallel, "EmulatedDDP", functools.partial(
+        script_parallel.EmulatedDDP, gradient_as_bucket_view=True))
+    with_option = run_script(dataclasses.replace(cfg))
+    assert with_option.scenario.devices[0].peak_allocated_bytes == \
+        followed.bucket_view_peak_bytes
+    assert followed.bucket_view_peak_bytes <= plain_peak
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", script], 4)))
+    fix = next(f for f in result.fixes if f.name == "gradient-as-bucket-view")
+    assert fix.max_peak_bytes == followed.bucket_view_peak_bytes
+    assert "device_ids=[rank], gradient_as_bucket_view=True)" in fix.code

@@ -330,7 +330,12 @@ def _alternative(base: ScenarioResult, s: ScenarioResult) -> str:
             return f"{words}, about the same as under {base.name}"
         if now < was:
             return f"{words}, {fmt_bytes(was - now)} less than the heaviest under {base.name}"
-        return f"{words}, {fmt_bytes(now - was)} more than the heaviest under {base.name}"
+        buckets = heaviest(s).breakdown_bytes.get("communication", 0)
+        why = (f" (its gradient buckets hold {fmt_bytes(buckets)} at its peak: a second copy "
+               "of the gradients, which gradient_as_bucket_view=True shares with .grad)"
+               if buckets else "")
+        return (f"{words}, {fmt_bytes(now - was)} more than the heaviest under {base.name}"
+                f"{why}")
     if abs(was - now) < MIN_SAVING * max(was, now):
         return (f"{words} does not lower the heaviest GPU ({fmt_bytes(now)} against "
                 f"{fmt_bytes(was)})")

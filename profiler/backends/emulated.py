@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpprof.emulator.data_parallel import EmulatedDataParallel
+from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.gpus import ContextModel, device_context, fill_gpu_overheads
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import (
@@ -27,7 +29,6 @@ from dpprof.emulator.kernels import (
     EmulatedAutocast,
     GpuKernels,
 )
-from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
 from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.result import (
@@ -543,7 +544,7 @@ class Alongside:
       (``dp-loss-primary``) after its measured step (:class:`FurtherSplits`);
     * ``bucket_view``: ``ddp`` with ``gradient_as_bucket_view=True``, followed in a ledger
       while ``ledger_in`` (``ddp``) runs plain
-      (:class:`~dpprof.emulator.parallel.BucketViewFollower`); its figures (peaks only) land
+      (:class:`~dpprof.emulator.ddp.BucketViewFollower`); its figures (peaks only) land
       in ``bucket_view_result``, None where it could not be followed;
     * ``output_device``: ``DataParallel(output_device=k)`` as one more step of
       ``further_steps_in``'s loop, after the splits; its figures (peaks only) land in

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import runpy
 import signal
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from dpprof.analysis import script_rewrite
 from dpprof.backends.emulated import ddp_ranks, device_result, timeline_points
 from dpprof.backends.script_effects import ScriptEffects, Writes
 from dpprof.emulator import script_parallel
@@ -45,6 +45,7 @@ from dpprof.emulator.gpus import (
     lookup_gpu,
 )
 from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.errors import Interrupted, UsageError
@@ -366,15 +367,15 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
         torch.manual_seed(0)
         effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast, effects:
-                variant.install(vc)
+            with vc, autocast, effects, Patcher() as patcher:
+                variant.install(vc, patcher)
                 orig_backward = torch.autograd.backward
 
                 def backward(*args: Any, **kwargs: Any) -> Any:
                     stepper.backward_started()
                     return orig_backward(*args, **kwargs)
 
-                torch.autograd.backward = backward  # type: ignore[assignment]
+                patcher.patch(torch.autograd, "backward", backward)
                 stepper.install()
                 try:
                     if launch.is_module:
@@ -402,10 +403,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                     run.script_traceback = _user_traceback(e, launch)
                 finally:
                     stepper.remove()
-                    torch.autograd.backward = orig_backward
-                    variant.remove()
-                    script_parallel.cleanup()
-                    log = script_parallel.LOG
+                    script_parallel.cleanup(vc)
+                    log = script_parallel.state_of(vc).log
                     run.data_parallel = log.data_parallel > 0
                     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                                and bool(log.ddp_devices))
@@ -450,18 +449,14 @@ class _Variant:
         self.gpus = gpus
         self.batch_rows = 0
         self.loss_calls = 0
-        self._saved: list[tuple[Any, str, Any]] = []
 
-    def _patch(self, owner: Any, attr: str, value: Any) -> None:
-        self._saved.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, value)
-
-    def install(self, vc: VirtualCuda) -> None:
+    def install(self, vc: VirtualCuda, patcher: Patcher) -> None:
+        """The variant's patches, through the run's ``patcher`` (undone with the run's)."""
         from torch import nn
         from torch.utils.data import DataLoader
 
         variant = self
-        script_parallel.MODE = "" if self.name == AS_WRITTEN else self.name
+        script_parallel.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
         if self.name == DDP_IN_PLACE:
             orig_init = DataLoader.__init__
 
@@ -475,7 +470,7 @@ class _Variant:
                     variant.batch_rows = variant.batch_rows or batch_size
                 orig_init(loader, dataset, batch_size, *args, **kwargs)
 
-            self._patch(DataLoader, "__init__", loader_init)
+            patcher.patch(DataLoader, "__init__", loader_init)
         elif self.name == LOSS_IN_FORWARD:
             from dpprof.emulator.script_parallel import loss_in_forward_loss_call
 
@@ -489,13 +484,8 @@ class _Variant:
                 variant.loss_calls += 1
                 return out
 
-            self._patch(loss_cls, "__call__", loss_call)
+            patcher.patch(loss_cls, "__call__", loss_call)
 
-    def remove(self) -> None:
-        for owner, attr, value in reversed(self._saved):
-            setattr(owner, attr, value)
-        self._saved.clear()
-        script_parallel.MODE = ""
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
@@ -626,6 +616,13 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             fix = script_fix(variant, main, alt, n)
             if fix is not None:
                 fixes.append(fix)
+            if variant == DDP_IN_PLACE:
+                bucket_view = bucket_view_fix(main, alt, n)
+                if bucket_view is not None:
+                    fixes.append(bucket_view)
+                elif alt.bucket_view_unsure:
+                    notes.append("no gradient_as_bucket_view alternative: "
+                                 f"{alt.bucket_view_unsure}")
     s0 = main.scenario
     s0.notes.insert(0, _how_it_ended(main, cfg))
     if main.autocast_regions:
@@ -728,72 +725,39 @@ def script_verdict(result: RunResult) -> str:
     return build_answer(result).verdict
 
 
-def _line(site: str) -> tuple[str, int, str] | None:
-    """(file, line number, text) of a "file:line" site."""
-    import linecache
-
-    path, _, num = site.rpartition(":")
-    if not num.isdigit():
-        return None
-    text = linecache.getline(path, int(num)).rstrip("\n")
-    return (path, int(num), text) if text.strip() else None
-
-
-_ASSIGN_CALL = re.compile(r"^(\s*)([\w.]+)\s*=\s*([\w.]+)\((.*)\)\s*$")
-
-
 def diff_loss_in_forward(run: ScriptRun) -> str:
     """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
     saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
-    dp = _line(run.dp_sites[0]) if run.dp_sites else None
-    call = _line(run.call_sites[0]) if run.call_sites else None
-    loss = _line(run.loss_sites[0]) if run.loss_sites else None
-    if dp is None or call is None or loss is None:
+    if not (run.dp_sites and run.call_sites and run.loss_sites):
         return ""
-    m_loss = _ASSIGN_CALL.match(loss[2])
-    m_call = _ASSIGN_CALL.match(call[2])
-    if m_loss is None or m_call is None:
-        return ""
-    indent, loss_var, loss_fn, loss_args = m_loss.groups()
-    _, _, model, model_args = m_call.groups()
-    targets = loss_args.split(",", 1)[1].strip() if "," in loss_args else "targets"
-    wrapped = re.sub(r"DataParallel\((\s*)([^,)]+)",
-                     lambda m: f"DataParallel({m.group(1)}dpprof.ModelWithLoss({m.group(2)}, "
-                     f"{loss_fn})", dp[2], count=1)
-    name = Path(dp[0]).name
-    out = [f"--- {name} (as written)", f"+++ {name} (the loss inside forward)",
-           f"@@ line {dp[1]} @@", f"-{dp[2]}", f"+{wrapped}"]
-    lines = sorted({call[1]: call[2], loss[1]: loss[2]}.items())
-    out.append(f"@@ line {lines[0][0]} @@")
-    out += [f"-{text}" for _, text in lines]
-    out.append(f"+{indent}{loss_var} = dpprof.ModelWithLoss.combine({model}({model_args}, "
-               f"{targets}))")
-    if run.materialized:
-        out.append(f"+{indent}# the outputs no longer reach cuda:0: compute what you log "
-                   "from them inside forward")
-    return "\n".join(out)
+    return script_rewrite.rewrite_text(script_rewrite.loss_in_forward_at(
+        run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
 
 
-def diff_ddp(run: ScriptRun, gpus: int) -> str:
+def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False) -> str:
     """The DDP change around the script's own DataParallel line."""
-    dp = _line(run.dp_sites[0]) if run.dp_sites else None
-    if dp is None:
+    if not run.dp_sites:
         return ""
-    indent = dp[2][: len(dp[2]) - len(dp[2].lstrip())]
-    m = re.search(r"DataParallel\((\s*)([^,)]+)", dp[2])
-    module = m.group(2).strip() if m else "model"
-    target = dp[2].split("=", 1)[0].strip() if "=" in dp[2] else "model"
-    name = Path(dp[0]).name
-    return "\n".join([
-        f"--- {name} (as written)", f"+++ {name} (DistributedDataParallel)",
-        f"+{indent}# torchrun --nproc-per-node {gpus} {name}",
-        f'+{indent}dist.init_process_group("nccl")',
-        f'+{indent}rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)',
-        f"@@ line {dp[1]} @@", f"-{dp[2]}",
-        f"+{indent}{target} = DDP({module}.cuda(rank), device_ids=[rank])",
-        f"+{indent}# and each DataLoader: batch_size // {gpus}, "
-        "sampler=DistributedSampler(dataset); inputs .cuda(rank)",
-    ])
+    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus,
+                                                             bucket_view=bucket_view))
+
+
+def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
+    """DDP with ``gradient_as_bucket_view=True``: the DDP alternative's rank as that option
+    makes it, followed in a ledger while the alternative ran plain DDP."""
+    if alt.bucket_view_peak_bytes is None or not main.scenario.devices:
+        return None
+    p0 = main.scenario.devices[0].peak_allocated_bytes
+    q = alt.bucket_view_peak_bytes
+    plain = max((d.peak_allocated_bytes for d in alt.scenario.devices), default=q)
+    extra = plain - q
+    return Fix(name="gradient-as-bucket-view", title="DDP with gradient_as_bucket_view=True",
+               primary_peak_bytes=q, max_peak_bytes=q, saves_bytes=p0 - q,
+               detail=f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less "
+               "than plain DDP per GPU at the peak" + (
+                   "" if extra > 0 else " (the peak comes before the gradients all exist; "
+                   "the gradient-sized copy is still saved later in the step)"),
+               code=diff_ddp(main, gpus, bucket_view=True))
 
 
 def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:

@@ -198,7 +198,7 @@ class VariantLedger:
     variant differs only in when some storages die: every event of the device counts,
     except a storage's once it is :meth:`detach`-ed (its bytes stay until
     :meth:`release`) or :meth:`release`-d. DDP's ``gradient_as_bucket_view`` is such a
-    variant of plain DDP (:class:`dpprof.emulator.parallel.BucketViewFollower`): a
+    variant of plain DDP (:class:`dpprof.emulator.ddp.BucketViewFollower`): a
     gradient dies into its bucket's view at its hook, the old buckets live on in the
     gradients at the rebuild.
 

@@ -19,7 +19,7 @@ While a :class:`VirtualCuda` is active, a program written for GPUs runs unchange
   zeros), counted per call site; ops whose output shape depends on values (``nonzero``,
   boolean masks) stop with one line naming the fix;
 * ``nn.DataParallel`` / ``nn.parallel.data_parallel`` are re-enacted by
-  :mod:`dpprof.emulator.parallel`.
+  :mod:`dpprof.emulator.data_parallel` and :mod:`dpprof.emulator.ddp`.
 
 Where the hooks are: a CPU-only build raises "Torch not compiled with CUDA enabled" from
 ``torch.cuda._lazy_init``, which C++ calls (``torch::utils::device_lazy_init``) before a
@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dpprof.emulator.gpus import GpuSpec, lookup_gpu
+from dpprof.emulator.patcher import Patcher, own_attribute, put
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.standins import load_real, standing_in
 from dpprof.emulator.vdevice import HOST, VirtualDevices
@@ -444,13 +445,13 @@ class VirtualCuda:
         self._visible: list[int] | None = None
         self._current = 0
         self._peak_from = [0] * num_gpus  # event index of each device's last peak reset
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
         self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``
         self.honour_visible_devices = honour_visible_devices
-        self.data_parallel_factory: Callable[..., nn.Module] | None = None
-        self.ddp_factory: Callable[..., nn.Module] | None = None
+        # the parallel wrappers' shared state while active (script_parallel.ScriptParallel)
+        self.parallel: Any = None
         self.active = False
 
     # ---- devices ------------------------------------------------------------------------
@@ -676,9 +677,7 @@ class VirtualCuda:
     # ---- activation --------------------------------------------------------------------
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)
-                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
-        setattr(owner, name, value)
+        self._patcher.patch(owner, name, value)
 
     def __enter__(self) -> VirtualCuda:
         global _ACTIVE
@@ -705,26 +704,19 @@ class VirtualCuda:
         """The real module ``module`` (a stand-in's), imported with torch's originals in
         place of the hooks and with no mode counting what its import makes."""
         current = []
-        for owner, name, original in reversed(self._saved):
-            current.append((owner, name, owner.__dict__.get(name, _MISSING)
-                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
-            _put(owner, name, original)
+        for owner, name, original in reversed(self._patcher.originals()):
+            current.append((owner, name, own_attribute(owner, name)))
+            put(owner, name, original)
         try:
             with torch._C._DisableTorchDispatch():
                 return load_real(module)
         finally:
             for owner, name, value in reversed(current):
-                _put(owner, name, value)
+                put(owner, name, value)
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
-        for owner, name, value in reversed(self._saved):
-            if value is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-        self._saved.clear()
+        self._patcher.restore()
         self._stack.close()
         self.active = False
         _ACTIVE = None
@@ -995,20 +987,6 @@ class VirtualCuda:
         script_parallel.install(vc, p)
 
 
-class _Missing:
-    pass
-
-
-_MISSING = _Missing()
-
-
-def _put(owner: Any, name: str, value: Any) -> None:
-    """``setattr``, or ``delattr`` for :data:`_MISSING`."""
-    if value is _MISSING:
-        with contextlib.suppress(AttributeError):
-            delattr(owner, name)
-    else:
-        setattr(owner, name, value)
 _ACTIVE: VirtualCuda | None = None
 _ORIG: dict[str, Any] = {
     "to": torch.Tensor.to,
@@ -1103,10 +1081,6 @@ class _Noop:
         return None
 
 
-def _noop_factory() -> _Noop:
-    return _Noop()
-
-
 def _device_class(vc: VirtualCuda) -> type:
     class device:
         """``torch.cuda.device(k)``: the current device inside the block."""
@@ -1124,10 +1098,3 @@ def _device_class(vc: VirtualCuda) -> type:
                 self._cm.__exit__(*exc)
 
     return device
-
-
-def devices_of(tensors: Sequence[torch.Tensor]) -> list[int]:
-    vc = _ACTIVE
-    if vc is None:
-        return []
-    return [vc.rt.device_of(t) for t in tensors]

@@ -7,6 +7,6 @@ from dpprof.scenarios.kind import DistributedScenario
 SCENARIO = DistributedScenario(
     name=DDP,
     description="DistributedDataParallel, one process per GPU, each its shard",
-    colour="#55a868",
+    colour="#009e73",
     alternative_words="DDP",
 )

@@ -7,7 +7,7 @@ from dpprof.scenarios.kind import DataParallelScenario
 SCENARIO = DataParallelScenario(
     name=DP_LOSS_FORWARD,
     description="nn.DataParallel(ModelWithLoss(model, loss)); loss on each replica",
-    colour="#dd8452",
+    colour="#56b4e9",
     alternative_words="computing the loss inside forward",
     loss_inside=True,
 )

@@ -7,6 +7,6 @@ from dpprof.scenarios.kind import DataParallelScenario
 SCENARIO = DataParallelScenario(
     name=DP_LOSS_PRIMARY,
     description="nn.DataParallel(model); outputs gathered on cuda:0, loss there",
-    colour="#c44e52",
+    colour="#e69f00",
     alternative_words="the loss on cuda:0 (dp-loss-primary)",
 )

@@ -7,5 +7,5 @@ from dpprof.scenarios.kind import OneGpuScenario
 SCENARIO = OneGpuScenario(
     name=SINGLE,
     description="one GPU with batch ceil(B / N): the floor a balanced scheme approaches",
-    colour="#8c8c8c",
+    colour="#999999",
 )
