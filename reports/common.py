@@ -9,16 +9,13 @@ format then escapes and marks up.
 from __future__ import annotations
 
 from dpprof.reports.view import Alert, FixView, ReportView
+from dpprof.scenarios.registry import REGISTRY
 from dpprof.units import fmt_bytes
 
-# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars). Red is
-# kept for out-of-memory and the capacity line; the HTML timelines' GPU colours are another set.
-SCENARIO_COLOURS = {
-    "dp-loss-primary": "#e69f00",
-    "dp-loss-forward": "#56b4e9",
-    "ddp": "#009e73",
-    "single": "#999999",
-}
+# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars): its
+# own (dpprof.scenarios.registry). Red is kept for out-of-memory and the capacity line; the
+# HTML timelines' GPU colours are another set.
+SCENARIO_COLOURS = {s.name: s.colour for s in REGISTRY if s.colour}
 EXTRA_COLOURS = ("#c9a400", "#8fbc5a", "#d2a679", "#7fb8b0", "#b3a1d6")  # other scenarios
 
 

@@ -34,6 +34,7 @@ from dpprof.result import (
     TimelinePoint,
     WatchResult,
 )
+from dpprof.scenarios.registry import find
 
 MEASURED = (STATUS_OK, STATUS_OOM)
 # (DeviceResult field, column name) of the table of what a GPU adds to allocated memory
@@ -528,7 +529,8 @@ def _timeline(run: RunResult, s: ScenarioResult, used: tuple[DeviceView, ...]
               ) -> TimelineView | None:
     devs = [d for d in used if d.timeline]
     note = ""
-    if run.backend != "cuda" and s.name == "ddp" and len(devs) > 1:
+    kind = find(s.name)
+    if run.backend != "cuda" and kind is not None and kind.ranks_alike and len(devs) > 1:
         devs, note = devs[:1], "Emulated DDP: every rank runs the same program; rank 0 shown."
     if not devs:
         return None

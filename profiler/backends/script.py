@@ -56,11 +56,12 @@ from dpprof.result import (
     Fix,
     RunResult,
     ScenarioResult,
+    new_result,
 )
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.registry import scenario
 from dpprof.units import fmt_bytes
 
-MODEL_PARALLEL = "model-parallel"  # the script's own placement over several GPUs
 AS_WRITTEN = "as-written"
 
 
@@ -508,7 +509,8 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
     name = _kind(run, used, touched)
     s = ScenarioResult(name=name, batch=run.batch_rows)
     start = stepper.measure_start
-    split = name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and run.shard_rows
+    kind = scenario(name)
+    split = kind.scatters_batch and run.shard_rows
     devices = [
         device_result(
             rt, i, logical, cfg.capacity_bytes,
@@ -517,7 +519,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
             timeline_points(rt, i, start, phase_before_start=True))
         for logical, i in enumerate(visible)
     ]
-    if name == DDP and run.world_size > 1:
+    if kind.ranks_alike and run.world_size > 1:
         devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
                             min(run.world_size, n))
     s.devices = devices
@@ -575,12 +577,11 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     """Run the script as written (and its paired alternatives); the result and the
     as-written run (its traceback and exit status)."""
     import dataclasses
-    import datetime as _dt
 
-    from dpprof import __version__
     from dpprof.analysis.answers import partial_sentence
     from dpprof.analysis.attribution import attribute_run
     from dpprof.analysis.comparison import compare
+    from dpprof.analysis.fix_registry import run_variants
 
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
@@ -592,7 +593,8 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     fixes: list[Fix] = []
     if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
             and main.ended not in ("script raised", "interrupted")):
-        for variant in (LOSS_IN_FORWARD, DDP_IN_PLACE):
+        for kind in run_variants():  # the fixes a script's alternative measures
+            variant = kind.run_variant or ""
             alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
             if variant == DDP_IN_PLACE and not alt.batch_rows:
                 notes.append("no DDP alternative: the script makes its batches without a "
@@ -634,14 +636,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                 main.stand_ins.items())) + "): " + "; ".join(
                 f"{site} x{c}" for site, c in list(main.stand_in_sites.items())[:5]))
         s0.notes.extend(_library_branches(main.stand_in_sites))
-    result = RunResult(
-        backend="emulated",
-        workload=cfg.launch.display,
-        batch=main.batch_rows,
-        gpus=n,
+    result = new_result(
+        "emulated", cfg.launch.display, batch=main.batch_rows, gpus=n,
         gpu_memory_bytes=cfg.capacity_bytes,
-        dpprof_version=__version__,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         scenarios=[r.scenario for _, r in runs],
         config={
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
@@ -655,9 +652,6 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         notes=notes,
         fixes=fixes,
     )
-    from dpprof.pipeline import environment
-
-    result.environment = environment("emulated")
     result.comparison = compare(result)
     result.attribution = attribute_run(result)
     if main.ended == "interrupted":
@@ -768,22 +762,18 @@ def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
 
 def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
     """What the alternative saves on cuda:0, with its change to the script's lines."""
+    from dpprof.analysis.fix_registry import for_variant
+
     if not main.scenario.devices or not alt.scenario.devices:
         return None
     p0 = main.scenario.devices[0].peak_allocated_bytes
     q0 = alt.scenario.devices[0].peak_allocated_bytes
     heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
-    if variant == LOSS_IN_FORWARD:
-        return Fix(name="loss-in-forward", title="Compute the loss inside forward",
-                   primary_peak_bytes=q0, max_peak_bytes=heaviest, saves_bytes=p0 - q0,
-                   detail="the same script with DataParallel(ModelWithLoss(model, loss)): "
-                   "cuda:0 gathers one number per GPU instead of the outputs.",
-                   code=diff_loss_in_forward(alt))
-    return Fix(name="ddp", title="DistributedDataParallel", primary_peak_bytes=q0,
-               max_peak_bytes=heaviest, saves_bytes=p0 - q0,
-               detail=f"the same script as {gpus} DDP ranks: every GPU its own parameters, "
-               "gradients, optimizer state and its share of each batch.",
-               code=diff_ddp(main, gpus))
+    kind = for_variant(variant)
+    return Fix(name=kind.name, title=kind.title, primary_peak_bytes=q0, max_peak_bytes=heaviest,
+               saves_bytes=p0 - q0, detail=kind.run_detail.format(gpus=gpus),
+               code=(diff_loss_in_forward(alt) if variant == LOSS_IN_FORWARD
+                     else diff_ddp(main, gpus)))
 
 
 def _how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
