@@ -36,7 +36,7 @@ from dpprof.nvml.devices import resolve_visible_devices
 from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler
 from dpprof.result import RunResult
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.registry import SCENARIOS
 from dpprof.units import fmt_bytes
 
 __all__ = ["check_lines", "compare_rows", "run_check", "sampler_cost"]

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
 import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from dpprof import __version__
 from dpprof.analysis.answers import add_answers, gpu_spec, partial_sentence
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.fixes import alongside
@@ -18,8 +16,9 @@ from dpprof.backends.emulated import ASSUMPTIONS, Alongside, EmulationConfig, ru
 from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.context import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
-from dpprof.result import RunResult
-from dpprof.scenarios.base import DDP, SCENARIOS, SINGLE, loop_description
+from dpprof.result import RunResult, new_result
+from dpprof.scenarios.base import loop_description
+from dpprof.scenarios.registry import SCENARIOS, scenario
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
 
@@ -140,7 +139,11 @@ def run_compare(
     wl = workload or load_workload(cfg.workload)
     wl = cfg.step.workload(wl)  # --dtype
     backend = resolve_backend(cfg.backend)
-    run = _new_run(cfg, wl, backend)
+    run = new_result(
+        backend, wl.name, batch=cfg.step.batch, gpus=cfg.gpus or DEFAULT_EMULATED_GPUS,
+        gpu_memory_bytes=cfg.gpu_memory_bytes, config=option_record(cfg, wl, backend),
+        seed=cfg.step.seed, dtype=str(wl.dtype).removeprefix("torch."),
+    )
     ecfg = emulation_config(cfg, backend, run.gpus)
     besides: Alongside | None = None  # what the scenarios measure for the fixes
     not_applicable: tuple[str, ...] = ()  # scenarios the workload's model rules out
@@ -172,37 +175,20 @@ def run_compare(
     )
 
 
-def option_record(cfg: CompareConfig) -> dict[str, object]:
+def option_record(cfg: CompareConfig, wl: Workload, backend: str) -> dict[str, object]:
     """One flat record of every option (the result's ``config``): the step's options and
-    DDP's under their own names, then the rest, then ``extra``."""
+    DDP's under their own (torch's) names, then the rest, then ``extra``; the GPUs, warm-up
+    and compute capability as resolved, the workload's description and shapes."""
     step = {k: v for k, v in asdict(cfg.step).items() if k != "ddp"}
     rest = {k: v for k, v in asdict(cfg).items() if k not in ("extra", "step")}
-    return {"workload": cfg.workload} | step | rest | asdict(cfg.step.ddp) | dict(cfg.extra)
-
-
-def _new_run(cfg: CompareConfig, wl: Workload, backend: str) -> RunResult:
-    gpus = cfg.gpus or DEFAULT_EMULATED_GPUS
-    run = RunResult(
-        backend=backend,
-        workload=wl.name,
-        batch=cfg.step.batch,
-        gpus=gpus,
-        gpu_memory_bytes=cfg.gpu_memory_bytes,
-        dpprof_version=__version__,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        seed=cfg.step.seed,
-        dtype=str(wl.dtype).removeprefix("torch."),
-        # one flat record of every option, DDP's under torch's names
-        config=option_record(cfg),
-        environment=environment(backend),
-    )
-    run.config["gpus"] = gpus
-    run.config["warmup_steps"] = cfg.step.warmup_steps(backend)
-    run.config["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
-    run.config["scenarios"] = list(cfg.scenarios)
-    run.config["workload_description"] = wl.description
-    run.config["workload_shapes"] = dict(wl.shapes)
-    return run
+    out = {"workload": cfg.workload} | step | rest | asdict(cfg.step.ddp) | dict(cfg.extra)
+    out["gpus"] = cfg.gpus or DEFAULT_EMULATED_GPUS
+    out["warmup_steps"] = cfg.step.warmup_steps(backend)
+    out["compute_capability"] = list(cfg.compute_capability)  # JSON has no tuples
+    out["scenarios"] = list(cfg.scenarios)
+    out["workload_description"] = wl.description
+    out["workload_shapes"] = dict(wl.shapes)
+    return out
 
 
 def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig,
@@ -240,7 +226,8 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
     run.config["loop"] = loop_description(ecfg.step.warmup_steps(run.backend) + 1)
     run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
     spans = model_devices(wl, ecfg.gpus)
-    not_applicable = tuple(s for s in cfg.scenarios if s != SINGLE) if len(spans) > 1 else ()
+    not_applicable = tuple(s for s in cfg.scenarios
+                           if scenario(s).model_on_one_gpu) if len(spans) > 1 else ()
     if not_applicable:
         gpus = ", ".join(f"cuda:{i}" for i in spans)
         run.notes.append(
@@ -253,7 +240,7 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
             progress(name, i, len(cfg.scenarios))
         if name in not_applicable:
             continue
-        if run.backend == "cpu" and name == DDP:
+        if run.backend == "cpu" and scenario(name).one_process_per_gpu:
             from dpprof.backends.cpu import run_ddp_gloo
 
             run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
@@ -286,16 +273,6 @@ def mark_partial(run: RunResult, signum: int) -> RunResult:
     return run
 
 
-def environment(backend: str) -> dict[str, object]:
-    """The ``dpprof env`` block (:func:`dpprof.environment.collect_environment`); never raises."""
-    from dpprof.environment import collect_environment
-
-    try:
-        return collect_environment(use_cuda=backend == "cuda")
-    except Exception as e:  # pragma: no cover - collect_environment does not raise
-        return {"environment_error": f"{type(e).__name__}: {e}"}
-
-
 def _cuda(
     cfg: CompareConfig, wl: Workload, run: RunResult, progress: Progress | None
 ) -> RunResult | None:
@@ -304,7 +281,7 @@ def _cuda(
 
     info = torchrun_info()
     if info is not None:
-        if tuple(cfg.scenarios) != (DDP,):
+        if not all(scenario(s).one_process_per_gpu for s in cfg.scenarios):
             raise UsageError(
                 "under torchrun only the ddp scenario runs (one process per GPU): add "
                 "--scenarios ddp; run the DataParallel scenarios without torchrun"

@@ -318,6 +318,44 @@ class RunResult:
         return _from_dict(cls, data)
 
 
+def new_result(backend: str, workload: str, *, batch: int, gpus: int, gpu_memory_bytes: int,
+               config: dict[str, Any], environment: dict[str, Any] | None = None,
+               created: str | None = None, dpprof_version: str | None = None,
+               **fields: Any) -> RunResult:
+    """The one way every command starts its result (compare, run, maxbatch, watch): the
+    version of dpprof that made it, when (UTC, ISO 8601, to the second), the environment
+    (``dpprof env``'s block as ``backend`` sees it, :func:`environment_block`) and every
+    option it ran with (``config``); ``fields``: the rest of :class:`RunResult`'s.
+
+    ``environment``, ``created`` and ``dpprof_version`` are given where the result records
+    another process's (``dpprof watch``: what its samples file says)."""
+    import datetime
+
+    from dpprof import __version__
+
+    return RunResult(
+        backend=backend, workload=workload, batch=batch, gpus=gpus,
+        gpu_memory_bytes=gpu_memory_bytes,
+        dpprof_version=__version__ if dpprof_version is None else dpprof_version,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        if created is None else created,
+        config=config,
+        environment=environment_block(backend) if environment is None else environment,
+        **fields,
+    )
+
+
+def environment_block(backend: str) -> dict[str, Any]:
+    """The ``dpprof env`` block (:func:`dpprof.environment.collect_environment`); never
+    raises."""
+    from dpprof.environment import collect_environment
+
+    try:
+        return collect_environment(use_cuda=backend == "cuda")
+    except Exception as e:  # pragma: no cover - collect_environment does not raise
+        return {"environment_error": f"{type(e).__name__}: {e}"}
+
+
 @dataclass
 class WatchDevice:
     """One GPU watched by ``dpprof watch``: NVML's used memory of the whole device."""

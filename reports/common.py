@@ -9,16 +9,14 @@ format then escapes and marks up.
 from __future__ import annotations
 
 from dpprof.reports.view import Alert, FixView, ReportView
+from dpprof.scenarios.registry import REGISTRY
 from dpprof.units import fmt_bytes
 
-# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars)
-SCENARIO_COLOURS = {
-    "dp-loss-primary": "#c44e52",
-    "dp-loss-forward": "#dd8452",
-    "ddp": "#55a868",
-    "single": "#8c8c8c",
-}
-EXTRA_COLOURS = ("#4c72b0", "#8172b3", "#937860", "#da8bc3", "#64b5cd")  # other scenarios
+# each scenario's colour in every chart (HTML's plotly bars, Markdown's mermaid bars): its
+# own (dpprof.scenarios.registry). Red is kept for out-of-memory and the capacity line; the
+# HTML timelines' GPU colours are another set.
+SCENARIO_COLOURS = {s.name: s.colour for s in REGISTRY if s.colour}
+EXTRA_COLOURS = ("#c9a400", "#8fbc5a", "#d2a679", "#7fb8b0", "#b3a1d6")  # other scenarios
 
 
 def b(n: int | None, signed: bool = False) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpprof.analysis.answers import BALANCED_FRACTION, Advice, Answer, build_answer, maxbatch_ratio
-from dpprof.analysis.attribution import CAUSES, attribute, category_label, cause_label
+from dpprof.analysis.attribution import CAUSES, attribute, cause_label
 from dpprof.result import (
     CATEGORIES,
     STATUS_OK,
@@ -34,6 +34,7 @@ from dpprof.result import (
     TimelinePoint,
     WatchResult,
 )
+from dpprof.scenarios.registry import find
 
 MEASURED = (STATUS_OK, STATUS_OOM)
 # (DeviceResult field, column name) of the table of what a GPU adds to allocated memory
@@ -506,7 +507,9 @@ def _memory(run: RunResult, scenarios: tuple[ScenarioView, ...]
 def _categories(drawn: list[ScenarioView]) -> tuple[tuple[str, str], ...]:
     devs = [d for s in drawn for d in s.devices]
     extra = sorted({c for d in devs for c in d.breakdown_bytes} - set(CATEGORIES))
-    return tuple((c, category_label(c)) for c in (*CATEGORIES, *extra)
+    # what a device holds, in the categories' own words: a cause's ("gathered outputs") is
+    # cuda:0's against the others under DataParallel, wrong for a DDP rank's own outputs
+    return tuple((c, c.replace("_", " ")) for c in (*CATEGORIES, *extra)
                  if any(d.breakdown_bytes.get(c, 0) for d in devs))
 
 
@@ -526,7 +529,8 @@ def _timeline(run: RunResult, s: ScenarioResult, used: tuple[DeviceView, ...]
               ) -> TimelineView | None:
     devs = [d for d in used if d.timeline]
     note = ""
-    if run.backend != "cuda" and s.name == "ddp" and len(devs) > 1:
+    kind = find(s.name)
+    if run.backend != "cuda" and kind is not None and kind.ranks_alike and len(devs) > 1:
         devs, note = devs[:1], "Emulated DDP: every rank runs the same program; rank 0 shown."
     if not devs:
         return None

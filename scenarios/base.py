@@ -1,4 +1,4 @@
-"""The paired scenarios and the one training step that every backend runs.
+"""The paired scenarios' names and the one training step that every backend runs.
 
 | name              | what runs                                       | where the loss is      |
 | ----------------- | ----------------------------------------------- | ---------------------- |
@@ -32,15 +32,19 @@ SINGLE = "single"
 # not a paired scenario: what `dpprof run` names a script that places its own work on
 # several GPUs (no DataParallel, no DDP)
 MODEL_PARALLEL = "model-parallel"
+# What each scenario does (how it wraps the model, its rows, its words) is its object in
+# dpprof.scenarios.registry; these names stay here for the modules that only name them.
 
-SCENARIOS: tuple[str, ...] = (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP, SINGLE)
 
-DESCRIPTIONS: dict[str, str] = {
-    DP_LOSS_PRIMARY: "nn.DataParallel(model); outputs gathered on cuda:0, loss there",
-    DP_LOSS_FORWARD: "nn.DataParallel(ModelWithLoss(model, loss)); loss on each replica",
-    DDP: "DistributedDataParallel, one process per GPU, each its shard",
-    SINGLE: "one GPU with batch ceil(B / N): the floor a balanced scheme approaches",
-}
+def __getattr__(name: str) -> Any:
+    """``SCENARIOS`` and ``DESCRIPTIONS``, for older importers: the registry's
+    (:mod:`dpprof.scenarios.registry`, which lists every scenario once)."""
+    if name in ("SCENARIOS", "DESCRIPTIONS"):
+        from dpprof.scenarios import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 PHASES: tuple[str, ...] = ("inputs", "zero_grad", "forward", "loss", "backward", "optimizer")
 

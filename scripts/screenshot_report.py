@@ -1,6 +1,7 @@
 """Regenerate the README's screenshot of an HTML report (docs/report.png).
 
     python scripts/screenshot_report.py [result.json] [-o docs/report.png] [--full]
+        [--width 1180] [--dark] [--pdf report.pdf]
 
 Renders ``tests/data/emulated-lm.json`` (the default comparison, saved by dpprof) with
 :func:`dpprof.reports.html.render` and photographs it in Debian's headless chromium through
@@ -30,6 +31,9 @@ def main() -> int:
     ap.add_argument("-o", "--output", default=str(ROOT / "docs/report.png"))
     ap.add_argument("--full", action="store_true", help="the whole page, not the first screen")
     ap.add_argument("--height", type=int, default=1372, help="viewport height (px)")
+    ap.add_argument("--width", type=int, default=1180, help="viewport width (px); 390: a phone")
+    ap.add_argument("--dark", action="store_true", help="as a reader in dark mode sees it")
+    ap.add_argument("--pdf", help="also print the page to this PDF (A4, as chromium prints)")
     a = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -39,18 +43,25 @@ def main() -> int:
         f.write_text(page_html, encoding="utf-8")
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            page = browser.new_page(viewport={"width": 1180, "height": a.height},
-                                    device_scale_factor=1)
+            page = browser.new_page(viewport={"width": a.width, "height": a.height},
+                                    device_scale_factor=1,
+                                    color_scheme="dark" if a.dark else "light")
             page.goto(f.as_uri())
+            # the page marks <html data-charts="drawn"> once its last chart is drawn
             page.wait_for_function(
-                "() => [...document.querySelectorAll('[data-figure]')]"
-                ".every(d => d.querySelector('.main-svg'))"
+                "() => document.documentElement.getAttribute('data-charts') === 'drawn'",
+                timeout=60_000,
             )
             page.wait_for_timeout(300)
             Path(a.output).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=a.output, full_page=a.full)
+            print(f"wrote {a.output}")
+            if a.pdf:
+                page.emulate_media(media="print")
+                page.wait_for_timeout(1500)  # the charts redraw at the page's width
+                page.pdf(path=a.pdf, format="A4", print_background=True)
+                print(f"wrote {a.pdf}")
             browser.close()
-    print(f"wrote {a.output}")
     return 0
 
 

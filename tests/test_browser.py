@@ -95,7 +95,6 @@ def test_hostile_names_render_as_text(browser: Any, tmp_path: Path) -> None:
         assert HOSTILE in page.locator("#title").inner_text()
         assert page.locator("main img").count() == 0  # the <img> is text, not an element
         assert page.locator("main b").count() == 0
-        assert HOSTILE in page.locator("#verdict").inner_text()
         # the labels plotly drew show the text too, not markup
         legend = page.locator("[data-figure] .main-svg").first.inner_html()
         assert "<script" not in legend
@@ -111,5 +110,133 @@ def test_diff_report_draws(browser: Any, tmp_path: Path) -> None:
         charts = page.evaluate(CHART_STATE)
         assert len(charts) == 1 and charts[0]["traces"] == 2 and charts[0]["marks"] > 0
         assert errors == [] and requests == []
+    finally:
+        page.close()
+
+
+# ---- a phone, dark mode, print -------------------------------------------------------------
+
+DRAWN = "() => document.documentElement.getAttribute('data-charts') === 'drawn'"
+
+LAYOUT_STATE = """() => {
+  const inside = (a, b) => a.left >= b.left - 1 && a.right <= b.right + 1;
+  return {
+    width: document.documentElement.scrollWidth,
+    height: document.documentElement.scrollHeight,
+    charts: [...document.querySelectorAll('[data-figure]')].map(d => {
+      const box = d.getBoundingClientRect();
+      const texts = [...d.querySelectorAll('.bartext')].filter(t => t.getBBox().width > 0);
+      const phases = [...d.querySelectorAll('.annotation')].filter(
+        a => a.style.display !== 'none').map(a => a.getBoundingClientRect());
+      return {
+        id: d.id, plot: d._fullLayout._size.h,
+        clipped: texts.filter(t => !inside(t.getBoundingClientRect(), box)).length,
+        phases: phases.map(p => [p.left, p.right, p.top, p.bottom]),
+        off: phases.filter(p => !inside(p, box)).length,
+      };
+    }),
+  };
+}"""
+
+
+def _page(browser: Any, tmp_path: Path, page_html: str, width: int, **kw: Any) -> Any:
+    f = tmp_path / "report.html"
+    f.write_text(page_html, encoding="utf-8")
+    page = browser.new_page(viewport={"width": width, "height": 900}, **kw)
+    page.goto(f.as_uri())
+    page.wait_for_function(DRAWN, timeout=30_000)
+    page.wait_for_timeout(200)
+    return page
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[2] < b[3] and b[2] < a[3]
+
+
+@pytest.mark.parametrize("name", ["emulated-lm", "synthetic-oom", "synthetic-nvml"])
+def test_a_phone_reads_the_report(browser: Any, tmp_path: Path, name: str) -> None:
+    page = _page(browser, tmp_path, html.render(saved(name)), 390)
+    try:
+        state = page.evaluate(LAYOUT_STATE)
+        assert state["width"] <= 390  # nothing wider than the screen (was 697 px)
+        for c in state["charts"]:
+            # hbar charts are short by design; the others keep a readable plot (was 60 px)
+            floor = 90 if c["id"] in ("fig-timing", "fig-maxbatch") else 180
+            assert c["plot"] >= floor, c
+            assert c["clipped"] == 0, c  # bar labels (the waterfall's totals) inside
+            assert c["off"] == 0, c
+            boxes = c["phases"]
+            assert not [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                        if _overlap(a, b)], c  # phase labels never run together
+    finally:
+        page.close()
+
+
+def test_sixty_four_gpus_at_1400_px(browser: Any, tmp_path: Path) -> None:
+    from test_html import _many_gpus
+
+    four = _page(browser, tmp_path, html.render(saved("emulated-lm")), 1400)
+    page = _page(browser, tmp_path, html.render(_many_gpus(saved("emulated-lm"), 64)), 1400)
+    try:
+        state, base = page.evaluate(LAYOUT_STATE), four.evaluate(LAYOUT_STATE)
+        assert state["width"] <= 1400  # was 5,989 px: the table scrolls in its card
+        assert state["height"] < 1.2 * base["height"]
+    finally:
+        page.close()
+        four.close()
+
+
+def _luminance(css: str) -> float:
+    import re
+
+    r, g, b = (int(x) for x in re.findall(r"\d+", css)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+def test_dark_mode(browser: Any, tmp_path: Path) -> None:
+    page = _page(browser, tmp_path, html.render(saved("synthetic-oom")), 1200,
+                 color_scheme="dark")
+    try:
+        colours = page.evaluate("""() => ({
+          body: getComputedStyle(document.body).backgroundColor,
+          card: getComputedStyle(document.querySelector('.card')).backgroundColor,
+          text: getComputedStyle(document.querySelector('#verdict')).color,
+          ticks: [...document.querySelectorAll('[data-figure] .ytick text')].map(
+            t => getComputedStyle(t).fill),
+        })""")
+        assert _luminance(colours["body"]) < 0.15 and _luminance(colours["card"]) < 0.2
+        assert _luminance(colours["text"]) > 0.7
+        assert colours["ticks"] and all(_luminance(c) > 0.6 for c in colours["ticks"])
+        # back to light when the reader's scheme changes, charts too
+        page.emulate_media(color_scheme="light")
+        page.wait_for_timeout(1500)
+        ticks = page.evaluate("""() => [...document.querySelectorAll(
+            '[data-figure] .ytick text')].map(t => getComputedStyle(t).fill)""")
+        assert all(_luminance(c) < 0.3 for c in ticks)
+    finally:
+        page.close()
+
+
+def test_print(browser: Any, tmp_path: Path) -> None:
+    import re
+
+    from dpprof.reports.html import PRINT_WIDTH_PX
+
+    page = _page(browser, tmp_path, html.render(saved("emulated-lm")), 1400,
+                 color_scheme="dark")
+    try:
+        page.emulate_media(media="print")
+        page.wait_for_timeout(2500)  # every chart redrawn at the page's width, light
+        state = page.evaluate("""() => [...document.querySelectorAll('[data-figure]')].map(d => ({
+          width: d._fullLayout.width, height: d._fullLayout.height,
+          avoid: getComputedStyle(d.closest('.card')).breakInside,
+          ink: getComputedStyle(d.querySelector('.ytick text')).fill}))""")
+        for c in state:
+            assert c["width"] <= PRINT_WIDTH_PX and c["avoid"] == "avoid", c
+            assert _luminance(c["ink"]) < 0.3, c  # printed light, whatever the screen
+        assert page.locator("#configuration").evaluate("d => d.open") is False
+        pdf = page.pdf(format="A4", print_background=True)
+        pages = len(re.findall(rb"/Type\s*/Page[^s]", pdf))
+        assert 1 < pages <= 8, pages
     finally:
         page.close()

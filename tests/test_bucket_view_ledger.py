@@ -1,5 +1,5 @@
 """DDP with gradient_as_bucket_view=True, followed in a ledger while plain DDP runs
-(:class:`dpprof.emulator.parallel.BucketViewFollower`): byte for byte what emulating it
+(:class:`dpprof.emulator.ddp.BucketViewFollower`): byte for byte what emulating it
 on its own gives, or nothing (and the fix is emulated on its own)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.parallel import (
+from dpprof.emulator.comm import (
     broadcast_coalesced,
     gather_tensors,
     reduce_add_coalesced,
@@ -177,7 +177,7 @@ def test_compute_mode_dp_matches_single_device_full_batch() -> None:
         for p in ref.parameters():
             p -= 0.1 * p.grad
 
-    from dpprof.emulator.parallel import EmulatedDataParallel
+    from dpprof.emulator.data_parallel import EmulatedDataParallel
     from dpprof.emulator.vdevice import to_device
 
     rt = VirtualDevices(3, base="cpu")

@@ -131,7 +131,7 @@ def test_balanced_snippet_is_valid_python_and_splits_by_shares(monkeypatch) -> N
 def test_the_emulator_splits_as_the_snippet_does(monkeypatch, rows) -> None:
     """At the batch, exactly the measured rows (no rounding of shares); a micro-batch in
     proportion, as the emulated BalancedDataParallel splits it."""
-    from dpprof.emulator.parallel import balanced_sizes
+    from dpprof.emulator.data_parallel import balanced_sizes
 
     chunks = [1, 73, 73, 73, 73, 73, 73, 73]
     dp, calls = _snippet_scatter(monkeypatch, chunks, 512)

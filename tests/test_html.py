@@ -18,6 +18,11 @@ def _figures(page: str) -> dict:
     return json.loads(m.group(1))
 
 
+def _legend(fig: dict) -> list[str]:
+    """The names a figure's legend shows."""
+    return [t["name"] for t in fig["data"] if t.get("showlegend", True)]
+
+
 def _headings(page: str) -> list[str]:
     return [std_html.unescape(h) for h in re.findall(r"<h2><span class='n'>\d+</span>(.*?)</h2>",
                                                       page)]
@@ -32,12 +37,15 @@ def test_the_default_comparison_reads_top_to_bottom() -> None:
                      "What to change", "How these numbers were obtained"]
     figs = _figures(page)
     peaks = figs["peaks"]
-    assert [t["name"] for t in peaks["data"]] == [s.name for s in run.scenarios]
+    # one legend entry per scenario (the hatched parts above the bars share theirs), then
+    # the capacity line's
+    assert _legend(peaks) == [*(s.name for s in run.scenarios), "capacity 79.2 GiB per GPU"]
     cap_line = peaks["layout"]["shapes"][0]
     assert cap_line["y0"] == pytest.approx(79.25)  # the default A100 80GB's capacity line
     wf = figs["excess-0"]["data"][0]
     assert wf["y"][0] == "median other GPU" and wf["y"][-1] == "cuda:0"
-    assert wf["y"][1] == "loss, its temporaries and its gradient"  # the largest cause first
+    # the largest cause first, wrapped for a phone's width
+    assert wf["y"][1] == "loss, its temporaries<br>and its gradient"
     # the waterfall's steps lead from the median other GPU to cuda:0
     level = wf["x"][0]
     for step, base in zip(wf["x"][1:-1], wf["base"][1:-1], strict=True):
@@ -85,8 +93,10 @@ def test_oom_is_called_out_in_red() -> None:
     assert "<li class='oom'>dp-loss-primary ran out of memory on cuda:0 (tried to allocate " \
            "3.00 GiB)" in page
     assert "<span class='oom'>OOM</span>" in page
-    peaks = _figures(page)["peaks"]["data"][0]
-    assert peaks["text"][0] == "OOM 22.0"
+    peaks = _figures(page)["peaks"]["data"]
+    # the label sits on the top of the bar: allocated, reserved beyond it and the context
+    top = next(t for t in peaks if t["name"] == "dp-loss-primary: reserved and context")
+    assert top["text"][0] == "OOM 24.3"
 
 
 def test_ddp_over_two_nodes_labels_devices_by_host() -> None:
@@ -149,9 +159,10 @@ def test_a_run_where_every_scenario_failed_still_renders() -> None:
 def test_small_runs_are_charted_in_mib() -> None:
     page = html.render(saved("cpu-mlp"))
     figs = _figures(page)
-    assert figs["peaks"]["layout"]["yaxis"]["title"]["text"] == "peak allocated (MiB)"
+    assert figs["peaks"]["layout"]["yaxis"]["title"]["text"] == "peak memory (MiB)"
     assert max(figs["peaks"]["data"][0]["y"]) == pytest.approx(288, abs=1)
-    assert "capacity 79.2 GiB per GPU (above the scale)" in json.dumps(figs["peaks"]["layout"])
+    assert "capacity 79.2 GiB per GPU (above the scale)" in _legend(figs["peaks"])
+    assert "shapes" not in figs["peaks"]["layout"]  # no line: it is off the scale
 
 
 def test_reserved_and_nvml_peaks_only_where_known() -> None:
@@ -180,7 +191,7 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
     page = html.render(run)
     figs = _figures(page)
     wf = figs["excess-0"]["data"][0]
-    assert wf["y"][1:3] == ["loss, its temporaries and its gradient", "gathered outputs"]
+    assert wf["y"][1:3] == ["loss, its temporaries<br>and its gradient", "gathered outputs"]
     assert "Recommended: Emulated fix" in page
     assert "Against dp-loss-primary: the heaviest GPU peaks at 60.0 GiB, 3.00 GiB less." in page
     assert "fixed = True" in page and "ModelWithLoss(model, loss_fn)" not in page
@@ -189,3 +200,131 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
     text = markdown.render(run)
     assert "| ddp | 2048 |" in text and "**Emulated fix.**" in text
     assert "| gathered outputs | +1.00 GiB |" in text
+
+
+# ---- readable charts ----------------------------------------------------------------------
+
+
+def _tight_ddp(run: RunResult) -> RunResult:
+    """The default comparison on 25 GiB GPUs, DDP out of memory on cuda:0 as the emulator
+    reports it: allocated (22.8 GiB) under the capacity, reserved and context (26.6 GiB) over."""
+    run = RunResult.from_dict(run.to_dict())
+    cap = 25 * 2**30
+    run.gpu_memory_bytes = cap
+    for s in run.scenarios:
+        for d in s.devices:
+            d.capacity_bytes = cap
+    ddp = next(s for s in run.scenarios if s.name == "ddp")
+    ddp.status, ddp.oom_device = "oom", 0
+    ddp.message = "out of memory on cuda:0: needs 26.6 GiB at its peak (backward), has 25.0 GiB"
+    return run
+
+
+def test_a_bar_marked_out_of_memory_reaches_past_the_capacity_line() -> None:
+    run = _tight_ddp(saved("emulated-lm"))
+    ddp = next(s for s in run.scenarios if s.name == "ddp").devices[0]
+    assert ddp.peak_allocated_bytes < run.gpu_memory_bytes < ddp.total_peak_bytes
+    peaks = _figures(html.render(run))["peaks"]
+    cap = peaks["layout"]["shapes"][0]["y0"]
+    bars = [t for t in peaks["data"] if t["type"] == "bar" and t["legendgroup"] == "ddp"]
+    tops = [b + y for b, y in zip(bars[-1]["base"], bars[-1]["y"], strict=True)]
+    assert all(top > cap for top in tops)  # drawn as the OOM check counts it
+    assert all(t.startswith("OOM ") for t in bars[-1]["text"])
+    assert float(bars[-1]["text"][0].split()[1]) == pytest.approx(
+        ddp.total_peak_bytes / 2**30, abs=0.05)
+    assert bars[0]["y"][0] == pytest.approx(ddp.peak_allocated_bytes / 2**30, abs=1e-3)
+
+
+def test_capacity_and_peaks_are_named_in_the_legend_not_over_the_bars() -> None:
+    figs = _figures(html.render(saved("synthetic-oom")))
+    for key in ("peaks", "timeline-0"):
+        notes = [a["text"] for a in figs[key]["layout"].get("annotations", [])]
+        assert not [t for t in notes if "capacity" in t or "peak" in t], (key, notes)
+        assert "capacity 24.0 GiB per GPU" in _legend(figs[key])
+    assert "cuda:0 peak 20.7 GiB (loss)" in _legend(figs["timeline-0"])
+
+
+def _hue_and_saturation(colour: str) -> tuple[float, float]:
+    import colorsys
+
+    h = colour.lstrip("#")
+    r, g, b = (int(h[i:i + 2], 16) / 255 for i in (0, 2, 4))
+    hue, _, sat = colorsys.rgb_to_hls(r, g, b)
+    return hue * 360, sat
+
+
+def _reddish(colour: str) -> bool:
+    hue, sat = _hue_and_saturation(colour)
+    return (hue < 15 or hue > 340) and sat > 0.35
+
+
+def test_red_means_out_of_memory_and_gpus_have_colours_of_their_own() -> None:
+    figs = _figures(html.render(saved("emulated-lm")))
+    scenario = {t["marker"]["color"] for t in figs["peaks"]["data"] if t["type"] == "bar"
+                and isinstance(t["marker"]["color"], str) and t["marker"]["color"].startswith("#")}
+    gpus = {t["line"]["color"] for k, f in figs.items() if k.startswith("timeline")
+            for t in f["data"] if t.get("mode") == "lines" and t["x"] != [None]}
+    assert len(scenario) == 4 and len(gpus) >= 2
+    assert not scenario & gpus
+    steps = set(figs["excess-0"]["data"][0]["marker"]["color"])
+    categories = {t["marker"]["color"] for t in figs["breakdown"]["data"]}
+    for colour in scenario | gpus | steps | categories:
+        assert not _reddish(colour), colour
+    capacity = figs["peaks"]["layout"]["shapes"][0]["line"]["color"]
+    assert _reddish(capacity)
+
+
+def test_identical_timelines_are_one_line_with_every_name() -> None:
+    tl = _figures(html.render(saved("emulated-lm")))["timeline-0"]
+    lines = [t["name"] for t in tl["data"] if t["mode"] == "lines" and t["x"] != [None]]
+    # cuda:1-3 allocate the same bytes in the same order (their events interleave): drawn
+    # one over the other, only the last was visible
+    assert lines == ["cuda:0", "cuda:1, cuda:2, cuda:3 (identical)"]
+
+
+def test_what_a_ddp_rank_holds_is_not_called_gathered_outputs() -> None:
+    bd = _figures(html.render(saved("emulated-lm")))["breakdown"]
+    names = [t["name"] for t in bd["data"]]
+    assert "outputs" in names and "gathered outputs" not in names
+    assert "parameters" in names and "master parameters" not in names
+
+
+def _many_gpus(run: RunResult, n: int) -> RunResult:
+    """``run`` on ``n`` GPUs: every device past cuda:0 a copy of cuda:1."""
+    import copy
+
+    run = RunResult.from_dict(run.to_dict())
+    run.gpus = n
+    for s in run.scenarios:
+        if len(s.devices) > 1:
+            s.devices = [s.devices[0], *(copy.deepcopy(s.devices[1]) for _ in range(n - 1))]
+            for i, d in enumerate(s.devices):
+                d.index = i
+    return run
+
+
+def test_sixty_four_gpus_keep_the_page_narrow() -> None:
+    page = html.render(_many_gpus(saved("emulated-lm"), 64))
+    # the table of peaks, a column per GPU, scrolls inside its card
+    assert "<div class='card scroll'><table id='peaks-table'>" in page
+    assert "<th>cuda:63</th>" in page
+    tl = _figures(page)["timeline-0"]
+    assert _legend(tl)[:2] == ["cuda:0", "cuda:1 to cuda:63 (63 GPUs, identical)"]
+    peaks = _figures(page)["peaks"]
+    assert all("text" not in t for t in peaks["data"])  # 256 bar labels would be a smear
+
+
+def test_configuration_and_environment_are_closed() -> None:
+    page = html.render(saved("emulated-lm"))
+    assert "<details id='configuration'><summary>" in page
+    assert "<details id='environment'><summary>" in page
+
+
+def test_every_figure_is_checked_by_plotly() -> None:
+    import plotly.graph_objects as go
+
+    for name in SAVED:
+        for fig in _figures(html.render(saved(name))).values():
+            go.Figure(fig)  # raises on a property plotly.js does not have
+    with pytest.raises(ValueError, match="colour"):
+        html.page_scripts({"bad": {"data": [{"type": "bar", "colour": "red"}], "layout": {}}})

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.parallel import EmulatedDDP, compute_bucket_assignment_by_size
+from dpprof.emulator.ddp import EmulatedDDP, compute_bucket_assignment_by_size
 from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import Workload

@@ -41,7 +41,9 @@ def _html(run: RunResult, page: str) -> None:
     assert set(figs) == set(re.findall(r"data-figure='([^']+)'", page))
     for fig in figs.values():
         assert fig["data"] and all(("x" in t or "y" in t) for t in fig["data"])
-    assert "Plotly.newPlot" in page and "plotly.js (basic - minified)" in page
+    # plotly.js inlined once, the basic bundle (not also the full one plotly.py ships)
+    assert "Plotly.react" in page and page.count("Copyright 2012-") == 1
+    assert "plotly.js (basic - minified)" in page
 
 
 def _markdown(run: RunResult, text: str) -> None:

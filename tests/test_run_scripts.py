@@ -102,12 +102,17 @@ def test_data_parallel_loss_outside_forward_and_its_alternatives() -> None:
     fixes = {f.name: f for f in result.fixes}
     assert fixes["loss-in-forward"].saves_bytes == 64 * 1000 * 4
     code = fixes["loss-in-forward"].code
-    assert "@@ line 30 @@\n-    model = nn.DataParallel(model)\n" in code
-    assert "+    model = nn.DataParallel(dpprof.ModelWithLoss(model, criterion))" in code
+    assert code.startswith("--- dp_loss_outside.py (as written)\n"
+                           "+++ dp_loss_outside.py (the loss inside forward)\n")
+    assert ("-    model = nn.DataParallel(model)\n"
+            "+    model = nn.DataParallel(dpprof.ModelWithLoss(model, criterion))\n") in code
+    # the loss is defined after the wrap, which now needs it: it moves before
+    assert " model = Net()\n+criterion = nn.CrossEntropyLoss()\n if torch.cuda" in code
     assert ("-        outputs = model(inputs)\n-        loss = criterion(outputs, labels)\n"
-            "+        loss = dpprof.ModelWithLoss.combine(model(inputs, labels))") in code
-    assert "-    model = nn.DataParallel(model)" in fixes["ddp"].code
-    assert "DDP(model.cuda(rank), device_ids=[rank])" in fixes["ddp"].code
+            "+        # outputs no longer reaches cuda:0 (line 48 uses it): compute that inside "
+            "forward\n+        loss = dpprof.ModelWithLoss.combine(model(inputs, labels))") in code
+    assert ("-    model = nn.DataParallel(model)\n"
+            "+    model = DDP(model.cuda(rank), device_ids=[rank])\n") in fixes["ddp"].code
     assert fixes["ddp"].saves_bytes == (dp[0].peak_allocated_bytes
                                         - ddp[0].peak_allocated_bytes)
     notes = " ".join(result.scenario("dp-loss-primary").notes)  # type: ignore[union-attr]

@@ -82,6 +82,83 @@ HOST_SCRIPTS = {
         model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Dropout(0.1))
         print(round(model[0].weight.sum().item(), 5), torch.randn(3).tolist())
     """,
+    "nanogpt_get_batch": """
+        # nanoGPT's poor man's loader, as its train.py calls it: a fresh memmap per batch,
+        # int() offsets from torch.randint, a lr schedule from host arithmetic
+        import math, os, tempfile
+        import numpy as np
+        import torch
+        d = tempfile.mkdtemp()
+        np.random.default_rng(1).integers(0, 65, 3000, dtype=np.uint16).tofile(os.path.join(d, "train.bin"))
+        torch.manual_seed(1337)
+        def get_batch(block_size=16, batch_size=4):
+            data = np.memmap(os.path.join(d, "train.bin"), dtype=np.uint16, mode="r")
+            ix = torch.randint(len(data) - block_size, (batch_size,))
+            x = torch.stack([torch.from_numpy((data[int(i):int(i) + block_size]).astype(np.int64)) for i in ix])
+            return x, ix
+        for it in range(3):
+            x, ix = get_batch()
+            lr = 6e-4 * 0.5 * (1.0 + math.cos(math.pi * it / 3))
+            print(it, ix.tolist(), int(x.sum()), x[:, -1].tolist(), f"{lr:.6e}")
+    """,
+    "seeded_sampler": """
+        # a shuffling sampler and a DataLoader from a seeded generator, and random_split
+        import torch
+        from torch.utils.data import DataLoader, RandomSampler, TensorDataset, random_split
+        g = torch.Generator().manual_seed(42)
+        ds = TensorDataset(torch.arange(20), torch.arange(20) % 3)
+        print(list(RandomSampler(ds, generator=g))[:8])
+        train, val = random_split(ds, [15, 5], generator=torch.Generator().manual_seed(0))
+        print(sorted(val.indices))
+        loader = DataLoader(train, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+        print([b[0].tolist() for b in loader])
+        print(torch.randperm(10, generator=torch.Generator().manual_seed(3)).tolist())
+    """,
+    "host_metric": """
+        # accuracy, a confusion matrix and an F1 computed on the host from predictions
+        import torch
+        torch.manual_seed(5)
+        logits = torch.randn(32, 4)
+        target = torch.randint(0, 4, (32,))
+        pred = logits.argmax(1)
+        acc = (pred == target).float().mean().item()
+        conf = torch.zeros(4, 4, dtype=torch.long)
+        conf.index_put_((target, pred), torch.ones(32, dtype=torch.long), accumulate=True)
+        tp = conf.diag().float()
+        f1 = (2 * tp / (conf.sum(0) + conf.sum(1)).clamp(min=1)).mean()
+        top2 = logits.topk(2, 1).indices.eq(target[:, None]).any(1).float().mean()
+        print(f"{acc:.4f}", conf.tolist(), f"{f1.item():.4f}", f"{top2.item():.4f}")
+    """,
+    "branch_on_host_value": """
+        # early stopping and a skipped step decided on host values (NaN, a threshold)
+        import torch
+        torch.manual_seed(2)
+        best, patience = float("inf"), 0
+        for epoch in range(6):
+            val = torch.rand(8).mean() + (0.5 if epoch == 3 else 0.0)
+            if torch.isnan(val).any() or not torch.isfinite(val):
+                print("skip"); continue
+            if val.item() < best - 0.01:
+                best, patience = val.item(), 0
+            else:
+                patience += 1
+            print(epoch, round(best, 5), patience, "stop" if patience >= 2 else "go")
+        x = torch.tensor([1.0, float("nan"), 3.0])
+        print(torch.nan_to_num(x).tolist(), x[~torch.isnan(x)].tolist(), bool(x.isnan().any()))
+    """,
+    "numpy_interop": """
+        # numpy in and out: from_numpy shares memory, .numpy() of host tensors, np ops on them
+        import numpy as np
+        import torch
+        a = np.arange(12, dtype=np.float32).reshape(3, 4)
+        t = torch.from_numpy(a)
+        t.mul_(2)
+        print(a.sum(), t.numpy().mean(), np.asarray(t[1]).tolist())
+        b = torch.tensor(np.linspace(0, 1, 5)).numpy()
+        print(b.dtype, b.round(3).tolist(), np.stack([t.numpy(), a]).shape)
+        idx = np.array([2, 0])
+        print(t[torch.as_tensor(idx)].tolist(), torch.as_tensor(a).data_ptr() == t.data_ptr())
+    """,
 }
 
 
@@ -92,14 +169,17 @@ def _plain(path: Path) -> str:
     return out.getvalue()
 
 
+@pytest.mark.parametrize("compute", [False, True], ids=["meta", "compute"])
 @pytest.mark.parametrize("name", sorted(HOST_SCRIPTS))
-def test_host_side_scripts_print_what_plain_python_prints(name: str, tmp_path: Path) -> None:
+def test_host_side_scripts_print_what_plain_python_prints(name: str, compute: bool,
+                                                          tmp_path: Path) -> None:
     script = tmp_path / f"{name}.py"
     script.write_text(textwrap.dedent(HOST_SCRIPTS[name]))
     expected = _plain(script)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4)))
+        run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4),
+                                 compute=compute))
     assert out.getvalue() == expected
 
 
@@ -354,3 +434,30 @@ def test_hugging_face_reads_an_all_ones_attention_mask_as_a_gpu_would(
     notes = " ".join(result.scenarios[0].notes)
     assert result.scenarios[0].devices[0].peak_allocated_bytes > 0
     assert "stand-in" not in notes  # the mask's values are real: no branch guessed
+
+
+def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """run's third answer, DDP(gradient_as_bucket_view=True), is followed in a ledger while
+    the DDP alternative runs plain: it must equal running that alternative with the option."""
+    import dataclasses
+    import functools
+
+    from dpprof.backends.script import DDP_IN_PLACE, run_script
+    from dpprof.emulator import script_parallel
+
+    script = str(Path(__file__).parent / "scripts" / "dp_loss_outside.py")
+    cfg = ScriptConfig(launch=parse_command(["python", script], 4), variant=DDP_IN_PLACE)
+    followed = run_script(cfg)
+    assert followed.bucket_view_peak_bytes is not None
+    plain_peak = followed.scenario.devices[0].peak_allocated_bytes
+    monkeypatch.setattr(script_parallel, "EmulatedDDP", functools.partial(
+        script_parallel.EmulatedDDP, gradient_as_bucket_view=True))
+    with_option = run_script(dataclasses.replace(cfg))
+    assert with_option.scenario.devices[0].peak_allocated_bytes == \
+        followed.bucket_view_peak_bytes
+    assert followed.bucket_view_peak_bytes <= plain_peak
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", script], 4)))
+    fix = next(f for f in result.fixes if f.name == "gradient-as-bucket-view")
+    assert fix.max_peak_bytes == followed.bucket_view_peak_bytes
+    assert "device_ids=[rank], gradient_as_bucket_view=True)" in fix.code

@@ -281,3 +281,56 @@ def test_numbers_made_from_numbers_alone_are_read_with_their_real_values() -> No
         # values that follow from no arguments still get their stated stand-ins
         assert torch.randn(3, device="cuda")[0].item() == STAND_IN_FLOAT
         assert vc.rt.stand_ins.counts == {"item": 1}
+
+
+def test_meta_storages_have_addresses_of_their_own() -> None:
+    """Shared storages are told apart by address (safetensors' and Hugging Face's tied-weight
+    check before a save): each storage its own, a view its offset, tied weights one."""
+    with VirtualCuda(2):
+        a = torch.zeros(100, device="cuda")
+        b = torch.zeros(100, device="cuda")
+        lin = nn.Linear(4, 4).cuda()
+        tied = nn.Embedding(4, 4).cuda()
+        tied.weight = lin.weight
+        ptrs = {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr(),
+                lin.bias.untyped_storage().data_ptr()}
+        assert len(ptrs) == 3 and 0 not in ptrs
+        assert a[10:].data_ptr() == a.data_ptr() + 40
+        assert tied.weight.data_ptr() == lin.weight.data_ptr()
+        assert torch.zeros(0, device="cuda").data_ptr() == 0
+        assert torch.ones(3).data_ptr() != 0  # the host's are real
+
+
+@pytest.mark.parametrize("map_location", ["cuda", "cuda:1", 1, None, {"cuda:0": "cuda:1"}])
+def test_torch_load_onto_a_virtual_gpu(map_location: object, tmp_path: object) -> None:
+    """A checkpoint loaded with map_location=device (or saved on a GPU): a CPU build cannot
+    make CUDA storages; the tensors arrive on the virtual GPU, tied ones still tied."""
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "ckpt.pt"
+    w = torch.arange(12.0).view(3, 4)
+    torch.save({"w": w, "view": w[1], "step": 7}, path)
+    with VirtualCuda(2) as vc:
+        before = vc.memory_allocated(1)
+        state = torch.load(path, map_location=map_location)
+        assert state["step"] == 7
+        if map_location is None or isinstance(map_location, dict):
+            assert state["w"].device.type == "cpu"  # saved on the host: stays there
+            assert state["w"].tolist() == w.tolist()
+            return
+        index = 0 if map_location == "cuda" else 1
+        assert state["w"].device == torch.device("cuda", index)
+        assert state["view"].data_ptr() == state["w"].data_ptr() + 16
+        assert vc.memory_allocated(index) - (before if index == 1 else 0) == r512(48)
+
+
+def test_torch_cuda_random_state_is_a_stand_in() -> None:
+    """torch.cuda.random's own functions (Trainer saves its generator state with each
+    checkpoint): they answer, and the state is a stand-in that is never saved as real."""
+    with VirtualCuda(2) as vc:
+        state = torch.cuda.random.get_rng_state()
+        assert state.dtype == torch.uint8 and state.shape == (16,)
+        assert vc.rt.is_emulated(state)
+        assert len(torch.cuda.random.get_rng_state_all()) == 2
+        torch.cuda.random.manual_seed_all(0)
+        torch.cuda.random.set_rng_state(state)

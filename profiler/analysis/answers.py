@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dpprof.analysis.fix_kind import MIN_SAVING
+from dpprof.analysis.fix_registry import applies_to, as_scenario
 from dpprof.errors import EXIT_CHECK_FAILED  # noqa: F401 (the policy's 3, for old importers)
 from dpprof.result import (
     STATUS_OK,
@@ -36,7 +38,9 @@ from dpprof.result import (
     ScenarioResult,
     WatchResult,
 )
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.scenarios.kind import DATA_PARALLEL, DISTRIBUTED, ONE_GPU, SPLIT_MODEL
+from dpprof.scenarios.registry import REGISTRY
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -45,30 +49,17 @@ if TYPE_CHECKING:
     from dpprof.scenarios.workloads import Workload
 
 MEASURED = (STATUS_OK, STATUS_OOM)
-# A difference under 1 % of the heaviest GPU's peak is noise (a loss tensor), not a change:
-# a fix that saves less is not recommended, a cuda:0 within it is balanced.
-MIN_SAVING = 0.01
+# MIN_SAVING: a difference under 1 % of the heaviest GPU's peak is noise (a loss tensor), not
+# a change: a fix that saves less is not recommended, a cuda:0 within it is balanced.
 BALANCED_FRACTION = MIN_SAVING
 
-DATA_PARALLEL, DISTRIBUTED, SPLIT_MODEL, ONE_GPU = "DataParallel", "DDP", "model parallel", \
-    "one GPU"
 WATCH, MAXBATCH, NOTHING = "watch", "maxbatch", "none"
-SETUPS = {DP_LOSS_PRIMARY: DATA_PARALLEL, DP_LOSS_FORWARD: DATA_PARALLEL, DDP: DISTRIBUTED,
-          MODEL_PARALLEL: SPLIT_MODEL, SINGLE: ONE_GPU}
+# each scenario's setup (dpprof.scenarios.registry: DATA_PARALLEL, DISTRIBUTED, ...)
+SETUPS = {s.name: s.setup for s in REGISTRY}
 # the scenario that stands for what the user runs, the first of these a result holds
-BASELINES = (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP, MODEL_PARALLEL, SINGLE)
-# which scenario each fix changes (a fix of another setup is not offered)
-FIX_APPLIES: dict[str, tuple[str, ...]] = {
-    "loss-in-forward": (DP_LOSS_PRIMARY,),
-    "ddp": (DP_LOSS_PRIMARY, DP_LOSS_FORWARD),
-    "gradient-as-bucket-view": (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP),
-    "output-device": (DP_LOSS_PRIMARY,),
-    "balanced-split": (DP_LOSS_PRIMARY,),
-}
-FIX_SCENARIO = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}  # measured as a scenario too
+BASELINES = tuple(s.name for s in REGISTRY)
 # how the verdict names another scenario the user ran, against the baseline
-ALTERNATIVE_WORDS = {DP_LOSS_FORWARD: "computing the loss inside forward", DDP: "DDP",
-                     DP_LOSS_PRIMARY: "the loss on cuda:0 (dp-loss-primary)"}
+ALTERNATIVE_WORDS = {s.name: s.alternative_words for s in REGISTRY if s.alternative_words}
 
 
 @dataclass(frozen=True)
@@ -265,7 +256,7 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
 
 def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
     cost = f"{article} fullest GPU needs {fmt_bytes(need_bytes(s))}"
-    if s.name == SINGLE and s.batch and s.batch < run.batch:
+    if SETUPS.get(s.name) == ONE_GPU and s.batch and s.batch < run.batch:
         cost += f" (one GPU, {s.batch} of the {run.batch} rows)"
     return cost
 
@@ -319,7 +310,7 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
     if len(devs) == 1:
         who = "the script" if script else s.name
         return f"{who} peaks at {fmt_bytes(top.peak_allocated_bytes)} on {_dev(top)}"
-    who = "the script places its work" if script else f"{s.name} places its work"
+    who = "the script places its work" if script else "the model places its work"
     return f"{who} on {_placement(s)}; the heaviest is {_dev(top)}"
 
 
@@ -330,7 +321,7 @@ def _alternative(base: ScenarioResult, s: ScenarioResult) -> str:
     was = heaviest(base).peak_allocated_bytes
     now = heaviest(s).peak_allocated_bytes
     words = ALTERNATIVE_WORDS[s.name]
-    if s.name == DDP:
+    if SETUPS.get(s.name) == DISTRIBUTED:
         devs = used(s)
         words = (f"DDP balances all {len(devs)} GPUs at {fmt_bytes(now)}"
                  if balanced(now - statistics.fmean(d.peak_allocated_bytes for d in devs), now)
@@ -339,7 +330,12 @@ def _alternative(base: ScenarioResult, s: ScenarioResult) -> str:
             return f"{words}, about the same as under {base.name}"
         if now < was:
             return f"{words}, {fmt_bytes(was - now)} less than the heaviest under {base.name}"
-        return f"{words}, {fmt_bytes(now - was)} more than the heaviest under {base.name}"
+        buckets = heaviest(s).breakdown_bytes.get("communication", 0)
+        why = (f" (its gradient buckets hold {fmt_bytes(buckets)} at its peak: a second copy "
+               "of the gradients, which gradient_as_bucket_view=True shares with .grad)"
+               if buckets else "")
+        return (f"{words}, {fmt_bytes(now - was)} more than the heaviest under {base.name}"
+                f"{why}")
     if abs(was - now) < MIN_SAVING * max(was, now):
         return (f"{words} does not lower the heaviest GPU ({fmt_bytes(now)} against "
                 f"{fmt_bytes(was)})")
@@ -364,9 +360,9 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
     out = []
     was_top = heaviest(base)
     for f in _found_fixes(run):
-        if base.name not in FIX_APPLIES.get(f.name, (DP_LOSS_PRIMARY,)):
+        if base.name not in applies_to(f.name):
             continue
-        if FIX_SCENARIO.get(f.name) == base.name or f.max_peak_bytes is None:
+        if as_scenario(f.name) == base.name or f.max_peak_bytes is None:
             continue
         if base.name == DP_LOSS_PRIMARY and f.heaviest_saves_bytes is not None:
             saving = f.heaviest_saves_bytes
@@ -387,7 +383,7 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
 
 
 def _fix_fits(run: RunResult, f: Fix) -> bool | None:
-    own = run.scenario(FIX_SCENARIO.get(f.name, ""))
+    own = run.scenario(as_scenario(f.name) or "")
     if measured(own):
         assert own is not None
         return own.status == STATUS_OK

@@ -82,12 +82,6 @@ def cause_label(key: str) -> str:
     return CAUSES.get(key, key.replace("_", " "))
 
 
-def category_label(category: str) -> str:
-    """A memory category (``DeviceResult.breakdown_bytes``) in the words of its cause."""
-    cause = _CATEGORY_CAUSE.get(category)
-    return CAUSES[cause] if cause else category.replace("_", " ")
-
-
 def _reference(middle: list[DeviceResult]) -> tuple[dict[str, float], float, str]:
     """Breakdown and rows of the median other device (or the mean of the middle two)."""
     cats: dict[str, float] = {}

@@ -15,7 +15,8 @@ from dpprof.result import (
     ScenarioComparison,
     ScenarioResult,
 )
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.scenarios.base import DP_LOSS_PRIMARY
+from dpprof.scenarios.registry import PAIRED
 
 
 def used_devices(s: ScenarioResult) -> list[DeviceResult]:
@@ -71,9 +72,10 @@ def compare(run: RunResult) -> Comparison:
             out.scenarios[s.name] = c
     base = primary_peak(run.scenario(DP_LOSS_PRIMARY))
     if base is not None:
-        for name in (DP_LOSS_FORWARD, DDP, SINGLE):
-            other = primary_peak(run.scenario(name))
+        for kind in PAIRED:  # what each other scenario saves on cuda:0
+            other = (primary_peak(run.scenario(kind.name)) if kind.name != DP_LOSS_PRIMARY
+                     else None)
             if other is not None:
-                out.savings_bytes[name] = base - other
+                out.savings_bytes[kind.name] = base - other
     out.verdict = build_answer(dataclasses.replace(run, comparison=out)).verdict
     return out

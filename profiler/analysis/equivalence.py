@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dpprof.backends.emulated import build_on_device
-from dpprof.emulator.parallel import EmulatedDataParallel
+from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.result import Equivalence, EquivalenceEntry, EquivalenceFinding
 from dpprof.scenarios.base import (

@@ -69,15 +69,12 @@ from dpprof.result import (
 )
 from dpprof.scenarios.base import (
     DDP,
-    DP_LOSS_FORWARD,
-    DP_LOSS_PRIMARY,
-    SINGLE,
-    ModelWithLoss,
     StepHooks,
     UserStep,
     error_site,
     training_loop,
 )
+from dpprof.scenarios.registry import find
 from dpprof.scenarios.step import (
     Batch,
     StepConfig,
@@ -832,11 +829,12 @@ def run_local_scenario(
     Never raises for the workload's failures: an OOM or any error becomes the result's
     status, and the memory is given back before returning.
     """
-    if name not in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD, SINGLE):
+    kind = find(name)
+    if kind is None or kind.one_process_per_gpu or not kind.paired:
         raise ValueError(f"{name!r} is not an in-process scenario")
     ops = ops or host().ops(cfg.devices)
     n = len(cfg.devices)
-    logical = [0] if name == SINGLE else list(range(n))
+    logical = list(range(n)) if kind.scatters_batch else [0]
     result = ScenarioResult(name=name, batch=cfg.step.batch)
     out = Measured()
     watch = _watch(ops, cfg, nvml, cuda_uuids, [os.getpid()])
@@ -846,22 +844,18 @@ def run_local_scenario(
         nonlocal run
         run = _Run(ops, cfg, logical, watch)
         ops.set_device(0)
-        rows = shards[0] if name == SINGLE else cfg.step.batch
-        rank = 0 if name == SINGLE else None  # single: one GPU's share, DP: the whole batch
+        rows = kind.samples_per_step(cfg.step.batch, shards)
+        rank = kind.rank  # single: one GPU's share, DP: the whole batch
         batches = StepBatches(
             lambda k: scenario_batch(wl, cfg.step.seed, k, cfg.step.batch, n, rank),
             cfg.warmup_steps + cfg.steps)
         model, loss_fn = _model(wl, ops.device(0), cfg.step.seed)
         opt = _optimizer(wl, model, loss_fn)
         model.train()
-        loss_inside = name == DP_LOSS_FORWARD
-        wrapped: Any = model
-        if name != SINGLE:
-            inner = ModelWithLoss(model, loss_fn) if loss_inside else model
-            ids = cfg.devices if ops.kind == "cuda" else None
-            wrapped = nn.DataParallel(inner, device_ids=ids, output_device=ids[0] if ids else None)
+        ids = cfg.devices if ops.kind == "cuda" else None
+        wrapped: Any = kind.wrap(model, loss_fn, _InProcess(ids))
         out.rows = rows
-        run.loop(wrapped, loss_fn, opt, batches, loss_inside, out, wl.step)
+        run.loop(wrapped, loss_fn, opt, batches, kind.loss_inside, out, wl.step)
         run.fold_phases()
 
     try:
@@ -870,9 +864,9 @@ def run_local_scenario(
     except Exception as exc:
         _fail(out, exc, run, cfg)
     ops.release()  # after the except block: the exception, its frames and tensors are gone
-    used = len(shards) if name != SINGLE else 1
+    used = len(shards) if kind.scatters_batch else 1
     for i in logical:
-        rows_i = shards[i] if name != SINGLE and i < len(shards) else (shards[0] if i == 0 else 0)
+        rows_i = kind.rows_of(shards, i) if i < used else 0
         dev = run.device_result(i, rows_i, i < used) if run else DeviceResult(index=i)
         watch.fill(dev, cfg.devices[i])
         result.devices.append(dev)
@@ -888,13 +882,28 @@ def run_local_scenario(
                 f"this process (pid {pid}) holds a CUDA context on cuda:{cuda}, outside the "
                 f"chosen GPUs {cfg.devices}"
             )
-    _finish(result, out, cfg, shards[0] if name == SINGLE else cfg.step.batch)
-    if name != SINGLE and len(shards) < n:
+    _finish(result, out, cfg, kind.samples_per_step(cfg.step.batch, shards))
+    if kind.scatters_batch and len(shards) < n:
         result.notes.append(
             f"batch {cfg.step.batch} over {n} GPUs: tensor.chunk makes {len(shards)} chunk(s) "
             f"{shards}, so DataParallel uses only {len(shards)} GPU(s)"
         )
     return result
+
+
+class _InProcess:
+    """torch's DataParallel over the chosen GPUs (:class:`~dpprof.scenarios.kind.Wrappers`);
+    DDP runs in ranks of its own (:func:`measure_ddp_rank`)."""
+
+    def __init__(self, ids: list[int] | None) -> None:
+        self.ids = ids
+
+    def data_parallel(self, module: nn.Module) -> nn.DataParallel[nn.Module]:
+        ids = self.ids
+        return nn.DataParallel(module, device_ids=ids, output_device=ids[0] if ids else None)
+
+    def ddp(self, model: nn.Module) -> Any:
+        raise ValueError("DDP runs one process per GPU, not in this process")
 
 
 def _watch(

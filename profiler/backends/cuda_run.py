@@ -30,7 +30,8 @@ from dpprof.backends.cuda import (
 from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
 from dpprof.errors import UsageError
 from dpprof.result import RunResult, ScenarioResult
-from dpprof.scenarios.base import DDP, loop_description
+from dpprof.scenarios.base import loop_description
+from dpprof.scenarios.registry import scenario
 from dpprof.scenarios.workloads import Workload
 
 if TYPE_CHECKING:
@@ -120,12 +121,12 @@ def cuda_compare(
     # ddp first: its ranks must find the GPUs as a real DDP job does, without this process's
     # CUDA context (hundreds of MiB per GPU, never given back) that the in-process scenarios
     # create; reading the devices' properties above creates none
-    order = sorted(scenarios, key=lambda name: name != DDP)
+    order = sorted(scenarios, key=lambda name: not scenario(name).one_process_per_gpu)
     done: dict[str, ScenarioResult] = {}
     for i, name in enumerate(order):
         if progress:
             progress(name, i, len(order))
-        if name == DDP:
+        if scenario(name).one_process_per_gpu:
             outcomes = spawn_ddp(ddp_job(ccfg, cfg), len(devices))
             done[name] = ddp_scenario(outcomes, ccfg, len(devices))
         else:

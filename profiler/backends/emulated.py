@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from dpprof.emulator.context import ContextModel, device_context
+from dpprof.emulator.data_parallel import EmulatedDataParallel
+from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import (
     DEFAULT_COMPUTE_CAPABILITY,
@@ -27,7 +29,6 @@ from dpprof.emulator.kernels import (
     EmulatedAutocast,
     GpuKernels,
 )
-from dpprof.emulator.parallel import EmulatedDataParallel, EmulatedDDP
 from dpprof.emulator.reserved import fill_gpu_overheads
 from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
@@ -39,16 +40,9 @@ from dpprof.result import (
     ScenarioResult,
     TimelinePoint,
 )
-from dpprof.scenarios.base import (
-    DDP,
-    DP_LOSS_FORWARD,
-    DP_LOSS_PRIMARY,
-    SINGLE,
-    ModelWithLoss,
-    StepHooks,
-    error_site,
-    training_loop,
-)
+from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, StepHooks, error_site, training_loop
+from dpprof.scenarios.kind import Scenario
+from dpprof.scenarios.registry import find
 from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
 from dpprof.units import fmt_bytes
@@ -208,8 +202,9 @@ def _run_scenario(
 ) -> ScenarioResult:
     step = cfg.step
     wl = step.workload(wl)  # --dtype
-    shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and name in (
-        DP_LOSS_PRIMARY, DP_LOSS_FORWARD) else shard_sizes(step.batch, cfg.gpus))
+    kind = find(name)
+    shards = (list(cfg.dp_chunk_sizes) if cfg.dp_chunk_sizes and kind and kind.scatters_batch
+              else shard_sizes(step.batch, cfg.gpus))
     base = torch.device("cpu" if cfg.compute else "meta")
     # single: one GPU, unless the model places its layers on several itself
     n_dev = cfg.gpus
@@ -217,7 +212,8 @@ def _run_scenario(
                      fix=DATA_DEPENDENT_FIX)
     rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
     # ddp with gradient_as_bucket_view=True, followed from the first allocation on
-    ledger = (VariantLedger() if alongside.bucket_view and name == DDP and not cfg.compute
+    ledger = (VariantLedger() if alongside.bucket_view and alongside.ledger_in == name
+              and not cfg.compute
               and not step.ddp.gradient_as_bucket_view else None)
     if ledger is not None:
         rt.ledgers[0] = ledger
@@ -232,36 +228,11 @@ def _run_scenario(
         with rt, cuda, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
                 amp or contextlib.nullcontext()), autocast_names:
             model, loss_fn, opt, params = build_on_device(rt, wl, base, 0, step.seed)
-            loss_inside = name == DP_LOSS_FORWARD
-            wrapped: Any
-            if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
-                inner = ModelWithLoss(model, loss_fn) if loss_inside else model
-                wrapped = EmulatedDataParallel(inner, rt, list(range(cfg.gpus)),
-                                               output_device=cfg.dp_output_device)
-                wrapped.chunk_sizes = cfg.dp_chunk_sizes
-                rank = None  # the whole batch, scattered
-            elif name == DDP:
-                spans = sorted({rt.device_of(p) for p in params})
-                if len(spans) > 1:
-                    raise ValueError(
-                        "the model places its layers on {} GPUs itself ({}): DDP with one "
-                        "process per GPU does not apply; each rank would need that many "
-                        "GPUs (see single for this model's share of each)".format(
-                            len(spans), ", ".join(f"cuda:{i}" for i in spans)))
-                with rt.device(0):
-                    wrapped = EmulatedDDP(
-                        model, rt, world_size=cfg.gpus, bucket_cap_mb=step.ddp.bucket_cap_mb,
-                        gradient_as_bucket_view=step.ddp.gradient_as_bucket_view,
-                        find_unused_parameters=step.ddp.find_unused_parameters,
-                        broadcast_buffers=step.ddp.broadcast_buffers,
-                        bucket_view_ledger=ledger,
-                    )
-                rank = 0  # rank 0's rows; every rank runs the same program
-            elif name == SINGLE:
-                wrapped = model
-                rank = 0  # one GPU's share: ceil(B / N) rows
-            else:
+            if kind is None:
                 raise ValueError(f"unknown scenario {name!r}")
+            loss_inside = kind.loss_inside
+            wrapped: Any = kind.wrap(model, loss_fn, _Wrappers(rt, cfg, params, ledger))
+            rank = kind.rank  # None: the whole batch, scattered; r: rank r's rows
 
             def after_backward() -> None:
                 rt.label([p.grad for p in params if p.grad is not None], "gradients")
@@ -286,10 +257,10 @@ def _run_scenario(
             )
             model.train()
             # DataParallel(output_device=k): the loss runs there, so the targets go there.
-            target_dev = (cfg.dp_output_device or 0) if name == DP_LOSS_PRIMARY else 0
+            target_dev = (cfg.dp_output_device or 0) if kind.targets_on_output_device else 0
             warm = step.warmup_steps("emulated")
-            further = (_FurtherSteps(rt, wrapped, alongside, cfg)
-                       if name == DP_LOSS_PRIMARY and not cfg.compute
+            further = (_FurtherSteps(rt, wrapped, alongside, cfg, name)
+                       if alongside.further_steps_in == name and not cfg.compute
                        and cfg.dp_output_device is None else None)
             # The loader's host batches, one per iteration, made before the loop: the
             # scenario's part of each step's global batch (the one seed rule).
@@ -313,7 +284,7 @@ def _run_scenario(
                 used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
                         else placed_devices(rt))
                 sources: dict[int, int] = {}  # a device -> the one whose events it stands on
-                result.devices = _device_results(rt, cfg, name, shards, used, marks["start"],
+                result.devices = _device_results(rt, cfg, kind, shards, used, marks["start"],
                                                  sources)
                 if rt.stand_ins.counts:
                     result.notes.append(stand_in_note(rt))
@@ -395,9 +366,42 @@ def _run_scenario(
         return result
     finally:
         cats.clear()
-    _notes(result, name, cfg, shards)
+    if kind is not None:
+        result.notes.extend(kind.notes(cfg.step.batch, cfg.gpus, shards))
     _judge(result, cfg)
     return result
+
+
+class _Wrappers:
+    """The emulator's DataParallel and DDP (:class:`~dpprof.scenarios.kind.Wrappers`)."""
+
+    def __init__(self, rt: VirtualDevices, cfg: EmulationConfig, params: list[nn.Parameter],
+                 ledger: VariantLedger | None) -> None:
+        self.rt, self.cfg, self.params, self.ledger = rt, cfg, params, ledger
+
+    def data_parallel(self, module: nn.Module) -> EmulatedDataParallel:
+        wrapped = EmulatedDataParallel(module, self.rt, list(range(self.cfg.gpus)),
+                                       output_device=self.cfg.dp_output_device)
+        wrapped.chunk_sizes = self.cfg.dp_chunk_sizes
+        return wrapped
+
+    def ddp(self, model: nn.Module) -> EmulatedDDP:
+        rt, ddp = self.rt, self.cfg.step.ddp
+        spans = sorted({rt.device_of(p) for p in self.params})
+        if len(spans) > 1:
+            raise ValueError(
+                "the model places its layers on {} GPUs itself ({}): DDP with one "
+                "process per GPU does not apply; each rank would need that many "
+                "GPUs (see single for this model's share of each)".format(
+                    len(spans), ", ".join(f"cuda:{i}" for i in spans)))
+        with rt.device(0):
+            return EmulatedDDP(
+                model, rt, world_size=self.cfg.gpus, bucket_cap_mb=ddp.bucket_cap_mb,
+                gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+                find_unused_parameters=ddp.find_unused_parameters,
+                broadcast_buffers=ddp.broadcast_buffers,
+                bucket_view_ledger=self.ledger,
+            )
 
 
 class _StepsDone(Exception):
@@ -426,8 +430,10 @@ class _FurtherSteps:
     """
 
     def __init__(self, rt: VirtualDevices, wrapped: EmulatedDataParallel, alongside: Alongside,
-                 cfg: EmulationConfig) -> None:
+                 cfg: EmulationConfig, name: str) -> None:
         self.rt, self.wrapped, self.alongside, self.cfg = rt, wrapped, alongside, cfg
+        self.kind = find(name)
+        self.name = name
         self.splits = alongside.splits
         self.splits_open = self.splits is not None
         self.output_device = alongside.output_device
@@ -511,11 +517,11 @@ class _FurtherSteps:
     def end(self, batch: int) -> None:
         """After a further step: its figures (peaks only)."""
         wrapped = self.wrapped
-        s = ScenarioResult(name=DP_LOSS_PRIMARY, batch=batch)
+        s = ScenarioResult(name=self.name, batch=batch)
         chunks = (list(wrapped.chunk_sizes) if wrapped.chunk_sizes is not None
                   else shard_sizes(batch, self.cfg.gpus))
         s.devices = _device_results(self.rt, dataclasses.replace(self.cfg, peaks_only=True),
-                                    DP_LOSS_PRIMARY, chunks, wrapped.used_devices,
+                                    self.kind, chunks, wrapped.used_devices,
                                     self._start, {})
         _judge(s, self.cfg)
         if self.active == "output_device":
@@ -535,19 +541,23 @@ class Alongside:
     """What a comparison's scenarios measure besides themselves, over meta tensors, for
     the fixes (:mod:`dpprof.analysis.fixes`):
 
-    * ``splits``: further splits of the batch, measured in ``dp-loss-primary``'s own loop
-      after its measured step (:class:`FurtherSplits`);
+    * ``splits``: further splits of the batch, measured in ``further_steps_in``'s own loop
+      (``dp-loss-primary``) after its measured step (:class:`FurtherSplits`);
     * ``bucket_view``: ``ddp`` with ``gradient_as_bucket_view=True``, followed in a ledger
-      while ``ddp`` runs plain (:class:`~dpprof.emulator.parallel.BucketViewFollower`);
-      its figures (peaks only) land in ``bucket_view_result``, None where it could not
-      be followed;
+      while ``ledger_in`` (``ddp``) runs plain
+      (:class:`~dpprof.emulator.ddp.BucketViewFollower`); its figures (peaks only) land
+      in ``bucket_view_result``, None where it could not be followed;
     * ``output_device``: ``DataParallel(output_device=k)`` as one more step of
-      ``dp-loss-primary``'s loop, after the splits; its figures (peaks only) land in
+      ``further_steps_in``'s loop, after the splits; its figures (peaks only) land in
       ``output_device_result``, None where it could not run there.
+
+    The fixes (:mod:`dpprof.analysis.fix_registry`) say which scenario hosts each.
     """
 
     splits: FurtherSplits | None = None
+    further_steps_in: str = DP_LOSS_PRIMARY  # a DataParallel scenario with its loss on cuda:0
     bucket_view: bool = False
+    ledger_in: str = DDP
     bucket_view_result: ScenarioResult | None = None
     output_device: int | None = None
     output_device_result: ScenarioResult | None = None
@@ -664,19 +674,19 @@ def ddp_ranks(template: DeviceResult, world: int) -> list[DeviceResult]:
 
 
 def _device_results(
-    rt: VirtualDevices, cfg: EmulationConfig, name: str, shards: list[int], used: list[int],
-    measure_start: int, sources: dict[int, int],
+    rt: VirtualDevices, cfg: EmulationConfig, kind: Scenario | None, shards: list[int],
+    used: list[int], measure_start: int, sources: dict[int, int],
 ) -> list[DeviceResult]:
     """Each device's figures; a mirror's (:meth:`VirtualDevices.mirror_shift`) are its
     device's and every DDP rank's are rank 0's, noted in ``sources`` (the device shown ->
     the one whose event sequence it is)."""
+    assert kind is not None
     # DDP: rank 0's device stands for every rank; single: the GPUs a model-parallel model
     # placed itself on, else one; DataParallel: every GPU
-    shown = (1 if name == DDP else max(used) + 1 if name == SINGLE else rt.num_devices)
+    shown = kind.shown_devices(rt.num_devices, used)
     out: list[DeviceResult] = []
     for i in range(shown):
-        rows = (shards[i] if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and i < len(shards)
-                else shards[0])
+        rows = kind.rows_of(shards, i)
         of = rt.mirrored_device(i)
         shift = None if of is None or of > i else rt.mirror_shift(i, of)
         if shift is not None:  # a mirror: its device's figures, the timeline shifted
@@ -689,7 +699,7 @@ def _device_results(
             continue
         out.append(device_result(rt, i, i, cfg.gpu_memory_bytes, i in used, rows,
                                  [] if cfg.peaks_only else timeline_points(rt, i, measure_start)))
-    if name == DDP:
+    if kind.ranks_alike:
         sources.update(dict.fromkeys(range(cfg.gpus), 0))
         return ddp_ranks(out[0], cfg.gpus)
     return out
@@ -755,21 +765,3 @@ def timeline_points(rt: VirtualDevices, index: int, start: int, *,
         at, live = at[first], live[first]
     return [TimelinePoint(float(ev - start), b, phase_at(ev))
             for ev, b in zip(at.tolist(), live.tolist(), strict=True)]
-
-
-def _notes(result: ScenarioResult, name: str, cfg: EmulationConfig, shards: list[int]) -> None:
-    if name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
-        if len(shards) < cfg.gpus:
-            result.notes.append(
-                f"batch {cfg.step.batch} over {cfg.gpus} GPUs: tensor.chunk makes {len(shards)} "
-                f"chunk(s) {shards}, so DataParallel uses only {len(shards)} GPU(s)"
-            )
-        elif len(set(shards)) > 1:
-            result.notes.append(
-                f"batch {cfg.step.batch} is not divisible by {cfg.gpus}: shards {shards}"
-            )
-    elif name in (DDP, SINGLE) and cfg.step.batch % cfg.gpus:
-        result.notes.append(
-            f"each rank gets ceil({cfg.step.batch} / {cfg.gpus}) = {shards[0]} rows "
-            "(DistributedSampler pads)"
-        )

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import runpy
 import signal
 import sys
@@ -34,12 +33,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from dpprof.analysis import script_rewrite
 from dpprof.backends.emulated import ddp_ranks, device_result, timeline_points
 from dpprof.backends.script_effects import ScriptEffects, Writes
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
@@ -51,11 +52,12 @@ from dpprof.result import (
     Fix,
     RunResult,
     ScenarioResult,
+    new_result,
 )
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.registry import scenario
 from dpprof.units import fmt_bytes
 
-MODEL_PARALLEL = "model-parallel"  # the script's own placement over several GPUs
 AS_WRITTEN = "as-written"
 
 
@@ -361,15 +363,15 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
         torch.manual_seed(0)
         effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast, effects:
-                variant.install(vc)
+            with vc, autocast, effects, Patcher() as patcher:
+                variant.install(vc, patcher)
                 orig_backward = torch.autograd.backward
 
                 def backward(*args: Any, **kwargs: Any) -> Any:
                     stepper.backward_started()
                     return orig_backward(*args, **kwargs)
 
-                torch.autograd.backward = backward  # type: ignore[assignment]
+                patcher.patch(torch.autograd, "backward", backward)
                 stepper.install()
                 try:
                     if launch.is_module:
@@ -397,10 +399,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                     run.script_traceback = _user_traceback(e, launch)
                 finally:
                     stepper.remove()
-                    torch.autograd.backward = orig_backward
-                    variant.remove()
-                    script_parallel.cleanup()
-                    log = script_parallel.LOG
+                    script_parallel.cleanup(vc)
+                    log = script_parallel.state_of(vc).log
                     run.data_parallel = log.data_parallel > 0
                     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                                and bool(log.ddp_devices))
@@ -445,18 +445,14 @@ class _Variant:
         self.gpus = gpus
         self.batch_rows = 0
         self.loss_calls = 0
-        self._saved: list[tuple[Any, str, Any]] = []
 
-    def _patch(self, owner: Any, attr: str, value: Any) -> None:
-        self._saved.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, value)
-
-    def install(self, vc: VirtualCuda) -> None:
+    def install(self, vc: VirtualCuda, patcher: Patcher) -> None:
+        """The variant's patches, through the run's ``patcher`` (undone with the run's)."""
         from torch import nn
         from torch.utils.data import DataLoader
 
         variant = self
-        script_parallel.MODE = "" if self.name == AS_WRITTEN else self.name
+        script_parallel.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
         if self.name == DDP_IN_PLACE:
             orig_init = DataLoader.__init__
 
@@ -470,7 +466,7 @@ class _Variant:
                     variant.batch_rows = variant.batch_rows or batch_size
                 orig_init(loader, dataset, batch_size, *args, **kwargs)
 
-            self._patch(DataLoader, "__init__", loader_init)
+            patcher.patch(DataLoader, "__init__", loader_init)
         elif self.name == LOSS_IN_FORWARD:
             from dpprof.emulator.script_parallel import loss_in_forward_loss_call
 
@@ -484,13 +480,8 @@ class _Variant:
                 variant.loss_calls += 1
                 return out
 
-            self._patch(loss_cls, "__call__", loss_call)
+            patcher.patch(loss_cls, "__call__", loss_call)
 
-    def remove(self) -> None:
-        for owner, attr, value in reversed(self._saved):
-            setattr(owner, attr, value)
-        self._saved.clear()
-        script_parallel.MODE = ""
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
@@ -514,7 +505,8 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
     name = _kind(run, used, touched)
     s = ScenarioResult(name=name, batch=run.batch_rows)
     start = stepper.measure_start
-    split = name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) and run.shard_rows
+    kind = scenario(name)
+    split = kind.scatters_batch and run.shard_rows
     devices = [
         device_result(
             rt, i, logical, cfg.capacity_bytes,
@@ -523,7 +515,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: _Step
             timeline_points(rt, i, start, phase_before_start=True))
         for logical, i in enumerate(visible)
     ]
-    if name == DDP and run.world_size > 1:
+    if kind.ranks_alike and run.world_size > 1:
         devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
                             min(run.world_size, n))
     s.devices = devices
@@ -581,12 +573,11 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     """Run the script as written (and its paired alternatives); the result and the
     as-written run (its traceback and exit status)."""
     import dataclasses
-    import datetime as _dt
 
-    from dpprof import __version__
     from dpprof.analysis.answers import partial_sentence
     from dpprof.analysis.attribution import attribute_run
     from dpprof.analysis.comparison import compare
+    from dpprof.analysis.fix_registry import run_variants
 
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
@@ -598,7 +589,8 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     fixes: list[Fix] = []
     if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
             and main.ended not in ("script raised", "interrupted")):
-        for variant in (LOSS_IN_FORWARD, DDP_IN_PLACE):
+        for kind in run_variants():  # the fixes a script's alternative measures
+            variant = kind.run_variant or ""
             alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
             if variant == DDP_IN_PLACE and not alt.batch_rows:
                 notes.append("no DDP alternative: the script makes its batches without a "
@@ -620,6 +612,13 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             fix = script_fix(variant, main, alt, n)
             if fix is not None:
                 fixes.append(fix)
+            if variant == DDP_IN_PLACE:
+                bucket_view = bucket_view_fix(main, alt, n)
+                if bucket_view is not None:
+                    fixes.append(bucket_view)
+                elif alt.bucket_view_unsure:
+                    notes.append("no gradient_as_bucket_view alternative: "
+                                 f"{alt.bucket_view_unsure}")
     s0 = main.scenario
     s0.notes.insert(0, _how_it_ended(main, cfg))
     if main.autocast_regions:
@@ -633,14 +632,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                 main.stand_ins.items())) + "): " + "; ".join(
                 f"{site} x{c}" for site, c in list(main.stand_in_sites.items())[:5]))
         s0.notes.extend(_library_branches(main.stand_in_sites))
-    result = RunResult(
-        backend="emulated",
-        workload=cfg.launch.display,
-        batch=main.batch_rows,
-        gpus=n,
+    result = new_result(
+        "emulated", cfg.launch.display, batch=main.batch_rows, gpus=n,
         gpu_memory_bytes=cfg.capacity_bytes,
-        dpprof_version=__version__,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         scenarios=[r.scenario for _, r in runs],
         config={
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
@@ -654,9 +648,6 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         notes=notes,
         fixes=fixes,
     )
-    from dpprof.pipeline import environment
-
-    result.environment = environment("emulated")
     result.comparison = compare(result)
     result.attribution = attribute_run(result)
     if main.ended == "interrupted":
@@ -730,92 +721,55 @@ def script_verdict(result: RunResult) -> str:
     return build_answer(result).verdict
 
 
-def _line(site: str) -> tuple[str, int, str] | None:
-    """(file, line number, text) of a "file:line" site."""
-    import linecache
-
-    path, _, num = site.rpartition(":")
-    if not num.isdigit():
-        return None
-    text = linecache.getline(path, int(num)).rstrip("\n")
-    return (path, int(num), text) if text.strip() else None
-
-
-_ASSIGN_CALL = re.compile(r"^(\s*)([\w.]+)\s*=\s*([\w.]+)\((.*)\)\s*$")
-
-
 def diff_loss_in_forward(run: ScriptRun) -> str:
     """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
     saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
-    dp = _line(run.dp_sites[0]) if run.dp_sites else None
-    call = _line(run.call_sites[0]) if run.call_sites else None
-    loss = _line(run.loss_sites[0]) if run.loss_sites else None
-    if dp is None or call is None or loss is None:
+    if not (run.dp_sites and run.call_sites and run.loss_sites):
         return ""
-    m_loss = _ASSIGN_CALL.match(loss[2])
-    m_call = _ASSIGN_CALL.match(call[2])
-    if m_loss is None or m_call is None:
-        return ""
-    indent, loss_var, loss_fn, loss_args = m_loss.groups()
-    _, _, model, model_args = m_call.groups()
-    targets = loss_args.split(",", 1)[1].strip() if "," in loss_args else "targets"
-    wrapped = re.sub(r"DataParallel\((\s*)([^,)]+)",
-                     lambda m: f"DataParallel({m.group(1)}dpprof.ModelWithLoss({m.group(2)}, "
-                     f"{loss_fn})", dp[2], count=1)
-    name = Path(dp[0]).name
-    out = [f"--- {name} (as written)", f"+++ {name} (the loss inside forward)",
-           f"@@ line {dp[1]} @@", f"-{dp[2]}", f"+{wrapped}"]
-    lines = sorted({call[1]: call[2], loss[1]: loss[2]}.items())
-    out.append(f"@@ line {lines[0][0]} @@")
-    out += [f"-{text}" for _, text in lines]
-    out.append(f"+{indent}{loss_var} = dpprof.ModelWithLoss.combine({model}({model_args}, "
-               f"{targets}))")
-    if run.materialized:
-        out.append(f"+{indent}# the outputs no longer reach cuda:0: compute what you log "
-                   "from them inside forward")
-    return "\n".join(out)
+    return script_rewrite.rewrite_text(script_rewrite.loss_in_forward_at(
+        run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
 
 
-def diff_ddp(run: ScriptRun, gpus: int) -> str:
+def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False) -> str:
     """The DDP change around the script's own DataParallel line."""
-    dp = _line(run.dp_sites[0]) if run.dp_sites else None
-    if dp is None:
+    if not run.dp_sites:
         return ""
-    indent = dp[2][: len(dp[2]) - len(dp[2].lstrip())]
-    m = re.search(r"DataParallel\((\s*)([^,)]+)", dp[2])
-    module = m.group(2).strip() if m else "model"
-    target = dp[2].split("=", 1)[0].strip() if "=" in dp[2] else "model"
-    name = Path(dp[0]).name
-    return "\n".join([
-        f"--- {name} (as written)", f"+++ {name} (DistributedDataParallel)",
-        f"+{indent}# torchrun --nproc-per-node {gpus} {name}",
-        f'+{indent}dist.init_process_group("nccl")',
-        f'+{indent}rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)',
-        f"@@ line {dp[1]} @@", f"-{dp[2]}",
-        f"+{indent}{target} = DDP({module}.cuda(rank), device_ids=[rank])",
-        f"+{indent}# and each DataLoader: batch_size // {gpus}, "
-        "sampler=DistributedSampler(dataset); inputs .cuda(rank)",
-    ])
+    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus,
+                                                             bucket_view=bucket_view))
+
+
+def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
+    """DDP with ``gradient_as_bucket_view=True``: the DDP alternative's rank as that option
+    makes it, followed in a ledger while the alternative ran plain DDP."""
+    if alt.bucket_view_peak_bytes is None or not main.scenario.devices:
+        return None
+    p0 = main.scenario.devices[0].peak_allocated_bytes
+    q = alt.bucket_view_peak_bytes
+    plain = max((d.peak_allocated_bytes for d in alt.scenario.devices), default=q)
+    extra = plain - q
+    return Fix(name="gradient-as-bucket-view", title="DDP with gradient_as_bucket_view=True",
+               primary_peak_bytes=q, max_peak_bytes=q, saves_bytes=p0 - q,
+               detail=f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less "
+               "than plain DDP per GPU at the peak" + (
+                   "" if extra > 0 else " (the peak comes before the gradients all exist; "
+                   "the gradient-sized copy is still saved later in the step)"),
+               code=diff_ddp(main, gpus, bucket_view=True))
 
 
 def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
     """What the alternative saves on cuda:0, with its change to the script's lines."""
+    from dpprof.analysis.fix_registry import for_variant
+
     if not main.scenario.devices or not alt.scenario.devices:
         return None
     p0 = main.scenario.devices[0].peak_allocated_bytes
     q0 = alt.scenario.devices[0].peak_allocated_bytes
     heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
-    if variant == LOSS_IN_FORWARD:
-        return Fix(name="loss-in-forward", title="Compute the loss inside forward",
-                   primary_peak_bytes=q0, max_peak_bytes=heaviest, saves_bytes=p0 - q0,
-                   detail="the same script with DataParallel(ModelWithLoss(model, loss)): "
-                   "cuda:0 gathers one number per GPU instead of the outputs.",
-                   code=diff_loss_in_forward(alt))
-    return Fix(name="ddp", title="DistributedDataParallel", primary_peak_bytes=q0,
-               max_peak_bytes=heaviest, saves_bytes=p0 - q0,
-               detail=f"the same script as {gpus} DDP ranks: every GPU its own parameters, "
-               "gradients, optimizer state and its share of each batch.",
-               code=diff_ddp(main, gpus))
+    kind = for_variant(variant)
+    return Fix(name=kind.name, title=kind.title, primary_peak_bytes=q0, max_peak_bytes=heaviest,
+               saves_bytes=p0 - q0, detail=kind.run_detail.format(gpus=gpus),
+               code=(diff_loss_in_forward(alt) if variant == LOSS_IN_FORWARD
+                     else diff_ddp(main, gpus)))
 
 
 def _how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:

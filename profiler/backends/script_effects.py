@@ -110,8 +110,7 @@ class ScriptEffects:
                 self._originals[f"numpy.{name}"] = getattr(np, name)
                 p(np, name, _numpy_writer(name))
         if importlib.util.find_spec("safetensors") is not None:
-            import safetensors.torch as st
-
+            st = importlib.import_module("safetensors.torch")
             for name in ("save_file", "save_model"):
                 self._originals[f"safetensors.{name}"] = getattr(st, name)
                 p(st, name, _safetensors_writer(name))

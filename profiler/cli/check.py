@@ -14,7 +14,7 @@ import typer
 
 from dpprof.cli.common import err, out
 from dpprof.cli.guard import guarded
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.registry import SCENARIOS
 
 PANEL = "What to run"
 

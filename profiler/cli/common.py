@@ -17,7 +17,7 @@ from dpprof.errors import DpprofError, Interrupted, UsageError, WorkloadError
 from dpprof.reports.escape import for_files, terminal_text, without_host
 from dpprof.reports.registry import file_suffixes, for_path, renderers
 from dpprof.result import RunResult, write_atomic
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.registry import SCENARIOS
 
 if TYPE_CHECKING:
     from dpprof.scenarios.workloads import Workload

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Annotated, Any
 
 import typer
@@ -37,8 +36,8 @@ from dpprof.emulator.catalog import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
 from dpprof.reports.escape import for_terminal, terminal_text
-from dpprof.result import RunResult
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.result import new_result
+from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT
 from dpprof.units import fmt_bytes
@@ -81,10 +80,8 @@ def maxbatch_cmd(
     counting the caching allocator's reserved memory and the CUDA context, not only the
     allocated bytes. Example: dpprof maxbatch -w lm --gpu a100-80gb --multiple-of 8
     """
-    from dpprof import __version__
     from dpprof.analysis.answers import build_answer
     from dpprof.analysis.maxbatch import run_maxbatch
-    from dpprof.pipeline import environment
     from dpprof.reports.answers import maxbatch_renderable
     from dpprof.reports.view import build_view
 
@@ -121,13 +118,10 @@ def maxbatch_cmd(
 
                 mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
                                   step=StepConfig(seed=seed), progress=progress)
-        run = RunResult(
-            backend="emulated", workload=wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
-            dpprof_version=__version__,
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            seed=seed, dtype=str(wl.dtype).removeprefix("torch."),
+        run = new_result(
+            "emulated", wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
             config=_config(workload, gpus, memory, spec, multiple_of, names),
-            environment=environment("emulated"), maxbatch=mb,
+            seed=seed, dtype=str(wl.dtype).removeprefix("torch."), maxbatch=mb,
         )
         run.comparison.verdict = build_answer(run).verdict
         if not quiet:

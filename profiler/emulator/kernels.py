@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dpprof.emulator.catalog import DEFAULT_GPU
+from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.vdevice import ALLOC, FREE, KernelPlan, KernelStep, VirtualDevices
 
 FLASH = "flash"
@@ -87,26 +88,22 @@ class GpuKernels:
                  rt: VirtualDevices | None = None):
         self.cc = compute_capability
         self.chosen: dict[str, int] = {}
-        self._saved: dict[str, Any] = {}
+        self._patcher = Patcher()
         self.rt = rt  # where the kernels' own buffers are played (aten-level routes)
 
     def __enter__(self) -> GpuKernels:
         if self.rt is not None:
             self.rt.kernel_plans[torch.ops.aten.embedding_dense_backward.default] = (
                 self._embedding_backward_plan)
-        self._saved = {"scaled_dot_product_attention": F.scaled_dot_product_attention,
-                       "dropout": F.dropout, "rms_norm": F.rms_norm}
-        orig_dropout = self._saved["dropout"]
-        orig_rms_norm = self._saved["rms_norm"]
-        F.scaled_dot_product_attention = self._sdpa  # type: ignore[assignment]
-        F.dropout = lambda *a, **k: self._dropout(orig_dropout, *a, **k)  # type: ignore[assignment]
-        F.rms_norm = lambda *a, **k: self._rms_norm(orig_rms_norm, *a, **k)  # type: ignore[assignment]
+        orig_dropout, orig_rms_norm = F.dropout, F.rms_norm
+        patch = self._patcher.patch
+        patch(F, "scaled_dot_product_attention", self._sdpa)
+        patch(F, "dropout", lambda *a, **k: self._dropout(orig_dropout, *a, **k))
+        patch(F, "rms_norm", lambda *a, **k: self._rms_norm(orig_rms_norm, *a, **k))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, fn in self._saved.items():
-            setattr(F, name, fn)
-        self._saved = {}
+        self._patcher.restore()
         if self.rt is not None:
             self.rt.kernel_plans.pop(torch.ops.aten.embedding_dense_backward.default, None)
 
@@ -358,7 +355,7 @@ class EmulatedAutocast:
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         self.dtype = dtype
         self._cache: dict[int, torch.Tensor] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._patcher = Patcher()
         self.casts = 0
 
     def clear_cache(self) -> None:
@@ -390,16 +387,12 @@ class EmulatedAutocast:
 
     def __enter__(self) -> EmulatedAutocast:
         for owner, name in _LOWER + _FP32:
-            fn = getattr(owner, name)
-            self._saved.append((owner, name, fn))
-            setattr(owner, name, self._wrap(fn, None if (owner, name) in _LOWER
-                                            else torch.float32))
+            self._patcher.patch(owner, name, self._wrap(
+                getattr(owner, name), None if (owner, name) in _LOWER else torch.float32))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
-        self._saved = []
+        self._patcher.restore()
         self.clear_cache()
 
 
@@ -454,7 +447,7 @@ class CudaAutocastNames:
 
     def __init__(self) -> None:
         self.regions = 0
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._patcher = Patcher()
 
     def _factory(self, original: Any) -> Any:
         def autocast(device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
@@ -481,14 +474,10 @@ class CudaAutocastNames:
 
         for owner in (torch, torch.amp):
             fn = getattr(owner, "autocast")  # noqa: B009 (torch.amp's is not in its stubs)
-            self._saved.append((owner, "autocast", fn))
-            setattr(owner, "autocast", self._factory(fn))  # noqa: B010
-        fn = torch.cuda.amp.autocast
-        self._saved.append((torch.cuda.amp, "autocast", fn))
-        setattr(torch.cuda.amp, "autocast", self._cuda_factory(fn))  # noqa: B010
+            self._patcher.patch(owner, "autocast", self._factory(fn))
+        self._patcher.patch(torch.cuda.amp, "autocast",
+                            self._cuda_factory(torch.cuda.amp.autocast))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
-        self._saved = []
+        self._patcher.restore()

@@ -3,11 +3,11 @@
 ``nn.DataParallel`` (every spelling: ``torch.nn.DataParallel``,
 ``torch.nn.parallel.DataParallel``, ``nn.parallel.data_parallel(...)``) becomes
 :class:`VirtualDataParallel`: a subclass of the real class (``isinstance`` and ``.module``
-work as in the script's own code) whose forward is :mod:`dpprof.emulator.parallel`'s
+work as in the script's own code) whose forward is :mod:`dpprof.emulator.data_parallel`'s
 re-enactment of scatter, replicate, parallel_apply and gather on the virtual devices.
 
 ``DistributedDataParallel`` becomes :class:`VirtualDDP` (one emulated rank: the reducer's
-buckets re-enacted, :class:`dpprof.emulator.parallel.EmulatedDDP`), over a fake process group
+buckets re-enacted, :class:`dpprof.emulator.ddp.EmulatedDDP`), over a fake process group
 (``torch.testing._internal.distributed.fake_pg``: collectives return at once, tensors keep
 their shapes). ``init_process_group`` with any backend initialises that fake group.
 """
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpprof.emulator.parallel import EmulatedDDP, gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.vdevice import VariantLedger
 from dpprof.emulator.virtual_cuda import caller_site
 
@@ -95,7 +96,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         if vc is None:
             raise RuntimeError("VirtualDataParallel needs an active VirtualCuda")
         self._vc = vc
-        LOG.dp_sites.append(caller_site())
+        _log().dp_sites.append(caller_site())
         self.dim = dim
         self.module = module
         self.device_ids = _logical_ids(vc, device_ids)
@@ -111,10 +112,10 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.device_ids:
             return self.module(*inputs, **kwargs)
-        LOG.data_parallel += 1
-        if MODE == DDP_IN_PLACE:
+        _log().data_parallel += 1
+        if _state().mode == DDP_IN_PLACE:
             return self._ddp_forward(inputs, kwargs)
-        if (MODE == LOSS_IN_FORWARD and not kwargs and len(self.device_ids) > 1
+        if (_state().mode == LOSS_IN_FORWARD and not kwargs and len(self.device_ids) > 1
                 and torch.is_grad_enabled()):
             return DeferredOutputs(self, inputs, caller_site())
         return self.run(self.module, inputs, kwargs)
@@ -129,19 +130,19 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         self._check_placement(src)
         with rt.category("inputs"):
             inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, ids, self.dim)
-        LOG.note_shards(ids, inputs, module_kwargs, self.dim)
+        _log().note_shards(ids, inputs, module_kwargs, self.dim)
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
         if len(ids) == 1:
-            LOG.used_devices = [src]
+            _log().used_devices = [src]
             with rt.device(src):
                 return module(*inputs[0], **module_kwargs[0])
         used = ids[: len(inputs)]
-        LOG.used_devices = used
+        _log().used_devices = used
         replicas = replicate(rt, module, used, not torch.is_grad_enabled())
         outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
         if all(t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
-            LOG.replica_scalars = True  # per-replica losses: the loss is inside forward
+            _log().replica_scalars = True  # per-replica losses: the loss is inside forward
         with rt.category("outputs"):
             return gather(rt, outputs, vc.index_of(self.output_device), self.dim)
 
@@ -175,22 +176,21 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                 impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids),
                                    bucket_view_ledger=ledger)
             object.__setattr__(self, "_ddp_impl", impl)
-            LOG.ddp_devices.append(src)
-        LOG.used_devices = [src]
-        from dpprof.emulator.parallel import scatter
+            _log().ddp_devices.append(src)
+        _log().used_devices = [src]
+        from dpprof.emulator.data_parallel import scatter
 
         with rt.category("inputs"):
             moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if inputs or kwargs \
                 else ((), {})
         inputs, kwargs = moved
-        LOG.note_shards([src], [inputs], [kwargs], self.dim)
+        _log().note_shards([src], [inputs], [kwargs], self.dim)
         with rt.device(src):
             return impl(*inputs, **kwargs)
 
 
 DDP_IN_PLACE = "ddp-in-place"
 LOSS_IN_FORWARD = "loss-in-forward"
-MODE = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD: the paired alternatives
 
 
 class DeferredOutputs:
@@ -208,7 +208,7 @@ class DeferredOutputs:
 
     def materialize(self) -> Any:
         if self.value is None:
-            LOG.materialized.append(caller_site())
+            _log().materialized.append(caller_site())
             if self.used_as_loss:
                 # used after the loss (accuracy, logging): the replicas kept no outputs;
                 # stand-ins of the gathered shapes on the output device, no gradient
@@ -312,13 +312,13 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
     if targets is None or len(args) > 2:
         return None
     deferred.used_as_loss = True
-    LOG.call_sites.append(deferred.site)
-    LOG.loss_sites.append(caller_site())
+    _log().call_sites.append(deferred.site)
+    _log().loss_sites.append(caller_site())
     wrapped = _recording_class()(deferred.dp.module, loss_fn)
     wrapped.shapes = deferred.shapes
     inputs = deferred.inputs if len(deferred.inputs) != 1 else deferred.inputs[0]
     out = deferred.dp.run(wrapped, (inputs, targets), {})
-    LOG.loss_in_forward += 1
+    _log().loss_in_forward += 1
     return ModelWithLoss.combine(out)
 
 
@@ -370,21 +370,21 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         # EmulatedDDP is a Module with the user's module as a child; keep it out of this
         # module's tree so parameters() and state_dict() are DDP's ("module." prefixes).
         object.__setattr__(self, "_ddp_impl", impl)
-        LOG.ddp += 1
-        LOG.world_size = world
-        LOG.ddp_devices.append(impl.device)
+        _log().ddp += 1
+        _log().world_size = world
+        _log().ddp_devices.append(impl.device)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         ddp: EmulatedDDP = self.__dict__["_ddp_impl"]
         if self.device_ids:
             rt = self._vc.rt
             index = self._vc.index_of(self.device_ids[0])
-            from dpprof.emulator.parallel import scatter
+            from dpprof.emulator.data_parallel import scatter
 
             with rt.category("inputs"):
                 moved = scatter(rt, (inputs, kwargs), [index], self.dim)[0]
             inputs, kwargs = moved
-            LOG.note_shards([index], [inputs], [kwargs], self.dim)
+            _log().note_shards([index], [inputs], [kwargs], self.dim)
         return ddp(*inputs, **kwargs)
 
     def no_sync(self) -> Any:
@@ -393,25 +393,47 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         return contextlib.nullcontext()
 
 
-LOG = ParallelLog()
+@dataclass
+class ScriptParallel:
+    """What the parallel wrappers of one emulated run share (the run's VirtualCuda holds it
+    while active): the paired alternative being run, and what the wrappers saw."""
+
+    mode: str = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD
+    log: ParallelLog = field(default_factory=ParallelLog)
+
+
+def _state() -> ScriptParallel:
+    from dpprof.emulator.virtual_cuda import active
+
+    vc = active()
+    if vc is None or vc.parallel is None:
+        raise RuntimeError("the parallel wrappers run only under an active VirtualCuda")
+    return vc.parallel  # type: ignore[no-any-return]
+
+
+def _log() -> ParallelLog:
+    return _state().log
+
+
+def state_of(vc: VirtualCuda) -> ScriptParallel:
+    """The wrappers' shared state in the emulation ``vc`` (installed by :func:`install`)."""
+    assert isinstance(vc.parallel, ScriptParallel), "script_parallel.install(vc) first"
+    return vc.parallel
 
 
 def install(vc: VirtualCuda, patch: Patch) -> None:
     """Replace the wrappers for the duration of ``vc`` (``patch`` records and restores)."""
-    global LOG
-    LOG = ParallelLog()
+    vc.parallel = ScriptParallel()
     import torch.nn.parallel as par
     import torch.nn.parallel.data_parallel as dp_mod
     import torch.nn.parallel.distributed as ddp_mod
 
-    dp_cls = vc.data_parallel_factory or VirtualDataParallel
     for owner in (nn, par, dp_mod):
-        patch(owner, "DataParallel", dp_cls)
+        patch(owner, "DataParallel", VirtualDataParallel)
     patch(par, "data_parallel", data_parallel)
     patch(dp_mod, "data_parallel", data_parallel)
-    ddp_cls = vc.ddp_factory or VirtualDDP
     for owner in (nn.parallel, ddp_mod):
-        patch(owner, "DistributedDataParallel", ddp_cls)
+        patch(owner, "DistributedDataParallel", VirtualDDP)
     _install_distributed(vc, patch)
 
 
@@ -436,8 +458,8 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if rank is None or rank < 0:
             rank = int(os.environ.get("RANK", "0"))
         orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        LOG.world_size = world_size
-        LOG.fake_group = True
+        _log().world_size = world_size
+        _log().fake_group = True
 
     patch(dist, "init_process_group", init_process_group)
     patch(dist, "is_nccl_available", lambda: True)
@@ -445,7 +467,7 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
               join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
         """``mp.spawn``: one process per rank; ranks are alike, so rank 0 runs here."""
-        LOG.spawned = nprocs
+        _log().spawned = nprocs
         fn(0, *args)
         return None
 
@@ -462,10 +484,11 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     patch(spawn_mod, "start_processes", start_processes)
 
 
-def cleanup() -> None:
+def cleanup(vc: VirtualCuda) -> None:
     """Destroy the fake process group a stopped script left behind."""
     import torch.distributed as dist
 
-    if LOG.fake_group and dist.is_available() and dist.is_initialized():
+    log = state_of(vc).log
+    if log.fake_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    LOG.fake_group = False
+    log.fake_group = False

@@ -191,7 +191,7 @@ class VariantLedger:
     variant differs only in when some storages die: every event of the device counts,
     except a storage's once it is :meth:`detach`-ed (its bytes stay until
     :meth:`release`) or :meth:`release`-d. DDP's ``gradient_as_bucket_view`` is such a
-    variant of plain DDP (:class:`dpprof.emulator.parallel.BucketViewFollower`): a
+    variant of plain DDP (:class:`dpprof.emulator.ddp.BucketViewFollower`): a
     gradient dies into its bucket's view at its hook, the old buckets live on in the
     gradients at the rebuild.
 
@@ -839,6 +839,99 @@ class VirtualDevices(TorchDispatchMode):
             if rec is None:
                 if id(st) in outside:
                     continue  # e.g. ``param.data`` of a module built before the mode
+                self._track(st, target)
+            elif rec.requested != st.nbytes():
+                self._resized(st, rec)
+        if plan is not None:
+            self._play(plan.after, target, live)
+        return out
+
+    def dispatch_beside_real_host(self, func: Any, args: Any,
+                                  kwargs: dict[str, Any] | None) -> Any:
+        """:meth:`__torch_dispatch__` over CPU tensors beside a real host (``dpprof run
+        --compute``), where most ops are the script's host work: a storage of the host is
+        not tracked (an untracked storage is the host's, as :meth:`device_of` says), so a
+        host op costs a look-up per input and nothing more. Virtual devices are counted
+        event for event as by the general path; only the host's own events are left out
+        (they are counted on no device)."""
+        placed = None
+        if kwargs:
+            dev = kwargs.get("device")
+            if dev is not None:
+                real, placed = self.placement(dev)
+                if real != dev:
+                    kwargs = {**kwargs, "device": real}
+        else:
+            kwargs = {}
+        storages = self._storages
+        devices: set[int] = set()
+        outside: list[int] = []  # the host's storages among the inputs (a view is no new one)
+        saw_host = False
+        tensor = torch.Tensor
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, tensor):
+                key = id(a.untyped_storage())
+                rec = storages.get(key)
+                if rec is None:
+                    outside.append(key)
+                elif rec.device == HOST:
+                    saw_host = True
+                else:
+                    devices.add(rec.device)
+            elif isinstance(a, _SEQ):
+                for b in a:
+                    if isinstance(b, tensor):
+                        key = id(b.untyped_storage())
+                        rec = storages.get(key)
+                        if rec is None:
+                            outside.append(key)
+                        elif rec.device == HOST:
+                            saw_host = True
+                        else:
+                            devices.add(rec.device)
+        state = self._state
+        if len(devices) > 1 and not state.allow_cross and func not in _CROSS_DEVICE_OK:
+            a, b = sorted(devices)[:2]
+            raise VirtualDeviceError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, cuda:{a} and cuda:{b}! (while running {func})"
+            )
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:  # the innermost op is the one that failed: name it
+            if getattr(e, "dpprof_op", None) is None:
+                with contextlib.suppress(AttributeError, TypeError):
+                    e.dpprof_op = getattr(getattr(func, "_schema", None), "name", str(func))  # type: ignore[attr-defined]
+            raise
+        if state.forced is not None:
+            target = state.forced
+        elif placed is not None:
+            target = placed
+        elif devices:
+            target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
+            self._last_device = target
+        elif outside or saw_host:
+            return out  # the host's inputs only: the host's output
+        elif self._last_device is not None and torch._C._current_graph_task_id() != -1:
+            target = self._last_device  # a factory inside a backward node, as above
+        else:
+            target = state.device
+        if target == HOST:
+            return out
+        plan = None
+        if self.kernel_plans:
+            plan_of = self.kernel_plans.get(func)
+            plan = plan_of(args, kwargs) if plan_of is not None else None
+        live: dict[str, tuple[int, int]] = {}
+        if plan is not None:
+            self._play(plan.before, target, live)
+        for t in _tensor_outputs(out):
+            st = t.untyped_storage()
+            key = id(st)
+            rec = storages.get(key)
+            if rec is None:
+                if key in outside:
+                    continue
                 self._track(st, target)
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)

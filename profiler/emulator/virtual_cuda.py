@@ -19,7 +19,7 @@ While a :class:`VirtualCuda` is active, a program written for GPUs runs unchange
   zeros), counted per call site; ops whose output shape depends on values (``nonzero``,
   boolean masks) stop with one line naming the fix;
 * ``nn.DataParallel`` / ``nn.parallel.data_parallel`` are re-enacted by
-  :mod:`dpprof.emulator.parallel`.
+  :mod:`dpprof.emulator.data_parallel` and :mod:`dpprof.emulator.ddp`.
 
 Where the hooks are: a CPU-only build raises "Torch not compiled with CUDA enabled" from
 ``torch.cuda._lazy_init``, which C++ calls (``torch::utils::device_lazy_init``) before a
@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -47,8 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
 
+from dpprof.emulator.allocator import block_bytes
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
+from dpprof.emulator.patcher import Patcher, own_attribute, put
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.standins import load_real, standing_in
 from dpprof.emulator.vdevice import HOST, VirtualDevices
@@ -80,6 +83,18 @@ NUMERIC_FACTORIES = frozenset({
 _NOT_SPLIT = object()
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
+FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storages begin
+_FOREACH: dict[Any, bool] = {}
+
+
+def _is_foreach(func: Any) -> bool:
+    """A ``_foreach_*`` op (asked once per op)."""
+    known = _FOREACH.get(func)
+    if known is None:
+        known = _FOREACH[func] = func.__name__.startswith("_foreach_")
+    return known
 
 
 class DataDependentShapeError(RuntimeError):
@@ -150,6 +165,11 @@ class CudaDevices(VirtualDevices):
         # host copies made up for values read from virtual GPUs (zeros): id of the
         # storage -> a weak reference to it, so that nothing saves them as real values
         self._host_stand_ins: dict[int, weakref.ref[Any]] = {}
+        # stand-in addresses of meta storages (``data_ptr``): id -> (weak reference, address)
+        self._addresses: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._next_address = FIRST_ADDRESS
+        # dpprof run --compute: CPU tensors everywhere, the host's not tracked
+        self._beside_real_host = real_host and self.base.type == "cpu"
 
     def host_stand_in(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A real host tensor of ``t``'s shape (zeros) for a value read from a virtual GPU,
@@ -160,6 +180,25 @@ class CudaDevices(VirtualDevices):
         self._host_stand_ins[key] = weakref.ref(
             st, lambda _ref: self._host_stand_ins.pop(key, None))
         return host
+
+    def address_of(self, st: Any) -> int:
+        """A stand-in address for a meta storage of a virtual GPU (``data_ptr()``): meta
+        storages all answer 0, and code that tells shared storages apart by address
+        (safetensors' and Hugging Face's tied-weight checks before a save) would take every
+        parameter for one; here each live storage has its own, disjoint from the others',
+        as the caching allocator's blocks are. 0 for an empty storage, as on a GPU."""
+        nbytes = st.nbytes()
+        if not nbytes:
+            return 0
+        key = id(st)
+        found = self._addresses.get(key)
+        if found is not None and found[0]() is st:
+            return found[1]
+        address = self._next_address
+        self._next_address += block_bytes(nbytes)
+        self._addresses[key] = (weakref.ref(st, lambda _ref: self._addresses.pop(key, None)),
+                                address)
+        return address
 
     def is_emulated(self, t: torch.Tensor) -> bool:
         """Whether ``t`` holds no value of the program's own: a tensor of a virtual GPU
@@ -190,6 +229,20 @@ class CudaDevices(VirtualDevices):
         return self.base, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._beside_real_host:
+            # --compute with a real host: no meta tensor anywhere, so no stand-in, no
+            # data-dependent shape and no small value to follow; the fast path
+            if func is aten.convolution.default:
+                self.saw_convolution = True
+            elif _is_foreach(func):
+                split = self._foreach_by_device(func, types, args, kwargs or {})
+                if split is not _NOT_SPLIT:
+                    return split
+            self.in_dispatch += 1
+            try:
+                return self.dispatch_beside_real_host(func, args, kwargs)
+            finally:
+                self.in_dispatch -= 1
         if func is aten._local_scalar_dense.default and _is_meta(args[0]):
             return self.stand_in_scalar(args[0])
         data_dependent = func in DATA_DEPENDENT or (func is aten.index.Tensor and any(
@@ -444,13 +497,13 @@ class VirtualCuda:
         self._visible: list[int] | None = None
         self._current = 0
         self._peak_from = [0] * num_gpus  # event index of each device's last peak reset
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
         self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``
         self.honour_visible_devices = honour_visible_devices
-        self.data_parallel_factory: Callable[..., nn.Module] | None = None
-        self.ddp_factory: Callable[..., nn.Module] | None = None
+        # the parallel wrappers' shared state while active (script_parallel.ScriptParallel)
+        self.parallel: Any = None
         self.active = False
 
     # ---- devices ------------------------------------------------------------------------
@@ -664,6 +717,51 @@ class VirtualCuda:
             return _ORIG["to"](t, **kw)
         return self.to_index(t, target, dtype, copy, memory_format)
 
+    def load(self, orig_load: Callable[..., Any], f: Any, map_location: Any, *args: Any,
+             **kwargs: Any) -> Any:
+        """``torch.load`` onto virtual GPUs: a CPU build cannot make a CUDA storage
+        (``map_location="cuda"``, or a checkpoint saved on a GPU), so every storage is
+        restored on the host and then moved, once, to the GPU that ``map_location`` (or
+        the checkpoint) names; tensors that shared a storage (tied weights) share its copy."""
+        targets: dict[int, tuple[Any, Any]] = {}  # id(storage) -> (storage, where it goes)
+
+        def on_host(storage: Any, location: str) -> Any:
+            where: Any = location
+            if isinstance(map_location, dict):
+                where = map_location.get(location, location)
+            elif isinstance(map_location, int) and not isinstance(map_location, bool):
+                where = torch.device("cuda", map_location)
+            elif map_location is not None:
+                where = map_location
+            targets[id(storage)] = (storage, where)
+            return storage
+
+        obj = orig_load(f, on_host, *args, **kwargs)
+        moved: dict[int, torch.Tensor] = {}  # id(host storage) -> its bytes on the GPU
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            found = targets.get(id(st))
+            index = self.target_of(found[1]) if found is not None else None
+            if index is None or index == HOST:
+                return t
+            flat = moved.get(id(st))
+            if flat is None:
+                host = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+                flat = moved[id(st)] = self.copy(host, index, None)
+            out = flat.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+            if isinstance(t, nn.Parameter):
+                return nn.Parameter(out, requires_grad=t.requires_grad)
+            return out.requires_grad_(t.requires_grad)
+
+        return _map_tensors(obj, place)
+
+    def rng_state_stand_in(self) -> torch.Tensor:
+        """``torch.cuda.get_rng_state()``: 16 bytes (Philox's seed and offset) of zeros, a
+        host stand-in (:meth:`CudaDevices.is_emulated`), so a checkpoint that holds it is
+        not written as if it were the GPU's."""
+        return self.rt.host_stand_in(torch.empty(16, dtype=torch.uint8))
+
     def virtual_device(self, t: torch.Tensor) -> torch.device:
         real = _ORIG["device"].__get__(t)
         if real != self.base or self.rt.in_dispatch:
@@ -676,9 +774,7 @@ class VirtualCuda:
     # ---- activation --------------------------------------------------------------------
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)
-                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
-        setattr(owner, name, value)
+        self._patcher.patch(owner, name, value)
 
     def __enter__(self) -> VirtualCuda:
         global _ACTIVE
@@ -705,26 +801,19 @@ class VirtualCuda:
         """The real module ``module`` (a stand-in's), imported with torch's originals in
         place of the hooks and with no mode counting what its import makes."""
         current = []
-        for owner, name, original in reversed(self._saved):
-            current.append((owner, name, owner.__dict__.get(name, _MISSING)
-                            if isinstance(owner, type) else getattr(owner, name, _MISSING)))
-            _put(owner, name, original)
+        for owner, name, original in reversed(self._patcher.originals()):
+            current.append((owner, name, own_attribute(owner, name)))
+            put(owner, name, original)
         try:
             with torch._C._DisableTorchDispatch():
                 return load_real(module)
         finally:
             for owner, name, value in reversed(current):
-                _put(owner, name, value)
+                put(owner, name, value)
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
-        for owner, name, value in reversed(self._saved):
-            if value is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-        self._saved.clear()
+        self._patcher.restore()
         self._stack.close()
         self.active = False
         _ACTIVE = None
@@ -768,14 +857,20 @@ class VirtualCuda:
         p(cuda, "reset_accumulated_memory_stats", lambda device=None: None)
         p(cuda, "memory_cached", vc.memory_reserved)
         p(cuda, "max_memory_cached", vc.max_memory_reserved)
-        for name in ("synchronize", "empty_cache", "ipc_collect", "manual_seed",
-                     "manual_seed_all", "seed", "seed_all", "set_rng_state",
-                     "set_rng_state_all", "set_sync_debug_mode"):
+        for name in ("synchronize", "empty_cache", "ipc_collect", "set_sync_debug_mode"):
             p(cuda, name, _Noop())
-        p(cuda, "initial_seed", lambda: 0)
-        p(cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
-        p(cuda, "get_rng_state_all",
-          lambda: [torch.zeros(16, dtype=torch.uint8) for _ in range(vc.device_count())])
+        # torch.cuda.random's functions too: callers that name the module (Hugging Face's
+        # Trainer saves torch.cuda.random.get_rng_state() with each checkpoint) reach its
+        # own bindings of current_device and _lazy_call, which are not these
+        for owner in (cuda, cuda.random):
+            for name in ("manual_seed", "manual_seed_all", "seed", "seed_all",
+                         "set_rng_state", "set_rng_state_all"):
+                p(owner, name, _Noop())
+            p(owner, "initial_seed", lambda: 0)
+            # a GPU's generator state has no value here: a stand-in, never saved as real
+            p(owner, "get_rng_state", lambda device="cuda": vc.rng_state_stand_in())
+            p(owner, "get_rng_state_all",
+              lambda: [vc.rng_state_stand_in() for _ in range(vc.device_count())])
         p(cuda, "Stream", _Stream)
         p(cuda, "Event", _Event)
         p(cuda, "current_stream", lambda device=None: _Stream(device))
@@ -877,6 +972,30 @@ class VirtualCuda:
                 return format(self.detach().item(), spec)  # a stand-in, counted
             return orig_format(self, spec)
 
+        orig_load = torch.load
+
+        def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if callable(map_location):
+                return orig_load(f, map_location, *args, **kwargs)
+            return vc.load(orig_load, f, map_location, *args, **kwargs)
+
+        p(torch, "load", load)
+        orig_data_ptr = T.data_ptr
+        orig_storage_ptr = torch.UntypedStorage.data_ptr
+
+        def data_ptr(self: torch.Tensor) -> int:
+            if not _is_meta(self):
+                return orig_data_ptr(self)
+            base = vc.rt.address_of(self.untyped_storage())
+            return base + int(self.storage_offset()) * self.element_size() if base else 0
+
+        def storage_ptr(self: Any) -> int:
+            if self.device.type != "meta":
+                return orig_storage_ptr(self)  # type: ignore[no-any-return]
+            return vc.rt.address_of(self)
+
+        p(T, "data_ptr", data_ptr)
+        p(torch.UntypedStorage, "data_ptr", storage_ptr)
         p(T, "__format__", format_)
         p(T, "to", to)
         p(T, "cuda", cuda_)
@@ -995,20 +1114,21 @@ class VirtualCuda:
         script_parallel.install(vc, p)
 
 
-class _Missing:
-    pass
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` (what ``torch.load`` gives: nested containers of tensors and values) with
+    every tensor replaced by ``fn(tensor)``; each tensor once (a shared one stays shared)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in done:
+            done[id(x)] = fn(x)
+        return done[id(x)]
+
+    return tree_map(once, obj)
 
 
-_MISSING = _Missing()
-
-
-def _put(owner: Any, name: str, value: Any) -> None:
-    """``setattr``, or ``delattr`` for :data:`_MISSING`."""
-    if value is _MISSING:
-        with contextlib.suppress(AttributeError):
-            delattr(owner, name)
-    else:
-        setattr(owner, name, value)
 _ACTIVE: VirtualCuda | None = None
 _ORIG: dict[str, Any] = {
     "to": torch.Tensor.to,
@@ -1103,10 +1223,6 @@ class _Noop:
         return None
 
 
-def _noop_factory() -> _Noop:
-    return _Noop()
-
-
 def _device_class(vc: VirtualCuda) -> type:
     class device:
         """``torch.cuda.device(k)``: the current device inside the block."""
@@ -1124,10 +1240,3 @@ def _device_class(vc: VirtualCuda) -> type:
                 self._cm.__exit__(*exc)
 
     return device
-
-
-def devices_of(tensors: Sequence[torch.Tensor]) -> list[int]:
-    vc = _ACTIVE
-    if vc is None:
-        return []
-    return [vc.rt.device_of(t) for t in tensors]

@@ -24,6 +24,7 @@ from dpprof.result import (
     WatchDevice,
     WatchOom,
     WatchResult,
+    new_result,
 )
 from dpprof.watch.samples import read_records
 
@@ -209,8 +210,8 @@ def build_run(
     watch.post_mortem, watch.next_steps = post_mortem(watch)
     comparison.verdict = watch_verdict(watch, sc.imbalance if sc else None)
     totals = [d.total_bytes for d in devices if d.total_bytes]
-    return RunResult(
-        backend=BACKEND, workload=shlex.join(command), batch=0,
+    return new_result(  # the watcher's version, time and host, from its samples file
+        BACKEND, shlex.join(command), batch=0,
         gpus=max((d.cuda_index for d in devices), default=-1) + 1,
         gpu_memory_bytes=max(totals, default=0), scenarios=[scenario],
         comparison=comparison, dpprof_version=str(header.get("dpprof_version", "")),

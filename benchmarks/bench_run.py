@@ -1,0 +1,176 @@
+"""What ``dpprof run`` costs against the script run plainly on the CPU. One command:
+
+    python benchmarks/bench_run.py              # prints, writes benchmarks/results_run.json
+    python benchmarks/bench_run.py --repeat 5   # min-max over 5 rounds (default 3)
+
+Cost is CPU time of this process (``time.process_time``), everything in process (the
+script through ``runpy``; dpprof through ``run_command``), one warm-up of each first
+(imports, first calls), each figure the least of two runs, every ratio measured side by
+side in a round; the min-max is over the rounds; torch on one intra-op thread (on shared
+cores the spinning of idle threads counts as CPU time). The machine's cores are shared.
+
+1. ``--compute``: ``dpprof run --compute`` of a small training script (an MLP, 20 AdamW steps
+   of 64 rows, every step counted: ``--steps 20``, no alternatives) / the same script run
+   plainly on the CPU (no GPU: it trains on "cpu"). Goal <= 1.3.
+2. Meta mode with the alternatives: ``dpprof run`` of a DataParallel script (the tutorial's
+   loop, loss outside forward, 4 GPUs, its DDP and loss-in-forward alternatives: three runs of
+   the script) / one plain CPU run of it. Goal <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import platform
+import runpy
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpprof.backends.script import ScriptConfig, parse_command, run_command
+
+HERE = Path(__file__).resolve().parent
+BEST_OF = 2
+
+COMPUTE_SCRIPT = """
+import torch
+import torch.nn as nn
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                      nn.Linear(512, 10)).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+criterion = nn.CrossEntropyLoss()
+data = torch.randn(64 * 20, 256)
+labels = torch.randint(0, 10, (64 * 20,))
+for step in range(20):
+    x = data[step * 64:(step + 1) * 64].to(device)
+    y = labels[step * 64:(step + 1) * 64].to(device)
+    optimizer.zero_grad()
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+"""
+
+DP_SCRIPT = """
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                      nn.Linear(1024, 1000))
+if torch.cuda.device_count() > 1:
+    model = nn.DataParallel(model)
+model.to(device)
+data = TensorDataset(torch.randn(1024, 256), torch.randint(0, 1000, (1024,)))
+loader = DataLoader(data, batch_size=128, shuffle=True)
+criterion = nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+for inputs, labels in loader:
+    inputs, labels = inputs.to(device), labels.to(device)
+    optimizer.zero_grad()
+    outputs = model(inputs)
+    loss = criterion(outputs, labels)
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def cpu_s(fn: Callable[[], object], best_of: int = BEST_OF) -> float:
+    """CPU seconds of ``fn()``, the least of ``best_of`` runs (each after a collection)."""
+    times = []
+    for _ in range(best_of):
+        gc.collect()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return min(times)
+
+
+def plain(path: Path) -> Callable[[], object]:
+    def go() -> object:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return runpy.run_path(str(path), run_name="__main__")
+    return go
+
+
+def dpprof_run(path: Path, steps: int, compute: bool, alternatives: bool,
+               gpus: int = 4) -> Callable[[], object]:
+    def go() -> object:
+        cfg = ScriptConfig(launch=parse_command(["python", str(path)], gpus), gpus=gpus,
+                           steps=steps, compute=compute)
+        with contextlib.redirect_stdout(io.StringIO()):
+            return run_command(cfg, alternatives)
+    return go
+
+
+def summary(values: list[float], goal: float) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "runs": [round(v, 3) for v in values],
+            "goal": f"<= {goal}", "met": max(values) <= goal}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (min-max over them)")
+    ap.add_argument("--no-write", action="store_true", help="do not write results_run.json")
+    args = ap.parse_args()
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    # one intra-op thread: on shared cores, idle threads' spinning is CPU time of neither
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        small = Path(tmp) / "train_small.py"
+        small.write_text(COMPUTE_SCRIPT)
+        dp = Path(tmp) / "train_dp.py"
+        dp.write_text(DP_SCRIPT)
+        cases = {
+            "compute_over_cpu": (plain(small), dpprof_run(small, 20, True, False), 1.3),
+            "meta_with_alternatives_over_cpu": (plain(dp), dpprof_run(dp, 8, False, True), 1.5),
+        }
+        for base, ours, _ in cases.values():  # warm-up: imports, first calls
+            base()
+            ours()
+        raw: dict[str, list[float]] = {k: [] for k in cases}
+        secs: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
+        for r in range(args.repeat):
+            print(f"round {r + 1}/{args.repeat}", flush=True)
+            for name, (base, ours, _) in cases.items():
+                b = cpu_s(base)
+                o = cpu_s(ours)
+                raw[name].append(o / b)
+                secs[name].append((b, o))
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "method": "CPU time of the process, in process, each figure the least of two runs, "
+                  "ratios side by side in a round, min-max over rounds; cores shared",
+        "ratios": {k: summary(v, cases[k][2]) for k, v in raw.items()},
+        "cpu_s": {k: {"plain": [round(b, 3) for b, _ in v], "dpprof": [round(o, 3) for _, o in v]}
+                  for k, v in secs.items()},
+    }
+    for k, s in results["ratios"].items():
+        mark = "met" if s["met"] else "NOT MET"
+        print(f"  {k:<34} {s['median']:.2f}  (min {s['min']:.2f} - max {s['max']:.2f}, "
+              f"{len(s['runs'])} rounds; goal {s['goal']}: {mark})")
+    if not args.no_write:
+        (HERE / "results_run.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {HERE / 'results_run.json'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""``DistributedDataParallel`` re-enacted as one rank on a virtual device
+(``torch/nn/parallel/distributed.py`` and ``c10d/reducer.cpp``, torch 2.13): the model's
+broadcast at construction, the reducer's gradient buckets and their all-reduce, and what
+``gradient_as_bucket_view=True`` changes (followed in a ledger, or emulated).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._utils import (
+    _flatten_dense_tensors,
+    _unflatten_dense_tensors,
+)
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices
+
+DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
+# ---- DistributedDataParallel: one rank (c10d/reducer.cpp) ---------------------------------
+
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
+DDP_MAX_IN_FLIGHT = 2  # c10d/comm.cpp broadcast_coalesced: at most two broadcasts in flight
+
+
+def compute_bucket_assignment_by_size(
+    tensors: Sequence[torch.Tensor], limits: Sequence[int],
+    tensor_indices: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """``c10d::compute_bucket_assignment_by_size`` (reducer.cpp), dense tensors.
+
+    One open bucket per (dtype, device); a bucket closes once its size *reaches* its limit,
+    and the next bucket of that key takes the next limit (the last one repeats). Open
+    buckets follow at the end. Without ``tensor_indices`` the result is sorted by the
+    smallest tensor index of each bucket; with them (the gradient-ready order of a rebuild)
+    it is left in that order.
+    """
+    result: list[list[int]] = []
+    open_: dict[tuple[torch.dtype, str], list[int]] = {}
+    sizes: dict[tuple[torch.dtype, str], int] = {}
+    limit_at: dict[tuple[torch.dtype, str], int] = {}
+    for i, t in enumerate(tensors):
+        index = tensor_indices[i] if tensor_indices else i
+        key = (t.dtype, str(t.device))
+        bucket = open_.setdefault(key, [])
+        bucket.append(index)
+        sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
+        li = limit_at.setdefault(key, 0)
+        if sizes[key] >= limits[li]:
+            result.append(bucket)
+            open_[key] = []
+            sizes[key] = 0
+            limit_at[key] = min(li + 1, len(limits) - 1)
+    result += [b for b in open_.values() if b]
+    if not tensor_indices:
+        result.sort(key=min)
+    return result
+
+
+def ddp_broadcast_coalesced(
+    rt: VirtualDevices, tensors: Sequence[torch.Tensor],
+    buffer_size: int = DDP_BROADCAST_BUCKET_BYTES,
+) -> None:
+    """``c10d::broadcast_coalesced`` (c10d/comm.cpp) as one rank sees it: per bucket of
+    ``buffer_size`` a flat copy (``flatten_dense_tensors``: a view for one tensor, else a
+    ``cat``) is broadcast in place, then copied back; at most two buckets in flight."""
+    if not tensors:
+        return
+    in_flight: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def finish(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+        for t, out in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            if out.numel():
+                t.copy_(out)
+
+    with torch.no_grad(), rt.category("communication"):
+        for indices in compute_bucket_assignment_by_size(tensors, [buffer_size]):
+            if len(in_flight) >= DDP_MAX_IN_FLIGHT:
+                finish(*in_flight.pop(0))
+            bucket = [tensors[i] for i in indices]
+            in_flight.append((_flatten_dense_tensors(bucket), bucket))
+        while in_flight:
+            finish(*in_flight.pop(0))
+
+
+class _DDPSink(torch.autograd.Function):
+    """``torch.nn.parallel.distributed._DDPSink``: outputs cloned (``_ddp_sink_clone``),
+    gradients passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any):  # type: ignore[no-untyped-def]
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any):  # type: ignore[no-untyped-def]
+        return grads
+
+
+class BucketViewFollower:
+    """What ``gradient_as_bucket_view=True`` allocates, followed in a
+    :class:`~dpprof.emulator.vdevice.VariantLedger` while plain DDP runs the same program.
+
+    The two differ only where reducer.cpp lets ``.grad`` point at the bucket's view
+    (``mark_variable_ready_dense``, ``initialize_bucket_views``): there the gradient the
+    parameter held dies, if nothing else holds its storage; a bucket whose views some
+    gradients still are outlives ``buckets_.clear()`` until the last of them is
+    re-pointed. The variant's ``.grad`` of parameter ``i`` is a bucket view exactly when
+    plain DDP's ``.grad`` is the storage it re-pointed last (``_grad_serials``): the
+    gradient accumulated in place since, or the view kept since. Anything else holding a
+    dying gradient's storage makes the ledger ``unsure``.
+    """
+
+    def __init__(self, rt: VirtualDevices, ledger: VariantLedger) -> None:
+        self.rt, self.ledger = rt, ledger
+        self._grad_serials: dict[int, int] = {}  # i -> plain .grad's serial when re-pointed
+        self._view_bucket: dict[int, int] = {}  # i -> the bucket serial its variant view is in
+        self._holders: dict[int, int] = {}  # an old bucket's serial -> gradients viewing it
+
+    def _is_view(self, i: int, grad: torch.Tensor | None) -> bool:
+        return grad is not None and self._grad_serials.get(i) == self.rt.serial_of(grad)
+
+    def regrad(self, i: int, grad: torch.Tensor | None, view: torch.Tensor) -> None:
+        """``.grad`` of parameter ``i`` becomes ``view`` in the variant (when it has one)."""
+        if grad is None:
+            return
+        if self._is_view(i, grad):  # the variant's .grad was a view: an old bucket's?
+            old = self._view_bucket.get(i)
+            if old is not None and old in self._holders:
+                self._holders[old] -= 1
+                if not self._holders[old]:
+                    del self._holders[old]
+                    self.ledger.release(old)
+        else:  # a gradient of its own dies into the view
+            serial = self.rt.serial_of(grad)
+            if serial is None or _storage_users(grad) != 1:
+                self.ledger.unsure = ("a gradient's storage is shared, so when it dies "
+                                      "under gradient_as_bucket_view is not known")
+            else:
+                self.ledger.release(serial, *self.rt.bytes_of(grad))
+        serial, bucket = self.rt.serial_of(grad), self.rt.serial_of(view)
+        if serial is not None:
+            self._grad_serials[i] = serial
+        if bucket is not None:
+            self._view_bucket[i] = bucket
+
+    def buckets_cleared(self, params: Sequence[torch.Tensor],
+                        views: dict[int, torch.Tensor]) -> None:
+        """``buckets_.clear()``: a bucket some variant gradients view lives on in them."""
+        for i, p in enumerate(params):
+            if i in views and self._is_view(i, p.grad):
+                bucket = self.rt.serial_of(views[i])
+                if bucket is not None:
+                    if bucket not in self._holders:
+                        self.ledger.detach(bucket, *self.rt.bytes_of(views[i]))
+                    self._holders[bucket] = self._holders.get(bucket, 0) + 1
+                    self._view_bucket[i] = bucket
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (its use count, less the handle asked)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
+
+
+class EmulatedDDP(nn.Module):
+    """One rank of ``DistributedDataParallel(module, ...)`` on a virtual device: memory only.
+
+    Mirrors torch 2.13's ``distributed.py`` and ``c10d/reducer.cpp``:
+
+    * construction: ``_sync_module_states`` broadcasts parameters (and buffers with
+      ``broadcast_buffers``) from rank 0 in flat 250 MiB buckets, two in flight (a transient);
+      ``initialize_buckets`` allocates one flat ``at::empty`` per bucket, kept for good. On
+      iteration 1 the bucket limits are ``[sys.maxsize]`` (one bucket per dtype) unless
+      ``find_unused_parameters``, then ``[first, cap]`` (first 1 MiB when ``bucket_cap_mb``
+      is left unset, else the cap); buckets are assigned over the reversed parameters;
+    * ``find_unused_parameters``: ``local_used_map_dev_`` (int32 per parameter) on the
+      device; every forward's output tensors are cloned by ``_DDPSink``; no rebuild;
+    * every forward with grad enabled: buffers broadcast (``broadcast_buffers``, flat
+      copies per 250 MiB bucket); on the first forward after a backward the buckets are
+      rebuilt once (``rebuild_buckets``) in gradient-ready order with limits ``[first,
+      cap]``: ``sync_bucket_indices`` allocates two small int32 tensors on the device (and
+      two on the host), the old buckets are freed, the new ones allocated;
+    * ``mark_variable_ready_dense``: the gradient is scaled into its bucket view
+      (``mul_out``); with ``gradient_as_bucket_view`` ``.grad`` becomes the view (the
+      freshly accumulated gradient dies); ``finalize_bucket_dense`` copies the all-reduced
+      bucket back into ``.grad`` in place (``copy_bucket_to_grad``). The all-reduce writes
+      the bucket in place (NCCL/gloo allocate nothing that the caching allocator sees).
+    """
+
+    def __init__(self, module: nn.Module, rt: VirtualDevices, world_size: int,
+                 bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 bucket_view_ledger: VariantLedger | None = None) -> None:
+        super().__init__()
+        # Plain DDP that also follows, in the ledger, what gradient_as_bucket_view=True would
+        # allocate on the same program (:class:`BucketViewFollower`).
+        self.follower = (BucketViewFollower(rt, bucket_view_ledger)
+                         if bucket_view_ledger is not None and not gradient_as_bucket_view
+                         else None)
+        self.module = module
+        self.rt = rt
+        self.world_size = world_size
+        default = bucket_cap_mb is None
+        self.bucket_bytes_cap = int((DDP_BUCKET_CAP_MB if default else bucket_cap_mb)  # type: ignore[operator]
+                                    * 1024 * 1024)
+        self.first_bucket_bytes_cap = DDP_FIRST_BUCKET_BYTES if default else self.bucket_bytes_cap
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.iteration = 0
+        self.has_rebuilt = False
+        self._rebuilt: list[int] = []
+        self._expect_hooks = False
+        self._buckets: list[torch.Tensor] = []
+        self._views: dict[int, torch.Tensor] = {}
+        self.assignments: list[list[list[int]]] = []  # every bucket assignment, for tests
+        self.local_used_map_dev: torch.Tensor | None = None
+        device = rt.device_of(self.params[0]) if self.params else 0
+        self.device = device
+        with rt.device(device):
+            states = [p.detach() for p in module.parameters()]
+            if broadcast_buffers:
+                states += [b.detach() for b in module.buffers()]
+            ddp_broadcast_coalesced(rt, states)
+            if self.params:
+                limits = ([sys.maxsize] if not find_unused_parameters
+                          else [self.first_bucket_bytes_cap, self.bucket_bytes_cap]
+                          if self.first_bucket_bytes_cap < self.bucket_bytes_cap
+                          else [self.bucket_bytes_cap])
+                indices = compute_bucket_assignment_by_size(self.params, limits)
+                self._initialize_buckets(list(reversed(indices)))
+            if find_unused_parameters and self.params:
+                with rt.category("communication"):
+                    self.local_used_map_dev = torch.empty(len(self.params), dtype=torch.int32)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._autograd_hook) for p in self.params
+        ]
+
+    # reducer.cpp: initialize_buckets + initialize_bucket_views
+    def _initialize_buckets(self, assignment: list[list[int]]) -> None:
+        rt = self.rt
+        self._buckets, self._views = [], {}
+        self.assignments.append([list(b) for b in assignment])
+        with rt.category("communication"), rt.device(self.device):
+            for indices in assignment:
+                p0 = self.params[indices[0]]
+                total = sum(self.params[i].numel() for i in indices)
+                flat = torch.empty(total, dtype=p0.dtype, device=p0.device)
+                self._buckets.append(flat)
+                offset = 0
+                for i in indices:
+                    p = self.params[i]
+                    if _non_overlapping_and_dense(p):
+                        view = flat.as_strided(p.shape, p.stride(), offset)
+                    else:
+                        view = flat.narrow(0, offset, p.numel()).view(p.shape)
+                    self._views[i] = view
+                    offset += p.numel()
+                    if self.follower is not None:
+                        self.follower.regrad(i, p.grad, view)
+                    grad = p.grad
+                    if (self.gradient_as_bucket_view and grad is not None
+                            and grad.untyped_storage() is not view.untyped_storage()):
+                        view.copy_(grad)
+                        p.grad = view
+
+    def _sync_bucket_indices(self, assignment: list[list[int]]) -> None:
+        """``sync_bucket_indices``: the indices and the bucket sizes, broadcast from rank 0
+        through int32 tensors on the device (and their host copies), freed on return."""
+        rt = self.rt
+        total = sum(len(b) for b in assignment)
+        with rt.category("communication"):
+            with rt.device(HOST):
+                idx_host = torch.empty(total + 1, dtype=torch.int32)
+            with rt.device(self.device):
+                idx_dev = torch.empty(total + 1, dtype=torch.int32)
+            with rt.device(HOST):
+                sizes_host = torch.empty(len(assignment), dtype=torch.int32)
+            with rt.device(self.device):
+                sizes_dev = torch.empty(len(assignment), dtype=torch.int32)
+        del sizes_dev, sizes_host, idx_dev, idx_host
+
+    def rebuild_buckets(self) -> bool:
+        """``Reducer::rebuild_buckets``: once, in gradient-ready order, limits [first, cap]."""
+        if self.has_rebuilt or self.find_unused_parameters or not self._rebuilt:
+            return False
+        order = self._rebuilt
+        assignment = compute_bucket_assignment_by_size(
+            [self.params[i] for i in order],
+            [self.first_bucket_bytes_cap, self.bucket_bytes_cap], order,
+        )
+        self._sync_bucket_indices(assignment)
+        self.has_rebuilt = True
+        self._rebuilt = []
+        if self.follower is not None:
+            self.follower.buckets_cleared(self.params, self._views)
+        self._buckets, self._views = [], {}  # buckets_.clear(): the old flat buffers die
+        self._initialize_buckets(assignment)
+        return True
+
+    def _autograd_hook(self, p: torch.Tensor) -> None:
+        if not self._expect_hooks:
+            return
+        i = self._index[id(p)]
+        if not self.has_rebuilt and not self.find_unused_parameters:
+            self._rebuilt.append(i)
+        self._mark_variable_ready_dense(i)
+
+    def _mark_variable_ready_dense(self, i: int) -> None:
+        p = self.params[i]
+        view = self._views[i]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+            return
+        if grad.untyped_storage() is view.untyped_storage():
+            view.div_(self.world_size)
+            return
+        torch.mul(grad, 1.0 / self.world_size, out=view)
+        if self.gradient_as_bucket_view:
+            p.grad = view
+        elif self.follower is not None:
+            self.follower.regrad(i, grad, view)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        rt = self.rt
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.iteration += 1  # prepare_for_forward
+            self.rebuild_buckets()
+            if self.broadcast_buffers:
+                bufs = [b for b in self.module.buffers()]
+                with rt.device(self.device):
+                    ddp_broadcast_coalesced(rt, bufs)
+        output = self.module(*inputs, **kwargs)
+        if grad:
+            self._expect_hooks = True  # prepare_for_backward
+            if self.find_unused_parameters:
+                # distributed.py: pytree-flattened, the outputs with a grad_fn through
+                # _DDPSink; the flat list (the outputs before their clones) lives until
+                # forward returns
+                flat, spec = tree_flatten(output)
+                with rt.device(self.device):
+                    passed = _DDPSink.apply(*flat)
+                output = tree_unflatten(
+                    [o if not isinstance(o, torch.Tensor) or o.grad_fn is None else n
+                     for o, n in zip(flat, passed, strict=True)], spec)
+                del passed
+        return output
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Dense layouts the bucket view can match with ``as_strided`` (contiguous or
+    channels-last); anything else gets a contiguous ``narrow().view()``."""
+    return t.is_contiguous() or (
+        t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+    )

@@ -1,0 +1,426 @@
+"""``dpprof run``'s fixes as rewrites of the script's own lines (dpprof.analysis.script_rewrite).
+
+Each case is a script in a style people write; the rewrite must compile, hold the exact
+wrapped expression, leave every other line as it was, and its diff must give the new file
+when applied to the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dpprof.analysis import script_rewrite as sr
+from dpprof.cli.app import app
+
+NET = '''\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self, d=8, v=4):
+        super().__init__()
+        self.fc = nn.Linear(d, v)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+'''
+
+
+def script(body: str) -> str:
+    return NET + textwrap.dedent(body)
+
+
+def line_of(source: str, text: str, nth: int = 0) -> int:
+    """The line number of the ``nth`` line that holds ``text``."""
+    hits = [i for i, line in enumerate(source.splitlines(), 1) if text in line]
+    assert len(hits) > nth, (text, source)
+    return hits[nth]
+
+
+def apply_diff(old: str, diff: str) -> str:
+    """A unified diff (difflib's, any context) applied to ``old``; its lines checked."""
+    lines = old.splitlines()
+    out: list[str] = []
+    pos = 0
+    body = diff.splitlines()
+    assert body[0].startswith("--- ") and body[1].startswith("+++ "), diff
+    for text in body[2:]:
+        hunk = re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@", text)
+        if hunk:
+            start = int(hunk.group(1)) - (0 if hunk.group(2) == "0" else 1)
+            out += lines[pos:start]
+            pos = start
+        elif text.startswith(("-", " ")):
+            assert lines[pos] == text[1:], (pos, lines[pos], text)
+            if text.startswith(" "):
+                out.append(text[1:])
+            pos += 1
+        elif text.startswith("+"):
+            out.append(text[1:])
+        else:
+            assert text.startswith("# "), text  # what rewrite_text adds after the diff
+    return "\n".join(out + lines[pos:]) + "\n"
+
+
+def checked(rw: sr.Rewrite, old: str) -> str:
+    """The new file: it compiles, and the diff gives it."""
+    assert rw.ok, rw.reason
+    compile(rw.new_source, "train.py", "exec")
+    assert apply_diff(old, rw.diff) == rw.new_source
+    return rw.new_source
+
+
+def lif(source: str, dp: str, call: str, loss: str) -> sr.Rewrite:
+    return sr.loss_in_forward(source, "train.py", line_of(source, dp), line_of(source, call),
+                              line_of(source, loss))
+
+
+def ddp(source: str, dp: str, bucket_view: bool = False) -> sr.Rewrite:
+    return sr.ddp(source, "train.py", line_of(source, dp), 4, bucket_view)
+
+
+LOOP = """\
+criterion = nn.CrossEntropyLoss()
+for x, y in [(torch.randn(6, 8), torch.randint(0, 4, (6,)))]:
+    out = model(x)
+    loss = criterion(out, y)
+    loss.backward()
+"""
+
+WRAPS = [
+    # (how the script wraps its model, the wrapped expression after the rewrite)
+    ("model = nn.DataParallel(Net())\n",
+     "model = nn.DataParallel(dpprof.ModelWithLoss(Net(), criterion))"),
+    ("model = nn.DataParallel(Net().cuda())\n",
+     "model = nn.DataParallel(dpprof.ModelWithLoss(Net().cuda(), criterion))"),
+    ("device = 'cuda'\nmodel = nn.DataParallel(Net(1024, v=32000).to(device))\n",
+     "model = nn.DataParallel(dpprof.ModelWithLoss(Net(1024, v=32000).to(device), criterion))"),
+    ("model = Net(16, v=3)\nmodel = torch.nn.DataParallel(model, device_ids=[0,1])\n",
+     "model = torch.nn.DataParallel(dpprof.ModelWithLoss(model, criterion), device_ids=[0,1])"),
+    ("model = Net(1024,\n          v=32000)\nmodel = model.cuda()\nmodel = nn.DataParallel(model)\n",
+     "model = nn.DataParallel(dpprof.ModelWithLoss(model, criterion))"),
+    ("model = nn.DataParallel(\n    Net(1024,\n        v=32000),\n    device_ids=[0, 1],\n)\n",
+     "model = nn.DataParallel(\n    dpprof.ModelWithLoss(Net(1024,\n        v=32000), criterion),\n"
+     "    device_ids=[0, 1],\n)"),
+    ("from torch.nn import DataParallel\nmodel = Net()\nmodel = DataParallel(model).cuda()\n",
+     "model = DataParallel(dpprof.ModelWithLoss(model, criterion)).cuda()"),
+]
+
+
+@pytest.mark.parametrize(("wrap", "wrapped"), WRAPS)
+def test_the_wrap_takes_the_loss_inside_forward(wrap: str, wrapped: str) -> None:
+    old = script(LOOP.replace("criterion = nn.CrossEntropyLoss()\n",
+                              "criterion = nn.CrossEntropyLoss()\n" + wrap))
+    rw = lif(old, "DataParallel(", "out = model(x)", "loss = criterion")
+    new = checked(rw, old)
+    assert wrapped in new
+    assert "    loss = dpprof.ModelWithLoss.combine(model(x, y))\n" in new
+    assert "out = model(x)" not in new and "import dpprof\n" in new
+    # the wrap's lines and the loop's two become the new ones; every other line as written
+    old_lines = [line[1:] for line in rw_lines(rw.diff, "-")]
+    assert set(old_lines) <= {*wrap.splitlines(), "    out = model(x)", "    loss = criterion(out, y)"}
+    assert {"    out = model(x)", "    loss = criterion(out, y)"} <= set(old_lines)
+    assert {line[1:] for line in rw_lines(rw.diff, "+")} <= {
+        *wrapped.splitlines(), "import dpprof", "    loss = dpprof.ModelWithLoss.combine(model(x, y))"}
+
+
+def rw_lines(diff: str, sign: str) -> list[str]:
+    """The removed ("-") or added ("+") lines of a diff."""
+    return [line for line in diff.splitlines()[2:] if line.startswith(sign)]
+
+
+def test_a_wrap_spanning_lines_is_found_from_any_of_them() -> None:
+    wrap = "model = nn.DataParallel(\n    Net(1024,\n        v=32000),\n    device_ids=[0, 1],\n)\n"
+    old = script("criterion = nn.CrossEntropyLoss()\n" + wrap + LOOP)
+    first = lif(old, "DataParallel(", "out = model(x)", "loss = criterion")
+    inner = lif(old, "v=32000", "out = model(x)", "loss = criterion")
+    assert first.ok and first.new_source == inner.new_source
+
+
+@pytest.mark.parametrize(("wrap", "wrapped"), [
+    ("model = nn.DataParallel(Net())", "model = DDP(Net().cuda(rank), device_ids=[rank])"),
+    ("model = nn.DataParallel(Net().cuda())",
+     "model = DDP(Net().cuda(rank), device_ids=[rank])"),
+    ("model = nn.DataParallel(Net(1024, v=32000).to(device))",
+     "model = DDP(Net(1024, v=32000).cuda(rank), device_ids=[rank])"),
+    ("model = torch.nn.DataParallel(model, device_ids=[0,1], output_device=1)",
+     "model = DDP(model.cuda(rank), device_ids=[rank])"),
+    ("model = nn.DataParallel(model, None, None, 1)",
+     "model = DDP(model.cuda(rank), device_ids=[rank], dim=1)"),
+    ("model = nn.DataParallel(model).cuda()", "model = DDP(model.cuda(rank), device_ids=[rank])"),
+    ("model = nn.DataParallel(Net().to(torch.float64))",
+     "model = DDP(Net().to(torch.float64).cuda(rank), device_ids=[rank])"),
+])
+def test_ddp_in_place_of_the_wrap(wrap: str, wrapped: str) -> None:
+    old = script(f"device = 'cuda:0'\nmodel = Net()\n{wrap}\n" + LOOP)
+    new = checked(ddp(old, "DataParallel("), old)
+    assert f"\n{wrapped}\n" in new
+    head = new[: new.index("class Net")]
+    assert head.index("import os\n") < head.index("import torch.distributed as dist\n") < \
+        head.index("from torch.nn.parallel import DistributedDataParallel as DDP\n") < \
+        head.index('dist.init_process_group("nccl")\n') < head.index(
+            'rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)\n')
+    assert "# torchrun --nproc-per-node 4 train.py\n" in head
+    assert "device = 'cuda'\n" in new  # cuda:0 was every rank's device
+    view = checked(ddp(old, "DataParallel(", bucket_view=True), old)
+    assert f"\n{wrapped[:-1]}, gradient_as_bucket_view=True)\n" in view
+
+
+def test_ddp_starts_the_process_group_in_the_wraps_function() -> None:
+    old = textwrap.dedent('''\
+        """Train."""
+        import os
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader
+
+
+        def main(rank_hint=None):
+            """The entry point."""
+            model = nn.Linear(8, 4).cuda()
+            model = nn.DataParallel(model)
+            loader = DataLoader(list(range(8)), batch_size=8,
+                                shuffle=True)
+            return model, loader
+
+
+        if __name__ == "__main__":
+            main()
+        ''')
+    new = checked(ddp(old, "DataParallel("), old)
+    assert new.count("import os\n") == 1 and "import torch.distributed as dist\n" in new
+    assert ('    """The entry point."""\n    # torchrun --nproc-per-node 4 train.py\n'
+            '    dist.init_process_group("nccl")\n'
+            '    rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)\n'
+            "    model = nn.Linear(8, 4).cuda()\n") in new
+    assert ("    # DDP: each rank loads its share: batch_size // 4, "
+            "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)\n"
+            "    loader = DataLoader(") in new
+
+
+def test_ddp_takes_another_name_where_the_script_has_a_rank() -> None:
+    old = script("rank = 0\nmodel = nn.DataParallel(Net())\n")
+    new = checked(ddp(old, "DataParallel("), old)
+    assert "local_rank = int(os.environ[\"LOCAL_RANK\"]); torch.cuda.set_device(local_rank)" in new
+    assert "DDP(Net().cuda(local_rank), device_ids=[local_rank])" in new
+    assert any("DataLoader" in n for n in ddp(old, "DataParallel(").notes)
+
+
+def test_ddp_name_taken_is_a_reason_not_bad_code() -> None:
+    old = script("DDP = 3\nmodel = nn.DataParallel(Net())\n")
+    rw = ddp(old, "DataParallel(")
+    assert not rw.ok and rw.new_source == "" and "`DDP`" in rw.reason
+
+
+def test_the_loss_nested_on_the_models_call_and_inside_an_expression() -> None:
+    old = script("model = nn.DataParallel(Net())\ncriterion = nn.CrossEntropyLoss()\n"
+                 "x, y, accum = torch.randn(6, 8), torch.randint(0, 4, (6,)), 2\n"
+                 "loss = criterion(model(x), y) / accum + 0.0\n")
+    new = checked(lif(old, "DataParallel(", "loss = criterion", "loss = criterion"), old)
+    assert "loss = dpprof.ModelWithLoss.combine(model(x, y)) / accum + 0.0\n" in new
+
+
+def test_a_functional_loss_is_the_loss_function_itself() -> None:
+    old = script("model = nn.DataParallel(Net())\nx, y = torch.randn(6, 8), torch.tensor([1])\n"
+                 "out = model(x)\nloss = F.cross_entropy(out, y)\n"
+                 "loss2 = F.cross_entropy(model(x), target=y, label_smoothing=0.1)\n")
+    new = checked(lif(old, "DataParallel(", "out = model(x)", "loss = F."), old)
+    assert "nn.DataParallel(dpprof.ModelWithLoss(Net(), F.cross_entropy))" in new
+    smooth = checked(lif(old, "DataParallel(", "loss2", "loss2"), old)
+    assert ("nn.DataParallel(dpprof.ModelWithLoss(Net(), lambda outputs, targets: "
+            "F.cross_entropy(outputs, targets, label_smoothing=0.1)))") in smooth
+    assert "loss2 = dpprof.ModelWithLoss.combine(model(x, y))\n" in smooth
+
+
+def test_several_model_inputs_go_as_one_tuple() -> None:
+    old = script("model = nn.DataParallel(Net())\ncriterion = nn.MSELoss()\n"
+                 "out = model(a, mask)\nloss = criterion(out, b)\n")
+    new = checked(lif(old, "DataParallel(", "out = model", "loss ="), old)
+    assert "loss = dpprof.ModelWithLoss.combine(model((a, mask), b))\n" in new
+
+
+def test_the_loss_defined_after_the_wrap_moves_before_it() -> None:
+    old = script("""\
+        model = Net()
+        if torch.cuda.device_count() > 1:
+            model = nn.DataParallel(model)
+        weights = torch.ones(4)
+        criterion = nn.CrossEntropyLoss(
+            label_smoothing=0.1)
+        for x, y in []:
+            outputs = model(x)
+            loss = criterion(outputs, y)
+            _, predicted = torch.max(outputs, 1)
+        """)
+    rw = lif(old, "DataParallel(", "outputs = model", "loss = criterion")
+    new = checked(rw, old)
+    assert ("model = Net()\ncriterion = nn.CrossEntropyLoss(\n    label_smoothing=0.1)\n"
+            "if torch.cuda.device_count() > 1:\n") in new
+    assert new.count("criterion = nn.CrossEntropyLoss(") == 1
+    # the outputs used besides the loss: said at the line, and in the notes
+    used = line_of(old, "torch.max(outputs")
+    assert (f"    # outputs no longer reaches cuda:0 (line {used} uses it): compute that inside "
+            "forward\n    loss = dpprof.ModelWithLoss.combine(model(x, y))\n") in new
+    assert any("conditional" in n for n in rw.notes)
+    # a loss that needs what is set after the wrap cannot move: a reason, no code
+    bad = lif(old.replace("label_smoothing=0.1", "weight=weights"), "DataParallel(",
+              "outputs = model", "loss = criterion")
+    assert not bad.ok and bad.new_source == "" and "weights" in bad.reason
+
+
+def test_a_wrap_under_a_condition_is_noted() -> None:
+    old = script("model = nn.DataParallel(Net()) if torch.cuda.device_count() > 1 else Net()\n"
+                 + LOOP)
+    rw = lif(old, "DataParallel(", "out = model", "loss = criterion")
+    new = checked(rw, old)
+    assert "model = nn.DataParallel(dpprof.ModelWithLoss(Net(), criterion)) if" in new
+    assert any("conditional" in n for n in rw.notes)
+    assert "# also: the wrap (line" in sr.rewrite_text(rw)
+
+
+def test_the_models_call_alone_in_its_block_leaves_pass() -> None:
+    old = script("model = nn.DataParallel(Net())\ncriterion = nn.MSELoss()\n"
+                 "if True:\n    out = model(a)\nloss = criterion(out, b)\n")
+    new = checked(lif(old, "DataParallel(", "out = model", "loss ="), old)
+    assert "if True:\n    pass\nloss = dpprof.ModelWithLoss.combine(model(a, b))\n" in new
+
+
+def test_a_method_wrap_and_its_loss_attribute() -> None:
+    old = script("""\
+        class Trainer:
+            def __init__(self):
+                self.model = nn.DataParallel(Net(8, v=4).cuda())
+                self.criterion = nn.CrossEntropyLoss()
+
+            def step(self, x, y):
+                logits = self.model(x)
+                return self.criterion(logits, y)
+        """)
+    rw = lif(old, "DataParallel(", "logits =", "return self.criterion")
+    new = checked(rw, old)
+    assert ("        self.criterion = nn.CrossEntropyLoss()\n        self.model = nn.DataParallel("
+            "dpprof.ModelWithLoss(Net(8, v=4).cuda(), self.criterion))\n") in new
+    assert "        return dpprof.ModelWithLoss.combine(self.model(x, y))\n" in new
+    assert any("different functions" in n for n in rw.notes)
+
+
+@pytest.mark.parametrize(("loss", "why"), [
+    ("loss = criterion(out.view(-1, 4), y)", "no loss call whose first argument"),
+    ("loss = get_loss()(out, y)", "not a name"),
+    ("loss = criterion(out, y, reduction=mode)", "not constants"),
+])
+def test_what_cannot_move_into_forward_is_a_reason(loss: str, why: str) -> None:
+    old = script(f"model = nn.DataParallel(Net())\ncriterion = nn.MSELoss()\nout = model(x)\n"
+                 f"{loss}\n")
+    rw = lif(old, "DataParallel(", "out = model", "loss =")
+    assert not rw.ok and rw.diff == "" and why in rw.reason
+    assert sr.rewrite_text(rw).startswith("# no rewrite of the script's lines: ")
+
+
+def test_the_model_call_with_keywords_is_a_reason() -> None:
+    old = script("model = nn.DataParallel(Net())\ncriterion = nn.MSELoss()\n"
+                 "out = model(x, mask=m)\nloss = criterion(out, y)\n")
+    assert "keyword" in lif(old, "DataParallel(", "out = model", "loss =").reason
+
+
+def test_sites_dpprof_did_not_see_are_a_reason() -> None:
+    assert not sr.loss_in_forward_at("?", "t.py:3", "t.py:4").ok
+    assert "different files" in sr.loss_in_forward_at("a.py:1", "b.py:2", "a.py:3").reason
+    assert "cannot read" in sr.ddp_at("/nonexistent/t.py:3", 4).reason
+
+
+def test_the_rewritten_script_runs_and_gives_the_same_loss(tmp_path: Path) -> None:
+    """On a machine without GPUs DataParallel calls its module directly: the rewritten
+    script runs for real, and its loss is the one the script computed."""
+    old = script("""\
+        torch.manual_seed(0)
+        device = "cpu"
+        model = nn.DataParallel(Net(8, v=4).to(device))
+        criterion = nn.CrossEntropyLoss()
+        x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+        out = model(x)
+        loss = criterion(out, y)
+        print(f"{loss.item():.6f}")
+        """)
+    new = checked(lif(old, "DataParallel(", "out = model", "loss = criterion"), old)
+    root = Path(__file__).resolve().parents[1]
+    losses = []
+    for name, text in (("old.py", old), ("new.py", new)):
+        (tmp_path / name).write_text(text)
+        done = subprocess.run([sys.executable, str(tmp_path / name)], capture_output=True,
+                              text=True, cwd=root, check=True, env={"CUDA_VISIBLE_DEVICES": ""})
+        losses.append(done.stdout.strip())
+    assert losses[0] == losses[1] and losses[0]
+
+
+ARGS_SCRIPT = '''\
+"""DataParallel over a model built with positional and keyword arguments."""
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self, d_in, hidden, *, classes=10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(),
+                                  nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+device = torch.device("cuda:0")
+model = nn.DataParallel(Net(32, 64,
+                            classes=100).to(device), device_ids=[0, 1, 2, 3])
+data = TensorDataset(torch.randn(256, 32), torch.randint(0, 100, (256,)))
+loader = DataLoader(data, batch_size=64, shuffle=True)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+criterion = nn.CrossEntropyLoss()
+for inputs, labels in loader:
+    inputs, labels = inputs.to(device), labels.to(device)
+    optimizer.zero_grad()
+    loss = criterion(model(inputs), labels)
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_dpprof_run_gives_fixes_that_compile_when_applied(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "train_args.py"
+    path.write_text(ARGS_SCRIPT)
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["run", "-q", "-o", str(out), "--", "python", str(path)])
+    assert r.exit_code == 0, r.output
+    fixes = {f["name"]: f["code"] for f in json.loads(out.read_text())["fixes"]}
+    assert set(fixes) == {"loss-in-forward", "ddp", "gradient-as-bucket-view"}
+    new = apply_diff(ARGS_SCRIPT, fixes["loss-in-forward"])
+    compile(new, str(path), "exec")
+    assert ("criterion = nn.CrossEntropyLoss()\nmodel = nn.DataParallel(dpprof.ModelWithLoss("
+            "Net(32, 64,\n                            classes=100).to(device), criterion), "
+            "device_ids=[0, 1, 2, 3])\n") in new
+    assert "    loss = dpprof.ModelWithLoss.combine(model(inputs, labels))\n" in new
+    new = apply_diff(ARGS_SCRIPT, fixes["ddp"])
+    compile(new, str(path), "exec")
+    assert "model = DDP(Net(32, 64,\n                            classes=100).cuda(rank), " \
+        "device_ids=[rank])\n" in new
+    assert 'device = torch.device("cuda")\n' in new
+    new = apply_diff(ARGS_SCRIPT, fixes["gradient-as-bucket-view"])
+    compile(new, str(path), "exec")
+    assert "device_ids=[rank], gradient_as_bucket_view=True)\n" in new
