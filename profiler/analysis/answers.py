@@ -66,6 +66,8 @@ FIX_APPLIES: dict[str, tuple[str, ...]] = {
     "balanced-split": (DP_LOSS_PRIMARY,),
 }
 FIX_SCENARIO = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}  # measured as a scenario too
+# the ladder's rungs (dpprof.analysis.ladder): names start with this; they apply to every setup
+LADDER_PREFIX = "ladder-"
 # how the verdict names another scenario the user ran, against the baseline
 ALTERNATIVE_WORDS = {DP_LOSS_FORWARD: "computing the loss inside forward", DDP: "DDP",
                      DP_LOSS_PRIMARY: "the loss on cuda:0 (dp-loss-primary)"}
@@ -251,6 +253,9 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
             tail.append(f"none of the scenarios run fits: the lightest, {lightest.name}, "
                         f"needs {fmt_bytes(need_bytes(lightest))} on its fullest GPU "
                         f"({counts(run)})")
+        rung = _ladder_clause(run)
+        if rung:
+            tail.append(rung)
     elif measured(base) and len(run.scenarios) == 1:
         tail.append(f"it fits: the fullest GPU needs {fmt_bytes(need_bytes(base))} of "
                     f"{fmt_bytes(run.gpu_memory_bytes)} ({counts(run)})")
@@ -261,6 +266,23 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
     if clause:
         return before + "; ", clause, after
     return before + after, "", ""
+
+
+def _ladder_clause(run: RunResult) -> str:
+    """The cheapest rung of the ladder that fits (the rungs come cheapest first), counting
+    what the out-of-memory check counts; or that none does; "" where none was measured."""
+    rungs = [f for f in run.fixes if f.name.startswith(LADDER_PREFIX) and f.need_bytes is not None]
+    if not rungs:
+        return ""
+    fit = next((f for f in rungs if (f.need_bytes or 0) <= run.gpu_memory_bytes), None)
+    if fit is not None:
+        return (f"the cheapest rung that fits is {fit.title} on "
+                f"{'DDP' if run.gpus > 1 else 'one GPU'}: its fullest GPU needs "
+                f"{fmt_bytes(fit.need_bytes)} (reserved memory and the CUDA context counted; "
+                "the code is below)")
+    lightest = min(rungs, key=lambda f: f.need_bytes or 0)
+    return (f"no rung of the ladder measured fits: the lightest, {lightest.title}, needs "
+            f"{fmt_bytes(lightest.need_bytes)} on its fullest GPU")
 
 
 def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
@@ -369,7 +391,9 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
     out = []
     was_top = heaviest(base)
     for f in _found_fixes(run):
-        if base.name not in FIX_APPLIES.get(f.name, (DP_LOSS_PRIMARY,)):
+        applies = (BASELINES if f.name.startswith(LADDER_PREFIX)
+                   else FIX_APPLIES.get(f.name, (DP_LOSS_PRIMARY,)))
+        if base.name not in applies:
             continue
         if FIX_SCENARIO.get(f.name) == base.name or f.max_peak_bytes is None:
             continue
@@ -392,6 +416,8 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
 
 
 def _fix_fits(run: RunResult, f: Fix) -> bool | None:
+    if f.need_bytes is not None:  # counted as the out-of-memory check counts
+        return f.need_bytes <= run.gpu_memory_bytes
     own = run.scenario(FIX_SCENARIO.get(f.name, ""))
     if measured(own):
         assert own is not None
@@ -730,11 +756,12 @@ def add_answers(
     equivalence: bool = False, scenarios: tuple[str, ...] = (),
     fail_on_imbalance: float | None = None, fail_on_oom: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
-    alongside: Alongside | None = None,
+    alongside: Alongside | None = None, ladder: bool | None = None,
 ) -> RunResult:
     """Fill the answer fields of ``run`` (in place), its verdict last, and return it;
     ``alongside``: what the run's own scenarios measured for the fixes
-    (:func:`dpprof.analysis.fixes.alongside`)."""
+    (:func:`dpprof.analysis.fixes.alongside`); ``ladder``: measure the ladder's rungs
+    (:mod:`dpprof.analysis.ladder`), None: where the data-parallel floor is out of memory."""
     from dpprof.analysis.attribution import attribute_run
     from dpprof.analysis.fixes import evaluate
 
@@ -748,6 +775,11 @@ def add_answers(
     if fixes:
         step("the fixes")
         run.fixes = evaluate(run, wl, ecfg, alongside)
+        from dpprof.analysis import ladder as rungs
+
+        if ladder or (ladder is None and rungs.wanted(run)):
+            step("the ladder")
+            run.fixes += rungs.evaluate(run, wl, ecfg)
     if maxbatch:
         from dpprof.analysis.maxbatch import run_maxbatch
 
