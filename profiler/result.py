@@ -207,6 +207,9 @@ class Fix:
     # balanced-split: rows per GPU
     chunk_sizes: Annotated[list[Count], MaxLen(MAX_DEVICES)] = field(
         default_factory=list)
+    # what the fix's fullest GPU needs as the out-of-memory check counts it (reserved +
+    # context where emulated); None where only its allocated peaks were measured
+    need_bytes: Bytes | None = None
 
 
 @dataclass

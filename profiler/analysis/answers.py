@@ -58,6 +58,8 @@ WATCH, MAXBATCH, NOTHING = "watch", "maxbatch", "none"
 SETUPS = {s.name: s.setup for s in REGISTRY}
 # the scenario that stands for what the user runs, the first of these a result holds
 BASELINES = tuple(s.name for s in REGISTRY)
+# the ladder's rungs (dpprof.analysis.ladder): names start with this; they apply to every setup
+LADDER_PREFIX = "ladder-"
 # how the verdict names another scenario the user ran, against the baseline
 ALTERNATIVE_WORDS = {s.name: s.alternative_words for s in REGISTRY if s.alternative_words}
 
@@ -242,6 +244,9 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
             tail.append(f"none of the scenarios run fits: the lightest, {lightest.name}, "
                         f"needs {fmt_bytes(need_bytes(lightest))} on its fullest GPU "
                         f"({counts(run)})")
+        rung = _ladder_clause(run)
+        if rung:
+            tail.append(rung)
     elif measured(base) and len(run.scenarios) == 1:
         tail.append(f"it fits: the fullest GPU needs {fmt_bytes(need_bytes(base))} of "
                     f"{fmt_bytes(run.gpu_memory_bytes)} ({counts(run)})")
@@ -252,6 +257,23 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
     if clause:
         return before + "; ", clause, after
     return before + after, "", ""
+
+
+def _ladder_clause(run: RunResult) -> str:
+    """The cheapest rung of the ladder that fits (the rungs come cheapest first), counting
+    what the out-of-memory check counts; or that none does; "" where none was measured."""
+    rungs = [f for f in run.fixes if f.name.startswith(LADDER_PREFIX) and f.need_bytes is not None]
+    if not rungs:
+        return ""
+    fit = next((f for f in rungs if (f.need_bytes or 0) <= run.gpu_memory_bytes), None)
+    if fit is not None:
+        return (f"the cheapest rung that fits is {fit.title} on "
+                f"{'DDP' if run.gpus > 1 else 'one GPU'}: its fullest GPU needs "
+                f"{fmt_bytes(fit.need_bytes)} (reserved memory and the CUDA context counted; "
+                "the code is below)")
+    lightest = min(rungs, key=lambda f: f.need_bytes or 0)
+    return (f"no rung of the ladder measured fits: the lightest, {lightest.title}, needs "
+            f"{fmt_bytes(lightest.need_bytes)} on its fullest GPU")
 
 
 def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
@@ -360,7 +382,8 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
     out = []
     was_top = heaviest(base)
     for f in _found_fixes(run):
-        if base.name not in applies_to(f.name):
+        applies = BASELINES if f.name.startswith(LADDER_PREFIX) else applies_to(f.name)
+        if base.name not in applies:
             continue
         if as_scenario(f.name) == base.name or f.max_peak_bytes is None:
             continue
@@ -383,6 +406,8 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
 
 
 def _fix_fits(run: RunResult, f: Fix) -> bool | None:
+    if f.need_bytes is not None:  # counted as the out-of-memory check counts
+        return f.need_bytes <= run.gpu_memory_bytes
     own = run.scenario(as_scenario(f.name) or "")
     if measured(own):
         assert own is not None
@@ -722,11 +747,12 @@ def add_answers(
     equivalence: bool = False, scenarios: tuple[str, ...] = (),
     fail_on_imbalance: float | None = None, fail_on_oom: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
-    alongside: Alongside | None = None,
+    alongside: Alongside | None = None, ladder: bool | None = None,
 ) -> RunResult:
     """Fill the answer fields of ``run`` (in place), its verdict last, and return it;
     ``alongside``: what the run's own scenarios measured for the fixes
-    (:func:`dpprof.analysis.fixes.alongside`)."""
+    (:func:`dpprof.analysis.fixes.alongside`); ``ladder``: measure the ladder's rungs
+    (:mod:`dpprof.analysis.ladder`), None: where the data-parallel floor is out of memory."""
     from dpprof.analysis.attribution import attribute_run
     from dpprof.analysis.fixes import evaluate
 
@@ -740,6 +766,11 @@ def add_answers(
     if fixes:
         step("the fixes")
         run.fixes = evaluate(run, wl, ecfg, alongside)
+        from dpprof.analysis import ladder as rungs
+
+        if ladder or (ladder is None and rungs.wanted(run)):
+            step("the ladder")
+            run.fixes += rungs.evaluate(run, wl, ecfg)
     if maxbatch:
         from dpprof.analysis.maxbatch import run_maxbatch
 

@@ -103,6 +103,9 @@ class EmulationConfig:
     # Peaks only: each device's peaks and its categories at the peak, no timeline and no
     # reserved/context simulation (the fixes' variants, which report nothing else).
     peaks_only: bool = False
+    # Whose autocast op lists --amp re-enacts: the GPU's ("cuda"), or torch's CPU autocast
+    # ("cpu"), which the checks compare with torch.autocast("cpu") on real tensors.
+    autocast_ops: str = "cuda"
 
     def with_step(self, **changes: Any) -> EmulationConfig:
         """A copy with the step's options changed (``batch=...``, ``ddp=...``)."""
@@ -222,7 +225,7 @@ def _run_scenario(
     result = ScenarioResult(name=name, batch=step.batch)
     cats = _CategoryHooks(rt)
     kernels = GpuKernels(cfg.compute_capability, rt)
-    amp = EmulatedAutocast(getattr(torch, step.amp)) if step.amp else None
+    amp = EmulatedAutocast(getattr(torch, step.amp), cfg.autocast_ops) if step.amp else None
     autocast_names = CudaAutocastNames()  # the user's own torch.autocast("cuda", ...)
     try:
         with rt, cuda, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
@@ -244,6 +247,9 @@ def _run_scenario(
             def phase(p: str) -> contextlib.AbstractContextManager[None]:
                 if amp is not None and p == "backward":
                     amp.clear_cache()  # autocast's region (forward + loss) has ended
+                    amp.caching = False
+                elif amp is not None and p == "forward":
+                    amp.caching = True
                 # Factories take the current device: cuda:0 for the step (as after
                 # torch.cuda.set_device), the host inside optimizer.step (its CPU scalars).
                 return rt.phase(p, PHASE_CATEGORY.get(p), HOST if p == "optimizer" else 0)

@@ -84,6 +84,9 @@ class RankSpec:
     memory: str = "profiler"  # "profiler" | "cuda" | "none"
     return_parameters: bool = False
     wrap: str = "ddp"  # "ddp" | "none" (the bare model: the single scenario, no group needed)
+    # --amp on a CPU rank: "emulated" (the GPU's op lists, as the emulated scenarios beside
+    # it) or "native" (torch.autocast("cpu"): what the checks compare the emulator with)
+    autocast: str = "emulated"
     pg_timeout_s: float = 120.0  # process-group (collective) timeout
     join_timeout_s: float = 600.0  # the whole run, from start to the last result
     grace_s: float = 10.0  # after one rank fails, how long the others may take to fail
@@ -178,7 +181,8 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             if group.get("foreach") is None and not group.get("fused"):
                 group["foreach"] = True  # as on CUDA, and as the emulator
         model.train()
-        amp = StepAutocast(step.amp, device.type)  # --amp: forward and loss
+        # --amp: forward and loss
+        amp = StepAutocast(step.amp, device.type, native=spec.autocast == "native")
         # The loader's host batches, one per iteration, made before the loop: every rank
         # makes the same global batch and takes its shard (the one seed rule).
         batches = [scenario_batch(wl, step.seed, k, step.batch, world_size, rank)

@@ -338,6 +338,12 @@ _LOWER = [(F, "linear"), (F, "conv1d"), (F, "conv2d"), (F, "conv3d"),
 _FP32 = [(F, "softmax"), (F, "log_softmax"), (F, "cross_entropy"), (F, "nll_loss"),
          (F, "layer_norm"), (F, "group_norm"), (F, "mse_loss"), (F, "l1_loss"),
          (F, "binary_cross_entropy_with_logits")]
+# The same file's CPU lists (KERNEL_CPU): the same low-precision ops; of the float32 ops only
+# the losses (softmax and the norms run in the input's dtype). Used to check the
+# re-enactment against torch's own CPU autocast (tests/test_ladder.py).
+_FP32_CPU = [(F, "cross_entropy"), (F, "nll_loss"), (F, "mse_loss"), (F, "l1_loss"),
+             (F, "binary_cross_entropy_with_logits")]
+AUTOCAST_OP_LISTS = ("cuda", "cpu")
 
 
 class EmulatedAutocast:
@@ -350,13 +356,24 @@ class EmulatedAutocast:
     :meth:`clear_cache` (autocast clears its cache when the outermost region exits: once per
     forward), so each weight is copied once per forward and the copy lives as long as
     autograd saves it. Parameters, gradients and optimizer state stay float32.
+
+    ``ops``: whose op lists, ``"cuda"`` (the target GPU's) or ``"cpu"`` (torch's CPU
+    autocast, to check the re-enactment against ``torch.autocast("cpu")`` on real tensors).
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, ops: str = "cuda") -> None:
+        if ops not in AUTOCAST_OP_LISTS:
+            raise ValueError(f"autocast op lists {ops!r}: choose from {AUTOCAST_OP_LISTS}")
         self.dtype = dtype
+        self.fp32_ops = _FP32 if ops == "cuda" else _FP32_CPU
         self._cache: dict[int, torch.Tensor] = {}
         self._patcher = Patcher()
         self.casts = 0
+        # Off between the region's end and the next forward: a checkpointed block's
+        # recompute in backward casts again, and torch's recompute runs in an autocast
+        # region of its own whose cache dies with it (its casts live as long as that
+        # block's recomputed graph saves them), not until the next forward.
+        self.caching = True
 
     def clear_cache(self) -> None:
         self._cache.clear()
@@ -365,7 +382,7 @@ class EmulatedAutocast:
         if isinstance(x, torch.Tensor):
             if not x.is_floating_point() or x.dtype == dtype or x.dtype == torch.float64:
                 return x
-            if x.is_leaf and x.requires_grad and torch.is_grad_enabled():
+            if x.is_leaf and x.requires_grad and torch.is_grad_enabled() and self.caching:
                 hit = self._cache.get(id(x))
                 if hit is None:
                     hit = self._cache[id(x)] = x.to(dtype)
@@ -380,13 +397,17 @@ class EmulatedAutocast:
     def _wrap(self, fn: Any, dtype: torch.dtype | None) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             target = self.dtype if dtype is None else dtype
-            args = tuple(self._cast(a, target) for a in args)
-            kwargs = {k: self._cast(v, target) for k, v in kwargs.items()}
-            return fn(*args, **kwargs)
+            # Last argument first: autocast's C++ wrapper casts its arguments in a pack
+            # expansion, which GCC (torch's Linux builds) evaluates right to left. The
+            # order decides the casts' autograd sequence numbers, so which weight's
+            # gradient is cast back to float32 first in backward.
+            cast_kwargs = {k: self._cast(kwargs[k], target) for k in reversed(kwargs)}
+            cast_args = [self._cast(a, target) for a in reversed(args)][::-1]
+            return fn(*cast_args, **{k: cast_kwargs[k] for k in kwargs})
         return wrapped
 
     def __enter__(self) -> EmulatedAutocast:
-        for owner, name in _LOWER + _FP32:
+        for owner, name in _LOWER + self.fp32_ops:
             self._patcher.patch(owner, name, self._wrap(
                 getattr(owner, name), None if (owner, name) in _LOWER else torch.float32))
         return self
@@ -406,15 +427,16 @@ class StepAutocast:
     Use it as a context manager around the steps: an exception mid-step ends the region.
     """
 
-    def __init__(self, amp: str | None, device_type: str) -> None:
+    def __init__(self, amp: str | None, device_type: str, native: bool = False) -> None:
         self.dtype: torch.dtype | None = getattr(torch, amp) if amp else None
         self.device_type = device_type
+        self.native = native  # torch.autocast(device_type) on any device (the checks)
         self._region = contextlib.ExitStack()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         assert self.dtype is not None
-        if self.device_type == "cuda":
-            return torch.autocast("cuda", dtype=self.dtype)
+        if self.device_type == "cuda" or self.native:
+            return torch.autocast(self.device_type, dtype=self.dtype)
         return EmulatedAutocast(self.dtype)
 
     def phase(

@@ -1,0 +1,195 @@
+"""The ladder's rungs against real execution on CPU tensors, and the verdict that names one.
+
+Mixed precision: the emulator re-enacts autocast at the function level over meta tensors
+(:class:`dpprof.emulator.kernels.EmulatedAutocast`); with torch's CPU op lists it must give
+the peak that ``torch.autocast("cpu", torch.bfloat16)`` gives on real tensors, recorded by
+torch.profiler, to the byte. Activation checkpointing: the blocks the ladder wraps
+(:func:`dpprof.analysis.ladder.checkpointed`) run for real under the profiler and in the
+emulator; the peaks are equal, less the CPU generator's state that each checkpointed block
+stashes on the host until its recompute (``torch.get_rng_state()``, made outside the
+dispatcher: host memory on a GPU, never device memory).
+
+The records the emulator has no event for must be explained: the CPU allocator's known
+kernel scratch (:func:`dpprof.backends.memtrace.cpu_only_reason`), a bfloat16 CPU gemm's
+scratch (allocated and freed inside one ``aten::mm``/``addmm``/``bmm``; a GPU gemm takes
+none from the caching allocator), or the stashed generator states.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from dpprof.analysis.ladder import checkpointed, repeated_blocks
+from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.backends.gloo import RankResult, RankSpec, run_rank
+from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
+from dpprof.emulator.vdevice import HOST
+from dpprof.scenarios.step import StepConfig
+from dpprof.scenarios.workloads import load_workload
+
+HERE = Path(__file__).parent
+LADDER = HERE / "ladder_models.py"
+FIDELITY = HERE / "fidelity_models.py"
+WORLD = 2  # the rows below are per rank: the global batch is rows * WORLD
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+RNG_STATE_BYTES = torch.get_rng_state().numel()
+
+
+def _real(spec: str, rows: int, amp: str | None) -> RankResult:
+    return run_rank(RankSpec(workload=spec, step=StepConfig(batch=rows * WORLD, amp=amp),
+                             wrap="none", autocast="native"), 0, WORLD)
+
+
+def _emulated(spec: str, rows: int, amp: str | None, compute: bool) -> tuple[int, list[int]]:
+    """Live bytes (blocks over SCALAR_BYTES) when the measured iteration began, and the
+    iteration's signed sizes, device 0 and host, with torch's CPU autocast lists."""
+    trace: dict[str, Any] = {}
+    r = run_scenario("single", load_workload(spec), EmulationConfig(
+        gpus=WORLD, gpu_memory_bytes=2**40, compute=compute, autocast_ops="cpu",
+        step=StepConfig(batch=rows * WORLD, amp=amp)), trace)
+    assert r.status == "ok", r.message
+    events = trace["rt"].events
+    kept = [e.requested for e in events[:trace["step_end"]]
+            if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES]
+    n_before = len([e for e in events[:trace["step_start"]]
+                    if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES])
+    return sum(kept[:n_before]), kept[n_before:]
+
+
+def _unexplained(records: list[Alloc], unmatched: list[Alloc], missing: list[int]
+                 ) -> list[Alloc]:
+    """Allocations left unmatched in order that match no unmatched emulator allocation of
+    the same size either (the casts' order among themselves differs, so difflib leaves
+    some out of order), and are neither a gemm's in-kernel scratch nor a stashed generator
+    state."""
+    from collections import Counter
+
+    spare = Counter(x for x in missing if x > 0)
+    def in_gemm(op: str) -> bool:
+        return any(g in op.split(" < ") for g in GEMMS)
+
+    def gemm_scratch(e: Alloc) -> bool:  # its free follows, inside a gemm too
+        after = records[records.index(e) + 1:]
+        free = next((f for f in after if f.ptr == e.ptr), None)
+        return in_gemm(e.op) and free is not None and free.size == -e.size and in_gemm(free.op)
+
+    out = []
+    for e in unmatched:
+        if e.size <= 0 or e.size == RNG_STATE_BYTES or gemm_scratch(e):
+            continue
+        if spare[e.size]:
+            spare[e.size] -= 1
+        else:
+            out.append(e)
+    return out
+
+
+def _check(spec: str, rows: int, amp: str | None, meta: bool, host_only_bytes: int = 0,
+           strict: bool = True) -> None:
+    """The records against the emulator over CPU tensors (the same kernels); the peak over
+    CPU tensors and, with ``meta``, over meta tensors (the GPU's kernels), to the byte.
+    ``strict=False``: the peaks only (lm in bfloat16: the CPU's bf16 matmul and its
+    backward make 256 KiB copies the order-insensitive match does not place; open)."""
+    measured = _real(spec, rows, amp)
+    records = [Alloc(0, s, op, p) for s, op, p in measured.step_events if abs(s) > SCALAR_BYTES]
+    assert records and measured.start_large_requested_bytes is not None
+    for compute in (True, False) if meta else (True,):
+        start, events = _emulated(spec, rows, amp, compute)
+        al = align(events, records)
+        if compute and strict:
+            left = _unexplained(records, al.unexplained, al.missing)
+            assert not left, [(e.size, e.op[:100]) for e in left[:6]]
+        assert start == measured.start_large_requested_bytes
+        real_peak = measured.start_large_requested_bytes + peak_of(al.kept)
+        assert real_peak - (start + relative_peak(events)) == host_only_bytes, (
+            spec, amp, compute, real_peak, start + relative_peak(events))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "rows", "meta"), [
+    ("lm", 1, True),
+    (f"{FIDELITY}:attention_small", 4, False),  # over meta SDPA takes the GPU's kernel
+])
+def test_autocast_equals_torch_cpu_autocast(spec: str, rows: int, meta: bool) -> None:
+    _check(spec, rows, "bfloat16", meta, strict=spec != "lm")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("amp", [None, "bfloat16"])
+def test_checkpointing_equals_the_profiler(amp: str | None) -> None:
+    _check(f"{LADDER}:lm_checkpointed", 1, amp, True, strict=amp is None)
+    # two blocks, each with the generator's state stashed at the peak
+    _check(f"{LADDER}:attention_checkpointed", 4, amp, False,
+           host_only_bytes=2 * RNG_STATE_BYTES, strict=amp is None)
+
+
+def test_the_repeated_blocks_are_the_largest_module_list() -> None:
+    model = load_workload("lm").model()
+    names = [n for n, _ in repeated_blocks(model)]
+    assert names and all(n.rpartition(".")[2].isdigit() for n in names)
+    assert len({n.rpartition(".")[0] for n in names}) == 1
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).relu())
+
+    seq = nn.Sequential(nn.Linear(4, 4), Block(), Block(), Block(), nn.Linear(4, 2))
+    assert [n for n, _ in repeated_blocks(seq)] == ["1", "2", "3"]
+    assert repeated_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
+
+
+def test_a_checkpointed_model_computes_the_same_gradients() -> None:
+    wl = load_workload(f"{FIDELITY}:attention_small")
+    grads = []
+    for w in (wl, checkpointed(wl)):
+        torch.manual_seed(0)
+        model = w.model()
+        torch.manual_seed(1)
+        x, y = w.batch(2, torch.device("cpu"))
+        model.eval()  # no dropout: the same numbers either way
+        w.loss(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert all(torch.allclose(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
+    from dpprof.cli.app import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compare", "-w", "lm", "-b", "64", "-g", "2",
+                                 "--gpu-memory", "6GiB", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    fixes = {f["name"]: f for f in data["fixes"]}
+    rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert [f["name"] for f in rungs] == ["ladder-bf16", "ladder-checkpoint",
+                                          "ladder-bf16-checkpoint"]
+    ddp = next(s for s in data["scenarios"] if s["name"] == "ddp")
+    assert ddp["status"] == "oom"
+    fit = next(f for f in rungs if f["need_bytes"] <= 6 << 30)
+    assert all(f["need_bytes"] > 6 << 30 for f in rungs[:rungs.index(fit)])
+    verdict = " ".join(data["comparison"]["verdict"].split())
+    assert f"the cheapest rung that fits is {fit['title']} on DDP" in verdict
+    assert "torch.utils.checkpoint" in fixes["ladder-checkpoint"]["code"]
+    assert "torch.autocast" in fixes["ladder-bf16"]["code"]
+
+
+def test_the_ladder_stays_away_when_ddp_fits(tmp_path: Path) -> None:
+    from dpprof.cli.app import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compare", "-w", "mlp", "-b", "10", "-q", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert not [f for f in json.loads(out.read_text())["fixes"]
+                if f["name"].startswith("ladder-")]
