@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +18,20 @@ from dpprof.emulator.ddp import EmulatedDDP, compute_bucket_assignment_by_size
 from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import Workload
+
+
+@pytest.fixture
+def assignments(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
+    """Every bucket assignment an EmulatedDDP makes (initialize_buckets), in order."""
+    seen: list[list[list[int]]] = []
+    original = EmulatedDDP._initialize_buckets
+
+    def recording(self: EmulatedDDP, assignment: list[list[int]]) -> None:
+        seen.append([list(b) for b in assignment])
+        original(self, assignment)
+
+    monkeypatch.setattr(EmulatedDDP, "_initialize_buckets", recording)
+    return seen
 
 MiB = 1024 * 1024
 
@@ -49,20 +64,22 @@ def _step(ddp: nn.Module, rows: int = 4) -> None:
         p.grad = None
 
 
-def test_one_bucket_on_iteration_one_then_rebuilt_in_ready_order() -> None:
+def test_one_bucket_on_iteration_one_then_rebuilt_in_ready_order(
+        assignments: list[list[list[int]]]) -> None:
     rt = VirtualDevices(1)
     with rt, rt.device(0):
         ddp = EmulatedDDP(_mlp(), rt, world_size=2)
-        assert ddp.assignments == [[[0, 1, 2, 3, 4, 5]]]  # one bucket (the list reversed)
+        assert assignments == [[[0, 1, 2, 3, 4, 5]]]  # one bucket (the list reversed)
         _step(ddp)
         _step(ddp)
     # Rebuilt at iteration 2 from the ready order (last layer first): the first bucket
     # closes at 1 MiB (bias 4, weight 4 -> 1 MiB + 2 KiB), then 25 MiB takes the rest.
-    assert ddp.assignments[1] == [[5, 4], [3, 2, 1, 0]]
+    assert assignments[1] == [[5, 4], [3, 2, 1, 0]]
     ddp.remove_hooks()
 
 
-def test_bucket_cap_mb_also_caps_the_first_bucket() -> None:
+def test_bucket_cap_mb_also_caps_the_first_bucket(
+        assignments: list[list[list[int]]]) -> None:
     rt = VirtualDevices(1)
     with rt, rt.device(0):
         ddp = EmulatedDDP(_mlp(), rt, world_size=2, bucket_cap_mb=1.5)
@@ -70,11 +87,12 @@ def test_bucket_cap_mb_also_caps_the_first_bucket() -> None:
         _step(ddp)
     # 1.5 MiB from the first bucket on: bias, weight, bias reach 1 MiB + 4 KiB, the next
     # weight takes the bucket past 1.5 MiB and closes it
-    assert ddp.assignments[1] == [[5, 4, 3, 2], [1, 0]]
+    assert assignments[1] == [[5, 4, 3, 2], [1, 0]]
     ddp.remove_hooks()
 
 
-def test_find_unused_parameters_buckets_from_construction_and_never_rebuilds() -> None:
+def test_find_unused_parameters_buckets_from_construction_and_never_rebuilds(
+        assignments: list[list[list[int]]]) -> None:
     rt = VirtualDevices(1)
     with rt, rt.device(0):
         ddp = EmulatedDDP(_mlp(), rt, world_size=2, find_unused_parameters=True)
@@ -82,7 +100,7 @@ def test_find_unused_parameters_buckets_from_construction_and_never_rebuilds() -
         _step(ddp)
     # limits [1 MiB, 25 MiB] over the parameters in order: the first weight alone reaches
     # 1 MiB; the rest stays open; sorted by smallest index, then the list reversed
-    assert ddp.assignments == [[[1, 2, 3, 4, 5], [0]]]
+    assert assignments == [[[1, 2, 3, 4, 5], [0]]]
     assert ddp.local_used_map_dev is not None and ddp.local_used_map_dev.dtype == torch.int32
     ddp.remove_hooks()
 

@@ -220,7 +220,6 @@ class EmulatedDDP(nn.Module):
         self._expect_hooks = False
         self._buckets: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
-        self.assignments: list[list[list[int]]] = []  # every bucket assignment, for tests
         self.local_used_map_dev: torch.Tensor | None = None
         device = rt.device_of(self.params[0]) if self.params else 0
         self.device = device
@@ -247,7 +246,6 @@ class EmulatedDDP(nn.Module):
     def _initialize_buckets(self, assignment: list[list[int]]) -> None:
         rt = self.rt
         self._buckets, self._views = [], {}
-        self.assignments.append([list(b) for b in assignment])
         with rt.category("communication"), rt.device(self.device):
             for indices in assignment:
                 p0 = self.params[indices[0]]

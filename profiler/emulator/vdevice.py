@@ -351,10 +351,6 @@ class VirtualDevices(TorchDispatchMode):
     def current_category(self) -> str:
         return self._state.category
 
-    @property
-    def current_phase(self) -> str:
-        return self._state.phase
-
     def _check_index(self, index: int) -> None:
         if index != HOST and not 0 <= index < self.num_devices:
             raise VirtualDeviceError(
