@@ -313,3 +313,23 @@ def check_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"NVML sampler cost: not measured ({s.get('reason')})")
     lines += [f"note: {n}" for n in report.get("notes", [])]
     return lines
+
+
+def save_measured(report: dict[str, Any]) -> str:
+    """Save the context and cuBLAS workspace ``report`` measured as the calibration of its
+    GPU's compute capability (:mod:`dpprof.emulator.calibration`); what was done, in words."""
+    from dpprof.emulator import calibration
+
+    context = (report.get("context") or {}).get("measured_bytes")
+    workspace = (report.get("cublas_workspace") or {}).get("measured_bytes")
+    cc = report.get("compute_capability")
+    if not cc or not isinstance(context, int) or not isinstance(workspace, int) \
+            or context < 0 or workspace <= 0:
+        return ("no calibration saved: the context or the cuBLAS workspace was not measured "
+                "(per-process NVML or the workspace probe unavailable here)")
+    cal = calibration.measured_now(str(report.get("gpu") or "this GPU"),
+                                   (int(cc[0]), int(cc[1])), context, workspace,
+                                   str(report.get("torch") or torch.__version__))
+    path = calibration.save(cal)
+    return (f"saved the calibration of compute capability {cc[0]}.{cc[1]} to {path}: "
+            "emulations for it now use the measured context and workspace, and say so")

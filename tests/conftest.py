@@ -4,8 +4,18 @@ context on a GPU not its own) without two."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # a calibration saved by `dpprof check` on this machine would change the emulated
+    # context figures the tests expect: every test (and every process it starts) reads an
+    # empty calibration folder unless it sets its own
+    os.environ["DPPROF_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="dpprof-calibration-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -45,3 +45,43 @@ def test_check_reports_devices_context_scenarios_and_the_samplers_cost(
     assert report["context"]["emulated_bytes"] > 0  # measured: None, no allocator here
     assert report["sampler"]["devices_sampled"] == 1 and report["sampler"]["tick_s"] > 0
     assert "NVML sampler every 20 ms over 1 GPU(s)" in r.stdout
+
+
+def test_a_saved_calibration_is_what_later_emulations_of_that_gpu_use(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    from dpprof.check import save_measured
+
+    monkeypatch.setenv("DPPROF_CALIBRATION_DIR", str(tmp_path / "cal"))
+    args = ["compare", "-w", "mlp", "-b", "8", "--gpus", "2", "-s", "single",
+            "--gpu", "h100-80gb", "-q", "-o", str(tmp_path / "before.json")]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    before = json.loads((tmp_path / "before.json").read_text())
+    measured = {"gpu": "NVIDIA H100 80GB HBM3", "compute_capability": [9, 0],
+                "torch": "2.13.0", "context": {"measured_bytes": 700 * 2**20},
+                "cublas_workspace": {"measured_bytes": 8 * 2**20}}
+    said = save_measured(measured)
+    assert "saved the calibration of compute capability 9.0" in said
+    assert (tmp_path / "cal" / "sm_90.json").is_file()
+    args[-1] = str(tmp_path / "after.json")
+    assert CliRunner().invoke(app, args).exit_code == 0
+    after = json.loads((tmp_path / "after.json").read_text())
+    d0, d1 = before["scenarios"][0]["devices"][0], after["scenarios"][0]["devices"][0]
+    assert d1["peak_allocated_bytes"] == d0["peak_allocated_bytes"]  # tensors: the same
+    assert d1["context_bytes"] != d0["context_bytes"]
+    assert any(a.startswith("Calibrated: the CUDA context (734,003,200 B)")
+               for a in after["assumptions"])
+    assert not any(a.startswith("Calibrated") for a in before["assumptions"])
+
+
+def test_nothing_is_saved_as_a_calibration_that_was_not_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    from dpprof.check import save_measured
+
+    monkeypatch.setenv("DPPROF_CALIBRATION_DIR", str(tmp_path))
+    said = save_measured({"gpu": "x", "compute_capability": [9, 0],
+                          "context": {"measured_bytes": None},
+                          "cublas_workspace": {"measured_bytes": 8 * 2**20}})
+    assert said.startswith("no calibration saved")
+    assert list(tmp_path.iterdir()) == []

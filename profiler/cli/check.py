@@ -40,6 +40,10 @@ def check_cmd(
     sampler_steps: Annotated[int, typer.Option(
         "--sampler-steps", min=1, max=10_000, help="Steps timed per round with the NVML "
         "sampler off and on (3 rounds).", rich_help_panel=PANEL)] = 20,
+    save_calibration: Annotated[bool, typer.Option(
+        "--save-calibration", help="Keep the context and cuBLAS workspace measured here for "
+        "later emulations of this GPU's compute capability (their reports say so).",
+        rich_help_panel="Output")] = False,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Also write every figure as JSON (attach it to a bug report).",
         rich_help_panel="Output")] = None,
@@ -49,7 +53,7 @@ def check_cmd(
     emulated against max_memory_allocated / max_memory_reserved / NVML; the CUDA context
     and cuBLAS workspace measured; whether CUDA and NVML devices match (MIG, containers);
     whether per-process NVML works; and the NVML sampler's cost. Exits 2 without a GPU."""
-    from dpprof.check import check_lines, run_check
+    from dpprof.check import check_lines, run_check, save_measured
     from dpprof.cli.common import parse_scenarios
 
     with guarded(debug):
@@ -60,6 +64,8 @@ def check_cmd(
                            progress=lambda text: err.print(f"dpprof check: {text}"))
         for line in check_lines(report):
             out.print(line)
+        if save_calibration:
+            err.print(f"dpprof check: {save_measured(report)}", markup=False)
         if output is not None:
             output.write_text(json.dumps(report, indent=1, default=str) + "\n")
             err.print(f"wrote {output}")

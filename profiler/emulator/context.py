@@ -8,8 +8,9 @@ allocator itself serves (cuBLAS / cuBLASLt workspaces), with the assumptions spe
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from dpprof.emulator import calibration
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.catalog import GpuSpec, compute_capability_of
 
@@ -256,9 +257,21 @@ CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's 
 
 
 def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
-    """The context/workspace model of one device of the target GPU running a model."""
-    return context_overhead(compute_capability, uses_cudnn=uses_cudnn,
-                            cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
+    """The context/workspace model of one device of the target GPU running a model: the
+    cited figures, or what ``dpprof check`` measured on a GPU of this compute capability
+    (:mod:`dpprof.emulator.calibration`)."""
+    found = calibration.load(compute_capability)
+    if found is None:
+        return context_overhead(compute_capability, uses_cudnn=uses_cudnn,
+                                cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
+    cal, path = found
+    # the measured workspace as CUBLAS_WORKSPACE_CONFIG would give it (KiB:count)
+    model = context_overhead(
+        compute_capability, uses_cudnn=uses_cudnn, cublas_handles=CUBLAS_HANDLES_PER_DEVICE,
+        cuda_context_bytes=cal.cuda_context_bytes,
+        cublas_workspace_config=f":{max(cal.cublas_workspace_bytes // 1024, 1)}:1")
+    return replace(model, assumptions=[*model.assumptions,
+                                       "Calibrated: " + cal.note(path) + "."])
 
 
 def gpu_model_notes(ctx: ContextModel) -> list[str]:
