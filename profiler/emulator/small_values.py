@@ -24,6 +24,7 @@ The rules that keep it honest:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +38,8 @@ MAX_TOTAL_BYTES = 64 * 2**20  # what the values may hold on the host at once
 _REAL_DEVICE = torch._C.TensorBase.__dict__["device"]
 
 
-def _is_meta(t: torch.Tensor) -> bool:
-    return _REAL_DEVICE.__get__(t).type == "meta"  # type: ignore[no-any-return]
+# Tensor.is_meta as torch answers it (the emulation patches the property); no device made
+_is_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
 
 
 class SmallValues:
@@ -70,10 +71,14 @@ class SmallValues:
         else forget the values of what it wrote."""
         leaves = _tensors(args, kwargs)
         metas_in = [a for a in leaves if _is_meta(a)]
-        if any(self.value_of(a) is None for a in metas_in):
-            # an input without values (an activation): nothing to compute (the common case)
-            self._forget_written(func, metas_in)
-            return
+        values = self._values
+        for a in metas_in:
+            # an input without values (an activation): nothing to compute (the common case;
+            # a storage never followed is not among the values, the cheap test first)
+            if id(a.untyped_storage()) not in values or self.value_of(a) is None:
+                if values and _mutable(func):
+                    self._forget_written(func, metas_in)
+                return
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
         if not outs and not metas_in:
             return
@@ -146,6 +151,21 @@ class SmallValues:
             found = self._values.pop(id(st), None)
             if found is not None:
                 self.total_bytes -= found[1].untyped_storage().nbytes()
+
+
+# id(op) -> (op, whether its schema says it writes): asked once per op, by identity (an
+# OpOverload's __hash__ is Python)
+_MUTABLE: dict[int, tuple[Any, bool]] = {}
+
+
+def _mutable(func: Any) -> bool:
+    found = _MUTABLE.get(id(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    schema = getattr(func, "_schema", None)
+    known = schema is not None and bool(schema.is_mutable)
+    _MUTABLE[id(func)] = (func, known)
+    return known
 
 
 _aten = torch.ops.aten

@@ -87,6 +87,13 @@ class _Storage:
     rounded: int
 
 
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a tracked storage that knows its key (one callback for all)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 @dataclass
 class DeviceCounters:
     live_requested: int = 0
@@ -506,12 +513,34 @@ class VirtualDevices(TorchDispatchMode):
     def _track(self, st: Any, device: int) -> None:
         requested = int(st.nbytes())
         self._serial += 1
-        rec = _Storage(self._serial, device, requested, block_bytes(requested))
+        serial = self._serial
+        rounded = block_bytes(requested)
         key = id(st)
-        self._storages[key] = rec
-        self._labels[rec.serial] = self._state.category
-        self._refs[key] = weakref.ref(st, self._free_callback(key))
-        self.emit(device, rec.serial, requested, rec.rounded)
+        self._storages[key] = _Storage(serial, device, requested, rounded)
+        self._labels[serial] = self._state.category
+        ref = _StorageRef(st, self._on_dead)
+        ref.key = key
+        self._refs[key] = ref
+        if device == HOST or self._mirror_serials or self._mirrors or self.ledgers:
+            self.emit(device, serial, requested, rounded)
+            return
+        # the common case (a device, no mirror, no ledger): emit and _count, inline (every
+        # storage of a step passes here)
+        with self._lock:
+            log = self.events
+            log.device.append(device)
+            log.serial.append(serial)
+            log.requested.append(requested)
+            log.allocated.append(rounded)
+            c = self.counters[device]
+            c.live_requested += requested
+            live = c.live_allocated = c.live_allocated + rounded
+            if live > c.peak_allocated:
+                c.peak_allocated = live
+                c.peak_event = len(log.device)
+                c.peak_phase = self._state.phase
+            if c.live_requested > c.peak_requested:
+                c.peak_requested = c.live_requested
 
     def _account(self, rec: _Storage, sign: int) -> None:
         self.emit(rec.device, rec.serial, sign * rec.requested, sign * rec.rounded)
@@ -670,18 +699,28 @@ class VirtualDevices(TorchDispatchMode):
         """How many devices ``device``'s storages stand for now (itself and its mirrors)."""
         return 1 + len(self._mirrors.get(device, ()))
 
-    def _free_callback(self, key: int) -> Callable[[Any], None]:
-        def callback(_ref: Any) -> None:
-            self._on_free(key)
-
-        return callback
+    def _on_dead(self, ref: _StorageRef) -> None:
+        """A tracked storage died (the weak reference's callback)."""
+        self._on_free(ref.key)
 
     def _on_free(self, key: int) -> None:
         rec = self._storages.pop(key, None)
         self._refs.pop(key, None)
         if rec is None:
             return
-        self._account(rec, -1)
+        device = rec.device
+        if device == HOST or self._mirror_serials or self._mirrors or self.ledgers:
+            self.emit(device, rec.serial, -rec.requested, -rec.rounded)
+        else:  # emit and _count, inline, as in _track (a free never raises a peak)
+            with self._lock:
+                log = self.events
+                log.device.append(device)
+                log.serial.append(rec.serial)
+                log.requested.append(-rec.requested)
+                log.allocated.append(-rec.rounded)
+                c = self.counters[device]
+                c.live_requested -= rec.requested
+                c.live_allocated -= rec.rounded
         if self._on_free_calls:
             for callback in self._on_free_calls.pop(rec.serial, ()):
                 callback()
@@ -733,14 +772,13 @@ class VirtualDevices(TorchDispatchMode):
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` over meta tensors, memoised for functional ops."""
-        functional = _FUNCTIONAL.get(func)
-        if functional is None:
-            functional = _functional(func)
+        found = _FUNCTIONAL.get(id(func))
+        functional = found[1] if found is not None and found[0] is func else _functional(func)
         if not functional:
-            if func in _FILLS_ONLY and args[0].is_meta:
+            if id(func) in _FILLS_ONLY_IDS and _is_meta(args[0]):
                 return args[0]  # a random fill of a meta tensor writes nothing, returns self
             if _writes_in_place_only(func) and all(
-                    t.is_meta for t in _tensor_args(args, kwargs)):
+                    _is_meta(t) for t in _tensor_args(args, kwargs)):
                 return None  # e.g. an optimizer's foreach updates: nothing to write or count
             return func(*args, **kwargs)
         key = _key_of_call(func, args, kwargs)
@@ -781,23 +819,36 @@ class VirtualDevices(TorchDispatchMode):
         devices: set[int] = set()
         saw_host = False
         outside: set[int] = set()  # storages made outside the mode (a view of one is no new one)
-        for a in _tensor_args(args, kwargs):
-            key = id(a.untyped_storage())
-            rec = self._storages.get(key)
-            if rec is None:
-                outside.add(key)
-                continue
-            if rec.device == HOST:
-                saw_host = True
-            else:
-                devices.add(rec.device)
+        storages = self._storages
+        tensor = torch.Tensor
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, tensor):
+                key = id(a.untyped_storage())
+                rec = storages.get(key)
+                if rec is None:
+                    outside.add(key)
+                elif rec.device == HOST:
+                    saw_host = True
+                else:
+                    devices.add(rec.device)
+            elif isinstance(a, _SEQ):
+                for b in a:
+                    if isinstance(b, tensor):
+                        key = id(b.untyped_storage())
+                        rec = storages.get(key)
+                        if rec is None:
+                            outside.add(key)
+                        elif rec.device == HOST:
+                            saw_host = True
+                        else:
+                            devices.add(rec.device)
         if len(devices) > 1 and not self._state.allow_cross and func not in _CROSS_DEVICE_OK:
             a, b = sorted(devices)[:2]
             raise VirtualDeviceError(
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, cuda:{a} and cuda:{b}! (while running {func})"
             )
-        if self._meta and func in CUDA_INDEX_RULES:  # the meta kernels take other dtypes
+        if self._meta and id(func) in _INDEX_RULE_IDS:  # the meta kernels take other dtypes
             args = as_on_cuda(func, args)
         try:
             out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
@@ -829,15 +880,28 @@ class VirtualDevices(TorchDispatchMode):
         live: dict[str, tuple[int, int]] = {}
         if plan is not None:
             self._play(plan.before, target, live)
-        for t in _tensor_outputs(out):
-            st = t.untyped_storage()
-            rec = self._storages.get(id(st))
+        # (a storage made outside the mode is not tracked: ``param.data`` of a module built
+        # before the mode)
+        if isinstance(out, tensor):
+            st = out.untyped_storage()
+            key = id(st)
+            rec = storages.get(key)
             if rec is None:
-                if id(st) in outside:
-                    continue  # e.g. ``param.data`` of a module built before the mode
-                self._track(st, target)
+                if key not in outside:
+                    self._track(st, target)
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)
+        elif isinstance(out, _SEQ):
+            for t in out:
+                if isinstance(t, tensor):
+                    st = t.untyped_storage()
+                    key = id(st)
+                    rec = storages.get(key)
+                    if rec is None:
+                        if key not in outside:
+                            self._track(st, target)
+                    elif rec.requested != st.nbytes():
+                        self._resized(st, rec)
         if plan is not None:
             self._play(plan.after, target, live)
         return out
@@ -921,16 +985,26 @@ class VirtualDevices(TorchDispatchMode):
         live: dict[str, tuple[int, int]] = {}
         if plan is not None:
             self._play(plan.before, target, live)
-        for t in _tensor_outputs(out):
-            st = t.untyped_storage()
+        if isinstance(out, tensor):
+            st = out.untyped_storage()
             key = id(st)
             rec = storages.get(key)
             if rec is None:
-                if key in outside:
-                    continue
-                self._track(st, target)
+                if key not in outside:
+                    self._track(st, target)
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)
+        elif isinstance(out, _SEQ):
+            for t in out:
+                if isinstance(t, tensor):
+                    st = t.untyped_storage()
+                    key = id(st)
+                    rec = storages.get(key)
+                    if rec is None:
+                        if key not in outside:
+                            self._track(st, target)
+                    elif rec.requested != st.nbytes():
+                        self._resized(st, rec)
         if plan is not None:
             self._play(plan.after, target, live)
         return out
@@ -970,12 +1044,15 @@ class _OpMemo(dict[Any, Any]):
 _OP_CACHE = _OpMemo()
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format)
-_FUNCTIONAL: dict[Any, bool] = {}
+# Per-op facts from the schema, asked once per op and looked up by id (an OpOverload's
+# __hash__ is Python: a call per look-up on every op); the op is kept beside its answer.
+_FUNCTIONAL: dict[int, tuple[Any, bool]] = {}
 
 
 def _functional(func: Any) -> bool:
     """No argument written, no output aliasing an input (per the op's schema)."""
-    known = _FUNCTIONAL.get(func)
+    found = _FUNCTIONAL.get(id(func))
+    known = found[1] if found is not None and found[0] is func else None
     if known is None:
         try:
             schema = func._schema
@@ -984,11 +1061,11 @@ def _functional(func: Any) -> bool:
             known = known and not schema.is_mutable and "rand" not in func.__name__
         except AttributeError:
             known = False
-        _FUNCTIONAL[func] = known
+        _FUNCTIONAL[id(func)] = (func, known)
     return known
 
 
-_IN_PLACE_ONLY: dict[Any, bool] = {}
+_IN_PLACE_ONLY: dict[int, tuple[Any, bool]] = {}
 
 
 def _writes_in_place_only(func: Any) -> bool:
@@ -997,7 +1074,8 @@ def _writes_in_place_only(func: Any) -> bool:
     allocates nothing and writes nothing, and its meta kernel (Python
     refs, per tensor: the optimizers' foreach updates were half of a step's emulation)
     can be skipped. ``out=`` variants are not in-place (they may resize their outputs)."""
-    known = _IN_PLACE_ONLY.get(func)
+    found = _IN_PLACE_ONLY.get(id(func))
+    known = found[1] if found is not None and found[0] is func else None
     if known is None:
         try:
             schema = func._schema
@@ -1005,7 +1083,7 @@ def _writes_in_place_only(func: Any) -> bool:
                      and func._overloadpacket.__name__.endswith("_"))
         except AttributeError:
             known = False
-        _IN_PLACE_ONLY[func] = known
+        _IN_PLACE_ONLY[id(func)] = (func, known)
     return known
 
 
@@ -1017,6 +1095,10 @@ _FILLS_ONLY = {
     aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
     aten.bernoulli_.float, aten.bernoulli_.Tensor,
 }
+_FILLS_ONLY_IDS = frozenset(map(id, _FILLS_ONLY))  # the ops live as long as this module
+_INDEX_RULE_IDS = frozenset(map(id, CUDA_INDEX_RULES))
+# Tensor.is_meta as torch answers it (an emulation may patch the property), making no device
+_is_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
 _SIMPLE_TYPES = frozenset(_SIMPLE)
 _SEQ = (list, tuple)
 
@@ -1031,7 +1113,7 @@ def _key_of(x: Any) -> Any:
         # Only a meta tensor is its metadata: a real tensor's results depend on its values,
         # so a call that reads one is never memoised (it would hand one tensor's values to
         # another of the same shape).
-        if not x.is_meta:
+        if not _is_meta(x):
             return _NO
         return (x.shape, x.stride(), x.dtype, x.storage_offset(), x.layout)
     if cls in _SEQ or isinstance(x, _SEQ):

@@ -86,15 +86,34 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 
 FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storages begin
-_FOREACH: dict[Any, bool] = {}
+_PLAIN_OP, _CONVOLUTION_OP, _FOREACH_OP = 0, 1, 2
+_LOCAL_SCALAR_OP, _DATA_DEPENDENT_OP, _INDEX_TENSOR_OP, _NUMERIC_FACTORY_OP = 3, 4, 5, 6
+# id(op) -> (op, its kind): asked once per op; keyed by identity because an OpOverload's
+# __hash__ is Python (a call per look-up, on every op); the op is kept to check the id
+_OP_KINDS: dict[int, tuple[Any, int]] = {}
 
 
-def _is_foreach(func: Any) -> bool:
-    """A ``_foreach_*`` op (asked once per op)."""
-    known = _FOREACH.get(func)
-    if known is None:
-        known = _FOREACH[func] = func.__name__.startswith("_foreach_")
-    return known
+def _op_kind(func: Any) -> int:
+    """What the fast path of ``--compute`` must do for ``func`` besides counting."""
+    found = _OP_KINDS.get(id(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    if func is aten.convolution.default:
+        kind = _CONVOLUTION_OP
+    elif func is aten._local_scalar_dense.default:
+        kind = _LOCAL_SCALAR_OP
+    elif func in DATA_DEPENDENT:
+        kind = _DATA_DEPENDENT_OP
+    elif func is aten.index.Tensor:
+        kind = _INDEX_TENSOR_OP
+    elif func in NUMERIC_FACTORIES:
+        kind = _NUMERIC_FACTORY_OP
+    elif func.__name__.startswith("_foreach_"):
+        kind = _FOREACH_OP
+    else:
+        kind = _PLAIN_OP
+    _OP_KINDS[id(func)] = (func, kind)
+    return kind
 
 
 class DataDependentShapeError(RuntimeError):
@@ -232,9 +251,10 @@ class CudaDevices(VirtualDevices):
         if self._beside_real_host:
             # --compute with a real host: no meta tensor anywhere, so no stand-in, no
             # data-dependent shape and no small value to follow; the fast path
-            if func is aten.convolution.default:
+            kind = _op_kind(func)
+            if kind == _CONVOLUTION_OP:
                 self.saw_convolution = True
-            elif _is_foreach(func):
+            elif kind == _FOREACH_OP:
                 split = self._foreach_by_device(func, types, args, kwargs or {})
                 if split is not _NOT_SPLIT:
                     return split
@@ -243,37 +263,44 @@ class CudaDevices(VirtualDevices):
                 return self.dispatch_beside_real_host(func, args, kwargs)
             finally:
                 self.in_dispatch -= 1
-        if func is aten._local_scalar_dense.default and _is_meta(args[0]):
-            return self.stand_in_scalar(args[0])
-        data_dependent = func in DATA_DEPENDENT or (func is aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool and _is_meta(i)
-            for i in (args[1] if len(args) > 1 else ())))
-        if data_dependent and self.small_values is not None:
-            shaped = self._by_values(func, types, args, kwargs or {})
-            if shaped is not None:
-                return shaped
-        if func in DATA_DEPENDENT and any(
-                isinstance(a, torch.Tensor) and _is_meta(a) for a in args):
-            raise DataDependentShapeError(
-                f"{func.__name__} makes a tensor whose shape depends on the values, and the "
-                f"emulated tensors have none (meta tensors), at {caller_site()}; {self.fix}"
-            )
-        if func is aten.index.Tensor and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool and _is_meta(i)
-                for i in (args[1] if len(args) > 1 else ())):
-            raise DataDependentShapeError(
-                "indexing with a boolean mask makes a tensor whose shape depends on the "
-                f"values, and the emulated tensors have none (meta tensors), at "
-                f"{caller_site()}; {self.fix}"
-            )
-        if func in NUMERIC_FACTORIES and self.base.type == "meta":
-            out = self._dispatch(func, types, args, kwargs)
-            st = out.untyped_storage()
-            self.numeric_recipes[id(st)] = (weakref.ref(st), func, args, dict(kwargs or {}))
-            return out
-        if func is aten.convolution.default:
+        kind = _op_kind(func)  # the ops with rules of their own, looked up once
+        if kind == _PLAIN_OP:
+            pass
+        elif kind == _LOCAL_SCALAR_OP:
+            if _is_meta(args[0]):
+                return self.stand_in_scalar(args[0])
+        elif kind == _DATA_DEPENDENT_OP:
+            if self.small_values is not None:
+                shaped = self._by_values(func, types, args, kwargs or {})
+                if shaped is not None:
+                    return shaped
+            if any(isinstance(a, torch.Tensor) and _is_meta(a) for a in args):
+                raise DataDependentShapeError(
+                    f"{func.__name__} makes a tensor whose shape depends on the values, and "
+                    f"the emulated tensors have none (meta tensors), at {caller_site()}; "
+                    f"{self.fix}"
+                )
+        elif kind == _INDEX_TENSOR_OP:
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and _is_meta(i)
+                   for i in (args[1] if len(args) > 1 else ())):
+                if self.small_values is not None:
+                    shaped = self._by_values(func, types, args, kwargs or {})
+                    if shaped is not None:
+                        return shaped
+                raise DataDependentShapeError(
+                    "indexing with a boolean mask makes a tensor whose shape depends on the "
+                    f"values, and the emulated tensors have none (meta tensors), at "
+                    f"{caller_site()}; {self.fix}"
+                )
+        elif kind == _NUMERIC_FACTORY_OP:
+            if self.base.type == "meta":
+                out = self._dispatch(func, types, args, kwargs)
+                st = out.untyped_storage()
+                self.numeric_recipes[id(st)] = (weakref.ref(st), func, args, dict(kwargs or {}))
+                return out
+        elif kind == _CONVOLUTION_OP:
             self.saw_convolution = True
-        if func.__name__.startswith("_foreach_"):
+        elif kind == _FOREACH_OP:
             split = self._foreach_by_device(func, types, args, kwargs or {})
             if split is not _NOT_SPLIT:
                 return split
@@ -1197,8 +1224,9 @@ def real_device(t: torch.Tensor) -> torch.device:
     return _ORIG["device"].__get__(t)  # type: ignore[no-any-return]
 
 
-def _is_meta(t: torch.Tensor) -> bool:
-    return real_device(t).type == "meta"
+# the bytes are on meta: Tensor.is_meta as torch answers it (the emulation patches the
+# property); no torch.device is made (reading ``device`` makes one, ten times the cost)
+_is_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
 
 
 def _tensors_in(args: Any) -> list[torch.Tensor]:
