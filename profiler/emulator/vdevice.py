@@ -873,38 +873,7 @@ class VirtualDevices(TorchDispatchMode):
             target = self._last_device
         else:
             target = self._state.device  # a factory: the current device
-        plan = None
-        if self.kernel_plans and target != HOST:
-            plan_of = self.kernel_plans.get(func)
-            plan = plan_of(args, kwargs) if plan_of is not None else None
-        live: dict[str, tuple[int, int]] = {}
-        if plan is not None:
-            self._play(plan.before, target, live)
-        # (a storage made outside the mode is not tracked: ``param.data`` of a module built
-        # before the mode)
-        if isinstance(out, tensor):
-            st = out.untyped_storage()
-            key = id(st)
-            rec = storages.get(key)
-            if rec is None:
-                if key not in outside:
-                    self._track(st, target)
-            elif rec.requested != st.nbytes():
-                self._resized(st, rec)
-        elif isinstance(out, _SEQ):
-            for t in out:
-                if isinstance(t, tensor):
-                    st = t.untyped_storage()
-                    key = id(st)
-                    rec = storages.get(key)
-                    if rec is None:
-                        if key not in outside:
-                            self._track(st, target)
-                    elif rec.requested != st.nbytes():
-                        self._resized(st, rec)
-        if plan is not None:
-            self._play(plan.after, target, live)
-        return out
+        return self._place(func, args, kwargs, out, target, outside)
 
     def dispatch_beside_real_host(self, func: Any, args: Any,
                                   kwargs: dict[str, Any] | None) -> Any:
@@ -978,15 +947,26 @@ class VirtualDevices(TorchDispatchMode):
             target = state.device
         if target == HOST:
             return out
+        return self._place(func, args, kwargs, out, target, outside)
+
+    def _place(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
+               outside: set[int]) -> Any:
+        """Track ``out``'s new storages on ``target`` (a storage made outside the mode is
+        not tracked: ``param.data`` of a module built before it), between the buffers the
+        op's kernel on the target GPU allocates and frees itself."""
         plan = None
-        if self.kernel_plans:
+        if self.kernel_plans and target != HOST:
             plan_of = self.kernel_plans.get(func)
             plan = plan_of(args, kwargs) if plan_of is not None else None
         live: dict[str, tuple[int, int]] = {}
         if plan is not None:
             self._play(plan.before, target, live)
-        if isinstance(out, tensor):
-            st = out.untyped_storage()
+        storages = self._storages
+        for t in ((out,) if isinstance(out, torch.Tensor) else out if isinstance(out, _SEQ)
+                  else ()):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
             key = id(st)
             rec = storages.get(key)
             if rec is None:
@@ -994,17 +974,6 @@ class VirtualDevices(TorchDispatchMode):
                     self._track(st, target)
             elif rec.requested != st.nbytes():
                 self._resized(st, rec)
-        elif isinstance(out, _SEQ):
-            for t in out:
-                if isinstance(t, tensor):
-                    st = t.untyped_storage()
-                    key = id(st)
-                    rec = storages.get(key)
-                    if rec is None:
-                        if key not in outside:
-                            self._track(st, target)
-                    elif rec.requested != st.nbytes():
-                        self._resized(st, rec)
         if plan is not None:
             self._play(plan.after, target, live)
         return out
