@@ -30,9 +30,11 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from dpprof.check import compare_rows
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
 from dpprof.scenarios.step import StepConfig
@@ -43,39 +45,9 @@ RECORD = Path(__file__).with_name("emulator_vs_gpu.jsonl")
 ZOO_FILE = Path(__file__).resolve().parent.parent / "tests" / "zoo.py"
 
 
-def _err(emulated: int | None, measured: int | None) -> float | None:
-    if not emulated or not measured:
-        return None
-    return (emulated - measured) / measured
-
-
-def compare_runs(real: RunResult, emu: RunResult) -> list[dict[str, object]]:
-    """One row per scenario and used device present in both runs."""
-    rows: list[dict[str, object]] = []
-    for s in real.scenarios:
-        e = emu.scenario(s.name)
-        if e is None:
-            continue
-        for d in s.devices:
-            ed = e.device(d.index)
-            if ed is None or not d.used:
-                continue
-            emulated_total = (ed.peak_reserved_bytes or 0) + (ed.context_bytes or 0)
-            rows.append({
-                "scenario": s.name, "device": d.index, "status": [s.status, e.status],
-                "messages": [s.message, e.message],
-                "measured_allocated_bytes": d.peak_allocated_bytes,
-                "emulated_allocated_bytes": ed.peak_allocated_bytes,
-                "allocated_error": _err(ed.peak_allocated_bytes, d.peak_allocated_bytes),
-                "measured_reserved_bytes": d.peak_reserved_bytes,
-                "emulated_reserved_bytes": ed.peak_reserved_bytes,
-                "reserved_error": _err(ed.peak_reserved_bytes, d.peak_reserved_bytes),
-                "nvml_peak_used_bytes": d.nvml_peak_used_bytes,
-                "emulated_context_bytes": ed.context_bytes,
-                "emulated_total_bytes": emulated_total or None,
-                "total_error": _err(emulated_total, d.nvml_peak_used_bytes),
-            })
-    return rows
+def compare_runs(real: RunResult, emu: RunResult) -> list[dict[str, Any]]:
+    """One row per scenario and used device present in both runs (``dpprof check``'s)."""
+    return compare_rows(real, emu)
 
 
 def _importable(module: str) -> bool:

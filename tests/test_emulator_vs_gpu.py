@@ -46,7 +46,8 @@ def test_one_gpu_runs_every_scenario_and_checks_single_reserved_and_context(
     # the measured side is the run's own (the CPU stand-in has no allocator statistics),
     # the emulated side the emulator's allocated, reserved and modelled context
     measured = real.scenario(SINGLE).device(0)  # type: ignore[union-attr]
-    assert single["measured_allocated_bytes"] == measured.peak_allocated_bytes
+    assert single["measured_allocated_bytes"] == (
+        measured.peak_allocated_bytes if measured.allocator_stats else None)
     assert single["emulated_reserved_bytes"] >= single["emulated_allocated_bytes"] > 0
     assert single["emulated_context_bytes"] > 0
     assert single["emulated_total_bytes"] == (
