@@ -950,7 +950,7 @@ class VirtualDevices(TorchDispatchMode):
         return self._place(func, args, kwargs, out, target, outside)
 
     def _place(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
-               outside: set[int]) -> Any:
+               outside: Collection[int]) -> Any:
         """Track ``out``'s new storages on ``target`` (a storage made outside the mode is
         not tracked: ``param.data`` of a module built before it), between the buffers the
         op's kernel on the target GPU allocates and frees itself."""
