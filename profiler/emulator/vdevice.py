@@ -816,32 +816,8 @@ class VirtualDevices(TorchDispatchMode):
             real, placed = self.placement(kwargs["device"])
             if real != kwargs["device"]:
                 kwargs = {**kwargs, "device": real}
-        devices: set[int] = set()
-        saw_host = False
-        outside: set[int] = set()  # storages made outside the mode (a view of one is no new one)
-        storages = self._storages
-        tensor = torch.Tensor
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, tensor):
-                key = id(a.untyped_storage())
-                rec = storages.get(key)
-                if rec is None:
-                    outside.add(key)
-                elif rec.device == HOST:
-                    saw_host = True
-                else:
-                    devices.add(rec.device)
-            elif isinstance(a, _SEQ):
-                for b in a:
-                    if isinstance(b, tensor):
-                        key = id(b.untyped_storage())
-                        rec = storages.get(key)
-                        if rec is None:
-                            outside.add(key)
-                        elif rec.device == HOST:
-                            saw_host = True
-                        else:
-                            devices.add(rec.device)
+        # storages made outside the mode (a view of one is no new one)
+        devices, saw_host, outside = self._inputs_where(args, kwargs)
         if len(devices) > 1 and not self._state.allow_cross and func not in _CROSS_DEVICE_OK:
             a, b = sorted(devices)[:2]
             raise VirtualDeviceError(
@@ -892,32 +868,8 @@ class VirtualDevices(TorchDispatchMode):
                     kwargs = {**kwargs, "device": real}
         else:
             kwargs = {}
-        storages = self._storages
-        devices: set[int] = set()
-        outside: list[int] = []  # the host's storages among the inputs (a view is no new one)
-        saw_host = False
-        tensor = torch.Tensor
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, tensor):
-                key = id(a.untyped_storage())
-                rec = storages.get(key)
-                if rec is None:
-                    outside.append(key)
-                elif rec.device == HOST:
-                    saw_host = True
-                else:
-                    devices.add(rec.device)
-            elif isinstance(a, _SEQ):
-                for b in a:
-                    if isinstance(b, tensor):
-                        key = id(b.untyped_storage())
-                        rec = storages.get(key)
-                        if rec is None:
-                            outside.append(key)
-                        elif rec.device == HOST:
-                            saw_host = True
-                        else:
-                            devices.add(rec.device)
+        # the host's storages among the inputs (a view of one is no new one)
+        devices, saw_host, outside = self._inputs_where(args, kwargs)
         state = self._state
         if len(devices) > 1 and not state.allow_cross and func not in _CROSS_DEVICE_OK:
             a, b = sorted(devices)[:2]
@@ -948,6 +900,29 @@ class VirtualDevices(TorchDispatchMode):
         if target == HOST:
             return out
         return self._place(func, args, kwargs, out, target, outside)
+
+    def _inputs_where(self, args: Any, kwargs: dict[str, Any] | None
+                      ) -> tuple[set[int], bool, list[int]]:
+        """Where an op's tensor inputs live: the virtual devices, whether one is a tracked
+        host storage, and the ids of the storages not tracked (made outside the mode)."""
+        storages = self._storages
+        devices: set[int] = set()
+        outside: list[int] = []
+        saw_host = False
+        tensor = torch.Tensor
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for b in ((a,) if isinstance(a, tensor) else a if isinstance(a, _SEQ) else ()):
+                if not isinstance(b, tensor):
+                    continue
+                key = id(b.untyped_storage())
+                rec = storages.get(key)
+                if rec is None:
+                    outside.append(key)
+                elif rec.device == HOST:
+                    saw_host = True
+                else:
+                    devices.add(rec.device)
+        return devices, saw_host, outside
 
     def _place(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
                outside: Collection[int]) -> Any:
