@@ -197,7 +197,7 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     fixes = {f["name"]: f for f in data["fixes"]}
     rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
     assert [f["name"] for f in rungs] == ["ladder-bf16", "ladder-checkpoint",
-                                          "ladder-bf16-checkpoint"]
+                                          "ladder-bf16-checkpoint", "ladder-accumulate"]
     ddp = next(s for s in data["scenarios"] if s["name"] == "ddp")
     assert ddp["status"] == "oom"
     fit = next(f for f in rungs if f["need_bytes"] <= 6 << 30)
@@ -216,3 +216,77 @@ def test_the_ladder_stays_away_when_ddp_fits(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert not [f for f in json.loads(out.read_text())["fixes"]
                 if f["name"].startswith("ladder-")]
+
+
+def _ddp_need(wl_spec: str, batch: int, micro_batches: int, amp: str | None = None,
+              checkpoint: bool = False) -> int:
+    wl = load_workload(wl_spec)
+    r = run_scenario("ddp", checkpointed(wl) if checkpoint else wl, EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**40, count_reserved=True,
+        step=StepConfig(batch=batch, micro_batches=micro_batches, amp=amp)))
+    assert r.status == "ok", r.message
+    return max(d.total_peak_bytes for d in r.devices if d.used)
+
+
+def _compare(tmp_path: Path, *args: str) -> dict[str, Any]:
+    from dpprof.cli.app import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compare", "-w", "lm", "-g", "2", "-q", "-o", str(out),
+                                 *args])
+    assert r.exit_code == 0, r.output
+    return dict(json.loads(out.read_text()))
+
+
+def test_accumulation_takes_the_fewest_micro_batches_that_fit(tmp_path: Path) -> None:
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", "3GiB")
+    rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
+    acc = rungs[-1]
+    assert acc["name"] == "ladder-accumulate"
+    k = int(acc["title"].split("(")[1].split()[0])
+    assert acc["need_bytes"] <= 3 << 30 < _ddp_need("lm", 64, k // 2)
+    assert all(f["need_bytes"] > 3 << 30 for f in rungs[:-1])  # the cheaper rungs do not fit
+    assert f"Gradient accumulation ({k} micro-batches) on DDP" in " ".join(
+        data["comparison"]["verdict"].split())
+    assert "model.no_sync()" in acc["code"] and f"/ {k}" in acc["code"]
+    assert f"{k} forward/backward passes per step" in acc["detail"]
+
+
+def test_where_no_micro_batch_count_fits_the_lightest_rung_accumulates(tmp_path: Path) -> None:
+    # one row per micro-batch: fp32 just over the capacity, bf16 + checkpointing under it
+    plain = _ddp_need("lm", 64, 32)
+    light = _ddp_need("lm", 64, 32, "bfloat16", checkpoint=True)
+    assert light < plain
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", f"{(light + plain) // 2}B")
+    names = [f["name"] for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert names[-2:] == ["ladder-accumulate", "ladder-bf16-checkpoint-accumulate"]
+    fit = data["fixes"][-1]
+    assert fit["need_bytes"] == light and "32 micro-batches" in fit["title"]
+    assert "torch.autocast" in fit["code"] and "checkpoint(" in fit["code"]
+
+
+def test_ladder_flag_measures_it_where_ddp_fits_and_no_ladder_leaves_it_out(
+        tmp_path: Path) -> None:
+    from dpprof.cli.app import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compare", "-w", "mlp", "-b", "16", "-q", "--ladder",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    names = [f["name"] for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert names[0] == "ladder-bf16" and names[-1] == "ladder-accumulate"
+    # ddp fits: the fewest micro-batches tried, 2, fit too
+    assert "(2 micro-batches)" in data["fixes"][-1]["title"]
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", "3GiB", "--no-ladder")
+    assert not [f for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert "rung" not in data["comparison"]["verdict"]
+
+
+def test_the_ladder_help_says_when_it_runs() -> None:
+    from dpprof.cli.app import app
+
+    r = CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(r.output.split())
+    assert "--ladder" in text and "--no-ladder" in text
+    assert "only when ddp (or single) is out of memory" in text
