@@ -777,6 +777,7 @@ def add_answers(
         run.maxbatch = run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
             ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, emulation=ecfg,
+            ladder=bool(ladder),
             progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
         )
     if equivalence:
