@@ -114,7 +114,8 @@ def maxbatch_cmd(
                               step=StepConfig(seed=seed), ladder=ladder)
         else:  # a search takes seconds to minutes: say which scenario it is on
             with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total} searches"),
+                          TextColumn("{task.completed}/{task.total} "
+                                     + ("searches" if ladder else "scenarios")),
                           TimeElapsedColumn(), console=err, transient=True) as bar:
                 task = bar.add_task("starting", total=len(names))
 
