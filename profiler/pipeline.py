@@ -45,6 +45,9 @@ class CompareConfig:
     # ---- answers (dpprof.analysis.answers) -----------------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
     maxbatch: bool = False  # search the largest batch per scenario
+    # measure the ladder's rungs (dpprof.analysis.ladder); None: where ddp/single is out of
+    # memory
+    ladder: bool | None = None
     multiple_of: int = 1  # maxbatch granularity
     gpu: str = ""  # catalog name (--gpu a100-80gb): memory and context model
     count_reserved: bool = False  # peaks count simulated reserved memory + the context
@@ -172,6 +175,7 @@ def run_compare(
         equivalence=cfg.compute if cfg.equivalence is None else cfg.equivalence,
         scenarios=ran, fail_on_imbalance=cfg.fail_on_imbalance,
         fail_on_oom=cfg.fail_on_oom, progress=progress, alongside=besides,
+        ladder=cfg.ladder,
     )
 
 

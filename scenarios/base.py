@@ -230,6 +230,7 @@ def training_loop(
     loss_inside: bool,
     hooks: StepHooks | None = None,
     step: UserStep | None = None,
+    micro_batches: int = 1,
 ) -> torch.Tensor | None:
     """The measured loop, the same for every scenario and backend; returns the last loss.
 
@@ -254,12 +255,19 @@ def training_loop(
     loss is :meth:`ModelWithLoss.combine` of what it returns. ``to_device(x, is_target)``
     moves a (nested) host batch to the device the model takes it on.
 
-    With ``step`` (a workload's own loop body), :func:`user_loop` runs instead.
+    With ``step`` (a workload's own loop body), :func:`user_loop` runs instead. With
+    ``micro_batches`` k > 1, :func:`accumulation_loop` runs instead (gradient accumulation).
     """
     hooks = hooks or StepHooks()
     if step is not None:
+        if micro_batches > 1:
+            raise StepError("gradient accumulation runs the tutorial loop; the workload has "
+                            "its own step: accumulate in it instead")
         return user_loop(step, model, loss_fn, optimizer, batches, to_device, loss_inside,
                          hooks)
+    if micro_batches > 1:
+        return accumulation_loop(model, loss_fn, optimizer, batches, to_device, loss_inside,
+                                 hooks, micro_batches)
     loss: torch.Tensor | None = None
     last = len(batches) - 1
     for k in range(len(batches)):
@@ -279,6 +287,79 @@ def training_loop(
             with hooks.phase("backward"):
                 loss.backward()
                 hooks.after_backward()
+            with hooks.phase("optimizer"):
+                optimizer.step()
+                hooks.after_optimizer()
+    if loss is None:
+        raise ValueError("training_loop needs at least one batch")
+    return loss.detach()
+
+
+def micro_batch_rows(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` rows of each micro-batch of a ``rows``-row batch, as a loader
+    with ``batch_size=ceil(rows / micro_batches)`` cuts it (the last may be shorter; none
+    is empty)."""
+    per = -(-rows // micro_batches)
+    return [(lo, min(lo + per, rows)) for lo in range(0, rows, per)]
+
+
+def accumulation_loop(
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[Any, Any]],
+    to_device: Callable[[Any, bool], Any],
+    loss_inside: bool,
+    hooks: StepHooks,
+    micro_batches: int,
+) -> torch.Tensor:
+    """:func:`training_loop` with gradient accumulation: each step's rows in
+    ``micro_batches`` micro-batches (:func:`micro_batch_rows`, the loader's batches), one
+    optimizer step::
+
+        optimizer.zero_grad()
+        for i, (inputs, targets) in enumerate(micro_batches_of_the_step):
+            with model.no_sync() if i < k - 1 else nullcontext():  # DDP: one all-reduce
+                inputs, targets = inputs.to(device), targets.to(device)
+                outputs = model(inputs)
+                loss = criterion(outputs, targets) / k
+                loss.backward()  # the gradients add up in .grad
+        optimizer.step()
+
+    ``no_sync`` where the model has it (DDP): its reducer neither buckets nor all-reduces
+    those backwards. Names live as in :func:`training_loop`: a micro-batch's outputs and
+    loss until the next micro-batch's are assigned."""
+    from dpprof.scenarios.step import take_rows
+
+    loss: torch.Tensor | None = None
+    last = len(batches) - 1
+    no_sync = getattr(model, "no_sync", None)
+    for k in range(len(batches)):
+        with hooks.iteration(k, k == last):
+            host_inputs, host_targets = batches[k]
+            parts = micro_batch_rows(batch_rows(host_targets) or batch_rows(host_inputs),
+                                     micro_batches)
+            with hooks.phase("zero_grad"):
+                optimizer.zero_grad()
+            for i, (lo, hi) in enumerate(parts):
+                sync = (no_sync() if no_sync is not None and i < len(parts) - 1
+                        else contextlib.nullcontext())
+                with sync:
+                    with hooks.phase("inputs"):  # the loader's micro-batch, then its copy
+                        inputs = take_rows(host_inputs, lo, hi)
+                        targets = take_rows(host_targets, lo, hi)
+                        inputs, targets = to_device(inputs, False), to_device(targets, True)
+                    with hooks.phase("forward"):
+                        outputs = (model(inputs, targets) if loss_inside
+                                   else call_model(model, inputs))
+                        hooks.after_forward(outputs)
+                    with hooks.phase("loss"):
+                        loss = (ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
+                            outputs, where_outputs_are(targets, outputs))) / len(parts)
+                        hooks.after_loss(loss, outputs)
+                    with hooks.phase("backward"):
+                        loss.backward()
+                        hooks.after_backward()
             with hooks.phase("optimizer"):
                 optimizer.step()
                 hooks.after_optimizer()

@@ -108,6 +108,9 @@ class StepConfig:
     steps: int | None = None
     dtype: str | None = None  # float32 | bfloat16 | float16: the workload's dtype, overridden
     amp: str | None = None  # bfloat16 | float16: forward and loss under autocast
+    # gradient accumulation: each step's rows in this many micro-batches, one optimizer step
+    # (under DDP the first ones' backwards inside no_sync(): one all-reduce per step)
+    micro_batches: int = 1
     # DistributedDataParallel's options for the ddp scenario
     ddp: DdpOptions = field(default_factory=DdpOptions)
 
@@ -138,6 +141,8 @@ class StepConfig:
             out.append(f"--batch must be a positive number of rows, got {self.batch}")
         if self.warmup is not None and self.warmup < 0:
             out.append("--warmup must be 0 or more")
+        if self.micro_batches < 1:
+            out.append(f"micro_batches must be at least 1, got {self.micro_batches}")
         if self.steps is not None and self.steps < 1:
             out.append(f"--steps must be at least 1, got {self.steps}")
         for opt, val, choices in (("--dtype", self.dtype, DTYPES),

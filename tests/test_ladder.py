@@ -42,18 +42,20 @@ GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 RNG_STATE_BYTES = torch.get_rng_state().numel()
 
 
-def _real(spec: str, rows: int, amp: str | None) -> RankResult:
-    return run_rank(RankSpec(workload=spec, step=StepConfig(batch=rows * WORLD, amp=amp),
-                             wrap="none", autocast="native"), 0, WORLD)
+def _real(spec: str, rows: int, amp: str | None, micro_batches: int = 1) -> RankResult:
+    return run_rank(RankSpec(workload=spec, step=StepConfig(
+        batch=rows * WORLD, amp=amp, micro_batches=micro_batches),
+        wrap="none", autocast="native"), 0, WORLD)
 
 
-def _emulated(spec: str, rows: int, amp: str | None, compute: bool) -> tuple[int, list[int]]:
+def _emulated(spec: str, rows: int, amp: str | None, compute: bool, micro_batches: int = 1
+              ) -> tuple[int, list[int]]:
     """Live bytes (blocks over SCALAR_BYTES) when the measured iteration began, and the
     iteration's signed sizes, device 0 and host, with torch's CPU autocast lists."""
     trace: dict[str, Any] = {}
     r = run_scenario("single", load_workload(spec), EmulationConfig(
         gpus=WORLD, gpu_memory_bytes=2**40, compute=compute, autocast_ops="cpu",
-        step=StepConfig(batch=rows * WORLD, amp=amp)), trace)
+        step=StepConfig(batch=rows * WORLD, amp=amp, micro_batches=micro_batches)), trace)
     assert r.status == "ok", r.message
     events = trace["rt"].events
     kept = [e.requested for e in events[:trace["step_end"]]
@@ -92,16 +94,16 @@ def _unexplained(records: list[Alloc], unmatched: list[Alloc], missing: list[int
 
 
 def _check(spec: str, rows: int, amp: str | None, meta: bool, host_only_bytes: int = 0,
-           strict: bool = True) -> None:
+           strict: bool = True, micro_batches: int = 1) -> None:
     """The records against the emulator over CPU tensors (the same kernels); the peak over
     CPU tensors and, with ``meta``, over meta tensors (the GPU's kernels), to the byte.
     ``strict=False``: the peaks only (lm in bfloat16: the CPU's bf16 matmul and its
     backward make 256 KiB copies the order-insensitive match does not place; open)."""
-    measured = _real(spec, rows, amp)
+    measured = _real(spec, rows, amp, micro_batches)
     records = [Alloc(0, s, op, p) for s, op, p in measured.step_events if abs(s) > SCALAR_BYTES]
     assert records and measured.start_large_requested_bytes is not None
     for compute in (True, False) if meta else (True,):
-        start, events = _emulated(spec, rows, amp, compute)
+        start, events = _emulated(spec, rows, amp, compute, micro_batches)
         al = align(events, records)
         if compute and strict:
             left = _unexplained(records, al.unexplained, al.missing)
@@ -128,6 +130,27 @@ def test_checkpointing_equals_the_profiler(amp: str | None) -> None:
     # two blocks, each with the generator's state stashed at the peak
     _check(f"{LADDER}:attention_checkpointed", 4, amp, False,
            host_only_bytes=2 * RNG_STATE_BYTES, strict=amp is None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "rows", "micro_batches"), [
+    # CPU tensors (the CPU's kernels): over meta lm's attention takes the GPU's SDPA kernel,
+    # whose saved tensors differ from the CPU's at these rows, accumulating or not
+    ("lm", 4, 2),
+    ("mlp", 7, 3),  # micro-batches of 3, 3, 1 rows: the loader's last one shorter
+    (f"{LADDER}:attention_checkpointed", 4, 2),
+])
+def test_accumulation_equals_the_profiler(spec: str, rows: int, micro_batches: int) -> None:
+    """k micro-batches (zero_grad, k x (forward, loss / k, backward), step) run for real
+    under the profiler and in the emulator: the same peak, to the byte (checkpointed
+    blocks: less the generator state each of the two stashes on the host)."""
+    _check(spec, rows, None, False, micro_batches=micro_batches,
+           host_only_bytes=2 * RNG_STATE_BYTES if "checkpointed" in spec else 0)
+    if spec == "mlp":  # no kernel of its differs on a GPU: over meta the same peak
+        peaks = [start + relative_peak(events) for start, events in
+                 (_emulated(spec, rows, None, compute, micro_batches)
+                  for compute in (True, False))]
+        assert peaks[0] == peaks[1]
 
 
 def test_the_repeated_blocks_are_the_largest_module_list() -> None:
@@ -174,7 +197,7 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     fixes = {f["name"]: f for f in data["fixes"]}
     rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
     assert [f["name"] for f in rungs] == ["ladder-bf16", "ladder-checkpoint",
-                                          "ladder-bf16-checkpoint"]
+                                          "ladder-bf16-checkpoint", "ladder-accumulate"]
     ddp = next(s for s in data["scenarios"] if s["name"] == "ddp")
     assert ddp["status"] == "oom"
     fit = next(f for f in rungs if f["need_bytes"] <= 6 << 30)
@@ -193,3 +216,77 @@ def test_the_ladder_stays_away_when_ddp_fits(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert not [f for f in json.loads(out.read_text())["fixes"]
                 if f["name"].startswith("ladder-")]
+
+
+def _ddp_need(wl_spec: str, batch: int, micro_batches: int, amp: str | None = None,
+              checkpoint: bool = False) -> int:
+    wl = load_workload(wl_spec)
+    r = run_scenario("ddp", checkpointed(wl) if checkpoint else wl, EmulationConfig(
+        gpus=2, gpu_memory_bytes=2**40, count_reserved=True,
+        step=StepConfig(batch=batch, micro_batches=micro_batches, amp=amp)))
+    assert r.status == "ok", r.message
+    return max(d.total_peak_bytes for d in r.devices if d.used)
+
+
+def _compare(tmp_path: Path, *args: str) -> dict[str, Any]:
+    from dpprof.cli.app import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compare", "-w", "lm", "-g", "2", "-q", "-o", str(out),
+                                 *args])
+    assert r.exit_code == 0, r.output
+    return dict(json.loads(out.read_text()))
+
+
+def test_accumulation_takes_the_fewest_micro_batches_that_fit(tmp_path: Path) -> None:
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", "3GiB")
+    rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
+    acc = rungs[-1]
+    assert acc["name"] == "ladder-accumulate"
+    k = int(acc["title"].split("(")[1].split()[0])
+    assert acc["need_bytes"] <= 3 << 30 < _ddp_need("lm", 64, k // 2)
+    assert all(f["need_bytes"] > 3 << 30 for f in rungs[:-1])  # the cheaper rungs do not fit
+    assert f"Gradient accumulation ({k} micro-batches) on DDP" in " ".join(
+        data["comparison"]["verdict"].split())
+    assert "model.no_sync()" in acc["code"] and f"/ {k}" in acc["code"]
+    assert f"{k} forward/backward passes per step" in acc["detail"]
+
+
+def test_where_no_micro_batch_count_fits_the_lightest_rung_accumulates(tmp_path: Path) -> None:
+    # one row per micro-batch: fp32 just over the capacity, bf16 + checkpointing under it
+    plain = _ddp_need("lm", 64, 32)
+    light = _ddp_need("lm", 64, 32, "bfloat16", checkpoint=True)
+    assert light < plain
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", f"{(light + plain) // 2}B")
+    names = [f["name"] for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert names[-2:] == ["ladder-accumulate", "ladder-bf16-checkpoint-accumulate"]
+    fit = data["fixes"][-1]
+    assert fit["need_bytes"] == light and "32 micro-batches" in fit["title"]
+    assert "torch.autocast" in fit["code"] and "checkpoint(" in fit["code"]
+
+
+def test_ladder_flag_measures_it_where_ddp_fits_and_no_ladder_leaves_it_out(
+        tmp_path: Path) -> None:
+    from dpprof.cli.app import app
+
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compare", "-w", "mlp", "-b", "16", "-q", "--ladder",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    names = [f["name"] for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert names[0] == "ladder-bf16" and names[-1] == "ladder-accumulate"
+    # ddp fits: the fewest micro-batches tried, 2, fit too
+    assert "(2 micro-batches)" in data["fixes"][-1]["title"]
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", "3GiB", "--no-ladder")
+    assert not [f for f in data["fixes"] if f["name"].startswith("ladder-")]
+    assert "rung" not in data["comparison"]["verdict"]
+
+
+def test_the_ladder_help_says_when_it_runs() -> None:
+    from dpprof.cli.app import app
+
+    r = CliRunner().invoke(app, ["compare", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(r.output.split())
+    assert "--ladder" in text and "--no-ladder" in text
+    assert "only when ddp (or single) is out of memory" in text

@@ -1,6 +1,7 @@
 """The largest batch: the search itself, the accounting, and consistency with compare."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,29 @@ def test_reserved_is_counted_not_only_allocated() -> None:
         step=StepConfig(batch=8),
     ), workload=wl)
     assert fits.scenarios[0].status == STATUS_OK
+
+
+def test_maxbatch_ladder_searches_each_rung_on_ddp(tmp_path: Path) -> None:
+    """--ladder: one entry per rung after the scenarios, in the table and the reports;
+    each rung's largest batch fits and the next step does not, as for a scenario; k
+    micro-batches fit a larger batch than plain DDP."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dpprof.analysis.maxbatch import LADDER_MICRO_BATCHES
+    from dpprof.cli.app import app
+
+    out = tmp_path / "mb.json"
+    md = tmp_path / "mb.md"
+    r = CliRunner().invoke(app, ["maxbatch", "-w", "mlp", "-g", "2", "--gpu-memory", "1GiB",
+                                 "-s", "ddp", "--multiple-of", "64", "--ladder",
+                                 "-o", str(out), "-o", str(md)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    entries = {e["scenario"]: e for e in json.loads(out.read_text())["maxbatch"]["entries"]}
+    acc = f"ddp + {LADDER_MICRO_BATCHES} micro-batches"
+    assert list(entries) == ["ddp", "ddp + bf16", acc]  # mlp: no repeated blocks
+    for e in entries.values():
+        assert e["needed_bytes"] <= 1 << 30 < e["next_needed_bytes"]
+    assert entries[acc]["max_batch"] > entries["ddp"]["max_batch"]
+    assert acc in r.output and acc in md.read_text()

@@ -147,3 +147,32 @@ def test_find_unused_parameters_clones_the_outputs() -> None:
             del out
         ddp.remove_hooks()
     assert counts[1] == counts[0] + 1  # _DDPSink's clone of the one output
+
+
+def test_no_sync_leaves_the_gradients_in_grad_and_the_next_backward_reduces_their_sum(
+        assignments: list[list[list[int]]]) -> None:
+    """distributed.py's no_sync(): the reducer expects no autograd hook for a forward made
+    inside, so nothing is scaled into the buckets; the gradients add up in ``.grad``, and
+    the first backward after it writes the sum (divided by the world) into the buckets."""
+    rt = VirtualDevices(1, base="cpu")
+    with rt, rt.device(0):
+        torch.manual_seed(0)
+        ddp = EmulatedDDP(_mlp(), rt, world_size=2)
+        x1, x2 = torch.randn(4, 512), torch.randn(4, 512)
+        params = list(ddp.parameters())
+        views = [ddp._views[i] for i in range(len(params))]
+        for v in views:
+            v.fill_(7.0)
+        with ddp.no_sync():
+            ddp(x1).sum().backward()
+        assert all(bool(v.eq(7.0).all()) for v in views)  # no bucket written
+        first = [p.grad.clone() for p in params]
+        ddp(x2).sum().backward()
+        for p, g1, v in zip(params, first, views, strict=True):
+            assert not torch.equal(p.grad, g1)  # accumulated
+            assert torch.allclose(v, p.grad / 2)
+        # the buckets are rebuilt from the synchronised backward's order alone: each
+        # parameter once
+        ddp(x1).sum().backward()
+    assert sorted(i for b in assignments[-1] for i in b) == list(range(len(params)))
+    ddp.remove_hooks()

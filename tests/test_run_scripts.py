@@ -461,3 +461,28 @@ def test_virtual_cuda_is_gone_after_a_run() -> None:
     run(["python", str(SCRIPTS / "single_gpu.py")], steps=1)
     assert not torch.zeros(1).is_cuda and torch.zeros(1).device.type == "cpu"
     assert torch.nn.DataParallel.__module__ == "torch.nn.parallel.data_parallel"
+
+
+def test_a_script_accumulating_under_no_sync(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP's no_sync() in a script (gradient accumulation): the flag a script may read is
+    cleared inside and restored after, and the step runs."""
+    script = tmp_path / "accumulate.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist, torch.nn as nn\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "dist.init_process_group('nccl')\n"
+        "rank = int(os.environ['LOCAL_RANK']); torch.cuda.set_device(rank)\n"
+        "model = DDP(nn.Linear(64, 64).cuda(rank), device_ids=[rank])\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(2):\n"
+        "    opt.zero_grad()\n"
+        "    with model.no_sync():\n"
+        "        inside = model.require_backward_grad_sync\n"
+        "        (model(torch.randn(8, 64, device='cuda')).sum() / 2).backward()\n"
+        "    (model(torch.randn(8, 64, device='cuda')).sum() / 2).backward()\n"
+        "    opt.step()\n"
+        "print('sync', inside, model.require_backward_grad_sync)\n")
+    result = run(["torchrun", "--nproc-per-node", "2", str(script)])
+    assert result.scenarios[0].status == "ok", result.scenarios[0].message
+    assert "sync False True" in capsys.readouterr().out

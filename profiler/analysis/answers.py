@@ -752,7 +752,8 @@ def add_answers(
     """Fill the answer fields of ``run`` (in place), its verdict last, and return it;
     ``alongside``: what the run's own scenarios measured for the fixes
     (:func:`dpprof.analysis.fixes.alongside`); ``ladder``: measure the ladder's rungs
-    (:mod:`dpprof.analysis.ladder`), None: where the data-parallel floor is out of memory."""
+    (:mod:`dpprof.analysis.ladder`), also without ``fixes``; None: with the fixes, where the
+    data-parallel floor is out of memory."""
     from dpprof.analysis.attribution import attribute_run
     from dpprof.analysis.fixes import evaluate
 
@@ -763,20 +764,21 @@ def add_answers(
         if progress and name:  # the scenarios' bar stays full while the answers run
             progress(name, n, n)
 
+    from dpprof.analysis import ladder as rungs
+
     if fixes:
         step("the fixes")
         run.fixes = evaluate(run, wl, ecfg, alongside)
-        from dpprof.analysis import ladder as rungs
-
-        if ladder or (ladder is None and rungs.wanted(run)):
-            step("the ladder")
-            run.fixes += rungs.evaluate(run, wl, ecfg)
+    if ladder or (ladder is None and fixes and rungs.wanted(run)):
+        step("the ladder")
+        run.fixes += rungs.evaluate(run, wl, ecfg)
     if maxbatch:
         from dpprof.analysis.maxbatch import run_maxbatch
 
         run.maxbatch = run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
             ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, emulation=ecfg,
+            ladder=bool(ladder),
             progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
         )
     if equivalence:

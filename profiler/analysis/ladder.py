@@ -13,7 +13,12 @@ first (:func:`rungs`):
   the children of its largest ``ModuleList``, else the instances of its most repeated
   module type), non-reentrant ``torch.utils.checkpoint``: each block's forward runs again
   in backward, so it costs one more forward of the blocks;
-* both together.
+* both together;
+* **gradient accumulation**: the same effective batch in k micro-batches per optimizer step
+  (:func:`accumulation`: the smallest k of 2, 4, 8... up to the per-rank rows that fits),
+  under DDP the first k - 1 backwards inside ``no_sync()``; it costs k forward/backward
+  passes of ``rows / k`` rows per step. Where even the most micro-batches do not fit,
+  mixed precision and checkpointing with accumulation (the lightest combination).
 
 A rung's figures count what the out-of-memory check counts (reserved memory and the CUDA
 context, :attr:`Fix.need_bytes`), so the verdict can name the cheapest rung that fits
@@ -103,6 +108,7 @@ class Rung:
     title: str
     amp: str | None  # autocast's dtype, or None
     checkpoint: bool  # the repeated blocks checkpointed
+    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
 
 
 def amp_dtype(compute_capability: tuple[int, int]) -> str:
@@ -207,10 +213,52 @@ def _peaks(s: ScenarioResult) -> tuple[int, int]:
     return used[0].peak_allocated_bytes, max(d.peak_allocated_bytes for d in used)
 
 
+def accumulation_loop_code(rung: Rung, gpus: int) -> str:
+    """The typical loop with ``rung.micro_batches`` micro-batches per optimizer step (under
+    DDP the first ones inside ``no_sync()``), with the rung's autocast if any."""
+    k = rung.micro_batches
+    rank = "rank" if gpus > 1 else ""
+    pad = "    " if rung.amp is None else "        "
+    lines = ["-for inputs, targets in loader:",
+             "+for i, (inputs, targets) in enumerate(loader):",
+             "-    loss = loss_fn(model(inputs.cuda()), targets.cuda())",
+             "-    optimizer.zero_grad()",
+             "-    loss.backward()",
+             "-    optimizer.step()",
+             f"+    last = (i + 1) % {k} == 0  # {k} micro-batches per optimizer step"]
+    if gpus > 1:
+        lines.append("+    with contextlib.nullcontext() if last else model.no_sync():  "
+                     "# one all-reduce")
+    else:
+        lines.append("+    with contextlib.nullcontext():")
+    if rung.amp is not None:
+        lines.append(f'+        with torch.autocast("cuda", dtype=torch.{rung.amp}):')
+    lines += [f"+    {pad}loss = loss_fn(model(inputs.cuda({rank})), "
+              f"targets.cuda({rank})) / {k}",
+              "+        " + ("scaler.scale(loss).backward()" if rung.amp == "float16"
+                            else "loss.backward()") + "  # the gradients add up in .grad",
+              "+    if last:"]
+    if rung.amp == "float16":
+        lines += ["+        scaler.step(optimizer)", "+        scaler.update()"]
+    else:
+        lines.append("+        optimizer.step()")
+    lines.append("+        optimizer.zero_grad()")
+    if rung.amp == "float16":
+        lines.insert(0, '+scaler = torch.amp.GradScaler("cuda")')
+    return "\n".join(lines)
+
+
 def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
     """The rung's change to the typical DataParallel loop, as a diff."""
-    head = (CODE_DDP_LOOP.format(gpus=gpus, per_rank=shard_sizes(batch, gpus)[0])
-            if gpus > 1 else CODE_SINGLE_LOOP)
+    per_rank = shard_sizes(batch, gpus)[0]
+    rows = -(-per_rank // rung.micro_batches)  # the loader's batch: one micro-batch
+    head = (CODE_DDP_LOOP.format(gpus=gpus, per_rank=rows) if gpus > 1 else CODE_SINGLE_LOOP)
+    if rung.micro_batches > 1:
+        head = head.replace("  # per-rank batch", f"  # {per_rank} rows per rank in "
+                            f"{rung.micro_batches}")
+        if gpus == 1:
+            head += (f"+loader = DataLoader(dataset, batch_size={rows})  # {per_rank} rows "
+                     f"in {rung.micro_batches}\n")
     if rung.checkpoint:
         blocks = repeated_blocks(model)
         names = [n for n, _ in blocks]
@@ -219,6 +267,8 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
         where = parent if same_parent else "modules()  # " + ", ".join(names[:3])
         head += CODE_CHECKPOINT.format(blocks=where, count=len(blocks),
                                        kind=type(blocks[0][1]).__name__ if blocks else "")
+    if rung.micro_batches > 1:
+        return head + accumulation_loop_code(rung, gpus)
     loop = (CODE_LOOP_PLAIN if rung.amp is None else
             CODE_LOOP_BF16 if rung.amp == "bfloat16" else CODE_LOOP_FP16)
     if gpus == 1:
@@ -226,8 +276,15 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
     return head + loop
 
 
-def detail(rung: Rung, blocks: int, floor: str) -> str:
+def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
     parts = []
+    if rung.micro_batches > 1:
+        rows = -(-per_rank // rung.micro_batches)
+        parts.append(f"{rung.micro_batches} micro-batches of {rows} rows per optimizer step "
+                     f"(the same {per_rank} rows per GPU): {rung.micro_batches} forward/"
+                     "backward passes per step"
+                     + (f", the first {rung.micro_batches - 1} inside no_sync() (one "
+                        "all-reduce per step)" if floor == DDP else ""))
     if rung.amp is not None:
         parts.append(f"forward and loss under torch.autocast('cuda', {rung.amp}): matmuls "
                      "and convolutions and the activations they save in "
@@ -254,24 +311,88 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig) -> list[Fix]:
     reference = next((s for name in (DP_LOSS_PRIMARY, floor) if (s := run.scenario(name))
                       is not None and s.status in (STATUS_OK, STATUS_OOM) and s.devices), None)
     cfg = dataclasses.replace(base, count_reserved=True, peaks_only=False)
-    out: list[Fix] = []
-    for rung in rungs(base.compute_capability, blocks > 0):
+    per_rank = shard_sizes(base.step.batch, base.gpus)[0]
+
+    def measure(rung: Rung) -> ScenarioResult | None:
         s = run_scenario(floor, checkpointed(wl) if rung.checkpoint else wl,
-                         cfg.with_step(amp=rung.amp))
-        if s.status not in (STATUS_OK, STATUS_OOM) or not s.devices:
-            continue
+                         cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
+        return s if s.status in (STATUS_OK, STATUS_OOM) and s.devices else None
+
+    def fix(rung: Rung, s: ScenarioResult) -> Fix:
         q0, qmax = _peaks(s)
         p0, pmax = _peaks(reference) if reference is not None else (q0, qmax)
         need = _need(s)
         fits = "fits" if s.status == STATUS_OK else "does not fit"
-        out.append(Fix(
+        return Fix(
             name=rung.name, title=rung.title, primary_peak_bytes=q0, max_peak_bytes=qmax,
             saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax,
-            detail=(detail(rung, blocks, floor) + f"; the fullest GPU needs {fmt_bytes(need)} "
+            detail=(detail(rung, blocks, floor, per_rank)
+                    + f"; the fullest GPU needs {fmt_bytes(need)} "
                     f"(reserved and context counted): it {fits} in "
                     f"{fmt_bytes(base.gpu_memory_bytes)}"),
-            code=code(rung, base.gpus, base.step.batch, model), need_bytes=need))
+            code=code(rung, base.gpus, base.step.batch, model), need_bytes=need)
+
+    out: list[Fix] = []
+    for rung in rungs(base.compute_capability, blocks > 0):
+        s = measure(rung)
+        if s is not None:
+            out.append(fix(rung, s))
+    if wl.step is not None or per_rank < 2:  # its own step, or one row: nothing to split
+        return out
+    # accumulation alone; where no k fits, with the lightest rung above (the combination)
+    lightest = rungs(base.compute_capability, blocks > 0)[-1]
+    for plain in (Rung("", "", None, False), lightest):
+        found = accumulation(plain, per_rank, base.gpu_memory_bytes, measure)
+        if found is not None:
+            rung, s = found
+            out.append(fix(rung, s))
+            if s.status == STATUS_OK:
+                break
     return out
+
+
+def accumulation_rung(rung: Rung, k: int) -> Rung:
+    """``rung`` (mixed precision, checkpointing, neither) with ``k`` micro-batches."""
+    if rung.amp is None and not rung.checkpoint:
+        return Rung(f"{PREFIX}accumulate", f"Gradient accumulation ({k} micro-batches)",
+                    None, False, k)
+    base_name = rung.name.removeprefix(PREFIX)
+    return Rung(f"{PREFIX}{base_name}-accumulate", f"{rung.title}, {k} micro-batches",
+                rung.amp, rung.checkpoint, k)
+
+
+def micro_batch_counts(per_rank: int) -> list[int]:
+    """The micro-batch counts tried: 2, 4, 8... below the per-rank rows, then the rows."""
+    out, k = [], 2
+    while k < per_rank:
+        out.append(k)
+        k *= 2
+    return [*out, per_rank]
+
+
+def accumulation(rung: Rung, per_rank: int, capacity_bytes: int,
+                 measure: Callable[[Rung], ScenarioResult | None]
+                 ) -> tuple[Rung, ScenarioResult] | None:
+    """The smallest k of :func:`micro_batch_counts` whose step fits (counting reserved
+    memory and the context, as the out-of-memory check does), with its result; where none
+    does, the last measured. Stops early where twice what the last doubling saved would
+    still not fit: the activations shrink about as 1/k, so further doublings save about
+    what the last one did in all (twice: a margin, the rounding of reserved memory)."""
+    last: tuple[Rung, ScenarioResult] | None = None
+    previous: int | None = None
+    for k in micro_batch_counts(per_rank):
+        r = accumulation_rung(rung, k)
+        s = measure(r)
+        if s is None:
+            return last
+        last = (r, s)
+        if s.status == STATUS_OK:
+            return last
+        need = _need(s)
+        if previous is not None and need - 2 * (previous - need) > capacity_bytes:
+            return last
+        previous = need
+    return last
 
 
 def cheapest_fit(run: RunResult) -> Fix | None:

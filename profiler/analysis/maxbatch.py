@@ -11,6 +11,12 @@ and each device's peak is close to affine in the batch, so the search first meas
 batches, extrapolates the boundary, then brackets it by galloping and finishes by
 bisection: the answer ``B`` fits and ``B + multiple_of`` does not (both emulated). Results
 are cached per batch, so no batch is emulated twice.
+
+With ``ladder``, also the largest batch of each rung of the ladder
+(:mod:`dpprof.analysis.ladder`) on ``ddp`` (one GPU: ``single``): mixed precision,
+activation checkpointing, both, and gradient accumulation in
+:data:`LADDER_MICRO_BATCHES` micro-batches per step (its largest batch grows with k, so one
+k is shown), each an entry named ``"ddp + bf16"``, ``"ddp + 4 micro-batches"``...
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
 
+# gradient accumulation's rung in the largest-batch search: the micro-batches per step
+LADDER_MICRO_BATCHES = 4
 DEFAULT_UPPER = 1 << 22  # rows: a search bound, reported as "capped" when reached
 COUNTS = ("peak reserved (simulated caching allocator, cuBLAS workspaces included) + the "
           "CUDA context")
@@ -153,13 +161,14 @@ def run_maxbatch(
     gpu: GpuSpec | None = None, multiple_of: int = 1, step: StepConfig | None = None,
     upper: int = DEFAULT_UPPER,
     progress: Callable[[str, int, int], None] | None = None,
-    emulation: EmulationConfig | None = None,
+    emulation: EmulationConfig | None = None, ladder: bool = False,
 ) -> MaxBatch:
     """The largest batch each scenario fits, with reserved memory and the context counted.
 
     ``step``: the step's options (seed, warm-up, dtype, autocast, DDP's; the batch is
     searched). ``emulation``: the comparison's emulation options (compute capability, the
-    step), used as they are; otherwise those of ``gpu`` (or an A100).
+    step), used as they are; otherwise those of ``gpu`` (or an A100). ``ladder``: also
+    each rung of the ladder (see the module), after the scenarios.
     """
     base = EmulationConfig(gpus=gpus, gpu_memory_bytes=capacity_bytes,
                            step=step or StepConfig())
@@ -172,11 +181,13 @@ def run_maxbatch(
     out = MaxBatch(capacity_bytes=capacity_bytes, gpu=gpu.key if gpu else "",
                    multiple_of=multiple_of,
                    counts=COUNTS)
-    for i, name in enumerate(scenarios):
+    searches = [(name, probe_emulated(name, wl, base)) for name in scenarios]
+    if ladder:
+        searches += ladder_probes(wl, base)
+    for i, (name, probe) in enumerate(searches):
         if progress:
-            progress(name, i, len(scenarios))
-        best, probes, capped = search(probe_emulated(name, wl, base), multiple_of, upper,
-                                       capacity_bytes)
+            progress(name, i, len(searches))
+        best, probes, capped = search(probe, multiple_of, upper, capacity_bytes)
         entry = MaxBatchEntry(scenario=name, max_batch=best, capped=capped,
                               emulations=len(probes))
         if best is None:
@@ -197,5 +208,29 @@ def run_maxbatch(
                 entry.message = f"fits up to the search bound {upper}"
         out.entries.append(entry)
     if progress:
-        progress("", len(scenarios), len(scenarios))
+        progress("", len(searches), len(searches))
+    return out
+
+
+def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]]:
+    """Each rung of the ladder as a probe on ``ddp`` (``single`` on one GPU), named
+    ``"<floor> + <rung>"``: mixed precision, checkpointing (where the model has repeated
+    blocks), both, then :data:`LADDER_MICRO_BATCHES` micro-batches."""
+    from dpprof.analysis import ladder
+    from dpprof.backends.emulated import probe_model
+
+    floor = ladder.floor_scenario(base.gpus)
+    blocks = bool(ladder.repeated_blocks(probe_model(wl, base.gpus)))
+    rungs = ladder.rungs(base.compute_capability, blocks)
+    if wl.step is None:  # accumulation runs the tutorial loop, not a workload's own step
+        rungs.append(ladder.accumulation_rung(ladder.Rung("", "", None, False),
+                                              LADDER_MICRO_BATCHES))
+    out = []
+    for rung in rungs:
+        label = (f"{rung.micro_batches} micro-batches" if rung.micro_batches > 1
+                 else rung.name.removeprefix(ladder.PREFIX))
+        cfg = base.with_step(amp=rung.amp, micro_batches=rung.micro_batches)
+        out.append((f"{floor} + {label}",
+                    probe_emulated(floor, ladder.checkpointed(wl) if rung.checkpoint else wl,
+                                   cfg)))
     return out

@@ -752,7 +752,7 @@ class _Run:
         hooks = StepHooks(phase=amp.phase(self.rec.phase), iteration=iteration)
         with amp, step_stream(cfg.step.seed):
             loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside, hooks,
-                                 step=wl_step)
+                                 step=wl_step, micro_batches=cfg.step.micro_batches)
         out.loss = None if loss is None else float(loss)
         self.rec.profile = False
 

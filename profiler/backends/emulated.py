@@ -346,7 +346,7 @@ def _run_scenario(
             loss: torch.Tensor | None = None
             with step_stream(step.seed), contextlib.suppress(_StepsDone):
                 loss = training_loop(wrapped, loss_fn, opt, batches, move, loss_inside,
-                                     hooks, step=wl.step)
+                                     hooks, step=wl.step, micro_batches=step.micro_batches)
                 if further is not None:  # every further step ran
                     further.finish()
             del batches

@@ -214,7 +214,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
                 ddp, loss_fn, opt, batches, move, False,
                 StepHooks(iteration=iteration,
                           phase=amp.phase(lambda name: contextlib.nullcontext())),
-                step=wl.step)
+                step=wl.step, micro_batches=step.micro_batches)
         del batches
         result.loss = None if loss is None else float(loss)
         del loss

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from dpprof.analysis.maxbatch import LADDER_MICRO_BATCHES
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -70,6 +71,11 @@ def maxbatch_cmd(
         typer.Option("--output", "-o", help="Also write the result (.json, .html, .md).",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
+    ladder: Annotated[bool, typer.Option(
+        "--ladder", help="Also the largest batch of each rung of the ladder on ddp (one GPU: "
+        "single): bf16 (fp16 below compute capability 8.0) autocast, activation "
+        f"checkpointing, both, {LADDER_MICRO_BATCHES} micro-batches of gradient accumulation.",
+        rich_help_panel=PANEL_WORKLOAD)] = False,
     include_host: Annotated[bool, INCLUDE_HOST] = False,
     quiet: Annotated[bool, QUIET] = False,
     debug: Annotated[bool, DEBUG] = False,
@@ -106,21 +112,26 @@ def maxbatch_cmd(
             )
         if quiet or not err.is_terminal:  # a log gets no progress bar's leftovers
             mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
-                              step=StepConfig(seed=seed))
+                              step=StepConfig(seed=seed), ladder=ladder)
         else:  # a search takes seconds to minutes: say which scenario it is on
             with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total} scenarios"),
+                          TextColumn("{task.completed}/{task.total} "
+                                     + ("searches" if ladder else "scenarios")),
                           TimeElapsedColumn(), console=err, transient=True) as bar:
                 task = bar.add_task("starting", total=len(names))
 
                 def progress(name: str, done: int, total: int) -> None:
-                    bar.update(task, completed=done, description=f"searching {name}")
+                    bar.update(task, completed=done, total=total,
+                               description=f"searching {name}")
+
 
                 mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
-                                  step=StepConfig(seed=seed), progress=progress)
+                                  step=StepConfig(seed=seed), progress=progress,
+                                  ladder=ladder)
         run = new_result(
             "emulated", wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
-            config=_config(workload, gpus, memory, spec, multiple_of, names),
+            config=_config(workload, gpus, memory, spec, multiple_of, names) | {
+                "ladder": ladder},
             seed=seed, dtype=str(wl.dtype).removeprefix("torch."), maxbatch=mb,
         )
         run.comparison.verdict = build_answer(run).verdict

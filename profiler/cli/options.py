@@ -78,6 +78,11 @@ COUNT_RESERVED = typer.Option(
     "--count-reserved", help="With --compute: count simulated reserved memory and the CUDA "
     "context in the out-of-memory check (meta emulation always counts them).",
     rich_help_panel=PANEL_MEASURE)
+LADDER = typer.Option(
+    "--ladder/--no-ladder", help="Measure the ladder on ddp (one GPU: single) at your batch: "
+    "mixed precision, activation checkpointing, both, gradient accumulation; the verdict "
+    "names the cheapest rung that fits. Default: only when ddp (or single) is out of memory.",
+    rich_help_panel=PANEL_MEASURE, show_default=False)
 FIXES = typer.Option("--fixes/--no-fixes", help="Emulate each fix and what it saves.",
                      rich_help_panel=PANEL_MEASURE)
 FAIL_ON_IMBALANCE = typer.Option(

@@ -6,8 +6,9 @@ broadcast at construction, the reducer's gradient buckets and their all-reduce, 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -215,6 +216,10 @@ class EmulatedDDP(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.iteration = 0
+        # distributed.py: no_sync() clears the first; a forward under it clears the second
+        # (buffers are broadcast only on a forward after a synchronised one)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
         self.has_rebuilt = False
         self._rebuilt: list[int] = []
         self._expect_hooks = False
@@ -327,19 +332,38 @@ class EmulatedDDP(nn.Module):
         elif self.follower is not None:
             self.follower.regrad(i, grad, view)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``DistributedDataParallel.no_sync``: the backwards of the forwards made inside
+        leave the gradients in ``.grad`` (accumulating there), neither bucketed nor
+        all-reduced; the first forward-backward after it synchronises them all."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         rt = self.rt
         grad = torch.is_grad_enabled()
-        if grad:
+        sync = grad and self.require_backward_grad_sync
+        if sync:
             self.iteration += 1  # prepare_for_forward
+        if grad:  # _pre_forward: the rebuild does not wait for a synchronised forward
             self.rebuild_buckets()
-            if self.broadcast_buffers:
+            if self.broadcast_buffers and self.require_forward_param_sync:
                 bufs = [b for b in self.module.buffers()]
                 with rt.device(self.device):
                     ddp_broadcast_coalesced(rt, bufs)
         output = self.module(*inputs, **kwargs)
         if grad:
-            self._expect_hooks = True  # prepare_for_backward
+            # _post_forward; finalize_backward has cleared expect_autograd_hooks_ after the
+            # last synchronised backward, and a forward under no_sync does not set it:
+            # that backward's autograd hooks return at once
+            self.require_forward_param_sync = sync
+            self._expect_hooks = sync
+            # _DDPSink, with or without no_sync
             if self.find_unused_parameters:
                 # distributed.py: pytree-flattened, the outputs with a grad_fn through
                 # _DDPSink; the flat list (the outputs before their clones) lives until

@@ -14,7 +14,8 @@ their shapes). ``init_process_group`` with any backend initialises that fake gro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -387,10 +388,18 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
             _log().note_shards([index], [inputs], [kwargs], self.dim)
         return ddp(*inputs, **kwargs)
 
-    def no_sync(self) -> Any:
-        import contextlib
-
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()``: the backwards inside accumulate without bucketing or
+        all-reducing (:meth:`EmulatedDDP.no_sync`)."""
+        impl: EmulatedDDP = self.__dict__["_ddp_impl"]
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False  # what scripts may read
+        try:
+            with impl.no_sync():
+                yield
+        finally:
+            self.require_backward_grad_sync = old
 
 
 @dataclass

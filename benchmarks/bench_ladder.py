@@ -1,0 +1,127 @@
+"""What the ladder adds to a comparison. One command:
+
+    python benchmarks/bench_ladder.py              # prints, writes benchmarks/results_ladder.json
+    python benchmarks/bench_ladder.py --repeat 5   # min-max over 5 rounds (default 3)
+
+Cost is CPU time of this process (``time.process_time``), in process (``run_compare``),
+one warm-up of each case first (imports, first calls), each figure the least of two runs,
+the ratio measured side by side in a round; the min-max is over the rounds; torch on one
+intra-op thread (on shared cores the spinning of idle threads counts as CPU time).
+
+The ratio: ``dpprof compare`` with the ladder (``--ladder``) / the same comparison without it
+(``--no-ladder``), all four scenarios and the fixes on, goal <= 2, for
+
+1. ``lm`` at batch 512 on 4 RTX 4090s (24 GB): ddp is out of memory, so a plain
+   ``dpprof compare`` measures the ladder (bf16, checkpointing, both, and the fewest
+   micro-batches that fit: 2 here);
+2. ``lm`` at batch 512 on 4 A100s (80 GB): everything fits, the ladder only on ``--ladder``;
+3. ``classifier`` at batch 512 on 4 RTX 4090s (no repeated blocks: bf16 and accumulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+BEST_OF = 2  # each figure: the least of two runs (the cores are shared)
+GOAL = 2.0
+
+
+def cpu_s(fn: Callable[[], object], best_of: int = BEST_OF) -> float:
+    """CPU seconds of ``fn()``, the least of ``best_of`` runs (each after a collection)."""
+    times = []
+    for _ in range(best_of):
+        gc.collect()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return min(times)
+
+
+def compare(workload: str, batch: int, gpus: int, gpu: str, ladder: bool
+            ) -> Callable[[], object]:
+    from dpprof.emulator.gpus import lookup_gpu
+    from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.step import StepConfig
+
+    spec = lookup_gpu(gpu)
+    cfg = CompareConfig(workload=workload, gpus=gpus, step=StepConfig(batch=batch),
+                        gpu_memory_bytes=spec.total_memory_bytes, gpu=spec.key,
+                        compute_capability=spec.compute_capability, ladder=ladder)
+    return lambda: run_compare(cfg)
+
+
+CASES = {
+    "lm_b512_4x_rtx4090": ("lm", 512, 4, "rtx-4090"),
+    "lm_b512_4x_a100_80gb": ("lm", 512, 4, "a100-80gb"),
+    "classifier_b512_4x_rtx4090": ("classifier", 512, 4, "rtx-4090"),
+}
+
+
+def summary(values: list[float], goal: float) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "runs": [round(v, 3) for v in values],
+            "goal": f"<= {goal}", "met": max(values) <= goal}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (min-max over them)")
+    ap.add_argument("--no-write", action="store_true", help="do not write results_ladder.json")
+    args = ap.parse_args()
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    torch.set_num_threads(1)
+    cases = {name: (compare(*c, ladder=False), compare(*c, ladder=True))
+             for name, c in CASES.items()}
+    rungs: dict[str, list[str]] = {}
+    for name, (base, ours) in cases.items():  # warm-up: imports, first calls
+        base()
+        run: Any = ours()
+        rungs[name] = [f"{f.title}: needs {f.need_bytes}" for f in run.fixes
+                       if f.name.startswith("ladder-")]
+    raw: dict[str, list[float]] = {k: [] for k in cases}
+    secs: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
+    for r in range(args.repeat):
+        print(f"round {r + 1}/{args.repeat}", flush=True)
+        for name, (base, ours) in cases.items():
+            b = cpu_s(base)
+            o = cpu_s(ours)
+            raw[name].append(o / b)
+            secs[name].append((b, o))
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "method": "CPU time of the process, in process, each figure the least of two runs, "
+                  "ratios side by side in a round, min-max over rounds; cores shared",
+        "ratios": {k: summary(v, GOAL) for k, v in raw.items()},
+        "cpu_s": {k: {"no_ladder": [round(b, 3) for b, _ in v],
+                      "ladder": [round(o, 3) for _, o in v]} for k, v in secs.items()},
+        "rungs": rungs,
+    }
+    for k, s in results["ratios"].items():
+        mark = "met" if s["met"] else "NOT MET"
+        b = [x for x, _ in secs[k]]
+        o = [y for _, y in secs[k]]
+        print(f"  {k:<28} {s['median']:.2f}  (min {s['min']:.2f} - max {s['max']:.2f}, "
+              f"{len(s['runs'])} rounds; goal {s['goal']}: {mark}); CPU s without "
+              f"{min(b):.2f}-{max(b):.2f}, with {min(o):.2f}-{max(o):.2f}")
+    if not args.no_write:
+        (HERE / "results_ladder.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {HERE / 'results_ladder.json'}")
+
+
+if __name__ == "__main__":
+    main()
