@@ -21,32 +21,19 @@ The ratio: ``dpprof compare`` with the ladder (``--ladder``) / the same comparis
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from ratios import cpu_s, summary
 
 HERE = Path(__file__).resolve().parent
-BEST_OF = 2  # each figure: the least of two runs (the cores are shared)
 GOAL = 2.0
-
-
-def cpu_s(fn: Callable[[], object], best_of: int = BEST_OF) -> float:
-    """CPU seconds of ``fn()``, the least of ``best_of`` runs (each after a collection)."""
-    times = []
-    for _ in range(best_of):
-        gc.collect()
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return min(times)
 
 
 def compare(workload: str, batch: int, gpus: int, gpu: str, ladder: bool
@@ -67,12 +54,6 @@ CASES = {
     "lm_b512_4x_a100_80gb": ("lm", 512, 4, "a100-80gb"),
     "classifier_b512_4x_rtx4090": ("classifier", 512, 4, "rtx-4090"),
 }
-
-
-def summary(values: list[float], goal: float) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
-            "max": round(max(values), 3), "runs": [round(v, 3) for v in values],
-            "goal": f"<= {goal}", "met": max(values) <= goal}
 
 
 def main() -> None:

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import io
 import json
 import os
 import platform
 import runpy
-import statistics
 import sys
 import tempfile
 import time
@@ -36,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ratios import cpu_s, summary
 
 from dpprof.backends.script import ScriptConfig, parse_command, run_command
 
 HERE = Path(__file__).resolve().parent
-BEST_OF = 2
 
 COMPUTE_SCRIPT = """
 import torch
@@ -89,17 +87,6 @@ for inputs, labels in loader:
 """
 
 
-def cpu_s(fn: Callable[[], object], best_of: int = BEST_OF) -> float:
-    """CPU seconds of ``fn()``, the least of ``best_of`` runs (each after a collection)."""
-    times = []
-    for _ in range(best_of):
-        gc.collect()
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return min(times)
-
-
 def plain(path: Path) -> Callable[[], object]:
     def go() -> object:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -115,12 +102,6 @@ def dpprof_run(path: Path, steps: int, compute: bool, alternatives: bool,
         with contextlib.redirect_stdout(io.StringIO()):
             return run_command(cfg, alternatives)
     return go
-
-
-def summary(values: list[float], goal: float) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
-            "max": round(max(values), 3), "runs": [round(v, 3) for v in values],
-            "goal": f"<= {goal}", "met": max(values) <= goal}
 
 
 def main() -> None:

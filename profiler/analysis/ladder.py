@@ -42,21 +42,13 @@ from typing import Any
 from torch import nn
 
 from dpprof.analysis.answers import LADDER_PREFIX as PREFIX
+from dpprof.analysis.fix_kinds.ddp import CODE_SETUP
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.workloads import Workload, shard_sizes
 from dpprof.units import fmt_bytes
 
-CODE_DDP_LOOP = """\
-+# torchrun --nproc-per-node {gpus} train.py
-+dist.init_process_group("nccl")
-+rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
--model = nn.DataParallel(model.cuda())
-+model = DDP(model.cuda(rank), device_ids=[rank])
-+loader = DataLoader(dataset, batch_size={per_rank},
-+                    sampler=DistributedSampler(dataset))  # per-rank batch
-"""
 CODE_SINGLE_LOOP = """\
 -model = nn.DataParallel(model.cuda())
 +model = model.cuda()
@@ -252,7 +244,7 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
     """The rung's change to the typical DataParallel loop, as a diff."""
     per_rank = shard_sizes(batch, gpus)[0]
     rows = -(-per_rank // rung.micro_batches)  # the loader's batch: one micro-batch
-    head = (CODE_DDP_LOOP.format(gpus=gpus, per_rank=rows) if gpus > 1 else CODE_SINGLE_LOOP)
+    head = (CODE_SETUP.format(gpus=gpus, per_rank=rows) if gpus > 1 else CODE_SINGLE_LOOP)
     if rung.micro_batches > 1:
         head = head.replace("  # per-rank batch", f"  # {per_rank} rows per rank in "
                             f"{rung.micro_batches}")

@@ -9,7 +9,8 @@ from dpprof.result import Fix, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import shard_sizes
 
-CODE = """\
+# the DataParallel model and loader turned into DDP's (the ladder's rungs start from it too)
+CODE_SETUP = """\
 +# torchrun --nproc-per-node {gpus} train.py
 +dist.init_process_group("nccl")
 +rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
@@ -17,6 +18,8 @@ CODE = """\
 +model = DDP(model.cuda(rank), device_ids=[rank])
 +loader = DataLoader(dataset, batch_size={per_rank},
 +                    sampler=DistributedSampler(dataset))  # per-rank batch
+"""
+CODE = CODE_SETUP + """\
  for inputs, targets in loader:
 -    loss = loss_fn(model(inputs.cuda()), targets.cuda())
 +    loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))"""
