@@ -263,16 +263,12 @@ def main() -> int:
     import torch
     from torch import nn
 
-    if not torch.cuda.is_available():
-        record("cuda_available", False, torch=torch.__version__, cuda=torch.version.cuda,
-               hint="a CPU build of torch, or no driver: nothing below can run")
-        return 1
-
+    # imported first: a dry run (no GPU) still shows a name that moved
     from dpprof.backends.cuda import (
         CudaRunConfig,
         ddp_scenario,
+        find_oom,
         is_oom,
-        parse_oom_message,
         run_local_scenario,
     )
     from dpprof.backends.cuda_ddp import DdpJob, spawn_ddp
@@ -281,6 +277,11 @@ def main() -> int:
     from dpprof.nvml.sampler import NvmlSampler
     from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import load_workload
+
+    if not torch.cuda.is_available():
+        record("cuda_available", False, torch=torch.__version__, cuda=torch.version.cuda,
+               hint="a CPU build of torch, or no driver: nothing below can run")
+        return 1
 
     wide = f"{REPO}/tests/data/gpu_workloads.py:wide"
     oomw = f"{WORK}/oom_workloads.py"
@@ -518,11 +519,12 @@ def main() -> int:
             torch.empty(2**50, dtype=torch.uint8, device="cuda:0")
         except Exception as e:
             msg, err = str(e), e
-        info = parse_oom_message(msg)
-        ok = err is not None and is_oom(err) and info.device == 0 \
-            and info.bytes_requested == 2**50
+        info = find_oom(msg)
+        ok = (err is not None and is_oom(err) and info is not None and info.cuda_index == 0
+              and info.requested_bytes == 2**50)
         record("parse_real_oom", ok, type=type(err).__name__, message=msg[:600],
-               device=info.device, bytes=info.bytes_requested)
+               device=info.cuda_index if info else None,
+               bytes=info.requested_bytes if info else None)
 
     @check
     def ddp_world1_ok() -> None:
@@ -735,7 +737,9 @@ else:
 run = load("run_tiny.json")
 if isinstance(run, dict) and run.get("scenarios"):
     s0 = run["scenarios"][0]
-    emu = s0["devices"][0]["peak_allocated_bytes"] if s0.get("devices") else None
+    d0 = s0["devices"][0] if s0.get("devices") else {}
+    # as max_memory_allocated counts: the tensors and the cuBLAS workspaces
+    emu = (d0["peak_allocated_bytes"] + (d0.get("workspace_bytes") or 0)) if d0 else None
     meas = real["max_memory_allocated"][0] if real else None
     say("dpprof run (emulated) vs the real run of the same script", None,
         {"scenario": s0["name"], "status": s0["status"], "emulated_peak_allocated": emu,

@@ -143,7 +143,9 @@ def test_environment_markdown_for_an_issue() -> None:
 
 
 def test_environment_markdown_without_nvml_says_why_once() -> None:
-    env = collect_environment(FakeNvml.unavailable("NVML Shared Library Not Found"), environ={})
+    # use_cuda=False: on a GPU machine torch would list the GPU that NVML cannot
+    env = collect_environment(FakeNvml.unavailable("NVML Shared Library Not Found"), environ={},
+                              use_cuda=False)
     text = environment_markdown(env)
     assert "GPUs: none (NVML not available)." in text
     assert "- **NVIDIA driver**: n/a (NVML not available)" in text

@@ -4,8 +4,12 @@ every step."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +35,22 @@ def test_the_dry_run_checks_one_fake_gpu_end_to_end(tmp_path: Path) -> None:
     assert summary["dpprof check: every CUDA device matched to NVML"]["ok"] is True
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["gpu"] == "NVIDIA Fake 80GB" and report["sampler"]["tick_s"] > 0
+
+
+
+def test_the_python_checks_import_only_names_dpprof_has() -> None:
+    # The checks run only where a GPU is lent; a name that moved must fail here, on CI, not
+    # first on the GPU (where it once cost the whole step of Python checks).
+    text = (REPO / "scripts" / "gpu_check.sh").read_text()
+    sources = re.findall(r"cat > \"\$WORK/(\w+\.py)\" <<'EOF'\n(.*?)\nEOF\n", text, re.S)
+    assert {name for name, _ in sources} >= {"gpu_checks.py", "summary.py"}
+    missing = []
+    for name, source in sources:
+        for node in ast.walk(ast.parse(source, name)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dpprof"):
+                module = importlib.import_module(node.module or "")
+                missing += [f"{name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and not (
+                                hasattr(module, "__path__")
+                                and importlib.util.find_spec(f"{node.module}.{a.name}"))]
+    assert not missing
