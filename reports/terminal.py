@@ -223,11 +223,14 @@ def _gpu_table(view: ReportView) -> RenderableType | None:
                     f"{in_unit(d.context_bytes or 0, size)}")
         return Text(text, style="bold red" if d.total_over_capacity else "")
 
+    nccl = {d.nccl_bytes for d in devices if d.nccl_bytes}
+    context = "CUDA context" + (f" (DDP ranks: + {fmt_bytes(nccl.pop())} for NCCL)"
+                                if len(nccl) == 1 else " (DDP ranks: + NCCL)" if nccl else "")
     # a line of its own: a table's title wraps to the table's width
-    full_title = Text(f"{what} + CUDA context")
+    full_title = Text(f"{what} + {context}")
     short_title = Text(
         f"{what} in {unit}, + the CUDA context ({fmt_bytes(contexts.pop())} on each GPU)"
-        if one_context else f"{what} + CUDA context, in {unit}")
+        if one_context else f"{what} + {context}, in {unit}")
     full = _table(("scenario", "left"), *((c, "right") for c in view.columns))
     short = _table(("scenario", "left"), *((_head(c), "right") for c in view.columns),
                    narrow=True)

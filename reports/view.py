@@ -69,6 +69,7 @@ class DeviceView:
     out_of_memory: bool  # over capacity, or the device the scenario ran out of memory on
     peak_reserved_bytes: int | None
     context_bytes: int | None
+    nccl_bytes: int  # of context_bytes: a DDP rank's NCCL, outside the allocator
     total_peak_bytes: int  # reserved (or allocated) + context
     total_over_capacity: bool
     nvml_peak_used_bytes: int | None
@@ -423,6 +424,7 @@ def _device(s: ScenarioResult, d: DeviceResult) -> DeviceView:
         over_capacity=over,
         out_of_memory=over or (s.status == STATUS_OOM and d.index == s.oom_device),
         peak_reserved_bytes=d.peak_reserved_bytes, context_bytes=d.context_bytes,
+        nccl_bytes=d.context_breakdown_bytes.get("nccl", 0),
         total_peak_bytes=d.total_peak_bytes,
         total_over_capacity=d.total_peak_bytes > d.capacity_bytes > 0,
         nvml_peak_used_bytes=d.nvml_peak_used_bytes,

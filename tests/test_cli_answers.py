@@ -17,15 +17,15 @@ FAST = ["-w", "mlp", "-b", "10"]
 
 def test_maxbatch_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "mb.json"
-    r = runner.invoke(app, ["maxbatch", "-w", "mlp", "--gpu-memory", "1GiB", "-g", "2",
+    r = runner.invoke(app, ["maxbatch", "-w", "mlp", "--gpu-memory", "2GiB", "-g", "2",
                             "--multiple-of", "4", "-s", "dp-loss-primary,ddp", "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert "largest global batch on 2 GPUs of 1.00 GiB" in r.stdout
+    assert "largest global batch on 2 GPUs of 2.00 GiB" in r.stdout
     data = json.loads(out.read_text())
     entries = {e["scenario"]: e for e in data["maxbatch"]["entries"]}
     assert set(entries) == {"dp-loss-primary", "ddp"}
     for e in entries.values():
-        assert e["max_batch"] % 4 == 0 and e["needed_bytes"] <= 1 << 30 < e["next_needed_bytes"]
+        assert e["max_batch"] % 4 == 0 and e["needed_bytes"] <= 2 << 30 < e["next_needed_bytes"]
         assert str(e["max_batch"]) in r.stdout
     run = load(out)  # and it reads back
     assert run.maxbatch is not None and run.maxbatch.entries[0].max_batch is not None

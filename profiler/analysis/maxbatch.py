@@ -42,7 +42,7 @@ from dpprof.units import fmt_bytes
 LADDER_MICRO_BATCHES = 4
 DEFAULT_UPPER = 1 << 22  # rows: a search bound, reported as "capped" when reached
 COUNTS = ("peak reserved (simulated caching allocator, cuBLAS workspaces included) + the "
-          "CUDA context")
+          "CUDA context (and NCCL's memory on DDP ranks)")
 
 
 @dataclass

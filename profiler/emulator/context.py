@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from dpprof.emulator import calibration
 from dpprof.emulator.allocator import simulate
@@ -16,6 +17,8 @@ from dpprof.emulator.catalog import GpuSpec, compute_capability_of
 
 __all__ = [
     "CUBLAS_HANDLES_PER_DEVICE",
+    "MEASURED_CUDA_CONTEXT_BYTES",
+    "NCCL_RANK_BYTES",
     "ContextModel",
     "context_overhead",
     "cublas_workspace_size",
@@ -109,6 +112,9 @@ class ContextModel:
     cudnn_workspace_bytes: int  # transient, per convolution call
     workspace_reserved_bytes: int  # segments the long-lived workspaces take on their own
     assumptions: list[str] = field(default_factory=list)
+    # what a DDP rank's NCCL communicator holds outside the allocator (its library code and
+    # buffers), added to DDP ranks' context only
+    nccl_bytes: int = 0
 
     @property
     def outside_allocator_bytes(self) -> int:
@@ -153,6 +159,7 @@ def context_overhead(
     cublas_handles: int = 1,
     streams: int = 1,
     cublaslt_unified: bool = True,
+    cublaslt_handles: int | None = None,
     cublas_workspace_config: str | None = None,
     cublaslt_workspace_kib: int | None = None,
     cuda_context_bytes: int | None = None,
@@ -166,6 +173,8 @@ def context_overhead(
     on the device (PyTorch keeps one handle per thread and device: under DataParallel, the
     parallel_apply worker thread and the autograd engine's device thread each have one),
     ``streams`` the streams each handle runs on; one workspace per (handle, stream).
+    ``cublaslt_handles``: the (handle, stream) pairs that run cuBLASLt (``addmm`` with a bias:
+    a Linear's forward, not its backward); default every cuBLAS one.
     """
     if cublas_handles < 0 or streams < 1:
         raise ValueError("cublas_handles must be >= 0 and streams >= 1")
@@ -234,7 +243,8 @@ def context_overhead(
             "caching allocator (CUBLASLT_WORKSPACE_SIZE, default 1024 KiB)"
         )
 
-    requests = [cublas_ws] * n_ws + ([lt_ws] * n_ws if lt_ws else [])
+    n_lt = n_ws if cublaslt_handles is None else cublaslt_handles
+    requests = [cublas_ws] * n_ws + ([lt_ws] * n_lt if lt_ws else [])
     events = [("alloc", i, size) for i, size in enumerate(requests)]
     reserved = simulate(events, timeline_points=None).peak_reserved_bytes if events else 0
 
@@ -245,7 +255,7 @@ def context_overhead(
         cublas_workspace_bytes=cublas_ws,
         cublas_workspaces=n_ws,
         cublaslt_workspace_bytes=lt_ws,
-        cublaslt_workspaces=n_ws if lt_ws else 0,
+        cublaslt_workspaces=n_lt if lt_ws else 0,
         cudnn_workspace_bytes=cudnn_workspace_bytes or 0,
         workspace_reserved_bytes=reserved,
         assumptions=assumptions,
@@ -255,23 +265,65 @@ def context_overhead(
 
 CUBLAS_HANDLES_PER_DEVICE = 2  # the forward's thread and the autograd engine's device thread
 
+# Measured on a real GPU (an NVIDIA H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch
+# 2.11.0+cu130, 2026-11-25; scripts/gpu_attribution.py and dpprof check, mlp at batch 64):
+_MEASURED_ON = ("an NVIDIA H100 80GB HBM3 (driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, "
+                "2026-11-25)")
+# - the CUDA context once a training step has loaded its kernels: NVML's used memory of the
+#   process minus memory_reserved at the step's peak (single and DataParallel alike). The
+#   cited PR 86509 figure (254 MiB) is three times too low there.
+MEASURED_CUDA_CONTEXT_BYTES: dict[tuple[int, int], int] = {(9, 0): 787_283_968}
+# - a DDP rank (NCCL, world 1) holds this much more outside the allocator than the same step
+#   in one process: NCCL's library code and communicator buffers (more with more peers).
+NCCL_RANK_BYTES = 1_376_583_680 - 787_283_968  # 589,299,712 B = 562 MiB
+# - the first addmm (a Linear with a bias) grew memory_allocated by 1 MiB beyond the cuBLAS
+#   workspace: cuBLASLt's own workspace (CUBLASLT_WORKSPACE_SIZE's 1024 KiB, not unified with
+#   cuBLAS's), on the forward's handle only (the backward runs plain mm).
+CUBLASLT_HANDLES_PER_DEVICE = 1
+
 
 def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
-    """The context/workspace model of one device of the target GPU running a model: the
-    cited figures, or what ``dpprof check`` measured on a GPU of this compute capability
-    (:mod:`dpprof.emulator.calibration`)."""
-    found = calibration.load(compute_capability)
-    if found is None:
-        return context_overhead(compute_capability, uses_cudnn=uses_cudnn,
-                                cublas_handles=CUBLAS_HANDLES_PER_DEVICE)
-    cal, path = found
-    # the measured workspace as CUBLAS_WORKSPACE_CONFIG would give it (KiB:count)
-    model = context_overhead(
-        compute_capability, uses_cudnn=uses_cudnn, cublas_handles=CUBLAS_HANDLES_PER_DEVICE,
-        cuda_context_bytes=cal.cuda_context_bytes,
-        cublas_workspace_config=f":{max(cal.cublas_workspace_bytes // 1024, 1)}:1")
-    return replace(model, assumptions=[*model.assumptions,
-                                       "Calibrated: " + cal.note(path) + "."])
+    """The context/workspace model of one device of the target GPU running a model: what
+    ``dpprof check --save-calibration`` measured on a GPU of this compute capability
+    (:mod:`dpprof.emulator.calibration`), else what was measured on an H100 (above), else the
+    cited figures."""
+    cc = (int(compute_capability[0]), int(compute_capability[1]))
+    found = calibration.load(cc)
+    common: dict[str, Any] = {"uses_cudnn": uses_cudnn, "cublas_handles": CUBLAS_HANDLES_PER_DEVICE,
+                              "cublaslt_unified": False,
+                              "cublaslt_handles": CUBLASLT_HANDLES_PER_DEVICE}
+    measured = MEASURED_CUDA_CONTEXT_BYTES.get(cc)
+    if found is not None:
+        cal, path = found
+        # the measured workspace as CUBLAS_WORKSPACE_CONFIG would give it (KiB:count)
+        model = context_overhead(
+            cc, cuda_context_bytes=cal.cuda_context_bytes,
+            cublas_workspace_config=f":{max(cal.cublas_workspace_bytes // 1024, 1)}:1", **common)
+        notes = [*model.assumptions, "Calibrated: " + cal.note(path) + "."]
+    elif measured is not None:
+        model = context_overhead(cc, cuda_context_bytes=measured, **common)
+        notes = [a if not a.startswith("CUDA context:") else
+                 f"CUDA context: {measured:,} B, NVML's used memory minus memory_reserved at a "
+                 f"training step's peak on {_MEASURED_ON}; it grows with the kernels a program "
+                 "loads and moves with the driver and CUDA version (`dpprof check "
+                 "--save-calibration` measures your own)" for a in model.assumptions]
+    else:
+        model = context_overhead(cc, **common)
+        notes = list(model.assumptions)
+    notes = [a if not a.startswith("cuBLASLt workspace:") else
+             f"cuBLASLt workspace: {model.cublaslt_workspace_bytes:,} B on the forward's handle "
+             "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
+             f"{_MEASURED_ON}" for a in notes]
+    notes.append(f"DDP ranks: {NCCL_RANK_BYTES:,} B more outside the allocator for NCCL (its "
+                 f"code and communicator buffers), measured at world size 1 on {_MEASURED_ON}; "
+                 "more with more peers")
+    notes.append("DDP over NCCL: after the first iteration DDP rebuilds its gradient buckets, "
+                 "and the first iteration's buckets (one more copy of the gradients) stay "
+                 "allocated until ProcessGroupNCCL's watchdog reaps the all-reduce that used "
+                 f"them; on {_MEASURED_ON} they stayed through 5 steps of 2 ms each and were "
+                 "gone after a 0.5 s pause (never with gloo). The figures here are the steady "
+                 "state; fast steps can peak that much higher in the first iterations")
+    return replace(model, assumptions=notes, nccl_bytes=NCCL_RANK_BYTES)
 
 
 def gpu_model_notes(ctx: ContextModel) -> list[str]:

@@ -71,6 +71,9 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
         d.context_bytes = ctx.outside_allocator_bytes
         d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
                                      if v and k in ("cuda_context", "cudnn_library")}
+        if d.rank is not None and ctx.nccl_bytes:  # a DDP rank: NCCL beside the context
+            d.context_bytes += ctx.nccl_bytes
+            d.context_breakdown_bytes["nccl"] = ctx.nccl_bytes
 
 
 class _DeviceSequences:
