@@ -103,6 +103,8 @@ def main() -> int:
                     help="comma-separated workload specs (default: built-ins and the zoo)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--gpus", type=int, default=0, help="0: every visible GPU")
+    ap.add_argument("--amp", choices=("bfloat16", "float16"), default=None,
+                    help="forward and loss under torch.autocast with this dtype")
     args = ap.parse_args()
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = args.gpus or visible
@@ -113,7 +115,8 @@ def main() -> int:
     cc = (props.major, props.minor)
     workloads = [w for w in args.workloads.split(",") if w] or default_workloads()
     for workload in workloads:
-        common = {"workload": workload, "step": StepConfig(batch=args.batch), "gpus": gpus,
+        common = {"workload": workload, "step": StepConfig(batch=args.batch, amp=args.amp),
+                  "gpus": gpus,
                   "fixes": False, "gpu_memory_bytes": props.total_memory,
                   "count_reserved": True}
         t0 = time.perf_counter()
@@ -121,6 +124,7 @@ def main() -> int:
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "gpu": props.name, "gpus": gpus, "torch": torch.__version__,
             "cuda": torch.version.cuda, "workload": workload, "batch": args.batch,
+            "amp": args.amp,
         }
         try:  # one workload that cannot run (a missing library, a bug) is a row, not the end
             real = run_compare(CompareConfig(backend="cuda", **common))

@@ -90,3 +90,33 @@ def test_ddp_matches_the_h100_once_nccl_has_let_go_of_the_first_buckets() -> Non
     assert later_peaks[("nccl", 0.0)] == {timing[("nccl", 0.0)]["steps"][0]["peak_bytes"]
                                           + params}
     assert any("watchdog" in n for n in device_context(H100, uses_cudnn=False).assumptions)
+
+
+@pytest.mark.parametrize("scenario", ["dp-loss-primary", "dp-loss-forward", "single"])
+def test_a_convnet_matches_the_h100_allocated_and_reserved_to_the_byte(scenario: str) -> None:
+    d = _device(_emulate("convnet", 32), scenario)
+    real = MEASURED["convnet_batch32"][scenario]
+    assert _as_the_gpu_counts(d) == real["peak_allocated_bytes"]
+    assert d.peak_reserved_bytes == real["peak_reserved_bytes"]
+
+
+# What the H100 measured for single with plain float32 at the batch given. Left out, not
+# hidden: `classifier` (the GPU's allocated is 7.5 % higher, not yet explained) and --amp
+# (lm: the emulator is 7 % high); the README lists both.
+AGREEING = {"lm": 2e-3, "attention": 1e-3, "convnet": 1e-2, "gpt2": 1e-3, "timm_vit": 1e-3}
+NEEDS = {"gpt2": "transformers", "timm_vit": "timm"}
+
+
+@pytest.mark.parametrize("workload", sorted(AGREEING))
+def test_single_matches_the_h100_on_more_models(workload: str) -> None:
+    row = next(r for r in MEASURED["benchmark_batch16_or_8"]
+               if r["workload"] == workload and r["amp"] is None)
+    spec = workload
+    if workload in NEEDS:
+        pytest.importorskip(NEEDS[workload])
+        spec = f"{Path(__file__).resolve().parent / 'zoo.py'}:{workload}"
+    d = _device(_emulate(spec, row["batch"]), "single")
+    real = row["rows"]["single"]
+    assert _as_the_gpu_counts(d) == pytest.approx(real["peak_allocated_bytes"],
+                                                  rel=AGREEING[workload])
+    assert d.peak_reserved_bytes == pytest.approx(real["peak_reserved_bytes"], rel=3e-2)

@@ -18,6 +18,7 @@ from dpprof.emulator.catalog import GpuSpec, compute_capability_of
 __all__ = [
     "CUBLAS_HANDLES_PER_DEVICE",
     "MEASURED_CUDA_CONTEXT_BYTES",
+    "MEASURED_CUDNN_LIBRARY_BYTES",
     "NCCL_RANK_BYTES",
     "ContextModel",
     "context_overhead",
@@ -273,6 +274,9 @@ _MEASURED_ON = ("an NVIDIA H100 80GB HBM3 (driver 580.159.04, CUDA 13.0, torch 2
 #   process minus memory_reserved at the step's peak (single and DataParallel alike). The
 #   cited PR 86509 figure (254 MiB) is three times too low there.
 MEASURED_CUDA_CONTEXT_BYTES: dict[tuple[int, int], int] = {(9, 0): 787_283_968}
+# - cuDNN 9.19's code once a convnet's step has run (convnet, batch 32): the same NVML figure
+#   minus that context; the assumed 64 MiB was four times too high there.
+MEASURED_CUDNN_LIBRARY_BYTES: dict[tuple[int, int], int] = {(9, 0): 16_777_216}
 # - a DDP rank (NCCL, world 1) holds this much more outside the allocator than the same step
 #   in one process: NCCL's library code and communicator buffers (more with more peers).
 NCCL_RANK_BYTES = 1_376_583_680 - 787_283_968  # 589,299,712 B = 562 MiB
@@ -301,7 +305,9 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
             cublas_workspace_config=f":{max(cal.cublas_workspace_bytes // 1024, 1)}:1", **common)
         notes = [*model.assumptions, "Calibrated: " + cal.note(path) + "."]
     elif measured is not None:
-        model = context_overhead(cc, cuda_context_bytes=measured, **common)
+        model = context_overhead(cc, cuda_context_bytes=measured,
+                                 cudnn_library_bytes=MEASURED_CUDNN_LIBRARY_BYTES.get(cc),
+                                 **common)
         notes = [a if not a.startswith("CUDA context:") else
                  f"CUDA context: {measured:,} B, NVML's used memory minus memory_reserved at a "
                  f"training step's peak on {_MEASURED_ON}; it grows with the kernels a program "
@@ -310,6 +316,10 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
     else:
         model = context_overhead(cc, **common)
         notes = list(model.assumptions)
+    if found is None and measured is not None and model.cudnn_library_bytes:
+        notes.append(f"cuDNN library code and handle: {model.cudnn_library_bytes:,} B, as "
+                     f"measured (NVML, outside the allocator) after a convnet's step on "
+                     f"{_MEASURED_ON}")
     notes = [a if not a.startswith("cuBLASLt workspace:") else
              f"cuBLASLt workspace: {model.cublaslt_workspace_bytes:,} B on the forward's handle "
              "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
