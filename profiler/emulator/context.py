@@ -324,15 +324,11 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
              f"cuBLASLt workspace: {model.cublaslt_workspace_bytes:,} B on the forward's handle "
              "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
              f"{_MEASURED_ON}" for a in notes]
-    notes.append(f"DDP ranks: {NCCL_RANK_BYTES:,} B more outside the allocator for NCCL (its "
-                 f"code and communicator buffers), measured at world size 1 on {_MEASURED_ON}; "
-                 "more with more peers")
-    notes.append("DDP over NCCL: after the first iteration DDP rebuilds its gradient buckets, "
-                 "and the first iteration's buckets (one more copy of the gradients) stay "
-                 "allocated until ProcessGroupNCCL's watchdog reaps the all-reduce that used "
-                 f"them; on {_MEASURED_ON} they stayed through 5 steps of 2 ms each and were "
-                 "gone after a 0.5 s pause (never with gloo). The figures here are the steady "
-                 "state; fast steps can peak that much higher in the first iterations")
+    notes.append(f"DDP ranks: {NCCL_RANK_BYTES:,} B more outside the allocator for NCCL, "
+                 f"measured at world size 1 on {_MEASURED_ON}; more with more peers. Over "
+                 "NCCL the first iteration's buckets can outlive DDP's rebuild until the "
+                 "process group's watchdog reaps their all-reduce (there: 5 steps of 2 ms): "
+                 "the early steps of a fast loop can peak one gradient copy higher")
     return replace(model, assumptions=notes, nccl_bytes=NCCL_RANK_BYTES)
 
 
