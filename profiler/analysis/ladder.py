@@ -44,6 +44,7 @@ from torch import nn
 from dpprof.analysis.answers import LADDER_PREFIX as PREFIX
 from dpprof.analysis.fix_kinds.ddp import CODE_SETUP
 from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.fsdp import shard_model
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.workloads import Workload, shard_sizes
@@ -176,6 +177,19 @@ def checkpointed(wl: Workload) -> Workload:
     """``wl`` with its model's repeated blocks checkpointed (the same weights: the blocks
     are wrapped after the model is built)."""
     return dataclasses.replace(wl, model=functools.partial(_checkpointed_model, wl.model))
+
+
+def _sharded_model(build: Callable[[], nn.Module], reshard_after_forward: bool) -> nn.Module:
+    model = build()
+    return shard_model(model, [b for _, b in repeated_blocks(model)], reshard_after_forward)
+
+
+def fully_sharded(wl: Workload, reshard_after_forward: bool = True) -> Workload:
+    """``wl`` with its model under FSDP2: ``fully_shard`` on each repeated block, then the
+    root, over the default process group (:func:`dpprof.emulator.fsdp.shard_model`;
+    ``reshard_after_forward``: True ZeRO-3, False ZeRO-2)."""
+    return dataclasses.replace(wl, model=functools.partial(
+        _sharded_model, wl.model, reshard_after_forward))
 
 
 # ---- measuring the rungs ---------------------------------------------------------------------
