@@ -46,7 +46,11 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
 
     first = next(model.parameters(), None)
     device_type = first.device.type if first is not None else "cpu"
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # the mesh's rank table is the host's (a real CPU tensor): the mesh reads its values
+    with _disable_current_modes():
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -84,6 +88,32 @@ def storage_resizes_counted() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sharding_propagation_apart() -> Iterator[None]:
+    """DTensor's sharding propagation (output shapes computed on fake tensors, no memory)
+    run outside the runtime's dispatch mode, with tensors showing their real device (meta),
+    as FakeTensorMode requires."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def apart(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = _runtime()
+        if rt is None or not hasattr(rt, "in_dispatch"):
+            return propagate(self, *args, **kwargs)
+        rt.in_dispatch += 1  # the virtual CUDA shows real devices meanwhile
+        try:
+            with _disable_current_modes():
+                return propagate(self, *args, **kwargs)
+        finally:
+            rt.in_dispatch -= 1
+
+    with Patcher() as p:
+        p.patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", apart)
+        yield
+
+
+@contextlib.contextmanager
 def emulated_ranks(world_size: int) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks (this process is rank 0) and
     FSDP2's storage resizes counted, for one emulated FSDP2 run; the group is destroyed
@@ -97,7 +127,7 @@ def emulated_ranks(world_size: int) -> Iterator[None]:
                            "this process already has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with storage_resizes_counted():
+        with storage_resizes_counted(), sharding_propagation_apart():
             yield
     finally:
         dist.destroy_process_group()
