@@ -14,6 +14,10 @@ first (:func:`rungs`):
   module type), non-reentrant ``torch.utils.checkpoint``: each block's forward runs again
   in backward, so it costs one more forward of the blocks;
 * both together;
+* **FSDP2** on several GPUs (:func:`fsdp_rungs`): ``fully_shard`` on each repeated block and
+  at the root, ZeRO-2 (``reshard_after_forward=False``) and ZeRO-3; torch's own FSDP2 runs
+  on one emulated rank over a fake process group (:mod:`dpprof.emulator.fsdp`), the single
+  scenario's rows, its model sharded (``tests/test_fsdp.py`` checks it against gloo ranks);
 * **gradient accumulation**: the same effective batch in k micro-batches per optimizer step
   (:func:`accumulation`: the smallest k of 2, 4, 8... up to the per-rank rows that fits),
   under DDP the first k - 1 backwards inside ``no_sync()``; it costs k forward/backward
