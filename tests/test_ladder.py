@@ -197,7 +197,8 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     fixes = {f["name"]: f for f in data["fixes"]}
     rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
     assert [f["name"] for f in rungs] == ["ladder-bf16", "ladder-checkpoint",
-                                          "ladder-bf16-checkpoint", "ladder-accumulate"]
+                                          "ladder-bf16-checkpoint", "ladder-fsdp2-zero2",
+                                          "ladder-fsdp2-zero3", "ladder-accumulate"]
     ddp = next(s for s in data["scenarios"] if s["name"] == "ddp")
     assert ddp["status"] == "oom"
     fit = next(f for f in rungs if f["need_bytes"] <= 6 << 30)
@@ -206,6 +207,11 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     assert f"the cheapest rung that fits is {fit['title']} on DDP" in verdict
     assert "torch.utils.checkpoint" in fixes["ladder-checkpoint"]["code"]
     assert "torch.autocast" in fixes["ladder-bf16"]["code"]
+    # FSDP2 shards parameters, gradients and optimizer state: below DDP's rank
+    zero3 = fixes["ladder-fsdp2-zero3"]
+    assert zero3["max_peak_bytes"] < ddp["devices"][0]["peak_allocated_bytes"]
+    assert "fully_shard(block, reshard_after_forward=True)" in zero3["code"]
+    assert "reshard_after_forward=False" in fixes["ladder-fsdp2-zero2"]["code"]
 
 
 def test_the_ladder_stays_away_when_ddp_fits(tmp_path: Path) -> None:

@@ -14,6 +14,10 @@ first (:func:`rungs`):
   module type), non-reentrant ``torch.utils.checkpoint``: each block's forward runs again
   in backward, so it costs one more forward of the blocks;
 * both together;
+* **FSDP2** on several GPUs (:func:`fsdp_rungs`): ``fully_shard`` on each repeated block and
+  at the root, ZeRO-2 (``reshard_after_forward=False``) and ZeRO-3; torch's own FSDP2 runs
+  on one emulated rank over a fake process group (:mod:`dpprof.emulator.fsdp`), the single
+  scenario's rows, its model sharded (``tests/test_fsdp.py`` checks it against gloo ranks);
 * **gradient accumulation**: the same effective batch in k micro-batches per optimizer step
   (:func:`accumulation`: the smallest k of 2, 4, 8... up to the per-rank rows that fits),
   under DDP the first k - 1 backwards inside ``no_sync()``; it costs k forward/backward
@@ -44,6 +48,7 @@ from torch import nn
 from dpprof.analysis.answers import LADDER_PREFIX as PREFIX
 from dpprof.analysis.fix_kinds.ddp import CODE_SETUP
 from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator.fsdp import emulated_ranks, shard_model
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.workloads import Workload, shard_sizes
@@ -62,6 +67,20 @@ CODE_CHECKPOINT = """\
 +
 +for block in model.{blocks}:  # the {count} repeated {kind} blocks
 +    checkpointed(block)
+"""
+CODE_FSDP = """\
++# torchrun --nproc-per-node {gpus} train.py
++from torch.distributed.fsdp import fully_shard
++dist.init_process_group("nccl")
++rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
+-model = nn.DataParallel(model.cuda())
++model = model.cuda(rank)
++for block in model.{blocks}:  # the {count} repeated {kind} blocks, each sharded
++    fully_shard(block, reshard_after_forward={reshard})
++fully_shard(model, reshard_after_forward={reshard})  # the rest, at the root
++optimizer = make_optimizer(model.parameters())  # built after fully_shard: the shards
++loader = DataLoader(dataset, batch_size={per_rank},
++                    sampler=DistributedSampler(dataset))  # per-rank batch
 """
 CODE_LOOP_PLAIN = """\
  for inputs, targets in loader:
@@ -101,11 +120,26 @@ class Rung:
     amp: str | None  # autocast's dtype, or None
     checkpoint: bool  # the repeated blocks checkpointed
     micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
+    # FSDP2: fully_shard per repeated block and at the root; True ZeRO-3
+    # (reshard_after_forward), False ZeRO-2; None: no sharding
+    reshard_after_forward: bool | None = None
 
 
 def amp_dtype(compute_capability: tuple[int, int]) -> str:
     """bfloat16 where the GPU computes in it (compute capability 8.0 and up), else float16."""
     return "bfloat16" if compute_capability >= (8, 0) else "float16"
+
+
+def fsdp_rungs(gpus: int, blocks: bool) -> list[Rung]:
+    """FSDP2's rungs, on several GPUs with repeated blocks: ZeRO-2 (each block's parameters
+    unsharded from its forward to its backward: one all-gather per block per step), then
+    ZeRO-3 (resharded after the forward, all-gathered again for the backward)."""
+    if gpus < 2 or not blocks:
+        return []
+    return [Rung(f"{PREFIX}fsdp2-zero2", "FSDP2, ZeRO-2 (fully_shard, reshard_after_forward"
+                 "=False)", None, False, reshard_after_forward=False),
+            Rung(f"{PREFIX}fsdp2-zero3", "FSDP2, ZeRO-3 (fully_shard per block and root)",
+                 None, False, reshard_after_forward=True)]
 
 
 def rungs(compute_capability: tuple[int, int], blocks: bool) -> list[Rung]:
@@ -176,6 +210,19 @@ def checkpointed(wl: Workload) -> Workload:
     """``wl`` with its model's repeated blocks checkpointed (the same weights: the blocks
     are wrapped after the model is built)."""
     return dataclasses.replace(wl, model=functools.partial(_checkpointed_model, wl.model))
+
+
+def _sharded_model(build: Callable[[], nn.Module], reshard_after_forward: bool) -> nn.Module:
+    model = build()
+    return shard_model(model, [b for _, b in repeated_blocks(model)], reshard_after_forward)
+
+
+def fully_sharded(wl: Workload, reshard_after_forward: bool = True) -> Workload:
+    """``wl`` with its model under FSDP2: ``fully_shard`` on each repeated block, then the
+    root, over the default process group (:func:`dpprof.emulator.fsdp.shard_model`;
+    ``reshard_after_forward``: True ZeRO-3, False ZeRO-2)."""
+    return dataclasses.replace(wl, model=functools.partial(
+        _sharded_model, wl.model, reshard_after_forward))
 
 
 # ---- measuring the rungs ---------------------------------------------------------------------
@@ -251,6 +298,9 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
         if gpus == 1:
             head += (f"+loader = DataLoader(dataset, batch_size={rows})  # {per_rank} rows "
                      f"in {rung.micro_batches}\n")
+    if rung.reshard_after_forward is not None:
+        head = CODE_FSDP.format(gpus=gpus, per_rank=rows, reshard=rung.reshard_after_forward,
+                                **_blocks_words(model))
     if rung.checkpoint:
         blocks = repeated_blocks(model)
         names = [n for n, _ in blocks]
@@ -268,8 +318,26 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
     return head + loop
 
 
+def _blocks_words(model: nn.Module) -> dict[str, Any]:
+    blocks = repeated_blocks(model)
+    names = [n for n, _ in blocks]
+    parent = names[0].rpartition(".")[0] if names else ""
+    same_parent = all(n.rpartition(".")[0] == parent for n in names) and parent
+    where = parent if same_parent else "modules()  # " + ", ".join(names[:3])
+    return {"blocks": where, "count": len(blocks),
+            "kind": type(blocks[0][1]).__name__ if blocks else ""}
+
+
 def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
     parts = []
+    if rung.reshard_after_forward is not None:
+        return (f"FSDP2 (torch's own fully_shard, emulated per rank over a fake process "
+                f"group): {blocks} repeated blocks and the root sharded 1/N with their "
+                "gradients and optimizer state; "
+                + ("each block's parameters all-gathered for its forward and again for its "
+                   "backward" if rung.reshard_after_forward else
+                   "each block's parameters kept unsharded from its forward to its backward")
+                + f"; the same {per_rank} rows per GPU")
     if rung.micro_batches > 1:
         rows = -(-per_rank // rung.micro_batches)
         parts.append(f"{rung.micro_batches} micro-batches of {rows} rows per optimizer step "
@@ -290,7 +358,14 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
     return f"on {floor}: " + "; ".join(parts)
 
 
-def evaluate(run: RunResult, wl: Workload, base: EmulationConfig) -> list[Fix]:
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
+             fsdp: bool = True) -> list[Fix]:
     """Emulate each rung on ``run``'s workload, batch and GPUs (on :func:`floor_scenario`),
     counting reserved memory and the context as the out-of-memory check does; the rungs
     whose step ran, as fixes against ``dp-loss-primary`` where it was measured (else the
@@ -306,8 +381,14 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig) -> list[Fix]:
     per_rank = shard_sizes(base.step.batch, base.gpus)[0]
 
     def measure(rung: Rung) -> ScenarioResult | None:
-        s = run_scenario(floor, checkpointed(wl) if rung.checkpoint else wl,
-                         cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
+        if rung.reshard_after_forward is not None:
+            # one rank of N: the single scenario's rows (ceil(B / N)), its model sharded
+            with emulated_ranks(base.gpus):
+                s = run_scenario(SINGLE, fully_sharded(wl, rung.reshard_after_forward),
+                                 cfg.with_step(amp=rung.amp))
+        else:
+            s = run_scenario(floor, checkpointed(wl) if rung.checkpoint else wl,
+                             cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
         return s if s.status in (STATUS_OK, STATUS_OOM) and s.devices else None
 
     def fix(rung: Rung, s: ScenarioResult) -> Fix:
@@ -329,6 +410,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig) -> list[Fix]:
         s = measure(rung)
         if s is not None:
             out.append(fix(rung, s))
+    if fsdp and not _in_process_group():
+        for rung in fsdp_rungs(base.gpus, blocks > 0):
+            s = measure(rung)
+            if s is not None:
+                out.append(fix(rung, s))
     if wl.step is not None or per_rank < 2:  # its own step, or one row: nothing to split
         return out
     # accumulation alone; where no k fits, with the lightest rung above (the combination)

@@ -725,6 +725,14 @@ class VirtualDevices(TorchDispatchMode):
             for callback in self._on_free_calls.pop(rec.serial, ()):
                 callback()
 
+    def storage_resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage was resized outside the dispatcher (``UntypedStorage.resize_``,
+        as FSDP2 frees and re-allocates its unsharded parameters): count the change now."""
+        st = t.untyped_storage()
+        rec = self._storages.get(id(st))
+        if rec is not None and rec.requested != st.nbytes():
+            self._resized(st, rec)
+
     def _resized(self, st: Any, rec: _Storage) -> None:
         """A storage that grew or shrank in place (``resize_``, ``out=`` variants)."""
         if rec.device != HOST:
@@ -808,6 +816,8 @@ class VirtualDevices(TorchDispatchMode):
         return (self.base if self._meta else device), None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if types and (sub := subclass_in(types)) is not None:
+            return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         placed = None  # the virtual device a device= argument names
         if kwargs.get("device") is not None:
@@ -966,6 +976,28 @@ class VirtualDevices(TorchDispatchMode):
             else:
                 serial, nbytes = live.pop(step.name)
                 self.emit(device, serial, -nbytes, -block_bytes(nbytes))
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+SUBCLASS = "subclass"
+FAKE = "fake"
+
+
+def subclass_in(types: Any) -> str | None:
+    """Whether an op's inputs include a tensor subclass with a ``__torch_dispatch__`` of its
+    own: :data:`FAKE` for a FakeTensor (DTensor's sharding propagation computes shapes on
+    them: not memory, run untracked), :data:`SUBCLASS` for another (a DTensor: FSDP2's
+    sharded parameters), where the mode returns ``NotImplemented``: the subclass runs the
+    op on its inner tensors, which come back to the mode and are counted (as
+    FakeTensorMode does); counting the wrapper would count its global size, and its inner
+    tensors never."""
+    for t in types:
+        if t is not torch.Tensor and getattr(t, "__torch_dispatch__", _PLAIN_DISPATCH) \
+                is not _PLAIN_DISPATCH:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            return FAKE if issubclass(t, FakeTensor) else SUBCLASS
+    return None
 
 
 _NO = object()  # "not cacheable"

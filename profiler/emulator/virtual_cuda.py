@@ -54,7 +54,7 @@ from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.patcher import Patcher, own_attribute, put
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.standins import load_real, standing_in
-from dpprof.emulator.vdevice import HOST, VirtualDevices
+from dpprof.emulator.vdevice import HOST, SUBCLASS, VirtualDevices, subclass_in
 
 aten = torch.ops.aten
 
@@ -248,6 +248,8 @@ class CudaDevices(VirtualDevices):
         return self.base, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if types and (sub := subclass_in(types)) is not None:  # a DTensor, a FakeTensor
+            return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
         if self._beside_real_host:
             # --compute with a real host: no meta tensor anywhere, so no stand-in, no
             # data-dependent shape and no small value to follow; the fast path

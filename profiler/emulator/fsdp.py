@@ -1,0 +1,133 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on one emulated rank: torch's own code.
+
+The rank runs torch's real ``fully_shard`` (``torch/distributed/fsdp/_fully_shard``, torch
+2.13) over a fake process group of the world's size
+(``torch.testing._internal.distributed.fake_pg``: collectives return at once, tensors keep
+their shapes), as torchtitan's memory estimation does; so the sharded parameters (DTensors,
+1/N of each parameter, padded), the all-gather's input and output buffers, the unsharded
+parameters, the reduce-scatter's input and output and the sharded gradients and optimizer
+state are torch's own allocations, each counted by the virtual-device runtime as it is made
+and freed. The emulator's dispatch mode sees the DTensors' local ops because a DTensor op
+reaches it again from DTensor's own ``__torch_dispatch__``.
+
+One thing the dispatcher does not see: FSDP2 frees each parameter's all-gather output after
+its forward and backward (``reshard``) and re-allocates it for the next all-gather by
+resizing the storage in place (``UntypedStorage.resize_``, ``_fsdp_param.free_storage`` /
+``alloc_storage``), which no aten op does. :func:`storage_resizes_counted` reports those
+resizes to the runtime (:meth:`dpprof.emulator.vdevice.VirtualDevices.storage_resized`).
+
+The same :func:`shard_model` runs on a real gloo rank over CPU tensors (the check, in
+``tests/test_fsdp.py``): only the process group differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpprof.emulator.patcher import Patcher
+from dpprof.emulator.vdevice import VirtualDevices
+
+
+def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
+                reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each of ``blocks``, then the root (what the user's code does), over
+    the default process group's ranks on the parameters' device type (``cuda`` under the
+    emulator, ``cpu`` on a gloo rank). ``reshard_after_forward``: True is ZeRO-3 (each
+    block's parameters all-gathered again for its backward), False ZeRO-2 (kept unsharded
+    from its forward to its backward)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    first = next(model.parameters(), None)
+    device_type = first.device.type if first is not None else "cpu"
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # the mesh's rank table is the host's (a real CPU tensor): the mesh reads its values
+    with _disable_current_modes():
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _runtime() -> VirtualDevices | None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return next((m for m in reversed(_get_current_dispatch_mode_stack())
+                 if isinstance(m, VirtualDevices)), None)
+
+
+@contextlib.contextmanager
+def storage_resizes_counted() -> Iterator[None]:
+    """FSDP2's in-place storage resizes (its unsharded parameters freed and re-allocated)
+    reported to the virtual-device runtime active where they happen."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def counted(resize: Any) -> Any:
+        def run(tensor: torch.Tensor) -> None:
+            resize(tensor)
+            rt = _runtime()
+            if rt is not None:
+                rt.storage_resized(tensor)
+        return run
+
+    with Patcher() as p:
+        p.patch(_fsdp_param, "alloc_storage", counted(alloc))
+        p.patch(_fsdp_param, "free_storage", counted(free))
+        p.patch(_fsdp_param_group, "alloc_storage", counted(alloc))
+        yield
+
+
+@contextlib.contextmanager
+def sharding_propagation_apart() -> Iterator[None]:
+    """DTensor's sharding propagation (output shapes computed on fake tensors, no memory)
+    run outside the runtime's dispatch mode, with tensors showing their real device (meta),
+    as FakeTensorMode requires."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def apart(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = _runtime()
+        if rt is None or not hasattr(rt, "in_dispatch"):
+            return propagate(self, *args, **kwargs)
+        rt.in_dispatch += 1  # the virtual CUDA shows real devices meanwhile
+        try:
+            with _disable_current_modes():
+                return propagate(self, *args, **kwargs)
+        finally:
+            rt.in_dispatch -= 1
+
+    with Patcher() as p:
+        p.patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", apart)
+        yield
+
+
+@contextlib.contextmanager
+def emulated_ranks(world_size: int) -> Iterator[None]:
+    """A fake default process group of ``world_size`` ranks (this process is rank 0) and
+    FSDP2's storage resizes counted, for one emulated FSDP2 run; the group is destroyed
+    after. Refused where a process group is already initialised (dpprof's own ranks):
+    the rung is then measured by no emulation here."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("FSDP2 is emulated over a fake process group of its own; "
+                           "this process already has a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with storage_resizes_counted(), sharding_propagation_apart():
+            yield
+    finally:
+        dist.destroy_process_group()

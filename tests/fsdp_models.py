@@ -1,0 +1,22 @@
+"""Built-in workloads under FSDP2 (``fully_shard`` per repeated block and at the root), for
+the checks against real gloo ranks (loaded by path in the profiled ranks)."""
+
+from __future__ import annotations
+
+import dpprof
+from dpprof.analysis.ladder import fully_sharded
+from dpprof.scenarios.workloads import load_workload
+
+
+def lm_zero3() -> dpprof.Workload:
+    return fully_sharded(load_workload("lm"), reshard_after_forward=True)
+
+
+def lm_zero2() -> dpprof.Workload:
+    return fully_sharded(load_workload("lm"), reshard_after_forward=False)
+
+
+def attention_zero3() -> dpprof.Workload:
+    from fidelity_models import attention_small
+
+    return fully_sharded(attention_small(), reshard_after_forward=True)
