@@ -15,6 +15,7 @@ unsharded bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,22 @@ def test_each_fsdp2_rank_matches_gloo(gloo_runs: list[list[RankResult]], k: int)
         without_gloo = [e for e in al.kept if id(e) not in gloo]
         assert peak_of(without_gloo) == relative_peak(events), (rank, SPECS[k])
         assert 0 <= peak_of(al.kept) - relative_peak(events) <= scratch_bound
+
+
+def test_a_sharded_rank_counts_nccl_beside_its_context() -> None:
+    # FSDP2's ranks hold an NCCL communicator as DDP's do; the ladder's FSDP2 rungs say so
+    # (collectives=True), so their fit counts NCCL's memory as DDP's does
+    from dpprof.analysis.ladder import fully_sharded
+    from dpprof.emulator.context import NCCL_RANK_BYTES
+
+    cfg = EmulationConfig(gpus=1, gpu_memory_bytes=80 << 30, count_reserved=True,
+                          step=StepConfig(batch=1))
+    contexts = {}
+    for collectives in (False, True):
+        with emulated_ranks(WORLD):
+            s = run_scenario("single", fully_sharded(load_workload("lm")),
+                             dataclasses.replace(cfg, collectives=collectives))
+        assert s.status == "ok", s.message
+        contexts[collectives] = s.devices[0].context_breakdown_bytes
+    assert "nccl" not in contexts[False]
+    assert contexts[True]["nccl"] == NCCL_RANK_BYTES

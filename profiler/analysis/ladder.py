@@ -383,9 +383,10 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     def measure(rung: Rung) -> ScenarioResult | None:
         if rung.reshard_after_forward is not None:
             # one rank of N: the single scenario's rows (ceil(B / N)), its model sharded
-            with emulated_ranks(base.gpus):
+            with emulated_ranks(base.gpus):  # each rank holds an NCCL communicator too
                 s = run_scenario(SINGLE, fully_sharded(wl, rung.reshard_after_forward),
-                                 cfg.with_step(amp=rung.amp))
+                                 dataclasses.replace(cfg.with_step(amp=rung.amp),
+                                                     collectives=True))
         else:
             s = run_scenario(floor, checkpointed(wl) if rung.checkpoint else wl,
                              cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))

@@ -97,6 +97,9 @@ class EmulationConfig:
     # Over CPU tensors (compute): also simulate reserved memory and the context, as over meta
     # (dpprof.emulator.reserved.fill_gpu_overheads), and count them in the out-of-memory check.
     count_reserved: bool = False
+    # The run stands for one rank of a process group over NCCL beside DDP's (FSDP2's
+    # fully_shard): its context counts NCCL's memory, as a DDP rank's does.
+    collectives: bool = False
     # DataParallel replicas on equal shards: one runs, the others' devices mirror its device
     # (meta only; every device's own events are the same, see VirtualDevices.set_mirrors)
     dedupe_replicas: bool = True
@@ -296,7 +299,8 @@ def _run_scenario(
                     result.notes.append(stand_in_note(rt))
                 if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
                     fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
-                                       source=lambda d: sources.get(d.index, d.index))
+                                       source=lambda d: sources.get(d.index, d.index),
+                                       nccl=cfg.collectives or None)
                 if autocast_names.regions:
                     result.notes.append(
                         f"torch.autocast('cuda') in the workload's code: "

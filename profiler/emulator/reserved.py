@@ -44,12 +44,14 @@ class DeviceFigures(Protocol):
 
 def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[AllocationEvent],
                        ctx: ContextModel,
-                       source: Callable[[DeviceFigures], int] | None = None) -> None:
+                       source: Callable[[DeviceFigures], int] | None = None,
+                       nccl: bool | None = None) -> None:
     """Per used device: the caching allocator's reserve (a simulation of its pools over the
     device's allocation sequence, cuBLAS workspaces included) and the context.
 
     ``source``: the event log's device whose sequence a result's device stands for
     (default: its index; DDP ranks: rank 0's device; a mirror: the device it mirrors).
+    ``nccl``: whether the devices hold an NCCL communicator (default: DDP ranks do).
     """
     workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
     sequences = _DeviceSequences(events)
@@ -71,7 +73,7 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
         d.context_bytes = ctx.outside_allocator_bytes
         d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
                                      if v and k in ("cuda_context", "cudnn_library")}
-        if d.rank is not None and ctx.nccl_bytes:  # a DDP rank: NCCL beside the context
+        if (d.rank is not None if nccl is None else nccl) and ctx.nccl_bytes:
             d.context_bytes += ctx.nccl_bytes
             d.context_breakdown_bytes["nccl"] = ctx.nccl_bytes
 
