@@ -158,7 +158,7 @@ def _alive_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def scenario(kind: str, workload: str, batch: int) -> dict[str, Any]:
+def scenario(kind: str, workload: str, batch: int, amp: str | None = None) -> dict[str, Any]:
     import torch
 
     from dpprof.backends.cuda import CudaRunConfig, measure_ddp_rank, run_local_scenario
@@ -166,7 +166,7 @@ def scenario(kind: str, workload: str, batch: int) -> dict[str, Any]:
     from dpprof.scenarios.workloads import load_workload
 
     cfg = CudaRunConfig(devices=[0], nvml_interval_s=0.05,
-                        step=StepConfig(batch=batch, warmup=1, steps=2))
+                        step=StepConfig(batch=batch, warmup=1, steps=2, amp=amp))
     wl = cfg.step.workload(load_workload(workload))
     torch.cuda.set_device(0)
     torch.cuda.memory._record_memory_history(max_entries=500_000)
@@ -238,19 +238,20 @@ def ddp_timing(workload: str, batch: int, backend: str, pause_s: float) -> dict[
     return {"backend": backend, "pause_s": pause_s, "param_bytes": params, "steps": steps}
 
 
-def part(name: str, workload: str, batch: int) -> dict[str, Any]:
+def part(name: str, workload: str, batch: int, amp: str | None = None) -> dict[str, Any]:
     if name == "libraries":
         return libraries()
     if name.startswith("timing-"):  # timing-BACKEND-PAUSE
         _, backend, pause = name.split("-")
         return ddp_timing(workload, batch, backend, float(pause))
-    return scenario(name, workload, batch)
+    return scenario(name, workload, batch, amp)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="mlp")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--amp", choices=("bfloat16", "float16"), default=None)
     ap.add_argument("--part", help=argparse.SUPPRESS)  # one part, in a fresh process
     ap.add_argument("--parts", default="libraries,single,ddp",
                     help="which parts, in order (also timing-nccl-0, timing-nccl-0.5, "
@@ -259,7 +260,7 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     if args.part:
         try:
-            result = part(args.part, args.workload, args.batch)
+            result = part(args.part, args.workload, args.batch, args.amp)
         except Exception as exc:
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         print(json.dumps(result, default=str))
@@ -267,7 +268,8 @@ def main() -> int:
     results: dict[str, Any] = {"workload": args.workload, "batch": args.batch}
     for name in args.parts.split(","):
         p = subprocess.run([sys.executable, __file__, "--part", name, "--workload",
-                            args.workload, "--batch", str(args.batch)],
+                            args.workload, "--batch", str(args.batch),
+                            *(["--amp", args.amp] if args.amp else [])],
                            capture_output=True, text=True, timeout=240)
         try:
             results[name] = json.loads(p.stdout.strip().splitlines()[-1])
