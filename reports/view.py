@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dpprof.analysis.answers import BALANCED_FRACTION, Advice, Answer, build_answer, maxbatch_ratio
+from dpprof.analysis.answer_figures import BALANCED_FRACTION
+from dpprof.analysis.answers import Advice, Answer, build_answer, maxbatch_ratio
 from dpprof.analysis.attribution import CAUSES, attribute, cause_label
 from dpprof.result import (
     CATEGORIES,
