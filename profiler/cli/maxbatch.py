@@ -153,7 +153,7 @@ def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
     """The verdict set, the table on the terminal unless ``quiet``, then the files."""
     from dpprof.analysis.answers import build_answer
     from dpprof.reports.answers import maxbatch_renderable
-    from dpprof.reports.view import build_view
+    from dpprof.reports.view_builder import build_view
 
     run.comparison.verdict = build_answer(run).verdict
     if not quiet:
