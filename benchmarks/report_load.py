@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpprof.reports import html
+from dpprof.reports import html, html_page
 from dpprof.result import load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def main() -> int:
     t0 = time.perf_counter()
     basic = html.render(run)
     render_s = time.perf_counter() - t0
-    full = basic.replace(html.plotly_js(), get_plotlyjs())
+    full = basic.replace(html_page.plotly_js(), get_plotlyjs())
     rows = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)

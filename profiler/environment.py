@@ -71,22 +71,46 @@ def collect_environment(
     come from NVML alone).
     """
     environ = os.environ if environ is None else environ
-    env: dict[str, Any] = {}
-    reasons: dict[str, str] = {}
+    facts = _Facts()
     notes: list[str] = []
+    _put_host(facts, environ)
+    torch_mod = _put_torch(facts)
+    backend = nvml if nvml is not None else libnvml.default_nvml()
+    nvml_ok = _put_driver(facts, backend)
+    _put_gpus(facts, backend if nvml_ok else None, environ,
+              torch_mod if use_cuda and facts.env.get("cuda_available") else None, notes)
+    _put_topology(facts, backend if nvml_ok else None)
+    env, reasons = facts.env, facts.reasons
+    env["notes"] = notes
+    env["reasons"] = reasons
+    return env
 
-    def put(key: str, fn: Callable[[], Any], none_reason: str | None = None) -> Any:
+
+class _Facts:
+    """The environment being collected: each fact, and why each one missing is missing."""
+
+    def __init__(self) -> None:
+        self.env: dict[str, Any] = {}
+        self.reasons: dict[str, str] = {}
+
+    def put(self, key: str, fn: Callable[[], Any], none_reason: str | None = None) -> Any:
+        """``fn()`` stored under ``key``; None, with the reason, where it raised (or gave
+        None and ``none_reason`` says why)."""
         try:
             value = fn()
         except Exception as exc:
             value = None
-            reasons[key] = _describe(exc)
+            self.reasons[key] = _describe(exc)
         else:
             if value is None and none_reason:
-                reasons[key] = none_reason
-        env[key] = value
+                self.reasons[key] = none_reason
+        self.env[key] = value
         return value
 
+
+def _put_host(facts: _Facts, environ: Mapping[str, str]) -> None:
+    """dpprof's and Python's versions, the platform, the host and the CUDA variables."""
+    put, env = facts.put, facts.env
     put("dpprof_version", _dpprof_version)
     put("python_version", lambda: platform.python_version())
     put("python_implementation", lambda: platform.python_implementation())
@@ -95,6 +119,11 @@ def collect_environment(
     env["cuda_visible_devices"] = environ.get("CUDA_VISIBLE_DEVICES")
     env["cuda_device_order"] = environ.get("CUDA_DEVICE_ORDER")
 
+
+def _put_torch(facts: _Facts) -> Any:
+    """torch's version and what it was built with, and the CUDA devices it sees; the torch
+    module, or None where it cannot be imported."""
+    put, env, reasons = facts.put, facts.env, facts.reasons
     torch = put("torch_version", lambda: _import_torch().__version__)
     torch_mod = _import_torch_quietly() if torch is not None else None
     if torch_mod is None:
@@ -112,8 +141,12 @@ def collect_environment(
             "cuda_device_count",
             lambda: int(torch_mod.cuda.device_count()) if available else 0,
         )
+    return torch_mod
 
-    backend = nvml if nvml is not None else libnvml.default_nvml()
+
+def _put_driver(facts: _Facts, backend: NvmlBackend) -> bool:
+    """NVML's status and the driver's versions; whether NVML is available."""
+    put, env, reasons = facts.put, facts.env, facts.reasons
     try:
         status = backend.status()
         env["nvml"] = {"available": status.available, "reason": status.reason, "hint": status.hint}
@@ -134,38 +167,40 @@ def collect_environment(
         why = f"NVML not available: {env['nvml']['reason']}"
         env["driver_version"] = env["cuda_driver_version"] = None
         reasons["driver_version"] = reasons["cuda_driver_version"] = why
+    return nvml_ok
 
+
+def _put_gpus(facts: _Facts, nvml: NvmlBackend | None, environ: Mapping[str, str],
+              torch_mod: Any, notes: list[str]) -> None:
+    """One dict per CUDA device (``nvml``: None where NVML is not available; ``torch_mod``:
+    None where torch may not initialise CUDA)."""
+    env, reasons = facts.env, facts.reasons
     try:
-        env["gpus"] = _gpus(
-            backend if nvml_ok else None,
-            environ,
-            torch_mod if use_cuda and env.get("cuda_available") else None,
-            notes,
-        )
+        env["gpus"] = _gpus(nvml, environ, torch_mod, notes)
     except Exception as exc:
         env["gpus"] = []
         reasons["gpus"] = _describe(exc)
     if not env["gpus"] and "gpus" not in reasons:
         reasons["gpus"] = (
             "no GPU visible"
-            if nvml_ok
+            if nvml is not None
             else f"NVML not available: {env['nvml']['reason']}; torch sees no CUDA device"
         )
 
+
+def _put_topology(facts: _Facts, nvml: NvmlBackend | None) -> None:
+    """The links between the visible GPUs (``nvml``: None where NVML is not available)."""
+    env, reasons = facts.env, facts.reasons
     env["topology"] = None
-    if nvml_ok:
+    if nvml is not None:
         try:
-            env["topology"] = _topology(backend, env["gpus"])
+            env["topology"] = _topology(nvml, env["gpus"])
         except Exception as exc:
             reasons["topology"] = _describe(exc)
         if env["topology"] is None and "topology" not in reasons:
             reasons["topology"] = "fewer than two GPUs matched to NVML devices"
     else:
         reasons["topology"] = f"NVML not available: {env['nvml']['reason']}"
-
-    env["notes"] = notes
-    env["reasons"] = reasons
-    return env
 
 
 def _dpprof_version() -> str:

@@ -8,7 +8,8 @@ import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from dpprof.analysis.answers import add_answers, gpu_spec, partial_sentence
+from dpprof.analysis.answer_fields import add_answers, gpu_spec
+from dpprof.analysis.answers import partial_sentence
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.fixes import alongside
 from dpprof.analysis.maxbatch import COUNTS
@@ -42,7 +43,7 @@ class CompareConfig:
     debug: bool = False  # keep tracebacks
     compute_capability: tuple[int, int] = DEFAULT_GPU.compute_capability  # the target GPU's
     extra: dict[str, object] = field(default_factory=dict)
-    # ---- answers (dpprof.analysis.answers) -----------------------------------------------------
+    # ---- answers (dpprof.analysis.answer_fields) -------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
     maxbatch: bool = False  # search the largest batch per scenario
     # measure the ladder's rungs (dpprof.analysis.ladder); None: where ddp/single is out of

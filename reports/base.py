@@ -5,7 +5,7 @@ One class per format, each in its own module (``html.py``, ``markdown.py``, ``js
 
 The contract: a human format renders the one view of a result
 (:class:`dpprof.reports.view.ReportView`, built once by
-:func:`dpprof.reports.view.build_view`) and nothing else, in :meth:`Renderer.render_view`;
+:func:`dpprof.reports.view_builder.build_view`) and nothing else, in :meth:`Renderer.render_view`;
 so every format shows the same numbers under the same labels. JSON is the exception: it
 writes the result itself (the saved session that ``dpprof report run.json`` renders again).
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from dpprof.reports.view import ReportView, build_view
+from dpprof.reports.view import ReportView
+from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 
 

@@ -1,7 +1,7 @@
 """The sentences and cells several formats share, in human units, from the view.
 
 Formatting only: every number and label comes from :class:`dpprof.reports.view.ReportView`
-(built once per result by :func:`dpprof.reports.view.build_view`); these functions turn
+(built once per result by :func:`dpprof.reports.view_builder.build_view`); these functions turn
 bytes into ``1.50 GiB`` and put the view's words into plain-text sentences, which each
 format then escapes and marks up.
 """

@@ -19,7 +19,8 @@ from rich.text import Text
 
 from dpprof.reports.common import b as _b
 from dpprof.reports.common import run_title
-from dpprof.reports.view import ReportView, ScenarioView, build_view
+from dpprof.reports.view import ReportView, ScenarioView
+from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
@@ -203,32 +204,35 @@ def render_markdown(rd: RunDiff) -> str:
 
 
 def render_html(rd: RunDiff) -> str:
-    from dpprof.reports import html as h
+    from dpprof.reports import html_figures as charts
 
     top = max((max(d.before_bytes or 0, d.after_bytes or 0) for s in rd.scenarios
                for d in s.devices), default=0)
-    token = h._UNIT.set(h.unit_for(top))
+    token = charts.CHART_UNIT.set(charts.unit_for(top))
     try:
         return _render_html(rd)
     finally:
-        h._UNIT.reset(token)
+        charts.CHART_UNIT.reset(token)
 
 
 def _render_html(rd: RunDiff) -> str:
-    from dpprof.reports import html as h
+    from dpprof.reports import html_figures as charts
+    from dpprof.reports import html_page as page
 
     xs: list[list[str]] = [[], []]
     before_y, after_y, before_t, after_t = [], [], [], []
     for s in rd.scenarios:
         for d in s.devices:
-            xs[0].append(h._pt(s.name))
-            xs[1].append(h._pt(d.label))
-            before_y.append(None if d.before_bytes is None else h._sc(d.before_bytes))
-            after_y.append(None if d.after_bytes is None else h._sc(d.after_bytes))
+            xs[0].append(charts.plotly_text(s.name))
+            xs[1].append(charts.plotly_text(d.label))
+            before_y.append(None if d.before_bytes is None
+                            else charts.in_chart_unit(d.before_bytes))
+            after_y.append(None if d.after_bytes is None
+                           else charts.in_chart_unit(d.after_bytes))
             before_t.append(_b(d.before_bytes))
             after_t.append(f"{_b(d.after_bytes)} ({_b(d.delta_bytes, True)})")
-    layout = h._base_layout(f"peak allocated ({h._un()})", barmode="group", bargap=0.2,
-                            height=420)
+    layout = charts.base_layout(f"peak allocated ({charts.chart_unit_name()})",
+                                barmode="group", bargap=0.2, height=420)
     layout["xaxis"] = {"type": "multicategory", "automargin": True}
     fig = {"data": [
         {"type": "bar", "name": "before", "x": xs, "y": before_y, "customdata": before_t,
@@ -238,7 +242,7 @@ def _render_html(rd: RunDiff) -> str:
          "marker": {"color": "#4c72b0"},
          "hovertemplate": "%{x[1]}: %{customdata}<extra>after</extra>"},
     ], "layout": layout}
-    e = h._e
+    e = page.escape
     rows = []
     for s in rd.scenarios:
         for k, d in enumerate(s.devices):
@@ -257,8 +261,8 @@ def _render_html(rd: RunDiff) -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="{h._CSP}">
-<title>{e(title)}</title><style>{h._CSS}</style></head>
+<meta http-equiv="Content-Security-Policy" content="{page.PAGE_CSP}">
+<title>{e(title)}</title><style>{page.PAGE_CSS}</style></head>
 <body><main>
 <h1 id="title">{e(title)}</h1>
 <div class="sub">before: {e(_title(rd.before))}<br>after: {e(_title(rd.after))}</div>
@@ -268,6 +272,6 @@ def _render_html(rd: RunDiff) -> str:
 <div class="card"><table><tr><th>scenario</th><th>device</th><th>before</th><th>after</th>
 <th>change</th><th></th></tr>{"".join(rows)}</table></div>
 </main>
-{h.page_scripts({"diff": fig})}
+{page.page_scripts({"diff": fig})}
 </body></html>
 """

@@ -36,7 +36,8 @@ from dpprof.reports.common import (
     throughput,
 )
 from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
-from dpprof.reports.view import ReportView, ScenarioView, build_view
+from dpprof.reports.view import ReportView, ScenarioView
+from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes, unit_for
 

@@ -17,7 +17,8 @@ from rich.text import Text
 from dpprof.reports import answers
 from dpprof.reports.base import Renderer
 from dpprof.reports.common import run_title
-from dpprof.reports.view import DeviceView, ReportView, ScenarioView, build_view
+from dpprof.reports.view import DeviceView, ReportView, ScenarioView
+from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes, unit_for
 

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reports_data import SAVED, saved
 
-from dpprof.analysis.answers import Answer, build_answer, heaviest, measured, need_bytes
+from dpprof.analysis.answer_figures import heaviest, measured, need_bytes
+from dpprof.analysis.answers import Answer, build_answer
 from dpprof.analysis.comparison import compare
 from dpprof.result import (
     STATUS_ERROR,

@@ -220,7 +220,7 @@ def test_dark_mode(browser: Any, tmp_path: Path) -> None:
 def test_print(browser: Any, tmp_path: Path) -> None:
     import re
 
-    from dpprof.reports.html import PRINT_WIDTH_PX
+    from dpprof.reports.html_page import PRINT_WIDTH_PX
 
     page = _page(browser, tmp_path, html.render(saved("emulated-lm")), 1400,
                  color_scheme="dark")

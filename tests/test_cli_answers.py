@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.reports.answers import markdown_sections
-from dpprof.reports.view import build_view
+from dpprof.reports.view_builder import build_view
 from dpprof.result import load
 
 runner = CliRunner()

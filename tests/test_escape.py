@@ -121,7 +121,7 @@ def test_markdown_report_of_a_hostile_result_has_no_raw_html_or_mentions() -> No
         a.answer = "<script>x</script> @bob"
     run.fail_reasons.append("<i>@carol</i>")
     from dpprof.reports.answers import markdown_sections
-    from dpprof.reports.view import build_view
+    from dpprof.reports.view_builder import build_view
 
     sections = markdown_sections(build_view(run))
     assert "````" in sections  # a code block holding ``` gets a longer fence

@@ -7,7 +7,7 @@ import re
 import pytest
 from reports_data import HOSTILE, SAVED, hostile, saved
 
-from dpprof.reports import html
+from dpprof.reports import html, html_page
 from dpprof.result import RunResult
 
 
@@ -327,4 +327,4 @@ def test_every_figure_is_checked_by_plotly() -> None:
         for fig in _figures(html.render(saved(name))).values():
             go.Figure(fig)  # raises on a property plotly.js does not have
     with pytest.raises(ValueError, match="colour"):
-        html.page_scripts({"bad": {"data": [{"type": "bar", "colour": "red"}], "layout": {}}})
+        html_page.page_scripts({"bad": {"data": [{"type": "bar", "colour": "red"}], "layout": {}}})

@@ -20,7 +20,7 @@ from dpprof.analysis.answers import build_answer
 from dpprof.analysis.attribution import cause_label
 from dpprof.reports.markdown import md
 from dpprof.reports.registry import renderers
-from dpprof.reports.view import build_view
+from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 
 

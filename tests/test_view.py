@@ -25,8 +25,8 @@ from dpprof.reports.view import (
     FixView,
     ReportView,
     ScenarioView,
-    build_view,
 )
+from dpprof.reports.view_builder import build_view
 from dpprof.result import Comparison
 from dpprof.units import fmt_bytes
 
@@ -198,8 +198,8 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("module", ["html", "markdown", "terminal", "diff", "answers", "watch",
-                                    "common"])
+@pytest.mark.parametrize("module", ["html", "html_figures", "html_page", "markdown", "terminal",
+                                    "diff", "answers", "watch", "common"])
 def test_renderers_read_no_analysis_and_no_result_fields(module: str) -> None:
     """Only the view builder reads the analysis; a renderer imports from the result module
     no more than ``RunResult`` (for its one-line ``render(run)``) and ``json_safe``."""

@@ -15,24 +15,35 @@ show its :class:`Answer`, the commands store its verdict in the result. Its rule
   only, or reserved memory and the CUDA context where they were emulated or measured).
 
 The answer fields a comparison computes (attribution, fixes, largest batch, equivalence, the
-``--fail-on-*`` checks) are filled by :func:`add_answers`, run after the scenarios.
+``--fail-on-*`` checks) are filled by :func:`dpprof.analysis.answer_fields.add_answers`, run
+after the scenarios. The figures it reads are :mod:`dpprof.analysis.answer_figures`; what
+``dpprof watch`` says, :mod:`dpprof.analysis.post_mortem`.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from dpprof.analysis.answer_figures import (
+    balanced,
+    counts,
+    device_label,
+    excess_over_median,
+    heaviest,
+    measured,
+    need_bytes,
+    used,
+)
 from dpprof.analysis.fix_kind import MIN_SAVING
 from dpprof.analysis.fix_registry import applies_to, as_scenario
+from dpprof.analysis.post_mortem import post_mortem, watch_verdict
 from dpprof.errors import EXIT_CHECK_FAILED  # noqa: F401 (the policy's 3, for old importers)
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,
     Attribution,
-    DeviceResult,
     Fix,
     RunResult,
     ScenarioResult,
@@ -42,16 +53,6 @@ from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
 from dpprof.scenarios.kind import DATA_PARALLEL, DISTRIBUTED, ONE_GPU, SPLIT_MODEL
 from dpprof.scenarios.registry import REGISTRY
 from dpprof.units import fmt_bytes
-
-if TYPE_CHECKING:
-    from dpprof.backends.emulated import Alongside, EmulationConfig
-    from dpprof.emulator.catalog import GpuSpec
-    from dpprof.scenarios.workloads import Workload
-
-MEASURED = (STATUS_OK, STATUS_OOM)
-# MIN_SAVING: a difference under 1 % of the heaviest GPU's peak is noise (a loss tensor), not
-# a change: a fix that saves less is not recommended, a cuda:0 within it is balanced.
-BALANCED_FRACTION = MIN_SAVING
 
 WATCH, MAXBATCH, NOTHING = "watch", "maxbatch", "none"
 # each scenario's setup (dpprof.scenarios.registry: DATA_PARALLEL, DISTRIBUTED, ...)
@@ -92,53 +93,6 @@ class Answer:
     notes: tuple[str, ...] = ()
     post_mortem: tuple[str, ...] = ()  # watch: what happened at the out-of-memory error
     next_steps: tuple[str, ...] = ()  # watch: the dpprof checks to run next
-
-
-# ---- figures -----------------------------------------------------------------------------
-
-
-def used(s: ScenarioResult) -> list[DeviceResult]:
-    return [d for d in s.devices if d.used]
-
-
-def measured(s: ScenarioResult | None) -> bool:
-    return s is not None and s.status in MEASURED and bool(used(s))
-
-
-def need_bytes(s: ScenarioResult) -> int:
-    """What the fullest GPU needs, as the out-of-memory check counts it: reserved (or
-    allocated) plus the context, where they were modelled or measured."""
-    return max((d.total_peak_bytes for d in used(s)), default=0)
-
-
-def heaviest(s: ScenarioResult) -> DeviceResult:
-    return max(used(s), key=lambda d: (d.peak_allocated_bytes, -d.index))
-
-
-def counts(run: RunResult) -> str:
-    """What :func:`need_bytes` counts in ``run``, in words."""
-    devs = [d for s in run.scenarios if measured(s) for d in used(s)]
-    reserved = any(d.peak_reserved_bytes is not None for d in devs)
-    context = any(d.context_bytes is not None for d in devs)
-    if reserved and context:
-        return "reserved memory and the CUDA context counted"
-    if reserved:
-        return "reserved memory counted"
-    return "allocated only: reserved memory and the CUDA context were not emulated"
-
-
-def excess_over_median(first: float, others: list[float]) -> float:
-    """``first`` minus the median of ``others`` (the mean of the middle two of an even
-    number): how cuda:0's excess is measured everywhere."""
-    return first - statistics.median(others) if others else 0.0
-
-
-def balanced(excess: float, peak: float) -> bool:
-    return abs(excess) <= BALANCED_FRACTION * max(peak, 1)
-
-
-def _dev(d: DeviceResult) -> str:
-    return f"{d.node}/cuda:{d.index}" if d.node else f"cuda:{d.index}"
 
 
 # ---- the builder -------------------------------------------------------------------------
@@ -284,7 +238,7 @@ def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
 
 
 def _placement(s: ScenarioResult) -> str:
-    return ", ".join(f"{_dev(d)} ({fmt_bytes(d.peak_allocated_bytes)})" for d in used(s))
+    return ", ".join(f"{device_label(d)} ({fmt_bytes(d.peak_allocated_bytes)})" for d in used(s))
 
 
 def _headline(run: RunResult, s: ScenarioResult) -> str:
@@ -299,7 +253,7 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
         what = s.message if script and s.message.startswith("the script") else (
             f"{s.name} failed ({s.message})")
         return (f"{what}; up to the failure it peaked at {fmt_bytes(top.peak_allocated_bytes)} "
-                f"on {_dev(top)}")
+                f"on {device_label(top)}")
     c = run.comparison.scenarios.get(s.name)
     top = heaviest(s)
     setup = SETUPS.get(s.name)
@@ -314,7 +268,7 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
                     f"GPUs; the heaviest peaks at {fmt_bytes(top.peak_allocated_bytes)}")
         if excess < 0:
             return (f"under {s.name} cuda:0 holds {fmt_bytes(-excess)} less than the other "
-                    f"GPUs; the heaviest, {_dev(top)}, peaks at "
+                    f"GPUs; the heaviest, {device_label(top)}, peaks at "
                     f"{fmt_bytes(top.peak_allocated_bytes)}")
         return f"cuda:0 needs {fmt_bytes(excess)} more than the other GPUs under {s.name}" \
                + imbalance
@@ -326,14 +280,14 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
             return f"DDP spreads the step over {len(devs)} GPUs"
         if balanced(top.peak_allocated_bytes - mean, top.peak_allocated_bytes):
             return f"DDP balances all {len(devs)} GPUs at {fmt_bytes(top.peak_allocated_bytes)}"
-        return (f"under DDP the heaviest of the {len(devs)} GPUs, {_dev(top)}, peaks at "
+        return (f"under DDP the heaviest of the {len(devs)} GPUs, {device_label(top)}, peaks at "
                 f"{fmt_bytes(top.peak_allocated_bytes)} ({top.peak_allocated_bytes / mean:.2f}x "
                 "the mean)")
     if len(devs) == 1:
         who = "the script" if script else s.name
-        return f"{who} peaks at {fmt_bytes(top.peak_allocated_bytes)} on {_dev(top)}"
+        return f"{who} peaks at {fmt_bytes(top.peak_allocated_bytes)} on {device_label(top)}"
     who = "the script places its work" if script else "the model places its work"
-    return f"{who} on {_placement(s)}; the heaviest is {_dev(top)}"
+    return f"{who} on {_placement(s)}; the heaviest is {device_label(top)}"
 
 
 def _alternative(base: ScenarioResult, s: ScenarioResult) -> str:
@@ -460,7 +414,7 @@ def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
     assert base is not None
     if setup == SPLIT_MODEL:
         return ("No fix of dpprof's applies: the script places its layers on the GPUs "
-                f"itself (model parallel); its heaviest GPU is {_dev(heaviest(base))}.")
+                f"itself (model parallel); its heaviest GPU is {device_label(heaviest(base))}.")
     if setup == ONE_GPU:
         return "No fix applies: the step runs on one GPU."
     if setup == DISTRIBUTED and not advice:
@@ -565,40 +519,6 @@ def _maxbatch_answer(run: RunResult) -> Answer:
 # ---- watch ---------------------------------------------------------------------------------
 
 
-def _ending(w: WatchResult) -> str:
-    if not w.complete:
-        return (f"the samples end at {w.duration_s or 0:.1f} s without the command's end: dpprof "
-                "or the machine stopped first")
-    if w.signal:
-        return f"killed by {w.signal} after {w.duration_s or 0:.1f} s (exit status {w.exit_status})"
-    return f"exited with status {w.returncode} after {w.duration_s or 0:.1f} s"
-
-
-def watch_ending(w: WatchResult) -> str:
-    """How the watched command ended, in words."""
-    return _ending(w)
-
-
-def _pct(n: int, total: int | None) -> str:
-    return f" ({100 * n / total:.0f}%)" if total else ""
-
-
-def watch_verdict(w: WatchResult, imbalance: float | None) -> str:
-    """One sentence: the peak per GPU, the imbalance, how the command ended."""
-    peaks = [d for d in w.devices if d.peak_used_bytes is not None]
-    if not peaks:
-        return f"No GPU memory reading was taken; the command {_ending(w)}."
-    text = "Peak used memory: " + ", ".join(
-        f"cuda:{d.cuda_index} {fmt_bytes(d.peak_used_bytes)}" for d in peaks)
-    if len(peaks) > 1 and imbalance is not None:
-        text += f" (max/mean {imbalance:.2f})"
-    if w.ooms:
-        where = w.ooms[0].cuda_index
-        text += (f"; the command ran out of CUDA memory on cuda:{where}" if where is not None
-                 else "; the command ran out of CUDA memory")
-    return f"{text}; it {_ending(w)}."
-
-
 def _watch_answer(run: RunResult, w: WatchResult) -> Answer:
     c = next(iter(run.comparison.scenarios.values()), None)
     lines, steps = post_mortem(w)
@@ -606,188 +526,3 @@ def _watch_answer(run: RunResult, w: WatchResult) -> Answer:
                   verdict_parts=None, baseline=None, recommended=(), worse=(),
                   nothing_to_change="", explained=(), post_mortem=tuple(lines),
                   next_steps=tuple(steps))
-
-
-def post_mortem(w: WatchResult) -> tuple[list[str], list[str]]:
-    """What happened at the first out-of-memory error, and which dpprof checks to run next.
-
-    Pure: reads only ``w``. Empty when the command's output had no out-of-memory error. The
-    GPU that ran out is measured against the median of the others as the comparison measures
-    cuda:0 (:func:`excess_over_median`, :func:`balanced`).
-    """
-    if not w.ooms:
-        return [], []
-    oom = w.ooms[0]
-    by_cuda = {d.cuda_index: d for d in w.devices}
-    dev = by_cuda.get(oom.cuda_index) if oom.cuda_index is not None else None
-    lines: list[str] = []
-    if oom.cuda_index is None:
-        lines.append(f"The command hit a CUDA out-of-memory error ({oom.text[:120]}) that "
-                     "names neither the GPU nor the size.")
-    else:
-        label = f"cuda:{oom.cuda_index}"
-        if dev is not None:
-            label += f" ({', '.join(x for x in (dev.name, dev.uuid) if x)})"
-        asked = fmt_bytes(oom.requested_bytes) if oom.requested_bytes is not None else "?"
-        text = f"PyTorch ran out of memory on {label}: it tried to allocate {asked}"
-        if oom.free_bytes is not None and oom.total_bytes is not None:
-            text += f" with {fmt_bytes(oom.free_bytes)} of {fmt_bytes(oom.total_bytes)} free"
-        if oom.allocated_by_pytorch_bytes is not None:
-            text += f"; PyTorch itself held {fmt_bytes(oom.allocated_by_pytorch_bytes)}"
-            if oom.reserved_unallocated_bytes:
-                text += f" plus {fmt_bytes(oom.reserved_unallocated_bytes)} reserved but unused"
-        lines.append(text + ".")
-        if dev is None:
-            lines.append(f"cuda:{oom.cuda_index} was not watched (watched: "
-                         f"{', '.join(f'cuda:{i}' for i in sorted(by_cuda))}).")
-        elif dev.total_bytes and oom.total_bytes and (
-                abs(dev.total_bytes - oom.total_bytes) > 0.1 * dev.total_bytes):
-            lines.append(
-                f"PyTorch's GPU {oom.cuda_index} has {fmt_bytes(oom.total_bytes)} but the "
-                f"watched cuda:{oom.cuda_index} has {fmt_bytes(dev.total_bytes)}: the command "
-                "probably set CUDA_VISIBLE_DEVICES itself, so this may be another GPU.")
-    if len(w.ooms) > 1:
-        where = sorted({o.cuda_index for o in w.ooms if o.cuda_index is not None})
-        lines.append(f"{len(w.ooms)} different out-of-memory messages in the output"
-                     + (f" (on {', '.join(f'cuda:{i}' for i in where)})" if where else "")
-                     + "; the first one is described here.")
-    at = oom.used_at_oom_bytes
-    if at:
-        cells = [f"cuda:{d.cuda_index} {fmt_bytes(at[k])}{_pct(at[k], d.total_bytes)}"
-                 for d in w.devices if (k := f"cuda:{d.cuda_index}") in at]
-        lines.append("At the last reading before the message, the GPUs held: "
-                     + ", ".join(cells) + ".")
-        key = f"cuda:{oom.cuda_index}"
-        in_use = (oom.total_bytes - oom.free_bytes
-                  if oom.total_bytes is not None and oom.free_bytes is not None else None)
-        if key in at and in_use is not None and at[key] < 0.8 * in_use:
-            lines.append(
-                f"NVML's last reading of {key} ({fmt_bytes(at[key])}) is well below the "
-                f"{fmt_bytes(in_use)} in use that PyTorch reports: the memory rose between "
-                "two readings (a shorter --interval sees more of it).")
-    elif oom.t_s is not None:
-        lines.append("No reading was taken before the message.")
-    unbalanced = False
-    key = f"cuda:{oom.cuda_index}"
-    if oom.cuda_index is not None and key in at and len(at) > 1:
-        excess = excess_over_median(at[key], [v for k, v in at.items() if k != key])
-        primary = min(d.cuda_index for d in w.devices)
-        if balanced(excess, at[key]):
-            lines.append(
-                f"The GPUs were about equally full ({key} within {fmt_bytes(abs(excess))} of "
-                "the median of the others): the step itself does not fit, not one GPU's "
-                "share of it.")
-        elif excess < 0:
-            lines.append(
-                f"{key} held {fmt_bytes(-excess)} less than the median of the other GPUs at "
-                "the last reading: it filled up between two readings, or another process "
-                "took its memory.")
-        elif oom.cuda_index == primary:
-            unbalanced = True
-            lines.append(
-                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs: the "
-                "load was unbalanced. Under nn.DataParallel the first GPU also holds the "
-                "outputs gathered from the whole batch, the loss and its gradient, the "
-                "gradients reduced from every replica and the optimizer state.")
-        else:
-            lines.append(
-                f"{key} held {fmt_bytes(excess)} more than the median of the other GPUs, but it "
-                f"is not the first GPU (cuda:{primary}), where nn.DataParallel puts its extra "
-                "load: look for tensors or a model part placed on it explicitly.")
-    n = max(len(w.devices), 1)
-    totals = [d.total_bytes for d in w.devices if d.total_bytes]
-    # without NVML's totals the compare default (the catalog's A100 80GB) stands
-    memory = f" --gpu-memory {int(min(totals) / 2**30 * 10) / 10:g}GiB" if totals else ""
-    compare = ("dpprof compare --workload your_module:workload --batch <your batch> "
-               f"--gpus {n}{memory}")
-    steps: list[str] = []
-    if unbalanced:
-        steps.append(
-            "If the script uses nn.DataParallel, compute the loss inside forward on every "
-            "replica: model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn)); "
-            "loss = dpprof.ModelWithLoss.combine(model(inputs, targets)); or move to "
-            "DistributedDataParallel (one process per GPU).")
-    steps.append("Measure what each fix saves before changing the script: write the training "
-                 "step as a dpprof.Workload (model, loss, optimizer, a batch) and run "
-                 + compare + ".")
-    if not unbalanced:
-        steps.append(f"{compare} also shows the single-GPU floor: if even 'single' does not "
-                     "fit, lower the batch per GPU, use activation checkpointing or more GPUs.")
-    return lines, steps
-
-
-# ---- the answer fields a comparison computes -----------------------------------------------
-
-
-def fail_reasons(run: RunResult, fail_on_imbalance: float | None = None,
-                 fail_on_oom: bool = False) -> list[str]:
-    """Why a CI job should fail: a scenario's max/mean above the ratio, or an OOM."""
-    reasons: list[str] = []
-    if fail_on_imbalance is not None:
-        for name, c in run.comparison.scenarios.items():
-            if c.imbalance > fail_on_imbalance:
-                reasons.append(f"{name}: max/mean {c.imbalance:.3f} exceeds "
-                               f"--fail-on-imbalance {fail_on_imbalance:g}")
-    if fail_on_oom:
-        for s in run.scenarios:
-            if s.status == STATUS_OOM:
-                reasons.append(f"{s.name}: {s.message or 'out of memory'} (--fail-on-oom)")
-    return reasons
-
-
-def gpu_spec(name: str) -> GpuSpec | None:
-    from dpprof.emulator.catalog import lookup_gpu
-
-    return lookup_gpu(name) if name else None
-
-
-def add_answers(
-    run: RunResult, wl: Workload, ecfg: EmulationConfig, *, fixes: bool = True,
-    maxbatch: bool = False, multiple_of: int = 1, gpu: GpuSpec | None = None,
-    equivalence: bool = False, scenarios: tuple[str, ...] = (),
-    fail_on_imbalance: float | None = None, fail_on_oom: bool = False,
-    progress: Callable[[str, int, int], None] | None = None,
-    alongside: Alongside | None = None, ladder: bool | None = None,
-) -> RunResult:
-    """Fill the answer fields of ``run`` (in place), its verdict last, and return it;
-    ``alongside``: what the run's own scenarios measured for the fixes
-    (:func:`dpprof.analysis.fixes.alongside`); ``ladder``: measure the ladder's rungs
-    (:mod:`dpprof.analysis.ladder`), also without ``fixes``; None: with the fixes, where the
-    data-parallel floor is out of memory."""
-    from dpprof.analysis.attribution import attribute_run
-    from dpprof.analysis.fixes import evaluate
-
-    run.attribution = attribute_run(run)
-    n = len(run.scenarios)
-
-    def step(name: str, i: int = 0, total: int = 0) -> None:
-        if progress and name:  # the scenarios' bar stays full while the answers run
-            progress(name, n, n)
-
-    from dpprof.analysis import ladder as rungs
-
-    if fixes:
-        step("the fixes")
-        run.fixes = evaluate(run, wl, ecfg, alongside)
-    if ladder or (ladder is None and fixes and rungs.wanted(run)):
-        step("the ladder")
-        run.fixes += rungs.evaluate(run, wl, ecfg)
-    if maxbatch:
-        from dpprof.analysis.maxbatch import run_maxbatch
-
-        run.maxbatch = run_maxbatch(
-            wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
-            ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, emulation=ecfg,
-            ladder=bool(ladder),
-            progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
-        )
-    if equivalence:
-        from dpprof.analysis.equivalence import check
-
-        step("the math against single")
-        run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.step.seed,
-                                scenarios or tuple(s.name for s in run.scenarios),
-                                backend=run.backend)
-    run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
-    run.comparison.verdict = build_answer(run).verdict
-    return run

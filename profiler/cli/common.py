@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dpprof.errors import DpprofError, Interrupted, UsageError, WorkloadError
 from dpprof.reports.escape import for_files, terminal_text, without_host
@@ -161,6 +162,13 @@ def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
     if failures:
         raise DpprofError("could not write " + "; ".join(failures))
     return written
+
+
+def progress_bar(counter: str, console: Console) -> Progress:
+    """The commands' progress bar on ``console`` (stderr), gone when done: a spinner, the
+    step's description, a bar, ``counter`` (a rich format of the task) and the time taken."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn(counter), TimeElapsedColumn(), console=console, transient=True)
 
 
 def load_user_workload(spec: str) -> Workload:

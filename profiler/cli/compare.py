@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dpprof.cli.common import (
     check_writable,
@@ -20,6 +19,7 @@ from dpprof.cli.common import (
     out,
     output_paths,
     parse_scenarios,
+    progress_bar,
     shown_path,
     write_reports,
 )
@@ -57,6 +57,11 @@ from dpprof.scenarios.step import (
 )
 from dpprof.scenarios.workloads import BUILTINS
 from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.backends.cuda_ddp import RankInfo
+    from dpprof.emulator.catalog import TargetGpu
+    from dpprof.scenarios.workloads import Workload
 
 # Every default below is read from the one declaration of each option: the step's options
 # from StepConfig, the rest from CompareConfig (tests/test_config.py checks each one).
@@ -202,9 +207,6 @@ def compare_cmd(
 
     Example: dpprof compare --batch 512 --gpus 8 --gpu-memory 40GB
     """
-    from dpprof.pipeline import run_compare
-    from dpprof.reports import terminal
-
     paths: list[tuple[Path, str]] = []
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
@@ -219,90 +221,133 @@ def compare_cmd(
         rank = torchrun_info()
         if rank is not None and rank.rank != 0:
             quiet = True  # only rank 0 speaks and writes reports
-        step = StepConfig(
-            batch=batch, seed=seed, warmup=warmup, steps=steps, dtype=dtype, amp=amp,
-            ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
-                           gradient_as_bucket_view=gradient_as_bucket_view,
-                           find_unused_parameters=find_unused_parameters,
-                           broadcast_buffers=not no_broadcast_buffers),
+        cfg = _compare_config(
+            target, workload=workload, gpus=gpus, scenarios=scenarios, backend=backend,
+            devices=devices, nvml_interval=nvml_interval, ddp_timeout=ddp_timeout,
+            compute=compute, debug=debug, fixes=fixes, maxbatch=maxbatch, ladder=ladder,
+            multiple_of=multiple_of, count_reserved=count_reserved,
+            fail_on_imbalance=fail_on_imbalance, fail_on_oom=fail_on_oom,
+            step=StepConfig(
+                batch=batch, seed=seed, warmup=warmup, steps=steps, dtype=dtype, amp=amp,
+                ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
+                               gradient_as_bucket_view=gradient_as_bucket_view,
+                               find_unused_parameters=find_unused_parameters,
+                               broadcast_buffers=not no_broadcast_buffers),
+            ),
         )
-        cfg = CompareConfig(
-            compute_capability=target.compute_capability, workload=workload, step=step,
-            gpus=gpus, gpu_memory_bytes=target.memory_bytes,
-            scenarios=parse_scenarios(scenarios), backend=backend,
-            compute=compute, debug=debug, devices=_parse_devices(devices),
-            nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
-            fixes=fixes, maxbatch=maxbatch, ladder=ladder,
-            multiple_of=multiple_of, gpu=target.spec.key if target.named else "",
-            count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
-            fail_on_oom=fail_on_oom,
-        )
-        cfg.validate()
-        check_bounds({"--batch": batch, "--gpus": gpus, "--seed": seed, "--warmup": warmup,
-                      "--steps": steps, "--multiple-of": multiple_of,
-                      "--nvml-interval": nvml_interval, "--ddp-timeout": ddp_timeout,
-                      "--bucket-cap-mb": bucket_cap_mb,
-                      "--fail-on-imbalance": fail_on_imbalance})
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths[:] = output_paths(output, f"compare-{stamp}")
         check_writable(paths)
-        resolved = resolve_backend(cfg.backend)
-        if cfg.devices is not None and resolved != "cuda":
-            raise UsageError(
-                f"--devices {devices}: picks real CUDA GPUs, but the {resolved} backend runs "
-                "virtual ones (numbered from 0); give --gpus N instead, or --backend cuda "
-                "on a machine with GPUs")
+        resolved = _resolved_backend(cfg, devices)
         wl = load_user_workload(cfg.workload)
-        n = cfg.gpus or DEFAULT_EMULATED_GPUS
-        if resolved == "cpu" and not quiet:
-            err.print(
-                f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
-                f"processes); workload {terminal_text(wl.name)}, batch {batch}",
-                soft_wrap=True)  # one line, as a log shows it
-        if resolved == "emulated" and not quiet:
-            from dpprof.pipeline import visible_cuda_gpus
-
-            found = visible_cuda_gpus()
-            why = ("--backend emulated" if cfg.backend != "auto" else "no CUDA GPUs found"
-                   if found == 0 else f"{found} CUDA GPU found (the comparison needs 2)")
-            kind = "CPU tensors" if compute else "meta tensors, memory only"
-            err.print(
-                f"dpprof: {why}: emulating {n} devices of {fmt_bytes(target.memory_bytes)} "
-                f"({kind}); workload {terminal_text(wl.name)}, batch {batch}",
-                soft_wrap=True)  # one line, as a log shows it
-        if resolved == "cuda" and not quiet:
-            where = f"torchrun rank 0 of {rank.world_size}" if rank else (
-                f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
-                else f"{cfg.gpus or 'every visible'} CUDA GPU(s)"
-            )
-            err.print(
-                f"dpprof: measuring on {where}; workload {terminal_text(wl.name)}, "
-                f"batch {batch}, "
-                f"{cfg.step.warmup_steps('cuda')} warm-up + "
-                f"{cfg.step.measured_steps('cuda')} measured steps",
-                soft_wrap=True)  # one line, as a log shows it
-        if quiet:
-            run = run_compare(cfg, workload=wl)
-        else:
-            with Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                console=err, transient=True,
-            ) as bar:
-                task = bar.add_task("starting", total=len(cfg.scenarios))
-
-                def progress(name: str, i: int, total: int) -> None:
-                    desc = f"running {name}" if name else "analysing"
-                    bar.update(task, completed=i, description=desc)
-
-                run = run_compare(cfg, progress=progress, workload=wl)
+        if not quiet:
+            _announce(cfg, resolved, target.memory_bytes, rank, wl.name)
+        run = _run(cfg, wl, quiet)
         if run is None:  # a torchrun rank other than 0: rank 0 writes the report
             return
-        if not quiet:
-            out.print(terminal.render(for_terminal(run)))
-        write_reports(run, paths, quiet, include_host)
+        _show_and_write(run, paths, quiet, include_host)
     exit_for_run(run)
     exit_on_fail_reasons(run, err)
+
+
+def _compare_config(
+    target: TargetGpu, *, workload: str, step: StepConfig, gpus: int | None, scenarios: str,
+    backend: str, devices: str | None, nvml_interval: float, ddp_timeout: float,
+    compute: bool, debug: bool, fixes: bool, maxbatch: bool, ladder: bool | None,
+    multiple_of: int, count_reserved: bool, fail_on_imbalance: float | None,
+    fail_on_oom: bool,
+) -> CompareConfig:
+    """The one configuration from the options, validated, each number in its bounds."""
+    cfg = CompareConfig(
+        compute_capability=target.compute_capability, workload=workload, step=step,
+        gpus=gpus, gpu_memory_bytes=target.memory_bytes,
+        scenarios=parse_scenarios(scenarios), backend=backend,
+        compute=compute, debug=debug, devices=_parse_devices(devices),
+        nvml_interval_s=nvml_interval, ddp_timeout_s=ddp_timeout,
+        fixes=fixes, maxbatch=maxbatch, ladder=ladder,
+        multiple_of=multiple_of, gpu=target.spec.key if target.named else "",
+        count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
+        fail_on_oom=fail_on_oom,
+    )
+    cfg.validate()
+    check_bounds({"--batch": step.batch, "--gpus": gpus, "--seed": step.seed,
+                  "--warmup": step.warmup, "--steps": step.steps, "--multiple-of": multiple_of,
+                  "--nvml-interval": nvml_interval, "--ddp-timeout": ddp_timeout,
+                  "--bucket-cap-mb": step.ddp.bucket_cap_mb,
+                  "--fail-on-imbalance": fail_on_imbalance})
+    return cfg
+
+
+def _resolved_backend(cfg: CompareConfig, devices: str | None) -> str:
+    """The backend ``auto`` stands for; ``--devices`` only where it picks real GPUs."""
+    resolved = resolve_backend(cfg.backend)
+    if cfg.devices is not None and resolved != "cuda":
+        raise UsageError(
+            f"--devices {devices}: picks real CUDA GPUs, but the {resolved} backend runs "
+            "virtual ones (numbered from 0); give --gpus N instead, or --backend cuda "
+            "on a machine with GPUs")
+    return resolved
+
+
+def _announce(cfg: CompareConfig, resolved: str, memory_bytes: int, rank: RankInfo | None,
+              workload_name: str) -> None:
+    """dpprof's one line on stderr before measuring: where the scenarios run, and why."""
+    n = cfg.gpus or DEFAULT_EMULATED_GPUS
+    batch = cfg.step.batch
+    if resolved == "cpu":
+        err.print(
+            f"dpprof: --backend cpu: {n} simulated GPUs on the CPU (ddp: {n} gloo "
+            f"processes); workload {terminal_text(workload_name)}, batch {batch}",
+            soft_wrap=True)  # one line, as a log shows it
+    if resolved == "emulated":
+        from dpprof.pipeline import visible_cuda_gpus
+
+        found = visible_cuda_gpus()
+        why = ("--backend emulated" if cfg.backend != "auto" else "no CUDA GPUs found"
+               if found == 0 else f"{found} CUDA GPU found (the comparison needs 2)")
+        kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
+        err.print(
+            f"dpprof: {why}: emulating {n} devices of {fmt_bytes(memory_bytes)} "
+            f"({kind}); workload {terminal_text(workload_name)}, batch {batch}",
+            soft_wrap=True)  # one line, as a log shows it
+    if resolved == "cuda":
+        where = f"torchrun rank 0 of {rank.world_size}" if rank else (
+            f"CUDA devices {','.join(map(str, cfg.devices))}" if cfg.devices
+            else f"{cfg.gpus or 'every visible'} CUDA GPU(s)"
+        )
+        err.print(
+            f"dpprof: measuring on {where}; workload {terminal_text(workload_name)}, "
+            f"batch {batch}, "
+            f"{cfg.step.warmup_steps('cuda')} warm-up + "
+            f"{cfg.step.measured_steps('cuda')} measured steps",
+            soft_wrap=True)  # one line, as a log shows it
+
+
+def _run(cfg: CompareConfig, wl: Workload, quiet: bool) -> RunResult | None:
+    """The pipeline's run, with a progress bar over the scenarios unless ``quiet``; None on
+    a torchrun rank other than 0."""
+    from dpprof.pipeline import run_compare
+
+    if quiet:
+        return run_compare(cfg, workload=wl)
+    with progress_bar("{task.completed}/{task.total}", err) as bar:
+        task = bar.add_task("starting", total=len(cfg.scenarios))
+
+        def progress(name: str, i: int, total: int) -> None:
+            desc = f"running {name}" if name else "analysing"
+            bar.update(task, completed=i, description=desc)
+
+        return run_compare(cfg, progress=progress, workload=wl)
+
+
+def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
+                    include_host: bool) -> None:
+    """The terminal report (unless ``quiet``), then the report files."""
+    from dpprof.reports import terminal
+
+    if not quiet:
+        out.print(terminal.render(for_terminal(run)))
+    write_reports(run, paths, quiet, include_host)
 
 
 def _parse_devices(text: str | None) -> tuple[int, ...] | None:

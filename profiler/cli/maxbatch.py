@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from dpprof.analysis.maxbatch import LADDER_MICRO_BATCHES
 from dpprof.cli.common import (
@@ -18,6 +18,7 @@ from dpprof.cli.common import (
     out,
     output_paths,
     parse_scenarios,
+    progress_bar,
     write_reports,
 )
 from dpprof.cli.guard import guarded
@@ -37,11 +38,15 @@ from dpprof.emulator.catalog import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
 from dpprof.reports.escape import for_terminal, terminal_text
-from dpprof.result import new_result
+from dpprof.result import RunResult, new_result
 from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT
 from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.analysis.maxbatch import MaxBatch
+    from dpprof.scenarios.workloads import Workload
 
 
 def maxbatch_cmd(
@@ -86,19 +91,10 @@ def maxbatch_cmd(
     counting the caching allocator's reserved memory and the CUDA context, not only the
     allocated bytes. Example: dpprof maxbatch -w lm --gpu a100-80gb --multiple-of 8
     """
-    from dpprof.analysis.answers import build_answer
-    from dpprof.analysis.maxbatch import run_maxbatch
-    from dpprof.reports.answers import maxbatch_renderable
-    from dpprof.reports.view import build_view
-
     with guarded(debug):
         target = target_gpu(gpu_memory, gpu)
         memory, spec = target.memory_bytes, (target.spec if target.named else None)
-        if gpus < 1:
-            raise UsageError(f"--gpus must be at least 1, got {gpus}")
-        if multiple_of < 1:
-            raise UsageError(f"--multiple-of must be at least 1, got {multiple_of}")
-        check_bounds({"--gpus": gpus, "--multiple-of": multiple_of, "--seed": seed})
+        _check_maxbatch_options(gpus, multiple_of, seed)
         names = parse_scenarios(scenarios)
         paths = output_paths(output, "maxbatch") if output else []
         check_writable(paths)
@@ -110,35 +106,63 @@ def maxbatch_cmd(
                 f"{fmt_bytes(memory)}{f' ({spec.key})' if spec else ''}, multiples "
                 f"of {multiple_of}"
             )
-        if quiet or not err.is_terminal:  # a log gets no progress bar's leftovers
-            mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
-                              step=StepConfig(seed=seed), ladder=ladder)
-        else:  # a search takes seconds to minutes: say which scenario it is on
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total} "
-                                     + ("searches" if ladder else "scenarios")),
-                          TimeElapsedColumn(), console=err, transient=True) as bar:
-                task = bar.add_task("starting", total=len(names))
-
-                def progress(name: str, done: int, total: int) -> None:
-                    bar.update(task, completed=done, total=total,
-                               description=f"searching {name}")
-
-
-                mb = run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
-                                  step=StepConfig(seed=seed), progress=progress,
-                                  ladder=ladder)
+        mb = _search(wl, names, gpus, memory, spec, multiple_of, seed, ladder, quiet)
         run = new_result(
             "emulated", wl.name, batch=0, gpus=gpus, gpu_memory_bytes=memory,
             config=_config(workload, gpus, memory, spec, multiple_of, names) | {
                 "ladder": ladder},
             seed=seed, dtype=str(wl.dtype).removeprefix("torch."), maxbatch=mb,
         )
-        run.comparison.verdict = build_answer(run).verdict
-        if not quiet:
-            out.print(maxbatch_renderable(build_view(for_terminal(run))))
-        if paths:
-            write_reports(run, paths, quiet, include_host)
+        _show_and_write(run, paths, quiet, include_host)
+    _exit_if_errored(mb)
+
+
+def _check_maxbatch_options(gpus: int, multiple_of: int, seed: int) -> None:
+    """One line naming the first option out of its range."""
+    if gpus < 1:
+        raise UsageError(f"--gpus must be at least 1, got {gpus}")
+    if multiple_of < 1:
+        raise UsageError(f"--multiple-of must be at least 1, got {multiple_of}")
+    check_bounds({"--gpus": gpus, "--multiple-of": multiple_of, "--seed": seed})
+
+
+def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: GpuSpec | None,
+            multiple_of: int, seed: int, ladder: bool, quiet: bool) -> MaxBatch:
+    """The searches, with a progress bar over them on a terminal unless ``quiet``."""
+    from dpprof.analysis.maxbatch import run_maxbatch
+
+    if quiet or not err.is_terminal:  # a log gets no progress bar's leftovers
+        return run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
+                            step=StepConfig(seed=seed), ladder=ladder)
+    # a search takes seconds to minutes: say which scenario it is on
+    counter = "{task.completed}/{task.total} " + ("searches" if ladder else "scenarios")
+    with progress_bar(counter, err) as bar:
+        task = bar.add_task("starting", total=len(names))
+
+        def progress(name: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total,
+                       description=f"searching {name}")
+
+        return run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
+                            step=StepConfig(seed=seed), progress=progress,
+                            ladder=ladder)
+
+
+def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
+                    include_host: bool) -> None:
+    """The verdict set, the table on the terminal unless ``quiet``, then the files."""
+    from dpprof.analysis.answers import build_answer
+    from dpprof.reports.answers import maxbatch_renderable
+    from dpprof.reports.view_builder import build_view
+
+    run.comparison.verdict = build_answer(run).verdict
+    if not quiet:
+        out.print(maxbatch_renderable(build_view(for_terminal(run))))
+    if paths:
+        write_reports(run, paths, quiet, include_host)
+
+
+def _exit_if_errored(mb: MaxBatch) -> None:
     errored = [e.scenario for e in mb.entries if e.errored]
     if errored:
         err.print(f"dpprof: {len(errored)} scenario(s) errored: {', '.join(errored)} "

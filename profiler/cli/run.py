@@ -10,12 +10,18 @@ from __future__ import annotations
 import datetime as _dt
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dpprof.cli.common import check_writable, err, out, output_paths, write_reports
+from dpprof.cli.common import (
+    check_writable,
+    err,
+    out,
+    output_paths,
+    progress_bar,
+    write_reports,
+)
 from dpprof.cli.guard import guarded
 from dpprof.cli.options import (
     GPU,
@@ -30,6 +36,9 @@ from dpprof.errors import EXIT_ERROR, UsageError
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.backends.script import ScriptConfig, ScriptRun
 
 DEFAULT_GPUS = 4
 
@@ -83,13 +92,7 @@ def run_cmd(
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
-    from dpprof.backends.script import (
-        ScriptConfig,
-        nothing_on_a_gpu,
-        parse_command,
-        run_command,
-    )
-    from dpprof.reports import terminal
+    from dpprof.backends.script import ScriptConfig, parse_command
 
     main = None
     paths: list[tuple[Path, str]] = []
@@ -99,11 +102,7 @@ def run_cmd(
         return [str(p) for p in write_reports(partial, paths, True)]
 
     with guarded(debug, on_interrupt=write_partial):
-        if gpus < 1:
-            raise UsageError(f"--gpus must be at least 1, got {gpus}")
-        if steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {steps}")
-        check_bounds({"--gpus": gpus, "--steps": steps})
+        _check_run_options(gpus, steps)
         target = target_gpu(gpu_memory, gpu)
         launch = parse_command(list(command or []), gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -113,34 +112,68 @@ def run_cmd(
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
                            debug=debug)
         if not quiet:
-            kind = "CPU tensors" if compute else "meta tensors, memory only"
-            how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
-                   "ranks are alike)" if launch.launcher != "python" else "")
-            err.print(f"dpprof: running {terminal_text(launch.display)} on {gpus} virtual "
-                      f"{cfg.gpu.name} GPUs of {fmt_bytes(cfg.capacity_bytes)} ({kind}){how}; "
-                      f"stopping after {steps} optimizer steps", markup=False)
-        if quiet:
-            result, main = run_command(cfg, alternatives)
-        else:
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total} steps"),
-                          TimeElapsedColumn(), console=err, transient=True) as bar:
-                task = bar.add_task("as written", total=steps)
+            _announce(cfg)
+        result, main = _run(cfg, alternatives, quiet)
+        _show_and_write(result, main, paths, quiet)
+    _exit_with_script_status(main)
 
-                def progress(what: str, done: int, total: int) -> None:
-                    bar.update(task, completed=done, description=what)
 
-                result, main = run_command(cfg, alternatives, progress)
-        if main.script_traceback:  # verbatim, as the script would have printed it
-            sys.stderr.write(main.script_traceback.rstrip() + "\n")
-        if not any(d.peak_allocated_bytes for s in result.scenarios for d in s.devices):
-            # nothing reached a GPU: that is the answer, and there is no report to write
-            err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written", markup=False,
-                      highlight=False, soft_wrap=True)
-        else:
-            if not quiet:
-                out.print(terminal.render(for_terminal(result)))
-            write_reports(result, paths, quiet)
+def _check_run_options(gpus: int, steps: int) -> None:
+    """One line naming the first option out of its range."""
+    if gpus < 1:
+        raise UsageError(f"--gpus must be at least 1, got {gpus}")
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}")
+    check_bounds({"--gpus": gpus, "--steps": steps})
+
+
+def _announce(cfg: ScriptConfig) -> None:
+    """dpprof's one line on stderr before the script runs."""
+    launch = cfg.launch
+    kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
+    how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
+           "ranks are alike)" if launch.launcher != "python" else "")
+    err.print(f"dpprof: running {terminal_text(launch.display)} on {cfg.gpus} virtual "
+              f"{cfg.gpu.name} GPUs of {fmt_bytes(cfg.capacity_bytes)} ({kind}){how}; "
+              f"stopping after {cfg.steps} optimizer steps", markup=False)
+
+
+def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult, ScriptRun]:
+    """The script as written (and its alternatives), with a progress bar over the steps
+    unless ``quiet``."""
+    from dpprof.backends.script import run_command
+
+    if quiet:
+        return run_command(cfg, alternatives)
+    with progress_bar("{task.completed}/{task.total} steps", err) as bar:
+        task = bar.add_task("as written", total=cfg.steps)
+
+        def progress(what: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, description=what)
+
+        return run_command(cfg, alternatives, progress)
+
+
+def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, str]],
+                    quiet: bool) -> None:
+    """The script's traceback, then the terminal report and the files, or the one line
+    saying nothing reached a GPU."""
+    from dpprof.backends.script import nothing_on_a_gpu
+    from dpprof.reports import terminal
+
+    if main.script_traceback:  # verbatim, as the script would have printed it
+        sys.stderr.write(main.script_traceback.rstrip() + "\n")
+    if not any(d.peak_allocated_bytes for s in result.scenarios for d in s.devices):
+        # nothing reached a GPU: that is the answer, and there is no report to write
+        err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written", markup=False,
+                  highlight=False, soft_wrap=True)
+    else:
+        if not quiet:
+            out.print(terminal.render(for_terminal(result)))
+        write_reports(result, paths, quiet)
+
+
+def _exit_with_script_status(main: ScriptRun | None) -> None:
     if main is not None and main.exit_status:
         # the script's own status (its error is its result; the reports are written)
         raise typer.Exit(code=main.exit_status if main.exit_status > 0 else EXIT_ERROR)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,6 +22,9 @@ from dpprof.nvml import libnvml
 from dpprof.reports.escape import terminal_text
 from dpprof.result import ResultFileError, RunResult
 from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.watch.monitor import WatchOutcome
 
 __all__ = ["watch_cmd"]
 
@@ -107,52 +110,17 @@ def watch_cmd(
 
     Example: dpprof watch -- python train.py --batch-size 256
     """
-    from dpprof.cli.common import check_writable, err, output_paths, write_reports
-    from dpprof.cli.options import check_bounds
-    from dpprof.watch.analysis import load_run
-    from dpprof.watch.monitor import SpawnError, WatchConfig, Watcher, select_devices
+    from dpprof.cli.common import err, output_paths
+    from dpprof.watch.monitor import SpawnError
 
     try:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths = output_paths(output, f"watch-{stamp}")
         if load is not None:
-            if command:
-                raise UsageError("--load runs nothing: give either --load FILE or -- CMD")
-            run = load_run(load)
-            check_writable(paths)
-            written = write_reports(run, paths, quiet=True)
-            if not quiet:
-                err.print(_summary(run, written, load), markup=False, soft_wrap=True)
+            _report_loaded(load, command, paths, quiet)
             return
-        if not command:
-            raise UsageError("no command given: dpprof watch -- python train.py")
-        if not interval > 0:
-            raise UsageError(f"--interval {interval}: give a positive number of seconds")
-        if not kill_after >= 0:
-            raise UsageError(f"--kill-after {kill_after}: give seconds, 0 or more")
-        check_bounds({"--interval": interval, "--kill-after": kill_after})
-        nvml = libnvml.default_nvml()
-        status = nvml.status()
-        if not status.available:
-            hint = f"; {status.hint}" if status.hint else ""
-            raise UsageError(
-                f"cannot watch GPUs: NVML is not available ({status.reason}){hint}; "
-                "the command was not run"
-            )
-        devices, notes = select_devices(nvml, gpus)
-        check_writable(paths)
-        samples = _samples_path(paths)
-        cfg = WatchConfig(
-            command=list(command), samples_path=samples, interval_s=interval,
-            kill_after_s=kill_after, gpus=gpus,
-        )
-        if not quiet:
-            names = ", ".join(f"cuda:{d.cuda_index}" for d in devices)
-            err.print(
-                f"dpprof: watching {names} every {interval:g} s; samples: {samples}",
-                markup=False, soft_wrap=True,
-            )
-        outcome = Watcher(cfg, nvml, devices, notes=notes).run()
+        _check_watch_options(command, interval, kill_after)
+        outcome = _watch(list(command or []), paths, interval, kill_after, gpus, quiet)
     except KeyboardInterrupt:  # before the command started
         err.print("dpprof: interrupted")
         raise typer.Exit(code=130) from None
@@ -167,6 +135,76 @@ def watch_cmd(
         raise typer.Exit(code=e.exit_code) from None
     # The command ran: from here on dpprof exits with the command's status, whatever happens
     # to the reports (the samples file stays for `dpprof report`).
+    _write_watch_reports(outcome, paths, quiet, debug)
+    sys.stdout.flush()
+    raise typer.Exit(code=outcome.exit_status)
+
+
+def _report_loaded(load: Path, command: list[str] | None, paths: list[tuple[Path, str]],
+                   quiet: bool) -> None:
+    """``--load``: the reports of a samples file already written; nothing runs."""
+    from dpprof.cli.common import check_writable, err, write_reports
+    from dpprof.watch.analysis import load_run
+
+    if command:
+        raise UsageError("--load runs nothing: give either --load FILE or -- CMD")
+    run = load_run(load)
+    check_writable(paths)
+    written = write_reports(run, paths, quiet=True)
+    if not quiet:
+        err.print(_summary(run, written, load), markup=False, soft_wrap=True)
+
+
+def _check_watch_options(command: list[str] | None, interval: float, kill_after: float) -> None:
+    """One line naming the first option out of its range, before anything runs."""
+    from dpprof.cli.options import check_bounds
+
+    if not command:
+        raise UsageError("no command given: dpprof watch -- python train.py")
+    if not interval > 0:
+        raise UsageError(f"--interval {interval}: give a positive number of seconds")
+    if not kill_after >= 0:
+        raise UsageError(f"--kill-after {kill_after}: give seconds, 0 or more")
+    check_bounds({"--interval": interval, "--kill-after": kill_after})
+
+
+def _watch(command: list[str], paths: list[tuple[Path, str]], interval: float,
+           kill_after: float, gpus: str | None, quiet: bool) -> WatchOutcome:
+    """The command run under NVML's sampling, once NVML answers and the reports' place is
+    writable."""
+    from dpprof.cli.common import check_writable, err
+    from dpprof.watch.monitor import WatchConfig, Watcher, select_devices
+
+    nvml = libnvml.default_nvml()
+    status = nvml.status()
+    if not status.available:
+        hint = f"; {status.hint}" if status.hint else ""
+        raise UsageError(
+            f"cannot watch GPUs: NVML is not available ({status.reason}){hint}; "
+            "the command was not run"
+        )
+    devices, notes = select_devices(nvml, gpus)
+    check_writable(paths)
+    samples = _samples_path(paths)
+    cfg = WatchConfig(
+        command=command, samples_path=samples, interval_s=interval,
+        kill_after_s=kill_after, gpus=gpus,
+    )
+    if not quiet:
+        names = ", ".join(f"cuda:{d.cuda_index}" for d in devices)
+        err.print(
+            f"dpprof: watching {names} every {interval:g} s; samples: {samples}",
+            markup=False, soft_wrap=True,
+        )
+    return Watcher(cfg, nvml, devices, notes=notes).run()
+
+
+def _write_watch_reports(outcome: WatchOutcome, paths: list[tuple[Path, str]], quiet: bool,
+                         debug: bool) -> None:
+    """The reports of a command that ran, and dpprof's line after it; a failure here is
+    told in one line and never changes the command's exit status."""
+    from dpprof.cli.common import err, write_reports
+
     try:
         if outcome.run is None:
             raise DpprofError("; ".join(outcome.notes) or "no result")
@@ -190,5 +228,3 @@ def watch_cmd(
             f"are in {outcome.samples_path} (rerun dpprof report with --debug)",
             markup=False, soft_wrap=True,
         )
-    sys.stdout.flush()
-    raise typer.Exit(code=outcome.exit_status)

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dpprof.analysis.answers import post_mortem, watch_ending, watch_verdict
 from dpprof.analysis.comparison import compare_scenario
+from dpprof.analysis.post_mortem import post_mortem, watch_ending, watch_verdict
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
