@@ -263,7 +263,8 @@ def main() -> None:
             "method": f"run_compare, emulated, meta tensors, {GPUS} GPUs, --scenarios ddp "
                       "--no-fixes --ladder, once per card; batch: the smallest power of two "
                       f"(from {FIRST_ROWS_PER_GPU} rows per GPU) where ddp needs more than "
-                      f"{SMALL}; wall seconds in process, torch on one thread, cores shared",
+                      f"{SMALL}; wall seconds in process, each the least of {TIMED_RUNS} runs, "
+                      "torch on one thread, cores shared",
             "gpus": GPUS, "models": results, "table": lines,
         }
         (HERE / "ladder_zoo.json").write_text(json.dumps(out, indent=1) + "\n")
