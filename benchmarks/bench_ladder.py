@@ -38,7 +38,7 @@ GOAL = 2.0
 
 def compare(workload: str, batch: int, gpus: int, gpu: str, ladder: bool
             ) -> Callable[[], object]:
-    from dpprof.emulator.gpus import lookup_gpu
+    from dpprof.emulator.catalog import lookup_gpu
     from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.scenarios.step import StepConfig
 

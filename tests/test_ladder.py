@@ -172,6 +172,24 @@ def test_the_repeated_blocks_are_the_largest_module_list() -> None:
     assert repeated_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == []
 
 
+def test_a_cnns_repeated_blocks_are_its_residual_blocks_not_its_convolutions() -> None:
+    class Residual(nn.Module):  # a ResNet's BasicBlock: its Conv2d and BatchNorm2d repeat more
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+            self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x + self.bn2(self.conv2(self.bn1(self.conv1(x)).relu()))).relu()
+
+    # stages as plain Sequentials (more of them than blocks would be if the head were one)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(Residual(), Residual()),
+                          nn.Sequential(Residual(), Residual()),
+                          nn.Sequential(nn.Flatten(), nn.Linear(4, 2)))
+    assert [(n, type(m)) for n, m in repeated_blocks(model)] == [
+        ("1.0", Residual), ("1.1", Residual), ("2.0", Residual), ("2.1", Residual)]
+
+
 def test_a_checkpointed_model_computes_the_same_gradients() -> None:
     wl = load_workload(f"{FIDELITY}:attention_small")
     grads = []

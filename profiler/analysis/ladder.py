@@ -159,11 +159,26 @@ def rungs(compute_capability: tuple[int, int], blocks: bool) -> list[Rung]:
 # ---- the repeated blocks -------------------------------------------------------------------
 
 
+# torch.nn's own layers (and subclasses: timm's BatchNormAct2d, LayerNorm2d) are never the
+# block a user checkpoints: one layer saves its input either way, so checkpointing it alone
+# saves nothing. A CNN repeats its Conv2d more often than its residual blocks.
+LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.PReLU)
+# plain containers group blocks (a ResNet's stages, a ViT's encoder.layers and its head)
+# rather than being one; their subclasses (torchvision's MLPBlock) are blocks of their own
+CONTAINERS: tuple[type[nn.Module], ...] = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks a user would checkpoint, with their qualified names: the children of
     the model's largest ``nn.ModuleList`` (most children; two at least), else the
     outermost instances of the module type that holds parameters and repeats most (two at
-    least); empty when nothing repeats."""
+    least), leaving out torch.nn's own layers (:data:`LAYERS`) and plain containers
+    (:data:`CONTAINERS`); empty when nothing repeats."""
     lists = [(name, m) for name, m in model.named_modules()
              if isinstance(m, nn.ModuleList) and len(m) >= 2]
     if lists:
@@ -173,7 +188,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     kinds = Counter(type(m) for m in model.modules()
                     if m is not model and any(True for _ in m.parameters()))
     repeated = [k for k, n in kinds.most_common() if n >= 2
-                and not issubclass(k, (nn.Linear, nn.Embedding, nn.LayerNorm))]
+                and not issubclass(k, LAYERS) and k not in CONTAINERS]
     if not repeated:
         return []
     kind = repeated[0]
