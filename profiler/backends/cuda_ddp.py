@@ -16,7 +16,7 @@ through the c10d store and the NCCL abort watcher are :mod:`dpprof.backends.rank
   :func:`dpprof.backends.ranks.run_in_group`; on rank 0 every rank's :class:`Measured` (None
   elsewhere), a rank that raised or never reported as an error :class:`Measured`;
 - :func:`spawn_ddp` ``(job, world)``: dpprof starts the ranks itself
-  (:func:`dpprof.backends.ranks.spawn_ranks`), every rank's :class:`Measured`;
+  (:func:`dpprof.backends.ranks_spawn.spawn_ranks`), every rank's :class:`Measured`;
 - :class:`RankInfo`, :func:`torchrun_info`: from :mod:`dpprof.backends.ranks`.
 """
 
@@ -49,9 +49,9 @@ from dpprof.backends.ranks import (
     RankInfo,
     RankOutcome,
     run_in_group,
-    spawn_ranks,
     torchrun_info,
 )
+from dpprof.backends.ranks_spawn import spawn_ranks
 from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
 from dpprof.scenarios.base import DDP
