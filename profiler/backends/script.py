@@ -45,11 +45,12 @@ from dpprof.errors import Interrupted
 from dpprof.result import Fix, RunResult, new_result
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
 
-# ScriptConfig, parse_command and nothing_on_a_gpu live in modules of their own; the CLI,
-# the benchmarks and the tests import them from here with run_command
+# ScriptConfig, ScriptRun, parse_command and nothing_on_a_gpu live in modules of their own;
+# the CLI, the answers, the benchmarks and the tests import them from here with run_command
 __all__ = [
     "ALTERNATIVES",
     "ScriptConfig",
+    "ScriptRun",
     "nothing_on_a_gpu",
     "parse_command",
     "run_command",
