@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from dpprof.backends.cuda import DeviceOps, host, step_closure
+from dpprof.backends.cuda_host import DeviceOps, host
+from dpprof.backends.cuda_measure import step_closure
 from dpprof.errors import UsageError
 from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices

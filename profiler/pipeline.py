@@ -92,8 +92,8 @@ class CompareConfig:
 
 
 def visible_cuda_gpus() -> int:
-    """The CUDA GPUs the cuda backend's host sees (:func:`dpprof.backends.cuda.host`)."""
-    from dpprof.backends.cuda import host
+    """The CUDA GPUs the cuda backend's host sees (:func:`dpprof.backends.cuda_host.host`)."""
+    from dpprof.backends.cuda_host import host
 
     return host().visible_gpus()
 

@@ -161,7 +161,9 @@ def _alive_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
 def scenario(kind: str, workload: str, batch: int, amp: str | None = None) -> dict[str, Any]:
     import torch
 
-    from dpprof.backends.cuda import CudaRunConfig, measure_ddp_rank, run_local_scenario
+    from dpprof.backends.cuda import run_local_scenario
+    from dpprof.backends.cuda_ddp import measure_ddp_rank
+    from dpprof.backends.cuda_measure import CudaRunConfig
     from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import load_workload
 

@@ -264,14 +264,10 @@ def main() -> int:
     from torch import nn
 
     # imported first: a dry run (no GPU) still shows a name that moved
-    from dpprof.backends.cuda import (
-        CudaRunConfig,
-        ddp_scenario,
-        find_oom,
-        is_oom,
-        run_local_scenario,
-    )
-    from dpprof.backends.cuda_ddp import DdpJob, spawn_ddp
+    from dpprof.backends.cuda import run_local_scenario
+    from dpprof.backends.cuda_ddp import DdpJob, ddp_scenario, spawn_ddp
+    from dpprof.backends.cuda_measure import CudaRunConfig
+    from dpprof.backends.cuda_oom import find_oom, is_oom
     from dpprof.nvml import libnvml
     from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
     from dpprof.nvml.sampler import NvmlSampler
@@ -497,8 +493,9 @@ def main() -> int:
     def stale_peak_after_oom_in_warmup() -> None:
         # A scenario that runs out of memory in a warm-up step reports the allocator's peak
         # since the last reset_peak_memory_stats: nothing resets it between scenarios, so the
-        # previous scenario's peak comes back as this one's (cuda.py: _Run.loop resets at the
-        # first measured step only; _fail reads peaks_now()).
+        # previous scenario's peak comes back as this one's (cuda_measure.py: MeasuringLoop
+        # resets at its start and at the first measured step; record_failure reads
+        # peaks_now()).
         r_big = run_local_scenario("single", load_workload(f"{oomw}:big"), cfg(64, steps=2))
         big_peak = r_big.devices[0].peak_allocated_bytes
         r = run_local_scenario("dp-loss-primary", load_workload(f"{oomw}:greedy_all"),

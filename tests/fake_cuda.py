@@ -1,6 +1,6 @@
 """A machine with "GPUs" made of CPU tensors, for running the cuda backend's code without a GPU.
 
-:class:`CpuHost` implements :class:`dpprof.backends.cuda.CudaHost` (the interface through which
+:class:`CpuHost` implements :class:`dpprof.backends.cuda_host.CudaHost` (the interface through which
 the cuda backend asks the machine how many GPUs it sees, for the operations over the chosen
 ones and for the ``ddp`` ranks' process group): it claims ``gpus`` devices, runs every
 scenario on CPU tensors (:class:`CpuOps`: no allocator statistics, wall-clock timing) and
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dpprof.backends import cuda
-from dpprof.backends.cuda import CudaHost, DeviceOps
+from dpprof.backends import cuda_host
+from dpprof.backends.cuda_host import CudaHost, DeviceOps
 
 if TYPE_CHECKING:
     import pytest
@@ -148,7 +148,7 @@ def install(
     """Install a :class:`CpuHost` in this process and, with ``children``, in every process
     started from it (the environment of :func:`fakehost_env`; CPU ops only there)."""
     fake = CpuHost(gpus, ops)
-    monkeypatch.setattr(cuda, "HOST", fake)
+    monkeypatch.setattr(cuda_host, "HOST", fake)
     if children:
         for k, v in fakehost_env(gpus=gpus).items():
             monkeypatch.setenv(k, v)

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dpprof.analysis import maxbatch
-from dpprof.backends.cuda import CudaRunConfig
 from dpprof.backends.cuda_ddp import DdpJob
+from dpprof.backends.cuda_measure import CudaRunConfig
 from dpprof.backends.cuda_run import ddp_job, run_config
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.backends.gloo import RankSpec

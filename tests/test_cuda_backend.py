@@ -20,16 +20,10 @@ from fake_nvml import FakeDevice, FakeNvml
 from torch import nn
 
 import dpprof
-from dpprof.backends.cuda import (
-    CudaRunConfig,
-    Measured,
-    ddp_scenario,
-    find_oom,
-    is_oom,
-    measure_ddp_rank,
-    run_local_scenario,
-)
-from dpprof.backends.cuda_ddp import torchrun_info
+from dpprof.backends.cuda import run_local_scenario
+from dpprof.backends.cuda_ddp import ddp_scenario, measure_ddp_rank, torchrun_info
+from dpprof.backends.cuda_measure import CudaRunConfig, Measured
+from dpprof.backends.cuda_oom import find_oom, is_oom
 from dpprof.backends.cuda_run import select_devices
 from dpprof.errors import UsageError
 from dpprof.pipeline import CompareConfig, resolve_backend, run_compare

@@ -17,7 +17,7 @@ PY = sys.executable
 
 PROBE = """
 import json, sys
-from dpprof.backends.cuda import host
+from dpprof.backends.cuda_host import host
 from dpprof.nvml import libnvml
 from dpprof.cli import watch  # imports libnvml's names: the fake must already be there
 nvml = libnvml.default_nvml()

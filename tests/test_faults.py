@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from typer.testing import CliRunner
 
-from dpprof.backends.ranks import Group, RankInfo, RankOutcome, blame, spawn_ranks
+from dpprof.backends.ranks import Group, RankInfo, RankOutcome, blame
+from dpprof.backends.ranks_spawn import spawn_ranks
 from dpprof.cli.app import app
 
 runner = CliRunner()

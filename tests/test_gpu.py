@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 import dpprof
-from dpprof.backends.cuda import CudaRunConfig, find_oom, run_local_scenario
+from dpprof.backends.cuda import run_local_scenario
+from dpprof.backends.cuda_measure import CudaRunConfig
+from dpprof.backends.cuda_oom import find_oom
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 

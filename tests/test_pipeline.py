@@ -15,7 +15,7 @@ from fake_cuda import CpuOps
 from typer.testing import CliRunner
 
 from dpprof.analysis.attribution import CAUSES
-from dpprof.backends.cuda import DeviceOps
+from dpprof.backends.cuda_host import DeviceOps
 from dpprof.cli.app import app
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.reports import html, markdown, terminal

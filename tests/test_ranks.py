@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpprof.backends.ranks import Group, RankInfo, spawn_ranks, torchrun_info
+from dpprof.backends.ranks import Group, RankInfo, torchrun_info
+from dpprof.backends.ranks_spawn import spawn_ranks
 
 
 @dataclass

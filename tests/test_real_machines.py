@@ -23,13 +23,10 @@ from torch import nn
 
 import dpprof
 from dpprof.backends import cuda_run
-from dpprof.backends.cuda import (
-    CudaRunConfig,
-    Measured,
-    is_oom,
-    measure_ddp_rank,
-    run_local_scenario,
-)
+from dpprof.backends.cuda import run_local_scenario
+from dpprof.backends.cuda_ddp import measure_ddp_rank
+from dpprof.backends.cuda_measure import CudaRunConfig, Measured
+from dpprof.backends.cuda_oom import is_oom
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
 from dpprof.nvml.libnvml import RealNvml
 from dpprof.pipeline import CompareConfig, run_compare

@@ -396,12 +396,12 @@ def test_small_values_from_host_data_are_read_back_real(
 
 
 def test_a_library_branching_on_a_stand_in_is_named() -> None:
-    from dpprof.backends.script import _library_branches
+    from dpprof.backends.script_answers import library_branches
 
     lib = "/opt/py/site-packages"
     sites = {f"{lib}/transformers/masking_utils.py:292 (bool)": 3,
              "/home/me/train.py:40 (bool)": 1, f"{lib}/timm/layers.py:9 (item)": 2}
-    (note,) = _library_branches(sites, {lib})
+    (note,) = library_branches(sites, {lib})
     assert "transformers/masking_utils.py:292" in note
     assert "train.py" not in note and "timm" not in note
     assert "may take the other path" in note
@@ -443,8 +443,9 @@ def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
     import dataclasses
     import functools
 
-    from dpprof.backends.script import DDP_IN_PLACE, run_script
+    from dpprof.backends.script_runner import run_script
     from dpprof.emulator import script_parallel
+    from dpprof.emulator.script_parallel import DDP_IN_PLACE
 
     script = str(Path(__file__).parent / "scripts" / "dp_loss_outside.py")
     cfg = ScriptConfig(launch=parse_command(["python", script], 4), variant=DDP_IN_PLACE)

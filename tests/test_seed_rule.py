@@ -16,8 +16,9 @@ import torch
 from fake_cuda import CpuOps
 
 from dpprof.analysis.equivalence import check
-from dpprof.backends.cuda import CudaRunConfig, run_local_scenario
+from dpprof.backends.cuda import run_local_scenario
 from dpprof.backends.cuda_ddp import DdpJob, spawn_ddp
+from dpprof.backends.cuda_measure import CudaRunConfig
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankSpec, launch
 from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_batch
@@ -155,7 +156,7 @@ def test_the_cuda_loop_holds_one_host_batch_at_a_time() -> None:
     the previous one go: a run of many steps holds one host batch, not one per step."""
     import weakref
 
-    from dpprof.backends.cuda import StepBatches
+    from dpprof.backends.cuda_measure import StepBatches
 
     wl = load_workload(SPEC)
     made: list[weakref.ref[torch.Tensor]] = []

@@ -273,7 +273,7 @@ def test_timeline_points_keep_the_first_maximum_of_each_equal_slice(n_events: in
     slices finds them; ties are frequent here (sizes from a small set)."""
     import random
 
-    from dpprof.backends.emulated import TIMELINE_POINTS, timeline_points
+    from dpprof.backends.emulated_figures import TIMELINE_POINTS, timeline_points
     from dpprof.emulator.vdevice import PhaseMark
 
     rng = random.Random(n_events)

@@ -1,5 +1,8 @@
 """The ``cuda`` backend's ``ddp`` ranks: the per-rank body over :mod:`dpprof.backends.ranks`.
 
+What one rank measures (:func:`measure_ddp_rank`) and the ``ddp`` result from every rank's
+measurement (:func:`ddp_scenario`) are here too.
+
 The processes (spawn or torchrun), the process group, the timeouts, the failure reporting
 through the c10d store and the NCCL abort watcher are :mod:`dpprof.backends.ranks`, shared with the
 ``cpu`` backend (:mod:`dpprof.backends.gloo`). Here:
@@ -8,34 +11,63 @@ through the c10d store and the NCCL abort watcher are :mod:`dpprof.backends.rank
   step's options, DDP's and the dtype among them, ``backend`` ``"nccl"`` | ``"gloo"``,
   ``device`` ``"cuda"`` | ``"cpu"``, collective timeout, run id);
   it is the picklable body: called in a rank, it measures that rank's device
-  (:func:`dpprof.backends.cuda.measure_ddp_rank`, CUDA events, NVML, OOM as a result);
+  (:func:`measure_ddp_rank`, CUDA events, NVML, OOM as a result);
 - :func:`rank_entry` ``(job, info, store=None)``: one rank through
   :func:`dpprof.backends.ranks.run_in_group`; on rank 0 every rank's :class:`Measured` (None
   elsewhere), a rank that raised or never reported as an error :class:`Measured`;
 - :func:`spawn_ddp` ``(job, world)``: dpprof starts the ranks itself
-  (:func:`dpprof.backends.ranks.spawn_ranks`), every rank's :class:`Measured`;
+  (:func:`dpprof.backends.ranks_spawn.spawn_ranks`), every rank's :class:`Measured`;
 - :class:`RankInfo`, :func:`torchrun_info`: from :mod:`dpprof.backends.ranks`.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import socket
+import statistics
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpprof.backends.cuda import CudaRunConfig, Measured, measure_ddp_rank
+from dpprof.backends.cuda_host import DeviceOps, host
+from dpprof.backends.cuda_measure import (
+    CudaRunConfig,
+    Measured,
+    MeasuringLoop,
+    StepBatches,
+    finish_result,
+    make_optimizer,
+    model_on_device,
+    record_failure,
+    watch_for,
+)
 from dpprof.backends.ranks import (
     DEFAULT_TIMEOUT_S,
     Group,
     RankInfo,
     RankOutcome,
     run_in_group,
-    spawn_ranks,
     torchrun_info,
 )
-from dpprof.result import STATUS_ERROR, STATUS_OK
+from dpprof.backends.ranks_spawn import spawn_ranks
+from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
+from dpprof.scenarios.base import DDP
+from dpprof.scenarios.step import scenario_batch
+from dpprof.scenarios.workloads import Workload
+from dpprof.units import fmt_bytes
 
-__all__ = ["DdpJob", "RankInfo", "rank_entry", "spawn_ddp", "torchrun_info"]
+__all__ = [
+    "DdpJob",
+    "RankInfo",
+    "ddp_scenario",
+    "measure_ddp_rank",
+    "rank_entry",
+    "spawn_ddp",
+    "torchrun_info",
+]
 
 
 @dataclass
@@ -93,3 +125,126 @@ def rank_entry(job: DdpJob, info: RankInfo, store: Any = None) -> list[Measured]
 def spawn_ddp(job: DdpJob, world: int) -> list[Measured]:
     """Start ``world`` ranks, wait for them (bounded), return every rank's outcome."""
     return [_measured(o) for o in spawn_ranks(job.group(), job, world)]
+
+
+def measure_ddp_rank(
+    wl: Workload,
+    cfg: CudaRunConfig,
+    rank: int,
+    world: int,
+    local_device: int,
+    ops: DeviceOps | None = None,
+    nvml: NvmlBackend | None = None,
+    cuda_uuids: Sequence[str] | None = None,
+    visible: Sequence[int] | None = None,
+) -> Measured:
+    """Measure this rank's device under ``DistributedDataParallel`` (process group set up).
+
+    The caller (:mod:`dpprof.backends.ranks`) has called ``torch.cuda.set_device(local_device)``
+    and ``init_process_group``. ``visible``: the CUDA indices to watch for stray contexts of
+    this process (default: every visible GPU). DDP's options are ``cfg.step.ddp``. Never
+    raises.
+    """
+    ops = ops or host().ops([local_device])
+    out = Measured(rank=rank)
+    pid = os.getpid()
+    watch = watch_for(ops, cfg, nvml, cuda_uuids, [pid])
+    run: MeasuringLoop | None = None
+    per = math.ceil(cfg.step.batch / world)
+    def body() -> None:  # its frame holds the tensors: gone with the exception
+        nonlocal run
+        run = MeasuringLoop(ops, cfg, [0], watch)
+        batches = StepBatches(
+            lambda k: scenario_batch(wl, cfg.step.seed, k, cfg.step.batch, world, rank),
+            cfg.warmup_steps + cfg.steps)
+        model, loss_fn = model_on_device(wl, ops.device(0), cfg.step.seed)
+        model.train()
+        ids = [local_device] if ops.kind == "cuda" else None
+        wrapped = cfg.step.ddp.wrap(model, ids)
+        opt = make_optimizer(wl, model, loss_fn)
+        out.rows = per
+        run.loop(wrapped, loss_fn, opt, batches, False, out, wl.step)
+        run.fold_phases()
+
+    try:
+        with watch:
+            body()
+    except Exception as exc:
+        record_failure(out, exc, run, cfg)
+        if out.status == STATUS_OOM:
+            out.oom_device = rank
+    ops.release()
+    dev = run.device_result(0, per, True) if run else DeviceResult(index=0)
+    dev.index = rank
+    dev.rank = rank
+    dev.cuda_index = local_device if ops.kind == "cuda" else None
+    dev.node = socket.gethostname()
+    watch.fill(dev, local_device)
+    out.devices = [dev]
+    strays = {
+        cuda: used
+        for cuda, used in watch.contexts_of(pid).items()
+        if cuda != local_device and (visible is None or cuda in visible)
+    }
+    for cuda, used in sorted(strays.items()):
+        out.stray_contexts.append(
+            {"rank": rank, "pid": pid, "cuda_index": cuda, "used_bytes": used}
+        )
+        out.notes.append(
+            f"rank {rank} (pid {pid}) holds a CUDA context on cuda:{cuda}"
+            + (f" ({fmt_bytes(used)})" if used else "")
+            + f", not only on its own cuda:{local_device}: call torch.cuda.set_device("
+            "local_rank) before anything touches CUDA"
+        )
+    out.notes.extend(watch.notes([local_device] if out.step_times_s else []))
+    return out
+
+
+def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -> ScenarioResult:
+    """The ``ddp`` result from every rank's :class:`Measured` (rank order)."""
+    result = ScenarioResult(name=DDP, batch=cfg.step.batch)
+    merged = Measured()
+    failed = [o for o in outcomes if o.status != STATUS_OK]
+    first = next(
+        (o for o in failed if o.first_failure),
+        next((o for o in failed if o.status == STATUS_OOM), failed[0] if failed else None),
+    )
+    for o in sorted(outcomes, key=lambda o: o.rank or 0):
+        result.devices.extend(o.devices)
+        result.stray_contexts.extend(o.stray_contexts)
+        for note in o.notes:
+            if note not in result.notes:
+                result.notes.append(note)
+    ok = [o for o in outcomes if o.step_times_s]
+    if ok and not failed:
+        # a DDP step ends when the slowest rank's does: median over steps of the max over ranks
+        steps = min(len(o.step_times_s) for o in ok)
+        merged.step_times_s = [max(o.step_times_s[k] for o in ok) for k in range(steps)]
+        events = [o for o in ok if o.event_times_s]
+        if events:
+            n_ev = min(len(o.event_times_s) for o in events)
+            merged.event_times_s = [max(o.event_times_s[k] for o in events) for k in range(n_ev)]
+        losses = [o.loss for o in ok if o.loss is not None]
+        merged.loss = statistics.fmean(losses) if losses else None
+    if first is not None:
+        merged.status = first.status
+        merged.message = f"rank {first.rank}: {first.message}"
+        merged.oom_device = first.oom_device
+        merged.oom_bytes = first.oom_bytes
+        merged.oom_phase = first.oom_phase
+        merged.traceback = first.traceback
+        others = [o for o in failed if o is not first]
+        if others:
+            merged.notes.append(
+                "then: " + "; ".join(f"rank {o.rank}: {o.message[:160]}" for o in others)
+            )
+    finish_result(result, merged, cfg, cfg.step.batch)  # DistributedSampler's pad rows repeat
+    if first is not None and first.traceback:
+        result.traceback = first.traceback
+    batch = cfg.step.batch
+    if batch % world:
+        result.notes.append(
+            f"each rank gets ceil({batch} / {world}) = {math.ceil(batch / world)} rows "
+            "(DistributedSampler pads)"
+        )
+    return result

@@ -9,7 +9,7 @@
   (one device row per rank, with its node).
 
 What the machine offers (visible GPUs, device operations, the ranks' process group) comes
-from :func:`dpprof.backends.cuda.host`.
+from :func:`dpprof.backends.cuda_host.host`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from dpprof.backends.cuda import (
-    ASSUMPTIONS,
-    CudaRunConfig,
-    DeviceOps,
-    ddp_scenario,
-    host,
-    run_local_scenario,
-)
-from dpprof.backends.cuda_ddp import DdpJob, RankInfo, rank_entry, spawn_ddp
+from dpprof.backends.cuda import ASSUMPTIONS, run_local_scenario
+from dpprof.backends.cuda_ddp import DdpJob, RankInfo, ddp_scenario, rank_entry, spawn_ddp
+from dpprof.backends.cuda_host import DeviceOps, host
+from dpprof.backends.cuda_measure import CudaRunConfig
 from dpprof.errors import UsageError
 from dpprof.result import RunResult, ScenarioResult
 from dpprof.scenarios.base import loop_description

@@ -24,8 +24,8 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
 * :class:`CpuRanks` — the picklable body :mod:`dpprof.backends.ranks` runs in each rank:
   :func:`run_rank` for each spec in turn.
 * :func:`launch(spec, world_size)` / :func:`launch_many(specs, world_size)` — dpprof starts
-  the ranks itself (:func:`dpprof.backends.ranks.spawn_ranks`); returns the results by rank, or
-  raises :class:`DistributedRunError` carrying every failed rank's traceback.
+  the ranks itself (:func:`dpprof.backends.ranks_spawn.spawn_ranks`); returns the results
+  by rank, or raises :class:`DistributedRunError` carrying every failed rank's traceback.
 * :func:`torchrun_main(spec)` — under ``torchrun``: :func:`dpprof.backends.ranks.run_in_group`
   from the environment; rank 0 returns every rank's :class:`RankResult` (or raises
   :class:`DistributedRunError`), other ranks return ``None``.
@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +64,12 @@ from dpprof.backends.ranks import (
     RankOutcome,
     free_port,
     run_in_group,
-    spawn_ranks,
     torchrun_info,
     torchrun_run_id,
 )
+from dpprof.backends.ranks_spawn import spawn_ranks
 from dpprof.scenarios.step import StepConfig
-from dpprof.scenarios.workloads import map_tensors
+from dpprof.scenarios.workloads import Workload, map_tensors
 
 STEP_MARK = "dpprof::measured_step"  # record_function around the measured iteration
 
@@ -143,11 +143,9 @@ class DistributedRunError(RuntimeError):
 def run_rank(spec: RankSpec, rank: int, world_size: int,
              local_rank: int | None = None) -> RankResult:
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
-    import copy
-
     from dpprof.emulator.kernels import CudaAutocastNames, StepAutocast
     from dpprof.scenarios.base import StepHooks, training_loop
-    from dpprof.scenarios.step import build_model, scenario_batch, step_stream
+    from dpprof.scenarios.step import scenario_batch, step_stream
     from dpprof.scenarios.workloads import load_workload
 
     step = spec.step
@@ -162,24 +160,10 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         start_profiler(prof)  # without libkineto's start/stop lines on stderr
     try:
-        # As the emulator: the model built on the host, then moved to the rank's device.
-        model = build_model(wl, step.seed).to(device)
-        if wl.dtype != torch.float32:
-            model.to(wl.dtype)
-        loss_fn = wl.loss
-        if isinstance(loss_fn, torch.nn.Module):
-            loss_fn = copy.deepcopy(loss_fn).to(device)
-            if wl.dtype != torch.float32:
-                loss_fn.to(wl.dtype)
+        model, loss_fn = _model_on_device(wl, device, step.seed)
         ddp = model if spec.wrap == "none" else step.ddp.wrap(
             model, [device.index] if device.type == "cuda" else None)
-        params = list(model.parameters())
-        if isinstance(loss_fn, torch.nn.Module):
-            params += list(loss_fn.parameters())
-        opt = wl.optimizer(params)
-        for group in opt.param_groups:
-            if group.get("foreach") is None and not group.get("fused"):
-                group["foreach"] = True  # as on CUDA, and as the emulator
+        opt = _foreach_optimizer(wl, model, loss_fn)
         model.train()
         # --amp: forward and loss
         amp = StepAutocast(step.amp, device.type, native=spec.autocast == "native")
@@ -192,21 +176,7 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
             # On the CPU the host-to-device copy a GPU run makes is a copy too.
             return map_tensors(x, lambda t: t.clone() if device.type == "cpu" else t.to(device))
 
-        @contextlib.contextmanager
-        def iteration(k: int, measured: bool) -> Iterator[None]:
-            if not measured:
-                yield
-                return
-            if spec.memory == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            with torch.profiler.record_function(STEP_MARK):
-                yield
-            if spec.device == "cuda":
-                torch.cuda.synchronize(device)
-            result.step_time_s = time.perf_counter() - t0
-
+        iteration = _timed_iteration(spec, device, result)
         # the workload's own torch.autocast("cuda"), as the emulated scenarios run it
         names = CudaAutocastNames() if device.type != "cuda" else contextlib.nullcontext()
         with amp, names, step_stream(step.seed):
@@ -232,6 +202,62 @@ def run_rank(spec: RankSpec, rank: int, world_size: int,
         if span is not None:
             _profiler_figures(result, allocations(prof), *span)
     return result
+
+
+def _model_on_device(wl: Workload, device: torch.device,
+                     seed: int) -> tuple[torch.nn.Module, Any]:
+    """As the emulator: the model built on the host, then moved to the rank's device (and
+    the loss module, if the loss is one), in the workload's dtype."""
+    import copy
+
+    from dpprof.scenarios.step import build_model
+
+    model = build_model(wl, seed).to(device)
+    if wl.dtype != torch.float32:
+        model.to(wl.dtype)
+    loss_fn = wl.loss
+    if isinstance(loss_fn, torch.nn.Module):
+        loss_fn = copy.deepcopy(loss_fn).to(device)
+        if wl.dtype != torch.float32:
+            loss_fn.to(wl.dtype)
+    return model, loss_fn
+
+
+def _foreach_optimizer(wl: Workload, model: torch.nn.Module,
+                       loss_fn: Any) -> torch.optim.Optimizer:
+    """The workload's optimizer over the model's (and the loss module's) parameters, with
+    the foreach implementation, as on CUDA and as the emulator."""
+    params = list(model.parameters())
+    if isinstance(loss_fn, torch.nn.Module):
+        params += list(loss_fn.parameters())
+    opt = wl.optimizer(params)
+    for group in opt.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True  # as on CUDA, and as the emulator
+    return opt
+
+
+def _timed_iteration(spec: RankSpec, device: torch.device, result: RankResult
+                     ) -> Callable[[int, bool], contextlib.AbstractContextManager[None]]:
+    """The loop's ``iteration`` hook: the measured step timed (and marked for the
+    profiler), the allocator's peaks reset at its start where they are read."""
+
+    @contextlib.contextmanager
+    def iteration(k: int, measured: bool) -> Iterator[None]:
+        if not measured:
+            yield
+            return
+        if spec.memory == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(STEP_MARK):
+            yield
+        if spec.device == "cuda":
+            torch.cuda.synchronize(device)
+        result.step_time_s = time.perf_counter() - t0
+
+    return iteration
 
 
 def _profiler_figures(result: RankResult, events: list[Alloc], t0: int, t1: int) -> None:

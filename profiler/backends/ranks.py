@@ -17,8 +17,9 @@ backend's CUDA/NVML-measured :class:`dpprof.backends.cuda_ddp.DdpJob`). Interfac
   (cuda), ``init_process_group`` (the given store, or ``env://`` under torchrun), the body,
   and on rank 0 every rank's :class:`RankOutcome` in rank order (None elsewhere): through
   ``gather_object`` when every rank succeeded, through the c10d store otherwise;
-- :func:`spawn_ranks` ``(group, body, world)``: dpprof starts the ranks itself (``spawn``,
-  a ``TCPStore`` on a free port of 127.0.0.1 in the parent) and returns rank 0's list;
+- :func:`dpprof.backends.ranks_spawn.spawn_ranks` ``(group, body, world)``: dpprof starts
+  the ranks itself (``spawn``, a ``TCPStore`` on a free port of 127.0.0.1 in the parent)
+  and returns rank 0's list;
 - :func:`torchrun_info`, :func:`torchrun_run_id`: the rank torchrun started this process
   as; :func:`free_port`.
 
@@ -39,10 +40,8 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import inspect
-import multiprocessing as mp
 import os
 import pickle
-import signal
 import socket
 import threading
 import time
@@ -57,6 +56,8 @@ import torch.distributed as dist
 from dpprof.scenarios.base import error_site
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "POLL_S",
     "Group",
     "RankBody",
     "RankInfo",
@@ -66,13 +67,12 @@ __all__ = [
     "free_port",
     "is_peer_error",
     "run_in_group",
-    "spawn_ranks",
     "torchrun_info",
     "torchrun_run_id",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
-_POLL_S = 0.1
+POLL_S = 0.1  # seconds between two looks at the store or the ranks
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class StoreWatcher:
         return self
 
     def _run(self) -> None:
-        while not self.done.wait(_POLL_S):
+        while not self.done.wait(POLL_S):
             try:
                 failed = self.store.check([self.key])
             except Exception:
@@ -217,7 +217,7 @@ class StoreWatcher:
         dies of SIGABRT ("terminate called without an active exception")."""
         self.done.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=_POLL_S * 50)
+            self.thread.join(timeout=POLL_S * 50)
 
 
 def _abort() -> None:
@@ -342,7 +342,7 @@ def _wait_joined(store: Any, prefix: str, world: int, timeout_s: float) -> None:
     """Wait (bounded) until every rank has finished joining the process group."""
     deadline = time.monotonic() + timeout_s
     while int(store.add(f"{prefix}/joined", 0)) < world and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
 
 
 def _all_ok(store: Any, prefix: str, world: int, timeout_s: float) -> bool:
@@ -354,7 +354,7 @@ def _all_ok(store: Any, prefix: str, world: int, timeout_s: float) -> bool:
             return False
         if store.check(keys):
             return all(store.get(k).decode() == "ok" for k in keys)
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return False
 
 
@@ -364,7 +364,7 @@ def _collect(store: Any, prefix: str, world: int, timeout_s: float) -> list[Rank
     for r in range(world):
         key = f"{prefix}/outcome/{r}"
         while not store.check([key]) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         if store.check([key]):
             out.append(pickle.loads(store.get(key)))
         else:
@@ -411,172 +411,3 @@ def blame(outcomes: list[RankOutcome]) -> list[RankOutcome]:
             or (silent[0] if silent else None) or (first[0] if first else failed[0]))
     pick.first_failure = True
     return outcomes
-
-
-# --------------------------------------------------------------------------- spawn mode
-
-
-def _spawned_rank(group: Group, body: RankBody, rank: int, world: int, port: int,
-                  queue: Any) -> None:
-    """A process started by :func:`spawn_ranks`."""
-    _exit_with_parent()
-    # what torchrun would set: workloads may read them
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
-    try:
-        timeout = _dt.timedelta(seconds=group.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timeout)
-        watch_store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timeout)
-        result = run_in_group(group, body, RankInfo(rank, world, rank), store, watch_store)
-        if rank == 0:
-            queue.put(("ok", pickle.dumps(result)))
-    except BaseException as exc:
-        if rank == 0:
-            queue.put(("error", f"{type(exc).__name__}: {exc}{error_site(exc)}\n"
-                                f"{traceback.format_exc()}"))
-        raise
-
-
-def _exit_with_parent() -> None:
-    """End this rank when the process that spawned it is gone (killed with SIGKILL, say):
-    a rank never outlives dpprof. SIGTERM (what dpprof sends) ends it at once, silently."""
-    parent = os.getppid()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="dpprof-parent-watch", daemon=True).start()
-
-
-@contextlib.contextmanager
-def _children_ignore_sigint() -> Any:
-    """Start processes with SIGINT ignored (they inherit it): Ctrl-C reaches the whole
-    process group, and only dpprof should answer it (one line, then it ends the ranks)."""
-    try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: nothing to change
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def spawn_ranks(group: Group, body: RankBody, world: int) -> list[RankOutcome]:
-    """Start ``world`` ranks, wait for them (bounded), return every rank's outcome."""
-    from queue import Empty
-
-    if world < 1:
-        raise ValueError("world must be at least 1")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world + 1, True, timeout=_dt.timedelta(seconds=group.timeout_s),
-        wait_for_workers=False,
-    )
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_spawned_rank, args=(group, body, r, world, store.port, queue),
-                    name=f"dpprof-ddp-rank{r}", daemon=True)
-        for r in range(world)
-    ]
-    with _children_ignore_sigint():
-        for p in procs:
-            p.start()
-    prefix = f"dpprof/{group.run_id}"
-    limit = group.join_timeout_s
-    if limit is None:
-        limit = 3 * group.timeout_s + 60
-    deadline = time.monotonic() + limit
-    result: list[RankOutcome] | None = None
-    error: str | None = None
-    reported_dead: set[int] = set()
-    rank0_failure: str | None = None
-    interrupted = False
-    try:
-        while time.monotonic() < deadline:
-            try:
-                kind, payload = queue.get(timeout=_POLL_S * 2)
-            except Empty:
-                pass
-            else:
-                if kind == "ok":
-                    result = pickle.loads(payload)
-                else:  # rank 0 raised outside its body (setting up the group, say)
-                    error = rank0_failure = str(payload)
-                break
-            for r, p in enumerate(procs):
-                if (p.exitcode is not None and r not in reported_dead
-                        and not store.check([f"{prefix}/status/{r}"])):
-                    reported_dead.add(r)  # died, or exited, before it reported
-                    _report_dead(store, prefix, r, p.exitcode)
-            if procs[0].exitcode is not None and queue.empty():
-                time.sleep(0.5)  # rank 0's last message may still be in the pipe
-                if queue.empty():
-                    error = f"rank 0 exited with code {procs[0].exitcode} without a result"
-                    break
-        else:
-            error = f"the DDP ranks did not finish within {limit:.0f} s"
-    except BaseException:  # Ctrl-C, SIGTERM: end the ranks now, then unwind
-        interrupted = True
-        raise
-    finally:
-        for p in procs:
-            if not interrupted:
-                p.join(timeout=10 if result is not None else 2)
-        if result is None and not interrupted:  # a rank that died is the news, before we
-            for r, p in enumerate(procs):       # end the ones still running
-                if (p.exitcode is not None and r not in reported_dead
-                        and not store.check([f"{prefix}/status/{r}"])
-                        and not (r == 0 and rank0_failure)):
-                    reported_dead.add(r)
-                    _report_dead(store, prefix, r, p.exitcode)
-        # every rank ended at once: one left running while another is joined would see
-        # its peer gone, and gloo would print its connect errors on the user's terminal
-        running = [p for p in procs if p.is_alive()]
-        for p in running:
-            p.terminate()
-        for p in running:
-            p.join(5)
-            if p.is_alive():  # pragma: no cover - a rank that ignores SIGTERM
-                p.kill()
-                p.join(5)
-        queue.close()
-    if result is not None:
-        return blame(result)
-    outcomes = []
-    why = (error or "no result").strip().splitlines()[0]
-    for r in range(world):
-        key = f"{prefix}/outcome/{r}"
-        if store.check([key]):
-            outcomes.append(pickle.loads(store.get(key)))
-        elif r == 0 and rank0_failure:
-            outcomes.append(RankOutcome(rank=0, ok=False, message=why, traceback=rank0_failure))
-        elif rank0_failure:
-            outcomes.append(RankOutcome(rank=r, ok=False, message=(
-                f"rank {r} did not report (rank 0 failed: {why[:200]})")))
-        else:
-            outcomes.append(RankOutcome(rank=r, ok=False, message=why))
-    return blame(outcomes)
-
-
-def _report_dead(store: Any, prefix: str, rank: int, code: int | None) -> None:
-    """Speak for a rank that died silently, so the others stop waiting for it."""
-    if store.check([f"{prefix}/outcome/{rank}"]):
-        return
-    if code is not None and code < 0:
-        try:
-            how = f"died of {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"died of signal {-code}"
-    else:
-        how = f"exited with code {code} before it reported"
-    dead = RankOutcome(rank=rank, ok=False, message=f"rank {rank} {how}")
-    store.set(f"{prefix}/outcome/{rank}", pickle.dumps(dead))
-    store.set(f"{prefix}/status/{rank}", "error")
-    store.add(f"{prefix}/nfailed", 1)
-    store.set(f"{prefix}/failed", str(rank))

@@ -7,7 +7,7 @@ starts and in every Python process that inherits the environment: DDP ranks star
 ``multiprocessing`` (spawn), torchrun's workers, the command under ``dpprof watch``. What it
 installs is read from ``DPPROF_FAKEHOST`` (comma-separated):
 
-- ``gpus=N``: :class:`fake_cuda.CpuHost` as ``dpprof.backends.cuda.HOST``: N GPUs of CPU
+- ``gpus=N``: :class:`fake_cuda.CpuHost` as ``dpprof.backends.cuda_host.HOST``: N GPUs of CPU
   tensors, ``ddp`` ranks over gloo (the cuda backend's code without a GPU);
 - ``nvml=NAME``: ``watch_fakes.NAME()`` as what ``dpprof.nvml.libnvml.default_nvml()`` returns
   (one instance per process, made on the first call).
@@ -121,7 +121,7 @@ def _main() -> None:
     settings = _settings()
     hooks: dict[str, Callable[[ModuleType], None]] = {}
     if "gpus" in settings:
-        hooks["dpprof.backends.cuda"] = _install_host
+        hooks["dpprof.backends.cuda_host"] = _install_host
     if "nvml" in settings:
         hooks["dpprof.nvml.libnvml"] = _install_nvml
     if hooks:

@@ -114,7 +114,7 @@ def per_row_bytes(d: DeviceResult, categories: tuple[str, ...]) -> float:
 
 
 class BalancedSplits:
-    """The balanced split's search, as :class:`~dpprof.backends.emulated.FurtherSplits`:
+    """The balanced split's search, as :class:`~dpprof.backends.emulated_alongside.FurtherSplits`:
     fed ``dp-loss-primary``'s figures, then each split's, it names the next split to
     measure; :attr:`result` is the answer once :attr:`finished`.
 

@@ -1,0 +1,178 @@
+"""The figures an emulated scenario reports, read off its virtual devices: each device's
+peaks and categories (:func:`device_result`, :func:`device_results`, every DDP rank alike:
+:func:`ddp_ranks`), its timeline (:func:`timeline_points`, a mirror's:
+:func:`shift_timeline`), and the verdict against the GPU's memory (:func:`judge`)."""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from dpprof.backends.emulated_config import EmulationConfig
+from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices
+from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
+from dpprof.scenarios.kind import Scenario
+from dpprof.units import fmt_bytes
+
+__all__ = [
+    "TIMELINE_POINTS",
+    "ddp_ranks",
+    "device_result",
+    "device_results",
+    "judge",
+    "placed_devices",
+    "shift_timeline",
+    "stand_in_note",
+    "timeline_points",
+]
+
+TIMELINE_POINTS = 400  # points kept per device and scenario (maxima of equal slices)
+
+
+def judge(result: ScenarioResult, cfg: EmulationConfig) -> None:
+    """Status "oom" (the first device over the GPU's memory) or "ok"."""
+    # total_peak_bytes: allocated, or reserved + context where they were counted.
+    over = [d for d in result.devices if d.total_peak_bytes > cfg.gpu_memory_bytes]
+    if over:
+        worst = over[0]
+        result.status = STATUS_OOM
+        result.oom_device = worst.index
+        result.oom_bytes = worst.total_peak_bytes
+        result.message = (
+            f"out of memory on cuda:{worst.index}: needs {fmt_bytes(worst.total_peak_bytes)}"
+            f" at its peak ({worst.peak_phase}), has {fmt_bytes(cfg.gpu_memory_bytes)}"
+        )
+    else:
+        result.status = STATUS_OK
+
+
+def placed_devices(rt: VirtualDevices) -> list[int]:
+    """The devices the model used: cuda:0, and any other it placed layers on itself."""
+    return [0] + [i for i in range(1, rt.num_devices) if rt.counters[i].peak_allocated > 0]
+
+
+def stand_in_note(rt: CudaDevices) -> str:
+    """The values read from emulated tensors (``.item()`` & co.) and where."""
+    st = rt.stand_ins
+    kinds = ", ".join(f"{k} x{v}" for k, v in sorted(st.counts.items()))
+    sites = "; ".join(f"{s} x{c}" for s, c in list(st.sites.items())[:3])
+    return (f"{st.total} value(s) read from emulated tensors answered with stand-ins "
+            f"({kinds}: {STAND_INS}): {sites}")
+
+
+def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, used: bool,
+                  batch_rows: int, timeline: list[TimelinePoint]) -> DeviceResult:
+    """Virtual device ``i``'s figures (its peaks, the categories at its peak moment, the
+    phase of the peak), reported as ``index``."""
+    c = rt.counters[i]
+    snap = rt.peak_snapshot(i)
+    return DeviceResult(
+        index=index,
+        peak_allocated_bytes=c.peak_allocated,
+        peak_requested_bytes=c.peak_requested,
+        capacity_bytes=capacity_bytes,
+        breakdown_bytes={k: v for k, v in sorted(snap.by_category.items()) if v},
+        peak_phase=c.peak_phase,
+        used=used,
+        batch_rows=batch_rows,
+        timeline=timeline,
+    )
+
+
+def ddp_ranks(template: DeviceResult, world: int) -> list[DeviceResult]:
+    """Every DDP rank runs the same program on as many rows: ``template`` (rank 0's device)
+    stands for all ``world`` ranks."""
+    return [DeviceResult(**{**template.__dict__, "index": r, "rank": r, "used": True,
+                            "timeline": list(template.timeline)})
+            for r in range(world)]
+
+
+def device_results(
+    rt: VirtualDevices, cfg: EmulationConfig, kind: Scenario | None, shards: list[int],
+    used: list[int], measure_start: int, sources: dict[int, int],
+) -> list[DeviceResult]:
+    """Each device's figures; a mirror's (:meth:`VirtualDevices.mirror_shift`) are its
+    device's and every DDP rank's are rank 0's, noted in ``sources`` (the device shown ->
+    the one whose event sequence it is)."""
+    assert kind is not None
+    # DDP: rank 0's device stands for every rank; single: the GPUs a model-parallel model
+    # placed itself on, else one; DataParallel: every GPU
+    shown = kind.shown_devices(rt.num_devices, used)
+    out: list[DeviceResult] = []
+    for i in range(shown):
+        rows = kind.rows_of(shards, i)
+        of = rt.mirrored_device(i)
+        shift = None if of is None or of > i else rt.mirror_shift(i, of)
+        if shift is not None:  # a mirror: its device's figures, the timeline shifted
+            assert of is not None
+            sources[i] = of
+            src = out[of]
+            out.append(DeviceResult(**{
+                **src.__dict__, "index": i, "used": i in used, "batch_rows": rows,
+                "timeline": shift_timeline(rt, src.timeline, shift, measure_start)}))
+            continue
+        out.append(device_result(rt, i, i, cfg.gpu_memory_bytes, i in used, rows,
+                                 [] if cfg.peaks_only else timeline_points(rt, i, measure_start)))
+    if kind.ranks_alike:
+        sources.update(dict.fromkeys(range(cfg.gpus), 0))
+        return ddp_ranks(out[0], cfg.gpus)
+    return out
+
+
+
+def shift_timeline(rt: VirtualDevices, points: list[TimelinePoint], shift: int,
+                   start: int) -> list[TimelinePoint]:
+    """A mirror's timeline from its device's (:meth:`VirtualDevices.mirror_shift`): every
+    point but the window's first ``shift`` events later, each labelled with its own
+    phase (a phase may begin between an event and its mirror's)."""
+    marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+    firsts = [idx for idx, _ in marks]
+    names = ["", *(name for _, name in marks)]
+    out = points[:1]
+    for p in points[1:]:
+        t = p.t + shift
+        out.append(TimelinePoint(t, p.allocated_bytes,
+                                 names[bisect.bisect_right(firsts, start + int(t))],
+                                 p.used_bytes))
+    return out
+
+
+def timeline_points(rt: VirtualDevices, index: int, start: int, *,
+                    phase_before_start: bool = False) -> list[TimelinePoint]:
+    """Device ``index``'s live bytes from event ``start`` on, each point labelled with its
+    phase, kept to at most :data:`TIMELINE_POINTS` (the maximum of each equal slice).
+
+    ``phase_before_start``: a point before the window's first phase mark carries the phase
+    begun before the window (``dpprof run``, whose window starts mid-phase); otherwise it
+    is unlabelled (``compare``, whose window starts at a phase mark).
+    """
+    at, live = rt.timeline_arrays(index, start)
+    marks = [(m.event_index, m.name) for m in rt.phases
+             if phase_before_start or m.event_index >= start]
+
+    def phase_at(ev: int) -> str:
+        name = ""
+        for idx, p in marks:
+            if idx <= ev:
+                name = p
+            else:
+                break
+        return name
+
+    if len(at) > TIMELINE_POINTS:
+        # the maximum of each equal slice (its first point where several reach it)
+        step = len(at) / TIMELINE_POINTS
+        bounds = [(int(k * step), int((k + 1) * step) or len(at))
+                  for k in range(TIMELINE_POINTS)]
+        bounds = [(a, b) for a, b in bounds if b > a]
+        starts = np.array([a for a, _ in bounds])
+        ends = np.array([b for _, b in bounds])
+        used = live[: ends[-1]]  # the slices follow each other from 0 to the last's end
+        slice_of = np.repeat(np.arange(len(bounds)), ends - starts)
+        hit = np.flatnonzero(used == np.maximum.reduceat(used, starts)[slice_of])
+        first = hit[np.unique(slice_of[hit], return_index=True)[1]]
+        at, live = at[first], live[first]
+    return [TimelinePoint(float(ev - start), b, phase_at(ev))
+            for ev, b in zip(at.tolist(), live.tolist(), strict=True)]

@@ -1,0 +1,188 @@
+"""What ``dpprof run``'s result says of the script's runs: the notes (how a run ended,
+what dpprof kept it from writing, where a library branched on a stand-in value), the fixes
+an alternative run measured, with the change as a diff of the script's own lines, the
+verdict, and the assumptions."""
+
+from __future__ import annotations
+
+import os
+
+from dpprof.analysis import script_rewrite
+from dpprof.backends.script_effects import Writes
+from dpprof.backends.script_runner import ScriptConfig, ScriptRun
+from dpprof.emulator.script_parallel import LOSS_IN_FORWARD
+from dpprof.emulator.virtual_cuda import STAND_INS
+from dpprof.result import Fix, RunResult
+from dpprof.units import fmt_bytes
+
+__all__ = [
+    "alternative_notes",
+    "bucket_view_fix",
+    "diff_ddp",
+    "diff_loss_in_forward",
+    "how_it_ended",
+    "library_branches",
+    "nothing_on_a_gpu",
+    "script_assumptions",
+    "script_fix",
+    "script_verdict",
+    "write_notes",
+]
+
+
+def library_branches(sites: dict[str, int], libraries: set[str] | None = None) -> list[str]:
+    """Where a library (not the script) decided something on a stand-in: the GPU, which
+    has the real value, may take the other path there. ``libraries``: the folders
+    installed packages live in (default: this Python's site-packages)."""
+    import sysconfig
+
+    if libraries is None:
+        libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    found = []
+    for key in sites:
+        site, _, kind = key.rpartition(" (")
+        path = site.rpartition(":")[0]
+        if kind.startswith("bool") and any(path.startswith(lib) for lib in libraries):
+            short = site
+            for lib in libraries:
+                short = short.removeprefix(lib + os.sep)
+            found.append(short)
+    if not found:
+        return []
+    return [f"a library decided a branch on a stand-in value at {', '.join(found[:5])}: on a "
+            "GPU, which has the real value, it may take the other path (and allocate "
+            "otherwise); --compute runs it on real numbers"]
+
+
+def nothing_on_a_gpu(run: ScriptRun) -> str:
+    """One line for a run that put nothing on a GPU: how the script ended."""
+    if run.ended == "script raised":
+        return (f"the script failed (exit status {run.exit_status}) before it put anything on "
+                "a GPU: nothing was measured")
+    return ("the script ended without putting anything on a GPU (no tensor or module moved "
+            "to cuda): nothing was measured")
+
+
+def write_notes(writes: Writes) -> list[str]:
+    """What dpprof kept the script from writing, in a line."""
+    if not writes.skipped:
+        return []
+    calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.skipped.items())
+    return [f"not written, your files untouched: {calls} (what it saved holds tensors of "
+            "virtual GPUs, which have no values)"]
+
+
+def alternative_notes(alt: ScriptRun) -> list[str]:
+    """An alternative's run: its writes kept private, its output not shown."""
+    notes = write_notes(alt.writes)
+    if alt.writes.redirected:
+        files = sum(alt.writes.redirected.values())
+        notes.append(f"its {files} write(s) of files and folders went to a private folder "
+                     "(deleted), so nothing of yours was written twice; its output is not shown")
+    if alt.ended == "script raised" and alt.output_tail.strip():
+        notes.append("its last output: " + alt.output_tail.strip()[-400:])
+    return notes
+
+
+def script_verdict(result: RunResult) -> str:
+    """The verdict of a script's result: the one answer builder's
+    (:func:`dpprof.analysis.answers.build_answer`), as for every other command."""
+    from dpprof.analysis.answers import build_answer
+
+    return build_answer(result).verdict
+
+
+def diff_loss_in_forward(run: ScriptRun) -> str:
+    """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
+    saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
+    if not (run.dp_sites and run.call_sites and run.loss_sites):
+        return ""
+    return script_rewrite.rewrite_text(script_rewrite.loss_in_forward_at(
+        run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
+
+
+def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False) -> str:
+    """The DDP change around the script's own DataParallel line."""
+    if not run.dp_sites:
+        return ""
+    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus,
+                                                             bucket_view=bucket_view))
+
+
+def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
+    """DDP with ``gradient_as_bucket_view=True``: the DDP alternative's rank as that option
+    makes it, followed in a ledger while the alternative ran plain DDP."""
+    if alt.bucket_view_peak_bytes is None or not main.scenario.devices:
+        return None
+    p0 = main.scenario.devices[0].peak_allocated_bytes
+    q = alt.bucket_view_peak_bytes
+    plain = max((d.peak_allocated_bytes for d in alt.scenario.devices), default=q)
+    extra = plain - q
+    return Fix(name="gradient-as-bucket-view", title="DDP with gradient_as_bucket_view=True",
+               primary_peak_bytes=q, max_peak_bytes=q, saves_bytes=p0 - q,
+               detail=f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less "
+               "than plain DDP per GPU at the peak" + (
+                   "" if extra > 0 else " (the peak comes before the gradients all exist; "
+                   "the gradient-sized copy is still saved later in the step)"),
+               code=diff_ddp(main, gpus, bucket_view=True))
+
+
+def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
+    """What the alternative saves on cuda:0, with its change to the script's lines."""
+    from dpprof.analysis.fix_registry import for_variant
+
+    if not main.scenario.devices or not alt.scenario.devices:
+        return None
+    p0 = main.scenario.devices[0].peak_allocated_bytes
+    q0 = alt.scenario.devices[0].peak_allocated_bytes
+    heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
+    kind = for_variant(variant)
+    return Fix(name=kind.name, title=kind.title, primary_peak_bytes=q0, max_peak_bytes=heaviest,
+               saves_bytes=p0 - q0, detail=kind.run_detail.format(gpus=gpus),
+               code=(diff_loss_in_forward(alt) if variant == LOSS_IN_FORWARD
+                     else diff_ddp(main, gpus)))
+
+
+def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
+    """One line for the as-written run's notes: how it ended, after how many steps, in how
+    many seconds, and what that means for the peaks."""
+    steps = f"{run.steps_done} optimizer step(s)"
+    if run.ended == "steps":
+        how = f"stopped after {steps} (--steps {cfg.steps}; the first is the warm-up, " \
+              "peaks are over the others)"
+    elif run.ended == "interrupted":
+        how = f"interrupted after {steps}"
+    elif run.ended == "script ended":
+        how = f"the script ended after {steps}"
+    else:
+        how = f"the script raised after {steps} (exit status {run.exit_status})"
+    if run.steps_done == 0:
+        how += (f"; it never called optimizer.step() (dpprof saw {run.forwards} forward "
+                f"pass(es) and {run.backwards} backward pass(es) instead), so the peaks are "
+                "over the whole run (no warm-up step to leave out)")
+    elif run.steps_done == 1:
+        how += "; only one step: the peaks include the warm-up"
+    return how + f"; {run.seconds:.1f} s"
+
+
+def script_assumptions(cfg: ScriptConfig) -> list[str]:
+    """The result's assumptions: how the script's run was emulated and what is counted."""
+    kind = "CPU tensors (real numbers)" if cfg.compute else "meta tensors (memory only)"
+    return [
+        f"Emulated: the script ran unchanged in dpprof's process with {cfg.gpus} virtual "
+        f"{cfg.gpu.name} GPUs played by {kind}; no GPU was used. The host side (data "
+        "loading, the model built on the CPU) ran for real.",
+        "Allocated = live tensor storages on each virtual GPU, each rounded up to 512 B as "
+        "the CUDA caching allocator rounds them; peaks are over the optimizer steps after the "
+        "first (the warm-up) and include what was resident before them.",
+        "DataParallel is re-enacted step by step from torch.nn.parallel (scatter, replicate, "
+        "parallel_apply, gather, reduce-add of gradients onto cuda:0); "
+        "DistributedDataParallel as one rank (the reducer's buckets re-enacted) over a fake "
+        "process group: every rank runs the same program, rank 0 stands for all.",
+        "Categories: parameters, gradients and optimizer state as the optimizers hold them; "
+        "inputs = tensors the script moved to a GPU; outputs = DataParallel's gathered "
+        "outputs; activations = everything else the step computed.",
+        STAND_INS + ".",
+        "Reserved (the caching allocator simulated over each GPU's allocations, cuBLAS "
+        "workspaces included) and the CUDA context are shown separately from allocated.",
+    ]

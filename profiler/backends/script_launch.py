@@ -1,0 +1,147 @@
+"""The command after ``dpprof run --``: parsed (:func:`parse_command`: ``python train.py``,
+``python -m pkg``, ``torchrun ...``, into a :class:`Launch`), the process state the script
+expects while it runs in dpprof's process (:func:`script_process`), and its traceback as
+Python would print it (:func:`user_traceback`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dpprof.errors import UsageError
+
+__all__ = ["Launch", "parse_command", "script_process", "user_traceback"]
+
+
+@dataclass
+class Launch:
+    """What the command after ``--`` runs."""
+
+    target: str  # a script path, or a module name
+    is_module: bool
+    argv: list[str]  # sys.argv[1:] of the script
+    env: dict[str, str] = field(default_factory=dict)  # set for the run (torchrun's)
+    launcher: str = "python"  # python | torchrun | torch.distributed.launch
+    nproc: int | None = None  # torchrun --nproc-per-node
+
+    @property
+    def display(self) -> str:
+        name = self.target if self.is_module else Path(self.target).name
+        return " ".join([name, *self.argv])
+
+
+def parse_command(command: list[str], gpus: int) -> Launch:
+    """``python [-u] train.py args``, ``python -m pkg args``, ``train.py args``,
+    ``torchrun [opts] train.py args``, ``python -m torch.distributed.run|launch ...``."""
+    if not command:
+        raise UsageError("dpprof run: give the command after --, e.g. dpprof run -- python "
+                         "train.py")
+    head, rest = command[0], list(command[1:])
+    base = Path(head).name
+    if base.endswith(".py"):
+        return Launch(head, False, rest)
+    if base in ("torchrun",):
+        return _torchrun(rest, gpus, "torchrun")
+    if not base.startswith("python"):
+        raise UsageError(
+            f"dpprof run: cannot run {head!r}: give a Python command (python train.py, python "
+            "-m pkg.train, torchrun ... train.py)")
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest.pop(0)  # interpreter flags: -u, -O, -W...
+    if not rest:
+        raise UsageError("dpprof run: the python command names no script")
+    if rest[0] == "-c":
+        raise UsageError("dpprof run: python -c is not supported; put the code in a file")
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            raise UsageError("dpprof run: python -m needs a module name")
+        mod = rest[1]
+        if mod in ("torch.distributed.run", "torch.distributed.launch"):
+            return _torchrun(rest[2:], gpus, mod)
+        return Launch(mod, True, rest[2:])
+    return Launch(rest[0], False, rest[1:])
+
+
+def _torchrun(args: list[str], gpus: int, launcher: str) -> Launch:
+    if launcher == "torch.distributed.launch":
+        from torch.distributed.launch import get_args_parser as launch_parser
+
+        parser = launch_parser()
+    else:
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit:
+        raise UsageError(f"dpprof run: {launcher}: cannot parse {' '.join(args)!r}") from None
+    nproc_text = str(ns.nproc_per_node)
+    nproc = gpus if nproc_text in ("gpu", "auto") else int(nproc_text)
+    nnodes = str(ns.nnodes).split(":")[-1]
+    world = nproc * int(nnodes or 1)
+    env = {
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "dpprof",
+    }
+    argv = list(ns.training_script_args)
+    if launcher == "torch.distributed.launch" and not getattr(ns, "use_env", False):
+        argv = ["--local-rank=0", *argv]
+    return Launch(ns.training_script, bool(ns.module), argv, env, launcher, nproc)
+
+
+@contextlib.contextmanager
+def script_process(launch: Launch) -> Iterator[None]:
+    """sys.argv, sys.path[0], the environment and __main__ as the script expects them;
+    all restored afterwards."""
+    saved_argv = list(sys.argv)
+    saved_path = list(sys.path)
+    saved_env = dict(os.environ)
+    saved_main = sys.modules.get("__main__")
+    root = logging.getLogger()
+    saved_logging = (list(root.handlers), root.level)
+    try:
+        os.environ.update(launch.env)
+        if launch.is_module:
+            sys.argv = [launch.target, *launch.argv]
+            sys.path.insert(0, os.getcwd())
+        else:
+            path = Path(launch.target).resolve()
+            sys.argv = [str(launch.target), *launch.argv]
+            sys.path.insert(0, str(path.parent))
+        yield
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+        # logging.basicConfig in the script: the next run configures it afresh, as a new
+        # process would (and an alternative's run does not log through this run's handlers)
+        for handler in root.handlers:
+            if handler not in saved_logging[0]:
+                handler.flush()
+        root.handlers[:] = saved_logging[0]
+        root.setLevel(saved_logging[1])
+
+
+def user_traceback(e: BaseException, launch: Launch) -> str:
+    """The traceback as Python would print it for the script: dpprof's and runpy's frames
+    left out (a script that does not compile, or a module not found, has none of its own)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(_DPPROF_DIR) and "runpy" not in f.filename]
+    if launch.is_module and isinstance(e, ImportError) and not frames:
+        return f"{sys.executable}: {e}"  # python -m no_such_module says just this
+    head = ["Traceback (most recent call last):\n"] if frames else []
+    return "".join([*head, *traceback.format_list(frames),
+                    *traceback.format_exception_only(type(e), e)])
+
+
+_DPPROF_DIR = str(Path(__file__).resolve().parents[1])

@@ -1,0 +1,281 @@
+"""One run of the user's script on virtual GPUs (:func:`run_script`), measured: the script
+runs in dpprof's process (``runpy``) under a
+:class:`~dpprof.emulator.virtual_cuda.VirtualCuda` until it has run
+:attr:`ScriptConfig.steps` optimizer steps, ends or raises; what it ran (DataParallel,
+DDP, a model placed by hand on several GPUs, one GPU) becomes a scenario's result
+(:class:`ScriptRun`)."""
+
+from __future__ import annotations
+
+import contextlib
+import runpy
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpprof.backends.emulated_figures import ddp_ranks, device_result, timeline_points
+from dpprof.backends.script_effects import ScriptEffects, Writes
+from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback, Stepper, StopScript, Variant
+from dpprof.backends.script_launch import Launch, script_process, user_traceback
+from dpprof.emulator import script_parallel
+from dpprof.emulator.catalog import GpuSpec, lookup_gpu
+from dpprof.emulator.context import device_context
+from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.patcher import Patcher
+from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
+from dpprof.emulator.script_parallel import DDP_IN_PLACE
+from dpprof.emulator.virtual_cuda import VirtualCuda
+from dpprof.errors import Interrupted, UsageError
+from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
+from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.registry import scenario
+from dpprof.units import fmt_bytes
+
+__all__ = ["ScriptConfig", "ScriptRun", "run_script"]
+
+
+@dataclass
+class ScriptConfig:
+    launch: Launch
+    gpus: int = 4
+    gpu: GpuSpec = field(default_factory=lambda: lookup_gpu("a100-80gb"))
+    gpu_memory_bytes: int | None = None  # None: the GPU's
+    steps: int = 3  # optimizer steps before stopping; the first is the warm-up
+    compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
+    variant: str = AS_WRITTEN  # AS_WRITTEN | DDP_IN_PLACE | LOSS_IN_FORWARD
+    debug: bool = False
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.gpu_memory_bytes or self.gpu.total_memory_bytes
+
+
+@dataclass
+class ScriptRun:
+    """What one run of the script gave."""
+
+    scenario: ScenarioResult
+    steps_done: int = 0
+    ended: str = ""  # "steps" | "script ended" | "script raised"
+    exit_status: int = 0
+    script_traceback: str | None = None
+    stand_ins: dict[str, int] = field(default_factory=dict)
+    stand_in_sites: dict[str, int] = field(default_factory=dict)
+    data_parallel: bool = False
+    ddp: bool = False
+    world_size: int = 1
+    batch_rows: int = 0
+    seconds: float = 0.0
+    loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
+    autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
+    forwards: int = 0  # outermost module calls seen
+    backwards: int = 0  # backward() calls seen
+    replica_scalars: bool = False  # the DataParallel replicas returned their losses
+    materialized: list[str] = field(default_factory=list)  # see script_parallel.LOG
+    dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
+    call_sites: list[str] = field(default_factory=list)
+    loss_sites: list[str] = field(default_factory=list)
+    writes: Writes = field(default_factory=Writes)  # what dpprof kept from the user's files
+    output_tail: str = ""  # an alternative's run: the end of what it printed (not shown)
+    interrupted_by: int = 0  # the signal that cut the run short (ended == "interrupted")
+    # the DDP alternative: its rank's peak under gradient_as_bucket_view=True (followed in a
+    # ledger while it ran plain), or why it could not be followed
+    bucket_view_peak_bytes: int | None = None
+    bucket_view_unsure: str | None = None
+    shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
+    visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
+
+
+def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> ScriptRun:
+    """Run the script once on virtual GPUs and measure it (see the module)."""
+    launch = cfg.launch
+    if not launch.is_module and not Path(launch.target).is_file():
+        raise UsageError(f"dpprof run: {launch.target}: no such file")
+    vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
+                     gpu_memory_bytes=cfg.capacity_bytes)
+    rt = vc.rt
+    stepper = Stepper(rt, cfg.steps, on_step)
+    run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
+    variant = Variant(cfg.variant, vc, cfg.gpus)
+    # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
+    autocast = CudaAutocastNames()
+    start = time.perf_counter()
+    exc: BaseException | None = None
+    # an alternative's run writes into a private folder and prints nothing (script_effects)
+    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-") if cfg.variant != AS_WRITTEN
+               else contextlib.nullcontext(None))
+    with script_process(launch), sandbox as private:
+        seed_state = torch.random.get_rng_state()
+        torch.manual_seed(0)
+        effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
+        try:
+            with vc, autocast, effects, Patcher() as patcher:
+                variant.install(vc, patcher)
+                _count_backwards(patcher, stepper)
+                stepper.install()
+                try:
+                    exc = _run_until_stopped(launch, run)
+                finally:
+                    stepper.remove()
+                    script_parallel.cleanup(vc)
+                    used, ddp_devices = _read_log(run, cfg, vc, stepper, variant)
+        finally:
+            torch.random.set_rng_state(seed_state)
+    run.seconds = time.perf_counter() - start
+    run.writes = effects.writes
+    run.output_tail = effects.output_tail
+    run.steps_done = stepper.done
+    run.forwards, run.backwards = stepper.forwards, stepper.backwards
+    run.stand_ins = dict(rt.stand_ins.counts)
+    run.stand_in_sites = dict(rt.stand_ins.sites)
+    run.autocast_regions = autocast.regions
+    run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
+    ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
+    if cfg.variant == DDP_IN_PLACE and ledger is not None:
+        run.bucket_view_peak_bytes = ledger.peak_allocated if ledger.unsure is None else None
+        run.bucket_view_unsure = ledger.unsure
+    return run
+
+
+def _count_backwards(patcher: Patcher, stepper: Stepper) -> None:
+    """``torch.autograd.backward`` patched to tell ``stepper`` each backward's start."""
+    orig_backward = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        stepper.backward_started()
+        return orig_backward(*args, **kwargs)
+
+    patcher.patch(torch.autograd, "backward", backward)
+
+
+def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
+    """Run the script as ``__main__`` until it has run its steps, ends or raises; how it
+    ended goes into ``run``; the script's own error is returned."""
+    try:
+        if launch.is_module:
+            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(launch.target, run_name="__main__")
+        run.ended = "script ended"
+    except StopScript:
+        run.ended = "steps"
+    except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: keep what it measured
+        run.ended = "interrupted"
+        run.interrupted_by = (e.signum if isinstance(e, Interrupted)
+                              else signal.SIGINT)
+    except SystemExit as e:
+        code = e.code
+        run.exit_status = code if isinstance(code, int) else (0 if code is None
+                                                              else 1)
+        run.ended = "script ended" if run.exit_status == 0 else "script raised"
+        if run.exit_status:
+            run.script_traceback = f"SystemExit: {code}"
+    except Exception as e:  # the script's own error: its result
+        run.ended = "script raised"
+        run.exit_status = 1
+        run.script_traceback = user_traceback(e, launch)
+        return e
+    return None
+
+
+def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
+              variant: Variant) -> tuple[list[int], list[int]]:
+    """What the wrappers logged while the script ran (:mod:`dpprof.emulator.script_parallel`)
+    into ``run``; the devices used and those DDP ran on."""
+    launch = cfg.launch
+    log = script_parallel.state_of(vc).log
+    run.data_parallel = log.data_parallel > 0
+    run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
+                               and bool(log.ddp_devices))
+    run.replica_scalars = log.replica_scalars
+    run.materialized = list(log.materialized)
+    run.dp_sites = list(log.dp_sites)
+    run.call_sites = list(log.call_sites)
+    run.loss_sites = list(log.loss_sites)
+    run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
+                         vc.device_count() if cfg.variant == DDP_IN_PLACE
+                         else 1)
+    used = list(log.used_devices)
+    ddp_devices = list(log.ddp_devices)
+    run.shard_rows = dict(log.shard_rows)
+    run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
+                      or variant.batch_rows)
+    run.loss_modules = variant.loss_calls
+    return used, ddp_devices
+
+
+def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
+    if run.ddp:
+        return DDP
+    if run.data_parallel:
+        return DP_LOSS_FORWARD if run.replica_scalars else DP_LOSS_PRIMARY
+    if len(devices_touched) > 1:
+        return MODEL_PARALLEL
+    return SINGLE
+
+
+def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepper,
+              used: list[int], ddp_devices: list[int],
+              exc: BaseException | None) -> ScenarioResult:
+    rt = vc.rt
+    n = vc.device_count()
+    run.visible_gpus = n
+    visible = vc.visible
+    touched = [i for i in visible if rt.counters[i].peak_allocated > 0]
+    name = _kind(run, used, touched)
+    s = ScenarioResult(name=name, batch=run.batch_rows)
+    start = stepper.measure_start
+    kind = scenario(name)
+    split = kind.scatters_batch and run.shard_rows
+    devices = [
+        device_result(
+            rt, i, logical, cfg.capacity_bytes,
+            rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
+            run.shard_rows.get(i, 0) if split else run.batch_rows,
+            timeline_points(rt, i, start, phase_before_start=True))
+        for logical, i in enumerate(visible)
+    ]
+    if kind.ranks_alike and run.world_size > 1:
+        devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
+                            min(run.world_size, n))
+    s.devices = devices
+    if not cfg.compute:
+        _overheads(s, vc, cfg)
+    if exc is not None or (run.ended == "script raised"):
+        s.status = STATUS_ERROR
+        s.message = (f"the script raised {type(exc).__name__}: {exc}" if exc is not None
+                     else f"the script exited with status {run.exit_status}")
+        s.traceback = run.script_traceback
+    else:
+        over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
+        if over:
+            worst = max(over, key=lambda d: d.total_peak_bytes)
+            s.status = STATUS_OOM
+            s.oom_device = worst.index
+            s.oom_bytes = worst.total_peak_bytes
+            s.message = (f"out of memory on cuda:{worst.index}: needs "
+                         f"{fmt_bytes(worst.total_peak_bytes)} at its peak ({worst.peak_phase}),"
+                         f" has {fmt_bytes(cfg.capacity_bytes)}")
+        else:
+            s.status = STATUS_OK
+    return s
+
+
+def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
+    """Reserved and the CUDA context per used device: the emulator's one model
+    (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's allocations."""
+    ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
+
+    def source(d: DeviceFigures) -> int:
+        if d.rank is None:
+            return vc.visible[d.index]
+        # a DDP rank: the visible device that ran it stands for every rank
+        return next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
+                    vc.visible[0])
+
+    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source)
