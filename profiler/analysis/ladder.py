@@ -225,6 +225,14 @@ def fully_sharded(wl: Workload, reshard_after_forward: bool = True) -> Workload:
         _sharded_model, wl.model, reshard_after_forward))
 
 
+def rung_workload(wl: Workload, rung: Rung) -> Workload:
+    """``wl`` as ``rung`` changes its model: the repeated blocks checkpointed, sharded by
+    FSDP2, neither (autocast and micro-batches are the step's)."""
+    if rung.reshard_after_forward is not None:
+        return fully_sharded(wl, rung.reshard_after_forward)
+    return checkpointed(wl) if rung.checkpoint else wl
+
+
 # ---- measuring the rungs ---------------------------------------------------------------------
 
 
@@ -358,7 +366,9 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
     return f"on {floor}: " + "; ".join(parts)
 
 
-def _in_process_group() -> bool:
+def in_process_group() -> bool:
+    """Whether this process already has a process group (dpprof's own ranks): FSDP2's rungs
+    are emulated over a fake process group of their own, so they are left out there."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -384,11 +394,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         if rung.reshard_after_forward is not None:
             # one rank of N: the single scenario's rows (ceil(B / N)), its model sharded
             with emulated_ranks(base.gpus):  # each rank holds an NCCL communicator too
-                s = run_scenario(SINGLE, fully_sharded(wl, rung.reshard_after_forward),
+                s = run_scenario(SINGLE, rung_workload(wl, rung),
                                  dataclasses.replace(cfg.with_step(amp=rung.amp),
                                                      collectives=True))
         else:
-            s = run_scenario(floor, checkpointed(wl) if rung.checkpoint else wl,
+            s = run_scenario(floor, rung_workload(wl, rung),
                              cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
         return s if s.status in (STATUS_OK, STATUS_OOM) and s.devices else None
 
@@ -411,7 +421,7 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         s = measure(rung)
         if s is not None:
             out.append(fix(rung, s))
-    if fsdp and not _in_process_group():
+    if fsdp and not in_process_group():
         for rung in fsdp_rungs(base.gpus, blocks > 0):
             s = measure(rung)
             if s is not None:
