@@ -166,9 +166,14 @@ def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> 
     assert r.exit_code == 0, r.output
     entries = {e["scenario"]: e for e in json.loads(out.read_text())["maxbatch"]["entries"]}
     names = list(entries)
-    assert names[names.index("ddp + bf16-checkpoint") + 1:][:2] == ["fsdp2-zero2",
-                                                                   "fsdp2-zero3"]
-    for name in ("fsdp2-zero2", "fsdp2-zero3"):
+    fsdp = ["fsdp2-zero2", "fsdp2-zero3", "fsdp2-zero3-bf16-checkpoint"]
+    assert names[names.index("ddp + bf16-checkpoint") + 1:][:3] == fsdp
+    # FSDP2's own bf16 and checkpointing: the largest batch of the ladder's non-accumulating
+    # rungs
+    assert entries[fsdp[2]]["max_batch"] > max(
+        e["max_batch"] for name, e in entries.items() if "micro-batches" not in name
+        and name != fsdp[2])
+    for name in fsdp:
         e = entries[name]
         assert e["max_batch"] and e["max_batch"] % step == 0 and not e["errored"]
         for batch, need in ((e["max_batch"], e["needed_bytes"]),

@@ -253,7 +253,7 @@ def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]
     blocks = bool(ladder.repeated_blocks(probe_model(wl, base.gpus)))
     rungs = ladder.rungs(base.compute_capability, blocks)
     if not ladder.in_process_group():  # FSDP2 is emulated over a process group of its own
-        rungs += ladder.fsdp_rungs(base.gpus, blocks)
+        rungs += ladder.fsdp_rungs(base.gpus, blocks, base.compute_capability)
     if wl.step is None:  # accumulation runs the tutorial loop, not a workload's own step
         rungs.append(ladder.accumulation_rung(ladder.Rung("", "", None, False),
                                               LADDER_MICRO_BATCHES))
