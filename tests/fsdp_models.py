@@ -20,3 +20,9 @@ def attention_zero3() -> dpprof.Workload:
     from fidelity_models import attention_small
 
     return fully_sharded(attention_small(), reshard_after_forward=True)
+
+
+def lm_zero3_bf16_checkpoint() -> dpprof.Workload:
+    return fully_sharded(load_workload("lm"), reshard_after_forward=True,
+                         param_dtype="bfloat16", checkpoint=True)
+

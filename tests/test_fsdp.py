@@ -11,15 +11,27 @@ take from the caching allocator. gloo's all-gather into a tensor allocates an ou
 flat buffer inside ``c10d::_allgather_base_`` and another on its worker thread
 (``gloo:all_gather``), so that scratch is bounded by twice the largest FSDP group's
 unsharded bytes.
+
+FSDP2 with what users pair it with (``lm_zero3_bf16_checkpoint``: FSDP2's own
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` and the blocks
+checkpointed) is held to the same rules. Its CPU run makes records a GPU's does not, each
+explained, none at the peak: the CPU's bfloat16 gemms take scratch inside one ``aten::mm`` /
+``addmm`` / ``bmm``; FSDP2 copies the bfloat16 gradients into its float32 reduce-scatter
+input with ``torch._chunk_cat(..., out=)``, whose CPU kernel (composite) casts each gradient
+through a float32 temporary inside the op, where the CUDA kernel (``_chunk_cat_out_cuda``,
+bfloat16 in, float32 out) casts as it copies; each checkpointed block stashes the CPU
+generator's state on the host (outside the dispatcher; host memory on a GPU too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many
@@ -32,8 +44,12 @@ from dpprof.scenarios.workloads import load_workload
 MODELS = Path(__file__).with_name("fsdp_models.py")
 WORLD = 2
 ROWS = 1  # per rank
-SPECS = [f"{MODELS}:lm_zero3", f"{MODELS}:lm_zero2"]
+SPECS = [f"{MODELS}:lm_zero3", f"{MODELS}:lm_zero2", f"{MODELS}:lm_zero3_bf16_checkpoint"]
 GLOO = ("c10d::", "gloo:")  # records inside a gloo collective: its own scratch
+# ops whose CPU kernels take scratch (allocated and freed inside the op) that a GPU's do not
+# take from the caching allocator: bf16 gemms, _chunk_cat's casts (the module docstring)
+CPU_SCRATCH_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_chunk_cat")
+RNG_STATE_BYTES = torch.get_rng_state().numel()
 
 
 def _emulated(spec: str) -> tuple[int, list[int]]:
@@ -78,6 +94,44 @@ def _gloo_records(records: list[Alloc]) -> set[int]:
     return out
 
 
+def _cpu_kernel_scratch(records: list[Alloc]) -> set[int]:
+    """The records (ids) of blocks allocated and freed inside one op of
+    :data:`CPU_SCRATCH_OPS`."""
+    def inside(op: str) -> str | None:
+        return next((g for g in CPU_SCRATCH_OPS if g in op.split(" < ")), None)
+
+    out: set[int] = set()
+    for i, e in enumerate(records):
+        if e.size > 0 and inside(e.op) is not None:
+            free = next((f for f in records[i + 1:] if f.ptr == e.ptr), None)
+            if free is not None and free.size == -e.size and inside(free.op) == inside(e.op):
+                out |= {id(e), id(free)}
+    return out
+
+
+def _left_unexplained(records: list[Alloc], unexplained: list[Alloc], missing: list[int],
+                      cpu_only: bool) -> list[Alloc]:
+    """The records the emulator has no event for that are not gloo's own and, with
+    ``cpu_only`` (bf16 and checkpointing), neither a CPU kernel's scratch, a stashed
+    generator state, nor an emulated event of the same size that the alignment left out of
+    order (the casts' order among themselves differs)."""
+    gloo = _gloo_records(records)
+    left = [e for e in unexplained if id(e) not in gloo]
+    if not cpu_only:
+        return left
+    scratch = _cpu_kernel_scratch(records)
+    spare = Counter(missing)
+    out = []
+    for e in left:
+        if id(e) in scratch or abs(e.size) == RNG_STATE_BYTES:
+            continue
+        if spare[e.size]:
+            spare[e.size] -= 1
+        else:
+            out.append(e)
+    return out
+
+
 @pytest.fixture(scope="module")
 def gloo_runs() -> list[list[RankResult]]:
     return launch_many([RankSpec(workload=s, step=StepConfig(batch=ROWS * WORLD),
@@ -101,9 +155,9 @@ def test_each_fsdp2_rank_matches_gloo(gloo_runs: list[list[RankResult]], k: int)
         assert 0 <= gap <= _model_bytes(), (rank, SPECS[k], gap)
         al = align(events, records)
         gloo = _gloo_records(records)
-        # every record the emulator has no event for is gloo's own
-        assert all(id(e) in gloo for e in al.unexplained), [
-            (e.size, e.op[:100]) for e in al.unexplained if id(e) not in gloo]
+        # every record the emulator has no event for is gloo's own (or a CPU kernel's)
+        left = _left_unexplained(records, al.unexplained, al.missing, "bf16" in SPECS[k])
+        assert not left, [(e.size, e.op[:100]) for e in left[:6]]
         without_gloo = [e for e in al.kept if id(e) not in gloo]
         assert peak_of(without_gloo) == relative_peak(events), (rank, SPECS[k])
         assert 0 <= peak_of(al.kept) - relative_peak(events) <= scratch_bound

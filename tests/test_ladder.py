@@ -216,7 +216,9 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
     assert [f["name"] for f in rungs] == ["ladder-bf16", "ladder-checkpoint",
                                           "ladder-bf16-checkpoint", "ladder-fsdp2-zero2",
-                                          "ladder-fsdp2-zero3", "ladder-accumulate"]
+                                          "ladder-fsdp2-zero3",
+                                          "ladder-fsdp2-zero3-bf16-checkpoint",
+                                          "ladder-accumulate"]
     ddp = next(s for s in data["scenarios"] if s["name"] == "ddp")
     assert ddp["status"] == "oom"
     fit = next(f for f in rungs if f["need_bytes"] <= 6 << 30)
@@ -230,6 +232,29 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     assert zero3["max_peak_bytes"] < ddp["devices"][0]["peak_allocated_bytes"]
     assert "fully_shard(block, reshard_after_forward=True)" in zero3["code"]
     assert "reshard_after_forward=False" in fixes["ladder-fsdp2-zero2"]["code"]
+
+
+def test_fsdp2_with_its_bf16_and_checkpointing_fits_where_ddp_rungs_do_not(
+        tmp_path: Path) -> None:
+    """FSDP2's own mixed precision (MixedPrecisionPolicy, no autocast) and the blocks
+    checkpointed, on ZeRO-3: at 4 GiB per GPU neither DDP's lightest rung (bf16 autocast
+    and checkpointing) nor plain ZeRO-3 fits, it does, and the verdict names it; its code
+    checkpoints the blocks before sharding them under the policy."""
+    data = _compare(tmp_path, "-b", "64", "--gpu-memory", "4GiB")
+    fixes = {f["name"]: f for f in data["fixes"]}
+    combined = fixes["ladder-fsdp2-zero3-bf16-checkpoint"]
+    assert combined["need_bytes"] <= 4 << 30
+    for lighter_elsewhere in ("ladder-bf16-checkpoint", "ladder-fsdp2-zero3"):
+        assert fixes[lighter_elsewhere]["need_bytes"] > 4 << 30
+        assert combined["max_peak_bytes"] < fixes[lighter_elsewhere]["max_peak_bytes"]
+    verdict = " ".join(data["comparison"]["verdict"].split())
+    assert f"the cheapest rung that fits is {combined['title']}" in verdict
+    code = combined["code"]
+    assert "torch.autocast" not in code
+    assert ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+            in code)
+    assert code.index("checkpointed(block)") < code.index("fully_shard(block")
+    assert "fully_shard(model, reshard_after_forward=True, mp_policy=mp)" in code
 
 
 def test_the_ladder_stays_away_when_ddp_fits(tmp_path: Path) -> None:

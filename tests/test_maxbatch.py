@@ -145,3 +145,43 @@ def test_maxbatch_ladder_searches_each_rung_on_ddp(tmp_path: Path) -> None:
         assert e["needed_bytes"] <= 2 << 30 < e["next_needed_bytes"]
     assert entries[acc]["max_batch"] > entries["ddp"]["max_batch"]
     assert acc in r.output and acc in md.read_text()
+
+
+def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> None:
+    """--ladder on several GPUs, a model with repeated blocks: FSDP2's rungs too, each its
+    largest global batch; at that batch compare's rung needs what the search found (reserved,
+    the context and NCCL's memory) and fits, at the next step it needs the next total and
+    does not."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    capacity, step = 6 << 30, 8
+    out = tmp_path / "mb.json"
+    r = CliRunner().invoke(app, ["maxbatch", "-w", "lm", "-g", "2", "--gpu-memory", "6GiB",
+                                 "-s", "ddp", "--multiple-of", str(step), "--ladder", "-q",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    entries = {e["scenario"]: e for e in json.loads(out.read_text())["maxbatch"]["entries"]}
+    names = list(entries)
+    fsdp = ["fsdp2-zero2", "fsdp2-zero3", "fsdp2-zero3-bf16-checkpoint"]
+    assert names[names.index("ddp + bf16-checkpoint") + 1:][:3] == fsdp
+    # FSDP2's own bf16 and checkpointing: the largest batch of the ladder's non-accumulating
+    # rungs
+    assert entries[fsdp[2]]["max_batch"] > max(
+        e["max_batch"] for name, e in entries.items() if "micro-batches" not in name
+        and name != fsdp[2])
+    for name in fsdp:
+        e = entries[name]
+        assert e["max_batch"] and e["max_batch"] % step == 0 and not e["errored"]
+        for batch, need in ((e["max_batch"], e["needed_bytes"]),
+                            (e["max_batch"] + step, e["next_needed_bytes"])):
+            run = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=capacity,
+                                            scenarios=("ddp",), ladder=True,
+                                            step=StepConfig(batch=batch)),
+                              workload=lm())
+            fix = next(f for f in run.fixes if f.name == f"ladder-{name}")
+            assert fix.need_bytes == need, (name, batch)
+        assert e["needed_bytes"] <= capacity < e["next_needed_bytes"]

@@ -18,6 +18,9 @@ first (:func:`rungs`):
   at the root, ZeRO-2 (``reshard_after_forward=False``) and ZeRO-3; torch's own FSDP2 runs
   on one emulated rank over a fake process group (:mod:`dpprof.emulator.fsdp`), the single
   scenario's rows, its model sharded (``tests/test_fsdp.py`` checks it against gloo ranks);
+  then ZeRO-3 with FSDP2's own bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16,
+  reduce_dtype=float32)``, not autocast; where the GPU computes in bf16) and the blocks
+  checkpointed before sharding, also checked against gloo ranks;
 * **gradient accumulation**: the same effective batch in k micro-batches per optimizer step
   (:func:`accumulation`: the smallest k of 2, 4, 8... up to the per-rank rows that fits),
   under DDP the first k - 1 backwards inside ``no_sync()``; it costs k forward/backward
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from dpprof.analysis.answers import LADDER_PREFIX as PREFIX
@@ -70,17 +74,24 @@ CODE_CHECKPOINT = """\
 """
 CODE_FSDP = """\
 +# torchrun --nproc-per-node {gpus} train.py
-+from torch.distributed.fsdp import fully_shard
++from torch.distributed.fsdp import {imports}
 +dist.init_process_group("nccl")
 +rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
 -model = nn.DataParallel(model.cuda())
 +model = model.cuda(rank)
+"""
+CODE_FSDP_SHARD = """\
 +for block in model.{blocks}:  # the {count} repeated {kind} blocks, each sharded
-+    fully_shard(block, reshard_after_forward={reshard})
-+fully_shard(model, reshard_after_forward={reshard})  # the rest, at the root
++    fully_shard(block, reshard_after_forward={reshard}{policy})
++fully_shard(model, reshard_after_forward={reshard}{policy})  # the rest, at the root
 +optimizer = make_optimizer(model.parameters())  # built after fully_shard: the shards
 +loader = DataLoader(dataset, batch_size={per_rank},
 +                    sampler=DistributedSampler(dataset))  # per-rank batch
+"""
+# FSDP2's own mixed precision: the all-gathers cast the float32 shards, gradients are
+# reduced in float32 (no autocast in the loop)
+CODE_FSDP_POLICY = """\
++mp = MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32)
 """
 CODE_LOOP_PLAIN = """\
  for inputs, targets in loader:
@@ -123,6 +134,8 @@ class Rung:
     # FSDP2: fully_shard per repeated block and at the root; True ZeRO-3
     # (reshard_after_forward), False ZeRO-2; None: no sharding
     reshard_after_forward: bool | None = None
+    # FSDP2's own mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)
+    param_dtype: str | None = None
 
 
 def amp_dtype(compute_capability: tuple[int, int]) -> str:
@@ -130,16 +143,25 @@ def amp_dtype(compute_capability: tuple[int, int]) -> str:
     return "bfloat16" if compute_capability >= (8, 0) else "float16"
 
 
-def fsdp_rungs(gpus: int, blocks: bool) -> list[Rung]:
+def fsdp_rungs(gpus: int, blocks: bool,
+               compute_capability: tuple[int, int] = (8, 0)) -> list[Rung]:
     """FSDP2's rungs, on several GPUs with repeated blocks: ZeRO-2 (each block's parameters
-    unsharded from its forward to its backward: one all-gather per block per step), then
-    ZeRO-3 (resharded after the forward, all-gathered again for the backward)."""
+    unsharded from its forward to its backward: one all-gather per block per step), ZeRO-3
+    (resharded after the forward, all-gathered again for the backward), then ZeRO-3 with
+    what FSDP2 users pair it with: FSDP2's own bf16 (``MixedPrecisionPolicy``, where the GPU
+    computes in bf16; below compute capability 8.0 fp16 would need a gradient scaler, so
+    none) and the same blocks checkpointed, the lightest of the three."""
     if gpus < 2 or not blocks:
         return []
+    bf16 = amp_dtype(compute_capability) == "bfloat16"
     return [Rung(f"{PREFIX}fsdp2-zero2", "FSDP2, ZeRO-2 (fully_shard, reshard_after_forward"
                  "=False)", None, False, reshard_after_forward=False),
             Rung(f"{PREFIX}fsdp2-zero3", "FSDP2, ZeRO-3 (fully_shard per block and root)",
-                 None, False, reshard_after_forward=True)]
+                 None, False, reshard_after_forward=True),
+            Rung(f"{PREFIX}fsdp2-zero3{'-bf16' if bf16 else ''}-checkpoint",
+                 f"FSDP2, ZeRO-3{', bf16 (MixedPrecisionPolicy)' if bf16 else ''} and "
+                 "activation checkpointing", None, True, reshard_after_forward=True,
+                 param_dtype="bfloat16" if bf16 else None)]
 
 
 def rungs(compute_capability: tuple[int, int], blocks: bool) -> list[Rung]:
@@ -227,17 +249,34 @@ def checkpointed(wl: Workload) -> Workload:
     return dataclasses.replace(wl, model=functools.partial(_checkpointed_model, wl.model))
 
 
-def _sharded_model(build: Callable[[], nn.Module], reshard_after_forward: bool) -> nn.Module:
+def _sharded_model(build: Callable[[], nn.Module], reshard_after_forward: bool,
+                   param_dtype: str | None, checkpoint: bool) -> nn.Module:
     model = build()
-    return shard_model(model, [b for _, b in repeated_blocks(model)], reshard_after_forward)
+    if checkpoint:  # the blocks' forwards wrapped first, then sharded (as torchtitan does)
+        checkpoint_blocks(model)
+    return shard_model(model, [b for _, b in repeated_blocks(model)], reshard_after_forward,
+                       getattr(torch, param_dtype) if param_dtype is not None else None)
 
 
-def fully_sharded(wl: Workload, reshard_after_forward: bool = True) -> Workload:
+def fully_sharded(wl: Workload, reshard_after_forward: bool = True,
+                  param_dtype: str | None = None, checkpoint: bool = False) -> Workload:
     """``wl`` with its model under FSDP2: ``fully_shard`` on each repeated block, then the
     root, over the default process group (:func:`dpprof.emulator.fsdp.shard_model`;
-    ``reshard_after_forward``: True ZeRO-3, False ZeRO-2)."""
+    ``reshard_after_forward``: True ZeRO-3, False ZeRO-2; ``param_dtype``: FSDP2's
+    ``MixedPrecisionPolicy`` in that dtype, reduced in float32), the blocks checkpointed
+    first where ``checkpoint``."""
     return dataclasses.replace(wl, model=functools.partial(
-        _sharded_model, wl.model, reshard_after_forward))
+        _sharded_model, wl.model, reshard_after_forward, param_dtype, checkpoint))
+
+
+def rung_workload(wl: Workload, rung: Rung) -> Workload:
+    """``wl`` as ``rung`` changes its model: the repeated blocks checkpointed, sharded by
+    FSDP2 (with its mixed precision), or neither (autocast and micro-batches are the
+    step's)."""
+    if rung.reshard_after_forward is not None:
+        return fully_sharded(wl, rung.reshard_after_forward, rung.param_dtype,
+                             rung.checkpoint)
+    return checkpointed(wl) if rung.checkpoint else wl
 
 
 # ---- measuring the rungs ---------------------------------------------------------------------
@@ -313,17 +352,11 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
         if gpus == 1:
             head += (f"+loader = DataLoader(dataset, batch_size={rows})  # {per_rank} rows "
                      f"in {rung.micro_batches}\n")
+    words = _blocks_words(model)
     if rung.reshard_after_forward is not None:
-        head = CODE_FSDP.format(gpus=gpus, per_rank=rows, reshard=rung.reshard_after_forward,
-                                **_blocks_words(model))
+        return fsdp_code(rung, gpus, rows, words) + CODE_LOOP_PLAIN
     if rung.checkpoint:
-        blocks = repeated_blocks(model)
-        names = [n for n, _ in blocks]
-        parent = names[0].rpartition(".")[0] if names else ""
-        same_parent = all(n.rpartition(".")[0] == parent for n in names) and parent
-        where = parent if same_parent else "modules()  # " + ", ".join(names[:3])
-        head += CODE_CHECKPOINT.format(blocks=where, count=len(blocks),
-                                       kind=type(blocks[0][1]).__name__ if blocks else "")
+        head += CODE_CHECKPOINT.format(**words)
     if rung.micro_batches > 1:
         return head + accumulation_loop_code(rung, gpus)
     loop = (CODE_LOOP_PLAIN if rung.amp is None else
@@ -331,6 +364,21 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
     if gpus == 1:
         loop = loop.replace("(rank)", "()")
     return head + loop
+
+
+def fsdp_code(rung: Rung, gpus: int, per_rank: int, words: dict[str, Any]) -> str:
+    """An FSDP2 rung's setup: the process group, the blocks checkpointed first where the
+    rung does (the wrapped blocks are then sharded, as torchtitan orders them), FSDP2's
+    mixed-precision policy where it has one, ``fully_shard`` per block and at the root."""
+    policy = rung.param_dtype is not None
+    out = CODE_FSDP.format(gpus=gpus, imports="MixedPrecisionPolicy, fully_shard" if policy
+                           else "fully_shard")
+    if rung.checkpoint:
+        out += CODE_CHECKPOINT.format(**words)
+    if policy:
+        out += CODE_FSDP_POLICY.format(dtype=rung.param_dtype)
+    return out + CODE_FSDP_SHARD.format(per_rank=per_rank, reshard=rung.reshard_after_forward,
+                                        policy=", mp_policy=mp" if policy else "", **words)
 
 
 def _blocks_words(model: nn.Module) -> dict[str, Any]:
@@ -352,6 +400,15 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
                 + ("each block's parameters all-gathered for its forward and again for its "
                    "backward" if rung.reshard_after_forward else
                    "each block's parameters kept unsharded from its forward to its backward")
+                + (f"; MixedPrecisionPolicy(param_dtype={rung.param_dtype}, reduce_dtype="
+                   f"float32): the all-gathers cast the float32 shards to {rung.param_dtype}, "
+                   f"so the unsharded parameters, activations and gradients are "
+                   f"{rung.param_dtype}, the gradients reduce-scattered in float32; the "
+                   "sharded parameters, gradients and optimizer state stay float32"
+                   if rung.param_dtype is not None else "")
+                + ("; the blocks checkpointed (non-reentrant) before sharding: their "
+                   "activations recomputed in backward, one more forward of the blocks"
+                   if rung.checkpoint else "")
                 + f"; the same {per_rank} rows per GPU")
     if rung.micro_batches > 1:
         rows = -(-per_rank // rung.micro_batches)
@@ -373,7 +430,9 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
     return f"on {floor}: " + "; ".join(parts)
 
 
-def _in_process_group() -> bool:
+def in_process_group() -> bool:
+    """Whether this process already has a process group (dpprof's own ranks): FSDP2's rungs
+    are emulated over a fake process group of their own, so they are left out there."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -399,11 +458,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         if rung.reshard_after_forward is not None:
             # one rank of N: the single scenario's rows (ceil(B / N)), its model sharded
             with emulated_ranks(base.gpus):  # each rank holds an NCCL communicator too
-                s = run_scenario(SINGLE, fully_sharded(wl, rung.reshard_after_forward),
+                s = run_scenario(SINGLE, rung_workload(wl, rung),
                                  dataclasses.replace(cfg.with_step(amp=rung.amp),
                                                      collectives=True))
         else:
-            s = run_scenario(floor, checkpointed(wl) if rung.checkpoint else wl,
+            s = run_scenario(floor, rung_workload(wl, rung),
                              cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
         return s if s.status in (STATUS_OK, STATUS_OOM) and s.devices else None
 
@@ -426,8 +485,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         s = measure(rung)
         if s is not None:
             out.append(fix(rung, s))
-    if fsdp and not _in_process_group():
-        for rung in fsdp_rungs(base.gpus, blocks > 0):
+    if fsdp and not in_process_group():
+        for rung in fsdp_rungs(base.gpus, blocks > 0, base.compute_capability):
             s = measure(rung)
             if s is not None:
                 out.append(fix(rung, s))

@@ -16,13 +16,18 @@ With ``ladder``, also the largest batch of each rung of the ladder
 (:mod:`dpprof.analysis.ladder`) on ``ddp`` (one GPU: ``single``): mixed precision,
 activation checkpointing, both, and gradient accumulation in
 :data:`LADDER_MICRO_BATCHES` micro-batches per step (its largest batch grows with k, so one
-k is shown), each an entry named ``"ddp + bf16"``, ``"ddp + 4 micro-batches"``...
+k is shown), each an entry named ``"ddp + bf16"``, ``"ddp + 4 micro-batches"``...; on
+several GPUs also FSDP2's rungs, named as the rung (``"fsdp2-zero3"``), the global batch
+whose per-rank share one emulated rank runs, NCCL's memory counted as on DDP's ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
@@ -34,6 +39,7 @@ from dpprof.result import (
     MaxBatch,
     MaxBatchEntry,
 )
+from dpprof.scenarios.base import SINGLE
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
@@ -57,12 +63,15 @@ class ProbeResult:
 Probe = Callable[[int], ProbeResult]
 
 
-def probe_emulated(name: str, wl: Workload, base: EmulationConfig) -> Probe:
-    """Emulate ``name`` at a batch; does every used device's total fit the capacity?"""
+def probe_emulated(name: str, wl: Workload, base: EmulationConfig,
+                   around: Callable[[], AbstractContextManager[object]] | None = None) -> Probe:
+    """Emulate ``name`` at a batch; does every used device's total fit the capacity?
+    ``around``: the context each emulation runs in (an FSDP2 rung's fake process group)."""
     cfg0 = dataclasses.replace(base, count_reserved=True)
 
     def probe(batch: int) -> ProbeResult:
-        s = run_scenario(name, wl, cfg0.with_step(batch=batch))
+        with around() if around is not None else contextlib.nullcontext():
+            s = run_scenario(name, wl, cfg0.with_step(batch=batch))
         if s.status == STATUS_ERROR:
             return ProbeResult(False, None, 0, s.status, s.message)
         used = [d for d in s.devices if d.used]
@@ -73,87 +82,104 @@ def probe_emulated(name: str, wl: Workload, base: EmulationConfig) -> Probe:
     return probe
 
 
+class _Search:
+    """The probes of one search, in units of ``m`` rows (``k`` means ``k * m`` rows), each
+    run once; ``lo`` fits, ``hi`` (once known) does not."""
+
+    def __init__(self, probe: Probe, m: int, kmax: int, capacity_bytes: int | None) -> None:
+        self.probe, self.m, self.kmax, self.capacity_bytes = probe, m, kmax, capacity_bytes
+        self.cache: dict[int, ProbeResult] = {}
+        self.lo: int = 1
+        self.hi: int | None = None
+
+    def at(self, k: int) -> ProbeResult:
+        if k not in self.cache:
+            self.cache[k] = self.probe(k * self.m)
+        return self.cache[k]
+
+    def rows(self) -> dict[int, ProbeResult]:
+        return {k * self.m: v for k, v in self.cache.items()}
+
+    def secant(self, ka: int, kb: int) -> int | None:
+        """Where the line through two probes crosses the capacity (regula falsi)."""
+        pa, pb = self.cache[ka], self.cache[kb]
+        if self.capacity_bytes is None or kb == ka:
+            return None
+        slope = (pb.worst_total_bytes - pa.worst_total_bytes) / (kb - ka)
+        if slope <= 0:
+            return None
+        return ka + int((self.capacity_bytes - pa.worst_total_bytes) / slope)
+
+    def from_below(self) -> int | None:
+        """Extrapolate along the two largest fitting probes of different totals (reserved
+        memory grows in segment-sized steps, so equal totals give no slope)."""
+        fitting = sorted(j for j, q in self.cache.items() if q.fits)
+        lo_total = self.cache[self.lo].worst_total_bytes
+        below = [j for j in fitting if self.cache[j].worst_total_bytes < lo_total]
+        return self.secant(below[-1], self.lo) if below else None
+
+    def bracket(self) -> bool:
+        """Unbracketed: extrapolate (quadruple while the totals are flat); when the
+        prediction stops moving up, gallop with small doubling steps. False where ``lo``
+        reached the bound with no failure (capped)."""
+        k = min(self.kmax, max(2, 64 // self.m))
+        step = 0
+        extrapolations = 0
+        while self.hi is None:
+            if not self.at(k).fits:
+                self.hi = k
+                break
+            self.lo = k
+            if self.lo >= self.kmax:
+                return False
+            guess = self.from_below()
+            if step == 0 and guess is not None and guess > self.lo and extrapolations < 3:
+                k = guess
+                extrapolations += 1
+            elif guess is None and step == 0 and extrapolations == 0:
+                k = self.lo * 4
+            else:
+                step = max(1, self.lo // 1024) if step == 0 else step * 2
+                k = self.lo + step
+            k = min(k, self.kmax)
+        return True
+
+    def narrow(self, hi: int) -> None:
+        """Bracketed: extrapolate from below, else interpolate between the bracket's ends;
+        when two probes in a row fail to halve the bracket, bisect once, so the search
+        stays logarithmic whatever the shape of the curve."""
+        lo = self.lo
+        widths = [hi - lo]
+        while hi - lo > 1:
+            guess = self.from_below()
+            if guess is not None and guess <= lo:
+                guess = lo + 1  # the boundary is right above lo: check the next step
+            if guess is None or not lo < guess < hi:
+                guess = self.secant(lo, hi)
+            stalled = len(widths) >= 3 and widths[-1] * 2 > widths[-3]
+            k = (guess if guess is not None and lo < guess < hi and not stalled
+                 else (lo + hi) // 2)
+            if self.at(k).fits:
+                lo = self.lo = k
+            else:
+                hi = k
+            widths.append(hi - lo)
+
+
 def search(probe: Probe, multiple_of: int = 1, upper: int = DEFAULT_UPPER,
            capacity_bytes: int | None = None) -> tuple[int | None, dict[int, ProbeResult], bool]:
     """Largest ``k * multiple_of`` (k >= 1) that fits; the probes run (by batch); whether
     the search stopped at ``upper``. ``capacity_bytes`` lets it extrapolate the boundary
     from two probes (otherwise it doubles). Assumes fitting is monotone in the batch.
     """
-    m = multiple_of
-    kmax = max(1, upper // m)
-    cache: dict[int, ProbeResult] = {}
-
-    def at(k: int) -> ProbeResult:
-        if k not in cache:
-            cache[k] = probe(k * m)
-        return cache[k]
-
-    def rows(cache_: dict[int, ProbeResult]) -> dict[int, ProbeResult]:
-        return {k * m: v for k, v in cache_.items()}
-
-    first = at(1)
-    if not first.fits:
-        return None, rows(cache), False
-    lo, hi = 1, None  # lo fits; hi (once known) does not
-
-    def secant(ka: int, kb: int) -> int | None:
-        """Where the line through two probes crosses the capacity (regula falsi)."""
-        pa, pb = cache[ka], cache[kb]
-        if capacity_bytes is None or kb == ka:
-            return None
-        slope = (pb.worst_total_bytes - pa.worst_total_bytes) / (kb - ka)
-        if slope <= 0:
-            return None
-        return ka + int((capacity_bytes - pa.worst_total_bytes) / slope)
-
-    def from_below() -> int | None:
-        """Extrapolate along the two largest fitting probes of different totals (reserved
-        memory grows in segment-sized steps, so equal totals give no slope)."""
-        fitting = sorted(j for j, q in cache.items() if q.fits)
-        below = [j for j in fitting if cache[j].worst_total_bytes < cache[lo].worst_total_bytes]
-        return secant(below[-1], lo) if below else None
-
-    # Unbracketed: extrapolate (quadruple while the totals are flat); when the prediction
-    # stops moving up, gallop with small doubling steps.
-    k = min(kmax, max(2, 64 // m))
-    step = 0
-    extrapolations = 0
-    while hi is None:
-        p = at(k)
-        if not p.fits:
-            hi = k
-            break
-        lo = k
-        if lo >= kmax:
-            return lo * m, rows(cache), True
-        guess = from_below()
-        if step == 0 and guess is not None and guess > lo and extrapolations < 3:
-            k = guess
-            extrapolations += 1
-        elif guess is None and step == 0 and extrapolations == 0:
-            k = lo * 4
-        else:
-            step = max(1, lo // 1024) if step == 0 else step * 2
-            k = lo + step
-        k = min(k, kmax)
-    # Bracketed: extrapolate from below, else interpolate between the bracket's ends; when
-    # two probes in a row fail to halve the bracket, bisect once, so the search stays
-    # logarithmic whatever the shape of the curve.
-    widths = [hi - lo]
-    while hi - lo > 1:
-        guess = from_below()
-        if guess is not None and guess <= lo:
-            guess = lo + 1  # the boundary is right above lo: check the next step
-        if guess is None or not lo < guess < hi:
-            guess = secant(lo, hi)
-        stalled = len(widths) >= 3 and widths[-1] * 2 > widths[-3]
-        k = guess if guess is not None and lo < guess < hi and not stalled else (lo + hi) // 2
-        if at(k).fits:
-            lo = k
-        else:
-            hi = k
-        widths.append(hi - lo)
-    return lo * m, rows(cache), False
+    s = _Search(probe, multiple_of, max(1, upper // multiple_of), capacity_bytes)
+    if not s.at(1).fits:
+        return None, s.rows(), False
+    if not s.bracket():
+        return s.lo * multiple_of, s.rows(), True
+    assert s.hi is not None
+    s.narrow(s.hi)
+    return s.lo * multiple_of, s.rows(), False
 
 
 def run_maxbatch(
@@ -215,22 +241,33 @@ def run_maxbatch(
 def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]]:
     """Each rung of the ladder as a probe on ``ddp`` (``single`` on one GPU), named
     ``"<floor> + <rung>"``: mixed precision, checkpointing (where the model has repeated
-    blocks), both, then :data:`LADDER_MICRO_BATCHES` micro-batches."""
+    blocks), both, then FSDP2's rungs on several GPUs (named as the rung, ``"fsdp2-zero3"``:
+    they replace DDP; one rank of ``gpus`` over a fake process group, its batch the global
+    batch's share, counting NCCL's memory as a DDP rank's does, as compare's ladder does),
+    then :data:`LADDER_MICRO_BATCHES` micro-batches."""
     from dpprof.analysis import ladder
     from dpprof.backends.emulated import probe_model
+    from dpprof.emulator.fsdp import emulated_ranks
 
     floor = ladder.floor_scenario(base.gpus)
     blocks = bool(ladder.repeated_blocks(probe_model(wl, base.gpus)))
     rungs = ladder.rungs(base.compute_capability, blocks)
+    if not ladder.in_process_group():  # FSDP2 is emulated over a process group of its own
+        rungs += ladder.fsdp_rungs(base.gpus, blocks, base.compute_capability)
     if wl.step is None:  # accumulation runs the tutorial loop, not a workload's own step
         rungs.append(ladder.accumulation_rung(ladder.Rung("", "", None, False),
                                               LADDER_MICRO_BATCHES))
     out = []
     for rung in rungs:
+        cfg = base.with_step(amp=rung.amp, micro_batches=rung.micro_batches)
+        if rung.reshard_after_forward is not None:
+            out.append((rung.name.removeprefix(ladder.PREFIX), probe_emulated(
+                SINGLE, ladder.rung_workload(wl, rung),
+                dataclasses.replace(cfg, collectives=True),
+                functools.partial(emulated_ranks, base.gpus))))
+            continue
         label = (f"{rung.micro_batches} micro-batches" if rung.micro_batches > 1
                  else rung.name.removeprefix(ladder.PREFIX))
-        cfg = base.with_step(amp=rung.amp, micro_batches=rung.micro_batches)
-        out.append((f"{floor} + {label}",
-                    probe_emulated(floor, ladder.checkpointed(wl) if rung.checkpoint else wl,
-                                   cfg)))
+        out.append((f"{floor} + {label}", probe_emulated(floor, ladder.rung_workload(wl, rung),
+                                                         cfg)))
     return out

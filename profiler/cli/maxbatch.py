@@ -79,7 +79,9 @@ def maxbatch_cmd(
     ladder: Annotated[bool, typer.Option(
         "--ladder", help="Also the largest batch of each rung of the ladder on ddp (one GPU: "
         "single): bf16 (fp16 below compute capability 8.0) autocast, activation "
-        f"checkpointing, both, {LADDER_MICRO_BATCHES} micro-batches of gradient accumulation.",
+        "checkpointing, both, FSDP2 ZeRO-2, ZeRO-3 and ZeRO-3 with its bf16 and checkpointing "
+        "(several GPUs), "
+        f"{LADDER_MICRO_BATCHES} micro-batches of gradient accumulation.",
         rich_help_panel=PANEL_WORKLOAD)] = False,
     include_host: Annotated[bool, INCLUDE_HOST] = False,
     quiet: Annotated[bool, QUIET] = False,

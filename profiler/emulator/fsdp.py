@@ -34,15 +34,20 @@ from dpprof.emulator.vdevice import VirtualDevices
 
 
 def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """``fully_shard`` each of ``blocks``, then the root (what the user's code does), over
     the default process group's ranks on the parameters' device type (``cuda`` under the
     emulator, ``cpu`` on a gloo rank). ``reshard_after_forward``: True is ZeRO-3 (each
     block's parameters all-gathered again for its backward), False ZeRO-2 (kept unsharded
-    from its forward to its backward)."""
+    from its forward to its backward). ``param_dtype``: FSDP2's own mixed precision
+    (``MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)``): the sharded
+    parameters, their gradients and the optimizer state stay float32; each all-gather
+    casts the shards to ``param_dtype`` first, so the unsharded parameters, the forward
+    and backward compute in it, and the gradients are reduce-scattered in float32."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     first = next(model.parameters(), None)
     device_type = first.device.type if first is not None else "cpu"
@@ -51,9 +56,13 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
     # the mesh's rank table is the host's (a real CPU tensor): the mesh reads its values
     with _disable_current_modes():
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+              if param_dtype is not None else MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                mp_policy=policy)
     return model
 
 
