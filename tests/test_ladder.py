@@ -248,7 +248,7 @@ def test_fsdp2_with_its_bf16_and_checkpointing_fits_where_ddp_rungs_do_not(
         assert fixes[lighter_elsewhere]["need_bytes"] > 4 << 30
         assert combined["max_peak_bytes"] < fixes[lighter_elsewhere]["max_peak_bytes"]
     verdict = " ".join(data["comparison"]["verdict"].split())
-    assert f"the cheapest rung that fits is {combined['title']}" in verdict
+    assert f"the cheapest rung that fits is {combined['title']}:" in verdict  # not "on DDP"
     code = combined["code"]
     assert "torch.autocast" not in code
     assert ("MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
@@ -339,3 +339,47 @@ def test_the_ladder_help_says_when_it_runs() -> None:
     text = " ".join(r.output.split())
     assert "--ladder" in text and "--no-ladder" in text
     assert "only when ddp (or single) is out of memory" in text
+
+
+def test_a_rung_that_cannot_run_is_said_not_dropped() -> None:
+    # FSDP2 over the emulator cannot shard a BatchNorm's num_batches_tracked (a real host
+    # tensor): the rung is missing from the table, and the run's notes say which and why
+    from torch import nn
+
+    from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.workloads import Workload
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(4 * 8 * 8, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.flatten(1))
+
+    wl = Workload(name="bn-blocks", model=Net,
+                  batch=lambda rows, device: (torch.randn(rows, 4, 8, 8, device=device),
+                                              torch.randint(0, 10, (rows,), device=device)),
+                  loss=nn.functional.cross_entropy)
+    run = run_compare(CompareConfig(gpus=2, scenarios=("ddp",), fixes=False, ladder=True,
+                                    step=StepConfig(batch=8)), workload=wl)
+    assert run is not None
+    names = {f.name for f in run.fixes}
+    missing = {"ladder-fsdp2-zero2", "ladder-fsdp2-zero3"} - names
+    assert missing, "FSDP2 now shards BatchNorm models: test another unrunnable rung"
+    for rung in missing:
+        title = "FSDP2, ZeRO-2" if rung.endswith("zero2") else "FSDP2, ZeRO-3"
+        assert any(n.startswith(f"ladder: {title}") and "could not be measured" in n
+                   for n in run.notes), run.notes
+    assert "ladder-bf16" in names  # the others still measured

@@ -221,8 +221,10 @@ def _ladder_clause(run: RunResult) -> str:
         return ""
     fit = next((f for f in rungs if (f.need_bytes or 0) <= run.gpu_memory_bytes), None)
     if fit is not None:
-        return (f"the cheapest rung that fits is {fit.title} on "
-                f"{'DDP' if run.gpus > 1 else 'one GPU'}: its fullest GPU needs "
+        # FSDP2's rungs replace DDP; the others run on it (or on the one GPU)
+        on = ("" if "fsdp2" in fit.name else
+              f" on {'DDP' if run.gpus > 1 else 'one GPU'}")
+        return (f"the cheapest rung that fits is {fit.title}{on}: its fullest GPU needs "
                 f"{fmt_bytes(fit.need_bytes)} (reserved memory and the CUDA context counted; "
                 "the code is below)")
     lightest = min(rungs, key=lambda f: f.need_bytes or 0)

@@ -464,7 +464,13 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         else:
             s = run_scenario(floor, rung_workload(wl, rung),
                              cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
-        return s if s.status in (STATUS_OK, STATUS_OOM) and s.devices else None
+        if s.status in (STATUS_OK, STATUS_OOM) and s.devices:
+            return s
+        # a rung that cannot run on this model is said, not dropped in silence
+        note = f"ladder: {rung.title} could not be measured on this model: {s.message}"
+        if note not in run.notes:
+            run.notes.append(note)
+        return None
 
     def fix(rung: Rung, s: ScenarioResult) -> Fix:
         q0, qmax = _peaks(s)
