@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpprof.emulator.vdevice import HOST
+from dpprof.emulator.counting import HOST
 from dpprof.emulator.virtual_cuda import (
     STAND_IN_FLOAT,
     STAND_IN_INT,

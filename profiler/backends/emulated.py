@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dpprof.emulator.context import ContextModel, device_context
+from dpprof.emulator.counting import HOST
 from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.heap import frozen_heap
@@ -29,8 +30,9 @@ from dpprof.emulator.kernels import (
     EmulatedAutocast,
     GpuKernels,
 )
+from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.reserved import fill_gpu_overheads
-from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, to_device
+from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
 from dpprof.result import (
     STATUS_ERROR,

@@ -19,7 +19,9 @@ from torch._utils import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices
+from dpprof.emulator.counting import HOST
+from dpprof.emulator.ledgers import VariantLedger
+from dpprof.emulator.vdevice import VirtualDevices
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES

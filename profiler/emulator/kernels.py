@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from dpprof.emulator.catalog import DEFAULT_GPU
+from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.vdevice import ALLOC, FREE, KernelPlan, KernelStep, VirtualDevices
+from dpprof.emulator.vdevice import VirtualDevices
 
 FLASH = "flash"
 EFFICIENT = "efficient"

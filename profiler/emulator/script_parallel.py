@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
 from dpprof.emulator.ddp import EmulatedDDP
-from dpprof.emulator.vdevice import VariantLedger
+from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.virtual_cuda import caller_site
 
 if TYPE_CHECKING:

@@ -54,7 +54,8 @@ from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.patcher import Patcher, own_attribute, put
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.standins import load_real, standing_in
-from dpprof.emulator.vdevice import HOST, SUBCLASS, VirtualDevices, subclass_in
+from dpprof.emulator.counting import HOST, SUBCLASS, subclass_in
+from dpprof.emulator.vdevice import VirtualDevices
 
 aten = torch.ops.aten
 
