@@ -21,6 +21,7 @@ from torch import nn
 
 from dpprof.emulator.context import ContextModel, device_context
 from dpprof.emulator.counting import HOST
+from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.heap import frozen_heap
@@ -33,7 +34,7 @@ from dpprof.emulator.kernels import (
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.reserved import fill_gpu_overheads
 from dpprof.emulator.vdevice import VirtualDevices, to_device
-from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
+from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,

@@ -39,11 +39,12 @@ from dpprof.backends.script_effects import ScriptEffects, Writes
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
+from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.kernels import CudaAutocastNames
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
-from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices, VirtualCuda
+from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import (
     STATUS_ERROR,

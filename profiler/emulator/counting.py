@@ -14,11 +14,9 @@ aten op creates is placed on a *virtual device* and counted there until it dies:
   current :meth:`category` at allocation, or later by :meth:`label` (e.g. a gradient that
   became a parameter's ``.grad``). The breakdown at a peak uses each storage's final label.
 
-Layers build on it by overriding its hooks (:meth:`CountingDevices._follows_events`,
-:meth:`CountingDevices._follow`, :meth:`CountingDevices._run`,
-:meth:`CountingDevices._check_movable`): mirroring (:mod:`dpprof.emulator.mirroring`), the op
-memo (:mod:`dpprof.emulator.op_memo`) and the ledgers (:mod:`dpprof.emulator.ledgers`),
-assembled in :class:`dpprof.emulator.vdevice.VirtualDevices`.
+Layers override its hooks (``_follows_events``, ``_follow``, ``_run``, ``_check_movable``):
+mirroring (:mod:`~dpprof.emulator.mirroring`), the op memo (:mod:`~dpprof.emulator.op_memo`),
+the ledgers (:mod:`~dpprof.emulator.ledgers`); :mod:`dpprof.emulator.vdevice` assembles them.
 
 The tensors themselves are meta tensors (memory only, any size, no arithmetic) or CPU
 tensors (real numbers, for checks). The device index :data:`HOST` stands for the host.
@@ -409,7 +407,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         """Where an op's ``device=`` puts its result: the real device the bytes live on and
         the virtual device (None: the rules of :meth:`__torch_dispatch__`). Here every
         ``device=`` means meta over meta tensors and is left alone over CPU tensors;
-        :mod:`dpprof.emulator.virtual_cuda` maps ``cuda:k``."""
+        :class:`dpprof.emulator.cuda_devices.CudaDevices` maps ``cuda:k``."""
         return (self.base if self._meta else device), None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

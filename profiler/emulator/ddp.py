@@ -107,7 +107,7 @@ class _DDPSink(torch.autograd.Function):
 
 class BucketViewFollower:
     """What ``gradient_as_bucket_view=True`` allocates, followed in a
-    :class:`~dpprof.emulator.vdevice.VariantLedger` while plain DDP runs the same program.
+    :class:`~dpprof.emulator.ledgers.VariantLedger` while plain DDP runs the same program.
 
     The two differ only where reducer.cpp lets ``.grad`` point at the bucket's view
     (``mark_variable_ready_dense``, ``initialize_bucket_views``): there the gradient the

@@ -22,7 +22,7 @@ choice. :class:`GpuKernels` is a ``TorchFunctionMode`` that re-routes them, per 
   ``embedding_dense_backward_cuda`` sorts the indices and sums partial segments through
   buffers of its own (:func:`embedding_backward_buffers`); meta allocates only the
   gradient. These buffers are played as allocations and frees around the gradient, in the
-  kernel's order, on the op's device (:class:`dpprof.emulator.vdevice.KernelPlan`).
+  kernel's order, on the op's device (:class:`dpprof.emulator.events.KernelPlan`).
 
 Only meaningful over meta tensors: over CPU tensors (``--compute``) the CPU kernels run,
 as the CPU would run them.
