@@ -35,7 +35,7 @@ from fidelity_models import sort_path_bytes_at_peak
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
-from dpprof.emulator.vdevice import HOST
+from dpprof.emulator.counting import HOST
 from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import load_workload
 

@@ -36,8 +36,8 @@ import torch
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
+from dpprof.emulator.counting import HOST
 from dpprof.emulator.fsdp import emulated_ranks
-from dpprof.emulator.vdevice import HOST
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 

@@ -221,7 +221,7 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
 
     from dpprof.emulator import reserved
     from dpprof.emulator.allocator import block_bytes, simulate
-    from dpprof.emulator.vdevice import EventLog
+    from dpprof.emulator.events import EventLog
 
     @dataclass
     class Dev:

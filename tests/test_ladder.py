@@ -30,7 +30,7 @@ from dpprof.analysis.ladder import checkpointed, repeated_blocks
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
-from dpprof.emulator.vdevice import HOST
+from dpprof.emulator.counting import HOST
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 

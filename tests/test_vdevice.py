@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dpprof.emulator.allocator import block_bytes
-from dpprof.emulator.vdevice import HOST, VirtualDeviceError, VirtualDevices, to_device
+from dpprof.emulator.counting import HOST, VirtualDeviceError
+from dpprof.emulator.vdevice import VirtualDevices, to_device
 
 
 @pytest.fixture(params=["meta", "cpu"])
@@ -274,7 +275,7 @@ def test_timeline_points_keep_the_first_maximum_of_each_equal_slice(n_events: in
     import random
 
     from dpprof.backends.emulated_figures import TIMELINE_POINTS, timeline_points
-    from dpprof.emulator.vdevice import PhaseMark
+    from dpprof.emulator.events import PhaseMark
 
     rng = random.Random(n_events)
     rt = VirtualDevices(2)
@@ -309,12 +310,12 @@ def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
 ) -> None:
     """An optimizer's foreach updates allocate nothing: over meta their (Python) meta
     kernels are skipped, with the same events as running them; host tensors still run."""
-    import dpprof.emulator.vdevice as vdevice
+    import dpprof.emulator.op_memo as op_memo
 
     def adamw_steps(skip: bool) -> tuple[list[tuple[int, int, int]], float]:
-        monkeypatch.setattr(vdevice, "_IN_PLACE_ONLY", {})
+        monkeypatch.setattr(op_memo, "_IN_PLACE_ONLY", {})
         if not skip:
-            monkeypatch.setattr(vdevice, "_writes_in_place_only", lambda func: False)
+            monkeypatch.setattr(op_memo, "writes_in_place_only", lambda func: False)
         rt = VirtualDevices(1)
         with rt, rt.device(0):
             lin = torch.nn.Linear(64, 32, device="meta")
@@ -328,8 +329,8 @@ def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
         return [(e.device, e.requested, e.allocated) for e in rt.events], step
 
     skipped, steps = adamw_steps(skip=True)
-    assert vdevice._writes_in_place_only(torch.ops.aten._foreach_lerp_.Scalar)
-    assert not vdevice._writes_in_place_only(torch.ops.aten._foreach_add.List)  # allocates
+    assert op_memo.writes_in_place_only(torch.ops.aten._foreach_lerp_.Scalar)
+    assert not op_memo.writes_in_place_only(torch.ops.aten._foreach_add.List)  # allocates
     assert adamw_steps(skip=False) == (skipped, steps)
     assert steps == 2.0
 

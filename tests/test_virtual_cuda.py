@@ -12,14 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpprof.emulator.vdevice import HOST
-from dpprof.emulator.virtual_cuda import (
-    STAND_IN_FLOAT,
-    STAND_IN_INT,
-    DataDependentShapeError,
-    VirtualCuda,
-    parse_visible_devices,
-)
+from dpprof.emulator.counting import HOST
+from dpprof.emulator.cuda_devices import STAND_IN_FLOAT, STAND_IN_INT, DataDependentShapeError
+from dpprof.emulator.virtual_cuda import VirtualCuda, parse_visible_devices
 
 
 def r512(n: int) -> int:

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
 ZOO = Path(__file__).with_name("zoo.py")
 # timm computes its drop-path rates as linspace(0, rate, depth) and reads them in __init__
 # (.item() in ViT, .tolist() in ConvNeXt): over meta the emulator answers such reads with the
-# real numbers (dpprof.emulator.virtual_cuda.NUMERIC_FACTORIES), so every zoo model runs.
+# real numbers (dpprof.emulator.cuda_devices.NUMERIC_FACTORIES), so every zoo model runs.
 RUNS_ON_META = ["gpt2", "llama", "bert", "resnet18", "vit", "timm_convnext", "timm_vit"]
 GPU_DROPOUT = {"gpt2"}  # meta runs the GPU's fused dropout (bool mask): lower than the CPU's
 ROWS = 2

@@ -31,13 +31,16 @@ from dpprof.backends.emulated_figures import (
     stand_in_note,
 )
 from dpprof.emulator.context import ContextModel, device_context
+from dpprof.emulator.counting import HOST
+from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, GpuKernels
+from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.reserved import fill_gpu_overheads
-from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices, to_device
-from dpprof.emulator.virtual_cuda import CudaDevices, VirtualCuda
+from dpprof.emulator.vdevice import VirtualDevices, to_device
+from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.result import STATUS_ERROR, ScenarioResult
 from dpprof.scenarios.base import StepHooks, error_site, training_loop
 from dpprof.scenarios.kind import Scenario

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.backends.emulated_figures import ddp_ranks, device_results, judge
 from dpprof.emulator.data_parallel import EmulatedDataParallel
-from dpprof.emulator.vdevice import VariantLedger, VirtualDevices
+from dpprof.emulator.ledgers import VariantLedger
+from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
 from dpprof.scenarios.registry import find

@@ -10,8 +10,8 @@ import bisect
 import numpy as np
 
 from dpprof.backends.emulated_config import EmulationConfig
+from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.vdevice import VirtualDevices
-from dpprof.emulator.virtual_cuda import STAND_INS, CudaDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario
 from dpprof.units import fmt_bytes

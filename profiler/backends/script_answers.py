@@ -10,8 +10,8 @@ import os
 from dpprof.analysis import script_rewrite
 from dpprof.backends.script_effects import Writes
 from dpprof.backends.script_runner import ScriptConfig, ScriptRun
+from dpprof.emulator.cuda_devices import STAND_INS
 from dpprof.emulator.script_parallel import LOSS_IN_FORWARD
-from dpprof.emulator.virtual_cuda import STAND_INS
 from dpprof.result import Fix, RunResult
 from dpprof.units import fmt_bytes
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.virtual_cuda import caller_site
 
 IsEmulated = Callable[[torch.Tensor], bool]
 

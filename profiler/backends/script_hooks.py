@@ -13,9 +13,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator import script_parallel
+from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
-from dpprof.emulator.virtual_cuda import CudaDevices, VirtualCuda
+from dpprof.emulator.virtual_cuda import VirtualCuda
 
 __all__ = ["AS_WRITTEN", "StepCallback", "Stepper", "StopScript", "Variant"]
 

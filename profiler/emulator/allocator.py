@@ -603,11 +603,9 @@ def simulate(
     free = sim.free
 
     timeline: list[tuple[int, int, int]] = []
-    use_timeline = bool(timeline_points) and n > 0
-    width = max(1, math.ceil(n / timeline_points)) if use_timeline and timeline_points else n + 1
+    use_timeline, width = _timeline_buckets(n, timeline_points)
     bucket_end = width - 1
-    b_alloc = 0
-    b_res = 0
+    b_alloc = b_res = 0
 
     processed = 0
     for i, ev in enumerate(evs):
@@ -619,13 +617,7 @@ def simulate(
             try:
                 live[bid] = malloc(int(ev[2]))
             except SimulatedOutOfMemory as err:
-                if not stats.oom:
-                    stats.oom = True
-                    stats.oom_event_index = i
-                    stats.oom_requested_bytes = err.requested_bytes
-                    stats.oom_alloc_bytes = err.alloc_bytes
-                    stats.oom_reserved_bytes = err.reserved_bytes
-                    stats.oom_allocated_bytes = err.allocated_bytes
+                _note_oom(stats, i, err)
                 if stop_on_oom:
                     processed = i + 1
                     break
@@ -635,10 +627,7 @@ def simulate(
             try:
                 block = live.pop(bid)
             except KeyError:
-                if bid in failed:
-                    failed.discard(bid)
-                else:
-                    raise ValueError(f"event {i}: free of unknown block {bid!r}") from None
+                _forget_failed(failed, bid, i)
             else:
                 free(block)
         elif kind == "empty_cache":
@@ -646,10 +635,7 @@ def simulate(
         elif kind == "reset_peak":
             sim.reset_peak_stats()
         else:
-            raise ValueError(
-                f"event {i}: unknown kind {kind!r} (expected 'alloc', 'free', "
-                "'empty_cache' or 'reset_peak')"
-            )
+            raise _unknown_kind(i, kind)
         processed = i + 1
         if use_timeline:
             if sim.allocated_bytes > b_alloc:
@@ -659,13 +645,61 @@ def simulate(
             if i >= bucket_end:
                 timeline.append((i, b_alloc, b_res))
                 bucket_end += width
-                b_alloc = 0
-                b_res = 0
-    if use_timeline and (not timeline or timeline[-1][0] != processed - 1) and processed:
+                b_alloc = b_res = 0
+    if use_timeline:
+        _close_timeline(timeline, processed, b_alloc, b_res, sim)
+    _copy_totals(stats, sim, processed, timeline)
+    return stats
+
+
+def _timeline_buckets(n: int, timeline_points: int | None) -> tuple[bool, int]:
+    """Whether :func:`simulate` keeps a timeline of ``n`` events, and how many events each
+    of its points covers."""
+    use_timeline = bool(timeline_points) and n > 0
+    width = max(1, math.ceil(n / timeline_points)) if use_timeline and timeline_points else n + 1
+    return use_timeline, width
+
+
+def _forget_failed(failed: set[Any], bid: Any, i: int) -> None:
+    """The free (event ``i``) of a block whose allocation failed: nothing to free; of an
+    unknown block: an error."""
+    if bid in failed:
+        failed.discard(bid)
+    else:
+        raise ValueError(f"event {i}: free of unknown block {bid!r}") from None
+
+
+def _close_timeline(timeline: list[tuple[int, int, int]], processed: int, b_alloc: int,
+                    b_res: int, sim: CachingAllocatorSim) -> None:
+    """The timeline's last point: the last event processed, where its bucket was cut short."""
+    if (not timeline or timeline[-1][0] != processed - 1) and processed:
         timeline.append(
             (processed - 1, max(b_alloc, sim.allocated_bytes), max(b_res, sim.reserved_bytes))
         )
 
+
+def _note_oom(stats: AllocatorStats, i: int, err: SimulatedOutOfMemory) -> None:
+    """Record the first out-of-memory (at event ``i``) in ``stats``."""
+    if not stats.oom:
+        stats.oom = True
+        stats.oom_event_index = i
+        stats.oom_requested_bytes = err.requested_bytes
+        stats.oom_alloc_bytes = err.alloc_bytes
+        stats.oom_reserved_bytes = err.reserved_bytes
+        stats.oom_allocated_bytes = err.allocated_bytes
+
+
+def _unknown_kind(i: int, kind: Any) -> ValueError:
+    return ValueError(
+        f"event {i}: unknown kind {kind!r} (expected 'alloc', 'free', "
+        "'empty_cache' or 'reset_peak')"
+    )
+
+
+def _copy_totals(stats: AllocatorStats, sim: CachingAllocatorSim, processed: int,
+                 timeline: list[tuple[int, int, int]]) -> None:
+    """The events processed, the simulator's peaks, final figures and counts, and the
+    timeline, into ``stats``."""
     stats.num_events = processed
     stats.peak_allocated_bytes = sim.peak_allocated_bytes
     stats.peak_reserved_bytes = sim.peak_reserved_bytes
@@ -680,4 +714,3 @@ def simulate(
     stats.num_alloc_retries = sim.num_alloc_retries
     stats.num_ooms = sim.num_ooms
     stats.timeline = timeline
-    return stats

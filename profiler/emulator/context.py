@@ -182,6 +182,34 @@ def context_overhead(
     cc = compute_capability_of(spec_or_cc)
     assumptions: list[str] = []
 
+    ctx_bytes = _cuda_context(cuda_context_bytes, lazy_loading, assumptions)
+    lib_bytes, cudnn_ws_bytes = _cudnn(uses_cudnn, lazy_loading, cudnn_library_bytes,
+                                       cudnn_workspace_bytes, assumptions)
+    cublas_ws, n_ws = _cublas_workspaces(cc, cublas_workspace_config, cublas_handles, streams,
+                                         assumptions)
+    lt_ws = _cublaslt_workspace(cublaslt_unified, cublaslt_workspace_kib, assumptions)
+    n_lt = n_ws if cublaslt_handles is None else cublaslt_handles
+    requests = [cublas_ws] * n_ws + ([lt_ws] * n_lt if lt_ws else [])
+    events = [("alloc", i, size) for i, size in enumerate(requests)]
+    reserved = simulate(events, timeline_points=None).peak_reserved_bytes if events else 0
+
+    return ContextModel(
+        compute_capability=cc,
+        cuda_context_bytes=ctx_bytes,
+        cudnn_library_bytes=lib_bytes or 0,
+        cublas_workspace_bytes=cublas_ws,
+        cublas_workspaces=n_ws,
+        cublaslt_workspace_bytes=lt_ws,
+        cublaslt_workspaces=n_lt if lt_ws else 0,
+        cudnn_workspace_bytes=cudnn_ws_bytes or 0,
+        workspace_reserved_bytes=reserved,
+        assumptions=assumptions,
+    )
+
+
+def _cuda_context(cuda_context_bytes: int | None, lazy_loading: bool,
+                  assumptions: list[str]) -> int:
+    """The CUDA context's bytes (given, or the measured default for the loading mode)."""
     if cuda_context_bytes is None:
         cuda_context_bytes = CUDA_CONTEXT_LAZY_BYTES if lazy_loading else CUDA_CONTEXT_EAGER_BYTES
         assumptions.append(
@@ -195,6 +223,13 @@ def context_overhead(
     else:
         assumptions.append(f"CUDA context: {cuda_context_bytes} B as given")
 
+    return cuda_context_bytes
+
+
+def _cudnn(uses_cudnn: bool, lazy_loading: bool, cudnn_library_bytes: int | None,
+           cudnn_workspace_bytes: int | None, assumptions: list[str]
+           ) -> tuple[int | None, int | None]:
+    """cuDNN's library and convolution workspace bytes (none without convolutions)."""
     if not uses_cudnn:
         cudnn_library_bytes = 0
         cudnn_workspace_bytes = 0
@@ -217,6 +252,13 @@ def context_overhead(
                 "(larger with torch.backends.cudnn.benchmark) and CUDNN_CONV_WSCAP_DBG caps it"
             )
 
+    return cudnn_library_bytes, cudnn_workspace_bytes
+
+
+def _cublas_workspaces(cc: tuple[int, int], cublas_workspace_config: str | None,
+                       cublas_handles: int, streams: int,
+                       assumptions: list[str]) -> tuple[int, int]:
+    """cuBLAS's workspace bytes per (handle, stream), and how many there are."""
     cublas_ws = cublas_workspace_size(cc, cublas_workspace_config)
     n_ws = cublas_handles * streams
     assumptions.append(
@@ -230,6 +272,12 @@ def context_overhead(
         "caching opt-in with TORCH_CUBLAS_WORKSPACE_CACHE=1 and otherwise leave cuBLAS its "
         "own default workspace, outside the allocator)"
     )
+    return cublas_ws, n_ws
+
+
+def _cublaslt_workspace(cublaslt_unified: bool, cublaslt_workspace_kib: int | None,
+                        assumptions: list[str]) -> int:
+    """cuBLASLt's own workspace bytes per (handle, stream) (0: it shares cuBLAS's)."""
     lt_ws = cublaslt_workspace_size(
         unified=cublaslt_unified, cublaslt_workspace_kib=cublaslt_workspace_kib
     )
@@ -244,23 +292,7 @@ def context_overhead(
             "caching allocator (CUBLASLT_WORKSPACE_SIZE, default 1024 KiB)"
         )
 
-    n_lt = n_ws if cublaslt_handles is None else cublaslt_handles
-    requests = [cublas_ws] * n_ws + ([lt_ws] * n_lt if lt_ws else [])
-    events = [("alloc", i, size) for i, size in enumerate(requests)]
-    reserved = simulate(events, timeline_points=None).peak_reserved_bytes if events else 0
-
-    return ContextModel(
-        compute_capability=cc,
-        cuda_context_bytes=cuda_context_bytes,
-        cudnn_library_bytes=cudnn_library_bytes or 0,
-        cublas_workspace_bytes=cublas_ws,
-        cublas_workspaces=n_ws,
-        cublaslt_workspace_bytes=lt_ws,
-        cublaslt_workspaces=n_lt if lt_ws else 0,
-        cudnn_workspace_bytes=cudnn_workspace_bytes or 0,
-        workspace_reserved_bytes=reserved,
-        assumptions=assumptions,
-    )
+    return lt_ws
 
 
 

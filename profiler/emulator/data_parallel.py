@@ -31,7 +31,8 @@ from dpprof.emulator.comm import (
     reduce_add_coalesced,
     scatter_tensor,
 )
-from dpprof.emulator.vdevice import HOST, VirtualDevices
+from dpprof.emulator.counting import HOST
+from dpprof.emulator.vdevice import VirtualDevices
 
 # ---- autograd functions (torch/nn/parallel/_functions.py) ---------------------------------
 

@@ -19,7 +19,9 @@ from torch._utils import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpprof.emulator.vdevice import HOST, VariantLedger, VirtualDevices
+from dpprof.emulator.counting import HOST
+from dpprof.emulator.ledgers import VariantLedger
+from dpprof.emulator.vdevice import VirtualDevices
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -105,7 +107,7 @@ class _DDPSink(torch.autograd.Function):
 
 class BucketViewFollower:
     """What ``gradient_as_bucket_view=True`` allocates, followed in a
-    :class:`~dpprof.emulator.vdevice.VariantLedger` while plain DDP runs the same program.
+    :class:`~dpprof.emulator.ledgers.VariantLedger` while plain DDP runs the same program.
 
     The two differ only where reducer.cpp lets ``.grad`` point at the bucket's view
     (``mark_variable_ready_dense``, ``initialize_bucket_views``): there the gradient the

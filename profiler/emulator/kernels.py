@@ -22,7 +22,7 @@ choice. :class:`GpuKernels` is a ``TorchFunctionMode`` that re-routes them, per 
   ``embedding_dense_backward_cuda`` sorts the indices and sums partial segments through
   buffers of its own (:func:`embedding_backward_buffers`); meta allocates only the
   gradient. These buffers are played as allocations and frees around the gradient, in the
-  kernel's order, on the op's device (:class:`dpprof.emulator.vdevice.KernelPlan`).
+  kernel's order, on the op's device (:class:`dpprof.emulator.events.KernelPlan`).
 
 Only meaningful over meta tensors: over CPU tensors (``--compute``) the CPU kernels run,
 as the CPU would run them.
@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from dpprof.emulator.catalog import DEFAULT_GPU
+from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.vdevice import ALLOC, FREE, KernelPlan, KernelStep, VirtualDevices
+from dpprof.emulator.vdevice import VirtualDevices
 
 FLASH = "flash"
 EFFICIENT = "efficient"

@@ -10,7 +10,11 @@ under the patches raised.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
+
+# what a group of patches is given: Patcher.patch (owner, name, value)
+Patch = Callable[[Any, str, Any], None]
 
 
 class _Missing:

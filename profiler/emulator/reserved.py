@@ -14,7 +14,7 @@ import numpy as np
 
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.context import ContextModel
-from dpprof.emulator.vdevice import EventLog
+from dpprof.emulator.events import EventLog
 
 __all__ = ["AllocationEvent", "DeviceFigures", "fill_gpu_overheads"]
 

@@ -24,15 +24,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
 from dpprof.emulator.ddp import EmulatedDDP
-from dpprof.emulator.vdevice import VariantLedger
-from dpprof.emulator.virtual_cuda import caller_site
+from dpprof.emulator.ledgers import VariantLedger
+from dpprof.emulator.patcher import Patch
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
 
-Patch = Callable[[Any, str, Any], None]
 
 _DataParallel = nn.DataParallel
 _DDP = nn.parallel.DistributedDataParallel

@@ -1,0 +1,266 @@
+"""``torch``'s tensor API played by a :class:`dpprof.emulator.virtual_cuda.VirtualCuda`: the
+Tensor methods a CPU build refuses before dispatch (``to``, ``cuda``, ``cpu``), the reads
+of values that meta tensors do not have (stand-ins), a tensor's device as the program sees
+it, stand-in addresses, ``torch.load``, and the factories and modules given a CUDA device
+(``torch.tensor``, ``Module.to``, ``device=rank``). Each group is patched through one
+``Patch`` (:meth:`dpprof.emulator.patcher.Patcher.patch`), in :func:`install`'s order."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dpprof.emulator.counting import HOST
+from dpprof.emulator.cuda_devices import ORIGINALS, on_meta
+from dpprof.emulator.patcher import Patch
+
+if TYPE_CHECKING:
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+
+
+def install(vc: VirtualCuda, p: Patch) -> None:
+    """Patch torch's tensor API to place tensors on ``vc``'s virtual GPUs."""
+    torch_load(vc, p)
+    storage_addresses(vc, p)
+    values_and_copies(vc, p)
+    device_identity(vc, p)
+    factories(vc, p)
+
+
+def torch_load(vc: VirtualCuda, p: Patch) -> None:
+    """``torch.load`` onto virtual GPUs (:meth:`VirtualCuda.load`)."""
+    orig_load = torch.load
+
+    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if callable(map_location):
+            return orig_load(f, map_location, *args, **kwargs)
+        return vc.load(orig_load, f, map_location, *args, **kwargs)
+
+    p(torch, "load", load)
+
+
+def storage_addresses(vc: VirtualCuda, p: Patch) -> None:
+    """``data_ptr()`` of meta storages: stand-in addresses, disjoint per storage."""
+    T = torch.Tensor
+    orig_data_ptr = T.data_ptr
+    orig_storage_ptr = torch.UntypedStorage.data_ptr
+
+    def data_ptr(self: torch.Tensor) -> int:
+        if not on_meta(self):
+            return orig_data_ptr(self)
+        base = vc.rt.address_of(self.untyped_storage())
+        return base + int(self.storage_offset()) * self.element_size() if base else 0
+
+    def storage_ptr(self: Any) -> int:
+        if self.device.type != "meta":
+            return orig_storage_ptr(self)  # type: ignore[no-any-return]
+        return vc.rt.address_of(self)
+
+    p(T, "data_ptr", data_ptr)
+    p(torch.UntypedStorage, "data_ptr", storage_ptr)
+
+
+def values_and_copies(vc: VirtualCuda, p: Patch) -> None:
+    """Moves between the host and virtual GPUs, and values read from them (stand-ins)."""
+    # Tensor methods that a CPU build refuses before dispatch, and stand-ins
+    T = torch.Tensor
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return vc.tensor_to(self, *args, **kwargs)
+
+    def cuda_(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
+              memory_format: Any = None) -> torch.Tensor:
+        i = vc.index_of(device if device is not None else vc.current_device())
+        return vc.to_index(self, i, memory_format=memory_format)
+
+    def cpu(self: torch.Tensor, memory_format: Any = None) -> torch.Tensor:
+        return vc.to_index(self, HOST, memory_format=memory_format)
+
+    def tolist(self: torch.Tensor) -> Any:
+        if on_meta(self):
+            real = vc.rt.real_values(self)
+            if real is not None:
+                return ORIGINALS["tolist"](real)
+            vc.rt.stand_in("tolist", self)
+            return ORIGINALS["tolist"](vc.rt.host_stand_in(self))
+        return ORIGINALS["tolist"](self)
+
+    def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
+        if ORIGINALS["device"].__get__(self).type == "meta":
+            values = vc.rt.real_values(self)
+            if values is not None:
+                return ORIGINALS["numpy"](values)
+            vc.rt.stand_in("numpy", self)
+            return ORIGINALS["numpy"](vc.rt.host_stand_in(self))
+        return ORIGINALS["numpy"](self, force=force)
+
+    orig_format = T.__format__
+
+    def format_(self: torch.Tensor, spec: str) -> str:
+        if self.dim() == 0 and on_meta(self):
+            return format(self.detach().item(), spec)  # a stand-in, counted
+        return orig_format(self, spec)
+
+    p(T, "__format__", format_)
+    p(T, "to", to)
+    p(T, "cuda", cuda_)
+    p(T, "cpu", cpu)
+    p(T, "tolist", tolist)
+    p(T, "numpy", numpy)
+    p(T, "pin_memory", lambda self, device=None: self)
+    p(T, "is_pinned", lambda self, device=None: False)
+    p(T, "record_stream", lambda self, stream: None)
+
+
+def device_identity(vc: VirtualCuda, p: Patch) -> None:
+    """A tensor's device as the program sees it: ``cuda:k``, not meta."""
+    T = torch.Tensor
+
+    def is_cuda(self: torch.Tensor) -> bool:
+        return vc.virtual_device(self).type == "cuda"
+
+    def get_device(self: torch.Tensor) -> int:
+        d = vc.virtual_device(self)
+        return d.index if d.type == "cuda" and d.index is not None else -1
+
+    def is_meta(self: torch.Tensor) -> bool:
+        # an emulated GPU tensor is not "meta" to the program (Keras re-creates meta
+        # tensors with empty_like, dropping autograd)
+        return on_meta(self) and (vc.rt.in_dispatch > 0
+                                   or vc.rt.device_of(self) == HOST)
+
+    orig_repr = T.__repr__
+
+    def repr_(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+        vc.rt.in_dispatch += 1  # torch's printing sees the real (meta) device
+        try:
+            return orig_repr(self, *args, **kwargs)
+        finally:
+            vc.rt.in_dispatch -= 1
+
+    p(T, "is_meta", property(is_meta))
+    p(T, "__repr__", repr_)
+    p(T, "device", property(vc.virtual_device))
+    p(T, "is_cuda", property(is_cuda))
+    p(T, "get_device", get_device)
+
+
+def factories(vc: VirtualCuda, p: Patch) -> None:
+    """Factories and modules given a CUDA device, or an int for one."""
+    T = torch.Tensor
+
+    # torch.tensor / torch.as_tensor with a CUDA device: made on the host, then moved
+    def make(orig: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def factory(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.pop("device", None)
+            index = vc.target_of(device)
+            if orig is ORIGINALS["as_tensor"] and isinstance(data, torch.Tensor):
+                # as_tensor of a tensor: no copy where it already is (autograd kept)
+                dtype = kwargs.get("dtype", args[0] if args else None)
+                if index is None:
+                    return orig(data, dtype=dtype) if dtype is not None else data
+                return vc.to_index(data, index, dtype)
+            if index is None or index == HOST:
+                if device is not None:
+                    kwargs["device"] = device
+                return orig(data, *args, **kwargs)
+            requires_grad = kwargs.pop("requires_grad", False)
+            out = vc.copy(orig(data, *args, **kwargs), index, None)
+            return out.requires_grad_(requires_grad) if requires_grad else out
+
+        return factory
+
+    # Module.to / cuda: what they move is parameters and buffers
+    def module_mover(orig: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        def move(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            # module.to(rank): an int names an accelerator, which C++ cannot find
+            args = tuple(torch.device("cuda", a) if isinstance(a, int)
+                         and not isinstance(a, bool) else a for a in args)
+            if isinstance(kwargs.get("device"), int):
+                kwargs["device"] = torch.device("cuda", kwargs["device"])
+            with vc.rt.category("parameters"):
+                return orig(self, *args, **kwargs)
+
+        return move
+
+    for name in ("to", "cuda", "to_empty"):
+        p(nn.Module, name, module_mover(getattr(nn.Module, name)))
+    # A CPU parameter cannot take a meta tensor as .data: swap the tensors instead
+    # (torch.utils.swap_tensors), so the Parameter objects an optimizer built before
+    # .cuda() holds stay the module's, as on a GPU.
+    p(torch.__future__, "_swap_module_params_on_conversion", True)
+    # torch.Generator(device="cuda"): a host generator (the values are not emulated)
+    generator = torch.Generator
+
+    class Generator(generator):  # type: ignore[misc,valid-type]
+        def __new__(cls, device: Any = "cpu") -> Any:
+            d = torch.device(device) if isinstance(device, (str, int)) else device
+            return generator("cpu" if d.type == "cuda" else d)
+
+    p(torch, "Generator", Generator)
+    p(torch, "tensor", make(ORIGINALS["tensor"]))
+    p(torch, "as_tensor", make(ORIGINALS["as_tensor"]))
+    # device=rank, torch.device(rank): an int names the accelerator, which C++ looks up
+    # before dispatch and a CPU build does not have; here the accelerator is CUDA
+    for name in INT_DEVICE_FACTORIES:
+        if hasattr(torch, name):
+            p(torch, name, _int_device(getattr(torch, name)))
+    for name in INT_DEVICE_METHODS:
+        p(T, name, _int_device(getattr(T, name)))
+    p(torch, "device", Device)
+
+
+_REAL_DEVICE = torch.device
+# torch functions and Tensor methods that take device= (and may be given an int)
+INT_DEVICE_FACTORIES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange",
+    "range", "linspace", "logspace", "eye", "empty_strided", "empty_permuted", "empty_like",
+    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "scalar_tensor", "tril_indices", "triu_indices", "asarray", "normal",
+)
+INT_DEVICE_METHODS = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor",
+                      "new_zeros")
+
+
+def _cuda_if_int(device: Any) -> Any:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _REAL_DEVICE("cuda", device)
+    return device
+
+
+def _int_device(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``orig`` with ``device=k`` (an int) read as ``cuda:k``, as on a CUDA machine."""
+
+    @functools.wraps(orig)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cuda_if_int(kwargs["device"])
+        return orig(*args, **kwargs)
+
+    return call
+
+
+class _DeviceType(type):
+    """The type of :class:`Device`: calling it makes a real ``torch.device``;
+    ``isinstance`` and ``issubclass`` answer for ``torch.device``."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs:
+            return _REAL_DEVICE(_cuda_if_int(args[0]))
+        return _REAL_DEVICE(*args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_DEVICE)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _REAL_DEVICE)
+
+
+class Device(metaclass=_DeviceType):
+    """``torch.device`` while a :class:`VirtualCuda` is active: ``torch.device(rank)`` is
+    ``cuda:rank`` (a CPU build's C++ finds no accelerator for an int); every object it makes
+    is a real ``torch.device``."""
