@@ -215,6 +215,34 @@ def test_a_checkpoint_of_emulated_tensors_never_reaches_the_users_file(
     assert "torch.save full.pt at train.py:8 x3" in notes
 
 
+
+def test_a_writer_bound_by_name_before_the_run_is_patched_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a library imported before the script runs (transformers, imported first, binds
+    # safetensors' save_file by name): its name must not write emulated tensors either
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "early_saver.py").write_text("from torch import save as keep\n")
+    monkeypatch.delitem(sys.modules, "early_saver", raising=False)
+    import early_saver  # type: ignore[import-not-found]
+
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch, early_saver
+        model = torch.nn.Linear(4, 2).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+            early_saver.keep(model.state_dict(), "ckpt.pt")
+    """))
+    (tmp_path / "ckpt.pt").write_bytes(b"the user's own checkpoint")
+    res = runner.invoke(app, ["run", "-o", str(tmp_path / "r.json"), "-q", "--",
+                              "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's own checkpoint"
+    assert early_saver.keep is torch.serialization.save  # restored after the run
+    monkeypatch.delitem(sys.modules, "early_saver")
+
+
 def test_numpy_save_of_values_read_from_a_virtual_gpu_is_not_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -16,7 +16,9 @@ Two rules hold while it runs:
 
 The wrappers stay correct when a library binds them by name during one run (transformers'
 ``from safetensors.torch import save_file``) and calls them in a later one or after the
-emulation: they consult the effects active then, or call the original.
+emulation: they consult the effects active then, or call the original. A module imported
+*before* the run that bound the original by name (``from torch import save``, transformers
+imported first) has that name patched too, for the run.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class ScriptEffects:
             for name in ("save_file", "save_model"):
                 self._originals[f"safetensors.{name}"] = getattr(st, name)
                 p(st, name, _safetensors_writer(name))
+        self._patch_bound_names()
         if self.sandbox is not None:
             self._originals["open"] = builtins.open
             self._originals["os.makedirs"] = os.makedirs
@@ -125,6 +128,30 @@ class ScriptEffects:
             p(sys, "stdout", _Silenced(sys.stdout, self._tail))
             p(sys, "stderr", _Silenced(sys.stderr, self._tail))
         return self
+
+    def _patch_bound_names(self) -> None:
+        """Modules already imported that hold a writer under a name of their own (``from
+        torch import save``; transformers' ``safe_save_file``): that name, patched too."""
+        wrappers = {id(self._originals[key]): getattr(owner, attr)
+                    for key, owner, attr in self._writer_owners()}
+        for module in list(sys.modules.values()):
+            names = getattr(module, "__dict__", None)
+            if not isinstance(names, dict):
+                continue
+            for attr, value in list(names.items()):
+                wrapper = wrappers.get(id(value))
+                if wrapper is not None and not attr.startswith("__"):
+                    self._patcher.patch(module, attr, wrapper)
+
+    def _writer_owners(self) -> list[tuple[str, Any, str]]:
+        out: list[tuple[str, Any, str]] = []
+        for key in self._originals:
+            owner, _, attr = key.rpartition(".")
+            module = {"torch": torch, "numpy": sys.modules.get("numpy"),
+                      "safetensors": sys.modules.get("safetensors.torch")}.get(owner)
+            if module is not None:
+                out.append((key, module, attr))
+        return out
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
