@@ -179,11 +179,6 @@ def run_check(
     sampler_steps: int = 20,
 ) -> dict[str, Any]:
     """Everything ``dpprof check`` reports, as a JSON-ready dict (see the module docstring)."""
-    from dpprof.emulator.context import device_context
-    from dpprof.pipeline import CompareConfig, run_compare
-    from dpprof.scenarios.step import StepConfig
-    from dpprof.scenarios.workloads import load_workload
-
     machine = host()
     visible = machine.visible_gpus()
     if visible < 1:
@@ -194,51 +189,84 @@ def run_check(
                          f"0..{visible - 1}")
     say = progress or (lambda text: None)
     nvml = nvml or libnvml.default_nvml()
+    report = _the_gpu(machine, nvml, device, visible)
+    report.update(workload=workload, batch=batch)
+    say("running the scenarios on the GPU")
+    _scenarios_both_ways(report, say, scenarios, steps, nvml_interval_s)
+    say("measuring the context, a cuBLAS workspace and the sampler's cost")
+    _libraries_and_sampler(report, machine, nvml, nvml_interval_s, sampler_steps)
+    return report
+
+
+def _the_gpu(machine: Any, nvml: NvmlBackend, device: int, visible: int) -> dict[str, Any]:
+    """The report's head: the device, its GPU model and capacity, every device matched."""
     found = _devices(nvml, machine.uuids(), visible)
     mine = found[device] if device < len(found) else {}
-    sample_index = mine.get("sample_index") if mine.get("matched") else None
     props = machine.properties(device)
     info = nvml.device_info(mine["nvml_index"]) if mine.get("nvml_index") is not None else None
     cc = props[2] if props else (nvml.compute_capability(info.index) if info else None)
     name = props[0] if props else (mine.get("name") or (info.name if info else None))
     capacity = props[1] if props else (info.total_bytes if info else None)
-    report: dict[str, Any] = {
+    return {
         "device": device, "gpu": name, "capacity_bytes": capacity,
         "compute_capability": list(cc) if cc else None, "torch": torch.__version__,
         "cuda": torch.version.cuda, "driver": nvml.driver_version(),
         "nvml": {"available": nvml.available, "reason": nvml.status().reason},
-        "devices": found, "workload": workload, "batch": batch,
+        "devices": found,
     }
 
-    say("running the scenarios on the GPU")
+
+def _compute_capability(report: dict[str, Any]) -> tuple[int, int]:
+    from dpprof.pipeline import CompareConfig
+
+    cc = report.get("compute_capability")
+    return (int(cc[0]), int(cc[1])) if cc else CompareConfig().compute_capability
+
+
+def _scenarios_both_ways(report: dict[str, Any], say: Progress, scenarios: tuple[str, ...],
+                         steps: int, nvml_interval_s: float) -> None:
+    """The scenarios on the GPU, then emulated for the same GPU model: ``rows``."""
+    from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.step import StepConfig
+
     common: dict[str, Any] = {
-        "workload": workload, "scenarios": scenarios, "fixes": False, "count_reserved": True,
-        "step": StepConfig(batch=batch, warmup=1, steps=steps), "nvml_interval_s":
-        nvml_interval_s, "gpu_memory_bytes": capacity or CompareConfig().gpu_memory_bytes,
+        "workload": report["workload"], "scenarios": scenarios, "fixes": False,
+        "count_reserved": True,
+        "step": StepConfig(batch=report["batch"], warmup=1, steps=steps),
+        "nvml_interval_s": nvml_interval_s,
+        "gpu_memory_bytes": report["capacity_bytes"] or CompareConfig().gpu_memory_bytes,
     }
     t0 = time.perf_counter()
-    real = run_compare(CompareConfig(backend="cuda", devices=(device,), **common))
+    real = run_compare(CompareConfig(backend="cuda", devices=(report["device"],), **common))
     t1 = time.perf_counter()
     say("emulating the same scenarios")
     emu = run_compare(CompareConfig(backend="emulated", gpus=1,
-                                    compute_capability=cc or CompareConfig().compute_capability,
-                                    **common))
+                                    compute_capability=_compute_capability(report), **common))
     t2 = time.perf_counter()
     assert real is not None and emu is not None
     report["rows"] = compare_rows(real, emu)
     report["notes"] = sorted({n for s in real.scenarios for n in s.notes})
     report["seconds"] = {"cuda": round(t1 - t0, 2), "emulated": round(t2 - t1, 2)}
 
-    say("measuring the context, a cuBLAS workspace and the sampler's cost")
-    ops = machine.ops([device])
+
+def _libraries_and_sampler(report: dict[str, Any], machine: Any, nvml: NvmlBackend,
+                           nvml_interval_s: float, sampler_steps: int) -> None:
+    """The context and a cuBLAS workspace measured beside the emulator's figures, per-process
+    NVML, and the sampler's cost on a training step."""
+    from dpprof.emulator.context import device_context
+    from dpprof.scenarios.workloads import load_workload
+
+    found = report["devices"]
+    mine = found[report["device"]] if report["device"] < len(found) else {}
+    sample_index = mine.get("sample_index") if mine.get("matched") else None
+    ops = machine.ops([report["device"]])
     ops.set_device(0)
-    wl = load_workload(workload)
-    step = step_closure(wl, ops, batch)
+    step = step_closure(load_workload(report["workload"]), ops, report["batch"])
     step()  # this process now holds a context on the device, and the model's memory
     probe = ops.probe(0)
     report["per_process_nvml"] = _per_process(nvml, sample_index)
     used = report["per_process_nvml"].get("used_bytes")
-    model = device_context(cc or CompareConfig().compute_capability, uses_cudnn=False)
+    model = device_context(_compute_capability(report), uses_cudnn=False)
     report["context"] = {
         "measured_bytes": (used - probe["reserved_bytes"])
         if used is not None and "reserved_bytes" in probe else None,
@@ -258,7 +286,6 @@ def run_check(
         report["sampler"] = {"reason": mine.get("reason") or "NVML cannot read this device"}
     del step
     ops.release()
-    return report
 
 
 def _b(x: object) -> str:
