@@ -465,6 +465,17 @@ def tensors_in(x: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
+def make_optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.Optimizer:
+    """The workload's optimizer over the model's parameters (and the loss module's)."""
+    params = list(model.parameters())
+    if isinstance(loss_fn, nn.Module):
+        params += list(loss_fn.parameters())
+    opt = wl.optimizer(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"optimizer() returned {type(opt).__name__}, not a torch Optimizer")
+    return opt
+
+
 def shard_sizes(batch: int, devices: int) -> list[int]:
     """Rows per device as ``tensor.chunk(devices)`` splits them (DataParallel's scatter).
 

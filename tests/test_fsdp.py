@@ -32,11 +32,11 @@ from typing import Any
 
 import pytest
 import torch
+from emulated_trace import live_at_start_and_step
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
-from dpprof.emulator.counting import HOST
 from dpprof.emulator.fsdp import emulated_ranks
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
@@ -59,12 +59,7 @@ def _emulated(spec: str) -> tuple[int, list[int]]:
             gpus=WORLD, gpu_memory_bytes=2**40, compute=True,
             step=StepConfig(batch=ROWS * WORLD)), trace)
     assert r.status == "ok", r.message
-    events = trace["rt"].events
-    kept = [e.requested for e in events[:trace["step_end"]]
-            if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES]
-    n_before = len([e for e in events[:trace["step_start"]]
-                    if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES])
-    return sum(kept[:n_before]), kept[n_before:]
+    return live_at_start_and_step(trace)
 
 
 def _model_bytes() -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from emulated_trace import live_at_start_and_step
 from torch import nn
 from typer.testing import CliRunner
 
@@ -30,7 +31,6 @@ from dpprof.analysis.ladder import checkpointed, repeated_blocks
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
-from dpprof.emulator.counting import HOST
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 
@@ -57,12 +57,7 @@ def _emulated(spec: str, rows: int, amp: str | None, compute: bool, micro_batche
         gpus=WORLD, gpu_memory_bytes=2**40, compute=compute, autocast_ops="cpu",
         step=StepConfig(batch=rows * WORLD, amp=amp, micro_batches=micro_batches)), trace)
     assert r.status == "ok", r.message
-    events = trace["rt"].events
-    kept = [e.requested for e in events[:trace["step_end"]]
-            if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES]
-    n_before = len([e for e in events[:trace["step_start"]]
-                    if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES])
-    return sum(kept[:n_before]), kept[n_before:]
+    return live_at_start_and_step(trace)
 
 
 def _unexplained(records: list[Alloc], unmatched: list[Alloc], missing: list[int]

@@ -43,7 +43,6 @@ from dpprof.backends.cuda_measure import (
     MeasuringLoop,
     StepBatches,
     finish_result,
-    make_optimizer,
     model_on_device,
     record_failure,
     watch_for,
@@ -52,7 +51,7 @@ from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.registry import find
 from dpprof.scenarios.step import scenario_batch
-from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.scenarios.workloads import Workload, make_optimizer, shard_sizes
 
 __all__ = ["ASSUMPTIONS", "run_local_scenario"]
 

@@ -38,7 +38,6 @@ from dpprof.backends.cuda_measure import (
     MeasuringLoop,
     StepBatches,
     finish_result,
-    make_optimizer,
     model_on_device,
     record_failure,
     watch_for,
@@ -56,7 +55,7 @@ from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
 from dpprof.scenarios.base import DDP
 from dpprof.scenarios.step import scenario_batch
-from dpprof.scenarios.workloads import Workload
+from dpprof.scenarios.workloads import Workload, make_optimizer
 from dpprof.units import fmt_bytes
 
 __all__ = [

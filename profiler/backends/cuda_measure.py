@@ -52,7 +52,7 @@ from dpprof.result import (
 )
 from dpprof.scenarios.base import StepHooks, UserStep, error_site, training_loop
 from dpprof.scenarios.step import Batch, StepConfig, build_model, scenario_batch, step_stream
-from dpprof.scenarios.workloads import Workload, map_tensors
+from dpprof.scenarios.workloads import Workload, make_optimizer, map_tensors
 from dpprof.units import fmt_bytes
 
 __all__ = [
@@ -63,7 +63,6 @@ __all__ = [
     "PhaseRecorder",
     "StepBatches",
     "finish_result",
-    "make_optimizer",
     "model_on_device",
     "record_failure",
     "step_closure",
@@ -201,17 +200,6 @@ def step_closure(wl: Workload, ops: DeviceOps, rows: int, seed: int = 0) -> Call
         training_loop(model, loss_fn, opt, batch, move, False, step=wl.step)
 
     return step
-
-
-def make_optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.Optimizer:
-    """The workload's optimizer over the model's parameters (and the loss module's)."""
-    params = list(model.parameters())
-    if isinstance(loss_fn, nn.Module):
-        params += list(loss_fn.parameters())
-    opt = wl.optimizer(params)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"optimizer() returned {type(opt).__name__}, not a torch Optimizer")
-    return opt
 
 
 class MeasuringLoop:

@@ -46,7 +46,13 @@ from dpprof.scenarios.base import StepHooks, error_site, training_loop
 from dpprof.scenarios.kind import Scenario
 from dpprof.scenarios.registry import find
 from dpprof.scenarios.step import Batch, build_model, scenario_batch, step_stream
-from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes, tensors_in
+from dpprof.scenarios.workloads import (
+    Workload,
+    make_optimizer,
+    map_tensors,
+    shard_sizes,
+    tensors_in,
+)
 
 # EmulationConfig, Alongside and FurtherSplits live in modules of their own; the many
 # callers of the emulated backend import them from here
@@ -150,12 +156,10 @@ def build_on_device(
             loss_fn._apply(lambda t: t.to(base, copy=True))
             if wl.dtype != torch.float32:
                 loss_fn.to(wl.dtype)
+    opt = make_optimizer(wl, model, loss_fn)
     params = list(model.parameters())
     if isinstance(loss_fn, nn.Module):
         params += list(loss_fn.parameters())
-    opt = wl.optimizer(params)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"optimizer() returned {type(opt).__name__}, not a torch Optimizer")
     for group in opt.param_groups:
         # torch picks foreach by default for CUDA tensors; meta and CPU would not.
         if group.get("foreach") is None and not group.get("fused"):
