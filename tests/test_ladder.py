@@ -378,3 +378,13 @@ def test_a_rung_that_cannot_run_is_said_not_dropped() -> None:
         assert any(n.startswith(f"ladder: {title}") and "could not be measured" in n
                    for n in run.notes), run.notes
     assert "ladder-bf16" in names  # the others still measured
+
+
+def test_an_fsdp2_rung_says_its_reserved_memory_is_an_upper_bound() -> None:
+    # the one-stream simulation of FSDP2's reserve is not checked on a GPU: the rung says so
+    from dpprof.analysis.ladder import Rung, detail
+
+    zero3 = Rung("ladder-fsdp2-zero3", "FSDP2, ZeRO-3", None, False, reshard_after_forward=True)
+    plain = Rung("ladder-bf16", "Mixed precision", "bfloat16", False)
+    assert "need may be overstated" in detail(zero3, 4, "ddp", 128)
+    assert "overstated" not in detail(plain, 4, "ddp", 128)

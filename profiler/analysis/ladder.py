@@ -409,7 +409,9 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
                 + ("; the blocks checkpointed (non-reentrant) before sharding: their "
                    "activations recomputed in backward, one more forward of the blocks"
                    if rung.checkpoint else "")
-                + f"; the same {per_rank} rows per GPU")
+                + f"; the same {per_rank} rows per GPU; its reserved memory is simulated "
+                "on one stream, where FSDP2 all-gathers on streams of its own whose blocks "
+                "the caching allocator pools apart, so its need may be overstated")
     if rung.micro_batches > 1:
         rows = -(-per_rank // rung.micro_batches)
         parts.append(f"{rung.micro_batches} micro-batches of {rows} rows per optimizer step "
