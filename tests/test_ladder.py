@@ -388,3 +388,17 @@ def test_an_fsdp2_rung_says_its_reserved_memory_is_an_upper_bound() -> None:
     plain = Rung("ladder-bf16", "Mixed precision", "bfloat16", False)
     assert "need may be overstated" in detail(zero3, 4, "ddp", 128)
     assert "overstated" not in detail(plain, 4, "ddp", 128)
+
+
+def test_without_fsdp2_in_torch_the_ladder_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an older torch (before 2.6) has no fully_shard to emulate: no FSDP2 rungs, one note
+    from dpprof.emulator import fsdp
+    from dpprof.pipeline import CompareConfig, run_compare
+
+    monkeypatch.setattr(fsdp, "missing", lambda: "this torch (2.4.0) has no FSDP2 to emulate")
+    run = run_compare(CompareConfig(workload="lm", gpus=2, scenarios=("ddp",), fixes=False,
+                                    ladder=True, step=StepConfig(batch=4)))
+    assert run is not None
+    assert not any("fsdp2" in f.name for f in run.fixes)
+    assert "ladder: no FSDP2 rungs: this torch (2.4.0) has no FSDP2 to emulate" in run.notes
+    assert any(f.name == "ladder-bf16" for f in run.fixes)

@@ -52,6 +52,7 @@ from torch import nn
 from dpprof.analysis.answers import LADDER_PREFIX as PREFIX
 from dpprof.analysis.fix_kinds.ddp import CODE_SETUP
 from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.emulator import fsdp as fsdp2
 from dpprof.emulator.fsdp import emulated_ranks, shard_model
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, SINGLE
@@ -151,7 +152,7 @@ def fsdp_rungs(gpus: int, blocks: bool,
     what FSDP2 users pair it with: FSDP2's own bf16 (``MixedPrecisionPolicy``, where the GPU
     computes in bf16; below compute capability 8.0 fp16 would need a gradient scaler, so
     none) and the same blocks checkpointed, the lightest of the three."""
-    if gpus < 2 or not blocks:
+    if gpus < 2 or not blocks or fsdp2.missing() is not None:
         return []
     bf16 = amp_dtype(compute_capability) == "bfloat16"
     return [Rung(f"{PREFIX}fsdp2-zero2", "FSDP2, ZeRO-2 (fully_shard, reshard_after_forward"
@@ -493,6 +494,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         s = measure(rung)
         if s is not None:
             out.append(fix(rung, s))
+    if fsdp and base.gpus > 1 and blocks and (why := fsdp2.missing()) is not None:
+        run.notes.append(f"ladder: no FSDP2 rungs: {why}")
     if fsdp and not in_process_group():
         for rung in fsdp_rungs(base.gpus, blocks > 0, base.compute_capability):
             s = measure(rung)

@@ -66,6 +66,25 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
     return model
 
 
+def missing() -> str | None:
+    """Why FSDP2 cannot be emulated with this torch (its ``fully_shard``, the fake process
+    group and the internals patched here arrived in torch 2.6), or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "this torch was built without torch.distributed"
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+        from torch.distributed.fsdp._fully_shard import _fsdp_param  # noqa: F401
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError as exc:
+        return f"this torch ({torch.__version__}) has no FSDP2 to emulate ({exc})"
+    if not hasattr(ShardingPropagator, "_propagate_tensor_meta_non_cached"):
+        return f"this torch ({torch.__version__}) computes DTensor shapes another way"
+    return None
+
+
 def _runtime() -> VirtualDevices | None:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
