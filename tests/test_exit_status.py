@@ -1,6 +1,9 @@
 """One exit-status policy (dpprof.errors) for every command, and the option bounds."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +164,16 @@ def test_a_gloo_rank_that_raises_reports_the_users_line(wl_file: Path, tmp_path:
     assert site in " ".join(r.output.split()), r.output  # the terminal wraps long lines
     for out in outs:
         assert site in out.read_text(encoding="utf-8"), out.name
+
+
+def test_help_piped_into_head_ends_without_a_traceback() -> None:
+    # `dpprof compare --help | head -3`: the reader goes away mid-help
+    env = dict(os.environ, COLUMNS="80")
+    p = subprocess.Popen([sys.executable, "-m", "dpprof", "compare", "--help"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.readline()
+    p.stdout.close()  # as head does after its lines
+    err = p.stderr.read().decode()
+    p.wait(timeout=60)
+    assert "Traceback" not in err, err[-2000:]

@@ -44,8 +44,10 @@ from dpprof.errors import (
 )
 from dpprof.reports.escape import terminal_text
 
-# click's exceptions, from wherever this typer takes click (its own copy, or the package)
+# click's exceptions, from wherever this typer takes click (its own copy, or the package);
+# Abort lives in typer itself in typer's own copy of click (0.2x), in click's exceptions before
 _click_errors = importlib.import_module(typer.BadParameter.__module__)
+_ABORT: type[BaseException] = getattr(typer, "Abort", None) or _click_errors.Abort
 
 
 class OneLineErrors(TyperGroup):
@@ -70,7 +72,7 @@ class OneLineErrors(TyperGroup):
             err.print(f"dpprof: error: {terminal_text(e.format_message())}{where}",
                       soft_wrap=True)
             sys.exit(e.exit_code)
-        except _click_errors.Abort:
+        except _ABORT:
             err.print("dpprof: aborted", soft_wrap=True)
             sys.exit(1)
         # typer returns a command's typer.Exit code, or what the command returned (None)
