@@ -114,8 +114,10 @@ class DeviceResult:
     allocator_stats: bool = False  # peak_* came from torch.cuda's allocator statistics
     node_rank: Index | None = None  # torchrun GROUP_RANK (the node's number)
     local_rank: Index | None = None  # torchrun LOCAL_RANK
-    # Library workspaces served by the caching allocator (cuBLAS per handle and stream),
-    # included in peak_reserved_bytes (modelled or measured); never in peak_allocated_bytes.
+    # Library workspaces served by the caching allocator (cuBLAS per handle and stream,
+    # cuBLASLt's), included in peak_reserved_bytes. Emulated, peak_allocated_bytes holds the
+    # tensors only (torch.cuda.max_memory_allocated on the GPU adds these bytes); measured on
+    # a GPU, the allocator counted them in both.
     workspace_bytes: Bytes | None = None
     # context_bytes split by component (cuda_context, cudnn_library, ...), when modelled
     context_breakdown_bytes: BytesMap = field(default_factory=dict)
