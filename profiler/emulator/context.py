@@ -347,7 +347,11 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
                  "--save-calibration` measures your own)" for a in model.assumptions]
     else:
         model = context_overhead(cc, **common)
-        notes = list(model.assumptions)
+        # the cited figure, with what one real GPU measured beside it: the user can judge
+        notes = [a if not a.startswith("CUDA context:") else
+                 f"{a}; a training step's context measured {MEASURED_CUDA_CONTEXT_BYTES[(9, 0)]:,}"
+                 f" B on {_MEASURED_ON}, three times this: `dpprof check --save-calibration` "
+                 "on this GPU measures its own" for a in model.assumptions]
     if found is None and measured is not None and model.cudnn_library_bytes:
         notes.append(f"cuDNN library code and handle: {model.cudnn_library_bytes:,} B, as "
                      f"measured (NVML, outside the allocator) after a convnet's step on "
