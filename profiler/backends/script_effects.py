@@ -131,16 +131,24 @@ class ScriptEffects:
 
     def _patch_bound_names(self) -> None:
         """Modules already imported that hold a writer under a name of their own (``from
-        torch import save``; transformers' ``safe_save_file``): that name, patched too."""
+        torch import save``; transformers' ``safe_save_file``): that name, patched too. A
+        module is read once per process (names are bound at import): thousands of modules
+        would otherwise cost each run ~25 ms."""
         wrappers = {id(self._originals[key]): getattr(owner, attr)
                     for key, owner, attr in self._writer_owners()}
+        wanted = frozenset(wrappers)
         for module in list(sys.modules.values()):
             names = getattr(module, "__dict__", None)
             if not isinstance(names, dict):
                 continue
-            for attr, value in list(names.items()):
-                wrapper = wrappers.get(id(value))
-                if wrapper is not None and not attr.startswith("__"):
+            seen = _BOUND_NAMES.get(id(module))
+            if seen is None or seen[0] is not module or not wanted <= seen[1]:
+                hits = [attr for attr, value in list(names.items())
+                        if id(value) in wanted and not attr.startswith("__")]
+                seen = _BOUND_NAMES[id(module)] = (module, wanted, hits)
+            for attr in seen[2]:
+                wrapper = wrappers.get(id(names.get(attr)))
+                if wrapper is not None:
                     self._patcher.patch(module, attr, wrapper)
 
     def _writer_owners(self) -> list[tuple[str, Any, str]]:
@@ -249,6 +257,10 @@ def _tensor_behind(x: Any) -> torch.Tensor | None:
         if x is None or isinstance(x, torch.Tensor):
             return x
     return None
+
+
+# id(module) -> (the module, the writers' ids it was read for, its names bound to one)
+_BOUND_NAMES: dict[int, tuple[Any, frozenset[int], list[str]]] = {}
 
 
 def _original(name: str) -> Any:
