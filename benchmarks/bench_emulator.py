@@ -32,7 +32,6 @@ GPUs with the fixes (< 20 s wall) and the tracker's overhead on a real CPU step 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -49,21 +48,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from ratios import cpu_s  # noqa: E402  (beside this file)
+
 GPT2 = "dpprof.scenarios.workloads:gpt2_small"
 ALL = ("dp-loss-primary", "dp-loss-forward", "ddp", "single")
 BEST_OF = 2  # each in-process figure: the least of two runs (the cores are shared)
 SETS: dict[str, tuple[str, ...]] = {s: (s,) for s in ALL} | {"all": ALL}
-
-
-def cpu_s(fn: Callable[[], object], best_of: int = 1) -> float:
-    """CPU seconds of ``fn()``, the least of ``best_of`` runs (each after a collection)."""
-    times = []
-    for _ in range(best_of):
-        gc.collect()
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return min(times)
 
 
 def compare(batch: int, gpus: int, scenarios: tuple[str, ...] = ALL, fixes: bool = False,

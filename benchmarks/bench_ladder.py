@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from ratios import cpu_s, summary
+from ratios import record_head, rounds, summary
 
 HERE = Path(__file__).resolve().parent
 GOAL = 2.0
@@ -71,22 +69,9 @@ def main() -> None:
         run: Any = ours()
         rungs[name] = [f"{f.title}: needs {f.need_bytes}" for f in run.fixes
                        if f.name.startswith("ladder-")]
-    raw: dict[str, list[float]] = {k: [] for k in cases}
-    secs: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
-    for r in range(args.repeat):
-        print(f"round {r + 1}/{args.repeat}", flush=True)
-        for name, (base, ours) in cases.items():
-            b = cpu_s(base)
-            o = cpu_s(ours)
-            raw[name].append(o / b)
-            secs[name].append((b, o))
+    raw, secs = rounds(cases, args.repeat)
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "method": "CPU time of the process, in process, each figure the least of two runs, "
-                  "ratios side by side in a round, min-max over rounds; cores shared",
+        **record_head(),
         "ratios": {k: summary(v, GOAL) for k, v in raw.items()},
         "cpu_s": {k: {"no_ladder": [round(b, 3) for b, _ in v],
                       "ladder": [round(o, 3) for _, o in v]} for k, v in secs.items()},

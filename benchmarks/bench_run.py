@@ -24,17 +24,15 @@ import contextlib
 import io
 import json
 import os
-import platform
 import runpy
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from ratios import cpu_s, summary
+from ratios import record_head, rounds, summary
 
 from dpprof.backends.script import ScriptConfig, parse_command, run_command
 
@@ -124,22 +122,10 @@ def main() -> None:
         for base, ours, _ in cases.values():  # warm-up: imports, first calls
             base()
             ours()
-        raw: dict[str, list[float]] = {k: [] for k in cases}
-        secs: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
-        for r in range(args.repeat):
-            print(f"round {r + 1}/{args.repeat}", flush=True)
-            for name, (base, ours, _) in cases.items():
-                b = cpu_s(base)
-                o = cpu_s(ours)
-                raw[name].append(o / b)
-                secs[name].append((b, o))
+        raw, secs = rounds({k: (base, ours) for k, (base, ours, _) in cases.items()},
+                           args.repeat)
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "method": "CPU time of the process, in process, each figure the least of two runs, "
-                  "ratios side by side in a round, min-max over rounds; cores shared",
+        **record_head(),
         "ratios": {k: summary(v, cases[k][2]) for k, v in raw.items()},
         "cpu_s": {k: {"plain": [round(b, 3) for b, _ in v], "dpprof": [round(o, 3) for _, o in v]}
                   for k, v in secs.items()},

@@ -1,12 +1,16 @@
-"""What the ratio benchmarks share (``bench_run.py``, ``bench_ladder.py``): CPU seconds of a
-call, the least of a few runs, and a ratio's summary over rounds against its goal."""
+"""What the ratio benchmarks share (``bench_run.py``, ``bench_ladder.py``; ``bench_emulator.py``
+takes its CPU seconds from here): CPU seconds of a call, the least of a few runs, the rounds
+measured side by side, a ratio's summary over rounds against its goal, and the record's
+head."""
 
 from __future__ import annotations
 
 import gc
+import os
+import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 BEST_OF = 2  # each figure: the least of two runs (the cores are shared)
@@ -21,6 +25,36 @@ def cpu_s(fn: Callable[[], object], best_of: int = BEST_OF) -> float:
         fn()
         times.append(time.process_time() - t0)
     return min(times)
+
+
+def rounds(cases: Mapping[str, tuple[Callable[[], object], Callable[[], object]]],
+           repeat: int) -> tuple[dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
+    """Each case's (baseline, ours) measured side by side in every round: the ratios ours /
+    baseline, and the CPU seconds (baseline, ours), per case."""
+    raw: dict[str, list[float]] = {k: [] for k in cases}
+    secs: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
+    for r in range(repeat):
+        print(f"round {r + 1}/{repeat}", flush=True)
+        for name, (base, ours) in cases.items():
+            b = cpu_s(base)
+            o = cpu_s(ours)
+            raw[name].append(o / b)
+            secs[name].append((b, o))
+    return raw, secs
+
+
+def record_head() -> dict[str, Any]:
+    """Where and how a ratio benchmark ran: the first fields of its recorded results."""
+    import torch
+
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "method": "CPU time of the process, in process, each figure the least of two runs, "
+                  "ratios side by side in a round, min-max over rounds; cores shared",
+    }
 
 
 def summary(values: list[float], goal: float) -> dict[str, Any]:
