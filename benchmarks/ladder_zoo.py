@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from ratios import machine  # beside this file
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
@@ -256,9 +256,7 @@ def main() -> None:
     print("\n".join(lines))
     if not args.no_write:
         out = {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "python": platform.python_version(), "torch": torch.__version__,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            **machine(),
             "load_average_before": round(load[0], 2),
             "method": f"run_compare, emulated, meta tensors, {GPUS} GPUs, --scenarios ddp "
                       "--no-fixes --ladder, once per card; batch: the smallest power of two "

@@ -28,14 +28,13 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from ratios import machine  # beside this file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -137,9 +136,7 @@ def main() -> None:
         profile = out.getvalue().splitlines()
     if not args.no_write:
         result = {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-            "python": platform.python_version(), "torch": torch.__version__,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            **machine(),
             "load_average_before": round(load[0], 2),
             "world": args.world, "batch": args.batch, "gpu": GPU,
             "rows_per_rank": d.batch_rows, "status": s.status,

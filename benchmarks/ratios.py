@@ -43,8 +43,8 @@ def rounds(cases: Mapping[str, tuple[Callable[[], object], Callable[[], object]]
     return raw, secs
 
 
-def record_head() -> dict[str, Any]:
-    """Where and how a ratio benchmark ran: the first fields of its recorded results."""
+def machine() -> dict[str, Any]:
+    """Where and when a benchmark ran: the first fields of every recorded result."""
     import torch
 
     return {
@@ -52,6 +52,13 @@ def record_head() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+
+
+def record_head() -> dict[str, Any]:
+    """Where and how a ratio benchmark ran: the first fields of its recorded results."""
+    return {
+        **machine(),
         "method": "CPU time of the process, in process, each figure the least of two runs, "
                   "ratios side by side in a round, min-max over rounds; cores shared",
     }
