@@ -64,9 +64,7 @@ def compare_rows(real: RunResult, emu: RunResult) -> list[dict[str, Any]]:
             if ed is None or not d.used:
                 continue
             total = (ed.peak_reserved_bytes or 0) + (ed.context_bytes or 0)
-            # max_memory_allocated counts the cuBLAS workspaces the caching allocator serves;
-            # the emulator keeps them beside its tensors (workspace_bytes)
-            allocated = ed.peak_allocated_bytes + (ed.workspace_bytes or 0)
+            allocated = ed.gpu_allocated_bytes
             rows.append({
                 "scenario": s.name, "device": d.index, "status": [s.status, e.status],
                 "messages": [s.message, e.message],

@@ -123,6 +123,13 @@ class DeviceResult:
     context_breakdown_bytes: BytesMap = field(default_factory=dict)
 
     @property
+    def gpu_allocated_bytes(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` reads: measured, the peak itself; emulated,
+        the tensors' peak and the workspaces the caching allocator serves beside them."""
+        extra = 0 if self.allocator_stats else (self.workspace_bytes or 0)
+        return self.peak_allocated_bytes + extra
+
+    @property
     def total_peak_bytes(self) -> int:
         """Peak the device must hold: reserved (or allocated) plus context and workspaces."""
         base = self.peak_reserved_bytes or self.peak_allocated_bytes

@@ -42,7 +42,7 @@ def _device(run: RunResult, scenario: str) -> DeviceResult:
 
 def _as_the_gpu_counts(d: DeviceResult) -> int:
     """max_memory_allocated's view: the tensors and the workspaces the allocator serves."""
-    return d.peak_allocated_bytes + (d.workspace_bytes or 0)
+    return d.gpu_allocated_bytes
 
 
 def test_the_workspaces_are_what_the_h100_allocated_at_first_use() -> None:
