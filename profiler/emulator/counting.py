@@ -413,6 +413,12 @@ class CountingDevices(EventQueries, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if types and (sub := subclass_in(types)) is not None:
             return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
+        return self.count_dispatch(func, types, args, kwargs)
+
+    def count_dispatch(self, func: Any, types: Any, args: Any = (),
+                       kwargs: Any = None) -> Any:
+        """The op run and counted; a subclass among its inputs already handed back (a
+        dispatch mode layered on this one checks that once, before its own rules)."""
         kwargs = kwargs or {}
         placed = None  # the virtual device a device= argument names
         if kwargs.get("device") is not None:

@@ -298,7 +298,7 @@ class CudaDevices(VirtualDevices):
     def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         self.in_dispatch += 1
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return self.count_dispatch(func, types, args, kwargs)
         finally:
             self.in_dispatch -= 1
 
