@@ -121,7 +121,7 @@ def libraries() -> dict[str, Any]:
     return out
 
 
-def _alive_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
+def alive_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
     """Replay device 0's trace; the blocks alive when allocated bytes peaked."""
     trace = snapshot["device_traces"][0]
     live: dict[int, dict[str, Any]] = {}
@@ -193,7 +193,7 @@ def scenario(kind: str, workload: str, batch: int, amp: str | None = None) -> di
     return {"status": status, "reported_peak_allocated_bytes": d.peak_allocated_bytes,
             "reported_peak_reserved_bytes": d.peak_reserved_bytes,
             "nvml_peak_used_bytes": d.nvml_peak_used_bytes,
-            "nvml_unexplained_bytes": d.nvml_unexplained_bytes, **_alive_at_peak(snap)}
+            "nvml_unexplained_bytes": d.nvml_unexplained_bytes, **alive_at_peak(snap)}
 
 
 def ddp_timing(workload: str, batch: int, backend: str, pause_s: float) -> dict[str, Any]:

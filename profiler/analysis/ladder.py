@@ -137,6 +137,8 @@ class Rung:
     reshard_after_forward: bool | None = None
     # FSDP2's own mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)
     param_dtype: str | None = None
+    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients, optimizer state on the host
+    offload: bool = False
 
 
 def amp_dtype(compute_capability: tuple[int, int]) -> str:
@@ -251,23 +253,26 @@ def checkpointed(wl: Workload) -> Workload:
 
 
 def _sharded_model(build: Callable[[], nn.Module], reshard_after_forward: bool,
-                   param_dtype: str | None, checkpoint: bool) -> nn.Module:
+                   param_dtype: str | None, checkpoint: bool, offload: bool = False
+                   ) -> nn.Module:
     model = build()
     if checkpoint:  # the blocks' forwards wrapped first, then sharded (as torchtitan does)
         checkpoint_blocks(model)
     return shard_model(model, [b for _, b in repeated_blocks(model)], reshard_after_forward,
-                       getattr(torch, param_dtype) if param_dtype is not None else None)
+                       getattr(torch, param_dtype) if param_dtype is not None else None,
+                       offload)
 
 
 def fully_sharded(wl: Workload, reshard_after_forward: bool = True,
-                  param_dtype: str | None = None, checkpoint: bool = False) -> Workload:
+                  param_dtype: str | None = None, checkpoint: bool = False,
+                  offload: bool = False) -> Workload:
     """``wl`` with its model under FSDP2: ``fully_shard`` on each repeated block, then the
     root, over the default process group (:func:`dpprof.emulator.fsdp.shard_model`;
     ``reshard_after_forward``: True ZeRO-3, False ZeRO-2; ``param_dtype``: FSDP2's
     ``MixedPrecisionPolicy`` in that dtype, reduced in float32), the blocks checkpointed
     first where ``checkpoint``."""
     return dataclasses.replace(wl, model=functools.partial(
-        _sharded_model, wl.model, reshard_after_forward, param_dtype, checkpoint))
+        _sharded_model, wl.model, reshard_after_forward, param_dtype, checkpoint, offload))
 
 
 def rung_workload(wl: Workload, rung: Rung) -> Workload:
@@ -276,7 +281,7 @@ def rung_workload(wl: Workload, rung: Rung) -> Workload:
     step's)."""
     if rung.reshard_after_forward is not None:
         return fully_sharded(wl, rung.reshard_after_forward, rung.param_dtype,
-                             rung.checkpoint)
+                             rung.checkpoint, rung.offload)
     return checkpointed(wl) if rung.checkpoint else wl
 
 

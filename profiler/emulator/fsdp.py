@@ -35,7 +35,7 @@ from dpprof.emulator.vdevice import VirtualDevices
 
 def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
                 reshard_after_forward: bool = True,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
+                param_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
     """``fully_shard`` each of ``blocks``, then the root (what the user's code does), over
     the default process group's ranks on the parameters' device type (``cuda`` under the
     emulator, ``cpu`` on a gloo rank). ``reshard_after_forward``: True is ZeRO-3 (each
@@ -44,13 +44,23 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
     (``MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)``): the sharded
     parameters, their gradients and the optimizer state stay float32; each all-gather
     casts the shards to ``param_dtype`` first, so the unsharded parameters, the forward
-    and backward compute in it, and the gradients are reduce-scattered in float32."""
+    and backward compute in it, and the gradients are reduce-scattered in float32.
+    ``offload``: ``CPUOffloadPolicy()``: the sharded parameters, their gradients and so
+    the optimizer state live in pinned host memory; each all-gather copies its shards to
+    the GPU first, each reduce-scatter's output is copied back."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     first = next(model.parameters(), None)
-    device_type = first.device.type if first is not None else "cpu"
+    # with CPU offload the parameters start on the host and the mesh names the GPUs
+    device_type = ("cuda" if offload else
+                   first.device.type if first is not None else "cpu")
     from torch.utils._python_dispatch import _disable_current_modes
 
     # the mesh's rank table is the host's (a real CPU tensor): the mesh reads its values
@@ -58,11 +68,12 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
               if param_dtype is not None else MixedPrecisionPolicy())
+    where = CPUOffloadPolicy() if offload else OffloadPolicy()
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
+                    mp_policy=policy, offload_policy=where)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                mp_policy=policy)
+                mp_policy=policy, offload_policy=where)
     return model
 
 

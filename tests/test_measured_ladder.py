@@ -1,0 +1,85 @@
+"""The ladder's rungs against what a real H200 measured (tests/data/h200_ladder.json).
+
+scripts/gpu_ladder.py ran each rung through the cuda backend's ``single`` scenario on an
+NVIDIA H200 (torch 2.11.0+cu130): mixed precision, checkpointing, both, gradient
+accumulation, and FSDP2 as one rank of 4 over torch's fake process group (every buffer
+FSDP2 allocates is real, on its own streams; the collectives return at once), ZeRO-2, ZeRO-3,
+with bf16 and checkpointing, and with CPU offload. Here the same rung workloads run through
+the emulator, with no GPU, and must give what ``max_memory_allocated`` and
+``max_memory_reserved`` gave."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MEASURED: dict[str, Any] = json.loads((ROOT / "tests" / "data" / "h200_ladder.json").read_text())
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_ladder import run_part  # noqa: E402  (the script the GPU ran, its emulated side)
+
+# allocated: the emulator replays the same program's allocations; the difference left is
+# torch's version (2.13 here, 2.11 on the GPU) and the cuBLAS/cuDNN workspaces' timing
+ALLOCATED_TOLERANCE = 0.01
+# reserved: the caching allocator's blocks, simulated (rounding, splitting, pools)
+RESERVED_TOLERANCE = 0.03
+
+
+# Where the emulator is known to be off, found by this comparison and not yet mended: each
+# an expected failure, strict, so that the mend shows here as a pass to be unmarked.
+GAPS_ALLOCATED = {
+    "autocast": "autocast's allocations overstated by 7-14 % (found by the H200 run)",
+    "offload": "FSDP2's CPUOffloadPolicy is not emulated yet",
+}
+GAPS_RESERVED = {
+    **GAPS_ALLOCATED,
+    "fsdp": "FSDP2's all-gather and reduce-scatter streams pool their blocks apart; the "
+            "simulation has one stream (reserved understated 6-16 %)",
+}
+
+
+def _cases(gaps: dict[str, str]) -> list[Any]:
+    out = []
+    for run in MEASURED["runs"]:
+        for part, real in run["parts"].items():
+            if real.get("status") != "ok":
+                continue
+            words = part.split("@")[0].split("-")
+            if "bf16" in words and "fsdp" not in words:  # FSDP2's bf16 is its own policy
+                words.append("autocast")
+            why = [reason for word, reason in gaps.items() if word in words]
+            marks = [pytest.mark.xfail(strict=True, reason=why[0])] if why else []
+            out.append(pytest.param(run, part, real, id=f"{run['workload']}-{part}",
+                                    marks=marks))
+    return out
+
+
+def _emulated(run: dict[str, Any], part: str) -> dict[str, Any]:
+    emu = run_part(part, run["workload"], run["batch"], emulated=True,
+                   capacity=run["total_memory_bytes"], cc=tuple(run["compute_capability"]))
+    assert emu["status"] == "ok", emu["message"]
+    return emu
+
+
+@pytest.mark.parametrize(("run", "part", "real"), _cases(GAPS_ALLOCATED))
+def test_each_rung_allocates_what_the_h200_allocated(run: dict[str, Any], part: str,
+                                                      real: dict[str, Any]) -> None:
+    emu = _emulated(run, part)
+    error = (emu["allocated_bytes"] - real["allocated_bytes"]) / real["allocated_bytes"]
+    assert abs(error) <= ALLOCATED_TOLERANCE, (
+        f"{part}: emulated {emu['allocated_bytes']:,} B, the H200 {real['allocated_bytes']:,} B"
+        f" ({error:+.1%})")
+
+
+@pytest.mark.parametrize(("run", "part", "real"), _cases(GAPS_RESERVED))
+def test_each_rung_reserves_what_the_h200_reserved(run: dict[str, Any], part: str,
+                                                    real: dict[str, Any]) -> None:
+    emu = _emulated(run, part)
+    error = (emu["reserved_bytes"] - real["reserved_bytes"]) / real["reserved_bytes"]
+    assert abs(error) <= RESERVED_TOLERANCE, (
+        f"{part}: emulated {emu['reserved_bytes']:,} B, the H200 {real['reserved_bytes']:,} B"
+        f" ({error:+.1%})")
