@@ -16,9 +16,9 @@ the step time, and the blocks alive at the allocated peak with their allocation 
 The allocator's history is recorded with ``context="alloc"`` (``GPU_LADDER_HISTORY``: alloc,
 all or none): with ``"all"`` (stacks of frees too) torch 2.11 on an H200 failed every
 checkpointed rung with ``SystemError: <built-in method dropout ...> returned NULL without
-setting an exception`` (a guess, not confirmed: non-reentrant checkpoint stops its recomputation by raising, and a free
-recorded with its Python stack while that exception unwinds loses it), and ran them with
-``"alloc"`` or ``"none"`` (the same figures both ways).
+setting an exception`` (a guess, not confirmed: non-reentrant checkpoint stops its
+recomputation by raising, and a free recorded with its Python stack while that exception
+unwinds loses it), and ran them with ``"alloc"`` or ``"none"`` (the same figures both ways).
 ``--emulated`` runs the same rungs through the emulator (no GPU needed) with the GPU's
 capacity and compute capability read from the record, and prints both side by side.
 """
