@@ -59,6 +59,7 @@ def test_softmax_asks_for_float32_unless_given_a_dtype() -> None:
         assert x.softmax(-1).dtype == torch.float32
         assert torch.log_softmax(x, -1).dtype == torch.float32
         assert F.softmax(x, dim=-1).dtype == torch.float32
+        assert torch.softmax(x, -1, dtype=None).dtype == torch.float32
         named = F.log_softmax(x, dim=-1, dtype=torch.bfloat16)
     assert named.dtype == torch.bfloat16
     # run on the input itself: no float32 copy in between

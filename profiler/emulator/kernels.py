@@ -489,7 +489,7 @@ class EmulatedAutocast:
                 # SoftMax.cpp: a CUDA float16 input asked for float32 takes the fused
                 # half_to_float kernel, no float32 copy of the input (bfloat16 gets one)
                 return half_to_float(x, dim, True)
-            return fn(x, *args, **kwargs, dtype=torch.float32)
+            return fn(x, *args, **{**kwargs, "dtype": torch.float32})
         return wrapped
 
     def __enter__(self) -> EmulatedAutocast:
