@@ -24,10 +24,10 @@ MEASURED: dict[str, Any] = json.loads((DATA / "h100_measured.json").read_text())
 H100 = (9, 0)
 
 
-def _emulate(workload: str, batch: int) -> RunResult:
+def _emulate(workload: str, batch: int, amp: str | None = None) -> RunResult:
     result = run_compare(CompareConfig(
         backend="emulated", workload=workload, gpus=1, compute_capability=H100, fixes=False,
-        step=StepConfig(batch=batch, warmup=1, steps=3)))
+        step=StepConfig(batch=batch, warmup=1, steps=3, amp=amp)))
     assert result is not None
     return result
 
@@ -101,8 +101,8 @@ def test_a_convnet_matches_the_h100_allocated_and_reserved_to_the_byte(scenario:
 
 
 # What the H100 measured for single with plain float32 at the batch given. Left out, not
-# hidden: `classifier` (the GPU's allocated is 7.5 % higher, not yet explained) and --amp
-# (lm: the emulator is 7 % high); the README lists both.
+# hidden: `classifier` (the GPU's allocated is 7.5 % higher, not yet explained); the README
+# lists it.
 AGREEING = {"lm": 2e-3, "attention": 1e-3, "convnet": 1e-2, "gpt2": 1e-3, "timm_vit": 1e-3}
 NEEDS = {"gpt2": "transformers", "timm_vit": "timm"}
 
@@ -120,3 +120,16 @@ def test_single_matches_the_h100_on_more_models(workload: str) -> None:
     assert _as_the_gpu_counts(d) == pytest.approx(real["peak_allocated_bytes"],
                                                   rel=AGREEING[workload])
     assert d.peak_reserved_bytes == pytest.approx(real["peak_reserved_bytes"], rel=3e-2)
+
+
+@pytest.mark.parametrize("workload", ["lm", "mlp"])
+def test_single_under_bf16_autocast_matches_the_h100(workload: str) -> None:
+    """--amp bfloat16: lm's loss keeps bfloat16 log-probabilities and nll_loss's float32
+    copy, as CUDA's autocast lists have it (the emulator was 6.9 % high before)."""
+    row = next(r for r in MEASURED["benchmark_batch16_or_8"]
+               if r["workload"] == workload and r["amp"] == "bfloat16")
+    d = _device(_emulate(workload, row["batch"], amp="bfloat16"), "single")
+    real = row["rows"]["single"]
+    assert _as_the_gpu_counts(d) == pytest.approx(real["peak_allocated_bytes"], rel=1e-3)
+    if workload == "lm":  # mlp's reserved is 4.9 % under the GPU's, not yet explained
+        assert d.peak_reserved_bytes == pytest.approx(real["peak_reserved_bytes"], rel=3e-2)

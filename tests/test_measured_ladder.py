@@ -32,7 +32,6 @@ RESERVED_TOLERANCE = 0.03
 # Where the emulator is known to be off, found by this comparison and not yet mended: each
 # an expected failure, strict, so that the mend shows here as a pass to be unmarked.
 GAPS_ALLOCATED = {
-    "autocast": "autocast's allocations overstated by 7-14 % (found by the H200 run)",
     "offload": "FSDP2's CPUOffloadPolicy is not emulated yet",
 }
 GAPS_RESERVED = {

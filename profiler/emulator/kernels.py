@@ -329,22 +329,87 @@ def embedding_backward_plan(num_indices: int, index_bytes: int, num_weights: int
 
 # ---- autocast --------------------------------------------------------------------------
 
-# torch/csrc/autograd/autocast_mode.cpp (CUDA): ops that run in the low dtype and ops that
+# aten/src/ATen/autocast_mode.{h,cpp} (CUDA): ops that run in the low dtype and ops that
 # run in float32. Only the functions models reach through torch.nn.functional / torch /
 # Tensor.__matmul__ are re-routed here (what nn.Linear, nn.Conv*, nn.LayerNorm call).
 _LOWER = [(F, "linear"), (F, "conv1d"), (F, "conv2d"), (F, "conv3d"),
           (torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "addmm"),
           (torch, "baddbmm"), (torch.Tensor, "__matmul__"), (torch.Tensor, "matmul"),
           (F, "scaled_dot_product_attention")]
-_FP32 = [(F, "softmax"), (F, "log_softmax"), (F, "cross_entropy"), (F, "nll_loss"),
-         (F, "layer_norm"), (F, "group_norm"), (F, "mse_loss"), (F, "l1_loss"),
-         (F, "binary_cross_entropy_with_logits")]
+_FP32 = [(F, "nll_loss"), (F, "layer_norm"), (F, "group_norm"), (F, "mse_loss"),
+         (F, "l1_loss"), (F, "binary_cross_entropy_with_logits")]
+# CUDA's fp32_set_opt_dtype ops: the input is not cast; the op is asked for a float32
+# result unless its caller named a dtype (nn.functional's softmax and log_softmax call these
+# methods).
+_SET_OPT_DTYPE = [(torch, "softmax"), (torch, "log_softmax"),
+                  (torch.Tensor, "softmax"), (torch.Tensor, "log_softmax")]
 # The same file's CPU lists (KERNEL_CPU): the same low-precision ops; of the float32 ops only
-# the losses (softmax and the norms run in the input's dtype). Used to check the
-# re-enactment against torch's own CPU autocast (tests/test_ladder.py).
+# the losses (softmax and the norms run in the input's dtype), cross_entropy_loss among
+# them. Used to check the re-enactment against torch's own CPU autocast
+# (tests/test_ladder.py).
 _FP32_CPU = [(F, "cross_entropy"), (F, "nll_loss"), (F, "mse_loss"), (F, "l1_loss"),
              (F, "binary_cross_entropy_with_logits")]
 AUTOCAST_OP_LISTS = ("cuda", "cpu")
+_HALF_TO_FLOAT = {"softmax": torch._softmax, "log_softmax": torch._log_softmax}
+
+
+def _names_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+
+
+def _sum(t: torch.Tensor, *dims: int) -> torch.Tensor:
+    """``sum`` under CUDA autocast (fp32_set_opt_dtype): float32 for an eligible input
+    (floating, not float64)."""
+    if t.is_floating_point() and t.dtype != torch.float64:
+        return t.sum(*dims, dtype=torch.float32)
+    return t.sum(*dims)
+
+
+def cross_entropy_composite(input: torch.Tensor, target: torch.Tensor,
+                            weight: torch.Tensor | None = None,
+                            size_average: bool | None = None, ignore_index: int = -100,
+                            reduce: bool | None = None, reduction: str = "mean",
+                            label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy`` as ATen's composite ``cross_entropy_loss`` (LossNLL.cpp) runs it,
+    op by op, so that autocast acts on each op as on a GPU: CUDA's lists do not name
+    ``cross_entropy_loss``, so it is not cast; it calls ``log_softmax`` with the input's
+    own dtype (which the fp32_set_opt_dtype policy keeps: a bfloat16 result, saved for
+    backward), then ``nll_loss`` (float32 policy: a float32 copy of the log-probabilities,
+    which ``nll_loss`` saves). Without autocast it computes what ``F.cross_entropy``
+    computes."""
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    class_dim = 0 if input.dim() == 1 else 1
+    classes = input.shape[class_dim]
+    log_probs = input.log_softmax(class_dim, input.dtype)
+    shape = [1] * input.dim()
+    shape[class_dim] = classes
+    if input.shape == target.shape:  # class probabilities: cross_entropy_loss_prob_target
+        if label_smoothing > 0:
+            target = target * (1 - label_smoothing) + label_smoothing / classes
+        terms = log_probs * target
+        if weight is not None:
+            terms = terms * weight.view(shape)
+        if reduction == "none":
+            return -_sum(terms, class_dim)
+        total = -_sum(terms)
+        return total / (input.numel() / classes) if reduction == "mean" else total
+    nll = F.nll_loss(log_probs, target, weight, ignore_index=ignore_index,
+                     reduction=reduction)
+    if label_smoothing <= 0:
+        return nll
+    # cross_entropy_loss_label_smoothing
+    ignored = target == ignore_index
+    spread = log_probs if weight is None else log_probs * weight.view(shape)
+    smooth = -_sum(spread, class_dim)
+    smooth.masked_fill_(ignored, 0.0)
+    if reduction == "mean":
+        kept = ~ignored
+        smooth = smooth.sum() / (kept.sum() if weight is None
+                                 else weight.gather(0, target.masked_select(kept)).sum())
+    elif reduction == "sum":
+        smooth = smooth.sum()
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes)
 
 
 class EmulatedAutocast:
@@ -353,10 +418,13 @@ class EmulatedAutocast:
     Autocast's dispatch keys only act on CUDA tensors, so over meta tensors the casts are
     re-enacted at the function level: floating arguments of the low-precision ops are cast
     to ``dtype`` (``.to``, recorded by autograd as on a GPU), those of the float32 ops to
-    float32; casts of leaf tensors that require grad (the weights) are cached until
-    :meth:`clear_cache` (autocast clears its cache when the outermost region exits: once per
-    forward), so each weight is copied once per forward and the copy lives as long as
-    autograd saves it. Parameters, gradients and optimizer state stay float32.
+    float32; softmax and log_softmax are asked for a float32 result unless given a dtype
+    (CUDA's fp32_set_opt_dtype policy) and ``F.cross_entropy`` runs op by op
+    (:func:`cross_entropy_composite`); casts of leaf tensors that require grad (the
+    weights) are cached until :meth:`clear_cache` (autocast clears its cache when the
+    outermost region exits: once per forward), so each weight is copied once per forward
+    and the copy lives as long as autograd saves it. Parameters, gradients and optimizer
+    state stay float32.
 
     ``ops``: whose op lists, ``"cuda"`` (the target GPU's) or ``"cpu"`` (torch's CPU
     autocast, to check the re-enactment against ``torch.autocast("cpu")`` on real tensors).
@@ -366,6 +434,7 @@ class EmulatedAutocast:
         if ops not in AUTOCAST_OP_LISTS:
             raise ValueError(f"autocast op lists {ops!r}: choose from {AUTOCAST_OP_LISTS}")
         self.dtype = dtype
+        self.ops = ops
         self.fp32_ops = _FP32 if ops == "cuda" else _FP32_CPU
         self._cache: dict[int, torch.Tensor] = {}
         self._patcher = Patcher()
@@ -407,10 +476,31 @@ class EmulatedAutocast:
             return fn(*cast_args, **{k: cast_kwargs[k] for k in kwargs})
         return wrapped
 
+    @staticmethod
+    def _wrap_set_opt_dtype(fn: Any, name: str) -> Any:
+        half_to_float = _HALF_TO_FLOAT[name]
+
+        def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if (not isinstance(x, torch.Tensor) or not x.is_floating_point()
+                    or x.dtype == torch.float64 or _names_dtype(args, kwargs)):
+                return fn(x, *args, **kwargs)
+            dim = args[0] if args else kwargs.get("dim")
+            if x.dtype == torch.float16 and isinstance(dim, int) and x.device.type != "cpu":
+                # SoftMax.cpp: a CUDA float16 input asked for float32 takes the fused
+                # half_to_float kernel, no float32 copy of the input (bfloat16 gets one)
+                return half_to_float(x, dim, True)
+            return fn(x, *args, **{**kwargs, "dtype": torch.float32})
+        return wrapped
+
     def __enter__(self) -> EmulatedAutocast:
         for owner, name in _LOWER + self.fp32_ops:
             self._patcher.patch(owner, name, self._wrap(
                 getattr(owner, name), None if (owner, name) in _LOWER else torch.float32))
+        if self.ops == "cuda":
+            for owner, name in _SET_OPT_DTYPE:
+                self._patcher.patch(owner, name,
+                                    self._wrap_set_opt_dtype(getattr(owner, name), name))
+            self._patcher.patch(F, "cross_entropy", cross_entropy_composite)
         return self
 
     def __exit__(self, *exc: Any) -> None:
