@@ -47,12 +47,12 @@ What is mirrored (read from pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp`
   all-gather and reduce-scatter streams). ``release_cached_blocks`` frees the cached
   segments of every stream.
 
-What is not modelled: ``record_stream`` (events, deferred frees: a free here returns the
-block at once, as it does for a block no other stream used), CUDA graph private pools, ``expandable_segments`` (off by default; asking for it raises),
-``garbage_collection_threshold`` (only acts with ``set_per_process_memory_fraction``), the
-``cudaMallocAsync`` backend, and free-memory callbacks (only IPC). Segment addresses are
-handed out in increasing order; the real driver's addresses only matter for tie-breaking
-between free blocks of equal size.
+What is not modelled: ``record_stream`` (events, deferred frees: a free here returns the block at
+once, as it does for a block no other stream used), CUDA graph private pools,
+``expandable_segments`` (off by default; asking for it raises), ``garbage_collection_threshold``
+(only acts with ``set_per_process_memory_fraction``), the ``cudaMallocAsync`` backend, and
+free-memory callbacks (only IPC). Segment addresses are handed out in increasing order; the real
+driver's addresses only matter for tie-breaking between free blocks of equal size.
 
 ``capacity_bytes`` is what ``cudaMalloc`` can still hand to this allocator: the device's
 total memory minus the CUDA context, library workspaces outside the allocator and other
@@ -605,10 +605,10 @@ def simulate(
 ) -> AllocatorStats:
     """Replay ``events`` through :class:`CachingAllocatorSim` and return the statistics.
 
-    Each event is ``(kind, block_id, size_bytes[, stream])``: ``"alloc"`` with the requested
-    bytes of a storage and the stream current at the request (an int; 0, or left out: the
-    default stream), ``"free"`` with the same ``block_id`` (size and stream ignored: a block
-    goes back to its own stream's pool), ``"empty_cache"`` (``torch.cuda.empty_cache()``) or ``"reset_peak"``
+    Each event is ``(kind, block_id, size_bytes[, stream])``: ``"alloc"`` with the requested bytes
+    of a storage and the stream current at the request (an int; 0, or left out: the default stream),
+    ``"free"`` with the same ``block_id`` (size and stream ignored: a block goes back to its own
+    stream's pool), ``"empty_cache"`` (``torch.cuda.empty_cache()``) or ``"reset_peak"``
     (``torch.cuda.reset_peak_memory_stats()``). An allocation of 0 bytes takes no block.
 
     With ``capacity_bytes``, a segment that would push reserved memory past it fails as

@@ -269,12 +269,23 @@ class Stream:
 
     def __enter__(self) -> Stream:
         """``with stream:``: the stream current inside, as ``torch.cuda.stream``."""
-        self._before.append(torch.cuda.current_stream(self.device))
-        torch.cuda.set_stream(self)
+        streams = _current_streams()
+        self._before.append(streams.current(self.device))
+        streams.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self._before.pop())
+        _current_streams().set(self._before.pop())
+
+
+def _current_streams() -> CurrentStreams:
+    """The active virtual CUDA's streams (a Stream is only made while one is active)."""
+    from dpprof.emulator.virtual_cuda import active
+
+    vc = active()
+    if vc is None:
+        raise RuntimeError("a virtual torch.cuda.Stream was used outside the emulation")
+    return vc.streams
 
 
 class Event:
