@@ -171,8 +171,9 @@ class CurrentStreams:
     (:meth:`dpprof.emulator.counting.CountingDevices.set_stream`) so that each allocation
     is known to be its stream's: FSDP2 allocates its all-gather and reduce-scatter buffers
     on streams of its own, and the caching allocator never lends one stream's free blocks
-    to another. One current stream per device for the whole process (CUDA keeps one per
-    thread; the programs emulated only switch streams on their main thread)."""
+    to another. One current stream per device for the whole process, where CUDA keeps one
+    per thread: the threads besides the program's (DataParallel's replicas) only make the
+    default stream current."""
 
     def __init__(self, vc: VirtualCuda) -> None:
         self.vc = vc
