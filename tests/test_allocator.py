@@ -288,6 +288,47 @@ def test_empty_cache_keeps_split_segments_and_frees_unsplit_ones() -> None:
     assert s.num_cudafree == 1
 
 
+# ----------------------------------------------------------------------------- streams
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another() -> None:
+    # get_free_block searches (stream, size): the default stream's 5 MiB request finds no
+    # block of its own and cudaMallocs while the side stream's 20 MiB segment lies free
+    same = simulate([("alloc", 0, 5 * MiB, 7), ("free", 0, 0), ("alloc", 1, 5 * MiB, 7)])
+    apart = simulate([("alloc", 0, 5 * MiB, 7), ("free", 0, 0), ("alloc", 1, 5 * MiB)])
+    assert (same.num_cudamalloc, same.peak_reserved_bytes) == (1, 20 * MiB)
+    assert (apart.num_cudamalloc, apart.peak_reserved_bytes) == (2, 40 * MiB)
+
+
+def test_a_side_stream_splits_and_merges_within_its_own_segments() -> None:
+    sim = CachingAllocatorSim()
+    a = sim.malloc(4 * MiB, stream=3)
+    b = sim.malloc(4 * MiB, stream=3)  # the rest of a's segment: a split keeps the stream
+    c = sim.malloc(4 * MiB)  # the default stream: a segment of its own
+    assert sim.num_device_alloc == 2
+    sim.free(a)
+    sim.free(b)  # merges with a into the whole free segment, back in stream 3's pool
+    sim.free(c)
+    d = sim.malloc(20 * MiB, stream=3)
+    assert sim.num_device_alloc == 2 and d is not None
+    by_stream = {seg["stream"]: seg["allocated_size"] for seg in sim.snapshot()}
+    assert by_stream == {3: 20 * MiB, 0: 0}
+
+
+def test_empty_cache_releases_every_streams_cached_segments() -> None:
+    s = simulate([("alloc", 0, 5 * MiB, 2), ("alloc", 1, MiB, 2), ("alloc", 2, 30 * MiB),
+                  ("free", 0, 0), ("free", 1, 0), ("free", 2, 0), ("empty_cache", None, 0)])
+    assert s.peak_reserved_bytes == 20 * MiB + 2 * MiB + 30 * MiB
+    assert (s.final_reserved_bytes, s.num_cudafree) == (0, 3)
+
+
+def test_out_of_memory_frees_other_streams_cached_segments_before_failing() -> None:
+    # release_cached_blocks runs over the whole pool, every stream's blocks in it
+    s = simulate([("alloc", 0, 30 * MiB, 5), ("free", 0, 0), ("alloc", 1, 30 * MiB)],
+                 capacity_bytes=40 * MiB)
+    assert s.fits and s.num_alloc_retries == 1 and s.final_reserved_bytes == 30 * MiB
+
+
 # ----------------------------------------------------------------------------- OOM path
 
 

@@ -212,6 +212,37 @@ def test_context_overhead_rejects_bad_counts() -> None:
         context_overhead("not-a-gpu")
 
 
+def test_an_allocation_on_a_side_stream_is_pooled_apart_in_a_devices_reserve() -> None:
+    """The stream an allocation was made on (``EventLog.streams``) reaches the simulation:
+    a device whose first block was a side stream's cannot reuse it on the default stream."""
+    from dataclasses import dataclass, field
+
+    from dpprof.emulator.events import EventLog
+
+    @dataclass
+    class Dev:
+        index: int
+        used: bool = True
+        rank: int | None = None
+        peak_reserved_bytes: int | None = None
+        workspace_bytes: int | None = None
+        context_bytes: int | None = None
+        context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
+
+    mib = 2**20
+    log = EventLog()
+    for d in (0, 1):  # the same sizes and order on both devices
+        log.add(d, 10 * d + 1, 30 * mib, 30 * mib)
+        if d == 1:
+            log.streams[len(log) - 1] = 7  # made inside torch.cuda.stream(side)
+        log.add(d, 10 * d + 1, -30 * mib, -30 * mib)
+        log.add(d, 10 * d + 2, 30 * mib, 30 * mib)
+    ctx = device_context((8, 0), uses_cudnn=False)
+    devs = [Dev(0), Dev(1)]
+    fill_gpu_overheads(devs, log, ctx)
+    assert devs[1].peak_reserved_bytes - devs[0].peak_reserved_bytes == 30 * mib
+
+
 def test_devices_with_the_same_allocation_sequence_share_one_simulation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequences equal up to their storages' serials simulate once; any other difference

@@ -380,14 +380,15 @@ def test_a_rung_that_cannot_run_is_said_not_dropped() -> None:
     assert "ladder-bf16" in names  # the others still measured
 
 
-def test_an_fsdp2_rung_says_its_reserved_memory_is_an_upper_bound() -> None:
-    # the one-stream simulation of FSDP2's reserve is not checked on a GPU: the rung says so
+def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:
+    # an H200 reserved up to 10 % more than the simulation of FSDP2's streams: the rung says so
     from dpprof.analysis.ladder import Rung, detail
 
     zero3 = Rung("ladder-fsdp2-zero3", "FSDP2, ZeRO-3", None, False, reshard_after_forward=True)
     plain = Rung("ladder-bf16", "Mixed precision", "bfloat16", False)
-    assert "need may be overstated" in detail(zero3, 4, "ddp", 128)
-    assert "overstated" not in detail(plain, 4, "ddp", 128)
+    assert "streams pooled apart" in detail(zero3, 4, "ddp", 128)
+    assert "need may be understated" in detail(zero3, 4, "ddp", 128)
+    assert "understated" not in detail(plain, 4, "ddp", 128)
 
 
 def test_without_fsdp2_in_torch_the_ladder_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,14 +30,17 @@ RESERVED_TOLERANCE = 0.03
 
 
 # Where the emulator is known to be off, found by this comparison and not yet mended: each
-# an expected failure, strict, so that the mend shows here as a pass to be unmarked.
+# an expected failure, strict, so that the mend shows here as a pass to be unmarked. A key
+# is a word of the rung's name, or one case's id (workload-rung).
 GAPS_ALLOCATED = {
     "offload": "FSDP2's CPUOffloadPolicy is not emulated yet",
 }
 GAPS_RESERVED = {
     **GAPS_ALLOCATED,
-    "fsdp": "FSDP2's all-gather and reduce-scatter streams pool their blocks apart; the "
-            "simulation has one stream (reserved understated 6-16 %)",
+    # with FSDP2's streams pooled apart, three FSDP2 rungs of five come within 2 %; on these
+    # two the H200 reserved one segment more (64 MiB, 476 MiB), not explained yet
+    "lm-fsdp-zero3-bf16-checkpoint@4": "FSDP2 reserved understated 6 % (64 MiB)",
+    "attention-fsdp-zero2@4": "FSDP2 reserved understated 10 % (476 MiB)",
 }
 
 
@@ -50,10 +53,10 @@ def _cases(gaps: dict[str, str]) -> list[Any]:
             words = part.split("@")[0].split("-")
             if "bf16" in words and "fsdp" not in words:  # FSDP2's bf16 is its own policy
                 words.append("autocast")
-            why = [reason for word, reason in gaps.items() if word in words]
+            case = f"{run['workload']}-{part}"
+            why = [reason for key, reason in gaps.items() if key in words or key == case]
             marks = [pytest.mark.xfail(strict=True, reason=why[0])] if why else []
-            out.append(pytest.param(run, part, real, id=f"{run['workload']}-{part}",
-                                    marks=marks))
+            out.append(pytest.param(run, part, real, id=case, marks=marks))
     return out
 
 

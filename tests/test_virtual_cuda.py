@@ -52,6 +52,28 @@ def test_reports_the_virtual_gpus() -> None:
         assert e.query() and s.query()
 
 
+def test_the_current_stream_is_kept_and_its_allocations_pooled_apart() -> None:
+    MiB = 2**20
+    with VirtualCuda(2) as vc:
+        default = torch.cuda.current_stream()
+        side = torch.cuda.Stream(priority=-1)
+        assert default == torch.cuda.default_stream() and side != default
+        with torch.cuda.stream(side):
+            assert torch.cuda.current_stream() == side
+            x = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.current_stream() == default
+        del x
+        # the default stream cannot have the side stream's free 20 MiB segment
+        y = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.max_memory_reserved() == 40 * MiB
+        with side:
+            assert torch.accelerator.current_stream() == side
+            z = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")  # its own block again
+        assert torch.cuda.max_memory_reserved() == 40 * MiB
+        assert list(vc.rt.events.streams.values()) == [side.stream_id] * 2
+        del y, z
+
+
 def test_everything_is_restored_on_exit() -> None:
     before = (torch.cuda.is_available, torch.cuda.device_count, torch.Tensor.to,
               torch.Tensor.cuda, torch.tensor, nn.DataParallel, nn.Module.to)

@@ -1,4 +1,4 @@
-"""A simulation of PyTorch's CUDA caching allocator: one device, one stream.
+"""A simulation of PyTorch's CUDA caching allocator: one device, its streams.
 
 The emulator records, per virtual device, the allocations and frees the allocator would see:
 ``(kind, block_id, size_bytes)`` with ``kind`` ``"alloc"`` or ``"free"`` and ``size_bytes`` the
@@ -39,13 +39,20 @@ What is mirrored (read from pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp`
   segment that is not split, both pools) and retry once more, counted in
   ``num_alloc_retries``. If that fails too, the allocator raises ``OutOfMemoryError``.
 - ``emptyCache`` is ``release_cached_blocks``; an event of kind ``"empty_cache"`` does that.
+- Streams: every block belongs to the stream current when its segment was ``cudaMalloc``'d
+  (``Block::stream``; a split keeps it), and ``BlockComparatorSize`` orders a pool's free
+  blocks by stream before size, so ``get_free_block`` only takes a block of the request's
+  own stream: a block freed by one stream is never reused by another, and a stream that
+  finds none of its own grows the reserve even while others hold free blocks (FSDP2's
+  all-gather and reduce-scatter streams). ``release_cached_blocks`` frees the cached
+  segments of every stream.
 
-What is not modelled: several streams and ``record_stream`` (events, deferred frees), CUDA
-graph private pools, ``expandable_segments`` (off by default; asking for it raises),
-``garbage_collection_threshold`` (only acts with ``set_per_process_memory_fraction``), the
-``cudaMallocAsync`` backend, and free-memory callbacks (only IPC). Segment addresses are
-handed out in increasing order; the real driver's addresses only matter for tie-breaking
-between free blocks of equal size.
+What is not modelled: ``record_stream`` (events, deferred frees: a free here returns the block at
+once, as it does for a block no other stream used), CUDA graph private pools,
+``expandable_segments`` (off by default; asking for it raises), ``garbage_collection_threshold``
+(only acts with ``set_per_process_memory_fraction``), the ``cudaMallocAsync`` backend, and
+free-memory callbacks (only IPC). Segment addresses are handed out in increasing order; the real
+driver's addresses only matter for tie-breaking between free blocks of equal size.
 
 ``capacity_bytes`` is what ``cudaMalloc`` can still hand to this allocator: the device's
 total memory minus the CUDA context, library workspaces outside the allocator and other
@@ -210,12 +217,13 @@ def get_allocation_size(size: int, large_segment_size: int = K_LARGE_BUFFER) -> 
 class _Block:
     """``Block``: a slice of one segment; ``prev``/``next`` link the slices of a segment."""
 
-    __slots__ = ("addr", "allocated", "next", "prev", "requested", "size", "small")
+    __slots__ = ("addr", "allocated", "next", "prev", "requested", "size", "small", "stream")
 
-    def __init__(self, size: int, addr: int, small: bool) -> None:
+    def __init__(self, size: int, addr: int, small: bool, stream: int = 0) -> None:
         self.size = size
         self.addr = addr
         self.small = small
+        self.stream = stream
         self.allocated = False
         self.requested = 0
         self.prev: _Block | None = None
@@ -263,11 +271,13 @@ class SimulatedOutOfMemory(Exception):
 
 
 class CachingAllocatorSim:
-    """``DeviceCachingAllocator`` for one device and one stream, in Python.
+    """``DeviceCachingAllocator`` for one device, in Python.
 
-    ``malloc(nbytes)`` returns an opaque handle (``None`` for 0 bytes, as PyTorch hands out a
-    null pointer without touching the allocator) or raises :class:`SimulatedOutOfMemory`;
-    ``free(handle)`` returns it. Counters mirror ``DeviceStats`` (aggregate pool).
+    ``malloc(nbytes, stream)`` returns an opaque handle (``None`` for 0 bytes, as PyTorch
+    hands out a null pointer without touching the allocator) or raises
+    :class:`SimulatedOutOfMemory`; ``free(handle)`` returns it to its stream's pool.
+    ``stream`` names the stream current at the request (0: the default stream). Counters
+    mirror ``DeviceStats`` (aggregate pool).
     """
 
     def __init__(
@@ -286,8 +296,11 @@ class CachingAllocatorSim:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError("capacity_bytes must not be negative")
         self.capacity_bytes = capacity_bytes
-        self._small = _Pool()
+        self._small = _Pool()  # the default stream's free blocks
         self._large = _Pool()
+        # every other stream's (small, large) pools: BlockPool's order puts the stream
+        # first, so no search ever crosses from one stream's blocks to another's
+        self._streams: dict[int, tuple[_Pool, _Pool]] = {}
         self._mss = self.config.max_split_size  # None: unlimited (size_t max)
         self._nsr = self.config.max_non_split_rounding_size
         self._lss = self.config.large_segment_size
@@ -311,8 +324,8 @@ class CachingAllocatorSim:
 
     # -- public operations ------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> _Block | None:
-        """``DeviceCachingAllocator::malloc`` for a request of ``nbytes``."""
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block | None:
+        """``DeviceCachingAllocator::malloc`` for a request of ``nbytes`` on ``stream``."""
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
         if nbytes == 0:
@@ -326,16 +339,16 @@ class CachingAllocatorSim:
         else:
             size = round_size(nbytes, self.config)
         small = size <= K_SMALL_SIZE
-        pool = self._small if small else self._large
+        pool = self._pool(small, stream)
         block = self._get_free_block(pool, size)
         if block is None:
             alloc_size = get_allocation_size(size, self._lss)
-            block = self._alloc_block(alloc_size, small, False)
+            block = self._alloc_block(alloc_size, small, False, stream)
             if block is None and self._release_available_cached_blocks(pool, size):
-                block = self._alloc_block(alloc_size, small, False)
+                block = self._alloc_block(alloc_size, small, False, stream)
             if block is None:
                 self._release_cached_blocks()
-                block = self._alloc_block(alloc_size, small, True)
+                block = self._alloc_block(alloc_size, small, True, stream)
             if block is None:
                 self.num_ooms += 1
                 raise SimulatedOutOfMemory(
@@ -350,7 +363,7 @@ class CachingAllocatorSim:
             split = remaining > K_SMALL_SIZE and (mss is None or size < mss)
         if split:
             rest = block
-            block = _Block(size, rest.addr, small)
+            block = _Block(size, rest.addr, small, rest.stream)
             block.prev = rest.prev
             if block.prev is not None:
                 block.prev.next = block
@@ -384,7 +397,7 @@ class CachingAllocatorSim:
         self.allocated_bytes -= block.size
         self.requested_bytes -= block.requested
         block.requested = 0
-        pool = self._small if block.small else self._large
+        pool = self._pool(block.small, block.stream)
         prev = block.prev
         if prev is not None and not prev.allocated:  # try_merge_blocks(block, prev): [prev block]
             pool.remove(prev)
@@ -434,6 +447,7 @@ class CachingAllocatorSim:
                     "address": head.addr,
                     "total_size": total,
                     "is_large": not head.small,
+                    "stream": head.stream,
                     "allocated_size": sum(x["size"] for x in blocks if x["allocated"]),
                     "blocks": blocks,
                 }
@@ -441,6 +455,15 @@ class CachingAllocatorSim:
         return out
 
     # -- internals --------------------------------------------------------------------
+
+    def _pool(self, small: bool, stream: int) -> _Pool:
+        """The free blocks of ``stream`` of one size class."""
+        if not stream:
+            return self._small if small else self._large
+        pools = self._streams.get(stream)
+        if pools is None:
+            pools = self._streams[stream] = (_Pool(), _Pool())
+        return pools[0] if small else pools[1]
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         """``get_free_block``: lower_bound on (size, address), then the max_split_size rules."""
@@ -460,14 +483,15 @@ class CachingAllocatorSim:
         del pool.blocks[key]
         return block
 
-    def _alloc_block(self, alloc_size: int, small: bool, is_retry: bool) -> _Block | None:
+    def _alloc_block(self, alloc_size: int, small: bool, is_retry: bool,
+                     stream: int = 0) -> _Block | None:
         """``alloc_block``: cudaMalloc a new segment, failing beyond ``capacity_bytes``."""
         if is_retry:
             self.num_alloc_retries += 1
         cap = self.capacity_bytes
         if cap is not None and self.reserved_bytes + alloc_size > cap:
             return None
-        block = _Block(alloc_size, self._next_addr, small)
+        block = _Block(alloc_size, self._next_addr, small, stream)
         self._next_addr += alloc_size
         self._segment_heads.add(block)
         self.reserved_bytes += alloc_size
@@ -516,8 +540,9 @@ class CachingAllocatorSim:
 
     def _release_cached_blocks(self) -> None:
         """``release_cached_blocks`` -> ``release_blocks``: free every cached segment that is not
-        split, large pool first, then small."""
-        for pool in (self._large, self._small):
+        split, large pool first, then small, every stream's."""
+        side = [self._streams[s] for s in sorted(self._streams)]
+        for pool in (self._large, *(p[1] for p in side), self._small, *(p[0] for p in side)):
             for key in list(pool.keys):
                 block = pool.blocks[key]
                 if block.prev is None and block.next is None:
@@ -580,9 +605,10 @@ def simulate(
 ) -> AllocatorStats:
     """Replay ``events`` through :class:`CachingAllocatorSim` and return the statistics.
 
-    Each event is ``(kind, block_id, size_bytes, ...)`` (extra fields are ignored): ``"alloc"``
-    with the requested bytes of a storage, ``"free"`` with the same ``block_id`` (size
-    ignored), ``"empty_cache"`` (``torch.cuda.empty_cache()``) or ``"reset_peak"``
+    Each event is ``(kind, block_id, size_bytes[, stream])``: ``"alloc"`` with the requested bytes
+    of a storage and the stream current at the request (an int; 0, or left out: the default stream),
+    ``"free"`` with the same ``block_id`` (size and stream ignored: a block goes back to its own
+    stream's pool), ``"empty_cache"`` (``torch.cuda.empty_cache()``) or ``"reset_peak"``
     (``torch.cuda.reset_peak_memory_stats()``). An allocation of 0 bytes takes no block.
 
     With ``capacity_bytes``, a segment that would push reserved memory past it fails as
@@ -615,7 +641,7 @@ def simulate(
             if bid in live:
                 raise ValueError(f"event {i}: block {bid!r} allocated again while still live")
             try:
-                live[bid] = malloc(int(ev[2]))
+                live[bid] = malloc(int(ev[2]), ev[3] if len(ev) > 3 else 0)
             except SimulatedOutOfMemory as err:
                 _note_oom(stats, i, err)
                 if stop_on_oom:

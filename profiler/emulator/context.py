@@ -373,7 +373,8 @@ def gpu_model_notes(ctx: ContextModel) -> list[str]:
     return [
         "reserved: dpprof.emulator.allocator's simulation of the CUDA caching allocator (512 B "
         "rounding, 1 MiB small / large pools, 2 / 20 MiB segments, best-fit splitting and "
-        "merging, one stream) over this device's emulated allocation sequence, with "
+        "merging, each stream's blocks pooled apart) over this device's emulated allocation "
+        "sequence, with "
         f"{CUBLAS_HANDLES_PER_DEVICE} cuBLAS workspaces (forward thread + autograd thread) "
         "allocated first",
         *ctx.assumptions,

@@ -115,6 +115,9 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         self._last_device: int | None = None  # of the last op with device tensor inputs
         self._by_device: tuple[int, dict[str, np.ndarray], dict[int, np.ndarray]] = (-1, {}, {})
         self._on_free_calls: dict[int, list[Callable[[], None]]] = {}  # serial -> callbacks
+        # device -> the stream current on it, where that is not its default stream (the
+        # virtual CUDA's torch.cuda.stream sets it): its allocations are tagged with it
+        self._streams: dict[int, int] = {}
         # ops whose kernel on the target GPU allocates buffers of its own that the meta
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
@@ -171,6 +174,18 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             changes["device"] = device
         with self._set(**changes):
             yield
+
+    def set_stream(self, device: int, stream: int) -> None:
+        """Make ``stream`` (an id; 0: the default stream) current on ``device``: the
+        storages allocated there from now on are that stream's (``EventLog.streams``)."""
+        if stream:
+            self._streams[device] = stream
+        else:
+            self._streams.pop(device, None)
+
+    def stream_on(self, device: int) -> int:
+        """The id of the stream current on ``device`` (0: its default stream)."""
+        return self._streams.get(device, 0)
 
     def _set_category(self, name: str) -> None:
         """Switch the category without a context (autograd hooks switch it back)."""
@@ -273,6 +288,8 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             log.serial.append(serial)
             log.requested.append(requested)
             log.allocated.append(rounded)
+            if self._streams and device in self._streams:
+                log.streams[len(log.device) - 1] = self._streams[device]
             c = self.counters[device]
             c.live_requested += requested
             live = c.live_allocated = c.live_allocated + rounded
@@ -292,6 +309,8 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         ledger's)."""
         with self._lock:
             self.events.add(device, serial, requested, allocated)
+            if requested > 0 and self._streams and device in self._streams:
+                self.events.streams[len(self.events) - 1] = self._streams[device]
             if device == HOST:
                 self.host_requested += requested
                 return

@@ -7,6 +7,8 @@ and ``torch.accelerator``'s equivalents. Each group is patched through one ``Pat
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +24,7 @@ def install(vc: VirtualCuda, p: Patch) -> None:
     device_queries(vc, p)
     memory_stats(vc, p)
     random_generators(vc, p)
-    streams_and_events(p)
+    streams_and_events(vc, p)
     memory_module(p)
     nvtx_ranges(p)
     accelerator(vc, p)
@@ -88,15 +90,18 @@ def random_generators(vc: VirtualCuda, p: Patch) -> None:
           lambda: [vc.rng_state_stand_in() for _ in range(vc.device_count())])
 
 
-def streams_and_events(p: Patch) -> None:
-    """Streams and events: work is in order, nothing to wait for."""
+def streams_and_events(vc: VirtualCuda, p: Patch) -> None:
+    """Streams and events: work is in order, nothing to wait for; but which stream is
+    current is kept (:class:`CurrentStreams`), since the caching allocator pools each
+    stream's blocks apart."""
     cuda = torch.cuda
+    streams = vc.streams
     p(cuda, "Stream", Stream)
     p(cuda, "Event", Event)
-    p(cuda, "current_stream", lambda device=None: Stream(device))
-    p(cuda, "default_stream", lambda device=None: Stream(device))
-    p(cuda, "stream", lambda stream=None: contextlib.nullcontext(stream))
-    p(cuda, "set_stream", Noop())
+    p(cuda, "current_stream", streams.current)
+    p(cuda, "default_stream", streams.default)
+    p(cuda, "stream", streams.using)
+    p(cuda, "set_stream", streams.set)
     p(cuda, "is_current_stream_capturing", lambda: False)
 
 
@@ -138,8 +143,8 @@ def accelerator(vc: VirtualCuda, p: Patch) -> None:
         p(acc, "set_device_index", vc.set_device)
         p(acc, "set_device_idx", vc.set_device)
         p(acc, "synchronize", Noop())
-        p(acc, "current_stream", lambda device=None: Stream(device))
-        p(acc, "set_stream", Noop())
+        p(acc, "current_stream", vc.streams.current)
+        p(acc, "set_stream", vc.streams.set)
         p(acc, "device_index", device_class(vc))
         p(acc, "get_device_capability", lambda device=None: {
             "major": vc.spec.compute_capability[0],
@@ -160,13 +165,94 @@ def accelerator(vc: VirtualCuda, p: Patch) -> None:
                 p(m, "get_memory_info", vc.mem_get_info)
 
 
-class Stream:
-    """``torch.cuda.Stream`` on a virtual device: work is in order, nothing to wait for."""
+class CurrentStreams:
+    """Which stream is current on each virtual device (``torch.cuda.current_stream``,
+    ``set_stream``, ``torch.cuda.stream(s)``), told to the runtime
+    (:meth:`dpprof.emulator.counting.CountingDevices.set_stream`) so that each allocation
+    is known to be its stream's: FSDP2 allocates its all-gather and reduce-scatter buffers
+    on streams of its own, and the caching allocator never lends one stream's free blocks
+    to another. One current stream per device for the whole process, where CUDA keeps one
+    per thread: the threads besides the program's (DataParallel's replicas) only make the
+    default stream current."""
 
-    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        self.device = torch.device("cuda", device_index(device) or 0)
+    def __init__(self, vc: VirtualCuda) -> None:
+        self.vc = vc
+        self._current: dict[int, Stream] = {}  # runtime device -> its current side stream
+        self._defaults: dict[int, Stream] = {}
+
+    def _index(self, device: Any) -> int:
+        """The runtime's index of the device ``device`` names (None: the current one)."""
+        i = device_index(device)
+        return self.vc.index_of(self.vc.current_device() if i is None else i)
+
+    def default(self, device: Any = None) -> Stream:
+        return self._default_at(self._index(device))
+
+    def _default_at(self, i: int) -> Stream:
+        stream = self._defaults.get(i)
+        if stream is None:
+            stream = self._defaults[i] = Stream(self.vc.logical(i), stream_id=0)
+        return stream
+
+    def current(self, device: Any = None) -> Stream:
+        i = self._index(device)
+        return self._current.get(i) or self._default_at(i)
+
+    def set(self, stream: Any) -> None:
+        if stream is None:
+            return
+        i = self._index(stream.device)
+        sid = getattr(stream, "stream_id", 0)
+        if sid:
+            self._current[i] = stream
+        else:
+            self._current.pop(i, None)
+        self.vc.rt.set_stream(i, sid)
+
+    @contextlib.contextmanager
+    def using(self, stream: Any = None) -> Iterator[None]:
+        """``torch.cuda.stream(stream)``: ``stream`` current inside (None: no change)."""
+        if stream is None:
+            yield
+            return
+        before = self.current(stream.device)
+        self.set(stream)
+        try:
+            yield
+        finally:
+            self.set(before)
+
+
+_STREAM_IDS = itertools.count(1)
+
+
+class Stream:
+    """``torch.cuda.Stream`` on a virtual device: work is in order, nothing to wait for.
+    Each new stream has an id of its own (``stream_id``; 0 is a device's default stream),
+    by which the caching allocator's simulation pools its blocks."""
+
+    def __init__(self, device: Any = None, priority: int = 0, stream_id: int | None = None,
+                 **_: Any) -> None:
+        i = device_index(device)
+        self.device = torch.device("cuda", torch.cuda.current_device() if i is None else i)
         self.priority = priority
-        self.cuda_stream = 0
+        self.stream_id = next(_STREAM_IDS) if stream_id is None else stream_id
+        self.cuda_stream = self.stream_id
+        self._before: list[Stream] = []
+
+    @property
+    def device_index(self) -> int:
+        return self.device.index or 0
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Stream) and other.stream_id == self.stream_id
+                and other.device == self.device)
+
+    def __hash__(self) -> int:
+        return hash((self.stream_id, self.device))
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device={self.device} cuda_stream={self.cuda_stream:#x}>"
 
     def wait_stream(self, stream: Any) -> None: ...
     def wait_event(self, event: Any) -> None: ...
@@ -183,9 +269,24 @@ class Stream:
         return False
 
     def __enter__(self) -> Stream:
+        """``with stream:``: the stream current inside, as ``torch.cuda.stream``."""
+        streams = _current_streams()
+        self._before.append(streams.current(self.device))
+        streams.set(self)
         return self
 
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, *exc: object) -> None:
+        _current_streams().set(self._before.pop())
+
+
+def _current_streams() -> CurrentStreams:
+    """The active virtual CUDA's streams (a Stream is only made while one is active)."""
+    from dpprof.emulator.virtual_cuda import active
+
+    vc = active()
+    if vc is None:
+        raise RuntimeError("a virtual torch.cuda.Stream was used outside the emulation")
+    return vc.streams
 
 
 class Event:

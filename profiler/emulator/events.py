@@ -58,15 +58,21 @@ class Event(NamedTuple):
 
 class EventLog(Sequence[Event]):
     """The runtime's events, one int column per field (appending makes no Python object
-    per event); reads give :class:`Event` tuples."""
+    per event); reads give :class:`Event` tuples.
 
-    __slots__ = ("allocated", "device", "requested", "serial")
+    ``streams``: the stream of each allocation made while a stream other than its device's
+    default was current (event index -> the stream's id), the few a program's side streams
+    make (FSDP2's all-gathers and reduce-scatters); every other event is the default
+    stream's (0). The caching allocator pools blocks per stream."""
+
+    __slots__ = ("allocated", "device", "requested", "serial", "streams")
 
     def __init__(self) -> None:
         self.device = array("q")
         self.serial = array("q")
         self.requested = array("q")
         self.allocated = array("q")
+        self.streams: dict[int, int] = {}
 
     def add(self, device: int, serial: int, requested: int, allocated: int) -> None:
         self.device.append(device)
@@ -96,8 +102,20 @@ class EventLog(Sequence[Event]):
         return map(Event, self.device, self.serial, self.requested, self.allocated)
 
     def column(self, name: str) -> np.ndarray:
-        """One field as an int64 array (a copy: the log may grow while it is in use)."""
+        """One field as an int64 array (a copy: the log may grow while it is in use);
+        ``"stream"``: each event's stream (0: the default stream's)."""
+        if name == "stream":
+            n = len(self.device)
+            out = np.zeros(n, dtype=np.int64)
+            for i, stream in list(self.streams.items()):
+                if i < n:
+                    out[i] = stream
+            return out
         return np.array(getattr(self, name), dtype=np.int64)
+
+    def stream_of(self, i: int) -> int:
+        """The stream of event ``i`` (0: the default stream)."""
+        return self.streams.get(i, 0)
 
     def indices_by_device(self) -> dict[int, np.ndarray]:
         """Each device's event indices, in order."""

@@ -80,9 +80,11 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
 
 class _DeviceSequences:
     """Each device's allocation sequence (host storages and 0-byte storages left out: they
-    take no block) as ("alloc" | "free", serial, bytes) rows, and a key per sequence equal
-    for two devices exactly when their sequences are equal up to the names of their
-    storages (DataParallel's replicas on equal shards, DDP's ranks): they simulate alike.
+    take no block) as ("alloc", serial, bytes[, stream]) and ("free", serial, 0) rows (an
+    allocation on a side stream names it: ``EventLog.streams``, or an event's ``stream``
+    attribute), and a key per sequence equal for two devices exactly when their sequences
+    are equal up to the names of their storages (DataParallel's replicas on equal shards,
+    DDP's ranks): they simulate alike.
     Over an :class:`EventLog` the columns are read as arrays, so the cost of a device's key
     is not a Python step per event."""
 
@@ -91,13 +93,14 @@ class _DeviceSequences:
             dev = events.column("device")
             req = events.column("requested")
             keep = (dev >= 0) & (req != 0)
-            self.device, self.serial, self.requested = (
-                dev[keep], events.column("serial")[keep], req[keep])
+            self.device, self.serial, self.requested, self.stream = (
+                dev[keep], events.column("serial")[keep], req[keep],
+                events.column("stream")[keep])
         else:
-            rows = [(ev.device, ev.serial, ev.requested) for ev in events
-                    if ev.device >= 0 and ev.requested != 0]
-            self.device, self.serial, self.requested = (
-                np.array([r[i] for r in rows], dtype=np.int64) for i in range(3))
+            rows = [(ev.device, ev.serial, ev.requested, getattr(ev, "stream", 0))
+                    for ev in events if ev.device >= 0 and ev.requested != 0]
+            self.device, self.serial, self.requested, self.stream = (
+                np.array([r[i] for r in rows], dtype=np.int64) for i in range(4))
         self._rows: dict[int, np.ndarray] = {}
 
     def _of(self, device: int) -> np.ndarray:
@@ -106,7 +109,7 @@ class _DeviceSequences:
             rows = self._rows[device] = np.flatnonzero(self.device == device)
         return rows
 
-    def key(self, device: int) -> tuple[bytes, bytes]:
+    def key(self, device: int) -> tuple[bytes, bytes, bytes]:
         """The sequence with its serials renumbered in order of first appearance."""
         rows = self._of(device)
         serials = self.serial[rows]
@@ -115,10 +118,13 @@ class _DeviceSequences:
         rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
         sizes = self.requested[rows]
         # (kind, bytes) as one number: an allocation's size, or -1 for a free
-        return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes())
+        return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes(),
+                self.stream[rows].tobytes())
 
-    def sequence(self, device: int) -> list[tuple[str, int, int]]:
+    def sequence(self, device: int) -> list[tuple[Any, ...]]:
         rows = self._of(device)
-        return [("alloc", serial, size) if size > 0 else ("free", serial, 0)
-                for serial, size in zip(self.serial[rows].tolist(),
-                                        self.requested[rows].tolist(), strict=True)]
+        return [(("alloc", serial, size, stream) if stream else ("alloc", serial, size))
+                if size > 0 else ("free", serial, 0)
+                for serial, size, stream in zip(self.serial[rows].tolist(),
+                                                self.requested[rows].tolist(),
+                                                self.stream[rows].tolist(), strict=True)]

@@ -132,6 +132,7 @@ class VirtualCuda:
         # the parallel wrappers' shared state while active (script_parallel.ScriptParallel)
         self.parallel: Any = None
         self.active = False
+        self.streams = cuda_api.CurrentStreams(self)
 
     # ---- devices ------------------------------------------------------------------------
 
@@ -218,13 +219,13 @@ class VirtualCuda:
         simulated over the device's allocations so far."""
         from dpprof.emulator.allocator import simulate
 
-        events: list[tuple[str, int, int]] = []
+        events: list[tuple[Any, ...]] = []
         for k, ev in enumerate(self.rt.events):
             if k == self._peak_from[i]:
                 events.append(("reset_peak", -1, 0))
             if ev.device == i and ev.requested != 0:
-                events.append(("alloc" if ev.requested > 0 else "free", ev.serial,
-                               max(ev.requested, 0)))
+                events.append(("alloc", ev.serial, ev.requested, self.rt.events.stream_of(k))
+                              if ev.requested > 0 else ("free", ev.serial, 0))
         stats = simulate(events, timeline_points=None, stop_on_oom=False)
         return stats.final_reserved_bytes, stats.peak_reserved_bytes
 
