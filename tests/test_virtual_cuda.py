@@ -108,6 +108,27 @@ def test_factories_and_moves_land_on_the_named_device() -> None:
         assert torch.cuda.max_memory_allocated(1) == 0
 
 
+def test_pinned_memory_as_cuda_s_host_allocator_gives_it() -> None:
+    # a CPU build has no page-locked allocator (pin_memory() needs CUDA): pinning copies
+    # the host tensor and remembers the copy as pinned, as torch's pin_memory does; a
+    # non-blocking copy from a GPU lands in pinned memory (torch's _to_copy pins its
+    # output), a blocking one does not; a GPU tensor cannot be pinned
+    with VirtualCuda(2) as vc:
+        host = torch.arange(6.0).view(2, 3).t()
+        pinned = host.pin_memory()
+        assert pinned.is_pinned() and not host.is_pinned()
+        assert pinned.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+        assert pinned.stride() == host.stride() and torch.equal(pinned, host)
+        assert pinned.pin_memory() is pinned
+        assert pinned[1:].is_pinned()  # a view shares its storage's page-locked memory
+        gpu = torch.zeros(100, device="cuda:1")
+        assert gpu.to("cpu", non_blocking=True).is_pinned()
+        assert not gpu.to("cpu").is_pinned() and not gpu.cpu().is_pinned()
+        assert vc.rt.device_of(gpu.to(torch.device("cpu"), non_blocking=True)) == HOST
+        with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+            gpu.pin_memory()
+
+
 def test_an_int_names_a_cuda_device_as_on_a_gpu_machine(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The DDP tutorial's rank as a device: an int names the accelerator (CUDA there), which

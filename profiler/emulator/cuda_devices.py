@@ -152,6 +152,9 @@ class CudaDevices(VirtualDevices):
         # host copies made up for values read from virtual GPUs (zeros): id of the
         # storage -> a weak reference to it, so that nothing saves them as real values
         self._host_stand_ins: dict[int, weakref.ref[Any]] = {}
+        # host storages in page-locked memory (``pin_memory()``, a non-blocking copy from
+        # a GPU): id -> a weak reference to the storage
+        self._pinned: dict[int, weakref.ref[Any]] = {}
         # stand-in addresses of meta storages (``data_ptr``): id -> (weak reference, address)
         self._addresses: dict[int, tuple[weakref.ref[Any], int]] = {}
         self._next_address = FIRST_ADDRESS
@@ -167,6 +170,20 @@ class CudaDevices(VirtualDevices):
         self._host_stand_ins[key] = weakref.ref(
             st, lambda _ref: self._host_stand_ins.pop(key, None))
         return host
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a host tensor) remembered as held in page-locked memory, as CUDA's host
+        allocator would hold it (:meth:`is_pinned`)."""
+        st = t.untyped_storage()
+        key = id(st)
+        self._pinned[key] = weakref.ref(st, lambda _ref: self._pinned.pop(key, None))
+        return t
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is page-locked host memory (:meth:`pin`)."""
+        st = t.untyped_storage()
+        ref = self._pinned.get(id(st))
+        return ref is not None and ref() is st
 
     def address_of(self, st: Any) -> int:
         """A stand-in address for a meta storage of a virtual GPU (``data_ptr()``): meta

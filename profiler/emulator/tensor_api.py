@@ -111,8 +111,20 @@ def values_and_copies(vc: VirtualCuda, p: Patch) -> None:
     p(T, "cpu", cpu)
     p(T, "tolist", tolist)
     p(T, "numpy", numpy)
-    p(T, "pin_memory", lambda self, device=None: self)
-    p(T, "is_pinned", lambda self, device=None: False)
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        # a CPU build has no page-locked allocator: a host copy remembered as pinned, as
+        # torch's own pin_memory copies into CUDA's host allocator (the same sizes and
+        # strides); an emulated GPU's tensor is refused as torch refuses a CUDA one
+        if vc.rt.is_pinned(self):
+            return self
+        if vc.rt.device_of(self) != HOST:
+            raise RuntimeError(f"cannot pin a tensor of {vc.virtual_device(self)}: only "
+                               "dense CPU tensors can be pinned")
+        return vc.rt.pin(self.clone(memory_format=torch.preserve_format))
+
+    p(T, "pin_memory", pin_memory)
+    p(T, "is_pinned", lambda self, device=None: vc.rt.is_pinned(self))
     p(T, "record_stream", lambda self, stream: None)
 
 

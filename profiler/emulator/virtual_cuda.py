@@ -13,7 +13,9 @@ While a :class:`VirtualCuda` is active, a program written for GPUs runs unchange
   meta tensors (memory only) or CPU tensors (``base="cpu"``: real numbers); they report
   ``device == cuda:k`` and ``is_cuda``; the host side of the program stays real;
 * ``torch.cuda.memory_allocated()`` and friends answer from the emulator; streams, events,
-  ``synchronize``, ``empty_cache``, seeds, ``pin_memory`` and ``non_blocking`` behave;
+  ``synchronize``, ``empty_cache``, seeds and ``non_blocking`` behave; ``pin_memory()``
+  copies to host memory remembered as pinned (``is_pinned()``), as does a non-blocking
+  copy from a GPU to the host;
 * ``.item()``, ``bool()``, ``float()``, ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a meta
   tensor answer with stated stand-ins (floats 1.0, integers 1, booleans False, host copies
   zeros), counted per call site; ops whose output shape depends on values (``nonzero``,
@@ -332,7 +334,6 @@ class VirtualCuda:
         non_blocking = kwargs.pop("non_blocking", rest.pop(0) if rest else False)
         copy = kwargs.pop("copy", rest.pop(0) if rest else False)
         memory_format = kwargs.pop("memory_format", None)
-        del non_blocking  # copies are in order on virtual devices
         target = self.target_of(device)
         if target is None:  # no device, or the real one (meta): torch's own conversion
             kw: dict[str, Any] = {"copy": copy}
@@ -343,7 +344,12 @@ class VirtualCuda:
             if memory_format is not None:
                 kw["memory_format"] = memory_format
             return ORIGINALS["to"](t, **kw)
-        return self.to_index(t, target, dtype, copy, memory_format)
+        out = self.to_index(t, target, dtype, copy, memory_format)
+        # copies are in order on virtual devices; a non-blocking copy from a GPU lands in
+        # page-locked host memory, as torch's _to_copy allocates it
+        if non_blocking and target == HOST and out is not t and self.rt.device_of(t) != HOST:
+            self.rt.pin(out)
+        return out
 
     def load(self, orig_load: Callable[..., Any], f: Any, map_location: Any, *args: Any,
              **kwargs: Any) -> Any:
