@@ -107,7 +107,7 @@ def run_part(part: str, workload: str, batch: int, emulated: bool,
 
         cfg = EmulationConfig(gpus=1, gpu_memory_bytes=capacity, step=step,
                               compute_capability=cc, count_reserved=True,
-                              collectives=world > 1)
+                              collectives=world > 1, host_model=rung.offload)
         with group:
             s = run_scenario(SINGLE, wl, cfg)
         d = s.devices[0] if s.devices else None

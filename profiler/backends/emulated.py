@@ -35,6 +35,7 @@ from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ddp import EmulatedDDP
+from dpprof.emulator.fsdp import host_bytes
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, GpuKernels
 from dpprof.emulator.ledgers import VariantLedger
@@ -139,15 +140,20 @@ class _CategoryHooks:
 
 
 def build_on_device(
-    rt: VirtualDevices, wl: Workload, base: torch.device, device: int, seed: int
+    rt: VirtualDevices, wl: Workload, base: torch.device, device: int, seed: int,
+    host_model: bool = False,
 ) -> tuple[nn.Module, Any, torch.optim.Optimizer, list[nn.Parameter]]:
     """The model (from ``seed``, :func:`dpprof.scenarios.step.build_model`), the loss
-    module and the optimizer on virtual device ``device``."""
-    with rt.device(device), rt.category("parameters"):
+    module and the optimizer on virtual device ``device``; with ``host_model``, the model
+    built on the host (real CPU tensors under a real host) and left where it puts itself."""
+    with rt.device(HOST if host_model else device), rt.category("parameters"):
         model = build_model(wl, seed)
+    with rt.device(device), rt.category("parameters"):
         # Parameters built outside the mode (or on the CPU) are copied onto the device;
-        # those the model placed on a GPU itself (.to("cuda:1")) stay there.
-        model._apply(lambda t: t if rt.device_of(t) != HOST else t.to(base, copy=True))
+        # those the model placed on a GPU itself (.to("cuda:1")) stay there. A model kept
+        # on the host stays where its own code left it (fully_shard's CPU offload).
+        if not host_model:
+            model._apply(lambda t: t if rt.device_of(t) != HOST else t.to(base, copy=True))
         if wl.dtype != torch.float32:
             model.to(wl.dtype)
         loss_fn = wl.loss
@@ -178,7 +184,8 @@ def run_scenario(
     emulate on its own.
 
     With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
-    (``"wrapped"``), the parameters (``"params"``) and the event indices where the measured
+    (``"wrapped"``), the model (``"model"``), the optimizer (``"optimizer"``), the
+    parameters (``"params"``) and the event indices where the measured
     iteration began and ended (``"step_start"``, ``"step_end"``), for the checks.
 
     Full garbage collections meanwhile skip the objects made before it
@@ -209,7 +216,8 @@ def _run_scenario(
     try:
         with rt, cuda, (contextlib.nullcontext() if cfg.compute else kernels), (  # type: ignore[attr-defined]
                 amp or contextlib.nullcontext()), autocast_names:
-            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0, step.seed)
+            model, loss_fn, opt, params = build_on_device(rt, wl, base, 0, step.seed,
+                                                          cfg.host_model)
             if kind is None:
                 raise ValueError(f"unknown scenario {name!r}")
             wrapped: Any = kind.wrap(model, loss_fn, _Wrappers(rt, cfg, params, ledger))
@@ -228,6 +236,8 @@ def _run_scenario(
             def figures() -> None:
                 _measured_figures(result, rt, cfg, kind, shards, wrapped, model, marks["start"],
                                   autocast_names, kernels)
+                if cfg.host_model:  # what the model keeps on the host, from its tensors
+                    result.host_bytes = host_bytes(model, opt)
 
             hooks.iteration = _iterations(rt, result, further, warm, marks, cats, step.batch,
                                           figures)
@@ -245,7 +255,7 @@ def _run_scenario(
             del loss
             result.loss = loss_val
             if trace is not None:
-                trace.update(rt=rt, wrapped=wrapped, params=params, model=model,
+                trace.update(rt=rt, wrapped=wrapped, params=params, model=model, optimizer=opt,
                              step_start=marks["start"], step_end=marks["end"])
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
@@ -275,7 +285,8 @@ def _virtual_devices(cfg: EmulationConfig, name: str,
     step = cfg.step
     # single: one GPU, unless the model places its layers on several itself
     n_dev = cfg.gpus
-    rt = CudaDevices(n_dev, base="cpu" if cfg.compute else "meta", real_host=False,
+    # compare's host holds meta tensors too, unless the model lives there (CPU offload)
+    rt = CudaDevices(n_dev, base="cpu" if cfg.compute else "meta", real_host=cfg.host_model,
                      fix=DATA_DEPENDENT_FIX)
     rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
     # ddp with gradient_as_bucket_view=True, followed from the first allocation on

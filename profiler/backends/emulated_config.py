@@ -44,6 +44,11 @@ class EmulationConfig:
     # Whose autocast op lists --amp re-enacts: the GPU's ("cuda"), or torch's CPU autocast
     # ("cpu"), which the checks compare with torch.autocast("cpu") on real tensors.
     autocast_ops: str = "cuda"
+    # The model is built on the host and stays there as the user's code leaves it (FSDP2's
+    # CPUOffloadPolicy: fully_shard keeps the parameter shards, their gradients and so the
+    # optimizer state in host memory): the host side is real (CPU tensors hold values and
+    # are computed, as under dpprof run), only the GPUs are emulated.
+    host_model: bool = False
 
     def with_step(self, **changes: Any) -> EmulationConfig:
         """A copy with the step's options changed (``batch=...``, ``ddp=...``)."""

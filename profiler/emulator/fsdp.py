@@ -18,6 +18,15 @@ resizes to the runtime (:meth:`dpprof.emulator.vdevice.VirtualDevices.storage_re
 
 The same :func:`shard_model` runs on a real gloo rank over CPU tensors (the check, in
 ``tests/test_fsdp.py``): only the process group differs.
+
+CPU offload (``CPUOffloadPolicy``) runs under a real host (the emulated backend's
+``host_model``): the model is built on the host as the user's code builds it, ``fully_shard``
+moves each parameter to the GPU and copies its shard back into pinned host memory
+(:func:`host_states_moved`; ``pin_memory()`` as :mod:`dpprof.emulator.tensor_api` plays it),
+each all-gather copies the shards host-to-device and each reduce-scatter's gradient shards
+are copied back (``.to("cpu", non_blocking=True)``, pinned), all of it torch's code; the
+optimizer then steps real CPU tensors. :func:`host_bytes` reads what they hold. Checked
+against an H200 (``tests/test_measured_ladder.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +86,40 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
     return model
 
 
+def host_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The host memory that ``model``'s parameters, their gradients and their optimizer
+    state hold after a step, read from the tensors themselves: each host storage counted
+    once at its full size (FSDP2's shards with their padding), a DTensor by its local
+    shard; ``pinned``: the part of them in page-locked memory (``is_pinned()``: FSDP2's
+    ``CPUOffloadPolicy`` pins the shards and copies the gradients into pinned memory; the
+    optimizer's state, made by ``zeros_like``, is pageable). Zeros where nothing is on the
+    host."""
+    seen: dict[int, Any] = {}  # id -> the storage, held while counting
+    out = {"parameters": 0, "gradients": 0, "optimizer_state": 0, "pinned": 0}
+
+    def add(kind: str, t: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.device.type != "cpu":
+            return
+        st = local.untyped_storage()
+        if id(st) in seen:
+            return
+        seen[id(st)] = st
+        out[kind] += st.nbytes()
+        if local.is_pinned():
+            out["pinned"] += st.nbytes()
+
+    with torch.no_grad():
+        for p in model.parameters():
+            add("parameters", p)
+            add("gradients", p.grad)
+            for value in optimizer.state.get(p, {}).values():
+                add("optimizer_state", value)
+    return out
+
+
 def missing() -> str | None:
     """Why FSDP2 cannot be emulated with this torch (its ``fully_shard``, the fake process
     group and the internals patched here arrived in torch 2.6), or None."""
@@ -127,6 +170,41 @@ def storage_resizes_counted() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def host_states_moved() -> Iterator[None]:
+    """``fully_shard``'s move of a module built on the host (what ``CPUOffloadPolicy``
+    requires) to its GPU, under a real host: torch assigns ``tensor.data`` a GPU copy,
+    which a real CPU tensor cannot take from a meta one (a virtual GPU's bytes); the tensor
+    is swapped with its GPU copy instead (``torch.utils.swap_tensors``, as torch itself does
+    for tensor subclasses there), so the same objects end on the GPU, the copy counted
+    there as torch allocates it (each parameter whole, before it is sharded)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    move = _fsdp_init._move_states_to_device
+
+    def moved(params: list[nn.Parameter], buffers: list[torch.Tensor],
+              device: torch.device) -> None:
+        if _runtime() is None:  # a real GPU, or a gloo rank: torch's own move
+            return move(params, buffers, device)
+        rest: tuple[list[Any], list[Any]] = ([], [])
+        for tensors, left in zip((params, buffers), rest, strict=True):
+            for t in tensors:
+                if (device.type != "cuda" or t.device.type != "cpu"
+                        or type(t) not in (torch.Tensor, nn.Parameter)):
+                    left.append(t)
+                    continue
+                with torch.no_grad():
+                    on_gpu = t.to(device)
+                if isinstance(t, nn.Parameter):
+                    on_gpu = nn.Parameter(on_gpu, requires_grad=t.requires_grad)
+                torch.utils.swap_tensors(t, on_gpu)
+        return move(*rest, device)
+
+    with Patcher() as p:
+        p.patch(_fsdp_init, "_move_states_to_device", moved)
+        yield
+
+
+@contextlib.contextmanager
 def sharding_propagation_apart() -> Iterator[None]:
     """DTensor's sharding propagation (output shapes computed on fake tensors, no memory)
     run outside the runtime's dispatch mode, with tensors showing their real device (meta),
@@ -166,7 +244,7 @@ def emulated_ranks(world_size: int) -> Iterator[None]:
                            "this process already has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with storage_resizes_counted(), sharding_propagation_apart():
+        with storage_resizes_counted(), sharding_propagation_apart(), host_states_moved():
             yield
     finally:
         dist.destroy_process_group()

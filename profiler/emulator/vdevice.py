@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dpprof.emulator.counting import HOST
 from dpprof.emulator.ledgers import LedgeredDevices
 from dpprof.emulator.mirroring import MirroredDevices
 from dpprof.emulator.op_memo import MemoisedDevices
@@ -61,9 +62,17 @@ class _ToDevice(torch.autograd.Function):
         return None, copy_to(ctx.rt, grad, ctx.source), None
 
 
+# a tensor's device as torch answers it (an emulation patches the property)
+_real_device = torch._C.TensorBase.__dict__["device"].__get__
+
+
 def copy_to(rt: VirtualDevices, t: torch.Tensor, index: int) -> torch.Tensor:
-    """A new tensor on ``index`` with ``t``'s contents (``_to_copy``, preserve format)."""
+    """A new tensor on ``index`` with ``t``'s contents (``_to_copy``, preserve format). A
+    real host tensor beside meta GPUs (a real host) is copied onto the base: a virtual GPU's
+    bytes are the base's."""
     with rt.placing_on(index):
+        if index != HOST and _real_device(t) != rt.base:
+            return torch.ops.aten._to_copy.default(t, device=rt.base)
         return t.clone(memory_format=torch.preserve_format)
 
 
