@@ -186,7 +186,8 @@ def host_states_moved() -> Iterator[None]:
         if _runtime() is None:  # a real GPU, or a gloo rank: torch's own move
             return move(params, buffers, device)
         rest: tuple[list[Any], list[Any]] = ([], [])
-        for tensors, left in zip((params, buffers), rest, strict=True):
+        given: tuple[list[Any], list[Any]] = (params, buffers)
+        for tensors, left in zip(given, rest, strict=True):
             for t in tensors:
                 if (device.type != "cuda" or t.device.type != "cpu"
                         or type(t) not in (torch.Tensor, nn.Parameter)):
