@@ -33,6 +33,7 @@ from dpprof.backends.gloo import RankResult, RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
+from dpprof.units import fmt_bytes
 
 HERE = Path(__file__).parent
 LADDER = HERE / "ladder_models.py"
@@ -213,6 +214,7 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
                                           "ladder-bf16-checkpoint", "ladder-fsdp2-zero2",
                                           "ladder-fsdp2-zero3",
                                           "ladder-fsdp2-zero3-bf16-checkpoint",
+                                          "ladder-fsdp2-zero3-offload",
                                           "ladder-accumulate"]
     ddp = next(s for s in data["scenarios"] if s["name"] == "ddp")
     assert ddp["status"] == "oom"
@@ -250,6 +252,59 @@ def test_fsdp2_with_its_bf16_and_checkpointing_fits_where_ddp_rungs_do_not(
             in code)
     assert code.index("checkpointed(block)") < code.index("fully_shard(block")
     assert "fully_shard(model, reshard_after_forward=True, mp_policy=mp)" in code
+
+
+def test_cpu_offload_fits_where_the_weights_and_optimizer_state_leave_no_other_rung(
+        ) -> None:
+    """A model whose parameters, gradients and AdamW state outweigh its activations: at
+    1 GiB per GPU (its CUDA context and NCCL's memory counted) no rung fits but FSDP2's CPU
+    offload, which the verdict names with its cost, after the other FSDP2 rungs and before
+    accumulation; its code builds the model on the CPU and shards it with the policy, and
+    its detail says the host memory each rank keeps, as read from the rank's tensors."""
+    from torch import nn
+
+    from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.workloads import Workload
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(2048, 2048) for _ in range(6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = torch.relu(b(x))
+            return x
+
+    wl = Workload(name="wide", model=Wide,
+                  batch=lambda rows, device: (torch.randn(rows, 2048, device=device),
+                                              torch.randn(rows, 2048, device=device)),
+                  loss=nn.functional.mse_loss)
+    run = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=1 << 30, scenarios=("ddp",),
+                                    fixes=False, ladder=True, step=StepConfig(batch=8)),
+                      workload=wl)
+    assert run is not None
+    rungs = [f for f in run.fixes if f.name.startswith("ladder-")]
+    names = [f.name for f in rungs]
+    offload = rungs[names.index("ladder-fsdp2-zero3-offload")]
+    assert names.index("ladder-fsdp2-zero3-bf16-checkpoint") + 1 == names.index(offload.name)
+    assert names.index(offload.name) < names.index("ladder-accumulate")
+    assert offload.need_bytes is not None and offload.need_bytes <= 1 << 30
+    assert all((f.need_bytes or 0) > 1 << 30 for f in rungs if f is not offload)
+    verdict = " ".join(run.comparison.verdict.split())
+    assert f"the cheapest rung that fits is {offload.title}:" in verdict
+    assert "its optimizer step runs on the CPU" in verdict
+    code = offload.code
+    assert "model.cuda(" not in code.replace("-model = nn.DataParallel(model.cuda())", "")
+    assert "fully_shard(model, reshard_after_forward=True, offload_policy=CPUOffloadPolicy())" \
+        in code
+    # per rank (1 of 2): half of each 2048 x 2048 weight and 2048 bias, float32; the same
+    # gradients; AdamW's two moments and a step scalar per parameter
+    share = 6 * (1024 * 2048 + 1024) * 4
+    detail = " ".join(offload.detail.split())
+    assert (f"parameters ({fmt_bytes(share)}), their gradients ({fmt_bytes(share)}) and the "
+            f"optimizer state ({fmt_bytes(2 * share + 12 * 4)})") in detail
+    assert "0.089 s with CPU offload" in detail
 
 
 def test_the_ladder_stays_away_when_ddp_fits(tmp_path: Path) -> None:

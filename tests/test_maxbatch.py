@@ -166,8 +166,8 @@ def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> 
     assert r.exit_code == 0, r.output
     entries = {e["scenario"]: e for e in json.loads(out.read_text())["maxbatch"]["entries"]}
     names = list(entries)
-    fsdp = ["fsdp2-zero2", "fsdp2-zero3", "fsdp2-zero3-bf16-checkpoint"]
-    assert names[names.index("ddp + bf16-checkpoint") + 1:][:3] == fsdp
+    fsdp = ["fsdp2-zero2", "fsdp2-zero3", "fsdp2-zero3-bf16-checkpoint", "fsdp2-zero3-offload"]
+    assert names[names.index("ddp + bf16-checkpoint") + 1:][:4] == fsdp
     # FSDP2's own bf16 and checkpointing: the largest batch of the ladder's non-accumulating
     # rungs
     assert entries[fsdp[2]]["max_batch"] > max(

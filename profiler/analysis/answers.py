@@ -224,9 +224,12 @@ def _ladder_clause(run: RunResult) -> str:
         # FSDP2's rungs replace DDP; the others run on it (or on the one GPU)
         on = ("" if "fsdp2" in fit.name else
               f" on {'DDP' if run.gpus > 1 else 'one GPU'}")
+        # CPU offload fits where little else does, at a price in step time: said here
+        cost = ("; its optimizer step runs on the CPU, a slower step"
+                if "offload" in fit.name else "")
         return (f"the cheapest rung that fits is {fit.title}{on}: its fullest GPU needs "
-                f"{fmt_bytes(fit.need_bytes)} (reserved memory and the CUDA context counted; "
-                "the code is below)")
+                f"{fmt_bytes(fit.need_bytes)} (reserved memory and the CUDA context counted"
+                f"{cost}; the code is below)")
     lightest = min(rungs, key=lambda f: f.need_bytes or 0)
     return (f"no rung of the ladder measured fits: the lightest, {lightest.title}, needs "
             f"{fmt_bytes(lightest.need_bytes)} on its fullest GPU")

@@ -20,7 +20,11 @@ first (:func:`rungs`):
   scenario's rows, its model sharded (``tests/test_fsdp.py`` checks it against gloo ranks);
   then ZeRO-3 with FSDP2's own bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)``, not autocast; where the GPU computes in bf16) and the blocks
-  checkpointed before sharding, also checked against gloo ranks;
+  checkpointed before sharding, also checked against gloo ranks; last ZeRO-3 with
+  ``CPUOffloadPolicy`` (the model built on the CPU; each rank's shards, gradients and
+  optimizer state in host memory, the optimizer step on the CPU), emulated with a real host
+  (``EmulationConfig.host_model``), its host memory read from the rank's tensors
+  (:func:`dpprof.emulator.fsdp.host_bytes`), its GPU memory checked against an H200;
 * **gradient accumulation**: the same effective batch in k micro-batches per optimizer step
   (:func:`accumulation`: the smallest k of 2, 4, 8... up to the per-rank rows that fits),
   under DDP the first k - 1 backwards inside ``no_sync()``; it costs k forward/backward
@@ -80,6 +84,15 @@ CODE_FSDP = """\
 +rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
 -model = nn.DataParallel(model.cuda())
 +model = model.cuda(rank)
+"""
+# CPUOffloadPolicy requires the parameters on the host when fully_shard runs
+CODE_FSDP_HOST = """\
++# torchrun --nproc-per-node {gpus} train.py
++from torch.distributed.fsdp import {imports}
++dist.init_process_group("nccl")
++rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
+-model = nn.DataParallel(model.cuda())
++# the model stays on the CPU: fully_shard keeps each rank's shards in pinned host memory
 """
 CODE_FSDP_SHARD = """\
 +for block in model.{blocks}:  # the {count} repeated {kind} blocks, each sharded
@@ -153,7 +166,10 @@ def fsdp_rungs(gpus: int, blocks: bool,
     (resharded after the forward, all-gathered again for the backward), then ZeRO-3 with
     what FSDP2 users pair it with: FSDP2's own bf16 (``MixedPrecisionPolicy``, where the GPU
     computes in bf16; below compute capability 8.0 fp16 would need a gradient scaler, so
-    none) and the same blocks checkpointed, the lightest of the three."""
+    none) and the same blocks checkpointed, the lightest of the three; last ZeRO-3 with
+    ``CPUOffloadPolicy`` (the shards, their gradients and the optimizer state in host
+    memory, the optimizer step on the CPU): the last resort before accumulation, since it
+    costs step time (an H200 measured the lm step 0.033 s -> 0.089 s)."""
     if gpus < 2 or not blocks or fsdp2.missing() is not None:
         return []
     bf16 = amp_dtype(compute_capability) == "bfloat16"
@@ -164,7 +180,9 @@ def fsdp_rungs(gpus: int, blocks: bool,
             Rung(f"{PREFIX}fsdp2-zero3{'-bf16' if bf16 else ''}-checkpoint",
                  f"FSDP2, ZeRO-3{', bf16 (MixedPrecisionPolicy)' if bf16 else ''} and "
                  "activation checkpointing", None, True, reshard_after_forward=True,
-                 param_dtype="bfloat16" if bf16 else None)]
+                 param_dtype="bfloat16" if bf16 else None),
+            Rung(f"{PREFIX}fsdp2-zero3-offload", "FSDP2, ZeRO-3 and CPU offload "
+                 "(CPUOffloadPolicy)", None, False, reshard_after_forward=True, offload=True)]
 
 
 def rungs(compute_capability: tuple[int, int], blocks: bool) -> list[Rung]:
@@ -377,14 +395,17 @@ def fsdp_code(rung: Rung, gpus: int, per_rank: int, words: dict[str, Any]) -> st
     rung does (the wrapped blocks are then sharded, as torchtitan orders them), FSDP2's
     mixed-precision policy where it has one, ``fully_shard`` per block and at the root."""
     policy = rung.param_dtype is not None
-    out = CODE_FSDP.format(gpus=gpus, imports="MixedPrecisionPolicy, fully_shard" if policy
-                           else "fully_shard")
+    imports = ", ".join([*(["CPUOffloadPolicy"] if rung.offload else []),
+                         *(["MixedPrecisionPolicy"] if policy else []), "fully_shard"])
+    out = (CODE_FSDP_HOST if rung.offload else CODE_FSDP).format(gpus=gpus, imports=imports)
     if rung.checkpoint:
         out += CODE_CHECKPOINT.format(**words)
     if policy:
         out += CODE_FSDP_POLICY.format(dtype=rung.param_dtype)
+    args = ((", mp_policy=mp" if policy else "")
+            + (", offload_policy=CPUOffloadPolicy()" if rung.offload else ""))
     return out + CODE_FSDP_SHARD.format(per_rank=per_rank, reshard=rung.reshard_after_forward,
-                                        policy=", mp_policy=mp" if policy else "", **words)
+                                        policy=args, **words)
 
 
 def _blocks_words(model: nn.Module) -> dict[str, Any]:
@@ -397,7 +418,26 @@ def _blocks_words(model: nn.Module) -> dict[str, Any]:
             "kind": type(blocks[0][1]).__name__ if blocks else ""}
 
 
-def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
+def offload_words(host_bytes: dict[str, int], gpus: int) -> str:
+    """CPU offload's part of a rung's detail: the host memory each rank keeps (read from the
+    rank's real host tensors after its step, :func:`dpprof.emulator.fsdp.host_bytes`), and
+    what it costs."""
+    kept = sum(host_bytes.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
+    pinned = host_bytes.get("pinned", 0)
+    return ("; CPUOffloadPolicy: each rank keeps its shards of the parameters "
+            f"({fmt_bytes(host_bytes.get('parameters', 0))}), their gradients "
+            f"({fmt_bytes(host_bytes.get('gradients', 0))}) and the optimizer state "
+            f"({fmt_bytes(host_bytes.get('optimizer_state', 0))}) in host memory: "
+            f"{fmt_bytes(kept)} per rank, {fmt_bytes(pinned)} of it pinned (page-locked), "
+            f"{fmt_bytes(kept * gpus)} for the {gpus} ranks of one machine; each all-gather "
+            "first copies the rank's shards to its GPU and each reduce-scatter's gradient "
+            "shards are copied back, and the optimizer step runs on the CPU, so each step "
+            "is slower (an H200 measured the lm workload's ZeRO-3 step at 0.033 s, "
+            "0.089 s with CPU offload)")
+
+
+def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0,
+           host_bytes: dict[str, int] | None = None, gpus: int = 1) -> str:
     parts = []
     if rung.reshard_after_forward is not None:
         return (f"FSDP2 (torch's own fully_shard, emulated per rank over a fake process "
@@ -415,6 +455,7 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0) -> str:
                 + ("; the blocks checkpointed (non-reentrant) before sharding: their "
                    "activations recomputed in backward, one more forward of the blocks"
                    if rung.checkpoint else "")
+                + (offload_words(host_bytes or {}, gpus) if rung.offload else "")
                 + f"; the same {per_rank} rows per GPU; its reserved memory is simulated "
                 "with the blocks of FSDP2's all-gather and reduce-scatter streams pooled "
                 "apart, as the caching allocator keeps them (on an H200 within 2 % for "
@@ -470,7 +511,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
             with emulated_ranks(base.gpus):  # each rank holds an NCCL communicator too
                 s = run_scenario(SINGLE, rung_workload(wl, rung),
                                  dataclasses.replace(cfg.with_step(amp=rung.amp),
-                                                     collectives=True))
+                                                     collectives=True,
+                                                     host_model=rung.offload))
         else:
             s = run_scenario(floor, rung_workload(wl, rung),
                              cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
@@ -490,7 +532,7 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         return Fix(
             name=rung.name, title=rung.title, primary_peak_bytes=q0, max_peak_bytes=qmax,
             saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax,
-            detail=(detail(rung, blocks, floor, per_rank)
+            detail=(detail(rung, blocks, floor, per_rank, s.host_bytes, base.gpus)
                     + f"; the fullest GPU needs {fmt_bytes(need)} "
                     f"(reserved and context counted): it {fits} in "
                     f"{fmt_bytes(base.gpu_memory_bytes)}"),

@@ -263,7 +263,7 @@ def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]
         if rung.reshard_after_forward is not None:
             out.append((rung.name.removeprefix(ladder.PREFIX), probe_emulated(
                 SINGLE, ladder.rung_workload(wl, rung),
-                dataclasses.replace(cfg, collectives=True),
+                dataclasses.replace(cfg, collectives=True, host_model=rung.offload),
                 functools.partial(emulated_ranks, base.gpus))))
             continue
         label = (f"{rung.micro_batches} micro-batches" if rung.micro_batches > 1
