@@ -392,20 +392,41 @@ def test_the_ladder_help_says_when_it_runs() -> None:
 
 
 def test_a_rung_that_cannot_run_is_said_not_dropped() -> None:
-    # FSDP2 over the emulator cannot shard a BatchNorm's num_batches_tracked (a real host
-    # tensor): the rung is missing from the table, and the run's notes say which and why
+    # fully_shard refuses a scalar parameter (a ReZero-style gain), as it does on a GPU:
+    # FSDP2's rungs are missing from the table, and the run's notes say which and why
+    from dpprof.pipeline import CompareConfig, run_compare
+
+    run = run_compare(CompareConfig(gpus=2, scenarios=("ddp",), fixes=False, ladder=True,
+                                    step=StepConfig(batch=8)),
+                      workload=_conv_blocks(scalar_gain=True))
+    assert run is not None
+    names = {f.name for f in run.fixes}
+    missing = {"ladder-fsdp2-zero2", "ladder-fsdp2-zero3", "ladder-fsdp2-zero3-offload"} - names
+    assert len(missing) == 3, "FSDP2 now shards scalar parameters: test another unrunnable rung"
+    for rung in missing:
+        title = {"zero2": "FSDP2, ZeRO-2", "zero3": "FSDP2, ZeRO-3 (",
+                 "offload": "FSDP2, ZeRO-3 and CPU offload"}[rung.rsplit("-", 1)[1]]
+        assert any(n.startswith(f"ladder: {title}") and "could not be measured" in n
+                   and "scalar parameters" in n for n in run.notes), run.notes
+    assert "ladder-bf16" in names  # the others still measured
+
+
+def _conv_blocks(scalar_gain: bool = False) -> Any:
+    """Conv + BatchNorm blocks (with a learnable scalar gain each where ``scalar_gain``)."""
     from torch import nn
 
-    from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.scenarios.workloads import Workload
 
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+            if scalar_gain:
+                self.gain = nn.Parameter(torch.tensor(1.0))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.bn(self.conv(x)))
+            y = torch.relu(self.bn(self.conv(x)))
+            return y * self.gain if scalar_gain else y
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -418,21 +439,29 @@ def test_a_rung_that_cannot_run_is_said_not_dropped() -> None:
                 x = b(x)
             return self.head(x.flatten(1))
 
-    wl = Workload(name="bn-blocks", model=Net,
-                  batch=lambda rows, device: (torch.randn(rows, 4, 8, 8, device=device),
-                                              torch.randint(0, 10, (rows,), device=device)),
-                  loss=nn.functional.cross_entropy)
-    run = run_compare(CompareConfig(gpus=2, scenarios=("ddp",), fixes=False, ladder=True,
-                                    step=StepConfig(batch=8)), workload=wl)
-    assert run is not None
-    names = {f.name for f in run.fixes}
-    missing = {"ladder-fsdp2-zero2", "ladder-fsdp2-zero3"} - names
-    assert missing, "FSDP2 now shards BatchNorm models: test another unrunnable rung"
-    for rung in missing:
-        title = "FSDP2, ZeRO-2" if rung.endswith("zero2") else "FSDP2, ZeRO-3"
-        assert any(n.startswith(f"ladder: {title}") and "could not be measured" in n
-                   for n in run.notes), run.notes
-    assert "ladder-bf16" in names  # the others still measured
+    return Workload(name="bn-blocks", model=Net,
+                    batch=lambda rows, device: (torch.randn(rows, 4, 8, 8, device=device),
+                                                torch.randint(0, 10, (rows,), device=device)),
+                    loss=nn.functional.cross_entropy)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> None:
+    # fully_shard moves the buffers (num_batches_tracked: made by torch.tensor, a real host
+    # tensor) to the GPU by assigning .data, which a host tensor cannot take from a virtual
+    # GPU's meta bytes: swapped instead, the buffer ends on cuda:0 as on a GPU
+    from dpprof.analysis.ladder import Rung, rung_workload
+    from dpprof.emulator.fsdp import emulated_ranks
+
+    rung = Rung("zero3", "ZeRO-3", None, False, reshard_after_forward=True, offload=offload)
+    trace: dict[str, Any] = {}
+    with emulated_ranks(2):
+        r = run_scenario("single", rung_workload(_conv_blocks(), rung), EmulationConfig(
+            gpus=1, gpu_memory_bytes=2**40, step=StepConfig(batch=4), host_model=offload),
+            trace)
+    assert r.status == "ok", r.message
+    tracked = [m.bn.num_batches_tracked for m in trace["model"].blocks]
+    assert all(trace["rt"].device_of(t) == 0 for t in tracked)
 
 
 def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:
