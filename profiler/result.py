@@ -150,10 +150,6 @@ class ScenarioResult:
     throughput_samples_per_s: Float | None = None
     batch: Count = 0
     notes: TextList = field(default_factory=list)
-    # host memory the step keeps per rank, where the model lives there (FSDP2's CPU
-    # offload): {"parameters", "gradients", "optimizer_state", "pinned"} in bytes, read from
-    # the real host tensors after the measured step; empty elsewhere
-    host_bytes: BytesMap = field(default_factory=dict)
     # ---- real GPUs (cuda backend) ----------------------------------------------------------
     oom_phase: Text | None = None  # the phase in which the OOM was raised
     # wall clock, each measured step

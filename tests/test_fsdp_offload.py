@@ -3,7 +3,7 @@
 CPU offload on a gloo rank is meaningless (no device to offload from), so the GPU side is
 checked against an H200 (``tests/test_measured_ladder.py``). Here the host side: the rung
 runs torch's own ``fully_shard`` over a fake process group with the model built on the host,
-and after the step the host memory the result reports is what the real CPU tensors that FSDP2
+and after the step the host memory the run reports is what the real CPU tensors that FSDP2
 and the optimizer hold take: each rank's padded shard of every parameter (pinned), its
 gradient shard (copied back from the GPU into pinned memory) and AdamW's state (pageable).
 """
@@ -57,7 +57,7 @@ def offloaded() -> tuple[Any, dict[str, Any]]:
 
 def test_the_host_bytes_are_the_real_cpu_tensors_after_a_step(
         offloaded: tuple[Any, dict[str, Any]]) -> None:
-    result, trace = offloaded
+    _, trace = offloaded
     rt, model, opt = trace["rt"], trace["model"], trace["optimizer"]
     shards = [fp._sharded_param_data for fp in _fsdp_params(model)]
     grads = [fp.sharded_param.grad._local_tensor for fp in _fsdp_params(model)]
@@ -68,7 +68,7 @@ def test_the_host_bytes_are_the_real_cpu_tensors_after_a_step(
         assert _real_device(t).type == "cpu"
     assert all(rt.is_pinned(t) for t in (*shards, *grads))
     assert not any(rt.is_pinned(t) for t in state)  # zeros_like: pageable
-    host = result.host_bytes
+    host = trace["host_bytes"]
     assert host["parameters"] == sum(t.untyped_storage().nbytes() for t in shards)
     assert host["gradients"] == sum(t.untyped_storage().nbytes() for t in grads)
     assert host["optimizer_state"] == sum(t.untyped_storage().nbytes() for t in state)
@@ -79,22 +79,23 @@ def test_each_rank_holds_its_padded_share_of_the_model_on_the_host(
         offloaded: tuple[Any, dict[str, Any]]) -> None:
     # rank 0 of WORLD: every parameter cut along dim 0 in WORLD chunks, the first (the
     # largest) padded to ceil(rows / WORLD); AdamW's two moments and its step per parameter
-    result, _ = offloaded
+    _, trace = offloaded
     whole = build_model(_workload(), 0)
     share = sum(math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) * p.element_size()
                 for p in whole.parameters())
-    assert result.host_bytes["parameters"] == share
-    assert result.host_bytes["gradients"] == share
+    assert trace["host_bytes"]["parameters"] == share
+    assert trace["host_bytes"]["gradients"] == share
     steps = 4 * sum(1 for _ in whole.parameters())  # a float32 scalar each
-    assert result.host_bytes["optimizer_state"] == 2 * share + steps
+    assert trace["host_bytes"]["optimizer_state"] == 2 * share + steps
 
 
 def test_without_offload_nothing_is_kept_on_the_host() -> None:
     zero3 = Rung("zero3", "ZeRO-3", None, False, reshard_after_forward=True)
     cfg = EmulationConfig(gpus=1, gpu_memory_bytes=2**40, step=StepConfig(batch=4),
                           collectives=True)
+    trace: dict[str, Any] = {}
     with emulated_ranks(WORLD):
-        result = run_scenario("single", rung_workload(_workload(), zero3), cfg)
+        result = run_scenario("single", rung_workload(_workload(), zero3), cfg, trace)
     assert result.status == "ok", result.message
-    assert result.host_bytes == {}
+    assert "host_bytes" not in trace
 

@@ -505,14 +505,19 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     cfg = dataclasses.replace(base, count_reserved=True, peaks_only=False)
     per_rank = shard_sizes(base.step.batch, base.gpus)[0]
 
+    host: dict[str, dict[str, int]] = {}  # a CPU-offload rung's host memory per rank
+
     def measure(rung: Rung) -> ScenarioResult | None:
         if rung.reshard_after_forward is not None:
             # one rank of N: the single scenario's rows (ceil(B / N)), its model sharded
+            trace: dict[str, Any] = {}
             with emulated_ranks(base.gpus):  # each rank holds an NCCL communicator too
                 s = run_scenario(SINGLE, rung_workload(wl, rung),
                                  dataclasses.replace(cfg.with_step(amp=rung.amp),
                                                      collectives=True,
-                                                     host_model=rung.offload))
+                                                     host_model=rung.offload),
+                                 trace if rung.offload else None)
+            host[rung.name] = trace.get("host_bytes", {})
         else:
             s = run_scenario(floor, rung_workload(wl, rung),
                              cfg.with_step(amp=rung.amp, micro_batches=rung.micro_batches))
@@ -532,7 +537,7 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         return Fix(
             name=rung.name, title=rung.title, primary_peak_bytes=q0, max_peak_bytes=qmax,
             saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax,
-            detail=(detail(rung, blocks, floor, per_rank, s.host_bytes, base.gpus)
+            detail=(detail(rung, blocks, floor, per_rank, host.get(rung.name), base.gpus)
                     + f"; the fullest GPU needs {fmt_bytes(need)} "
                     f"(reserved and context counted): it {fits} in "
                     f"{fmt_bytes(base.gpu_memory_bytes)}"),

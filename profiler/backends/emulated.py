@@ -185,7 +185,9 @@ def run_scenario(
 
     With ``trace`` (a dict), it receives the runtime (``"rt"``), the wrapped model
     (``"wrapped"``), the model (``"model"``), the optimizer (``"optimizer"``), the
-    parameters (``"params"``) and the event indices where the measured
+    parameters (``"params"``), with ``host_model`` the host memory its parameters,
+    gradients and optimizer state hold after the measured step (``"host_bytes"``,
+    :func:`dpprof.emulator.fsdp.host_bytes`) and the event indices where the measured
     iteration began and ended (``"step_start"``, ``"step_end"``), for the checks.
 
     Full garbage collections meanwhile skip the objects made before it
@@ -236,8 +238,8 @@ def _run_scenario(
             def figures() -> None:
                 _measured_figures(result, rt, cfg, kind, shards, wrapped, model, marks["start"],
                                   autocast_names, kernels)
-                if cfg.host_model:  # what the model keeps on the host, from its tensors
-                    result.host_bytes = host_bytes(model, opt)
+                if cfg.host_model and trace is not None:  # what the model keeps on the host
+                    trace["host_bytes"] = host_bytes(model, opt)
 
             hooks.iteration = _iterations(rt, result, further, warm, marks, cats, step.batch,
                                           figures)
