@@ -473,6 +473,12 @@ def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:
     assert "streams pooled apart" in detail(zero3, 4, "ddp", 128)
     assert "need may be understated" in detail(zero3, 4, "ddp", 128)
     assert "understated" not in detail(plain, 4, "ddp", 128)
+    # CPU offload's own gap against the H200 (tests/test_measured_ladder.py), not the others'
+    offload = Rung("ladder-fsdp2-zero3-offload", "FSDP2, ZeRO-3 and CPU offload", None, False,
+                   reshard_after_forward=True, offload=True)
+    assert "7-11 % under with CPU offload: its need may be understated" in detail(
+        offload, 4, "ddp", 128)
+    assert "CPU offload" not in detail(zero3, 4, "ddp", 128)
 
 
 def test_without_fsdp2_in_torch_the_ladder_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -458,9 +458,10 @@ def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0,
                 + (offload_words(host_bytes or {}, gpus) if rung.offload else "")
                 + f"; the same {per_rank} rows per GPU; its reserved memory is simulated "
                 "with the blocks of FSDP2's all-gather and reduce-scatter streams pooled "
-                "apart, as the caching allocator keeps them (on an H200 within 2 % for "
-                "three FSDP2 rungs of five, 6-10 % under for two: its need may be "
-                "understated)")
+                "apart, as the caching allocator keeps them (on an H200 "
+                + ("7-11 % under with CPU offload" if rung.offload else
+                   "within 2 % for three FSDP2 rungs of five, 6-10 % under for two")
+                + ": its need may be understated)")
     if rung.micro_batches > 1:
         rows = -(-per_rank // rung.micro_batches)
         parts.append(f"{rung.micro_batches} micro-batches of {rows} rows per optimizer step "
