@@ -254,6 +254,51 @@ def test_fsdp2_with_its_bf16_and_checkpointing_fits_where_ddp_rungs_do_not(
     assert "fully_shard(model, reshard_after_forward=True, mp_policy=mp)" in code
 
 
+def test_cpu_offload_is_not_emulated_where_the_model_would_not_fit_in_this_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulating CPU offload builds the whole model on the real host: on a machine whose
+    free memory is too small for that (a 70B model on a laptop), the rung is left out with
+    a note naming the bytes, and the other rungs are measured as before."""
+    from torch import nn
+
+    from dpprof.analysis import ladder
+    from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.scenarios.workloads import Workload
+    from dpprof.units import fmt_bytes
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = torch.relu(b(x))
+            return x
+
+    wl = Workload(name="blocks", model=Blocks,
+                  batch=lambda rows, device: (torch.randn(rows, 256, device=device),
+                                              torch.randn(rows, 256, device=device)),
+                  loss=nn.functional.mse_loss)
+    params_bytes = 4 * (256 * 256 + 256) * 4
+
+    def ladder_of(free_bytes: int) -> tuple[list[str], list[str]]:
+        monkeypatch.setattr(ladder, "available_host_bytes", lambda: free_bytes)
+        run = run_compare(CompareConfig(gpus=2, scenarios=("ddp",), fixes=False, ladder=True,
+                                        step=StepConfig(batch=8)), workload=wl)
+        assert run is not None
+        return [f.name for f in run.fixes], run.notes
+
+    names, notes = ladder_of(params_bytes)  # the model would take all of it
+    assert "ladder-fsdp2-zero3-offload" not in names
+    assert "ladder-fsdp2-zero3" in names
+    note = next(n for n in notes if "CPU offload not measured" in n)
+    assert f"{fmt_bytes(params_bytes)} free here" in note
+    names, notes = ladder_of(8 * params_bytes)  # a quarter of it is enough
+    assert "ladder-fsdp2-zero3-offload" in names
+    assert not any("CPU offload not measured" in n for n in notes)
+
+
 def test_cpu_offload_fits_where_the_weights_and_optimizer_state_leave_no_other_rung(
         ) -> None:
     """A model whose parameters, gradients and AdamW state outweigh its activations: at

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,8 +160,38 @@ def amp_dtype(compute_capability: tuple[int, int]) -> str:
     return "bfloat16" if compute_capability >= (8, 0) else "float16"
 
 
+# The share of this machine's free memory an emulated CPU-offload rung may take: it builds
+# the whole model on the real host (as the user's code does before fully_shard), so a model
+# of hundreds of GiB would exhaust the laptop dpprof plans on.
+OFFLOAD_HOST_SHARE = 0.25
+
+
+def available_host_bytes() -> int | None:
+    """This machine's free physical memory (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def offload_unmeasurable(model: nn.Module) -> str | None:
+    """Why the CPU-offload rung is not emulated here (the model's parameters and buffers,
+    built on this host, would take more than :data:`OFFLOAD_HOST_SHARE` of its free
+    memory), or None."""
+    need = (sum(p.nbytes for p in model.parameters())
+            + sum(b.nbytes for b in model.buffers()))
+    free = available_host_bytes()
+    if free is None or need <= free * OFFLOAD_HOST_SHARE:
+        return None
+    return (f"ladder: FSDP2 with CPU offload not measured: emulating it builds the model in "
+            f"this machine's memory, as your code would before fully_shard "
+            f"({fmt_bytes(need)} of parameters and buffers, {fmt_bytes(free)} free here); "
+            f"on a machine with {fmt_bytes(int(need / OFFLOAD_HOST_SHARE))} free it is measured")
+
+
 def fsdp_rungs(gpus: int, blocks: bool,
-               compute_capability: tuple[int, int] = (8, 0)) -> list[Rung]:
+               compute_capability: tuple[int, int] = (8, 0),
+               offload: bool = True) -> list[Rung]:
     """FSDP2's rungs, on several GPUs with repeated blocks: ZeRO-2 (each block's parameters
     unsharded from its forward to its backward: one all-gather per block per step), ZeRO-3
     (resharded after the forward, all-gathered again for the backward), then ZeRO-3 with
@@ -173,7 +204,7 @@ def fsdp_rungs(gpus: int, blocks: bool,
     if gpus < 2 or not blocks or fsdp2.missing() is not None:
         return []
     bf16 = amp_dtype(compute_capability) == "bfloat16"
-    return [Rung(f"{PREFIX}fsdp2-zero2", "FSDP2, ZeRO-2 (fully_shard, reshard_after_forward"
+    out = [Rung(f"{PREFIX}fsdp2-zero2", "FSDP2, ZeRO-2 (fully_shard, reshard_after_forward"
                  "=False)", None, False, reshard_after_forward=False),
             Rung(f"{PREFIX}fsdp2-zero3", "FSDP2, ZeRO-3 (fully_shard per block and root)",
                  None, False, reshard_after_forward=True),
@@ -183,6 +214,7 @@ def fsdp_rungs(gpus: int, blocks: bool,
                  param_dtype="bfloat16" if bf16 else None),
             Rung(f"{PREFIX}fsdp2-zero3-offload", "FSDP2, ZeRO-3 and CPU offload "
                  "(CPUOffloadPolicy)", None, False, reshard_after_forward=True, offload=True)]
+    return out if offload else [r for r in out if not r.offload]
 
 
 def rungs(compute_capability: tuple[int, int], blocks: bool) -> list[Rung]:
@@ -552,7 +584,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     if fsdp and base.gpus > 1 and blocks and (why := fsdp2.missing()) is not None:
         run.notes.append(f"ladder: no FSDP2 rungs: {why}")
     if fsdp and not in_process_group():
-        for rung in fsdp_rungs(base.gpus, blocks > 0, base.compute_capability):
+        host_why = offload_unmeasurable(model) if base.gpus > 1 and blocks else None
+        if host_why is not None:
+            run.notes.append(host_why)
+        for rung in fsdp_rungs(base.gpus, blocks > 0, base.compute_capability,
+                               offload=host_why is None):
             s = measure(rung)
             if s is not None:
                 out.append(fix(rung, s))

@@ -250,10 +250,12 @@ def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]
     from dpprof.emulator.fsdp import emulated_ranks
 
     floor = ladder.floor_scenario(base.gpus)
-    blocks = bool(ladder.repeated_blocks(probe_model(wl, base.gpus)))
+    model = probe_model(wl, base.gpus)
+    blocks = bool(ladder.repeated_blocks(model))
     rungs = ladder.rungs(base.compute_capability, blocks)
     if not ladder.in_process_group():  # FSDP2 is emulated over a process group of its own
-        rungs += ladder.fsdp_rungs(base.gpus, blocks, base.compute_capability)
+        rungs += ladder.fsdp_rungs(base.gpus, blocks, base.compute_capability,
+                                   offload=ladder.offload_unmeasurable(model) is None)
     if wl.step is None:  # accumulation runs the tutorial loop, not a workload's own step
         rungs.append(ladder.accumulation_rung(ladder.Rung("", "", None, False),
                                               LADDER_MICRO_BATCHES))
