@@ -191,6 +191,7 @@ OPS: dict[str, tuple[str, Any, torch.dtype]] = {
                     F32),
     "sum": ("fp32_set_opt_dtype", lambda i: i["h"].sum(), F32),
     "sum(dim)": ("fp32_set_opt_dtype", lambda i: torch.sum(i["h"], -1), F32),
+    "sum(input=...)": ("fp32_set_opt_dtype", lambda i: torch.sum(input=i["h"], dim=-1), F32),
     "sum(dtype=bfloat16)": ("fp32_set_opt_dtype", lambda i: i["h"].sum(-1, dtype=BF16),
                             BF16),
     "cumsum": ("fp32_set_opt_dtype", lambda i: i["h"].cumsum(0), F32),

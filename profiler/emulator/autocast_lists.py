@@ -119,7 +119,8 @@ def cuda_entry_points() -> list[tuple[Any, str, str]]:
     plus :data:`_EXTRA_ENTRY_POINTS`. Looked up at each call: other contexts (GpuKernels)
     may have replaced some attributes first."""
     owners: list[tuple[Any, str]] = [
-        (torch, ""), (torch._VF, ""), (torch._C._nn, ""), (torch._C._linalg, ""),
+        (torch, ""), (torch._VF, ""), (torch._C._nn, ""),
+        (getattr(torch._C, "_linalg"), ""),  # noqa: B009 (not in torch's stubs)
         (torch.linalg, "linalg_"), (torch.Tensor, ""), (F, "")]
     points: list[tuple[Any, str, str]] = []
     seen: set[tuple[int, str]] = set()

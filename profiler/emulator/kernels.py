@@ -381,10 +381,21 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return found
 
 
+def _input_first(args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """A call's input, its other positional arguments and its keywords (``torch.sum(input=x,
+    dim=1)`` as ``torch.sum(x, dim=1)``)."""
+    if args:
+        return args[0], args[1:], kwargs
+    rest = dict(kwargs)
+    return rest.pop("input", None), (), rest
+
+
 def _wrap_append_dtype(fn: Any) -> Any:
     """CUDA's fp32_append_dtype (``norm.Scalar``, ``norm.ScalarOpt_dim``): an eligible
     input is not cast; the op is redispatched to its overload taking a dtype, float32."""
-    def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        x, args, kwargs = _input_first(args, kwargs)
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if (not _eligible(x) or _names_dtype(args, kwargs) or _names_dims(dim)
                 or kwargs.get("out") is not None):
@@ -526,7 +537,8 @@ class EmulatedAutocast:
         half_to_float = _HALF_TO_FLOAT.get(name)
         names_dims = not name.startswith("linalg_")  # their Dimname overloads are unlisted
 
-        def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            x, args, kwargs = _input_first(args, kwargs)
             dim = args[0] if args else kwargs.get("dim")
             if (not _eligible(x) or _names_dtype(args, kwargs)
                     or (names_dims and _names_dims(dim))):
