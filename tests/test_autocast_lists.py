@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dpprof.emulator.autocast_lists import CUDA_AUTOCAST_OPS, cuda_entry_points
-from dpprof.emulator.kernels import EmulatedAutocast, cross_entropy_composite
+from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, cross_entropy_composite
 
 ROWS, CLASSES = 6, 10
 
@@ -298,3 +298,20 @@ def test_where_the_cpu_list_agrees_the_emulator_saves_what_cpu_autocast_saves(
         emulated = _saved(lambda: emu_out.append(fn(_case_inputs("cpu"))))
     assert real_out[0].dtype == emu_out[0].dtype == want
     assert ([(t.dtype, t.shape) for t in emulated] == [(t.dtype, t.shape) for t in real])
+
+
+def test_a_disabled_cuda_region_runs_the_ops_as_given_then_casting_resumes() -> None:
+    """``torch.autocast("cuda", enabled=False)`` inside a region: no list applies (the
+    usual way around binary_cross_entropy's ban), an enabled region inside casts again."""
+    x, w, p = _x(N, D), _x(D, D), torch.rand(N)
+    with EmulatedAutocast(torch.bfloat16, "cuda"), CudaAutocastNames():
+        with torch.autocast("cuda", enabled=False):
+            inside = x @ w
+            bce = F.binary_cross_entropy(p, p)
+            with torch.amp.autocast("cuda", dtype=torch.float16):
+                nested = x @ w
+            again = x.pow(2)
+        after = x @ w
+    assert (inside.dtype, bce.dtype, again.dtype) == (F32, F32, F32)
+    assert nested.dtype == torch.float16
+    assert after.dtype == BF16

@@ -31,6 +31,8 @@ as the CPU would run them.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -494,6 +496,7 @@ class EmulatedAutocast:
         self.ops = ops
         self._cache: dict[int, torch.Tensor] = {}
         self._patcher = Patcher()
+        self._outer_suspended = 0
         self.casts = 0
         # Off between the region's end and the next forward: a checkpointed block's
         # recompute in backward casts again, and torch's recompute runs in an autocast
@@ -566,6 +569,9 @@ class EmulatedAutocast:
         return wrapped
 
     def __enter__(self) -> EmulatedAutocast:
+        # an enabled region inside a disabled one casts again, as torch's does
+        self._outer_suspended = getattr(_REGION, "suspended", 0)
+        _REGION.suspended = 0
         if self.ops == "cpu":
             for owner, name in _LOWER + _FP32_CPU:
                 self._patcher.patch(owner, name, self._wrap(
@@ -578,21 +584,55 @@ class EmulatedAutocast:
         return self
 
     def _policy_wrapper(self, policy: str, fn: Any, name: str) -> Any:
+        # The op itself runs outside autocast, as autocast's kernels run it (their
+        # ExcludeDispatchKeyGuard): what it calls is not cast again, by this region or by
+        # one outside it whose wrappers this one's call reaches.
+        op = SuspendedAutocast()(fn)
         if policy == LOWER_PRECISION_FP:
-            return self._wrap(fn, None)
-        if policy == FP32:
-            return self._wrap(fn, torch.float32)
-        if policy == FP32_SET_OPT_DTYPE:
-            return self._wrap_set_opt_dtype(fn, name)
-        if policy == FP32_APPEND_DTYPE:
-            return _wrap_append_dtype(fn)
-        if policy == PROMOTE:
-            return self._wrap_promote(fn)
-        return _banned
+            cast = self._wrap(op, None)
+        elif policy == FP32:
+            cast = self._wrap(op, torch.float32)
+        elif policy == FP32_SET_OPT_DTYPE:
+            cast = self._wrap_set_opt_dtype(op, name)
+        elif policy == FP32_APPEND_DTYPE:
+            cast = _wrap_append_dtype(op)
+        elif policy == PROMOTE:
+            cast = self._wrap_promote(op)
+        else:
+            cast = _banned
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if autocast_suspended():  # a torch.autocast("cuda", enabled=False) region
+                return fn(*args, **kwargs)
+            return cast(*args, **kwargs)
+        return wrapped
 
     def __exit__(self, *exc: Any) -> None:
         self._patcher.restore()
         self.clear_cache()
+        _REGION.suspended = self._outer_suspended
+
+
+# How deep the current thread is in ``torch.autocast("cuda", enabled=False)`` regions
+# (autocast's state is per thread: DataParallel's replicas each have their own).
+_REGION = threading.local()
+
+
+def autocast_suspended() -> bool:
+    return bool(getattr(_REGION, "suspended", 0))
+
+
+class SuspendedAutocast(contextlib.ContextDecorator):
+    """``torch.autocast("cuda", enabled=False)`` inside an emulated region: the listed ops
+    run in the dtypes they are given until it exits (``binary_cross_entropy`` included,
+    the usual way around its ban)."""
+
+    def __enter__(self) -> SuspendedAutocast:
+        _REGION.suspended = getattr(_REGION, "suspended", 0) + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _REGION.suspended -= 1
 
 
 class StepAutocast:
@@ -636,14 +676,25 @@ class StepAutocast:
         self._region.close()
 
 
+def _called_from_torch() -> bool:
+    """Whether the code that opened an autocast region (the caller of the caller) is
+    torch's own: its internals re-enter an autocast state they recorded with
+    ``torch.is_autocast_enabled("cuda")``, which reads False under emulation (checkpoint's
+    recompute, a replica thread of ``parallel_apply``), so their "disabled" regions are
+    not the user's and must not suspend the emulated one."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")
+
+
 class CudaAutocastNames:
     """``torch.autocast("cuda", ...)`` in the user's code (their step, their forward), as a
     GPU would run it: a CPU build of torch disables a CUDA autocast ("CUDA is not
     available"), and over meta tensors autocast's dispatch keys never act, so while this
     context is active ``torch.autocast``, ``torch.amp.autocast`` and
     ``torch.cuda.amp.autocast`` with ``device_type="cuda"`` (enabled) return an
-    :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's);
-    other device types get torch's own. ``regions`` counts the CUDA regions entered."""
+    :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's),
+    disabled (by the user's code) a :class:`SuspendedAutocast`; other device types get
+    torch's own. ``regions`` counts the CUDA regions entered."""
 
     def __init__(self) -> None:
         self.regions = 0
@@ -655,6 +706,8 @@ class CudaAutocastNames:
             if device_type == "cuda" and enabled:
                 self.regions += 1
                 return EmulatedAutocast(dtype or torch.float16)
+            if device_type == "cuda" and not _called_from_torch():
+                return SuspendedAutocast()
             return original(device_type, dtype=dtype, enabled=enabled,
                             cache_enabled=cache_enabled)
         return autocast
@@ -665,6 +718,8 @@ class CudaAutocastNames:
             if enabled:
                 self.regions += 1
                 return EmulatedAutocast(dtype)
+            if not _called_from_torch():
+                return SuspendedAutocast()
             return original(enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
         return autocast
 
