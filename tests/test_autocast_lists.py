@@ -163,7 +163,7 @@ def _case_inputs(device: str) -> dict[str, torch.Tensor]:
     return {"x": _x(N, D, device=device), "h": _x(N, D, dtype=BF16, device=device),
             "a": _x(3, N, D, device=device), "b": _x(3, D, N, device=device),
             "img": _x(2, 4, 5, 5, device=device), "w": _x(3, 4, 3, 3, device=device),
-            "t": torch.rand(N, D, device=device), "lin": _x(5, D, device=device)}
+            "t": torch.rand(N, D, device=device).to(BF16), "lin": _x(5, D, device=device)}
 
 
 # (list, the op, what the list makes of float32 (and bfloat16, "h") inputs)
