@@ -6,13 +6,15 @@ log-probabilities and a float32 copy of them (tests/test_measured_ladder.py)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dpprof.emulator.kernels import EmulatedAutocast, cross_entropy_composite
+from dpprof.emulator.autocast_lists import CUDA_AUTOCAST_OPS, cuda_entry_points
+from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, cross_entropy_composite
 
 ROWS, CLASSES = 6, 10
 
@@ -125,3 +127,191 @@ def test_the_composite_computes_what_cross_entropy_computes(case: str) -> None:
     (want_grad,) = torch.autograd.grad(want.sum(), x)
     (got_grad,) = torch.autograd.grad(got.sum(), x)
     torch.testing.assert_close(got_grad, want_grad)
+
+
+# ---- every op on CUDA's lists ---------------------------------------------------------
+# The spec below is torch 2.13's aten/src/ATen/autocast_mode.h (the lists the CUDA block of
+# autocast_mode.cpp registers: AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE (fp32_append_dtype),
+# AT_FORALL_PROMOTE, binary_cross_entropy banned); each case names its list. An op on no
+# list runs in the dtypes it is given (type promotion).
+
+BF16, F32 = torch.bfloat16, torch.float32
+N, D = 6, 8
+
+
+def test_the_table_is_what_torch_registers_for_cuda_autocast() -> None:
+    registered = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+    assert {f"aten::{op}" for op in CUDA_AUTOCAST_OPS} == registered
+
+
+def test_every_listed_op_has_a_python_entry_point_but_those_only_cpp_reaches() -> None:
+    reached = {owner_attr[1] for owner_attr in cuda_entry_points()}
+    missing = {op.split(".")[0] for op in CUDA_AUTOCAST_OPS} - reached
+    missing -= {"linalg_vecdot", "linalg_multi_dot", "linalg_vector_norm",
+                "linalg_matrix_norm"} & {f"linalg_{a}" for a in reached}
+    # called by lstm_cell/gru_cell's CUDA kernels, never from Python
+    assert missing == {"_thnn_fused_lstm_cell", "_thnn_fused_gru_cell"}
+
+
+def _x(*shape: int, dtype: torch.dtype = F32, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, device=device).to(dtype).requires_grad_()
+
+
+def _case_inputs(device: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"x": _x(N, D, device=device), "h": _x(N, D, dtype=BF16, device=device),
+            "a": _x(3, N, D, device=device), "b": _x(3, D, N, device=device),
+            "img": _x(2, 4, 5, 5, device=device), "w": _x(3, 4, 3, 3, device=device),
+            "t": torch.rand(N, D, device=device).to(BF16), "lin": _x(5, D, device=device)}
+
+
+# (list, the op, what the list makes of float32 (and bfloat16, "h") inputs)
+OPS: dict[str, tuple[str, Any, torch.dtype]] = {
+    "linear": ("lower_precision_fp", lambda i: F.linear(i["x"], i["lin"]), BF16),
+    "matmul (@)": ("lower_precision_fp", lambda i: i["x"] @ i["lin"].T, BF16),
+    "bmm": ("lower_precision_fp", lambda i: torch.bmm(i["a"], i["b"]), BF16),
+    "baddbmm": ("lower_precision_fp",
+                lambda i: torch.baddbmm(i["a"] @ i["b"], i["a"], i["b"]), BF16),
+    "conv2d": ("lower_precision_fp", lambda i: F.conv2d(i["img"], i["w"]), BF16),
+    "pow": ("fp32", lambda i: i["h"].pow(2), F32),
+    "x ** 2": ("fp32", lambda i: i["h"] ** 2, F32),
+    "exp": ("fp32", lambda i: torch.exp(i["h"]), F32),
+    "rsqrt": ("fp32", lambda i: i["h"].rsqrt(), F32),
+    "layer_norm": ("fp32", lambda i: F.layer_norm(i["h"], (D,)), F32),
+    "group_norm": ("fp32", lambda i: F.group_norm(i["img"].to(BF16), 2), F32),
+    "rms_norm": ("fp32", lambda i: F.rms_norm(i["h"], (D,)), F32),
+    "mse_loss": ("fp32", lambda i: F.mse_loss(i["h"], i["t"]), F32),
+    "l1_loss": ("fp32", lambda i: F.l1_loss(i["h"], i["t"]), F32),
+    "kl_div": ("fp32", lambda i: F.kl_div(i["h"], i["t"], reduction="batchmean"), F32),
+    "binary_cross_entropy_with_logits": (
+        "fp32", lambda i: F.binary_cross_entropy_with_logits(i["h"], i["t"]), F32),
+    "smooth_l1_loss": ("fp32", lambda i: F.smooth_l1_loss(i["h"], i["t"]), F32),
+    "interpolate": ("fp32", lambda i: F.interpolate(i["img"].to(BF16), scale_factor=2),
+                    F32),
+    "sum": ("fp32_set_opt_dtype", lambda i: i["h"].sum(), F32),
+    "sum(dim)": ("fp32_set_opt_dtype", lambda i: torch.sum(i["h"], -1), F32),
+    "sum(input=...)": ("fp32_set_opt_dtype", lambda i: torch.sum(input=i["h"], dim=-1), F32),
+    "sum(dtype=bfloat16)": ("fp32_set_opt_dtype", lambda i: i["h"].sum(-1, dtype=BF16),
+                            BF16),
+    "cumsum": ("fp32_set_opt_dtype", lambda i: i["h"].cumsum(0), F32),
+    "prod": ("fp32_set_opt_dtype", lambda i: i["h"].prod(-1), F32),
+    "linalg.vector_norm": ("fp32_set_opt_dtype",
+                           lambda i: torch.linalg.vector_norm(i["h"], dim=-1), F32),
+    "norm (torch.norm: linalg_vector_norm)": ("fp32_set_opt_dtype",
+                                              lambda i: i["h"].norm(dim=-1), F32),
+    "norm.ScalarOpt_dim": ("fp32_append_dtype",
+                           lambda i: torch._VF.norm(i["h"], 2, [1], False), F32),
+    "addcmul, bfloat16 and float32": ("promote",
+                                      lambda i: torch.addcmul(i["h"], i["h"], i["x"]), F32),
+    "addcmul, bfloat16 only": ("promote", lambda i: torch.addcmul(i["h"], i["h"], i["h"]),
+                               BF16),
+    "gelu (on no list)": ("none", lambda i: F.gelu(i["h"]), BF16),
+    "mean (on no list)": ("none", lambda i: i["h"].mean(-1), BF16),
+}
+
+
+@pytest.mark.parametrize("case", list(OPS))
+def test_each_list_gives_its_dtype_under_cuda_lists(case: str) -> None:
+    _policy, fn, want = OPS[case]
+    for device in ("cpu", "meta"):
+        with EmulatedAutocast(torch.bfloat16, "cuda"):
+            assert fn(_case_inputs(device)).dtype == want, device
+
+
+def test_the_fp32_ops_save_a_float32_copy_and_set_opt_dtype_ops_none() -> None:
+    """fp32: the op's floating arguments are cast before it runs (a float32 copy, which
+    ``pow`` saves for backward); fp32_set_opt_dtype: the input is not cast (``prod`` saves
+    its bfloat16 input and its float32 result)."""
+    h = _x(N, D, dtype=BF16)
+    with EmulatedAutocast(torch.bfloat16, "cuda"):
+        pow_saved = _saved(lambda: h.pow(2))
+        prod_saved = _saved(lambda: h.prod(-1))
+    assert [(t.dtype, tuple(t.shape)) for t in pow_saved] == [(F32, (N, D))]
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in prod_saved) == [
+        ("torch.bfloat16", (N, D)), ("torch.float32", (N,))]
+
+
+class LlamaStyleRMSNorm(torch.nn.Module):
+    """RMSNorm as Llama-style models write it, without an upcast of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + 1e-6))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_an_rmsnorm_block_saves_what_cuda_autocast_saves(device: str) -> None:
+    lin = torch.nn.Linear(D, D).to(device)
+    norm = LlamaStyleRMSNorm().to(device)
+    x = torch.randn(N, D, device=device, requires_grad=True)  # an earlier layer's output
+    with EmulatedAutocast(torch.bfloat16, "cuda"):
+        out: list[torch.Tensor] = []
+        saved = _saved(lambda: out.append(norm(lin(x))))
+    assert out[0].dtype == F32
+    got = sorted((str(t.dtype), tuple(t.shape)) for t in saved)
+    want = sorted([
+        # linear (lower_precision_fp): the input and the weight's bfloat16 copies
+        ("torch.bfloat16", (N, D)), ("torch.bfloat16", (D, D)),
+        # pow (fp32): a float32 copy of the bfloat16 activation
+        ("torch.float32", (N, D)),
+        # rsqrt (fp32): its float32 result (mean of float32 is float32: on no list)
+        ("torch.float32", (N, 1)),
+        # x * r (mul, on no list): the bfloat16 activation and the float32 scale
+        ("torch.bfloat16", (N, D)), ("torch.float32", (N, 1)),
+        # weight * (...): the float32 weight and the float32 product
+        ("torch.float32", (D,)), ("torch.float32", (N, D)),
+    ])
+    assert got == want
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved)
+    assert saved_bytes == sum(
+        math.prod(shape) * (2 if dtype == "torch.bfloat16" else 4) for dtype, shape in want)
+
+
+def test_binary_cross_entropy_is_banned_as_cuda_autocast_bans_it() -> None:
+    p, t = torch.rand(N), torch.rand(N)
+    with EmulatedAutocast(torch.bfloat16, "cuda"), pytest.raises(
+            RuntimeError, match=r"binary_cross_entropy and torch\.nn\.BCELoss are unsafe"):
+        F.binary_cross_entropy(p, t)
+    assert F.binary_cross_entropy(p, t).dtype == F32  # outside the region: as ever
+
+
+# Ops whose CPU list (autocast_mode.cpp's KERNEL_CPU) has the policy CUDA's has: the
+# emulator under CUDA's lists, on CPU tensors, must save what torch's own CPU autocast saves.
+SAME_ON_CPU = ["linear", "bmm", "baddbmm", "conv2d", "mse_loss", "l1_loss", "kl_div",
+               "binary_cross_entropy_with_logits", "smooth_l1_loss"]
+
+
+@pytest.mark.parametrize("case", SAME_ON_CPU)
+def test_where_the_cpu_list_agrees_the_emulator_saves_what_cpu_autocast_saves(
+        case: str) -> None:
+    _policy, fn, want = OPS[case]
+    with torch.autocast("cpu", torch.bfloat16):
+        real_out: list[torch.Tensor] = []
+        real = _saved(lambda: real_out.append(fn(_case_inputs("cpu"))))
+    with EmulatedAutocast(torch.bfloat16, "cuda"):
+        emu_out: list[torch.Tensor] = []
+        emulated = _saved(lambda: emu_out.append(fn(_case_inputs("cpu"))))
+    assert real_out[0].dtype == emu_out[0].dtype == want
+    assert ([(t.dtype, t.shape) for t in emulated] == [(t.dtype, t.shape) for t in real])
+
+
+def test_a_disabled_cuda_region_runs_the_ops_as_given_then_casting_resumes() -> None:
+    """``torch.autocast("cuda", enabled=False)`` inside a region: no list applies (the
+    usual way around binary_cross_entropy's ban), an enabled region inside casts again."""
+    x, w, p = _x(N, D), _x(D, D), torch.rand(N)
+    with EmulatedAutocast(torch.bfloat16, "cuda"), CudaAutocastNames():
+        with torch.autocast("cuda", enabled=False):
+            inside = x @ w
+            bce = F.binary_cross_entropy(p, p)
+            with torch.amp.autocast("cuda", dtype=torch.float16):
+                nested = x @ w
+            again = x.pow(2)
+        after = x @ w
+    assert (inside.dtype, bce.dtype, again.dtype) == (F32, F32, F32)
+    assert nested.dtype == torch.float16
+    assert after.dtype == BF16

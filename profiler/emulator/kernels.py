@@ -31,6 +31,8 @@ as the CPU would run them.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dpprof.emulator.autocast_lists import (
+    BANNED_MESSAGE,
+    FP32,
+    FP32_APPEND_DTYPE,
+    FP32_SET_OPT_DTYPE,
+    LOWER_PRECISION_FP,
+    PROMOTE,
+    cuda_entry_points,
+)
 from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 from dpprof.emulator.patcher import Patcher
@@ -329,24 +340,17 @@ def embedding_backward_plan(num_indices: int, index_bytes: int, num_weights: int
 
 # ---- autocast --------------------------------------------------------------------------
 
-# aten/src/ATen/autocast_mode.{h,cpp} (CUDA): ops that run in the low dtype and ops that
-# run in float32. Only the functions models reach through torch.nn.functional / torch /
-# Tensor.__matmul__ are re-routed here (what nn.Linear, nn.Conv*, nn.LayerNorm call).
+# CUDA's lists: dpprof.emulator.autocast_lists (all of them, table-driven). What follows is
+# the part of the CPU lists (autocast_mode.cpp, KERNEL_CPU) that the re-enactment under
+# ``ops="cpu"`` covers, to check it against torch's own CPU autocast on real tensors, to
+# the byte (tests/test_ladder.py): the low-precision ops models reach through
+# torch.nn.functional / torch / Tensor.__matmul__ (what nn.Linear and nn.Conv* call), and
+# of the float32 ops the losses (softmax and the norms run in the input's dtype on CPU),
+# cross_entropy_loss among them.
 _LOWER = [(F, "linear"), (F, "conv1d"), (F, "conv2d"), (F, "conv3d"),
           (torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "addmm"),
           (torch, "baddbmm"), (torch.Tensor, "__matmul__"), (torch.Tensor, "matmul"),
           (F, "scaled_dot_product_attention")]
-_FP32 = [(F, "nll_loss"), (F, "layer_norm"), (F, "group_norm"), (F, "mse_loss"),
-         (F, "l1_loss"), (F, "binary_cross_entropy_with_logits")]
-# CUDA's fp32_set_opt_dtype ops: the input is not cast; the op is asked for a float32
-# result unless its caller named a dtype (nn.functional's softmax and log_softmax call these
-# methods).
-_SET_OPT_DTYPE = [(torch, "softmax"), (torch, "log_softmax"),
-                  (torch.Tensor, "softmax"), (torch.Tensor, "log_softmax")]
-# The same file's CPU lists (KERNEL_CPU): the same low-precision ops; of the float32 ops only
-# the losses (softmax and the norms run in the input's dtype), cross_entropy_loss among
-# them. Used to check the re-enactment against torch's own CPU autocast
-# (tests/test_ladder.py).
 _FP32_CPU = [(F, "cross_entropy"), (F, "nll_loss"), (F, "mse_loss"), (F, "l1_loss"),
              (F, "binary_cross_entropy_with_logits")]
 AUTOCAST_OP_LISTS = ("cuda", "cpu")
@@ -355,6 +359,57 @@ _HALF_TO_FLOAT = {"softmax": torch._softmax, "log_softmax": torch._log_softmax}
 
 def _names_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+
+
+def _eligible(x: Any) -> bool:
+    """autocast_mode.h's ``is_eligible``: a floating tensor, not float64 (and on the
+    autocast's device, which every tensor of the emulator stands for)."""
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+
+
+def _names_dims(dim: Any) -> bool:
+    """Whether ``dim`` names dimensions (a Dimname overload, on no list)."""
+    return isinstance(dim, str) or (isinstance(dim, (list, tuple))
+                                    and any(isinstance(d, str) for d in dim))
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(_tensors(v))
+    return found
+
+
+def _input_first(args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """A call's input, its other positional arguments and its keywords (``torch.sum(input=x,
+    dim=1)`` as ``torch.sum(x, dim=1)``)."""
+    if args:
+        return args[0], args[1:], kwargs
+    rest = dict(kwargs)
+    return rest.pop("input", None), (), rest
+
+
+def _wrap_append_dtype(fn: Any) -> Any:
+    """CUDA's fp32_append_dtype (``norm.Scalar``, ``norm.ScalarOpt_dim``): an eligible
+    input is not cast; the op is redispatched to its overload taking a dtype, float32."""
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        x, args, kwargs = _input_first(args, kwargs)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if (not _eligible(x) or _names_dtype(args, kwargs) or _names_dims(dim)
+                or kwargs.get("out") is not None):
+            return fn(x, *args, **kwargs)
+        if not args and "p" not in kwargs:
+            args = (2,)  # norm.Scalar's default p; the dtype overloads have none
+        return fn(x, *args, **{**kwargs, "dtype": torch.float32})
+    return wrapped
+
+
+def _banned(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(BANNED_MESSAGE)
 
 
 def _sum(t: torch.Tensor, *dims: int) -> torch.Tensor:
@@ -416,11 +471,15 @@ class EmulatedAutocast:
     """``torch.autocast("cuda", dtype)`` for tensors on any device (meta included).
 
     Autocast's dispatch keys only act on CUDA tensors, so over meta tensors the casts are
-    re-enacted at the function level: floating arguments of the low-precision ops are cast
-    to ``dtype`` (``.to``, recorded by autograd as on a GPU), those of the float32 ops to
-    float32; softmax and log_softmax are asked for a float32 result unless given a dtype
-    (CUDA's fp32_set_opt_dtype policy) and ``F.cross_entropy`` runs op by op
-    (:func:`cross_entropy_composite`); casts of leaf tensors that require grad (the
+    re-enacted at the Python bindings of the listed ops (every op on CUDA's lists:
+    :mod:`dpprof.emulator.autocast_lists`), by policy: floating arguments of the
+    low-precision ops are cast to ``dtype`` (``.to``, recorded by autograd as on a GPU),
+    those of the float32 ops to float32; the fp32_set_opt_dtype ops (softmax, sum, cumsum,
+    prod, the linalg norms) are asked for a float32 result unless given a dtype, norm's
+    fp32_append_dtype overloads get a float32 dtype appended, the promote ops run in the
+    widest floating dtype among their arguments, and ``binary_cross_entropy`` raises as
+    CUDA's autocast makes it raise; ``F.cross_entropy`` runs op by op
+    (:func:`cross_entropy_composite`). Casts of leaf tensors that require grad (the
     weights) are cached until :meth:`clear_cache` (autocast clears its cache when the
     outermost region exits: once per forward), so each weight is copied once per forward
     and the copy lives as long as autograd saves it. Parameters, gradients and optimizer
@@ -435,9 +494,9 @@ class EmulatedAutocast:
             raise ValueError(f"autocast op lists {ops!r}: choose from {AUTOCAST_OP_LISTS}")
         self.dtype = dtype
         self.ops = ops
-        self.fp32_ops = _FP32 if ops == "cuda" else _FP32_CPU
         self._cache: dict[int, torch.Tensor] = {}
         self._patcher = Patcher()
+        self._outer_suspended = 0
         self.casts = 0
         # Off between the region's end and the next forward: a checkpointed block's
         # recompute in backward casts again, and torch's recompute runs in an autocast
@@ -478,34 +537,102 @@ class EmulatedAutocast:
 
     @staticmethod
     def _wrap_set_opt_dtype(fn: Any, name: str) -> Any:
-        half_to_float = _HALF_TO_FLOAT[name]
+        half_to_float = _HALF_TO_FLOAT.get(name)
+        names_dims = not name.startswith("linalg_")  # their Dimname overloads are unlisted
 
-        def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if (not isinstance(x, torch.Tensor) or not x.is_floating_point()
-                    or x.dtype == torch.float64 or _names_dtype(args, kwargs)):
-                return fn(x, *args, **kwargs)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            x, args, kwargs = _input_first(args, kwargs)
             dim = args[0] if args else kwargs.get("dim")
-            if x.dtype == torch.float16 and isinstance(dim, int) and x.device.type != "cpu":
+            if (not _eligible(x) or _names_dtype(args, kwargs)
+                    or (names_dims and _names_dims(dim))):
+                return fn(x, *args, **kwargs)
+            if (half_to_float is not None and x.dtype == torch.float16
+                    and isinstance(dim, int) and x.device.type != "cpu"):
                 # SoftMax.cpp: a CUDA float16 input asked for float32 takes the fused
                 # half_to_float kernel, no float32 copy of the input (bfloat16 gets one)
                 return half_to_float(x, dim, True)
             return fn(x, *args, **{**kwargs, "dtype": torch.float32})
         return wrapped
 
+    def _wrap_promote(self, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            target = self.dtype
+            for t in _tensors([*args, *kwargs.values()]):
+                if not _eligible(t):
+                    continue
+                if torch.float32 in (target, t.dtype):
+                    target = torch.float32
+                elif t.dtype != self.dtype:
+                    raise RuntimeError("Unexpected floating ScalarType in "
+                                       "at::autocast::prioritize")
+            return self._wrap(fn, target)(*args, **kwargs)
+        return wrapped
+
     def __enter__(self) -> EmulatedAutocast:
-        for owner, name in _LOWER + self.fp32_ops:
-            self._patcher.patch(owner, name, self._wrap(
-                getattr(owner, name), None if (owner, name) in _LOWER else torch.float32))
-        if self.ops == "cuda":
-            for owner, name in _SET_OPT_DTYPE:
-                self._patcher.patch(owner, name,
-                                    self._wrap_set_opt_dtype(getattr(owner, name), name))
-            self._patcher.patch(F, "cross_entropy", cross_entropy_composite)
+        # an enabled region inside a disabled one casts again, as torch's does
+        self._outer_suspended = getattr(_REGION, "suspended", 0)
+        _REGION.suspended = 0
+        if self.ops == "cpu":
+            for owner, name in _LOWER + _FP32_CPU:
+                self._patcher.patch(owner, name, self._wrap(
+                    getattr(owner, name), None if (owner, name) in _LOWER else torch.float32))
+            return self
+        for owner, name, policy in cuda_entry_points():
+            self._patcher.patch(owner, name, self._policy_wrapper(
+                policy, getattr(owner, name), name))
+        self._patcher.patch(F, "cross_entropy", cross_entropy_composite)
         return self
+
+    def _policy_wrapper(self, policy: str, fn: Any, name: str) -> Any:
+        # The op itself runs outside autocast, as autocast's kernels run it (their
+        # ExcludeDispatchKeyGuard): what it calls is not cast again, by this region or by
+        # one outside it whose wrappers this one's call reaches.
+        op = SuspendedAutocast()(fn)
+        if policy == LOWER_PRECISION_FP:
+            cast = self._wrap(op, None)
+        elif policy == FP32:
+            cast = self._wrap(op, torch.float32)
+        elif policy == FP32_SET_OPT_DTYPE:
+            cast = self._wrap_set_opt_dtype(op, name)
+        elif policy == FP32_APPEND_DTYPE:
+            cast = _wrap_append_dtype(op)
+        elif policy == PROMOTE:
+            cast = self._wrap_promote(op)
+        else:
+            cast = _banned
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if autocast_suspended():  # a torch.autocast("cuda", enabled=False) region
+                return fn(*args, **kwargs)
+            return cast(*args, **kwargs)
+        return wrapped
 
     def __exit__(self, *exc: Any) -> None:
         self._patcher.restore()
         self.clear_cache()
+        _REGION.suspended = self._outer_suspended
+
+
+# How deep the current thread is in ``torch.autocast("cuda", enabled=False)`` regions
+# (autocast's state is per thread: DataParallel's replicas each have their own).
+_REGION = threading.local()
+
+
+def autocast_suspended() -> bool:
+    return bool(getattr(_REGION, "suspended", 0))
+
+
+class SuspendedAutocast(contextlib.ContextDecorator):
+    """``torch.autocast("cuda", enabled=False)`` inside an emulated region: the listed ops
+    run in the dtypes they are given until it exits (``binary_cross_entropy`` included,
+    the usual way around its ban)."""
+
+    def __enter__(self) -> SuspendedAutocast:
+        _REGION.suspended = getattr(_REGION, "suspended", 0) + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _REGION.suspended -= 1
 
 
 class StepAutocast:
@@ -549,14 +676,25 @@ class StepAutocast:
         self._region.close()
 
 
+def _called_from_torch() -> bool:
+    """Whether the code that opened an autocast region (the caller of the caller) is
+    torch's own: its internals re-enter an autocast state they recorded with
+    ``torch.is_autocast_enabled("cuda")``, which reads False under emulation (checkpoint's
+    recompute, a replica thread of ``parallel_apply``), so their "disabled" regions are
+    not the user's and must not suspend the emulated one."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")
+
+
 class CudaAutocastNames:
     """``torch.autocast("cuda", ...)`` in the user's code (their step, their forward), as a
     GPU would run it: a CPU build of torch disables a CUDA autocast ("CUDA is not
     available"), and over meta tensors autocast's dispatch keys never act, so while this
     context is active ``torch.autocast``, ``torch.amp.autocast`` and
     ``torch.cuda.amp.autocast`` with ``device_type="cuda"`` (enabled) return an
-    :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's);
-    other device types get torch's own. ``regions`` counts the CUDA regions entered."""
+    :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's),
+    disabled (by the user's code) a :class:`SuspendedAutocast`; other device types get
+    torch's own. ``regions`` counts the CUDA regions entered."""
 
     def __init__(self) -> None:
         self.regions = 0
@@ -568,6 +706,8 @@ class CudaAutocastNames:
             if device_type == "cuda" and enabled:
                 self.regions += 1
                 return EmulatedAutocast(dtype or torch.float16)
+            if device_type == "cuda" and not _called_from_torch():
+                return SuspendedAutocast()
             return original(device_type, dtype=dtype, enabled=enabled,
                             cache_enabled=cache_enabled)
         return autocast
@@ -578,6 +718,8 @@ class CudaAutocastNames:
             if enabled:
                 self.regions += 1
                 return EmulatedAutocast(dtype)
+            if not _called_from_torch():
+                return SuspendedAutocast()
             return original(enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
         return autocast
 
