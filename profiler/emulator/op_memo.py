@@ -77,6 +77,33 @@ def writes_in_place_only(func: Any) -> bool:
     return known
 
 
+_OUT_ONLY: dict[int, tuple[Any, str | None]] = {}
+
+
+def out_argument(func: Any) -> str | None:
+    """The name of an ``out=`` variant's one written argument (``mul.out``: ``out``), where
+    it writes nothing else and returns that argument; None for any other op."""
+    found = _OUT_ONLY.get(id(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    name: str | None = None
+    try:
+        schema = func._schema
+        written = [a for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        if (len(written) == 1 and written[0].kwarg_only and len(schema.returns) == 1
+                and schema.returns[0].alias_info is not None
+                and schema.returns[0].alias_info.is_write
+                and str(written[0].type) == "Tensor"):
+            name = written[0].name
+    except AttributeError:
+        name = None
+    _OUT_ONLY[id(func)] = (func, name)
+    return name
+
+
+_SAME_OUT = ("same out",)  # the memo's answer: the out= tensor returned as it was
+
 # In-place random fills: over meta tensors they allocate nothing and return ``self`` (their
 # meta kernels are Python refs whose first call imports torch._dynamo, about a second).
 _FILLS_ONLY = {
@@ -206,6 +233,9 @@ class MemoisedDevices(CountingDevices):
             if writes_in_place_only(func) and all(
                     _is_meta(t) for t in _tensor_args(args, kwargs)):
                 return None  # e.g. an optimizer's foreach updates: nothing to write or count
+            out_name = out_argument(func)
+            if out_name is not None:
+                return self._run_out(func, args, kwargs, out_name)
             return func(*args, **kwargs)
         key = _key_of_call(func, args, kwargs)
         if key is _NO:
@@ -225,3 +255,27 @@ class MemoisedDevices(CountingDevices):
             return func(*args, **kwargs)
         self.cache_hits += 1
         return _rebuild(tmpl)
+
+    def _run_out(self, func: Any, args: Any, kwargs: dict[str, Any], out_name: str) -> Any:
+        """An ``out=`` variant over meta tensors (DDP's ``mul(grad, 1 / N, out=bucket
+        view)``: its Python ref was a tenth of a DDP step's emulation): where the same op on
+        the same metadata (the ``out`` tensor's included) once returned ``out`` unresized,
+        it writes nothing over meta and allocates nothing, so ``out`` is returned as it is;
+        the version counter is bumped above this mode either way."""
+        out = kwargs.get(out_name)
+        if not isinstance(out, torch.Tensor) or not _is_meta(out):
+            return func(*args, **kwargs)
+        key = _key_of_call(func, args, kwargs)
+        if key is _NO:
+            return func(*args, **kwargs)
+        tmpl = self._op_cache.get(key)
+        if tmpl is _SAME_OUT:
+            self.cache_hits += 1
+            return out
+        before = (out.shape, out.stride(), out.storage_offset(), out.untyped_storage().nbytes())
+        result = func(*args, **kwargs)
+        if tmpl is None:
+            same = result is out and before == (
+                out.shape, out.stride(), out.storage_offset(), out.untyped_storage().nbytes())
+            self._op_cache[key] = _SAME_OUT if same else _NO
+        return result
