@@ -69,9 +69,13 @@ def main() -> None:
         run: Any = ours()
         rungs[name] = [f"{f.title}: needs {f.need_bytes}" for f in run.fixes
                        if f.name.startswith("ladder-")]
+    load_before = os.getloadavg()  # the cores are shared: how busy they were, 1/5/15 min
     raw, secs = rounds(cases, args.repeat)
+    load_after = os.getloadavg()
     results: dict[str, Any] = {
         **record_head(),
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after": [round(x, 2) for x in load_after]},
         "ratios": {k: summary(v, GOAL) for k, v in raw.items()},
         "cpu_s": {k: {"no_ladder": [round(b, 3) for b, _ in v],
                       "ladder": [round(o, 3) for _, o in v]} for k, v in secs.items()},
@@ -84,6 +88,9 @@ def main() -> None:
         print(f"  {k:<28} {s['median']:.2f}  (min {s['min']:.2f} - max {s['max']:.2f}, "
               f"{len(s['runs'])} rounds; goal {s['goal']}: {mark}); CPU s without "
               f"{min(b):.2f}-{max(b):.2f}, with {min(o):.2f}-{max(o):.2f}")
+    print(f"  load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} "
+          f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
+          f"{load_after[2]:.2f}")
     if not args.no_write:
         (HERE / "results_ladder.json").write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {HERE / 'results_ladder.json'}")

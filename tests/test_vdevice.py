@@ -335,6 +335,50 @@ def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
     assert steps == 2.0
 
 
+def test_out_variants_into_a_tensor_of_their_shape_skip_the_kernel_over_meta(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DDP's ``mul(grad, 1 / N, out=view)``, FSDP2's copies into a list of buffers: where
+    the same op on the same metadata once left ``out`` unresized, its meta kernel is not
+    run again; ``out`` (or nothing) comes back, the events as running it; an ``out`` it
+    must resize is run every time."""
+    import dpprof.emulator.op_memo as op_memo
+
+    def run(skip: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, ...]], int]:
+        monkeypatch.setattr(op_memo, "OP_MEMO", op_memo.OpMemo())
+        if not skip:
+            monkeypatch.setattr(op_memo, "out_argument", lambda func: None)
+        rt = VirtualDevices(1)
+        shapes = []
+        with rt, rt.device(0):
+            bucket = torch.empty(96)
+            grads = [torch.empty(8, 4), torch.empty(8, 4)]
+            for _ in range(3):
+                for k, g in enumerate(grads):
+                    view = bucket[32 * k:32 * (k + 1)].view(8, 4)
+                    got = torch.mul(g, 0.25, out=view)
+                    assert got is view
+                parts = [torch.empty(4, 4), torch.empty(4, 4)]
+                torch.split_with_sizes_copy(grads[0], [4, 4], out=parts)  # returns nothing
+            small = torch.empty(0)
+            for _ in range(2):  # resized: a new storage each time, counted
+                torch.mul(grads[0], 0.25, out=small)
+                shapes.append(tuple(small.shape))
+                small = torch.empty(0)
+        monkeypatch.undo()
+        return [(e.device, e.requested, e.allocated) for e in rt.events], shapes, rt.cache_hits
+
+    events, shapes, hits = run(skip=True)
+    assert op_memo.out_argument(torch.ops.aten.mul.out) == ("out", True)
+    assert op_memo.out_argument(torch.ops.aten.split_with_sizes_copy.out) == ("out", False)
+    assert op_memo.out_argument(torch.ops.aten.mul.Tensor) is None
+    assert op_memo.out_argument(torch.ops.aten.add_.Tensor) is None
+    plain_events, plain_shapes, plain_hits = run(skip=False)
+    assert (events, shapes) == (plain_events, plain_shapes)
+    assert shapes == [(8, 4), (8, 4)]
+    assert hits - plain_hits == 6  # the second and third round of each copy
+
+
 def test_mirror_classes_can_change_between_mappings() -> None:
     """Devices of a class share their counts only while they mirror the same device."""
     rt = VirtualDevices(5)

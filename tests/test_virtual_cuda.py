@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from dpprof.emulator import cuda_devices
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import STAND_IN_FLOAT, STAND_IN_INT, DataDependentShapeError
 from dpprof.emulator.virtual_cuda import VirtualCuda, parse_visible_devices
@@ -252,6 +253,43 @@ def test_values_of_meta_tensors_are_counted_stand_ins() -> None:
         assert bool(torch.isfinite(loss).all()) is True
         assert vc.rt.stand_ins.counts["bool (isfinite)"] == 1
         assert any("test_virtual_cuda.py" in site for site in vc.rt.stand_ins.sites)
+
+
+def test_ops_with_no_tensor_run_uncounted() -> None:
+    """``record_function`` (FSDP2 names each of its hooks with one) reaches the mode as
+    ops that take and return no tensor: run as they are, without the counting (and the
+    same events as counting them)."""
+    from dpprof.emulator.counting import CountingDevices
+
+    def step(skip: bool) -> tuple[list[str], list[tuple[int, int, int]]]:
+        counted: list[str] = []
+        count = CountingDevices.count_dispatch
+
+        def spy(self: CountingDevices, func: object, *args: object, **kw: object) -> object:
+            counted.append(str(func))
+            return count(self, func, *args, **kw)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(CountingDevices, "count_dispatch", spy)
+            mp.setattr(cuda_devices, "_OP_KINDS", {})
+            if not skip:
+                mp.setattr(cuda_devices, "_tensorless", lambda func: False)
+            with VirtualCuda(2) as vc:
+                x = torch.randn(8, 4, device="cuda")
+                with torch.profiler.record_function("hook"):
+                    y = (x * 2).sum()
+                del x, y
+                events = [(e.device, e.requested, e.allocated) for e in vc.rt.events]
+        return counted, events
+
+    counted, events = step(skip=True)
+    assert not any("profiler" in op for op in counted)
+    plain, plain_events = step(skip=False)
+    assert any("_record_function_enter" in op for op in plain)
+    assert events == plain_events
+    assert cuda_devices._tensorless(torch.ops.profiler._record_function_enter_new.default)
+    assert not cuda_devices._tensorless(torch.ops.aten.empty.memory_format)  # makes one
+    assert not cuda_devices._tensorless(torch.ops.aten.add.t)  # a generic list: may hold one
 
 
 def test_data_dependent_shapes_name_the_fix() -> None:

@@ -56,6 +56,7 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storages begin
 _PLAIN_OP, _CONVOLUTION_OP, _FOREACH_OP = 0, 1, 2
 _LOCAL_SCALAR_OP, _DATA_DEPENDENT_OP, _INDEX_TENSOR_OP, _NUMERIC_FACTORY_OP = 3, 4, 5, 6
+_TENSORLESS_OP = 7  # no tensor in, none out (record_function's): nothing to count
 # id(op) -> (op, its kind): asked once per op; keyed by identity because an OpOverload's
 # __hash__ is Python (a call per look-up, on every op); the op is kept to check the id
 _OP_KINDS: dict[int, tuple[Any, int]] = {}
@@ -78,10 +79,35 @@ def _op_kind(func: Any) -> int:
         kind = _NUMERIC_FACTORY_OP
     elif func.__name__.startswith("_foreach_"):
         kind = _FOREACH_OP
+    elif _tensorless(func):
+        kind = _TENSORLESS_OP
     else:
         kind = _PLAIN_OP
     _OP_KINDS[id(func)] = (func, kind)
     return kind
+
+
+_SCALAR_KINDS = frozenset({"StringType", "IntType", "FloatType", "BoolType", "NoneType",
+                           "NumberType", "ClassType"})
+
+
+def _no_tensor_in(ty: Any) -> bool:
+    """A schema type that cannot hold a tensor (strings, numbers, script objects, and
+    optionals and lists of those; not generic types)."""
+    kind = ty.kind()
+    if kind in ("OptionalType", "ListType"):
+        return all(_no_tensor_in(t) for t in ty.containedTypes())
+    return kind in _SCALAR_KINDS
+
+
+def _tensorless(func: Any) -> bool:
+    """Whether ``func``'s schema takes and returns no tensor (``profiler::
+    _record_function_enter_new``, which FSDP2 calls around each of its hooks)."""
+    try:
+        schema = func._schema
+    except AttributeError:
+        return False
+    return all(_no_tensor_in(a.type) for a in (*schema.arguments, *schema.returns))
 
 
 class DataDependentShapeError(RuntimeError):
@@ -253,6 +279,8 @@ class CudaDevices(VirtualDevices):
         kind = _op_kind(func)  # the ops with rules of their own, looked up once
         if kind == _PLAIN_OP:
             pass
+        elif kind == _TENSORLESS_OP:  # no storage to count, no device to read
+            return func(*args, **(kwargs or {}))
         elif kind == _LOCAL_SCALAR_OP:
             if on_meta(args[0]):
                 return self.stand_in_scalar(args[0])

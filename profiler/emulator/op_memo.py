@@ -77,6 +77,38 @@ def writes_in_place_only(func: Any) -> bool:
     return known
 
 
+_OUT_ONLY: dict[int, tuple[Any, tuple[str, bool] | None]] = {}
+
+
+def out_argument(func: Any) -> tuple[str, bool] | None:
+    """An ``out=`` variant's one written argument, a keyword-only tensor or list of tensors
+    (``mul.out``'s ``out``, FSDP2's ``chunk_cat`` and ``split_with_sizes_copy``), where the
+    op writes nothing else: (its name, whether the op returns it; else it returns
+    nothing); None for any other op."""
+    found = _OUT_ONLY.get(id(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    answer: tuple[str, bool] | None = None
+    try:
+        schema = func._schema
+        written = [a for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        returns = schema.returns
+        if len(written) == 1 and written[0].kwarg_only:
+            kind = str(written[0].type)
+            if not returns and kind in ("Tensor", "List[Tensor]", "Tensor[]"):
+                answer = (written[0].name, False)
+            elif (len(returns) == 1 and kind == "Tensor" and returns[0].alias_info is not None
+                  and returns[0].alias_info.is_write):
+                answer = (written[0].name, True)
+    except AttributeError:
+        answer = None
+    _OUT_ONLY[id(func)] = (func, answer)
+    return answer
+
+
+_SAME_OUT = ("same out",)  # the memo's answer: the out= tensor returned as it was
+
 # In-place random fills: over meta tensors they allocate nothing and return ``self`` (their
 # meta kernels are Python refs whose first call imports torch._dynamo, about a second).
 _FILLS_ONLY = {
@@ -206,6 +238,9 @@ class MemoisedDevices(CountingDevices):
             if writes_in_place_only(func) and all(
                     _is_meta(t) for t in _tensor_args(args, kwargs)):
                 return None  # e.g. an optimizer's foreach updates: nothing to write or count
+            written = out_argument(func)
+            if written is not None:
+                return self._run_out(func, args, kwargs, *written)
             return func(*args, **kwargs)
         key = _key_of_call(func, args, kwargs)
         if key is _NO:
@@ -225,3 +260,35 @@ class MemoisedDevices(CountingDevices):
             return func(*args, **kwargs)
         self.cache_hits += 1
         return _rebuild(tmpl)
+
+    def _run_out(self, func: Any, args: Any, kwargs: dict[str, Any], name: str,
+                 returns: bool) -> Any:
+        """An ``out=`` variant over meta tensors (DDP's ``mul(grad, 1 / N, out=bucket
+        view)``, FSDP2's copies into its all-gather and reduce-scatter buffers: Python meta
+        kernels, a tenth of a DDP step's emulation): where the same op on the same
+        metadata (``out``'s included) once left ``out`` unresized, it writes nothing over
+        meta and allocates nothing, so it is not run again; ``out`` (or nothing) is
+        returned as the kernel would. The version counter is bumped above this mode."""
+        out = kwargs.get(name)
+        outs = [out] if isinstance(out, torch.Tensor) else out
+        if (not isinstance(outs, (list, tuple)) or not outs
+                or not all(isinstance(t, torch.Tensor) and _is_meta(t) for t in outs)):
+            return func(*args, **kwargs)
+        key = _key_of_call(func, args, kwargs)
+        if key is _NO:
+            return func(*args, **kwargs)
+        tmpl = self._op_cache.get(key)
+        if tmpl is _SAME_OUT:
+            self.cache_hits += 1
+            return out if returns else None
+        before = [_layout(t) for t in outs]
+        result = func(*args, **kwargs)
+        if tmpl is None:
+            same = ((result is out) if returns else result is None) and before == [
+                _layout(t) for t in outs]
+            self._op_cache[key] = _SAME_OUT if same else _NO
+        return result
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes())
