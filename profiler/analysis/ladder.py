@@ -166,6 +166,11 @@ def amp_dtype(compute_capability: tuple[int, int]) -> str:
 OFFLOAD_HOST_SHARE = 0.25
 
 
+OFFLOAD_SKIPPED = ("ladder: FSDP2 with CPU offload not measured: a rung before it fits, and "
+                   "offload, whose optimizer step runs on the CPU, is the last resort; "
+                   "`dpprof maxbatch --ladder` measures it")
+
+
 def available_host_bytes() -> int | None:
     """This machine's free physical memory (None where the OS does not say)."""
     try:
@@ -589,6 +594,12 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
             run.notes.append(host_why)
         for rung in fsdp_rungs(base.gpus, blocks > 0, base.compute_capability,
                                offload=host_why is None):
+            if rung.offload and any(f.need_bytes is not None
+                                    and f.need_bytes <= base.gpu_memory_bytes for f in out):
+                # never the answer where a rung before it fits (its optimizer step runs on
+                # the CPU), and its emulation steps the real host: half the ladder's time
+                run.notes.append(OFFLOAD_SKIPPED)
+                continue
             s = measure(rung)
             if s is not None:
                 out.append(fix(rung, s))
