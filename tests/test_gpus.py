@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from dpprof.emulator.catalog import GPUS, GpuSpec, known_gpus, lookup_gpu
@@ -212,22 +214,23 @@ def test_context_overhead_rejects_bad_counts() -> None:
         context_overhead("not-a-gpu")
 
 
+@dataclass
+class Dev:
+    """What fill_gpu_overheads reads and writes of a device's result."""
+
+    index: int
+    used: bool = True
+    rank: int | None = None
+    peak_reserved_bytes: int | None = None
+    workspace_bytes: int | None = None
+    context_bytes: int | None = None
+    context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
+
+
 def test_an_allocation_on_a_side_stream_is_pooled_apart_in_a_devices_reserve() -> None:
     """The stream an allocation was made on (``EventLog.streams``) reaches the simulation:
     a device whose first block was a side stream's cannot reuse it on the default stream."""
-    from dataclasses import dataclass, field
-
     from dpprof.emulator.events import EventLog
-
-    @dataclass
-    class Dev:
-        index: int
-        used: bool = True
-        rank: int | None = None
-        peak_reserved_bytes: int | None = None
-        workspace_bytes: int | None = None
-        context_bytes: int | None = None
-        context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
 
     mib = 2**20
     log = EventLog()
@@ -248,21 +251,9 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     """Sequences equal up to their storages' serials simulate once; any other difference
     (a size, the order of a free, which storage is freed) gets its own simulation, and each
     device's figure is that of simulating its own sequence."""
-    from dataclasses import dataclass, field
-
     from dpprof.emulator import reserved
     from dpprof.emulator.allocator import block_bytes, simulate
     from dpprof.emulator.events import EventLog
-
-    @dataclass
-    class Dev:
-        index: int
-        used: bool = True
-        rank: int | None = None
-        peak_reserved_bytes: int | None = None
-        workspace_bytes: int | None = None
-        context_bytes: int | None = None
-        context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
 
     mib = 2**20
     # (serial, signed bytes); device 1 is device 0 renamed, 2 frees in another order,

@@ -255,32 +255,39 @@ def test_fsdp2_with_its_bf16_and_checkpointing_fits_where_ddp_rungs_do_not(
     assert "fully_shard(model, reshard_after_forward=True, mp_policy=mp)" in code
 
 
-def test_cpu_offload_is_not_emulated_where_the_model_would_not_fit_in_this_machine(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Emulating CPU offload builds the whole model on the real host: on a machine whose
-    free memory is too small for that (a 70B model on a laptop), the rung is left out with
-    a note naming the bytes, and the other rungs are measured as before."""
+def _linear_blocks(width: int, count: int) -> Any:
+    """A workload of ``count`` Linear(width, width) + ReLU blocks in a ModuleList, MSE loss."""
     from torch import nn
 
-    from dpprof.analysis import ladder
-    from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.scenarios.workloads import Workload
-    from dpprof.units import fmt_bytes
 
     class Blocks(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+            self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(count))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for b in self.blocks:
                 x = torch.relu(b(x))
             return x
 
-    wl = Workload(name="blocks", model=Blocks,
-                  batch=lambda rows, device: (torch.randn(rows, 256, device=device),
-                                              torch.randn(rows, 256, device=device)),
-                  loss=nn.functional.mse_loss)
+    return Workload(name=f"blocks{count}x{width}", model=Blocks,
+                    batch=lambda rows, device: (torch.randn(rows, width, device=device),
+                                                torch.randn(rows, width, device=device)),
+                    loss=nn.functional.mse_loss)
+
+
+def test_cpu_offload_is_not_emulated_where_the_model_would_not_fit_in_this_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulating CPU offload builds the whole model on the real host: on a machine whose
+    free memory is too small for that (a 70B model on a laptop), the rung is left out with
+    a note naming the bytes, and the other rungs are measured as before."""
+
+    from dpprof.analysis import ladder
+    from dpprof.pipeline import CompareConfig, run_compare
+    from dpprof.units import fmt_bytes
+
+    wl = _linear_blocks(width=256, count=4)
     params_bytes = 4 * (256 * 256 + 256) * 4
 
     def ladder_of(free_bytes: int) -> tuple[list[str], list[str]]:
@@ -308,25 +315,10 @@ def test_cpu_offload_fits_where_the_weights_and_optimizer_state_leave_no_other_r
     offload, which the verdict names with its cost, after the other FSDP2 rungs and before
     accumulation; its code builds the model on the CPU and shards it with the policy, and
     its detail says the host memory each rank keeps, as read from the rank's tensors."""
-    from torch import nn
 
     from dpprof.pipeline import CompareConfig, run_compare
-    from dpprof.scenarios.workloads import Workload
 
-    class Wide(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(2048, 2048) for _ in range(6))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for b in self.blocks:
-                x = torch.relu(b(x))
-            return x
-
-    wl = Workload(name="wide", model=Wide,
-                  batch=lambda rows, device: (torch.randn(rows, 2048, device=device),
-                                              torch.randn(rows, 2048, device=device)),
-                  loss=nn.functional.mse_loss)
+    wl = _linear_blocks(width=2048, count=6)
     run = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=1 << 30, scenarios=("ddp",),
                                     fixes=False, ladder=True, step=StepConfig(batch=8)),
                       workload=wl)
