@@ -176,12 +176,19 @@ def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> 
     for name in fsdp:
         e = entries[name]
         assert e["max_batch"] and e["max_batch"] % step == 0 and not e["errored"]
+        assert e["needed_bytes"] <= capacity < e["next_needed_bytes"]
         for batch, need in ((e["max_batch"], e["needed_bytes"]),
                             (e["max_batch"] + step, e["next_needed_bytes"])):
             run = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=capacity,
                                             scenarios=("ddp",), ladder=True,
                                             step=StepConfig(batch=batch)),
                               workload=lm())
-            fix = next(f for f in run.fixes if f.name == f"ladder-{name}")
-            assert fix.need_bytes == need, (name, batch)
-        assert e["needed_bytes"] <= capacity < e["next_needed_bytes"]
+            fix = next((f for f in run.fixes if f.name == f"ladder-{name}"), None)
+            if name == "fsdp2-zero3-offload":
+                # compare leaves the last resort out where a rung before it fits (here
+                # FSDP2's own bf16 with checkpointing does); maxbatch measures it anyway
+                assert fix is None
+                assert any("CPU offload not measured: a rung before it fits" in n
+                           for n in run.notes)
+                continue
+            assert fix is not None and fix.need_bytes == need, (name, batch)
