@@ -6,6 +6,7 @@ log-probabilities and a float32 copy of them (tests/test_measured_ladder.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -315,3 +316,69 @@ def test_a_disabled_cuda_region_runs_the_ops_as_given_then_casting_resumes() -> 
     assert (inside.dtype, bce.dtype, again.dtype) == (F32, F32, F32)
     assert nested.dtype == torch.float16
     assert after.dtype == BF16
+
+
+def test_torch_answers_as_on_a_gpu_inside_an_emulated_region() -> None:
+    """torch/csrc/autograd/init.cpp: ``is_autocast_enabled()`` without a device is CUDA's;
+    aten/src/ATen/autocast_mode.cpp: the thread's CUDA autocast dtype is float16 until a
+    region sets it, and ``torch.autocast`` without a dtype takes the current one."""
+    with EmulatedAutocast(torch.bfloat16, "cuda"), CudaAutocastNames():
+        inside = (torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled(),
+                  torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cpu"))
+        with torch.autocast("cuda", enabled=False):
+            suspended = torch.is_autocast_enabled("cuda")
+            with torch.autocast("cuda"):
+                nested = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+                          (_x(N, D) @ _x(D, D)).dtype)
+    assert inside == (True, True, BF16, False)
+    assert not suspended
+    assert nested == (True, BF16, BF16)
+    assert torch.is_autocast_enabled is torch._C.is_autocast_enabled  # restored
+    assert not torch.is_autocast_enabled("cuda")
+    assert torch.get_autocast_dtype("cuda") == torch.float16
+
+
+def _maybe_autocast(device_type: str, dtype: torch.dtype | None = None,
+                    enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+    # transformers.utils.generic.maybe_autocast: a region only where autocast is on already
+    # or asked for
+    if torch.is_autocast_enabled(device_type) or enabled:
+        return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+    return contextlib.nullcontext()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Hugging Face's ``LlamaRotaryEmbedding.forward`` (transformers 4.5x), its tables
+    recorded. ``"cuda"``: what ``x.device.type`` reads under emulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.tables: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        inv_freq = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        positions = position_ids[:, None, :].float()
+        with _maybe_autocast("cuda", enabled=False):  # force float32
+            freqs = (inv_freq.float() @ positions.float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = emb.cos()
+        self.tables += [freqs, emb, cos]
+        return cos.to(dtype=x.dtype)
+
+
+def test_a_rotary_embedding_that_asks_first_builds_its_tables_in_float32() -> None:
+    """On a GPU, inside bf16 autocast, ``maybe_autocast(enabled=False)`` opens a disabled
+    region (``is_autocast_enabled("cuda")`` is True), so the matmul (lower_precision_fp)
+    runs in float32: every table float32, 4 bytes an element. Reading False, it opened
+    none and the tables were bfloat16, half the bytes."""
+    rotary, x = RotaryEmbedding(), _x(2, 16, D)
+    positions = torch.arange(16)[None].expand(2, -1)
+    with EmulatedAutocast(torch.bfloat16, "cuda"), CudaAutocastNames():
+        out = rotary(x, positions)
+    assert [(t.dtype, tuple(t.shape)) for t in rotary.tables] == [
+        (F32, (2, 16, D // 2)), (F32, (2, 16, D)), (F32, (2, 16, D))]
+    table_bytes = sum(t.numel() * t.element_size() for t in rotary.tables)
+    assert table_bytes == 4 * 2 * 16 * (D // 2 + 2 * D)
+    assert out.dtype == F32

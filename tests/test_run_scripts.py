@@ -339,6 +339,24 @@ def test_autocast_and_grad_scaler_take_every_step() -> None:
     assert d["parameters"] == params_bytes((2048, 256), (2048,), (256, 2048), (256,))
 
 
+def test_checkpoint_recompute_reenters_the_scripts_bf16_region() -> None:
+    """Non-reentrant checkpoint records ``torch.is_autocast_enabled("cuda")`` and its dtype
+    in forward and enters them again for the recompute in backward, outside the script's
+    region (torch/utils/checkpoint.py, ``_get_autocast_kwargs``). Reading False, the
+    recompute ran in float32 and checkpoint raised: its saved tensors were bfloat16."""
+    main = run_script(ScriptConfig(launch=parse_command(
+        ["python", str(SCRIPTS / "amp_checkpoint_rotary.py")], 1), steps=3))
+    assert main.scenario.status == "ok", main.scenario.message
+    assert main.steps_done == 3 and main.ended == "steps"
+    # the script's own regions, one a step: checkpoint's re-entries are torch's
+    assert main.autocast_regions == 3
+    d = main.scenario.devices[0].breakdown_bytes
+    # four Linear(256, 1024) and four Linear(1024, 256): float32 master weights, and the
+    # rotary embedding's inv_freq buffer (128 floats)
+    shapes = [(1024, 256), (1024,), (256, 1024), (256,)] * 4
+    assert d["parameters"] == params_bytes(*shapes, (128,))
+
+
 def test_resnet18_in_data_parallel_loads_cuda0() -> None:
     from torchvision_shim import import_torchvision
 

@@ -581,6 +581,8 @@ class EmulatedAutocast:
             self._patcher.patch(owner, name, self._policy_wrapper(
                 policy, getattr(owner, name), name))
         self._patcher.patch(F, "cross_entropy", cross_entropy_composite)
+        _patch_autocast_state(self._patcher)
+        _REGION.regions = [*getattr(_REGION, "regions", []), self]
         return self
 
     def _policy_wrapper(self, policy: str, fn: Any, name: str) -> Any:
@@ -611,15 +613,55 @@ class EmulatedAutocast:
         self._patcher.restore()
         self.clear_cache()
         _REGION.suspended = self._outer_suspended
+        if self.ops == "cuda":
+            _REGION.regions = [r for r in _REGION.regions if r is not self]
 
 
-# How deep the current thread is in ``torch.autocast("cuda", enabled=False)`` regions
-# (autocast's state is per thread: DataParallel's replicas each have their own).
+# The current thread's emulated CUDA regions, innermost last, and how deep it is in
+# ``torch.autocast("cuda", enabled=False)`` regions inside the innermost (autocast's state
+# is per thread, as torch keeps it: DataParallel's replicas each have their own).
 _REGION = threading.local()
 
 
 def autocast_suspended() -> bool:
     return bool(getattr(_REGION, "suspended", 0))
+
+
+def emulated_autocast_dtype() -> torch.dtype | None:
+    """The dtype of the current thread's innermost emulated CUDA region, None outside one."""
+    regions = getattr(_REGION, "regions", [])
+    return regions[-1].dtype if regions else None
+
+
+def _patch_autocast_state(patcher: Patcher) -> None:
+    """What torch answers about CUDA autocast, as a GPU answers it inside an emulated
+    region: ``torch.is_autocast_enabled("cuda")`` (and without an argument: CUDA's, as
+    torch/csrc/autograd/init.cpp reads it) True but inside a suspended region, and
+    ``torch.get_autocast_dtype("cuda")`` the region's dtype (float16 outside any: CUDA's
+    default in aten/src/ATen/autocast_mode.cpp). Code that asks first (Hugging Face's
+    ``maybe_autocast``) then branches as on a GPU, and torch's internals that record the
+    state and enter it again (checkpoint's recompute, ``_get_autocast_kwargs``;
+    ``parallel_apply``'s replica threads; ``custom_fwd``) re-enter the emulated region."""
+    is_enabled = torch.is_autocast_enabled
+    get_dtype = torch.get_autocast_dtype
+
+    def is_autocast_enabled(*args: Any) -> bool:
+        device = args[0] if args else "cuda"
+        if str(device) != "cuda":
+            return bool(is_enabled(*args))
+        return emulated_autocast_dtype() is not None and not autocast_suspended()
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        if device_type != "cuda":
+            return get_dtype(device_type)
+        return emulated_autocast_dtype() or torch.float16
+
+    def get_autocast_gpu_dtype() -> torch.dtype:
+        return emulated_autocast_dtype() or torch.float16
+
+    patcher.patch(torch, "is_autocast_enabled", is_autocast_enabled)
+    patcher.patch(torch, "get_autocast_dtype", get_autocast_dtype)
+    patcher.patch(torch, "get_autocast_gpu_dtype", get_autocast_gpu_dtype)
 
 
 class SuspendedAutocast(contextlib.ContextDecorator):
@@ -678,10 +720,8 @@ class StepAutocast:
 
 def _called_from_torch() -> bool:
     """Whether the code that opened an autocast region (the caller of the caller) is
-    torch's own: its internals re-enter an autocast state they recorded with
-    ``torch.is_autocast_enabled("cuda")``, which reads False under emulation (checkpoint's
-    recompute, a replica thread of ``parallel_apply``), so their "disabled" regions are
-    not the user's and must not suspend the emulated one."""
+    torch's own: its internals re-enter a state they recorded (checkpoint's recompute, a
+    replica thread of ``parallel_apply``), a region the workload's code did not write."""
     caller = sys._getframe(2).f_globals.get("__name__", "")
     return caller == "torch" or caller.startswith("torch.")
 
@@ -694,7 +734,8 @@ class CudaAutocastNames:
     ``torch.cuda.amp.autocast`` with ``device_type="cuda"`` (enabled) return an
     :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's),
     disabled (by the user's code) a :class:`SuspendedAutocast`; other device types get
-    torch's own. ``regions`` counts the CUDA regions entered."""
+    torch's own. ``regions`` counts the enabled CUDA regions the workload's code entered
+    (not torch's re-entries of them, as checkpoint's recompute)."""
 
     def __init__(self) -> None:
         self.regions = 0
@@ -704,9 +745,11 @@ class CudaAutocastNames:
         def autocast(device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
                      cache_enabled: bool | None = None) -> Any:
             if device_type == "cuda" and enabled:
-                self.regions += 1
-                return EmulatedAutocast(dtype or torch.float16)
-            if device_type == "cuda" and not _called_from_torch():
+                if not _called_from_torch():
+                    self.regions += 1
+                # torch.autocast's default: the thread's current CUDA autocast dtype
+                return EmulatedAutocast(dtype or torch.get_autocast_dtype("cuda"))
+            if device_type == "cuda":
                 return SuspendedAutocast()
             return original(device_type, dtype=dtype, enabled=enabled,
                             cache_enabled=cache_enabled)
@@ -716,11 +759,10 @@ class CudaAutocastNames:
         def autocast(enabled: bool = True, dtype: torch.dtype = torch.float16,
                      cache_enabled: bool = True) -> Any:
             if enabled:
-                self.regions += 1
+                if not _called_from_torch():
+                    self.regions += 1
                 return EmulatedAutocast(dtype)
-            if not _called_from_torch():
-                return SuspendedAutocast()
-            return original(enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+            return SuspendedAutocast()
         return autocast
 
     def __enter__(self) -> CudaAutocastNames:
