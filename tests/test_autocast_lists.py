@@ -348,8 +348,9 @@ def _maybe_autocast(device_type: str, dtype: torch.dtype | None = None,
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Hugging Face's ``LlamaRotaryEmbedding.forward`` (transformers 4.5x), its tables
-    recorded. ``"cuda"``: what ``x.device.type`` reads under emulation."""
+    """A rotary embedding in the style of Hugging Face's ``LlamaRotaryEmbedding.forward``
+    around ``maybe_autocast``, its tables recorded. ``"cuda"``: what ``x.device.type``
+    reads under emulation."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -498,10 +498,11 @@ class EmulatedAutocast:
         self._patcher = Patcher()
         self._outer_suspended = 0
         self.casts = 0
-        # Off between the region's end and the next forward: a checkpointed block's
-        # recompute in backward casts again, and torch's recompute runs in an autocast
-        # region of its own whose cache dies with it (its casts live as long as that
-        # block's recomputed graph saves them), not until the next forward.
+        # Off between the region's end and the next forward (a scenario's region spans the
+        # step): nothing cast in backward is kept for the next forward. A checkpointed
+        # block's recompute enters a region of its own, as torch's does (checkpoint
+        # recorded torch.is_autocast_enabled("cuda") and the dtype in forward), whose
+        # cache dies with it: its casts live as long as the recomputed graph saves them.
         self.caching = True
 
     def clear_cache(self) -> None:

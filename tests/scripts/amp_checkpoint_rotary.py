@@ -22,7 +22,7 @@ def maybe_autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
 
 
 class RotaryEmbedding(nn.Module):
-    """LlamaRotaryEmbedding.forward as transformers 4.5x writes it."""
+    """In the style of Hugging Face's LlamaRotaryEmbedding.forward around maybe_autocast."""
 
     def __init__(self, dim):
         super().__init__()
