@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -383,3 +384,38 @@ def test_a_rotary_embedding_that_asks_first_builds_its_tables_in_float32() -> No
     table_bytes = sum(t.numel() * t.element_size() for t in rotary.tables)
     assert table_bytes == 4 * 2 * 16 * (D // 2 + 2 * D)
     assert out.dtype == F32
+
+
+class _MatmulWithCustomBackward(torch.autograd.Function):
+    """An autograd Function as ``torch.amp.custom_fwd``/``custom_bwd`` mean it: its
+    backward runs in the autocast state its forward ran in."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        ctx.dtypes = (grad @ w.t()).dtype, (x.t() @ grad).dtype
+        return grad @ w.t(), x.t() @ grad
+
+
+def test_custom_bwd_enters_the_region_custom_fwd_recorded() -> None:
+    """torch/amp/autocast_mode.py: ``custom_fwd`` records ``is_autocast_enabled("cuda")``
+    and ``get_autocast_dtype("cuda")``; ``custom_bwd`` enters ``autocast`` with them, so
+    on a GPU the backward's matmuls run in bfloat16 after the region has ended (reading
+    False, they ran uncast, and bfloat16 met float32)."""
+    x, w = _x(N, D), _x(D, D)
+    with CudaAutocastNames():
+        with EmulatedAutocast(torch.bfloat16, "cuda"):
+            y = _MatmulWithCustomBackward.apply(x, w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "CUDA is not available" from torch's own
+            y.float().sum().backward()
+    assert y.grad_fn is not None
+    assert y.dtype == BF16 and y.grad_fn.dtypes == (BF16, BF16)
+    assert x.grad is not None and x.grad.dtype == F32  # cast back by .to's backward

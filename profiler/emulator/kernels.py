@@ -731,7 +731,8 @@ class CudaAutocastNames:
     """``torch.autocast("cuda", ...)`` in the user's code (their step, their forward), as a
     GPU would run it: a CPU build of torch disables a CUDA autocast ("CUDA is not
     available"), and over meta tensors autocast's dispatch keys never act, so while this
-    context is active ``torch.autocast``, ``torch.amp.autocast`` and
+    context is active ``torch.autocast``, ``torch.amp.autocast`` (and the name in
+    ``torch.amp.autocast_mode`` that ``custom_fwd``/``custom_bwd`` enter) and
     ``torch.cuda.amp.autocast`` with ``device_type="cuda"`` (enabled) return an
     :class:`EmulatedAutocast` of the requested dtype (float16 by default, as autocast's),
     disabled (by the user's code) a :class:`SuspendedAutocast`; other device types get
@@ -768,9 +769,11 @@ class CudaAutocastNames:
 
     def __enter__(self) -> CudaAutocastNames:
         import torch.amp
+        import torch.amp.autocast_mode
         import torch.cuda.amp
 
-        for owner in (torch, torch.amp):
+        # autocast_mode's own name: the one custom_fwd and custom_bwd enter
+        for owner in (torch, torch.amp, torch.amp.autocast_mode):
             fn = getattr(owner, "autocast")  # noqa: B009 (torch.amp's is not in its stubs)
             self._patcher.patch(owner, "autocast", self._factory(fn))
         self._patcher.patch(torch.cuda.amp, "autocast",
