@@ -324,7 +324,7 @@ def test_torch_answers_as_on_a_gpu_inside_an_emulated_region() -> None:
     aten/src/ATen/autocast_mode.cpp: the thread's CUDA autocast dtype is float16 until a
     region sets it, and ``torch.autocast`` without a dtype takes the current one."""
     with EmulatedAutocast(torch.bfloat16, "cuda"), CudaAutocastNames():
-        inside = (torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled(),
+        inside = (torch.is_autocast_enabled(device_type="cuda"), torch.is_autocast_enabled(),
                   torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cpu"))
         with torch.autocast("cuda", enabled=False):
             suspended = torch.is_autocast_enabled("cuda")

@@ -646,10 +646,10 @@ def _patch_autocast_state(patcher: Patcher) -> None:
     is_enabled = torch.is_autocast_enabled
     get_dtype = torch.get_autocast_dtype
 
-    def is_autocast_enabled(*args: Any) -> bool:
-        device = args[0] if args else "cuda"
-        if str(device) != "cuda":
-            return bool(is_enabled(*args))
+    def is_autocast_enabled(*args: Any, **kwargs: Any) -> bool:
+        device = kwargs.get("device_type", args[0] if args else "cuda")
+        if device != "cuda":
+            return bool(is_enabled(*args, **kwargs))
         return emulated_autocast_dtype() is not None and not autocast_suspended()
 
     def get_autocast_dtype(device_type: str) -> torch.dtype:
