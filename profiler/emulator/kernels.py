@@ -642,7 +642,7 @@ def _patch_autocast_state(patcher: Patcher) -> None:
     default in aten/src/ATen/autocast_mode.cpp). Code that asks first (Hugging Face's
     ``maybe_autocast``) then branches as on a GPU, and torch's internals that record the
     state and enter it again (checkpoint's recompute, ``_get_autocast_kwargs``;
-    ``parallel_apply``'s replica threads; ``custom_fwd``) re-enter the emulated region."""
+    ``parallel_apply``'s replica threads; ``custom_bwd``) re-enter the emulated region."""
     is_enabled = torch.is_autocast_enabled
     get_dtype = torch.get_autocast_dtype
 
