@@ -419,3 +419,17 @@ def test_custom_bwd_enters_the_region_custom_fwd_recorded() -> None:
     assert y.grad_fn is not None
     assert y.dtype == BF16 and y.grad_fn.dtypes == (BF16, BF16)
     assert x.grad is not None and x.grad.dtype == F32  # cast back by .to's backward
+
+
+def test_an_enabled_region_inside_another_casts_to_its_own_dtype() -> None:
+    """``torch.autocast("cuda", dtype=torch.float16)`` directly inside a bfloat16 region:
+    the inner region's dtype applies to every listed op until it exits (autocast's state is
+    a stack; the innermost region sets the dtype), then the outer's again."""
+    x, w = _x(N, D), _x(D, D)
+    with EmulatedAutocast(torch.bfloat16, "cuda"), CudaAutocastNames():
+        outer = x @ w
+        with torch.autocast("cuda", dtype=torch.float16):
+            inner = (x @ w, F.linear(x, w), torch.mm(x, w))
+        after = x @ w
+    assert outer.dtype == after.dtype == BF16
+    assert {t.dtype for t in inner} == {torch.float16}

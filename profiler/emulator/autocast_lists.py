@@ -109,8 +109,14 @@ def policy_of(name: str) -> str:
     return policies.pop()
 
 
+# The attribute an emulated region sets on the wrapper it puts in a binding's place: a
+# region entered inside another wraps that wrapper again (an inner region's dtype wins).
+ENTRY_POINT_MARK = "dpprof_autocast_entry_point"
+
+
 def _is_binding(value: Any) -> bool:
-    return isinstance(value, (types.BuiltinFunctionType, types.MethodDescriptorType))
+    return (isinstance(value, (types.BuiltinFunctionType, types.MethodDescriptorType))
+            or getattr(value, ENTRY_POINT_MARK, False))
 
 
 def cuda_entry_points() -> list[tuple[Any, str, str]]:

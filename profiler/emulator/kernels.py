@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from dpprof.emulator.autocast_lists import (
     BANNED_MESSAGE,
+    ENTRY_POINT_MARK,
     FP32,
     FP32_APPEND_DTYPE,
     FP32_SET_OPT_DTYPE,
@@ -608,6 +609,7 @@ class EmulatedAutocast:
             if autocast_suspended():  # a torch.autocast("cuda", enabled=False) region
                 return fn(*args, **kwargs)
             return cast(*args, **kwargs)
+        setattr(wrapped, ENTRY_POINT_MARK, True)
         return wrapped
 
     def __exit__(self, *exc: Any) -> None:
