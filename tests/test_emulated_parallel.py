@@ -195,3 +195,36 @@ def test_compute_mode_dp_matches_single_device_full_batch() -> None:
                 p -= 0.1 * p.grad
     for a, b in zip(m.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(("gpus", "replica_dtype"), [(1, torch.bfloat16), (2, torch.float16)])
+def test_dataparallel_replicas_autocast_in_their_threads_default_dtype(
+        gpus: int, replica_dtype: torch.dtype) -> None:
+    """Inside ``torch.autocast("cuda", dtype=torch.bfloat16)``, torch's ``parallel_apply``
+    runs each of two or more replicas in a thread of its own, which enters
+    ``torch.amp.autocast(device_type, enabled=True)`` with no dtype: ``autocast.__init__``
+    reads the thread's own autocast dtype, CUDA's default float16 in a new thread
+    (aten/src/ATen/autocast_mode.cpp keeps it per thread). DataParallel over one GPU runs the
+    module in the caller's thread, in bfloat16."""
+    seen: list[torch.dtype] = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            seen.append(y.dtype)
+            return y
+
+    wl = Workload(name="probe", model=Probe,
+                  batch=lambda rows, device: (torch.randn(rows, 8, device=device),
+                                              torch.randn(rows, 8, device=device)),
+                  loss=lambda out, target: F.mse_loss(out.float(), target))
+    s = run_scenario("dp-loss-primary", wl, EmulationConfig(
+        gpus=gpus, gpu_memory_bytes=2**34, dedupe_replicas=False,
+        step=StepConfig(batch=8, amp="bfloat16")))
+    assert s.status == "ok", s.message
+    assert seen and set(seen) == {replica_dtype}
+    assert any("float16" in n and "thread" in n for n in s.notes) == (gpus > 1)

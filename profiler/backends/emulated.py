@@ -275,8 +275,20 @@ def _run_scenario(
         cats.clear()
     if kind is not None:
         result.notes.extend(kind.notes(cfg.step.batch, cfg.gpus, shards))
+        if kind.scatters_batch and len(shards) > 1 and cfg.step.amp not in (None, "float16"):
+            result.notes.append(DP_REPLICAS_FLOAT16.format(amp=cfg.step.amp))
     judge(result, cfg)
     return result
+
+
+# torch/nn/parallel/parallel_apply.py enters autocast in each replica's thread without
+# the caller's dtype (dpprof.emulator.data_parallel.replica_autocast re-enacts it)
+DP_REPLICAS_FLOAT16 = (
+    "DataParallel's replicas compute in float16, not {amp}: torch's parallel_apply runs "
+    "each replica in a thread of its own and enters autocast there without a dtype, which "
+    "reads that thread's default (CUDA's: float16); emulated so. On a GPU that is float16 "
+    "without a GradScaler (overflow risk); autocast inside the model's forward, or DDP, "
+    "keeps {amp}")
 
 
 def _virtual_devices(cfg: EmulationConfig, name: str,

@@ -16,6 +16,7 @@ replicate,scatter_gather,_functions}.py``, torch 2.13), allocation for allocatio
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
@@ -32,6 +33,7 @@ from dpprof.emulator.comm import (
     scatter_tensor,
 )
 from dpprof.emulator.counting import HOST
+from dpprof.emulator.kernels import EmulatedAutocast, autocast_suspended, emulated_autocast_dtype
 from dpprof.emulator.vdevice import VirtualDevices
 
 # ---- autograd functions (torch/nn/parallel/_functions.py) ---------------------------------
@@ -363,6 +365,20 @@ def replicate(
     return [module_copies[j][0] for j in range(num_replicas)]
 
 
+def replica_autocast(threads: int) -> contextlib.AbstractContextManager[Any]:
+    """What a replica runs under inside the caller's emulated CUDA autocast region. With two
+    replicas or more torch's ``parallel_apply`` runs each in a thread of its own, which
+    enters ``torch.amp.autocast(device_type, enabled=torch.is_autocast_enabled())`` with no
+    dtype; ``autocast.__init__`` then reads ``torch.get_autocast_dtype(device_type)``, kept
+    per thread (aten/src/ATen/autocast_mode.cpp), so a new thread gets the device's
+    default: float16 on CUDA, whatever dtype the caller's region asked. One replica runs
+    in the caller's thread and keeps its dtype."""
+    dtype = emulated_autocast_dtype()
+    if threads < 2 or dtype is None or dtype == torch.float16 or autocast_suspended():
+        return contextlib.nullcontext()
+    return EmulatedAutocast(torch.float16)
+
+
 def parallel_apply(
     rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
@@ -377,12 +393,13 @@ def parallel_apply(
     """
     outputs: list[Any] = []
     log = rt.events.device
+    threads = len(modules) + sum(len(m) for m in mirrors)  # torch's: one per device used
     for k, module in enumerate(modules):
         inp = inputs[k]
         if not isinstance(inp, (list, tuple)):
             inp = (inp,)
         start = len(log)
-        with rt.device(devices[k]), rt.category("activations"):
+        with rt.device(devices[k]), rt.category("activations"), replica_autocast(threads):
             outputs.append(module(*inp, **kwargs_tup[k]))
         if k < len(mirrors) and mirrors[k]:
             own = {devices[k], *mirrors[k]}
