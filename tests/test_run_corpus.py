@@ -244,3 +244,48 @@ def test_compute_counts_every_gpu_as_meta_does(script: str) -> None:
         assert ([(d.peak_allocated_bytes, d.breakdown_bytes) for d in a.devices]
                 == [(d.peak_allocated_bytes, d.breakdown_bytes) for d in b.devices])
     assert torch.zeros(1).device.type == "cpu"
+
+
+# ---- a whole model written through the script's own open(), and read back --------------
+
+
+@pytest.mark.parametrize("existed", [True, False])
+def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existed: bool) -> None:
+    """word_language_model's ``with open(args.save, "wb") as f: torch.save(model, f)``: the
+    open truncates the file before the save of emulated tensors is skipped; the file the
+    user had is put back, and one the open created is removed."""
+    monkeypatch.chdir(tmp_path)
+    if existed:
+        (tmp_path / "model.pt").write_bytes(b"the model of an earlier run")
+    result, status = run(["python", str(SCRIPTS / "lm_save_whole_model.py")],
+                         alternatives=False)
+    assert status == 0
+    (s,) = result.scenarios
+    assert s.status == "ok", s.message
+    assert "torch.save model.pt at lm_save_whole_model.py:" in " ".join(s.notes)
+    if existed:
+        assert (tmp_path / "model.pt").read_bytes() == b"the model of an earlier run"
+    else:
+        assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_file_the_script_writes_itself_is_written(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host data written through ``open(path, "wb")`` is the script's own: written, and a
+    host tensor's ``torch.save`` into it too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "log.bin").write_bytes(b"an older log, longer than the new one")
+    script = tmp_path / "writes.py"
+    script.write_text(
+        "import torch\n"
+        "m = torch.nn.Linear(2, 2).cuda()\n"
+        "with open('log.bin', 'wb') as f:\n"
+        "    f.write(b'new')\n"
+        "with open('host.pt', 'wb') as f:\n"
+        "    torch.save(torch.arange(3), f)\n")
+    _, status = run(["python", str(script)], alternatives=False)
+    assert status == 0
+    assert (tmp_path / "log.bin").read_bytes() == b"new"
+    assert torch.load(tmp_path / "host.pt").tolist() == [0, 1, 2]
+

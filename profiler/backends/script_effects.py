@@ -7,7 +7,11 @@ Two rules hold while it runs:
   of a virtual GPU (meta bytes with no values, or CPU bytes the emulation computed), or a
   host copy that stands in for one, write nothing: the call returns as if it had written, and
   the report counts it with the script's line. Over meta tensors ``torch.save`` would
-  otherwise open (truncate) the file and only then fail on the first storage.
+  otherwise open (truncate) the file and only then fail on the first storage. A script
+  that opens the file itself (``with open(path, "wb") as f: torch.save(model, f)``) has
+  truncated it before the save is called: what a file held when the run opened it for
+  binary writing is kept aside, and a skipped save into that file object puts it back (a
+  file the open created is removed), so the file is as it was.
 * **An alternative run writes nothing the user can see.** The paired alternatives (DDP in
   place, the loss inside forward) run the same script again; every file it opens for
   writing, every folder it makes, every checkpoint it saves goes under a private folder
@@ -25,10 +29,15 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import importlib.util
 import io
+import itertools
 import os
+import shutil
 import sys
+import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +106,11 @@ class ScriptEffects:
         self._moved: dict[str, str] = {}  # a path the script wrote -> where it went
         self._tail: collections.deque[str] = collections.deque()
         self._previous: ScriptEffects | None = None
+        # id(file object) -> (the object, its path, a copy of what the file held before the
+        # open truncated it, or None where the open created the file)
+        self._truncated: dict[int, tuple[weakref.ref[Any], str, str | None]] = {}
+        self._kept_dir: str | None = None
+        self._kept_names = itertools.count()
 
     # ---- activation ------------------------------------------------------------------
 
@@ -117,12 +131,12 @@ class ScriptEffects:
                 self._originals[f"safetensors.{name}"] = getattr(st, name)
                 p(st, name, _safetensors_writer(name))
         self._patch_bound_names()
+        self._originals["open"] = builtins.open
+        p(builtins, "open", _open)
+        p(io, "open", _open)
         if self.sandbox is not None:
-            self._originals["open"] = builtins.open
             self._originals["os.makedirs"] = os.makedirs
             self._originals["os.mkdir"] = os.mkdir
-            p(builtins, "open", _open)
-            p(io, "open", _open)
             p(os, "makedirs", _makedirs)
             p(os, "mkdir", _mkdir)
             p(sys, "stdout", _Silenced(sys.stdout, self._tail))
@@ -165,6 +179,10 @@ class ScriptEffects:
         global _ACTIVE
         self._patcher.restore()
         _ACTIVE = self._previous
+        self._truncated.clear()
+        if self._kept_dir is not None:
+            shutil.rmtree(self._kept_dir, ignore_errors=True)
+            self._kept_dir = None
 
     @property
     def output_tail(self) -> str:
@@ -206,6 +224,57 @@ class ScriptEffects:
             elif hasattr(x, "__dict__") and not isinstance(x, type):
                 todo.extend(vars(x).values())
         return False
+
+    # ---- files the script opens for writing itself -------------------------------------
+
+    def open_truncating(self, file: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
+        """``open(file, "wb")`` in the run as written: what the file holds is copied aside
+        first, for :meth:`put_back`."""
+        opener = self._originals["open"]
+        try:
+            path = os.path.abspath(os.fsdecode(os.fspath(file)))
+        except TypeError:  # a file descriptor: not the script's file by name
+            return opener(file, mode, *args, **kwargs)
+        existed = os.path.isfile(path)
+        kept: str | None = None
+        if existed:
+            if self._kept_dir is None:
+                self._kept_dir = tempfile.mkdtemp(prefix="dpprof-kept-")
+            kept = os.path.join(self._kept_dir, str(next(self._kept_names)))
+            with opener(path, "rb") as src, opener(kept, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        elif os.path.lexists(path):  # not a regular file (a FIFO, a device): as it is
+            return opener(file, mode, *args, **kwargs)
+        f = opener(file, mode, *args, **kwargs)
+        key = id(f)
+        self._truncated[key] = (weakref.ref(f), path, kept)
+        weakref.finalize(f, self._forget, key, kept)
+        return f
+
+    def _forget(self, key: int, kept: str | None) -> None:
+        self._truncated.pop(key, None)
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                os.remove(kept)
+
+    def put_back(self, f: Any) -> None:
+        """A write into ``f`` was skipped: where the run's own ``open`` truncated (or
+        created) its file and nothing was written since, the file is made what it was."""
+        entry = self._truncated.get(id(f))
+        if entry is None or entry[0]() is not f:
+            return
+        _, path, kept = entry
+        try:
+            if f.tell() != 0:
+                return  # the script wrote into it too: that part is its own
+            if kept is None:
+                os.remove(path)
+            else:
+                with self._originals["open"](kept, "rb") as src:
+                    shutil.copyfileobj(src, f)
+                f.flush()
+        except (OSError, ValueError):  # closed, unseekable, removed meanwhile: left as is
+            return
 
     # ---- paths of an alternative's run -------------------------------------------------
 
@@ -280,6 +349,7 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     if effects is not None:
         if effects.holds_emulated(obj):
             effects.writes.add(effects.writes.skipped, "torch.save", f)
+            effects.put_back(f)
             return
         if effects.sandbox is not None and not hasattr(f, "write"):
             f = effects.redirect(f, writing=True)
@@ -292,6 +362,7 @@ def _numpy_writer(name: str) -> Callable[..., Any]:
         if effects is not None:
             if effects.holds_emulated([args, kwargs]):
                 effects.writes.add(effects.writes.skipped, f"numpy.{name}", file)
+                effects.put_back(file)
                 return None
             if effects.sandbox is not None and not hasattr(file, "write"):
                 file = effects.redirect(file, writing=True)
@@ -315,9 +386,12 @@ def _safetensors_writer(name: str) -> Callable[..., Any]:
 
 def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
     effects = _ACTIVE
-    if effects is not None and effects.sandbox is not None:
-        file = effects.redirect(file, writing=bool(_WRITE_MODES & set(mode)))
-        effects.trim_output()
+    if effects is not None:
+        if effects.sandbox is not None:
+            file = effects.redirect(file, writing=bool(_WRITE_MODES & set(mode)))
+            effects.trim_output()
+        elif "w" in mode and "b" in mode:  # where torch.save / numpy.save of a file object go
+            return effects.open_truncating(file, mode, *args, **kwargs)
     return _original("open")(file, mode, *args, **kwargs)
 
 
