@@ -289,3 +289,25 @@ def test_a_file_the_script_writes_itself_is_written(tmp_path: Path,
     assert (tmp_path / "log.bin").read_bytes() == b"new"
     assert torch.load(tmp_path / "host.pt").tolist() == [0, 1, 2]
 
+
+def test_a_whole_model_saved_on_a_gpu_is_loaded_onto_the_virtual_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``torch.load`` of a pickled module with no ``map_location``: on a GPU machine its
+    tensors come back on the GPU they were saved from, so the script's cuda inputs meet
+    cuda weights."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Sequential(torch.nn.LSTM(8, 16), torch.nn.Linear(16, 4))
+    with monkeypatch.context() as m:  # what a run on a GPU wrote: every storage on cuda:0
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(model, tmp_path / "model.pt")
+    result, status = run(["python", str(SCRIPTS / "load_gpu_checkpoint.py")],
+                         alternatives=False)
+    assert status == 0
+    (s,) = result.scenarios
+    assert s.name == "single" and s.status == "ok", s.message
+    assert capsys.readouterr().out.count("loaded on cuda:0") == 1
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    d0 = s.devices[0].breakdown_bytes
+    assert d0["parameters"] == params_bytes(*shapes)  # each storage once, on cuda:0
+    assert not any(d.used for d in s.devices[1:])

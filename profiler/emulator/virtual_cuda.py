@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from itertools import chain
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -373,10 +374,13 @@ class VirtualCuda:
         obj = orig_load(f, on_host, *args, **kwargs)
         moved: dict[int, torch.Tensor] = {}  # id(host storage) -> its bytes on the GPU
 
+        def index_of(t: torch.Tensor) -> int | None:
+            found = targets.get(id(t.untyped_storage()))
+            return self.target_of(found[1]) if found is not None else None
+
         def place(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
-            found = targets.get(id(st))
-            index = self.target_of(found[1]) if found is not None else None
+            index = index_of(t)
             if index is None or index == HOST:
                 return t
             flat = moved.get(id(st))
@@ -388,7 +392,16 @@ class VirtualCuda:
                 return nn.Parameter(out, requires_grad=t.requires_grad)
             return out.requires_grad_(t.requires_grad)
 
-        return _map_tensors(obj, place)
+        def place_module(m: nn.Module) -> nn.Module:
+            # a pickled module (torch.save(model)): its parameters and buffers go where their
+            # storages were, as Module.to moves them (an RNN's flat weights follow)
+            tensors = chain(m.parameters(), m.buffers())
+            if all(index_of(t) in (None, HOST) for t in tensors):
+                return m
+            with self.rt.category("parameters"):
+                return m._apply(lambda t: place(t).detach())
+
+        return _map_tensors(obj, place, place_module)
 
     def rng_state_stand_in(self) -> torch.Tensor:
         """``torch.cuda.get_rng_state()``: 16 bytes (Philox's seed and offset) of zeros, a
@@ -494,12 +507,18 @@ class VirtualCuda:
 
         script_parallel.install(vc, p)
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` (what ``torch.load`` gives: nested containers of tensors and values) with
-    every tensor replaced by ``fn(tensor)``; each tensor once (a shared one stays shared)."""
-    done: dict[int, torch.Tensor] = {}
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+                 module_fn: Callable[[nn.Module], nn.Module]) -> Any:
+    """``obj`` (what ``torch.load`` gives: nested containers of tensors, modules and values)
+    with every tensor replaced by ``fn(tensor)`` and every module by ``module_fn(module)``;
+    each once (a shared one stays shared)."""
+    done: dict[int, Any] = {}
 
     def once(x: Any) -> Any:
+        if isinstance(x, nn.Module):
+            if id(x) not in done:
+                done[id(x)] = module_fn(x)
+            return done[id(x)]
         if not isinstance(x, torch.Tensor):
             return x
         if id(x) not in done:
