@@ -505,3 +505,26 @@ def test_a_script_accumulating_under_no_sync(tmp_path: Path,
     result = run(["torchrun", "--nproc-per-node", "2", str(script)])
     assert result.scenarios[0].status == "ok", result.scenarios[0].message
     assert "sync False True" in capsys.readouterr().out
+
+
+GAN_G = [(128, 16), (128,), (64, 128), (64,)]  # gan_data_parallel.py's networks
+GAN_D = [(256, 64), (256,), (1, 256), (1,)]
+
+
+def test_data_parallel_called_in_forward_becomes_one_ddp_per_network() -> None:
+    """dcgan's ``nn.parallel.data_parallel(self.main, ...)`` in forward: the DDP alternative
+    wraps each network once (one reducer, one bucket each at this size), though the
+    discriminator runs three times a step."""
+    result = run(["python", str(SCRIPTS / "gan_data_parallel.py")])
+    assert [s.name for s in result.scenarios] == ["dp-loss-primary", "ddp"]
+    dp = devs(result, "dp-loss-primary")
+    assert dp[0].breakdown_bytes["parameters"] == params_bytes(*GAN_G, *GAN_D)
+    assert dp[0].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*GAN_G, *GAN_D)
+    ddp = devs(result, "ddp")
+    assert result.scenario("ddp").batch == 8  # type: ignore[union-attr]
+    assert ddp[0].breakdown_bytes["communication"] == (r512(4 * numel(*GAN_G))
+                                                       + r512(4 * numel(*GAN_D)))
+    fixes = {f.name: f for f in result.fixes}
+    assert fixes["ddp"].saves_bytes == dp[0].peak_allocated_bytes - ddp[0].peak_allocated_bytes
+    assert fixes["ddp"].saves_bytes > 0
+    assert "nn.parallel.data_parallel(...) runs on every call" in fixes["ddp"].code

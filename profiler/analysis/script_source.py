@@ -259,6 +259,11 @@ def data_parallel_call(src: ScriptSource, line: int) -> ast.Call:
     for call in calls_at(src, line):
         if _is_data_parallel(call):
             return call
+    if any(last_name(call.func) == "data_parallel" for call in calls_at(src, line)):
+        raise NoRewrite(f"line {line}: nn.parallel.data_parallel(...) runs on every call, so "
+                        "there is no wrap to replace: for DDP wrap each model once where it "
+                        "is built, DDP(model.cuda(rank), device_ids=[rank]), and call its "
+                        "module directly in forward")
     raise NoRewrite(f"line {line}: no DataParallel(...) call to rewrite "
                     "(a subclass's own __init__, or a wrap dpprof cannot see in the text)")
 

@@ -326,10 +326,19 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
 def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[Any] | None = None,
                   output_device: Any = None, dim: int = 0,
                   module_kwargs: dict[str, Any] | None = None) -> Any:
-    """``nn.parallel.data_parallel`` on virtual devices."""
+    """``nn.parallel.data_parallel`` on virtual devices. One wrapper per module and
+    placement for the run: dcgan calls it in every forward, and the DDP alternative is then
+    that module wrapped once in DDP (one reducer, one set of buckets), not once per call."""
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
-    wrapper = VirtualDataParallel(module, device_ids, output_device, dim)
+    placement = (None if device_ids is None else tuple(device_ids), output_device, dim)
+    wrappers = _state().functional
+    found = wrappers.get(id(module))
+    if found is not None and found[0] is module and found[1] == placement:
+        wrapper = found[2]
+    else:
+        wrapper = VirtualDataParallel(module, device_ids, output_device, dim)
+        wrappers[id(module)] = (module, placement, wrapper)
     return wrapper(*inputs, **(module_kwargs or {}))
 
 
@@ -409,6 +418,9 @@ class ScriptParallel:
 
     mode: str = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD
     log: ParallelLog = field(default_factory=ParallelLog)
+    # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
+    functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
+        default_factory=dict)
 
 
 def _state() -> ScriptParallel:
