@@ -311,3 +311,28 @@ def test_a_whole_model_saved_on_a_gpu_is_loaded_onto_the_virtual_gpu(
     d0 = s.devices[0].breakdown_bytes
     assert d0["parameters"] == params_bytes(*shapes)  # each storage once, on cuda:0
     assert not any(d.used for d in s.devices[1:])
+
+
+# ---- images of the GPU's values (torchvision's save_image) ------------------------------
+
+
+def test_images_of_emulated_values_are_not_written(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VAE's and dcgan's ``save_image``: an image made from the GPU's values, or from
+    what the host computed out of a stand-in copy of them, is not written over the user's
+    picture of an earlier run; an image of the host's own data is written."""
+    pytest.importorskip("PIL")
+    monkeypatch.chdir(tmp_path)
+    for name in ("reconstruction.png", "sample.png", "host.png"):
+        (tmp_path / name).write_bytes(b"a picture of an earlier run")
+    result, status = run(["python", str(SCRIPTS / "vae_samples.py")], steps=10,
+                         alternatives=False)  # the script ends by itself, after 3
+    assert status == 0
+    (s,) = result.scenarios
+    assert s.status == "ok", s.message
+    assert (tmp_path / "reconstruction.png").read_bytes() == b"a picture of an earlier run"
+    assert (tmp_path / "sample.png").read_bytes() == b"a picture of an earlier run"
+    assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")
+    notes = " ".join(s.notes)
+    assert "Image.save reconstruction.png at vae_samples.py:29" in notes
+    assert "Image.save sample.png at vae_samples.py:36" in notes

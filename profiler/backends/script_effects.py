@@ -5,13 +5,15 @@ Two rules hold while it runs:
 * **Emulated tensors never reach the user's files.** ``torch.save``, safetensors'
   ``save_file`` / ``save_model`` and ``numpy.save`` / ``savez`` of anything that holds a tensor
   of a virtual GPU (meta bytes with no values, or CPU bytes the emulation computed), or a
-  host copy that stands in for one, write nothing: the call returns as if it had written, and
-  the report counts it with the script's line. Over meta tensors ``torch.save`` would
-  otherwise open (truncate) the file and only then fail on the first storage. A script
-  that opens the file itself (``with open(path, "wb") as f: torch.save(model, f)``) has
-  truncated it before the save is called: what a file held when the run opened it for
-  binary writing is kept aside, and a skipped save into that file object puts it back (a
-  file the open created is removed), so the file is as it was.
+  host copy that stands in for one, and Pillow's ``Image.save`` of an image made from such
+  an array (torchvision's ``save_image``: dcgan's and the VAE's samples), write nothing:
+  the call returns as if it had written, and the report counts it with the script's line.
+  Over meta tensors ``torch.save`` would otherwise open (truncate) the file and only then
+  fail on the first storage. A script that opens the file itself (``with open(path, "wb")
+  as f: torch.save(model, f)``) has truncated it before the save is called: what a file
+  held when the run opened it for binary writing is kept aside, and a skipped save into
+  that file object puts it back (a file the open created is removed), so the file is as
+  it was.
 * **An alternative run writes nothing the user can see.** The paired alternatives (DDP in
   place, the loss inside forward) run the same script again; every file it opens for
   writing, every folder it makes, every checkpoint it saves goes under a private folder
@@ -111,6 +113,9 @@ class ScriptEffects:
         self._truncated: dict[int, tuple[weakref.ref[Any], str, str | None]] = {}
         self._kept_dir: str | None = None
         self._kept_names = itertools.count()
+        # Pillow images made from emulated arrays (Image.fromarray of a stand-in host copy),
+        # by id: an Image compares by value and has no hash
+        self._emulated_images: dict[int, weakref.ref[Any]] = {}
 
     # ---- activation ------------------------------------------------------------------
 
@@ -130,6 +135,12 @@ class ScriptEffects:
             for name in ("save_file", "save_model"):
                 self._originals[f"safetensors.{name}"] = getattr(st, name)
                 p(st, name, _safetensors_writer(name))
+        if importlib.util.find_spec("PIL") is not None:
+            image = importlib.import_module("PIL.Image")
+            self._originals["PIL.fromarray"] = image.fromarray
+            self._originals["PIL.save"] = image.Image.save
+            p(image, "fromarray", _pil_fromarray)
+            p(image.Image, "save", _pil_save)
         self._patch_bound_names()
         self._originals["open"] = builtins.open
         p(builtins, "open", _open)
@@ -225,6 +236,15 @@ class ScriptEffects:
                 todo.extend(vars(x).values())
         return False
 
+    def note_emulated_image(self, image: Any) -> None:
+        key = id(image)
+        self._emulated_images[key] = weakref.ref(
+            image, lambda _: self._emulated_images.pop(key, None))
+
+    def is_emulated_image(self, image: Any) -> bool:
+        ref = self._emulated_images.get(id(image))
+        return ref is not None and ref() is image
+
     # ---- files the script opens for writing itself -------------------------------------
 
     def open_truncating(self, file: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
@@ -261,18 +281,19 @@ class ScriptEffects:
         """A write into ``f`` was skipped: where the run's own ``open`` truncated (or
         created) its file and nothing was written since, the file is made what it was."""
         entry = self._truncated.get(id(f))
-        if entry is None or entry[0]() is not f:
+        opened = entry[0]() if entry is not None else None
+        if entry is None or opened is None or opened is not f:
             return
         _, path, kept = entry
         try:
-            if f.tell() != 0:
+            if opened.tell() != 0:
                 return  # the script wrote into it too: that part is its own
             if kept is None:
                 os.remove(path)
             else:
                 with self._originals["open"](kept, "rb") as src:
-                    shutil.copyfileobj(src, f)
-                f.flush()
+                    shutil.copyfileobj(src, opened)
+                opened.flush()
         except (OSError, ValueError):  # closed, unseekable, removed meanwhile: left as is
             return
 
@@ -339,6 +360,9 @@ def _original(name: str) -> Any:
     if effects is not None and name in effects._originals:
         return effects._originals[name]
     owner, _, attr = name.rpartition(".")
+    if owner == "PIL":
+        image = sys.modules["PIL.Image"]
+        return image.fromarray if attr == "fromarray" else image.Image.save
     if owner == "safetensors":
         owner = "safetensors.torch"
     return getattr(sys.modules[owner or "builtins"], attr)
@@ -382,6 +406,23 @@ def _safetensors_writer(name: str) -> Callable[..., Any]:
         return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
 
     return write
+
+
+def _pil_fromarray(obj: Any, *args: Any, **kwargs: Any) -> Any:
+    image = _original("PIL.fromarray")(obj, *args, **kwargs)
+    effects = _ACTIVE
+    if effects is not None and effects.holds_emulated(obj):
+        effects.note_emulated_image(image)
+    return image
+
+
+def _pil_save(self: Any, fp: Any, *args: Any, **kwargs: Any) -> Any:
+    effects = _ACTIVE
+    if effects is not None and effects.is_emulated_image(self):
+        effects.writes.add(effects.writes.skipped, "Image.save", fp)
+        effects.put_back(fp)
+        return None
+    return _original("PIL.save")(self, fp, *args, **kwargs)
 
 
 def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,11 +192,38 @@ class CudaDevices(VirtualDevices):
         """A real host tensor of ``t``'s shape (zeros) for a value read from a virtual GPU,
         remembered as a stand-in (:meth:`is_emulated`)."""
         host = torch.zeros(t.shape, dtype=dtype or t.dtype, device="cpu")
-        st = host.untyped_storage()
+        self._remember_stand_in(host.untyped_storage())
+        return host
+
+    def _remember_stand_in(self, st: Any) -> None:
         key = id(st)
         self._host_stand_ins[key] = weakref.ref(
             st, lambda _ref: self._host_stand_ins.pop(key, None))
-        return host
+
+    def _is_stand_in(self, t: torch.Tensor) -> bool:
+        st = t.untyped_storage()
+        ref = self._host_stand_ins.get(id(st))
+        return ref is not None and ref() is st
+
+    def _follow_stand_ins(self, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """What the host computes from a stand-in (a grid of images, a scaled copy) holds
+        no value of the program's either: its storages become stand-ins, so a file made of
+        them (``torchvision.utils.save_image`` of a host copy) is not written."""
+        def tensors(xs: Any) -> Iterator[torch.Tensor]:
+            for x in xs:
+                if isinstance(x, torch.Tensor):
+                    yield x
+                elif isinstance(x, (list, tuple)):
+                    yield from (y for y in x if isinstance(y, torch.Tensor))
+
+        if not any(self._is_stand_in(t) for t in tensors(chain(args, kwargs.values()))
+                   if real_device(t).type == "cpu"):
+            return
+        outs = [out] if isinstance(out, torch.Tensor) else out
+        if isinstance(outs, (list, tuple)):
+            for o in tensors(outs):
+                if real_device(o).type == "cpu":
+                    self._remember_stand_in(o.untyped_storage())
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a host tensor) remembered as held in page-locked memory, as CUDA's host
@@ -235,9 +263,7 @@ class CudaDevices(VirtualDevices):
         (meta bytes, or CPU bytes the emulation computed) or a host stand-in for one."""
         if real_device(t).type == "meta":
             return True
-        st = t.untyped_storage()
-        ref = self._host_stand_ins.get(id(st))
-        if ref is not None and ref() is st:
+        if self._is_stand_in(t):
             return True
         return self.device_of(t) != HOST
 
@@ -322,6 +348,8 @@ class CudaDevices(VirtualDevices):
         out = self._dispatch(func, types, args, kwargs)
         if self.small_values is not None:
             self.small_values.follow(func, args, kwargs or {}, out)
+        if self._host_stand_ins:
+            self._follow_stand_ins(args, kwargs or {}, out)
         return out
 
     def _by_values(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
