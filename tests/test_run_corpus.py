@@ -336,3 +336,22 @@ def test_images_of_emulated_values_are_not_written(tmp_path: Path,
     notes = " ".join(s.notes)
     assert "Image.save reconstruction.png at vae_samples.py:29" in notes
     assert "Image.save sample.png at vae_samples.py:36" in notes
+
+
+def test_a_warning_torch_raises_for_the_scripts_call_names_the_scripts_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        recwarn: pytest.WarningsRecorder) -> None:
+    """time_sequence_prediction's ``torch.load`` with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD set:
+    torch warns at its caller's line (stacklevel=2), which is the script's, as under plain
+    Python, not dpprof's wrapper of ``torch.load``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    script = tmp_path / "loads.py"
+    script.write_text("import torch\n"
+                      "torch.save({'step': 3}, 'state.pt')\n"
+                      "state = torch.load('state.pt')\n"
+                      "x = torch.zeros(2, device='cuda')\n")
+    _, status = run(["python", str(script)], alternatives=False)
+    assert status == 0
+    found = [w for w in recwarn if "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in found] == [(str(script), 3)]

@@ -39,6 +39,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from dpprof.emulator.cuda_devices import caller_site
+from dpprof.emulator.cuda_devices import caller_site, in_dpprof
 from dpprof.emulator.patcher import Patcher
 
 IsEmulated = Callable[[torch.Tensor], bool]
@@ -142,6 +143,8 @@ class ScriptEffects:
             p(image, "fromarray", _pil_fromarray)
             p(image.Image, "save", _pil_save)
         self._patch_bound_names()
+        self._originals["warnings.showwarning"] = warnings.showwarning
+        p(warnings, "showwarning", _showwarning)
         self._originals["open"] = builtins.open
         p(builtins, "open", _open)
         p(io, "open", _open)
@@ -406,6 +409,18 @@ def _safetensors_writer(name: str) -> Callable[..., Any]:
         return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
 
     return write
+
+
+def _showwarning(message: Warning | str, category: type[Warning], filename: str,
+                 lineno: int, file: Any = None, line: str | None = None) -> None:
+    """A warning that torch raised for the script's call (``warnings.warn(stacklevel=2)``
+    in ``torch.load``) names the caller's line, which is dpprof's wrapper when dpprof stands
+    between them: the script's line instead, as under plain Python."""
+    if in_dpprof(filename):
+        path, _, num = caller_site(also_skip=(warnings.__file__, __file__)).rpartition(":")
+        if path and num.isdigit():
+            filename, lineno, line = path, int(num), None
+    _original("warnings.showwarning")(message, category, filename, lineno, file, line)
 
 
 def _pil_fromarray(obj: Any, *args: Any, **kwargs: Any) -> Any:

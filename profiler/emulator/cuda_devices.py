@@ -115,16 +115,22 @@ class DataDependentShapeError(RuntimeError):
     """An op whose output shape depends on tensor values, which meta tensors do not have."""
 
 
-def caller_site() -> str:
-    """``file:line`` of the innermost frame outside torch and dpprof (the user's line)."""
+def caller_site(also_skip: tuple[str, ...] = ()) -> str:
+    """``file:line`` of the innermost frame outside torch and dpprof (the user's line), and
+    outside the files ``also_skip`` names."""
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
         if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIR)
-                or name.startswith("<")):
+                or name.startswith("<") or name in also_skip):
             return f"{name}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     return "?"
+
+
+def in_dpprof(filename: str) -> bool:
+    """Whether ``filename`` is one of dpprof's own source files."""
+    return filename.startswith(_DPPROF_DIR)
 
 
 def caller_line() -> str:
