@@ -355,3 +355,21 @@ def test_a_warning_torch_raises_for_the_scripts_call_names_the_scripts_line(
     assert status == 0
     found = [w for w in recwarn if "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in str(w.message)]
     assert [(w.filename, w.lineno) for w in found] == [(str(script), 3)]
+
+
+def test_the_script_knows_its_own_absolute_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``python train.py`` gives ``__main__`` the absolute path: a script that changes folder
+    and then reads a file beside ``__file__`` finds it, as under plain Python."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vocab.txt").write_text("the a of\n")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "train.py").write_text(
+        "import os\n"
+        "import torch\n"
+        "x = torch.zeros(2, device='cuda')\n"
+        "os.chdir('logs')\n"
+        "print(open(os.path.join(os.path.dirname(__file__), 'vocab.txt')).read().split())\n")
+    _, status = run(["python", "train.py"], alternatives=False)
+    assert status == 0
+    assert "['the', 'a', 'of']" in capsys.readouterr().out

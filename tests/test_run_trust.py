@@ -317,7 +317,8 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
     assert "nothing was measured; no report written" in res.stderr
     assert not list(tmp_path.glob("dpprof-reports/*"))
     if "SyntaxError" not in expected:
-        assert 'File "train.py", line' in res.stderr  # the script's own frame
+        # the script's own frame, by its absolute path as plain Python names it
+        assert f'File "{tmp_path / "train.py"}", line' in res.stderr
         assert "dpprof/" not in res.stderr.split("Traceback", 1)[-1]
 
 

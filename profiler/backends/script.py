@@ -23,6 +23,7 @@ run of the script (:mod:`dpprof.backends.script_runner`), what dpprof hooks into
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 from collections.abc import Callable
 
@@ -138,7 +139,7 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
         if alt.materialized:
             alt.scenario.notes.append(
                 "the script also uses the outputs besides the loss ("
-                + ", ".join(sorted(set(alt.materialized)))
+                + ", ".join(sorted({_from_cwd(site) for site in alt.materialized}))
                 + "): after the loss, this alternative gives them as stand-ins of the "
                 "gathered shape on cuda:0 (no gradient); before it, as written")
         runs.append((variant, alt))
@@ -168,5 +169,14 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
-                f"{site} x{c}" for site, c in list(main.stand_in_sites.items())[:5]))
+                f"{_from_cwd(site)} x{c}"
+                for site, c in list(main.stand_in_sites.items())[:5]))
         s0.notes.extend(library_branches(main.stand_in_sites))
+
+
+def _from_cwd(site: str) -> str:
+    """A script's ``path:line`` as the user named it: relative to the working folder where
+    it lies below it."""
+    path = site.partition(":")[0]
+    cwd = os.getcwd() + os.sep
+    return site[len(cwd):] if os.path.isabs(path) and path.startswith(cwd) else site

@@ -8,6 +8,7 @@ DDP, a model placed by hand on several GPUs, one GPU) becomes a scenario's resul
 from __future__ import annotations
 
 import contextlib
+import os
 import runpy
 import signal
 import tempfile
@@ -160,7 +161,9 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         if launch.is_module:
             runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(launch.target, run_name="__main__")
+            # python script.py gives __main__ the script's absolute path (__file__, the
+            # traceback's lines): a script that chdirs and then reads beside __file__ needs it
+            runpy.run_path(os.path.abspath(launch.target), run_name="__main__")
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"
