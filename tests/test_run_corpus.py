@@ -373,3 +373,14 @@ def test_the_script_knows_its_own_absolute_path(tmp_path: Path, monkeypatch: pyt
     _, status = run(["python", "train.py"], alternatives=False)
     assert status == 0
     assert "['the', 'a', 'of']" in capsys.readouterr().out
+
+
+def test_an_rnn_on_a_virtual_gpu_says_nothing_about_the_hosts_cudnn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        recwarn: pytest.WarningsRecorder) -> None:
+    """An LSTM moved to the GPU asks whether cuDNN takes its weights; the CPU build's
+    warning that it has no cuDNN is not the user's GPU machine's to print."""
+    monkeypatch.chdir(tmp_path)
+    _, status = run(["python", str(SCRIPTS / "lm_save_whole_model.py")], alternatives=False)
+    assert status == 0
+    assert not [str(w.message) for w in recwarn if "cuDNN" in str(w.message)]

@@ -54,6 +54,13 @@ def device_queries(vc: VirtualCuda, p: Patch) -> None:
       lambda including_emulation=True: vc.spec.compute_capability >= (8, 0))
     p(cuda, "is_tf32_supported", lambda: vc.spec.compute_capability >= (8, 0))
     p(cuda, "can_device_access_peer", lambda device, peer: True)
+    # nn.LSTM / GRU ask whether cuDNN takes their weights; the CPU build answers no with a
+    # warning that it was built without cuDNN, which the user's GPU machine never prints.
+    # The RNNs run torch's own (non-cuDNN) path, as they do here: no, quietly.
+    cudnn_acceptable = torch.backends.cudnn.is_acceptable
+    p(torch.backends.cudnn, "is_acceptable",
+      lambda tensor: False if vc.virtual_device(tensor).type == "cuda"
+      else cudnn_acceptable(tensor))
 
 
 def memory_stats(vc: VirtualCuda, p: Patch) -> None:
