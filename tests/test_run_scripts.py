@@ -528,3 +528,22 @@ def test_data_parallel_called_in_forward_becomes_one_ddp_per_network() -> None:
     assert fixes["ddp"].saves_bytes == dp[0].peak_allocated_bytes - ddp[0].peak_allocated_bytes
     assert fixes["ddp"].saves_bytes > 0
     assert "nn.parallel.data_parallel(...) runs on every call" in fixes["ddp"].code
+
+
+def test_cli_torchrun_gets_one_gpu_per_process(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 8`` without --gpus: the node's 8 GPUs, rank 0 of 8 on its
+    own. With --gpus below it the ranks past the GPUs would name devices that do not exist
+    (rank 0 does not stand for them): refused in one line, status 2."""
+    out = tmp_path / "r.json"
+    script = str(SCRIPTS / "ddp_torchrun.py")
+    r = runner.invoke(app, ["run", "-q", "-o", str(out), "--", "torchrun",
+                            "--nproc-per-node", "8", script])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["gpus"] == 8
+    assert [d["rank"] for d in data["scenarios"][0]["devices"]] == list(range(8))
+    r = runner.invoke(app, ["run", "--gpus", "2", "--", "torchrun", "--nproc-per-node", "4",
+                            script])
+    assert r.exit_code == 2
+    assert r.stderr == ("dpprof: error: torchrun --nproc-per-node 4 starts one process per "
+                        "GPU, but --gpus 2 gives 2: pass --gpus 4, or leave --gpus out\n")

@@ -2,7 +2,7 @@
 
     dpprof run -- python train.py --batch-size 256
     dpprof run --gpus 8 --gpu a100-80gb -- python train.py
-    dpprof run --gpus 4 -- torchrun --nproc-per-node 4 train.py
+    dpprof run -- torchrun --nproc-per-node 4 train.py
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dpprof.cli.common import (
 from dpprof.cli.guard import guarded
 from dpprof.cli.options import (
     GPU,
+    MAX_GPUS,
     PANEL_GPUS,
     PANEL_MEASURE,
     PANEL_OUTPUT,
@@ -39,6 +40,7 @@ from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
     from dpprof.backends.script import ScriptConfig, ScriptRun
+    from dpprof.backends.script_launch import Launch
 
 DEFAULT_GPUS = 4
 
@@ -49,9 +51,11 @@ def run_cmd(
         typer.Argument(help="The training command, after --: dpprof run -- python train.py"),
     ] = None,
     gpus: Annotated[
-        int, typer.Option("--gpus", "-g", help="Virtual GPUs the script sees (before "
-                          "CUDA_VISIBLE_DEVICES).", rich_help_panel=PANEL_GPUS)
-    ] = DEFAULT_GPUS,
+        int | None,
+        typer.Option("--gpus", "-g", help="Virtual GPUs the script sees (before "
+                     "CUDA_VISIBLE_DEVICES; default: torchrun's --nproc-per-node, else 4).",
+                     rich_help_panel=PANEL_GPUS)
+    ] = None,
     gpu_memory: Annotated[
         str | None,
         typer.Option("--gpu-memory", help="Memory of each GPU, e.g. 80GiB, 24G (default: "
@@ -102,9 +106,10 @@ def run_cmd(
         return [str(p) for p in write_reports(partial, paths, True)]
 
     with guarded(debug, on_interrupt=write_partial):
-        _check_run_options(gpus, steps)
+        _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
         target = target_gpu(gpu_memory, gpu)
-        launch = parse_command(list(command or []), gpus)
+        launch = parse_command(list(command or []), DEFAULT_GPUS if gpus is None else gpus)
+        gpus = _gpus_for(launch, gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths[:] = output_paths(output, f"run-{stamp}")
         check_writable(paths)
@@ -125,6 +130,25 @@ def _check_run_options(gpus: int, steps: int) -> None:
     if steps < 1:
         raise UsageError(f"--steps must be at least 1, got {steps}")
     check_bounds({"--gpus": gpus, "--steps": steps})
+
+
+def _gpus_for(launch: Launch, given: int | None) -> int:
+    """The GPUs of the run: torchrun starts one process per GPU, so without --gpus its
+    --nproc-per-node; fewer GPUs than that is refused (the ranks past them would name a
+    device that does not exist, and rank 0 does not stand for them)."""
+    if launch.nproc is None:
+        return DEFAULT_GPUS if given is None else given
+    if given is None:
+        if launch.nproc > MAX_GPUS:
+            raise UsageError(f"{launch.launcher} --nproc-per-node {launch.nproc}: at most "
+                             f"{MAX_GPUS} processes (GPUs) per node")
+        return launch.nproc
+    if launch.nproc > given:
+        raise UsageError(
+            f"{launch.launcher} --nproc-per-node {launch.nproc} starts one process per GPU, "
+            f"but --gpus {given} gives {given}: pass --gpus {launch.nproc}, or leave --gpus "
+            "out")
+    return given
 
 
 def _announce(cfg: ScriptConfig) -> None:
