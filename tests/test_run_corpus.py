@@ -384,3 +384,21 @@ def test_an_rnn_on_a_virtual_gpu_says_nothing_about_the_hosts_cudnn(
     _, status = run(["python", str(SCRIPTS / "lm_save_whole_model.py")], alternatives=False)
     assert status == 0
     assert not [str(w.message) for w in recwarn if "cuDNN" in str(w.message)]
+
+
+def test_under_compute_images_of_the_gpus_values_are_not_written_either(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--compute``: the virtual GPUs hold real numbers, and what the script reads back to
+    the host (``.cpu()``) and computes from it is still the emulation's, not a run's: the
+    user's pictures stay; the host's own is written."""
+    pytest.importorskip("PIL")
+    monkeypatch.chdir(tmp_path)
+    for name in ("reconstruction.png", "sample.png", "host.png"):
+        (tmp_path / name).write_bytes(b"a picture of an earlier run")
+    result, status = run(["python", str(SCRIPTS / "vae_samples.py")], steps=10,
+                         alternatives=False, compute=True)
+    assert status == 0
+    assert (tmp_path / "reconstruction.png").read_bytes() == b"a picture of an earlier run"
+    assert (tmp_path / "sample.png").read_bytes() == b"a picture of an earlier run"
+    assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")
+    assert "Image.save reconstruction.png" in " ".join(result.scenarios[0].notes)

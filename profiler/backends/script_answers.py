@@ -68,8 +68,8 @@ def write_notes(writes: Writes) -> list[str]:
     if not writes.skipped:
         return []
     calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.skipped.items())
-    return [f"not written, your files untouched: {calls} (what it saved holds tensors of "
-            "virtual GPUs, which have no values)"]
+    return [f"not written, your files untouched: {calls} (what it saved holds the virtual "
+            "GPUs' values, which are the emulation's, not a run's)"]
 
 
 def alternative_notes(alt: ScriptRun) -> list[str]:

@@ -201,6 +201,11 @@ class CudaDevices(VirtualDevices):
         self._remember_stand_in(host.untyped_storage())
         return host
 
+    def remember_emulated_on_host(self, t: torch.Tensor) -> None:
+        """``t``, a host tensor, holds values the emulation computed (``--compute``'s copy of
+        a virtual GPU's tensor): :meth:`is_emulated`, as a stand-in is."""
+        self._remember_stand_in(t.untyped_storage())
+
     def _remember_stand_in(self, st: Any) -> None:
         key = id(st)
         self._host_stand_ins[key] = weakref.ref(
@@ -305,9 +310,12 @@ class CudaDevices(VirtualDevices):
                     return split
             self.in_dispatch += 1
             try:
-                return self.dispatch_beside_real_host(func, args, kwargs)
+                out = self.dispatch_beside_real_host(func, args, kwargs)
             finally:
                 self.in_dispatch -= 1
+            if self._host_stand_ins:
+                self._follow_stand_ins(args, kwargs or {}, out)
+            return out
         kind = _op_kind(func)  # the ops with rules of their own, looked up once
         if kind == _PLAIN_OP:
             pass

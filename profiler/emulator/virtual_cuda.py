@@ -276,7 +276,12 @@ class VirtualCuda:
                     rt.stand_in("host copy", t)
                     return rt.host_stand_in(t, dtype)
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
-                return ORIGINALS["to"](t, device=host, dtype=dtype, copy=True)
+                out = ORIGINALS["to"](t, device=host, dtype=dtype, copy=True)
+                if rt.device_of(t) != HOST:
+                    # --compute: the GPU's values as the emulation computed them, read to
+                    # the host; not the user's to write over their files either
+                    rt.remember_emulated_on_host(out)
+                return out
             if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
                 with rt.category(rt.current_category if rt.current_category == "parameters"
                                  else "inputs"):
