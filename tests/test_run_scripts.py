@@ -547,3 +547,22 @@ def test_cli_torchrun_gets_one_gpu_per_process(tmp_path: Path) -> None:
     assert r.exit_code == 2
     assert r.stderr == ("dpprof: error: torchrun --nproc-per-node 4 starts one process per "
                         "GPU, but --gpus 2 gives 2: pass --gpus 4, or leave --gpus out\n")
+
+
+def test_the_batch_is_the_models_rows_not_the_flattened_losss(tmp_path: Path) -> None:
+    """A language model's loss module on its logits flattened to batch x seq rows (8 x 16)
+    is not a forward pass of the model: the batch is the model's 8 rows, and the passes
+    counted are the model's."""
+    script = tmp_path / "lm.py"
+    script.write_text(
+        "import torch\nimport torch.nn as nn\n"
+        "model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 50)).cuda()\n"
+        "criterion = nn.CrossEntropyLoss()\n"
+        "for _ in range(2):\n"
+        "    x = torch.randint(0, 50, (8, 16), device='cuda')\n"
+        "    logits = model(x)\n"
+        "    criterion(logits.view(-1, 50), x.view(-1)).backward()\n")
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4),
+                                            gpus=4, steps=3), False)
+    assert result.batch == 8 and result.scenarios[0].batch == 8
+    assert (main.forwards, main.backwards) == (2, 2)

@@ -88,7 +88,9 @@ class Stepper:
             self.batch_rows = self._last_rows  # the batch of the forward this backs
 
     def _pre_forward(self, module: Any, args: Any) -> None:
-        if self._depth == 0:
+        # a module without parameters called on its own is the loss (nn.CrossEntropyLoss on
+        # an LM's logits flattened to batch x seq rows), not a forward pass of the model
+        if self._depth == 0 and next(module.parameters(), None) is not None:
             self.forwards += 1
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
