@@ -342,6 +342,28 @@ def test_a_script_that_never_touches_cuda_is_an_answer_not_an_error(
     assert "without putting anything on a GPU" in res.stderr
 
 
+def test_a_script_that_trains_on_the_cpu_is_said_to_be_stopped_not_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dcgan without --accel trains on the CPU: dpprof stops it after --steps optimizer
+    steps as any script, and says so (it did not end by itself)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(1000):\n"
+        "    opt.zero_grad()\n"
+        "    model(torch.randn(8, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        "print('trained')\n")
+    res = runner.invoke(app, ["run", "--", "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert "trained" not in res.stdout
+    assert ("dpprof: the script ran 3 optimizer step(s) without putting anything on a GPU "
+            "(no tensor or module moved to cuda: it trains on the CPU), and was stopped "
+            "there: nothing was measured; no report written") in " ".join(res.stderr.split())
+
+
 def test_a_rank_of_mp_spawn_that_raises_shows_its_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -59,6 +59,10 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
     if run.ended == "script raised":
         return (f"the script failed (exit status {run.exit_status}) before it put anything on "
                 "a GPU: nothing was measured")
+    if run.ended == "steps":  # it trains on the CPU: dpprof stopped it as it stops any
+        return (f"the script ran {run.steps_done} optimizer step(s) without putting anything "
+                "on a GPU (no tensor or module moved to cuda: it trains on the CPU), and was "
+                "stopped there: nothing was measured")
     return ("the script ended without putting anything on a GPU (no tensor or module moved "
             "to cuda): nothing was measured")
 
