@@ -258,7 +258,8 @@ def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
     monkeypatch.chdir(tmp_path)
     if existed:
         (tmp_path / "model.pt").write_bytes(b"the model of an earlier run")
-    result, status = run(["python", str(SCRIPTS / "lm_save_whole_model.py")],
+    # no optimizer: a step per backward; enough of them for the script to end by itself
+    result, status = run(["python", str(SCRIPTS / "lm_save_whole_model.py")], steps=100,
                          alternatives=False)
     assert status == 0
     (s,) = result.scenarios
@@ -402,3 +403,23 @@ def test_under_compute_images_of_the_gpus_values_are_not_written_either(
     assert (tmp_path / "sample.png").read_bytes() == b"a picture of an earlier run"
     assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")
     assert "Image.save reconstruction.png" in " ".join(result.scenarios[0].notes)
+
+
+def test_a_script_without_an_optimizer_is_stopped_after_steps_backward_passes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """word_language_model updates its parameters itself (``p.data.add_``): no optimizer
+    step ever comes, so each backward begins a step; --steps 3 stops it at the fourth
+    (it ran all its epochs under emulation before), peaks over the second and third."""
+    monkeypatch.chdir(tmp_path)
+    result, main = run_command(ScriptConfig(
+        launch=parse_command(["python", str(SCRIPTS / "lm_save_whole_model.py")], 4),
+        gpus=4, steps=3), False)
+    assert main.exit_status == 0 and main.ended == "steps"
+    assert (main.steps_done, main.backwards) == (0, 4)
+    (s,) = result.scenarios
+    assert s.status == "ok", s.message
+    assert "stopped after 3 backward pass(es) (--steps 3: the script makes no optimizer" in (
+        " ".join(s.notes))
+    assert "end of epoch" not in capsys.readouterr().out  # 7 batches an epoch: not reached
+    assert not (tmp_path / "model.pt").exists()

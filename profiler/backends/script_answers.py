@@ -60,7 +60,9 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
         return (f"the script failed (exit status {run.exit_status}) before it put anything on "
                 "a GPU: nothing was measured")
     if run.ended == "steps":  # it trains on the CPU: dpprof stopped it as it stops any
-        return (f"the script ran {run.steps_done} optimizer step(s) without putting anything "
+        done = (f"{run.backwards - 1} backward pass(es)" if run.by_backwards
+                else f"{run.steps_done} optimizer step(s)")
+        return (f"the script ran {done} without putting anything "
                 "on a GPU (no tensor or module moved to cuda: it trains on the CPU), and was "
                 "stopped there: nothing was measured")
     return ("the script ended without putting anything on a GPU (no tensor or module moved "
@@ -151,6 +153,10 @@ def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
     """One line for the as-written run's notes: how it ended, after how many steps, in how
     many seconds, and what that means for the peaks."""
     steps = f"{run.steps_done} optimizer step(s)"
+    if run.by_backwards:
+        return (f"stopped after {cfg.steps} backward pass(es) (--steps {cfg.steps}: the script "
+                "makes no optimizer and updates its parameters itself, a step per backward; "
+                f"the first is the warm-up, peaks are over the others); {run.seconds:.1f} s")
     if run.ended == "steps":
         how = f"stopped after {steps} (--steps {cfg.steps}; the first is the warm-up, " \
               "peaks are over the others)"

@@ -47,6 +47,11 @@ class Stepper:
         self._last_rows = 0  # rows of the last outermost module call
         self.forwards = 0  # outermost module calls
         self.backwards = 0  # backward() calls
+        # no optimizer made: a script that updates its parameters itself (word_language_model)
+        # takes a step per backward, and is stopped after ``steps`` of them
+        self.optimizer_made = False
+        self.by_backwards = False  # stopped by that count
+        self._orig_optimizer_init: Any = None
         self._depth = 0
 
     def phase(self, name: str) -> None:
@@ -83,6 +88,13 @@ class Stepper:
 
     def backward_started(self) -> None:
         self.backwards += 1
+        if not self.optimizer_made and not self.done:
+            if self.backwards > self.steps:
+                self.by_backwards = True
+                raise StopScript
+            if self.backwards == 2:
+                self.rt.reset_peaks()  # the first step was the warm-up
+                self.measure_start = len(self.rt.events)
         self.phase(f"backward (step {self.done + 1})")
         if not self.batch_rows:
             self.batch_rows = self._last_rows  # the batch of the forward this backs
@@ -114,9 +126,19 @@ class Stepper:
                          register_optimizer_step_post_hook(self.post),
                          register_module_forward_pre_hook(self._pre_forward),
                          register_module_forward_hook(self._post_forward, always_call=True)]
+        orig_init = self._orig_optimizer_init = torch.optim.Optimizer.__init__
+
+        def optimizer_init(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            self.optimizer_made = True
+            orig_init(opt, *args, **kwargs)
+
+        torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign,assignment]
         self.phase("forward (step 1)")
 
     def remove(self) -> None:
+        if self._orig_optimizer_init is not None:
+            torch.optim.Optimizer.__init__ = self._orig_optimizer_init  # type: ignore[method-assign]
+            self._orig_optimizer_init = None
         for h in self._handles:
             h.remove()
         if self._phase is not None:

@@ -62,6 +62,7 @@ class ScriptRun:
 
     scenario: ScenarioResult
     steps_done: int = 0
+    by_backwards: bool = False  # no optimizer: stopped after --steps backward passes
     ended: str = ""  # "steps" | "script ended" | "script raised"
     exit_status: int = 0
     script_traceback: str | None = None
@@ -132,6 +133,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.output_tail = effects.output_tail
     run.steps_done = stepper.done
     run.forwards, run.backwards = stepper.forwards, stepper.backwards
+    run.by_backwards = stepper.by_backwards
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
