@@ -162,6 +162,8 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     if main.autocast_regions:
         s0.notes.append(f"torch.autocast('cuda') in the script: {main.autocast_regions} "
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
+    if main.replicas_float16 is not None:
+        s0.notes.append(main.replicas_float16)
     s0.notes.extend(write_notes(main.writes))
     if main.stand_ins:
         s0.notes.append(

@@ -25,6 +25,7 @@ from dpprof.backends.script_launch import Launch, script_process, user_traceback
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
+from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.kernels import CudaAutocastNames
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
@@ -73,6 +74,7 @@ class ScriptRun:
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
+    replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -134,6 +136,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
+    run.replicas_float16 = replicas_float16_note(rt)
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
     if cfg.variant == DDP_IN_PLACE and ledger is not None:
