@@ -513,6 +513,13 @@ def test_autocast_in_a_functions_loop_and_a_loss_over_several_lines() -> None:
     assert amp(old, "logits = model(x)", "y,").new_source == new
 
 
+def test_autocast_indents_as_the_block_does() -> None:
+    old = script("for x, y in loader:\n\tloss = criterion(model(x),\n\t\t\t\t\t y)\n")
+    new = checked(amp(old, "loss =", "loss ="), old)
+    assert new.endswith('for x, y in loader:\n\twith torch.autocast("cuda", dtype=torch.bfloat16):'
+                        "\n\t\tloss = criterion(model(x),\n\t\t\t\t\t\t y)\n")
+
+
 def test_autocast_adds_import_torch_where_the_script_lacks_it() -> None:
     old = textwrap.dedent("""\
         import torch.nn as nn
@@ -676,7 +683,12 @@ def test_the_scaler_goes_inside_a_loop_that_makes_the_optimizer() -> None:
     (FP16.replace("for epoch in range(2):\n", "scaler = torch.amp.GradScaler()\n"
                   "for epoch in range(2):\n"), "the script already makes a GradScaler (line "),
     (FP16.replace("        optimizer.step()\n", "        if True: optimizer.step()\n"),
-     "line {step}: the optimizer's step is not a statement of its own"),
+     "line {step}: the optimizer's step is not a statement of its own line"),
+    # a GAN's second optimizer would step on gradients the scaler scaled
+    (FP16.replace("criterion = nn", "d_opt = torch.optim.SGD(model.parameters())\ncriterion = nn"
+                  ).replace("        optimizer.step()\n",
+                            "        optimizer.step()\n        d_opt.step()\n"),
+     "the loop steps more than one optimizer (lines {step}, {d_step}): scale each backward"),
 ])
 def test_float16_without_its_pieces_is_a_reason_not_half_a_change(body: str, why: str) -> None:
     old = script(body)
@@ -687,6 +699,8 @@ def test_float16_without_its_pieces_is_a_reason_not_half_a_change(body: str, why
         lines["backward"] = line_of(old, "backward()")
     if "optimizer.step()" in old:
         lines["step"] = line_of(old, "optimizer.step()")
+    if "d_opt.step()" in old:
+        lines["d_step"] = line_of(old, "d_opt.step()")
     assert rw.reason.startswith(why.format(**lines)), rw.reason
     # the same script in bfloat16 needs none of them
     assert amp(old, "out = model", "criterion(out, y)").ok

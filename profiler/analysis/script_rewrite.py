@@ -601,11 +601,18 @@ def _grad_scaler(src: ScriptSource, edits: Edits, first: ast.stmt, last: ast.stm
              and not c.args and not c.keywords and (receiver := dotted_name(c.func.value))]
     # a scheduler steps too: an optimizer is one the script makes from torch.optim, or
     # (where it makes none it can see) one named so
-    step, opt = next(((c, r) for c, r in steps if (
-        r in known if known else "opt" in r.rsplit(".", 1)[-1].lower())), (None, ""))
-    if step is None:
+    optimizers = [(c, r) for c, r in steps
+                  if (r in known if known else "opt" in r.rsplit(".", 1)[-1].lower())]
+    if not optimizers:
         raise NoRewrite(f"no optimizer step (`optimizer.step()`) after the backward (line "
                         f"{backward.lineno}) in the loop, for the GradScaler to make")
+    step, opt = optimizers[0]
+    # every optimizer's step must go through the scaler, and each backward be scaled
+    others = sorted({c.lineno for c, r in optimizers if r != opt})
+    if others:
+        raise NoRewrite(f"the loop steps more than one optimizer (lines {step.lineno}, "
+                        f"{', '.join(map(str, others))}): scale each backward and step each "
+                        "through one GradScaler by hand")
     step_stmt = src.statement(step)
     try:
         if not (isinstance(step_stmt, ast.Expr) and step_stmt.value is step):
