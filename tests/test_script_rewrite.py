@@ -19,7 +19,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dpprof.analysis import script_rewrite as sr
+from dpprof.backends.script import ScriptConfig, parse_command
+from dpprof.backends.script_runner import run_script
 from dpprof.cli.app import app
+from dpprof.emulator.script_parallel import LOSS_IN_FORWARD
 
 NET = '''\
 import torch
@@ -738,3 +741,24 @@ def test_the_float16_script_runs_and_trains_as_before_without_a_gpu() -> None:
             exec(compile(text, "train.py", "exec"), space)
         weights.append(space["model"].fc.weight.detach().clone())  # type: ignore[attr-defined]
     assert torch.equal(weights[0], weights[1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autocast_from_the_sites_dpprof_records_runs_under_dpprof(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """The model's call and the loss as ``dpprof run`` records them (its loss-in-forward
+    run), rewritten: the new script runs on the virtual GPUs, each step under autocast."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "train_args.py"
+    path.write_text(ARGS_SCRIPT)
+    seen = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3,
+                                   variant=LOSS_IN_FORWARD))
+    site = f"{path}:{line_of(ARGS_SCRIPT, 'loss = criterion(model(inputs), labels)')}"
+    assert seen.call_sites[0] == seen.loss_sites[0] == site
+    new = checked(sr.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype), ARGS_SCRIPT)
+    assert ("scaler.step(optimizer)\n    scaler.update()\n" in new) == (dtype == "float16")
+    path.write_text(new)
+    run = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3))
+    assert run.scenario.status == "ok", run.scenario.message
+    assert run.steps_done == 3 and run.ended == "steps"
+    assert run.autocast_regions == 3
