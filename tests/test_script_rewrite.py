@@ -660,18 +660,21 @@ def test_float16_with_accumulation_clipping_and_a_taken_name() -> None:
         "    grad_scaler.step(opt)\n    grad_scaler.update()\n")
 
 
-def test_the_scaler_goes_inside_a_loop_that_makes_the_optimizer() -> None:
-    old = script("""\
+@pytest.mark.parametrize("make", ["torch.optim.SGD(model.parameters(), lr=lr)",
+                                  "make_optimizer(model, lr)"])
+def test_the_scaler_goes_inside_a_loop_that_makes_the_optimizer(make: str) -> None:
+    old = script(f"""\
         for lr in (0.1, 0.01):
-            optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-            for x, y in loader:
-                loss = criterion(model(x), y)
-                loss.backward()
-                optimizer.step()
+            optimizer = {make}
+            for epoch in range(2):
+                for x, y in loader:
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                    optimizer.step()
         """)
     new = checked(amp(old, "loss = criterion", "loss = criterion", "float16"), old)
-    assert ('    optimizer = torch.optim.SGD(model.parameters(), lr=lr)\n'
-            '    scaler = torch.amp.GradScaler("cuda")\n    for x, y in loader:\n') in new
+    assert (f'    optimizer = {make}\n'
+            '    scaler = torch.amp.GradScaler("cuda")\n    for epoch in range(2):\n') in new
 
 
 @pytest.mark.parametrize(("body", "why"), [

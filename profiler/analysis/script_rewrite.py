@@ -589,14 +589,7 @@ def _grad_scaler(src: ScriptSource, edits: Edits, first: ast.stmt, last: ast.stm
                         f"{last.lineno}) in its loop, for the GradScaler to scale")
     known = _optimizer_names(src)
     assert isinstance(backward.func, ast.Attribute)
-    # the scaler lives across the loops that reuse one optimizer (epochs around batches)
-    outer = loops[0]
-    for loop in loops[1:]:
-        if any(isinstance(n, ast.Assign) and known & {dotted_name(t) for t in n.targets}
-               for n in ast.walk(loop)):
-            break
-        outer = loop
-    steps = [(c, receiver) for c in _calls_after(src, outer, start_of(backward))
+    steps = [(c, receiver) for c in _calls_after(src, loops[-1], start_of(backward))
              if isinstance(c.func, ast.Attribute) and c.func.attr == "step"
              and not c.args and not c.keywords and (receiver := dotted_name(c.func.value))]
     # a scheduler steps too: an optimizer is one the script makes from torch.optim, or
@@ -613,6 +606,14 @@ def _grad_scaler(src: ScriptSource, edits: Edits, first: ast.stmt, last: ast.stm
         raise NoRewrite(f"the loop steps more than one optimizer (lines {step.lineno}, "
                         f"{', '.join(map(str, others))}): scale each backward and step each "
                         "through one GradScaler by hand")
+    # one scaler across the loops that reuse one optimizer (epochs around batches), a new
+    # one where a loop makes a new optimizer
+    outer = loops[0]
+    for loop in loops[1:]:
+        if any(isinstance(n, ast.Assign) and opt in {dotted_name(t) for t in n.targets}
+               for n in ast.walk(loop)):
+            break
+        outer = loop
     step_stmt = src.statement(step)
     try:
         if not (isinstance(step_stmt, ast.Expr) and step_stmt.value is step):
@@ -623,7 +624,7 @@ def _grad_scaler(src: ScriptSource, edits: Edits, first: ast.stmt, last: ast.stm
                         "own line, so `scaler.update()` cannot follow it") from None
     assert step_stmt.end_lineno is not None
     scaler = _free_name(src, "scaler", "grad_scaler", "amp_scaler")
-    clips = [c for c in _calls_after(src, outer, start_of(backward))
+    clips = [c for c in _calls_after(src, loops[-1], start_of(backward))
              if last_name(c.func) in _CLIPS and start_of(c) < start_of(step)]
     for clip in clips:
         clip_stmt = src.statement(clip)
