@@ -221,9 +221,10 @@ def _ladder_clause(run: RunResult) -> str:
         return ""
     fit = next((f for f in rungs if (f.need_bytes or 0) <= run.gpu_memory_bytes), None)
     if fit is not None:
-        # FSDP2's rungs replace DDP; the others run on it (or on the one GPU)
-        on = ("" if "fsdp2" in fit.name else
-              f" on {'DDP' if run.gpus > 1 else 'one GPU'}")
+        # FSDP2's rungs replace DDP; the others run on it (or on the one GPU; a script's:
+        # on the run dpprof run changed, config "ladder_on")
+        floor = run.config.get("ladder_on") or ("DDP" if run.gpus > 1 else "one GPU")
+        on = "" if "fsdp2" in fit.name else f" on {floor}"
         # CPU offload fits where little else does, at a price in step time: said here
         cost = ("; its optimizer step runs on the CPU, a slower step"
                 if "offload" in fit.name else "")

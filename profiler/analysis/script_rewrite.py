@@ -738,6 +738,35 @@ def autocast_at(call_site: str, loss_site: str, dtype: str) -> Rewrite:
         return Rewrite(reason=str(e))
 
 
+def autocast_until_at(call_site: str, backward_site: str, dtype: str) -> Rewrite:
+    """:func:`autocast` over what ``dpprof run``'s mixed-precision rung ran under autocast:
+    the statements from the model's call up to the one that calls ``backward()``, in the
+    same block (its statement before holds the loss)."""
+    try:
+        (path, call_line), (p2, back_line) = map(_site, (call_site, backward_site))
+        if path != p2:
+            raise NoRewrite("the model's call and backward() are in different files "
+                            f"({Path(path).name}, {Path(p2).name})")
+        source = _read(path)
+        src = ScriptSource(source, path)
+        first = _statement_on(src, call_line, "model's call")
+        back = _statement_on(src, back_line, "backward")
+        block = src.block(first)
+        if src.block(back) is not block:
+            raise NoRewrite(f"the model's call (line {first.lineno}) and backward() (line "
+                            f"{back.lineno}) are in different blocks: put the forward and "
+                            "the loss under `with torch.autocast(...)` by hand")
+        i, j = block.index(first), block.index(back)
+        last = block[j - 1] if j > i else None
+        if last is None or last.end_lineno is None:
+            raise NoRewrite(f"line {back.lineno}: backward() is called in the statement of "
+                            "the model's call: assign the loss to a name and call its "
+                            "backward on the next line")
+        return autocast(source, path, first.lineno, last.end_lineno, dtype)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
 def rewrite_text(rewrite: Rewrite) -> str:
     """A fix's code: the diff, then what to check by hand as comments; or, where there is no
     diff, the reason as a comment."""

@@ -38,6 +38,7 @@ from dpprof.backends.script_answers import (
     write_notes,
 )
 from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
+from dpprof.backends.script_ladder import run_ladder
 from dpprof.backends.script_launch import parse_command
 from dpprof.backends.script_runner import ScriptConfig, ScriptRun, run_script
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
@@ -86,6 +87,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
             and main.ended not in ("script raised", "interrupted")):
         _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
+    rungs: list[tuple[str, ScriptRun]] = []
+    ladder_on = (run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
+                 if main.ended not in ("script raised", "interrupted") else None)
     _note_the_main_run(main, cfg)
     result = new_result(
         "emulated", cfg.launch.display, batch=main.batch_rows, gpus=n,
@@ -95,9 +99,11 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
             "argv": list(cfg.launch.argv), "steps": cfg.steps, "compute": cfg.compute,
             "gpu": cfg.gpu.key, "gpus": n,
-            "steps_done": {v: r.steps_done for v, r in runs},
-            "seconds": {v: round(r.seconds, 3) for v, r in runs},
+            "steps_done": {v: r.steps_done for v, r in runs + rungs},
+            "seconds": {v: round(r.seconds, 3) for v, r in runs + rungs},
             "exit_status": main.exit_status,
+            # the run the ladder's rungs changed, in words (absent: no ladder)
+            **({"ladder_on": ladder_on} if ladder_on else {}),
         },
         assumptions=script_assumptions(cfg),
         notes=notes,

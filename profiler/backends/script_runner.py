@@ -18,9 +18,18 @@ from typing import Any
 
 import torch
 
+from dpprof.analysis.ladder import Rung
 from dpprof.backends.emulated_figures import ddp_ranks, device_result, timeline_points
 from dpprof.backends.script_effects import ScriptEffects, Writes
-from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback, Stepper, StopScript, Variant
+from dpprof.backends.script_hooks import (
+    AS_WRITTEN,
+    RungHooks,
+    StepCallback,
+    Stepper,
+    StopScript,
+    Variant,
+    blocks_of,
+)
 from dpprof.backends.script_launch import Launch, script_process, user_traceback
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
@@ -50,6 +59,8 @@ class ScriptConfig:
     compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
     variant: str = AS_WRITTEN  # AS_WRITTEN | DDP_IN_PLACE | LOSS_IN_FORWARD
     debug: bool = False
+    rung: Rung | None = None  # a rung of the ladder applied as the script runs
+    ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
 
     @property
     def capacity_bytes(self) -> int:
@@ -91,6 +102,14 @@ class ScriptRun:
     bucket_view_unsure: str | None = None
     shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
+    # the script's model: its repeated blocks (dpprof.analysis.ladder.repeated_blocks) and
+    # the words of the checkpointing code for them; the lines of its first call and of the
+    # first backward() (file:line)
+    model_blocks: int = 0
+    blocks_words: dict[str, Any] = field(default_factory=dict)
+    forward_site: str = ""
+    backward_site: str = ""
+    checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
 
 
 def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> ScriptRun:
@@ -109,8 +128,12 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     start = time.perf_counter()
     exc: BaseException | None = None
     # an alternative's run writes into a private folder and prints nothing (script_effects)
-    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-") if cfg.variant != AS_WRITTEN
+    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-")
+               if cfg.variant != AS_WRITTEN or cfg.rung is not None
                else contextlib.nullcontext(None))
+    rung = RungHooks(cfg.rung) if cfg.rung is not None else None
+    if rung is not None:
+        stepper.listeners.append(rung)
     with script_process(launch), sandbox as private:
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
@@ -123,6 +146,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                 try:
                     exc = _run_until_stopped(launch, run)
                 finally:
+                    if rung is not None:
+                        rung.close()
                     stepper.remove()
                     script_parallel.cleanup(vc)
                     used, ddp_devices = _read_log(run, cfg, vc, stepper, variant)
@@ -136,6 +161,10 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
+    run.model_blocks, run.blocks_words = blocks_of(stepper.model)
+    stepper.model = None  # the script's model: not kept past its run
+    run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
+    run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None

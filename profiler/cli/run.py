@@ -71,6 +71,15 @@ def run_cmd(
                            help="For a DataParallel script, also run it with DDP in place and "
                            "with the loss inside forward.", rich_help_panel=PANEL_MEASURE)
     ] = True,
+    ladder: Annotated[
+        bool | None, typer.Option(
+            "--ladder/--no-ladder", help="When even DDP does not fit: run the script again "
+            "with each rung of the ladder applied (mixed precision; activation "
+            "checkpointing of the model's repeated blocks; both) on its DDP alternative "
+            "(else as written), with each change to the script; the verdict names the "
+            "cheapest rung that fits. Default: only when that run is out of memory.",
+            rich_help_panel=PANEL_MEASURE, show_default=False)
+    ] = None,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", help="Report file; repeat for several (.html, .json, "
@@ -88,7 +97,9 @@ def run_cmd(
     tensors, and is stopped after --steps optimizer steps. nn.DataParallel, DDP (under
     torchrun or mp.spawn) and layers placed on cuda:k by hand are measured as they would
     run; a DataParallel script is also run with DDP in place and with the loss inside
-    forward. The script's own error ends the run with its traceback and exit status 1.
+    forward. Where even that does not fit the GPU (--gpu, --gpu-memory), the script runs
+    again with mixed precision and activation checkpointing applied (the ladder). The
+    script's own error ends the run with its traceback and exit status 1.
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
@@ -110,7 +121,7 @@ def run_cmd(
         check_writable(paths)
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
-                           debug=debug)
+                           debug=debug, ladder=ladder)
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
