@@ -154,3 +154,17 @@ def test_a_rung_leaves_torch_as_it_found_it() -> None:
     assert run.scenario.status == "ok" and run.checkpointed_blocks == 4
     assert run.forwards == 6  # the model's and the loss's call in each of 3 steps
     assert torch.nn.functional.linear is linear and torch.is_autocast_enabled is enabled
+
+
+def test_a_ddp_script_under_torchrun_gets_the_ladder_as_written() -> None:
+    """Under torchrun the script is its own floor (one emulated rank stands for all): the
+    rung runs it again as written, the forward and loss of its own loop under autocast."""
+    cmd = ["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_torchrun.py")]
+    result, main = run_command(ScriptConfig(launch=parse_command(cmd, 4), gpus=4, steps=3,
+                                            ladder=True))
+    assert main.scenario.name == "ddp" and result.config["ladder_on"] == "DDP"
+    (fix,) = rungs(result).values()
+    assert fix.name == "ladder-bf16" and fix.detail.startswith("on DDP: ")
+    # one line does forward and loss: it goes under autocast, the backward stays out
+    assert ('+            with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+            "+                loss = criterion(ddp_model(x), y)") in fix.code
