@@ -211,8 +211,9 @@ class Variant:
 
 def unwrapped(model: nn.Module) -> nn.Module:
     """The user's model inside DataParallel or DDP (their ``.module``), else ``model``."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module):
+        model, inner = inner, getattr(inner, "module", None)
     return model
 
 
