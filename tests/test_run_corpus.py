@@ -92,6 +92,27 @@ def test_nanogpt_on_one_gpu(nanogpt_dir: Path, capsys: pytest.CaptureFixture[str
     assert out.count("saving checkpoint to out") == 1
 
 
+def test_nanogpt_dropout_as_a_gpu_runs_it(nanogpt_dir: Path) -> None:
+    """nanoGPT's dropout (nn.Dropout after the embeddings and in each block's two residual
+    branches, SDPA's dropout_p) under bfloat16 autocast: a GPU runs flash attention, whose
+    dropout keeps no seq x seq mask, and the fused dropout, a one-byte mask per element; a
+    CPU or meta build would keep the attention weights and masks of the input's dtype."""
+    peaks = {}
+    for p in ("0.0", "0.2"):
+        result, status = run(["python", str(SCRIPTS / "nanogpt_train.py"), "--data_dir=data",
+                              "--out_dir=out", "--dtype=bfloat16", f"--dropout={p}"])
+        assert status == 0
+        (s,) = result.scenarios
+        assert s.status == "ok", s.message
+        notes = " ".join(s.notes)
+        assert "kernels as on a GPU of compute capability 8.0:" in notes
+        assert "sdpa:flash" in notes and "sdpa:math" not in notes
+        peaks[p] = s.devices[0].peak_allocated_bytes
+    batch = 8
+    masks = 1 + 2 * LAYERS  # transformer.drop; each block's resid_dropout and mlp dropout
+    assert peaks["0.2"] - peaks["0.0"] == masks * r512(batch * T * C)
+
+
 @pytest.mark.torchrun
 def test_nanogpt_under_torchrun(nanogpt_dir: Path) -> None:
     result, status = run(["torchrun", "--standalone", "--nproc_per_node=4",

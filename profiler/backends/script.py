@@ -170,6 +170,10 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
     if main.replicas_float16 is not None:
         s0.notes.append(main.replicas_float16)
+    if main.kernels:
+        s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
+            *cfg.gpu.compute_capability,
+            ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
     s0.notes.extend(write_notes(main.writes))
     if main.stand_ins:
         s0.notes.append(
