@@ -262,6 +262,33 @@ def test_numpy_save_of_values_read_from_a_virtual_gpu_is_not_written(
     assert "numpy.save preds.npy at train.py:4" in " ".join(result.scenarios[0].notes)
 
 
+def test_a_host_tensor_copied_from_a_virtual_gpu_is_not_saved_as_real(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``host.copy_(gpu)`` (load_state_dict of a GPU state dict into a model on the host)
+    reads values the GPU does not have: the host tensor holds stand-ins, and a save of it
+    keeps the user's file; small tensors that follow from host values keep their values."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        m = torch.nn.Linear(512, 512)
+        state = {k: v.cuda() * 2 for k, v in m.state_dict().items()}
+        host = torch.nn.Linear(512, 512)
+        host.load_state_dict(state)
+        print(torch.equal(host.bias, m.bias * 2))  # 2 KiB: followed, real
+        torch.save(host.state_dict(), "weights.pt")
+    """))
+    (tmp_path / "weights.pt").write_bytes(b"the user's weights")
+    result, status = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 1),
+                                              gpus=1), False)
+    assert status.exit_status == 0, status.script_traceback
+    assert (tmp_path / "weights.pt").read_bytes() == b"the user's weights"
+    notes = " ".join(result.scenarios[0].notes)
+    assert "torch.save weights.pt at train.py:8" in notes
+    assert "train.py:6 (host copy) x1" in notes  # the 1 MiB weight
+    assert capsys.readouterr().out == "True\n"
+
+
 DP_WITH_SIDE_EFFECTS = """
     import logging, os
     import torch

@@ -2,8 +2,9 @@
 nanoGPT's train.py, cut down to a tiny GPT: configuration as module globals overridden from
 the command line (--key=value, as its configurator.py does), a poor man's data loader over
 np.memmap with torch.randint offsets, dropout (nn.Dropout and SDPA's dropout_p), gradient
-accumulation, autocast and a GradScaler, a checkpoint into out_dir at each eval, and DDP when
-torchrun sets RANK.
+accumulation, autocast and a GradScaler, a checkpoint into out_dir at each eval, resuming
+from it (--init_from=resume: loaded onto the device, the model built on the host), and DDP
+when torchrun sets RANK.
 
 $ python nanogpt_train.py --data_dir=data/shakespeare_char --out_dir=out
 $ torchrun --standalone --nproc_per_node=4 nanogpt_train.py --data_dir=...
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # -----------------------------------------------------------------------------
 # default config values
 out_dir = 'out'
+init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 eval_interval = 2
 log_interval = 1
 eval_iters = 2
@@ -211,11 +213,25 @@ iter_num = 0
 best_val_loss = 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
                   bias=bias, vocab_size=vocab_size, dropout=dropout)
-print("Initializing a new model from scratch")
-model = GPT(model_args)
+if init_from == 'scratch':
+    print("Initializing a new model from scratch")
+    model = GPT(model_args)
+elif init_from == 'resume':
+    # as nanoGPT resumes: the checkpoint loaded onto the device, the model built on the host
+    print(f"Resuming training from {out_dir}")
+    checkpoint = torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location=device)
+    for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
+        model_args[k] = checkpoint['model_args'][k]
+    model = GPT(model_args)
+    model.load_state_dict(checkpoint['model'])
+    iter_num = checkpoint['iter_num']
+    best_val_loss = checkpoint['best_val_loss']
 model.to(device)
 scaler = torch.amp.GradScaler('cuda', enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if init_from == 'resume':
+    optimizer.load_state_dict(checkpoint['optimizer'])
+checkpoint = None
 if compile:
     model = torch.compile(model)
 if ddp:
