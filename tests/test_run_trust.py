@@ -17,6 +17,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -183,6 +184,29 @@ def test_host_side_scripts_print_what_plain_python_prints(name: str, compute: bo
     assert out.getvalue() == expected
 
 
+def test_the_script_sees_its_path_as_python_gives_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python ../train.py``: ``__file__`` is absolute (the working directory joined to the
+    path as typed), ``sys.argv[0]`` as typed, so ``os.chdir(os.path.dirname(__file__))``
+    works; compared with a real Python process."""
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import os, sys
+        print(__file__, sys.argv[0])
+        os.chdir(os.path.dirname(__file__))
+        print(os.getcwd())
+    """))
+    (tmp_path / "sub").mkdir()
+    expected = subprocess.run([sys.executable, "../train.py"], cwd=tmp_path / "sub",
+                              capture_output=True, text=True, check=True).stdout
+    assert expected.startswith(f"{tmp_path}/sub/../train.py ../train.py\n")
+    monkeypatch.chdir(tmp_path / "sub")
+    _, main = run_command(ScriptConfig(launch=parse_command(["python", "../train.py"], 1),
+                                       gpus=1), False)
+    assert main.exit_status == 0, main.script_traceback
+    assert capsys.readouterr().out == expected
+
+
 TRAIN_AND_SAVE = """
     import torch
     model = torch.nn.Linear(4, 2).cuda()
@@ -344,7 +368,8 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
     assert "nothing was measured; no report written" in res.stderr
     assert not list(tmp_path.glob("dpprof-reports/*"))
     if "SyntaxError" not in expected:
-        assert 'File "train.py", line' in res.stderr  # the script's own frame
+        # the script's own frame, named as Python names it
+        assert f'File "{tmp_path / "train.py"}", line' in res.stderr
         assert "dpprof/" not in res.stderr.split("Traceback", 1)[-1]
 
 

@@ -30,7 +30,7 @@ from dpprof.backends.script_hooks import (
     Variant,
     blocks_of,
 )
-from dpprof.backends.script_launch import Launch, script_process, user_traceback
+from dpprof.backends.script_launch import Launch, run_main_file, script_process, user_traceback
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
@@ -198,7 +198,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         if launch.is_module:
             runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(launch.target, run_name="__main__")
+            run_main_file(launch.target)
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"
