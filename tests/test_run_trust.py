@@ -309,7 +309,8 @@ def test_a_host_tensor_copied_from_a_virtual_gpu_is_not_saved_as_real(
     assert (tmp_path / "weights.pt").read_bytes() == b"the user's weights"
     notes = " ".join(result.scenarios[0].notes)
     assert "torch.save weights.pt at train.py:8" in notes
-    assert "train.py:6 (host copy) x1" in notes  # the 1 MiB weight
+    # the 1 MiB weight; the site named as typed (python train.py), not by its absolute path
+    assert "(host copy x1): train.py:6 (host copy) x1" in notes
     assert capsys.readouterr().out == "True\n"
 
 
