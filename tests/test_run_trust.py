@@ -160,6 +160,17 @@ HOST_SCRIPTS = {
         idx = np.array([2, 0])
         print(t[torch.as_tensor(idx)].tolist(), torch.as_tensor(a).data_ptr() == t.data_ptr())
     """,
+    "cpu_model_kernels": """
+        # a model trained on the host (nanoGPT's --device=cpu): attention, dropout and
+        # rms_norm run the CPU's kernels, whatever GPU the emulation plays
+        import torch
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        q = torch.randn(2, 2, 8, 8)
+        print(round(float(F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()), 4))
+        print(round(float(F.dropout(torch.ones(1000), 0.5).sum()), 1))
+        print(round(float(F.rms_norm(torch.randn(4, 8), (8,)).sum()), 4))
+    """,
 }
 
 
