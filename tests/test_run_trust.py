@@ -405,6 +405,26 @@ def test_a_script_that_never_touches_cuda_is_an_answer_not_an_error(
     assert "without putting anything on a GPU" in res.stderr
 
 
+def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nanoGPT's --device=cpu: its steps run on the host; dpprof stops it after --steps."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(10):
+            model(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            print("step", step)
+    """))
+    res = runner.invoke(app, ["run", "--steps", "2", "--", "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("step 0\n")
+    assert "step 2" not in res.stdout
+    assert ("dpprof: the script ran its 2 optimizer step(s) (--steps; stopped there) without "
+            "putting anything on a GPU") in res.stderr
+
+
 def test_a_rank_of_mp_spawn_that_raises_shows_its_traceback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
