@@ -144,6 +144,24 @@ def test_nanogpt_resumes_from_a_real_checkpoint(nanogpt_dir: Path, monkeypatch: 
     assert "step 2: train loss" in out  # the checkpoint's iter_num
 
 
+def test_nanogpt_compiled_runs_eagerly_and_says_so(nanogpt_dir: Path) -> None:
+    """nanoGPT compiles by default (compile = True): the model runs eagerly, measured as
+    without --compile, and the report says the peaks are the eager model's."""
+    peaks = []
+    for flag in ("False", "True"):
+        result, status = run(["python", str(SCRIPTS / "nanogpt_train.py"), "--data_dir=data",
+                              "--out_dir=out", f"--compile={flag}"])
+        assert status == 0
+        (s,) = result.scenarios
+        assert s.status == "ok", s.message
+        peaks.append([d.peak_allocated_bytes for d in s.devices])
+    assert peaks[0] == peaks[1]
+    lines = (SCRIPTS / "nanogpt_train.py").read_text().splitlines()
+    at = lines.index("    model = torch.compile(model)") + 1
+    assert f"torch.compile at {SCRIPTS / 'nanogpt_train.py'}:{at}: run eagerly" in " ".join(
+        s.notes)
+
+
 @pytest.mark.torchrun
 def test_nanogpt_under_torchrun(nanogpt_dir: Path) -> None:
     result, status = run(["torchrun", "--standalone", "--nproc_per_node=4",

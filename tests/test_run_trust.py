@@ -218,6 +218,33 @@ def test_the_script_sees_its_path_as_python_gives_it(
     assert capsys.readouterr().out == expected
 
 
+def test_torch_compile_in_every_spelling_runs_eagerly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2).cuda()
+        model.compile()
+        fast = torch.compile(model, mode="max-autotune")
+
+        @torch.compile(fullgraph=True)
+        def loss_of(out):
+            return out.sum()
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            loss_of(fast(torch.randn(8, 4).cuda())).backward(); opt.step(); opt.zero_grad()
+        print(fast is model)
+    """))
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 1),
+                                            gpus=1, steps=5), False)
+    assert main.exit_status == 0, main.script_traceback
+    assert capsys.readouterr().out == "True\n"
+    assert ("torch.compile at train.py:4, train.py:5, train.py:7: run eagerly"
+            in " ".join(result.scenarios[0].notes))
+
+
 TRAIN_AND_SAVE = """
     import torch
     model = torch.nn.Linear(4, 2).cuda()

@@ -178,6 +178,12 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
     if main.replicas_float16 is not None:
         s0.notes.append(main.replicas_float16)
+    if main.compiled:
+        sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
+        s0.notes.append(
+            f"torch.compile at {', '.join(_relative_site(x) for x in sites[:3])}: run eagerly "
+            "(dpprof does not play compiled kernels); a compiled model may hold less (fused "
+            "activations): these peaks are the eager model's")
     if main.kernels:
         s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,

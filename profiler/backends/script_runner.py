@@ -29,6 +29,7 @@ from dpprof.backends.script_hooks import (
     StopScript,
     Variant,
     blocks_of,
+    compile_eagerly,
 )
 from dpprof.backends.script_launch import Launch, run_main_file, script_process, user_traceback
 from dpprof.emulator import script_parallel
@@ -87,6 +88,7 @@ class ScriptRun:
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
+    compiled: list[str] = field(default_factory=list)  # torch.compile's sites, run eagerly
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -146,6 +148,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
             with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
                     effects, Patcher() as patcher:
                 variant.install(vc, patcher)
+                compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()
                 try:
