@@ -91,6 +91,13 @@ def _torchrun(args: list[str], gpus: int, launcher: str) -> Launch:
         raise UsageError(f"dpprof run: {launcher}: cannot parse {' '.join(args)!r}") from None
     nproc_text = str(ns.nproc_per_node)
     nproc = gpus if nproc_text in ("gpu", "auto") else int(nproc_text)
+    if nproc > gpus:
+        # rank k takes cuda:k (LOCAL_RANK) on a real node, and NCCL refuses two ranks on one
+        # GPU: the ranks past the GPUs fail there, while the one rank emulated here would not
+        raise UsageError(
+            f"dpprof run: {launcher} starts {nproc} processes on the node, which has {gpus} "
+            f"GPU(s) (--gpus): ranks {gpus} to {nproc - 1} would find no GPU of their own; "
+            f"pass --gpus {nproc}, or --nproc-per-node {gpus}")
     nnodes = str(ns.nnodes).split(":")[-1]
     world = nproc * int(nnodes or 1)
     env = {
