@@ -495,6 +495,9 @@ def test_cli_data_dependent_shape_names_compute(tmp_path: Path) -> None:
     (["run"], "give the command after --"),
     (["run", "--", "ls", "-l"], "give a Python command"),
     (["run", "--steps", "0", "--", "python", "x.py"], "--steps must be at least 1"),
+    (["run", "--gpus", "2", "--", "torchrun", "--nproc_per_node=4", "x.py"],
+     "torchrun starts 4 processes on the node, which has 2 GPU(s) (--gpus): ranks 2 to 3 "
+     "would find no GPU of their own; pass --gpus 4, or --nproc-per-node 2"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
     r = runner.invoke(app, args)

@@ -23,6 +23,7 @@ run of the script (:mod:`dpprof.backends.script_runner`), what dpprof hooks into
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 from collections.abc import Callable
 
@@ -160,6 +161,13 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                              f"{alt.bucket_view_unsure}")
 
 
+def _relative_site(site: str) -> str:
+    """A site of the working directory's files as the user typed it (``train.py:40``, not
+    the absolute path Python gives the script's code)."""
+    cwd = os.getcwd() + os.sep
+    return site.removeprefix(cwd) if site.startswith(cwd) else site
+
+
 def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     """The as-written run's notes: how it ended, autocast, what it was kept from writing,
     the values read from emulated tensors."""
@@ -170,11 +178,22 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
     if main.replicas_float16 is not None:
         s0.notes.append(main.replicas_float16)
+    if main.compiled:
+        sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
+        s0.notes.append(
+            f"torch.compile at {', '.join(_relative_site(x) for x in sites[:3])}: run eagerly "
+            "(dpprof does not play compiled kernels); a compiled model may hold less (fused "
+            "activations): these peaks are the eager model's")
+    if main.kernels:
+        s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
+            *cfg.gpu.compute_capability,
+            ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
     s0.notes.extend(write_notes(main.writes))
     if main.stand_ins:
         s0.notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
-                f"{site} x{c}" for site, c in list(main.stand_in_sites.items())[:5]))
+                f"{_relative_site(site)} x{c}"
+                for site, c in list(main.stand_in_sites.items())[:5]))
         s0.notes.extend(library_branches(main.stand_in_sites))

@@ -59,6 +59,10 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
     if run.ended == "script raised":
         return (f"the script failed (exit status {run.exit_status}) before it put anything on "
                 "a GPU: nothing was measured")
+    if run.ended == "steps":  # a model trained on the host (--device=cpu and the like)
+        return (f"the script ran its {run.steps_done} optimizer step(s) (--steps; stopped "
+                "there) without putting anything on a GPU (no tensor or module moved to cuda; "
+                "does a setting of the script keep it on the CPU?): nothing was measured")
     return ("the script ended without putting anything on a GPU (no tensor or module moved "
             "to cuda): nothing was measured")
 

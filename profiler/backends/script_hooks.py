@@ -1,7 +1,7 @@
 """What ``dpprof run`` hooks into the running script: optimizer steps counted, phases
 marked and the script stopped after enough steps (:class:`Stepper`), and the paired
 alternatives' patches (:class:`Variant`: DDP in place of DataParallel, or the loss inside
-forward)."""
+forward), and ``torch.compile`` run eagerly (:func:`compile_eagerly`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import VirtualCuda
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
-           "Variant", "blocks_of", "unwrapped"]
+           "Variant", "blocks_of", "compile_eagerly", "unwrapped"]
 
 AS_WRITTEN = "as-written"
 
@@ -157,6 +157,22 @@ class Stepper:
             self._phase.close()
             self._phase = None
 
+
+
+def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
+    """``torch.compile(model)`` / ``@torch.compile`` / ``module.compile()`` in the script:
+    the model or function as given, run eagerly. Dynamo cannot trace the emulation (its
+    virtual devices, its patched ``torch.device``) and Inductor's CUDA kernels are not
+    played; each call's site goes into ``sites`` so the report can say so."""
+    def compile_(model: Any = None, **kwargs: Any) -> Any:
+        sites.append(caller_site())
+        if model is None:  # @torch.compile(mode=...): the decorator
+            return lambda fn: fn
+        return model
+
+    patcher.patch(torch, "compile", compile_)
+    patcher.patch(torch.nn.Module, "compile",
+                  lambda self, *a, **k: sites.append(caller_site()))
 
 
 class Variant:

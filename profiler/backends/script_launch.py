@@ -1,22 +1,30 @@
 """The command after ``dpprof run --``: parsed (:func:`parse_command`: ``python train.py``,
 ``python -m pkg``, ``torchrun ...``, into a :class:`Launch`), the process state the script
-expects while it runs in dpprof's process (:func:`script_process`), and its traceback as
-Python would print it (:func:`user_traceback`)."""
+expects while it runs in dpprof's process (:func:`script_process`), the script file run as
+``python`` runs it (:func:`run_main_file`), and its traceback as Python would print it
+(:func:`user_traceback`)."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import io
 import logging
 import os
+import runpy
 import sys
 import traceback
+import types
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
 from dpprof.errors import UsageError
 
-__all__ = ["Launch", "parse_command", "script_process", "user_traceback"]
+__all__ = ["Launch", "main_path", "parse_command", "run_main_file", "script_process",
+           "user_traceback"]
 
 
 @dataclass
@@ -83,6 +91,13 @@ def _torchrun(args: list[str], gpus: int, launcher: str) -> Launch:
         raise UsageError(f"dpprof run: {launcher}: cannot parse {' '.join(args)!r}") from None
     nproc_text = str(ns.nproc_per_node)
     nproc = gpus if nproc_text in ("gpu", "auto") else int(nproc_text)
+    if nproc > gpus:
+        # rank k takes cuda:k (LOCAL_RANK) on a real node, and NCCL refuses two ranks on one
+        # GPU: the ranks past the GPUs fail there, while the one rank emulated here would not
+        raise UsageError(
+            f"dpprof run: {launcher} starts {nproc} processes on the node, which has {gpus} "
+            f"GPU(s) (--gpus): ranks {gpus} to {nproc - 1} would find no GPU of their own; "
+            f"pass --gpus {nproc}, or --nproc-per-node {gpus}")
     nnodes = str(ns.nnodes).split(":")[-1]
     world = nproc * int(nnodes or 1)
     env = {
@@ -130,6 +145,34 @@ def script_process(launch: Launch) -> Iterator[None]:
                 handler.flush()
         root.handlers[:] = saved_logging[0]
         root.setLevel(saved_logging[1])
+
+
+def main_path(target: str) -> str:
+    """The script's path as ``python path`` names it in ``__file__`` and its tracebacks:
+    absolute since Python 3.9, the working directory joined to the path as typed (neither
+    normalised nor resolved: ``./train.py`` is ``/cwd/./train.py``)."""
+    return target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
+
+
+def run_main_file(target: str) -> None:
+    """Run the script file ``target`` as ``python target`` runs it: as ``__main__``, its
+    ``__file__`` and code named by :func:`main_path` (``os.path.dirname(__file__)`` is its
+    folder, tracebacks name it as Python does), ``sys.argv[0]`` left as typed (runpy's
+    ``run_path`` would set it to the path it is given). A zip application goes through
+    runpy, as Python's own ``__main__.py`` lookup does."""
+    path = main_path(target)
+    if zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=SourceFileLoader("__main__", path),
+                         __builtins__=builtins)
+    sys.modules["__main__"] = main  # classes defined in the script pickle as __main__'s
+    exec(code, main.__dict__)
 
 
 def user_traceback(e: BaseException, launch: Launch) -> str:

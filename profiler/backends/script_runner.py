@@ -29,13 +29,14 @@ from dpprof.backends.script_hooks import (
     StopScript,
     Variant,
     blocks_of,
+    compile_eagerly,
 )
-from dpprof.backends.script_launch import Launch, script_process, user_traceback
+from dpprof.backends.script_launch import Launch, run_main_file, script_process, user_traceback
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.data_parallel import replicas_float16_note
-from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.script_parallel import DDP_IN_PLACE
@@ -86,6 +87,8 @@ class ScriptRun:
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
+    kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
+    compiled: list[str] = field(default_factory=list)  # torch.compile's sites, run eagerly
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -125,6 +128,9 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     variant = Variant(cfg.variant, vc, cfg.gpus)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
+    # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
+    # CPU tensors (--compute) the CPU kernels run, as the CPU runs them
+    kernels = GpuKernels(cfg.gpu.compute_capability, rt)
     start = time.perf_counter()
     exc: BaseException | None = None
     # an alternative's run writes into a private folder and prints nothing (script_effects)
@@ -139,8 +145,10 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
         torch.manual_seed(0)
         effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast, effects, Patcher() as patcher:
+            with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
+                    effects, Patcher() as patcher:
                 variant.install(vc, patcher)
+                compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()
                 try:
@@ -166,6 +174,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
+    run.kernels = dict(kernels.chosen)
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
     if cfg.variant == DDP_IN_PLACE and ledger is not None:
@@ -192,7 +201,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         if launch.is_module:
             runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(launch.target, run_name="__main__")
+            run_main_file(launch.target)
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"
