@@ -168,3 +168,17 @@ def test_a_ddp_script_under_torchrun_gets_the_ladder_as_written() -> None:
     # one line does forward and loss: it goes under autocast, the backward stays out
     assert ('+            with torch.autocast("cuda", dtype=torch.bfloat16):\n'
             "+                loss = criterion(ddp_model(x), y)") in fix.code
+
+
+def test_where_no_rung_fits_the_report_says_so_and_what_each_needs(tmp_path: Path) -> None:
+    from dpprof.analysis.answers import build_answer
+
+    result, _ = run_command(config(LM, memory=200 * 2**20))  # nothing fits in 200 MiB
+    answer = build_answer(result)
+    assert not answer.recommended
+    # it said "No fix applies: the step runs on one GPU", beside the rungs it measured
+    assert answer.nothing_to_change.startswith(
+        "Nothing measured fits in 200 MiB, no rung of the ladder either")
+    for fix in rungs(result).values():
+        assert fix.title in answer.nothing_to_change
+    assert "no rung of the ladder measured fits" in result.comparison.verdict

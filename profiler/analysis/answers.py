@@ -418,6 +418,13 @@ def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
     if not any(measured(s) for s in run.scenarios):
         return "No recommendation: no scenario produced a measurement (see the errors above)."
     assert base is not None
+    rungs = [a.fix for a in advice if a.fix.name.startswith(LADDER_PREFIX)
+             and a.fix.need_bytes is not None]
+    if rungs:  # measured because nothing fit, and none of them fits either
+        return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}, no rung of the "
+                "ladder either; their fullest GPU needs: " + "; ".join(
+                    f"{f.title} {fmt_bytes(f.need_bytes)}" for f in rungs)
+                + " (reserved memory and the CUDA context counted).")
     if setup == SPLIT_MODEL:
         return ("No fix of dpprof's applies: the script places its layers on the GPUs "
                 f"itself (model parallel); its heaviest GPU is {device_label(heaviest(base))}.")
