@@ -23,6 +23,7 @@ from dpprof.cli.common import (
     write_reports,
 )
 from dpprof.cli.guard import guarded
+from dpprof.cli.live_output import script_output_above
 from dpprof.cli.options import (
     GPU,
     PANEL_GPUS,
@@ -156,7 +157,8 @@ def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult,
 
     if quiet:
         return run_command(cfg, alternatives)
-    with progress_bar("{task.completed}/{task.total} steps", err) as bar:
+    with progress_bar("{task.completed}/{task.total} steps", err, redirect=False) as bar, \
+            script_output_above(err):
         task = bar.add_task("as written", total=cfg.steps)
 
         def progress(what: str, done: int, total: int) -> None:
