@@ -64,8 +64,10 @@ def record_head() -> dict[str, Any]:
     }
 
 
-def summary(values: list[float], goal: float) -> dict[str, Any]:
-    """A ratio over the rounds: median, min-max, every run, and whether the worst met the goal."""
+def summary(values: list[float], goal: float | None) -> dict[str, Any]:
+    """A ratio over the rounds: median, min-max, every run, and whether the worst met the
+    goal (None: a reference figure, with no goal of its own)."""
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
             "max": round(max(values), 3), "runs": [round(v, 3) for v in values],
-            "goal": f"<= {goal}", "met": max(values) <= goal}
+            "goal": None if goal is None else f"<= {goal}",
+            "met": None if goal is None else max(values) <= goal}

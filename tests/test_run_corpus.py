@@ -92,6 +92,76 @@ def test_nanogpt_on_one_gpu(nanogpt_dir: Path, capsys: pytest.CaptureFixture[str
     assert out.count("saving checkpoint to out") == 1
 
 
+def test_nanogpt_dropout_as_a_gpu_runs_it(nanogpt_dir: Path) -> None:
+    """nanoGPT's dropout (nn.Dropout after the embeddings and in each block's two residual
+    branches, SDPA's dropout_p) under bfloat16 autocast: a GPU runs flash attention, whose
+    dropout keeps no seq x seq mask, and the fused dropout, a one-byte mask per element; a
+    CPU or meta build would keep the attention weights and masks of the input's dtype."""
+    peaks = {}
+    for p in ("0.0", "0.2"):
+        result, status = run(["python", str(SCRIPTS / "nanogpt_train.py"), "--data_dir=data",
+                              "--out_dir=out", "--dtype=bfloat16", f"--dropout={p}"])
+        assert status == 0
+        (s,) = result.scenarios
+        assert s.status == "ok", s.message
+        notes = " ".join(s.notes)
+        assert "kernels as on a GPU of compute capability 8.0:" in notes
+        assert "sdpa:flash" in notes and "sdpa:math" not in notes
+        peaks[p] = s.devices[0].peak_allocated_bytes
+    batch = 8
+    masks = 1 + 2 * LAYERS  # transformer.drop; each block's resid_dropout and mlp dropout
+    assert peaks["0.2"] - peaks["0.0"] == masks * r512(batch * T * C)
+
+
+def test_nanogpt_resumes_from_a_real_checkpoint(nanogpt_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--init_from=resume: the checkpoint of a CPU run, loaded onto the GPU
+    (map_location=device), into a model still on the host (load_state_dict copies each
+    tensor to the host): values read from the GPU, given as stand-ins, the run goes on."""
+    script = str(SCRIPTS / "nanogpt_train.py")
+    monkeypatch.setattr(sys, "argv", [script, "--data_dir=data", "--out_dir=out",
+                                      "--device=cpu", "--max_iters=2"])
+    runpy.run_path(script, run_name="__main__")  # the user's run, on the CPU: step 2 saved
+    capsys.readouterr()
+    before = digest(nanogpt_dir / "out" / "ckpt.pt")
+    result, status = run(["python", script, "--data_dir=data", "--out_dir=out",
+                          "--init_from=resume", "--max_iters=8"])
+    assert status == 0
+    (s,) = result.scenarios
+    assert s.name == "single" and s.status == "ok", s.message
+    d0 = s.devices[0].breakdown_bytes
+    assert d0["parameters"] == params_bytes(*GPT_SHAPES)
+    notes = " ".join(s.notes)
+    # the state dict's tensors: wte, wpe, 6 per block, ln_f, and lm_head (tied to wte, a
+    # key of its own)
+    tensors = 2 + LAYERS * 6 + 2
+    lines = Path(script).read_text().splitlines()
+    load = lines.index("    model.load_state_dict(checkpoint['model'])") + 1
+    assert f"nanogpt_train.py:{load} (host copy) x{tensors}" in notes
+    assert digest(nanogpt_dir / "out" / "ckpt.pt") == before
+    out = capsys.readouterr().out
+    assert out.count("Resuming training from out") == 1
+    assert "step 2: train loss" in out  # the checkpoint's iter_num
+
+
+def test_nanogpt_compiled_runs_eagerly_and_says_so(nanogpt_dir: Path) -> None:
+    """nanoGPT compiles by default (compile = True): the model runs eagerly, measured as
+    without --compile, and the report says the peaks are the eager model's."""
+    peaks = []
+    for flag in ("False", "True"):
+        result, status = run(["python", str(SCRIPTS / "nanogpt_train.py"), "--data_dir=data",
+                              "--out_dir=out", f"--compile={flag}"])
+        assert status == 0
+        (s,) = result.scenarios
+        assert s.status == "ok", s.message
+        peaks.append([d.peak_allocated_bytes for d in s.devices])
+    assert peaks[0] == peaks[1]
+    lines = (SCRIPTS / "nanogpt_train.py").read_text().splitlines()
+    at = lines.index("    model = torch.compile(model)") + 1
+    assert f"torch.compile at {SCRIPTS / 'nanogpt_train.py'}:{at}: run eagerly" in " ".join(
+        s.notes)
+
+
 @pytest.mark.torchrun
 def test_nanogpt_under_torchrun(nanogpt_dir: Path) -> None:
     result, status = run(["torchrun", "--standalone", "--nproc_per_node=4",

@@ -357,6 +357,46 @@ def test_checkpoint_recompute_reenters_the_scripts_bf16_region() -> None:
     assert d["parameters"] == params_bytes(*shapes, (128,))
 
 
+DP_BF16_SCRIPT = """
+import torch
+import torch.nn as nn
+
+model = nn.DataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(3):
+    x = torch.randn(32, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x)
+    print(out.dtype)
+    loss = out.float().pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize(("gpus", "replica_dtype"), [(1, "torch.bfloat16"), (2, "torch.float16")])
+def test_data_parallel_script_under_bf16_says_its_replicas_compute_in_float16(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], gpus: int, replica_dtype: str) -> None:
+    """A DataParallel script inside ``torch.autocast("cuda", dtype=torch.bfloat16)``: over
+    two GPUs or more torch's parallel_apply runs each replica in a thread of its own that
+    enters autocast without the caller's dtype (the thread's default: float16 on CUDA), so
+    the gathered outputs are float16 and the run's notes say why and what keeps bf16; over
+    one GPU the replica runs in the caller's thread, in bfloat16, and nothing is said."""
+    script = tmp_path / "dp_bf16.py"
+    script.write_text(DP_BF16_SCRIPT)
+    main = run_script(ScriptConfig(launch=parse_command(["python", str(script)], gpus),
+                                   gpus=gpus, steps=3))
+    assert main.scenario.status == "ok", main.scenario.message
+    assert set(capfd.readouterr().out.split()) == {replica_dtype}
+    assert (main.replicas_float16 is not None) == (gpus > 1)
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], gpus),
+                                         gpus=gpus, steps=3), False)
+    notes = result.scenarios[0].notes
+    said = [n for n in notes if "replicas compute in float16, not bfloat16" in n]
+    assert len(said) == (gpus > 1), notes
+
+
 def test_resnet18_in_data_parallel_loads_cuda0() -> None:
     from torchvision_shim import import_torchvision
 
@@ -455,6 +495,9 @@ def test_cli_data_dependent_shape_names_compute(tmp_path: Path) -> None:
     (["run"], "give the command after --"),
     (["run", "--", "ls", "-l"], "give a Python command"),
     (["run", "--steps", "0", "--", "python", "x.py"], "--steps must be at least 1"),
+    (["run", "--gpus", "2", "--", "torchrun", "--nproc_per_node=4", "x.py"],
+     "torchrun starts 4 processes on the node, which has 2 GPU(s) (--gpus): ranks 2 to 3 "
+     "would find no GPU of their own; pass --gpus 4, or --nproc-per-node 2"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
     r = runner.invoke(app, args)
@@ -532,8 +575,8 @@ def test_data_parallel_called_in_forward_becomes_one_ddp_per_network() -> None:
 
 def test_cli_torchrun_gets_one_gpu_per_process(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 8`` without --gpus: the node's 8 GPUs, rank 0 of 8 on its
-    own. With --gpus below it the ranks past the GPUs would name devices that do not exist
-    (rank 0 does not stand for them): refused in one line, status 2."""
+    own (it was refused against the default 4, or ran on 4). With --gpus below it: refused
+    in one line, status 2."""
     out = tmp_path / "r.json"
     script = str(SCRIPTS / "ddp_torchrun.py")
     r = runner.invoke(app, ["run", "-q", "-o", str(out), "--", "torchrun",
@@ -545,8 +588,7 @@ def test_cli_torchrun_gets_one_gpu_per_process(tmp_path: Path) -> None:
     r = runner.invoke(app, ["run", "--gpus", "2", "--", "torchrun", "--nproc-per-node", "4",
                             script])
     assert r.exit_code == 2
-    assert r.stderr == ("dpprof: error: torchrun --nproc-per-node 4 starts one process per "
-                        "GPU, but --gpus 2 gives 2: pass --gpus 4, or leave --gpus out\n")
+    assert "starts 4 processes on the node, which has 2 GPU(s) (--gpus)" in r.stderr
 
 
 def test_the_batch_is_the_models_rows_not_the_flattened_losss(tmp_path: Path) -> None:

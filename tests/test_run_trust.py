@@ -17,6 +17,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -159,6 +160,17 @@ HOST_SCRIPTS = {
         idx = np.array([2, 0])
         print(t[torch.as_tensor(idx)].tolist(), torch.as_tensor(a).data_ptr() == t.data_ptr())
     """,
+    "cpu_model_kernels": """
+        # a model trained on the host (nanoGPT's --device=cpu): attention, dropout and
+        # rms_norm run the CPU's kernels, whatever GPU the emulation plays
+        import torch
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        q = torch.randn(2, 2, 8, 8)
+        print(round(float(F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()), 4))
+        print(round(float(F.dropout(torch.ones(1000), 0.5).sum()), 1))
+        print(round(float(F.rms_norm(torch.randn(4, 8), (8,)).sum()), 4))
+    """,
 }
 
 
@@ -181,6 +193,56 @@ def test_host_side_scripts_print_what_plain_python_prints(name: str, compute: bo
         run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4),
                                  compute=compute))
     assert out.getvalue() == expected
+
+
+def test_the_script_sees_its_path_as_python_gives_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python ../train.py``: ``__file__`` is absolute (the working directory joined to the
+    path as typed), ``sys.argv[0]`` as typed, so ``os.chdir(os.path.dirname(__file__))``
+    works; compared with a real Python process."""
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import os, sys
+        print(__file__, sys.argv[0])
+        os.chdir(os.path.dirname(__file__))
+        print(os.getcwd())
+    """))
+    (tmp_path / "sub").mkdir()
+    expected = subprocess.run([sys.executable, "../train.py"], cwd=tmp_path / "sub",
+                              capture_output=True, text=True, check=True).stdout
+    assert expected.startswith(f"{tmp_path}/sub/../train.py ../train.py\n")
+    monkeypatch.chdir(tmp_path / "sub")
+    _, main = run_command(ScriptConfig(launch=parse_command(["python", "../train.py"], 1),
+                                       gpus=1), False)
+    assert main.exit_status == 0, main.script_traceback
+    assert capsys.readouterr().out == expected
+
+
+def test_torch_compile_in_every_spelling_runs_eagerly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2).cuda()
+        model.compile()
+        fast = torch.compile(model, mode="max-autotune")
+
+        @torch.compile(fullgraph=True)
+        def loss_of(out):
+            return out.sum()
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            loss_of(fast(torch.randn(8, 4).cuda())).backward(); opt.step(); opt.zero_grad()
+        print(fast is model)
+    """))
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 1),
+                                            gpus=1, steps=5), False)
+    assert main.exit_status == 0, main.script_traceback
+    assert capsys.readouterr().out == "True\n"
+    assert ("torch.compile at train.py:4, train.py:5, train.py:7: run eagerly"
+            in " ".join(result.scenarios[0].notes))
 
 
 TRAIN_AND_SAVE = """
@@ -262,6 +324,34 @@ def test_numpy_save_of_values_read_from_a_virtual_gpu_is_not_written(
     assert "numpy.save preds.npy at train.py:4" in " ".join(result.scenarios[0].notes)
 
 
+def test_a_host_tensor_copied_from_a_virtual_gpu_is_not_saved_as_real(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``host.copy_(gpu)`` (load_state_dict of a GPU state dict into a model on the host)
+    reads values the GPU does not have: the host tensor holds stand-ins, and a save of it
+    keeps the user's file; small tensors that follow from host values keep their values."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        m = torch.nn.Linear(512, 512)
+        state = {k: v.cuda() * 2 for k, v in m.state_dict().items()}
+        host = torch.nn.Linear(512, 512)
+        host.load_state_dict(state)
+        print(torch.equal(host.bias, m.bias * 2))  # 2 KiB: followed, real
+        torch.save(host.state_dict(), "weights.pt")
+    """))
+    (tmp_path / "weights.pt").write_bytes(b"the user's weights")
+    result, status = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 1),
+                                              gpus=1), False)
+    assert status.exit_status == 0, status.script_traceback
+    assert (tmp_path / "weights.pt").read_bytes() == b"the user's weights"
+    notes = " ".join(result.scenarios[0].notes)
+    assert "torch.save weights.pt at train.py:8" in notes
+    # the 1 MiB weight; the site named as typed (python train.py), not by its absolute path
+    assert "(host copy x1): train.py:6 (host copy) x1" in notes
+    assert capsys.readouterr().out == "True\n"
+
+
 DP_WITH_SIDE_EFFECTS = """
     import logging, os
     import torch
@@ -317,7 +407,7 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
     assert "nothing was measured; no report written" in res.stderr
     assert not list(tmp_path.glob("dpprof-reports/*"))
     if "SyntaxError" not in expected:
-        # the script's own frame, by its absolute path as plain Python names it
+        # the script's own frame, named as Python names it
         assert f'File "{tmp_path / "train.py"}", line' in res.stderr
         assert "dpprof/" not in res.stderr.split("Traceback", 1)[-1]
 
@@ -342,26 +432,24 @@ def test_a_script_that_never_touches_cuda_is_an_answer_not_an_error(
     assert "without putting anything on a GPU" in res.stderr
 
 
-def test_a_script_that_trains_on_the_cpu_is_said_to_be_stopped_not_ended(
+def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """dcgan without --accel trains on the CPU: dpprof stops it after --steps optimizer
-    steps as any script, and says so (it did not end by itself)."""
+    """nanoGPT's --device=cpu: its steps run on the host; dpprof stops it after --steps."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text(
-        "import torch\n"
-        "model = torch.nn.Linear(4, 1)\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for step in range(1000):\n"
-        "    opt.zero_grad()\n"
-        "    model(torch.randn(8, 4)).sum().backward()\n"
-        "    opt.step()\n"
-        "print('trained')\n")
-    res = runner.invoke(app, ["run", "--", "python", "train.py"])
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(10):
+            model(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()
+            print("step", step)
+    """))
+    res = runner.invoke(app, ["run", "--steps", "2", "--", "python", "train.py"])
     assert res.exit_code == 0, res.output
-    assert "trained" not in res.stdout
-    assert ("dpprof: the script ran 3 optimizer step(s) without putting anything on a GPU "
-            "(no tensor or module moved to cuda: it trains on the CPU), and was stopped "
-            "there: nothing was measured; no report written") in " ".join(res.stderr.split())
+    assert res.stdout.startswith("step 0\n")
+    assert "step 2" not in res.stdout
+    assert ("dpprof: the script ran its 2 optimizer step(s) (--steps; stopped there) without "
+            "putting anything on a GPU") in res.stderr
 
 
 def test_a_rank_of_mp_spawn_that_raises_shows_its_traceback(

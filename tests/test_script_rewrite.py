@@ -12,13 +12,18 @@ import re
 import subprocess
 import sys
 import textwrap
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from dpprof.analysis import script_rewrite as sr
+from dpprof.backends.script import ScriptConfig, parse_command
+from dpprof.backends.script_runner import run_script
 from dpprof.cli.app import app
+from dpprof.emulator.script_parallel import LOSS_IN_FORWARD
 
 NET = '''\
 import torch
@@ -424,3 +429,342 @@ def test_dpprof_run_gives_fixes_that_compile_when_applied(tmp_path: Path,
     new = apply_diff(ARGS_SCRIPT, fixes["gradient-as-bucket-view"])
     compile(new, str(path), "exec")
     assert "device_ids=[rank], gradient_as_bucket_view=True)\n" in new
+
+
+# ---- mixed precision -----------------------------------------------------------------------
+
+
+def amp(source: str, call: str, loss: str, dtype: str = "bfloat16") -> sr.Rewrite:
+    return sr.autocast(source, "train.py", line_of(source, call), line_of(source, loss), dtype)
+
+
+TRAIN = """\
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+criterion = nn.CrossEntropyLoss()
+for x, y in [(torch.randn(6, 8), torch.randint(0, 4, (6,)))]:
+    optimizer.zero_grad()
+    loss = criterion(model(x), y)
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_autocast_around_a_forward_and_loss_on_one_line() -> None:
+    old = script(TRAIN)
+    rw = amp(old, "loss = criterion", "loss = criterion")
+    checked(rw, old)
+    at = line_of(old, "criterion = nn.CrossEntropyLoss()")
+    assert rw.diff == "\n".join([
+        "--- train.py (as written)",
+        "+++ train.py (mixed precision (bf16 autocast))",
+        f"@@ -{at},6 +{at},7 @@",
+        " criterion = nn.CrossEntropyLoss()",
+        " for x, y in [(torch.randn(6, 8), torch.randint(0, 4, (6,)))]:",
+        "     optimizer.zero_grad()",
+        "-    loss = criterion(model(x), y)",
+        '+    with torch.autocast("cuda", dtype=torch.bfloat16):',
+        "+        loss = criterion(model(x), y)",
+        "     loss.backward()",
+        "     optimizer.step()"])
+    assert rw.notes == ()
+
+
+def test_autocast_takes_the_lines_between_forward_and_loss_with_their_comments() -> None:
+    old = script("""\
+        model = Net()
+        criterion = nn.CrossEntropyLoss()
+        for x, y in []:
+            out = model(x)
+
+            # flatten the logits
+            out = out.view(-1, 4)
+            loss = criterion(out, y)  # mean over the batch
+            loss.backward()
+        """)
+    new = checked(amp(old, "out = model(x)", "loss = criterion"), old)
+    assert new == old.replace(
+        "    out = model(x)\n\n    # flatten the logits\n    out = out.view(-1, 4)\n"
+        "    loss = criterion(out, y)  # mean over the batch\n",
+        '    with torch.autocast("cuda", dtype=torch.bfloat16):\n        out = model(x)\n\n'
+        "        # flatten the logits\n        out = out.view(-1, 4)\n"
+        "        loss = criterion(out, y)  # mean over the batch\n")
+
+
+def test_autocast_in_a_functions_loop_and_a_loss_over_several_lines() -> None:
+    old = script('''\
+        def train(model, loader, criterion):
+            for x, y in loader:
+                logits = model(x)
+                note = """a text
+        that keeps its lines"""
+                loss = criterion(
+                    logits,  # the outputs
+                    y,
+                )
+            return loss, note
+        ''')
+    new = checked(amp(old, "logits = model(x)", "loss = criterion("), old)
+    assert new == old.replace(
+        '        logits = model(x)\n        note = """a text\nthat keeps its lines"""\n'
+        "        loss = criterion(\n            logits,  # the outputs\n            y,\n"
+        "        )\n",
+        '        with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+        '            logits = model(x)\n            note = """a text\nthat keeps its lines"""\n'
+        "            loss = criterion(\n                logits,  # the outputs\n"
+        "                y,\n            )\n")
+    # the loss is found from any of its lines (dpprof records the line the call runs at)
+    assert amp(old, "logits = model(x)", "y,").new_source == new
+
+
+def test_autocast_indents_as_the_block_does() -> None:
+    old = script("for x, y in loader:\n\tloss = criterion(model(x),\n\t\t\t\t\t y)\n")
+    new = checked(amp(old, "loss =", "loss ="), old)
+    assert new.endswith('for x, y in loader:\n\twith torch.autocast("cuda", dtype=torch.bfloat16):'
+                        "\n\t\tloss = criterion(model(x),\n\t\t\t\t\t\t y)\n")
+
+
+def test_autocast_adds_import_torch_where_the_script_lacks_it() -> None:
+    old = textwrap.dedent("""\
+        import torch.nn as nn
+
+        model = nn.Linear(8, 4)
+        criterion = nn.MSELoss()
+
+
+        def step(x, y):
+            return criterion(model(x), y)
+        """)
+    new = checked(amp(old, "return criterion", "return criterion"), old)
+    assert new == old.replace("import torch.nn as nn\n", "import torch.nn as nn\nimport torch\n"
+                              ).replace("    return criterion(model(x), y)\n",
+                                        '    with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+                                        "        return criterion(model(x), y)\n")
+
+
+NANOGPT = """\
+from contextlib import nullcontext
+device_type = 'cuda'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}['bfloat16']
+ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+model = Net()
+for micro_step in range(4):
+    with ctx:
+        logits, loss = model(X, Y)
+        loss = loss / 4
+    loss.backward()
+"""
+
+
+@pytest.mark.parametrize(("old", "call", "loss", "why"), [
+    (script(NANOGPT), "logits, loss = model", "logits, loss = model",
+     "the script already runs its forward under autocast (`ctx`, line "),
+    (script(TRAIN.replace("    loss = criterion(model(x), y)\n",
+                          "    with torch.cuda.amp.autocast():\n"
+                          "        loss = criterion(model(x), y)\n")),
+     "loss = criterion", "loss = criterion",
+     "the script already runs its forward under autocast (`torch.cuda.amp.autocast()`, line "),
+    (script("""\
+        for x, y in loader:
+            out = model(x)
+            if y is not None:
+                loss = criterion(out, y)
+        """), "out = model", "loss = criterion",
+     "the model's call (line {call}) and the loss (line {loss}) are in different blocks, so "
+     "one `with torch.autocast(...)` cannot hold both: put each under one by hand"),
+    (script("loss = criterion(out, y)\nout = model(x)\n"), "out = model", "loss = criterion",
+     "the loss (line {loss}) comes before the model's call (line {call})"),
+    (script("for x in loader:\n    out = model(x)\n    criterion(out, y).backward()\n"),
+     "out = model", "criterion(out", "line {loss}: the backward is among the statements"),
+    (script("for x in loader: loss = criterion(model(x), y)\n"), "loss =", "loss =",
+     "line {loss} holds another statement beside the forward or the loss"),
+    (script("for out in model(x):\n    loss = criterion(out, y)\n"), "for out", "loss =",
+     "line {call}: the model's call is in the header of a `for` statement"),
+])
+def test_what_cannot_go_under_autocast_is_a_reason(old: str, call: str, loss: str, why: str
+                                                    ) -> None:
+    rw = amp(old, call, loss)
+    assert not rw.ok and rw.new_source == ""
+    assert rw.reason.startswith(why.format(call=line_of(old, call), loss=line_of(old, loss)))
+
+
+FP16 = """\
+model = Net()
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+criterion = nn.CrossEntropyLoss()
+for epoch in range(2):
+    for x, y in [(torch.randn(6, 8), torch.randint(0, 4, (6,)))]:
+        optimizer.zero_grad()
+        out = model(x)
+        loss = criterion(out, y)
+        loss.backward()
+        optimizer.step()
+    scheduler.step()
+"""
+
+
+def test_float16_takes_the_grad_scaler_as_torchs_recipe_has_it() -> None:
+    old = script(FP16)
+    rw = amp(old, "out = model", "loss = criterion", "float16")
+    checked(rw, old)
+    at = line_of(old, "optimizer = torch.optim.AdamW")
+    assert rw.diff == "\n".join([
+        "--- train.py (as written)",
+        "+++ train.py (mixed precision (fp16 autocast and GradScaler))",
+        f"@@ -{at},11 +{at},14 @@",
+        " optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)",
+        " scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)",
+        " criterion = nn.CrossEntropyLoss()",
+        # before the epochs: one scaler for the whole training
+        '+scaler = torch.amp.GradScaler("cuda")',
+        " for epoch in range(2):",
+        "     for x, y in [(torch.randn(6, 8), torch.randint(0, 4, (6,)))]:",
+        "         optimizer.zero_grad()",
+        "-        out = model(x)",
+        "-        loss = criterion(out, y)",
+        "-        loss.backward()",
+        "-        optimizer.step()",
+        '+        with torch.autocast("cuda", dtype=torch.float16):',
+        "+            out = model(x)",
+        "+            loss = criterion(out, y)",
+        "+        scaler.scale(loss).backward()",
+        "+        scaler.step(optimizer)",
+        "+        scaler.update()",
+        "     scheduler.step()"])
+
+
+def test_float16_with_accumulation_clipping_and_a_taken_name() -> None:
+    old = script("""\
+        scaler = 2.0
+        model = Net()
+        opt = make_optimizer(model)
+        for it in range(10):
+            for micro in range(accum):
+                loss = criterion(model(x), y)
+                (loss / accum).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        """)
+    new = checked(amp(old, "loss = criterion", "loss = criterion", "float16"), old)
+    # no torch.optim constructor in sight: the step of a name that says optimizer
+    assert new == old.replace("for it in range(10):\n",
+                              'grad_scaler = torch.amp.GradScaler("cuda")\n'
+                              "for it in range(10):\n").replace(
+        "        loss = criterion(model(x), y)\n        (loss / accum).backward()\n"
+        "    nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n    opt.step()\n",
+        '        with torch.autocast("cuda", dtype=torch.float16):\n'
+        "            loss = criterion(model(x), y)\n"
+        "        grad_scaler.scale(loss / accum).backward()\n"
+        "    grad_scaler.unscale_(opt)  # clip the true gradients\n"
+        "    nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "    grad_scaler.step(opt)\n    grad_scaler.update()\n")
+
+
+@pytest.mark.parametrize("make", ["torch.optim.SGD(model.parameters(), lr=lr)",
+                                  "make_optimizer(model, lr)"])
+def test_the_scaler_goes_inside_a_loop_that_makes_the_optimizer(make: str) -> None:
+    old = script(f"""\
+        for lr in (0.1, 0.01):
+            optimizer = {make}
+            for epoch in range(2):
+                for x, y in loader:
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+        """)
+    new = checked(amp(old, "loss = criterion", "loss = criterion", "float16"), old)
+    assert (f'    optimizer = {make}\n'
+            '    scaler = torch.amp.GradScaler("cuda")\n    for epoch in range(2):\n') in new
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    # the scheduler's step is no optimizer's, though the loop steps nothing else
+    (FP16.replace("        optimizer.step()\n", ""),
+     "no optimizer step (`optimizer.step()`) after the backward (line {backward}) in the loop"),
+    (FP16.replace("loss.backward()", "out.sum().backward()"),
+     "no `loss.backward()` after the loss (line {loss}) in its loop"),
+    (FP16.replace("        loss = criterion(out, y)\n        loss.backward()\n",
+                  "        losses.append(criterion(out, y))\n"),
+     "the loss (line {loss}) is not assigned to a name"),
+    (FP16.replace("for epoch in range(2):\n", "scaler = torch.amp.GradScaler()\n"
+                  "for epoch in range(2):\n"), "the script already makes a GradScaler (line "),
+    (FP16.replace("        optimizer.step()\n", "        if True: optimizer.step()\n"),
+     "line {step}: the optimizer's step is not a statement of its own line"),
+    # a GAN's second optimizer would step on gradients the scaler scaled
+    (FP16.replace("criterion = nn", "d_opt = torch.optim.SGD(model.parameters())\ncriterion = nn"
+                  ).replace("        optimizer.step()\n",
+                            "        optimizer.step()\n        d_opt.step()\n"),
+     "the loop steps more than one optimizer (lines {step}, {d_step}): scale each backward"),
+])
+def test_float16_without_its_pieces_is_a_reason_not_half_a_change(body: str, why: str) -> None:
+    old = script(body)
+    rw = amp(old, "out = model", "criterion(out, y)", "float16")
+    assert not rw.ok and rw.new_source == ""
+    lines = {"loss": line_of(old, "criterion(out, y)")}
+    if "backward()" in old:
+        lines["backward"] = line_of(old, "backward()")
+    if "optimizer.step()" in old:
+        lines["step"] = line_of(old, "optimizer.step()")
+    if "d_opt.step()" in old:
+        lines["d_step"] = line_of(old, "d_opt.step()")
+    assert rw.reason.startswith(why.format(**lines)), rw.reason
+    # the same script in bfloat16 needs none of them
+    assert amp(old, "out = model", "criterion(out, y)").ok
+
+
+def test_a_forward_outside_any_loop_in_float16_is_a_reason() -> None:
+    old = script("def step(x, y):\n    loss = criterion(model(x), y)\n    loss.backward()\n")
+    rw = amp(old, "loss =", "loss =", "float16")
+    assert rw.reason.startswith(f"the forward (line {line_of(old, 'loss =')}) is in no loop")
+
+
+def test_autocast_at_sites_and_a_dtype_it_does_not_know(tmp_path: Path) -> None:
+    path = tmp_path / "train.py"
+    path.write_text(script(TRAIN))
+    site = f"{path}:{line_of(script(TRAIN), 'loss = criterion')}"
+    assert sr.autocast_at(site, site, "bfloat16").new_source == \
+        amp(script(TRAIN), "loss = criterion", "loss = criterion").new_source
+    assert sr.autocast_at(site, site, "float8").reason == \
+        "dtype 'float8': autocast's rewrite takes \"bfloat16\" or \"float16\""
+    assert "different files" in sr.autocast_at(site, "other.py:3", "float16").reason
+    assert "did not see" in sr.autocast_at("?", site, "float16").reason
+
+
+def test_the_float16_script_runs_and_trains_as_before_without_a_gpu() -> None:
+    """Without CUDA, autocast("cuda") and GradScaler("cuda") disable themselves: the
+    rewritten script runs for real and its weights end where the script's own do."""
+    import torch
+
+    old = script(FP16.replace("for epoch", "torch.manual_seed(0)\nfor epoch"))
+    new = checked(amp(old, "out = model", "loss = criterion", "float16"), old)
+    weights = []
+    for text in (old, new):
+        torch.manual_seed(1)
+        space: dict[str, Any] = {"__name__": "__main__"}
+        with pytest.warns(UserWarning, match="CUDA is not available") if text is new \
+                else nullcontext():
+            exec(compile(text, "train.py", "exec"), space)
+        weights.append(space["model"].fc.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autocast_from_the_sites_dpprof_records_runs_under_dpprof(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """The model's call and the loss as ``dpprof run`` records them (its loss-in-forward
+    run), rewritten: the new script runs on the virtual GPUs, each step under autocast."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "train_args.py"
+    path.write_text(ARGS_SCRIPT)
+    seen = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3,
+                                   variant=LOSS_IN_FORWARD))
+    site = f"{path}:{line_of(ARGS_SCRIPT, 'loss = criterion(model(inputs), labels)')}"
+    assert seen.call_sites[0] == seen.loss_sites[0] == site
+    new = checked(sr.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype), ARGS_SCRIPT)
+    assert ("scaler.step(optimizer)\n    scaler.update()\n" in new) == (dtype == "float16")
+    path.write_text(new)
+    run = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3))
+    assert run.scenario.status == "ok", run.scenario.message
+    assert run.steps_done == 3 and run.ended == "steps"
+    assert run.autocast_regions == 3

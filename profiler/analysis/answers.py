@@ -221,9 +221,10 @@ def _ladder_clause(run: RunResult) -> str:
         return ""
     fit = next((f for f in rungs if (f.need_bytes or 0) <= run.gpu_memory_bytes), None)
     if fit is not None:
-        # FSDP2's rungs replace DDP; the others run on it (or on the one GPU)
-        on = ("" if "fsdp2" in fit.name else
-              f" on {'DDP' if run.gpus > 1 else 'one GPU'}")
+        # FSDP2's rungs replace DDP; the others run on it (or on the one GPU; a script's:
+        # on the run dpprof run changed, config "ladder_on")
+        floor = run.config.get("ladder_on") or ("DDP" if run.gpus > 1 else "one GPU")
+        on = "" if "fsdp2" in fit.name else f" on {floor}"
         # CPU offload fits where little else does, at a price in step time: said here
         cost = ("; its optimizer step runs on the CPU, a slower step"
                 if "offload" in fit.name else "")
@@ -417,6 +418,13 @@ def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
     if not any(measured(s) for s in run.scenarios):
         return "No recommendation: no scenario produced a measurement (see the errors above)."
     assert base is not None
+    rungs = [a.fix for a in advice if a.fix.name.startswith(LADDER_PREFIX)
+             and a.fix.need_bytes is not None]
+    if rungs:  # measured because nothing fit, and none of them fits either
+        return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}, no rung of the "
+                "ladder either; their fullest GPU needs: " + "; ".join(
+                    f"{f.title} {fmt_bytes(f.need_bytes)}" for f in rungs)
+                + " (reserved memory and the CUDA context counted).")
     if setup == SPLIT_MODEL:
         return ("No fix of dpprof's applies: the script places its layers on the GPUs "
                 f"itself (model parallel); its heaviest GPU is {device_label(heaviest(base))}.")

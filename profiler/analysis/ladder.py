@@ -413,7 +413,7 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
         if gpus == 1:
             head += (f"+loader = DataLoader(dataset, batch_size={rows})  # {per_rank} rows "
                      f"in {rung.micro_batches}\n")
-    words = _blocks_words(model)
+    words = blocks_words(model)
     if rung.reshard_after_forward is not None:
         return fsdp_code(rung, gpus, rows, words) + CODE_LOOP_PLAIN
     if rung.checkpoint:
@@ -445,7 +445,7 @@ def fsdp_code(rung: Rung, gpus: int, per_rank: int, words: dict[str, Any]) -> st
                                         policy=args, **words)
 
 
-def _blocks_words(model: nn.Module) -> dict[str, Any]:
+def blocks_words(model: nn.Module) -> dict[str, Any]:
     blocks = repeated_blocks(model)
     names = [n for n, _ in blocks]
     parent = names[0].rpartition(".")[0] if names else ""

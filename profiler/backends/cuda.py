@@ -39,12 +39,12 @@ from torch import nn
 from dpprof.backends.cuda_host import DeviceOps, host
 from dpprof.backends.cuda_measure import (
     CudaRunConfig,
+    LoopArgs,
     Measured,
-    MeasuringLoop,
     StepBatches,
     finish_result,
+    measure_loop,
     model_on_device,
-    record_failure,
     watch_for,
 )
 from dpprof.nvml.libnvml import NvmlBackend
@@ -97,13 +97,10 @@ def run_local_scenario(
     result = ScenarioResult(name=name, batch=cfg.step.batch)
     out = Measured()
     watch = watch_for(ops, cfg, nvml, cuda_uuids, [os.getpid()])
-    run: MeasuringLoop | None = None
     shards = shard_sizes(cfg.step.batch, n)
-    def body() -> None:  # its frame holds the tensors: gone with the exception
-        nonlocal run
-        run = MeasuringLoop(ops, cfg, logical, watch)
+
+    def setup() -> LoopArgs:
         ops.set_device(0)
-        rows = kind.samples_per_step(cfg.step.batch, shards)
         rank = kind.rank  # single: one GPU's share, DP: the whole batch
         batches = StepBatches(
             lambda k: scenario_batch(wl, cfg.step.seed, k, cfg.step.batch, n, rank),
@@ -112,17 +109,11 @@ def run_local_scenario(
         opt = make_optimizer(wl, model, loss_fn)
         model.train()
         ids = cfg.devices if ops.kind == "cuda" else None
-        wrapped: Any = kind.wrap(model, loss_fn, _InProcess(ids))
-        out.rows = rows
-        run.loop(wrapped, loss_fn, opt, batches, kind.loss_inside, out, wl.step)
-        run.fold_phases()
+        out.rows = kind.samples_per_step(cfg.step.batch, shards)
+        return LoopArgs(kind.wrap(model, loss_fn, _InProcess(ids)), loss_fn, opt, batches,
+                        kind.loss_inside, wl.step)
 
-    try:
-        with watch:
-            body()
-    except Exception as exc:
-        record_failure(out, exc, run, cfg)
-    ops.release()  # after the except block: the exception, its frames and tensors are gone
+    run = measure_loop(ops, cfg, logical, watch, out, setup)
     used = len(shards) if kind.scatters_batch else 1
     for i in logical:
         rows_i = kind.rows_of(shards, i) if i < used else 0

@@ -34,12 +34,12 @@ from typing import Any
 from dpprof.backends.cuda_host import DeviceOps, host
 from dpprof.backends.cuda_measure import (
     CudaRunConfig,
+    LoopArgs,
     Measured,
-    MeasuringLoop,
     StepBatches,
     finish_result,
+    measure_loop,
     model_on_device,
-    record_failure,
     watch_for,
 )
 from dpprof.backends.ranks import (
@@ -148,11 +148,9 @@ def measure_ddp_rank(
     out = Measured(rank=rank)
     pid = os.getpid()
     watch = watch_for(ops, cfg, nvml, cuda_uuids, [pid])
-    run: MeasuringLoop | None = None
     per = math.ceil(cfg.step.batch / world)
-    def body() -> None:  # its frame holds the tensors: gone with the exception
-        nonlocal run
-        run = MeasuringLoop(ops, cfg, [0], watch)
+
+    def setup() -> LoopArgs:
         batches = StepBatches(
             lambda k: scenario_batch(wl, cfg.step.seed, k, cfg.step.batch, world, rank),
             cfg.warmup_steps + cfg.steps)
@@ -162,17 +160,11 @@ def measure_ddp_rank(
         wrapped = cfg.step.ddp.wrap(model, ids)
         opt = make_optimizer(wl, model, loss_fn)
         out.rows = per
-        run.loop(wrapped, loss_fn, opt, batches, False, out, wl.step)
-        run.fold_phases()
+        return LoopArgs(wrapped, loss_fn, opt, batches, False, wl.step)
 
-    try:
-        with watch:
-            body()
-    except Exception as exc:
-        record_failure(out, exc, run, cfg)
-        if out.status == STATUS_OOM:
-            out.oom_device = rank
-    ops.release()
+    run = measure_loop(ops, cfg, [0], watch, out, setup)
+    if out.status == STATUS_OOM:
+        out.oom_device = rank
     dev = run.device_result(0, per, True) if run else DeviceResult(index=0)
     dev.index = rank
     dev.rank = rank

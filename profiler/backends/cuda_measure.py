@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -58,11 +58,13 @@ from dpprof.units import fmt_bytes
 __all__ = [
     "DEFAULT_NVML_INTERVAL_S",
     "CudaRunConfig",
+    "LoopArgs",
     "Measured",
     "MeasuringLoop",
     "PhaseRecorder",
     "StepBatches",
     "finish_result",
+    "measure_loop",
     "model_on_device",
     "record_failure",
     "step_closure",
@@ -310,6 +312,43 @@ class MeasuringLoop:
             phase_peak_reserved_bytes=dict(self.rec.peak_reserved.get(logical, {})),
             allocator_stats=alloc is not None,
         )
+
+
+class LoopArgs(NamedTuple):
+    """What a scenario hands :meth:`MeasuringLoop.loop`: its model as wrapped, the loss,
+    the optimizer, the batches, whether the loss is inside forward, the user's own step."""
+
+    wrapped: Callable[..., Any]
+    loss_fn: Any
+    opt: torch.optim.Optimizer
+    batches: StepBatches
+    loss_inside: bool
+    wl_step: UserStep | None
+
+
+def measure_loop(ops: DeviceOps, cfg: CudaRunConfig, logical: Sequence[int],
+                 watch: NvmlWatch, out: Measured, setup: Callable[[], LoopArgs]
+                 ) -> MeasuringLoop | None:
+    """The measured loop of one process's scenario (a DataParallel or single scenario, a
+    DDP rank): ``setup`` builds what it runs, inside the loop's frame; a failure (out of
+    memory or any error) recorded in ``out``, never raised; the memory given back before
+    returning. The loop (None where it never started), for its per-device results."""
+    run: MeasuringLoop | None = None
+
+    def body() -> None:  # its frame holds the tensors: gone with the exception
+        nonlocal run
+        run = MeasuringLoop(ops, cfg, logical, watch)
+        args = setup()
+        run.loop(*args[:5], out, args.wl_step)
+        run.fold_phases()
+
+    try:
+        with watch:
+            body()
+    except Exception as exc:
+        record_failure(out, exc, run, cfg)
+    ops.release()  # after the except block: the exception, its frames and tensors are gone
+    return run
 
 
 def record_failure(

@@ -33,7 +33,7 @@ from dpprof.backends.emulated_figures import (
 from dpprof.emulator.context import ContextModel, device_context
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import CudaDevices
-from dpprof.emulator.data_parallel import EmulatedDataParallel
+from dpprof.emulator.data_parallel import EmulatedDataParallel, replicas_float16_note
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.fsdp import host_bytes
 from dpprof.emulator.heap import frozen_heap
@@ -275,20 +275,10 @@ def _run_scenario(
         cats.clear()
     if kind is not None:
         result.notes.extend(kind.notes(cfg.step.batch, cfg.gpus, shards))
-        if kind.scatters_batch and len(shards) > 1 and cfg.step.amp not in (None, "float16"):
-            result.notes.append(DP_REPLICAS_FLOAT16.format(amp=cfg.step.amp))
+    if (float16 := replicas_float16_note(rt)) is not None:
+        result.notes.append(float16)
     judge(result, cfg)
     return result
-
-
-# torch/nn/parallel/parallel_apply.py enters autocast in each replica's thread without
-# the caller's dtype (dpprof.emulator.data_parallel.replica_autocast re-enacts it)
-DP_REPLICAS_FLOAT16 = (
-    "DataParallel's replicas compute in float16, not {amp}: torch's parallel_apply runs "
-    "each replica in a thread of its own and enters autocast there without a dtype, which "
-    "reads that thread's default (CUDA's: float16); emulated so. On a GPU that is float16 "
-    "without a GradScaler (overflow risk); autocast inside the model's forward, or DDP, "
-    "keeps {amp}")
 
 
 def _virtual_devices(cfg: EmulationConfig, name: str,

@@ -39,6 +39,7 @@ from dpprof.backends.script_answers import (
     write_notes,
 )
 from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
+from dpprof.backends.script_ladder import run_ladder
 from dpprof.backends.script_launch import parse_command
 from dpprof.backends.script_runner import ScriptConfig, ScriptRun, run_script
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
@@ -87,6 +88,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
             and main.ended not in ("script raised", "interrupted")):
         _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
+    rungs: list[tuple[str, ScriptRun]] = []
+    ladder_on = (run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
+                 if main.ended not in ("script raised", "interrupted") else None)
     _note_the_main_run(main, cfg)
     result = new_result(
         "emulated", cfg.launch.display, batch=main.batch_rows, gpus=n,
@@ -96,9 +100,11 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
             "argv": list(cfg.launch.argv), "steps": cfg.steps, "compute": cfg.compute,
             "gpu": cfg.gpu.key, "gpus": n,
-            "steps_done": {v: r.steps_done for v, r in runs},
-            "seconds": {v: round(r.seconds, 3) for v, r in runs},
+            "steps_done": {v: r.steps_done for v, r in runs + rungs},
+            "seconds": {v: round(r.seconds, 3) for v, r in runs + rungs},
             "exit_status": main.exit_status,
+            # the run the ladder's rungs changed, in words (absent: no ladder)
+            **({"ladder_on": ladder_on} if ladder_on else {}),
         },
         assumptions=script_assumptions(cfg),
         notes=notes,
@@ -139,7 +145,7 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
         if alt.materialized:
             alt.scenario.notes.append(
                 "the script also uses the outputs besides the loss ("
-                + ", ".join(sorted({_from_cwd(site) for site in alt.materialized}))
+                + ", ".join(sorted({_relative_site(site) for site in alt.materialized}))
                 + "): after the loss, this alternative gives them as stand-ins of the "
                 "gathered shape on cuda:0 (no gradient); before it, as written")
         runs.append((variant, alt))
@@ -155,6 +161,13 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                              f"{alt.bucket_view_unsure}")
 
 
+def _relative_site(site: str) -> str:
+    """A site of the working directory's files as the user typed it (``train.py:40``, not
+    the absolute path Python gives the script's code)."""
+    cwd = os.getcwd() + os.sep
+    return site.removeprefix(cwd) if site.startswith(cwd) else site
+
+
 def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     """The as-written run's notes: how it ended, autocast, what it was kept from writing,
     the values read from emulated tensors."""
@@ -163,20 +176,25 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     if main.autocast_regions:
         s0.notes.append(f"torch.autocast('cuda') in the script: {main.autocast_regions} "
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
+    if main.replicas_float16 is not None:
+        s0.notes.append(main.replicas_float16)
+    if main.compiled:
+        sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
+        s0.notes.append(
+            f"torch.compile at {', '.join(_relative_site(x) for x in sites[:3])}: run eagerly "
+            "(dpprof does not play compiled kernels); a compiled model may hold less (fused "
+            "activations): these peaks are the eager model's")
+    if main.kernels:
+        s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
+            *cfg.gpu.compute_capability,
+            ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
     s0.notes.extend(write_notes(main.writes))
     if main.stand_ins:
         s0.notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
-                f"{_from_cwd(site)} x{c}"
+                f"{_relative_site(site)} x{c}"
                 for site, c in list(main.stand_in_sites.items())[:5]))
         s0.notes.extend(library_branches(main.stand_in_sites))
 
-
-def _from_cwd(site: str) -> str:
-    """A script's ``path:line`` as the user named it: relative to the working folder where
-    it lies below it."""
-    path = site.partition(":")[0]
-    cwd = os.getcwd() + os.sep
-    return site[len(cwd):] if os.path.isabs(path) and path.startswith(cwd) else site

@@ -59,12 +59,12 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
     if run.ended == "script raised":
         return (f"the script failed (exit status {run.exit_status}) before it put anything on "
                 "a GPU: nothing was measured")
-    if run.ended == "steps":  # it trains on the CPU: dpprof stopped it as it stops any
+    if run.ended == "steps":  # a model trained on the host (--device=cpu and the like)
         done = (f"{run.backwards - 1} backward pass(es)" if run.by_backwards
                 else f"{run.steps_done} optimizer step(s)")
-        return (f"the script ran {done} without putting anything "
-                "on a GPU (no tensor or module moved to cuda: it trains on the CPU), and was "
-                "stopped there: nothing was measured")
+        return (f"the script ran its {done} (--steps; stopped there) without putting "
+                "anything on a GPU (no tensor or module moved to cuda; does a setting of the "
+                "script keep it on the CPU?): nothing was measured")
     return ("the script ended without putting anything on a GPU (no tensor or module moved "
             "to cuda): nothing was measured")
 

@@ -1,24 +1,28 @@
 """What ``dpprof run`` hooks into the running script: optimizer steps counted, phases
 marked and the script stopped after enough steps (:class:`Stepper`), and the paired
 alternatives' patches (:class:`Variant`: DDP in place of DataParallel, or the loss inside
-forward)."""
+forward), and ``torch.compile`` run eagerly (:func:`compile_eagerly`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from dpprof.analysis.ladder import Rung, blocks_words, checkpoint_blocks, repeated_blocks
 from dpprof.emulator import script_parallel
-from dpprof.emulator.cuda_devices import CudaDevices
+from dpprof.emulator.cuda_devices import CudaDevices, caller_site
+from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import VirtualCuda
 
-__all__ = ["AS_WRITTEN", "StepCallback", "Stepper", "StopScript", "Variant"]
+__all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
+           "Variant", "blocks_of", "compile_eagerly", "unwrapped"]
 
 AS_WRITTEN = "as-written"
 
@@ -29,6 +33,20 @@ class StopScript(BaseException):
 
 
 StepCallback = Callable[[int], None]
+
+
+class StepListener(Protocol):
+    """What follows the script's step as :class:`Stepper` sees it (a rung of the ladder:
+    :class:`dpprof.backends.script_ladder.RungHooks`)."""
+
+    def forward_started(self, module: nn.Module) -> None:
+        """An outermost module call begins (the model's, or a loss module's)."""
+
+    def backward_started(self) -> None:
+        """``backward()`` is called."""
+
+    def step_started(self) -> None:
+        """An optimizer's ``step()`` is called."""
 
 
 class Stepper:
@@ -53,6 +71,12 @@ class Stepper:
         self.by_backwards = False  # stopped by that count
         self._orig_optimizer_init: Any = None
         self._depth = 0
+        self.listeners: list[StepListener] = []
+        # the first outermost module with parameters the script called (its model), kept
+        # until the run ends; the script's lines of that call and of its first backward()
+        self.model: nn.Module | None = None
+        self.forward_site = ""
+        self.backward_site = ""
 
     def phase(self, name: str) -> None:
         if self._phase is not None:
@@ -64,6 +88,8 @@ class Stepper:
         if opt not in self.optimizers:
             self.optimizers.append(opt)
         self._label(opt)
+        for listener in self.listeners:
+            listener.step_started()
         self.phase(f"optimizer (step {self.done + 1})")
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -95,18 +121,29 @@ class Stepper:
             if self.backwards == 2:
                 self.rt.reset_peaks()  # the first step was the warm-up
                 self.measure_start = len(self.rt.events)
+        if not self.backward_site:
+            self.backward_site = caller_site()
+        for listener in self.listeners:
+            listener.backward_started()
         self.phase(f"backward (step {self.done + 1})")
         if not self.batch_rows:
             self.batch_rows = self._last_rows  # the batch of the forward this backs
 
     def _pre_forward(self, module: Any, args: Any) -> None:
-        # a module without parameters called on its own is the loss (nn.CrossEntropyLoss on
-        # an LM's logits flattened to batch x seq rows), not a forward pass of the model
-        if self._depth == 0 and next(module.parameters(), None) is not None:
+        # a module called inside backward (checkpoint's recompute) is no forward of the step;
+        # nor is a module without parameters called on its own: the loss (nn.CrossEntropyLoss
+        # on an LM's logits flattened to batch x seq rows)
+        if (self._depth == 0 and torch._C._current_graph_task_id() == -1
+                and next(module.parameters(), None) is not None):
             self.forwards += 1
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
                 self._last_rows = int(first.shape[0])
+            if self.model is None and next(module.parameters(), None) is not None:
+                self.model = module
+                self.forward_site = caller_site()
+            for listener in self.listeners:
+                listener.forward_started(module)
         self._depth += 1
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
@@ -145,6 +182,22 @@ class Stepper:
             self._phase.close()
             self._phase = None
 
+
+
+def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
+    """``torch.compile(model)`` / ``@torch.compile`` / ``module.compile()`` in the script:
+    the model or function as given, run eagerly. Dynamo cannot trace the emulation (its
+    virtual devices, its patched ``torch.device``) and Inductor's CUDA kernels are not
+    played; each call's site goes into ``sites`` so the report can say so."""
+    def compile_(model: Any = None, **kwargs: Any) -> Any:
+        sites.append(caller_site())
+        if model is None:  # @torch.compile(mode=...): the decorator
+            return lambda fn: fn
+        return model
+
+    patcher.patch(torch, "compile", compile_)
+    patcher.patch(torch.nn.Module, "compile",
+                  lambda self, *a, **k: sites.append(caller_site()))
 
 
 class Variant:
@@ -192,3 +245,54 @@ class Variant:
                 return out
 
             patcher.patch(loss_cls, "__call__", loss_call)
+
+
+# ---- a rung of the ladder, applied as the script runs (dpprof.backends.script_ladder) ----
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The user's model inside DataParallel or DDP (their ``.module``), else ``model``."""
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module):
+        model, inner = inner, getattr(inner, "module", None)
+    return model
+
+
+class RungHooks:
+    """One rung applied to the running script, following :class:`Stepper`'s view of its
+    step (a :class:`~dpprof.backends.script_hooks.StepListener`)."""
+
+    def __init__(self, rung: Rung) -> None:
+        self.rung = rung
+        self.blocks = 0  # repeated blocks checkpointed
+        self._checkpointed = False
+        self._region: contextlib.ExitStack | None = None
+
+    def forward_started(self, module: nn.Module) -> None:
+        if self.rung.checkpoint and not self._checkpointed and next(
+                module.parameters(), None) is not None:
+            self._checkpointed = True
+            self.blocks = checkpoint_blocks(unwrapped(module))
+        if self.rung.amp is not None and self._region is None:
+            self._region = contextlib.ExitStack()
+            self._region.enter_context(EmulatedAutocast(getattr(torch, self.rung.amp)))
+
+    def backward_started(self) -> None:
+        self.close()  # the region (forward and loss) ends where backward begins
+
+    def step_started(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._region is not None:
+            region, self._region = self._region, None
+            region.close()
+
+
+def blocks_of(model: nn.Module | None) -> tuple[int, dict[str, Any]]:
+    """The repeated blocks of the script's model (unwrapped): how many, and the words of
+    :data:`CODE_CHECKPOINT` for them."""
+    if model is None:
+        return 0, {}
+    inner = unwrapped(model)
+    return len(repeated_blocks(inner)), blocks_words(inner)

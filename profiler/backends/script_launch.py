@@ -1,22 +1,30 @@
 """The command after ``dpprof run --``: parsed (:func:`parse_command`: ``python train.py``,
 ``python -m pkg``, ``torchrun ...``, into a :class:`Launch`), the process state the script
-expects while it runs in dpprof's process (:func:`script_process`), and its traceback as
-Python would print it (:func:`user_traceback`)."""
+expects while it runs in dpprof's process (:func:`script_process`), the script file run as
+``python`` runs it (:func:`run_main_file`), and its traceback as Python would print it
+(:func:`user_traceback`)."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import io
 import logging
 import os
+import runpy
 import sys
 import traceback
+import types
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
 from dpprof.errors import UsageError
 
-__all__ = ["Launch", "parse_command", "script_process", "user_traceback"]
+__all__ = ["Launch", "main_path", "parse_command", "run_main_file", "script_process",
+           "user_traceback"]
 
 
 @dataclass
@@ -36,9 +44,11 @@ class Launch:
         return " ".join([name, *self.argv])
 
 
-def parse_command(command: list[str], gpus: int) -> Launch:
+def parse_command(command: list[str], gpus: int, gpus_given: bool = True) -> Launch:
     """``python [-u] train.py args``, ``python -m pkg args``, ``train.py args``,
-    ``torchrun [opts] train.py args``, ``python -m torch.distributed.run|launch ...``."""
+    ``torchrun [opts] train.py args``, ``python -m torch.distributed.run|launch ...``.
+    ``gpus_given``: ``gpus`` is the user's --gpus, which torchrun's processes must fit (else
+    the default, which the caller replaces by the processes' count)."""
     if not command:
         raise UsageError("dpprof run: give the command after --, e.g. dpprof run -- python "
                          "train.py")
@@ -47,7 +57,7 @@ def parse_command(command: list[str], gpus: int) -> Launch:
     if base.endswith(".py"):
         return Launch(head, False, rest)
     if base in ("torchrun",):
-        return _torchrun(rest, gpus, "torchrun")
+        return _torchrun(rest, gpus, "torchrun", gpus_given)
     if not base.startswith("python"):
         raise UsageError(
             f"dpprof run: cannot run {head!r}: give a Python command (python train.py, python "
@@ -63,12 +73,12 @@ def parse_command(command: list[str], gpus: int) -> Launch:
             raise UsageError("dpprof run: python -m needs a module name")
         mod = rest[1]
         if mod in ("torch.distributed.run", "torch.distributed.launch"):
-            return _torchrun(rest[2:], gpus, mod)
+            return _torchrun(rest[2:], gpus, mod, gpus_given)
         return Launch(mod, True, rest[2:])
     return Launch(rest[0], False, rest[1:])
 
 
-def _torchrun(args: list[str], gpus: int, launcher: str) -> Launch:
+def _torchrun(args: list[str], gpus: int, launcher: str, gpus_given: bool = True) -> Launch:
     if launcher == "torch.distributed.launch":
         from torch.distributed.launch import get_args_parser as launch_parser
 
@@ -83,6 +93,13 @@ def _torchrun(args: list[str], gpus: int, launcher: str) -> Launch:
         raise UsageError(f"dpprof run: {launcher}: cannot parse {' '.join(args)!r}") from None
     nproc_text = str(ns.nproc_per_node)
     nproc = gpus if nproc_text in ("gpu", "auto") else int(nproc_text)
+    if nproc > gpus and gpus_given:
+        # rank k takes cuda:k (LOCAL_RANK) on a real node, and NCCL refuses two ranks on one
+        # GPU: the ranks past the GPUs fail there, while the one rank emulated here would not
+        raise UsageError(
+            f"dpprof run: {launcher} starts {nproc} processes on the node, which has {gpus} "
+            f"GPU(s) (--gpus): ranks {gpus} to {nproc - 1} would find no GPU of their own; "
+            f"pass --gpus {nproc}, or --nproc-per-node {gpus}")
     nnodes = str(ns.nnodes).split(":")[-1]
     world = nproc * int(nnodes or 1)
     env = {
@@ -130,6 +147,34 @@ def script_process(launch: Launch) -> Iterator[None]:
                 handler.flush()
         root.handlers[:] = saved_logging[0]
         root.setLevel(saved_logging[1])
+
+
+def main_path(target: str) -> str:
+    """The script's path as ``python path`` names it in ``__file__`` and its tracebacks:
+    absolute since Python 3.9, the working directory joined to the path as typed (neither
+    normalised nor resolved: ``./train.py`` is ``/cwd/./train.py``)."""
+    return target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
+
+
+def run_main_file(target: str) -> None:
+    """Run the script file ``target`` as ``python target`` runs it: as ``__main__``, its
+    ``__file__`` and code named by :func:`main_path` (``os.path.dirname(__file__)`` is its
+    folder, tracebacks name it as Python does), ``sys.argv[0]`` left as typed (runpy's
+    ``run_path`` would set it to the path it is given). A zip application goes through
+    runpy, as Python's own ``__main__.py`` lookup does."""
+    path = main_path(target)
+    if zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=SourceFileLoader("__main__", path),
+                         __builtins__=builtins)
+    sys.modules["__main__"] = main  # classes defined in the script pickle as __main__'s
+    exec(code, main.__dict__)
 
 
 def user_traceback(e: BaseException, launch: Launch) -> str:

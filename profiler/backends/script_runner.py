@@ -8,7 +8,6 @@ DDP, a model placed by hand on several GPUs, one GPU) becomes a scenario's resul
 from __future__ import annotations
 
 import contextlib
-import os
 import runpy
 import signal
 import tempfile
@@ -19,14 +18,25 @@ from typing import Any
 
 import torch
 
+from dpprof.analysis.ladder import Rung
 from dpprof.backends.emulated_figures import ddp_ranks, device_result, timeline_points
 from dpprof.backends.script_effects import ScriptEffects, Writes
-from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback, Stepper, StopScript, Variant
-from dpprof.backends.script_launch import Launch, script_process, user_traceback
+from dpprof.backends.script_hooks import (
+    AS_WRITTEN,
+    RungHooks,
+    StepCallback,
+    Stepper,
+    StopScript,
+    Variant,
+    blocks_of,
+    compile_eagerly,
+)
+from dpprof.backends.script_launch import Launch, run_main_file, script_process, user_traceback
 from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
-from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.data_parallel import replicas_float16_note
+from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.script_parallel import DDP_IN_PLACE
@@ -50,6 +60,8 @@ class ScriptConfig:
     compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
     variant: str = AS_WRITTEN  # AS_WRITTEN | DDP_IN_PLACE | LOSS_IN_FORWARD
     debug: bool = False
+    rung: Rung | None = None  # a rung of the ladder applied as the script runs
+    ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
 
     @property
     def capacity_bytes(self) -> int:
@@ -75,6 +87,9 @@ class ScriptRun:
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
+    replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
+    kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
+    compiled: list[str] = field(default_factory=list)  # torch.compile's sites, run eagerly
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -91,6 +106,14 @@ class ScriptRun:
     bucket_view_unsure: str | None = None
     shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
+    # the script's model: its repeated blocks (dpprof.analysis.ladder.repeated_blocks) and
+    # the words of the checkpointing code for them; the lines of its first call and of the
+    # first backward() (file:line)
+    model_blocks: int = 0
+    blocks_words: dict[str, Any] = field(default_factory=dict)
+    forward_site: str = ""
+    backward_site: str = ""
+    checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
 
 
 def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> ScriptRun:
@@ -106,23 +129,34 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     variant = Variant(cfg.variant, vc, cfg.gpus)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
+    # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
+    # CPU tensors (--compute) the CPU kernels run, as the CPU runs them
+    kernels = GpuKernels(cfg.gpu.compute_capability, rt)
     start = time.perf_counter()
     exc: BaseException | None = None
     # an alternative's run writes into a private folder and prints nothing (script_effects)
-    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-") if cfg.variant != AS_WRITTEN
+    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-")
+               if cfg.variant != AS_WRITTEN or cfg.rung is not None
                else contextlib.nullcontext(None))
+    rung = RungHooks(cfg.rung) if cfg.rung is not None else None
+    if rung is not None:
+        stepper.listeners.append(rung)
     with script_process(launch), sandbox as private:
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
         effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast, effects, Patcher() as patcher:
+            with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
+                    effects, Patcher() as patcher:
                 variant.install(vc, patcher)
+                compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()
                 try:
                     exc = _run_until_stopped(launch, run)
                 finally:
+                    if rung is not None:
+                        rung.close()
                     stepper.remove()
                     script_parallel.cleanup(vc)
                     used, ddp_devices = _read_log(run, cfg, vc, stepper, variant)
@@ -137,6 +171,12 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
+    run.model_blocks, run.blocks_words = blocks_of(stepper.model)
+    stepper.model = None  # the script's model: not kept past its run
+    run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
+    run.checkpointed_blocks = rung.blocks if rung is not None else 0
+    run.replicas_float16 = replicas_float16_note(rt)
+    run.kernels = dict(kernels.chosen)
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
     if cfg.variant == DDP_IN_PLACE and ledger is not None:
@@ -163,9 +203,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         if launch.is_module:
             runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
         else:
-            # python script.py gives __main__ the script's absolute path (__file__, the
-            # traceback's lines): a script that chdirs and then reads beside __file__ needs it
-            runpy.run_path(os.path.abspath(launch.target), run_name="__main__")
+            run_main_file(launch.target)
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"

@@ -164,11 +164,14 @@ def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
     return written
 
 
-def progress_bar(counter: str, console: Console) -> Progress:
+def progress_bar(counter: str, console: Console, redirect: bool = True) -> Progress:
     """The commands' progress bar on ``console`` (stderr), gone when done: a spinner, the
-    step's description, a bar, ``counter`` (a rich format of the task) and the time taken."""
+    step's description, a bar, ``counter`` (a rich format of the task) and the time taken.
+    ``redirect``: rich's redirection of stdout and stderr above the bar (``dpprof run``
+    keeps a script's streams its own way: :mod:`dpprof.cli.live_output`)."""
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    TextColumn(counter), TimeElapsedColumn(), console=console, transient=True)
+                    TextColumn(counter), TimeElapsedColumn(), console=console, transient=True,
+                    redirect_stdout=redirect, redirect_stderr=redirect)
 
 
 def load_user_workload(spec: str) -> Workload:

@@ -23,6 +23,7 @@ from dpprof.cli.common import (
     write_reports,
 )
 from dpprof.cli.guard import guarded
+from dpprof.cli.live_output import script_output_above
 from dpprof.cli.options import (
     GPU,
     MAX_GPUS,
@@ -75,6 +76,15 @@ def run_cmd(
                            help="For a DataParallel script, also run it with DDP in place and "
                            "with the loss inside forward.", rich_help_panel=PANEL_MEASURE)
     ] = True,
+    ladder: Annotated[
+        bool | None, typer.Option(
+            "--ladder/--no-ladder", help="When even DDP does not fit: run the script again "
+            "with each rung of the ladder applied (mixed precision; activation "
+            "checkpointing of the model's repeated blocks; both) on its DDP alternative "
+            "(else as written), with each change to the script; the verdict names the "
+            "cheapest rung that fits. Default: only when that run is out of memory.",
+            rich_help_panel=PANEL_MEASURE, show_default=False)
+    ] = None,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", help="Report file; repeat for several (.html, .json, "
@@ -92,7 +102,9 @@ def run_cmd(
     tensors, and is stopped after --steps optimizer steps. nn.DataParallel, DDP (under
     torchrun or mp.spawn) and layers placed on cuda:k by hand are measured as they would
     run; a DataParallel script is also run with DDP in place and with the loss inside
-    forward. The script's own error ends the run with its traceback and exit status 1.
+    forward. Where even that does not fit the GPU (--gpu, --gpu-memory), the script runs
+    again with mixed precision and activation checkpointing applied (the ladder). The
+    script's own error ends the run with its traceback and exit status 1.
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
@@ -108,14 +120,15 @@ def run_cmd(
     with guarded(debug, on_interrupt=write_partial):
         _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
         target = target_gpu(gpu_memory, gpu)
-        launch = parse_command(list(command or []), DEFAULT_GPUS if gpus is None else gpus)
+        launch = parse_command(list(command or []), DEFAULT_GPUS if gpus is None else gpus,
+                               gpus_given=gpus is not None)
         gpus = _gpus_for(launch, gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths[:] = output_paths(output, f"run-{stamp}")
         check_writable(paths)
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
-                           debug=debug)
+                           debug=debug, ladder=ladder)
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
@@ -134,21 +147,15 @@ def _check_run_options(gpus: int, steps: int) -> None:
 
 def _gpus_for(launch: Launch, given: int | None) -> int:
     """The GPUs of the run: torchrun starts one process per GPU, so without --gpus its
-    --nproc-per-node; fewer GPUs than that is refused (the ranks past them would name a
-    device that does not exist, and rank 0 does not stand for them)."""
+    --nproc-per-node (parse_command refuses a --gpus below it)."""
+    if given is not None:
+        return given
     if launch.nproc is None:
-        return DEFAULT_GPUS if given is None else given
-    if given is None:
-        if launch.nproc > MAX_GPUS:
-            raise UsageError(f"{launch.launcher} --nproc-per-node {launch.nproc}: at most "
-                             f"{MAX_GPUS} processes (GPUs) per node")
-        return launch.nproc
-    if launch.nproc > given:
-        raise UsageError(
-            f"{launch.launcher} --nproc-per-node {launch.nproc} starts one process per GPU, "
-            f"but --gpus {given} gives {given}: pass --gpus {launch.nproc}, or leave --gpus "
-            "out")
-    return given
+        return DEFAULT_GPUS
+    if launch.nproc > MAX_GPUS:
+        raise UsageError(f"{launch.launcher} --nproc-per-node {launch.nproc}: at most "
+                         f"{MAX_GPUS} processes (GPUs) per node")
+    return launch.nproc
 
 
 def _announce(cfg: ScriptConfig) -> None:
@@ -169,7 +176,8 @@ def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult,
 
     if quiet:
         return run_command(cfg, alternatives)
-    with progress_bar("{task.completed}/{task.total} steps", err) as bar:
+    with progress_bar("{task.completed}/{task.total} steps", err, redirect=False) as bar, \
+            script_output_above(err):
         task = bar.add_task("as written", total=cfg.steps)
 
         def progress(what: str, done: int, total: int) -> None:

@@ -102,11 +102,17 @@ _EXTRA_ENTRY_POINTS: list[tuple[Any, str, str]] = [
 ]
 
 
-def policy_of(name: str) -> str:
-    """The policy of every listed overload of op ``name`` (one per name in these lists)."""
-    policies = {p for op, p in CUDA_AUTOCAST_OPS.items() if op.split(".")[0] == name}
-    assert len(policies) == 1, (name, policies)
-    return policies.pop()
+def _policies_by_name() -> dict[str, str]:
+    """The policy of every listed op name (each overload of a name shares its name's)."""
+    out: dict[str, str] = {}
+    for op, policy in CUDA_AUTOCAST_OPS.items():
+        name = op.split(".")[0]
+        assert out.setdefault(name, policy) == policy, (name, policy, out[name])
+    return out
+
+
+# op name -> policy, sorted by name: every region's entry walks it (cuda_entry_points)
+POLICY_BY_NAME: dict[str, str] = dict(sorted(_policies_by_name().items()))
 
 
 # The attribute an emulated region sets on the wrapper it puts in a binding's place: a
@@ -130,8 +136,7 @@ def cuda_entry_points() -> list[tuple[Any, str, str]]:
         (torch.linalg, "linalg_"), (torch.Tensor, ""), (F, "")]
     points: list[tuple[Any, str, str]] = []
     seen: set[tuple[int, str]] = set()
-    for name in sorted({op.split(".")[0] for op in CUDA_AUTOCAST_OPS}):
-        policy = policy_of(name)
+    for name, policy in POLICY_BY_NAME.items():
         for owner, prefix in owners:
             if prefix and not name.startswith(prefix):
                 continue

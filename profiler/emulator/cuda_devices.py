@@ -58,6 +58,7 @@ FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storage
 _PLAIN_OP, _CONVOLUTION_OP, _FOREACH_OP = 0, 1, 2
 _LOCAL_SCALAR_OP, _DATA_DEPENDENT_OP, _INDEX_TENSOR_OP, _NUMERIC_FACTORY_OP = 3, 4, 5, 6
 _TENSORLESS_OP = 7  # no tensor in, none out (record_function's): nothing to count
+_COPY_OP = 8  # copy_: into a real host tensor from a virtual GPU's, a value read
 # id(op) -> (op, its kind): asked once per op; keyed by identity because an OpOverload's
 # __hash__ is Python (a call per look-up, on every op); the op is kept to check the id
 _OP_KINDS: dict[int, tuple[Any, int]] = {}
@@ -76,6 +77,8 @@ def _op_kind(func: Any) -> int:
         kind = _DATA_DEPENDENT_OP
     elif func is aten.index.Tensor:
         kind = _INDEX_TENSOR_OP
+    elif func is aten.copy_.default:
+        kind = _COPY_OP
     elif func in NUMERIC_FACTORIES:
         kind = _NUMERIC_FACTORY_OP
     elif func.__name__.startswith("_foreach_"):
@@ -359,12 +362,32 @@ class CudaDevices(VirtualDevices):
             split = self._foreach_by_device(func, types, args, kwargs or {})
             if split is not _NOT_SPLIT:
                 return split
+        elif (kind == _COPY_OP and self.real_host and len(args) > 1
+              and not on_meta(args[0]) and on_meta(args[1])):
+            return self._copy_to_host(args[0], args[1], bool(
+                args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking")))
         out = self._dispatch(func, types, args, kwargs)
         if self.small_values is not None:
             self.small_values.follow(func, args, kwargs or {}, out)
         if self._host_stand_ins:
             self._follow_stand_ins(args, kwargs or {}, out)
         return out
+
+    def _copy_to_host(self, dst: torch.Tensor, src: torch.Tensor,
+                      non_blocking: bool) -> torch.Tensor:
+        """``host.copy_(gpu)`` (``load_state_dict`` of a checkpoint loaded onto a GPU into a
+        model still on the host, ``out[i].copy_(loss)``): a value read from a virtual GPU,
+        as ``.cpu()`` reads one: its real values where they are followed, else a stated
+        stand-in (zeros); ``dst`` then holds no value of the program's own
+        (:meth:`is_emulated`), so that nothing saves it as real."""
+        values = self.real_values(src)
+        if values is None:
+            self.stand_in("host copy", src)
+            self._remember_stand_in(dst.untyped_storage())
+            values = torch.zeros(src.shape, dtype=src.dtype, device="cpu")
+        with _disable_current_modes():
+            dst.copy_(values, non_blocking=non_blocking)
+        return dst
 
     def _by_values(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """An op whose output shape depends on the values, over inputs whose values are

@@ -379,6 +379,23 @@ def replica_autocast(threads: int) -> contextlib.AbstractContextManager[Any]:
     return EmulatedAutocast(torch.float16)
 
 
+# What a user reads where that happened (dpprof compare's DataParallel scenarios, dpprof run)
+REPLICAS_FLOAT16_NOTE = (
+    "DataParallel's replicas compute in float16, not {asked}: torch's parallel_apply runs "
+    "each replica in a thread of its own and enters autocast there without a dtype, which "
+    "reads that thread's default (CUDA's: float16); emulated so. On a GPU that is float16 "
+    "without a GradScaler (overflow risk); autocast inside the model's forward, or DDP, "
+    "keeps {asked}")
+
+
+def replicas_float16_note(rt: VirtualDevices) -> str | None:
+    """:data:`REPLICAS_FLOAT16_NOTE` where DataParallel's replicas ran in float16 under a
+    region that asked for another dtype (what :func:`parallel_apply` recorded on ``rt``)."""
+    asked = rt.replicas_float16_instead_of
+    return None if asked is None else REPLICAS_FLOAT16_NOTE.format(
+        asked=str(asked).removeprefix("torch."))
+
+
 def parallel_apply(
     rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
@@ -399,7 +416,10 @@ def parallel_apply(
         if not isinstance(inp, (list, tuple)):
             inp = (inp,)
         start = len(log)
-        with rt.device(devices[k]), rt.category("activations"), replica_autocast(threads):
+        region = replica_autocast(threads)
+        if isinstance(region, EmulatedAutocast):
+            rt.replicas_float16_instead_of = emulated_autocast_dtype()
+        with rt.device(devices[k]), rt.category("activations"), region:
             outputs.append(module(*inp, **kwargs_tup[k]))
         if k < len(mirrors) and mirrors[k]:
             own = {devices[k], *mirrors[k]}

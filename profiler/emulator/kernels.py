@@ -51,6 +51,7 @@ from dpprof.emulator.autocast_lists import (
     cuda_entry_points,
 )
 from dpprof.emulator.catalog import DEFAULT_GPU
+from dpprof.emulator.cuda_devices import on_meta
 from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.vdevice import VirtualDevices
@@ -103,12 +104,14 @@ class GpuKernels:
         self.chosen: dict[str, int] = {}
         self._patcher = Patcher()
         self.rt = rt  # where the kernels' own buffers are played (aten-level routes)
+        self._orig_sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
     def __enter__(self) -> GpuKernels:
         if self.rt is not None:
             self.rt.kernel_plans[torch.ops.aten.embedding_dense_backward.default] = (
                 self._embedding_backward_plan)
         orig_dropout, orig_rms_norm = F.dropout, F.rms_norm
+        self._orig_sdpa = F.scaled_dot_product_attention
         patch = self._patcher.patch
         patch(F, "scaled_dot_product_attention", self._sdpa)
         patch(F, "dropout", lambda *a, **k: self._dropout(orig_dropout, *a, **k))
@@ -144,7 +147,8 @@ class GpuKernels:
     def _dropout(self, func: Callable[..., Any], input: torch.Tensor, p: float = 0.5,
                  training: bool = True, inplace: bool = False, **kw: Any) -> torch.Tensor:
         train = kw.get("train", training)
-        if not train or p == 0 or p == 1 or inplace or not input.is_floating_point():
+        if (not train or p == 0 or p == 1 or inplace or not input.is_floating_point()
+                or not on_meta(input)):  # a real host tensor (dpprof run): the CPU's kernel
             return func(input, p, train, inplace)
         self._count("dropout:fused", input)
         return torch.native_dropout(input, p, True)[0]
@@ -152,7 +156,7 @@ class GpuKernels:
     def _rms_norm(self, func: Callable[..., Any], input: torch.Tensor,
                   normalized_shape: Any, weight: torch.Tensor | None = None,
                   eps: float | None = None) -> torch.Tensor:
-        if not fused_rms_norm_applies(input, weight):
+        if not on_meta(input) or not fused_rms_norm_applies(input, weight):
             return func(input, normalized_shape, weight, eps)
         self._count("rms_norm:fused", input)
         dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
@@ -162,6 +166,10 @@ class GpuKernels:
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
+        if not on_meta(query):  # real host tensors (dpprof run): the CPU's kernels
+            return self._orig_sdpa(query, key, value, attn_mask=attn_mask,
+                                   dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                   enable_gqa=enable_gqa)
         call = SdpaCall(int(query.shape[-1]), query.dtype, attn_mask is not None)
         backend = sdpa_backend(self.cc, call) if not enable_gqa else MATH
         self._count(f"sdpa:{backend}", query)

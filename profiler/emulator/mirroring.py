@@ -12,6 +12,7 @@ from collections.abc import Collection, Iterator, Sequence
 from itertools import chain
 
 import numpy as np
+import torch
 
 from dpprof.emulator.counting import CountingDevices
 from dpprof.emulator.events import NO_EVENTS, DeviceCounters
@@ -28,6 +29,9 @@ class MirroredDevices(CountingDevices):
         self.dedupe_replicas = False
         self.dedupe_failure: str | None = None  # why mirroring could not stand for a replica
         self.mirrored_replicas = 0  # replica forwards stood for by a mirror, not run
+        # the dtype the caller's autocast region asked for where DataParallel's replicas
+        # computed in float16 instead (data_parallel.replica_autocast); None: they did not
+        self.replicas_float16_instead_of: torch.dtype | None = None
         self._mirrors: dict[int, tuple[int, ...]] = {}  # device -> the devices mirroring it
         self._own: frozenset[int] = frozenset()  # mirrors with events of their own too
         self._unmirrored: frozenset[int] = frozenset()  # mirrors new storages skip for now

@@ -1,8 +1,10 @@
 """
 nanoGPT's train.py, cut down to a tiny GPT: configuration as module globals overridden from
 the command line (--key=value, as its configurator.py does), a poor man's data loader over
-np.memmap with torch.randint offsets, gradient accumulation, autocast and a GradScaler, a
-checkpoint into out_dir at each eval, and DDP when torchrun sets RANK.
+np.memmap with torch.randint offsets, dropout (nn.Dropout and SDPA's dropout_p), gradient
+accumulation, autocast and a GradScaler, a checkpoint into out_dir at each eval, resuming
+from it (--init_from=resume: loaded onto the device, the model built on the host), and DDP
+when torchrun sets RANK.
 
 $ python nanogpt_train.py --data_dir=data/shakespeare_char --out_dir=out
 $ torchrun --standalone --nproc_per_node=4 nanogpt_train.py --data_dir=...
@@ -25,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # -----------------------------------------------------------------------------
 # default config values
 out_dir = 'out'
+init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 eval_interval = 2
 log_interval = 1
 eval_iters = 2
@@ -75,6 +78,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config['n_embd'], 3 * config['n_embd'], bias=config['bias'])
         self.c_proj = nn.Linear(config['n_embd'], config['n_embd'], bias=config['bias'])
+        self.resid_dropout = nn.Dropout(config['dropout'])
         self.n_head = config['n_head']
         self.n_embd = config['n_embd']
         self.dropout = config['dropout']
@@ -87,7 +91,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -96,9 +100,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config['n_embd'], 4 * config['n_embd'], bias=config['bias'])
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config['n_embd'], config['n_embd'], bias=config['bias'])
+        self.dropout = nn.Dropout(config['dropout'])
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -121,6 +126,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config['vocab_size'], config['n_embd']),
             wpe=nn.Embedding(config['block_size'], config['n_embd']),
+            drop=nn.Dropout(config['dropout']),
             h=nn.ModuleList([Block(config) for _ in range(config['n_layer'])]),
             ln_f=nn.LayerNorm(config['n_embd'], bias=config['bias']),
         ))
@@ -138,7 +144,7 @@ class GPT(nn.Module):
         device = idx.device
         b, t = idx.size()
         pos = torch.arange(0, t, dtype=torch.long, device=device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
@@ -207,11 +213,25 @@ iter_num = 0
 best_val_loss = 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
                   bias=bias, vocab_size=vocab_size, dropout=dropout)
-print("Initializing a new model from scratch")
-model = GPT(model_args)
+if init_from == 'scratch':
+    print("Initializing a new model from scratch")
+    model = GPT(model_args)
+elif init_from == 'resume':
+    # as nanoGPT resumes: the checkpoint loaded onto the device, the model built on the host
+    print(f"Resuming training from {out_dir}")
+    checkpoint = torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location=device)
+    for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
+        model_args[k] = checkpoint['model_args'][k]
+    model = GPT(model_args)
+    model.load_state_dict(checkpoint['model'])
+    iter_num = checkpoint['iter_num']
+    best_val_loss = checkpoint['best_val_loss']
 model.to(device)
 scaler = torch.amp.GradScaler('cuda', enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if init_from == 'resume':
+    optimizer.load_state_dict(checkpoint['optimizer'])
+checkpoint = None
 if compile:
     model = torch.compile(model)
 if ddp:

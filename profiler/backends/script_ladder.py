@@ -1,0 +1,159 @@
+"""The ladder for ``dpprof run``: when even the data-parallel floor of a script is out of
+memory, the script is run again with each rung applied as it runs, and each rung becomes a
+fix beside DataParallel's, with its change to the script.
+
+The floor is the DDP alternative of a DataParallel script (its own DataParallel run is not:
+the rungs replace nothing there), else the script as written (one GPU, DDP under
+``torchrun`` or ``mp.spawn``, a model placed by hand). The rungs, cheapest first, are
+:func:`dpprof.analysis.ladder.rungs`' (mixed precision; activation checkpointing of the
+model's repeated blocks; both), applied by :class:`RungHooks` to the running script:
+
+* **mixed precision**: from the start of each outermost forward to the ``backward()`` call
+  (or the optimizer's step), the script runs under the GPU's autocast
+  (:class:`dpprof.emulator.kernels.EmulatedAutocast`: CUDA's op lists), as a user wraps
+  forward and loss in ``torch.autocast("cuda")``; the change to the script is that
+  ``with`` block around the script's own lines (:func:`dpprof.analysis.script_rewrite.autocast_at`);
+* **activation checkpointing**: at the model's first call, each of its repeated blocks
+  (:func:`dpprof.analysis.ladder.repeated_blocks`, the model unwrapped from DataParallel or
+  DDP) has its forward wrapped in non-reentrant ``torch.utils.checkpoint``, exactly as the
+  code handed to the user does (:data:`dpprof.analysis.ladder.CODE_CHECKPOINT`).
+
+Gradient accumulation and FSDP2 change the script's loop and process group, which dpprof
+does not rewrite in a running script: ``dpprof compare`` measures them on a workload.
+A script that already runs under ``torch.autocast("cuda")`` gets no mixed-precision rungs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from dpprof.analysis import script_rewrite
+from dpprof.analysis.answer_figures import need_bytes
+from dpprof.analysis.ladder import (
+    CODE_CHECKPOINT,
+    CODE_LOOP_BF16,
+    CODE_LOOP_FP16,
+    Rung,
+    detail,
+    rungs,
+)
+from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
+from dpprof.backends.script_runner import ScriptConfig, ScriptRun, run_script
+from dpprof.emulator.script_parallel import DDP_IN_PLACE
+from dpprof.result import STATUS_OK, STATUS_OOM, Fix
+from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.units import fmt_bytes
+
+__all__ = ["floor_of", "run_ladder", "rung_fix"]
+
+# The words a rung's detail and the verdict use for the run it changes
+FLOOR_WORDS = {DDP_IN_PLACE: "DDP", DDP: "DDP", SINGLE: "one GPU",
+               MODEL_PARALLEL: "the model as placed"}
+
+
+def floor_of(main: ScriptRun, runs: list[tuple[str, ScriptRun]]) -> tuple[str, ScriptRun] | None:
+    """The run the rungs change (its variant and run): the DDP alternative of a
+    DataParallel script, else the script as written; None for a DataParallel script
+    without one (the rungs would run under DataParallel, which they do not fix)."""
+    if main.scenario.name == DP_LOSS_PRIMARY:
+        return next(((v, r) for v, r in runs if v == DDP_IN_PLACE), None)
+    if main.scenario.name in (DDP, SINGLE, MODEL_PARALLEL):
+        return AS_WRITTEN, main
+    return None
+
+
+def wanted(floor: ScriptRun, asked: bool | None) -> bool:
+    """``--ladder`` (True), ``--no-ladder`` (False), else: the floor is out of memory."""
+    if asked is not None:
+        return asked
+    return floor.scenario.status == STATUS_OOM
+
+
+def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptRun]],
+               step_cb: Callable[[str], StepCallback], notes: list[str],
+               fixes: list[Fix], ran: list[tuple[str, ScriptRun]]) -> str | None:
+    """Measure the rungs on the floor run (found among ``runs``) where wanted: each rung's
+    run goes into ``ran`` (by the rung's name), its fix into ``fixes`` (rungs are fixes, as
+    in ``compare``, not scenarios), why a rung was not run into ``notes``; the words for
+    the run they change (None: no ladder)."""
+    found = floor_of(main, runs)
+    if found is None:
+        if cfg.ladder:
+            notes.append("no ladder: it runs on the DDP alternative, which this script has "
+                         "none of")
+        return None
+    variant, floor = found
+    if floor.scenario.status not in (STATUS_OK, STATUS_OOM) or not wanted(floor, cfg.ladder):
+        return None
+    model = floor.model_blocks
+    ladder = rungs(cfg.gpu.compute_capability, model > 0)
+    if main.autocast_regions:
+        ladder = [r for r in ladder if r.amp is None]
+        notes.append("ladder: no mixed-precision rung: the script already runs under "
+                     "torch.autocast('cuda')")
+    if model == 0:
+        notes.append("ladder: no activation checkpointing: the model has no repeated blocks "
+                     "(no ModuleList of two or more, no module type repeated)")
+    on = FLOOR_WORDS.get(variant if variant == DDP_IN_PLACE else floor.scenario.name, "")
+    for rung in ladder:
+        run = run_script(dataclasses.replace(cfg, variant=variant, rung=rung),
+                         step_cb(rung.name))
+        if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
+            notes.append(f"ladder: {rung.title} could not be measured: {run.scenario.message}")
+            continue
+        ran.append((rung.name, run))
+        fixes.append(rung_fix(rung, main, floor, run, cfg, on))
+    return on
+
+
+def rung_fix(rung: Rung, main: ScriptRun, floor: ScriptRun, run: ScriptRun,
+             cfg: ScriptConfig, on: str) -> Fix:
+    """The rung as a fix: against the script as written (cuda:0 and the heaviest GPU), its
+    need as the out-of-memory check counts it, its change to the script."""
+    used = [d for d in run.scenario.devices if d.used]
+    base = [d for d in main.scenario.devices if d.used] or used
+    need = need_bytes(run.scenario)
+    fits = "fits" if need <= cfg.capacity_bytes else "does not fit"
+    return Fix(
+        name=rung.name, title=rung.title,
+        primary_peak_bytes=used[0].peak_allocated_bytes,
+        max_peak_bytes=max(d.peak_allocated_bytes for d in used),
+        saves_bytes=base[0].peak_allocated_bytes - used[0].peak_allocated_bytes,
+        heaviest_saves_bytes=(max(d.peak_allocated_bytes for d in base)
+                              - max(d.peak_allocated_bytes for d in used)),
+        detail=(detail(rung, run.checkpointed_blocks, on)
+                + f"; the fullest GPU needs {fmt_bytes(need)} (reserved and context "
+                f"counted): it {fits} in {fmt_bytes(cfg.capacity_bytes)}"),
+        code=rung_code(rung, floor, cfg),
+        need_bytes=need)
+
+
+def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig) -> str:
+    """The rung's change: autocast around the script's own forward and loss (a diff of the
+    script), the checkpointing of the blocks dpprof checkpointed (lines to add after the
+    model is built)."""
+    parts = []
+    if rung.checkpoint:
+        parts.append("# after the model is built (before it is wrapped):\n"
+                     + CODE_CHECKPOINT.format(**floor.blocks_words))
+    if rung.amp is not None:
+        parts.append(_autocast_code(rung.amp, floor, cfg))
+    return "\n".join(parts)
+
+
+def _autocast_code(dtype: str, floor: ScriptRun, cfg: ScriptConfig) -> str:
+    """The script's forward-to-backward lines under autocast, as a diff of the script where
+    those lines are the script's own; else the typical loop's change."""
+    script = str(Path(cfg.launch.target).resolve()) if not cfg.launch.is_module else ""
+    sites = (floor.forward_site, floor.backward_site)
+    if script and all(s.rpartition(":")[0] == script for s in sites):
+        rewrite = script_rewrite.autocast_until_at(*sites, dtype)
+        if rewrite.ok:
+            return script_rewrite.rewrite_text(rewrite)
+        why = f"# (no rewrite of the script's lines: {rewrite.reason}; the typical loop:)\n"
+    else:
+        why = "# (the model's call and backward() are not in the script; the typical loop:)\n"
+    loop = CODE_LOOP_BF16 if dtype == "bfloat16" else CODE_LOOP_FP16
+    return why + loop.replace("(rank)", "()")
