@@ -339,6 +339,10 @@ def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
         assert (tmp_path / "model.pt").read_bytes() == b"the model of an earlier run"
     else:
         assert not (tmp_path / "model.pt").exists()
+    # it ended by itself after its 14 backward passes, each a step (peaks from the second)
+    assert s.notes[0].startswith(
+        "the script ended after 14 backward pass(es); it makes no optimizer and updates its "
+        "parameters itself, a step per backward pass; the first is the warm-up")
 
 
 def test_a_file_the_script_writes_itself_is_written(tmp_path: Path,

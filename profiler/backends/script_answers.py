@@ -153,10 +153,13 @@ def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
     """One line for the as-written run's notes: how it ended, after how many steps, in how
     many seconds, and what that means for the peaks."""
     steps = f"{run.steps_done} optimizer step(s)"
+    manual = run.no_optimizer and run.backwards > 0  # a step per backward pass (Stepper)
     if run.by_backwards:
         return (f"stopped after {cfg.steps} backward pass(es) (--steps {cfg.steps}: the script "
                 "makes no optimizer and updates its parameters itself, a step per backward; "
                 f"the first is the warm-up, peaks are over the others); {run.seconds:.1f} s")
+    if manual:
+        steps = f"{run.backwards} backward pass(es)"
     if run.ended == "steps":
         how = f"stopped after {steps} (--steps {cfg.steps}; the first is the warm-up, " \
               "peaks are over the others)"
@@ -166,7 +169,12 @@ def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
         how = f"the script ended after {steps}"
     else:
         how = f"the script raised after {steps} (exit status {run.exit_status})"
-    if run.steps_done == 0:
+    if manual:
+        how += ("; it makes no optimizer and updates its parameters itself, a step per "
+                "backward pass; " + ("the first is the warm-up, peaks are over the others"
+                                     if run.backwards > 1 else
+                                     "only one: the peaks include the warm-up"))
+    elif run.steps_done == 0:
         how += (f"; it never called optimizer.step() (dpprof saw {run.forwards} forward "
                 f"pass(es) and {run.backwards} backward pass(es) instead), so the peaks are "
                 "over the whole run (no warm-up step to leave out)")

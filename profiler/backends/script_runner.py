@@ -75,6 +75,7 @@ class ScriptRun:
     scenario: ScenarioResult
     steps_done: int = 0
     by_backwards: bool = False  # no optimizer: stopped after --steps backward passes
+    no_optimizer: bool = False  # the script made none (a step per backward pass)
     ended: str = ""  # "steps" | "script ended" | "script raised"
     exit_status: int = 0
     script_traceback: str | None = None
@@ -168,6 +169,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.steps_done = stepper.done
     run.forwards, run.backwards = stepper.forwards, stepper.backwards
     run.by_backwards = stepper.by_backwards
+    run.no_optimizer = not stepper.optimizer_made
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
