@@ -139,7 +139,7 @@ class Stepper:
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
                 self._last_rows = int(first.shape[0])
-            if self.model is None and next(module.parameters(), None) is not None:
+            if self.model is None:
                 self.model = module
                 self.forward_site = caller_site()
             for listener in self.listeners:
