@@ -412,6 +412,17 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
         assert "dpprof/" not in res.stderr.split("Traceback", 1)[-1]
 
 
+def test_an_error_without_a_message_is_named_without_an_empty_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(
+        "import torch\nx = torch.ones(4, device='cuda')\nraise EOFError()\n")
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4)),
+                               False)
+    assert main.exit_status == 1
+    assert result.scenarios[0].message == "the script raised EOFError"  # not "EOFError: "
+
+
 def test_a_module_that_does_not_exist_says_what_python_says(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:

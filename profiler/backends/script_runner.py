@@ -293,7 +293,8 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         _overheads(s, vc, cfg)
     if exc is not None or (run.ended == "script raised"):
         s.status = STATUS_ERROR
-        s.message = (f"the script raised {type(exc).__name__}: {exc}" if exc is not None
+        s.message = (f"the script raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
+                     if exc is not None
                      else f"the script exited with status {run.exit_status}")
         s.traceback = run.script_traceback
     else:
