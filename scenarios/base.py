@@ -82,24 +82,42 @@ class ModelWithLoss(nn.Module):
     ``(loss * rows, rows)``, so :meth:`combine` weights replicas by their share of the
     batch: the same number as the loss over the whole batch even when the shards are uneven
     (a plain ``.mean()`` of the per-replica losses is not).
+
+    A loop that also uses the outputs (accuracy from ``torch.max(outputs, 1)``) keeps them
+    with ``keep_outputs=True``: each replica returns its outputs too, gathered on cuda:0 as
+    without the fix (the loss and its temporaries still stay on the replicas), and
+    :meth:`split` gives both::
+
+        model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn, keep_outputs=True))
+        outputs, loss = dpprof.ModelWithLoss.split(model(inputs, targets))
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 keep_outputs: bool = False) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.keep_outputs = keep_outputs
 
-    def forward(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
         outputs = call_model(self.model, inputs)
         loss = self.loss_fn(outputs, targets)
         rows = float(batch_rows(targets) or batch_rows(inputs))
-        return loss.reshape(1) * rows, loss.new_full((1,), rows)
+        weighted, count = loss.reshape(1) * rows, loss.new_full((1,), rows)
+        return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
     @staticmethod
-    def combine(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def combine(out: tuple[Any, ...]) -> torch.Tensor:
         """The batch loss from the gathered ``(loss * rows, rows)`` of every replica."""
-        weighted, rows = out
+        weighted, rows = out[0], out[1]
         return weighted.sum() / rows.sum()
+
+    @staticmethod
+    def split(out: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
+        """(the gathered outputs, the batch loss) of a ``keep_outputs=True`` model."""
+        if len(out) < 3:
+            raise ValueError("ModelWithLoss.split needs ModelWithLoss(..., keep_outputs=True)")
+        return out[2], ModelWithLoss.combine(out)
 
 
 @contextlib.contextmanager

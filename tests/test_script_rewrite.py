@@ -274,10 +274,12 @@ def test_the_loss_defined_after_the_wrap_moves_before_it() -> None:
     assert ("model = Net()\ncriterion = nn.CrossEntropyLoss(\n    label_smoothing=0.1)\n"
             "if torch.cuda.device_count() > 1:\n") in new
     assert new.count("criterion = nn.CrossEntropyLoss(") == 1
-    # the outputs used besides the loss: said at the line, and in the notes
+    # the outputs used besides the loss: kept, gathered beside the loss; said in the notes
     used = line_of(old, "torch.max(outputs")
-    assert (f"    # outputs no longer reaches cuda:0 (line {used} uses it): compute that inside "
-            "forward\n    loss = dpprof.ModelWithLoss.combine(model(x, y))\n") in new
+    assert "dpprof.ModelWithLoss(model, criterion, keep_outputs=True)" in new
+    assert "    outputs, loss = dpprof.ModelWithLoss.split(model(x, y))\n" in new
+    assert "    outputs = model(x)\n" not in new
+    assert any(n.startswith(f"line {used} also uses outputs") for n in rw.notes)
     assert any("conditional" in n for n in rw.notes)
     # a loss that needs what is set after the wrap cannot move: a reason, no code
     bad = lif(old.replace("label_smoothing=0.1", "weight=weights"), "DataParallel(",
@@ -768,3 +770,55 @@ def test_autocast_from_the_sites_dpprof_records_runs_under_dpprof(
     assert run.scenario.status == "ok", run.scenario.message
     assert run.steps_done == 3 and run.ended == "steps"
     assert run.autocast_regions == 3
+
+
+KEEPS_OUTPUTS = """\
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+model = nn.DataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+criterion = nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+correct = 0
+for step in range(5):
+    x, y = torch.randn(12, 8), torch.randint(0, 4, (12,))
+    optimizer.zero_grad()
+    outputs = model(x)
+    loss = criterion(outputs, y)
+    loss.backward()
+    optimizer.step()
+    _, predicted = torch.max(outputs, 1)
+    correct += (predicted == y).sum().item()
+    print(f"{loss.item():.6f} {correct}")
+"""
+
+
+def test_the_outputs_kept_beside_the_loss_run_and_compute_the_same(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The tutorial's accuracy from the outputs: the rewritten loop keeps them
+    (keep_outputs=True, ModelWithLoss.split) and prints what the original printed, on the
+    CPU (DataParallel without GPUs calls its module): the same losses and accuracy."""
+    import runpy
+
+    rw = lif(KEEPS_OUTPUTS, "DataParallel(", "outputs = model", "loss = criterion")
+    new = checked(rw, KEEPS_OUTPUTS)
+    printed = []
+    for name, text in (("original.py", KEEPS_OUTPUTS), ("rewritten.py", new)):
+        path = tmp_path / name
+        path.write_text(text)
+        runpy.run_path(str(path), run_name="__main__")
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and len(printed[0].splitlines()) == 5
+
+
+def test_outputs_read_between_the_call_and_the_loss_are_a_reason() -> None:
+    old = KEEPS_OUTPUTS.replace("    loss = criterion(outputs, y)\n",
+                                "    outputs = outputs.float()\n"
+                                "    loss = criterion(outputs, y)\n")
+    rw = lif(old, "DataParallel(", "outputs = model", "loss = criterion")
+    assert not rw.ok and "between the model's call" in rw.reason
+    inline = KEEPS_OUTPUTS.replace("    loss = criterion(outputs, y)\n",
+                                   "    loss = criterion(outputs, y) * 2.0\n")
+    rw = lif(inline, "DataParallel(", "outputs = model", "loss = criterion")
+    assert not rw.ok and "part of a larger statement" in rw.reason

@@ -252,6 +252,7 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
     call = f"{parenthesized(src, model.func)}({inputs}, {targets})"
     loss_stmt = src.statement(site.loss)
     scope = src.scope(loss_stmt)
+    keep = False  # the outputs used besides the loss: ModelWithLoss(keep_outputs=True)
     if site.outputs_stmt is not None:
         stmt = site.outputs_stmt
         assert stmt.end_lineno is not None and stmt.end_col_offset is not None
@@ -270,13 +271,21 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         indent = src.indent(stmt.lineno)
         lines = []
         if uses:
+            keep = _keep_outputs(src, site, loss_stmt, uses)
             where = ", ".join(str(u) for u in uses)
-            lines.append(f"{indent}# {site.outputs_name} no longer reaches cuda:0 (line {where} "
-                         "uses it): compute that inside forward")
+            notes.append(f"line {where} also use{'s' * (len(uses) == 1)} {site.outputs_name}: "
+                         "ModelWithLoss(..., keep_outputs=True) gathers the outputs on cuda:0 "
+                         "beside the loss, as before; the loss and its temporaries stay on "
+                         "the replicas")
         if len(src.block(stmt)) == 1:
             lines.append(f"{indent}pass")
         edits.replace(start, end, "".join(line + src.newline() for line in lines))
-    edits.node(site.loss, f"dpprof.ModelWithLoss.combine({call})")
+    if keep:
+        assert isinstance(loss_stmt, ast.Assign)
+        edits.node(loss_stmt, f"{site.outputs_name}, {src.seg(loss_stmt.targets[0])} = "
+                   f"dpprof.ModelWithLoss.split({call})")
+    else:
+        edits.node(site.loss, f"dpprof.ModelWithLoss.combine({call})")
     # the loss function must exist where the model is wrapped
     wrap_scope = src.scope(wrap)
     key = dotted_name(callee)
@@ -288,7 +297,9 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
     if not _available(src, wrap_scope, key, wrap):
         moved = _hoist(src, edits, wrap_scope, key, wrap)
         notes.append(f"`{key}` (line {moved}) moves before the wrap, which now needs it")
-    edits.node(module_arg(dp), f"dpprof.ModelWithLoss({src.seg(module_arg(dp))}, {loss_fn})")
+    keep_arg = ", keep_outputs=True" if keep else ""
+    edits.node(module_arg(dp),
+               f"dpprof.ModelWithLoss({src.seg(module_arg(dp))}, {loss_fn}{keep_arg})")
     add_imports(src, edits, ["dpprof"], wrap_scope)
     callee_text = src.seg(model.func)
     others = sorted({n.lineno for n in ast.walk(src.tree) if isinstance(n, ast.Call)
@@ -304,6 +315,28 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         notes.append(f"the wrap (line {wrap.lineno}) is conditional: where it does not run, "
                      "the model's call with the targets needs dpprof.ModelWithLoss too")
     return _finish(src, edits, LOSS_IN_FORWARD_TITLE, notes)
+
+
+def _keep_outputs(src: ScriptSource, site: _LossSite, loss_stmt: ast.stmt,
+                  uses: list[int]) -> bool:
+    """Whether the outputs, used besides the loss, can be kept: the loss statement binds the
+    loss call alone to one name (``loss = criterion(outputs, y)``, which becomes
+    ``outputs, loss = ModelWithLoss.split(model(x, y))``) and nothing between the model's call
+    and it reads the outputs; else a reason."""
+    assert site.outputs_stmt is not None and site.outputs_stmt.end_lineno is not None
+    between = [u for u in uses if site.outputs_stmt.end_lineno < u < loss_stmt.lineno]
+    if between:
+        raise NoRewrite(f"line {', '.join(map(str, between))} use{'s' * (len(between) == 1)} "
+                        f"{site.outputs_name} between the model's call (line "
+                        f"{site.outputs_stmt.lineno}) and the loss (line {loss_stmt.lineno}): "
+                        "with the loss inside forward the outputs come with the loss")
+    if not (isinstance(loss_stmt, ast.Assign) and loss_stmt.value is site.loss
+            and len(loss_stmt.targets) == 1 and isinstance(loss_stmt.targets[0], ast.Name)):
+        raise NoRewrite(f"line {loss_stmt.lineno}: the loss call is part of a larger "
+                        f"statement, and line {', '.join(map(str, uses))} also use "
+                        f"{site.outputs_name}: write `loss = {src.seg(site.loss.func)}(...)` "
+                        "on a line of its own")
+    return True
 
 
 # ---- DistributedDataParallel ----------------------------------------------------------

@@ -46,6 +46,7 @@ from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.errors import Interrupted
 from dpprof.result import Fix, RunResult, new_result
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.units import fmt_bytes
 
 # ScriptConfig, ScriptRun, parse_command and nothing_on_a_gpu live in modules of their own;
 # the CLI, the answers, the benchmarks and the tests import them from here with run_command
@@ -65,6 +66,11 @@ ALTERNATIVES = {
     "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
     "instead of the gathered outputs)",
 }
+
+# the loss-in-forward alternative of a script that also uses the outputs (accuracy)
+KEPT_OUTPUTS = ("the same script with its loss computed inside forward on every replica, "
+                "the outputs kept (dpprof.ModelWithLoss(..., keep_outputs=True): the replicas "
+                "return their losses and their outputs, gathered on cuda:0 as before)")
 
 Progress = Callable[[str, int, int], None]  # (what, steps done, steps)
 
@@ -132,6 +138,14 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
     for kind in run_variants():  # the fixes a script's alternative measures
         variant = kind.run_variant or ""
         alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
+        used = sorted({_relative_site(site) for site in alt.materialized})
+        unkept: ScriptRun | None = None  # the loss inside forward, the outputs not gathered
+        if variant == LOSS_IN_FORWARD and used and alt.loss_modules:
+            # the outputs are used besides the loss: the fix keeps them beside it
+            # (ModelWithLoss(keep_outputs=True)), and so does the run it is measured by
+            unkept = alt
+            alt = run_script(dataclasses.replace(cfg, variant=variant, keep_outputs=True),
+                             step_cb(variant))
         if variant == DDP_IN_PLACE and not alt.batch_rows:
             notes.append("no DDP alternative: the script makes its batches without a "
                          "DataLoader, so dpprof cannot give each rank its share")
@@ -140,17 +154,28 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
             notes.append("no loss-inside-forward alternative: the script's loss is not an "
                          "nn.Module loss called on DataParallel's outputs")
             continue
-        alt.scenario.notes.insert(0, ALTERNATIVES[variant].format(n=n))
+        alt.scenario.notes.insert(0, (KEPT_OUTPUTS if unkept is not None
+                                      else ALTERNATIVES[variant]).format(n=n))
         alt.scenario.notes.extend(alternative_notes(alt))
-        if alt.materialized:
+        further = 0  # what not gathering the outputs would save besides
+        if unkept is not None and unkept.scenario.devices and alt.scenario.devices:
+            further = (alt.scenario.devices[0].peak_allocated_bytes
+                       - unkept.scenario.devices[0].peak_allocated_bytes)
             alt.scenario.notes.append(
-                "the script also uses the outputs besides the loss ("
-                + ", ".join(sorted({_relative_site(site) for site in alt.materialized}))
-                + "): after the loss, this alternative gives them as stand-ins of the "
-                "gathered shape on cuda:0 (no gradient); before it, as written")
+                "the script also uses the outputs besides the loss (" + ", ".join(used)
+                + "), so this alternative keeps them, as its code does; computing that "
+                "inside forward as well would leave them off cuda:0: "
+                f"{fmt_bytes(further)} less there at its peak")
         runs.append((variant, alt))
         fix = script_fix(variant, main, alt, n)
         if fix is not None:
+            if unkept is not None:
+                lines = ", ".join(u.rpartition(":")[2] for u in used)
+                fix.detail = ("the same script with DataParallel(ModelWithLoss(model, loss, "
+                              "keep_outputs=True)): the loss and its temporaries on each "
+                              f"replica; the outputs, which line {lines} uses, still gathered "
+                              "on cuda:0; computing that inside forward as well would save "
+                              f"{fmt_bytes(further)} more on cuda:0.")
             fixes.append(fix)
         if variant == DDP_IN_PLACE:
             bucket_view = bucket_view_fix(main, alt, n)

@@ -203,8 +203,10 @@ def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
 class Variant:
     """The paired alternatives: DDP in place of DataParallel, or the loss inside forward."""
 
-    def __init__(self, name: str, vc: VirtualCuda, gpus: int) -> None:
+    def __init__(self, name: str, vc: VirtualCuda, gpus: int, keep_outputs: bool = False
+                 ) -> None:
         self.name = name
+        self.keep_outputs = keep_outputs  # the loss inside forward, the outputs kept
         self.vc = vc
         self.gpus = gpus
         self.batch_rows = 0
@@ -217,6 +219,7 @@ class Variant:
 
         variant = self
         script_parallel.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
+        script_parallel.state_of(vc).keep_outputs = self.keep_outputs
         if self.name == DDP_IN_PLACE:
             orig_init = DataLoader.__init__
 

@@ -61,6 +61,8 @@ class ScriptConfig:
     variant: str = AS_WRITTEN  # AS_WRITTEN | DDP_IN_PLACE | LOSS_IN_FORWARD
     debug: bool = False
     rung: Rung | None = None  # a rung of the ladder applied as the script runs
+    # LOSS_IN_FORWARD: the replicas return their outputs too (the script uses them)
+    keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
 
     @property
@@ -127,7 +129,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     rt = vc.rt
     stepper = Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
-    variant = Variant(cfg.variant, vc, cfg.gpus)
+    variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
     # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
@@ -258,7 +260,8 @@ def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
     if run.ddp:
         return DDP
     if run.data_parallel:
-        return DP_LOSS_FORWARD if run.replica_scalars else DP_LOSS_PRIMARY
+        # the replicas return their losses: as written, or as the alternative made them
+        return DP_LOSS_FORWARD if run.replica_scalars or run.loss_modules else DP_LOSS_PRIMARY
     if len(devices_touched) > 1:
         return MODEL_PARALLEL
     return SINGLE

@@ -282,14 +282,15 @@ def _recording_class() -> type:
 
         shapes: list[Any]
 
-        def forward(self, inputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
             outputs = self.model(*as_args(inputs))
             self.shapes.append(tree_map(
                 lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
                 outputs))
             loss = self.loss_fn(outputs, targets)
             rows = float(t_rows(targets) or t_rows(inputs))
-            return loss.reshape(1) * rows, loss.new_full((1,), rows)
+            weighted, count = loss.reshape(1) * rows, loss.new_full((1,), rows)
+            return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
     return RecordingModelWithLoss
 
@@ -315,11 +316,14 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
     deferred.used_as_loss = True
     _log().call_sites.append(deferred.site)
     _log().loss_sites.append(caller_site())
-    wrapped = _recording_class()(deferred.dp.module, loss_fn)
+    keep = _state().keep_outputs
+    wrapped = _recording_class()(deferred.dp.module, loss_fn, keep_outputs=keep)
     wrapped.shapes = deferred.shapes
     inputs = deferred.inputs if len(deferred.inputs) != 1 else deferred.inputs[0]
     out = deferred.dp.run(wrapped, (inputs, targets), {})
     _log().loss_in_forward += 1
+    if keep:  # the script's later uses of the outputs get the gathered ones
+        deferred.value = ModelWithLoss.split(out)[0]
     return ModelWithLoss.combine(out)
 
 
@@ -417,6 +421,10 @@ class ScriptParallel:
     while active): the paired alternative being run, and what the wrappers saw."""
 
     mode: str = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD
+    # LOSS_IN_FORWARD for a script that uses the outputs besides the loss: the replicas
+    # return them too (ModelWithLoss(keep_outputs=True), the code the fix hands out),
+    # gathered on the output device beside the loss numbers
+    keep_outputs: bool = False
     log: ParallelLog = field(default_factory=ParallelLog)
     # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
     functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
