@@ -235,6 +235,42 @@ def test_collectives_on_the_fake_process_group(tmp_path: Path,
     assert "allocated 16384 3" in capsys.readouterr().out
 
 
+FSDP2_SHAPES = [(512, 256), (256, 512)] + 4 * [(256,), (256,), (256, 256)]  # Net's
+
+
+def sharded_bytes(shapes: list[tuple[int, ...]], ranks: int) -> int:
+    """Each parameter's shard (dim 0 split over the ranks, padded), a block of its own."""
+    return sum(r512(4 * numel((-(-s[0] // ranks), *s[1:]))) for s in shapes)
+
+
+def test_fsdp2_built_on_meta_and_initialised_after_fully_shard() -> None:
+    """pytorch/examples' FSDP2 recipe: the model built on meta, fully_shard per block and at
+    the root, to_empty on the GPU, reset_parameters (DTensor's random init on a CUDA mesh),
+    Adam over the sharded parameters: each rank holds 1/4 of every parameter."""
+    result = run(["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "fsdp2_meta_init.py")])
+    (s,) = result.scenarios
+    assert s.name == "fsdp2" and s.status == "ok", s.message
+    assert [d.rank for d in s.devices] == [0, 1, 2, 3]
+    d = s.devices[0]
+    sharded = sharded_bytes(FSDP2_SHAPES, 4)
+    assert d.breakdown_bytes["optimizer_state"] == 2 * sharded  # Adam's two moments
+    # at its peak (backward) the root's parameters and one block's are all-gathered
+    root = params_bytes((512, 256), (256, 512))
+    block = params_bytes((256,), (256,), (256, 256))
+    assert d.breakdown_bytes["parameters"] == sharded + root + block
+    assert 0 < d.breakdown_bytes["gradients"] <= sharded
+    assert d.breakdown_bytes["communication"] > 0  # all-gather and reduce-scatter buffers
+    assert all(x.peak_allocated_bytes == d.peak_allocated_bytes for x in s.devices)
+
+
+def test_fsdp2_verdict_names_fsdp2(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["run", "-o", str(out), "--", "torchrun", "--nproc-per-node",
+                              "4", str(SCRIPTS / "fsdp2_meta_init.py")])
+    assert res.exit_code == 0, res.output
+    assert "FSDP2 balances all 4 GPUs at" in " ".join(res.output.split())
+
+
 def test_ddp_under_mp_spawn() -> None:
     result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=2)
     (s,) = result.scenarios

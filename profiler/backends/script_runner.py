@@ -33,7 +33,14 @@ from dpprof.emulator.script_parallel import DDP_IN_PLACE
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.base import (
+    DDP,
+    DP_LOSS_FORWARD,
+    DP_LOSS_PRIMARY,
+    FSDP2,
+    MODEL_PARALLEL,
+    SINGLE,
+)
 from dpprof.scenarios.registry import scenario
 from dpprof.units import fmt_bytes
 
@@ -69,6 +76,7 @@ class ScriptRun:
     stand_in_sites: dict[str, int] = field(default_factory=dict)
     data_parallel: bool = False
     ddp: bool = False
+    fsdp: bool = False  # the script sharded its model with FSDP2's fully_shard
     world_size: int = 1
     batch_rows: int = 0
     seconds: float = 0.0
@@ -195,6 +203,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.data_parallel = log.data_parallel > 0
     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                and bool(log.ddp_devices))
+    run.fsdp = log.fsdp > 0
     run.replica_scalars = log.replica_scalars
     run.materialized = list(log.materialized)
     run.dp_sites = list(log.dp_sites)
@@ -213,6 +222,8 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
+    if run.fsdp:
+        return FSDP2
     if run.ddp:
         return DDP
     if run.data_parallel:

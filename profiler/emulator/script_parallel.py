@@ -28,7 +28,7 @@ from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
-from dpprof.emulator.patcher import Patch
+from dpprof.emulator.patcher import Patch, Patcher
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -52,6 +52,7 @@ class ParallelLog:
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     fake_group: bool = False  # a fake default process group was initialised
+    fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
@@ -491,6 +492,39 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     patch(mp, "start_processes", start_processes)
     patch(spawn_mod, "spawn", spawn)
     patch(spawn_mod, "start_processes", start_processes)
+    _install_fsdp(vc)
+
+
+def _install_fsdp(vc: VirtualCuda) -> None:
+    """FSDP2's ``fully_shard`` as the script calls it: torch's own code over the fake
+    process group, with what :func:`dpprof.emulator.fsdp.emulated_ranks` patches for the
+    ladder's rungs (its in-place storage resizes counted, DTensor's sharding propagation
+    on the real devices), for as long as ``vc`` is active."""
+    from dpprof.emulator import fsdp
+
+    if fsdp.missing() is not None:
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    group_init = _fsdp_param_group.FSDPParamGroup.__init__
+
+    def counted(group: Any, *args: Any, **kwargs: Any) -> None:
+        group_init(group, *args, **kwargs)
+        _log().fsdp += 1
+
+    vc.enter_context(_patched(_fsdp_param_group.FSDPParamGroup, "__init__", counted))
+    vc.enter_context(fsdp.storage_resizes_counted())
+    vc.enter_context(fsdp.sharding_propagation_apart())
+    vc.enter_context(fsdp.host_states_moved())
+    vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
+    vc.enter_context(fsdp.collectives_labelled())
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    with Patcher() as p:
+        p.patch(owner, name, value)
+        yield
 
 
 def cleanup(vc: VirtualCuda) -> None:
