@@ -216,6 +216,53 @@ def test_a_checkpoint_of_emulated_tensors_never_reaches_the_users_file(
 
 
 
+def test_a_folder_made_only_for_a_checkpoint_not_written_is_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pytorch/examples' FSDP2 Checkpointer: os.makedirs(checkpoints/<time>), then torch.save
+    # into it; left empty, the folder reads as a checkpoint to the next run, which fails
+    # to load it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import os, pathlib, torch
+        model = torch.nn.Linear(4, 2).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+        os.makedirs("checkpoints/dtensor_api/1700000000000", exist_ok=True)
+        torch.save(model.state_dict(), "checkpoints/dtensor_api/1700000000000/model.pt")
+        pathlib.Path("kept/run1").mkdir()
+        torch.save(model.state_dict(), "kept/run1/model.pt")
+        os.makedirs("logs/run1")
+        with open("logs/run1/log.txt", "w") as f:
+            f.write("trained")
+        os.makedirs("logs/run1/ckpt")
+        torch.save(model.state_dict(), "logs/run1/ckpt/model.pt")
+    """))
+    res = runner.invoke(app, ["run", "--steps", "5", "-o", str(tmp_path / "r.json"), "-q",
+                              "--", "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "logs", "r.json", "train.py"]
+    assert not (tmp_path / "kept" / "run1").exists()  # made by the run; kept/ was the user's
+    assert (tmp_path / "logs" / "run1" / "log.txt").read_text() == "trained"
+    assert not (tmp_path / "logs" / "run1" / "ckpt").exists()
+    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    assert ("removed: logs/run1/ckpt, kept/run1, checkpoints/dtensor_api/1700000000000, "
+            "checkpoints/dtensor_api, checkpoints") in notes
+
+
+def test_an_fsdp2_checkpoint_leaves_the_users_folder_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    script = Path(__file__).parent / "scripts" / "fsdp2_meta_init.py"
+    res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "-q",
+                              "--", "torchrun", "--nproc-per-node", "4", str(script)])
+    assert res.exit_code == 0, res.output
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["steps_done"] == {"as-written": 4}  # the script ran to its end
+
+
 def test_a_writer_bound_by_name_before_the_run_is_patched_for_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a library imported before the script runs (transformers, imported first, binds

@@ -68,8 +68,12 @@ def write_notes(writes: Writes) -> list[str]:
     if not writes.skipped:
         return []
     calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.skipped.items())
+    removed = ""
+    if writes.removed_folders:
+        folders = ", ".join(os.path.relpath(f) for f in writes.removed_folders)
+        removed = f"; the empty folder(s) the script made for them removed: {folders}"
     return [f"not written, your files untouched: {calls} (what it saved holds tensors of "
-            "virtual GPUs, which have no values)"]
+            f"virtual GPUs, which have no values){removed}"]
 
 
 def alternative_notes(alt: ScriptRun) -> list[str]:

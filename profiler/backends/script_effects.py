@@ -53,6 +53,8 @@ class Writes:
 
     skipped: dict[str, int] = field(default_factory=dict)  # emulated values, not written
     redirected: dict[str, int] = field(default_factory=dict)  # an alternative's own writes
+    # folders the run made for skipped writes alone, removed after it (empty, as before)
+    removed_folders: list[str] = field(default_factory=list)
 
     def add(self, table: dict[str, int], what: str, target: Any) -> None:
         key = f"{what} {_name(target)} at {_short_site(caller_site())}"
@@ -95,6 +97,8 @@ class ScriptEffects:
         self._patcher = Patcher()
         self._originals: dict[str, Any] = {}
         self._moved: dict[str, str] = {}  # a path the script wrote -> where it went
+        self._made: list[str] = []  # folders the run as written made, parents first
+        self._skipped_paths: list[str] = []  # absolute paths of the writes skipped
         self._tail: collections.deque[str] = collections.deque()
         self._previous: ScriptEffects | None = None
 
@@ -127,6 +131,14 @@ class ScriptEffects:
             p(os, "mkdir", _mkdir)
             p(sys, "stdout", _Silenced(sys.stdout, self._tail))
             p(sys, "stderr", _Silenced(sys.stderr, self._tail))
+        else:
+            # the folders it makes are followed: one made only for a checkpoint that is
+            # not written is removed after the run (left empty, it reads as a checkpoint
+            # folder to the script's next run, which then fails to load it)
+            self._originals["os.makedirs"] = os.makedirs
+            self._originals["os.mkdir"] = os.mkdir
+            p(os, "makedirs", _makedirs)
+            p(os, "mkdir", _mkdir)
         return self
 
     def _patch_bound_names(self) -> None:
@@ -165,6 +177,34 @@ class ScriptEffects:
         global _ACTIVE
         self._patcher.restore()
         _ACTIVE = self._previous
+        self._remove_folders_of_skipped_writes()
+
+    # ---- folders of the run as written -------------------------------------------------
+
+    def skip(self, what: str, target: Any) -> None:
+        """A write of emulated values not done: counted, and its path remembered."""
+        self.writes.add(self.writes.skipped, what, target)
+        path = _absolute(target)
+        if path is not None:
+            self._skipped_paths.append(path)
+
+    def made(self, before: list[str]) -> None:
+        """The folders of ``before`` (absent before a call that makes folders) that exist
+        now: the run made them."""
+        self._made.extend(d for d in before if os.path.isdir(d))
+
+    def _remove_folders_of_skipped_writes(self) -> None:
+        """The folders the run made that hold nothing but would have held a skipped write,
+        removed, deepest first (a folder with anything in it stays)."""
+        for folder in reversed(self._made):
+            inside = folder + os.sep
+            if not any(p.startswith(inside) for p in self._skipped_paths):
+                continue
+            try:
+                os.rmdir(folder)  # only an empty folder
+            except OSError:
+                continue
+            self.writes.removed_folders.append(folder)
 
     @property
     def output_tail(self) -> str:
@@ -279,7 +319,7 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     effects = _ACTIVE
     if effects is not None:
         if effects.holds_emulated(obj):
-            effects.writes.add(effects.writes.skipped, "torch.save", f)
+            effects.skip("torch.save", f)
             return
         if effects.sandbox is not None and not hasattr(f, "write"):
             f = effects.redirect(f, writing=True)
@@ -291,7 +331,7 @@ def _numpy_writer(name: str) -> Callable[..., Any]:
         effects = _ACTIVE
         if effects is not None:
             if effects.holds_emulated([args, kwargs]):
-                effects.writes.add(effects.writes.skipped, f"numpy.{name}", file)
+                effects.skip(f"numpy.{name}", file)
                 return None
             if effects.sandbox is not None and not hasattr(file, "write"):
                 file = effects.redirect(file, writing=True)
@@ -305,7 +345,7 @@ def _safetensors_writer(name: str) -> Callable[..., Any]:
         effects = _ACTIVE
         if effects is not None:
             if effects.holds_emulated(obj):
-                effects.writes.add(effects.writes.skipped, f"safetensors.{name}", filename)
+                effects.skip(f"safetensors.{name}", filename)
                 return None
             filename = effects.redirect(filename, writing=True)
         return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
@@ -321,16 +361,43 @@ def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
     return _original("open")(file, mode, *args, **kwargs)
 
 
+def _absolute(path: Any) -> str | None:
+    """``path`` (a str, bytes or path-like; not a file object or descriptor) made absolute."""
+    if isinstance(path, int) or hasattr(path, "write"):
+        return None
+    try:
+        return os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:
+        return None
+
+
+def _absent_folders(path: Any) -> list[str]:
+    """``path`` and its parents that do not exist yet, parents first."""
+    folder = _absolute(path)
+    absent: list[str] = []
+    while folder is not None and not os.path.exists(folder):
+        absent.append(folder)
+        parent = os.path.dirname(folder)
+        folder = parent if parent != folder else None
+    return absent[::-1]
+
+
 def _makedirs(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
     effects = _ACTIVE
     if effects is not None and effects.sandbox is not None:
         name = effects.redirect(name, writing=True)
         exist_ok = True
+    before = _absent_folders(name) if effects is not None else []
     _original("os.makedirs")(name, mode, exist_ok)
+    if effects is not None and effects.sandbox is None:
+        effects.made(before)
 
 
 def _mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
     effects = _ACTIVE
     if effects is not None and effects.sandbox is not None and dir_fd is None:
         path = effects.redirect(path, writing=True)
+    before = _absent_folders(path) if effects is not None and dir_fd is None else []
     _original("os.mkdir")(path, mode, dir_fd=dir_fd)
+    if effects is not None and effects.sandbox is None:
+        effects.made(before)
