@@ -215,19 +215,21 @@ def sharding_propagation_apart() -> Iterator[None]:
 
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    emulating = [0]  # propagations under way for a runtime (whose mode is off meanwhile)
+    # random ops' propagations under way for a runtime (whose mode is off meanwhile)
+    random_ops = [0]
 
-    def apart(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def apart(self: Any, op_schema: Any, *args: Any, **kwargs: Any) -> Any:
         rt = _runtime()
         if rt is None or not hasattr(rt, "in_dispatch"):
-            return propagate(self, *args, **kwargs)
+            return propagate(self, op_schema, *args, **kwargs)
         rt.in_dispatch += 1  # the virtual CUDA shows real devices meanwhile
-        emulating[0] += 1
+        random = torch.Tag.nondeterministic_seeded in getattr(op_schema.op, "tags", ())
+        random_ops[0] += random
         try:
             with _disable_current_modes():
-                return propagate(self, *args, **kwargs)
+                return propagate(self, op_schema, *args, **kwargs)
         finally:
-            emulating[0] -= 1
+            random_ops[0] -= random
             rt.in_dispatch -= 1
 
     from torch.distributed.tensor import _op_schema
@@ -235,10 +237,11 @@ def sharding_propagation_apart() -> Iterator[None]:
     rebuild = _op_schema._rebuild_tensor_from_dtensor_meta
 
     def on_meta(arg: Any) -> object:
-        # the fake inputs of a virtual GPU's mesh on the meta device: a random op's
+        # a random op's fake inputs on a virtual GPU's mesh on the meta device: its
         # decomposition asks the device for a generator, which a CPU build of torch has
-        # not for "cuda" (the shapes are the same on any device)
-        if not emulating[0] or arg.mesh.device_type != "cuda" or arg.tensor_meta is None:
+        # not for "cuda" (the shapes are the same on any device; other ops keep "cuda",
+        # where a kernel's fake output may differ from meta's)
+        if not random_ops[0] or arg.mesh.device_type != "cuda" or arg.tensor_meta is None:
             return rebuild(arg)
         meta = arg.tensor_meta
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
