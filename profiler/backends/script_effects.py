@@ -28,6 +28,7 @@ import collections
 import importlib.util
 import io
 import os
+import pickle
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.patcher import Patcher
@@ -55,6 +57,8 @@ class Writes:
     redirected: dict[str, int] = field(default_factory=dict)  # an alternative's own writes
     # folders the run made for skipped writes alone, removed after it (empty, as before)
     removed_folders: list[str] = field(default_factory=list)
+    # torch.load of a path whose save was skipped: answered with what the run saved there
+    read_back: dict[str, int] = field(default_factory=dict)
 
     def add(self, table: dict[str, int], what: str, target: Any) -> None:
         key = f"{what} {_name(target)} at {_short_site(caller_site())}"
@@ -99,6 +103,9 @@ class ScriptEffects:
         self._moved: dict[str, str] = {}  # a path the script wrote -> where it went
         self._made: list[str] = []  # folders the run as written made, parents first
         self._skipped_paths: list[str] = []  # absolute paths of the writes skipped
+        # absolute path -> what a skipped torch.save held there, its tensors as shapes
+        # (:func:`_skeleton`), for the run's own torch.load of that path
+        self._held: dict[str, bytes] = {}
         self._tail: collections.deque[str] = collections.deque()
         self._previous: ScriptEffects | None = None
 
@@ -110,6 +117,11 @@ class ScriptEffects:
         p = self._patcher.patch
         self._originals["torch.save"] = torch.save
         p(torch, "save", _torch_save)
+        self._originals["torch.load"] = torch.load
+        p(torch, "load", _torch_load)
+        for name in ("remove", "unlink"):
+            self._originals[f"os.{name}"] = getattr(os, name)
+            p(os, name, _remover(name))
         np = sys.modules.get("numpy")
         if np is not None:
             for name in ("save", "savez", "savez_compressed"):
@@ -181,12 +193,30 @@ class ScriptEffects:
 
     # ---- folders of the run as written -------------------------------------------------
 
-    def skip(self, what: str, target: Any) -> None:
-        """A write of emulated values not done: counted, and its path remembered."""
+    def skip(self, what: str, target: Any, obj: Any = None) -> None:
+        """A write of emulated values not done: counted, and its path remembered (with
+        ``obj``'s skeleton, for a ``torch.save`` the script may load back)."""
         self.writes.add(self.writes.skipped, what, target)
         path = _absolute(target)
         if path is not None:
             self._skipped_paths.append(path)
+            if what == "torch.save":
+                skeleton = _skeleton(obj, self.is_emulated)
+                if skeleton is not None:
+                    self._held[path] = skeleton
+                else:
+                    self._held.pop(path, None)
+
+    def held(self, f: Any) -> bytes | None:
+        """What a skipped ``torch.save`` left for the path ``f``, if any."""
+        path = _absolute(f)
+        return self._held.get(path) if path is not None else None
+
+    def forget(self, f: Any) -> bool:
+        """The script removes the file ``f``: True where it was a skipped save's (nothing
+        on disk of the run's to remove; a file of the user's there stays)."""
+        path = _absolute(f)
+        return path is not None and self._held.pop(path, None) is not None
 
     def made(self, before: list[str]) -> None:
         """The folders of ``before`` (absent before a call that makes folders) that exist
@@ -319,11 +349,117 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     effects = _ACTIVE
     if effects is not None:
         if effects.holds_emulated(obj):
-            effects.skip("torch.save", f)
+            effects.skip("torch.save", f, obj)
             return
         if effects.sandbox is not None and not hasattr(f, "write"):
             f = effects.redirect(f, writing=True)
     _original("torch.save")(obj, f, *args, **kwargs)
+
+
+def _torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+    effects = _ACTIVE
+    skeleton = effects.held(f) if effects is not None else None
+    if effects is None or skeleton is None:
+        return _original("torch.load")(f, map_location, *args, **kwargs)
+    # the run saved there a moment ago (the save skipped): on a GPU the script reads it
+    # back, whatever was on disk before; the tensors come back where map_location puts them
+    effects.writes.add(effects.writes.read_back, "torch.load", f)
+    return _rebuilt(skeleton, map_location)
+
+
+def _remover(name: str) -> Callable[..., Any]:
+    def remove(path: Any, *args: Any, **kwargs: Any) -> None:
+        effects = _ACTIVE
+        if effects is not None and not args and not kwargs and effects.forget(path):
+            return None
+        return _original(f"os.{name}")(path, *args, **kwargs)  # type: ignore[no-any-return]
+
+    return remove
+
+
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles a checkpoint with each tensor of a virtual GPU (or host stand-in) as its
+    geometry, its storage as a key: no bytes, nothing allocated."""
+
+    def __init__(self, file: Any, is_emulated: IsEmulated) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.is_emulated = is_emulated
+        self.storages: dict[int, int] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, nn.Parameter)
+                or not self.is_emulated(obj)):
+            return NotImplemented
+        st = obj.untyped_storage()
+        key = self.storages.setdefault(id(st), len(self.storages))
+        return (_rebuild_tensor, (key, int(st.nbytes()), str(obj.device), obj.dtype,
+                                  tuple(obj.shape), tuple(obj.stride()),
+                                  int(obj.storage_offset()), obj.requires_grad,
+                                  isinstance(obj, nn.Parameter)))
+
+
+def _skeleton(obj: Any, is_emulated: IsEmulated) -> bytes | None:
+    """``obj`` pickled with its emulated tensors as shapes; None where it cannot be (an
+    object pickle refuses, a tensor subclass such as a DTensor)."""
+    buf = io.BytesIO()
+    try:
+        _SkeletonPickler(buf, is_emulated).dump(obj)
+    except Exception:  # what cannot be held is not read back
+        return None
+    return buf.getvalue()
+
+
+@dataclass
+class _Loading:
+    map_location: Any
+    storages: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def target(self, location: str) -> Any:
+        """Where ``torch.load`` puts a storage saved at ``location``."""
+        where = self.map_location
+        if isinstance(where, dict):
+            return where.get(location, location)
+        if isinstance(where, int) and not isinstance(where, bool):
+            return torch.device("cuda", where)
+        if where is None or callable(where):
+            return location
+        return where
+
+
+_LOADING: list[_Loading] = []  # the loads under way (the unpickler calls _rebuild_tensor)
+
+
+def _rebuilt(skeleton: bytes, map_location: Any) -> Any:
+    _LOADING.append(_Loading(map_location))
+    try:
+        return pickle.loads(skeleton)
+    finally:
+        _LOADING.pop()
+
+
+def _rebuild_tensor(key: int, nbytes: int, location: str, dtype: torch.dtype,
+                    shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
+                    requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A tensor as ``torch.load`` makes it: each storage once, where it is mapped to (a
+    virtual GPU's bytes counted there; on the host, a stand-in of zeros)."""
+    loading = _LOADING[-1]
+    flat = loading.storages.get(key)
+    if flat is None:
+        where = torch.device(loading.target(location))
+        if where.type == "cpu":
+            from dpprof.emulator.virtual_cuda import active
+
+            vc = active()
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            flat = vc.rt.host_stand_in(host) if vc is not None else host.zero_()
+        else:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=where)
+        loading.storages[key] = flat
+    with torch.no_grad():
+        t = flat.view(dtype).as_strided(shape, stride, offset // 1)
+    if parameter:
+        return nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad)
 
 
 def _numpy_writer(name: str) -> Callable[..., Any]:

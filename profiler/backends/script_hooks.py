@@ -6,6 +6,7 @@ forward)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,9 @@ class Stepper:
         self.done = 0
         self.on_step = on_step
         self.measure_start = 0
-        self.optimizers: list[torch.optim.Optimizer] = []
+        # weakly: an optimizer the script drops (a finished mp.spawn job's, a stage's) frees
+        # its parameters and state as it would on a GPU
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._phase: contextlib.ExitStack | None = None
         self.batch_rows = 0  # rows of the first batch that reached backward
@@ -56,8 +59,7 @@ class Stepper:
         self._phase.enter_context(self.rt.phase(name))
 
     def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if opt not in self.optimizers:
-            self.optimizers.append(opt)
+        self.optimizers.add(opt)
         self._label(opt)
         self.phase(f"optimizer (step {self.done + 1})")
 

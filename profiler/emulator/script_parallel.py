@@ -373,7 +373,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         # module's tree so parameters() and state_dict() are DDP's ("module." prefixes).
         object.__setattr__(self, "_ddp_impl", impl)
         _log().ddp += 1
-        _log().world_size = world
+        _log().world_size = max(_log().world_size, world)
         _log().ddp_devices.append(impl.device)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -468,7 +468,8 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if rank is None or rank < 0:
             rank = int(os.environ.get("RANK", "0"))
         orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        _log().world_size = world_size
+        # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
+        _log().world_size = max(_log().world_size, world_size)
         _log().fake_group = True
 
     patch(dist, "init_process_group", init_process_group)
@@ -477,7 +478,7 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
               join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
         """``mp.spawn``: one process per rank; ranks are alike, so rank 0 runs here."""
-        _log().spawned = nprocs
+        _log().spawned = max(_log().spawned, nprocs)
         fn(0, *args)
         return None
 
