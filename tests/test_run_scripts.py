@@ -271,6 +271,21 @@ def test_fsdp2_verdict_names_fsdp2(tmp_path: Path) -> None:
     assert "FSDP2 balances all 4 GPUs at" in " ".join(res.output.split())
 
 
+def test_the_batch_reported_is_a_measured_steps(tmp_path: Path) -> None:
+    # the model-parallel tutorial trains a toy on 20 rows once, then ResNet-50 on 120
+    script = tmp_path / "two_models.py"
+    script.write_text(
+        "import torch\n"
+        "for model, rows in ((torch.nn.Linear(10, 5), 20), (torch.nn.Linear(10, 5), 120)):\n"
+        "    model = model.cuda()\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    for _ in range(1 if rows == 20 else 3):\n"
+        "        model(torch.randn(rows, 10, device='cuda')).sum().backward()\n"
+        "        opt.step()\n")
+    assert run(["python", str(script)], steps=3).batch == 120
+    assert run(["python", str(script)], steps=1).batch == 20
+
+
 def test_ddp_under_mp_spawn() -> None:
     result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=2)
     (s,) = result.scenarios

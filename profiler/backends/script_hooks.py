@@ -46,7 +46,8 @@ class Stepper:
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._phase: contextlib.ExitStack | None = None
-        self.batch_rows = 0  # rows of the first batch that reached backward
+        self.batch_rows = 0  # rows of the first measured batch that reached backward
+        self.warmup_rows = 0  # rows of the warm-up step's batch
         self._last_rows = 0  # rows of the last outermost module call
         self.forwards = 0  # outermost module calls
         self.backwards = 0  # backward() calls
@@ -71,6 +72,10 @@ class Stepper:
         if self.done == 1 and self.steps > 1:
             self.rt.reset_peaks()  # step 1 was the warm-up: measure from here
             self.measure_start = len(self.rt.events)
+            # the batch reported is a measured step's (the model-parallel tutorial's first
+            # step trains a toy on 20 rows, the measured ones ResNet-50 on 120); the
+            # warm-up's where no other step follows
+            self.warmup_rows, self.batch_rows = self.batch_rows, 0
         if self.done >= self.steps:
             raise StopScript
         self.phase(f"forward (step {self.done + 1})")

@@ -216,7 +216,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     ddp_devices = list(log.ddp_devices)
     run.shard_rows = dict(log.shard_rows)
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
-                      or variant.batch_rows)
+                      or stepper.warmup_rows or variant.batch_rows)
     run.loss_modules = variant.loss_calls
     return used, ddp_devices
 
