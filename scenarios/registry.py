@@ -17,6 +17,7 @@ MODULES = (
     "dpprof.scenarios.kinds.dp_loss_forward",
     "dpprof.scenarios.kinds.ddp",
     "dpprof.scenarios.kinds.fsdp2",
+    "dpprof.scenarios.kinds.tensor_parallel",
     "dpprof.scenarios.kinds.model_parallel",
     "dpprof.scenarios.kinds.single",
 )

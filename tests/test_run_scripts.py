@@ -335,7 +335,8 @@ def test_tensor_parallel_attention_over_a_mesh_made_without_a_process_group(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trained" in proc.stdout
     (s,) = json.loads(out.read_text())["scenarios"]
-    assert s["status"] == "ok"
+    assert s["name"] == "tensor-parallel" and s["status"] == "ok"
+    assert [d["rank"] for d in s["devices"]] == [0, 1, 2, 3]
     # each rank holds a quarter of each projection's weight, and AdamW's two moments of it
     d = s["devices"][0]["breakdown_bytes"]
     assert d["optimizer_state"] == 2 * 4 * r512(4 * 16 * 64)

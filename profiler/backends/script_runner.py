@@ -40,6 +40,7 @@ from dpprof.scenarios.base import (
     FSDP2,
     MODEL_PARALLEL,
     SINGLE,
+    TENSOR_PARALLEL,
 )
 from dpprof.scenarios.registry import scenario
 from dpprof.units import fmt_bytes
@@ -77,6 +78,7 @@ class ScriptRun:
     data_parallel: bool = False
     ddp: bool = False
     fsdp: bool = False  # the script sharded its model with FSDP2's fully_shard
+    tensor_parallel: bool = False  # and its layers with parallelize_module
     world_size: int = 1
     batch_rows: int = 0
     seconds: float = 0.0
@@ -204,6 +206,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                and bool(log.ddp_devices))
     run.fsdp = log.fsdp > 0
+    run.tensor_parallel = log.tensor_parallel > 0
     run.replica_scalars = log.replica_scalars
     run.materialized = list(log.materialized)
     run.dp_sites = list(log.dp_sites)
@@ -224,6 +227,8 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
     if run.fsdp:
         return FSDP2
+    if run.tensor_parallel:
+        return TENSOR_PARALLEL
     if run.ddp:
         return DDP
     if run.data_parallel:

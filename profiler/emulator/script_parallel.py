@@ -53,6 +53,7 @@ class ParallelLog:
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     fake_group: bool = False  # a fake default process group was initialised
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
+    tensor_parallel: int = 0  # parallelize_module calls
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
@@ -524,6 +525,18 @@ def _install_fsdp(vc: VirtualCuda) -> None:
         _log().fsdp += 1
 
     vc.enter_context(_patched(_fsdp_param_group.FSDPParamGroup, "__init__", counted))
+
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed.tensor.parallel import api as tp_api
+
+    parallelize = tp_api.parallelize_module
+
+    def parallelize_module(*args: Any, **kwargs: Any) -> Any:
+        _log().tensor_parallel += 1
+        return parallelize(*args, **kwargs)
+
+    for owner in (tp, tp_api):
+        vc.enter_context(_patched(owner, "parallelize_module", parallelize_module))
     vc.enter_context(fsdp.storage_resizes_counted())
     vc.enter_context(fsdp.sharding_propagation_apart())
     vc.enter_context(fsdp.host_states_moved())
