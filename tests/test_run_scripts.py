@@ -342,6 +342,25 @@ def test_tensor_parallel_attention_over_a_mesh_made_without_a_process_group(
     assert d["optimizer_state"] == 2 * 4 * r512(4 * 16 * 64)
 
 
+def test_attention_takes_the_kernel_the_gpu_picks(tmp_path: Path) -> None:
+    # float32, head dim 16, no mask: an A100 runs memory-efficient attention, which saves
+    # the output and a log-sum-exp per row; over meta tensors torch would take the math
+    # path and keep the 8 x 4 x 256 x 256 weights (8 MiB) for backward
+    script = tmp_path / "attention.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "proj = torch.nn.Linear(64, 3 * 64).cuda()\n"
+        "opt = torch.optim.SGD(proj.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    x = torch.randn(8, 256, 64, device='cuda')\n"
+        "    q, k, v = (t.view(8, 256, 4, 16).transpose(1, 2) for t in proj(x).chunk(3, -1))\n"
+        "    F.scaled_dot_product_attention(q, k, v).sum().backward()\n"
+        "    opt.step()\n")
+    (s,) = run(["python", str(script)]).scenarios
+    weights_bytes = 8 * 4 * 256 * 256 * 4
+    assert s.devices[0].peak_allocated_bytes < weights_bytes
+
+
 def test_ddp_under_mp_spawn() -> None:
     result = run(["python", str(SCRIPTS / "ddp_spawn.py")], gpus=2)
     (s,) = result.scenarios

@@ -26,7 +26,7 @@ from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.data_parallel import replicas_float16_note
-from dpprof.emulator.kernels import CudaAutocastNames
+from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.script_parallel import DDP_IN_PLACE
@@ -126,7 +126,11 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
         torch.manual_seed(0)
         effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
-            with vc, autocast, effects, Patcher() as patcher:
+            # over meta tensors the kernels a CUDA build picks (attention's memory-efficient
+            # and flash paths, fused dropout, embedding backward), not meta's
+            kernels = (GpuKernels(cfg.gpu.compute_capability, vc.rt) if not cfg.compute
+                       else contextlib.nullcontext())
+            with vc, autocast, kernels, effects, Patcher() as patcher:
                 variant.install(vc, patcher)
                 _count_backwards(patcher, stepper)
                 stepper.install()

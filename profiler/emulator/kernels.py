@@ -158,14 +158,6 @@ class GpuKernels:
         dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
         return FusedRmsNorm.apply(input, weight, dims)  # type: ignore[no-any-return]
 
-    def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-             is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False) -> torch.Tensor:
-        """``F.scaled_dot_product_attention`` by the kernel the target GPU picks."""
-        return self._sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa)
-
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None,

@@ -542,31 +542,6 @@ def _install_fsdp(vc: VirtualCuda) -> None:
     vc.enter_context(fsdp.host_states_moved())
     vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
     vc.enter_context(fsdp.collectives_labelled())
-    if vc.rt.base.type == "meta":
-        vc.enter_context(_dtensor_attention_as_on_a_gpu(vc))
-
-
-@contextlib.contextmanager
-def _dtensor_attention_as_on_a_gpu(vc: VirtualCuda) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` over DTensors (tensor parallelism's sharded heads)
-    by the kernel the GPU picks (flash or memory-efficient, which DTensor shards); over meta
-    tensors torch picks the math path, whose causal mask, a plain tensor, DTensor refuses
-    to add to the sharded scores."""
-    import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
-
-    from dpprof.emulator.kernels import GpuKernels
-
-    kernels = GpuKernels(vc.spec.compute_capability)
-    plain = F.scaled_dot_product_attention
-
-    def attention(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(query, DTensor):
-            return kernels.sdpa(query, key, value, *args, **kwargs)
-        return plain(query, key, value, *args, **kwargs)
-
-    with _patched(F, "scaled_dot_product_attention", attention):
-        yield
 
 
 @contextlib.contextmanager
