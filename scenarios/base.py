@@ -32,6 +32,10 @@ SINGLE = "single"
 # not a paired scenario: what `dpprof run` names a script that places its own work on
 # several GPUs (no DataParallel, no DDP)
 MODEL_PARALLEL = "model-parallel"
+# not a paired scenario either: a script that shards its model with FSDP2's fully_shard
+FSDP2 = "fsdp2"
+# nor this: a script that shards its layers with tensor parallelism (parallelize_module)
+TENSOR_PARALLEL = "tensor-parallel"
 # What each scenario does (how it wraps the model, its rows, its words) is its object in
 # dpprof.scenarios.registry; these names stay here for the modules that only name them.
 

@@ -16,6 +16,8 @@ MODULES = (
     "dpprof.scenarios.kinds.dp_loss_primary",
     "dpprof.scenarios.kinds.dp_loss_forward",
     "dpprof.scenarios.kinds.ddp",
+    "dpprof.scenarios.kinds.fsdp2",
+    "dpprof.scenarios.kinds.tensor_parallel",
     "dpprof.scenarios.kinds.model_parallel",
     "dpprof.scenarios.kinds.single",
 )

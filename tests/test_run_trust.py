@@ -278,6 +278,126 @@ def test_a_checkpoint_of_emulated_tensors_never_reaches_the_users_file(
 
 
 
+def test_a_folder_made_only_for_a_checkpoint_not_written_is_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pytorch/examples' FSDP2 Checkpointer: os.makedirs(checkpoints/<time>), then torch.save
+    # into it; left empty, the folder reads as a checkpoint to the next run, which fails
+    # to load it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import os, pathlib, torch
+        model = torch.nn.Linear(4, 2).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+        os.makedirs("checkpoints/dtensor_api/1700000000000", exist_ok=True)
+        torch.save(model.state_dict(), "checkpoints/dtensor_api/1700000000000/model.pt")
+        pathlib.Path("kept/run1").mkdir()
+        torch.save(model.state_dict(), "kept/run1/model.pt")
+        os.makedirs("logs/run1")
+        with open("logs/run1/log.txt", "w") as f:
+            f.write("trained")
+        os.makedirs("logs/run1/ckpt")
+        torch.save(model.state_dict(), "logs/run1/ckpt/model.pt")
+    """))
+    res = runner.invoke(app, ["run", "--steps", "5", "-o", str(tmp_path / "r.json"), "-q",
+                              "--", "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "logs", "r.json", "train.py"]
+    assert not (tmp_path / "kept" / "run1").exists()  # made by the run; kept/ was the user's
+    assert (tmp_path / "logs" / "run1" / "log.txt").read_text() == "trained"
+    assert not (tmp_path / "logs" / "run1" / "ckpt").exists()
+    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    assert ("removed: logs/run1/ckpt, kept/run1, checkpoints/dtensor_api/1700000000000, "
+            "checkpoints/dtensor_api, checkpoints") in notes
+
+
+def test_an_fsdp2_checkpoint_leaves_the_users_folder_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    script = Path(__file__).parent / "scripts" / "fsdp2_meta_init.py"
+    res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "-q",
+                              "--", "torchrun", "--nproc-per-node", "4", str(script)])
+    assert res.exit_code == 0, res.output
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["steps_done"] == {"as-written": 4}  # the script ran to its end
+
+
+DDP_TUTORIAL_CHECKPOINT = """
+    import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    CHECKPOINT_PATH = sys.argv[1]
+
+    def demo(rank, world_size, checkpoint):
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        model = torch.nn.Linear(10, 5).to(rank)
+        ddp_model = DDP(model, device_ids=[rank])
+        if checkpoint:
+            if rank == 0:
+                torch.save(ddp_model.state_dict(), CHECKPOINT_PATH)
+            dist.barrier()
+            map_location = {"cuda:%d" % 0: "cuda:%d" % rank}
+            state = torch.load(CHECKPOINT_PATH, map_location=map_location)
+            print("loaded", sorted(state), state["module.weight"].shape,
+                  state["module.weight"].device, torch.cuda.memory_allocated(rank))
+            ddp_model.load_state_dict(state)
+        optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
+        optimizer.zero_grad()
+        ddp_model(torch.randn(20, 10)).sum().backward()
+        optimizer.step()
+        if checkpoint and rank == 0:
+            os.remove(CHECKPOINT_PATH)
+        dist.destroy_process_group()
+
+    for world_size, checkpoint in ((4, False), (4, True), (2, False)):
+        mp.spawn(demo, args=(world_size, checkpoint), nprocs=world_size, join=True)
+        print("after the job", torch.cuda.memory_allocated(0))
+"""
+
+
+@pytest.mark.parametrize("users_file", [False, True], ids=["no-file", "users-file"])
+def test_a_checkpoint_saved_then_loaded_back_reads_what_the_run_saved(
+        users_file: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # the DDP tutorial's demo_checkpoint: rank 0 saves, every rank loads it back with
+    # map_location, rank 0 removes it; the save of emulated tensors is skipped, so the
+    # load must not fail on a missing file nor read a file of the user's there
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tutorial.py").write_text(textwrap.dedent(DDP_TUTORIAL_CHECKPOINT))
+    ckpt = tmp_path / "model.checkpoint"
+    if users_file:
+        ckpt.write_bytes(b"the user's own file")
+    res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "--",
+                              "python", "tutorial.py", str(ckpt)])
+    out = capsys.readouterr().out + res.output
+    assert res.exit_code == 0, out
+    # rank 0's model (2 parameter blocks), DDP's bucket (1) and the state loaded (2 more)
+    assert "loaded ['module.bias', 'module.weight'] torch.Size([5, 10]) cuda:0 2560" in out
+    assert (ckpt.read_bytes() == b"the user's own file") if users_file else not ckpt.exists()
+    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    assert "read back as the run saved it" in notes
+    assert "torch.load model.checkpoint at tutorial.py:15" in notes
+
+
+def test_a_finished_mp_spawn_job_leaves_nothing_on_its_gpus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # each job's processes end with it on a GPU: its model, DDP's buckets and the
+    # optimizer are gone before the next job starts
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tutorial.py").write_text(textwrap.dedent(DDP_TUTORIAL_CHECKPOINT))
+    res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "--",
+                              "python", "tutorial.py", str(tmp_path / "model.checkpoint")])
+    out = capsys.readouterr().out + res.output
+    assert res.exit_code == 0, out
+    assert out.count("after the job 0") == 3, out
+    result = json.loads((tmp_path / "r.json").read_text())
+    # the script's largest job ran 4 ranks (the last one 2)
+    assert [d["rank"] for d in result["scenarios"][0]["devices"]] == [0, 1, 2, 3]
+
+
 def test_a_writer_bound_by_name_before_the_run_is_patched_for_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a library imported before the script runs (transformers, imported first, binds

@@ -243,6 +243,12 @@ def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
     return cost
 
 
+def _distributed_words(name: str) -> str:
+    """How the verdict names a one-process-per-GPU scenario: DDP, or FSDP2 for a script that
+    shards its model with fully_shard."""
+    return ALTERNATIVE_WORDS.get(name) or "DDP"
+
+
 def _placement(s: ScenarioResult) -> str:
     return ", ".join(f"{device_label(d)} ({fmt_bytes(d.peak_allocated_bytes)})" for d in used(s))
 
@@ -279,14 +285,15 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
         return f"cuda:0 needs {fmt_bytes(excess)} more than the other GPUs under {s.name}" \
                + imbalance
     if setup == DISTRIBUTED:
+        who = _distributed_words(s.name)
         if len(devs) < 2:
-            return f"DDP runs one rank, peaking at {fmt_bytes(top.peak_allocated_bytes)}"
+            return f"{who} runs one rank, peaking at {fmt_bytes(top.peak_allocated_bytes)}"
         mean = statistics.fmean(d.peak_allocated_bytes for d in devs)
         if s.status == STATUS_OOM:
-            return f"DDP spreads the step over {len(devs)} GPUs"
+            return f"{who} spreads the step over {len(devs)} GPUs"
         if balanced(top.peak_allocated_bytes - mean, top.peak_allocated_bytes):
-            return f"DDP balances all {len(devs)} GPUs at {fmt_bytes(top.peak_allocated_bytes)}"
-        return (f"under DDP the heaviest of the {len(devs)} GPUs, {device_label(top)}, peaks at "
+            return f"{who} balances all {len(devs)} GPUs at {fmt_bytes(top.peak_allocated_bytes)}"
+        return (f"under {who} the heaviest of the {len(devs)} GPUs, {device_label(top)}, peaks at "
                 f"{fmt_bytes(top.peak_allocated_bytes)} ({top.peak_allocated_bytes / mean:.2f}x "
                 "the mean)")
     if len(devs) == 1:
@@ -431,7 +438,8 @@ def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
     if setup == ONE_GPU:
         return "No fix applies: the step runs on one GPU."
     if setup == DISTRIBUTED and not advice:
-        return "Nothing to change: DDP already gives every GPU its own share."
+        return (f"Nothing to change: {_distributed_words(base.name)} already gives every GPU "
+                "its own share.")
     if not measured(base):
         return f"No recommendation: {base.name}, the scenario fixes are measured against, failed."
     if advice:

@@ -70,12 +70,21 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
 
 
 def write_notes(writes: Writes) -> list[str]:
-    """What dpprof kept the script from writing, in a line."""
+    """What dpprof kept the script from writing, in a line; what it read back of it."""
     if not writes.skipped:
         return []
+    read_back = ""
+    if writes.read_back:
+        loads = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.read_back.items())
+        read_back = (f"; read back as the run saved it (shapes, no values), as on a GPU: "
+                     f"{loads}")
     calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.skipped.items())
+    removed = ""
+    if writes.removed_folders:
+        folders = ", ".join(os.path.relpath(f) for f in writes.removed_folders)
+        removed = f"; the empty folder(s) the script made for them removed: {folders}"
     return [f"not written, your files untouched: {calls} (what it saved holds the virtual "
-            "GPUs' values, which are the emulation's, not a run's)"]
+            f"GPUs' values, which are the emulation's, not a run's){removed}{read_back}"]
 
 
 def alternative_notes(alt: ScriptRun) -> list[str]:

@@ -36,6 +36,7 @@ import importlib.util
 import io
 import itertools
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dpprof.emulator.cuda_devices import caller_site, in_dpprof
 from dpprof.emulator.patcher import Patcher
@@ -65,6 +67,10 @@ class Writes:
 
     skipped: dict[str, int] = field(default_factory=dict)  # emulated values, not written
     redirected: dict[str, int] = field(default_factory=dict)  # an alternative's own writes
+    # folders the run made for skipped writes alone, removed after it (empty, as before)
+    removed_folders: list[str] = field(default_factory=list)
+    # torch.load of a path whose save was skipped: answered with what the run saved there
+    read_back: dict[str, int] = field(default_factory=dict)
 
     def add(self, table: dict[str, int], what: str, target: Any) -> None:
         key = f"{what} {_name(target)} at {_short_site(caller_site())}"
@@ -107,6 +113,11 @@ class ScriptEffects:
         self._patcher = Patcher()
         self._originals: dict[str, Any] = {}
         self._moved: dict[str, str] = {}  # a path the script wrote -> where it went
+        self._made: list[str] = []  # folders the run as written made, parents first
+        self._skipped_paths: list[str] = []  # absolute paths of the writes skipped
+        # absolute path -> what a skipped torch.save held there, its tensors as shapes
+        # (:func:`_skeleton`), for the run's own torch.load of that path
+        self._held: dict[str, bytes] = {}
         self._tail: collections.deque[str] = collections.deque()
         self._previous: ScriptEffects | None = None
         # id(file object) -> (the object, its path, a copy of what the file held before the
@@ -126,6 +137,11 @@ class ScriptEffects:
         p = self._patcher.patch
         self._originals["torch.save"] = torch.save
         p(torch, "save", _torch_save)
+        self._originals["torch.load"] = torch.load
+        p(torch, "load", _torch_load)
+        for name in ("remove", "unlink"):
+            self._originals[f"os.{name}"] = getattr(os, name)
+            p(os, name, _remover(name))
         np = sys.modules.get("numpy")
         if np is not None:
             for name in ("save", "savez", "savez_compressed"):
@@ -155,6 +171,14 @@ class ScriptEffects:
             p(os, "mkdir", _mkdir)
             p(sys, "stdout", _Silenced(sys.stdout, self._tail))
             p(sys, "stderr", _Silenced(sys.stderr, self._tail))
+        else:
+            # the folders it makes are followed: one made only for a checkpoint that is
+            # not written is removed after the run (left empty, it reads as a checkpoint
+            # folder to the script's next run, which then fails to load it)
+            self._originals["os.makedirs"] = os.makedirs
+            self._originals["os.mkdir"] = os.mkdir
+            p(os, "makedirs", _makedirs)
+            p(os, "mkdir", _mkdir)
         return self
 
     def _patch_bound_names(self) -> None:
@@ -197,6 +221,52 @@ class ScriptEffects:
         if self._kept_dir is not None:
             shutil.rmtree(self._kept_dir, ignore_errors=True)
             self._kept_dir = None
+        self._remove_folders_of_skipped_writes()
+
+    # ---- folders of the run as written -------------------------------------------------
+
+    def skip(self, what: str, target: Any, obj: Any = None) -> None:
+        """A write of emulated values not done: counted, and its path remembered (with
+        ``obj``'s skeleton, for a ``torch.save`` the script may load back)."""
+        self.writes.add(self.writes.skipped, what, target)
+        path = _absolute(target)
+        if path is not None:
+            self._skipped_paths.append(path)
+            if what == "torch.save":
+                skeleton = _skeleton(obj, self.is_emulated)
+                if skeleton is not None:
+                    self._held[path] = skeleton
+                else:
+                    self._held.pop(path, None)
+
+    def held(self, f: Any) -> bytes | None:
+        """What a skipped ``torch.save`` left for the path ``f``, if any."""
+        path = _absolute(f)
+        return self._held.get(path) if path is not None else None
+
+    def forget(self, f: Any) -> bool:
+        """The script removes the file ``f``: True where it was a skipped save's (nothing
+        on disk of the run's to remove; a file of the user's there stays)."""
+        path = _absolute(f)
+        return path is not None and self._held.pop(path, None) is not None
+
+    def made(self, before: list[str]) -> None:
+        """The folders of ``before`` (absent before a call that makes folders) that exist
+        now: the run made them."""
+        self._made.extend(d for d in before if os.path.isdir(d))
+
+    def _remove_folders_of_skipped_writes(self) -> None:
+        """The folders the run made that hold nothing but would have held a skipped write,
+        removed, deepest first (a folder with anything in it stays)."""
+        for folder in reversed(self._made):
+            inside = folder + os.sep
+            if not any(p.startswith(inside) for p in self._skipped_paths):
+                continue
+            try:
+                os.rmdir(folder)  # only an empty folder
+            except OSError:
+                continue
+            self.writes.removed_folders.append(folder)
 
     @property
     def output_tail(self) -> str:
@@ -375,7 +445,7 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     effects = _ACTIVE
     if effects is not None:
         if effects.holds_emulated(obj):
-            effects.writes.add(effects.writes.skipped, "torch.save", f)
+            effects.skip("torch.save", f, obj)
             effects.put_back(f)
             return
         if effects.sandbox is not None and not hasattr(f, "write"):
@@ -383,12 +453,118 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     _original("torch.save")(obj, f, *args, **kwargs)
 
 
+def _torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+    effects = _ACTIVE
+    skeleton = effects.held(f) if effects is not None else None
+    if effects is None or skeleton is None:
+        return _original("torch.load")(f, map_location, *args, **kwargs)
+    # the run saved there a moment ago (the save skipped): on a GPU the script reads it
+    # back, whatever was on disk before; the tensors come back where map_location puts them
+    effects.writes.add(effects.writes.read_back, "torch.load", f)
+    return _rebuilt(skeleton, map_location)
+
+
+def _remover(name: str) -> Callable[..., Any]:
+    def remove(path: Any, *args: Any, **kwargs: Any) -> None:
+        effects = _ACTIVE
+        if effects is not None and not args and not kwargs and effects.forget(path):
+            return None
+        return _original(f"os.{name}")(path, *args, **kwargs)  # type: ignore[no-any-return]
+
+    return remove
+
+
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles a checkpoint with each tensor of a virtual GPU (or host stand-in) as its
+    geometry, its storage as a key: no bytes, nothing allocated."""
+
+    def __init__(self, file: Any, is_emulated: IsEmulated) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.is_emulated = is_emulated
+        self.storages: dict[int, int] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, nn.Parameter)
+                or not self.is_emulated(obj)):
+            return NotImplemented
+        st = obj.untyped_storage()
+        key = self.storages.setdefault(id(st), len(self.storages))
+        return (_rebuild_tensor, (key, int(st.nbytes()), str(obj.device), obj.dtype,
+                                  tuple(obj.shape), tuple(obj.stride()),
+                                  int(obj.storage_offset()), obj.requires_grad,
+                                  isinstance(obj, nn.Parameter)))
+
+
+def _skeleton(obj: Any, is_emulated: IsEmulated) -> bytes | None:
+    """``obj`` pickled with its emulated tensors as shapes; None where it cannot be (an
+    object pickle refuses, a tensor subclass such as a DTensor)."""
+    buf = io.BytesIO()
+    try:
+        _SkeletonPickler(buf, is_emulated).dump(obj)
+    except Exception:  # what cannot be held is not read back
+        return None
+    return buf.getvalue()
+
+
+@dataclass
+class _Loading:
+    map_location: Any
+    storages: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def target(self, location: str) -> Any:
+        """Where ``torch.load`` puts a storage saved at ``location``."""
+        where = self.map_location
+        if isinstance(where, dict):
+            return where.get(location, location)
+        if isinstance(where, int) and not isinstance(where, bool):
+            return torch.device("cuda", where)
+        if where is None or callable(where):
+            return location
+        return where
+
+
+_LOADING: list[_Loading] = []  # the loads under way (the unpickler calls _rebuild_tensor)
+
+
+def _rebuilt(skeleton: bytes, map_location: Any) -> Any:
+    _LOADING.append(_Loading(map_location))
+    try:
+        return pickle.loads(skeleton)
+    finally:
+        _LOADING.pop()
+
+
+def _rebuild_tensor(key: int, nbytes: int, location: str, dtype: torch.dtype,
+                    shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
+                    requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A tensor as ``torch.load`` makes it: each storage once, where it is mapped to (a
+    virtual GPU's bytes counted there; on the host, a stand-in of zeros)."""
+    loading = _LOADING[-1]
+    flat = loading.storages.get(key)
+    if flat is None:
+        where = torch.device(loading.target(location))
+        if where.type == "cpu":
+            from dpprof.emulator.virtual_cuda import active
+
+            vc = active()
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            flat = vc.rt.host_stand_in(host) if vc is not None else host.zero_()
+        else:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=where)
+        loading.storages[key] = flat
+    with torch.no_grad():
+        t = flat.view(dtype).as_strided(shape, stride, offset // 1)
+    if parameter:
+        return nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad)
+
+
 def _numpy_writer(name: str) -> Callable[..., Any]:
     def write(file: Any, *args: Any, **kwargs: Any) -> Any:
         effects = _ACTIVE
         if effects is not None:
             if effects.holds_emulated([args, kwargs]):
-                effects.writes.add(effects.writes.skipped, f"numpy.{name}", file)
+                effects.skip(f"numpy.{name}", file)
                 effects.put_back(file)
                 return None
             if effects.sandbox is not None and not hasattr(file, "write"):
@@ -403,7 +579,7 @@ def _safetensors_writer(name: str) -> Callable[..., Any]:
         effects = _ACTIVE
         if effects is not None:
             if effects.holds_emulated(obj):
-                effects.writes.add(effects.writes.skipped, f"safetensors.{name}", filename)
+                effects.skip(f"safetensors.{name}", filename)
                 return None
             filename = effects.redirect(filename, writing=True)
         return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
@@ -451,16 +627,43 @@ def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
     return _original("open")(file, mode, *args, **kwargs)
 
 
+def _absolute(path: Any) -> str | None:
+    """``path`` (a str, bytes or path-like; not a file object or descriptor) made absolute."""
+    if isinstance(path, int) or hasattr(path, "write"):
+        return None
+    try:
+        return os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:
+        return None
+
+
+def _absent_folders(path: Any) -> list[str]:
+    """``path`` and its parents that do not exist yet, parents first."""
+    folder = _absolute(path)
+    absent: list[str] = []
+    while folder is not None and not os.path.exists(folder):
+        absent.append(folder)
+        parent = os.path.dirname(folder)
+        folder = parent if parent != folder else None
+    return absent[::-1]
+
+
 def _makedirs(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
     effects = _ACTIVE
     if effects is not None and effects.sandbox is not None:
         name = effects.redirect(name, writing=True)
         exist_ok = True
+    before = _absent_folders(name) if effects is not None else []
     _original("os.makedirs")(name, mode, exist_ok)
+    if effects is not None and effects.sandbox is None:
+        effects.made(before)
 
 
 def _mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
     effects = _ACTIVE
     if effects is not None and effects.sandbox is not None and dir_fd is None:
         path = effects.redirect(path, writing=True)
+    before = _absent_folders(path) if effects is not None and dir_fd is None else []
     _original("os.mkdir")(path, mode, dir_fd=dir_fd)
+    if effects is not None and effects.sandbox is None:
+        effects.made(before)

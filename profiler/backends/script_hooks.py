@@ -6,6 +6,7 @@ forward), and ``torch.compile`` run eagerly (:func:`compile_eagerly`)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -58,10 +59,13 @@ class Stepper:
         self.done = 0
         self.on_step = on_step
         self.measure_start = 0
-        self.optimizers: list[torch.optim.Optimizer] = []
+        # weakly: an optimizer the script drops (a finished mp.spawn job's, a stage's) frees
+        # its parameters and state as it would on a GPU
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._phase: contextlib.ExitStack | None = None
-        self.batch_rows = 0  # rows of the first batch that reached backward
+        self.batch_rows = 0  # rows of the first measured batch that reached backward
+        self.warmup_rows = 0  # rows of the warm-up step's batch
         self._last_rows = 0  # rows of the last outermost module call
         self.forwards = 0  # outermost module calls
         self.backwards = 0  # backward() calls
@@ -72,9 +76,11 @@ class Stepper:
         self._orig_optimizer_init: Any = None
         self._depth = 0
         self.listeners: list[StepListener] = []
-        # the first outermost module with parameters the script called (its model), kept
-        # until the run ends; the script's lines of that call and of its first backward()
-        self.model: nn.Module | None = None
+        # the first outermost module with parameters the script called (its model): its
+        # repeated blocks and the words of their checkpointing code (blocks_of); the
+        # script's lines of that call and of its first backward()
+        self.model_blocks = 0
+        self.blocks_words: dict[str, Any] = {}
         self.forward_site = ""
         self.backward_site = ""
 
@@ -85,8 +91,7 @@ class Stepper:
         self._phase.enter_context(self.rt.phase(name))
 
     def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if opt not in self.optimizers:
-            self.optimizers.append(opt)
+        self.optimizers.add(opt)
         self._label(opt)
         for listener in self.listeners:
             listener.step_started()
@@ -100,6 +105,10 @@ class Stepper:
         if self.done == 1 and self.steps > 1:
             self.rt.reset_peaks()  # step 1 was the warm-up: measure from here
             self.measure_start = len(self.rt.events)
+            # the batch reported is a measured step's (the model-parallel tutorial's first
+            # step trains a toy on 20 rows, the measured ones ResNet-50 on 120); the
+            # warm-up's where no other step follows
+            self.warmup_rows, self.batch_rows = self.batch_rows, 0
         if self.done >= self.steps:
             raise StopScript
         self.phase(f"forward (step {self.done + 1})")
@@ -139,8 +148,10 @@ class Stepper:
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
                 self._last_rows = int(first.shape[0])
-            if self.model is None:
-                self.model = module
+            if not self.forward_site:
+                # the script's model, read at its first call and not kept (a reference
+                # would keep its memory counted after the script let it go)
+                self.model_blocks, self.blocks_words = blocks_of(module)
                 self.forward_site = caller_site()
             for listener in self.listeners:
                 listener.forward_started(module)

@@ -28,7 +28,6 @@ from dpprof.backends.script_hooks import (
     Stepper,
     StopScript,
     Variant,
-    blocks_of,
     compile_eagerly,
 )
 from dpprof.backends.script_launch import Launch, run_main_file, script_process, user_traceback
@@ -43,7 +42,15 @@ from dpprof.emulator.script_parallel import DDP_IN_PLACE
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.base import (
+    DDP,
+    DP_LOSS_FORWARD,
+    DP_LOSS_PRIMARY,
+    FSDP2,
+    MODEL_PARALLEL,
+    SINGLE,
+    TENSOR_PARALLEL,
+)
 from dpprof.scenarios.registry import scenario
 from dpprof.units import fmt_bytes
 
@@ -85,6 +92,8 @@ class ScriptRun:
     stand_in_sites: dict[str, int] = field(default_factory=dict)
     data_parallel: bool = False
     ddp: bool = False
+    fsdp: bool = False  # the script sharded its model with FSDP2's fully_shard
+    tensor_parallel: bool = False  # and its layers with parallelize_module
     world_size: int = 1
     batch_rows: int = 0
     seconds: float = 0.0
@@ -175,8 +184,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
-    run.model_blocks, run.blocks_words = blocks_of(stepper.model)
-    stepper.model = None  # the script's model: not kept past its run
+    run.model_blocks, run.blocks_words = stepper.model_blocks, stepper.blocks_words
     run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
@@ -239,6 +247,8 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.data_parallel = log.data_parallel > 0
     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                and bool(log.ddp_devices))
+    run.fsdp = log.fsdp > 0
+    run.tensor_parallel = log.tensor_parallel > 0
     run.replica_scalars = log.replica_scalars
     run.materialized = list(log.materialized)
     run.dp_sites = list(log.dp_sites)
@@ -251,12 +261,16 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     ddp_devices = list(log.ddp_devices)
     run.shard_rows = dict(log.shard_rows)
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
-                      or variant.batch_rows)
+                      or stepper.warmup_rows or variant.batch_rows)
     run.loss_modules = variant.loss_calls
     return used, ddp_devices
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
+    if run.fsdp:
+        return FSDP2
+    if run.tensor_parallel:
+        return TENSOR_PARALLEL
     if run.ddp:
         return DDP
     if run.data_parallel:

@@ -219,6 +219,11 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         for t in tensors:
             if t is None:
                 continue
+            # a DTensor (FSDP2's sharded parameters, their gradients and optimizer state)
+            # holds its bytes in its local shard; its own storage is an empty wrapper's
+            local = getattr(t, "_local_tensor", None)
+            if isinstance(local, torch.Tensor):
+                t = local
             rec = self._storages.get(id(t.untyped_storage()))
             if rec is not None:
                 self._labels[rec.serial] = category

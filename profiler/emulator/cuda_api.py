@@ -140,6 +140,10 @@ def accelerator(vc: VirtualCuda, p: Patch) -> None:
     """``torch.accelerator`` (torch >= 2.6), the device-generic names of the above."""
     cuda = torch.cuda
     acc = getattr(torch, "accelerator", None)
+    if hasattr(torch._C, "_get_accelerator"):
+        # what torch.distributed reads for its default device: FSDP2's default mesh,
+        # the default backend of init_process_group
+        p(torch._C, "_get_accelerator", lambda check=False: torch.device("cuda"))
     if acc is not None:
         p(acc, "is_available", cuda.is_available)
         p(acc, "current_accelerator",

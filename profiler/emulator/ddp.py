@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -245,9 +246,17 @@ class EmulatedDDP(nn.Module):
             if find_unused_parameters and self.params:
                 with rt.category("communication"):
                     self.local_used_map_dev = torch.empty(len(self.params), dtype=torch.int32)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._autograd_hook) for p in self.params
-        ]
+        # the hooks hold the reducer weakly: a hook on a parameter that holds it strongly
+        # makes a cycle through the parameter's hook table that the garbage collector
+        # does not follow, so a finished mp.spawn job's model would stay on its GPU
+        me = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            ddp = me()
+            if ddp is not None:
+                ddp._autograd_hook(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
     # reducer.cpp: initialize_buckets + initialize_bucket_views
     def _initialize_buckets(self, assignment: list[list[int]]) -> None:

@@ -215,20 +215,97 @@ def sharding_propagation_apart() -> Iterator[None]:
 
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
-    def apart(self: Any, *args: Any, **kwargs: Any) -> Any:
+    # random ops' propagations under way for a runtime (whose mode is off meanwhile)
+    random_ops = [0]
+
+    def apart(self: Any, op_schema: Any, *args: Any, **kwargs: Any) -> Any:
         rt = _runtime()
         if rt is None or not hasattr(rt, "in_dispatch"):
-            return propagate(self, *args, **kwargs)
+            return propagate(self, op_schema, *args, **kwargs)
         rt.in_dispatch += 1  # the virtual CUDA shows real devices meanwhile
+        random = torch.Tag.nondeterministic_seeded in getattr(op_schema.op, "tags", ())
+        random_ops[0] += random
         try:
             with _disable_current_modes():
-                return propagate(self, *args, **kwargs)
+                return propagate(self, op_schema, *args, **kwargs)
         finally:
+            random_ops[0] -= random
             rt.in_dispatch -= 1
+
+    from torch.distributed.tensor import _op_schema
+
+    rebuild = _op_schema._rebuild_tensor_from_dtensor_meta
+
+    def on_meta(arg: Any) -> object:
+        # a random op's fake inputs on a virtual GPU's mesh on the meta device: its
+        # decomposition asks the device for a generator, which a CPU build of torch has
+        # not for "cuda" (the shapes are the same on any device; other ops keep "cuda",
+        # where a kernel's fake output may differ from meta's)
+        if not random_ops[0] or arg.mesh.device_type != "cuda" or arg.tensor_meta is None:
+            return rebuild(arg)
+        meta = arg.tensor_meta
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
 
     with Patcher() as p:
         p.patch(ShardingPropagator, "_propagate_tensor_meta_non_cached", apart)
+        p.patch(_op_schema, "_rebuild_tensor_from_dtensor_meta", on_meta)
         yield
+
+
+@contextlib.contextmanager
+def collectives_labelled() -> Iterator[None]:
+    """What FSDP2's collectives allocate filed by what it is: the all-gather's and the
+    reduce-scatter's flat buffers under ``communication``, the unsharded parameters the
+    all-gather's output is copied out into under ``parameters`` (the new sharded gradients
+    the reduce-scatter makes are filed as ``gradients`` where the optimizer steps)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    def filed(fn: Any, category: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            rt = _runtime()
+            if rt is None:
+                return fn(*args, **kwargs)
+            with rt.category(category):
+                return fn(*args, **kwargs)
+        return run
+
+    with Patcher() as p:
+        for name, category in (("foreach_all_gather", "communication"),
+                               ("foreach_all_gather_copy_out", "parameters"),
+                               ("foreach_reduce", "communication")):
+            if hasattr(_fsdp_param_group, name):
+                p.patch(_fsdp_param_group, name, filed(getattr(_fsdp_param_group, name),
+                                                       category))
+        yield
+
+
+@contextlib.contextmanager
+def dtensor_random_ops_run(mode_type: type) -> Iterator[None]:
+    """DTensor's random ops on a CUDA mesh (``nn.init`` of sharded parameters, dropout),
+    which torch wraps in a higher-order operator that sets the GPU's Philox offsets
+    (``run_dtensor_rng_op``), run by a ``mode_type`` mode as the plain op: the virtual GPUs'
+    random numbers have no values, so only the memory the op allocates is counted."""
+    try:
+        from torch._prims.rng_prims import run_dtensor_rng_op
+    except ImportError:  # a torch without the operator calls the op itself
+        yield
+        return
+
+    def plain(mode: Any, start_offset: Any, end_offset: Any, op: Any, *args: Any,
+              **kwargs: Any) -> Any:
+        with mode:  # torch takes the mode off the stack for the handler; the op is counted
+            return op(*args, **kwargs)
+
+    table = run_dtensor_rng_op.python_key_table
+    before = table.get(mode_type)
+    table[mode_type] = plain
+    try:
+        yield
+    finally:
+        if before is None:
+            table.pop(mode_type, None)
+        else:
+            table[mode_type] = before
 
 
 @contextlib.contextmanager

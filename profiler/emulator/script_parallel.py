@@ -28,7 +28,7 @@ from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
-from dpprof.emulator.patcher import Patch
+from dpprof.emulator.patcher import Patch, Patcher
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -52,6 +52,8 @@ class ParallelLog:
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     fake_group: bool = False  # a fake default process group was initialised
+    fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
+    tensor_parallel: int = 0  # parallelize_module calls
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
@@ -385,7 +387,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         # module's tree so parameters() and state_dict() are DDP's ("module." prefixes).
         object.__setattr__(self, "_ddp_impl", impl)
         _log().ddp += 1
-        _log().world_size = world
+        _log().world_size = max(_log().world_size, world)
         _log().ddp_devices.append(impl.device)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -487,16 +489,27 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if rank is None or rank < 0:
             rank = int(os.environ.get("RANK", "0"))
         orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        _log().world_size = world_size
+        # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
+        _log().world_size = max(_log().world_size, world_size)
         _log().fake_group = True
 
     patch(dist, "init_process_group", init_process_group)
+    # torch's own callers hold it by name: init_device_mesh initialises the default group
+    # itself when the script has not (else a real rendezvous waits for ranks that never
+    # come), as does FSDP2's default mesh
+    import torch.distributed.distributed_c10d as c10d
+
+    patch(c10d, "init_process_group", init_process_group)
+    from torch.distributed import device_mesh
+
+    if hasattr(device_mesh, "init_process_group"):
+        patch(device_mesh, "init_process_group", init_process_group)
     patch(dist, "is_nccl_available", lambda: True)
 
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
               join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
         """``mp.spawn``: one process per rank; ranks are alike, so rank 0 runs here."""
-        _log().spawned = nprocs
+        _log().spawned = max(_log().spawned, nprocs)
         fn(0, *args)
         return None
 
@@ -511,6 +524,51 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     patch(mp, "start_processes", start_processes)
     patch(spawn_mod, "spawn", spawn)
     patch(spawn_mod, "start_processes", start_processes)
+    _install_fsdp(vc)
+
+
+def _install_fsdp(vc: VirtualCuda) -> None:
+    """FSDP2's ``fully_shard`` as the script calls it: torch's own code over the fake
+    process group, with what :func:`dpprof.emulator.fsdp.emulated_ranks` patches for the
+    ladder's rungs (its in-place storage resizes counted, DTensor's sharding propagation
+    on the real devices), for as long as ``vc`` is active."""
+    from dpprof.emulator import fsdp
+
+    if fsdp.missing() is not None:
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    group_init = _fsdp_param_group.FSDPParamGroup.__init__
+
+    def counted(group: Any, *args: Any, **kwargs: Any) -> None:
+        group_init(group, *args, **kwargs)
+        _log().fsdp += 1
+
+    vc.enter_context(_patched(_fsdp_param_group.FSDPParamGroup, "__init__", counted))
+
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed.tensor.parallel import api as tp_api
+
+    parallelize = tp_api.parallelize_module
+
+    def parallelize_module(*args: Any, **kwargs: Any) -> Any:
+        _log().tensor_parallel += 1
+        return parallelize(*args, **kwargs)
+
+    for owner in (tp, tp_api):
+        vc.enter_context(_patched(owner, "parallelize_module", parallelize_module))
+    vc.enter_context(fsdp.storage_resizes_counted())
+    vc.enter_context(fsdp.sharding_propagation_apart())
+    vc.enter_context(fsdp.host_states_moved())
+    vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
+    vc.enter_context(fsdp.collectives_labelled())
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    with Patcher() as p:
+        p.patch(owner, name, value)
+        yield
 
 
 def cleanup(vc: VirtualCuda) -> None:

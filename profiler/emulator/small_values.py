@@ -104,10 +104,13 @@ class SmallValues:
         if any(_is_meta(a) and self.value_of(a) is None for a in leaves):
             return None
         flat, spec = tree_flatten((args, kwargs))
-        real = [self.value_of(a) if isinstance(a, torch.Tensor) and _is_meta(a) else a
+        # a device, positional (``aten.to.device``) or keyword, is a virtual GPU or meta:
+        # the host here
+        real = [self.value_of(a) if isinstance(a, torch.Tensor) and _is_meta(a)
+                else torch.device("cpu") if isinstance(a, torch.device) else a
                 for a in flat]
         real_args, real_kwargs = tree_unflatten(real, spec)
-        if real_kwargs.get("device") is not None:  # a virtual GPU, or meta: the host here
+        if real_kwargs.get("device") is not None:  # given as a string
             real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
         try:
             result = func(*real_args, **real_kwargs)

@@ -428,6 +428,10 @@ class VirtualCuda:
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._patcher.patch(owner, name, value)
 
+    def enter_context(self, cm: contextlib.AbstractContextManager[Any]) -> Any:
+        """Enter ``cm`` until this emulation ends (its patches undone with the others)."""
+        return self._stack.enter_context(cm)
+
     def __enter__(self) -> VirtualCuda:
         global _ACTIVE
         if _ACTIVE is not None:
