@@ -182,3 +182,12 @@ def test_where_no_rung_fits_the_report_says_so_and_what_each_needs(tmp_path: Pat
     for fix in rungs(result).values():
         assert fix.title in answer.nothing_to_change
     assert "no rung of the ladder measured fits" in result.comparison.verdict
+
+
+def test_a_script_that_shards_its_model_itself_is_told_why_it_gets_no_ladder() -> None:
+    cmd = ["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "fsdp2_meta_init.py")]
+    result, main = run_command(ScriptConfig(launch=parse_command(cmd, 4), gpus=4, steps=3,
+                                            ladder=True))
+    assert main.scenario.name == "fsdp2" and not rungs(result)
+    assert any(n.startswith("no ladder: the script shards its model itself (fsdp2)")
+               for n in result.notes)

@@ -43,7 +43,14 @@ from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
 from dpprof.backends.script_runner import ScriptConfig, ScriptRun, run_script
 from dpprof.emulator.script_parallel import DDP_IN_PLACE
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix
-from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.base import (
+    DDP,
+    DP_LOSS_PRIMARY,
+    FSDP2,
+    MODEL_PARALLEL,
+    SINGLE,
+    TENSOR_PARALLEL,
+)
 from dpprof.units import fmt_bytes
 
 __all__ = ["floor_of", "run_ladder", "rung_fix"]
@@ -80,7 +87,10 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
     the run they change (None: no ladder)."""
     found = floor_of(main, runs)
     if found is None:
-        if cfg.ladder:
+        if main.scenario.name in (FSDP2, TENSOR_PARALLEL) and wanted(main, cfg.ladder):
+            notes.append(f"no ladder: the script shards its model itself ({main.scenario.name}"
+                         "); the rungs dpprof measures start from DDP or one GPU")
+        elif cfg.ladder:
             notes.append("no ladder: it runs on the DDP alternative, which this script has "
                          "none of")
         return None
