@@ -186,7 +186,7 @@ class ScriptEffects:
         torch import save``; transformers' ``safe_save_file``): that name, patched too. A
         module is read once per process (names are bound at import): thousands of modules
         would otherwise cost each run ~25 ms."""
-        wrappers = {id(self._originals[key]): getattr(owner, attr)
+        wrappers = {id(_IMPORTED.get(key, self._originals[key])): getattr(owner, attr)
                     for key, owner, attr in self._writer_owners()}
         wanted = frozenset(wrappers)
         for module in list(sys.modules.values()):
@@ -424,6 +424,10 @@ def _tensor_behind(x: Any) -> torch.Tensor | None:
 
 # id(module) -> (the module, the writers' ids it was read for, its names bound to one)
 _BOUND_NAMES: dict[int, tuple[Any, frozenset[int], list[str]]] = {}
+# torch's own writer and reader, as modules bound them at import: a run may already have
+# put a wrapper of its own in torch's place (the virtual CUDA's torch.load, new each run),
+# which no module binds, and whose new id made every module be read again (~25 ms a run)
+_IMPORTED = {"torch.save": torch.save, "torch.load": torch.load}
 
 
 def _original(name: str) -> Any:
