@@ -477,6 +477,7 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     if not dist.is_available():
         return
     orig_init = dist.init_process_group
+    fsdp_hooks: list[bool] = []  # installed (once, by the first init_process_group)
 
     def init_process_group(backend: Any = None, init_method: str | None = None,
                            timeout: Any = None, world_size: int = -1, rank: int = -1,
@@ -492,6 +493,12 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
         _log().world_size = max(_log().world_size, world_size)
         _log().fake_group = True
+        if not fsdp_hooks:
+            # FSDP2's hooks once a process group exists (FSDP2 needs one, a default mesh
+            # makes one here): importing FSDP2 loads DTensor and sympy, a second or more
+            # that neither compare's emulations nor a script without a group should pay
+            fsdp_hooks.append(True)
+            _install_fsdp(vc)
 
     patch(dist, "init_process_group", init_process_group)
     # torch's own callers hold it by name: init_device_mesh initialises the default group
@@ -524,7 +531,6 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     patch(mp, "start_processes", start_processes)
     patch(spawn_mod, "spawn", spawn)
     patch(spawn_mod, "start_processes", start_processes)
-    _install_fsdp(vc)
 
 
 def _install_fsdp(vc: VirtualCuda) -> None:
