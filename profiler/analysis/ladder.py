@@ -446,6 +446,9 @@ def fsdp_code(rung: Rung, gpus: int, per_rank: int, words: dict[str, Any]) -> st
 
 
 def blocks_words(model: nn.Module) -> dict[str, Any]:
+    """The words of :data:`CODE_CHECKPOINT` and :data:`CODE_FSDP_SHARD` for the model's
+    repeated blocks: where they are (``blocks``), how many (``count``), their type
+    (``kind``)."""
     blocks = repeated_blocks(model)
     names = [n for n, _ in blocks]
     parent = names[0].rpartition(".")[0] if names else ""
@@ -471,6 +474,14 @@ def offload_words(host_bytes: dict[str, int], gpus: int) -> str:
             "shards are copied back, and the optimizer step runs on the CPU, so each step "
             "is slower (an H200 measured the lm workload's ZeRO-3 step at 0.033 s, "
             "0.089 s with CPU offload)")
+
+
+def need_words(need_bytes: int, capacity_bytes: int) -> str:
+    """A rung's detail's end: what its fullest GPU needs, counted as the out-of-memory check
+    counts it, and whether that fits the GPU."""
+    fits = "fits" if need_bytes <= capacity_bytes else "does not fit"
+    return (f"; the fullest GPU needs {fmt_bytes(need_bytes)} (reserved and context "
+            f"counted): it {fits} in {fmt_bytes(capacity_bytes)}")
 
 
 def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0,
@@ -571,14 +582,11 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         q0, qmax = _peaks(s)
         p0, pmax = _peaks(reference) if reference is not None else (q0, qmax)
         need = _need(s)
-        fits = "fits" if s.status == STATUS_OK else "does not fit"
         return Fix(
             name=rung.name, title=rung.title, primary_peak_bytes=q0, max_peak_bytes=qmax,
             saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax,
             detail=(detail(rung, blocks, floor, per_rank, host.get(rung.name), base.gpus)
-                    + f"; the fullest GPU needs {fmt_bytes(need)} "
-                    f"(reserved and context counted): it {fits} in "
-                    f"{fmt_bytes(base.gpu_memory_bytes)}"),
+                    + need_words(need, base.gpu_memory_bytes)),
             code=code(rung, base.gpus, base.step.batch, model), need_bytes=need)
 
     out: list[Fix] = []

@@ -682,15 +682,15 @@ def autocast(source: str, path: str, call_line: int, loss_line: int, dtype: str)
     where one statement does both); ``dtype``: "bfloat16", or "float16" (with a GradScaler).
     """
     try:
-        if dtype not in AUTOCAST_TITLES:
-            raise NoRewrite(f"dtype {dtype!r}: autocast's rewrite takes \"bfloat16\" or "
-                            "\"float16\"")
         return _autocast(ScriptSource(source, path), call_line, loss_line, dtype)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
 
 def _autocast(src: ScriptSource, call_line: int, loss_line: int, dtype: str) -> Rewrite:
+    if dtype not in AUTOCAST_TITLES:
+        raise NoRewrite(f"dtype {dtype!r}: autocast's rewrite takes \"bfloat16\" or "
+                        "\"float16\"")
     edits = Edits(src)
     first = _statement_on(src, call_line, "model's call")
     last = _statement_on(src, loss_line, "loss")
@@ -780,8 +780,7 @@ def autocast_until_at(call_site: str, backward_site: str, dtype: str) -> Rewrite
         if path != p2:
             raise NoRewrite("the model's call and backward() are in different files "
                             f"({Path(path).name}, {Path(p2).name})")
-        source = _read(path)
-        src = ScriptSource(source, path)
+        src = ScriptSource(_read(path), path)
         first = _statement_on(src, call_line, "model's call")
         back = _statement_on(src, back_line, "backward")
         block = src.block(first)
@@ -795,7 +794,7 @@ def autocast_until_at(call_site: str, backward_site: str, dtype: str) -> Rewrite
             raise NoRewrite(f"line {back.lineno}: backward() is called in the statement of "
                             "the model's call: assign the loss to a name and call its "
                             "backward on the next line")
-        return autocast(source, path, first.lineno, last.end_lineno, dtype)
+        return _autocast(src, first.lineno, last.end_lineno, dtype)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 

@@ -167,15 +167,9 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                 "inside forward as well would leave them off cuda:0: "
                 f"{fmt_bytes(further)} less there at its peak")
         runs.append((variant, alt))
-        fix = script_fix(variant, main, alt, n)
+        fix = script_fix(variant, main, alt, n,
+                         (used, further) if unkept is not None else None)
         if fix is not None:
-            if unkept is not None:
-                lines = ", ".join(u.rpartition(":")[2] for u in used)
-                fix.detail = ("the same script with DataParallel(ModelWithLoss(model, loss, "
-                              "keep_outputs=True)): the loss and its temporaries on each "
-                              f"replica; the outputs, which line {lines} uses, still gathered "
-                              "on cuda:0; computing that inside forward as well would save "
-                              f"{fmt_bytes(further)} more on cuda:0.")
             fixes.append(fix)
         if variant == DDP_IN_PLACE:
             bucket_view = bucket_view_fix(main, alt, n)

@@ -142,8 +142,11 @@ def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
                code=diff_ddp(main, gpus, bucket_view=True))
 
 
-def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
-    """What the alternative saves on cuda:0, with its change to the script's lines."""
+def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int,
+               outputs_kept: tuple[list[str], int] | None = None) -> Fix | None:
+    """What the alternative saves on cuda:0, with its change to the script's lines.
+    ``outputs_kept``: the loss inside forward of a script that also uses the outputs (the
+    sites that do, and what computing them inside forward too would save on cuda:0)."""
     from dpprof.analysis.fix_registry import for_variant
 
     if not main.scenario.devices or not alt.scenario.devices:
@@ -153,9 +156,19 @@ def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix 
     heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
     kind = for_variant(variant)
     return Fix(name=kind.name, title=kind.title, primary_peak_bytes=q0, max_peak_bytes=heaviest,
-               saves_bytes=p0 - q0, detail=kind.run_detail.format(gpus=gpus),
+               saves_bytes=p0 - q0, detail=(kind.run_detail.format(gpus=gpus)
+                                            if outputs_kept is None
+                                            else _kept_outputs_detail(*outputs_kept)),
                code=(diff_loss_in_forward(alt) if variant == LOSS_IN_FORWARD
                      else diff_ddp(main, gpus)))
+
+
+def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:
+    lines = ", ".join(site.rpartition(":")[2] for site in sites)
+    return ("the same script with DataParallel(ModelWithLoss(model, loss, keep_outputs=True)): "
+            f"the loss and its temporaries on each replica; the outputs, which line {lines} "
+            "uses, still gathered on cuda:0; computing that inside forward as well would save "
+            f"{fmt_bytes(further_bytes)} more on cuda:0.")
 
 
 def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.analysis.ladder import Rung, blocks_words, checkpoint_blocks, repeated_blocks
+from dpprof.analysis.ladder import Rung, blocks_words, checkpoint_blocks
 from dpprof.emulator import script_parallel
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site
 from dpprof.emulator.kernels import EmulatedAutocast
@@ -23,7 +23,7 @@ from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import VirtualCuda
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
-           "Variant", "blocks_of", "compile_eagerly", "unwrapped"]
+           "Variant", "compile_eagerly", "unwrapped"]
 
 AS_WRITTEN = "as-written"
 
@@ -38,10 +38,10 @@ StepCallback = Callable[[int], None]
 
 class StepListener(Protocol):
     """What follows the script's step as :class:`Stepper` sees it (a rung of the ladder:
-    :class:`dpprof.backends.script_ladder.RungHooks`)."""
+    :class:`RungHooks`)."""
 
     def forward_started(self, module: nn.Module) -> None:
-        """An outermost module call begins (the model's, or a loss module's)."""
+        """An outermost call of a module with parameters begins (the model's)."""
 
     def backward_started(self) -> None:
         """``backward()`` is called."""
@@ -76,10 +76,9 @@ class Stepper:
         self._orig_optimizer_init: Any = None
         self._depth = 0
         self.listeners: list[StepListener] = []
-        # the first outermost module with parameters the script called (its model): its
-        # repeated blocks and the words of their checkpointing code (blocks_of); the
-        # script's lines of that call and of its first backward()
-        self.model_blocks = 0
+        # the first outermost module with parameters the script called (its model): the
+        # words of the checkpointing code for its repeated blocks (blocks_words: "count"
+        # of them); the script's lines of that call and of its first backward()
         self.blocks_words: dict[str, Any] = {}
         self.forward_site = ""
         self.backward_site = ""
@@ -151,7 +150,7 @@ class Stepper:
             if not self.forward_site:
                 # the script's model, read at its first call and not kept (a reference
                 # would keep its memory counted after the script let it go)
-                self.model_blocks, self.blocks_words = blocks_of(module)
+                self.blocks_words = blocks_words(unwrapped(module))
                 self.forward_site = caller_site()
             for listener in self.listeners:
                 listener.forward_started(module)
@@ -280,16 +279,15 @@ class RungHooks:
         self.rung = rung
         self.blocks = 0  # repeated blocks checkpointed
         self._checkpointed = False
-        self._region: contextlib.ExitStack | None = None
+        self._region: EmulatedAutocast | None = None
 
     def forward_started(self, module: nn.Module) -> None:
-        if self.rung.checkpoint and not self._checkpointed and next(
-                module.parameters(), None) is not None:
+        if self.rung.checkpoint and not self._checkpointed:
             self._checkpointed = True
             self.blocks = checkpoint_blocks(unwrapped(module))
         if self.rung.amp is not None and self._region is None:
-            self._region = contextlib.ExitStack()
-            self._region.enter_context(EmulatedAutocast(getattr(torch, self.rung.amp)))
+            self._region = EmulatedAutocast(getattr(torch, self.rung.amp))
+            self._region.__enter__()
 
     def backward_started(self) -> None:
         self.close()  # the region (forward and loss) ends where backward begins
@@ -300,13 +298,4 @@ class RungHooks:
     def close(self) -> None:
         if self._region is not None:
             region, self._region = self._region, None
-            region.close()
-
-
-def blocks_of(model: nn.Module | None) -> tuple[int, dict[str, Any]]:
-    """The repeated blocks of the script's model (unwrapped): how many, and the words of
-    :data:`CODE_CHECKPOINT` for them."""
-    if model is None:
-        return 0, {}
-    inner = unwrapped(model)
-    return len(repeated_blocks(inner)), blocks_words(inner)
+            region.__exit__(None, None, None)

@@ -37,6 +37,7 @@ from dpprof.analysis.ladder import (
     CODE_LOOP_FP16,
     Rung,
     detail,
+    need_words,
     rungs,
 )
 from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
@@ -51,13 +52,11 @@ from dpprof.scenarios.base import (
     SINGLE,
     TENSOR_PARALLEL,
 )
-from dpprof.units import fmt_bytes
 
 __all__ = ["floor_of", "run_ladder", "rung_fix"]
 
 # The words a rung's detail and the verdict use for the run it changes
-FLOOR_WORDS = {DDP_IN_PLACE: "DDP", DDP: "DDP", SINGLE: "one GPU",
-               MODEL_PARALLEL: "the model as placed"}
+FLOOR_WORDS = {DDP: "DDP", SINGLE: "one GPU", MODEL_PARALLEL: "the model as placed"}
 
 
 def floor_of(main: ScriptRun, runs: list[tuple[str, ScriptRun]]) -> tuple[str, ScriptRun] | None:
@@ -97,16 +96,16 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
     variant, floor = found
     if floor.scenario.status not in (STATUS_OK, STATUS_OOM) or not wanted(floor, cfg.ladder):
         return None
-    model = floor.model_blocks
-    ladder = rungs(cfg.gpu.compute_capability, model > 0)
+    blocks = floor.blocks_words.get("count", 0)
+    ladder = rungs(cfg.gpu.compute_capability, blocks > 0)
     if main.autocast_regions:
         ladder = [r for r in ladder if r.amp is None]
         notes.append("ladder: no mixed-precision rung: the script already runs under "
                      "torch.autocast('cuda')")
-    if model == 0:
+    if blocks == 0:
         notes.append("ladder: no activation checkpointing: the model has no repeated blocks "
                      "(no ModuleList of two or more, no module type repeated)")
-    on = FLOOR_WORDS.get(variant if variant == DDP_IN_PLACE else floor.scenario.name, "")
+    on = FLOOR_WORDS.get(floor.scenario.name, "")  # the DDP alternative's is ddp
     for rung in ladder:
         run = run_script(dataclasses.replace(cfg, variant=variant, rung=rung),
                          step_cb(rung.name))
@@ -125,7 +124,6 @@ def rung_fix(rung: Rung, main: ScriptRun, floor: ScriptRun, run: ScriptRun,
     used = [d for d in run.scenario.devices if d.used]
     base = [d for d in main.scenario.devices if d.used] or used
     need = need_bytes(run.scenario)
-    fits = "fits" if need <= cfg.capacity_bytes else "does not fit"
     return Fix(
         name=rung.name, title=rung.title,
         primary_peak_bytes=used[0].peak_allocated_bytes,
@@ -133,9 +131,7 @@ def rung_fix(rung: Rung, main: ScriptRun, floor: ScriptRun, run: ScriptRun,
         saves_bytes=base[0].peak_allocated_bytes - used[0].peak_allocated_bytes,
         heaviest_saves_bytes=(max(d.peak_allocated_bytes for d in base)
                               - max(d.peak_allocated_bytes for d in used)),
-        detail=(detail(rung, run.checkpointed_blocks, on)
-                + f"; the fullest GPU needs {fmt_bytes(need)} (reserved and context "
-                f"counted): it {fits} in {fmt_bytes(cfg.capacity_bytes)}"),
+        detail=detail(rung, run.checkpointed_blocks, on) + need_words(need, cfg.capacity_bytes),
         code=rung_code(rung, floor, cfg),
         need_bytes=need)
 

@@ -118,10 +118,9 @@ class ScriptRun:
     bucket_view_unsure: str | None = None
     shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
-    # the script's model: its repeated blocks (dpprof.analysis.ladder.repeated_blocks) and
-    # the words of the checkpointing code for them; the lines of its first call and of the
-    # first backward() (file:line)
-    model_blocks: int = 0
+    # the script's model: the words of the checkpointing code for its repeated blocks
+    # (dpprof.analysis.ladder.blocks_words, their "count" among them); the lines of its
+    # first call and of the first backward() (file:line)
     blocks_words: dict[str, Any] = field(default_factory=dict)
     forward_site: str = ""
     backward_site: str = ""
@@ -184,7 +183,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.stand_ins = dict(rt.stand_ins.counts)
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
-    run.model_blocks, run.blocks_words = stepper.model_blocks, stepper.blocks_words
+    run.blocks_words = stepper.blocks_words
     run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
