@@ -226,9 +226,11 @@ class ScriptEffects:
     # ---- folders of the run as written -------------------------------------------------
 
     def skip(self, what: str, target: Any, obj: Any = None) -> None:
-        """A write of emulated values not done: counted, and its path remembered (with
+        """A write of emulated values not done: counted, a file the run's own ``open``
+        truncated for it put back (:meth:`put_back`), and its path remembered (with
         ``obj``'s skeleton, for a ``torch.save`` the script may load back)."""
         self.writes.add(self.writes.skipped, what, target)
+        self.put_back(target)
         path = _absolute(target)
         if path is not None:
             self._skipped_paths.append(path)
@@ -324,9 +326,8 @@ class ScriptEffects:
         """``open(file, "wb")`` in the run as written: what the file holds is copied aside
         first, for :meth:`put_back`."""
         opener = self._originals["open"]
-        try:
-            path = os.path.abspath(os.fsdecode(os.fspath(file)))
-        except TypeError:  # a file descriptor: not the script's file by name
+        path = _absolute(file)
+        if path is None:  # a file descriptor: not the script's file by name
             return opener(file, mode, *args, **kwargs)
         existed = os.path.isfile(path)
         kept: str | None = None
@@ -450,7 +451,6 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     if effects is not None:
         if effects.holds_emulated(obj):
             effects.skip("torch.save", f, obj)
-            effects.put_back(f)
             return
         if effects.sandbox is not None and not hasattr(f, "write"):
             f = effects.redirect(f, writing=True)
@@ -569,7 +569,6 @@ def _numpy_writer(name: str) -> Callable[..., Any]:
         if effects is not None:
             if effects.holds_emulated([args, kwargs]):
                 effects.skip(f"numpy.{name}", file)
-                effects.put_back(file)
                 return None
             if effects.sandbox is not None and not hasattr(file, "write"):
                 file = effects.redirect(file, writing=True)
