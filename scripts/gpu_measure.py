@@ -495,7 +495,6 @@ def _buckets(model: Any) -> list[Any]:
 
 def segments(spec: str) -> dict[str, Any]:
     import torch
-
     from gpu_ladder import run_part
 
     workload, batch_s, part = spec.split(":", 2)
