@@ -225,6 +225,8 @@ class Dev:
     workspace_bytes: int | None = None
     context_bytes: int | None = None
     context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
+    transient_bytes: dict[str, int] = field(default_factory=dict)
+    steady_peak_reserved_bytes: int | None = None
 
 
 def test_an_allocation_on_a_side_stream_is_pooled_apart_in_a_devices_reserve() -> None:

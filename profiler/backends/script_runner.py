@@ -340,4 +340,4 @@ def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
         return next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
                     vc.visible[0])
 
-    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source)
+    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source, blas_first=vc.rt.blas_first)

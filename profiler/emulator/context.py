@@ -316,6 +316,13 @@ NCCL_RANK_BYTES = 1_376_583_680 - 787_283_968  # 589,299,712 B = 562 MiB
 #   workspace: cuBLASLt's own workspace (CUBLASLT_WORKSPACE_SIZE's 1024 KiB, not unified with
 #   cuBLAS's), on the forward's handle only (the backward runs plain mm).
 CUBLASLT_HANDLES_PER_DEVICE = 1
+# - five fresh DDP ranks (NCCL, world 1: mlp, lm, attention, convnet, classifier) on an NVIDIA
+#   H200 (torch 2.11.0+cu130, NCCL 2.28.9; scripts/gpu_measure.py's rank-* parts in
+#   tests/data/h200_measured.json): the process's NVML used memory minus memory_reserved
+#   after six steps, float32 and bf16, MiB (the convolution models' with cuDNN loaded;
+#   attention's bf16 steps loaded 18 MiB more of kernels)
+RANK_OUTSIDE_SPREAD_MIB = (1298, 1318)
+RANK_OUTSIDE_MEASURED_ON = "an NVIDIA H200 (torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28)"
 
 
 def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
@@ -361,10 +368,16 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
              "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
              f"{_MEASURED_ON}" for a in notes]
     notes.append(f"DDP ranks: {NCCL_RANK_BYTES:,} B more outside the allocator for NCCL, "
-                 f"measured at world size 1 on {_MEASURED_ON}; more with more peers. Over "
-                 "NCCL the first iteration's buckets can outlive DDP's rebuild until the "
-                 "process group's watchdog reaps their all-reduce (there: 5 steps of 2 ms): "
-                 "the early steps of a fast loop can peak one gradient copy higher")
+                 f"measured at world size 1 on {_MEASURED_ON}; more with more peers. A "
+                 "rank's memory outside the allocator (context, cuBLAS, NCCL) measured "
+                 f"{RANK_OUTSIDE_SPREAD_MIB[0]:,}-{RANK_OUTSIDE_SPREAD_MIB[1]:,} MiB in "
+                 f"five fresh ranks on {RANK_OUTSIDE_MEASURED_ON}; the model's "
+                 f"{(model.cuda_context_bytes + NCCL_RANK_BYTES) // _MiB:,} MiB (+ cuDNN's "
+                 "where convolutions run) is within 1.2 % of each. Over NCCL the first "
+                 "iteration's buckets outlive DDP's rebuild until the process group's "
+                 "watchdog reaps their all-reduce (within ~100 ms: the early steps of a fast "
+                 "loop): the peaks count them (the worst case), the steady state is shown "
+                 "beside")
     return replace(model, assumptions=notes, nccl_bytes=NCCL_RANK_BYTES)
 
 
