@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dpprof.emulator import calibration
+from dpprof.emulator import calibration, cudnn_workspace
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.catalog import GpuSpec, compute_capability_of
 
@@ -42,7 +42,6 @@ CUDA_CONTEXT_EAGER_BYTES = _PR86509_EAGER - 20 * _MiB  # 645,660,672 B = 615.75 
 # Assumptions without a measurement to cite (override them through context_overhead()).
 CUDNN_LIBRARY_LAZY_BYTES = 64 * _MiB
 CUDNN_LIBRARY_EAGER_BYTES = 512 * _MiB
-CUDNN_WORKSPACE_BYTES = 128 * _MiB
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize():
 # ":4096:2:16:8 default, 32MiB for Hopper and Blackwell"
@@ -244,12 +243,14 @@ def _cudnn(uses_cudnn: bool, lazy_loading: bool, cudnn_library_bytes: int | None
                 "use, outside the caching allocator"
             )
         if cudnn_workspace_bytes is None:
-            cudnn_workspace_bytes = CUDNN_WORKSPACE_BYTES
+            cudnn_workspace_bytes = 0  # per convolution, in the allocation sequence
             assumptions.append(
-                f"cuDNN convolution workspace: {cudnn_workspace_bytes // _MiB} MiB at the "
-                "largest convolution, an assumption; it is taken from the caching allocator "
-                "for the call and freed after it, its real size depends on the algorithm "
-                "(larger with torch.backends.cudnn.benchmark) and CUDNN_CONV_WSCAP_DBG caps it"
+                "cuDNN convolution workspace: taken from the caching allocator at each "
+                "convolution and freed after it, counted in allocated there; its size, the "
+                "engine's that cuDNN's heuristics pick, estimated from the input, output and "
+                f"weight bytes as {cudnn_workspace.MEASURED_ON} measured them "
+                "(dpprof.emulator.cudnn_workspace); other GPUs and cuDNN versions pick other "
+                "engines"
             )
 
     return cudnn_library_bytes, cudnn_workspace_bytes
