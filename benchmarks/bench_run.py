@@ -39,7 +39,7 @@ import torch
 from ratios import record_head, rounds, summary
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpprof.backends.script import ScriptConfig, parse_command, run_command
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 HERE = Path(__file__).resolve().parent
 

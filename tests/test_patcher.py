@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from dpprof.backends.script import ScriptConfig, parse_command, run_command
 from dpprof.emulator.patcher import MISSING, Patcher, own_attribute
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 
 def test_a_patcher_restores_in_reverse_and_deletes_what_was_not_there() -> None:

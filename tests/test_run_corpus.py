@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpprof.backends.script import ScriptConfig, parse_command, run_command
 from dpprof.result import RunResult
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

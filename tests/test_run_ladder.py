@@ -13,13 +13,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dpprof.analysis import script_rewrite
 from dpprof.analysis.ladder import CODE_CHECKPOINT
 from dpprof.analysis.ladder import rungs as ladder_rungs
-from dpprof.backends.script import ScriptConfig, parse_command, run_command
-from dpprof.backends.script_runner import ScriptRun, run_script
 from dpprof.cli.app import app
 from dpprof.result import Fix, RunResult
+from dpprof.script import rewrite
+from dpprof.script.runner import ScriptRun, run_script
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LM = SCRIPTS / "transformer_lm.py"
@@ -74,12 +74,12 @@ def test_each_rung_equals_the_script_with_its_change_made_by_hand(tmp_path: Path
     result, main = run_command(config(LM, ladder=True))
     found = rungs(result)
     # the mixed-precision rung: its diff of the script, applied, run as written
-    rewrite = script_rewrite.autocast_until_at(main.forward_site, main.backward_site,
+    change = rewrite.autocast_until_at(main.forward_site, main.backward_site,
                                                "bfloat16")
-    assert rewrite.ok, rewrite.reason
-    assert rewrite.diff in found["ladder-bf16"].code
+    assert change.ok, change.reason
+    assert change.diff in found["ladder-bf16"].code
     amp = tmp_path / "lm_bf16.py"
-    amp.write_text(rewrite.new_source)
+    amp.write_text(change.new_source)
     by_hand = as_written(amp)
     assert by_hand.autocast_regions == 3  # the user's own region, once in each step
     assert peaks(by_hand) == [(found["ladder-bf16"].primary_peak_bytes,
@@ -93,7 +93,7 @@ def test_each_rung_equals_the_script_with_its_change_made_by_hand(tmp_path: Path
     assert peaks(as_written(ckpt)) == [(found["ladder-checkpoint"].primary_peak_bytes,
                                         found["ladder-checkpoint"].need_bytes)]
     both = tmp_path / "lm_both.py"
-    both.write_text(rewrite.new_source.replace(
+    both.write_text(change.new_source.replace(
         "criterion = nn.CrossEntropyLoss()\n",
         "\n".join(lines) + "\ncriterion = nn.CrossEntropyLoss()\n"))
     assert peaks(as_written(both)) == [(found["ladder-bf16-checkpoint"].primary_peak_bytes,

@@ -18,10 +18,10 @@ import torch
 from typer.testing import CliRunner
 
 from dpprof.backends.memtrace import peak_of, record
-from dpprof.backends.script import ScriptConfig, parse_command, run_command
-from dpprof.backends.script_runner import run_script
 from dpprof.cli.app import app
 from dpprof.result import DeviceResult, RunResult
+from dpprof.script.runner import run_script
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
 runner = CliRunner()

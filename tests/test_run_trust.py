@@ -26,9 +26,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dpprof.backends.script import ScriptConfig, parse_command, run_command
 from dpprof.cli.app import app
 from dpprof.errors import Interrupted
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 runner = CliRunner()
 
@@ -666,7 +666,7 @@ def test_small_values_from_host_data_are_read_back_real(
 
 
 def test_a_library_branching_on_a_stand_in_is_named() -> None:
-    from dpprof.backends.script_answers import library_branches
+    from dpprof.script.notes import library_branches
 
     lib = "/opt/py/site-packages"
     sites = {f"{lib}/transformers/masking_utils.py:292 (bool)": 3,
@@ -713,17 +713,17 @@ def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
     import dataclasses
     import functools
 
-    from dpprof.backends.script_runner import run_script
-    from dpprof.emulator import script_parallel
-    from dpprof.emulator.script_parallel import DDP_IN_PLACE
+    from dpprof.script import wrappers
+    from dpprof.script.runner import run_script
+    from dpprof.script.wrappers import DDP_IN_PLACE
 
     script = str(Path(__file__).parent / "scripts" / "dp_loss_outside.py")
     cfg = ScriptConfig(launch=parse_command(["python", script], 4), variant=DDP_IN_PLACE)
     followed = run_script(cfg)
     assert followed.bucket_view_peak_bytes is not None
     plain_peak = followed.scenario.devices[0].peak_allocated_bytes
-    monkeypatch.setattr(script_parallel, "EmulatedDDP", functools.partial(
-        script_parallel.EmulatedDDP, gradient_as_bucket_view=True))
+    monkeypatch.setattr(wrappers, "EmulatedDDP", functools.partial(
+        wrappers.EmulatedDDP, gradient_as_bucket_view=True))
     with_option = run_script(dataclasses.replace(cfg))
     assert with_option.scenario.devices[0].peak_allocated_bytes == \
         followed.bucket_view_peak_bytes

@@ -1,4 +1,4 @@
-"""``dpprof run``'s fixes as rewrites of the script's own lines (dpprof.analysis.script_rewrite).
+"""``dpprof run``'s fixes as rewrites of the script's own lines (dpprof.script.rewrite).
 
 Each case is a script in a style people write; the rewrite must compile, hold the exact
 wrapped expression, leave every other line as it was, and its diff must give the new file
@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dpprof.analysis import script_rewrite as sr
-from dpprof.backends.script import ScriptConfig, parse_command
-from dpprof.backends.script_runner import run_script
 from dpprof.cli.app import app
-from dpprof.emulator.script_parallel import LOSS_IN_FORWARD
+from dpprof.script import rewrite as sr
+from dpprof.script.runner import run_script
+from dpprof.script.session import ScriptConfig, parse_command
+from dpprof.script.wrappers import LOSS_IN_FORWARD
 
 NET = '''\
 import torch

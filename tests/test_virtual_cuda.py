@@ -16,6 +16,7 @@ from dpprof.emulator import cuda_devices
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import STAND_IN_FLOAT, STAND_IN_INT, DataDependentShapeError
 from dpprof.emulator.virtual_cuda import VirtualCuda, parse_visible_devices
+from dpprof.script import wrappers
 
 
 def r512(n: int) -> int:
@@ -311,7 +312,7 @@ def test_over_cpu_tensors_values_are_real() -> None:
 
 
 def test_data_parallel_is_the_re_enactment() -> None:
-    with VirtualCuda(4) as vc:
+    with VirtualCuda(4, installers=[wrappers.install]) as vc:
         model = nn.DataParallel(nn.Linear(20, 30)).cuda()
         assert isinstance(model, nn.DataParallel)
         out = model(torch.randn(16, 20).cuda())

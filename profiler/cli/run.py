@@ -40,8 +40,8 @@ from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from dpprof.backends.script import ScriptConfig, ScriptRun
-    from dpprof.backends.script_launch import Launch
+    from dpprof.script.launch import Launch
+    from dpprof.script.session import ScriptConfig, ScriptRun
 
 DEFAULT_GPUS = 4
 
@@ -108,7 +108,7 @@ def run_cmd(
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
-    from dpprof.backends.script import ScriptConfig, parse_command
+    from dpprof.script.session import ScriptConfig, parse_command
 
     main = None
     paths: list[tuple[Path, str]] = []
@@ -172,7 +172,7 @@ def _announce(cfg: ScriptConfig) -> None:
 def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult, ScriptRun]:
     """The script as written (and its alternatives), with a progress bar over the steps
     unless ``quiet``."""
-    from dpprof.backends.script import run_command
+    from dpprof.script.session import run_command
 
     if quiet:
         return run_command(cfg, alternatives)
@@ -190,8 +190,8 @@ def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, 
                     quiet: bool) -> None:
     """The script's traceback, then the terminal report and the files, or the one line
     saying nothing reached a GPU."""
-    from dpprof.backends.script import nothing_on_a_gpu
     from dpprof.reports import terminal
+    from dpprof.script.session import nothing_on_a_gpu
 
     if main.script_traceback:  # verbatim, as the script would have printed it
         sys.stderr.write(main.script_traceback.rstrip() + "\n")

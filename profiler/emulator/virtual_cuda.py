@@ -38,7 +38,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -52,7 +52,7 @@ from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta, real_device
-from dpprof.emulator.patcher import Patcher, own_attribute, put
+from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
 from dpprof.emulator.standins import load_real, standing_in
 
 # ---- crossings with autograd -----------------------------------------------------------------
@@ -117,7 +117,8 @@ class VirtualCuda:
     def __init__(self, num_gpus: int = 4, gpu: str | GpuSpec = "a100-80gb",
                  base: str = "meta", rt: CudaDevices | None = None,
                  gpu_memory_bytes: int | None = None, enter_runtime: bool = True,
-                 honour_visible_devices: bool = True) -> None:
+                 honour_visible_devices: bool = True,
+                 installers: Sequence[Callable[[VirtualCuda, Patch], None]] = ()) -> None:
         self.spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
         self.physical = num_gpus
         self.rt = rt or CudaDevices(num_gpus, base)
@@ -132,7 +133,9 @@ class VirtualCuda:
         self._local = threading.local()
         self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``
         self.honour_visible_devices = honour_visible_devices
-        # the parallel wrappers' shared state while active (script_parallel.ScriptParallel)
+        # patches installed on entry after torch.cuda's, restored with them
+        self.installers = tuple(installers)
+        # the parallel wrappers' shared state while active (dpprof.script.wrappers)
         self.parallel: Any = None
         self.active = False
         self.streams = cuda_api.CurrentStreams(self)
@@ -511,10 +514,9 @@ class VirtualCuda:
 
         p(grad_scaler.GradScaler, "_maybe_opt_step", maybe_opt_step)
 
-        # Parallel wrappers
-        from dpprof.emulator import script_parallel
-
-        script_parallel.install(vc, p)
+        # what the caller installs besides (dpprof run: the parallel wrappers)
+        for install in vc.installers:
+            install(vc, p)
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
                  module_fn: Callable[[nn.Module], nn.Module]) -> Any:

@@ -20,25 +20,12 @@ import torch
 
 from dpprof.analysis.ladder import Rung
 from dpprof.backends.emulated_figures import ddp_ranks, device_result, timeline_points
-from dpprof.backends.script_effects import ScriptEffects, Writes
-from dpprof.backends.script_hooks import (
-    AS_WRITTEN,
-    RungHooks,
-    StepCallback,
-    Stepper,
-    StopScript,
-    Variant,
-    compile_eagerly,
-)
-from dpprof.backends.script_launch import Launch, run_main_file, script_process, user_traceback
-from dpprof.emulator import script_parallel
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
-from dpprof.emulator.script_parallel import DDP_IN_PLACE
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import Interrupted, UsageError
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
@@ -52,6 +39,19 @@ from dpprof.scenarios.base import (
     TENSOR_PARALLEL,
 )
 from dpprof.scenarios.registry import scenario
+from dpprof.script import wrappers
+from dpprof.script.effects import ScriptEffects, Writes
+from dpprof.script.hooks import (
+    AS_WRITTEN,
+    RungHooks,
+    StepCallback,
+    Stepper,
+    StopScript,
+    Variant,
+    compile_eagerly,
+)
+from dpprof.script.launch import Launch, run_main_file, script_process, user_traceback
+from dpprof.script.wrappers import DDP_IN_PLACE
 from dpprof.units import fmt_bytes
 
 __all__ = ["ScriptConfig", "ScriptRun", "run_script"]
@@ -105,8 +105,8 @@ class ScriptRun:
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
-    materialized: list[str] = field(default_factory=list)  # see script_parallel.LOG
-    dp_sites: list[str] = field(default_factory=list)  # see script_parallel.LOG
+    materialized: list[str] = field(default_factory=list)  # see wrappers.LOG
+    dp_sites: list[str] = field(default_factory=list)  # see wrappers.LOG
     call_sites: list[str] = field(default_factory=list)
     loss_sites: list[str] = field(default_factory=list)
     writes: Writes = field(default_factory=Writes)  # what dpprof kept from the user's files
@@ -116,7 +116,7 @@ class ScriptRun:
     # ledger while it ran plain), or why it could not be followed
     bucket_view_peak_bytes: int | None = None
     bucket_view_unsure: str | None = None
-    shard_rows: dict[int, int] = field(default_factory=dict)  # see script_parallel.LOG
+    shard_rows: dict[int, int] = field(default_factory=dict)  # see wrappers.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
     # the script's model: the words of the checkpointing code for its repeated blocks
     # (dpprof.analysis.ladder.blocks_words, their "count" among them); the lines of its
@@ -133,7 +133,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     if not launch.is_module and not Path(launch.target).is_file():
         raise UsageError(f"dpprof run: {launch.target}: no such file")
     vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
-                     gpu_memory_bytes=cfg.capacity_bytes)
+                     gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
     stepper = Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
@@ -145,7 +145,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     kernels = GpuKernels(cfg.gpu.compute_capability, rt)
     start = time.perf_counter()
     exc: BaseException | None = None
-    # an alternative's run writes into a private folder and prints nothing (script_effects)
+    # an alternative's run writes into a private folder and prints nothing (dpprof.script.effects)
     sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-")
                if cfg.variant != AS_WRITTEN or cfg.rung is not None
                else contextlib.nullcontext(None))
@@ -169,7 +169,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                     if rung is not None:
                         rung.close()
                     stepper.remove()
-                    script_parallel.cleanup(vc)
+                    wrappers.cleanup(vc)
                     used, ddp_devices = _read_log(run, cfg, vc, stepper, variant)
         finally:
             torch.random.set_rng_state(seed_state)
@@ -239,10 +239,10 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
               variant: Variant) -> tuple[list[int], list[int]]:
-    """What the wrappers logged while the script ran (:mod:`dpprof.emulator.script_parallel`)
+    """What the wrappers logged while the script ran (:mod:`dpprof.script.wrappers`)
     into ``run``; the devices used and those DDP ran on."""
     launch = cfg.launch
-    log = script_parallel.state_of(vc).log
+    log = wrappers.state_of(vc).log
     run.data_parallel = log.data_parallel > 0
     run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
                                and bool(log.ddp_devices))

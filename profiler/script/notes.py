@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 
-from dpprof.analysis import script_rewrite
-from dpprof.backends.script_effects import Writes
-from dpprof.backends.script_runner import ScriptConfig, ScriptRun
 from dpprof.emulator.cuda_devices import STAND_INS
-from dpprof.emulator.script_parallel import LOSS_IN_FORWARD
 from dpprof.result import Fix, RunResult
+from dpprof.script import rewrite
+from dpprof.script.effects import Writes
+from dpprof.script.runner import ScriptConfig, ScriptRun
+from dpprof.script.wrappers import LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
 __all__ = [
@@ -112,7 +112,7 @@ def diff_loss_in_forward(run: ScriptRun) -> str:
     saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
     if not (run.dp_sites and run.call_sites and run.loss_sites):
         return ""
-    return script_rewrite.rewrite_text(script_rewrite.loss_in_forward_at(
+    return rewrite.rewrite_text(rewrite.loss_in_forward_at(
         run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
 
 
@@ -120,7 +120,7 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False) -> str:
     """The DDP change around the script's own DataParallel line."""
     if not run.dp_sites:
         return ""
-    return script_rewrite.rewrite_text(script_rewrite.ddp_at(run.dp_sites[0], gpus,
+    return rewrite.rewrite_text(rewrite.ddp_at(run.dp_sites[0], gpus,
                                                              bucket_view=bucket_view))
 
 

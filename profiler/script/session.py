@@ -13,11 +13,11 @@ DDP in its place (one emulated rank, each DataLoader's batch divided among the G
 DDP script sets it) and, where its loss is an ``nn.Module`` loss called on the gathered
 outputs, with that loss computed inside forward on every replica.
 
-The pieces, one module each: the command parsed (:mod:`dpprof.backends.script_launch`), one
-run of the script (:mod:`dpprof.backends.script_runner`), what dpprof hooks into it
-(:mod:`dpprof.backends.script_hooks`), the effects it is kept from having
-(:mod:`dpprof.backends.script_effects`), and what the result says of the runs
-(:mod:`dpprof.backends.script_answers`). Here: :func:`run_command`, the runs and the result.
+The pieces, one module each: the command parsed (:mod:`dpprof.script.launch`), one
+run of the script (:mod:`dpprof.script.runner`), what dpprof hooks into it
+(:mod:`dpprof.script.hooks`), the effects it is kept from having
+(:mod:`dpprof.script.effects`), and what the result says of the runs
+(:mod:`dpprof.script.notes`). Here: :func:`run_command`, the runs and the result.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ import os
 import signal
 from collections.abc import Callable
 
-from dpprof.backends.script_answers import (
+from dpprof.errors import Interrupted
+from dpprof.result import Fix, RunResult, new_result
+from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.script.hooks import AS_WRITTEN, StepCallback
+from dpprof.script.launch import parse_command
+from dpprof.script.notes import (
     alternative_notes,
     bucket_view_fix,
     how_it_ended,
@@ -38,14 +43,9 @@ from dpprof.backends.script_answers import (
     script_verdict,
     write_notes,
 )
-from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
-from dpprof.backends.script_ladder import run_ladder
-from dpprof.backends.script_launch import parse_command
-from dpprof.backends.script_runner import ScriptConfig, ScriptRun, run_script
-from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
-from dpprof.errors import Interrupted
-from dpprof.result import Fix, RunResult, new_result
-from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.script.rungs import run_ladder
+from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
+from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
 # ScriptConfig, ScriptRun, parse_command and nothing_on_a_gpu live in modules of their own;

@@ -22,7 +22,7 @@ Every edit is a splice at the positions of the tree's nodes (``lineno``/``col_of
 ``end_lineno``/``end_col_offset``), so the rest of the file keeps its formatting; the new file
 is compiled before its diff is given. Where the change cannot be made correctly, the result
 has no diff and a reason, never code that does not compile. The tree, its positions, names,
-splices and imports are :mod:`dpprof.analysis.script_source`.
+splices and imports are :mod:`dpprof.script.source`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpprof.analysis.script_source import (
+from dpprof.script.source import (
     Edits,
     NoRewrite,
     ScriptSource,

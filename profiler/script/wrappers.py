@@ -448,7 +448,7 @@ def _log() -> ParallelLog:
 
 def state_of(vc: VirtualCuda) -> ScriptParallel:
     """The wrappers' shared state in the emulation ``vc`` (installed by :func:`install`)."""
-    assert isinstance(vc.parallel, ScriptParallel), "script_parallel.install(vc) first"
+    assert isinstance(vc.parallel, ScriptParallel), "wrappers.install(vc) first"
     return vc.parallel
 
 

@@ -12,7 +12,7 @@ model's repeated blocks; both), applied by :class:`RungHooks` to the running scr
   (or the optimizer's step), the script runs under the GPU's autocast
   (:class:`dpprof.emulator.kernels.EmulatedAutocast`: CUDA's op lists), as a user wraps
   forward and loss in ``torch.autocast("cuda")``; the change to the script is that
-  ``with`` block around the script's own lines (:func:`dpprof.analysis.script_rewrite.autocast_at`);
+  ``with`` block around the script's own lines (:func:`dpprof.script.rewrite.autocast_at`);
 * **activation checkpointing**: at the model's first call, each of its repeated blocks
   (:func:`dpprof.analysis.ladder.repeated_blocks`, the model unwrapped from DataParallel or
   DDP) has its forward wrapped in non-reentrant ``torch.utils.checkpoint``, exactly as the
@@ -29,7 +29,6 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from dpprof.analysis import script_rewrite
 from dpprof.analysis.answer_figures import need_bytes
 from dpprof.analysis.ladder import (
     CODE_CHECKPOINT,
@@ -40,9 +39,6 @@ from dpprof.analysis.ladder import (
     need_words,
     rungs,
 )
-from dpprof.backends.script_hooks import AS_WRITTEN, StepCallback
-from dpprof.backends.script_runner import ScriptConfig, ScriptRun, run_script
-from dpprof.emulator.script_parallel import DDP_IN_PLACE
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix
 from dpprof.scenarios.base import (
     DDP,
@@ -52,6 +48,10 @@ from dpprof.scenarios.base import (
     SINGLE,
     TENSOR_PARALLEL,
 )
+from dpprof.script import rewrite
+from dpprof.script.hooks import AS_WRITTEN, StepCallback
+from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
+from dpprof.script.wrappers import DDP_IN_PLACE
 
 __all__ = ["floor_of", "run_ladder", "rung_fix"]
 
@@ -155,10 +155,10 @@ def _autocast_code(dtype: str, floor: ScriptRun, cfg: ScriptConfig) -> str:
     script = str(Path(cfg.launch.target).resolve()) if not cfg.launch.is_module else ""
     sites = (floor.forward_site, floor.backward_site)
     if script and all(s.rpartition(":")[0] == script for s in sites):
-        rewrite = script_rewrite.autocast_until_at(*sites, dtype)
-        if rewrite.ok:
-            return script_rewrite.rewrite_text(rewrite)
-        why = f"# (no rewrite of the script's lines: {rewrite.reason}; the typical loop:)\n"
+        change = rewrite.autocast_until_at(*sites, dtype)
+        if change.ok:
+            return rewrite.rewrite_text(change)
+        why = f"# (no rewrite of the script's lines: {change.reason}; the typical loop:)\n"
     else:
         why = "# (the model's call and backward() are not in the script; the typical loop:)\n"
     loop = CODE_LOOP_BF16 if dtype == "bfloat16" else CODE_LOOP_FP16

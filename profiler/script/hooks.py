@@ -15,12 +15,12 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpprof.analysis.ladder import Rung, blocks_words, checkpoint_blocks
-from dpprof.emulator import script_parallel
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site
 from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.script_parallel import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.emulator.virtual_cuda import VirtualCuda
+from dpprof.script import wrappers
+from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
            "Variant", "compile_eagerly", "unwrapped"]
@@ -228,8 +228,8 @@ class Variant:
         from torch.utils.data import DataLoader
 
         variant = self
-        script_parallel.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
-        script_parallel.state_of(vc).keep_outputs = self.keep_outputs
+        wrappers.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
+        wrappers.state_of(vc).keep_outputs = self.keep_outputs
         if self.name == DDP_IN_PLACE:
             orig_init = DataLoader.__init__
 
@@ -245,7 +245,7 @@ class Variant:
 
             patcher.patch(DataLoader, "__init__", loader_init)
         elif self.name == LOSS_IN_FORWARD:
-            from dpprof.emulator.script_parallel import loss_in_forward_loss_call
+            from dpprof.script.wrappers import loss_in_forward_loss_call
 
             loss_cls = nn.modules.loss._Loss
             orig_call = loss_cls.__call__
@@ -260,7 +260,7 @@ class Variant:
             patcher.patch(loss_cls, "__call__", loss_call)
 
 
-# ---- a rung of the ladder, applied as the script runs (dpprof.backends.script_ladder) ----
+# ---- a rung of the ladder, applied as the script runs (dpprof.script.rungs) ----
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -273,7 +273,7 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 class RungHooks:
     """One rung applied to the running script, following :class:`Stepper`'s view of its
-    step (a :class:`~dpprof.backends.script_hooks.StepListener`)."""
+    step (a :class:`~dpprof.script.hooks.StepListener`)."""
 
     def __init__(self, rung: Rung) -> None:
         self.rung = rung
