@@ -123,6 +123,14 @@ class DeviceResult:
     workspace_bytes: Bytes | None = None
     # context_bytes split by component (cuda_context, cudnn_library, ...), when modelled
     context_breakdown_bytes: BytesMap = field(default_factory=dict)
+    # ---- transients (emulated): the peaks above are the worst case a real run reaches,
+    # counting a warm-up's short-lived blocks that a later step no longer has; these say
+    # which (kind -> bytes alive at peak_allocated_bytes, e.g. "ddp_unreaped_buckets": DDP's
+    # first buckets, kept by NCCL's works until its watchdog reaps them) and what the peaks
+    # are once they are gone (None: no such block at the peak, the steady state is the peak)
+    transient_bytes: BytesMap = field(default_factory=dict)
+    steady_peak_allocated_bytes: Bytes | None = None
+    steady_peak_reserved_bytes: Bytes | None = None
 
     @property
     def gpu_allocated_bytes(self) -> int:
@@ -162,6 +170,10 @@ class ScenarioResult:
     # a process's CUDA context on a GPU it should not touch: {rank, pid, cuda_index, used_bytes}
     stray_contexts: Annotated[list[dict[str, Any]], MaxLen(MAX_ITEMS)] = field(default_factory=list)
     max_batch: Count | None = None  # largest global batch that fits (where computed)
+    # host memory a rank's model keeps (FSDP2's CPU offload: its parameter shards, their
+    # gradients and the optimizer state in host RAM, emulated): parameters, gradients,
+    # optimizer_state, and pinned (the page-locked part of them), bytes per rank
+    host_bytes: BytesMap = field(default_factory=dict)
 
     def device(self, index: int) -> DeviceResult | None:
         for d in self.devices:

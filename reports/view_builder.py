@@ -52,6 +52,9 @@ MEMORY_COLUMNS = (
     ("workspace_bytes", "of which workspaces"),
     ("context_bytes", "context"),
     ("nvml_peak_used_bytes", "NVML used"),
+    # the peaks once a warm-up's transients are gone, where the peaks above count some
+    ("steady_peak_allocated_bytes", "steady allocated"),
+    ("steady_peak_reserved_bytes", "steady reserved"),
 )
 TRACEBACK_MAX_CHARS = 20_000  # the end of a long traceback (where the error is) is shown
 TRACEBACK_TAIL_LINES = 6  # the terminal's share of it

@@ -24,6 +24,13 @@ record to ``$OUT/measure.json`` as soon as it ends, so a run cut short keeps wha
 * ``segments-W-RUNG``: a ladder rung (``scripts/gpu_ladder.py``) with the caching allocator's
   segments: each one's size, stream, pool, and what asked for it (``segment_alloc`` events of
   the allocator's history), the reserved bytes over time, and the blocks alive at the peak.
+  ``segments-classifier:16:plain`` is ``single`` itself (classifier's reserved, 4 % above
+  the emulator's, decided by its cuDNN workspaces' segments).
+* ``conv-split``: each convolution's backward in its two cuDNN calls, measured apart
+  (``aten.convolution_backward`` with ``output_mask`` for the input's gradient only, then
+  the weight's only): the workspace of each, and of the forward, as ``cudnn`` measures them;
+  the input's gradient only where the input requires it (a first layer's backward computes
+  the weight's alone).
 
 ``--jobs N`` runs the memory-only parts (``cudnn``, ``segments-*``) N at a time; the timed
 parts (``rates``, ``kernels``, ``rank-*``) run alone. ``--deadline-s`` stops starting parts
@@ -61,11 +68,11 @@ SEGMENT_RUNGS = ("lm:32:fsdp-zero3-bf16-checkpoint@4", "lm:32:fsdp-zero3-offload
                  "lm:32:fsdp-zero2-offload@4", "lm:32:fsdp-zero3-bf16-checkpoint-offload@4",
                  "lm:32:fsdp-zero3@4", "attention:64:fsdp-zero2@4",
                  "attention:64:fsdp-zero3-offload@4", "attention:64:fsdp-zero2-offload@4",
-                 "attention:64:fsdp-zero3@4")
+                 "attention:64:fsdp-zero3@4", "classifier:16:plain")
 # in order of need: the memory-only parts next to each other run together (--jobs)
-DEFAULT_PARTS = ["rates", *(f"rank-{w}" for w in RANK_WORKLOADS), "cudnn",
+DEFAULT_PARTS = ["rates", *(f"rank-{w}" for w in RANK_WORKLOADS), "cudnn", "conv-split",
                  *(f"segments-{r}" for r in SEGMENT_RUNGS), "kernels"]
-MEMORY_ONLY = ("cudnn", "segments-")
+MEMORY_ONLY = ("cudnn", "conv-split", "segments-")
 
 
 def _device() -> Any:
@@ -353,6 +360,49 @@ def cudnn() -> dict[str, Any]:
     return {"rows": rows}
 
 
+def conv_split() -> dict[str, Any]:
+    """Each convolution's backward as cuDNN's two calls (the input's gradient, the weight's),
+    measured apart: the peak ``memory_allocated`` of each beyond the gradient it returns."""
+    import torch
+
+    dev = _device()
+    rows = []
+    grid = _conv_grid()[:4] if DRY else _conv_grid()
+    conv_bwd = torch.ops.aten.convolution_backward.default
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, c_in, side, c_out, k, s, p in grid:
+            if DRY and dtype is torch.bfloat16:
+                continue
+            x = torch.randn(n, c_in, side, side, device=dev, dtype=dtype)
+            w = torch.randn(c_out, c_in, k, k, device=dev, dtype=dtype)
+            row: dict[str, Any] = {"n": n, "c_in": c_in, "side": side, "c_out": c_out,
+                                   "kernel": k, "stride": s, "padding": p,
+                                   "dtype": str(dtype).split(".")[-1]}
+            try:
+                y = torch.nn.functional.conv2d(x, w, None, s, p)
+                gy = torch.randn_like(y)
+                for name, mask in (("input_grad", [True, False, False]),
+                                   ("weight_grad", [False, True, False])):
+                    _sync()
+                    base = _allocated()
+                    _reset_peak()
+                    out = conv_bwd(gy, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1,
+                                   mask)
+                    _sync()
+                    kept = sum(t.nbytes for t in out if t is not None)
+                    row[f"{name}_workspace_bytes"] = _peak() - base - kept
+                    del out
+                row.update(x_bytes=x.nbytes, w_bytes=w.nbytes, y_bytes=y.nbytes)
+                del y, gy
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            del x, w
+            if not DRY:
+                torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def _allocated() -> int:
     import torch
 
@@ -573,6 +623,8 @@ def run_one(name: str) -> Any:
         return kernels(os.environ.get("GPU_MEASURE_KERNELS", KERNEL_WORKLOADS))
     if name == "cudnn":
         return cudnn()
+    if name == "conv-split":
+        return conv_split()
     if name.startswith("rank-"):
         return rank(name[5:])
     if name.startswith("segments-"):

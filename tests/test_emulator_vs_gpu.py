@@ -71,3 +71,17 @@ def test_a_zoo_model_joins_only_when_its_library_is_installed() -> None:
     assert none == ["lm", "mlp", "convnet", "classifier", "attention"]
     only_timm = bench.default_workloads(lambda module: module == "timm")  # type: ignore[attr-defined]
     assert [n.rsplit(":", 1)[1] for n in only_timm[5:]] == ["timm_convnext", "timm_vit"]
+
+
+def test_each_workload_runs_in_a_process_of_its_own() -> None:
+    """A compare's in-process scenarios leave their process a CUDA context; the next
+    workload's DDP ranks would find it on their GPU (the H200 rows' -12 % to -35 % NVML
+    errors). The benchmark runs every workload in a child of its own, and the parent touches
+    no GPU: here, without one, each child says so and fails, once per workload."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(BENCH), "--workloads", "mlp,lm", "--batch", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("needs 1 CUDA GPU(s); found 0") == 2, p.stderr

@@ -75,6 +75,17 @@ def test_the_host_bytes_are_the_real_cpu_tensors_after_a_step(
     assert host["pinned"] == host["parameters"] + host["gradients"]
 
 
+def test_the_result_reports_the_host_memory(offloaded: tuple[Any, dict[str, Any]]) -> None:
+    result, trace = offloaded
+    assert result.host_bytes == trace["host_bytes"] and result.host_bytes["parameters"] > 0
+    from dpprof.result import RunResult, ScenarioResult
+
+    run = RunResult(backend="emulated", workload="lm", batch=4, gpus=1, gpu_memory_bytes=1,
+                    scenarios=[result])
+    loaded = RunResult.from_dict(run.to_dict()).scenarios[0]
+    assert isinstance(loaded, ScenarioResult) and loaded.host_bytes == result.host_bytes
+
+
 def test_each_rank_holds_its_padded_share_of_the_model_on_the_host(
         offloaded: tuple[Any, dict[str, Any]]) -> None:
     # rank 0 of WORLD: every parameter cut along dim 0 in WORLD chunks, the first (the

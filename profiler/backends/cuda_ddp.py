@@ -145,7 +145,10 @@ def measure_ddp_rank(
     ops = ops or host().ops([local_device])
     out = Measured(rank=rank)
     pid = os.getpid()
-    watch = watch_for(ops, cfg, nvml, cuda_uuids, [pid])
+    # the process that started this rank (dpprof, or torchrun's agent) is not the job's:
+    # memory it holds on the rank's GPU (dpprof's context from work it did before) is left
+    # out of the rank's NVML figure
+    watch = watch_for(ops, cfg, nvml, cuda_uuids, [pid], others=[os.getppid()])
     per = math.ceil(cfg.step.batch / world)
 
     def setup() -> LoopArgs:

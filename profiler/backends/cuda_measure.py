@@ -393,14 +393,16 @@ def watch_for(
     nvml: NvmlBackend | None,
     cuda_uuids: Sequence[str] | None,
     pids: Sequence[int],
+    others: Sequence[int] = (),
 ) -> NvmlWatch:
     """The (not yet started) :class:`NvmlWatch` over ``ops``' devices: the machine's NVML
-    and CUDA UUIDs where the caller gives none and the devices are CUDA's."""
+    and CUDA UUIDs where the caller gives none and the devices are CUDA's; ``others``:
+    dpprof's own other processes, whose memory there is left out (:class:`NvmlWatch`)."""
     if nvml is None and ops.kind == "cuda":
         nvml = libnvml.default_nvml()
     if cuda_uuids is None and ops.kind == "cuda":
         cuda_uuids = host().uuids()
-    return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids)
+    return NvmlWatch(nvml, cfg.nvml_interval_s, cuda_uuids, pids, others=others)
 
 
 def finish_result(result: ScenarioResult, out: Measured, cfg: CudaRunConfig,

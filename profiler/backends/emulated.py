@@ -29,6 +29,7 @@ from dpprof.backends.emulated_figures import (
     judge,
     placed_devices,
     stand_in_note,
+    transient_note,
 )
 from dpprof.emulator.context import ContextModel, device_context
 from dpprof.emulator.counting import HOST
@@ -95,9 +96,13 @@ ASSUMPTIONS = [
     "bucket_cap_mb, default 25), kept for good; options as configured.",
     "Optimizers use the foreach implementation, as PyTorch picks by default on CUDA.",
     "Allocated excludes, and the report shows separately per device: reserved (the caching "
-    "allocator simulated over the allocation sequence, cuBLAS workspaces included) and the "
-    "CUDA context (+ cuDNN library code where convolutions run). Not included anywhere: "
-    "NCCL's buffers, other processes, cuDNN's transient convolution workspace.",
+    "allocator simulated over the allocation sequence, cuBLAS workspaces included where "
+    "each thread's first matmul allocates them) and the CUDA context (+ cuDNN library code "
+    "where convolutions run; + NCCL's memory for DDP ranks). Allocated includes cuDNN's "
+    "convolution workspace at each convolution, estimated from what an H200 measured "
+    "(dpprof.emulator.cudnn_workspace). Peaks are the worst case a real run reaches: DDP's "
+    "first-iteration buckets, which NCCL keeps until its watchdog reaps them, are counted; "
+    "the steady state without them is shown beside. Not included: other processes.",
 ]
 
 
@@ -238,8 +243,12 @@ def _run_scenario(
             def figures() -> None:
                 _measured_figures(result, rt, cfg, kind, shards, wrapped, model, marks["start"],
                                   autocast_names, kernels)
-                if cfg.host_model and trace is not None:  # what the model keeps on the host
-                    trace["host_bytes"] = host_bytes(model, opt)
+                if isinstance(wrapped, EmulatedDDP):  # its worst case measured: reaped now
+                    wrapped.reap()
+                if cfg.host_model:  # what the model keeps on the host
+                    result.host_bytes = host_bytes(model, opt)
+                    if trace is not None:
+                        trace["host_bytes"] = dict(result.host_bytes)
 
             hooks.iteration = _iterations(rt, result, further, warm, marks, cats, step.batch,
                                           figures)
@@ -375,7 +384,12 @@ def _measured_figures(
     if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
         fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
                            source=lambda d: sources.get(d.index, d.index),
-                           nccl=cfg.collectives or None)
+                           nccl=cfg.collectives or None, blas_first=rt.blas_first,
+                           transients=rt.transients)
+    alike = kind is not None and kind.ranks_alike  # DDP's ranks: one note for all
+    for d in result.devices[:1] if alike else result.devices:
+        if (note := transient_note(d, "each rank" if alike else None)) is not None:
+            result.notes.append(note)
     if autocast_names.regions:
         result.notes.append(
             f"torch.autocast('cuda') in the workload's code: "
@@ -461,6 +475,7 @@ class _Wrappers:
                 find_unused_parameters=ddp.find_unused_parameters,
                 broadcast_buffers=ddp.broadcast_buffers,
                 bucket_view_ledger=self.ledger,
+                nccl_stash=self.cfg.ddp_backend == "nccl",
             )
 
 

@@ -49,6 +49,11 @@ class EmulationConfig:
     # optimizer state in host memory): the host side is real (CPU tensors hold values and
     # are computed, as under dpprof run), only the GPUs are emulated.
     host_model: bool = False
+    # The process group DDP's ranks run over: "nccl" (GPUs) keeps the buckets DDP's rebuild
+    # replaces until the watchdog reaps their all-reduce (a transient, counted at its worst:
+    # dpprof.emulator.ddp.EmulatedDDP's nccl_stash); "gloo" frees them at the rebuild, as
+    # the CPU checks' gloo ranks do.
+    ddp_backend: str = "nccl"
 
     def with_step(self, **changes: Any) -> EmulationConfig:
         """A copy with the step's options changed (``batch=...``, ``ddp=...``)."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
+from dpprof.emulator.ddp import UNREAPED_BUCKETS
 from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario
@@ -26,9 +27,17 @@ __all__ = [
     "shift_timeline",
     "stand_in_note",
     "timeline_points",
+    "transient_note",
 ]
 
 TIMELINE_POINTS = 400  # points kept per device and scenario (maxima of equal slices)
+# what each kind of transient (VirtualDevices.note_transient) is, for the notes
+TRANSIENT_WORDS = {
+    UNREAPED_BUCKETS: (
+        "DDP's first-iteration gradient buckets, replaced by its rebuild but kept by their "
+        "NCCL all-reduce until the process group's watchdog reaps it (within ~100 ms: the "
+        "early steps of a fast loop)"),
+}
 
 
 def judge(result: ScenarioResult, cfg: EmulationConfig) -> None:
@@ -48,6 +57,22 @@ def judge(result: ScenarioResult, cfg: EmulationConfig) -> None:
         result.status = STATUS_OK
 
 
+def transient_note(d: DeviceResult, who: str | None = None) -> str | None:
+    """What a device's peak counts beyond the steady state, and the steady state's peaks
+    (None: nothing); ``who``: the device's words (default ``cuda:N``)."""
+    if not d.transient_bytes:
+        return None
+    what = "; ".join(f"{fmt_bytes(b)} of {TRANSIENT_WORDS.get(k, k.replace('_', ' '))}"
+                     for k, b in sorted(d.transient_bytes.items()))
+    steady = [f"{fmt_bytes(v)} {name}" for v, name in
+              ((d.steady_peak_allocated_bytes, "allocated"),
+               (d.steady_peak_reserved_bytes, "reserved")) if v is not None]
+    return (f"{who or f'cuda:{d.index}'}'s peak is the worst case a real run reaches: it "
+            f"counts {what}. "
+            + (f"Once they are gone (the steady state): {', '.join(steady)}." if steady
+               else ""))
+
+
 def placed_devices(rt: VirtualDevices) -> list[int]:
     """The devices the model used: cuda:0, and any other it placed layers on itself."""
     return [0] + [i for i in range(1, rt.num_devices) if rt.counters[i].peak_allocated > 0]
@@ -63,11 +88,14 @@ def stand_in_note(rt: CudaDevices) -> str:
 
 
 def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, used: bool,
-                  batch_rows: int, timeline: list[TimelinePoint]) -> DeviceResult:
+                  batch_rows: int, timeline: list[TimelinePoint],
+                  start: int = 0) -> DeviceResult:
     """Virtual device ``i``'s figures (its peaks, the categories at its peak moment, the
-    phase of the peak), reported as ``index``."""
+    phase of the peak), reported as ``index``; where transients are alive at the peak
+    (``rt.note_transient``), the peak once they are gone (from event ``start`` on)."""
     c = rt.counters[i]
     snap = rt.peak_snapshot(i)
+    steady = rt.steady_peak(i, start)
     return DeviceResult(
         index=index,
         peak_allocated_bytes=c.peak_allocated,
@@ -78,6 +106,8 @@ def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, u
         used=used,
         batch_rows=batch_rows,
         timeline=timeline,
+        transient_bytes=steady.transient_bytes if steady else {},
+        steady_peak_allocated_bytes=steady.allocated_bytes if steady else None,
     )
 
 
@@ -114,7 +144,8 @@ def device_results(
                 "timeline": shift_timeline(rt, src.timeline, shift, measure_start)}))
             continue
         out.append(device_result(rt, i, i, cfg.gpu_memory_bytes, i in used, rows,
-                                 [] if cfg.peaks_only else timeline_points(rt, i, measure_start)))
+                                 [] if cfg.peaks_only else timeline_points(rt, i, measure_start),
+                                 measure_start))
     if kind.ranks_alike:
         sources.update(dict.fromkeys(range(cfg.gpus), 0))
         return ddp_ranks(out[0], cfg.gpus)

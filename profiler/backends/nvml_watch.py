@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 from dpprof.nvml.devices import resolve_visible_devices
 from dpprof.nvml.libnvml import NvmlBackend
-from dpprof.nvml.sampler import NvmlSampler
+from dpprof.nvml.sampler import NvmlSampler, Sample
 from dpprof.result import DeviceResult, TimelinePoint
+from dpprof.units import fmt_bytes
 
 __all__ = ["TIMELINE_POINTS", "NvmlWatch"]
 
@@ -23,7 +24,14 @@ class NvmlWatch:
     """An :class:`NvmlSampler` over every visible GPU, with CUDA index -> NVML index by UUID.
 
     ``cuda_uuids``: the UUID per CUDA index (default: what the CUDA runtime reports). When
-    NVML or the UUIDs are unavailable, :attr:`reason` says why and nothing is sampled. A MIG
+    NVML or the UUIDs are unavailable, :attr:`reason` says why and nothing is sampled.
+    ``others``: dpprof's own other processes (a DDP rank's parent: dpprof, which may hold a
+    CUDA context on the rank's GPU from work it did before, e.g. a compare run earlier in
+    the same process): their memory is not the measured process's, and a real job would
+    not have it there, so each reading of the device's used memory is taken less what
+    they held at that reading (NVML's per-process figures) and :meth:`notes` says how
+    much; where NVML cannot tell per process (a container without the host's PIDs), the
+    device's figure stands. A MIG
     device is sampled through its own NVML handle (the parent GPU's figures span every slice,
     and a user without root may not read them); ``nvml_index`` in the results stays the
     parent GPU's.
@@ -36,6 +44,7 @@ class NvmlWatch:
         cuda_uuids: Sequence[str] | None,
         pids: Sequence[int] = (),
         env: dict[str, str] | None = None,
+        others: Sequence[int] = (),
     ) -> None:
         self.nvml = nvml
         self.map: dict[int, int] = {}  # cuda index -> the NVML index sampled for it
@@ -45,6 +54,8 @@ class NvmlWatch:
         self.reason: str | None = None
         self.sampler: NvmlSampler | None = None
         self.pids = list(pids)
+        self.others = [p for p in others if p not in self.pids]
+        self.left_out: dict[int, int] = {}  # cuda index -> the others' peak, left out
         if nvml is None:
             self.reason = "NVML not used on CPU devices"
             return
@@ -73,7 +84,8 @@ class NvmlWatch:
                 "no CUDA device could be matched to an NVML device by UUID")
             return
         self.sampler = NvmlSampler(
-            nvml, sorted(set(self.map.values())), interval_s, pids=self.pids or None
+            nvml, sorted(set(self.map.values())), interval_s,
+            pids=(self.pids + self.others) or None,
         )
 
     def __enter__(self) -> NvmlWatch:
@@ -99,12 +111,15 @@ class NvmlWatch:
                 f"cuda:{cuda_index} not matched to an NVML device")
             return
         s = self.sampler
+        samples = [x for x in s.samples if x.device == nvml_index]
         dev.nvml_peak_used_bytes = s.peak_used_bytes(nvml_index)
+        if self.others and samples:
+            samples = self._without_others(samples, nvml_index, cuda_index)
+            dev.nvml_peak_used_bytes = max(x.used_bytes for x in samples)
         if dev.nvml_peak_used_bytes is None:
             dev.nvml_reason = s.errors.get(nvml_index, "no NVML sample was taken")
         elif dev.peak_reserved_bytes is not None:
             dev.nvml_unexplained_bytes = dev.nvml_peak_used_bytes - dev.peak_reserved_bytes
-        samples = [x for x in s.samples if x.device == nvml_index]
         if samples:
             dev.nvml_baseline_used_bytes = samples[0].used_bytes
         utils = [x.util_percent for x in samples if x.util_percent is not None]
@@ -122,10 +137,23 @@ class NvmlWatch:
                     break
             points.append(TimelinePoint(x.t_s, x.used_bytes, phase))
         dev.timeline = _thin(points)
-        for pid in self.pids:
+        for pid in self.pids + self.others:
             peak = s.peak_process_bytes(nvml_index, pid)
             if peak is not None:
                 dev.process_used_bytes[str(pid)] = peak
+
+    def _without_others(self, samples: list[Sample], nvml_index: int,
+                        cuda_index: int) -> list[Sample]:
+        """Each reading less what :attr:`others` held at it (read in the same tick)."""
+        s = self.sampler
+        assert s is not None
+        held: dict[float, int] = {}
+        for p in s.process_samples:
+            if p.device == nvml_index and p.pid in self.others and p.used_bytes:
+                held[p.t_s] = held.get(p.t_s, 0) + p.used_bytes
+        if held:
+            self.left_out[cuda_index] = max(held.values())
+        return [x._replace(used_bytes=x.used_bytes - held.get(x.t_s, 0)) for x in samples]
 
     def foreign_pids(self, cuda_indices: Sequence[int]) -> bool:
         """Whether NVML listed processes on these GPUs (where this process worked) but never
@@ -150,6 +178,14 @@ class NvmlWatch:
             found.extend(f"NVML on {where}: {t}" for t in texts)
         if s.thread_error:
             found.append(f"the NVML sampler stopped: {s.thread_error}")
+        for cuda in cuda_indices:
+            if self.left_out.get(cuda):
+                found.append(
+                    f"NVML on cuda:{cuda}: dpprof's own process (pid "
+                    f"{', '.join(map(str, self.others))}) held up to "
+                    f"{fmt_bytes(self.left_out[cuda])} there (its CUDA context from earlier "
+                    "work); left out of the used memory reported, as a job of your own "
+                    "would not have it")
         if self.foreign_pids(cuda_indices):
             found.append(
                 "NVML lists processes on the GPUs but never dpprof's own: it reports the PIDs "

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dpprof.emulator import calibration
+from dpprof.emulator import calibration, cudnn_workspace
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.catalog import GpuSpec, compute_capability_of
 
@@ -42,7 +42,6 @@ CUDA_CONTEXT_EAGER_BYTES = _PR86509_EAGER - 20 * _MiB  # 645,660,672 B = 615.75 
 # Assumptions without a measurement to cite (override them through context_overhead()).
 CUDNN_LIBRARY_LAZY_BYTES = 64 * _MiB
 CUDNN_LIBRARY_EAGER_BYTES = 512 * _MiB
-CUDNN_WORKSPACE_BYTES = 128 * _MiB
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize():
 # ":4096:2:16:8 default, 32MiB for Hopper and Blackwell"
@@ -244,12 +243,14 @@ def _cudnn(uses_cudnn: bool, lazy_loading: bool, cudnn_library_bytes: int | None
                 "use, outside the caching allocator"
             )
         if cudnn_workspace_bytes is None:
-            cudnn_workspace_bytes = CUDNN_WORKSPACE_BYTES
+            cudnn_workspace_bytes = 0  # per convolution, in the allocation sequence
             assumptions.append(
-                f"cuDNN convolution workspace: {cudnn_workspace_bytes // _MiB} MiB at the "
-                "largest convolution, an assumption; it is taken from the caching allocator "
-                "for the call and freed after it, its real size depends on the algorithm "
-                "(larger with torch.backends.cudnn.benchmark) and CUDNN_CONV_WSCAP_DBG caps it"
+                "cuDNN convolution workspace: taken from the caching allocator at each "
+                "convolution and freed after it, counted in allocated there; its size, the "
+                "engine's that cuDNN's heuristics pick, estimated from the input, output and "
+                f"weight bytes as {cudnn_workspace.MEASURED_ON} measured them "
+                "(dpprof.emulator.cudnn_workspace); other GPUs and cuDNN versions pick other "
+                "engines"
             )
 
     return cudnn_library_bytes, cudnn_workspace_bytes
@@ -316,6 +317,13 @@ NCCL_RANK_BYTES = 1_376_583_680 - 787_283_968  # 589,299,712 B = 562 MiB
 #   workspace: cuBLASLt's own workspace (CUBLASLT_WORKSPACE_SIZE's 1024 KiB, not unified with
 #   cuBLAS's), on the forward's handle only (the backward runs plain mm).
 CUBLASLT_HANDLES_PER_DEVICE = 1
+# - five fresh DDP ranks (NCCL, world 1: mlp, lm, attention, convnet, classifier) on an NVIDIA
+#   H200 (torch 2.11.0+cu130, NCCL 2.28.9; scripts/gpu_measure.py's rank-* parts in
+#   tests/data/h200_measured.json): the process's NVML used memory minus memory_reserved
+#   after six steps, float32 and bf16, MiB (the convolution models' with cuDNN loaded;
+#   attention's bf16 steps loaded 18 MiB more of kernels)
+RANK_OUTSIDE_SPREAD_MIB = (1298, 1318)
+RANK_OUTSIDE_MEASURED_ON = "an NVIDIA H200 (torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28)"
 
 
 def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
@@ -361,10 +369,17 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
              "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
              f"{_MEASURED_ON}" for a in notes]
     notes.append(f"DDP ranks: {NCCL_RANK_BYTES:,} B more outside the allocator for NCCL, "
-                 f"measured at world size 1 on {_MEASURED_ON}; more with more peers. Over "
-                 "NCCL the first iteration's buckets can outlive DDP's rebuild until the "
-                 "process group's watchdog reaps their all-reduce (there: 5 steps of 2 ms): "
-                 "the early steps of a fast loop can peak one gradient copy higher")
+                 f"measured at world size 1 on {_MEASURED_ON}; more with more peers. A "
+                 "rank's memory outside the allocator (context, cuBLAS, NCCL) measured "
+                 f"{RANK_OUTSIDE_SPREAD_MIB[0]:,}-{RANK_OUTSIDE_SPREAD_MIB[1]:,} MiB in "
+                 f"five fresh ranks on {RANK_OUTSIDE_MEASURED_ON}, where the model (compute "
+                 "capability 9.0) gives "
+                 f"{(MEASURED_CUDA_CONTEXT_BYTES[(9, 0)] + NCCL_RANK_BYTES) // _MiB:,} MiB (+ "
+                 "cuDNN's where convolutions run), within 1.2 % of each. Over NCCL the first "
+                 "iteration's buckets outlive DDP's rebuild until the process group's "
+                 "watchdog reaps their all-reduce (within ~100 ms: the early steps of a fast "
+                 "loop): the peaks count them (the worst case), the steady state is shown "
+                 "beside")
     return replace(model, assumptions=notes, nccl_bytes=NCCL_RANK_BYTES)
 
 

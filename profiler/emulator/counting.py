@@ -121,6 +121,16 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         # ops whose kernel on the target GPU allocates buffers of its own that the meta
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
+        # where each device first ran a cuBLAS op, by the thread's role (BLAS_FORWARD, the
+        # forward's thread; BLAS_BACKWARD, autograd's; BLAS_LT, cuBLASLt's first addmm):
+        # the event index after that op's outputs, where the handle's workspace is
+        # allocated (lazily, at the handle's first use); dpprof.emulator.reserved places
+        # the workspaces there in the caching allocator's sequence
+        self.blas_first: dict[tuple[int, str], int] = {}
+        # storages a real run keeps alive past the point where a later step frees them (a
+        # warm-up's transient: DDP's first buckets, held until NCCL's watchdog reaps their
+        # all-reduce): serial -> (the event index where the steady state frees it, its kind)
+        self.transients: dict[int, tuple[int, str]] = {}
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -332,6 +342,13 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             c.peak_phase = self._state.phase
         if c.live_requested > c.peak_requested:
             c.peak_requested = c.live_requested
+    def note_transient(self, t: torch.Tensor, kind: str) -> None:
+        """``t``'s storage lives on as a transient of kind ``kind``: a later step (the
+        steady state) frees it here, now; this one keeps it until it dies."""
+        serial = self.serial_of(t)
+        if serial is not None:
+            self.transients.setdefault(serial, (len(self.events), kind))
+
     def on_free(self, t: torch.Tensor, callback: Callable[[], None]) -> None:
         """Call ``callback`` right after ``t``'s storage dies (its free counted)."""
         serial = self.serial_of(t)
@@ -586,7 +603,18 @@ class CountingDevices(EventQueries, TorchDispatchMode):
                 self._resized(st, rec)
         if plan is not None:
             self._play(plan.after, target, live)
+        if func in BLAS_OPS and target != HOST:
+            self._note_blas(func, target)
         return out
+
+    def _note_blas(self, func: Any, device: int) -> None:
+        """A cuBLAS op ran on ``device``: the first one of its thread's role places that
+        handle's workspace (``getCurrentCUDABlasHandle`` allocates it at first use)."""
+        role = BLAS_BACKWARD if torch._C._current_graph_task_id() != -1 else BLAS_FORWARD
+        at = len(self.events)
+        self.blas_first.setdefault((device, role), at)
+        if func in LT_OPS:
+            self.blas_first.setdefault((device, BLAS_LT), at)
 
     def _play(self, steps: Sequence[KernelStep], device: int,
               live: dict[str, tuple[int, int]]) -> None:
@@ -602,6 +630,19 @@ class CountingDevices(EventQueries, TorchDispatchMode):
                 serial, nbytes = live.pop(step.name)
                 self.emit(device, serial, -nbytes, -block_bytes(nbytes))
 
+
+# The ops CUDA runs through cuBLAS (aten/src/ATen/native/cuda/Blas.cpp): the first of each
+# on a thread gets that thread's handle and its workspace; addmm (a Linear's bias) also runs
+# cuBLASLt with a workspace of its own.
+BLAS_OPS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.addbmm.default, aten.mv.default, aten.addmv.default, aten.dot.default,
+    aten.vdot.default, aten._addmm_activation.default,
+})
+LT_OPS = frozenset({aten.addmm.default, aten._addmm_activation.default})
+BLAS_FORWARD = "forward"
+BLAS_BACKWARD = "backward"
+BLAS_LT = "lt"
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 SUBCLASS = "subclass"

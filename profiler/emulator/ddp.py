@@ -30,6 +30,9 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
 DDP_MAX_IN_FLIGHT = 2  # c10d/comm.cpp broadcast_coalesced: at most two broadcasts in flight
+# the kind of transient (VirtualDevices.note_transient) the first iteration's buckets are
+# under NCCL: replaced by the rebuild, kept by their all-reduce's work until reaped
+UNREAPED_BUCKETS = "ddp_unreaped_buckets"
 
 
 def compute_bucket_assignment_by_size(
@@ -193,14 +196,28 @@ class EmulatedDDP(nn.Module):
       (``mul_out``); with ``gradient_as_bucket_view`` ``.grad`` becomes the view (the
       freshly accumulated gradient dies); ``finalize_bucket_dense`` copies the all-reduced
       bucket back into ``.grad`` in place (``copy_bucket_to_grad``). The all-reduce writes
-      the bucket in place (NCCL/gloo allocate nothing that the caching allocator sees).
+      the bucket in place (NCCL/gloo allocate nothing that the caching allocator sees);
+    * ``nccl_stash``: over NCCL the buckets the rebuild replaces outlive it. The reducer
+      all-reduces each bucket through ``ProcessGroupNCCL::allreduce`` (asynchronous), whose
+      ``collective()`` stashes its input and output tensors in the work
+      (``stashed_for_allocator_safety_``, instead of ``recordStream``) until ``wait()``,
+      which DDP never calls (it waits on the work's future), or until the watchdog thread
+      drops the completed work (it wakes every ``kWatchdogThreadSleepMillis``, 100 ms).
+      So the first iteration's buckets stay allocated beside the rebuilt ones for up to
+      ~100 ms: on an H200, through steps 2-6 of 3 ms each (``mlp``) and for step 2 only of
+      23 ms steps (``lm``). The worst case is kept: they live on (:meth:`reap`, the
+      caller's, ends it) and are noted as a transient (``VirtualDevices.note_transient``)
+      freed at the rebuild in the steady state. Gloo's work frees them at once.
     """
 
     def __init__(self, module: nn.Module, rt: VirtualDevices, world_size: int,
                  bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 bucket_view_ledger: VariantLedger | None = None) -> None:
+                 bucket_view_ledger: VariantLedger | None = None,
+                 nccl_stash: bool = False) -> None:
         super().__init__()
+        self.nccl_stash = nccl_stash
+        self._stashed: list[torch.Tensor] = []  # replaced buckets NCCL's works still hold
         # Plain DDP that also follows, in the ledger, what gradient_as_bucket_view=True would
         # allocate on the same program (:class:`BucketViewFollower`).
         self.follower = (BucketViewFollower(rt, bucket_view_ledger)
@@ -313,11 +330,22 @@ class EmulatedDDP(nn.Module):
         self._sync_bucket_indices(assignment)
         self.has_rebuilt = True
         self._rebuilt = []
-        if self.follower is not None:
+        if self.nccl_stash:
+            # buckets_.clear(): the old flat buffers outlive it in the first all-reduce's
+            # works (in the gradient_as_bucket_view variant as well: no ledger change)
+            for bucket in self._buckets:
+                self.rt.note_transient(bucket, UNREAPED_BUCKETS)
+            self._stashed = self._buckets
+        elif self.follower is not None:
             self.follower.buckets_cleared(self.params, self._views)
         self._buckets, self._views = [], {}  # buckets_.clear(): the old flat buffers die
         self._initialize_buckets(assignment)
         return True
+
+    def reap(self) -> None:
+        """ProcessGroupNCCL's watchdog drops the first all-reduce's works: the buckets
+        they held die now (with ``nccl_stash``; nothing otherwise)."""
+        self._stashed = []
 
     def _autograd_hook(self, p: torch.Tensor) -> None:
         if not self._expect_hooks:
@@ -391,6 +419,7 @@ class EmulatedDDP(nn.Module):
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
+        self.reap()
 
 
 def _non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -144,12 +144,23 @@ class Snapshot:
     by_category: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class SteadyPeak:
+    """A device's peak once a warm-up's transients are gone (the storages a real run keeps
+    alive past the point where a later step frees them), and those alive at its peak."""
+
+    allocated_bytes: int
+    # kind -> bytes of transients alive at the device's (worst-case) peak
+    transient_bytes: dict[str, int] = field(default_factory=dict)
+
+
 class EventQueries:
     """Reading a runtime's log back: each device's events, snapshots, timelines (a base
     of :class:`dpprof.emulator.counting.CountingDevices`, whose attributes these are)."""
 
     events: EventLog
     counters: list[DeviceCounters]
+    transients: dict[int, tuple[int, str]]
     _by_device: tuple[int, dict[str, np.ndarray], dict[int, np.ndarray]]
 
     def label_of(self, serial: int) -> str:
@@ -212,3 +223,49 @@ class EventQueries:
         at = np.concatenate(([start], idx + 1))
         live = np.concatenate(([base], np.cumsum(cols["allocated"][idx]) + base))
         return at, live
+
+    def transient_spans(self, index: int) -> list[tuple[int, int, int, str]]:
+        """Device ``index``'s transients as (steady free, real free, allocated bytes, kind):
+        each alive in the real run but dead in the steady state
+        at positions (events processed) ``steady free`` to ``real free`` - 1 (the position
+        of its free; past the log's end where it is still alive)."""
+        if not self.transients:
+            return []
+        cols, by_device = self._columns()
+        idx = by_device.get(index, NO_EVENTS)
+        if not len(idx):
+            return []
+        serials = cols["serial"][idx]
+        out = []
+        for serial, (steady, kind) in self.transients.items():
+            rows = idx[serials == serial]
+            if not len(rows):
+                continue
+            alloc = rows[cols["allocated"][rows] > 0]
+            free = rows[cols["allocated"][rows] < 0]
+            if not len(alloc):
+                continue
+            end = int(free[-1]) + 1 if len(free) else len(self.events) + 1
+            if end > steady:
+                out.append((steady, end, int(cols["allocated"][alloc[0]]), kind))
+        return out
+
+    def steady_peak(self, index: int, start: int = 0) -> SteadyPeak | None:
+        """Device ``index``'s peak from event ``start`` on with every transient freed where
+        the steady state frees it, and the transients alive at its real peak (None: no
+        transient was alive in the window)."""
+        spans = [s for s in self.transient_spans(index) if s[1] > start]
+        if not spans:
+            return None
+        at, live = self.timeline_arrays(index, start)
+        steady = live.copy()
+        c = self.counters[index]
+        at_peak: dict[str, int] = {}
+        for first, end, allocated, kind in spans:
+            # alive here, dead in the steady state: positions first .. end - 1
+            steady -= np.where((at >= first) & (at < end), allocated, 0)
+            if first <= c.peak_event < end:
+                at_peak[kind] = at_peak.get(kind, 0) + allocated
+        if not at_peak:
+            return None  # the peak is the steady state's
+        return SteadyPeak(int(steady.max()), at_peak)

@@ -52,6 +52,7 @@ from dpprof.emulator.autocast_lists import (
 )
 from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.cuda_devices import on_meta
+from dpprof.emulator.cudnn_workspace import BACKWARD, FORWARD, conv_workspace_bytes
 from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.vdevice import VirtualDevices
@@ -108,8 +109,12 @@ class GpuKernels:
 
     def __enter__(self) -> GpuKernels:
         if self.rt is not None:
-            self.rt.kernel_plans[torch.ops.aten.embedding_dense_backward.default] = (
+            plans = self.rt.kernel_plans
+            plans[torch.ops.aten.embedding_dense_backward.default] = (
                 self._embedding_backward_plan)
+            plans[torch.ops.aten.convolution.default] = self._convolution_plan
+            plans[torch.ops.aten.convolution_backward.default] = (
+                self._convolution_backward_plan)
         orig_dropout, orig_rms_norm = F.dropout, F.rms_norm
         self._orig_sdpa = F.scaled_dot_product_attention
         patch = self._patcher.patch
@@ -121,7 +126,10 @@ class GpuKernels:
     def __exit__(self, *exc: Any) -> None:
         self._patcher.restore()
         if self.rt is not None:
-            self.rt.kernel_plans.pop(torch.ops.aten.embedding_dense_backward.default, None)
+            for op in (torch.ops.aten.embedding_dense_backward.default,
+                       torch.ops.aten.convolution.default,
+                       torch.ops.aten.convolution_backward.default):
+                self.rt.kernel_plans.pop(op, None)
 
     def _embedding_backward_plan(self, args: Any, kwargs: dict[str, Any]) -> KernelPlan | None:
         grad, indices, num_weights, _padding_idx, scale_grad_by_freq = (
@@ -137,6 +145,41 @@ class GpuKernels:
                                 else indices.numel() * indices.element_size()))
         self._count("embedding_backward:" + ("sorted" if plan.before else "direct"), grad)
         return plan if plan.before or plan.after else None
+
+    def _convolution_plan(self, args: Any, kwargs: dict[str, Any]) -> KernelPlan | None:
+        """``aten::convolution`` through cuDNN: its workspace, taken after the output and
+        given back (:mod:`dpprof.emulator.cudnn_workspace`)."""
+        x, w = args[0], args[1]
+        stride, transposed, groups = args[3], args[6], args[8]
+        out_bytes = _conv_output_bytes(x, w, args[4], stride, args[5])
+        return self._workspace_plan(FORWARD, x, w, stride, bool(transposed), int(groups),
+                                    out_bytes)
+
+    def _convolution_backward_plan(self, args: Any, kwargs: dict[str, Any]
+                                   ) -> KernelPlan | None:
+        """``aten::convolution_backward`` through cuDNN (the input's and the weight's
+        gradients): its workspace, taken after the gradients and given back."""
+        grad, x, w = args[0], args[1], args[2]
+        stride, transposed, groups = args[4], args[7], args[9]
+        mask = args[10] if len(args) > 10 else kwargs.get("output_mask", (True, True, True))
+        if not (mask[0] or mask[1]):
+            return None  # the bias's gradient only: a reduction, no cuDNN call
+        return self._workspace_plan(BACKWARD, x, w, stride, bool(transposed), int(groups),
+                                    grad.numel() * grad.element_size())
+
+    def _workspace_plan(self, direction: str, x: torch.Tensor, w: torch.Tensor,
+                        stride: Any, transposed: bool, groups: int,
+                        out_bytes: int) -> KernelPlan | None:
+        if transposed or groups != 1 or not on_meta(x) or w.dim() < 3:
+            return None
+        nbytes = conv_workspace_bytes(
+            direction, x.dtype, int(w.shape[1]), tuple(w.shape[2:]), tuple(stride),
+            x.numel() * x.element_size(), out_bytes, w.numel() * w.element_size())
+        if nbytes <= 0:
+            return None
+        self._count(f"cudnn_workspace:{direction}", x)
+        name = "cuDNN workspace"
+        return KernelPlan((), (KernelStep(ALLOC, name, nbytes), KernelStep(FREE, name)))
 
     def _count(self, key: str, on: torch.Tensor) -> None:
         """One more choice of ``key``, for every device ``on``'s storage stands for (a
@@ -185,6 +228,21 @@ class GpuKernels:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa)[0]
+
+
+def _conv_output_bytes(x: torch.Tensor, w: torch.Tensor, padding: Any, stride: Any,
+                       dilation: Any) -> int:
+    """The bytes of a (not transposed) convolution's output: batch x out channels x each
+    spatial dim ``(size + 2 pad - dilation (k - 1) - 1) // stride + 1``."""
+    n = int(x.shape[0]) * int(w.shape[0]) if x.dim() == w.dim() else int(w.shape[0])
+    dims = w.dim() - 2
+    pads, strides, dils = (list(v) * dims if len(v) == 1 else list(v)
+                           for v in (padding, stride, dilation))
+    for d in range(dims):
+        size = int(x.shape[x.dim() - dims + d])
+        k = int(w.shape[2 + d])
+        n *= max((size + 2 * pads[d] - dils[d] * (k - 1) - 1) // strides[d] + 1, 0)
+    return n * x.element_size()
 
 
 class FusedRmsNorm(torch.autograd.Function):

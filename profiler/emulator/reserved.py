@@ -7,16 +7,17 @@ allocation sequence, the long-lived cuBLAS workspaces first, and the context bes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.context import ContextModel
+from dpprof.emulator.counting import BLAS_BACKWARD, BLAS_FORWARD, BLAS_LT
 from dpprof.emulator.events import EventLog
 
-__all__ = ["AllocationEvent", "DeviceFigures", "fill_gpu_overheads"]
+__all__ = ["AllocationEvent", "DeviceFigures", "fill_gpu_overheads", "workspace_inserts"]
 
 
 class AllocationEvent(Protocol):
@@ -37,6 +38,8 @@ class DeviceFigures(Protocol):
     used: bool
     rank: int | None  # DDP: the rank, else None
     peak_reserved_bytes: int | None
+    transient_bytes: dict[str, int]  # a warm-up's blocks alive at the peak, by kind
+    steady_peak_reserved_bytes: int | None
     workspace_bytes: int | None
     context_bytes: int | None
     context_breakdown_bytes: dict[str, int]
@@ -45,30 +48,47 @@ class DeviceFigures(Protocol):
 def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[AllocationEvent],
                        ctx: ContextModel,
                        source: Callable[[DeviceFigures], int] | None = None,
-                       nccl: bool | None = None) -> None:
+                       nccl: bool | None = None,
+                       blas_first: Mapping[tuple[int, str], int] | None = None,
+                       transients: Mapping[int, tuple[int, str]] | None = None) -> None:
     """Per used device: the caching allocator's reserve (a simulation of its pools over the
     device's allocation sequence, cuBLAS workspaces included) and the context.
 
     ``source``: the event log's device whose sequence a result's device stands for
     (default: its index; DDP ranks: rank 0's device; a mirror: the device it mirrors).
     ``nccl``: whether the devices hold an NCCL communicator (default: DDP ranks do).
+    ``blas_first``: where each device first ran cuBLAS, by thread
+    (:attr:`dpprof.emulator.counting.CountingDevices.blas_first`): each workspace enters
+    the sequence there, as a handle allocates it at its first use; a workspace whose
+    thread ran no cuBLAS op (or without ``blas_first``) goes first.
+    ``transients``: storages kept past the point where the steady state frees them
+    (:attr:`~dpprof.emulator.counting.CountingDevices.transients`): a device whose peak
+    counts some (``transient_bytes``) also gets the reserve with each freed there
+    (``steady_peak_reserved_bytes``).
     """
-    workspaces = [("alloc", -1 - k, size) for k, size in enumerate(ctx.allocator_requests)]
     sequences = _DeviceSequences(events)
     simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
+    steady: dict[int, int] = {}  # source device -> its steady state's reserve
     keys: dict[int, Any] = {}
     for d in devices:
         if not d.used:
             continue
         src = source(d) if source is not None else d.index
         key = keys.get(src)
+        inserts = workspace_inserts(ctx, src, blas_first or {})
         if key is None:
-            key = keys[src] = sequences.key(src)
+            key = keys[src] = sequences.key(src, inserts)
         stats = simulated.get(key)
         if stats is None:
-            stats = simulated[key] = simulate(workspaces + sequences.sequence(src),
+            stats = simulated[key] = simulate(sequences.sequence(src, inserts),
                                               timeline_points=None, stop_on_oom=False)
         d.peak_reserved_bytes = stats.peak_reserved_bytes
+        if d.transient_bytes and transients:
+            if src not in steady:
+                moved = sequences.sequence(src, inserts, frees_at=transients)
+                steady[src] = simulate(moved, timeline_points=None,
+                                       stop_on_oom=False).peak_reserved_bytes
+            d.steady_peak_reserved_bytes = steady[src]
         d.workspace_bytes = ctx.workspace_bytes
         d.context_bytes = ctx.outside_allocator_bytes
         d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
@@ -78,13 +98,35 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
             d.context_breakdown_bytes["nccl"] = ctx.nccl_bytes
 
 
+def workspace_inserts(ctx: ContextModel, device: int,
+                      blas_first: Mapping[tuple[int, str], int]) -> list[tuple[int, int, int]]:
+    """The long-lived workspaces of ``device`` as (event index, block id, bytes), in the
+    order the allocator gets them: the forward thread's cuBLAS workspace at its first
+    cuBLAS op, then (same op) cuBLASLt's at the first addmm, autograd's at its first; any
+    further ones (more streams) and those of a thread with no cuBLAS op first (index 0)."""
+    roles = [BLAS_FORWARD, BLAS_BACKWARD]
+    out: list[tuple[int, int, int]] = []
+    block = -1
+    for k in range(ctx.cublas_workspaces):
+        at = blas_first.get((device, roles[k])) if k < len(roles) else None
+        out.append((0 if at is None else at, block, ctx.cublas_workspace_bytes))
+        block -= 1
+    if ctx.cublaslt_workspace_bytes:
+        for _ in range(ctx.cublaslt_workspaces):
+            at = blas_first.get((device, BLAS_LT))
+            out.append((0 if at is None else at, block, ctx.cublaslt_workspace_bytes))
+            block -= 1
+    return sorted(out, key=lambda r: r[0])  # stable: the cuBLAS workspace before Lt's
+
+
 class _DeviceSequences:
     """Each device's allocation sequence (host storages and 0-byte storages left out: they
     take no block) as ("alloc", serial, bytes[, stream]) and ("free", serial, 0) rows (an
     allocation on a side stream names it: ``EventLog.streams``, or an event's ``stream``
-    attribute), and a key per sequence equal for two devices exactly when their sequences
-    are equal up to the names of their storages (DataParallel's replicas on equal shards,
-    DDP's ranks): they simulate alike.
+    attribute), with the workspaces inserted where they are allocated
+    (:func:`workspace_inserts`), and a key per sequence equal for two devices exactly when
+    their sequences are equal up to the names of their storages (DataParallel's replicas on
+    equal shards, DDP's ranks): they simulate alike.
     Over an :class:`EventLog` the columns are read as arrays, so the cost of a device's key
     is not a Python step per event."""
 
@@ -96,11 +138,12 @@ class _DeviceSequences:
             self.device, self.serial, self.requested, self.stream = (
                 dev[keep], events.column("serial")[keep], req[keep],
                 events.column("stream")[keep])
+            self.index = np.flatnonzero(keep)
         else:
-            rows = [(ev.device, ev.serial, ev.requested, getattr(ev, "stream", 0))
-                    for ev in events if ev.device >= 0 and ev.requested != 0]
-            self.device, self.serial, self.requested, self.stream = (
-                np.array([r[i] for r in rows], dtype=np.int64) for i in range(4))
+            rows = [(ev.device, ev.serial, ev.requested, getattr(ev, "stream", 0), i)
+                    for i, ev in enumerate(events) if ev.device >= 0 and ev.requested != 0]
+            self.device, self.serial, self.requested, self.stream, self.index = (
+                np.array([r[i] for r in rows], dtype=np.int64) for i in range(5))
         self._rows: dict[int, np.ndarray] = {}
 
     def _of(self, device: int) -> np.ndarray:
@@ -109,7 +152,14 @@ class _DeviceSequences:
             rows = self._rows[device] = np.flatnonzero(self.device == device)
         return rows
 
-    def key(self, device: int) -> tuple[bytes, bytes, bytes]:
+    def _offsets(self, device: int, inserts: Sequence[tuple[int, int, int]]) -> list[int]:
+        """Where each insert goes among the device's rows (before the first row at or
+        after its event index)."""
+        at = self.index[self._of(device)]
+        return [int(np.searchsorted(at, index)) for index, _, _ in inserts]
+
+    def key(self, device: int, inserts: Sequence[tuple[int, int, int]] = ()
+            ) -> tuple[bytes, ...]:
         """The sequence with its serials renumbered in order of first appearance."""
         rows = self._of(device)
         serials = self.serial[rows]
@@ -117,14 +167,36 @@ class _DeviceSequences:
         rank = np.empty(len(first), dtype=np.int64)
         rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
         sizes = self.requested[rows]
+        placed = np.array([(o, size) for o, (_, _, size) in
+                           zip(self._offsets(device, inserts), inserts, strict=True)],
+                          dtype=np.int64)
         # (kind, bytes) as one number: an allocation's size, or -1 for a free
         return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes(),
-                self.stream[rows].tobytes())
+                self.stream[rows].tobytes(), placed.tobytes())
 
-    def sequence(self, device: int) -> list[tuple[Any, ...]]:
+    def sequence(self, device: int, inserts: Sequence[tuple[int, int, int]] = (),
+                 frees_at: Mapping[int, tuple[int, str]] | None = None
+                 ) -> list[tuple[Any, ...]]:
+        """The device's rows with ``inserts`` (workspaces) allocated where they go; with
+        ``frees_at`` (serial -> (event index, ...)), each of those storages of the device
+        freed at that index instead of where it was."""
         rows = self._of(device)
-        return [(("alloc", serial, size, stream) if stream else ("alloc", serial, size))
-                if size > 0 else ("free", serial, 0)
-                for serial, size, stream in zip(self.serial[rows].tolist(),
-                                                self.requested[rows].tolist(),
-                                                self.stream[rows].tolist(), strict=True)]
+        serials = self.serial[rows].tolist()
+        out: list[tuple[Any, ...]] = [
+            (("alloc", serial, size, stream) if stream else ("alloc", serial, size))
+            if size > 0 else ("free", serial, 0)
+            for serial, size, stream in zip(serials, self.requested[rows].tolist(),
+                                            self.stream[rows].tolist(), strict=True)]
+        at = self.index[rows]
+        placed = [(int(np.searchsorted(at, index)), k, ("alloc", block, size))
+                  for k, (index, block, size) in enumerate(inserts)]
+        if frees_at:
+            mine = set(serials) & set(frees_at)
+            out = [r if r[0] != "free" or r[1] not in mine else None for r in out]  # type: ignore[misc]
+            placed += [(int(np.searchsorted(at, frees_at[s][0])), len(inserts) + k,
+                        ("free", s, 0)) for k, s in enumerate(sorted(mine))]
+        # from the last: an insert does not move the offsets of those before it (two at
+        # one offset keep their order)
+        for offset, _, row in sorted(placed, reverse=True):
+            out.insert(offset, row)
+        return [r for r in out if r is not None]

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from dpprof.backends.emulated_figures import ddp_ranks, device_result, timeline_points
+from dpprof.backends.emulated_figures import (
+    ddp_ranks,
+    device_result,
+    timeline_points,
+    transient_note,
+)
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.data_parallel import replicas_float16_note
@@ -298,7 +303,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
             rt, i, logical, cfg.capacity_bytes,
             rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
             run.shard_rows.get(i, 0) if split else run.batch_rows,
-            timeline_points(rt, i, start, phase_before_start=True))
+            timeline_points(rt, i, start, phase_before_start=True), start)
         for logical, i in enumerate(visible)
     ]
     if kind.ranks_alike and run.world_size > 1:
@@ -307,6 +312,10 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     s.devices = devices
     if not cfg.compute:
         _overheads(s, vc, cfg)
+    alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
+    for d in [d for d in s.devices if d.used][:1 if alike else None]:
+        if (note := transient_note(d, "each rank" if alike else None)) is not None:
+            s.notes.append(note)
     if exc is not None or (run.ended == "script raised"):
         s.status = STATUS_ERROR
         s.message = (f"the script raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
@@ -340,4 +349,5 @@ def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
         return next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
                     vc.visible[0])
 
-    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source)
+    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source,
+                       blas_first=vc.rt.blas_first, transients=vc.rt.transients)

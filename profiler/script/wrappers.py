@@ -55,6 +55,9 @@ class ParallelLog:
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     fake_group: bool = False  # a fake default process group was initialised
+    # the script's process group runs NCCL (named, or torch's default on CUDA): DDP's first
+    # buckets outlive the rebuild until the watchdog reaps them (EmulatedDDP's nccl_stash)
+    nccl: bool = False
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     tensor_parallel: int = 0  # parallelize_module calls
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
@@ -178,7 +181,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             rt.ledgers[src] = ledger
             with rt.device(src):
                 impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids),
-                                   bucket_view_ledger=ledger)
+                                   bucket_view_ledger=ledger, nccl_stash=True)  # GPUs' DDP
             object.__setattr__(self, "_ddp_impl", impl)
             _log().ddp_devices.append(src)
         _log().used_devices = [src]
@@ -373,7 +376,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
             module, vc.rt, world_size=world, bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
+            broadcast_buffers=broadcast_buffers, nccl_stash=_log().nccl,
         )
         # EmulatedDDP is a Module with the user's module as a child; keep it out of this
         # module's tree so parameters() and state_dict() are DDP's ("module." prefixes).
@@ -482,6 +485,8 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
         _log().world_size = max(_log().world_size, world_size)
         _log().fake_group = True
+        # torch's default on CUDA is "cuda:nccl,cpu:gloo"
+        _log().nccl = backend is None or "nccl" in str(backend).lower()
         if not fsdp_hooks:
             # FSDP2's hooks once a process group exists (FSDP2 needs one, a default mesh
             # makes one here): importing FSDP2 loads DTensor and sympy, a second or more
