@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     props = torch.cuda.get_device_properties(0)
     cc = (props.major, props.minor)
-    for workload in workloads:
+    for index, workload in enumerate(workloads):
         common = {"workload": workload, "step": StepConfig(batch=args.batch, amp=args.amp),
                   "gpus": gpus,
                   "fixes": False, "gpu_memory_bytes": props.total_memory,
@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": props.name, "gpus": gpus, "torch": torch.__version__,
             "cuda": torch.version.cuda, "workload": workload, "batch": args.batch,
             "amp": args.amp,
+            # a workload after the first in a process finds that process's CUDA context on
+            # the GPU: NVML's figures count it (rows recorded before 2026-11-28T20:00 lack this
+            # field and ran several workloads per process)
+            "first_in_process": index == 0,
         }
         try:  # one workload that cannot run (a missing library, a bug) is a row, not the end
             real = run_compare(CompareConfig(backend="cuda", **common))
