@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from dpprof.analysis.answer_fields import add_answers, gpu_spec
-from dpprof.analysis.answers import partial_sentence
+from dpprof.analysis.answers import partial_sentence, settle
 from dpprof.analysis.comparison import compare
 from dpprof.analysis.fixes import alongside
 from dpprof.analysis.maxbatch import COUNTS
@@ -272,7 +272,8 @@ def mark_partial(run: RunResult, signum: int) -> RunResult:
     partial (``interrupted``, the verdict and a note say so in every format)."""
     run.interrupted = signal.Signals(signum).name
     with contextlib.suppress(Exception):  # what was measured is still worth keeping
-        run.comparison = compare(run)  # its verdict begins with partial_sentence
+        run.comparison = compare(run)
+        settle(run)  # its verdict begins with partial_sentence
     run.comparison.verdict = run.comparison.verdict or partial_sentence(run)
     run.notes.append(partial_sentence(run))
     return run

@@ -198,16 +198,14 @@ def _verdict_html(view: ReportView) -> str:
 
 def _fixes_html(view: ReportView) -> str:
     notes = "".join(f"<p class='lead'>{escape(n)}</p>" for n in view.advice_notes)
-    if not view.recommended:
-        return (f"<p class='lead'>{escape(view.nothing_to_change)}</p>" + notes
-                + answers.html_fix_table(view))
-    parts = []
-    for i, f in enumerate(view.recommended):
-        parts.append(
-            f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{escape(f.title)}</h3>"
-            f"<p>{escape(fix_why(f))}</p><pre><code>{escape(f.code)}</code></pre></div>"
-        )
-    return "".join(parts) + notes + answers.html_fix_table(view)
+    head, why = answers.recommendation_lines(view)
+    f = view.recommended
+    fix = ("" if f is None else f"<p>{escape(fix_why(f))}</p>"
+           f"<pre><code>{escape(f.code)}</code></pre>")
+    passed = ("<ul class='passed'>" + "".join(f"<li>{escape(x)}</li>" for x in why[1:])
+              + "</ul>" if why[1:] else "")
+    return (f"<div class='fix card' id='recommended'><h3>{escape(head)}</h3>"
+            f"<p>{escape(why[0])}</p>{fix}{passed}</div>" + notes + answers.html_fix_table(view))
 
 
 def render(run: RunResult) -> str:

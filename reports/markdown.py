@@ -35,7 +35,7 @@ from dpprof.reports.common import (
     step_time,
     throughput,
 )
-from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
+from dpprof.reports.escape import code_fence, code_span, markdown_text, mermaid_label
 from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
@@ -201,10 +201,16 @@ def render_view(view: ReportView) -> str:
         lines += [f"| {md(name)} | {b:,} |" for name, b in view.max_batches]
         lines.append("")
     lines += ["### What to change", ""]
-    if not view.recommended:
-        lines += [md(view.nothing_to_change), ""]
-    for f in view.recommended:
-        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", *_code(f.code, f.code_lang)]
+    head, why = answers.recommendation_lines(view)
+    lines += [f"**{md(head)}**", "", md(why[0]), ""]
+    f = view.recommended
+    if f is not None:
+        lines += [md(fix_why(f)), "", *_code(f.code, f.code_lang)]
+    lines += [f"- {md(x)}" for x in why[1:]] + ([""] if why[1:] else [])
+    if view.fixes:
+        lines += [f"Every change measured against {code_span(view.fixes_against)}, cheapest "
+                  f"first (needs: {md(view.need_counts)}):", "",
+                  answers.md_table(answers.FIX_HEADER, answers.fix_rows(view)), ""]
     lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
     extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dpprof.analysis.answers import build_answer
+from dpprof.analysis.answers import settle
 from dpprof.result import STATUS_OOM, RunResult
 
 if TYPE_CHECKING:
@@ -87,5 +87,5 @@ def add_answers(
                                 scenarios or tuple(s.name for s in run.scenarios),
                                 backend=run.backend)
     run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
-    run.comparison.verdict = build_answer(run).verdict
+    settle(run)  # the one answer, computed once and stored
     return run

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import statistics
 
-from dpprof.analysis.answers import why_heavier
 from dpprof.analysis.comparison import median_devices, primary_excess
 from dpprof.result import (
     STATUS_OK,
@@ -146,8 +145,7 @@ def attribute(s: ScenarioResult) -> Attribution | None:
     ordered = {k: causes[k] for k in CAUSES if causes.get(k)}
     att = Attribution(scenario=s.name, excess_bytes=excess, reference=_reference(middle)[2],
                       causes_bytes=ordered)
-    att.answer = why_heavier(att)
-    return att
+    return att  # its answer is the one answer's (dpprof.analysis.answers.settle)
 
 
 def _exact_split(diff: dict[str, float], total: int) -> dict[str, int]:

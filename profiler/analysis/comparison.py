@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
-from dpprof.analysis.answers import build_answer
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,
@@ -63,8 +61,8 @@ def primary_peak(s: ScenarioResult | None) -> int | None:
 
 
 def compare(run: RunResult) -> Comparison:
-    """The comparison block of a run: per-scenario figures, savings, and the verdict of
-    :func:`dpprof.analysis.answers.build_answer`."""
+    """The comparison block of a run: per-scenario figures and savings. Its verdict is the
+    one answer's, stored once the result is complete (:func:`dpprof.analysis.answers.settle`)."""
     out = Comparison()
     for s in run.scenarios:
         c = compare_scenario(s)
@@ -77,5 +75,5 @@ def compare(run: RunResult) -> Comparison:
                      else None)
             if other is not None:
                 out.savings_bytes[kind.name] = base - other
-    out.verdict = build_answer(dataclasses.replace(run, comparison=out)).verdict
+    out.verdict = run.comparison.verdict
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpprof.analysis.fix_kind import FIX_BASELINE, Trial, measured_ok
+from dpprof.analysis.fix_kind import FIX_BASELINE, Trial, baseline_of, measured_ok, need_of
 from dpprof.analysis.fix_kinds.balanced_split import (  # noqa: F401 (their old home)
     CODE_BALANCED,
     BalancedSplits,
@@ -27,7 +27,7 @@ from dpprof.analysis.fix_kinds.balanced_split import (  # noqa: F401 (their old 
     solve_split,
 )
 from dpprof.analysis.fix_kinds.output_device import output_device  # noqa: F401
-from dpprof.analysis.fix_registry import FIXES
+from dpprof.analysis.fix_registry import BY_NAME, FIXES
 from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.result import Fix, RunResult
 from dpprof.scenarios.workloads import Workload
@@ -74,14 +74,37 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     ``measured``: what the run's own scenarios measured alongside (:func:`alongside`);
     what they did not is emulated here.
     """
+    counted = base  # how the run counts a need (reserved and the context, or allocated)
     # each variant reports its peaks only
     base = dataclasses.replace(base, count_reserved=False, peaks_only=True)
     own = run.backend == "emulated"
     if not own or measured is None:
         measured = alongside(base.step.batch, base.gpus)
-    trial = Trial(run, wl, base, measured, own, FIXES,
-                  lambda *args, **kwargs: run_scenario(*args, **kwargs))
-    if not measured_ok(trial.scenario(FIX_BASELINE)) or base.gpus < 2:
+    against = baseline_of(run) or FIX_BASELINE
+    kinds = tuple(k for k in FIXES if against in k.applies_to)
+    trial = Trial(run, wl, base, measured, own, kinds,
+                  lambda *args, **kwargs: run_scenario(*args, **kwargs), baseline=against)
+    if not kinds or not measured_ok(trial.scenario(against)) or base.gpus < 2:
         return []
-    found = [kind.measure(trial) for kind in FIXES]
-    return [f for f in found if f is not None]
+    found = [f for kind in kinds if (f := kind.measure(trial)) is not None]
+    for f in found:
+        if f.need_bytes is None:
+            f.need_bytes = _need_alone(trial, f, counted)
+    return found
+
+
+def _need_alone(trial: Trial, fix: Fix, counted: EmulationConfig) -> int | None:
+    """What ``fix``'s fullest GPU needs, its step emulated on its own and counted as the run
+    counts (reserved memory and the context, or allocated only): for the fixes measured in
+    a step that counted peaks only (a further step of a loop, a ledger)."""
+    plan = BY_NAME[fix.name].alone(trial, fix)
+    if plan is None:
+        return None
+    name, cfg = plan
+    s = trial.emulate(name, dataclasses.replace(cfg, count_reserved=counted.count_reserved,
+                                                peaks_only=False))
+    if not measured_ok(s):
+        return None
+    need = need_of(s)
+    return need if need is not None else max(d.peak_allocated_bytes for d in s.devices
+                                             if d.used)

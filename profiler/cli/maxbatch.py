@@ -153,11 +153,11 @@ def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: 
 def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
                     include_host: bool) -> None:
     """The verdict set, the table on the terminal unless ``quiet``, then the files."""
-    from dpprof.analysis.answers import build_answer
+    from dpprof.analysis.answers import settle
     from dpprof.reports.answers import maxbatch_renderable
     from dpprof.reports.view_builder import build_view
 
-    run.comparison.verdict = build_answer(run).verdict
+    settle(run)
     if not quiet:
         out.print(maxbatch_renderable(build_view(for_terminal(run))))
     if paths:

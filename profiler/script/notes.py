@@ -100,11 +100,11 @@ def alternative_notes(alt: ScriptRun) -> list[str]:
 
 
 def script_verdict(result: RunResult) -> str:
-    """The verdict of a script's result: the one answer builder's
-    (:func:`dpprof.analysis.answers.build_answer`), as for every other command."""
-    from dpprof.analysis.answers import build_answer
+    """The verdict of a script's result: the one answer's, computed once and stored in the
+    result (:func:`dpprof.analysis.answers.settle`), as for every other command."""
+    from dpprof.analysis.answers import settle
 
-    return build_answer(result).verdict
+    return settle(result).verdict
 
 
 def diff_loss_in_forward(run: ScriptRun) -> str:
