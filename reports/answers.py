@@ -112,7 +112,10 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
     """A titled table; the title is a line of its own (a table's title wraps to its width)."""
     t = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for i, h in enumerate(header):
-        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        # the first column (a cause, a fix's title) wraps in a narrow terminal; the figures
+        # never do
+        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0,
+                     overflow="fold", ratio=1 if i == 0 else None)
     for r in rows:
         t.add_row(*r)
     return Group(Text(""), Text(title, style="bold"), t)
@@ -130,7 +133,7 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
     if note:
         parts.append(Text(note, style="dim"))
     if view.fixes:
-        parts.append(_table(f"what each change buys against {view.fixes_against}, cheapest "
+        parts.append(_table(f"what each change buys against {view.baseline}, cheapest "
                             f"first (needs: {view.need_counts})", FIX_HEADER, fix_rows(view)))
         for f in view.fixes:
             parts.append(Text(f"{f.title}: {f.why}", style="dim"))

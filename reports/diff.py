@@ -23,12 +23,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dpprof.analysis.answers import baseline
 from dpprof.reports.common import b as _b
 from dpprof.reports.common import run_title
 from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
-from dpprof.result import STATUS_OK, RunResult
+from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
 
 AS_WRITTEN = "as written"  # the role of the scenario each run stands for (its baseline)
@@ -100,15 +99,13 @@ def _need(s: ScenarioView | None) -> NeedDiff | None:
     if s is None or not s.measured or not s.devices:
         return None
     top = max(s.devices, key=lambda d: (d.total_peak_bytes, -d.index))
-    return NeedDiff(top.label, top.total_peak_bytes, s.status == STATUS_OK)
+    return NeedDiff(top.label, top.total_peak_bytes, s.status == "ok")
 
 
-def _roles(run: RunResult) -> dict[str, str]:
-    """role -> scenario: what the user runs (the answers' baseline) as written, only where
-    the two runs' baselines differ; every other scenario under its own name."""
-    base = baseline(run)
-    return {AS_WRITTEN if base is not None and s is base else s.name: s.name
-            for s in run.scenarios}
+def _roles(view: ReportView) -> dict[str, str]:
+    """role -> scenario: what the user runs (the answer's baseline) as written; every other
+    scenario under its own name."""
+    return {AS_WRITTEN if s.name == view.baseline else s.name: s.name for s in view.scenarios}
 
 
 def diff(before: RunResult, after: RunResult) -> RunDiff:
@@ -118,7 +115,7 @@ def diff(before: RunResult, after: RunResult) -> RunDiff:
         k: (getattr(vb, k), getattr(va, k))
         for k in CONFIG_KEYS if getattr(vb, k) != getattr(va, k)
     }
-    rb, ra = _roles(before), _roles(after)
+    rb, ra = _roles(vb), _roles(va)
     if rb.get(AS_WRITTEN) == ra.get(AS_WRITTEN):  # the same scenario: its own name
         rb = {s: s for s in rb.values()}
         ra = {s: s for s in ra.values()}
@@ -191,14 +188,13 @@ def summary(rd: RunDiff) -> list[str]:
             lines.append(f"{role_title(s)}: only in the {which} run")
             continue
         need = need_line(s)
-        if need:
-            lines.append(f"{role_title(s)}: needs {need}")
+        head = f"{role_title(s)}: " + (f"{need}; allocated " if need else "")
         d0 = s.devices[0] if s.devices else None
         status = ""
         if s.before_status != s.after_status:
             status = f"; status {_status(s.before_status)} → {_status(s.after_status)}"
         if d0 is None or d0.delta_bytes is None:
-            lines.append(f"{s.name}: no measurement to compare{status}")
+            lines.append(f"{head}no measurement to compare{status}")
             continue
         exc = ""
         if s.before_excess_bytes is not None and s.after_excess_bytes is not None \
@@ -206,7 +202,7 @@ def summary(rd: RunDiff) -> list[str]:
             exc = (f", excess over the others {_b(s.before_excess_bytes, True)} → "
                    f"{_b(s.after_excess_bytes, True)}")
         lines.append(
-            f"{role_title(s)}: {d0.label} {_b(d0.before_bytes)} → {_b(d0.after_bytes)} "
+            f"{head}{d0.label} {_b(d0.before_bytes)} → {_b(d0.after_bytes)} "
             f"({_b(d0.delta_bytes, True)} {_pct(d0)}){exc}{status}"
         )
     return lines

@@ -208,7 +208,7 @@ def render_view(view: ReportView) -> str:
         lines += [md(fix_why(f)), "", *_code(f.code, f.code_lang)]
     lines += [f"- {md(x)}" for x in why[1:]] + ([""] if why[1:] else [])
     if view.fixes:
-        lines += [f"Every change measured against {code_span(view.fixes_against)}, cheapest "
+        lines += [f"Every change measured against {code_span(view.baseline)}, cheapest "
                   f"first (needs: {md(view.need_counts)}):", "",
                   answers.md_table(answers.FIX_HEADER, answers.fix_rows(view)), ""]
     lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])

@@ -282,7 +282,7 @@ class ReportView:
     recommendation_title: str  # its title, or "nothing to change"
     recommendation_why: str  # why it (or nothing) is the answer
     passed_over: tuple[tuple[str, str], ...]  # (title, why not) of each cheaper change
-    fixes_against: str  # the scenario the fixes are measured against
+    baseline: str  # the scenario that stands for what the user runs; the fixes are against it
     need_counts: str  # what a need counts, in words
     advice_notes: tuple[str, ...]  # the fixes that make the heaviest GPU worse, and why
     max_batches: tuple[tuple[str, int], ...]  # (scenario, largest global batch)

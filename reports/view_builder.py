@@ -108,7 +108,7 @@ def build_view(run: RunResult) -> ReportView:
         recommendation_why=answer.why,
         passed_over=tuple((p.title, p.reason) for p in answer.passed_over),
         advice_notes=tuple(answer.notes),
-        fixes_against=answer.baseline or "",
+        baseline=answer.baseline or "",
         need_counts=counts(run),
         max_batches=_max_batches(run),
         maxbatch=_maxbatch(run),

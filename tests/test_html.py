@@ -194,11 +194,14 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
     assert wf["y"][1:3] == ["loss, its temporaries<br>and its gradient", "gathered outputs"]
     assert "Recommended: Emulated fix" in page
     assert "Against dp-loss-primary: the heaviest GPU peaks at 60.0 GiB, 3.00 GiB less." in page
+    # each change against the scenario the user ran, with what it needs and whether it fits
+    assert re.search(r"<td>Emulated fix</td><td>3.00 GiB</td><td>60.0 GiB</td><td>[^<]+ GiB"
+                     r"</td><td>fits</td>", page)
     assert "fixed = True" in page and "ModelWithLoss(model, loss_fn)" not in page
     assert "moved = True" not in page  # the heaviest GPU is as heavy: not recommended
     assert figs["maxbatch"]["data"][0]["y"] == ["ddp"]
     text = markdown.render(run)
-    assert "| ddp | 2048 |" in text and "**Emulated fix.**" in text
+    assert "| ddp | 2048 |" in text and "**Recommended: Emulated fix**" in text
     assert "| gathered outputs | +1.00 GiB |" in text
 
 

@@ -40,7 +40,9 @@ def test_diff_per_scenario_and_device() -> None:
     ddp = next(s for s in rd.scenarios if s.name == "ddp")
     assert all(d.delta_bytes == 0 for d in ddp.devices)
     lines = diff.summary(rd)
-    assert lines[0].startswith("dp-loss-primary: cuda:0 69.5 GiB → 18.7 GiB (-50.8 GiB -73%)")
+    # what the fullest GPU needs and whether it fits, then cuda:0's allocated peak
+    assert lines[0].startswith("dp-loss-primary: cuda:0 73.6 GiB, fits → 73.6 GiB, fits; "
+                               "allocated cuda:0 69.5 GiB → 18.7 GiB (-50.8 GiB -73%)")
 
 
 def test_diff_across_configurations_says_so() -> None:

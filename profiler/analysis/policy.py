@@ -75,7 +75,7 @@ COSTS: dict[str, Cost] = {
     "combined-accumulate": Cost(10, "autocast, checkpointing and micro-batches",
                                 "one more forward of the blocks; smaller passes"),
     "fsdp2-zero2": Cost(11, "a launcher and fully_shard on each block",
-                        "an all-gather per block per step and a reduce-scatter",
+                        "an all-gather per block per step, the gradients reduced in shards",
                         understated=0.10),
     "fsdp2-zero3": Cost(12, "a launcher and fully_shard on each block",
                         "all-gathers in forward and again in backward", understated=0.10),
