@@ -8,8 +8,8 @@ by that format's checker below.
 
 from __future__ import annotations
 
-import html as std_html
 import dataclasses
+import html as std_html
 import json
 import re
 from collections.abc import Callable
