@@ -117,15 +117,22 @@ def test_a_public_report_leaves_the_machine_out(tmp_path: Path) -> None:
     host = socket.gethostname()
     runner = CliRunner()
     args = ["compare", "-w", "mlp", "-b", "4", "-s", "single", "--no-fixes"]
-    r = runner.invoke(app, [*args, "-o", str(tmp_path / "a.md"), "-o", str(tmp_path / "a.json")])
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "a.md"), "-o", str(tmp_path / "a.json"),
+                            "-o", str(tmp_path / "a.html")])
     assert r.exit_code == 0, r.output
     text = (tmp_path / "a.md").read_text()
     assert f"**hostname**: {md(host)}" not in text and "left out (--include-host" in text
-    assert json.loads((tmp_path / "a.json").read_text())["environment"]["hostname"] == host
+    # every format: the JSON result and the HTML page too (they carried it by default)
+    hosted = json.loads((tmp_path / "a.json").read_text())["environment"]["hostname"]
+    assert hosted == "left out (--include-host keeps it)"
+    assert f"<td>{host}</td>" not in (tmp_path / "a.html").read_text()
     r = runner.invoke(app, ["report", str(tmp_path / "a.json"), "-o", str(tmp_path / "b.md")])
     assert r.exit_code == 0 and f"**hostname**: {md(host)}" not in (tmp_path / "b.md").read_text()
-    r = runner.invoke(app, [*args, "--include-host", "-o", str(tmp_path / "c.md")])
+    r = runner.invoke(app, [*args, "--include-host", "-o", str(tmp_path / "c.md"),
+                            "-o", str(tmp_path / "c.json"), "-o", str(tmp_path / "c.html")])
     assert r.exit_code == 0 and f"**hostname**: {md(host)}" in (tmp_path / "c.md").read_text()
+    assert json.loads((tmp_path / "c.json").read_text())["environment"]["hostname"] == host
+    assert f"<td>{host}</td>" in (tmp_path / "c.html").read_text()
 
 
 def test_nodes_and_gpu_ids_are_left_out_of_a_public_report() -> None:
