@@ -45,7 +45,8 @@ def check_cmd(
         "later emulations of this GPU's compute capability (their reports say so).",
         rich_help_panel="Output")] = False,
     output: Annotated[Path | None, typer.Option(
-        "--output", "-o", metavar="FILE", help="Also write every figure as JSON (attach it to a bug report).",
+        "--output", "-o", metavar="FILE",
+        help="Also write every figure as JSON (attach it to a bug report).",
         rich_help_panel="Output")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:

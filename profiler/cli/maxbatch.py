@@ -73,7 +73,8 @@ def maxbatch_cmd(
     ] = StepConfig().seed,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
-        typer.Option("--output", "-o", metavar="FILE", help="Also write the result (.json, .html, .md).",
+        typer.Option("--output", "-o", metavar="FILE",
+                     help="Also write the result (.json, .html, .md).",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
     ladder: Annotated[bool, typer.Option(

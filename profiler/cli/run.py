@@ -88,7 +88,8 @@ def run_cmd(
     ] = None,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
-        typer.Option("--output", "-o", metavar="FILE", help="Report file; repeat for several (.html, .json, "
+        typer.Option("--output", "-o", metavar="FILE",
+                     help="Report file; repeat for several (.html, .json, "
                      ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
