@@ -50,10 +50,12 @@ def check_cmd(
         rich_help_panel="Output")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    """Run a small workload for real and emulated on one GPU and print, per scenario,
-    emulated against max_memory_allocated / max_memory_reserved / NVML; the CUDA context
-    and cuBLAS workspace measured; whether CUDA and NVML devices match (MIG, containers);
-    whether per-process NVML works; and the NVML sampler's cost. Exits 2 without a GPU."""
+    """Check the emulator against your GPU: a small workload run for real and emulated.
+
+    Prints, per scenario, emulated against max_memory_allocated / max_memory_reserved /
+    NVML; the CUDA context and cuBLAS workspace measured; whether CUDA and NVML devices
+    match (MIG, containers); whether per-process NVML works; and the NVML sampler's cost.
+    Exits 2 without a GPU."""
     from dpprof.check import check_lines, run_check, save_measured
     from dpprof.cli.common import parse_scenarios
 
