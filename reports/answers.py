@@ -233,7 +233,7 @@ def html_fix_table(view: ReportView) -> str:
         return ""
     return ("<details open><summary>Every change measured, cheapest first</summary>"
             "<div class='card scroll'>" + _html_table(FIX_HEADER, fix_rows(view), "fixes")
-            + "</div>" + "".join(f"<p class='sub'><b>{_e(f.title)}</b>: {_e(f.why)}</p>"
+            + "</div>" + "".join(f"<p class='sub'><strong>{_e(f.title)}</strong>: {_e(f.why)}</p>"
                                  for f in view.fixes) + "</details>")
 
 

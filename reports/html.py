@@ -146,13 +146,15 @@ def _table(view: ReportView) -> str:
         status = "ok" if s.status_label == "ok" else \
             f"<span class='oom'>{escape(s.status_label)}</span>"
         rows.append(
-            f"<tr><td>{escape(s.name)}</td>{''.join(cells)}<td>{exc}</td><td>{imb}</td>"
-            f"<td>{status}</td></tr>"
+            f"<tr><td>{escape(s.name)}</td><td class='l'>{status}</td>{''.join(cells)}"
+            f"<td>{exc}</td><td>{imb}</td></tr>"
         )
+    # the status beside the scenario, where a phone shows it without scrolling; the GPUs
+    # scroll inside the card, the scenario's name held at its left edge
     return (
-        f"<div class='card scroll'><table id='peaks-table'><tr><th>scenario</th>{head}"
-        "<th>cuda:0 excess</th>"
-        f"<th>max/mean</th><th>status</th></tr>{''.join(rows)}</table></div>"
+        f"<div class='card scroll'><table id='peaks-table' class='sticky'><tr>"
+        f"<th>scenario</th><th class='l'>status</th>{head}<th>cuda:0 excess</th>"
+        f"<th>max/mean</th></tr>{''.join(rows)}</table></div>"
     )
 
 

@@ -96,7 +96,7 @@ def test_oom_is_called_out_in_red() -> None:
     peaks = _figures(page)["peaks"]["data"]
     # the label sits on the top of the bar: allocated, reserved beyond it and the context
     top = next(t for t in peaks if t["name"] == "dp-loss-primary: reserved and context")
-    assert top["text"][0] == "OOM 24.3"
+    assert top["text"][0] == "OOM<br>24.3"
 
 
 def test_ddp_over_two_nodes_labels_devices_by_host() -> None:
@@ -232,7 +232,7 @@ def test_a_bar_marked_out_of_memory_reaches_past_the_capacity_line() -> None:
     bars = [t for t in peaks["data"] if t["type"] == "bar" and t["legendgroup"] == "ddp"]
     tops = [b + y for b, y in zip(bars[-1]["base"], bars[-1]["y"], strict=True)]
     assert all(top > cap for top in tops)  # drawn as the OOM check counts it
-    assert all(t.startswith("OOM ") for t in bars[-1]["text"])
+    assert all(t.startswith("OOM<br>") for t in bars[-1]["text"])
     assert float(bars[-1]["text"][0].split()[1]) == pytest.approx(
         ddp.total_peak_bytes / 2**30, abs=0.05)
     assert bars[0]["y"][0] == pytest.approx(ddp.peak_allocated_bytes / 2**30, abs=1e-3)
@@ -309,7 +309,7 @@ def _many_gpus(run: RunResult, n: int) -> RunResult:
 def test_sixty_four_gpus_keep_the_page_narrow() -> None:
     page = html.render(_many_gpus(saved("emulated-lm"), 64))
     # the table of peaks, a column per GPU, scrolls inside its card
-    assert "<div class='card scroll'><table id='peaks-table'>" in page
+    assert "<div class='card scroll'><table id='peaks-table' class='sticky'>" in page
     assert "<th>cuda:63</th>" in page
     tl = _figures(page)["timeline-0"]
     assert _legend(tl)[:2] == ["cuda:0", "cuda:1 to cuda:63 (63 GPUs, identical)"]

@@ -81,10 +81,10 @@ def test_reserved_context_and_nvml_peaks_of_a_real_gpu_run() -> None:
 def test_charts_are_in_the_unit_that_fits() -> None:
     """cpu-mlp's peaks are MiB: charted in MiB, not as "0.09" GiB."""
     run = saved("cpu-mlp")
-    top = max(d.peak_allocated_bytes for s in run.scenarios for d in s.devices)
+    top = max(d.total_peak_bytes for s in run.scenarios for d in s.devices)
     assert top < 2**30
     charts = _mermaid(markdown.render(run))
-    assert charts and all('y-axis "MiB"' in c and "per GPU, MiB" in c for c in charts)
+    assert charts and all('y-axis "MiB"' in c and "needs, MiB" in c for c in charts)
     bars = [float(v) for c in charts for v in re.search(r"bar \[(.*?)\]", c).group(1)  # type: ignore[union-attr]
             .split(", ")]
     assert max(bars) == pytest.approx(top / 2**20, rel=1e-3) and min(bars) >= 1
@@ -144,3 +144,40 @@ def test_nodes_and_gpu_ids_are_left_out_of_a_public_report() -> None:
         assert private not in text, private
     assert "node0/cuda:0" in text and "node1/cuda:1" in text
     assert "node-a" in markdown.render(run)  # the result itself keeps them
+
+
+def _chart_of(text: str, scenario: str) -> str:
+    return next(c for c in _mermaid(text) if f'title "{scenario}:' in c)
+
+
+def _series(chart: str, kind: str) -> list[list[float]]:
+    return [[float(v) for v in m.split(", ")]
+            for m in re.findall(rf"^    {kind} \[(.*?)\]$", chart, re.M)]
+
+
+def test_charts_draw_the_need_against_the_capacity() -> None:
+    """The charts drew allocated memory against the capacity, so a scenario out of memory
+    sat under the red line; a single GPU got no line at all."""
+    run = saved("emulated-lm")
+    text = markdown.render(run)
+    for s in run.scenarios:
+        chart = _chart_of(text, s.name)
+        need = max(d.total_peak_bytes for d in s.devices if d.used)
+        assert max(_series(chart, "bar")[0]) == pytest.approx(need / 2**30, rel=1e-3)
+    single = _chart_of(text, "single")
+    assert '"capacity"' in single and _series(single, "bar")[1] == [0.0, 79.25]
+    # an out-of-memory scenario stands above the line
+    oom = saved("synthetic-oom")
+    chart = _chart_of(markdown.render(oom), "dp-loss-primary")
+    (line,) = _series(chart, "line")
+    assert max(_series(chart, "bar")[0]) > line[0]
+
+
+def test_sixty_four_gpus_are_cuda0_and_the_others_spread() -> None:
+    from test_html import _many_gpus
+
+    text = markdown.render(_many_gpus(saved("emulated-lm"), 64))
+    chart = _chart_of(text, "dp-loss-primary")
+    labels = re.findall(r'"([^"]*)"', chart.splitlines()[3])
+    assert labels == ["cuda:0", "least of 63 others", "median of 63", "most of 63"]
+    assert len(_series(chart, "line")[0]) == 4

@@ -60,7 +60,10 @@ def _markdown(run: RunResult, text: str) -> None:
         assert lines[1].startswith('    title "') and s.name in lines[1]
         labels = re.findall(r'"([^"]*)"', lines[2])
         bars = [float(x) for x in re.search(r"bar \[(.*)\]", chart).group(1).split(", ")]
-        assert len(labels) == len(bars) == len([d for d in s.devices if d.used])
+        used = [d for d in s.devices if d.used]
+        # one bar per GPU, what it needs; beside a single GPU, the capacity's bar
+        assert all(lb.endswith(f"cuda:{d.index}") for lb, d in zip(labels, used, strict=False))
+        assert len(labels) == len(bars) == len(used) + (labels[-1:] == ["capacity"])
         top = float(re.search(r"--> ([0-9.]+)", chart).group(1))
         assert max(bars) <= top
     # collapsed blocks open and close; the full configuration is JSON
