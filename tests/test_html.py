@@ -233,7 +233,7 @@ def test_a_bar_marked_out_of_memory_reaches_past_the_capacity_line() -> None:
     tops = [b + y for b, y in zip(bars[-1]["base"], bars[-1]["y"], strict=True)]
     assert all(top > cap for top in tops)  # drawn as the OOM check counts it
     assert all(t.startswith("OOM<br>") for t in bars[-1]["text"])
-    assert float(bars[-1]["text"][0].split()[1]) == pytest.approx(
+    assert float(bars[-1]["text"][0].split("<br>")[1]) == pytest.approx(
         ddp.total_peak_bytes / 2**30, abs=0.05)
     assert bars[0]["y"][0] == pytest.approx(ddp.peak_allocated_bytes / 2**30, abs=1e-3)
 
