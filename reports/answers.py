@@ -62,9 +62,10 @@ MAXBATCH_HEADER = ["scenario", "largest batch", "needs", "next step needs", "lim
 
 
 def _saves(n: int | None) -> str:
+    """What a fix saves on cuda:0: ``1.51 GiB``, or ``+845 MiB`` where it adds."""
     if n is None:
         return "-"
-    return fmt_bytes(n) if n >= 0 else f"none ({fmt_bytes(-n)} more)"
+    return fmt_bytes(n) if n >= 0 else fmt_bytes(-n, signed=True)
 
 
 def fits_cell(fits: bool | None) -> str:
@@ -78,7 +79,7 @@ def fix_rows(view: ReportView) -> list[list[str]]:
              fits_cell(f.fits)] for f in view.fixes]
 
 
-FIX_HEADER = ["fix", "saves on cuda:0", "heaviest GPU", "needs", "fits"]
+FIX_HEADER = ["fix", "cuda:0 saves", "heaviest GPU", "needs", "fits"]
 
 
 def recommendation_lines(view: ReportView) -> tuple[str, list[str]]:
@@ -115,7 +116,7 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
         # the first column (a cause, a fix's title) wraps in a narrow terminal; the figures
         # never do
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0,
-                     overflow="fold", ratio=1 if i == 0 else None)
+                     ratio=1 if i == 0 else None)
     for r in rows:
         t.add_row(*r)
     return Group(Text(""), Text(title, style="bold"), t)

@@ -160,6 +160,10 @@ def _fit_words(n: NeedDiff) -> str:
     return "fits" if n.fits else "out of memory"
 
 
+def _short_fit(n: NeedDiff) -> str:
+    return "fits" if n.fits else "OOM"
+
+
 def role_title(s: ScenarioDiff) -> str:
     """The role, with the scenario each run had in it where they differ."""
     if s.before_scenario and s.after_scenario and s.before_scenario != s.after_scenario:
@@ -178,6 +182,19 @@ def need_line(s: ScenarioDiff) -> str:
             f"{fmt_bytes(a.need_bytes)}, {_fit_words(a)}")
 
 
+def _predicted(rd: RunDiff, s: ScenarioDiff) -> str:
+    """For an alternative of the before run that is what the after run runs as written (a
+    script before and after its suggested change): what it predicted against what the
+    after run measured."""
+    now = next((r for r in rd.scenarios if r.name == AS_WRITTEN), None)
+    if (s.after_status is not None or now is None or now.after_scenario != s.name
+            or s.before_need is None or now.after_need is None):
+        return ""
+    return (f"; it predicted what you run now: its fullest GPU needs "
+            f"{fmt_bytes(s.before_need.need_bytes)}, measured now "
+            f"{fmt_bytes(now.after_need.need_bytes)}")
+
+
 def summary(rd: RunDiff) -> list[str]:
     """One line per role: what its fullest GPU needs and whether it fits, cuda:0's peak and
     excess, before → after."""
@@ -185,7 +202,7 @@ def summary(rd: RunDiff) -> list[str]:
     for s in rd.scenarios:
         if s.before_status is None or s.after_status is None:
             which = "after" if s.before_status is None else "before"
-            lines.append(f"{role_title(s)}: only in the {which} run")
+            lines.append(f"{role_title(s)}: only in the {which} run" + _predicted(rd, s))
             continue
         need = need_line(s)
         head = f"{role_title(s)}: " + (f"{need}; allocated " if need else "")
@@ -225,7 +242,10 @@ def render_terminal(rd: RunDiff) -> Group:
     table = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for col, j in (("scenario", "left"), ("device", "left"), ("before", "right"),
                    ("after", "right"), ("change", "right"), ("", "right")):
-        table.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
+        # the role (with the scenario each run had in it) wraps in a narrow terminal
+        table.add_column(col, justify=j, no_wrap=col != "scenario",  # type: ignore[arg-type]
+                         ratio=1 if col == "scenario" else None,
+                         min_width=18 if col == "scenario" else None)
     for s in rd.scenarios:
         first = True
         rows = s.devices or (DeviceDiff("-", None, None),)
@@ -233,17 +253,18 @@ def render_terminal(rd: RunDiff) -> Group:
             delta = d.delta_bytes
             style = "" if delta is None or delta == 0 else ("green" if delta < 0 else "red")
             table.add_row(
-                role_title(s) if first else "", d.label, _b(d.before_bytes), _b(d.after_bytes),
+                role_title(s).replace(" (", "\n(").replace(" → ", "\n→ ") if first else "",
+                d.label, _b(d.before_bytes), _b(d.after_bytes),
                 Text(_b(delta, True), style=style), Text(_pct(d), style=style),
             )
             first = False
-        table.add_row("", Text("cuda:0 excess", style="dim"), _b(s.before_excess_bytes, True),
+        table.add_row("", Text("excess", style="dim"), _b(s.before_excess_bytes, True),
                       _b(s.after_excess_bytes, True), "", "", end_section=s.before_need is None
                       or s.after_need is None)
         if s.before_need is not None and s.after_need is not None:
-            table.add_row("", Text("needs (fullest GPU)", style="dim"),
-                          f"{_b(s.before_need.need_bytes)} {_fit_words(s.before_need)}",
-                          f"{_b(s.after_need.need_bytes)} {_fit_words(s.after_need)}", "", "",
+            table.add_row("", Text("needs", style="dim"),
+                          f"{_b(s.before_need.need_bytes)} {_short_fit(s.before_need)}",
+                          f"{_b(s.after_need.need_bytes)} {_short_fit(s.after_need)}", "", "",
                           end_section=True)
     parts.append(table)
     parts += [Text(line) for line in summary(rd)]
