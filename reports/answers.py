@@ -134,8 +134,9 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
     if note:
         parts.append(Text(note, style="dim"))
     if view.fixes:
-        parts.append(_table(f"what each change buys against {view.baseline}, cheapest "
-                            f"first (needs: {view.need_counts})", FIX_HEADER, fix_rows(view)))
+        parts.append(_table(f"what each change buys against {view.baseline}, cheapest first",
+                            FIX_HEADER, fix_rows(view)))
+        parts.append(Text(f"needs: what its fullest GPU needs, {view.need_counts}", style="dim"))
         for f in view.fixes:
             parts.append(Text(f"{f.title}: {f.why}", style="dim"))
     if view.has_comparison:
