@@ -231,8 +231,8 @@ def render_view(view: ReportView) -> str:
         lines += [f"| {md(name)} | {b:,} |" for name, b in view.max_batches]
         lines.append("")
     lines += ["### What to change", ""]
-    head, why = answers.recommendation_lines(view)
-    lines += [f"**{md(head)}**", "", md(why[0]), ""]
+    title, why = answers.recommendation_lines(view)
+    lines += [f"**{md(title)}**", "", md(why[0]), ""]
     f = view.recommended
     if f is not None:
         lines += [md(fix_why(f)), "", *_code(f.code, f.code_lang)]
