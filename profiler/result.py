@@ -235,6 +235,7 @@ class FixAnswer:
     baseline: Text  # the scenario it is measured against
     heaviest_saves_bytes: SignedBytes  # the baseline's heaviest GPU minus the fix's
     primary_saves_bytes: SignedBytes | None = None  # the same on cuda:0
+    max_peak_bytes: Bytes | None = None  # the fix's heaviest GPU (allocated)
     need_bytes: Bytes | None = None  # its fullest GPU, as the out-of-memory check counts
     fits: bool | None = None  # None: its need is not known
     spare_bytes: SignedBytes | None = None  # capacity minus need
@@ -274,7 +275,6 @@ class Recommendation:
     fixes: Annotated[list[FixAnswer], MaxLen(MAX_ITEMS)] = field(default_factory=list)
     # scenario -> why its cuda:0 is heavier (the DataParallel scenarios it applies to)
     why_heavier: Annotated[dict[Text, Text], MaxLen(MAX_ITEMS)] = field(default_factory=dict)
-    notes: TextList = field(default_factory=list)
 
 
 @dataclass

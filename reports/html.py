@@ -199,7 +199,6 @@ def _verdict_html(view: ReportView) -> str:
 
 
 def _fixes_html(view: ReportView) -> str:
-    notes = "".join(f"<p class='lead'>{escape(n)}</p>" for n in view.advice_notes)
     head, why = answers.recommendation_lines(view)
     f = view.recommended
     fix = ("" if f is None else f"<p>{escape(fix_why(f))}</p>"
@@ -207,7 +206,7 @@ def _fixes_html(view: ReportView) -> str:
     passed = ("<ul class='passed'>" + "".join(f"<li>{escape(x)}</li>" for x in why[1:])
               + "</ul>" if why[1:] else "")
     return (f"<div class='fix card' id='recommended'><h3>{escape(head)}</h3>"
-            f"<p>{escape(why[0])}</p>{fix}{passed}</div>" + notes + answers.html_fix_table(view))
+            f"<p>{escape(why[0])}</p>{fix}{passed}</div>" + answers.html_fix_table(view))
 
 
 def render(run: RunResult) -> str:

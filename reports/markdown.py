@@ -240,8 +240,10 @@ def render_view(view: ReportView) -> str:
     if view.fixes:
         lines += [f"Every change measured against {code_span(view.baseline)}, cheapest "
                   f"first (needs: {md(view.need_counts)}):", "",
-                  answers.md_table(answers.FIX_HEADER, answers.fix_rows(view)), ""]
-    lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
+                  answers.md_table(answers.FIX_HEADER, answers.fix_rows(view)), "",
+                  "<details><summary>Each change, measured</summary>", ""]
+        lines += [f"- **{md(f.title)}**: {md(f.why)}" for f in view.fixes]
+        lines += ["", "</details>", ""]
     extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]

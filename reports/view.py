@@ -284,7 +284,6 @@ class ReportView:
     passed_over: tuple[tuple[str, str], ...]  # (title, why not) of each cheaper change
     baseline: str  # the scenario that stands for what the user runs; the fixes are against it
     need_counts: str  # what a need counts, in words
-    advice_notes: tuple[str, ...]  # the fixes that make the heaviest GPU worse, and why
     max_batches: tuple[tuple[str, int], ...]  # (scenario, largest global batch)
     maxbatch: MaxBatchView | None
     equivalence: EquivalenceView | None

@@ -107,7 +107,6 @@ def build_view(run: RunResult) -> ReportView:
         recommendation_title=answer.title or "nothing to change",
         recommendation_why=answer.why,
         passed_over=tuple((p.title, p.reason) for p in answer.passed_over),
-        advice_notes=tuple(answer.notes),
         baseline=answer.baseline or "",
         need_counts=counts(run),
         max_batches=_max_batches(run),

@@ -79,8 +79,7 @@ def _claims(answer: Recommendation, run: RunResult) -> str:
     whys = [a.why.replace(details[a.fix].rstrip(".") + ".", "") if details.get(a.fix) else a.why
             for a in answer.fixes]
     return " ".join([answer.verdict, answer.why, *whys, *answer.why_heavier.values(),
-                     *(p.reason for p in answer.passed_over),
-                     *(n.split(": ", 1)[-1] for n in answer.notes)])
+                     *(p.reason for p in answer.passed_over)])
 
 
 def check(run: RunResult) -> Recommendation:

@@ -157,3 +157,24 @@ def test_a_command_builds_the_answer_once(tmp_path: Path, monkeypatch: pytest.Mo
     title = stored.recommended.title or NOTHING
     assert f"Recommended: {title}" in r.output
     assert f"<h3>Recommended: {std_html.escape(title)}</h3>" in Path(out[0]).read_text()
+
+
+def test_maxbatch_names_the_scenario_that_fits_the_most() -> None:
+    """maxbatch's summary compared DDP with DataParallel only, and left out dp-loss-forward,
+    which fits more (1,800 against DDP's 1,520)."""
+    from dpprof.result import MaxBatch, MaxBatchEntry
+
+    gib = 2**30
+    run = RunResult(backend="emulated", workload="lm", batch=0, gpus=4,
+                    gpu_memory_bytes=int(79.25 * gib))
+    run.maxbatch = MaxBatch(capacity_bytes=run.gpu_memory_bytes, gpu="a100-80gb",
+                            multiple_of=8, entries=[
+                                MaxBatchEntry("dp-loss-primary", 544, 0, 78 * gib),
+                                MaxBatchEntry("dp-loss-forward", 1800, 0, 79 * gib),
+                                MaxBatchEntry("ddp", 1520, 0, 79 * gib),
+                                MaxBatchEntry("single", 1536, 0, 79 * gib)])
+    answer = check(run)
+    assert "dp-loss-forward fits the largest, 3.31x the batch of dp-loss-primary " \
+           "(1800 vs 544)" in answer.verdict
+    assert "DDP fits" not in answer.verdict
+    assert answer.why == "dp-loss-forward fits the largest batch (1800)."

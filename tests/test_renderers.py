@@ -71,8 +71,9 @@ def _markdown(run: RunResult, text: str) -> None:
     peaks = any(d.peak_reserved_bytes for s in run.scenarios for d in s.devices)
     tracebacks = sum(1 for s in run.scenarios if s.status not in ("ok", "oom") and s.traceback)
     collapsed_code = text.count("<summary>The change (")  # a fix's long code
+    measured = 1 if answer_of(run).fixes else 0  # each change's sentence, collapsed
     assert text.count("<details>") == text.count("</details>") == \
-        (4 if peaks else 3) + tracebacks + (1 if charts else 0) + collapsed_code
+        (4 if peaks else 3) + tracebacks + (1 if charts else 0) + collapsed_code + measured
     assert "<details><summary>Full configuration</summary>" in text
     assert '"batch": ' in text
 

@@ -124,14 +124,12 @@ def build_answer(run: RunResult) -> Recommendation:
     oom = ""
     if clause:  # _sentence changes the first letter and the end only
         oom = verdict[len(before): len(before) + len(clause)]
-    notes = [f"{f.title}: {f.why}" for f in fixes if f.heaviest_saves_bytes < 0
-             and not _noise(f, run)]
     return Recommendation(
         verdict=verdict, verdict_oom=oom, setup=setup,
         baseline=base.name if base is not None else None, fix=pick.fix, title=pick.title,
         why=pick.why, need_bytes=pick.need_bytes, fits=pick.fits,
         margin_bytes=pick.margin_bytes, passed_over=pick.passed_over, fixes=fixes,
-        why_heavier=why, notes=notes)
+        why_heavier=why)
 
 
 @dataclass
@@ -347,7 +345,8 @@ def _fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
     scenario the user ran): what it saves, needs and costs, in the policy's order."""
     out = []
     was_top = heaviest(base)
-    for f in _found_fixes(run):
+    found = _found_fixes(run)
+    for f in found:
         applies = BASELINES if f.name.startswith(LADDER_PREFIX) else applies_to(f.name)
         if base.name not in applies:
             continue
@@ -372,12 +371,13 @@ def _fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
             fits = None  # within what its need may be understated by: not known to fit
         out.append(FixAnswer(
             fix=f.name, title=f.title, baseline=base.name, heaviest_saves_bytes=saving,
-            primary_saves_bytes=primary, need_bytes=need, fits=fits,
+            primary_saves_bytes=primary, max_peak_bytes=f.max_peak_bytes, need_bytes=need,
+            fits=fits,
             spare_bytes=None if need is None else run.gpu_memory_bytes - need,
             cost_rank=cost.rank, cost=_cost_words(cost, f), step_time_cost_s=cost.step_time_s,
             why=""))
     out.sort(key=lambda a: a.cost_rank)  # stable: the registry's order among equals
-    by_name = {f.name: f for f in _found_fixes(run)}
+    by_name = {f.name: f for f in found}
     return [dataclasses.replace(a, why=_why_fix(run, by_name[a.fix], base, a)) for a in out]
 
 
@@ -402,10 +402,9 @@ def _cost_words(cost: Cost, f: Fix) -> str:
     return words + (f"; step time: {cost.step_time}" if cost.step_time else "")
 
 
-def _noise(a: FixAnswer, run: RunResult) -> bool:
+def _noise(a: FixAnswer) -> bool:
     """A saving (or a loss) under :data:`MIN_SAVING` of the heaviest GPU: a loss tensor."""
-    f = next((f for f in _found_fixes(run) if f.name == a.fix), None)
-    top = (f.max_peak_bytes or 0) if f is not None else 0
+    top = a.max_peak_bytes or 0
     return abs(a.heaviest_saves_bytes) < MIN_SAVING * (top + max(a.heaviest_saves_bytes, 0))
 
 
@@ -476,7 +475,7 @@ def _pick(run: RunResult, base: ScenarioResult | None, setup: str,
             f"{fmt_bytes(cap)} ({_counted(run)}), and its heaviest GPU is {imbalance:.2f}x "
             f"the mean, within the policy's {IMBALANCE_THRESHOLD:.2f}x."),
             need_bytes=need, fits=True, margin_bytes=base_margin)
-    helpful = [a for a in fixes if a.heaviest_saves_bytes > 0 and not _noise(a, run)
+    helpful = [a for a in fixes if a.heaviest_saves_bytes > 0 and not _noise(a)
                and a.fits is True]
     chosen = next((a for a in helpful if (a.spare_bytes or 0) >= _margin(run, a)), None)
     tight = chosen is None and bool(helpful)
@@ -520,10 +519,10 @@ def _on(run: RunResult, name: str) -> str:
 def _passed(run: RunResult, a: FixAnswer) -> PassedOver:
     """Why a change is not the answer."""
     cap = run.gpu_memory_bytes
-    if a.heaviest_saves_bytes < 0 and not _noise(a, run):
+    if a.heaviest_saves_bytes < 0 and not _noise(a):
         reason = (f"it makes the heaviest GPU of {a.baseline} worse "
                   f"({fmt_bytes(-a.heaviest_saves_bytes)} more)")
-    elif a.heaviest_saves_bytes <= 0 or _noise(a, run):
+    elif a.heaviest_saves_bytes <= 0 or _noise(a):
         reason = (f"it does not lower the heaviest GPU of {a.baseline} "
                   f"({fmt_bytes(abs(a.heaviest_saves_bytes))} of difference)")
     elif a.need_bytes is None:
@@ -634,7 +633,7 @@ def _remedy(run: RunResult, att: Attribution, fixes: list[FixAnswer], picked: st
     else:
         answer = next((f for f in fixes if f.fix == fix_name and f.baseline == att.scenario),
                       None)
-        if answer is not None and answer.heaviest_saves_bytes < 0 and not _noise(answer, run):
+        if answer is not None and answer.heaviest_saves_bytes < 0 and not _noise(answer):
             words += (f"; measured here, it makes the heaviest GPU worse "
                       f"({fmt_bytes(-answer.heaviest_saves_bytes)} more)")
         elif answer is not None and answer.fits is False:
