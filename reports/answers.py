@@ -116,7 +116,7 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
         # the first column (a cause, a fix's title) wraps in a narrow terminal; the figures
         # never do
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0,
-                     ratio=1 if i == 0 else None)
+                     overflow="fold", ratio=1 if i == 0 else None)
     for r in rows:
         t.add_row(*r)
     return Group(Text(""), Text(title, style="bold"), t)

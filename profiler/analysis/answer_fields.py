@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dpprof.analysis.answers import settle
+from dpprof.analysis.answers import needs_wanted, settle
 from dpprof.result import STATUS_OOM, RunResult
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def add_answers(
     (:mod:`dpprof.analysis.ladder`), also without ``fixes``; None: with the fixes, where the
     data-parallel floor is out of memory."""
     from dpprof.analysis.attribution import attribute_run
-    from dpprof.analysis.fixes import evaluate
+    from dpprof.analysis.fixes import evaluate, fill_needs
 
     run.attribution = attribute_run(run)
     n = len(run.scenarios)
@@ -87,5 +87,12 @@ def add_answers(
                                 scenarios or tuple(s.name for s in run.scenarios),
                                 backend=run.backend)
     run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
+    tried: set[str] = set()
+    wanted = needs_wanted(run)
+    while wanted:  # the needs that decide the answer, each emulated once
+        step("what the fixes need")
+        fill_needs(run, wl, ecfg, wanted)
+        tried |= set(wanted)
+        wanted = [n for n in needs_wanted(run) if n not in tried]
     settle(run)  # the one answer, computed once and stored
     return run

@@ -367,6 +367,8 @@ def _fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
         need = _fix_need(run, f)
         cost = cost_of(f.name)
         fits = None if need is None else need <= run.gpu_memory_bytes
+        if need is None and f.max_peak_bytes > run.gpu_memory_bytes:
+            fits = False  # its allocated peak alone is more than the GPU
         if fits and need is not None and run.gpu_memory_bytes - need < cost.understated * need:
             fits = None  # within what its need may be understated by: not known to fit
         out.append(FixAnswer(
@@ -425,9 +427,12 @@ def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, a: FixAnswer) -> str:
     effect += "."
     cap = fmt_bytes(run.gpu_memory_bytes)
     understated = cost_of(a.fix).understated
-    if a.need_bytes is None:
+    if a.need_bytes is None and a.fits is False:
+        need = f" Its heaviest GPU alone holds more than {cap}: it does not fit."
+    elif a.need_bytes is None:
         need = (f" Its fullest GPU's need (reserved memory and the CUDA context) was not "
-                f"measured: whether it fits in {cap} is not known.")
+                f"emulated, since it decides nothing (it does not lower the heaviest GPU, or a "
+                f"cheaper change is the answer): whether it fits in {cap} is not known.")
     elif a.fits is None:
         need = (f" Its fullest GPU needs {fmt_bytes(a.need_bytes)} as emulated "
                 f"({_counted(run)}), {fmt_bytes(a.spare_bytes)} under {cap}: less than the "
@@ -508,6 +513,26 @@ def _pick(run: RunResult, base: ScenarioResult | None, setup: str,
                  on=_on(run, chosen.fix))
 
 
+def needs_wanted(run: RunResult) -> list[str]:
+    """The fixes whose need is not known and could change the answer: those that lower the
+    heaviest GPU of the scenario the user ran and are cheaper than the change the policy
+    picks (every one, where it picks none), unless the scenario itself needs no change.
+    A comparison emulates their needs (:func:`dpprof.analysis.fixes.fill_needs`) before it
+    settles the answer; the others' needs decide nothing and cost a scenario each."""
+    base = baseline(run)
+    if base is None or not measured(base):
+        return []
+    setup = SETUPS.get(base.name, NOTHING)
+    fixes = _fix_answers(run, base)
+    pick = _pick(run, base, setup, fixes)
+    if pick.fix is None and pick.fits and not pick.passed_over:
+        return []  # it fits with the margin and is balanced: nothing to change
+    rank = next((a.cost_rank for a in fixes if a.fix == pick.fix), None)
+    return [a.fix for a in fixes if a.need_bytes is None and a.fits is not False
+            and a.heaviest_saves_bytes > 0 and not _noise(a)
+            and (rank is None or a.cost_rank < rank)]
+
+
 def _on(run: RunResult, name: str) -> str:
     """Where a rung runs, as the verdict says it: FSDP2's replace DDP; the others run on
     DDP, on one GPU, or on the run ``dpprof run`` changed (config ``ladder_on``)."""
@@ -525,6 +550,8 @@ def _passed(run: RunResult, a: FixAnswer) -> PassedOver:
     elif a.heaviest_saves_bytes <= 0 or _noise(a):
         reason = (f"it does not lower the heaviest GPU of {a.baseline} "
                   f"({fmt_bytes(abs(a.heaviest_saves_bytes))} of difference)")
+    elif a.need_bytes is None and a.fits is False:
+        reason = f"it does not fit: its heaviest GPU alone holds more than {fmt_bytes(cap)}"
     elif a.need_bytes is None:
         reason = "its need (reserved memory and the CUDA context) was not measured"
     elif a.fits is None:

@@ -74,8 +74,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     ``measured``: what the run's own scenarios measured alongside (:func:`alongside`);
     what they did not is emulated here.
     """
-    counted = base  # how the run counts a need (reserved and the context, or allocated)
-    # each variant reports its peaks only
+    # each variant reports its peaks only (a need, where one decides the answer, is emulated
+    # afterwards: fill_needs)
     base = dataclasses.replace(base, count_reserved=False, peaks_only=True)
     own = run.backend == "emulated"
     if not own or measured is None:
@@ -86,17 +86,26 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
                   lambda *args, **kwargs: run_scenario(*args, **kwargs), baseline=against)
     if not kinds or not measured_ok(trial.scenario(against)) or base.gpus < 2:
         return []
-    found = [f for kind in kinds if (f := kind.measure(trial)) is not None]
-    for f in found:
-        if f.need_bytes is None:
-            f.need_bytes = _need_alone(trial, f, counted)
-    return found
+    return [f for kind in kinds if (f := kind.measure(trial)) is not None]
+
+
+def fill_needs(run: RunResult, wl: Workload, base: EmulationConfig,
+               names: list[str]) -> None:
+    """Emulate on its own each fix of ``names`` whose need is not known (one measured in a
+    step that counted peaks only: a further step of a loop, a ledger), counting as the run
+    counts (reserved memory and the context, or allocated only); its ``need_bytes`` set."""
+    trial = Trial(run, wl, dataclasses.replace(base, count_reserved=False, peaks_only=True),
+                  Alongside(), run.backend == "emulated", FIXES,
+                  lambda *args, **kwargs: run_scenario(*args, **kwargs),
+                  baseline=baseline_of(run) or FIX_BASELINE)
+    for f in run.fixes:
+        if f.name in names and f.need_bytes is None and f.name in BY_NAME:
+            f.need_bytes = _need_alone(trial, f, base)
 
 
 def _need_alone(trial: Trial, fix: Fix, counted: EmulationConfig) -> int | None:
-    """What ``fix``'s fullest GPU needs, its step emulated on its own and counted as the run
-    counts (reserved memory and the context, or allocated only): for the fixes measured in
-    a step that counted peaks only (a further step of a loop, a ledger)."""
+    """What ``fix``'s fullest GPU needs, its step emulated on its own and counted as
+    ``counted`` counts."""
     plan = BY_NAME[fix.name].alone(trial, fix)
     if plan is None:
         return None
