@@ -20,7 +20,9 @@ from typing import Annotated, Any
 
 from annotated_types import Ge, Le, MaxLen, Predicate
 
+from dpprof.environment import collect_environment
 from dpprof.errors import DpprofError
+from dpprof.version import __version__
 
 SCHEMA_VERSION = 1
 
@@ -190,7 +192,7 @@ class Comparison:
 class Attribution:
     """cuda:0's excess over the median other device, in bytes per cause at cuda:0's peak.
 
-    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.analysis.attribution`).
+    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.answers.attribution`).
     """
 
     scenario: Text
@@ -202,7 +204,7 @@ class Attribution:
 
 @dataclass
 class Fix:
-    """What one change buys on the user's workload (see :mod:`dpprof.analysis.fixes`)."""
+    """What one change buys on the user's workload (see :mod:`dpprof.measure.fix_savings`)."""
 
     name: Text  # loss-in-forward | ddp | gradient-as-bucket-view | output-device | balanced-split
     title: Text
@@ -227,7 +229,7 @@ class Fix:
 @dataclass
 class FixAnswer:
     """The answer's reading of one fix against the scenario the user ran
-    (:mod:`dpprof.analysis.answers`): what it saves there, what it needs, whether it fits,
+    (:mod:`dpprof.answers.answer`): what it saves there, what it needs, whether it fits,
     what it costs, in one sentence each renderer shows as it is."""
 
     fix: Text  # Fix.name
@@ -239,7 +241,7 @@ class FixAnswer:
     need_bytes: Bytes | None = None  # its fullest GPU, as the out-of-memory check counts
     fits: bool | None = None  # None: its need is not known
     spare_bytes: SignedBytes | None = None  # capacity minus need
-    cost_rank: Count = 0  # the policy's order (dpprof.analysis.policy): lower is cheaper
+    cost_rank: Count = 0  # the policy's order (dpprof.fixes.policy): lower is cheaper
     cost: Text = ""  # what the change costs, in words
     # what it adds to a step's time, predicted; None until the time model fills it
     step_time_cost_s: Float | None = None
@@ -257,7 +259,7 @@ class PassedOver:
 
 @dataclass
 class Recommendation:
-    """The one answer of a result, computed once (:func:`dpprof.analysis.answers.settle`)
+    """The one answer of a result, computed once (:func:`dpprof.answers.answer.settle`)
     and shown by every format: the verdict, the change recommended (or none), why, what it
     needs and whether it fits, and why each cheaper change was passed over."""
 
@@ -279,7 +281,7 @@ class Recommendation:
 
 @dataclass
 class MaxBatchEntry:
-    """The largest global batch one scenario fits (see :mod:`dpprof.analysis.maxbatch`)."""
+    """The largest global batch one scenario fits (see :mod:`dpprof.measure.maxbatch_search`)."""
 
     scenario: Text
     max_batch: Count | None = None  # None: not even the smallest step fits
@@ -364,7 +366,7 @@ class RunResult:
     fail_reasons: TextList = field(default_factory=list)  # --fail-on-* checks that failed
     # "SIGINT" | "SIGTERM": cut short; ``scenarios`` holds those measured before (partial)
     interrupted: Text | None = None
-    # the one answer (dpprof.analysis.answers.settle); None in results saved before it
+    # the one answer (dpprof.answers.answer.settle); None in results saved before it
     recommended: Recommendation | None = None
 
     def scenario(self, name: str) -> ScenarioResult | None:
@@ -401,8 +403,6 @@ def new_result(backend: str, workload: str, *, batch: int, gpus: int, gpu_memory
     another process's (``dpprof watch``: what its samples file says)."""
     import datetime
 
-    from dpprof import __version__
-
     return RunResult(
         backend=backend, workload=workload, batch=batch, gpus=gpus,
         gpu_memory_bytes=gpu_memory_bytes,
@@ -418,8 +418,6 @@ def new_result(backend: str, workload: str, *, batch: int, gpus: int, gpu_memory
 def environment_block(backend: str) -> dict[str, Any]:
     """The ``dpprof env`` block (:func:`dpprof.environment.collect_environment`); never
     raises."""
-    from dpprof.environment import collect_environment
-
     try:
         return collect_environment(use_cuda=backend == "cuda")
     except Exception as e:  # pragma: no cover - collect_environment does not raise

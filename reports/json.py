@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpprof.reports.base import Renderer
+from dpprof.reports.renderer import Renderer
 from dpprof.reports.view import ReportView
 from dpprof.result import RunResult
 
@@ -15,7 +15,7 @@ def render(run: RunResult) -> str:
     """The result, with its one answer (``recommended``): the stored one, or for a result
     saved before answers were stored, the answer built from it."""
     if run.recommended is None and (run.scenarios or run.maxbatch or run.watch):
-        from dpprof.analysis.answers import answer_of
+        from dpprof.answers.answer import answer_of
 
         run = dataclasses.replace(run, recommended=answer_of(run))
     return run.to_json() + "\n"

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dpprof.reports import answers
-from dpprof.reports.base import Renderer
-from dpprof.reports.common import (
+from dpprof.reports import answer_sections
+from dpprof.reports.escape import code_fence, code_span, markdown_text, mermaid_label
+from dpprof.reports.renderer import Renderer
+from dpprof.reports.sentences import (
     EXTRA_COLOURS,
     SCENARIO_COLOURS,
     alert_lines,
@@ -35,7 +36,6 @@ from dpprof.reports.common import (
     step_time,
     throughput,
 )
-from dpprof.reports.escape import code_fence, code_span, markdown_text, mermaid_label
 from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
@@ -224,14 +224,14 @@ def render_view(view: ReportView) -> str:
                          f"{throughput(s.throughput_samples_per_s)} |")
         lines.append("")
     if view.maxbatch is not None:  # what each needs, the next step, the limiting GPU
-        lines += [answers.markdown_sections(view, parts=("maxbatch",))]
+        lines += [answer_sections.markdown_sections(view, parts=("maxbatch",))]
     elif view.max_batches:
         lines += [f"### Largest batch that fits in {fmt_bytes(view.gpu_memory_bytes)} per GPU",
                   "", "| scenario | largest batch |", "| --- | ---: |"]
         lines += [f"| {md(name)} | {b:,} |" for name, b in view.max_batches]
         lines.append("")
     lines += ["### What to change", ""]
-    title, why = answers.recommendation_lines(view)
+    title, why = answer_sections.recommendation_lines(view)
     lines += [f"**{md(title)}**", "", md(why[0]), ""]
     f = view.recommended
     if f is not None:
@@ -240,11 +240,12 @@ def render_view(view: ReportView) -> str:
     if view.fixes:
         lines += [f"Every change measured against {code_span(view.baseline)}, cheapest "
                   f"first (needs: {md(view.need_counts)}):", "",
-                  answers.md_table(answers.FIX_HEADER, answers.fix_rows(view)), "",
+                  answer_sections.md_table(answer_sections.FIX_HEADER,
+                                           answer_sections.fix_rows(view)), "",
                   "<details><summary>Each change, measured</summary>", ""]
         lines += [f"- **{md(f.title)}**: {md(f.why)}" for f in view.fixes]
         lines += ["", "</details>", ""]
-    extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
+    extra = answer_sections.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]
     lines += ["<details><summary>How these numbers were obtained</summary>", "",

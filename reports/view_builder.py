@@ -2,15 +2,15 @@
 device and timelines, the headline, the alerts and tracebacks, cuda:0's excess by cause, the
 fixes, the largest batches, the equivalence check and ``dpprof watch``'s part, each number
 read off the :class:`~dpprof.result.RunResult` once and every sentence from the one answer
-the result stores (:func:`dpprof.analysis.answers.answer_of`). The view's types are
+the result stores (:func:`dpprof.answers.answer.answer_of`). The view's types are
 :mod:`dpprof.reports.view`."""
 
 from __future__ import annotations
 
-from dpprof.analysis.answer_figures import BALANCED_FRACTION, counts
-from dpprof.analysis.answers import answer_of, maxbatch_ratio
-from dpprof.analysis.attribution import CAUSES, attribute, cause_label
-from dpprof.analysis.post_mortem import post_mortem
+from dpprof.answers.answer import answer_of, maxbatch_ratio
+from dpprof.answers.answer_figures import BALANCED_FRACTION, counts
+from dpprof.answers.attribution import CAUSES, attribute, cause_label
+from dpprof.answers.post_mortem import post_mortem
 from dpprof.reports.view import (
     Alert,
     AttributionView,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dpprof.analysis.answers import settle
-from dpprof.analysis.comparison import compare
+from dpprof.answers.answer import settle
+from dpprof.answers.comparison import compare
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,

@@ -1,4 +1,4 @@
-"""The one answer (``dpprof.analysis.answers.build_answer``) against the numbers of the result
+"""The one answer (``dpprof.answers.answer.build_answer``) against the numbers of the result
 it speaks of: every saved result in ``tests/data/`` and results hypothesis generates.
 
 Each claim of the text is checked: every size it names is a figure of the result (a peak,
@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reports_data import SAVED, saved
 
-from dpprof.analysis.answer_figures import heaviest, measured, need_bytes
-from dpprof.analysis.answers import baseline, build_answer
-from dpprof.analysis.comparison import compare
-from dpprof.analysis.policy import MARGIN, cost_of, margin_bytes
+from dpprof.answers.answer import baseline, build_answer
+from dpprof.answers.answer_figures import heaviest, measured, need_bytes
+from dpprof.answers.comparison import compare
+from dpprof.fixes.policy import MARGIN, cost_of, margin_bytes
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -31,7 +31,7 @@ from dpprof.result import (
     RunResult,
     ScenarioResult,
 )
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
 from dpprof.units import fmt_bytes
 
 MiB, GiB = 2**20, 2**30
@@ -43,7 +43,7 @@ DP_WORDS = ("scatter", "gathered", "reduced gradients", "DataParallel", "loss in
 def _figures(run: RunResult) -> set[str]:
     """Every size a claim about ``run`` may name, formatted as the answer formats it: a
     figure of the result, a difference of two of them, what a need leaves of the GPU, or
-    the margin the policy asks (:mod:`dpprof.analysis.policy`)."""
+    the margin the policy asks (:mod:`dpprof.fixes.policy`)."""
     values: set[int] = {run.gpu_memory_bytes, int(MARGIN * run.gpu_memory_bytes)}
     peaks: list[int] = []
     needs: list[int] = []

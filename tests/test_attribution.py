@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from dpprof.analysis.attribution import attribute, attribute_run
-from dpprof.analysis.comparison import compare_scenario
+from dpprof.answers.attribution import attribute, attribute_run
+from dpprof.answers.comparison import compare_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.step import StepConfig
@@ -131,7 +131,7 @@ def test_measured_gpus_are_split_by_the_phase_of_the_peak() -> None:
     assert att is not None and att.excess_bytes == 900 - 525
     # cuda:0 holds 900 - 305 more in the loss phase; the reference peaks 220 higher in backward
     assert att.causes_bytes == {"phase_loss": 595, "reference_peak_elsewhere": -220}
-    from dpprof.analysis.answers import why_heavier
+    from dpprof.answers.attribution import why_heavier
 
     assert "inside forward" in why_heavier(att, "computing the loss inside forward removes it")
     assert why_heavier(att).startswith("dp-loss-primary: cuda:0's excess is mostly")

@@ -18,10 +18,10 @@ from reports_data import SAVED, saved
 from test_answers import SIZE, _figures, results
 from typer.testing import CliRunner
 
-from dpprof.analysis import answers
-from dpprof.analysis.answers import answer_of, settle
-from dpprof.analysis.policy import IMBALANCE_THRESHOLD, cost_of, margin_bytes
-from dpprof.reports.registry import renderers
+from dpprof.answers import answer as answers
+from dpprof.answers.answer import answer_of, settle
+from dpprof.fixes.policy import IMBALANCE_THRESHOLD, cost_of, margin_bytes
+from dpprof.reports.formats import renderers
 from dpprof.result import Recommendation, RunResult
 
 NOTHING = "nothing to change"

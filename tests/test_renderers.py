@@ -17,10 +17,10 @@ from collections.abc import Callable
 import pytest
 from reports_data import HTML_SECTIONS, SAVED, report_words, saved
 
-from dpprof.analysis.answers import answer_of
-from dpprof.analysis.attribution import cause_label
+from dpprof.answers.answer import answer_of
+from dpprof.answers.attribution import cause_label
+from dpprof.reports.formats import renderers
 from dpprof.reports.markdown import md
-from dpprof.reports.registry import renderers
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 

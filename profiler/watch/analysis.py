@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dpprof.analysis.answers import settle
-from dpprof.analysis.comparison import compare_scenario
-from dpprof.analysis.post_mortem import post_mortem, watch_ending
+from dpprof.answers.answer import settle
+from dpprof.answers.comparison import compare_scenario
+from dpprof.answers.post_mortem import post_mortem, watch_ending
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -207,7 +207,7 @@ def build_run(
     sc = compare_scenario(dataclasses.replace(scenario, status=STATUS_OK))
     if sc is not None:
         comparison.scenarios[name] = sc
-    # the one answer builder's (dpprof.analysis.answers), stored for the JSON
+    # the one answer builder's (dpprof.answers.answer), stored for the JSON
     watch.post_mortem, watch.next_steps = post_mortem(watch)
     totals = [d.total_bytes for d in devices if d.total_bytes]
     run = new_result(  # the watcher's version, time and host, from its samples file
