@@ -79,7 +79,10 @@ def fix_rows(view: ReportView) -> list[list[str]]:
              fits_cell(f.fits)] for f in view.fixes]
 
 
-FIX_HEADER = ["fix", "cuda:0 saves", "heaviest GPU", "needs", "fits"]
+FIX_HEADER = ["fix", "saves", "heaviest", "needs", "fits"]
+# what the short headers mean, said once under the table
+FIX_COLUMNS = ("saves: on cuda:0; heaviest: the heaviest GPU's peak allocated; needs: what the "
+               "fullest GPU needs, {counts}")
 
 
 def recommendation_lines(view: ReportView) -> tuple[str, list[str]]:
@@ -109,6 +112,10 @@ EQ_HEADER = ["scenario", "loss", "|Δloss|", "max rel. Δgrad", "max |Δparam|",
 # ---- terminal -----------------------------------------------------------------------------
 
 
+# a title's column keeps a word such as "DistributedDataParallel" whole at 80 columns
+FIRST_COLUMN_MIN = 23
+
+
 def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
     """A titled table; the title is a line of its own (a table's title wraps to its width)."""
     t = Table(header_style="bold", box=box.SIMPLE_HEAD)
@@ -116,7 +123,8 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
         # the first column (a cause, a fix's title) wraps in a narrow terminal; the figures
         # never do
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0,
-                     overflow="fold", ratio=1 if i == 0 else None)
+                     overflow="fold", ratio=1 if i == 0 else None,
+                     min_width=FIRST_COLUMN_MIN if i == 0 else None)
     for r in rows:
         t.add_row(*r)
     return Group(Text(""), Text(title, style="bold"), t)
@@ -136,7 +144,7 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
     if view.fixes:
         parts.append(_table(f"what each change buys against {view.baseline}, cheapest first",
                             FIX_HEADER, fix_rows(view)))
-        parts.append(Text(f"needs: what its fullest GPU needs, {view.need_counts}", style="dim"))
+        parts.append(Text(FIX_COLUMNS.format(counts=view.need_counts), style="dim"))
         for f in view.fixes:
             parts.append(Text(f"{f.title}: {f.why}", style="dim"))
     if view.has_comparison:
@@ -234,6 +242,7 @@ def html_fix_table(view: ReportView) -> str:
     if not view.fixes:
         return ""
     return ("<details open><summary>Every change measured, cheapest first</summary>"
+            f"<p class='sub'>{_e(FIX_COLUMNS.format(counts=view.need_counts))}</p>"
             "<div class='card scroll'>" + _html_table(FIX_HEADER, fix_rows(view), "fixes")
             + "</div>" + "".join(f"<p class='sub'><strong>{_e(f.title)}</strong>: {_e(f.why)}</p>"
                                  for f in view.fixes) + "</details>")

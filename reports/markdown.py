@@ -239,7 +239,8 @@ def render_view(view: ReportView) -> str:
     lines += [f"- {md(x)}" for x in why[1:]] + ([""] if why[1:] else [])
     if view.fixes:
         lines += [f"Every change measured against {code_span(view.baseline)}, cheapest "
-                  f"first (needs: {md(view.need_counts)}):", "",
+                  f"first ({md(answer_sections.FIX_COLUMNS.format(counts=view.need_counts))}):",
+                  "",
                   answer_sections.md_table(answer_sections.FIX_HEADER,
                                            answer_sections.fix_rows(view)), "",
                   "<details><summary>Each change, measured</summary>", ""]
