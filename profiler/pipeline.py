@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from dpprof.answers.answer import partial_sentence
+from dpprof.answers.answer import partial_sentence, settle
 from dpprof.answers.comparison import compare
 from dpprof.backends.cpu import run_ddp_gloo
 from dpprof.backends.cuda_ddp import torchrun_info
@@ -276,7 +276,8 @@ def mark_partial(run: RunResult, signum: int) -> RunResult:
     partial (``interrupted``, the verdict and a note say so in every format)."""
     run.interrupted = signal.Signals(signum).name
     with contextlib.suppress(Exception):  # what was measured is still worth keeping
-        run.comparison = compare(run)  # its verdict begins with partial_sentence
+        run.comparison = compare(run)
+        settle(run)  # its verdict begins with partial_sentence
     run.comparison.verdict = run.comparison.verdict or partial_sentence(run)
     run.notes.append(partial_sentence(run))
     return run

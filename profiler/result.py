@@ -231,8 +231,64 @@ class Fix:
     chunk_sizes: Annotated[list[Count], MaxLen(MAX_DEVICES)] = field(
         default_factory=list)
     # what the fix's fullest GPU needs as the out-of-memory check counts it (reserved +
-    # context where emulated); None where only its allocated peaks were measured
+    # context where emulated or measured, else allocated); None in results saved before
+    # every fix had one
     need_bytes: Bytes | None = None
+    # the scenario the savings are measured against ("" in older results: dp-loss-primary)
+    baseline: Text = ""
+
+
+@dataclass
+class FixAnswer:
+    """The answer's reading of one fix against the scenario the user ran
+    (:mod:`dpprof.answers.answer`): what it saves there, what it needs, whether it fits,
+    what it costs, in one sentence each renderer shows as it is."""
+
+    fix: Text  # Fix.name
+    title: Text
+    baseline: Text  # the scenario it is measured against
+    heaviest_saves_bytes: SignedBytes  # the baseline's heaviest GPU minus the fix's
+    primary_saves_bytes: SignedBytes | None = None  # the same on cuda:0
+    max_peak_bytes: Bytes | None = None  # the fix's heaviest GPU (allocated)
+    need_bytes: Bytes | None = None  # its fullest GPU, as the out-of-memory check counts
+    fits: bool | None = None  # None: its need is not known
+    spare_bytes: SignedBytes | None = None  # capacity minus need
+    cost_rank: Count = 0  # the policy's order (dpprof.fixes.policy): lower is cheaper
+    cost: Text = ""  # what the change costs, in words
+    # what it adds to a step's time, predicted; None until the time model fills it
+    step_time_cost_s: Float | None = None
+    why: Text = ""  # the sentence every format shows beside it
+
+
+@dataclass
+class PassedOver:
+    """A change cheaper than the recommended one, and why it is not the answer."""
+
+    fix: Text
+    title: Text
+    reason: Text
+
+
+@dataclass
+class Recommendation:
+    """The one answer of a result, computed once (:func:`dpprof.answers.answer.settle`)
+    and shown by every format: the verdict, the change recommended (or none), why, what it
+    needs and whether it fits, and why each cheaper change was passed over."""
+
+    verdict: Text
+    verdict_oom: Text = ""  # the verdict's out-of-memory clause, as it stands in it
+    setup: Text = ""  # data-parallel | distributed | split-model | one-gpu | watch | ...
+    baseline: Text | None = None  # the scenario the fixes are measured against
+    fix: Text | None = None  # the recommended change's Fix.name; None: nothing to change
+    title: Text = ""  # its title
+    why: Text = ""  # why it (or nothing) is the answer
+    need_bytes: Bytes | None = None  # what its fullest GPU needs
+    fits: bool | None = None
+    margin_bytes: Bytes | None = None  # the spare the policy asks of a fit
+    passed_over: Annotated[list[PassedOver], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    fixes: Annotated[list[FixAnswer], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    # scenario -> why its cuda:0 is heavier (the DataParallel scenarios it applies to)
+    why_heavier: Annotated[dict[Text, Text], MaxLen(MAX_ITEMS)] = field(default_factory=dict)
 
 
 @dataclass
@@ -322,6 +378,8 @@ class RunResult:
     fail_reasons: TextList = field(default_factory=list)  # --fail-on-* checks that failed
     # "SIGINT" | "SIGTERM": cut short; ``scenarios`` holds those measured before (partial)
     interrupted: Text | None = None
+    # the one answer (dpprof.answers.answer.settle); None in results saved before it
+    recommended: Recommendation | None = None
 
     def scenario(self, name: str) -> ScenarioResult | None:
         for s in self.scenarios:
@@ -490,6 +548,9 @@ _NESTED: dict[tuple[str, str], tuple[str, Any]] = {
     ("RunResult", "equivalence"): ("one", Equivalence),
     ("Equivalence", "entries"): ("list", EquivalenceEntry),
     ("Equivalence", "findings"): ("list", EquivalenceFinding),
+    ("RunResult", "recommended"): ("one", Recommendation),
+    ("Recommendation", "passed_over"): ("list", PassedOver),
+    ("Recommendation", "fixes"): ("list", FixAnswer),
 }
 
 
@@ -623,7 +684,7 @@ def _adapter() -> Any:
         for cls in (TimelinePoint, DeviceResult, ScenarioResult, ScenarioComparison,
                     Comparison, Attribution, Fix, MaxBatchEntry, MaxBatch, EquivalenceEntry,
                     EquivalenceFinding, Equivalence, RunResult, WatchDevice, WatchOom,
-                    WatchResult):
+                    WatchResult, FixAnswer, PassedOver, Recommendation):
             setattr(cls, "__pydantic_config__", config)  # noqa: B010 (a stdlib dataclass)
         _ADAPTER = pydantic.TypeAdapter(RunResult)
     return _ADAPTER

@@ -62,17 +62,36 @@ MAXBATCH_HEADER = ["scenario", "largest batch", "needs", "next step needs", "lim
 
 
 def _saves(n: int | None) -> str:
+    """What a fix saves on cuda:0: ``1.51 GiB``, or ``+845 MiB`` where it adds."""
     if n is None:
         return "-"
-    return fmt_bytes(n) if n >= 0 else f"none ({fmt_bytes(-n)} more)"
+    return fmt_bytes(n) if n >= 0 else fmt_bytes(-n, signed=True)
+
+
+def fits_cell(fits: bool | None) -> str:
+    return "fits" if fits else "unknown" if fits is None else "does not fit"
 
 
 def fix_rows(view: ReportView) -> list[list[str]]:
-    return [[f.title, _saves(f.saves_bytes), _b(f.primary_peak_bytes), _b(f.max_peak_bytes)]
-            for f in view.fixes]
+    """Each fix against the scenario the user ran, cheapest first: what it saves, its
+    heaviest GPU, what its fullest GPU needs and whether that fits."""
+    return [[f.title, _saves(f.saves_bytes), _b(f.max_peak_bytes), _b(f.need_bytes),
+             fits_cell(f.fits)] for f in view.fixes]
 
 
-FIX_HEADER = ["fix", "saves on cuda:0", "cuda:0 peak", "heaviest GPU"]
+FIX_HEADER = ["fix", "saves", "heaviest", "needs", "fits"]
+# what the short headers mean, said once under the table
+FIX_COLUMNS = ("saves: on cuda:0; heaviest: the heaviest GPU's peak allocated; needs: what the "
+               "fullest GPU needs, {counts}")
+
+
+def recommendation_lines(view: ReportView) -> tuple[str, list[str]]:
+    """("Recommended: <title>", the answer's sentences): why it (or nothing), and why each
+    cheaper change was passed over; the same words in every format."""
+    lines = [view.recommendation_why]
+    if view.passed_over:
+        lines += [f"Passed over: {title}: {why}." for title, why in view.passed_over]
+    return f"Recommended: {view.recommendation_title}", lines
 
 
 def _float(x: float | None) -> str:
@@ -93,11 +112,19 @@ EQ_HEADER = ["scenario", "loss", "|Δloss|", "max rel. Δgrad", "max |Δparam|",
 # ---- terminal -----------------------------------------------------------------------------
 
 
+# a title's column keeps a word such as "DistributedDataParallel" whole at 80 columns
+FIRST_COLUMN_MIN = 23
+
+
 def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
     """A titled table; the title is a line of its own (a table's title wraps to its width)."""
     t = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for i, h in enumerate(header):
-        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        # the first column (a cause, a fix's title) wraps in a narrow terminal; the figures
+        # never do
+        t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0,
+                     overflow="fold", ratio=1 if i == 0 else None,
+                     min_width=FIRST_COLUMN_MIN if i == 0 else None)
     for r in rows:
         t.add_row(*r)
     return Group(Text(""), Text(title, style="bold"), t)
@@ -115,12 +142,15 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
     if note:
         parts.append(Text(note, style="dim"))
     if view.fixes:
-        parts.append(_table("what each fix buys (emulated on this workload and batch)",
+        parts.append(_table(f"what each change buys against {view.baseline}, cheapest first",
                             FIX_HEADER, fix_rows(view)))
+        parts.append(Text(FIX_COLUMNS.format(counts=view.need_counts), style="dim"))
         for f in view.fixes:
-            parts.append(Text(f"{f.title}: {f.detail}", style="dim"))
-        for note in view.advice_notes:
-            parts.append(Text(note))
+            parts.append(Text(f"{f.title}: {f.why}", style="dim"))
+    if view.has_comparison:
+        head, lines = recommendation_lines(view)
+        parts += [Text(""), Text(head, style="bold")]
+        parts += [Text(line) for line in lines]
     if view.maxbatch is not None:
         parts.append(maxbatch_table(view))
     if view.equivalence is not None:
@@ -156,7 +186,7 @@ def maxbatch_renderable(view: ReportView) -> Group:
 # ---- markdown -----------------------------------------------------------------------------
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(markdown_text(h) for h in header) + " |",
              "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(markdown_text(c) for c in r) + " |" for r in rows]
@@ -174,23 +204,23 @@ def markdown_sections(view: ReportView, parts: tuple[str, ...] = ("attribution",
     for a in attribution_rows(view) if "attribution" in parts else []:
         out.append(f"### Why cuda:0 is heavier under {code_span(a.scenario)} "
                    f"({m(fmt_bytes(a.excess_bytes, signed=True))})"
-                   "\n\n" + _md_table(["cause", "bytes"], _cause_rows(a))
+                   "\n\n" + md_table(["cause", "bytes"], _cause_rows(a))
                    + f"\n\n{m(a.answer)}."
                    + (f" {m(a.negative_note)}" if a.negative_note else ""))
     if view.fixes and "fixes" in parts:
-        out.append("### What each fix buys\n\n" + _md_table(FIX_HEADER, fix_rows(view)))
+        out.append("### What each fix buys\n\n" + md_table(FIX_HEADER, fix_rows(view)))
         for f in view.fixes:
-            out.append(f"**{m(f.title)}**: {m(f.detail)}\n\n{code_fence(f.code, 'diff')}")
+            out.append(f"**{m(f.title)}**: {m(f.why)}\n\n{code_fence(f.code, 'diff')}")
     if view.maxbatch is not None and "maxbatch" in parts:
         mb = view.maxbatch
         out.append(f"### Largest batch on {m(_gpu_label(view))}\n\nMultiples of "
                    f"{mb.multiple_of}; counts {m(mb.counts)}.\n\n"
-                   + _md_table(MAXBATCH_HEADER, maxbatch_rows(view)))
+                   + md_table(MAXBATCH_HEADER, maxbatch_rows(view)))
     if view.equivalence is not None and "equivalence" in parts:
         eq = view.equivalence
         out.append(f"### Same math?\n\nEach scenario against `single` on the full batch "
                    f"({eq.batch} rows, tolerance {eq.tolerance:g}).\n\n"
-                   + _md_table(EQ_HEADER, equivalence_rows(view))
+                   + md_table(EQ_HEADER, equivalence_rows(view))
                    + "".join(f"\n\n- **{m(kind)}**: {m(message)}"
                              for kind, message in eq.findings))
     if view.fail_reasons and "checks" in parts:
@@ -211,12 +241,15 @@ def html_fix_table(view: ReportView) -> str:
     """Every fix emulated, recommended or not, with what it saves (collapsed)."""
     if not view.fixes:
         return ""
-    return ("<details><summary>Every fix, emulated on this workload and batch</summary>"
-            + _html_table(FIX_HEADER, fix_rows(view)) + "</details>")
+    return ("<details open><summary>Every change measured, cheapest first</summary>"
+            f"<p class='sub'>{_e(FIX_COLUMNS.format(counts=view.need_counts))}</p>"
+            "<div class='card scroll'>" + _html_table(FIX_HEADER, fix_rows(view), "fixes")
+            + "</div>" + "".join(f"<p class='sub'><strong>{_e(f.title)}</strong>: {_e(f.why)}</p>"
+                                 for f in view.fixes) + "</details>")
 
 
 def _fix_html(f: FixView) -> str:
-    return (f"<h3>{_e(f.title)}</h3><p>{_e(f.detail)}</p>"
+    return (f"<h3>{_e(f.title)}</h3><p>{_e(f.why)}</p>"
             f"<pre><code>{_e(f.code)}</code></pre>")
 
 

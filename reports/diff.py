@@ -2,9 +2,15 @@
 
 ``dpprof report before.json after.json`` prints :func:`render_terminal`; ``-o diff.md``
 writes :func:`render_markdown`, ``-o diff.html`` :func:`render_html`. :func:`diff` is the
-pure comparison they share: per scenario and device, the peak before, after and the
-difference; cuda:0's excess before and after; and what differs in the configuration (a
-diff across different batches or GPU counts is shown, and said to be one).
+pure comparison they share: the runs matched by role (what the user runs, as written, before
+and after, whatever scenario each is, then the other scenarios by name), per device the peak
+before, after and the difference; what the fullest GPU needs and whether it fits, before and
+after; cuda:0's excess before and after; and what differs in the configuration (a diff
+across different batches or GPU counts is shown, and said to be one).
+
+So "did my fix work?" for a script before and after its suggested change reads
+``as written (dp-loss-primary → dp-loss-forward): cuda:0 6.79 GiB, out of memory →
+6.31 GiB, fits``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes
+
+AS_WRITTEN = "as written"  # the role of the scenario each run stands for (its baseline)
 
 CONFIG_KEYS = ("backend", "workload", "batch", "gpus", "gpu_memory_bytes", "dtype", "seed")
 
@@ -49,13 +57,27 @@ class DeviceDiff:
 
 
 @dataclass(frozen=True)
+class NeedDiff:
+    """What one run's fullest GPU needs (reserved and context where counted) and whether
+    the scenario fits."""
+
+    label: str  # the fullest GPU
+    need_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
 class ScenarioDiff:
-    name: str
+    name: str  # the role: AS_WRITTEN, or the scenario's name
     before_status: str | None  # None: the scenario is absent from that run
     after_status: str | None
     before_excess_bytes: int | None
     after_excess_bytes: int | None
     devices: tuple[DeviceDiff, ...] = ()
+    before_scenario: str | None = None  # the scenario that had this role in each run
+    after_scenario: str | None = None
+    before_need: NeedDiff | None = None
+    after_need: NeedDiff | None = None
 
 
 @dataclass(frozen=True)
@@ -74,26 +96,46 @@ def _peaks(s: ScenarioView | None) -> dict[str, int]:
     return {d.label: d.peak_allocated_bytes for d in s.devices}
 
 
+def _need(s: ScenarioView | None) -> NeedDiff | None:
+    if s is None or not s.measured or not s.devices:
+        return None
+    top = max(s.devices, key=lambda d: (d.total_peak_bytes, -d.index))
+    return NeedDiff(top.label, top.total_peak_bytes, s.status == "ok")
+
+
+def _roles(view: ReportView) -> dict[str, str]:
+    """role -> scenario: what the user runs (the answer's baseline) as written; every other
+    scenario under its own name."""
+    return {AS_WRITTEN if s.name == view.baseline else s.name: s.name for s in view.scenarios}
+
+
 def diff(before: RunResult, after: RunResult) -> RunDiff:
-    """Compare two results scenario by scenario and device by device."""
+    """Compare two results role by role (:func:`_roles`) and device by device."""
     vb, va = build_view(before), build_view(after)
     changed = {
         k: (getattr(vb, k), getattr(va, k))
         for k in CONFIG_KEYS if getattr(vb, k) != getattr(va, k)
     }
-    names = list(dict.fromkeys([s.name for s in vb.scenarios] + [s.name for s in va.scenarios]))
+    rb, ra = _roles(vb), _roles(va)
+    if rb.get(AS_WRITTEN) == ra.get(AS_WRITTEN):  # the same scenario: its own name
+        rb = {s: s for s in rb.values()}
+        ra = {s: s for s in ra.values()}
+    roles = list(dict.fromkeys([*rb, *ra]))
     out = []
-    for name in names:
-        b, a = vb.scenario(name), va.scenario(name)
+    for role in roles:
+        b = vb.scenario(rb[role]) if role in rb else None
+        a = va.scenario(ra[role]) if role in ra else None
         pb, pa = _peaks(b), _peaks(a)
         labels = list(dict.fromkeys([*pb, *pa]))
         out.append(ScenarioDiff(
-            name=name,
+            name=role,
             before_status=b.status if b else None,
             after_status=a.status if a else None,
             before_excess_bytes=b.excess_bytes if b else None,
             after_excess_bytes=a.excess_bytes if a else None,
             devices=tuple(DeviceDiff(lb, pb.get(lb), pa.get(lb)) for lb in labels),
+            before_scenario=b.name if b else None, after_scenario=a.name if a else None,
+            before_need=_need(b), after_need=_need(a),
         ))
     return RunDiff(vb, va, changed, tuple(out))
 
@@ -115,20 +157,62 @@ def _changed_text(rd: RunDiff) -> str:
     return "; ".join(parts)
 
 
+def _fit_words(n: NeedDiff) -> str:
+    return "fits" if n.fits else "out of memory"
+
+
+def _short_fit(n: NeedDiff) -> str:
+    return "fits" if n.fits else "OOM"
+
+
+def role_title(s: ScenarioDiff) -> str:
+    """The role, with the scenario each run had in it where they differ."""
+    if s.before_scenario and s.after_scenario and s.before_scenario != s.after_scenario:
+        return f"{s.name} ({s.before_scenario} → {s.after_scenario})"
+    return s.name
+
+
+def need_line(s: ScenarioDiff) -> str:
+    """``cuda:0 6.79 GiB, out of memory → 6.31 GiB, fits``: the fullest GPU's need and
+    whether it fits, before and after ("" where either run did not measure it)."""
+    b, a = s.before_need, s.after_need
+    if b is None or a is None:
+        return ""
+    where = b.label if b.label == a.label else f"{b.label} → {a.label}"
+    return (f"{where} {fmt_bytes(b.need_bytes)}, {_fit_words(b)} → "
+            f"{fmt_bytes(a.need_bytes)}, {_fit_words(a)}")
+
+
+def _predicted(rd: RunDiff, s: ScenarioDiff) -> str:
+    """For an alternative of the before run that is what the after run runs as written (a
+    script before and after its suggested change): what it predicted against what the
+    after run measured."""
+    now = next((r for r in rd.scenarios if r.name == AS_WRITTEN), None)
+    if (s.after_status is not None or now is None or now.after_scenario != s.name
+            or s.before_need is None or now.after_need is None):
+        return ""
+    return (f"; it predicted what you run now: its fullest GPU needs "
+            f"{fmt_bytes(s.before_need.need_bytes)}, measured now "
+            f"{fmt_bytes(now.after_need.need_bytes)}")
+
+
 def summary(rd: RunDiff) -> list[str]:
-    """One line per scenario in both runs: cuda:0's peak and excess, before → after."""
+    """One line per role: what its fullest GPU needs and whether it fits, cuda:0's peak and
+    excess, before → after."""
     lines = []
     for s in rd.scenarios:
         if s.before_status is None or s.after_status is None:
             which = "after" if s.before_status is None else "before"
-            lines.append(f"{s.name}: only in the {which} run")
+            lines.append(f"{role_title(s)}: only in the {which} run" + _predicted(rd, s))
             continue
+        need = need_line(s)
+        head = f"{role_title(s)}: " + (f"{need}; allocated " if need else "")
         d0 = s.devices[0] if s.devices else None
         status = ""
         if s.before_status != s.after_status:
             status = f"; status {_status(s.before_status)} → {_status(s.after_status)}"
         if d0 is None or d0.delta_bytes is None:
-            lines.append(f"{s.name}: no measurement to compare{status}")
+            lines.append(f"{head}no measurement to compare{status}")
             continue
         exc = ""
         if s.before_excess_bytes is not None and s.after_excess_bytes is not None \
@@ -136,7 +220,7 @@ def summary(rd: RunDiff) -> list[str]:
             exc = (f", excess over the others {_b(s.before_excess_bytes, True)} → "
                    f"{_b(s.after_excess_bytes, True)}")
         lines.append(
-            f"{s.name}: {d0.label} {_b(d0.before_bytes)} → {_b(d0.after_bytes)} "
+            f"{head}{d0.label} {_b(d0.before_bytes)} → {_b(d0.after_bytes)} "
             f"({_b(d0.delta_bytes, True)} {_pct(d0)}){exc}{status}"
         )
     return lines
@@ -159,7 +243,10 @@ def render_terminal(rd: RunDiff) -> Group:
     table = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for col, j in (("scenario", "left"), ("device", "left"), ("before", "right"),
                    ("after", "right"), ("change", "right"), ("", "right")):
-        table.add_column(col, justify=j, no_wrap=True)  # type: ignore[arg-type]
+        # the role (with the scenario each run had in it) wraps in a narrow terminal
+        table.add_column(col, justify=j, no_wrap=col != "scenario",  # type: ignore[arg-type]
+                         ratio=1 if col == "scenario" else None,
+                         min_width=18 if col == "scenario" else None)
     for s in rd.scenarios:
         first = True
         rows = s.devices or (DeviceDiff("-", None, None),)
@@ -167,12 +254,19 @@ def render_terminal(rd: RunDiff) -> Group:
             delta = d.delta_bytes
             style = "" if delta is None or delta == 0 else ("green" if delta < 0 else "red")
             table.add_row(
-                s.name if first else "", d.label, _b(d.before_bytes), _b(d.after_bytes),
+                role_title(s).replace(" (", "\n(").replace(" → ", "\n→ ") if first else "",
+                d.label, _b(d.before_bytes), _b(d.after_bytes),
                 Text(_b(delta, True), style=style), Text(_pct(d), style=style),
             )
             first = False
-        table.add_row("", Text("cuda:0 excess", style="dim"), _b(s.before_excess_bytes, True),
-                      _b(s.after_excess_bytes, True), "", "", end_section=True)
+        table.add_row("", Text("excess", style="dim"), _b(s.before_excess_bytes, True),
+                      _b(s.after_excess_bytes, True), "", "", end_section=s.before_need is None
+                      or s.after_need is None)
+        if s.before_need is not None and s.after_need is not None:
+            table.add_row("", Text("needs", style="dim"),
+                          f"{_b(s.before_need.need_bytes)} {_short_fit(s.before_need)}",
+                          f"{_b(s.after_need.need_bytes)} {_short_fit(s.after_need)}", "", "",
+                          end_section=True)
     parts.append(table)
     parts += [Text(line) for line in summary(rd)]
     return Group(*parts)
@@ -191,11 +285,15 @@ def render_markdown(rd: RunDiff) -> str:
               "| --- | --- | ---: | ---: | ---: | ---: |"]
     for s in rd.scenarios:
         for k, d in enumerate(s.devices):
-            lines.append(f"| {md(s.name) if k == 0 else ''} | {md(d.label)} | "
+            lines.append(f"| {md(role_title(s)) if k == 0 else ''} | {md(d.label)} | "
                          f"{_b(d.before_bytes)} | {_b(d.after_bytes)} | "
                          f"{_b(d.delta_bytes, True)} | {_pct(d)} |")
         lines.append(f"| | *cuda:0 excess* | {_b(s.before_excess_bytes, True)} | "
                      f"{_b(s.after_excess_bytes, True)} | | |")
+        if s.before_need is not None and s.after_need is not None:
+            lines.append(f"| | *needs (fullest GPU)* | {_b(s.before_need.need_bytes)} "
+                         f"{_fit_words(s.before_need)} | {_b(s.after_need.need_bytes)} "
+                         f"{_fit_words(s.after_need)} | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +321,7 @@ def _render_html(rd: RunDiff) -> str:
     before_y, after_y, before_t, after_t = [], [], [], []
     for s in rd.scenarios:
         for d in s.devices:
-            xs[0].append(charts.plotly_text(s.name))
+            xs[0].append(charts.plotly_text(role_title(s)))
             xs[1].append(charts.plotly_text(d.label))
             before_y.append(None if d.before_bytes is None
                             else charts.in_chart_unit(d.before_bytes))
@@ -248,13 +346,18 @@ def _render_html(rd: RunDiff) -> str:
         for k, d in enumerate(s.devices):
             delta = d.delta_bytes
             cls = "" if not delta else (" style='color:#2e7d32'" if delta < 0 else " class='oom'")
-            rows.append(f"<tr><td>{e(s.name) if k == 0 else ''}</td><td class='l'>"
+            rows.append(f"<tr><td>{e(role_title(s)) if k == 0 else ''}</td><td class='l'>"
                         f"{e(d.label)}</td><td>{e(_b(d.before_bytes))}</td>"
                         f"<td>{e(_b(d.after_bytes))}</td><td{cls}>{e(_b(delta, True))}</td>"
                         f"<td{cls}>{e(_pct(d))}</td></tr>")
         rows.append(f"<tr><td></td><td class='l dim'>cuda:0 excess</td>"
                     f"<td>{e(_b(s.before_excess_bytes, True))}</td>"
                     f"<td>{e(_b(s.after_excess_bytes, True))}</td><td></td><td></td></tr>")
+        if s.before_need is not None and s.after_need is not None:
+            rows.append(f"<tr><td></td><td class='l dim'>needs (fullest GPU)</td>"
+                        f"<td>{e(_b(s.before_need.need_bytes))} {_fit_words(s.before_need)}"
+                        f"</td><td>{e(_b(s.after_need.need_bytes))} "
+                        f"{_fit_words(s.after_need)}</td><td></td><td></td></tr>")
     changed = (f"<p class='oom'>The runs differ in: {e(_changed_text(rd))}</p>"
                if rd.changed else "")
     title = "dpprof: before and after"

@@ -146,13 +146,15 @@ def _table(view: ReportView) -> str:
         status = "ok" if s.status_label == "ok" else \
             f"<span class='oom'>{escape(s.status_label)}</span>"
         rows.append(
-            f"<tr><td>{escape(s.name)}</td>{''.join(cells)}<td>{exc}</td><td>{imb}</td>"
-            f"<td>{status}</td></tr>"
+            f"<tr><td>{escape(s.name)}</td><td class='l'>{status}</td>{''.join(cells)}"
+            f"<td>{exc}</td><td>{imb}</td></tr>"
         )
+    # the status beside the scenario, where a phone shows it without scrolling; the GPUs
+    # scroll inside the card, the scenario's name held at its left edge
     return (
-        f"<div class='card scroll'><table id='peaks-table'><tr><th>scenario</th>{head}"
-        "<th>cuda:0 excess</th>"
-        f"<th>max/mean</th><th>status</th></tr>{''.join(rows)}</table></div>"
+        f"<div class='card scroll'><table id='peaks-table' class='sticky'><tr>"
+        f"<th>scenario</th><th class='l'>status</th>{head}<th>cuda:0 excess</th>"
+        f"<th>max/mean</th></tr>{''.join(rows)}</table></div>"
     )
 
 
@@ -197,17 +199,14 @@ def _verdict_html(view: ReportView) -> str:
 
 
 def _fixes_html(view: ReportView) -> str:
-    notes = "".join(f"<p class='lead'>{escape(n)}</p>" for n in view.advice_notes)
-    if not view.recommended:
-        return (f"<p class='lead'>{escape(view.nothing_to_change)}</p>" + notes
-                + answer_sections.html_fix_table(view))
-    parts = []
-    for i, f in enumerate(view.recommended):
-        parts.append(
-            f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{escape(f.title)}</h3>"
-            f"<p>{escape(fix_why(f))}</p><pre><code>{escape(f.code)}</code></pre></div>"
-        )
-    return "".join(parts) + notes + answer_sections.html_fix_table(view)
+    head, why = answer_sections.recommendation_lines(view)
+    f = view.recommended
+    fix = ("" if f is None else f"<p>{escape(fix_why(f))}</p>"
+           f"<pre><code>{escape(f.code)}</code></pre>")
+    passed = ("<ul class='passed'>" + "".join(f"<li>{escape(x)}</li>" for x in why[1:])
+              + "</ul>" if why[1:] else "")
+    return (f"<div class='fix card' id='recommended'><h3>{escape(head)}</h3>"
+            f"<p>{escape(why[0])}</p>{fix}{passed}</div>" + answer_sections.html_fix_table(view))
 
 
 def render(run: RunResult) -> str:

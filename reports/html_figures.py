@@ -158,7 +158,8 @@ def peak_figure(view: ReportView) -> go.Figure | None:
         extra = [max(d.total_peak_bytes - d.peak_allocated_bytes, 0) for d in devs]
         tops = [d.peak_allocated_bytes + x for d, x in zip(devs, extra, strict=True)]
         top = max(top, *tops)
-        label = [("OOM " if o else "") + _short(in_chart_unit(t))
+        # two short lines: "OOM" over the figure fits a bar as narrow as print makes it
+        label = [("OOM<br>" if o else "") + _short(in_chart_unit(t))
                  for o, t in zip(over, tops, strict=True)]
         outline = {"color": [OOM_OUTLINE if o else CLEAR for o in over],
                    "width": [2 if o else 0 for o in over]}
@@ -194,8 +195,10 @@ def peak_figure(view: ReportView) -> go.Figure | None:
     if not data:
         return None
     entries, shapes = _capacity(view, max(top, view.top_allocated_bytes))
+    # labels shrink to 8 px where the bars are narrow, and are never hidden (print's page is
+    # narrower than a screen: the "OOM" labels were the ones that went)
     layout = base_layout(f"peak memory ({chart_unit_name()})", barmode="group", bargap=0.25,
-                          shapes=shapes, uniformtext={"minsize": 8, "mode": "hide"})
+                          shapes=shapes, uniformtext={"minsize": 8, "mode": "show"})
     return _figure([*data, *entries], layout)
 
 

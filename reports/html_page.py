@@ -54,7 +54,9 @@ td,th{padding:5px 12px;border-bottom:1px solid var(--line);text-align:right;vert
 td{overflow-wrap:anywhere}
 th{font-weight:600;color:var(--muted)}
 td:first-child,th:first-child{text-align:left}
-td.l{text-align:left}
+td.l,th.l{text-align:left}
+table.sticky td:first-child,table.sticky th:first-child{position:sticky;left:0;z-index:1;
+background:var(--card)}
 .dim{color:var(--faint)}
 .chart{min-height:200px}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(480px,100%),1fr));gap:0 14px}
@@ -146,7 +148,7 @@ _DRAW_JS = """
   var DARK = __DARK__, MIN_PLOT = __MIN_PLOT__, PRINT_WIDTH = __PRINT_WIDTH__;
   var dark = window.matchMedia('screen and (prefers-color-scheme: dark)');
   var print = window.matchMedia('print');
-  var config = {displaylogo: false, responsive: true};
+  var config = {displaylogo: false, displayModeBar: false, responsive: true};
   var drawn = [];
   function recolour(o) {
     if (typeof o === 'string') {

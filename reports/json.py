@@ -4,12 +4,20 @@ renders it again in any format): the one format that bypasses
 
 from __future__ import annotations
 
+import dataclasses
+
 from dpprof.reports.renderer import Renderer
 from dpprof.reports.view import ReportView
 from dpprof.result import RunResult
 
 
 def render(run: RunResult) -> str:
+    """The result, with its one answer (``recommended``): the stored one, or for a result
+    saved before answers were stored, the answer built from it."""
+    if run.recommended is None and (run.scenarios or run.maxbatch or run.watch):
+        from dpprof.answers.answer import answer_of
+
+        run = dataclasses.replace(run, recommended=answer_of(run))
     return run.to_json() + "\n"
 
 

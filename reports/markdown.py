@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from dpprof.reports import answer_sections
-from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
+from dpprof.reports.escape import code_fence, code_span, markdown_text, mermaid_label
 from dpprof.reports.renderer import Renderer
 from dpprof.reports.sentences import (
     EXTRA_COLOURS,
@@ -81,37 +81,67 @@ def _peak_table(view: ReportView) -> list[str]:
     return lines
 
 
+# More GPUs than this: cuda:0 against the others' least, median and most (64 labels smear
+# a chart's axis), as the terminal's table does.
+MAX_CHART_GPUS = 16
+
+
+def _bars(s: ScenarioView) -> list[tuple[str, int]]:
+    """(label, what the GPU needs) per bar: each GPU, or cuda:0 and the others' least,
+    median and most where there are more than :data:`MAX_CHART_GPUS`."""
+    devs = [(d.label, d.total_peak_bytes) for d in s.devices]
+    if len(devs) <= MAX_CHART_GPUS:
+        return devs
+    others = sorted(devs[1:], key=lambda d: d[1])
+    n = len(others)
+    return [devs[0], (f"least of {n} others", others[0][1]),
+            (f"median of {n}", others[n // 2][1]), (f"most of {n}", others[-1][1])]
+
+
 def _chart(view: ReportView, s: ScenarioView, top: int) -> str:
-    devs = s.devices
+    """What each GPU needs (reserved and context where counted, as the out-of-memory check
+    counts), a bar per GPU, and the capacity as a red line across; on one GPU, where a line
+    of one point is not drawn, as a red bar beside it."""
+    bars = _bars(s)
     cap = view.gpu_memory_bytes
     show_cap = capacity_on_scale(cap, top)
     y_max = max(top, cap if show_cap else 0) * 1.05
     unit, size = unit_for([y_max])  # one unit for every chart: they share the scale
     colour = SCENARIO_COLOURS.get(s.name, EXTRA_COLOURS[0])
+    labels = [label for label, _ in bars]
+    needs = [_in(need, size) for _, need in bars]
+    one = show_cap and len(bars) == 1
+    if one:
+        labels.append("capacity")
     lines = [
-        # the bar in the scenario's colour of the HTML report, the capacity line in red
+        # the bar in the scenario's colour of the HTML report, the capacity in red
         '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "'
         + colour + ', #c62828"}}}}%%',
         "xychart-beta",
-        f"    title {_mermaid_str(f'{s.name}: peak allocated per GPU, {unit}')}",
-        "    x-axis [" + ", ".join(_mermaid_str(d.label) for d in devs) + "]",
+        f"    title {_mermaid_str(f'{s.name}: what each GPU needs, {unit}')}",
+        "    x-axis [" + ", ".join(_mermaid_str(x) for x in labels) + "]",
         f'    y-axis "{unit}" 0 --> {_in(y_max, size)}',
-        "    bar [" + ", ".join(_in(d.peak_allocated_bytes, size) for d in devs) + "]",
+        "    bar [" + ", ".join(needs + (["0"] if one else [])) + "]",
     ]
-    if show_cap:
-        lines.append("    line [" + ", ".join(_in(cap, size) for _ in devs) + "]")
+    if one:
+        lines.append(f"    bar [0, {_in(cap, size)}]")
+    elif show_cap:
+        lines.append("    line [" + ", ".join(_in(cap, size) for _ in bars) + "]")
     return code_fence("\n".join(lines), "mermaid")
 
 
 def _charts(view: ReportView) -> list[str]:
     if not view.drawn:
         return []
-    top = view.top_allocated_bytes
+    top = max(d.total_peak_bytes for s in view.drawn for d in s.devices)
     cap = view.gpu_memory_bytes
-    out = ["<details><summary>Charts: peak allocated per GPU, one per scenario</summary>", ""]
+    out = ["<details><summary>Charts: what each GPU needs, one per scenario</summary>", "",
+           f"Each bar is what a GPU needs ({md(view.need_counts)}), as the out-of-memory "
+           "check counts it."]
     if capacity_on_scale(cap, top):
-        out += [f"The line is each GPU's capacity, {fmt_bytes(cap)}; every chart has the same "
-                "scale.", ""]
+        out[-1] += (f" The red line (a red bar beside a single GPU) is each GPU's capacity, "
+                    f"{fmt_bytes(cap)}; every chart has the same scale.")
+    out.append("")
     for s in view.drawn:
         out += [_chart(view, s, top), ""]
     return [*out, "</details>", ""]
@@ -201,11 +231,21 @@ def render_view(view: ReportView) -> str:
         lines += [f"| {md(name)} | {b:,} |" for name, b in view.max_batches]
         lines.append("")
     lines += ["### What to change", ""]
-    if not view.recommended:
-        lines += [md(view.nothing_to_change), ""]
-    for f in view.recommended:
-        lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", *_code(f.code, f.code_lang)]
-    lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
+    title, why = answer_sections.recommendation_lines(view)
+    lines += [f"**{md(title)}**", "", md(why[0]), ""]
+    f = view.recommended
+    if f is not None:
+        lines += [md(fix_why(f)), "", *_code(f.code, f.code_lang)]
+    lines += [f"- {md(x)}" for x in why[1:]] + ([""] if why[1:] else [])
+    if view.fixes:
+        lines += [f"Every change measured against {code_span(view.baseline)}, cheapest "
+                  f"first ({md(answer_sections.FIX_COLUMNS.format(counts=view.need_counts))}):",
+                  "",
+                  answer_sections.md_table(answer_sections.FIX_HEADER,
+                                           answer_sections.fix_rows(view)), "",
+                  "<details><summary>Each change, measured</summary>", ""]
+        lines += [f"- **{md(f.title)}**: {md(f.why)}" for f in view.fixes]
+        lines += ["", "</details>", ""]
     extra = answer_sections.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]

@@ -42,10 +42,12 @@ def alert_line(view: ReportView, a: Alert) -> str:
     """One line about a scenario that ran out of memory or failed."""
     if a.failed:
         return f"{a.scenario} failed: {a.message}"
+    if a.message.startswith("out of memory on "):  # the emulator's line names the GPU and
+        return f"{a.scenario}: {a.message}"  # the bytes: said once
     word = "ran out of memory" if view.real else "would run out of memory"
     verb = "tried to allocate" if view.real else "needs"
     need = f" ({verb} {fmt_bytes(a.needed_bytes)})" if a.needed_bytes else ""
-    return f"{a.scenario} {word} on {a.device or 'a GPU'}{need}: {a.message}".rstrip(": ")
+    return f"{a.scenario} {word} on {a.device or 'a GPU'}{need}"
 
 
 def alert_lines(view: ReportView) -> list[str]:

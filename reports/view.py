@@ -157,9 +157,12 @@ class FixView:
     code_lang: str  # "diff" or "python"
     saves_bytes: int | None  # on cuda:0
     heaviest_saves_bytes: int | None  # on the heaviest GPU of the scenario it changes
-    why: str  # the answer's sentence: its detail, what it saves against what, what is unknown
+    why: str  # the answer's sentence: its detail, what it saves, needs and costs
     primary_peak_bytes: int | None  # cuda:0's peak with the fix
     max_peak_bytes: int | None  # the heaviest GPU's peak with the fix
+    need_bytes: int | None  # its fullest GPU, as the out-of-memory check counts
+    fits: bool | None  # None: its need is not known
+    cost: str  # what the change costs, in the answer's words
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,8 @@ class MaxBatchView:
     multiple_of: int
     counts: str
     entries: tuple[MaxBatchEntryView, ...]
-    ddp_vs_primary: tuple[int, int, float] | None  # (ddp, dp-loss-primary, ratio)
+    # (the scenario that fits the largest batch, its batch, dp-loss-primary's, their ratio)
+    best_vs_primary: tuple[str, int, int, float] | None
 
 
 @dataclass(frozen=True)
@@ -273,10 +277,13 @@ class ReportView:
     attributions: tuple[AttributionView, ...]
     cause_rows: tuple[tuple[str, str], ...]  # (cause, label) any attribution names
     attribution_top_bytes: int  # the largest of cuda:0's and the references' peaks
-    fixes: tuple[FixView, ...]  # every fix emulated
-    recommended: tuple[FixView, ...]  # those that lower the heaviest GPU's peak
-    nothing_to_change: str  # what to say when none is recommended
-    advice_notes: tuple[str, ...]  # the fixes that make the heaviest GPU worse, and why
+    fixes: tuple[FixView, ...]  # every fix against the scenario the user ran, cheapest first
+    recommended: FixView | None  # the answer's change (None: nothing to change)
+    recommendation_title: str  # its title, or "nothing to change"
+    recommendation_why: str  # why it (or nothing) is the answer
+    passed_over: tuple[tuple[str, str], ...]  # (title, why not) of each cheaper change
+    baseline: str  # the scenario that stands for what the user runs; the fixes are against it
+    need_counts: str  # what a need counts, in words
     max_batches: tuple[tuple[str, int], ...]  # (scenario, largest global batch)
     maxbatch: MaxBatchView | None
     equivalence: EquivalenceView | None

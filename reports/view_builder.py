@@ -2,14 +2,15 @@
 device and timelines, the headline, the alerts and tracebacks, cuda:0's excess by cause, the
 fixes, the largest batches, the equivalence check and ``dpprof watch``'s part, each number
 read off the :class:`~dpprof.result.RunResult` once and every sentence from the one answer
-(:func:`dpprof.answers.answer.build_answer`). The view's types are
+the result stores (:func:`dpprof.answers.answer.answer_of`). The view's types are
 :mod:`dpprof.reports.view`."""
 
 from __future__ import annotations
 
-from dpprof.answers.answer import Advice, Answer, build_answer, maxbatch_ratio
-from dpprof.answers.answer_figures import BALANCED_FRACTION
+from dpprof.answers.answer import answer_of, maxbatch_ratio
+from dpprof.answers.answer_figures import BALANCED_FRACTION, counts
 from dpprof.answers.attribution import CAUSES, attribute, cause_label
+from dpprof.answers.post_mortem import post_mortem
 from dpprof.reports.view import (
     Alert,
     AttributionView,
@@ -36,6 +37,8 @@ from dpprof.result import (
     Attribution,
     DeviceResult,
     Fix,
+    FixAnswer,
+    Recommendation,
     RunResult,
     ScenarioResult,
     TimelinePoint,
@@ -66,15 +69,16 @@ NEGATIVE_NOTE = ("A negative cause: the reference GPU holds more of it at its ow
 def build_view(run: RunResult) -> ReportView:
     """The one view of ``run`` every human format renders."""
     real = run.backend == "cuda"
-    answer = build_answer(run)
+    answer = answer_of(run)
     scenarios = tuple(_scenario(run, s) for s in run.scenarios)
     ref = max(scenarios, key=lambda s: len(s.all_devices), default=None)
     columns = tuple(d.label for d in ref.all_devices) if ref and ref.all_devices else tuple(
         f"cuda:{i}" for i in range(run.gpus))
     drawn = [s for s in scenarios if s.measured and s.devices]
-    attributions = tuple(a for s in run.scenarios if s.name in answer.explained
+    attributions = tuple(a for s in run.scenarios if s.name in answer.why_heavier
                          and (a := _attribution(run, s, answer)) is not None)
-    advice = {a.fix.name: a for a in (*answer.recommended, *answer.worse)}
+    found = {f.name: f for f in run.fixes}
+    fixes = tuple(_fix(found.get(a.fix), a) for a in answer.fixes)
     memory_columns, memory_rows = _memory(run, scenarios)
     return ReportView(
         backend=run.backend, workload=run.workload, batch=run.batch, gpus=run.gpus,
@@ -101,10 +105,13 @@ def build_view(run: RunResult) -> ReportView:
                          if any(a.bytes_of(c) for a in attributions)),
         attribution_top_bytes=max((max(a.primary_bytes, a.reference_bytes)
                                    for a in attributions), default=0),
-        fixes=tuple(_fix(f, advice.get(f.name)) for f in run.fixes),
-        recommended=tuple(_fix(a.fix, a) for a in answer.recommended),
-        nothing_to_change=answer.nothing_to_change,
-        advice_notes=answer.notes,
+        fixes=fixes,
+        recommended=next((f for f in fixes if f.name == answer.fix), None),
+        recommendation_title=answer.title or "nothing to change",
+        recommendation_why=answer.why,
+        passed_over=tuple((p.title, p.reason) for p in answer.passed_over),
+        baseline=answer.baseline or "",
+        need_counts=counts(run),
         max_batches=_max_batches(run),
         maxbatch=_maxbatch(run),
         equivalence=_equivalence(run),
@@ -121,7 +128,7 @@ def build_view(run: RunResult) -> ReportView:
             "schema_version": run.schema_version, "config": run.config,
         },
         environment=run.environment,
-        watch=_watch(run, run.watch, answer) if run.watch is not None else None,
+        watch=_watch(run, run.watch) if run.watch is not None else None,
     )
 
 
@@ -182,8 +189,12 @@ def _scenario(run: RunResult, s: ScenarioResult) -> ScenarioView:
     )
 
 
-def _headline(answer: Answer, scenarios: tuple[ScenarioView, ...]) -> Headline:
-    verdict, parts = answer.verdict, answer.verdict_parts
+def _headline(answer: Recommendation, scenarios: tuple[ScenarioView, ...]) -> Headline:
+    verdict, parts = answer.verdict, None
+    cut = verdict.find(answer.verdict_oom) if answer.verdict_oom else -1
+    if cut >= 0:
+        end = cut + len(answer.verdict_oom)
+        parts = (verdict[:cut], verdict[cut:end], verdict[end:])
     compared = [s for s in scenarios if s.imbalance is not None and s.devices]
     if not compared:
         return Headline(verdict, parts, None, None, None, None, None)
@@ -279,7 +290,8 @@ def _timeline(run: RunResult, s: ScenarioResult, used: tuple[DeviceView, ...]
         peak_bytes=height(peak), peak_phase=peak.phase.replace("_", " "), top_bytes=top)
 
 
-def _attribution(run: RunResult, s: ScenarioResult, answer: Answer) -> AttributionView | None:
+def _attribution(run: RunResult, s: ScenarioResult, answer: Recommendation
+                 ) -> AttributionView | None:
     """cuda:0's excess by cause in ``s``: the result's attribution (computed by the same
     function for results saved without one), with the answer's sentence."""
     att: Attribution | None = run.attribution.get(s.name) or attribute(s)
@@ -295,21 +307,23 @@ def _attribution(run: RunResult, s: ScenarioResult, answer: Answer) -> Attributi
         steps.append(CauseView("", "smaller causes", folded))
     return AttributionView(
         scenario=s.name, primary_bytes=primary, reference_bytes=primary - att.excess_bytes,
-        excess_bytes=att.excess_bytes, causes=causes, answer=answer.why.get(s.name, att.answer),
+        excess_bytes=att.excess_bytes, causes=causes,
+        answer=answer.why_heavier.get(s.name, att.answer),
         negative_note=NEGATIVE_NOTE if any(c.bytes < 0 for c in causes) else None,
         balanced=abs(att.excess_bytes) <= BALANCED_FRACTION * max(primary, 1),
         steps=tuple(steps))
 
 
-def _fix(f: Fix, advice: Advice | None) -> FixView:
-    """A fix; ``advice``: the answer's measure of it against the scenario it changes."""
-    lang = "diff" if f.code.lstrip().startswith(("-", "+", "@@")) else "python"
-    return FixView(name=f.name, title=f.title, detail=f.detail, code=f.code, code_lang=lang,
-                   saves_bytes=advice.primary_saves_bytes if advice else f.saves_bytes,
-                   heaviest_saves_bytes=(advice.heaviest_saves_bytes if advice
-                                         else f.heaviest_saves_bytes),
-                   primary_peak_bytes=f.primary_peak_bytes, max_peak_bytes=f.max_peak_bytes,
-                   why=advice.why if advice else f.detail)
+def _fix(f: Fix | None, a: FixAnswer) -> FixView:
+    """A fix as the answer reads it against the scenario the user ran (``a``)."""
+    code = f.code if f is not None else ""
+    lang = "diff" if code.lstrip().startswith(("-", "+", "@@")) else "python"
+    return FixView(name=a.fix, title=a.title, detail=f.detail if f is not None else "",
+                   code=code, code_lang=lang, saves_bytes=a.primary_saves_bytes,
+                   heaviest_saves_bytes=a.heaviest_saves_bytes,
+                   primary_peak_bytes=f.primary_peak_bytes if f is not None else None,
+                   max_peak_bytes=f.max_peak_bytes if f is not None else None,
+                   need_bytes=a.need_bytes, fits=a.fits, cost=a.cost, why=a.why)
 
 
 def _max_batches(run: RunResult) -> tuple[tuple[str, int], ...]:
@@ -332,7 +346,7 @@ def _maxbatch(run: RunResult) -> MaxBatchView | None:
             e.scenario, e.max_batch, e.capped, e.needed_bytes, e.next_needed_bytes,
             None if e.limit_device is None else f"cuda:{e.limit_device}", e.emulations,
             e.message) for e in mb.entries),
-        ddp_vs_primary=maxbatch_ratio(run))
+        best_vs_primary=maxbatch_ratio(run))
 
 
 def _equivalence(run: RunResult) -> EquivalenceView | None:
@@ -347,7 +361,7 @@ def _equivalence(run: RunResult) -> EquivalenceView | None:
         findings=tuple((f.kind, f.message) for f in eq.findings))
 
 
-def _watch(run: RunResult, w: WatchResult, answer: Answer) -> WatchView:
+def _watch(run: RunResult, w: WatchResult) -> WatchView:
     at = w.ooms[0].used_at_oom_bytes if w.ooms else {}
     rows = []
     for d in w.devices:
@@ -358,15 +372,17 @@ def _watch(run: RunResult, w: WatchResult, answer: Answer) -> WatchView:
                           if d.peak_used_bytes is not None and d.total_bytes else None),
             peak_t_s=d.peak_t_s, command_peak_bytes=d.command_peak_bytes,
             baseline_used_bytes=d.baseline_used_bytes, at_oom_bytes=at.get(key)))
+    # stored by the watch (dpprof.watch.analysis); built for a result saved without them
+    lines, steps = (w.post_mortem, w.next_steps) if w.post_mortem else post_mortem(w)
     series = tuple(SeriesView(f"cuda:{d.index}", tuple(d.timeline))
                    for d in (run.scenarios[0].devices if run.scenarios else []) if d.timeline)
     return WatchView(
         interval_s=w.interval_s,
         message=run.scenarios[0].message if run.scenarios else "",
-        rows=tuple(rows), post_mortem=answer.post_mortem,
+        rows=tuple(rows), post_mortem=tuple(lines),
         oom_text=w.ooms[0].text if w.ooms else None,
         oom_times_s=tuple(o.t_s for o in w.ooms if o.t_s is not None),
-        next_steps=answer.next_steps,
+        next_steps=tuple(steps),
         signals=tuple((float(s.get("t_s", 0)), str(s.get("signal") or ""),
                        str(s.get("action", ""))) for s in w.signals),
         samples_path=w.samples_path, series=series)

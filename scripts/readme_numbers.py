@@ -44,12 +44,12 @@ def _compare_excerpt(lines: list[str]) -> list[str]:
         if skipping == "first-attribution" and line.startswith("dp-loss-primary: cuda:0's"):
             skipping = "answer"  # the answer sentence and the note below the table
             continue
-        if line.startswith("what each fix buys"):
+        if line.startswith("what each change buys"):
             skipping = "fixes"
         elif skipping == "fixes" and line and not line.startswith((" ", "─")):
-            out.append("[... one line per fix ...]")
+            out.append("[... one paragraph per change ...]")
             skipping = "fix-details"
-        if line.startswith("wrote "):
+        if line.startswith(("wrote ", "Recommended: ")):  # the answer is quoted whole
             skipping = ""
         if skipping in ("attribution", "answer", "fix-details"):
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from dpprof.answers.answer import settle
 from dpprof.answers.comparison import compare
 from dpprof.result import (
     STATUS_OK,
@@ -97,6 +98,7 @@ def _finish(run: RunResult) -> RunResult:
         "torch.cuda.max_memory_allocated would give them, timelines as NVML samples.",
     ]
     run.comparison = compare(run)
+    settle(run)  # the one answer, stored as every command stores it
     return run
 
 

@@ -17,15 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reports_data import SAVED, saved
 
-from dpprof.answers.answer import Answer, build_answer
+from dpprof.answers.answer import baseline, build_answer
 from dpprof.answers.answer_figures import heaviest, measured, need_bytes
 from dpprof.answers.comparison import compare
+from dpprof.fixes.policy import MARGIN, cost_of, margin_bytes
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_OOM,
     DeviceResult,
     Fix,
+    Recommendation,
     RunResult,
     ScenarioResult,
 )
@@ -39,16 +41,19 @@ DP_WORDS = ("scatter", "gathered", "reduced gradients", "DataParallel", "loss in
 
 
 def _figures(run: RunResult) -> set[str]:
-    """Every size a claim about ``run`` may name, formatted as the answer formats it."""
-    values: set[int] = {run.gpu_memory_bytes}
+    """Every size a claim about ``run`` may name, formatted as the answer formats it: a
+    figure of the result, a difference of two of them, what a need leaves of the GPU, or
+    the margin the policy asks (:mod:`dpprof.fixes.policy`)."""
+    values: set[int] = {run.gpu_memory_bytes, int(MARGIN * run.gpu_memory_bytes)}
     peaks: list[int] = []
+    needs: list[int] = []
     for s in run.scenarios:
         for d in s.devices:
             values |= {d.peak_allocated_bytes, d.total_peak_bytes}
         if s.oom_bytes is not None:
             values.add(s.oom_bytes)
         if s.devices and any(d.used for d in s.devices):
-            values.add(need_bytes(s))
+            needs.append(need_bytes(s))
             top = heaviest(s).peak_allocated_bytes
             peaks += [top, next(d for d in s.devices if d.used).peak_allocated_bytes]
     for c in run.comparison.scenarios.values():
@@ -57,24 +62,29 @@ def _figures(run: RunResult) -> set[str]:
         values |= {abs(x) for x in (f.max_peak_bytes, f.primary_peak_bytes, f.saves_bytes,
                                     f.heaviest_saves_bytes) if x is not None}
         peaks += [x for x in (f.max_peak_bytes, f.primary_peak_bytes) if x is not None]
+        if f.need_bytes is not None:
+            needs.append(f.need_bytes)
     values |= {abs(a - b) for a, b in itertools.combinations(peaks, 2)}
+    values |= set(needs) | {run.gpu_memory_bytes - n for n in needs}
+    values |= {int(u * n) for n in needs for u in (0.10, 0.11)}  # FSDP2's understatement
     if run.maxbatch is not None:
         values |= {e.needed_bytes for e in run.maxbatch.entries if e.needed_bytes}
         values.add(run.maxbatch.capacity_bytes)
     return {fmt_bytes(v) for v in values}
 
 
-def _claims(answer: Answer) -> str:
+def _claims(answer: Recommendation, run: RunResult) -> str:
     """The builder's own sentences (a fix's stored detail is the fix's, not the answer's)."""
-    whys = [a.why.replace(a.fix.detail.rstrip(".") + ".", "") if a.fix.detail else a.why
-            for a in (*answer.recommended, *answer.worse)]
-    return " ".join([answer.verdict, answer.nothing_to_change, *whys,
-                     *(n.split(": ", 1)[-1] for n in answer.notes)])
+    details = {f.name: f.detail for f in run.fixes}
+    whys = [a.why.replace(details[a.fix].rstrip(".") + ".", "") if details.get(a.fix) else a.why
+            for a in answer.fixes]
+    return " ".join([answer.verdict, answer.why, *whys, *answer.why_heavier.values(),
+                     *(p.reason for p in answer.passed_over)])
 
 
-def check(run: RunResult) -> Answer:
+def check(run: RunResult) -> Recommendation:
     answer = build_answer(run)
-    text = _claims(answer)
+    text = _claims(answer, run)
     # every size is a figure of the result
     figures = _figures(run)
     stray = [m for m in SIZE.findall(text) if m not in figures]
@@ -97,30 +107,13 @@ def check(run: RunResult) -> Answer:
         assert "none of the scenarios run fits" in verdict
     if not ooms and "it fits" in verdict:
         assert len(fits) == 1
-    # a recommended fix lowers the heaviest GPU of a scenario the user ran, and fits
-    for a in answer.recommended:
-        base = run.scenario(a.baseline)
-        assert base is not None and measured(base), a
-        assert a.fix.max_peak_bytes is not None
-        saving = (a.fix.heaviest_saves_bytes if a.baseline == DP_LOSS_PRIMARY
-                  and a.fix.heaviest_saves_bytes is not None
-                  else heaviest(base).peak_allocated_bytes - a.fix.max_peak_bytes)
-        assert saving > 0 and saving == a.heaviest_saves_bytes
-        own = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}.get(a.fix.name)
-        own_s = run.scenario(own) if own else None
-        assert own_s is None or own_s.status != STATUS_OOM, a
-        assert a.fix.max_peak_bytes <= run.gpu_memory_bytes
-        if ooms:
-            assert a.fits is True
-    for a in answer.worse:
-        assert a.heaviest_saves_bytes < 0 and "worse" in a.why
-        assert any(a.fix.title in n for n in answer.notes)
+    check_policy(run, answer)
     # the words fit the setup
     if not any(s.name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD) for s in run.scenarios):
         said = [w for w in DP_WORDS if w in text]
         assert not said, (said, text)
-        assert not answer.explained
-    for name in answer.explained:
+        assert not answer.why_heavier
+    for name in answer.why_heavier:
         s = run.scenario(name)
         assert s is not None and name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
         c = run.comparison.scenarios[name]
@@ -130,6 +123,38 @@ def check(run: RunResult) -> Answer:
     if not any(d.peak_reserved_bytes is not None for d in devs):
         assert "reserved memory and the CUDA context counted" not in text
     return answer
+
+
+def check_policy(run: RunResult, answer: Recommendation) -> None:
+    """The recommendation follows the policy: it lowers the heaviest GPU of a scenario the
+    user ran, fits, and no cheaper change that lowers it fits with the margin; nothing is
+    recommended only where that scenario fits with the margin and is balanced, or where no
+    change lowers it and fits."""
+    fixes = {a.fix: a for a in answer.fixes}
+    for a in answer.fixes:
+        assert run.scenario(a.baseline) is not None  # against a scenario the user ran
+    if answer.fix is not None:
+        chosen = fixes[answer.fix]
+        base = run.scenario(chosen.baseline)
+        assert base is not None and measured(base), chosen
+        assert chosen.heaviest_saves_bytes > 0
+        assert chosen.fits is True and chosen.need_bytes is not None
+        assert chosen.need_bytes <= run.gpu_memory_bytes
+        assert answer.need_bytes == chosen.need_bytes
+        own = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}.get(chosen.fix)
+        own_s = run.scenario(own) if own else None
+        assert own_s is None or own_s.status != STATUS_OOM, chosen
+        for a in answer.fixes:
+            if a.cost_rank < chosen.cost_rank and a.fits and a.heaviest_saves_bytes > 0:
+                # a cheaper change that fits was passed over: under the margin or noise
+                assert a.fix in {p.fix for p in answer.passed_over}
+                assert (a.spare_bytes or 0) < margin_bytes(
+                    run.gpu_memory_bytes, a.need_bytes or 0, cost_of(a.fix)) or (
+                    "does not lower" in next(p.reason for p in answer.passed_over
+                                             if p.fix == a.fix)), (a, answer)
+    for a in answer.fixes:
+        if a.heaviest_saves_bytes < 0 and a.fix != answer.fix:
+            assert answer.fix != a.fix
 
 
 def test_every_saved_result() -> None:
@@ -188,9 +213,24 @@ def results(draw: st.DrawFn) -> RunResult:
         for fname in draw(st.lists(st.sampled_from(
                 ["gradient-as-bucket-view", "output-device", "balanced-split"]), unique=True)):
             q0, qmax = sorted([draw(peaks), draw(peaks)])
+            need = qmax + (draw(st.integers(200 * MiB, 4 * GiB)) if overheads else 0)
             run.fixes.append(Fix(name=fname, title=fname, primary_peak_bytes=q0,
                                  max_peak_bytes=qmax, saves_bytes=p0 - q0,
-                                 heaviest_saves_bytes=pmax - qmax))
+                                 heaviest_saves_bytes=pmax - qmax, need_bytes=need,
+                                 baseline=DP_LOSS_PRIMARY))
+    base = baseline(run)
+    if base is not None and measured(base) and draw(st.booleans()):  # the ladder's rungs, on any setup
+        b0 = base.devices[0].peak_allocated_bytes
+        bmax = max(d.peak_allocated_bytes for d in base.devices)
+        for rung in draw(st.lists(st.sampled_from(
+                ["ladder-bf16", "ladder-checkpoint", "ladder-accumulate",
+                 "ladder-fsdp2-zero2", "ladder-fsdp2-zero3-bf16-checkpoint"]), unique=True)):
+            q0, qmax = sorted([draw(peaks), draw(peaks)])
+            need = qmax + (draw(st.integers(200 * MiB, 4 * GiB)) if overheads else 0)
+            run.fixes.append(Fix(name=rung, title=rung, primary_peak_bytes=q0,
+                                 max_peak_bytes=qmax, saves_bytes=b0 - q0,
+                                 heaviest_saves_bytes=bmax - qmax, need_bytes=need,
+                                 baseline=base.name))
     run.comparison = compare(run)
     return run
 

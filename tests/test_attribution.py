@@ -1,5 +1,7 @@
 """Attribution of cuda:0's excess: byte-exact, and the answers it gives."""
 
+import dataclasses
+
 import pytest
 
 from dpprof.answers.attribution import attribute, attribute_run
@@ -29,7 +31,11 @@ def test_causes_add_up_to_the_excess(workload: str, batch: int, gpus: int) -> No
         excess = run.comparison.scenarios[name].primary_excess_bytes
         assert att.excess_bytes == excess
         assert sum(att.causes_bytes.values()) == excess, (name, att.causes_bytes)
-    assert run.attribution == atts  # the runner stores them in the result
+    # the runner stores them in the result, each with the one answer's sentence
+    assert {k: dataclasses.replace(v, answer="") for k, v in run.attribution.items()} == atts
+    assert run.recommended is not None
+    assert {k: v.answer for k, v in run.attribution.items() if v.answer} == \
+        run.recommended.why_heavier
 
 
 def test_even_number_of_other_devices_uses_the_middle_two_and_stays_exact() -> None:
@@ -66,7 +72,8 @@ def test_loss_inside_forward_and_still_heavier_points_to_optimizer_state_and_ddp
     top = max(att.causes_bytes, key=lambda k: att.causes_bytes[k])
     assert top in ("optimizer_state", "reduced_gradients", "master_parameters")
     assert att.causes_bytes.get("optimizer_state", 0) > 0
-    assert "DistributedDataParallel" in att.answer
+    assert "DDP gives every GPU its own" in att.answer
+    assert "(not measured here)" in att.answer  # ddp was not run: nothing claimed of it
 
 
 def test_single_device_scenario_has_no_attribution() -> None:
@@ -124,7 +131,10 @@ def test_measured_gpus_are_split_by_the_phase_of_the_peak() -> None:
     assert att is not None and att.excess_bytes == 900 - 525
     # cuda:0 holds 900 - 305 more in the loss phase; the reference peaks 220 higher in backward
     assert att.causes_bytes == {"phase_loss": 595, "reference_peak_elsewhere": -220}
-    assert "inside forward" in att.answer
+    from dpprof.answers.attribution import why_heavier
+
+    assert "inside forward" in why_heavier(att, "computing the loss inside forward removes it")
+    assert why_heavier(att).startswith("dp-loss-primary: cuda:0's excess is mostly")
 
 
 def test_no_attribution_without_two_used_devices_or_a_measurement() -> None:

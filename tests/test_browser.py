@@ -240,3 +240,71 @@ def test_print(browser: Any, tmp_path: Path) -> None:
         assert 1 < pages <= 8, pages
     finally:
         page.close()
+
+
+VISIBLE_LABELS = """(sel) => [...document.querySelectorAll(sel + ' .bartext')].filter(
+  t => t.getBBox().width > 0 && getComputedStyle(t).display !== 'none'
+       && t.style.opacity !== '0').map(t => t.textContent)"""
+
+
+@pytest.mark.parametrize("name", ["synthetic-oom", "emulated-lm"])
+def test_no_toolbar_over_the_legends(browser: Any, tmp_path: Path, name: str) -> None:
+    """plotly's toolbar covered legend entries, on screen and in print."""
+    page = _page(browser, tmp_path, html.render(saved(name)), 1200)
+    try:
+        assert page.locator(".modebar-btn").count() == 0
+        page.emulate_media(media="print")
+        page.wait_for_timeout(1500)
+        assert page.locator(".modebar-btn").count() == 0
+    finally:
+        page.close()
+
+
+def test_print_keeps_the_out_of_memory_labels(browser: Any, tmp_path: Path) -> None:
+    """The "OOM" labels over the bars vanished in print (narrower bars: plotly hid them)."""
+    run = saved("synthetic-oom")
+    page = _page(browser, tmp_path, html.render(run), 1400)
+    try:
+        screen = page.evaluate(VISIBLE_LABELS, "#fig-peaks")
+        ooms = [t for t in screen if t.startswith("OOM")]
+        assert ooms
+        page.emulate_media(media="print")
+        page.wait_for_timeout(2500)
+        printed = page.evaluate(VISIBLE_LABELS, "#fig-peaks")
+        assert [t for t in printed if t.startswith("OOM")] == ooms
+        assert sorted(printed) == sorted(screen)
+    finally:
+        page.close()
+
+
+REACH = """() => [...document.querySelectorAll('main table')].filter(
+  t => t.offsetParent !== null).map(t => {
+  const box = t.closest('.scroll');
+  const last = t.querySelector('tr').lastElementChild;
+  const before = last.getBoundingClientRect().right;
+  if (box) box.scrollLeft = box.scrollWidth;
+  const after = last.getBoundingClientRect().right;
+  if (box) box.scrollLeft = 0;
+  return {id: t.id, scrolls: !!box && getComputedStyle(box).overflowX === 'auto',
+          before: before, after: after};
+})"""
+
+
+@pytest.mark.parametrize("name", ["synthetic-oom", "emulated-lm", "synthetic-ddp-2-nodes"])
+def test_every_column_reachable_at_390_px(browser: Any, tmp_path: Path, name: str) -> None:
+    """At 390 px the peak table's status column and cuda:3 were off-screen."""
+    page = _page(browser, tmp_path, html.render(saved(name)), 390)
+    try:
+        for t in page.evaluate(REACH):
+            assert t["before"] <= 391 or (t["scrolls"] and t["after"] <= 391), t
+        # the status is beside the scenario: seen without scrolling
+        status = page.locator("#peaks-table tr").first.locator("th").nth(1)
+        assert status.inner_text() == "status"
+        assert status.bounding_box()["x"] + status.bounding_box()["width"] <= 390
+        # the scenario's name stays at the left edge while the GPUs scroll past
+        box = page.locator("#peaks-table").locator("xpath=..")
+        box.evaluate("b => { b.scrollLeft = b.scrollWidth; }")
+        first = page.locator("#peaks-table tr").nth(1).locator("td").first
+        assert first.bounding_box()["x"] >= 0 and first.bounding_box()["x"] < 40
+    finally:
+        page.close()

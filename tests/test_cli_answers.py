@@ -93,7 +93,7 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
                             "-o", str(js), "-o", str(page)])
     assert r.exit_code == 0, r.output
     assert "why cuda:0 is heavier under dp-loss-primary" in r.stdout
-    assert "what each fix buys" in r.stdout
+    assert "what each change buys against dp-loss-primary" in r.stdout
     assert "largest global batch" in r.stdout
     assert "same math?" in r.stdout
     run = load(js)

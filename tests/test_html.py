@@ -96,7 +96,7 @@ def test_oom_is_called_out_in_red() -> None:
     peaks = _figures(page)["peaks"]["data"]
     # the label sits on the top of the bar: allocated, reserved beyond it and the context
     top = next(t for t in peaks if t["name"] == "dp-loss-primary: reserved and context")
-    assert top["text"][0] == "OOM 24.3"
+    assert top["text"][0] == "OOM<br>24.3"
 
 
 def test_ddp_over_two_nodes_labels_devices_by_host() -> None:
@@ -134,6 +134,7 @@ def test_nothing_to_fix_when_balanced() -> None:
     run = RunResult.from_dict(run.to_dict())
     run.scenarios = [s for s in run.scenarios if s.name in ("ddp", "single")]
     run.fixes, run.attribution = [], {}  # a run of these two scenarios has neither
+    run.recommended = None  # edited: its stored answer is of the run it was
     page = html.render(run)
     assert "Switch to DistributedDataParallel" in page or "Nothing to change" in page
     assert "Compute the loss inside forward" not in page
@@ -148,6 +149,7 @@ def test_a_run_where_every_scenario_failed_still_renders() -> None:
     from dpprof.answers.comparison import compare
 
     run.comparison = compare(run)
+    run.recommended = None  # edited: its stored answer is of the run it was
     page = html.render(run)
     assert "failed: dp-loss-primary" in page and "RuntimeError: boom &lt;b&gt;" in page
     assert _figures(page) == {}
@@ -188,17 +190,21 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
     run.maxbatch = MaxBatch(capacity_bytes=run.gpu_memory_bytes, entries=[
         MaxBatchEntry(scenario="ddp", max_batch=2048),
         MaxBatchEntry(scenario="dp-loss-primary", max_batch=None)])
+    run.recommended = None  # edited: its stored answer is of the run it was
     page = html.render(run)
     figs = _figures(page)
     wf = figs["excess-0"]["data"][0]
     assert wf["y"][1:3] == ["loss, its temporaries<br>and its gradient", "gathered outputs"]
     assert "Recommended: Emulated fix" in page
     assert "Against dp-loss-primary: the heaviest GPU peaks at 60.0 GiB, 3.00 GiB less." in page
+    # each change against the scenario the user ran, with what it needs and whether it fits
+    assert re.search(r"<td>Emulated fix</td><td>3.00 GiB</td><td>60.0 GiB</td><td>[^<]+ GiB"
+                     r"</td><td>fits</td>", page)
     assert "fixed = True" in page and "ModelWithLoss(model, loss_fn)" not in page
     assert "moved = True" not in page  # the heaviest GPU is as heavy: not recommended
     assert figs["maxbatch"]["data"][0]["y"] == ["ddp"]
     text = markdown.render(run)
-    assert "| ddp | 2048 |" in text and "**Emulated fix.**" in text
+    assert "| ddp | 2048 |" in text and "**Recommended: Emulated fix**" in text
     assert "| gathered outputs | +1.00 GiB |" in text
 
 
@@ -229,8 +235,8 @@ def test_a_bar_marked_out_of_memory_reaches_past_the_capacity_line() -> None:
     bars = [t for t in peaks["data"] if t["type"] == "bar" and t["legendgroup"] == "ddp"]
     tops = [b + y for b, y in zip(bars[-1]["base"], bars[-1]["y"], strict=True)]
     assert all(top > cap for top in tops)  # drawn as the OOM check counts it
-    assert all(t.startswith("OOM ") for t in bars[-1]["text"])
-    assert float(bars[-1]["text"][0].split()[1]) == pytest.approx(
+    assert all(t.startswith("OOM<br>") for t in bars[-1]["text"])
+    assert float(bars[-1]["text"][0].split("<br>")[1]) == pytest.approx(
         ddp.total_peak_bytes / 2**30, abs=0.05)
     assert bars[0]["y"][0] == pytest.approx(ddp.peak_allocated_bytes / 2**30, abs=1e-3)
 
@@ -306,7 +312,7 @@ def _many_gpus(run: RunResult, n: int) -> RunResult:
 def test_sixty_four_gpus_keep_the_page_narrow() -> None:
     page = html.render(_many_gpus(saved("emulated-lm"), 64))
     # the table of peaks, a column per GPU, scrolls inside its card
-    assert "<div class='card scroll'><table id='peaks-table'>" in page
+    assert "<div class='card scroll'><table id='peaks-table' class='sticky'>" in page
     assert "<th>cuda:63</th>" in page
     tl = _figures(page)["timeline-0"]
     assert _legend(tl)[:2] == ["cuda:0", "cuda:1 to cuda:63 (63 GPUs, identical)"]

@@ -81,10 +81,10 @@ def test_reserved_context_and_nvml_peaks_of_a_real_gpu_run() -> None:
 def test_charts_are_in_the_unit_that_fits() -> None:
     """cpu-mlp's peaks are MiB: charted in MiB, not as "0.09" GiB."""
     run = saved("cpu-mlp")
-    top = max(d.peak_allocated_bytes for s in run.scenarios for d in s.devices)
+    top = max(d.total_peak_bytes for s in run.scenarios for d in s.devices)
     assert top < 2**30
     charts = _mermaid(markdown.render(run))
-    assert charts and all('y-axis "MiB"' in c and "per GPU, MiB" in c for c in charts)
+    assert charts and all('y-axis "MiB"' in c and "needs, MiB" in c for c in charts)
     bars = [float(v) for c in charts for v in re.search(r"bar \[(.*?)\]", c).group(1)  # type: ignore[union-attr]
             .split(", ")]
     assert max(bars) == pytest.approx(top / 2**20, rel=1e-3) and min(bars) >= 1
@@ -95,12 +95,20 @@ def test_charts_and_long_code_are_collapsed() -> None:
     for chart in re.finditer(r"```mermaid", text):
         opened = text.rfind("<details>", 0, chart.start())
         assert opened > text.rfind("</details>", 0, chart.start()), "a chart outside <details>"
+    short = text.index("+model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn).cuda())")
+    assert text.rfind("<details>", 0, short) < text.rfind("</details>", 0, short)  # shown
+    # where the answer is the balanced split (the only change measured), its class is long
+    run = saved("emulated-lm")
+    run.scenarios = [s for s in run.scenarios if s.name == "dp-loss-primary"]
+    run.fixes = [f for f in run.fixes if f.name == "balanced-split"]
+    run.fixes[0].need_bytes = run.fixes[0].max_peak_bytes
+    run.recommended = None  # edited: its stored answer is of the run it was
+    text = markdown.render(run)
+    assert "**Recommended: A smaller share of the batch on cuda:0**" in text
     balanced = text.index("class BalancedDataParallel")
     summary = text.rfind("<summary>", 0, balanced)
     assert text.rfind("</details>", 0, balanced) < summary
     assert re.match(r"<summary>The change \(\d+ lines\)</summary>", text[summary:])
-    short = text.index("+model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn).cuda())")
-    assert text.rfind("<details>", 0, short) < text.rfind("</details>", 0, short)  # shown
 
 
 def test_a_public_report_leaves_the_machine_out(tmp_path: Path) -> None:
@@ -110,15 +118,22 @@ def test_a_public_report_leaves_the_machine_out(tmp_path: Path) -> None:
     host = socket.gethostname()
     runner = CliRunner()
     args = ["compare", "-w", "mlp", "-b", "4", "-s", "single", "--no-fixes"]
-    r = runner.invoke(app, [*args, "-o", str(tmp_path / "a.md"), "-o", str(tmp_path / "a.json")])
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "a.md"), "-o", str(tmp_path / "a.json"),
+                            "-o", str(tmp_path / "a.html")])
     assert r.exit_code == 0, r.output
     text = (tmp_path / "a.md").read_text()
     assert f"**hostname**: {md(host)}" not in text and "left out (--include-host" in text
-    assert json.loads((tmp_path / "a.json").read_text())["environment"]["hostname"] == host
+    # every format: the JSON result and the HTML page too (they carried it by default)
+    hosted = json.loads((tmp_path / "a.json").read_text())["environment"]["hostname"]
+    assert hosted == "left out (--include-host keeps it)"
+    assert f"<td>{host}</td>" not in (tmp_path / "a.html").read_text()
     r = runner.invoke(app, ["report", str(tmp_path / "a.json"), "-o", str(tmp_path / "b.md")])
     assert r.exit_code == 0 and f"**hostname**: {md(host)}" not in (tmp_path / "b.md").read_text()
-    r = runner.invoke(app, [*args, "--include-host", "-o", str(tmp_path / "c.md")])
+    r = runner.invoke(app, [*args, "--include-host", "-o", str(tmp_path / "c.md"),
+                            "-o", str(tmp_path / "c.json"), "-o", str(tmp_path / "c.html")])
     assert r.exit_code == 0 and f"**hostname**: {md(host)}" in (tmp_path / "c.md").read_text()
+    assert json.loads((tmp_path / "c.json").read_text())["environment"]["hostname"] == host
+    assert f"<td>{host}</td>" in (tmp_path / "c.html").read_text()
 
 
 def test_nodes_and_gpu_ids_are_left_out_of_a_public_report() -> None:
@@ -130,3 +145,40 @@ def test_nodes_and_gpu_ids_are_left_out_of_a_public_report() -> None:
         assert private not in text, private
     assert "node0/cuda:0" in text and "node1/cuda:1" in text
     assert "node-a" in markdown.render(run)  # the result itself keeps them
+
+
+def _chart_of(text: str, scenario: str) -> str:
+    return next(c for c in _mermaid(text) if f'title "{scenario}:' in c)
+
+
+def _series(chart: str, kind: str) -> list[list[float]]:
+    return [[float(v) for v in m.split(", ")]
+            for m in re.findall(rf"^    {kind} \[(.*?)\]$", chart, re.M)]
+
+
+def test_charts_draw_the_need_against_the_capacity() -> None:
+    """The charts drew allocated memory against the capacity, so a scenario out of memory
+    sat under the red line; a single GPU got no line at all."""
+    run = saved("emulated-lm")
+    text = markdown.render(run)
+    for s in run.scenarios:
+        chart = _chart_of(text, s.name)
+        need = max(d.total_peak_bytes for d in s.devices if d.used)
+        assert max(_series(chart, "bar")[0]) == pytest.approx(need / 2**30, rel=1e-3)
+    single = _chart_of(text, "single")
+    assert '"capacity"' in single and _series(single, "bar")[1] == [0.0, 79.25]
+    # an out-of-memory scenario stands above the line
+    oom = saved("synthetic-oom")
+    chart = _chart_of(markdown.render(oom), "dp-loss-primary")
+    (line,) = _series(chart, "line")
+    assert max(_series(chart, "bar")[0]) > line[0]
+
+
+def test_sixty_four_gpus_are_cuda0_and_the_others_spread() -> None:
+    from test_html import _many_gpus
+
+    text = markdown.render(_many_gpus(saved("emulated-lm"), 64))
+    chart = _chart_of(text, "dp-loss-primary")
+    labels = re.findall(r'"([^"]*)"', chart.splitlines()[3])
+    assert labels == ["cuda:0", "least of 63 others", "median of 63", "most of 63"]
+    assert len(_series(chart, "line")[0]) == 4

@@ -8,6 +8,7 @@ by that format's checker below.
 
 from __future__ import annotations
 
+import dataclasses
 import html as std_html
 import json
 import re
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import pytest
 from reports_data import HTML_SECTIONS, SAVED, report_words, saved
 
-from dpprof.answers.answer import build_answer
+from dpprof.answers.answer import answer_of
 from dpprof.answers.attribution import cause_label
 from dpprof.reports.formats import renderers
 from dpprof.reports.markdown import md
@@ -28,7 +29,7 @@ def _html(run: RunResult, page: str) -> None:
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     verdict = re.search(r"id='verdict'>(.*?)</p>", page, re.S)
     assert verdict and re.sub(r"<[^>]+>", "", std_html.unescape(verdict.group(1))) == \
-        build_answer(run).verdict
+        answer_of(run).verdict
     heads = [std_html.unescape(h) for h in re.findall(
         r"<h2><span class='n'>\d+</span>(.*?)</h2>", page)]
     assert heads == [h for h in HTML_SECTIONS if h in heads]  # the issue's order
@@ -47,7 +48,7 @@ def _html(run: RunResult, page: str) -> None:
 
 
 def _markdown(run: RunResult, text: str) -> None:
-    assert md(build_answer(run).verdict) in text
+    assert md(answer_of(run).verdict) in text
     assert "### Peak memory per GPU" in text and "### What to change" in text
     charts = re.findall(r"```mermaid\n(.*?)\n```", text, re.S)
     drawn = [s for s in run.scenarios if s.status in ("ok", "oom")]
@@ -59,7 +60,10 @@ def _markdown(run: RunResult, text: str) -> None:
         assert lines[1].startswith('    title "') and s.name in lines[1]
         labels = re.findall(r'"([^"]*)"', lines[2])
         bars = [float(x) for x in re.search(r"bar \[(.*)\]", chart).group(1).split(", ")]
-        assert len(labels) == len(bars) == len([d for d in s.devices if d.used])
+        used = [d for d in s.devices if d.used]
+        # one bar per GPU, what it needs; beside a single GPU, the capacity's bar
+        assert all(lb.endswith(f"cuda:{d.index}") for lb, d in zip(labels, used, strict=False))
+        assert len(labels) == len(bars) == len(used) + (labels[-1:] == ["capacity"])
         top = float(re.search(r"--> ([0-9.]+)", chart).group(1))
         assert max(bars) <= top
     # collapsed blocks open and close; the full configuration is JSON
@@ -67,18 +71,23 @@ def _markdown(run: RunResult, text: str) -> None:
     peaks = any(d.peak_reserved_bytes for s in run.scenarios for d in s.devices)
     tracebacks = sum(1 for s in run.scenarios if s.status not in ("ok", "oom") and s.traceback)
     collapsed_code = text.count("<summary>The change (")  # a fix's long code
+    measured = 1 if answer_of(run).fixes else 0  # each change's sentence, collapsed
     assert text.count("<details>") == text.count("</details>") == \
-        (4 if peaks else 3) + tracebacks + (1 if charts else 0) + collapsed_code
+        (4 if peaks else 3) + tracebacks + (1 if charts else 0) + collapsed_code + measured
     assert "<details><summary>Full configuration</summary>" in text
     assert '"batch": ' in text
 
 
 def _json(run: RunResult, text: str) -> None:
-    assert RunResult.from_dict(json.loads(text)) == run
+    back = RunResult.from_dict(json.loads(text))
+    # the result itself, with its one answer (built for a result saved before answers
+    # were stored)
+    assert back.recommended == answer_of(run)
+    assert dataclasses.replace(back, recommended=run.recommended) == run
 
 
 def _terminal(run: RunResult, text: str) -> None:
-    assert " ".join(build_answer(run).verdict.split()) in " ".join(text.split())
+    assert " ".join(answer_of(run).verdict.split()) in " ".join(text.split())
 
 
 CHECKS: dict[str, Callable[[RunResult, str], None]] = {
@@ -108,5 +117,5 @@ def test_every_saved_result_in_every_format(name: str, fmt: str) -> None:
                 assert cause_label(c.key) in words, (fmt, c.key)
     # the recommended fixes, by title, in the formats that recommend
     if fmt in ("html", "markdown"):
-        for a in build_answer(run).recommended:
-            assert a.fix.title in words, (fmt, a.fix.title)
+        answer = answer_of(run)
+        assert f"Recommended: {answer.title or 'nothing to change'}" in words, fmt

@@ -1,6 +1,7 @@
 """dpprof report before.json after.json: side by side, the difference per scenario and device."""
 
 import json
+import re
 from pathlib import Path
 
 from reports_data import SAVED, hostile, saved
@@ -40,7 +41,9 @@ def test_diff_per_scenario_and_device() -> None:
     ddp = next(s for s in rd.scenarios if s.name == "ddp")
     assert all(d.delta_bytes == 0 for d in ddp.devices)
     lines = diff.summary(rd)
-    assert lines[0].startswith("dp-loss-primary: cuda:0 69.5 GiB → 18.7 GiB (-50.8 GiB -73%)")
+    # what the fullest GPU needs and whether it fits, then cuda:0's allocated peak
+    assert lines[0].startswith("dp-loss-primary: cuda:0 73.6 GiB, fits → 73.6 GiB, fits; "
+                               "allocated cuda:0 69.5 GiB → 18.7 GiB (-50.8 GiB -73%)")
 
 
 def test_diff_across_configurations_says_so() -> None:
@@ -65,7 +68,7 @@ def test_cli_terminal_md_and_html(tmp_path: Path) -> None:
     a.write_text(_after_fix().to_json())
     r = runner.invoke(app, ["report", str(b), str(a)])
     assert r.exit_code == 0, r.output
-    assert "before:" in r.stdout and "-50.8 GiB" in r.stdout and "cuda:0 excess" in r.stdout
+    assert "before:" in r.stdout and "-50.8 GiB" in r.stdout and "excess" in r.stdout and "needs" in r.stdout
     r = runner.invoke(app, ["report", str(b), str(a), "-o", str(tmp_path / "d.md"),
                             "-o", str(tmp_path / "d.html")])
     assert r.exit_code == 0, r.output
@@ -94,3 +97,28 @@ def test_hostile_diff_html_is_text(tmp_path: Path) -> None:
     data = page.split('type="application/json">')[1].split("</script>")[0]
     json.loads(data)
     assert "<" not in data
+
+
+def test_did_my_fix_work_a_script_before_and_after_its_change(tmp_path: Path) -> None:
+    """A DataParallel script, then the same model with the loss inside forward: the diff
+    said "dp-loss-primary: only in the before run; dp-loss-forward +0 B" (it matched the
+    runs by scenario name). Now what the user runs is matched with what they run after,
+    with what its fullest GPU needs and whether it fits."""
+    scripts = Path(__file__).parent / "scripts"
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    for script, out in (("dp_loss_outside.py", before), ("dp_loss_inside.py", after)):
+        r = runner.invoke(app, ["run", "-q", "-o", str(out), "--", "python",
+                                str(scripts / script)])
+        assert r.exit_code == 0, r.output
+    rd = diff.diff(RunResult.from_dict(json.loads(before.read_text())),
+                   RunResult.from_dict(json.loads(after.read_text())))
+    role = rd.scenarios[0]
+    assert (role.name, role.before_scenario, role.after_scenario) == (
+        "as written", "dp-loss-primary", "dp-loss-forward")
+    assert role.before_need is not None and role.after_need is not None
+    line = diff.summary(rd)[0]
+    assert line.startswith("as written (dp-loss-primary → dp-loss-forward): cuda:0 ")
+    assert re.search(r"cuda:0 [\d.]+ [KMG]iB, (fits|out of memory) → [\d.]+ [KMG]iB, "
+                     r"(fits|out of memory)", line), line
+    r = runner.invoke(app, ["report", str(before), str(after)])
+    assert r.exit_code == 0 and "as written" in r.stdout and "needs" in r.stdout

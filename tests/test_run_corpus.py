@@ -211,7 +211,7 @@ def test_imagenet_example_with_dummy_data(tmp_path: Path, monkeypatch: pytest.Mo
     fixes = {f.name: f for f in result.fixes}
     assert set(fixes) == {"loss-in-forward", "ddp", "gradient-as-bucket-view"}
     ddp = result.scenario("ddp")
-    assert ddp is not None and ddp.batch == 8
+    assert ddp is not None and ddp.batch == 32  # global: 8 rows on each of 4 ranks
     assert fixes["ddp"].saves_bytes == (dp.devices[0].peak_allocated_bytes
                                         - ddp.devices[0].peak_allocated_bytes)
     # accuracy() reads the gathered outputs: the alternative keeps them, and says so
@@ -259,7 +259,7 @@ def test_hugging_face_trainer_wraps_data_parallel_itself(
     assert d0["optimizer_state"] >= 2 * params_bytes(*shapes)  # AdamW, on cuda:0 only
     assert all("optimizer_state" not in d.breakdown_bytes for d in dp.devices[1:])
     ddp = result.scenario("ddp")
-    assert ddp is not None and ddp.status == "ok" and ddp.batch == 8
+    assert ddp is not None and ddp.status == "ok" and ddp.batch == 32  # 4 ranks of 8
     assert {f.name for f in result.fixes} == {"ddp", "gradient-as-bucket-view"}
     # the checkpoint's tensors and the GPU's generator state are emulated: not written
     assert (saved / "model.safetensors").read_bytes() == b"weights of an earlier run"

@@ -98,7 +98,7 @@ def test_data_parallel_loss_outside_forward_and_its_alternatives() -> None:
         f.detail for f in result.fixes if f.name == "loss-in-forward")
     # DDP in place: every rank holds the model, its gradients and its momentum; 16 rows
     ddp = devs(result, "ddp")
-    assert result.scenario("ddp").batch == 16  # type: ignore[union-attr]
+    assert result.scenario("ddp").batch == 64  # type: ignore[union-attr] (4 ranks of 16)
     assert len({d.peak_allocated_bytes for d in ddp}) == 1 and len(ddp) == 4
     assert ddp[0].breakdown_bytes["parameters"] == params_bytes(*MLP)
     assert ddp[0].breakdown_bytes["optimizer_state"] == params_bytes(*MLP)
@@ -151,7 +151,8 @@ def test_batches_passed_as_keyword_arguments_are_counted_as_scattered() -> None:
     assert [d.batch_rows for d in dp.devices] == [16, 16, 16, 14]
     ddp = result.scenario("ddp")
     assert ddp is not None and ddp.status == "ok", ddp and ddp.message
-    assert ddp.batch == 16 and all(d.batch_rows == 16 for d in ddp.devices)
+    # its batch is the global one, as compare's: 16 rows on each of the 4 ranks
+    assert ddp.batch == 64 and all(d.batch_rows == 16 for d in ddp.devices)
 
 
 def test_data_parallel_loss_inside_forward_is_recognised() -> None:
@@ -210,7 +211,7 @@ def test_accelerator_script_matches_torch_profiler_on_cpu() -> None:
 def test_ddp_under_torchrun() -> None:
     result = run(["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_torchrun.py")])
     (s,) = result.scenarios
-    assert s.name == "ddp" and s.status == "ok" and s.batch == 32
+    assert s.name == "ddp" and s.status == "ok" and s.batch == 128  # 4 ranks of 32
     assert [d.rank for d in s.devices] == [0, 1, 2, 3]
     shapes = [(512, 64), (512,), (100, 512), (100,)]
     for d in s.devices:

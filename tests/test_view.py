@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from reports_data import SAVED, report_words, saved
 
-from dpprof.answers.answer import build_answer
+from dpprof.answers.answer import answer_of
 from dpprof.reports import diff, terminal
 from dpprof.reports.formats import renderers
 from dpprof.reports.view import (
@@ -62,7 +62,8 @@ def _edited(view: ReportView) -> ReportView:
     fix = FixView(name="x", title="fix title from the view", detail="fix detail from the view",
                   code="print('code from the view')", code_lang="python",
                   saves_bytes=CAUSE_BYTES, heaviest_saves_bytes=CAUSE_BYTES,
-                  primary_peak_bytes=1, max_peak_bytes=1, why="fix detail from the view")
+                  primary_peak_bytes=1, max_peak_bytes=1, why="fix detail from the view",
+                  need_bytes=1, fits=True, cost="cost from the view")
     return dataclasses.replace(
         view,
         headline=dataclasses.replace(view.headline, verdict="verdict from the view",
@@ -71,7 +72,7 @@ def _edited(view: ReportView) -> ReportView:
         scenarios=scenarios,
         attributions=(att, *view.attributions[1:]),
         cause_rows=((key, "cause label from the view"), *view.cause_rows[1:]),
-        fixes=(fix,), recommended=(fix,),
+        fixes=(fix,), recommended=fix, recommendation_title="fix title from the view",
         notes=("note from the view",),
         assumptions=("assumption from the view",),
     )
@@ -152,7 +153,7 @@ def test_headline_is_the_comparison_s_most_imbalanced_scenario(name: str) -> Non
     h = build_view(run).headline
     worst = max(run.comparison.scenarios, key=lambda k: run.comparison.scenarios[k].imbalance)
     c = run.comparison.scenarios[worst]
-    assert h.verdict == build_answer(run).verdict
+    assert h.verdict == answer_of(run).verdict
     assert (h.scenario, h.imbalance, h.heaviest_bytes, h.excess_bytes) == (
         worst, c.imbalance, c.max_bytes, c.primary_excess_bytes)
 
@@ -226,6 +227,7 @@ def test_terminal_render_is_the_view_rendered() -> None:
 def test_a_result_without_a_comparison_says_so_in_every_format(fmt: str) -> None:
     run = saved(next(iter(SAVED)))
     run.scenarios, run.comparison = [], Comparison()
+    run.recommended = None  # its answer was of the scenarios taken out
     view = build_view(run)
     assert view.headline.verdict in _render(fmt, view)
     assert view.headline.verdict == "No scenario was run."

@@ -2,7 +2,14 @@
 
 :func:`build_answer` is the only place that composes these sentences, for every command
 (``compare``, ``run``, ``maxbatch``, ``watch``, ``report``) and every format: the renderers
-show its :class:`Answer`, the commands store its verdict in the result. Its rules:
+show the :class:`~dpprof.result.Recommendation` it returns, which each command computes once
+and stores in its result (:func:`settle`; a result saved before that has it built when read,
+:func:`answer_of`). Its rules:
+
+* the recommendation follows the policy by cost (:mod:`dpprof.fixes.policy`): nothing
+  where the scenario the user runs fits with a margin and is balanced, else the cheapest
+  change that lowers its heaviest GPU and fits with the margin; the cheaper changes passed
+  over say why;
 
 * a scenario that is out of memory is never offered as the answer: the verdict names what
   fits, counting what the out-of-memory check counts (:func:`need_bytes`), and what each
@@ -22,8 +29,8 @@ after the scenarios. The figures it reads are :mod:`dpprof.answers.answer_figure
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dpprof.answers.answer_figures import (
@@ -36,22 +43,33 @@ from dpprof.answers.answer_figures import (
     need_bytes,
     used,
 )
-from dpprof.answers.attribution import attribute, why_heavier
+from dpprof.answers.attribution import attribute, lead_causes, why_heavier
 from dpprof.answers.post_mortem import post_mortem, watch_verdict
 from dpprof.fixes.fix_kind import MIN_SAVING
 from dpprof.fixes.fix_registry import applies_to, as_scenario, from_scenarios
+from dpprof.fixes.policy import (
+    IMBALANCE_THRESHOLD,
+    LADDER_PREFIX,
+    Cost,
+    cost_of,
+    lines_changed,
+    margin_bytes,
+)
+from dpprof.fixes.policy import NOTHING as NO_CHANGE
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,
     Attribution,
     Fix,
+    FixAnswer,
+    PassedOver,
+    Recommendation,
     RunResult,
     ScenarioResult,
     WatchResult,
 )
 from dpprof.scenarios.names import (
     DATA_PARALLEL,
-    DDP,
     DISTRIBUTED,
     DP_LOSS_PRIMARY,
     ONE_GPU,
@@ -65,46 +83,34 @@ WATCH, MAXBATCH, NOTHING = "watch", "maxbatch", "none"
 SETUPS = {s.name: s.setup for s in REGISTRY}
 # the scenario that stands for what the user runs, the first of these a result holds
 BASELINES = tuple(s.name for s in REGISTRY)
-# the ladder's rungs (dpprof.measure.ladder): names start with this; they apply to every setup
-LADDER_PREFIX = "ladder-"
 # how the verdict names another scenario the user ran, against the baseline
 ALTERNATIVE_WORDS = {s.name: s.alternative_words for s in REGISTRY if s.alternative_words}
-
-
-@dataclass(frozen=True)
-class Advice:
-    """A fix against the baseline scenario: what it saves there, whether it fits."""
-
-    fix: Fix
-    baseline: str
-    heaviest_saves_bytes: int  # the baseline's heaviest GPU minus the fix's (allocated)
-    primary_saves_bytes: int | None  # the same on cuda:0
-    fits: bool | None  # None: the fix's reserved memory and context were not emulated
-    why: str  # its detail, what it saves, and what is not known
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What every format says about a result (see the module docstring)."""
-
-    setup: str  # DATA_PARALLEL, DISTRIBUTED, SPLIT_MODEL, ONE_GPU, WATCH, MAXBATCH, NOTHING
-    verdict: str
-    verdict_parts: tuple[str, str, str] | None  # (before, the out-of-memory clause, after)
-    baseline: str | None  # the scenario fixes are measured against
-    recommended: tuple[Advice, ...]  # lower the baseline's heaviest GPU; first: the answer
-    worse: tuple[Advice, ...]  # raise it
-    nothing_to_change: str  # what "what to change" says when nothing is recommended
-    explained: tuple[str, ...]  # scenarios whose "why cuda:0 is heavier" applies
-    why: Mapping[str, str] = field(default_factory=dict)  # scenario -> one sentence
-    notes: tuple[str, ...] = ()
-    post_mortem: tuple[str, ...] = ()  # watch: what happened at the out-of-memory error
-    next_steps: tuple[str, ...] = ()  # watch: the dpprof checks to run next
 
 
 # ---- the builder -------------------------------------------------------------------------
 
 
-def build_answer(run: RunResult) -> Answer:
+def settle(run: RunResult) -> Recommendation:
+    """Compute the answer of ``run`` once and store it: ``run.recommended``, the
+    comparison's verdict, and each explained attribution's sentence. Every command calls
+    this once its result is complete; every renderer reads what it stored."""
+    rec = build_answer(run)
+    run.recommended = rec
+    run.comparison.verdict = rec.verdict
+    for name, sentence in rec.why_heavier.items():
+        att = run.attribution.get(name)
+        if att is not None:
+            att.answer = sentence
+    return rec
+
+
+def answer_of(run: RunResult) -> Recommendation:
+    """The answer stored in ``run``; for a result saved before answers were stored, the
+    answer built from it."""
+    return run.recommended if run.recommended is not None else build_answer(run)
+
+
+def build_answer(run: RunResult) -> Recommendation:
     """The answer of ``run``: every sentence a report or a command says about it."""
     if run.watch is not None:
         return _watch_answer(run, run.watch)
@@ -112,28 +118,37 @@ def build_answer(run: RunResult) -> Answer:
         return _maxbatch_answer(run)
     base = baseline(run)
     setup = SETUPS.get(base.name, NOTHING) if base is not None else NOTHING
-    advice = _advice(run, base) if base is not None and measured(base) else []
-    binding = any(s.status == STATUS_OOM for s in run.scenarios)
-    recommended = tuple(sorted((a for a in advice if _helps(a, binding)),
-                               key=lambda a: -a.heaviest_saves_bytes))
-    worse = tuple(a for a in advice if a.heaviest_saves_bytes < 0 and not _noise(a))
+    fixes = _fix_answers(run, base) if base is not None and measured(base) else []
+    pick = _pick(run, base, setup, fixes)
     explained = tuple(s.name for s in run.scenarios if _explains(run, s))
-    why = {name: why_heavier(att) for name in explained
+    why = {name: why_heavier(att, _remedy(run, att, fixes, pick.fix))
+           for name in explained
            if (att := run.attribution.get(name) or _attribute(run, name)) is not None}
-    before, clause, after = _verdict(run, base)
+    before, clause, after = _verdict(run, base, pick)
     verdict = _sentence(before + clause + after)
-    parts = None
+    oom = ""
     if clause:  # _sentence changes the first letter and the end only
-        cut = len(before) + len(clause)
-        parts = (verdict[: len(before)], verdict[len(before): cut], verdict[cut:])
-    unsure = tuple(a for a in advice if binding and a.fits is None and a.heaviest_saves_bytes > 0
-                   and not _noise(a))
-    notes = tuple(f"{a.fix.title}: {a.why}" for a in (*worse, *unsure))
-    return Answer(setup=setup, verdict=verdict, verdict_parts=parts,
-                  baseline=base.name if base is not None else None,
-                  recommended=recommended, worse=worse,
-                  nothing_to_change=_nothing_to_change(run, base, setup, advice),
-                  explained=explained, why=why, notes=notes)
+        oom = verdict[len(before): len(before) + len(clause)]
+    return Recommendation(
+        verdict=verdict, verdict_oom=oom, setup=setup,
+        baseline=base.name if base is not None else None, fix=pick.fix, title=pick.title,
+        why=pick.why, need_bytes=pick.need_bytes, fits=pick.fits,
+        margin_bytes=pick.margin_bytes, passed_over=pick.passed_over, fixes=fixes,
+        why_heavier=why)
+
+
+@dataclass
+class _Pick:
+    """The policy's choice (:mod:`dpprof.fixes.policy`), before it is stored."""
+
+    fix: str | None = None
+    title: str = ""
+    why: str = ""
+    need_bytes: int | None = None
+    fits: bool | None = None
+    margin_bytes: int | None = None
+    passed_over: list[PassedOver] = field(default_factory=list)
+    on: str = ""  # where a rung runs: " on DDP", " on one GPU", ""
 
 
 def baseline(run: RunResult) -> ScenarioResult | None:
@@ -170,8 +185,9 @@ def partial_sentence(run: RunResult) -> str:
             f"{len(asked) or '?'} scenarios ({done}).")
 
 
-def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str]:
-    """(before, the out-of-memory clause, after) of the verdict."""
+def _verdict(run: RunResult, base: ScenarioResult | None, pick: _Pick) -> tuple[str, str, str]:
+    """(before, the out-of-memory clause, after) of the verdict; it ends with the
+    recommended change, the one every format shows."""
     partial = partial_sentence(run)
     prefix = partial + " " if partial else ""
     if base is None:
@@ -204,42 +220,21 @@ def _verdict(run: RunResult, base: ScenarioResult | None) -> tuple[str, str, str
             tail.append(f"none of the scenarios run fits: the lightest, {lightest.name}, "
                         f"needs {fmt_bytes(need_bytes(lightest))} on its fullest GPU "
                         f"({counts(run)})")
-        rung = _ladder_clause(run)
-        if rung:
-            tail.append(rung)
     elif measured(base) and len(run.scenarios) == 1:
         tail.append(f"it fits: the fullest GPU needs {fmt_bytes(need_bytes(base))} of "
                     f"{fmt_bytes(run.gpu_memory_bytes)} ({counts(run)})")
     if failed:
         tail.append(f"failed: {', '.join(failed)}")
+    if pick.fix is not None:
+        tail.append(f"recommended: {pick.title}{pick.on}, the cheapest change measured that "
+                    "fits (the code is below)")
+    elif measured(base) and (pick.fix is None) and pick.why:
+        tail.append("recommended: nothing to change")
     before = prefix + "; ".join(parts)
     after = "".join("; " + t for t in tail)
     if clause:
         return before + "; ", clause, after
     return before + after, "", ""
-
-
-def _ladder_clause(run: RunResult) -> str:
-    """The cheapest rung of the ladder that fits (the rungs come cheapest first), counting
-    what the out-of-memory check counts; or that none does; "" where none was measured."""
-    rungs = [f for f in run.fixes if f.name.startswith(LADDER_PREFIX) and f.need_bytes is not None]
-    if not rungs:
-        return ""
-    fit = next((f for f in rungs if (f.need_bytes or 0) <= run.gpu_memory_bytes), None)
-    if fit is not None:
-        # FSDP2's rungs replace DDP; the others run on it (or on the one GPU; a script's:
-        # on the run dpprof run changed, config "ladder_on")
-        floor = run.config.get("ladder_on") or ("DDP" if run.gpus > 1 else "one GPU")
-        on = "" if "fsdp2" in fit.name else f" on {floor}"
-        # CPU offload fits where little else does, at a price in step time: said here
-        cost = ("; its optimizer step runs on the CPU, a slower step"
-                if "offload" in fit.name else "")
-        return (f"the cheapest rung that fits is {fit.title}{on}: its fullest GPU needs "
-                f"{fmt_bytes(fit.need_bytes)} (reserved memory and the CUDA context counted"
-                f"{cost}; the code is below)")
-    lightest = min(rungs, key=lambda f: f.need_bytes or 0)
-    return (f"no rung of the ladder measured fits: the lightest, {lightest.title}, needs "
-            f"{fmt_bytes(lightest.need_bytes)} on its fullest GPU")
 
 
 def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
@@ -348,17 +343,20 @@ def _found_fixes(run: RunResult) -> list[Fix]:
     return from_scenarios(run)
 
 
-def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
-    """Each fix that changes the baseline's setup, measured against the baseline."""
+def _fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
+    """Each fix that changes the baseline's setup, measured against the baseline (the
+    scenario the user ran): what it saves, needs and costs, in the policy's order."""
     out = []
     was_top = heaviest(base)
-    for f in _found_fixes(run):
+    found = _found_fixes(run)
+    for f in found:
         applies = BASELINES if f.name.startswith(LADDER_PREFIX) else applies_to(f.name)
         if base.name not in applies:
             continue
         if as_scenario(f.name) == base.name or f.max_peak_bytes is None:
             continue
-        if base.name == DP_LOSS_PRIMARY and f.heaviest_saves_bytes is not None:
+        against = f.baseline or DP_LOSS_PRIMARY
+        if against == base.name and f.heaviest_saves_bytes is not None:
             saving = f.heaviest_saves_bytes
         elif run.backend == "emulated":  # the fix's figures come from the same emulation
             saving = was_top.peak_allocated_bytes - f.max_peak_bytes
@@ -367,45 +365,60 @@ def _advice(run: RunResult, base: ScenarioResult) -> list[Advice]:
         primary = None
         if f.primary_peak_bytes is not None and run.backend == "emulated":
             primary = used(base)[0].peak_allocated_bytes - f.primary_peak_bytes
-        elif base.name == DP_LOSS_PRIMARY:
+        elif against == base.name:
             primary = f.saves_bytes
-        fits = _fix_fits(run, f)
-        out.append(Advice(fix=f, baseline=base.name, heaviest_saves_bytes=saving,
-                          primary_saves_bytes=primary, fits=fits,
-                          why=_why_fix(run, f, base, saving, primary, fits)))
-    return out
+        need = _fix_need(run, f)
+        cost = cost_of(f.name)
+        fits = None if need is None else need <= run.gpu_memory_bytes
+        if need is None and f.max_peak_bytes > run.gpu_memory_bytes:
+            fits = False  # its allocated peak alone is more than the GPU
+        if fits and need is not None and run.gpu_memory_bytes - need < cost.understated * need:
+            fits = None  # within what its need may be understated by: not known to fit
+        out.append(FixAnswer(
+            fix=f.name, title=f.title, baseline=base.name, heaviest_saves_bytes=saving,
+            primary_saves_bytes=primary, max_peak_bytes=f.max_peak_bytes, need_bytes=need,
+            fits=fits,
+            spare_bytes=None if need is None else run.gpu_memory_bytes - need,
+            cost_rank=cost.rank, cost=_cost_words(cost, f), step_time_cost_s=cost.step_time_s,
+            why=""))
+    out.sort(key=lambda a: a.cost_rank)  # stable: the registry's order among equals
+    by_name = {f.name: f for f in found}
+    return [dataclasses.replace(a, why=_why_fix(run, by_name[a.fix], base, a)) for a in out]
 
 
-def _fix_fits(run: RunResult, f: Fix) -> bool | None:
-    if f.need_bytes is not None:  # counted as the out-of-memory check counts
-        return f.need_bytes <= run.gpu_memory_bytes
+def _fix_need(run: RunResult, f: Fix) -> int | None:
+    """What the fix's fullest GPU needs, counted as the out-of-memory check counts it: its
+    own figure, else its scenario's (where it is one the run measured), else (where the
+    run counts allocated memory only) its allocated peak."""
+    if f.need_bytes is not None:
+        return f.need_bytes
     own = run.scenario(as_scenario(f.name) or "")
     if measured(own):
         assert own is not None
-        return own.status == STATUS_OK
-    if f.max_peak_bytes is not None and f.max_peak_bytes > run.gpu_memory_bytes:
-        return False
+        return need_bytes(own)
     if counts(run).startswith("allocated"):
-        return True  # the out-of-memory check counts allocated only, as the fix's figure does
+        return f.max_peak_bytes
     return None
 
 
-def _noise(a: Advice) -> bool:
-    top = a.fix.max_peak_bytes or 0
+def _cost_words(cost: Cost, f: Fix) -> str:
+    lines = lines_changed(f.code)
+    words = cost.change + (f" ({lines} lines changed)" if lines else "")
+    return words + (f"; step time: {cost.step_time}" if cost.step_time else "")
+
+
+def _noise(a: FixAnswer) -> bool:
+    """A saving (or a loss) under :data:`MIN_SAVING` of the heaviest GPU: a loss tensor."""
+    top = a.max_peak_bytes or 0
     return abs(a.heaviest_saves_bytes) < MIN_SAVING * (top + max(a.heaviest_saves_bytes, 0))
 
 
-def _helps(a: Advice, binding: bool) -> bool:
-    """Lowers the heaviest GPU, and is not out of memory; where the memory binds (some
-    scenario ran out), it must be known to fit."""
-    return (a.heaviest_saves_bytes > 0 and not _noise(a)
-            and (a.fits is True or (a.fits is None and not binding)))
-
-
-def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, saving: int, primary: int | None,
-             fits: bool | None) -> str:
+def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, a: FixAnswer) -> str:
+    """The fix's sentence: its detail, what it does to the baseline's heaviest GPU and
+    cuda:0, what its fullest GPU needs and whether that fits, and what it costs."""
     detail = f.detail.rstrip(".") + "." if f.detail else ""
     top = fmt_bytes(f.max_peak_bytes)
+    saving, primary = a.heaviest_saves_bytes, a.primary_saves_bytes
     if saving >= 0:
         effect = f"Against {base.name}: the heaviest GPU peaks at {top}, {fmt_bytes(saving)} less"
     else:
@@ -415,41 +428,169 @@ def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, saving: int, primary:
         effect += (f"; cuda:0 {fmt_bytes(primary)} less" if primary >= 0
                    else f"; cuda:0 {fmt_bytes(-primary)} more")
     effect += "."
-    caveat = ""
-    if fits is None:
-        caveat = (f" Its reserved memory and CUDA context were not emulated: whether it fits "
-                  f"in {fmt_bytes(run.gpu_memory_bytes)} is not known.")
-    elif fits is False:
-        caveat = f" It does not fit in {fmt_bytes(run.gpu_memory_bytes)}."
-    return " ".join(x for x in (detail, effect) if x) + caveat
+    cap = fmt_bytes(run.gpu_memory_bytes)
+    understated = cost_of(a.fix).understated
+    if a.need_bytes is None and a.fits is False:
+        need = f" Its heaviest GPU alone holds more than {cap}: it does not fit."
+    elif a.need_bytes is None:
+        need = (f" Its fullest GPU's need (reserved memory and the CUDA context) was not "
+                f"emulated, since it decides nothing (it does not lower the heaviest GPU, or a "
+                f"cheaper change is the answer): whether it fits in {cap} is not known.")
+    elif a.fits is None:
+        need = (f" Its fullest GPU needs {fmt_bytes(a.need_bytes)} as emulated "
+                f"({_counted(run)}), {fmt_bytes(a.spare_bytes)} under {cap}: less than the "
+                f"{understated:.0%} by which its need may be understated, so it may not fit.")
+    elif a.fits:
+        need = (f" Its fullest GPU needs {fmt_bytes(a.need_bytes)} ({_counted(run)}): it "
+                f"fits in {cap}, {fmt_bytes(a.spare_bytes)} to spare.")
+    else:
+        need = (f" Its fullest GPU needs {fmt_bytes(a.need_bytes)} ({_counted(run)}): it "
+                f"does not fit in {cap}.")
+    return " ".join(x for x in (detail, effect) if x) + need + f" Cost: {a.cost}."
 
 
-def _nothing_to_change(run: RunResult, base: ScenarioResult | None, setup: str,
-                       advice: list[Advice]) -> str:
-    if not any(measured(s) for s in run.scenarios):
-        return "No recommendation: no scenario produced a measurement (see the errors above)."
-    assert base is not None
-    rungs = [a.fix for a in advice if a.fix.name.startswith(LADDER_PREFIX)
-             and a.fix.need_bytes is not None]
-    if rungs:  # measured because nothing fit, and none of them fits either
-        return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}, no rung of the "
-                "ladder either; their fullest GPU needs: " + "; ".join(
-                    f"{f.title} {fmt_bytes(f.need_bytes)}" for f in rungs)
-                + " (reserved memory and the CUDA context counted).")
-    if setup == SPLIT_MODEL:
+def _counted(run: RunResult) -> str:
+    return ("allocated only" if counts(run).startswith("allocated")
+            else "reserved memory and the CUDA context counted")
+
+
+def _margin(run: RunResult, a: FixAnswer) -> int:
+    return margin_bytes(run.gpu_memory_bytes, a.need_bytes or 0, cost_of(a.fix))
+
+
+def _pick(run: RunResult, base: ScenarioResult | None, setup: str,
+          fixes: list[FixAnswer]) -> _Pick:
+    """The policy (:mod:`dpprof.fixes.policy`): nothing where the scenario the user runs
+    fits with the margin and is balanced; else the cheapest change that lowers its heaviest
+    GPU and fits with the margin (else, the cheapest that fits at all, said to be tight)."""
+    if base is None or not any(measured(s) for s in run.scenarios):
+        return _Pick(why="No recommendation: no scenario produced a measurement (see the "
+                     "errors above).")
+    if not measured(base):
+        return _Pick(why=f"No recommendation: {base.name}, the scenario fixes are measured "
+                     "against, failed.")
+    cap = run.gpu_memory_bytes
+    need = need_bytes(base)
+    base_margin = margin_bytes(cap, need, NO_CHANGE)
+    comp = run.comparison.scenarios.get(base.name)
+    imbalance = comp.imbalance if comp is not None else 1.0
+    fits = base.status == STATUS_OK
+    roomy = fits and need + base_margin <= cap
+    balanced_enough = imbalance <= IMBALANCE_THRESHOLD or len(used(base)) < 2
+    if roomy and balanced_enough:
+        return _Pick(why=(
+            f"Nothing to change: {base.name} fits, its fullest GPU needs {fmt_bytes(need)} of "
+            f"{fmt_bytes(cap)} ({_counted(run)}), and its heaviest GPU is {imbalance:.2f}x "
+            f"the mean, within the policy's {IMBALANCE_THRESHOLD:.2f}x."),
+            need_bytes=need, fits=True, margin_bytes=base_margin)
+    helpful = [a for a in fixes if a.heaviest_saves_bytes > 0 and not _noise(a)
+               and a.fits is True]
+    chosen = next((a for a in helpful if (a.spare_bytes or 0) >= _margin(run, a)), None)
+    tight = chosen is None and bool(helpful)
+    if chosen is None and helpful:
+        chosen = helpful[0]
+    if chosen is None:
+        return _Pick(why=_nothing_fits(run, base, setup, fixes, fits), fits=fits,
+                     need_bytes=need, passed_over=[_passed(run, a) for a in fixes])
+    margin = _margin(run, chosen)
+    passed = [_passed(run, a) for a in fixes if a.cost_rank < chosen.cost_rank
+              or (a.cost_rank == chosen.cost_rank and fixes.index(a) < fixes.index(chosen))]
+    room = (f"{fmt_bytes(chosen.spare_bytes)} to spare, the margin the policy asks being "
+            f"{fmt_bytes(margin)}" if not tight else
+            f"only {fmt_bytes(chosen.spare_bytes)} to spare, under the margin of "
+            f"{fmt_bytes(margin)} the policy asks (no change measured leaves that much)")
+    why = (f"The cheapest change measured that fits: its fullest GPU needs "
+           f"{fmt_bytes(chosen.need_bytes)} of {fmt_bytes(cap)} ({room}); against {base.name} "
+           f"the heaviest GPU is {fmt_bytes(chosen.heaviest_saves_bytes)} lower. Cost: "
+           f"{chosen.cost}.")
+    if not fits:
+        why = f"{base.name} does not fit ({fmt_bytes(need)} needed). " + why
+    elif not balanced_enough:
+        why = (f"{base.name} fits but its heaviest GPU is {imbalance:.2f}x the mean, above "
+               f"the policy's {IMBALANCE_THRESHOLD:.2f}x. " + why)
+    else:
+        why = (f"{base.name} fits with {fmt_bytes(cap - need)} to spare, under the "
+               f"margin of {fmt_bytes(base_margin)}. " + why)
+    return _Pick(fix=chosen.fix, title=chosen.title, why=why, need_bytes=chosen.need_bytes,
+                 fits=True, margin_bytes=margin, passed_over=passed,
+                 on=_on(run, chosen.fix))
+
+
+def needs_wanted(run: RunResult) -> list[str]:
+    """The fixes whose need is not known and could change the answer: those that lower the
+    heaviest GPU of the scenario the user ran and are cheaper than the change the policy
+    picks (every one, where it picks none), unless the scenario itself needs no change.
+    A comparison emulates their needs (:func:`dpprof.measure.fix_savings.fill_needs`) before it
+    settles the answer; the others' needs decide nothing and cost a scenario each."""
+    base = baseline(run)
+    if base is None or not measured(base):
+        return []
+    setup = SETUPS.get(base.name, NOTHING)
+    fixes = _fix_answers(run, base)
+    pick = _pick(run, base, setup, fixes)
+    if pick.fix is None and pick.fits and not pick.passed_over:
+        return []  # it fits with the margin and is balanced: nothing to change
+    rank = next((a.cost_rank for a in fixes if a.fix == pick.fix), None)
+    return [a.fix for a in fixes if a.need_bytes is None and a.fits is not False
+            and a.heaviest_saves_bytes > 0 and not _noise(a)
+            and (rank is None or a.cost_rank < rank)]
+
+
+def _on(run: RunResult, name: str) -> str:
+    """Where a rung runs, as the verdict says it: FSDP2's replace DDP; the others run on
+    DDP, on one GPU, or on the run ``dpprof run`` changed (config ``ladder_on``)."""
+    if not name.startswith(LADDER_PREFIX) or "fsdp2" in name:
+        return ""
+    return " on " + (run.config.get("ladder_on") or ("DDP" if run.gpus > 1 else "one GPU"))
+
+
+def _passed(run: RunResult, a: FixAnswer) -> PassedOver:
+    """Why a change is not the answer."""
+    cap = run.gpu_memory_bytes
+    if a.heaviest_saves_bytes < 0 and not _noise(a):
+        reason = (f"it makes the heaviest GPU of {a.baseline} worse "
+                  f"({fmt_bytes(-a.heaviest_saves_bytes)} more)")
+    elif a.heaviest_saves_bytes <= 0 or _noise(a):
+        reason = (f"it does not lower the heaviest GPU of {a.baseline} "
+                  f"({fmt_bytes(abs(a.heaviest_saves_bytes))} of difference)")
+    elif a.need_bytes is None and a.fits is False:
+        reason = f"it does not fit: its heaviest GPU alone holds more than {fmt_bytes(cap)}"
+    elif a.need_bytes is None:
+        reason = "its need (reserved memory and the CUDA context) was not measured"
+    elif a.fits is None:
+        reason = (f"it may not fit: its fullest GPU needs {fmt_bytes(a.need_bytes)} of "
+                  f"{fmt_bytes(cap)} as emulated, and its need may be understated by "
+                  f"{cost_of(a.fix).understated:.0%}")
+    elif not a.fits:
+        reason = (f"it does not fit: its fullest GPU needs {fmt_bytes(a.need_bytes)} of "
+                  f"{fmt_bytes(cap)}")
+    else:
+        reason = (f"it fits with only {fmt_bytes(a.spare_bytes)} to spare, under the margin "
+                  f"of {fmt_bytes(_margin(run, a))}")
+    return PassedOver(fix=a.fix, title=a.title, reason=reason)
+
+
+def _nothing_fits(run: RunResult, base: ScenarioResult, setup: str, fixes: list[FixAnswer],
+                  fits: bool) -> str:
+    """Why nothing is recommended where something would be wanted."""
+    if setup == SPLIT_MODEL and not fixes:
         return ("No fix of dpprof's applies: the script places its layers on the GPUs "
                 f"itself (model parallel); its heaviest GPU is {device_label(heaviest(base))}.")
-    if setup == ONE_GPU:
+    if setup == ONE_GPU and not fixes:
         return "No fix applies: the step runs on one GPU."
-    if setup == DISTRIBUTED and not advice:
+    if setup == DISTRIBUTED and not fixes:
         return (f"Nothing to change: {_distributed_words(base.name)} already gives every GPU "
                 "its own share.")
-    if not measured(base):
-        return f"No recommendation: {base.name}, the scenario fixes are measured against, failed."
-    if advice:
-        return (f"Nothing to change: no fix measured here lowers the heaviest GPU's peak under "
-                f"{base.name}.")
-    return "Nothing to change: cuda:0 carries no excess worth a change in any scenario measured."
+    if not fits:
+        if fixes:
+            return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}: no change "
+                    f"measured lowers {base.name}'s heaviest GPU enough (see below).")
+        return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}, and no change "
+                "was measured (the fixes and the ladder were not run).")
+    if fixes:
+        return (f"Nothing to change: no change measured here lowers the heaviest GPU's peak "
+                f"under {base.name} and fits (see below).")
+    return "Nothing to change: no change was measured against it."
 
 
 # ---- why cuda:0 is heavier ------------------------------------------------------------------
@@ -471,19 +612,79 @@ def _explains(run: RunResult, s: ScenarioResult) -> bool:
                                                  used(s)[0].peak_allocated_bytes)
 
 
+# the change that removes each kind of cause, and what it does, in words
+LOSS_SIDE = {"gathered_outputs", "loss", "phase_loss", "phase_forward"}
+STATE_SIDE = {"optimizer_state", "reduced_gradients", "master_parameters", "phase_backward",
+              "phase_optimizer"}
+REMEDY_WORDS = {
+    "loss-in-forward": "computing the loss inside forward (dpprof.ModelWithLoss) removes it",
+    "ddp": ("the loss is not the problem: DataParallel keeps the parameters, gradients and "
+            "optimizer state on cuda:0 only; DDP gives every GPU its own"),
+    "balanced-split": "a smaller share of the batch on cuda:0 (or a batch divisible by the "
+                      "GPU count) removes it",
+    "input-batch": "moving the inputs straight to their GPUs (DDP) removes it",
+}
+
+
+def _remedy(run: RunResult, att: Attribution, fixes: list[FixAnswer], picked: str | None
+            ) -> str:
+    """What removes the lead cause of ``att``, and what it was measured to do here (never
+    advised where it was measured to make the heaviest GPU worse or not to fit)."""
+    lead = lead_causes(att)
+    if not lead:
+        return ""
+    first = lead[0]
+    kind = ("loss-in-forward" if first in LOSS_SIDE else "balanced-split"
+            if first == "larger_shard" else "input-batch" if first == "input_batch" else "ddp")
+    words = REMEDY_WORDS[kind]
+    fix_name = "ddp" if kind == "input-batch" else kind
+    here = run.scenario(att.scenario)
+    own = as_scenario(fix_name)
+    other = run.scenario(own) if own else None
+    if here is not None and measured(here) and measured(other) and other is not here:
+        assert other is not None
+        was, now = heaviest(here).peak_allocated_bytes, heaviest(other).peak_allocated_bytes
+        if now > was and not abs(now - was) < MIN_SAVING * max(was, now):
+            words += (f"; measured here, {other.name} is heavier: its heaviest GPU peaks at "
+                      f"{fmt_bytes(now)}, {fmt_bytes(now - was)} more than under {here.name}")
+        elif abs(now - was) < MIN_SAVING * max(was, now):
+            words += f"; measured here, {other.name} does not lower the heaviest GPU"
+        if other.status == STATUS_OOM:
+            words += f"; {other.name} does not fit (it needs {fmt_bytes(need_bytes(other))})"
+    else:
+        answer = next((f for f in fixes if f.fix == fix_name and f.baseline == att.scenario),
+                      None)
+        if answer is not None and answer.heaviest_saves_bytes < 0 and not _noise(answer):
+            words += (f"; measured here, it makes the heaviest GPU worse "
+                      f"({fmt_bytes(-answer.heaviest_saves_bytes)} more)")
+        elif answer is not None and answer.fits is False:
+            words += f"; measured here, it does not fit (it needs {fmt_bytes(answer.need_bytes)})"
+        elif answer is None and not other:
+            words += " (not measured here)"
+    if picked is not None and fixes and att.scenario == fixes[0].baseline:
+        title = next((f.title for f in fixes if f.fix == picked), picked)
+        words += ("; it is the recommended change (below)" if picked == fix_name else
+                  f"; the recommended change is {title} (below)")
+    return words
+
+
 # ---- maxbatch ------------------------------------------------------------------------------
 
 
-def maxbatch_ratio(run: RunResult) -> tuple[int, int, float] | None:
-    """(DDP's largest batch, dp-loss-primary's, their ratio) where both fit some batch."""
+def maxbatch_ratio(run: RunResult) -> tuple[str, int, int, float] | None:
+    """(the scenario that fits the largest batch, that batch, dp-loss-primary's largest, their
+    ratio) where both fit some batch and the best is not dp-loss-primary itself."""
     if run.maxbatch is None:
         return None
-    best = {e.scenario: e.max_batch for e in run.maxbatch.entries}
-    prim, ddp = best.get(DP_LOSS_PRIMARY), best.get(DDP)
-    return (ddp, prim, ddp / prim) if prim and ddp else None
+    fitting = [e for e in run.maxbatch.entries if e.max_batch and not e.errored]
+    prim = next((e.max_batch for e in fitting if e.scenario == DP_LOSS_PRIMARY), None)
+    best = max(fitting, key=lambda e: e.max_batch or 0, default=None)
+    if best is None or not prim or best.scenario == DP_LOSS_PRIMARY or not best.max_batch:
+        return None
+    return best.scenario, best.max_batch, prim, best.max_batch / prim
 
 
-def _maxbatch_answer(run: RunResult) -> Answer:
+def _maxbatch_answer(run: RunResult) -> Recommendation:
     mb = run.maxbatch
     assert mb is not None
     cells = []
@@ -500,23 +701,19 @@ def _maxbatch_answer(run: RunResult) -> Answer:
             f"multiples of {mb.multiple_of}: " + (", ".join(cells) or "no scenario searched"))
     ratio = maxbatch_ratio(run)
     if ratio is not None:
-        text += (f"; DDP fits {ratio[2]:.2f}x the batch of DataParallel with the loss on cuda:0 "
-                 f"({ratio[0]} vs {ratio[1]})")
+        text += (f"; {ratio[0]} fits the largest, {ratio[3]:.2f}x the batch of "
+                 f"{DP_LOSS_PRIMARY} ({ratio[1]} vs {ratio[2]})")
     fitting = [e for e in mb.entries if e.max_batch]
     best = max(fitting, key=lambda e: e.max_batch or 0) if fitting else None
-    nothing = ("No recommendation: no scenario fits a batch." if best is None else
-               f"{best.scenario} fits the largest batch ({best.max_batch}).")
-    return Answer(setup=MAXBATCH, verdict=_sentence(text), verdict_parts=None, baseline=None,
-                  recommended=(), worse=(), nothing_to_change=nothing, explained=())
+    why = ("No recommendation: no scenario fits a batch." if best is None else
+           f"{best.scenario} fits the largest batch ({best.max_batch}).")
+    return Recommendation(verdict=_sentence(text), setup=MAXBATCH, why=why)
 
 
 # ---- watch ---------------------------------------------------------------------------------
 
 
-def _watch_answer(run: RunResult, w: WatchResult) -> Answer:
+def _watch_answer(run: RunResult, w: WatchResult) -> Recommendation:
     c = next(iter(run.comparison.scenarios.values()), None)
-    lines, steps = post_mortem(w)
-    return Answer(setup=WATCH, verdict=watch_verdict(w, c.imbalance if c else None),
-                  verdict_parts=None, baseline=None, recommended=(), worse=(),
-                  nothing_to_change="", explained=(), post_mortem=tuple(lines),
-                  next_steps=tuple(steps))
+    return Recommendation(verdict=watch_verdict(w, c.imbalance if c else None), setup=WATCH,
+                          why=" ".join(w.post_mortem or post_mortem(w)[0]))

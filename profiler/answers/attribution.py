@@ -145,8 +145,7 @@ def attribute(s: ScenarioResult) -> Attribution | None:
     ordered = {k: causes[k] for k in CAUSES if causes.get(k)}
     att = Attribution(scenario=s.name, excess_bytes=excess, reference=_reference(middle)[2],
                       causes_bytes=ordered)
-    att.answer = why_heavier(att)
-    return att
+    return att  # its answer is the one answer's (dpprof.answers.answer.settle)
 
 
 def _exact_split(diff: dict[str, float], total: int) -> dict[str, int]:
@@ -175,28 +174,23 @@ def attribute_run(run: RunResult) -> dict[str, Attribution]:
     return out
 
 
-def why_heavier(att: Attribution) -> str:
-    """The dominant causes of cuda:0's excess and the fix that removes them."""
+def lead_causes(att: Attribution) -> list[str]:
+    """The causes that make most of cuda:0's excess (a tenth of it each at least; three at
+    most; else the largest)."""
+    positive = {k: v for k, v in att.causes_bytes.items() if v > 0}
+    top = sorted(positive, key=lambda k: -positive[k])
+    total = sum(positive.values()) or 1
+    return [k for k in top if positive[k] / total >= 0.1][:3] or top[:1]
+
+
+def why_heavier(att: Attribution, remedy: str = "") -> str:
+    """The dominant causes of cuda:0's excess, and ``remedy``: what removes them, as the one
+    answer says it from what was measured (:func:`dpprof.answers.answer.build_answer`)."""
     positive = {k: v for k, v in att.causes_bytes.items() if v > 0}
     if att.excess_bytes <= 0 or not positive:
         return f"{att.scenario}: cuda:0 is not heavier than {att.reference}"
     total = sum(positive.values())
-    top = sorted(positive, key=lambda k: -positive[k])
-    share = {k: positive[k] / total for k in top}
-    lead = [k for k in top if share[k] >= 0.1][:3] or top[:1]
-    named = ", ".join(f"{CAUSES.get(k, k)} ({share[k]:.0%})" for k in lead)
-    loss_side = {"gathered_outputs", "loss", "phase_loss", "phase_forward"}
-    state_side = {"optimizer_state", "reduced_gradients", "master_parameters",
-                  "phase_backward", "phase_optimizer"}
-    if lead[0] in loss_side:
-        fix = "compute the loss inside forward (dpprof.ModelWithLoss) or use DDP"
-    elif lead[0] in state_side:
-        fix = ("the loss is not the problem: DataParallel keeps the parameters, gradients and "
-               "optimizer state on cuda:0 only; DistributedDataParallel gives every GPU its own")
-    elif lead[0] == "larger_shard":
-        fix = "give cuda:0 a smaller share of the batch (or a batch divisible by the GPU count)"
-    elif lead[0] == "input_batch":
-        fix = "move inputs straight to their GPUs (DDP) or keep the batch on the CPU (pinned)"
-    else:
-        fix = "DDP balances the devices"
-    return f"{att.scenario}: cuda:0's excess is mostly {named}; {fix}"
+    named = ", ".join(f"{CAUSES.get(k, k)} ({positive[k] / total:.0%})"
+                      for k in lead_causes(att))
+    return f"{att.scenario}: cuda:0's excess is mostly {named}" + (
+        f"; {remedy}" if remedy else "")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
-from dpprof.answers.answer import build_answer
 from dpprof.answers.answer_figures import primary_excess, used
 from dpprof.result import (
     STATUS_OK,
@@ -42,8 +40,8 @@ def primary_peak(s: ScenarioResult | None) -> int | None:
 
 
 def compare(run: RunResult) -> Comparison:
-    """The comparison block of a run: per-scenario figures, savings, and the verdict of
-    :func:`dpprof.answers.answer.build_answer`."""
+    """The comparison block of a run: per-scenario figures and savings. Its verdict is the
+    one answer's, stored once the result is complete (:func:`dpprof.answers.answer.settle`)."""
     out = Comparison()
     for s in run.scenarios:
         c = compare_scenario(s)
@@ -56,5 +54,5 @@ def compare(run: RunResult) -> Comparison:
                      else None)
             if other is not None:
                 out.savings_bytes[kind.name] = base - other
-    out.verdict = build_answer(dataclasses.replace(run, comparison=out)).verdict
+    out.verdict = run.comparison.verdict
     return out

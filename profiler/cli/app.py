@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from dpprof.cli.check import check_cmd
 from dpprof.cli.common import err, fit_output_width, out
@@ -50,10 +50,29 @@ _click_errors = importlib.import_module(typer.BadParameter.__module__)
 _ABORT: type[BaseException] = getattr(typer, "Abort", None) or _click_errors.Abort
 
 
+def without_flag_types(params: list[Any]) -> list[Any]:
+    """``params`` with each flag's type left out of ``--help`` (a flag takes no value: typer
+    shows ``<bool>`` for it otherwise)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class PlainHelp(TyperCommand):
+    """A command whose ``--help`` shows no type for a flag."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return without_flag_types(super().get_params(ctx))
+
+
 class OneLineErrors(TyperGroup):
     """A parse error (unknown option, a value of the wrong type) in dpprof's one-line style,
     as every other error is: ``dpprof: error: ...`` naming the fix, exit status 2; not
     typer's boxed panel."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return without_flag_types(super().get_params(ctx))
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
@@ -106,21 +125,21 @@ def _main(
     fit_output_width()
 
 
-app.command("compare", epilog=EXIT_STATUS_HELP)(compare_cmd)
-app.command("maxbatch", epilog=MAXBATCH_EXIT_STATUS_HELP)(maxbatch_cmd)
+app.command("compare", cls=PlainHelp, epilog=EXIT_STATUS_HELP)(compare_cmd)
+app.command("maxbatch", cls=PlainHelp, epilog=MAXBATCH_EXIT_STATUS_HELP)(maxbatch_cmd)
 app.command(
-    "watch",
+    "watch", cls=PlainHelp,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     epilog=WATCH_EXIT_STATUS_HELP,
 )(watch_cmd)
 app.command(
-    "run",
+    "run", cls=PlainHelp,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     epilog=RUN_EXIT_STATUS_HELP,
 )(run_cmd)
-app.command("report", epilog=REPORT_EXIT_STATUS_HELP)(report_cmd)
-app.command("env", epilog=ENV_EXIT_STATUS_HELP)(env_cmd)
-app.command("check", epilog=CHECK_EXIT_STATUS_HELP)(check_cmd)
+app.command("report", cls=PlainHelp, epilog=REPORT_EXIT_STATUS_HELP)(report_cmd)
+app.command("env", cls=PlainHelp, epilog=ENV_EXIT_STATUS_HELP)(env_cmd)
+app.command("check", cls=PlainHelp, epilog=CHECK_EXIT_STATUS_HELP)(check_cmd)
 
 
 def main() -> None:

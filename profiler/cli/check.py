@@ -46,14 +46,17 @@ def check_cmd(
         "later emulations of this GPU's compute capability (their reports say so).",
         rich_help_panel="Output")] = False,
     output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Also write every figure as JSON (attach it to a bug report).",
+        "--output", "-o", metavar="FILE",
+        help="Also write every figure as JSON (attach it to a bug report).",
         rich_help_panel="Output")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
-    """Run a small workload for real and emulated on one GPU and print, per scenario,
-    emulated against max_memory_allocated / max_memory_reserved / NVML; the CUDA context
-    and cuBLAS workspace measured; whether CUDA and NVML devices match (MIG, containers);
-    whether per-process NVML works; and the NVML sampler's cost. Exits 2 without a GPU."""
+    """Check the emulator against your GPU: a small workload run for real and emulated.
+
+    Prints, per scenario, emulated against max_memory_allocated / max_memory_reserved /
+    NVML; the CUDA context and cuBLAS workspace measured; whether CUDA and NVML devices
+    match (MIG, containers); whether per-process NVML works; and the NVML sampler's cost.
+    Exits 2 without a GPU."""
     with guarded(debug):
         chosen = parse_scenarios(scenarios)
         report = run_check(device=device, workload=workload, batch=batch, steps=steps,

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 # User text is data: no console markup or :emoji: codes is ever read from what dpprof prints.
 err = Console(stderr=True, highlight=False, markup=False, emoji=False)
-PIPED_WIDTH = 140  # piped output without COLUMNS: room for a table of 8 GPUs
+# piped output without COLUMNS: a terminal's classic width (the tables fit it: the units move
+# to the header, many GPUs become cuda:0 against the others' min / median / max)
+PIPED_WIDTH = 80
 out = Console(highlight=False, markup=False, emoji=False,
               width=None if sys.stdout.isatty() else PIPED_WIDTH)
 
@@ -137,15 +139,14 @@ def check_writable(paths: list[tuple[Path, str]]) -> None:
 
 
 def render_to(run: RunResult, fmt: str, include_host: bool = False) -> str:
-    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.formats`); a human format
-    gets the run with control characters stripped from its strings, and Markdown (for a
-    public issue) without the machine's identity unless ``include_host``."""
+    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.formats`), in every format
+    without the machine's identity (host names, GPU UUIDs, PCI bus ids) unless
+    ``include_host``: a report or a result is made to be shared. A human format gets the run
+    with control characters stripped from its strings."""
+    public = run if include_host else without_host(run)
     if fmt == "json":  # the result itself; JSON escapes control characters
-        return renderers()[fmt].render(run)
-    shown = for_files(run)
-    if fmt == "markdown" and not include_host:
-        shown = without_host(shown)
-    return renderers()[fmt].render(shown)
+        return renderers()[fmt].render(public)
+    return renderers()[fmt].render(for_files(public))
 
 
 def write_reports(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,

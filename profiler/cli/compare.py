@@ -190,7 +190,7 @@ def compare_cmd(
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
-            "--output", "-o",
+            "--output", "-o", metavar="FILE",
             help="Report file; repeat for several. The suffix picks the format (.html, .json, "
             ".md for a GitHub issue). "
             "Default: both, in ./dpprof-reports/compare-YYYYmmdd-HHMMSS.*",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dpprof.answers.answer import build_answer
+from dpprof.answers.answer import settle
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -76,7 +76,8 @@ def maxbatch_cmd(
     ] = StepConfig().seed,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
-        typer.Option("--output", "-o", help="Also write the result (.json, .html, .md).",
+        typer.Option("--output", "-o", metavar="FILE",
+                     help="Also write the result (.json, .html, .md).",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
     ladder: Annotated[bool, typer.Option(
@@ -154,7 +155,7 @@ def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: 
 def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
                     include_host: bool) -> None:
     """The verdict set, the table on the terminal unless ``quiet``, then the files."""
-    run.comparison.verdict = build_answer(run).verdict
+    settle(run)
     if not quiet:
         out.print(maxbatch_renderable(build_view(for_terminal(run))))
     if paths:

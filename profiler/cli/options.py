@@ -93,8 +93,8 @@ FAIL_ON_OOM = typer.Option(
     "--fail-on-oom", help="Exit 3 when any scenario runs out of memory (for CI).",
     rich_help_panel=PANEL_OUTPUT)
 INCLUDE_HOST = typer.Option(
-    "--include-host", help="Keep the host name, GPU UUIDs and PCI bus ids in Markdown "
-    "reports (left out by default: the report is for a public issue).",
+    "--include-host", help="Keep the host name, GPU UUIDs and PCI bus ids in the reports "
+    "and the JSON result (left out by default: a report is made to be shared).",
     rich_help_panel=PANEL_OUTPUT)
 QUIET = typer.Option("--quiet", "-q", help="Print only errors.", rich_help_panel=PANEL_OUTPUT)
 DEBUG = typer.Option("--debug", help="Show tracebacks.", rich_help_panel=PANEL_OUTPUT)

@@ -52,7 +52,7 @@ def report_cmd(
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
-            "--output", "-o",
+            "--output", "-o", metavar="FILE",
             help="Write these files instead of printing; the suffix picks the format (.html, "
             ".md, and .json for a single result).",
         ),

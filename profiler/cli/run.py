@@ -26,6 +26,7 @@ from dpprof.cli.guard import guarded
 from dpprof.cli.live_output import script_output_above
 from dpprof.cli.options import (
     GPU,
+    INCLUDE_HOST,
     MAX_GPUS,
     PANEL_GPUS,
     PANEL_MEASURE,
@@ -89,11 +90,13 @@ def run_cmd(
     ] = None,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
-        typer.Option("--output", "-o", help="Report file; repeat for several (.html, .json, "
+        typer.Option("--output", "-o", metavar="FILE",
+                     help="Report file; repeat for several (.html, .json, "
                      ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
     quiet: Annotated[bool, QUIET] = False,
+    include_host: Annotated[bool, INCLUDE_HOST] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.",
                                         rich_help_panel=PANEL_OUTPUT)] = False,
     gpu: Annotated[str, GPU] = "",
@@ -115,7 +118,7 @@ def run_cmd(
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
         # marked partial where it was measured (run_command); only written here
-        return [str(p) for p in write_reports(partial, paths, True)]
+        return [str(p) for p in write_reports(partial, paths, True, include_host)]
 
     with guarded(debug, on_interrupt=write_partial):
         _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
@@ -132,7 +135,7 @@ def run_cmd(
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
-        _show_and_write(result, main, paths, quiet)
+        _show_and_write(result, main, paths, quiet, include_host)
     _exit_with_script_status(main)
 
 
@@ -185,7 +188,7 @@ def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult,
 
 
 def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, str]],
-                    quiet: bool) -> None:
+                    quiet: bool, include_host: bool = False) -> None:
     """The script's traceback, then the terminal report and the files, or the one line
     saying nothing reached a GPU."""
     if main.script_traceback:  # verbatim, as the script would have printed it
@@ -197,7 +200,7 @@ def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, 
     else:
         if not quiet:
             out.print(terminal.render(for_terminal(result)))
-        write_reports(result, paths, quiet)
+        write_reports(result, paths, quiet, include_host)
 
 
 def _exit_with_script_status(main: ScriptRun | None) -> None:

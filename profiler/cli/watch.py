@@ -72,7 +72,7 @@ def watch_cmd(
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option(
-            "--output", "-o",
+            "--output", "-o", metavar="FILE",
             help="Report file; repeat for several (.html, .json). The samples are written "
             "next to the first, as NAME.samples.jsonl. Default: "
             "./dpprof-reports/watch-YYYYmmdd-HHMMSS.{html,json}",

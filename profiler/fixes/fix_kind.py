@@ -16,7 +16,13 @@ How a fix is measured (:attr:`FixKind.measured`):
   emulated alone;
 * :data:`ALONE`: emulated on its own.
 
-Every fix is measured against :data:`FIX_BASELINE` (``dp-loss-primary``).
+Every fix is measured against the scenario that stands for what the user runs, the first of
+the registry's the run measured (:func:`baseline_of`: ``dp-loss-primary`` where it ran), and
+only where it changes that scenario's setup (:attr:`FixKind.applies_to`): never against a
+scenario the user did not run. Each has a need (:attr:`Fix.need_bytes`: its fullest GPU,
+counted as the run's out-of-memory check counts), from its own emulation where it ran alone,
+else from emulating it alone once more with that count (:meth:`FixKind.alone`); and a cost,
+the policy's (:attr:`FixKind.cost`, :mod:`dpprof.fixes.policy`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dpprof.fixes.policy import Cost, cost_of
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.names import DP_LOSS_PRIMARY
+from dpprof.scenarios.registry import REGISTRY
 
 if TYPE_CHECKING:
     from dpprof.backends.emulated import Alongside, EmulationConfig
@@ -45,6 +53,21 @@ def measured_ok(s: ScenarioResult | None) -> bool:
     return s is not None and s.status in (STATUS_OK, STATUS_OOM) and bool(s.devices)
 
 
+def baseline_of(run: RunResult) -> str | None:
+    """The scenario the fixes are measured against: the first of the registry's (so
+    ``dp-loss-primary`` where it ran) that the run measured; None where it measured none."""
+    return next((k.name for k in REGISTRY if measured_ok(run.scenario(k.name))), None)
+
+
+def need_of(s: ScenarioResult) -> int | None:
+    """What ``s``'s fullest GPU needs as the out-of-memory check counts it (reserved and the
+    context where they were emulated or measured); None where only allocated is known."""
+    used = [d for d in s.devices if d.used]
+    if not any(d.peak_reserved_bytes is not None or d.context_bytes is not None for d in used):
+        return None
+    return max(d.total_peak_bytes for d in used)
+
+
 def peaks(s: ScenarioResult) -> tuple[int, int]:
     """(cuda:0's peak, the heaviest used device's peak)."""
     used = [d for d in s.devices if d.used]
@@ -53,7 +76,7 @@ def peaks(s: ScenarioResult) -> tuple[int, int]:
 
 def against(name: str, title: str, s: ScenarioResult | None, baseline: ScenarioResult,
             detail: str, code: str, chunks: list[int] | None = None) -> Fix | None:
-    """``s`` (the step with the fix) against ``baseline`` (dp-loss-primary)."""
+    """``s`` (the step with the fix) against ``baseline`` (the scenario the user ran)."""
     if not measured_ok(s):
         return None
     assert s is not None
@@ -61,7 +84,8 @@ def against(name: str, title: str, s: ScenarioResult | None, baseline: ScenarioR
     q0, qmax = peaks(s)
     return Fix(name=name, title=title, primary_peak_bytes=q0, max_peak_bytes=qmax,
                saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax, detail=detail,
-               code=code, chunk_sizes=list(chunks or []))
+               code=code, chunk_sizes=list(chunks or []), need_bytes=need_of(s),
+               baseline=baseline.name)
 
 
 class Trial:
@@ -74,9 +98,11 @@ class Trial:
 
     def __init__(self, run: RunResult, wl: Workload, base: EmulationConfig,
                  measured: Alongside, own: bool, kinds: tuple[FixKind, ...],
-                 run_scenario: Callable[..., ScenarioResult]) -> None:
+                 run_scenario: Callable[..., ScenarioResult],
+                 baseline: str = FIX_BASELINE) -> None:
         self.run, self.wl, self.base, self.measured, self.own = run, wl, base, measured, own
         self.kinds = kinds
+        self.baseline = baseline  # the scenario the user ran that the fixes are against
         self._run_scenario = run_scenario
         self.gpus, self.batch = base.gpus, base.step.batch
         self._scenarios: dict[str, ScenarioResult | None] = {}
@@ -84,7 +110,8 @@ class Trial:
 
     @property
     def primary(self) -> ScenarioResult:
-        """The baseline every fix is measured against (:meth:`scenario` of it, measured)."""
+        """The baseline every fix is measured against (:meth:`scenario` of
+        :attr:`baseline`, measured)."""
         assert self._primary is not None
         return self._primary
 
@@ -99,7 +126,7 @@ class Trial:
                         kind.ask(self.measured, self.batch, self.gpus)
                 s = self.emulate(name, self.base, self.measured)
             self._scenarios[name] = s
-            if name == FIX_BASELINE and measured_ok(s):
+            if name == self.baseline and measured_ok(s):
                 self._primary = s
         return self._scenarios[name]
 
@@ -131,6 +158,17 @@ class FixKind:
     measured_in: str | None = None  # the scenario it is, or whose loop measures it
     run_variant: str | None = None  # `dpprof run`'s alternative of a script that is this fix
     run_detail: str = ""  # `dpprof run`'s detail of it ({gpus}: the GPUs)
+
+    @property
+    def cost(self) -> Cost:
+        """What it costs the user: its place in the policy's order, its change to the code,
+        what it does to the step time (:mod:`dpprof.fixes.policy`)."""
+        return cost_of(self.name)
+
+    def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
+        """The scenario and configuration that run ``fix``'s step on its own (its need is
+        emulated so where the step that measured it counted peaks only)."""
+        return None
 
     def ask(self, alongside: Alongside, batch: int, gpus: int) -> None:
         """Ask (afresh) the scenario that measures it in its loop (:attr:`measured_in`) to

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dpprof.answers.answer import build_answer
+from dpprof.answers.answer import needs_wanted, settle
 from dpprof.answers.attribution import attribute_run
 from dpprof.emulator.catalog import lookup_gpu
 from dpprof.measure import ladder as rungs
 from dpprof.measure.equivalence import check
-from dpprof.measure.fix_savings import evaluate
+from dpprof.measure.fix_savings import evaluate, fill_needs
 from dpprof.measure.maxbatch_search import run_maxbatch
 from dpprof.result import STATUS_OOM, RunResult
 
@@ -82,5 +82,12 @@ def add_answers(
                                 scenarios or tuple(s.name for s in run.scenarios),
                                 backend=run.backend)
     run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
-    run.comparison.verdict = build_answer(run).verdict
+    tried: set[str] = set()
+    wanted = needs_wanted(run)
+    while wanted:  # the needs that decide the answer, each emulated once
+        step("what the fixes need")
+        fill_needs(run, wl, ecfg, wanted)
+        tried |= set(wanted)
+        wanted = [n for n in needs_wanted(run) if n not in tried]
+    settle(run)  # the one answer, computed once and stored
     return run

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
-from dpprof.fixes.fix_kind import FIX_BASELINE, Trial, measured_ok
-from dpprof.fixes.fix_registry import FIXES
+from dpprof.fixes.fix_kind import FIX_BASELINE, Trial, baseline_of, measured_ok, need_of
+from dpprof.fixes.fix_registry import BY_NAME, FIXES
 from dpprof.result import Fix, RunResult
 from dpprof.scenarios.workloads import Workload
 
@@ -52,14 +52,46 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     ``measured``: what the run's own scenarios measured alongside (:func:`alongside`);
     what they did not is emulated here.
     """
-    # each variant reports its peaks only
+    # each variant reports its peaks only (a need, where one decides the answer, is emulated
+    # afterwards: fill_needs)
     base = dataclasses.replace(base, count_reserved=False, peaks_only=True)
     own = run.backend == "emulated"
     if not own or measured is None:
         measured = alongside(base.step.batch, base.gpus)
-    trial = Trial(run, wl, base, measured, own, FIXES,
-                  lambda *args, **kwargs: run_scenario(*args, **kwargs))
-    if not measured_ok(trial.scenario(FIX_BASELINE)) or base.gpus < 2:
+    against = baseline_of(run) or FIX_BASELINE
+    kinds = tuple(k for k in FIXES if against in k.applies_to)
+    trial = Trial(run, wl, base, measured, own, kinds,
+                  lambda *args, **kwargs: run_scenario(*args, **kwargs), baseline=against)
+    if not kinds or not measured_ok(trial.scenario(against)) or base.gpus < 2:
         return []
-    found = [kind.measure(trial) for kind in FIXES]
-    return [f for f in found if f is not None]
+    return [f for kind in kinds if (f := kind.measure(trial)) is not None]
+
+
+def fill_needs(run: RunResult, wl: Workload, base: EmulationConfig,
+               names: list[str]) -> None:
+    """Emulate on its own each fix of ``names`` whose need is not known (one measured in a
+    step that counted peaks only: a further step of a loop, a ledger), counting as the run
+    counts (reserved memory and the context, or allocated only); its ``need_bytes`` set."""
+    trial = Trial(run, wl, dataclasses.replace(base, count_reserved=False, peaks_only=True),
+                  Alongside(), run.backend == "emulated", FIXES,
+                  lambda *args, **kwargs: run_scenario(*args, **kwargs),
+                  baseline=baseline_of(run) or FIX_BASELINE)
+    for f in run.fixes:
+        if f.name in names and f.need_bytes is None and f.name in BY_NAME:
+            f.need_bytes = _need_alone(trial, f, base)
+
+
+def _need_alone(trial: Trial, fix: Fix, counted: EmulationConfig) -> int | None:
+    """What ``fix``'s fullest GPU needs, its step emulated on its own and counted as
+    ``counted`` counts."""
+    plan = BY_NAME[fix.name].alone(trial, fix)
+    if plan is None:
+        return None
+    name, cfg = plan
+    s = trial.emulate(name, dataclasses.replace(cfg, count_reserved=counted.count_reserved,
+                                                peaks_only=False))
+    if not measured_ok(s):
+        return None
+    need = need_of(s)
+    return need if need is not None else max(d.peak_allocated_bytes for d in s.devices
+                                             if d.used)

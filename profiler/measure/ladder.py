@@ -54,11 +54,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.answers.answer import LADDER_PREFIX as PREFIX
 from dpprof.backends.emulated import EmulationConfig, probe_model, run_scenario
 from dpprof.emulator import fsdp as fsdp2
 from dpprof.emulator.fsdp import emulated_ranks, shard_model
 from dpprof.fixes.kinds.ddp_in_place import CODE_SETUP
+from dpprof.fixes.policy import LADDER_PREFIX as PREFIX
+from dpprof.fixes.policy import cost_of
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.workloads import Workload, shard_sizes
@@ -476,14 +477,6 @@ def offload_words(host_bytes: dict[str, int], gpus: int) -> str:
             "0.089 s with CPU offload)")
 
 
-def need_words(need_bytes: int, capacity_bytes: int) -> str:
-    """A rung's detail's end: what its fullest GPU needs, counted as the out-of-memory check
-    counts it, and whether that fits the GPU."""
-    fits = "fits" if need_bytes <= capacity_bytes else "does not fit"
-    return (f"; the fullest GPU needs {fmt_bytes(need_bytes)} (reserved and context "
-            f"counted): it {fits} in {fmt_bytes(capacity_bytes)}")
-
-
 def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0,
            host_bytes: dict[str, int] | None = None, gpus: int = 1) -> str:
     parts = []
@@ -584,9 +577,9 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         return Fix(
             name=rung.name, title=rung.title, primary_peak_bytes=q0, max_peak_bytes=qmax,
             saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax,
-            detail=(detail(rung, blocks, floor, per_rank, host.get(rung.name), base.gpus)
-                    + need_words(need, base.gpu_memory_bytes)),
-            code=code(rung, base.gpus, base.step.batch, model), need_bytes=need)
+            detail=detail(rung, blocks, floor, per_rank, host.get(rung.name), base.gpus),
+            code=code(rung, base.gpus, base.step.batch, model), need_bytes=need,
+            baseline=reference.name if reference is not None else floor)
 
     out: list[Fix] = []
     for rung in rungs(base.compute_capability, blocks > 0):
@@ -669,7 +662,8 @@ def accumulation(rung: Rung, per_rank: int, capacity_bytes: int,
 
 
 def cheapest_fit(run: RunResult) -> Fix | None:
-    """The first rung (cheapest first) whose fullest GPU fits, counting what the
-    out-of-memory check counts."""
-    return next((f for f in run.fixes if f.name.startswith(PREFIX) and f.need_bytes is not None
-                 and f.need_bytes <= run.gpu_memory_bytes), None)
+    """The cheapest rung (by the policy's cost, :mod:`dpprof.fixes.policy`) whose fullest
+    GPU fits, counting what the out-of-memory check counts."""
+    fits = [f for f in run.fixes if f.name.startswith(PREFIX) and f.need_bytes is not None
+            and f.need_bytes <= run.gpu_memory_bytes]
+    return min(fits, key=lambda f: cost_of(f.name).rank, default=None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from dpprof.answers.answer import build_answer
+from dpprof.answers.answer import settle
 from dpprof.emulator.cuda_devices import STAND_INS
 from dpprof.fixes.fix_registry import for_variant
 from dpprof.result import Fix, RunResult
@@ -102,9 +102,9 @@ def alternative_notes(alt: ScriptRun) -> list[str]:
 
 
 def script_verdict(result: RunResult) -> str:
-    """The verdict of a script's result: the one answer builder's
-    (:func:`dpprof.answers.answer.build_answer`), as for every other command."""
-    return build_answer(result).verdict
+    """The verdict of a script's result: the one answer's, computed once and stored in the
+    result (:func:`dpprof.answers.answer.settle`), as for every other command."""
+    return settle(result).verdict
 
 
 def diff_loss_in_forward(run: ScriptRun) -> str:

@@ -36,7 +36,6 @@ from dpprof.measure.ladder import (
     CODE_LOOP_FP16,
     Rung,
     detail,
-    need_words,
     rungs,
 )
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix
@@ -131,9 +130,9 @@ def rung_fix(rung: Rung, main: ScriptRun, floor: ScriptRun, run: ScriptRun,
         saves_bytes=base[0].peak_allocated_bytes - used[0].peak_allocated_bytes,
         heaviest_saves_bytes=(max(d.peak_allocated_bytes for d in base)
                               - max(d.peak_allocated_bytes for d in used)),
-        detail=detail(rung, run.checkpointed_blocks, on) + need_words(need, cfg.capacity_bytes),
+        detail=detail(rung, run.checkpointed_blocks, on),
         code=rung_code(rung, floor, cfg),
-        need_bytes=need)
+        need_bytes=need, baseline=main.scenario.name)
 
 
 def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig) -> str:

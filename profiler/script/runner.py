@@ -294,9 +294,11 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     visible = vc.visible
     touched = [i for i in visible if rt.counters[i].peak_allocated > 0]
     name = _kind(run, used, touched)
-    s = ScenarioResult(name=name, batch=run.batch_rows)
-    start = stepper.measure_start
     kind = scenario(name)
+    # the global batch, as compare's scenarios hold it: a rank's rows times the ranks
+    world = run.world_size if kind.ranks_alike and run.world_size > 1 else 1
+    s = ScenarioResult(name=name, batch=run.batch_rows * world)
+    start = stepper.measure_start
     split = kind.scatters_batch and run.shard_rows
     devices = [
         device_result(

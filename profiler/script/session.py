@@ -99,7 +99,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                  if main.ended not in ("script raised", "interrupted") else None)
     _note_the_main_run(main, cfg)
     result = new_result(
-        "emulated", cfg.launch.display, batch=main.batch_rows, gpus=n,
+        "emulated", cfg.launch.display, batch=main.scenario.batch, gpus=n,
         gpu_memory_bytes=cfg.capacity_bytes,
         scenarios=[r.scenario for _, r in runs],
         config={

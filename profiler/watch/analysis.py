@@ -10,8 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dpprof.answers.answer import settle
 from dpprof.answers.comparison import compare_scenario
-from dpprof.answers.post_mortem import post_mortem, watch_ending, watch_verdict
+from dpprof.answers.post_mortem import post_mortem, watch_ending
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -208,9 +209,8 @@ def build_run(
         comparison.scenarios[name] = sc
     # the one answer builder's (dpprof.answers.answer), stored for the JSON
     watch.post_mortem, watch.next_steps = post_mortem(watch)
-    comparison.verdict = watch_verdict(watch, sc.imbalance if sc else None)
     totals = [d.total_bytes for d in devices if d.total_bytes]
-    return new_result(  # the watcher's version, time and host, from its samples file
+    run = new_result(  # the watcher's version, time and host, from its samples file
         BACKEND, shlex.join(command), batch=0,
         gpus=max((d.cuda_index for d in devices), default=-1) + 1,
         gpu_memory_bytes=max(totals, default=0), scenarios=[scenario],
@@ -230,6 +230,8 @@ def build_run(
         notes=list(dict.fromkeys([*header.get("notes", []), *notes])),
         watch=watch,
     )
+    settle(run)  # the one answer: the watch's verdict and post-mortem
+    return run
 
 
 def _known(tp: Any, data: Mapping[str, Any]) -> dict[str, Any]:

@@ -198,6 +198,11 @@ class BalancedSplit(FixKind):
         alongside.splits = BalancedSplits(batch, gpus)
         alongside.further_steps_in = DP_LOSS_PRIMARY
 
+    def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
+        if not fix.chunk_sizes:
+            return None
+        return DP_LOSS_PRIMARY, trial.variant(dp_chunk_sizes=tuple(fix.chunk_sizes))
+
     def measure(self, trial: Trial) -> Fix | None:
         batch, gpus = trial.batch, trial.gpus
         splits = trial.measured.splits

@@ -13,11 +13,15 @@ from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from dpprof.backends.emulated import Alongside
+    from dpprof.backends.emulated import Alongside, EmulationConfig
 
 CODE = """\
 -model = DDP(model.cuda(rank), device_ids=[rank])
 +model = DDP(model.cuda(rank), device_ids=[rank], gradient_as_bucket_view=True)"""
+
+
+def _with_bucket_view(base: EmulationConfig) -> EmulationConfig:
+    return base.with_step(ddp=dataclasses.replace(base.step.ddp, gradient_as_bucket_view=True))
 
 
 @dataclass(frozen=True)
@@ -26,11 +30,13 @@ class BucketView(FixKind):
         alongside.bucket_view, alongside.ledger_in = True, DDP
         alongside.bucket_view_result = None
 
+    def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
+        return DDP, _with_bucket_view(trial.base)
+
     def measure(self, trial: Trial) -> Fix | None:
         ddp = trial.scenario(DDP)
-        base = trial.base
-        gabv = trial.measured.bucket_view_result or trial.emulate(DDP, base.with_step(
-            ddp=dataclasses.replace(base.step.ddp, gradient_as_bucket_view=True)))
+        gabv = (trial.measured.bucket_view_result
+                or trial.emulate(DDP, _with_bucket_view(trial.base)))
         if not (measured_ok(gabv) and measured_ok(ddp)):
             return None
         assert ddp is not None

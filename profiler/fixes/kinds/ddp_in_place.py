@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dpprof.fixes.fix_kind import AS_SCENARIO, FixKind, Trial, against
 from dpprof.result import Fix, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import shard_sizes
+
+if TYPE_CHECKING:
+    from dpprof.backends.emulated import EmulationConfig
 
 # the DataParallel model and loader turned into DDP's (the ladder's rungs start from it too)
 CODE_SETUP = """\
@@ -37,6 +41,9 @@ class Distributed(FixKind):
                       batch: int) -> Fix | None:
         code = CODE.format(gpus=gpus, per_rank=shard_sizes(batch, gpus)[0])
         return against(self.name, self.title, s, primary, DETAIL, code)
+
+    def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
+        return DDP, trial.base
 
 
 FIX = Distributed(

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dpprof.fixes.fix_kind import AS_SCENARIO, FixKind, Trial, against
 from dpprof.result import Fix, ScenarioResult
 from dpprof.scenarios.names import DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+
+if TYPE_CHECKING:
+    from dpprof.backends.emulated import EmulationConfig
 
 CODE = """\
 -model = nn.DataParallel(model.cuda())
@@ -28,6 +32,9 @@ class LossInForward(FixKind):
     def from_scenario(self, s: ScenarioResult | None, primary: ScenarioResult, gpus: int,
                       batch: int) -> Fix | None:
         return against(self.name, self.title, s, primary, DETAIL, CODE)
+
+    def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
+        return DP_LOSS_FORWARD, trial.base
 
 
 FIX = LossInForward(

@@ -13,7 +13,7 @@ from dpprof.scenarios.workloads import shard_sizes
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from dpprof.backends.emulated import Alongside
+    from dpprof.backends.emulated import Alongside, EmulationConfig
 
 CODE = """\
 -model = nn.DataParallel(model.cuda())
@@ -36,6 +36,10 @@ class OutputDevice(FixKind):
         alongside.further_steps_in = DP_LOSS_PRIMARY
         alongside.output_device_result = None
 
+    def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
+        dev = output_device(trial.batch, trial.gpus)
+        return None if dev is None else (DP_LOSS_PRIMARY, trial.variant(dp_output_device=dev))
+
     def measure(self, trial: Trial) -> Fix | None:
         dev = output_device(trial.batch, trial.gpus)
         if dev is None:
@@ -44,13 +48,17 @@ class OutputDevice(FixKind):
             DP_LOSS_PRIMARY, trial.variant(dp_output_device=dev))
         if not measured_ok(out):
             return None
-        heavy = max((d for d in out.devices if d.used), key=lambda d: d.peak_allocated_bytes)
+        used = [d for d in out.devices if d.used]
+        heavy = max(used, key=lambda d: (d.peak_allocated_bytes, -d.index))
+        moved = next((d for d in used if d.index == dev), heavy)
+        where = (f"cuda:{dev} is then the heaviest, at {fmt_bytes(heavy.peak_allocated_bytes)}"
+                 if heavy.index == dev else
+                 f"cuda:{dev} then peaks at {fmt_bytes(moved.peak_allocated_bytes)} and the "
+                 f"heaviest is cuda:{heavy.index}, at {fmt_bytes(heavy.peak_allocated_bytes)}")
         return against(
             self.name, self.title.format(dev=dev), out, trial.primary,
-            f"the gathered outputs and the loss move to cuda:{dev}, which then peaks at "
-            f"{fmt_bytes(heavy.peak_allocated_bytes)} (cuda:{heavy.index} is the "
-            "heaviest): it moves the imbalance, it does not remove it",
-            CODE.format(dev=dev))
+            f"the gathered outputs and the loss move to cuda:{dev}: {where}; it moves the "
+            "imbalance, it does not remove it", CODE.format(dev=dev))
 
 
 FIX = OutputDevice(
