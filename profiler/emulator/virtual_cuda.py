@@ -54,6 +54,7 @@ from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta, real_device
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
+from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
 
 # ---- crossings with autograd -----------------------------------------------------------------
@@ -449,6 +450,9 @@ class VirtualCuda:
             if self.enter_runtime:
                 self._stack.enter_context(self.rt)
                 self._stack.enter_context(self.rt.device(HOST))
+                # the runtime's mode makes torch's composites take their paths for
+                # subclasses (other low bits of svdvals): the paths of plain Python instead
+                self._stack.enter_context(decided_as_without_a_mode())
             self._install()
         except BaseException:
             self.__exit__(*sys.exc_info())
