@@ -188,7 +188,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
     run.kernels = dict(kernels.chosen)
-    run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
+    warmup_higher = stepper.keep_higher_warmup_peaks()
+    run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
     if cfg.variant == DDP_IN_PLACE and ledger is not None:
         run.bucket_view_peak_bytes = ledger.peak_allocated if ledger.unsure is None else None
@@ -281,8 +282,8 @@ def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
 
 
 def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepper,
-              used: list[int], ddp_devices: list[int],
-              exc: BaseException | None) -> ScenarioResult:
+              used: list[int], ddp_devices: list[int], exc: BaseException | None,
+              warmup_higher: dict[int, int]) -> ScenarioResult:
     rt = vc.rt
     n = vc.device_count()
     run.visible_gpus = n
@@ -298,9 +299,15 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
             rt, i, logical, cfg.capacity_bytes,
             rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
             run.shard_rows.get(i, 0) if split else run.batch_rows,
-            timeline_points(rt, i, start, phase_before_start=True))
+            timeline_points(rt, i, 0 if i in warmup_higher else start,
+                            phase_before_start=True))
         for logical, i in enumerate(visible)
     ]
+    s.notes.extend(
+        f"cuda:{logical} peaked in the warm-up step, at "
+        f"{fmt_bytes(rt.counters[i].peak_allocated)} ({rt.counters[i].peak_phase}), above "
+        f"all that followed it ({fmt_bytes(warmup_higher[i])}): that peak is reported, as "
+        "the GPU reaches it" for logical, i in enumerate(visible) if i in warmup_higher)
     if kind.ranks_alike and run.world_size > 1:
         devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
                             min(run.world_size, n))
@@ -315,7 +322,11 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         s.traceback = run.script_traceback
     else:
         over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
-        if over:
+        untold = _below_what_the_script_was_told(s, vc)
+        if untold:
+            s.status = STATUS_ERROR
+            s.message = untold
+        elif over:
             worst = max(over, key=lambda d: d.total_peak_bytes)
             s.status = STATUS_OOM
             s.oom_device = worst.index
@@ -326,6 +337,28 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         else:
             s.status = STATUS_OK
     return s
+
+
+def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda) -> str:
+    """Where a device's reported peak is below what ``torch.cuda``'s memory functions told
+    the script of it (the peak the GPU reaches is at least every reading of it), why the
+    run cannot be reported; "" where none is."""
+    ranks_from = next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
+                      vc.visible[0])
+    for d in s.devices:
+        told = vc.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
+        if told is None:
+            continue
+        for reported, read, by, what in (
+                (d.peak_allocated_bytes, told.allocated_bytes, told.allocated_by, "allocated"),
+                (d.peak_reserved_bytes, told.reserved_bytes, told.reserved_by, "reserved")):
+            if reported is not None and read > reported:
+                return (f"not reported: dpprof's peak {what} for cuda:{d.index} "
+                        f"({fmt_bytes(reported)}) is below what the script was told, "
+                        f"{fmt_bytes(read)} by {by}; the peak the GPU reaches is at least "
+                        "every reading of it, so these figures are wrong (a dpprof bug: "
+                        "please report it)")
+    return ""
 
 
 def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
