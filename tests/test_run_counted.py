@@ -122,3 +122,16 @@ def test_a_run_below_what_the_script_read_says_so_instead_of_reporting(
     message = result.scenarios[0].message
     assert message.startswith("not reported: dpprof's peak allocated for cuda:0")
     assert "torch.cuda.max_memory_allocated() at " + str(script) + ":15" in message
+
+
+def test_the_cli_says_so_and_exits_1_where_the_figures_are_below_a_reading(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hooks.Stepper, "keep_higher_warmup_peaks", lambda self: {})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(ONE_STEP_THEN_EVALUATE))
+    res = runner.invoke(app, ["run", "-q", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 1, res.output
+    assert "dpprof: single: not reported: dpprof's peak allocated for cuda:0" in res.stderr
+    assert "(exit status 1)" in res.stderr
+    saved = json.loads((tmp_path / "r.json").read_text())  # what was measured, marked
+    assert saved["scenarios"][0]["status"] == "error"

@@ -591,7 +591,7 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
     assert res.exit_code == 1
     assert expected in res.stderr
     assert "internal error" not in res.output
-    assert "nothing was measured; no report written" in res.stderr
+    assert "nothing was measured; no report written (dpprof-reports/run-" in res.stderr
     assert not list(tmp_path.glob("dpprof-reports/*"))
     if "SyntaxError" not in expected:
         # the script's own frame, named as Python names it
@@ -620,14 +620,32 @@ def test_a_module_that_does_not_exist_says_what_python_says(tmp_path: Path,
     assert "Traceback" not in res.stderr
 
 
-def test_a_script_that_never_touches_cuda_is_an_answer_not_an_error(
+def test_a_script_that_never_touches_cuda_says_nothing_was_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's exit table: 1 where nothing was measured, with the line saying why."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("print('hello')\n")
-    res = runner.invoke(app, ["run", "--", "python", "train.py"])
-    assert res.exit_code == 0, res.output
+    (tmp_path / "nogpu.py").write_text("print('hello')\n")
+    res = runner.invoke(app, ["run", "-o", "r.json", "--", "python", "nogpu.py"])
+    assert res.exit_code == 1, res.output
     assert res.stdout.startswith("hello\n")
-    assert "without putting anything on a GPU" in res.stderr
+    assert ("dpprof: the script ended without putting anything on a GPU (no tensor or module "
+            "moved to cuda): nothing was measured; no report written (r.json) (exit status 1)"
+            ) in res.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("source", [
+    "import sys\nprint('done')\nsys.exit(0)\n",
+    "import torch\nprint(torch.cuda.is_available(), torch.cuda.device_count())\n",
+    "import torch\nx = torch.empty(0, device='cuda:0')\n",  # no byte on a GPU
+], ids=["sys-exit-0", "asks-only", "empty-tensor"])
+def test_every_run_that_measured_nothing_exits_1(
+        source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(source)
+    res = runner.invoke(app, ["run", "-q", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 1, res.output
+    assert "nothing was measured; no report written (r.json) (exit status 1)" in res.stderr
 
 
 def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(
@@ -643,7 +661,7 @@ def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(
             print("step", step)
     """))
     res = runner.invoke(app, ["run", "--steps", "2", "--", "python", "train.py"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # nothing was measured
     assert res.stdout.startswith("step 0\n")
     assert "step 2" not in res.stdout
     assert ("dpprof: the script ran its 2 optimizer step(s) (--steps; stopped there) without "
