@@ -16,7 +16,10 @@ Every command exits with one of these (``--help`` and the README say the same):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 EXIT_OK = 0
@@ -74,11 +77,13 @@ class WorkloadError(UsageError):
 class Interrupted(BaseException):
     """SIGINT or SIGTERM arrived: unwind (children ended, temporary files removed) and exit
     ``128 + signum``. A BaseException, as KeyboardInterrupt: ``except Exception`` lets it
-    pass. ``partial`` is what was measured before it arrived (a RunResult), if anything."""
+    pass. ``partial`` is what was measured before it arrived (a RunResult), if anything;
+    ``during``: what it stopped, in words ("the DDP alternative"), where that is known."""
 
-    def __init__(self, signum: int, partial: Any = None) -> None:
+    def __init__(self, signum: int, partial: Any = None, during: str = "") -> None:
         self.signum = signum
         self.partial = partial
+        self.during = during
         super().__init__(signal.Signals(signum).name)
 
     @property
@@ -90,6 +95,138 @@ def raise_interrupted(signum: int, frame: Any = None) -> None:
     """A signal handler: SIGTERM (or any other) becomes :class:`Interrupted` in the main
     thread, so ``finally`` blocks run as they do for Ctrl-C."""
     raise Interrupted(signum)
+
+
+# ---- a stop is a stop -------------------------------------------------------------------
+#
+# How a command takes SIGINT, SIGTERM and SIGHUP (:func:`on_stop_signal`, installed by the
+# command line): the first raises where the program is (KeyboardInterrupt for SIGINT, as a
+# script expects; Interrupted for the others), except inside :func:`deferred_interrupts`
+# (dpprof putting torch back, or setting it up), which delivers it at its end. Once dpprof
+# has taken an interrupt (:func:`take_interrupt`: it is stopping and writes what was
+# measured), the next is held and said, so the partial result is still written; the one
+# after quits at once, saying it did not write it.
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Interrupts:
+    """The command's interrupts so far (one per process: signals go to the main thread)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.deferring = 0  # depth of deferred_interrupts()
+        self.pending: int | None = None  # a signal that arrived while deferring
+        self.taken: int | None = None  # the signal dpprof is stopping on
+        self.again = 0  # signals since it was taken
+        self.delivered: int | None = None  # the last raised where the program was
+
+
+_STATE = _Interrupts()
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError):  # from a signal handler: no buffered stream
+        os.write(2, (line + "\n").encode())
+
+
+def on_stop_signal(signum: int, frame: Any = None) -> None:
+    """The command line's handler of :data:`STOP_SIGNALS` (see above)."""
+    state = _STATE
+    name = signal.Signals(signum).name
+    if state.taken is not None:
+        state.again += 1
+        if state.again == 1:
+            _say(f"dpprof: {name} again: writing what was measured first ({name} once more "
+                 "quits without it)")
+            return
+        _say(f"dpprof: {name} again: quit without writing the partial result")
+        os._exit(128 + state.taken)
+    if state.deferring:
+        if state.pending is None:
+            state.pending = signum
+        return
+    state.delivered = signum
+    _raise(signum)
+
+
+def _raise(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    """:func:`on_stop_signal` for :data:`STOP_SIGNALS`, from a state with no interrupt taken
+    or pending; a no-op outside the main thread."""
+    _STATE.reset()
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            signal.signal(sig, on_stop_signal)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """A stop signal that arrives inside is delivered at its end (raised there), so what
+    runs inside (patches undone, a process's state restored) is never cut in half."""
+    state = _STATE
+    state.deferring += 1
+    try:
+        yield
+    finally:
+        state.deferring -= 1
+        if not state.deferring and state.pending is not None:
+            signum, state.pending = state.pending, None
+            if state.taken is None:
+                _raise(signum)
+
+
+@contextlib.contextmanager
+def interrupts_allowed() -> Iterator[None]:
+    """Inside :func:`deferred_interrupts`, a stretch where a stop signal raises at once
+    (a script's own time); one that waited is raised as it begins."""
+    state = _STATE
+    saved, state.deferring = state.deferring, 0
+    state.delivered = None
+    try:
+        if state.pending is not None and state.taken is None:
+            signum, state.pending = state.pending, None
+            state.delivered = signum
+            _raise(signum)
+        yield
+    finally:
+        state.deferring = saved
+
+
+def pending_interrupt() -> int | None:
+    """The stop signal that arrived while deferred and is not yet raised (taken from the
+    queue: the caller answers it), or None."""
+    signum, _STATE.pending = _STATE.pending, None
+    return signum
+
+
+def interrupt_delivered() -> int | None:
+    """The stop signal last raised inside :func:`interrupts_allowed`, if any: an error the
+    program raised after it is the interrupt's doing (a DataLoader worker it ended)."""
+    return _STATE.delivered
+
+
+def interrupt_signal(e: BaseException) -> int:
+    """The signal an interrupt (KeyboardInterrupt or :class:`Interrupted`) stands for."""
+    return e.signum if isinstance(e, Interrupted) else signal.SIGINT
+
+
+def take_interrupt(signum: int) -> None:
+    """dpprof is stopping on ``signum`` (see above): the next stop signal is held."""
+    if _STATE.taken is None:
+        _STATE.taken = signum
+
+
+def reset_interrupts() -> None:
+    """A command starts: no interrupt taken, none pending."""
+    _STATE.reset()
 
 
 def run_exit_status(run: Any) -> int:

@@ -78,7 +78,7 @@ def test_sigterm_during_the_final_write_leaves_no_temporary_file(
     from dpprof.errors import Interrupted
     from dpprof.result import write_atomic
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     real_replace = os.replace
 
     def replace_after_sigterm(src: str, dst: str) -> None:
