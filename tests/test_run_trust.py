@@ -716,6 +716,31 @@ def test_an_interrupted_run_writes_what_it_measured_marked_partial(
     assert saved["comparison"]["verdict"].startswith("Partial result: interrupted by SIGINT")
 
 
+def test_an_interrupt_before_the_first_batch_leaves_a_partial_result_that_renders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after DataParallel's model is on the GPUs and before its first batch: the
+    partial result holds the model's memory and no batch; no fix is read off a step never
+    taken, and ``dpprof report`` renders it (its fixes read from its scenarios: none)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        model = nn.DataParallel(nn.Linear(8, 8).cuda())
+        raise KeyboardInterrupt  # what Ctrl-C raises before the loop
+    """))
+    res = runner.invoke(app, ["run", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 130, res.output
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["interrupted"] == "SIGINT" and saved["batch"] == 0
+    assert saved["config"]["interrupted_in"] == "the script as written"
+    assert saved["scenarios"][0]["devices"][0]["peak_allocated_bytes"] > 0
+    assert saved["fixes"] == []
+    res = runner.invoke(app, ["report", "r.json", "-o", "r.html"])
+    assert res.exit_code == 0, res.output
+    assert "interrupted by SIGINT" in (tmp_path / "r.html").read_text()
+
+
 SMALL_VALUES = """
     import torch
     labels = torch.tensor([3, 1, 2, 0]).cuda()

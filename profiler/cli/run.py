@@ -35,11 +35,17 @@ from dpprof.cli.options import (
     check_bounds,
     target_gpu,
 )
-from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.errors import EXIT_ERROR, Interrupted, UsageError, interrupt_signal, take_interrupt
 from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import STATUS_ERROR, RunResult
-from dpprof.script.session import ScriptConfig, nothing_on_a_gpu, parse_command, run_command
+from dpprof.script.session import (
+    ScriptConfig,
+    interrupted_while_writing,
+    nothing_on_a_gpu,
+    parse_command,
+    run_command,
+)
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -116,7 +122,7 @@ def run_cmd(
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
         # marked partial where it was measured (run_command); only written here
-        return [str(p) for p in write_reports(partial, paths, True)]
+        return [shown_path(p) for p in write_reports(partial, paths, True)]
 
     with guarded(debug, on_interrupt=write_partial):
         _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
@@ -133,7 +139,13 @@ def run_cmd(
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
-        measured = _show_and_write(result, main, paths, quiet)
+        try:
+            measured = _show_and_write(result, main, paths, quiet)
+        except (KeyboardInterrupt, Interrupted) as e:  # the whole result, marked, written
+            signum = interrupt_signal(e)
+            take_interrupt(signum)
+            raise Interrupted(signum, partial=interrupted_while_writing(result, signum),
+                              during="the writing of the reports") from None
     _exit_with_status(main, result if measured else None)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import runpy
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,16 @@ from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.virtual_cuda import VirtualCuda
-from dpprof.errors import Interrupted, UsageError
+from dpprof.errors import (
+    Interrupted,
+    UsageError,
+    deferred_interrupts,
+    interrupt_delivered,
+    interrupt_signal,
+    interrupts_allowed,
+    pending_interrupt,
+    take_interrupt,
+)
 from dpprof.measure.ladder import Rung
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
 from dpprof.scenarios.names import (
@@ -54,7 +62,7 @@ from dpprof.script.launch import Launch, run_main_file, script_process, user_tra
 from dpprof.script.wrappers import DDP_IN_PLACE
 from dpprof.units import fmt_bytes
 
-__all__ = ["ScriptConfig", "ScriptRun", "run_script"]
+__all__ = ["RunInterrupted", "ScriptConfig", "ScriptRun", "run_script"]
 
 
 @dataclass
@@ -125,10 +133,36 @@ class ScriptRun:
     forward_site: str = ""
     backward_site: str = ""
     checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
+    variant: str = AS_WRITTEN  # the run's ScriptConfig.variant
+    rung: str | None = None  # the name of the ladder's rung it ran, if any
+    noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
+
+
+class RunInterrupted(Interrupted):
+    """A run of the script stopped by ``signum``: ``run`` holds what it measured (cut short
+    where the script was running, else whole), ``cfg`` the run it was."""
+
+    def __init__(self, signum: int, run: ScriptRun, cfg: ScriptConfig) -> None:
+        super().__init__(signum)
+        self.run = run
+        self.cfg = cfg
 
 
 def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> ScriptRun:
-    """Run the script once on virtual GPUs and measure it (see the module)."""
+    """Run the script once on virtual GPUs and measure it (see the module).
+
+    A stop signal while the script runs stops it (the run ends "interrupted"); one while
+    dpprof sets the run up or puts everything back waits until that is done. Either way
+    :class:`RunInterrupted` is raised with what the run measured."""
+    with deferred_interrupts():
+        run = _run_script(cfg, on_step)
+        signum = run.interrupted_by if run.ended == "interrupted" else pending_interrupt()
+        if signum:
+            raise RunInterrupted(signum, run, cfg)
+    return run
+
+
+def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     launch = cfg.launch
     if not launch.is_module and not Path(launch.target).is_file():
         raise UsageError(f"dpprof run: {launch.target}: no such file")
@@ -136,7 +170,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                      gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
     stepper = Stepper(rt, cfg.steps, on_step)
-    run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
+    run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
+                    rung=cfg.rung.name if cfg.rung is not None else None)
     variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
@@ -210,19 +245,22 @@ def _count_backwards(patcher: Patcher, stepper: Stepper) -> None:
 
 def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     """Run the script as ``__main__`` until it has run its steps, ends or raises; how it
-    ended goes into ``run``; the script's own error is returned."""
+    ended goes into ``run``; the script's own error is returned. A stop signal delivered
+    while it ran ends it "interrupted", however the script took it (an ``except
+    KeyboardInterrupt`` that saves and exits, a worker it ended that fails the loop)."""
+    error: BaseException | None = None
     try:
-        if launch.is_module:
-            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
-        else:
-            run_main_file(launch.target)
+        with interrupts_allowed():  # the script's own time: a stop signal stops it
+            if launch.is_module:
+                runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
+            else:
+                run_main_file(launch.target)
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: keep what it measured
         run.ended = "interrupted"
-        run.interrupted_by = (e.signum if isinstance(e, Interrupted)
-                              else signal.SIGINT)
+        run.interrupted_by = interrupt_signal(e)
     except SystemExit as e:
         code = e.code
         run.exit_status = code if isinstance(code, int) else (0 if code is None
@@ -234,8 +272,14 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         run.ended = "script raised"
         run.exit_status = 1
         run.script_traceback = user_traceback(e, launch)
-        return e
-    return None
+        error = e
+    delivered = interrupt_delivered()
+    if run.ended != "interrupted" and delivered is not None:
+        run.ended, run.interrupted_by = "interrupted", delivered
+        run.exit_status, run.script_traceback, error = 0, None, None
+    if run.ended == "interrupted":
+        take_interrupt(run.interrupted_by)  # dpprof stops: the next signal is held
+    return error
 
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
