@@ -94,7 +94,7 @@ class Stepper:
         self.rt.reset_peaks()
         self.measure_start = len(self.rt.events)
 
-    def keep_higher_warmup_peaks(self) -> list[int]:
+    def keep_higher_warmup_peaks(self) -> dict[int, int]:
         """Where the warm-up step peaked higher than the steps after it (a script that
         trains one step, then evaluates; a first step's transients), that peak is the
         device's again: the peak reported is the highest the GPU reaches, and never below
