@@ -122,6 +122,8 @@ class _Interrupts:
         self.taken: int | None = None  # the signal dpprof is stopping on
         self.again = 0  # signals since it was taken
         self.delivered: int | None = None  # the last raised where the program was
+        # inside interrupts_allowed(): the handlers the program there set for stop signals
+        self.theirs: dict[int, Any] | None = None
 
 
 _STATE = _Interrupts()
@@ -148,7 +150,13 @@ def on_stop_signal(signum: int, frame: Any = None) -> None:
         if state.pending is None:
             state.pending = signum
         return
-    state.delivered = signum
+    theirs = (state.theirs or {}).get(signum, signal.SIG_DFL)
+    first = state.delivered is None
+    state.delivered = signum  # the run ends interrupted, however the program takes it
+    if first and theirs is not signal.SIG_DFL:  # the program's own: it takes the first
+        if callable(theirs):
+            theirs(signum, frame)
+        return
     _raise(signum)
 
 
@@ -184,11 +192,14 @@ def deferred_interrupts() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def interrupts_allowed() -> Iterator[None]:
+def interrupts_allowed(theirs: dict[int, Any] | None = None) -> Iterator[None]:
     """Inside :func:`deferred_interrupts`, a stretch where a stop signal raises at once
-    (a script's own time); one that waited is raised as it begins."""
+    (a script's own time); one that waited is raised as it begins. ``theirs``: the handlers
+    the program running inside sets for stop signals, kept up to date by the caller; the
+    first stop signal goes to such a handler (to none for ``SIG_IGN``), a second raises."""
     state = _STATE
     saved, state.deferring = state.deferring, 0
+    saved_theirs, state.theirs = state.theirs, theirs
     state.delivered = None
     try:
         if state.pending is not None and state.taken is None:
@@ -198,6 +209,7 @@ def interrupts_allowed() -> Iterator[None]:
         yield
     finally:
         state.deferring = saved
+        state.theirs = saved_theirs
 
 
 def pending_interrupt() -> int | None:

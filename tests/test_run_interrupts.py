@@ -75,6 +75,38 @@ WORKERS_SCRIPT = """
 """
 
 
+# a script that takes the stop signals itself: Ctrl-C finishes the step and ends the loop,
+# SIGTERM exits 0 at once (what a training loop with a graceful stop does)
+OWN_HANDLERS_SCRIPT = """
+    import os, signal, sys, time
+    import torch
+    import torch.nn as nn
+
+    MARK = int(os.environ["MARK_FD"])
+    stop = False
+
+    def finish_the_step(signum, frame):
+        global stop
+        stop = True
+        os.write(MARK, b"own handler\\n")
+
+    plain = signal.signal(signal.SIGINT, finish_the_step) is signal.default_int_handler
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    if plain and signal.getsignal(signal.SIGINT) is finish_the_step:
+        os.write(MARK, b"handlers as in plain Python\\n")
+    model = nn.DataParallel(nn.Linear(64, 64).cuda())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    os.write(MARK, b"start\\n")
+    for step in range(10):
+        model(torch.randn(32, 64).cuda()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        os.write(MARK, b"step\\n")
+        time.sleep(1)
+        if stop:
+            break
+"""
+
 class Run:
     """``dpprof run -o r.json ... -- python train.py`` in its own session, with the script's
     marks read from a pipe."""
@@ -101,13 +133,18 @@ class Run:
             left = deadline - time.monotonic()
             assert left > 0 and self.proc.poll() is None, (
                 f"no {mark!r} x{count}: {self.marks}, {self.proc.poll()}")
-            ready, _, _ = select.select([self.read_fd], [], [], min(left, 1.0))
-            if ready:
-                chunk = os.read(self.read_fd, 4096)
-                self._buffer += chunk
-                *lines, rest = self._buffer.split(b"\n")
-                self._buffer = rest
-                self.marks += [ln.decode() for ln in lines]
+            self._read_marks(min(left, 1.0))
+
+    def _read_marks(self, timeout: float) -> None:
+        while select.select([self.read_fd], [], [], timeout)[0]:
+            chunk = os.read(self.read_fd, 4096)
+            if not chunk:  # every writer has closed it
+                return
+            self._buffer += chunk
+            *lines, rest = self._buffer.split(b"\n")
+            self._buffer = rest
+            self.marks += [ln.decode() for ln in lines]
+            timeout = 0
 
     def signal(self, sig: int) -> None:
         self.children |= descendants(self.proc.pid)
@@ -119,6 +156,7 @@ class Run:
     def finish(self, timeout: float = 240) -> tuple[int, str, str]:
         try:
             out, err = self.proc.communicate(timeout=timeout)
+            self._read_marks(0)  # what it wrote last
         finally:
             os.close(self.read_fd)
             if self.proc.poll() is None:
@@ -265,3 +303,23 @@ def test_while_writing_the_reports(sig: int, tmp_path: Path) -> None:
     assert saved["scenarios"][0]["status"] == "ok"
     for o in outputs:
         assert "interrupted" in (tmp_path / o).read_text()
+
+
+@SIGNALS
+def test_a_script_that_takes_the_signal_itself(sig: int, tmp_path: Path) -> None:
+    """Its own handler runs, as on a GPU (Ctrl-C: the loop ends after the step; SIGTERM:
+    sys.exit(0)), and the run still ends interrupted: not measured as a whole run, no
+    alternative run after it with the script's handler left in place."""
+    run = Run(tmp_path, OWN_HANDLERS_SCRIPT)
+    run.wait_for("step")
+    run.signal(sig)
+    code, _, err = run.finish()
+    assert code == CODES[sig], err
+    line = _one_clean_line(err, code)
+    assert "during the script as written; wrote what was measured before it" in line
+    assert "handlers as in plain Python" in run.marks
+    if sig == signal.SIGINT:
+        assert "own handler" in run.marks
+    saved = run.saved()
+    assert saved["interrupted"] == signal.Signals(sig).name
+    assert [s["name"] for s in saved["scenarios"]] == ["dp-loss-primary"]

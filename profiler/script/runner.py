@@ -59,6 +59,7 @@ from dpprof.script.hooks import (
     compile_eagerly,
 )
 from dpprof.script.launch import Launch, run_main_file, script_process, user_traceback
+from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.wrappers import DDP_IN_PLACE
 from dpprof.units import fmt_bytes
 
@@ -250,7 +251,8 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     KeyboardInterrupt`` that saves and exits, a worker it ended that fails the loop)."""
     error: BaseException | None = None
     try:
-        with interrupts_allowed():  # the script's own time: a stop signal stops it
+        with scripts_stop_handlers() as theirs, interrupts_allowed(theirs):
+            # the script's own time: a stop signal stops it
             if launch.is_module:
                 runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
             else:
