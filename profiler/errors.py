@@ -9,6 +9,7 @@ Every command exits with one of these (``--help`` and the README say the same):
 3     a ``--fail-on-*`` check failed (CI)
 130   interrupted by SIGINT (Ctrl-C); the scenarios already measured are written, marked partial
 143   terminated by SIGTERM; the same
+129   hung up (SIGHUP); the same
 ====  =====================================================================================
 
 ``dpprof watch -- CMD`` and ``dpprof run -- CMD`` exit with the command's own status once it ran.
@@ -16,6 +17,7 @@ Every command exits with one of these (``--help`` and the README say the same):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -31,30 +33,33 @@ EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 
 EXIT_STATUS_HELP = (
     "Exit status: 0 measured; 1 a scenario errored or nothing was measured; 2 usage; "
-    "3 a `--fail-on-*` check failed; 130/143 interrupted (SIGINT/SIGTERM)."
+    "3 a `--fail-on-*` check failed; 130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP)."
 )
 # Each command's own line: only the statuses (and options) that command has.
 MAXBATCH_EXIT_STATUS_HELP = (
-    "Exit status: 0 searched; 1 a scenario errored; 2 usage; 130/143 interrupted "
-    "(SIGINT/SIGTERM)."
+    "Exit status: 0 searched; 1 a scenario errored; 2 usage; 130/143/129 interrupted "
+    "(SIGINT/SIGTERM/SIGHUP)."
 )
 RUN_EXIT_STATUS_HELP = (
     "Exit status: 0 the script ran and was measured; the script's own (1 for an uncaught "
     "error) when it failed; 1 nothing was measured (it put nothing on a GPU); 2 usage; "
-    "130/143 interrupted (SIGINT/SIGTERM)."
+    "130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP)."
 )
 REPORT_EXIT_STATUS_HELP = (
-    "Exit status: 0 rendered; 1 a file could not be read or written; 2 usage; 130/143 "
-    "interrupted (SIGINT/SIGTERM)."
+    "Exit status: 0 rendered; 1 a file could not be read or written; 2 usage; 130/143/129 "
+    "interrupted (SIGINT/SIGTERM/SIGHUP)."
 )
-ENV_EXIT_STATUS_HELP = "Exit status: 0 printed; 2 usage; 130/143 interrupted (SIGINT/SIGTERM)."
+ENV_EXIT_STATUS_HELP = (
+    "Exit status: 0 printed; 2 usage; 130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP)."
+)
 CHECK_EXIT_STATUS_HELP = (
     "Exit status: 0 checked; 1 a check could not run; 2 usage, or no CUDA GPU here; "
-    "130/143 interrupted (SIGINT/SIGTERM)."
+    "130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP)."
 )
 WATCH_EXIT_STATUS_HELP = (
     "Exit status: the command's own once it ran (128 + N when a signal N ended it); before "
-    "it ran: 1 dpprof could not start it, 2 usage, 130/143 interrupted (SIGINT/SIGTERM)."
+    "it ran: 1 dpprof could not start it, 2 usage, 130/143/129 interrupted "
+    "(SIGINT/SIGTERM/SIGHUP)."
 )
 
 
@@ -124,6 +129,7 @@ class _Interrupts:
         self.delivered: int | None = None  # the last raised where the program was
         # inside interrupts_allowed(): the handlers the program there set for stop signals
         self.theirs: dict[int, Any] | None = None
+        self.exiting: int | None = None  # the exit status decided: only exiting is left
 
 
 _STATE = _Interrupts()
@@ -138,6 +144,8 @@ def on_stop_signal(signum: int, frame: Any = None) -> None:
     """The command line's handler of :data:`STOP_SIGNALS` (see above)."""
     state = _STATE
     name = signal.Signals(signum).name
+    if state.exiting is not None:  # all is written and said: the status stays
+        os._exit(state.exiting)
     if state.taken is not None:
         state.again += 1
         if state.again == 1:
@@ -173,6 +181,23 @@ def install_stop_handlers() -> None:
     for sig in STOP_SIGNALS:
         with contextlib.suppress(ValueError, OSError):  # not the main thread
             signal.signal(sig, on_stop_signal)
+    atexit.unregister(_ignore_stops_when_exiting)
+    atexit.register(_ignore_stops_when_exiting)  # first registered: runs last
+
+
+def exit_decided(status: int) -> None:
+    """An interrupted command has written and said all it will and exits ``status``: a
+    stop signal from now on ends the process at once with that status (not Python's
+    default death by the signal, once the interpreter has put its handlers back)."""
+    _STATE.exiting = status
+
+
+def _ignore_stops_when_exiting() -> None:
+    # the interpreter's shutdown puts the default handlers back after this (SIG_IGN kept)
+    if _STATE.exiting is not None:
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

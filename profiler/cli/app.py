@@ -40,6 +40,7 @@ from dpprof.errors import (
     RUN_EXIT_STATUS_HELP,
     WATCH_EXIT_STATUS_HELP,
     Interrupted,
+    exit_decided,
     install_stop_handlers,
 )
 from dpprof.reports.escape import terminal_text
@@ -136,9 +137,11 @@ def main() -> None:
         sys.stderr.close()
     except Interrupted as e:
         print(interrupted_line(e.signum), file=sys.stderr)
+        exit_decided(e.exit_code)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print(interrupted_line(signal.SIGINT), file=sys.stderr)
+        exit_decided(EXIT_SIGINT)
         sys.exit(EXIT_SIGINT)
 
 

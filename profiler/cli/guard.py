@@ -26,6 +26,7 @@ from dpprof.errors import (
     EXIT_SIGINT,
     DpprofError,
     Interrupted,
+    exit_decided,
     install_stop_handlers,
     interrupt_signal,
     reset_interrupts,
@@ -89,7 +90,9 @@ def guarded(debug: bool, on_interrupt: PartialWriter | None = None) -> Iterator[
                                + terminal_text(str(w) or type(w).__name__))
         during = e.during if isinstance(e, Interrupted) else ""
         _err.print(interrupted_line(signum, written, during, why_not), soft_wrap=True)
-        raise typer.Exit(code=128 + signum if signum else EXIT_SIGINT) from None
+        status = 128 + signum if signum else EXIT_SIGINT
+        exit_decided(status)
+        raise typer.Exit(code=status) from None
     except DpprofError as e:
         raise _fail(e, debug, e.exit_code) from None
     except SystemExit as e:  # a workload (or a library it calls) called sys.exit()
