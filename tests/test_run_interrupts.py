@@ -108,6 +108,24 @@ OWN_HANDLERS_SCRIPT = """
             break
 """
 
+# one GPU, forced onto the ladder (--ladder): the script as written, then a run per rung
+ONE_GPU_SCRIPT = """
+    import os, time
+    import torch
+    import torch.nn as nn
+
+    MARK = int(os.environ["MARK_FD"])
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    os.write(MARK, b"start\\n")
+    for step in range(10):
+        model(torch.randn(32, 64).cuda()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        os.write(MARK, b"step\\n")
+        time.sleep(0.3)
+"""
+
 class Run:
     """``dpprof run -o r.json ... -- python train.py`` in its own session, with the script's
     marks read from a pipe."""
@@ -174,7 +192,7 @@ class Run:
         return left
 
 
-CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 SIGNALS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM],
                                   ids=["SIGINT", "SIGTERM"])
 
@@ -328,3 +346,27 @@ def test_a_script_that_takes_the_signal_itself(sig: int, tmp_path: Path) -> None
     saved = run.saved()
     assert saved["interrupted"] == signal.Signals(sig).name
     assert [s["name"] for s in saved["scenarios"]] == ["dp-loss-primary"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_during_a_rung_of_the_ladder(sig: int, tmp_path: Path) -> None:
+    """The rung cut short is not measured (a note says so), no rung after it runs, and the
+    result is the script as written's, marked interrupted in that rung."""
+    run = Run(tmp_path, ONE_GPU_SCRIPT, "--ladder")
+    run.wait_for("step", 3)  # the script as written
+    run.wait_for("start", 2)  # the first rung has begun
+    run.wait_for("step", 4)
+    run.signal(sig)
+    code, _, err = run.finish()
+    assert code == CODES[sig], err
+    line = _one_clean_line(err, code)
+    saved = run.saved()
+    during = saved["config"]["interrupted_in"]
+    assert during.startswith("the ladder's rung "), during
+    assert f"during {during}; wrote what was measured before it" in line
+    assert [s["name"] for s in saved["scenarios"]] == ["single"]
+    assert saved["scenarios"][0]["status"] == "ok"
+    rung = during.removeprefix("the ladder's rung ")
+    assert any(n.startswith(f"ladder: {rung} interrupted by {signal.Signals(sig).name}")
+               for n in saved["notes"]), saved["notes"]
+    assert saved["fixes"] == []  # no rung measured whole
