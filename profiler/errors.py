@@ -130,6 +130,7 @@ class _Interrupts:
         # inside interrupts_allowed(): the handlers the program there set for stop signals
         self.theirs: dict[int, Any] | None = None
         self.exiting: int | None = None  # the exit status decided: only exiting is left
+        self.half_written: set[str] = set()  # temporary files a quit at once removes
 
 
 _STATE = _Interrupts()
@@ -153,6 +154,9 @@ def on_stop_signal(signum: int, frame: Any = None) -> None:
                  "quits without it)")
             return
         _say(f"dpprof: {name} again: quit without writing the partial result")
+        for path in state.half_written:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os._exit(128 + state.taken)
     if state.deferring:
         if state.pending is None:
@@ -183,6 +187,17 @@ def install_stop_handlers() -> None:
             signal.signal(sig, on_stop_signal)
     atexit.unregister(_ignore_stops_when_exiting)
     atexit.register(_ignore_stops_when_exiting)  # first registered: runs last
+
+
+@contextlib.contextmanager
+def removed_if_quit(temporary_path: str) -> Iterator[None]:
+    """While inside, a stop signal that quits the process at once (see above) removes
+    ``temporary_path`` first: a report half written is not left beside the user's files."""
+    _STATE.half_written.add(temporary_path)
+    try:
+        yield
+    finally:
+        _STATE.half_written.discard(temporary_path)
 
 
 def exit_decided(status: int) -> None:
