@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dpprof.errors import Interrupted
 from dpprof.result import Fix, RunResult, new_result
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.script import census
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
 from dpprof.script.notes import (
@@ -41,10 +42,13 @@ from dpprof.script.notes import (
     script_assumptions,
     script_fix,
     script_verdict,
+    seal_fields,
+    seal_notes,
     write_notes,
 )
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
+from dpprof.script.sealed_run import folders_of, prepare_process
 from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
@@ -86,6 +90,11 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
+    if cfg.seal and cfg.files_before is None:  # the user's files, checked after each run
+        prepare_process()
+        cfg = dataclasses.replace(cfg, files_before=census.take(
+            folders_of(None if cfg.launch.is_module else cfg.launch.target),
+            [cfg.keep_writes] if cfg.keep_writes else []))
     main = run_script(cfg, step_cb("as written"))
     n = len(main.scenario.devices) if main.scenario.name != DDP else main.visible_gpus
     runs = [(AS_WRITTEN, main)]
@@ -116,6 +125,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         notes=notes,
         fixes=fixes,
     )
+    if cfg.seal:
+        result.writes, result.seal = seal_fields(runs + rungs, cfg.keep_writes)
+        result.notes.extend(seal_notes(result.seal))
     result.comparison = compare(result)
     result.attribution = attribute_run(result)
     if main.ended == "interrupted":
@@ -207,7 +219,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
         s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,
             ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
-    s0.notes.extend(write_notes(main.writes))
+    s0.notes.extend(write_notes(main))
     if main.stand_ins:
         s0.notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
