@@ -15,6 +15,12 @@ def main() -> None:
     from dpprof.errors import EXIT_SIGINT, Interrupted
 
     install_signal_handlers()
+    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "run":
+        # the seal's kernel line needs a process with one thread: before torch's import
+        # starts another (dpprof.script.namespace)
+        from dpprof.script import namespace
+
+        namespace.enter()
     try:
         from dpprof.cli.app import main as app_main
     except KeyboardInterrupt:

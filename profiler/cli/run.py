@@ -91,6 +91,13 @@ def run_cmd(
                      ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
+    keep_writes: Annotated[
+        str | None,
+        typer.Option("--keep-writes", metavar="DIR", help="Keep what the script wrote: each "
+                     "run writes into a private overlay (never into your files), copied here "
+                     "after it, one folder per run (DIR/as-written/...), with writes.txt "
+                     "listing them.", rich_help_panel=PANEL_OUTPUT),
+    ] = None,
     quiet: Annotated[bool, QUIET] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.",
                                         rich_help_panel=PANEL_OUTPUT)] = False,
@@ -108,9 +115,16 @@ def run_cmd(
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
+    from dpprof.script import namespace
     from dpprof.script.session import ScriptConfig, parse_command
 
+    # the seal's kernel line: a mount namespace, entered by the console script before torch
+    # was imported (dpprof.cli.entry); where the machine refuses it, the seal keeps its
+    # Python line and an audit hook
+    namespace.enter()
+
     main = None
+    result: RunResult | None = None
     paths: list[tuple[Path, str]] = []
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
@@ -128,12 +142,38 @@ def run_cmd(
         check_writable(paths)
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
-                           debug=debug, ladder=ladder)
+                           debug=debug, ladder=ladder, keep_writes=_keep_dir(keep_writes))
+        if debug and namespace.why_not():
+            err.print(f"dpprof: no mount namespace for the seal: {namespace.why_not()}",
+                      markup=False)
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
         _show_and_write(result, main, paths, quiet)
     _exit_with_script_status(main)
+    _exit_if_seal_broken(result)
+
+
+def _keep_dir(given: str | None) -> str | None:
+    """--keep-writes DIR: a folder (made where absent), not a file."""
+    if given is None:
+        return None
+    p = Path(given)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--keep-writes {given}: not a folder; give a folder to keep the "
+                         "script's writes in")
+    return str(p.resolve())
+
+
+def _exit_if_seal_broken(result: RunResult | None) -> None:
+    """A file of the user's that changed while the script ran: said loudly, exit 1."""
+    if result is None or result.seal is None or not result.seal.changed:
+        return
+    err.print(f"dpprof: SEAL BROKEN: {len(result.seal.changed)} file(s) of yours changed "
+              "while the script ran (by a writer dpprof could not redirect): "
+              + "; ".join(result.seal.changed[:10]), markup=False, highlight=False,
+              soft_wrap=True, style="bold red")
+    raise typer.Exit(code=EXIT_ERROR)
 
 
 def _check_run_options(gpus: int, steps: int) -> None:
@@ -164,9 +204,14 @@ def _announce(cfg: ScriptConfig) -> None:
     kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
     how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
            "ranks are alike)" if launch.launcher != "python" else "")
+    from dpprof.script import namespace
+
+    sealed = ("a private overlay (mount namespace)" if namespace.entered()
+              else "a private overlay")
     err.print(f"dpprof: running {terminal_text(launch.display)} on {cfg.gpus} virtual "
               f"{cfg.gpu.name} GPUs of {fmt_bytes(cfg.capacity_bytes)} ({kind}){how}; "
-              f"stopping after {cfg.steps} optimizer steps", markup=False)
+              f"stopping after {cfg.steps} optimizer steps; its writes go to {sealed}",
+              markup=False)
 
 
 def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult, ScriptRun]:

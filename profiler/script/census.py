@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["Difference", "Snapshot", "differences", "take"]
+__all__ = ["Difference", "Snapshot", "again", "differences", "take"]
 
 DEFAULT_LIMIT = 20_000  # entries noted per snapshot (a data set under the working directory)
 
@@ -68,12 +68,14 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (),
                 if len(snap.entries) >= limit:
                     snap.complete = False
                     return snap
+                if entry.path in skip:
+                    continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
                 snap.entries[entry.path] = _signature(st)
-                if stat.S_ISDIR(st.st_mode) and entry.path not in skip:
+                if stat.S_ISDIR(st.st_mode):
                     todo.append(entry.path)
     return snap
 

@@ -243,15 +243,12 @@ class KernelOverlay:
 
     def __init__(self, folders: Sequence[str]) -> None:
         self.folders = list(folders)
-        self.stage = ""  # the private tmpfs: lower binds, upper and work layers, the Python root
+        # the private tmpfs: lower binds, upper and work layers; what else a run keeps
+        # private (outside every overlay)
+        self.stage = ""
         self._mounted: list[str] = []
         self._libc = _libc()
         self._cwd = ""
-
-    @property
-    def python_root(self) -> str:
-        """A private folder on the stage for the seal's Python line (outside every overlay)."""
-        return os.path.join(self.stage, "py")
 
     def mount(self) -> None:
         if _STATE["inside"] != "yes":  # never over the machine's own folders
@@ -263,7 +260,6 @@ class KernelOverlay:
             raise OSError(errno.EINVAL, f"{self.stage}: no overlay over a path with , or :")
         _mount(libc, "tmpfs", self.stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
         self._mounted.append(self.stage)
-        os.mkdir(self.python_root, 0o700)
         fd = os.open(self.stage, os.O_RDONLY | os.O_DIRECTORY)
         try:
             for i, folder in enumerate(self.folders):

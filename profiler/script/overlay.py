@@ -326,7 +326,7 @@ class Overlay:
             c = self.follow(c)
         st = self.lstat_in_view(c)
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         if follow_symlinks and stat.S_ISLNK(st.st_mode):  # a real link to a missing target
             raise os_error(errno.ENOENT, shown)
         return st
@@ -335,27 +335,44 @@ class Overlay:
         st = self.lstat_in_view(self.follow(c))
         return st is not None and stat.S_ISDIR(st.st_mode)
 
+    def missing(self, c: str, shown: Any, other: Any = None) -> OSError:
+        """The error of a lookup of ``c``, which is not in the view: ENOTDIR where a folder
+        above it is a file, else ENOENT."""
+        p = "/"
+        for part in c.strip("/").split("/")[:-1]:
+            p = os.path.join(p, part)
+            st = self.lstat_in_view(self.follow(p))
+            if st is None:
+                break
+            if not stat.S_ISDIR(st.st_mode):
+                return os_error(errno.ENOTDIR, shown, other)
+        return os_error(errno.ENOENT, shown, other)
+
     def for_read(self, c: str, shown: Any, follow_symlinks: bool = True) -> str:
         """The concrete path that holds ``c`` for reading."""
         if follow_symlinks:
             c = self.follow(c)
         w = self.where(c)
-        if w == GONE:
-            raise os_error(errno.ENOENT, shown)
+        if w == GONE or (w == REAL and not _lexists(c)):
+            raise self.missing(c, shown)
         return self.upper(c) if w == UPPER else c
 
     # ---- writing -----------------------------------------------------------------------
 
-    def _parent_ready(self, c: str, shown: Any) -> None:
-        """The folder of ``c`` exists in the view and in the overlay (made there, empty,
-        where only the real one exists)."""
+    def _parent_check(self, c: str, shown: Any) -> None:
+        """The folder of ``c`` exists in the view (else the error a real call gives)."""
         parent = os.path.dirname(c)
         st = self.lstat_in_view(parent)
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(parent, shown)
         if not stat.S_ISDIR(st.st_mode):
             raise os_error(errno.ENOTDIR, shown)
-        self._make_upper_dirs(parent)
+
+    def _parent_ready(self, c: str, shown: Any) -> None:
+        """The folder of ``c`` exists in the view and in the overlay (made there, empty,
+        where only the real one exists)."""
+        self._parent_check(c, shown)
+        self._make_upper_dirs(os.path.dirname(c))
 
     def _make_upper_dirs(self, d: str) -> None:
         """The overlay's folders down to ``d`` (with the real ones' permissions)."""
@@ -398,15 +415,26 @@ class Overlay:
             if w == REAL and not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
                 return c  # a FIFO, a socket, a device: not a file of the user's to change
         elif not create:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         self._parent_ready(c, shown)
         self.dirty = True
         if w == REAL and st is not None:
             self.note_real(c)
             if not truncate:
                 _copy_file(c, self.upper(c), st)
-        self.deleted.discard(c)
+        self._replacing(c)
         return self.upper(c)
+
+    def _replacing(self, c: str) -> None:
+        """The overlay's own entry is made at ``c``: no longer removed, and where a real one
+        that is not a plain file stood there (a folder, a link), what showed through it is
+        hidden."""
+        if c in self.deleted or self._real_hidden(c):
+            st = lstat_or_none(c)
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                self.opaque.add(c)
+        self.deleted.discard(c)
+        self._dirs.clear()
 
     def materialize(self, c: str, shown: Any, follow_symlinks: bool = True) -> str:
         """``c`` copied up (a file, a link, or an empty folder with the real one's
@@ -414,13 +442,11 @@ class Overlay:
         if follow_symlinks:
             c = self.follow(c)
         w = self.where(c)
-        if w == GONE:
-            raise os_error(errno.ENOENT, shown)
         if w == UPPER:
             return self.upper(c)
-        st = lstat_or_none(c)
+        st = lstat_or_none(c) if w == REAL else None
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         if stat.S_ISDIR(st.st_mode):
             self.dirty = True
             self._make_upper_dirs(c)
@@ -439,16 +465,14 @@ class Overlay:
         self._parent_ready(c, shown)
         self.dirty = True
         _mkdir(self.upper(c), mode)
-        if c in self.deleted or (self.where(c) == GONE and _lexists(c)):
-            self.opaque.add(c)  # made again: what the real one held stays removed
-        self.deleted.discard(c)
+        self._replacing(c)  # made again: what the real one held stays removed
 
     def listdir(self, c: str, shown: Any) -> list[str]:
         """The names in folder ``c`` of the view."""
         c = self.follow(c)
         st = self.lstat_in_view(c)
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         if not stat.S_ISDIR(st.st_mode):
             raise os_error(errno.ENOTDIR, shown)
         names: dict[str, None] = {}
@@ -474,18 +498,30 @@ class Overlay:
         return OverlayScandir(entries)
 
     def touches(self, c: str) -> bool:
-        """Whether the view of folder ``c`` may differ from the real one."""
-        if not self.dirty and not self.deleted:
+        """Whether folder ``c`` (its path as named, resolved) may be listed differently in
+        the view than by the real call on the path as given: the run made a link or removed
+        something (paths resolve otherwise), or holds something in ``c`` or above it that
+        is not a folder."""
+        if not self.dirty:
             return False
-        if self.dirty and _lexists(self.upper(c)):
+        if self._has_links or self.deleted or self.opaque or _lexists(self.upper(c)):
             return True
-        return self.where(c) != REAL or any(os.path.dirname(p) == c for p in self.deleted)
+        followed = self.follow(c)
+        if followed != c and _lexists(self.upper(followed)):
+            return True
+        p = os.path.dirname(c)
+        while p != "/":
+            st = lstat_or_none(self.upper(p))
+            if st is not None:
+                return not stat.S_ISDIR(st.st_mode)
+            p = os.path.dirname(p)
+        return False
 
     def remove(self, c: str, shown: Any) -> None:
         """``os.remove`` / ``os.unlink`` of ``c`` (a file or a link, never a folder)."""
         st = self.lstat_in_view(c)
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         if stat.S_ISDIR(st.st_mode):
             raise os_error(errno.EISDIR, shown)
         self._drop(c)
@@ -510,7 +546,7 @@ class Overlay:
     def rmdir(self, c: str, shown: Any) -> None:
         st = self.lstat_in_view(c)
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         if not stat.S_ISDIR(st.st_mode):
             raise os_error(errno.ENOTDIR, shown)
         if self.listdir(c, shown):
@@ -521,11 +557,13 @@ class Overlay:
         """``os.rename`` / ``os.replace`` in the view (a folder with what it holds)."""
         st = self.lstat_in_view(s)
         if st is None:
-            raise os_error(errno.ENOENT, shown_s, shown_d)
+            raise self.missing(s, shown_s, shown_d)
         if s == d:
             return
-        if d.startswith(s + "/"):
+        if d.startswith(s + "/"):  # a folder into itself
             raise os_error(errno.EINVAL, shown_s, shown_d)
+        if s.startswith(d + "/"):  # onto a folder above it, never empty
+            raise os_error(errno.ENOTEMPTY, shown_s, shown_d)
         dst = self.lstat_in_view(d)
         if dst is not None:
             if stat.S_ISDIR(st.st_mode):
@@ -541,9 +579,7 @@ class Overlay:
         self.dirty = True
         self._copy_into_upper(s, d)
         self._drop(s)
-        if dst is not None and stat.S_ISDIR(st.st_mode) and _lexists(d):
-            self.opaque.add(d)  # a folder in place of the real one: its real files hidden
-        self.deleted.discard(d)
+        self._replacing(d)
 
     def _copy_into_upper(self, s: str, d: str) -> None:
         """What ``s`` is in the view, made at ``d`` in the overlay (moved where it lives in
@@ -577,13 +613,12 @@ class Overlay:
         self.dirty = True
         self._has_links = True
         _symlink(target, self.upper(c))
-        self.deleted.discard(c)
-        self._dirs.clear()
+        self._replacing(c)
 
     def readlink(self, c: str, shown: Any) -> str:
         st = self.lstat_in_view(c)
         if st is None:
-            raise os_error(errno.ENOENT, shown)
+            raise self.missing(c, shown)
         if not stat.S_ISLNK(st.st_mode):
             raise os_error(errno.EINVAL, shown)
         return _readlink(self.upper(c) if self.where(c) == UPPER else c)
@@ -592,16 +627,18 @@ class Overlay:
         """A hard link: both names in the overlay, one file."""
         st = self.lstat_in_view(s)
         if st is None:
-            raise os_error(errno.ENOENT, shown_s, shown_d)
-        if stat.S_ISDIR(st.st_mode):
-            raise os_error(errno.EPERM, shown_s, shown_d)
+            raise self.missing(s, shown_s, shown_d)
+        self._parent_check(d, shown_d)
         if self.lstat_in_view(d) is not None:
             raise os_error(errno.EEXIST, shown_s, shown_d)
-        up_s = self.for_write(s, shown_s, create=False, truncate=False, exclusive=False,
-                              follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            raise os_error(errno.EPERM, shown_s, shown_d)
+        up_s = self.materialize(s, shown_s, follow_symlinks=False)
         self._parent_ready(d, shown_d)
-        _link(up_s, self.upper(d))
-        self.deleted.discard(d)
+        _link(up_s, self.upper(d), follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            self._has_links = True
+        self._replacing(d)
 
     # ---- what the run left -------------------------------------------------------------
 

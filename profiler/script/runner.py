@@ -11,7 +11,6 @@ import contextlib
 import runpy
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from dpprof.scenarios.base import (
     TENSOR_PARALLEL,
 )
 from dpprof.scenarios.registry import scenario
-from dpprof.script import wrappers
+from dpprof.script import seal, wrappers
 from dpprof.script.census import Snapshot
 from dpprof.script.effects import ScriptEffects
 from dpprof.script.hooks import (
@@ -163,10 +162,10 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     rung = RungHooks(cfg.rung) if cfg.rung is not None else None
     if rung is not None:
         stepper.listeners.append(rung)
-    first_stand_in = _first_stand_in(rt)
+    _note_first_stand_in(rt)
     name = cfg.variant if cfg.rung is None else f"{cfg.variant}+{cfg.rung.name}"
     sealed = (SealedRun(name, None if launch.is_module else launch.target, cfg.keep_writes,
-                        cfg.files_before, first_stand_in)
+                        cfg.files_before)
               if cfg.seal else contextlib.nullcontext())
     # an alternative's run prints nothing (dpprof.script.effects)
     effects = ScriptEffects(rt.is_emulated,
@@ -219,26 +218,27 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     return run
 
 
-def _first_stand_in(rt: Any) -> Callable[[], int | None]:
-    """When the run first read a value from an emulated tensor (``time.time_ns``, as a
-    file's modification time): a stand-in made up, or, under --compute, a host copy of a
-    virtual GPU's values. A file written after it may hold such values."""
-    first: list[int] = []
+def _note_first_stand_in(rt: Any) -> None:
+    """The run's seal told when the run first reads a value from an emulated tensor (a
+    stand-in made up, or, under --compute, a host copy of a virtual GPU's values): a file
+    written after it may hold such values."""
     add, remember = rt.stand_ins.add, rt.remember_emulated_on_host
 
+    def note() -> None:
+        sealed = seal.active()
+        if sealed is not None:
+            sealed.note_stand_in()
+
     def counted(kind: str, times: int = 1) -> None:
-        if not first:
-            first.append(time.time_ns())
+        note()
         add(kind, times)
 
     def remembered(t: torch.Tensor) -> None:
-        if not first:
-            first.append(time.time_ns())
+        note()
         remember(t)
 
     rt.stand_ins.add = counted
     rt.remember_emulated_on_host = remembered
-    return lambda: first[0] if first else None
 
 
 def _count_backwards(patcher: Patcher, stepper: Stepper) -> None:

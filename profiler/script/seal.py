@@ -155,21 +155,23 @@ class Seal:
     """The seal of one run; a context manager (see the module).
 
     ``root``: an empty private folder for the overlay; ``kernel_trees``: the folders the
-    kernel line seals for this run (their paths pass through); ``stand_ins_since``: when the
-    run first read a value from an emulated tensor (``time.time_ns``), or None."""
+    kernel line seals for this run (their paths pass through); ``clock``: a private file
+    (outside ``root``) whose modification time marks the run's first value read from an
+    emulated tensor (:meth:`note_stand_in`), on the clock files are stamped by."""
 
-    def __init__(self, root: str, kernel_trees: Sequence[str] = (),
-                 stand_ins_since: Callable[[], int | None] = lambda: None) -> None:
+    def __init__(self, root: str, kernel_trees: Sequence[str] = (), clock: str = "") -> None:
         self.overlay = Overlay(root)
         self.kernel_trees = tuple(t.rstrip("/") or "/" for t in kernel_trees)
         self._kernel_prefixes = tuple(t + "/" for t in self.kernel_trees if t != "/")
-        self.stand_ins_since = stand_ins_since
+        self.clock = clock or self.overlay.root + ".clock"
+        self.stand_ins_since_ns: int | None = None
         self.lines = _Lines()
         self.breach: SealBreach | None = None
         self._patcher = Patcher()
         self._previous: Seal | None = None
         self._finder: _OutsidePythonFinder | None = None
         self._saved_env: dict[str, str | None] = {}
+        self._held_openers: list[tuple[dict[Any, Any], Any, Any]] = []
         self._bytecode = sys.dont_write_bytecode
 
     # ---- activation ------------------------------------------------------------------
@@ -193,6 +195,7 @@ class Seal:
             if loaded is not None:
                 _patch_outside(self._patcher, loaded, name, pos, kw, how, wrappers)
         patch_bound_names(self._patcher, wrappers)
+        self._held_openers = _patch_held_openers(wrappers)
         self._finder = _OutsidePythonFinder(self._patcher)
         sys.meta_path.insert(0, self._finder)
         sys.dont_write_bytecode = True
@@ -206,6 +209,8 @@ class Seal:
         global _ACTIVE
         if self._finder is not None and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
+        for table, key, original in reversed(self._held_openers):
+            table[key] = original
         self._patcher.restore()
         sys.dont_write_bytecode = self._bytecode
         for var, value in self._saved_env.items():
@@ -308,7 +313,7 @@ class Seal:
                     (isinstance(flags, int) and flags & _WRITE_FLAGS)
                     or (isinstance(mode, str) and not _WRITE_MODE.isdisjoint(mode))):
                 return
-            self._check(path, "opened for writing")
+            self._check(path, "opened for writing", folder_ok=True)
         elif event in _PATH_EVENTS:
             for i in _PATH_EVENTS[event]:
                 if i < len(args):
@@ -325,7 +330,9 @@ class Seal:
             if len(self.lines.subprocesses) < 20:
                 self.lines.subprocesses.append(text[:200])
 
-    def _check(self, path: Any, how: str) -> None:
+    def _check(self, path: Any, how: str, folder_ok: bool = False) -> None:
+        """Stop the run where ``path`` is a real file of the user's (``folder_ok``: a
+        folder is not: ``open(folder, opener=...)`` is how tempfile names its own)."""
         if isinstance(path, int):
             return
         try:
@@ -333,8 +340,8 @@ class Seal:
         except TypeError:
             return
         a = os.path.normpath(s if s.startswith("/") else os.path.join(_ORIG["getcwd"](), s))
-        if self.overlay.in_root(a) or (a.startswith(_PASS_PREFIXES)
-                                       and not a.startswith(_SEALED_DEV)):
+        if self.overlay.in_root(a) or a == self.clock or (
+                a.startswith(_PASS_PREFIXES) and not a.startswith(_SEALED_DEV)):
             return
         if self._in_kernel_tree(a):
             return
@@ -342,8 +349,21 @@ class Seal:
         if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
                                    or stat.S_ISLNK(st.st_mode)):
             return
+        if folder_ok and ((st is not None and stat.S_ISDIR(st.st_mode))
+                          or self.overlay.is_dir(self.overlay.canonical(a))):
+            return
         self.breach = SealBreach(a, how)
         raise self.breach
+
+    def note_stand_in(self) -> None:
+        """The run read a value from an emulated tensor: the first time, the moment as the
+        filesystem stamps files (its clock is coarser than ``time.time_ns``: a file written
+        right after would look older)."""
+        if self.stand_ins_since_ns is not None:
+            return
+        with _ORIG_OPEN(self.clock, "wb"):
+            pass
+        self.stand_ins_since_ns = int(_ORIG["stat"](self.clock).st_mtime_ns)
 
     # ---- what the run left -------------------------------------------------------------
 
@@ -352,7 +372,7 @@ class Seal:
         kernel line's), each with whether it holds emulated values: a stand-in checkpoint
         (:data:`STAND_IN_MAGIC`), or written after the run read a value from an emulated
         tensor."""
-        since = self.stand_ins_since()
+        since = self.stand_ins_since_ns
         out = []
         for ch in [*self.overlay.changes(), *kernel]:
             emulated = False
@@ -364,12 +384,19 @@ class Seal:
         return out
 
     def _stand_in_file(self, ch: ov.Change) -> bool:
-        concrete = getattr(ch, "concrete", None) or self.overlay.upper(ch.path)
+        """Whether the file begins with :data:`STAND_IN_MAGIC` (gzip'd too)."""
+        concrete = ch.concrete or self.overlay.upper(ch.path)
         try:
             with _ORIG_OPEN(concrete, "rb") as f:
-                return f.read(len(STAND_IN_MAGIC)) == STAND_IN_MAGIC
-        except OSError:
+                head = f.read(len(STAND_IN_MAGIC))
+            if head.startswith(b"\x1f\x8b"):
+                import gzip
+
+                with gzip.GzipFile(fileobj=_ORIG_OPEN(concrete, "rb")) as g:
+                    head = g.read(len(STAND_IN_MAGIC))
+        except (OSError, EOFError):
             return False
+        return head == STAND_IN_MAGIC
 
 
 # ---- the patched functions ----------------------------------------------------------
@@ -379,7 +406,10 @@ class Seal:
 
 def _open(file: Any, *args: Any, **kwargs: Any) -> Any:
     seal = _ACTIVE
-    if seal is None or isinstance(file, int):
+    # an opener decides what the path means (tempfile's ignores it and calls os.open, the
+    # seal's, on a name of its own)
+    if seal is None or isinstance(file, int) or kwargs.get("opener") is not None \
+            or (len(args) >= 7 and args[6] is not None):
         return _ORIG_OPEN(file, *args, **kwargs)
     mode = args[0] if args else kwargs.get("mode", "r")
     return _ORIG_OPEN(seal.open_path(file, mode), *args, **kwargs)
@@ -428,7 +458,7 @@ def _listdir(path: Any = None) -> list[Any]:
     seal = _ACTIVE
     given = "." if path is None else path
     c = seal.canon(given, write=False) if seal is not None else None
-    if c is None or not seal.overlay.touches(seal.overlay.follow(c)):  # type: ignore[union-attr]
+    if c is None or not seal.overlay.touches(c):  # type: ignore[union-attr]
         return list(_ORIG["listdir"](given))
     names = seal.overlay.listdir(c, given)  # type: ignore[union-attr]
     return [os.fsencode(n) for n in names] if isinstance(given, bytes) else names
@@ -438,7 +468,7 @@ def _scandir(path: Any = None) -> Any:
     seal = _ACTIVE
     given = "." if path is None else path
     c = seal.canon(given, write=False) if seal is not None else None
-    if c is None or not seal.overlay.touches(seal.overlay.follow(c)):  # type: ignore[union-attr]
+    if c is None or not seal.overlay.touches(c):  # type: ignore[union-attr]
         return _ORIG["scandir"](given)
     return seal.overlay.scandir(seal.overlay.follow(c), given)  # type: ignore[union-attr]
 
@@ -785,6 +815,27 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 # ---- names bound before a run ----------------------------------------------------------
+
+# tables that hold Python's ``open`` as a value, made at import: (module, object, attribute)
+# NumPy's loadtxt / genfromtxt open through numpy.lib._datasource._file_openers
+_OPENER_TABLES = (("numpy.lib._datasource", "_file_openers", "_file_openers"),)
+
+
+def _patch_held_openers(wrappers: dict[int, Any]) -> list[tuple[dict[Any, Any], Any, Any]]:
+    """Each entry of :data:`_OPENER_TABLES` that holds an original, set to its wrapper;
+    (table, key, original) of each, to put back."""
+    done = []
+    for module_name, obj_name, attr in _OPENER_TABLES:
+        table = getattr(getattr(sys.modules.get(module_name), obj_name, None), attr, None)
+        if not isinstance(table, dict):
+            continue
+        for key, value in list(table.items()):
+            wrapper = wrappers.get(id(value))
+            if wrapper is not None:
+                done.append((table, key, value))
+                table[key] = wrapper
+    return done
+
 
 # id(module) -> (the module, the ids it was read for, its names bound to one of them)
 _BOUND: dict[int, tuple[Any, frozenset[int], list[str]]] = {}

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dpprof.script import census, namespace
@@ -62,19 +61,17 @@ class SealedRun:
     then :attr:`outcome`.
 
     ``name``: the run's (its folder under ``keep_dir``); ``script``: its file (None for
-    ``python -m``); ``before``: the census taken before the runs (None: taken here);
-    ``stand_ins_since``: when the run first read a value from an emulated tensor."""
+    ``python -m``); ``before``: the census taken before the runs (None: taken here)."""
 
     def __init__(self, name: str, script: str | None, keep_dir: str | None = None,
-                 before: Snapshot | None = None,
-                 stand_ins_since: Callable[[], int | None] = lambda: None) -> None:
+                 before: Snapshot | None = None) -> None:
         self.name = name
         self.script = script
         self.keep_dir = os.path.abspath(keep_dir) if keep_dir else None
         self.before = before
-        self.stand_ins_since = stand_ins_since
         self.outcome = SealOutcome()
         self._kernel: namespace.KernelOverlay | None = None
+        self._base = ""  # private: the overlay's root and the clock file
         self._root = ""
         self._seal: Seal | None = None
         self._cwd = ""
@@ -95,16 +92,19 @@ class SealedRun:
             except OSError:  # this run keeps the Python line and the check after it
                 kernel = None
             if kernel is not None:
-                self._kernel, trees, self._root = kernel, folders, kernel.python_root
-        if not self._root:
-            self._root = tempfile.mkdtemp(prefix="dpprof-writes-")
-        self._seal = Seal(self._root, trees, self.stand_ins_since)
+                self._kernel, trees = kernel, folders
+                self._base = kernel.stage
+        if not self._base:
+            self._base = tempfile.mkdtemp(prefix="dpprof-writes-")
+        self._root = os.path.join(self._base, "py")
+        if not os.path.isdir(self._root):
+            os.mkdir(self._root, 0o700)
+        self._seal = Seal(self._root, trees, clock=os.path.join(self._base, "clock"))
         self.outcome.kernel = bool(trees)
         return self._seal.__enter__()
 
     def _excluded(self) -> list[str]:
-        return [p for p in (self.keep_dir, self._root,
-                            self._kernel.stage if self._kernel else None) if p]
+        return [p for p in (self.keep_dir, self._base) if p]
 
     def __exit__(self, *exc: object) -> None:
         assert self._seal is not None
@@ -125,7 +125,7 @@ class SealedRun:
             if self._kernel is not None:
                 self._kernel.close()
             else:
-                shutil.rmtree(self._root, ignore_errors=True)
+                shutil.rmtree(self._base, ignore_errors=True)
         assert self.before is not None
         after = census.again(self.before, self._excluded())
         out.differences = census.differences(self.before, after, seal.overlay.touched_real)
