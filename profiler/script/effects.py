@@ -164,6 +164,11 @@ class ScriptEffects:
                 if self.is_emulated(x):
                     return True
                 continue
+            storage = _untyped(x)
+            if storage is not None:  # pickle of a tensor saves its storage by torch.save
+                if self.is_emulated(_over(storage)):
+                    return True
+                continue
             behind = _tensor_behind(x)
             if behind is not None:
                 if self.is_emulated(behind):
@@ -387,6 +392,11 @@ class _SkeletonPickler(pickle.Pickler):
         self.storages: dict[int, int] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        storage = _untyped(obj)
+        if storage is not None and self.is_emulated(_over(storage)):
+            return (_rebuild_storage, (int(storage.nbytes()), str(_over(storage).device),
+                                       isinstance(obj, torch.TypedStorage),
+                                       getattr(obj, "dtype", torch.uint8)))
         if (not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, nn.Parameter)
                 or not self.is_emulated(obj)):
             return NotImplemented
@@ -449,6 +459,27 @@ def _rebuild_tensor(key: int, nbytes: int, location: str, dtype: torch.dtype,
     if parameter:
         return nn.Parameter(t, requires_grad=requires_grad)
     return t.requires_grad_(requires_grad)
+
+
+def _untyped(x: Any) -> Any:
+    """The untyped storage of a storage object (typed or not), else None."""
+    if isinstance(x, torch.TypedStorage):
+        return x._untyped_storage
+    return x if isinstance(x, torch.UntypedStorage) else None
+
+
+def _over(storage: Any) -> torch.Tensor:
+    """A tensor over ``storage`` (what the emulation tells a virtual GPU's bytes by)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _rebuild_storage(nbytes: int, location: str, typed: bool, dtype: torch.dtype) -> Any:
+    """A storage as ``torch.load`` of a pickled one makes it (``pickle.dump`` of a tensor),
+    where it is mapped to."""
+    flat = _rebuild_tensor(id(object()), nbytes, location, torch.uint8, (nbytes,), (1,), 0,
+                           False, False)
+    st = flat.untyped_storage()
+    return torch.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True) if typed else st
 
 
 def _showwarning(message: Warning | str, category: type[Warning], filename: str,

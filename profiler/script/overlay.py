@@ -420,7 +420,11 @@ class Overlay:
         self.dirty = True
         if w == REAL and st is not None:
             self.note_real(c)
-            if not truncate:
+            if truncate:  # emptied: the file is there for a call without O_CREAT
+                with _io_open(self.upper(c), "wb"):
+                    pass
+                _chmod(self.upper(c), stat.S_IMODE(st.st_mode))
+            else:
                 _copy_file(c, self.upper(c), st)
         self._replacing(c)
         return self.upper(c)
