@@ -423,31 +423,39 @@ def _os_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = N
     return int(_ORIG["open"](concrete, flags, mode))
 
 
-def _stat(path: Any, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> Any:
+def _sealed(path: Any, dir_fd: int | None = None, *,
+            write: bool) -> tuple[Overlay, str] | None:
+    """The active seal's overlay and ``path`` canonical in it, or None where the call
+    passes through (no run under way, or :meth:`Seal.canon` says so)."""
     seal = _ACTIVE
-    c = seal.canon(path, dir_fd, write=False) if seal is not None else None
-    if c is None:
+    if seal is None:
+        return None
+    c = seal.canon(path, dir_fd, write=write)
+    return None if c is None else (seal.overlay, c)
+
+
+def _stat(path: Any, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> Any:
+    at = _sealed(path, dir_fd, write=False)
+    if at is None:
         return _ORIG["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
-    return seal.overlay.stat(c, follow_symlinks, path)  # type: ignore[union-attr]
+    return at[0].stat(at[1], follow_symlinks, path)
 
 
 def _lstat(path: Any, *, dir_fd: int | None = None) -> Any:
-    seal = _ACTIVE
-    c = seal.canon(path, dir_fd, write=False) if seal is not None else None
-    if c is None:
+    at = _sealed(path, dir_fd, write=False)
+    if at is None:
         return _ORIG["lstat"](path, dir_fd=dir_fd)
-    return seal.overlay.stat(c, False, path)  # type: ignore[union-attr]
+    return at[0].stat(at[1], False, path)
 
 
 def _access(path: Any, mode: int, *, dir_fd: int | None = None, effective_ids: bool = False,
             follow_symlinks: bool = True) -> bool:
-    seal = _ACTIVE
-    c = seal.canon(path, dir_fd, write=False) if seal is not None else None
-    if c is None:
+    at = _sealed(path, dir_fd, write=False)
+    if at is None:
         return bool(_ORIG["access"](path, mode, dir_fd=dir_fd, effective_ids=effective_ids,
                                     follow_symlinks=follow_symlinks))
     try:
-        concrete = seal.overlay.for_read(c, path, follow_symlinks)  # type: ignore[union-attr]
+        concrete = at[0].for_read(at[1], path, follow_symlinks)
     except OSError:
         return False
     return bool(_ORIG["access"](concrete, mode, effective_ids=effective_ids,
@@ -455,32 +463,29 @@ def _access(path: Any, mode: int, *, dir_fd: int | None = None, effective_ids: b
 
 
 def _listdir(path: Any = None) -> list[Any]:
-    seal = _ACTIVE
     given = "." if path is None else path
-    c = seal.canon(given, write=False) if seal is not None else None
-    if c is None or not seal.overlay.touches(c):  # type: ignore[union-attr]
+    at = _sealed(given, write=False)
+    if at is None or not at[0].touches(at[1]):
         return list(_ORIG["listdir"](given))
-    names = seal.overlay.listdir(c, given)  # type: ignore[union-attr]
+    names = at[0].listdir(at[1], given)
     return [os.fsencode(n) for n in names] if isinstance(given, bytes) else names
 
 
 def _scandir(path: Any = None) -> Any:
-    seal = _ACTIVE
     given = "." if path is None else path
-    c = seal.canon(given, write=False) if seal is not None else None
-    if c is None or not seal.overlay.touches(c):  # type: ignore[union-attr]
+    at = _sealed(given, write=False)
+    if at is None or not at[0].touches(at[1]):
         return _ORIG["scandir"](given)
-    return seal.overlay.scandir(seal.overlay.follow(c), given)  # type: ignore[union-attr]
+    return at[0].scandir(at[0].follow(at[1]), given)
 
 
 def _remover(name: str) -> Callable[..., None]:
     def remove(path: Any, *, dir_fd: int | None = None) -> None:
-        seal = _ACTIVE
-        c = seal.canon(path, dir_fd, write=True) if seal is not None else None
-        if c is None:
-            return _ORIG[name](path, dir_fd=dir_fd)  # type: ignore[no-any-return]
-        seal.overlay.remove(c, path)  # type: ignore[union-attr]
-        return None
+        at = _sealed(path, dir_fd, write=True)
+        if at is None:
+            _ORIG[name](path, dir_fd=dir_fd)
+        else:
+            at[0].remove(at[1], path)
 
     remove.__name__ = name
     return remove
@@ -489,25 +494,21 @@ def _remover(name: str) -> Callable[..., None]:
 def _renamer(name: str) -> Callable[..., None]:
     def rename(src: Any, dst: Any, *, src_dir_fd: int | None = None,
                dst_dir_fd: int | None = None) -> None:
-        seal = _ACTIVE
-        s = seal.canon(src, src_dir_fd, write=True) if seal is not None else None
-        d = seal.canon(dst, dst_dir_fd, write=True) if seal is not None else None
+        s = _sealed(src, src_dir_fd, write=True)
+        d = _sealed(dst, dst_dir_fd, write=True)
         if s is None and d is None:
-            return _ORIG[name](src, dst, src_dir_fd=src_dir_fd,  # type: ignore[no-any-return]
-                               dst_dir_fd=dst_dir_fd)
-        assert seal is not None
-        if s is None or d is None:  # one end in a tree the kernel seals: a copy, then a removal
-            _cross_rename(seal, src, dst, s, d, src_dir_fd, dst_dir_fd)
-            return None
-        seal.overlay.rename(s, d, src, dst)
-        return None
+            _ORIG[name](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        elif s is None or d is None:  # one end in a tree the kernel seals
+            _cross_rename(src, dst, src_dir_fd, dst_dir_fd)
+        else:
+            s[0].rename(s[1], d[1], src, dst)
 
     rename.__name__ = name
     return rename
 
 
-def _cross_rename(seal: Seal, src: Any, dst: Any, s: str | None, d: str | None,
-                  src_dir_fd: int | None, dst_dir_fd: int | None) -> None:
+def _cross_rename(src: Any, dst: Any, src_dir_fd: int | None,
+                  dst_dir_fd: int | None) -> None:
     """A rename between a tree the kernel line seals and one the overlay holds: the file
     copied into place, the source removed (both in their own overlay)."""
     if src_dir_fd is not None or dst_dir_fd is not None or stat.S_ISDIR(_stat(src).st_mode):
@@ -519,65 +520,57 @@ def _cross_rename(seal: Seal, src: Any, dst: Any, s: str | None, d: str | None,
 
 
 def _mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
-    seal = _ACTIVE
-    c = seal.canon(path, dir_fd, write=True) if seal is not None else None
-    if c is None:
-        return _ORIG["mkdir"](path, mode, dir_fd=dir_fd)  # type: ignore[no-any-return]
-    seal.overlay.mkdir(c, mode, path)  # type: ignore[union-attr]
-    return None
+    at = _sealed(path, dir_fd, write=True)
+    if at is None:
+        _ORIG["mkdir"](path, mode, dir_fd=dir_fd)
+    else:
+        at[0].mkdir(at[1], mode, path)
 
 
 def _rmdir(path: Any, *, dir_fd: int | None = None) -> None:
-    seal = _ACTIVE
-    c = seal.canon(path, dir_fd, write=True) if seal is not None else None
-    if c is None:
-        return _ORIG["rmdir"](path, dir_fd=dir_fd)  # type: ignore[no-any-return]
-    seal.overlay.rmdir(c, path)  # type: ignore[union-attr]
-    return None
+    at = _sealed(path, dir_fd, write=True)
+    if at is None:
+        _ORIG["rmdir"](path, dir_fd=dir_fd)
+    else:
+        at[0].rmdir(at[1], path)
 
 
 def _truncate(path: Any, length: int) -> None:
-    seal = _ACTIVE
-    c = seal.canon(path, write=True) if seal is not None else None
-    if c is None:
-        return _ORIG["truncate"](path, length)  # type: ignore[no-any-return]
-    concrete = seal.overlay.for_write(c, path, create=False,  # type: ignore[union-attr]
-                                      truncate=False, exclusive=False)
-    return _ORIG["truncate"](concrete, length)  # type: ignore[no-any-return]
+    at = _sealed(path, write=True)
+    if at is None:
+        _ORIG["truncate"](path, length)
+    else:
+        _ORIG["truncate"](at[0].for_write(at[1], path, create=False, truncate=False,
+                                          exclusive=False), length)
 
 
 def _symlink(src: Any, dst: Any, target_is_directory: bool = False, *,
              dir_fd: int | None = None) -> None:
-    seal = _ACTIVE
-    c = seal.canon(dst, dir_fd, write=True) if seal is not None else None
-    if c is None:
-        return _ORIG["symlink"](src, dst, target_is_directory,  # type: ignore[no-any-return]
-                                dir_fd=dir_fd)
-    seal.overlay.symlink(os.fsdecode(src), c, dst)  # type: ignore[union-attr]
-    return None
+    at = _sealed(dst, dir_fd, write=True)
+    if at is None:
+        _ORIG["symlink"](src, dst, target_is_directory, dir_fd=dir_fd)
+    else:
+        at[0].symlink(os.fsdecode(src), at[1], dst)
 
 
 def _link(src: Any, dst: Any, *, src_dir_fd: int | None = None,
           dst_dir_fd: int | None = None, follow_symlinks: bool = True) -> None:
-    seal = _ACTIVE
-    s = seal.canon(src, src_dir_fd, write=True) if seal is not None else None
-    d = seal.canon(dst, dst_dir_fd, write=True) if seal is not None else None
+    s = _sealed(src, src_dir_fd, write=True)
+    d = _sealed(dst, dst_dir_fd, write=True)
     if s is None and d is None:
-        return _ORIG["link"](src, dst, src_dir_fd=src_dir_fd,  # type: ignore[no-any-return]
-                             dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
-    if s is None or d is None:
+        _ORIG["link"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd,
+                      follow_symlinks=follow_symlinks)
+    elif s is None or d is None:
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src, None, dst)
-    seal.overlay.link(s, d, src, dst)  # type: ignore[union-attr]
-    return None
+    else:
+        s[0].link(s[1], d[1], src, dst)
 
 
 def _readlink(path: Any, *, dir_fd: int | None = None) -> Any:
-    seal = _ACTIVE
-    c = seal.canon(path, dir_fd, write=False) if seal is not None else None
-    if c is None:
+    at = _sealed(path, dir_fd, write=False)
+    if at is None:
         return _ORIG["readlink"](path, dir_fd=dir_fd)
-    target = seal.overlay.readlink(c, path)  # type: ignore[union-attr]
-    return _like(path, target)
+    return _like(path, at[0].readlink(at[1], path))
 
 
 def _metadata(name: str) -> Callable[..., Any]:
@@ -585,17 +578,14 @@ def _metadata(name: str) -> Callable[..., Any]:
     overlay's copy."""
     def change(path: Any, *args: Any, dir_fd: int | None = None,
                follow_symlinks: bool = True, **kwargs: Any) -> Any:
-        seal = _ACTIVE
-        c = seal.canon(path, dir_fd, write=True) if seal is not None else None
-        if c is None:
-            if dir_fd is not None:
-                kwargs["dir_fd"] = dir_fd
-            if not follow_symlinks:
-                kwargs["follow_symlinks"] = False
-            return _ORIG[name](path, *args, **kwargs)
-        concrete = seal.overlay.materialize(c, path, follow_symlinks)  # type: ignore[union-attr]
         if not follow_symlinks:
             kwargs["follow_symlinks"] = False
+        at = _sealed(path, dir_fd, write=True)
+        if at is None:
+            if dir_fd is not None:
+                kwargs["dir_fd"] = dir_fd
+            return _ORIG[name](path, *args, **kwargs)
+        concrete = at[0].materialize(at[1], path, follow_symlinks)
         return _ORIG[name](_like(path, concrete), *args, **kwargs)
 
     change.__name__ = name
@@ -609,12 +599,10 @@ def _lchown(path: Any, uid: int, gid: int) -> None:
 def _reader(name: str) -> Callable[..., Any]:
     """A call that reads a path (getxattr, listxattr): from the view."""
     def read(path: Any = None, *args: Any, **kwargs: Any) -> Any:
-        seal = _ACTIVE
-        c = seal.canon(path, write=False) if seal is not None and path is not None else None
-        if c is None:
+        at = _sealed(path, write=False) if path is not None else None
+        if at is None:
             return _ORIG[name](*(() if path is None else (path,)), *args, **kwargs)
-        concrete = seal.overlay.for_read(c, path,  # type: ignore[union-attr]
-                                         kwargs.get("follow_symlinks", True))
+        concrete = at[0].for_read(at[1], path, kwargs.get("follow_symlinks", True))
         return _ORIG[name](_like(path, concrete), *args, **kwargs)
 
     read.__name__ = name
@@ -624,34 +612,33 @@ def _reader(name: str) -> Callable[..., Any]:
 def _maker(name: str) -> Callable[..., None]:
     """mkfifo / mknod: the node made in the overlay."""
     def make(path: Any, *args: Any, dir_fd: int | None = None) -> None:
-        seal = _ACTIVE
-        c = seal.canon(path, dir_fd, write=True) if seal is not None else None
-        if c is None:
-            return _ORIG[name](path, *args, dir_fd=dir_fd)  # type: ignore[no-any-return]
-        concrete = seal.overlay.for_write(c, path, create=True,  # type: ignore[union-attr]
-                                          truncate=True, exclusive=True)
-        return _ORIG[name](concrete, *args)  # type: ignore[no-any-return]
+        at = _sealed(path, dir_fd, write=True)
+        if at is None:
+            _ORIG[name](path, *args, dir_fd=dir_fd)
+        else:
+            _ORIG[name](at[0].for_write(at[1], path, create=True, truncate=True,
+                                        exclusive=True), *args)
 
     make.__name__ = name
     return make
 
 
 def _chdir(path: Any) -> None:
-    seal = _ACTIVE
-    c = seal.canon(path, write=False) if seal is not None else None
-    if c is None:
-        return _ORIG["chdir"](path)  # type: ignore[no-any-return]
-    c = seal.overlay.follow(c)  # type: ignore[union-attr]
-    st = seal.overlay.lstat_in_view(c)  # type: ignore[union-attr]
+    at = _sealed(path, write=False)
+    if at is None:
+        _ORIG["chdir"](path)
+        return
+    overlay, c = at[0], at[0].follow(at[1])
+    st = overlay.lstat_in_view(c)
     if st is None:
-        raise ov.os_error(errno.ENOENT, path)
+        raise overlay.missing(c, path)
     if not stat.S_ISDIR(st.st_mode):
         raise ov.os_error(errno.ENOTDIR, path)
     # a folder that exists for real is entered for real (reads of it stay real; the
     # overlay's files in it are found by path), one only the run made in the overlay
     real = ov.lstat_or_none(c)
-    inside = seal.overlay.where(c) == ov.GONE or real is None or c in seal.overlay.opaque  # type: ignore
-    return _ORIG["chdir"](seal.overlay.upper(c) if inside else c)  # type: ignore
+    inside = overlay.where(c) == ov.GONE or real is None or c in overlay.opaque
+    _ORIG["chdir"](overlay.upper(c) if inside else c)
 
 
 def _getcwd() -> str:

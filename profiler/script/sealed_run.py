@@ -89,11 +89,9 @@ class SealedRun:
             kernel = namespace.KernelOverlay(folders)
             try:
                 kernel.mount()
+                self._kernel, trees, self._base = kernel, folders, kernel.stage
             except OSError:  # this run keeps the Python line and the check after it
-                kernel = None
-            if kernel is not None:
-                self._kernel, trees = kernel, folders
-                self._base = kernel.stage
+                pass
         if not self._base:
             self._base = tempfile.mkdtemp(prefix="dpprof-writes-")
         self._root = os.path.join(self._base, "py")
