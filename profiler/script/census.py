@@ -18,9 +18,13 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["Difference", "Snapshot", "again", "differences", "take"]
+__all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
+           "take"]
 
-DEFAULT_LIMIT = 20_000  # entries noted per snapshot (a data set under the working directory)
+# entries noted per snapshot (a data set under the working directory): the walk is the only
+# second line where no mount namespace holds the writes, a check of it where one does
+LIMIT = 20_000
+LIMIT_UNDER_KERNEL = 2_000
 
 Signature = tuple[int, int, int, int, int, int]  # mode, inode, device, size, mtime, ctime
 
@@ -36,6 +40,7 @@ class Snapshot:
     entries: dict[str, Signature] = field(default_factory=dict)
     roots: list[str] = field(default_factory=list)
     complete: bool = True  # False: more entries than the limit; the shallowest were noted
+    limit: int = LIMIT
 
 
 @dataclass
@@ -44,8 +49,7 @@ class Difference:
     what: str  # "changed" | "removed" | "created"
 
 
-def take(folders: Iterable[str], exclude: Iterable[str] = (),
-         limit: int = DEFAULT_LIMIT) -> Snapshot:
+def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT) -> Snapshot:
     """Every entry under ``folders`` (not following links, not into ``exclude``), breadth
     first, up to ``limit`` entries."""
     skip = {os.path.realpath(e) for e in exclude}
@@ -55,7 +59,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (),
         if os.path.isdir(real) and real not in roots and real not in skip \
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
-    snap = Snapshot(roots=roots)
+    snap = Snapshot(roots=roots, limit=limit)
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
@@ -80,10 +84,9 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (),
     return snap
 
 
-def again(before: Snapshot, exclude: Iterable[str] = (),
-          limit: int = DEFAULT_LIMIT) -> Snapshot:
+def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
     """The same walk as ``before``'s, now."""
-    return take(before.roots, exclude, limit)
+    return take(before.roots, exclude, before.limit)
 
 
 def differences(before: Snapshot, after: Snapshot,

@@ -61,8 +61,13 @@ def why_not() -> str | None:
     return _STATE["why_not"]
 
 
+_LIBC: list[ctypes.CDLL] = []
+
+
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    if not _LIBC:  # find_library runs ldconfig: once
+        _LIBC.append(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True))
+    return _LIBC[0]
 
 
 def _check(result: int, what: str) -> None:

@@ -727,11 +727,30 @@ def _mapped(pos: int, kw: str, how: str, args: tuple[Any, ...],
     return (*args[:pos], concrete, *args[pos + 1:]), kwargs
 
 
+# id(original) -> (the original, its wrapper): one wrapper per original for every run (a
+# new one each run would make every module be read again for names bound to it)
+_OUTSIDE_WRAPPERS: dict[int, tuple[Any, Any]] = {}
+
+
 def _patch_outside(patcher: Patcher, module: ModuleType, name: str, pos: int, kw: str,
                    how: str, wrappers: dict[int, Any] | None = None) -> None:
     original = getattr(module, name, None)
     if original is None:
         return
+    known = _OUTSIDE_WRAPPERS.get(id(original))
+    if known is not None and known[0] is original:
+        wrapper = known[1]
+    else:
+        wrapper = _outside_wrapper(original, name, pos, kw, how)
+        _OUTSIDE_WRAPPERS[id(original)] = (original, wrapper)
+    patcher.patch(module, name, wrapper)
+    if wrappers is not None:
+        wrappers[id(original)] = wrapper
+
+
+def _outside_wrapper(original: Any, name: str, pos: int, kw: str, how: str) -> Any:
+    """``original`` (a function, or h5py's File class) with its path argument handed the
+    overlay's path while a run is under way."""
     if isinstance(original, type) and how == "h5py":
         class Sealed(original):  # type: ignore[valid-type, misc]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -740,18 +759,15 @@ def _patch_outside(patcher: Patcher, module: ModuleType, name: str, pos: int, kw
 
         Sealed.__name__ = Sealed.__qualname__ = original.__name__
         Sealed.__module__ = original.__module__
-        wrapper: Any = Sealed
-    else:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _mapped(pos, kw, how, args, kwargs)
-            return original(*args, **kwargs)
+        return Sealed
 
-        call.__name__ = getattr(original, "__name__", name)
-        call.__doc__ = getattr(original, "__doc__", None)
-        wrapper = call
-    patcher.patch(module, name, wrapper)
-    if wrappers is not None:
-        wrappers[id(original)] = wrapper
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _mapped(pos, kw, how, args, kwargs)
+        return original(*args, **kwargs)
+
+    call.__name__ = getattr(original, "__name__", name)
+    call.__doc__ = getattr(original, "__doc__", None)
+    return call
 
 
 class _OutsidePythonFinder(importlib.abc.MetaPathFinder):
@@ -824,8 +840,8 @@ def _patch_held_openers(wrappers: dict[int, Any]) -> list[tuple[dict[Any, Any], 
     return done
 
 
-# id(module) -> (the module, the ids it was read for, its names bound to one of them)
-_BOUND: dict[int, tuple[Any, frozenset[int], list[str]]] = {}
+# the ids of the originals -> id(module) -> (the module, its names bound to one of them)
+_BOUND: dict[frozenset[int], dict[int, tuple[Any, list[str]]]] = {}
 _NOT_SCANNED = ("os", "posix", "nt", "io", "_io", "builtins", "dpprof", "importlib",
                 "_frozen_importlib", "_frozen_importlib_external")
 
@@ -836,21 +852,22 @@ def patch_bound_names(patcher: Patcher, wrappers: dict[int, Any], only: str = ""
     originals (names are bound at import): thousands of modules would otherwise cost each
     run tens of milliseconds. ``only``: that package's modules alone."""
     wanted = frozenset(wrappers)
+    found = _BOUND.setdefault(wanted, {})
     for module in list(sys.modules.values()):
-        mod_name = getattr(module, "__name__", "")
-        if not isinstance(mod_name, str) or mod_name.split(".")[0] in _NOT_SCANNED:
+        seen = found.get(id(module))
+        if seen is None or seen[0] is not module:
+            mod_name = getattr(module, "__name__", "")
+            names = getattr(module, "__dict__", None)
+            hits = [] if (not isinstance(mod_name, str) or not isinstance(names, dict)
+                          or mod_name.split(".")[0] in _NOT_SCANNED) else [
+                attr for attr, value in list(names.items())
+                if id(value) in wanted and not attr.startswith("__")]
+            seen = found[id(module)] = (module, hits)
+        if not seen[1] or (only and not (module.__name__ == only
+                                         or module.__name__.startswith(only + "."))):
             continue
-        if only and not (mod_name == only or mod_name.startswith(only + ".")):
-            continue
-        names = getattr(module, "__dict__", None)
-        if not isinstance(names, dict):
-            continue
-        seen = _BOUND.get(id(module))
-        if seen is None or seen[0] is not module or not wanted <= seen[1]:
-            hits = [attr for attr, value in list(names.items())
-                    if id(value) in wanted and not attr.startswith("__")]
-            seen = _BOUND[id(module)] = (module, wanted, hits)
-        for attr in seen[2]:
+        names = module.__dict__
+        for attr in seen[1]:
             wrapper = wrappers.get(id(names.get(attr)))
             if wrapper is not None:
                 patcher.patch(module, attr, wrapper)

@@ -18,7 +18,7 @@ from dpprof.script.census import Difference, Snapshot
 from dpprof.script.overlay import Change
 from dpprof.script.seal import Seal, SealedWrite
 
-__all__ = ["SealOutcome", "SealedRun", "folders_of", "prepare_process"]
+__all__ = ["SealOutcome", "SealedRun", "folders_of", "prepare_process", "take_census"]
 
 
 @dataclass
@@ -46,6 +46,14 @@ def prepare_process() -> None:
 
     tempfile.gettempdir()
     multiprocessing.util.get_temp_dir()
+
+
+def take_census(script: str | None, keep_dir: str | None) -> Snapshot:
+    """The user's files before the runs (:mod:`dpprof.script.census`): the working
+    directory and the script's folder, the writes kept (``keep_dir``) left out; walked in
+    full where no mount namespace holds the writes, the shallowest where one does."""
+    return census.take(folders_of(script), [keep_dir] if keep_dir else [],
+                       census.LIMIT_UNDER_KERNEL if namespace.entered() else census.LIMIT)
 
 
 def folders_of(script: str | None) -> list[str]:
@@ -80,7 +88,7 @@ class SealedRun:
         self._cwd = os.getcwd()
         prepare_process()
         if self.before is None:
-            self.before = census.take(folders_of(self.script), self._excluded())
+            self.before = take_census(self.script, self.keep_dir)
         trees: list[str] = []
         if namespace.entered():
             folders = namespace.sealed_folders([

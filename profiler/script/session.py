@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dpprof.errors import Interrupted
 from dpprof.result import Fix, RunResult, new_result
 from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
-from dpprof.script import census
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
 from dpprof.script.notes import (
@@ -48,7 +47,7 @@ from dpprof.script.notes import (
 )
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
-from dpprof.script.sealed_run import folders_of, prepare_process
+from dpprof.script.sealed_run import prepare_process, take_census
 from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
@@ -92,9 +91,8 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
 
     if cfg.seal and cfg.files_before is None:  # the user's files, checked after each run
         prepare_process()
-        cfg = dataclasses.replace(cfg, files_before=census.take(
-            folders_of(None if cfg.launch.is_module else cfg.launch.target),
-            [cfg.keep_writes] if cfg.keep_writes else []))
+        cfg = dataclasses.replace(cfg, files_before=take_census(
+            None if cfg.launch.is_module else cfg.launch.target, cfg.keep_writes))
     main = run_script(cfg, step_cb("as written"))
     n = len(main.scenario.devices) if main.scenario.name != DDP else main.visible_gpus
     runs = [(AS_WRITTEN, main)]
