@@ -191,7 +191,7 @@ def fresh_process_compare() -> float:
 
 def tracker_overhead(steps: int = 3) -> tuple[float, float]:
     from dpprof.emulator.vdevice import VirtualDevices, to_device
-    from dpprof.scenarios.base import training_loop
+    from dpprof.scenarios.measured_loop import training_loop
     from dpprof.scenarios.workloads import lm
 
     wl = lm()  # many small ops: the dispatch-bound case, where tracking costs the most

@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 import time
 
-from dpprof.analysis.maxbatch import probe_emulated, search
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.emulator.catalog import lookup_gpu
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.measure.maxbatch_search import probe_emulated, search
+from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from dpprof.check import compare_rows
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import BUILTINS
+from dpprof.self_check import compare_rows
 from dpprof.units import fmt_bytes
 
 RECORD = Path(__file__).with_name("emulator_vs_gpu.jsonl")

@@ -16,7 +16,7 @@ Per model, on 4 emulated GPUs (meta tensors), through the API ``dpprof compare``
    each card's own context model and kernel choices; the ladder forced on where DDP fits):
    per rung the peak allocated bytes of cuda:0 and of the fullest GPU, the need of the
    fullest GPU (reserved + context), whether it fits, and the cheapest rung that fits
-   (:func:`dpprof.analysis.ladder.cheapest_fit`; ``ddp`` itself where it already fits);
+   (:func:`dpprof.measure.ladder.cheapest_fit`; ``ddp`` itself where it already fits);
 3. **the time**: wall seconds of the comparison with the ladder and without it (``ddp``
    alone, run just before), each the least of two runs, on each card (the 24 GB card's
    in the table); the ladder's own time is the difference.
@@ -100,7 +100,7 @@ def smallest_oom_batch(spec: str, wl: Any) -> tuple[int, list[list[int]]]:
 def ladder_on(spec: str, wl: Any, batch: int, gpu: str) -> tuple[dict[str, Any], float, float]:
     """The ladder at ``batch`` on ``gpu``: its figures, the wall seconds of the comparison
     without the ladder and with it."""
-    from dpprof.analysis.ladder import PREFIX, cheapest_fit
+    from dpprof.measure.ladder import PREFIX, cheapest_fit
     from dpprof.pipeline import run_compare
 
     without = with_ladder = float("inf")

@@ -4,7 +4,7 @@ One command::
     python benchmarks/llama_fsdp.py                 # prints, writes benchmarks/llama_fsdp.json
     python benchmarks/llama_fsdp.py --profile 30 --no-write  # the timed run under cProfile
 
-What it runs is what the ladder's rung runs (:func:`dpprof.analysis.ladder.evaluate`): one
+What it runs is what the ladder's rung runs (:func:`dpprof.measure.ladder.evaluate`): one
 rank of 64, torch's own ``fully_shard`` on each of the 80 decoder layers and at the root
 (``reshard_after_forward=True``) over a fake process group of 64
 (:func:`dpprof.emulator.fsdp.emulated_ranks`), the ``single`` scenario's rows (batch 64:
@@ -47,11 +47,11 @@ GOAL_S = 60.0
 def zero3_rung(wl: Any, world: int, batch: int) -> Any:
     """The ZeRO-3 rung as the ladder measures it: ``single``'s rows on one rank of ``world``,
     the model under ``fully_shard`` (each repeated block, then the root)."""
-    from dpprof.analysis.ladder import fully_sharded
     from dpprof.backends.emulated import EmulationConfig, run_scenario
     from dpprof.emulator.catalog import lookup_gpu
     from dpprof.emulator.fsdp import emulated_ranks
-    from dpprof.scenarios.base import SINGLE
+    from dpprof.measure.ladder import fully_sharded
+    from dpprof.scenarios.names import SINGLE
     from dpprof.scenarios.step import StepConfig
 
     spec = lookup_gpu(GPU)

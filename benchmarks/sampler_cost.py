@@ -7,7 +7,7 @@ in Python each reading holds the GIL for a moment, and with real NVML each call 
 the driver's time (measured by ``dpprof check`` on a GPU: "one tick"). Here the fake NVML
 spends ``--call-ms`` of CPU per call (a busy wait under the GIL: the worst case), and a
 CPU training step (:func:`dpprof.backends.cuda_measure.step_closure` over the CPU stand-in) is
-timed with the sampler off and on (:func:`dpprof.check.sampler_cost`). Prints a table and
+timed with the sampler off and on (:func:`dpprof.self_check.sampler_cost`). Prints a table and
 appends it to ``benchmarks/sampler_cost.txt``. No assertion: on a GPU, ``dpprof check``
 measures the real cost.
 """
@@ -27,8 +27,8 @@ from fake_cuda import CpuOps  # noqa: E402
 from fake_nvml import FakeDevice, FakeNvml  # noqa: E402
 
 from dpprof.backends.cuda_measure import step_closure  # noqa: E402
-from dpprof.check import sampler_cost  # noqa: E402
 from dpprof.scenarios.workloads import load_workload  # noqa: E402
+from dpprof.self_check import sampler_cost  # noqa: E402
 
 RECORD = HERE / "sampler_cost.txt"
 

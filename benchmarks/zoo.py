@@ -32,7 +32,7 @@ ROWS = 2
 
 def scenario_peaks(name: str) -> dict[str, Any]:
     from dpprof.backends.emulated import EmulationConfig, run_scenario
-    from dpprof.scenarios.base import SCENARIOS
+    from dpprof.scenarios.registry import SCENARIOS
     from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import load_workload
 

@@ -9,29 +9,30 @@ is heavier and what each fix saves.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("dpprof")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0+unknown"
-
 from typing import TYPE_CHECKING, Any
 
+from dpprof.version import __version__
+
 if TYPE_CHECKING:
-    from dpprof.scenarios.base import SCENARIOS, ModelWithLoss
+    from dpprof.scenarios.measured_loop import ModelWithLoss
+    from dpprof.scenarios.registry import SCENARIOS
     from dpprof.scenarios.workloads import Workload
 
 __all__ = ["SCENARIOS", "ModelWithLoss", "Workload", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    """``dpprof.Workload`` and friends, imported on first use: ``import dpprof`` stays light
-    (no torch), so the command line handles Ctrl-C and SIGTERM from its first moment."""
-    if name in ("SCENARIOS", "ModelWithLoss"):
-        from dpprof.scenarios import base
+    """``dpprof.Workload`` and friends, imported on first use (deferred: they import torch,
+    and ``import dpprof`` stays light, so the command line handles Ctrl-C and SIGTERM from
+    its first moment)."""
+    if name == "SCENARIOS":
+        from dpprof.scenarios.registry import SCENARIOS
 
-        return getattr(base, name)
+        return SCENARIOS
+    if name == "ModelWithLoss":
+        from dpprof.scenarios.measured_loop import ModelWithLoss
+
+        return ModelWithLoss
     if name == "Workload":
         from dpprof.scenarios.workloads import Workload
 

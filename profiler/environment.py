@@ -29,6 +29,7 @@ from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
 from dpprof.nvml.libnvml import NvmlBackend, cuda_version_string
 from dpprof.units import fmt_bytes
+from dpprof.version import __version__
 
 __all__ = ["collect_environment", "environment_markdown", "environment_rows"]
 
@@ -204,17 +205,7 @@ def _put_topology(facts: _Facts, nvml: NvmlBackend | None) -> None:
 
 
 def _dpprof_version() -> str:
-    try:
-        import dpprof
-
-        version = getattr(dpprof, "__version__", None)
-        if version:
-            return str(version)
-    except Exception:
-        pass
-    from importlib.metadata import version as dist_version
-
-    return dist_version("dpprof")
+    return __version__
 
 
 def _import_torch() -> Any:

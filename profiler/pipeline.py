@@ -8,17 +8,29 @@ import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from dpprof.analysis.answer_fields import add_answers, gpu_spec
-from dpprof.analysis.answers import partial_sentence
-from dpprof.analysis.comparison import compare
-from dpprof.analysis.fixes import alongside
-from dpprof.analysis.maxbatch import COUNTS
-from dpprof.backends.emulated import ASSUMPTIONS, Alongside, EmulationConfig, run_scenario
+from dpprof.answers.answer import partial_sentence
+from dpprof.answers.comparison import compare
+from dpprof.backends.cpu import run_ddp_gloo
+from dpprof.backends.cuda_ddp import torchrun_info
+from dpprof.backends.cuda_host import host
+from dpprof.backends.cuda_run import cuda_compare, torchrun_compare
+from dpprof.backends.emulated import (
+    ASSUMPTIONS,
+    Alongside,
+    EmulationConfig,
+    context_model,
+    model_devices,
+    probe_model,
+    run_scenario,
+)
 from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.context import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
+from dpprof.measure.answer_fields import add_answers, gpu_spec
+from dpprof.measure.fix_savings import alongside
+from dpprof.measure.maxbatch_search import COUNTS
 from dpprof.result import RunResult, new_result
-from dpprof.scenarios.base import loop_description
+from dpprof.scenarios.measured_loop import loop_description
 from dpprof.scenarios.registry import SCENARIOS, scenario
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import DEFAULT, Workload, load_workload
@@ -43,10 +55,10 @@ class CompareConfig:
     debug: bool = False  # keep tracebacks
     compute_capability: tuple[int, int] = DEFAULT_GPU.compute_capability  # the target GPU's
     extra: dict[str, object] = field(default_factory=dict)
-    # ---- answers (dpprof.analysis.answer_fields) -------------------------------------------
+    # ---- answers (dpprof.measure.answer_fields) -------------------------------------------
     fixes: bool = True  # emulate each fix on the workload (what it saves on cuda:0)
     maxbatch: bool = False  # search the largest batch per scenario
-    # measure the ladder's rungs (dpprof.analysis.ladder); None: where ddp/single is out of
+    # measure the ladder's rungs (dpprof.measure.ladder); None: where ddp/single is out of
     # memory
     ladder: bool | None = None
     multiple_of: int = 1  # maxbatch granularity
@@ -93,8 +105,6 @@ class CompareConfig:
 
 def visible_cuda_gpus() -> int:
     """The CUDA GPUs the cuda backend's host sees (:func:`dpprof.backends.cuda_host.host`)."""
-    from dpprof.backends.cuda_host import host
-
     return host().visible_gpus()
 
 
@@ -103,8 +113,6 @@ def resolve_backend(requested: str) -> str:
 
     ``cuda`` without a GPU is a :class:`UsageError`.
     """
-    from dpprof.backends.cuda_ddp import torchrun_info
-
     if requested == "cuda" and visible_cuda_gpus() == 0:
         raise UsageError(
             "--backend cuda: no CUDA GPU visible (torch.cuda.is_available() is False; check "
@@ -202,8 +210,6 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
     tensors, and ``ddp`` as gloo processes), with the same options; each also measures
     what ``besides`` asks of it (over meta tensors). Returns the scenarios that do not apply
     to the workload's model (said in a note, not run)."""
-    from dpprof.backends.emulated import context_model, model_devices, probe_model
-
     ctx = context_model(ecfg, probe_model(wl, ecfg.gpus))
     run.assumptions = list(ASSUMPTIONS)
     if ecfg.count_reserved and cfg.compute:  # meta emulation models reserved + context itself
@@ -246,8 +252,6 @@ def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationCo
         if name in not_applicable:
             continue
         if run.backend == "cpu" and scenario(name).one_process_per_gpu:
-            from dpprof.backends.cpu import run_ddp_gloo
-
             run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
         else:
             run.scenarios.append(run_scenario(name, wl, ecfg, alongside=besides))
@@ -281,9 +285,6 @@ def mark_partial(run: RunResult, signum: int) -> RunResult:
 def _cuda(
     cfg: CompareConfig, wl: Workload, run: RunResult, progress: Progress | None
 ) -> RunResult | None:
-    from dpprof.backends.cuda_ddp import torchrun_info
-    from dpprof.backends.cuda_run import cuda_compare, torchrun_compare
-
     info = torchrun_info()
     if info is not None:
         if not all(scenario(s).one_process_per_gpu for s in cfg.scenarios):

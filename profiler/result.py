@@ -20,7 +20,9 @@ from typing import Annotated, Any
 
 from annotated_types import Ge, Le, MaxLen, Predicate
 
+from dpprof.environment import collect_environment
 from dpprof.errors import DpprofError
+from dpprof.version import __version__
 
 SCHEMA_VERSION = 1
 
@@ -190,7 +192,7 @@ class Comparison:
 class Attribution:
     """cuda:0's excess over the median other device, in bytes per cause at cuda:0's peak.
 
-    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.analysis.attribution`).
+    ``causes_bytes`` adds up exactly to ``excess_bytes`` (see :mod:`dpprof.answers.attribution`).
     """
 
     scenario: Text
@@ -202,7 +204,7 @@ class Attribution:
 
 @dataclass
 class Fix:
-    """What one change buys on the user's workload (see :mod:`dpprof.analysis.fixes`)."""
+    """What one change buys on the user's workload (see :mod:`dpprof.measure.fix_savings`)."""
 
     name: Text  # loss-in-forward | ddp | gradient-as-bucket-view | output-device | balanced-split
     title: Text
@@ -223,7 +225,7 @@ class Fix:
 
 @dataclass
 class MaxBatchEntry:
-    """The largest global batch one scenario fits (see :mod:`dpprof.analysis.maxbatch`)."""
+    """The largest global batch one scenario fits (see :mod:`dpprof.measure.maxbatch_search`)."""
 
     scenario: Text
     max_batch: Count | None = None  # None: not even the smallest step fits
@@ -375,8 +377,6 @@ def new_result(backend: str, workload: str, *, batch: int, gpus: int, gpu_memory
     another process's (``dpprof watch``: what its samples file says)."""
     import datetime
 
-    from dpprof import __version__
-
     return RunResult(
         backend=backend, workload=workload, batch=batch, gpus=gpus,
         gpu_memory_bytes=gpu_memory_bytes,
@@ -392,8 +392,6 @@ def new_result(backend: str, workload: str, *, batch: int, gpus: int, gpu_memory
 def environment_block(backend: str) -> dict[str, Any]:
     """The ``dpprof env`` block (:func:`dpprof.environment.collect_environment`); never
     raises."""
-    from dpprof.environment import collect_environment
-
     try:
         return collect_environment(use_cuda=backend == "cuda")
     except Exception as e:  # pragma: no cover - collect_environment does not raise

@@ -17,8 +17,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dpprof.reports.common import b as _b
-from dpprof.reports.common import run_title
+from dpprof.reports.markdown import md
+from dpprof.reports.sentences import b as _b
+from dpprof.reports.sentences import run_title
 from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
@@ -181,8 +182,6 @@ def render_terminal(rd: RunDiff) -> Group:
 
 
 def render_markdown(rd: RunDiff) -> str:
-    from dpprof.reports.markdown import md
-
     lines = ["## dpprof: before and after", "",
              f"- **before**: {md(_title(rd.before))}", f"- **after**: {md(_title(rd.after))}"]
     if rd.changed:
@@ -204,7 +203,7 @@ def render_markdown(rd: RunDiff) -> str:
 
 
 def render_html(rd: RunDiff) -> str:
-    from dpprof.reports import html_figures as charts
+    from dpprof.reports import html_figures as charts  # deferred: plotly, for HTML only
 
     top = max((max(d.before_bytes or 0, d.after_bytes or 0) for s in rd.scenarios
                for d in s.devices), default=0)
@@ -216,6 +215,7 @@ def render_html(rd: RunDiff) -> str:
 
 
 def _render_html(rd: RunDiff) -> str:
+    # deferred: plotly, for HTML only
     from dpprof.reports import html_figures as charts
     from dpprof.reports import html_page as page
 

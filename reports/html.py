@@ -37,17 +37,7 @@ from typing import Any
 
 import plotly.graph_objects as go  # type: ignore[import-untyped]
 
-from dpprof.reports import answers
-from dpprof.reports.base import Renderer
-from dpprof.reports.common import (
-    alert_lines,
-    fix_why,
-    memory_table,
-    provenance,
-    spread,
-    step_time,
-    throughput,
-)
+from dpprof.reports import answer_sections, watch_sections
 from dpprof.reports.html_figures import (
     CHART_UNIT,
     breakdown_figure,
@@ -60,6 +50,16 @@ from dpprof.reports.html_figures import (
     waterfall_figure,
 )
 from dpprof.reports.html_page import escape, page_document
+from dpprof.reports.renderer import Renderer
+from dpprof.reports.sentences import (
+    alert_lines,
+    fix_why,
+    memory_table,
+    provenance,
+    spread,
+    step_time,
+    throughput,
+)
 from dpprof.reports.view import ReportView
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
@@ -200,14 +200,14 @@ def _fixes_html(view: ReportView) -> str:
     notes = "".join(f"<p class='lead'>{escape(n)}</p>" for n in view.advice_notes)
     if not view.recommended:
         return (f"<p class='lead'>{escape(view.nothing_to_change)}</p>" + notes
-                + answers.html_fix_table(view))
+                + answer_sections.html_fix_table(view))
     parts = []
     for i, f in enumerate(view.recommended):
         parts.append(
             f"<div class='fix card'><h3>{'Recommended: ' if i == 0 else ''}{escape(f.title)}</h3>"
             f"<p>{escape(fix_why(f))}</p><pre><code>{escape(f.code)}</code></pre></div>"
         )
-    return "".join(parts) + notes + answers.html_fix_table(view)
+    return "".join(parts) + notes + answer_sections.html_fix_table(view)
 
 
 def render(run: RunResult) -> str:
@@ -239,7 +239,7 @@ class _Page:
               height: int | None = None) -> str:
         if fig is None:
             return ""
-        # a plain dict (reports/watch.py) is validated here
+        # a plain dict (reports/watch_sections.py) is validated here
         built = fig if isinstance(fig, go.Figure) else go.Figure(dict(fig))
         if height is not None and built.layout.height is None:
             built.update_layout(height=height)
@@ -286,13 +286,12 @@ def _overview(view: ReportView) -> list[str]:
 
 
 def _watch_section(view: ReportView, page: _Page) -> list[str]:
-    """``dpprof watch -- CMD``'s section and its timeline (reports/watch.py)."""
+    """``dpprof watch -- CMD``'s section and its timeline (reports/watch_sections.py)."""
     body: list[str] = []
-    if view.watch is not None:  # `dpprof watch -- CMD` (reports/watch.py)
-        from dpprof.reports import watch as watch_report
+    if view.watch is not None:  # `dpprof watch -- CMD` (reports/watch_sections.py)
 
-        body.append(watch_report.html_section(view, view.watch))
-        wfig = watch_report.timeline_figure(view.watch)
+        body.append(watch_sections.html_section(view, view.watch))
+        wfig = watch_sections.timeline_figure(view.watch)
         if wfig is not None:
             body.append(page.h2("Memory over the run"))
             body.append(page.chart("timeline-watch", wfig, 360))
@@ -388,7 +387,7 @@ def _maxbatch_section(view: ReportView, page: _Page) -> list[str]:
         body.append(page.h2("Largest batch that fits"))
         body.append(page.chart("maxbatch", mfig))
         if view.maxbatch is not None:  # what each needs, the next step, the limiting GPU
-            mtable = answers.html_sections(view, parts=("maxbatch",))
+            mtable = answer_sections.html_sections(view, parts=("maxbatch",))
         body.append(f"<details open><summary>The numbers</summary>{mtable}</details>")
 
     return body
@@ -398,7 +397,7 @@ def _change_section(view: ReportView, page: _Page) -> list[str]:
     body: list[str] = []
     body.append(page.h2("What to change"))
     body.append(_fixes_html(view))
-    body.append(answers.html_sections(view, parts=("equivalence", "checks")))
+    body.append(answer_sections.html_sections(view, parts=("equivalence", "checks")))
 
     return body
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import plotly.graph_objects as go  # type: ignore[import-untyped]
 
-from dpprof.reports.common import EXTRA_COLOURS, SCENARIO_COLOURS, capacity_on_scale
+from dpprof.reports.sentences import EXTRA_COLOURS, SCENARIO_COLOURS, capacity_on_scale
 from dpprof.reports.view import AttributionView, ReportView, SeriesView, TimelineView
 from dpprof.units import fmt_bytes
 

@@ -4,7 +4,7 @@ renders it again in any format): the one format that bypasses
 
 from __future__ import annotations
 
-from dpprof.reports.base import Renderer
+from dpprof.reports.renderer import Renderer
 from dpprof.reports.view import ReportView
 from dpprof.result import RunResult
 

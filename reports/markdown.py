@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dpprof.reports import answers
-from dpprof.reports.base import Renderer
-from dpprof.reports.common import (
+from dpprof.reports import answer_sections
+from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
+from dpprof.reports.renderer import Renderer
+from dpprof.reports.sentences import (
     EXTRA_COLOURS,
     SCENARIO_COLOURS,
     alert_lines,
@@ -35,7 +36,6 @@ from dpprof.reports.common import (
     step_time,
     throughput,
 )
-from dpprof.reports.escape import code_fence, markdown_text, mermaid_label
 from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
@@ -194,7 +194,7 @@ def render_view(view: ReportView) -> str:
                          f"{throughput(s.throughput_samples_per_s)} |")
         lines.append("")
     if view.maxbatch is not None:  # what each needs, the next step, the limiting GPU
-        lines += [answers.markdown_sections(view, parts=("maxbatch",))]
+        lines += [answer_sections.markdown_sections(view, parts=("maxbatch",))]
     elif view.max_batches:
         lines += [f"### Largest batch that fits in {fmt_bytes(view.gpu_memory_bytes)} per GPU",
                   "", "| scenario | largest batch |", "| --- | ---: |"]
@@ -206,7 +206,7 @@ def render_view(view: ReportView) -> str:
     for f in view.recommended:
         lines += [f"**{md(f.title)}.** {md(fix_why(f))}", "", *_code(f.code, f.code_lang)]
     lines += [f"- {md(n)}" for n in view.advice_notes] + ([""] if view.advice_notes else [])
-    extra = answers.markdown_sections(view, parts=("equivalence", "checks"))
+    extra = answer_sections.markdown_sections(view, parts=("equivalence", "checks"))
     if extra:
         lines += [extra]
     lines += ["<details><summary>How these numbers were obtained</summary>", "",

@@ -14,11 +14,12 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from dpprof.reports import answers
-from dpprof.reports.base import Renderer
-from dpprof.reports.common import run_title
+from dpprof.reports import answer_sections
+from dpprof.reports.renderer import Renderer
+from dpprof.reports.sentences import run_title
 from dpprof.reports.view import DeviceView, ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
+from dpprof.reports.watch_sections import render_terminal
 from dpprof.result import RunResult
 from dpprof.units import fmt_bytes, unit_for
 
@@ -34,8 +35,7 @@ def _cells(view: ReportView, s: ScenarioView) -> list[DeviceView | None]:
 
 
 def render_view(view: ReportView) -> Group:
-    if view.watch is not None:  # `dpprof watch -- CMD`: its own view (reports/watch.py)
-        from dpprof.reports.watch import render_terminal
+    if view.watch is not None:  # `dpprof watch -- CMD`: its own view (reports/watch_sections.py)
 
         return render_terminal(view)
     parts: list[RenderableType] = [_peak_table(view)]
@@ -50,7 +50,7 @@ def render_view(view: ReportView) -> Group:
             parts.append(Text("\n".join(f"  {line}" for line in s.traceback_tail), style="dim"))
     parts += [Text(note, style="dim") for note in _scenario_notes(view)]
     parts += _writes(view)
-    parts += answers.terminal_parts(view)
+    parts += answer_sections.terminal_parts(view)
     return Group(*parts)
 
 

@@ -8,7 +8,7 @@ the attribution's labels, the recommended fixes with their code and savings, the
 batches, the equivalence check, notes, warnings, errors and the environment. Renderers read
 this view and nothing else: they choose markup and human units, never a number or a label,
 so the formats cannot drift apart. Numbers are bytes (``*_bytes``), seconds (``*_s``) and
-plain counts; human units are the renderers' (:mod:`dpprof.reports.common` formats the
+plain counts; human units are the renderers' (:mod:`dpprof.reports.sentences` formats the
 sentences several formats share).
 
 JSON is not a view: ``-o run.json`` writes the result itself (the saved session that
@@ -126,7 +126,7 @@ class CauseView:
 @dataclass(frozen=True)
 class AttributionView:
     """cuda:0 against the median other device of one scenario, by cause: the attribution
-    (:mod:`dpprof.analysis.attribution`, the only split of the excess)."""
+    (:mod:`dpprof.answers.attribution`, the only split of the excess)."""
 
     scenario: str
     primary_bytes: int  # cuda:0's peak allocated

@@ -2,14 +2,14 @@
 device and timelines, the headline, the alerts and tracebacks, cuda:0's excess by cause, the
 fixes, the largest batches, the equivalence check and ``dpprof watch``'s part, each number
 read off the :class:`~dpprof.result.RunResult` once and every sentence from the one answer
-(:func:`dpprof.analysis.answers.build_answer`). The view's types are
+(:func:`dpprof.answers.answer.build_answer`). The view's types are
 :mod:`dpprof.reports.view`."""
 
 from __future__ import annotations
 
-from dpprof.analysis.answer_figures import BALANCED_FRACTION
-from dpprof.analysis.answers import Advice, Answer, build_answer, maxbatch_ratio
-from dpprof.analysis.attribution import CAUSES, attribute, cause_label
+from dpprof.answers.answer import Advice, Answer, build_answer, maxbatch_ratio
+from dpprof.answers.answer_figures import BALANCED_FRACTION
+from dpprof.answers.attribution import CAUSES, attribute, cause_label
 from dpprof.reports.view import (
     Alert,
     AttributionView,

@@ -20,11 +20,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from dpprof.scenarios.base import ModelWithLoss
-
-# how the answers name a scenario's setup (dpprof.analysis.answers)
-DATA_PARALLEL, DISTRIBUTED, SPLIT_MODEL, ONE_GPU = "DataParallel", "DDP", "model parallel", \
-    "one GPU"
+from dpprof.scenarios.measured_loop import ModelWithLoss
+from dpprof.scenarios.names import DATA_PARALLEL, DISTRIBUTED, ONE_GPU
 
 
 class Wrappers(Protocol):

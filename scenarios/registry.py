@@ -15,7 +15,7 @@ from dpprof.scenarios.kind import Scenario
 MODULES = (
     "dpprof.scenarios.kinds.dp_loss_primary",
     "dpprof.scenarios.kinds.dp_loss_forward",
-    "dpprof.scenarios.kinds.ddp",
+    "dpprof.scenarios.kinds.distributed_data_parallel",
     "dpprof.scenarios.kinds.fsdp2",
     "dpprof.scenarios.kinds.tensor_parallel",
     "dpprof.scenarios.kinds.model_parallel",

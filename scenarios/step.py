@@ -48,6 +48,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from dpprof.errors import WorkloadError
+
 if TYPE_CHECKING:
     from dpprof.scenarios.workloads import Workload
 
@@ -186,8 +188,6 @@ def build_model(wl: Workload, seed: int) -> nn.Module:
     with seeded(seed):
         model = wl.model()
     if not isinstance(model, nn.Module):
-        from dpprof.errors import WorkloadError  # a usage error: one line, exit status 2
-
         raise WorkloadError(f"workload {wl.name!r}: model() returned "
                             f"{type(model).__name__}, not an nn.Module; the workload's "
                             "model must be a callable that builds and returns the nn.Module")

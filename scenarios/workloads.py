@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from dpprof.errors import WorkloadError
-from dpprof.scenarios.base import UserStep
+from dpprof.scenarios.measured_loop import UserStep
 
 
 def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

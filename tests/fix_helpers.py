@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from dpprof.analysis import fixes as fixes_module
 from dpprof.backends.emulated import EmulationConfig
+from dpprof.measure import fix_savings as fixes_module
 
 
 def micro_batches(model: Any, batch: Any, criterion: Any, optimizer: Any) -> torch.Tensor:

@@ -4,7 +4,7 @@ the checks against real gloo ranks (loaded by path in the profiled ranks)."""
 from __future__ import annotations
 
 import dpprof
-from dpprof.analysis.ladder import fully_sharded
+from dpprof.measure.ladder import fully_sharded
 from dpprof.scenarios.workloads import load_workload
 
 

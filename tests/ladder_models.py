@@ -4,7 +4,7 @@ execution (loaded by path in the profiled rank)."""
 from __future__ import annotations
 
 import dpprof
-from dpprof.analysis.ladder import checkpointed
+from dpprof.measure.ladder import checkpointed
 from dpprof.scenarios.workloads import load_workload
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dpprof.analysis.comparison import compare
+from dpprof.answers.comparison import compare
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,

@@ -1,4 +1,4 @@
-"""The one answer (``dpprof.analysis.answers.build_answer``) against the numbers of the result
+"""The one answer (``dpprof.answers.answer.build_answer``) against the numbers of the result
 it speaks of: every saved result in ``tests/data/`` and results hypothesis generates.
 
 Each claim of the text is checked: every size it names is a figure of the result (a peak,
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reports_data import SAVED, saved
 
-from dpprof.analysis.answer_figures import heaviest, measured, need_bytes
-from dpprof.analysis.answers import Answer, build_answer
-from dpprof.analysis.comparison import compare
+from dpprof.answers.answer import Answer, build_answer
+from dpprof.answers.answer_figures import heaviest, measured, need_bytes
+from dpprof.answers.comparison import compare
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -29,7 +29,7 @@ from dpprof.result import (
     RunResult,
     ScenarioResult,
 )
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, MODEL_PARALLEL, SINGLE
 from dpprof.units import fmt_bytes
 
 MiB, GiB = 2**20, 2**30

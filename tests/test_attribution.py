@@ -2,8 +2,8 @@
 
 import pytest
 
-from dpprof.analysis.attribution import attribute, attribute_run
-from dpprof.analysis.comparison import compare_scenario
+from dpprof.answers.attribution import attribute, attribute_run
+from dpprof.answers.comparison import compare_scenario
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.step import StepConfig

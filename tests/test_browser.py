@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from reports_data import HOSTILE, SAVED, hostile, saved
 
-from dpprof.analysis.answers import build_answer
+from dpprof.answers.answer import build_answer
 from dpprof.reports import diff, html
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

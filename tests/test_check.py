@@ -50,7 +50,7 @@ def test_check_reports_devices_context_scenarios_and_the_samplers_cost(
 def test_a_saved_calibration_is_what_later_emulations_of_that_gpu_use(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
-    from dpprof.check import save_measured
+    from dpprof.self_check import save_measured
 
     monkeypatch.setenv("DPPROF_CALIBRATION_DIR", str(tmp_path / "cal"))
     args = ["compare", "-w", "mlp", "-b", "8", "--gpus", "2", "-s", "single",
@@ -77,7 +77,7 @@ def test_a_saved_calibration_is_what_later_emulations_of_that_gpu_use(
 def test_nothing_is_saved_as_a_calibration_that_was_not_measured(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
-    from dpprof.check import save_measured
+    from dpprof.self_check import save_measured
 
     monkeypatch.setenv("DPPROF_CALIBRATION_DIR", str(tmp_path))
     said = save_measured({"gpu": "x", "compute_capability": [9, 0],

@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
-from dpprof.reports.answers import markdown_sections
+from dpprof.reports.answer_sections import markdown_sections
 from dpprof.reports.view_builder import build_view
 from dpprof.result import load
 
@@ -102,7 +102,7 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
     assert all(e.equivalent for e in run.equivalence.entries)
     text = page.read_text()
     # the page draws the attribution (waterfalls), the fixes and the largest batch itself;
-    # the equivalence check comes from reports/answers.py
+    # the equivalence check comes from reports/answer_sections.py
     for section in ("Why cuda:0 is heavier", "What to change", "Largest batch that fits",
                     "id='equivalence'"):
         assert section in text

@@ -12,13 +12,15 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from dpprof.analysis import maxbatch
 from dpprof.backends.cuda_ddp import DdpJob
 from dpprof.backends.cuda_measure import CudaRunConfig
 from dpprof.backends.cuda_run import ddp_job, run_config
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.backends.gloo import RankSpec
+from dpprof.cli import compare as compare_command
+from dpprof.cli import maxbatch as maxbatch_command
 from dpprof.cli.app import app
+from dpprof.measure.maxbatch_search import MaxBatch
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, emulation_config
 from dpprof.scenarios.step import DdpOptions, StepConfig
 
@@ -62,15 +64,13 @@ def test_compare_without_options_builds_the_default_config(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every default of ``dpprof compare`` is CompareConfig's (and StepConfig's): a default
     written into the command line that drifts from the dataclass fails here."""
-    from dpprof import pipeline
-
     seen: list[CompareConfig] = []
 
     def fake_run_compare(cfg: CompareConfig, **_: Any) -> None:
         seen.append(cfg)
         return None  # as a torchrun rank other than 0: nothing to write
 
-    monkeypatch.setattr(pipeline, "run_compare", fake_run_compare)
+    monkeypatch.setattr(compare_command, "run_compare", fake_run_compare)
     r = runner.invoke(app, ["compare", "-q", "-o", str(tmp_path / "r.json")])
     assert r.exit_code == 0, r.output
     assert seen == [CompareConfig()]
@@ -82,9 +82,9 @@ def test_maxbatch_without_options_uses_the_default_step(
 
     def fake(wl: Any, names: Any, gpus: int, memory: int, **kw: Any) -> Any:
         seen.append(dict(kw, gpus=gpus, workload=wl.name, scenarios=names))
-        return maxbatch.MaxBatch(capacity_bytes=memory)
+        return MaxBatch(capacity_bytes=memory)
 
-    monkeypatch.setattr(maxbatch, "run_maxbatch", fake)
+    monkeypatch.setattr(maxbatch_command, "run_maxbatch", fake)
     r = runner.invoke(app, ["maxbatch", "-q"])
     assert r.exit_code == 0, r.output
     (kw,) = seen

@@ -13,7 +13,7 @@ import torch
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
-from dpprof.scenarios.base import training_loop
+from dpprof.scenarios.measured_loop import training_loop
 from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import load_workload
 

@@ -334,6 +334,7 @@ def test_cli_env_table_and_markdown() -> None:
 
 def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """--bucket-cap-mb, --find-unused-parameters, ... --dtype and --amp travel to every rank."""
+    from dpprof import pipeline
     from dpprof.backends import cuda_run
     from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.scenarios.step import DdpOptions
@@ -344,7 +345,7 @@ def test_the_cli_ddp_options_reach_the_cuda_ranks(monkeypatch: pytest.MonkeyPatc
         seen.append(cfg)
         return run
 
-    monkeypatch.setattr(cuda_run, "cuda_compare", fake_compare)
+    monkeypatch.setattr(pipeline, "cuda_compare", fake_compare)
     fake_cuda.install(monkeypatch, gpus=2, children=False)
     ddp = DdpOptions(bucket_cap_mb=5, gradient_as_bucket_view=True,
                      find_unused_parameters=True, broadcast_buffers=False)

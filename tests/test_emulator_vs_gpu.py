@@ -11,7 +11,7 @@ import fake_cuda
 import pytest
 
 from dpprof.pipeline import CompareConfig, run_compare
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.step import StepConfig
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "emulator_vs_gpu.py"

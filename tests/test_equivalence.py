@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpprof.analysis.equivalence import StepState, check, compare_states, is_sum_reduction
+from dpprof.measure.equivalence import StepState, check, compare_states, is_sum_reduction
 from dpprof.scenarios.workloads import Workload, convnet
 
 

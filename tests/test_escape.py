@@ -120,7 +120,7 @@ def test_markdown_report_of_a_hostile_result_has_no_raw_html_or_mentions() -> No
     for a in run.attribution.values():
         a.answer = "<script>x</script> @bob"
     run.fail_reasons.append("<i>@carol</i>")
-    from dpprof.reports.answers import markdown_sections
+    from dpprof.reports.answer_sections import markdown_sections
     from dpprof.reports.view_builder import build_view
 
     sections = markdown_sections(build_view(run))

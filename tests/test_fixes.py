@@ -7,9 +7,9 @@ import pytest
 import torch
 from fix_helpers import count_emulations, micro_batches
 
-from dpprof.analysis.fixes import BalancedSplits, balanced_split, secant_split
-from dpprof.analysis.fixes import alongside as fixes_alongside
 from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
+from dpprof.fixes.kinds.balanced_split import BalancedSplits, balanced_split, secant_split
+from dpprof.measure.fix_savings import alongside as fixes_alongside
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import (
@@ -99,7 +99,7 @@ def _snippet_scatter(monkeypatch, shares, batch):
     from torch import nn
     from torch.nn.parallel import _functions
 
-    from dpprof.analysis.fixes import CODE_BALANCED
+    from dpprof.fixes.kinds.balanced_split import CODE_BALANCED
 
     code = "\n".join(line[1:] for line in CODE_BALANCED.format(shares=shares,
                                                                 batch=batch).splitlines()

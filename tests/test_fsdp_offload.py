@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpprof.analysis.ladder import Rung, rung_workload
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.fsdp import emulated_ranks
+from dpprof.measure.ladder import Rung, rung_workload
 from dpprof.scenarios.step import StepConfig, build_model
 from dpprof.scenarios.workloads import LMConfig, Workload, lm
 

@@ -145,7 +145,7 @@ def test_a_run_where_every_scenario_failed_still_renders() -> None:
     run = RunResult.from_dict(saved("cpu-mlp").to_dict())
     for s in run.scenarios:
         s.status, s.message, s.devices = "error", "RuntimeError: boom <b>", []
-    from dpprof.analysis.comparison import compare
+    from dpprof.answers.comparison import compare
 
     run.comparison = compare(run)
     page = html.render(run)

@@ -4,7 +4,7 @@ Mixed precision: the emulator re-enacts autocast at the function level over meta
 (:class:`dpprof.emulator.kernels.EmulatedAutocast`); with torch's CPU op lists it must give
 the peak that ``torch.autocast("cpu", torch.bfloat16)`` gives on real tensors, recorded by
 torch.profiler, to the byte. Activation checkpointing: the blocks the ladder wraps
-(:func:`dpprof.analysis.ladder.checkpointed`) run for real under the profiler and in the
+(:func:`dpprof.measure.ladder.checkpointed`) run for real under the profiler and in the
 emulator; the peaks are equal, less the CPU generator's state that each checkpointed block
 stashes on the host until its recompute (``torch.get_rng_state()``, made outside the
 dispatcher: host memory on a GPU, never device memory).
@@ -27,10 +27,10 @@ from emulated_trace import live_at_start_and_step
 from torch import nn
 from typer.testing import CliRunner
 
-from dpprof.analysis.ladder import checkpointed, repeated_blocks
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
+from dpprof.measure.ladder import checkpointed, repeated_blocks
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 from dpprof.units import fmt_bytes
@@ -283,7 +283,7 @@ def test_cpu_offload_is_not_emulated_where_the_model_would_not_fit_in_this_machi
     free memory is too small for that (a 70B model on a laptop), the rung is left out with
     a note naming the bytes, and the other rungs are measured as before."""
 
-    from dpprof.analysis import ladder
+    from dpprof.measure import ladder
     from dpprof.pipeline import CompareConfig, run_compare
     from dpprof.units import fmt_bytes
 
@@ -490,8 +490,8 @@ def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> Non
     # fully_shard moves the buffers (num_batches_tracked: made by torch.tensor, a real host
     # tensor) to the GPU by assigning .data, which a host tensor cannot take from a virtual
     # GPU's meta bytes: swapped instead, the buffer ends on cuda:0 as on a GPU
-    from dpprof.analysis.ladder import Rung, rung_workload
     from dpprof.emulator.fsdp import emulated_ranks
+    from dpprof.measure.ladder import Rung, rung_workload
 
     rung = Rung("zero3", "ZeRO-3", None, False, reshard_after_forward=True, offload=offload)
     trace: dict[str, Any] = {}
@@ -506,7 +506,7 @@ def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> Non
 
 def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:
     # an H200 reserved up to 10 % more than the simulation of FSDP2's streams: the rung says so
-    from dpprof.analysis.ladder import Rung, detail
+    from dpprof.measure.ladder import Rung, detail
 
     zero3 = Rung("ladder-fsdp2-zero3", "FSDP2, ZeRO-3", None, False, reshard_after_forward=True)
     plain = Rung("ladder-bf16", "Mixed precision", "bfloat16", False)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.scenarios.base import loop_description, training_loop
+from dpprof.scenarios.measured_loop import loop_description, training_loop
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 

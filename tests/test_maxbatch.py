@@ -5,13 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from dpprof.analysis.maxbatch import (
-    ProbeResult,
-    run_maxbatch,
-    search,
-)
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.context import device_context
+from dpprof.measure.maxbatch_search import ProbeResult, run_maxbatch, search
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
 from dpprof.scenarios.step import StepConfig
@@ -129,8 +125,8 @@ def test_maxbatch_ladder_searches_each_rung_on_ddp(tmp_path: Path) -> None:
 
     from typer.testing import CliRunner
 
-    from dpprof.analysis.maxbatch import LADDER_MICRO_BATCHES
     from dpprof.cli.app import app
+    from dpprof.measure.maxbatch_search import LADDER_MICRO_BATCHES
 
     out = tmp_path / "mb.json"
     md = tmp_path / "mb.md"

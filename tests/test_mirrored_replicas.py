@@ -13,7 +13,7 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.result import ScenarioResult
-from dpprof.scenarios.base import DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.names import DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload, load_workload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpprof.watch.oom_messages import parse_oom_line, parse_size
+from dpprof.backends.oom_messages import parse_oom_line, parse_size
 
 GIB = 2**30
 MIB = 2**20

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 

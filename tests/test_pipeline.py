@@ -14,13 +14,13 @@ import pytest
 from fake_cuda import CpuOps
 from typer.testing import CliRunner
 
-from dpprof.analysis.attribution import CAUSES
+from dpprof.answers.attribution import CAUSES
 from dpprof.backends.cuda_host import DeviceOps
 from dpprof.cli.app import app
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.reports import html, markdown, terminal
 from dpprof.result import STATUS_ERROR, RunResult
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.step import StepConfig
 
 MiB = 2**20

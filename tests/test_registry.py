@@ -5,16 +5,16 @@ import dataclasses
 
 import pytest
 
-from dpprof.analysis import fix_registry
-from dpprof.analysis.fix_kind import ALONE, FixKind, Trial
-from dpprof.analysis.fixes import alongside
 from dpprof.backends.emulated import EmulationConfig, run_scenario
+from dpprof.fixes import fix_registry
+from dpprof.fixes.fix_kind import ALONE, FixKind, Trial
+from dpprof.measure.fix_savings import alongside
 from dpprof.pipeline import CompareConfig, run_compare
-from dpprof.reports.common import SCENARIO_COLOURS
+from dpprof.reports.sentences import SCENARIO_COLOURS
 from dpprof.result import Fix
 from dpprof.scenarios import registry
-from dpprof.scenarios.base import DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.kind import OneGpuScenario
+from dpprof.scenarios.names import DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import classifier
 
@@ -73,7 +73,7 @@ def test_a_registered_fix_is_measured_and_reported(monkeypatch: pytest.MonkeyPat
                           applies_to=(DP_LOSS_PRIMARY,), measured=ALONE)
     monkeypatch.setattr(fix_registry, "FIXES", (*fix_registry.FIXES, half))
     monkeypatch.setitem(fix_registry.BY_NAME, half.name, half)
-    import dpprof.analysis.fixes as fixes_module
+    import dpprof.measure.fix_savings as fixes_module
 
     monkeypatch.setattr(fixes_module, "FIXES", fix_registry.FIXES)
     run = run_compare(CompareConfig(step=StepConfig(batch=64)), workload=classifier())

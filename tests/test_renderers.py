@@ -16,10 +16,10 @@ from collections.abc import Callable
 import pytest
 from reports_data import HTML_SECTIONS, SAVED, report_words, saved
 
-from dpprof.analysis.answers import build_answer
-from dpprof.analysis.attribution import cause_label
+from dpprof.answers.answer import build_answer
+from dpprof.answers.attribution import cause_label
+from dpprof.reports.formats import renderers
 from dpprof.reports.markdown import md
-from dpprof.reports.registry import renderers
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult
 

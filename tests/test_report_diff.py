@@ -20,7 +20,7 @@ def _after_fix() -> RunResult:
     prim, fwd = after.scenario("dp-loss-primary"), after.scenario("dp-loss-forward")
     for a, b in zip(prim.devices, fwd.devices, strict=True):
         a.peak_allocated_bytes = b.peak_allocated_bytes
-    from dpprof.analysis.comparison import compare
+    from dpprof.answers.comparison import compare
 
     after.comparison = compare(after)
     return after

@@ -13,9 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dpprof.analysis.ladder import CODE_CHECKPOINT
-from dpprof.analysis.ladder import rungs as ladder_rungs
 from dpprof.cli.app import app
+from dpprof.measure.ladder import CODE_CHECKPOINT
+from dpprof.measure.ladder import rungs as ladder_rungs
 from dpprof.result import Fix, RunResult
 from dpprof.script import rewrite
 from dpprof.script.runner import ScriptRun, run_script
@@ -171,7 +171,7 @@ def test_a_ddp_script_under_torchrun_gets_the_ladder_as_written() -> None:
 
 
 def test_where_no_rung_fits_the_report_says_so_and_what_each_needs(tmp_path: Path) -> None:
-    from dpprof.analysis.answers import build_answer
+    from dpprof.answers.answer import build_answer
 
     result, _ = run_command(config(LM, memory=200 * 2**20))  # nothing fits in 200 MiB
     answer = build_answer(result)

@@ -15,12 +15,12 @@ import pytest
 import torch
 from fake_cuda import CpuOps
 
-from dpprof.analysis.equivalence import check
 from dpprof.backends.cuda import run_local_scenario
 from dpprof.backends.cuda_ddp import DdpJob, spawn_ddp
 from dpprof.backends.cuda_measure import CudaRunConfig
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankSpec, launch
+from dpprof.measure.equivalence import check
 from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_batch
 from dpprof.scenarios.workloads import load_workload
 

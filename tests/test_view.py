@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from reports_data import SAVED, report_words, saved
 
-from dpprof.analysis.answers import build_answer
+from dpprof.answers.answer import build_answer
 from dpprof.reports import diff, terminal
-from dpprof.reports.registry import renderers
+from dpprof.reports.formats import renderers
 from dpprof.reports.view import (
     AttributionView,
     CauseView,
@@ -199,12 +199,12 @@ def _imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["html", "html_figures", "html_page", "markdown", "terminal",
-                                    "diff", "answers", "watch", "common"])
+                                    "diff", "answer_sections", "watch_sections", "sentences"])
 def test_renderers_read_no_analysis_and_no_result_fields(module: str) -> None:
-    """Only the view builder reads the analysis; a renderer imports from the result module
+    """Only the view builder reads the answers; a renderer imports from the result module
     no more than ``RunResult`` (for its one-line ``render(run)``) and ``json_safe``."""
     imported = _imports(REPORTS / f"{module}.py")
-    assert not [m for m in imported if m.startswith("dpprof.analysis")], module
+    assert not [m for m in imported if m.startswith("dpprof.answers")], module
     assert {m for m in imported if m.startswith("dpprof.result.")} <= {
         "dpprof.result.RunResult", "dpprof.result.json_safe"}, module
 

@@ -24,7 +24,7 @@ import watch_fakes
 from fake_nvml import FakeNvml
 from typer.testing import CliRunner
 
-from dpprof.analysis.post_mortem import post_mortem
+from dpprof.answers.post_mortem import post_mortem
 from dpprof.cli.app import app
 from dpprof.reports import html as html_report
 from dpprof.reports import json as json_report

@@ -9,7 +9,7 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.errors import WorkloadError
-from dpprof.scenarios.base import SCENARIOS
+from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import BUILTINS, Workload, load_workload
 

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from dpprof.analysis.fixes import BalancedSplits, alongside
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of
-from dpprof.scenarios.base import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY, SCENARIOS
+from dpprof.fixes.kinds.balanced_split import BalancedSplits
+from dpprof.measure.fix_savings import alongside
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import load_workload
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dpprof.backends.emulated import EmulationConfig
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, ScenarioResult
-from dpprof.scenarios.base import DDP
+from dpprof.scenarios.names import DDP
 from dpprof.scenarios.workloads import shard_sizes
 
 

@@ -53,9 +53,9 @@ from dpprof.backends.ranks import (
 from dpprof.backends.ranks_spawn import spawn_ranks
 from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
-from dpprof.scenarios.base import DDP
+from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import scenario_batch
-from dpprof.scenarios.workloads import Workload, make_optimizer
+from dpprof.scenarios.workloads import Workload, load_workload, make_optimizer
 from dpprof.units import fmt_bytes
 
 __all__ = [
@@ -90,8 +90,6 @@ class DdpJob:
 
     def __call__(self, info: RankInfo, device_index: int) -> Measured:
         """The body of one rank: measure its device under DDP."""
-        from dpprof.scenarios.workloads import load_workload
-
         wl = self.cfg.step.workload(load_workload(self.workload))
         measured = measure_ddp_rank(wl, self.cfg, info.rank, info.world_size, device_index)
         for d in measured.devices:

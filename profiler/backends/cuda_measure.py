@@ -2,7 +2,7 @@
 scenarios (:func:`dpprof.backends.cuda.run_local_scenario`) and each DDP rank
 (:func:`dpprof.backends.cuda_ddp.measure_ddp_rank`).
 
-Every scenario runs the one shared loop, :func:`~dpprof.scenarios.base.training_loop`
+Every scenario runs the one shared loop, :func:`~dpprof.scenarios.measured_loop.training_loop`
 (:class:`MeasuringLoop`): ``warmup_steps`` iterations, then ``steps`` measured ones.
 Memory is read two ways:
 
@@ -50,7 +50,7 @@ from dpprof.result import (
     DeviceResult,
     ScenarioResult,
 )
-from dpprof.scenarios.base import StepHooks, UserStep, error_site, training_loop
+from dpprof.scenarios.measured_loop import StepHooks, UserStep, error_site, training_loop
 from dpprof.scenarios.step import Batch, StepConfig, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, make_optimizer, map_tensors
 from dpprof.units import fmt_bytes

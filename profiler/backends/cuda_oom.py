@@ -1,5 +1,5 @@
 """Out-of-memory errors recognised in what torch raises: :func:`is_oom`, :func:`find_oom`
-(device and bytes asked for, by :mod:`dpprof.watch.oom_messages`), and :func:`one_line`,
+(device and bytes asked for, by :mod:`dpprof.backends.oom_messages`), and :func:`one_line`,
 the line of an error the user needs (DataParallel re-raises a replica's error with its
 traceback inside the message)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from dpprof.backends.oom_messages import parse_oom_line
 from dpprof.result import WatchOom
-from dpprof.watch.oom_messages import parse_oom_line
 
 __all__ = ["OOM_ERRORS", "find_oom", "is_oom", "one_line"]
 
@@ -42,7 +42,7 @@ def is_oom(exc: BaseException) -> bool:
 
 def find_oom(text: str) -> WatchOom | None:
     """The out-of-memory error stated in ``text``, read by the one parser of PyTorch's
-    messages (:func:`dpprof.watch.oom_messages.parse_oom_line`): device and bytes asked for
+    messages (:func:`dpprof.backends.oom_messages.parse_oom_line`): device and bytes asked for
     where the caching allocator's message gives them. DataParallel re-raises a replica's
     error with the replica's traceback in the message, so the last such line wins."""
     for line in reversed(text.splitlines()):

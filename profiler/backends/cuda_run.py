@@ -25,7 +25,7 @@ from dpprof.backends.cuda_host import DeviceOps, host
 from dpprof.backends.cuda_measure import CudaRunConfig
 from dpprof.errors import UsageError
 from dpprof.result import RunResult, ScenarioResult
-from dpprof.scenarios.base import loop_description
+from dpprof.scenarios.measured_loop import loop_description
 from dpprof.scenarios.registry import scenario
 from dpprof.scenarios.workloads import Workload
 

@@ -43,8 +43,8 @@ from dpprof.emulator.reserved import fill_gpu_overheads
 from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.result import STATUS_ERROR, ScenarioResult
-from dpprof.scenarios.base import StepHooks, error_site, training_loop
 from dpprof.scenarios.kind import Scenario
+from dpprof.scenarios.measured_loop import StepHooks, error_site, training_loop
 from dpprof.scenarios.registry import find
 from dpprof.scenarios.step import Batch, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import (

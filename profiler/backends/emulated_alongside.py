@@ -1,5 +1,5 @@
 """What an emulated scenario measures besides itself, for the fixes
-(:mod:`dpprof.analysis.fixes`): the request (:class:`Alongside`, with the batch's further
+(:mod:`dpprof.measure.fix_savings`): the request (:class:`Alongside`, with the batch's further
 splits as :class:`FurtherSplits`), the further steps run in ``dp-loss-primary``'s own loop
 after its measured step (:class:`FurtherSteps`), and the result of a variant a ledger
 followed beside ``ddp`` (:func:`ledger_result`)."""
@@ -16,7 +16,7 @@ from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.result import DeviceResult, ScenarioResult
-from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.scenarios.registry import find
 from dpprof.scenarios.workloads import shard_sizes, tensors_in
 
@@ -166,7 +166,7 @@ class FurtherSteps:
 @dataclass
 class Alongside:
     """What a comparison's scenarios measure besides themselves, over meta tensors, for
-    the fixes (:mod:`dpprof.analysis.fixes`):
+    the fixes (:mod:`dpprof.measure.fix_savings`):
 
     * ``splits``: further splits of the batch, measured in ``further_steps_in``'s own loop
       (``dp-loss-primary``) after its measured step (:class:`FurtherSplits`);
@@ -178,7 +178,7 @@ class Alongside:
       ``further_steps_in``'s loop, after the splits; its figures (peaks only) land in
       ``output_device_result``, None where it could not run there.
 
-    The fixes (:mod:`dpprof.analysis.fix_registry`) say which scenario hosts each.
+    The fixes (:mod:`dpprof.fixes.fix_registry`) say which scenario hosts each.
     """
 
     splits: FurtherSplits | None = None

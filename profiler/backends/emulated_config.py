@@ -24,8 +24,8 @@ class EmulationConfig:
     debug: bool = False  # keep tracebacks of failing scenarios
     # the target GPU's compute capability: which kernels it runs (SDPA, fused dropout)
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
-    # Variants the fixes analysis emulates (dpprof.analysis.fixes); the defaults are plain PyTorch
-    # (gradient_as_bucket_view above serves it too).
+    # Variants the fixes analysis emulates (dpprof.measure.fix_savings); the defaults are
+    # plain PyTorch (gradient_as_bucket_view above serves it too).
     dp_output_device: int | None = None  # DataParallel(output_device=...); targets go there
     # BalancedDataParallel: rows per device at the batch (a micro-batch in proportion)
     dp_chunk_sizes: tuple[int, ...] | None = None

@@ -20,7 +20,7 @@ and the gather on rank 0 are :mod:`dpprof.backends.ranks`, shared with the ``cud
   and takes rank r's shard of each step's global batch by the one seed rule
   (:mod:`dpprof.scenarios.step`), wraps it in ``DistributedDataParallel`` with the
   options, runs ``warmup_steps`` steps and one measured iteration of the shared
-  :func:`dpprof.scenarios.base.training_loop`, and returns a :class:`RankResult`.
+  :func:`dpprof.scenarios.measured_loop.training_loop`, and returns a :class:`RankResult`.
 * :class:`CpuRanks` — the picklable body :mod:`dpprof.backends.ranks` runs in each rank:
   :func:`run_rank` for each spec in turn.
 * :func:`launch(spec, world_size)` / :func:`launch_many(specs, world_size)` — dpprof starts
@@ -68,8 +68,10 @@ from dpprof.backends.ranks import (
     torchrun_run_id,
 )
 from dpprof.backends.ranks_spawn import spawn_ranks
-from dpprof.scenarios.step import StepConfig
-from dpprof.scenarios.workloads import Workload, map_tensors
+from dpprof.emulator.kernels import CudaAutocastNames, StepAutocast
+from dpprof.scenarios.measured_loop import StepHooks, training_loop
+from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_stream
+from dpprof.scenarios.workloads import Workload, load_workload, map_tensors
 
 STEP_MARK = "dpprof::measured_step"  # record_function around the measured iteration
 
@@ -143,11 +145,6 @@ class DistributedRunError(RuntimeError):
 def run_rank(spec: RankSpec, rank: int, world_size: int,
              local_rank: int | None = None) -> RankResult:
     """One rank's DDP training: build, wrap, warm up, measure (see the module docstring)."""
-    from dpprof.emulator.kernels import CudaAutocastNames, StepAutocast
-    from dpprof.scenarios.base import StepHooks, training_loop
-    from dpprof.scenarios.step import scenario_batch, step_stream
-    from dpprof.scenarios.workloads import load_workload
-
     step = spec.step
     wl = step.workload(load_workload(spec.workload))
     device = torch.device("cpu") if spec.device == "cpu" else torch.device(
@@ -209,8 +206,6 @@ def _model_on_device(wl: Workload, device: torch.device,
     """As the emulator: the model built on the host, then moved to the rank's device (and
     the loss module, if the loss is one), in the workload's dtype."""
     import copy
-
-    from dpprof.scenarios.step import build_model
 
     model = build_model(wl, seed).to(device)
     if wl.dtype != torch.float32:

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dpprof.scenarios.base import error_site
+from dpprof.scenarios.measured_loop import error_site
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -28,7 +28,7 @@ from dpprof.backends.ranks import (
     blame,
     run_in_group,
 )
-from dpprof.scenarios.base import error_site
+from dpprof.scenarios.measured_loop import error_site
 
 __all__ = ["spawn_ranks"]
 

@@ -20,7 +20,6 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from dpprof import __version__
 from dpprof.cli.check import check_cmd
 from dpprof.cli.common import err, fit_output_width, out
 from dpprof.cli.compare import compare_cmd
@@ -43,6 +42,7 @@ from dpprof.errors import (
     Interrupted,
 )
 from dpprof.reports.escape import terminal_text
+from dpprof.version import __version__
 
 # click's exceptions, from wherever this typer takes click (its own copy, or the package);
 # Abort lives in typer itself in typer's own copy of click (0.2x), in click's exceptions before

@@ -12,9 +12,10 @@ from typing import Annotated
 
 import typer
 
-from dpprof.cli.common import err, out
+from dpprof.cli.common import err, out, parse_scenarios
 from dpprof.cli.guard import guarded
 from dpprof.scenarios.registry import SCENARIOS
+from dpprof.self_check import check_lines, run_check, save_measured
 
 PANEL = "What to run"
 
@@ -53,9 +54,6 @@ def check_cmd(
     emulated against max_memory_allocated / max_memory_reserved / NVML; the CUDA context
     and cuBLAS workspace measured; whether CUDA and NVML devices match (MIG, containers);
     whether per-process NVML works; and the NVML sampler's cost. Exits 2 without a GPU."""
-    from dpprof.check import check_lines, run_check, save_measured
-    from dpprof.cli.common import parse_scenarios
-
     with guarded(debug):
         chosen = parse_scenarios(scenarios)
         report = run_check(device=device, workload=workload, batch=batch, steps=steps,

@@ -16,9 +16,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from dpprof.errors import DpprofError, Interrupted, UsageError, WorkloadError
 from dpprof.reports.escape import for_files, terminal_text, without_host
-from dpprof.reports.registry import file_suffixes, for_path, renderers
+from dpprof.reports.formats import file_suffixes, for_path, renderers
 from dpprof.result import RunResult, write_atomic
 from dpprof.scenarios.registry import SCENARIOS
+from dpprof.scenarios.workloads import load_workload
 
 if TYPE_CHECKING:
     from dpprof.scenarios.workloads import Workload
@@ -136,7 +137,7 @@ def check_writable(paths: list[tuple[Path, str]]) -> None:
 
 
 def render_to(run: RunResult, fmt: str, include_host: bool = False) -> str:
-    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.registry`); a human format
+    """``run`` in the format named ``fmt`` (:mod:`dpprof.reports.formats`); a human format
     gets the run with control characters stripped from its strings, and Markdown (for a
     public issue) without the machine's identity unless ``include_host``."""
     if fmt == "json":  # the result itself; JSON escapes control characters
@@ -178,8 +179,6 @@ def load_user_workload(spec: str) -> Workload:
     """:func:`dpprof.scenarios.workloads.load_workload`, where a workload whose factory
     raises a ``BaseException`` that is not an ``Exception`` (nor an interrupt or an exit) is
     the usage error any other raising factory is."""
-    from dpprof.scenarios.workloads import load_workload
-
     try:
         return load_workload(spec)
     except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):

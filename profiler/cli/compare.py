@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -46,7 +47,15 @@ from dpprof.cli.options import (
     target_gpu,
 )
 from dpprof.errors import UsageError
-from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig, mark_partial, resolve_backend
+from dpprof.pipeline import (
+    DEFAULT_EMULATED_GPUS,
+    CompareConfig,
+    mark_partial,
+    resolve_backend,
+    run_compare,
+    visible_cuda_gpus,
+)
+from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
 from dpprof.scenarios.step import (
@@ -216,7 +225,6 @@ def compare_cmd(
     with guarded(debug, on_interrupt=write_partial):
         # --gpu NAME sets the target generation unless --compute-capability says otherwise
         target = target_gpu(gpu_memory, gpu, compute_capability_text)
-        from dpprof.backends.cuda_ddp import torchrun_info
 
         rank = torchrun_info()
         if rank is not None and rank.rank != 0:
@@ -300,8 +308,6 @@ def _announce(cfg: CompareConfig, resolved: str, memory_bytes: int, rank: RankIn
             f"processes); workload {terminal_text(workload_name)}, batch {batch}",
             soft_wrap=True)  # one line, as a log shows it
     if resolved == "emulated":
-        from dpprof.pipeline import visible_cuda_gpus
-
         found = visible_cuda_gpus()
         why = ("--backend emulated" if cfg.backend != "auto" else "no CUDA GPUs found"
                if found == 0 else f"{found} CUDA GPU found (the comparison needs 2)")
@@ -326,8 +332,6 @@ def _announce(cfg: CompareConfig, resolved: str, memory_bytes: int, rank: RankIn
 def _run(cfg: CompareConfig, wl: Workload, quiet: bool) -> RunResult | None:
     """The pipeline's run, with a progress bar over the scenarios unless ``quiet``; None on
     a torchrun rank other than 0."""
-    from dpprof.pipeline import run_compare
-
     if quiet:
         return run_compare(cfg, workload=wl)
     with progress_bar("{task.completed}/{task.total}", err) as bar:
@@ -343,8 +347,6 @@ def _run(cfg: CompareConfig, wl: Workload, quiet: bool) -> RunResult | None:
 def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
                     include_host: bool) -> None:
     """The terminal report (unless ``quiet``), then the report files."""
-    from dpprof.reports import terminal
-
     if not quiet:
         out.print(terminal.render(for_terminal(run)))
     write_reports(run, paths, quiet, include_host)

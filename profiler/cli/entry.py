@@ -11,6 +11,8 @@ import sys
 
 
 def main() -> None:
+    # deferred, all three: nothing but the handlers may come before they are installed
+    # (typer and rich, then torch through the commands: see the module)
     from dpprof.cli.guard import install_signal_handlers, interrupted_line
     from dpprof.errors import EXIT_SIGINT, Interrupted
 

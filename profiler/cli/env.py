@@ -12,6 +12,7 @@ import typer
 
 from dpprof.cli.common import out
 from dpprof.cli.guard import guarded
+from dpprof.environment import collect_environment, environment_markdown, environment_rows
 
 
 def env_cmd(
@@ -22,8 +23,6 @@ def env_cmd(
 ) -> None:
     """GPUs, driver, CUDA/NCCL/torch versions, GPU links, CUDA_VISIBLE_DEVICES."""
     from rich.table import Table
-
-    from dpprof.environment import collect_environment, environment_markdown, environment_rows
 
     with guarded(debug):
         env = collect_environment()

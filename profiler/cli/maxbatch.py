@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dpprof.analysis.maxbatch import LADDER_MICRO_BATCHES
+from dpprof.answers.answer import build_answer
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -36,8 +36,11 @@ from dpprof.cli.options import (
 )
 from dpprof.emulator.catalog import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.measure.maxbatch_search import LADDER_MICRO_BATCHES, run_maxbatch
 from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
+from dpprof.reports.answer_sections import maxbatch_renderable
 from dpprof.reports.escape import for_terminal, terminal_text
+from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult, new_result
 from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.step import StepConfig
@@ -45,7 +48,7 @@ from dpprof.scenarios.workloads import DEFAULT
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from dpprof.analysis.maxbatch import MaxBatch
+    from dpprof.measure.maxbatch_search import MaxBatch
     from dpprof.scenarios.workloads import Workload
 
 
@@ -131,8 +134,6 @@ def _check_maxbatch_options(gpus: int, multiple_of: int, seed: int) -> None:
 def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: GpuSpec | None,
             multiple_of: int, seed: int, ladder: bool, quiet: bool) -> MaxBatch:
     """The searches, with a progress bar over them on a terminal unless ``quiet``."""
-    from dpprof.analysis.maxbatch import run_maxbatch
-
     if quiet or not err.is_terminal:  # a log gets no progress bar's leftovers
         return run_maxbatch(wl, names, gpus, memory, gpu=spec, multiple_of=multiple_of,
                             step=StepConfig(seed=seed), ladder=ladder)
@@ -153,10 +154,6 @@ def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: 
 def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
                     include_host: bool) -> None:
     """The verdict set, the table on the terminal unless ``quiet``, then the files."""
-    from dpprof.analysis.answers import build_answer
-    from dpprof.reports.answers import maxbatch_renderable
-    from dpprof.reports.view_builder import build_view
-
     run.comparison.verdict = build_answer(run).verdict
     if not quiet:
         out.print(maxbatch_renderable(build_view(for_terminal(run))))

@@ -16,8 +16,10 @@ from dpprof.cli.common import check_writable, out, output_paths, shown_path, wri
 from dpprof.cli.guard import guarded
 from dpprof.cli.options import INCLUDE_HOST
 from dpprof.errors import DpprofError, UsageError
+from dpprof.reports import diff, terminal
 from dpprof.reports.escape import for_files, for_terminal, terminal_text, without_host
 from dpprof.result import RunResult, load, validate, write_atomic
+from dpprof.watch.analysis import load_run
 
 # the files dpprof renders from a result: what `report` writes, not what it reads
 RENDERED_SUFFIXES = (".md", ".html", ".htm", ".markdown")
@@ -33,8 +35,6 @@ def _load_any(path: Path) -> RunResult:
         raise UsageError(f"{terminal_text(str(path))} is a rendered report, which dpprof "
                          f"cannot read back; {hint}")
     if path.suffix == ".jsonl":
-        from dpprof.watch.analysis import load_run
-
         # validated as a saved result is: renderers get only what the model allows
         return validate(json.loads(load_run(path).to_json()), str(path))
     return load(path)
@@ -64,8 +64,6 @@ def report_cmd(
 
     Example: dpprof report run.json -o run.md; dpprof report before.json after.json
     """
-    from dpprof.reports import terminal
-
     with guarded(debug):
         if len(results) > 2:
             raise UsageError(
@@ -80,7 +78,6 @@ def report_cmd(
             check_writable(paths)
             write_reports(runs[0], paths, quiet=False, include_host=include_host)
             return
-        from dpprof.reports import diff
 
         files = [for_files(r) for r in runs]  # no control characters in a file
         public = files if include_host else [without_host(r) for r in files]

@@ -35,8 +35,11 @@ from dpprof.cli.options import (
     target_gpu,
 )
 from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
+from dpprof.script import namespace
+from dpprof.script.session import ScriptConfig, nothing_on_a_gpu, parse_command, run_command
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -115,9 +118,6 @@ def run_cmd(
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
-    from dpprof.script import namespace
-    from dpprof.script.session import ScriptConfig, parse_command
-
     # the seal's kernel line: a mount namespace, entered by the console script before torch
     # was imported (dpprof.cli.entry); where the machine refuses it, the seal keeps its
     # Python line and an audit hook
@@ -217,8 +217,6 @@ def _announce(cfg: ScriptConfig) -> None:
 def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult, ScriptRun]:
     """The script as written (and its alternatives), with a progress bar over the steps
     unless ``quiet``."""
-    from dpprof.script.session import run_command
-
     if quiet:
         return run_command(cfg, alternatives)
     with progress_bar("{task.completed}/{task.total} steps", err, redirect=False) as bar, \
@@ -235,9 +233,6 @@ def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, 
                     quiet: bool) -> None:
     """The script's traceback, then the terminal report and the files, or the one line
     saying nothing reached a GPU."""
-    from dpprof.reports import terminal
-    from dpprof.script.session import nothing_on_a_gpu
-
     if main.script_traceback:  # verbatim, as the script would have printed it
         sys.stderr.write(main.script_traceback.rstrip() + "\n")
     if not any(d.peak_allocated_bytes for s in result.scenarios for d in s.devices):

@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from dpprof.cli.common import check_writable, err, output_paths, write_reports
+from dpprof.cli.options import check_bounds
 from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml import libnvml
 from dpprof.reports.escape import terminal_text
 from dpprof.result import ResultFileError, RunResult
 from dpprof.units import fmt_bytes
+from dpprof.watch.analysis import load_run
+from dpprof.watch.monitor import SpawnError, WatchConfig, Watcher, select_devices
 
 if TYPE_CHECKING:
     from dpprof.watch.monitor import WatchOutcome
@@ -110,9 +114,6 @@ def watch_cmd(
 
     Example: dpprof watch -- python train.py --batch-size 256
     """
-    from dpprof.cli.common import err, output_paths
-    from dpprof.watch.monitor import SpawnError
-
     try:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths = output_paths(output, f"watch-{stamp}")
@@ -143,9 +144,6 @@ def watch_cmd(
 def _report_loaded(load: Path, command: list[str] | None, paths: list[tuple[Path, str]],
                    quiet: bool) -> None:
     """``--load``: the reports of a samples file already written; nothing runs."""
-    from dpprof.cli.common import check_writable, err, write_reports
-    from dpprof.watch.analysis import load_run
-
     if command:
         raise UsageError("--load runs nothing: give either --load FILE or -- CMD")
     run = load_run(load)
@@ -157,8 +155,6 @@ def _report_loaded(load: Path, command: list[str] | None, paths: list[tuple[Path
 
 def _check_watch_options(command: list[str] | None, interval: float, kill_after: float) -> None:
     """One line naming the first option out of its range, before anything runs."""
-    from dpprof.cli.options import check_bounds
-
     if not command:
         raise UsageError("no command given: dpprof watch -- python train.py")
     if not interval > 0:
@@ -172,9 +168,6 @@ def _watch(command: list[str], paths: list[tuple[Path, str]], interval: float,
            kill_after: float, gpus: str | None, quiet: bool) -> WatchOutcome:
     """The command run under NVML's sampling, once NVML answers and the reports' place is
     writable."""
-    from dpprof.cli.common import check_writable, err
-    from dpprof.watch.monitor import WatchConfig, Watcher, select_devices
-
     nvml = libnvml.default_nvml()
     status = nvml.status()
     if not status.available:
@@ -203,8 +196,6 @@ def _write_watch_reports(outcome: WatchOutcome, paths: list[tuple[Path, str]], q
                          debug: bool) -> None:
     """The reports of a command that ran, and dpprof's line after it; a failure here is
     told in one line and never changes the command's exit status."""
-    from dpprof.cli.common import err, write_reports
-
     try:
         if outcome.run is None:
             raise DpprofError("; ".join(outcome.notes) or "no result")

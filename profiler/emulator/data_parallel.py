@@ -437,7 +437,7 @@ class MirrorUnsafe(RuntimeError):
 
 def balanced_sizes(shares: Sequence[int], rows: int) -> list[int]:
     """``BalancedDataParallel``'s rows per device for a batch of ``rows`` (the code the
-    balanced-split fix hands out, :data:`dpprof.analysis.fixes.CODE_BALANCED`): in
+    balanced-split fix hands out, :data:`dpprof.fixes.kinds.balanced_split.CODE_BALANCED`): in
     proportion to ``shares``, rounded down, the remainder to the last device."""
     total = sum(shares)
     sizes = [rows * s // total for s in shares]

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator import cuda_api, tensor_api
+from dpprof.emulator.allocator import simulate
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_api import device_index
@@ -223,8 +224,6 @@ class VirtualCuda:
     def _reserved(self, i: int) -> tuple[int, int]:
         """(current, peak since the last reset) reserved bytes: the caching allocator
         simulated over the device's allocations so far."""
-        from dpprof.emulator.allocator import simulate
-
         events: list[tuple[Any, ...]] = []
         for k, ev in enumerate(self.rt.events):
             if k == self._peak_from[i]:

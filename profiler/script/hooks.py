@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.analysis.ladder import Rung, blocks_words, checkpoint_blocks
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site
 from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
+from dpprof.measure.ladder import Rung, blocks_words, checkpoint_blocks
 from dpprof.script import wrappers
-from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
+from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD, loss_in_forward_loss_call
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
            "Variant", "compile_eagerly", "unwrapped"]
@@ -245,8 +245,6 @@ class Variant:
 
             patcher.patch(DataLoader, "__init__", loader_init)
         elif self.name == LOSS_IN_FORWARD:
-            from dpprof.script.wrappers import loss_in_forward_loss_call
-
             loss_cls = nn.modules.loss._Loss
             orig_call = loss_cls.__call__
 

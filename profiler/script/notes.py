@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 
+from dpprof.answers.answer import build_answer
 from dpprof.emulator.cuda_devices import STAND_INS
+from dpprof.fixes.fix_registry import for_variant
 from dpprof.result import Fix, RunResult, ScriptWrite, SealCheck
 from dpprof.script import rewrite
 from dpprof.script.runner import ScriptConfig, ScriptRun
@@ -154,9 +156,7 @@ def seal_notes(check: SealCheck) -> list[str]:
 
 def script_verdict(result: RunResult) -> str:
     """The verdict of a script's result: the one answer builder's
-    (:func:`dpprof.analysis.answers.build_answer`), as for every other command."""
-    from dpprof.analysis.answers import build_answer
-
+    (:func:`dpprof.answers.answer.build_answer`), as for every other command."""
     return build_answer(result).verdict
 
 
@@ -200,8 +200,6 @@ def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int,
     """What the alternative saves on cuda:0, with its change to the script's lines.
     ``outputs_kept``: the loss inside forward of a script that also uses the outputs (the
     sites that do, and what computing them inside forward too would save on cuda:0)."""
-    from dpprof.analysis.fix_registry import for_variant
-
     if not main.scenario.devices or not alt.scenario.devices:
         return None
     p0 = main.scenario.devices[0].peak_allocated_bytes

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from dpprof.analysis.ladder import Rung
 from dpprof.backends.emulated_figures import ddp_ranks, device_result, timeline_points
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
@@ -27,8 +26,9 @@ from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import Interrupted, UsageError
+from dpprof.measure.ladder import Rung
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
-from dpprof.scenarios.base import (
+from dpprof.scenarios.names import (
     DDP,
     DP_LOSS_FORWARD,
     DP_LOSS_PRIMARY,
@@ -132,7 +132,7 @@ class ScriptRun:
     shard_rows: dict[int, int] = field(default_factory=dict)  # see wrappers.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
     # the script's model: the words of the checkpointing code for its repeated blocks
-    # (dpprof.analysis.ladder.blocks_words, their "count" among them); the lines of its
+    # (dpprof.measure.ladder.blocks_words, their "count" among them); the lines of its
     # first call and of the first backward() (file:line)
     blocks_words: dict[str, Any] = field(default_factory=dict)
     forward_site: str = ""

@@ -27,9 +27,13 @@ import os
 import signal
 from collections.abc import Callable
 
+from dpprof.answers.answer import partial_sentence
+from dpprof.answers.attribution import attribute_run
+from dpprof.answers.comparison import compare
 from dpprof.errors import Interrupted
+from dpprof.fixes.fix_registry import run_variants
 from dpprof.result import Fix, RunResult, new_result
-from dpprof.scenarios.base import DDP, DP_LOSS_PRIMARY
+from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
 from dpprof.script.notes import (
@@ -82,10 +86,6 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
                 progress: Progress | None = None) -> tuple[RunResult, ScriptRun]:
     """Run the script as written (and its paired alternatives); the result and the
     as-written run (its traceback and exit status)."""
-    from dpprof.analysis.answers import partial_sentence
-    from dpprof.analysis.attribution import attribute_run
-    from dpprof.analysis.comparison import compare
-
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
@@ -143,8 +143,6 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                       fixes: list[Fix]) -> None:
     """Run each alternative the fixes measure of a DataParallel script; its run goes into
     ``runs``, what it saves into ``fixes``, why it could not run into ``notes``."""
-    from dpprof.analysis.fix_registry import run_variants
-
     for kind in run_variants():  # the fixes a script's alternative measures
         variant = kind.run_variant or ""
         alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))

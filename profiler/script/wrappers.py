@@ -24,11 +24,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from dpprof.emulator import fsdp
 from dpprof.emulator.cuda_devices import caller_site
-from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter_kwargs
+from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch, Patcher
+from dpprof.emulator.virtual_cuda import active
+from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -92,8 +95,6 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
                  output_device: Any = None, dim: int = 0) -> None:
-        from dpprof.emulator.virtual_cuda import active
-
         nn.Module.__init__(self)
         vc = active()
         if vc is None:
@@ -181,7 +182,6 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             object.__setattr__(self, "_ddp_impl", impl)
             _log().ddp_devices.append(src)
         _log().used_devices = [src]
-        from dpprof.emulator.data_parallel import scatter
 
         with rt.category("inputs"):
             moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if inputs or kwargs \
@@ -277,8 +277,6 @@ class DeferredOutputs:
 
 
 def _recording_class() -> type:
-    from dpprof.scenarios.base import ModelWithLoss, as_args
-
     class RecordingModelWithLoss(ModelWithLoss):
         """``ModelWithLoss`` that notes each replica's output shapes (for stand-ins)."""
 
@@ -298,8 +296,6 @@ def _recording_class() -> type:
 
 
 def t_rows(x: Any) -> int:
-    from dpprof.scenarios.base import batch_rows
-
     return batch_rows(x)
 
 
@@ -307,8 +303,6 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
                               kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
     inside forward on every replica, combined by rows (None: not such a call)."""
-    from dpprof.scenarios.base import ModelWithLoss
-
     if not args or not isinstance(args[0], DeferredOutputs) or args[0].value is not None:
         return None
     deferred: DeferredOutputs = args[0]
@@ -359,8 +353,6 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
                  **_: Any) -> None:
         import torch.distributed as dist
 
-        from dpprof.emulator.virtual_cuda import active
-
         nn.Module.__init__(self)
         vc = active()
         if vc is None:
@@ -395,7 +387,6 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         if self.device_ids:
             rt = self._vc.rt
             index = self._vc.index_of(self.device_ids[0])
-            from dpprof.emulator.data_parallel import scatter
 
             with rt.category("inputs"):
                 moved = scatter(rt, (inputs, kwargs), [index], self.dim)[0]
@@ -434,8 +425,6 @@ class ScriptParallel:
 
 
 def _state() -> ScriptParallel:
-    from dpprof.emulator.virtual_cuda import active
-
     vc = active()
     if vc is None or vc.parallel is None:
         raise RuntimeError("the parallel wrappers run only under an active VirtualCuda")
@@ -538,8 +527,6 @@ def _install_fsdp(vc: VirtualCuda) -> None:
     process group, with what :func:`dpprof.emulator.fsdp.emulated_ranks` patches for the
     ladder's rungs (its in-place storage resizes counted, DTensor's sharding propagation
     on the real devices), for as long as ``vc`` is active."""
-    from dpprof.emulator import fsdp
-
     if fsdp.missing() is not None:
         return
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group

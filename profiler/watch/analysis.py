@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dpprof.analysis.comparison import compare_scenario
-from dpprof.analysis.post_mortem import post_mortem, watch_ending, watch_verdict
+from dpprof.answers.comparison import compare_scenario
+from dpprof.answers.post_mortem import post_mortem, watch_ending, watch_verdict
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -206,7 +206,7 @@ def build_run(
     sc = compare_scenario(dataclasses.replace(scenario, status=STATUS_OK))
     if sc is not None:
         comparison.scenarios[name] = sc
-    # the one answer builder's (dpprof.analysis.answers), stored for the JSON
+    # the one answer builder's (dpprof.answers.answer), stored for the JSON
     watch.post_mortem, watch.next_steps = post_mortem(watch)
     comparison.verdict = watch_verdict(watch, sc.imbalance if sc else None)
     totals = [d.total_bytes for d in devices if d.total_bytes]

@@ -6,8 +6,9 @@ How the command runs
 - **stdout / stderr** go through pipes that dpprof copies, byte for byte as they arrive
   (``os.read`` / ``os.write``, no decoding, no buffering of its own), to its own stdout and
   stderr, scanning a bounded copy of each line for CUDA out-of-memory errors
-  (:mod:`dpprof.watch.oom_messages`). When dpprof's stdout and stderr are one terminal or one pipe
-  (``2>&1``), the command gets a single pipe for both, so their order is kept exactly; else
+  (:mod:`dpprof.backends.oom_messages`). When dpprof's stdout and stderr are one terminal or
+  one pipe (``2>&1``), the command gets a single pipe for both, so their order is kept
+  exactly; else
   the two streams are copied by two threads, and their relative order on a shared
   destination is only as good as the arrival of the bytes. A pipe makes C stdio and Python
   block-buffer; when dpprof's stdout or stderr is a terminal and ``PYTHONUNBUFFERED`` is not
@@ -68,6 +69,7 @@ from dpprof.result import (
     WatchDevice,
     WatchOom,
 )
+from dpprof.version import __version__
 from dpprof.watch.analysis import load_run
 from dpprof.watch.output import OutputScanner, pump, same_stream
 from dpprof.watch.samples import SAMPLES_FORMAT, SamplesWriter
@@ -507,6 +509,4 @@ class Watcher:
 
 
 def _version() -> str:
-    from dpprof import __version__
-
     return __version__

@@ -1,5 +1,5 @@
 """Copying a watched command's output to dpprof's own, byte for byte, and scanning each line
-for CUDA out-of-memory errors (:mod:`dpprof.watch.oom_messages`) on the way."""
+for CUDA out-of-memory errors (:mod:`dpprof.backends.oom_messages`) on the way."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import select
 import stat
 from collections.abc import Callable, Sequence
 
+from dpprof.backends.oom_messages import parse_oom_line
 from dpprof.result import WatchOom
-from dpprof.watch.oom_messages import parse_oom_line
 
 __all__ = ["LINE_LIMIT", "OutputScanner", "pump", "same_stream"]
 

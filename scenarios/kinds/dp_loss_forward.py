@@ -1,8 +1,8 @@
 """``dp-loss-forward``: ``nn.DataParallel(ModelWithLoss(model, loss))``; each replica
 computes its loss, cuda:0 gathers one number per GPU."""
 
-from dpprof.scenarios.base import DP_LOSS_FORWARD
 from dpprof.scenarios.kind import DataParallelScenario
+from dpprof.scenarios.names import DP_LOSS_FORWARD
 
 SCENARIO = DataParallelScenario(
     name=DP_LOSS_FORWARD,

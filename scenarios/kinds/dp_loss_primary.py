@@ -1,8 +1,8 @@
 """``dp-loss-primary``: ``nn.DataParallel(model)``; the outputs gathered on cuda:0, the loss
 there over the whole batch (what most DataParallel scripts do)."""
 
-from dpprof.scenarios.base import DP_LOSS_PRIMARY
 from dpprof.scenarios.kind import DataParallelScenario
+from dpprof.scenarios.names import DP_LOSS_PRIMARY
 
 SCENARIO = DataParallelScenario(
     name=DP_LOSS_PRIMARY,

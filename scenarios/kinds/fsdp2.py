@@ -3,8 +3,8 @@ with FSDP2's ``fully_shard`` (one process per GPU, each its shard of the paramet
 gradients and optimizer state, each block's parameters all-gathered for its forward and
 backward)."""
 
-from dpprof.scenarios.base import FSDP2
 from dpprof.scenarios.kind import DistributedScenario
+from dpprof.scenarios.names import FSDP2
 
 SCENARIO = DistributedScenario(
     name=FSDP2,

@@ -1,8 +1,8 @@
 """``model-parallel``: not a paired scenario; what ``dpprof run`` names a script that places
 its own work on several GPUs (no DataParallel, no DDP)."""
 
-from dpprof.scenarios.base import MODEL_PARALLEL
-from dpprof.scenarios.kind import SPLIT_MODEL, Scenario
+from dpprof.scenarios.kind import Scenario
+from dpprof.scenarios.names import MODEL_PARALLEL, SPLIT_MODEL
 
 SCENARIO = Scenario(
     name=MODEL_PARALLEL,

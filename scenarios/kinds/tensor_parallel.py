@@ -2,8 +2,8 @@
 its layers over a device mesh with ``parallelize_module`` (one process per GPU, each its
 shard of every parallelized layer's weights, the activations as the plan lays them out)."""
 
-from dpprof.scenarios.base import TENSOR_PARALLEL
 from dpprof.scenarios.kind import DistributedScenario
+from dpprof.scenarios.names import TENSOR_PARALLEL
 
 SCENARIO = DistributedScenario(
     name=TENSOR_PARALLEL,

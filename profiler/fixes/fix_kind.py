@@ -1,0 +1,146 @@
+"""What a fix is, once: its name and title, the scenarios it changes, its code, how it is
+measured, and the ``dpprof run`` alternative it maps to.
+
+Each fix is one object (:class:`FixKind`) in its own module under
+:mod:`dpprof.fixes.kinds`, listed once in :mod:`dpprof.fixes.fix_registry`;
+:func:`dpprof.measure.fix_savings.evaluate` measures them in the registry's order, the answers
+read which scenario each changes, and ``dpprof run`` which alternative of a script each is.
+
+How a fix is measured (:attr:`FixKind.measured`):
+
+* :data:`AS_SCENARIO`: it is one of the paired scenarios (:attr:`FixKind.measured_in`); the
+  comparison's own result where it ran, else that scenario emulated;
+* :data:`FURTHER_STEP`: one more step of :attr:`~FixKind.measured_in`'s own loop, after its
+  measured step (:class:`dpprof.backends.emulated.Alongside`), else emulated alone;
+* :data:`LEDGER`: followed in a ledger while :attr:`~FixKind.measured_in` runs plain, else
+  emulated alone;
+* :data:`ALONE`: emulated on its own.
+
+Every fix is measured against :data:`FIX_BASELINE` (``dp-loss-primary``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
+from dpprof.scenarios.names import DP_LOSS_PRIMARY
+
+if TYPE_CHECKING:
+    from dpprof.backends.emulated import Alongside, EmulationConfig
+    from dpprof.scenarios.workloads import Workload
+
+# A difference under 1 % of the heaviest GPU's peak is noise (a loss tensor), not a change:
+# a fix that saves less is not recommended (dpprof.answers.answer), nor searched further.
+MIN_SAVING = 0.01
+FIX_BASELINE = DP_LOSS_PRIMARY  # what every fix's saving is measured against
+AS_SCENARIO, FURTHER_STEP, LEDGER, ALONE = "scenario", "further-step", "ledger", "alone"
+
+
+def measured_ok(s: ScenarioResult | None) -> bool:
+    """A scenario with figures to compare: it ran (or ran out of memory) on some device."""
+    return s is not None and s.status in (STATUS_OK, STATUS_OOM) and bool(s.devices)
+
+
+def peaks(s: ScenarioResult) -> tuple[int, int]:
+    """(cuda:0's peak, the heaviest used device's peak)."""
+    used = [d for d in s.devices if d.used]
+    return used[0].peak_allocated_bytes, max(d.peak_allocated_bytes for d in used)
+
+
+def against(name: str, title: str, s: ScenarioResult | None, baseline: ScenarioResult,
+            detail: str, code: str, chunks: list[int] | None = None) -> Fix | None:
+    """``s`` (the step with the fix) against ``baseline`` (dp-loss-primary)."""
+    if not measured_ok(s):
+        return None
+    assert s is not None
+    p0, pmax = peaks(baseline)
+    q0, qmax = peaks(s)
+    return Fix(name=name, title=title, primary_peak_bytes=q0, max_peak_bytes=qmax,
+               saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax, detail=detail,
+               code=code, chunk_sizes=list(chunks or []))
+
+
+class Trial:
+    """One evaluation of the fixes on a run's workload and batch: the emulation each fix
+    asks for, each scenario emulated at most once.
+
+    ``base``: the emulation (peaks only); ``measured``: what the run's own scenarios
+    measured alongside (used where the emulator made the run, ``own``); ``run_scenario``:
+    :func:`dpprof.backends.emulated.run_scenario`."""
+
+    def __init__(self, run: RunResult, wl: Workload, base: EmulationConfig,
+                 measured: Alongside, own: bool, kinds: tuple[FixKind, ...],
+                 run_scenario: Callable[..., ScenarioResult]) -> None:
+        self.run, self.wl, self.base, self.measured, self.own = run, wl, base, measured, own
+        self.kinds = kinds
+        self._run_scenario = run_scenario
+        self.gpus, self.batch = base.gpus, base.step.batch
+        self._scenarios: dict[str, ScenarioResult | None] = {}
+        self._primary: ScenarioResult | None = None
+
+    @property
+    def primary(self) -> ScenarioResult:
+        """The baseline every fix is measured against (:meth:`scenario` of it, measured)."""
+        assert self._primary is not None
+        return self._primary
+
+    def scenario(self, name: str) -> ScenarioResult | None:
+        """Scenario ``name``: the run's own where the emulator made it and it measured, else
+        emulated here (measuring, as it runs, what the fixes it hosts ask of it)."""
+        if name not in self._scenarios:
+            s = self.run.scenario(name) if self.own else None
+            if not measured_ok(s):
+                for kind in self.kinds:  # afresh: what an earlier emulation left is not this
+                    if kind.measured_in == name and kind.measured in (FURTHER_STEP, LEDGER):
+                        kind.ask(self.measured, self.batch, self.gpus)
+                s = self.emulate(name, self.base, self.measured)
+            self._scenarios[name] = s
+            if name == FIX_BASELINE and measured_ok(s):
+                self._primary = s
+        return self._scenarios[name]
+
+    def emulate(self, name: str, cfg: EmulationConfig,
+                alongside: Alongside | None = None) -> ScenarioResult:
+        """Scenario ``name`` emulated with ``cfg`` (a variant of :attr:`base`)."""
+        if alongside is None:
+            return self._run_scenario(name, self.wl, cfg)
+        return self._run_scenario(name, self.wl, cfg, alongside=alongside)
+
+    def variant(self, **changes: object) -> EmulationConfig:
+        """:attr:`base` with ``changes`` (``dp_output_device=...``)."""
+        return dataclasses.replace(self.base, **changes)  # type: ignore[arg-type]
+
+    def fix(self, kind: FixKind, s: ScenarioResult | None, detail: str, code: str,
+            chunks: list[int] | None = None) -> Fix | None:
+        """``s`` (the step with ``kind``) against the baseline."""
+        return against(kind.name, kind.title, s, self.primary, detail, code, chunks)
+
+
+@dataclass(frozen=True)
+class FixKind:
+    """One fix (see the module)."""
+
+    name: str  # the result's Fix.name
+    title: str
+    applies_to: tuple[str, ...]  # the scenarios whose setup it changes (others: not offered)
+    measured: str  # AS_SCENARIO, FURTHER_STEP, LEDGER or ALONE
+    measured_in: str | None = None  # the scenario it is, or whose loop measures it
+    run_variant: str | None = None  # `dpprof run`'s alternative of a script that is this fix
+    run_detail: str = ""  # `dpprof run`'s detail of it ({gpus}: the GPUs)
+
+    def ask(self, alongside: Alongside, batch: int, gpus: int) -> None:
+        """Ask (afresh) the scenario that measures it in its loop (:attr:`measured_in`) to
+        measure it as it runs: FURTHER_STEP and LEDGER fixes."""
+
+    def measure(self, trial: Trial) -> Fix | None:
+        """What it saves on the trial's workload, or None where it cannot be measured."""
+        raise NotImplementedError
+
+    def from_scenario(self, s: ScenarioResult | None, primary: ScenarioResult, gpus: int,
+                      batch: int) -> Fix | None:
+        """An AS_SCENARIO fix from its scenario's result, without emulating anything."""
+        return None

@@ -1,0 +1,67 @@
+"""Every fix, once: the one list the fixes' evaluation, the answers and ``dpprof run`` loop
+over.
+
+Adding a fix is its module under :mod:`dpprof.fixes.kinds` (a ``FIX``, see
+:mod:`dpprof.fixes.fix_kind`) and one line in :data:`MODULES`. The order is the order in
+which they are measured and reported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dpprof.fixes.fix_kind import AS_SCENARIO, FIX_BASELINE, FixKind, measured_ok
+from dpprof.result import Fix, RunResult
+
+MODULES = (
+    "dpprof.fixes.kinds.loss_in_forward",
+    "dpprof.fixes.kinds.ddp_in_place",
+    "dpprof.fixes.kinds.bucket_view",
+    "dpprof.fixes.kinds.output_device",
+    "dpprof.fixes.kinds.balanced_split",
+)
+
+
+def _load(module: str) -> FixKind:
+    fix = importlib.import_module(module).FIX
+    assert isinstance(fix, FixKind), module
+    return fix
+
+
+FIXES: tuple[FixKind, ...] = tuple(_load(m) for m in MODULES)
+BY_NAME: dict[str, FixKind] = {f.name: f for f in FIXES}
+
+
+def applies_to(name: str) -> tuple[str, ...]:
+    """The scenarios fix ``name`` changes (a fix no longer listed: the baseline's)."""
+    kind = BY_NAME.get(name)
+    return kind.applies_to if kind is not None else (FIX_BASELINE,)
+
+
+def as_scenario(name: str) -> str | None:
+    """The scenario fix ``name`` is, where it is one of the paired scenarios."""
+    kind = BY_NAME.get(name)
+    return kind.measured_in if kind is not None and kind.measured == AS_SCENARIO else None
+
+
+def run_variants() -> tuple[FixKind, ...]:
+    """The fixes ``dpprof run`` measures as alternatives of a script, in the registry's
+    order."""
+    return tuple(f for f in FIXES if f.run_variant is not None)
+
+
+def for_variant(variant: str) -> FixKind:
+    """The fix ``dpprof run``'s alternative ``variant`` is."""
+    return next(f for f in FIXES if f.run_variant == variant)
+
+
+def from_scenarios(run: RunResult) -> list[Fix]:
+    """The fixes the run's own scenarios measure, without emulating anything: for results
+    saved without fixes (``--no-fixes``, older files)."""
+    primary = run.scenario(FIX_BASELINE)
+    if not measured_ok(primary) or run.gpus < 2:
+        return []
+    assert primary is not None
+    found = [kind.from_scenario(run.scenario(kind.measured_in or ""), primary, run.gpus,
+                                run.batch) for kind in FIXES]
+    return [f for f in found if f is not None]

@@ -1,0 +1,48 @@
+"""DistributedDataParallel in place of DataParallel: the ``ddp`` scenario."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpprof.fixes.fix_kind import AS_SCENARIO, FixKind, Trial, against
+from dpprof.result import Fix, ScenarioResult
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.workloads import shard_sizes
+
+# the DataParallel model and loader turned into DDP's (the ladder's rungs start from it too)
+CODE_SETUP = """\
++# torchrun --nproc-per-node {gpus} train.py
++dist.init_process_group("nccl")
++rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
+-model = nn.DataParallel(model.cuda())
++model = DDP(model.cuda(rank), device_ids=[rank])
++loader = DataLoader(dataset, batch_size={per_rank},
++                    sampler=DistributedSampler(dataset))  # per-rank batch
+"""
+CODE = CODE_SETUP + """\
+ for inputs, targets in loader:
+-    loss = loss_fn(model(inputs.cuda()), targets.cuda())
++    loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))"""
+
+DETAIL = ("every GPU holds its own parameters, gradients and optimizer state and its "
+          "shard")
+
+
+@dataclass(frozen=True)
+class Distributed(FixKind):
+    def measure(self, trial: Trial) -> Fix | None:
+        return self.from_scenario(trial.scenario(DDP), trial.primary, trial.gpus, trial.batch)
+
+    def from_scenario(self, s: ScenarioResult | None, primary: ScenarioResult, gpus: int,
+                      batch: int) -> Fix | None:
+        code = CODE.format(gpus=gpus, per_rank=shard_sizes(batch, gpus)[0])
+        return against(self.name, self.title, s, primary, DETAIL, code)
+
+
+FIX = Distributed(
+    name="ddp", title="DistributedDataParallel",
+    applies_to=(DP_LOSS_PRIMARY, DP_LOSS_FORWARD), measured=AS_SCENARIO, measured_in=DDP,
+    run_variant="ddp-in-place",
+    run_detail="the same script as {gpus} DDP ranks: every GPU its own parameters, "
+    "gradients, optimizer state and its share of each batch.",
+)

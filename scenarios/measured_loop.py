@@ -1,0 +1,535 @@
+"""The one training step that every backend runs, in each scenario
+(:mod:`dpprof.scenarios.names`).
+
+The measured loop (:func:`training_loop`): the PyTorch tutorial's loop in steady state,
+several iterations in one scope, the last measured, every variable alive until the loop
+rebinds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpprof.scenarios.step import take_rows
+
+PHASES: tuple[str, ...] = ("inputs", "zero_grad", "forward", "loss", "backward", "optimizer")
+
+
+def batch_rows(x: Any) -> int:
+    """Rows (dim 0) of the first tensor found in ``x`` (a tensor, tuple, list or dict)."""
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0]) if x.dim() > 0 else 1
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            n = batch_rows(v)
+            if n:
+                return n
+    return 0
+
+
+def as_args(inputs: Any) -> tuple[Any, ...]:
+    """A workload's inputs as the positional arguments of the model."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+class ModelWithLoss(nn.Module):
+    """Compute the loss inside ``forward``, on every replica: the DataParallel fix.
+
+    Wrap the model and the loss, give DataParallel the targets too, and combine::
+
+        model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn))
+        loss = dpprof.ModelWithLoss.combine(model(inputs, targets))
+        loss.backward()
+
+    cuda:0 then receives one number per GPU instead of the whole batch's outputs, and the
+    loss, its temporaries and its gradient are computed per replica. Each replica returns
+    ``(loss * rows, rows)``, so :meth:`combine` weights replicas by their share of the
+    batch: the same number as the loss over the whole batch even when the shards are uneven
+    (a plain ``.mean()`` of the per-replica losses is not).
+
+    A loop that also uses the outputs (accuracy from ``torch.max(outputs, 1)``) keeps them
+    with ``keep_outputs=True``: each replica returns its outputs too, gathered on cuda:0 as
+    without the fix (the loss and its temporaries still stay on the replicas), and
+    :meth:`split` gives both::
+
+        model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn, keep_outputs=True))
+        outputs, loss = dpprof.ModelWithLoss.split(model(inputs, targets))
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 keep_outputs: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.keep_outputs = keep_outputs
+
+    def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
+        outputs = call_model(self.model, inputs)
+        loss = self.loss_fn(outputs, targets)
+        rows = float(batch_rows(targets) or batch_rows(inputs))
+        weighted, count = loss.reshape(1) * rows, loss.new_full((1,), rows)
+        return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
+
+    @staticmethod
+    def combine(out: tuple[Any, ...]) -> torch.Tensor:
+        """The batch loss from the gathered ``(loss * rows, rows)`` of every replica."""
+        weighted, rows = out[0], out[1]
+        return weighted.sum() / rows.sum()
+
+    @staticmethod
+    def split(out: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
+        """(the gathered outputs, the batch loss) of a ``keep_outputs=True`` model."""
+        if len(out) < 3:
+            raise ValueError("ModelWithLoss.split needs ModelWithLoss(..., keep_outputs=True)")
+        return out[2], ModelWithLoss.combine(out)
+
+
+@contextlib.contextmanager
+def _no_phase(name: str) -> Iterator[None]:
+    yield
+
+
+@dataclass
+class StepHooks:
+    """What a backend plugs into :func:`training_loop`.
+
+    ``phase(name)`` is entered around each phase of every iteration; ``iteration(k,
+    measured)`` around the whole of iteration ``k`` (``measured``: the last one, from the
+    moment its batch is assigned to the end of ``optimizer.step()``).
+    """
+
+    phase: Callable[[str], contextlib.AbstractContextManager[None]] = _no_phase
+    after_forward: Callable[[Any], None] = lambda outputs: None
+    after_loss: Callable[[torch.Tensor, Any], None] = lambda loss, outputs: None
+    after_backward: Callable[[], None] = lambda: None
+    after_optimizer: Callable[[], None] = lambda: None
+    iteration: Callable[[int, bool], contextlib.AbstractContextManager[None]] = (
+        lambda k, measured: contextlib.nullcontext())
+
+
+LOOP_DESCRIPTION = (
+    "the PyTorch tutorial loop in steady state: for inputs, targets in loader: inputs, "
+    "targets = inputs.to(device), targets.to(device); optimizer.zero_grad(); "
+    "outputs = model(inputs); loss = criterion(outputs, targets); loss.backward(); "
+    "optimizer.step() -- {n} iterations in one scope, {measured} measured; every variable "
+    "lives until the loop reassigns it (outputs and loss through backward and the optimizer "
+    "step; the previous iteration's outputs and batch until the new ones are assigned)"
+)
+
+
+def loop_description(iterations: int, measured: int = 1) -> str:
+    """The loop dpprof measured, in one sentence (for the report)."""
+    which = "the last" if measured == 1 else f"the last {measured}"
+    return LOOP_DESCRIPTION.format(n=iterations, measured=which)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    dirs = [os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
+    # dpprof's own three source trees, located without importing them (reports is a layer
+    # above this one)
+    for name in ("dpprof", "dpprof.scenarios", "dpprof.reports"):
+        spec = importlib.util.find_spec(name)
+        dirs.append(os.path.dirname(spec.origin or "") if spec is not None else "")
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def error_site(exc: BaseException) -> str:
+    """Where ``exc`` happened, for a one-line error: the aten op that failed (when the
+    emulator saw it) and the innermost frame of the user's code (not torch's, dpprof's or
+    the standard library's) with its line, e.g. ``" (in aten::mm, at model.py:42 in
+    forward: return h @ self.w)"``; "" when neither is known."""
+    parts = []
+    op = getattr(exc, "dpprof_op", None)
+    if op:
+        parts.append(f"in {op}")
+    skip = _library_dirs()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = os.path.realpath(frame.filename)
+        if path.startswith(skip) or frame.filename.startswith("<"):
+            continue
+        code = f": {frame.line.strip()}" if frame.line else ""
+        parts.append(f"at {frame.filename}:{frame.lineno} in {frame.name}{code}")
+        break
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def takes_one_dict(model: Callable[..., Any], inputs: dict[str, Any]) -> bool:
+    """Whether the plain model (inside DataParallel, DDP, ModelWithLoss) takes the dict
+    ``inputs`` as its one positional parameter (``forward(self, batch)``) rather than its keys
+    as keyword arguments (``forward(self, input_ids, labels)``, the Hugging Face way)."""
+    inner: Any = model
+    while isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    if isinstance(inner, ModelWithLoss):
+        inner = inner.model
+    try:
+        params = list(inspect.signature(inner.forward if isinstance(inner, nn.Module)
+                                        else inner).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the keys, as before
+        return False
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return False
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if set(inputs) <= named:
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1 or (
+        bool(positional) and all(p.default is not p.empty for p in positional[1:]))
+
+
+def where_outputs_are(targets: Any, outputs: Any) -> Any:
+    """``targets`` on the device of the first tensor of ``outputs``: the model-parallel
+    tutorial's ``labels.to(outputs.device)``, for a model that ends on another GPU than the
+    one its inputs went to (elsewhere a no-op: the outputs are where the targets are)."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    out = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
+    if out is None:
+        return targets
+    device = out.device
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor)
+                    and t.device != device else t, targets)
+
+
+def call_model(model: Callable[..., Any], inputs: Any) -> Any:
+    """The model called on a workload's inputs: a dict as keyword arguments (``model(**batch)``,
+    the Hugging Face way) or, where the model's forward takes one positional parameter and not
+    the keys, as that one argument (``model(batch)``); a tuple as positional arguments,
+    anything else as the one argument."""
+    if isinstance(inputs, dict):
+        return model(inputs) if takes_one_dict(model, inputs) else model(**inputs)
+    return model(*as_args(inputs))
+
+
+def training_loop(
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[Any, Any]],
+    to_device: Callable[[Any, bool], Any],
+    loss_inside: bool,
+    hooks: StepHooks | None = None,
+    step: UserStep | None = None,
+    micro_batches: int = 1,
+) -> torch.Tensor | None:
+    """The measured loop, the same for every scenario and backend; returns the last loss.
+
+    The PyTorch tutorial's loop, written out as users write it, over ``batches`` (the
+    loader's host batches, one per iteration; the last iteration is the measured one)::
+
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            optimizer.zero_grad()
+            outputs = model(inputs)
+            loss = criterion(outputs, targets)
+            loss.backward()
+            optimizer.step()
+
+    Every name lives until the loop rebinds it, as in Python: the previous iteration's
+    outputs and loss through this iteration's ``zero_grad`` and forward, this iteration's
+    through backward and the optimizer step; the previous batch until the new one is
+    assigned; gradients until ``zero_grad()`` (``set_to_none=True``, torch's default).
+
+    ``model`` is the wrapped model (DataParallel, DDP or the bare model); with
+    ``loss_inside`` it is a :class:`ModelWithLoss` inside, gets the targets too, and the
+    loss is :meth:`ModelWithLoss.combine` of what it returns. ``to_device(x, is_target)``
+    moves a (nested) host batch to the device the model takes it on.
+
+    With ``step`` (a workload's own loop body), :func:`user_loop` runs instead. With
+    ``micro_batches`` k > 1, :func:`accumulation_loop` runs instead (gradient accumulation).
+    """
+    hooks = hooks or StepHooks()
+    if step is not None:
+        if micro_batches > 1:
+            raise StepError("gradient accumulation runs the tutorial loop; the workload has "
+                            "its own step: accumulate in it instead")
+        return user_loop(step, model, loss_fn, optimizer, batches, to_device, loss_inside,
+                         hooks)
+    if micro_batches > 1:
+        return accumulation_loop(model, loss_fn, optimizer, batches, to_device, loss_inside,
+                                 hooks, micro_batches)
+    loss: torch.Tensor | None = None
+    last = len(batches) - 1
+    for k in range(len(batches)):
+        with hooks.iteration(k, k == last):
+            with hooks.phase("inputs"):
+                inputs, targets = batches[k]  # the previous (device) batch dies here
+                inputs, targets = to_device(inputs, False), to_device(targets, True)
+            with hooks.phase("zero_grad"):
+                optimizer.zero_grad()
+            with hooks.phase("forward"):
+                outputs = model(inputs, targets) if loss_inside else call_model(model, inputs)
+                hooks.after_forward(outputs)
+            with hooks.phase("loss"):
+                loss = ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
+                    outputs, where_outputs_are(targets, outputs))
+                hooks.after_loss(loss, outputs)
+            with hooks.phase("backward"):
+                loss.backward()
+                hooks.after_backward()
+            with hooks.phase("optimizer"):
+                optimizer.step()
+                hooks.after_optimizer()
+    if loss is None:
+        raise ValueError("training_loop needs at least one batch")
+    return loss.detach()
+
+
+def micro_batch_rows(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` rows of each micro-batch of a ``rows``-row batch, as a loader
+    with ``batch_size=ceil(rows / micro_batches)`` cuts it (the last may be shorter; none
+    is empty)."""
+    per = -(-rows // micro_batches)
+    return [(lo, min(lo + per, rows)) for lo in range(0, rows, per)]
+
+
+def accumulation_loop(
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[Any, Any]],
+    to_device: Callable[[Any, bool], Any],
+    loss_inside: bool,
+    hooks: StepHooks,
+    micro_batches: int,
+) -> torch.Tensor:
+    """:func:`training_loop` with gradient accumulation: each step's rows in
+    ``micro_batches`` micro-batches (:func:`micro_batch_rows`, the loader's batches), one
+    optimizer step::
+
+        optimizer.zero_grad()
+        for i, (inputs, targets) in enumerate(micro_batches_of_the_step):
+            with model.no_sync() if i < k - 1 else nullcontext():  # DDP: one all-reduce
+                inputs, targets = inputs.to(device), targets.to(device)
+                outputs = model(inputs)
+                loss = criterion(outputs, targets) / k
+                loss.backward()  # the gradients add up in .grad
+        optimizer.step()
+
+    ``no_sync`` where the model has it (DDP): its reducer neither buckets nor all-reduces
+    those backwards. Names live as in :func:`training_loop`: a micro-batch's outputs and
+    loss until the next micro-batch's are assigned."""
+    loss: torch.Tensor | None = None
+    last = len(batches) - 1
+    no_sync = getattr(model, "no_sync", None)
+    for k in range(len(batches)):
+        with hooks.iteration(k, k == last):
+            host_inputs, host_targets = batches[k]
+            parts = micro_batch_rows(batch_rows(host_targets) or batch_rows(host_inputs),
+                                     micro_batches)
+            with hooks.phase("zero_grad"):
+                optimizer.zero_grad()
+            for i, (lo, hi) in enumerate(parts):
+                sync = (no_sync() if no_sync is not None and i < len(parts) - 1
+                        else contextlib.nullcontext())
+                with sync:
+                    with hooks.phase("inputs"):  # the loader's micro-batch, then its copy
+                        inputs = take_rows(host_inputs, lo, hi)
+                        targets = take_rows(host_targets, lo, hi)
+                        inputs, targets = to_device(inputs, False), to_device(targets, True)
+                    with hooks.phase("forward"):
+                        outputs = (model(inputs, targets) if loss_inside
+                                   else call_model(model, inputs))
+                        hooks.after_forward(outputs)
+                    with hooks.phase("loss"):
+                        loss = (ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
+                            outputs, where_outputs_are(targets, outputs))) / len(parts)
+                        hooks.after_loss(loss, outputs)
+                    with hooks.phase("backward"):
+                        loss.backward()
+                        hooks.after_backward()
+            with hooks.phase("optimizer"):
+                optimizer.step()
+                hooks.after_optimizer()
+    if loss is None:
+        raise ValueError("training_loop needs at least one batch")
+    return loss.detach()
+
+
+# ---- the user's own loop body -------------------------------------------------------------
+
+UserStep = Callable[[Any, tuple[Any, Any], Callable[..., Any], torch.optim.Optimizer], Any]
+
+
+class StepError(RuntimeError):
+    """The user's step did something its scenario cannot run (said in one line, with the
+    fix)."""
+
+
+class _PhaseDriver:
+    """The backend's phase, switched as the user's step calls the model, the criterion
+    and ``optimizer.step()``."""
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.hooks = hooks
+        self.stack = contextlib.ExitStack()
+        self.current = ""
+
+    def switch(self, name: str) -> None:
+        if name == self.current:
+            return
+        self.stack.close()
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.hooks.phase(name))
+        self.current = name
+
+    def close(self) -> None:
+        self.stack.close()
+        self.current = ""
+
+
+class DeferredOutputs:
+    """What ``model(...)`` returns to a user's step under ``dp-loss-forward``: the call,
+    not yet made. ``criterion(outputs, targets)`` makes it, as
+    ``DataParallel(ModelWithLoss(model, criterion))(inputs, targets)``, so the loss is
+    computed on every replica; the outputs themselves never reach cuda:0."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if args and kwargs:
+            raise StepError(
+                "dp-loss-forward: the step called the model with positional and keyword "
+                "arguments at once; ModelWithLoss passes one of the two: call model(*inputs) "
+                "or model(**inputs)")
+        self.inputs: Any = dict(kwargs) if kwargs else tuple(args)
+
+    def __getattr__(self, name: str) -> Any:
+        raise StepError(
+            f"dp-loss-forward: the step used the model's outputs (.{name}) other than through "
+            "criterion(outputs, targets); under this scenario the outputs exist only inside "
+            "each replica (ModelWithLoss computes the loss there): compute everything the "
+            "loss needs inside the criterion")
+
+    def __iter__(self) -> Any:
+        return self.__getattr__("__iter__")
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.__getattr__(f"__getitem__[{key!r}]")
+
+
+class StepModel:
+    """The ``model`` a user's step gets: the scenario's wrapper (DataParallel, DDP or the
+    bare model), called inside dpprof's phases. Attributes (``parameters()``, ``train()``,
+    ``module``...) are the wrapper's."""
+
+    def __init__(self, wrapped: Any, driver: _PhaseDriver, hooks: StepHooks,
+                 loss_inside: bool) -> None:
+        self._wrapped = wrapped
+        self._driver = driver
+        self._hooks = hooks
+        self._loss_inside = loss_inside
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._loss_inside:
+            return DeferredOutputs(args, kwargs)
+        self._driver.switch("forward")
+        outputs = self._wrapped(*args, **kwargs)
+        self._hooks.after_forward(outputs)
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+class StepCriterion:
+    """The ``criterion`` a user's step gets: the workload's loss, inside dpprof's phases;
+    under ``dp-loss-forward`` it runs the deferred forward with the loss on every replica
+    and combines the replicas' losses (:meth:`ModelWithLoss.combine`)."""
+
+    def __init__(self, loss_fn: Callable[..., Any], wrapped: Any, driver: _PhaseDriver,
+                 hooks: StepHooks) -> None:
+        self._loss_fn = loss_fn
+        self._wrapped = wrapped
+        self._driver = driver
+        self._hooks = hooks
+
+    def __call__(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(outputs, DeferredOutputs):
+            if args or kwargs:
+                raise StepError(
+                    "dp-loss-forward: the step passed more than (outputs, targets) to the "
+                    "criterion; ModelWithLoss calls criterion(outputs, targets): put the rest "
+                    "in the targets or in the criterion")
+            self._driver.switch("forward")
+            gathered = self._wrapped(outputs.inputs, targets)
+            self._hooks.after_forward(gathered)
+            self._driver.switch("loss")
+            loss = ModelWithLoss.combine(gathered)
+            self._hooks.after_loss(loss, gathered)
+        else:
+            self._driver.switch("loss")
+            loss = self._loss_fn(outputs, targets, *args, **kwargs)
+            self._hooks.after_loss(loss, outputs)
+        self._driver.switch("backward")
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loss_fn, name)
+
+
+def user_loop(
+    step: UserStep,
+    model: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[Any, Any]],
+    to_device: Callable[[Any, bool], Any],
+    loss_inside: bool,
+    hooks: StepHooks | None = None,
+) -> torch.Tensor | None:
+    """The loop around a workload's own step, the same for every scenario and backend::
+
+        for batch in loader:
+            batch = batch[0].to(device), batch[1].to(device)
+            loss = step(model, batch, criterion, optimizer)
+
+    ``model`` is the scenario's wrapper and ``criterion`` the workload's loss, both called
+    inside dpprof's phases (:class:`StepModel`, :class:`StepCriterion`; under
+    ``dp-loss-forward`` the model call is deferred to the criterion call, which runs
+    ``DataParallel(ModelWithLoss(model, criterion))``). What the step returns lives until the
+    next step returns, as the loop's ``loss`` does; the last one is returned (detached) when
+    it is a tensor."""
+    hooks = hooks or StepHooks()
+    driver = _PhaseDriver(hooks)
+    smodel = StepModel(model, driver, hooks, loss_inside)
+    scrit = StepCriterion(loss_fn, model, driver, hooks)
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        hooks.after_backward()
+        driver.switch("optimizer")
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        hooks.after_optimizer()
+        driver.switch("zero_grad")
+
+    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    result: Any = None
+    last = len(batches) - 1
+    try:
+        for k in range(len(batches)):
+            with hooks.iteration(k, k == last):
+                with hooks.phase("inputs"):
+                    batch = batches[k]  # the previous (device) batch dies here
+                    batch = (to_device(batch[0], False), to_device(batch[1], True))
+                driver.switch("zero_grad")
+                try:
+                    result = step(smodel, batch, scrit, optimizer)
+                finally:
+                    driver.close()
+    finally:
+        for h in handles:
+            h.remove()
+    return result.detach() if isinstance(result, torch.Tensor) else None
