@@ -3,18 +3,23 @@ run`` was sealed (issue 30's list), one test each, under plain ``.cuda()`` and u
 ``nn.DataParallel``: the folder is byte for byte as it was, and the script, which reads back
 what it wrote, runs as on a GPU (save then load, the atomic rename, a copy). Each is also run
 with the seal off, to show that the case does change the user's file there: the test holds
-only because of the seal."""
+only because of the seal. Sealed, each runs as a user runs it (``dpprof run -o r.json``), and
+the JSON result and the terminal report list what the script wrote -- the user's path, in
+place of their file, holding values of the virtual GPUs -- where they once said nothing."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing.util
 import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from dpprof.cli.app import app
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 HEAD = """
@@ -66,6 +71,19 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
             torch.save(sd, f)
         os.rename(tmp, "ckpt.pt")
         assert set(torch.load("ckpt.pt")) == keys
+    """, ("ckpt.pt",)),
+    "named-temporary-file-rename": ("""
+        with tempfile.NamedTemporaryFile(dir=".", suffix=".tmp", delete=False) as f:
+            torch.save(sd, f)
+        os.rename(f.name, "ckpt.pt")
+        assert set(torch.load("ckpt.pt")) == keys
+    """, ("ckpt.pt",)),
+    "mkstemp-replace": ("""
+        fd, tmp = tempfile.mkstemp(dir=".")
+        with os.fdopen(fd, "wb") as f:
+            torch.save(sd, f)
+        os.replace(tmp, "ckpt.pt")
+        assert set(torch.load("ckpt.pt")) == keys and not os.path.exists(tmp)
     """, ("ckpt.pt",)),
     "os-open-fdopen": ("""
         fd = os.open("ckpt.pt", os.O_WRONLY | os.O_TRUNC)
@@ -138,9 +156,9 @@ def digest_tree(root: Path) -> dict[str, str]:
     return out
 
 
-def run_case(tmp_path: Path, case: str, placement: str, sealed: bool) -> tuple[dict[str, str],
-                                                                             dict[str, str], int]:
-    """The folder's digests before and after the case's script, and its exit status."""
+def prepare_case(tmp_path: Path, case: str, placement: str) -> dict[str, str]:
+    """The case's script and the user's files it writes over, in ``tmp_path``; the folder's
+    digests."""
     multiprocessing.util.get_temp_dir()  # the process's own, made before the test's folder
     if case == "pil-save":
         pytest.importorskip("PIL")
@@ -152,10 +170,7 @@ def run_case(tmp_path: Path, case: str, placement: str, sealed: bool) -> tuple[d
         (tmp_path / name).write_bytes(b"the user's own file\n")
     (tmp_path / "train.py").write_text(f"PLACEMENT = {placement!r}\n" + HEAD
                                        + textwrap.dedent(body))
-    before = digest_tree(tmp_path)
-    _, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 2),
-                                       gpus=2, steps=10, seal=sealed), False)
-    return before, digest_tree(tmp_path), main.exit_status
+    return digest_tree(tmp_path)
 
 
 @pytest.fixture(autouse=True)
@@ -166,14 +181,44 @@ def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("placement", ["cuda", "data-parallel"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_users_files_are_untouched_and_the_script_runs_as_on_a_gpu(
+def test_the_users_files_are_untouched_and_the_report_lists_what_the_script_wrote(
         tmp_path: Path, case: str, placement: str) -> None:
-    before, after, status = run_case(tmp_path, case, placement, sealed=True)
-    assert status == 0, case
-    assert after == before, case
+    before = prepare_case(tmp_path, case, placement)
+    reports = tmp_path.parent / f"{tmp_path.name}-reports"
+    reports.mkdir()
+    res = CliRunner().invoke(app, ["run", "--gpus", "2", "--steps", "10",
+                                   "-o", str(reports / "r.json"), "--", "python", "train.py"])
+    assert res.exit_code == 0, f"{case}: {res.output}"
+    assert digest_tree(tmp_path) == before, case
+    result = json.loads((reports / "r.json").read_text())
+    assert result["seal"]["changed"] == [], case
+    # every run (as written, and each alternative under nn.DataParallel) wrote the case's
+    # file, in place of the user's, with values read back from a virtual GPU
+    written = {(w["run"], w["path"]): w for w in result["writes"]}
+    runs = {w["run"] for w in result["writes"]}
+    assert "as-written" in runs, case
+    if placement == "data-parallel":
+        assert len(runs) > 1, f"{case}: only {runs} listed writes"
+    for run in runs:
+        for name in CASES[case][1]:
+            if name.startswith("runs/"):  # TensorBoard names its own file beside the user's
+                new = [w for (r, p), w in written.items() if r == run and p.startswith("runs/")]
+                assert new and all(w["emulated_values"] and not w["replaced"] for w in new), \
+                    (case, run, result["writes"])
+                continue
+            w = written.get((run, name))
+            assert w is not None, (case, run, name, result["writes"])
+            assert w["kind"] == "file" and w["size_bytes"] > 0, (case, w)
+            assert w["replaced"] and w["emulated_values"], (case, w)
+    assert "your files are as they were after every run" in res.output, case
+    assert "in place of your file" in res.output or case == "tensorboard-scalars", case
+    shown = CASES[case][1][0]
+    assert shown.startswith("runs/") or shown in res.output, case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_without_the_seal_the_case_changes_the_users_file(tmp_path: Path, case: str) -> None:
-    before, after, _ = run_case(tmp_path, case, "cuda", sealed=False)
-    assert after != before, f"{case}: the case never touched the user's file"
+    before = prepare_case(tmp_path, case, "cuda")
+    run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 2), gpus=2,
+                             steps=10, seal=False), False)
+    assert digest_tree(tmp_path) != before, f"{case}: the case never touched the user's file"
