@@ -74,8 +74,8 @@ class ScriptConfig:
     keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
     keep_writes: str | None = None  # --keep-writes DIR: each run's overlay copied there
-    # False only to measure what the seal costs (benchmarks/bench_run.py): the script then
-    # writes into the user's files
+    # False only to measure what the seal costs (benchmarks/bench_seal.py) and, in tests, to
+    # show what it keeps out: the script then writes into the user's files
     seal: bool = True
     # the user's files before the runs (dpprof.script.census), checked after each; None:
     # noted before this run
