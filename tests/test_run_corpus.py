@@ -261,11 +261,16 @@ def test_hugging_face_trainer_wraps_data_parallel_itself(
     ddp = result.scenario("ddp")
     assert ddp is not None and ddp.status == "ok" and ddp.batch == 8
     assert {f.name for f in result.fixes} == {"ddp", "gradient-as-bucket-view"}
-    # the checkpoint's tensors and the GPU's generator state are emulated: not written
+    # the checkpoint's tensors and the GPU's generator state are emulated: written into
+    # the run's overlay, listed, never into the user's folder
     assert (saved / "model.safetensors").read_bytes() == b"weights of an earlier run"
-    notes = " ".join(dp.notes)
-    assert "model.safetensors" in notes and "rng_state.pth" in notes
     assert not (saved / "rng_state.pth").exists()
+    written = {w.path: w for w in result.writes if w.run == "as-written"}
+    shown = "out/checkpoint-2/"
+    assert written[shown + "model.safetensors"].replaced, sorted(written)
+    assert written[shown + "model.safetensors"].emulated_values
+    assert shown + "rng_state.pth" in written and not written[shown + "rng_state.pth"].replaced
+    assert result.seal is not None and result.seal.changed == []
     assert capsys.readouterr().out.count("n_gpu 4 train batch 32") == 1
 
 
@@ -323,8 +328,9 @@ def test_compute_counts_every_gpu_as_meta_does(script: str) -> None:
 def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existed: bool) -> None:
     """word_language_model's ``with open(args.save, "wb") as f: torch.save(model, f)``: the
-    open truncates the file before the save of emulated tensors is skipped; the file the
-    user had is put back, and one the open created is removed."""
+    open and the save go into the run's overlay (a stand-in checkpoint of the emulated
+    tensors); the file the user had is byte for byte as it was, none is made where there was
+    none, and the result lists the write, in place of the user's file where there was one."""
     monkeypatch.chdir(tmp_path)
     if existed:
         (tmp_path / "model.pt").write_bytes(b"the model of an earlier run")
@@ -339,6 +345,10 @@ def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
         assert (tmp_path / "model.pt").read_bytes() == b"the model of an earlier run"
     else:
         assert not (tmp_path / "model.pt").exists()
+    (w,) = [w for w in result.writes if w.path == "model.pt"]
+    assert (w.kind, w.emulated_values, w.replaced) == ("file", True, existed)
+    assert w.size_bytes > 0
+    assert result.seal is not None and result.seal.changed == []
     # it ended by itself after its 14 backward passes, each a step (peaks from the second)
     assert s.notes[0].startswith(
         "the script ended after 14 backward pass(es); it makes no optimizer and updates its "

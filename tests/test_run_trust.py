@@ -373,8 +373,9 @@ def test_a_checkpoint_saved_then_loaded_back_reads_what_the_run_saved(
         users_file: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     # the DDP tutorial's demo_checkpoint: rank 0 saves, every rank loads it back with
-    # map_location, rank 0 removes it; the save of emulated tensors is skipped, so the
-    # load must not fail on a missing file nor read a file of the user's there
+    # map_location, rank 0 removes it; the save goes into the run's overlay (a stand-in
+    # checkpoint of the emulated tensors), so the load reads what the run saved, never a
+    # file of the user's there, and the removal leaves the user's file as it was
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tutorial.py").write_text(textwrap.dedent(DDP_TUTORIAL_CHECKPOINT))
     ckpt = tmp_path / "model.checkpoint"
@@ -387,7 +388,13 @@ def test_a_checkpoint_saved_then_loaded_back_reads_what_the_run_saved(
     # rank 0's model (2 parameter blocks), DDP's bucket (1) and the state loaded (2 more)
     assert "loaded ['module.bias', 'module.weight'] torch.Size([5, 10]) cuda:0 2560" in out
     assert (ckpt.read_bytes() == b"the user's own file") if users_file else not ckpt.exists()
-    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["seal"]["changed"] == []
+    # what is left of the run's writes: the checkpoint removed (in the run's view only)
+    # where the user had one; nothing where the user had none
+    left = [(w["path"], w["kind"]) for w in result["writes"] if w["run"] == "as-written"]
+    assert left == ([("model.checkpoint", "removed")] if users_file else []), left
+    notes = " ".join(result["scenarios"][0]["notes"])
     assert "read back as the run saved it" in notes
     assert "torch.load model.checkpoint at tutorial.py:15" in notes
 
