@@ -840,8 +840,10 @@ def _patch_held_openers(wrappers: dict[int, Any]) -> list[tuple[dict[Any, Any], 
     return done
 
 
-# the ids of the originals -> id(module) -> (the module, its names bound to one of them)
-_BOUND: dict[frozenset[int], dict[int, tuple[Any, list[str]]]] = {}
+# the ids of the originals -> the module's name in sys.modules -> (the module, its names
+# bound to one of them); by name, not id(): id() is an audited event, and the audit hook
+# (where there is no kernel line) would be called for each of thousands of modules a run
+_BOUND: dict[frozenset[int], dict[str, tuple[Any, list[str]]]] = {}
 _NOT_SCANNED = ("os", "posix", "nt", "io", "_io", "builtins", "dpprof", "importlib",
                 "_frozen_importlib", "_frozen_importlib_external")
 
@@ -853,8 +855,8 @@ def patch_bound_names(patcher: Patcher, wrappers: dict[int, Any], only: str = ""
     run tens of milliseconds. ``only``: that package's modules alone."""
     wanted = frozenset(wrappers)
     found = _BOUND.setdefault(wanted, {})
-    for module in list(sys.modules.values()):
-        seen = found.get(id(module))
+    for key, module in list(sys.modules.items()):
+        seen = found.get(key)
         if seen is None or seen[0] is not module:
             mod_name = getattr(module, "__name__", "")
             names = getattr(module, "__dict__", None)
@@ -862,7 +864,7 @@ def patch_bound_names(patcher: Patcher, wrappers: dict[int, Any], only: str = ""
                           or mod_name.split(".")[0] in _NOT_SCANNED) else [
                 attr for attr, value in list(names.items())
                 if id(value) in wanted and not attr.startswith("__")]
-            seen = found[id(module)] = (module, hits)
+            seen = found[key] = (module, hits)
         if not seen[1] or (only and not (module.__name__ == only
                                          or module.__name__.startswith(only + "."))):
             continue
