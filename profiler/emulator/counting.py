@@ -86,6 +86,9 @@ class _State:
     forced: int | None = None  # place every new storage here (copies between devices)
     allow_cross: bool = False
     phase: str = ""
+    # torch's own code that names the device of an emulated tensor (``device=x.device``,
+    # which is meta underneath) means this virtual device (None: the rules of dispatch)
+    meta_device: int | None = None
 
 
 class CountingDevices(EventQueries, TorchDispatchMode):
@@ -154,6 +157,13 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         """Every new storage goes to ``index``, whatever the inputs (a copy's target)."""
         self._check_index(index)
         return self._set(forced=index, allow_cross=True)
+
+    def meta_on(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """A ``device=meta`` argument (C++ code of torch that allocates "on the device of
+        the parameters", DDP's reducer: the emulated tensors are meta underneath) places
+        the storage on ``index``; factories without a device stay where they would."""
+        self._check_index(index)
+        return self._set(meta_device=index)
 
     def cross_device(self) -> contextlib.AbstractContextManager[None]:
         """Allow ops that read several devices (a reduction written by a collective)."""

@@ -297,7 +297,8 @@ class CudaDevices(VirtualDevices):
             return torch.device("cpu"), (HOST if self.base.type == "meta" else None)
         if device.type == "meta" and self.cuda is not None:
             # x.device of an emulated tensor seen by torch's own code: the current GPU
-            return self.base, None
+            # where a caller said which (meta_on), else the rules of dispatch
+            return self.base, self._state.meta_device
         return self.base, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
