@@ -383,6 +383,8 @@ class ScriptEffects:
             return path
         if real.startswith(str(self.sandbox) + os.sep):
             return path  # os.makedirs making the parents of a path already moved
+        if _process_channel(real):
+            return path
         moved = self._moved.get(real)
         if moved is None and writing:
             moved = str(self.sandbox / real.lstrip(os.sep))
@@ -390,6 +392,17 @@ class ScriptEffects:
             self._originals["os.makedirs"](os.path.dirname(moved), exist_ok=True)
             self.writes.add(self.writes.redirected, "write", path)
         return moved if moved is not None else path
+
+
+def _process_channel(path: str) -> bool:
+    """Whether ``path`` is in a folder ``multiprocessing`` makes for the sockets its processes
+    talk through (``util.get_temp_dir``: a fresh ``pymp-*`` under the temporary folder; a
+    DataLoader worker hands each batch's shared memory to the script through one). Two
+    processes meet there, so it stays real: moved into the overlay, the worker binds its
+    socket where the script never connects, and the batch is lost (the script then waits
+    for it forever). Fresh, named by ``mkdtemp``: none of the user's files is there."""
+    parts = os.path.relpath(path, tempfile.gettempdir()).split(os.sep)
+    return parts[0].startswith("pymp-") and parts[0] != path
 
 
 _ACTIVE: ScriptEffects | None = None
