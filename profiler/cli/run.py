@@ -163,7 +163,7 @@ def _announce(cfg: ScriptConfig) -> None:
     launch = cfg.launch
     kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
     how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
-           "ranks are alike)" if launch.launcher != "python" else "")
+           "ranks are alike)" if "WORLD_SIZE" in launch.env else "")
     err.print(f"dpprof: running {terminal_text(launch.display)} on {cfg.gpus} virtual "
               f"{cfg.gpu.name} GPUs of {fmt_bytes(cfg.capacity_bytes)} ({kind}){how}; "
               f"stopping after {cfg.steps} optimizer steps", markup=False)
