@@ -71,6 +71,9 @@ class ScriptConfig:
     # LOSS_IN_FORWARD: the replicas return their outputs too (the script uses them)
     keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
+    # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (each rank's share
+    # of a batch the script makes by hand follows from it)
+    scattered_rows: int = 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -96,6 +99,8 @@ class ScriptRun:
     tensor_parallel: bool = False  # and its layers with parallelize_module
     world_size: int = 1
     batch_rows: int = 0
+    # DDP_IN_PLACE: how each rank got its share of the batch ("": it did not)
+    batch_division: str = ""
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
@@ -137,7 +142,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     rt = vc.rt
     stepper = Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
-    variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs)
+    variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs, cfg.scattered_rows)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
     # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
@@ -262,7 +267,20 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
                       or stepper.warmup_rows or variant.batch_rows)
     run.loss_modules = variant.loss_calls
+    run.batch_division = _division(variant, vc.device_count())
     return used, ddp_devices
+
+
+def _division(variant: Variant, world: int) -> str:
+    """How the DDP alternative gave each rank its share of the batch ("": it did not)."""
+    ways = []
+    if variant.divided_loader:
+        ways.append(f"each DataLoader's batch_size divided by {world}")
+    if variant.divided_sites:
+        ways.append(f"the batches the script makes ({', '.join(variant.divided_sites)}) "
+                    f"cut to {variant.batch_rows} rows of DataParallel's "
+                    f"{variant.scattered_rows}")
+    return "; ".join(ways)
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
