@@ -36,7 +36,9 @@ __all__ = ["EmulatedRankGroup", "rank_group"]
 def _done(value: Any) -> Any:
     """A work already complete, its future holding ``value`` (``c10d::Work`` from a future,
     as torch's Python process groups make theirs)."""
-    from torch._C._distributed_c10d import _create_work_from_future
+    from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+        _create_work_from_future,
+    )
 
     fut: Future[Any] = Future()
     fut.set_result(value)
@@ -49,7 +51,7 @@ class EmulatedRankGroup(dist.ProcessGroup):
     data reports."""
 
     def __init__(self, rank: int, size: int, backend: str = "nccl") -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank = rank
         self._size = size
         self._backend = backend
@@ -66,7 +68,7 @@ class EmulatedRankGroup(dist.ProcessGroup):
         return self._backend
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         return f"dpprof-emulated-{self._rank}-of-{self._size}"
 
     def __repr__(self) -> str:
@@ -84,18 +86,21 @@ class EmulatedRankGroup(dist.ProcessGroup):
                     t.pow_(self._size)
                 # AVG, MIN, MAX, BAND, BOR, BXOR of equal contributions: the tensor itself
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(  # type: ignore[override]
+            self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         self._reduce(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def broadcast(  # type: ignore[override]
+            self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return _done(tensors)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: Any = None) -> Any:
+    def allgather(  # type: ignore[override]
+            self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+            opts: Any = None) -> Any:
         with torch.no_grad():
             for slots, given in zip(outputs, inputs, strict=True):
                 for slot in slots:

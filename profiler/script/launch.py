@@ -99,9 +99,17 @@ def _accelerate(args: list[str], gpus: int, gpus_given: bool) -> Launch:
     writes), and the environment its launcher gives the script (the mixed precision, the
     dynamo backend); several processes are torchrun's ranks, as accelerate starts them."""
     try:
-        from accelerate.commands.config import default_config_file
-        from accelerate.commands.launch import launch_command_parser
-        from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+        # accelerate ships no type information (no py.typed)
+        from accelerate.commands.config import (  # type: ignore[import-untyped]
+            default_config_file,
+        )
+        from accelerate.commands.launch import (  # type: ignore[import-untyped]
+            launch_command_parser,
+        )
+        from accelerate.utils.launch import (  # type: ignore[import-untyped]
+            prepare_multi_gpu_env,
+            prepare_simple_launcher_cmd_env,
+        )
     except ImportError:
         raise UsageError("dpprof run: accelerate launch: accelerate is not installed here "
                          "(pip install accelerate)") from None
@@ -116,7 +124,9 @@ def _accelerate(args: list[str], gpus: int, gpus_given: bool) -> Launch:
                                         ("--use_fsdp", ns.use_fsdp), ("--tpu", ns.tpu),
                                         ("--use_megatron_lm", ns.use_megatron_lm)) if on]
     if config is not None and not ns.cpu:
-        from accelerate.commands.config import load_config_from_file
+        from accelerate.commands.config import (  # type: ignore[import-untyped]
+            load_config_from_file,
+        )
 
         defaults = load_config_from_file(config)
         kind = str(getattr(defaults, "distributed_type", "") or "")
