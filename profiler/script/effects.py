@@ -401,8 +401,8 @@ def _process_channel(path: str) -> bool:
     processes meet there, so it stays real: moved into the overlay, the worker binds its
     socket where the script never connects, and the batch is lost (the script then waits
     for it forever). Fresh, named by ``mkdtemp``: none of the user's files is there."""
-    parts = os.path.relpath(path, tempfile.gettempdir()).split(os.sep)
-    return parts[0].startswith("pymp-") and parts[0] != path
+    # outside the temporary folder the relative path begins with ".."
+    return os.path.relpath(path, tempfile.gettempdir()).split(os.sep)[0].startswith("pymp-")
 
 
 _ACTIVE: ScriptEffects | None = None
