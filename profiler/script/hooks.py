@@ -271,6 +271,8 @@ class Variant:
         # how each rank got its share: "loader" (a DataLoader's batch_size), and the
         # script's lines whose hand-made batches were cut to it
         self.divided_loader = False
+        # LOSS_IN_FORWARD: a loss called on a method's result of the deferred outputs
+        self.loss_on_outputs_method = ""
         self.divided_sites: list[str] = []
 
     def _divide_hand_made_batches(self, patcher: Patcher) -> None:
@@ -337,6 +339,12 @@ class Variant:
             def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 out = loss_in_forward_loss_call(vc, loss, args, kwargs)
                 if out is None:
+                    # a loss on what the script made of the outputs on this very line
+                    # (``out.view(-1, V)``): the reason there is no alternative
+                    site = caller_site()
+                    method = wrappers.state_of(vc).log.outputs_methods.get(site)
+                    if method is not None and not variant.loss_on_outputs_method:
+                        variant.loss_on_outputs_method = f".{method}() at {site}"
                     return orig_call(loss, *args, **kwargs)
                 variant.loss_calls += 1
                 return out

@@ -103,6 +103,8 @@ class ScriptRun:
     batch_division: str = ""
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
+    # loss-in-forward: where the loss took a method's result of the outputs instead
+    loss_on_outputs_method: str = ""
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
@@ -267,6 +269,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
                       or stepper.warmup_rows or variant.batch_rows)
     run.loss_modules = variant.loss_calls
+    run.loss_on_outputs_method = variant.loss_on_outputs_method
     run.batch_division = _division(variant, vc.device_count())
     return used, ddp_devices
 

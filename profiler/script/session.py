@@ -153,8 +153,15 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                          "each rank its share")
             continue
         if variant == LOSS_IN_FORWARD and not alt.loss_modules:
-            notes.append("no loss-inside-forward alternative: the script's loss is not an "
-                         "nn.Module loss called on DataParallel's outputs")
+            if alt.loss_on_outputs_method:
+                notes.append(
+                    "no loss-inside-forward alternative: the script's nn.Module loss takes "
+                    f"the outputs' {alt.loss_on_outputs_method}, not DataParallel's outputs "
+                    "themselves, and dpprof does not move such an expression inside "
+                    "forward yet")
+            else:
+                notes.append("no loss-inside-forward alternative: the script's loss is not "
+                             "an nn.Module loss called on DataParallel's outputs")
             continue
         alt.scenario.notes.insert(0, (KEPT_OUTPUTS if unkept is not None
                                       else ALTERNATIVES[variant]).format(n=n))

@@ -63,6 +63,9 @@ class ParallelLog:
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
+    # the loss-in-forward alternative: "file:line" -> the method first taken there of
+    # DataParallel's deferred outputs (``out.view``: computed as written, gathered)
+    outputs_methods: dict[str, str] = field(default_factory=dict)
     # rows each device got of the first batch a training forward split (DataParallel's
     # scatter) or moved (DDP), positional and keyword inputs alike: runtime index -> rows
     shard_rows: dict[int, int] = field(default_factory=dict)
@@ -237,6 +240,7 @@ class DeferredOutputs:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        _log().outputs_methods.setdefault(caller_site(), name)
         return getattr(self.materialize(), name)
 
     @classmethod
