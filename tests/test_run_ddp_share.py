@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_script_rewrite import apply_diff
 
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
@@ -89,3 +90,21 @@ def test_a_batch_the_alternative_cannot_divide_gets_no_ddp_alternative_and_says_
     assert result.scenario("ddp") is None  # type: ignore[attr-defined]
     assert any(n.startswith("no DDP alternative: the script makes its batches neither")
                for n in result.notes)  # type: ignore[attr-defined]
+
+
+def test_the_ddp_fix_divides_the_hand_made_batch_and_runs_with_the_peaks_it_promised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DDP change printed for the script: its diff applied to the user's file gives a
+    torchrun script whose every rank makes B // 4 rows, and run so, its ranks peak as the
+    alternative promised."""
+    monkeypatch.chdir(tmp_path)
+    source = LM.format(setup=DATA_PARALLEL, rows="B")
+    dp = _run(tmp_path, "train.py", source, ["python", "train.py"])
+    fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    patched = apply_diff(source, fix.code)  # the notes after the diff are comments
+    assert 'torch.randint(0, V, (B // 4, T + 1), device="cuda")' in patched
+    assert "DistributedSampler" not in patched  # no DataLoader: nothing to note there
+    ran = _run(tmp_path, "train.py", patched, ["torchrun", "--nproc-per-node", "4", "train.py"])
+    (rank,) = ran.scenarios  # type: ignore[attr-defined]
+    assert rank.name == "ddp" and rank.batch == 8
+    assert fix.max_peak_bytes == max(d.peak_allocated_bytes for d in rank.devices)

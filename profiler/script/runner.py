@@ -101,6 +101,7 @@ class ScriptRun:
     batch_rows: int = 0
     # DDP_IN_PLACE: how each rank got its share of the batch ("": it did not)
     batch_division: str = ""
+    batch_sites: list[str] = field(default_factory=list)  # "file:line" of hand-made batches
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     # loss-in-forward: where the loss took a method's result of the outputs instead
@@ -271,6 +272,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.loss_modules = variant.loss_calls
     run.loss_on_outputs_method = variant.loss_on_outputs_method
     run.batch_division = _division(variant, vc.device_count())
+    run.batch_sites = [made.rpartition(" at ")[2] for made in variant.divided_sites]
     return used, ddp_devices
 
 
