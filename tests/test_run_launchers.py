@@ -101,3 +101,22 @@ def test_a_script_started_by_accelerate_launch_runs_as_ddp_ranks(
     assert d["parameters"] == params
     assert d["optimizer_state"] == 2 * params
     assert any("autocast" in n for n in s.notes)
+
+
+def test_each_run_starts_without_the_last_runs_accelerate_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """accelerate keeps its state in process-wide singletons; dpprof runs scripts in its own
+    process, so each run (an alternative, the next script) starts without them, as a new
+    process would: the second run here sees its own 2 processes, not the first one's 4."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(ACCELERATE_TRAIN)
+    seen = []
+    for processes in ("4", "2"):
+        _, main = run_command(ScriptConfig(
+            launch=parse_command(["accelerate", "launch", "--num_processes", processes,
+                                  "train.py"], 4), gpus=4, steps=2))
+        assert main.exit_status == 0, main.script_traceback
+        seen.append(capsys.readouterr().out.strip())
+    assert seen == ["wrapped in DistributedDataParallel 4 no",
+                    "wrapped in DistributedDataParallel 2 no"]

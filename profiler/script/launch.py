@@ -223,6 +223,7 @@ def script_process(launch: Launch) -> Iterator[None]:
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
     try:
+        _fresh_singletons()
         os.environ.update(launch.env)
         if launch.is_module:
             sys.argv = [launch.target, *launch.argv]
@@ -246,6 +247,22 @@ def script_process(launch: Launch) -> Iterator[None]:
                 handler.flush()
         root.handlers[:] = saved_logging[0]
         root.setLevel(saved_logging[1])
+        _fresh_singletons()
+
+
+# accelerate's process-wide singletons (their state shared by every instance): a run of the
+# script starts without them, as a new process would, and leaves none behind (else the
+# next run, an alternative or another script, finds the last one's devices and world size)
+_SINGLETONS = {"accelerate.state": ("PartialState", "AcceleratorState", "GradientState")}
+
+
+def _fresh_singletons() -> None:
+    for module_name, classes in _SINGLETONS.items():
+        module = sys.modules.get(module_name)
+        for name in classes if module is not None else ():
+            shared = getattr(getattr(module, name, None), "_shared_state", None)
+            if isinstance(shared, dict):
+                shared.clear()
 
 
 def main_path(target: str) -> str:
