@@ -292,3 +292,9 @@ def run_exit_status(run: Any) -> int:
     if not any(s.status in ("ok", "oom") and s.devices for s in scenarios):
         return EXIT_ERROR
     return EXIT_OK
+
+
+class NotEmulated(DpprofError):
+    """A path of the script that dpprof cannot emulate (a collective its process group lacks,
+    a framework's engine it does not re-enact): the run stops with this one line, which
+    names dpprof and what is missing, never a traceback that reads as the script's."""

@@ -1,7 +1,8 @@
 """``dpprof run`` of a DDP script reports the peak a GPU reaches: over NCCL the first
 iteration's buckets outlive DDP's rebuild until the process group's watchdog reaps their
-all-reduce (dpprof.emulator.ddp.EmulatedDDP's nccl_stash), counted at the peak with the
-steady state beside it; a gloo group frees them at the rebuild."""
+all-reduce (torch's DDP over dpprof.emulator.process_group.EmulatedRankGroup, whose nccl
+group keeps each all-reduce's tensors as ProcessGroupNCCL's work does), counted at the peak
+with the steady state beside it; a gloo group frees them at the rebuild."""
 
 from __future__ import annotations
 

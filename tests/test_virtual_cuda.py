@@ -256,6 +256,29 @@ def test_values_of_meta_tensors_are_counted_stand_ins() -> None:
         assert any("test_virtual_cuda.py" in site for site in vc.rt.stand_ins.sites)
 
 
+@pytest.mark.parametrize("read", ["item", "float", "int", "bool", "tolist", "numpy",
+                                  "format"])
+def test_values_read_under_inference_mode_are_as_under_no_grad(read: str) -> None:
+    """Evaluation loops (timm's validate) read losses under ``torch.inference_mode``, where
+    ``.item()`` reaches the dispatch mode whole (no autograd key decomposes it): the same
+    stand-in, counted the same, as under ``no_grad``; values that are known stay real."""
+    readers = {"item": lambda t: t.sum().item(), "float": lambda t: float(t.sum()),
+               "int": lambda t: int(t.sum()), "bool": lambda t: bool(t.sum() > 0),
+               "tolist": lambda t: t.tolist(), "numpy": lambda t: t.numpy().tolist(),
+               "format": lambda t: f"{t.sum():.3f}"}
+
+    def under(context: type) -> tuple[object, object, dict[str, int]]:
+        with VirtualCuda(2) as vc:
+            model = nn.Linear(8, 2).cuda()
+            with context():
+                emulated = readers[read](model(torch.randn(4, 8, device="cuda")))
+                known = readers[read](torch.ones(2, 2, device="cuda"))
+            return emulated, known, dict(vc.rt.stand_ins.counts)
+
+    assert under(torch.inference_mode) == under(torch.no_grad)
+    assert under(torch.inference_mode)[1] == readers[read](torch.ones(2, 2))
+
+
 def test_ops_with_no_tensor_run_uncounted() -> None:
     """``record_function`` (FSDP2 names each of its hooks with one) reaches the mode as
     ops that take and return no tensor: run as they are, without the counting (and the

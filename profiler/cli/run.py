@@ -219,7 +219,7 @@ def _announce(cfg: ScriptConfig) -> None:
     launch = cfg.launch
     kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
     how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
-           "ranks are alike)" if launch.launcher != "python" else "")
+           "ranks are alike)" if "WORLD_SIZE" in launch.env else "")
     from dpprof.script import namespace
 
     sealed = ("a private overlay (mount namespace)" if namespace.entered()

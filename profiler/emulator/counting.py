@@ -86,6 +86,9 @@ class _State:
     forced: int | None = None  # place every new storage here (copies between devices)
     allow_cross: bool = False
     phase: str = ""
+    # torch's own code that names the device of an emulated tensor (``device=x.device``,
+    # which is meta underneath) means this virtual device (None: the rules of dispatch)
+    meta_device: int | None = None
 
 
 class CountingDevices(EventQueries, TorchDispatchMode):
@@ -164,6 +167,13 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         """Every new storage goes to ``index``, whatever the inputs (a copy's target)."""
         self._check_index(index)
         return self._set(forced=index, allow_cross=True)
+
+    def meta_on(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """A ``device=meta`` argument (C++ code of torch that allocates "on the device of
+        the parameters", DDP's reducer: the emulated tensors are meta underneath) places
+        the storage on ``index``; factories without a device stay where they would."""
+        self._check_index(index)
+        return self._set(meta_device=index)
 
     def cross_device(self) -> contextlib.AbstractContextManager[None]:
         """Allow ops that read several devices (a reduction written by a collective)."""
@@ -342,12 +352,14 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             c.peak_phase = self._state.phase
         if c.live_requested > c.peak_requested:
             c.peak_requested = c.live_requested
-    def note_transient(self, t: torch.Tensor, kind: str) -> None:
+    def note_transient(self, t: torch.Tensor, kind: str, at_event: int | None = None) -> None:
         """``t``'s storage lives on as a transient of kind ``kind``: a later step (the
-        steady state) frees it here, now; this one keeps it until it dies."""
+        steady state) frees it here, now (or after the first ``at_event`` events, where the
+        caller learns of it later); this one keeps it until it dies."""
         serial = self.serial_of(t)
         if serial is not None:
-            self.transients.setdefault(serial, (len(self.events), kind))
+            where = len(self.events) if at_event is None else at_event
+            self.transients.setdefault(serial, (where, kind))
 
     def on_free(self, t: torch.Tensor, callback: Callable[[], None]) -> None:
         """Call ``callback`` right after ``t``'s storage dies (its free counted)."""

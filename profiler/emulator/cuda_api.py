@@ -53,7 +53,7 @@ def device_queries(vc: VirtualCuda, p: Patch) -> None:
     p(cuda, "is_bf16_supported",
       lambda including_emulation=True: vc.spec.compute_capability >= (8, 0))
     p(cuda, "is_tf32_supported", lambda: vc.spec.compute_capability >= (8, 0))
-    p(cuda, "can_device_access_peer", lambda device, peer: True)
+    p(cuda, "can_device_access_peer", lambda device, peer_device: True)
     # nn.LSTM / GRU ask whether cuDNN takes their weights; the CPU build answers no with a
     # warning that it was built without cuDNN, which the user's GPU machine never prints.
     # The RNNs run torch's own (non-cuDNN) path, as they do here: no, quietly.

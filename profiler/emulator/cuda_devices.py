@@ -71,9 +71,11 @@ def _op_kind(func: Any) -> int:
         return found[1]
     if func is aten.convolution.default:
         kind = _CONVOLUTION_OP
-    elif func is aten._local_scalar_dense.default or func is aten.is_nonzero.default:
-        # is_nonzero (``bool(t)``) decomposes above the Python key, except in code that runs
-        # below autograd, as DTensor's dispatch does: it reaches the mode whole there
+    elif func in (aten._local_scalar_dense.default, aten.is_nonzero.default,
+                  aten.item.default):
+        # is_nonzero (``bool(t)``) and item (``.item()``) decompose above the Python key,
+        # except in code that runs below autograd (DTensor's dispatch) and under
+        # ``torch.inference_mode`` (no autograd key): they reach the mode whole there
         kind = _LOCAL_SCALAR_OP
     elif func in DATA_DEPENDENT:
         kind = _DATA_DEPENDENT_OP
@@ -297,7 +299,8 @@ class CudaDevices(VirtualDevices):
             return torch.device("cpu"), (HOST if self.base.type == "meta" else None)
         if device.type == "meta" and self.cuda is not None:
             # x.device of an emulated tensor seen by torch's own code: the current GPU
-            return self.base, None
+            # where a caller said which (meta_on), else the rules of dispatch
+            return self.base, self._state.meta_device
         return self.base, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

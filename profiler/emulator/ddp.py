@@ -262,7 +262,9 @@ class EmulatedDDP(nn.Module):
                 self._initialize_buckets(list(reversed(indices)))
             if find_unused_parameters and self.params:
                 with rt.category("communication"):
-                    self.local_used_map_dev = torch.empty(len(self.params), dtype=torch.int32)
+                    # reducer.cpp: empty_like(local_used_map_, the parameters' device)
+                    self.local_used_map_dev = torch.empty(
+                        len(self.params), dtype=torch.int32, device=self.params[0].device)
         # the hooks hold the reducer weakly: a hook on a parameter that holds it strongly
         # makes a cycle through the parameter's hook table that the garbage collector
         # does not follow, so a finished mp.spawn job's model would stay on its GPU

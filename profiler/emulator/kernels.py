@@ -31,6 +31,7 @@ as the CPU would run them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -635,6 +636,19 @@ class EmulatedAutocast:
                                        "at::autocast::prioritize")
             return self._wrap(fn, target)(*args, **kwargs)
         return wrapped
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """As a decorator (``torch.autocast(...)(forward)``, as accelerate wraps a prepared
+        model's forward): each call in a region of its own, as torch's
+        ``autocast_decorator`` enters the instance around each call."""
+        dtype, ops = self.dtype, self.ops
+
+        @functools.wraps(func)
+        def in_region(*args: Any, **kwargs: Any) -> Any:
+            with EmulatedAutocast(dtype, ops):
+                return func(*args, **kwargs)
+
+        return in_region
 
     def __enter__(self) -> EmulatedAutocast:
         # an enabled region inside a disabled one casts again, as torch's does

@@ -72,6 +72,8 @@ class SmallValues:
         leaves = _tensors(args, kwargs)
         metas_in = [a for a in leaves if _is_meta(a)]
         values = self._values
+        if func is _aten.copy_.default and self._copied_whole(args):
+            return
         for a in metas_in:
             # an input without values (an activation): nothing to compute (the common case;
             # a storage never followed is not among the values, the cheap test first)
@@ -92,6 +94,38 @@ class SmallValues:
         for m, r in zip(tree_leaves(out), tree_leaves(result), strict=False):
             if isinstance(m, torch.Tensor) and _is_meta(m) and isinstance(r, torch.Tensor):
                 self.keep(m, r)
+
+    def _copied_whole(self, args: tuple[Any, ...]) -> bool:
+        """``dst.copy_(src)`` that writes every byte of a storage not followed yet (a buffer
+        made by ``empty`` and then filled, as torch's C++ fills the bucket indices DDP's
+        reducer broadcasts) from values known (a host tensor, or one followed): ``dst``'s
+        storage gets them. False where the rule does not apply (the general rules then)."""
+        dst, src = args[0], args[1]
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+                and _is_meta(dst)):
+            return False
+        st = dst.untyped_storage()
+        found = self._values.get(id(st))
+        if found is not None and found[0]() is st:
+            return False  # followed already: written in place by the general rules
+        if (not dst.is_contiguous() or dst.storage_offset()
+                or dst.numel() * dst.element_size() != st.nbytes()
+                or st.nbytes() > self.max_tensor_bytes):
+            return False
+        if _is_meta(src):
+            values = self.value_of(src)
+        elif _REAL_DEVICE.__get__(src).type == "cpu" and not isinstance(src, torch.nn.Parameter):
+            values = src
+        else:
+            values = None
+        if values is None:
+            return False
+        try:
+            real = torch.empty(dst.shape, dtype=dst.dtype).copy_(values)
+        except RuntimeError:  # shapes that do not broadcast: torch's own error came first
+            return False
+        self.keep(dst, real)
+        return True
 
     def compute(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func`` over the values of its arguments, on the host; None where one has none,

@@ -201,10 +201,23 @@ def factories(vc: VirtualCuda, p: Patch) -> None:
 
     for name in ("to", "cuda", "to_empty"):
         p(nn.Module, name, module_mover(getattr(nn.Module, name)))
-    # A CPU parameter cannot take a meta tensor as .data: swap the tensors instead
-    # (torch.utils.swap_tensors), so the Parameter objects an optimizer built before
-    # .cuda() holds stay the module's, as on a GPU.
-    p(torch.__future__, "_swap_module_params_on_conversion", True)
+    # A CPU parameter cannot take a meta tensor as .data: a module's conversions (.cuda(),
+    # .to(), .half(): Module._apply) swap the tensors instead (torch.utils.swap_tensors), so
+    # the Parameter objects an optimizer built before .cuda() holds stay the module's, as
+    # on a GPU. Only there: load_state_dict copies into the parameters, as on a GPU (a swap
+    # would fail on parameters DDP's reducer holds).
+    apply = nn.Module._apply
+
+    def apply_swapping(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        future = torch.__future__
+        before = future.get_swap_module_params_on_conversion()
+        future.set_swap_module_params_on_conversion(True)
+        try:
+            return apply(self, *args, **kwargs)  # type: ignore[no-any-return]
+        finally:
+            future.set_swap_module_params_on_conversion(before)
+
+    p(nn.Module, "_apply", apply_swapping)
     # torch.Generator(device="cuda"): a host generator (the values are not emulated)
     generator = torch.Generator
 

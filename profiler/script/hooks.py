@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sysconfig
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.emulator.cuda_devices import CudaDevices, caller_site
+from dpprof.emulator.cuda_devices import CudaDevices, caller_site, in_dpprof
 from dpprof.emulator.events import DeviceCounters
 from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
@@ -235,17 +236,101 @@ def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
                   lambda self, *a, **k: sites.append(caller_site()))
 
 
+# torch's factories a script makes a batch with in its loop (``torch.randint(0, V, (B, T))``,
+# ``torch.randn(B, D)``): under DDP each rank makes its own share of the rows
+_BATCH_FACTORIES = ("randint", "randn", "rand")
+_LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                              sysconfig.get_paths()["stdlib"]}))
+
+
+def _script_line(frame: Any) -> str | None:
+    """``file:line`` of ``frame`` where it is the script's own code (not a library's, not
+    torch's, not dpprof's), else None."""
+    name = frame.f_code.co_filename
+    if name.startswith("<") or in_dpprof(name) or name.startswith(_LIBRARY_DIRS):
+        return None
+    return f"{name}:{frame.f_lineno}"
+
+
+def _with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
+               share: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``func``'s arguments with a size whose first dimension is ``rows`` given ``share``
+    rows instead; None where the size does not begin with ``rows``."""
+    def cut(size: Any) -> Any:
+        if isinstance(size, (tuple, list, torch.Size)) and size and size[0] == rows:
+            return type(size)([share, *size[1:]]) if not isinstance(size, torch.Size) \
+                else torch.Size([share, *size[1:]])
+        return None
+
+    if "size" in kwargs:
+        new = cut(kwargs["size"])
+        return None if new is None else (args, {**kwargs, "size": new})
+    if func == "randint":  # randint(high, size) / randint(low, high, size)
+        at = next((i for i, a in enumerate(args) if isinstance(a, (tuple, list, torch.Size))),
+                  None)
+        if at is None:
+            return None
+        new = cut(args[at])
+        return None if new is None else ((*args[:at], new, *args[at + 1:]), kwargs)
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):  # randn((B, D))
+        new = cut(args[0])
+        return None if new is None else ((new,), kwargs)
+    if args and isinstance(args[0], int) and args[0] == rows:  # randn(B, D)
+        return (share, *args[1:]), kwargs
+    return None
+
+
 class Variant:
     """The paired alternatives: DDP in place of DataParallel, or the loss inside forward."""
 
-    def __init__(self, name: str, vc: VirtualCuda, gpus: int, keep_outputs: bool = False
-                 ) -> None:
+    def __init__(self, name: str, vc: VirtualCuda, gpus: int, keep_outputs: bool = False,
+                 scattered_rows: int = 0) -> None:
         self.name = name
         self.keep_outputs = keep_outputs  # the loss inside forward, the outputs kept
         self.vc = vc
         self.gpus = gpus
         self.batch_rows = 0
         self.loss_calls = 0
+        # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (0: unknown)
+        self.scattered_rows = scattered_rows
+        # how each rank got its share: "loader" (a DataLoader's batch_size), and the
+        # script's lines whose hand-made batches were cut to it
+        self.divided_loader = False
+        # LOSS_IN_FORWARD: a loss called on a method's result of the deferred outputs
+        self.loss_on_outputs_method = ""
+        self.divided_sites: list[str] = []
+
+    def _divide_hand_made_batches(self, patcher: Patcher) -> None:
+        """Batches the script makes in its loop without a DataLoader (a random factory on
+        its own line whose first dimension is the batch DataParallel scattered): each rank
+        makes its share, DataParallel's first chunk (``ceil(B / N)`` rows), as a DDP script
+        would make ``B // N`` rows on every rank."""
+        import sys
+
+        rows = self.scattered_rows
+        variant = self
+        vc = self.vc
+
+        def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                site = _script_line(sys._getframe(1))
+                if site is None:
+                    return original(*args, **kwargs)
+                # the GPUs the script sees, asked when it makes a batch (not before it ran:
+                # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+                share = -(-rows // vc.device_count())
+                cut = _with_rows(func, args, kwargs, rows, share)
+                if cut is None:
+                    return original(*args, **kwargs)
+                made = f"torch.{func} at {site}"
+                if made not in variant.divided_sites:
+                    variant.divided_sites.append(made)
+                variant.batch_rows = variant.batch_rows or share
+                return original(*cut[0], **cut[1])
+            return factory
+
+        for func in _BATCH_FACTORIES:
+            patcher.patch(torch, func, dividing(func, getattr(torch, func)))
 
     def install(self, vc: VirtualCuda, patcher: Patcher) -> None:
         """The variant's patches, through the run's ``patcher`` (undone with the run's)."""
@@ -266,9 +351,12 @@ class Variant:
                     world = vc.device_count()
                     batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
                     variant.batch_rows = variant.batch_rows or batch_size
+                    variant.divided_loader = True
                 orig_init(loader, dataset, batch_size, *args, **kwargs)
 
             patcher.patch(DataLoader, "__init__", loader_init)
+            if self.scattered_rows > 1:
+                self._divide_hand_made_batches(patcher)
         elif self.name == LOSS_IN_FORWARD:
             loss_cls = nn.modules.loss._Loss
             orig_call = loss_cls.__call__
@@ -276,6 +364,12 @@ class Variant:
             def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 out = loss_in_forward_loss_call(vc, loss, args, kwargs)
                 if out is None:
+                    # a loss on what the script made of the outputs on this very line
+                    # (``out.view(-1, V)``): the reason there is no alternative
+                    site = caller_site()
+                    method = wrappers.state_of(vc).log.outputs_methods.get(site)
+                    if method is not None and not variant.loss_on_outputs_method:
+                        variant.loss_on_outputs_method = f".{method}() at {site}"
                     return orig_call(loss, *args, **kwargs)
                 variant.loss_calls += 1
                 return out

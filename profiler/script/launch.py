@@ -35,7 +35,7 @@ class Launch:
     is_module: bool
     argv: list[str]  # sys.argv[1:] of the script
     env: dict[str, str] = field(default_factory=dict)  # set for the run (torchrun's)
-    launcher: str = "python"  # python | torchrun | torch.distributed.launch
+    launcher: str = "python"  # python | torchrun | torch.distributed.launch | accelerate launch
     nproc: int | None = None  # torchrun --nproc-per-node
 
     @property
@@ -58,10 +58,12 @@ def parse_command(command: list[str], gpus: int, gpus_given: bool = True) -> Lau
         return Launch(head, False, rest)
     if base in ("torchrun",):
         return _torchrun(rest, gpus, "torchrun", gpus_given)
+    if base == "accelerate" and rest[:1] == ["launch"]:
+        return _accelerate(rest[1:], gpus, gpus_given)
+    if base == "accelerate-launch":
+        return _accelerate(rest, gpus, gpus_given)
     if not base.startswith("python"):
-        raise UsageError(
-            f"dpprof run: cannot run {head!r}: give a Python command (python train.py, python "
-            "-m pkg.train, torchrun ... train.py)")
+        raise UsageError(f"dpprof run: cannot follow {head!r}: {_LAUNCHERS}")
     while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
         rest.pop(0)  # interpreter flags: -u, -O, -W...
     if not rest:
@@ -74,8 +76,105 @@ def parse_command(command: list[str], gpus: int, gpus_given: bool = True) -> Lau
         mod = rest[1]
         if mod in ("torch.distributed.run", "torch.distributed.launch"):
             return _torchrun(rest[2:], gpus, mod, gpus_given)
+        if mod in ("accelerate.commands.launch", "accelerate.commands.accelerate_cli"):
+            args = rest[2:]
+            if mod.endswith("accelerate_cli"):
+                if args[:1] != ["launch"]:
+                    raise UsageError(f"dpprof run: python -m {mod} {' '.join(args[:1])}: "
+                                     f"only its launch command runs a script; {_LAUNCHERS}")
+                args = args[1:]
+            return _accelerate(args, gpus, gpus_given)
         return Launch(mod, True, rest[2:])
     return Launch(rest[0], False, rest[1:])
+
+
+_LAUNCHERS = ("give a Python command (python train.py, python -m pkg.train) or a launcher "
+              "dpprof follows: torchrun, python -m torch.distributed.run|launch, accelerate "
+              "launch (python -m accelerate.commands.launch)")
+
+
+def _accelerate(args: list[str], gpus: int, gpus_given: bool) -> Launch:
+    """``accelerate launch [opts] train.py args``, read as accelerate reads it: its own
+    parser, its config file (``--config_file`` or the default one ``accelerate config``
+    writes), and the environment its launcher gives the script (the mixed precision, the
+    dynamo backend); several processes are torchrun's ranks, as accelerate starts them."""
+    try:
+        # accelerate ships no type information (no py.typed)
+        from accelerate.commands.config import (  # type: ignore[import-untyped]
+            default_config_file,
+        )
+        from accelerate.commands.launch import (  # type: ignore[import-untyped]
+            launch_command_parser,
+        )
+        from accelerate.utils.launch import (  # type: ignore[import-untyped]
+            prepare_multi_gpu_env,
+            prepare_simple_launcher_cmd_env,
+        )
+    except ImportError:
+        raise UsageError("dpprof run: accelerate launch: accelerate is not installed here "
+                         "(pip install accelerate)") from None
+    try:
+        ns = launch_command_parser().parse_args(args)
+    except SystemExit:
+        raise UsageError(f"dpprof run: accelerate launch: cannot parse {' '.join(args)!r}"
+                         ) from None
+    config = ns.config_file or (default_config_file if os.path.isfile(default_config_file)
+                                else None)
+    unfollowed = [flag for flag, on in (("--use_deepspeed", ns.use_deepspeed),
+                                        ("--use_fsdp", ns.use_fsdp), ("--tpu", ns.tpu),
+                                        ("--use_megatron_lm", ns.use_megatron_lm)) if on]
+    if config is not None and not ns.cpu:
+        from accelerate.commands.config import (  # type: ignore[import-untyped]
+            load_config_from_file,
+        )
+
+        defaults = load_config_from_file(config)
+        kind = str(getattr(defaults, "distributed_type", "") or "")
+        if not (ns.multi_gpu or unfollowed):
+            ns.multi_gpu = kind.endswith("MULTI_GPU")
+            if kind.endswith(("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")):
+                unfollowed.append(f"distributed_type: {kind.rsplit('.', 1)[-1]} in {config}")
+        if ns.num_processes is None and int(getattr(defaults, "num_processes", -1)) > 0:
+            ns.num_processes = int(defaults.num_processes)
+        if ns.num_machines is None:
+            ns.num_machines = int(getattr(defaults, "num_machines", 1) or 1)
+        if ns.mixed_precision is None:
+            ns.mixed_precision = str(getattr(defaults, "mixed_precision", None) or "no")
+    if unfollowed:
+        raise UsageError(
+            f"dpprof run: accelerate launch {', '.join(unfollowed)}: DeepSpeed, FSDP, TPU and "
+            "Megatron-LM engines are not emulated; dpprof measures DDP (accelerate launch "
+            "--multi_gpu) and, among its rungs, FSDP2 (dpprof run --ladder)")
+    if ns.num_processes is None:
+        ns.num_processes = gpus  # torch.cuda.device_count(), as accelerate counts them
+    ns.num_machines = ns.num_machines or 1
+    ns.mixed_precision = ns.mixed_precision or "no"
+    ns.dynamo_backend = ns.dynamo_backend or "no"
+    ns.debug = bool(ns.debug)
+    ns.use_cpu = ns.cpu
+    # more than one GPU and processes: accelerate turns multi-GPU on by itself
+    ns.multi_gpu = bool(ns.multi_gpu or (ns.num_processes > 1 and gpus > 1 and not ns.cpu))
+    ns.main_process_port = ns.main_process_port or 29500
+    before = dict(os.environ)
+    if ns.multi_gpu:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its check of the port: no rank listens here
+            env = prepare_multi_gpu_env(ns)
+        launch = _torchrun(["--nproc-per-node", str(ns.num_processes // ns.num_machines),
+                            "--nnodes", str(ns.num_machines),
+                            *(["-m"] if ns.module else []), ns.training_script,
+                            *ns.training_script_args], gpus, "accelerate launch", gpus_given)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(ns)
+        launch = Launch(ns.training_script, bool(ns.module), list(ns.training_script_args),
+                        launcher="accelerate launch", nproc=1)
+    launch.env = {**{k: v for k, v in env.items() if before.get(k) != v}, **launch.env}
+    return launch
+
+
+_NPROC_FLAG = {"accelerate launch": "--num_processes"}
 
 
 def _torchrun(args: list[str], gpus: int, launcher: str, gpus_given: bool = True) -> Launch:
@@ -99,7 +198,7 @@ def _torchrun(args: list[str], gpus: int, launcher: str, gpus_given: bool = True
         raise UsageError(
             f"dpprof run: {launcher} starts {nproc} processes on the node, which has {gpus} "
             f"GPU(s) (--gpus): ranks {gpus} to {nproc - 1} would find no GPU of their own; "
-            f"pass --gpus {nproc}, or --nproc-per-node {gpus}")
+            f"pass --gpus {nproc}, or {_NPROC_FLAG.get(launcher, '--nproc-per-node')} {gpus}")
     nnodes = str(ns.nnodes).split(":")[-1]
     world = nproc * int(nnodes or 1)
     env = {
@@ -124,6 +223,7 @@ def script_process(launch: Launch) -> Iterator[None]:
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
     try:
+        _fresh_singletons()
         os.environ.update(launch.env)
         if launch.is_module:
             sys.argv = [launch.target, *launch.argv]
@@ -147,6 +247,22 @@ def script_process(launch: Launch) -> Iterator[None]:
                 handler.flush()
         root.handlers[:] = saved_logging[0]
         root.setLevel(saved_logging[1])
+        _fresh_singletons()
+
+
+# accelerate's process-wide singletons (their state shared by every instance): a run of the
+# script starts without them, as a new process would, and leaves none behind (else the
+# next run, an alternative or another script, finds the last one's devices and world size)
+_SINGLETONS = {"accelerate.state": ("PartialState", "AcceleratorState", "GradientState")}
+
+
+def _fresh_singletons() -> None:
+    for module_name, classes in _SINGLETONS.items():
+        module = sys.modules.get(module_name)
+        for name in classes if module is not None else ():
+            shared = getattr(getattr(module, name, None), "_shared_state", None)
+            if isinstance(shared, dict):
+                shared.clear()
 
 
 def main_path(target: str) -> str:

@@ -169,12 +169,15 @@ def diff_loss_in_forward(run: ScriptRun) -> str:
         run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
 
 
-def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False) -> str:
-    """The DDP change around the script's own DataParallel line."""
+def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
+             batch_sites: tuple[str, ...] = ()) -> str:
+    """The DDP change around the script's own DataParallel line (and each rank's share of
+    the batches it makes by hand, at ``batch_sites``)."""
     if not run.dp_sites:
         return ""
     return rewrite.rewrite_text(rewrite.ddp_at(run.dp_sites[0], gpus,
-                                                             bucket_view=bucket_view))
+                                               bucket_view=bucket_view,
+                                               batch_sites=batch_sites))
 
 
 def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
@@ -192,7 +195,8 @@ def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
                "than plain DDP per GPU at the peak" + (
                    "" if extra > 0 else " (the peak comes before the gradients all exist; "
                    "the gradient-sized copy is still saved later in the step)"),
-               code=diff_ddp(main, gpus, bucket_view=True))
+               code=diff_ddp(main, gpus, bucket_view=True,
+                             batch_sites=tuple(alt.batch_sites)))
 
 
 def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int,
@@ -211,7 +215,7 @@ def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int,
                                             if outputs_kept is None
                                             else _kept_outputs_detail(*outputs_kept)),
                code=(diff_loss_in_forward(alt) if variant == LOSS_IN_FORWARD
-                     else diff_ddp(main, gpus)))
+                     else diff_ddp(main, gpus, batch_sites=tuple(alt.batch_sites))))
 
 
 def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:

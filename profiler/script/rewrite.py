@@ -396,16 +396,55 @@ def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
     return first.lineno, src.indent(first.lineno)
 
 
-def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False
-        ) -> Rewrite:
-    """The script as ``gpus`` DistributedDataParallel ranks (see the module)."""
+def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
+        batch_lines: tuple[int, ...] = ()) -> Rewrite:
+    """The script as ``gpus`` DistributedDataParallel ranks (see the module).
+    ``batch_lines``: the lines where the script makes its batches by hand (a random factory
+    of the scattered rows, which the DDP alternative cut to each rank's share)."""
     try:
-        return _ddp(ScriptSource(source, path), dp_line, gpus, bucket_view)
+        return _ddp(ScriptSource(source, path), dp_line, gpus, bucket_view, batch_lines)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
 
-def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool) -> Rewrite:
+_BATCH_FACTORIES = ("randint", "randn", "rand")
+
+
+def _batch_rows_node(call: ast.Call) -> ast.expr | None:
+    """The first dimension of a random factory's size (``torch.randint(0, V, (B, T))``:
+    ``B``; ``torch.randn(B, D)``: ``B``), as the DDP alternative read it."""
+    size = next((k.value for k in call.keywords if k.arg == "size"), None)
+    if size is None:
+        if last_name(call.func) == "randint":
+            size = next((a for a in call.args if isinstance(a, (ast.Tuple, ast.List))), None)
+        elif call.args:
+            size = call.args[0]
+    if isinstance(size, (ast.Tuple, ast.List)):
+        return size.elts[0] if size.elts else None
+    return size
+
+
+def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpus: int
+                    ) -> list[int]:
+    """Each rank makes its share of a hand-made batch: ``B`` -> ``B // gpus`` in the
+    factories on ``lines``; the lines edited."""
+    done = []
+    for line in lines:
+        call = next((c for c in calls_at(src, line)
+                     if last_name(c.func) in _BATCH_FACTORIES), None)
+        rows = _batch_rows_node(call) if call is not None else None
+        if rows is None or isinstance(rows, ast.Starred):
+            continue
+        text = src.seg(rows)
+        simple = isinstance(rows, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript,
+                                   ast.Call))
+        edits.node(rows, f"{text if simple else f'({text})'} // {gpus}")
+        done.append(line)
+    return done
+
+
+def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
+         batch_lines: tuple[int, ...] = ()) -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
@@ -446,9 +485,10 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool) -> Rewri
              "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)")
     loaders = sorted({src.statement(n).lineno for n in ast.walk(src.tree)
                       if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"})
-    for at in loaders or [wrap.lineno]:
+    divided = _divide_batches(src, edits, batch_lines, gpus)
+    for at in loaders or ([] if divided else [wrap.lineno]):
         edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
-    if not loaders:
+    if not loaders and not divided:
         notes.append("the script makes its batches without a DataLoader: give each rank its "
                      f"share (1/{gpus} of the batch) by hand")
     return _finish(src, edits, BUCKET_VIEW_TITLE if bucket_view else DDP_TITLE, notes)
@@ -750,11 +790,13 @@ def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str) -> Rewrite:
         return Rewrite(reason=str(e))
 
 
-def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False) -> Rewrite:
-    """:func:`ddp` from the wrap's ``file:line``."""
+def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
+           batch_sites: tuple[str, ...] = ()) -> Rewrite:
+    """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches)."""
     try:
         path, line = _site(dp_site)
-        return ddp(_read(path), path, line, gpus, bucket_view)
+        batch_lines = tuple(n for p, n in map(_site, batch_sites) if p == path)
+        return ddp(_read(path), path, line, gpus, bucket_view, batch_lines)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 

@@ -94,6 +94,9 @@ class ScriptConfig:
     # the user's files before the runs (dpprof.script.census), checked after each; None:
     # noted before this run
     files_before: Snapshot | None = None
+    # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (each rank's share
+    # of a batch the script makes by hand follows from it)
+    scattered_rows: int = 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -119,8 +122,13 @@ class ScriptRun:
     tensor_parallel: bool = False  # and its layers with parallelize_module
     world_size: int = 1
     batch_rows: int = 0
+    # DDP_IN_PLACE: how each rank got its share of the batch ("": it did not)
+    batch_division: str = ""
+    batch_sites: list[str] = field(default_factory=list)  # "file:line" of hand-made batches
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
+    # loss-in-forward: where the loss took a method's result of the outputs instead
+    loss_on_outputs_method: str = ""
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
@@ -192,7 +200,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     stepper = Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
                     rung=cfg.rung.name if cfg.rung is not None else None)
-    variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs)
+    variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs, cfg.scattered_rows)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
     # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
@@ -363,7 +371,22 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
                       or stepper.warmup_rows or variant.batch_rows)
     run.loss_modules = variant.loss_calls
+    run.loss_on_outputs_method = variant.loss_on_outputs_method
+    run.batch_division = _division(variant, vc.device_count())
+    run.batch_sites = [made.rpartition(" at ")[2] for made in variant.divided_sites]
     return used, ddp_devices
+
+
+def _division(variant: Variant, world: int) -> str:
+    """How the DDP alternative gave each rank its share of the batch ("": it did not)."""
+    ways = []
+    if variant.divided_loader:
+        ways.append(f"each DataLoader's batch_size divided by {world}")
+    if variant.divided_sites:
+        ways.append(f"the batches the script makes ({', '.join(variant.divided_sites)}) "
+                    f"cut to {variant.batch_rows} rows of DataParallel's "
+                    f"{variant.scattered_rows}")
+    return "; ".join(ways)
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:

@@ -68,7 +68,7 @@ __all__ = [
 
 ALTERNATIVES = {
     DDP_IN_PLACE: "the same script with DistributedDataParallel in place of DataParallel (one "
-    "emulated rank of {n}; each DataLoader's batch divided by {n}, as a DDP script sets it)",
+    "emulated rank of {n}; each rank its share of the batch, as a DDP script makes it)",
     LOSS_IN_FORWARD: "the same script with its loss computed inside forward on every replica "
     "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
     "instead of the gathered outputs)",
@@ -225,7 +225,9 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
     ``runs``, what it saves into ``fixes``, why it could not run into ``notes``."""
     for kind in run_variants():  # the fixes a script's alternative measures
         variant = kind.run_variant or ""
-        alt = run_script(dataclasses.replace(cfg, variant=variant), step_cb(variant))
+        alt = run_script(dataclasses.replace(cfg, variant=variant,
+                                             scattered_rows=main.batch_rows),
+                         step_cb(variant))
         used = sorted({_relative_site(site) for site in alt.materialized})
         unkept: ScriptRun | None = None  # the loss inside forward, the outputs not gathered
         if variant == LOSS_IN_FORWARD and used and alt.loss_modules:
@@ -234,16 +236,27 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
             unkept = alt
             alt = run_script(dataclasses.replace(cfg, variant=variant, keep_outputs=True),
                              step_cb(variant))
-        if variant == DDP_IN_PLACE and not alt.batch_rows:
-            notes.append("no DDP alternative: the script makes its batches without a "
-                         "DataLoader, so dpprof cannot give each rank its share")
+        if variant == DDP_IN_PLACE and not alt.batch_division:
+            notes.append("no DDP alternative: the script makes its batches neither with a "
+                         "DataLoader nor with torch.randint/randn/rand of DataParallel's "
+                         f"{main.batch_rows} rows on its own lines, so dpprof cannot give "
+                         "each rank its share")
             continue
         if variant == LOSS_IN_FORWARD and not alt.loss_modules:
-            notes.append("no loss-inside-forward alternative: the script's loss is not an "
-                         "nn.Module loss called on DataParallel's outputs")
+            if alt.loss_on_outputs_method:
+                notes.append(
+                    "no loss-inside-forward alternative: the script's nn.Module loss takes "
+                    f"the outputs' {alt.loss_on_outputs_method}, not DataParallel's outputs "
+                    "themselves, and dpprof does not move such an expression inside "
+                    "forward yet")
+            else:
+                notes.append("no loss-inside-forward alternative: the script's loss is not "
+                             "an nn.Module loss called on DataParallel's outputs")
             continue
         alt.scenario.notes.insert(0, (KEPT_OUTPUTS if unkept is not None
                                       else ALTERNATIVES[variant]).format(n=n))
+        if variant == DDP_IN_PLACE:
+            alt.scenario.notes.insert(1, f"each rank's share: {alt.batch_division}")
         alt.scenario.notes.extend(alternative_notes(alt))
         further = 0  # what not gathering the outputs would save besides
         if unkept is not None and unkept.scenario.devices and alt.scenario.devices:

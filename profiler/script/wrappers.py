@@ -6,10 +6,12 @@
 work as in the script's own code) whose forward is :mod:`dpprof.emulator.data_parallel`'s
 re-enactment of scatter, replicate, parallel_apply and gather on the virtual devices.
 
-``DistributedDataParallel`` becomes :class:`VirtualDDP` (one emulated rank: the reducer's
-buckets re-enacted, :class:`dpprof.emulator.ddp.EmulatedDDP`), over a fake process group
+``DistributedDataParallel`` becomes :class:`VirtualDDP`: torch's own class, its ``__init__``,
+reducer and logger run as on a GPU (one emulated rank), over a fake process group
 (``torch.testing._internal.distributed.fake_pg``: collectives return at once, tensors keep
-their shapes). ``init_process_group`` with any backend initialises that fake group.
+their shapes) with the reducer's all-reduce over
+:class:`~dpprof.emulator.process_group.EmulatedRankGroup`. ``init_process_group`` with any
+backend initialises that fake group.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator import fsdp
 from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
-from dpprof.emulator.ddp import EmulatedDDP
+from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch, Patcher
+from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
 
@@ -55,14 +58,14 @@ class ParallelLog:
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     fake_group: bool = False  # a fake default process group was initialised
-    # the script's process group runs NCCL (named, or torch's default on CUDA): DDP's first
-    # buckets outlive the rebuild until the watchdog reaps them (EmulatedDDP's nccl_stash)
-    nccl: bool = False
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     tensor_parallel: int = 0  # parallelize_module calls
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
+    # the loss-in-forward alternative: "file:line" -> the method first taken there of
+    # DataParallel's deferred outputs (``out.view``: computed as written, gathered)
+    outputs_methods: dict[str, str] = field(default_factory=dict)
     # rows each device got of the first batch a training forward split (DataParallel's
     # scatter) or moved (DDP), positional and keyword inputs alike: runtime index -> rows
     shard_rows: dict[int, int] = field(default_factory=dict)
@@ -78,43 +81,19 @@ class ParallelLog:
                 self.shard_rows[device] = rows
 
 
-def _logical_ids(vc: VirtualCuda, ids: Sequence[Any] | None) -> list[int]:
-    if ids is None:
-        return list(range(vc.device_count()))
-    out = []
-    for d in ids:
-        if isinstance(d, torch.device):
-            out.append(d.index if d.index is not None else vc.current_device())
-        elif isinstance(d, str):
-            dev = torch.device(d)
-            out.append(dev.index if dev.index is not None else vc.current_device())
-        else:
-            out.append(int(d))
-    return out
-
-
 class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
     """``nn.DataParallel`` on virtual devices (see the module)."""
 
     def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
                  output_device: Any = None, dim: int = 0) -> None:
-        nn.Module.__init__(self)
         vc = active()
         if vc is None:
             raise RuntimeError("VirtualDataParallel needs an active VirtualCuda")
+        # torch's own __init__: the virtual CUDA answers its questions (the devices, their
+        # balance), so every attribute is the one torch sets
+        super().__init__(module, device_ids, output_device, dim)
         self._vc = vc
         _log().dp_sites.append(caller_site())
-        self.dim = dim
-        self.module = module
-        self.device_ids = _logical_ids(vc, device_ids)
-        if not self.device_ids:
-            return
-        if output_device is None:
-            output_device = self.device_ids[0]
-        self.output_device = _logical_ids(vc, [output_device])[0]
-        self.src_device_obj = torch.device("cuda", self.device_ids[0])
-        if len(self.device_ids) == 1:
-            self.module.to(self.src_device_obj)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.device_ids:
@@ -195,6 +174,10 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             return impl(*inputs, **kwargs)
 
 
+# the names torch's classes have: a framework names the wrapper it was given by its class
+# (Lightning's summaries, the module named in torch's own errors and DDP's logging data)
+VirtualDataParallel.__name__ = VirtualDataParallel.__qualname__ = "DataParallel"
+
 DDP_IN_PLACE = "ddp-in-place"
 LOSS_IN_FORWARD = "loss-in-forward"
 
@@ -257,6 +240,7 @@ class DeferredOutputs:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        _log().outputs_methods.setdefault(caller_site(), name)
         return getattr(self.materialize(), name)
 
     @classmethod
@@ -346,69 +330,158 @@ def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[Any] | No
 
 
 class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
-    """``DistributedDataParallel`` as one emulated rank (see the module)."""
+    """torch's own ``DistributedDataParallel`` on one emulated rank (see the module): its
+    ``__init__``, reducer (the C++ buckets, their rebuild, ``no_sync``, ``join``, static
+    graphs, communication hooks), logger and every attribute are torch's. What dpprof adds:
+    the reducer all-reduces over :func:`~dpprof.emulator.process_group.rank_group` (the
+    script's group is the fake one, whose works carry no tensors for the reducer to read),
+    the buckets and broadcasts are filed under communication on the rank's device, and each
+    forward's rows are noted for the report."""
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[Any] | None = None,
-                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
-                 process_group: Any = None, bucket_cap_mb: float | None = None,
-                 find_unused_parameters: bool = False, check_reduction: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 **_: Any) -> None:
-        import torch.distributed as dist
-
-        nn.Module.__init__(self)
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         vc = active()
         if vc is None:
             raise RuntimeError("VirtualDDP needs an active VirtualCuda")
-        self._vc = vc
-        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        self.module = module
-        self.device_ids = _logical_ids(vc, device_ids) if device_ids else None
-        self.output_device = output_device
-        self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.process_group = process_group
-        self.require_backward_grad_sync = True
-        impl = EmulatedDDP(
-            module, vc.rt, world_size=world, bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers, nccl_stash=_log().nccl,
-        )
-        # EmulatedDDP is a Module with the user's module as a child; keep it out of this
-        # module's tree so parameters() and state_dict() are DDP's ("module." prefixes).
-        object.__setattr__(self, "_ddp_impl", impl)
+        rt = vc.rt
+        first = next(module.parameters(), None)
+        index = rt.device_of(first) if first is not None else vc.index_of(
+            vc.current_device())
+        index = index if index >= 0 else vc.index_of(vc.current_device())
+        import torch.distributed as dist
+
+        # torch's __init__ over the rank's emulated group (its check that every rank has
+        # the same parameters reads back what the group gathered, which the fake group
+        # gathers where the emulation cannot follow the values); the script's group after
+        users = kwargs.pop("process_group", args[5] if len(args) > 5 else None)
+        if len(args) > 5:
+            args = args[:5] + args[6:]
+        if kwargs.get("device_mesh") is None:
+            given = users if users is not None else dist.distributed_c10d._get_default_group()
+            kwargs["process_group"] = rank_group(given, _state().backend)
+        with rt.meta_on(index), rt.category("communication"), _warnings_at_caller():
+            super().__init__(module, *args, **kwargs)
+        if kwargs.get("device_mesh") is None:
+            self.process_group = given
+        # set after torch's __init__, which begins with nn.Module's (it would clear them)
+        self.__dict__["_dpprof_vc"] = vc
+        self.__dict__["_dpprof_index"] = index
         _log().ddp += 1
-        _log().world_size = max(_log().world_size, world)
-        _log().ddp_devices.append(impl.device)
+        _log().world_size = max(_log().world_size, int(self.process_group.size()))
+        _log().ddp_devices.append(index)
+
+    def _ddp_init_helper(self, *args: Any, **kwargs: Any) -> None:
+        # the reducer's group: the rank's emulated one (works that carry their tensors);
+        # the rest of DDP keeps the script's group (a device mesh's, here)
+        users = self.process_group
+        self.process_group = rank_group(users, _state().backend)
+        try:
+            super()._ddp_init_helper(*args, **kwargs)
+        finally:
+            self.process_group = users
+
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # the reducer's rebuilt buckets and the buffers' broadcast are communication on the
+        # rank's device (inputs moved from the host are filed as inputs by the move itself)
+        rt = self.__dict__["_dpprof_vc"].rt
+        # over NCCL the buckets a rebuild replaces outlive it (_keep_unreaped)
+        rebuilt_before = self._has_rebuilt_buckets
+        events_before = len(rt.events)
+        with rt.meta_on(self.__dict__["_dpprof_index"]), rt.category("communication"), \
+                _without_c10_warning(_META_TIMER_WARNING):
+            out = super()._pre_forward(*inputs, **kwargs)
+        _keep_unreaped(self, rt, self._has_rebuilt_buckets and not rebuilt_before,
+                       events_before)
+        return out
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        ddp: EmulatedDDP = self.__dict__["_ddp_impl"]
-        if self.device_ids:
-            rt = self._vc.rt
-            index = self._vc.index_of(self.device_ids[0])
+        _log().note_shards([self.__dict__["_dpprof_index"]], [inputs], [kwargs], self.dim)
+        return super().forward(*inputs, **kwargs)
 
-            with rt.category("inputs"):
-                moved = scatter(rt, (inputs, kwargs), [index], self.dim)[0]
-            inputs, kwargs = moved
-            _log().note_shards([index], [inputs], [kwargs], self.dim)
-        return ddp(*inputs, **kwargs)
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        # torch's hooks take a state of None for the default group: the reducer's group
+        # here, whose works carry the tensors the hook's future hands on
+        if state is None:
+            state = rank_group(self.process_group, _state().backend)
+        super().register_comm_hook(state, hook)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """DDP's ``no_sync()``: the backwards inside accumulate without bucketing or
-        all-reducing (:meth:`EmulatedDDP.no_sync`)."""
-        impl: EmulatedDDP = self.__dict__["_ddp_impl"]
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False  # what scripts may read
+
+def _keep_unreaped(ddp: VirtualDDP, rt: Any, rebuilt: bool, events_before: int) -> None:
+    """Over NCCL (:class:`~dpprof.emulator.process_group.EmulatedRankGroup`'s ``unreaped``):
+    the first iteration's buckets, which the rebuild just replaced (``rebuilt``), live on in
+    their all-reduce's works until the watchdog reaps them (within ~100 ms: on an H200, the
+    early steps of a fast loop). The worst case is kept, as
+    :class:`~dpprof.emulator.ddp.EmulatedDDP`'s ``nccl_stash`` keeps it: held as long as
+    ``ddp``, noted as a transient (``UNREAPED_BUCKETS``) that the steady state frees at the
+    rebuild (after the ``events_before`` events that preceded it). Any other forward: the
+    last iteration's works are reaped (their buckets are the reducer's own, alive anyway)."""
+    held = rank_group(ddp.process_group, _state().backend).reap()
+    if not rebuilt:
+        return
+    # what only the works still hold (the reducer let go of it at the rebuild): the tensor
+    # held here and the storage object made to ask are its only references
+    kept = [t for t in held if torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2]
+    for t in kept:
+        rt.note_transient(t, UNREAPED_BUCKETS, at_event=events_before)
+    ddp.__dict__["_dpprof_unreaped"] = kept
+
+
+@contextlib.contextmanager
+def _warnings_at_caller() -> Iterator[None]:
+    """torch's warnings from the block (``stacklevel=2``: the line that built DDP) named at
+    the script's line that called dpprof's subclass, as without it."""
+    import sys
+    import warnings
+
+    caller = sys._getframe(3)  # the script's frame: _warnings_at_caller <- __enter__ <- init
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    here = __file__.removesuffix("c")
+    for w in caught:
+        where = ((caller.f_code.co_filename, caller.f_lineno) if w.filename == here
+                 else (w.filename, w.lineno))
+        warnings.warn_explicit(w.message, w.category, *where,
+                               module=caller.f_globals.get("__name__"),
+                               registry=caller.f_globals.setdefault("__warningregistry__", {}))
+
+
+# DDP's logger times the steps of CPU and CUDA parameters only; over meta tensors it warns
+# once (c10's own handler, straight to the process's stderr), which on a GPU never shows
+_META_TIMER_WARNING = "Time stats are currently only collected for CPU and CUDA devices"
+_WARNED: list[str] = []  # the warnings dropped (each is c10's TORCH_WARN_ONCE)
+
+
+@contextlib.contextmanager
+def _without_c10_warning(text: str) -> Iterator[None]:
+    """Standard error at the file descriptor, for the block: every line kept but the warning
+    of C++ that holds ``text``, until it has been dropped once (it is printed once)."""
+    import os
+    import sys
+    import tempfile
+
+    if text in _WARNED:
+        yield
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
         try:
-            with impl.no_sync():
-                yield
+            yield
         finally:
-            self.require_backward_grad_sync = old
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if text not in line]
+            if len(kept) < len(lines):
+                _WARNED.append(text)
+            if kept:
+                os.write(2, "".join(kept).encode())
+
+
+VirtualDDP.__name__ = VirtualDDP.__qualname__ = "DistributedDataParallel"
 
 
 @dataclass
@@ -422,6 +495,7 @@ class ScriptParallel:
     # gathered on the output device beside the loss numbers
     keep_outputs: bool = False
     log: ParallelLog = field(default_factory=ParallelLog)
+    backend: str = "nccl"  # the backend the script's init_process_group asked for
     # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
     functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
         default_factory=dict)
@@ -482,11 +556,13 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if rank is None or rank < 0:
             rank = int(os.environ.get("RANK", "0"))
         orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        # the backend DDP's logging data names: NCCL's, as asked (torch's logger reads a
+        # gloo group's C++ backend, which the emulated group has not: then the fake one's)
+        asked = str(backend or "nccl")
+        _state().backend = "nccl" if "nccl" in asked or asked == "cuda" else "fake"
         # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
         _log().world_size = max(_log().world_size, world_size)
         _log().fake_group = True
-        # torch's default on CUDA is "cuda:nccl,cpu:gloo"
-        _log().nccl = backend is None or "nccl" in str(backend).lower()
         if not fsdp_hooks:
             # FSDP2's hooks once a process group exists (FSDP2 needs one, a default mesh
             # makes one here): importing FSDP2 loads DTensor and sympy, a second or more
@@ -570,9 +646,11 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def cleanup(vc: VirtualCuda) -> None:
-    """Destroy the fake process group a stopped script left behind."""
+    """Destroy the fake process group a stopped script left behind; drop what the emulated
+    groups' works still held."""
     import torch.distributed as dist
 
+    reap_all()  # what the run's all-reduces held dies with the run
     log = state_of(vc).log
     if log.fake_group and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""The DDP alternative of a DataParallel script gives each rank its share of the batch
+DataParallel scattered, however the script made it: a DataLoader's ``batch_size`` divided
+(``test_run_scripts.py``), or, for batches made in the loop without one
+(``torch.randint(0, V, (B, T))``), the rows each rank would make itself.
+
+Checked against the DDP script a user would write: the same model with each rank making
+``B // N`` rows, run under torchrun, peaks as the alternative's rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_script_rewrite import apply_diff
+
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+LM = """
+import torch, torch.nn as nn
+V, D, T, B = 2000, 64, 32, 32
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.mix = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.head = nn.Linear(D, V)
+    def forward(self, ids):
+        return self.head(self.mix(self.emb(ids)))
+{setup}
+opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+crit = nn.CrossEntropyLoss()
+for step in range(6):
+    ids = torch.randint(0, V, ({rows}, T + 1), device="cuda")
+    x, y = ids[:, :-1], ids[:, 1:]
+    out = model(x)
+    loss = crit(out.reshape(-1, out.size(-1)), y.reshape(-1))
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+DATA_PARALLEL = "model = nn.DataParallel(LM().cuda())"
+DDP = """import torch.distributed as dist, os
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
+model = nn.parallel.DistributedDataParallel(LM().cuda(rank), device_ids=[rank])"""
+
+
+def _run(tmp_path: Path, name: str, text: str, command: list[str]) -> object:
+    (tmp_path / name).write_text(text)
+    result, main = run_command(ScriptConfig(launch=parse_command(command, 4), gpus=4))
+    assert main.exit_status == 0, main.script_traceback
+    return result
+
+
+def test_a_batch_made_without_a_dataloader_is_divided_among_the_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    dp = _run(tmp_path, "train.py", LM.format(setup=DATA_PARALLEL, rows="B"),
+              ["python", "train.py"])
+    ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.status == "ok", dp.notes  # type: ignore[attr-defined]
+    # each rank 8 rows: the global batch DataParallel's 32
+    assert ddp.batch == 32 and all(d.batch_rows == 8 for d in ddp.devices)
+    assert any("torch.randint at" in n and "train.py:16" in n and "8 rows of DataParallel's 32"
+               in n for n in ddp.notes), ddp.notes
+    # the loss takes out.reshape(...): no loss-inside-forward alternative, and the reason
+    # names what the loss took, not "not an nn.Module loss" (it is one)
+    assert dp.scenario("dp-loss-forward") is None  # type: ignore[attr-defined]
+    assert any(n.startswith("no loss-inside-forward alternative: the script's nn.Module loss "
+                            "takes the outputs' .reshape() at ") and "train.py:19" in n
+               for n in dp.notes), dp.notes  # type: ignore[attr-defined]
+    # what a user's own DDP script makes of it: each rank B // 4 rows
+    by_hand = _run(tmp_path, "ddp.py", LM.format(setup=DDP, rows="B // 4"),
+                   ["torchrun", "--nproc-per-node", "4", "ddp.py"])
+    (rank,) = by_hand.scenarios  # type: ignore[attr-defined]
+    assert rank.name == "ddp" and rank.batch == 32
+    assert all(d.batch_rows == 8 for d in rank.devices)
+    assert ([d.peak_allocated_bytes for d in ddp.devices]
+            == [d.peak_allocated_bytes for d in rank.devices])
+    assert ddp.devices[0].breakdown_bytes == rank.devices[0].breakdown_bytes
+
+
+def test_a_batch_the_alternative_cannot_divide_gets_no_ddp_alternative_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows sliced from a tensor made once (not a factory in the loop): no share to give,
+    so no DDP alternative measured at 4x its batch, and the reason in the notes."""
+    monkeypatch.chdir(tmp_path)
+    text = LM.format(setup=DATA_PARALLEL, rows="B").replace(
+        'ids = torch.randint(0, V, (B, T + 1), device="cuda")',
+        "ids = data[step * B:(step + 1) * B].cuda()").replace(
+        "for step in range(6):", "data = torch.randint(0, V, (6 * B, T + 1))\n"
+        "for step in range(6):")
+    result = _run(tmp_path, "train.py", text, ["python", "train.py"])
+    assert result.scenario("ddp") is None  # type: ignore[attr-defined]
+    assert any(n.startswith("no DDP alternative: the script makes its batches neither")
+               for n in result.notes)  # type: ignore[attr-defined]
+
+
+def test_the_ddp_fix_divides_the_hand_made_batch_and_runs_with_the_peaks_it_promised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DDP change printed for the script: its diff applied to the user's file gives a
+    torchrun script whose every rank makes B // 4 rows, and run so, its ranks peak as the
+    alternative promised."""
+    monkeypatch.chdir(tmp_path)
+    source = LM.format(setup=DATA_PARALLEL, rows="B")
+    dp = _run(tmp_path, "train.py", source, ["python", "train.py"])
+    fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    patched = apply_diff(source, fix.code)  # the notes after the diff are comments
+    assert 'torch.randint(0, V, (B // 4, T + 1), device="cuda")' in patched
+    assert "DistributedSampler" not in patched  # no DataLoader: nothing to note there
+    ran = _run(tmp_path, "train.py", patched, ["torchrun", "--nproc-per-node", "4", "train.py"])
+    (rank,) = ran.scenarios  # type: ignore[attr-defined]
+    assert rank.name == "ddp" and rank.batch == 32
+    assert all(d.batch_rows == 8 for d in rank.devices)
+    assert fix.max_peak_bytes == max(d.peak_allocated_bytes for d in rank.devices)
