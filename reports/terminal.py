@@ -68,6 +68,9 @@ def _writes(view: ReportView) -> list[RenderableType]:
     if w.rows:
         table = _table(("run", "left"), ("path", "left"), ("size", "right"), ("", "left"),
                        narrow=True)
+        # the note wraps: at 80 columns, kept on one line, it squeezed the run and the path
+        # down to an ellipsis each
+        table.columns[-1].no_wrap = False
         for r in w.rows[:TERMINAL_WRITE_ROWS]:
             size = fmt_bytes(r.size_bytes) if r.kind in ("file", "link") else r.kind
             path = r.path + ("/" if r.kind == "folder" else "")

@@ -382,7 +382,9 @@ def test_ddp_tutorial_with_the_rank_as_the_device() -> None:
     result = run(["python", str(SCRIPTS / "ddp_tutorial.py")], gpus=2)
     (s,) = result.scenarios
     assert s.name == "ddp" and s.status == "ok", s.message
-    assert s.batch == 200 and [d.rank for d in s.devices] == [0, 1]
+    # the global batch: 200 rows on each of the 2 ranks
+    assert s.batch == 2 * 200 and [d.rank for d in s.devices] == [0, 1]
+    assert all(d.batch_rows == 200 for d in s.devices)
     shapes = [(1000, 10), (1000,), (5, 1000), (5,)]
     d = s.devices[0].breakdown_bytes
     assert d["parameters"] == params_bytes(*shapes)
@@ -411,7 +413,9 @@ def test_every_alternative_keeps_to_the_gpus_the_script_made_visible() -> None:
         assert s.status == "ok" and len(s.devices) == 2, (s.name, s.message)
     assert [d.batch_rows for d in devs(result, "dp-loss-primary")] == [32, 32]
     ddp = result.scenario("ddp")
-    assert ddp is not None and ddp.batch == 32 and "one emulated rank of 2" in ddp.notes[0]
+    # the global batch: the loader's 64 halved on each of the 2 ranks
+    assert ddp is not None and ddp.batch == 64 and "one emulated rank of 2" in ddp.notes[0]
+    assert all(d.batch_rows == 32 for d in ddp.devices)
 
 
 def test_a_ddp_script_under_cuda_visible_devices_counts_those_gpus(
@@ -454,7 +458,7 @@ def test_keras3_guide_ddp_mnist_with_uint8_labels() -> None:
     result = run(["python", str(SCRIPTS / "keras_mnist_ddp.py")], gpus=2)
     (s,) = result.scenarios
     assert s.name == "ddp" and s.status == "ok", s.message
-    assert s.batch == 64 and [d.rank for d in s.devices] == [0, 1]
+    assert s.batch == 2 * 64 and [d.rank for d in s.devices] == [0, 1]  # 2 ranks of 64
     # the batch on the rank's GPU: 64 float32 28x28x1 images and 64 uint8 labels
     assert s.devices[0].breakdown_bytes["inputs"] == r512(64 * 28 * 28 * 4) + r512(64)
     assert "stopped after 3 optimizer step(s)" in " ".join(s.notes)
@@ -606,7 +610,7 @@ def test_cli_no_optimizer_step_is_said(tmp_path: Path) -> None:
     r = runner.invoke(app, ["run", "-o", str(tmp_path / "r.json"), "--", "python",
                             str(script)])
     assert r.exit_code == 0, r.output
-    assert "never called optimizer.step()" in r.stdout
+    assert "never called optimizer.step()" in " ".join(r.stdout.split())
     assert "saw 1 forward pass(es) and 0 backward pass(es)" in " ".join(r.stdout.split())
 
 
@@ -696,12 +700,18 @@ def test_data_parallel_called_in_forward_becomes_one_ddp_per_network() -> None:
     assert dp[0].breakdown_bytes["parameters"] == params_bytes(*GAN_G, *GAN_D)
     assert dp[0].breakdown_bytes["optimizer_state"] == 2 * params_bytes(*GAN_G, *GAN_D)
     ddp = devs(result, "ddp")
-    assert result.scenario("ddp").batch == 8  # type: ignore[union-attr]
-    assert ddp[0].breakdown_bytes["communication"] == (r512(4 * numel(*GAN_G))
-                                                       + r512(4 * numel(*GAN_D)))
+    assert result.scenario("ddp").batch == 4 * 8  # type: ignore[union-attr] (4 ranks of 8)
+    # one bucket per network, rebuilt after the first iteration; over NCCL the first
+    # iteration's live on in their all-reduce's works at the peak (a transient)
+    buckets = r512(4 * numel(*GAN_G)) + r512(4 * numel(*GAN_D))
+    assert ddp[0].breakdown_bytes["communication"] == 2 * buckets
+    assert ddp[0].transient_bytes == {"ddp_unreaped_buckets": buckets}
     fixes = {f.name: f for f in result.fixes}
     assert fixes["ddp"].saves_bytes == dp[0].peak_allocated_bytes - ddp[0].peak_allocated_bytes
-    assert fixes["ddp"].saves_bytes > 0
+    # at this size the first buckets, counted at the peak (the worst case), outweigh what
+    # DDP saves; once the watchdog has reaped them (the steady state) DDP peaks lower
+    steady = ddp[0].steady_peak_allocated_bytes
+    assert steady == ddp[0].peak_allocated_bytes - buckets < dp[0].peak_allocated_bytes
     assert "nn.parallel.data_parallel(...) runs on every call" in fixes["ddp"].code
 
 
