@@ -13,6 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from dpprof.answers.answer import build_answer
 from dpprof.cli.app import app
 from dpprof.measure.ladder import CODE_CHECKPOINT
 from dpprof.measure.ladder import rungs as ladder_rungs
@@ -57,14 +58,16 @@ def test_a_one_gpu_script_that_does_not_fit_gets_the_ladder_and_its_verdict() ->
     assert main.scenario.status == "oom"
     found = rungs(result)
     assert list(found) == ["ladder-bf16", "ladder-checkpoint", "ladder-bf16-checkpoint"]
-    for fix in found.values():  # each rung lighter than the floor, and it says so
+    answers = {a.fix: a for a in build_answer(result).fixes}
+    for fix in found.values():  # each rung lighter than the floor, and the answer says so
         assert fix.need_bytes is not None and fix.need_bytes < need
-        assert "fits in" in fix.detail and "on one GPU" in fix.detail
+        assert fix.detail.startswith("on one GPU: ")
+        assert answers[fix.name].fits and "it fits in" in answers[fix.name].why
     assert "4 repeated blocks checkpointed" in found["ladder-checkpoint"].detail
     assert "for block in model.transformer_encoder.layers:" in found["ladder-checkpoint"].code
     # bf16 comes first and fits: the verdict names it, on the run it changed
-    assert "the cheapest rung that fits is Mixed precision (bf16 autocast) on one GPU" in (
-        result.comparison.verdict)
+    assert ("recommended: Mixed precision (bf16 autocast) on one GPU, the cheapest change "
+            "measured that fits") in result.comparison.verdict
     # the rungs' runs are silent and are not scenarios of their own (as in compare)
     assert [s.name for s in result.scenarios] == ["single"]
     assert set(result.config["seconds"]) == {"as-written", *found}
@@ -143,7 +146,7 @@ def test_dpprof_run_shows_the_rungs_and_names_the_one_that_fits() -> None:
                                    "python", str(LM)], catch_exceptions=False)
     assert out.exit_code == 0, out.output
     assert "Mixed precision (bf16) and activation checkpointing" in out.output
-    assert "cheapest rung that fits" in out.output
+    assert "the cheapest change measured that fits" in " ".join(out.output.split())
 
 
 def test_a_rung_leaves_torch_as_it_found_it() -> None:
@@ -175,17 +178,16 @@ def test_a_ddp_script_under_torchrun_gets_the_ladder_as_written() -> None:
 
 
 def test_where_no_rung_fits_the_report_says_so_and_what_each_needs(tmp_path: Path) -> None:
-    from dpprof.answers.answer import build_answer
-
     result, _ = run_command(config(LM, memory=200 * 2**20))  # nothing fits in 200 MiB
     answer = build_answer(result)
-    assert not answer.recommended
-    # it said "No fix applies: the step runs on one GPU", beside the rungs it measured
-    assert answer.nothing_to_change.startswith(
-        "Nothing measured fits in 200 MiB, no rung of the ladder either")
+    assert answer.fix is None and answer.fits is False
+    # not "No fix applies: the step runs on one GPU": each rung measured is passed over
+    # for what it needs
+    assert answer.why.startswith("Nothing measured fits in 200 MiB")
+    passed = {p.title: p.reason for p in answer.passed_over}
     for fix in rungs(result).values():
-        assert fix.title in answer.nothing_to_change
-    assert "no rung of the ladder measured fits" in result.comparison.verdict
+        assert passed[fix.title].startswith("it does not fit: its fullest GPU needs")
+    assert "recommended: nothing to change" in result.comparison.verdict
 
 
 def test_a_script_that_shards_its_model_itself_is_told_why_it_gets_no_ladder() -> None:
