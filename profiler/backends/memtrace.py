@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -247,6 +248,49 @@ class Alignment:
     kept: list[Alloc]  # the records less the explained ones (their peak is comparable)
 
 
+def _kernel_frames(op: str) -> str:
+    """``op``'s call chain without the allocating frames (``aten::empty < ...``): the kernel
+    an allocation was made in."""
+    frames = op.split(" < ")
+    while len(frames) > 1 and frames[0].startswith("aten::empty"):
+        frames.pop(0)
+    return " < ".join(frames)
+
+
+def _is_scratch(measured: Sequence[Alloc], j: int) -> bool:
+    """Whether the allocation ``measured[j]`` is freed inside the kernel that made it (a
+    kernel's scratch; a result outlives its kernel)."""
+    e = measured[j]
+    for f in measured[j + 1:]:
+        if f.ptr == e.ptr and f.size == -e.size:
+            return _kernel_frames(f.op) == _kernel_frames(e.op)
+    return False
+
+
+def _reordered_counterparts(missing: Sequence[int], measured: Sequence[Alloc],
+                            left_over: Sequence[int]) -> set[int]:
+    """The left-over records (indices) that are the emulator's missing events after all:
+    an allocation of a size the missing events hold that outlives its kernel, and the free
+    of such an allocation where the missing events hold that free too. difflib matches in
+    order, and a CPU kernel may make its results in another order than the GPU's, with its
+    scratch between them (oneDNN's convolution backward on AVX2 makes the bias's gradient
+    before the weight's, on AVX-512 after)."""
+    want = Counter(missing)
+    rescued: set[int] = set()
+    ptrs: set[int] = set()
+    for j in left_over:
+        e = measured[j]
+        if e.size > 0 and want[e.size] > 0 and not _is_scratch(measured, j):
+            want[e.size] -= 1
+            rescued.add(j)
+            ptrs.add(e.ptr)
+        elif e.size < 0 and e.ptr in ptrs and want[e.size] > 0:
+            want[e.size] -= 1
+            rescued.add(j)
+            ptrs.discard(e.ptr)
+    return rescued
+
+
 def align(emulated: Sequence[int], measured: Sequence[Alloc]) -> Alignment:
     """Match the emulator's signed sizes against the profiler's (``difflib`` longest
     matching blocks, no junk heuristic); classify what is left over. A free whose
@@ -262,21 +306,35 @@ def align(emulated: Sequence[int], measured: Sequence[Alloc]) -> Alignment:
     explained_ptrs: dict[int, str] = {}
     drop: set[int] = set()
     matched = 0
+    left_over: list[int] = []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag == "equal":
             matched += i2 - i1
             continue
         missing += a[i1:i2]
-        for j in range(j1, j2):
-            e = measured[j]
-            why = explained_ptrs.pop(e.ptr, None) if e.size < 0 else None
-            why = why or cpu_only_reason(e)
-            if why is None:
-                unexplained.append(e)
-                continue
-            if e.size > 0:
-                explained_ptrs[e.ptr] = why
-            cpu_only[why] = cpu_only.get(why, 0) + 1
-            drop.add(j)
+        left_over += range(j1, j2)
+    rescued = _reordered_counterparts(missing, measured, left_over)
+    matched += len(rescued)
+    found = Counter(measured[j].size for j in rescued)
+    still_missing: list[int] = []
+    for x in missing:
+        if found[x] > 0:
+            found[x] -= 1
+        else:
+            still_missing.append(x)
+    missing = still_missing
+    for j in left_over:
+        if j in rescued:
+            continue
+        e = measured[j]
+        why = explained_ptrs.pop(e.ptr, None) if e.size < 0 else None
+        why = why or cpu_only_reason(e)
+        if why is None:
+            unexplained.append(e)
+            continue
+        if e.size > 0:
+            explained_ptrs[e.ptr] = why
+        cpu_only[why] = cpu_only.get(why, 0) + 1
+        drop.add(j)
     kept = [e for j, e in enumerate(measured) if j not in drop]
     return Alignment(matched, missing, unexplained, cpu_only, kept)
