@@ -624,9 +624,16 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         handle's workspace (``getCurrentCUDABlasHandle`` allocates it at first use)."""
         role = BLAS_BACKWARD if torch._C._current_graph_task_id() != -1 else BLAS_FORWARD
         at = len(self.events)
-        self.blas_first.setdefault((device, role), at)
-        if func in LT_OPS:
-            self.blas_first.setdefault((device, BLAS_LT), at)
+        lt = func in LT_OPS
+        for d in self._blas_devices(device):
+            self.blas_first.setdefault((d, role), at)
+            if lt:
+                self.blas_first.setdefault((d, BLAS_LT), at)
+
+    def _blas_devices(self, device: int) -> tuple[int, ...]:
+        """The devices a cuBLAS op run on ``device`` stands for: ``device`` (the mirroring
+        layer adds the devices mirroring it)."""
+        return (device,)
 
     def _play(self, steps: Sequence[KernelStep], device: int,
               live: dict[str, tuple[int, int]]) -> None:

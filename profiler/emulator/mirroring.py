@@ -78,6 +78,13 @@ class MirroredDevices(CountingDevices):
                 return d
         return None
 
+    def _blas_devices(self, device: int) -> tuple[int, ...]:
+        # a mirror runs the op too, at the same place in its own sequence: its cuBLAS
+        # handle's workspace goes there, as in the replica it stands for (an output device
+        # with events of its own is simulated from its own sequence, not its source's)
+        return (device, *(d for d in self._mirrors.get(device, ())
+                          if d not in self._unmirrored))
+
     def _emit_mirrors(self, device: int, serial: int, requested: int, allocated: int) -> None:
         entry = self._mirror_serials.get(serial)
         if entry is None:
