@@ -175,7 +175,10 @@ def _clipped(model, batch, criterion, optimizer):
 
 @pytest.mark.parametrize("workload, batch, gpus, steps, options", [
     (lambda: lm(SMALL_LM), 32, 4, 1, {}),  # cuda:0 down to one row
-    (classifier, 512, 8, 2, {}),  # a secant step after the first split
+    # eight GPUs, mirrored replicas: with cuDNN's workspace per convolution the first split
+    # is where the secant through it points again (29 rows on cuda:0)
+    (classifier, 512, 8, 1, {}),
+    (convnet, 80, 4, 2, {}),  # a secant step after the first split (11, then 8 rows)
     (convnet, 100, 3, 1, {}),  # uneven shards
     (lambda: lm(SMALL_LM), 32, 4, 1, {"amp": "bfloat16"}),  # autocast: no mirrors
     (lambda: lm(SMALL_LM), 32, 4, 1, {"dtype": "bfloat16"}),
