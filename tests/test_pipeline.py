@@ -190,9 +190,15 @@ def test_a_fix_that_saves_nothing_is_not_recommended() -> None:
     assert "Recommended: DistributedDataParallel" not in page
     assert "Saves -" not in page
     md = markdown.render(run)
-    assert "**Compute the loss inside forward" not in md
+    # Markdown's recommendation is its bold title under "What to change" (every change
+    # measured is listed under its bold name too, in the collapsed "Each change, measured")
+    assert "**Recommended: Compute the loss inside forward" not in md
+    assert "**Recommended: DistributedDataParallel" not in md
+    assert "Passed over: Compute the loss inside forward: it does not lower the heaviest" in md
+    assert "Passed over: DistributedDataParallel: it makes the heaviest GPU" in md
     # the fix that does lower the heaviest GPU is the recommended one
     assert "Recommended: A smaller share of the batch on cuda:0" in page
+    assert "**Recommended: A smaller share of the batch on cuda:0**" in md
 
 
 def test_a_run_that_measured_nothing_is_not_called_fine() -> None:
