@@ -112,6 +112,15 @@ def buffers() -> dpprof.Workload:
     )
 
 
+def lm_small() -> dpprof.Workload:
+    """The ``lm`` built-in's model and loss (its blocks, embeddings and head) at a size the
+    CPU runs in a second in bfloat16 too: the CPU's bf16 matmuls on a machine without
+    AVX-512 BF16 are emulated, and lm at its own size took minutes per run there."""
+    from dpprof.scenarios.workloads import LMConfig, lm
+
+    return lm(LMConfig(vocab=2048, seq=64, d_model=128, layers=2, heads=4))
+
+
 def attention_small() -> dpprof.Workload:
     """The ``attention`` built-in's model and loss at a size the CPU runs in a second."""
     from dpprof.scenarios.workloads import AttnConfig, attention

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import dpprof
 from dpprof.measure.ladder import fully_sharded
-from dpprof.scenarios.workloads import load_workload
+
+
+def lm_small() -> dpprof.Workload:
+    from fidelity_models import lm_small as small
+
+    return small()
 
 
 def lm_zero3() -> dpprof.Workload:
-    return fully_sharded(load_workload("lm"), reshard_after_forward=True)
+    return fully_sharded(lm_small(), reshard_after_forward=True)
 
 
 def lm_zero2() -> dpprof.Workload:
-    return fully_sharded(load_workload("lm"), reshard_after_forward=False)
+    return fully_sharded(lm_small(), reshard_after_forward=False)
 
 
 def attention_zero3() -> dpprof.Workload:
@@ -23,6 +28,6 @@ def attention_zero3() -> dpprof.Workload:
 
 
 def lm_zero3_bf16_checkpoint() -> dpprof.Workload:
-    return fully_sharded(load_workload("lm"), reshard_after_forward=True,
+    return fully_sharded(lm_small(), reshard_after_forward=True,
                          param_dtype="bfloat16", checkpoint=True)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dpprof
 from dpprof.measure.ladder import checkpointed
-from dpprof.scenarios.workloads import load_workload
 
 
 def lm_checkpointed() -> dpprof.Workload:
-    return checkpointed(load_workload("lm"))
+    from fidelity_models import lm_small
+
+    return checkpointed(lm_small())
 
 
 def attention_checkpointed() -> dpprof.Workload:

@@ -63,12 +63,13 @@ def _emulated(spec: str) -> tuple[int, list[int]]:
 
 
 def _model_bytes() -> int:
-    return sum(p.numel() * p.element_size() for p in load_workload("lm").model().parameters())
+    return sum(p.numel() * p.element_size()
+               for p in load_workload(f"{MODELS}:lm_small").model().parameters())
 
 
 def _largest_group_bytes() -> int:
     """The unsharded bytes of lm's largest FSDP group: the root's own parameters."""
-    model = load_workload("lm").model()
+    model = load_workload(f"{MODELS}:lm_small").model()
     blocks = {id(p) for b in model.blocks for p in b.parameters()}
     return sum(p.numel() * p.element_size() for p in model.parameters()
                if id(p) not in blocks)

@@ -112,11 +112,11 @@ def _check(spec: str, rows: int, amp: str | None, meta: bool, host_only_bytes: i
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "rows", "meta"), [
-    ("lm", 1, True),
+    (f"{FIDELITY}:lm_small", 1, True),
     (f"{FIDELITY}:attention_small", 4, False),  # over meta SDPA takes the GPU's kernel
 ])
 def test_autocast_equals_torch_cpu_autocast(spec: str, rows: int, meta: bool) -> None:
-    _check(spec, rows, "bfloat16", meta, strict=spec != "lm")
+    _check(spec, rows, "bfloat16", meta, strict="lm_small" not in spec)
 
 
 @pytest.mark.slow
@@ -132,7 +132,7 @@ def test_checkpointing_equals_the_profiler(amp: str | None) -> None:
 @pytest.mark.parametrize(("spec", "rows", "micro_batches"), [
     # CPU tensors (the CPU's kernels): over meta lm's attention takes the GPU's SDPA kernel,
     # whose saved tensors differ from the CPU's at these rows, accumulating or not
-    ("lm", 4, 2),
+    (f"{FIDELITY}:lm_small", 4, 2),
     ("mlp", 7, 3),  # micro-batches of 3, 3, 1 rows: the loader's last one shorter
     (f"{LADDER}:attention_checkpointed", 4, 2),
 ])

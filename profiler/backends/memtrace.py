@@ -267,25 +267,37 @@ def _is_scratch(measured: Sequence[Alloc], j: int) -> bool:
     return False
 
 
-def _reordered_counterparts(missing: Sequence[int], measured: Sequence[Alloc],
-                            left_over: Sequence[int]) -> set[int]:
+# How far (in records) a result may sit from where the alignment left its emulated event
+# missing and still be taken for it: a swap of neighbours, never a block met elsewhere.
+_REORDER_RECORDS = 4
+
+
+def _reordered_counterparts(gaps: Sequence[tuple[Sequence[int], int, int]],
+                            measured: Sequence[Alloc], left_over: Sequence[int]) -> set[int]:
     """The left-over records (indices) that are the emulator's missing events after all:
-    an allocation of a size the missing events hold that outlives its kernel, and the free
-    of such an allocation where the missing events hold that free too. difflib matches in
-    order, and a CPU kernel may make its results in another order than the GPU's, with its
-    scratch between them (oneDNN's convolution backward on AVX2 makes the bias's gradient
-    before the weight's, on AVX-512 after)."""
-    want = Counter(missing)
+    an allocation that outlives its kernel, of the size of a missing event whose place
+    (``gaps``: the events left missing and the records ``[j1, j2)`` in their place) is within
+    :data:`_REORDER_RECORDS` records of it, and the free of such an allocation where a free
+    of that size is missing too. difflib matches in order, and a CPU kernel may make its
+    results in another order than the GPU's, with its scratch between them (oneDNN's
+    convolution backward on AVX2 makes the bias's gradient before the weight's, on AVX-512
+    after)."""
+    want = [Counter(x for x in sizes if x > 0) for sizes, _, _ in gaps]
+    frees = Counter(x for sizes, _, _ in gaps for x in sizes if x < 0)
     rescued: set[int] = set()
     ptrs: set[int] = set()
     for j in left_over:
         e = measured[j]
-        if e.size > 0 and want[e.size] > 0 and not _is_scratch(measured, j):
-            want[e.size] -= 1
-            rescued.add(j)
-            ptrs.add(e.ptr)
-        elif e.size < 0 and e.ptr in ptrs and want[e.size] > 0:
-            want[e.size] -= 1
+        if e.size > 0:
+            near = next((k for k, (_, j1, j2) in enumerate(gaps)
+                         if want[k][e.size] > 0
+                         and j1 - _REORDER_RECORDS <= j < j2 + _REORDER_RECORDS), None)
+            if near is not None and not _is_scratch(measured, j):
+                want[near][e.size] -= 1
+                rescued.add(j)
+                ptrs.add(e.ptr)
+        elif e.ptr in ptrs and frees[e.size] > 0:
+            frees[e.size] -= 1
             rescued.add(j)
             ptrs.discard(e.ptr)
     return rescued
@@ -307,13 +319,15 @@ def align(emulated: Sequence[int], measured: Sequence[Alloc]) -> Alignment:
     drop: set[int] = set()
     matched = 0
     left_over: list[int] = []
+    gaps: list[tuple[Sequence[int], int, int]] = []
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
         if tag == "equal":
             matched += i2 - i1
             continue
         missing += a[i1:i2]
+        gaps.append((a[i1:i2], j1, j2))
         left_over += range(j1, j2)
-    rescued = _reordered_counterparts(missing, measured, left_over)
+    rescued = _reordered_counterparts(gaps, measured, left_over)
     matched += len(rescued)
     found = Counter(measured[j].size for j in rescued)
     still_missing: list[int] = []
