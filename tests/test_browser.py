@@ -234,10 +234,14 @@ def test_print(browser: Any, tmp_path: Path) -> None:
         for c in state:
             assert c["width"] <= PRINT_WIDTH_PX and c["avoid"] == "avoid", c
             assert _luminance(c["ink"]) < 0.3, c  # printed light, whatever the screen
-        assert page.locator("#configuration").evaluate("d => d.open") is False
+        for collapsed in ("#configuration", "#environment"):  # not printed: 2-3 pages
+            assert page.locator(collapsed).evaluate("d => d.open") is False
         pdf = page.pdf(format="A4", print_background=True)
         pages = len(re.findall(rb"/Type\s*/Page[^s]", pdf))
-        assert 1 < pages <= 8, pages
+        # 9: the charts, tables and text of emulated-lm, cards kept whole; its notes (the
+        # H200's rank memory, NCCL's first buckets) take about a quarter page of the ninth.
+        # The configuration and environment printed open make 12.
+        assert 1 < pages <= 9, pages
     finally:
         page.close()
 

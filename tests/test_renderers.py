@@ -67,8 +67,10 @@ def _markdown(run: RunResult, text: str) -> None:
         top = float(re.search(r"--> ([0-9.]+)", chart).group(1))
         assert max(bars) <= top
     # collapsed blocks open and close; the full configuration is JSON
-    # + a block of allocated/reserved/context/NVML peaks where reserved was measured or modelled
-    peaks = any(d.peak_reserved_bytes for s in run.scenarios for d in s.devices)
+    # + a block of allocated/reserved/context/NVML peaks where reserved was measured or
+    # modelled, or a warm-up's transient left a steady peak below the peak (NCCL DDP's buckets)
+    peaks = any(d.peak_reserved_bytes or d.steady_peak_allocated_bytes
+                for s in run.scenarios for d in s.devices)
     tracebacks = sum(1 for s in run.scenarios if s.status not in ("ok", "oom") and s.traceback)
     collapsed_code = text.count("<summary>The change (")  # a fix's long code
     measured = 1 if answer_of(run).fixes else 0  # each change's sentence, collapsed
