@@ -4,12 +4,16 @@ written into the scenario's result."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dpprof.emulator.catalog import DEFAULT_GPU, lookup_gpu
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.step_time import H200_FIT, StepPrediction, predict_step, rates_for
 from dpprof.result import ScenarioResult
+from dpprof.scenarios.step import StepConfig
+from dpprof.scenarios.workloads import Workload
 
-__all__ = ["fill_predicted_time"]
+__all__ = ["fill_predicted_time", "single_step_log"]
 
 
 def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconnect: str,
@@ -33,3 +37,19 @@ def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconne
         d.predicted_busy_s = {"compute": p.compute_s, "communication": p.communication_s,
                               "waiting": p.waiting_s}
     return pred
+
+
+def single_step_log(wl: Workload, batch: int, amp: str | None = None) -> OpLog:
+    """The op log of ``single``'s measured step of ``wl`` at ``batch`` (under autocast to
+    ``amp``), emulated over meta tensors: what the model is fitted to and checked on."""
+    from dpprof.backends.emulated import EmulationConfig, run_scenario  # it imports this
+
+    trace: dict[str, Any] = {}
+    cfg = EmulationConfig(gpus=1, gpu_memory_bytes=1 << 50,
+                          step=StepConfig(batch=batch, amp=amp))
+    result = run_scenario("single", wl, cfg, trace=trace)
+    if result.status != "ok":
+        raise RuntimeError(f"single did not run: {result.message}")
+    log = trace["rt"].op_log
+    assert isinstance(log, OpLog)
+    return log

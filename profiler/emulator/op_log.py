@@ -27,8 +27,10 @@ __all__ = [
     "BROADCAST",
     "COLLECTIVES",
     "COMPUTE",
+    "CONV",
     "GATHER",
     "MATMUL",
+    "NORM",
     "NO_KERNEL",
     "REDUCE",
     "SYNC",
@@ -38,7 +40,9 @@ __all__ = [
 ]
 
 # kinds of work
-MATMUL = "matmul"  # an op with a FLOP formula (matmuls, convolutions, attention)
+MATMUL = "matmul"  # an op with a FLOP formula (matmuls, attention)
+CONV = "conv"  # a convolution (cuDNN's kernels, far from the peak on few channels)
+NORM = "norm"  # a batch norm (cuDNN's: several passes over its tensors)
 COMPUTE = "memory"  # any other kernel: elementwise, reductions, copies on one device
 NO_KERNEL = "none"  # views, metadata and bare allocations: host work only
 TRANSFER = "transfer"  # a copy between two devices (GPU-GPU over the interconnect, host-GPU)
@@ -150,11 +154,15 @@ class OpLog:
             except Exception:  # a formula that does not cover this overload: bytes only
                 flops = 0
             dtype = str(ins[0].dtype).removeprefix("torch.") if ins else ""
-            if name in ("convolution", "convolution_backward", "_convolution",
-                        "cudnn_convolution") and dtype == "float32":
-                dtype = "tf32"  # cuDNN's convolutions take TF32 by default (allow_tf32)
-            self.records.append(OpRecord(name, device, device, phase, thread, MATMUL, dtype,
-                                         flops, nbytes, 1, mirrors))
+            conv = "conv" in name
+            if conv:
+                # cuDNN's convolutions take TF32 by default (allow_tf32); in 16 bits an
+                # NCHW convolution is no faster on an H200 (it measured bf16 autocast's
+                # convnet slower than fp32's): TF32's rate for both
+                dtype = "tf32"
+            self.records.append(OpRecord(name, device, device, phase, thread,
+                                         CONV if conv else MATMUL, dtype, flops, nbytes, 1,
+                                         mirrors))
             return
         kernels = 1
         if lists and name.startswith("_foreach"):
@@ -162,7 +170,8 @@ class OpLog:
             kernels = max(1, -(-(len(ins) // lists) // per))
         if name in ("zero_", "fill_") and not nbytes:
             kernels = 0
-        self.records.append(OpRecord(name, device, device, phase, thread, COMPUTE, "", 0,
+        kind = NORM if "batch_norm" in name else COMPUTE
+        self.records.append(OpRecord(name, device, device, phase, thread, kind, "", 0,
                                      nbytes, kernels, mirrors))
 
     def collective(self, kind: str, nbytes: int, device: int, world: int, phase: str,
