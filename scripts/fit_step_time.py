@@ -63,7 +63,9 @@ def load(spec: str) -> Any:
 
     if spec.startswith("zoo:"):
         sys.path.insert(0, str(HERE.parent / "tests"))
-        import torchvision_shim  # noqa: F401  (torchvision's C ops over the CPU torch)
+        from torchvision_shim import import_torchvision
+
+        import_torchvision()  # its C ops do not load over the CPU torch
 
         return load_workload(f"{HERE.parent / 'tests' / 'zoo.py'}:{spec[4:]}")
     return load_workload(spec)

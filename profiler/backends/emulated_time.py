@@ -26,8 +26,9 @@ def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconne
     pred = predict_step(log.records, rates_for(spec, interconnect), H200_FIT, shown)
     result.predicted_step_time_s = pred.step_time_s
     result.predicted_host_s = pred.host_s
-    if pred.step_time_s > 0:
-        result.predicted_samples_per_s = result.batch / pred.step_time_s
+    rows = sum(d.batch_rows for d in result.devices if d.used) or result.batch
+    if pred.step_time_s > 0:  # the rows the scenario's GPUs computed (single: one share)
+        result.predicted_samples_per_s = rows / pred.step_time_s
     for d in result.devices:
         if not d.used:
             continue
