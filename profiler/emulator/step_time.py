@@ -66,6 +66,8 @@ class DeviceRates:
     link_bytes_per_s: float  # between two devices, one direction (NVLink, PCIe peer)
     host_link_bytes_per_s: float  # host <-> device, one direction
     interconnect: str = ""  # "nvlink", "pcie", "memory" (the CPU's ranks)
+    # the host waits for each kernel (a CPU as the device: no queue between them)
+    synchronous: bool = False
 
     def matmul_peak(self, dtype: str) -> float:
         rates = self.matmul_flops_per_s
@@ -196,6 +198,8 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
             for d in targets:
                 free[d] = start + span
                 dev(d).communication_s += span
+            if rates.synchronous:
+                host[lane] = start + span
             continue
         if op.kind == TRANSFER:
             peer = op.source != HOST and op.device != HOST
@@ -219,6 +223,8 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
             start = max(t, free.get(d, 0.0))
             free[d] = start + span
             dev(d).compute_s += span
+            if rates.synchronous:
+                host[lane] = free[d]
     host_s = max(host.values(), default=0.0) + k.step_overhead_s
     step = max(host_s, *free.values(), *comm_free.values()) if free else host_s
     for p in out.values():
