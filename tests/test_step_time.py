@@ -158,3 +158,45 @@ def test_the_predicted_fields_survive_json() -> None:
     s = back.scenarios[0]
     assert s.predicted_step_time_s == runs["dp-loss-primary"].predicted_step_time_s
     assert set(s.devices[0].predicted_busy_s) == {"compute", "communication", "waiting"}
+
+
+@pytest.fixture(scope="module")
+def compared() -> RunResult:
+    """``dpprof compare``'s pipeline on mlp, emulated on 4 H200s, the fixes included."""
+    from dpprof.pipeline import CompareConfig, run_compare
+
+    return run_compare(CompareConfig(workload="mlp", step=StepConfig(batch=256),
+                                     backend="emulated", gpu="h200"))
+
+
+def test_the_speed_up_is_beside_the_verdict_in_every_format(compared: RunResult) -> None:
+    from dpprof.reports import html, markdown, terminal
+
+    one = compared.scenario("single")
+    ddp = compared.scenario("ddp")
+    assert one is not None and ddp is not None
+    assert one.predicted_samples_per_s and ddp.predicted_samples_per_s
+    ratio = ddp.predicted_samples_per_s / one.predicted_samples_per_s
+    sentence = f"DDP {ratio:.1f}x one GPU"
+    text = terminal.TerminalRenderer().render_view(terminal.build_view(compared))
+    assert "Predicted speed on 4 GPUs (h200)" in text and sentence in text
+    assert "predicted without a GPU" in text  # the table says what it is
+    md = markdown.render(compared)
+    assert "### Step time, predicted" in md and sentence in md
+    page = html.render(compared)
+    assert "Step time, predicted" in page and sentence in page
+    assert "waiting" in page  # the busy/waiting bars' legend
+
+
+def test_the_answer_costs_each_change_its_predicted_step_time(compared: RunResult) -> None:
+    from dpprof.answers.answer import answer_of
+
+    answer = answer_of(compared)
+    base = compared.scenario(answer.baseline or "")
+    by_fix = {f.fix: f for f in answer.fixes}
+    ddp = compared.scenario("ddp")
+    assert base is not None and ddp is not None
+    assert base.predicted_step_time_s is not None and ddp.predicted_step_time_s is not None
+    assert by_fix["ddp"].step_time_cost_s == pytest.approx(
+        ddp.predicted_step_time_s - base.predicted_step_time_s)
+    assert "predicted" in by_fix["ddp"].cost
