@@ -205,6 +205,7 @@ def predicted(workload: str, batch: int, scenario: str, gpus: int, rates: Any,
 
 def main() -> None:
     torch.set_num_threads(1)  # one core: CPU time is then the time the work takes
+    os.environ["OMP_NUM_THREADS"] = "1"  # and one each for the gloo ranks (two cores)
     peaks = cpu_peaks()
     link = gloo_bus_bytes_per_s()
     rates, k = cpu_model(peaks, link)

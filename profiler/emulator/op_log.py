@@ -102,7 +102,26 @@ def _tensors(args: Any, out: list[torch.Tensor]) -> int:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
+
+
+def _shapes(x: Any) -> Any:
+    """``x`` with each tensor (flat, or in a list) replaced by its shape: what the formulas
+    behind ``flop_registry``'s wrappers take (the wrappers' own pytree walk costs more than
+    the rest of the log)."""
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shapes(v) for v in x)
+    return x
+
+
+def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
+    raw = getattr(formula, "__wrapped__", None)  # shape_wrapper keeps it (functools.wraps)
+    if raw is None:
+        return int(formula(*args, **kwargs, out_val=out))
+    return int(raw(*_shapes(args), **{k: _shapes(v) for k, v in kwargs.items()},
+                   out_shape=_shapes(out)))
 
 
 class OpLog:
@@ -115,7 +134,10 @@ class OpLog:
 
     def _thread(self) -> int:
         ident = threading.get_ident()
-        return self._threads.setdefault(ident, len(self._threads))
+        found = self._threads.get(ident)
+        if found is None:
+            found = self._threads[ident] = len(self._threads)
+        return found
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, device: int,
                sources: set[int], phase: str, mirrors: tuple[int, ...] = ()) -> None:
@@ -150,7 +172,7 @@ class OpLog:
         formula = flop_registry.get(packet)
         if formula is not None:
             try:
-                flops = int(formula(*args, **kwargs, out_val=out))
+                flops = _flops(formula, args, kwargs, out)
             except Exception:  # a formula that does not cover this overload: bytes only
                 flops = 0
             dtype = str(ins[0].dtype).removeprefix("torch.") if ins else ""
