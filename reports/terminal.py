@@ -263,8 +263,7 @@ def _timing_table(view: ReportView) -> RenderableType | None:
     table = _table(("scenario", "left"), ("step*", "right"), ("samples/s*", "right"),
                    ("x 1 GPU*", "right"), *((("measured", "right"),) if measured else ()),
                    ("busy: cuda:0*", "right"), ("others*", "right"),
-                   title=Text("step time (* predicted without a GPU: FLOPs and bytes per op "
-                              "on the GPU's peak rates)"), narrow=True)
+                   title=Text("step time (* predicted without a GPU)"), narrow=True)
     for t in rows:
         step = t.predicted_step_s or 0.0
         busy = [(b.compute_s + b.communication_s) / step if step else 0.0 for b in t.busy]
