@@ -34,6 +34,7 @@ from dpprof.emulator.catalog import GpuSpec, peak_rates_of
 from dpprof.emulator.op_log import (
     ALL_REDUCE,
     BROADCAST,
+    COLLECTIVES,
     CONV,
     GATHER,
     HOST,
@@ -175,9 +176,11 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
         if op.kind == TRANSFER and op.source != HOST and lane != HOST:
             t = max(t, host.get(op.source, t))  # the gradient it copies was issued
         cost = k.host_view_s if op.kind in (NO_KERNEL, SYNC) else k.host_op_s
-        t += cost
-        host[lane] = t
         targets = (op.device, *op.mirrors)
+        # a mirrored replica's op stands for one per replica: in the forward their threads
+        # take turns on the GIL (each pays), in the backward each device's thread pays its own
+        t += cost * (len(targets) if lane == HOST and op.kind not in COLLECTIVES else 1)
+        host[lane] = t
         if op.kind == NO_KERNEL or (op.device == HOST and op.kind != TRANSFER):
             continue
         if op.kind == SYNC:
