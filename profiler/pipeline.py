@@ -23,7 +23,7 @@ from dpprof.backends.emulated import (
     probe_model,
     run_scenario,
 )
-from dpprof.emulator.catalog import DEFAULT_GPU
+from dpprof.emulator.catalog import DEFAULT_GPU, INTERCONNECTS, lookup_gpu, peak_rates_of
 from dpprof.emulator.context import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.measure.answer_fields import add_answers, gpu_spec
@@ -63,6 +63,7 @@ class CompareConfig:
     ladder: bool | None = None
     multiple_of: int = 1  # maxbatch granularity
     gpu: str = ""  # catalog name (--gpu a100-80gb): memory and context model
+    interconnect: str = ""  # nvlink | pcie (""): the link the predicted step time assumes
     count_reserved: bool = False  # peaks count simulated reserved memory + the context
     equivalence: bool | None = None  # compare the math with single (None: with --compute)
     fail_on_imbalance: float | None = None  # exit 3 above this max/mean
@@ -97,6 +98,13 @@ class CompareConfig:
             raise UsageError("--nvml-interval must be larger than zero, e.g. 0.02")
         if self.multiple_of < 1:
             raise UsageError(f"--multiple-of must be at least 1, got {self.multiple_of}")
+        if self.interconnect not in ("", *INTERCONNECTS):
+            raise UsageError(f"--interconnect {self.interconnect}: unknown link; choose "
+                             f"from {', '.join(INTERCONNECTS)}")
+        spec = lookup_gpu(self.gpu) if self.gpu else DEFAULT_GPU
+        if self.interconnect == "nvlink" and not peak_rates_of(spec).nvlink_gbytes_per_s:
+            raise UsageError(f"--interconnect nvlink: the {spec.name} has no NVLink; give "
+                             "--interconnect pcie or leave it out")
         if self.fail_on_imbalance is not None and self.fail_on_imbalance < 1:
             raise UsageError(
                 f"--fail-on-imbalance is a max/mean ratio (>= 1.0), got {self.fail_on_imbalance}"
@@ -133,6 +141,7 @@ def emulation_config(cfg: CompareConfig, backend: str, gpus: int) -> EmulationCo
         compute=cfg.compute or backend == "cpu", debug=cfg.debug,
         compute_capability=tuple(cfg.compute_capability),  # type: ignore[arg-type]
         count_reserved=cfg.count_reserved or cfg.maxbatch or bool(cfg.gpu),
+        gpu=cfg.gpu, interconnect=cfg.interconnect,
     )
 
 

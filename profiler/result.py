@@ -46,6 +46,7 @@ Float = float  # finite: every dataclass here refuses NaN and infinities (see _a
 Text = Annotated[str, MaxLen(MAX_TEXT)]
 TextList = Annotated[list[Text], MaxLen(MAX_ITEMS)]
 BytesMap = Annotated[dict[Text, SignedBytes], MaxLen(MAX_ITEMS)]
+FloatMap = Annotated[dict[Text, Float], MaxLen(MAX_ITEMS)]
 
 
 def _is_status(value: str) -> bool:
@@ -131,6 +132,11 @@ class DeviceResult:
     transient_bytes: BytesMap = field(default_factory=dict)
     steady_peak_allocated_bytes: Bytes | None = None
     steady_peak_reserved_bytes: Bytes | None = None
+    # ---- time, predicted (dpprof.emulator.step_time): the measured step's seconds on this
+    # GPU by what it did: "compute" (kernels), "communication" (copies, collectives) and
+    # "waiting" (the rest of the step: idle while other GPUs or the host work); they add
+    # up to the scenario's predicted_step_time_s. Empty where not predicted.
+    predicted_busy_s: FloatMap = field(default_factory=dict)
 
     @property
     def gpu_allocated_bytes(self) -> int:
@@ -170,6 +176,10 @@ class ScenarioResult:
     # a process's CUDA context on a GPU it should not touch: {rank, pid, cuda_index, used_bytes}
     stray_contexts: Annotated[list[dict[str, Any]], MaxLen(MAX_ITEMS)] = field(default_factory=list)
     max_batch: Count | None = None  # largest global batch that fits (where computed)
+    # ---- time, predicted without a GPU (dpprof.emulator.step_time) ------------------------
+    predicted_step_time_s: Float | None = None  # one training step on the target GPUs
+    predicted_samples_per_s: Float | None = None  # the global batch over that
+    predicted_host_s: Float | None = None  # the host's share: near the step, launch-bound
     # host memory a rank's model keeps (FSDP2's CPU offload: its parameter shards, their
     # gradients and the optimizer state in host RAM, emulated): parameters, gradients,
     # optimizer_state, and pinned (the page-locked part of them), bytes per rank

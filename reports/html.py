@@ -41,6 +41,7 @@ from dpprof.reports import answer_sections, watch_sections
 from dpprof.reports.html_figures import (
     CHART_UNIT,
     breakdown_figure,
+    busy_figure,
     chart_unit_name,
     hbar_figure,
     peak_figure,
@@ -55,10 +56,13 @@ from dpprof.reports.sentences import (
     alert_lines,
     fix_why,
     memory_table,
+    percent,
     provenance,
+    samples,
     spread,
     step_time,
     throughput,
+    times,
 )
 from dpprof.reports.view import ReportView
 from dpprof.reports.view_builder import build_view
@@ -375,8 +379,38 @@ def _timing_section(view: ReportView, page: _Page) -> list[str]:
         body.append(page.h2("Step time and throughput"))
         body.append(f"<div class='card scroll'>{ttable}</div>")
         body.append(page.chart("timing", tfig))
-
+    predicted = _predicted_table(view)
+    if predicted:
+        body.append(page.h2("Step time, predicted"))
+        lead = ("Predicted without a GPU: each op's FLOPs and bytes on the target GPU's peak "
+                "rates, its launch and host cost, the interconnect, each GPU waiting for the "
+                "others. Each bar is one GPU's step: computing, communicating, waiting.")
+        if view.speed_sentence:
+            lead = f"{view.speed_sentence} {lead}"
+        body.append(f"<p class='lead'>{escape(lead)}</p>")
+        body.append(page.chart("busy", busy_figure(view)))
+        body.append(f"<details><summary>The numbers</summary><div class='card scroll'>"
+                    f"{predicted}</div></details>")
     return body
+
+
+def _predicted_table(view: ReportView) -> str:
+    rows = [t for t in view.timings if t.predicted_step_s is not None]
+    if not rows:
+        return ""
+    table = ["<table><tr><th>scenario</th><th>step (predicted)</th><th>samples/s</th>"
+             "<th>× one GPU</th><th>measured</th><th>busy per GPU</th></tr>"]
+    for t in rows:
+        step = t.predicted_step_s or 0.0
+        busy = ", ".join(f"{b.label} {percent((b.compute_s + b.communication_s) / step)}"
+                         for b in t.busy) if step else "-"
+        measured = step_time(t.measured_step_s) if t.measured_step_s is not None else "-"
+        table.append(f"<tr><td>{escape(t.scenario)}</td><td>{step_time(step)}</td>"
+                     f"<td>{samples(t.predicted_samples_per_s)}</td>"
+                     f"<td>{times(t.speedup_predicted)}</td><td>{measured}</td>"
+                     f"<td>{escape(busy)}</td></tr>")
+    table.append("</table>")
+    return "".join(table)
 
 
 def _maxbatch_section(view: ReportView, page: _Page) -> list[str]:

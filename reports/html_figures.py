@@ -392,3 +392,33 @@ def hbar_figure(names: list[str], values: list[float], texts: list[str], x_title
     layout["height"] = 70 + 44 * len(names)
     layout["margin"] = {"t": 10, "r": 16, "b": 44, "l": 10}
     return _figure([bar], layout)
+
+
+# ---- the predicted step: each GPU busy or waiting ----------------------------------------
+
+BUSY_COLOURS = {"compute": "#4c78a8", "communication": "#f58518", "waiting": "#d9d9d9"}
+
+
+def busy_figure(view: ReportView) -> go.Figure | None:
+    """One bar per GPU of each scenario, its predicted step split into computing,
+    communicating and waiting (stacked, in ms): where DataParallel's cuda:0 works while the
+    others wait."""
+    rows = [(t.scenario, b) for t in view.timings if t.predicted_step_s for b in t.busy]
+    if not rows:
+        return None
+    names = [f"{scenario} · {b.label}" for scenario, b in rows]
+    bars = []
+    for part, colour in BUSY_COLOURS.items():
+        values = [getattr(b, f"{part}_s") * 1e3 for _, b in rows]
+        bars.append(go.Bar(
+            orientation="h", y=[_wrap(n) for n in names], x=values, name=part,
+            marker={"color": colour},
+            hovertemplate=f"%{{y}}: {part} %{{x:.2f}} ms<extra></extra>"))
+    layout = base_layout("")
+    layout["barmode"] = "stack"
+    layout["xaxis"] = {"title": {"text": "ms of the predicted step"}, "gridcolor": GRID,
+                       "rangemode": "tozero", "automargin": True}
+    layout["yaxis"] = {"autorange": "reversed", "automargin": True}
+    layout["height"] = 90 + 26 * len(names)
+    layout["margin"] = {"t": 10, "r": 16, "b": 44, "l": 10}
+    return _figure(bars, layout)

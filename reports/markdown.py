@@ -31,10 +31,13 @@ from dpprof.reports.sentences import (
     capacity_on_scale,
     fix_why,
     memory_table,
+    percent,
     provenance,
+    samples,
     spread,
     step_time,
     throughput,
+    times,
 )
 from dpprof.reports.view import ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
@@ -180,6 +183,30 @@ def _value(v: Any) -> str:
     return md(v)
 
 
+def _predicted_time(view: ReportView) -> list[str]:
+    """The predicted step per scenario (measured beside it where it was), its speed-up over
+    one GPU, and each GPU's share busy."""
+    rows = [t for t in view.timings if t.predicted_step_s is not None]
+    if not rows:
+        return []
+    out = ["### Step time, predicted", "",
+           "Predicted without a GPU: each op's FLOPs and bytes on the target GPU's peak rates, "
+           "its launch and host cost, the interconnect, each GPU waiting for the others.", "",
+           "| scenario | step (predicted) | samples/s | × one GPU | measured | "
+           "busy per GPU (compute + communication) |",
+           "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for t in rows:
+        step = t.predicted_step_s or 0.0
+        busy = ", ".join(
+            f"{md(b.label)} {percent((b.compute_s + b.communication_s) / step)}"
+            for b in t.busy) if step else "-"
+        measured = step_time(t.measured_step_s) if t.measured_step_s is not None else "-"
+        out.append(f"| {md(t.scenario)} | {step_time(t.predicted_step_s)} | "
+                   f"{samples(t.predicted_samples_per_s)} | {times(t.speedup_predicted)} | "
+                   f"{measured} | {busy} |")
+    return [*out, ""]
+
+
 def render(run: RunResult) -> str:
     """The Markdown report of ``run``."""
     return render_view(build_view(run))
@@ -192,6 +219,8 @@ def render_view(view: ReportView) -> str:
         f"**{md(view.headline.verdict)}**",
         "",
     ]
+    if view.speed_sentence:
+        lines += [f"**{md(view.speed_sentence)}**", ""]
     alerts = alert_lines(view)
     for a in alerts:
         lines.append(f"> **⚠ {md(a)}**")
@@ -223,6 +252,7 @@ def render_view(view: ReportView) -> str:
                          f"{spread(s.step_time_spread_s)} | "
                          f"{throughput(s.throughput_samples_per_s)} |")
         lines.append("")
+    lines += _predicted_time(view)
     if view.maxbatch is not None:  # what each needs, the next step, the limiting GPU
         lines += [answer_sections.markdown_sections(view, parts=("maxbatch",))]
     elif view.max_batches:

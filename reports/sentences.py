@@ -89,5 +89,19 @@ def spread(spread_s: float | None) -> str:
     return "-" if spread_s is None else f"{spread_s * 1e3:.1f} ms"
 
 
+def samples(samples_per_s: float | None) -> str:
+    """Samples per second, short (a table cell)."""
+    return "-" if samples_per_s is None else f"{samples_per_s:,.0f}"
+
+
+def times(ratio: float | None) -> str:
+    """A speed-up: "3.7x"."""
+    return "-" if ratio is None else f"{ratio:.1f}x"
+
+
+def percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
 def throughput(samples_per_s: float | None) -> str:
     return "-" if samples_per_s is None else f"{samples_per_s:,.0f} samples/s"

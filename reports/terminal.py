@@ -16,7 +16,7 @@ from rich.text import Text
 
 from dpprof.reports import answer_sections
 from dpprof.reports.renderer import Renderer
-from dpprof.reports.sentences import run_title
+from dpprof.reports.sentences import percent, run_title, samples, step_time, times
 from dpprof.reports.view import DeviceView, ReportView, ScenarioView
 from dpprof.reports.view_builder import build_view
 from dpprof.reports.watch_sections import render_terminal
@@ -43,6 +43,11 @@ def render_view(view: ReportView) -> Group:
     if gpu is not None:
         parts.append(gpu)
     parts.append(Text(view.headline.verdict, style="bold"))  # or why there is none
+    if view.speed_sentence:
+        parts.append(Text(view.speed_sentence, style="bold"))
+    timing = _timing_table(view)
+    if timing is not None:
+        parts.append(timing)
     for s in view.scenarios:
         if s.message and s.status != "ok":
             parts.append(Text(f"{s.name}: {s.message}", style="red"))
@@ -276,6 +281,31 @@ def _gpu_table(view: ReportView) -> RenderableType | None:
             cells[0] if cells else None, *_spread(cells, "peak_reserved_bytes")]))
     return FirstThatFits((Group(full_title, full), full), (Group(short_title, short), short),
                          (Group(short_title, spread), spread))
+
+
+def _timing_table(view: ReportView) -> RenderableType | None:
+    """Each scenario's step time (predicted: marked so; measured beside it on real GPUs),
+    its speed-up over one GPU, and how busy cuda:0 and the busiest other GPU are."""
+    rows = [t for t in view.timings if t.predicted_step_s is not None]
+    if not rows:
+        return None
+    measured = any(t.measured_step_s is not None for t in rows)
+    table = _table(("scenario", "left"), ("step*", "right"), ("samples/s*", "right"),
+                   ("x 1 GPU*", "right"), *((("measured", "right"),) if measured else ()),
+                   ("busy: cuda:0*", "right"), ("others*", "right"),
+                   title=Text("step time (* predicted without a GPU)"), narrow=True)
+    for t in rows:
+        step = t.predicted_step_s or 0.0
+        busy = [(b.compute_s + b.communication_s) / step if step else 0.0 for b in t.busy]
+        others = busy[1:]
+        table.add_row(
+            t.scenario, step_time(t.predicted_step_s), samples(t.predicted_samples_per_s),
+            times(t.speedup_predicted),
+            *((step_time(t.measured_step_s) if t.measured_step_s is not None else "-",)
+              if measured else ()),
+            percent(busy[0]) if busy else "-",
+            f"{percent(min(others))}-{percent(max(others))}" if others else "-")
+    return table
 
 
 class TerminalRenderer(Renderer):

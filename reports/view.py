@@ -95,6 +95,31 @@ class ScenarioView:
 
 
 @dataclass(frozen=True)
+class BusyView:
+    """One GPU's share of a scenario's predicted step: seconds computing, communicating,
+    waiting (they add up to the step)."""
+
+    label: str
+    compute_s: float
+    communication_s: float
+    waiting_s: float
+
+
+@dataclass(frozen=True)
+class TimingView:
+    """One scenario's step time: predicted without a GPU, measured beside it on real GPUs,
+    and its speed-up over one GPU (``single``)."""
+
+    scenario: str
+    predicted_step_s: float | None
+    predicted_samples_per_s: float | None
+    speedup_predicted: float | None
+    measured_step_s: float | None
+    speedup_measured: float | None
+    busy: tuple[BusyView, ...]
+
+
+@dataclass(frozen=True)
 class Alert:
     """A scenario that ran out of memory or failed (one line at the top of a report)."""
 
@@ -318,6 +343,9 @@ class ReportView:
     full_configuration: Mapping[str, Any]  # the run's fields and every option
     environment: Mapping[str, Any]
     watch: WatchView | None
+    # the step time, predicted (and measured on real GPUs): one sentence, one row a scenario
+    speed_sentence: str = ""
+    timings: tuple[TimingView, ...] = ()
     writes: WritesView | None = None  # `dpprof run`: what the script wrote
 
     @property

@@ -11,9 +11,11 @@ from dpprof.answers.answer import answer_of, maxbatch_ratio
 from dpprof.answers.answer_figures import BALANCED_FRACTION, counts
 from dpprof.answers.attribution import CAUSES, attribute, cause_label
 from dpprof.answers.post_mortem import post_mortem
+from dpprof.answers.speed import speed_sentence, speed_ups
 from dpprof.reports.view import (
     Alert,
     AttributionView,
+    BusyView,
     CauseView,
     DeviceView,
     EquivalenceEntryView,
@@ -27,6 +29,7 @@ from dpprof.reports.view import (
     ScenarioView,
     SeriesView,
     TimelineView,
+    TimingView,
     WatchRowView,
     WatchView,
     WriteRow,
@@ -131,6 +134,8 @@ def build_view(run: RunResult) -> ReportView:
         },
         environment=run.environment,
         watch=_watch(run, run.watch) if run.watch is not None else None,
+        speed_sentence=speed_sentence(run),
+        timings=_timings(run),
         writes=_writes(run),
     )
 
@@ -190,6 +195,27 @@ def _scenario(run: RunResult, s: ScenarioResult) -> ScenarioView:
         has_reserved=any(d.peak_reserved_bytes is not None for d in s.devices),
         timeline=_timeline(run, s, used) if measured and used else None,
     )
+
+
+def _timings(run: RunResult) -> tuple[TimingView, ...]:
+    """Each timed scenario's step (predicted; measured on real GPUs) and each GPU's split."""
+    ups = {u.scenario: u for u in speed_ups(run)}
+    out = []
+    for s in run.scenarios:
+        if s.status != "ok" or (s.predicted_step_time_s is None and s.step_time_s is None):
+            continue
+        up = ups.get(s.name)
+        busy = tuple(BusyView(_label(s, d), d.predicted_busy_s.get("compute", 0.0),
+                              d.predicted_busy_s.get("communication", 0.0),
+                              d.predicted_busy_s.get("waiting", 0.0))
+                     for d in s.devices if d.used and d.predicted_busy_s)
+        out.append(TimingView(
+            scenario=s.name, predicted_step_s=s.predicted_step_time_s,
+            predicted_samples_per_s=s.predicted_samples_per_s,
+            speedup_predicted=up.predicted if up else None,
+            measured_step_s=s.step_time_s, speedup_measured=up.measured if up else None,
+            busy=busy))
+    return tuple(out)
 
 
 def _headline(answer: Recommendation, scenarios: tuple[ScenarioView, ...]) -> Headline:

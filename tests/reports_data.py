@@ -26,6 +26,7 @@ HTML_SECTIONS = [
     "Why cuda:0 is heavier",
     "Memory over the step",
     "Step time and throughput",
+    "Step time, predicted",
     "Largest batch that fits",
     "What to change",
     "How these numbers were obtained",

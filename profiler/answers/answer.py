@@ -384,7 +384,9 @@ def _fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
             primary_saves_bytes=primary, max_peak_bytes=f.max_peak_bytes, need_bytes=need,
             fits=fits,
             spare_bytes=None if need is None else run.gpu_memory_bytes - need,
-            cost_rank=cost.rank, cost=_cost_words(cost, f), step_time_cost_s=cost.step_time_s,
+            cost_rank=cost.rank, cost=_cost_words(cost, f, added := _step_time_added(
+                base, run.scenario(as_scenario(f.name) or ""))),
+            step_time_cost_s=cost.step_time_s if added is None else added,
             why=""))
     out.sort(key=lambda a: a.cost_rank)  # stable: the registry's order among equals
     by_name = {f.name: f for f in found}
@@ -406,10 +408,22 @@ def _fix_need(run: RunResult, f: Fix) -> int | None:
     return None
 
 
-def _cost_words(cost: Cost, f: Fix) -> str:
+def _step_time_added(base: ScenarioResult, own: ScenarioResult | None) -> float | None:
+    """What the fix's scenario adds to the baseline's predicted step (negative: it saves);
+    None where either was not predicted."""
+    if own is None or own.status != STATUS_OK or own.predicted_step_time_s is None \
+            or base.predicted_step_time_s is None:
+        return None
+    return own.predicted_step_time_s - base.predicted_step_time_s
+
+
+def _cost_words(cost: Cost, f: Fix, added_s: float | None = None) -> str:
     lines = lines_changed(f.code)
     words = cost.change + (f" ({lines} lines changed)" if lines else "")
-    return words + (f"; step time: {cost.step_time}" if cost.step_time else "")
+    words += f"; step time: {cost.step_time}" if cost.step_time else ""
+    if added_s is not None:
+        words += f" (predicted {added_s * 1e3:+.1f} ms a step)"
+    return words
 
 
 def _noise(a: FixAnswer) -> bool:

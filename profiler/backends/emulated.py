@@ -31,6 +31,7 @@ from dpprof.backends.emulated_figures import (
     stand_in_note,
     transient_note,
 )
+from dpprof.backends.emulated_time import fill_predicted_time
 from dpprof.emulator.context import ContextModel, device_context
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import CudaDevices
@@ -40,6 +41,7 @@ from dpprof.emulator.fsdp import host_bytes
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, GpuKernels
 from dpprof.emulator.ledgers import VariantLedger
+from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.reserved import fill_gpu_overheads
 from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -213,6 +215,8 @@ def _run_scenario(
               else shard_sizes(step.batch, cfg.gpus))
     base = torch.device("cpu" if cfg.compute else "meta")
     rt, ledger = _virtual_devices(cfg, name, alongside)
+    if cfg.predict_time and not cfg.peaks_only:
+        rt.op_log = OpLog()  # the measured step's ops, for its predicted time
     # the model's own "cuda", "cuda:1", .cuda(), .to(...) name the virtual devices
     cuda = VirtualCuda(cfg.gpus, rt=rt, enter_runtime=False, honour_visible_devices=False)
     result = ScenarioResult(name=name, batch=step.batch)
@@ -245,6 +249,9 @@ def _run_scenario(
                                   autocast_names, kernels)
                 if isinstance(wrapped, EmulatedDDP):  # its worst case measured: reaped now
                     wrapped.reap()
+                if rt.op_log is not None and result.devices:
+                    fill_predicted_time(result, rt.op_log, cfg.gpu, cfg.interconnect,
+                                        kind is not None and kind.ranks_alike)
                 if cfg.host_model:  # what the model keeps on the host
                     result.host_bytes = host_bytes(model, opt)
                     if trace is not None:
@@ -422,6 +429,8 @@ def _iterations(
         elif k == warm:
             rt.reset_peaks()
             marks["start"] = len(rt.events)
+            if rt.op_log is not None:
+                rt.op_log.on = True
             if further is not None:
                 further.step_began()
         try:
@@ -439,6 +448,8 @@ def _iterations(
             further.end(batch)
         elif k == warm:
             marks["end"] = len(rt.events)
+            if rt.op_log is not None:
+                rt.op_log.on = False
             figures()
         if further is not None and k in (warm - 1, warm):
             further.step_ended(k == warm)

@@ -54,6 +54,11 @@ class EmulationConfig:
     # dpprof.emulator.ddp.EmulatedDDP's nccl_stash); "gloo" frees them at the rebuild, as
     # the CPU checks' gloo ranks do.
     ddp_backend: str = "nccl"
+    # The step's time predicted for this catalog GPU ("": the default GPU) over this link
+    # ("nvlink", "pcie"; "": the board's usual one); off for runs that report no time.
+    gpu: str = ""
+    interconnect: str = ""
+    predict_time: bool = True
 
     def with_step(self, **changes: Any) -> EmulationConfig:
         """A copy with the step's options changed (``batch=...``, ``ddp=...``)."""

@@ -33,6 +33,7 @@ from dpprof.cli.options import (
     FIXES,
     GPU,
     INCLUDE_HOST,
+    INTERCONNECT,
     LADDER,
     MAXBATCH,
     MULTIPLE_OF,
@@ -199,6 +200,7 @@ def compare_cmd(
     quiet: Annotated[bool, QUIET] = False,
     debug: Annotated[bool, DEBUG] = CONFIG.debug,
     gpu: Annotated[str, GPU] = CONFIG.gpu,
+    interconnect: Annotated[str, INTERCONNECT] = CONFIG.interconnect,
     maxbatch: Annotated[bool, MAXBATCH] = CONFIG.maxbatch,
     multiple_of: Annotated[int, MULTIPLE_OF] = CONFIG.multiple_of,
     count_reserved: Annotated[bool, COUNT_RESERVED] = CONFIG.count_reserved,
@@ -235,6 +237,7 @@ def compare_cmd(
             compute=compute, debug=debug, fixes=fixes, maxbatch=maxbatch, ladder=ladder,
             multiple_of=multiple_of, count_reserved=count_reserved,
             fail_on_imbalance=fail_on_imbalance, fail_on_oom=fail_on_oom,
+            interconnect=interconnect,
             step=StepConfig(
                 batch=batch, seed=seed, warmup=warmup, steps=steps, dtype=dtype, amp=amp,
                 ddp=DdpOptions(bucket_cap_mb=bucket_cap_mb,
@@ -263,7 +266,7 @@ def _compare_config(
     backend: str, devices: str | None, nvml_interval: float, ddp_timeout: float,
     compute: bool, debug: bool, fixes: bool, maxbatch: bool, ladder: bool | None,
     multiple_of: int, count_reserved: bool, fail_on_imbalance: float | None,
-    fail_on_oom: bool,
+    fail_on_oom: bool, interconnect: str = "",
 ) -> CompareConfig:
     """The one configuration from the options, validated, each number in its bounds."""
     cfg = CompareConfig(
@@ -275,7 +278,7 @@ def _compare_config(
         fixes=fixes, maxbatch=maxbatch, ladder=ladder,
         multiple_of=multiple_of, gpu=target.spec.key if target.named else "",
         count_reserved=count_reserved, fail_on_imbalance=fail_on_imbalance,
-        fail_on_oom=fail_on_oom,
+        fail_on_oom=fail_on_oom, interconnect=interconnect.strip().lower(),
     )
     cfg.validate()
     check_bounds({"--batch": step.batch, "--gpus": gpus, "--seed": step.seed,

@@ -302,3 +302,68 @@ class TargetGpu:
         model = spec or DEFAULT_GPU
         return cls(model, memory_bytes or model.total_memory_bytes,
                    compute_capability or model.compute_capability, named=spec is not None)
+
+
+# ---- peak rates, for the step-time model (dpprof.emulator.step_time) --------------------
+
+
+@dataclass(frozen=True)
+class PeakRates:
+    """A GPU's datasheet peaks: dense (no sparsity) matmul rates per dtype, memory bandwidth,
+    and its links, each one direction: the GPU-to-GPU link of a typical multi-GPU server of
+    that board (NVLink where it has one, else PCIe peer to peer) and PCIe to the host."""
+
+    tflops: dict[str, float]  # "float32" (no tensor cores), "tf32", "bfloat16", "float16"
+    memory_tbytes_per_s: float
+    nvlink_gbytes_per_s: float | None  # per direction, all links of one GPU; None: none
+    pcie_gbytes_per_s: float  # per direction
+    source: str
+
+
+def _t(fp32: float, tf32: float | None, bf16: float | None, fp16: float) -> dict[str, float]:
+    rates = {"float32": fp32, "float16": fp16}
+    if tf32 is not None:
+        rates["tf32"] = tf32
+    if bf16 is not None:
+        rates["bfloat16"] = bf16
+    return rates
+
+
+_PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0  # GB/s per direction, x16
+PEAK_RATES: dict[str, PeakRates] = {
+    "a100-80gb": PeakRates(_t(19.5, 156, 312, 312), 2.039, 300, _PCIE4,
+                           "NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s; NVLink 600 GB/s"),
+    "a100-40gb": PeakRates(_t(19.5, 156, 312, 312), 1.555, 300, _PCIE4,
+                           "NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s; NVLink 600 GB/s"),
+    "h100-80gb": PeakRates(_t(67, 494.7, 989.4, 989.4), 3.35, 450, _PCIE5,
+                           "NVIDIA H100 datasheet (SXM): 3.35 TB/s; NVLink 900 GB/s"),
+    "h200": PeakRates(_t(67, 494.7, 989.4, 989.4), 4.8, 450, _PCIE5,
+                      "NVIDIA H200 datasheet (SXM): 4.8 TB/s; NVLink 900 GB/s"),
+    "v100-16gb": PeakRates(_t(15.7, None, None, 125), 0.9, 150, _PCIE3,
+                           "NVIDIA V100 datasheet (SXM2): 900 GB/s; NVLink 300 GB/s"),
+    "v100-32gb": PeakRates(_t(15.7, None, None, 125), 0.9, 150, _PCIE3,
+                           "NVIDIA V100 datasheet (SXM2): 900 GB/s; NVLink 300 GB/s"),
+    "a10g": PeakRates(_t(31.2, 62.5, 125, 125), 0.6, None, _PCIE4,
+                      "NVIDIA A10 datasheet (A10G: AWS's variant of it): 600 GB/s"),
+    "l4": PeakRates(_t(30.3, 60, 121, 121), 0.3, None, _PCIE4,
+                    "NVIDIA L4 datasheet: 300 GB/s (tensor figures halved: listed with "
+                    "sparsity)"),
+    "t4": PeakRates(_t(8.1, None, None, 65), 0.32, None, _PCIE3,
+                    "NVIDIA T4 datasheet: 320 GB/s"),
+    "rtx-3090": PeakRates(_t(35.6, 35.6, 71, 71), 0.936, None, _PCIE4,
+                          "NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s"),
+    "rtx-4090": PeakRates(_t(82.6, 82.6, 165.2, 165.2), 1.008, None, _PCIE4,
+                          "NVIDIA Ada Lovelace whitepaper (RTX 4090): 1,008 GB/s"),
+    "a6000": PeakRates(_t(38.7, 77.4, 154.8, 154.8), 0.768, 56.25, _PCIE4,
+                       "NVIDIA RTX A6000 datasheet: 768 GB/s; NVLink bridge 112.5 GB/s"),
+    "l40s": PeakRates(_t(91.6, 183, 362, 362), 0.864, None, _PCIE4,
+                      "NVIDIA L40S datasheet: 864 GB/s (tensor figures halved: listed with "
+                      "sparsity)"),
+}
+
+INTERCONNECTS = ("nvlink", "pcie")
+
+
+def peak_rates_of(spec: GpuSpec) -> PeakRates:
+    """The datasheet peaks of ``spec`` (every catalog GPU has them)."""
+    return PEAK_RATES[spec.key]

@@ -18,6 +18,7 @@ from torch._utils import (
     _unflatten_dense_tensors,
 )
 
+from dpprof.emulator.op_log import BROADCAST, GATHER, REDUCE
 from dpprof.emulator.vdevice import VirtualDevices, copy_to
 
 BROADCAST_BUFFER_BYTES = 10 * 1024 * 1024  # comm.broadcast_coalesced / reduce_add_coalesced
@@ -75,10 +76,26 @@ def broadcast_coalesced(
                 # make_variable(var.tensor_data(), false): a fresh version counter
                 outputs[i] += [t.data for t in views]
             del views
+        log_collective(rt, BROADCAST, flat, devices)
         del flat, results
     if len(types) > 1:
         outputs = [outputs[0]] + [reorder_tensors_like(o, tensors) for o in outputs[1:]]
     return outputs
+
+
+def log_collective(rt: VirtualDevices, kind: str, t: torch.Tensor, devices: Sequence[int],
+                   nbytes: int | None = None) -> None:
+    """Note an NCCL call over ``devices`` (rooted at the first) for the step-time model: over
+    meta tensors the emulation writes nothing, so no op of it is dispatched."""
+    log = rt.op_log
+    if log is None or not log.on:
+        return
+    # each device and the devices mirroring it (their replicas stood for, not run)
+    every = list(dict.fromkeys(x for d in devices for x in (d, *rt.mirrors_of(d))))
+    if len(every) > 1:
+        moved = t.numel() * t.element_size() if nbytes is None else nbytes
+        log.collective(kind, moved, every[0], len(every), rt.current_phase,
+                       tuple(every[1:]))
 
 
 def _no_dispatch(meta: bool) -> Any:
@@ -122,6 +139,8 @@ def reduce_add(
     if len(inputs) == 1:
         return inputs[0]
     result = torch.empty_like(inputs[root])
+    devices = [rt.device_of(t) for t in inputs]
+    log_collective(rt, REDUCE, result, [destination, *(d for d in devices if d != destination)])
     if rt.base.type == "meta":
         return result  # the sum is written in place: over meta there is nothing to write
     with rt.cross_device():
@@ -189,6 +208,10 @@ def gather_tensors(
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with rt.placing_on(destination):
         result = torch.empty(size, dtype=first.dtype, device=first.device, memory_format=fmt)
+    sources = [rt.device_of(t) for t in tensors]
+    mirrored = sum(counts) if counts else len(tensors)
+    log_collective(rt, GATHER, result, [destination, *(d for d in sources if d != destination)],
+                   nbytes=result.numel() * result.element_size() * (mirrored - 1) // mirrored)
     if rt.base.type == "meta":
         return result  # the pieces are copied in place: over meta nothing is written
     start = 0

@@ -47,6 +47,7 @@ from dpprof.emulator.events import (
 )
 from dpprof.emulator.index_dtypes import RULES as CUDA_INDEX_RULES
 from dpprof.emulator.index_dtypes import as_on_cuda
+from dpprof.emulator.op_log import OpLog
 
 HOST = -1
 
@@ -134,6 +135,8 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         # warm-up's transient: DDP's first buckets, held until NCCL's watchdog reaps their
         # all-reduce): serial -> (the event index where the steady state frees it, its kind)
         self.transients: dict[int, tuple[int, str]] = {}
+        # the measured step's ops, for the step-time model (None: not asked for)
+        self.op_log: OpLog | None = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -210,6 +213,11 @@ class CountingDevices(EventQueries, TorchDispatchMode):
     def _set_category(self, name: str) -> None:
         """Switch the category without a context (autograd hooks switch it back)."""
         self._state.category = name
+
+    @property
+    def current_phase(self) -> str:
+        """The phase of the step now running (:meth:`phase`)."""
+        return self._state.phase
 
     @property
     def current_device(self) -> int:
@@ -513,7 +521,19 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             target = self._last_device
         else:
             target = self._state.device  # a factory: the current device
+        if self.op_log is not None and self.op_log.on:
+            # a copy between devices: a copy op, or any op placed on another device (the
+            # emulated .to(device) clones onto its target)
+            moves = func in _CROSS_DEVICE_OK or self._state.forced is not None
+            sources = ({*devices, HOST} if saw_host else devices) if moves else set()
+            self.op_log.record(func, args, kwargs, out, target, sources, self._state.phase,
+                               self.mirrors_of(target))
         return self._place(func, args, kwargs, out, target, outside)
+
+    def mirrors_of(self, device: int) -> tuple[int, ...]:
+        """The devices that mirror ``device`` now (none here; see
+        :class:`dpprof.emulator.mirroring.MirroredDevices`)."""
+        return ()
 
     def dispatch_beside_real_host(self, func: Any, args: Any,
                                   kwargs: dict[str, Any] | None) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.ledgers import VariantLedger
+from dpprof.emulator.op_log import ALL_REDUCE
 from dpprof.emulator.vdevice import VirtualDevices
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
@@ -245,6 +247,10 @@ class EmulatedDDP(nn.Module):
         self._expect_hooks = False
         self._buckets: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
+        # for the step-time model: each parameter's bucket, the parameters each bucket
+        # still waits for in this backward (its all-reduce starts when none is left)
+        self._bucket_of: dict[int, int] = {}
+        self._pending: dict[int, int] = {}
         self.local_used_map_dev: torch.Tensor | None = None
         device = rt.device_of(self.params[0]) if self.params else 0
         self.device = device
@@ -281,6 +287,7 @@ class EmulatedDDP(nn.Module):
     def _initialize_buckets(self, assignment: list[list[int]]) -> None:
         rt = self.rt
         self._buckets, self._views = [], {}
+        self._bucket_of = {i: b for b, indices in enumerate(assignment) for i in indices}
         with rt.category("communication"), rt.device(self.device):
             for indices in assignment:
                 p0 = self.params[indices[0]]
@@ -358,6 +365,24 @@ class EmulatedDDP(nn.Module):
         self._mark_variable_ready_dense(i)
 
     def _mark_variable_ready_dense(self, i: int) -> None:
+        self._ready_dense(i)
+        log = self.rt.op_log
+        if log is None or not log.on or self.world_size < 2:
+            return
+        # reducer.cpp's mark_variable_ready: a bucket whose last gradient arrived is
+        # all-reduced (asynchronously, on NCCL's stream); the model times it
+        b = self._bucket_of[i]
+        if not self._pending:
+            self._pending = dict(Counter(self._bucket_of.values()))
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            flat = self._buckets[b]
+            log.collective(ALL_REDUCE, flat.numel() * flat.element_size(), self.device,
+                           self.world_size, "backward")
+            if not any(self._pending.values()):
+                self._pending = {}
+
+    def _ready_dense(self, i: int) -> None:
         p = self.params[i]
         view = self._views[i]
         grad = p.grad

@@ -71,6 +71,9 @@ class MirroredDevices(CountingDevices):
                 return None
         return shift
 
+    def mirrors_of(self, device: int) -> tuple[int, ...]:
+        return self._mirrors.get(device, ())
+
     def mirrored_device(self, index: int) -> int | None:
         """The device ``index`` mirrors now (:meth:`set_mirrors`), if any."""
         for d, ms in self._mirrors.items():

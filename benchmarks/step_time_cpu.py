@@ -1,0 +1,242 @@
+"""Check 1 of the step-time model: the method applied to this machine's CPU as the device.
+
+The CPU's peaks are measured by micro-benchmarks (a large and a small matmul, a convolution,
+a batch norm, a copy, a tiny op and a view), never fitted to the steps below. The model
+(dpprof.emulator.step_time) then plays the emulated step of each built-in workload on those
+peaks, the CPU running each op as the host issues it (no queue: synchronous), and the
+prediction is compared with the step the CPU measures:
+
+- ``single``: the tutorial's step on the bare model in this process, one thread, in the
+  thread's CPU time (the machine is shared: the wall clock would count the others' work);
+  the micro-benchmarks are timed the same way; the best of 5 steps;
+- ``ddp``: two real gloo ranks (dpprof's own loop, wall clock, the slower rank's step, the
+  best of 3 launches), their all-reduce at the bandwidth a two-process gloo all-reduce of
+  64 MiB measures here. Two ranks on two shared cores: the least reliable row.
+
+    python benchmarks/step_time_cpu.py            # prints the table, writes step_time_cpu.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "step_time_cpu.json"
+# (workload, batch): small enough to run in seconds on two cores. single: one process;
+# ddp: two gloo ranks (the global batch, half each)
+SINGLE = (("mlp", 32), ("convnet", 16), ("classifier", 4), ("attention", 1), ("lm", 1))
+DDP = (("mlp", 64), ("convnet", 32), ("classifier", 8))
+RUNS = 3  # ddp: launches per case (one measured step each); the best counts (a shared CPU)
+
+
+def _best_s(fn: Any, repeat: int = 20) -> float:
+    """The fastest of ``repeat`` calls, in this thread's CPU time (the machine is shared:
+    its wall clock counts the others' work)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return min(times)
+
+
+def cpu_peaks() -> dict[str, float]:
+    """This CPU's rates, measured: what the datasheet is for a GPU."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    matmul = 2 * n**3 / _best_s(lambda: torch.mm(a, b), 10)
+    s = 64
+    sa, sb = torch.randn(s, s), torch.randn(s, s)
+    small_mm_s = _best_s(lambda: torch.mm(sa, sb), 200)
+    big = torch.randn(16 * 2**20)  # 64 MiB
+    dst = torch.empty_like(big)
+    copy = 2 * big.numel() * 4 / _best_s(lambda: dst.copy_(big), 10)
+    x = torch.randn(8, 32, 28, 28)
+    w = torch.randn(64, 32, 3, 3)
+    conv_flops = 2 * 8 * 64 * 26 * 26 * 32 * 9
+    conv = conv_flops / _best_s(lambda: torch.nn.functional.conv2d(x, w), 10)
+    y = torch.randn(32, 64, 26, 26)
+    bn_bytes = 2 * y.numel() * 4
+    bn = bn_bytes / _best_s(lambda: torch.nn.functional.batch_norm(
+        y, None, None, training=True), 10)
+    p = torch.ones(1, requires_grad=True)
+    q = torch.ones(1, requires_grad=True)
+    tiny_op = _best_s(lambda: torch.add(p, q), 2000)
+    view = _best_s(lambda: p.view(-1), 2000)
+    return {"matmul_flops_per_s": matmul, "small_matmul_s": small_mm_s,
+            "memory_bytes_per_s": copy, "conv_flops_per_s": conv,
+            "batch_norm_bytes_per_s": bn, "tiny_op_s": tiny_op, "view_s": view,
+            "threads": float(torch.get_num_threads())}
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    t = torch.ones(16 * 2**20)  # 64 MiB
+    for _ in range(2):
+        dist.all_reduce(t)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(min(times))
+    dist.destroy_process_group()
+
+
+def gloo_bus_bytes_per_s() -> float:
+    """A two-process gloo all-reduce of 64 MiB here, as a ring's bus bandwidth."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = 29000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    seconds = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    nbytes = 16 * 2**20 * 4
+    return 2 * (2 - 1) / 2 * nbytes / seconds
+
+
+def cpu_model(peaks: dict[str, float], link_bytes_per_s: float) -> tuple[Any, Any]:
+    from dpprof.emulator.step_time import DeviceRates, TimeConstants
+
+    mm = peaks["matmul_flops_per_s"]
+    small_flops = 2 * 64**3
+    # a matmul's time = (F + half) / peak: the small one's measured time gives half (its
+    # host cost, the tiny op's, taken off)
+    half = max((peaks["small_matmul_s"] - peaks["tiny_op_s"]) * mm - small_flops, 0.0)
+    rates = DeviceRates(
+        matmul_flops_per_s={"float32": mm, "tf32": mm},  # no TF32 on a CPU
+        memory_bytes_per_s=peaks["memory_bytes_per_s"],
+        link_bytes_per_s=link_bytes_per_s, host_link_bytes_per_s=peaks["memory_bytes_per_s"],
+        interconnect="memory", synchronous=True)
+    conv_flops = 2 * 8 * 64 * 26 * 26 * 32 * 9
+    k = TimeConstants(
+        matmul_efficiency=1.0, matmul_half_flops=half, memory_efficiency=1.0,
+        conv_efficiency=min(peaks["conv_flops_per_s"] / mm
+                            * (conv_flops + half) / conv_flops, 1.0),
+        norm_passes=max(peaks["memory_bytes_per_s"] / peaks["batch_norm_bytes_per_s"], 1.0),
+        kernel_gap_s=0.0, host_op_s=peaks["tiny_op_s"], host_view_s=peaks["view_s"],
+        step_overhead_s=0.0, collective_latency_s=0.0, link_efficiency=1.0)
+    return rates, k
+
+
+def single_steps(workload: str, batch: int, steps: int = 5) -> list[float]:
+    """The tutorial's step (zero_grad, forward, loss, backward, the foreach optimizer), each
+    in this thread's CPU time, after two warm-up steps."""
+    from dpprof.scenarios.workloads import load_workload, make_optimizer
+
+    wl = load_workload(workload)
+    torch.manual_seed(0)
+    model = wl.model()
+    loss_fn = wl.loss
+    opt = make_optimizer(wl, model, loss_fn)
+    for group in opt.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True  # as on a GPU, and as the emulator steps
+    x, y = wl.batch(batch, torch.device("cpu"))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = (model(**x) if isinstance(x, dict) else model(*x) if isinstance(x, tuple)
+               else model(x))
+        loss = loss_fn(out, y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    out = []
+    for _ in range(steps):
+        t0 = time.thread_time()
+        step()
+        out.append(time.thread_time() - t0)
+    return out
+
+
+def ddp_steps(workload: str, batch: int) -> list[float]:
+    """Two fresh gloo ranks under DDP, RUNS times: the slower rank's measured step (wall
+    clock: a rank waits for the other in the all-reduce)."""
+    from dpprof.backends.gloo import RankSpec, launch
+    from dpprof.scenarios.step import StepConfig
+
+    out = []
+    for _ in range(RUNS):
+        spec = RankSpec(workload=workload, step=StepConfig(batch=batch, warmup=2),
+                        memory="none", wrap="ddp")
+        ranks = launch(spec, 2)
+        out.append(max(r.step_time_s for r in ranks if r.step_time_s is not None))
+    return out
+
+
+def predicted(workload: str, batch: int, scenario: str, gpus: int, rates: Any,
+              k: Any) -> float:
+    from dpprof.backends.emulated import EmulationConfig, run_scenario
+    from dpprof.emulator.step_time import predict_step
+    from dpprof.scenarios.step import StepConfig
+    from dpprof.scenarios.workloads import load_workload
+
+    trace: dict[str, Any] = {}
+    cfg = EmulationConfig(gpus=gpus, gpu_memory_bytes=1 << 50, step=StepConfig(batch=batch),
+                          ddp_backend="gloo")
+    r = run_scenario(scenario, load_workload(workload), cfg, trace=trace)
+    if r.status != "ok":
+        raise RuntimeError(r.message)
+    return predict_step(trace["rt"].op_log.records, rates, k, [0]).step_time_s
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # one core: CPU time is then the time the work takes
+    os.environ["OMP_NUM_THREADS"] = "1"  # and one each for the gloo ranks (two cores)
+    peaks = cpu_peaks()
+    link = gloo_bus_bytes_per_s()
+    rates, k = cpu_model(peaks, link)
+    print(f"CPU peaks: {peaks}; gloo all-reduce bus {link / 1e9:.2f} GB/s")
+    print(f"constants: {k}")
+    rows = []
+    for scenario, cases in (("single", SINGLE), ("ddp", DDP)):
+        world = 1 if scenario == "single" else 2
+        for workload, batch in cases:
+            times = single_steps(workload, batch) if world == 1 else ddp_steps(workload, batch)
+            pred = predicted(workload, batch, scenario, world, rates, k)
+            best = min(times)
+            row = {"scenario": scenario, "workload": workload, "batch": batch,
+                   "measured_best_s": best, "measured_median_s": statistics.median(times),
+                   "predicted_s": pred, "error": pred / best - 1}
+            rows.append(row)
+            print(f"{scenario:6} {workload:10} b{batch:<4} measured best {best * 1e3:9.1f} ms "
+                  f"(median {row['measured_median_s'] * 1e3:9.1f}) predicted "
+                  f"{pred * 1e3:9.1f} ms  error {row['error']:+.1%}", flush=True)
+    for scenario in ("single", "ddp"):
+        errs = [abs(r["error"]) for r in rows if r["scenario"] == scenario]
+        print(f"{scenario}: mean |error| {statistics.mean(errs):.1%} over {len(errs)} "
+              f"workloads (worst {max(errs):.1%})")
+    OUT.write_text(json.dumps({
+        "about": "benchmarks/step_time_cpu.py: the step-time model on this CPU as the "
+                 "device (peaks measured by micro-benchmarks) against its measured steps",
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                    "python": sys.version.split()[0]},
+        "peaks": peaks, "gloo_bus_bytes_per_s": link,
+        "constants": dataclasses.asdict(k), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

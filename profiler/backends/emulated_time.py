@@ -1,0 +1,56 @@
+"""The emulated step's time, predicted: the op log of the measured step
+(:mod:`dpprof.emulator.op_log`) played on the target GPU (:mod:`dpprof.emulator.step_time`),
+written into the scenario's result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpprof.emulator.catalog import DEFAULT_GPU, lookup_gpu
+from dpprof.emulator.op_log import OpLog
+from dpprof.emulator.step_time import H200_FIT, StepPrediction, predict_step, rates_for
+from dpprof.result import ScenarioResult
+from dpprof.scenarios.step import StepConfig
+from dpprof.scenarios.workloads import Workload
+
+__all__ = ["fill_predicted_time", "single_step_log"]
+
+
+def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconnect: str,
+                        ranks_alike: bool) -> StepPrediction:
+    """Predict the step of ``log`` on ``gpu`` (a catalog name; "": the default) and write
+    it into ``result`` (its step, samples per second, each device's split). With
+    ``ranks_alike`` (DDP: one rank emulated for all), every device gets the rank's split."""
+    spec = lookup_gpu(gpu) if gpu else DEFAULT_GPU
+    shown = [d.index for d in result.devices if d.used]
+    pred = predict_step(log.records, rates_for(spec, interconnect), H200_FIT, shown)
+    result.predicted_step_time_s = pred.step_time_s
+    result.predicted_host_s = pred.host_s
+    rows = sum(d.batch_rows for d in result.devices if d.used) or result.batch
+    if pred.step_time_s > 0:  # the rows the scenario's GPUs computed (single: one share)
+        result.predicted_samples_per_s = rows / pred.step_time_s
+    for d in result.devices:
+        if not d.used:
+            continue
+        p = pred.devices.get(0 if ranks_alike else d.index)
+        if p is None:
+            continue
+        d.predicted_busy_s = {"compute": p.compute_s, "communication": p.communication_s,
+                              "waiting": p.waiting_s}
+    return pred
+
+
+def single_step_log(wl: Workload, batch: int, amp: str | None = None) -> OpLog:
+    """The op log of ``single``'s measured step of ``wl`` at ``batch`` (under autocast to
+    ``amp``), emulated over meta tensors: what the model is fitted to and checked on."""
+    from dpprof.backends.emulated import EmulationConfig, run_scenario  # it imports this
+
+    trace: dict[str, Any] = {}
+    cfg = EmulationConfig(gpus=1, gpu_memory_bytes=1 << 50,
+                          step=StepConfig(batch=batch, amp=amp))
+    result = run_scenario("single", wl, cfg, trace=trace)
+    if result.status != "ok":
+        raise RuntimeError(f"single did not run: {result.message}")
+    log = trace["rt"].op_log
+    assert isinstance(log, OpLog)
+    return log

@@ -1,0 +1,252 @@
+"""How long the measured step takes on the target GPUs, predicted from its ops
+(:mod:`dpprof.emulator.op_log`) without a GPU.
+
+Each op costs the host (Python, dispatch, autograd, the launch) a fixed time, and its device a
+kernel time::
+
+    kernel = max(flops / (peak(dtype) * matmul_efficiency(flops)),
+                 bytes / (memory_bandwidth * memory_efficiency)) + kernel_gap
+
+(a roofline; a matmul's efficiency grows with its work, ``flops / (flops + half_flops)``, as
+small matmuls cannot fill the GPU). The step is then played as CUDA runs it: each host thread
+issues its ops in order (an op waits for its thread's previous op), each device runs its
+kernels in order (a kernel starts when it is issued and its device is free), a copy between
+two GPUs holds both over the interconnect, a copy from the host holds its GPU over PCIe,
+DDP's bucket all-reduces run on a stream of their own (ring: ``2 (n-1)/n`` of the bucket
+over the link's bandwidth) overlapping the backward, and the optimizer waits for them.
+
+Host threads follow torch: the step's own thread issues everything but the backward, which
+the autograd engine runs in one thread per device (so DataParallel's replicas' backwards
+issue in parallel, while their forwards, in ``parallel_apply``'s threads, take turns on
+the GIL: one host timeline). A phase waits for the threads of the one before it.
+
+The constants of :data:`H200_FIT` are fitted to what an NVIDIA H200 measured
+(``tests/data/h200_measured.json``; ``scripts/fit_step_time.py``), and checked on workloads
+held out of the fit (README, "How accurate is it?").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dpprof.emulator.catalog import GpuSpec, peak_rates_of
+from dpprof.emulator.op_log import (
+    ALL_REDUCE,
+    BROADCAST,
+    COLLECTIVES,
+    CONV,
+    GATHER,
+    HOST,
+    MATMUL,
+    NO_KERNEL,
+    NORM,
+    REDUCE,
+    SYNC,
+    TRANSFER,
+    OpRecord,
+)
+
+__all__ = [
+    "H200_FIT",
+    "DevicePrediction",
+    "DeviceRates",
+    "StepPrediction",
+    "TimeConstants",
+    "predict_step",
+    "rates_for",
+]
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What one device can do at most (datasheet figures, or a micro-benchmark's)."""
+
+    matmul_flops_per_s: dict[str, float]  # dtype ("float32", "tf32", "bfloat16", ...) -> peak
+    memory_bytes_per_s: float
+    link_bytes_per_s: float  # between two devices, one direction (NVLink, PCIe peer)
+    host_link_bytes_per_s: float  # host <-> device, one direction
+    interconnect: str = ""  # "nvlink", "pcie", "memory" (the CPU's ranks)
+    # the host waits for each kernel (a CPU as the device: no queue between them)
+    synchronous: bool = False
+
+    def matmul_peak(self, dtype: str) -> float:
+        rates = self.matmul_flops_per_s
+        return rates.get(dtype) or rates.get("float32") or min(rates.values())
+
+
+@dataclass(frozen=True)
+class TimeConstants:
+    """The fitted part of the model (seconds, FLOPs, fractions of the peak)."""
+
+    matmul_efficiency: float  # of the datasheet peak, for a large matmul
+    matmul_half_flops: float  # a matmul of this many FLOPs reaches half that
+    memory_efficiency: float  # of the datasheet bandwidth
+    conv_efficiency: float  # a convolution's, of the matmul's (cuDNN, few channels)
+    norm_passes: float  # a normalisation's bytes are read and written this many times
+    kernel_gap_s: float  # device time per launch besides its work
+    host_op_s: float  # host time per op that launches a kernel
+    host_view_s: float  # host time per op that launches none (views, metadata)
+    step_overhead_s: float  # host time per step outside the ops (the Python loop)
+    collective_latency_s: float = 10e-6  # per collective (NCCL's launch and handshake)
+    link_efficiency: float = 0.8  # of the link's bandwidth a copy or ring reaches
+
+
+# Fitted by scripts/fit_step_time.py to the H200's mlp, lm, convnet and GPT-2 steps
+# (tests/data/h200_measured.json: the kernels' device time per kind of op first, then the step
+# time); attention, classifier and ViT held out. Step time, mean |error|: fitted 13.3 %,
+# held out 7.5 % (worst 13.8 %); device time: fitted 16.6 %, held out 26.3 %.
+# The host's constants are the H200 machine's CPU: another host is faster or slower.
+H200_FIT = TimeConstants(
+    matmul_efficiency=0.686,
+    matmul_half_flops=3.74e8,
+    memory_efficiency=0.582,
+    conv_efficiency=0.134,
+    norm_passes=8.32,
+    kernel_gap_s=2.75e-6,
+    host_op_s=39.6e-6,
+    host_view_s=0.0,
+    step_overhead_s=412e-6,
+)
+
+
+@dataclass
+class DevicePrediction:
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    waiting_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+
+@dataclass
+class StepPrediction:
+    step_time_s: float
+    host_s: float  # the host threads' busiest timeline (launch-bound when near step_time_s)
+    devices: dict[int, DevicePrediction] = field(default_factory=dict)
+    ops: int = 0
+    kernels: int = 0
+
+
+def kernel_time_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
+    """One op's device time (0 for an op that launches no kernel)."""
+    if op.kernels == 0:
+        return 0.0
+    passes = k.norm_passes if op.kind == NORM else 1.0
+    memory = passes * op.bytes / (rates.memory_bytes_per_s * k.memory_efficiency)
+    work = 0.0
+    if op.kind in (MATMUL, CONV) and op.flops:
+        efficiency = k.matmul_efficiency * op.flops / (op.flops + k.matmul_half_flops)
+        if op.kind == CONV:
+            efficiency *= k.conv_efficiency
+        work = op.flops / (rates.matmul_peak(op.dtype) * efficiency)
+    return max(work, memory) + k.kernel_gap_s * op.kernels
+
+
+def _ring_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
+    n = max(op.world, 1)
+    moved = 2 * (n - 1) / n * op.bytes
+    return moved / (rates.link_bytes_per_s * k.link_efficiency) + k.collective_latency_s
+
+
+def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstants,
+                 devices: Sequence[int] = ()) -> StepPrediction:
+    """Play the measured step's ops on devices of ``rates`` (see the module's docstring).
+
+    ``devices``: the GPUs to report (each gets a row even if it ran nothing: it waited)."""
+    host: dict[int, float] = {}  # host timeline -> when it is free
+    free: dict[int, float] = {}  # device -> when its compute stream is free
+    comm_free: dict[int, float] = {}  # device -> when its collective stream is free
+    out = {d: DevicePrediction() for d in devices}
+    phase = None
+    kernels = 0
+
+    def dev(d: int) -> DevicePrediction:
+        return out.setdefault(d, DevicePrediction())
+
+    for op in records:
+        if op.phase != phase:  # a phase starts when the threads of the last one are done
+            phase = op.phase
+            now = max(host.values(), default=0.0)
+            host = {lane: now for lane in host}
+        lane = op.device if op.phase == "backward" and op.device != HOST else HOST
+        t = host.get(lane, max(host.values(), default=0.0))
+        if op.kind == TRANSFER and op.source != HOST and lane != HOST:
+            t = max(t, host.get(op.source, t))  # the gradient it copies was issued
+        cost = k.host_view_s if op.kind in (NO_KERNEL, SYNC) else k.host_op_s
+        targets = (op.device, *op.mirrors)
+        # a mirrored replica's op stands for one per replica: in the forward their threads
+        # take turns on the GIL (each pays), in the backward each device's thread pays its own
+        t += cost * (len(targets) if lane == HOST and op.kind not in COLLECTIVES else 1)
+        host[lane] = t
+        if op.kind == NO_KERNEL or (op.device == HOST and op.kind != TRANSFER):
+            continue
+        if op.kind == SYNC:
+            host[lane] = max(t, *(free.get(d, 0.0) for d in targets))
+            continue
+        kernels += op.kernels * len(targets)
+        if op.kind == ALL_REDUCE:
+            for d in targets:
+                start = max(free.get(d, 0.0), comm_free.get(d, 0.0))  # its bucket is ready
+                span = _ring_s(op, rates, k)
+                comm_free[d] = start + span
+                dev(d).communication_s += span
+            continue
+        if op.kind in (BROADCAST, REDUCE, GATHER):  # NCCL on the devices' current streams
+            span = op.bytes / (rates.link_bytes_per_s * k.link_efficiency) \
+                + k.collective_latency_s
+            start = max(t, *(free.get(d, 0.0) for d in targets))
+            for d in targets:
+                free[d] = start + span
+                dev(d).communication_s += span
+            if rates.synchronous:
+                host[lane] = start + span
+            continue
+        if op.kind == TRANSFER:
+            peer = op.source != HOST and op.device != HOST
+            bw = rates.link_bytes_per_s if peer else rates.host_link_bytes_per_s
+            span = op.bytes / (bw * k.link_efficiency) + k.kernel_gap_s
+            for d, s in zip(targets, (op.source, *(op.source for _ in op.mirrors)),
+                            strict=True):
+                ends = [x for x in (d, s) if x != HOST]
+                start = max(t, *(free.get(x, 0.0) for x in ends))
+                for x in ends:
+                    free[x] = start + span
+                    dev(x).communication_s += span
+                if HOST in (d, s):  # a pageable copy: the host waits for it
+                    host[lane] = max(host[lane], start + span)
+            continue
+        span = kernel_time_s(op, rates, k)
+        for d in targets:
+            if phase == "optimizer" or op.phase == "optimizer":
+                # DDP's finalize_backward: the optimizer reads the all-reduced buckets
+                free[d] = max(free.get(d, 0.0), comm_free.get(d, 0.0))
+            start = max(t, free.get(d, 0.0))
+            free[d] = start + span
+            dev(d).compute_s += span
+            if rates.synchronous:
+                host[lane] = free[d]
+    host_s = max(host.values(), default=0.0) + k.step_overhead_s
+    step = max(host_s, *free.values(), *comm_free.values()) if free else host_s
+    for p in out.values():
+        p.waiting_s = max(step - p.busy_s, 0.0)
+    return StepPrediction(step, host_s, out, len(records), kernels)
+
+
+def rates_for(spec: GpuSpec, interconnect: str = "") -> DeviceRates:
+    """``spec``'s datasheet peaks as the model reads them; ``interconnect`` ("nvlink",
+    "pcie"; "": NVLink where the board has it) sets the GPU-to-GPU link."""
+    peaks = peak_rates_of(spec)
+    link = interconnect or ("nvlink" if peaks.nvlink_gbytes_per_s else "pcie")
+    if link == "nvlink" and peaks.nvlink_gbytes_per_s is None:
+        raise ValueError(f"{spec.name} has no NVLink; use --interconnect pcie")
+    gbytes = peaks.nvlink_gbytes_per_s if link == "nvlink" else peaks.pcie_gbytes_per_s
+    return DeviceRates(
+        matmul_flops_per_s={k: v * 1e12 for k, v in peaks.tflops.items()},
+        memory_bytes_per_s=peaks.memory_tbytes_per_s * 1e12,
+        link_bytes_per_s=(gbytes or peaks.pcie_gbytes_per_s) * 1e9,
+        host_link_bytes_per_s=peaks.pcie_gbytes_per_s * 1e9,
+        interconnect=link,
+    )
