@@ -31,6 +31,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 WIDTH = 104  # columns of the quoted terminal (stdout); stderr's lines unwrapped, as in a log
 STAMP = re.compile(r"\d{8}-\d{6}")  # the report files' time stamp
+RUN_TIME = re.compile(r"(?<=\); )\d+(?:\.\d+)? s$", re.M)  # "(--steps 3; ...); 0.4 s"
 ANY_BLOCK = re.compile(r"<!-- readme-numbers: ([\w-]+) -->\n```\n.*?\n```\n"
                        r"<!-- /readme-numbers -->", re.S)
 
@@ -178,8 +179,9 @@ def quoted(text: str, name: str) -> str:
 
 
 def normalised(text: str) -> str:
-    """What may differ between two identical runs: the report files' time stamps."""
-    return STAMP.sub("YYYYmmdd-HHMMSS", text)
+    """What may differ between two identical runs: the report files' time stamps, the time
+    a ``dpprof run`` scenario took."""
+    return RUN_TIME.sub("N s", STAMP.sub("YYYYmmdd-HHMMSS", text))
 
 
 def _shown(path: Path) -> str:
