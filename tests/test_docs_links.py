@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,12 +62,12 @@ def toc_slug(text: str) -> str:
     return re.sub(r"[-\s]+", "-", text)
 
 
-def anchors(text: str, slug: object) -> set[str]:
+def anchors(text: str, slug: Callable[[str], str]) -> set[str]:
     """The anchors a page's headings get under ``slug``; a repeated one gets -1, -2..."""
     seen: dict[str, int] = {}
     out: set[str] = set()
     for m in HEADING.finditer(prose_headings(text)):
-        base = slug(heading_text(m.group(2)))  # type: ignore[operator]
+        base = slug(heading_text(m.group(2)))
         n = seen.get(base, 0)
         seen[base] = n + 1
         out.add(base if n == 0 else f"{base}-{n}")
@@ -180,3 +181,15 @@ def test_the_site_anchors_are_mkdocs_own() -> None:
         for m in HEADING.finditer(prose_headings(page.read_text(encoding="utf-8"))):
             text = heading_text(m.group(2))
             assert toc_slug(text) == toc.slugify(text, "-"), (page.name, text)
+
+
+def test_the_readme_is_short_with_both_entries_on_its_first_screen() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md is {len(lines)} lines: move the detail into docs/"
+    first_screen = "\n".join(lines[:40])
+    assert "dpprof compare --batch 512" in first_screen
+    assert "dpprof run -- python train.py" in first_screen
+    # the set-up and test commands, as a user copies them (CI runs the same pytest)
+    text = "\n".join(lines)
+    assert "\npip install -e . && dpprof compare --batch 512\n" in text
+    assert '\npip install -e ".[test]" && pytest\n' in text
