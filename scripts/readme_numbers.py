@@ -160,6 +160,14 @@ def _block(name: str) -> re.Pattern[str]:
                       r"\n<!-- /readme-numbers -->)", re.S)
 
 
+def replaced(text: str, name: str, session: str) -> str:
+    """``text`` with the block ``name`` quoting ``session``."""
+    m = _block(name).search(text)
+    if m is None:
+        raise SystemExit(f"no <!-- readme-numbers: {name} --> block")
+    return text[:m.start(2)] + session + text[m.end(2):]
+
+
 def pages() -> list[Path]:
     """The pages that may quote sessions: README.md and every page under docs/."""
     return [README, *sorted(DOCS.glob("*.md"))]
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             fresh = run_session(SESSIONS[name])
             if normalised(fresh) != normalised(quoted(text, name)):
                 stale.append(f"{_shown(page)}: the {name} session")
-                text = _block(name).sub(lambda m, f=fresh: m.group(1) + f + m.group(3), text)
+                text = replaced(text, name, fresh)
                 changed = True
         if changed and not args.check:
             page.write_text(text, encoding="utf-8")

@@ -58,8 +58,7 @@ def test_a_stale_block_in_a_page_is_found_and_rewritten(tmp_path: Path,
     quoted = mod.quoted(text, "maxbatch")
     stale = docs / "maxbatch.md"
     stale.write_text(text.replace(quoted, quoted.replace(" 544 ", " 999 ")), encoding="utf-8")
-    monkeypatch.setattr(mod, "ROOT", tmp_path)
-    monkeypatch.setattr(mod, "README", tmp_path / "README.md")
+    monkeypatch.setattr(mod, "README", tmp_path / "README.md")  # ROOT stays: the sessions' files
     monkeypatch.setattr(mod, "DOCS", docs)
     assert mod.main(["--check", "maxbatch"]) == 1
     assert mod.main(["maxbatch"]) == 0
@@ -74,7 +73,6 @@ def test_a_block_naming_no_session_fails_the_check(tmp_path: Path,
     (tmp_path / "README.md").write_text(
         "<!-- readme-numbers: no-such -->\n```\nx\n```\n<!-- /readme-numbers -->\n",
         encoding="utf-8")
-    monkeypatch.setattr(mod, "ROOT", tmp_path)
     monkeypatch.setattr(mod, "README", tmp_path / "README.md")
     monkeypatch.setattr(mod, "DOCS", tmp_path / "docs")
     assert mod.main(["--check"]) == 1
