@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dpprof.version import __version__
-
 if TYPE_CHECKING:
     from dpprof.scenarios.measured_loop import ModelWithLoss
     from dpprof.scenarios.registry import SCENARIOS
     from dpprof.scenarios.workloads import Workload
+    from dpprof.version import __version__
 
 __all__ = ["SCENARIOS", "ModelWithLoss", "Workload", "__version__"]
 
@@ -25,6 +24,10 @@ def __getattr__(name: str) -> Any:
     """``dpprof.Workload`` and friends, imported on first use (deferred: they import torch,
     and ``import dpprof`` stays light, so the command line handles Ctrl-C and SIGTERM from
     its first moment)."""
+    if name == "__version__":  # importlib.metadata: a twentieth of a second
+        from dpprof.version import __version__
+
+        return __version__
     if name == "SCENARIOS":
         from dpprof.scenarios.registry import SCENARIOS
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from annotated_types import Ge, Le, MaxLen, Predicate
 
 from dpprof.environment import collect_environment
-from dpprof.errors import DpprofError
+from dpprof.errors import DpprofError, removed_if_quit
 from dpprof.version import __version__
 
 SCHEMA_VERSION = 1
@@ -705,12 +705,13 @@ def write_atomic(path: str | Path, text: str) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        os.replace(tmp, p)
+        with removed_if_quit(tmp):
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
+            os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

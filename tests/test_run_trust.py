@@ -160,6 +160,73 @@ HOST_SCRIPTS = {
         idx = np.array([2, 0])
         print(t[torch.as_tensor(idx)].tolist(), torch.as_tensor(a).data_ptr() == t.data_ptr())
     """,
+    "linalg": """
+        # every torch.linalg function on host tensors, printed to the last bit (a composite
+        # such as svdvals decides its path by whether a dispatch mode is active)
+        import torch
+        L = torch.linalg
+        torch.manual_seed(0)
+        a = torch.randn(7, 4); b = torch.randn(7, 2); sq = torch.randn(5, 5)
+        spd = sq @ sq.T + 5 * torch.eye(5)
+        c = torch.randn(4, 4, dtype=torch.complex64)
+        d = torch.randn(6, 6, dtype=torch.float64)
+        print(L.svdvals(a).tolist(), L.svdvals(c).tolist(), L.svdvals(d).tolist())
+        print(L.svdvals(a.requires_grad_()).tolist()); a.requires_grad_(False)
+        print(L.svd(a, full_matrices=False)[1].tolist(), torch.svd(a, compute_uv=False)[1].tolist())
+        print(L.eigvalsh(spd).tolist(), L.eigh(spd)[0].tolist(), L.eigvals(sq).tolist())
+        print(L.eig(sq)[0].tolist(), L.eigvals(c).tolist())
+        print(L.matrix_norm(a, ord=2).item(), L.matrix_norm(a, ord=-2).item(),
+              L.matrix_norm(a, ord="nuc").item(), L.matrix_norm(a).item(), L.norm(a, ord=2).item())
+        print(L.cond(sq).item(), L.cond(sq, "fro").item(), L.matrix_rank(a).item(),
+              L.matrix_rank(spd, hermitian=True).item())
+        print(L.pinv(a).sum().item(), L.pinv(spd, hermitian=True).sum().item())
+        print([L.lstsq(a, b, driver=drv).solution.tolist() for drv in ("gels", "gelsd", "gelss")])
+        print(L.solve(sq, b[:5]).tolist(), L.inv(sq).sum().item(), L.det(sq).item(),
+              L.slogdet(sq)[1].item(), torch.logdet(spd).item())
+        print(L.cholesky(spd).sum().item(), L.qr(a)[1].tolist(), L.lu_factor(sq)[0].sum().item())
+        print(L.matrix_exp(sq / 4).sum().item(), L.matrix_power(sq, 3).sum().item(),
+              L.vector_norm(a, ord=3).item(), L.multi_dot([a, a.T, a]).sum().item())
+        print(L.solve_triangular(spd.tril(), b[:5], upper=False).tolist(),
+              L.householder_product(*torch.geqrf(a)).sum().item(), L.vander(a[:, 0]).sum().item())
+        print(torch.norm(a, p="nuc").item(), torch.pinverse(a).sum().item(),
+              torch.cdist(a, a).sum().item(), L.ldl_factor(spd)[0].sum().item())
+    """,
+    "fft": """
+        # torch.fft and the spectral ops on the host, to the last bit
+        import torch
+        torch.manual_seed(0)
+        x = torch.randn(4, 16); z = torch.randn(8, dtype=torch.complex64)
+        F = torch.fft
+        print(F.fft(x).abs().sum().item(), F.ifft(z).tolist(), F.rfft(x)[0].tolist())
+        print(F.irfft(F.rfft(x)).sum().item(), F.fft2(x).abs().sum().item(),
+              F.fftn(x, s=(8, 8)).abs().sum().item(), F.rfftn(x).abs().sum().item())
+        print(F.hfft(z).tolist(), F.ihfft(x[0]).tolist(), F.fftshift(x).sum().item(),
+              F.fftfreq(9).tolist(), F.rfftfreq(8, d=0.1).tolist())
+        w = torch.hann_window(16)
+        s = torch.stft(torch.randn(256), 32, hop_length=8, window=torch.hann_window(32),
+                       return_complex=True)
+        print(s.abs().sum().item(), torch.istft(s, 32, hop_length=8,
+                                                window=torch.hann_window(32)).sum().item())
+        print((F.ifft(F.fft(x) * F.fft(x.flip(1)))).real.sum().item(), w.tolist())
+    """,
+    "numpy_linalg_interop": """
+        # tensors through NumPy's linalg and fft and back, and np arrays into torch's
+        import numpy as np
+        import torch
+        torch.manual_seed(3)
+        a = torch.randn(6, 4, dtype=torch.float64)
+        n = a.numpy()
+        print(np.linalg.svd(n, compute_uv=False).tolist(), np.linalg.norm(n, 2))
+        print(torch.from_numpy(np.linalg.pinv(n)).sum().item(), np.fft.rfft(n, axis=0)[1].tolist())
+        q, r = np.linalg.qr(n)
+        print(torch.linalg.svdvals(torch.from_numpy(r)).tolist(), torch.as_tensor(q.T @ q).trace().item())
+        rng = np.random.default_rng(0)
+        m = rng.standard_normal((5, 5)).astype(np.float32)
+        print(torch.linalg.eigvalsh(torch.from_numpy(m @ m.T)).tolist(),
+              np.asarray(torch.fft.fft(torch.from_numpy(m))).real.sum())
+        t = torch.tensor(np.arange(12.0).reshape(3, 4)).float()
+        print(torch.linalg.matrix_norm(t, ord=2).item(), (t.numpy() @ t.numpy().T).tolist())
+    """,
     "cpu_model_kernels": """
         # a model trained on the host (nanoGPT's --device=cpu): attention, dropout and
         # rms_norm run the CPU's kernels, whatever GPU the emulation plays
@@ -524,7 +591,7 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
     assert res.exit_code == 1
     assert expected in res.stderr
     assert "internal error" not in res.output
-    assert "nothing was measured; no report written" in res.stderr
+    assert "nothing was measured; no report written (dpprof-reports/run-" in res.stderr
     assert not list(tmp_path.glob("dpprof-reports/*"))
     if "SyntaxError" not in expected:
         # the script's own frame, named as Python names it
@@ -553,14 +620,32 @@ def test_a_module_that_does_not_exist_says_what_python_says(tmp_path: Path,
     assert "Traceback" not in res.stderr
 
 
-def test_a_script_that_never_touches_cuda_is_an_answer_not_an_error(
+def test_a_script_that_never_touches_cuda_says_nothing_was_measured(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's exit table: 1 where nothing was measured, with the line saying why."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text("print('hello')\n")
-    res = runner.invoke(app, ["run", "--", "python", "train.py"])
-    assert res.exit_code == 0, res.output
+    (tmp_path / "nogpu.py").write_text("print('hello')\n")
+    res = runner.invoke(app, ["run", "-o", "r.json", "--", "python", "nogpu.py"])
+    assert res.exit_code == 1, res.output
     assert res.stdout.startswith("hello\n")
-    assert "without putting anything on a GPU" in res.stderr
+    assert ("dpprof: the script ended without putting anything on a GPU (no tensor or module "
+            "moved to cuda): nothing was measured; no report written (r.json) (exit status 1)"
+            ) in res.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("source", [
+    "import sys\nprint('done')\nsys.exit(0)\n",
+    "import torch\nprint(torch.cuda.is_available(), torch.cuda.device_count())\n",
+    "import torch\nx = torch.empty(0, device='cuda:0')\n",  # no byte on a GPU
+], ids=["sys-exit-0", "asks-only", "empty-tensor"])
+def test_every_run_that_measured_nothing_exits_1(
+        source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(source)
+    res = runner.invoke(app, ["run", "-q", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 1, res.output
+    assert "nothing was measured; no report written (r.json) (exit status 1)" in res.stderr
 
 
 def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(
@@ -576,7 +661,7 @@ def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(
             print("step", step)
     """))
     res = runner.invoke(app, ["run", "--steps", "2", "--", "python", "train.py"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # nothing was measured
     assert res.stdout.startswith("step 0\n")
     assert "step 2" not in res.stdout
     assert ("dpprof: the script ran its 2 optimizer step(s) (--steps; stopped there) without "
@@ -629,6 +714,31 @@ def test_an_interrupted_run_writes_what_it_measured_marked_partial(
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["interrupted"] == "SIGINT"
     assert saved["comparison"]["verdict"].startswith("Partial result: interrupted by SIGINT")
+
+
+def test_an_interrupt_before_the_first_batch_leaves_a_partial_result_that_renders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after DataParallel's model is on the GPUs and before its first batch: the
+    partial result holds the model's memory and no batch; no fix is read off a step never
+    taken, and ``dpprof report`` renders it (its fixes read from its scenarios: none)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        model = nn.DataParallel(nn.Linear(8, 8).cuda())
+        raise KeyboardInterrupt  # what Ctrl-C raises before the loop
+    """))
+    res = runner.invoke(app, ["run", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 130, res.output
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["interrupted"] == "SIGINT" and saved["batch"] == 0
+    assert saved["config"]["interrupted_in"] == "the script as written"
+    assert saved["scenarios"][0]["devices"][0]["peak_allocated_bytes"] > 0
+    assert saved["fixes"] == []
+    res = runner.invoke(app, ["report", "r.json", "-o", "r.html"])
+    assert res.exit_code == 0, res.output
+    assert "interrupted by SIGINT" in (tmp_path / "r.html").read_text()
 
 
 SMALL_VALUES = """

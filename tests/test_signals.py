@@ -78,7 +78,7 @@ def test_sigterm_during_the_final_write_leaves_no_temporary_file(
     from dpprof.errors import Interrupted
     from dpprof.result import write_atomic
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     real_replace = os.replace
 
     def replace_after_sigterm(src: str, dst: str) -> None:
@@ -95,4 +95,36 @@ def test_sigterm_during_the_final_write_leaves_no_temporary_file(
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    assert list(tmp_path.iterdir()) == []
+
+
+THIRD_SIGNAL_DURING_A_WRITE = """
+import os, signal, sys
+from dpprof.errors import install_stop_handlers, take_interrupt
+from dpprof.result import write_atomic
+
+install_stop_handlers()
+take_interrupt(signal.SIGINT)  # dpprof is stopping on a first Ctrl-C, writing what it measured
+real_replace = os.replace
+
+def replace(src, dst):  # two more Ctrl-C while the report is half written
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    real_replace(src, dst)
+
+os.replace = replace
+write_atomic(sys.argv[1], "{}" * 100_000)
+"""
+
+
+def test_a_third_ctrl_c_quits_at_once_and_leaves_no_half_written_report(tmp_path: Path) -> None:
+    """The second Ctrl-C behind the first is held (the partial result is still written);
+    the third quits with 130 and says it did not write it, and removes the report's
+    temporary file rather than leave it beside the user's files."""
+    done = subprocess.run([PY, "-c", THIRD_SIGNAL_DURING_A_WRITE, str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert "SIGINT again: writing what was measured first" in done.stderr
+    assert "SIGINT again: quit without writing the partial result" in done.stderr
+    assert "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []

@@ -411,3 +411,21 @@ def test_torch_cuda_random_state_is_a_stand_in() -> None:
         assert len(torch.cuda.random.get_rng_state_all()) == 2
         torch.cuda.random.manual_seed_all(0)
         torch.cuda.random.set_rng_state(state)
+
+
+def test_singular_values_on_a_gpu_allocate_no_singular_vectors() -> None:
+    """torch.linalg.svdvals decides, as on a GPU without a dispatch mode, not to compute the
+    singular vectors (the emulator's own mode would make torch compute them)."""
+    with VirtualCuda(1):
+        x = torch.empty(512, 256, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        s = torch.linalg.svdvals(x)
+        # the values, and the copy of x LAPACK/cuSOLVER overwrites: no U (512 x 256), no Vh
+        assert torch.cuda.max_memory_allocated() - before < 512 * 256 * 4 + 256 * 4 + 4096
+        assert s.shape == (256,)
+        xg = torch.empty(512, 256, device="cuda", requires_grad=True)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        torch.linalg.svdvals(xg)  # its backward needs U and Vh: computed, as on a GPU
+        assert torch.cuda.max_memory_allocated() - before >= 512 * 256 * 4 + 256 * 256 * 4

@@ -177,8 +177,13 @@ def partial_sentence(run: RunResult) -> str:
         return ""
     if run.config.get("command") == "run":
         steps = (run.config.get("steps_done") or {}).get("as-written", 0)
-        return (f"Partial result: interrupted by {run.interrupted} after {steps} optimizer "
-                "step(s) of the script as written; no alternative was run.")
+        during = run.config.get("interrupted_in") or "the script as written"
+        if during == "the script as written":
+            return (f"Partial result: interrupted by {run.interrupted} during the script as "
+                    f"written, after {steps} optimizer step(s); no alternative was run.")
+        return (f"Partial result: interrupted by {run.interrupted} during {during}, after "
+                f"the script as written ran {steps} optimizer step(s); what was not run to "
+                "its end is not compared.")
     done = ", ".join(s.name for s in run.scenarios) or "none"
     asked = run.config.get("scenarios") or []
     return (f"Partial result: interrupted by {run.interrupted} after {len(run.scenarios)} of "

@@ -24,7 +24,7 @@ from dpprof.cli.check import check_cmd
 from dpprof.cli.common import err, fit_output_width, out
 from dpprof.cli.compare import compare_cmd
 from dpprof.cli.env import env_cmd
-from dpprof.cli.guard import install_signal_handlers, interrupted_line
+from dpprof.cli.guard import interrupted_line
 from dpprof.cli.maxbatch import maxbatch_cmd
 from dpprof.cli.report import report_cmd
 from dpprof.cli.run import run_cmd
@@ -40,6 +40,8 @@ from dpprof.errors import (
     RUN_EXIT_STATUS_HELP,
     WATCH_EXIT_STATUS_HELP,
     Interrupted,
+    exit_decided,
+    install_stop_handlers,
 )
 from dpprof.reports.escape import terminal_text
 from dpprof.version import __version__
@@ -91,7 +93,9 @@ class OneLineErrors(TyperGroup):
             err.print(f"dpprof: error: {terminal_text(e.format_message())}{where}",
                       soft_wrap=True)
             sys.exit(e.exit_code)
-        except _ABORT:
+        except _ABORT as e:
+            if isinstance(e.__cause__, KeyboardInterrupt):  # click's word for a Ctrl-C
+                raise KeyboardInterrupt from None
             err.print("dpprof: aborted", soft_wrap=True)
             sys.exit(1)
         # typer returns a command's typer.Exit code, or what the command returned (None)
@@ -169,16 +173,18 @@ app.command("check", cls=PlainHelp,
 def main() -> None:
     """The ``dpprof`` entry point: SIGTERM unwinds as Ctrl-C does (children ended, temporary
     files removed), and an interrupt outside a command's guard still exits 130/143."""
-    install_signal_handlers()
+    install_stop_handlers()
     try:
         app()
     except BrokenPipeError:  # `dpprof ... | head`
         sys.stderr.close()
     except Interrupted as e:
         print(interrupted_line(e.signum), file=sys.stderr)
+        exit_decided(e.exit_code)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print(interrupted_line(signal.SIGINT), file=sys.stderr)
+        exit_decided(EXIT_SIGINT)
         sys.exit(EXIT_SIGINT)
 
 

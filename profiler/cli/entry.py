@@ -1,30 +1,31 @@
 """The ``dpprof`` console script (and ``python -m dpprof``): signals first, then the commands.
 
-Importing the commands imports torch (a second or more); a Ctrl-C or SIGTERM in that time
-gets dpprof's one line and its exit status (130/143), not an import traceback.
+Importing the commands imports torch (a second or more). Until a command runs, nothing
+needs undoing (no child, no temporary file, no output), so a Ctrl-C, SIGTERM or SIGHUP in
+that time ends the process at once with dpprof's one line and its exit status (130/143/129):
+no import traceback, and no half-imported module read again on the way out. A command
+then takes them as :mod:`dpprof.errors` says (:func:`dpprof.cli.app.main`).
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
+
+
+def _quit_at_once(signum: int, frame: object = None) -> None:
+    name = signal.Signals(signum).name
+    os.write(2, f"dpprof: interrupted ({name}) before anything was measured\n".encode())
+    os._exit(128 + signum)
 
 
 def main() -> None:
-    # deferred, all three: nothing but the handlers may come before they are installed
-    # (typer and rich, then torch through the commands: see the module)
-    from dpprof.cli.guard import install_signal_handlers, interrupted_line
-    from dpprof.errors import EXIT_SIGINT, Interrupted
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _quit_at_once)
+    # deferred: nothing but the handlers may come before they are installed (typer and
+    # rich, then torch through the commands: see the module)
+    from dpprof.cli.app import main as app_main
 
-    install_signal_handlers()
-    try:
-        from dpprof.cli.app import main as app_main
-    except KeyboardInterrupt:
-        print(interrupted_line(signal.SIGINT), file=sys.stderr)
-        sys.exit(EXIT_SIGINT)
-    except Interrupted as e:
-        print(interrupted_line(e.signum), file=sys.stderr)
-        sys.exit(e.exit_code)
     app_main()
 
 

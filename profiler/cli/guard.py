@@ -11,7 +11,6 @@ as Ctrl-C does (``finally`` blocks end the children and remove temporary files).
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import traceback
@@ -27,8 +26,12 @@ from dpprof.errors import (
     EXIT_SIGINT,
     DpprofError,
     Interrupted,
-    raise_interrupted,
+    exit_decided,
+    install_stop_handlers,
+    interrupt_signal,
+    reset_interrupts,
     run_exit_status,
+    take_interrupt,
 )
 from dpprof.reports.escape import terminal_text
 
@@ -40,19 +43,23 @@ PartialWriter = Callable[[Any, int], list[str]]
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM (and SIGHUP) raise :class:`Interrupted` in the main thread, as SIGINT raises
-    KeyboardInterrupt; a no-op outside the main thread."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        with contextlib.suppress(ValueError, OSError):  # not the main thread
-            signal.signal(sig, raise_interrupted)
+    """SIGINT, SIGTERM and SIGHUP taken as :mod:`dpprof.errors` says
+    (:func:`~dpprof.errors.on_stop_signal`): SIGTERM and SIGHUP raise :class:`Interrupted`
+    in the main thread, as SIGINT raises KeyboardInterrupt; a no-op outside it."""
+    install_stop_handlers()
 
 
-def interrupted_line(signum: int, written: list[str] | None = None) -> str:
-    name = signal.Signals(signum).name
+def interrupted_line(signum: int, written: list[str] | None = None, during: str = "",
+                     why_not: str = "") -> str:
+    """The one line of an interrupted command: what it stopped, and what it wrote of what
+    was measured (or why it wrote nothing)."""
+    head = f"dpprof: interrupted ({signal.Signals(signum).name})" + (
+        f" during {during}" if during else "")
     if written:
-        return (f"dpprof: interrupted ({name}); wrote what was measured before it, marked "
-                f"partial: {', '.join(written)}")
-    return f"dpprof: interrupted ({name})"
+        return f"{head}; wrote what was measured before it, marked partial: {', '.join(written)}"
+    if why_not:
+        return f"{head}; no report written: {why_not}"
+    return head
 
 
 @contextmanager
@@ -61,22 +68,31 @@ def guarded(debug: bool, on_interrupt: PartialWriter | None = None) -> Iterator[
 
     ``on_interrupt(partial_run, signum)`` writes what an interrupted run had measured and
     returns the paths written (shown in the one line)."""
+    reset_interrupts()
     try:
         yield
     except typer.Exit:
         raise
     except (KeyboardInterrupt, Interrupted) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        signum = interrupt_signal(e)
+        take_interrupt(signum)  # the next signal is held while the partial result is written
         partial = e.partial if isinstance(e, Interrupted) else None
         written: list[str] = []
-        if partial is not None and on_interrupt is not None:
-            try:
-                written = on_interrupt(partial, signum)
-            except (Exception, KeyboardInterrupt, Interrupted) as w:
-                _err.print(f"dpprof: could not write the partial result: {terminal_text(str(w))}",
-                           soft_wrap=True)
-        _err.print(interrupted_line(signum, written), soft_wrap=True)
-        raise typer.Exit(code=128 + signum if signum else EXIT_SIGINT) from None
+        why_not = ""
+        if on_interrupt is not None:
+            if partial is None:
+                why_not = "nothing was measured before it"
+            else:
+                try:
+                    written = on_interrupt(partial, signum)
+                except Exception as w:
+                    why_not = ("could not write the partial result: "
+                               + terminal_text(str(w) or type(w).__name__))
+        during = e.during if isinstance(e, Interrupted) else ""
+        _err.print(interrupted_line(signum, written, during, why_not), soft_wrap=True)
+        status = 128 + signum if signum else EXIT_SIGINT
+        exit_decided(status)
+        raise typer.Exit(code=status) from None
     except DpprofError as e:
         raise _fail(e, debug, e.exit_code) from None
     except SystemExit as e:  # a workload (or a library it calls) called sys.exit()

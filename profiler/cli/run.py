@@ -20,6 +20,7 @@ from dpprof.cli.common import (
     out,
     output_paths,
     progress_bar,
+    shown_path,
     write_reports,
 )
 from dpprof.cli.guard import guarded
@@ -35,11 +36,17 @@ from dpprof.cli.options import (
     check_bounds,
     target_gpu,
 )
-from dpprof.errors import EXIT_ERROR, UsageError
+from dpprof.errors import EXIT_ERROR, Interrupted, UsageError, interrupt_signal, take_interrupt
 from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
-from dpprof.result import RunResult
-from dpprof.script.session import ScriptConfig, nothing_on_a_gpu, parse_command, run_command
+from dpprof.result import STATUS_ERROR, RunResult
+from dpprof.script.session import (
+    ScriptConfig,
+    interrupted_while_writing,
+    nothing_on_a_gpu,
+    parse_command,
+    run_command,
+)
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -118,7 +125,7 @@ def run_cmd(
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
         # marked partial where it was measured (run_command); only written here
-        return [str(p) for p in write_reports(partial, paths, True, include_host)]
+        return [shown_path(p) for p in write_reports(partial, paths, True, include_host)]
 
     with guarded(debug, on_interrupt=write_partial):
         _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
@@ -135,8 +142,14 @@ def run_cmd(
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
-        _show_and_write(result, main, paths, quiet, include_host)
-    _exit_with_script_status(main)
+        try:
+            measured = _show_and_write(result, main, paths, quiet, include_host)
+        except (KeyboardInterrupt, Interrupted) as e:  # the whole result, marked, written
+            signum = interrupt_signal(e)
+            take_interrupt(signum)
+            raise Interrupted(signum, partial=interrupted_while_writing(result, signum),
+                              during="the writing of the reports") from None
+    _exit_with_status(main, result if measured else None)
 
 
 def _check_run_options(gpus: int, steps: int) -> None:
@@ -188,22 +201,36 @@ def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult,
 
 
 def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, str]],
-                    quiet: bool, include_host: bool = False) -> None:
+                    quiet: bool, include_host: bool = False) -> bool:
     """The script's traceback, then the terminal report and the files, or the one line
-    saying nothing reached a GPU."""
+    saying nothing reached a GPU; whether anything was measured."""
     if main.script_traceback:  # verbatim, as the script would have printed it
         sys.stderr.write(main.script_traceback.rstrip() + "\n")
     if not any(d.peak_allocated_bytes for s in result.scenarios for d in s.devices):
         # nothing reached a GPU: that is the answer, and there is no report to write
-        err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written", markup=False,
-                  highlight=False, soft_wrap=True)
-    else:
-        if not quiet:
-            out.print(terminal.render(for_terminal(result)))
-        write_reports(result, paths, quiet, include_host)
+        unwritten = ", ".join(terminal_text(shown_path(p)) for p, _ in paths)
+        status = "" if main.exit_status else f" (exit status {EXIT_ERROR})"
+        err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written ({unwritten})"
+                  f"{status}", markup=False, highlight=False, soft_wrap=True)
+        return False
+    if not quiet:
+        out.print(terminal.render(for_terminal(result)))
+    write_reports(result, paths, quiet, include_host)
+    return True
 
 
-def _exit_with_script_status(main: ScriptRun | None) -> None:
-    if main is not None and main.exit_status:
-        # the script's own status (its error is its result; the reports are written)
+def _exit_with_status(main: ScriptRun | None, measured: RunResult | None) -> None:
+    """The script's own status when it failed (its error is its result; the reports are
+    written), else the exit table's: 1 where nothing was measured (said by
+    :func:`_show_and_write`) or the script's figures could not be reported, 0 where the
+    script was measured (an alternative that failed is in the report, as its result)."""
+    if main is None:
+        return
+    if main.exit_status:
         raise typer.Exit(code=main.exit_status if main.exit_status > 0 else EXIT_ERROR)
+    if measured is None:
+        raise typer.Exit(code=EXIT_ERROR)
+    if main.scenario.status == STATUS_ERROR:  # the script ran; its figures could not be
+        err.print(f"dpprof: {main.scenario.name}: {main.scenario.message} (exit status "
+                  f"{EXIT_ERROR})", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(code=EXIT_ERROR)

@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -52,8 +53,15 @@ from dpprof.emulator.allocator import simulate
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_api import device_index
-from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta, real_device
+from dpprof.emulator.cuda_devices import (
+    ORIGINALS,
+    CudaDevices,
+    caller_site,
+    on_meta,
+    real_device,
+)
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
+from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
 
 # ---- crossings with autograd -----------------------------------------------------------------
@@ -107,6 +115,18 @@ def parse_visible_devices(value: str | None, physical: int) -> list[int]:
     return out
 
 
+
+@dataclass
+class MemoryAnswered:
+    """The most ``torch.cuda``'s memory functions told the program of one device, and which
+    call told it (``"torch.cuda.max_memory_allocated() at train.py:30"``)."""
+
+    allocated_bytes: int = 0  # memory_allocated, max_memory_allocated, memory_stats
+    allocated_by: str = ""
+    reserved_bytes: int = 0  # memory_reserved, max_memory_reserved, memory_stats, and
+    reserved_by: str = ""  # the capacity less mem_get_info's free bytes
+
+
 class VirtualCuda:
     """Context manager: ``torch.cuda`` played by ``num_gpus`` virtual GPUs (see the module).
 
@@ -129,6 +149,8 @@ class VirtualCuda:
         self._visible: list[int] | None = None
         self._current = 0
         self._peak_from = [0] * num_gpus  # event index of each device's last peak reset
+        # runtime index -> the most torch.cuda's memory functions told the program of it
+        self.answered: dict[int, MemoryAnswered] = {}
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
@@ -214,12 +236,26 @@ class VirtualCuda:
     def _dev(self, device: Any) -> int:
         return self.index_of(device if device is not None else self.current_device())
 
+    def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:
+        """Note what the program was told of device ``i`` (the reported peak must be at
+        least that: dpprof.script checks it)."""
+        told = self.answered.setdefault(i, MemoryAnswered())
+        if allocated > told.allocated_bytes:
+            told.allocated_bytes, told.allocated_by = allocated, f"{what} at {caller_site()}"
+        if reserved > told.reserved_bytes:
+            told.reserved_bytes, told.reserved_by = reserved, f"{what} at {caller_site()}"
+
     def memory_allocated(self, device: Any = None) -> int:
-        return self.rt.live_bytes(self._dev(device))
+        i = self._dev(device)
+        live = self.rt.live_bytes(i)
+        self._told(i, allocated=live, what="torch.cuda.memory_allocated()")
+        return live
 
     def max_memory_allocated(self, device: Any = None) -> int:
         i = self._dev(device)
-        return max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
+        peak = max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
+        self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
+        return peak
 
     def _reserved(self, i: int) -> tuple[int, int]:
         """(current, peak since the last reset) reserved bytes: the caching allocator
@@ -235,23 +271,34 @@ class VirtualCuda:
         return stats.final_reserved_bytes, stats.peak_reserved_bytes
 
     def memory_reserved(self, device: Any = None) -> int:
-        return self._reserved(self._dev(device))[0]
+        i = self._dev(device)
+        reserved = self._reserved(i)[0]
+        self._told(i, reserved=reserved, what="torch.cuda.memory_reserved()")
+        return reserved
 
     def max_memory_reserved(self, device: Any = None) -> int:
-        return self._reserved(self._dev(device))[1]
+        i = self._dev(device)
+        peak = self._reserved(i)[1]
+        self._told(i, reserved=peak, what="torch.cuda.max_memory_reserved()")
+        return peak
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         self._peak_from[self._dev(device)] = len(self.rt.events)
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        return (max(self.capacity_bytes - self.memory_reserved(device), 0), self.capacity_bytes)
+        i = self._dev(device)
+        reserved = self._reserved(i)[0]
+        self._told(i, reserved=reserved, what="torch.cuda.mem_get_info()")
+        return (max(self.capacity_bytes - reserved, 0), self.capacity_bytes)
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         i = self._dev(device)
         reserved, peak_reserved = self._reserved(i)
+        peak = max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
+        self._told(i, allocated=peak, reserved=peak_reserved, what="torch.cuda.memory_stats()")
         return {
             "allocated_bytes.all.current": self.rt.live_bytes(i),
-            "allocated_bytes.all.peak": self.max_memory_allocated(i),
+            "allocated_bytes.all.peak": peak,
             "reserved_bytes.all.current": reserved,
             "reserved_bytes.all.peak": peak_reserved,
             "active_bytes.all.current": self.rt.live_bytes(i),
@@ -449,6 +496,9 @@ class VirtualCuda:
             if self.enter_runtime:
                 self._stack.enter_context(self.rt)
                 self._stack.enter_context(self.rt.device(HOST))
+                # the runtime's mode makes torch's composites take their paths for
+                # subclasses (other low bits of svdvals): the paths of plain Python instead
+                self._stack.enter_context(decided_as_without_a_mode())
             self._install()
         except BaseException:
             self.__exit__(*sys.exc_info())

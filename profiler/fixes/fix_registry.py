@@ -59,7 +59,7 @@ def from_scenarios(run: RunResult) -> list[Fix]:
     """The fixes the run's own scenarios measure, without emulating anything: for results
     saved without fixes (``--no-fixes``, older files)."""
     primary = run.scenario(FIX_BASELINE)
-    if not measured_ok(primary) or run.gpus < 2:
+    if not measured_ok(primary) or run.gpus < 2 or run.batch < 1:  # no step: no batch
         return []
     assert primary is not None
     found = [kind.from_scenario(run.scenario(kind.measured_in or ""), primary, run.gpus,

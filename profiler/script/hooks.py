@@ -6,6 +6,7 @@ forward), and ``torch.compile`` run eagerly (:func:`compile_eagerly`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site
+from dpprof.emulator.events import DeviceCounters
 from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -59,6 +61,8 @@ class Stepper:
         self.done = 0
         self.on_step = on_step
         self.measure_start = 0
+        # each device's counters when the warm-up ended (their peaks: the warm-up's)
+        self.warmup_peaks: list[DeviceCounters] = []
         # weakly: an optimizer the script drops (a finished mp.spawn job's, a stage's) frees
         # its parameters and state as it would on a GPU
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -83,6 +87,29 @@ class Stepper:
         self.forward_site = ""
         self.backward_site = ""
 
+    def _start_measuring(self) -> None:
+        """Peaks restart here, after the warm-up step; the warm-up's are kept
+        (:meth:`keep_higher_warmup_peaks`)."""
+        self.warmup_peaks = [dataclasses.replace(c) for c in self.rt.counters]
+        self.rt.reset_peaks()
+        self.measure_start = len(self.rt.events)
+
+    def keep_higher_warmup_peaks(self) -> dict[int, int]:
+        """Where the warm-up step peaked higher than the steps after it (a script that
+        trains one step, then evaluates; a first step's transients), that peak is the
+        device's again: the peak reported is the highest the GPU reaches, and never below
+        what ``torch.cuda.max_memory_allocated`` told the script. The devices where it was,
+        with the steps' own peaks (``{device: bytes}``)."""
+        steps_peaks: dict[int, int] = {}
+        if not self.warmup_peaks:  # no warm-up ended: the peaks are the whole run's
+            return steps_peaks
+        for i, (warm, c) in enumerate(zip(self.warmup_peaks, self.rt.counters, strict=True)):
+            if warm.peak_allocated > c.peak_allocated:
+                steps_peaks[i] = c.peak_allocated
+                c.peak_allocated, c.peak_requested = warm.peak_allocated, warm.peak_requested
+                c.peak_event, c.peak_phase = warm.peak_event, warm.peak_phase
+        return steps_peaks
+
     def phase(self, name: str) -> None:
         if self._phase is not None:
             self._phase.close()
@@ -102,8 +129,7 @@ class Stepper:
         if self.on_step is not None:
             self.on_step(self.done)
         if self.done == 1 and self.steps > 1:
-            self.rt.reset_peaks()  # step 1 was the warm-up: measure from here
-            self.measure_start = len(self.rt.events)
+            self._start_measuring()  # step 1 was the warm-up: measure from here
             # the batch reported is a measured step's (the model-parallel tutorial's first
             # step trains a toy on 20 rows, the measured ones ResNet-50 on 120); the
             # warm-up's where no other step follows
@@ -127,8 +153,7 @@ class Stepper:
                 self.by_backwards = True
                 raise StopScript
             if self.backwards == 2:
-                self.rt.reset_peaks()  # the first step was the warm-up
-                self.measure_start = len(self.rt.events)
+                self._start_measuring()  # the first step was the warm-up
         if not self.backward_site:
             self.backward_site = caller_site()
         for listener in self.listeners:

@@ -212,7 +212,9 @@ def script_assumptions(cfg: ScriptConfig) -> list[str]:
         "loading, the model built on the CPU) ran for real.",
         "Allocated = live tensor storages on each virtual GPU, each rounded up to 512 B as "
         "the CUDA caching allocator rounds them; peaks are over the optimizer steps after the "
-        "first (the warm-up) and include what was resident before them.",
+        "first (the warm-up) and what follows them, and include what was resident before "
+        "them; where the warm-up peaks higher, its peak is the GPU's (never below what "
+        "torch.cuda's memory functions told the script).",
         "DataParallel is re-enacted step by step from torch.nn.parallel (scatter, replicate, "
         "parallel_apply, gather, reduce-add of gradients onto cuda:0); "
         "DistributedDataParallel as one rank (the reducer's buckets re-enacted) over a fake "

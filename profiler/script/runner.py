@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import runpy
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,16 @@ from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.virtual_cuda import VirtualCuda
-from dpprof.errors import Interrupted, UsageError
+from dpprof.errors import (
+    Interrupted,
+    UsageError,
+    deferred_interrupts,
+    interrupt_delivered,
+    interrupt_signal,
+    interrupts_allowed,
+    pending_interrupt,
+    take_interrupt,
+)
 from dpprof.measure.ladder import Rung
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
 from dpprof.scenarios.names import (
@@ -56,10 +64,11 @@ from dpprof.script.hooks import (
     compile_eagerly,
 )
 from dpprof.script.launch import Launch, run_main_file, script_process, user_traceback
+from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.wrappers import DDP_IN_PLACE
 from dpprof.units import fmt_bytes
 
-__all__ = ["ScriptConfig", "ScriptRun", "run_script"]
+__all__ = ["RunInterrupted", "ScriptConfig", "ScriptRun", "run_script"]
 
 
 @dataclass
@@ -130,10 +139,36 @@ class ScriptRun:
     forward_site: str = ""
     backward_site: str = ""
     checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
+    variant: str = AS_WRITTEN  # the run's ScriptConfig.variant
+    rung: str | None = None  # the name of the ladder's rung it ran, if any
+    noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
+
+
+class RunInterrupted(Interrupted):
+    """A run of the script stopped by ``signum``: ``run`` holds what it measured (cut short
+    where the script was running, else whole), ``cfg`` the run it was."""
+
+    def __init__(self, signum: int, run: ScriptRun, cfg: ScriptConfig) -> None:
+        super().__init__(signum)
+        self.run = run
+        self.cfg = cfg
 
 
 def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> ScriptRun:
-    """Run the script once on virtual GPUs and measure it (see the module)."""
+    """Run the script once on virtual GPUs and measure it (see the module).
+
+    A stop signal while the script runs stops it (the run ends "interrupted"); one while
+    dpprof sets the run up or puts everything back waits until that is done. Either way
+    :class:`RunInterrupted` is raised with what the run measured."""
+    with deferred_interrupts():
+        run = _run_script(cfg, on_step)
+        signum = run.interrupted_by if run.ended == "interrupted" else pending_interrupt()
+        if signum:
+            raise RunInterrupted(signum, run, cfg)
+    return run
+
+
+def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     launch = cfg.launch
     if not launch.is_module and not Path(launch.target).is_file():
         raise UsageError(f"dpprof run: {launch.target}: no such file")
@@ -141,7 +176,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
                      gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
     stepper = Stepper(rt, cfg.steps, on_step)
-    run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN))
+    run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
+                    rung=cfg.rung.name if cfg.rung is not None else None)
     variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
@@ -193,7 +229,8 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
     run.kernels = dict(kernels.chosen)
-    run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc)
+    warmup_higher = stepper.keep_higher_warmup_peaks()
+    run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
     if cfg.variant == DDP_IN_PLACE and ledger is not None:
         run.bucket_view_peak_bytes = ledger.peak_allocated if ledger.unsure is None else None
@@ -214,19 +251,23 @@ def _count_backwards(patcher: Patcher, stepper: Stepper) -> None:
 
 def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     """Run the script as ``__main__`` until it has run its steps, ends or raises; how it
-    ended goes into ``run``; the script's own error is returned."""
+    ended goes into ``run``; the script's own error is returned. A stop signal delivered
+    while it ran ends it "interrupted", however the script took it (an ``except
+    KeyboardInterrupt`` that saves and exits, a worker it ended that fails the loop)."""
+    error: BaseException | None = None
     try:
-        if launch.is_module:
-            runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
-        else:
-            run_main_file(launch.target)
+        with scripts_stop_handlers() as theirs, interrupts_allowed(theirs):
+            # the script's own time: a stop signal stops it
+            if launch.is_module:
+                runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
+            else:
+                run_main_file(launch.target)
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: keep what it measured
         run.ended = "interrupted"
-        run.interrupted_by = (e.signum if isinstance(e, Interrupted)
-                              else signal.SIGINT)
+        run.interrupted_by = interrupt_signal(e)
     except SystemExit as e:
         code = e.code
         run.exit_status = code if isinstance(code, int) else (0 if code is None
@@ -238,8 +279,14 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         run.ended = "script raised"
         run.exit_status = 1
         run.script_traceback = user_traceback(e, launch)
-        return e
-    return None
+        error = e
+    delivered = interrupt_delivered()
+    if run.ended != "interrupted" and delivered is not None:
+        run.ended, run.interrupted_by = "interrupted", delivered
+        run.exit_status, run.script_traceback, error = 0, None, None
+    if run.ended == "interrupted":
+        take_interrupt(run.interrupted_by)  # dpprof stops: the next signal is held
+    return error
 
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
@@ -286,8 +333,8 @@ def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
 
 
 def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepper,
-              used: list[int], ddp_devices: list[int],
-              exc: BaseException | None) -> ScenarioResult:
+              used: list[int], ddp_devices: list[int], exc: BaseException | None,
+              warmup_higher: dict[int, int]) -> ScenarioResult:
     rt = vc.rt
     n = vc.device_count()
     run.visible_gpus = n
@@ -305,9 +352,16 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
             rt, i, logical, cfg.capacity_bytes,
             rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
             run.shard_rows.get(i, 0) if split else run.batch_rows,
-            timeline_points(rt, i, start, phase_before_start=True), start)
+            timeline_points(rt, i, 0 if i in warmup_higher else start,
+                            phase_before_start=True),
+            0 if i in warmup_higher else start)
         for logical, i in enumerate(visible)
     ]
+    s.notes.extend(
+        f"cuda:{logical} peaked in the warm-up step, at "
+        f"{fmt_bytes(rt.counters[i].peak_allocated)} ({rt.counters[i].peak_phase}), above "
+        f"all that followed it ({fmt_bytes(warmup_higher[i])}): that peak is reported, as "
+        "the GPU reaches it" for logical, i in enumerate(visible) if i in warmup_higher)
     if kind.ranks_alike and run.world_size > 1:
         devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
                             min(run.world_size, n))
@@ -326,7 +380,11 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         s.traceback = run.script_traceback
     else:
         over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
-        if over:
+        untold = _below_what_the_script_was_told(s, vc)
+        if untold:
+            s.status = STATUS_ERROR
+            s.message = untold
+        elif over:
             worst = max(over, key=lambda d: d.total_peak_bytes)
             s.status = STATUS_OOM
             s.oom_device = worst.index
@@ -337,6 +395,28 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         else:
             s.status = STATUS_OK
     return s
+
+
+def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda) -> str:
+    """Where a device's reported peak is below what ``torch.cuda``'s memory functions told
+    the script of it (the peak the GPU reaches is at least every reading of it), why the
+    run cannot be reported; "" where none is."""
+    ranks_from = next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
+                      vc.visible[0])
+    for d in s.devices:
+        told = vc.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
+        if told is None:
+            continue
+        for reported, read, by, what in (
+                (d.peak_allocated_bytes, told.allocated_bytes, told.allocated_by, "allocated"),
+                (d.peak_reserved_bytes, told.reserved_bytes, told.reserved_by, "reserved")):
+            if reported is not None and read > reported:
+                return (f"not reported: dpprof's peak {what} for cuda:{d.index} "
+                        f"({fmt_bytes(reported)}) is below what the script was told, "
+                        f"{fmt_bytes(read)} by {by}; the peak the GPU reaches is at least "
+                        "every reading of it, so these figures are wrong (a dpprof bug: "
+                        "please report it)")
+    return ""
 
 
 def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:

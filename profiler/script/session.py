@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dpprof.answers.answer import partial_sentence
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
-from dpprof.errors import Interrupted
+from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.fixes.fix_registry import run_variants
-from dpprof.result import Fix, RunResult, new_result
+from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
@@ -48,7 +48,7 @@ from dpprof.script.notes import (
     write_notes,
 )
 from dpprof.script.rungs import run_ladder
-from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
+from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
@@ -82,22 +82,65 @@ Progress = Callable[[str, int, int], None]  # (what, steps done, steps)
 def run_command(cfg: ScriptConfig, alternatives: bool = True,
                 progress: Progress | None = None) -> tuple[RunResult, ScriptRun]:
     """Run the script as written (and its paired alternatives); the result and the
-    as-written run (its traceback and exit status)."""
+    as-written run (its traceback and exit status).
+
+    An interrupt at any moment raises :class:`~dpprof.errors.Interrupted` with the partial
+    result: the runs that ended, the one it cut short (the script as written with what it
+    measured; an alternative as an error, never compared), marked interrupted and naming
+    the run it stopped in."""
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
-    main = run_script(cfg, step_cb("as written"))
-    n = len(main.scenario.devices) if main.scenario.name != DDP else main.visible_gpus
-    runs = [(AS_WRITTEN, main)]
+    runs: list[tuple[str, ScriptRun]] = []
+    rungs: list[tuple[str, ScriptRun]] = []
     notes: list[str] = []
     fixes: list[Fix] = []
-    if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
-            and main.ended not in ("script raised", "interrupted")):
-        _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
-    rungs: list[tuple[str, ScriptRun]] = []
-    ladder_on = (run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
-                 if main.ended not in ("script raised", "interrupted") else None)
-    _note_the_main_run(main, cfg)
+    doing = ["the script as written"]  # what runs now, in words (the last is)
+    try:
+        main = run_script(cfg, step_cb("as written"))
+        runs.append((AS_WRITTEN, main))
+        n = _gpus_of(main)
+        if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
+                and main.ended != "script raised"):
+            doing.append("the alternatives")
+            _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
+        ladder_on = None
+        if main.ended != "script raised":
+            doing.append("the ladder")
+            ladder_on = run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
+        doing.append("the result")
+        return _result(cfg, runs, rungs, notes, fixes, ladder_on), main
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = interrupt_signal(e)
+        take_interrupt(signum)  # stopping: the next signal is held until this is written
+        cut = e.run if isinstance(e, RunInterrupted) else None
+        during = run_words(e.cfg) if isinstance(e, RunInterrupted) else doing[-1]
+        partial = _partial(cfg, runs, rungs, notes, fixes, cut, signum, during)
+        raise Interrupted(signum, partial=partial, during=during) from None
+
+
+def run_words(cfg: ScriptConfig) -> str:
+    """The run of the script ``cfg`` makes, in words ("the DDP alternative")."""
+    if cfg.rung is not None:
+        return f"the ladder's rung {cfg.rung.name}"
+    if cfg.variant == AS_WRITTEN:
+        return "the script as written"
+    return f"the {cfg.variant} alternative"
+
+
+def _gpus_of(main: ScriptRun) -> int:
+    return len(main.scenario.devices) if main.scenario.name != DDP else main.visible_gpus
+
+
+def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
+            rungs: list[tuple[str, ScriptRun]], notes: list[str], fixes: list[Fix],
+            ladder_on: str | None) -> RunResult:
+    """The result of the runs (the first is the script as written)."""
+    main = runs[0][1]
+    n = _gpus_of(main)
+    if not main.noted:
+        _note_the_main_run(main, cfg)
+        main.noted = True
     result = new_result(
         "emulated", cfg.launch.display, batch=main.scenario.batch, gpus=n,
         gpu_memory_bytes=cfg.capacity_bytes,
@@ -118,13 +161,50 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     )
     result.comparison = compare(result)
     result.attribution = attribute_run(result)
-    if main.ended == "interrupted":
-        result.interrupted = signal.Signals(main.interrupted_by).name
-        result.notes.append(partial_sentence(result))
     result.comparison.verdict = script_verdict(result)
-    if main.ended == "interrupted":
-        raise Interrupted(main.interrupted_by, partial=result)
-    return result, main
+    return result
+
+
+def _partial(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
+             rungs: list[tuple[str, ScriptRun]], notes: list[str], fixes: list[Fix],
+             cut: ScriptRun | None, signum: int, during: str) -> RunResult | None:
+    """What an interrupt leaves: the runs that ended, and ``cut``, the run it stopped (the
+    script as written: what it measured; an alternative: an error, never compared; a
+    rung: a note); None where nothing was measured."""
+    name = signal.Signals(signum).name
+    if cut is not None:
+        if not runs:
+            runs = [(AS_WRITTEN, cut)]
+        elif cut.ended != "interrupted":  # stopped after its script stopped: it is whole
+            if cut.rung is None:
+                runs = [*runs, (cut.variant, cut)]
+        elif cut.rung is not None:
+            notes = [*notes, f"ladder: {cut.rung} interrupted by {name} after "
+                     f"{cut.steps_done} step(s): not measured"]
+        else:
+            s = cut.scenario
+            s.status, s.message = STATUS_ERROR, (
+                f"interrupted by {name} after {cut.steps_done} of {cfg.steps} optimizer "
+                "step(s): cut short, so neither reported as measured nor compared")
+            runs = [*runs, (cut.variant, cut)]
+    if not runs or not any(d.peak_allocated_bytes for _, r in runs for d in r.scenario.devices):
+        return None
+    result = _result(cfg, runs, rungs, notes, fixes, None)
+    result.interrupted = name
+    result.config["interrupted_in"] = during
+    result.notes.append(partial_sentence(result))
+    result.comparison.verdict = script_verdict(result)
+    return result
+
+
+def interrupted_while_writing(result: RunResult, signum: int) -> RunResult:
+    """A whole result whose reports an interrupt stopped: marked interrupted, in every
+    format."""
+    result.interrupted = signal.Signals(signum).name
+    result.config["interrupted_in"] = "the writing of the reports"
+    result.notes.append(partial_sentence(result))
+    result.comparison.verdict = script_verdict(result)
+    return result
 
 
 def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,

@@ -1,0 +1,137 @@
+"""``dpprof run`` counts every step: the peak it reports for a GPU is at least every value
+the script read of it from ``torch.cuda``'s memory functions, the warm-up step and what
+follows the last step (an evaluation) included; a run whose figures would be below such a
+reading says so instead of reporting them."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dpprof.cli.app import app
+from dpprof.script import hooks
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+runner = CliRunner()
+
+# One optimizer step, then an evaluation that holds less: the script's own
+# max_memory_allocated() is the training step's (the issue's 104.0 MiB against 64.0 MiB)
+ONE_STEP_THEN_EVALUATE = """
+    import torch
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    loss = model(torch.randn(512, 1024, device="cuda")).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(512, 1024, device="cuda"))
+    print("read", torch.cuda.max_memory_allocated(), torch.cuda.memory_stats()[
+        "allocated_bytes.all.peak"], torch.cuda.mem_get_info()[0])
+"""
+
+# A first step that holds a transient the later steps do not (a cache filled once), and a
+# script that prints the peak after every step; then an evaluation after the last step
+FIRST_STEP_TRANSIENT = """
+    import torch
+    import torch.nn as nn
+
+    model = nn.Linear(256, 256).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range({steps}):
+        x = torch.randn(64, 256, device="cuda")
+        if step == 0:
+            cache = torch.empty(8 * 2**20, device="cuda")  # 32 MiB, freed at once
+            del cache
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print("read", torch.cuda.max_memory_allocated())
+    with torch.no_grad():
+        big = model(torch.randn({eval_rows}, 256, device="cuda"))  # the evaluation
+    print("read", torch.cuda.max_memory_allocated())
+"""
+
+
+def _reads(out: str) -> list[int]:
+    return [int(v) for line in out.splitlines() if line.startswith("read ")
+            for v in line.split()[1:]]
+
+
+def _run(tmp_path: Path, source: str, capsys: pytest.CaptureFixture[str], steps: int = 3
+         ) -> tuple[int, list[int], str]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4),
+                                         steps=steps), alternatives=False)
+    s = result.scenarios[0]
+    return s.devices[0].peak_allocated_bytes, _reads(capsys.readouterr().out), s.status
+
+
+def test_one_step_then_evaluate_reports_the_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peak, reads, status = _run(tmp_path, ONE_STEP_THEN_EVALUATE, capsys)
+    max_allocated, stats_peak, _free = reads
+    assert status == "ok"
+    assert peak == max_allocated == stats_peak  # what the script printed, to the byte
+
+
+def test_the_cli_writes_the_step_the_script_printed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(ONE_STEP_THEN_EVALUATE))
+    res = runner.invoke(app, ["run", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    printed = _reads(res.stdout)[0]
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["scenarios"][0]["devices"][0]["peak_allocated_bytes"] == printed
+    assert "peaked in the warm-up step" in res.stdout
+
+
+@pytest.mark.parametrize("eval_rows", [40000, 8000], ids=["evaluation-39MiB", "evaluation-8MiB"])
+@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+def test_a_first_step_transient_and_the_evaluation_after_the_last_step_count(
+        steps: int, eval_rows: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = FIRST_STEP_TRANSIENT.format(steps=steps, eval_rows=eval_rows)
+    peak, reads, status = _run(tmp_path, source, capsys, steps=10)
+    assert status == "ok"
+    # the highest the script read: the evaluation's (39 MiB) or the first step's (32 MiB)
+    assert peak == max(reads) == reads[-1]
+
+
+def test_a_run_below_what_the_script_read_says_so_instead_of_reporting(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the warm-up's peak dropped, as before this was counted: the check catches it
+    monkeypatch.setattr(hooks.Stepper, "keep_higher_warmup_peaks", lambda self: {})
+    peak, reads, status = _run(tmp_path, ONE_STEP_THEN_EVALUATE, capsys)
+    assert peak < reads[0]
+    assert status == "error"
+    script = tmp_path / "train.py"
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4)),
+                            alternatives=False)
+    message = result.scenarios[0].message
+    assert message.startswith("not reported: dpprof's peak allocated for cuda:0")
+    assert "torch.cuda.max_memory_allocated() at " + str(script) + ":15" in message
+
+
+def test_the_cli_says_so_and_exits_1_where_the_figures_are_below_a_reading(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hooks.Stepper, "keep_higher_warmup_peaks", lambda self: {})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(ONE_STEP_THEN_EVALUATE))
+    res = runner.invoke(app, ["run", "-q", "-o", "r.json", "--", "python", "train.py"])
+    assert res.exit_code == 1, res.output
+    assert "dpprof: single: not reported: dpprof's peak allocated for cuda:0" in res.stderr
+    assert "(exit status 1)" in res.stderr
+    saved = json.loads((tmp_path / "r.json").read_text())  # what was measured, marked
+    assert saved["scenarios"][0]["status"] == "error"
