@@ -347,6 +347,35 @@ class Equivalence:
 
 
 @dataclass
+class ScriptWrite:
+    """What a script under ``dpprof run`` wrote, made or removed: into its run's private
+    overlay, never into the user's files."""
+
+    run: Text  # "as-written", or the alternative's or rung's run that wrote it
+    path: Text  # relative to the working directory where inside it, else absolute
+    kind: Text  # "file" | "folder" | "link" | "removed"
+    size_bytes: Bytes = 0
+    # holds values of emulated tensors, as far as dpprof can tell: a stand-in checkpoint, or
+    # written after the run read a value from a virtual GPU (a stand-in)
+    emulated_values: bool = False
+    replaced: bool = False  # a file of the user's stands at that path (and stays as it was)
+
+
+@dataclass
+class SealCheck:
+    """How ``dpprof run`` kept the script's writes out of the user's files, and its check
+    after every run that they are as they were."""
+
+    lines: TextList = field(default_factory=list)  # "python", "kernel" | "audit hook"
+    checked_entries: Count = 0  # files and folders compared after each run
+    checked_all: bool = True  # False: more than the check's limit; the shallowest compared
+    changed: TextList = field(default_factory=list)  # "path: changed after the as-written run"
+    subprocesses: TextList = field(default_factory=list)  # commands the script started
+    omitted_writes: Count = 0  # writes left out of ``RunResult.writes`` (too many to list)
+    kept_in: Text | None = None  # --keep-writes DIR
+
+
+@dataclass
 class RunResult:
     backend: Text  # "emulated" | "cpu" | "cuda"
     workload: Text
@@ -380,6 +409,9 @@ class RunResult:
     interrupted: Text | None = None
     # the one answer (dpprof.answers.answer.settle); None in results saved before it
     recommended: Recommendation | None = None
+    # `dpprof run`: what the script wrote (into its runs' overlays), and the seal's check
+    writes: Annotated[list[ScriptWrite], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    seal: SealCheck | None = None
 
     def scenario(self, name: str) -> ScenarioResult | None:
         for s in self.scenarios:
@@ -551,6 +583,8 @@ _NESTED: dict[tuple[str, str], tuple[str, Any]] = {
     ("RunResult", "recommended"): ("one", Recommendation),
     ("Recommendation", "passed_over"): ("list", PassedOver),
     ("Recommendation", "fixes"): ("list", FixAnswer),
+    ("RunResult", "writes"): ("list", ScriptWrite),
+    ("RunResult", "seal"): ("one", SealCheck),
 }
 
 
@@ -684,7 +718,8 @@ def _adapter() -> Any:
         for cls in (TimelinePoint, DeviceResult, ScenarioResult, ScenarioComparison,
                     Comparison, Attribution, Fix, MaxBatchEntry, MaxBatch, EquivalenceEntry,
                     EquivalenceFinding, Equivalence, RunResult, WatchDevice, WatchOom,
-                    WatchResult, FixAnswer, PassedOver, Recommendation):
+                    WatchResult, FixAnswer, PassedOver, Recommendation, ScriptWrite,
+                    SealCheck):
             setattr(cls, "__pydantic_config__", config)  # noqa: B010 (a stdlib dataclass)
         _ADAPTER = pydantic.TypeAdapter(RunResult)
     return _ADAPTER

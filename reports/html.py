@@ -251,7 +251,8 @@ def _render(view: ReportView) -> str:
     page = _Page()
     body = _overview(view)
     for section in (_watch_section, _peak_section, _excess_section, _timeline_section,
-                    _timing_section, _maxbatch_section, _change_section, _provenance_section):
+                    _timing_section, _maxbatch_section, _change_section, _writes_section,
+                    _provenance_section):
         body += section(view, page)
     return _document(view, body, page.figures)
 
@@ -397,6 +398,32 @@ def _change_section(view: ReportView, page: _Page) -> list[str]:
     body.append(_fixes_html(view))
     body.append(answer_sections.html_sections(view, parts=("equivalence", "checks")))
 
+    return body
+
+
+def _writes_section(view: ReportView, page: _Page) -> list[str]:
+    """``dpprof run``: what the script wrote into its runs' private overlays, and the
+    seal's check (loud where a file of the user's changed)."""
+    w = view.writes
+    if w is None:
+        return []
+    body = [page.h2("What the script wrote"),
+            f"<p class='{'verdict bad' if w.changed else 'lead'}' id='writes-summary'>"
+            f"{escape(w.summary)}</p>"]
+    if w.changed:
+        body.append("<ul class='alerts'>" + "".join(
+            f"<li class='oom'>{escape(c)}</li>" for c in w.changed) + "</ul>")
+    if w.rows:
+        body.append(
+            "<div class='card scroll'><table id='writes'><tr><th>run</th><th>path</th>"
+            "<th>size</th><th></th></tr>" + "".join(
+                f"<tr><td>{escape(r.run)}</td><td>{escape(r.path)}"
+                f"{'/' if r.kind == 'folder' else ''}</td><td>"
+                f"{escape(fmt_bytes(r.size_bytes) if r.kind in ('file', 'link') else r.kind)}"
+                f"</td><td>{escape(r.note)}</td></tr>" for r in w.rows) + "</table></div>")
+    if w.more:
+        body.append(f"<p class='lead'>... and {w.more} more (every one in the JSON "
+                    "report)</p>")
     return body
 
 

@@ -49,8 +49,35 @@ def render_view(view: ReportView) -> Group:
         if s.traceback_tail:
             parts.append(Text("\n".join(f"  {line}" for line in s.traceback_tail), style="dim"))
     parts += [Text(note, style="dim") for note in _scenario_notes(view)]
+    parts += _writes(view)
     parts += answer_sections.terminal_parts(view)
     return Group(*parts)
+
+
+TERMINAL_WRITE_ROWS = 12  # the rest are in the JSON and HTML reports
+
+
+def _writes(view: ReportView) -> list[RenderableType]:
+    """What ``dpprof run``'s script wrote (into its private overlays), and the seal's
+    check: loud where a file of the user's changed."""
+    w = view.writes
+    if w is None:
+        return []
+    parts: list[RenderableType] = [Text(w.summary, style="bold red" if w.changed else "dim")]
+    parts += [Text(f"  {c}", style="red") for c in w.changed]
+    if w.rows:
+        table = _table(("run", "left"), ("path", "left"), ("size", "right"), ("", "left"),
+                       narrow=True)
+        for r in w.rows[:TERMINAL_WRITE_ROWS]:
+            size = fmt_bytes(r.size_bytes) if r.kind in ("file", "link") else r.kind
+            path = r.path + ("/" if r.kind == "folder" else "")
+            table.add_row(r.run, path, size, r.note)
+        parts.append(table)
+    more = w.more + max(0, len(w.rows) - TERMINAL_WRITE_ROWS)
+    if more:
+        parts.append(Text(f"... and {more} more (every one in the JSON and HTML reports)",
+                          style="dim"))
+    return parts
 
 
 # ---- fitting the width ------------------------------------------------------------------

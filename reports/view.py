@@ -235,6 +235,29 @@ class WatchView:
 
 
 @dataclass(frozen=True)
+class WriteRow:
+    """One thing a script under ``dpprof run`` wrote (into its run's overlay)."""
+
+    run: str
+    path: str
+    kind: str  # "file" | "folder" | "link" | "removed"
+    size_bytes: int
+    emulated_values: bool
+    replaced: bool  # in place of a file of the user's (untouched)
+    note: str  # what the flags mean, in words ("" when neither holds)
+
+
+@dataclass(frozen=True)
+class WritesView:
+    """What ``dpprof run``'s script wrote, and the seal's check: the sentences and the rows."""
+
+    summary: str  # how the writes were sealed, how many, what the check found
+    rows: tuple[WriteRow, ...]
+    more: int  # writes not among the rows
+    changed: tuple[str, ...]  # the user's files found changed after a run (the seal broken)
+
+
+@dataclass(frozen=True)
 class Headline:
     """The verdict, and the scenario with the largest imbalance."""
 
@@ -295,6 +318,7 @@ class ReportView:
     full_configuration: Mapping[str, Any]  # the run's fields and every option
     environment: Mapping[str, Any]
     watch: WatchView | None
+    writes: WritesView | None = None  # `dpprof run`: what the script wrote
 
     @property
     def kind(self) -> str:

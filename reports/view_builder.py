@@ -29,6 +29,8 @@ from dpprof.reports.view import (
     TimelineView,
     WatchRowView,
     WatchView,
+    WriteRow,
+    WritesView,
 )
 from dpprof.result import (
     CATEGORIES,
@@ -129,6 +131,7 @@ def build_view(run: RunResult) -> ReportView:
         },
         environment=run.environment,
         watch=_watch(run, run.watch) if run.watch is not None else None,
+        writes=_writes(run),
     )
 
 
@@ -386,3 +389,51 @@ def _watch(run: RunResult, w: WatchResult) -> WatchView:
         signals=tuple((float(s.get("t_s", 0)), str(s.get("signal") or ""),
                        str(s.get("action", ""))) for s in w.signals),
         samples_path=w.samples_path, series=series)
+
+
+MAX_WRITE_ROWS = 200  # rows of the writes' table (the JSON result holds them all)
+
+
+def _writes(run: RunResult) -> WritesView | None:
+    """What a script under ``dpprof run`` wrote into its runs' overlays, and the seal's
+    check."""
+    seal = run.seal
+    if seal is None:
+        return None
+    files = [w for w in run.writes if w.kind in ("file", "link")]
+    removed = [w for w in run.writes if w.kind == "removed"]
+    total = len(run.writes) + seal.omitted_writes
+    how = ("by Python's file calls and the kernel's mount namespace" if "kernel" in seal.lines
+           else "by Python's file calls (no mount namespace here: an audit hook stops a "
+           "write around them)")
+    if seal.changed:
+        check = (f"SEAL BROKEN: {len(seal.changed)} file(s) of yours changed while the "
+                 "script ran")
+    else:
+        check = (f"your files are as they were after every run ({seal.checked_entries} "
+                 "checked" + ("" if seal.checked_all else ", the shallowest of more") + ")")
+    if total:
+        emulated = sum(w.emulated_values for w in files)
+        what = (f"the script wrote {len(files)} file(s)"
+                + (f" ({emulated} with values of the virtual GPUs)" if emulated else "")
+                + (f" and removed {len(removed)}" if removed else "")
+                + f", each run into a private overlay {how}, never into your files")
+    else:
+        what = f"the script wrote nothing (each run was sealed {how})"
+    kept = f"; kept in {seal.kept_in}" if seal.kept_in else ""
+    rows = tuple(WriteRow(w.run, w.path, w.kind, w.size_bytes, w.emulated_values, w.replaced,
+                          _write_note(w.kind, w.emulated_values, w.replaced))
+                 for w in run.writes[:MAX_WRITE_ROWS])
+    return WritesView(summary=f"{what}; {check}{kept}", rows=rows,
+                      more=total - len(rows), changed=tuple(seal.changed))
+
+
+def _write_note(kind: str, emulated_values: bool, replaced: bool) -> str:
+    words = []
+    if emulated_values:
+        words.append("values of the virtual GPUs (stand-ins)")
+    if replaced and kind != "removed":
+        words.append("in place of your file, which is as it was")
+    elif kind == "removed":
+        words.append("removed in the run's view; your file is as it was")
+    return "; ".join(words)

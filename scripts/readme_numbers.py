@@ -32,6 +32,11 @@ DOCS = ROOT / "docs"
 WIDTH = 104  # columns of the quoted terminal (stdout); stderr's lines unwrapped, as in a log
 STAMP = re.compile(r"\d{8}-\d{6}")  # the report files' time stamp
 RUN_TIME = re.compile(r"(?<=\); )\d+(?:\.\d+)? s$", re.M)  # "(--steps 3; ...); 0.4 s"
+# How dpprof run sealed the script depends on the machine (a mount namespace where it allows
+# unprivileged user namespaces and dpprof entered one before any thread, else an audit hook),
+# so a page quotes whichever the machine that regenerated it had.
+SEAL_HOW = re.compile(r"by Python's file calls (?:and the kernel's mount namespace|\(no mount "
+                      r"namespace here: an audit hook stops a write around them\))")
 ANY_BLOCK = re.compile(r"<!-- readme-numbers: ([\w-]+) -->\n```\n.*?\n```\n"
                        r"<!-- /readme-numbers -->", re.S)
 
@@ -188,8 +193,11 @@ def quoted(text: str, name: str) -> str:
 
 def normalised(text: str) -> str:
     """What may differ between two identical runs: the report files' time stamps, the time
-    a ``dpprof run`` scenario took."""
-    return RUN_TIME.sub("N s", STAMP.sub("YYYYmmdd-HHMMSS", text))
+    a ``dpprof run`` scenario took, and how the machine sealed its runs (which moves the line
+    breaks after it: lines are compared joined)."""
+    text = RUN_TIME.sub("N s", STAMP.sub("YYYYmmdd-HHMMSS", text))
+    text = text.replace("a private overlay (mount namespace)", "a private overlay")
+    return SEAL_HOW.sub("SEALED", text.replace("\n", " "))
 
 
 def _shown(path: Path) -> str:

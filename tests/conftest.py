@@ -16,6 +16,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # context figures the tests expect: every test (and every process it starts) reads an
     # empty calibration folder unless it sets its own
     os.environ["DPPROF_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="dpprof-calibration-")
+    # `dpprof run` in the test process keeps its seal's Python line and audit hook: a process
+    # that entered a mount namespace stays there, and whether the first test to run has one
+    # thread would decide it for the rest; the kernel line's tests run dpprof in a process
+    # of its own (tests/test_seal_kernel.py)
+    os.environ["DPPROF_NO_NAMESPACE"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -76,3 +76,19 @@ def test_a_block_naming_no_session_fails_the_check(tmp_path: Path,
     monkeypatch.setattr(mod, "README", tmp_path / "README.md")
     monkeypatch.setattr(mod, "DOCS", tmp_path / "docs")
     assert mod.main(["--check"]) == 1
+
+
+def test_how_the_machine_sealed_a_run_is_not_a_stale_session() -> None:
+    """The pages quote whichever seal the regenerating machine had; the check accepts the
+    other, rewrapped, and nothing else."""
+    mod = _script()
+    hook = ("dpprof: running t.py; its writes go to a private overlay\n"
+            "the script wrote nothing (each run was sealed by Python's file calls (no mount "
+            "namespace here: an audit\nhook stops a write around them)); your files are as "
+            "they were after every run (1 checked)\nstopped after 3 step(s) (the first); 0.4 s")
+    kernel = ("dpprof: running t.py; its writes go to a private overlay (mount namespace)\n"
+              "the script wrote nothing (each run was sealed by Python's file calls and the "
+              "kernel's mount namespace); your\nfiles are as they were after every run (1 "
+              "checked)\nstopped after 3 step(s) (the first); 12.5 s")
+    assert mod.normalised(hook) == mod.normalised(kernel)
+    assert mod.normalised(hook) != mod.normalised(hook.replace("(1 checked)", "(2 checked)"))

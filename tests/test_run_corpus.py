@@ -261,11 +261,16 @@ def test_hugging_face_trainer_wraps_data_parallel_itself(
     ddp = result.scenario("ddp")
     assert ddp is not None and ddp.status == "ok" and ddp.batch == 32  # 4 ranks of 8
     assert {f.name for f in result.fixes} == {"ddp", "gradient-as-bucket-view"}
-    # the checkpoint's tensors and the GPU's generator state are emulated: not written
+    # the checkpoint's tensors and the GPU's generator state are emulated: written into
+    # the run's overlay, listed, never into the user's folder
     assert (saved / "model.safetensors").read_bytes() == b"weights of an earlier run"
-    notes = " ".join(dp.notes)
-    assert "model.safetensors" in notes and "rng_state.pth" in notes
     assert not (saved / "rng_state.pth").exists()
+    written = {w.path: w for w in result.writes if w.run == "as-written"}
+    shown = "out/checkpoint-2/"
+    assert written[shown + "model.safetensors"].replaced, sorted(written)
+    assert written[shown + "model.safetensors"].emulated_values
+    assert shown + "rng_state.pth" in written and not written[shown + "rng_state.pth"].replaced
+    assert result.seal is not None and result.seal.changed == []
     assert capsys.readouterr().out.count("n_gpu 4 train batch 32") == 1
 
 
@@ -323,8 +328,9 @@ def test_compute_counts_every_gpu_as_meta_does(script: str) -> None:
 def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existed: bool) -> None:
     """word_language_model's ``with open(args.save, "wb") as f: torch.save(model, f)``: the
-    open truncates the file before the save of emulated tensors is skipped; the file the
-    user had is put back, and one the open created is removed."""
+    open and the save go into the run's overlay (a stand-in checkpoint of the emulated
+    tensors); the file the user had is byte for byte as it was, none is made where there was
+    none, and the result lists the write, in place of the user's file where there was one."""
     monkeypatch.chdir(tmp_path)
     if existed:
         (tmp_path / "model.pt").write_bytes(b"the model of an earlier run")
@@ -339,16 +345,22 @@ def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
         assert (tmp_path / "model.pt").read_bytes() == b"the model of an earlier run"
     else:
         assert not (tmp_path / "model.pt").exists()
+    (w,) = [w for w in result.writes if w.path == "model.pt"]
+    assert (w.kind, w.emulated_values, w.replaced) == ("file", True, existed)
+    assert w.size_bytes > 0
+    assert result.seal is not None and result.seal.changed == []
     # it ended by itself after its 14 backward passes, each a step (peaks from the second)
     assert s.notes[0].startswith(
         "the script ended after 14 backward pass(es); it makes no optimizer and updates its "
         "parameters itself, a step per backward pass; the first is the warm-up")
 
 
-def test_a_file_the_script_writes_itself_is_written(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Host data written through ``open(path, "wb")`` is the script's own: written, and a
-    host tensor's ``torch.save`` into it too."""
+def test_a_file_the_script_writes_itself_goes_into_the_overlay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host data written through ``open(path, "wb")``, and a host tensor's ``torch.save``
+    into it, go into the run's overlay: the user's older log stays as it was, and the
+    result lists both writes with their bytes (no emulated values in either: written before
+    any value was read from a virtual GPU)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "log.bin").write_bytes(b"an older log, longer than the new one")
     script = tmp_path / "writes.py"
@@ -358,11 +370,18 @@ def test_a_file_the_script_writes_itself_is_written(tmp_path: Path,
         "with open('log.bin', 'wb') as f:\n"
         "    f.write(b'new')\n"
         "with open('host.pt', 'wb') as f:\n"
-        "    torch.save(torch.arange(3), f)\n")
-    _, status = run(["python", str(script)], alternatives=False)
+        "    torch.save(torch.arange(3), f)\n"
+        "assert open('log.bin', 'rb').read() == b'new'\n"
+        "assert torch.load('host.pt').tolist() == [0, 1, 2]\n")
+    result, status = run(["python", str(script)], alternatives=False)
     assert status == 0
-    assert (tmp_path / "log.bin").read_bytes() == b"new"
-    assert torch.load(tmp_path / "host.pt").tolist() == [0, 1, 2]
+    assert (tmp_path / "log.bin").read_bytes() == b"an older log, longer than the new one"
+    assert not (tmp_path / "host.pt").exists()
+    written = {(w.path, w.kind, w.replaced, w.emulated_values): w.size_bytes
+               for w in result.writes}
+    assert written[("log.bin", "file", True, False)] == 3
+    assert ("host.pt", "file", False, False) in written
+    assert result.seal is not None and result.seal.changed == []
 
 
 def test_a_whole_model_saved_on_a_gpu_is_loaded_onto_the_virtual_gpu(
@@ -394,8 +413,9 @@ def test_a_whole_model_saved_on_a_gpu_is_loaded_onto_the_virtual_gpu(
 def test_images_of_emulated_values_are_not_written(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The VAE's and dcgan's ``save_image``: an image made from the GPU's values, or from
-    what the host computed out of a stand-in copy of them, is not written over the user's
-    picture of an earlier run; an image of the host's own data is written."""
+    what the host computed out of a stand-in copy of them, goes into the run's overlay, not
+    over the user's picture of an earlier run, and is listed as holding emulated values;
+    an image of the host's own data goes there too."""
     pytest.importorskip("PIL")
     monkeypatch.chdir(tmp_path)
     for name in ("reconstruction.png", "sample.png", "host.png"):
@@ -407,10 +427,13 @@ def test_images_of_emulated_values_are_not_written(tmp_path: Path,
     assert s.status == "ok", s.message
     assert (tmp_path / "reconstruction.png").read_bytes() == b"a picture of an earlier run"
     assert (tmp_path / "sample.png").read_bytes() == b"a picture of an earlier run"
-    assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")
-    notes = " ".join(s.notes)
-    assert "Image.save reconstruction.png at vae_samples.py:29" in notes
-    assert "Image.save sample.png at vae_samples.py:36" in notes
+    assert (tmp_path / "host.png").read_bytes() == b"a picture of an earlier run"
+    written = {w.path: w for w in result.writes}
+    for name in ("reconstruction.png", "sample.png", "host.png"):
+        assert written[name].kind == "file" and written[name].replaced
+        assert written[name].size_bytes > 0
+    assert written["reconstruction.png"].emulated_values
+    assert written["sample.png"].emulated_values
 
 
 def test_a_warning_torch_raises_for_the_scripts_call_names_the_scripts_line(
@@ -465,7 +488,7 @@ def test_under_compute_images_of_the_gpus_values_are_not_written_either(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--compute``: the virtual GPUs hold real numbers, and what the script reads back to
     the host (``.cpu()``) and computes from it is still the emulation's, not a run's: the
-    user's pictures stay; the host's own is written."""
+    user's pictures stay, and the images are listed as holding emulated values."""
     pytest.importorskip("PIL")
     monkeypatch.chdir(tmp_path)
     for name in ("reconstruction.png", "sample.png", "host.png"):
@@ -475,8 +498,10 @@ def test_under_compute_images_of_the_gpus_values_are_not_written_either(
     assert status == 0
     assert (tmp_path / "reconstruction.png").read_bytes() == b"a picture of an earlier run"
     assert (tmp_path / "sample.png").read_bytes() == b"a picture of an earlier run"
-    assert (tmp_path / "host.png").read_bytes().startswith(b"\x89PNG")
-    assert "Image.save reconstruction.png" in " ".join(result.scenarios[0].notes)
+    assert (tmp_path / "host.png").read_bytes() == b"a picture of an earlier run"
+    written = {w.path: w for w in result.writes}
+    assert written["reconstruction.png"].emulated_values
+    assert written["sample.png"].emulated_values
 
 
 def test_a_script_without_an_optimizer_is_stopped_after_steps_backward_passes(

@@ -110,8 +110,12 @@ def test_a_data_parallel_script_gets_the_ladder_on_its_ddp_alternative() -> None
     assert found["ladder-bf16"].detail.startswith("on DDP: ")
     assert any("no activation checkpointing: the model has no repeated blocks" in n
                for n in result.notes)
-    # the user's checkpoint file is left alone by the rung's run as by the others
+    # every run, the rung's as the others, saved its checkpoint into its own overlay:
+    # listed, and none made in the user's folder
     assert not Path("checkpoint.pt").exists()
+    saved_by = {w.run for w in result.writes if w.path == "checkpoint.pt"}
+    assert saved_by == {"as-written", "ddp-in-place", "loss-in-forward", "ladder-bf16"}
+    assert result.seal is not None and result.seal.changed == []
 
 
 def test_a_script_already_under_autocast_gets_no_mixed_precision_rung(tmp_path: Path) -> None:

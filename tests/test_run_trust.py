@@ -336,20 +336,25 @@ def test_a_checkpoint_of_emulated_tensors_never_reaches_the_users_file(
                               "python", "train.py"])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's own checkpoint"
-    assert not (tmp_path / "full.pt").exists()
-    # host values are the script's own: written as it wrote them
-    assert torch.load(tmp_path / "progress.pt") == {"step": 2}
-    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    # every write went into the run's overlay, host values too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "r.json", "train.py"]
+    result = json.loads((tmp_path / "r.json").read_text())
+    notes = " ".join(result["scenarios"][0]["notes"])
     assert "torch.save ckpt.pt at train.py:7 x3" in notes
     assert "torch.save full.pt at train.py:8 x3" in notes
+    written = {w["path"]: w for w in result["writes"]}
+    assert written["ckpt.pt"]["replaced"] and written["ckpt.pt"]["emulated_values"]
+    assert written["full.pt"]["emulated_values"] and not written["full.pt"]["replaced"]
+    assert written["progress.pt"]["kind"] == "file"
+    assert result["seal"]["changed"] == []
 
 
 
-def test_a_folder_made_only_for_a_checkpoint_not_written_is_removed(
+def test_folders_the_script_makes_are_made_in_its_overlay(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # pytorch/examples' FSDP2 Checkpointer: os.makedirs(checkpoints/<time>), then torch.save
-    # into it; left empty, the folder reads as a checkpoint to the next run, which fails
-    # to load it
+    # into it; a folder left behind reads as a checkpoint to the next run, which fails to
+    # load it: no folder is made in the user's, each is listed with what it holds
     monkeypatch.chdir(tmp_path)
     (tmp_path / "kept").mkdir()
     (tmp_path / "train.py").write_text(textwrap.dedent("""
@@ -367,17 +372,23 @@ def test_a_folder_made_only_for_a_checkpoint_not_written_is_removed(
             f.write("trained")
         os.makedirs("logs/run1/ckpt")
         torch.save(model.state_dict(), "logs/run1/ckpt/model.pt")
+        assert sorted(os.listdir("logs/run1")) == ["ckpt", "log.txt"]
+        assert open("logs/run1/log.txt").read() == "trained"
     """))
     res = runner.invoke(app, ["run", "--steps", "5", "-o", str(tmp_path / "r.json"), "-q",
                               "--", "python", "train.py"])
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "logs", "r.json", "train.py"]
-    assert not (tmp_path / "kept" / "run1").exists()  # made by the run; kept/ was the user's
-    assert (tmp_path / "logs" / "run1" / "log.txt").read_text() == "trained"
-    assert not (tmp_path / "logs" / "run1" / "ckpt").exists()
-    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
-    assert ("removed: logs/run1/ckpt, kept/run1, checkpoints/dtensor_api/1700000000000, "
-            "checkpoints/dtensor_api, checkpoints") in notes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "r.json", "train.py"]
+    assert list((tmp_path / "kept").iterdir()) == []
+    written = {w["path"]: w["kind"] for w in json.loads((tmp_path / "r.json").read_text())[
+        "writes"]}
+    assert written == {
+        "checkpoints": "folder", "checkpoints/dtensor_api": "folder",
+        "checkpoints/dtensor_api/1700000000000": "folder",
+        "checkpoints/dtensor_api/1700000000000/model.pt": "file",
+        "kept/run1": "folder", "kept/run1/model.pt": "file", "logs": "folder",
+        "logs/run1": "folder", "logs/run1/ckpt": "folder", "logs/run1/ckpt/model.pt": "file",
+        "logs/run1/log.txt": "file"}
 
 
 def test_an_fsdp2_checkpoint_leaves_the_users_folder_as_it_was(
@@ -429,8 +440,9 @@ def test_a_checkpoint_saved_then_loaded_back_reads_what_the_run_saved(
         users_file: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     # the DDP tutorial's demo_checkpoint: rank 0 saves, every rank loads it back with
-    # map_location, rank 0 removes it; the save of emulated tensors is skipped, so the
-    # load must not fail on a missing file nor read a file of the user's there
+    # map_location, rank 0 removes it; the save goes into the run's overlay (a stand-in
+    # checkpoint of the emulated tensors), so the load reads what the run saved, never a
+    # file of the user's there, and the removal leaves the user's file as it was
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tutorial.py").write_text(textwrap.dedent(DDP_TUTORIAL_CHECKPOINT))
     ckpt = tmp_path / "model.checkpoint"
@@ -443,7 +455,13 @@ def test_a_checkpoint_saved_then_loaded_back_reads_what_the_run_saved(
     # rank 0's model (2 parameter blocks), DDP's bucket (1) and the state loaded (2 more)
     assert "loaded ['module.bias', 'module.weight'] torch.Size([5, 10]) cuda:0 2560" in out
     assert (ckpt.read_bytes() == b"the user's own file") if users_file else not ckpt.exists()
-    notes = " ".join(json.loads((tmp_path / "r.json").read_text())["scenarios"][0]["notes"])
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["seal"]["changed"] == []
+    # what is left of the run's writes: the checkpoint removed (in the run's view only)
+    # where the user had one; nothing where the user had none
+    left = [(w["path"], w["kind"]) for w in result["writes"] if w["run"] == "as-written"]
+    assert left == ([("model.checkpoint", "removed")] if users_file else []), left
+    notes = " ".join(result["scenarios"][0]["notes"])
     assert "read back as the run saved it" in notes
     assert "torch.load model.checkpoint at tutorial.py:15" in notes
 
@@ -492,7 +510,7 @@ def test_a_writer_bound_by_name_before_the_run_is_patched_for_it(
     monkeypatch.delitem(sys.modules, "early_saver")
 
 
-def test_numpy_save_of_values_read_from_a_virtual_gpu_is_not_written(
+def test_numpy_save_of_values_read_from_a_virtual_gpu_goes_into_the_overlay(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text(textwrap.dedent("""
@@ -505,10 +523,11 @@ def test_numpy_save_of_values_read_from_a_virtual_gpu_is_not_written(
     result, _ = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 2),
                                          gpus=2))
     assert (tmp_path / "preds.npy").read_bytes() == b"earlier predictions"
-    import numpy as np
-
-    assert np.load(tmp_path / "host.npy").tolist() == [0, 1, 2]
-    assert "numpy.save preds.npy at train.py:4" in " ".join(result.scenarios[0].notes)
+    assert not (tmp_path / "host.npy").exists()
+    written = {w.path: w for w in result.writes}
+    # the predictions were read back from a virtual GPU (a stand-in host copy)
+    assert written["preds.npy"].emulated_values and written["preds.npy"].replaced
+    assert written["preds.npy"].size_bytes == 128 + 8 * 2 * 4  # .npy header + 8x2 float32
 
 
 def test_a_host_tensor_copied_from_a_virtual_gpu_is_not_saved_as_real(
@@ -561,7 +580,7 @@ DP_WITH_SIDE_EFFECTS = """
 """
 
 
-def test_the_alternatives_write_and_print_nothing_the_user_sees(
+def test_the_alternatives_write_and_print_nothing_the_user_sees_or_another_run_reads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -571,10 +590,10 @@ def test_the_alternatives_write_and_print_nothing_the_user_sees(
     assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]  # both alternatives ran
     captured = capsys.readouterr()
     assert captured.out == "step 0 1.0\nstep 1 1.0\n"  # the run as written only, once
-    assert (tmp_path / "out" / "log.txt").read_text() == "0\n1\n"
-    assert torch.load(tmp_path / "out" / "progress.pt") == {"step": 1}
-    alt_notes = " ".join(result.scenarios[1].notes)
-    assert "went to a private folder" in alt_notes
+    assert list(tmp_path.iterdir()) == [tmp_path / "train.py"]
+    # each run wrote its own log into its own overlay: none saw another's lines
+    logs = {(w.run, w.path): w.size_bytes for w in result.writes if w.path == "out/log.txt"}
+    assert logs == {(run, "out/log.txt"): 4 for run in ("as-written", "loss-in-forward", "ddp-in-place")}
 
 
 @pytest.mark.parametrize(("source", "expected"), [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 
 def _quit_at_once(signum: int, frame: object = None) -> None:
@@ -22,6 +23,12 @@ def _quit_at_once(signum: int, frame: object = None) -> None:
 def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _quit_at_once)
+    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "run":
+        # the seal's kernel line needs a process with one thread: before torch's import
+        # starts another (dpprof.script.namespace)
+        from dpprof.script import namespace
+
+        namespace.enter()
     # deferred: nothing but the handlers may come before they are installed (typer and
     # rich, then torch through the commands: see the module)
     from dpprof.cli.app import main as app_main

@@ -40,6 +40,7 @@ from dpprof.errors import EXIT_ERROR, Interrupted, UsageError, interrupt_signal,
 from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import STATUS_ERROR, RunResult
+from dpprof.script import namespace
 from dpprof.script.session import (
     ScriptConfig,
     interrupted_while_writing,
@@ -102,6 +103,13 @@ def run_cmd(
                      ".md). Default: ./dpprof-reports/run-YYYYmmdd-HHMMSS.{html,json}",
                      rich_help_panel=PANEL_OUTPUT),
     ] = None,
+    keep_writes: Annotated[
+        str | None,
+        typer.Option("--keep-writes", metavar="DIR", help="Keep what the script wrote: each "
+                     "run writes into a private overlay (never into your files), copied here "
+                     "after it, one folder per run (DIR/as-written/...), with writes.txt "
+                     "listing them.", rich_help_panel=PANEL_OUTPUT),
+    ] = None,
     quiet: Annotated[bool, QUIET] = False,
     include_host: Annotated[bool, INCLUDE_HOST] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.",
@@ -120,7 +128,13 @@ def run_cmd(
 
     Example: dpprof run --gpus 8 -- python train.py --batch-size 256
     """
+    # the seal's kernel line: a mount namespace, entered by the console script before torch
+    # was imported (dpprof.cli.entry); where the machine refuses it, the seal keeps its
+    # Python line and an audit hook
+    namespace.enter()
+
     main = None
+    result: RunResult | None = None
     paths: list[tuple[Path, str]] = []
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
@@ -138,7 +152,10 @@ def run_cmd(
         check_writable(paths)
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
-                           debug=debug, ladder=ladder)
+                           debug=debug, ladder=ladder, keep_writes=_keep_dir(keep_writes))
+        if debug and namespace.why_not():
+            err.print(f"dpprof: no mount namespace for the seal: {namespace.why_not()}",
+                      markup=False)
         if not quiet:
             _announce(cfg)
         result, main = _run(cfg, alternatives, quiet)
@@ -149,7 +166,30 @@ def run_cmd(
             take_interrupt(signum)
             raise Interrupted(signum, partial=interrupted_while_writing(result, signum),
                               during="the writing of the reports") from None
+    _exit_if_seal_broken(result)
     _exit_with_status(main, result if measured else None)
+
+
+def _keep_dir(given: str | None) -> str | None:
+    """--keep-writes DIR: a folder (made where absent), not a file."""
+    if given is None:
+        return None
+    p = Path(given)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--keep-writes {given}: not a folder; give a folder to keep the "
+                         "script's writes in")
+    return str(p.resolve())
+
+
+def _exit_if_seal_broken(result: RunResult | None) -> None:
+    """A file of the user's that changed while the script ran: said loudly, exit 1."""
+    if result is None or result.seal is None or not result.seal.changed:
+        return
+    err.print(f"dpprof: SEAL BROKEN: {len(result.seal.changed)} file(s) of yours changed "
+              "while the script ran (by a writer dpprof could not redirect): "
+              + "; ".join(result.seal.changed[:10]), markup=False, highlight=False,
+              soft_wrap=True, style="bold red")
+    raise typer.Exit(code=EXIT_ERROR)
 
 
 def _check_run_options(gpus: int, steps: int) -> None:
@@ -180,9 +220,14 @@ def _announce(cfg: ScriptConfig) -> None:
     kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
     how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
            "ranks are alike)" if launch.launcher != "python" else "")
+    from dpprof.script import namespace
+
+    sealed = ("a private overlay (mount namespace)" if namespace.entered()
+              else "a private overlay")
     err.print(f"dpprof: running {terminal_text(launch.display)} on {cfg.gpus} virtual "
               f"{cfg.gpu.name} GPUs of {fmt_bytes(cfg.capacity_bytes)} ({kind}){how}; "
-              f"stopping after {cfg.steps} optimizer steps", markup=False)
+              f"stopping after {cfg.steps} optimizer steps; its writes go to {sealed}",
+              markup=False)
 
 
 def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult, ScriptRun]:

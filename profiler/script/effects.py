@@ -1,50 +1,43 @@
-"""What a script under ``dpprof run`` does outside its own process: files and output.
+"""What the emulation answers for a script under ``dpprof run`` besides its files (which
+the seal keeps: :mod:`dpprof.script.seal`): checkpoints of emulated tensors, warnings that
+name the script's line, and what an alternative's run prints.
 
-Two rules hold while it runs:
+* **A checkpoint of emulated tensors is a stand-in the script can load back.** ``torch.save``
+  of anything that holds a tensor of a virtual GPU (meta bytes with no values, or a host copy
+  that stands in for one), and safetensors' ``save_file`` / ``save_model`` of such tensors,
+  write a stand-in file instead (into the run's overlay, as every write): a marker
+  (:data:`~dpprof.script.seal.STAND_IN_MAGIC`) and the object pickled with each tensor as its
+  geometry. ``torch.load``, safetensors' ``load_file`` and ``safe_open`` of such a file
+  (from a path, a buffer, a gzip stream; after a rename or a copy: the bytes travel) give the
+  tensors back where ``map_location`` / ``device`` puts them, as on a GPU the script reads
+  back what it saved. Saving real values of the GPU would need them; writing the host's
+  zeros for a large model would need its whole size in host memory.
+* ``torch.save`` to a path, and ``torch.load`` of one, go through Python's file objects
+  (the seal's): torch's own writer opens the path in C++.
+* **A warning** torch raises for the script's call names the script's line, not dpprof's
+  wrapper.
+* **An alternative's run prints nothing**: its standard output and error are kept (their
+  tail, for its error message), not shown; so a log line is printed once, by the run as
+  written.
 
-* **Emulated tensors never reach the user's files.** ``torch.save``, safetensors'
-  ``save_file`` / ``save_model`` and ``numpy.save`` / ``savez`` of anything that holds a tensor
-  of a virtual GPU (meta bytes with no values, or CPU bytes the emulation computed), or a
-  host copy that stands in for one, and Pillow's ``Image.save`` of an image made from such
-  an array (torchvision's ``save_image``: dcgan's and the VAE's samples), write nothing:
-  the call returns as if it had written, and the report counts it with the script's line.
-  Over meta tensors ``torch.save`` would otherwise open (truncate) the file and only then
-  fail on the first storage. A script that opens the file itself (``with open(path, "wb")
-  as f: torch.save(model, f)``) has truncated it before the save is called: what a file
-  held when the run opened it for binary writing is kept aside, and a skipped save into
-  that file object puts it back (a file the open created is removed), so the file is as
-  it was.
-* **An alternative run writes nothing the user can see.** The paired alternatives (DDP in
-  place, the loss inside forward) run the same script again; every file it opens for
-  writing, every folder it makes, every checkpoint it saves goes under a private folder
-  (reads of a path it wrote there read it back), and its standard output and error are kept,
-  not shown. So a log or a TensorBoard event file is written once, by the run as written.
-
-The wrappers stay correct when a library binds them by name during one run (transformers'
-``from safetensors.torch import save_file``) and calls them in a later one or after the
-emulation: they consult the effects active then, or call the original. A module imported
-*before* the run that bound the original by name (``from torch import save``, transformers
-imported first) has that name patched too, for the run.
+The wrappers stay correct when a library binds them by name during one run
+(transformers' ``from safetensors.torch import save_file``) and calls them in a later one or
+after the emulation: they consult the effects active then, or call the original. A module
+imported *before* the run that bound the original by name (``from torch import save``,
+transformers imported first) has that name patched too, for the run.
 """
 
 from __future__ import annotations
 
-import builtins
 import collections
-import contextlib
 import importlib.util
 import io
-import itertools
 import os
 import pickle
-import shutil
 import sys
-import tempfile
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,29 +45,16 @@ from torch import nn
 
 from dpprof.emulator.cuda_devices import caller_site, in_dpprof
 from dpprof.emulator.patcher import Patcher
+from dpprof.script import seal
+from dpprof.script.seal import STAND_IN_MAGIC
 
 IsEmulated = Callable[[torch.Tensor], bool]
 
-_WRITE_MODES = frozenset("wax+")
 _OUTPUT_TAIL_BYTES = 8192  # what an alternative's run printed, kept for its error message
 _MAX_WALK = 100_000  # objects looked at in one saved object (a checkpoint's nested state)
-
-
-@dataclass
-class Writes:
-    """What the effects held back, by what and where (``"torch.save ckpt.pt at
-    train.py:40"`` -> times)."""
-
-    skipped: dict[str, int] = field(default_factory=dict)  # emulated values, not written
-    redirected: dict[str, int] = field(default_factory=dict)  # an alternative's own writes
-    # folders the run made for skipped writes alone, removed after it (empty, as before)
-    removed_folders: list[str] = field(default_factory=list)
-    # torch.load of a path whose save was skipped: answered with what the run saved there
-    read_back: dict[str, int] = field(default_factory=dict)
-
-    def add(self, table: dict[str, int], what: str, target: Any) -> None:
-        key = f"{what} {_name(target)} at {_short_site(caller_site())}"
-        table[key] = table.get(key, 0) + 1
+# the line after the marker: what the file is, for whoever opens it
+_EXPLAINED = (b"A stand-in written by dpprof run: the tensors' shapes, no values (they were "
+              b"emulated on virtual GPUs).\n")
 
 
 class _Silenced(io.TextIOBase):
@@ -93,6 +73,8 @@ class _Silenced(io.TextIOBase):
 
     def write(self, s: str) -> int:
         self._tail.append(s)
+        while sum(map(len, self._tail)) > 4 * _OUTPUT_TAIL_BYTES and len(self._tail) > 1:
+            self._tail.popleft()
         return len(s)
 
     def isatty(self) -> bool:
@@ -103,31 +85,17 @@ class ScriptEffects:
     """The rules of the module for one run of the script; a context manager.
 
     ``is_emulated`` tells a tensor of a virtual GPU (or a host stand-in for one);
-    ``sandbox``: the private folder of an alternative's run (None: the run as written,
-    whose writes of host data are the script's own)."""
+    ``silenced``: an alternative's run, whose output is kept, not shown."""
 
-    def __init__(self, is_emulated: IsEmulated, sandbox: Path | None = None) -> None:
+    def __init__(self, is_emulated: IsEmulated, silenced: bool = False) -> None:
         self.is_emulated = is_emulated
-        self.sandbox = sandbox
-        self.writes = Writes()
+        self.silenced = silenced
+        self.stand_ins: dict[str, int] = {}  # "torch.save ckpt.pt at train.py:40" -> times
+        self.read_back: dict[str, int] = {}  # the same, for the loads of a stand-in
         self._patcher = Patcher()
         self._originals: dict[str, Any] = {}
-        self._moved: dict[str, str] = {}  # a path the script wrote -> where it went
-        self._made: list[str] = []  # folders the run as written made, parents first
-        self._skipped_paths: list[str] = []  # absolute paths of the writes skipped
-        # absolute path -> what a skipped torch.save held there, its tensors as shapes
-        # (:func:`_skeleton`), for the run's own torch.load of that path
-        self._held: dict[str, bytes] = {}
         self._tail: collections.deque[str] = collections.deque()
         self._previous: ScriptEffects | None = None
-        # id(file object) -> (the object, its path, a copy of what the file held before the
-        # open truncated it, or None where the open created the file)
-        self._truncated: dict[int, tuple[weakref.ref[Any], str, str | None]] = {}
-        self._kept_dir: str | None = None
-        self._kept_names = itertools.count()
-        # Pillow images made from emulated arrays (Image.fromarray of a stand-in host copy),
-        # by id: an Image compares by value and has no hash
-        self._emulated_images: dict[int, weakref.ref[Any]] = {}
 
     # ---- activation ------------------------------------------------------------------
 
@@ -135,150 +103,50 @@ class ScriptEffects:
         global _ACTIVE
         self._previous, _ACTIVE = _ACTIVE, self
         p = self._patcher.patch
-        self._originals["torch.save"] = torch.save
-        p(torch, "save", _torch_save)
-        self._originals["torch.load"] = torch.load
-        p(torch, "load", _torch_load)
-        for name in ("remove", "unlink"):
-            self._originals[f"os.{name}"] = getattr(os, name)
-            p(os, name, _remover(name))
-        np = sys.modules.get("numpy")
-        if np is not None:
-            for name in ("save", "savez", "savez_compressed"):
-                self._originals[f"numpy.{name}"] = getattr(np, name)
-                p(np, name, _numpy_writer(name))
-        if importlib.util.find_spec("safetensors") is not None:
-            st = importlib.import_module("safetensors.torch")
-            for name in ("save_file", "save_model"):
-                self._originals[f"safetensors.{name}"] = getattr(st, name)
-                p(st, name, _safetensors_writer(name))
-        if importlib.util.find_spec("PIL") is not None:
-            image = importlib.import_module("PIL.Image")
-            self._originals["PIL.fromarray"] = image.fromarray
-            self._originals["PIL.save"] = image.Image.save
-            p(image, "fromarray", _pil_fromarray)
-            p(image.Image, "save", _pil_save)
-        self._patch_bound_names()
+        wrappers: dict[int, Any] = {}
+        for key, owner, attr, wrapper in self._writers():
+            self._originals[key] = getattr(owner, attr)
+            wrappers[id(_IMPORTED.get(key, self._originals[key]))] = wrapper
+            p(owner, attr, wrapper)
+        seal.patch_bound_names(self._patcher, wrappers)
         self._originals["warnings.showwarning"] = warnings.showwarning
         p(warnings, "showwarning", _showwarning)
-        self._originals["open"] = builtins.open
-        p(builtins, "open", _open)
-        p(io, "open", _open)
-        if self.sandbox is not None:
-            self._originals["os.makedirs"] = os.makedirs
-            self._originals["os.mkdir"] = os.mkdir
-            p(os, "makedirs", _makedirs)
-            p(os, "mkdir", _mkdir)
+        if self.silenced:
             p(sys, "stdout", _Silenced(sys.stdout, self._tail))
             p(sys, "stderr", _Silenced(sys.stderr, self._tail))
-        else:
-            # the folders it makes are followed: one made only for a checkpoint that is
-            # not written is removed after the run (left empty, it reads as a checkpoint
-            # folder to the script's next run, which then fails to load it)
-            self._originals["os.makedirs"] = os.makedirs
-            self._originals["os.mkdir"] = os.mkdir
-            p(os, "makedirs", _makedirs)
-            p(os, "mkdir", _mkdir)
         return self
 
-    def _patch_bound_names(self) -> None:
-        """Modules already imported that hold a writer under a name of their own (``from
-        torch import save``; transformers' ``safe_save_file``): that name, patched too. A
-        module is read once per process (names are bound at import): thousands of modules
-        would otherwise cost each run ~25 ms."""
-        wrappers = {id(_IMPORTED.get(key, self._originals[key])): getattr(owner, attr)
-                    for key, owner, attr in self._writer_owners()}
-        wanted = frozenset(wrappers)
-        for module in list(sys.modules.values()):
-            names = getattr(module, "__dict__", None)
-            if not isinstance(names, dict):
-                continue
-            seen = _BOUND_NAMES.get(id(module))
-            if seen is None or seen[0] is not module or not wanted <= seen[1]:
-                hits = [attr for attr, value in list(names.items())
-                        if id(value) in wanted and not attr.startswith("__")]
-                seen = _BOUND_NAMES[id(module)] = (module, wanted, hits)
-            for attr in seen[2]:
-                wrapper = wrappers.get(id(names.get(attr)))
-                if wrapper is not None:
-                    self._patcher.patch(module, attr, wrapper)
+    def _writers(self) -> list[tuple[str, Any, str, Any]]:
+        out: list[tuple[str, Any, str, Any]] = [
+            ("torch.save", torch, "save", _torch_save),
+            ("torch.load", torch, "load", _torch_load),
+        ]
+        if importlib.util.find_spec("safetensors") is not None:
+            import safetensors.torch as st
 
-    def _writer_owners(self) -> list[tuple[str, Any, str]]:
-        out: list[tuple[str, Any, str]] = []
-        for key in self._originals:
-            owner, _, attr = key.rpartition(".")
-            module = {"torch": torch, "numpy": sys.modules.get("numpy"),
-                      "safetensors": sys.modules.get("safetensors.torch")}.get(owner)
-            if module is not None:
-                out.append((key, module, attr))
+            out += [("safetensors.save_file", st, "save_file", _safetensors_save("save_file")),
+                    ("safetensors.save_model", st, "save_model",
+                     _safetensors_save("save_model")),
+                    ("safetensors.load_file", st, "load_file", _safetensors_load),
+                    ("safetensors.safe_open", st, "safe_open", _safe_open)]
+            import safetensors
+
+            out.append(("safetensors.safe_open", safetensors, "safe_open", _safe_open))
         return out
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
         self._patcher.restore()
         _ACTIVE = self._previous
-        self._truncated.clear()
-        if self._kept_dir is not None:
-            shutil.rmtree(self._kept_dir, ignore_errors=True)
-            self._kept_dir = None
-        self._remove_folders_of_skipped_writes()
-
-    # ---- folders of the run as written -------------------------------------------------
-
-    def skip(self, what: str, target: Any, obj: Any = None) -> None:
-        """A write of emulated values not done: counted, a file the run's own ``open``
-        truncated for it put back (:meth:`put_back`), and its path remembered (with
-        ``obj``'s skeleton, for a ``torch.save`` the script may load back)."""
-        self.writes.add(self.writes.skipped, what, target)
-        self.put_back(target)
-        path = _absolute(target)
-        if path is not None:
-            self._skipped_paths.append(path)
-            if what == "torch.save":
-                skeleton = _skeleton(obj, self.is_emulated)
-                if skeleton is not None:
-                    self._held[path] = skeleton
-                else:
-                    self._held.pop(path, None)
-
-    def held(self, f: Any) -> bytes | None:
-        """What a skipped ``torch.save`` left for the path ``f``, if any."""
-        path = _absolute(f)
-        return self._held.get(path) if path is not None else None
-
-    def forget(self, f: Any) -> bool:
-        """The script removes the file ``f``: True where it was a skipped save's (nothing
-        on disk of the run's to remove; a file of the user's there stays)."""
-        path = _absolute(f)
-        return path is not None and self._held.pop(path, None) is not None
-
-    def made(self, before: list[str]) -> None:
-        """The folders of ``before`` (absent before a call that makes folders) that exist
-        now: the run made them."""
-        self._made.extend(d for d in before if os.path.isdir(d))
-
-    def _remove_folders_of_skipped_writes(self) -> None:
-        """The folders the run made that hold nothing but would have held a skipped write,
-        removed, deepest first (a folder with anything in it stays)."""
-        for folder in reversed(self._made):
-            inside = folder + os.sep
-            if not any(p.startswith(inside) for p in self._skipped_paths):
-                continue
-            try:
-                os.rmdir(folder)  # only an empty folder
-            except OSError:
-                continue
-            self.writes.removed_folders.append(folder)
 
     @property
     def output_tail(self) -> str:
         """The end of what an alternative's run printed."""
-        text = "".join(self._tail)
-        return text[-_OUTPUT_TAIL_BYTES:]
+        return "".join(self._tail)[-_OUTPUT_TAIL_BYTES:]
 
-    def trim_output(self) -> None:
-        while sum(map(len, self._tail)) > 4 * _OUTPUT_TAIL_BYTES and len(self._tail) > 1:
-            self._tail.popleft()
+    def count(self, table: dict[str, int], what: str, target: Any) -> None:
+        key = f"{what} {_name(target)} at {_short_site(caller_site())}"
+        table[key] = table.get(key, 0) + 1
 
     # ---- what is emulated ------------------------------------------------------------
 
@@ -296,6 +164,11 @@ class ScriptEffects:
                 if self.is_emulated(x):
                     return True
                 continue
+            storage = _untyped(x)
+            if storage is not None:  # pickle of a tensor saves its storage by torch.save
+                if self.is_emulated(_over(storage)):
+                    return True
+                continue
             behind = _tensor_behind(x)
             if behind is not None:
                 if self.is_emulated(behind):
@@ -311,85 +184,19 @@ class ScriptEffects:
                 todo.extend(vars(x).values())
         return False
 
-    def note_emulated_image(self, image: Any) -> None:
-        key = id(image)
-        self._emulated_images[key] = weakref.ref(
-            image, lambda _: self._emulated_images.pop(key, None))
-
-    def is_emulated_image(self, image: Any) -> bool:
-        ref = self._emulated_images.get(id(image))
-        return ref is not None and ref() is image
-
-    # ---- files the script opens for writing itself -------------------------------------
-
-    def open_truncating(self, file: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
-        """``open(file, "wb")`` in the run as written: what the file holds is copied aside
-        first, for :meth:`put_back`."""
-        opener = self._originals["open"]
-        path = _absolute(file)
-        if path is None:  # a file descriptor: not the script's file by name
-            return opener(file, mode, *args, **kwargs)
-        existed = os.path.isfile(path)
-        kept: str | None = None
-        if existed:
-            if self._kept_dir is None:
-                self._kept_dir = tempfile.mkdtemp(prefix="dpprof-kept-")
-            kept = os.path.join(self._kept_dir, str(next(self._kept_names)))
-            with opener(path, "rb") as src, opener(kept, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        elif os.path.lexists(path):  # not a regular file (a FIFO, a device): as it is
-            return opener(file, mode, *args, **kwargs)
-        f = opener(file, mode, *args, **kwargs)
-        key = id(f)
-        self._truncated[key] = (weakref.ref(f), path, kept)
-        weakref.finalize(f, self._forget, key, kept)
-        return f
-
-    def _forget(self, key: int, kept: str | None) -> None:
-        self._truncated.pop(key, None)
-        if kept is not None:
-            with contextlib.suppress(OSError):
-                os.remove(kept)
-
-    def put_back(self, f: Any) -> None:
-        """A write into ``f`` was skipped: where the run's own ``open`` truncated (or
-        created) its file and nothing was written since, the file is made what it was."""
-        entry = self._truncated.get(id(f))
-        opened = entry[0]() if entry is not None else None
-        if entry is None or opened is None or opened is not f:
-            return
-        _, path, kept = entry
+    def stand_in_bytes(self, obj: Any) -> bytes:
+        """The stand-in file of ``obj``: the marker, a line saying what it is, and ``obj``
+        pickled with its emulated tensors as their geometry (:class:`_SkeletonPickler`);
+        an object pickle refuses is held as None."""
+        buf = io.BytesIO()
+        buf.write(STAND_IN_MAGIC + _EXPLAINED)
         try:
-            if opened.tell() != 0:
-                return  # the script wrote into it too: that part is its own
-            if kept is None:
-                os.remove(path)
-            else:
-                with self._originals["open"](kept, "rb") as src:
-                    shutil.copyfileobj(src, opened)
-                opened.flush()
-        except (OSError, ValueError):  # closed, unseekable, removed meanwhile: left as is
-            return
-
-    # ---- paths of an alternative's run -------------------------------------------------
-
-    def redirect(self, path: Any, writing: bool) -> Any:
-        """Where an alternative's run reads or writes ``path``."""
-        if self.sandbox is None or isinstance(path, int):
-            return path
-        try:
-            real = os.path.abspath(os.fsdecode(os.fspath(path)))
-        except TypeError:
-            return path
-        if real.startswith(str(self.sandbox) + os.sep):
-            return path  # os.makedirs making the parents of a path already moved
-        moved = self._moved.get(real)
-        if moved is None and writing:
-            moved = str(self.sandbox / real.lstrip(os.sep))
-            self._moved[real] = moved
-            self._originals["os.makedirs"](os.path.dirname(moved), exist_ok=True)
-            self.writes.add(self.writes.redirected, "write", path)
-        return moved if moved is not None else path
+            _SkeletonPickler(buf, self.is_emulated).dump(obj)
+        except Exception:  # what cannot be pickled cannot be loaded back either
+            buf.seek(len(STAND_IN_MAGIC) + len(_EXPLAINED))
+            buf.truncate()
+            pickle.dump(None, buf)
+        return buf.getvalue()
 
 
 _ACTIVE: ScriptEffects | None = None
@@ -402,14 +209,14 @@ def active() -> ScriptEffects | None:
 
 def _name(target: Any) -> str:
     if isinstance(target, (str, os.PathLike)):
-        return Path(os.fsdecode(os.fspath(target))).name or str(target)
+        return os.path.basename(os.fsdecode(os.fspath(target))) or str(target)
     name = getattr(target, "name", None)
-    return Path(name).name if isinstance(name, str) else type(target).__name__
+    return os.path.basename(name) if isinstance(name, str) else type(target).__name__
 
 
 def _short_site(site: str) -> str:
     path, _, line = site.rpartition(":")
-    return f"{Path(path).name}:{line}" if path else site
+    return f"{os.path.basename(path)}:{line}" if path else site
 
 
 def _tensor_behind(x: Any) -> torch.Tensor | None:
@@ -423,8 +230,6 @@ def _tensor_behind(x: Any) -> torch.Tensor | None:
     return None
 
 
-# id(module) -> (the module, the writers' ids it was read for, its names bound to one)
-_BOUND_NAMES: dict[int, tuple[Any, frozenset[int], list[str]]] = {}
 # torch's own writer and reader, as modules bound them at import: a run may already have
 # put a wrapper of its own in torch's place (the virtual CUDA's torch.load, new each run),
 # which no module binds, and whose new id made every module be read again (~25 ms a run)
@@ -437,45 +242,144 @@ def _original(name: str) -> Any:
     effects = _ACTIVE
     if effects is not None and name in effects._originals:
         return effects._originals[name]
-    owner, _, attr = name.rpartition(".")
-    if owner == "PIL":
-        image = sys.modules["PIL.Image"]
-        return image.fromarray if attr == "fromarray" else image.Image.save
-    if owner == "safetensors":
-        owner = "safetensors.torch"
-    return getattr(sys.modules[owner or "builtins"], attr)
+    if name.startswith("safetensors."):
+        import safetensors.torch as st
+
+        return getattr(st, name.partition(".")[2])
+    return getattr(torch, name.partition(".")[2])
+
+
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, bytes, os.PathLike))
+
+
+def _write_stand_in(effects: ScriptEffects, obj: Any, f: Any, what: str) -> None:
+    data = effects.stand_in_bytes(obj)
+    effects.count(effects.stand_ins, what, f)
+    if _is_path(f):
+        with open(f, "wb") as out:
+            out.write(data)
+    else:
+        f.write(data)
 
 
 def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     effects = _ACTIVE
     if effects is not None:
         if effects.holds_emulated(obj):
-            effects.skip("torch.save", f, obj)
+            _write_stand_in(effects, obj, f, "torch.save")
             return
-        if effects.sandbox is not None and not hasattr(f, "write"):
-            f = effects.redirect(f, writing=True)
+        if _is_path(f):  # through Python's file (the seal's), not torch's C++ writer
+            with open(f, "wb") as out:
+                _original("torch.save")(obj, out, *args, **kwargs)
+            return
     _original("torch.save")(obj, f, *args, **kwargs)
+
+
+def _read_stand_in(f: Any) -> bytes | None:
+    """The pickled object of a stand-in file (a path or a readable file object at its
+    position), or None where ``f`` is not one (a file object is left where it was)."""
+    if _is_path(f):
+        try:
+            with open(f, "rb") as src:
+                head = src.read(len(STAND_IN_MAGIC))
+                return src.read() if head == STAND_IN_MAGIC else None
+        except OSError:
+            return None
+    read = getattr(f, "read", None)
+    if read is None:
+        return None
+    try:
+        pos = f.tell()
+        head = read(len(STAND_IN_MAGIC))
+        if head == STAND_IN_MAGIC:
+            return bytes(read())
+        f.seek(pos)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def _stand_in_object(body: bytes, map_location: Any) -> Any:
+    """What a stand-in file holds (after its explaining line), its tensors placed as
+    ``map_location`` says."""
+    _, _, pickled = body.partition(b"\n")
+    return _rebuilt(pickled, map_location)
 
 
 def _torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
     effects = _ACTIVE
-    skeleton = effects.held(f) if effects is not None else None
-    if effects is None or skeleton is None:
+    if effects is None:
         return _original("torch.load")(f, map_location, *args, **kwargs)
-    # the run saved there a moment ago (the save skipped): on a GPU the script reads it
-    # back, whatever was on disk before; the tensors come back where map_location puts them
-    effects.writes.add(effects.writes.read_back, "torch.load", f)
-    return _rebuilt(skeleton, map_location)
+    body = _read_stand_in(f)
+    if body is not None:  # the run saved it a moment ago: read back as on a GPU
+        effects.count(effects.read_back, "torch.load", f)
+        return _stand_in_object(body, map_location)
+    sealed = seal.active()
+    if sealed is not None and _is_path(f):  # mmap=True opens the path in C++
+        f = sealed.read_path(f)
+    return _original("torch.load")(f, map_location, *args, **kwargs)
 
 
-def _remover(name: str) -> Callable[..., Any]:
-    def remove(path: Any, *args: Any, **kwargs: Any) -> None:
+def _safetensors_save(name: str) -> Callable[..., Any]:
+    def save(obj: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
         effects = _ACTIVE
-        if effects is not None and not args and not kwargs and effects.forget(path):
+        if effects is not None and effects.holds_emulated(obj):
+            tensors = obj.state_dict() if isinstance(obj, nn.Module) else obj
+            _write_stand_in(effects, dict(tensors), filename, f"safetensors.{name}")
             return None
-        return _original(f"os.{name}")(path, *args, **kwargs)  # type: ignore[no-any-return]
+        return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
 
-    return remove
+    save.__name__ = name
+    return save
+
+
+def _safetensors_load(filename: Any, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
+    effects = _ACTIVE
+    body = _read_stand_in(filename) if effects is not None else None
+    if effects is None or body is None:
+        return _original("safetensors.load_file")(filename, device, *args, **kwargs)
+    effects.count(effects.read_back, "safetensors.load_file", filename)
+    return _stand_in_object(body, device)
+
+
+class StandInSafeOpen:
+    """What ``safe_open`` gives for a stand-in file: its tensors by name, on ``device``."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._tensors = tensors
+
+    def __enter__(self) -> StandInSafeOpen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def offset_keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def metadata(self) -> dict[str, str]:
+        return {"format": "pt"}
+
+    def get_tensor(self, name: str) -> Any:
+        return self._tensors[name]
+
+    def get_slice(self, name: str) -> Any:
+        return self._tensors[name]
+
+
+def _safe_open(filename: Any, framework: Any = "pt", device: Any = "cpu", *args: Any,
+               **kwargs: Any) -> Any:
+    effects = _ACTIVE
+    body = _read_stand_in(filename) if effects is not None else None
+    if effects is None or body is None:
+        return _original("safetensors.safe_open")(filename, framework, device, *args, **kwargs)
+    effects.count(effects.read_back, "safe_open", filename)
+    tensors = _stand_in_object(body, device)
+    return StandInSafeOpen(tensors if isinstance(tensors, dict) else {})
 
 
 class _SkeletonPickler(pickle.Pickler):
@@ -488,6 +392,11 @@ class _SkeletonPickler(pickle.Pickler):
         self.storages: dict[int, int] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        storage = _untyped(obj)
+        if storage is not None and self.is_emulated(_over(storage)):
+            return (_rebuild_storage, (int(storage.nbytes()), str(_over(storage).device),
+                                       isinstance(obj, torch.TypedStorage),
+                                       getattr(obj, "dtype", torch.uint8)))
         if (not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, nn.Parameter)
                 or not self.is_emulated(obj)):
             return NotImplemented
@@ -497,17 +406,6 @@ class _SkeletonPickler(pickle.Pickler):
                                   tuple(obj.shape), tuple(obj.stride()),
                                   int(obj.storage_offset()), obj.requires_grad,
                                   isinstance(obj, nn.Parameter)))
-
-
-def _skeleton(obj: Any, is_emulated: IsEmulated) -> bytes | None:
-    """``obj`` pickled with its emulated tensors as shapes; None where it cannot be (an
-    object pickle refuses, a tensor subclass such as a DTensor)."""
-    buf = io.BytesIO()
-    try:
-        _SkeletonPickler(buf, is_emulated).dump(obj)
-    except Exception:  # what cannot be held is not read back
-        return None
-    return buf.getvalue()
 
 
 @dataclass
@@ -548,9 +446,9 @@ def _rebuild_tensor(key: int, nbytes: int, location: str, dtype: torch.dtype,
     if flat is None:
         where = torch.device(loading.target(location))
         if where.type == "cpu":
-            from dpprof.emulator.virtual_cuda import active
+            from dpprof.emulator.virtual_cuda import active as active_cuda
 
-            vc = active()
+            vc = active_cuda()
             host = torch.empty(nbytes, dtype=torch.uint8)
             flat = vc.rt.host_stand_in(host) if vc is not None else host.zero_()
         else:
@@ -563,31 +461,25 @@ def _rebuild_tensor(key: int, nbytes: int, location: str, dtype: torch.dtype,
     return t.requires_grad_(requires_grad)
 
 
-def _numpy_writer(name: str) -> Callable[..., Any]:
-    def write(file: Any, *args: Any, **kwargs: Any) -> Any:
-        effects = _ACTIVE
-        if effects is not None:
-            if effects.holds_emulated([args, kwargs]):
-                effects.skip(f"numpy.{name}", file)
-                return None
-            if effects.sandbox is not None and not hasattr(file, "write"):
-                file = effects.redirect(file, writing=True)
-        return _original(f"numpy.{name}")(file, *args, **kwargs)
-
-    return write
+def _untyped(x: Any) -> Any:
+    """The untyped storage of a storage object (typed or not), else None."""
+    if isinstance(x, torch.TypedStorage):
+        return x._untyped_storage
+    return x if isinstance(x, torch.UntypedStorage) else None
 
 
-def _safetensors_writer(name: str) -> Callable[..., Any]:
-    def write(obj: Any, filename: Any, *args: Any, **kwargs: Any) -> Any:
-        effects = _ACTIVE
-        if effects is not None:
-            if effects.holds_emulated(obj):
-                effects.skip(f"safetensors.{name}", filename)
-                return None
-            filename = effects.redirect(filename, writing=True)
-        return _original(f"safetensors.{name}")(obj, filename, *args, **kwargs)
+def _over(storage: Any) -> torch.Tensor:
+    """A tensor over ``storage`` (what the emulation tells a virtual GPU's bytes by)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
-    return write
+
+def _rebuild_storage(nbytes: int, location: str, typed: bool, dtype: torch.dtype) -> Any:
+    """A storage as ``torch.load`` of a pickled one makes it (``pickle.dump`` of a tensor),
+    where it is mapped to."""
+    flat = _rebuild_tensor(id(object()), nbytes, location, torch.uint8, (nbytes,), (1,), 0,
+                           False, False)
+    st = flat.untyped_storage()
+    return torch.TypedStorage(wrap_storage=st, dtype=dtype, _internal=True) if typed else st
 
 
 def _showwarning(message: Warning | str, category: type[Warning], filename: str,
@@ -599,74 +491,7 @@ def _showwarning(message: Warning | str, category: type[Warning], filename: str,
         path, _, num = caller_site(also_skip=(warnings.__file__, __file__)).rpartition(":")
         if path and num.isdigit():
             filename, lineno, line = path, int(num), None
-    _original("warnings.showwarning")(message, category, filename, lineno, file, line)
-
-
-def _pil_fromarray(obj: Any, *args: Any, **kwargs: Any) -> Any:
-    image = _original("PIL.fromarray")(obj, *args, **kwargs)
     effects = _ACTIVE
-    if effects is not None and effects.holds_emulated(obj):
-        effects.note_emulated_image(image)
-    return image
-
-
-def _pil_save(self: Any, fp: Any, *args: Any, **kwargs: Any) -> Any:
-    effects = _ACTIVE
-    if effects is not None and effects.is_emulated_image(self):
-        effects.writes.add(effects.writes.skipped, "Image.save", fp)
-        effects.put_back(fp)
-        return None
-    return _original("PIL.save")(self, fp, *args, **kwargs)
-
-
-def _open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-    effects = _ACTIVE
-    if effects is not None:
-        if effects.sandbox is not None:
-            file = effects.redirect(file, writing=bool(_WRITE_MODES & set(mode)))
-            effects.trim_output()
-        elif "w" in mode and "b" in mode:  # where torch.save / numpy.save of a file object go
-            return effects.open_truncating(file, mode, *args, **kwargs)
-    return _original("open")(file, mode, *args, **kwargs)
-
-
-def _absolute(path: Any) -> str | None:
-    """``path`` (a str, bytes or path-like; not a file object or descriptor) made absolute."""
-    if isinstance(path, int) or hasattr(path, "write"):
-        return None
-    try:
-        return os.path.abspath(os.fsdecode(os.fspath(path)))
-    except TypeError:
-        return None
-
-
-def _absent_folders(path: Any) -> list[str]:
-    """``path`` and its parents that do not exist yet, parents first."""
-    folder = _absolute(path)
-    absent: list[str] = []
-    while folder is not None and not os.path.exists(folder):
-        absent.append(folder)
-        parent = os.path.dirname(folder)
-        folder = parent if parent != folder else None
-    return absent[::-1]
-
-
-def _makedirs(name: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
-    effects = _ACTIVE
-    if effects is not None and effects.sandbox is not None:
-        name = effects.redirect(name, writing=True)
-        exist_ok = True
-    before = _absent_folders(name) if effects is not None else []
-    _original("os.makedirs")(name, mode, exist_ok)
-    if effects is not None and effects.sandbox is None:
-        effects.made(before)
-
-
-def _mkdir(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
-    effects = _ACTIVE
-    if effects is not None and effects.sandbox is not None and dir_fd is None:
-        path = effects.redirect(path, writing=True)
-    before = _absent_folders(path) if effects is not None and dir_fd is None else []
-    _original("os.mkdir")(path, mode, dir_fd=dir_fd)
-    if effects is not None and effects.sandbox is None:
-        effects.made(before)
+    show = (effects._originals["warnings.showwarning"] if effects is not None
+            else warnings.showwarning)
+    show(message, category, filename, lineno, file, line)

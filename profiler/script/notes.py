@@ -10,9 +10,8 @@ import os
 from dpprof.answers.answer import settle
 from dpprof.emulator.cuda_devices import STAND_INS
 from dpprof.fixes.fix_registry import for_variant
-from dpprof.result import Fix, RunResult
+from dpprof.result import Fix, RunResult, ScriptWrite, SealCheck
 from dpprof.script import rewrite
-from dpprof.script.effects import Writes
 from dpprof.script.runner import ScriptConfig, ScriptRun
 from dpprof.script.wrappers import LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
@@ -28,6 +27,9 @@ __all__ = [
     "script_assumptions",
     "script_fix",
     "script_verdict",
+    "seal_fields",
+    "seal_notes",
+    "shown_path",
     "write_notes",
 ]
 
@@ -71,33 +73,84 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
             "to cuda): nothing was measured")
 
 
-def write_notes(writes: Writes) -> list[str]:
-    """What dpprof kept the script from writing, in a line; what it read back of it."""
-    if not writes.skipped:
+def write_notes(run: ScriptRun) -> list[str]:
+    """The checkpoints of emulated tensors a run wrote as stand-ins, in a line; what it read
+    back of them."""
+    if not run.stand_in_files:
         return []
+    calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in run.stand_in_files.items())
     read_back = ""
-    if writes.read_back:
-        loads = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.read_back.items())
-        read_back = (f"; read back as the run saved it (shapes, no values), as on a GPU: "
-                     f"{loads}")
-    calls = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in writes.skipped.items())
-    removed = ""
-    if writes.removed_folders:
-        folders = ", ".join(os.path.relpath(f) for f in writes.removed_folders)
-        removed = f"; the empty folder(s) the script made for them removed: {folders}"
-    return [f"not written, your files untouched: {calls} (what it saved holds the virtual "
-            f"GPUs' values, which are the emulation's, not a run's){removed}{read_back}"]
+    if run.read_back:
+        loads = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in run.read_back.items())
+        read_back = f"; read back as the run saved it, as on a GPU: {loads}"
+    return [f"checkpoints of emulated tensors written as stand-ins (the tensors' shapes, no "
+            f"values), into the run's private overlay: {calls}{read_back}"]
 
 
 def alternative_notes(alt: ScriptRun) -> list[str]:
-    """An alternative's run: its writes kept private, its output not shown."""
-    notes = write_notes(alt.writes)
-    if alt.writes.redirected:
-        files = sum(alt.writes.redirected.values())
-        notes.append(f"its {files} write(s) of files and folders went to a private folder "
-                     "(deleted), so nothing of yours was written twice; its output is not shown")
+    """An alternative's run: its stand-in checkpoints, its output not shown."""
+    notes = write_notes(alt)
+    notes.append("its output is not shown (the run as written printed it)")
     if alt.ended == "script raised" and alt.output_tail.strip():
         notes.append("its last output: " + alt.output_tail.strip()[-400:])
+    return notes
+
+
+MAX_WRITES_LISTED = 1000  # per run, in the result's writes
+
+
+def seal_fields(runs: list[tuple[str, ScriptRun]],
+                keep_writes: str | None) -> tuple[list[ScriptWrite], SealCheck]:
+    """The result's ``writes`` (every run's, paths as the user names them) and ``seal``
+    (how the runs were sealed, and what the check after each found)."""
+    writes: list[ScriptWrite] = []
+    check = SealCheck(kept_in=os.path.abspath(keep_writes) if keep_writes else None)
+    kernel = all(r.seal.kernel for _, r in runs)
+    check.lines = ["python", "kernel" if kernel else "audit hook"]
+    for name, run in runs:
+        outcome = run.seal
+        for w in outcome.writes[:MAX_WRITES_LISTED]:
+            writes.append(ScriptWrite(run=name, path=shown_path(w.path), kind=w.kind,
+                                      size_bytes=w.size_bytes,
+                                      emulated_values=w.emulated_values, replaced=w.replaced))
+        check.omitted_writes += max(0, len(outcome.writes) - MAX_WRITES_LISTED)
+        check.checked_entries = max(check.checked_entries, outcome.checked_entries)
+        check.checked_all = check.checked_all and outcome.checked_complete
+        for d in outcome.differences:
+            check.changed.append(f"{shown_path(d.path)}: {d.what} after the {name} run")
+        for cmd in outcome.subprocesses:
+            if cmd not in check.subprocesses:
+                check.subprocesses.append(cmd)
+    return writes, check
+
+
+def shown_path(path: str) -> str:
+    """``path`` as the user names it: relative to the working directory where inside it,
+    ``~/...`` inside the home folder, else absolute."""
+    cwd = os.getcwd()
+    if path == cwd:
+        return "."
+    if path.startswith(cwd + os.sep):
+        return os.path.relpath(path, cwd)
+    home = os.path.expanduser("~")
+    if home not in ("", "/") and path.startswith(home + os.sep):
+        return "~" + path[len(home):]
+    return path
+
+
+def seal_notes(check: SealCheck) -> list[str]:
+    """The result's notes on the seal (the writes and the check have the reports' own
+    section): loudly, any file of the user's found changed after a run; the subprocesses
+    the Python line does not reach."""
+    notes = []
+    if check.changed:
+        notes.append(f"SEAL BROKEN: {len(check.changed)} file(s) of yours changed while the "
+                     "script ran: " + "; ".join(check.changed[:10]))
+    if check.subprocesses and "kernel" not in check.lines:
+        notes.append("the script started subprocesses, which Python's seal does not reach "
+                     "(their writes were not redirected; the check after the run covers the "
+                     "working directory and the script's folder): "
+                     + "; ".join(check.subprocesses[:5]))
     return notes
 
 

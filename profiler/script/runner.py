@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import runpy
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +51,9 @@ from dpprof.scenarios.names import (
     TENSOR_PARALLEL,
 )
 from dpprof.scenarios.registry import scenario
-from dpprof.script import wrappers
-from dpprof.script.effects import ScriptEffects, Writes
+from dpprof.script import seal, wrappers
+from dpprof.script.census import Snapshot
+from dpprof.script.effects import ScriptEffects
 from dpprof.script.hooks import (
     AS_WRITTEN,
     RungHooks,
@@ -64,6 +64,8 @@ from dpprof.script.hooks import (
     compile_eagerly,
 )
 from dpprof.script.launch import Launch, run_main_file, script_process, user_traceback
+from dpprof.script.seal import SealBreach
+from dpprof.script.sealed_run import SealedRun, SealOutcome
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.wrappers import DDP_IN_PLACE
 from dpprof.units import fmt_bytes
@@ -85,6 +87,13 @@ class ScriptConfig:
     # LOSS_IN_FORWARD: the replicas return their outputs too (the script uses them)
     keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
+    keep_writes: str | None = None  # --keep-writes DIR: each run's overlay copied there
+    # False only to measure what the seal costs (benchmarks/bench_seal.py) and, in tests, to
+    # show what it keeps out: the script then writes into the user's files
+    seal: bool = True
+    # the user's files before the runs (dpprof.script.census), checked after each; None:
+    # noted before this run
+    files_before: Snapshot | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -123,7 +132,11 @@ class ScriptRun:
     dp_sites: list[str] = field(default_factory=list)  # see wrappers.LOG
     call_sites: list[str] = field(default_factory=list)
     loss_sites: list[str] = field(default_factory=list)
-    writes: Writes = field(default_factory=Writes)  # what dpprof kept from the user's files
+    seal: SealOutcome = field(default_factory=SealOutcome)  # what it wrote, the check after
+    # stand-in files written for checkpoints of emulated tensors, and loaded back:
+    # "torch.save ckpt.pt at train.py:40" -> times (dpprof.script.effects)
+    stand_in_files: dict[str, int] = field(default_factory=dict)
+    read_back: dict[str, int] = field(default_factory=dict)
     output_tail: str = ""  # an alternative's run: the end of what it printed (not shown)
     interrupted_by: int = 0  # the signal that cut the run short (ended == "interrupted")
     # the DDP alternative: its rank's peak under gradient_as_bucket_view=True (followed in a
@@ -169,6 +182,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
 
 
 def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
+    """Run the script once, sealed (:mod:`dpprof.script.sealed_run`), and measure it."""
     launch = cfg.launch
     if not launch.is_module and not Path(launch.target).is_file():
         raise UsageError(f"dpprof run: {launch.target}: no such file")
@@ -186,17 +200,20 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     kernels = GpuKernels(cfg.gpu.compute_capability, rt)
     start = time.perf_counter()
     exc: BaseException | None = None
-    # an alternative's run writes into a private folder and prints nothing (dpprof.script.effects)
-    sandbox = (tempfile.TemporaryDirectory(prefix="dpprof-run-")
-               if cfg.variant != AS_WRITTEN or cfg.rung is not None
-               else contextlib.nullcontext(None))
     rung = RungHooks(cfg.rung) if cfg.rung is not None else None
     if rung is not None:
         stepper.listeners.append(rung)
-    with script_process(launch), sandbox as private:
+    _note_first_stand_in(rt)
+    name = cfg.variant if cfg.rung is None else f"{cfg.variant}+{cfg.rung.name}"
+    sealed = (SealedRun(name, None if launch.is_module else launch.target, cfg.keep_writes,
+                        cfg.files_before)
+              if cfg.seal else contextlib.nullcontext())
+    # an alternative's run prints nothing (dpprof.script.effects)
+    effects = ScriptEffects(rt.is_emulated,
+                            silenced=cfg.variant != AS_WRITTEN or cfg.rung is not None)
+    with script_process(launch), sealed:
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
-        effects = ScriptEffects(rt.is_emulated, Path(private) if private else None)
         try:
             with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
                     effects, Patcher() as patcher:
@@ -215,7 +232,10 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
         finally:
             torch.random.set_rng_state(seed_state)
     run.seconds = time.perf_counter() - start
-    run.writes = effects.writes
+    if isinstance(sealed, SealedRun):
+        run.seal = sealed.outcome
+    run.stand_in_files = dict(effects.stand_ins)
+    run.read_back = dict(effects.read_back)
     run.output_tail = effects.output_tail
     run.steps_done = stepper.done
     run.forwards, run.backwards = stepper.forwards, stepper.backwards
@@ -231,11 +251,36 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.kernels = dict(kernels.chosen)
     warmup_higher = stepper.keep_higher_warmup_peaks()
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
+    if run.seal.breach is not None and run.ended == "script raised":
+        run.scenario.message = run.seal.breach  # dpprof stopped it, not the script's error
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
     if cfg.variant == DDP_IN_PLACE and ledger is not None:
         run.bucket_view_peak_bytes = ledger.peak_allocated if ledger.unsure is None else None
         run.bucket_view_unsure = ledger.unsure
     return run
+
+
+def _note_first_stand_in(rt: Any) -> None:
+    """The run's seal told when the run first reads a value from an emulated tensor (a
+    stand-in made up, or, under --compute, a host copy of a virtual GPU's values): a file
+    written after it may hold such values."""
+    add, remember = rt.stand_ins.add, rt.remember_emulated_on_host
+
+    def note() -> None:
+        sealed = seal.active()
+        if sealed is not None:
+            sealed.note_stand_in()
+
+    def counted(kind: str, times: int = 1) -> None:
+        note()
+        add(kind, times)
+
+    def remembered(t: torch.Tensor) -> None:
+        note()
+        remember(t)
+
+    rt.stand_ins.add = counted
+    rt.remember_emulated_on_host = remembered
 
 
 def _count_backwards(patcher: Patcher, stepper: Stepper) -> None:
@@ -265,6 +310,10 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         run.ended = "script ended"
     except StopScript:
         run.ended = "steps"
+    except SealBreach as e:  # a write around the seal, stopped: the run's result says so
+        run.ended = "script raised"
+        run.exit_status = 1
+        run.script_traceback = f"dpprof: {e.line()}"
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: keep what it measured
         run.ended = "interrupted"
         run.interrupted_by = interrupt_signal(e)

@@ -45,10 +45,13 @@ from dpprof.script.notes import (
     script_assumptions,
     script_fix,
     script_verdict,
+    seal_fields,
+    seal_notes,
     write_notes,
 )
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
+from dpprof.script.sealed_run import prepare_process, take_census
 from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
@@ -91,6 +94,10 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
+    if cfg.seal and cfg.files_before is None:  # the user's files, checked after each run
+        prepare_process()
+        cfg = dataclasses.replace(cfg, files_before=take_census(
+            None if cfg.launch.is_module else cfg.launch.target, cfg.keep_writes))
     runs: list[tuple[str, ScriptRun]] = []
     rungs: list[tuple[str, ScriptRun]] = []
     notes: list[str] = []
@@ -159,6 +166,9 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
         notes=notes,
         fixes=fixes,
     )
+    if cfg.seal:
+        result.writes, result.seal = seal_fields(runs + rungs, cfg.keep_writes)
+        result.notes.extend(seal_notes(result.seal))
     result.comparison = compare(result)
     result.attribution = attribute_run(result)
     result.comparison.verdict = script_verdict(result)
@@ -285,7 +295,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
         s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,
             ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
-    s0.notes.extend(write_notes(main.writes))
+    s0.notes.extend(write_notes(main))
     if main.stand_ins:
         s0.notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "

@@ -1,0 +1,163 @@
+"""One run of the script, sealed from start to end (:class:`SealedRun`): the kernel overlay
+where the process has its own mount namespace (:mod:`dpprof.script.namespace`), the Python
+seal over a fresh overlay (:mod:`dpprof.script.seal`), and after the run: what it wrote, the
+check that the user's files are as they were (:mod:`dpprof.script.census`), and a copy of its
+writes where ``--keep-writes`` asks (``DIR/<run>/`` + the absolute path of each file, and
+``DIR/<run>/writes.txt`` listing them, removals too)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from dpprof.script import census, namespace
+from dpprof.script.census import Difference, Snapshot
+from dpprof.script.overlay import Change
+from dpprof.script.seal import Seal, SealedWrite
+
+__all__ = ["SealOutcome", "SealedRun", "folders_of", "prepare_process", "take_census"]
+
+
+@dataclass
+class SealOutcome:
+    """What the seal saw of one run."""
+
+    writes: list[SealedWrite] = field(default_factory=list)
+    # the user's files found not as they were after the run (the seal's check; none expected)
+    differences: list[Difference] = field(default_factory=list)
+    kernel: bool = False  # the kernel line held this run
+    breach: str | None = None  # the line of a write the audit hook stopped
+    subprocesses: list[str] = field(default_factory=list)  # commands the script started
+    checked_entries: int = 0  # files and folders compared after the run
+    checked_complete: bool = True  # all of them (not cut at the census' limit)
+    kept: str | None = None  # where --keep-writes put them
+
+
+def prepare_process() -> None:
+    """The process's own temporary folders made before any run, outside its seal: Python
+    caches them for the process (``tempfile``'s, and ``multiprocessing``'s, where a
+    DataLoader's workers bind the sockets that pass tensors), and one made inside a run's
+    overlay would be gone for the next run (and a socket cannot be bound inside an overlay
+    only Python sees). ``multiprocessing`` removes its folder when the process ends."""
+    import multiprocessing.util
+
+    tempfile.gettempdir()
+    multiprocessing.util.get_temp_dir()
+
+
+def take_census(script: str | None, keep_dir: str | None) -> Snapshot:
+    """The user's files before the runs (:mod:`dpprof.script.census`): the working
+    directory and the script's folder, the writes kept (``keep_dir``) left out; walked in
+    full where no mount namespace holds the writes, the shallowest where one does."""
+    return census.take(folders_of(script), [keep_dir] if keep_dir else [],
+                       census.LIMIT_UNDER_KERNEL if namespace.entered() else census.LIMIT)
+
+
+def folders_of(script: str | None) -> list[str]:
+    """The folders the census walks: the working directory and the script's folder."""
+    folders = [os.getcwd()]
+    if script:
+        folders.append(os.path.dirname(os.path.abspath(script)))
+    return folders
+
+
+class SealedRun:
+    """One run sealed (see the module); ``with SealedRun(...) as seal:`` around the run,
+    then :attr:`outcome`.
+
+    ``name``: the run's (its folder under ``keep_dir``); ``script``: its file (None for
+    ``python -m``); ``before``: the census taken before the runs (None: taken here)."""
+
+    def __init__(self, name: str, script: str | None, keep_dir: str | None = None,
+                 before: Snapshot | None = None) -> None:
+        self.name = name
+        self.script = script
+        self.keep_dir = os.path.abspath(keep_dir) if keep_dir else None
+        self.before = before
+        self.outcome = SealOutcome()
+        self._kernel: namespace.KernelOverlay | None = None
+        self._base = ""  # private: the overlay's root and the clock file
+        self._root = ""
+        self._seal: Seal | None = None
+        self._cwd = ""
+
+    def __enter__(self) -> Seal:
+        self._cwd = os.getcwd()
+        prepare_process()
+        if self.before is None:
+            self.before = take_census(self.script, self.keep_dir)
+        trees: list[str] = []
+        if namespace.entered():
+            folders = namespace.sealed_folders([
+                *folders_of(self.script), os.path.expanduser("~"), tempfile.gettempdir(),
+                "/tmp", "/var/tmp"])
+            kernel = namespace.KernelOverlay(folders)
+            try:
+                kernel.mount()
+                self._kernel, trees, self._base = kernel, folders, kernel.stage
+            except OSError:  # this run keeps the Python line and the check after it
+                pass
+        if not self._base:
+            self._base = tempfile.mkdtemp(prefix="dpprof-writes-")
+        self._root = os.path.join(self._base, "py")
+        if not os.path.isdir(self._root):
+            os.mkdir(self._root, 0o700)
+        self._seal = Seal(self._root, trees, clock=os.path.join(self._base, "clock"))
+        self.outcome.kernel = bool(trees)
+        return self._seal.__enter__()
+
+    def _excluded(self) -> list[str]:
+        return [p for p in (self.keep_dir, self._base) if p]
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._seal is not None
+        seal, out = self._seal, self.outcome
+        try:
+            seal.__exit__(*exc)
+            kernel_changes: list[Change] = self._kernel.changes() if self._kernel else []
+            out.writes = seal.writes(kernel_changes)
+            out.subprocesses = list(seal.lines.subprocesses)
+            out.breach = seal.breach.line() if seal.breach is not None else None
+            if self._kernel is not None:
+                self._kernel.unmount_trees()
+            with contextlib.suppress(OSError):
+                os.chdir(self._cwd)  # the next run starts where this one did
+            if self.keep_dir:
+                out.kept = self._keep(out.writes, [*seal.overlay.changes(), *kernel_changes])
+        finally:
+            if self._kernel is not None:
+                self._kernel.close()
+            else:
+                shutil.rmtree(self._base, ignore_errors=True)
+        assert self.before is not None
+        after = census.again(self.before, self._excluded())
+        out.differences = census.differences(self.before, after, seal.overlay.touched_real)
+        out.checked_entries = len(self.before.entries) + len(seal.overlay.touched_real)
+        out.checked_complete = self.before.complete
+
+    def _keep(self, writes: list[SealedWrite], changes: list[Change]) -> str:
+        """The run's writes copied under ``keep_dir/<name>``, with a list of them."""
+        assert self.keep_dir is not None
+        dest = os.path.join(self.keep_dir, self.name)
+        os.makedirs(dest, exist_ok=True)
+        where = {c.path: c.concrete for c in changes if c.concrete}
+        lines = []
+        for w in writes:
+            flag = " emulated values" if w.emulated_values else ""
+            lines.append(f"{w.kind}\t{w.size_bytes}\t{w.path}{flag}")
+            target = os.path.join(dest, w.path.lstrip("/"))
+            if w.kind == "folder":
+                os.makedirs(target, exist_ok=True)
+            elif w.kind in ("file", "link") and w.path in where:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if w.kind == "link":
+                    with contextlib.suppress(FileExistsError):
+                        os.symlink(os.readlink(where[w.path]), target)
+                else:
+                    shutil.copyfile(where[w.path], target)
+        with open(os.path.join(dest, "writes.txt"), "w") as f:
+            f.write("\n".join(lines) + ("\n" if lines else ""))
+        return dest
