@@ -87,7 +87,8 @@ def _first_screen(lines: list[str]) -> list[str]:
             state = "reserved"
         elif state == "reserved" and line.startswith("cuda:0 needs "):
             state = "verdict"
-        elif state == "verdict" and (not line or NOTE.match(line)):
+        elif state == "verdict" and (not line or NOTE.match(line)
+                                     or line.startswith("step time (")):  # a table's title
             out.append("[... notes; why cuda:0 is heavier, by cause ...]")
             state = "notes"
         elif state == "notes" and line.startswith("what each change buys"):
