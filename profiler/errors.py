@@ -1,6 +1,6 @@
 """Errors that reach the user as one line on stderr, and dpprof's one exit-status policy.
 
-Every command exits with one of these (``--help`` and the README say the same):
+Every command exits with one of these (``--help`` and docs/ci.md say the same):
 
 ====  =====================================================================================
 0     measured (or rendered): every scenario ran; an out-of-memory is a result, not an error

@@ -1,4 +1,4 @@
-"""Regenerate the README's screenshot of an HTML report (docs/report.png).
+"""Regenerate docs/report.png, the screenshot of an HTML report that README.md and the pages show.
 
     python scripts/screenshot_report.py [result.json] [-o docs/report.png] [--full]
         [--width 1180] [--dark] [--pdf report.pdf]

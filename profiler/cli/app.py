@@ -102,6 +102,24 @@ class OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# Each command's page, under docs/ in dpprof's repository (pyproject names no site URL);
+# ``--help`` ends with it, after the exit statuses.
+DOCS_PAGES: dict[str, str] = {
+    "compare": "docs/scenarios.md",
+    "maxbatch": "docs/maxbatch.md",
+    "watch": "docs/watch.md",
+    "run": "docs/run.md",
+    "report": "docs/reports.md",
+    "env": "docs/gpus.md",
+    "check": "docs/gpus.md",
+}
+
+
+def epilog(exit_status_help: str, page: str) -> str:
+    """A command's ``--help`` epilog: its exit statuses, then the page that says the rest."""
+    return f"{exit_status_help}\n\nDocs: {page} in dpprof's repository."
+
+
 app = typer.Typer(
     cls=OneLineErrors,
     name="dpprof",
@@ -111,8 +129,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
-    epilog=EXIT_STATUS_HELP,
+    epilog=epilog(EXIT_STATUS_HELP, "README.md and docs/"),
 )
+
+
 def _version(value: bool) -> None:
     if value:
         out.print(f"dpprof {__version__}")
@@ -129,21 +149,25 @@ def _main(
     fit_output_width()
 
 
-app.command("compare", cls=PlainHelp, epilog=EXIT_STATUS_HELP)(compare_cmd)
-app.command("maxbatch", cls=PlainHelp, epilog=MAXBATCH_EXIT_STATUS_HELP)(maxbatch_cmd)
+app.command("compare", cls=PlainHelp,
+            epilog=epilog(EXIT_STATUS_HELP, DOCS_PAGES["compare"]))(compare_cmd)
+app.command("maxbatch", cls=PlainHelp,
+            epilog=epilog(MAXBATCH_EXIT_STATUS_HELP, DOCS_PAGES["maxbatch"]))(maxbatch_cmd)
 app.command(
     "watch", cls=PlainHelp,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
-    epilog=WATCH_EXIT_STATUS_HELP,
+    epilog=epilog(WATCH_EXIT_STATUS_HELP, DOCS_PAGES["watch"]),
 )(watch_cmd)
 app.command(
     "run", cls=PlainHelp,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
-    epilog=RUN_EXIT_STATUS_HELP,
+    epilog=epilog(RUN_EXIT_STATUS_HELP, DOCS_PAGES["run"]),
 )(run_cmd)
-app.command("report", cls=PlainHelp, epilog=REPORT_EXIT_STATUS_HELP)(report_cmd)
-app.command("env", cls=PlainHelp, epilog=ENV_EXIT_STATUS_HELP)(env_cmd)
-app.command("check", cls=PlainHelp, epilog=CHECK_EXIT_STATUS_HELP)(check_cmd)
+app.command("report", cls=PlainHelp,
+            epilog=epilog(REPORT_EXIT_STATUS_HELP, DOCS_PAGES["report"]))(report_cmd)
+app.command("env", cls=PlainHelp, epilog=epilog(ENV_EXIT_STATUS_HELP, DOCS_PAGES["env"]))(env_cmd)
+app.command("check", cls=PlainHelp,
+            epilog=epilog(CHECK_EXIT_STATUS_HELP, DOCS_PAGES["check"]))(check_cmd)
 
 
 def main() -> None:

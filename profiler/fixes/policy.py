@@ -1,6 +1,6 @@
 """The policy by which the answer picks one change: by what the change costs the user.
 
-The changes in order, cheapest first (:data:`COSTS`; the README says the same):
+The changes in order, cheapest first (:data:`COSTS`; docs/scenarios.md says the same):
 
 0. nothing, where the scenario the user runs fits with the margin and its max/mean is at
    most :data:`IMBALANCE_THRESHOLD`;
