@@ -192,4 +192,4 @@ def test_the_readme_is_short_with_both_entries_on_its_first_screen() -> None:
     # the set-up and test commands, as a user copies them (CI runs the same pytest)
     text = "\n".join(lines)
     assert "\npip install -e . && dpprof compare --batch 512\n" in text
-    assert '\npip install -e ".[test]" && pytest\n' in text
+    assert '\npip install -e ".[test]" && pytest -n auto\n' in text
