@@ -120,6 +120,11 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
     """A titled table; the title is a line of its own (a table's title wraps to its width)."""
     t = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for i, h in enumerate(header):
+        widest = max((len(r[i]) for r in rows), default=0)
+        if i > 0 and len(h) > widest:
+            # a heading wider than its figures takes a line per word: the figures keep
+            # their width at 80 columns ("limited by" was cut to "cud")
+            h = h.replace(" ", "\n")
         # the first column (a cause, a fix's title) wraps in a narrow terminal; the figures
         # never do
         t.add_column(h, justify="left" if i == 0 else "right", no_wrap=i > 0,

@@ -2,6 +2,7 @@
 
 import html
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -27,6 +28,9 @@ def test_maxbatch_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     for e in entries.values():
         assert e["max_batch"] % 4 == 0 and e["needed_bytes"] <= 2 << 30 < e["next_needed_bytes"]
         assert str(e["max_batch"]) in r.stdout
+        # at 80 columns every column whole: the GPU that limits it and the steps emulated
+        assert re.search(rf"^ +{e['scenario']} .* cuda:{e['limit_device']} +{e['emulations']} *$",
+                         r.stdout, re.M), r.stdout
     run = load(out)  # and it reads back
     assert run.maxbatch is not None and run.maxbatch.entries[0].max_batch is not None
 
