@@ -5,6 +5,8 @@ dpprof does not follow is refused at once, naming those it does."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 import textwrap
 from pathlib import Path
 
@@ -68,8 +70,7 @@ def test_accelerate_reads_its_config_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", [["accelerate", "launch", "--use_deepspeed", "t.py"],
-                                     ["deepspeed", "t.py"], ["mpirun", "-n", "2", "t.py"],
-                                     ["accelerate", "config"]])
+                                     ["mpirun", "-n", "2", "t.py"], ["accelerate", "config"]])
 def test_a_launcher_dpprof_does_not_follow_is_refused_naming_those_it_does(
         command: list[str]) -> None:
     with pytest.raises(UsageError) as caught:
@@ -77,6 +78,16 @@ def test_a_launcher_dpprof_does_not_follow_is_refused_naming_those_it_does(
     message = str(caught.value)
     assert message.startswith("dpprof run: ") and "\n" not in message
     assert "accelerate launch" in message and ("torchrun" in message or "DDP" in message)
+
+
+@pytest.mark.parametrize("command", [["deepspeed", "--num_gpus", "4", "t.py"],
+                                     ["python", "-m", "deepspeed.launcher.runner", "t.py"]])
+def test_deepspeed_is_refused_naming_the_fsdp2_rungs_it_maps_onto(command: list[str]) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_command(command, 4)
+    message = str(caught.value)
+    assert message.startswith("dpprof run: DeepSpeed is not emulated") and "\n" not in message
+    assert "ZeRO-3: fully_shard" in message and "--ladder" in message
 
 
 def test_a_script_started_by_accelerate_launch_runs_as_ddp_ranks(
@@ -121,3 +132,44 @@ def test_each_run_starts_without_the_last_runs_accelerate_state(
         seen.append(capsys.readouterr().out.strip())
     assert seen == ["wrapped in DistributedDataParallel 4 no",
                     "wrapped in DistributedDataParallel 2 no"]
+
+
+# DeepSpeed itself is not a test dependency (its wheel is built from source, over CUDA torch
+# by default): a package of that name stands in for it, whose initialize fails as the real
+# one does on a machine without MPI (deepspeed.comm's mpi_discovery: "No module named
+# 'mpi4py'"), which is what a user saw under dpprof run before.
+DEEPSPEED_STAND_IN = '''
+def initialize(model=None, config=None, **kwargs):
+    from mpi4py import MPI  # noqa: F401  (deepspeed.comm.comm.mpi_discovery)
+'''
+
+DEEPSPEED_TRAIN = """
+import torch
+import deepspeed
+
+model = torch.nn.Linear(8, 8).cuda()
+engine, optimizer, _, _ = deepspeed.initialize(
+    model=model, config={"train_batch_size": 8, "zero_optimization": {"stage": 3}})
+"""
+
+
+@pytest.mark.parametrize("imported_before", [False, True])
+def test_deepspeed_initialize_stops_the_run_naming_the_fsdp2_rungs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, imported_before: bool) -> None:
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text(DEEPSPEED_STAND_IN)
+    (tmp_path / "train.py").write_text(DEEPSPEED_TRAIN)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    if imported_before:  # a module the script imports was imported before the run began
+        importlib.import_module("deepspeed")
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4),
+                                            gpus=4, seal=False), alternatives=False)
+    (s,) = result.scenarios
+    assert s.status == "error" and main.exit_status == 1
+    assert s.message.startswith("dpprof run: DeepSpeed is not emulated"), s.message
+    assert "ZeRO-3: fully_shard" in s.message and "mpi4py" not in s.message
+    assert "train.py" in (s.traceback or "")  # where the script reached it
+    import deepspeed  # the run's patch is undone after it
+    assert deepspeed.initialize.__module__ == "deepspeed"

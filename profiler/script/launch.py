@@ -22,6 +22,7 @@ from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
 from dpprof.errors import UsageError
+from dpprof.script.engines import DEEPSPEED_NOT_EMULATED
 
 __all__ = ["Launch", "main_path", "parse_command", "run_main_file", "script_process",
            "user_traceback"]
@@ -62,6 +63,8 @@ def parse_command(command: list[str], gpus: int, gpus_given: bool = True) -> Lau
         return _accelerate(rest[1:], gpus, gpus_given)
     if base == "accelerate-launch":
         return _accelerate(rest, gpus, gpus_given)
+    if base in ("deepspeed", "ds"):
+        raise UsageError(DEEPSPEED_NOT_EMULATED)
     if not base.startswith("python"):
         raise UsageError(f"dpprof run: cannot follow {head!r}: {_LAUNCHERS}")
     while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
@@ -76,6 +79,8 @@ def parse_command(command: list[str], gpus: int, gpus_given: bool = True) -> Lau
         mod = rest[1]
         if mod in ("torch.distributed.run", "torch.distributed.launch"):
             return _torchrun(rest[2:], gpus, mod, gpus_given)
+        if mod == "deepspeed" or mod.startswith("deepspeed.launcher"):
+            raise UsageError(DEEPSPEED_NOT_EMULATED)
         if mod in ("accelerate.commands.launch", "accelerate.commands.accelerate_cli"):
             args = rest[2:]
             if mod.endswith("accelerate_cli"):

@@ -31,6 +31,7 @@ from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
     Interrupted,
+    NotEmulated,
     UsageError,
     deferred_interrupts,
     interrupt_delivered,
@@ -446,9 +447,13 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
             s.notes.append(note)
     if exc is not None or (run.ended == "script raised"):
         s.status = STATUS_ERROR
-        s.message = (f"the script raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
-                     if exc is not None
-                     else f"the script exited with status {run.exit_status}")
+        if isinstance(exc, NotEmulated):  # dpprof stopped it, where the script reached that
+            s.message = str(exc)
+        elif exc is not None:
+            s.message = (f"the script raised {type(exc).__name__}"
+                         + (f": {exc}" if str(exc) else ""))
+        else:
+            s.message = f"the script exited with status {run.exit_status}"
         s.traceback = run.script_traceback
     else:
         over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]

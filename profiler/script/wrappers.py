@@ -35,6 +35,7 @@ from dpprof.emulator.patcher import Patch, Patcher
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
+from dpprof.script.engines import engines_refused
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -532,6 +533,7 @@ def install(vc: VirtualCuda, patch: Patch) -> None:
     for owner in (nn.parallel, ddp_mod):
         patch(owner, "DistributedDataParallel", VirtualDDP)
     _install_distributed(vc, patch)
+    vc.enter_context(engines_refused())
 
 
 def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
