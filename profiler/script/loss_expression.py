@@ -50,9 +50,11 @@ def output_refs(loss: ast.Call, outputs_name: str, model_call: ast.Call | None
     the model's own call written inside the loss call."""
     refs: list[ast.expr] = []
     for node in ast.walk(loss):
-        if (model_call is not None and node is model_call) or (outputs_name and isinstance(node, ast.Name) and node.id == outputs_name
-              and isinstance(node.ctx, ast.Load)):
+        if isinstance(node, ast.Name) and node.id == outputs_name and isinstance(
+                node.ctx, ast.Load) and outputs_name:
             refs.append(node)
+        elif model_call is not None and node is model_call:
+            refs.append(model_call)
     return refs
 
 
@@ -176,8 +178,10 @@ def find_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn
         return f"the outputs are used at {where}, whose source dpprof cannot read"
     refs: list[ast.expr] = []
     for node in ast.walk(stmt):
-        if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and is_outputs(
-                _value(frame, node, is_outputs))) or (isinstance(node, ast.Call) and _value(frame, node.func, is_outputs) is model):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            if is_outputs(_value(frame, node, is_outputs)):
+                refs.append(node)
+        elif isinstance(node, ast.Call) and _value(frame, node.func, is_outputs) is model:
             refs.append(node)
     if not refs:
         return f"the outputs are used at {where} through an expression dpprof cannot follow"
@@ -205,10 +209,10 @@ def find_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn
                 and value.dim() > dim and value.shape[dim] == rows):
             batch[name.id] = value
     if len(batch) != 1:
-        read = sorted({n.id for n in loaded_outside(loss, refs)} - {callee_root})
+        others = sorted({n.id for n in loaded_outside(loss, refs)} - {callee_root})
         if not batch:
             return (f"the loss at {where} reads no tensor of the batch's {rows} rows besides "
-                    f"the outputs ({', '.join(read) or 'nothing else'}), so there are no "
+                    f"the outputs ({', '.join(others) or 'nothing else'}), so there are no "
                     "targets to scatter with the inputs")
         return (f"the loss at {where} reads {' and '.join(sorted(batch))}, "
                 f"{len(batch)} tensors of the batch, and dpprof scatters one as the targets")

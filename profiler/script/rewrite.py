@@ -255,12 +255,10 @@ def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line:
         inline = next((n for n in ast.walk(loss) if n is not loss and isinstance(n, ast.Call)
                        and model_name is not None and dotted_name(n.func) == model_name
                        and n.lineno <= call_line <= (n.end_lineno or 0)), None)
-        if inline is not None:
-            site = _LossSite(loss, inline, None, "")
-        else:
-            site = _named_outputs(src, loss, call_line)
-            if site is None:
-                continue
+        site = (_LossSite(loss, inline, None, "") if inline is not None
+                else _named_outputs(src, loss, call_line))
+        if site is None:
+            continue
         return site, loss_function(src, loss, site.outputs_name, inline, targets_name)
     raise NoRewrite(f"line {loss_line}: no call of {loss_callee or 'the loss'} whose "
                     f"arguments read the model's outputs from line {call_line}")
