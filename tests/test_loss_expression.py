@@ -194,7 +194,7 @@ def test_a_loss_on_any_view_of_the_outputs_moves_inside_forward(
                                                  strict=True)]
     combined = ModelWithLoss.combine(tuple(torch.cat([r[i] for r in per_replica])
                                            for i in range(2)))
-    whole = env["criterion"](*[eval(a, {**env, "logits": model(env["ids"])})  # noqa: S307
+    whole = env["criterion"](*[eval(a, {**env, "logits": model(env["ids"])})
                                for a in (outputs, targets)])
     torch.testing.assert_close(combined, whole)
     assert abs(whole.item() - as_written) <= 1e-5 * max(1.0, abs(as_written))

@@ -72,7 +72,7 @@ def test_a_causal_lm_loss_on_a_view_of_the_outputs_moves_inside_forward(
     fixed.parent.mkdir()
     fixed.write_text(patched)
     again = _run(fixed, tmp_path / "again.json")
-    assert [s["name"] for s in again["scenarios"]][0] == "dp-loss-forward"
+    assert again["scenarios"][0]["name"] == "dp-loss-forward"
     assert _cuda0(again, "dp-loss-forward") == forward
     assert (max(d["peak_allocated_bytes"] for d in again["scenarios"][0]["devices"])
             == fix["max_peak_bytes"])
