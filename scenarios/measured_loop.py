@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpprof.scenarios.loss_mean import denominator, loss_calls
 from dpprof.scenarios.step import take_rows
 
 PHASES: tuple[str, ...] = ("inputs", "zero_grad", "forward", "loss", "backward", "optimizer")
@@ -57,7 +58,20 @@ class ModelWithLoss(nn.Module):
     loss, its temporaries and its gradient are computed per replica. Each replica returns
     ``(loss * rows, rows)``, so :meth:`combine` weights replicas by their share of the
     batch: the same number as the loss over the whole batch even when the shards are uneven
-    (a plain ``.mean()`` of the per-replica losses is not).
+    (a plain ``.mean()`` of the per-replica losses is not). The share is what the loss's
+    mean divides by (the targets a ``CrossEntropyLoss`` does not ignore, the elements of an
+    ``MSELoss``), so ``ignore_index`` and padding combine exactly too.
+
+    ``loss_fn`` may be the expression the loop computed on the gathered outputs, as a
+    function of the outputs and the targets; each replica then applies it to its own
+    shards::
+
+        model = nn.DataParallel(dpprof.ModelWithLoss(
+            model, lambda logits, y: criterion(logits.view(-1, logits.size(-1)), y.view(-1))))
+        loss = dpprof.ModelWithLoss.combine(model(x, y))
+
+    Where it calls more than one loss module (a sum of two losses), the replicas are
+    weighted by their rows.
 
     A loop that also uses the outputs (accuracy from ``torch.max(outputs, 1)``) keeps them
     with ``keep_outputs=True``: each replica returns its outputs too, gathered on cuda:0 as
@@ -77,10 +91,21 @@ class ModelWithLoss(nn.Module):
 
     def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
         outputs = call_model(self.model, inputs)
-        loss = self.loss_fn(outputs, targets)
-        rows = float(batch_rows(targets) or batch_rows(inputs))
-        weighted, count = loss.reshape(1) * rows, loss.new_full((1,), rows)
+        weighted, count = self.weighted_loss(outputs, targets, inputs)
         return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
+
+    def weighted_loss(self, outputs: Any, targets: Any,
+                      inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss * d, d)`` of this replica: ``d`` what the loss's mean divided by (the
+        targets not ignored, the elements: :func:`dpprof.scenarios.loss_mean.denominator`)
+        where ``loss_fn`` is one loss module or calls one, else the shard's rows."""
+        with loss_calls() as calls:
+            loss = self.loss_fn(outputs, targets)
+        count = denominator(*calls[0][:3]) if len(calls) == 1 else None
+        if count is None:
+            rows = float(batch_rows(targets) or batch_rows(inputs))
+            return loss.reshape(1) * rows, loss.new_full((1,), rows)
+        return loss.reshape(1) * count, count
 
     @staticmethod
     def combine(out: tuple[Any, ...]) -> torch.Tensor:

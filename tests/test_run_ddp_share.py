@@ -61,12 +61,12 @@ def test_a_batch_made_without_a_dataloader_is_divided_among_the_ranks(
     assert ddp.batch == 32 and all(d.batch_rows == 8 for d in ddp.devices)
     assert any("torch.randint at" in n and "train.py:16" in n and "8 rows of DataParallel's 32"
                in n for n in ddp.notes), ddp.notes
-    # the loss takes out.reshape(...): no loss-inside-forward alternative, and the reason
-    # names what the loss took, not "not an nn.Module loss" (it is one)
-    assert dp.scenario("dp-loss-forward") is None  # type: ignore[attr-defined]
-    assert any(n.startswith("no loss-inside-forward alternative: the script's nn.Module loss "
-                            "takes the outputs' .reshape() at ") and "train.py:19" in n
-               for n in dp.notes), dp.notes  # type: ignore[attr-defined]
+    # the loss takes out.reshape(...) and y.reshape(-1): moved inside forward as written,
+    # each replica reshaping its own shards
+    lif = dp.scenario("dp-loss-forward")  # type: ignore[attr-defined]
+    assert lif is not None and lif.status == "ok", dp.notes  # type: ignore[attr-defined]
+    primary = dp.scenario("dp-loss-primary")  # type: ignore[attr-defined]
+    assert lif.devices[0].peak_allocated_bytes < primary.devices[0].peak_allocated_bytes
     # what a user's own DDP script makes of it: each rank B // 4 rows
     by_hand = _run(tmp_path, "ddp.py", LM.format(setup=DDP, rows="B // 4"),
                    ["torchrun", "--nproc-per-node", "4", "ddp.py"])

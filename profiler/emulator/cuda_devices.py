@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,17 +123,24 @@ class DataDependentShapeError(RuntimeError):
     """An op whose output shape depends on tensor values, which meta tensors do not have."""
 
 
-def caller_site(also_skip: tuple[str, ...] = ()) -> str:
-    """``file:line`` of the innermost frame outside torch and dpprof (the user's line), and
-    outside the files ``also_skip`` names."""
-    f = sys._getframe(1)
+def caller_frame(also_skip: tuple[str, ...] = ()) -> FrameType | None:
+    """The innermost frame outside torch and dpprof (the user's), and outside the files
+    ``also_skip`` names."""
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
         if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIR)
                 or name.startswith("<") or name in also_skip):
-            return f"{name}:{f.f_lineno}"
-        f = f.f_back  # type: ignore[assignment]
-    return "?"
+            return f
+        f = f.f_back
+    return None
+
+
+def caller_site(also_skip: tuple[str, ...] = ()) -> str:
+    """``file:line`` of the innermost frame outside torch and dpprof (the user's line), and
+    outside the files ``also_skip`` names."""
+    f = caller_frame(also_skip)
+    return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
 def in_dpprof(filename: str) -> bool:

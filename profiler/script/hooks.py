@@ -23,7 +23,12 @@ from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder import Rung, blocks_words, checkpoint_blocks
 from dpprof.script import wrappers
-from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD, loss_in_forward_loss_call
+from dpprof.script.wrappers import (
+    DDP_IN_PLACE,
+    LOSS_IN_FORWARD,
+    loss_in_forward_loss_call,
+    pending_in,
+)
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
            "Variant", "compile_eagerly", "unwrapped"]
@@ -296,8 +301,6 @@ class Variant:
         # how each rank got its share: "loader" (a DataLoader's batch_size), and the
         # script's lines whose hand-made batches were cut to it
         self.divided_loader = False
-        # LOSS_IN_FORWARD: a loss called on a method's result of the deferred outputs
-        self.loss_on_outputs_method = ""
         self.divided_sites: list[str] = []
 
     def _divide_hand_made_batches(self, patcher: Patcher) -> None:
@@ -362,14 +365,12 @@ class Variant:
             orig_call = loss_cls.__call__
 
             def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
-                out = loss_in_forward_loss_call(vc, loss, args, kwargs)
+                # a loss on an expression of the outputs (``out.view(-1, V)``), computed
+                # inside forward when the statement first read them
+                pending = pending_in(args, kwargs)
+                out = (pending.answer() if pending is not None
+                       else loss_in_forward_loss_call(vc, loss, args, kwargs))
                 if out is None:
-                    # a loss on what the script made of the outputs on this very line
-                    # (``out.view(-1, V)``): the reason there is no alternative
-                    site = caller_site()
-                    method = wrappers.state_of(vc).log.outputs_methods.get(site)
-                    if method is not None and not variant.loss_on_outputs_method:
-                        variant.loss_on_outputs_method = f".{method}() at {site}"
                     return orig_call(loss, *args, **kwargs)
                 variant.loss_calls += 1
                 return out

@@ -165,8 +165,9 @@ def diff_loss_in_forward(run: ScriptRun) -> str:
     saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
     if not (run.dp_sites and run.call_sites and run.loss_sites):
         return ""
+    callee, targets = run.loss_expressions.get(run.loss_sites[0], ("", ""))
     return rewrite.rewrite_text(rewrite.loss_in_forward_at(
-        run.dp_sites[0], run.call_sites[0], run.loss_sites[0]))
+        run.dp_sites[0], run.call_sites[0], run.loss_sites[0], callee, targets))
 
 
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,

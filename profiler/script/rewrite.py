@@ -36,6 +36,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpprof.script.loss_expression import LossFunction, loss_function, output_refs
 from dpprof.script.source import (
     Edits,
     NoRewrite,
@@ -223,25 +224,95 @@ def _finish(src: ScriptSource, edits: Edits, title: str, notes: list[str]) -> Re
 
 
 def loss_in_forward(source: str, path: str, dp_line: int, call_line: int,
-                    loss_line: int) -> Rewrite:
+                    loss_line: int, loss_callee: str = "", targets_name: str = "") -> Rewrite:
     """The script with its loss computed inside forward on every replica (see the module).
 
     ``dp_line``: the ``DataParallel(...)`` wrap; ``call_line``: the call of the wrapped model
-    whose outputs reach the loss; ``loss_line``: the loss call on them.
+    whose outputs reach the loss; ``loss_line``: the loss call on them. Where the loss takes
+    an expression of the outputs (``criterion(out.view(-1, V), y.view(-1))``):
+    ``loss_callee`` names the loss (``criterion``) and ``targets_name`` the batch tensor its
+    targets come from (``y``), as the run saw them; the loss call moves into forward as a
+    function of the two (:mod:`dpprof.script.loss_expression`).
     """
     try:
-        return _loss_in_forward(ScriptSource(source, path), dp_line, call_line, loss_line)
+        return _loss_in_forward(ScriptSource(source, path), dp_line, call_line, loss_line,
+                                loss_callee, targets_name)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
 
-def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line: int) -> Rewrite:
+def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line: int,
+                     loss_callee: str, targets_name: str) -> tuple[_LossSite, LossFunction]:
+    """The loss call ``loss_callee(...)`` on ``loss_line`` whose arguments read the outputs
+    of the model's call on ``call_line`` (written inside it, or a name that line binds), and
+    it as a function of the outputs and ``targets_name``."""
+    wrap = src.statement(dp)
+    model_name = (dotted_name(wrap.targets[0]) if isinstance(wrap, ast.Assign)
+                  and len(wrap.targets) == 1 else None)
+    for loss in calls_at(src, loss_line):
+        if dotted_name(loss.func) != loss_callee:
+            continue
+        inline = next((n for n in ast.walk(loss) if n is not loss and isinstance(n, ast.Call)
+                       and model_name is not None and dotted_name(n.func) == model_name
+                       and n.lineno <= call_line <= (n.end_lineno or 0)), None)
+        site = (_LossSite(loss, inline, None, "") if inline is not None
+                else _named_outputs(src, loss, call_line))
+        if site is None:
+            continue
+        return site, loss_function(src, loss, site.outputs_name, inline, targets_name)
+    raise NoRewrite(f"line {loss_line}: no call of {loss_callee or 'the loss'} whose "
+                    f"arguments read the model's outputs from line {call_line}")
+
+
+def _named_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSite | None:
+    """The loss site where ``loss`` reads the name that ``name = model(...)`` on
+    ``call_line`` binds."""
+    for node in scope_nodes(src.scope(loss)):
+        if (isinstance(node, (ast.Assign, ast.AnnAssign))
+                and node.lineno <= call_line <= (node.end_lineno or 0)
+                and isinstance(node.value, ast.Call)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            name = dotted_name(targets[0]) if len(targets) == 1 else None
+            if name and isinstance(targets[0], ast.Name) and output_refs(loss, name, None):
+                return _LossSite(loss, node.value, node, name)
+    return None
+
+
+def _free_names_at_wrap(src: ScriptSource, fn: LossFunction, loss: ast.Call,
+                        wrap: ast.stmt) -> None:
+    """The loss function, made at the wrap, reads its names when it runs: each must be one
+    the wrap's scope sees (its own, an enclosing function's, the module's, a builtin)."""
+    scope = src.scope(wrap)
+    for name in sorted(loaded_names(loss) - {fn.outputs_name, fn.targets_name}):
+        seen = scope
+        while True:
+            if not isinstance(seen, ast.ClassDef) and any(
+                    b.name == name for b in bindings(src, seen)):
+                break
+            if isinstance(seen, ast.Module):
+                if not hasattr(builtins, name):
+                    raise NoRewrite(f"`{name}`, which the loss (line {loss.lineno}) reads, is "
+                                    f"not visible where the model is wrapped (line "
+                                    f"{wrap.lineno})")
+                break
+            seen = src.scope(seen)
+
+
+def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line: int,
+                     loss_callee: str = "", targets_name: str = "") -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
     wrap = src.statement(dp)
-    site = _loss_site(src, loss_line, call_line)
-    loss_fn, targets, callee = _loss_fn_text(src, site.loss)
+    expression: LossFunction | None = None
+    if targets_name:
+        site, expression = _expression_site(src, dp, loss_line, call_line, loss_callee,
+                                            targets_name)
+        _free_names_at_wrap(src, expression, site.loss, wrap)
+        loss_fn, targets, callee = expression.text, targets_name, site.loss.func
+    else:
+        site = _loss_site(src, loss_line, call_line)
+        loss_fn, targets, callee = _loss_fn_text(src, site.loss)
     model = site.model
     if model.keywords or any(isinstance(a, ast.Starred) for a in model.args) or not model.args:
         raise NoRewrite(f"line {model.lineno}: the model's call takes keyword or unpacked "
@@ -264,9 +335,11 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         if rebound:
             raise NoRewrite(f"{', '.join(rebound)} change between the model's call (line "
                             f"{stmt.lineno}) and the loss (line {loss_stmt.lineno})")
+        in_loss = (output_refs(site.loss, site.outputs_name, None) if expression is not None
+                   else [site.loss.args[0]])
         uses = sorted({n.lineno for n in scope_nodes(scope) if isinstance(n, ast.Name)
                        and n.id == site.outputs_name and isinstance(n.ctx, ast.Load)
-                       and n is not site.loss.args[0]})
+                       and not any(n is r for r in in_loss)})
         start, end = src.whole_lines(stmt)
         indent = src.indent(stmt.lineno)
         lines = []
@@ -294,7 +367,7 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         notes.append(f"the wrap (line {wrap.lineno}) and the loss (line {loss_stmt.lineno}) "
                      f"are in different functions: `{key}` at the wrap is taken to be the "
                      "loss the training step calls")
-    if not _available(src, wrap_scope, key, wrap):
+    if expression is None and not _available(src, wrap_scope, key, wrap):
         moved = _hoist(src, edits, wrap_scope, key, wrap)
         notes.append(f"`{key}` (line {moved}) moves before the wrap, which now needs it")
     keep_arg = ", keep_outputs=True" if keep else ""
@@ -777,7 +850,8 @@ def _site(site: str) -> tuple[str, int]:
     return path, int(num)
 
 
-def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str) -> Rewrite:
+def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str, loss_callee: str = "",
+                       targets_name: str = "") -> Rewrite:
     """:func:`loss_in_forward` from ``file:line`` sites (all in one file)."""
     try:
         (path, dp_line), (p2, call_line), (p3, loss_line) = map(
@@ -785,7 +859,8 @@ def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str) -> Rewrite:
         if not path == p2 == p3:
             raise NoRewrite("the wrap, the model's call and the loss are in different files "
                             f"({Path(path).name}, {Path(p2).name}, {Path(p3).name})")
-        return loss_in_forward(_read(path), path, dp_line, call_line, loss_line)
+        return loss_in_forward(_read(path), path, dp_line, call_line, loss_line, loss_callee,
+                               targets_name)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 

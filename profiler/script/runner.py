@@ -128,8 +128,10 @@ class ScriptRun:
     batch_sites: list[str] = field(default_factory=list)  # "file:line" of hand-made batches
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
-    # loss-in-forward: where the loss took a method's result of the outputs instead
-    loss_on_outputs_method: str = ""
+    # loss-in-forward: loss site -> (callee, targets' batch tensor) of an expression
+    loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # loss-in-forward: why the loss could not move inside forward ("" where it did)
+    no_loss_forward: str = ""
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
@@ -372,7 +374,8 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
                       or stepper.warmup_rows or variant.batch_rows)
     run.loss_modules = variant.loss_calls
-    run.loss_on_outputs_method = variant.loss_on_outputs_method
+    run.loss_expressions = dict(log.loss_expressions)
+    run.no_loss_forward = log.no_loss_forward
     run.batch_division = _division(variant, vc.device_count())
     run.batch_sites = [made.rpartition(" at ")[2] for made in variant.divided_sites]
     return used, ddp_devices

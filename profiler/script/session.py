@@ -243,12 +243,8 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                          "each rank its share")
             continue
         if variant == LOSS_IN_FORWARD and not alt.loss_modules:
-            if alt.loss_on_outputs_method:
-                notes.append(
-                    "no loss-inside-forward alternative: the script's nn.Module loss takes "
-                    f"the outputs' {alt.loss_on_outputs_method}, not DataParallel's outputs "
-                    "themselves, and dpprof does not move such an expression inside "
-                    "forward yet")
+            if alt.no_loss_forward:
+                notes.append(f"no loss-inside-forward alternative: {alt.no_loss_forward}")
             else:
                 notes.append("no loss-inside-forward alternative: the script's loss is not "
                              "an nn.Module loss called on DataParallel's outputs")

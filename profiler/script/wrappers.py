@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator import fsdp
-from dpprof.emulator.cuda_devices import caller_site
+from dpprof.emulator.cuda_devices import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
@@ -36,6 +36,8 @@ from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
 from dpprof.script.engines import engines_refused
+from dpprof.script.loss_expression import compiled, find_in_frame
+from dpprof.script.source import dotted_name
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -64,9 +66,13 @@ class ParallelLog:
     dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
-    # the loss-in-forward alternative: "file:line" -> the method first taken there of
-    # DataParallel's deferred outputs (``out.view``: computed as written, gathered)
-    outputs_methods: dict[str, str] = field(default_factory=dict)
+    # the loss-in-forward alternative: each loss on an expression of the outputs as (its
+    # callee, the batch tensor it took its targets from): ("criterion", "y") of
+    # ``criterion(out.view(-1, V), y.view(-1))``; "file:line" -> ("", "") where the loss
+    # took the outputs themselves. Where the outputs were used otherwise, why the loss
+    # could not move inside forward (the first reason)
+    loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    no_loss_forward: str = ""
     # rows each device got of the first batch a training forward split (DataParallel's
     # scatter) or moved (DDP), positional and keyword inputs alike: runtime index -> rows
     shard_rows: dict[int, int] = field(default_factory=dict)
@@ -194,6 +200,7 @@ class DeferredOutputs:
         self.site = site
         self.value: Any = None
         self.used_as_loss = False
+        self.pending: PendingLoss | None = None  # the loss of an expression of them
         self.shapes: list[Any] = []  # each replica's outputs as (shape, dtype) leaves
 
     def materialize(self) -> Any:
@@ -238,15 +245,65 @@ class DeferredOutputs:
                                    and isinstance(x[1], torch.dtype))
         return tree_unflatten(leaves, treespec)
 
+    def in_loss(self) -> PendingLoss | None:
+        """A use of the outputs inside the arguments of a loss module's call
+        (``criterion(out.view(-1, V), y.view(-1))``): that call computed inside forward on
+        every replica (:mod:`dpprof.script.loss_expression`), its arguments' expression
+        applied to each replica's shards; what the statement then computes of the outputs
+        is a stand-in that the loss call answers with the combined loss. None: any other
+        use (the outputs computed as written)."""
+        if self.pending is not None:
+            return None if self.pending.answered else self.pending
+        if self.value is not None or self.used_as_loss or not torch.is_grad_enabled():
+            return None
+        frame = caller_frame()
+        log = _log()
+        if frame is None:
+            return None
+        rows = next((int(t.shape[self.dp.dim]) for t in tree_leaves(self.inputs)
+                     if isinstance(t, torch.Tensor) and t.dim() > self.dp.dim), 0)
+        try:
+            found = find_in_frame(frame, lambda v: v is self, self.dp, rows, self.dp.dim)
+        except Exception as e:  # reading the script's own values: it runs on, as written
+            found = f"dpprof could not read the loss's expression ({type(e).__name__}: {e})"
+        if isinstance(found, str):
+            log.no_loss_forward = log.no_loss_forward or found
+            return None
+        self.used_as_loss = True
+        log.call_sites.append(self.site)
+        log.loss_sites.append(found.site)
+        log.loss_expressions.setdefault(found.site, (dotted_name(found.call.func) or "",
+                                                      found.function.targets_name))
+        self.pending = PendingLoss(self._in_forward(compiled(found), found.targets))
+        return self.pending
+
+    def _in_forward(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
+        keep = _state().keep_outputs
+        wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
+        wrapped.shapes = self.shapes
+        inputs = self.inputs if len(self.inputs) != 1 else self.inputs[0]
+        out = self.dp.run(wrapped, (inputs, targets), {})
+        _log().loss_in_forward += 1
+        if keep:  # the script's later uses of the outputs get the gathered ones
+            self.value = ModelWithLoss.split(out)[0]
+        return ModelWithLoss.combine(out)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        _log().outputs_methods.setdefault(caller_site(), name)
-        return getattr(self.materialize(), name)
+        pending = self.in_loss()
+        return getattr(pending if pending is not None else self.materialize(), name)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        deferred = [x for x in tree_leaves((args, kwargs or {}),
+                                           is_leaf=lambda x: isinstance(x, DeferredOutputs))
+                    if isinstance(x, DeferredOutputs)]
+        pending = deferred[0].in_loss() if deferred else None
+        if pending is not None:
+            return pending
+
         def real(x: Any) -> Any:
             return x.materialize() if isinstance(x, DeferredOutputs) else x
 
@@ -255,13 +312,60 @@ class DeferredOutputs:
         return func(*args, **kwargs)
 
     def __getitem__(self, key: Any) -> Any:
-        return self.materialize()[key]
+        pending = self.in_loss()
+        return pending if pending is not None else self.materialize()[key]
 
     def __len__(self) -> int:
         return len(self.materialize())
 
     def __iter__(self) -> Any:
         return iter(self.materialize())
+
+
+class PendingLoss:
+    """What a statement computes of the outputs on its way into a loss call whose loss was
+    computed inside forward: every method, index, operator and torch function of it is
+    itself, and the loss call answers it with :attr:`loss` (once)."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+        self.answered = False
+
+    def answer(self) -> torch.Tensor:
+        self.answered = True
+        return self.loss
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> PendingLoss:
+        return self
+
+    def __getitem__(self, key: Any) -> PendingLoss:
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return next(x for x in tree_leaves((args, kwargs or {}),
+                                           is_leaf=lambda x: isinstance(x, PendingLoss))
+                    if isinstance(x, PendingLoss))
+
+    def _same(self, *_: Any) -> PendingLoss:
+        return self
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _same
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __neg__ = _same
+    __pow__ = __rpow__ = __mod__ = __rmod__ = __matmul__ = __rmatmul__ = _same
+
+
+def pending_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingLoss | None:
+    """The :class:`PendingLoss` among a loss call's arguments, if one is there."""
+    return next((x for x in tree_leaves((args, kwargs),
+                                        is_leaf=lambda x: isinstance(x, PendingLoss))
+                 if isinstance(x, PendingLoss)), None)
 
 
 def _recording_class() -> type:
@@ -275,9 +379,7 @@ def _recording_class() -> type:
             self.shapes.append(tree_map(
                 lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
                 outputs))
-            loss = self.loss_fn(outputs, targets)
-            rows = float(t_rows(targets) or t_rows(inputs))
-            weighted, count = loss.reshape(1) * rows, loss.new_full((1,), rows)
+            weighted, count = self.weighted_loss(outputs, targets, inputs)
             return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
     return RecordingModelWithLoss

@@ -1,0 +1,232 @@
+"""The loss a script computes on DataParallel's outputs, as a function of them and the batch.
+
+A loop computes its loss on the gathered outputs, often through an expression:
+``criterion(logits.view(-1, logits.size(-1)), y.view(-1))``,
+``criterion(logits[:, :-1].transpose(1, 2).float(), ids[:, 1:])``. Moved inside forward,
+each replica applies the same expression to its own shard of the outputs and of the batch
+tensor the targets are taken from, so the loss call becomes the function::
+
+    lambda logits, y: criterion(logits.view(-1, logits.size(-1)), y.view(-1))
+
+(its source text, the loss call as written), which ``dpprof.ModelWithLoss`` takes as its
+loss function and DataParallel scatters ``y`` for. The same text is what ``dpprof run``
+computes per replica in its loss-inside-forward run and what the diff it prints writes, so
+the two cannot differ.
+
+:func:`loss_function` makes that text from the script's tree; which name is the batch's
+tensor (``y``, not the vocabulary size ``V``) is read from the running script's values
+(:func:`batch_tensor_names`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpprof.script.source import NoRewrite, ScriptSource, dotted_name
+
+_OUTPUTS = "outputs"  # the parameter's name where the model's call is inside the loss call
+
+
+@dataclass(frozen=True)
+class LossFunction:
+    """A loss call on DataParallel's outputs, as a function of (outputs, targets)."""
+
+    text: str  # ``lambda logits, y: criterion(...)``
+    outputs_name: str  # the function's first parameter
+    targets_name: str  # its second: the batch tensor DataParallel scatters as the targets
+
+
+def output_refs(loss: ast.Call, outputs_name: str, model_call: ast.Call | None
+                ) -> list[ast.expr]:
+    """The places in the loss call that read the outputs: the name they were bound to, or
+    the model's own call written inside the loss call."""
+    refs: list[ast.expr] = []
+    for node in ast.walk(loss):
+        if isinstance(node, ast.Name) and node.id == outputs_name and isinstance(
+                node.ctx, ast.Load) and outputs_name:
+            refs.append(node)
+        elif model_call is not None and node is model_call:
+            refs.append(model_call)
+    return refs
+
+
+def loaded_outside(loss: ast.Call, skip: list[ast.expr]) -> list[ast.Name]:
+    """The names the loss call's arguments read, outside ``skip`` (the outputs' places)."""
+    out: list[ast.Name] = []
+    stack: list[ast.AST] = [*loss.args, *(kw.value for kw in loss.keywords)]
+    while stack:
+        node = stack.pop()
+        if any(node is s for s in skip):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            out.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
+                  model_call: ast.Call | None, targets_name: str) -> LossFunction:
+    """The loss call ``loss`` as ``lambda <outputs>, <targets>: <the call as written>``
+    (the model's call inside it, where it is there, replaced by the outputs' parameter);
+    or NoRewrite where the call cannot move into forward as written."""
+    if dotted_name(loss.func) is None:
+        raise NoRewrite(f"line {loss.lineno}: the loss function is an expression "
+                        f"({src.seg(loss.func)}), not a name")
+    refs = output_refs(loss, outputs_name, model_call)
+    if not refs:
+        raise NoRewrite(f"line {loss.lineno}: the loss call does not read the outputs")
+    if not targets_name:
+        raise NoRewrite(f"line {loss.lineno}: the loss takes no tensor of the batch as its "
+                        "targets")
+    names = {n.id for n in ast.walk(loss) if isinstance(n, ast.Name)}
+    param = outputs_name or next(p for p in (_OUTPUTS, f"{_OUTPUTS}_", f"{_OUTPUTS}__")
+                                 if p not in names)
+    if param == targets_name:
+        raise NoRewrite(f"line {loss.lineno}: the outputs and the targets have one name "
+                        f"({param})")
+    start, end = src.span(loss)
+    text = src.text[start:end]
+    for ref in sorted(refs, key=lambda r: src.span(r)[0], reverse=True):
+        if isinstance(ref, ast.Call):  # the model's call inside the loss call
+            a, b = src.span(ref)
+            text = text[:a - start] + param + text[b - start:]
+    # a call over several lines stays inside its own parentheses: one expression
+    return LossFunction(text=f"lambda {param}, {targets_name}: {text}", outputs_name=param,
+                        targets_name=targets_name)
+
+
+# ---- in the running script -------------------------------------------------------------
+
+_SOURCES: dict[str, ScriptSource] = {}
+
+
+def _source(path: str) -> ScriptSource | None:
+    import linecache
+
+    text = "".join(linecache.getlines(path))
+    held = _SOURCES.get(path)
+    if held is not None and held.text == text:
+        return held
+    try:
+        src = ScriptSource(text, path)
+    except NoRewrite:
+        return None
+    _SOURCES[path] = src
+    return src
+
+
+def _statement_at(src: ScriptSource, line: int) -> ast.stmt | None:
+    """The innermost statement whose lines hold ``line``."""
+    best: ast.stmt | None = None
+    for node in ast.walk(src.tree):
+        if (isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or 0)
+                and (best is None or (node.lineno, -(node.end_lineno or 0))
+                     > (best.lineno, -(best.end_lineno or 0)))):
+            best = node
+    return best
+
+
+_MISSING = object()
+
+
+def _value(frame: FrameType, node: ast.AST, opaque: Callable[[Any], bool]) -> Any:
+    """The value of a name or dotted attribute in ``frame`` (``_MISSING`` where it is not
+    one, or not bound, or an attribute of a value that is ``opaque``: the outputs, whose
+    attributes are what is being looked for)."""
+    key = dotted_name(node)
+    if key is None:
+        return _MISSING
+    root, *attrs = key.split(".")
+    value = frame.f_locals.get(root, frame.f_globals.get(root, _MISSING))
+    for attr in attrs:
+        if value is _MISSING or opaque(value):
+            return _MISSING
+        value = getattr(value, attr, _MISSING)
+    return value
+
+
+@dataclass(frozen=True)
+class FoundLoss:
+    """A loss call on the outputs, in the running script."""
+
+    function: LossFunction
+    call: ast.Call
+    site: str  # "file:line" of the loss call
+    targets: torch.Tensor  # the batch tensor the targets are taken from (the whole batch)
+    env: dict[str, Any]  # the names the function reads: the frame's globals and locals
+
+
+def find_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module,
+                  rows: int, dim: int) -> FoundLoss | str:
+    """The loss call of the statement ``frame`` is running whose arguments read the outputs
+    (a name whose value ``is_outputs``, or ``model``'s call), as a :class:`LossFunction`
+    whose targets are the one tensor of the batch (``rows`` along ``dim``) it reads; or,
+    where there is none, why (one sentence)."""
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    where = f"{Path(path).name}:{line}"
+    src = _source(path)
+    stmt = _statement_at(src, line) if src is not None else None
+    if src is None or stmt is None:
+        return f"the outputs are used at {where}, whose source dpprof cannot read"
+    refs: list[ast.expr] = []
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            if is_outputs(_value(frame, node, is_outputs)):
+                refs.append(node)
+        elif isinstance(node, ast.Call) and _value(frame, node.func, is_outputs) is model:
+            refs.append(node)
+    if not refs:
+        return f"the outputs are used at {where} through an expression dpprof cannot follow"
+    losses: list[ast.Call] = []
+    for ref in refs:
+        loss = next((a for a in src.ancestors(ref) if isinstance(a, ast.Call) and isinstance(
+            _value(frame, a.func, is_outputs), nn.modules.loss._Loss) and ref is not a.func), None)
+        if loss is None:
+            text = src.line_text(line).strip()
+            return (f"the outputs are used at {where} outside the arguments of an nn.Module "
+                    f"loss (`{text}`)")
+        if not any(loss is seen for seen in losses):
+            losses.append(loss)
+    if len(losses) > 1:
+        return (f"{where} computes {len(losses)} losses on the outputs (a sum of losses), "
+                "and dpprof moves one loss call inside forward")
+    loss = losses[0]
+    model_call = next((r for r in refs if isinstance(r, ast.Call)), None)
+    outputs_name = next((r.id for r in refs if isinstance(r, ast.Name)), "")
+    callee_root = (dotted_name(loss.func) or "").split(".")[0]
+    batch: dict[str, torch.Tensor] = {}
+    for name in loaded_outside(loss, refs):
+        value = _value(frame, name, is_outputs)
+        if (name.id != callee_root and isinstance(value, torch.Tensor)
+                and value.dim() > dim and value.shape[dim] == rows):
+            batch[name.id] = value
+    if len(batch) != 1:
+        others = sorted({n.id for n in loaded_outside(loss, refs)} - {callee_root})
+        if not batch:
+            return (f"the loss at {where} reads no tensor of the batch's {rows} rows besides "
+                    f"the outputs ({', '.join(others) or 'nothing else'}), so there are no "
+                    "targets to scatter with the inputs")
+        return (f"the loss at {where} reads {' and '.join(sorted(batch))}, "
+                f"{len(batch)} tensors of the batch, and dpprof scatters one as the targets")
+    (targets_name, targets), = batch.items()
+    try:
+        function = loss_function(src, loss, outputs_name, model_call, targets_name)
+    except NoRewrite as e:
+        return str(e)
+    return FoundLoss(function=function, call=loss, site=f"{path}:{line}", targets=targets,
+                     env={**frame.f_globals, **frame.f_locals})
+
+
+def compiled(found: FoundLoss) -> Callable[[Any, Any], Any]:
+    """The loss function, made in the script's names (those of the loss call's frame)."""
+    path = found.site.rpartition(":")[0]
+    fn = eval(compile(found.function.text, path, "eval"), dict(found.env))
+    return fn  # type: ignore[no-any-return]

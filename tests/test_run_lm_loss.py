@@ -1,0 +1,79 @@
+"""``dpprof run`` on causal-LM scripts whose loss is an expression of DataParallel's
+outputs (tests/scripts/dp_causal_lm*.py): the loss inside forward is offered, measured
+(dp-loss-forward, cuda:0 below dp-loss-primary), and its diff, applied to the script and
+run under ``dpprof run``, gives the peaks it promised. The scripts' folder and the working
+folder stay byte-identical."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_script_rewrite import apply_diff
+from test_seal_run import digest_tree
+from typer.testing import CliRunner
+
+from dpprof.cli.app import app
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+CASES = {
+    "dp_causal_lm.py": (
+        "-model = nn.DataParallel(model).to(device)\n"
+        "+model = nn.DataParallel(dpprof.ModelWithLoss(model, lambda logits, y: criterion("
+        "logits.view(-1, logits.size(-1)), y.view(-1)))).to(device)\n",
+        "+    loss = dpprof.ModelWithLoss.combine(model(x, y))\n"),
+    "dp_causal_lm_shifted.py": (
+        "+model = nn.DataParallel(dpprof.ModelWithLoss(TinyLM(args.vocab, args.d_model)"
+        ".to(device), lambda logits, ids: criterion(logits[:, :-1].transpose(1, 2).float(), "
+        "ids[:, 1:])))\n",
+        "+    loss = dpprof.ModelWithLoss.combine(model(ids, ids))\n"),
+}
+
+
+def _run(path: Path, out: Path) -> dict:  # type: ignore[type-arg]
+    r = CliRunner().invoke(app, ["run", "--gpus", "4", "-q", "-o", str(out), "--", "python",
+                                 str(path)])
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def _cuda0(result: dict, name: str) -> int:  # type: ignore[type-arg]
+    (s,) = [s for s in result["scenarios"] if s["name"] == name]
+    assert s["status"] == "ok", s
+    return int(s["devices"][0]["peak_allocated_bytes"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_causal_lm_loss_on_a_view_of_the_outputs_moves_inside_forward(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = digest_tree(SCRIPTS), digest_tree(work)
+    result = _run(SCRIPTS / name, tmp_path / "r.json")
+    assert (digest_tree(SCRIPTS), digest_tree(work)) == before
+    assert not [n for n in result["notes"] if n.startswith("no loss-inside-forward")]
+    primary, forward = _cuda0(result, "dp-loss-primary"), _cuda0(result, "dp-loss-forward")
+    # the gathered logits and the loss's temporaries leave cuda:0
+    assert forward < primary / 2, (primary, forward)
+    fix = next(f for f in result["fixes"] if f["name"] == "loss-in-forward")
+    assert fix["primary_peak_bytes"] == forward
+    wrap, combine = CASES[name]
+    assert wrap in fix["code"] and combine in fix["code"], fix["code"]
+
+    # the diff applied to the user's file: it compiles, and run so, cuda:0 peaks as promised
+    patched = apply_diff((SCRIPTS / name).read_text(), fix["code"])
+    compile(patched, name, "exec")
+    fixed = tmp_path / "fixed" / name
+    fixed.parent.mkdir()
+    fixed.write_text(patched)
+    again = _run(fixed, tmp_path / "again.json")
+    assert again["scenarios"][0]["name"] == "dp-loss-forward"
+    assert _cuda0(again, "dp-loss-forward") == forward
+    assert (max(d["peak_allocated_bytes"] for d in again["scenarios"][0]["devices"])
+            == fix["max_peak_bytes"])
+    shutil.rmtree(tmp_path / "fixed")
