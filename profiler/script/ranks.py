@@ -59,7 +59,9 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
     s = main.scenario
     ran = [0, *(r.rank for r in others)]
     record: dict[str, object] = {"world": world, "run": ran}
-    if not others:
+    if not others:  # rank 0's figures (every GPU a copy of them) stand for every rank
+        record["taken_as"] = 0
+        s.notes.append(_ranks_sentence(ran, world, list(range(1, world)), 0, beyond))
         return record
     representative = others[-1]
     shown: dict[int, DeviceResult] = {}
