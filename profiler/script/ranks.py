@@ -57,8 +57,20 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
     the script file (its rank branches are named), None for a module. What the result's
     config records of the ranks is returned."""
     s = main.scenario
+    # a rank whose run met tensors of two GPUs in one op (a device the launcher's rank
+    # makes current in a way the emulation may not follow): said, not taken as a failure
+    unsure = [r for r in others if r.devices_mixed]
+    for run in unsure:
+        s.notes.append(
+            f"rank {run.rank} of {world} not measured: {run.scenario.message} "
+            f"(after {run.steps_done} optimizer step(s)); on a GPU that rank may fail the "
+            "same way (set its device with torch.cuda.set_device(local_rank) before anything "
+            "else to be sure)")
+    others = [r for r in others if not r.devices_mixed]
     ran = [0, *(r.rank for r in others)]
     record: dict[str, object] = {"world": world, "run": ran}
+    if unsure:
+        record["not_measured"] = [r.rank for r in unsure]
     if not others:  # rank 0's figures (every GPU a copy of them) stand for every rank
         record["taken_as"] = 0
         s.notes.append(_ranks_sentence(ran, world, list(range(1, world)), 0, beyond))

@@ -24,6 +24,7 @@ from dpprof.backends.emulated_figures import (
 )
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
+from dpprof.emulator.counting import VirtualDeviceError
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.patcher import Patcher
@@ -181,6 +182,8 @@ class ScriptRun:
     # result records of the ranks
     rank_runs: list[ScriptRun] = field(default_factory=list)
     ranks: dict[str, object] = field(default_factory=dict)
+    # it raised because the emulation found tensors of two GPUs in one op (VirtualDeviceError)
+    devices_mixed: bool = False
     noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
 
 
@@ -366,6 +369,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         run.ended = "script raised"
         run.exit_status = 1
         run.script_traceback = user_traceback(e, launch)
+        run.devices_mixed = isinstance(e, VirtualDeviceError)
         error = e
     delivered = interrupt_delivered()
     if run.ended != "interrupted" and delivered is not None:
