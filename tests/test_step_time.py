@@ -200,3 +200,59 @@ def test_the_answer_costs_each_change_its_predicted_step_time(compared: RunResul
     assert by_fix["ddp"].step_time_cost_s == pytest.approx(
         ddp.predicted_step_time_s - base.predicted_step_time_s)
     assert "predicted" in by_fix["ddp"].cost
+
+
+SCRIPTS = TESTS / "scripts"
+
+
+def test_dpprof_run_predicts_each_runs_step(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dpprof run`` on an unmodified DataParallel script: the run as written and each
+    alternative carry the predicted step, samples per second and each GPU's split in the
+    JSON; cuda:0 is the busiest GPU as written; the terminal shows the predicted table."""
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["run", "--gpu", "h200", "-o", "r.json", "--", "python",
+                                   str(SCRIPTS / "dp_loss_outside.py"), "--batch-size", "256"])
+    assert res.exit_code == 0, res.output
+    run = RunResult.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    names = [s.name for s in run.scenarios]
+    assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]
+    for s in run.scenarios:
+        assert s.predicted_step_time_s and s.predicted_step_time_s > 0, s.name
+        assert s.predicted_samples_per_s == pytest.approx(256 / s.predicted_step_time_s)
+        for d in s.devices:
+            assert set(d.predicted_busy_s) == {"compute", "communication", "waiting"}
+            assert sum(d.predicted_busy_s.values()) == pytest.approx(s.predicted_step_time_s)
+    dp = run.scenarios[0]
+    busy = [d.predicted_busy_s["compute"] + d.predicted_busy_s["communication"]
+            for d in dp.devices]
+    assert len(busy) == 4 and all(busy[0] > b for b in busy[1:]), busy
+    assert all(d.predicted_busy_s["communication"] > 0 for d in dp.devices)  # the NCCL calls
+    assert "step time (* predicted without a GPU)" in res.output
+    ms = f"{dp.predicted_step_time_s * 1e3:.1f} ms"
+    assert any(line.split()[:1] == ["dp-loss-primary"] and ms in line
+               for line in res.output.splitlines()), res.output
+
+
+def test_dpprof_run_predicts_the_measured_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps after the warm-up, averaged: 3 and 5 steps predict the same step; with
+    one step (no warm-up) the step also holds the model's setup (its copy to the GPU, the
+    optimizer's first state), so it is longer."""
+    from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cmd = ["python", str(SCRIPTS / "dp_loss_outside.py"), "--batch-size", "128"]
+    step = {}
+    for steps in (1, 3, 5):
+        result, _ = run_command(ScriptConfig(launch=parse_command(cmd, 4), gpus=4,
+                                             steps=steps), alternatives=False)
+        s = result.scenarios[0]
+        assert s.name == "dp-loss-primary" and s.predicted_step_time_s is not None
+        step[steps] = s.predicted_step_time_s
+    assert step[5] == pytest.approx(step[3], rel=1e-6)
+    assert step[1] > step[3] * 1.05, step

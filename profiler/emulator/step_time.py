@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from dpprof.emulator.catalog import GpuSpec, peak_rates_of
 from dpprof.emulator.op_log import (
@@ -54,6 +55,7 @@ __all__ = [
     "StepPrediction",
     "TimeConstants",
     "predict_step",
+    "predict_steps",
     "rates_for",
 ]
 
@@ -233,6 +235,33 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
     for p in out.values():
         p.waiting_s = max(step - p.busy_s, 0.0)
     return StepPrediction(step, host_s, out, len(records), kernels)
+
+
+def predict_steps(records: Sequence[OpRecord], step_ends: Sequence[int], rates: DeviceRates,
+                  k: TimeConstants, devices: Sequence[int] = ()) -> StepPrediction:
+    """The mean step of several measured steps logged one after the other: ``records``
+    cut at ``step_ends`` (the index after each step's last op; what follows the last is
+    left out), each step played alone (:func:`predict_step`). No ``step_ends``: the
+    records are one step. A phase is the word before any "(step N)" the label carries."""
+    for op in records:
+        op.phase = op.phase.partition(" (")[0]
+    cuts = [0, *(e for e in step_ends if e > 0)] if step_ends else [0, len(records)]
+    steps = [predict_step(records[a:b], rates, k, devices)
+             for a, b in pairwise(cuts) if b > a]
+    if not steps:
+        return predict_step([], rates, k, devices)
+    n = len(steps)
+    out = StepPrediction(sum(p.step_time_s for p in steps) / n,
+                         sum(p.host_s for p in steps) / n,
+                         ops=sum(p.ops for p in steps) // n,
+                         kernels=sum(p.kernels for p in steps) // n)
+    for p in steps:
+        for d, dev in p.devices.items():
+            mean = out.devices.setdefault(d, DevicePrediction())
+            mean.compute_s += dev.compute_s / n
+            mean.communication_s += dev.communication_s / n
+            mean.waiting_s += dev.waiting_s / n
+    return out
 
 
 def rates_for(spec: GpuSpec, interconnect: str = "") -> DeviceRates:
