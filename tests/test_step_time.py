@@ -256,3 +256,28 @@ def test_dpprof_run_predicts_the_measured_steps_only(monkeypatch: pytest.MonkeyP
         step[steps] = s.predicted_step_time_s
     assert step[5] == pytest.approx(step[3], rel=1e-6)
     assert step[1] > step[3] * 1.05, step
+
+
+def test_dpprof_runs_ladder_rungs_are_costed_by_their_predicted_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rung of ``dpprof run``'s ladder (a fix, not a scenario) carries its run's predicted
+    step, and the answer costs it by what it adds to the script's step, not the policy's
+    words alone."""
+    from dpprof.answers.answer import answer_of
+    from dpprof.emulator.catalog import lookup_gpu
+    from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cmd = ["python", str(SCRIPTS / "single_gpu.py")]
+    result, _ = run_command(ScriptConfig(launch=parse_command(cmd, 4), gpus=4, ladder=True,
+                                         gpu=lookup_gpu("h200")))
+    base = result.scenarios[0]
+    rungs = [f for f in result.fixes if f.name.startswith("ladder-")]
+    assert base.name == "single" and base.predicted_step_time_s and rungs
+    assert all(f.predicted_step_time_s and f.predicted_step_time_s > 0 for f in rungs)
+    by_fix = {f.fix: f for f in answer_of(result).fixes}
+    for f in rungs:
+        assert f.predicted_step_time_s is not None
+        added = f.predicted_step_time_s - base.predicted_step_time_s
+        assert by_fix[f.name].step_time_cost_s == pytest.approx(added)
+        assert f"predicted {added * 1e3:+.1f} ms a step" in by_fix[f.name].cost
