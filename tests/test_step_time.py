@@ -5,6 +5,7 @@ all-reduce overlapped with the backward)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -281,3 +282,61 @@ def test_dpprof_runs_ladder_rungs_are_costed_by_their_predicted_step(
         added = f.predicted_step_time_s - base.predicted_step_time_s
         assert by_fix[f.name].step_time_cost_s == pytest.approx(added)
         assert f"predicted {added * 1e3:+.1f} ms a step" in by_fix[f.name].cost
+
+
+@functools.cache
+def _fsdp2_rank(d_model: int, reshard: bool) -> tuple[ScenarioResult, list[Any], int]:
+    """One rank of 4 of lm (``d_model`` wide) under FSDP2, as the ladder's rung runs it:
+    its result, its op log, the model's parameter bytes, each parameter padded to a
+    multiple of 4 rows as FSDP2 shards it."""
+    from dpprof.emulator.fsdp import emulated_ranks
+    from dpprof.measure.ladder import fully_sharded
+    from dpprof.scenarios.workloads import LMConfig, lm
+
+    base = lm(LMConfig(vocab=2048, seq=64, d_model=d_model, layers=2, heads=4))
+    params = sum(-(-p.shape[0] // 4) * 4 * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in base.model().parameters())
+    cfg = EmulationConfig(gpus=4, gpu_memory_bytes=140 << 30, step=StepConfig(batch=32),
+                          gpu="h200", collectives=True)
+    trace: dict[str, Any] = {}
+    with emulated_ranks(4):
+        s = run_scenario("single", fully_sharded(base, reshard), cfg, trace=trace)
+    assert s.status == "ok", s.message
+    return s, trace["rt"].op_log.records, params
+
+
+def test_fsdp2_collectives_are_costed_on_the_interconnect() -> None:
+    """FSDP2's all-gathers and reduce-scatters (no-ops on the fake process group) are
+    logged with their unsharded buffers: ZeRO-2 gathers the parameters once (forward),
+    ZeRO-3 twice (forward and backward), both reduce-scatter the gradients once; the
+    predicted communication grows with the parameters, and ZeRO-3's is more."""
+    comm: dict[tuple[int, bool], float] = {}
+    for d_model in (128, 256):
+        for reshard in (False, True):
+            s, records, params = _fsdp2_rank(d_model, reshard)
+            gathered = sum(o.bytes for o in records if o.kind == "all_gather")
+            scattered = sum(o.bytes for o in records if o.kind == "reduce_scatter")
+            assert gathered == (2 if reshard else 1) * params
+            assert scattered == params
+            assert all(o.world == 4 for o in records if o.kind in ("all_gather",
+                                                                  "reduce_scatter"))
+            comm[d_model, reshard] = s.devices[0].predicted_busy_s["communication"]
+    assert comm[128, False] > 0
+    for reshard in (False, True):
+        assert comm[256, reshard] > comm[128, reshard]
+    for d_model in (128, 256):
+        assert comm[d_model, True] > comm[d_model, False]
+
+
+def test_fsdp2_all_gathers_overlap_the_compute() -> None:
+    """An all-gather runs on its own stream as soon as it is issued (the next block's
+    prefetched while this one computes): ZeRO-3's step is shorter than its compute and
+    its collectives one after the other."""
+    _, records, _ = _fsdp2_rank(256, True)
+    rates = rates_for(GPUS["h200"], "pcie")
+    pred = predict_step(records, rates, H200_FIT, [0])
+    without = predict_step([o for o in records if o.kind not in (
+        "all_gather", "reduce_scatter", "gather_wait")], rates, H200_FIT, [0])
+    comm = pred.devices[0].communication_s
+    assert comm > 0
+    assert without.step_time_s < pred.step_time_s < without.step_time_s + comm
