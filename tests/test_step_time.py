@@ -340,3 +340,31 @@ def test_fsdp2_all_gathers_overlap_the_compute() -> None:
     comm = pred.devices[0].communication_s
     assert comm > 0
     assert without.step_time_s < pred.step_time_s < without.step_time_s + comm
+
+
+def test_variants_of_a_scenario_are_costed_by_their_predicted_step(
+        compared: RunResult) -> None:
+    """The fixes measured as further steps of dp-loss-primary's loop (the output device,
+    the balanced split) carry their step's predicted time, the one each variant emulated
+    on its own predicts, and the answer costs them by it."""
+    import dataclasses
+
+    from dpprof.answers.answer import answer_of
+
+    fixes = {f.name: f for f in compared.fixes}
+    base = compared.scenario("dp-loss-primary")
+    assert base is not None and base.predicted_step_time_s is not None
+    by_fix = {f.fix: f for f in answer_of(compared).fixes}
+    cfg = EmulationConfig(gpus=4, gpu_memory_bytes=140 << 30, step=StepConfig(batch=256),
+                          gpu="h200")
+    for name, variant in (("output-device", {"dp_output_device": 3}),
+                          ("balanced-split", {"dp_chunk_sizes": tuple(
+                              fixes["balanced-split"].chunk_sizes)})):
+        fix = fixes[name]
+        alone = run_scenario("dp-loss-primary", load_workload("mlp"),
+                             dataclasses.replace(cfg, **variant))  # type: ignore[arg-type]
+        assert fix.predicted_step_time_s is not None, name
+        assert fix.predicted_step_time_s == pytest.approx(alone.predicted_step_time_s)
+        assert by_fix[name].step_time_cost_s == pytest.approx(
+            fix.predicted_step_time_s - base.predicted_step_time_s)
+        assert "predicted" in by_fix[name].cost

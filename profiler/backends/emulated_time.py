@@ -18,13 +18,14 @@ __all__ = ["fill_predicted_time", "single_step_log", "write_prediction"]
 
 
 def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconnect: str,
-                        ranks_alike: bool) -> StepPrediction:
-    """Predict the step of ``log`` on ``gpu`` (a catalog name; "": the default) and write
-    it into ``result`` (its step, samples per second, each device's split). With
-    ``ranks_alike`` (DDP: one rank emulated for all), every device gets the rank's split."""
+                        ranks_alike: bool, start: int = 0) -> StepPrediction:
+    """Predict the step of ``log`` (its records from ``start`` on) on ``gpu`` (a catalog
+    name; "": the default) and write it into ``result`` (its step, samples per second, each
+    device's split). With ``ranks_alike`` (DDP: one rank emulated for all), every device
+    gets the rank's split."""
     spec = lookup_gpu(gpu) if gpu else DEFAULT_GPU
     shown = [d.index for d in result.devices if d.used]
-    pred = predict_step(log.records, rates_for(spec, interconnect), H200_FIT, shown)
+    pred = predict_step(log.records[start:], rates_for(spec, interconnect), H200_FIT, shown)
     # the rows the scenario's GPUs computed (single: one share)
     rows = sum(d.batch_rows for d in result.devices if d.used) or result.batch
     write_prediction(result, pred, rows, lambda d: 0 if ranks_alike else d.index)
