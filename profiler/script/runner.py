@@ -22,13 +22,16 @@ from dpprof.backends.emulated_figures import (
     timeline_points,
     transient_note,
 )
+from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.counting import VirtualDeviceError
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
+from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
+from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
     Interrupted,
@@ -42,7 +45,7 @@ from dpprof.errors import (
     take_interrupt,
 )
 from dpprof.measure.ladder import Rung
-from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
+from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
 from dpprof.scenarios.names import (
     DDP,
     DP_LOSS_FORWARD,
@@ -104,6 +107,10 @@ class ScriptConfig:
     # the user's files before the runs (dpprof.script.census), checked after each; None:
     # noted before this run
     files_before: Snapshot | None = None
+    # the link the predicted step time assumes ("nvlink", "pcie"; "": the GPU's own)
+    interconnect: str = ""
+    # the measured steps' time predicted (off only to measure what that costs)
+    predict_time: bool = True
     # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (each rank's share
     # of a batch the script makes by hand follows from it)
     scattered_rows: int = 0
@@ -222,6 +229,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
                      gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
+    if cfg.predict_time:
+        rt.op_log = OpLog()  # on from the first measured step (the Stepper turns it on)
+        rt.op_log.on = cfg.steps <= 1  # no warm-up: every step is measured
     stepper = Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
                     rung=cfg.rung.name if cfg.rung is not None else None, rank=cfg.rank,
@@ -289,6 +299,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.kernels = dict(kernels.chosen)
     warmup_higher = stepper.keep_higher_warmup_peaks()
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
+    if rt.op_log is not None:
+        _predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
+        rt.op_log = None
     if run.seal.breach is not None and run.ended == "script raised":
         run.scenario.message = run.seal.breach  # dpprof stopped it, not the script's error
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
@@ -518,6 +531,25 @@ def _rank_device(vc: VirtualCuda, local_rank: int) -> int:
     if local_rank < len(vc.visible) and counters[vc.visible[local_rank]].peak_allocated > 0:
         return vc.visible[local_rank]
     return next((i for i in vc.visible if counters[i].peak_allocated > 0), vc.visible[0])
+
+
+def _predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
+                  step_ends: list[int], local_rank: int) -> None:
+    """The measured steps' mean time on the target GPU, predicted from their ops
+    (:func:`dpprof.emulator.step_time.predict_steps`), into ``s``: a rank of DDP (or FSDP2)
+    stands for every rank; the script's devices are the visible ones it names."""
+    log = vc.rt.op_log
+    if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
+        return
+    ranks_from = _rank_device(vc, local_rank)
+
+    def source(d: DeviceResult) -> int:
+        return ranks_from if d.rank is not None else vc.visible[d.index]
+
+    shown = sorted({source(d) for d in s.devices if d.used})
+    rates = rates_for(cfg.gpu, cfg.interconnect)
+    pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
+    write_prediction(s, pred, s.batch, source)
 
 
 def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,

@@ -743,6 +743,7 @@ def _install_fsdp(vc: VirtualCuda) -> None:
     vc.enter_context(fsdp.host_states_moved())
     vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
     vc.enter_context(fsdp.collectives_labelled())
+    vc.enter_context(fsdp.collectives_logged())  # for the predicted step time
 
 
 @contextlib.contextmanager
