@@ -132,3 +132,21 @@ def test_bad_ranks_is_one_line(work: Path) -> None:
     assert r.exit_code == 2
     assert "--ranks 'odd': give last, all, none, or rank numbers such as 1,3" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_fsdp2_recipe_runs_on_every_rank(work: Path) -> None:
+    """pytorch/examples' FSDP2 recipe never sets its device (torch.accelerator.device_index
+    called, not entered): on a GPU, DeviceMesh sets it from LOCAL_RANK, since CUDA is not
+    initialised yet and the backend is NCCL. The emulation answers both as torch does, so
+    each rank shards onto its own GPU (rank 3's all-gather landed on cuda:0 when
+    torch.cuda.is_initialized() was always true and get_backend() said "fake")."""
+    status, stderr, data = dpprof_run(
+        work, ["--ranks", "all"],
+        ["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "fsdp2_meta_init.py")])
+    assert status == 0, stderr
+    assert data["config"]["ranks"] == {"world": 4, "run": [0, 1, 2, 3]}
+    (s,) = data["scenarios"]
+    assert s["name"] == "fsdp2" and s["status"] == "ok"
+    assert "not measured" not in " ".join(s["notes"])
+    peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
+    assert peaks[0] == peaks[1] == peaks[2] == peaks[3] > 0

@@ -7,8 +7,9 @@ and ``torch.accelerator``'s equivalents. Each group is patched through one ``Pat
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,18 +35,22 @@ def device_queries(vc: VirtualCuda, p: Patch) -> None:
     """How many GPUs, which is current, what they are (``torch.cuda``'s initialisation too:
     a CPU build raises from ``_lazy_init``)."""
     cuda = torch.cuda
-    # torch.cuda: the module's functions
-    p(cuda, "_lazy_init", lambda: None)
-    p(cuda, "init", lambda: None)
-    p(cuda, "is_initialized", lambda: True)
+    # torch.cuda: the module's functions. CUDA is initialised as torch initialises it: by
+    # _lazy_init, which C++ calls before a tensor is made on a GPU (and current_device,
+    # set_device, get_device_properties, synchronize call), not by counting the GPUs. A
+    # program reads the difference: DeviceMesh sets the device from LOCAL_RANK only while
+    # CUDA is not initialised, Lightning's fork strategies refuse once it is.
+    p(cuda, "_lazy_init", vc.initialise)
+    p(cuda, "init", vc.initialise)
+    p(cuda, "is_initialized", vc.is_initialised)
     p(cuda, "is_available", lambda: vc.device_count() > 0)
     p(cuda, "device_count", vc.device_count)
-    p(cuda, "current_device", vc.current_device)
-    p(cuda, "set_device", vc.set_device)
+    p(cuda, "current_device", initialising(vc, vc.current_device))
+    p(cuda, "set_device", initialising(vc, vc.set_device))
     p(cuda, "device", device_class(vc))
     p(cuda, "device_of", lambda obj: device_class(vc)(
         vc.virtual_device(obj).index if obj.is_cuda else -1))
-    p(cuda, "get_device_properties", vc.properties)
+    p(cuda, "get_device_properties", initialising(vc, vc.properties))
     p(cuda, "get_device_name", lambda device=None: vc.properties(device).name)
     p(cuda, "get_device_capability",
       lambda device=None: (vc.properties(device).major, vc.properties(device).minor))
@@ -63,11 +68,20 @@ def device_queries(vc: VirtualCuda, p: Patch) -> None:
       else cudnn_acceptable(tensor))
 
 
+def initialising(vc: VirtualCuda, func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` as a ``torch.cuda`` function that calls ``_lazy_init`` first."""
+    @functools.wraps(func)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        vc.initialise()
+        return func(*args, **kwargs)
+    return call
+
+
 def memory_stats(vc: VirtualCuda, p: Patch) -> None:
     """The caching allocator's statistics, answered from the emulator, and the calls that
     wait for the device or free its cache (nothing to do)."""
     cuda = torch.cuda
-    p(cuda, "mem_get_info", vc.mem_get_info)
+    p(cuda, "mem_get_info", initialising(vc, vc.mem_get_info))
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
                  "memory_summary"):
@@ -76,7 +90,8 @@ def memory_stats(vc: VirtualCuda, p: Patch) -> None:
     p(cuda, "reset_accumulated_memory_stats", lambda device=None: None)
     p(cuda, "memory_cached", vc.memory_reserved)
     p(cuda, "max_memory_cached", vc.max_memory_reserved)
-    for name in ("synchronize", "empty_cache", "ipc_collect", "set_sync_debug_mode"):
+    p(cuda, "synchronize", initialising(vc, Noop()))
+    for name in ("empty_cache", "ipc_collect", "set_sync_debug_mode"):
         p(cuda, name, Noop())
 
 

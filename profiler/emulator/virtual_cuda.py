@@ -162,6 +162,7 @@ class VirtualCuda:
         self.parallel: Any = None
         self.active = False
         self.streams = cuda_api.CurrentStreams(self)
+        self.initialised = False  # torch.cuda._lazy_init has run (see is_initialised)
 
     # ---- devices ------------------------------------------------------------------------
 
@@ -176,6 +177,17 @@ class VirtualCuda:
 
     def device_count(self) -> int:
         return len(self.visible)
+
+    def initialise(self) -> None:
+        """``torch.cuda._lazy_init``: CUDA is initialised from now on."""
+        self.initialised = True
+
+    def is_initialised(self) -> bool:
+        """``torch.cuda.is_initialized()``: once ``_lazy_init`` ran, or a tensor was put on
+        a GPU by a path that reaches no Python (``Tensor.to``, ``cuda()``)."""
+        if not self.initialised:
+            self.initialised = any(c.peak_allocated > 0 for c in self.rt.counters)
+        return self.initialised
 
     def current_device(self) -> int:
         """The current device: the replica's inside DataParallel's threads, else the one

@@ -599,6 +599,7 @@ class ScriptParallel:
     keep_outputs: bool = False
     log: ParallelLog = field(default_factory=ParallelLog)
     backend: str = "nccl"  # the backend the script's init_process_group asked for
+    asked_backend: str = "nccl"  # as the script named it (what get_backend answers)
     # the rank mp.spawn's function is called with (the run plays that rank; a job of fewer
     # processes plays its last)
     spawn_rank: int = 0
@@ -667,6 +668,7 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         # gloo group's C++ backend, which the emulated group has not: then the fake one's)
         asked = str(backend or "nccl")
         _state().backend = "nccl" if "nccl" in asked or asked == "cuda" else "fake"
+        _state().asked_backend = asked
         # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
         _log().world_size = max(_log().world_size, world_size)
         _log().fake_group = True
@@ -688,6 +690,18 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
 
     if hasattr(device_mesh, "init_process_group"):
         patch(device_mesh, "init_process_group", init_process_group)
+    real_get_backend = c10d.get_backend
+
+    def get_backend(group: Any = None) -> Any:
+        """The backend the script asked for where its group is the fake one: code reads
+        it (DeviceMesh sets each rank's device from LOCAL_RANK, except on the fake
+        backend; Lightning and accelerate branch on NCCL)."""
+        name = real_get_backend(group)
+        return c10d.Backend(_state().asked_backend) if name == "fake" else name
+
+    for owner in (dist, c10d, device_mesh):
+        if hasattr(owner, "get_backend"):
+            patch(owner, "get_backend", get_backend)
     patch(dist, "is_nccl_available", lambda: True)
 
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
