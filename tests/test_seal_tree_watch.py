@@ -79,11 +79,13 @@ def test_a_file_mapped_for_writing_is_walked_for(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_a_census_cut_at_its_limit_always_walks(tmp_path: Path) -> None:
+def test_a_census_cut_at_its_limit_watches_what_it_noted(tmp_path: Path) -> None:
     _tree(tmp_path)
     snap = census.take([str(tmp_path)], limit=3, watch=True)
     assert not snap.complete
-    assert census.again(snap) is not snap
+    assert census.again(snap) is snap
+    (tmp_path / "data" / "d0.bin").write_bytes(b"changed")  # not among the 3 noted
+    assert _found(snap) == _walked(snap)
 
 
 _NAMES = st.sampled_from(["f0.txt", "f1.txt", "data/d0.bin", "data/deep/w.pt", "new.txt",
@@ -132,12 +134,14 @@ def _apply(root: Path, op: tuple[str, ...]) -> None:
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(program=st.lists(OPS, min_size=0, max_size=6))
+@given(program=st.lists(OPS, min_size=0, max_size=6),
+       limit=st.sampled_from([2, 5, census.LIMIT]))
 def test_the_watch_finds_what_the_walk_finds(tmp_path_factory: pytest.TempPathFactory,
-                                             program: list[tuple[str, ...]]) -> None:
+                                             program: list[tuple[str, ...]],
+                                             limit: int) -> None:
     root = tmp_path_factory.mktemp("tree")
     _tree(root)
-    snap = census.take([str(root)], watch=True)
+    snap = census.take([str(root)], limit=limit, watch=True)
     for op in program:
         _apply(root, op)
     assert _found(snap) == _walked(snap)

@@ -84,9 +84,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
         with it:
             for entry in it:
                 if len(snap.entries) >= limit:
-                    snap.complete = False
-                    if snap.watch is not None:
-                        snap.watch.give_up()
+                    snap.complete = False  # every entry noted is in a folder watched
                     return snap
                 if entry.path in skip:
                     continue
@@ -103,7 +101,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
 def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
     """The same walk as ``before``'s, now: ``before`` itself where the kernel's watch saw
     nothing change under its folders (``exclude`` left out) since ``before`` was taken."""
-    if before.watch is not None and before.complete and before.watch.quiet(
+    if before.watch is not None and before.watch.quiet(
             os.path.realpath(e) for e in exclude):
         return before
     return take(before.roots, exclude, before.limit)

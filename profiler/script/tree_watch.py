@@ -13,8 +13,9 @@ as it was, and the walk would find what it found before.
 The one write that raises no event is a store into a shared writable mapping of a file
 (``mmap``) whose descriptor is still open: :meth:`quiet` is False while the process maps a
 file under the folders that way (``/proc/self/maps``). Once any event was seen, or where
-the kernel has no inotify, no watch can be placed (its limits), or the census was cut at its
-limit, :meth:`quiet` is False for good and every check walks, as without the watch.
+the kernel has no inotify or no watch can be placed (its limits), :meth:`quiet` is False for
+good and every check walks, as without the watch. A census cut at its limit compares only the
+entries it noted, each in a folder watched before it was read.
 """
 
 from __future__ import annotations
@@ -82,11 +83,6 @@ class TreeWatch:
             self._changed = True
             return
         self._folders[wd] = folder
-
-    def give_up(self) -> None:
-        """Every check walks (the census was cut at its limit: not every folder is
-        watched)."""
-        self._changed = True
 
     def quiet(self, exclude: Iterable[str] = ()) -> bool:
         """Nothing under the folders changed since the watches were placed (``exclude``:
