@@ -45,6 +45,7 @@ from dpprof.emulator.events import (
     KernelStep,
     PhaseMark,
 )
+from dpprof.emulator.identity import op_key, storage_key
 from dpprof.emulator.index_dtypes import RULES as CUDA_INDEX_RULES
 from dpprof.emulator.index_dtypes import as_on_cuda
 from dpprof.emulator.op_log import OpLog
@@ -108,7 +109,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         self.events = EventLog()
         self.phases: list[PhaseMark] = []
         self._labels: dict[int, str] = {}  # serial -> category (the latest label wins)
-        self._storages: dict[int, _Storage] = {}  # id(storage object) -> record
+        self._storages: dict[int, _Storage] = {}  # storage_key(storage) -> record
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._serial = 0
         self._state = _State()
@@ -237,7 +238,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
 
     def device_of(self, t: torch.Tensor) -> int:
         """The virtual device of ``t``'s storage (HOST for storages made outside the mode)."""
-        rec = self._storages.get(id(t.untyped_storage()))
+        rec = self._storages.get(storage_key(t.untyped_storage()))
         return HOST if rec is None else rec.device
 
     def label(self, tensors: Any, category: str) -> None:
@@ -252,7 +253,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             local = getattr(t, "_local_tensor", None)
             if isinstance(local, torch.Tensor):
                 t = local
-            rec = self._storages.get(id(t.untyped_storage()))
+            rec = self._storages.get(storage_key(t.untyped_storage()))
             if rec is not None:
                 self._labels[rec.serial] = category
 
@@ -276,12 +277,12 @@ class CountingDevices(EventQueries, TorchDispatchMode):
 
     def serial_of(self, t: torch.Tensor) -> int | None:
         """The serial of ``t``'s storage, if it is tracked."""
-        rec = self._storages.get(id(t.untyped_storage()))
+        rec = self._storages.get(storage_key(t.untyped_storage()))
         return None if rec is None else rec.serial
 
     def bytes_of(self, t: torch.Tensor) -> tuple[int, int]:
         """(requested, allocated) bytes of ``t``'s storage as counted (0, 0 untracked)."""
-        rec = self._storages.get(id(t.untyped_storage()))
+        rec = self._storages.get(storage_key(t.untyped_storage()))
         return (0, 0) if rec is None else (rec.requested, rec.rounded)
 
     def live_bytes(self, index: int) -> int:
@@ -304,7 +305,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         self._serial += 1
         serial = self._serial
         rounded = block_bytes(requested)
-        key = id(st)
+        key = storage_key(st)
         self._storages[key] = _Storage(serial, device, requested, rounded)
         self._labels[serial] = self._state.category
         ref = _StorageRef(st, self._on_dead)
@@ -406,7 +407,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
         """``t``'s storage was resized outside the dispatcher (``UntypedStorage.resize_``,
         as FSDP2 frees and re-allocates its unsharded parameters): count the change now."""
         st = t.untyped_storage()
-        rec = self._storages.get(id(st))
+        rec = self._storages.get(storage_key(st))
         if rec is not None and rec.requested != st.nbytes():
             self._resized(st, rec)
 
@@ -496,7 +497,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, cuda:{a} and cuda:{b}! (while running {func})"
             )
-        if self._meta and id(func) in _INDEX_RULE_IDS:  # the meta kernels take other dtypes
+        if self._meta and op_key(func) in _INDEX_RULE_KEYS:  # the meta kernels take other dtypes
             args = as_on_cuda(func, args)
         try:
             out = self._run(func, args, kwargs) if self._meta else func(*args, **kwargs)
@@ -598,7 +599,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             for b in ((a,) if isinstance(a, tensor) else a if isinstance(a, _SEQ) else ()):
                 if not isinstance(b, tensor):
                     continue
-                key = id(b.untyped_storage())
+                key = storage_key(b.untyped_storage())
                 rec = storages.get(key)
                 if rec is None:
                     outside.append(key)
@@ -626,7 +627,7 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             st = t.untyped_storage()
-            key = id(st)
+            key = storage_key(st)
             rec = storages.get(key)
             if rec is None:
                 if key not in outside:
@@ -706,5 +707,5 @@ def subclass_in(types: Any) -> str | None:
 
 
 
-_INDEX_RULE_IDS = frozenset(map(id, CUDA_INDEX_RULES))
+_INDEX_RULE_KEYS = frozenset(map(op_key, CUDA_INDEX_RULES))
 _SEQ = (list, tuple)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from dpprof.emulator.allocator import block_bytes
 from dpprof.emulator.counting import HOST, SUBCLASS, subclass_in
+from dpprof.emulator.identity import op_key, storage_key
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.vdevice import VirtualDevices
 
@@ -60,14 +61,14 @@ _PLAIN_OP, _CONVOLUTION_OP, _FOREACH_OP = 0, 1, 2
 _LOCAL_SCALAR_OP, _DATA_DEPENDENT_OP, _INDEX_TENSOR_OP, _NUMERIC_FACTORY_OP = 3, 4, 5, 6
 _TENSORLESS_OP = 7  # no tensor in, none out (record_function's): nothing to count
 _COPY_OP = 8  # copy_: into a real host tensor from a virtual GPU's, a value read
-# id(op) -> (op, its kind): asked once per op; keyed by identity because an OpOverload's
-# __hash__ is Python (a call per look-up, on every op); the op is kept to check the id
+# op_key(op) -> (op, its kind): asked once per op, keyed by identity (an OpOverload's
+# __hash__ is Python: a call per look-up, on every op); the op is kept to check the key
 _OP_KINDS: dict[int, tuple[Any, int]] = {}
 
 
 def _op_kind(func: Any) -> int:
     """What the fast path of ``--compute`` must do for ``func`` besides counting."""
-    found = _OP_KINDS.get(id(func))
+    found = _OP_KINDS.get(op_key(func))
     if found is not None and found[0] is func:
         return found[1]
     if func is aten.convolution.default:
@@ -92,7 +93,7 @@ def _op_kind(func: Any) -> int:
         kind = _TENSORLESS_OP
     else:
         kind = _PLAIN_OP
-    _OP_KINDS[id(func)] = (func, kind)
+    _OP_KINDS[op_key(func)] = (func, kind)
     return kind
 
 
@@ -222,13 +223,13 @@ class CudaDevices(VirtualDevices):
         self._remember_stand_in(t.untyped_storage())
 
     def _remember_stand_in(self, st: Any) -> None:
-        key = id(st)
+        key = storage_key(st)
         self._host_stand_ins[key] = weakref.ref(
             st, lambda _ref: self._host_stand_ins.pop(key, None))
 
     def _is_stand_in(self, t: torch.Tensor) -> bool:
         st = t.untyped_storage()
-        ref = self._host_stand_ins.get(id(st))
+        ref = self._host_stand_ins.get(storage_key(st))
         return ref is not None and ref() is st
 
     def _follow_stand_ins(self, args: Any, kwargs: dict[str, Any], out: Any) -> None:
@@ -255,14 +256,14 @@ class CudaDevices(VirtualDevices):
         """``t`` (a host tensor) remembered as held in page-locked memory, as CUDA's host
         allocator would hold it (:meth:`is_pinned`)."""
         st = t.untyped_storage()
-        key = id(st)
+        key = storage_key(st)
         self._pinned[key] = weakref.ref(st, lambda _ref: self._pinned.pop(key, None))
         return t
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is page-locked host memory (:meth:`pin`)."""
         st = t.untyped_storage()
-        ref = self._pinned.get(id(st))
+        ref = self._pinned.get(storage_key(st))
         return ref is not None and ref() is st
 
     def address_of(self, st: Any) -> int:
@@ -274,7 +275,7 @@ class CudaDevices(VirtualDevices):
         nbytes = st.nbytes()
         if not nbytes:
             return 0
-        key = id(st)
+        key = storage_key(st)
         found = self._addresses.get(key)
         if found is not None and found[0]() is st:
             return found[1]
@@ -367,7 +368,8 @@ class CudaDevices(VirtualDevices):
             if self.base.type == "meta":
                 out = self._dispatch(func, types, args, kwargs)
                 st = out.untyped_storage()
-                self.numeric_recipes[id(st)] = (weakref.ref(st), func, args, dict(kwargs or {}))
+                self.numeric_recipes[storage_key(st)] = (weakref.ref(st), func, args,
+                                                          dict(kwargs or {}))
                 return out
         elif kind == _CONVOLUTION_OP:
             self.saw_convolution = True
@@ -460,7 +462,7 @@ class CudaDevices(VirtualDevices):
             small = self.small_values.value_of(t)
             if small is not None:
                 return small.clone()
-        found = self.numeric_recipes.get(id(t.untyped_storage()))
+        found = self.numeric_recipes.get(storage_key(t.untyped_storage()))
         if found is None or found[0]() is not t.untyped_storage():
             return None
         _, func, args, kwargs = found

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dpprof.emulator.counting import CountingDevices
+from dpprof.emulator.identity import op_key, storage_key
 
 aten = torch.ops.aten
 
@@ -34,14 +35,14 @@ class OpMemo(dict[Any, Any]):
 OP_MEMO = OpMemo()
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format)
-# Per-op facts from the schema, asked once per op and looked up by id (an OpOverload's
+# Per-op facts from the schema, asked once per op and looked up by op_key (an OpOverload's
 # __hash__ is Python: a call per look-up on every op); the op is kept beside its answer.
 _FUNCTIONAL: dict[int, tuple[Any, bool]] = {}
 
 
 def _functional(func: Any) -> bool:
     """No argument written, no output aliasing an input (per the op's schema)."""
-    found = _FUNCTIONAL.get(id(func))
+    found = _FUNCTIONAL.get(op_key(func))
     known = found[1] if found is not None and found[0] is func else None
     if known is None:
         try:
@@ -51,7 +52,7 @@ def _functional(func: Any) -> bool:
             known = known and not schema.is_mutable and "rand" not in func.__name__
         except AttributeError:
             known = False
-        _FUNCTIONAL[id(func)] = (func, known)
+        _FUNCTIONAL[op_key(func)] = (func, known)
     return known
 
 
@@ -64,7 +65,7 @@ def writes_in_place_only(func: Any) -> bool:
     allocates nothing and writes nothing, and its meta kernel (Python
     refs, per tensor: the optimizers' foreach updates were half of a step's emulation)
     can be skipped. ``out=`` variants are not in-place (they may resize their outputs)."""
-    found = _IN_PLACE_ONLY.get(id(func))
+    found = _IN_PLACE_ONLY.get(op_key(func))
     known = found[1] if found is not None and found[0] is func else None
     if known is None:
         try:
@@ -73,7 +74,7 @@ def writes_in_place_only(func: Any) -> bool:
                      and func._overloadpacket.__name__.endswith("_"))
         except AttributeError:
             known = False
-        _IN_PLACE_ONLY[id(func)] = (func, known)
+        _IN_PLACE_ONLY[op_key(func)] = (func, known)
     return known
 
 
@@ -85,7 +86,7 @@ def out_argument(func: Any) -> tuple[str, bool] | None:
     (``mul.out``'s ``out``, FSDP2's ``chunk_cat`` and ``split_with_sizes_copy``), where the
     op writes nothing else: (its name, whether the op returns it; else it returns
     nothing); None for any other op."""
-    found = _OUT_ONLY.get(id(func))
+    found = _OUT_ONLY.get(op_key(func))
     if found is not None and found[0] is func:
         return found[1]
     answer: tuple[str, bool] | None = None
@@ -103,7 +104,7 @@ def out_argument(func: Any) -> tuple[str, bool] | None:
                 answer = (written[0].name, True)
     except AttributeError:
         answer = None
-    _OUT_ONLY[id(func)] = (func, answer)
+    _OUT_ONLY[op_key(func)] = (func, answer)
     return answer
 
 
@@ -117,7 +118,7 @@ _FILLS_ONLY = {
     aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
     aten.bernoulli_.float, aten.bernoulli_.Tensor,
 }
-_FILLS_ONLY_IDS = frozenset(map(id, _FILLS_ONLY))  # the ops live as long as this module
+_FILLS_ONLY_KEYS = frozenset(map(op_key, _FILLS_ONLY))
 # Tensor.is_meta as torch answers it (an emulation may patch the property), making no device
 _is_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
 _SIMPLE_TYPES = frozenset(_SIMPLE)
@@ -179,7 +180,7 @@ def _template(out: Any) -> Any:
         parts = [_template(o) for o in out]
         if any(p is _NO for p in parts):
             return _NO
-        storages = [id(o.untyped_storage()) for o in out if isinstance(o, torch.Tensor)]
+        storages = [storage_key(o.untyped_storage()) for o in out if isinstance(o, torch.Tensor)]
         if len(set(storages)) != len(storages):
             return _NO
         return ("seq", type(out), parts)
@@ -230,10 +231,10 @@ class MemoisedDevices(CountingDevices):
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` over meta tensors, memoised for functional ops."""
-        found = _FUNCTIONAL.get(id(func))
+        found = _FUNCTIONAL.get(op_key(func))
         functional = found[1] if found is not None and found[0] is func else _functional(func)
         if not functional:
-            if id(func) in _FILLS_ONLY_IDS and _is_meta(args[0]):
+            if op_key(func) in _FILLS_ONLY_KEYS and _is_meta(args[0]):
                 return args[0]  # a random fill of a meta tensor writes nothing, returns self
             if writes_in_place_only(func) and all(
                     _is_meta(t) for t in _tensor_args(args, kwargs)):
@@ -251,8 +252,8 @@ class MemoisedDevices(CountingDevices):
             tmpl = _template(out)
             if tmpl is not _NO:
                 # ops like _unsafe_view return an input's storage without saying so
-                ins = {id(a.untyped_storage()) for a in _tensor_args(args, kwargs)}
-                if any(id(o.untyped_storage()) in ins for o in _tensor_outputs(out)):
+                ins = {storage_key(a.untyped_storage()) for a in _tensor_args(args, kwargs)}
+                if any(storage_key(o.untyped_storage()) in ins for o in _tensor_outputs(out)):
                     tmpl = _NO
             self._op_cache[key] = tmpl
             return out

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from dpprof.emulator.identity import op_key, storage_key
+
 MAX_TENSOR_BYTES = 64 * 1024  # a mask or the labels of a large batch; no activation
 MAX_TOTAL_BYTES = 64 * 2**20  # what the values may hold on the host at once
 
@@ -50,14 +52,14 @@ class SmallValues:
         self.max_tensor_bytes = max_tensor_bytes
         self.max_total_bytes = max_total_bytes
         self.total_bytes = 0
-        # id(meta storage) -> (weak reference to it, its values as one flat host tensor)
+        # storage_key(meta storage) -> (weak reference to it, its values as one flat host tensor)
         self._values: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
         self.computed_ops = 0
 
     def value_of(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t``'s values on the host, if followed (a view: with its own geometry)."""
         st = t.untyped_storage()
-        found = self._values.get(id(st))
+        found = self._values.get(storage_key(st))
         if found is None or found[0]() is not st:
             return None
         flat = found[1]
@@ -77,7 +79,7 @@ class SmallValues:
         for a in metas_in:
             # an input without values (an activation): nothing to compute (the common case;
             # a storage never followed is not among the values, the cheap test first)
-            if id(a.untyped_storage()) not in values or self.value_of(a) is None:
+            if storage_key(a.untyped_storage()) not in values or self.value_of(a) is None:
                 if values and _mutable(func):
                     self._forget_written(func, metas_in)
                 return
@@ -105,7 +107,7 @@ class SmallValues:
                 and _is_meta(dst)):
             return False
         st = dst.untyped_storage()
-        found = self._values.get(id(st))
+        found = self._values.get(storage_key(st))
         if found is not None and found[0]() is st:
             return False  # followed already: written in place by the general rules
         if (not dst.is_contiguous() or dst.storage_offset()
@@ -156,7 +158,7 @@ class SmallValues:
     def keep(self, m: torch.Tensor, r: torch.Tensor) -> None:
         """``r`` (a host tensor of ``m``'s geometry) holds the values of ``m``'s storage."""
         st = m.untyped_storage()
-        key = id(st)
+        key = storage_key(st)
         found = self._values.get(key)
         if found is not None and found[0]() is st:
             return  # written in place, or a view of a storage followed already
@@ -185,23 +187,23 @@ class SmallValues:
             return
         for t in metas_in:
             st = t.untyped_storage()
-            found = self._values.pop(id(st), None)
+            found = self._values.pop(storage_key(st), None)
             if found is not None:
                 self.total_bytes -= found[1].untyped_storage().nbytes()
 
 
-# id(op) -> (op, whether its schema says it writes): asked once per op, by identity (an
-# OpOverload's __hash__ is Python)
+# op_key(op) -> (op, whether its schema says it writes): asked once per op, by identity
+# (an OpOverload's __hash__ is Python)
 _MUTABLE: dict[int, tuple[Any, bool]] = {}
 
 
 def _mutable(func: Any) -> bool:
-    found = _MUTABLE.get(id(func))
+    found = _MUTABLE.get(op_key(func))
     if found is not None and found[0] is func:
         return found[1]
     schema = getattr(func, "_schema", None)
     known = schema is not None and bool(schema.is_mutable)
-    _MUTABLE[id(func)] = (func, known)
+    _MUTABLE[op_key(func)] = (func, known)
     return known
 
 

@@ -8,6 +8,10 @@ A file is the same when its inode, size, permissions, modification time and chan
 are: the kernel sets the change time at every write, so a file written and put back, or
 given its old modification time, still differs. A folder counts by what it holds (a new
 file is found as created). Reads change none of these.
+
+Where the kernel can watch the folders (:mod:`dpprof.script.tree_watch`), :func:`take` with
+``watch`` places a watch on each folder before reading it, and :func:`again` skips the walk
+while the kernel has seen nothing change under them: the walk would find what it found.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import stat
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from dpprof.script.tree_watch import TreeWatch
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
            "take"]
@@ -41,6 +47,8 @@ class Snapshot:
     roots: list[str] = field(default_factory=list)
     complete: bool = True  # False: more entries than the limit; the shallowest were noted
     limit: int = LIMIT
+    # the kernel's watch on the folders noted, since before each was read (take(watch=True))
+    watch: TreeWatch | None = None
 
 
 @dataclass
@@ -49,9 +57,11 @@ class Difference:
     what: str  # "changed" | "removed" | "created"
 
 
-def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT) -> Snapshot:
+def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT,
+         watch: bool = False) -> Snapshot:
     """Every entry under ``folders`` (not following links, not into ``exclude``), breadth
-    first, up to ``limit`` entries."""
+    first, up to ``limit`` entries; ``watch``: each folder watched before it is read (see
+    the module)."""
     skip = {os.path.realpath(e) for e in exclude}
     roots: list[str] = []
     for f in folders:
@@ -60,9 +70,13 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
     snap = Snapshot(roots=roots, limit=limit)
+    if watch:
+        snap.watch = TreeWatch(roots, skip)
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
+        if snap.watch is not None:
+            snap.watch.add(folder)
         try:
             it = os.scandir(folder)
         except OSError:
@@ -70,7 +84,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
         with it:
             for entry in it:
                 if len(snap.entries) >= limit:
-                    snap.complete = False
+                    snap.complete = False  # every entry noted is in a folder watched
                     return snap
                 if entry.path in skip:
                     continue
@@ -85,7 +99,11 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
 
 
 def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
-    """The same walk as ``before``'s, now."""
+    """The same walk as ``before``'s, now: ``before`` itself where the kernel's watch saw
+    nothing change under its folders (``exclude`` left out) since ``before`` was taken."""
+    if before.watch is not None and before.watch.quiet(
+            os.path.realpath(e) for e in exclude):
+        return before
     return take(before.roots, exclude, before.limit)
 
 
