@@ -539,7 +539,22 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
     if isinstance(parent, ast.Attribute) and _move(src, src.parents.get(parent, dp)) is dp:
         outer = src.parents[parent]
     edits.node(outer, f"DDP({', '.join(args)})")
-    add_imports(src, edits, ["os", "torch", "dist", "DDP"], src.scope(wrap))
+    share = (f"DDP: each rank loads its share: batch_size // {gpus}, "
+             "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)")
+    loaders = sorted((n for n in ast.walk(src.tree)
+                      if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"),
+                     key=start_of)
+    shared = False
+    for loader in loaders:
+        why = _share_loader(src, edits, loader, gpus)
+        shared = shared or not why
+        if why:
+            at = src.statement(loader).lineno
+            edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
+            notes.append(f"line {loader.lineno}: give each rank its share of the DataLoader by "
+                         f"hand ({why})")
+    add_imports(src, edits, ["os", "torch", "dist", "DDP",
+                             *(["DistributedSampler"] if shared else [])], src.scope(wrap))
     line, indent = _init_line(src, wrap)
     name = Path(src.path).name
     edits.insert_lines(line, [
@@ -554,17 +569,62 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
                 replaced[0] <= src.span(node)[0] < replaced[1]):
             text = src.seg(node)
             edits.node(node, text.replace("cuda:0", "cuda"))
-    share = (f"DDP: each rank loads its share: batch_size // {gpus}, "
-             "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)")
-    loaders = sorted({src.statement(n).lineno for n in ast.walk(src.tree)
-                      if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"})
     divided = _divide_batches(src, edits, batch_lines, gpus)
-    for at in loaders or ([] if divided else [wrap.lineno]):
-        edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
     if not loaders and not divided:
+        edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share}"])
         notes.append("the script makes its batches without a DataLoader: give each rank its "
                      f"share (1/{gpus} of the batch) by hand")
     return _finish(src, edits, BUCKET_VIEW_TITLE if bucket_view else DDP_TITLE, notes)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_LOADER_ARGS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler")
+
+
+def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int) -> str:
+    """Each rank loads its share of ``loader``'s batches, as the DDP alternative divided
+    them: ``batch_size`` // ``gpus`` and a ``DistributedSampler`` of its dataset (shuffling
+    as the loader did, which then no longer shuffles itself). "" where done, else why not."""
+    if any(isinstance(a, ast.Starred) for a in loader.args) or any(
+            kw.arg is None for kw in loader.keywords):
+        return "its arguments are unpacked"
+    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    if len(loader.args) > 2:
+        return "its shuffle or sampler is given by position"
+    given |= {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
+    if "sampler" in given or "batch_sampler" in given:
+        return "it has a sampler of its own"
+    dataset, rows = given.get("dataset"), given.get("batch_size")
+    if dataset is None or rows is None:
+        return "no dataset or no batch_size given"
+    named = src.seg(dataset)
+    if not isinstance(dataset, (ast.Name, ast.Attribute)):
+        # the sampler needs the dataset too: made once, named, before the loader's statement
+        stmt = src.statement(loader)
+        if any(isinstance(a, (ast.Lambda, *_COMPREHENSIONS)) for a in src.ancestors(loader)
+               if start_of(a) >= start_of(stmt) and a is not stmt):
+            return "it is made inside a lambda or comprehension"
+        try:
+            src.whole_lines(stmt)
+        except NoRewrite:
+            return f"line {stmt.lineno} holds more than one statement"
+        named = _free_name(src, "dataset", "train_dataset", "loader_dataset")
+        edits.insert_lines(stmt.lineno, [f"{src.indent(stmt.lineno)}{named} = "
+                                         f"{src.seg(dataset)}"])
+        edits.node(dataset, named)
+    text = src.seg(rows)
+    simple = isinstance(rows, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call))
+    edits.node(rows, f"{text if simple else f'({text})'} // {gpus}")
+    shuffle = next((kw for kw in loader.keywords if kw.arg == "shuffle"), None)
+    order = src.seg(shuffle.value) if shuffle is not None else "False"
+    sampler = f"sampler=DistributedSampler({named}, shuffle={order})"
+    if shuffle is not None:
+        edits.node(shuffle, sampler)
+    else:
+        last = max([*loader.args, *(kw.value for kw in loader.keywords)], key=start_of)
+        end = src.span(last)[1]
+        edits.replace(end, end, f", {sampler}")
+    return ""
 
 
 # ---- mixed precision ---------------------------------------------------------------------
