@@ -455,8 +455,12 @@ def blocks_words(model: nn.Module) -> dict[str, Any]:
     parent = names[0].rpartition(".")[0] if names else ""
     same_parent = all(n.rpartition(".")[0] == parent for n in names) and parent
     where = parent if same_parent else "modules()  # " + ", ".join(names[:3])
+    # whether iterating the parent gives the blocks and nothing else (a ModuleList of them,
+    # not a Sequential that also holds a norm), so the code can name the parent alone
+    whole = bool(same_parent) and len(list(model.get_submodule(parent).children())) == len(names)
     return {"blocks": where, "count": len(blocks),
-            "kind": type(blocks[0][1]).__name__ if blocks else ""}
+            "kind": type(blocks[0][1]).__name__ if blocks else "",
+            "names": names, "whole": whole}
 
 
 def offload_words(host_bytes: dict[str, int], gpus: int) -> str:
