@@ -42,8 +42,8 @@ MAXBATCH_EXIT_STATUS_HELP = (
 )
 RUN_EXIT_STATUS_HELP = (
     "Exit status: 0 the script ran and was measured; the script's own (1 for an uncaught "
-    "error) when it failed; 1 nothing was measured (it put nothing on a GPU); 2 usage; "
-    "130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP)."
+    "error; under a launcher, the failed rank's) when it failed; 1 nothing was measured (it "
+    "put nothing on a GPU); 2 usage; 130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP)."
 )
 REPORT_EXIT_STATUS_HELP = (
     "Exit status: 0 rendered; 1 a file could not be read or written; 2 usage; 130/143/129 "

@@ -246,6 +246,9 @@ class Fix:
     need_bytes: Bytes | None = None
     # the scenario the savings are measured against ("" in older results: dp-loss-primary)
     baseline: Text = ""
+    # one step with the fix, predicted (dpprof.emulator.step_time), where its own run was
+    # emulated beside the scenarios (a ladder's rung, a variant of a scenario); None else
+    predicted_step_time_s: Float | None = None
 
 
 @dataclass

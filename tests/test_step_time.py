@@ -5,6 +5,7 @@ all-reduce overlapped with the backward)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -200,3 +201,170 @@ def test_the_answer_costs_each_change_its_predicted_step_time(compared: RunResul
     assert by_fix["ddp"].step_time_cost_s == pytest.approx(
         ddp.predicted_step_time_s - base.predicted_step_time_s)
     assert "predicted" in by_fix["ddp"].cost
+
+
+SCRIPTS = TESTS / "scripts"
+
+
+def test_dpprof_run_predicts_each_runs_step(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dpprof run`` on an unmodified DataParallel script: the run as written and each
+    alternative carry the predicted step, samples per second and each GPU's split in the
+    JSON; cuda:0 is the busiest GPU as written; the terminal shows the predicted table."""
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["run", "--gpu", "h200", "-o", "r.json", "--", "python",
+                                   str(SCRIPTS / "dp_loss_outside.py"), "--batch-size", "256"])
+    assert res.exit_code == 0, res.output
+    run = RunResult.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    names = [s.name for s in run.scenarios]
+    assert names == ["dp-loss-primary", "dp-loss-forward", "ddp"]
+    for s in run.scenarios:
+        assert s.predicted_step_time_s and s.predicted_step_time_s > 0, s.name
+        assert s.predicted_samples_per_s == pytest.approx(256 / s.predicted_step_time_s)
+        for d in s.devices:
+            assert set(d.predicted_busy_s) == {"compute", "communication", "waiting"}
+            assert sum(d.predicted_busy_s.values()) == pytest.approx(s.predicted_step_time_s)
+    dp = run.scenarios[0]
+    busy = [d.predicted_busy_s["compute"] + d.predicted_busy_s["communication"]
+            for d in dp.devices]
+    assert len(busy) == 4 and all(busy[0] > b for b in busy[1:]), busy
+    assert all(d.predicted_busy_s["communication"] > 0 for d in dp.devices)  # the NCCL calls
+    assert "step time (* predicted without a GPU)" in res.output
+    ms = f"{dp.predicted_step_time_s * 1e3:.1f} ms"
+    assert any(line.split()[:1] == ["dp-loss-primary"] and ms in line
+               for line in res.output.splitlines()), res.output
+
+
+def test_dpprof_run_predicts_the_measured_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps after the warm-up, averaged: 3 and 5 steps predict the same step; with
+    one step (no warm-up) the step also holds the model's setup (its copy to the GPU, the
+    optimizer's first state), so it is longer."""
+    from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cmd = ["python", str(SCRIPTS / "dp_loss_outside.py"), "--batch-size", "128"]
+    step = {}
+    for steps in (1, 3, 5):
+        result, _ = run_command(ScriptConfig(launch=parse_command(cmd, 4), gpus=4,
+                                             steps=steps), alternatives=False)
+        s = result.scenarios[0]
+        assert s.name == "dp-loss-primary" and s.predicted_step_time_s is not None
+        step[steps] = s.predicted_step_time_s
+    assert step[5] == pytest.approx(step[3], rel=1e-6)
+    assert step[1] > step[3] * 1.05, step
+
+
+def test_dpprof_runs_ladder_rungs_are_costed_by_their_predicted_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rung of ``dpprof run``'s ladder (a fix, not a scenario) carries its run's predicted
+    step, and the answer costs it by what it adds to the script's step, not the policy's
+    words alone."""
+    from dpprof.answers.answer import answer_of
+    from dpprof.emulator.catalog import lookup_gpu
+    from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cmd = ["python", str(SCRIPTS / "single_gpu.py")]
+    result, _ = run_command(ScriptConfig(launch=parse_command(cmd, 4), gpus=4, ladder=True,
+                                         gpu=lookup_gpu("h200")))
+    base = result.scenarios[0]
+    rungs = [f for f in result.fixes if f.name.startswith("ladder-")]
+    assert base.name == "single" and base.predicted_step_time_s and rungs
+    assert all(f.predicted_step_time_s and f.predicted_step_time_s > 0 for f in rungs)
+    by_fix = {f.fix: f for f in answer_of(result).fixes}
+    for f in rungs:
+        assert f.predicted_step_time_s is not None
+        added = f.predicted_step_time_s - base.predicted_step_time_s
+        assert by_fix[f.name].step_time_cost_s == pytest.approx(added)
+        assert f"predicted {added * 1e3:+.1f} ms a step" in by_fix[f.name].cost
+
+
+@functools.cache
+def _fsdp2_rank(d_model: int, reshard: bool) -> tuple[ScenarioResult, list[Any], int]:
+    """One rank of 4 of lm (``d_model`` wide) under FSDP2, as the ladder's rung runs it:
+    its result, its op log, the model's parameter bytes, each parameter padded to a
+    multiple of 4 rows as FSDP2 shards it."""
+    from dpprof.emulator.fsdp import emulated_ranks
+    from dpprof.measure.ladder import fully_sharded
+    from dpprof.scenarios.workloads import LMConfig, lm
+
+    base = lm(LMConfig(vocab=2048, seq=64, d_model=d_model, layers=2, heads=4))
+    params = sum(-(-p.shape[0] // 4) * 4 * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in base.model().parameters())
+    cfg = EmulationConfig(gpus=4, gpu_memory_bytes=140 << 30, step=StepConfig(batch=32),
+                          gpu="h200", collectives=True)
+    trace: dict[str, Any] = {}
+    with emulated_ranks(4):
+        s = run_scenario("single", fully_sharded(base, reshard), cfg, trace=trace)
+    assert s.status == "ok", s.message
+    return s, trace["rt"].op_log.records, params
+
+
+def test_fsdp2_collectives_are_costed_on_the_interconnect() -> None:
+    """FSDP2's all-gathers and reduce-scatters (no-ops on the fake process group) are
+    logged with their unsharded buffers: ZeRO-2 gathers the parameters once (forward),
+    ZeRO-3 twice (forward and backward), both reduce-scatter the gradients once; the
+    predicted communication grows with the parameters, and ZeRO-3's is more."""
+    comm: dict[tuple[int, bool], float] = {}
+    for d_model in (128, 256):
+        for reshard in (False, True):
+            s, records, params = _fsdp2_rank(d_model, reshard)
+            gathered = sum(o.bytes for o in records if o.kind == "all_gather")
+            scattered = sum(o.bytes for o in records if o.kind == "reduce_scatter")
+            assert gathered == (2 if reshard else 1) * params
+            assert scattered == params
+            assert all(o.world == 4 for o in records if o.kind in ("all_gather",
+                                                                  "reduce_scatter"))
+            comm[d_model, reshard] = s.devices[0].predicted_busy_s["communication"]
+    assert comm[128, False] > 0
+    for reshard in (False, True):
+        assert comm[256, reshard] > comm[128, reshard]
+    for d_model in (128, 256):
+        assert comm[d_model, True] > comm[d_model, False]
+
+
+def test_fsdp2_all_gathers_overlap_the_compute() -> None:
+    """An all-gather runs on its own stream as soon as it is issued (the next block's
+    prefetched while this one computes): ZeRO-3's step is shorter than its compute and
+    its collectives one after the other."""
+    _, records, _ = _fsdp2_rank(256, True)
+    rates = rates_for(GPUS["h200"], "pcie")
+    pred = predict_step(records, rates, H200_FIT, [0])
+    without = predict_step([o for o in records if o.kind not in (
+        "all_gather", "reduce_scatter", "gather_wait")], rates, H200_FIT, [0])
+    comm = pred.devices[0].communication_s
+    assert comm > 0
+    assert without.step_time_s < pred.step_time_s < without.step_time_s + comm
+
+
+def test_variants_of_a_scenario_are_costed_by_their_predicted_step(
+        compared: RunResult) -> None:
+    """The fixes measured as further steps of dp-loss-primary's loop (the output device,
+    the balanced split) carry their step's predicted time, the one each variant emulated
+    on its own predicts, and the answer costs them by it."""
+    import dataclasses
+
+    from dpprof.answers.answer import answer_of
+
+    fixes = {f.name: f for f in compared.fixes}
+    base = compared.scenario("dp-loss-primary")
+    assert base is not None and base.predicted_step_time_s is not None
+    by_fix = {f.fix: f for f in answer_of(compared).fixes}
+    cfg = EmulationConfig(gpus=4, gpu_memory_bytes=140 << 30, step=StepConfig(batch=256),
+                          gpu="h200")
+    for name, variant in (("output-device", {"dp_output_device": 3}),
+                          ("balanced-split", {"dp_chunk_sizes": tuple(
+                              fixes["balanced-split"].chunk_sizes)})):
+        fix = fixes[name]
+        alone = run_scenario("dp-loss-primary", load_workload("mlp"),
+                             dataclasses.replace(cfg, **variant))  # type: ignore[arg-type]
+        assert fix.predicted_step_time_s is not None, name
+        assert fix.predicted_step_time_s == pytest.approx(alone.predicted_step_time_s)
+        assert by_fix[name].step_time_cost_s == pytest.approx(
+            fix.predicted_step_time_s - base.predicted_step_time_s)
+        assert "predicted" in by_fix[name].cost

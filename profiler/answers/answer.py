@@ -385,7 +385,7 @@ def _fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
             fits=fits,
             spare_bytes=None if need is None else run.gpu_memory_bytes - need,
             cost_rank=cost.rank, cost=_cost_words(cost, f, added := _step_time_added(
-                base, run.scenario(as_scenario(f.name) or ""))),
+                base, run.scenario(as_scenario(f.name) or ""), f)),
             step_time_cost_s=cost.step_time_s if added is None else added,
             why=""))
     out.sort(key=lambda a: a.cost_rank)  # stable: the registry's order among equals
@@ -408,13 +408,17 @@ def _fix_need(run: RunResult, f: Fix) -> int | None:
     return None
 
 
-def _step_time_added(base: ScenarioResult, own: ScenarioResult | None) -> float | None:
-    """What the fix's scenario adds to the baseline's predicted step (negative: it saves);
-    None where either was not predicted."""
-    if own is None or own.status != STATUS_OK or own.predicted_step_time_s is None \
-            or base.predicted_step_time_s is None:
+def _step_time_added(base: ScenarioResult, own: ScenarioResult | None,
+                     fix: Fix) -> float | None:
+    """What the fix's scenario (else the fix's own run: a rung, a variant) adds to the
+    baseline's predicted step (negative: it saves); None where either was not predicted."""
+    if own is not None:
+        step = own.predicted_step_time_s if own.status == STATUS_OK else None
+    else:
+        step = fix.predicted_step_time_s
+    if step is None or base.predicted_step_time_s is None:
         return None
-    return own.predicted_step_time_s - base.predicted_step_time_s
+    return step - base.predicted_step_time_s
 
 
 def _cost_words(cost: Cost, f: Fix, added_s: float | None = None) -> str:

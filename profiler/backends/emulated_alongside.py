@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.backends.emulated_figures import ddp_ranks, device_results, judge
+from dpprof.backends.emulated_time import fill_predicted_time
 from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.vdevice import VirtualDevices
@@ -73,6 +74,7 @@ class FurtherSteps:
         self._last: ScenarioResult | None = None
         self._before: list[int] | None = None  # live bytes after the step before
         self.steady = False
+        self._log_start = 0  # the further step's first op in the op log
 
     @property
     def target_device(self) -> int:
@@ -119,6 +121,10 @@ class FurtherSteps:
             raise StepsDone
         self.rt.reset_peaks()
         self._start = len(self.rt.events)
+        log = self.rt.op_log
+        if log is not None:  # the variant's step, for its predicted time
+            self._log_start = len(log.records)
+            log.on = True
 
     def _next_split(self) -> tuple[int, ...] | None:
         if not self.splits_open or self.splits is None or self._last is None:
@@ -150,6 +156,11 @@ class FurtherSteps:
         s.devices = device_results(self.rt, dataclasses.replace(self.cfg, peaks_only=True),
                                     self.kind, chunks, wrapped.used_devices,
                                     self._start, {})
+        log = self.rt.op_log
+        if log is not None and log.on:
+            log.on = False
+            fill_predicted_time(s, log, self.cfg.gpu, self.cfg.interconnect, False,
+                                self._log_start)
         judge(s, self.cfg)
         if self.active == "output_device":
             self.alongside.output_device_result = s

@@ -4,40 +4,50 @@ written into the scenario's result."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dpprof.emulator.catalog import DEFAULT_GPU, lookup_gpu
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.step_time import H200_FIT, StepPrediction, predict_step, rates_for
-from dpprof.result import ScenarioResult
+from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 
-__all__ = ["fill_predicted_time", "single_step_log"]
+__all__ = ["fill_predicted_time", "single_step_log", "write_prediction"]
 
 
 def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconnect: str,
-                        ranks_alike: bool) -> StepPrediction:
-    """Predict the step of ``log`` on ``gpu`` (a catalog name; "": the default) and write
-    it into ``result`` (its step, samples per second, each device's split). With
-    ``ranks_alike`` (DDP: one rank emulated for all), every device gets the rank's split."""
+                        ranks_alike: bool, start: int = 0) -> StepPrediction:
+    """Predict the step of ``log`` (its records from ``start`` on) on ``gpu`` (a catalog
+    name; "": the default) and write it into ``result`` (its step, samples per second, each
+    device's split). With ``ranks_alike`` (DDP: one rank emulated for all), every device
+    gets the rank's split."""
     spec = lookup_gpu(gpu) if gpu else DEFAULT_GPU
     shown = [d.index for d in result.devices if d.used]
-    pred = predict_step(log.records, rates_for(spec, interconnect), H200_FIT, shown)
+    pred = predict_step(log.records[start:], rates_for(spec, interconnect), H200_FIT, shown)
+    # the rows the scenario's GPUs computed (single: one share)
+    rows = sum(d.batch_rows for d in result.devices if d.used) or result.batch
+    write_prediction(result, pred, rows, lambda d: 0 if ranks_alike else d.index)
+    return pred
+
+
+def write_prediction(result: ScenarioResult, pred: StepPrediction, rows: int,
+                     source: Callable[[DeviceResult], int]) -> None:
+    """``pred`` into ``result``: its step, ``rows`` a step over it (samples per second),
+    each used device's split, read from the device ``source`` names (its emulated index)."""
     result.predicted_step_time_s = pred.step_time_s
     result.predicted_host_s = pred.host_s
-    rows = sum(d.batch_rows for d in result.devices if d.used) or result.batch
-    if pred.step_time_s > 0:  # the rows the scenario's GPUs computed (single: one share)
+    if pred.step_time_s > 0:
         result.predicted_samples_per_s = rows / pred.step_time_s
     for d in result.devices:
         if not d.used:
             continue
-        p = pred.devices.get(0 if ranks_alike else d.index)
+        p = pred.devices.get(source(d))
         if p is None:
             continue
         d.predicted_busy_s = {"compute": p.compute_s, "communication": p.communication_s,
                               "waiting": p.waiting_s}
-    return pred
 
 
 def single_step_log(wl: Workload, batch: int, amp: str | None = None) -> OpLog:

@@ -41,6 +41,7 @@ from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import STATUS_ERROR, RunResult
 from dpprof.script import namespace
+from dpprof.script.ranks import RANKS_HELP, check_ranks
 from dpprof.script.session import (
     ScriptConfig,
     interrupted_while_writing,
@@ -96,6 +97,10 @@ def run_cmd(
             "cheapest rung that fits. Default: only when that run is out of memory.",
             rich_help_panel=PANEL_MEASURE, show_default=False)
     ] = None,
+    ranks: Annotated[
+        str, typer.Option("--ranks", help="Under torchrun, accelerate launch or mp.spawn: "
+                          + RANKS_HELP, rich_help_panel=PANEL_MEASURE)
+    ] = "last",
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", metavar="FILE",
@@ -152,7 +157,8 @@ def run_cmd(
         check_writable(paths)
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
-                           debug=debug, ladder=ladder, keep_writes=_keep_dir(keep_writes))
+                           debug=debug, ladder=ladder, keep_writes=_keep_dir(keep_writes),
+                           ranks=check_ranks(ranks))
         if debug and namespace.why_not():
             err.print(f"dpprof: no mount namespace for the seal: {namespace.why_not()}",
                       markup=False)
@@ -218,8 +224,12 @@ def _announce(cfg: ScriptConfig) -> None:
     """dpprof's one line on stderr before the script runs."""
     launch = cfg.launch
     kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
-    how = (f"; {launch.launcher} rank 0 of {launch.env.get('WORLD_SIZE', '?')} (the "
-           "ranks are alike)" if "WORLD_SIZE" in launch.env else "")
+    world = int(launch.env.get("WORLD_SIZE", "1"))
+    ranks = {"none": f"rank 0 of {world} standing for every rank",
+             "all": f"all {world} ranks, each its own process",
+             "last": f"ranks 0 and {world - 1} of {world}, each its own process"}.get(
+                 cfg.ranks, f"ranks 0,{cfg.ranks} of {world}, each its own process")
+    how = f"; {launch.launcher} {ranks}" if world > 1 else ""
     from dpprof.script import namespace
 
     sealed = ("a private overlay (mount namespace)" if namespace.entered()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpprof.emulator.op_log import ALL_GATHER, REDUCE_SCATTER, OpLog
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.vdevice import VirtualDevices
 
@@ -280,6 +281,58 @@ def collectives_labelled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def collectives_logged() -> Iterator[None]:
+    """FSDP2's all-gathers and reduce-scatters noted in the runtime's op log, with their
+    unsharded buffers' bytes, for the step-time model (:mod:`dpprof.emulator.step_time`):
+    the fake process group runs them as no-ops, so no op of theirs is dispatched. Where the
+    compute stream waits for an all-gather (``wait_for_unshard``, before its output is
+    copied out into the parameters) is noted too."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    def log_of() -> tuple[VirtualDevices, OpLog] | None:
+        rt = _runtime()
+        log = rt.op_log if rt is not None else None
+        return (rt, log) if rt is not None and log is not None and log.on else None
+
+    def note(rt: VirtualDevices, log: OpLog, kind: str, t: torch.Tensor, world: int) -> None:
+        log.collective(kind, t.numel() * t.element_size(), rt.device_of(t), world,
+                       rt.current_phase)
+
+    def all_gather(fn: Any) -> Any:
+        def run(fsdp_params: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+            result = fn(fsdp_params, group, *args, **kwargs)
+            if result is not None and (found := log_of()) is not None and group.size() > 1:
+                note(*found, ALL_GATHER, result.all_gather_output, group.size())
+            return result
+        return run
+
+    def copy_out(fn: Any) -> Any:
+        def run(result: Any, *args: Any, **kwargs: Any) -> Any:
+            if (found := log_of()) is not None:
+                rt, log = found
+                log.wait_for_gather(rt.device_of(result.all_gather_output), rt.current_phase)
+            return fn(result, *args, **kwargs)
+        return run
+
+    def reduce(fn: Any) -> Any:
+        def run(fsdp_params: Any, grads: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+            result = fn(fsdp_params, grads, group, *args, **kwargs)
+            world = group.size() if group is not None else 1
+            if (found := log_of()) is not None and world > 1:
+                note(*found, REDUCE_SCATTER, result[0], world)  # the reduce-scatter's input
+            return result
+        return run
+
+    with Patcher() as p:
+        for name, wrap in (("foreach_all_gather", all_gather),
+                           ("foreach_all_gather_copy_out", copy_out),
+                           ("foreach_reduce", reduce)):
+            if hasattr(_fsdp_param_group, name):
+                p.patch(_fsdp_param_group, name, wrap(getattr(_fsdp_param_group, name)))
+        yield
+
+
+@contextlib.contextmanager
 def dtensor_random_ops_run(mode_type: type) -> Iterator[None]:
     """DTensor's random ops on a CUDA mesh (``nn.init`` of sharded parameters, dropout),
     which torch wraps in a higher-order operator that sets the GPU's Philox offsets
@@ -322,7 +375,8 @@ def emulated_ranks(world_size: int) -> Iterator[None]:
                            "this process already has a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with storage_resizes_counted(), sharding_propagation_apart(), host_states_moved():
+        with storage_resizes_counted(), sharding_propagation_apart(), host_states_moved(), \
+                collectives_logged():
             yield
     finally:
         dist.destroy_process_group()

@@ -23,16 +23,19 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 __all__ = [
+    "ALL_GATHER",
     "ALL_REDUCE",
     "BROADCAST",
     "COLLECTIVES",
     "COMPUTE",
     "CONV",
     "GATHER",
+    "GATHER_WAIT",
     "MATMUL",
     "NORM",
     "NO_KERNEL",
     "REDUCE",
+    "REDUCE_SCATTER",
     "SYNC",
     "TRANSFER",
     "OpLog",
@@ -47,11 +50,17 @@ COMPUTE = "memory"  # any other kernel: elementwise, reductions, copies on one d
 NO_KERNEL = "none"  # views, metadata and bare allocations: host work only
 TRANSFER = "transfer"  # a copy between two devices (GPU-GPU over the interconnect, host-GPU)
 ALL_REDUCE = "all_reduce"  # a collective over the ranks (DDP's bucket)
+# FSDP2's collectives over the ranks (bytes: the unsharded buffer, all ranks' shards)
+ALL_GATHER = "all_gather"  # the parameters of a block, before its forward or backward
+REDUCE_SCATTER = "reduce_scatter"  # a block's gradients, after its backward
+# the compute stream waits for the oldest all-gather not waited for yet (FSDP2's
+# wait_for_unshard, before the all-gather's output is copied out into the parameters)
+GATHER_WAIT = "gather_wait"
 # collectives of one process over its devices (torch.cuda.comm's NCCL calls: DataParallel)
 BROADCAST = "broadcast"  # from the first device to the others (replicate)
 REDUCE = "reduce"  # onto the first device (the gradients' reduce-add)
 GATHER = "gather"  # pieces from the others onto the first device (bytes: the pieces moved)
-COLLECTIVES = (ALL_REDUCE, BROADCAST, REDUCE, GATHER)
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, GATHER)
 SYNC = "sync"  # the host waits for the device (.item(), a copy to the host)
 HOST = -1  # the device index of the host (dpprof.emulator.counting.HOST)
 
@@ -195,6 +204,11 @@ class OpLog:
         kind = NORM if "batch_norm" in name else COMPUTE
         self.records.append(OpRecord(name, device, device, phase, thread, kind, "", 0,
                                      nbytes, kernels, mirrors))
+
+    def wait_for_gather(self, device: int, phase: str) -> None:
+        """``device``'s compute stream waits for its oldest all-gather (:data:`GATHER_WAIT`)."""
+        self.records.append(OpRecord(GATHER_WAIT, device, device, phase, self._thread(),
+                                     GATHER_WAIT, "", 0, 0, 0))
 
     def collective(self, kind: str, nbytes: int, device: int, world: int, phase: str,
                    others: tuple[int, ...] = ()) -> None:

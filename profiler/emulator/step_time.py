@@ -27,21 +27,26 @@ held out of the fit (README, "How accurate is it?").
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from dpprof.emulator.catalog import GpuSpec, peak_rates_of
 from dpprof.emulator.op_log import (
+    ALL_GATHER,
     ALL_REDUCE,
     BROADCAST,
     COLLECTIVES,
     CONV,
     GATHER,
+    GATHER_WAIT,
     HOST,
     MATMUL,
     NO_KERNEL,
     NORM,
     REDUCE,
+    REDUCE_SCATTER,
     SYNC,
     TRANSFER,
     OpRecord,
@@ -54,6 +59,7 @@ __all__ = [
     "StepPrediction",
     "TimeConstants",
     "predict_step",
+    "predict_steps",
     "rates_for",
 ]
 
@@ -146,8 +152,11 @@ def kernel_time_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
 
 
 def _ring_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
+    """A collective over ``op.world`` ranks on a ring: an all-reduce moves ``2 (n-1)/n`` of
+    its buffer over each link, an all-gather or reduce-scatter ``(n-1)/n`` of the unsharded
+    buffer (NCCL's ring algorithms)."""
     n = max(op.world, 1)
-    moved = 2 * (n - 1) / n * op.bytes
+    moved = (1 if op.kind in (ALL_GATHER, REDUCE_SCATTER) else 2) * (n - 1) / n * op.bytes
     return moved / (rates.link_bytes_per_s * k.link_efficiency) + k.collective_latency_s
 
 
@@ -159,6 +168,9 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
     host: dict[int, float] = {}  # host timeline -> when it is free
     free: dict[int, float] = {}  # device -> when its compute stream is free
     comm_free: dict[int, float] = {}  # device -> when its collective stream is free
+    # device -> when its all-gathers not waited for yet end, oldest first: FSDP2's
+    # wait_for_unshard makes the compute stream wait on each, in the order they were issued
+    gathered: dict[int, deque[float]] = {}
     out = {d: DevicePrediction() for d in devices}
     phase = None
     kernels = 0
@@ -175,19 +187,32 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
         t = host.get(lane, max(host.values(), default=0.0))
         if op.kind == TRANSFER and op.source != HOST and lane != HOST:
             t = max(t, host.get(op.source, t))  # the gradient it copies was issued
-        cost = k.host_view_s if op.kind in (NO_KERNEL, SYNC) else k.host_op_s
+        cost = k.host_view_s if op.kind in (NO_KERNEL, SYNC, GATHER_WAIT) else k.host_op_s
         targets = (op.device, *op.mirrors)
         # a mirrored replica's op stands for one per replica: in the forward their threads
         # take turns on the GIL (each pays), in the backward each device's thread pays its own
         t += cost * (len(targets) if lane == HOST and op.kind not in COLLECTIVES else 1)
         host[lane] = t
+        if op.kind == GATHER_WAIT:
+            if gathered.get(op.device):
+                free[op.device] = max(free.get(op.device, 0.0),
+                                      gathered[op.device].popleft())
+            continue
         if op.kind == NO_KERNEL or (op.device == HOST and op.kind != TRANSFER):
             continue
         if op.kind == SYNC:
             host[lane] = max(t, *(free.get(d, 0.0) for d in targets))
             continue
         kernels += op.kernels * len(targets)
-        if op.kind == ALL_REDUCE:
+        if op.kind == ALL_GATHER:  # on its own stream, as soon as it is issued (prefetch)
+            for d in targets:
+                start = max(t, comm_free.get(d, 0.0))
+                span = _ring_s(op, rates, k)
+                comm_free[d] = start + span
+                gathered.setdefault(d, deque()).append(start + span)
+                dev(d).communication_s += span
+            continue
+        if op.kind in (ALL_REDUCE, REDUCE_SCATTER):
             for d in targets:
                 start = max(free.get(d, 0.0), comm_free.get(d, 0.0))  # its bucket is ready
                 span = _ring_s(op, rates, k)
@@ -233,6 +258,33 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
     for p in out.values():
         p.waiting_s = max(step - p.busy_s, 0.0)
     return StepPrediction(step, host_s, out, len(records), kernels)
+
+
+def predict_steps(records: Sequence[OpRecord], step_ends: Sequence[int], rates: DeviceRates,
+                  k: TimeConstants, devices: Sequence[int] = ()) -> StepPrediction:
+    """The mean step of several measured steps logged one after the other: ``records``
+    cut at ``step_ends`` (the index after each step's last op; what follows the last is
+    left out), each step played alone (:func:`predict_step`). No ``step_ends``: the
+    records are one step. A phase is the word before any "(step N)" the label carries."""
+    for op in records:
+        op.phase = op.phase.partition(" (")[0]
+    cuts = [0, *(e for e in step_ends if e > 0)] if step_ends else [0, len(records)]
+    steps = [predict_step(records[a:b], rates, k, devices)
+             for a, b in pairwise(cuts) if b > a]
+    if not steps:
+        return predict_step([], rates, k, devices)
+    n = len(steps)
+    out = StepPrediction(sum(p.step_time_s for p in steps) / n,
+                         sum(p.host_s for p in steps) / n,
+                         ops=sum(p.ops for p in steps) // n,
+                         kernels=sum(p.kernels for p in steps) // n)
+    for p in steps:
+        for d, dev in p.devices.items():
+            mean = out.devices.setdefault(d, DevicePrediction())
+            mean.compute_s += dev.compute_s / n
+            mean.communication_s += dev.communication_s / n
+            mean.waiting_s += dev.waiting_s / n
+    return out
 
 
 def rates_for(spec: GpuSpec, interconnect: str = "") -> DeviceRates:

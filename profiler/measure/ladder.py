@@ -583,7 +583,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
             saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax,
             detail=detail(rung, blocks, floor, per_rank, host.get(rung.name), base.gpus),
             code=code(rung, base.gpus, base.step.batch, model), need_bytes=need,
-            baseline=reference.name if reference is not None else floor)
+            baseline=reference.name if reference is not None else floor,
+            predicted_step_time_s=s.predicted_step_time_s)
 
     out: list[Fix] = []
     for rung in rungs(base.compute_capability, blocks > 0):

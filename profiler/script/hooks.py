@@ -92,6 +92,9 @@ class Stepper:
         self.blocks_words: dict[str, Any] = {}
         self.forward_site = ""
         self.backward_site = ""
+        # the op log's length as each measured optimizer step ended (the predicted step
+        # time's steps: dpprof.emulator.step_time.predict_steps)
+        self.step_ends: list[int] = []
 
     def _start_measuring(self) -> None:
         """Peaks restart here, after the warm-up step; the warm-up's are kept
@@ -99,6 +102,8 @@ class Stepper:
         self.warmup_peaks = [dataclasses.replace(c) for c in self.rt.counters]
         self.rt.reset_peaks()
         self.measure_start = len(self.rt.events)
+        if self.rt.op_log is not None:  # the measured steps' ops, for their time
+            self.rt.op_log.on = True
 
     def keep_higher_warmup_peaks(self) -> dict[int, int]:
         """Where the warm-up step peaked higher than the steps after it (a script that
@@ -132,6 +137,9 @@ class Stepper:
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._label(opt)
         self.done += 1
+        log = self.rt.op_log
+        if log is not None and log.on:
+            self.step_ends.append(len(log.records))
         if self.on_step is not None:
             self.on_step(self.done)
         if self.done == 1 and self.steps > 1:

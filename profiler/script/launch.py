@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -20,12 +21,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.machinery import SourceFileLoader
 from pathlib import Path
+from typing import NoReturn
 
 from dpprof.errors import UsageError
 from dpprof.script.engines import DEEPSPEED_NOT_EMULATED
 
-__all__ = ["Launch", "main_path", "parse_command", "run_main_file", "script_process",
-           "user_traceback"]
+__all__ = ["Launch", "ProcessExit", "as_rank", "main_path", "parse_command",
+           "process_exit_caught", "run_main_file", "script_process", "user_traceback"]
 
 
 @dataclass
@@ -217,6 +219,51 @@ def _torchrun(args: list[str], gpus: int, launcher: str, gpus_given: bool = True
     return Launch(ns.training_script, bool(ns.module), argv, env, launcher, nproc)
 
 
+def as_rank(launch: Launch, rank: int) -> Launch:
+    """``launch`` as the launcher starts its rank ``rank``: the environment torchrun gives
+    that process (its global, local and node rank), ``--local-rank`` where
+    ``torch.distributed.launch`` passes it. A launch without a launcher's environment
+    (``mp.spawn`` under ``python``) is returned as is: the spawned function gets the rank."""
+    if "WORLD_SIZE" not in launch.env or rank == 0:
+        return launch
+    per_node = launch.nproc or int(launch.env.get("LOCAL_WORLD_SIZE", "1"))
+    local, node = rank % per_node, rank // per_node
+    env = {**launch.env, "RANK": str(rank), "LOCAL_RANK": str(local),
+           "GROUP_RANK": str(node), "ROLE_RANK": str(rank)}
+    argv = [f"--local-rank={local}" if a == "--local-rank=0" else a for a in launch.argv]
+    return dataclasses.replace(launch, env=env, argv=argv)
+
+
+class ProcessExit(BaseException):
+    """``os._exit(status)`` in the script: its process ends there, at once (no ``finally``,
+    no ``atexit``); here it ends the run with that status and the line that called it.
+    A BaseException, so that the script's ``except Exception`` does not take it."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+@contextlib.contextmanager
+def process_exit_caught() -> Iterator[None]:
+    """``os._exit`` in dpprof's own process raises :class:`ProcessExit` while the script
+    runs (it would end dpprof with it, reporting nothing); in a process the script forked
+    (a DataLoader worker) it exits as it does."""
+    pid = os.getpid()
+    real_exit = os._exit
+
+    def _exit(status: int) -> NoReturn:
+        if os.getpid() != pid:
+            real_exit(status)
+        raise ProcessExit(status)
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit = real_exit
+
+
 @contextlib.contextmanager
 def script_process(launch: Launch) -> Iterator[None]:
     """sys.argv, sys.path[0], the environment and __main__ as the script expects them;
@@ -306,8 +353,9 @@ def user_traceback(e: BaseException, launch: Launch) -> str:
     if launch.is_module and isinstance(e, ImportError) and not frames:
         return f"{sys.executable}: {e}"  # python -m no_such_module says just this
     head = ["Traceback (most recent call last):\n"] if frames else []
-    return "".join([*head, *traceback.format_list(frames),
-                    *traceback.format_exception_only(type(e), e)])
+    last = ([f"os._exit({e.status}): the process ends here\n"] if isinstance(e, ProcessExit)
+            else traceback.format_exception_only(type(e), e))
+    return "".join([*head, *traceback.format_list(frames), *last])
 
 
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])

@@ -140,7 +140,8 @@ def rung_fix(rung: Rung, main: ScriptRun, floor: ScriptRun, run: ScriptRun,
                               - max(d.peak_allocated_bytes for d in used)),
         detail=detail(rung, run.checkpointed_blocks, on),
         code=rung_code(rung, floor, cfg, main),
-        need_bytes=need, baseline=main.scenario.name)
+        need_bytes=need, baseline=main.scenario.name,
+        predicted_step_time_s=run.scenario.predicted_step_time_s)
 
 
 def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,

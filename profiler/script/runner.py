@@ -22,12 +22,16 @@ from dpprof.backends.emulated_figures import (
     timeline_points,
     transient_note,
 )
+from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
+from dpprof.emulator.counting import VirtualDeviceError
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
+from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
+from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
     Interrupted,
@@ -41,7 +45,7 @@ from dpprof.errors import (
     take_interrupt,
 )
 from dpprof.measure.ladder import Rung
-from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
+from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
 from dpprof.scenarios.names import (
     DDP,
     DP_LOSS_FORWARD,
@@ -64,7 +68,15 @@ from dpprof.script.hooks import (
     Variant,
     compile_eagerly,
 )
-from dpprof.script.launch import Launch, run_main_file, script_process, user_traceback
+from dpprof.script.launch import (
+    Launch,
+    ProcessExit,
+    as_rank,
+    process_exit_caught,
+    run_main_file,
+    script_process,
+    user_traceback,
+)
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
 from dpprof.script.stop_handlers import scripts_stop_handlers
@@ -95,9 +107,18 @@ class ScriptConfig:
     # the user's files before the runs (dpprof.script.census), checked after each; None:
     # noted before this run
     files_before: Snapshot | None = None
+    # the link the predicted step time assumes ("nvlink", "pcie"; "": the GPU's own)
+    interconnect: str = ""
+    # the measured steps' time predicted (off only to measure what that costs)
+    predict_time: bool = True
     # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (each rank's share
     # of a batch the script makes by hand follows from it)
     scattered_rows: int = 0
+    # the rank this run plays (its launcher's environment, mp.spawn's argument, its own
+    # virtual GPU); the script as written is rank 0
+    rank: int = 0
+    # --ranks: the ranks besides 0 run as written ("last": the world's last; "all")
+    ranks: str = "last"
 
     @property
     def capacity_bytes(self) -> int:
@@ -165,6 +186,14 @@ class ScriptRun:
     checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
     variant: str = AS_WRITTEN  # the run's ScriptConfig.variant
     rung: str | None = None  # the name of the ladder's rung it ran, if any
+    rank: int = 0  # the run's ScriptConfig.rank
+    local_rank: int = 0  # its GPU on the node (LOCAL_RANK; mp.spawn's rank)
+    # the script as written: the runs of the other ranks (dpprof.script.ranks), and what the
+    # result records of the ranks
+    rank_runs: list[ScriptRun] = field(default_factory=list)
+    ranks: dict[str, object] = field(default_factory=dict)
+    # it raised because the emulation found tensors of two GPUs in one op (VirtualDeviceError)
+    devices_mixed: bool = False
     noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
 
 
@@ -194,15 +223,19 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
 
 def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     """Run the script once, sealed (:mod:`dpprof.script.sealed_run`), and measure it."""
-    launch = cfg.launch
+    launch = as_rank(cfg.launch, cfg.rank)
     if not launch.is_module and not Path(launch.target).is_file():
         raise UsageError(f"dpprof run: {launch.target}: no such file")
     vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
                      gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
+    if cfg.predict_time:
+        rt.op_log = OpLog()  # on from the first measured step (the Stepper turns it on)
+        rt.op_log.on = cfg.steps <= 1  # no warm-up: every step is measured
     stepper = Stepper(rt, cfg.steps, on_step)
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
-                    rung=cfg.rung.name if cfg.rung is not None else None)
+                    rung=cfg.rung.name if cfg.rung is not None else None, rank=cfg.rank,
+                    local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)))
     variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs, cfg.scattered_rows)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
@@ -216,12 +249,15 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
         stepper.listeners.append(rung)
     _note_first_stand_in(rt)
     name = cfg.variant if cfg.rung is None else f"{cfg.variant}+{cfg.rung.name}"
+    if cfg.rank:
+        name += f" rank {cfg.rank}"
     sealed = (SealedRun(name, None if launch.is_module else launch.target, cfg.keep_writes,
                         cfg.files_before)
               if cfg.seal else contextlib.nullcontext())
-    # an alternative's run prints nothing (dpprof.script.effects)
-    effects = ScriptEffects(rt.is_emulated,
-                            silenced=cfg.variant != AS_WRITTEN or cfg.rung is not None)
+    # an alternative's run prints nothing (dpprof.script.effects), nor does a rank's other
+    # than 0 (the terminal shows one rank's output)
+    effects = ScriptEffects(rt.is_emulated, silenced=(cfg.variant != AS_WRITTEN
+                                                      or cfg.rung is not None or cfg.rank != 0))
     with script_process(launch), sealed:
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
@@ -229,6 +265,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
             with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
                     effects, Patcher() as patcher:
                 variant.install(vc, patcher)
+                wrappers.state_of(vc).spawn_rank = cfg.rank
                 compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()
@@ -262,6 +299,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.kernels = dict(kernels.chosen)
     warmup_higher = stepper.keep_higher_warmup_peaks()
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
+    if rt.op_log is not None:
+        _predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
+        rt.op_log = None
     if run.seal.breach is not None and run.ended == "script raised":
         run.scenario.message = run.seal.breach  # dpprof stopped it, not the script's error
     ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
@@ -312,7 +352,8 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     KeyboardInterrupt`` that saves and exits, a worker it ended that fails the loop)."""
     error: BaseException | None = None
     try:
-        with scripts_stop_handlers() as theirs, interrupts_allowed(theirs):
+        with scripts_stop_handlers() as theirs, interrupts_allowed(theirs), \
+                process_exit_caught():
             # the script's own time: a stop signal stops it
             if launch.is_module:
                 runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
@@ -328,6 +369,11 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C: keep what it measured
         run.ended = "interrupted"
         run.interrupted_by = interrupt_signal(e)
+    except ProcessExit as e:  # os._exit: the process ends with its status, nothing else runs
+        run.exit_status = e.status
+        run.ended = "script ended" if e.status == 0 else "script raised"
+        if e.status:
+            run.script_traceback = user_traceback(e, launch)
     except SystemExit as e:
         code = e.code
         run.exit_status = code if isinstance(code, int) else (0 if code is None
@@ -339,6 +385,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         run.ended = "script raised"
         run.exit_status = 1
         run.script_traceback = user_traceback(e, launch)
+        run.devices_mixed = isinstance(e, VirtualDeviceError)
         error = e
     delivered = interrupt_delivered()
     if run.ended != "interrupted" and delivered is not None:
@@ -439,11 +486,11 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         f"all that followed it ({fmt_bytes(warmup_higher[i])}): that peak is reported, as "
         "the GPU reaches it" for logical, i in enumerate(visible) if i in warmup_higher)
     if kind.ranks_alike and run.world_size > 1:
-        devices = ddp_ranks(next((d for d in devices if d.used), devices[0]),
-                            min(run.world_size, n))
+        own = vc.visible.index(_rank_device(vc, run.local_rank))
+        devices = ddp_ranks(devices[own], min(run.world_size, n))
     s.devices = devices
     if not cfg.compute:
-        _overheads(s, vc, cfg)
+        _overheads(s, vc, cfg, run.local_rank)
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in s.devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
@@ -460,7 +507,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         s.traceback = run.script_traceback
     else:
         over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
-        untold = _below_what_the_script_was_told(s, vc)
+        untold = _below_what_the_script_was_told(s, vc, run.local_rank)
         if untold:
             s.status = STATUS_ERROR
             s.message = untold
@@ -477,12 +524,40 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     return s
 
 
-def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda) -> str:
+def _rank_device(vc: VirtualCuda, local_rank: int) -> int:
+    """The device whose figures stand for a DDP run's rank: the rank's own GPU
+    (``local_rank``), where the run used it, else the first it used."""
+    counters = vc.rt.counters
+    if local_rank < len(vc.visible) and counters[vc.visible[local_rank]].peak_allocated > 0:
+        return vc.visible[local_rank]
+    return next((i for i in vc.visible if counters[i].peak_allocated > 0), vc.visible[0])
+
+
+def _predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
+                  step_ends: list[int], local_rank: int) -> None:
+    """The measured steps' mean time on the target GPU, predicted from their ops
+    (:func:`dpprof.emulator.step_time.predict_steps`), into ``s``: a rank of DDP (or FSDP2)
+    stands for every rank; the script's devices are the visible ones it names."""
+    log = vc.rt.op_log
+    if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
+        return
+    ranks_from = _rank_device(vc, local_rank)
+
+    def source(d: DeviceResult) -> int:
+        return ranks_from if d.rank is not None else vc.visible[d.index]
+
+    shown = sorted({source(d) for d in s.devices if d.used})
+    rates = rates_for(cfg.gpu, cfg.interconnect)
+    pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
+    write_prediction(s, pred, s.batch, source)
+
+
+def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
+                                    local_rank: int) -> str:
     """Where a device's reported peak is below what ``torch.cuda``'s memory functions told
     the script of it (the peak the GPU reaches is at least every reading of it), why the
     run cannot be reported; "" where none is."""
-    ranks_from = next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
-                      vc.visible[0])
+    ranks_from = _rank_device(vc, local_rank)
     for d in s.devices:
         told = vc.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
         if told is None:
@@ -499,7 +574,8 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda) -> str:
     return ""
 
 
-def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
+def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
+               local_rank: int) -> None:
     """Reserved and the CUDA context per used device: the emulator's one model
     (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's allocations."""
     ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
@@ -507,9 +583,8 @@ def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig) -> None:
     def source(d: DeviceFigures) -> int:
         if d.rank is None:
             return vc.visible[d.index]
-        # a DDP rank: the visible device that ran it stands for every rank
-        return next((i for i in vc.visible if vc.rt.counters[i].peak_allocated > 0),
-                    vc.visible[0])
+        # a DDP rank: the device that ran it stands for every rank
+        return _rank_device(vc, local_rank)
 
     fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source,
                        blas_first=vc.rt.blas_first, transients=vc.rt.transients)

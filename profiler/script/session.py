@@ -49,6 +49,7 @@ from dpprof.script.notes import (
     seal_notes,
     write_notes,
 )
+from dpprof.script.ranks import merge_ranks, ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.sealed_run import prepare_process, take_census
@@ -107,12 +108,15 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         main = run_script(cfg, step_cb("as written"))
         runs.append((AS_WRITTEN, main))
         n = _gpus_of(main)
+        if main.ended != "script raised":
+            doing.append("the other ranks")
+            _run_ranks(cfg, main, step_cb)
         if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
                 and main.ended != "script raised"):
             doing.append("the alternatives")
             _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
         ladder_on = None
-        if main.ended != "script raised":
+        if main.ended != "script raised" and not main.exit_status:
             doing.append("the ladder")
             ladder_on = run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
         doing.append("the result")
@@ -122,6 +126,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         take_interrupt(signum)  # stopping: the next signal is held until this is written
         cut = e.run if isinstance(e, RunInterrupted) else None
         during = run_words(e.cfg) if isinstance(e, RunInterrupted) else doing[-1]
+        if cut is not None and cut.rank != 0:  # rank 0's figures stand for every rank
+            notes.append(f"{during} was interrupted: not run, rank 0 stands for every rank")
+            cut = None
         partial = _partial(cfg, runs, rungs, notes, fixes, cut, signum, during)
         raise Interrupted(signum, partial=partial, during=during) from None
 
@@ -130,9 +137,25 @@ def run_words(cfg: ScriptConfig) -> str:
     """The run of the script ``cfg`` makes, in words ("the DDP alternative")."""
     if cfg.rung is not None:
         return f"the ladder's rung {cfg.rung.name}"
+    if cfg.rank:
+        return f"the script as written as rank {cfg.rank}"
     if cfg.variant == AS_WRITTEN:
         return "the script as written"
     return f"the {cfg.variant} alternative"
+
+
+def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
+               step_cb: Callable[[str], StepCallback]) -> None:
+    """Run the ranks other than 0 that ``cfg.ranks`` names, each as written, and fold them
+    into ``main``, rank 0's run (:mod:`dpprof.script.ranks`)."""
+    world = main.world_size
+    ranks, beyond = ranks_to_run(cfg.ranks, world)
+    for rank in ranks:
+        main.rank_runs.append(run_script(dataclasses.replace(cfg, rank=rank),
+                                         step_cb(f"rank {rank}")))
+    if world > 1:
+        main.ranks = merge_ranks(main, main.rank_runs, world,
+                                 None if cfg.launch.is_module else cfg.launch.target, beyond)
 
 
 def _gpus_of(main: ScriptRun) -> int:
@@ -145,6 +168,7 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
     """The result of the runs (the first is the script as written)."""
     main = runs[0][1]
     n = _gpus_of(main)
+    ranks = [(f"{AS_WRITTEN} rank {r.rank}", r) for r in main.rank_runs]
     if not main.noted:
         _note_the_main_run(main, cfg)
         main.noted = True
@@ -156,18 +180,20 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
             "argv": list(cfg.launch.argv), "steps": cfg.steps, "compute": cfg.compute,
             "gpu": cfg.gpu.key, "gpus": n,
-            "steps_done": {v: r.steps_done for v, r in runs + rungs},
-            "seconds": {v: round(r.seconds, 3) for v, r in runs + rungs},
+            "steps_done": {v: r.steps_done for v, r in runs + ranks + rungs},
+            "seconds": {v: round(r.seconds, 3) for v, r in runs + ranks + rungs},
             "exit_status": main.exit_status,
             # the run the ladder's rungs changed, in words (absent: no ladder)
             **({"ladder_on": ladder_on} if ladder_on else {}),
+            # the ranks run (dpprof.script.ranks; absent: one process)
+            **({"ranks": main.ranks} if main.ranks else {}),
         },
         assumptions=script_assumptions(cfg),
         notes=notes,
         fixes=fixes,
     )
     if cfg.seal:
-        result.writes, result.seal = seal_fields(runs + rungs, cfg.keep_writes)
+        result.writes, result.seal = seal_fields(runs + ranks + rungs, cfg.keep_writes)
         result.notes.extend(seal_notes(result.seal))
     result.comparison = compare(result)
     result.attribution = attribute_run(result)

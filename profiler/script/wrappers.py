@@ -599,6 +599,9 @@ class ScriptParallel:
     keep_outputs: bool = False
     log: ParallelLog = field(default_factory=ParallelLog)
     backend: str = "nccl"  # the backend the script's init_process_group asked for
+    # the rank mp.spawn's function is called with (the run plays that rank; a job of fewer
+    # processes plays its last)
+    spawn_rank: int = 0
     # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
     functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
         default_factory=dict)
@@ -689,9 +692,9 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
 
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
               join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
-        """``mp.spawn``: one process per rank; ranks are alike, so rank 0 runs here."""
+        """``mp.spawn``: one process per rank; the rank this run plays runs here."""
         _log().spawned = max(_log().spawned, nprocs)
-        fn(0, *args)
+        fn(min(_state().spawn_rank, nprocs - 1), *args)
         return None
 
     def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
@@ -740,6 +743,7 @@ def _install_fsdp(vc: VirtualCuda) -> None:
     vc.enter_context(fsdp.host_states_moved())
     vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
     vc.enter_context(fsdp.collectives_labelled())
+    vc.enter_context(fsdp.collectives_logged())  # for the predicted step time
 
 
 @contextlib.contextmanager

@@ -1,0 +1,134 @@
+"""``dpprof run`` under a launcher runs the other ranks' code too (dpprof.script.ranks): a
+rank other than 0 that raises or calls ``os._exit`` fails the run with its own status and
+line; rank-0-only work (an EMA of the model) shows as cuda:0's excess over the other
+GPUs, which show their own ranks' peaks; every report says which ranks were run; the
+working folder is byte-identical after each run (the seal)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dpprof.cli.app import app
+
+SCRIPTS = Path(__file__).parent / "scripts"
+runner = CliRunner()
+
+
+def r512(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def folder_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The working folder the script runs in, holding files of the user's (a checkpoint
+    the script would overwrite)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "ema.pt").write_bytes(b"the user's EMA checkpoint\x00\x01")
+    (folder / "notes.txt").write_text("keep me\n")
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def dpprof_run(work: Path, options: list[str], command: list[str]) -> tuple[int, str, dict]:
+    """``dpprof run`` through the CLI: exit status, stderr, the JSON report; the working
+    folder checked byte-identical after it."""
+    before = folder_bytes(work)
+    report = work.parent / "out" / "r.json"
+    md, html = report.with_suffix(".md"), report.with_suffix(".html")
+    r = runner.invoke(app, ["run", "--no-ladder", "-o", str(report), "-o", str(md),
+                            "-o", str(html), *options, "--", *command])
+    assert folder_bytes(work) == before
+    data = json.loads(report.read_text())
+    for other in (md, html):
+        assert "ranks run: " in other.read_text()
+    return r.exit_code, r.stderr, data
+
+
+@pytest.mark.parametrize(("nproc", "options"), [("2", []), ("4", ["--ranks", "all"])])
+def test_a_rank_that_raises_fails_the_run_with_its_status_and_line(
+        work: Path, nproc: str, options: list[str]) -> None:
+    status, stderr, data = dpprof_run(
+        work, options, ["torchrun", "--nproc-per-node", nproc,
+                        str(SCRIPTS / "ddp_rank_raises.py")])
+    assert status == 1, stderr
+    assert 'ddp_rank_raises.py", line 14, in check_shard' in stderr
+    assert "[rank1]: ValueError: corrupt shard on rank 1 at step 1" in stderr
+    assert "dpprof/" not in stderr
+    s = data["scenarios"][0]
+    assert s["status"] == "error"
+    assert s["message"] == (f"rank 1 of {nproc}: the script raised ValueError: corrupt shard "
+                            "on rank 1 at step 1")
+    assert "line 14" in s["traceback"]
+    assert data["config"]["ranks"]["failed"] == 1
+    assert data["config"]["ranks"]["run"] == list(range(int(nproc)))
+
+
+def test_a_non_zero_rank_that_calls_os_exit_fails_the_run_with_its_status(
+        work: Path) -> None:
+    """mp.spawn under python: the last rank ends its process with os._exit(3); dpprof goes
+    on (its own process is not ended) and exits 3 with the line that called it."""
+    status, stderr, data = dpprof_run(work, [], ["python",
+                                                 str(SCRIPTS / "ddp_spawn_rank_exits.py")])
+    assert status == 3, stderr
+    assert 'ddp_spawn_rank_exits.py", line 24, in train' in stderr
+    assert "[rank3]:     os._exit(3)" in stderr
+    s = data["scenarios"][0]
+    assert s["status"] == "error" and s["message"].startswith("rank 3 of 4: ")
+    assert data["config"]["ranks"] == {"world": 4, "run": [0, 3], "taken_as": 3,
+                                       "failed": 3}
+
+
+def test_rank_0_only_work_is_cuda0s_excess(work: Path) -> None:
+    """Rank 0 alone keeps an EMA of the model (Linear(256, 1024), Linear(1024, 256)) on its
+    GPU: cuda:0 peaks above the others by the EMA's parameters; the others show rank 3's
+    own peaks (rank 3 run, ranks 1 and 2 taken as it), and the note names the branch."""
+    status, stderr, data = dpprof_run(
+        work, [], ["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_rank0_ema.py")])
+    assert status == 0, stderr
+    s = data["scenarios"][0]
+    assert s["name"] == "ddp" and s["status"] == "ok"
+    peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
+    ema_bytes = r512(4 * 1024 * 256) + r512(4 * 1024) + r512(4 * 256 * 1024) + r512(4 * 256)
+    assert peaks[1] == peaks[2] == peaks[3]
+    assert peaks[0] - peaks[1] == ema_bytes
+    assert data["config"]["ranks"] == {"world": 4, "run": [0, 3], "taken_as": 3}
+    notes = " ".join(s["notes"])
+    assert "ranks run: 0, 3 of 4" in notes and "ranks 1, 2 not run: taken to be as rank 3" in notes
+    assert "cuda:0 (rank 0) peaks 2.00 MiB above cuda:3 (rank 3)" in notes
+    assert "ddp_rank0_ema.py:20 (if dist.get_rank() == 0)" in notes
+    assert data["comparison"]["verdict"]
+
+
+def test_every_rank_run_and_rank_0_alone(work: Path) -> None:
+    """--ranks all runs each rank (none taken as another); --ranks none is rank 0 standing
+    for all, as the report says (the EMA's excess is then on every GPU)."""
+    cmd = ["torchrun", "--nproc-per-node", "3", str(SCRIPTS / "ddp_rank0_ema.py")]
+    status, stderr, every = dpprof_run(work, ["--ranks", "all"], cmd)
+    assert status == 0, stderr
+    assert every["config"]["ranks"] == {"world": 3, "run": [0, 1, 2]}
+    peaks = [d["peak_allocated_bytes"] for d in every["scenarios"][0]["devices"]]
+    assert peaks[0] > peaks[1] == peaks[2]
+    status, stderr, alone = dpprof_run(work, ["--ranks", "none"], cmd)
+    assert status == 0, stderr
+    assert alone["config"]["ranks"] == {"world": 3, "run": [0], "taken_as": 0}
+    assert [d["peak_allocated_bytes"] for d in alone["scenarios"][0]["devices"]] == [peaks[0]] * 3
+    assert "ranks 1, 2 not run: taken to be as rank 0" in " ".join(alone["scenarios"][0]["notes"])
+
+
+def test_bad_ranks_is_one_line(work: Path) -> None:
+    r = runner.invoke(app, ["run", "--ranks", "odd", "--", "torchrun", "--nproc-per-node",
+                            "2", str(SCRIPTS / "ddp_rank0_ema.py")])
+    assert r.exit_code == 2
+    assert "--ranks 'odd': give last, all, none, or rank numbers such as 1,3" in r.stderr
+    assert "Traceback" not in r.stderr
