@@ -557,3 +557,37 @@ def test_without_fsdp2_in_torch_the_ladder_says_so(monkeypatch: pytest.MonkeyPat
     assert not any("fsdp2" in f.name for f in run.fixes)
     assert "ladder: no FSDP2 rungs: this torch (2.4.0) has no FSDP2 to emulate" in run.notes
     assert any(f.name == "ladder-bf16" for f in run.fixes)
+
+
+# the names the typical DataParallel script that compare's rung codes change has already
+TYPICAL_SCRIPT_NAMES = {"torch", "nn", "os", "dist", "DDP", "DataLoader", "DistributedSampler",
+                        "model", "dataset", "loss_fn", "optimizer"}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("model", [
+    nn.Sequential(_Block(), _Block(), nn.LayerNorm(4)),  # blocks at the root, beside a norm
+    nn.ModuleDict({"layers": nn.ModuleList([_Block(), _Block()]), "head": nn.Linear(4, 2)})])
+def test_compare_rung_code_compiles_and_names_only_the_typical_scripts(model: nn.Module) -> None:
+    """Each rung's change to the typical loop (mixed precision, checkpointing, accumulation,
+    FSDP2's) is Python once applied and uses nothing that script lacks: it called an
+    undefined ``make_optimizer``, used ``contextlib`` unimported, and where the blocks
+    shared no parent wrote ``for block in model.modules()  # 0, 1:`` (the colon commented
+    out)."""
+    from test_run_diffs import undefined_names
+
+    from dpprof.measure import ladder
+
+    base = ladder.rungs((9, 0), True)
+    for rung in [*base, *ladder.fsdp_rungs(4, True), *(ladder.accumulation_rung(r, 4)
+                                                       for r in base)]:
+        code = ladder.code(rung, 4, 64, model)
+        new = "\n".join(line[1:] for line in code.splitlines() if line[:1] in "+ ")
+        compile(new, rung.name, "exec")
+        missing = {n.split(": ")[1] for n in undefined_names(new)}
+        assert missing <= TYPICAL_SCRIPT_NAMES, (rung.name, missing - TYPICAL_SCRIPT_NAMES)

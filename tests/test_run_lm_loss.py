@@ -15,7 +15,9 @@ from test_script_rewrite import apply_diff
 from test_seal_run import digest_tree
 from typer.testing import CliRunner
 
+from dpprof.answers.attribution import attribute
 from dpprof.cli.app import app
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -77,3 +79,38 @@ def test_a_causal_lm_loss_on_a_view_of_the_outputs_moves_inside_forward(
     assert (max(d["peak_allocated_bytes"] for d in again["scenarios"][0]["devices"])
             == fix["max_peak_bytes"])
     shutil.rmtree(tmp_path / "fixed")
+
+
+BIG_VOCAB = """
+import torch, torch.nn as nn
+V, D, B = 32000, 64, 256
+model = nn.DataParallel(nn.Sequential(nn.Embedding(V, D), nn.Linear(D, D), nn.GELU(),
+                                      nn.Linear(D, V)).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+crit = nn.CrossEntropyLoss()
+for step in range(4):
+    x = torch.randint(0, V, (B,), device="cuda")
+    y = torch.randint(0, V, ({rows},), device="cuda")
+    out = model(x)
+    loss = crit({outputs}, y)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.parametrize("outputs", ["out", "out.view(B, -1)[:, :].float()"])
+def test_the_loss_over_a_large_vocabulary_is_labelled_loss_on_cuda0(
+        outputs: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:0's excess under dp-loss-primary is mostly the loss over 32000 classes: its
+    softmax and the gradient of the gathered logits, filed under 'loss' as compare files it,
+    where they read as 'activations at cuda:0's peak moment' (80 %)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(BIG_VOCAB.format(rows="B", outputs=outputs))
+    _, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 4),
+                                       gpus=4))
+    assert main.scenario.name == "dp-loss-primary"
+    att = attribute(main.scenario)
+    assert att is not None
+    causes = {k: v for k, v in att.causes_bytes.items() if v > 0}
+    assert max(causes, key=lambda k: causes[k]) == "loss", att.causes_bytes
+    assert causes["loss"] > att.excess_bytes / 2

@@ -210,9 +210,32 @@ def test_ddp_starts_the_process_group_in_the_wraps_function() -> None:
             '    dist.init_process_group("nccl")\n'
             '    rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)\n'
             "    model = nn.Linear(8, 4).cuda()\n") in new
-    assert ("    # DDP: each rank loads its share: batch_size // 4, "
-            "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)\n"
-            "    loader = DataLoader(") in new
+    # each rank its share of the loader, as the DDP alternative divided it: the dataset
+    # named once for the sampler, which shuffles in the loader's place
+    assert ("    dataset = list(range(8))\n"
+            "    loader = DataLoader(dataset, batch_size=8 // 4,\n"
+            "                        sampler=DistributedSampler(dataset, shuffle=True))\n"
+            ) in new
+    assert "from torch.utils.data.distributed import DistributedSampler\n" in new
+
+
+def test_ddp_leaves_a_loader_with_its_own_sampler_to_the_user_and_says_so() -> None:
+    old = script("model = nn.DataParallel(Net())\n"
+                 "from torch.utils.data import DataLoader, RandomSampler\n"
+                 "data = list(range(8))\n"
+                 "loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data))\n"
+                 "plain = DataLoader(data, 8)\n")
+    rw = ddp(old, "DataParallel(")
+    new = checked(rw, old)
+    assert ("# DDP: each rank loads its share: batch_size // 4, sampler=DistributedSampler("
+            "dataset) (it shuffles: no shuffle=True)\nloader = DataLoader(data, batch_size=8, "
+            "sampler=RandomSampler(data))\n") in new
+    at = line_of(old, "sampler=RandomSampler")
+    assert any(n.startswith(f"line {at}: give each rank its share of the DataLoader by hand (it "
+                            "has a sampler of its own)") for n in rw.notes), rw.notes
+    # a positional batch_size is divided as a keyword's is
+    assert "plain = DataLoader(data, 8 // 4, sampler=DistributedSampler(data, shuffle=False))" \
+        in new
 
 
 def test_ddp_takes_another_name_where_the_script_has_a_rank() -> None:

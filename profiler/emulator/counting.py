@@ -257,6 +257,11 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             if rec is not None:
                 self._labels[rec.serial] = category
 
+    def category_of(self, tensor: torch.Tensor) -> str | None:
+        """The category ``tensor``'s storage is filed under (None: not a counted storage)."""
+        rec = self._storages.get(id(tensor.untyped_storage()))
+        return None if rec is None else self._labels.get(rec.serial, "other")
+
     def live_storages(self, index: int) -> list[tuple[int, str]]:
         """(serial, category) of every storage live on device ``index``, oldest first."""
         return sorted((rec.serial, self._labels.get(rec.serial, "other"))

@@ -76,7 +76,7 @@ CODE_CHECKPOINT = """\
 +    forward = block.forward
 +    block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
 +
-+for block in model.{blocks}:  # the {count} repeated {kind} blocks
++for block in {loop}:  # the {count} repeated {kind} blocks
 +    checkpointed(block)
 """
 CODE_FSDP = """\
@@ -97,10 +97,10 @@ CODE_FSDP_HOST = """\
 +# the model stays on the CPU: fully_shard keeps each rank's shards in pinned host memory
 """
 CODE_FSDP_SHARD = """\
-+for block in model.{blocks}:  # the {count} repeated {kind} blocks, each sharded
++for block in {loop}:  # the {count} repeated {kind} blocks, each sharded
 +    fully_shard(block, reshard_after_forward={reshard}{policy})
 +fully_shard(model, reshard_after_forward={reshard}{policy})  # the rest, at the root
-+optimizer = make_optimizer(model.parameters())  # built after fully_shard: the shards
++optimizer = torch.optim.AdamW(model.parameters())  # yours, made after fully_shard: over the shards
 +loader = DataLoader(dataset, batch_size={per_rank},
 +                    sampler=DistributedSampler(dataset))  # per-rank batch
 """
@@ -420,7 +420,8 @@ def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
     if rung.checkpoint:
         head += CODE_CHECKPOINT.format(**words)
     if rung.micro_batches > 1:
-        return head + accumulation_loop_code(rung, gpus)
+        # the loop's micro-batches before the last skip DDP's all-reduce, the last does not
+        return "+import contextlib\n" + head + accumulation_loop_code(rung, gpus)
     loop = (CODE_LOOP_PLAIN if rung.amp is None else
             CODE_LOOP_BF16 if rung.amp == "bfloat16" else CODE_LOOP_FP16)
     if gpus == 1:
@@ -455,8 +456,16 @@ def blocks_words(model: nn.Module) -> dict[str, Any]:
     parent = names[0].rpartition(".")[0] if names else ""
     same_parent = all(n.rpartition(".")[0] == parent for n in names) and parent
     where = parent if same_parent else "modules()  # " + ", ".join(names[:3])
-    return {"blocks": where, "count": len(blocks),
-            "kind": type(blocks[0][1]).__name__ if blocks else ""}
+    # whether iterating the parent gives the blocks and nothing else (a ModuleList of them,
+    # not a Sequential that also holds a norm), so the code can name the parent alone
+    whole = bool(same_parent) and len(list(model.get_submodule(parent).children())) == len(names)
+    # the blocks as the code iterates them: the parent where it holds them alone, else each
+    # by its qualified name
+    loop = (f"model.{parent}" if whole else
+            f"map(model.get_submodule, ({''.join(repr(n) + ', ' for n in names).rstrip()}))")
+    return {"blocks": where, "count": len(blocks), "loop": loop,
+            "kind": type(blocks[0][1]).__name__ if blocks else "",
+            "names": names, "whole": whole}
 
 
 def offload_words(host_bytes: dict[str, int], gpus: int) -> str:

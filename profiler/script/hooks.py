@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site, in_dpprof
+from dpprof.emulator.data_parallel import Gather
 from dpprof.emulator.events import DeviceCounters
 from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
@@ -293,6 +294,66 @@ def _with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: i
     return None
 
 
+# how far back from a loss module's argument its expression of DataParallel's outputs may
+# reach (views, slices, transposes, .float(): a few nodes each)
+_EXPRESSION_NODES = 16
+
+
+def _reaches_gather(tensors: list[torch.Tensor]) -> bool:
+    """Whether the graph of ``tensors`` reaches DataParallel's gather within a few nodes
+    (the loss is computed on an expression of the gathered outputs)."""
+    stack: list[tuple[Any, int]] = [(t.grad_fn, 0) for t in tensors if t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node, depth = stack.pop()
+        if node is None or node in seen or depth > _EXPRESSION_NODES:
+            continue
+        seen.add(node)
+        if isinstance(node, Gather._backward_cls):  # type: ignore[attr-defined]
+            return True
+        stack.extend((n, depth + 1) for n, _ in node.next_functions)
+    return False
+
+
+def label_losses(vc: VirtualCuda, patcher: Patcher) -> None:
+    """A loss module called on (an expression of) DataParallel's gathered outputs files its
+    memory under "loss", as compare's steps do: what its call allocates, the tensors its
+    arguments' expression made of the outputs (``logits.float()``, a copy of a slice), and,
+    in backward, what its autograd nodes and the expression's allocate, down to the gather."""
+    rt = vc.rt
+    orig_call = nn.modules.loss._Loss.__call__
+
+    def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not torch.is_grad_enabled() or not _reaches_gather(inputs):
+            return orig_call(loss, *args, **kwargs)
+        for t in inputs:  # made by the expression: not the outputs or the batch themselves
+            if rt.category_of(t) == "activations":
+                rt.label(t, "loss")
+        with rt.category("loss"):
+            out = orig_call(loss, *args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            _label_loss_backward(rt, out.grad_fn)
+        return out
+
+    patcher.patch(nn.modules.loss._Loss, "__call__", loss_call)
+
+
+def _label_loss_backward(rt: Any, root: Any) -> None:
+    """Backward from the loss down to (not into) the gather runs under "loss"."""
+    seen: set[Any] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or isinstance(
+                node, Gather._backward_cls):  # type: ignore[attr-defined]
+            continue
+        seen.add(node)
+        node.register_prehook(lambda *_: rt._set_category("loss"))
+        node.register_hook(lambda *_: rt._set_category("activations"))
+        stack.extend(n for n, _ in node.next_functions)
+
+
 class Variant:
     """The paired alternatives: DDP in place of DataParallel, or the loss inside forward."""
 
@@ -349,6 +410,7 @@ class Variant:
         from torch.utils.data import DataLoader
 
         variant = self
+        label_losses(vc, patcher)  # before the variant's own loss call, which calls it
         wrappers.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
         wrappers.state_of(vc).keep_outputs = self.keep_outputs
         if self.name == DDP_IN_PLACE:

@@ -178,7 +178,8 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
         return ""
     return rewrite.rewrite_text(rewrite.ddp_at(run.dp_sites[0], gpus,
                                                bucket_view=bucket_view,
-                                               batch_sites=batch_sites))
+                                               batch_sites=batch_sites,
+                                               rows=run.batch_rows))
 
 
 def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:

@@ -12,11 +12,16 @@ in the header):
 * :func:`ddp`: ``DDP(<module>.cuda(rank), device_ids=[rank])`` at the wrap (with
   ``gradient_as_bucket_view=True`` for ``bucket_view``), the process group and the rank's
   device at the start of the wrap's function (or of the script), the imports, ``"cuda:0"``
-  made each rank's own device, and a ``DistributedSampler`` note at each ``DataLoader``;
+  made each rank's own device, and each rank's share of every ``DataLoader``
+  (``batch_size // N``, a ``DistributedSampler``) and of the batches made by hand;
 * :func:`autocast`: the statements from the model's call through the loss under
   ``with torch.autocast("cuda", dtype=...)`` in their block, and for float16 torch's AMP
   recipe's ``GradScaler``: made before the training loop, scaling the loss's backward, making
-  the optimizer's step (``scaler.step(optimizer)``, ``scaler.update()``).
+  the optimizer's step (``scaler.step(optimizer)``, ``scaler.update()``);
+* :func:`checkpointing`: the model's repeated blocks under non-reentrant
+  ``torch.utils.checkpoint``, right after the statement that makes the model;
+* :func:`rung_changes`: a ladder rung's edits made one after the other (and DDP's, where the
+  rung ran on a DataParallel script's DDP alternative), one diff against the user's file.
 
 Every edit is a splice at the positions of the tree's nodes (``lineno``/``col_offset``/
 ``end_lineno``/``end_col_offset``), so the rest of the file keeps its formatting; the new file
@@ -470,12 +475,13 @@ def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
 
 
 def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
-        batch_lines: tuple[int, ...] = ()) -> Rewrite:
+        batch_lines: tuple[int, ...] = (), rows: int = 0) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
     of the scattered rows, which the DDP alternative cut to each rank's share)."""
     try:
-        return _ddp(ScriptSource(source, path), dp_line, gpus, bucket_view, batch_lines)
+        return _ddp(ScriptSource(source, path), dp_line, gpus, bucket_view, batch_lines,
+                    rows)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -497,8 +503,19 @@ def _batch_rows_node(call: ast.Call) -> ast.expr | None:
     return size
 
 
-def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpus: int
-                    ) -> list[int]:
+def _share(src: ScriptSource, rows: ast.expr, gpus: int, scattered: int) -> str:
+    """Each rank's share of the rows ``rows`` reads: ``rows // gpus``, rounded up where the
+    run saw DataParallel scatter ``scattered`` rows that ``gpus`` does not divide (its first
+    chunk, the heaviest, is what the DDP alternative measured)."""
+    text = src.seg(rows)
+    simple = isinstance(rows, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call))
+    if scattered % gpus:
+        return f"({text} + {gpus - 1}) // {gpus}"
+    return f"{text if simple else f'({text})'} // {gpus}"
+
+
+def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpus: int,
+                    scattered: int) -> list[int]:
     """Each rank makes its share of a hand-made batch: ``B`` -> ``B // gpus`` in the
     factories on ``lines``; the lines edited."""
     done = []
@@ -508,16 +525,13 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
         rows = _batch_rows_node(call) if call is not None else None
         if rows is None or isinstance(rows, ast.Starred):
             continue
-        text = src.seg(rows)
-        simple = isinstance(rows, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript,
-                                   ast.Call))
-        edits.node(rows, f"{text if simple else f'({text})'} // {gpus}")
+        edits.node(rows, _share(src, rows, gpus, scattered))
         done.append(line)
     return done
 
 
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
-         batch_lines: tuple[int, ...] = ()) -> Rewrite:
+         batch_lines: tuple[int, ...] = (), scattered: int = 0) -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
@@ -539,7 +553,22 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
     if isinstance(parent, ast.Attribute) and _move(src, src.parents.get(parent, dp)) is dp:
         outer = src.parents[parent]
     edits.node(outer, f"DDP({', '.join(args)})")
-    add_imports(src, edits, ["os", "torch", "dist", "DDP"], src.scope(wrap))
+    share = (f"DDP: each rank loads its share: batch_size // {gpus}, "
+             "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)")
+    loaders = sorted((n for n in ast.walk(src.tree)
+                      if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"),
+                     key=start_of)
+    shared = False
+    for loader in loaders:
+        why = _share_loader(src, edits, loader, gpus, scattered)
+        shared = shared or not why
+        if why:
+            at = src.statement(loader).lineno
+            edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
+            notes.append(f"line {loader.lineno}: give each rank its share of the DataLoader by "
+                         f"hand ({why})")
+    add_imports(src, edits, ["os", "torch", "dist", "DDP",
+                             *(["DistributedSampler"] if shared else [])], src.scope(wrap))
     line, indent = _init_line(src, wrap)
     name = Path(src.path).name
     edits.insert_lines(line, [
@@ -554,17 +583,61 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
                 replaced[0] <= src.span(node)[0] < replaced[1]):
             text = src.seg(node)
             edits.node(node, text.replace("cuda:0", "cuda"))
-    share = (f"DDP: each rank loads its share: batch_size // {gpus}, "
-             "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)")
-    loaders = sorted({src.statement(n).lineno for n in ast.walk(src.tree)
-                      if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"})
-    divided = _divide_batches(src, edits, batch_lines, gpus)
-    for at in loaders or ([] if divided else [wrap.lineno]):
-        edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
+    divided = _divide_batches(src, edits, batch_lines, gpus, scattered)
     if not loaders and not divided:
+        edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share}"])
         notes.append("the script makes its batches without a DataLoader: give each rank its "
                      f"share (1/{gpus} of the batch) by hand")
     return _finish(src, edits, BUCKET_VIEW_TITLE if bucket_view else DDP_TITLE, notes)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_LOADER_ARGS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler")
+
+
+def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
+                  scattered: int) -> str:
+    """Each rank loads its share of ``loader``'s batches, as the DDP alternative divided
+    them: ``batch_size`` // ``gpus`` and a ``DistributedSampler`` of its dataset (shuffling
+    as the loader did, which then no longer shuffles itself). "" where done, else why not."""
+    if any(isinstance(a, ast.Starred) for a in loader.args) or any(
+            kw.arg is None for kw in loader.keywords):
+        return "its arguments are unpacked"
+    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    if len(loader.args) > 2:
+        return "its shuffle or sampler is given by position"
+    given |= {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
+    if "sampler" in given or "batch_sampler" in given:
+        return "it has a sampler of its own"
+    dataset, rows = given.get("dataset"), given.get("batch_size")
+    if dataset is None or rows is None:
+        return "no dataset or no batch_size given"
+    named = src.seg(dataset)
+    if not isinstance(dataset, (ast.Name, ast.Attribute)):
+        # the sampler needs the dataset too: made once, named, before the loader's statement
+        stmt = src.statement(loader)
+        if any(isinstance(a, (ast.Lambda, *_COMPREHENSIONS)) for a in src.ancestors(loader)
+               if start_of(a) >= start_of(stmt) and a is not stmt):
+            return "it is made inside a lambda or comprehension"
+        try:
+            src.whole_lines(stmt)
+        except NoRewrite:
+            return f"line {stmt.lineno} holds more than one statement"
+        named = _free_name(src, "dataset", "train_dataset", "loader_dataset")
+        edits.insert_lines(stmt.lineno, [f"{src.indent(stmt.lineno)}{named} = "
+                                         f"{src.seg(dataset)}"])
+        edits.node(dataset, named)
+    edits.node(rows, _share(src, rows, gpus, scattered))
+    shuffle = next((kw for kw in loader.keywords if kw.arg == "shuffle"), None)
+    order = src.seg(shuffle.value) if shuffle is not None else "False"
+    sampler = f"sampler=DistributedSampler({named}, shuffle={order})"
+    if shuffle is not None:
+        edits.node(shuffle, sampler)
+    else:
+        last = max([*loader.args, *(kw.value for kw in loader.keywords)], key=start_of)
+        end = src.span(last)[1]
+        edits.replace(end, end, f", {sampler}")
+    return ""
 
 
 # ---- mixed precision ---------------------------------------------------------------------
@@ -840,6 +913,170 @@ def _autocast(src: ScriptSource, call_line: int, loss_line: int, dtype: str) -> 
     return _finish(src, edits, AUTOCAST_TITLES[dtype], [])
 
 
+# ---- activation checkpointing -------------------------------------------------------------
+
+_WRAPPERS = ("DataParallel", "DistributedDataParallel", "DDP")
+
+
+def _model_binding(src: ScriptSource, forward: ast.stmt, name: str) -> ast.stmt:
+    """The statement that last binds ``name`` (the model the forward calls) before the loop
+    that holds the forward, in the forward's function or the module."""
+    loops = [a for a in until_scope(src, forward) if isinstance(a, _LOOPS)]
+    before = start_of(loops[-1] if loops else forward)
+    scope = src.scope(forward)
+    while True:
+        binds = [b for b in bindings(src, scope) if b.name == name and b.pos <= before]
+        if binds:
+            break
+        if isinstance(scope, ast.Module):
+            raise NoRewrite(f"`{name}`, the model called on line {forward.lineno}, is not "
+                            "assigned before its loop")
+        scope = src.scope(scope)
+    node = max(binds, key=lambda b: b.pos).node
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(node, ast.stmt):
+        raise NoRewrite(f"`{name}`, the model called on line {forward.lineno}, is not made "
+                        "by an assignment dpprof can follow (an argument, a loop variable)")
+    if any(isinstance(a, _LOOPS) for a in until_scope(src, node)):
+        raise NoRewrite(f"line {node.lineno}: the model is made inside a loop, so its blocks "
+                        "would be checkpointed again on every pass")
+    return node
+
+
+def _model_name(src: ScriptSource, forward_line: int) -> tuple[ast.stmt, str]:
+    """The statement of the model's call on ``forward_line`` and the model's name."""
+    stmt = _statement_on(src, forward_line, "model's call")
+    for call in calls_at(src, forward_line):
+        name = dotted_name(call.func)
+        if name is None or call.lineno != forward_line:
+            continue
+        try:
+            _model_binding(src, stmt, name)
+        except NoRewrite:
+            continue
+        return stmt, name
+    raise NoRewrite(f"line {forward_line}: no call of a model assigned before its loop")
+
+
+def checkpointing(source: str, path: str, forward_line: int, words: dict[str, object]
+                  ) -> Rewrite:
+    """The script with its model's repeated blocks (``words``:
+    :func:`dpprof.measure.ladder.blocks_words`) run under non-reentrant
+    ``torch.utils.checkpoint``, as dpprof's rung ran them: the lines that wrap each block's
+    forward, right after the statement that makes the model called on ``forward_line``
+    (its ``.module``'s blocks where that statement wraps it in DataParallel or DDP)."""
+    try:
+        return _checkpointing(ScriptSource(source, path), forward_line, words)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
+def _checkpointing(src: ScriptSource, forward_line: int, words: dict[str, object]) -> Rewrite:
+    names = words.get("names")
+    if not isinstance(names, list) or not names:
+        raise NoRewrite("the model has no repeated blocks to checkpoint")
+    forward, model = _model_name(src, forward_line)
+    made = _model_binding(src, forward, model)
+    src.whole_lines(made)
+    wrapped = any(isinstance(n, ast.Call) and last_name(n.func) in _WRAPPERS
+                  for n in ast.walk(made))
+    root = f"{model}.module" if wrapped else model
+    helper = _free_name(src, "checkpointed", "checkpoint_block")
+    block = _free_name(src, "block", "repeated_block")
+    indent, unit = src.indent(made.lineno), _indent_unit(src, made)
+    kind, count = words.get("kind", ""), len(names)
+    if words.get("whole"):
+        head = [f"{indent}for {block} in {root}.{words['blocks']}:  # the {count} repeated "
+                f"{kind} blocks"]
+    else:
+        listed = ", ".join(repr(n) for n in names)
+        head = [f"{indent}for {block} in map({root}.get_submodule, ({listed},)):  # the "
+                f"{count} repeated {kind} blocks"]
+    assert made.end_lineno is not None
+    edits = Edits(src)
+    edits.insert_lines(made.end_lineno + 1, [
+        f"{indent}def {helper}(block):  # its activations are recomputed in backward",
+        f"{indent}{unit}forward = block.forward",
+        f"{indent}{unit}block.forward = lambda *a, **k: checkpoint(forward, *a, "
+        "use_reentrant=False, **k)",
+        "", *head, f"{indent}{unit}{helper}({block})"])
+    add_imports(src, edits, ["checkpoint"], src.scope(made))
+    return _finish(src, edits, "activation checkpointing", [])
+
+
+# ---- a rung: its changes made one after the other ------------------------------------------
+
+
+def _line_map(old: str, new: str) -> dict[int, int]:
+    """Where each line of ``old`` that ``new`` keeps as it was is in ``new`` (1-based)."""
+    matcher = difflib.SequenceMatcher(None, old.splitlines(), new.splitlines(),
+                                      autojunk=False)
+    out: dict[int, int] = {}
+    for tag, i1, i2, j1, _ in matcher.get_opcodes():
+        if tag == "equal":
+            out.update({i1 + k + 1: j1 + k + 1 for k in range(i2 - i1)})
+    return out
+
+
+@dataclass(frozen=True)
+class RungSites:
+    """What ``dpprof run`` saw of the script its rung changed: the model's first call and the
+    first ``backward()``; for a DataParallel script whose rung ran on its DDP alternative,
+    the wrap (and the batches it makes by hand)."""
+
+    path: str
+    forward_line: int
+    backward_line: int
+    dp_line: int = 0  # 0: the rung ran on the script as written
+    batch_lines: tuple[int, ...] = ()
+    rows: int = 0  # the batch DataParallel scattered
+
+
+def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
+                 blocks: dict[str, object] | None) -> Rewrite:
+    """A ladder rung as one diff of the user's file: its blocks checkpointed (``blocks``,
+    where it checkpoints), its forward to ``backward()`` under autocast (``dtype``, where it
+    has one), and, where it ran on a DataParallel script's DDP alternative, the DDP change
+    too, so that the script patched with it is the one the rung measured."""
+    try:
+        original = _read(sites.path)
+        text, notes = original, list[str]()
+        lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
+                                *sites.batch_lines) if k}
+
+        def then(change: Rewrite, what: str) -> None:
+            nonlocal text, lines
+            if not change.ok:
+                raise NoRewrite(f"{what}: {change.reason}")
+            moved = _line_map(text, change.new_source)
+            lines = {k: moved[v] for k, v in lines.items() if v in moved}
+            text = change.new_source
+            notes.extend(change.notes)
+
+        def at(line: int) -> int:
+            if line not in lines:
+                raise NoRewrite(f"line {line} was changed by the rung's other edits")
+            return lines[line]
+
+        if blocks:
+            then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
+                 "activation checkpointing")
+        if dtype is not None:
+            then(_autocast_until(ScriptSource(text, sites.path), at(sites.forward_line),
+                                 at(sites.backward_line), dtype), "autocast")
+        if sites.dp_line:
+            then(ddp(text, sites.path, at(sites.dp_line), gpus,
+                     batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
+                     rows=sites.rows),
+                 "DDP")
+        name = Path(sites.path).name
+        diff = difflib.unified_diff(original.splitlines(), text.splitlines(),
+                                    f"{name} (as written)", f"{name} ({title[:1].lower()}"
+                                    f"{title[1:]})", lineterm="")
+        return Rewrite(diff="\n".join(diff), new_source=text, notes=tuple(notes))
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
 # ---- from dpprof run's recorded sites ------------------------------------------------------
 
 
@@ -866,12 +1103,13 @@ def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str, loss_callee
 
 
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
-           batch_sites: tuple[str, ...] = ()) -> Rewrite:
-    """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches)."""
+           batch_sites: tuple[str, ...] = (), rows: int = 0) -> Rewrite:
+    """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches; ``rows``:
+    the batch DataParallel scattered)."""
     try:
         path, line = _site(dp_site)
         batch_lines = tuple(n for p, n in map(_site, batch_sites) if p == path)
-        return ddp(_read(path), path, line, gpus, bucket_view, batch_lines)
+        return ddp(_read(path), path, line, gpus, bucket_view, batch_lines, rows)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -897,7 +1135,13 @@ def autocast_until_at(call_site: str, backward_site: str, dtype: str) -> Rewrite
         if path != p2:
             raise NoRewrite("the model's call and backward() are in different files "
                             f"({Path(path).name}, {Path(p2).name})")
-        src = ScriptSource(_read(path), path)
+        return _autocast_until(ScriptSource(_read(path), path), call_line, back_line, dtype)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
+def _autocast_until(src: ScriptSource, call_line: int, back_line: int, dtype: str) -> Rewrite:
+    try:
         first = _statement_on(src, call_line, "model's call")
         back = _statement_on(src, back_line, "backward")
         block = src.block(first)

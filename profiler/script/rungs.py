@@ -16,7 +16,12 @@ model's repeated blocks; both), applied by :class:`RungHooks` to the running scr
 * **activation checkpointing**: at the model's first call, each of its repeated blocks
   (:func:`dpprof.measure.ladder.repeated_blocks`, the model unwrapped from DataParallel or
   DDP) has its forward wrapped in non-reentrant ``torch.utils.checkpoint``, exactly as the
-  code handed to the user does (:data:`dpprof.measure.ladder.CODE_CHECKPOINT`).
+  lines handed to the user do (:func:`dpprof.script.rewrite.checkpointing`).
+
+A rung's change is one diff of the user's file (:func:`dpprof.script.rewrite.rung_changes`):
+its own edits and, where it ran on a DataParallel script's DDP alternative, the DDP change
+too, so that the script patched with it, run as the diff says (torchrun), is the run the
+rung measured.
 
 Gradient accumulation and FSDP2 change the script's loop and process group, which dpprof
 does not rewrite in a running script: ``dpprof compare`` measures them on a workload.
@@ -106,7 +111,10 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
                      "(no ModuleList of two or more, no module type repeated)")
     on = FLOOR_WORDS.get(floor.scenario.name, "")  # the DDP alternative's is ddp
     for rung in ladder:
-        run = run_script(dataclasses.replace(cfg, variant=variant, rung=rung),
+        # on the DDP alternative each rank makes its share of a hand-made batch, as the
+        # alternative's own run did (the rows DataParallel scattered)
+        run = run_script(dataclasses.replace(cfg, variant=variant, rung=rung,
+                                             scattered_rows=main.batch_rows),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
             notes.append(f"ladder: {rung.title} could not be measured: {run.scenario.message}")
@@ -131,35 +139,48 @@ def rung_fix(rung: Rung, main: ScriptRun, floor: ScriptRun, run: ScriptRun,
         heaviest_saves_bytes=(max(d.peak_allocated_bytes for d in base)
                               - max(d.peak_allocated_bytes for d in used)),
         detail=detail(rung, run.checkpointed_blocks, on),
-        code=rung_code(rung, floor, cfg),
+        code=rung_code(rung, floor, cfg, main),
         need_bytes=need, baseline=main.scenario.name,
         predicted_step_time_s=run.scenario.predicted_step_time_s)
 
 
-def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig) -> str:
-    """The rung's change: autocast around the script's own forward and loss (a diff of the
-    script), the checkpointing of the blocks dpprof checkpointed (lines to add after the
-    model is built)."""
+def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
+              main: ScriptRun | None = None) -> str:
+    """The rung's change as one diff of the script's own lines: its blocks checkpointed, its
+    forward to ``backward()`` under autocast, and where it ran on a DataParallel script's
+    DDP alternative (``main`` the script as written), the DDP change too: the script patched
+    with it is the one the rung measured. Where the lines cannot be changed so, the reason,
+    then the rung's change to the typical loop."""
+    change = _rung_rewrite(rung, floor, cfg, main)
+    if change.ok:
+        return rewrite.rewrite_text(change)
+    why = f"# (no rewrite of the script's lines: {change.reason}; the change by hand:)\n"
     parts = []
     if rung.checkpoint:
         parts.append("# after the model is built (before it is wrapped):\n"
                      + CODE_CHECKPOINT.format(**floor.blocks_words))
     if rung.amp is not None:
-        parts.append(_autocast_code(rung.amp, floor, cfg))
-    return "\n".join(parts)
+        loop = CODE_LOOP_BF16 if rung.amp == "bfloat16" else CODE_LOOP_FP16
+        parts.append(loop.replace("(rank)", "()"))
+    return why + "\n".join(parts)
 
 
-def _autocast_code(dtype: str, floor: ScriptRun, cfg: ScriptConfig) -> str:
-    """The script's forward-to-backward lines under autocast, as a diff of the script where
-    those lines are the script's own; else the typical loop's change."""
+def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
+                  main: ScriptRun | None) -> rewrite.Rewrite:
     script = str(Path(cfg.launch.target).resolve()) if not cfg.launch.is_module else ""
-    sites = (floor.forward_site, floor.backward_site)
-    if script and all(s.rpartition(":")[0] == script for s in sites):
-        change = rewrite.autocast_until_at(*sites, dtype)
-        if change.ok:
-            return rewrite.rewrite_text(change)
-        why = f"# (no rewrite of the script's lines: {change.reason}; the typical loop:)\n"
-    else:
-        why = "# (the model's call and backward() are not in the script; the typical loop:)\n"
-    loop = CODE_LOOP_BF16 if dtype == "bfloat16" else CODE_LOOP_FP16
-    return why + loop.replace("(rank)", "()")
+    on_ddp = main is not None and main.scenario.name == DP_LOSS_PRIMARY
+    sites = [floor.forward_site, floor.backward_site]
+    if on_ddp:
+        assert main is not None
+        if not main.dp_sites:
+            return rewrite.Rewrite(reason="dpprof did not see the DataParallel wrap's line")
+        sites.append(main.dp_sites[0])
+    if not script or not all(s.rpartition(":")[0] == script for s in sites):
+        return rewrite.Rewrite(reason="the model's call and backward() are not in the script")
+    forward, backward, *dp = (int(s.rpartition(":")[2]) for s in sites)
+    batches = tuple(int(n) for p, _, n in (b.rpartition(":") for b in floor.batch_sites)
+                    if p == script and n.isdigit())
+    return rewrite.rung_changes(
+        rewrite.RungSites(script, forward, backward, dp[0] if dp else 0, batches,
+                          main.batch_rows if main is not None else 0),
+        cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None)

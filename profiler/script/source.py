@@ -338,6 +338,11 @@ _NEEDED = {
     "DDP": (("torch.nn.parallel.DistributedDataParallel",
              "torch.nn.parallel.distributed.DistributedDataParallel"),
             "from torch.nn.parallel import DistributedDataParallel as DDP"),
+    "DistributedSampler": (("torch.utils.data.distributed.DistributedSampler",
+                            "torch.utils.data.DistributedSampler"),
+                           "from torch.utils.data.distributed import DistributedSampler"),
+    "checkpoint": (("torch.utils.checkpoint.checkpoint",),
+                   "from torch.utils.checkpoint import checkpoint"),
 }
 
 
