@@ -55,7 +55,8 @@ def dpprof_run(work: Path, options: list[str], command: list[str]) -> tuple[int,
     return r.exit_code, r.stderr, data
 
 
-@pytest.mark.parametrize(("nproc", "options"), [("2", []), ("4", ["--ranks", "all"])])
+@pytest.mark.parametrize(("nproc", "options"), [("2", ["--ranks", "last"]),
+                                               ("4", ["--ranks", "all"])])
 def test_a_rank_that_raises_fails_the_run_with_its_status_and_line(
         work: Path, nproc: str, options: list[str]) -> None:
     status, stderr, data = dpprof_run(
@@ -78,8 +79,8 @@ def test_a_non_zero_rank_that_calls_os_exit_fails_the_run_with_its_status(
         work: Path) -> None:
     """mp.spawn under python: the last rank ends its process with os._exit(3); dpprof goes
     on (its own process is not ended) and exits 3 with the line that called it."""
-    status, stderr, data = dpprof_run(work, [], ["python",
-                                                 str(SCRIPTS / "ddp_spawn_rank_exits.py")])
+    status, stderr, data = dpprof_run(work, ["--ranks", "last"],
+                                      ["python", str(SCRIPTS / "ddp_spawn_rank_exits.py")])
     assert status == 3, stderr
     assert 'ddp_spawn_rank_exits.py", line 24, in train' in stderr
     assert "[rank3]:     os._exit(3)" in stderr
@@ -94,7 +95,8 @@ def test_rank_0_only_work_is_cuda0s_excess(work: Path) -> None:
     GPU: cuda:0 peaks above the others by the EMA's parameters; the others show rank 3's
     own peaks (rank 3 run, ranks 1 and 2 taken as it), and the note names the branch."""
     status, stderr, data = dpprof_run(
-        work, [], ["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_rank0_ema.py")])
+        work, ["--ranks", "last"],
+        ["torchrun", "--nproc-per-node", "4", str(SCRIPTS / "ddp_rank0_ema.py")])
     assert status == 0, stderr
     s = data["scenarios"][0]
     assert s["name"] == "ddp" and s["status"] == "ok"
@@ -119,7 +121,7 @@ def test_every_rank_run_and_rank_0_alone(work: Path) -> None:
     assert every["config"]["ranks"] == {"world": 3, "run": [0, 1, 2]}
     peaks = [d["peak_allocated_bytes"] for d in every["scenarios"][0]["devices"]]
     assert peaks[0] > peaks[1] == peaks[2]
-    status, stderr, alone = dpprof_run(work, ["--ranks", "none"], cmd)
+    status, stderr, alone = dpprof_run(work, [], cmd)  # the default: --ranks none
     assert status == 0, stderr
     assert alone["config"]["ranks"] == {"world": 3, "run": [0], "taken_as": 0}
     assert [d["peak_allocated_bytes"] for d in alone["scenarios"][0]["devices"]] == [peaks[0]] * 3

@@ -100,7 +100,7 @@ def run_cmd(
     ranks: Annotated[
         str, typer.Option("--ranks", help="Under torchrun, accelerate launch or mp.spawn: "
                           + RANKS_HELP, rich_help_panel=PANEL_MEASURE)
-    ] = "last",
+    ] = "none",
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", metavar="FILE",

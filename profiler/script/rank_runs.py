@@ -23,8 +23,9 @@ from dpprof.units import fmt_bytes
 __all__ = ["RANKS_HELP", "check_ranks", "merge_ranks", "rank_branches", "ranks_to_run"]
 
 RANKS_HELP = ("The ranks run besides rank 0 (the script as written), each as its own "
-              "emulated process: 'last' (the world's last rank, the default), 'all', "
-              "'none' (rank 0 stands for every rank), or ranks by number (1,3).")
+              "emulated process: 'none' (rank 0 stands for every rank, the default), "
+              "'last' (the world's last rank), 'all', or ranks by number (1,3). Each rank "
+              "reads the files it wrote, not those rank 0 wrote.")
 
 
 def check_ranks(spec: str) -> str:

@@ -118,7 +118,7 @@ class ScriptConfig:
     # virtual GPU); the script as written is rank 0
     rank: int = 0
     # --ranks: the ranks besides 0 run as written ("last": the world's last; "all")
-    ranks: str = "last"
+    ranks: str = "none"
 
     @property
     def capacity_bytes(self) -> int:
@@ -194,6 +194,7 @@ class ScriptRun:
     ranks: dict[str, object] = field(default_factory=dict)
     # it raised because the emulation found tensors of two GPUs in one op (VirtualDeviceError)
     devices_mixed: bool = False
+    spawned: bool = False  # the script called mp.spawn / start_processes (it gets a rank)
     noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
 
 
@@ -412,6 +413,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.dp_sites = list(log.dp_sites)
     run.call_sites = list(log.call_sites)
     run.loss_sites = list(log.loss_sites)
+    run.spawned = log.spawned > 0
     run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
                          vc.device_count() if cfg.variant == DDP_IN_PLACE
                          else 1)

@@ -150,6 +150,16 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
     into ``main``, rank 0's run (:mod:`dpprof.script.rank_runs`)."""
     world = main.world_size
     ranks, beyond = ranks_to_run(cfg.ranks, world)
+    # a rank is played where dpprof plays the launcher (torchrun's or accelerate's
+    # environment, mp.spawn's argument); a script that starts its own processes
+    # (Lightning's Trainer) would run as rank 0 again
+    playable = "WORLD_SIZE" in cfg.launch.env or main.spawned
+    if ranks and not playable:
+        main.scenario.notes.append(
+            f"--ranks {cfg.ranks}: the script starts its ranks itself, which dpprof does "
+            "not follow (it plays torchrun's, accelerate launch's and mp.spawn's): rank 0 "
+            "stands for every rank")
+        ranks, beyond = [], []
     for rank in ranks:
         main.rank_runs.append(run_script(dataclasses.replace(cfg, rank=rank),
                                          step_cb(f"rank {rank}")))
