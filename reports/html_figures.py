@@ -16,7 +16,13 @@ from typing import Any
 import plotly.graph_objects as go  # type: ignore[import-untyped]
 
 from dpprof.reports.sentences import EXTRA_COLOURS, SCENARIO_COLOURS, capacity_on_scale
-from dpprof.reports.view import AttributionView, ReportView, SeriesView, TimelineView
+from dpprof.reports.view import (
+    AttributionView,
+    BusyView,
+    ReportView,
+    SeriesView,
+    TimelineView,
+)
 from dpprof.units import fmt_bytes
 
 GiB = 2**30
@@ -399,17 +405,47 @@ def hbar_figure(names: list[str], values: list[float], texts: list[str], x_title
 BUSY_COLOURS = {"compute": "#4c78a8", "communication": "#f58518", "waiting": "#d9d9d9"}
 
 
+# a scenario's bars past which its other GPUs are shown by their least, median and most busy
+BUSY_BARS_MAX = 6
+
+
+def _busy_bars(busy: tuple[BusyView, ...]) -> list[tuple[str, BusyView]]:
+    """One bar per group of GPUs whose steps split alike (64 GPUs of DDP are one bar); where
+    the groups are still many, the first GPU's and the others' least, median and most busy."""
+    groups: dict[tuple[float, float, float], list[BusyView]] = {}
+    for b in busy:
+        key = (round(b.compute_s, 9), round(b.communication_s, 9), round(b.waiting_s, 9))
+        groups.setdefault(key, []).append(b)
+    bars = [(_busy_label(g), g[0]) for g in groups.values()]
+    if len(bars) <= BUSY_BARS_MAX:
+        return bars
+    first, rest = bars[0], sorted(bars[1:], key=lambda lb: lb[1].compute_s + lb[1].communication_s)
+    picked = {"least busy": rest[0], "median": rest[len(rest) // 2], "most busy": rest[-1]}
+    return [first, *((f"{label} ({how} of the others)", b)
+                     for how, (label, b) in picked.items())]
+
+
+def _busy_label(group: list[BusyView]) -> str:
+    labels = [b.label for b in group]
+    if len(labels) == 1:
+        return labels[0]
+    if len(labels) <= 3:
+        return ", ".join(labels)
+    return f"{labels[0]} to {labels[-1]} ({len(labels)} GPUs, alike)"
+
+
 def busy_figure(view: ReportView) -> go.Figure | None:
     """One bar per GPU of each scenario, its predicted step split into computing,
     communicating and waiting (stacked, in ms): where DataParallel's cuda:0 works while the
     others wait."""
-    rows = [(t.scenario, b) for t in view.timings if t.predicted_step_s for b in t.busy]
+    rows = [(t.scenario, label, b) for t in view.timings if t.predicted_step_s
+            for label, b in _busy_bars(t.busy)]
     if not rows:
         return None
-    names = [f"{scenario} · {b.label}" for scenario, b in rows]
+    names = [f"{scenario} · {label}" for scenario, label, _ in rows]
     bars = []
     for part, colour in BUSY_COLOURS.items():
-        values = [getattr(b, f"{part}_s") * 1e3 for _, b in rows]
+        values = [getattr(b, f"{part}_s") * 1e3 for _, _, b in rows]
         bars.append(go.Bar(
             orientation="h", y=[_wrap(n) for n in names], x=values, name=part,
             marker={"color": colour},

@@ -32,9 +32,10 @@ def test_the_default_comparison_reads_top_to_bottom() -> None:
     run = saved("emulated-lm")
     page = html.render(run)
     heads = _headings(page)
-    # emulated: no step time, no largest batch -> those sections are absent, not empty
+    # emulated: the step time predicted, no largest batch (absent, not empty)
     assert heads == ["Peak memory per GPU", "Why cuda:0 is heavier", "Memory over the step",
-                     "What to change", "How these numbers were obtained"]
+                     "Step time, predicted", "What to change",
+                     "How these numbers were obtained"]
     figs = _figures(page)
     peaks = figs["peaks"]
     # one legend entry per scenario (the hatched parts above the bars share theirs), then

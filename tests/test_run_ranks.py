@@ -1,4 +1,4 @@
-"""``dpprof run`` under a launcher runs the other ranks' code too (dpprof.script.ranks): a
+"""``dpprof run`` under a launcher runs the other ranks' code too (dpprof.script.rank_runs): a
 rank other than 0 that raises or calls ``os._exit`` fails the run with its own status and
 line; rank-0-only work (an EMA of the model) shows as cuda:0's excess over the other
 GPUs, which show their own ranks' peaks; every report says which ranks were run; the

@@ -41,7 +41,7 @@ from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import STATUS_ERROR, RunResult
 from dpprof.script import namespace
-from dpprof.script.ranks import RANKS_HELP, check_ranks
+from dpprof.script.rank_runs import RANKS_HELP, check_ranks
 from dpprof.script.session import (
     ScriptConfig,
     interrupted_while_writing,

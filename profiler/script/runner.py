@@ -192,7 +192,7 @@ class ScriptRun:
     rung: str | None = None  # the name of the ladder's rung it ran, if any
     rank: int = 0  # the run's ScriptConfig.rank
     local_rank: int = 0  # its GPU on the node (LOCAL_RANK; mp.spawn's rank)
-    # the script as written: the runs of the other ranks (dpprof.script.ranks), and what the
+    # the script as written: the runs of the other ranks (dpprof.script.rank_runs), and what the
     # result records of the ranks
     rank_runs: list[ScriptRun] = field(default_factory=list)
     ranks: dict[str, object] = field(default_factory=dict)

@@ -49,7 +49,7 @@ from dpprof.script.notes import (
     seal_notes,
     write_notes,
 )
-from dpprof.script.ranks import merge_ranks, ranks_to_run
+from dpprof.script.rank_runs import merge_ranks, ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.sealed_run import prepare_process, take_census
@@ -156,7 +156,7 @@ def run_words(cfg: ScriptConfig) -> str:
 def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
                step_cb: Callable[[str], StepCallback]) -> None:
     """Run the ranks other than 0 that ``cfg.ranks`` names, each as written, and fold them
-    into ``main``, rank 0's run (:mod:`dpprof.script.ranks`)."""
+    into ``main``, rank 0's run (:mod:`dpprof.script.rank_runs`)."""
     world = main.world_size
     ranks, beyond = ranks_to_run(cfg.ranks, world)
     for rank in ranks:  # each shown rank 0's files (cfg.shared_files), not another rank's
@@ -194,7 +194,7 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
             "exit_status": main.exit_status,
             # the run the ladder's rungs changed, in words (absent: no ladder)
             **({"ladder_on": ladder_on} if ladder_on else {}),
-            # the ranks run (dpprof.script.ranks; absent: one process)
+            # the ranks run (dpprof.script.rank_runs; absent: one process)
             **({"ranks": main.ranks} if main.ranks else {}),
         },
         assumptions=script_assumptions(cfg),

@@ -382,7 +382,9 @@ class Watcher:
             if rc is not None:
                 return rc
             info = signal.sigtimedwait(WATCHED_SIGNALS, 0.05)
-            if info is not None:
+            # a signal number outside the mask is no signal of ours (sigtimedwait has
+            # returned garbage, 67,765,952, on a loaded CI machine): nothing to pass on
+            if info is not None and info.si_signo in WATCHED_SIGNALS:
                 self._on_signal(info.si_signo, info.si_code == SI_KERNEL)
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 action = self._escalate()
