@@ -1,5 +1,5 @@
 """The filesystem the ranks share: rank 0's run is sealed into an overlay of its own, so a
-later rank's run (:mod:`dpprof.script.ranks`) would not see what rank 0 wrote, as every
+later rank's run (:mod:`dpprof.script.rank_runs`) would not see what rank 0 wrote, as every
 rank does on a machine whose ranks share a filesystem (the checkpoint rank 0 saves, waits
 at a barrier for, and every rank loads).
 
