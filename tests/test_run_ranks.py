@@ -152,3 +152,69 @@ def test_fsdp2_recipe_runs_on_every_rank(work: Path) -> None:
     assert "not measured" not in " ".join(s["notes"])
     peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
     assert peaks[0] == peaks[1] == peaks[2] == peaks[3] > 0
+
+
+SAVE_BARRIER_LOAD = """\
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = DDP(nn.Linear(10, 5).cuda())
+os.makedirs("shared", exist_ok=True)
+path = os.path.join("shared", "model.checkpoint")
+if rank == 0:  # the DDP tutorial's demo_checkpoint, with a vocabulary file beside it
+    torch.save({"step": 7, "model": model.state_dict()}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # an atomic save
+    with open("shared/vocab.txt", "w") as f:
+        f.write("a b c\\n")
+dist.barrier()
+state = torch.load(path, map_location={"cuda:0": f"cuda:{rank}"})
+with open("shared/vocab.txt") as f:
+    vocab = f.read().split()
+if state["step"] != 7 or vocab != ["a", "b", "c"]:
+    raise SystemExit(f"rank {rank} read {state['step']} {vocab}")
+model.load_state_dict(state["model"])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(20, 10, device="cuda")).sum().backward()
+    opt.step()
+with open(f"rank{rank}.log", "w") as f:
+    f.write("done\\n")
+dist.barrier()
+if rank == 0 and sys.argv[1:] != ["keep"]:
+    os.remove(path)
+    os.remove("shared/vocab.txt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_later_rank_reads_the_files_rank_0_saved_before_a_barrier(
+        work: Path, tmp_path: Path, keep: bool) -> None:
+    # the ranks share a filesystem: rank 3's run reads the checkpoint rank 0's run saved
+    # (removed at its end, or kept), and lists only its own writes; the user's folder is as
+    # it was
+    script = tmp_path / "save_barrier_load.py"
+    script.write_text(SAVE_BARRIER_LOAD)
+    code, err, data = dpprof_run(work, ["--steps", "10", "--ranks", "last"], [
+        "torchrun", "--nproc-per-node", "4", str(script), *(["keep"] if keep else [])])
+    assert code == 0, err
+    assert data["config"]["ranks"]["run"] == [0, 3]
+    assert "failed" not in data["config"]["ranks"]
+    assert data["config"]["steps_done"] == {"as-written": 3, "as-written rank 3": 3}
+    by_run: dict[str, set[tuple[str, str]]] = {}
+    for w in data["writes"]:
+        by_run.setdefault(w["run"], set()).add((w["path"], w["kind"]))
+    kept = {("shared/model.checkpoint", "file"), ("shared/vocab.txt", "file")} if keep else set()
+    assert by_run["as-written"] == {("shared", "folder"), ("rank0.log", "file"), *kept}
+    # the folder and files rank 0 made are there for rank 3 already: not its writes
+    assert by_run["as-written rank 3"] == {("rank3.log", "file")}
+    assert not (work / "shared").exists()

@@ -396,11 +396,13 @@ def test_an_fsdp2_checkpoint_leaves_the_users_folder_as_it_was(
     monkeypatch.chdir(tmp_path)
     script = Path(__file__).parent / "scripts" / "fsdp2_meta_init.py"
     res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "-q",
+                              "--ranks", "last",
                               "--", "torchrun", "--nproc-per-node", "4", str(script)])
     assert res.exit_code == 0, res.output
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["config"]["steps_done"] == {"as-written": 4}  # the script ran to its end
+    # the script ran to its end, as rank 0 and as the last rank (each run its own key)
+    assert result["config"]["steps_done"] == {"as-written": 4, "as-written rank 3": 4}
 
 
 DDP_TUTORIAL_CHECKPOINT = """

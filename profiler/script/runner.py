@@ -79,6 +79,7 @@ from dpprof.script.launch import (
 )
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
+from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.wrappers import DDP_IN_PLACE
 from dpprof.units import fmt_bytes
@@ -119,6 +120,9 @@ class ScriptConfig:
     rank: int = 0
     # --ranks: the ranks besides 0 run as written ("last": the world's last; "all")
     ranks: str = "none"
+    # the filesystem the ranks share (dpprof.script.shared_files): rank 0's run keeps its
+    # files there, a later rank's run is shown them; None: no other rank runs
+    shared_files: SharedFiles | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -253,7 +257,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     if cfg.rank:
         name += f" rank {cfg.rank}"
     sealed = (SealedRun(name, None if launch.is_module else launch.target, cfg.keep_writes,
-                        cfg.files_before)
+                        cfg.files_before,
+                        publish_to=cfg.shared_files if cfg.rank == 0 else None,
+                        seed_from=cfg.shared_files if cfg.rank != 0 else None)
               if cfg.seal else contextlib.nullcontext())
     # an alternative's run prints nothing (dpprof.script.effects), nor does a rank's other
     # than 0 (the terminal shows one rank's output)

@@ -49,6 +49,7 @@ from typing import Any
 from dpprof.emulator.patcher import Patcher
 from dpprof.script import overlay as ov
 from dpprof.script.overlay import Overlay
+from dpprof.script.shared_files import Seeded
 
 __all__ = ["LOGGING_SERVICES", "OUTSIDE_PYTHON", "STAND_IN_MAGIC", "Seal", "SealBreach",
            "SealedWrite", "active", "patch_bound_names"]
@@ -173,6 +174,11 @@ class Seal:
         self._saved_env: dict[str, str | None] = {}
         self._held_openers: list[tuple[dict[Any, Any], Any, Any]] = []
         self._bytecode = sys.dont_write_bytecode
+        # rank 0's run, where later ranks run (dpprof.script.shared_files): a private folder
+        # that keeps, by canonical path, each file the run removes or renames away
+        self.removed_copies = ""
+        # a later rank's run: rank 0's files laid into its overlays (not its writes)
+        self.seeded = Seeded()
 
     # ---- activation ------------------------------------------------------------------
 
@@ -247,11 +253,35 @@ class Seal:
                 and not a.startswith(_SEALED_DEV):
             return None
         c = self.overlay.canonical(a)
-        if self._in_kernel_tree(c):
+        if self.in_kernel_tree(c):
             return None
         return c
 
-    def _in_kernel_tree(self, c: str) -> bool:
+    def keep_before_removal(self, p: Any, dir_fd: int | None) -> None:
+        """Where :attr:`removed_copies` is set: a copy of the file ``p`` names (as the view
+        has it) kept there before the run removes it or renames it away."""
+        if not self.removed_copies or isinstance(p, int):
+            return
+        try:
+            s = os.fsdecode(os.fspath(p))
+            if dir_fd is not None and not s.startswith("/"):
+                s = os.path.join(_fd_path(dir_fd), s)
+            c = self.overlay.canonical(self.overlay.absolute(s))
+            at = self.canon(c, write=False)
+            concrete = c if at is None else self.overlay.for_read(at, p, follow_symlinks=False)
+            st = ov.lstat_or_none(concrete)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                return
+            dst = self.removed_copies + c
+            _real_makedirs(os.path.dirname(dst))
+            with _ORIG_OPEN(concrete, "rb") as a, _ORIG_OPEN(dst, "wb") as b:
+                shutil.copyfileobj(a, b)
+            _ORIG["utime"](dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        except (OSError, ValueError, TypeError):  # the removal itself says what is wrong
+            return
+
+    def in_kernel_tree(self, c: str) -> bool:
+        """Whether the kernel line seals the canonical path ``c`` (it passes through here)."""
         if not self.kernel_trees:
             return False
         return c in self.kernel_trees or c.startswith(self._kernel_prefixes) \
@@ -340,10 +370,12 @@ class Seal:
         except TypeError:
             return
         a = os.path.normpath(s if s.startswith("/") else os.path.join(_ORIG["getcwd"](), s))
+        if self.removed_copies and (a + "/").startswith(self.removed_copies + "/"):
+            return
         if self.overlay.in_root(a) or a == self.clock or (
                 a.startswith(_PASS_PREFIXES) and not a.startswith(_SEALED_DEV)):
             return
-        if self._in_kernel_tree(a):
+        if self.in_kernel_tree(a):
             return
         st = ov.lstat_or_none(a)  # a FIFO, a socket, a device: not a file of the user's
         if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)
@@ -375,6 +407,8 @@ class Seal:
         since = self.stand_ins_since_ns
         out = []
         for ch in [*self.overlay.changes(), *kernel]:
+            if self.seeded.holds(ch):
+                continue
             emulated = False
             if ch.kind == "file":
                 emulated = (since is not None and ch.mtime_ns >= since) or \
@@ -402,6 +436,14 @@ class Seal:
 # ---- the patched functions ----------------------------------------------------------
 # Each consults the seal active when it is called (a name bound during one run and called
 # after it calls the original).
+
+
+def _real_makedirs(d: str) -> None:
+    """``d`` and the folders above it made, through the real functions."""
+    if ov.lstat_or_none(d) is not None:
+        return
+    _real_makedirs(os.path.dirname(d))
+    _ORIG["mkdir"](d, 0o700)
 
 
 def _open(file: Any, *args: Any, **kwargs: Any) -> Any:
@@ -481,6 +523,8 @@ def _scandir(path: Any = None) -> Any:
 
 def _remover(name: str) -> Callable[..., None]:
     def remove(path: Any, *, dir_fd: int | None = None) -> None:
+        if _ACTIVE is not None:
+            _ACTIVE.keep_before_removal(path, dir_fd)
         at = _sealed(path, dir_fd, write=True)
         if at is None:
             _ORIG[name](path, dir_fd=dir_fd)
@@ -494,6 +538,8 @@ def _remover(name: str) -> Callable[..., None]:
 def _renamer(name: str) -> Callable[..., None]:
     def rename(src: Any, dst: Any, *, src_dir_fd: int | None = None,
                dst_dir_fd: int | None = None) -> None:
+        if _ACTIVE is not None:
+            _ACTIVE.keep_before_removal(src, src_dir_fd)
         s = _sealed(src, src_dir_fd, write=True)
         d = _sealed(dst, dst_dir_fd, write=True)
         if s is None and d is None:

@@ -17,6 +17,7 @@ from dpprof.script import census, namespace
 from dpprof.script.census import Difference, Snapshot
 from dpprof.script.overlay import Change
 from dpprof.script.seal import Seal, SealedWrite
+from dpprof.script.shared_files import SharedFiles
 
 __all__ = ["SealOutcome", "SealedRun", "folders_of", "prepare_process", "take_census"]
 
@@ -70,11 +71,16 @@ class SealedRun:
     then :attr:`outcome`.
 
     ``name``: the run's (its folder under ``keep_dir``); ``script``: its file (None for
-    ``python -m``); ``before``: the census taken before the runs (None: taken here)."""
+    ``python -m``); ``before``: the census taken before the runs (None: taken here);
+    ``publish_to``: rank 0's run, whose files later ranks see there; ``seed_from``: a later
+    rank's run, shown rank 0's files (:mod:`dpprof.script.shared_files`)."""
 
     def __init__(self, name: str, script: str | None, keep_dir: str | None = None,
-                 before: Snapshot | None = None) -> None:
+                 before: Snapshot | None = None, publish_to: SharedFiles | None = None,
+                 seed_from: SharedFiles | None = None) -> None:
         self.name = name
+        self.publish_to = publish_to
+        self.seed_from = seed_from
         self.script = script
         self.keep_dir = os.path.abspath(keep_dir) if keep_dir else None
         self.before = before
@@ -106,12 +112,23 @@ class SealedRun:
         self._root = os.path.join(self._base, "py")
         if not os.path.isdir(self._root):
             os.mkdir(self._root, 0o700)
-        self._seal = Seal(self._root, trees, clock=os.path.join(self._base, "clock"))
+        seal = self._seal = Seal(self._root, trees, clock=os.path.join(self._base, "clock"))
         self.outcome.kernel = bool(trees)
-        return self._seal.__enter__()
+        if self.publish_to is not None:
+            seal.removed_copies = os.path.join(self._base, "removed")
+        if self.seed_from is not None:
+            def upper_of(c: str) -> str:
+                # a tree the kernel overlays: written through its overlay (its upper layer)
+                return c if seal.in_kernel_tree(c) else seal.overlay.upper(c)
+
+            self.seed_from.seed_into(upper_of, seal.seeded)
+            if seal.seeded.files:
+                seal.overlay.dirty = True
+        return seal.__enter__()
 
     def _excluded(self) -> list[str]:
-        return [p for p in (self.keep_dir, self._base) if p]
+        shared = [s.folder for s in (self.publish_to, self.seed_from) if s is not None]
+        return [p for p in (self.keep_dir, self._base, *shared) if p]
 
     def __exit__(self, *exc: object) -> None:
         assert self._seal is not None
@@ -124,6 +141,9 @@ class SealedRun:
             out.breach = seal.breach.line() if seal.breach is not None else None
             if self._kernel is not None:
                 self._kernel.unmount_trees()
+            if self.publish_to is not None:  # the real folders show again: kept outside
+                self.publish_to.publish(seal.removed_copies,
+                                        [*seal.overlay.changes(), *kernel_changes])
             with contextlib.suppress(OSError):
                 os.chdir(self._cwd)  # the next run starts where this one did
             if self.keep_dir:

@@ -53,6 +53,7 @@ from dpprof.script.rank_runs import merge_ranks, ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.sealed_run import prepare_process, take_census
+from dpprof.script.shared_files import SharedFiles
 from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
 from dpprof.units import fmt_bytes
 
@@ -104,13 +105,18 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     notes: list[str] = []
     fixes: list[Fix] = []
     doing = ["the script as written"]  # what runs now, in words (the last is)
+    # the filesystem the ranks share: what rank 0's run wrote, shown to the later ranks'
+    shared = SharedFiles() if cfg.seal and cfg.ranks != "none" else None
     try:
-        main = run_script(cfg, step_cb("as written"))
+        main = run_script(dataclasses.replace(cfg, shared_files=shared), step_cb("as written"))
         runs.append((AS_WRITTEN, main))
         n = _gpus_of(main)
         if main.ended != "script raised":
             doing.append("the other ranks")
-            _run_ranks(cfg, main, step_cb)
+            _run_ranks(dataclasses.replace(cfg, shared_files=shared), main, step_cb)
+        if shared is not None:
+            shared.close()
+            shared = None
         if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
                 and main.ended != "script raised"):
             doing.append("the alternatives")
@@ -131,6 +137,9 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             cut = None
         partial = _partial(cfg, runs, rungs, notes, fixes, cut, signum, during)
         raise Interrupted(signum, partial=partial, during=during) from None
+    finally:
+        if shared is not None:
+            shared.close()
 
 
 def run_words(cfg: ScriptConfig) -> str:
@@ -160,7 +169,7 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
             "not follow (it plays torchrun's, accelerate launch's and mp.spawn's): rank 0 "
             "stands for every rank")
         ranks, beyond = [], []
-    for rank in ranks:
+    for rank in ranks:  # each shown rank 0's files (cfg.shared_files), not another rank's
         main.rank_runs.append(run_script(dataclasses.replace(cfg, rank=rank),
                                          step_cb(f"rank {rank}")))
     if world > 1:
