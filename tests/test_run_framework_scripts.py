@@ -1,0 +1,184 @@
+"""``dpprof run --gpus 4`` on training scripts written in the style of the frameworks'
+own examples (tests/scripts/): timm's ``train.py`` (timm's registry, dataset, loader,
+optimizer factory and ``CheckpointSaver``; DataParallel) and torchvision's classification
+reference (``ImageFolder``, ``torchvision.models``, ``save_on_master``; DDP under
+torchrun, DataParallel otherwise), each over an image folder of PNGs the test draws.
+
+Each run goes through the command line from a working folder outside the repository, with
+a checkpoint of the user's already in the output folder: it exits 0, the script's own
+output is shown once, the working folder (images and checkpoint) and the scripts' folder
+are byte-identical after, and the parameters', gradients' and optimizer state's bytes are
+counted by hand from the model's parameter shapes: float32, each storage rounded up to
+512 B as the CUDA caching allocator rounds it; DataParallel's copies between GPUs are
+flat buffers of at most 10 MiB (``comm.broadcast_coalesced`` / ``reduce_add_coalesced``
+with ``DataParallel``'s ``buffer_size``), each rounded so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_seal_run import digest_tree
+from typer.testing import CliRunner
+
+from dpprof.cli.app import app
+
+SCRIPTS = Path(__file__).parent / "scripts"
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+DATA_PARALLEL_BUFFER_BYTES = 10 * 1024 * 1024  # nn.DataParallel's comm buffer_size
+
+
+def r512(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def per_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Each tensor in its own block, as ``.to("cuda")`` and ``zeros_like`` allocate them."""
+    return sum(r512(t.numel() * t.element_size()) for t in tensors)
+
+
+def flat_chunks_bytes(tensors: list[torch.Tensor]) -> int:
+    """The flat buffers ``torch._utils._take_tensors`` packs the tensors into, in order, a
+    new one started when the next tensor would take it past DataParallel's buffer size."""
+    chunks, current = [], 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if current and current + size > DATA_PARALLEL_BUFFER_BYTES:
+            chunks.append(current)
+            current = 0
+        current += size
+    return sum(r512(c) for c in [*chunks, current] if c)
+
+
+def image_folder(root: Path, splits: dict[str, int]) -> None:
+    """Three classes of solid-colour 40x40 PNGs, ``splits[name]`` per class."""
+    from PIL import Image
+
+    for split, per_class in splits.items():
+        for c, colour in enumerate(COLOURS):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                shade = tuple(x + 10 * i for x in colour)
+                Image.new("RGB", (40, 40), shade).save(folder / f"{i}.png")
+
+
+@pytest.fixture
+def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working folder outside the repository, torchvision importable in this process
+    (its C ops do not load over a CPU torch; the scripts import it, or timm does)."""
+    from torchvision_shim import import_torchvision
+
+    try:
+        import_torchvision()
+    except Exception as e:  # pragma: no cover - no torchvision installed
+        pytest.skip(f"torchvision unavailable: {e}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def run_cli(work: Path, command: list[str]) -> tuple[dict, str]:  # type: ignore[type-arg]
+    """``dpprof run --gpus 4 --steps 3 -o r.json -- command``: the result and the output."""
+    out = work.parent / "r.json"
+    before = digest_tree(work), digest_tree(SCRIPTS)
+    r = CliRunner().invoke(app, ["run", "--gpus", "4", "--steps", "3", "-o", str(out), "--",
+                                 *command])
+    assert r.exit_code == 0, r.output
+    assert (digest_tree(work), digest_tree(SCRIPTS)) == before
+    return json.loads(out.read_text()), r.output
+
+
+def scenario(result: dict, name: str) -> dict:  # type: ignore[type-arg]
+    (s,) = [s for s in result["scenarios"] if s["name"] == name]
+    assert s["status"] == "ok", s
+    return s  # type: ignore[no-any-return]
+
+
+def breakdowns(s: dict) -> list[dict[str, int]]:  # type: ignore[type-arg]
+    return [d["breakdown_bytes"] for d in s["devices"]]
+
+
+def test_a_timm_style_train_py_under_data_parallel(work: Path) -> None:
+    import timm
+
+    pytest.importorskip("PIL")
+    image_folder(work / "data", {"train": 6, "validation": 2})
+    (work / "output").mkdir()
+    (work / "output" / "last.pth.tar").write_bytes(b"the user's checkpoint of yesterday")
+    result, output = run_cli(work, ["python", str(SCRIPTS / "timm_style_train.py"),
+                                    "--data-dir", "data", "-b", "8", "--img-size", "64",
+                                    "-j", "0"])
+    # the script's own lines, once (not once per alternative run)
+    assert output.count("Model test_resnet created, param count: 372979") == 1, output
+    assert output.count("Train: 0 [   0/2]") == 1 and output.count("epoch 0: train loss") == 1
+    assert [s["name"] for s in result["scenarios"]] == ["dp-loss-primary", "dp-loss-forward",
+                                                       "ddp"]
+    assert result["batch"] == 8
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=3)
+    params = list(model.parameters())
+    params_bytes = per_storage_bytes(params)
+    model_bytes = params_bytes + per_storage_bytes(list(model.buffers()))
+    for name in ("dp-loss-primary", "dp-loss-forward"):
+        cuda0, *replicas = breakdowns(scenario(result, name))
+        # cuda:0 holds the model (BatchNorm's running statistics with it), SGD's momentum,
+        # the parameters' .grad and the flat buffer the replicas' gradients are summed into
+        assert cuda0["parameters"] == model_bytes
+        assert cuda0["optimizer_state"] == params_bytes
+        assert cuda0["gradients"] == params_bytes + flat_chunks_bytes(params)
+        for replica in replicas:
+            # the parameters broadcast as one flat buffer (plus the running statistics);
+            # no optimizer state
+            assert (flat_chunks_bytes(params) <= replica["parameters"]
+                    <= flat_chunks_bytes(params) + model_bytes - params_bytes)
+            assert "optimizer_state" not in replica
+    ddp = scenario(result, "ddp")
+    assert ddp["batch"] == 8 and [d["batch_rows"] for d in ddp["devices"]] == [2] * 4
+    for rank in breakdowns(ddp):
+        assert rank["parameters"] == model_bytes
+        assert rank["gradients"] == params_bytes and rank["optimizer_state"] == params_bytes
+
+
+@pytest.mark.parametrize("launcher", [["torchrun", "--nproc-per-node", "4"], ["python"]])
+def test_a_torchvision_reference_style_train_py(work: Path, launcher: list[str]) -> None:
+    import torchvision
+
+    pytest.importorskip("PIL")
+    image_folder(work / "data", {"train": 6, "val": 2})
+    (work / "out").mkdir()
+    (work / "out" / "checkpoint.pth").write_bytes(b"the user's checkpoint of yesterday")
+    per_gpu = 2 if launcher[0] == "torchrun" else 8
+    result, output = run_cli(work, [*launcher, str(SCRIPTS / "tv_reference_train.py"),
+                                    "--data-path", "data", "-b", str(per_gpu), "-j", "0",
+                                    "--train-crop-size", "64", "--val-resize-size", "72",
+                                    "--val-crop-size", "64", "--epochs", "2",
+                                    "--print-freq", "1", "--output-dir", "out"])
+    assert output.count("Start training") == 1, output
+    assert output.count("Epoch: [0] [0/") == 1, output
+    model = torchvision.models.resnet18(num_classes=3)
+    params = list(model.parameters())
+    params_bytes = per_storage_bytes(params)
+    model_bytes = params_bytes + per_storage_bytes(list(model.buffers()))
+    if launcher[0] == "torchrun":
+        assert [s["name"] for s in result["scenarios"]] == ["ddp"]
+    else:
+        assert [s["name"] for s in result["scenarios"]] == ["dp-loss-primary",
+                                                           "dp-loss-forward", "ddp"]
+        for name in ("dp-loss-primary", "dp-loss-forward"):
+            cuda0, *replicas = breakdowns(scenario(result, name))
+            assert cuda0["parameters"] == model_bytes
+            assert cuda0["optimizer_state"] == params_bytes
+            # resnet18's 44.7 MB of gradients are summed in 10 MiB flat buffers
+            assert cuda0["gradients"] == params_bytes + flat_chunks_bytes(params)
+            assert all("optimizer_state" not in replica for replica in replicas)
+    ddp = scenario(result, "ddp")
+    assert ddp["batch"] == 8 and [d["batch_rows"] for d in ddp["devices"]] == [2] * 4
+    for rank in breakdowns(ddp):
+        assert rank["parameters"] == model_bytes
+        assert rank["gradients"] == params_bytes and rank["optimizer_state"] == params_bytes
+
