@@ -60,6 +60,29 @@ MATMUL_SHAPES = ((1024, 1024, 1024),
                  *((32, a, b) for a, b in ((2048, 2048), (8192, 2048), (2048, 8192))),
                  *((a, 32, b) for a, b in ((2048, 2048), (8192, 2048), (2048, 8192))),
                  *((a, b, 32) for a, b in ((2048, 2048), (8192, 2048), (2048, 8192))))
+# The elementwise kernels a step runs besides its matmuls (activations, residual adds, a
+# softmax's exp, reductions, the optimizer's in-place updates), each with the bytes it reads
+# and writes in tensors of its size, measured at sizes spanning the workloads' tensors: their
+# rate, over the copy's, is the model's memory efficiency (TimeConstants.memory_efficiency);
+# a copy is the fastest of them, and out-of-place ones at 64 MiB pay the fresh pages of their
+# output.
+ELEMENTWISE_MIB = (1, 4, 16, 64)
+
+
+def _elementwise_s(numel: int) -> list[tuple[float, float]]:
+    """(bytes read and written, seconds) of each of the step-like elementwise kernels on
+    tensors of ``numel`` floats."""
+    a, b = torch.randn(numel), torch.randn(numel)
+    positive, dst = torch.rand(numel) + 0.5, torch.randn(numel)
+    size = 4 * numel
+    kernels = ((lambda: torch.add(a, b), 3), (lambda: torch.relu(a), 2),
+               (lambda: torch.nn.functional.gelu(a), 2), (lambda: torch.exp(a), 2),
+               (lambda: a.sum(), 1), (lambda: dst.add_(a), 3), (lambda: dst.mul_(0.999), 2),
+               (lambda: dst.addcdiv_(a, positive, value=1e-3), 4),
+               (lambda: torch.sqrt(positive), 2))
+    return [(tensors * size, _best_s(fn, 10)) for fn, tensors in kernels]
+
+
 # the convolution measured: (batch, in channels, side) -> out channels, 3 x 3, no padding
 CONV_SHAPE = (8, 32, 28, 64)
 
@@ -91,6 +114,10 @@ def cpu_peaks() -> dict[str, Any]:
     bn_bytes = 2 * y.numel() * 4
     bn = bn_bytes / _best_s(lambda: torch.nn.functional.batch_norm(
         y, None, None, training=True), 10)
+    elementwise = [pair for mib in ELEMENTWISE_MIB for pair in _elementwise_s(mib * 2**18)]
+    # their rates' harmonic mean: each kernel counted by the time a byte of it takes
+    elementwise_rate = len(elementwise) / sum(seconds / nbytes
+                                              for nbytes, seconds in elementwise)
     p = torch.ones(1, requires_grad=True)
     q = torch.ones(1, requires_grad=True)
     tiny_op = _best_s(lambda: torch.add(p, q), 2000)
@@ -98,7 +125,8 @@ def cpu_peaks() -> dict[str, Any]:
     square = shapes[0]
     return {"matmul_flops_per_s": 2 * square[0] * square[1] * square[2] / square[3],
             "matmul_shapes_mnk_s": shapes, "small_matmul_s": small_mm_s,
-            "memory_bytes_per_s": copy, "conv_flops_per_s": conv,
+            "memory_bytes_per_s": copy, "elementwise_bytes_per_s": elementwise_rate,
+            "conv_flops_per_s": conv,
             "batch_norm_bytes_per_s": bn, "tiny_op_s": tiny_op, "view_s": view,
             "threads": float(torch.get_num_threads())}
 
@@ -187,9 +215,14 @@ def cpu_model(peaks: dict[str, Any], link_bytes_per_s: float) -> tuple[Any, Any]
     # the convolution's rate over what a matmul of its GEMM's shape would reach
     conv_vs_matmul = (peaks["conv_flops_per_s"] / mm * (conv_flops + half) / conv_flops
                       / matmul_shape_efficiency((m, n, k_dim), shaped))
+    # a kernel that is not a matmul moves its bytes at the step-like elementwise kernels'
+    # rate; a batch norm's passes over its tensors at that rate give its measured rate
+    memory = min(peaks["elementwise_bytes_per_s"] / peaks["memory_bytes_per_s"], 1.0)
     k = dataclasses.replace(
         shaped, matmul_half_flops=half, conv_efficiency=conv_vs_matmul,
-        norm_passes=max(peaks["memory_bytes_per_s"] / peaks["batch_norm_bytes_per_s"], 1.0),
+        memory_efficiency=memory,
+        norm_passes=max(peaks["memory_bytes_per_s"] * memory
+                        / peaks["batch_norm_bytes_per_s"], 1.0),
         host_op_s=peaks["tiny_op_s"], host_view_s=peaks["view_s"], link_efficiency=1.0,
         collective_latency_s=0.0)
     return rates, k
