@@ -153,13 +153,13 @@ def test_the_cpu_checks_matmul_shapes_are_solved_from_its_micro_benchmarks() -> 
     peak = rates.matmul_peak("float32")
     flat = dataclasses.replace(k, matmul_outer_dim_rows=0.0, matmul_inner_dim_rows=0.0)
 
-    def error(constants: Any) -> float:
-        return max(abs(2 * m * n * kk / (peak * matmul_shape_efficiency((m, n, kk), constants))
-                       / seconds - 1) for m, n, kk, seconds in shapes)
+    def error(constants: Any) -> float:  # mean |error| over the measured shapes
+        return sum(abs(2 * m * n * kk / (peak * matmul_shape_efficiency((m, n, kk), constants))
+                       / seconds - 1) for m, n, kk, seconds in shapes) / len(shapes)
 
+    assert len(shapes) >= 4
     assert k.matmul_outer_dim_rows > 0 and k.matmul_inner_dim_rows > 0
-    assert error(k) < error(flat)
-    assert error(k) < 0.35
+    assert error(k) < error(flat) / 2, (error(k), error(flat))
     assert matmul_shape_efficiency((32, 8192, 2048), k) < matmul_shape_efficiency(
         (1024, 1024, 1024), k)
 
