@@ -1,8 +1,10 @@
 """Check 1 of the step-time model: the method applied to this machine's CPU as the device.
 
-The CPU's peaks are measured by micro-benchmarks (matmuls of a few shapes, square and with a
-short side of 32 or 64 rows as the workloads' batches give, a small matmul, a convolution, a
-batch norm, a copy, a tiny op and a view), never fitted to the steps below. The model
+The CPU's peaks are measured by micro-benchmarks (matmuls of ten shapes, square and with a
+short side of 32 rows as the workloads' batches give, a small matmul, a convolution, a batch
+norm, a copy, step-like elementwise kernels, a tiny op and a view), never fitted to the steps
+below. The shapes are an input, not the workloads' own products; run the benchmark a few
+times on a shared machine (its rates move by up to 15 % from run to run). The model
 (dpprof.emulator.step_time) then plays the emulated step of each built-in workload on those
 peaks, the CPU running each op as the host issues it (no queue: synchronous), and the
 prediction is compared with the step the CPU measures:
