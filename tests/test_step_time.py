@@ -88,6 +88,107 @@ def test_convolutions_are_their_own_kind() -> None:
                                                                 "convolution_backward"}
 
 
+def test_op_log_records_the_matmuls_shapes_torch_runs() -> None:
+    """Each matmul's (M, N, K) in the op log is the product torch itself runs for the same
+    step on the CPU (its mm/addmm calls, seen by a dispatch mode), batch rows included."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[tuple[int, int, int]] = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func._overloadpacket.__name__ in ("mm", "addmm"):
+                a, b = args[-2], args[-1]
+                seen.append((a.shape[0], b.shape[1], a.shape[1]))
+            return func(*args, **(kwargs or {}))
+
+    wl = load_workload("mlp")
+    model = wl.model()
+    x, y = wl.batch(32, torch.device("cpu"))
+    with Shapes():
+        wl.loss(model(x), y).backward()
+    log = single_step_log(wl, 32)
+    logged = [o.gemm for o in log.records if o.kind == MATMUL]
+    assert sorted(logged) == sorted(seen)
+    assert (32, 8192, 2048) in logged  # the first Linear's forward: the batch's 32 rows
+    assert any(g[2] == 32 for g in logged)  # a weight's gradient sums over the 32 rows
+
+
+def test_a_convolution_is_logged_as_the_gemm_it_lowers_to() -> None:
+    """convnet's second convolution (32 -> 64 channels, 3 x 3, 26 x 26 -> 24 x 24) at batch
+    8: M = 8 x 24 x 24 output pixels, N = 64 output channels, K = 32 x 3 x 3; its backward
+    the same product."""
+    log = single_step_log(load_workload("convnet"), 8)
+    convs = {(o.name, o.gemm) for o in log.records if o.kind == CONV}
+    assert ("convolution", (8 * 24 * 24, 64, 32 * 9)) in convs
+    assert ("convolution_backward", (8 * 24 * 24, 64, 32 * 9)) in convs
+    assert ("convolution", (8 * 26 * 26, 32, 1 * 9)) in convs  # the first, one channel in
+
+
+def _cpu_check() -> Any:
+    import importlib.util
+
+    path = TESTS.parent / "benchmarks" / "step_time_cpu.py"
+    spec = importlib.util.spec_from_file_location("step_time_cpu", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cpu_checks_matmul_shapes_are_solved_from_its_micro_benchmarks() -> None:
+    """The CPU check's peak and shape terms come from the matmuls it measured
+    (benchmarks/step_time_cpu.json): they explain those measured times better than the peak
+    alone (the square matmul's rate, by FLOPs), and a short side costs rate."""
+    import dataclasses
+
+    from dpprof.emulator.step_time import matmul_shape_efficiency
+
+    bench = _cpu_check()
+    recorded = json.loads((TESTS.parent / "benchmarks" / "step_time_cpu.json").read_text())
+    shapes = recorded["peaks"]["matmul_shapes_mnk_s"]
+    rates, k = bench.cpu_model(recorded["peaks"], recorded["gloo_bus_bytes_per_s"])
+    peak = rates.matmul_peak("float32")
+    flat = dataclasses.replace(k, matmul_outer_dim_rows=0.0, matmul_inner_dim_rows=0.0)
+
+    def error(constants: Any) -> float:  # mean |error| over the measured shapes
+        return sum(abs(2 * m * n * kk / (peak * matmul_shape_efficiency((m, n, kk), constants))
+                       / seconds - 1) for m, n, kk, seconds in shapes) / len(shapes)
+
+    assert len(shapes) >= 4
+    assert k.matmul_outer_dim_rows > 0 and k.matmul_inner_dim_rows > 0
+    assert error(k) < error(flat) / 2, (error(k), error(flat))
+    assert matmul_shape_efficiency((32, 8192, 2048), k) < matmul_shape_efficiency(
+        (1024, 1024, 1024), k)
+
+
+@pytest.mark.slow
+def test_the_cpu_check_recorded_steps_within_15_percent() -> None:
+    """The CPU check (benchmarks/step_time_cpu.py) as recorded: its micro-benchmarks' model
+    predicts each workload's measured ``single`` step within 25 %, within 15 % on the mean;
+    without the matmuls' shape terms it misses that (by FLOPs alone)."""
+    import dataclasses
+
+    bench = _cpu_check()
+    recorded = json.loads((TESTS.parent / "benchmarks" / "step_time_cpu.json").read_text())
+    rates, k = bench.cpu_model(recorded["peaks"], recorded["gloo_bus_bytes_per_s"])
+    flat = dataclasses.replace(k, matmul_outer_dim_rows=0.0, matmul_inner_dim_rows=0.0)
+    rows = [r for r in recorded["rows"] if r["scenario"] == "single"]
+    assert len(rows) == 5
+    errors, flat_errors = [], []
+    for r in rows:
+        measured = r["measured_best_s"]
+        for constants, out in ((k, errors), (flat, flat_errors)):
+            predicted = bench.predicted(r["workload"], r["batch"], "single", 1, rates,
+                                        constants)
+            out.append(predicted / measured - 1)
+    assert sum(abs(e) for e in errors) / len(errors) <= 0.15, errors
+    assert all(abs(e) <= 0.25 for e in errors), errors
+    assert sum(abs(e) for e in flat_errors) / len(flat_errors) > 0.15, flat_errors
+
+
 def _scenarios(workload: str, batch: int, names: tuple[str, ...],
                gpus: int = 4) -> dict[str, ScenarioResult]:
     wl = load_workload(workload)

@@ -40,6 +40,7 @@ __all__ = [
     "TRANSFER",
     "OpLog",
     "OpRecord",
+    "gemm_dims",
 ]
 
 # kinds of work
@@ -95,6 +96,9 @@ class OpRecord:
     kernels: int  # launches (a foreach op launches one per chunk of tensors)
     mirrors: tuple[int, ...] = ()  # devices that run the same op (mirrored replicas)
     world: int = 1  # a collective's ranks
+    # a matmul's or convolution's matrix product (M, N, K): M x K times K x N, per batch
+    # element; () where the op is no such product (attention's fused kernels)
+    gemm: tuple[int, int, int] | tuple[()] = ()
 
 
 def _tensors(args: Any, out: list[torch.Tensor]) -> int:
@@ -123,6 +127,43 @@ def _shapes(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_shapes(v) for v in x)
     return x
+
+
+def gemm_dims(name: str, args: Any, out: Any) -> tuple[int, int, int] | tuple[()]:
+    """The matrix product (M, N, K) behind a matmul or convolution op, from its arguments'
+    shapes: ``mm(a, b)``, ``addmm(c, a, b)``, ``bmm``/``baddbmm`` per batch element, and a
+    convolution as the GEMM it lowers to (im2col: M = batch x output pixels, N = output
+    channels, K = input channels per group x kernel size), its backward by its forward's.
+    ``()`` for any other op."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in ("mm", "bmm", "addmm", "baddbmm"):
+        if len(tensors) < 2:
+            return ()
+        a, b = tensors[-2], tensors[-1]
+        if a.dim() < 2 or b.dim() < 2:
+            return ()
+        return (int(a.shape[-2]), int(b.shape[-1]), int(a.shape[-1]))
+    if "convolution" in name:
+        if name.endswith("backward") or "backward" in name:
+            # (grad_output, input, weight, ...): the output's shape is grad_output's
+            if len(tensors) < 3:
+                return ()
+            output, weight = tensors[0], tensors[2]
+        else:
+            # (input, weight, ...): the output's shape is out's
+            if len(tensors) < 2 or not isinstance(out, torch.Tensor):
+                return ()
+            output, weight = out, tensors[1]
+        if output.dim() < 3 or weight.dim() < 3:
+            return ()
+        pixels = 1
+        for d in output.shape[2:]:
+            pixels *= int(d)
+        kernel = 1
+        for d in weight.shape[1:]:
+            kernel *= int(d)
+        return (int(output.shape[0]) * pixels, int(weight.shape[0]), kernel)
+    return ()
 
 
 def _flops(formula: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
@@ -193,7 +234,7 @@ class OpLog:
                 dtype = "tf32"
             self.records.append(OpRecord(name, device, device, phase, thread,
                                          CONV if conv else MATMUL, dtype, flops, nbytes, 1,
-                                         mirrors))
+                                         mirrors, gemm=gemm_dims(name, args, out)))
             return
         kernels = 1
         if lists and name.startswith("_foreach"):

@@ -8,7 +8,9 @@ kernel time::
                  bytes / (memory_bandwidth * memory_efficiency)) + kernel_gap
 
 (a roofline; a matmul's efficiency grows with its work, ``flops / (flops + half_flops)``, as
-small matmuls cannot fill the GPU). The step is then played as CUDA runs it: each host thread
+small matmuls cannot fill the GPU, and with its shape, ``1 / (1 + outer_dim_rows (1/M + 1/N)
++ inner_dim_rows / K)``, as a short side leaves BLAS's blocked kernels per-row work that
+its few FLOPs do not amortise). The step is then played as CUDA runs it: each host thread
 issues its ops in order (an op waits for its thread's previous op), each device runs its
 kernels in order (a kernel starts when it is issued and its device is free), a copy between
 two GPUs holds both over the interconnect, a copy from the host holds its GPU over PCIe,
@@ -58,6 +60,7 @@ __all__ = [
     "DeviceRates",
     "StepPrediction",
     "TimeConstants",
+    "matmul_shape_efficiency",
     "predict_step",
     "predict_steps",
     "rates_for",
@@ -96,13 +99,20 @@ class TimeConstants:
     step_overhead_s: float  # host time per step outside the ops (the Python loop)
     collective_latency_s: float = 10e-6  # per collective (NCCL's launch and handshake)
     link_efficiency: float = 0.8  # of the link's bandwidth a copy or ring reaches
+    # A matmul's shape (M x K times K x N): its time grows by outer_dim_rows / M +
+    # outer_dim_rows / N + inner_dim_rows / K of a large one's, the per-row work (packing an
+    # operand's panels; loading and storing the output's tiles) that a short side does not
+    # amortise over many FLOPs, as BLAS's blocked kernels run. 0: by FLOPs alone.
+    matmul_outer_dim_rows: float = 0.0
+    matmul_inner_dim_rows: float = 0.0
 
 
 # Fitted by scripts/fit_step_time.py to the H200's mlp, lm, convnet and GPT-2 steps
 # (tests/data/h200_measured.json: the kernels' device time per kind of op first, then the step
 # time); attention, classifier and ViT held out. Step time, mean |error|: fitted 13.3 %,
 # held out 7.5 % (worst 13.8 %); device time: fitted 16.6 %, held out 26.3 %.
-# The host's constants are the H200 machine's CPU: another host is faster or slower.
+# The host's constants are the H200 machine's CPU: another host is faster or slower. The
+# matmul's shape terms are left at 0 (by FLOPs alone), as when it was fitted.
 H200_FIT = TimeConstants(
     matmul_efficiency=0.686,
     matmul_half_flops=3.74e8,
@@ -136,6 +146,17 @@ class StepPrediction:
     kernels: int = 0
 
 
+def matmul_shape_efficiency(gemm: tuple[int, int, int] | tuple[()],
+                            k: TimeConstants) -> float:
+    """The fraction of a large matmul's rate a product of shape ``gemm`` (M, N, K) reaches
+    (1 for an op of no known shape)."""
+    if not gemm:
+        return 1.0
+    m, n, inner = (max(d, 1) for d in gemm)
+    return 1.0 / (1.0 + k.matmul_outer_dim_rows * (1 / m + 1 / n)
+                  + k.matmul_inner_dim_rows / inner)
+
+
 def kernel_time_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
     """One op's device time (0 for an op that launches no kernel)."""
     if op.kernels == 0:
@@ -144,7 +165,8 @@ def kernel_time_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
     memory = passes * op.bytes / (rates.memory_bytes_per_s * k.memory_efficiency)
     work = 0.0
     if op.kind in (MATMUL, CONV) and op.flops:
-        efficiency = k.matmul_efficiency * op.flops / (op.flops + k.matmul_half_flops)
+        efficiency = (k.matmul_efficiency * op.flops / (op.flops + k.matmul_half_flops)
+                      * matmul_shape_efficiency(op.gemm, k))
         if op.kind == CONV:
             efficiency *= k.conv_efficiency
         work = op.flops / (rates.matmul_peak(op.dtype) * efficiency)
