@@ -8,10 +8,6 @@ A file is the same when its inode, size, permissions, modification time and chan
 are: the kernel sets the change time at every write, so a file written and put back, or
 given its old modification time, still differs. A folder counts by what it holds (a new
 file is found as created). Reads change none of these.
-
-Where the kernel can watch the folders (:mod:`dpprof.script.tree_watch`), :func:`take` with
-``watch`` places a watch on each folder before reading it, and :func:`again` skips the walk
-while the kernel has seen nothing change under them: the walk would find what it found.
 """
 
 from __future__ import annotations
@@ -21,8 +17,6 @@ import stat
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from dpprof.script.tree_watch import TreeWatch
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
            "take"]
@@ -47,8 +41,6 @@ class Snapshot:
     roots: list[str] = field(default_factory=list)
     complete: bool = True  # False: more entries than the limit; the shallowest were noted
     limit: int = LIMIT
-    # the kernel's watch on the folders noted, since before each was read (take(watch=True))
-    watch: TreeWatch | None = None
 
 
 @dataclass
@@ -57,11 +49,9 @@ class Difference:
     what: str  # "changed" | "removed" | "created"
 
 
-def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT,
-         watch: bool = False) -> Snapshot:
+def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT) -> Snapshot:
     """Every entry under ``folders`` (not following links, not into ``exclude``), breadth
-    first, up to ``limit`` entries; ``watch``: each folder watched before it is read (see
-    the module)."""
+    first, up to ``limit`` entries."""
     skip = {os.path.realpath(e) for e in exclude}
     roots: list[str] = []
     for f in folders:
@@ -70,13 +60,9 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
     snap = Snapshot(roots=roots, limit=limit)
-    if watch:
-        snap.watch = TreeWatch(roots, skip)
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
-        if snap.watch is not None:
-            snap.watch.add(folder)
         try:
             it = os.scandir(folder)
         except OSError:
@@ -84,7 +70,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
         with it:
             for entry in it:
                 if len(snap.entries) >= limit:
-                    snap.complete = False  # every entry noted is in a folder watched
+                    snap.complete = False
                     return snap
                 if entry.path in skip:
                     continue
@@ -99,11 +85,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
 
 
 def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
-    """The same walk as ``before``'s, now: ``before`` itself where the kernel's watch saw
-    nothing change under its folders (``exclude`` left out) since ``before`` was taken."""
-    if before.watch is not None and before.watch.quiet(
-            os.path.realpath(e) for e in exclude):
-        return before
+    """The same walk as ``before``'s, now."""
     return take(before.roots, exclude, before.limit)
 
 

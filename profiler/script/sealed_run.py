@@ -54,8 +54,7 @@ def take_census(script: str | None, keep_dir: str | None) -> Snapshot:
     directory and the script's folder, the writes kept (``keep_dir``) left out; walked in
     full where no mount namespace holds the writes, the shallowest where one does."""
     return census.take(folders_of(script), [keep_dir] if keep_dir else [],
-                       census.LIMIT_UNDER_KERNEL if namespace.entered() else census.LIMIT,
-                       watch=True)
+                       census.LIMIT_UNDER_KERNEL if namespace.entered() else census.LIMIT)
 
 
 def folders_of(script: str | None) -> list[str]:
