@@ -12,8 +12,7 @@ parameters too (``fully_shard``): FSDP2's rungs.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
+import functools
 import sys
 from collections.abc import Iterator
 from types import ModuleType
@@ -21,6 +20,7 @@ from typing import Any
 
 from dpprof.emulator.patcher import Patcher
 from dpprof.errors import NotEmulated
+from dpprof.script.import_hook import ImportHook
 
 DEEPSPEED_NOT_EMULATED = (
     "dpprof run: DeepSpeed is not emulated; the nearest dpprof measures is FSDP2 (ZeRO-2: "
@@ -33,40 +33,6 @@ REFUSED = {"deepspeed": ("initialize", "init_inference")}
 
 def _refused(*args: Any, **kwargs: Any) -> Any:
     raise NotEmulated(DEEPSPEED_NOT_EMULATED)
-
-
-class _RefusingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patcher: Patcher) -> None:
-        self.loader = loader
-        self.patcher = patcher
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        _refuse(module, self.patcher)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of a module of :data:`REFUSED` the script imports during the run."""
-
-    def __init__(self, patcher: Patcher) -> None:
-        self.patcher = patcher
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in REFUSED:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _RefusingLoader(spec.loader, self.patcher)
-            return spec
-        return None
 
 
 def _refuse(module: ModuleType, patcher: Patcher) -> None:
@@ -84,7 +50,7 @@ def engines_refused() -> Iterator[None]:
             module = sys.modules.get(name)
             if module is not None:
                 _refuse(module, patcher)
-        finder = _Finder(patcher)
+        finder = ImportHook(REFUSED, functools.partial(_refuse, patcher=patcher))
         sys.meta_path.insert(0, finder)
         try:
             yield

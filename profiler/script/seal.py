@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import builtins
 import errno
-import importlib.abc
-import importlib.machinery
+import functools
 import io
 import os
 import shutil
@@ -48,6 +47,7 @@ from typing import Any
 
 from dpprof.emulator.patcher import Patcher
 from dpprof.script import overlay as ov
+from dpprof.script.import_hook import ImportHook
 from dpprof.script.overlay import Overlay
 from dpprof.script.shared_files import Seeded
 
@@ -170,7 +170,7 @@ class Seal:
         self.breach: SealBreach | None = None
         self._patcher = Patcher()
         self._previous: Seal | None = None
-        self._finder: _OutsidePythonFinder | None = None
+        self._finder: ImportHook | None = None
         self._saved_env: dict[str, str | None] = {}
         self._held_openers: list[tuple[dict[Any, Any], Any, Any]] = []
         self._bytecode = sys.dont_write_bytecode
@@ -202,7 +202,8 @@ class Seal:
                 _patch_outside(self._patcher, loaded, name, pos, kw, how, wrappers)
         patch_bound_names(self._patcher, wrappers)
         self._held_openers = _patch_held_openers(wrappers)
-        self._finder = _OutsidePythonFinder(self._patcher)
+        self._finder = ImportHook({m for m, *_ in OUTSIDE_PYTHON},
+                                  functools.partial(_patch_loaded, self._patcher))
         sys.meta_path.insert(0, self._finder)
         sys.dont_write_bytecode = True
         cwd = self.overlay.from_upper(_ORIG["getcwd"]())
@@ -816,51 +817,17 @@ def _outside_wrapper(original: Any, name: str, pos: int, kw: str, how: str) -> A
     return call
 
 
-class _OutsidePythonFinder(importlib.abc.MetaPathFinder):
-    """Patches a module of :data:`OUTSIDE_PYTHON` the script imports during the run, as
-    it loads."""
-
-    def __init__(self, patcher: Patcher) -> None:
-        self.patcher = patcher
-        self.names = {m for m, *_ in OUTSIDE_PYTHON}
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in self.names:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None \
-                    and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PatchingLoader(spec.loader, self.patcher)
-                return spec
-            if spec is not None:
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patcher: Patcher) -> None:
-        self.loader = loader
-        self.patcher = patcher
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        if _ACTIVE is None:
-            return
-        wrappers: dict[int, Any] = {}
-        for name, attr, pos, kw, how in OUTSIDE_PYTHON:
-            if name == module.__name__:
-                _patch_outside(self.patcher, module, attr, pos, kw, how, wrappers)
-        # its submodules loaded with it bound the originals by name (safetensors.torch)
-        patch_bound_names(self.patcher, wrappers, only=module.__name__)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
+def _patch_loaded(patcher: Patcher, module: ModuleType) -> None:
+    """Patch a module of :data:`OUTSIDE_PYTHON` the script imports during the run, as it
+    loads."""
+    if _ACTIVE is None:
+        return
+    wrappers: dict[int, Any] = {}
+    for name, attr, pos, kw, how in OUTSIDE_PYTHON:
+        if name == module.__name__:
+            _patch_outside(patcher, module, attr, pos, kw, how, wrappers)
+    # its submodules loaded with it bound the originals by name (safetensors.torch)
+    patch_bound_names(patcher, wrappers, only=module.__name__)
 
 
 # ---- names bound before a run ----------------------------------------------------------

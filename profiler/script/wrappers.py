@@ -274,10 +274,11 @@ class DeferredOutputs:
         log.loss_sites.append(found.site)
         log.loss_expressions.setdefault(found.site, (dotted_name(found.call.func) or "",
                                                       found.function.targets_name))
-        self.pending = PendingLoss(self._in_forward(compiled(found), found.targets))
+        self.pending = PendingLoss(self.in_forward(compiled(found), found.targets))
         return self.pending
 
-    def _in_forward(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
+    def in_forward(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
+        """The loss computed inside forward on every replica, combined as one number."""
         keep = _state().keep_outputs
         wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
         wrapped.shapes = self.shapes
@@ -402,15 +403,7 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
     deferred.used_as_loss = True
     _log().call_sites.append(deferred.site)
     _log().loss_sites.append(caller_site())
-    keep = _state().keep_outputs
-    wrapped = _recording_class()(deferred.dp.module, loss_fn, keep_outputs=keep)
-    wrapped.shapes = deferred.shapes
-    inputs = deferred.inputs if len(deferred.inputs) != 1 else deferred.inputs[0]
-    out = deferred.dp.run(wrapped, (inputs, targets), {})
-    _log().loss_in_forward += 1
-    if keep:  # the script's later uses of the outputs get the gathered ones
-        deferred.value = ModelWithLoss.split(out)[0]
-    return ModelWithLoss.combine(out)
+    return deferred.in_forward(loss_fn, targets)
 
 
 def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[Any] | None = None,
