@@ -240,6 +240,29 @@ def call_model(model: Callable[..., Any], inputs: Any) -> Any:
     return model(*as_args(inputs))
 
 
+def micro_batch_rows(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` rows of each micro-batch of a ``rows``-row batch, as a loader
+    with ``batch_size=ceil(rows / micro_batches)`` cuts it (the last may be shorter; none
+    is empty)."""
+    per = -(-rows // micro_batches)
+    return [(lo, min(lo + per, rows)) for lo in range(0, rows, per)]
+
+
+def loader_part(host: Any, rows: tuple[int, int] | None) -> Any:
+    """What the loader gives for one micro-batch of the host batch ``host``: a copy of
+    ``rows`` (a ``[start, stop)`` of :func:`micro_batch_rows`), or, for the plain step's one
+    micro-batch (``rows`` None), the batch itself."""
+    return host if rows is None else take_rows(host, *rows)
+
+
+def share_of_step(loss: torch.Tensor, parts: int | None) -> torch.Tensor:
+    """A micro-batch's loss as the accumulating loop backpropagates it, ``loss / parts``
+    (the step's ``parts`` micro-batches' gradients add up in ``.grad`` to the mean's);
+    the plain step's (``parts`` None) as it is. A function, so the undivided loss is freed
+    before the loop's ``loss`` is rebound, as in ``loss = criterion(...) / k``."""
+    return loss if parts is None else loss / parts
+
+
 def training_loop(
     model: Callable[..., Any],
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -269,72 +292,9 @@ def training_loop(
     through backward and the optimizer step; the previous batch until the new one is
     assigned; gradients until ``zero_grad()`` (``set_to_none=True``, torch's default).
 
-    ``model`` is the wrapped model (DataParallel, DDP or the bare model); with
-    ``loss_inside`` it is a :class:`ModelWithLoss` inside, gets the targets too, and the
-    loss is :meth:`ModelWithLoss.combine` of what it returns. ``to_device(x, is_target)``
-    moves a (nested) host batch to the device the model takes it on.
-
-    With ``step`` (a workload's own loop body), :func:`user_loop` runs instead. With
-    ``micro_batches`` k > 1, :func:`accumulation_loop` runs instead (gradient accumulation).
-    """
-    hooks = hooks or StepHooks()
-    if step is not None:
-        if micro_batches > 1:
-            raise StepError("gradient accumulation runs the tutorial loop; the workload has "
-                            "its own step: accumulate in it instead")
-        return user_loop(step, model, loss_fn, optimizer, batches, to_device, loss_inside,
-                         hooks)
-    if micro_batches > 1:
-        return accumulation_loop(model, loss_fn, optimizer, batches, to_device, loss_inside,
-                                 hooks, micro_batches)
-    loss: torch.Tensor | None = None
-    last = len(batches) - 1
-    for k in range(len(batches)):
-        with hooks.iteration(k, k == last):
-            with hooks.phase("inputs"):
-                inputs, targets = batches[k]  # the previous (device) batch dies here
-                inputs, targets = to_device(inputs, False), to_device(targets, True)
-            with hooks.phase("zero_grad"):
-                optimizer.zero_grad()
-            with hooks.phase("forward"):
-                outputs = model(inputs, targets) if loss_inside else call_model(model, inputs)
-                hooks.after_forward(outputs)
-            with hooks.phase("loss"):
-                loss = ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
-                    outputs, where_outputs_are(targets, outputs))
-                hooks.after_loss(loss, outputs)
-            with hooks.phase("backward"):
-                loss.backward()
-                hooks.after_backward()
-            with hooks.phase("optimizer"):
-                optimizer.step()
-                hooks.after_optimizer()
-    if loss is None:
-        raise ValueError("training_loop needs at least one batch")
-    return loss.detach()
-
-
-def micro_batch_rows(rows: int, micro_batches: int) -> list[tuple[int, int]]:
-    """The ``[start, stop)`` rows of each micro-batch of a ``rows``-row batch, as a loader
-    with ``batch_size=ceil(rows / micro_batches)`` cuts it (the last may be shorter; none
-    is empty)."""
-    per = -(-rows // micro_batches)
-    return [(lo, min(lo + per, rows)) for lo in range(0, rows, per)]
-
-
-def accumulation_loop(
-    model: Callable[..., Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    batches: Sequence[tuple[Any, Any]],
-    to_device: Callable[[Any, bool], Any],
-    loss_inside: bool,
-    hooks: StepHooks,
-    micro_batches: int,
-) -> torch.Tensor:
-    """:func:`training_loop` with gradient accumulation: each step's rows in
-    ``micro_batches`` micro-batches (:func:`micro_batch_rows`, the loader's batches), one
-    optimizer step::
+    With ``micro_batches`` k > 1 (gradient accumulation), each step's rows come in k
+    micro-batches (:func:`micro_batch_rows`, the loader's batches), one optimizer step; the
+    plain loop above is the case of one micro-batch, the whole batch as the loader gave it::
 
         optimizer.zero_grad()
         for i, (inputs, targets) in enumerate(micro_batches_of_the_step):
@@ -346,33 +306,59 @@ def accumulation_loop(
         optimizer.step()
 
     ``no_sync`` where the model has it (DDP): its reducer neither buckets nor all-reduces
-    those backwards. Names live as in :func:`training_loop`: a micro-batch's outputs and
-    loss until the next micro-batch's are assigned."""
+    those backwards. An accumulating loop zeroes the gradients once per optimizer step,
+    before its first micro-batch (as the ladder's code does, right after the previous
+    ``optimizer.step()``); the tutorial's, once the step's batch is on the device. A
+    micro-batch's outputs and loss live until the next micro-batch's are assigned.
+
+    ``model`` is the wrapped model (DataParallel, DDP or the bare model); with
+    ``loss_inside`` it is a :class:`ModelWithLoss` inside, gets the targets too, and the
+    loss is :meth:`ModelWithLoss.combine` of what it returns. ``to_device(x, is_target)``
+    moves a (nested) host batch to the device the model takes it on.
+
+    With ``step`` (a workload's own loop body), :func:`user_loop` runs instead.
+    """
+    hooks = hooks or StepHooks()
+    if step is not None:
+        if micro_batches > 1:
+            raise StepError("gradient accumulation runs the tutorial loop; the workload has "
+                            "its own step: accumulate in it instead")
+        return user_loop(step, model, loss_fn, optimizer, batches, to_device, loss_inside,
+                         hooks)
+    accumulating = micro_batches > 1
+    no_sync = getattr(model, "no_sync", None) if accumulating else None
     loss: torch.Tensor | None = None
     last = len(batches) - 1
-    no_sync = getattr(model, "no_sync", None)
     for k in range(len(batches)):
         with hooks.iteration(k, k == last):
             host_inputs, host_targets = batches[k]
-            parts = micro_batch_rows(batch_rows(host_targets) or batch_rows(host_inputs),
-                                     micro_batches)
-            with hooks.phase("zero_grad"):
-                optimizer.zero_grad()
-            for i, (lo, hi) in enumerate(parts):
+            # each micro-batch's rows; the plain step's one micro-batch is the whole batch
+            parts: list[tuple[int, int] | None] = (
+                list(micro_batch_rows(batch_rows(host_targets) or batch_rows(host_inputs),
+                                      micro_batches)) if accumulating else [None])
+            if accumulating:
+                with hooks.phase("zero_grad"):
+                    optimizer.zero_grad()
+            for i, rows in enumerate(parts):
                 sync = (no_sync() if no_sync is not None and i < len(parts) - 1
                         else contextlib.nullcontext())
                 with sync:
-                    with hooks.phase("inputs"):  # the loader's micro-batch, then its copy
-                        inputs = take_rows(host_inputs, lo, hi)
-                        targets = take_rows(host_targets, lo, hi)
+                    with hooks.phase("inputs"):  # the previous (device) batch dies here
+                        inputs = loader_part(host_inputs, rows)
+                        targets = loader_part(host_targets, rows)
                         inputs, targets = to_device(inputs, False), to_device(targets, True)
+                    if not accumulating:
+                        with hooks.phase("zero_grad"):
+                            optimizer.zero_grad()
                     with hooks.phase("forward"):
                         outputs = (model(inputs, targets) if loss_inside
                                    else call_model(model, inputs))
                         hooks.after_forward(outputs)
                     with hooks.phase("loss"):
-                        loss = (ModelWithLoss.combine(outputs) if loss_inside else loss_fn(
-                            outputs, where_outputs_are(targets, outputs))) / len(parts)
+                        loss = share_of_step(ModelWithLoss.combine(outputs) if loss_inside
+                                             else loss_fn(outputs,
+                                                          where_outputs_are(targets, outputs)),
+                                             len(parts) if accumulating else None)
                         hooks.after_loss(loss, outputs)
                     with hooks.phase("backward"):
                         loss.backward()
