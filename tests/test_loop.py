@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.scenarios.measured_loop import loop_description, training_loop
+from dpprof.scenarios.measured_loop import StepHooks, loop_description, training_loop
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 
@@ -88,3 +90,73 @@ def test_the_gathered_outputs_live_through_backward_under_dp_loss_primary() -> N
     dev0 = r.devices[0]
     assert dev0.peak_phase == "backward"
     assert dev0.breakdown_bytes.get("outputs", 0) >= 64 * 4096 * 4
+
+
+class Recorder(nn.Module):
+    """A linear model with DDP's ``no_sync``: notes which forwards ran inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.syncing = True
+        self.forwards_synced: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards_synced.append(self.syncing)
+        return self.fc(x)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+
+def _phases(micro_batches: int, rows: int = 6) -> tuple[list[str], Recorder]:
+    torch.manual_seed(0)
+    model = Recorder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def phase(name: str) -> Iterator[None]:
+        seen.append(name)
+        yield
+
+    batches = [(torch.randn(rows, 4), torch.randn(rows, 3)) for _ in range(2)]
+    training_loop(model, nn.functional.mse_loss, opt, batches, lambda x, _: x.clone(), False,
+                  StepHooks(phase=phase), micro_batches=micro_batches)
+    return seen, model
+
+
+def test_the_plain_step_is_one_micro_batch_of_the_one_loop() -> None:
+    plain, model = _phases(1)
+    assert plain == ["inputs", "zero_grad", "forward", "loss", "backward", "optimizer"] * 2
+    assert model.forwards_synced == [True, True]
+    # three micro-batches of two rows: zeroed once per optimizer step, before the first;
+    # the first two backwards inside no_sync(), the last one all-reduces
+    accumulating, model = _phases(3)
+    assert accumulating == (["zero_grad", *["inputs", "forward", "loss", "backward"] * 3,
+                             "optimizer"] * 2)
+    assert model.forwards_synced == [False, False, True] * 2
+
+
+def test_accumulation_steps_as_the_whole_batch_does() -> None:
+    """k micro-batches of a step, each loss divided by k, add up to the whole batch's mean
+    gradient: the parameters after the loop are the plain loop's."""
+    torch.manual_seed(0)
+    start = nn.Linear(4, 3)
+    batches = [(torch.randn(8, 4), torch.randn(8, 3)) for _ in range(3)]
+    after = {}
+    for k in (1, 2, 4):
+        model = nn.Linear(4, 3)
+        model.load_state_dict(start.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        training_loop(model, nn.functional.mse_loss, opt, batches, lambda x, _: x, False,
+                      micro_batches=k)
+        after[k] = model.weight.detach().clone()
+    assert not torch.equal(after[1], start.weight)
+    torch.testing.assert_close(after[2], after[1])
+    torch.testing.assert_close(after[4], after[1])
