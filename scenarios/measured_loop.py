@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from dpprof.scenarios.loss_mean import denominator, loss_calls
+from dpprof.scenarios.names import BACKWARD, FORWARD, INPUTS, LOSS, OPTIMIZER, ZERO_GRAD
 from dpprof.scenarios.step import take_rows
-
-PHASES: tuple[str, ...] = ("inputs", "zero_grad", "forward", "loss", "backward", "optimizer")
 
 
 def batch_rows(x: Any) -> int:
@@ -337,33 +336,33 @@ def training_loop(
                 list(micro_batch_rows(batch_rows(host_targets) or batch_rows(host_inputs),
                                       micro_batches)) if accumulating else [None])
             if accumulating:
-                with hooks.phase("zero_grad"):
+                with hooks.phase(ZERO_GRAD):
                     optimizer.zero_grad()
             for i, rows in enumerate(parts):
                 sync = (no_sync() if no_sync is not None and i < len(parts) - 1
                         else contextlib.nullcontext())
                 with sync:
-                    with hooks.phase("inputs"):  # the previous (device) batch dies here
+                    with hooks.phase(INPUTS):  # the previous (device) batch dies here
                         inputs = loader_part(host_inputs, rows)
                         targets = loader_part(host_targets, rows)
                         inputs, targets = to_device(inputs, False), to_device(targets, True)
                     if not accumulating:
-                        with hooks.phase("zero_grad"):
+                        with hooks.phase(ZERO_GRAD):
                             optimizer.zero_grad()
-                    with hooks.phase("forward"):
+                    with hooks.phase(FORWARD):
                         outputs = (model(inputs, targets) if loss_inside
                                    else call_model(model, inputs))
                         hooks.after_forward(outputs)
-                    with hooks.phase("loss"):
+                    with hooks.phase(LOSS):
                         loss = share_of_step(ModelWithLoss.combine(outputs) if loss_inside
                                              else loss_fn(outputs,
                                                           where_outputs_are(targets, outputs)),
                                              len(parts) if accumulating else None)
                         hooks.after_loss(loss, outputs)
-                    with hooks.phase("backward"):
+                    with hooks.phase(BACKWARD):
                         loss.backward()
                         hooks.after_backward()
-            with hooks.phase("optimizer"):
+            with hooks.phase(OPTIMIZER):
                 optimizer.step()
                 hooks.after_optimizer()
     if loss is None:
@@ -446,7 +445,7 @@ class StepModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._loss_inside:
             return DeferredOutputs(args, kwargs)
-        self._driver.switch("forward")
+        self._driver.switch(FORWARD)
         outputs = self._wrapped(*args, **kwargs)
         self._hooks.after_forward(outputs)
         return outputs
@@ -474,17 +473,17 @@ class StepCriterion:
                     "dp-loss-forward: the step passed more than (outputs, targets) to the "
                     "criterion; ModelWithLoss calls criterion(outputs, targets): put the rest "
                     "in the targets or in the criterion")
-            self._driver.switch("forward")
+            self._driver.switch(FORWARD)
             gathered = self._wrapped(outputs.inputs, targets)
             self._hooks.after_forward(gathered)
-            self._driver.switch("loss")
+            self._driver.switch(LOSS)
             loss = ModelWithLoss.combine(gathered)
             self._hooks.after_loss(loss, gathered)
         else:
-            self._driver.switch("loss")
+            self._driver.switch(LOSS)
             loss = self._loss_fn(outputs, targets, *args, **kwargs)
             self._hooks.after_loss(loss, outputs)
-        self._driver.switch("backward")
+        self._driver.switch(BACKWARD)
         return loss
 
     def __getattr__(self, name: str) -> Any:
@@ -520,11 +519,11 @@ def user_loop(
 
     def pre(opt: Any, args: Any, kwargs: Any) -> None:
         hooks.after_backward()
-        driver.switch("optimizer")
+        driver.switch(OPTIMIZER)
 
     def post(opt: Any, args: Any, kwargs: Any) -> None:
         hooks.after_optimizer()
-        driver.switch("zero_grad")
+        driver.switch(ZERO_GRAD)
 
     handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
     result: Any = None
@@ -532,10 +531,10 @@ def user_loop(
     try:
         for k in range(len(batches)):
             with hooks.iteration(k, k == last):
-                with hooks.phase("inputs"):
+                with hooks.phase(INPUTS):
                     batch = batches[k]  # the previous (device) batch dies here
                     batch = (to_device(batch[0], False), to_device(batch[1], True))
-                driver.switch("zero_grad")
+                driver.switch(ZERO_GRAD)
                 try:
                     result = step(smodel, batch, scrit, optimizer)
                 finally:

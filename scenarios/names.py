@@ -1,5 +1,6 @@
 """The names every layer shares: the scenarios' (as results, reports and ``--scenarios``
-spell them) and the setups the answers name a scenario by.
+spell them), the setups the answers name a scenario by, and the phases of the measured loop
+(as timelines and reports spell them).
 
 | name              | what runs                                       | where the loss is      |
 | ----------------- | ----------------------------------------------- | ---------------------- |
@@ -29,3 +30,10 @@ TENSOR_PARALLEL = "tensor-parallel"
 # how the answers name a scenario's setup (Scenario.setup; dpprof.answers.answer)
 DATA_PARALLEL, DISTRIBUTED, SPLIT_MODEL, ONE_GPU = "DataParallel", "DDP", "model parallel", \
     "one GPU"
+
+# The phases of one step of the measured loop (dpprof.scenarios.measured_loop), in the
+# plain step's order; an accumulating step zeroes the gradients first, then runs inputs to
+# backward once per micro-batch.
+INPUTS, ZERO_GRAD, FORWARD, LOSS, BACKWARD, OPTIMIZER = (
+    "inputs", "zero_grad", "forward", "loss", "backward", "optimizer")
+PHASES: tuple[str, ...] = (INPUTS, ZERO_GRAD, FORWARD, LOSS, BACKWARD, OPTIMIZER)

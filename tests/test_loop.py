@@ -11,6 +11,7 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.scenarios.measured_loop import StepHooks, loop_description, training_loop
+from dpprof.scenarios.names import PHASES
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 
@@ -133,7 +134,7 @@ def _phases(micro_batches: int, rows: int = 6) -> tuple[list[str], Recorder]:
 
 def test_the_plain_step_is_one_micro_batch_of_the_one_loop() -> None:
     plain, model = _phases(1)
-    assert plain == ["inputs", "zero_grad", "forward", "loss", "backward", "optimizer"] * 2
+    assert plain == [*PHASES] * 2
     assert model.forwards_synced == [True, True]
     # three micro-batches of two rows: zeroed once per optimizer step, before the first;
     # the first two backwards inside no_sync(), the last one all-reduces
