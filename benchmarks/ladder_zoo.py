@@ -100,7 +100,8 @@ def smallest_oom_batch(spec: str, wl: Any) -> tuple[int, list[list[int]]]:
 def ladder_on(spec: str, wl: Any, batch: int, gpu: str) -> tuple[dict[str, Any], float, float]:
     """The ladder at ``batch`` on ``gpu``: its figures, the wall seconds of the comparison
     without the ladder and with it."""
-    from dpprof.measure.ladder import PREFIX, cheapest_fit
+    from dpprof.fixes.policy import LADDER_PREFIX
+    from dpprof.measure.ladder import cheapest_fit
     from dpprof.pipeline import run_compare
 
     without = with_ladder = float("inf")
@@ -117,7 +118,7 @@ def ladder_on(spec: str, wl: Any, batch: int, gpu: str) -> tuple[dict[str, Any],
               "cuda0_peak_allocated_bytes": f.primary_peak_bytes,
               "max_peak_allocated_bytes": f.max_peak_bytes, "need_bytes": f.need_bytes,
               "fits": f.need_bytes is not None and f.need_bytes <= run.gpu_memory_bytes}
-             for f in run.fixes if f.name.startswith(PREFIX)]
+             for f in run.fixes if f.name.startswith(LADDER_PREFIX)]
     fit = cheapest_fit(run)
     return ({"capacity_bytes": run.gpu_memory_bytes, "ddp": ddp, "rungs": rungs,
              "cheapest_fit": "ddp" if ddp["fits"] else (fit.name if fit else None)},

@@ -50,7 +50,7 @@ def zero3_rung(wl: Any, world: int, batch: int) -> Any:
     from dpprof.backends.emulated import EmulationConfig, run_scenario
     from dpprof.emulator.catalog import lookup_gpu
     from dpprof.emulator.fsdp import emulated_ranks
-    from dpprof.measure.ladder import fully_sharded
+    from dpprof.measure.rung_models import fully_sharded
     from dpprof.scenarios.names import SINGLE
     from dpprof.scenarios.step import StepConfig
 

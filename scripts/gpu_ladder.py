@@ -5,7 +5,7 @@
     python scripts/gpu_ladder.py --emulated --record $OUT/ladder.json   # the emulator's side
 
 Each rung (``--parts``, one fresh process each) runs dpprof's own rung workload
-(:func:`dpprof.measure.ladder.rung_workload`) through the cuda backend's ``single``
+(:func:`dpprof.measure.rung_models.rung_workload`) through the cuda backend's ``single``
 scenario on cuda:0: mixed precision, activation checkpointing of the repeated blocks, both,
 gradient accumulation (``accumK``), and FSDP2 (``fsdp-zero2@N``, ``fsdp-zero3@N``, with
 ``-bf16`` (``MixedPrecisionPolicy``), ``-checkpoint`` and ``-offload``
@@ -45,7 +45,7 @@ DEFAULT_PARTS = ("plain,bf16,checkpoint,bf16-checkpoint,accum4,bf16-checkpoint-a
 
 def parse(part: str, batch: int) -> tuple[Any, int, int]:
     """The rung a part names, the FSDP2 world (1: none) and the rank's rows."""
-    from dpprof.measure.ladder import Rung
+    from dpprof.measure.ladder_rungs import Rung
 
     name, _, world_s = part.partition("@")
     world = int(world_s) if world_s else 1
@@ -67,7 +67,7 @@ def run_part(part: str, workload: str, batch: int, emulated: bool,
     import torch
 
     from dpprof.emulator.fsdp import emulated_ranks
-    from dpprof.measure.ladder import rung_workload
+    from dpprof.measure.rung_models import rung_workload
     from dpprof.scenarios.names import SINGLE
     from dpprof.scenarios.step import StepConfig
     from dpprof.scenarios.workloads import load_workload

@@ -4,7 +4,7 @@ the checks against real gloo ranks (loaded by path in the profiled ranks)."""
 from __future__ import annotations
 
 import dpprof
-from dpprof.measure.ladder import fully_sharded
+from dpprof.measure.rung_models import fully_sharded
 
 
 def lm_small() -> dpprof.Workload:

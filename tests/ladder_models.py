@@ -4,7 +4,7 @@ execution (loaded by path in the profiled rank)."""
 from __future__ import annotations
 
 import dpprof
-from dpprof.measure.ladder import checkpointed
+from dpprof.measure.rung_models import checkpointed
 
 
 def lm_checkpointed() -> dpprof.Workload:

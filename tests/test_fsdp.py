@@ -2,7 +2,7 @@
 torch.profiler.
 
 Both sides run torch's own ``fully_shard`` on each repeated block and at the root
-(:func:`dpprof.measure.ladder.fully_sharded`); the emulator over a fake process group of two
+(:func:`dpprof.measure.rung_models.fully_sharded`); the emulator over a fake process group of two
 ranks (:func:`dpprof.emulator.fsdp.emulated_ranks`), the real ranks over gloo. What was live
 when the measured iteration began (sharded parameters and optimizer state, the previous
 step's outputs) is equal to the byte; the measured iteration's peak is equal to the byte once
@@ -179,7 +179,7 @@ def test_a_sharded_rank_counts_nccl_beside_its_context() -> None:
     # FSDP2's ranks hold an NCCL communicator as DDP's do; the ladder's FSDP2 rungs say so
     # (collectives=True), so their fit counts NCCL's memory as DDP's does
     from dpprof.emulator.context import NCCL_RANK_BYTES
-    from dpprof.measure.ladder import fully_sharded
+    from dpprof.measure.rung_models import fully_sharded
 
     cfg = EmulationConfig(gpus=1, gpu_memory_bytes=80 << 30, count_reserved=True,
                           step=StepConfig(batch=1))

@@ -19,7 +19,8 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.fsdp import emulated_ranks
-from dpprof.measure.ladder import Rung, rung_workload
+from dpprof.measure.ladder_rungs import Rung
+from dpprof.measure.rung_models import rung_workload
 from dpprof.scenarios.step import StepConfig, build_model
 from dpprof.scenarios.workloads import LMConfig, Workload, lm
 

@@ -4,7 +4,7 @@ Mixed precision: the emulator re-enacts autocast at the function level over meta
 (:class:`dpprof.emulator.kernels.EmulatedAutocast`); with torch's CPU op lists it must give
 the peak that ``torch.autocast("cpu", torch.bfloat16)`` gives on real tensors, recorded by
 torch.profiler, to the byte. Activation checkpointing: the blocks the ladder wraps
-(:func:`dpprof.measure.ladder.checkpointed`) run for real under the profiler and in the
+(:func:`dpprof.measure.rung_models.checkpointed`) run for real under the profiler and in the
 emulator; the peaks are equal, less the CPU generator's state that each checkpointed block
 stashes on the host until its recompute (``torch.get_rng_state()``, made outside the
 dispatcher: host memory on a GPU, never device memory).
@@ -32,7 +32,7 @@ from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
 from dpprof.fixes.policy import MARGIN
-from dpprof.measure.ladder import checkpointed, repeated_blocks
+from dpprof.measure.rung_models import checkpointed, repeated_blocks
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import load_workload
 from dpprof.units import fmt_bytes
@@ -515,7 +515,8 @@ def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> Non
     # tensor) to the GPU by assigning .data, which a host tensor cannot take from a virtual
     # GPU's meta bytes: swapped instead, the buffer ends on cuda:0 as on a GPU
     from dpprof.emulator.fsdp import emulated_ranks
-    from dpprof.measure.ladder import Rung, rung_workload
+    from dpprof.measure.ladder_rungs import Rung
+    from dpprof.measure.rung_models import rung_workload
 
     rung = Rung("zero3", "ZeRO-3", None, False, reshard_after_forward=True, offload=offload)
     trace: dict[str, Any] = {}
@@ -530,7 +531,8 @@ def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> Non
 
 def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:
     # an H200 reserved up to 10 % more than the simulation of FSDP2's streams: the rung says so
-    from dpprof.measure.ladder import Rung, detail
+    from dpprof.measure.ladder_code import detail
+    from dpprof.measure.ladder_rungs import Rung
 
     zero3 = Rung("ladder-fsdp2-zero3", "FSDP2, ZeRO-3", None, False, reshard_after_forward=True)
     plain = Rung("ladder-bf16", "Mixed precision", "bfloat16", False)
@@ -581,13 +583,13 @@ def test_compare_rung_code_compiles_and_names_only_the_typical_scripts(model: nn
     out)."""
     from test_run_diffs import undefined_names
 
-    from dpprof.measure import ladder
+    from dpprof.measure.ladder_code import code
+    from dpprof.measure.ladder_rungs import accumulation_rung, fsdp_rungs, rungs
 
-    base = ladder.rungs((9, 0), True)
-    for rung in [*base, *ladder.fsdp_rungs(4, True), *(ladder.accumulation_rung(r, 4)
-                                                       for r in base)]:
-        code = ladder.code(rung, 4, 64, model)
-        new = "\n".join(line[1:] for line in code.splitlines() if line[:1] in "+ ")
+    base = rungs((9, 0), True)
+    for rung in [*base, *fsdp_rungs(4, True), *(accumulation_rung(r, 4) for r in base)]:
+        new = "\n".join(line[1:] for line in code(rung, 4, 64, model).splitlines()
+                        if line[:1] in "+ ")
         compile(new, rung.name, "exec")
         missing = {n.split(": ")[1] for n in undefined_names(new)}
         assert missing <= TYPICAL_SCRIPT_NAMES, (rung.name, missing - TYPICAL_SCRIPT_NAMES)

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from dpprof.answers.answer import build_answer
 from dpprof.cli.app import app
-from dpprof.measure.ladder import CODE_CHECKPOINT
-from dpprof.measure.ladder import rungs as ladder_rungs
+from dpprof.measure.ladder_code import CODE_CHECKPOINT
+from dpprof.measure.ladder_rungs import rungs as ladder_rungs
 from dpprof.result import Fix, RunResult
 from dpprof.script import rewrite
 from dpprof.script.runner import ScriptRun, run_script

@@ -391,7 +391,7 @@ def _fsdp2_rank(d_model: int, reshard: bool) -> tuple[ScenarioResult, list[Any],
     its result, its op log, the model's parameter bytes, each parameter padded to a
     multiple of 4 rows as FSDP2 shards it."""
     from dpprof.emulator.fsdp import emulated_ranks
-    from dpprof.measure.ladder import fully_sharded
+    from dpprof.measure.rung_models import fully_sharded
     from dpprof.scenarios.workloads import LMConfig, lm
 
     base = lm(LMConfig(vocab=2048, seq=64, d_model=d_model, layers=2, heads=4))

@@ -36,6 +36,10 @@ context, :attr:`Fix.need_bytes`), so the verdict can name the cheapest rung that
 (:func:`dpprof.answers.answer.build_answer`). The ladder runs only where the data-parallel
 floor is out of memory (:func:`wanted`): a comparison that fits pays nothing for it.
 
+The rungs are :mod:`dpprof.measure.ladder_rungs`, the model each changes
+:mod:`dpprof.measure.rung_models`, what each reports (its code, its detail)
+:mod:`dpprof.measure.ladder_code`; this module measures them.
+
 Checked against real execution on CPU tensors (``tests/test_ladder.py``): autocast against
 ``torch.autocast("cpu", torch.bfloat16)`` and checkpointing against the plain
 ``torch.utils.checkpoint``, each recorded by ``torch.profiler``, to the byte.
@@ -44,122 +48,29 @@ Checked against real execution on CPU tensors (``tests/test_ladder.py``): autoca
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, probe_model, run_scenario
 from dpprof.emulator import fsdp as fsdp2
-from dpprof.emulator.fsdp import emulated_ranks, shard_model
-from dpprof.fixes.kinds.ddp_in_place import CODE_SETUP
-from dpprof.fixes.policy import LADDER_PREFIX as PREFIX
-from dpprof.fixes.policy import cost_of
+from dpprof.emulator.fsdp import emulated_ranks
+from dpprof.fixes.policy import LADDER_PREFIX, cost_of
+from dpprof.measure.ladder_code import code, detail
+from dpprof.measure.ladder_rungs import (
+    Rung,
+    accumulation_rung,
+    fsdp_rungs,
+    micro_batch_counts,
+    rungs,
+)
+from dpprof.measure.rung_models import repeated_blocks, rung_workload
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.workloads import Workload, shard_sizes
 from dpprof.units import fmt_bytes
-
-CODE_SINGLE_LOOP = """\
--model = nn.DataParallel(model.cuda())
-+model = model.cuda()
-"""
-CODE_CHECKPOINT = """\
-+from torch.utils.checkpoint import checkpoint
-+
-+def checkpointed(block):  # its activations are recomputed in backward
-+    forward = block.forward
-+    block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
-+
-+for block in {loop}:  # the {count} repeated {kind} blocks
-+    checkpointed(block)
-"""
-CODE_FSDP = """\
-+# torchrun --nproc-per-node {gpus} train.py
-+from torch.distributed.fsdp import {imports}
-+dist.init_process_group("nccl")
-+rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
--model = nn.DataParallel(model.cuda())
-+model = model.cuda(rank)
-"""
-# CPUOffloadPolicy requires the parameters on the host when fully_shard runs
-CODE_FSDP_HOST = """\
-+# torchrun --nproc-per-node {gpus} train.py
-+from torch.distributed.fsdp import {imports}
-+dist.init_process_group("nccl")
-+rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
--model = nn.DataParallel(model.cuda())
-+# the model stays on the CPU: fully_shard keeps each rank's shards in pinned host memory
-"""
-CODE_FSDP_SHARD = """\
-+for block in {loop}:  # the {count} repeated {kind} blocks, each sharded
-+    fully_shard(block, reshard_after_forward={reshard}{policy})
-+fully_shard(model, reshard_after_forward={reshard}{policy})  # the rest, at the root
-+optimizer = torch.optim.AdamW(model.parameters())  # yours, made after fully_shard: over the shards
-+loader = DataLoader(dataset, batch_size={per_rank},
-+                    sampler=DistributedSampler(dataset))  # per-rank batch
-"""
-# FSDP2's own mixed precision: the all-gathers cast the float32 shards, gradients are
-# reduced in float32 (no autocast in the loop)
-CODE_FSDP_POLICY = """\
-+mp = MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32)
-"""
-CODE_LOOP_PLAIN = """\
- for inputs, targets in loader:
--    loss = loss_fn(model(inputs.cuda()), targets.cuda())
-+    loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))
-     optimizer.zero_grad()
-     loss.backward()
-     optimizer.step()"""
-CODE_LOOP_BF16 = """\
- for inputs, targets in loader:
--    loss = loss_fn(model(inputs.cuda()), targets.cuda())
-+    with torch.autocast("cuda", dtype=torch.bfloat16):  # weights stay float32
-+        loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))
-     optimizer.zero_grad()
-     loss.backward()
-     optimizer.step()"""
-CODE_LOOP_FP16 = """\
-+scaler = torch.amp.GradScaler("cuda")
- for inputs, targets in loader:
--    loss = loss_fn(model(inputs.cuda()), targets.cuda())
-+    with torch.autocast("cuda", dtype=torch.float16):  # weights stay float32
-+        loss = loss_fn(model(inputs.cuda(rank)), targets.cuda(rank))
-     optimizer.zero_grad()
--    loss.backward()
--    optimizer.step()
-+    scaler.scale(loss).backward()
-+    scaler.step(optimizer)
-+    scaler.update()"""
-
-
-@dataclass(frozen=True)
-class Rung:
-    """One rung: its name (``ladder-...``), its title, and what it changes."""
-
-    name: str
-    title: str
-    amp: str | None  # autocast's dtype, or None
-    checkpoint: bool  # the repeated blocks checkpointed
-    micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
-    # FSDP2: fully_shard per repeated block and at the root; True ZeRO-3
-    # (reshard_after_forward), False ZeRO-2; None: no sharding
-    reshard_after_forward: bool | None = None
-    # FSDP2's own mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)
-    param_dtype: str | None = None
-    # FSDP2's CPUOffloadPolicy: sharded parameters, gradients, optimizer state on the host
-    offload: bool = False
-
-
-def amp_dtype(compute_capability: tuple[int, int]) -> str:
-    """bfloat16 where the GPU computes in it (compute capability 8.0 and up), else float16."""
-    return "bfloat16" if compute_capability >= (8, 0) else "float16"
-
 
 # The share of this machine's free memory an emulated CPU-offload rung may take: it builds
 # the whole model on the real host (as the user's code does before fully_shard), so a model
@@ -195,155 +106,6 @@ def offload_unmeasurable(model: nn.Module) -> str | None:
             f"on a machine with {fmt_bytes(int(need / OFFLOAD_HOST_SHARE))} free it is measured")
 
 
-def fsdp_rungs(gpus: int, blocks: bool,
-               compute_capability: tuple[int, int] = (8, 0),
-               offload: bool = True) -> list[Rung]:
-    """FSDP2's rungs, on several GPUs with repeated blocks: ZeRO-2 (each block's parameters
-    unsharded from its forward to its backward: one all-gather per block per step), ZeRO-3
-    (resharded after the forward, all-gathered again for the backward), then ZeRO-3 with
-    what FSDP2 users pair it with: FSDP2's own bf16 (``MixedPrecisionPolicy``, where the GPU
-    computes in bf16; below compute capability 8.0 fp16 would need a gradient scaler, so
-    none) and the same blocks checkpointed, the lightest of the three; last ZeRO-3 with
-    ``CPUOffloadPolicy`` (the shards, their gradients and the optimizer state in host
-    memory, the optimizer step on the CPU): the last resort before accumulation, since it
-    costs step time (an H200 measured the lm step 0.033 s -> 0.089 s)."""
-    if gpus < 2 or not blocks or fsdp2.missing() is not None:
-        return []
-    bf16 = amp_dtype(compute_capability) == "bfloat16"
-    out = [Rung(f"{PREFIX}fsdp2-zero2", "FSDP2, ZeRO-2 (fully_shard, reshard_after_forward"
-                 "=False)", None, False, reshard_after_forward=False),
-            Rung(f"{PREFIX}fsdp2-zero3", "FSDP2, ZeRO-3 (fully_shard per block and root)",
-                 None, False, reshard_after_forward=True),
-            Rung(f"{PREFIX}fsdp2-zero3{'-bf16' if bf16 else ''}-checkpoint",
-                 f"FSDP2, ZeRO-3{', bf16 (MixedPrecisionPolicy)' if bf16 else ''} and "
-                 "activation checkpointing", None, True, reshard_after_forward=True,
-                 param_dtype="bfloat16" if bf16 else None),
-            Rung(f"{PREFIX}fsdp2-zero3-offload", "FSDP2, ZeRO-3 and CPU offload "
-                 "(CPUOffloadPolicy)", None, False, reshard_after_forward=True, offload=True)]
-    return out if offload else [r for r in out if not r.offload]
-
-
-def rungs(compute_capability: tuple[int, int], blocks: bool) -> list[Rung]:
-    """The rungs, cheapest first (mixed precision speeds a step up; checkpointing costs a
-    forward of the blocks); checkpointing only where the model has repeated blocks."""
-    amp = amp_dtype(compute_capability)
-    short = "bf16" if amp == "bfloat16" else "fp16"
-    out = [Rung(f"{PREFIX}{short}", f"Mixed precision ({short} autocast)", amp, False)]
-    if blocks:
-        out += [Rung(f"{PREFIX}checkpoint", "Activation checkpointing of the repeated blocks",
-                     None, True),
-                Rung(f"{PREFIX}{short}-checkpoint",
-                     f"Mixed precision ({short}) and activation checkpointing", amp, True)]
-    return out
-
-
-# ---- the repeated blocks -------------------------------------------------------------------
-
-
-# torch.nn's own layers (and subclasses: timm's BatchNormAct2d, LayerNorm2d) are never the
-# block a user checkpoints: one layer saves its input either way, so checkpointing it alone
-# saves nothing. A CNN repeats its Conv2d more often than its residual blocks.
-LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.PReLU)
-# plain containers group blocks (a ResNet's stages, a ViT's encoder.layers and its head)
-# rather than being one; their subclasses (torchvision's MLPBlock) are blocks of their own
-CONTAINERS: tuple[type[nn.Module], ...] = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks a user would checkpoint, with their qualified names: the children of
-    the model's largest ``nn.ModuleList`` (most children; two at least), else the
-    outermost instances of the module type that holds parameters and repeats most (two at
-    least), leaving out torch.nn's own layers (:data:`LAYERS`) and plain containers
-    (:data:`CONTAINERS`); empty when nothing repeats."""
-    lists = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) >= 2]
-    if lists:
-        name, best = max(lists, key=lambda nm: len(nm[1]))
-        return [(f"{name}.{k}" if name else str(k), child)
-                for k, child in best.named_children()]
-    kinds = Counter(type(m) for m in model.modules()
-                    if m is not model and any(True for _ in m.parameters()))
-    repeated = [k for k, n in kinds.most_common() if n >= 2
-                and not issubclass(k, LAYERS) and k not in CONTAINERS]
-    if not repeated:
-        return []
-    kind = repeated[0]
-    out: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if type(m) is kind and not any(name.startswith(f"{o}.") for o, _ in out):
-            out.append((name, m))
-    return out
-
-
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Wrap each repeated block's forward in non-reentrant ``torch.utils.checkpoint`` (as
-    :data:`CODE_CHECKPOINT` shows the user); the number of blocks wrapped."""
-    from torch.utils.checkpoint import checkpoint
-
-    blocks = repeated_blocks(model)
-    for _, block in blocks:
-        forward = block.forward
-
-        def run(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-        block.forward = run  # type: ignore[method-assign]
-    return len(blocks)
-
-
-def _checkpointed_model(build: Callable[[], nn.Module]) -> nn.Module:
-    model = build()
-    checkpoint_blocks(model)
-    return model
-
-
-def checkpointed(wl: Workload) -> Workload:
-    """``wl`` with its model's repeated blocks checkpointed (the same weights: the blocks
-    are wrapped after the model is built)."""
-    return dataclasses.replace(wl, model=functools.partial(_checkpointed_model, wl.model))
-
-
-def _sharded_model(build: Callable[[], nn.Module], reshard_after_forward: bool,
-                   param_dtype: str | None, checkpoint: bool, offload: bool = False
-                   ) -> nn.Module:
-    model = build()
-    if checkpoint:  # the blocks' forwards wrapped first, then sharded (as torchtitan does)
-        checkpoint_blocks(model)
-    return shard_model(model, [b for _, b in repeated_blocks(model)], reshard_after_forward,
-                       getattr(torch, param_dtype) if param_dtype is not None else None,
-                       offload)
-
-
-def fully_sharded(wl: Workload, reshard_after_forward: bool = True,
-                  param_dtype: str | None = None, checkpoint: bool = False,
-                  offload: bool = False) -> Workload:
-    """``wl`` with its model under FSDP2: ``fully_shard`` on each repeated block, then the
-    root, over the default process group (:func:`dpprof.emulator.fsdp.shard_model`;
-    ``reshard_after_forward``: True ZeRO-3, False ZeRO-2; ``param_dtype``: FSDP2's
-    ``MixedPrecisionPolicy`` in that dtype, reduced in float32), the blocks checkpointed
-    first where ``checkpoint``."""
-    return dataclasses.replace(wl, model=functools.partial(
-        _sharded_model, wl.model, reshard_after_forward, param_dtype, checkpoint, offload))
-
-
-def rung_workload(wl: Workload, rung: Rung) -> Workload:
-    """``wl`` as ``rung`` changes its model: the repeated blocks checkpointed, sharded by
-    FSDP2 (with its mixed precision), or neither (autocast and micro-batches are the
-    step's)."""
-    if rung.reshard_after_forward is not None:
-        return fully_sharded(wl, rung.reshard_after_forward, rung.param_dtype,
-                             rung.checkpoint, rung.offload)
-    return checkpointed(wl) if rung.checkpoint else wl
-
-
-# ---- measuring the rungs ---------------------------------------------------------------------
-
-
 def floor_scenario(gpus: int) -> str:
     """The scenario the rungs change: DDP on several GPUs, the one GPU otherwise."""
     return DDP if gpus > 1 else SINGLE
@@ -366,170 +128,6 @@ def _need(s: ScenarioResult) -> int:
 def _peaks(s: ScenarioResult) -> tuple[int, int]:
     used = [d for d in s.devices if d.used]
     return used[0].peak_allocated_bytes, max(d.peak_allocated_bytes for d in used)
-
-
-def accumulation_loop_code(rung: Rung, gpus: int) -> str:
-    """The typical loop with ``rung.micro_batches`` micro-batches per optimizer step (under
-    DDP the first ones inside ``no_sync()``), with the rung's autocast if any."""
-    k = rung.micro_batches
-    rank = "rank" if gpus > 1 else ""
-    pad = "    " if rung.amp is None else "        "
-    lines = ["-for inputs, targets in loader:",
-             "+for i, (inputs, targets) in enumerate(loader):",
-             "-    loss = loss_fn(model(inputs.cuda()), targets.cuda())",
-             "-    optimizer.zero_grad()",
-             "-    loss.backward()",
-             "-    optimizer.step()",
-             f"+    last = (i + 1) % {k} == 0  # {k} micro-batches per optimizer step"]
-    if gpus > 1:
-        lines.append("+    with contextlib.nullcontext() if last else model.no_sync():  "
-                     "# one all-reduce")
-    else:
-        lines.append("+    with contextlib.nullcontext():")
-    if rung.amp is not None:
-        lines.append(f'+        with torch.autocast("cuda", dtype=torch.{rung.amp}):')
-    lines += [f"+    {pad}loss = loss_fn(model(inputs.cuda({rank})), "
-              f"targets.cuda({rank})) / {k}",
-              "+        " + ("scaler.scale(loss).backward()" if rung.amp == "float16"
-                            else "loss.backward()") + "  # the gradients add up in .grad",
-              "+    if last:"]
-    if rung.amp == "float16":
-        lines += ["+        scaler.step(optimizer)", "+        scaler.update()"]
-    else:
-        lines.append("+        optimizer.step()")
-    lines.append("+        optimizer.zero_grad()")
-    if rung.amp == "float16":
-        lines.insert(0, '+scaler = torch.amp.GradScaler("cuda")')
-    return "\n".join(lines)
-
-
-def code(rung: Rung, gpus: int, batch: int, model: nn.Module) -> str:
-    """The rung's change to the typical DataParallel loop, as a diff."""
-    per_rank = shard_sizes(batch, gpus)[0]
-    rows = -(-per_rank // rung.micro_batches)  # the loader's batch: one micro-batch
-    head = (CODE_SETUP.format(gpus=gpus, per_rank=rows) if gpus > 1 else CODE_SINGLE_LOOP)
-    if rung.micro_batches > 1:
-        head = head.replace("  # per-rank batch", f"  # {per_rank} rows per rank in "
-                            f"{rung.micro_batches}")
-        if gpus == 1:
-            head += (f"+loader = DataLoader(dataset, batch_size={rows})  # {per_rank} rows "
-                     f"in {rung.micro_batches}\n")
-    words = blocks_words(model)
-    if rung.reshard_after_forward is not None:
-        return fsdp_code(rung, gpus, rows, words) + CODE_LOOP_PLAIN
-    if rung.checkpoint:
-        head += CODE_CHECKPOINT.format(**words)
-    if rung.micro_batches > 1:
-        # the loop's micro-batches before the last skip DDP's all-reduce, the last does not
-        return "+import contextlib\n" + head + accumulation_loop_code(rung, gpus)
-    loop = (CODE_LOOP_PLAIN if rung.amp is None else
-            CODE_LOOP_BF16 if rung.amp == "bfloat16" else CODE_LOOP_FP16)
-    if gpus == 1:
-        loop = loop.replace("(rank)", "()")
-    return head + loop
-
-
-def fsdp_code(rung: Rung, gpus: int, per_rank: int, words: dict[str, Any]) -> str:
-    """An FSDP2 rung's setup: the process group, the blocks checkpointed first where the
-    rung does (the wrapped blocks are then sharded, as torchtitan orders them), FSDP2's
-    mixed-precision policy where it has one, ``fully_shard`` per block and at the root."""
-    policy = rung.param_dtype is not None
-    imports = ", ".join([*(["CPUOffloadPolicy"] if rung.offload else []),
-                         *(["MixedPrecisionPolicy"] if policy else []), "fully_shard"])
-    out = (CODE_FSDP_HOST if rung.offload else CODE_FSDP).format(gpus=gpus, imports=imports)
-    if rung.checkpoint:
-        out += CODE_CHECKPOINT.format(**words)
-    if policy:
-        out += CODE_FSDP_POLICY.format(dtype=rung.param_dtype)
-    args = ((", mp_policy=mp" if policy else "")
-            + (", offload_policy=CPUOffloadPolicy()" if rung.offload else ""))
-    return out + CODE_FSDP_SHARD.format(per_rank=per_rank, reshard=rung.reshard_after_forward,
-                                        policy=args, **words)
-
-
-def blocks_words(model: nn.Module) -> dict[str, Any]:
-    """The words of :data:`CODE_CHECKPOINT` and :data:`CODE_FSDP_SHARD` for the model's
-    repeated blocks: where they are (``blocks``), how many (``count``), their type
-    (``kind``)."""
-    blocks = repeated_blocks(model)
-    names = [n for n, _ in blocks]
-    parent = names[0].rpartition(".")[0] if names else ""
-    same_parent = all(n.rpartition(".")[0] == parent for n in names) and parent
-    where = parent if same_parent else "modules()  # " + ", ".join(names[:3])
-    # whether iterating the parent gives the blocks and nothing else (a ModuleList of them,
-    # not a Sequential that also holds a norm), so the code can name the parent alone
-    whole = bool(same_parent) and len(list(model.get_submodule(parent).children())) == len(names)
-    # the blocks as the code iterates them: the parent where it holds them alone, else each
-    # by its qualified name
-    loop = (f"model.{parent}" if whole else
-            f"map(model.get_submodule, ({''.join(repr(n) + ', ' for n in names).rstrip()}))")
-    return {"blocks": where, "count": len(blocks), "loop": loop,
-            "kind": type(blocks[0][1]).__name__ if blocks else "",
-            "names": names, "whole": whole}
-
-
-def offload_words(host_bytes: dict[str, int], gpus: int) -> str:
-    """CPU offload's part of a rung's detail: the host memory each rank keeps (read from the
-    rank's real host tensors after its step, :func:`dpprof.emulator.fsdp.host_bytes`), and
-    what it costs."""
-    kept = sum(host_bytes.get(k, 0) for k in ("parameters", "gradients", "optimizer_state"))
-    pinned = host_bytes.get("pinned", 0)
-    return ("; CPUOffloadPolicy: each rank keeps its shards of the parameters "
-            f"({fmt_bytes(host_bytes.get('parameters', 0))}), their gradients "
-            f"({fmt_bytes(host_bytes.get('gradients', 0))}) and the optimizer state "
-            f"({fmt_bytes(host_bytes.get('optimizer_state', 0))}) in host memory: "
-            f"{fmt_bytes(kept)} per rank, {fmt_bytes(pinned)} of it pinned (page-locked), "
-            f"{fmt_bytes(kept * gpus)} for the {gpus} ranks of one machine; each all-gather "
-            "first copies the rank's shards to its GPU and each reduce-scatter's gradient "
-            "shards are copied back, and the optimizer step runs on the CPU, so each step "
-            "is slower (an H200 measured the lm workload's ZeRO-3 step at 0.033 s, "
-            "0.089 s with CPU offload)")
-
-
-def detail(rung: Rung, blocks: int, floor: str, per_rank: int = 0,
-           host_bytes: dict[str, int] | None = None, gpus: int = 1) -> str:
-    parts = []
-    if rung.reshard_after_forward is not None:
-        return (f"FSDP2 (torch's own fully_shard, emulated per rank over a fake process "
-                f"group): {blocks} repeated blocks and the root sharded 1/N with their "
-                "gradients and optimizer state; "
-                + ("each block's parameters all-gathered for its forward and again for its "
-                   "backward" if rung.reshard_after_forward else
-                   "each block's parameters kept unsharded from its forward to its backward")
-                + (f"; MixedPrecisionPolicy(param_dtype={rung.param_dtype}, reduce_dtype="
-                   f"float32): the all-gathers cast the float32 shards to {rung.param_dtype}, "
-                   f"so the unsharded parameters, activations and gradients are "
-                   f"{rung.param_dtype}, the gradients reduce-scattered in float32; the "
-                   "sharded parameters, gradients and optimizer state stay float32"
-                   if rung.param_dtype is not None else "")
-                + ("; the blocks checkpointed (non-reentrant) before sharding: their "
-                   "activations recomputed in backward, one more forward of the blocks"
-                   if rung.checkpoint else "")
-                + (offload_words(host_bytes or {}, gpus) if rung.offload else "")
-                + f"; the same {per_rank} rows per GPU; its reserved memory is simulated "
-                "with the blocks of FSDP2's all-gather and reduce-scatter streams pooled "
-                "apart, as the caching allocator keeps them (on an H200 "
-                + ("7-11 % under with CPU offload" if rung.offload else
-                   "within 2 % for three FSDP2 rungs of five, 6-10 % under for two")
-                + ": its need may be understated)")
-    if rung.micro_batches > 1:
-        rows = -(-per_rank // rung.micro_batches)
-        parts.append(f"{rung.micro_batches} micro-batches of {rows} rows per optimizer step "
-                     f"(the same {per_rank} rows per GPU): {rung.micro_batches} forward/"
-                     "backward passes per step"
-                     + (f", the first {rung.micro_batches - 1} inside no_sync() (one "
-                        "all-reduce per step)" if floor == DDP else ""))
-    if rung.amp is not None:
-        parts.append(f"forward and loss under torch.autocast('cuda', {rung.amp}): matmuls "
-                     "and convolutions and the activations they save in "
-                     f"{rung.amp}; parameters (master weights), gradients, optimizer state "
-                     "and the loss stay float32"
-                     + ("; GradScaler's scale and found-inf scalars (a few bytes) are not "
-                        "emulated" if rung.amp == "float16" else ""))
-    if rung.checkpoint:
-        parts.append(f"{blocks} repeated blocks checkpointed (non-reentrant): their "
-                     "activations are recomputed in backward, one more forward of the blocks")
-    return f"on {floor}: " + "; ".join(parts)
 
 
 def in_process_group() -> bool:
@@ -627,25 +225,6 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
     return out
 
 
-def accumulation_rung(rung: Rung, k: int) -> Rung:
-    """``rung`` (mixed precision, checkpointing, neither) with ``k`` micro-batches."""
-    if rung.amp is None and not rung.checkpoint:
-        return Rung(f"{PREFIX}accumulate", f"Gradient accumulation ({k} micro-batches)",
-                    None, False, k)
-    base_name = rung.name.removeprefix(PREFIX)
-    return Rung(f"{PREFIX}{base_name}-accumulate", f"{rung.title}, {k} micro-batches",
-                rung.amp, rung.checkpoint, k)
-
-
-def micro_batch_counts(per_rank: int) -> list[int]:
-    """The micro-batch counts tried: 2, 4, 8... below the per-rank rows, then the rows."""
-    out, k = [], 2
-    while k < per_rank:
-        out.append(k)
-        k *= 2
-    return [*out, per_rank]
-
-
 def accumulation(rung: Rung, per_rank: int, capacity_bytes: int,
                  measure: Callable[[Rung], ScenarioResult | None]
                  ) -> tuple[Rung, ScenarioResult] | None:
@@ -674,6 +253,6 @@ def accumulation(rung: Rung, per_rank: int, capacity_bytes: int,
 def cheapest_fit(run: RunResult) -> Fix | None:
     """The cheapest rung (by the policy's cost, :mod:`dpprof.fixes.policy`) whose fullest
     GPU fits, counting what the out-of-memory check counts."""
-    fits = [f for f in run.fixes if f.name.startswith(PREFIX) and f.need_bytes is not None
+    fits = [f for f in run.fixes if f.name.startswith(LADDER_PREFIX) and f.need_bytes is not None
             and f.need_bytes <= run.gpu_memory_bytes]
     return min(fits, key=lambda f: cost_of(f.name).rank, default=None)

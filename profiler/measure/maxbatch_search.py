@@ -33,7 +33,10 @@ from dataclasses import dataclass
 from dpprof.backends.emulated import EmulationConfig, probe_model, run_scenario
 from dpprof.emulator.catalog import GpuSpec
 from dpprof.emulator.fsdp import emulated_ranks
+from dpprof.fixes.policy import LADDER_PREFIX
 from dpprof.measure import ladder
+from dpprof.measure.ladder_rungs import Rung, accumulation_rung, fsdp_rungs, rungs
+from dpprof.measure.rung_models import repeated_blocks, rung_workload
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
@@ -249,25 +252,24 @@ def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]
     then :data:`LADDER_MICRO_BATCHES` micro-batches."""
     floor = ladder.floor_scenario(base.gpus)
     model = probe_model(wl, base.gpus)
-    blocks = bool(ladder.repeated_blocks(model))
-    rungs = ladder.rungs(base.compute_capability, blocks)
+    blocks = bool(repeated_blocks(model))
+    tried = rungs(base.compute_capability, blocks)
     if not ladder.in_process_group():  # FSDP2 is emulated over a process group of its own
-        rungs += ladder.fsdp_rungs(base.gpus, blocks, base.compute_capability,
-                                   offload=ladder.offload_unmeasurable(model) is None)
+        tried += fsdp_rungs(base.gpus, blocks, base.compute_capability,
+                            offload=ladder.offload_unmeasurable(model) is None)
     if wl.step is None:  # accumulation runs the tutorial loop, not a workload's own step
-        rungs.append(ladder.accumulation_rung(ladder.Rung("", "", None, False),
-                                              LADDER_MICRO_BATCHES))
+        tried.append(accumulation_rung(Rung("", "", None, False), LADDER_MICRO_BATCHES))
     out = []
-    for rung in rungs:
+    for rung in tried:
         cfg = base.with_step(amp=rung.amp, micro_batches=rung.micro_batches)
         if rung.reshard_after_forward is not None:
-            out.append((rung.name.removeprefix(ladder.PREFIX), probe_emulated(
-                SINGLE, ladder.rung_workload(wl, rung),
+            out.append((rung.name.removeprefix(LADDER_PREFIX), probe_emulated(
+                SINGLE, rung_workload(wl, rung),
                 dataclasses.replace(cfg, collectives=True, host_model=rung.offload),
                 functools.partial(emulated_ranks, base.gpus))))
             continue
         label = (f"{rung.micro_batches} micro-batches" if rung.micro_batches > 1
-                 else rung.name.removeprefix(ladder.PREFIX))
-        out.append((f"{floor} + {label}", probe_emulated(floor, ladder.rung_workload(wl, rung),
+                 else rung.name.removeprefix(LADDER_PREFIX))
+        out.append((f"{floor} + {label}", probe_emulated(floor, rung_workload(wl, rung),
                                                          cfg)))
     return out

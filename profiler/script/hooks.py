@@ -22,7 +22,9 @@ from dpprof.emulator.events import DeviceCounters
 from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
-from dpprof.measure.ladder import Rung, blocks_words, checkpoint_blocks
+from dpprof.measure.ladder_code import blocks_words
+from dpprof.measure.ladder_rungs import Rung
+from dpprof.measure.rung_models import checkpoint_blocks
 from dpprof.script import wrappers
 from dpprof.script.wrappers import (
     DDP_IN_PLACE,

@@ -960,7 +960,7 @@ def _model_name(src: ScriptSource, forward_line: int) -> tuple[ast.stmt, str]:
 def checkpointing(source: str, path: str, forward_line: int, words: dict[str, object]
                   ) -> Rewrite:
     """The script with its model's repeated blocks (``words``:
-    :func:`dpprof.measure.ladder.blocks_words`) run under non-reentrant
+    :func:`dpprof.measure.ladder_code.blocks_words`) run under non-reentrant
     ``torch.utils.checkpoint``, as dpprof's rung ran them: the lines that wrap each block's
     forward, right after the statement that makes the model called on ``forward_line``
     (its ``.module``'s blocks where that statement wraps it in DataParallel or DDP)."""

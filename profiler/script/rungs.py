@@ -5,7 +5,7 @@ fix beside DataParallel's, with its change to the script.
 The floor is the DDP alternative of a DataParallel script (its own DataParallel run is not:
 the rungs replace nothing there), else the script as written (one GPU, DDP under
 ``torchrun`` or ``mp.spawn``, a model placed by hand). The rungs, cheapest first, are
-:func:`dpprof.measure.ladder.rungs`' (mixed precision; activation checkpointing of the
+:func:`dpprof.measure.ladder_rungs.rungs`' (mixed precision; activation checkpointing of the
 model's repeated blocks; both), applied by :class:`RungHooks` to the running script:
 
 * **mixed precision**: from the start of each outermost forward to the ``backward()`` call
@@ -14,7 +14,7 @@ model's repeated blocks; both), applied by :class:`RungHooks` to the running scr
   forward and loss in ``torch.autocast("cuda")``; the change to the script is that
   ``with`` block around the script's own lines (:func:`dpprof.script.rewrite.autocast_at`);
 * **activation checkpointing**: at the model's first call, each of its repeated blocks
-  (:func:`dpprof.measure.ladder.repeated_blocks`, the model unwrapped from DataParallel or
+  (:func:`dpprof.measure.rung_models.repeated_blocks`, the model unwrapped from DataParallel or
   DDP) has its forward wrapped in non-reentrant ``torch.utils.checkpoint``, exactly as the
   lines handed to the user do (:func:`dpprof.script.rewrite.checkpointing`).
 
@@ -35,14 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dpprof.answers.answer_figures import need_bytes
-from dpprof.measure.ladder import (
-    CODE_CHECKPOINT,
-    CODE_LOOP_BF16,
-    CODE_LOOP_FP16,
-    Rung,
-    detail,
-    rungs,
-)
+from dpprof.measure.ladder_code import CODE_CHECKPOINT, CODE_LOOP_BF16, CODE_LOOP_FP16, detail
+from dpprof.measure.ladder_rungs import Rung, rungs
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix
 from dpprof.scenarios.names import (
     DDP,

@@ -44,7 +44,7 @@ from dpprof.errors import (
     pending_interrupt,
     take_interrupt,
 )
-from dpprof.measure.ladder import Rung
+from dpprof.measure.ladder_rungs import Rung
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
 from dpprof.scenarios.names import (
     DDP,
@@ -182,7 +182,7 @@ class ScriptRun:
     shard_rows: dict[int, int] = field(default_factory=dict)  # see wrappers.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
     # the script's model: the words of the checkpointing code for its repeated blocks
-    # (dpprof.measure.ladder.blocks_words, their "count" among them); the lines of its
+    # (dpprof.measure.ladder_code.blocks_words, their "count" among them); the lines of its
     # first call and of the first backward() (file:line)
     blocks_words: dict[str, Any] = field(default_factory=dict)
     forward_site: str = ""
