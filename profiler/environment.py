@@ -27,7 +27,7 @@ from typing import Any
 
 from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices, torch_cuda_uuids
-from dpprof.nvml.libnvml import NvmlBackend, cuda_version_string
+from dpprof.nvml.queries import NvmlBackend, cuda_version_string
 from dpprof.units import fmt_bytes
 from dpprof.version import __version__
 

@@ -36,7 +36,7 @@ from dpprof.emulator.context import device_context
 from dpprof.errors import UsageError
 from dpprof.nvml import libnvml
 from dpprof.nvml.devices import resolve_visible_devices
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dpprof.nvml.libnvml import (
-    HINT_NO_GPU,
+from dpprof.nvml.libnvml import HINT_NO_GPU
+from dpprof.nvml.queries import (
     NVML_VALUE_NOT_AVAILABLE,
     P2P_CAPS_NVLINK,
     P2P_CAPS_READ,

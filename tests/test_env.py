@@ -13,7 +13,7 @@ from fake_nvml import FakeDevice, FakeLink, FakeNvml
 
 from dpprof import environment as env_module
 from dpprof.environment import collect_environment, environment_markdown, environment_rows
-from dpprof.nvml.libnvml import NvmlBackend, NvmlStatus
+from dpprof.nvml.queries import NvmlBackend, NvmlStatus
 
 A = "GPU-aaaa0000-1111-2222-3333-444444444444"
 B = "GPU-bbbb1111-1111-2222-3333-444444444444"

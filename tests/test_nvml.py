@@ -13,16 +13,14 @@ import pynvml
 import pytest
 from fake_nvml import FakeDevice, FakeLink, FakeNvml
 
-from dpprof.nvml.libnvml import (
-    HINT_PERMISSION,
+from dpprof.nvml.libnvml import HINT_PERMISSION, RealNvml, nvml_status
+from dpprof.nvml.queries import (
     NVML_VALUE_NOT_AVAILABLE,
     NvmlQueryError,
     PeerLink,
     ProcessMemory,
-    RealNvml,
     cuda_version_string,
     normalize_pci_bus_id,
-    nvml_status,
 )
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from fake_nvml import FakeDevice, FakeNvml
 
-from dpprof.nvml.libnvml import MemoryInfo, NvmlQueryError, RealNvml, Utilization
+from dpprof.nvml.libnvml import RealNvml
+from dpprof.nvml.queries import MemoryInfo, NvmlQueryError, Utilization
 from dpprof.nvml.sampler import (
     DeviceStopped,
     JsonlSink,

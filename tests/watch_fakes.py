@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fake_nvml import FakeDevice, FakeNvml
 
 from dpprof.nvml import libnvml
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.watch.monitor import descendants
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from dpprof.backends.cuda_measure import (
     model_on_device,
     watch_for,
 )
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.registry import find
 from dpprof.scenarios.step import scenario_batch

@@ -51,7 +51,7 @@ from dpprof.backends.ranks import (
     torchrun_info,
 )
 from dpprof.backends.ranks_spawn import spawn_ranks
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
 from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import scenario_batch

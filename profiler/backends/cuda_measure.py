@@ -42,7 +42,7 @@ from dpprof.backends.cuda_oom import find_oom, is_oom, one_line
 from dpprof.backends.nvml_watch import NvmlWatch
 from dpprof.emulator.kernels import StepAutocast
 from dpprof.nvml import libnvml
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,

@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Sequence
 
 from dpprof.nvml.devices import resolve_visible_devices
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler, Sample
 from dpprof.result import DeviceResult, TimelinePoint
 from dpprof.units import fmt_bytes

@@ -44,7 +44,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dpprof.nvml.libnvml import DeviceInfo, NvmlBackend, normalize_pci_bus_id
+from dpprof.nvml.queries import DeviceInfo, NvmlBackend, normalize_pci_bus_id
 
 __all__ = [
     "CudaVisibleDevices",

@@ -1,6 +1,6 @@
 """A background thread that samples GPU memory through NVML: the timeline behind each report.
 
-:class:`NvmlSampler` asks an :class:`~dpprof.nvml.libnvml.NvmlBackend` every ``interval_s`` seconds
+:class:`NvmlSampler` asks an :class:`~dpprof.nvml.queries.NvmlBackend` every ``interval_s`` seconds
 (default 0.02 s) for each device's used memory (``nvmlDeviceGetMemoryInfo``), and optionally
 its utilisation and the used memory of given processes, and keeps the readings as
 :class:`Sample` tuples ``(t_s, device, used_bytes, util_percent)``. ``t_s`` is seconds since
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, NamedTuple
 
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 
 __all__ = [
     "DeviceStopped",

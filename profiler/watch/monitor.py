@@ -61,7 +61,7 @@ from typing import Any
 
 from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml.devices import resolve_visible_devices
-from dpprof.nvml.libnvml import NvmlBackend
+from dpprof.nvml.queries import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler
 from dpprof.result import (
     ResultFileError,
