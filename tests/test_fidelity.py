@@ -1,6 +1,6 @@
 """The emulator against the allocator's own records (torch.profiler), on real CPU tensors.
 
-Both sides run the same loop (:func:`dpprof.scenarios.base.training_loop`, the PyTorch
+Both sides run the same loop (:func:`dpprof.scenarios.measured_loop.training_loop`, the PyTorch
 tutorial's loop in steady state), the profiler from before the model is built. For
 ``single`` and for each rank of a real two-process gloo DDP run, the measured iteration's
 allocation records (``profile_memory=True``) are matched, in order, against the emulator's
