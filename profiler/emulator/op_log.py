@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -235,7 +236,7 @@ class OpLog:
         return found
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, device: int,
-               sources: set[int], phase: str, mirrors: tuple[int, ...] = ()) -> None:
+               sources: Set[int], phase: str, mirrors: tuple[int, ...] = ()) -> None:
         """Log ``func`` run on ``device`` (its tensor inputs on ``sources``)."""
         # once per op of the emulated step: what it costs is the prediction's cost
         traits = _TRAITS.get(id(func))
@@ -255,7 +256,13 @@ class OpLog:
                                              "", 0, 0, 0, mirrors, 1, ())))
             return
         ins: list[torch.Tensor] = []
-        lists = _tensors(args, ins)
+        lists = 0
+        for a in args:  # _tensors, inline: most ops take tensors only
+            if isinstance(a, torch.Tensor):
+                ins.append(a)
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                lists += 1
+                ins.extend(x for x in a if isinstance(x, torch.Tensor))
         if kwargs:
             lists += _tensors(kwargs.values(), ins)
         moved = 0
