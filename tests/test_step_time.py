@@ -469,3 +469,62 @@ def test_variants_of_a_scenario_are_costed_by_their_predicted_step(
         assert by_fix[name].step_time_cost_s == pytest.approx(
             fix.predicted_step_time_s - base.predicted_step_time_s)
         assert "predicted" in by_fix[name].cost
+
+
+SCRIPTS = TESTS / "scripts"
+# a GPT of 2 blocks of 1024 wide over a 32k vocabulary (about 80M parameters): its DDP
+# all-reduce takes longer than its backward over PCIe, not over NVLink
+_WIDE_LM = ["--n-embd", "1024", "--n-layer", "2", "--vocab-size", "32768"]
+
+
+def _run_json(tmp_path: Path, *options: str) -> dict[str, Any]:
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
+    r = CliRunner().invoke(app, ["run", "-q", "--steps", "2", *options, "-o", str(out), "--",
+                                 "python", str(SCRIPTS / "dp_causal_lm.py"), *_WIDE_LM])
+    assert r.exit_code == 0, r.output
+    return dict(json.loads(out.read_text()))
+
+
+def _measured(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each scenario's figures but the predicted ones (and the notes, which carry the
+    run's wall time)."""
+    return [{**{k: v for k, v in s.items() if not k.startswith("predicted") and k != "notes"},
+             "devices": [{k: v for k, v in d.items() if k != "predicted_busy_s"}
+                         for d in s["devices"]]} for s in run["scenarios"]]
+
+
+@pytest.mark.slow
+def test_run_interconnect_changes_the_ddp_alternatives_predicted_step(tmp_path: Path) -> None:
+    """``dpprof run --interconnect`` reaches the emulation of every run of the script: over
+    PCIe the DDP alternative's bucket all-reduces outlast the backward and its predicted
+    step grows; nothing measured changes (memory, each device's figures)."""
+    runs = {link: _run_json(tmp_path, "--gpu", "h100-80gb", "--interconnect", link)
+            for link in ("nvlink", "pcie")}
+    ddp = {link: next(s for s in run["scenarios"] if s["name"] == "ddp")
+           for link, run in runs.items()}
+    assert ddp["pcie"]["predicted_step_time_s"] > 1.5 * ddp["nvlink"]["predicted_step_time_s"]
+    assert _measured(runs["nvlink"]) == _measured(runs["pcie"])
+    assert runs["pcie"]["config"]["interconnect"] == "pcie"
+
+
+def test_run_interconnect_is_compares_option() -> None:
+    """The same option, in the same help panel, refused the same way (exit 2, one line)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    options = {c: next(p for p in commands[c].params if p.name == "interconnect")
+               for c in ("compare", "run")}
+    assert options["run"].help == options["compare"].help
+    assert options["run"].rich_help_panel == options["compare"].rich_help_panel == "GPUs"
+    r = CliRunner().invoke(app, ["run", "--gpu", "rtx-4090", "--interconnect", "nvlink", "--",
+                                 "python", str(SCRIPTS / "dp_loss_outside.py")])
+    assert r.exit_code == 2, r.output
+    assert "--interconnect nvlink: the NVIDIA GeForce RTX 4090 has no NVLink" in r.output
+    assert "Traceback" not in r.output
