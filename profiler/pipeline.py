@@ -13,6 +13,7 @@ from dpprof.answers.comparison import compare
 from dpprof.backends.cpu import run_ddp_gloo
 from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.backends.cuda_host import host
+from dpprof.backends.cuda_predicted import measured_gpu, predict_beside_measured
 from dpprof.backends.cuda_run import cuda_compare, torchrun_compare
 from dpprof.backends.emulated import (
     ASSUMPTIONS,
@@ -180,6 +181,9 @@ def run_compare(
         ecfg = dataclasses.replace(ecfg, gpus=measured.gpus, compute=False,
                                    gpu_memory_bytes=measured.gpu_memory_bytes)
         run = measured
+        # and the step each scenario measured, predicted beside it
+        predict_beside_measured(run, wl, ecfg,
+                                measured_gpu(cfg.gpu, list(run.config.get("devices") or [0])))
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)
