@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.emulated_time import single_step_log
@@ -528,3 +529,45 @@ def test_run_interconnect_is_compares_option() -> None:
     assert r.exit_code == 2, r.output
     assert "--interconnect nvlink: the NVIDIA GeForce RTX 4090 has no NVLink" in r.output
     assert "Traceback" not in r.output
+
+
+class _ConvsAndRepeats(torch.nn.Module):
+    """Two convolutions of one input and weight shape but other strides, and one linear
+    layer run twice on the same shapes: calls the op log's FLOP cache must tell apart, and
+    calls it may share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fine = torch.nn.Conv2d(3, 8, 3, stride=1, padding=1)
+        self.coarse = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.fine(x).mean((2, 3))
+        b = self.coarse(x).mean((2, 3))
+        return self.head(self.head(a)) + b
+
+
+def test_the_op_logs_flops_are_torchs_call_by_call() -> None:
+    """The op log computes an op's FLOPs once per distinct call (its shapes and arguments)
+    and reuses them: the forward's convolutions and matmuls add up to what torch's own
+    FlopCounterMode counts running the same forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import dpprof
+
+    wl = dpprof.Workload(
+        model=_ConvsAndRepeats,
+        batch=lambda rows, device: (torch.randn(rows, 3, 16, 16, device=device),
+                                    torch.randn(rows, 8, device=device)),
+        loss=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    log = single_step_log(wl, 4)
+    logged: dict[str, int] = {}
+    for o in log.records:
+        if o.phase == "forward" and o.kind in (CONV, MATMUL):
+            logged[o.name] = logged.get(o.name, 0) + o.flops
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _ConvsAndRepeats()(torch.randn(4, 3, 16, 16))
+    counted = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert logged == counted and len(counted) == 2  # convolution, addmm
