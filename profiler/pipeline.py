@@ -13,6 +13,7 @@ from dpprof.answers.comparison import compare
 from dpprof.backends.cpu import run_ddp_gloo
 from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.backends.cuda_host import host
+from dpprof.backends.cuda_predicted import measured_gpu, predict_beside_measured
 from dpprof.backends.cuda_run import cuda_compare, torchrun_compare
 from dpprof.backends.emulated import (
     ASSUMPTIONS,
@@ -23,7 +24,7 @@ from dpprof.backends.emulated import (
     probe_model,
     run_scenario,
 )
-from dpprof.emulator.catalog import DEFAULT_GPU, INTERCONNECTS, lookup_gpu, peak_rates_of
+from dpprof.emulator.catalog import DEFAULT_GPU, interconnect_problem, lookup_gpu
 from dpprof.emulator.context import gpu_model_notes
 from dpprof.errors import Interrupted, UsageError
 from dpprof.measure.answer_fields import add_answers, gpu_spec
@@ -98,13 +99,10 @@ class CompareConfig:
             raise UsageError("--nvml-interval must be larger than zero, e.g. 0.02")
         if self.multiple_of < 1:
             raise UsageError(f"--multiple-of must be at least 1, got {self.multiple_of}")
-        if self.interconnect not in ("", *INTERCONNECTS):
-            raise UsageError(f"--interconnect {self.interconnect}: unknown link; choose "
-                             f"from {', '.join(INTERCONNECTS)}")
-        spec = lookup_gpu(self.gpu) if self.gpu else DEFAULT_GPU
-        if self.interconnect == "nvlink" and not peak_rates_of(spec).nvlink_gbytes_per_s:
-            raise UsageError(f"--interconnect nvlink: the {spec.name} has no NVLink; give "
-                             "--interconnect pcie or leave it out")
+        problem = interconnect_problem(
+            self.interconnect, lookup_gpu(self.gpu) if self.gpu else DEFAULT_GPU)
+        if problem:
+            raise UsageError(problem)
         if self.fail_on_imbalance is not None and self.fail_on_imbalance < 1:
             raise UsageError(
                 f"--fail-on-imbalance is a max/mean ratio (>= 1.0), got {self.fail_on_imbalance}"
@@ -183,6 +181,9 @@ def run_compare(
         ecfg = dataclasses.replace(ecfg, gpus=measured.gpus, compute=False,
                                    gpu_memory_bytes=measured.gpu_memory_bytes)
         run = measured
+        # and the step each scenario measured, predicted beside it
+        predict_beside_measured(run, wl, ecfg,
+                                measured_gpu(cfg.gpu, list(run.config.get("devices") or [0])))
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
     run.comparison = compare(run)

@@ -142,6 +142,59 @@ def test_compare_runs_the_remaining_scenarios_after_an_oom(
     assert RunResult.from_dict(run.to_dict()).scenarios[0].oom_phase == "forward"
 
 
+def test_each_measured_step_has_its_prediction_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On real GPUs each scenario's measured step carries the step the model predicts for
+    it: the same scenario emulated for the GPU measured (here --gpu), exactly what the
+    emulated backend predicts; the reports show the two side by side."""
+    from dpprof.reports import markdown, terminal
+    from dpprof.reports.sentences import step_time
+
+    fake_cuda.install(monkeypatch, gpus=2, children=False)
+    names = ("dp-loss-primary", "dp-loss-forward", "single")
+
+    def compared(backend: str) -> RunResult:
+        run = run_compare(CompareConfig(
+            workload="tiny", gpus=2, scenarios=names, backend=backend, gpu="h100-80gb",
+            step=StepConfig(batch=8, warmup=1, steps=2)), workload=_tiny())
+        assert run is not None and run.backend == backend
+        return run
+
+    measured, emulated = compared("cuda"), compared("emulated")
+    for m, e in zip(measured.scenarios, emulated.scenarios, strict=True):
+        assert m.status == "ok" and m.step_time_s is not None
+        assert m.predicted_step_time_s is not None
+        assert m.predicted_step_time_s == pytest.approx(e.predicted_step_time_s, rel=1e-12)
+        used = [d for d in m.devices if d.used]
+        assert used and all(set(d.predicted_busy_s) == {"compute", "communication",
+                                                        "waiting"} for d in used)
+    text = terminal.TerminalRenderer().render_view(terminal.build_view(measured))
+    table = text[text.index("step time (* predicted without a GPU)"):]
+    assert "measured" in table.splitlines()[2]  # the header: predicted, then measured
+    md = markdown.render(measured)
+    section = md[md.index("### Step time, predicted"):].splitlines()
+    single = measured.scenario("single")
+    assert single is not None and single.step_time_s is not None
+    row = next(line for line in section if line.startswith("| single |"))
+    cells = [c.strip() for c in row.split("|")]
+    # its predicted step, then (after samples/s and the speed-up) its measured one
+    assert cells[2] == step_time(single.predicted_step_time_s)
+    assert cells[5] == step_time(single.step_time_s) != "-"
+
+
+def test_a_gpu_outside_the_catalog_gets_no_prediction_and_a_note(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_cuda.install(monkeypatch, gpus=2, children=False)  # its GPUs have no name
+    run = run_compare(CompareConfig(workload="tiny", gpus=2, scenarios=("single",),
+                                    step=StepConfig(batch=8, warmup=1, steps=2)),
+                      workload=_tiny())
+    assert run is not None and run.scenarios[0].step_time_s is not None
+    assert run.scenarios[0].predicted_step_time_s is None
+    assert any("not in dpprof's catalog" in n for n in run.notes)
+
+
 # ---- DataParallel's loss in forward ----------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.emulated_time import single_step_log
@@ -469,3 +470,104 @@ def test_variants_of_a_scenario_are_costed_by_their_predicted_step(
         assert by_fix[name].step_time_cost_s == pytest.approx(
             fix.predicted_step_time_s - base.predicted_step_time_s)
         assert "predicted" in by_fix[name].cost
+
+
+SCRIPTS = TESTS / "scripts"
+# a GPT of 2 blocks of 1024 wide over a 32k vocabulary (about 80M parameters): its DDP
+# all-reduce takes longer than its backward over PCIe, not over NVLink
+_WIDE_LM = ["--n-embd", "1024", "--n-layer", "2", "--vocab-size", "32768"]
+
+
+def _run_json(tmp_path: Path, *options: str) -> dict[str, Any]:
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
+    r = CliRunner().invoke(app, ["run", "-q", "--steps", "2", *options, "-o", str(out), "--",
+                                 "python", str(SCRIPTS / "dp_causal_lm.py"), *_WIDE_LM])
+    assert r.exit_code == 0, r.output
+    return dict(json.loads(out.read_text()))
+
+
+def _measured(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each scenario's figures but the predicted ones (and the notes, which carry the
+    run's wall time)."""
+    return [{**{k: v for k, v in s.items() if not k.startswith("predicted") and k != "notes"},
+             "devices": [{k: v for k, v in d.items() if k != "predicted_busy_s"}
+                         for d in s["devices"]]} for s in run["scenarios"]]
+
+
+@pytest.mark.slow
+def test_run_interconnect_changes_the_ddp_alternatives_predicted_step(tmp_path: Path) -> None:
+    """``dpprof run --interconnect`` reaches the emulation of every run of the script: over
+    PCIe the DDP alternative's bucket all-reduces outlast the backward and its predicted
+    step grows; nothing measured changes (memory, each device's figures)."""
+    runs = {link: _run_json(tmp_path, "--gpu", "h100-80gb", "--interconnect", link)
+            for link in ("nvlink", "pcie")}
+    ddp = {link: next(s for s in run["scenarios"] if s["name"] == "ddp")
+           for link, run in runs.items()}
+    assert ddp["pcie"]["predicted_step_time_s"] > 1.5 * ddp["nvlink"]["predicted_step_time_s"]
+    assert _measured(runs["nvlink"]) == _measured(runs["pcie"])
+    assert runs["pcie"]["config"]["interconnect"] == "pcie"
+
+
+def test_run_interconnect_is_compares_option() -> None:
+    """The same option, in the same help panel, refused the same way (exit 2, one line)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    options = {c: next(p for p in commands[c].params if p.name == "interconnect")
+               for c in ("compare", "run")}
+    assert options["run"].help == options["compare"].help
+    assert options["run"].rich_help_panel == options["compare"].rich_help_panel == "GPUs"
+    r = CliRunner().invoke(app, ["run", "--gpu", "rtx-4090", "--interconnect", "nvlink", "--",
+                                 "python", str(SCRIPTS / "dp_loss_outside.py")])
+    assert r.exit_code == 2, r.output
+    assert "--interconnect nvlink: the NVIDIA GeForce RTX 4090 has no NVLink" in r.output
+    assert "Traceback" not in r.output
+
+
+class _ConvsAndRepeats(torch.nn.Module):
+    """Two convolutions of one input and weight shape but other strides, and one linear
+    layer run twice on the same shapes: calls the op log's FLOP cache must tell apart, and
+    calls it may share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fine = torch.nn.Conv2d(3, 8, 3, stride=1, padding=1)
+        self.coarse = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.fine(x).mean((2, 3))
+        b = self.coarse(x).mean((2, 3))
+        return self.head(self.head(a)) + b
+
+
+def test_the_op_logs_flops_are_torchs_call_by_call() -> None:
+    """The op log computes an op's FLOPs once per distinct call (its shapes and arguments)
+    and reuses them: the forward's convolutions and matmuls add up to what torch's own
+    FlopCounterMode counts running the same forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import dpprof
+
+    wl = dpprof.Workload(
+        model=_ConvsAndRepeats,
+        batch=lambda rows, device: (torch.randn(rows, 3, 16, 16, device=device),
+                                    torch.randn(rows, 8, device=device)),
+        loss=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    log = single_step_log(wl, 4)
+    logged: dict[str, int] = {}
+    for o in log.records:
+        if o.phase == "forward" and o.kind in (CONV, MATMUL):
+            logged[o.name] = logged.get(o.name, 0) + o.flops
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _ConvsAndRepeats()(torch.randn(4, 3, 16, 16))
+    counted = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert logged == counted and len(counted) == 2  # convolution, addmm

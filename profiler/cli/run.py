@@ -28,6 +28,7 @@ from dpprof.cli.live_output import script_output_above
 from dpprof.cli.options import (
     GPU,
     INCLUDE_HOST,
+    INTERCONNECT,
     MAX_GPUS,
     PANEL_GPUS,
     PANEL_MEASURE,
@@ -36,6 +37,7 @@ from dpprof.cli.options import (
     check_bounds,
     target_gpu,
 )
+from dpprof.emulator.catalog import interconnect_problem
 from dpprof.errors import EXIT_ERROR, Interrupted, UsageError, interrupt_signal, take_interrupt
 from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
@@ -120,6 +122,7 @@ def run_cmd(
     debug: Annotated[bool, typer.Option("--debug", help="Show dpprof's tracebacks.",
                                         rich_help_panel=PANEL_OUTPUT)] = False,
     gpu: Annotated[str, GPU] = "",
+    interconnect: Annotated[str, INTERCONNECT] = "",
 ) -> None:
     """Run your training script unchanged on virtual GPUs and report each GPU's memory.
 
@@ -149,6 +152,10 @@ def run_cmd(
     with guarded(debug, on_interrupt=write_partial):
         _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
         target = target_gpu(gpu_memory, gpu)
+        interconnect = interconnect.strip().lower()
+        problem = interconnect_problem(interconnect, target.spec)
+        if problem:
+            raise UsageError(problem)
         launch = parse_command(list(command or []), DEFAULT_GPUS if gpus is None else gpus,
                                gpus_given=gpus is not None)
         gpus = _gpus_for(launch, gpus)
@@ -158,7 +165,7 @@ def run_cmd(
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
                            debug=debug, ladder=ladder, keep_writes=_keep_dir(keep_writes),
-                           ranks=check_ranks(ranks))
+                           ranks=check_ranks(ranks), interconnect=interconnect)
         if debug and namespace.why_not():
             err.print(f"dpprof: no mount namespace for the seal: {namespace.why_not()}",
                       markup=False)

@@ -364,6 +364,18 @@ PEAK_RATES: dict[str, PeakRates] = {
 INTERCONNECTS = ("nvlink", "pcie")
 
 
+def interconnect_problem(interconnect: str, spec: GpuSpec) -> str:
+    """What is wrong with ``--interconnect`` for ``spec`` ("" where nothing is): a link
+    that is none of :data:`INTERCONNECTS`, or NVLink on a board that has none."""
+    if interconnect not in ("", *INTERCONNECTS):
+        return (f"--interconnect {interconnect}: unknown link; choose from "
+                f"{', '.join(INTERCONNECTS)}")
+    if interconnect == "nvlink" and not peak_rates_of(spec).nvlink_gbytes_per_s:
+        return (f"--interconnect nvlink: the {spec.name} has no NVLink; give "
+                "--interconnect pcie or leave it out")
+    return ""
+
+
 def peak_rates_of(spec: GpuSpec) -> PeakRates:
     """The datasheet peaks of ``spec`` (every catalog GPU has them)."""
     return PEAK_RATES[spec.key]

@@ -60,6 +60,9 @@ _CROSS_DEVICE_OK = {
     aten._to_copy.default,
     aten.copy.default,
 }
+# the same by identity (an op's hash is a Python call; the op log asks for every op)
+_CROSS_DEVICE_OK_IDS = frozenset(id(op) for op in _CROSS_DEVICE_OK)
+_NO_SOURCES: frozenset[int] = frozenset()
 
 
 class VirtualDeviceError(RuntimeError):
@@ -527,13 +530,15 @@ class CountingDevices(EventQueries, TorchDispatchMode):
             target = self._last_device
         else:
             target = self._state.device  # a factory: the current device
-        if self.op_log is not None and self.op_log.on:
+        log = self.op_log
+        if log is not None and log.on:
             # a copy between devices: a copy op, or any op placed on another device (the
             # emulated .to(device) clones onto its target)
-            moves = func in _CROSS_DEVICE_OK or self._state.forced is not None
-            sources = ({*devices, HOST} if saw_host else devices) if moves else set()
-            self.op_log.record(func, args, kwargs, out, target, sources, self._state.phase,
-                               self.mirrors_of(target))
+            state = self._state
+            moves = state.forced is not None or id(func) in _CROSS_DEVICE_OK_IDS
+            sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
+            log.record(func, args, kwargs, out, target, sources, state.phase,
+                       self.mirrors_of(target))
         return self._place(func, args, kwargs, out, target, outside)
 
     def mirrors_of(self, device: int) -> tuple[int, ...]:

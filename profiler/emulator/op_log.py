@@ -15,9 +15,11 @@ microseconds per op, nothing otherwise.
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Set
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -80,9 +82,8 @@ _NO_KERNEL_OPS = {
 _FOREACH_TENSORS_PER_LAUNCH = (110, 64, 48, 36, 30)
 
 
-@dataclass(slots=True)
-class OpRecord:
-    """One op of the measured step as the GPU runs it."""
+class OpRecord(NamedTuple):
+    """One op of the measured step as the GPU runs it (a tuple: the log makes one per op)."""
 
     name: str  # the aten op (its overload packet's name)
     device: int  # where it runs (-1: the host); a transfer's target
@@ -101,6 +102,44 @@ class OpRecord:
     gemm: tuple[int, int, int] | tuple[()] = ()
 
 
+# A record made without OpRecord's generated __new__ (a Python call per op): the tuple of
+# its 13 fields, in their order, as the class's own instance.
+_new_record = functools.partial(tuple.__new__, OpRecord)
+
+
+@dataclass(frozen=True, slots=True)
+class _OpTraits:
+    """What the log needs of an op that does not depend on its arguments."""
+
+    func: Any  # the op itself (kept alive: the table is keyed by its id)
+    name: str
+    no_kernel: bool  # a view, metadata or a bare allocation
+    sync: bool  # the host reads a value back (.item())
+    formula: Any  # its FLOP formula (flop_registry), or None
+    foreach: bool
+    fill: bool  # zero_/fill_: no kernel on an empty tensor
+    kind: str  # of an op with no formula and no transfer: NORM or COMPUTE
+
+
+def _traits_of(func: Any) -> _OpTraits:
+    packet = func._overloadpacket
+    name = packet.__name__
+    return _OpTraits(func, name, func.is_view or func in _NO_KERNEL_OPS,
+                     func is aten._local_scalar_dense.default, flop_registry.get(packet),
+                     name.startswith("_foreach"), name in ("zero_", "fill_"),
+                     NORM if "batch_norm" in name else COMPUTE)
+
+
+# op's id -> its traits; an op (an OpOverload) lives as long as torch's op tables
+_TRAITS: dict[int, _OpTraits] = {}
+# (op, its arguments with each tensor as its shape, its output's shapes) -> (FLOPs, GEMM):
+# both functions of the shapes alone (torch's formulas take nothing else), computed once
+# per distinct call; a program repeats few (its layers, its replicas, each scenario's step)
+_WORK: dict[Any, tuple[int, tuple[int, int, int] | tuple[()]]] = {}
+_WORK_ENTRIES = 1 << 14  # cleared when full: a bound on what a long session keeps
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _tensors(args: Any, out: list[torch.Tensor]) -> int:
     """Append the tensors among ``args`` (flat, or in lists) to ``out``; the deepest list
     count (a foreach op's depth)."""
@@ -114,8 +153,15 @@ def _tensors(args: Any, out: list[torch.Tensor]) -> int:
     return lists
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.nbytes
+def _shape_key(x: Any) -> Any:
+    """``x`` hashable, each tensor (flat, or in a list) replaced by its shape: a call's
+    arguments as its FLOPs and GEMM depend on them (a schema's position holds a tensor or a
+    list of ints, never either, so a shape does not stand for a list it equals)."""
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if isinstance(x, (list, tuple)):
+        return tuple([_shape_key(v) for v in x])
+    return x
 
 
 def _shapes(x: Any) -> Any:
@@ -190,61 +236,101 @@ class OpLog:
         return found
 
     def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, device: int,
-               sources: set[int], phase: str, mirrors: tuple[int, ...] = ()) -> None:
+               sources: Set[int], phase: str, mirrors: tuple[int, ...] = ()) -> None:
         """Log ``func`` run on ``device`` (its tensor inputs on ``sources``)."""
-        packet = func._overloadpacket
-        name = packet.__name__
-        thread = self._thread()
-        if func is aten._local_scalar_dense.default:
-            self.records.append(OpRecord(name, device, device, phase, thread, SYNC, "",
-                                         0, 0, 0, mirrors))
+        # once per op of the emulated step: what it costs is the prediction's cost
+        traits = _TRAITS.get(id(func))
+        if traits is None or traits.func is not func:
+            traits = _TRAITS[id(func)] = _traits_of(func)
+        name = traits.name
+        ident = threading.get_ident()
+        thread = self._threads.get(ident)
+        if thread is None:
+            thread = self._threads[ident] = len(self._threads)
+        if traits.sync:
+            self.records.append(_new_record((name, device, device, phase, thread, SYNC, "",
+                                             0, 0, 0, mirrors, 1, ())))
             return
-        if func.is_view or func in _NO_KERNEL_OPS or (device == HOST and not sources):
-            self.records.append(OpRecord(name, device, device, phase, thread, NO_KERNEL, "",
-                                         0, 0, 0, mirrors))
+        if traits.no_kernel or (device == HOST and not sources):
+            self.records.append(_new_record((name, device, device, phase, thread, NO_KERNEL,
+                                             "", 0, 0, 0, mirrors, 1, ())))
             return
         ins: list[torch.Tensor] = []
-        lists = _tensors(args, ins)
+        lists = 0
+        for a in args:  # _tensors, inline: most ops take tensors only
+            if isinstance(a, torch.Tensor):
+                ins.append(a)
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                lists += 1
+                ins.extend(x for x in a if isinstance(x, torch.Tensor))
         if kwargs:
             lists += _tensors(kwargs.values(), ins)
-        outs: list[torch.Tensor] = []
+        moved = 0
         if isinstance(out, torch.Tensor):
-            outs.append(out)
+            moved = out.nbytes
         elif isinstance(out, (list, tuple)):
+            outs: list[torch.Tensor] = []
             _tensors(out, outs)
-        moved = sum(_nbytes(t) for t in outs)
-        others = [s for s in sources if s != device]
-        if others:  # a copy between devices: what crosses the link
-            self.records.append(OpRecord(name, device, others[0], phase, thread, TRANSFER, "",
-                                         0, moved, 1, mirrors))
+            for t in outs:
+                moved += t.nbytes
+        if sources and (len(sources) > 1 or device not in sources):
+            # a copy between devices: what crosses the link
+            source = next(s for s in sources if s != device)
+            self.records.append(_new_record((name, device, source, phase, thread, TRANSFER,
+                                             "", 0, moved, 1, mirrors, 1, ())))
             return
-        nbytes = moved + sum(_nbytes(t) for t in ins)
-        formula = flop_registry.get(packet)
+        nbytes = moved
+        for t in ins:
+            nbytes += t.nbytes
+        formula = traits.formula
         if formula is not None:
-            try:
-                flops = _flops(formula, args, kwargs, out)
-            except Exception:  # a formula that does not cover this overload: bytes only
-                flops = 0
-            dtype = str(ins[0].dtype).removeprefix("torch.") if ins else ""
+            flops, gemm = self._work(func, name, formula, args, kwargs, out)
             conv = "conv" in name
             if conv:
                 # cuDNN's convolutions take TF32 by default (allow_tf32); in 16 bits an
                 # NCHW convolution is no faster on an H200 (it measured bf16 autocast's
                 # convnet slower than fp32's): TF32's rate for both
                 dtype = "tf32"
-            self.records.append(OpRecord(name, device, device, phase, thread,
-                                         CONV if conv else MATMUL, dtype, flops, nbytes, 1,
-                                         mirrors, gemm=gemm_dims(name, args, out)))
+            elif ins:
+                dtype = _DTYPE_NAMES.get(ins[0].dtype) or _DTYPE_NAMES.setdefault(
+                    ins[0].dtype, str(ins[0].dtype).removeprefix("torch."))
+            else:
+                dtype = ""
+            self.records.append(_new_record((name, device, device, phase, thread,
+                                             CONV if conv else MATMUL, dtype, flops, nbytes, 1,
+                                             mirrors, 1, gemm)))
             return
         kernels = 1
-        if lists and name.startswith("_foreach"):
+        if lists and traits.foreach:
             per = _FOREACH_TENSORS_PER_LAUNCH[min(lists, len(_FOREACH_TENSORS_PER_LAUNCH)) - 1]
             kernels = max(1, -(-(len(ins) // lists) // per))
-        if name in ("zero_", "fill_") and not nbytes:
+        if traits.fill and not nbytes:
             kernels = 0
-        kind = NORM if "batch_norm" in name else COMPUTE
-        self.records.append(OpRecord(name, device, device, phase, thread, kind, "", 0,
-                                     nbytes, kernels, mirrors))
+        self.records.append(_new_record((name, device, device, phase, thread, traits.kind, "",
+                                         0, nbytes, kernels, mirrors, 1, ())))
+
+    @staticmethod
+    def _work(func: Any, name: str, formula: Any, args: Any, kwargs: dict[str, Any],
+              out: Any) -> tuple[int, tuple[int, int, int] | tuple[()]]:
+        """The FLOPs and GEMM of ``func``'s call, computed once per distinct call."""
+        try:
+            key: Any = (func, _shape_key(args),
+                        _shape_key(tuple(kwargs.items())) if kwargs else (), _shape_key(out))
+            found = _WORK.get(key)
+        except TypeError:  # an argument that does not hash: computed every time
+            key, found = None, None
+        if found is not None:
+            return found
+        try:
+            flops = _flops(formula, args, kwargs, out)
+        except Exception:  # a formula that does not cover this overload: bytes only
+            flops = 0
+        found = (flops, gemm_dims(name, args, out))
+        if key is not None:
+            if len(_WORK) >= _WORK_ENTRIES:
+                _WORK.clear()
+            _WORK[key] = found
+        return found
 
     def wait_for_gather(self, device: int, phase: str) -> None:
         """``device``'s compute stream waits for its oldest all-gather (:data:`GATHER_WAIT`)."""

@@ -185,6 +185,7 @@ def _ring_s(op: OpRecord, rates: DeviceRates, k: TimeConstants) -> float:
 def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstants,
                  devices: Sequence[int] = ()) -> StepPrediction:
     """Play the measured step's ops on devices of ``rates`` (see the module's docstring).
+    A phase is the word before any "(step N)" its label carries.
 
     ``devices``: the GPUs to report (each gets a row even if it ran nothing: it waited)."""
     host: dict[int, float] = {}  # host timeline -> when it is free
@@ -195,38 +196,51 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
     gathered: dict[int, deque[float]] = {}
     out = {d: DevicePrediction() for d in devices}
     phase = None
+    label = None
     kernels = 0
+    host_op_s, host_view_s = k.host_op_s, k.host_view_s
+    synchronous = rates.synchronous
+    # an op's kernel time by its work (kind, dtype, FLOPs, bytes, launches, GEMM; the
+    # record from its kind on): a step repeats the same few (its layers, its replicas)
+    kernel_times: dict[tuple[object, ...], float] = {}
 
     def dev(d: int) -> DevicePrediction:
         return out.setdefault(d, DevicePrediction())
 
+    # once per op of the step: kept to plain locals, the prediction's cost
     for op in records:
-        if op.phase != phase:  # a phase starts when the threads of the last one are done
-            phase = op.phase
-            now = max(host.values(), default=0.0)
-            host = {lane: now for lane in host}
-        lane = op.device if op.phase == "backward" and op.device != HOST else HOST
-        t = host.get(lane, max(host.values(), default=0.0))
-        if op.kind == TRANSFER and op.source != HOST and lane != HOST:
-            t = max(t, host.get(op.source, t))  # the gradient it copies was issued
-        cost = k.host_view_s if op.kind in (NO_KERNEL, SYNC, GATHER_WAIT) else k.host_op_s
-        targets = (op.device, *op.mirrors)
+        (_, device, source, op_label, _, kind, _, _, nbytes, n_kernels, mirrors, _,
+         _) = op
+        if op_label != label:
+            label = op_label
+            named = op_label.partition(" (")[0]
+            if named != phase:  # a phase starts when the threads of the last one are done
+                phase = named
+                now = max(host.values(), default=0.0)
+                host = {lane: now for lane in host}
+        lane = device if phase == "backward" and device != HOST else HOST
+        t = host.get(lane)
+        if t is None:
+            t = max(host.values(), default=0.0)
+        if kind == TRANSFER and source != HOST and lane != HOST:
+            t = max(t, host.get(source, t))  # the gradient it copies was issued
+        cost = host_view_s if kind in (NO_KERNEL, SYNC, GATHER_WAIT) else host_op_s
+        targets = (device, *mirrors) if mirrors else (device,)
         # a mirrored replica's op stands for one per replica: in the forward their threads
         # take turns on the GIL (each pays), in the backward each device's thread pays its own
-        t += cost * (len(targets) if lane == HOST and op.kind not in COLLECTIVES else 1)
+        t += cost * (len(targets) if lane == HOST and kind not in COLLECTIVES else 1)
         host[lane] = t
-        if op.kind == GATHER_WAIT:
-            if gathered.get(op.device):
-                free[op.device] = max(free.get(op.device, 0.0),
-                                      gathered[op.device].popleft())
+        if kind == GATHER_WAIT:
+            if gathered.get(device):
+                free[device] = max(free.get(device, 0.0), gathered[device].popleft())
             continue
-        if op.kind == NO_KERNEL or (op.device == HOST and op.kind != TRANSFER):
+        if kind == NO_KERNEL or (device == HOST and kind != TRANSFER):
             continue
-        if op.kind == SYNC:
+        if kind == SYNC:
             host[lane] = max(t, *(free.get(d, 0.0) for d in targets))
             continue
-        kernels += op.kernels * len(targets)
-        if op.kind == ALL_GATHER:  # on its own stream, as soon as it is issued (prefetch)
+        kernels += n_kernels * len(targets)
+        if kind == ALL_GATHER:  # on its own stream, as soon as it is issued (prefetch)
             for d in targets:
                 start = max(t, comm_free.get(d, 0.0))
                 span = _ring_s(op, rates, k)
@@ -234,29 +248,28 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 gathered.setdefault(d, deque()).append(start + span)
                 dev(d).communication_s += span
             continue
-        if op.kind in (ALL_REDUCE, REDUCE_SCATTER):
+        if kind in (ALL_REDUCE, REDUCE_SCATTER):
             for d in targets:
                 start = max(free.get(d, 0.0), comm_free.get(d, 0.0))  # its bucket is ready
                 span = _ring_s(op, rates, k)
                 comm_free[d] = start + span
                 dev(d).communication_s += span
             continue
-        if op.kind in (BROADCAST, REDUCE, GATHER):  # NCCL on the devices' current streams
-            span = op.bytes / (rates.link_bytes_per_s * k.link_efficiency) \
+        if kind in (BROADCAST, REDUCE, GATHER):  # NCCL on the devices' current streams
+            span = nbytes / (rates.link_bytes_per_s * k.link_efficiency) \
                 + k.collective_latency_s
             start = max(t, *(free.get(d, 0.0) for d in targets))
             for d in targets:
                 free[d] = start + span
                 dev(d).communication_s += span
-            if rates.synchronous:
+            if synchronous:
                 host[lane] = start + span
             continue
-        if op.kind == TRANSFER:
-            peer = op.source != HOST and op.device != HOST
+        if kind == TRANSFER:
+            peer = source != HOST and device != HOST
             bw = rates.link_bytes_per_s if peer else rates.host_link_bytes_per_s
-            span = op.bytes / (bw * k.link_efficiency) + k.kernel_gap_s
-            for d, s in zip(targets, (op.source, *(op.source for _ in op.mirrors)),
-                            strict=True):
+            span = nbytes / (bw * k.link_efficiency) + k.kernel_gap_s
+            for d, s in zip(targets, (source, *(source for _ in mirrors)), strict=True):
                 ends = [x for x in (d, s) if x != HOST]
                 start = max(t, *(free.get(x, 0.0) for x in ends))
                 for x in ends:
@@ -265,15 +278,21 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 if HOST in (d, s):  # a pageable copy: the host waits for it
                     host[lane] = max(host[lane], start + span)
             continue
-        span = kernel_time_s(op, rates, k)
+        work = op[5:]
+        span = kernel_times.get(work, -1.0)
+        if span < 0:
+            span = kernel_times[work] = kernel_time_s(op, rates, k)
         for d in targets:
-            if phase == "optimizer" or op.phase == "optimizer":
+            if phase == "optimizer":
                 # DDP's finalize_backward: the optimizer reads the all-reduced buckets
                 free[d] = max(free.get(d, 0.0), comm_free.get(d, 0.0))
             start = max(t, free.get(d, 0.0))
             free[d] = start + span
-            dev(d).compute_s += span
-            if rates.synchronous:
+            p = out.get(d)
+            if p is None:
+                p = out[d] = DevicePrediction()
+            p.compute_s += span
+            if synchronous:
                 host[lane] = free[d]
     host_s = max(host.values(), default=0.0) + k.step_overhead_s
     step = max(host_s, *free.values(), *comm_free.values()) if free else host_s
@@ -288,8 +307,6 @@ def predict_steps(records: Sequence[OpRecord], step_ends: Sequence[int], rates: 
     cut at ``step_ends`` (the index after each step's last op; what follows the last is
     left out), each step played alone (:func:`predict_step`). No ``step_ends``: the
     records are one step. A phase is the word before any "(step N)" the label carries."""
-    for op in records:
-        op.phase = op.phase.partition(" (")[0]
     cuts = [0, *(e for e in step_ends if e > 0)] if step_ends else [0, len(records)]
     steps = [predict_step(records[a:b], rates, k, devices)
              for a, b in pairwise(cuts) if b > a]

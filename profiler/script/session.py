@@ -198,7 +198,7 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
         config={
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
             "argv": list(cfg.launch.argv), "steps": cfg.steps, "compute": cfg.compute,
-            "gpu": cfg.gpu.key, "gpus": n,
+            "gpu": cfg.gpu.key, "gpus": n, "interconnect": cfg.interconnect,
             "steps_done": {v: r.steps_done for v, r in runs + ranks + rungs},
             "seconds": {v: round(r.seconds, 3) for v, r in runs + ranks + rungs},
             "exit_status": main.exit_status,
