@@ -846,10 +846,11 @@ def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
 
     from dpprof.script import wrappers
     from dpprof.script.runner import run_script
-    from dpprof.script.wrappers import DDP_IN_PLACE
+    from dpprof.script.strategy_registry import alternative_named
 
     script = str(Path(__file__).parent / "scripts" / "dp_loss_outside.py")
-    cfg = ScriptConfig(launch=parse_command(["python", script], 4), variant=DDP_IN_PLACE)
+    cfg = ScriptConfig(launch=parse_command(["python", script], 4),
+                       alternative=alternative_named("ddp"))
     followed = run_script(cfg)
     assert followed.bucket_view_peak_bytes is not None
     plain_peak = followed.scenario.devices[0].peak_allocated_bytes

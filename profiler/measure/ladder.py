@@ -57,9 +57,9 @@ from torch import nn
 from dpprof.backends.emulated import EmulationConfig, probe_model, run_scenario
 from dpprof.emulator import fsdp as fsdp2
 from dpprof.emulator.fsdp import emulated_ranks, shard_model
+from dpprof.fixes.fix_registry import cost_of
 from dpprof.fixes.kinds.ddp_in_place import CODE_SETUP
 from dpprof.fixes.policy import LADDER_PREFIX as PREFIX
-from dpprof.fixes.policy import cost_of
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY, SINGLE
 from dpprof.scenarios.workloads import Workload, shard_sizes

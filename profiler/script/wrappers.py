@@ -41,6 +41,7 @@ from dpprof.script.source import dotted_name
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.strategy import Alternative
 
 
 _DataParallel = nn.DataParallel
@@ -106,11 +107,9 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         if not self.device_ids:
             return self.module(*inputs, **kwargs)
         _log().data_parallel += 1
-        if _state().mode == DDP_IN_PLACE:
-            return self._ddp_forward(inputs, kwargs)
-        if (_state().mode == LOSS_IN_FORWARD and not kwargs and len(self.device_ids) > 1
-                and torch.is_grad_enabled()):
-            return DeferredOutputs(self, inputs, caller_site())
+        alternative = _state().alternative  # the fix the script runs with (None: as written)
+        if alternative is not None:
+            return alternative.dp_forward(self, inputs, kwargs)
         return self.run(self.module, inputs, kwargs)
 
     def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -149,9 +148,9 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                     f"device: {t.device}"
                 )
 
-    def _ddp_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The DDP-in-place alternative: one rank of DDP on cuda:0 (lazily built: the
-        script may move the module after wrapping it)."""
+    def as_ddp_rank(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward as one rank of DDP on cuda:0 (the DDP alternative's; lazily built:
+        the script may move the module after wrapping it)."""
         vc = self._vc
         rt = vc.rt
         src = vc.index_of(self.device_ids[0])
@@ -185,12 +184,8 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
 # (Lightning's summaries, the module named in torch's own errors and DDP's logging data)
 VirtualDataParallel.__name__ = VirtualDataParallel.__qualname__ = "DataParallel"
 
-DDP_IN_PLACE = "ddp-in-place"
-LOSS_IN_FORWARD = "loss-in-forward"
-
-
 class DeferredOutputs:
-    """DataParallel's outputs in the loss-in-forward alternative: nothing is computed until
+    """DataParallel's outputs in the loss-inside-forward alternative: nothing is computed until
     the loss module is called on them (then every replica computes its loss,
     ``ModelWithLoss``); any other use computes them as written (gathered)."""
 
@@ -585,9 +580,11 @@ class ScriptParallel:
     """What the parallel wrappers of one emulated run share (the run's VirtualCuda holds it
     while active): the paired alternative being run, and what the wrappers saw."""
 
-    mode: str = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD
-    # LOSS_IN_FORWARD for a script that uses the outputs besides the loss: the replicas
-    # return them too (ModelWithLoss(keep_outputs=True), the code the fix hands out),
+    # the fix the script runs with (dpprof.script.strategy): its DataParallel forward; None:
+    # the script as written
+    alternative: Alternative | None = None
+    # the loss inside forward for a script that uses the outputs besides the loss: the
+    # replicas return them too (ModelWithLoss(keep_outputs=True), the code the fix hands out),
     # gathered on the output device beside the loss numbers
     keep_outputs: bool = False
     log: ParallelLog = field(default_factory=ParallelLog)
