@@ -117,7 +117,7 @@ def test_a_data_parallel_script_gets_the_ladder_on_its_ddp_alternative() -> None
     # listed, and none made in the user's folder
     assert not Path("checkpoint.pt").exists()
     saved_by = {w.run for w in result.writes if w.path == "checkpoint.pt"}
-    assert saved_by == {"as-written", "ddp-in-place", "loss-in-forward", "ladder-bf16"}
+    assert saved_by == {"as-written", "ddp", "loss-in-forward", "ladder-bf16"}
     assert result.seal is not None and result.seal.changed == []
 
 

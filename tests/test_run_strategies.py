@@ -26,9 +26,10 @@ OLD_DDP_NAME = "ddp-in-place"  # what results saved by earlier versions call the
 def _own_modules(name: str) -> set[Path]:
     """The files a fix's name may be written in: its kind's module and its strategy's."""
     kind = next(k for k in FIXES if k.name == name)
-    stem = module_of(kind).rpartition(".")[2]
-    return {REPO / "profiler" / "fixes" / "kinds" / f"{type(kind).__module__.rpartition('.')[2]}.py",
-            REPO / "profiler" / "script" / f"{stem}.py"}
+    kind_module = type(kind).__module__.rpartition(".")[2]
+    strategy_module = module_of(kind).rpartition(".")[2]
+    return {REPO / "profiler" / "fixes" / "kinds" / f"{kind_module}.py",
+            REPO / "profiler" / "script" / f"{strategy_module}.py"}
 
 
 def test_the_strategies_are_the_fix_registrys_by_its_names() -> None:

@@ -595,7 +595,7 @@ def test_the_alternatives_write_and_print_nothing_the_user_sees_or_another_run_r
     assert list(tmp_path.iterdir()) == [tmp_path / "train.py"]
     # each run wrote its own log into its own overlay: none saw another's lines
     logs = {(w.run, w.path): w.size_bytes for w in result.writes if w.path == "out/log.txt"}
-    assert logs == {(run, "out/log.txt"): 4 for run in ("as-written", "loss-in-forward", "ddp-in-place")}
+    assert logs == {(run, "out/log.txt"): 4 for run in ("as-written", "loss-in-forward", "ddp")}
 
 
 @pytest.mark.parametrize(("source", "expected"), [

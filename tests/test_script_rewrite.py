@@ -88,8 +88,8 @@ def checked(rw: rewrite.Rewrite, old: str) -> str:
 
 
 def lif(source: str, dp: str, call: str, loss: str) -> rewrite.Rewrite:
-    return loss_in_forward_diff.loss_in_forward(source, "train.py", line_of(source, dp), line_of(source, call),
-                              line_of(source, loss))
+    return loss_in_forward_diff.loss_in_forward(source, "train.py", line_of(source, dp),
+                                                line_of(source, call), line_of(source, loss))
 
 
 def ddp(source: str, dp: str, bucket_view: bool = False) -> rewrite.Rewrite:
@@ -367,7 +367,8 @@ def test_the_model_call_with_keywords_is_a_reason() -> None:
 
 def test_sites_dpprof_did_not_see_are_a_reason() -> None:
     assert not loss_in_forward_diff.loss_in_forward_at("?", "t.py:3", "t.py:4").ok
-    assert "different files" in loss_in_forward_diff.loss_in_forward_at("a.py:1", "b.py:2", "a.py:3").reason
+    assert "different files" in loss_in_forward_diff.loss_in_forward_at(
+        "a.py:1", "b.py:2", "a.py:3").reason
     assert "cannot read" in ddp_diff.ddp_at("/nonexistent/t.py:3", 4).reason
 
 
@@ -460,7 +461,8 @@ def test_dpprof_run_gives_fixes_that_compile_when_applied(tmp_path: Path,
 
 
 def amp(source: str, call: str, loss: str, dtype: str = "bfloat16") -> rewrite.Rewrite:
-    return autocast_diff.autocast(source, "train.py", line_of(source, call), line_of(source, loss), dtype)
+    return autocast_diff.autocast(source, "train.py", line_of(source, call),
+                                  line_of(source, loss), dtype)
 
 
 TRAIN = """\
@@ -786,7 +788,8 @@ def test_autocast_from_the_sites_dpprof_records_runs_under_dpprof(
                                    alternative=alternative_named("loss-in-forward")))
     site = f"{path}:{line_of(ARGS_SCRIPT, 'loss = criterion(model(inputs), labels)')}"
     assert seen.call_sites[0] == seen.loss_sites[0] == site
-    new = checked(autocast_diff.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype), ARGS_SCRIPT)
+    new = checked(autocast_diff.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype),
+                  ARGS_SCRIPT)
     assert ("scaler.step(optimizer)\n    scaler.update()\n" in new) == (dtype == "float16")
     path.write_text(new)
     run = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3))

@@ -34,8 +34,7 @@ from dpprof.script.source import (
     until_scope,
 )
 
-DDP_TITLE = "DistributedDataParallel"
-BUCKET_VIEW_TITLE = "DistributedDataParallel, gradient_as_bucket_view"
+DDP_TITLE = "DistributedDataParallel"  # and the names of its flags (gradient_as_bucket_view)
 
 # calls that only move a module or tensor between devices: dropped where DDP places the module
 _MOVES = ("cuda", "to")
@@ -86,13 +85,16 @@ def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
 
 
 def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
-        batch_lines: tuple[int, ...] = (), rows: int = 0) -> Rewrite:
+        batch_lines: tuple[int, ...] = (), rows: int = 0,
+        flags: tuple[str, ...] = ()) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
-    of the scattered rows, which the DDP alternative cut to each rank's share)."""
+    of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
+    DDP's further keyword arguments (``"broadcast_buffers=False"``), named in the title."""
     try:
-        return _ddp(ScriptSource(source, path), dp_line, gpus, bucket_view, batch_lines,
-                    rows)
+        return _ddp(ScriptSource(source, path), dp_line, gpus,
+                    (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
+                    batch_lines, rows)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -141,7 +143,7 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
     return done
 
 
-def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
+def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0) -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
@@ -156,8 +158,7 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
     args += [src.seg(kw) for kw in dp.keywords if kw.arg == "dim"]
     if any(kw.arg is None for kw in dp.keywords):
         raise NoRewrite(f"line {dp.lineno}: DataParallel's arguments are unpacked (**)")
-    if bucket_view:
-        args.append("gradient_as_bucket_view=True")
+    args += flags
     # DataParallel(model).cuda(): DDP's module is on its device already
     outer: ast.AST = dp
     parent = src.parents.get(dp)
@@ -199,7 +200,8 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, bucket_view: bool,
         edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share}"])
         notes.append("the script makes its batches without a DataLoader: give each rank its "
                      f"share (1/{gpus} of the batch) by hand")
-    return finish(src, edits, BUCKET_VIEW_TITLE if bucket_view else DDP_TITLE, notes)
+    return finish(src, edits, ", ".join([DDP_TITLE, *(f.partition("=")[0] for f in flags)]),
+                  notes)
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -252,13 +254,14 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
 
 
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
-           batch_sites: tuple[str, ...] = (), rows: int = 0) -> Rewrite:
+           batch_sites: tuple[str, ...] = (), rows: int = 0,
+           flags: tuple[str, ...] = ()) -> Rewrite:
     """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches; ``rows``:
     the batch DataParallel scattered)."""
     try:
         path, line = site_of(dp_site)
         batch_lines = tuple(n for p, n in map(site_of, batch_sites) if p == path)
-        return ddp(read_source(path), path, line, gpus, bucket_view, batch_lines, rows)
+        return ddp(read_source(path), path, line, gpus, bucket_view, batch_lines, rows, flags)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 

@@ -20,6 +20,7 @@ import torch
 
 from dpprof.emulator.cuda_devices import in_dpprof
 from dpprof.fixes.kinds.ddp_in_place import FIX
+from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.notes import alternative_fix, alternative_notes
 from dpprof.script.rewrite import rewrite_text
@@ -47,13 +48,15 @@ _LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_pa
 
 
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
-             batch_sites: tuple[str, ...] = ()) -> str:
+             batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> str:
     """The DDP change around the script's own DataParallel line (and each rank's share of
-    the batches it makes by hand, at ``batch_sites``)."""
+    the batches it makes by hand, at ``batch_sites``; DDP's further keyword arguments,
+    ``flags``)."""
     if not run.dp_sites:
         return ""
     return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
-                                        batch_sites=batch_sites, rows=run.batch_rows))
+                                        batch_sites=batch_sites, rows=run.batch_rows,
+                                        flags=flags))
 
 
 def _script_line(frame: Any) -> str | None:
@@ -136,10 +139,16 @@ def _division(state: AlternativeState, world: int) -> str:
 
 
 class DdpInPlace(Alternative):
-    """The DDP alternative (see the module)."""
+    """The DDP alternative (see the module). A fix that is DDP with other options is this
+    class with its own :attr:`options`, :attr:`flags` (their words in the diff),
+    :attr:`sentence` and :attr:`detail`."""
 
     as_ranks = True
     ladder_floor = True
+    options = DdpOptions()  # DDP's reducer options the rank runs with
+    flags: tuple[str, ...] = ()  # the DDP call's further keyword arguments in the diff
+    sentence = SENTENCE  # the alternative's first note ({n}: the GPUs)
+    detail = DETAIL  # its fix's detail ({gpus}: the GPUs)
 
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
         from torch.utils.data import DataLoader
@@ -163,7 +172,7 @@ class DdpInPlace(Alternative):
 
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
-        return dp.as_ddp_rank(inputs, kwargs)
+        return dp.as_ddp_rank(inputs, kwargs, self.options)
 
     def after_run(self, run: ScriptRun, state: AlternativeState, vc: VirtualCuda,
                   ddp_devices: list[int]) -> None:
@@ -185,12 +194,13 @@ class DdpInPlace(Alternative):
                               f"DataParallel's {main.batch_rows} rows on its own lines, so "
                               "dpprof cannot give each rank its share")
             return
-        alt.scenario.notes.insert(0, SENTENCE.format(n=n))
+        alt.scenario.notes.insert(0, self.sentence.format(n=n))
         alt.scenario.notes.insert(1, f"each rank's share: {alt.batch_division}")
         alt.scenario.notes.extend(alternative_notes(alt))
         runs.runs.append((self.name, alt))
-        fix = alternative_fix(self.kind, main, alt, DETAIL.format(gpus=n),
-                              diff_ddp(main, n, batch_sites=tuple(alt.batch_sites)))
+        fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
+                              diff_ddp(main, n, batch_sites=tuple(alt.batch_sites),
+                                       flags=self.flags))
         if fix is not None:
             runs.fixes.append(fix)
 

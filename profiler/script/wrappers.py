@@ -35,6 +35,7 @@ from dpprof.emulator.patcher import Patch, Patcher
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
+from dpprof.scenarios.step import DdpOptions
 from dpprof.script.engines import engines_refused
 from dpprof.script.loss_expression import compiled, find_in_frame
 from dpprof.script.source import dotted_name
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 
 _DataParallel = nn.DataParallel
+PLAIN_DDP = DdpOptions()  # DDP's own defaults
 _DDP = nn.parallel.DistributedDataParallel
 
 
@@ -148,9 +150,10 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                     f"device: {t.device}"
                 )
 
-    def as_ddp_rank(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The forward as one rank of DDP on cuda:0 (the DDP alternative's; lazily built:
-        the script may move the module after wrapping it)."""
+    def as_ddp_rank(self, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                    options: DdpOptions = PLAIN_DDP) -> Any:
+        """The forward as one rank of DDP on cuda:0, with DDP's ``options`` (the DDP
+        alternative's; lazily built: the script may move the module after wrapping it)."""
         vc = self._vc
         rt = vc.rt
         src = vc.index_of(self.device_ids[0])
@@ -166,6 +169,10 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             rt.ledgers[src] = ledger
             with rt.device(src):
                 impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids),
+                                   bucket_cap_mb=options.bucket_cap_mb,
+                                   gradient_as_bucket_view=options.gradient_as_bucket_view,
+                                   find_unused_parameters=options.find_unused_parameters,
+                                   broadcast_buffers=options.broadcast_buffers,
                                    bucket_view_ledger=ledger, nccl_stash=True)  # GPUs' DDP
             object.__setattr__(self, "_ddp_impl", impl)
             _log().ddp_devices.append(src)
