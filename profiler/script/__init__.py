@@ -2,7 +2,8 @@
 
 :mod:`~dpprof.script.launch` parses the command; :mod:`~dpprof.script.runner` runs the
 script once, measured, with :mod:`~dpprof.script.hooks` counting its steps and
-:mod:`~dpprof.script.wrappers` re-enacting its parallel wrappers; :mod:`~dpprof.script.effects`
+:mod:`~dpprof.script.wrappers` re-enacting its parallel wrappers (the loss inside forward's
+deferred outputs, :mod:`~dpprof.script.deferred_outputs`); :mod:`~dpprof.script.effects`
 keeps its writes out of the user's files; :mod:`~dpprof.script.session` runs it as written and
 measures each fix that has a strategy (:mod:`~dpprof.script.strategy`, one module per fix
 named after it: :mod:`~dpprof.script.loss_in_forward_run`, :mod:`~dpprof.script.ddp_run`,

@@ -1,6 +1,6 @@
 """The loss inside forward, as ``dpprof run`` measures it (the ``loss-in-forward`` fix's
 strategy, :mod:`dpprof.fixes.kinds.loss_in_forward`): the script run once more with
-DataParallel's outputs deferred (:class:`dpprof.script.wrappers.DeferredOutputs`) until an
+DataParallel's outputs deferred (:class:`dpprof.script.deferred_outputs.DeferredOutputs`) until an
 ``nn.Module`` loss is called on them, which then runs inside forward on every replica
 (``ModelWithLoss``: cuda:0 gathers one number per GPU instead of the outputs); a script that
 uses the outputs besides the loss is run once more with the outputs kept, as the fix's code
@@ -16,12 +16,16 @@ from torch import nn
 
 from dpprof.emulator.cuda_devices import caller_site
 from dpprof.fixes.kinds.loss_in_forward import FIX
+from dpprof.script.deferred_outputs import (
+    DeferredOutputs,
+    loss_in_forward_loss_call,
+    pending_in,
+)
 from dpprof.script.loss_in_forward_diff import loss_in_forward_at
 from dpprof.script.notes import alternative_fix, alternative_notes, relative_site
 from dpprof.script.rewrite import rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
-from dpprof.script.wrappers import DeferredOutputs, loss_in_forward_loss_call, pending_in
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
