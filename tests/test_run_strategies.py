@@ -36,7 +36,7 @@ def test_the_strategies_are_the_fix_registrys_by_its_names() -> None:
     found = strategies()
     names = [k.name for k in FIXES]
     assert [s.name for s in found] == [n for n in names if n in {s.name for s in found}]
-    assert {s.name for s in found} == {"loss-in-forward", "ddp", "gradient-as-bucket-view"}
+    assert {s.name for s in found} >= {"loss-in-forward", "ddp", "gradient-as-bucket-view"}
     for s in found:  # each in the module its fix's name names
         assert type(s).__module__ == module_of(s.kind)
     ddp = alternative_named("ddp")
