@@ -20,7 +20,8 @@ from reports_data import SAVED, saved
 from dpprof.answers.answer import baseline, build_answer
 from dpprof.answers.answer_figures import heaviest, measured, need_bytes
 from dpprof.answers.comparison import compare
-from dpprof.fixes.policy import MARGIN, cost_of, margin_bytes
+from dpprof.fixes.fix_registry import cost_of
+from dpprof.fixes.policy import MARGIN, margin_bytes
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,

@@ -28,7 +28,7 @@ from test_script_rewrite import apply_diff, line_of
 from torch import nn
 
 from dpprof.scenarios.measured_loop import ModelWithLoss
-from dpprof.script import rewrite as sr
+from dpprof.script import loss_in_forward_diff
 from dpprof.script.loss_expression import FoundLoss, compiled, find_in_frame
 
 LOSSES = {
@@ -200,7 +200,7 @@ def test_a_loss_on_any_view_of_the_outputs_moves_inside_forward(
     assert abs(whole.item() - as_written) <= 1e-5 * max(1.0, abs(as_written))
 
     # the diff: applies, compiles, and the patched script computes the same loss
-    rw = sr.loss_in_forward(text, "train.py", line_of(text, "nn.DataParallel("),
+    rw = loss_in_forward_diff.loss_in_forward(text, "train.py", line_of(text, "nn.DataParallel("),
                             line_of(text, "logits = model(ids)"), stop, "criterion",
                             found.function.targets_name)
     assert rw.ok, rw.reason

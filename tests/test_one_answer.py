@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 from dpprof.answers import answer as answers
 from dpprof.answers.answer import answer_of, settle
-from dpprof.fixes.policy import IMBALANCE_THRESHOLD, cost_of, margin_bytes
+from dpprof.fixes.fix_registry import cost_of
+from dpprof.fixes.policy import IMBALANCE_THRESHOLD, margin_bytes
 from dpprof.reports.formats import renderers
 from dpprof.result import Recommendation, RunResult
 

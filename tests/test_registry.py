@@ -8,6 +8,7 @@ import pytest
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.fixes import fix_registry
 from dpprof.fixes.fix_kind import ALONE, FixKind, Trial
+from dpprof.fixes.policy import Cost
 from dpprof.measure.fix_savings import alongside
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.reports.sentences import SCENARIO_COLOURS
@@ -70,7 +71,8 @@ class HalfOnCudaZero(FixKind):
 
 def test_a_registered_fix_is_measured_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     half = HalfOnCudaZero(name="half-batch", title="Half the batch",
-                          applies_to=(DP_LOSS_PRIMARY,), measured=ALONE)
+                          applies_to=(DP_LOSS_PRIMARY,), measured=ALONE,
+                          cost=Cost(5, "the batch halved", ""))
     monkeypatch.setattr(fix_registry, "FIXES", (*fix_registry.FIXES, half))
     monkeypatch.setitem(fix_registry.BY_NAME, half.name, half)
     import dpprof.measure.fix_savings as fixes_module
@@ -83,6 +85,9 @@ def test_a_registered_fix_is_measured_and_reported(monkeypatch: pytest.MonkeyPat
     assert fix.saves_bytes is not None and fix.saves_bytes > 0  # half the rows on cuda:0
     assert fix_registry.applies_to("half-batch") == (DP_LOSS_PRIMARY,)
     assert fix_registry.applies_to("gone") == (DP_LOSS_PRIMARY,)  # an older result's fix
+    # its cost is the one it carries (no table elsewhere to add it to)
+    assert fix_registry.cost_of("half-batch") is half.cost
+    assert fix_registry.cost_of("gone").rank == 99
 
 
 def test_alongside_is_what_each_fix_asks_of_its_scenario() -> None:
@@ -92,8 +97,11 @@ def test_alongside_is_what_each_fix_asks_of_its_scenario() -> None:
     kinds = {f.name: (f.measured, f.measured_in) for f in fix_registry.FIXES}
     assert kinds["output-device"] == ("further-step", DP_LOSS_PRIMARY)
     assert kinds["gradient-as-bucket-view"] == ("ledger", "ddp")
-    assert [f.run_variant for f in fix_registry.run_variants()] == ["loss-in-forward",
-                                                                     "ddp-in-place"]
+    # dpprof run's strategies, found by the fixes' one names, in the registry's order
+    from dpprof.script.strategy_registry import strategies
+
+    assert [s.name for s in strategies()][:3] == ["loss-in-forward", "ddp",
+                                                  "gradient-as-bucket-view"]
 
 
 def test_a_result_made_by_the_factory_records_version_time_and_environment() -> None:

@@ -18,7 +18,7 @@ from dpprof.cli.app import app
 from dpprof.measure.ladder_code import CODE_CHECKPOINT
 from dpprof.measure.ladder_rungs import rungs as ladder_rungs
 from dpprof.result import Fix, RunResult
-from dpprof.script import rewrite
+from dpprof.script import autocast_diff
 from dpprof.script.runner import ScriptRun, run_script
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
@@ -77,7 +77,7 @@ def test_each_rung_equals_the_script_with_its_change_made_by_hand(tmp_path: Path
     result, main = run_command(config(LM, ladder=True))
     found = rungs(result)
     # the mixed-precision rung: its diff of the script, applied, run as written
-    change = rewrite.autocast_until_at(main.forward_site, main.backward_site,
+    change = autocast_diff.autocast_until_at(main.forward_site, main.backward_site,
                                                "bfloat16")
     assert change.ok, change.reason
     assert change.diff in found["ladder-bf16"].code
@@ -117,7 +117,7 @@ def test_a_data_parallel_script_gets_the_ladder_on_its_ddp_alternative() -> None
     # listed, and none made in the user's folder
     assert not Path("checkpoint.pt").exists()
     saved_by = {w.run for w in result.writes if w.path == "checkpoint.pt"}
-    assert saved_by == {"as-written", "ddp-in-place", "loss-in-forward", "ladder-bf16"}
+    assert saved_by == {"as-written", "ddp", "loss-in-forward", "ladder-bf16"}
     assert result.seal is not None and result.seal.changed == []
 
 

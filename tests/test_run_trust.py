@@ -595,7 +595,7 @@ def test_the_alternatives_write_and_print_nothing_the_user_sees_or_another_run_r
     assert list(tmp_path.iterdir()) == [tmp_path / "train.py"]
     # each run wrote its own log into its own overlay: none saw another's lines
     logs = {(w.run, w.path): w.size_bytes for w in result.writes if w.path == "out/log.txt"}
-    assert logs == {(run, "out/log.txt"): 4 for run in ("as-written", "loss-in-forward", "ddp-in-place")}
+    assert logs == {(run, "out/log.txt"): 4 for run in ("as-written", "loss-in-forward", "ddp")}
 
 
 @pytest.mark.parametrize(("source", "expected"), [
@@ -846,10 +846,11 @@ def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
 
     from dpprof.script import wrappers
     from dpprof.script.runner import run_script
-    from dpprof.script.wrappers import DDP_IN_PLACE
+    from dpprof.script.strategy_registry import alternative_named
 
     script = str(Path(__file__).parent / "scripts" / "dp_loss_outside.py")
-    cfg = ScriptConfig(launch=parse_command(["python", script], 4), variant=DDP_IN_PLACE)
+    cfg = ScriptConfig(launch=parse_command(["python", script], 4),
+                       alternative=alternative_named("ddp"))
     followed = run_script(cfg)
     assert followed.bucket_view_peak_bytes is not None
     plain_peak = followed.scenario.devices[0].peak_allocated_bytes

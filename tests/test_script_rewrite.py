@@ -20,10 +20,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
-from dpprof.script import rewrite as sr
+from dpprof.script import autocast_diff, ddp_diff, loss_in_forward_diff, rewrite
 from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command
-from dpprof.script.wrappers import LOSS_IN_FORWARD
+from dpprof.script.strategy_registry import alternative_named
 
 NET = '''\
 import torch
@@ -79,7 +79,7 @@ def apply_diff(old: str, diff: str) -> str:
     return "\n".join(out + lines[pos:]) + "\n"
 
 
-def checked(rw: sr.Rewrite, old: str) -> str:
+def checked(rw: rewrite.Rewrite, old: str) -> str:
     """The new file: it compiles, and the diff gives it."""
     assert rw.ok, rw.reason
     compile(rw.new_source, "train.py", "exec")
@@ -87,13 +87,13 @@ def checked(rw: sr.Rewrite, old: str) -> str:
     return rw.new_source
 
 
-def lif(source: str, dp: str, call: str, loss: str) -> sr.Rewrite:
-    return sr.loss_in_forward(source, "train.py", line_of(source, dp), line_of(source, call),
-                              line_of(source, loss))
+def lif(source: str, dp: str, call: str, loss: str) -> rewrite.Rewrite:
+    return loss_in_forward_diff.loss_in_forward(source, "train.py", line_of(source, dp),
+                                                line_of(source, call), line_of(source, loss))
 
 
-def ddp(source: str, dp: str, bucket_view: bool = False) -> sr.Rewrite:
-    return sr.ddp(source, "train.py", line_of(source, dp), 4, bucket_view)
+def ddp(source: str, dp: str, bucket_view: bool = False) -> rewrite.Rewrite:
+    return ddp_diff.ddp(source, "train.py", line_of(source, dp), 4, bucket_view)
 
 
 LOOP = """\
@@ -317,7 +317,7 @@ def test_a_wrap_under_a_condition_is_noted() -> None:
     new = checked(rw, old)
     assert "model = nn.DataParallel(dpprof.ModelWithLoss(Net(), criterion)) if" in new
     assert any("conditional" in n for n in rw.notes)
-    assert "# also: the wrap (line" in sr.rewrite_text(rw)
+    assert "# also: the wrap (line" in rewrite.rewrite_text(rw)
 
 
 def test_the_models_call_alone_in_its_block_leaves_pass() -> None:
@@ -356,7 +356,7 @@ def test_what_cannot_move_into_forward_is_a_reason(loss: str, why: str) -> None:
                  f"{loss}\n")
     rw = lif(old, "DataParallel(", "out = model", "loss =")
     assert not rw.ok and rw.diff == "" and why in rw.reason
-    assert sr.rewrite_text(rw).startswith("# no rewrite of the script's lines: ")
+    assert rewrite.rewrite_text(rw).startswith("# no rewrite of the script's lines: ")
 
 
 def test_the_model_call_with_keywords_is_a_reason() -> None:
@@ -366,9 +366,10 @@ def test_the_model_call_with_keywords_is_a_reason() -> None:
 
 
 def test_sites_dpprof_did_not_see_are_a_reason() -> None:
-    assert not sr.loss_in_forward_at("?", "t.py:3", "t.py:4").ok
-    assert "different files" in sr.loss_in_forward_at("a.py:1", "b.py:2", "a.py:3").reason
-    assert "cannot read" in sr.ddp_at("/nonexistent/t.py:3", 4).reason
+    assert not loss_in_forward_diff.loss_in_forward_at("?", "t.py:3", "t.py:4").ok
+    assert "different files" in loss_in_forward_diff.loss_in_forward_at(
+        "a.py:1", "b.py:2", "a.py:3").reason
+    assert "cannot read" in ddp_diff.ddp_at("/nonexistent/t.py:3", 4).reason
 
 
 def test_the_rewritten_script_runs_and_gives_the_same_loss(tmp_path: Path) -> None:
@@ -459,8 +460,9 @@ def test_dpprof_run_gives_fixes_that_compile_when_applied(tmp_path: Path,
 # ---- mixed precision -----------------------------------------------------------------------
 
 
-def amp(source: str, call: str, loss: str, dtype: str = "bfloat16") -> sr.Rewrite:
-    return sr.autocast(source, "train.py", line_of(source, call), line_of(source, loss), dtype)
+def amp(source: str, call: str, loss: str, dtype: str = "bfloat16") -> rewrite.Rewrite:
+    return autocast_diff.autocast(source, "train.py", line_of(source, call),
+                                  line_of(source, loss), dtype)
 
 
 TRAIN = """\
@@ -748,12 +750,12 @@ def test_autocast_at_sites_and_a_dtype_it_does_not_know(tmp_path: Path) -> None:
     path = tmp_path / "train.py"
     path.write_text(script(TRAIN))
     site = f"{path}:{line_of(script(TRAIN), 'loss = criterion')}"
-    assert sr.autocast_at(site, site, "bfloat16").new_source == \
+    assert autocast_diff.autocast_at(site, site, "bfloat16").new_source == \
         amp(script(TRAIN), "loss = criterion", "loss = criterion").new_source
-    assert sr.autocast_at(site, site, "float8").reason == \
+    assert autocast_diff.autocast_at(site, site, "float8").reason == \
         "dtype 'float8': autocast's rewrite takes \"bfloat16\" or \"float16\""
-    assert "different files" in sr.autocast_at(site, "other.py:3", "float16").reason
-    assert "did not see" in sr.autocast_at("?", site, "float16").reason
+    assert "different files" in autocast_diff.autocast_at(site, "other.py:3", "float16").reason
+    assert "did not see" in autocast_diff.autocast_at("?", site, "float16").reason
 
 
 def test_the_float16_script_runs_and_trains_as_before_without_a_gpu() -> None:
@@ -783,10 +785,11 @@ def test_autocast_from_the_sites_dpprof_records_runs_under_dpprof(
     path = tmp_path / "train_args.py"
     path.write_text(ARGS_SCRIPT)
     seen = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3,
-                                   variant=LOSS_IN_FORWARD))
+                                   alternative=alternative_named("loss-in-forward")))
     site = f"{path}:{line_of(ARGS_SCRIPT, 'loss = criterion(model(inputs), labels)')}"
     assert seen.call_sites[0] == seen.loss_sites[0] == site
-    new = checked(sr.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype), ARGS_SCRIPT)
+    new = checked(autocast_diff.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype),
+                  ARGS_SCRIPT)
     assert ("scaler.step(optimizer)\n    scaler.update()\n" in new) == (dtype == "float16")
     path.write_text(new)
     run = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3))

@@ -46,12 +46,11 @@ from dpprof.answers.answer_figures import (
 from dpprof.answers.attribution import attribute, lead_causes, why_heavier
 from dpprof.answers.post_mortem import post_mortem, watch_verdict
 from dpprof.fixes.fix_kind import MIN_SAVING
-from dpprof.fixes.fix_registry import applies_to, as_scenario, from_scenarios
+from dpprof.fixes.fix_registry import applies_to, as_scenario, cost_of, from_scenarios
 from dpprof.fixes.policy import (
     IMBALANCE_THRESHOLD,
     LADDER_PREFIX,
     Cost,
-    cost_of,
     lines_changed,
     margin_bytes,
 )

@@ -1,10 +1,11 @@
 """What a fix is, once: its name and title, the scenarios it changes, its code, how it is
-measured, and the ``dpprof run`` alternative it maps to.
+measured and what it costs. Its one name is also ``dpprof run``'s: the script layer finds a
+fix's strategy there by it (:mod:`dpprof.script.strategy_registry`).
 
 Each fix is one object (:class:`FixKind`) in its own module under
 :mod:`dpprof.fixes.kinds`, listed once in :mod:`dpprof.fixes.fix_registry`;
 :func:`dpprof.measure.fix_savings.evaluate` measures them in the registry's order, the answers
-read which scenario each changes, and ``dpprof run`` which alternative of a script each is.
+read which scenario each changes.
 
 How a fix is measured (:attr:`FixKind.measured`):
 
@@ -21,8 +22,8 @@ the registry's the run measured (:func:`baseline_of`: ``dp-loss-primary`` where 
 only where it changes that scenario's setup (:attr:`FixKind.applies_to`): never against a
 scenario the user did not run. Each has a need (:attr:`Fix.need_bytes`: its fullest GPU,
 counted as the run's out-of-memory check counts), from its own emulation where it ran alone,
-else from emulating it alone once more with that count (:meth:`FixKind.alone`); and a cost,
-the policy's (:attr:`FixKind.cost`, :mod:`dpprof.fixes.policy`).
+else from emulating it alone once more with that count (:meth:`FixKind.alone`); and a cost
+(:attr:`FixKind.cost`: its place in the policy's order, :mod:`dpprof.fixes.policy`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dpprof.fixes.policy import Cost, cost_of
+from dpprof.fixes.policy import Cost
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.names import DP_LOSS_PRIMARY
 from dpprof.scenarios.registry import REGISTRY
@@ -151,19 +152,16 @@ class Trial:
 class FixKind:
     """One fix (see the module)."""
 
-    name: str  # the result's Fix.name
+    # the one name: the result's Fix.name, `dpprof run`'s alternative and its strategy's
+    # module (dpprof.script.<name, "-" as "_">_run)
+    name: str
     title: str
     applies_to: tuple[str, ...]  # the scenarios whose setup it changes (others: not offered)
     measured: str  # AS_SCENARIO, FURTHER_STEP, LEDGER or ALONE
+    # what it costs the user: its place in the policy's order (cheaper than every rung of
+    # the ladder), its change to the code, what it does to the step time
+    cost: Cost
     measured_in: str | None = None  # the scenario it is, or whose loop measures it
-    run_variant: str | None = None  # `dpprof run`'s alternative of a script that is this fix
-    run_detail: str = ""  # `dpprof run`'s detail of it ({gpus}: the GPUs)
-
-    @property
-    def cost(self) -> Cost:
-        """What it costs the user: its place in the policy's order, its change to the code,
-        what it does to the step time (:mod:`dpprof.fixes.policy`)."""
-        return cost_of(self.name)
 
     def alone(self, trial: Trial, fix: Fix) -> tuple[str, EmulationConfig] | None:
         """The scenario and configuration that run ``fix``'s step on its own (its need is

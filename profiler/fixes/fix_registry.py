@@ -2,8 +2,10 @@
 over.
 
 Adding a fix is its module under :mod:`dpprof.fixes.kinds` (a ``FIX``, see
-:mod:`dpprof.fixes.fix_kind`) and one line in :data:`MODULES`. The order is the order in
-which they are measured and reported.
+:mod:`dpprof.fixes.fix_kind`, its cost among its fields) and one line in :data:`MODULES`; for
+``dpprof run`` to measure it too, its strategy in the script layer
+(:mod:`dpprof.script.strategy_registry`). The order is the order in which they are measured
+and reported.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 from dpprof.fixes.fix_kind import AS_SCENARIO, FIX_BASELINE, FixKind, measured_ok
+from dpprof.fixes.policy import Cost, rung_cost
 from dpprof.result import Fix, RunResult
 
 MODULES = (
@@ -44,15 +47,12 @@ def as_scenario(name: str) -> str | None:
     return kind.measured_in if kind is not None and kind.measured == AS_SCENARIO else None
 
 
-def run_variants() -> tuple[FixKind, ...]:
-    """The fixes ``dpprof run`` measures as alternatives of a script, in the registry's
-    order."""
-    return tuple(f for f in FIXES if f.run_variant is not None)
-
-
-def for_variant(variant: str) -> FixKind:
-    """The fix ``dpprof run``'s alternative ``variant`` is."""
-    return next(f for f in FIXES if f.run_variant == variant)
+def cost_of(name: str) -> Cost:
+    """What fix ``name`` costs the user: a fix kind's own cost, else the ladder's rung's
+    (:func:`dpprof.fixes.policy.rung_cost`; ``UNKNOWN`` for a name this dpprof does not
+    know)."""
+    kind = BY_NAME.get(name)
+    return kind.cost if kind is not None else rung_cost(name)
 
 
 def from_scenarios(run: RunResult) -> list[Fix]:

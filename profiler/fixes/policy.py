@@ -1,6 +1,8 @@
 """The policy by which the answer picks one change: by what the change costs the user.
 
-The changes in order, cheapest first (:data:`COSTS`; docs/scenarios.md says the same):
+The changes in order, cheapest first (each fix kind's own cost,
+:attr:`dpprof.fixes.fix_kind.FixKind.cost`, then :data:`RUNG_COSTS`; docs/scenarios.md says
+the same):
 
 0. nothing, where the scenario the user runs fits with the margin and its max/mean is at
    most :data:`IMBALANCE_THRESHOLD`;
@@ -20,7 +22,7 @@ nor one that does not lower the heaviest GPU of the scenario the user ran.
 Each change's cost is a :class:`Cost`: its place in that order, what it changes in the
 code, and what it does to a step's time in words; ``step_time_s`` is the place for the
 predicted step time a time model fills (None: not predicted yet; the order is the code's
-cost until then). A light module: it reads fix names, never runs anything.
+cost until then). A light module: it runs nothing.
 """
 
 from __future__ import annotations
@@ -51,20 +53,9 @@ class Cost:
 
 
 NOTHING = Cost(0, "nothing", "")
-COSTS: dict[str, Cost] = {
-    "loss-in-forward": Cost(
-        1, "a wrapper: DataParallel(ModelWithLoss(model, loss_fn)), the loss read from its "
-        "output", "the same work, the loss computed on each GPU"),
-    "ddp": Cost(
-        2, "a launcher: torchrun, a process group and a DistributedSampler",
-        "no scatter, replicate or gather per step; the all-reduce overlaps backward"),
-    "gradient-as-bucket-view": Cost(3, "DDP and a flag", "none"),
-    "output-device": Cost(
-        4, "an argument to DataParallel; the imbalance moves to another GPU", "none"),
-    "balanced-split": Cost(
-        5, "a scatter override (a class of about twenty lines), its rows tuned to this batch",
-        "the other GPUs wait for the most loaded one"),
-    # the ladder (names after the prefix; fp16 is costed as bf16)
+# the ladder's rungs (names after the prefix; fp16 is costed as bf16); each fix kind carries
+# its own (dpprof.fixes.fix_kind.FixKind.cost), cheaper than every rung
+RUNG_COSTS: dict[str, Cost] = {
     "bf16": Cost(6, "autocast around forward and the loss", "usually faster on tensor cores"),
     "checkpoint": Cost(7, "checkpoint the repeated blocks",
                        "one more forward of the blocks per step"),
@@ -90,10 +81,8 @@ UNKNOWN = Cost(99, "a change this dpprof does not know", "")
 
 
 def family(name: str) -> str:
-    """The key of :data:`COSTS` for fix ``name``: a fix kind's name, or a rung's without
-    its prefix, fp16 read as bf16 and each combination under its place."""
-    if not name.startswith(LADDER_PREFIX):
-        return name
+    """The key of :data:`RUNG_COSTS` for rung ``name``: its name without the prefix, fp16
+    read as bf16 and each combination under its place."""
     rung = name.removeprefix(LADDER_PREFIX).replace("fp16", "bf16")
     if rung.startswith("fsdp2-zero3") and "checkpoint" in rung:
         return "fsdp2-zero3-checkpoint"
@@ -102,9 +91,12 @@ def family(name: str) -> str:
     return rung
 
 
-def cost_of(name: str) -> Cost:
-    """The cost of fix ``name`` (:data:`UNKNOWN` for a name this dpprof does not know)."""
-    return COSTS.get(family(name), UNKNOWN)
+def rung_cost(name: str) -> Cost:
+    """The cost of the ladder's rung ``name`` (:data:`UNKNOWN` for a name this dpprof does
+    not know; a fix kind's cost is the kind's, :func:`dpprof.fixes.fix_registry.cost_of`)."""
+    if not name.startswith(LADDER_PREFIX):
+        return UNKNOWN
+    return RUNG_COSTS.get(family(name), UNKNOWN)
 
 
 def lines_changed(code: str) -> int:

@@ -57,7 +57,8 @@ from torch import nn
 from dpprof.backends.emulated import EmulationConfig, probe_model, run_scenario
 from dpprof.emulator import fsdp as fsdp2
 from dpprof.emulator.fsdp import emulated_ranks
-from dpprof.fixes.policy import LADDER_PREFIX, cost_of
+from dpprof.fixes.fix_registry import cost_of
+from dpprof.fixes.policy import LADDER_PREFIX
 from dpprof.measure.ladder_code import code, detail
 from dpprof.measure.ladder_rungs import (
     Rung,

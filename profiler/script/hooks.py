@@ -1,13 +1,13 @@
 """What ``dpprof run`` hooks into the running script: optimizer steps counted, phases
-marked and the script stopped after enough steps (:class:`Stepper`), and the paired
-alternatives' patches (:class:`Variant`: DDP in place of DataParallel, or the loss inside
-forward), and ``torch.compile`` run eagerly (:func:`compile_eagerly`)."""
+marked and the script stopped after enough steps (:class:`Stepper`), the loss's memory
+labelled (:func:`label_losses`), a rung of the ladder applied (:class:`RungHooks`), and
+``torch.compile`` run eagerly (:func:`compile_eagerly`). An alternative's own patches are its
+strategy's (:mod:`dpprof.script.strategy`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sysconfig
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.emulator.cuda_devices import CudaDevices, caller_site, in_dpprof
+from dpprof.emulator.cuda_devices import CudaDevices, caller_site
 from dpprof.emulator.data_parallel import Gather
 from dpprof.emulator.events import DeviceCounters
 from dpprof.emulator.kernels import EmulatedAutocast
@@ -25,16 +25,9 @@ from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder_code import blocks_words
 from dpprof.measure.ladder_rungs import Rung
 from dpprof.measure.rung_models import checkpoint_blocks
-from dpprof.script import wrappers
-from dpprof.script.wrappers import (
-    DDP_IN_PLACE,
-    LOSS_IN_FORWARD,
-    loss_in_forward_loss_call,
-    pending_in,
-)
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
-           "Variant", "compile_eagerly", "unwrapped"]
+           "compile_eagerly", "label_losses", "unwrapped"]
 
 AS_WRITTEN = "as-written"
 
@@ -252,50 +245,6 @@ def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
                   lambda self, *a, **k: sites.append(caller_site()))
 
 
-# torch's factories a script makes a batch with in its loop (``torch.randint(0, V, (B, T))``,
-# ``torch.randn(B, D)``): under DDP each rank makes its own share of the rows
-_BATCH_FACTORIES = ("randint", "randn", "rand")
-_LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                              sysconfig.get_paths()["stdlib"]}))
-
-
-def _script_line(frame: Any) -> str | None:
-    """``file:line`` of ``frame`` where it is the script's own code (not a library's, not
-    torch's, not dpprof's), else None."""
-    name = frame.f_code.co_filename
-    if name.startswith("<") or in_dpprof(name) or name.startswith(_LIBRARY_DIRS):
-        return None
-    return f"{name}:{frame.f_lineno}"
-
-
-def _with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
-               share: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """``func``'s arguments with a size whose first dimension is ``rows`` given ``share``
-    rows instead; None where the size does not begin with ``rows``."""
-    def cut(size: Any) -> Any:
-        if isinstance(size, (tuple, list, torch.Size)) and size and size[0] == rows:
-            return type(size)([share, *size[1:]]) if not isinstance(size, torch.Size) \
-                else torch.Size([share, *size[1:]])
-        return None
-
-    if "size" in kwargs:
-        new = cut(kwargs["size"])
-        return None if new is None else (args, {**kwargs, "size": new})
-    if func == "randint":  # randint(high, size) / randint(low, high, size)
-        at = next((i for i, a in enumerate(args) if isinstance(a, (tuple, list, torch.Size))),
-                  None)
-        if at is None:
-            return None
-        new = cut(args[at])
-        return None if new is None else ((*args[:at], new, *args[at + 1:]), kwargs)
-    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):  # randn((B, D))
-        new = cut(args[0])
-        return None if new is None else ((new,), kwargs)
-    if args and isinstance(args[0], int) and args[0] == rows:  # randn(B, D)
-        return (share, *args[1:]), kwargs
-    return None
-
-
 # how far back from a loss module's argument its expression of DataParallel's outputs may
 # reach (views, slices, transposes, .float(): a few nodes each)
 _EXPRESSION_NODES = 16
@@ -354,100 +303,6 @@ def _label_loss_backward(rt: Any, root: Any) -> None:
         node.register_prehook(lambda *_: rt._set_category("loss"))
         node.register_hook(lambda *_: rt._set_category("activations"))
         stack.extend(n for n, _ in node.next_functions)
-
-
-class Variant:
-    """The paired alternatives: DDP in place of DataParallel, or the loss inside forward."""
-
-    def __init__(self, name: str, vc: VirtualCuda, gpus: int, keep_outputs: bool = False,
-                 scattered_rows: int = 0) -> None:
-        self.name = name
-        self.keep_outputs = keep_outputs  # the loss inside forward, the outputs kept
-        self.vc = vc
-        self.gpus = gpus
-        self.batch_rows = 0
-        self.loss_calls = 0
-        # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (0: unknown)
-        self.scattered_rows = scattered_rows
-        # how each rank got its share: "loader" (a DataLoader's batch_size), and the
-        # script's lines whose hand-made batches were cut to it
-        self.divided_loader = False
-        self.divided_sites: list[str] = []
-
-    def _divide_hand_made_batches(self, patcher: Patcher) -> None:
-        """Batches the script makes in its loop without a DataLoader (a random factory on
-        its own line whose first dimension is the batch DataParallel scattered): each rank
-        makes its share, DataParallel's first chunk (``ceil(B / N)`` rows), as a DDP script
-        would make ``B // N`` rows on every rank."""
-        import sys
-
-        rows = self.scattered_rows
-        variant = self
-        vc = self.vc
-
-        def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
-            def factory(*args: Any, **kwargs: Any) -> Any:
-                site = _script_line(sys._getframe(1))
-                if site is None:
-                    return original(*args, **kwargs)
-                # the GPUs the script sees, asked when it makes a batch (not before it ran:
-                # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
-                share = -(-rows // vc.device_count())
-                cut = _with_rows(func, args, kwargs, rows, share)
-                if cut is None:
-                    return original(*args, **kwargs)
-                made = f"torch.{func} at {site}"
-                if made not in variant.divided_sites:
-                    variant.divided_sites.append(made)
-                variant.batch_rows = variant.batch_rows or share
-                return original(*cut[0], **cut[1])
-            return factory
-
-        for func in _BATCH_FACTORIES:
-            patcher.patch(torch, func, dividing(func, getattr(torch, func)))
-
-    def install(self, vc: VirtualCuda, patcher: Patcher) -> None:
-        """The variant's patches, through the run's ``patcher`` (undone with the run's)."""
-        from torch import nn
-        from torch.utils.data import DataLoader
-
-        variant = self
-        label_losses(vc, patcher)  # before the variant's own loss call, which calls it
-        wrappers.state_of(vc).mode = "" if self.name == AS_WRITTEN else self.name
-        wrappers.state_of(vc).keep_outputs = self.keep_outputs
-        if self.name == DDP_IN_PLACE:
-            orig_init = DataLoader.__init__
-
-            def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
-                            *args: Any, **kwargs: Any) -> None:
-                if batch_size:
-                    # one rank per GPU the script sees: asked here, not before the script
-                    # ran (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
-                    world = vc.device_count()
-                    batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
-                    variant.batch_rows = variant.batch_rows or batch_size
-                    variant.divided_loader = True
-                orig_init(loader, dataset, batch_size, *args, **kwargs)
-
-            patcher.patch(DataLoader, "__init__", loader_init)
-            if self.scattered_rows > 1:
-                self._divide_hand_made_batches(patcher)
-        elif self.name == LOSS_IN_FORWARD:
-            loss_cls = nn.modules.loss._Loss
-            orig_call = loss_cls.__call__
-
-            def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
-                # a loss on an expression of the outputs (``out.view(-1, V)``), computed
-                # inside forward when the statement first read them
-                pending = pending_in(args, kwargs)
-                out = (pending.answer() if pending is not None
-                       else loss_in_forward_loss_call(vc, loss, args, kwargs))
-                if out is None:
-                    return orig_call(loss, *args, **kwargs)
-                variant.loss_calls += 1
-                return out
-
-            patcher.patch(loss_cls, "__call__", loss_call)
 
 
 # ---- a rung of the ladder, applied as the script runs (dpprof.script.rungs) ----

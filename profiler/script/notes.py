@@ -9,23 +9,18 @@ import os
 
 from dpprof.answers.answer import settle
 from dpprof.emulator.cuda_devices import STAND_INS
-from dpprof.fixes.fix_registry import for_variant
+from dpprof.fixes.fix_kind import FixKind
 from dpprof.result import Fix, RunResult, ScriptWrite, SealCheck
-from dpprof.script import rewrite
 from dpprof.script.runner import ScriptConfig, ScriptRun
-from dpprof.script.wrappers import LOSS_IN_FORWARD
-from dpprof.units import fmt_bytes
 
 __all__ = [
+    "alternative_fix",
     "alternative_notes",
-    "bucket_view_fix",
-    "diff_ddp",
-    "diff_loss_in_forward",
     "how_it_ended",
     "library_branches",
     "nothing_on_a_gpu",
+    "relative_site",
     "script_assumptions",
-    "script_fix",
     "script_verdict",
     "seal_fields",
     "seal_notes",
@@ -160,72 +155,24 @@ def script_verdict(result: RunResult) -> str:
     return settle(result).verdict
 
 
-def diff_loss_in_forward(run: ScriptRun) -> str:
-    """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
-    saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
-    if not (run.dp_sites and run.call_sites and run.loss_sites):
-        return ""
-    callee, targets = run.loss_expressions.get(run.loss_sites[0], ("", ""))
-    return rewrite.rewrite_text(rewrite.loss_in_forward_at(
-        run.dp_sites[0], run.call_sites[0], run.loss_sites[0], callee, targets))
-
-
-def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
-             batch_sites: tuple[str, ...] = ()) -> str:
-    """The DDP change around the script's own DataParallel line (and each rank's share of
-    the batches it makes by hand, at ``batch_sites``)."""
-    if not run.dp_sites:
-        return ""
-    return rewrite.rewrite_text(rewrite.ddp_at(run.dp_sites[0], gpus,
-                                               bucket_view=bucket_view,
-                                               batch_sites=batch_sites,
-                                               rows=run.batch_rows))
-
-
-def bucket_view_fix(main: ScriptRun, alt: ScriptRun, gpus: int) -> Fix | None:
-    """DDP with ``gradient_as_bucket_view=True``: the DDP alternative's rank as that option
-    makes it, followed in a ledger while the alternative ran plain DDP."""
-    if alt.bucket_view_peak_bytes is None or not main.scenario.devices:
-        return None
-    p0 = main.scenario.devices[0].peak_allocated_bytes
-    q = alt.bucket_view_peak_bytes
-    plain = max((d.peak_allocated_bytes for d in alt.scenario.devices), default=q)
-    extra = plain - q
-    return Fix(name="gradient-as-bucket-view", title="DDP with gradient_as_bucket_view=True",
-               primary_peak_bytes=q, max_peak_bytes=q, saves_bytes=p0 - q,
-               detail=f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less "
-               "than plain DDP per GPU at the peak" + (
-                   "" if extra > 0 else " (the peak comes before the gradients all exist; "
-                   "the gradient-sized copy is still saved later in the step)"),
-               code=diff_ddp(main, gpus, bucket_view=True,
-                             batch_sites=tuple(alt.batch_sites)))
-
-
-def script_fix(variant: str, main: ScriptRun, alt: ScriptRun, gpus: int,
-               outputs_kept: tuple[list[str], int] | None = None) -> Fix | None:
-    """What the alternative saves on cuda:0, with its change to the script's lines.
-    ``outputs_kept``: the loss inside forward of a script that also uses the outputs (the
-    sites that do, and what computing them inside forward too would save on cuda:0)."""
+def alternative_fix(kind: FixKind, main: ScriptRun, alt: ScriptRun, detail: str,
+                    code: str) -> Fix | None:
+    """What the alternative ``alt`` (the script with fix ``kind`` made) saves on cuda:0
+    against the script as written, ``main``; ``code``: its change to the script's lines."""
     if not main.scenario.devices or not alt.scenario.devices:
         return None
     p0 = main.scenario.devices[0].peak_allocated_bytes
     q0 = alt.scenario.devices[0].peak_allocated_bytes
     heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
-    kind = for_variant(variant)
     return Fix(name=kind.name, title=kind.title, primary_peak_bytes=q0, max_peak_bytes=heaviest,
-               saves_bytes=p0 - q0, detail=(kind.run_detail.format(gpus=gpus)
-                                            if outputs_kept is None
-                                            else _kept_outputs_detail(*outputs_kept)),
-               code=(diff_loss_in_forward(alt) if variant == LOSS_IN_FORWARD
-                     else diff_ddp(main, gpus, batch_sites=tuple(alt.batch_sites))))
+               saves_bytes=p0 - q0, detail=detail, code=code)
 
 
-def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:
-    lines = ", ".join(site.rpartition(":")[2] for site in sites)
-    return ("the same script with DataParallel(ModelWithLoss(model, loss, keep_outputs=True)): "
-            f"the loss and its temporaries on each replica; the outputs, which line {lines} "
-            "uses, still gathered on cuda:0; computing that inside forward as well would save "
-            f"{fmt_bytes(further_bytes)} more on cuda:0.")
+def relative_site(site: str) -> str:
+    """A site of the working directory's files as the user typed it (``train.py:40``, not
+    the absolute path Python gives the script's code)."""
+    cwd = os.getcwd() + os.sep
+    return site.removeprefix(cwd) if site.startswith(cwd) else site
 
 
 def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:

@@ -12,13 +12,13 @@ model's repeated blocks; both), applied by :class:`RungHooks` to the running scr
   (or the optimizer's step), the script runs under the GPU's autocast
   (:class:`dpprof.emulator.kernels.EmulatedAutocast`: CUDA's op lists), as a user wraps
   forward and loss in ``torch.autocast("cuda")``; the change to the script is that
-  ``with`` block around the script's own lines (:func:`dpprof.script.rewrite.autocast_at`);
+  ``with`` block around the script's own lines (:func:`dpprof.script.autocast_diff.autocast_at`);
 * **activation checkpointing**: at the model's first call, each of its repeated blocks
   (:func:`dpprof.measure.rung_models.repeated_blocks`, the model unwrapped from DataParallel or
   DDP) has its forward wrapped in non-reentrant ``torch.utils.checkpoint``, exactly as the
-  lines handed to the user do (:func:`dpprof.script.rewrite.checkpointing`).
+  lines handed to the user do (:func:`dpprof.script.checkpointing_diff.checkpointing`).
 
-A rung's change is one diff of the user's file (:func:`dpprof.script.rewrite.rung_changes`):
+A rung's change is one diff of the user's file (:func:`dpprof.script.rung_diff.rung_changes`):
 its own edits and, where it ran on a DataParallel script's DDP alternative, the DDP change
 too, so that the script patched with it, run as the diff says (torchrun), is the run the
 rung measured.
@@ -46,10 +46,12 @@ from dpprof.scenarios.names import (
     SINGLE,
     TENSOR_PARALLEL,
 )
-from dpprof.script import rewrite
-from dpprof.script.hooks import AS_WRITTEN, StepCallback
+from dpprof.script.hooks import StepCallback
+from dpprof.script.rewrite import Rewrite, rewrite_text
+from dpprof.script.rung_diff import RungSites, rung_changes
 from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
-from dpprof.script.wrappers import DDP_IN_PLACE
+from dpprof.script.strategy import Alternative
+from dpprof.script.strategy_registry import alternative_named
 
 __all__ = ["floor_of", "run_ladder", "rung_fix"]
 
@@ -57,14 +59,17 @@ __all__ = ["floor_of", "run_ladder", "rung_fix"]
 FLOOR_WORDS = {DDP: "DDP", SINGLE: "one GPU", MODEL_PARALLEL: "the model as placed"}
 
 
-def floor_of(main: ScriptRun, runs: list[tuple[str, ScriptRun]]) -> tuple[str, ScriptRun] | None:
-    """The run the rungs change (its variant and run): the DDP alternative of a
-    DataParallel script, else the script as written; None for a DataParallel script
-    without one (the rungs would run under DataParallel, which they do not fix)."""
+def floor_of(main: ScriptRun, runs: list[tuple[str, ScriptRun]]
+             ) -> tuple[Alternative | None, ScriptRun] | None:
+    """The run the rungs change (the alternative it ran, None for the script as written,
+    and the run): the alternative a ladder starts from (DDP's) of a DataParallel script,
+    else the script as written; None for a DataParallel script without one (the rungs
+    would run under DataParallel, which they do not fix)."""
     if main.scenario.name == DP_LOSS_PRIMARY:
-        return next(((v, r) for v, r in runs if v == DDP_IN_PLACE), None)
+        return next(((alt, r) for alt, r in ((alternative_named(v), r) for v, r in runs)
+                     if alt is not None and alt.ladder_floor), None)
     if main.scenario.name in (DDP, SINGLE, MODEL_PARALLEL):
-        return AS_WRITTEN, main
+        return None, main
     return None
 
 
@@ -91,7 +96,7 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
             notes.append("no ladder: it runs on the DDP alternative, which this script has "
                          "none of")
         return None
-    variant, floor = found
+    alternative, floor = found
     if floor.scenario.status not in (STATUS_OK, STATUS_OOM) or not wanted(floor, cfg.ladder):
         return None
     blocks = floor.blocks_words.get("count", 0)
@@ -107,7 +112,7 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
     for rung in ladder:
         # on the DDP alternative each rank makes its share of a hand-made batch, as the
         # alternative's own run did (the rows DataParallel scattered)
-        run = run_script(dataclasses.replace(cfg, variant=variant, rung=rung,
+        run = run_script(dataclasses.replace(cfg, alternative=alternative, rung=rung,
                                              scattered_rows=main.batch_rows),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
@@ -147,7 +152,7 @@ def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     then the rung's change to the typical loop."""
     change = _rung_rewrite(rung, floor, cfg, main)
     if change.ok:
-        return rewrite.rewrite_text(change)
+        return rewrite_text(change)
     why = f"# (no rewrite of the script's lines: {change.reason}; the change by hand:)\n"
     parts = []
     if rung.checkpoint:
@@ -160,21 +165,21 @@ def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
 
 
 def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
-                  main: ScriptRun | None) -> rewrite.Rewrite:
+                  main: ScriptRun | None) -> Rewrite:
     script = str(Path(cfg.launch.target).resolve()) if not cfg.launch.is_module else ""
     on_ddp = main is not None and main.scenario.name == DP_LOSS_PRIMARY
     sites = [floor.forward_site, floor.backward_site]
     if on_ddp:
         assert main is not None
         if not main.dp_sites:
-            return rewrite.Rewrite(reason="dpprof did not see the DataParallel wrap's line")
+            return Rewrite(reason="dpprof did not see the DataParallel wrap's line")
         sites.append(main.dp_sites[0])
     if not script or not all(s.rpartition(":")[0] == script for s in sites):
-        return rewrite.Rewrite(reason="the model's call and backward() are not in the script")
+        return Rewrite(reason="the model's call and backward() are not in the script")
     forward, backward, *dp = (int(s.rpartition(":")[2]) for s in sites)
     batches = tuple(int(n) for p, _, n in (b.rpartition(":") for b in floor.batch_sites)
                     if p == script and n.isdigit())
-    return rewrite.rung_changes(
-        rewrite.RungSites(script, forward, backward, dp[0] if dp else 0, batches,
+    return rung_changes(
+        RungSites(script, forward, backward, dp[0] if dp else 0, batches,
                           main.batch_rows if main is not None else 0),
         cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None)

@@ -65,8 +65,8 @@ from dpprof.script.hooks import (
     StepCallback,
     Stepper,
     StopScript,
-    Variant,
     compile_eagerly,
+    label_losses,
 )
 from dpprof.script.launch import (
     Launch,
@@ -81,7 +81,7 @@ from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
-from dpprof.script.wrappers import DDP_IN_PLACE
+from dpprof.script.strategy import Alternative, AlternativeState
 from dpprof.units import fmt_bytes
 
 __all__ = ["RunInterrupted", "ScriptConfig", "ScriptRun", "run_script"]
@@ -95,10 +95,11 @@ class ScriptConfig:
     gpu_memory_bytes: int | None = None  # None: the GPU's
     steps: int = 3  # optimizer steps before stopping; the first is the warm-up
     compute: bool = False  # CPU tensors (real numbers) instead of meta tensors
-    variant: str = AS_WRITTEN  # AS_WRITTEN | DDP_IN_PLACE | LOSS_IN_FORWARD
+    # the fix the script is run with (dpprof.script.strategy); None: as written
+    alternative: Alternative | None = None
     debug: bool = False
     rung: Rung | None = None  # a rung of the ladder applied as the script runs
-    # LOSS_IN_FORWARD: the replicas return their outputs too (the script uses them)
+    # the loss inside forward: the replicas return their outputs too (the script uses them)
     keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
     keep_writes: str | None = None  # --keep-writes DIR: each run's overlay copied there
@@ -112,8 +113,8 @@ class ScriptConfig:
     interconnect: str = ""
     # the measured steps' time predicted (off only to measure what that costs)
     predict_time: bool = True
-    # DDP_IN_PLACE: the rows DataParallel scattered in the run as written (each rank's share
-    # of a batch the script makes by hand follows from it)
+    # the rows DataParallel scattered in the run as written (in the DDP alternative each
+    # rank's share of a batch the script makes by hand follows from it)
     scattered_rows: int = 0
     # the rank this run plays (its launcher's environment, mp.spawn's argument, its own
     # virtual GPU); the script as written is rank 0
@@ -127,6 +128,11 @@ class ScriptConfig:
     @property
     def capacity_bytes(self) -> int:
         return self.gpu_memory_bytes or self.gpu.total_memory_bytes
+
+    @property
+    def variant(self) -> str:
+        """The run's name: the fix's it is run with, else :data:`AS_WRITTEN`."""
+        return self.alternative.name if self.alternative is not None else AS_WRITTEN
 
 
 @dataclass
@@ -148,7 +154,7 @@ class ScriptRun:
     tensor_parallel: bool = False  # and its layers with parallelize_module
     world_size: int = 1
     batch_rows: int = 0
-    # DDP_IN_PLACE: how each rank got its share of the batch ("": it did not)
+    # the DDP alternative: how each rank got its share of the batch ("": it did not)
     batch_division: str = ""
     batch_sites: list[str] = field(default_factory=list)  # "file:line" of hand-made batches
     seconds: float = 0.0
@@ -241,7 +247,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
                     rung=cfg.rung.name if cfg.rung is not None else None, rank=cfg.rank,
                     local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)))
-    variant = Variant(cfg.variant, vc, cfg.gpus, cfg.keep_outputs, cfg.scattered_rows)
+    alternative = cfg.alternative
+    state = AlternativeState(scattered_rows=cfg.scattered_rows, keep_outputs=cfg.keep_outputs)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
     # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
@@ -271,7 +278,11 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
         try:
             with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
                     effects, Patcher() as patcher:
-                variant.install(vc, patcher)
+                label_losses(vc, patcher)  # before an alternative's loss call, which calls it
+                wrappers.state_of(vc).alternative = alternative
+                wrappers.state_of(vc).keep_outputs = cfg.keep_outputs
+                if alternative is not None:
+                    alternative.install(state, vc, patcher)
                 wrappers.state_of(vc).spawn_rank = cfg.rank
                 compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
@@ -283,7 +294,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                         rung.close()
                     stepper.remove()
                     wrappers.cleanup(vc)
-                    used, ddp_devices = _read_log(run, cfg, vc, stepper, variant)
+                    used, ddp_devices = _read_log(run, cfg, vc, stepper, state)
+                    if alternative is not None:
+                        alternative.after_run(run, state, vc, ddp_devices)
         finally:
             torch.random.set_rng_state(seed_state)
     run.seconds = time.perf_counter() - start
@@ -311,10 +324,6 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
         rt.op_log = None
     if run.seal.breach is not None and run.ended == "script raised":
         run.scenario.message = run.seal.breach  # dpprof stopped it, not the script's error
-    ledger = rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
-    if cfg.variant == DDP_IN_PLACE and ledger is not None:
-        run.bucket_view_peak_bytes = ledger.peak_allocated if ledger.unsure is None else None
-        run.bucket_view_unsure = ledger.unsure
     return run
 
 
@@ -404,14 +413,14 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
 
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
-              variant: Variant) -> tuple[list[int], list[int]]:
+              state: AlternativeState) -> tuple[list[int], list[int]]:
     """What the wrappers logged while the script ran (:mod:`dpprof.script.wrappers`)
     into ``run``; the devices used and those DDP ran on."""
     launch = cfg.launch
     log = wrappers.state_of(vc).log
     run.data_parallel = log.data_parallel > 0
-    run.ddp = log.ddp > 0 or (cfg.variant == DDP_IN_PLACE
-                               and bool(log.ddp_devices))
+    as_ranks = cfg.alternative is not None and cfg.alternative.as_ranks
+    run.ddp = log.ddp > 0 or (as_ranks and bool(log.ddp_devices))
     run.fsdp = log.fsdp > 0
     run.tensor_parallel = log.tensor_parallel > 0
     run.replica_scalars = log.replica_scalars
@@ -421,31 +430,17 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.loss_sites = list(log.loss_sites)
     run.spawned = log.spawned > 0
     run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
-                         vc.device_count() if cfg.variant == DDP_IN_PLACE
-                         else 1)
+                         vc.device_count() if as_ranks else 1)
     used = list(log.used_devices)
     ddp_devices = list(log.ddp_devices)
     run.shard_rows = dict(log.shard_rows)
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
-                      or stepper.warmup_rows or variant.batch_rows)
-    run.loss_modules = variant.loss_calls
+                      or stepper.warmup_rows or state.batch_rows)
+    run.loss_modules = state.loss_calls
     run.loss_expressions = dict(log.loss_expressions)
     run.no_loss_forward = log.no_loss_forward
-    run.batch_division = _division(variant, vc.device_count())
-    run.batch_sites = [made.rpartition(" at ")[2] for made in variant.divided_sites]
+    run.batch_sites = [made.rpartition(" at ")[2] for made in state.divided_sites]
     return used, ddp_devices
-
-
-def _division(variant: Variant, world: int) -> str:
-    """How the DDP alternative gave each rank its share of the batch ("": it did not)."""
-    ways = []
-    if variant.divided_loader:
-        ways.append(f"each DataLoader's batch_size divided by {world}")
-    if variant.divided_sites:
-        ways.append(f"the batches the script makes ({', '.join(variant.divided_sites)}) "
-                    f"cut to {variant.batch_rows} rows of DataParallel's "
-                    f"{variant.scattered_rows}")
-    return "; ".join(ways)
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:

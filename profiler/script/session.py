@@ -8,10 +8,10 @@ raises. ``torchrun`` / ``python -m torch.distributed.run|launch`` commands run r
 the environment torchrun gives it; ``mp.spawn`` runs rank 0 in place; the ranks of DDP are
 alike (DistributedSampler pads the shards), so rank 0 stands for every rank.
 
-Paired answers: a script that wraps its model in ``nn.DataParallel`` is also run with
-DDP in its place (one emulated rank, each DataLoader's batch divided among the GPUs, as a
-DDP script sets it) and, where its loss is an ``nn.Module`` loss called on the gathered
-outputs, with that loss computed inside forward on every replica.
+Paired answers: a script that wraps its model in ``nn.DataParallel`` is also run as each
+fix that ``dpprof run`` has a strategy for (:mod:`dpprof.script.strategy`): with the loss
+computed inside forward on every replica, with DDP in its place (one emulated rank, each
+DataLoader's batch divided among the GPUs, as a DDP script sets it).
 
 The pieces, one module each: the command parsed (:mod:`dpprof.script.launch`), one
 run of the script (:mod:`dpprof.script.runner`), what dpprof hooks into it
@@ -23,7 +23,6 @@ run of the script (:mod:`dpprof.script.runner`), what dpprof hooks into it
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 from collections.abc import Callable
 
@@ -31,19 +30,16 @@ from dpprof.answers.answer import partial_sentence
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
-from dpprof.fixes.fix_registry import run_variants
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
 from dpprof.script.notes import (
-    alternative_notes,
-    bucket_view_fix,
     how_it_ended,
     library_branches,
     nothing_on_a_gpu,
+    relative_site,
     script_assumptions,
-    script_fix,
     script_verdict,
     seal_fields,
     seal_notes,
@@ -54,32 +50,18 @@ from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.sealed_run import prepare_process, take_census
 from dpprof.script.shared_files import SharedFiles
-from dpprof.script.wrappers import DDP_IN_PLACE, LOSS_IN_FORWARD
-from dpprof.units import fmt_bytes
+from dpprof.script.strategy import AlternativeRuns
+from dpprof.script.strategy_registry import strategies
 
 # ScriptConfig, ScriptRun, parse_command and nothing_on_a_gpu live in modules of their own;
 # the CLI, the answers, the benchmarks and the tests import them from here with run_command
 __all__ = [
-    "ALTERNATIVES",
     "ScriptConfig",
     "ScriptRun",
     "nothing_on_a_gpu",
     "parse_command",
     "run_command",
 ]
-
-ALTERNATIVES = {
-    DDP_IN_PLACE: "the same script with DistributedDataParallel in place of DataParallel (one "
-    "emulated rank of {n}; each rank its share of the batch, as a DDP script makes it)",
-    LOSS_IN_FORWARD: "the same script with its loss computed inside forward on every replica "
-    "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
-    "instead of the gathered outputs)",
-}
-
-# the loss-in-forward alternative of a script that also uses the outputs (accuracy)
-KEPT_OUTPUTS = ("the same script with its loss computed inside forward on every replica, "
-                "the outputs kept (dpprof.ModelWithLoss(..., keep_outputs=True): the replicas "
-                "return their losses and their outputs, gathered on cuda:0 as before)")
 
 Progress = Callable[[str, int, int], None]  # (what, steps done, steps)
 
@@ -266,67 +248,12 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
                       step_cb: Callable[[str], StepCallback],
                       runs: list[tuple[str, ScriptRun]], notes: list[str],
                       fixes: list[Fix]) -> None:
-    """Run each alternative the fixes measure of a DataParallel script; its run goes into
-    ``runs``, what it saves into ``fixes``, why it could not run into ``notes``."""
-    for kind in run_variants():  # the fixes a script's alternative measures
-        variant = kind.run_variant or ""
-        alt = run_script(dataclasses.replace(cfg, variant=variant,
-                                             scattered_rows=main.batch_rows),
-                         step_cb(variant))
-        used = sorted({_relative_site(site) for site in alt.materialized})
-        unkept: ScriptRun | None = None  # the loss inside forward, the outputs not gathered
-        if variant == LOSS_IN_FORWARD and used and alt.loss_modules:
-            # the outputs are used besides the loss: the fix keeps them beside it
-            # (ModelWithLoss(keep_outputs=True)), and so does the run it is measured by
-            unkept = alt
-            alt = run_script(dataclasses.replace(cfg, variant=variant, keep_outputs=True),
-                             step_cb(variant))
-        if variant == DDP_IN_PLACE and not alt.batch_division:
-            notes.append("no DDP alternative: the script makes its batches neither with a "
-                         "DataLoader nor with torch.randint/randn/rand of DataParallel's "
-                         f"{main.batch_rows} rows on its own lines, so dpprof cannot give "
-                         "each rank its share")
-            continue
-        if variant == LOSS_IN_FORWARD and not alt.loss_modules:
-            if alt.no_loss_forward:
-                notes.append(f"no loss-inside-forward alternative: {alt.no_loss_forward}")
-            else:
-                notes.append("no loss-inside-forward alternative: the script's loss is not "
-                             "an nn.Module loss called on DataParallel's outputs")
-            continue
-        alt.scenario.notes.insert(0, (KEPT_OUTPUTS if unkept is not None
-                                      else ALTERNATIVES[variant]).format(n=n))
-        if variant == DDP_IN_PLACE:
-            alt.scenario.notes.insert(1, f"each rank's share: {alt.batch_division}")
-        alt.scenario.notes.extend(alternative_notes(alt))
-        further = 0  # what not gathering the outputs would save besides
-        if unkept is not None and unkept.scenario.devices and alt.scenario.devices:
-            further = (alt.scenario.devices[0].peak_allocated_bytes
-                       - unkept.scenario.devices[0].peak_allocated_bytes)
-            alt.scenario.notes.append(
-                "the script also uses the outputs besides the loss (" + ", ".join(used)
-                + "), so this alternative keeps them, as its code does; computing that "
-                "inside forward as well would leave them off cuda:0: "
-                f"{fmt_bytes(further)} less there at its peak")
-        runs.append((variant, alt))
-        fix = script_fix(variant, main, alt, n,
-                         (used, further) if unkept is not None else None)
-        if fix is not None:
-            fixes.append(fix)
-        if variant == DDP_IN_PLACE:
-            bucket_view = bucket_view_fix(main, alt, n)
-            if bucket_view is not None:
-                fixes.append(bucket_view)
-            elif alt.bucket_view_unsure:
-                notes.append("no gradient_as_bucket_view alternative: "
-                             f"{alt.bucket_view_unsure}")
-
-
-def _relative_site(site: str) -> str:
-    """A site of the working directory's files as the user typed it (``train.py:40``, not
-    the absolute path Python gives the script's code)."""
-    cwd = os.getcwd() + os.sep
-    return site.removeprefix(cwd) if site.startswith(cwd) else site
+    """Measure each fix ``dpprof run`` has a strategy for on a DataParallel script, in the
+    fix registry's order (:mod:`dpprof.script.strategy_registry`): each alternative's run
+    goes into ``runs``, what it saves into ``fixes``, why it could not run into ``notes``."""
+    found = AlternativeRuns(cfg, main, n, step_cb, runs, notes, fixes)
+    for strategy in strategies():
+        strategy.measure(found)
 
 
 def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
@@ -342,7 +269,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     if main.compiled:
         sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
         s0.notes.append(
-            f"torch.compile at {', '.join(_relative_site(x) for x in sites[:3])}: run eagerly "
+            f"torch.compile at {', '.join(relative_site(x) for x in sites[:3])}: run eagerly "
             "(dpprof does not play compiled kernels); a compiled model may hold less (fused "
             "activations): these peaks are the eager model's")
     if main.kernels:
@@ -355,7 +282,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
-                f"{_relative_site(site)} x{c}"
+                f"{relative_site(site)} x{c}"
                 for site, c in list(main.stand_in_sites.items())[:5]))
         s0.notes.extend(library_branches(main.stand_in_sites))
 

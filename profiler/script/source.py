@@ -1,5 +1,5 @@
-"""A script's syntax tree, as :mod:`dpprof.script.rewrite` edits it: the text with
-node positions as offsets, splices at those positions, the names each scope binds and
+"""A script's syntax tree, as the rewrites (:mod:`dpprof.script.rewrite`) edit it: the text
+with node positions as offsets, splices at those positions, the names each scope binds and
 where, the calls ``dpprof run`` recorded (the ``nn.DataParallel`` wrap), and the imports a
 rewrite adds. Where an edit cannot be made correctly, :class:`NoRewrite` says why."""
 

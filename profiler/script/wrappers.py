@@ -24,26 +24,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator import fsdp
-from dpprof.emulator.cuda_devices import caller_frame, caller_site
+from dpprof.emulator.cuda_devices import caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch, Patcher
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
-from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
+from dpprof.scenarios.step import DdpOptions
 from dpprof.script.engines import engines_refused
-from dpprof.script.loss_expression import compiled, find_in_frame
-from dpprof.script.source import dotted_name
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.strategy import Alternative
 
 
 _DataParallel = nn.DataParallel
+PLAIN_DDP = DdpOptions()  # DDP's own defaults
 _DDP = nn.parallel.DistributedDataParallel
 
 
@@ -106,11 +106,9 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         if not self.device_ids:
             return self.module(*inputs, **kwargs)
         _log().data_parallel += 1
-        if _state().mode == DDP_IN_PLACE:
-            return self._ddp_forward(inputs, kwargs)
-        if (_state().mode == LOSS_IN_FORWARD and not kwargs and len(self.device_ids) > 1
-                and torch.is_grad_enabled()):
-            return DeferredOutputs(self, inputs, caller_site())
+        alternative = _state().alternative  # the fix the script runs with (None: as written)
+        if alternative is not None:
+            return alternative.dp_forward(self, inputs, kwargs)
         return self.run(self.module, inputs, kwargs)
 
     def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -149,9 +147,10 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                     f"device: {t.device}"
                 )
 
-    def _ddp_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The DDP-in-place alternative: one rank of DDP on cuda:0 (lazily built: the
-        script may move the module after wrapping it)."""
+    def as_ddp_rank(self, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                    options: DdpOptions = PLAIN_DDP) -> Any:
+        """The forward as one rank of DDP on cuda:0, with DDP's ``options`` (the DDP
+        alternative's; lazily built: the script may move the module after wrapping it)."""
         vc = self._vc
         rt = vc.rt
         src = vc.index_of(self.device_ids[0])
@@ -167,6 +166,10 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             rt.ledgers[src] = ledger
             with rt.device(src):
                 impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids),
+                                   bucket_cap_mb=options.bucket_cap_mb,
+                                   gradient_as_bucket_view=options.gradient_as_bucket_view,
+                                   find_unused_parameters=options.find_unused_parameters,
+                                   broadcast_buffers=options.broadcast_buffers,
                                    bucket_view_ledger=ledger, nccl_stash=True)  # GPUs' DDP
             object.__setattr__(self, "_ddp_impl", impl)
             _log().ddp_devices.append(src)
@@ -184,227 +187,6 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
 # the names torch's classes have: a framework names the wrapper it was given by its class
 # (Lightning's summaries, the module named in torch's own errors and DDP's logging data)
 VirtualDataParallel.__name__ = VirtualDataParallel.__qualname__ = "DataParallel"
-
-DDP_IN_PLACE = "ddp-in-place"
-LOSS_IN_FORWARD = "loss-in-forward"
-
-
-class DeferredOutputs:
-    """DataParallel's outputs in the loss-in-forward alternative: nothing is computed until
-    the loss module is called on them (then every replica computes its loss,
-    ``ModelWithLoss``); any other use computes them as written (gathered)."""
-
-    def __init__(self, dp: VirtualDataParallel, inputs: tuple[Any, ...], site: str) -> None:
-        self.dp = dp
-        self.inputs = inputs
-        self.site = site
-        self.value: Any = None
-        self.used_as_loss = False
-        self.pending: PendingLoss | None = None  # the loss of an expression of them
-        self.shapes: list[Any] = []  # each replica's outputs as (shape, dtype) leaves
-
-    def materialize(self) -> Any:
-        if self.value is None:
-            _log().materialized.append(caller_site())
-            if self.used_as_loss:
-                # used after the loss (accuracy, logging): the replicas kept no outputs;
-                # stand-ins of the gathered shapes on the output device, no gradient
-                self.value = self._stand_ins()
-            else:  # used before any loss: computed as written
-                self.value = self.dp.run(self.dp.module, self.inputs, {})
-        return self.value
-
-    def _stand_ins(self) -> Any:
-        vc = self.dp._vc
-        rt = vc.rt
-        per_replica = self.shapes
-        dim = self.dp.dim
-
-        def gathered(*leaves: Any) -> Any:
-            first = leaves[0]
-            if not isinstance(first, tuple):
-                return first
-            shape, dtype = first
-            size = list(shape)
-            if size:
-                size[dim] = sum(leaf[0][dim] for leaf in leaves)
-            with rt.category("outputs"):
-                return torch.empty(size, dtype=dtype,
-                                   device=torch.device("cuda", self.dp.output_device))
-
-        rt.stand_ins.add("outputs after the loss")
-        flat = [tree_leaves(r, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                            and isinstance(x[1], torch.dtype)) for r in per_replica]
-        spec = tree_map(lambda x: x, per_replica[0],
-                        is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                        and isinstance(x[1], torch.dtype))
-        leaves = [gathered(*cols) for cols in zip(*flat, strict=True)]
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
-        _, treespec = tree_flatten(spec, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                                   and isinstance(x[1], torch.dtype))
-        return tree_unflatten(leaves, treespec)
-
-    def in_loss(self) -> PendingLoss | None:
-        """A use of the outputs inside the arguments of a loss module's call
-        (``criterion(out.view(-1, V), y.view(-1))``): that call computed inside forward on
-        every replica (:mod:`dpprof.script.loss_expression`), its arguments' expression
-        applied to each replica's shards; what the statement then computes of the outputs
-        is a stand-in that the loss call answers with the combined loss. None: any other
-        use (the outputs computed as written)."""
-        if self.pending is not None:
-            return None if self.pending.answered else self.pending
-        if self.value is not None or self.used_as_loss or not torch.is_grad_enabled():
-            return None
-        frame = caller_frame()
-        log = _log()
-        if frame is None:
-            return None
-        rows = next((int(t.shape[self.dp.dim]) for t in tree_leaves(self.inputs)
-                     if isinstance(t, torch.Tensor) and t.dim() > self.dp.dim), 0)
-        try:
-            found = find_in_frame(frame, lambda v: v is self, self.dp, rows, self.dp.dim)
-        except Exception as e:  # reading the script's own values: it runs on, as written
-            found = f"dpprof could not read the loss's expression ({type(e).__name__}: {e})"
-        if isinstance(found, str):
-            log.no_loss_forward = log.no_loss_forward or found
-            return None
-        self.used_as_loss = True
-        log.call_sites.append(self.site)
-        log.loss_sites.append(found.site)
-        log.loss_expressions.setdefault(found.site, (dotted_name(found.call.func) or "",
-                                                      found.function.targets_name))
-        self.pending = PendingLoss(self.in_forward(compiled(found), found.targets))
-        return self.pending
-
-    def in_forward(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
-        """The loss computed inside forward on every replica, combined as one number."""
-        keep = _state().keep_outputs
-        wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
-        wrapped.shapes = self.shapes
-        inputs = self.inputs if len(self.inputs) != 1 else self.inputs[0]
-        out = self.dp.run(wrapped, (inputs, targets), {})
-        _log().loss_in_forward += 1
-        if keep:  # the script's later uses of the outputs get the gathered ones
-            self.value = ModelWithLoss.split(out)[0]
-        return ModelWithLoss.combine(out)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        pending = self.in_loss()
-        return getattr(pending if pending is not None else self.materialize(), name)
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        deferred = [x for x in tree_leaves((args, kwargs or {}),
-                                           is_leaf=lambda x: isinstance(x, DeferredOutputs))
-                    if isinstance(x, DeferredOutputs)]
-        pending = deferred[0].in_loss() if deferred else None
-        if pending is not None:
-            return pending
-
-        def real(x: Any) -> Any:
-            return x.materialize() if isinstance(x, DeferredOutputs) else x
-
-        args = tree_map(real, args, is_leaf=lambda x: isinstance(x, DeferredOutputs))
-        kwargs = tree_map(real, kwargs or {}, is_leaf=lambda x: isinstance(x, DeferredOutputs))
-        return func(*args, **kwargs)
-
-    def __getitem__(self, key: Any) -> Any:
-        pending = self.in_loss()
-        return pending if pending is not None else self.materialize()[key]
-
-    def __len__(self) -> int:
-        return len(self.materialize())
-
-    def __iter__(self) -> Any:
-        return iter(self.materialize())
-
-
-class PendingLoss:
-    """What a statement computes of the outputs on its way into a loss call whose loss was
-    computed inside forward: every method, index, operator and torch function of it is
-    itself, and the loss call answers it with :attr:`loss` (once)."""
-
-    def __init__(self, loss: torch.Tensor) -> None:
-        self.loss = loss
-        self.answered = False
-
-    def answer(self) -> torch.Tensor:
-        self.answered = True
-        return self.loss
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> PendingLoss:
-        return self
-
-    def __getitem__(self, key: Any) -> PendingLoss:
-        return self
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        return next(x for x in tree_leaves((args, kwargs or {}),
-                                           is_leaf=lambda x: isinstance(x, PendingLoss))
-                    if isinstance(x, PendingLoss))
-
-    def _same(self, *_: Any) -> PendingLoss:
-        return self
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _same
-    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __neg__ = _same
-    __pow__ = __rpow__ = __mod__ = __rmod__ = __matmul__ = __rmatmul__ = _same
-
-
-def pending_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingLoss | None:
-    """The :class:`PendingLoss` among a loss call's arguments, if one is there."""
-    return next((x for x in tree_leaves((args, kwargs),
-                                        is_leaf=lambda x: isinstance(x, PendingLoss))
-                 if isinstance(x, PendingLoss)), None)
-
-
-def _recording_class() -> type:
-    class RecordingModelWithLoss(ModelWithLoss):
-        """``ModelWithLoss`` that notes each replica's output shapes (for stand-ins)."""
-
-        shapes: list[Any]
-
-        def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
-            outputs = self.model(*as_args(inputs))
-            self.shapes.append(tree_map(
-                lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
-                outputs))
-            weighted, count = self.weighted_loss(outputs, targets, inputs)
-            return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
-
-    return RecordingModelWithLoss
-
-
-def t_rows(x: Any) -> int:
-    return batch_rows(x)
-
-
-def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[Any, ...],
-                              kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
-    inside forward on every replica, combined by rows (None: not such a call)."""
-    if not args or not isinstance(args[0], DeferredOutputs) or args[0].value is not None:
-        return None
-    deferred: DeferredOutputs = args[0]
-    targets = args[1] if len(args) > 1 else kwargs.get("target")
-    if targets is None or len(args) > 2:
-        return None
-    deferred.used_as_loss = True
-    _log().call_sites.append(deferred.site)
-    _log().loss_sites.append(caller_site())
-    return deferred.in_forward(loss_fn, targets)
-
 
 def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[Any] | None = None,
                   output_device: Any = None, dim: int = 0,
@@ -585,9 +367,11 @@ class ScriptParallel:
     """What the parallel wrappers of one emulated run share (the run's VirtualCuda holds it
     while active): the paired alternative being run, and what the wrappers saw."""
 
-    mode: str = ""  # "" (as written) | DDP_IN_PLACE | LOSS_IN_FORWARD
-    # LOSS_IN_FORWARD for a script that uses the outputs besides the loss: the replicas
-    # return them too (ModelWithLoss(keep_outputs=True), the code the fix hands out),
+    # the fix the script runs with (dpprof.script.strategy): its DataParallel forward; None:
+    # the script as written
+    alternative: Alternative | None = None
+    # the loss inside forward for a script that uses the outputs besides the loss: the
+    # replicas return them too (ModelWithLoss(keep_outputs=True), the code the fix hands out),
     # gathered on the output device beside the loss numbers
     keep_outputs: bool = False
     log: ParallelLog = field(default_factory=ParallelLog)
@@ -606,6 +390,11 @@ def _state() -> ScriptParallel:
     if vc is None or vc.parallel is None:
         raise RuntimeError("the parallel wrappers run only under an active VirtualCuda")
     return vc.parallel  # type: ignore[no-any-return]
+
+
+def current() -> ScriptParallel:
+    """The wrappers' shared state in the active emulation."""
+    return _state()
 
 
 def _log() -> ParallelLog:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpprof.fixes.fix_kind import LEDGER, FixKind, Trial, measured_ok, peaks
+from dpprof.fixes.policy import Cost
 from dpprof.result import Fix
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.units import fmt_bytes
@@ -52,4 +53,5 @@ class BucketView(FixKind):
 FIX = BucketView(
     name="gradient-as-bucket-view", title="DDP with gradient_as_bucket_view=True",
     applies_to=(DP_LOSS_PRIMARY, DP_LOSS_FORWARD, DDP), measured=LEDGER, measured_in=DDP,
+    cost=Cost(3, "DDP and a flag", "none"),
 )

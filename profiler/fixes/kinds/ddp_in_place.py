@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpprof.fixes.fix_kind import AS_SCENARIO, FixKind, Trial, against
+from dpprof.fixes.policy import Cost
 from dpprof.result import Fix, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import shard_sizes
@@ -49,7 +50,6 @@ class Distributed(FixKind):
 FIX = Distributed(
     name="ddp", title="DistributedDataParallel",
     applies_to=(DP_LOSS_PRIMARY, DP_LOSS_FORWARD), measured=AS_SCENARIO, measured_in=DDP,
-    run_variant="ddp-in-place",
-    run_detail="the same script as {gpus} DDP ranks: every GPU its own parameters, "
-    "gradients, optimizer state and its share of each batch.",
+    cost=Cost(2, "a launcher: torchrun, a process group and a DistributedSampler",
+              "no scatter, replicate or gather per step; the all-reduce overlaps backward"),
 )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpprof.fixes.fix_kind import AS_SCENARIO, FixKind, Trial, against
+from dpprof.fixes.policy import Cost
 from dpprof.result import Fix, ScenarioResult
 from dpprof.scenarios.names import DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 
@@ -40,7 +41,6 @@ class LossInForward(FixKind):
 FIX = LossInForward(
     name="loss-in-forward", title="Compute the loss inside forward",
     applies_to=(DP_LOSS_PRIMARY,), measured=AS_SCENARIO, measured_in=DP_LOSS_FORWARD,
-    run_variant="loss-in-forward",
-    run_detail="the same script with DataParallel(ModelWithLoss(model, loss)): cuda:0 gathers "
-    "one number per GPU instead of the outputs.",
+    cost=Cost(1, "a wrapper: DataParallel(ModelWithLoss(model, loss_fn)), the loss read from its "
+              "output", "the same work, the loss computed on each GPU"),
 )

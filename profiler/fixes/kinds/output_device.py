@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpprof.fixes.fix_kind import FURTHER_STEP, FixKind, Trial, against, measured_ok
+from dpprof.fixes.policy import Cost
 from dpprof.result import Fix
 from dpprof.scenarios.names import DP_LOSS_PRIMARY
 from dpprof.scenarios.workloads import shard_sizes
@@ -64,4 +65,5 @@ class OutputDevice(FixKind):
 FIX = OutputDevice(
     name="output-device", title="DataParallel(output_device={dev})",
     applies_to=(DP_LOSS_PRIMARY,), measured=FURTHER_STEP, measured_in=DP_LOSS_PRIMARY,
+    cost=Cost(4, "an argument to DataParallel; the imbalance moves to another GPU", "none"),
 )

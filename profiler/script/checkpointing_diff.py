@@ -1,0 +1,117 @@
+"""Activation checkpointing as a rewrite of the user's own lines (the ladder's checkpointing
+rungs): the model's repeated blocks under non-reentrant ``torch.utils.checkpoint``, right
+after the statement that makes the model."""
+
+from __future__ import annotations
+
+import ast
+
+from dpprof.script.rewrite import (
+    LOOPS,
+    Rewrite,
+    finish,
+    free_name,
+    indent_unit,
+    statement_on,
+)
+from dpprof.script.source import (
+    Edits,
+    NoRewrite,
+    ScriptSource,
+    add_imports,
+    bindings,
+    calls_at,
+    dotted_name,
+    last_name,
+    start_of,
+    until_scope,
+)
+
+_WRAPPERS = ("DataParallel", "DistributedDataParallel", "DDP")
+
+
+def _model_binding(src: ScriptSource, forward: ast.stmt, name: str) -> ast.stmt:
+    """The statement that last binds ``name`` (the model the forward calls) before the loop
+    that holds the forward, in the forward's function or the module."""
+    loops = [a for a in until_scope(src, forward) if isinstance(a, LOOPS)]
+    before = start_of(loops[-1] if loops else forward)
+    scope = src.scope(forward)
+    while True:
+        binds = [b for b in bindings(src, scope) if b.name == name and b.pos <= before]
+        if binds:
+            break
+        if isinstance(scope, ast.Module):
+            raise NoRewrite(f"`{name}`, the model called on line {forward.lineno}, is not "
+                            "assigned before its loop")
+        scope = src.scope(scope)
+    node = max(binds, key=lambda b: b.pos).node
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(node, ast.stmt):
+        raise NoRewrite(f"`{name}`, the model called on line {forward.lineno}, is not made "
+                        "by an assignment dpprof can follow (an argument, a loop variable)")
+    if any(isinstance(a, LOOPS) for a in until_scope(src, node)):
+        raise NoRewrite(f"line {node.lineno}: the model is made inside a loop, so its blocks "
+                        "would be checkpointed again on every pass")
+    return node
+
+
+def _model_name(src: ScriptSource, forward_line: int) -> tuple[ast.stmt, str]:
+    """The statement of the model's call on ``forward_line`` and the model's name."""
+    stmt = statement_on(src, forward_line, "model's call")
+    for call in calls_at(src, forward_line):
+        name = dotted_name(call.func)
+        if name is None or call.lineno != forward_line:
+            continue
+        try:
+            _model_binding(src, stmt, name)
+        except NoRewrite:
+            continue
+        return stmt, name
+    raise NoRewrite(f"line {forward_line}: no call of a model assigned before its loop")
+
+
+def checkpointing(source: str, path: str, forward_line: int, words: dict[str, object]
+                  ) -> Rewrite:
+    """The script with its model's repeated blocks (``words``:
+    :func:`dpprof.measure.ladder_code.blocks_words`) run under non-reentrant
+    ``torch.utils.checkpoint``, as dpprof's rung ran them: the lines that wrap each block's
+    forward, right after the statement that makes the model called on ``forward_line``
+    (its ``.module``'s blocks where that statement wraps it in DataParallel or DDP)."""
+    try:
+        return _checkpointing(ScriptSource(source, path), forward_line, words)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
+def _checkpointing(src: ScriptSource, forward_line: int, words: dict[str, object]) -> Rewrite:
+    names = words.get("names")
+    if not isinstance(names, list) or not names:
+        raise NoRewrite("the model has no repeated blocks to checkpoint")
+    forward, model = _model_name(src, forward_line)
+    made = _model_binding(src, forward, model)
+    src.whole_lines(made)
+    wrapped = any(isinstance(n, ast.Call) and last_name(n.func) in _WRAPPERS
+                  for n in ast.walk(made))
+    root = f"{model}.module" if wrapped else model
+    helper = free_name(src, "checkpointed", "checkpoint_block")
+    block = free_name(src, "block", "repeated_block")
+    indent, unit = src.indent(made.lineno), indent_unit(src, made)
+    kind, count = words.get("kind", ""), len(names)
+    if words.get("whole"):
+        head = [f"{indent}for {block} in {root}.{words['blocks']}:  # the {count} repeated "
+                f"{kind} blocks"]
+    else:
+        listed = ", ".join(repr(n) for n in names)
+        head = [f"{indent}for {block} in map({root}.get_submodule, ({listed},)):  # the "
+                f"{count} repeated {kind} blocks"]
+    assert made.end_lineno is not None
+    edits = Edits(src)
+    edits.insert_lines(made.end_lineno + 1, [
+        f"{indent}def {helper}(block):  # its activations are recomputed in backward",
+        f"{indent}{unit}forward = block.forward",
+        f"{indent}{unit}block.forward = lambda *a, **k: checkpoint(forward, *a, "
+        "use_reentrant=False, **k)",
+        "", *head, f"{indent}{unit}{helper}({block})"])
+    add_imports(src, edits, ["checkpoint"], src.scope(made))
+    return finish(src, edits, "activation checkpointing", [])
+
+

@@ -1,0 +1,268 @@
+"""DistributedDataParallel in place of DataParallel as a rewrite of the user's own lines (the
+``ddp`` fix's diff, :mod:`dpprof.script.ddp_run`, and the start of every rung of the ladder on
+a DataParallel script): ``DDP(<module>.cuda(rank), device_ids=[rank])`` at the wrap (with
+``gradient_as_bucket_view=True`` for ``bucket_view``), the process group and the rank's device
+at the start of the wrap's function (or of the script), the imports, ``"cuda:0"`` made each
+rank's own device, and each rank's share of every ``DataLoader`` (``batch_size // N``, a
+``DistributedSampler``) and of the batches made by hand."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from dpprof.script.rewrite import (
+    Rewrite,
+    finish,
+    free_name,
+    read_source,
+    site_of,
+)
+from dpprof.script.source import (
+    Edits,
+    NoRewrite,
+    ScriptSource,
+    add_imports,
+    calls_at,
+    data_parallel_call,
+    dotted_name,
+    import_line,
+    last_name,
+    module_arg,
+    parenthesized,
+    start_of,
+    until_scope,
+)
+
+DDP_TITLE = "DistributedDataParallel"  # and the names of its flags (gradient_as_bucket_view)
+
+# calls that only move a module or tensor between devices: dropped where DDP places the module
+_MOVES = ("cuda", "to")
+
+def _device_like(src: ScriptSource, node: ast.expr) -> bool:
+    """An argument of ``.to(...)`` that names a device (not a dtype)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (str, int)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.Call):
+        return dotted_name(node.func) in ("torch.device", "device")
+    text = src.seg(node).lower()
+    return "dev" in text or "cuda" in text or "gpu" in text or "rank" in text
+
+
+def _move(src: ScriptSource, node: ast.AST) -> ast.expr | None:
+    """``x`` of ``x.cuda(...)`` or ``x.to(<device>)``; None where ``node`` is not such a move."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MOVES):
+        return None
+    if node.func.attr == "to" and (node.keywords or len(node.args) != 1
+                                   or not _device_like(src, node.args[0])):
+        return None
+    return node.func.value
+
+
+def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
+    """Where the process group starts: the top of the wrap's function, of the script's
+    ``if __name__ == "__main__":`` block, or of the script after its imports."""
+    scope = src.scope(wrap)
+    body: list[ast.stmt] | None = None
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        body = scope.body
+    else:
+        main = next((a for a in until_scope(src, wrap) if isinstance(a, ast.If)
+                     and "__name__" in ast.unparse(a.test)
+                     and "__main__" in ast.unparse(a.test)), None)
+        if main is not None:
+            body = main.body
+    if body is None:
+        return import_line(src), ""
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str) and len(body) > 1:
+        first = body[1]
+    if first.lineno == start_of(src.parents[first])[0]:  # ``def f(): x`` on one line
+        raise NoRewrite(f"line {first.lineno}: the body shares its line with the def")
+    return first.lineno, src.indent(first.lineno)
+
+
+def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
+        batch_lines: tuple[int, ...] = (), rows: int = 0,
+        flags: tuple[str, ...] = ()) -> Rewrite:
+    """The script as ``gpus`` DistributedDataParallel ranks (see the module).
+    ``batch_lines``: the lines where the script makes its batches by hand (a random factory
+    of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
+    DDP's further keyword arguments (``"broadcast_buffers=False"``), named in the title."""
+    try:
+        return _ddp(ScriptSource(source, path), dp_line, gpus,
+                    (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
+                    batch_lines, rows)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
+_BATCH_FACTORIES = ("randint", "randn", "rand")
+
+
+def _batch_rows_node(call: ast.Call) -> ast.expr | None:
+    """The first dimension of a random factory's size (``torch.randint(0, V, (B, T))``:
+    ``B``; ``torch.randn(B, D)``: ``B``), as the DDP alternative read it."""
+    size = next((k.value for k in call.keywords if k.arg == "size"), None)
+    if size is None:
+        if last_name(call.func) == "randint":
+            size = next((a for a in call.args if isinstance(a, (ast.Tuple, ast.List))), None)
+        elif call.args:
+            size = call.args[0]
+    if isinstance(size, (ast.Tuple, ast.List)):
+        return size.elts[0] if size.elts else None
+    return size
+
+
+def _share(src: ScriptSource, rows: ast.expr, gpus: int, scattered: int) -> str:
+    """Each rank's share of the rows ``rows`` reads: ``rows // gpus``, rounded up where the
+    run saw DataParallel scatter ``scattered`` rows that ``gpus`` does not divide (its first
+    chunk, the heaviest, is what the DDP alternative measured)."""
+    text = src.seg(rows)
+    simple = isinstance(rows, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call))
+    if scattered % gpus:
+        return f"({text} + {gpus - 1}) // {gpus}"
+    return f"{text if simple else f'({text})'} // {gpus}"
+
+
+def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpus: int,
+                    scattered: int) -> list[int]:
+    """Each rank makes its share of a hand-made batch: ``B`` -> ``B // gpus`` in the
+    factories on ``lines``; the lines edited."""
+    done = []
+    for line in lines:
+        call = next((c for c in calls_at(src, line)
+                     if last_name(c.func) in _BATCH_FACTORIES), None)
+        rows = _batch_rows_node(call) if call is not None else None
+        if rows is None or isinstance(rows, ast.Starred):
+            continue
+        edits.node(rows, _share(src, rows, gpus, scattered))
+        done.append(line)
+    return done
+
+
+def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
+         batch_lines: tuple[int, ...] = (), scattered: int = 0) -> Rewrite:
+    edits = Edits(src)
+    notes: list[str] = []
+    dp = data_parallel_call(src, dp_line)
+    wrap = src.statement(dp)
+    module = module_arg(dp)
+    inner = _move(src, module) or module
+    rank = free_name(src, "rank", "local_rank")
+    args = [f"{parenthesized(src, inner)}.cuda({rank})", f"device_ids=[{rank}]"]
+    if len(dp.args) > 3:
+        args.append(f"dim={src.seg(dp.args[3])}")
+    args += [src.seg(kw) for kw in dp.keywords if kw.arg == "dim"]
+    if any(kw.arg is None for kw in dp.keywords):
+        raise NoRewrite(f"line {dp.lineno}: DataParallel's arguments are unpacked (**)")
+    args += flags
+    # DataParallel(model).cuda(): DDP's module is on its device already
+    outer: ast.AST = dp
+    parent = src.parents.get(dp)
+    if isinstance(parent, ast.Attribute) and _move(src, src.parents.get(parent, dp)) is dp:
+        outer = src.parents[parent]
+    edits.node(outer, f"DDP({', '.join(args)})")
+    share = (f"DDP: each rank loads its share: batch_size // {gpus}, "
+             "sampler=DistributedSampler(dataset) (it shuffles: no shuffle=True)")
+    loaders = sorted((n for n in ast.walk(src.tree)
+                      if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"),
+                     key=start_of)
+    shared = False
+    for loader in loaders:
+        why = _share_loader(src, edits, loader, gpus, scattered)
+        shared = shared or not why
+        if why:
+            at = src.statement(loader).lineno
+            edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
+            notes.append(f"line {loader.lineno}: give each rank its share of the DataLoader by "
+                         f"hand ({why})")
+    add_imports(src, edits, ["os", "torch", "dist", "DDP",
+                             *(["DistributedSampler"] if shared else [])], src.scope(wrap))
+    line, indent = _init_line(src, wrap)
+    name = Path(src.path).name
+    edits.insert_lines(line, [
+        f"{indent}# torchrun --nproc-per-node {gpus} {name}",
+        f'{indent}dist.init_process_group("nccl")',
+        f'{indent}{rank} = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device({rank})'])
+    # "cuda:0" is every rank's own device once set_device has run
+    replaced = src.span(outer)
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Constant) and node.value == "cuda:0" and not isinstance(
+                src.parents.get(node), ast.JoinedStr) and not (
+                replaced[0] <= src.span(node)[0] < replaced[1]):
+            text = src.seg(node)
+            edits.node(node, text.replace("cuda:0", "cuda"))
+    divided = _divide_batches(src, edits, batch_lines, gpus, scattered)
+    if not loaders and not divided:
+        edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share}"])
+        notes.append("the script makes its batches without a DataLoader: give each rank its "
+                     f"share (1/{gpus} of the batch) by hand")
+    return finish(src, edits, ", ".join([DDP_TITLE, *(f.partition("=")[0] for f in flags)]),
+                  notes)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_LOADER_ARGS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler")
+
+
+def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
+                  scattered: int) -> str:
+    """Each rank loads its share of ``loader``'s batches, as the DDP alternative divided
+    them: ``batch_size`` // ``gpus`` and a ``DistributedSampler`` of its dataset (shuffling
+    as the loader did, which then no longer shuffles itself). "" where done, else why not."""
+    if any(isinstance(a, ast.Starred) for a in loader.args) or any(
+            kw.arg is None for kw in loader.keywords):
+        return "its arguments are unpacked"
+    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    if len(loader.args) > 2:
+        return "its shuffle or sampler is given by position"
+    given |= {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
+    if "sampler" in given or "batch_sampler" in given:
+        return "it has a sampler of its own"
+    dataset, rows = given.get("dataset"), given.get("batch_size")
+    if dataset is None or rows is None:
+        return "no dataset or no batch_size given"
+    named = src.seg(dataset)
+    if not isinstance(dataset, (ast.Name, ast.Attribute)):
+        # the sampler needs the dataset too: made once, named, before the loader's statement
+        stmt = src.statement(loader)
+        if any(isinstance(a, (ast.Lambda, *_COMPREHENSIONS)) for a in src.ancestors(loader)
+               if start_of(a) >= start_of(stmt) and a is not stmt):
+            return "it is made inside a lambda or comprehension"
+        try:
+            src.whole_lines(stmt)
+        except NoRewrite:
+            return f"line {stmt.lineno} holds more than one statement"
+        named = free_name(src, "dataset", "train_dataset", "loader_dataset")
+        edits.insert_lines(stmt.lineno, [f"{src.indent(stmt.lineno)}{named} = "
+                                         f"{src.seg(dataset)}"])
+        edits.node(dataset, named)
+    edits.node(rows, _share(src, rows, gpus, scattered))
+    shuffle = next((kw for kw in loader.keywords if kw.arg == "shuffle"), None)
+    order = src.seg(shuffle.value) if shuffle is not None else "False"
+    sampler = f"sampler=DistributedSampler({named}, shuffle={order})"
+    if shuffle is not None:
+        edits.node(shuffle, sampler)
+    else:
+        last = max([*loader.args, *(kw.value for kw in loader.keywords)], key=start_of)
+        end = src.span(last)[1]
+        edits.replace(end, end, f", {sampler}")
+    return ""
+
+
+def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
+           batch_sites: tuple[str, ...] = (), rows: int = 0,
+           flags: tuple[str, ...] = ()) -> Rewrite:
+    """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches; ``rows``:
+    the batch DataParallel scattered)."""
+    try:
+        path, line = site_of(dp_site)
+        batch_lines = tuple(n for p, n in map(site_of, batch_sites) if p == path)
+        return ddp(read_source(path), path, line, gpus, bucket_view, batch_lines, rows, flags)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+

@@ -1,0 +1,208 @@
+"""DistributedDataParallel in place of DataParallel, as ``dpprof run`` measures it (the
+``ddp`` fix's strategy, :mod:`dpprof.fixes.kinds.ddp_in_place`): the script run once more as
+one emulated rank of DDP, each DataLoader's batch (and each batch the script makes by hand)
+divided among the ranks as a DDP script sets it, DataParallel's forward that rank's DDP
+(:meth:`dpprof.script.wrappers.VirtualDataParallel.as_ddp_rank`); its change is the DDP diff
+of the script's own lines (:mod:`dpprof.script.ddp_diff`).
+
+The rank also follows DDP's ``gradient_as_bucket_view=True`` in a ledger of its device while
+it runs plain: :mod:`dpprof.script.gradient_as_bucket_view_run` reads its fix from there."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import sysconfig
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dpprof.emulator.cuda_devices import in_dpprof
+from dpprof.fixes.kinds.ddp_in_place import FIX
+from dpprof.scenarios.step import DdpOptions
+from dpprof.script import ddp_diff
+from dpprof.script.notes import alternative_fix, alternative_notes
+from dpprof.script.rewrite import rewrite_text
+from dpprof.script.runner import run_script
+from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
+
+if TYPE_CHECKING:
+    from dpprof.emulator.patcher import Patcher
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.runner import ScriptRun
+    from dpprof.script.wrappers import VirtualDataParallel
+
+__all__ = ["STRATEGY", "DdpInPlace", "diff_ddp"]
+
+SENTENCE = ("the same script with DistributedDataParallel in place of DataParallel (one "
+            "emulated rank of {n}; each rank its share of the batch, as a DDP script makes it)")
+DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gradients, "
+          "optimizer state and its share of each batch.")
+
+# torch's factories a script makes a batch with in its loop (``torch.randint(0, V, (B, T))``,
+# ``torch.randn(B, D)``): under DDP each rank makes its own share of the rows
+BATCH_FACTORIES = ("randint", "randn", "rand")
+_LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                              sysconfig.get_paths()["stdlib"]}))
+
+
+def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
+             batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> str:
+    """The DDP change around the script's own DataParallel line (and each rank's share of
+    the batches it makes by hand, at ``batch_sites``; DDP's further keyword arguments,
+    ``flags``)."""
+    if not run.dp_sites:
+        return ""
+    return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
+                                        batch_sites=batch_sites, rows=run.batch_rows,
+                                        flags=flags))
+
+
+def _script_line(frame: Any) -> str | None:
+    """``file:line`` of ``frame`` where it is the script's own code (not a library's, not
+    torch's, not dpprof's), else None."""
+    name = frame.f_code.co_filename
+    if name.startswith("<") or in_dpprof(name) or name.startswith(_LIBRARY_DIRS):
+        return None
+    return f"{name}:{frame.f_lineno}"
+
+
+def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
+              share: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``func``'s arguments with a size whose first dimension is ``rows`` given ``share``
+    rows instead; None where the size does not begin with ``rows``."""
+    def cut(size: Any) -> Any:
+        if isinstance(size, (tuple, list, torch.Size)) and size and size[0] == rows:
+            return type(size)([share, *size[1:]]) if not isinstance(size, torch.Size) \
+                else torch.Size([share, *size[1:]])
+        return None
+
+    if "size" in kwargs:
+        new = cut(kwargs["size"])
+        return None if new is None else (args, {**kwargs, "size": new})
+    if func == "randint":  # randint(high, size) / randint(low, high, size)
+        at = next((i for i, a in enumerate(args) if isinstance(a, (tuple, list, torch.Size))),
+                  None)
+        if at is None:
+            return None
+        new = cut(args[at])
+        return None if new is None else ((*args[:at], new, *args[at + 1:]), kwargs)
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):  # randn((B, D))
+        new = cut(args[0])
+        return None if new is None else ((new,), kwargs)
+    if args and isinstance(args[0], int) and args[0] == rows:  # randn(B, D)
+        return (share, *args[1:]), kwargs
+    return None
+
+
+def _divide_hand_made_batches(state: AlternativeState, vc: VirtualCuda,
+                              patcher: Patcher) -> None:
+    """Batches the script makes in its loop without a DataLoader (a random factory on its
+    own line whose first dimension is the batch DataParallel scattered): each rank makes its
+    share, DataParallel's first chunk (``ceil(B / N)`` rows), as a DDP script would make
+    ``B // N`` rows on every rank."""
+    rows = state.scattered_rows
+
+    def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            site = _script_line(sys._getframe(1))
+            if site is None:
+                return original(*args, **kwargs)
+            # the GPUs the script sees, asked when it makes a batch (not before it ran:
+            # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+            share = -(-rows // vc.device_count())
+            cut = with_rows(func, args, kwargs, rows, share)
+            if cut is None:
+                return original(*args, **kwargs)
+            made = f"torch.{func} at {site}"
+            if made not in state.divided_sites:
+                state.divided_sites.append(made)
+            state.batch_rows = state.batch_rows or share
+            return original(*cut[0], **cut[1])
+        return factory
+
+    for func in BATCH_FACTORIES:
+        patcher.patch(torch, func, dividing(func, getattr(torch, func)))
+
+
+def _division(state: AlternativeState, world: int) -> str:
+    """How the alternative gave each rank its share of the batch ("": it did not)."""
+    ways = []
+    if state.divided_loader:
+        ways.append(f"each DataLoader's batch_size divided by {world}")
+    if state.divided_sites:
+        ways.append(f"the batches the script makes ({', '.join(state.divided_sites)}) "
+                    f"cut to {state.batch_rows} rows of DataParallel's "
+                    f"{state.scattered_rows}")
+    return "; ".join(ways)
+
+
+class DdpInPlace(Alternative):
+    """The DDP alternative (see the module). A fix that is DDP with other options is this
+    class with its own :attr:`options`, :attr:`flags` (their words in the diff),
+    :attr:`sentence` and :attr:`detail`."""
+
+    as_ranks = True
+    ladder_floor = True
+    options = DdpOptions()  # DDP's reducer options the rank runs with
+    flags: tuple[str, ...] = ()  # the DDP call's further keyword arguments in the diff
+    sentence = SENTENCE  # the alternative's first note ({n}: the GPUs)
+    detail = DETAIL  # its fix's detail ({gpus}: the GPUs)
+
+    def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
+        from torch.utils.data import DataLoader
+
+        orig_init = DataLoader.__init__
+
+        def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
+                        *args: Any, **kwargs: Any) -> None:
+            if batch_size:
+                # one rank per GPU the script sees: asked here, not before the script ran
+                # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+                world = vc.device_count()
+                batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
+                state.batch_rows = state.batch_rows or batch_size
+                state.divided_loader = True
+            orig_init(loader, dataset, batch_size, *args, **kwargs)
+
+        patcher.patch(DataLoader, "__init__", loader_init)
+        if state.scattered_rows > 1:
+            _divide_hand_made_batches(state, vc, patcher)
+
+    def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        return dp.as_ddp_rank(inputs, kwargs, self.options)
+
+    def after_run(self, run: ScriptRun, state: AlternativeState, vc: VirtualCuda,
+                  ddp_devices: list[int]) -> None:
+        run.batch_division = _division(state, vc.device_count())
+        ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
+        if ledger is not None:
+            run.bucket_view_peak_bytes = (ledger.peak_allocated if ledger.unsure is None
+                                          else None)
+            run.bucket_view_unsure = ledger.unsure
+
+    def measure(self, runs: AlternativeRuns) -> None:
+        cfg, main, n = runs.cfg, runs.main, runs.gpus
+        alt = run_script(dataclasses.replace(cfg, alternative=self,
+                                             scattered_rows=main.batch_rows),
+                         runs.step_cb(self.name))
+        if not alt.batch_division:
+            runs.notes.append("no DDP alternative: the script makes its batches neither with "
+                              "a DataLoader nor with torch.randint/randn/rand of "
+                              f"DataParallel's {main.batch_rows} rows on its own lines, so "
+                              "dpprof cannot give each rank its share")
+            return
+        alt.scenario.notes.insert(0, self.sentence.format(n=n))
+        alt.scenario.notes.insert(1, f"each rank's share: {alt.batch_division}")
+        alt.scenario.notes.extend(alternative_notes(alt))
+        runs.runs.append((self.name, alt))
+        fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
+                              diff_ddp(main, n, batch_sites=tuple(alt.batch_sites),
+                                       flags=self.flags))
+        if fix is not None:
+            runs.fixes.append(fix)
+
+
+STRATEGY = DdpInPlace(FIX)

@@ -1,0 +1,47 @@
+"""DDP's ``gradient_as_bucket_view=True``, as ``dpprof run`` measures it (the
+``gradient-as-bucket-view`` fix's strategy, :mod:`dpprof.fixes.kinds.bucket_view`): not a
+run of its own. The rank of an alternative that runs as DDP follows the option in a ledger
+of its device while it runs plain (:meth:`dpprof.script.ddp_run.DdpInPlace.after_run`); the
+fix is that rank's peak under the option, its change DDP's diff with the flag."""
+
+from __future__ import annotations
+
+from dpprof.fixes.kinds.bucket_view import FIX
+from dpprof.result import Fix
+from dpprof.script.ddp_run import diff_ddp
+from dpprof.script.strategy import AlternativeRuns, RunStrategy
+from dpprof.units import fmt_bytes
+
+__all__ = ["STRATEGY", "BucketViewRun"]
+
+
+class BucketViewRun(RunStrategy):
+    """The fix read from the ledger a DDP alternative's rank followed (see the module)."""
+
+    def measure(self, runs: AlternativeRuns) -> None:
+        followed = next((alt for _, alt in runs.runs if alt.bucket_view_peak_bytes is not None
+                         or alt.bucket_view_unsure is not None), None)
+        if followed is None:
+            return
+        main = runs.main
+        if followed.bucket_view_peak_bytes is None or not main.scenario.devices:
+            if followed.bucket_view_unsure:
+                runs.notes.append("no gradient_as_bucket_view alternative: "
+                                  f"{followed.bucket_view_unsure}")
+            return
+        p0 = main.scenario.devices[0].peak_allocated_bytes
+        q = followed.bucket_view_peak_bytes
+        plain = max((d.peak_allocated_bytes for d in followed.scenario.devices), default=q)
+        extra = plain - q
+        runs.fixes.append(Fix(
+            name=self.name, title=self.kind.title, primary_peak_bytes=q, max_peak_bytes=q,
+            saves_bytes=p0 - q,
+            detail=f".grad becomes a view of the reducer's bucket: {fmt_bytes(extra)} less "
+            "than plain DDP per GPU at the peak" + (
+                "" if extra > 0 else " (the peak comes before the gradients all exist; "
+                "the gradient-sized copy is still saved later in the step)"),
+            code=diff_ddp(main, runs.gpus, bucket_view=True,
+                          batch_sites=tuple(followed.batch_sites))))
+
+
+STRATEGY = BucketViewRun(FIX)

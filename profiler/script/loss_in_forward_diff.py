@@ -1,0 +1,361 @@
+"""The loss inside forward as a rewrite of the user's own lines (the ``loss-in-forward``
+fix's diff, :mod:`dpprof.script.loss_in_forward_run`): ``nn.DataParallel(dpprof.ModelWithLoss(
+<module>, <loss_fn>))`` at the wrap, ``dpprof.ModelWithLoss.combine(<model>(<inputs>,
+<targets>))`` in place of the loss call (the model's separate call removed), ``import
+dpprof``; where the script uses the outputs besides the loss, ``keep_outputs=True``."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpprof.script.loss_expression import LossFunction, loss_function, output_refs
+from dpprof.script.rewrite import (
+    Rewrite,
+    finish,
+    read_source,
+    site_of,
+)
+from dpprof.script.source import (
+    Edits,
+    NoRewrite,
+    ScriptSource,
+    add_imports,
+    bindings,
+    bound_between,
+    calls_at,
+    data_parallel_call,
+    dotted_name,
+    loaded_names,
+    module_arg,
+    parenthesized,
+    scope_nodes,
+    start_of,
+    until_scope,
+)
+
+LOSS_IN_FORWARD_TITLE = "the loss inside forward"
+
+@dataclass
+class _LossSite:
+    loss: ast.Call  # criterion(outputs, targets)
+    model: ast.Call  # model(inputs)
+    outputs_stmt: ast.stmt | None  # ``outputs = model(inputs)``, where separate
+    outputs_name: str  # "" where the model's call is inside the loss call
+
+
+def _loss_site(src: ScriptSource, loss_line: int, call_line: int) -> _LossSite:
+    """The loss call on ``loss_line`` whose first argument is the model's call on
+    ``call_line``, or a name that line assigns from it."""
+    for loss in calls_at(src, loss_line):
+        if not loss.args or isinstance(loss.args[0], ast.Starred):
+            continue
+        first = loss.args[0]
+        if isinstance(first, ast.Call) and first.lineno <= call_line <= (first.end_lineno or 0):
+            return _LossSite(loss, first, None, "")
+        if isinstance(first, ast.Name):
+            scope = src.scope(loss)
+            for node in scope_nodes(scope):
+                if (isinstance(node, (ast.Assign, ast.AnnAssign))
+                        and node.lineno <= call_line <= (node.end_lineno or 0)
+                        and isinstance(node.value, ast.Call)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    if len(targets) == 1 and dotted_name(targets[0]) == first.id:
+                        return _LossSite(loss, node.value, node, first.id)
+    raise NoRewrite(f"line {loss_line}: no loss call whose first argument is the model's "
+                    f"outputs from line {call_line} (as `outputs = model(x)` then "
+                    "`criterion(outputs, y)`, or `criterion(model(x), y)`)")
+
+
+def _loss_fn_text(src: ScriptSource, loss: ast.Call) -> tuple[str, str, ast.expr]:
+    """(the loss function as ModelWithLoss takes it, the targets' text, the loss callee)."""
+    if any(isinstance(a, ast.Starred) for a in loss.args) or any(
+            kw.arg is None for kw in loss.keywords):
+        raise NoRewrite(f"line {loss.lineno}: the loss call unpacks its arguments (* or **)")
+    keywords = list(loss.keywords)
+    if len(loss.args) >= 2:
+        targets = loss.args[1]
+    else:
+        target_kw = next((kw for kw in keywords if kw.arg == "target"), None)
+        if target_kw is None:
+            raise NoRewrite(f"line {loss.lineno}: the loss call has no targets "
+                            "(ModelWithLoss calls loss_fn(outputs, targets))")
+        targets = target_kw.value
+        keywords.remove(target_kw)
+    if len(loss.args) > 2:
+        raise NoRewrite(f"line {loss.lineno}: the loss takes more than (outputs, targets) "
+                        "positionally")
+    if dotted_name(loss.func) is None:
+        raise NoRewrite(f"line {loss.lineno}: the loss function is an expression "
+                        f"({src.seg(loss.func)}), not a name")
+    fn = src.seg(loss.func)
+    if not keywords:
+        return fn, src.seg(targets), loss.func
+    if not all(_constant(kw.value) for kw in keywords):
+        raise NoRewrite(f"line {loss.lineno}: the loss call's keyword arguments are not "
+                        "constants, so it cannot move into forward as written")
+    extra = ", ".join(src.seg(kw) for kw in keywords)
+    return (f"lambda outputs, targets: {fn}(outputs, targets, {extra})", src.seg(targets),
+            loss.func)
+
+
+def _constant(node: ast.expr) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _constant(node.operand)
+    return isinstance(node, ast.Constant)
+
+
+def _available(src: ScriptSource, scope: ast.AST, key: str, at: ast.stmt) -> bool:
+    """Whether ``key`` (a name or dotted attribute) names something at statement ``at`` of
+    ``scope`` (a local bound before it, a global, a builtin)."""
+    binds = [b for b in bindings(src, scope) if b.name == key]
+    if binds:
+        return any(b.pos <= start_of(at) for b in binds)
+    root = key.split(".")[0]
+    if root != key:
+        return _available(src, scope, root, at)
+    # a free name: an enclosing function's or the module's, bound by the time it runs (a
+    # class body's names are not visible in its methods)
+    outer = scope
+    while not isinstance(outer, ast.Module):
+        outer = src.scope(outer)
+        if not isinstance(outer, ast.ClassDef) and any(
+                b.name == key for b in bindings(src, outer)):
+            return True
+    return hasattr(builtins, key)
+
+
+def _hoist(src: ScriptSource, edits: Edits, scope: ast.AST, key: str, wrap: ast.stmt) -> int:
+    """Move the one assignment of ``key`` that follows the wrap (in the same statement list
+    as the wrap or a statement holding it) to just before that statement; its line."""
+    binds = [b for b in bindings(src, scope) if b.name == key]
+    if len(binds) != 1 or not isinstance(binds[0].node, ast.Assign):
+        raise NoRewrite(f"`{key}` is not defined where the model is wrapped (line "
+                        f"{wrap.lineno}), and no single assignment of it can move there")
+    assign = binds[0].node
+    assert isinstance(assign, ast.Assign)
+    block = src.block(assign)
+    holder = next((s for s in [wrap, *src.ancestors(wrap)]
+                   if isinstance(s, ast.stmt) and any(s is b for b in block)), None)
+    if holder is None:
+        raise NoRewrite(f"`{key}` (line {assign.lineno}) is defined in another block than "
+                        f"the wrap (line {wrap.lineno}): move it before the wrap by hand")
+    moved = bound_between(src, scope, loaded_names(assign.value), start_of(holder),
+                           start_of(assign))
+    if moved:
+        raise NoRewrite(f"`{key}` (line {assign.lineno}) uses {', '.join(moved)}, set after "
+                        f"the wrap (line {wrap.lineno}), so it cannot move before it")
+    start, end = src.whole_lines(assign)
+    text = src.text[start:end]
+    edits.replace(start, end, "")
+    at = src.line_start(holder.lineno)
+    edits.replace(at, at, text)
+    return assign.lineno
+
+
+def loss_in_forward(source: str, path: str, dp_line: int, call_line: int,
+                    loss_line: int, loss_callee: str = "", targets_name: str = "") -> Rewrite:
+    """The script with its loss computed inside forward on every replica (see the module).
+
+    ``dp_line``: the ``DataParallel(...)`` wrap; ``call_line``: the call of the wrapped model
+    whose outputs reach the loss; ``loss_line``: the loss call on them. Where the loss takes
+    an expression of the outputs (``criterion(out.view(-1, V), y.view(-1))``):
+    ``loss_callee`` names the loss (``criterion``) and ``targets_name`` the batch tensor its
+    targets come from (``y``), as the run saw them; the loss call moves into forward as a
+    function of the two (:mod:`dpprof.script.loss_expression`).
+    """
+    try:
+        return _loss_in_forward(ScriptSource(source, path), dp_line, call_line, loss_line,
+                                loss_callee, targets_name)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+
+def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line: int,
+                     loss_callee: str, targets_name: str) -> tuple[_LossSite, LossFunction]:
+    """The loss call ``loss_callee(...)`` on ``loss_line`` whose arguments read the outputs
+    of the model's call on ``call_line`` (written inside it, or a name that line binds), and
+    it as a function of the outputs and ``targets_name``."""
+    wrap = src.statement(dp)
+    model_name = (dotted_name(wrap.targets[0]) if isinstance(wrap, ast.Assign)
+                  and len(wrap.targets) == 1 else None)
+    for loss in calls_at(src, loss_line):
+        if dotted_name(loss.func) != loss_callee:
+            continue
+        inline = next((n for n in ast.walk(loss) if n is not loss and isinstance(n, ast.Call)
+                       and model_name is not None and dotted_name(n.func) == model_name
+                       and n.lineno <= call_line <= (n.end_lineno or 0)), None)
+        site = (_LossSite(loss, inline, None, "") if inline is not None
+                else _named_outputs(src, loss, call_line))
+        if site is None:
+            continue
+        return site, loss_function(src, loss, site.outputs_name, inline, targets_name)
+    raise NoRewrite(f"line {loss_line}: no call of {loss_callee or 'the loss'} whose "
+                    f"arguments read the model's outputs from line {call_line}")
+
+
+def _named_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSite | None:
+    """The loss site where ``loss`` reads the name that ``name = model(...)`` on
+    ``call_line`` binds."""
+    for node in scope_nodes(src.scope(loss)):
+        if (isinstance(node, (ast.Assign, ast.AnnAssign))
+                and node.lineno <= call_line <= (node.end_lineno or 0)
+                and isinstance(node.value, ast.Call)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            name = dotted_name(targets[0]) if len(targets) == 1 else None
+            if name and isinstance(targets[0], ast.Name) and output_refs(loss, name, None):
+                return _LossSite(loss, node.value, node, name)
+    return None
+
+
+def _free_names_at_wrap(src: ScriptSource, fn: LossFunction, loss: ast.Call,
+                        wrap: ast.stmt) -> None:
+    """The loss function, made at the wrap, reads its names when it runs: each must be one
+    the wrap's scope sees (its own, an enclosing function's, the module's, a builtin)."""
+    scope = src.scope(wrap)
+    for name in sorted(loaded_names(loss) - {fn.outputs_name, fn.targets_name}):
+        seen = scope
+        while True:
+            if not isinstance(seen, ast.ClassDef) and any(
+                    b.name == name for b in bindings(src, seen)):
+                break
+            if isinstance(seen, ast.Module):
+                if not hasattr(builtins, name):
+                    raise NoRewrite(f"`{name}`, which the loss (line {loss.lineno}) reads, is "
+                                    f"not visible where the model is wrapped (line "
+                                    f"{wrap.lineno})")
+                break
+            seen = src.scope(seen)
+
+
+def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line: int,
+                     loss_callee: str = "", targets_name: str = "") -> Rewrite:
+    edits = Edits(src)
+    notes: list[str] = []
+    dp = data_parallel_call(src, dp_line)
+    wrap = src.statement(dp)
+    expression: LossFunction | None = None
+    if targets_name:
+        site, expression = _expression_site(src, dp, loss_line, call_line, loss_callee,
+                                            targets_name)
+        _free_names_at_wrap(src, expression, site.loss, wrap)
+        loss_fn, targets, callee = expression.text, targets_name, site.loss.func
+    else:
+        site = _loss_site(src, loss_line, call_line)
+        loss_fn, targets, callee = _loss_fn_text(src, site.loss)
+    model = site.model
+    if model.keywords or any(isinstance(a, ast.Starred) for a in model.args) or not model.args:
+        raise NoRewrite(f"line {model.lineno}: the model's call takes keyword or unpacked "
+                        "arguments, or none; ModelWithLoss takes (inputs, targets)")
+    inputs = ", ".join(src.seg(a) for a in model.args)
+    if len(model.args) > 1:
+        inputs = f"({inputs})"  # ModelWithLoss passes a tuple on as the model's arguments
+    call = f"{parenthesized(src, model.func)}({inputs}, {targets})"
+    loss_stmt = src.statement(site.loss)
+    scope = src.scope(loss_stmt)
+    keep = False  # the outputs used besides the loss: ModelWithLoss(keep_outputs=True)
+    if site.outputs_stmt is not None:
+        stmt = site.outputs_stmt
+        assert stmt.end_lineno is not None and stmt.end_col_offset is not None
+        if start_of(stmt) > start_of(loss_stmt):
+            raise NoRewrite(f"the model's call (line {stmt.lineno}) comes after the loss "
+                            f"(line {loss_stmt.lineno})")
+        rebound = bound_between(src, scope, loaded_names(model),
+                                 (stmt.end_lineno, stmt.end_col_offset), start_of(loss_stmt))
+        if rebound:
+            raise NoRewrite(f"{', '.join(rebound)} change between the model's call (line "
+                            f"{stmt.lineno}) and the loss (line {loss_stmt.lineno})")
+        in_loss = (output_refs(site.loss, site.outputs_name, None) if expression is not None
+                   else [site.loss.args[0]])
+        uses = sorted({n.lineno for n in scope_nodes(scope) if isinstance(n, ast.Name)
+                       and n.id == site.outputs_name and isinstance(n.ctx, ast.Load)
+                       and not any(n is r for r in in_loss)})
+        start, end = src.whole_lines(stmt)
+        indent = src.indent(stmt.lineno)
+        lines = []
+        if uses:
+            keep = _keep_outputs(src, site, loss_stmt, uses)
+            where = ", ".join(str(u) for u in uses)
+            notes.append(f"line {where} also use{'s' * (len(uses) == 1)} {site.outputs_name}: "
+                         "ModelWithLoss(..., keep_outputs=True) gathers the outputs on cuda:0 "
+                         "beside the loss, as before; the loss and its temporaries stay on "
+                         "the replicas")
+        if len(src.block(stmt)) == 1:
+            lines.append(f"{indent}pass")
+        edits.replace(start, end, "".join(line + src.newline() for line in lines))
+    if keep:
+        assert isinstance(loss_stmt, ast.Assign)
+        edits.node(loss_stmt, f"{site.outputs_name}, {src.seg(loss_stmt.targets[0])} = "
+                   f"dpprof.ModelWithLoss.split({call})")
+    else:
+        edits.node(site.loss, f"dpprof.ModelWithLoss.combine({call})")
+    # the loss function must exist where the model is wrapped
+    wrap_scope = src.scope(wrap)
+    key = dotted_name(callee)
+    assert key is not None
+    if wrap_scope is not scope:
+        notes.append(f"the wrap (line {wrap.lineno}) and the loss (line {loss_stmt.lineno}) "
+                     f"are in different functions: `{key}` at the wrap is taken to be the "
+                     "loss the training step calls")
+    if expression is None and not _available(src, wrap_scope, key, wrap):
+        moved = _hoist(src, edits, wrap_scope, key, wrap)
+        notes.append(f"`{key}` (line {moved}) moves before the wrap, which now needs it")
+    keep_arg = ", keep_outputs=True" if keep else ""
+    edits.node(module_arg(dp),
+               f"dpprof.ModelWithLoss({src.seg(module_arg(dp))}, {loss_fn}{keep_arg})")
+    add_imports(src, edits, ["dpprof"], wrap_scope)
+    callee_text = src.seg(model.func)
+    others = sorted({n.lineno for n in ast.walk(src.tree) if isinstance(n, ast.Call)
+                     and n is not model and src.seg(n.func) == callee_text})
+    if others:
+        notes.append(f"line {', '.join(map(str, others))} also call{'s' * (len(others) == 1)} "
+                     f"{callee_text}(...): with ModelWithLoss it takes (inputs, targets) and "
+                     "returns the loss; for the outputs call its .module.model")
+    if any(isinstance(n, ast.Attribute) and n.attr == "module" for n in ast.walk(src.tree)):
+        notes.append("the wrapped module is now the ModelWithLoss: the model is .module.model "
+                     "(its state_dict keys gain `model.`)")
+    if any(isinstance(a, (ast.If, ast.IfExp)) for a in [*until_scope(src, dp)]):
+        notes.append(f"the wrap (line {wrap.lineno}) is conditional: where it does not run, "
+                     "the model's call with the targets needs dpprof.ModelWithLoss too")
+    return finish(src, edits, LOSS_IN_FORWARD_TITLE, notes)
+
+
+def _keep_outputs(src: ScriptSource, site: _LossSite, loss_stmt: ast.stmt,
+                  uses: list[int]) -> bool:
+    """Whether the outputs, used besides the loss, can be kept: the loss statement binds the
+    loss call alone to one name (``loss = criterion(outputs, y)``, which becomes
+    ``outputs, loss = ModelWithLoss.split(model(x, y))``) and nothing between the model's call
+    and it reads the outputs; else a reason."""
+    assert site.outputs_stmt is not None and site.outputs_stmt.end_lineno is not None
+    between = [u for u in uses if site.outputs_stmt.end_lineno < u < loss_stmt.lineno]
+    if between:
+        raise NoRewrite(f"line {', '.join(map(str, between))} use{'s' * (len(between) == 1)} "
+                        f"{site.outputs_name} between the model's call (line "
+                        f"{site.outputs_stmt.lineno}) and the loss (line {loss_stmt.lineno}): "
+                        "with the loss inside forward the outputs come with the loss")
+    if not (isinstance(loss_stmt, ast.Assign) and loss_stmt.value is site.loss
+            and len(loss_stmt.targets) == 1 and isinstance(loss_stmt.targets[0], ast.Name)):
+        raise NoRewrite(f"line {loss_stmt.lineno}: the loss call is part of a larger "
+                        f"statement, and line {', '.join(map(str, uses))} also use "
+                        f"{site.outputs_name}: write `loss = {src.seg(site.loss.func)}(...)` "
+                        "on a line of its own")
+    return True
+
+
+def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str, loss_callee: str = "",
+                       targets_name: str = "") -> Rewrite:
+    """:func:`loss_in_forward` from ``file:line`` sites (all in one file)."""
+    try:
+        (path, dp_line), (p2, call_line), (p3, loss_line) = map(
+            site_of, (dp_site, call_site, loss_site))
+        if not path == p2 == p3:
+            raise NoRewrite("the wrap, the model's call and the loss are in different files "
+                            f"({Path(path).name}, {Path(p2).name}, {Path(p3).name})")
+        return loss_in_forward(read_source(path), path, dp_line, call_line, loss_line, loss_callee,
+                               targets_name)
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+

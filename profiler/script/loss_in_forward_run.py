@@ -1,0 +1,133 @@
+"""The loss inside forward, as ``dpprof run`` measures it (the ``loss-in-forward`` fix's
+strategy, :mod:`dpprof.fixes.kinds.loss_in_forward`): the script run once more with
+DataParallel's outputs deferred (:class:`dpprof.script.deferred_outputs.DeferredOutputs`) until an
+``nn.Module`` loss is called on them, which then runs inside forward on every replica
+(``ModelWithLoss``: cuda:0 gathers one number per GPU instead of the outputs); a script that
+uses the outputs besides the loss is run once more with the outputs kept, as the fix's code
+keeps them. Its change is the diff of :mod:`dpprof.script.loss_in_forward_diff`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dpprof.emulator.cuda_devices import caller_site
+from dpprof.fixes.kinds.loss_in_forward import FIX
+from dpprof.script.deferred_outputs import (
+    DeferredOutputs,
+    loss_in_forward_loss_call,
+    pending_in,
+)
+from dpprof.script.loss_in_forward_diff import loss_in_forward_at
+from dpprof.script.notes import alternative_fix, alternative_notes, relative_site
+from dpprof.script.rewrite import rewrite_text
+from dpprof.script.runner import run_script
+from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
+from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.emulator.patcher import Patcher
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.runner import ScriptRun
+    from dpprof.script.wrappers import VirtualDataParallel
+
+__all__ = ["STRATEGY", "LossInForward", "diff_loss_in_forward"]
+
+SENTENCE = ("the same script with its loss computed inside forward on every replica "
+            "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
+            "instead of the gathered outputs)")
+# the alternative of a script that also uses the outputs (accuracy)
+KEPT_OUTPUTS = ("the same script with its loss computed inside forward on every replica, "
+                "the outputs kept (dpprof.ModelWithLoss(..., keep_outputs=True): the replicas "
+                "return their losses and their outputs, gathered on cuda:0 as before)")
+DETAIL = ("the same script with DataParallel(ModelWithLoss(model, loss)): cuda:0 gathers "
+          "one number per GPU instead of the outputs.")
+
+
+def diff_loss_in_forward(run: ScriptRun) -> str:
+    """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
+    saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
+    if not (run.dp_sites and run.call_sites and run.loss_sites):
+        return ""
+    callee, targets = run.loss_expressions.get(run.loss_sites[0], ("", ""))
+    return rewrite_text(loss_in_forward_at(run.dp_sites[0], run.call_sites[0],
+                                           run.loss_sites[0], callee, targets))
+
+
+def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:
+    lines = ", ".join(site.rpartition(":")[2] for site in sites)
+    return ("the same script with DataParallel(ModelWithLoss(model, loss, keep_outputs=True)): "
+            f"the loss and its temporaries on each replica; the outputs, which line {lines} "
+            "uses, still gathered on cuda:0; computing that inside forward as well would save "
+            f"{fmt_bytes(further_bytes)} more on cuda:0.")
+
+
+class LossInForward(Alternative):
+    """The loss-inside-forward alternative (see the module)."""
+
+    def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
+        loss_cls = nn.modules.loss._Loss
+        orig_call = loss_cls.__call__
+
+        def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # a loss on an expression of the outputs (``out.view(-1, V)``), computed inside
+            # forward when the statement first read them
+            pending = pending_in(args, kwargs)
+            out = (pending.answer() if pending is not None
+                   else loss_in_forward_loss_call(vc, loss, args, kwargs))
+            if out is None:
+                return orig_call(loss, *args, **kwargs)
+            state.loss_calls += 1
+            return out
+
+        patcher.patch(loss_cls, "__call__", loss_call)
+
+    def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        if not kwargs and len(dp.device_ids) > 1 and torch.is_grad_enabled():
+            return DeferredOutputs(dp, inputs, caller_site())
+        return dp.run(dp.module, inputs, kwargs)
+
+    def measure(self, runs: AlternativeRuns) -> None:
+        cfg, main, n = runs.cfg, runs.main, runs.gpus
+        alt = run_script(dataclasses.replace(cfg, alternative=self,
+                                             scattered_rows=main.batch_rows),
+                         runs.step_cb(self.name))
+        used = sorted({relative_site(site) for site in alt.materialized})
+        unkept: ScriptRun | None = None  # the loss inside forward, the outputs not gathered
+        if used and alt.loss_modules:
+            # the outputs are used besides the loss: the fix keeps them beside it
+            # (ModelWithLoss(keep_outputs=True)), and so does the run it is measured by
+            unkept = alt
+            alt = run_script(dataclasses.replace(cfg, alternative=self, keep_outputs=True),
+                             runs.step_cb(self.name))
+        if not alt.loss_modules:
+            runs.notes.append("no loss-inside-forward alternative: " + (
+                alt.no_loss_forward or "the script's loss is not an nn.Module loss called "
+                "on DataParallel's outputs"))
+            return
+        alt.scenario.notes.insert(0, (KEPT_OUTPUTS if unkept is not None
+                                      else SENTENCE).format(n=n))
+        alt.scenario.notes.extend(alternative_notes(alt))
+        detail = DETAIL
+        if unkept is not None:
+            further = 0  # what not gathering the outputs would save besides
+            if unkept.scenario.devices and alt.scenario.devices:
+                further = (alt.scenario.devices[0].peak_allocated_bytes
+                           - unkept.scenario.devices[0].peak_allocated_bytes)
+                alt.scenario.notes.append(
+                    "the script also uses the outputs besides the loss (" + ", ".join(used)
+                    + "), so this alternative keeps them, as its code does; computing that "
+                    "inside forward as well would leave them off cuda:0: "
+                    f"{fmt_bytes(further)} less there at its peak")
+            detail = _kept_outputs_detail(used, further)
+        runs.runs.append((self.name, alt))
+        fix = alternative_fix(self.kind, main, alt, detail, diff_loss_in_forward(alt))
+        if fix is not None:
+            runs.fixes.append(fix)
+
+
+STRATEGY = LossInForward(FIX)

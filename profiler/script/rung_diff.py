@@ -1,0 +1,94 @@
+"""A rung of the ladder as one rewrite of the user's file: its edits (checkpointing,
+autocast, and DDP's where it ran on a DataParallel script's DDP alternative) made one after
+the other, each at the lines the one before left."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpprof.script.autocast_diff import autocast_until
+from dpprof.script.checkpointing_diff import checkpointing
+from dpprof.script.ddp_diff import ddp
+from dpprof.script.rewrite import (
+    Rewrite,
+    read_source,
+)
+from dpprof.script.source import (
+    NoRewrite,
+    ScriptSource,
+)
+
+
+def _line_map(old: str, new: str) -> dict[int, int]:
+    """Where each line of ``old`` that ``new`` keeps as it was is in ``new`` (1-based)."""
+    matcher = difflib.SequenceMatcher(None, old.splitlines(), new.splitlines(),
+                                      autojunk=False)
+    out: dict[int, int] = {}
+    for tag, i1, i2, j1, _ in matcher.get_opcodes():
+        if tag == "equal":
+            out.update({i1 + k + 1: j1 + k + 1 for k in range(i2 - i1)})
+    return out
+
+
+@dataclass(frozen=True)
+class RungSites:
+    """What ``dpprof run`` saw of the script its rung changed: the model's first call and the
+    first ``backward()``; for a DataParallel script whose rung ran on its DDP alternative,
+    the wrap (and the batches it makes by hand)."""
+
+    path: str
+    forward_line: int
+    backward_line: int
+    dp_line: int = 0  # 0: the rung ran on the script as written
+    batch_lines: tuple[int, ...] = ()
+    rows: int = 0  # the batch DataParallel scattered
+
+
+def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
+                 blocks: dict[str, object] | None) -> Rewrite:
+    """A ladder rung as one diff of the user's file: its blocks checkpointed (``blocks``,
+    where it checkpoints), its forward to ``backward()`` under autocast (``dtype``, where it
+    has one), and, where it ran on a DataParallel script's DDP alternative, the DDP change
+    too, so that the script patched with it is the one the rung measured."""
+    try:
+        original = read_source(sites.path)
+        text, notes = original, list[str]()
+        lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
+                                *sites.batch_lines) if k}
+
+        def then(change: Rewrite, what: str) -> None:
+            nonlocal text, lines
+            if not change.ok:
+                raise NoRewrite(f"{what}: {change.reason}")
+            moved = _line_map(text, change.new_source)
+            lines = {k: moved[v] for k, v in lines.items() if v in moved}
+            text = change.new_source
+            notes.extend(change.notes)
+
+        def at(line: int) -> int:
+            if line not in lines:
+                raise NoRewrite(f"line {line} was changed by the rung's other edits")
+            return lines[line]
+
+        if blocks:
+            then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
+                 "activation checkpointing")
+        if dtype is not None:
+            then(autocast_until(ScriptSource(text, sites.path), at(sites.forward_line),
+                                 at(sites.backward_line), dtype), "autocast")
+        if sites.dp_line:
+            then(ddp(text, sites.path, at(sites.dp_line), gpus,
+                     batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
+                     rows=sites.rows),
+                 "DDP")
+        name = Path(sites.path).name
+        diff = difflib.unified_diff(original.splitlines(), text.splitlines(),
+                                    f"{name} (as written)", f"{name} ({title[:1].lower()}"
+                                    f"{title[1:]})", lineterm="")
+        return Rewrite(diff="\n".join(diff), new_source=text, notes=tuple(notes))
+    except NoRewrite as e:
+        return Rewrite(reason=str(e))
+
+

@@ -1,0 +1,107 @@
+"""A fix as ``dpprof run`` measures it in the user's script: the fix kind's strategy.
+
+A fix kind (:mod:`dpprof.fixes.kinds`) says what a fix is and how ``compare`` measures it;
+the fixes sit below the script run in the layers, so the part of a fix that needs the
+running script lives here, in the script layer: one :class:`RunStrategy` per fix that
+``dpprof run`` measures, in a module of its own named after the fix
+(``dpprof.script.<name>_run``, its ``-`` as ``_``; :mod:`dpprof.script.strategy_registry`
+finds it by the kind's one name). A strategy is either
+
+* an :class:`Alternative`: the script run once more with the fix made as it runs (its
+  patches, :meth:`Alternative.install`; DataParallel's forward, :meth:`Alternative.dp_forward`;
+  what the run followed besides, :meth:`Alternative.after_run`), then measured against the
+  script as written, with its change as a diff of the script's own lines; or
+* a strategy that reads its fix from what another alternative's run followed (DDP's
+  ``gradient_as_bucket_view``, followed in a ledger while the DDP alternative runs plain).
+
+The runs, the session and the wrappers loop over the registry and call these methods; no
+fix's name is compared outside the fix's own module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpprof.emulator.patcher import Patcher
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.fixes.fix_kind import FixKind
+    from dpprof.result import Fix
+    from dpprof.script.runner import ScriptConfig, ScriptRun
+    from dpprof.script.wrappers import VirtualDataParallel
+
+StepCallback = Callable[[int], None]
+
+
+@dataclass
+class AlternativeState:
+    """What one run of an alternative shares between its patches and the run's reading of
+    them (the alternative writes it as the script runs)."""
+
+    scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
+    keep_outputs: bool = False  # the replicas return their outputs too (the script uses them)
+    batch_rows: int = 0  # the rows of a batch the alternative made (0: it made none)
+    loss_calls: int = 0  # loss module calls the alternative computed inside forward
+    # how each rank got its share of the batch: "loader" (a DataLoader's batch_size), and
+    # the script's lines whose hand-made batches were cut to it
+    divided_loader: bool = False
+    divided_sites: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AlternativeRuns:
+    """The session's runs of a DataParallel script, as the strategies add to them: the
+    configuration, the script as written (``main``) and its GPUs, each alternative's run
+    (by the fix's name), the fixes measured and why one could not be."""
+
+    cfg: ScriptConfig
+    main: ScriptRun
+    gpus: int
+    step_cb: Callable[[str], StepCallback]
+    runs: list[tuple[str, ScriptRun]]
+    notes: list[str]
+    fixes: list[Fix]
+
+
+class RunStrategy(ABC):
+    """How ``dpprof run`` measures one fix kind (see the module)."""
+
+    def __init__(self, kind: FixKind) -> None:
+        self.kind = kind
+
+    @property
+    def name(self) -> str:
+        """The fix's one name (its kind's): its run's and its result's."""
+        return self.kind.name
+
+    @abstractmethod
+    def measure(self, runs: AlternativeRuns) -> None:
+        """Measure the fix on the script ``runs`` ran as written: its run into
+        ``runs.runs``, what it saves into ``runs.fixes``, why it could not into
+        ``runs.notes``."""
+
+
+class Alternative(RunStrategy):
+    """A strategy that runs the script once more with the fix made as it runs."""
+
+    # the run plays one rank of DDP, of as many ranks as the script sees GPUs
+    as_ranks = False
+    # the ladder's rungs start from this alternative's run where it ran (they start from DDP)
+    ladder_floor = False
+
+    def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
+        """The alternative's patches, through the run's ``patcher`` (undone with the run's);
+        what they see goes into ``state``."""
+
+    def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """DataParallel's forward in this alternative (as written, unless it changes it)."""
+        return dp.run(dp.module, inputs, kwargs)
+
+    def after_run(self, run: ScriptRun, state: AlternativeState, vc: VirtualCuda,
+                  ddp_devices: list[int]) -> None:
+        """What the run followed besides its peaks, read into ``run`` once it has ended
+        (``ddp_devices``: the devices DDP ran on)."""
