@@ -2,8 +2,8 @@
 
 :func:`build_answer` is the only place that composes these sentences, for every command
 (``compare``, ``run``, ``maxbatch``, ``watch``, ``report``) and every format: the renderers
-show the :class:`~dpprof.result.Recommendation` it returns, which each command computes once
-and stores in its result (:func:`settle`; a result saved before that has it built when read,
+show the :class:`~dpprof.result.Recommendation` it returns, which each command derives once
+into its result (:func:`settled`; a result saved before that has it built when read,
 :func:`answer_of`). Its rules:
 
 * the recommendation follows the policy by cost (:mod:`dpprof.fixes.policy`): nothing
@@ -44,6 +44,7 @@ from dpprof.answers.answer_figures import (
     used,
 )
 from dpprof.answers.attribution import attribute, lead_causes, why_heavier
+from dpprof.answers.comparison import compare
 from dpprof.answers.post_mortem import post_mortem, watch_verdict
 from dpprof.fixes.fix_kind import MIN_SAVING
 from dpprof.fixes.fix_registry import applies_to, as_scenario, from_scenarios
@@ -90,18 +91,21 @@ ALTERNATIVE_WORDS = {s.name: s.alternative_words for s in REGISTRY if s.alternat
 # ---- the builder -------------------------------------------------------------------------
 
 
-def settle(run: RunResult) -> Recommendation:
-    """Compute the answer of ``run`` once and store it: ``run.recommended``, the
-    comparison's verdict, and each explained attribution's sentence. Every command calls
-    this once its result is complete; every renderer reads what it stored."""
+def settled(run: RunResult) -> RunResult:
+    """``run`` with what is derived from its measurements: the comparison (its figures and
+    the verdict), the one answer (``recommended``) and each explained attribution's
+    sentence. The one place they are computed: every command calls it once its result is
+    complete, and every renderer reads what it holds (saved in the JSON, for the readers
+    of results)."""
+    run = dataclasses.replace(run, comparison=compare(run))
     rec = build_answer(run)
-    run.recommended = rec
-    run.comparison.verdict = rec.verdict
-    for name, sentence in rec.why_heavier.items():
-        att = run.attribution.get(name)
-        if att is not None:
-            att.answer = sentence
-    return rec
+    attribution = {
+        name: dataclasses.replace(att, answer=rec.why_heavier[name])
+        if name in rec.why_heavier else att
+        for name, att in run.attribution.items()}
+    return dataclasses.replace(
+        run, recommended=rec, comparison=dataclasses.replace(run.comparison, verdict=rec.verdict),
+        attribution=attribution)
 
 
 def answer_of(run: RunResult) -> Recommendation:
@@ -133,7 +137,8 @@ def build_answer(run: RunResult) -> Recommendation:
         verdict=verdict, verdict_oom=oom, setup=setup,
         baseline=base.name if base is not None else None, fix=pick.fix, title=pick.title,
         why=pick.why, need_bytes=pick.need_bytes, fits=pick.fits,
-        margin_bytes=pick.margin_bytes, passed_over=pick.passed_over, fixes=fixes,
+        margin_bytes=pick.margin_bytes, passed_over=tuple(pick.passed_over),
+        fixes=tuple(fixes),
         why_heavier=why)
 
 

@@ -318,8 +318,8 @@ class Watcher:
             if oom.text in self._oom_texts:
                 return  # the same error printed twice (a log line and the traceback)
             self._oom_texts.add(oom.text)
-        oom.t_s = round(self._now(), 6)
-        self._record({"kind": "oom", **dataclasses.asdict(oom)})
+        self._record({"kind": "oom", **dataclasses.asdict(
+            dataclasses.replace(oom, t_s=round(self._now(), 6)))})
 
     def _child_env(self) -> dict[str, str]:
         env = dict(self.env)
