@@ -143,7 +143,7 @@ def torchrun_compare(run: RunResult, cfg: CompareConfig, info: RankInfo) -> RunR
     run = _measured(run, ccfg, cfg, info.world_size, torchrun=True,
                     world_size=info.world_size)
     caps = [d.capacity_bytes for o in outcomes for d in o.devices if d.capacity_bytes]
-    scenarios = run.scenarios + (ddp_scenario(outcomes, ccfg, info.world_size),)
+    scenarios = (*run.scenarios, ddp_scenario(outcomes, ccfg, info.world_size))
     nodes = sorted({(d.node_rank, d.node) for s in scenarios for d in s.devices},
                    key=lambda x: (x[0] is None, x[0] or 0))
     return dataclasses.replace(
