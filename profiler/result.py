@@ -572,6 +572,8 @@ def _from_dict(tp: Any, data: Any) -> Any:
                 value = {k: _from_dict(inner, v) for k, v in value.items()}
             else:
                 value = _from_dict(inner, value)
+        elif isinstance(value, list):  # every sequence a result holds is a tuple
+            value = tuple(value)
         kwargs[name] = value
     return tp(**kwargs)  # type: ignore[operator]
 
