@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dpprof.pipeline import CompareConfig, run_compare
-from dpprof.result import RunResult, TimelinePoint, write_atomic
+from dpprof.result import RunResult, TimelinePoint
+from dpprof.saved_result import write_atomic
 from dpprof.scenarios.step import StepConfig
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

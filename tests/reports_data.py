@@ -7,7 +7,8 @@ import html as std_html
 import re
 from pathlib import Path
 
-from dpprof.result import DeviceResult, RunResult, load
+from dpprof.result import DeviceResult, RunResult
+from dpprof.saved_result import load
 
 DATA = Path(__file__).parent / "data"
 SAVED = {

@@ -18,7 +18,7 @@ from dpprof.reports.escape import (
     mermaid_label,
     terminal_text,
 )
-from dpprof.result import load
+from dpprof.saved_result import load
 
 DATA = Path(__file__).parent / "data"
 runner = CliRunner()

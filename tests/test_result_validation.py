@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.reports import html
-from dpprof.result import MAX_DEVICES, MAX_RESULT_FILE_BYTES, ResultFileError, load
+from dpprof.result import MAX_DEVICES, MAX_RESULT_FILE_BYTES
+from dpprof.saved_result import ResultFileError, load
 
 DATA = Path(__file__).parent / "data"
 BASE = DATA / "synthetic-oom.json"

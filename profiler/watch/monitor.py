@@ -63,12 +63,8 @@ from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml.devices import resolve_visible_devices
 from dpprof.nvml.libnvml import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler
-from dpprof.result import (
-    ResultFileError,
-    RunResult,
-    WatchDevice,
-    WatchOom,
-)
+from dpprof.result import RunResult, WatchDevice, WatchOom
+from dpprof.saved_result import ResultFileError
 from dpprof.version import __version__
 from dpprof.watch.analysis import load_run
 from dpprof.watch.output import OutputScanner, pump, same_stream
