@@ -279,7 +279,7 @@ class PassedOver:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The one answer of a result, computed once (:func:`dpprof.answers.answer.settle`)
+    """The one answer of a result, computed once (:func:`dpprof.answers.answer.settled`)
     and shown by every format: the verdict, the change recommended (or none), why, what it
     needs and whether it fits, and why each cheaper change was passed over."""
 
@@ -414,7 +414,7 @@ class RunResult:
     fail_reasons: TextList = ()  # --fail-on-* checks that failed
     # "SIGINT" | "SIGTERM": cut short; ``scenarios`` holds those measured before (partial)
     interrupted: Text | None = None
-    # the one answer (dpprof.answers.answer.settle); None in results saved before it
+    # the one answer (dpprof.answers.answer.settled); None in results saved before it
     recommended: Recommendation | None = None
     # `dpprof run`: what the script wrote (into its runs' overlays), and the seal's check
     writes: Annotated[tuple[ScriptWrite, ...], MaxLen(MAX_ITEMS)] = ()

@@ -8,9 +8,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dpprof.answers.answer import needs_wanted, settled
+from dpprof.answers.answer import settled
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
+from dpprof.answers.recommendation import needs_wanted
 from dpprof.emulator.catalog import lookup_gpu
 from dpprof.measure import ladder as rungs
 from dpprof.measure.equivalence import check
