@@ -19,6 +19,7 @@ from reports_data import SAVED, saved
 import dpprof.result as result_module
 from dpprof.answers.answer import settled
 from dpprof.answers.comparison import compare
+from dpprof.saved_result import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("profiler", "reports", "scenarios") for p in (ROOT / d).rglob("*.py")]
@@ -144,6 +145,6 @@ def test_a_result_derived_without_its_stored_answer_gets_it_back() -> None:
     data["recommended"] = None
     for att in data["attribution"].values():
         att["answer"] = ""
-    bare = result_module.validate(data)
+    bare = validate(data)
     assert bare != run
     assert settled(bare) == run
