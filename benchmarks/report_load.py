@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from dpprof.reports import html, html_page
-from dpprof.result import load
+from dpprof.saved_result import load
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from dpprof.answers.answer import partial_sentence, settle
-from dpprof.answers.comparison import compare
+from dpprof.answers.answer import partial_sentence, settled
 from dpprof.backends.cpu import run_ddp_gloo
 from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.backends.cuda_host import host
@@ -30,7 +28,7 @@ from dpprof.errors import Interrupted, UsageError
 from dpprof.measure.answer_fields import add_answers, gpu_spec
 from dpprof.measure.fix_savings import alongside
 from dpprof.measure.maxbatch_search import COUNTS
-from dpprof.result import RunResult, new_result
+from dpprof.result import RunResult, ScenarioResult, new_result
 from dpprof.scenarios.measured_loop import loop_description
 from dpprof.scenarios.registry import SCENARIOS, scenario
 from dpprof.scenarios.step import StepConfig
@@ -166,15 +164,11 @@ def run_compare(
     ecfg = emulation_config(cfg, backend, run.gpus)
     besides: Alongside | None = None  # what the scenarios measure for the fixes
     not_applicable: tuple[str, ...] = ()  # scenarios the workload's model rules out
-    try:
-        if backend == "cuda":
-            measured = _cuda(cfg, wl, run, progress)
-        else:
-            besides = alongside(cfg.step.batch, run.gpus) if cfg.fixes else None
-            not_applicable = _emulate(cfg, wl, run, ecfg, progress, besides)
-    except (KeyboardInterrupt, Interrupted) as e:
-        raise _interrupted(e, run) from None
     if backend == "cuda":
+        try:
+            measured = _cuda(cfg, wl, run, progress)
+        except (KeyboardInterrupt, Interrupted) as e:
+            raise _interrupted(e, run) from None
         if measured is None:
             return None
         # the emulator predicts the fixes and the largest batch for the GPUs measured
@@ -182,11 +176,19 @@ def run_compare(
                                    gpu_memory_bytes=measured.gpu_memory_bytes)
         run = measured
         # and the step each scenario measured, predicted beside it
-        predict_beside_measured(run, wl, ecfg,
-                                measured_gpu(cfg.gpu, list(run.config.get("devices") or [0])))
+        run = predict_beside_measured(run, wl, ecfg, measured_gpu(
+            cfg.gpu, list(run.config.get("devices") or [0])))
+    else:
+        besides = alongside(cfg.step.batch, run.gpus) if cfg.fixes else None
+        run, not_applicable = _emulated_run(cfg, wl, run, ecfg)
+        scenarios: list[ScenarioResult] = []  # those measured, kept if interrupted
+        try:
+            _emulate(cfg, wl, run.backend, ecfg, progress, besides, not_applicable, scenarios)
+        except (KeyboardInterrupt, Interrupted) as e:
+            raise _interrupted(e, dataclasses.replace(run, scenarios=tuple(scenarios))) from None
+        run = dataclasses.replace(run, scenarios=tuple(scenarios))
     if progress:
         progress("", len(cfg.scenarios), len(cfg.scenarios))
-    run.comparison = compare(run)
     ran = tuple(s for s in cfg.scenarios if s not in not_applicable)
     return add_answers(
         run, wl, ecfg, fixes=cfg.fixes and not not_applicable, maxbatch=cfg.maxbatch,
@@ -214,65 +216,75 @@ def option_record(cfg: CompareConfig, wl: Workload, backend: str) -> dict[str, o
     return out
 
 
-def _emulate(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig,
-             progress: Progress | None, besides: Alongside | None = None) -> tuple[str, ...]:
-    """The emulated and cpu backends: every scenario on virtual devices (cpu: over CPU
-    tensors, and ``ddp`` as gloo processes), with the same options; each also measures
-    what ``besides`` asks of it (over meta tensors). Returns the scenarios that do not apply
-    to the workload's model (said in a note, not run)."""
+def _emulated_run(cfg: CompareConfig, wl: Workload, run: RunResult, ecfg: EmulationConfig
+                  ) -> tuple[RunResult, tuple[str, ...]]:
+    """The emulated and cpu backends' ``run`` before its scenarios: how its numbers are
+    obtained (``assumptions``), its loop (``config``), and the scenarios that do not apply to
+    the workload's model (said in a note, not run)."""
     ctx = context_model(ecfg, probe_model(wl, ecfg.gpus))
-    run.assumptions = list(ASSUMPTIONS)
+    assumptions = list(ASSUMPTIONS)
     if ecfg.count_reserved and cfg.compute:  # meta emulation models reserved + context itself
-        run.assumptions.append(
+        assumptions.append(
             f"Out of memory when {COUNTS} ({ctx.outside_allocator_bytes} B per GPU, "
             f"{ctx.workspace_bytes} B of workspaces) exceeds the GPU's memory.")
     if cfg.step.dtype not in (None, "float32"):
-        run.assumptions.append(
+        assumptions.append(
             f"--dtype {cfg.step.dtype}: parameters, gradients, optimizer state and floating "
             "inputs in that dtype (pure low precision: no float32 master weights)")
     if cfg.step.amp:
-        run.assumptions.append(
+        assumptions.append(
             f"--amp {cfg.step.amp}: forward and loss under autocast, re-enacted from autocast's "
             "CUDA op lists (linear, matmul, conv, SDPA in the low dtype; softmax, losses, "
             "norms in float32); each weight cast once per forward (autocast's cache) and kept "
             "while autograd saves it; parameters, gradients and optimizer state float32 "
             "(the master weights); no GradScaler")
     if cfg.compute:
-        run.assumptions[0] = (
+        assumptions[0] = (
             "Emulated over CPU tensors (real numbers): the training step runs on virtual "
             "devices; no GPU was used."
         )
     if run.backend == "cpu":
-        run.assumptions = cpu_backend_assumptions(cfg)
-    run.config["loop"] = loop_description(ecfg.step.warmup_steps(run.backend) + 1)
-    run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
+        assumptions = cpu_backend_assumptions(cfg)
+    loop = loop_description(ecfg.step.warmup_steps(run.backend) + 1)
+    assumptions.insert(1, "Measured: " + loop + ".")
+    if run.backend == "emulated":
+        assumptions += gpu_model_notes(ctx)
+        assumptions.append(
+            "Kernels as the target GPU (compute capability {}.{}) picks them: "
+            "scaled_dot_product_attention as flash / memory-efficient / math by "
+            "sdp_utils' rules, dropout as the fused native_dropout (bool mask)".format(
+                *ecfg.compute_capability))
     spans = model_devices(wl, ecfg.gpus)
     not_applicable = tuple(s for s in cfg.scenarios
                            if scenario(s).model_on_one_gpu) if len(spans) > 1 else ()
+    notes = run.notes
     if not_applicable:
         gpus = ", ".join(f"cuda:{i}" for i in spans)
-        run.notes.append(
+        notes += (
             f"{', '.join(not_applicable)}: not applicable: the model places its layers on "
             f"{len(spans)} GPUs itself ({gpus}); DataParallel replicates a model that lives "
             f"on one GPU (device_ids[0]), and DDP with one process per GPU would need "
-            f"{len(spans)} GPUs per rank; single shows this model's share of each GPU")
+            f"{len(spans)} GPUs per rank; single shows this model's share of each GPU",)
+    return dataclasses.replace(run, assumptions=tuple(assumptions), notes=notes,
+                               config={**run.config, "loop": loop}), not_applicable
+
+
+def _emulate(cfg: CompareConfig, wl: Workload, backend: str, ecfg: EmulationConfig,
+             progress: Progress | None, besides: Alongside | None,
+             not_applicable: tuple[str, ...], scenarios: list[ScenarioResult]) -> None:
+    """The emulated and cpu backends' scenarios, appended to ``scenarios`` as each ends:
+    every scenario on virtual devices (cpu: over CPU tensors, and ``ddp`` as gloo
+    processes), with the same options; each also measures what ``besides`` asks of it (over
+    meta tensors)."""
     for i, name in enumerate(cfg.scenarios):
         if progress:
             progress(name, i, len(cfg.scenarios))
         if name in not_applicable:
             continue
-        if run.backend == "cpu" and scenario(name).one_process_per_gpu:
-            run.scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
+        if backend == "cpu" and scenario(name).one_process_per_gpu:
+            scenarios.append(run_ddp_gloo(cfg.workload, ecfg, cfg.ddp_timeout_s))
         else:
-            run.scenarios.append(run_scenario(name, wl, ecfg, alongside=besides))
-    if run.backend == "emulated":
-        run.assumptions += gpu_model_notes(ctx)
-        run.assumptions.append(
-            "Kernels as the target GPU (compute capability {}.{}) picks them: "
-            "scaled_dot_product_attention as flash / memory-efficient / math by "
-            "sdp_utils' rules, dropout as the fused native_dropout (bool mask)".format(
-                *ecfg.compute_capability))
-    return not_applicable
+            scenarios.append(run_scenario(name, wl, ecfg, alongside=besides))
 
 
 def _interrupted(e: BaseException, run: RunResult) -> Interrupted:
@@ -284,13 +296,14 @@ def _interrupted(e: BaseException, run: RunResult) -> Interrupted:
 def mark_partial(run: RunResult, signum: int) -> RunResult:
     """An interrupted run as a result: its comparison over the scenarios measured, marked
     partial (``interrupted``, the verdict and a note say so in every format)."""
-    run.interrupted = signal.Signals(signum).name
-    with contextlib.suppress(Exception):  # what was measured is still worth keeping
-        run.comparison = compare(run)
-        settle(run)  # its verdict begins with partial_sentence
-    run.comparison.verdict = run.comparison.verdict or partial_sentence(run)
-    run.notes.append(partial_sentence(run))
-    return run
+    run = dataclasses.replace(run, interrupted=signal.Signals(signum).name)
+    note = partial_sentence(run)
+    try:  # its verdict begins with partial_sentence
+        return dataclasses.replace(settled(run), notes=(*run.notes, note))
+    except Exception:  # what was measured is still worth keeping
+        return dataclasses.replace(
+            run, comparison=dataclasses.replace(run.comparison, verdict=note),
+            notes=(*run.notes, note))
 
 
 def _cuda(

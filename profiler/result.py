@@ -1,7 +1,10 @@
 """The result model: one saved session object between measuring and reporting.
 
 Every backend writes a :class:`RunResult`; every renderer reads one. It is saved as JSON
-with a ``schema_version``; the field names below are a public contract. Bytes are bytes
+with a ``schema_version`` (:mod:`dpprof.saved_result` reads and writes the file); the field
+names below are a public contract. A result is built whole by the code that measures it,
+and frozen: what is derived from it (the comparison, the verdict, the answer) is computed
+by :func:`dpprof.answers.answer.settled`, which returns a new result. Bytes are bytes
 everywhere (``*_bytes``), seconds are seconds (``*_s``); human units only in renderers.
 """
 
@@ -10,18 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import stat
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 from annotated_types import Ge, Le, MaxLen, Predicate
 
 from dpprof.environment import collect_environment
-from dpprof.errors import DpprofError, removed_if_quit
 from dpprof.version import __version__
 
 SCHEMA_VERSION = 1
@@ -44,7 +41,7 @@ Count = Annotated[int, Ge(0), Le(2**53)]
 Int = Annotated[int, Ge(-(2**63)), Le(2**64 - 1)]
 Float = float  # finite: every dataclass here refuses NaN and infinities (see _adapter)
 Text = Annotated[str, MaxLen(MAX_TEXT)]
-TextList = Annotated[list[Text], MaxLen(MAX_ITEMS)]
+TextList = Annotated[tuple[Text, ...], MaxLen(MAX_ITEMS)]
 BytesMap = Annotated[dict[Text, SignedBytes], MaxLen(MAX_ITEMS)]
 FloatMap = Annotated[dict[Text, Float], MaxLen(MAX_ITEMS)]
 
@@ -73,7 +70,7 @@ STATUS_OOM = "oom"
 STATUS_ERROR = "error"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TimelinePoint:
     """Memory on one device at one moment of the measured step."""
 
@@ -83,7 +80,7 @@ class TimelinePoint:
     used_bytes: Bytes | None = None  # NVML's "used" at this moment (real GPUs only)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceResult:
     """What one device held during one scenario's measured step."""
 
@@ -101,7 +98,7 @@ class DeviceResult:
     node: Text | None = None  # host name (DDP across nodes)
     used: bool = True  # False when the scenario put no work on this device
     batch_rows: Count = 0  # rows of the batch this device computed
-    timeline: Annotated[list[TimelinePoint], MaxLen(MAX_POINTS)] = field(default_factory=list)
+    timeline: Annotated[tuple[TimelinePoint, ...], MaxLen(MAX_POINTS)] = ()
     # ---- real GPUs (cuda backend); None where not measured -------------------------------
     cuda_index: Index | None = None  # the physical CUDA index (index is the position/rank)
     uuid: Text | None = None  # GPU-... (or MIG-...), as NVML and nvidia-smi -L print it
@@ -152,12 +149,12 @@ class DeviceResult:
         return base + (self.context_bytes or 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScenarioResult:
     name: Text
     status: Status = STATUS_OK  # "ok" | "oom" | "error"
     message: Text = ""
-    devices: Annotated[list[DeviceResult], MaxLen(MAX_DEVICES)] = field(default_factory=list)
+    devices: Annotated[tuple[DeviceResult, ...], MaxLen(MAX_DEVICES)] = ()
     oom_device: Index | None = None
     oom_bytes: Bytes | None = None  # bytes the device needed (emulated) or asked for (real OOM)
     loss: Float | None = None
@@ -165,16 +162,15 @@ class ScenarioResult:
     step_time_spread_s: Float | None = None  # max - min over measured steps
     throughput_samples_per_s: Float | None = None
     batch: Count = 0
-    notes: TextList = field(default_factory=list)
+    notes: TextList = ()
     # ---- real GPUs (cuda backend) ----------------------------------------------------------
     oom_phase: Text | None = None  # the phase in which the OOM was raised
     # wall clock, each measured step
-    step_times_s: Annotated[list[Float], MaxLen(MAX_ITEMS)] = field(
-        default_factory=list)
+    step_times_s: Annotated[tuple[Float, ...], MaxLen(MAX_ITEMS)] = ()
     event_step_time_s: Float | None = None  # median of CUDA-event step times
     traceback: Text | None = None  # of an error (or of an OOM with --debug); DDP: the rank's
     # a process's CUDA context on a GPU it should not touch: {rank, pid, cuda_index, used_bytes}
-    stray_contexts: Annotated[list[dict[str, Any]], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    stray_contexts: Annotated[tuple[dict[str, Any], ...], MaxLen(MAX_ITEMS)] = ()
     max_batch: Count | None = None  # largest global batch that fits (where computed)
     # ---- time, predicted without a GPU (dpprof.emulator.step_time) ------------------------
     predicted_step_time_s: Float | None = None  # one training step on the target GPUs
@@ -192,7 +188,7 @@ class ScenarioResult:
         return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScenarioComparison:
     # cuda:0 (device_ids[0]) minus the median of the other used devices
     primary_excess_bytes: SignedBytes
@@ -201,7 +197,7 @@ class ScenarioComparison:
     mean_bytes: Float
 
 
-@dataclass
+@dataclass(frozen=True)
 class Comparison:
     scenarios: Annotated[dict[Text, ScenarioComparison], MaxLen(MAX_ITEMS)] = field(
         default_factory=dict)
@@ -210,7 +206,7 @@ class Comparison:
     savings_bytes: BytesMap = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Attribution:
     """cuda:0's excess over the median other device, in bytes per cause at cuda:0's peak.
 
@@ -224,7 +220,7 @@ class Attribution:
     answer: Text = ""  # one sentence: what dominates and what fixes it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Fix:
     """What one change buys on the user's workload (see :mod:`dpprof.measure.fix_savings`)."""
 
@@ -238,8 +234,7 @@ class Fix:
     detail: Text = ""
     code: Text = ""  # the minimal change to a typical training loop
     # balanced-split: rows per GPU
-    chunk_sizes: Annotated[list[Count], MaxLen(MAX_DEVICES)] = field(
-        default_factory=list)
+    chunk_sizes: Annotated[tuple[Count, ...], MaxLen(MAX_DEVICES)] = ()
     # what the fix's fullest GPU needs as the out-of-memory check counts it (reserved +
     # context where emulated or measured, else allocated); None in results saved before
     # every fix had one
@@ -251,7 +246,7 @@ class Fix:
     predicted_step_time_s: Float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class FixAnswer:
     """The answer's reading of one fix against the scenario the user ran
     (:mod:`dpprof.answers.answer`): what it saves there, what it needs, whether it fits,
@@ -273,7 +268,7 @@ class FixAnswer:
     why: Text = ""  # the sentence every format shows beside it
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassedOver:
     """A change cheaper than the recommended one, and why it is not the answer."""
 
@@ -282,9 +277,9 @@ class PassedOver:
     reason: Text
 
 
-@dataclass
+@dataclass(frozen=True)
 class Recommendation:
-    """The one answer of a result, computed once (:func:`dpprof.answers.answer.settle`)
+    """The one answer of a result, computed once (:func:`dpprof.answers.answer.settled`)
     and shown by every format: the verdict, the change recommended (or none), why, what it
     needs and whether it fits, and why each cheaper change was passed over."""
 
@@ -298,13 +293,13 @@ class Recommendation:
     need_bytes: Bytes | None = None  # what its fullest GPU needs
     fits: bool | None = None
     margin_bytes: Bytes | None = None  # the spare the policy asks of a fit
-    passed_over: Annotated[list[PassedOver], MaxLen(MAX_ITEMS)] = field(default_factory=list)
-    fixes: Annotated[list[FixAnswer], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    passed_over: Annotated[tuple[PassedOver, ...], MaxLen(MAX_ITEMS)] = ()
+    fixes: Annotated[tuple[FixAnswer, ...], MaxLen(MAX_ITEMS)] = ()
     # scenario -> why its cuda:0 is heavier (the DataParallel scenarios it applies to)
     why_heavier: Annotated[dict[Text, Text], MaxLen(MAX_ITEMS)] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MaxBatchEntry:
     """The largest global batch one scenario fits (see :mod:`dpprof.measure.maxbatch_search`)."""
 
@@ -319,16 +314,16 @@ class MaxBatchEntry:
     errored: bool = False  # the step raised (not out of memory): nothing was measured
 
 
-@dataclass
+@dataclass(frozen=True)
 class MaxBatch:
     capacity_bytes: Bytes
     gpu: Text = ""  # catalog name, or "" when --gpu-memory was given
     multiple_of: Count = 1
     counts: Text = ""  # what "fits" counts: e.g. "peak reserved + CUDA context"
-    entries: Annotated[list[MaxBatchEntry], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    entries: Annotated[tuple[MaxBatchEntry, ...], MaxLen(MAX_ITEMS)] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class EquivalenceEntry:
     scenario: Text
     loss: Float | None = None
@@ -338,7 +333,7 @@ class EquivalenceEntry:
     equivalent: bool | None = None  # within tolerance
 
 
-@dataclass
+@dataclass(frozen=True)
 class EquivalenceFinding:
     kind: Text  # uneven-mean | batchnorm | dropout | sum-reduction
     scenario: Text = ""  # "" when it concerns the workload as a whole
@@ -346,7 +341,7 @@ class EquivalenceFinding:
     message: Text = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Equivalence:
     """Do the paired scenarios compute the same thing as ``single`` on the full batch?"""
 
@@ -354,12 +349,12 @@ class Equivalence:
     batch: Count = 0
     tolerance: Float = 0.0
     reference_loss: Float | None = None
-    entries: Annotated[list[EquivalenceEntry], MaxLen(MAX_ITEMS)] = field(default_factory=list)
-    findings: Annotated[list[EquivalenceFinding], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    entries: Annotated[tuple[EquivalenceEntry, ...], MaxLen(MAX_ITEMS)] = ()
+    findings: Annotated[tuple[EquivalenceFinding, ...], MaxLen(MAX_ITEMS)] = ()
     largest_diff: Float = 0.0  # the largest difference of any scenario (loss, grads, params)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScriptWrite:
     """What a script under ``dpprof run`` wrote, made or removed: into its run's private
     overlay, never into the user's files."""
@@ -374,29 +369,28 @@ class ScriptWrite:
     replaced: bool = False  # a file of the user's stands at that path (and stays as it was)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SealCheck:
     """How ``dpprof run`` kept the script's writes out of the user's files, and its check
     after every run that they are as they were."""
 
-    lines: TextList = field(default_factory=list)  # "python", "kernel" | "audit hook"
+    lines: TextList = ()  # "python", "kernel" | "audit hook"
     checked_entries: Count = 0  # files and folders compared after each run
     checked_all: bool = True  # False: more than the check's limit; the shallowest compared
-    changed: TextList = field(default_factory=list)  # "path: changed after the as-written run"
-    subprocesses: TextList = field(default_factory=list)  # commands the script started
+    changed: TextList = ()  # "path: changed after the as-written run"
+    subprocesses: TextList = ()  # commands the script started
     omitted_writes: Count = 0  # writes left out of ``RunResult.writes`` (too many to list)
     kept_in: Text | None = None  # --keep-writes DIR
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunResult:
     backend: Text  # "emulated" | "cpu" | "cuda"
     workload: Text
     batch: Count
     gpus: Index
     gpu_memory_bytes: Bytes
-    scenarios: Annotated[list[ScenarioResult], MaxLen(MAX_SCENARIOS)] = field(
-        default_factory=list)
+    scenarios: Annotated[tuple[ScenarioResult, ...], MaxLen(MAX_SCENARIOS)] = ()
     comparison: Comparison = field(default_factory=Comparison)
     schema_version: Int = SCHEMA_VERSION
     dpprof_version: Text = ""
@@ -407,23 +401,23 @@ class RunResult:
     config: Annotated[dict[Text, Any], MaxLen(MAX_ITEMS)] = field(
         default_factory=dict)
     environment: Annotated[dict[Text, Any], MaxLen(MAX_ITEMS)] = field(default_factory=dict)
-    assumptions: TextList = field(default_factory=list)  # how the numbers were obtained
-    notes: TextList = field(default_factory=list)
+    assumptions: TextList = ()  # how the numbers were obtained
+    notes: TextList = ()
     watch: WatchResult | None = None  # `dpprof watch -- CMD` runs only (backend "nvml-watch")
     # ---- answers: all optional, so that results saved before they existed still load ----
     # per DP scenario
     attribution: Annotated[dict[Text, Attribution], MaxLen(MAX_ITEMS)] = field(
         default_factory=dict)
-    fixes: Annotated[list[Fix], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    fixes: Annotated[tuple[Fix, ...], MaxLen(MAX_ITEMS)] = ()
     maxbatch: MaxBatch | None = None
     equivalence: Equivalence | None = None
-    fail_reasons: TextList = field(default_factory=list)  # --fail-on-* checks that failed
+    fail_reasons: TextList = ()  # --fail-on-* checks that failed
     # "SIGINT" | "SIGTERM": cut short; ``scenarios`` holds those measured before (partial)
     interrupted: Text | None = None
-    # the one answer (dpprof.answers.answer.settle); None in results saved before it
+    # the one answer (dpprof.answers.answer.settled); None in results saved before it
     recommended: Recommendation | None = None
     # `dpprof run`: what the script wrote (into its runs' overlays), and the seal's check
-    writes: Annotated[list[ScriptWrite], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    writes: Annotated[tuple[ScriptWrite, ...], MaxLen(MAX_ITEMS)] = ()
     seal: SealCheck | None = None
 
     def scenario(self, name: str) -> ScenarioResult | None:
@@ -481,7 +475,7 @@ def environment_block(backend: str) -> dict[str, Any]:
         return {"environment_error": f"{type(e).__name__}: {e}"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchDevice:
     """One GPU watched by ``dpprof watch``: NVML's used memory of the whole device."""
 
@@ -498,7 +492,7 @@ class WatchDevice:
     stopped_reason: Text | None = None  # why sampling of this GPU ended early
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchOom:
     """A CUDA out-of-memory error found in the command's output."""
 
@@ -519,7 +513,7 @@ class WatchOom:
     peak_before_oom_bytes: BytesMap = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchResult:
     """What ``dpprof watch -- CMD`` saw: the command, how it ended, each GPU, any OOM."""
 
@@ -533,13 +527,12 @@ class WatchResult:
     duration_s: Float | None = None  # of the watch, from the first reading to the last record
     interval_s: Float = 0.0
     samples_path: Text = ""
-    devices: Annotated[list[WatchDevice], MaxLen(MAX_DEVICES)] = field(default_factory=list)
-    ooms: Annotated[list[WatchOom], MaxLen(MAX_ITEMS)] = field(default_factory=list)
+    devices: Annotated[tuple[WatchDevice, ...], MaxLen(MAX_DEVICES)] = ()
+    ooms: Annotated[tuple[WatchOom, ...], MaxLen(MAX_ITEMS)] = ()
     # what dpprof received/sent
-    signals: Annotated[list[dict[str, Any]], MaxLen(MAX_ITEMS)] = field(
-        default_factory=list)
-    post_mortem: TextList = field(default_factory=list)  # sentences, for every renderer
-    next_steps: TextList = field(default_factory=list)  # dpprof checks to run next
+    signals: Annotated[tuple[dict[str, Any], ...], MaxLen(MAX_ITEMS)] = ()
+    post_mortem: TextList = ()  # sentences, for every renderer
+    next_steps: TextList = ()  # dpprof checks to run next
 
 
 def json_safe(obj: Any) -> Any:
@@ -552,10 +545,6 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
-
-
-class ResultFileError(DpprofError):
-    """A file that is missing, not JSON, not a dpprof result, or from a newer dpprof: exit 1."""
 
 
 def _from_dict(tp: Any, data: Any) -> Any:
@@ -571,11 +560,13 @@ def _from_dict(tp: Any, data: Any) -> Any:
         if sub is not None and value is not None:
             kind, inner = sub
             if kind == "list":
-                value = [_from_dict(inner, v) for v in value]
+                value = tuple(_from_dict(inner, v) for v in value)
             elif kind == "dict":
                 value = {k: _from_dict(inner, v) for k, v in value.items()}
             else:
                 value = _from_dict(inner, value)
+        elif isinstance(value, list):  # every sequence a result holds is a tuple
+            value = tuple(value)
         kwargs[name] = value
     return tp(**kwargs)  # type: ignore[operator]
 
@@ -604,164 +595,3 @@ _NESTED: dict[tuple[str, str], tuple[str, Any]] = {
 _NESTED[("RunResult", "watch")] = ("one", WatchResult)
 _NESTED[("WatchResult", "devices")] = ("list", WatchDevice)
 _NESTED[("WatchResult", "ooms")] = ("list", WatchOom)
-# Upgrades from each older schema version to the next: ``_UPGRADES[v]`` turns a version-v
-# dict into a version-(v + 1) dict. Version 1 is the first, so there is none yet; when the
-# schema changes, bump SCHEMA_VERSION and register the step from the previous version here.
-Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
-_UPGRADES: dict[int, Upgrade] = {}
-FIRST_SCHEMA_VERSION = 1
-
-
-def upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """Bring a result of an older ``schema_version`` up to :data:`SCHEMA_VERSION`, step by step.
-
-    Raises ValueError when a step is missing (a version this dpprof never wrote).
-    """
-    version = data.get("schema_version", SCHEMA_VERSION)
-    while version < SCHEMA_VERSION:
-        step = _UPGRADES.get(version)
-        if step is None:
-            raise ValueError(f"schema_version {version} is not one this dpprof can read")
-        data = step(dict(data))
-        version += 1
-        data["schema_version"] = version
-    return data
-
-
-def load(path: str | Path) -> RunResult:
-    """Read a saved result; raise :class:`ResultFileError` with a one-line reason.
-
-    Only a regular file of at most :data:`MAX_RESULT_FILE_BYTES` is read (not ``/dev/zero``,
-    a FIFO or a directory). The JSON must be strict (no ``NaN``/``Infinity``), and the result
-    is validated against this module's model by pydantic (types in strict mode, the ranges
-    the field types carry, lengths, finite floats): the first field that fails is named.
-    """
-    data = _read_json(Path(path))
-    return validate(data, str(path))
-
-
-def read_bounded(p: Path, limit: int = MAX_RESULT_FILE_BYTES) -> bytes:
-    """The bytes of ``p``, a regular file of at most ``limit`` bytes (never ``/dev/zero``, a
-    FIFO or a directory); :class:`ResultFileError` in one line otherwise."""
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ResultFileError(f"{p}: no such file") from None
-    except OSError as e:
-        raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise ResultFileError(f"{p}: cannot read it ({kind}); give a file written by dpprof")
-    if st.st_size > limit:
-        raise ResultFileError(f"{p}: {st.st_size} bytes, more than a dpprof result holds "
-                              f"(at most {limit // 2**20} MiB)")
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise ResultFileError(f"{p}: cannot read it ({e.strerror or e})") from e
-    if len(raw) > limit:
-        raise ResultFileError(f"{p}: more than {limit // 2**20} MiB")
-    return raw
-
-
-def _read_json(p: Path) -> dict[str, Any]:
-    raw = read_bounded(p)
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ResultFileError(f"{p}: not JSON ({e})") from e
-    except ValueError as e:  # NaN/Infinity, or an integer too long to read
-        raise ResultFileError(f"{p}: not strict JSON ({e})") from e
-    except RecursionError:
-        raise ResultFileError(f"{p}: not a dpprof result (nested too deeply)") from None
-    if not isinstance(data, dict) or "schema_version" not in data or "scenarios" not in data:
-        raise ResultFileError(f"{p}: not a dpprof result (no schema_version/scenarios)")
-    return data
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def validate(data: dict[str, Any], where: str = "result") -> RunResult:
-    """A :class:`RunResult` from a saved result's dict (any schema version this dpprof
-    reads), validated against the model; :class:`ResultFileError` names the first bad field."""
-    version = data.get("schema_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < FIRST_SCHEMA_VERSION:
-        raise ResultFileError(
-            f"{where}: not a dpprof result (schema_version {version!r:.40} is not one dpprof "
-            "wrote)"
-        )
-    if version > SCHEMA_VERSION:
-        raise ResultFileError(
-            f"{where}: schema_version {version} is newer than this dpprof reads "
-            f"({SCHEMA_VERSION}); upgrade dpprof (pip install -U dpprof)"
-        )
-    try:
-        data = upgrade(data)
-    except ValueError as e:
-        raise ResultFileError(f"{where}: {e}") from e
-    import pydantic
-
-    try:
-        text = json.dumps(data, allow_nan=False)
-        run: RunResult = _adapter().validate_json(text, strict=True)
-    except pydantic.ValidationError as e:
-        raise ResultFileError(f"{where}: {_first_error(e)}") from None
-    except (ValueError, RecursionError) as e:  # not representable as strict JSON
-        raise ResultFileError(f"{where}: malformed dpprof result ({e})") from None
-    devices = sum(len(s.devices) for s in run.scenarios)
-    if devices > MAX_ALL_DEVICES:
-        raise ResultFileError(f"{where}: field scenarios: {devices} devices in all, more "
-                              f"than {MAX_ALL_DEVICES}")
-    return run
-
-
-_ADAPTER: Any = None
-
-
-def _adapter() -> Any:
-    """pydantic's validator of :class:`RunResult`, built once (strict, finite floats)."""
-    global _ADAPTER
-    if _ADAPTER is None:
-        import pydantic
-
-        config = {"strict": True, "allow_inf_nan": False}
-        for cls in (TimelinePoint, DeviceResult, ScenarioResult, ScenarioComparison,
-                    Comparison, Attribution, Fix, MaxBatchEntry, MaxBatch, EquivalenceEntry,
-                    EquivalenceFinding, Equivalence, RunResult, WatchDevice, WatchOom,
-                    WatchResult, FixAnswer, PassedOver, Recommendation, ScriptWrite,
-                    SealCheck):
-            setattr(cls, "__pydantic_config__", config)  # noqa: B010 (a stdlib dataclass)
-        _ADAPTER = pydantic.TypeAdapter(RunResult)
-    return _ADAPTER
-
-
-def _first_error(e: Any) -> str:
-    err = e.errors(include_url=False)[0]
-    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
-    got = err.get("input")
-    shown = "" if isinstance(got, (dict, list)) else f" (got {json.dumps(got)[:60]})"
-    more = f"; {e.error_count() - 1} more" if e.error_count() > 1 else ""
-    return f"malformed dpprof result: field {loc or '(top level)'}: {err['msg']}{shown}{more}"
-
-
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with removed_if_quit(tmp):
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-            os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return p

@@ -29,6 +29,8 @@ import dataclasses
 import re
 from typing import Any, TypeVar
 
+from dpprof.result import RunResult
+
 __all__ = [
     "code_fence", "code_span", "file_text", "for_files", "for_terminal", "markdown_text",
     "mermaid_label", "terminal_text", "without_host",
@@ -99,12 +101,12 @@ _GPU_ID = re.compile(r"\b(?:GPU|MIG)-[0-9A-Za-z-]+")
 LEFT_OUT = "left out (--include-host keeps it)"
 
 
-def without_host(run: T) -> T:
+def without_host(run: RunResult) -> RunResult:
     """A copy of a result (a :class:`dpprof.result.RunResult`) without what identifies the
     machine: the host name(s), the GPUs' UUIDs (in ``CUDA_VISIBLE_DEVICES`` too), PCI bus
     ids and serials; nodes are called ``node0``, ``node1``... in rank order."""
-    copy = _walk(run, str)  # a deep copy of the dataclass tree
-    env = getattr(copy, "environment", None)
+    copy: RunResult = _walk(run, str)  # a deep copy of the dataclass tree
+    env = copy.environment
     if isinstance(env, dict):
         for key in HOST_KEYS:
             if key in env:
@@ -117,25 +119,29 @@ def without_host(run: T) -> T:
         if isinstance(env.get("cuda_visible_devices"), str):
             env["cuda_visible_devices"] = _GPU_ID.sub("GPU-…", env["cuda_visible_devices"])
     names: dict[str, str] = {}
-    devices = [d for s in getattr(copy, "scenarios", []) for d in s.devices]
+    devices = [d for s in copy.scenarios for d in s.devices]
     for d in sorted(devices, key=lambda d: (d.node_rank is None, d.node_rank or 0)):
         if d.node and d.node not in names:
             names[d.node] = f"node{len(names)}"
-    for d in devices:
-        if d.node:
-            d.node = names[d.node]
-        d.uuid = None
-    watch = getattr(copy, "watch", None)
-    for d in getattr(watch, "devices", None) or []:
-        if hasattr(d, "uuid"):
-            d.uuid = None
-    for host, alias in names.items():  # a note may name a node ("rank 3 on host-a failed")
-        word = re.compile(rf"(?<![\w.-]){re.escape(host)}(?![\w-])")
-        for s in copy.scenarios:
-            s.notes = [word.sub(alias, n) for n in s.notes]
-            s.message = word.sub(alias, s.message)
-        copy.notes = [word.sub(alias, n) for n in copy.notes]
-    return copy  # type: ignore[no-any-return]
+    words = [(re.compile(rf"(?<![\w.-]){re.escape(host)}(?![\w-])"), alias)
+             for host, alias in names.items()]
+
+    def aliased(text: str) -> str:  # a note may name a node ("rank 3 on host-a failed")
+        for word, alias in words:
+            text = word.sub(alias, text)
+        return text
+
+    scenarios = tuple(dataclasses.replace(
+        s, devices=tuple(dataclasses.replace(d, node=names[d.node] if d.node else d.node,
+                                             uuid=None) for d in s.devices),
+        notes=tuple(aliased(n) for n in s.notes), message=aliased(s.message))
+        for s in copy.scenarios)
+    watch = copy.watch
+    if watch is not None:
+        watch = dataclasses.replace(watch, devices=tuple(
+            dataclasses.replace(d, uuid=None) for d in watch.devices))
+    return dataclasses.replace(copy, scenarios=scenarios, watch=watch,
+                               notes=tuple(aliased(n) for n in copy.notes))
 
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|#!~$])")

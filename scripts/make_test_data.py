@@ -12,39 +12,40 @@ The synthetic real-GPU-shaped results come from ``tests/synthetic.py``.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from dpprof.pipeline import CompareConfig, run_compare
-from dpprof.result import RunResult, TimelinePoint, write_atomic
+from dpprof.result import RunResult, TimelinePoint
+from dpprof.saved_result import write_atomic
 from dpprof.scenarios.step import StepConfig
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 POINTS = 120
 
 
-def thin(points: list[TimelinePoint], keep: int = POINTS) -> list[TimelinePoint]:
+def thin(points: Sequence[TimelinePoint], keep: int = POINTS) -> tuple[TimelinePoint, ...]:
     """At most ``keep`` points: the largest of each of ``keep`` equal slices."""
     if len(points) <= keep:
-        return points
+        return tuple(points)
     step = len(points) / keep
     out = []
     for k in range(keep):
         chunk = points[int(k * step): int((k + 1) * step)]
         if chunk:
             out.append(max(chunk, key=lambda p: p.allocated_bytes))
-    return out
+    return tuple(out)
 
 
 def thinned(run: RunResult | None) -> RunResult:
     assert run is not None
-    for s in run.scenarios:
-        for d in s.devices:
-            d.timeline = thin(d.timeline)
-    run.notes.append(
-        f"timelines thinned to {POINTS} points per device for the test data "
-        "(the maxima of equal slices)"
-    )
-    return run
+    return dataclasses.replace(
+        run, scenarios=tuple(dataclasses.replace(s, devices=tuple(
+            dataclasses.replace(d, timeline=thin(d.timeline)) for d in s.devices))
+            for s in run.scenarios),
+        notes=(*run.notes, f"timelines thinned to {POINTS} points per device for the test data "
+               "(the maxima of equal slices)"))
 
 
 def _ran(run: RunResult | None) -> RunResult:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from dpprof.reports import html
-from dpprof.result import load
+from dpprof.saved_result import load
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

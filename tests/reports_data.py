@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import html as std_html
 import re
 from pathlib import Path
 
-from dpprof.result import RunResult, load
+from dpprof.result import DeviceResult, RunResult
+from dpprof.saved_result import load
 
 DATA = Path(__file__).parent / "data"
 SAVED = {
@@ -44,23 +45,21 @@ def saved(name: str) -> RunResult:
 
 def hostile(run: RunResult) -> RunResult:
     """The same result with hostile text wherever the user or the environment writes."""
-    run = copy.deepcopy(run)
-    run.workload = HOSTILE
-    run.config["workload"] = HOSTILE
-    run.environment["hostname"] = HOSTILE
-    run.environment["gpus"] = [{"name": HOSTILE, "uuid": HOSTILE}]
-    run.notes.append(HOSTILE)
-    run.assumptions.append(HOSTILE)
-    for s in run.scenarios:
-        s.notes.append(HOSTILE)
-        s.message = s.message and HOSTILE
-        for d in s.devices:
-            if d.node:
-                d.node = HOSTILE + d.node
-            for p in d.timeline[:3]:
-                p.phase = HOSTILE
-    run.comparison.verdict = "Verdict: " + HOSTILE
-    return run
+    replace = dataclasses.replace
+
+    def device(d: DeviceResult) -> DeviceResult:
+        return replace(d, node=HOSTILE + d.node if d.node else d.node, timeline=(
+            *(replace(p, phase=HOSTILE) for p in d.timeline[:3]), *d.timeline[3:]))
+
+    return replace(
+        run, workload=HOSTILE, config={**run.config, "workload": HOSTILE},
+        environment={**run.environment, "hostname": HOSTILE,
+                     "gpus": [{"name": HOSTILE, "uuid": HOSTILE}]},
+        notes=(*run.notes, HOSTILE), assumptions=(*run.assumptions, HOSTILE),
+        scenarios=tuple(replace(s, notes=(*s.notes, HOSTILE), message=s.message and HOSTILE,
+                                devices=tuple(device(d) for d in s.devices))
+                        for s in run.scenarios),
+        comparison=replace(run.comparison, verdict="Verdict: " + HOSTILE))
 
 
 def report_words(fmt: str, text: str) -> str:

@@ -9,11 +9,11 @@ the saved copies under ``tests/data/`` (a test checks they match).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
-from dpprof.answers.answer import settle
-from dpprof.answers.comparison import compare
+from dpprof.answers.answer import settled
 from dpprof.result import (
     STATUS_OK,
     STATUS_OOM,
@@ -76,7 +76,7 @@ def _device(index: int, peak: int, capacity: int, step_s: float, rows: int,
         peak_reserved_bytes=int(peak * 1.08), context_bytes=CONTEXT,
         nvml_peak_used_bytes=int(peak * 1.08) + CONTEXT, peak_phase="backward",
         rank=rank, node=node, used=used, batch_rows=rows,
-        timeline=_timeline(step_s, min(resident, peak), peak) if used else [],
+        timeline=tuple(_timeline(step_s, min(resident, peak), peak) if used else []),
     )
 
 
@@ -91,15 +91,12 @@ def _env(gpu: str, capacity: int, n: int, hosts: list[str]) -> dict[str, object]
     }
 
 
-def _finish(run: RunResult) -> RunResult:
-    run.notes.insert(0, SYNTHETIC_NOTE)
-    run.assumptions = [
-        "Synthetic result (tests): shaped like a run of the cuda backend; peaks as "
-        "torch.cuda.max_memory_allocated would give them, timelines as NVML samples.",
-    ]
-    run.comparison = compare(run)
-    settle(run)  # the one answer, stored as every command stores it
-    return run
+def _finish(run: RunResult, scenarios: list[ScenarioResult]) -> RunResult:
+    run = dataclasses.replace(
+        run, scenarios=tuple(scenarios), notes=(SYNTHETIC_NOTE, *run.notes), assumptions=(
+            "Synthetic result (tests): shaped like a run of the cuda backend; peaks as "
+            "torch.cuda.max_memory_allocated would give them, timelines as NVML samples.",))
+    return settled(run)  # the comparison and the one answer, as every command derives them
 
 
 def _scenarios(capacity: int, gpus: int, batch: int, primary_peak: int, other_peak: int,
@@ -110,40 +107,35 @@ def _scenarios(capacity: int, gpus: int, batch: int, primary_peak: int, other_pe
     def bd(extra: dict[str, int]) -> dict[str, int]:
         return {"parameters": params, "optimizer_state": opt, **extra}
 
-    out = []
-    prim = ScenarioResult(name="dp-loss-primary", batch=batch, max_batch=batch * 3 // 4)
-    prim.devices = [_device(0, primary_peak, capacity, step["dp-loss-primary"], rows,
-                            bd({"gradients": params, "outputs": 9 * GiB, "loss": 14 * GiB,
-                                "activations": 9 * GiB, "inputs": 256 * MiB}))]
-    prim.devices += [_device(i, other_peak, capacity, step["dp-loss-primary"], rows,
-                             {"parameters": params, "gradients": params,
-                              "activations": 9 * GiB, "inputs": 64 * MiB})
-                     for i in range(1, gpus)]
+    prim = ScenarioResult(name="dp-loss-primary", batch=batch, max_batch=batch * 3 // 4, devices=(
+        _device(0, primary_peak, capacity, step["dp-loss-primary"], rows,
+                bd({"gradients": params, "outputs": 9 * GiB, "loss": 14 * GiB,
+                    "activations": 9 * GiB, "inputs": 256 * MiB})),
+        *(_device(i, other_peak, capacity, step["dp-loss-primary"], rows,
+                  {"parameters": params, "gradients": params,
+                   "activations": 9 * GiB, "inputs": 64 * MiB})
+          for i in range(1, gpus))))
     fwd_peak = other_peak + 4 * GiB
-    fwd = ScenarioResult(name="dp-loss-forward", batch=batch, max_batch=batch * 2)
-    fwd.devices = [_device(0, fwd_peak, capacity, step["dp-loss-forward"], rows,
-                           bd({"gradients": params, "activations": 10 * GiB,
-                               "inputs": 256 * MiB}))]
-    fwd.devices += [_device(i, other_peak + 1 * GiB, capacity, step["dp-loss-forward"], rows,
-                            {"parameters": params, "gradients": params,
-                             "activations": 10 * GiB, "inputs": 64 * MiB})
-                    for i in range(1, gpus)]
+    fwd = ScenarioResult(name="dp-loss-forward", batch=batch, max_batch=batch * 2, devices=(
+        _device(0, fwd_peak, capacity, step["dp-loss-forward"], rows,
+                bd({"gradients": params, "activations": 10 * GiB, "inputs": 256 * MiB})),
+        *(_device(i, other_peak + 1 * GiB, capacity, step["dp-loss-forward"], rows,
+                  {"parameters": params, "gradients": params,
+                   "activations": 10 * GiB, "inputs": 64 * MiB})
+          for i in range(1, gpus))))
     ddp_peak = other_peak + 3 * GiB
-    ddp = ScenarioResult(name="ddp", batch=batch, max_batch=batch * 5 // 2)
-    ddp.devices = [_device(i, ddp_peak, capacity, step["ddp"], rows,
-                           bd({"gradients": params, "communication": params,
-                               "activations": 10 * GiB, "inputs": 64 * MiB}), rank=i)
-                   for i in range(gpus)]
-    single = ScenarioResult(name="single", batch=rows)
-    single.devices = [_device(0, ddp_peak - params, capacity, step["single"], rows,
-                              bd({"gradients": params, "activations": 10 * GiB}))]
-    for s in (prim, fwd, ddp, single):
-        s.step_time_s = step[s.name]
-        s.step_time_spread_s = step[s.name] * 0.04
-        s.throughput_samples_per_s = (s.batch if s.name != "single" else rows) / step[s.name]
-        s.status = STATUS_OK
-    out += [prim, fwd, ddp, single]
-    return out
+    ddp = ScenarioResult(name="ddp", batch=batch, max_batch=batch * 5 // 2, devices=tuple(
+        _device(i, ddp_peak, capacity, step["ddp"], rows,
+                bd({"gradients": params, "communication": params,
+                    "activations": 10 * GiB, "inputs": 64 * MiB}), rank=i)
+        for i in range(gpus)))
+    single = ScenarioResult(name="single", batch=rows, devices=(
+        _device(0, ddp_peak - params, capacity, step["single"], rows,
+                bd({"gradients": params, "activations": 10 * GiB})),))
+    return [dataclasses.replace(
+        s, step_time_s=step[s.name], step_time_spread_s=step[s.name] * 0.04,
+        throughput_samples_per_s=(s.batch if s.name != "single" else rows) / step[s.name],
+        status=STATUS_OK) for s in (prim, fwd, ddp, single)]
 
 
 def nvml_run() -> RunResult:
@@ -153,9 +145,8 @@ def nvml_run() -> RunResult:
                     gpu_memory_bytes=cap, dpprof_version="0.1.0",
                     created="2026-01-01T00:00:00+00:00", config={"synthetic": True},
                     environment=_env("NVIDIA A100-SXM4-80GB", cap, 4, ["gpu-node-1"]))
-    run.scenarios = _scenarios(cap, 4, 512, 46 * GiB, 14 * GiB, {
-        "dp-loss-primary": 0.61, "dp-loss-forward": 0.52, "ddp": 0.41, "single": 0.39})
-    return _finish(run)
+    return _finish(run, _scenarios(cap, 4, 512, 46 * GiB, 14 * GiB, {
+        "dp-loss-primary": 0.61, "dp-loss-forward": 0.52, "ddp": 0.41, "single": 0.39}))
 
 
 def oom_run() -> RunResult:
@@ -169,20 +160,16 @@ def oom_run() -> RunResult:
     scen = _scenarios(cap, 4, 512, 46 * GiB, 14 * GiB, steps)
     # What the GPUs held when the allocation failed, in the loss: the timelines end there.
     failed = _scenarios(cap, 4, 512, cap - 2 * GiB, 14 * GiB, steps)[0]
-    for d in failed.devices:
-        end = next(k for k, p in enumerate(d.timeline) if p.phase == "backward")
-        d.timeline = d.timeline[:end]
-        d.peak_phase = "loss"
-    scen[0] = failed
-    prim = scen[0]
-    prim.status = STATUS_OOM
-    prim.oom_device = 0
-    prim.oom_bytes = 3 * GiB
-    prim.step_time_s = prim.step_time_spread_s = prim.throughput_samples_per_s = None
-    prim.message = ("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total "
-                    "capacity of 23.64 GiB of which 1.12 GiB is free.")
-    run.scenarios = scen
-    return _finish(run)
+    devices = tuple(dataclasses.replace(
+        d, timeline=d.timeline[:next(k for k, p in enumerate(d.timeline)
+                                     if p.phase == "backward")], peak_phase="loss")
+        for d in failed.devices)
+    scen[0] = dataclasses.replace(
+        failed, devices=devices, status=STATUS_OOM, oom_device=0, oom_bytes=3 * GiB,
+        step_time_s=None, step_time_spread_s=None, throughput_samples_per_s=None,
+        message=("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total "
+                 "capacity of 23.64 GiB of which 1.12 GiB is free."))
+    return _finish(run, scen)
 
 
 def two_node_ddp_run() -> RunResult:
@@ -198,20 +185,15 @@ def two_node_ddp_run() -> RunResult:
         "dp-loss-primary": 0.5, "dp-loss-forward": 0.45, "ddp": 0.3, "single": 0.28})
     ddp = scen[2]
     template = ddp.devices[0]
-    ddp.devices = [
-        DeviceResult(**{**template.__dict__, "index": r % 2, "rank": r, "node": hosts[r // 2],
-                        "timeline": list(template.timeline)})
-        for r in range(4)
-    ]
-    ddp.devices[2].peak_allocated_bytes += 700 * MiB  # one rank a little heavier
-    ddp.batch = 256
-    ddp.throughput_samples_per_s = 256 / 0.3
-    for s in scen:
-        for d in s.devices:
-            if d.node is None:
-                d.node = hosts[0]
-    run.scenarios = scen
-    return _finish(run)
+    ranks = [dataclasses.replace(template, index=r % 2, rank=r, node=hosts[r // 2])
+             for r in range(4)]
+    ranks[2] = dataclasses.replace(  # one rank a little heavier
+        ranks[2], peak_allocated_bytes=ranks[2].peak_allocated_bytes + 700 * MiB)
+    scen[2] = dataclasses.replace(ddp, devices=tuple(ranks), batch=256,
+                                  throughput_samples_per_s=256 / 0.3)
+    return _finish(run, [dataclasses.replace(s, devices=tuple(
+        d if d.node is not None else dataclasses.replace(d, node=hosts[0]) for d in s.devices))
+        for s in scen])
 
 
 SYNTHETIC = {

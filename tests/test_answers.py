@@ -10,6 +10,7 @@ was measured or modelled.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 
@@ -169,14 +170,16 @@ peaks = st.integers(min_value=1 * MiB, max_value=100 * GiB)
 
 
 @st.composite
-def devices(draw: st.DrawFn, n: int, overheads: bool) -> list[DeviceResult]:
+def devices(draw: st.DrawFn, n: int, overheads: bool, capacity: int) -> list[DeviceResult]:
     out = []
     for i in range(n):
         alloc = draw(peaks)
-        d = DeviceResult(index=i, peak_allocated_bytes=alloc, capacity_bytes=0, batch_rows=8)
+        d = DeviceResult(index=i, peak_allocated_bytes=alloc, capacity_bytes=capacity,
+                         batch_rows=8)
         if overheads:
-            d.peak_reserved_bytes = alloc + draw(st.integers(0, 4 * GiB))
-            d.context_bytes = draw(st.integers(200 * MiB, 600 * MiB))
+            d = dataclasses.replace(
+                d, peak_reserved_bytes=alloc + draw(st.integers(0, 4 * GiB)),
+                context_bytes=draw(st.integers(200 * MiB, 600 * MiB)))
         out.append(d)
     return out
 
@@ -195,18 +198,21 @@ def results(draw: st.DrawFn) -> RunResult:
     run = RunResult(backend="emulated", workload="w", batch=8 * gpus, gpus=gpus,
                     gpu_memory_bytes=capacity, config={"command": draw(
                         st.sampled_from(["compare", "run"]))})
+    scenarios = []
     for name in names:
         n = 1 if name == SINGLE else gpus
-        s = ScenarioResult(name=name, devices=draw(devices(n, overheads)), batch=8)
-        for d in s.devices:
-            d.capacity_bytes = capacity
+        s = ScenarioResult(name=name, devices=tuple(draw(devices(n, overheads, capacity))),
+                           batch=8)
         over = [d for d in s.devices if d.total_peak_bytes > capacity]
         if draw(st.integers(0, 9)) == 0:
-            s.status, s.message = STATUS_ERROR, "the script raised RuntimeError: boom"
+            s = dataclasses.replace(s, status=STATUS_ERROR,
+                                    message="the script raised RuntimeError: boom")
         elif over:
-            s.status, s.oom_device = STATUS_OOM, over[0].index
-            s.oom_bytes = over[0].total_peak_bytes
-        run.scenarios.append(s)
+            s = dataclasses.replace(s, status=STATUS_OOM, oom_device=over[0].index,
+                                    oom_bytes=over[0].total_peak_bytes)
+        scenarios.append(s)
+    run = dataclasses.replace(run, scenarios=tuple(scenarios))
+    fixes = []
     primary = run.scenario(DP_LOSS_PRIMARY)
     if primary is not None and primary.status != STATUS_ERROR:
         p0 = primary.devices[0].peak_allocated_bytes
@@ -215,7 +221,7 @@ def results(draw: st.DrawFn) -> RunResult:
                 ["gradient-as-bucket-view", "output-device", "balanced-split"]), unique=True)):
             q0, qmax = sorted([draw(peaks), draw(peaks)])
             need = qmax + (draw(st.integers(200 * MiB, 4 * GiB)) if overheads else 0)
-            run.fixes.append(Fix(name=fname, title=fname, primary_peak_bytes=q0,
+            fixes.append(Fix(name=fname, title=fname, primary_peak_bytes=q0,
                                  max_peak_bytes=qmax, saves_bytes=p0 - q0,
                                  heaviest_saves_bytes=pmax - qmax, need_bytes=need,
                                  baseline=DP_LOSS_PRIMARY))
@@ -228,12 +234,12 @@ def results(draw: st.DrawFn) -> RunResult:
                  "ladder-fsdp2-zero2", "ladder-fsdp2-zero3-bf16-checkpoint"]), unique=True)):
             q0, qmax = sorted([draw(peaks), draw(peaks)])
             need = qmax + (draw(st.integers(200 * MiB, 4 * GiB)) if overheads else 0)
-            run.fixes.append(Fix(name=rung, title=rung, primary_peak_bytes=q0,
+            fixes.append(Fix(name=rung, title=rung, primary_peak_bytes=q0,
                                  max_peak_bytes=qmax, saves_bytes=b0 - q0,
                                  heaviest_saves_bytes=bmax - qmax, need_bytes=need,
                                  baseline=base.name))
-    run.comparison = compare(run)
-    return run
+    run = dataclasses.replace(run, fixes=tuple(fixes))
+    return dataclasses.replace(run, comparison=compare(run))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

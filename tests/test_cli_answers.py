@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from dpprof.cli.app import app
 from dpprof.reports.answer_sections import markdown_sections
 from dpprof.reports.view_builder import build_view
-from dpprof.result import load
+from dpprof.saved_result import load
 
 runner = CliRunner()
 FAST = ["-w", "mlp", "-b", "10"]

@@ -236,7 +236,7 @@ def test_nvml_view_is_matched_by_uuid_not_position() -> None:
                                                                     "zero_grad", ""}
     assert d.nvml_unexplained_bytes is None  # no allocator numbers on CPU: not invented
     assert nvml.calls("memory", 0) > 0  # B sampled too: a stray context would show there
-    assert r.stray_contexts == []
+    assert r.stray_contexts == ()
 
 
 def test_a_context_outside_the_chosen_gpus_is_flagged() -> None:
@@ -246,8 +246,8 @@ def test_a_context_outside_the_chosen_gpus_is_flagged() -> None:
     # --devices 1: only cuda:1 (B) is the run's; this process also sits on cuda:0 (A)
     r = run_local_scenario("single", _tiny(), _cfg(devices=(1,)), ops=CpuOps([1]), nvml=nvml,
                            cuda_uuids=[UA, UB])
-    assert r.stray_contexts == [
-        {"rank": None, "pid": me, "cuda_index": 0, "used_bytes": 500 * 2**20}]
+    assert r.stray_contexts == (
+        {"rank": None, "pid": me, "cuda_index": 0, "used_bytes": 500 * 2**20},)
     assert r.devices[0].uuid == UB and r.devices[0].process_used_bytes == {str(me): 900 * 2**20}
 
 
@@ -333,7 +333,7 @@ def test_ddp_scenario_reports_the_first_failure_and_the_slowest_rank() -> None:
     ok = [Measured(rank=r, devices=[DeviceResult(index=r, rank=r)], step_times_s=[1.0 + r, 2.0],
                    loss=1.0) for r in range(2)]
     s = ddp_scenario(ok, cfg, 2)
-    assert s.status == "ok" and s.step_time_s == 2.0 and s.step_times_s == [2.0, 2.0]
+    assert s.status == "ok" and s.step_time_s == 2.0 and s.step_times_s == (2.0, 2.0)
     assert any("ceil(9 / 2) = 5" in n for n in s.notes)
     failed = [
         Measured(rank=0, status="error", message="Connection closed by peer"),

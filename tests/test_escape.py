@@ -3,6 +3,7 @@ Markdown context."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from dpprof.reports.escape import (
     mermaid_label,
     terminal_text,
 )
-from dpprof.result import load
+from dpprof.saved_result import load
 
 DATA = Path(__file__).parent / "data"
 runner = CliRunner()
@@ -67,8 +68,11 @@ def test_terminal_escapes_every_field_of_a_hostile_result() -> None:
     from reports_data import hostile  # type: ignore[import-not-found]
 
     run = hostile(load(DATA / "synthetic-oom.json"))
-    run.workload = "\x1b]0;pwned\x07[/x]:smile:"
-    run.scenarios[0].notes.append("\x1b[31mred\x1b[0m")
+    first = run.scenarios[0]
+    run = dataclasses.replace(
+        run, workload="\x1b]0;pwned\x07[/x]:smile:", scenarios=(
+            dataclasses.replace(first, notes=(*first.notes, "\x1b[31mred\x1b[0m")),
+            *run.scenarios[1:]))
     from rich.console import Console
 
     console = Console(record=True, width=200, markup=False, emoji=False, color_system=None)
@@ -113,13 +117,13 @@ def test_markdown_report_of_a_hostile_result_has_no_raw_html_or_mentions() -> No
 
     run = hostile(load(DATA / "emulated-lm.json"))
     assert run.fixes and run.attribution
-    for f in run.fixes:
-        f.title = "<b>@alice</b> %%{init}%%"
-        f.detail = "| x | ```"
-        f.code = "```\nrm -rf /\n```"
-    for a in run.attribution.values():
-        a.answer = "<script>x</script> @bob"
-    run.fail_reasons.append("<i>@carol</i>")
+    run = dataclasses.replace(
+        run, fixes=tuple(dataclasses.replace(
+            f, title="<b>@alice</b> %%{init}%%", detail="| x | ```", code="```\nrm -rf /\n```")
+            for f in run.fixes),
+        attribution={k: dataclasses.replace(a, answer="<script>x</script> @bob")
+                     for k, a in run.attribution.items()},
+        fail_reasons=(*run.fail_reasons, "<i>@carol</i>"))
     from dpprof.reports.answer_sections import markdown_sections
     from dpprof.reports.view_builder import build_view
 

@@ -1,5 +1,6 @@
 """The HTML report against every saved result: order, content, escaping, size, offline."""
 
+import dataclasses
 import html as std_html
 import json
 import re
@@ -132,10 +133,10 @@ def test_a_hostile_result_renders_as_text() -> None:
 
 def test_nothing_to_fix_when_balanced() -> None:
     run = saved("emulated-lm")
-    run = RunResult.from_dict(run.to_dict())
-    run.scenarios = [s for s in run.scenarios if s.name in ("ddp", "single")]
-    run.fixes, run.attribution = [], {}  # a run of these two scenarios has neither
-    run.recommended = None  # edited: its stored answer is of the run it was
+    run = dataclasses.replace(
+        run, scenarios=tuple(s for s in run.scenarios if s.name in ("ddp", "single")),
+        fixes=(), attribution={},  # a run of these two scenarios has neither
+        recommended=None)  # edited: its stored answer is of the run it was
     page = html.render(run)
     assert "Switch to DistributedDataParallel" in page or "Nothing to change" in page
     assert "Compute the loss inside forward" not in page
@@ -144,13 +145,14 @@ def test_nothing_to_fix_when_balanced() -> None:
 def test_a_run_where_every_scenario_failed_still_renders() -> None:
     from dpprof.reports import markdown
 
-    run = RunResult.from_dict(saved("cpu-mlp").to_dict())
-    for s in run.scenarios:
-        s.status, s.message, s.devices = "error", "RuntimeError: boom <b>", []
+    run = saved("cpu-mlp")
+    run = dataclasses.replace(run, scenarios=tuple(
+        dataclasses.replace(s, status="error", message="RuntimeError: boom <b>", devices=())
+        for s in run.scenarios))
     from dpprof.answers.comparison import compare
 
-    run.comparison = compare(run)
-    run.recommended = None  # edited: its stored answer is of the run it was
+    # edited: its stored answer is of the run it was
+    run = dataclasses.replace(run, comparison=compare(run), recommended=None)
     page = html.render(run)
     assert "failed: dp-loss-primary" in page and "RuntimeError: boom &lt;b&gt;" in page
     assert _figures(page) == {}
@@ -180,18 +182,19 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
 
     run = saved("emulated-lm")
     excess = run.comparison.scenarios["dp-loss-primary"].primary_excess_bytes
-    run.attribution = {"dp-loss-primary": Attribution(
-        scenario="dp-loss-primary", excess_bytes=excess,
-        causes_bytes={"loss": excess - 2**30, "gathered_outputs": 2**30})}
-    run.fixes = [Fix(name="ddp", title="Emulated fix", detail="measured with the change applied",
-                     code="fixed = True", saves_bytes=3 * 2**30,
-                     heaviest_saves_bytes=3 * 2**30, max_peak_bytes=60 * 2**30),
-                 Fix(name="output-device", title="Moves it", code="moved = True",
-                     saves_bytes=2**30, heaviest_saves_bytes=0)]
-    run.maxbatch = MaxBatch(capacity_bytes=run.gpu_memory_bytes, entries=[
-        MaxBatchEntry(scenario="ddp", max_batch=2048),
-        MaxBatchEntry(scenario="dp-loss-primary", max_batch=None)])
-    run.recommended = None  # edited: its stored answer is of the run it was
+    run = dataclasses.replace(
+        run, attribution={"dp-loss-primary": Attribution(
+            scenario="dp-loss-primary", excess_bytes=excess,
+            causes_bytes={"loss": excess - 2**30, "gathered_outputs": 2**30})},
+        fixes=(Fix(name="ddp", title="Emulated fix", detail="measured with the change applied",
+                   code="fixed = True", saves_bytes=3 * 2**30,
+                   heaviest_saves_bytes=3 * 2**30, max_peak_bytes=60 * 2**30),
+               Fix(name="output-device", title="Moves it", code="moved = True",
+                   saves_bytes=2**30, heaviest_saves_bytes=0)),
+        maxbatch=MaxBatch(capacity_bytes=run.gpu_memory_bytes, entries=(
+            MaxBatchEntry(scenario="ddp", max_batch=2048),
+            MaxBatchEntry(scenario="dp-loss-primary", max_batch=None))),
+        recommended=None)  # edited: its stored answer is of the run it was
     page = html.render(run)
     figs = _figures(page)
     wf = figs["excess-0"]["data"][0]
@@ -215,16 +218,17 @@ def test_the_results_own_attribution_fixes_and_max_batch_are_rendered() -> None:
 def _tight_ddp(run: RunResult) -> RunResult:
     """The default comparison on 25 GiB GPUs, DDP out of memory on cuda:0 as the emulator
     reports it: allocated (22.8 GiB) under the capacity, reserved and context (26.6 GiB) over."""
-    run = RunResult.from_dict(run.to_dict())
     cap = 25 * 2**30
-    run.gpu_memory_bytes = cap
+    scenarios = []
     for s in run.scenarios:
-        for d in s.devices:
-            d.capacity_bytes = cap
-    ddp = next(s for s in run.scenarios if s.name == "ddp")
-    ddp.status, ddp.oom_device = "oom", 0
-    ddp.message = "out of memory on cuda:0: needs 26.6 GiB at its peak (backward), has 25.0 GiB"
-    return run
+        s = dataclasses.replace(s, devices=tuple(
+            dataclasses.replace(d, capacity_bytes=cap) for d in s.devices))
+        if s.name == "ddp":
+            s = dataclasses.replace(
+                s, status="oom", oom_device=0, message="out of memory on cuda:0: needs "
+                "26.6 GiB at its peak (backward), has 25.0 GiB")
+        scenarios.append(s)
+    return dataclasses.replace(run, gpu_memory_bytes=cap, scenarios=tuple(scenarios))
 
 
 def test_a_bar_marked_out_of_memory_reaches_past_the_capacity_line() -> None:
@@ -298,16 +302,11 @@ def test_what_a_ddp_rank_holds_is_not_called_gathered_outputs() -> None:
 
 def _many_gpus(run: RunResult, n: int) -> RunResult:
     """``run`` on ``n`` GPUs: every device past cuda:0 a copy of cuda:1."""
-    import copy
-
-    run = RunResult.from_dict(run.to_dict())
-    run.gpus = n
-    for s in run.scenarios:
-        if len(s.devices) > 1:
-            s.devices = [s.devices[0], *(copy.deepcopy(s.devices[1]) for _ in range(n - 1))]
-            for i, d in enumerate(s.devices):
-                d.index = i
-    return run
+    return dataclasses.replace(run, gpus=n, scenarios=tuple(
+        dataclasses.replace(s, devices=tuple(
+            dataclasses.replace(d, index=i)
+            for i, d in enumerate([s.devices[0], *(s.devices[1] for _ in range(n - 1))])))
+        if len(s.devices) > 1 else s for s in run.scenarios))
 
 
 def test_sixty_four_gpus_keep_the_page_narrow() -> None:

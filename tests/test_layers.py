@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nvml", "emulator"),  # NVML through ctypes; the virtual GPUs
     ("environment",),  # `dpprof env`'s block: versions, GPUs, driver, topology
     ("result",),  # the result model, which records the environment
+    ("saved_result",),  # the result as a file: strict reading, upgrades, atomic writing
     ("scenarios",),  # the scenarios, their names, the measured loop, the workloads
     ("backends",),  # where a scenario runs: emulated, cpu (gloo), cuda
     ("fixes",),  # what each fix is; measured through the trial it is handed

@@ -1,5 +1,6 @@
 """Markdown for a GitHub issue, against every saved result."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -99,10 +100,11 @@ def test_charts_and_long_code_are_collapsed() -> None:
     assert text.rfind("<details>", 0, short) < text.rfind("</details>", 0, short)  # shown
     # where the answer is the balanced split (the only change measured), its class is long
     run = saved("emulated-lm")
-    run.scenarios = [s for s in run.scenarios if s.name == "dp-loss-primary"]
-    run.fixes = [f for f in run.fixes if f.name == "balanced-split"]
-    run.fixes[0].need_bytes = run.fixes[0].max_peak_bytes
-    run.recommended = None  # edited: its stored answer is of the run it was
+    split = next(f for f in run.fixes if f.name == "balanced-split")
+    run = dataclasses.replace(
+        run, scenarios=tuple(s for s in run.scenarios if s.name == "dp-loss-primary"),
+        fixes=(dataclasses.replace(split, need_bytes=split.max_peak_bytes),),
+        recommended=None)  # edited: its stored answer is of the run it was
     text = markdown.render(run)
     assert "**Recommended: A smaller share of the batch on cuda:0**" in text
     balanced = text.index("class BalancedDataParallel")

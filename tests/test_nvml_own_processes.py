@@ -36,8 +36,7 @@ def _watch(readings: list[int], processes: list[list[tuple[int, int | None]]],
     for _ in readings:
         watch.sampler.sample_once()
     dev = DeviceResult(index=0, peak_reserved_bytes=400 * MiB)
-    watch.fill(dev, 0)
-    return watch, dev
+    return watch, watch.fill(dev, 0)
 
 
 def test_a_ranks_used_memory_leaves_out_dpprofs_own_context_reading_by_reading() -> None:

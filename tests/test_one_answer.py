@@ -6,7 +6,7 @@ answer's sentences is one of the result's. And a command computes it once."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import html as std_html
 import json
 import re
@@ -19,7 +19,7 @@ from test_answers import SIZE, _figures, results
 from typer.testing import CliRunner
 
 from dpprof.answers import answer as answers
-from dpprof.answers.answer import answer_of, settle
+from dpprof.answers.answer import answer_of, settled
 from dpprof.fixes.fix_registry import cost_of
 from dpprof.fixes.policy import IMBALANCE_THRESHOLD, margin_bytes
 from dpprof.reports.formats import renderers
@@ -58,8 +58,9 @@ def _ratios(run: RunResult) -> set[str]:
 
 
 def check(run: RunResult) -> Recommendation:
-    run = copy.deepcopy(run)
-    answer = settle(run)  # as a command does, once its result is complete
+    run = settled(run)  # as a command does, once its result is complete
+    answer = run.recommended
+    assert answer is not None
     said = named(run)
     assert len(set(said.values())) == 1, said
     if answer.fix is None:
@@ -109,24 +110,28 @@ def test_the_issue_s_24_gb_case_recommends_bf16_on_ddp() -> None:
     cheapest rung that fits with the margin is the answer, everywhere."""
     run = saved("emulated-lm")
     gib = 2**30
-    run.gpu_memory_bytes = int(23.6 * gib)
+    capacity = int(23.6 * gib)
     from dpprof.result import STATUS_OOM, Fix
 
+    scenarios = []
     for s in run.scenarios:
-        for d in s.devices:
-            d.capacity_bytes = run.gpu_memory_bytes
-        if max(d.total_peak_bytes for d in s.devices) > run.gpu_memory_bytes:
-            s.status, s.oom_device = STATUS_OOM, 0
+        s = dataclasses.replace(s, devices=tuple(
+            dataclasses.replace(d, capacity_bytes=capacity) for d in s.devices))
+        if max(d.total_peak_bytes for d in s.devices) > capacity:
+            s = dataclasses.replace(s, status=STATUS_OOM, oom_device=0)
+        scenarios.append(s)
+    run = dataclasses.replace(run, gpu_memory_bytes=capacity, scenarios=tuple(scenarios))
+    fixes = list(run.fixes)
     base = next(d.peak_allocated_bytes for d in run.scenario("dp-loss-primary").devices)
     for name, title, peak, need in (
             ("ladder-bf16", "Mixed precision (bf16 autocast)", 16.7, 21.2),
             ("ladder-fsdp2-zero3-bf16-checkpoint", "FSDP2, ZeRO-3, bf16 and checkpointing",
              8.13, 9.65)):
-        run.fixes.append(Fix(name=name, title=title, primary_peak_bytes=int(peak * gib),
-                             max_peak_bytes=int(peak * gib),
-                             heaviest_saves_bytes=base - int(peak * gib),
-                             need_bytes=int(need * gib), baseline="dp-loss-primary"))
-    answer = check(run)
+        fixes.append(Fix(name=name, title=title, primary_peak_bytes=int(peak * gib),
+                         max_peak_bytes=int(peak * gib),
+                         heaviest_saves_bytes=base - int(peak * gib),
+                         need_bytes=int(need * gib), baseline="dp-loss-primary"))
+    answer = check(dataclasses.replace(run, fixes=tuple(fixes)))
     assert answer.fix == "ladder-bf16"
     passed = {p.fix: p.reason for p in answer.passed_over}
     assert "under the margin" in passed["loss-in-forward"]
@@ -167,13 +172,13 @@ def test_maxbatch_names_the_scenario_that_fits_the_most() -> None:
 
     gib = 2**30
     run = RunResult(backend="emulated", workload="lm", batch=0, gpus=4,
-                    gpu_memory_bytes=int(79.25 * gib))
-    run.maxbatch = MaxBatch(capacity_bytes=run.gpu_memory_bytes, gpu="a100-80gb",
-                            multiple_of=8, entries=[
-                                MaxBatchEntry("dp-loss-primary", 544, 0, 78 * gib),
-                                MaxBatchEntry("dp-loss-forward", 1800, 0, 79 * gib),
-                                MaxBatchEntry("ddp", 1520, 0, 79 * gib),
-                                MaxBatchEntry("single", 1536, 0, 79 * gib)])
+                    gpu_memory_bytes=int(79.25 * gib),
+                    maxbatch=MaxBatch(capacity_bytes=int(79.25 * gib), gpu="a100-80gb",
+                                      multiple_of=8, entries=(
+                                          MaxBatchEntry("dp-loss-primary", 544, 0, 78 * gib),
+                                          MaxBatchEntry("dp-loss-forward", 1800, 0, 79 * gib),
+                                          MaxBatchEntry("ddp", 1520, 0, 79 * gib),
+                                          MaxBatchEntry("single", 1536, 0, 79 * gib))))
     answer = check(run)
     assert "dp-loss-forward fits the largest, 3.31x the batch of dp-loss-primary " \
            "(1800 vs 544)" in answer.verdict

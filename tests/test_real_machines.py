@@ -115,7 +115,7 @@ def test_peer_access_entries_of_0_bytes_are_not_stray_contexts(one_rank_group: N
                    FakeDevice(uuid=UB, processes=[(me, GiB)])])
     r = run_local_scenario("single", _tiny(), _cfg(devices=(1,)), ops=CpuOps([1]), nvml=dp,
                            cuda_uuids=[UA, UB])
-    assert r.status == "ok" and r.stray_contexts == []
+    assert r.status == "ok" and r.stray_contexts == ()
 
 
 def test_torch_cuda_uuids_does_not_call_a_mig_device_a_gpu(
@@ -211,7 +211,7 @@ def test_a_container_that_lists_host_pids_is_said_so_and_the_sampler_notes_arriv
                                 processes=[(3_512_771, GiB), (me, GiB)])])
     r = run_local_scenario("single", _tiny(), _cfg(devices=(0,)), ops=CpuOps([0]), nvml=seen,
                            cuda_uuids=[UA])
-    assert r.notes == [] and r.devices[0].process_used_bytes == {str(me): GiB}
+    assert r.notes == () and r.devices[0].process_used_bytes == {str(me): GiB}
 
 
 # ---- the order of the scenarios ------------------------------------------------------------

@@ -1,5 +1,6 @@
 """dpprof report before.json after.json: side by side, the difference per scenario and device."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -17,14 +18,16 @@ runner = CliRunner()
 def _after_fix() -> RunResult:
     """The default comparison as if the user had fixed the loss: primary = forward."""
     run = saved("emulated-lm")
-    after = RunResult.from_dict(run.to_dict())
-    prim, fwd = after.scenario("dp-loss-primary"), after.scenario("dp-loss-forward")
-    for a, b in zip(prim.devices, fwd.devices, strict=True):
-        a.peak_allocated_bytes = b.peak_allocated_bytes
+    prim, fwd = run.scenario("dp-loss-primary"), run.scenario("dp-loss-forward")
+    assert prim is not None and fwd is not None
+    fixed = dataclasses.replace(prim, devices=tuple(
+        dataclasses.replace(a, peak_allocated_bytes=b.peak_allocated_bytes)
+        for a, b in zip(prim.devices, fwd.devices, strict=True)))
+    after = dataclasses.replace(run, scenarios=tuple(
+        fixed if s is prim else s for s in run.scenarios))
     from dpprof.answers.comparison import compare
 
-    after.comparison = compare(after)
-    return after
+    return dataclasses.replace(after, comparison=compare(after))
 
 
 def test_diff_per_scenario_and_device() -> None:
@@ -54,8 +57,8 @@ def test_diff_across_configurations_says_so() -> None:
 
 def test_diff_with_absent_scenarios_and_oom() -> None:
     before = saved("synthetic-oom")
-    after = RunResult.from_dict(saved("synthetic-nvml").to_dict())
-    after.scenarios = after.scenarios[:2]
+    after = saved("synthetic-nvml")
+    after = dataclasses.replace(after, scenarios=after.scenarios[:2])
     rd = diff.diff(before, after)
     lines = diff.summary(rd)
     assert any("status OOM → ok" in x for x in lines)

@@ -10,8 +10,8 @@ import pytest
 import synthetic
 from reports_data import SAVED
 
-from dpprof import result
-from dpprof.result import ResultFileError, load
+from dpprof import saved_result
+from dpprof.saved_result import ResultFileError, load
 
 
 def test_saved_synthetic_results_are_what_the_helper_builds() -> None:
@@ -88,8 +88,8 @@ def test_upgrade_hook_brings_an_older_result_up(tmp_path: Path, monkeypatch: pyt
         d["workload"] = d.pop("workload_name")
         return d
 
-    monkeypatch.setattr(result, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(result._UPGRADES, 1, v1_to_v2)
+    monkeypatch.setattr(saved_result, "SCHEMA_VERSION", 2)
+    monkeypatch.setitem(saved_result._UPGRADES, 1, v1_to_v2)
     run = load(p)
     assert run.workload == "lm" and run.schema_version == 2
 
@@ -98,8 +98,8 @@ def test_an_older_version_without_an_upgrade_step_is_one_clear_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = tmp_path / "old.json"
     p.write_text(json.dumps({"schema_version": 1, "scenarios": []}))
-    monkeypatch.setattr(result, "SCHEMA_VERSION", 3)
-    monkeypatch.setitem(result._UPGRADES, 1, lambda d: d)
+    monkeypatch.setattr(saved_result, "SCHEMA_VERSION", 3)
+    monkeypatch.setitem(saved_result._UPGRADES, 1, lambda d: d)
     with pytest.raises(ResultFileError, match="schema_version 2 is not one this dpprof can read"):
         load(p)
 

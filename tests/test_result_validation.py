@@ -1,5 +1,6 @@
 """Saved results are validated on load against the result model; JSON is written strictly."""
 
+import dataclasses
 import json
 import math
 import os
@@ -12,7 +13,8 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.reports import html
-from dpprof.result import MAX_DEVICES, MAX_RESULT_FILE_BYTES, ResultFileError, load
+from dpprof.result import MAX_DEVICES, MAX_RESULT_FILE_BYTES
+from dpprof.saved_result import ResultFileError, load
 
 DATA = Path(__file__).parent / "data"
 BASE = DATA / "synthetic-oom.json"
@@ -97,8 +99,9 @@ def test_report_reads_only_regular_files_of_bounded_size(tmp_path: Path) -> None
 
 def test_a_nan_loss_is_written_as_null_and_reads_back(tmp_path: Path) -> None:
     run = load(BASE)
-    run.scenarios[0].loss = math.nan
-    run.scenarios[1].step_time_s = math.inf
+    run = dataclasses.replace(run, scenarios=(
+        dataclasses.replace(run.scenarios[0], loss=math.nan),
+        dataclasses.replace(run.scenarios[1], step_time_s=math.inf), *run.scenarios[2:]))
     text = run.to_json()
     assert "NaN" not in text and "Infinity" not in text
     data = json.loads(text)
@@ -110,10 +113,10 @@ def test_a_nan_loss_is_written_as_null_and_reads_back(tmp_path: Path) -> None:
 
 def test_html_figures_stay_parseable_with_a_nan(tmp_path: Path) -> None:
     run = load(BASE)
-    for s in run.scenarios:
-        for d in s.devices:
-            for pt in d.timeline[:3]:
-                pt.t = math.nan
+    run = dataclasses.replace(run, scenarios=tuple(dataclasses.replace(s, devices=tuple(
+        dataclasses.replace(d, timeline=(
+            *(dataclasses.replace(pt, t=math.nan) for pt in d.timeline[:3]), *d.timeline[3:]))
+        for d in s.devices)) for s in run.scenarios))
     page = html.render(run)
     start = page.index("id='dpprof-figures'") if "id='dpprof-figures'" in page else page.index(
         'id="dpprof-figures"')

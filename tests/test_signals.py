@@ -76,7 +76,7 @@ def test_sigterm_during_the_final_write_leaves_no_temporary_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dpprof.cli.guard import install_signal_handlers
     from dpprof.errors import Interrupted
-    from dpprof.result import write_atomic
+    from dpprof.saved_result import write_atomic
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     real_replace = os.replace
@@ -101,7 +101,7 @@ def test_sigterm_during_the_final_write_leaves_no_temporary_file(
 THIRD_SIGNAL_DURING_A_WRITE = """
 import os, signal, sys
 from dpprof.errors import install_stop_handlers, take_interrupt
-from dpprof.result import write_atomic
+from dpprof.saved_result import write_atomic
 
 install_stop_handlers()
 take_interrupt(signal.SIGINT)  # dpprof is stopping on a first Ctrl-C, writing what it measured

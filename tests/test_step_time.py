@@ -5,6 +5,7 @@ all-reduce overlapped with the backward)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -256,7 +257,7 @@ def test_the_predicted_fields_survive_json() -> None:
     from dpprof.result import new_result
 
     run = new_result("emulated", "mlp", batch=64, gpus=4, gpu_memory_bytes=80 << 30, config={})
-    run.scenarios = list(runs.values())
+    run = dataclasses.replace(run, scenarios=tuple(runs.values()))
     back = RunResult.from_dict(json.loads(run.to_json()))
     s = back.scenarios[0]
     assert s.predicted_step_time_s == runs["dp-loss-primary"].predicted_step_time_s

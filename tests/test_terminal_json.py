@@ -1,6 +1,6 @@
 """The terminal and JSON renderers against every saved result."""
 
-import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -26,8 +26,7 @@ def test_terminal_oom_and_hostile_text() -> None:
 
 
 def test_rich_markup_in_a_workload_name_does_not_break_the_table() -> None:
-    run = saved("cpu-mlp")
-    run.workload = "[/bold][red]x"
+    run = dataclasses.replace(saved("cpu-mlp"), workload="[/bold][red]x")
     assert "[/bold][red]x" in _text(run)
 
 
@@ -60,15 +59,10 @@ def test_many_gpus_become_cuda0_and_the_others_min_median_max() -> None:
 
 def _with_gpus(run: RunResult, n: int) -> RunResult:
     """``run`` as if measured on ``n`` GPUs: the last device of each scenario repeated."""
-    run = copy.deepcopy(run)
-    for s in run.scenarios:
-        if len(s.devices) > 1:
-            while len(s.devices) < n:
-                d = copy.deepcopy(s.devices[-1])
-                d.index = len(s.devices)
-                s.devices.append(d)
-    run.gpus = n
-    return run
+    return dataclasses.replace(run, gpus=n, scenarios=tuple(
+        dataclasses.replace(s, devices=(*s.devices, *(
+            dataclasses.replace(s.devices[-1], index=i) for i in range(len(s.devices), n))))
+        if len(s.devices) > 1 else s for s in run.scenarios))
 
 
 def test_the_units_move_to_the_header_at_80_columns() -> None:

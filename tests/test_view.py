@@ -225,9 +225,8 @@ def test_terminal_render_is_the_view_rendered() -> None:
 
 @pytest.mark.parametrize("fmt", HUMAN)
 def test_a_result_without_a_comparison_says_so_in_every_format(fmt: str) -> None:
-    run = saved(next(iter(SAVED)))
-    run.scenarios, run.comparison = [], Comparison()
-    run.recommended = None  # its answer was of the scenarios taken out
+    run = dataclasses.replace(saved(next(iter(SAVED))), scenarios=(), comparison=Comparison(),
+                              recommended=None)  # its answer was of the scenarios taken out
     view = build_view(run)
     assert view.headline.verdict in _render(fmt, view)
     assert view.headline.verdict == "No scenario was run."

@@ -7,6 +7,7 @@ a pty for the terminal's Ctrl-C, a SIGKILL of dpprof mid-run).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pty
@@ -424,13 +425,14 @@ def test_oom_moment_and_balanced_post_mortem() -> None:
 
 def test_post_mortem_is_empty_without_oom_and_flags_a_remapped_gpu() -> None:
     recs = [*_records(), {"kind": "exit", "t_s": 1.0, "returncode": 0, "exit_status": 0}]
-    assert build_run(recs).watch.post_mortem == []  # type: ignore[union-attr]
+    assert build_run(recs).watch.post_mortem == ()  # type: ignore[union-attr]
     w = build_run(recs).watch
     assert w is not None
     from dpprof.result import WatchOom
 
-    w.ooms = [WatchOom(0.5, "stderr", "x", "caching-allocator", cuda_index=0,
-                       requested_bytes=GIB, total_bytes=24 * GIB, free_bytes=0)]
+    w = dataclasses.replace(w, ooms=(WatchOom(
+        0.5, "stderr", "x", "caching-allocator", cuda_index=0, requested_bytes=GIB,
+        total_bytes=24 * GIB, free_bytes=0),))
     lines, _ = post_mortem(w)
     assert any("set CUDA_VISIBLE_DEVICES itself" in line for line in lines)
 

@@ -145,7 +145,7 @@ def attribute(s: ScenarioResult) -> Attribution | None:
     ordered = {k: causes[k] for k in CAUSES if causes.get(k)}
     att = Attribution(scenario=s.name, excess_bytes=excess, reference=_reference(middle)[2],
                       causes_bytes=ordered)
-    return att  # its answer is the one answer's (dpprof.answers.answer.settle)
+    return att  # its answer is the one answer's (dpprof.answers.answer.settled)
 
 
 def _exact_split(diff: dict[str, float], total: int) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from dpprof.answers.answer_figures import primary_excess, used
@@ -40,19 +41,22 @@ def primary_peak(s: ScenarioResult | None) -> int | None:
 
 
 def compare(run: RunResult) -> Comparison:
-    """The comparison block of a run: per-scenario figures and savings. Its verdict is the
-    one answer's, stored once the result is complete (:func:`dpprof.answers.answer.settle`)."""
-    out = Comparison()
+    """The comparison block of a run, derived from its scenarios: per-scenario figures and
+    savings. Its verdict is the one answer's (:func:`dpprof.answers.answer.settled` derives
+    both); here it is empty. A watched command's scenario is compared whatever its status
+    (NVML saw the whole GPU up to the end)."""
+    watched = run.watch is not None
+    figures: dict[str, ScenarioComparison] = {}
     for s in run.scenarios:
-        c = compare_scenario(s)
+        c = compare_scenario(dataclasses.replace(s, status=STATUS_OK) if watched else s)
         if c is not None:
-            out.scenarios[s.name] = c
+            figures[s.name] = c
+    savings: dict[str, int] = {}
     base = primary_peak(run.scenario(DP_LOSS_PRIMARY))
     if base is not None:
         for kind in PAIRED:  # what each other scenario saves on cuda:0
             other = (primary_peak(run.scenario(kind.name)) if kind.name != DP_LOSS_PRIMARY
                      else None)
             if other is not None:
-                out.savings_bytes[kind.name] = base - other
-    out.verdict = run.comparison.verdict
-    return out
+                savings[kind.name] = base - other
+    return Comparison(scenarios=figures, savings_bytes=savings)

@@ -31,35 +31,31 @@ def run_ddp_gloo(workload: str, cfg: EmulationConfig, ddp_timeout_s: float) -> S
         pg_timeout_s=ddp_timeout_s, grace_s=min(10.0, ddp_timeout_s),
         join_timeout_s=max(600.0, 3 * ddp_timeout_s + 60),
     )
-    result = ScenarioResult(name=DDP, batch=batch)
     try:
         ranks = launch(spec, gpus)
     except DistributedRunError as e:
-        result.status = STATUS_ERROR
-        result.message = str(e)
-        result.traceback = e.culprit_traceback()
-        if e.others():
-            result.notes.append(f"then: {e.others()[:2000]}")
+        notes = [f"then: {e.others()[:2000]}"] if e.others() else []
         if cfg.debug:
-            result.notes.append(e.details())
-        return result
-    for r in ranks:
-        result.devices.append(DeviceResult(
-            index=r.rank, rank=r.rank, node=r.hostname, used=True, batch_rows=rows,
-            peak_allocated_bytes=r.peak_allocated_bytes or 0,
-            peak_requested_bytes=r.peak_requested_bytes or 0,
-            capacity_bytes=cfg.gpu_memory_bytes,
-            breakdown_bytes={"other": r.peak_allocated_bytes or 0},
-            peak_phase="step",
-        ))
+            notes.append(e.details())
+        return ScenarioResult(name=DDP, batch=batch, status=STATUS_ERROR, message=str(e),
+                              traceback=e.culprit_traceback(), notes=tuple(notes))
+    devices = tuple(DeviceResult(
+        index=r.rank, rank=r.rank, node=r.hostname, used=True, batch_rows=rows,
+        peak_allocated_bytes=r.peak_allocated_bytes or 0,
+        peak_requested_bytes=r.peak_requested_bytes or 0,
+        capacity_bytes=cfg.gpu_memory_bytes,
+        breakdown_bytes={"other": r.peak_allocated_bytes or 0},
+        peak_phase="step",
+    ) for r in ranks)
     times = sorted(r.step_time_s for r in ranks if r.step_time_s is not None)
-    if times:
-        result.step_time_s = times[len(times) // 2]
-        result.step_time_spread_s = times[-1] - times[0]
-        result.throughput_samples_per_s = batch / result.step_time_s  # pad rows repeat
+    step_time_s = times[len(times) // 2] if times else None
     losses = [r.loss for r in ranks if r.loss is not None]
-    result.loss = sum(losses) / len(losses) if losses else None
-    result.status = STATUS_OK
-    if batch % gpus:
-        result.notes.append(f"each rank gets ceil({batch} / {gpus}) = {rows} rows")
-    return result
+    return ScenarioResult(
+        name=DDP, batch=batch, status=STATUS_OK, devices=devices,
+        step_time_s=step_time_s,
+        step_time_spread_s=times[-1] - times[0] if times else None,
+        # pad rows repeat
+        throughput_samples_per_s=batch / step_time_s if step_time_s is not None else None,
+        loss=sum(losses) / len(losses) if losses else None,
+        notes=(f"each rank gets ceil({batch} / {gpus}) = {rows} rows",) if batch % gpus else (),
+    )

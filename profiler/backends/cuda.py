@@ -30,6 +30,7 @@ After an out-of-memory error the frames holding the tensors are dropped, then ``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -94,7 +95,6 @@ def run_local_scenario(
     ops = ops or host().ops(cfg.devices)
     n = len(cfg.devices)
     logical = list(range(n)) if kind.scatters_batch else [0]
-    result = ScenarioResult(name=name, batch=cfg.step.batch)
     out = Measured()
     watch = watch_for(ops, cfg, nvml, cuda_uuids, [os.getpid()])
     shards = shard_sizes(cfg.step.batch, n)
@@ -115,29 +115,32 @@ def run_local_scenario(
 
     run = measure_loop(ops, cfg, logical, watch, out, setup)
     used = len(shards) if kind.scatters_batch else 1
+    devices = []
     for i in logical:
         rows_i = kind.rows_of(shards, i) if i < used else 0
         dev = run.device_result(i, rows_i, i < used) if run else DeviceResult(index=i)
-        watch.fill(dev, cfg.devices[i])
-        result.devices.append(dev)
+        devices.append(watch.fill(dev, cfg.devices[i]))
     worked = [cfg.devices[i] for i in logical] if out.step_times_s else []
-    result.notes.extend(watch.notes(worked))
+    notes = list(watch.notes(worked))
+    strays = []
     pid = os.getpid()
     for cuda, used_bytes in sorted(watch.contexts_of(pid).items()):
         if cuda not in cfg.devices:  # e.g. --devices 2,3 and something touched cuda:0
-            result.stray_contexts.append(
+            strays.append(
                 {"rank": None, "pid": pid, "cuda_index": cuda, "used_bytes": used_bytes}
             )
-            result.notes.append(
+            notes.append(
                 f"this process (pid {pid}) holds a CUDA context on cuda:{cuda}, outside the "
                 f"chosen GPUs {cfg.devices}"
             )
-    finish_result(result, out, cfg, kind.samples_per_step(cfg.step.batch, shards))
+    result = finish_result(
+        ScenarioResult(name=name, batch=cfg.step.batch, devices=tuple(devices),
+                       notes=tuple(notes), stray_contexts=tuple(strays)),
+        out, cfg, kind.samples_per_step(cfg.step.batch, shards))
     if kind.scatters_batch and len(shards) < n:
-        result.notes.append(
+        result = dataclasses.replace(result, notes=(*result.notes, (
             f"batch {cfg.step.batch} over {n} GPUs: tensor.chunk makes {len(shards)} chunk(s) "
-            f"{shards}, so DataParallel uses only {len(shards)} GPU(s)"
-        )
+            f"{shards}, so DataParallel uses only {len(shards)} GPU(s)")))
     return result
 
 

@@ -22,6 +22,7 @@ through the c10d store and the NCCL abort watcher are :mod:`dpprof.backends.rank
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -92,10 +93,9 @@ class DdpJob:
         """The body of one rank: measure its device under DDP."""
         wl = self.cfg.step.workload(load_workload(self.workload))
         measured = measure_ddp_rank(wl, self.cfg, info.rank, info.world_size, device_index)
-        for d in measured.devices:
-            d.node = info.hostname
-            d.node_rank = info.node_rank
-            d.local_rank = info.local_rank
+        measured.devices = [
+            dataclasses.replace(d, node=info.hostname, node_rank=info.node_rank,
+                                local_rank=info.local_rank) for d in measured.devices]
         return measured
 
     def succeeded(self, value: Any) -> bool:
@@ -167,12 +167,10 @@ def measure_ddp_rank(
     if out.status == STATUS_OOM:
         out.oom_device = rank
     dev = run.device_result(0, per, True) if run else DeviceResult(index=0)
-    dev.index = rank
-    dev.rank = rank
-    dev.cuda_index = local_device if ops.kind == "cuda" else None
-    dev.node = socket.gethostname()
-    watch.fill(dev, local_device)
-    out.devices = [dev]
+    dev = dataclasses.replace(dev, index=rank, rank=rank,
+                              cuda_index=local_device if ops.kind == "cuda" else None,
+                              node=socket.gethostname())
+    out.devices = [watch.fill(dev, local_device)]
     strays = {
         cuda: used
         for cuda, used in watch.contexts_of(pid).items()
@@ -194,19 +192,21 @@ def measure_ddp_rank(
 
 def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -> ScenarioResult:
     """The ``ddp`` result from every rank's :class:`Measured` (rank order)."""
-    result = ScenarioResult(name=DDP, batch=cfg.step.batch)
     merged = Measured()
     failed = [o for o in outcomes if o.status != STATUS_OK]
     first = next(
         (o for o in failed if o.first_failure),
         next((o for o in failed if o.status == STATUS_OOM), failed[0] if failed else None),
     )
+    devices: list[DeviceResult] = []
+    strays: list[dict[str, Any]] = []
+    notes: list[str] = []
     for o in sorted(outcomes, key=lambda o: o.rank or 0):
-        result.devices.extend(o.devices)
-        result.stray_contexts.extend(o.stray_contexts)
+        devices.extend(o.devices)
+        strays.extend(o.stray_contexts)
         for note in o.notes:
-            if note not in result.notes:
-                result.notes.append(note)
+            if note not in notes:
+                notes.append(note)
     ok = [o for o in outcomes if o.step_times_s]
     if ok and not failed:
         # a DDP step ends when the slowest rank's does: median over steps of the max over ranks
@@ -230,13 +230,15 @@ def ddp_scenario(outcomes: Sequence[Measured], cfg: CudaRunConfig, world: int) -
             merged.notes.append(
                 "then: " + "; ".join(f"rank {o.rank}: {o.message[:160]}" for o in others)
             )
-    finish_result(result, merged, cfg, cfg.step.batch)  # DistributedSampler's pad rows repeat
-    if first is not None and first.traceback:
-        result.traceback = first.traceback
+    result = finish_result(  # DistributedSampler's pad rows repeat
+        ScenarioResult(name=DDP, batch=cfg.step.batch, devices=tuple(devices),
+                       stray_contexts=tuple(strays), notes=tuple(notes)),
+        merged, cfg, cfg.step.batch)
     batch = cfg.step.batch
-    if batch % world:
-        result.notes.append(
+    return dataclasses.replace(
+        result,
+        traceback=first.traceback if first is not None and first.traceback
+        else result.traceback,
+        notes=result.notes + ((
             f"each rank gets ceil({batch} / {world}) = {math.ceil(batch / world)} rows "
-            "(DistributedSampler pads)"
-        )
-    return result
+            "(DistributedSampler pads)",) if batch % world else ()))

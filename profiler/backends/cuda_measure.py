@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 import traceback
@@ -406,23 +407,21 @@ def watch_for(
 
 
 def finish_result(result: ScenarioResult, out: Measured, cfg: CudaRunConfig,
-                  samples_per_step: int) -> None:
-    """Timing, status and OOM fields of ``result`` from ``out``; throughput is the samples
-    one step trains (``single``: its ``ceil(B / N)`` rows; DataParallel and DDP: the batch)
-    over the median step time."""
-    result.status = out.status
-    result.message = out.message
-    result.loss = out.loss
-    result.oom_device = out.oom_device
-    result.oom_bytes = out.oom_bytes
-    result.oom_phase = out.oom_phase
-    result.notes.extend(out.notes)
-    result.step_times_s = list(out.step_times_s)
-    if out.step_times_s:
-        result.step_time_s = statistics.median(out.step_times_s)
-        result.step_time_spread_s = max(out.step_times_s) - min(out.step_times_s)
-        result.throughput_samples_per_s = samples_per_step / result.step_time_s
-    if out.event_times_s:
-        result.event_step_time_s = statistics.median(out.event_times_s)
-    if out.traceback and (out.status == STATUS_ERROR or cfg.debug):
-        result.traceback = out.traceback
+                  samples_per_step: int) -> ScenarioResult:
+    """``result`` with the timing, status and OOM fields of ``out``; throughput is the
+    samples one step trains (``single``: its ``ceil(B / N)`` rows; DataParallel and DDP: the
+    batch) over the median step time."""
+    times = out.step_times_s
+    step_time_s = statistics.median(times) if times else result.step_time_s
+    return dataclasses.replace(
+        result, status=out.status, message=out.message, loss=out.loss,
+        oom_device=out.oom_device, oom_bytes=out.oom_bytes, oom_phase=out.oom_phase,
+        notes=(*result.notes, *out.notes), step_times_s=tuple(times),
+        step_time_s=step_time_s,
+        step_time_spread_s=max(times) - min(times) if times else result.step_time_spread_s,
+        throughput_samples_per_s=(samples_per_step / step_time_s if times and step_time_s
+                                  else result.throughput_samples_per_s),
+        event_step_time_s=(statistics.median(out.event_times_s) if out.event_times_s
+                           else result.event_step_time_s),
+        traceback=(out.traceback if out.traceback and (out.status == STATUS_ERROR or cfg.debug)
+                   else result.traceback))

@@ -39,34 +39,44 @@ def measured_gpu(gpu: str, devices: list[int]) -> GpuSpec | None:
 
 
 def predict_beside_measured(run: RunResult, wl: Workload, ecfg: EmulationConfig,
-                            spec: GpuSpec | None) -> None:
-    """Each scenario of ``run`` that measured a step gets the step ``spec`` is predicted to
-    take for it (``ecfg``: the emulator's part of the comparison, for the GPUs measured);
+                            spec: GpuSpec | None) -> RunResult:
+    """``run`` with each scenario that measured a step given the step ``spec`` is predicted
+    to take for it (``ecfg``: the emulator's part of the comparison, for the GPUs measured);
     without ``spec``, a note says why none is predicted."""
-    measured = [s for s in run.scenarios if s.status == STATUS_OK and s.step_time_s]
-    if not measured:
-        return
+    if not any(_measured_a_step(s) for s in run.scenarios):
+        return run
     if spec is None:
-        run.notes.append("no predicted step time beside the measured one: the GPU measured "
-                         "is not in dpprof's catalog (give --gpu with the closest model)")
-        return
+        return dataclasses.replace(run, notes=(
+            *run.notes, "no predicted step time beside the measured one: the GPU measured "
+            "is not in dpprof's catalog (give --gpu with the closest model)"))
     cfg = dataclasses.replace(ecfg, gpu=spec.key, gpu_memory_bytes=_UNBOUNDED_BYTES,
                               compute=False, peaks_only=False, predict_time=True)
-    for s in measured:
-        emulated = run_scenario(s.name, wl, cfg)
-        if emulated.status == STATUS_OK and emulated.predicted_step_time_s is not None:
-            _copy_prediction(emulated, s)
+    scenarios = []
+    for s in run.scenarios:
+        if _measured_a_step(s):
+            emulated = run_scenario(s.name, wl, cfg)
+            if emulated.status == STATUS_OK and emulated.predicted_step_time_s is not None:
+                s = _with_prediction(emulated, s)
+        scenarios.append(s)
+    return dataclasses.replace(run, scenarios=tuple(scenarios))
 
 
-def _copy_prediction(emulated: ScenarioResult, s: ScenarioResult) -> None:
-    """``emulated``'s prediction into the measured ``s``: the step, and each used GPU's
+def _measured_a_step(s: ScenarioResult) -> bool:
+    return s.status == STATUS_OK and bool(s.step_time_s)
+
+
+def _with_prediction(emulated: ScenarioResult, s: ScenarioResult) -> ScenarioResult:
+    """The measured ``s`` with ``emulated``'s prediction: the step, and each used GPU's
     split by its place among the used GPUs (the measured ones carry their CUDA indices, a
     DDP rank its own row)."""
-    s.predicted_step_time_s = emulated.predicted_step_time_s
-    s.predicted_host_s = emulated.predicted_host_s
-    s.predicted_samples_per_s = emulated.predicted_samples_per_s
     mine = [d for d in s.devices if d.used]
     theirs = [d for d in emulated.devices if d.used]
+    devices = s.devices
     if len(mine) == len(theirs):
-        for d, e in zip(mine, theirs, strict=True):
-            d.predicted_busy_s = dict(e.predicted_busy_s)
+        busy = {id(d): dict(e.predicted_busy_s) for d, e in zip(mine, theirs, strict=True)}
+        devices = tuple(dataclasses.replace(d, predicted_busy_s=busy[id(d)]) if id(d) in busy
+                        else d for d in s.devices)
+    return dataclasses.replace(
+        s, predicted_step_time_s=emulated.predicted_step_time_s,
+        predicted_host_s=emulated.predicted_host_s,
+        predicted_samples_per_s=emulated.predicted_samples_per_s, devices=devices)

@@ -14,10 +14,11 @@ from :func:`dpprof.backends.cuda_host.host`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dpprof.backends.cuda import ASSUMPTIONS, run_local_scenario
 from dpprof.backends.cuda_ddp import DdpJob, RankInfo, ddp_scenario, rank_entry, spawn_ddp
@@ -78,15 +79,18 @@ def ddp_job(ccfg: CudaRunConfig, cfg: CompareConfig, run_id: str | None = None) 
     return job
 
 
-def _fill(run: RunResult, ccfg: CudaRunConfig, cfg: CompareConfig) -> None:
-    run.backend = "cuda"
-    run.assumptions = list(ASSUMPTIONS)
-    run.config["loop"] = loop_description(ccfg.warmup_steps + ccfg.steps, ccfg.steps)
-    run.assumptions.insert(1, "Measured: " + run.config["loop"] + ".")
-    run.config.update(
-        warmup_steps=ccfg.warmup_steps, steps=ccfg.steps, devices=list(ccfg.devices),
-        nvml_interval_s=ccfg.nvml_interval_s, ddp_timeout_s=cfg.ddp_timeout_s,
-    )
+def _measured(run: RunResult, ccfg: CudaRunConfig, cfg: CompareConfig, gpus: int,
+              **config: Any) -> RunResult:
+    """``run`` (made by the runner) as measured on ``gpus`` CUDA GPUs: its backend, its
+    assumptions, and the options the measurement used added to its ``config``."""
+    loop = loop_description(ccfg.warmup_steps + ccfg.steps, ccfg.steps)
+    return dataclasses.replace(
+        run, backend="cuda", gpus=gpus,
+        assumptions=(ASSUMPTIONS[0], "Measured: " + loop + ".", *ASSUMPTIONS[1:]),
+        config={**run.config, "loop": loop, "warmup_steps": ccfg.warmup_steps,
+                "steps": ccfg.steps, "devices": list(ccfg.devices),
+                "nvml_interval_s": ccfg.nvml_interval_s, "ddp_timeout_s": cfg.ddp_timeout_s,
+                "gpus": gpus, **config})
 
 
 def _capacity(ops: DeviceOps, fallback: int) -> int:
@@ -103,16 +107,14 @@ def cuda_compare(
     visible: int,
     progress: Progress | None = None,
 ) -> RunResult:
-    """Fill ``run`` (made by the runner) with every scenario of ``cfg`` measured on the
-    chosen GPUs. The DDP ranks load the workload from ``cfg.workload`` (a spec)."""
+    """``run`` (made by the runner) with every scenario of ``cfg`` measured on the chosen
+    GPUs. The DDP ranks load the workload from ``cfg.workload`` (a spec)."""
     devices = select_devices(cfg.gpus, cfg.devices, visible)
     scenarios = cfg.scenarios
     ccfg = run_config(cfg, devices)
-    _fill(run, ccfg, cfg)
-    run.gpus = len(devices)
-    run.config["gpus"] = len(devices)
+    run = _measured(run, ccfg, cfg, len(devices))
     ops = host().ops(devices)
-    run.gpu_memory_bytes = _capacity(ops, run.gpu_memory_bytes)
+    run = dataclasses.replace(run, gpu_memory_bytes=_capacity(ops, run.gpu_memory_bytes))
     # ddp first: its ranks must find the GPUs as a real DDP job does, without this process's
     # CUDA context (hundreds of MiB per GPU, never given back) that the in-process scenarios
     # create; reading the devices' properties above creates none
@@ -126,8 +128,8 @@ def cuda_compare(
             done[name] = ddp_scenario(outcomes, ccfg, len(devices))
         else:
             done[name] = run_local_scenario(name, wl, ccfg, ops)
-    run.scenarios.extend(done[name] for name in scenarios)
-    return run
+    return dataclasses.replace(run, scenarios=run.scenarios + tuple(
+        done[name] for name in scenarios))
 
 
 def torchrun_compare(run: RunResult, cfg: CompareConfig, info: RankInfo) -> RunResult | None:
@@ -138,19 +140,14 @@ def torchrun_compare(run: RunResult, cfg: CompareConfig, info: RankInfo) -> RunR
     outcomes = rank_entry(ddp_job(ccfg, cfg, run_id), info)
     if outcomes is None:
         return None
-    _fill(run, ccfg, cfg)
-    run.gpus = info.world_size
-    run.config["gpus"] = info.world_size
-    run.config["torchrun"] = True
-    run.config["world_size"] = info.world_size
+    run = _measured(run, ccfg, cfg, info.world_size, torchrun=True,
+                    world_size=info.world_size)
     caps = [d.capacity_bytes for o in outcomes for d in o.devices if d.capacity_bytes]
-    if caps:
-        run.gpu_memory_bytes = min(caps)
-    run.scenarios.append(ddp_scenario(outcomes, ccfg, info.world_size))
-    nodes = sorted({(d.node_rank, d.node) for s in run.scenarios for d in s.devices},
+    scenarios = (*run.scenarios, ddp_scenario(outcomes, ccfg, info.world_size))
+    nodes = sorted({(d.node_rank, d.node) for s in scenarios for d in s.devices},
                    key=lambda x: (x[0] is None, x[0] or 0))
-    run.notes.append(
-        f"torchrun: {info.world_size} ranks on {len(nodes)} node(s), "
-        f"{math.ceil(run.batch / info.world_size)} rows each"
-    )
-    return run
+    return dataclasses.replace(
+        run, scenarios=scenarios,
+        gpu_memory_bytes=min(caps) if caps else run.gpu_memory_bytes,
+        notes=(*run.notes, f"torchrun: {info.world_size} ranks on {len(nodes)} node(s), "
+               f"{math.ceil(run.batch / info.world_size)} rows each"))

@@ -30,6 +30,7 @@ from dpprof.backends.emulated_figures import (
     placed_devices,
     stand_in_note,
     transient_note,
+    with_gpu_overheads,
 )
 from dpprof.backends.emulated_time import fill_predicted_time
 from dpprof.emulator.context import ContextModel, device_context
@@ -42,7 +43,6 @@ from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, GpuKernels
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.op_log import OpLog
-from dpprof.emulator.reserved import fill_gpu_overheads
 from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.result import STATUS_ERROR, ScenarioResult
@@ -245,20 +245,21 @@ def _run_scenario(
             marks: dict[str, int] = {}
 
             def figures() -> None:
-                _measured_figures(result, rt, cfg, kind, shards, wrapped, model, marks["start"],
-                                  autocast_names, kernels)
+                nonlocal result
+                result = _measured_figures(result, rt, cfg, kind, shards, wrapped, model,
+                                           marks["start"], autocast_names, kernels)
                 if isinstance(wrapped, EmulatedDDP):  # its worst case measured: reaped now
                     wrapped.reap()
                 if rt.op_log is not None and result.devices:
-                    fill_predicted_time(result, rt.op_log, cfg.gpu, cfg.interconnect,
-                                        kind is not None and kind.ranks_alike)
+                    result = fill_predicted_time(result, rt.op_log, cfg.gpu, cfg.interconnect,
+                                                 kind is not None and kind.ranks_alike)
                 if cfg.host_model:  # what the model keeps on the host
-                    result.host_bytes = host_bytes(model, opt)
+                    result = dataclasses.replace(result, host_bytes=host_bytes(model, opt))
                     if trace is not None:
                         trace["host_bytes"] = dict(result.host_bytes)
 
-            hooks.iteration = _iterations(rt, result, further, warm, marks, cats, step.batch,
-                                          figures)
+            hooks.iteration = _iterations(rt, lambda: result, further, warm, marks, cats,
+                                          step.batch, figures)
             loss: torch.Tensor | None = None
             with step_stream(step.seed), contextlib.suppress(StepsDone):
                 loss = training_loop(wrapped, loss_fn, opt, batches,
@@ -271,7 +272,7 @@ def _run_scenario(
                 alongside.bucket_view_result = ledger_result(ledger, result, cfg)
             loss_val = float(loss) if cfg.compute and loss is not None else None
             del loss
-            result.loss = loss_val
+            result = dataclasses.replace(result, loss=loss_val)
             if trace is not None:
                 trace.update(rt=rt, wrapped=wrapped, params=params, model=model, optimizer=opt,
                              step_start=marks["start"], step_end=marks["end"])
@@ -282,19 +283,18 @@ def _run_scenario(
             cats.clear()
             return run_scenario(name, wl, dataclasses.replace(cfg, dedupe_replicas=False),
                                 trace)
-        result.status = STATUS_ERROR
-        result.message = f"{type(e).__name__}: {e}".strip() + error_site(e)
-        if cfg.debug:
-            result.notes.append(traceback.format_exc())
-        return result
+        return dataclasses.replace(
+            result, status=STATUS_ERROR,
+            message=f"{type(e).__name__}: {e}".strip() + error_site(e),
+            notes=result.notes + ((traceback.format_exc(),) if cfg.debug else ()))
     finally:
         cats.clear()
+    notes = list(result.notes)
     if kind is not None:
-        result.notes.extend(kind.notes(cfg.step.batch, cfg.gpus, shards))
+        notes.extend(kind.notes(cfg.step.batch, cfg.gpus, shards))
     if (float16 := replicas_float16_note(rt)) is not None:
-        result.notes.append(float16)
-    judge(result, cfg)
-    return result
+        notes.append(float16)
+    return judge(dataclasses.replace(result, notes=tuple(notes)), cfg)
 
 
 def _virtual_devices(cfg: EmulationConfig, name: str,
@@ -380,38 +380,41 @@ def _measured_figures(
     result: ScenarioResult, rt: CudaDevices, cfg: EmulationConfig, kind: Scenario | None,
     shards: list[int], wrapped: Any, model: nn.Module, start: int,
     autocast_names: CudaAutocastNames, kernels: GpuKernels,
-) -> None:
-    """The measured step's figures, taken as it ends (the loop may go on)."""
+) -> ScenarioResult:
+    """``result`` with the measured step's figures, taken as it ends (the loop may go on)."""
     used = (wrapped.used_devices if isinstance(wrapped, EmulatedDataParallel)
             else placed_devices(rt))
     sources: dict[int, int] = {}  # a device -> the one whose events it stands on
-    result.devices = device_results(rt, cfg, kind, shards, used, start, sources)
+    devices = tuple(device_results(rt, cfg, kind, shards, used, start, sources))
+    notes = list(result.notes)
     if rt.stand_ins.counts:
-        result.notes.append(stand_in_note(rt))
+        notes.append(stand_in_note(rt))
     if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
-        fill_gpu_overheads(result.devices, rt.events, context_model(cfg, model),
-                           source=lambda d: sources.get(d.index, d.index),
-                           nccl=cfg.collectives or None, blas_first=rt.blas_first,
-                           transients=rt.transients)
+        devices = with_gpu_overheads(devices, rt.events, context_model(cfg, model),
+                                     source=lambda d: sources.get(d.index, d.index),
+                                     nccl=cfg.collectives or None, blas_first=rt.blas_first,
+                                     transients=rt.transients)
     alike = kind is not None and kind.ranks_alike  # DDP's ranks: one note for all
-    for d in result.devices[:1] if alike else result.devices:
+    for d in devices[:1] if alike else devices:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
-            result.notes.append(note)
+            notes.append(note)
     if autocast_names.regions:
-        result.notes.append(
+        notes.append(
             f"torch.autocast('cuda') in the workload's code: "
             f"{autocast_names.regions} region(s) re-enacted as on a GPU "
             "(autocast's CUDA op lists)")
     if kernels.chosen:
-        result.notes.append(
+        notes.append(
             "kernels as on a GPU of compute capability {}.{}: {}".format(
                 *cfg.compute_capability,
                 ", ".join(f"{k} x{v}" for k, v in sorted(kernels.chosen.items())))
         )
+    return dataclasses.replace(result, devices=devices, notes=tuple(notes))
 
 
 def _iterations(
-    rt: CudaDevices, result: ScenarioResult, further: FurtherSteps | None, warm: int,
+    rt: CudaDevices, result: Callable[[], ScenarioResult], further: FurtherSteps | None,
+    warm: int,
     marks: dict[str, int], cats: _CategoryHooks, batch: int, figures: Callable[[], None],
 ) -> Callable[[int, bool], contextlib.AbstractContextManager[None]]:
     """The ``iteration`` hook: the measured step's window (``marks``' ``start`` and
@@ -421,7 +424,7 @@ def _iterations(
     def iteration(k: int, measured: bool) -> Iterator[None]:
         if further is not None and k > warm:  # a variant, in the same loop
             try:
-                further.begin(result)
+                further.begin(result())
             except StepsDone:
                 raise
             except Exception as e:  # the scenario's own figures stand

@@ -150,18 +150,17 @@ class FurtherSteps:
     def end(self, batch: int) -> None:
         """After a further step: its figures (peaks only)."""
         wrapped = self.wrapped
-        s = ScenarioResult(name=self.name, batch=batch)
         chunks = (list(wrapped.chunk_sizes) if wrapped.chunk_sizes is not None
                   else shard_sizes(batch, self.cfg.gpus))
-        s.devices = device_results(self.rt, dataclasses.replace(self.cfg, peaks_only=True),
-                                    self.kind, chunks, wrapped.used_devices,
-                                    self._start, {})
+        s = ScenarioResult(name=self.name, batch=batch, devices=tuple(device_results(
+            self.rt, dataclasses.replace(self.cfg, peaks_only=True), self.kind, chunks,
+            wrapped.used_devices, self._start, {})))
         log = self.rt.op_log
         if log is not None and log.on:
             log.on = False
-            fill_predicted_time(s, log, self.cfg.gpu, self.cfg.interconnect, False,
-                                self._log_start)
-        judge(s, self.cfg)
+            s = fill_predicted_time(s, log, self.cfg.gpu, self.cfg.interconnect, False,
+                                    self._log_start)
+        s = judge(s, self.cfg)
         if self.active == "output_device":
             self.alongside.output_device_result = s
         else:
@@ -226,8 +225,7 @@ def ledger_result(ledger: VariantLedger, scenario: ScenarioResult,
     template = DeviceResult(
         index=0, peak_allocated_bytes=ledger.peak_allocated,
         peak_requested_bytes=ledger.peak_requested, capacity_bytes=d.capacity_bytes,
-        used=True, batch_rows=d.batch_rows, timeline=[])
+        used=True, batch_rows=d.batch_rows)
     out = ScenarioResult(name=scenario.name, batch=scenario.batch,
-                         devices=ddp_ranks(template, len(scenario.devices)))
-    judge(out, cfg)
-    return out
+                         devices=tuple(ddp_ranks(template, len(scenario.devices))))
+    return judge(out, cfg)

@@ -6,12 +6,18 @@ peaks and categories (:func:`device_result`, :func:`device_results`, every DDP r
 from __future__ import annotations
 
 import bisect
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from dpprof.backends.emulated_config import EmulationConfig
+from dpprof.emulator.context import ContextModel
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
+from dpprof.emulator.reserved import AllocationEvent, fill_gpu_overheads
 from dpprof.emulator.vdevice import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario
@@ -28,6 +34,7 @@ __all__ = [
     "stand_in_note",
     "timeline_points",
     "transient_note",
+    "with_gpu_overheads",
 ]
 
 TIMELINE_POINTS = 400  # points kept per device and scenario (maxima of equal slices)
@@ -40,21 +47,51 @@ TRANSIENT_WORDS = {
 }
 
 
-def judge(result: ScenarioResult, cfg: EmulationConfig) -> None:
-    """Status "oom" (the first device over the GPU's memory) or "ok"."""
+def judge(result: ScenarioResult, cfg: EmulationConfig) -> ScenarioResult:
+    """``result`` with status "oom" (the first device over the GPU's memory) or "ok"."""
     # total_peak_bytes: allocated, or reserved + context where they were counted.
     over = [d for d in result.devices if d.total_peak_bytes > cfg.gpu_memory_bytes]
-    if over:
-        worst = over[0]
-        result.status = STATUS_OOM
-        result.oom_device = worst.index
-        result.oom_bytes = worst.total_peak_bytes
-        result.message = (
+    if not over:
+        return dataclasses.replace(result, status=STATUS_OK)
+    worst = over[0]
+    return dataclasses.replace(
+        result, status=STATUS_OOM, oom_device=worst.index, oom_bytes=worst.total_peak_bytes,
+        message=(
             f"out of memory on cuda:{worst.index}: needs {fmt_bytes(worst.total_peak_bytes)}"
-            f" at its peak ({worst.peak_phase}), has {fmt_bytes(cfg.gpu_memory_bytes)}"
-        )
-    else:
-        result.status = STATUS_OK
+            f" at its peak ({worst.peak_phase}), has {fmt_bytes(cfg.gpu_memory_bytes)}"))
+
+
+@dataclass
+class GpuOverheads:
+    """What :func:`~dpprof.emulator.reserved.fill_gpu_overheads` fills in for one device
+    (its :class:`~dpprof.emulator.reserved.DeviceFigures`), before the device's frozen
+    result takes it (:func:`with_gpu_overheads`)."""
+
+    index: int
+    used: bool
+    rank: int | None
+    peak_reserved_bytes: int | None
+    transient_bytes: dict[str, int]
+    steady_peak_reserved_bytes: int | None
+    workspace_bytes: int | None
+    context_bytes: int | None
+    context_breakdown_bytes: dict[str, int]
+
+
+def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[AllocationEvent],
+                       ctx: ContextModel, **options: Any) -> tuple[DeviceResult, ...]:
+    """``devices`` with the caching allocator's reserve and the context each holds
+    (:func:`~dpprof.emulator.reserved.fill_gpu_overheads`, with its ``options``)."""
+    figures = [GpuOverheads(
+        index=d.index, used=d.used, rank=d.rank, peak_reserved_bytes=d.peak_reserved_bytes,
+        transient_bytes=dict(d.transient_bytes),
+        steady_peak_reserved_bytes=d.steady_peak_reserved_bytes,
+        workspace_bytes=d.workspace_bytes, context_bytes=d.context_bytes,
+        context_breakdown_bytes=dict(d.context_breakdown_bytes)) for d in devices]
+    fill_gpu_overheads(figures, events, ctx, **options)
+    return tuple(dataclasses.replace(d, **{
+        k: v for k, v in dataclasses.asdict(f).items() if k not in ("index", "used", "rank")})
+        for d, f in zip(devices, figures, strict=True))
 
 
 def transient_note(d: DeviceResult, who: str | None = None) -> str | None:
@@ -88,7 +125,7 @@ def stand_in_note(rt: CudaDevices) -> str:
 
 
 def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, used: bool,
-                  batch_rows: int, timeline: list[TimelinePoint],
+                  batch_rows: int, timeline: Sequence[TimelinePoint],
                   start: int = 0) -> DeviceResult:
     """Virtual device ``i``'s figures (its peaks, the categories at its peak moment, the
     phase of the peak), reported as ``index``; where transients are alive at the peak
@@ -105,7 +142,7 @@ def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, u
         peak_phase=c.peak_phase,
         used=used,
         batch_rows=batch_rows,
-        timeline=timeline,
+        timeline=tuple(timeline),
         transient_bytes=steady.transient_bytes if steady else {},
         steady_peak_allocated_bytes=steady.allocated_bytes if steady else None,
     )
@@ -115,7 +152,7 @@ def ddp_ranks(template: DeviceResult, world: int) -> list[DeviceResult]:
     """Every DDP rank runs the same program on as many rows: ``template`` (rank 0's device)
     stands for all ``world`` ranks."""
     return [DeviceResult(**{**template.__dict__, "index": r, "rank": r, "used": True,
-                            "timeline": list(template.timeline)})
+                            "timeline": tuple(template.timeline)})
             for r in range(world)]
 
 
@@ -153,21 +190,21 @@ def device_results(
 
 
 
-def shift_timeline(rt: VirtualDevices, points: list[TimelinePoint], shift: int,
-                   start: int) -> list[TimelinePoint]:
+def shift_timeline(rt: VirtualDevices, points: Sequence[TimelinePoint], shift: int,
+                   start: int) -> tuple[TimelinePoint, ...]:
     """A mirror's timeline from its device's (:meth:`VirtualDevices.mirror_shift`): every
     point but the window's first ``shift`` events later, each labelled with its own
     phase (a phase may begin between an event and its mirror's)."""
     marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
     firsts = [idx for idx, _ in marks]
     names = ["", *(name for _, name in marks)]
-    out = points[:1]
+    out = list(points[:1])
     for p in points[1:]:
         t = p.t + shift
         out.append(TimelinePoint(t, p.allocated_bytes,
                                  names[bisect.bisect_right(firsts, start + int(t))],
                                  p.used_bytes))
-    return out
+    return tuple(out)
 
 
 def timeline_points(rt: VirtualDevices, index: int, start: int, *,

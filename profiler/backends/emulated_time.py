@@ -4,6 +4,7 @@ written into the scenario's result."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,9 @@ __all__ = ["fill_predicted_time", "single_step_log", "write_prediction"]
 
 
 def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconnect: str,
-                        ranks_alike: bool, start: int = 0) -> StepPrediction:
+                        ranks_alike: bool, start: int = 0) -> ScenarioResult:
     """Predict the step of ``log`` (its records from ``start`` on) on ``gpu`` (a catalog
-    name; "": the default) and write it into ``result`` (its step, samples per second, each
+    name; "": the default): ``result`` with it (its step, samples per second, each
     device's split). With ``ranks_alike`` (DDP: one rank emulated for all), every device
     gets the rank's split."""
     spec = lookup_gpu(gpu) if gpu else DEFAULT_GPU
@@ -28,26 +29,24 @@ def fill_predicted_time(result: ScenarioResult, log: OpLog, gpu: str, interconne
     pred = predict_step(log.records[start:], rates_for(spec, interconnect), H200_FIT, shown)
     # the rows the scenario's GPUs computed (single: one share)
     rows = sum(d.batch_rows for d in result.devices if d.used) or result.batch
-    write_prediction(result, pred, rows, lambda d: 0 if ranks_alike else d.index)
-    return pred
+    return write_prediction(result, pred, rows, lambda d: 0 if ranks_alike else d.index)
 
 
 def write_prediction(result: ScenarioResult, pred: StepPrediction, rows: int,
-                     source: Callable[[DeviceResult], int]) -> None:
-    """``pred`` into ``result``: its step, ``rows`` a step over it (samples per second),
+                     source: Callable[[DeviceResult], int]) -> ScenarioResult:
+    """``result`` with ``pred``: its step, ``rows`` a step over it (samples per second),
     each used device's split, read from the device ``source`` names (its emulated index)."""
-    result.predicted_step_time_s = pred.step_time_s
-    result.predicted_host_s = pred.host_s
-    if pred.step_time_s > 0:
-        result.predicted_samples_per_s = rows / pred.step_time_s
+    devices = []
     for d in result.devices:
-        if not d.used:
-            continue
-        p = pred.devices.get(source(d))
-        if p is None:
-            continue
-        d.predicted_busy_s = {"compute": p.compute_s, "communication": p.communication_s,
-                              "waiting": p.waiting_s}
+        p = pred.devices.get(source(d)) if d.used else None
+        devices.append(d if p is None else dataclasses.replace(d, predicted_busy_s={
+            "compute": p.compute_s, "communication": p.communication_s,
+            "waiting": p.waiting_s}))
+    return dataclasses.replace(
+        result, predicted_step_time_s=pred.step_time_s, predicted_host_s=pred.host_s,
+        predicted_samples_per_s=(rows / pred.step_time_s if pred.step_time_s > 0
+                                 else result.predicted_samples_per_s),
+        devices=tuple(devices))
 
 
 def single_step_log(wl: Workload, batch: int, amp: str | None = None) -> OpLog:

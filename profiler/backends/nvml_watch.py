@@ -6,8 +6,10 @@ that are not its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 from dpprof.nvml.devices import resolve_visible_devices
 from dpprof.nvml.queries import NvmlBackend
@@ -101,31 +103,32 @@ class NvmlWatch:
         if self.sampler is not None:
             self.sampler.mark(name)
 
-    def fill(self, dev: DeviceResult, cuda_index: int) -> None:
-        """Put NVML's view of ``cuda_index`` into ``dev`` (or the reason it is missing)."""
-        dev.uuid = self.uuids.get(cuda_index)
-        dev.nvml_index = self.parents.get(cuda_index)
+    def fill(self, dev: DeviceResult, cuda_index: int) -> DeviceResult:
+        """``dev`` with NVML's view of ``cuda_index`` (or the reason it is missing)."""
         nvml_index = self.map.get(cuda_index)
+        found: dict[str, Any] = {"uuid": self.uuids.get(cuda_index),
+                                 "nvml_index": self.parents.get(cuda_index)}
         if self.sampler is None or nvml_index is None:
-            dev.nvml_reason = self.unsampled.get(cuda_index) or self.reason or (
-                f"cuda:{cuda_index} not matched to an NVML device")
-            return
+            return dataclasses.replace(
+                dev, **found, nvml_reason=self.unsampled.get(cuda_index) or self.reason or (
+                    f"cuda:{cuda_index} not matched to an NVML device"))
         s = self.sampler
         samples = [x for x in s.samples if x.device == nvml_index]
-        dev.nvml_peak_used_bytes = s.peak_used_bytes(nvml_index)
+        peak = s.peak_used_bytes(nvml_index)
         if self.others and samples:
             samples = self._without_others(samples, nvml_index, cuda_index)
-            dev.nvml_peak_used_bytes = max(x.used_bytes for x in samples)
-        if dev.nvml_peak_used_bytes is None:
-            dev.nvml_reason = s.errors.get(nvml_index, "no NVML sample was taken")
+            peak = max(x.used_bytes for x in samples)
+        found["nvml_peak_used_bytes"] = peak
+        if peak is None:
+            found["nvml_reason"] = s.errors.get(nvml_index, "no NVML sample was taken")
         elif dev.peak_reserved_bytes is not None:
-            dev.nvml_unexplained_bytes = dev.nvml_peak_used_bytes - dev.peak_reserved_bytes
+            found["nvml_unexplained_bytes"] = peak - dev.peak_reserved_bytes
         if samples:
-            dev.nvml_baseline_used_bytes = samples[0].used_bytes
+            found["nvml_baseline_used_bytes"] = samples[0].used_bytes
         utils = [x.util_percent for x in samples if x.util_percent is not None]
         if utils:
-            dev.gpu_utilization_mean_percent = float(statistics.fmean(utils))
-            dev.gpu_utilization_max_percent = int(max(utils))
+            found["gpu_utilization_mean_percent"] = float(statistics.fmean(utils))
+            found["gpu_utilization_max_percent"] = int(max(utils))
         markers = s.markers
         points = []
         for x in samples:
@@ -136,11 +139,13 @@ class NvmlWatch:
                 else:
                     break
             points.append(TimelinePoint(x.t_s, x.used_bytes, phase))
-        dev.timeline = _thin(points)
+        found["timeline"] = tuple(_thin(points))
+        processes = dict(dev.process_used_bytes)
         for pid in self.pids + self.others:
-            peak = s.peak_process_bytes(nvml_index, pid)
-            if peak is not None:
-                dev.process_used_bytes[str(pid)] = peak
+            used = s.peak_process_bytes(nvml_index, pid)
+            if used is not None:
+                processes[str(pid)] = used
+        return dataclasses.replace(dev, **found, process_used_bytes=processes)
 
     def _without_others(self, samples: list[Sample], nvml_index: int,
                         cuda_index: int) -> list[Sample]:

@@ -34,6 +34,7 @@ so the sizes read back are exact only to that precision.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from dpprof.result import WatchOom
@@ -95,12 +96,10 @@ def parse_oom_line(
         )
         rest = line[m.end():]
         a = _V2_ALLOCATED.search(rest)
-        if a:
-            oom.allocated_by_pytorch_bytes = _size(a.group(1), a.group(2))
         r = _V2_RESERVED.search(rest)
-        if r:
-            oom.reserved_unallocated_bytes = _size(r.group(1), r.group(2))
-        return oom
+        return dataclasses.replace(
+            oom, allocated_by_pytorch_bytes=_size(a.group(1), a.group(2)) if a else None,
+            reserved_unallocated_bytes=_size(r.group(1), r.group(2)) if r else None)
     m = _V1.search(line)
     if m:
         g = m.groups()
@@ -115,7 +114,8 @@ def parse_oom_line(
         r = _V1_RESERVED.search(line[m.end():])
         if r and oom.allocated_by_pytorch_bytes is not None:
             reserved = _size(r.group(1), r.group(2))
-            oom.reserved_unallocated_bytes = max(reserved - oom.allocated_by_pytorch_bytes, 0)
+            return dataclasses.replace(oom, reserved_unallocated_bytes=max(
+                reserved - oom.allocated_by_pytorch_bytes, 0))
         return oom
     m = _ANY_ALLOCATOR.search(line) or _CUDA_ERROR.search(line)
     if m:

@@ -17,7 +17,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from dpprof.errors import DpprofError, Interrupted, UsageError, WorkloadError
 from dpprof.reports.escape import for_files, terminal_text, without_host
 from dpprof.reports.formats import file_suffixes, for_path, renderers
-from dpprof.result import RunResult, write_atomic
+from dpprof.result import RunResult
+from dpprof.saved_result import write_atomic
 from dpprof.scenarios.registry import SCENARIOS
 from dpprof.scenarios.workloads import load_workload
 

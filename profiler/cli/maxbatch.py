@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dpprof.answers.answer import settle
+from dpprof.answers.answer import settled
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -155,7 +155,7 @@ def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: 
 def _show_and_write(run: RunResult, paths: list[tuple[Path, str]], quiet: bool,
                     include_host: bool) -> None:
     """The verdict set, the table on the terminal unless ``quiet``, then the files."""
-    settle(run)
+    run = settled(run)
     if not quiet:
         out.print(maxbatch_renderable(build_view(for_terminal(run))))
     if paths:

@@ -18,7 +18,8 @@ from dpprof.cli.options import INCLUDE_HOST
 from dpprof.errors import DpprofError, UsageError
 from dpprof.reports import diff, terminal
 from dpprof.reports.escape import for_files, for_terminal, terminal_text, without_host
-from dpprof.result import RunResult, load, validate, write_atomic
+from dpprof.result import RunResult
+from dpprof.saved_result import load, validate, write_atomic
 from dpprof.watch.analysis import load_run
 
 # the files dpprof renders from a result: what `report` writes, not what it reads

@@ -22,7 +22,8 @@ from dpprof.cli.options import check_bounds
 from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml import libnvml
 from dpprof.reports.escape import terminal_text
-from dpprof.result import ResultFileError, RunResult
+from dpprof.result import RunResult
+from dpprof.saved_result import ResultFileError
 from dpprof.units import fmt_bytes
 from dpprof.watch.analysis import load_run
 from dpprof.watch.monitor import SpawnError, WatchConfig, Watcher, select_devices

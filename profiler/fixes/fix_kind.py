@@ -85,7 +85,7 @@ def against(name: str, title: str, s: ScenarioResult | None, baseline: ScenarioR
     q0, qmax = peaks(s)
     return Fix(name=name, title=title, primary_peak_bytes=q0, max_peak_bytes=qmax,
                saves_bytes=p0 - q0, heaviest_saves_bytes=pmax - qmax, detail=detail,
-               code=code, chunk_sizes=list(chunks or []), need_bytes=need_of(s),
+               code=code, chunk_sizes=tuple(chunks or ()), need_bytes=need_of(s),
                baseline=baseline.name, predicted_step_time_s=s.predicted_step_time_s)
 
 

@@ -4,11 +4,14 @@ reasons, and the verdict last (:func:`add_answers`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dpprof.answers.answer import needs_wanted, settle
+from dpprof.answers.answer import settled
 from dpprof.answers.attribution import attribute_run
+from dpprof.answers.comparison import compare
+from dpprof.answers.recommendation import needs_wanted
 from dpprof.emulator.catalog import lookup_gpu
 from dpprof.measure import ladder as rungs
 from dpprof.measure.equivalence import check
@@ -51,12 +54,13 @@ def add_answers(
     progress: Callable[[str, int, int], None] | None = None,
     alongside: Alongside | None = None, ladder: bool | None = None,
 ) -> RunResult:
-    """Fill the answer fields of ``run`` (in place), its verdict last, and return it;
+    """``run`` with its answer fields, its verdict last (:func:`settled`);
     ``alongside``: what the run's own scenarios measured for the fixes
     (:func:`dpprof.measure.fix_savings.alongside`); ``ladder``: measure the ladder's rungs
     (:mod:`dpprof.measure.ladder`), also without ``fixes``; None: with the fixes, where the
     data-parallel floor is out of memory."""
-    run.attribution = attribute_run(run)
+    run = dataclasses.replace(run, comparison=compare(run))  # the answers below read it
+    run = dataclasses.replace(run, attribution=attribute_run(run))
     n = len(run.scenarios)
 
     def step(name: str, i: int = 0, total: int = 0) -> None:
@@ -65,29 +69,31 @@ def add_answers(
 
     if fixes:
         step("the fixes")
-        run.fixes = evaluate(run, wl, ecfg, alongside)
+        run = dataclasses.replace(run, fixes=tuple(evaluate(run, wl, ecfg, alongside)))
     if ladder or (ladder is None and fixes and rungs.wanted(run)):
         step("the ladder")
-        run.fixes += rungs.evaluate(run, wl, ecfg)
+        notes = list(run.notes)
+        rung_fixes = rungs.evaluate(run, wl, ecfg, notes=notes)
+        run = dataclasses.replace(run, fixes=run.fixes + tuple(rung_fixes), notes=tuple(notes))
     if maxbatch:
-        run.maxbatch = run_maxbatch(
+        run = dataclasses.replace(run, maxbatch=run_maxbatch(
             wl, scenarios or tuple(s.name for s in run.scenarios), ecfg.gpus,
             ecfg.gpu_memory_bytes, gpu=gpu, multiple_of=multiple_of, emulation=ecfg,
             ladder=bool(ladder),
             progress=lambda name, i, total: step(f"largest batch: {name}" if name else ""),
-        )
+        ))
     if equivalence:
         step("the math against single")
-        run.equivalence = check(wl, run.batch, ecfg.gpus, ecfg.step.seed,
-                                scenarios or tuple(s.name for s in run.scenarios),
-                                backend=run.backend)
-    run.fail_reasons = fail_reasons(run, fail_on_imbalance, fail_on_oom)
+        run = dataclasses.replace(run, equivalence=check(
+            wl, run.batch, ecfg.gpus, ecfg.step.seed,
+            scenarios or tuple(s.name for s in run.scenarios), backend=run.backend))
+    run = dataclasses.replace(
+        run, fail_reasons=tuple(fail_reasons(run, fail_on_imbalance, fail_on_oom)))
     tried: set[str] = set()
     wanted = needs_wanted(run)
     while wanted:  # the needs that decide the answer, each emulated once
         step("what the fixes need")
-        fill_needs(run, wl, ecfg, wanted)
+        run = dataclasses.replace(run, fixes=fill_needs(run, wl, ecfg, wanted))
         tried |= set(wanted)
         wanted = [n for n in needs_wanted(run) if n not in tried]
-    settle(run)  # the one answer, computed once and stored
-    return run
+    return settled(run)  # the comparison's verdict and the one answer, derived once

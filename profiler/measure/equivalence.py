@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,7 +234,7 @@ def _has(model: nn.Module, kind: type) -> bool:
     return any(isinstance(m, kind) for m in model.modules())
 
 
-def _worst(entries: list[EquivalenceEntry]) -> float:
+def _worst(entries: Sequence[EquivalenceEntry]) -> float:
     vals = [e.grad_max_diff or 0.0 for e in entries]
     vals += [(e.loss_diff or 0.0) for e in entries]
     return max(vals, default=0.0)
@@ -264,10 +264,8 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
     scenarios = tuple(s for s in scenarios if s in DP_SCENARIOS)
     states = emulated_states(wl, batch, gpus, seed, scenarios)
     ref = states.pop(REFERENCE)
-    res = Equivalence(backend=backend, batch=batch, tolerance=tolerance,
-                      reference_loss=ref.loss,
-                      entries=compare_states(ref, states, tolerance))
-    res.largest_diff = _worst(res.entries)
+    entries = compare_states(ref, states, tolerance)
+    findings: list[EquivalenceFinding] = []
     probe_model = build_model(wl, seed)
     rows = shard_sizes(batch, gpus)
     # 1. a plain mean of per-replica losses over uneven shards
@@ -277,7 +275,7 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
         rws = fwd.extra["replica_rows"]
         plain = sum(losses) / len(losses)
         weighted = sum(lo * r for lo, r in zip(losses, rws, strict=True)) / sum(rws)
-        res.findings.append(EquivalenceFinding(
+        findings.append(EquivalenceFinding(
             kind="uneven-mean", scenario=DP_LOSS_FORWARD, effect=abs(plain - weighted),
             message=(
                 f"shards {rows} are uneven: a plain .mean() of the per-replica losses gives "
@@ -287,7 +285,7 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
                 "average over ranks has the same bias with uneven shards"
             )))
     # 2. dropout: measured by switching it off
-    base_entries = res.entries
+    base_entries = entries
     no_drop_entries = base_entries
     if _has(probe_model, nn.modules.dropout._DropoutNd):
         wl_nd = _with_model(wl, _no_dropout(wl.model))
@@ -295,7 +293,7 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
         ref_nd = st.pop(REFERENCE)
         no_drop_entries = compare_states(ref_nd, st, tolerance)
         effect = max(0.0, _worst(base_entries) - _worst(no_drop_entries))
-        res.findings.append(EquivalenceFinding(
+        findings.append(EquivalenceFinding(
             kind="dropout", effect=effect,
             message=(
                 "the model has dropout: each replica (each GPU's generator) and each DDP rank "
@@ -306,7 +304,7 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
     # 3. BatchNorm per shard: what remains without dropout
     if _has(probe_model, nn.modules.batchnorm._BatchNorm) and len(rows) > 1:
         effect = _worst(no_drop_entries)
-        res.findings.append(EquivalenceFinding(
+        findings.append(EquivalenceFinding(
             kind="batchnorm", effect=effect,
             message=(
                 "the model has BatchNorm: DataParallel replicas and DDP ranks normalise with "
@@ -317,9 +315,9 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
             )))
     # 4. reduction="sum"
     if is_sum_reduction(wl, batch, gpus, seed):
-        ddp = next((e for e in res.entries if e.scenario == DDP), None)
+        ddp = next((e for e in entries if e.scenario == DDP), None)
         effect = ddp.grad_max_diff if ddp and ddp.grad_max_diff is not None else 0.0
-        res.findings.append(EquivalenceFinding(
+        findings.append(EquivalenceFinding(
             kind="sum-reduction", scenario=DDP if ddp else "", effect=effect,
             message=(
                 "the loss uses reduction=\"sum\" (the full-batch loss is the sum of the shard "
@@ -329,7 +327,9 @@ def check(wl: Workload, batch: int, gpus: int, seed: int = 0,
                 "combine per-replica losses with (weighted / rows).sum(), not "
                 "ModelWithLoss.combine"
             )))
-    return res
+    return Equivalence(backend=backend, batch=batch, tolerance=tolerance,
+                       reference_loss=ref.loss, entries=tuple(entries), findings=tuple(findings),
+                       largest_diff=_worst(entries))
 
 
 def _with_model(wl: Workload, factory: Callable[[], nn.Module]) -> Workload:

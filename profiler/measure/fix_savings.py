@@ -68,17 +68,19 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
 
 
 def fill_needs(run: RunResult, wl: Workload, base: EmulationConfig,
-               names: list[str]) -> None:
-    """Emulate on its own each fix of ``names`` whose need is not known (one measured in a
-    step that counted peaks only: a further step of a loop, a ledger), counting as the run
-    counts (reserved memory and the context, or allocated only); its ``need_bytes`` set."""
+               names: list[str]) -> tuple[Fix, ...]:
+    """``run``'s fixes, each of ``names`` whose need is not known (one measured in a step
+    that counted peaks only: a further step of a loop, a ledger) emulated on its own,
+    counting as the run counts (reserved memory and the context, or allocated only), with
+    its ``need_bytes``."""
     trial = Trial(run, wl, dataclasses.replace(base, count_reserved=False, peaks_only=True),
                   Alongside(), run.backend == "emulated", FIXES,
                   lambda *args, **kwargs: run_scenario(*args, **kwargs),
                   baseline=baseline_of(run) or FIX_BASELINE)
-    for f in run.fixes:
-        if f.name in names and f.need_bytes is None and f.name in BY_NAME:
-            f.need_bytes = _need_alone(trial, f, base)
+    return tuple(
+        dataclasses.replace(f, need_bytes=_need_alone(trial, f, base))
+        if f.name in names and f.need_bytes is None and f.name in BY_NAME else f
+        for f in run.fixes)
 
 
 def _need_alone(trial: Trial, fix: Fix, counted: EmulationConfig) -> int | None:

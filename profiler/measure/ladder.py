@@ -140,11 +140,12 @@ def in_process_group() -> bool:
 
 
 def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
-             fsdp: bool = True) -> list[Fix]:
+             fsdp: bool = True, notes: list[str] | None = None) -> list[Fix]:
     """Emulate each rung on ``run``'s workload, batch and GPUs (on :func:`floor_scenario`),
     counting reserved memory and the context as the out-of-memory check does; the rungs
     whose step ran, as fixes against ``dp-loss-primary`` where it was measured (else the
-    floor)."""
+    floor). What could not be measured is said in ``notes`` (the run's, with those added)."""
+    notes = notes if notes is not None else list(run.notes)
     floor = floor_scenario(base.gpus)
 
     model = probe_model(wl, base.gpus)
@@ -174,8 +175,8 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
             return s
         # a rung that cannot run on this model is said, not dropped in silence
         note = f"ladder: {rung.title} could not be measured on this model: {s.message}"
-        if note not in run.notes:
-            run.notes.append(note)
+        if note not in notes:
+            notes.append(note)
         return None
 
     def fix(rung: Rung, s: ScenarioResult) -> Fix:
@@ -196,18 +197,18 @@ def evaluate(run: RunResult, wl: Workload, base: EmulationConfig,
         if s is not None:
             out.append(fix(rung, s))
     if fsdp and base.gpus > 1 and blocks and (why := fsdp2.missing()) is not None:
-        run.notes.append(f"ladder: no FSDP2 rungs: {why}")
+        notes.append(f"ladder: no FSDP2 rungs: {why}")
     if fsdp and not in_process_group():
         host_why = offload_unmeasurable(model) if base.gpus > 1 and blocks else None
         if host_why is not None:
-            run.notes.append(host_why)
+            notes.append(host_why)
         for rung in fsdp_rungs(base.gpus, blocks > 0, base.compute_capability,
                                offload=host_why is None):
             if rung.offload and any(f.need_bytes is not None
                                     and f.need_bytes <= base.gpu_memory_bytes for f in out):
                 # never the answer where a rung before it fits (its optimizer step runs on
                 # the CPU), and its emulation steps the real host: half the ladder's time
-                run.notes.append(OFFLOAD_SKIPPED)
+                notes.append(OFFLOAD_SKIPPED)
                 continue
             s = measure(rung)
             if s is not None:

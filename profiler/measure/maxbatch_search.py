@@ -29,6 +29,7 @@ import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 from dpprof.backends.emulated import EmulationConfig, probe_model, run_scenario
 from dpprof.emulator.catalog import GpuSpec
@@ -212,6 +213,7 @@ def run_maxbatch(
     out = MaxBatch(capacity_bytes=capacity_bytes, gpu=gpu.key if gpu else "",
                    multiple_of=multiple_of,
                    counts=COUNTS)
+    entries: list[MaxBatchEntry] = []
     searches = [(name, probe_emulated(name, wl, base)) for name in scenarios]
     if ladder:
         searches += ladder_probes(wl, base)
@@ -219,28 +221,28 @@ def run_maxbatch(
         if progress:
             progress(name, i, len(searches))
         best, probes, capped = search(probe, multiple_of, upper, capacity_bytes)
-        entry = MaxBatchEntry(scenario=name, max_batch=best, capped=capped,
-                              emulations=len(probes))
+        found: dict[str, Any] = {}
         if best is None:
             p = probes[multiple_of]
-            entry.errored = p.status not in (STATUS_OK, STATUS_OOM)
-            entry.message = (p.message if p.status not in (STATUS_OK, STATUS_OOM)
-                             else f"batch {multiple_of} does not fit: needs "
-                             f"{fmt_bytes(p.worst_total_bytes)} on cuda:{p.worst_device}")
-            entry.next_needed_bytes = p.worst_total_bytes
-            entry.limit_device = p.worst_device
+            found.update(
+                errored=p.status not in (STATUS_OK, STATUS_OOM),
+                message=(p.message if p.status not in (STATUS_OK, STATUS_OOM)
+                         else f"batch {multiple_of} does not fit: needs "
+                         f"{fmt_bytes(p.worst_total_bytes)} on cuda:{p.worst_device}"),
+                next_needed_bytes=p.worst_total_bytes, limit_device=p.worst_device)
         else:
-            entry.needed_bytes = probes[best].worst_total_bytes
+            found["needed_bytes"] = probes[best].worst_total_bytes
             nxt = probes.get(best + multiple_of)
             if nxt is not None:
-                entry.next_needed_bytes = nxt.worst_total_bytes
-                entry.limit_device = nxt.worst_device
+                found.update(next_needed_bytes=nxt.worst_total_bytes,
+                             limit_device=nxt.worst_device)
             if capped:
-                entry.message = f"fits up to the search bound {upper}"
-        out.entries.append(entry)
+                found["message"] = f"fits up to the search bound {upper}"
+        entries.append(MaxBatchEntry(scenario=name, max_batch=best, capped=capped,
+                                     emulations=len(probes), **found))
     if progress:
         progress("", len(searches), len(searches))
-    return out
+    return dataclasses.replace(out, entries=tuple(entries))
 
 
 def ladder_probes(wl: Workload, base: EmulationConfig) -> list[tuple[str, Probe]]:

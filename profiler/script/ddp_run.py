@@ -194,9 +194,9 @@ class DdpInPlace(Alternative):
                               f"DataParallel's {main.batch_rows} rows on its own lines, so "
                               "dpprof cannot give each rank its share")
             return
-        alt.scenario.notes.insert(0, self.sentence.format(n=n))
-        alt.scenario.notes.insert(1, f"each rank's share: {alt.batch_division}")
-        alt.scenario.notes.extend(alternative_notes(alt))
+        alt.scenario = dataclasses.replace(alt.scenario, notes=(
+            self.sentence.format(n=n), f"each rank's share: {alt.batch_division}",
+            *alt.scenario.notes, *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
                               diff_ddp(main, n, batch_sites=tuple(alt.batch_sites),

@@ -109,21 +109,21 @@ class LossInForward(Alternative):
                 alt.no_loss_forward or "the script's loss is not an nn.Module loss called "
                 "on DataParallel's outputs"))
             return
-        alt.scenario.notes.insert(0, (KEPT_OUTPUTS if unkept is not None
-                                      else SENTENCE).format(n=n))
-        alt.scenario.notes.extend(alternative_notes(alt))
+        alt_notes = [(KEPT_OUTPUTS if unkept is not None else SENTENCE).format(n=n),
+                     *alt.scenario.notes, *alternative_notes(alt)]
         detail = DETAIL
         if unkept is not None:
             further = 0  # what not gathering the outputs would save besides
             if unkept.scenario.devices and alt.scenario.devices:
                 further = (alt.scenario.devices[0].peak_allocated_bytes
                            - unkept.scenario.devices[0].peak_allocated_bytes)
-                alt.scenario.notes.append(
+                alt_notes.append(
                     "the script also uses the outputs besides the loss (" + ", ".join(used)
                     + "), so this alternative keeps them, as its code does; computing that "
                     "inside forward as well would leave them off cuda:0: "
                     f"{fmt_bytes(further)} less there at its peak")
             detail = _kept_outputs_detail(used, further)
+        alt.scenario = dataclasses.replace(alt.scenario, notes=tuple(alt_notes))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, detail, diff_loss_in_forward(alt))
         if fix is not None:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import os
 
-from dpprof.answers.answer import settle
 from dpprof.emulator.cuda_devices import STAND_INS
 from dpprof.fixes.fix_kind import FixKind
-from dpprof.result import Fix, RunResult, ScriptWrite, SealCheck
+from dpprof.result import Fix, ScriptWrite, SealCheck
 from dpprof.script.runner import ScriptConfig, ScriptRun
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "nothing_on_a_gpu",
     "relative_site",
     "script_assumptions",
-    "script_verdict",
     "seal_fields",
     "seal_notes",
     "shown_path",
@@ -99,24 +97,28 @@ def seal_fields(runs: list[tuple[str, ScriptRun]],
     """The result's ``writes`` (every run's, paths as the user names them) and ``seal``
     (how the runs were sealed, and what the check after each found)."""
     writes: list[ScriptWrite] = []
-    check = SealCheck(kept_in=os.path.abspath(keep_writes) if keep_writes else None)
     kernel = all(r.seal.kernel for _, r in runs)
-    check.lines = ["python", "kernel" if kernel else "audit hook"]
+    omitted, checked, checked_all = 0, 0, True
+    changed: list[str] = []
+    subprocesses: list[str] = []
     for name, run in runs:
         outcome = run.seal
         for w in outcome.writes[:MAX_WRITES_LISTED]:
             writes.append(ScriptWrite(run=name, path=shown_path(w.path), kind=w.kind,
                                       size_bytes=w.size_bytes,
                                       emulated_values=w.emulated_values, replaced=w.replaced))
-        check.omitted_writes += max(0, len(outcome.writes) - MAX_WRITES_LISTED)
-        check.checked_entries = max(check.checked_entries, outcome.checked_entries)
-        check.checked_all = check.checked_all and outcome.checked_complete
+        omitted += max(0, len(outcome.writes) - MAX_WRITES_LISTED)
+        checked = max(checked, outcome.checked_entries)
+        checked_all = checked_all and outcome.checked_complete
         for d in outcome.differences:
-            check.changed.append(f"{shown_path(d.path)}: {d.what} after the {name} run")
+            changed.append(f"{shown_path(d.path)}: {d.what} after the {name} run")
         for cmd in outcome.subprocesses:
-            if cmd not in check.subprocesses:
-                check.subprocesses.append(cmd)
-    return writes, check
+            if cmd not in subprocesses:
+                subprocesses.append(cmd)
+    return writes, SealCheck(
+        lines=("python", "kernel" if kernel else "audit hook"), checked_entries=checked,
+        checked_all=checked_all, changed=tuple(changed), subprocesses=tuple(subprocesses),
+        omitted_writes=omitted, kept_in=os.path.abspath(keep_writes) if keep_writes else None)
 
 
 def shown_path(path: str) -> str:
@@ -147,12 +149,6 @@ def seal_notes(check: SealCheck) -> list[str]:
                      "working directory and the script's folder): "
                      + "; ".join(check.subprocesses[:5]))
     return notes
-
-
-def script_verdict(result: RunResult) -> str:
-    """The verdict of a script's result: the one answer's, computed once and stored in the
-    result (:func:`dpprof.answers.answer.settle`), as for every other command."""
-    return settle(result).verdict
 
 
 def alternative_fix(kind: FixKind, main: ScriptRun, alt: ScriptRun, detail: str,

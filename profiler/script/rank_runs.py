@@ -58,11 +58,13 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
     the script file (its rank branches are named), None for a module. What the result's
     config records of the ranks is returned."""
     s = main.scenario
+    notes = list(s.notes)
+    devices = list(s.devices)
     # a rank whose run met tensors of two GPUs in one op (a device the launcher's rank
     # makes current in a way the emulation may not follow): said, not taken as a failure
     unsure = [r for r in others if r.devices_mixed]
     for run in unsure:
-        s.notes.append(
+        notes.append(
             f"rank {run.rank} of {world} not measured: {run.scenario.message} "
             f"(after {run.steps_done} optimizer step(s)); on a GPU that rank may fail the "
             "same way (set its device with torch.cuda.set_device(local_rank) before anything "
@@ -74,7 +76,8 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
         record["not_measured"] = [r.rank for r in unsure]
     if not others:  # rank 0's figures (every GPU a copy of them) stand for every rank
         record["taken_as"] = 0
-        s.notes.append(_ranks_sentence(ran, world, list(range(1, world)), 0, beyond))
+        notes.append(_ranks_sentence(ran, world, list(range(1, world)), 0, beyond))
+        main.scenario = dataclasses.replace(s, notes=tuple(notes))
         return record
     representative = others[-1]
     shown: dict[int, DeviceResult] = {}
@@ -83,38 +86,40 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
         if own is not None and run.local_rank < len(s.devices):
             shown[run.local_rank] = dataclasses.replace(
                 own, index=run.local_rank, rank=run.rank if own.rank is not None else None,
-                used=True, timeline=list(own.timeline))
+                used=True, timeline=tuple(own.timeline))
     template = shown.get(representative.local_rank)
     taken: list[int] = []
     for i in range(1, min(world, len(s.devices))):
         if i in shown:
-            s.devices[i] = shown[i]
+            devices[i] = shown[i]
         elif template is not None:
-            s.devices[i] = dataclasses.replace(template, index=i,
+            devices[i] = dataclasses.replace(template, index=i,
                                                rank=i if template.rank is not None else None,
-                                               timeline=list(template.timeline))
+                                               timeline=tuple(template.timeline))
             taken.append(i)
     if taken:
         record["taken_as"] = representative.rank
-    s.notes.append(_ranks_sentence(ran, world, taken, representative.rank, beyond))
+    notes.append(_ranks_sentence(ran, world, taken, representative.rank, beyond))
     excess = ("" if main.ended == "script raised" or representative.ended == "script raised"
-              else _excess_note(s.devices, representative, script))
+              else _excess_note(devices, representative, script))
     if excess:
-        s.notes.append(excess)
+        notes.append(excess)
     failed = next((r for r in others if r.ended == "script raised"), None)
     for run in others:
         if run.ended == "script raised":
-            s.notes.append(f"rank {run.rank} of {world}: {run.scenario.message} after "
+            notes.append(f"rank {run.rank} of {world}: {run.scenario.message} after "
                            f"{run.steps_done} optimizer step(s) (exit status "
                            f"{run.exit_status}); its GPU shows what it held until then")
+    s = dataclasses.replace(s, notes=tuple(notes), devices=tuple(devices))
     if failed is not None and main.ended != "script raised":
-        s.status = STATUS_ERROR
-        s.message = f"rank {failed.rank} of {world}: {failed.scenario.message}"
-        s.traceback = failed.script_traceback
-        s.oom_device = s.oom_bytes = None
+        s = dataclasses.replace(
+            s, status=STATUS_ERROR, message=f"rank {failed.rank} of {world}: "
+            f"{failed.scenario.message}", traceback=failed.script_traceback, oom_device=None,
+            oom_bytes=None)
         main.exit_status = failed.exit_status or 1
         main.script_traceback = _prefixed(failed.script_traceback or "", failed.rank)
         record["failed"] = failed.rank
+    main.scenario = s
     return record
 
 

@@ -8,8 +8,10 @@ DDP, a model placed by hand on several GPUs, one GPU) becomes a scenario's resul
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import runpy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from dpprof.backends.emulated_figures import (
     device_result,
     timeline_points,
     transient_note,
+    with_gpu_overheads,
 )
 from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
@@ -30,7 +33,7 @@ from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
+from dpprof.emulator.reserved import DeviceFigures
 from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
@@ -320,10 +323,11 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     warmup_higher = stepper.keep_higher_warmup_peaks()
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
     if rt.op_log is not None:
-        _predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
+        run.scenario = _predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
         rt.op_log = None
     if run.seal.breach is not None and run.ended == "script raised":
-        run.scenario.message = run.seal.breach  # dpprof stopped it, not the script's error
+        # dpprof stopped it, not the script's error
+        run.scenario = dataclasses.replace(run.scenario, message=run.seal.breach)
     return run
 
 
@@ -470,7 +474,6 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     kind = scenario(name)
     # the global batch, as compare's scenarios hold it: a rank's rows times the ranks
     world = run.world_size if kind.ranks_alike and run.world_size > 1 else 1
-    s = ScenarioResult(name=name, batch=run.batch_rows * world)
     start = stepper.measure_start
     split = kind.scatters_batch and run.shard_rows
     devices = [
@@ -483,7 +486,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
             0 if i in warmup_higher else start)
         for logical, i in enumerate(visible)
     ]
-    s.notes.extend(
+    notes = list(
         f"cuda:{logical} peaked in the warm-up step, at "
         f"{fmt_bytes(rt.counters[i].peak_allocated)} ({rt.counters[i].peak_phase}), above "
         f"all that followed it ({fmt_bytes(warmup_higher[i])}): that peak is reported, as "
@@ -491,40 +494,36 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     if kind.ranks_alike and run.world_size > 1:
         own = vc.visible.index(_rank_device(vc, run.local_rank))
         devices = ddp_ranks(devices[own], min(run.world_size, n))
-    s.devices = devices
     if not cfg.compute:
-        _overheads(s, vc, cfg, run.local_rank)
+        devices = list(_overheads(devices, vc, cfg, run.local_rank))
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
-    for d in [d for d in s.devices if d.used][:1 if alike else None]:
+    for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
-            s.notes.append(note)
+            notes.append(note)
+    s = ScenarioResult(name=name, batch=run.batch_rows * world, devices=tuple(devices),
+                       notes=tuple(notes))
     if exc is not None or (run.ended == "script raised"):
-        s.status = STATUS_ERROR
         if isinstance(exc, NotEmulated):  # dpprof stopped it, where the script reached that
-            s.message = str(exc)
+            message = str(exc)
         elif exc is not None:
-            s.message = (f"the script raised {type(exc).__name__}"
-                         + (f": {exc}" if str(exc) else ""))
+            message = (f"the script raised {type(exc).__name__}"
+                       + (f": {exc}" if str(exc) else ""))
         else:
-            s.message = f"the script exited with status {run.exit_status}"
-        s.traceback = run.script_traceback
-    else:
-        over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
-        untold = _below_what_the_script_was_told(s, vc, run.local_rank)
-        if untold:
-            s.status = STATUS_ERROR
-            s.message = untold
-        elif over:
-            worst = max(over, key=lambda d: d.total_peak_bytes)
-            s.status = STATUS_OOM
-            s.oom_device = worst.index
-            s.oom_bytes = worst.total_peak_bytes
-            s.message = (f"out of memory on cuda:{worst.index}: needs "
-                         f"{fmt_bytes(worst.total_peak_bytes)} at its peak ({worst.peak_phase}),"
-                         f" has {fmt_bytes(cfg.capacity_bytes)}")
-        else:
-            s.status = STATUS_OK
-    return s
+            message = f"the script exited with status {run.exit_status}"
+        return dataclasses.replace(s, status=STATUS_ERROR, message=message,
+                                   traceback=run.script_traceback)
+    over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
+    untold = _below_what_the_script_was_told(s, vc, run.local_rank)
+    if untold:
+        return dataclasses.replace(s, status=STATUS_ERROR, message=untold)
+    if over:
+        worst = max(over, key=lambda d: d.total_peak_bytes)
+        return dataclasses.replace(
+            s, status=STATUS_OOM, oom_device=worst.index, oom_bytes=worst.total_peak_bytes,
+            message=(f"out of memory on cuda:{worst.index}: needs "
+                     f"{fmt_bytes(worst.total_peak_bytes)} at its peak ({worst.peak_phase}),"
+                     f" has {fmt_bytes(cfg.capacity_bytes)}"))
+    return dataclasses.replace(s, status=STATUS_OK)
 
 
 def _rank_device(vc: VirtualCuda, local_rank: int) -> int:
@@ -537,13 +536,13 @@ def _rank_device(vc: VirtualCuda, local_rank: int) -> int:
 
 
 def _predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
-                  step_ends: list[int], local_rank: int) -> None:
-    """The measured steps' mean time on the target GPU, predicted from their ops
-    (:func:`dpprof.emulator.step_time.predict_steps`), into ``s``: a rank of DDP (or FSDP2)
+                  step_ends: list[int], local_rank: int) -> ScenarioResult:
+    """``s`` with the measured steps' mean time on the target GPU, predicted from their ops
+    (:func:`dpprof.emulator.step_time.predict_steps`): a rank of DDP (or FSDP2)
     stands for every rank; the script's devices are the visible ones it names."""
     log = vc.rt.op_log
     if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
-        return
+        return s
     ranks_from = _rank_device(vc, local_rank)
 
     def source(d: DeviceResult) -> int:
@@ -552,7 +551,7 @@ def _predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
     shown = sorted({source(d) for d in s.devices if d.used})
     rates = rates_for(cfg.gpu, cfg.interconnect)
     pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
-    write_prediction(s, pred, s.batch, source)
+    return write_prediction(s, pred, s.batch, source)
 
 
 def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
@@ -577,10 +576,11 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
     return ""
 
 
-def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
-               local_rank: int) -> None:
-    """Reserved and the CUDA context per used device: the emulator's one model
-    (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's allocations."""
+def _overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
+               local_rank: int) -> tuple[DeviceResult, ...]:
+    """``devices`` with reserved and the CUDA context per used device: the emulator's one
+    model (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's
+    allocations."""
     ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
 
     def source(d: DeviceFigures) -> int:
@@ -589,5 +589,5 @@ def _overheads(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
         # a DDP rank: the device that ran it stands for every rank
         return _rank_device(vc, local_rank)
 
-    fill_gpu_overheads(s.devices, vc.rt.events, ctx, source=source,
-                       blas_first=vc.rt.blas_first, transients=vc.rt.transients)
+    return with_gpu_overheads(devices, vc.rt.events, ctx, source=source,
+                              blas_first=vc.rt.blas_first, transients=vc.rt.transients)

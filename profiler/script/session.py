@@ -26,7 +26,7 @@ import dataclasses
 import signal
 from collections.abc import Callable
 
-from dpprof.answers.answer import partial_sentence
+from dpprof.answers.answer import partial_sentence, settled
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
@@ -40,7 +40,6 @@ from dpprof.script.notes import (
     nothing_on_a_gpu,
     relative_site,
     script_assumptions,
-    script_verdict,
     seal_fields,
     seal_notes,
     write_notes,
@@ -146,10 +145,11 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
     # (Lightning's Trainer) would run as rank 0 again
     playable = "WORLD_SIZE" in cfg.launch.env or main.spawned
     if ranks and not playable:
-        main.scenario.notes.append(
+        main.scenario = dataclasses.replace(main.scenario, notes=(
+            *main.scenario.notes,
             f"--ranks {cfg.ranks}: the script starts its ranks itself, which dpprof does "
             "not follow (it plays torchrun's, accelerate launch's and mp.spawn's): rank 0 "
-            "stands for every rank")
+            "stands for every rank"))
         ranks, beyond = [], []
     for rank in ranks:  # each shown rank 0's files (cfg.shared_files), not another rank's
         main.rank_runs.append(run_script(dataclasses.replace(cfg, rank=rank),
@@ -176,7 +176,7 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
     result = new_result(
         "emulated", cfg.launch.display, batch=main.scenario.batch, gpus=n,
         gpu_memory_bytes=cfg.capacity_bytes,
-        scenarios=[r.scenario for _, r in runs],
+        scenarios=tuple(r.scenario for _, r in runs),
         config={
             "command": "run", "launcher": cfg.launch.launcher, "script": cfg.launch.target,
             "argv": list(cfg.launch.argv), "steps": cfg.steps, "compute": cfg.compute,
@@ -189,17 +189,16 @@ def _result(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
             # the ranks run (dpprof.script.rank_runs; absent: one process)
             **({"ranks": main.ranks} if main.ranks else {}),
         },
-        assumptions=script_assumptions(cfg),
-        notes=notes,
-        fixes=fixes,
+        assumptions=tuple(script_assumptions(cfg)),
+        notes=tuple(notes),
+        fixes=tuple(fixes),
     )
     if cfg.seal:
-        result.writes, result.seal = seal_fields(runs + ranks + rungs, cfg.keep_writes)
-        result.notes.extend(seal_notes(result.seal))
-    result.comparison = compare(result)
-    result.attribution = attribute_run(result)
-    result.comparison.verdict = script_verdict(result)
-    return result
+        writes, seal = seal_fields(runs + ranks + rungs, cfg.keep_writes)
+        result = dataclasses.replace(result, writes=tuple(writes), seal=seal,
+                                     notes=(*result.notes, *seal_notes(seal)))
+    result = dataclasses.replace(result, comparison=compare(result))  # attribution reads it
+    return settled(dataclasses.replace(result, attribution=attribute_run(result)))
 
 
 def _partial(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
@@ -219,29 +218,29 @@ def _partial(cfg: ScriptConfig, runs: list[tuple[str, ScriptRun]],
             notes = [*notes, f"ladder: {cut.rung} interrupted by {name} after "
                      f"{cut.steps_done} step(s): not measured"]
         else:
-            s = cut.scenario
-            s.status, s.message = STATUS_ERROR, (
+            cut.scenario = dataclasses.replace(cut.scenario, status=STATUS_ERROR, message=(
                 f"interrupted by {name} after {cut.steps_done} of {cfg.steps} optimizer "
-                "step(s): cut short, so neither reported as measured nor compared")
+                "step(s): cut short, so neither reported as measured nor compared"))
             runs = [*runs, (cut.variant, cut)]
     if not runs or not any(d.peak_allocated_bytes for _, r in runs for d in r.scenario.devices):
         return None
-    result = _result(cfg, runs, rungs, notes, fixes, None)
-    result.interrupted = name
-    result.config["interrupted_in"] = during
-    result.notes.append(partial_sentence(result))
-    result.comparison.verdict = script_verdict(result)
-    return result
+    return _marked_interrupted(_result(cfg, runs, rungs, notes, fixes, None), name, during)
 
 
 def interrupted_while_writing(result: RunResult, signum: int) -> RunResult:
     """A whole result whose reports an interrupt stopped: marked interrupted, in every
     format."""
-    result.interrupted = signal.Signals(signum).name
-    result.config["interrupted_in"] = "the writing of the reports"
-    result.notes.append(partial_sentence(result))
-    result.comparison.verdict = script_verdict(result)
-    return result
+    return _marked_interrupted(result, signal.Signals(signum).name,
+                               "the writing of the reports")
+
+
+def _marked_interrupted(result: RunResult, signal_name: str, during: str) -> RunResult:
+    """``result`` marked interrupted by ``signal_name`` during ``during``: a note, and the
+    verdict derived again (it begins with :func:`partial_sentence`)."""
+    result = dataclasses.replace(result, interrupted=signal_name,
+                                 config={**result.config, "interrupted_in": during})
+    return settled(dataclasses.replace(result, notes=(*result.notes,
+                                                      partial_sentence(result))))
 
 
 def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
@@ -259,30 +258,31 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
 def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     """The as-written run's notes: how it ended, autocast, what it was kept from writing,
     the values read from emulated tensors."""
-    s0 = main.scenario
-    s0.notes.insert(0, how_it_ended(main, cfg))
+    s0_notes = list(main.scenario.notes)
+    s0_notes.insert(0, how_it_ended(main, cfg))
     if main.autocast_regions:
-        s0.notes.append(f"torch.autocast('cuda') in the script: {main.autocast_regions} "
+        s0_notes.append(f"torch.autocast('cuda') in the script: {main.autocast_regions} "
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
     if main.replicas_float16 is not None:
-        s0.notes.append(main.replicas_float16)
+        s0_notes.append(main.replicas_float16)
     if main.compiled:
         sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
-        s0.notes.append(
+        s0_notes.append(
             f"torch.compile at {', '.join(relative_site(x) for x in sites[:3])}: run eagerly "
             "(dpprof does not play compiled kernels); a compiled model may hold less (fused "
             "activations): these peaks are the eager model's")
     if main.kernels:
-        s0.notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
+        s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,
             ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
-    s0.notes.extend(write_notes(main))
+    s0_notes.extend(write_notes(main))
     if main.stand_ins:
-        s0.notes.append(
+        s0_notes.append(
             f"{sum(main.stand_ins.values())} value(s) read from emulated tensors answered "
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
                 f"{relative_site(site)} x{c}"
                 for site, c in list(main.stand_in_sites.items())[:5]))
-        s0.notes.extend(library_branches(main.stand_in_sites))
+        s0_notes.extend(library_branches(main.stand_in_sites))
+    main.scenario = dataclasses.replace(main.scenario, notes=tuple(s0_notes))
 

@@ -10,14 +10,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dpprof.answers.answer import settle
-from dpprof.answers.comparison import compare_scenario
+from dpprof.answers.answer import settled
 from dpprof.answers.post_mortem import post_mortem, watch_ending
 from dpprof.result import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_OOM,
-    Comparison,
     DeviceResult,
     RunResult,
     ScenarioResult,
@@ -84,7 +82,7 @@ class _Records:
 def _read(records: list[dict[str, Any]], notes: list[str]) -> _Records:
     """The records after the header, by kind; a malformed one is skipped with a note."""
     devices = [WatchDevice(**_known(WatchDevice, d)) for d in records[0].get("devices", [])]
-    by_nvml = {d.nvml_index: d for d in devices}
+    by_nvml = {d.nvml_index: i for i, d in enumerate(devices)}
     out = _Records(devices, {d.nvml_index: [] for d in devices}, {}, [], [])
     for rec in records[1:]:
         kind = rec.get("kind")
@@ -98,7 +96,8 @@ def _read(records: list[dict[str, Any]], notes: list[str]) -> _Records:
                 key = (int(rec["device"]), float(rec["t_s"]))
                 out.command_bytes[key] = out.command_bytes.get(key, 0) + int(rec["used_bytes"])
             elif kind == "stopped" and rec["device"] in by_nvml:
-                by_nvml[rec["device"]].stopped_reason = str(rec.get("reason"))
+                i = by_nvml[rec["device"]]
+                devices[i] = dataclasses.replace(devices[i], stopped_reason=str(rec.get("reason")))
             elif kind == "spawn":
                 out.spawn_t, out.pid = float(rec["t_s"]), int(rec["pid"])
             elif kind == "oom":
@@ -114,32 +113,35 @@ def _read(records: list[dict[str, Any]], notes: list[str]) -> _Records:
 
 def _device_peaks(r: _Records) -> None:
     """Each GPU's peak, its reading before the command started, and the command's own peak."""
-    for d in r.devices:
+    for i, d in enumerate(r.devices):
         points = r.series[d.nvml_index]
-        d.samples = len(points)
-        if points:
-            t_peak, d.peak_used_bytes = max(points, key=lambda p: (p[1], -p[0]))
-            d.peak_t_s = t_peak
-            before = [p for p in points if r.spawn_t is None or p[0] <= r.spawn_t]
-            d.baseline_used_bytes = (before[-1] if before else points[0])[1]
         mine = [b for (dev, _), b in r.command_bytes.items() if dev == d.nvml_index]
-        d.command_peak_bytes = max(mine) if mine else None
+        d = dataclasses.replace(d, samples=len(points),
+                                command_peak_bytes=max(mine) if mine else None)
+        if points:
+            t_peak, peak = max(points, key=lambda p: (p[1], -p[0]))
+            before = [p for p in points if r.spawn_t is None or p[0] <= r.spawn_t]
+            d = dataclasses.replace(d, peak_used_bytes=peak, peak_t_s=t_peak,
+                                    baseline_used_bytes=(before[-1] if before else points[0])[1])
+        r.devices[i] = d
 
 
 def _memory_around_ooms(r: _Records) -> None:
     """Every GPU's last reading before each out-of-memory error and its peak in the
     :data:`OOM_WINDOW_S` before it."""
     cuda_of = {d.nvml_index: d.cuda_index for d in r.devices}
-    for oom in r.ooms:
+    for i, oom in enumerate(r.ooms):
         if oom.t_s is None:
             continue
+        at, before = dict(oom.used_at_oom_bytes), dict(oom.peak_before_oom_bytes)
         for nvml_index, points in r.series.items():
             label = f"cuda:{cuda_of[nvml_index]}"
             prior = [p for p in points if p[0] <= oom.t_s]
             if prior:
-                oom.used_at_oom_bytes[label] = prior[-1][1]
+                at[label] = prior[-1][1]
                 window = [p[1] for p in prior if p[0] >= oom.t_s - OOM_WINDOW_S]
-                oom.peak_before_oom_bytes[label] = max(window or [prior[-1][1]])
+                before[label] = max(window or [prior[-1][1]])
+        r.ooms[i] = dataclasses.replace(oom, used_at_oom_bytes=at, peak_before_oom_bytes=before)
 
 
 def _scenario(name: str, watch: WatchResult, r: _Records) -> ScenarioResult:
@@ -151,17 +153,16 @@ def _scenario(name: str, watch: WatchResult, r: _Records) -> ScenarioResult:
             index=d.cuda_index, peak_allocated_bytes=d.peak_used_bytes or 0,
             capacity_bytes=d.total_bytes or 0, nvml_peak_used_bytes=d.peak_used_bytes,
             used=d.peak_used_bytes is not None,
-            timeline=[TimelinePoint(t=t, allocated_bytes=b)
-                      for t, b in _downsample(r.series[d.nvml_index], REPORT_POINTS)],
+            timeline=tuple(TimelinePoint(t=t, allocated_bytes=b)
+                           for t, b in _downsample(r.series[d.nvml_index], REPORT_POINTS)),
         )
         for d in r.devices
     ]
     first_oom = r.ooms[0] if r.ooms else None
     return ScenarioResult(
         name=name, status=status, message=watch_ending(watch),
-        devices=results, oom_device=first_oom.cuda_index if first_oom else None,
+        devices=tuple(results), oom_device=first_oom.cuda_index if first_oom else None,
         oom_bytes=first_oom.requested_bytes if first_oom else None,
-        notes=[],
     )
 
 
@@ -194,27 +195,24 @@ def build_run(
     command = [str(c) for c in header.get("command", [])]
     end = r.end
     watch = WatchResult(
-        command=command, pid=r.pid, returncode=end.get("returncode") if end else None,
+        command=tuple(command), pid=r.pid, returncode=end.get("returncode") if end else None,
         exit_status=end.get("exit_status") if end else None,
         signal=end.get("signal") if end else None, complete=end is not None,
         started=str(header.get("started", "")), duration_s=round(r.last_t, 6),
         interval_s=float(header.get("interval_s", 0.0)), samples_path=samples_path,
-        devices=devices, ooms=r.ooms, signals=r.signals,
+        devices=tuple(devices), ooms=tuple(r.ooms), signals=tuple(r.signals),
     )
     name = scenario_name(command)
     scenario = _scenario(name, watch, r)
-    comparison = Comparison()
-    sc = compare_scenario(dataclasses.replace(scenario, status=STATUS_OK))
-    if sc is not None:
-        comparison.scenarios[name] = sc
     # the one answer builder's (dpprof.answers.answer), stored for the JSON
-    watch.post_mortem, watch.next_steps = post_mortem(watch)
+    said, next_steps = post_mortem(watch)
+    watch = dataclasses.replace(watch, post_mortem=tuple(said), next_steps=tuple(next_steps))
     totals = [d.total_bytes for d in devices if d.total_bytes]
     run = new_result(  # the watcher's version, time and host, from its samples file
         BACKEND, shlex.join(command), batch=0,
         gpus=max((d.cuda_index for d in devices), default=-1) + 1,
-        gpu_memory_bytes=max(totals, default=0), scenarios=[scenario],
-        comparison=comparison, dpprof_version=str(header.get("dpprof_version", "")),
+        gpu_memory_bytes=max(totals, default=0), scenarios=(scenario,),
+        dpprof_version=str(header.get("dpprof_version", "")),
         created=watch.started,
         config={
             "command": command, "interval_s": watch.interval_s,
@@ -226,12 +224,12 @@ def build_run(
             "cuda_visible_devices": header.get("cuda_visible_devices"),
             "gpus": [f"cuda:{d.cuda_index}: {d.name} {d.uuid}" for d in devices],
         },
-        assumptions=[ASSUMPTIONS[0].format(interval=watch.interval_s), *ASSUMPTIONS[1:]],
-        notes=list(dict.fromkeys([*header.get("notes", []), *notes])),
+        assumptions=(ASSUMPTIONS[0].format(interval=watch.interval_s), *ASSUMPTIONS[1:]),
+        notes=tuple(dict.fromkeys([*header.get("notes", []), *notes])),
         watch=watch,
     )
-    settle(run)  # the one answer: the watch's verdict and post-mortem
-    return run
+    # the comparison and the one answer: the watch's verdict and post-mortem
+    return settled(run)
 
 
 def _known(tp: Any, data: Mapping[str, Any]) -> dict[str, Any]:

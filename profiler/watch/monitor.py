@@ -63,12 +63,8 @@ from dpprof.errors import DpprofError, UsageError
 from dpprof.nvml.devices import resolve_visible_devices
 from dpprof.nvml.queries import NvmlBackend
 from dpprof.nvml.sampler import NvmlSampler
-from dpprof.result import (
-    ResultFileError,
-    RunResult,
-    WatchDevice,
-    WatchOom,
-)
+from dpprof.result import RunResult, WatchDevice, WatchOom
+from dpprof.saved_result import ResultFileError
 from dpprof.version import __version__
 from dpprof.watch.analysis import load_run
 from dpprof.watch.output import OutputScanner, pump, same_stream
@@ -318,8 +314,8 @@ class Watcher:
             if oom.text in self._oom_texts:
                 return  # the same error printed twice (a log line and the traceback)
             self._oom_texts.add(oom.text)
-        oom.t_s = round(self._now(), 6)
-        self._record({"kind": "oom", **dataclasses.asdict(oom)})
+        self._record({"kind": "oom", **dataclasses.asdict(
+            dataclasses.replace(oom, t_s=round(self._now(), 6)))})
 
     def _child_env(self) -> dict[str, str]:
         env = dict(self.env)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dpprof.nvml.sampler import Event, event_to_dict
-from dpprof.result import ResultFileError, read_bounded
+from dpprof.saved_result import ResultFileError, read_bounded
 
 __all__ = ["MAX_SAMPLES_FILE_BYTES", "SAMPLES_FORMAT", "SamplesWriter", "read_records"]
 
