@@ -108,7 +108,10 @@ class Overlay:
     def canonical(self, p: str) -> str:
         """``p`` absolute with its folders' symbolic links resolved in the view (the last
         component is left as it is: a call that follows it does so with :meth:`follow`)."""
-        a = self.absolute(p)
+        return self.resolved(self.absolute(p))
+
+    def resolved(self, a: str) -> str:
+        """:meth:`canonical` of ``a``, already as :meth:`absolute` gives it."""
         if a == "/":
             return a
         head, name = os.path.split(a)
@@ -317,12 +320,16 @@ class Overlay:
         """The overlay's own entry is made at ``c``: no longer removed, and where a real one
         that is not a plain file stood there (a folder, a link), what showed through it is
         hidden."""
-        if c in self.deleted or self._real_hidden(c):
-            st = lstat_or_none(c)
-            if st is not None and not stat.S_ISREG(st.st_mode):
-                self.opaque.add(c)
+        hidden = c in self.deleted or self._real_hidden(c)
+        real = lstat_or_none(c)
+        if hidden and real is not None and not stat.S_ISREG(real.st_mode):
+            self.opaque.add(c)
         self.deleted.discard(c)
-        self._dirs.clear()
+        # folders resolved through ``c`` resolve otherwise only where a link stood or
+        # stands there, or what is removed or hidden changed; a file written over a file
+        # (every checkpoint after the first) keeps them
+        if hidden or self._has_links or (real is not None and stat.S_ISLNK(real.st_mode)):
+            self._dirs.clear()
 
     def materialize(self, c: str, shown: Any, follow_symlinks: bool = True) -> str:
         """``c`` copied up (a file, a link, or an empty folder with the real one's

@@ -208,7 +208,7 @@ class Seal:
         a = self.overlay.absolute(s)
         if self.passes(a):
             return None
-        c = self.overlay.canonical(a)
+        c = self.overlay.resolved(a)
         if self.in_kernel_tree(c):
             return None
         return c
