@@ -201,12 +201,20 @@ class Overlay:
         st = lstat_or_none(c)
         return st is not None and stat.S_ISDIR(st.st_mode)
 
+    def in_view(self, c: str) -> tuple[str, os.stat_result | None]:
+        """:meth:`where` ``c`` is, and what it is there (not following a last symbolic
+        link; None: nothing), in one look at the overlay."""
+        if self.dirty:
+            st = lstat_or_none(self.upper(c))
+            if st is not None:
+                return UPPER, st
+        if self._real_hidden(c):
+            return GONE, None
+        return REAL, lstat_or_none(c)
+
     def lstat_in_view(self, c: str) -> os.stat_result | None:
         """What ``c`` is in the view (not following a last symbolic link), or None."""
-        w = self.where(c)
-        if w == GONE:
-            return None
-        return lstat_or_none(self.upper(c) if w == UPPER else c)
+        return self.in_view(c)[1]
 
     def stat(self, c: str, follow_symlinks: bool, shown: Any) -> os.stat_result:
         if follow_symlinks:
@@ -292,8 +300,7 @@ class Overlay:
         regular one (a FIFO, a device) is opened as it is."""
         if follow_symlinks and not exclusive:
             c = self.follow(c)
-        w = self.where(c)
-        st = self.lstat_in_view(c) if w != GONE else None
+        w, st = self.in_view(c)
         if st is not None:
             if exclusive and create:
                 raise os_error(errno.EEXIST, shown)
@@ -301,6 +308,10 @@ class Overlay:
                 raise os_error(errno.EISDIR, shown)
             if w == REAL and not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
                 return c  # a FIFO, a socket, a device: not a file of the user's to change
+            if w == UPPER and stat.S_ISREG(st.st_mode):
+                # the run's own file written again (a checkpoint at every step): its folder
+                # is there, and nothing of the view changes
+                return self.upper(c)
         elif not create:
             raise self.missing(c, shown)
         self._parent_ready(c, shown)
