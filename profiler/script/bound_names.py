@@ -73,8 +73,9 @@ def patch_bound_names(patcher: Patcher, wrappers: dict[int, Any], only: str = ""
         scan.names, scan.modules = names, modules
     for key in scan.with_hits:
         module, hits = scan.found[key]
+        mod_name = getattr(module, "__name__", "")
         if sys.modules.get(key) is not module or (
-                only and not (module.__name__ == only or module.__name__.startswith(only + "."))):
+                only and not (mod_name == only or mod_name.startswith(only + "."))):
             continue
         bound = module.__dict__
         for attr in hits:
