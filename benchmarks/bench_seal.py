@@ -20,7 +20,9 @@ Cases, each ``dpprof run`` in process (``run_command``), over meta tensors unles
 3. ``checkpoint_every_step``: a script that saves a checkpoint and appends to a CSV log at
    every step (8 steps): writes through the overlay, stand-in checkpoints;
 4. ``meta_with_alternatives_5000_files``: case 1 in a working directory that holds 5,000
-   files (the check after each run walks it).
+   files (walked once before the runs; the check after each run reads the kernel's record of
+   what changed there, :mod:`dpprof.script.folder_watch`, or walks it again where there is
+   none).
 
 Cost is CPU time of the process (``time.process_time``, the kernel's time for the mounts
 included), one warm-up of each first, each figure the least of two runs, min-max over the

@@ -8,6 +8,12 @@ A file is the same when its inode, size, permissions, modification time and chan
 are: the kernel sets the change time at every write, so a file written and put back, or
 given its old modification time, still differs. A folder counts by what it holds (a new
 file is found as created). Reads change none of these.
+
+The walk after a run costs a system call per file (tens of milliseconds in a folder of
+thousands): where the kernel keeps a record of what changed in the folders walked
+(:mod:`dpprof.script.folder_watch`, begun with the walk before the runs), the state after is
+the state before with only the paths it names looked at again (and any folder made since
+walked whole); where it cannot vouch for that record, the walk is done again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import stat
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from dpprof.script.folder_watch import FolderWatch
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
            "take"]
@@ -41,6 +49,8 @@ class Snapshot:
     roots: list[str] = field(default_factory=list)
     complete: bool = True  # False: more entries than the limit; the shallowest were noted
     limit: int = LIMIT
+    # the kernel's record of changes in every folder walked, since the walk (None: none)
+    watch: FolderWatch | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -49,9 +59,11 @@ class Difference:
     what: str  # "changed" | "removed" | "created"
 
 
-def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT) -> Snapshot:
+def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT,
+         watch: bool = True) -> Snapshot:
     """Every entry under ``folders`` (not following links, not into ``exclude``), breadth
-    first, up to ``limit`` entries."""
+    first, up to ``limit`` entries; ``watch``: each folder watched from before its entries
+    are noted (:attr:`Snapshot.watch`)."""
     skip = {os.path.realpath(e) for e in exclude}
     roots: list[str] = []
     for f in folders:
@@ -59,34 +71,94 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
         if os.path.isdir(real) and real not in roots and real not in skip \
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
-    snap = Snapshot(roots=roots, limit=limit)
+    snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None)
+    _walk(roots, skip, snap.entries, limit, snap)
+    return snap
+
+
+def _walk(roots: Iterable[str], skip: set[str], entries: dict[str, Signature], limit: int,
+          snap: Snapshot | None = None) -> bool:
+    """Every entry under ``roots`` into ``entries``, breadth first, until it holds
+    ``limit``; each folder added to ``snap``'s watch before it is read. Whether all fit."""
+    watch = snap.watch if snap is not None else None
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
+        if watch is not None:
+            watch.add(folder)
         try:
             it = os.scandir(folder)
         except OSError:
             continue
         with it:
             for entry in it:
-                if len(snap.entries) >= limit:
-                    snap.complete = False
-                    return snap
+                if len(entries) >= limit:
+                    if snap is not None:
+                        snap.complete = False
+                    return False
                 if entry.path in skip:
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                snap.entries[entry.path] = _signature(st)
+                entries[entry.path] = _signature(st)
                 if stat.S_ISDIR(st.st_mode):
                     todo.append(entry.path)
-    return snap
+    return True
 
 
 def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
-    """The same walk as ``before``'s, now."""
-    return take(before.roots, exclude, before.limit)
+    """The same walk as ``before``'s, now: from ``before``'s watch where its record is
+    whole, else walked again."""
+    watch = before.watch
+    if watch is not None:
+        changed = watch.changed()
+        # a folder walked from moved or removed: what it held is named by no event
+        if watch.complete and changed.isdisjoint(before.roots):
+            return _from_changes(before, changed, {os.path.realpath(e) for e in exclude})
+    return take(before.roots, exclude, before.limit, watch=False)
+
+
+def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapshot:
+    """``before`` with each path of ``changed`` looked at again: gone (with what it held),
+    changed, or new; a folder made (or made again) since walked whole, as the walk would
+    find it (nothing in it is watched)."""
+    entries = dict(before.entries)
+    walk_again: list[str] = []
+    for path in sorted(changed):
+        if path in skip or _under(path, skip):
+            continue
+        was = before.entries.get(path)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            entries.pop(path, None)
+            if was is not None and stat.S_ISDIR(was[0]):
+                _drop_under(entries, path)
+            continue
+        sig = _signature(st)
+        if was is None and not before.complete:
+            continue  # beyond the limit, as the walk would leave it
+        entries[path] = sig
+        if stat.S_ISDIR(st.st_mode) and (was is None or not stat.S_ISDIR(was[0])
+                                          or was[1:3] != sig[1:3]):
+            _drop_under(entries, path)
+            walk_again.append(path)
+    if walk_again:
+        _walk(walk_again, skip, entries, before.limit if before.complete else 1 << 62)
+    return Snapshot(entries=entries, roots=list(before.roots), complete=before.complete,
+                    limit=before.limit)
+
+
+def _under(path: str, folders: set[str]) -> bool:
+    return any(path.startswith(f + "/") for f in folders)
+
+
+def _drop_under(entries: dict[str, Signature], folder: str) -> None:
+    inside = folder + "/"
+    for p in [p for p in entries if p.startswith(inside)]:
+        del entries[p]
 
 
 def differences(before: Snapshot, after: Snapshot,

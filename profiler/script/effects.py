@@ -46,6 +46,7 @@ from torch import nn
 from dpprof.emulator.cuda_devices import caller_site, in_dpprof
 from dpprof.emulator.patcher import Patcher
 from dpprof.script import seal
+from dpprof.script.bound_names import patch_bound_names
 from dpprof.script.seal import STAND_IN_MAGIC
 
 IsEmulated = Callable[[torch.Tensor], bool]
@@ -108,7 +109,7 @@ class ScriptEffects:
             self._originals[key] = getattr(owner, attr)
             wrappers[id(_IMPORTED.get(key, self._originals[key]))] = wrapper
             p(owner, attr, wrapper)
-        seal.patch_bound_names(self._patcher, wrappers)
+        patch_bound_names(self._patcher, wrappers)
         self._originals["warnings.showwarning"] = warnings.showwarning
         p(warnings, "showwarning", _showwarning)
         if self.silenced:

@@ -30,7 +30,8 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 
-from dpprof.script.overlay import Change, lstat_or_none
+from dpprof.script.overlay import Change
+from dpprof.script.real_fs import lstat_or_none
 
 __all__ = ["KernelOverlay", "enter", "entered", "sealed_folders", "why_not"]
 

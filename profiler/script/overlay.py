@@ -21,15 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GONE", "REAL", "UPPER", "Change", "Overlay", "OverlayEntry", "OverlayScandir",
-           "lstat_or_none", "os_error"]
+from dpprof.script.overlay_entries import OverlayEntry, OverlayScandir
+from dpprof.script.real_fs import (
+    REAL_CALLS,
+    REAL_OPEN,
+    copy_file,
+    lexists,
+    lstat_or_none,
+    os_error,
+    rmtree,
+)
+
+__all__ = ["GONE", "REAL", "UPPER", "Change", "Overlay"]
 
 UPPER = "upper"  # the run wrote it: it lives in the overlay
 REAL = "real"  # the real file (or nothing) shows through
@@ -37,71 +45,16 @@ GONE = "gone"  # the run removed it (or a folder above it)
 
 _MAX_LINKS = 40  # symbolic links followed in one lookup, as Linux's ELOOP limit
 
-# the real functions, as they were before any seal patched them
-_lstat = os.lstat
-_open = os.open
-_close = os.close
-_mkdir = os.mkdir
-_rmdir = os.rmdir
-_unlink = os.unlink
-_rename = os.rename
-_replace = os.replace
-_symlink = os.symlink
-_link = os.link
-_readlink = os.readlink
-_listdir = os.listdir
-_scandir = os.scandir
-_chmod = os.chmod
-_utime = os.utime
-_getcwd = os.getcwd
-_io_open = io.open
-
-
-def os_error(code: int, shown: Any, other: Any = None) -> OSError:
-    """The error a real call gives for ``code``, naming ``shown`` (and ``other``)."""
-    if other is None:
-        return OSError(code, os.strerror(code), shown)
-    return OSError(code, os.strerror(code), shown, None, other)
-
-
-def _lexists(p: str) -> bool:
-    try:
-        _lstat(p)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def lstat_or_none(p: str) -> os.stat_result | None:
-    try:
-        return _lstat(p)
-    except (OSError, ValueError):
-        return None
-
-
-def _rmtree(p: str) -> None:
-    """``p`` and everything under it removed, through the real functions (a symbolic link
-    is removed, not followed)."""
-    st = lstat_or_none(p)
-    if st is None:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        _unlink(p)
-        return
-    for name in _listdir(p):
-        _rmtree(os.path.join(p, name))
-    _rmdir(p)
-
-
-def _copy_file(src: str, dst: str, st: os.stat_result) -> None:
-    """``src``'s bytes, permissions and times into ``dst`` (a copy-up keeps what a real
-    file showed until the run changes it)."""
-    with _io_open(src, "rb") as a, _io_open(dst, "wb") as b:
-        while chunk := a.read(1 << 20):
-            b.write(chunk)
-    _chmod(dst, stat.S_IMODE(st.st_mode))
-    _utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-
+# the real functions (:mod:`dpprof.script.real_fs`), bound here: called on every lookup
+_lstat = REAL_CALLS["lstat"]
+_mkdir = REAL_CALLS["mkdir"]
+_replace = REAL_CALLS["replace"]
+_symlink = REAL_CALLS["symlink"]
+_link = REAL_CALLS["link"]
+_readlink = REAL_CALLS["readlink"]
+_listdir = REAL_CALLS["listdir"]
+_chmod = REAL_CALLS["chmod"]
+_getcwd = REAL_CALLS["getcwd"]
 
 @dataclass
 class Change:
@@ -114,75 +67,6 @@ class Change:
     mtime_ns: int = 0
     replaced: bool = False  # a real file stands at that path (the run's write is in its place)
     concrete: str = ""  # where its bytes are now (in the overlay)
-
-
-class OverlayEntry:
-    """One entry of a folder of the view, as :func:`os.scandir` gives it (a real
-    ``os.DirEntry`` cannot be made for a folder that exists in two places)."""
-
-    __slots__ = ("_c", "_overlay", "name", "path")
-
-    def __init__(self, name: Any, path: Any, c: str, overlay: Overlay) -> None:
-        self.name = name
-        self.path = path
-        self._c = c
-        self._overlay = overlay
-
-    def __fspath__(self) -> Any:
-        return self.path
-
-    def __repr__(self) -> str:
-        return f"<DirEntry {self.name!r}>"
-
-    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
-        return self._overlay.stat(self._c, follow_symlinks, self.path)
-
-    def inode(self) -> int:
-        return self.stat(follow_symlinks=False).st_ino
-
-    def is_symlink(self) -> bool:
-        try:
-            return stat.S_ISLNK(self.stat(follow_symlinks=False).st_mode)
-        except OSError:
-            return False
-
-    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
-        try:
-            return stat.S_ISDIR(self.stat(follow_symlinks=follow_symlinks).st_mode)
-        except OSError:
-            return False
-
-    def is_file(self, *, follow_symlinks: bool = True) -> bool:
-        try:
-            return stat.S_ISREG(self.stat(follow_symlinks=follow_symlinks).st_mode)
-        except OSError:
-            return False
-
-    def is_junction(self) -> bool:
-        return False
-
-
-class OverlayScandir:
-    """What :func:`os.scandir` returns for a folder of the view: an iterator of
-    :class:`OverlayEntry`, usable as a context manager."""
-
-    def __init__(self, entries: list[OverlayEntry]) -> None:
-        self._it = iter(entries)
-
-    def __iter__(self) -> Iterator[OverlayEntry]:
-        return self
-
-    def __next__(self) -> OverlayEntry:
-        return next(self._it)
-
-    def close(self) -> None:
-        self._it = iter(())
-
-    def __enter__(self) -> OverlayScandir:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Overlay:
@@ -224,7 +108,10 @@ class Overlay:
     def canonical(self, p: str) -> str:
         """``p`` absolute with its folders' symbolic links resolved in the view (the last
         component is left as it is: a call that follows it does so with :meth:`follow`)."""
-        a = self.absolute(p)
+        return self.resolved(self.absolute(p))
+
+    def resolved(self, a: str) -> str:
+        """:meth:`canonical` of ``a``, already as :meth:`absolute` gives it."""
         if a == "/":
             return a
         head, name = os.path.split(a)
@@ -286,7 +173,7 @@ class Overlay:
 
     def where(self, c: str) -> str:
         """:data:`UPPER`, :data:`GONE` or :data:`REAL` for the canonical path ``c``."""
-        if self.dirty and _lexists(self.upper(c)):
+        if self.dirty and lexists(self.upper(c)):
             return UPPER
         return GONE if self._real_hidden(c) else REAL
 
@@ -314,12 +201,20 @@ class Overlay:
         st = lstat_or_none(c)
         return st is not None and stat.S_ISDIR(st.st_mode)
 
+    def in_view(self, c: str) -> tuple[str, os.stat_result | None]:
+        """:meth:`where` ``c`` is, and what it is there (not following a last symbolic
+        link; None: nothing), in one look at the overlay."""
+        if self.dirty:
+            st = lstat_or_none(self.upper(c))
+            if st is not None:
+                return UPPER, st
+        if self._real_hidden(c):
+            return GONE, None
+        return REAL, lstat_or_none(c)
+
     def lstat_in_view(self, c: str) -> os.stat_result | None:
         """What ``c`` is in the view (not following a last symbolic link), or None."""
-        w = self.where(c)
-        if w == GONE:
-            return None
-        return lstat_or_none(self.upper(c) if w == UPPER else c)
+        return self.in_view(c)[1]
 
     def stat(self, c: str, follow_symlinks: bool, shown: Any) -> os.stat_result:
         if follow_symlinks:
@@ -353,7 +248,7 @@ class Overlay:
         if follow_symlinks:
             c = self.follow(c)
         w = self.where(c)
-        if w == GONE or (w == REAL and not _lexists(c)):
+        if w == GONE or (w == REAL and not lexists(c)):
             raise self.missing(c, shown)
         return self.upper(c) if w == UPPER else c
 
@@ -378,7 +273,7 @@ class Overlay:
         """The overlay's folders down to ``d`` (with the real ones' permissions)."""
         missing = []
         p = d
-        while not _lexists(self.upper(p)):
+        while not lexists(self.upper(p)):
             missing.append(p)
             if p == "/":
                 break
@@ -405,8 +300,7 @@ class Overlay:
         regular one (a FIFO, a device) is opened as it is."""
         if follow_symlinks and not exclusive:
             c = self.follow(c)
-        w = self.where(c)
-        st = self.lstat_in_view(c) if w != GONE else None
+        w, st = self.in_view(c)
         if st is not None:
             if exclusive and create:
                 raise os_error(errno.EEXIST, shown)
@@ -414,6 +308,10 @@ class Overlay:
                 raise os_error(errno.EISDIR, shown)
             if w == REAL and not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
                 return c  # a FIFO, a socket, a device: not a file of the user's to change
+            if w == UPPER and stat.S_ISREG(st.st_mode):
+                # the run's own file written again (a checkpoint at every step): its folder
+                # is there, and nothing of the view changes
+                return self.upper(c)
         elif not create:
             raise self.missing(c, shown)
         self._parent_ready(c, shown)
@@ -421,11 +319,11 @@ class Overlay:
         if w == REAL and st is not None:
             self.note_real(c)
             if truncate:  # emptied: the file is there for a call without O_CREAT
-                with _io_open(self.upper(c), "wb"):
+                with REAL_OPEN(self.upper(c), "wb"):
                     pass
                 _chmod(self.upper(c), stat.S_IMODE(st.st_mode))
             else:
-                _copy_file(c, self.upper(c), st)
+                copy_file(c, self.upper(c), st)
         self._replacing(c)
         return self.upper(c)
 
@@ -433,12 +331,16 @@ class Overlay:
         """The overlay's own entry is made at ``c``: no longer removed, and where a real one
         that is not a plain file stood there (a folder, a link), what showed through it is
         hidden."""
-        if c in self.deleted or self._real_hidden(c):
-            st = lstat_or_none(c)
-            if st is not None and not stat.S_ISREG(st.st_mode):
-                self.opaque.add(c)
+        hidden = c in self.deleted or self._real_hidden(c)
+        real = lstat_or_none(c)
+        if hidden and real is not None and not stat.S_ISREG(real.st_mode):
+            self.opaque.add(c)
         self.deleted.discard(c)
-        self._dirs.clear()
+        # folders resolved through ``c`` resolve otherwise only where a link stood or
+        # stands there, or what is removed or hidden changed; a file written over a file
+        # (every checkpoint after the first) keeps them
+        if hidden or self._has_links or (real is not None and stat.S_ISLNK(real.st_mode)):
+            self._dirs.clear()
 
     def materialize(self, c: str, shown: Any, follow_symlinks: bool = True) -> str:
         """``c`` copied up (a file, a link, or an empty folder with the real one's
@@ -484,7 +386,7 @@ class Overlay:
             for name in _listdir(c):
                 if self.where(os.path.join(c, name)) != GONE:
                     names[name] = None
-        if self.dirty and _lexists(self.upper(c)):
+        if self.dirty and lexists(self.upper(c)):
             for name in _listdir(self.upper(c)):
                 names[name] = None
         return list(names)
@@ -508,10 +410,10 @@ class Overlay:
         is not a folder."""
         if not self.dirty:
             return False
-        if self._has_links or self.deleted or self.opaque or _lexists(self.upper(c)):
+        if self._has_links or self.deleted or self.opaque or lexists(self.upper(c)):
             return True
         followed = self.follow(c)
-        if followed != c and _lexists(self.upper(followed)):
+        if followed != c and lexists(self.upper(followed)):
             return True
         p = os.path.dirname(c)
         while p != "/":
@@ -535,9 +437,9 @@ class Overlay:
         real one exists."""
         self.dirty = True
         up = self.upper(c)
-        if _lexists(up):
-            _rmtree(up)
-        if self.where(c) == REAL and _lexists(c):
+        if lexists(up):
+            rmtree(up)
+        if self.where(c) == REAL and lexists(c):
             self.note_real(c)
             self.deleted.add(c)
             # what was removed under it is part of it now
@@ -599,7 +501,7 @@ class Overlay:
             _symlink(_readlink(s), up_d)
             self._has_links = True
         elif stat.S_ISDIR(st.st_mode):
-            if not _lexists(up_d):
+            if not lexists(up_d):
                 _mkdir(up_d, stat.S_IMODE(st.st_mode) | 0o700)
             for name in self.listdir(s, s):
                 self._copy_into_upper(os.path.join(s, name), os.path.join(d, name))
@@ -608,7 +510,7 @@ class Overlay:
             _replace(up_s, up_d)
         else:
             self.note_real(s)
-            _copy_file(s, up_d, st)
+            copy_file(s, up_d, st)
 
     def symlink(self, target: str, c: str, shown: Any) -> None:
         if self.lstat_in_view(c) is not None:

@@ -1,0 +1,126 @@
+"""The kernel's own record of what changed in some folders (Linux's inotify): every entry
+created, written, truncated, given new metadata, removed or renamed in a watched folder, by
+any writer of the machine (Python, C, a subprocess), named as it happens.
+
+The check after each run (:mod:`dpprof.script.census`) reads it instead of walking and
+stat'ing every file of the user's folders again (thousands of system calls a run): only the
+paths named here can differ from the snapshot. A write through ``mmap`` alone is the one change
+inotify does not name until the file is closed; the file's own modification time tells it
+then, as it tells the walk.
+
+Where it cannot vouch for a complete record (not Linux, the kernel's limit of watches
+reached, its queue overflowed), :attr:`FolderWatch.complete` is False and the check walks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import struct
+import weakref
+
+__all__ = ["FolderWatch"]
+
+_IN_MODIFY = 0x2
+_IN_ATTRIB = 0x4
+_IN_CLOSE_WRITE = 0x8
+_IN_MOVED_FROM = 0x40
+_IN_MOVED_TO = 0x80
+_IN_CREATE = 0x100
+_IN_DELETE = 0x200
+_IN_DELETE_SELF = 0x400
+_IN_MOVE_SELF = 0x800
+_IN_Q_OVERFLOW = 0x4000
+_IN_ONLYDIR = 0x01000000
+_IN_DONT_FOLLOW = 0x02000000
+# every change of an entry of the folder or of the folder itself; no reads
+_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
+         | _IN_CREATE | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF
+         | _IN_ONLYDIR | _IN_DONT_FOLLOW)
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (the name follows, NUL padded)
+
+_LIBC: list[ctypes.CDLL] = []
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            libc.inotify_init1.argtypes = [ctypes.c_int]
+            libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        except (OSError, AttributeError):
+            return None
+        _LIBC.append(libc)
+    return _LIBC[0]
+
+
+class FolderWatch:
+    """A watch over the folders handed to :meth:`add` from then on (see the module);
+    :meth:`changed` names every path that changed since, and :attr:`complete` says whether
+    that record is whole."""
+
+    def __init__(self) -> None:
+        self.complete = False
+        self._fd = -1
+        self._folder_of: dict[int, str] = {}  # watch descriptor -> its folder
+        self._changed: set[str] = set()
+        self._libc = _libc() if os.name == "posix" else None
+        if self._libc is None:
+            return
+        fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            return
+        self._fd = fd
+        weakref.finalize(self, _close, fd)
+        self.complete = True
+
+    def add(self, folder: str) -> None:
+        """``folder`` watched from now on (before what it holds is noted: nothing that
+        changes after the note goes unseen)."""
+        if not self.complete or self._libc is None:
+            return
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(folder), _MASK)
+        if wd < 0:  # the limit of watches (fs.inotify.max_user_watches), or gone
+            self.complete = False
+            return
+        self._folder_of[wd] = folder
+
+    def changed(self) -> set[str]:
+        """Every path (in a watched folder, or a watched folder itself) that changed since
+        the watch began: the events read so far and any queued now."""
+        if self.complete:
+            self._read()
+        return self._changed
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.complete = False
+                return
+            if not data:
+                return
+            offset = 0
+            while offset < len(data):
+                wd, mask, _cookie, size = _EVENT.unpack_from(data, offset)
+                offset += _EVENT.size
+                name = data[offset:offset + size].rstrip(b"\0")
+                offset += size
+                if mask & _IN_Q_OVERFLOW:  # events were lost: the record is not whole
+                    self.complete = False
+                    return
+                folder = self._folder_of.get(wd)
+                if folder is None:
+                    continue
+                self._changed.add(os.path.join(folder, os.fsdecode(name)) if name
+                                  else folder)
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

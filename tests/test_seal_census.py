@@ -1,0 +1,126 @@
+"""The check after each run, read from the kernel's record of changes (inotify) instead of a
+walk that stats every file: for any program of changes, by any writer, it finds exactly what
+the full walk finds; where the record is not whole, it walks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpprof.script import census
+from dpprof.script.folder_watch import FolderWatch
+
+
+def tree(root: Path) -> None:
+    for k in range(12):
+        sub = root / "data" / str(k // 4)
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"{k}.bin").write_bytes(bytes([k]) * 8)
+    (root / "log.csv").write_text("step,loss\n")
+    (root / "link").symlink_to("log.csv")
+
+
+def walked(before: census.Snapshot) -> list[census.Difference]:
+    """What the full walk finds (the record not consulted)."""
+    return census.differences(before, census.take(before.roots, watch=False, limit=before.limit))
+
+
+def from_record(before: census.Snapshot) -> list[census.Difference]:
+    assert before.watch is not None and before.watch.complete
+    return census.differences(before, census.again(before))
+
+
+# each change as a writer makes it; "sh" ones by a process of their own, unseen by Python
+CHANGES = {
+    "rewrite in place (C stdio, a shell)": lambda r: subprocess.run(
+        ["sh", "-c", f"printf x > '{r}/data/0/0.bin'"], check=True),
+    "append": lambda r: (r / "log.csv").open("a").write("1,0.5\n"),
+    "same bytes, old times put back": lambda r: (
+        (r / "data/1/4.bin").write_bytes(bytes([4]) * 8),
+        os.utime(r / "data/1/4.bin", ns=(0, 0))),
+    "chmod": lambda r: (r / "data/1/5.bin").chmod(0o600),
+    "remove": lambda r: (r / "data/2/8.bin").unlink(),
+    "create": lambda r: (r / "data/0/new.bin").write_bytes(b"n"),
+    "atomic replace": lambda r: ((r / "tmp").write_text("t"), os.replace(r / "tmp", r / "log.csv")),
+    "folder renamed away": lambda r: os.rename(r / "data/2", r / "elsewhere"),
+    "folder removed and made again": lambda r: (
+        shutil.rmtree(r / "data/1"), (r / "data/1").mkdir(), (r / "data/1/4.bin").write_text("z")),
+    "new folders with files": lambda r: (
+        (r / "out/a/b").mkdir(parents=True), (r / "out/a/b/c.txt").write_text("c")),
+    "link retargeted": lambda r: ((r / "link").unlink(), (r / "link").symlink_to("data")),
+    "a read": lambda r: (r / "data/0/1.bin").read_bytes(),
+}
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=st.lists(st.sampled_from(sorted(CHANGES)), max_size=5))
+def test_the_record_finds_what_the_walk_finds(tmp_path_factory: pytest.TempPathFactory,
+                                              program: list[str]) -> None:
+    root = tmp_path_factory.mktemp("user")
+    tree(root)
+    before = census.take([str(root)])
+    assert from_record(before) == walked(before) == []
+    for change in program:
+        with contextlib.suppress(OSError):  # one that needs what an earlier one removed
+            CHANGES[change](root)
+        # after each run: as the walk, and the same again after a later run (the record
+        # keeps what changed since the snapshot, not since the last check)
+        assert from_record(before) == walked(before), program
+
+
+def test_a_change_the_folders_times_do_not_show_is_found(tmp_path: Path) -> None:
+    """A file rewritten in place by another process leaves its folder's times as they were:
+    the record names it all the same."""
+    tree(tmp_path)
+    before = census.take([str(tmp_path)])
+    folder_before = os.lstat(tmp_path / "data/0")
+    subprocess.run(["sh", "-c", f"printf x > '{tmp_path}/data/0/0.bin'"], check=True)
+    assert os.lstat(tmp_path / "data/0").st_mtime_ns == folder_before.st_mtime_ns
+    assert from_record(before) == [census.Difference(str(tmp_path / "data/0/0.bin"),
+                                                     "changed")]
+
+
+def test_paths_left_out_are_left_out_of_the_record_too(tmp_path: Path) -> None:
+    tree(tmp_path)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    before = census.take([str(tmp_path)], exclude=[str(kept)])
+    (kept / "w.txt").write_text("a write dpprof keeps")
+    (tmp_path / "data/0/0.bin").write_bytes(b"changed")
+    after = census.again(before, [str(kept)])
+    assert census.differences(before, after) == [
+        census.Difference(str(tmp_path / "data/0/0.bin"), "changed")]
+
+
+def test_where_the_record_is_not_whole_the_check_walks(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue that overflowed (or no inotify at all): the walk, finding the change."""
+    tree(tmp_path)
+    before = census.take([str(tmp_path)])
+    assert before.watch is not None
+    (tmp_path / "data/0/0.bin").write_bytes(b"changed")
+    monkeypatch.setattr(FolderWatch, "changed", lambda self: (
+        setattr(self, "complete", False), set())[1])
+    walks: list[object] = []
+    real_take = census.take
+    monkeypatch.setattr(census, "take", lambda *a, **k: walks.append(a) or real_take(*a, **k))
+    assert census.differences(before, census.again(before)) == [
+        census.Difference(str(tmp_path / "data/0/0.bin"), "changed")]
+    assert walks
+
+
+def test_a_folder_walked_from_moved_away_makes_the_check_walk(tmp_path: Path) -> None:
+    user = tmp_path / "user"
+    user.mkdir()
+    tree(user)
+    before = census.take([str(user)])
+    os.rename(user, tmp_path / "moved")
+    assert census.differences(before, census.again(before)) == walked(before) != []
