@@ -56,7 +56,20 @@ CHANGES = {
         (r / "out/a/b").mkdir(parents=True), (r / "out/a/b/c.txt").write_text("c")),
     "link retargeted": lambda r: ((r / "link").unlink(), (r / "link").symlink_to("data")),
     "a read": lambda r: (r / "data/0/1.bin").read_bytes(),
+    "hard link from a folder not watched, written through it (a shell)":
+        lambda r: _write_through_a_link_outside(r, "data/0/2.bin"),
 }
+
+
+def _write_through_a_link_outside(root: Path, rel: str) -> None:
+    """A hard link to the user's file made in a folder outside the watched ones, and the
+    file appended to through that link by another process: no event of the file's folder
+    tells either."""
+    outside = root.parent / f"{root.name}-outside"
+    outside.mkdir(exist_ok=True)
+    link = outside / f"{len(list(outside.iterdir()))}.lnk"
+    os.link(root / rel, link)
+    subprocess.run(["sh", "-c", f"printf y >> '{link}'"], check=True)
 
 
 @settings(max_examples=40, deadline=None,
@@ -86,6 +99,17 @@ def test_a_change_the_folders_times_do_not_show_is_found(tmp_path: Path) -> None
     assert os.lstat(tmp_path / "data/0").st_mtime_ns == folder_before.st_mtime_ns
     assert from_record(before) == [census.Difference(str(tmp_path / "data/0/0.bin"),
                                                      "changed")]
+
+
+def test_a_write_through_a_hard_link_made_outside_is_found(tmp_path: Path) -> None:
+    """``link()`` tells the file's inode, not its folder, and a write through the new link
+    is an event of the link's folder: the file's own watch names it."""
+    user = tmp_path / "user"
+    tree(user)
+    before = census.take([str(user)])
+    _write_through_a_link_outside(user, "data/0/2.bin")
+    assert from_record(before) == walked(before) == [
+        census.Difference(str(user / "data/0/2.bin"), "changed")]
 
 
 def test_paths_left_out_are_left_out_of_the_record_too(tmp_path: Path) -> None:

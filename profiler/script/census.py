@@ -98,6 +98,8 @@ def _walk(roots: Iterable[str], skip: set[str], entries: dict[str, Signature], l
                     return False
                 if entry.path in skip:
                     continue
+                if watch is not None and entry.is_file(follow_symlinks=False):
+                    watch.add_file(entry.path)  # before it is noted, as its folder
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:

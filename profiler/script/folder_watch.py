@@ -4,7 +4,11 @@ any writer of the machine (Python, C, a subprocess), named as it happens.
 
 The check after each run (:mod:`dpprof.script.census`) reads it instead of walking and
 stat'ing every file of the user's folders again (thousands of system calls a run): only the
-paths named here can differ from the snapshot. A write through ``mmap`` alone is the one change
+paths named here can differ from the snapshot. Each file is watched by its inode as well as
+through its folder: a folder's watch names what is done through its own entries, and a
+hard link made from a folder nobody watches (``link()`` tells the file's inode, not the
+folder) would write the user's file unseen; the inode's own watch names it whichever path
+wrote it. A write through ``mmap`` alone is the one change
 inotify does not name until the file is closed; the file's own modification time tells it
 then, as it tells the walk.
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import os
 import struct
 import weakref
@@ -39,6 +44,9 @@ _IN_DONT_FOLLOW = 0x02000000
 _MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO
          | _IN_CREATE | _IN_DELETE | _IN_DELETE_SELF | _IN_MOVE_SELF
          | _IN_ONLYDIR | _IN_DONT_FOLLOW)
+# every change of a file's inode, through whichever of its links (its link count included)
+_FILE_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_DELETE_SELF | _IN_MOVE_SELF
+              | _IN_DONT_FOLLOW)
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (the name follows, NUL padded)
 
 _LIBC: list[ctypes.CDLL] = []
@@ -65,6 +73,8 @@ class FolderWatch:
         self.complete = False
         self._fd = -1
         self._folder_of: dict[int, str] = {}  # watch descriptor -> its folder
+        # watch descriptor -> the paths of a watched file (two hard links: one inode, one wd)
+        self._paths_of: dict[int, set[str]] = {}
         self._changed: set[str] = set()
         self._libc = _libc() if os.name == "posix" else None
         if self._libc is None:
@@ -86,6 +96,17 @@ class FolderWatch:
             self.complete = False
             return
         self._folder_of[wd] = folder
+
+    def add_file(self, path: str) -> None:
+        """The file at ``path`` watched by its inode from now on (before it is noted)."""
+        if not self.complete or self._libc is None:
+            return
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(path), _FILE_MASK)
+        if wd < 0:  # the limit of watches, or gone (then its folder's watch names it)
+            if ctypes.get_errno() != errno.ENOENT:
+                self.complete = False
+            return
+        self._paths_of.setdefault(wd, set()).add(path)
 
     def changed(self) -> set[str]:
         """Every path (in a watched folder, or a watched folder itself) that changed since
@@ -114,6 +135,10 @@ class FolderWatch:
                 if mask & _IN_Q_OVERFLOW:  # events were lost: the record is not whole
                     self.complete = False
                     return
+                paths = self._paths_of.get(wd)
+                if paths is not None:  # a file's own watch: it names no entry
+                    self._changed.update(paths)
+                    continue
                 folder = self._folder_of.get(wd)
                 if folder is None:
                     continue
