@@ -17,6 +17,7 @@ backend initialises that fake group.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -631,6 +632,11 @@ def install(vc: VirtualCuda, patch: Patch) -> None:
     patch(dp_mod, "data_parallel", data_parallel)
     for owner in (nn.parallel, ddp_mod):
         patch(owner, "DistributedDataParallel", VirtualDDP)
+    # a library imported before the run holds the real classes by name (Lightning's DDP
+    # strategy: ``from torch.nn.parallel.distributed import DistributedDataParallel``), and
+    # the real DDP over the fake group reads back a stand-in from its parameter check
+    for real, virtual in ((_DataParallel, VirtualDataParallel), (_DDP, VirtualDDP)):
+        patch(real, "__init__", _making_virtual(real, virtual))
     _install_distributed(vc, patch)
     vc.enter_context(engines_refused())
 
@@ -751,6 +757,24 @@ def _install_fsdp(vc: VirtualCuda) -> None:
     vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
     vc.enter_context(fsdp.collectives_labelled())
     vc.enter_context(fsdp.collectives_logged())  # for the predicted step time
+
+
+def _making_virtual(real: type, virtual: type) -> Callable[..., None]:
+    """``real.__init__`` while emulating: an instance of ``real`` itself becomes one of
+    ``virtual`` (its subclass, of the same layout) and is initialised as that; ``virtual``'s
+    own ``super().__init__`` runs the real one. (Not ``__new__``: CPython keeps the slot of an
+    assigned ``__new__`` after it is deleted, and ``object.__new__`` then refuses arguments.)"""
+    real_init = real.__dict__["__init__"]
+
+    @functools.wraps(real_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self) is real:
+            object.__setattr__(self, "__class__", virtual)
+            virtual.__init__(self, *args, **kwargs)  # type: ignore[misc]
+        else:
+            real_init(self, *args, **kwargs)
+
+    return __init__
 
 
 @contextlib.contextmanager
