@@ -248,3 +248,30 @@ def test_the_wrappers_a_library_took_before_the_run_are_emulated(
     assert (torch.nn.DataParallel.__init__,
             torch.nn.parallel.DistributedDataParallel.__init__) == real_inits
 
+
+def test_a_script_started_by_accelerate_launch_from_the_command_line(work: Path) -> None:
+    """``dpprof run -- accelerate launch --num_processes 4 train.py``, as accelerate's users
+    start every script: four DDP ranks, accelerate's loaders sharding the batches,
+    ``save_state`` and ``save_model`` writing into the run's overlay, never over the user's
+    ``model.safetensors`` (run_cli: every file of the folder hashed before and after)."""
+    pytest.importorskip("accelerate")
+    (work / "out").mkdir()
+    (work / "out" / "model.safetensors").write_bytes(b"the user's model of yesterday")
+    result, output = run_cli(work, ["accelerate", "launch", "--num_processes", "4",
+                                    str(SCRIPTS / "accelerate_train.py"),
+                                    "--output_dir", "out", "--batch_size", "64"])
+    # 2,048 rows in batches of 64, each rank every fourth: 8 batches a rank; torch's own
+    # class name, as accelerate wraps the model
+    assert output.count("4 processes, DistributedDataParallel, 8 steps an epoch") == 1, output
+    assert [s["name"] for s in result["scenarios"]] == ["ddp"]
+    ddp = scenario(result, "ddp")
+    assert ddp["batch"] == 4 * 64 and [d["batch_rows"] for d in ddp["devices"]] == [64] * 4
+    params_bytes = sum(r512(4 * n) for n in (128 * 1024, 1024, 1024 * 10, 10))
+    for rank in breakdowns(ddp):
+        assert rank["parameters"] == params_bytes
+        assert rank["optimizer_state"] == 2 * params_bytes  # AdamW's exp_avg, exp_avg_sq
+    # accelerate's save_state at step 2, into the overlay (the user's file stands: the
+    # folder's digest in run_cli)
+    written = {w["path"] for w in result["writes"] if w["run"] == "as-written"}
+    assert {f"out/step_2/{name}" for name in ("model.safetensors", "optimizer.bin",
+                                              "scheduler.bin")} <= written
