@@ -135,8 +135,11 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         _log().used_devices = used
         replicas = replicate(rt, module, used, not torch.is_grad_enabled())
         outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
-        if all(t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
-            _log().replica_scalars = True  # per-replica losses: the loss is inside forward
+        # per-replica losses: the loss is inside forward (with ModelWithLoss's keep_outputs,
+        # beside the outputs)
+        if isinstance(module, ModelWithLoss) or all(
+                t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
+            _log().replica_scalars = True
         with rt.category("outputs"):
             return gather(rt, outputs, vc.index_of(self.output_device), self.dim)
 
