@@ -17,6 +17,9 @@ with ``DataParallel``'s ``buffer_size``), each rounded so.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,21 +187,32 @@ def test_a_torchvision_reference_style_train_py(work: Path, launcher: list[str])
 
 
 @pytest.mark.slow
-# the script's own warnings (Lightning's categories): pytest-xdist's controller imports a
-# warning's category's module to show it, and importing lightning there imports torchvision,
-# whose C ops do not load over a CPU torch (this process has the shim, that one not)
-@pytest.mark.filterwarnings("ignore")
 def test_a_lightning_module_under_trainer_strategy_ddp_that_checkpoints(work: Path) -> None:
     """Lightning starts the other ranks itself (``Trainer(strategy="ddp", devices=4)`` from
     a plain ``python``): each rank its own process on its own GPU, ModelCheckpoint writing
-    into the run's overlay, never over the user's ``last.ckpt``. In pytest's process, with
-    Lightning imported before the run, as a notebook would."""
+    into the run's overlay, never over the user's ``last.ckpt``."""
     pytest.importorskip("lightning")
     (work / "checkpoints").mkdir()
     (work / "checkpoints" / "last.ckpt").write_bytes(b"the user's checkpoint of yesterday")
-    # lightning imported above, before the run (its DDP strategy holds torch's own class)
-    result, output = run_cli(work, ["python", str(SCRIPTS / "lightning_ddp.py"),
-                                    "--batch-size", "32"])
+    # in a process of its own: Lightning's Trainer starts the other ranks as real processes
+    # (dpprof does not play its launcher yet), and once they fail its _ChildProcessObserver
+    # SIGKILLs the process that started them, which in pytest's would be the test worker;
+    # the torchvision shim through sitecustomize, as torchmetrics imports torchvision
+    site = work.parent / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from torchvision_shim import import_torchvision\nimport_torchvision()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parent)])}
+    before = digest_tree(work), digest_tree(SCRIPTS)
+    out = work.parent / "r.json"
+    done = subprocess.run([sys.executable, "-m", "dpprof", "run", "--gpus", "4", "--steps", "3",
+                           "-o", str(out), "--", "python", str(SCRIPTS / "lightning_ddp.py"),
+                           "--batch-size", "32"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert (digest_tree(work), digest_tree(SCRIPTS)) == before
+    result = json.loads(out.read_text())
     assert output.count("first batch: (32, 64) per rank, 4 ranks") == 1, output
     assert [s["name"] for s in result["scenarios"]] == ["ddp"]
     ddp = scenario(result, "ddp")
