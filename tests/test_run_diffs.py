@@ -19,6 +19,8 @@ import re
 import shutil
 import subprocess
 import symtable
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +86,20 @@ def unresolved_imports(source: str) -> list[str]:
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            bad += [a.name for a in node.names if importlib.util.find_spec(a.name) is None]
+            bad += [a.name for a in node.names if not module_found(a.name)]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             module = importlib.import_module(node.module)
             bad += [f"{node.module}.{a.name}" for a in node.names
                     if not hasattr(module, a.name)
-                    and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+                    and not module_found(f"{node.module}.{a.name}")]
     return bad
+
+
+def module_found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # loaded, and put itself in sys.modules without a spec (as
+        return name in sys.modules  # torch.backends.cudnn puts its PropModule)
 
 
 def launcher(diff: str, name: str) -> list[str]:
@@ -112,13 +121,21 @@ def test_every_change_offered_applies_compiles_and_peaks_as_promised(
     result = offered[script]
     fixes = {f["name"]: f for f in result["fixes"]}
     assert set(fixes) == set(FIXES), sorted(fixes)  # each offered fix is one of the cases
-    fix = fixes[fix_name]
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    check_the_change(script, [], fixes[fix_name], fixed, tmp_path / "again.json", monkeypatch)
+
+
+def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: Path,
+                     out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fix``'s diff applied to ``script`` (as ``patch`` applies it) in the folder
+    ``fixed``; the patched file compiles, uses no undefined name, imports what exists; run
+    there under ``dpprof run`` as the diff says (``args`` the script's own), it peaks as
+    ``fix`` promised, to the byte."""
     code = fix["code"]
     assert code.startswith(f"--- {script} (as written)\n+++ {script} ("), code[:300]
     original = (SCRIPTS / script).read_text()
     patched = apply_diff(original, code)
-    fixed = tmp_path / "fixed"
-    fixed.mkdir()
     if shutil.which("patch"):  # the diff as a user applies it
         (fixed / script).write_text(original)
         diff = "\n".join(line for line in code.splitlines() if not line.startswith("# "))
@@ -133,11 +150,11 @@ def test_every_change_offered_applies_compiles_and_peaks_as_promised(
 
     monkeypatch.chdir(fixed)
     command = launcher(code, script)
-    assert (command[0] == "torchrun") == (fix_name != "loss-in-forward")
-    again = _run(["--", *command], tmp_path / "again.json")
+    assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward")
+    again = _run(["--", *command, *args], out)
     ran = again["scenarios"][0]
     assert ran["status"] == "ok", ran
-    assert ran["name"] == ("dp-loss-forward" if fix_name == "loss-in-forward" else "ddp")
+    assert ran["name"] == ("dp-loss-forward" if fix["name"] == "loss-in-forward" else "ddp")
     peaks = [d["peak_allocated_bytes"] for d in ran["devices"]]
     assert peaks[0] == fix["primary_peak_bytes"], (peaks, fix["primary_peak_bytes"])
     assert max(peaks) == fix["max_peak_bytes"], (peaks, fix["max_peak_bytes"])
@@ -156,3 +173,81 @@ def test_the_name_checks_catch_what_the_issue_found() -> None:
         "make_optimizer", "torch.optim.SGD")) == []
     assert unresolved_imports("from torch.utils.data import NoSuchSampler\n") == [
         "torch.utils.data.NoSuchSampler"]
+
+
+# The framework-style scripts (tests/scripts/) that DataParallel runs in one process: each
+# with the arguments and files it needs in its working folder, and the changes it is offered
+DP_FIXES = ("loss-in-forward", "ddp", "gradient-as-bucket-view")
+FRAMEWORK_SCRIPTS: dict[str, list[str]] = {
+    "imagenet_dummy.py": ["--dummy", "-b", "16", "--epochs", "1"],
+    "timm_style_train.py": ["--data-dir", "data", "-b", "8", "--img-size", "64", "-j", "0"],
+}
+# the changes dpprof cannot give as a diff of the script's lines, and the line it prints
+NOT_A_DIFF = {
+    ("timm_style_train.py", "loss-in-forward"):
+        "# no rewrite of the script's lines: `loss_fn` is not defined where the model is "
+        "wrapped",
+}
+# timm's create_loader is not a DataLoader call the DDP rewrite divides: the diff leaves
+# batch_size as written (a comment asks for batch_size // 4), so each rank of the patched
+# script loads 8 rows where the DDP alternative measured 2 (peaks 15.4 MB against 10.1 MB
+# promised); the rewrite is the fix kinds' (profiler/script/rewrite.py), not changed here
+UNDIVIDED = pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="the DDP diff leaves timm's create_loader's batch_size undivided")
+FRAMEWORK_CASES = [
+    pytest.param(script, fix, marks=[UNDIVIDED] if (script, fix) in {
+        ("timm_style_train.py", "ddp"),
+        ("timm_style_train.py", "gradient-as-bucket-view")} else [])
+    for script in FRAMEWORK_SCRIPTS for fix in DP_FIXES]
+
+
+def framework_folder(folder: Path, script: str) -> Path:
+    """``folder`` with what ``script`` reads there (an image folder for timm's style)."""
+    from test_run_framework_scripts import image_folder
+
+    if script == "timm_style_train.py":
+        image_folder(folder / "data", {"train": 6, "validation": 2})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def framework_offered(
+        tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """A framework-style script's result under ``dpprof run``, run once per script when a
+    test first asks (pytest-xdist's workers each run only the scripts of their tests),
+    torchvision importable in this process (its C ops do not load over a CPU torch)."""
+    from torchvision_shim import import_torchvision
+
+    import_torchvision()
+    results: dict[str, dict[str, Any]] = {}
+
+    def offered(script: str) -> dict[str, Any]:
+        if script not in results:
+            work = framework_folder(tmp_path_factory.mktemp("work"), script)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+                mp.chdir(work)
+                results[script] = _run(["--", "python", str(SCRIPTS / script),
+                                        *FRAMEWORK_SCRIPTS[script]],
+                                       work.parent / f"{work.name}.json")
+        return results[script]
+
+    return offered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "fix_name"), FRAMEWORK_CASES)
+def test_every_change_offered_for_a_framework_script_runs_as_promised(
+        script: str, fix_name: str, framework_offered: Callable[[str], dict[str, Any]],
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fixes = {f["name"]: f for f in framework_offered(script)["fixes"]}
+    assert set(fixes) == set(DP_FIXES), sorted(fixes)
+    code = fixes[fix_name]["code"]
+    if (script, fix_name) in NOT_A_DIFF:  # said so, in place of a diff that would not apply
+        assert code.startswith(NOT_A_DIFF[script, fix_name]) and "\n@@ " not in code, code
+        return
+    fixed = framework_folder(tmp_path / "fixed", script)
+    fixed.mkdir(exist_ok=True)
+    check_the_change(script, FRAMEWORK_SCRIPTS[script], fixes[fix_name], fixed,
+                     tmp_path / "again.json", monkeypatch)

@@ -17,6 +17,9 @@ with ``DataParallel``'s ``buffer_size``), each rounded so.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,3 +185,107 @@ def test_a_torchvision_reference_style_train_py(work: Path, launcher: list[str])
         assert rank["parameters"] == model_bytes
         assert rank["gradients"] == params_bytes and rank["optimizer_state"] == params_bytes
 
+
+@pytest.mark.slow
+def test_a_lightning_module_under_trainer_strategy_ddp_that_checkpoints(work: Path) -> None:
+    """Lightning starts the other ranks itself (``Trainer(strategy="ddp", devices=4)`` from
+    a plain ``python``): each rank its own process on its own GPU, ModelCheckpoint writing
+    into the run's overlay, never over the user's ``last.ckpt``."""
+    pytest.importorskip("lightning")
+    (work / "checkpoints").mkdir()
+    (work / "checkpoints" / "last.ckpt").write_bytes(b"the user's checkpoint of yesterday")
+    # in a process of its own: Lightning's Trainer starts the other ranks as real processes
+    # (dpprof does not play its launcher yet), and once they fail its _ChildProcessObserver
+    # SIGKILLs the process that started them, which in pytest's would be the test worker;
+    # the torchvision shim through sitecustomize, as torchmetrics imports torchvision
+    site = work.parent / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from torchvision_shim import import_torchvision\nimport_torchvision()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parent)])}
+    before = digest_tree(work), digest_tree(SCRIPTS)
+    out = work.parent / "r.json"
+    done = subprocess.run([sys.executable, "-m", "dpprof", "run", "--gpus", "4", "--steps", "3",
+                           "-o", str(out), "--", "python", str(SCRIPTS / "lightning_ddp.py"),
+                           "--batch-size", "32"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert (digest_tree(work), digest_tree(SCRIPTS)) == before
+    result = json.loads(out.read_text())
+    assert output.count("first batch: (32, 64) per rank, 4 ranks") == 1, output
+    assert [s["name"] for s in result["scenarios"]] == ["ddp"]
+    ddp = scenario(result, "ddp")
+    assert ddp["batch"] == 128 and [d["batch_rows"] for d in ddp["devices"]] == [32] * 4
+    # LitClassifier's three Linear layers, float32, each storage in its own block
+    params_bytes = sum(r512(4 * n) for n in (64 * 256, 256, 256 * 256, 256, 256 * 10, 10))
+    for rank in breakdowns(ddp):
+        assert rank["parameters"] == params_bytes and rank["gradients"] == params_bytes
+        assert rank["optimizer_state"] == 2 * params_bytes  # AdamW's exp_avg, exp_avg_sq
+    # rank 0 saved its checkpoint at step 2, into the overlay (the user's last.ckpt stands:
+    # the folder's digest above)
+    written = {(w["run"], w["path"]): w for w in result["writes"]}
+    assert written["as-written", "checkpoints/epoch=0-step=2.ckpt"]["emulated_values"]
+
+
+@pytest.mark.parametrize("launcher", [["torchrun", "--nproc-per-node", "4"], ["python"]])
+def test_the_wrappers_a_library_took_before_the_run_are_emulated(
+        work: Path, launcher: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library imported before the run holds torch's own ``DistributedDataParallel`` and
+    ``DataParallel`` (Lightning's DDP strategy, imported by pytest's process or a user's
+    notebook): the classes it calls are emulated all the same, and torch's are torch's
+    again after the run."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import wrapper_library
+
+    real_inits = (torch.nn.DataParallel.__init__,
+                  torch.nn.parallel.DistributedDataParallel.__init__)
+    assert wrapper_library.DistributedDataParallel is torch.nn.parallel.DistributedDataParallel
+    result, output = run_cli(work, [*launcher, str(SCRIPTS / "library_wrapped.py")])
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 100))
+    params_bytes = per_storage_bytes(list(model.parameters()))
+    if launcher[0] == "torchrun":
+        # the script's own type(...).__name__: torch's class name, as on a GPU
+        assert output.count("wrapped in DistributedDataParallel") == 1, output
+        ddp = scenario(result, "ddp")
+        assert [d["batch_rows"] for d in ddp["devices"]] == [128] * 4
+    else:
+        assert output.count("wrapped in DataParallel") == 1, output
+        primary = scenario(result, "dp-loss-primary")
+        assert [d["batch_rows"] for d in primary["devices"]] == [32] * 4
+        ddp = scenario(result, "ddp")
+    # each rank's peak is inside a backward (the first layer's gradients not made yet)
+    for rank in breakdowns(ddp):
+        assert rank["parameters"] == params_bytes and 0 < rank["gradients"] <= params_bytes
+        assert rank["optimizer_state"] == 2 * params_bytes  # AdamW's exp_avg, exp_avg_sq
+    assert (torch.nn.DataParallel.__init__,
+            torch.nn.parallel.DistributedDataParallel.__init__) == real_inits
+
+
+def test_a_script_started_by_accelerate_launch_from_the_command_line(work: Path) -> None:
+    """``dpprof run -- accelerate launch --num_processes 4 train.py``, as accelerate's users
+    start every script: four DDP ranks, accelerate's loaders sharding the batches,
+    ``save_state`` and ``save_model`` writing into the run's overlay, never over the user's
+    ``model.safetensors`` (run_cli: every file of the folder hashed before and after)."""
+    pytest.importorskip("accelerate")
+    (work / "out").mkdir()
+    (work / "out" / "model.safetensors").write_bytes(b"the user's model of yesterday")
+    result, output = run_cli(work, ["accelerate", "launch", "--num_processes", "4",
+                                    str(SCRIPTS / "accelerate_train.py"),
+                                    "--output_dir", "out", "--batch_size", "64"])
+    # 2,048 rows in batches of 64, each rank every fourth: 8 batches a rank; torch's own
+    # class name, as accelerate wraps the model
+    assert output.count("4 processes, DistributedDataParallel, 8 steps an epoch") == 1, output
+    assert [s["name"] for s in result["scenarios"]] == ["ddp"]
+    ddp = scenario(result, "ddp")
+    assert ddp["batch"] == 4 * 64 and [d["batch_rows"] for d in ddp["devices"]] == [64] * 4
+    params_bytes = sum(r512(4 * n) for n in (128 * 1024, 1024, 1024 * 10, 10))
+    for rank in breakdowns(ddp):
+        assert rank["parameters"] == params_bytes
+        assert rank["optimizer_state"] == 2 * params_bytes  # AdamW's exp_avg, exp_avg_sq
+    # accelerate's save_state at step 2, into the overlay (the user's file stands: the
+    # folder's digest in run_cli)
+    written = {w["path"] for w in result["writes"] if w["run"] == "as-written"}
+    assert {f"out/step_2/{name}" for name in ("model.safetensors", "optimizer.bin",
+                                              "scheduler.bin")} <= written

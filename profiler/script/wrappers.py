@@ -17,6 +17,7 @@ backend initialises that fake group.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -132,8 +133,11 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         _log().used_devices = used
         replicas = replicate(rt, module, used, not torch.is_grad_enabled())
         outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
-        if all(t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
-            _log().replica_scalars = True  # per-replica losses: the loss is inside forward
+        # per-replica losses: the loss is inside forward (with ModelWithLoss's keep_outputs,
+        # beside the outputs)
+        if isinstance(module, ModelWithLoss) or all(
+                t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
+            _log().replica_scalars = True
         with rt.category("outputs"):
             return gather(rt, outputs, vc.index_of(self.output_device), self.dim)
 
@@ -420,6 +424,11 @@ def install(vc: VirtualCuda, patch: Patch) -> None:
     patch(dp_mod, "data_parallel", data_parallel)
     for owner in (nn.parallel, ddp_mod):
         patch(owner, "DistributedDataParallel", VirtualDDP)
+    # a library imported before the run holds the real classes by name (Lightning's DDP
+    # strategy: ``from torch.nn.parallel.distributed import DistributedDataParallel``), and
+    # the real DDP over the fake group reads back a stand-in from its parameter check
+    for real, virtual in ((_DataParallel, VirtualDataParallel), (_DDP, VirtualDDP)):
+        patch(real, "__init__", _making_virtual(real, virtual))
     _install_distributed(vc, patch)
     vc.enter_context(engines_refused())
 
@@ -540,6 +549,24 @@ def _install_fsdp(vc: VirtualCuda) -> None:
     vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
     vc.enter_context(fsdp.collectives_labelled())
     vc.enter_context(fsdp.collectives_logged())  # for the predicted step time
+
+
+def _making_virtual(real: type, virtual: type) -> Callable[..., None]:
+    """``real.__init__`` while emulating: an instance of ``real`` itself becomes one of
+    ``virtual`` (its subclass, of the same layout) and is initialised as that; ``virtual``'s
+    own ``super().__init__`` runs the real one. (Not ``__new__``: CPython keeps the slot of an
+    assigned ``__new__`` after it is deleted, and ``object.__new__`` then refuses arguments.)"""
+    real_init = real.__dict__["__init__"]
+
+    @functools.wraps(real_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self) is real:
+            object.__setattr__(self, "__class__", virtual)
+            virtual.__init__(self, *args, **kwargs)  # type: ignore[misc]
+        else:
+            real_init(self, *args, **kwargs)
+
+    return __init__
 
 
 @contextlib.contextmanager
