@@ -525,7 +525,7 @@ def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> Non
             trace)
     assert r.status == "ok", r.message
     tracked = [m.bn.num_batches_tracked for m in trace["model"].blocks]
-    assert all(trace["rt"].device_of(t) == 0 for t in tracked)
+    assert all(trace["rt"].storages.device_of(t) == 0 for t in tracked)
 
 
 def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:

@@ -56,7 +56,7 @@ from dpprof.emulator.cuda_devices import on_meta
 from dpprof.emulator.cudnn_workspace import BACKWARD, FORWARD, conv_workspace_bytes
 from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 FLASH = "flash"
 EFFICIENT = "efficient"
@@ -185,7 +185,7 @@ class GpuKernels:
     def _count(self, key: str, on: torch.Tensor) -> None:
         """One more choice of ``key``, for every device ``on``'s storage stands for (a
         DataParallel replica's device mirrored by its equals' counts for each of them)."""
-        n = 1 if self.rt is None else self.rt.multiplicity(self.rt.device_of(on))
+        n = 1 if self.rt is None else self.rt.mirrors.multiplicity(self.rt.storages.device_of(on))
         self.chosen[key] = self.chosen.get(key, 0) + n
 
     def _dropout(self, func: Callable[..., Any], input: torch.Tensor, p: float = 0.5,

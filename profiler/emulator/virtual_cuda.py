@@ -48,10 +48,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpprof.emulator import cuda_api, tensor_api
+from dpprof.emulator import cuda_api, emulated_cuda, tensor_api
 from dpprof.emulator.allocator import simulate
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
-from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (
     ORIGINALS,
@@ -60,6 +59,7 @@ from dpprof.emulator.cuda_devices import (
     on_meta,
     real_device,
 )
+from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
 from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
@@ -75,7 +75,7 @@ class _Cross(torch.autograd.Function):
     def forward(ctx: Any, vc: VirtualCuda, t: torch.Tensor, index: int,  # type: ignore[override]
                 dtype: torch.dtype | None) -> torch.Tensor:
         ctx.vc = vc
-        ctx.source = vc.rt.device_of(t)
+        ctx.source = vc.rt.storages.device_of(t)
         ctx.source_dtype = t.dtype
         ctx.source_real = real_device(t)
         return vc.copy(t, index, dtype)
@@ -186,7 +186,7 @@ class VirtualCuda:
         """``torch.cuda.is_initialized()``: once ``_lazy_init`` ran, or a tensor was put on
         a GPU by a path that reaches no Python (``Tensor.to``, ``cuda()``)."""
         if not self.initialised:
-            self.initialised = any(c.peak_allocated > 0 for c in self.rt.counters)
+            self.initialised = any(c.peak_allocated > 0 for c in self.rt.storages.counters)
         return self.initialised
 
     def current_device(self) -> int:
@@ -259,13 +259,13 @@ class VirtualCuda:
 
     def memory_allocated(self, device: Any = None) -> int:
         i = self._dev(device)
-        live = self.rt.live_bytes(i)
+        live = self.rt.storages.live_bytes(i)
         self._told(i, allocated=live, what="torch.cuda.memory_allocated()")
         return live
 
     def max_memory_allocated(self, device: Any = None) -> int:
         i = self._dev(device)
-        peak = max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
+        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
         self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
         return peak
 
@@ -273,11 +273,12 @@ class VirtualCuda:
         """(current, peak since the last reset) reserved bytes: the caching allocator
         simulated over the device's allocations so far."""
         events: list[tuple[Any, ...]] = []
-        for k, ev in enumerate(self.rt.events):
+        log = self.rt.storages.events
+        for k, ev in enumerate(log):
             if k == self._peak_from[i]:
                 events.append(("reset_peak", -1, 0))
             if ev.device == i and ev.requested != 0:
-                events.append(("alloc", ev.serial, ev.requested, self.rt.events.stream_of(k))
+                events.append(("alloc", ev.serial, ev.requested, log.stream_of(k))
                               if ev.requested > 0 else ("free", ev.serial, 0))
         stats = simulate(events, timeline_points=None, stop_on_oom=False)
         return stats.final_reserved_bytes, stats.peak_reserved_bytes
@@ -295,7 +296,7 @@ class VirtualCuda:
         return peak
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        self._peak_from[self._dev(device)] = len(self.rt.events)
+        self._peak_from[self._dev(device)] = len(self.rt.storages.events)
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         i = self._dev(device)
@@ -306,15 +307,15 @@ class VirtualCuda:
     def memory_stats(self, device: Any = None) -> dict[str, int]:
         i = self._dev(device)
         reserved, peak_reserved = self._reserved(i)
-        peak = max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
+        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
         self._told(i, allocated=peak, reserved=peak_reserved, what="torch.cuda.memory_stats()")
         return {
-            "allocated_bytes.all.current": self.rt.live_bytes(i),
+            "allocated_bytes.all.current": self.rt.storages.live_bytes(i),
             "allocated_bytes.all.peak": peak,
             "reserved_bytes.all.current": reserved,
             "reserved_bytes.all.peak": peak_reserved,
-            "active_bytes.all.current": self.rt.live_bytes(i),
-            "requested_bytes.all.current": self.rt.counters[i].live_requested,
+            "active_bytes.all.current": self.rt.storages.live_bytes(i),
+            "requested_bytes.all.current": self.rt.storages.counters[i].live_requested,
         }
 
     def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
@@ -338,12 +339,12 @@ class VirtualCuda:
                     return rt.host_stand_in(t, dtype)
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
                 out = ORIGINALS["to"](t, device=host, dtype=dtype, copy=True)
-                if rt.device_of(t) != HOST:
+                if rt.storages.device_of(t) != HOST:
                     # --compute: the GPU's values as the emulation computed them, read to
                     # the host; not the user's to write over their files either
                     rt.remember_emulated_on_host(out)
                 return out
-            if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
+            if rt.storages.device_of(t) == HOST and not isinstance(t, nn.Parameter):
                 with rt.category(rt.current_category if rt.current_category == "parameters"
                                  else "inputs"):
                     return ORIGINALS["to"](t, device=self.base, dtype=dtype, copy=True)
@@ -351,7 +352,7 @@ class VirtualCuda:
 
     def to_index(self, t: torch.Tensor, index: int, dtype: torch.dtype | None = None,
                  copy: bool = False, memory_format: Any = None) -> torch.Tensor:
-        src = self.rt.device_of(t)
+        src = self.rt.storages.device_of(t)
         if src == index and not (src == HOST and on_meta(t) and self.rt.real_host):
             if dtype is None and memory_format is None and not copy:
                 return t
@@ -384,7 +385,7 @@ class VirtualCuda:
     def tensor_to(self, t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args and isinstance(args[0], torch.Tensor):  # t.to(other)
             other = args[0]
-            index = self.rt.device_of(other)
+            index = self.rt.storages.device_of(other)
             return self.to_index(t, index, other.dtype, copy=bool(kwargs.get("copy", False)))
         device = kwargs.pop("device", None)
         dtype = kwargs.pop("dtype", None)
@@ -414,7 +415,8 @@ class VirtualCuda:
         out = self.to_index(t, target, dtype, copy, memory_format)
         # copies are in order on virtual devices; a non-blocking copy from a GPU lands in
         # page-locked host memory, as torch's _to_copy allocates it
-        if non_blocking and target == HOST and out is not t and self.rt.device_of(t) != HOST:
+        if (non_blocking and target == HOST and out is not t
+                and self.rt.storages.device_of(t) != HOST):
             self.rt.pin(out)
         return out
 
@@ -479,7 +481,7 @@ class VirtualCuda:
         real = ORIGINALS["device"].__get__(t)
         if real != self.base or self.rt.in_dispatch:
             return real
-        i = self.rt.device_of(t)
+        i = self.rt.storages.device_of(t)
         if i == HOST:
             return real if real.type != "meta" else torch.device("cuda", self.current_device())
         return torch.device("cuda", self.logical(i))
@@ -494,10 +496,7 @@ class VirtualCuda:
         return self._stack.enter_context(cm)
 
     def __enter__(self) -> VirtualCuda:
-        global _ACTIVE
-        if _ACTIVE is not None:
-            raise RuntimeError("a VirtualCuda is already active")
-        _ACTIVE = self
+        emulated_cuda.activate(self)
         self.active = True
         try:
             # torch._dynamo and symbolic_shapes: stand-ins until something needs the real
@@ -532,11 +531,10 @@ class VirtualCuda:
                 put(owner, name, value)
 
     def __exit__(self, *exc: object) -> None:
-        global _ACTIVE
         self._patcher.restore()
         self._stack.close()
         self.active = False
-        _ACTIVE = None
+        emulated_cuda.deactivate()
         keras_core = sys.modules.get("keras.src.backend.torch.core")
         if (keras_core is not None and str(getattr(keras_core, "DEFAULT_DEVICE", "")) ==
                 "cuda" and not torch.cuda.is_available()):
@@ -600,9 +598,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
     return tree_map(once, obj)
 
 
-_ACTIVE: VirtualCuda | None = None
-
-
 def active() -> VirtualCuda | None:
     """The active :class:`VirtualCuda`, if any."""
-    return _ACTIVE
+    found = emulated_cuda.active()
+    return found if isinstance(found, VirtualCuda) else None
