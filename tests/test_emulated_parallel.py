@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.allocator_config import block_bytes
 from dpprof.emulator.comm import (
     broadcast_coalesced,
     gather_tensors,

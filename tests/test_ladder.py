@@ -1,7 +1,7 @@
 """The ladder's rungs against real execution on CPU tensors, and the verdict that names one.
 
 Mixed precision: the emulator re-enacts autocast at the function level over meta tensors
-(:class:`dpprof.emulator.kernels.EmulatedAutocast`); with torch's CPU op lists it must give
+(:class:`dpprof.emulator.emulated_autocast.EmulatedAutocast`); with torch's CPU op lists it must give
 the peak that ``torch.autocast("cpu", torch.bfloat16)`` gives on real tensors, recorded by
 torch.profiler, to the byte. Activation checkpointing: the blocks the ladder wraps
 (:func:`dpprof.measure.ladder.checkpointed`) run for real under the profiler and in the

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.allocator_config import block_bytes
 from dpprof.emulator.device_copies import to_device
 from dpprof.emulator.dispatch_state import HOST, VirtualDeviceError
 from dpprof.emulator.virtual_devices import VirtualDevices

@@ -38,9 +38,10 @@ from dpprof.emulator.data_parallel import EmulatedDataParallel, replicas_float16
 from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.device_copies import to_device
 from dpprof.emulator.dispatch_state import HOST
+from dpprof.emulator.emulated_autocast import CudaAutocastNames, EmulatedAutocast
 from dpprof.emulator.fsdp import host_bytes
 from dpprof.emulator.heap import frozen_heap
-from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, GpuKernels
+from dpprof.emulator.kernels import GpuKernels
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.reserved import fill_gpu_overheads

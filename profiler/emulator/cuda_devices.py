@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.allocator_config import block_bytes
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.op_rules import OpRules

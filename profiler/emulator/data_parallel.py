@@ -33,7 +33,11 @@ from dpprof.emulator.comm import (
     scatter_tensor,
 )
 from dpprof.emulator.dispatch_state import HOST
-from dpprof.emulator.kernels import EmulatedAutocast, autocast_suspended, emulated_autocast_dtype
+from dpprof.emulator.emulated_autocast import (
+    EmulatedAutocast,
+    autocast_suspended,
+    emulated_autocast_dtype,
+)
 from dpprof.emulator.virtual_devices import VirtualDevices
 
 # ---- autograd functions (torch/nn/parallel/_functions.py) ---------------------------------

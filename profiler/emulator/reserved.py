@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dpprof.emulator.allocator import simulate
+from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.events import EventLog
 from dpprof.emulator.virtual_devices import BLAS_BACKWARD, BLAS_FORWARD, BLAS_LT

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.allocator_config import block_bytes
 from dpprof.emulator.dispatch_state import HOST, DispatchState, VirtualDeviceError
 from dpprof.emulator.events import (
     ALLOC,

@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator import cuda_api, emulated_cuda, tensor_api
-from dpprof.emulator.allocator import simulate
+from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (

@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site, in_dpprof
 from dpprof.emulator.data_parallel import Gather
+from dpprof.emulator.emulated_autocast import EmulatedAutocast
 from dpprof.emulator.events import DeviceCounters
-from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder import Rung, blocks_words, checkpoint_blocks

@@ -27,7 +27,8 @@ from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.dispatch_state import VirtualDeviceError
-from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
+from dpprof.emulator.emulated_autocast import CudaAutocastNames
+from dpprof.emulator.kernels import GpuKernels
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures, fill_gpu_overheads
