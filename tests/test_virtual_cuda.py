@@ -413,7 +413,7 @@ def test_torch_load_onto_a_virtual_gpu(map_location: object, tmp_path: object) -
     w = torch.arange(12.0).view(3, 4)
     torch.save({"w": w, "view": w[1], "step": 7}, path)
     with VirtualCuda(2) as vc:
-        before = vc.memory_allocated(1)
+        before = vc.memory.memory_allocated(1)
         state = torch.load(path, map_location=map_location)
         assert state["step"] == 7
         if map_location is None or isinstance(map_location, dict):
@@ -423,7 +423,7 @@ def test_torch_load_onto_a_virtual_gpu(map_location: object, tmp_path: object) -
         index = 0 if map_location == "cuda" else 1
         assert state["w"].device == torch.device("cuda", index)
         assert state["view"].data_ptr() == state["w"].data_ptr() + 16
-        assert vc.memory_allocated(index) - (before if index == 1 else 0) == r512(48)
+        assert vc.memory.memory_allocated(index) - (before if index == 1 else 0) == r512(48)
 
 
 def test_torch_cuda_random_state_is_a_stand_in() -> None:

@@ -79,15 +79,15 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
     """The caching allocator's statistics, answered from the emulator, and the calls that
     wait for the device or free its cache (nothing to do)."""
     cuda = torch.cuda
-    p(cuda, "mem_get_info", initialising(vc, vc.mem_get_info))
+    p(cuda, "mem_get_info", initialising(vc, vc.memory.mem_get_info))
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
                  "memory_summary"):
-        p(cuda, name, getattr(vc, name))
-    p(cuda, "reset_max_memory_allocated", vc.reset_peak_memory_stats)
+        p(cuda, name, getattr(vc.memory, name))
+    p(cuda, "reset_max_memory_allocated", vc.memory.reset_peak_memory_stats)
     p(cuda, "reset_accumulated_memory_stats", lambda device=None: None)
-    p(cuda, "memory_cached", vc.memory_reserved)
-    p(cuda, "max_memory_cached", vc.max_memory_reserved)
+    p(cuda, "memory_cached", vc.memory.memory_reserved)
+    p(cuda, "max_memory_cached", vc.memory.max_memory_reserved)
     p(cuda, "synchronize", initialising(vc, Noop()))
     for name in ("empty_cache", "ipc_collect", "set_sync_debug_mode"):
         p(cuda, name, Noop())
@@ -180,13 +180,13 @@ def accelerator(vc: EmulatedCuda, p: Patch) -> None:
             for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                          "max_memory_reserved", "reset_peak_memory_stats", "memory_stats"):
                 if hasattr(m, name):
-                    p(m, name, getattr(vc, name))
+                    p(m, name, getattr(vc.memory, name))
             for name in ("empty_cache", "empty_host_cache",
                          "reset_accumulated_memory_stats"):
                 if hasattr(m, name):
                     p(m, name, Noop())
             if hasattr(m, "get_memory_info"):
-                p(m, "get_memory_info", vc.mem_get_info)
+                p(m, "get_memory_info", vc.memory.mem_get_info)
 
 
 class CurrentStreams:

@@ -39,7 +39,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -49,16 +48,15 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator import cuda_api, emulated_cuda, tensor_api
-from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (
     ORIGINALS,
     CudaDevices,
-    caller_site,
     on_meta,
     real_device,
 )
+from dpprof.emulator.cuda_memory import CudaMemory
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
 from dpprof.emulator.plain_composites import decided_as_without_a_mode
@@ -116,17 +114,6 @@ def parse_visible_devices(value: str | None, physical: int) -> list[int]:
 
 
 
-@dataclass
-class MemoryAnswered:
-    """The most ``torch.cuda``'s memory functions told the program of one device, and which
-    call told it (``"torch.cuda.max_memory_allocated() at train.py:30"``)."""
-
-    allocated_bytes: int = 0  # memory_allocated, max_memory_allocated, memory_stats
-    allocated_by: str = ""
-    reserved_bytes: int = 0  # memory_reserved, max_memory_reserved, memory_stats, and
-    reserved_by: str = ""  # the capacity less mem_get_info's free bytes
-
-
 class VirtualCuda:
     """Context manager: ``torch.cuda`` played by ``num_gpus`` virtual GPUs (see the module).
 
@@ -148,9 +135,8 @@ class VirtualCuda:
         self.capacity_bytes = gpu_memory_bytes or self.spec.total_memory_bytes
         self._visible: list[int] | None = None
         self._current = 0
-        self._peak_from = [0] * num_gpus  # event index of each device's last peak reset
-        # runtime index -> the most torch.cuda's memory functions told the program of it
-        self.answered: dict[int, MemoryAnswered] = {}
+        # torch.cuda's memory functions, answered from the runtime's ledger
+        self.memory = CudaMemory(self.rt, self.capacity_bytes, self._dev)
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
@@ -243,84 +229,10 @@ class VirtualCuda:
             gcnArchName="", warp_size=32, pci_bus_id=i, pci_device_id=0, pci_domain_id=0,
         )
 
-    # ---- memory ------------------------------------------------------------------------
-
     def _dev(self, device: Any) -> int:
+        """The virtual device a ``torch.cuda`` call's ``device`` argument names (None: the
+        current one)."""
         return self.index_of(device if device is not None else self.current_device())
-
-    def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:
-        """Note what the program was told of device ``i`` (the reported peak must be at
-        least that: dpprof.script checks it)."""
-        told = self.answered.setdefault(i, MemoryAnswered())
-        if allocated > told.allocated_bytes:
-            told.allocated_bytes, told.allocated_by = allocated, f"{what} at {caller_site()}"
-        if reserved > told.reserved_bytes:
-            told.reserved_bytes, told.reserved_by = reserved, f"{what} at {caller_site()}"
-
-    def memory_allocated(self, device: Any = None) -> int:
-        i = self._dev(device)
-        live = self.rt.storages.live_bytes(i)
-        self._told(i, allocated=live, what="torch.cuda.memory_allocated()")
-        return live
-
-    def max_memory_allocated(self, device: Any = None) -> int:
-        i = self._dev(device)
-        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
-        self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
-        return peak
-
-    def _reserved(self, i: int) -> tuple[int, int]:
-        """(current, peak since the last reset) reserved bytes: the caching allocator
-        simulated over the device's allocations so far."""
-        events: list[tuple[Any, ...]] = []
-        log = self.rt.storages.events
-        for k, ev in enumerate(log):
-            if k == self._peak_from[i]:
-                events.append(("reset_peak", -1, 0))
-            if ev.device == i and ev.requested != 0:
-                events.append(("alloc", ev.serial, ev.requested, log.stream_of(k))
-                              if ev.requested > 0 else ("free", ev.serial, 0))
-        stats = simulate(events, timeline_points=None, stop_on_oom=False)
-        return stats.final_reserved_bytes, stats.peak_reserved_bytes
-
-    def memory_reserved(self, device: Any = None) -> int:
-        i = self._dev(device)
-        reserved = self._reserved(i)[0]
-        self._told(i, reserved=reserved, what="torch.cuda.memory_reserved()")
-        return reserved
-
-    def max_memory_reserved(self, device: Any = None) -> int:
-        i = self._dev(device)
-        peak = self._reserved(i)[1]
-        self._told(i, reserved=peak, what="torch.cuda.max_memory_reserved()")
-        return peak
-
-    def reset_peak_memory_stats(self, device: Any = None) -> None:
-        self._peak_from[self._dev(device)] = len(self.rt.storages.events)
-
-    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        i = self._dev(device)
-        reserved = self._reserved(i)[0]
-        self._told(i, reserved=reserved, what="torch.cuda.mem_get_info()")
-        return (max(self.capacity_bytes - reserved, 0), self.capacity_bytes)
-
-    def memory_stats(self, device: Any = None) -> dict[str, int]:
-        i = self._dev(device)
-        reserved, peak_reserved = self._reserved(i)
-        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
-        self._told(i, allocated=peak, reserved=peak_reserved, what="torch.cuda.memory_stats()")
-        return {
-            "allocated_bytes.all.current": self.rt.storages.live_bytes(i),
-            "allocated_bytes.all.peak": peak,
-            "reserved_bytes.all.current": reserved,
-            "reserved_bytes.all.peak": peak_reserved,
-            "active_bytes.all.current": self.rt.storages.live_bytes(i),
-            "requested_bytes.all.current": self.rt.storages.counters[i].live_requested,
-        }
-
-    def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
-        stats = self.memory_stats(device)
-        return "\n".join(f"{k}: {v}" for k, v in stats.items())
 
     # ---- tensors -----------------------------------------------------------------------
 

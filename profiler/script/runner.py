@@ -569,7 +569,7 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
     run cannot be reported; "" where none is."""
     ranks_from = _rank_device(vc, local_rank)
     for d in s.devices:
-        told = vc.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
+        told = vc.memory.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
         if told is None:
             continue
         for reported, read, by, what in (
