@@ -2,7 +2,12 @@
 means virtual device k (:class:`CudaDevices`), the host stays real, and reading a meta
 tensor's value gives a stated stand-in, counted per call site (:class:`StandIns`); ops
 whose output shape depends on values stop with one line naming the fix
-(:class:`DataDependentShapeError`)."""
+(:class:`DataDependentShapeError`).
+
+The ops with rules of their own are registered per op in :data:`RULES` (and, beside a real
+host, :data:`REAL_HOST_RULES`), as ``FakeTensorMode`` registers its op implementations;
+every other op is run and counted by the default rule (:meth:`CudaDevices.
+dispatch_counted`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The op memo layer of the virtual devices, over meta tensors only: meta kernels are
+"""The op memo of the virtual devices, over meta tensors only: meta kernels are
 mostly Python (``torch._refs``), so a functional op on the same shapes is run once and its
 outputs' metadata replayed (:class:`OpMemo`, bounded), and ops that over meta tensors
 write and allocate nothing (random fills, in-place updates that return nothing) are

@@ -195,8 +195,9 @@ class VirtualDevices(TorchDispatchMode):
 
     def count_dispatch(self, func: Any, types: Any, args: Any = (),
                        kwargs: Any = None) -> Any:
-        """The op run and counted; a subclass among its inputs already handed back (a
-        dispatch mode layered on this one checks that once, before its own rules)."""
+        """The op run and counted; a subclass among its inputs already handed back (the
+        CUDA runtime, :class:`~dpprof.emulator.cuda_devices.CudaDevices`, checks that once,
+        before its per-op rules)."""
         kwargs = kwargs or {}
         placed = None  # the virtual device a device= argument names
         if kwargs.get("device") is not None:
