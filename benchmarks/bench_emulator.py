@@ -190,7 +190,8 @@ def fresh_process_compare() -> float:
 
 
 def tracker_overhead(steps: int = 3) -> tuple[float, float]:
-    from dpprof.emulator.vdevice import VirtualDevices, to_device
+    from dpprof.emulator.device_copies import to_device
+    from dpprof.emulator.virtual_devices import VirtualDevices
     from dpprof.scenarios.measured_loop import training_loop
     from dpprof.scenarios.workloads import lm
 

@@ -8,18 +8,17 @@ from itertools import pairwise
 
 import pytest
 
-from dpprof.emulator.allocator import (
+from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
+from dpprof.emulator.allocator_config import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     AllocatorConfig,
-    CachingAllocatorSim,
-    SimulatedOutOfMemory,
     block_bytes,
     get_allocation_size,
     round_size,
     roundup_power2_next_division,
-    simulate,
 )
+from dpprof.emulator.allocator_replay import simulate
 
 KiB = 1024
 MiB = 1024 * 1024

@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from dpprof.emulator.autocast_lists import CUDA_AUTOCAST_OPS, cuda_entry_points
-from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, cross_entropy_composite
+from dpprof.emulator.emulated_autocast import (
+    CudaAutocastNames,
+    EmulatedAutocast,
+    cross_entropy_composite,
+)
 
 ROWS, CLASSES = 6, 10
 

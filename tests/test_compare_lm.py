@@ -2,7 +2,7 @@
 
 import pytest
 
-from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.allocator_config import block_bytes
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import RunResult
 from dpprof.scenarios.step import StepConfig

@@ -25,7 +25,7 @@ from dpprof.emulator.cudnn_workspace import (
     row_bytes,
 )
 from dpprof.emulator.kernels import GpuKernels
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 DATA = Path(__file__).resolve().parent / "data"
 MEASURED: dict[str, Any] = json.loads((DATA / "h200_measured.json").read_text())
@@ -96,12 +96,12 @@ def test_a_convolution_plays_its_workspace_after_its_output_and_frees_it() -> No
     with rt, GpuKernels((9, 0), rt), rt.device(0):
         x = torch.empty(16, 64, 56, 56, device="meta", requires_grad=True)
         w = torch.empty(128, 64, 3, 3, device="meta", requires_grad=True)
-        before = len(rt.events)
+        before = len(rt.storages.events)
         y = torch.nn.functional.conv2d(x, w, None, 2, 1)
-        forward = [e.requested for e in rt.events[before:]]
-        before = len(rt.events)
+        forward = [e.requested for e in rt.storages.events[before:]]
+        before = len(rt.storages.events)
         y.backward(torch.empty_like(y))
-        backward = [e.requested for e in rt.events[before:]]
+        backward = [e.requested for e in rt.storages.events[before:]]
     x_b, y_b, w_b = x.nbytes, y.nbytes, w.nbytes
     assert forward == [y_b, int(RATIOS[(FORWARD, "float32", "spatial")] * (x_b + y_b + w_b)),
                        -int(RATIOS[(FORWARD, "float32", "spatial")] * (x_b + y_b + w_b))]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
-from dpprof.emulator.allocator import block_bytes
+from dpprof.emulator.allocator_config import block_bytes
 from dpprof.emulator.comm import (
     broadcast_coalesced,
     gather_tensors,
@@ -17,7 +17,7 @@ from dpprof.emulator.comm import (
     scatter_tensor,
     take_tensors_cpp,
 )
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import DeviceResult
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload, shard_sizes
@@ -47,8 +47,8 @@ def test_scatter_keeps_a_view_on_the_source_device_and_copies_the_rest() -> None
         chunks = scatter_tensor(rt, x, [0, 1, 2, 3], None, 0)
         assert [c.shape[0] for c in chunks] == [3, 3, 3, 1]
         assert chunks[0].untyped_storage() is x.untyped_storage()
-        assert [rt.device_of(c) for c in chunks] == [0, 1, 2, 3]
-        assert [rt.counters[i].live_requested for i in range(4)] == [4000, 1200, 1200, 400]
+        assert [rt.storages.device_of(c) for c in chunks] == [0, 1, 2, 3]
+        assert [rt.storages.counters[i].live_requested for i in range(4)] == [4000, 1200, 1200, 400]
 
 
 def test_broadcast_coalesced_flattens_groups_and_views_into_them() -> None:
@@ -58,12 +58,12 @@ def test_broadcast_coalesced_flattens_groups_and_views_into_them() -> None:
         outs = broadcast_coalesced(rt, [a, b], [0, 1, 2])
         assert outs[0][0] is a and outs[0][1] is b  # device 0 keeps the originals
         for d in (1, 2):
-            assert rt.counters[d].live_requested == 6000  # one flat buffer each
+            assert rt.storages.counters[d].live_requested == 6000  # one flat buffer each
             assert outs[d][0].untyped_storage() is outs[d][1].untyped_storage()
-        assert rt.counters[0].live_requested == 6000  # the cat temporary is gone
-        assert rt.counters[0].peak_requested == 12000  # ... but it existed
+        assert rt.storages.counters[0].live_requested == 6000  # the cat temporary is gone
+        assert rt.storages.counters[0].peak_requested == 12000  # ... but it existed
         del outs
-        assert rt.counters[1].live_requested == 0
+        assert rt.storages.counters[1].live_requested == 0
 
 
 def test_gather_allocates_the_whole_output_on_the_target() -> None:
@@ -75,8 +75,8 @@ def test_gather_allocates_the_whole_output_on_the_target() -> None:
                 parts.append(torch.empty(3, 10))
         out = gather_tensors(rt, parts, 0, 0)
         assert out.shape == (6, 10)
-        assert rt.device_of(out) == 0
-        assert rt.counters[0].live_requested == 120 + 240
+        assert rt.storages.device_of(out) == 0
+        assert rt.storages.counters[0].live_requested == 120 + 240
 
 
 def test_reduce_add_coalesced_writes_one_flat_result_on_the_destination() -> None:
@@ -86,12 +86,12 @@ def test_reduce_add_coalesced_writes_one_flat_result_on_the_destination() -> Non
         for d in (0, 1):
             with rt.device(d):
                 grads.append([torch.ones(100), torch.ones(50)])
-        before = rt.counters[0].live_requested
+        before = rt.storages.counters[0].live_requested
         (r1, r2) = reduce_add_coalesced(rt, grads, 0)
-        assert rt.device_of(r1) == 0 and r1.untyped_storage() is r2.untyped_storage()
-        assert rt.counters[0].live_requested == before + 600  # one flat result
+        assert rt.storages.device_of(r1) == 0 and r1.untyped_storage() is r2.untyped_storage()
+        assert rt.storages.counters[0].live_requested == before + 600  # one flat result
         # each device flattened its group (a cat): 600 B temporaries, now freed
-        assert rt.counters[1].peak_requested == 600 + 600
+        assert rt.storages.counters[1].peak_requested == 600 + 600
 
 
 D = 1000  # Linear(D, D) without bias: W = 4 MB of weight, batch 4 over 2 devices
@@ -193,7 +193,7 @@ def test_compute_mode_dp_matches_single_device_full_batch() -> None:
             p -= 0.1 * p.grad
 
     from dpprof.emulator.data_parallel import EmulatedDataParallel
-    from dpprof.emulator.vdevice import to_device
+    from dpprof.emulator.device_copies import to_device
 
     rt = VirtualDevices(3, base="cpu")
     with rt:

@@ -35,7 +35,7 @@ from fidelity_models import sort_path_bytes_at_peak
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.backends.gloo import RankResult, RankSpec, launch_many, run_rank
 from dpprof.backends.memtrace import SCALAR_BYTES, Alloc, align, peak_of, relative_peak
-from dpprof.emulator.counting import HOST
+from dpprof.emulator.dispatch_state import HOST
 from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import load_workload
 
@@ -92,10 +92,10 @@ def emulated_step(spec: str, scenario: str, rows: int, compute: bool,
         ddp_backend="gloo",  # the ranks it is held to run over gloo
     ), trace)
     assert r.status == "ok", r.message
-    events = [e.requested for e in trace["rt"].events if e.device in (0, HOST)]
-    kept = [e.requested for e in trace["rt"].events[:trace["step_end"]]
+    events = [e.requested for e in trace["rt"].storages.events if e.device in (0, HOST)]
+    kept = [e.requested for e in trace["rt"].storages.events[:trace["step_end"]]
             if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES]
-    n_before = len([e for e in trace["rt"].events[:trace["step_start"]]
+    n_before = len([e for e in trace["rt"].storages.events[:trace["step_start"]]
                     if e.device in (0, HOST) and abs(e.requested) > SCALAR_BYTES])
     assert events
     return sum(kept[:n_before]), kept[n_before:]

@@ -257,7 +257,8 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     (a size, the order of a free, which storage is freed) gets its own simulation, and each
     device's figure is that of simulating its own sequence."""
     from dpprof.emulator import reserved
-    from dpprof.emulator.allocator import block_bytes, simulate
+    from dpprof.emulator.allocator_config import block_bytes
+    from dpprof.emulator.allocator_replay import simulate
     from dpprof.emulator.events import EventLog
 
     mib = 2**20

@@ -82,8 +82,8 @@ def test_uint8_class_targets_cost_no_copy() -> None:
     with VirtualCuda(1, honour_visible_devices=False) as vc:
         logits = torch.randn(64, 10, device="cuda", requires_grad=True)
         labels = torch.randint(0, 10, (64,), dtype=torch.uint8, device="cuda")
-        before = vc.rt.counters[0].peak_allocated
+        before = vc.rt.storages.counters[0].peak_allocated
         F.cross_entropy(logits, labels).backward()
         # log_softmax [64, 10], its gradient and logits.grad, the loss and total_weight,
         # the loss's gradient: float32, each in its own 512 B block
-        assert vc.rt.counters[0].peak_allocated - before <= 6 * 3 * 512
+        assert vc.rt.storages.counters[0].peak_allocated - before <= 6 * 3 * 512

@@ -101,16 +101,16 @@ def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs() -> None:
     bf16 output and a float32 rstd per row; the composite a CPU/meta build runs keeps
     float32 copies of the input-sized tensors."""
     from dpprof.emulator.kernels import GpuKernels
-    from dpprof.emulator.vdevice import VirtualDevices
+    from dpprof.emulator.virtual_devices import VirtualDevices
 
     rows, width = 64, 1024
     rt = VirtualDevices(1, base="meta")
     with rt, rt.device(0), GpuKernels() as kernels:
         x = torch.empty(rows, width, dtype=torch.bfloat16, requires_grad=True)
         w = torch.ones(width, dtype=torch.bfloat16, requires_grad=True)
-        before = rt.counters[0].live_requested
+        before = rt.storages.counters[0].live_requested
         y = torch.nn.functional.rms_norm(x, (width,), w, 1e-6)
-        fused = rt.counters[0].live_requested - before
+        fused = rt.storages.counters[0].live_requested - before
         assert fused == rows * width * 2 + rows * 4  # output (bf16) + rstd (float32)
         y.sum().backward()
         assert x.grad is not None and x.grad.dtype == torch.bfloat16
@@ -121,9 +121,9 @@ def test_rms_norm_runs_the_fused_kernel_a_cuda_build_runs() -> None:
     with rt2, rt2.device(0):  # the composite (what meta runs without the routing)
         x = torch.empty(rows, width, dtype=torch.bfloat16, requires_grad=True)
         w = torch.ones(width, dtype=torch.bfloat16, requires_grad=True)
-        before = rt2.counters[0].live_requested
+        before = rt2.storages.counters[0].live_requested
         y = torch.nn.functional.rms_norm(x, (width,), w, 1e-6)
-        composite = rt2.counters[0].live_requested - before
+        composite = rt2.storages.counters[0].live_requested - before
         assert y.dtype == torch.bfloat16
     assert composite >= fused + rows * width * 4  # at least one float32 input-sized copy
 

@@ -1,7 +1,7 @@
 """The ladder's rungs against real execution on CPU tensors, and the verdict that names one.
 
 Mixed precision: the emulator re-enacts autocast at the function level over meta tensors
-(:class:`dpprof.emulator.kernels.EmulatedAutocast`); with torch's CPU op lists it must give
+(:class:`dpprof.emulator.emulated_autocast.EmulatedAutocast`); with torch's CPU op lists it must give
 the peak that ``torch.autocast("cpu", torch.bfloat16)`` gives on real tensors, recorded by
 torch.profiler, to the byte. Activation checkpointing: the blocks the ladder wraps
 (:func:`dpprof.measure.rung_models.checkpointed`) run for real under the profiler and in the
@@ -526,7 +526,7 @@ def test_fsdp2_moves_a_batchnorm_s_host_buffers_to_the_gpu(offload: bool) -> Non
             trace)
     assert r.status == "ok", r.message
     tracked = [m.bn.num_batches_tracked for m in trace["model"].blocks]
-    assert all(trace["rt"].device_of(t) == 0 for t in tracked)
+    assert all(trace["rt"].storages.device_of(t) == 0 for t in tracked)
 
 
 def test_an_fsdp2_rung_says_its_reserved_memory_may_be_understated() -> None:

@@ -1,5 +1,5 @@
 """DataParallel replicas on equal shards: one runs, the devices of the others mirror its
-device (VirtualDevices.set_mirrors). Every device's own events, and so its figures, must be
+device (ReplicaMirrors.set_mirrors). Every device's own events, and so its figures, must be
 those of emulating every replica, byte for byte; cuda:0's timeline to the event."""
 
 import dataclasses
@@ -54,7 +54,7 @@ def _per_device(r: ScenarioResult) -> str:
 
 def _events_by_device(rt: Any) -> dict[int, list[tuple[int, int]]]:
     out: dict[int, list[tuple[int, int]]] = {}
-    for e in rt.events:
+    for e in rt.storages.events:
         out.setdefault(e.device, []).append((e.requested, e.allocated))
     return out
 
@@ -72,7 +72,7 @@ def assert_same(plain: tuple[ScenarioResult, dict], mirrored: tuple[ScenarioResu
     assert _per_device(a) == _per_device(b)
     # the whole event log, device by device, and as many events in all
     assert _events_by_device(ta["rt"]) == _events_by_device(tb["rt"])
-    assert len(ta["rt"].events) == len(tb["rt"].events)
+    assert len(ta["rt"].storages.events) == len(tb["rt"].storages.events)
 
 
 CASES = [
@@ -94,9 +94,9 @@ def test_mirrored_replicas_give_every_device_the_same_events(
     wl = load_workload(workload)
     plain, mirrored = run_both(wl, batch, gpus, name)
     # mirrors really stood for replicas (two steps: warm-up + measured)
-    assert mirrored[1]["rt"].dedupe_failure is None
-    assert mirrored[1]["rt"].mirrored_replicas > 0
-    assert plain[1]["rt"].mirrored_replicas == 0
+    assert mirrored[1]["rt"].mirrors.dedupe_failure is None
+    assert mirrored[1]["rt"].mirrors.mirrored_replicas > 0
+    assert plain[1]["rt"].mirrors.mirrored_replicas == 0
     assert_same(plain, mirrored)
     # the kernels' choices are counted for every replica (the notes say how many)
     assert plain[0].notes == mirrored[0].notes
@@ -114,7 +114,7 @@ def test_uneven_chunks_and_output_device_as_the_fixes_emulate_them() -> None:
     ]
     for gpus, extra, mirrored in cases:
         plain, dedup = run_both(wl, 32, gpus, **extra)
-        assert dedup[1]["rt"].mirrored_replicas == mirrored, extra
+        assert dedup[1]["rt"].mirrors.mirrored_replicas == mirrored, extra
         assert_same(plain, dedup)
 
 
@@ -150,23 +150,23 @@ def _workload(model: type[nn.Module]) -> Workload:
 def test_a_replica_that_returns_a_view_of_its_input_is_mirrored() -> None:
     wl = _workload(_EchoesInput)
     plain, mirrored = run_both(wl, 32, 4)
-    assert mirrored[1]["rt"].mirrored_replicas == 4
+    assert mirrored[1]["rt"].mirrors.mirrored_replicas == 4
     assert_same(plain, mirrored)
 
 
 def test_a_replica_that_touches_another_device_is_run_on_every_device() -> None:
     wl = _workload(_TouchesCuda0)
     plain, rerun = run_both(wl, 32, 4)
-    assert rerun[1]["rt"].dedupe_replicas is False  # the result comes from the rerun
-    assert rerun[1]["rt"].mirrored_replicas == 0
+    assert rerun[1]["rt"].mirrors.dedupe_replicas is False  # the result comes from the rerun
+    assert rerun[1]["rt"].mirrors.mirrored_replicas == 0
     assert_same(plain, rerun)
 
 
 def test_real_numbers_run_every_replica() -> None:
     wl = load_workload("mlp")
     _, trace = _run(wl, 16, 4, DP_LOSS_PRIMARY, dedupe=True, compute=True)
-    assert trace["rt"].dedupe_replicas is False
-    assert trace["rt"].mirrored_replicas == 0
+    assert trace["rt"].mirrors.dedupe_replicas is False
+    assert trace["rt"].mirrors.mirrored_replicas == 0
 
 
 class _KeywordsModel(nn.Module):
@@ -196,7 +196,7 @@ def test_keyword_inputs_and_dict_outputs_are_mirrored() -> None:
     )
     for batch in (32, 30):  # 8 equal shards; [4] * 7 + [2]
         plain, mirrored = run_both(wl, batch, 8)
-        assert mirrored[1]["rt"].mirrored_replicas == (12 if batch == 32 else 10)
+        assert mirrored[1]["rt"].mirrors.mirrored_replicas == (12 if batch == 32 else 10)
         assert_same(plain, mirrored)
 
 
@@ -211,7 +211,7 @@ class _ReadsAValue(_EchoesInput):
 def test_values_read_in_a_mirrored_replica_are_counted_for_every_replica() -> None:
     wl = _workload(_ReadsAValue)
     plain, mirrored = run_both(wl, 32, 4)
-    assert mirrored[1]["rt"].mirrored_replicas == 4
+    assert mirrored[1]["rt"].mirrors.mirrored_replicas == 4
     assert_same(plain, mirrored)
     assert plain[0].notes == mirrored[0].notes
     assert plain[1]["rt"].stand_ins.total == 2 * 4  # two steps, four replicas

@@ -80,7 +80,7 @@ def torchs_ddp(widths: list[int], norm: bool, options: dict[str, Any], steps: in
             ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], **options)
             assert isinstance(ddp, REAL_DDP) and type(ddp) is not REAL_DDP
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-            c = vc.rt.counters[0]
+            c = vc.rt.storages.counters[0]
             return _steps(ddp, opt, widths[0], steps, accumulate,
                           lambda: (c.live_allocated, c.peak_allocated), "cuda")
         finally:
@@ -100,7 +100,7 @@ def reenacted_ddp(widths: list[int], norm: bool, options: dict[str, Any], steps:
             ddp = EmulatedDDP(model, rt, world_size=2, nccl_stash=backend == "nccl",
                               **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        c = rt.counters[0]
+        c = rt.storages.counters[0]
         try:
             with rt.device(0):
                 return _steps(ddp, opt, widths[0], steps, accumulate,

@@ -15,7 +15,7 @@ from torch import nn
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.ddp import EmulatedDDP, compute_bucket_assignment_by_size
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.scenarios.step import DdpOptions, StepConfig
 from dpprof.scenarios.workloads import Workload
 
@@ -141,9 +141,9 @@ def test_find_unused_parameters_clones_the_outputs() -> None:
         rt = VirtualDevices(1)
         with rt, rt.device(0):
             ddp = EmulatedDDP(_mlp(), rt, world_size=2, find_unused_parameters=fup)
-            start = len(rt.events)
+            start = len(rt.storages.events)
             out = ddp(torch.empty(4, 512))
-            counts.append(sum(1 for e in rt.events[start:] if e.requested == out.nbytes))
+            counts.append(sum(1 for e in rt.storages.events[start:] if e.requested == out.nbytes))
             del out
         ddp.remove_hooks()
     assert counts[1] == counts[0] + 1  # _DDPSink's clone of the one output

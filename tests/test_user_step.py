@@ -98,7 +98,7 @@ def test_the_step_runs_inside_the_phases() -> None:
     trace: dict[str, Any] = {}
     run_scenario("dp-loss-primary", _wide(accumulate),
                  EmulationConfig(gpus=4, gpu_memory_bytes=2**40, step=StepConfig(batch=ROWS)), trace)
-    marks = [m.name for m in trace["rt"].phases]
+    marks = [m.name for m in trace["rt"].storages.phases]
     # the measured iteration: two micro-batches, then the optimizer step
     one = ["inputs", "zero_grad", "forward", "loss", "backward", "forward", "loss", "backward",
            "optimizer", "zero_grad"]

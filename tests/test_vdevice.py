@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from dpprof.emulator.allocator import block_bytes
-from dpprof.emulator.counting import HOST, VirtualDeviceError
-from dpprof.emulator.vdevice import VirtualDevices, to_device
+from dpprof.emulator.allocator_config import block_bytes
+from dpprof.emulator.device_copies import to_device
+from dpprof.emulator.dispatch_state import HOST, VirtualDeviceError
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 
 @pytest.fixture(params=["meta", "cpu"])
@@ -17,13 +18,13 @@ def test_factories_take_the_current_device_and_round(rt: VirtualDevices) -> None
     with rt:
         with rt.device(1):
             t = torch.empty(100)  # 400 B requested, 512 B allocated
-        assert rt.device_of(t) == 1
-        assert rt.counters[1].live_requested == 400
-        assert rt.counters[1].live_allocated == 512
-        assert rt.counters[0].live_allocated == 0
+        assert rt.storages.device_of(t) == 1
+        assert rt.storages.counters[1].live_requested == 400
+        assert rt.storages.counters[1].live_allocated == 512
+        assert rt.storages.counters[0].live_allocated == 0
         h = torch.empty(10)  # the host by default: not counted on any GPU
-        assert rt.device_of(h) == HOST
-    assert rt.counters[0].live_allocated == 0
+        assert rt.storages.device_of(h) == HOST
+    assert rt.storages.counters[0].live_allocated == 0
 
 
 def test_outputs_follow_inputs_and_views_are_free(rt: VirtualDevices) -> None:
@@ -34,9 +35,9 @@ def test_outputs_follow_inputs_and_views_are_free(rt: VirtualDevices) -> None:
             b = a * 2
             v = b[10:20]
             b.add_(1)  # in place: no new storage
-        assert rt.device_of(b) == 1 and rt.device_of(v) == 1
-        assert rt.counters[1].live_allocated == 2048
-        assert rt.counters[0].live_allocated == 0
+        assert rt.storages.device_of(b) == 1 and rt.storages.device_of(v) == 1
+        assert rt.storages.counters[1].live_allocated == 2048
+        assert rt.storages.counters[0].live_allocated == 0
 
 
 def test_host_scalars_mix_with_device_tensors(rt: VirtualDevices) -> None:
@@ -45,8 +46,8 @@ def test_host_scalars_mix_with_device_tensors(rt: VirtualDevices) -> None:
         with rt.device(1):
             a = torch.ones(8)
         b = a * s
-        assert rt.device_of(b) == 1
-        assert rt.device_of(s + 1) == HOST
+        assert rt.storages.device_of(b) == 1
+        assert rt.storages.device_of(s + 1) == HOST
 
 
 def test_two_devices_in_one_op_is_an_error(rt: VirtualDevices) -> None:
@@ -65,10 +66,10 @@ def test_frees_are_seen_when_the_last_view_dies(rt: VirtualDevices) -> None:
             a = torch.empty(1024)  # 4 KiB
             v = a[:10]
         del a
-        assert rt.counters[0].live_allocated == 4096  # the view keeps the storage
+        assert rt.storages.counters[0].live_allocated == 4096  # the view keeps the storage
         del v
-        assert rt.counters[0].live_allocated == 0
-        assert rt.counters[0].peak_allocated == 4096
+        assert rt.storages.counters[0].live_allocated == 0
+        assert rt.storages.counters[0].peak_allocated == 4096
 
 
 def test_crossing_copies_forward_and_gradient_back(rt: VirtualDevices) -> None:
@@ -77,13 +78,13 @@ def test_crossing_copies_forward_and_gradient_back(rt: VirtualDevices) -> None:
             w = torch.ones(128, requires_grad=True)  # 512 B on cuda:0
             x = w * 2
         y = to_device(rt, x, 1)
-        assert rt.device_of(y) == 1
+        assert rt.storages.device_of(y) == 1
         assert to_device(rt, y, 1) is y  # already there: no copy, as tensor.to
-        before0 = rt.counters[0].live_allocated
+        before0 = rt.storages.counters[0].live_allocated
         with rt.device(1):
             y.sum().backward()
-        assert rt.device_of(w.grad) == 0  # the gradient came back to cuda:0
-        assert rt.counters[0].live_allocated == before0 + 512  # w.grad
+        assert rt.storages.device_of(w.grad) == 0  # the gradient came back to cuda:0
+        assert rt.storages.counters[0].live_allocated == before0 + 512  # w.grad
 
 
 def test_categories_labels_and_peak_snapshot(rt: VirtualDevices) -> None:
@@ -94,12 +95,12 @@ def test_categories_labels_and_peak_snapshot(rt: VirtualDevices) -> None:
         with rt.device(0), rt.category("activations"):
             a = torch.empty(512)  # 2 KiB
             g = torch.empty(256)  # 1 KiB, later becomes a gradient
-        rt.label(g, "gradients")
+        rt.storages.label(g, "gradients")
         del a
-        snap = rt.peak_snapshot(0)
-        assert snap.allocated_bytes == rt.counters[0].peak_allocated == 4096
+        snap = rt.storages.peak_snapshot(0)
+        assert snap.allocated_bytes == rt.storages.counters[0].peak_allocated == 4096
         assert snap.by_category == {"parameters": 1024, "activations": 2048, "gradients": 1024}
-        assert rt.live_bytes(0) == 2048
+        assert rt.storages.live_bytes(0) == 2048
         del p, g
 
 
@@ -109,9 +110,9 @@ def test_reset_peaks_restarts_from_resident(rt: VirtualDevices) -> None:
             big = torch.empty(4096)
             del big
             keep = torch.empty(256)
-        assert rt.counters[0].peak_allocated == 16384
+        assert rt.storages.counters[0].peak_allocated == 16384
         rt.reset_peaks()
-        assert rt.counters[0].peak_allocated == 1024
+        assert rt.storages.counters[0].peak_allocated == 1024
         del keep
 
 
@@ -122,9 +123,9 @@ def test_phases_and_timeline(rt: VirtualDevices) -> None:
         with rt.phase("backward", device=0):
             b = torch.empty(128)
             del a
-    assert [p.name for p in rt.phases] == ["forward", "backward"]
-    assert [b for _, b in rt.timeline(0)] == [0, 512, 1024, 512]
-    assert rt.counters[0].peak_phase == "backward"
+    assert [p.name for p in rt.storages.phases] == ["forward", "backward"]
+    assert [b for _, b in rt.storages.timeline(0)] == [0, 512, 1024, 512]
+    assert rt.storages.counters[0].peak_phase == "backward"
     del b
 
 
@@ -133,28 +134,28 @@ def test_mirrored_devices_repeat_each_event_of_their_devices_storages() -> None:
     with rt:
         with rt.device(1):
             before = torch.empty(256)  # made before the mirrors: cuda:1's alone
-        rt.set_mirrors({1: [2, 3]})
-        assert (rt.multiplicity(1), rt.multiplicity(2), rt.multiplicity(0)) == (3, 1, 1)
+        rt.mirrors.set_mirrors({1: [2, 3]})
+        assert (rt.mirrors.multiplicity(1), rt.mirrors.multiplicity(2), rt.mirrors.multiplicity(0)) == (3, 1, 1)
         with rt.device(1), rt.category("activations"):
             a = torch.empty(512)  # 2 KiB on cuda:1, and a mirror on cuda:2 and cuda:3
             b = torch.empty(128)
-        rt.label(a, "gradients")  # a later label is its mirrors' too
+        rt.storages.label(a, "gradients")  # a later label is its mirrors' too
         with rt.device(0):
             c = torch.empty(64)  # cuda:0 is not mirrored
-        rt.set_mirrors({})  # a storage keeps the mirrors it was made with
+        rt.mirrors.set_mirrors({})  # a storage keeps the mirrors it was made with
         del a, before
         with rt.device(1):
             d = torch.empty(64)  # made after: not mirrored
-    log = [(e.device, e.requested) for e in rt.events]
+    log = [(e.device, e.requested) for e in rt.storages.events]
     assert log == [(1, 1024), (1, 2048), (2, 2048), (3, 2048), (1, 512), (2, 512), (3, 512),
                    (0, 256), (1, -2048), (2, -2048), (3, -2048), (1, -1024), (1, 256)]
-    assert len({e.serial for e in rt.events if e.requested > 0}) == 9  # a serial each
+    assert len({e.serial for e in rt.storages.events if e.requested > 0}) == 9  # a serial each
     for dev in (2, 3):
-        assert rt.counters[dev].peak_allocated == 2048 + 512
-        assert rt.counters[dev].live_allocated == 512
-        snap = rt.peak_snapshot(dev)
+        assert rt.storages.counters[dev].peak_allocated == 2048 + 512
+        assert rt.storages.counters[dev].live_allocated == 512
+        snap = rt.storages.peak_snapshot(dev)
         assert snap.by_category == {"gradients": 2048, "activations": 512}
-    assert rt.counters[1].live_allocated == 512 + 512
+    assert rt.storages.counters[1].live_allocated == 512 + 512
     del b, c, d
 
 
@@ -212,18 +213,18 @@ def test_snapshots_and_timelines_match_an_event_by_event_replay() -> None:
             live[serial] = (dev, req)
     labels = {s: rng.choice(["parameters", "activations"]) for s in range(1, 80, 2)}
     for ev in events:
-        rt.events.add(*ev)
+        rt.storages.events.add(*ev)
     for s, cat in labels.items():
-        rt.set_label(s, cat)
+        rt.storages.set_label(s, cat)
     for index in (0, 1, 2):
         for before in range(0, len(events) + 1, 7):
-            snap = rt.snapshot(index, before)
+            snap = rt.storages.snapshot(index, before)
             alloc, req, by_cat = _reference_snapshot(events, labels, index, before)
             assert (snap.allocated_bytes, snap.requested_bytes) == (alloc, req)
             assert {k: v for k, v in snap.by_category.items() if v} == {
                 k: v for k, v in by_cat.items() if v}
         for start in (0, 1, 250, len(events)):
-            points = rt.timeline(index, start)
+            points = rt.storages.timeline(index, start)
             live_bytes = _reference_snapshot(events, labels, index, start)[0]
             want = [(start, live_bytes)]
             for i in range(start, len(events)):
@@ -231,7 +232,7 @@ def test_snapshots_and_timelines_match_an_event_by_event_replay() -> None:
                     live_bytes += events[i][3]
                     want.append((i + 1, live_bytes))
             assert points == want
-        assert rt.event_indices(index) == [i for i, e in enumerate(events) if e[0] == index]
+        assert rt.storages.event_indices(index) == [i for i, e in enumerate(events) if e[0] == index]
 
 
 def test_frozen_heap_spares_older_objects_and_gives_them_back() -> None:
@@ -283,16 +284,16 @@ def test_timeline_points_keep_the_first_maximum_of_each_equal_slice(n_events: in
     for i in range(n_events):
         if live and rng.random() < 0.45:
             dev, serial = live.pop(rng.randrange(len(live)))
-            rt.events.add(dev, serial, -512, -512)
+            rt.storages.events.add(dev, serial, -512, -512)
         else:
             dev = rng.choice([0, 1])
-            rt.events.add(dev, i + 1, 512, 512)
+            rt.storages.events.add(dev, i + 1, 512, 512)
             live.append((dev, i + 1))
         if i % 97 == 0:
-            rt.phases.append(PhaseMark(i, f"phase {i}"))
+            rt.storages.phases.append(PhaseMark(i, f"phase {i}"))
     for start in (0, n_events // 3):
         for index in (0, 1):
-            points = rt.timeline(index, start)
+            points = rt.storages.timeline(index, start)
             if len(points) > TIMELINE_POINTS:  # the walk over the slices
                 step = len(points) / TIMELINE_POINTS
                 points = [max(points[int(k * step): int((k + 1) * step) or None],
@@ -300,7 +301,7 @@ def test_timeline_points_keep_the_first_maximum_of_each_equal_slice(n_events: in
             got = timeline_points(rt, index, start)
             assert [(p.t, p.allocated_bytes) for p in got] == [
                 (float(ev - start), b) for ev, b in points]
-            marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+            marks = [(m.event_index, m.name) for m in rt.storages.phases if m.event_index >= start]
             assert [p.phase for p in got] == [
                 ([name for idx, name in marks if idx <= ev] or [""])[-1] for ev, _ in points]
 
@@ -326,7 +327,7 @@ def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
                 opt.zero_grad()
         monkeypatch.undo()
         step = float(next(iter(opt.state.values()))["step"])  # a host tensor: it ran
-        return [(e.device, e.requested, e.allocated) for e in rt.events], step
+        return [(e.device, e.requested, e.allocated) for e in rt.storages.events], step
 
     skipped, steps = adamw_steps(skip=True)
     assert op_memo.writes_in_place_only(torch.ops.aten._foreach_lerp_.Scalar)
@@ -366,7 +367,7 @@ def test_out_variants_into_a_tensor_of_their_shape_skip_the_kernel_over_meta(
                 shapes.append(tuple(small.shape))
                 small = torch.empty(0)
         monkeypatch.undo()
-        return [(e.device, e.requested, e.allocated) for e in rt.events], shapes, rt.cache_hits
+        return [(e.device, e.requested, e.allocated) for e in rt.storages.events], shapes, rt.memo.cache_hits
 
     events, shapes, hits = run(skip=True)
     assert op_memo.out_argument(torch.ops.aten.mul.out) == ("out", True)
@@ -383,20 +384,20 @@ def test_mirror_classes_can_change_between_mappings() -> None:
     """Devices of a class share their counts only while they mirror the same device."""
     rt = VirtualDevices(5)
     with rt:
-        rt.set_mirrors({1: [2, 3, 4]})
+        rt.mirrors.set_mirrors({1: [2, 3, 4]})
         with rt.device(1):
             a = torch.empty(256)  # 1 KiB on cuda:1..4
         del a
-        rt.set_mirrors({1: [2, 3]})  # cuda:4 leaves the class
+        rt.mirrors.set_mirrors({1: [2, 3]})  # cuda:4 leaves the class
         with rt.device(1):
             b = torch.empty(512)  # 2 KiB on cuda:1..3
         with rt.device(4):
             c = torch.empty(64)
-        rt.set_mirrors({})
+        rt.mirrors.set_mirrors({})
         with rt.device(3):
             d = torch.empty(128)  # cuda:3 alone now
-    peaks = [rt.counters[i].peak_allocated for i in range(5)]
-    live = [rt.counters[i].live_allocated for i in range(5)]
+    peaks = [rt.storages.counters[i].peak_allocated for i in range(5)]
+    live = [rt.storages.counters[i].live_allocated for i in range(5)]
     assert peaks == [0, 2048, 2048, 2560, 1024]
     assert live == [0, 2048, 2048, 2560, 512]
     del b, c, d
@@ -424,7 +425,7 @@ def test_a_factory_inside_backward_lands_on_the_nodes_device(rt: VirtualDevices)
         with rt.device(0):
             _ZerosInBackward.apply(x).sum().backward()
             y = torch.empty(100)  # outside backward: the current device again
-    on = {e.device for e in rt.events if abs(e.requested) == 400}
+    on = {e.device for e in rt.storages.events if abs(e.requested) == 400}
     assert on == {1, 0}
-    assert [e.device for e in rt.events if e.requested == 400] == [1, 0]
+    assert [e.device for e in rt.storages.events if e.requested == 400] == [1, 0]
     del x, y

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from dpprof.emulator import cuda_devices
-from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import STAND_IN_FLOAT, STAND_IN_INT, DataDependentShapeError
+from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.virtual_cuda import VirtualCuda, parse_visible_devices
 from dpprof.script import wrappers
 
@@ -72,7 +72,7 @@ def test_the_current_stream_is_kept_and_its_allocations_pooled_apart() -> None:
             assert torch.accelerator.current_stream() == side
             z = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")  # its own block again
         assert torch.cuda.max_memory_reserved() == 40 * MiB
-        assert list(vc.rt.events.streams.values()) == [side.stream_id] * 2
+        assert list(vc.rt.storages.events.streams.values()) == [side.stream_id] * 2
         del y, z
 
 
@@ -95,14 +95,14 @@ def test_factories_and_moves_land_on_the_named_device() -> None:
         c = torch.tensor([1.0, 2.0, 3.0], device="cuda")  # current device: 0, 12 B
         d = torch.randn(300, 5).cuda(3)  # 6000 B
         e = torch.arange(100).to("cuda:3")  # int64: 800 B
-        assert [vc.rt.device_of(t) for t in (a, b, c, d, e)] == [1, 2, 0, 3, 3]
+        assert [vc.rt.storages.device_of(t) for t in (a, b, c, d, e)] == [1, 2, 0, 3, 3]
         assert a.device == torch.device("cuda", 1) and a.is_cuda and a.get_device() == 1
         assert torch.cuda.memory_allocated(0) == r512(12)
         assert torch.cuda.memory_allocated(1) == r512(4000)
         assert torch.cuda.memory_allocated(2) == r512(400)
         assert torch.cuda.memory_allocated(3) == r512(6000) + r512(800)
         host = e.cpu()
-        assert host.device.type == "cpu" and vc.rt.device_of(host) == HOST
+        assert host.device.type == "cpu" and vc.rt.storages.device_of(host) == HOST
         del a
         assert torch.cuda.memory_allocated(1) == 0
         assert torch.cuda.max_memory_allocated(1) == r512(4000)
@@ -126,7 +126,7 @@ def test_pinned_memory_as_cuda_s_host_allocator_gives_it() -> None:
         gpu = torch.zeros(100, device="cuda:1")
         assert gpu.to("cpu", non_blocking=True).is_pinned()
         assert not gpu.to("cpu").is_pinned() and not gpu.cpu().is_pinned()
-        assert vc.rt.device_of(gpu.to(torch.device("cpu"), non_blocking=True)) == HOST
+        assert vc.rt.storages.device_of(gpu.to(torch.device("cpu"), non_blocking=True)) == HOST
         with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
             gpu.pin_memory()
 
@@ -148,7 +148,7 @@ def test_an_int_names_a_cuda_device_as_on_a_gpu_machine(
         assert torch.device(1) == real("cuda", 1) and type(torch.device(0)) is real
         assert isinstance(a.device, torch.device) and issubclass(real, torch.device)
         assert torch.device("cuda:1") == real("cuda", 1) and torch.device("cpu").type == "cpu"
-        assert [vc.rt.device_of(t) for t in (a, b, c, d, e, f)] == [3, 3, 3, 1, 3, 1]
+        assert [vc.rt.storages.device_of(t) for t in (a, b, c, d, e, f)] == [3, 3, 3, 1, 3, 1]
         assert a.device == torch.device(1)
     assert (torch.device, torch.randn, torch.Tensor.new_zeros) == (real, randn, new_zeros)
 
@@ -161,11 +161,11 @@ def test_module_to_and_cuda_move_parameters_and_buffers() -> None:
         expected = r512(4 * 30000) + 5 * r512(4 * 300) + r512(8)
         assert torch.cuda.memory_allocated(1) == expected
         assert torch.cuda.memory_allocated(0) == 0
-        assert all(vc.rt.device_of(p) == 1 for p in m.parameters())
+        assert all(vc.rt.storages.device_of(p) == 1 for p in m.parameters())
         m2 = nn.Linear(10, 10).cuda()
         assert next(m2.parameters()).device == torch.device("cuda", 0)
         ints = nn.Linear(10, 10).to(1)  # an int device, as mp.spawn scripts write it
-        assert vc.rt.device_of(ints.weight) == 1
+        assert vc.rt.storages.device_of(ints.weight) == 1
 
 
 def test_module_to_a_dtype_alone_converts_in_place() -> None:
@@ -174,19 +174,19 @@ def test_module_to_a_dtype_alone_converts_in_place() -> None:
     with VirtualCuda(2) as vc:
         m = nn.Linear(100, 300).to("cuda:1").to(torch.bfloat16)
         assert m.weight.dtype == torch.bfloat16
-        assert vc.rt.device_of(m.weight) == 1
+        assert vc.rt.storages.device_of(m.weight) == 1
         assert torch.cuda.memory_allocated(1) == r512(2 * 30000) + r512(2 * 300)
         t = torch.empty(8, device="cuda:1").to(None, torch.float16, False)
-        assert t.dtype == torch.float16 and vc.rt.device_of(t) == 1
+        assert t.dtype == torch.float16 and vc.rt.storages.device_of(t) == 1
 
 
 def test_a_crossing_sends_the_gradient_back() -> None:
     with VirtualCuda(2) as vc:
         x = torch.randn(64, 32, device="cuda:0", requires_grad=True)
         y = x.to("cuda:1")
-        assert vc.rt.device_of(y) == 1
+        assert vc.rt.storages.device_of(y) == 1
         (y * 2).sum().backward()
-        assert x.grad is not None and vc.rt.device_of(x.grad) == 0
+        assert x.grad is not None and vc.rt.storages.device_of(x.grad) == 0
 
 
 def test_cuda_visible_devices_maps_logical_to_virtual(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,7 +194,7 @@ def test_cuda_visible_devices_maps_logical_to_virtual(monkeypatch: pytest.Monkey
     with VirtualCuda(4) as vc:
         assert torch.cuda.device_count() == 2
         t = torch.zeros(256, device="cuda:0")
-        assert vc.rt.device_of(t) == 2  # logical 0 is the third virtual GPU
+        assert vc.rt.storages.device_of(t) == 2  # logical 0 is the third virtual GPU
         assert t.device == torch.device("cuda", 0)
         with pytest.raises(RuntimeError, match="invalid device ordinal"):
             torch.zeros(1, device="cuda:2")
@@ -283,27 +283,29 @@ def test_ops_with_no_tensor_run_uncounted() -> None:
     """``record_function`` (FSDP2 names each of its hooks with one) reaches the mode as
     ops that take and return no tensor: run as they are, without the counting (and the
     same events as counting them)."""
-    from dpprof.emulator.counting import CountingDevices
+    from dpprof.emulator.virtual_devices import VirtualDevices
 
     def step(skip: bool) -> tuple[list[str], list[tuple[int, int, int]]]:
         counted: list[str] = []
-        count = CountingDevices.count_dispatch
+        count = VirtualDevices.count_dispatch
 
-        def spy(self: CountingDevices, func: object, *args: object, **kw: object) -> object:
+        def spy(self: VirtualDevices, func: object, *args: object, **kw: object) -> object:
             counted.append(str(func))
             return count(self, func, *args, **kw)
 
+        rules = cuda_devices.RULES
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(CountingDevices, "count_dispatch", spy)
-            mp.setattr(cuda_devices, "_OP_KINDS", {})
-            if not skip:
-                mp.setattr(cuda_devices, "_tensorless", lambda func: False)
+            mp.setattr(VirtualDevices, "count_dispatch", spy)
+            mp.setattr(rules, "_found", {})
+            if not skip:  # the registry without the rule for ops with no tensor
+                mp.setattr(rules, "_checks", [(check, rule) for check, rule in rules._checks
+                                              if check is not cuda_devices._tensorless])
             with VirtualCuda(2) as vc:
                 x = torch.randn(8, 4, device="cuda")
                 with torch.profiler.record_function("hook"):
                     y = (x * 2).sum()
                 del x, y
-                events = [(e.device, e.requested, e.allocated) for e in vc.rt.events]
+                events = [(e.device, e.requested, e.allocated) for e in vc.rt.storages.events]
         return counted, events
 
     counted, events = step(skip=True)
@@ -330,7 +332,7 @@ def test_over_cpu_tensors_values_are_real() -> None:
         x = torch.ones(3, device="cuda:1") * 2
         assert x.sum().item() == 6.0
         assert torch.nonzero(x).shape == (3, 1)  # data-dependent shapes work
-        assert vc.rt.device_of(x) == 1
+        assert vc.rt.storages.device_of(x) == 1
         assert not vc.rt.stand_ins.counts
 
 
@@ -339,7 +341,7 @@ def test_data_parallel_is_the_re_enactment() -> None:
         model = nn.DataParallel(nn.Linear(20, 30)).cuda()
         assert isinstance(model, nn.DataParallel)
         out = model(torch.randn(16, 20).cuda())
-        assert out.shape == (16, 30) and vc.rt.device_of(out) == 0
+        assert out.shape == (16, 30) and vc.rt.storages.device_of(out) == 0
         # each other GPU held the replica's weight and bias as one flat broadcast buffer
         # ((20*30 + 30) floats), its 4-row chunk of the input (4*20 floats) and its output
         # (4*30 floats); afterwards only the chunk, which the replica's Linear saved
@@ -348,7 +350,7 @@ def test_data_parallel_is_the_re_enactment() -> None:
                 r512(4 * 630) + r512(4 * 80) + r512(4 * 120))
             assert torch.cuda.memory_allocated(i) == r512(4 * 80)
         out.sum().backward()
-        assert vc.rt.device_of(model.module.weight.grad) == 0
+        assert vc.rt.storages.device_of(model.module.weight.grad) == 0
 
 
 def test_an_optimizer_built_before_cuda_keeps_the_modules_parameters() -> None:
@@ -360,7 +362,7 @@ def test_an_optimizer_built_before_cuda_keeps_the_modules_parameters() -> None:
         m(torch.randn(4, 16).cuda()).sum().backward()
         opt.step()
         momentum = opt.state[m.weight]["momentum_buffer"]
-        assert vc.rt.device_of(momentum) == 0
+        assert vc.rt.storages.device_of(momentum) == 0
         # weight, bias, their gradients and momentum (the batch died with backward)
         assert torch.cuda.memory_allocated() == 3 * (r512(4 * 256) + r512(4 * 16))
 
@@ -411,7 +413,7 @@ def test_torch_load_onto_a_virtual_gpu(map_location: object, tmp_path: object) -
     w = torch.arange(12.0).view(3, 4)
     torch.save({"w": w, "view": w[1], "step": 7}, path)
     with VirtualCuda(2) as vc:
-        before = vc.memory_allocated(1)
+        before = vc.memory.memory_allocated(1)
         state = torch.load(path, map_location=map_location)
         assert state["step"] == 7
         if map_location is None or isinstance(map_location, dict):
@@ -421,7 +423,7 @@ def test_torch_load_onto_a_virtual_gpu(map_location: object, tmp_path: object) -
         index = 0 if map_location == "cuda" else 1
         assert state["w"].device == torch.device("cuda", index)
         assert state["view"].data_ptr() == state["w"].data_ptr() + 16
-        assert vc.memory_allocated(index) - (before if index == 1 else 0) == r512(48)
+        assert vc.memory.memory_allocated(index) - (before if index == 1 else 0) == r512(48)
 
 
 def test_torch_cuda_random_state_is_a_stand_in() -> None:

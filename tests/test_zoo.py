@@ -74,7 +74,7 @@ def test_every_zoo_model_is_mirrored_byte_for_byte(name: str, scenario: str) -> 
     replica), every device's events as when every replica runs."""
     wl = load_workload(f"{ZOO}:{name}")
     plain, mirrored = run_both(wl, 4 * ROWS, 4, scenario)
-    assert mirrored[1]["rt"].mirrored_replicas == 2 * 2  # two steps, two mirrors
+    assert mirrored[1]["rt"].mirrors.mirrored_replicas == 2 * 2  # two steps, two mirrors
     assert_same(plain, mirrored)
     assert plain[0].notes == mirrored[0].notes
 
@@ -86,7 +86,7 @@ def test_every_zoo_model_mirrors_onto_the_output_device_byte_for_byte(name: str)
     when every replica runs."""
     wl = load_workload(f"{ZOO}:{name}")
     plain, mirrored = run_both(wl, 4 * ROWS, 4, dp_output_device=3)
-    assert mirrored[1]["rt"].mirrored_replicas == 2 * 2
+    assert mirrored[1]["rt"].mirrors.mirrored_replicas == 2 * 2
     assert_same(plain, mirrored)
 
 

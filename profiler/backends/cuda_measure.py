@@ -41,7 +41,7 @@ from torch import nn
 from dpprof.backends.cuda_host import DeviceOps, host
 from dpprof.backends.cuda_oom import find_oom, is_oom, one_line
 from dpprof.backends.nvml_watch import NvmlWatch
-from dpprof.emulator.kernels import StepAutocast
+from dpprof.emulator.emulated_autocast import StepAutocast
 from dpprof.nvml import libnvml
 from dpprof.nvml.queries import NvmlBackend
 from dpprof.result import (

@@ -34,17 +34,19 @@ from dpprof.backends.emulated_figures import (
 )
 from dpprof.backends.emulated_time import fill_predicted_time
 from dpprof.emulator.context import ContextModel, device_context
-from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import EmulatedDataParallel, replicas_float16_note
 from dpprof.emulator.ddp import EmulatedDDP
+from dpprof.emulator.device_copies import to_device
+from dpprof.emulator.dispatch_state import HOST
+from dpprof.emulator.emulated_autocast import CudaAutocastNames, EmulatedAutocast
 from dpprof.emulator.fsdp import host_bytes
 from dpprof.emulator.heap import frozen_heap
-from dpprof.emulator.kernels import CudaAutocastNames, EmulatedAutocast, GpuKernels
+from dpprof.emulator.kernels import GpuKernels
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.op_log import OpLog
-from dpprof.emulator.vdevice import VirtualDevices, to_device
 from dpprof.emulator.virtual_cuda import VirtualCuda
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import STATUS_ERROR, ScenarioResult
 from dpprof.scenarios.kind import Scenario
 from dpprof.scenarios.measured_loop import StepHooks, error_site, training_loop
@@ -124,7 +126,7 @@ class _CategoryHooks:
         self.handles: list[Any] = []
 
     def after_forward(self, outputs: Any) -> None:
-        self.rt.label(list(tensors_in(outputs)), "outputs")
+        self.rt.storages.label(list(tensors_in(outputs)), "outputs")
         self.output_nodes = {t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None}
 
     def after_loss(self, loss: torch.Tensor, outputs: Any) -> None:
@@ -136,8 +138,8 @@ class _CategoryHooks:
             if node is None or node in seen or node in self.output_nodes:
                 continue
             seen.add(node)
-            self.handles.append(node.register_prehook(lambda *_: rt._set_category("loss")))
-            self.handles.append(node.register_hook(lambda *_: rt._set_category("activations")))
+            self.handles.append(node.register_prehook(lambda *_: rt.set_category("loss")))
+            self.handles.append(node.register_hook(lambda *_: rt.set_category("activations")))
             stack.extend(n for n, _ in node.next_functions)
 
     def clear(self) -> None:
@@ -160,7 +162,7 @@ def build_on_device(
         # those the model placed on a GPU itself (.to("cuda:1")) stay there. A model kept
         # on the host stays where its own code left it (fully_shard's CPU offload).
         if not host_model:
-            model._apply(lambda t: t if rt.device_of(t) != HOST else t.to(base, copy=True))
+            model._apply(lambda t: t if rt.storages.device_of(t) != HOST else t.to(base, copy=True))
         if wl.dtype != torch.float32:
             model.to(wl.dtype)
         loss_fn = wl.loss
@@ -279,7 +281,7 @@ def _run_scenario(
             if isinstance(wrapped, EmulatedDDP):
                 wrapped.remove_hooks()
     except Exception as e:  # the user's code, or an impossible program: a result
-        if rt.dedupe_failure is not None:  # a mirror could not stand for a replica
+        if rt.mirrors.dedupe_failure is not None:  # a mirror could not stand for a replica
             cats.clear()
             return run_scenario(name, wl, dataclasses.replace(cfg, dedupe_replicas=False),
                                 trace)
@@ -308,7 +310,7 @@ def _virtual_devices(cfg: EmulationConfig, name: str,
     # compare's host holds meta tensors too, unless the model lives there (CPU offload)
     rt = CudaDevices(n_dev, base="cpu" if cfg.compute else "meta", real_host=cfg.host_model,
                      fix=DATA_DEPENDENT_FIX)
-    rt.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
+    rt.mirrors.dedupe_replicas = cfg.dedupe_replicas and not cfg.compute and step.amp is None
     # ddp with gradient_as_bucket_view=True, followed from the first allocation on
     ledger = (VariantLedger() if alongside.bucket_view and alongside.ledger_in == name
               and not cfg.compute
@@ -324,10 +326,10 @@ def _step_hooks(rt: CudaDevices, opt: torch.optim.Optimizer, params: list[nn.Par
     autocast's cache over forward and loss, what each phase leaves labelled."""
 
     def after_backward() -> None:
-        rt.label([p.grad for p in params if p.grad is not None], "gradients")
+        rt.storages.label([p.grad for p in params if p.grad is not None], "gradients")
 
     def after_optimizer() -> None:
-        rt.label([t for st in opt.state.values() for t in st.values()
+        rt.storages.label([t for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor)], "optimizer_state")
 
     def phase(p: str) -> contextlib.AbstractContextManager[None]:
@@ -390,10 +392,10 @@ def _measured_figures(
     if rt.stand_ins.counts:
         notes.append(stand_in_note(rt))
     if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
-        devices = with_gpu_overheads(devices, rt.events, context_model(cfg, model),
+        devices = with_gpu_overheads(devices, rt.storages.events, context_model(cfg, model),
                                      source=lambda d: sources.get(d.index, d.index),
                                      nccl=cfg.collectives or None, blas_first=rt.blas_first,
-                                     transients=rt.transients)
+                                     transients=rt.storages.transients)
     alike = kind is not None and kind.ranks_alike  # DDP's ranks: one note for all
     for d in devices[:1] if alike else devices:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
@@ -431,7 +433,7 @@ def _iterations(
                 raise StepsDone from e
         elif k == warm:
             rt.reset_peaks()
-            marks["start"] = len(rt.events)
+            marks["start"] = len(rt.storages.events)
             if rt.op_log is not None:
                 rt.op_log.on = True
             if further is not None:
@@ -443,14 +445,14 @@ def _iterations(
                 raise
             # a variant failed (or needs replica-by-replica emulation): the
             # scenario's own figures stand; the variant is left to be emulated alone
-            rt.dedupe_failure = None
+            rt.mirrors.dedupe_failure = None
             raise StepsDone from e
         finally:
             cats.clear()
         if further is not None and k > warm:
             further.end(batch)
         elif k == warm:
-            marks["end"] = len(rt.events)
+            marks["end"] = len(rt.storages.events)
             if rt.op_log is not None:
                 rt.op_log.on = False
             figures()
@@ -475,7 +477,7 @@ class _Wrappers:
 
     def ddp(self, model: nn.Module) -> EmulatedDDP:
         rt, ddp = self.rt, self.cfg.step.ddp
-        spans = sorted({rt.device_of(p) for p in self.params})
+        spans = sorted({rt.storages.device_of(p) for p in self.params})
         if len(spans) > 1:
             raise ValueError(
                 "the model places its layers on {} GPUs itself ({}): DDP with one "
@@ -510,7 +512,7 @@ def model_devices(wl: Workload, gpus: int) -> list[int]:
     rt = CudaDevices(gpus, "meta", real_host=False)
     with VirtualCuda(gpus, rt=rt, honour_visible_devices=False), torch.device("meta"):
         model = build_model(wl, 0)
-        return sorted({max(rt.device_of(p), 0) for p in model.parameters()}) or [0]
+        return sorted({max(rt.storages.device_of(p), 0) for p in model.parameters()}) or [0]
 
 
 def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:

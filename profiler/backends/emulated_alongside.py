@@ -15,7 +15,7 @@ from dpprof.backends.emulated_figures import ddp_ranks, device_results, judge
 from dpprof.backends.emulated_time import fill_predicted_time
 from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.ledgers import VariantLedger
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.scenarios.registry import find
@@ -83,19 +83,19 @@ class FurtherSteps:
 
     def note_targets(self, moved: Any) -> None:
         for t in tensors_in(moved):
-            serial = self.rt.serial_of(t)
+            serial = self.rt.storages.serial_of(t)
             if serial is not None:
                 self._targets.add(serial)
 
     def step_began(self) -> None:
-        self._step_serial = self.rt.last_serial
+        self._step_serial = self.rt.storages.last_serial
 
     def step_ended(self, measured: bool) -> None:
         """The step before the measured one, or the measured one, ended: each device's
         live bytes. The loop is steady when the measured step left what the one before
         it left; only then is a further step what a variant's own measured step is (a
         user's step that keeps something of every step is not)."""
-        live = [self.rt.live_bytes(i) for i in range(self.rt.num_devices)]
+        live = [self.rt.storages.live_bytes(i) for i in range(self.rt.num_devices)]
         if measured:
             self.steady = live == self._before
         else:
@@ -120,7 +120,7 @@ class FurtherSteps:
         else:
             raise StepsDone
         self.rt.reset_peaks()
-        self._start = len(self.rt.events)
+        self._start = len(self.rt.storages.events)
         log = self.rt.op_log
         if log is not None:  # the variant's step, for its predicted time
             self._log_start = len(log.records)
@@ -136,10 +136,10 @@ class FurtherSteps:
 
     def _move_leftovers(self, device: int) -> bool:
         rt = self.rt
-        if any(rt.live_bytes(i) for i in range(1, rt.num_devices)):
+        if any(rt.storages.live_bytes(i) for i in range(1, rt.num_devices)):
             return False
         moving = []
-        for serial, category in rt.live_storages(0):
+        for serial, category in rt.storages.live_storages(0):
             if category in ON_THE_OUTPUT_DEVICE or serial in self._targets:
                 moving.append(serial)
             elif category not in ON_CUDA0 and serial > self._step_serial:

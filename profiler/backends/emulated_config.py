@@ -36,7 +36,7 @@ class EmulationConfig:
     # fully_shard): its context counts NCCL's memory, as a DDP rank's does.
     collectives: bool = False
     # DataParallel replicas on equal shards: one runs, the others' devices mirror its device
-    # (meta only; every device's own events are the same, see VirtualDevices.set_mirrors)
+    # (meta only; every device's own events are the same, see ReplicaMirrors.set_mirrors)
     dedupe_replicas: bool = True
     # Peaks only: each device's peaks and its categories at the peak, no timeline and no
     # reserved/context simulation (the fixes' variants, which report nothing else).

@@ -18,7 +18,7 @@ from dpprof.emulator.context import ContextModel
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
 from dpprof.emulator.reserved import AllocationEvent, fill_gpu_overheads
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario
 from dpprof.units import fmt_bytes
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 TIMELINE_POINTS = 400  # points kept per device and scenario (maxima of equal slices)
-# what each kind of transient (VirtualDevices.note_transient) is, for the notes
+# what each kind of transient (StorageLedger.note_transient) is, for the notes
 TRANSIENT_WORDS = {
     UNREAPED_BUCKETS: (
         "DDP's first-iteration gradient buckets, replaced by its rebuild but kept by their "
@@ -112,7 +112,7 @@ def transient_note(d: DeviceResult, who: str | None = None) -> str | None:
 
 def placed_devices(rt: VirtualDevices) -> list[int]:
     """The devices the model used: cuda:0, and any other it placed layers on itself."""
-    return [0] + [i for i in range(1, rt.num_devices) if rt.counters[i].peak_allocated > 0]
+    return [0] + [i for i in range(1, rt.num_devices) if rt.storages.counters[i].peak_allocated > 0]
 
 
 def stand_in_note(rt: CudaDevices) -> str:
@@ -129,10 +129,10 @@ def device_result(rt: VirtualDevices, i: int, index: int, capacity_bytes: int, u
                   start: int = 0) -> DeviceResult:
     """Virtual device ``i``'s figures (its peaks, the categories at its peak moment, the
     phase of the peak), reported as ``index``; where transients are alive at the peak
-    (``rt.note_transient``), the peak once they are gone (from event ``start`` on)."""
-    c = rt.counters[i]
-    snap = rt.peak_snapshot(i)
-    steady = rt.steady_peak(i, start)
+    (``rt.storages.note_transient``), the peak once they are gone (from event ``start`` on)."""
+    c = rt.storages.counters[i]
+    snap = rt.storages.peak_snapshot(i)
+    steady = rt.storages.steady_peak(i, start)
     return DeviceResult(
         index=index,
         peak_allocated_bytes=c.peak_allocated,
@@ -160,7 +160,7 @@ def device_results(
     rt: VirtualDevices, cfg: EmulationConfig, kind: Scenario | None, shards: list[int],
     used: list[int], measure_start: int, sources: dict[int, int],
 ) -> list[DeviceResult]:
-    """Each device's figures; a mirror's (:meth:`VirtualDevices.mirror_shift`) are its
+    """Each device's figures; a mirror's (:meth:`ReplicaMirrors.mirror_shift`) are its
     device's and every DDP rank's are rank 0's, noted in ``sources`` (the device shown ->
     the one whose event sequence it is)."""
     assert kind is not None
@@ -170,8 +170,8 @@ def device_results(
     out: list[DeviceResult] = []
     for i in range(shown):
         rows = kind.rows_of(shards, i)
-        of = rt.mirrored_device(i)
-        shift = None if of is None or of > i else rt.mirror_shift(i, of)
+        of = rt.mirrors.mirrored_device(i)
+        shift = None if of is None or of > i else rt.mirrors.mirror_shift(i, of)
         if shift is not None:  # a mirror: its device's figures, the timeline shifted
             assert of is not None
             sources[i] = of
@@ -192,10 +192,10 @@ def device_results(
 
 def shift_timeline(rt: VirtualDevices, points: Sequence[TimelinePoint], shift: int,
                    start: int) -> tuple[TimelinePoint, ...]:
-    """A mirror's timeline from its device's (:meth:`VirtualDevices.mirror_shift`): every
+    """A mirror's timeline from its device's (:meth:`ReplicaMirrors.mirror_shift`): every
     point but the window's first ``shift`` events later, each labelled with its own
     phase (a phase may begin between an event and its mirror's)."""
-    marks = [(m.event_index, m.name) for m in rt.phases if m.event_index >= start]
+    marks = [(m.event_index, m.name) for m in rt.storages.phases if m.event_index >= start]
     firsts = [idx for idx, _ in marks]
     names = ["", *(name for _, name in marks)]
     out = list(points[:1])
@@ -216,8 +216,8 @@ def timeline_points(rt: VirtualDevices, index: int, start: int, *,
     begun before the window (``dpprof run``, whose window starts mid-phase); otherwise it
     is unlabelled (``compare``, whose window starts at a phase mark).
     """
-    at, live = rt.timeline_arrays(index, start)
-    marks = [(m.event_index, m.name) for m in rt.phases
+    at, live = rt.storages.timeline_arrays(index, start)
+    marks = [(m.event_index, m.name) for m in rt.storages.phases
              if phase_before_start or m.event_index >= start]
 
     def phase_at(ev: int) -> str:

@@ -69,7 +69,7 @@ from dpprof.backends.ranks import (
     torchrun_run_id,
 )
 from dpprof.backends.ranks_spawn import spawn_ranks
-from dpprof.emulator.kernels import CudaAutocastNames, StepAutocast
+from dpprof.emulator.emulated_autocast import CudaAutocastNames, StepAutocast
 from dpprof.scenarios.measured_loop import StepHooks, training_loop
 from dpprof.scenarios.step import StepConfig, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import Workload, load_workload, map_tensors

@@ -19,7 +19,7 @@ Python wrappers above them (``F.layer_norm``, ``F.mse_loss``, ``torch.norm``) ca
 bindings and need nothing of their own. What a C++ composite that is on no list calls
 inside itself is out of reach (``linalg_norm``'s ``linalg_vector_norm``); the one such
 composite models commonly meet, ``cross_entropy_loss``, is run op by op
-(:func:`dpprof.emulator.kernels.cross_entropy_composite`).
+(:func:`dpprof.emulator.emulated_autocast.cross_entropy_composite`).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ from torch._utils import (
     _unflatten_dense_tensors,
 )
 
+from dpprof.emulator.device_copies import copy_to
 from dpprof.emulator.op_log import BROADCAST, GATHER, REDUCE
-from dpprof.emulator.vdevice import VirtualDevices, copy_to
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 BROADCAST_BUFFER_BYTES = 10 * 1024 * 1024  # comm.broadcast_coalesced / reduce_add_coalesced
 
@@ -65,7 +66,7 @@ def broadcast_coalesced(
         for d in devices[1:]:
             with rt.placing_on(d), rt.category("parameters"):
                 if meta:  # the same allocation, without dispatching empty + copy_
-                    out = rt.new_empty(flat.shape, flat.dtype, d)
+                    out = rt.storages.new_empty(flat.shape, flat.dtype, d)
                 else:
                     out = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device)
                     out.copy_(flat)  # nccl::broadcast
@@ -91,7 +92,7 @@ def log_collective(rt: VirtualDevices, kind: str, t: torch.Tensor, devices: Sequ
     if log is None or not log.on:
         return
     # each device and the devices mirroring it (their replicas stood for, not run)
-    every = list(dict.fromkeys(x for d in devices for x in (d, *rt.mirrors_of(d))))
+    every = list(dict.fromkeys(x for d in devices for x in (d, *rt.mirrors.mirrors_of(d))))
     if len(every) > 1:
         moved = t.numel() * t.element_size() if nbytes is None else nbytes
         log.collective(kind, moved, every[0], len(every), rt.current_phase,
@@ -112,7 +113,7 @@ def _flatten_on_device(rt: VirtualDevices, chunk: Sequence[torch.Tensor]) -> tor
         with torch._C._DisableTorchDispatch():
             return chunk[0].view(-1)
     numel = sum(t.numel() for t in chunk)
-    return rt.new_empty((numel,), chunk[0].dtype, rt.device_of(chunk[0]))
+    return rt.storages.new_empty((numel,), chunk[0].dtype, rt.storages.device_of(chunk[0]))
 
 
 def reorder_tensors_like(
@@ -135,11 +136,11 @@ def reduce_add(
     rt: VirtualDevices, inputs: Sequence[torch.Tensor], destination: int
 ) -> torch.Tensor:
     """``comm.reduce_add`` on the NCCL path: ``empty_like`` on the destination, reduce."""
-    root = [rt.device_of(t) for t in inputs].index(destination)
+    root = [rt.storages.device_of(t) for t in inputs].index(destination)
     if len(inputs) == 1:
         return inputs[0]
     result = torch.empty_like(inputs[root])
-    devices = [rt.device_of(t) for t in inputs]
+    devices = [rt.storages.device_of(t) for t in inputs]
     log_collective(rt, REDUCE, result, [destination, *(d for d in devices if d != destination)])
     if rt.base.type == "meta":
         return result  # the sum is written in place: over meta there is nothing to write
@@ -167,7 +168,7 @@ def reduce_add_coalesced(
     for chunks in zip(*itrs, strict=True):
         flat_tensors = [_flatten_on_device(rt, chunk) for chunk in chunks]
         flat_result = reduce_add(rt, flat_tensors, destination)
-        rt.label(flat_result, "gradients")
+        rt.storages.label(flat_result, "gradients")
         for t in _unflatten_dense_tensors(flat_result, chunks[0]):
             output.append(t.data)
         del flat_tensors, flat_result
@@ -188,7 +189,7 @@ def scatter_tensor(
         chunks = list(tensor.chunk(len(devices), dim))
     out = []
     for i, c in enumerate(chunks):
-        out.append(c if rt.device_of(c) == devices[i] else copy_to(rt, c, devices[i]))
+        out.append(c if rt.storages.device_of(c) == devices[i] else copy_to(rt, c, devices[i]))
     return tuple(out)
 
 
@@ -208,7 +209,7 @@ def gather_tensors(
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with rt.placing_on(destination):
         result = torch.empty(size, dtype=first.dtype, device=first.device, memory_format=fmt)
-    sources = [rt.device_of(t) for t in tensors]
+    sources = [rt.storages.device_of(t) for t in tensors]
     mirrored = sum(counts) if counts else len(tensors)
     log_collective(rt, GATHER, result, [destination, *(d for d in sources if d != destination)],
                    nbytes=result.numel() * result.element_size() * (mirrored - 1) // mirrored)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpprof.emulator import calibration, cudnn_workspace
-from dpprof.emulator.allocator import simulate
+from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.catalog import GpuSpec, compute_capability_of
 
 __all__ = [

@@ -10,17 +10,15 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
 
-if TYPE_CHECKING:
-    from dpprof.emulator.virtual_cuda import VirtualCuda
 
-
-def install(vc: VirtualCuda, p: Patch) -> None:
+def install(vc: EmulatedCuda, p: Patch) -> None:
     """Patch ``torch.cuda`` and ``torch.accelerator`` to answer from ``vc``."""
     device_queries(vc, p)
     memory_stats(vc, p)
@@ -31,7 +29,7 @@ def install(vc: VirtualCuda, p: Patch) -> None:
     accelerator(vc, p)
 
 
-def device_queries(vc: VirtualCuda, p: Patch) -> None:
+def device_queries(vc: EmulatedCuda, p: Patch) -> None:
     """How many GPUs, which is current, what they are (``torch.cuda``'s initialisation too:
     a CPU build raises from ``_lazy_init``)."""
     cuda = torch.cuda
@@ -68,7 +66,7 @@ def device_queries(vc: VirtualCuda, p: Patch) -> None:
       else cudnn_acceptable(tensor))
 
 
-def initialising(vc: VirtualCuda, func: Callable[..., Any]) -> Callable[..., Any]:
+def initialising(vc: EmulatedCuda, func: Callable[..., Any]) -> Callable[..., Any]:
     """``func`` as a ``torch.cuda`` function that calls ``_lazy_init`` first."""
     @functools.wraps(func)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -77,25 +75,25 @@ def initialising(vc: VirtualCuda, func: Callable[..., Any]) -> Callable[..., Any
     return call
 
 
-def memory_stats(vc: VirtualCuda, p: Patch) -> None:
+def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
     """The caching allocator's statistics, answered from the emulator, and the calls that
     wait for the device or free its cache (nothing to do)."""
     cuda = torch.cuda
-    p(cuda, "mem_get_info", initialising(vc, vc.mem_get_info))
+    p(cuda, "mem_get_info", initialising(vc, vc.memory.mem_get_info))
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
                  "memory_summary"):
-        p(cuda, name, getattr(vc, name))
-    p(cuda, "reset_max_memory_allocated", vc.reset_peak_memory_stats)
+        p(cuda, name, getattr(vc.memory, name))
+    p(cuda, "reset_max_memory_allocated", vc.memory.reset_peak_memory_stats)
     p(cuda, "reset_accumulated_memory_stats", lambda device=None: None)
-    p(cuda, "memory_cached", vc.memory_reserved)
-    p(cuda, "max_memory_cached", vc.max_memory_reserved)
+    p(cuda, "memory_cached", vc.memory.memory_reserved)
+    p(cuda, "max_memory_cached", vc.memory.max_memory_reserved)
     p(cuda, "synchronize", initialising(vc, Noop()))
     for name in ("empty_cache", "ipc_collect", "set_sync_debug_mode"):
         p(cuda, name, Noop())
 
 
-def random_generators(vc: VirtualCuda, p: Patch) -> None:
+def random_generators(vc: EmulatedCuda, p: Patch) -> None:
     """Seeds and generator states (a GPU's state has no value here: a host stand-in)."""
     cuda = torch.cuda
     # torch.cuda.random's functions too: callers that name the module (Hugging Face's
@@ -112,7 +110,7 @@ def random_generators(vc: VirtualCuda, p: Patch) -> None:
           lambda: [vc.rng_state_stand_in() for _ in range(vc.device_count())])
 
 
-def streams_and_events(vc: VirtualCuda, p: Patch) -> None:
+def streams_and_events(vc: EmulatedCuda, p: Patch) -> None:
     """Streams and events: work is in order, nothing to wait for; but which stream is
     current is kept (:class:`CurrentStreams`), since the caching allocator pools each
     stream's blocks apart."""
@@ -151,7 +149,7 @@ def nvtx_ranges(p: Patch) -> None:
         p(nvtx, "range", lambda msg, *a, **k: contextlib.nullcontext())
 
 
-def accelerator(vc: VirtualCuda, p: Patch) -> None:
+def accelerator(vc: EmulatedCuda, p: Patch) -> None:
     """``torch.accelerator`` (torch >= 2.6), the device-generic names of the above."""
     cuda = torch.cuda
     acc = getattr(torch, "accelerator", None)
@@ -182,26 +180,26 @@ def accelerator(vc: VirtualCuda, p: Patch) -> None:
             for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                          "max_memory_reserved", "reset_peak_memory_stats", "memory_stats"):
                 if hasattr(m, name):
-                    p(m, name, getattr(vc, name))
+                    p(m, name, getattr(vc.memory, name))
             for name in ("empty_cache", "empty_host_cache",
                          "reset_accumulated_memory_stats"):
                 if hasattr(m, name):
                     p(m, name, Noop())
             if hasattr(m, "get_memory_info"):
-                p(m, "get_memory_info", vc.mem_get_info)
+                p(m, "get_memory_info", vc.memory.mem_get_info)
 
 
 class CurrentStreams:
     """Which stream is current on each virtual device (``torch.cuda.current_stream``,
     ``set_stream``, ``torch.cuda.stream(s)``), told to the runtime
-    (:meth:`dpprof.emulator.counting.CountingDevices.set_stream`) so that each allocation
+    (:meth:`dpprof.emulator.storage_ledger.StorageLedger.set_stream`) so that each allocation
     is known to be its stream's: FSDP2 allocates its all-gather and reduce-scatter buffers
     on streams of its own, and the caching allocator never lends one stream's free blocks
     to another. One current stream per device for the whole process, where CUDA keeps one
     per thread: the threads besides the program's (DataParallel's replicas) only make the
     default stream current."""
 
-    def __init__(self, vc: VirtualCuda) -> None:
+    def __init__(self, vc: EmulatedCuda) -> None:
         self.vc = vc
         self._current: dict[int, Stream] = {}  # runtime device -> its current side stream
         self._defaults: dict[int, Stream] = {}
@@ -233,7 +231,7 @@ class CurrentStreams:
             self._current[i] = stream
         else:
             self._current.pop(i, None)
-        self.vc.rt.set_stream(i, sid)
+        self.vc.rt.storages.set_stream(i, sid)
 
     @contextlib.contextmanager
     def using(self, stream: Any = None) -> Iterator[None]:
@@ -307,7 +305,7 @@ class Stream:
 
 def _current_streams() -> CurrentStreams:
     """The active virtual CUDA's streams (a Stream is only made while one is active)."""
-    from dpprof.emulator.virtual_cuda import active
+    from dpprof.emulator.emulated_cuda import active
 
     vc = active()
     if vc is None:
@@ -353,7 +351,7 @@ class Noop:
         return None
 
 
-def device_class(vc: VirtualCuda) -> type:
+def device_class(vc: EmulatedCuda) -> type:
     """``torch.cuda.device`` for ``vc``."""
     class device:
         """``torch.cuda.device(k)``: the current device inside the block."""

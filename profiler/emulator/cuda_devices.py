@@ -2,7 +2,12 @@
 means virtual device k (:class:`CudaDevices`), the host stays real, and reading a meta
 tensor's value gives a stated stand-in, counted per call site (:class:`StandIns`); ops
 whose output shape depends on values stop with one line naming the fix
-(:class:`DataDependentShapeError`)."""
+(:class:`DataDependentShapeError`).
+
+The ops with rules of their own are registered per op in :data:`RULES` (and, beside a real
+host, :data:`REAL_HOST_RULES`), as ``FakeTensorMode`` registers its op implementations;
+every other op is run and counted by the default rule (:meth:`CudaDevices.
+dispatch_counted`)."""
 
 from __future__ import annotations
 
@@ -13,19 +18,17 @@ from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from dpprof.emulator.allocator import block_bytes
-from dpprof.emulator.counting import HOST, SUBCLASS, subclass_in
-from dpprof.emulator.identity import op_key, storage_key
+from dpprof.emulator.allocator_config import block_bytes
+from dpprof.emulator.dispatch_state import HOST
+from dpprof.emulator.identity import storage_key
+from dpprof.emulator.op_rules import OpRules
 from dpprof.emulator.small_values import SmallValues
-from dpprof.emulator.vdevice import VirtualDevices
-
-if TYPE_CHECKING:
-    from dpprof.emulator.virtual_cuda import VirtualCuda
+from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
 
 aten = torch.ops.aten
 
@@ -57,44 +60,6 @@ _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 
 FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storages begin
-_PLAIN_OP, _CONVOLUTION_OP, _FOREACH_OP = 0, 1, 2
-_LOCAL_SCALAR_OP, _DATA_DEPENDENT_OP, _INDEX_TENSOR_OP, _NUMERIC_FACTORY_OP = 3, 4, 5, 6
-_TENSORLESS_OP = 7  # no tensor in, none out (record_function's): nothing to count
-_COPY_OP = 8  # copy_: into a real host tensor from a virtual GPU's, a value read
-# op_key(op) -> (op, its kind): asked once per op, keyed by identity (an OpOverload's
-# __hash__ is Python: a call per look-up, on every op); the op is kept to check the key
-_OP_KINDS: dict[int, tuple[Any, int]] = {}
-
-
-def _op_kind(func: Any) -> int:
-    """What the fast path of ``--compute`` must do for ``func`` besides counting."""
-    found = _OP_KINDS.get(op_key(func))
-    if found is not None and found[0] is func:
-        return found[1]
-    if func is aten.convolution.default:
-        kind = _CONVOLUTION_OP
-    elif func in (aten._local_scalar_dense.default, aten.is_nonzero.default,
-                  aten.item.default):
-        # is_nonzero (``bool(t)``) and item (``.item()``) decompose above the Python key,
-        # except in code that runs below autograd (DTensor's dispatch) and under
-        # ``torch.inference_mode`` (no autograd key): they reach the mode whole there
-        kind = _LOCAL_SCALAR_OP
-    elif func in DATA_DEPENDENT:
-        kind = _DATA_DEPENDENT_OP
-    elif func is aten.index.Tensor:
-        kind = _INDEX_TENSOR_OP
-    elif func is aten.copy_.default:
-        kind = _COPY_OP
-    elif func in NUMERIC_FACTORIES:
-        kind = _NUMERIC_FACTORY_OP
-    elif func.__name__.startswith("_foreach_"):
-        kind = _FOREACH_OP
-    elif _tensorless(func):
-        kind = _TENSORLESS_OP
-    else:
-        kind = _PLAIN_OP
-    _OP_KINDS[op_key(func)] = (func, kind)
-    return kind
 
 
 _SCALAR_KINDS = frozenset({"StringType", "IntType", "FloatType", "BoolType", "NoneType",
@@ -176,6 +141,13 @@ class StandIns:
         return sum(self.counts.values())
 
 
+class CudaIndices(Protocol):
+    """What the runtime asks of the emulated ``torch.cuda`` over it: which virtual device
+    a ``cuda`` device names (``CUDA_VISIBLE_DEVICES`` and the current device applied)."""
+
+    def index_of(self, device: Any) -> int: ...
+
+
 class CudaDevices(VirtualDevices):
     """The runtime under a :class:`VirtualCuda`: ``device=cuda:k`` means virtual device k,
     the host stays real, reading a meta tensor's value gives a stand-in."""
@@ -184,7 +156,7 @@ class CudaDevices(VirtualDevices):
                  fix: str = "rerun with --compute (the same emulation over CPU tensors, "
                  "real numbers)") -> None:
         super().__init__(num_devices, base)
-        self.cuda: VirtualCuda | None = None
+        self.cuda: CudaIndices | None = None  # the VirtualCuda playing torch.cuda
         # dpprof run: the script's host side is real (data loading); compare: the host
         # holds meta tensors too (the workload's batch, made on the host, is moved)
         self.real_host = real_host
@@ -292,7 +264,7 @@ class CudaDevices(VirtualDevices):
             return True
         if self._is_stand_in(t):
             return True
-        return self.device_of(t) != HOST
+        return self.storages.device_of(t) != HOST
 
     def placement(self, device: torch.device) -> tuple[torch.device, int | None]:
         if isinstance(device, str):
@@ -318,72 +290,27 @@ class CudaDevices(VirtualDevices):
         if self._beside_real_host:
             # --compute with a real host: no meta tensor anywhere, so no stand-in, no
             # data-dependent shape and no small value to follow; the fast path
-            kind = _op_kind(func)
-            if kind == _CONVOLUTION_OP:
-                self.saw_convolution = True
-            elif kind == _FOREACH_OP:
-                split = self._foreach_by_device(func, types, args, kwargs or {})
-                if split is not _NOT_SPLIT:
-                    return split
-            self.in_dispatch += 1
-            try:
-                out = self.dispatch_beside_real_host(func, args, kwargs)
-            finally:
-                self.in_dispatch -= 1
-            if self._host_stand_ins:
-                self._follow_stand_ins(args, kwargs or {}, out)
-            return out
-        kind = _op_kind(func)  # the ops with rules of their own, looked up once
-        if kind == _PLAIN_OP:
-            pass
-        elif kind == _TENSORLESS_OP:  # no storage to count, no device to read
-            return func(*args, **(kwargs or {}))
-        elif kind == _LOCAL_SCALAR_OP:
-            if on_meta(args[0]):
-                return self.stand_in_scalar(args[0])
-        elif kind == _DATA_DEPENDENT_OP:
-            if self.small_values is not None:
-                shaped = self._by_values(func, types, args, kwargs or {})
-                if shaped is not None:
-                    return shaped
-            if any(isinstance(a, torch.Tensor) and on_meta(a) for a in args):
-                raise DataDependentShapeError(
-                    f"{func.__name__} makes a tensor whose shape depends on the values, and "
-                    f"the emulated tensors have none (meta tensors), at {caller_site()}; "
-                    f"{self.fix}"
-                )
-        elif kind == _INDEX_TENSOR_OP:
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and on_meta(i)
-                   for i in (args[1] if len(args) > 1 else ())):
-                if self.small_values is not None:
-                    shaped = self._by_values(func, types, args, kwargs or {})
-                    if shaped is not None:
-                        return shaped
-                raise DataDependentShapeError(
-                    "indexing with a boolean mask makes a tensor whose shape depends on the "
-                    f"values, and the emulated tensors have none (meta tensors), at "
-                    f"{caller_site()}; {self.fix}"
-                )
-        elif kind == _NUMERIC_FACTORY_OP:
-            if self.base.type == "meta":
-                out = self._dispatch(func, types, args, kwargs)
-                st = out.untyped_storage()
-                self.numeric_recipes[storage_key(st)] = (weakref.ref(st), func, args,
-                                                          dict(kwargs or {}))
-                return out
-        elif kind == _CONVOLUTION_OP:
-            self.saw_convolution = True
-        elif kind == _FOREACH_OP:
-            split = self._foreach_by_device(func, types, args, kwargs or {})
-            if split is not _NOT_SPLIT:
-                return split
-        elif (kind == _COPY_OP and self.real_host and len(args) > 1
-              and not on_meta(args[0]) and on_meta(args[1])):
-            return self._copy_to_host(args[0], args[1], bool(
-                args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking")))
+            return REAL_HOST_RULES.rule_for(func)(self, func, types, args, kwargs)
+        return RULES.rule_for(func)(self, func, types, args, kwargs)
+
+    def dispatch_counted(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """The op run and counted, what it computes from host values followed: the rule of
+        every op without one of its own (:data:`RULES`)."""
         out = self._dispatch(func, types, args, kwargs)
         if self.small_values is not None:
             self.small_values.follow(func, args, kwargs or {}, out)
+        if self._host_stand_ins:
+            self._follow_stand_ins(args, kwargs or {}, out)
+        return out
+
+    def dispatch_beside_host(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """The op run and counted beside a real host (``--compute``): the rule of every op
+        without one of its own (:data:`REAL_HOST_RULES`)."""
+        self.in_dispatch += 1
+        try:
+            out = self.dispatch_beside_real_host(func, args, kwargs)
+        finally:
+            self.in_dispatch -= 1
         if self._host_stand_ins:
             self._follow_stand_ins(args, kwargs or {}, out)
         return out
@@ -412,7 +339,7 @@ class CudaDevices(VirtualDevices):
         real = self.small_values.compute(func, args, kwargs)
         if not isinstance(real, torch.Tensor):
             return None
-        where = [self.device_of(a) for a in _tensors_in(args) if on_meta(a)]
+        where = [self.storages.device_of(a) for a in _tensors_in(args) if on_meta(a)]
         with self.placing_on(where[0] if where else self.current_device):
             out = self._dispatch(aten.empty_strided.default, types,
                                  (list(real.shape), list(real.stride())),
@@ -436,7 +363,7 @@ class CudaDevices(VirtualDevices):
         if not lists:
             return _NOT_SPLIT
         n = len(lists[0])
-        where = [self.device_of(t) for t in lists[0]]
+        where = [self.storages.device_of(t) for t in lists[0]]
         if len(set(where)) < 2:
             return _NOT_SPLIT
         groups: dict[int, list[int]] = {}
@@ -472,7 +399,7 @@ class CudaDevices(VirtualDevices):
 
     def stand_in(self, kind: str, t: torch.Tensor) -> None:
         """Count a value of ``t`` made up, once per device ``t``'s storage stands for."""
-        self.stand_ins.add(kind, self.multiplicity(self.device_of(t)))
+        self.stand_ins.add(kind, self.mirrors.multiplicity(self.storages.device_of(t)))
 
     def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
         real = self.real_values(t)
@@ -520,3 +447,111 @@ def _tensors_in(args: Any) -> list[torch.Tensor]:
         elif isinstance(a, (list, tuple)):
             found.extend(b for b in a if isinstance(b, torch.Tensor))
     return found
+
+
+# ---- the ops with rules of their own --------------------------------------------------
+
+RULES: OpRules[CudaDevices] = OpRules(CudaDevices.dispatch_counted)
+# beside a real host (--compute) only these; every other op: CudaDevices.dispatch_beside_host
+REAL_HOST_RULES: OpRules[CudaDevices] = OpRules(CudaDevices.dispatch_beside_host)
+
+
+def _is_foreach(func: Any) -> bool:
+    return func.__name__.startswith("_foreach_")  # type: ignore[no-any-return]
+
+
+@RULES.register(aten.convolution.default)
+def _convolution(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    mode.saw_convolution = True  # cuDNN's library is loaded where convolutions run
+    return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@REAL_HOST_RULES.register(aten.convolution.default)
+def _convolution_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
+                             kwargs: Any) -> Any:
+    mode.saw_convolution = True
+    return mode.dispatch_beside_host(func, types, args, kwargs)
+
+
+@RULES.register(_is_foreach)
+def _foreach(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    split = mode._foreach_by_device(func, types, args, kwargs or {})
+    if split is not _NOT_SPLIT:
+        return split
+    return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@REAL_HOST_RULES.register(_is_foreach)
+def _foreach_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
+                         kwargs: Any) -> Any:
+    split = mode._foreach_by_device(func, types, args, kwargs or {})
+    if split is not _NOT_SPLIT:
+        return split
+    return mode.dispatch_beside_host(func, types, args, kwargs)
+
+
+# is_nonzero (``bool(t)``) and item (``.item()``) decompose above the Python key, except in
+# code that runs below autograd (DTensor's dispatch) and under ``torch.inference_mode`` (no
+# autograd key): they reach the mode whole there
+@RULES.register(aten._local_scalar_dense.default, aten.is_nonzero.default,
+                aten.item.default)
+def _local_scalar(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    if on_meta(args[0]):
+        return mode.stand_in_scalar(args[0])
+    return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@RULES.register(*DATA_DEPENDENT)
+def _data_dependent(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    if mode.small_values is not None:
+        shaped = mode._by_values(func, types, args, kwargs or {})
+        if shaped is not None:
+            return shaped
+    if any(isinstance(a, torch.Tensor) and on_meta(a) for a in args):
+        raise DataDependentShapeError(
+            f"{func.__name__} makes a tensor whose shape depends on the values, and "
+            f"the emulated tensors have none (meta tensors), at {caller_site()}; "
+            f"{mode.fix}"
+        )
+    return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@RULES.register(aten.index.Tensor)
+def _index_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and on_meta(i)
+           for i in (args[1] if len(args) > 1 else ())):
+        if mode.small_values is not None:
+            shaped = mode._by_values(func, types, args, kwargs or {})
+            if shaped is not None:
+                return shaped
+        raise DataDependentShapeError(
+            "indexing with a boolean mask makes a tensor whose shape depends on the "
+            f"values, and the emulated tensors have none (meta tensors), at "
+            f"{caller_site()}; {mode.fix}"
+        )
+    return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@RULES.register(*NUMERIC_FACTORIES)
+def _numeric_factory(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    if mode.base.type != "meta":
+        return mode.dispatch_counted(func, types, args, kwargs)
+    out = mode._dispatch(func, types, args, kwargs)
+    st = out.untyped_storage()
+    mode.numeric_recipes[storage_key(st)] = (weakref.ref(st), func, args, dict(kwargs or {}))
+    return out
+
+
+@RULES.register(aten.copy_.default)
+def _copy(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    # copy_ into a real host tensor from a virtual GPU's: a value read
+    if mode.real_host and len(args) > 1 and not on_meta(args[0]) and on_meta(args[1]):
+        return mode._copy_to_host(args[0], args[1], bool(
+            args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking")))
+    return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@RULES.register(_tensorless)
+def _no_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    # no tensor in, none out (record_function's): no storage to count, no device to read
+    return func(*args, **(kwargs or {}))

@@ -32,9 +32,13 @@ from dpprof.emulator.comm import (
     reduce_add_coalesced,
     scatter_tensor,
 )
-from dpprof.emulator.counting import HOST
-from dpprof.emulator.kernels import EmulatedAutocast, autocast_suspended, emulated_autocast_dtype
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.dispatch_state import HOST
+from dpprof.emulator.emulated_autocast import (
+    EmulatedAutocast,
+    autocast_suspended,
+    emulated_autocast_dtype,
+)
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 # ---- autograd functions (torch/nn/parallel/_functions.py) ---------------------------------
 
@@ -51,7 +55,7 @@ def _note_outputs(ctx: Any, rt: VirtualDevices, outputs: Sequence[torch.Tensor],
     """Keep what the engine needs to make a zero gradient for each output (not the
     outputs), and make them here: see :func:`_materialize`."""
     ctx.set_materialize_grads(False)
-    ctx.out_meta = [_OutputMeta(t.shape, t.dtype, rt.device_of(t), d)
+    ctx.out_meta = [_OutputMeta(t.shape, t.dtype, rt.storages.device_of(t), d)
                     for t, d in zip(outputs, differentiable, strict=True)]
 
 
@@ -78,7 +82,7 @@ class Broadcast(torch.autograd.Function):
         if len(inputs) == 0:
             return ()
         ctx.num_inputs = len(inputs)
-        ctx.input_device = rt.device_of(inputs[0])
+        ctx.input_device = rt.storages.device_of(inputs[0])
         outputs = broadcast_coalesced(rt, inputs, target_gpus)
         non_differentiables: list[torch.Tensor] = []
         for idx, input_requires_grad in enumerate(ctx.needs_input_grad[2:]):
@@ -101,8 +105,9 @@ class ReduceAddCoalesced(torch.autograd.Function):
     def forward(ctx: Any, rt: VirtualDevices, destination: int, num_inputs: int,  # type: ignore[no-untyped-def]
                 *grads: torch.Tensor):
         ctx.rt = rt
-        ctx.target_gpus = [rt.device_of(grads[i]) for i in range(0, len(grads), num_inputs)]
-        rt.label(grads, "gradients")  # the replicas' gradients, held until all arrive
+        ctx.target_gpus = [rt.storages.device_of(grads[i])
+                           for i in range(0, len(grads), num_inputs)]
+        rt.storages.label(grads, "gradients")  # the replicas' gradients, held until all arrive
         grads_ = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
         return reduce_add_coalesced(rt, grads_, destination)
 
@@ -122,7 +127,7 @@ class Gather(torch.autograd.Function):
         ctx.target_device = target_device
         ctx.dim = dim
         ctx.counts = counts
-        ctx.input_gpus = tuple(rt.device_of(i) for i in inputs)
+        ctx.input_gpus = tuple(rt.storages.device_of(i) for i in inputs)
         if all(t.dim() == 0 for t in inputs) and dim == 0:
             inputs = tuple(t.view(1) for t in inputs)  # torch warns and returns a vector
             ctx.unsqueezed_scalar = True
@@ -135,18 +140,19 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[no-untyped-def]
         rt = ctx.rt
-        target = rt.device_of(grad_output)
-        rep = rt.mirrored_device(target)  # the output device mirrors this replica's device
+        target = rt.storages.device_of(grad_output)
+        rep = rt.mirrors.mirrored_device(target)  # the output device mirrors this replica's device
         # Its share is a view of grad_output there (no copy): the copy made for ``rep``
         # has no mirror on it, and a view keeps grad_output until that copy dies (when
         # the output device's own replica would drop its view).
-        with rt.category("outputs"), rt.not_mirrored_on([target] if rep is not None else []):
+        with rt.category("outputs"), \
+                rt.mirrors.not_mirrored_on([target] if rep is not None else []):
             scattered = Scatter.apply(
                 rt, ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output, ctx.counts
             )
         if rep is not None and rep in ctx.input_gpus:
             held = [grad_output.narrow(ctx.dim, 0, 0)]
-            rt.on_free(scattered[ctx.input_gpus.index(rep)], held.clear)
+            rt.storages.on_free(scattered[ctx.input_gpus.index(rep)], held.clear)
         if ctx.unsqueezed_scalar:
             scattered = tuple(g[0] for g in scattered)
         return (None, None, None, None, *scattered)
@@ -162,7 +168,7 @@ class Scatter(torch.autograd.Function):
         ctx.rt = rt
         ctx.dim = dim
         ctx.counts = counts
-        ctx.input_device = rt.device_of(input)
+        ctx.input_device = rt.storages.device_of(input)
         outputs = scatter_tensor(rt, input, target_gpus, chunk_sizes, dim)
         _note_outputs(ctx, rt, outputs, [True] * len(outputs))
         return outputs
@@ -232,7 +238,7 @@ def shard_plan(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
     """The classes of replicas that see equal shards (the same shape of every scattered
     tensor, the same other arguments), from the second used device on; None when no two
     replicas are alike. A run of equal neighbours is one class: its first device runs,
-    the others mirror it (:meth:`VirtualDevices.set_mirrors`). A device in
+    the others mirror it (:meth:`ReplicaMirrors.set_mirrors`). A device in
     ``never_first`` (the output device: it has events of its own) may mirror but never
     runs for others."""
     leaves = [t for t in tree_leaves((inputs, kwargs or {})) if isinstance(t, torch.Tensor)]
@@ -391,7 +397,7 @@ REPLICAS_FLOAT16_NOTE = (
 def replicas_float16_note(rt: VirtualDevices) -> str | None:
     """:data:`REPLICAS_FLOAT16_NOTE` where DataParallel's replicas ran in float16 under a
     region that asked for another dtype (what :func:`parallel_apply` recorded on ``rt``)."""
-    asked = rt.replicas_float16_instead_of
+    asked = rt.mirrors.replicas_float16_instead_of
     return None if asked is None else REPLICAS_FLOAT16_NOTE.format(
         asked=str(asked).removeprefix("torch."))
 
@@ -405,11 +411,11 @@ def parallel_apply(
 
     A replica whose device is mirrored (``mirrors[k]``: the devices mirroring it) must keep
     to its device: its mirrors copy that device's events only. One that touches another
-    device sets ``rt.dedupe_failure`` and raises :class:`MirrorUnsafe` (the scenario is
+    device sets ``rt.mirrors.dedupe_failure`` and raises :class:`MirrorUnsafe` (the scenario is
     then emulated again with every replica run).
     """
     outputs: list[Any] = []
-    log = rt.events.device
+    log = rt.storages.events.device
     threads = len(modules) + sum(len(m) for m in mirrors)  # torch's: one per device used
     for k, module in enumerate(modules):
         inp = inputs[k]
@@ -418,16 +424,16 @@ def parallel_apply(
         start = len(log)
         region = replica_autocast(threads)
         if isinstance(region, EmulatedAutocast):
-            rt.replicas_float16_instead_of = emulated_autocast_dtype()
+            rt.mirrors.replicas_float16_instead_of = emulated_autocast_dtype()
         with rt.device(devices[k]), rt.category("activations"), region:
             outputs.append(module(*inp, **kwargs_tup[k]))
         if k < len(mirrors) and mirrors[k]:
             own = {devices[k], *mirrors[k]}
             other = next((d for d in log[start:] if d not in own), None)
             if other is not None:
-                rt.dedupe_failure = (f"the replica on cuda:{devices[k]} touched "
+                rt.mirrors.dedupe_failure = (f"the replica on cuda:{devices[k]} touched "
                                      f"{'the host' if other == HOST else f'cuda:{other}'}")
-                raise MirrorUnsafe(rt.dedupe_failure)
+                raise MirrorUnsafe(rt.mirrors.dedupe_failure)
     return outputs
 
 
@@ -465,23 +471,23 @@ class EmulatedDataParallel(nn.Module):
         rt = self.rt
         src = self.device_ids[0]
         for t in chain(self.module.parameters(), self.module.buffers()):
-            if rt.device_of(t) != src:
+            if rt.storages.device_of(t) != src:
                 raise RuntimeError(
                     "module must have its parameters and buffers on device "
                     f"cuda:{src} (device_ids[0]) but found one of them on device: "
-                    f"cuda:{rt.device_of(t)}"
+                    f"cuda:{rt.storages.device_of(t)}"
                 )
         sizes = self.chunk_sizes
         first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
         if sizes is not None and first is not None:  # a batch of other rows: in proportion
             sizes = balanced_sizes(sizes, first.size(self.dim))
         plan = None
-        if (rt.dedupe_replicas and rt.base.type == "meta" and torch.is_grad_enabled()
+        if (rt.mirrors.dedupe_replicas and rt.base.type == "meta" and torch.is_grad_enabled()
                 and len(self.device_ids) > 2):
             plan = shard_plan(inputs, kwargs, self.device_ids, self.dim, sizes,
                               never_first=[self.output_device])
         # replicas on equal shards: one runs, the devices of the others mirror its device
-        rt.set_mirrors({} if plan is None else dict(zip(plan.devices, plan.mirrors,
+        rt.mirrors.set_mirrors({} if plan is None else dict(zip(plan.devices, plan.mirrors,
                                                         strict=True)),
                        own=[self.output_device])
         with rt.category("inputs"):
@@ -499,7 +505,7 @@ class EmulatedDataParallel(nn.Module):
             outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
             return gather(rt, outputs, self.output_device, self.dim)
         self.used_devices = sorted(chain(plan.devices, *plan.mirrors))
-        rt.mirrored_replicas += sum(plan.counts) - len(plan.counts)
+        rt.mirrors.mirrored_replicas += sum(plan.counts) - len(plan.counts)
         replicas = replicate(rt, self.module, plan.devices, not torch.is_grad_enabled())
         outputs = parallel_apply(rt, replicas, inputs, module_kwargs, plan.devices,
                                  plan.mirrors)

@@ -21,10 +21,10 @@ from torch._utils import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dpprof.emulator.counting import HOST
+from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.op_log import ALL_REDUCE
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -32,7 +32,7 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
 DDP_MAX_IN_FLIGHT = 2  # c10d/comm.cpp broadcast_coalesced: at most two broadcasts in flight
-# the kind of transient (VirtualDevices.note_transient) the first iteration's buckets are
+# the kind of transient (StorageLedger.note_transient) the first iteration's buckets are
 # under NCCL: replaced by the rebuild, kept by their all-reduce's work until reaped
 UNREAPED_BUCKETS = "ddp_unreaped_buckets"
 
@@ -132,7 +132,7 @@ class BucketViewFollower:
         self._holders: dict[int, int] = {}  # an old bucket's serial -> gradients viewing it
 
     def _is_view(self, i: int, grad: torch.Tensor | None) -> bool:
-        return grad is not None and self._grad_serials.get(i) == self.rt.serial_of(grad)
+        return grad is not None and self._grad_serials.get(i) == self.rt.storages.serial_of(grad)
 
     def regrad(self, i: int, grad: torch.Tensor | None, view: torch.Tensor) -> None:
         """``.grad`` of parameter ``i`` becomes ``view`` in the variant (when it has one)."""
@@ -146,13 +146,13 @@ class BucketViewFollower:
                     del self._holders[old]
                     self.ledger.release(old)
         else:  # a gradient of its own dies into the view
-            serial = self.rt.serial_of(grad)
+            serial = self.rt.storages.serial_of(grad)
             if serial is None or _storage_users(grad) != 1:
                 self.ledger.unsure = ("a gradient's storage is shared, so when it dies "
                                       "under gradient_as_bucket_view is not known")
             else:
-                self.ledger.release(serial, *self.rt.bytes_of(grad))
-        serial, bucket = self.rt.serial_of(grad), self.rt.serial_of(view)
+                self.ledger.release(serial, *self.rt.storages.bytes_of(grad))
+        serial, bucket = self.rt.storages.serial_of(grad), self.rt.storages.serial_of(view)
         if serial is not None:
             self._grad_serials[i] = serial
         if bucket is not None:
@@ -163,10 +163,10 @@ class BucketViewFollower:
         """``buckets_.clear()``: a bucket some variant gradients view lives on in them."""
         for i, p in enumerate(params):
             if i in views and self._is_view(i, p.grad):
-                bucket = self.rt.serial_of(views[i])
+                bucket = self.rt.storages.serial_of(views[i])
                 if bucket is not None:
                     if bucket not in self._holders:
-                        self.ledger.detach(bucket, *self.rt.bytes_of(views[i]))
+                        self.ledger.detach(bucket, *self.rt.storages.bytes_of(views[i]))
                     self._holders[bucket] = self._holders.get(bucket, 0) + 1
                     self._view_bucket[i] = bucket
 
@@ -208,7 +208,7 @@ class EmulatedDDP(nn.Module):
       So the first iteration's buckets stay allocated beside the rebuilt ones for up to
       ~100 ms: on an H200, through steps 2-6 of 3 ms each (``mlp``) and for step 2 only of
       23 ms steps (``lm``). The worst case is kept: they live on (:meth:`reap`, the
-      caller's, ends it) and are noted as a transient (``VirtualDevices.note_transient``)
+      caller's, ends it) and are noted as a transient (``StorageLedger.note_transient``)
       freed at the rebuild in the steady state. Gloo's work frees them at once.
     """
 
@@ -252,7 +252,7 @@ class EmulatedDDP(nn.Module):
         self._bucket_of: dict[int, int] = {}
         self._pending: dict[int, int] = {}
         self.local_used_map_dev: torch.Tensor | None = None
-        device = rt.device_of(self.params[0]) if self.params else 0
+        device = rt.storages.device_of(self.params[0]) if self.params else 0
         self.device = device
         with rt.device(device):
             states = [p.detach() for p in module.parameters()]
@@ -343,7 +343,7 @@ class EmulatedDDP(nn.Module):
             # buckets_.clear(): the old flat buffers outlive it in the first all-reduce's
             # works (in the gradient_as_bucket_view variant as well: no ledger change)
             for bucket in self._buckets:
-                self.rt.note_transient(bucket, UNREAPED_BUCKETS)
+                self.rt.storages.note_transient(bucket, UNREAPED_BUCKETS)
             self._stashed = self._buckets
         elif self.follower is not None:
             self.follower.buckets_cleared(self.params, self._views)

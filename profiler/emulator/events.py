@@ -1,6 +1,6 @@
 """What the virtual devices record: the event log (one allocation or free per event, in
 int columns), each device's counters, the phases of a step and the snapshots read back
-from the log (:mod:`dpprof.emulator.counting` writes them)."""
+from the log (:mod:`dpprof.emulator.storage_ledger` writes them)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ class SteadyPeak:
 
 class EventQueries:
     """Reading a runtime's log back: each device's events, snapshots, timelines (a base
-    of :class:`dpprof.emulator.counting.CountingDevices`, whose attributes these are)."""
+    of :class:`dpprof.emulator.storage_ledger.StorageLedger`, whose attributes these are)."""
 
     events: EventLog
     counters: list[DeviceCounters]

@@ -14,7 +14,7 @@ One thing the dispatcher does not see: FSDP2 frees each parameter's all-gather o
 its forward and backward (``reshard``) and re-allocates it for the next all-gather by
 resizing the storage in place (``UntypedStorage.resize_``, ``_fsdp_param.free_storage`` /
 ``alloc_storage``), which no aten op does. :func:`storage_resizes_counted` reports those
-resizes to the runtime (:meth:`dpprof.emulator.vdevice.VirtualDevices.storage_resized`).
+resizes to the runtime (:meth:`dpprof.emulator.storage_ledger.StorageLedger.storage_resized`).
 
 The same :func:`shard_model` runs on a real gloo rank over CPU tensors (the check, in
 ``tests/test_fsdp.py``): only the process group differs.
@@ -40,7 +40,7 @@ from torch import nn
 
 from dpprof.emulator.op_log import ALL_GATHER, REDUCE_SCATTER, OpLog
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.vdevice import VirtualDevices
+from dpprof.emulator.virtual_devices import VirtualDevices
 
 
 def shard_model(model: nn.Module, blocks: Sequence[nn.Module],
@@ -160,7 +160,7 @@ def storage_resizes_counted() -> Iterator[None]:
             resize(tensor)
             rt = _runtime()
             if rt is not None:
-                rt.storage_resized(tensor)
+                rt.storages.storage_resized(tensor)
         return run
 
     with Patcher() as p:
@@ -295,7 +295,7 @@ def collectives_logged() -> Iterator[None]:
         return (rt, log) if rt is not None and log is not None and log.on else None
 
     def note(rt: VirtualDevices, log: OpLog, kind: str, t: torch.Tensor, world: int) -> None:
-        log.collective(kind, t.numel() * t.element_size(), rt.device_of(t), world,
+        log.collective(kind, t.numel() * t.element_size(), rt.storages.device_of(t), world,
                        rt.current_phase)
 
     def all_gather(fn: Any) -> Any:
@@ -310,7 +310,8 @@ def collectives_logged() -> Iterator[None]:
         def run(result: Any, *args: Any, **kwargs: Any) -> Any:
             if (found := log_of()) is not None:
                 rt, log = found
-                log.wait_for_gather(rt.device_of(result.all_gather_output), rt.current_phase)
+                log.wait_for_gather(rt.storages.device_of(result.all_gather_output),
+                                    rt.current_phase)
             return fn(result, *args, **kwargs)
         return run
 

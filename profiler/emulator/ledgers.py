@@ -1,10 +1,9 @@
-"""The ledgers layer of the virtual devices: a device's allocations as a variant of the
+"""The variant ledgers of the virtual devices: a device's allocations as a variant of the
 program would make them (:class:`VariantLedger`), followed event by event beside the
-device's own counters (:class:`LedgeredDevices`)."""
+device's own counters (:class:`VariantLedgers`, a part of the dispatch mode that follows
+its ledger of storages)."""
 
 from __future__ import annotations
-
-from dpprof.emulator.counting import CountingDevices
 
 
 class VariantLedger:
@@ -52,25 +51,18 @@ class VariantLedger:
         self._add(-r, -a)
 
 
-class LedgeredDevices(CountingDevices):
-    """Virtual devices whose events also feed a :class:`VariantLedger` per device
-    (:attr:`ledgers`: device -> its ledger, set by the caller)."""
+class VariantLedgers(dict[int, VariantLedger]):
+    """Device -> the variant ledger following its events (set by the caller: DDP's
+    ``gradient_as_bucket_view``)."""
 
-    def __init__(self, num_devices: int, base: str = "meta") -> None:
-        super().__init__(num_devices, base)
-        self.ledgers: dict[int, VariantLedger] = {}  # device -> a variant of its allocations
+    def following(self) -> bool:
+        return bool(self)
+
+    def follow(self, device: int, serial: int, requested: int, allocated: int) -> None:
+        ledger = self.get(device)
+        if ledger is not None:
+            ledger.on_event(serial, requested, allocated)
 
     def reset_peaks(self) -> None:
-        with self._lock:
-            super().reset_peaks()
-            for ledger in self.ledgers.values():
-                ledger.reset_peaks()
-
-    def _follows_events(self) -> bool:
-        return bool(self.ledgers)
-
-    def _follow(self, device: int, serial: int, requested: int, allocated: int) -> None:
-        if self.ledgers:
-            ledger = self.ledgers.get(device)
-            if ledger is not None:
-                ledger.on_event(serial, requested, allocated)
+        for ledger in self.values():
+            ledger.reset_peaks()

@@ -1,10 +1,11 @@
-"""The mirroring layer of the virtual devices: DataParallel's replicas on equal shards run
-the same program on their devices, so one runs and the devices of the others mirror its
-device event for event (:meth:`MirroredDevices.set_mirrors`), over meta tensors only."""
+"""Mirroring of DataParallel's replicas: replicas on equal shards run the same program on
+their devices, so one runs and the devices of the others mirror its device event for event
+(:meth:`ReplicaMirrors.set_mirrors`), over meta tensors only. A part of the virtual devices'
+dispatch mode, following its ledger of storages (:class:`~dpprof.emulator.storage_ledger.
+StorageLedger`)."""
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 from array import array
@@ -14,16 +15,17 @@ from itertools import chain
 import numpy as np
 import torch
 
-from dpprof.emulator.counting import CountingDevices
 from dpprof.emulator.events import NO_EVENTS, DeviceCounters
+from dpprof.emulator.storage_ledger import StorageLedger
 
 
-class MirroredDevices(CountingDevices):
-    """Virtual devices where a device's storages may stand for storages on other devices
-    too (its mirrors)."""
+class ReplicaMirrors:
+    """Which devices mirror which (a device's storages stand for storages on its mirrors
+    too), and the mirrors' events, appended to ``ledger``'s log after each event of the
+    device they mirror."""
 
-    def __init__(self, num_devices: int, base: str = "meta") -> None:
-        super().__init__(num_devices, base)
+    def __init__(self, ledger: StorageLedger) -> None:
+        self.ledger = ledger
         # DataParallel replicas on equal shards: one runs, the devices of the others
         # mirror its device event for event (:meth:`set_mirrors`), over meta tensors only.
         self.dedupe_replicas = False
@@ -39,18 +41,12 @@ class MirroredDevices(CountingDevices):
         self._mirror_serials: dict[int, tuple[array[int], array[int]]] = {}
         # the blocks of mirrors' serials: their first serials (ascending), (length, the
         # mirrored storage's serial)
-        self._mirror_firsts: list[int] = []
-        self._mirror_blocks: list[tuple[int, int]] = []
         self._device_columns: dict[tuple[int, ...], array[int]] = {}  # kept: ids are keys
         self._distinct_counters: dict[int, list[DeviceCounters]] = {}
         self._fills: dict[tuple[int, int], array[int]] = {}
 
-    def rehome(self, serials: Collection[int], index: int) -> None:
-        self._check_index(index)
-        self.set_mirrors({})  # no shared counters while bytes move
-        super().rehome(serials, index)
-
-    def _check_movable(self, serial: int) -> None:
+    def check_movable(self, serial: int) -> None:
+        """Raise where storage ``serial`` is mirrored (it cannot move to another device)."""
         if serial in self._mirror_serials:
             raise ValueError(f"storage {serial} is mirrored: it cannot move")
 
@@ -59,7 +55,7 @@ class MirroredDevices(CountingDevices):
         same event, when every event of ``index`` is one of ``of``'s so placed (a mirror
         of it, :meth:`set_mirrors`); None otherwise. Such a device's figures are
         ``of``'s, its timeline ``of``'s shifted by that many events."""
-        cols, by_device = self._columns()
+        cols, by_device = self.ledger.columns()
         mine, theirs = by_device.get(index, NO_EVENTS), by_device.get(of, NO_EVENTS)
         if len(mine) != len(theirs) or not len(mine):
             return None
@@ -81,14 +77,20 @@ class MirroredDevices(CountingDevices):
                 return d
         return None
 
-    def _blas_devices(self, device: int) -> tuple[int, ...]:
+    def blas_devices(self, device: int) -> tuple[int, ...]:
+        """The devices a cuBLAS op run on ``device`` stands for: ``device`` and the devices
+        mirroring it."""
         # a mirror runs the op too, at the same place in its own sequence: its cuBLAS
         # handle's workspace goes there, as in the replica it stands for (an output device
         # with events of its own is simulated from its own sequence, not its source's)
         return (device, *(d for d in self._mirrors.get(device, ())
                           if d not in self._unmirrored))
 
-    def _emit_mirrors(self, device: int, serial: int, requested: int, allocated: int) -> None:
+    def following(self) -> bool:
+        return bool(self._mirror_serials or self._mirrors)
+
+    def follow(self, device: int, serial: int, requested: int, allocated: int) -> None:
+        """The same event on each device mirroring ``serial``'s (once it is mirrored)."""
         entry = self._mirror_serials.get(serial)
         if entry is None:
             devices = self._mirrors.get(device)
@@ -100,15 +102,12 @@ class MirroredDevices(CountingDevices):
                     return
                 self._device_columns.setdefault(devices, array("q", devices))
             n = len(devices)
-            first = self._serial + 1
-            self._serial += n
+            first = self.ledger.new_serials_labelled_as(n, serial)
             entry = (array("q", range(first, first + n)), self._device_columns[devices])
             self._mirror_serials[serial] = entry
-            self._mirror_firsts.append(first)  # serials first..first + n - 1 mirror serial
-            self._mirror_blocks.append((n, serial))
         serials, device_column = entry
         n = len(serials)
-        log = self.events
+        log = self.ledger.events
         log.device.extend(device_column)
         log.serial.extend(serials)
         fills = self._fills
@@ -129,7 +128,7 @@ class MirroredDevices(CountingDevices):
             if c.live_allocated > c.peak_allocated:
                 c.peak_allocated = c.live_allocated
                 c.peak_event = at
-                c.peak_phase = self._state.phase
+                c.peak_phase = self.ledger.state.phase
             if c.live_requested > c.peak_requested:
                 c.peak_requested = c.live_requested
 
@@ -147,7 +146,7 @@ class MirroredDevices(CountingDevices):
         """The distinct counters of ``devices`` (a class of mirrors shares one)."""
         seen: dict[int, DeviceCounters] = {}
         for d in devices:
-            c = self.counters[d]
+            c = self.ledger.counters[d]
             seen.setdefault(id(c), c)
         found = self._distinct_counters[id(devices)] = list(seen.values())
         return found
@@ -164,7 +163,7 @@ class MirroredDevices(CountingDevices):
         ``own``: mirrors that also have events of their own (DataParallel's output device:
         the gathered outputs, the loss); they never share counters with their class."""
         for d in (*mirrors, *chain.from_iterable(mirrors.values())):
-            self._check_index(d)
+            self.ledger.check_index(d)
         self._mirrors = {d: tuple(ms) for d, ms in mirrors.items() if ms}
         self._own = frozenset(own)
         for ms in self._mirrors.values():
@@ -174,23 +173,24 @@ class MirroredDevices(CountingDevices):
         # storage mirrored under an older mapping can reach some of them only) and have
         # equal counters. All others get their own.
         holders: dict[int, list[int]] = {}
-        for i, c in enumerate(self.counters):
+        counters = self.ledger.counters
+        for i, c in enumerate(counters):
             holders.setdefault(id(c), []).append(i)
         classes = {tuple(sorted(m for m in ms if m not in self._own))
                    for ms in self._mirrors.values()}
         for devices in holders.values():
             if len(devices) > 1 and tuple(devices) not in classes:
                 for i in devices[1:]:
-                    self.counters[i] = dataclasses.replace(self.counters[i])
+                    counters[i] = dataclasses.replace(counters[i])
         for ms in self._mirrors.values():
             shared = [m for m in ms if m not in self._own]
             if not shared:
                 continue
-            first = self.counters[shared[0]]
-            if all(self.counters[m] == first and not self.counters[m].live_requested
-                   and not self.counters[m].live_allocated for m in shared):
+            first = counters[shared[0]]
+            if all(counters[m] == first and not counters[m].live_requested
+                   and not counters[m].live_allocated for m in shared):
                 for m in shared[1:]:
-                    self.counters[m] = first
+                    counters[m] = first
         self._distinct_counters.clear()
 
     @contextlib.contextmanager
@@ -207,21 +207,3 @@ class MirroredDevices(CountingDevices):
     def multiplicity(self, device: int) -> int:
         """How many devices ``device``'s storages stand for now (itself and its mirrors)."""
         return 1 + len(self._mirrors.get(device, ()))
-
-    def label_of(self, serial: int) -> str:
-        """The category of storage ``serial`` (a mirror's: the mirrored storage's)."""
-        label = self._labels.get(serial)
-        if label is None and self._mirror_firsts:
-            k = bisect.bisect_right(self._mirror_firsts, serial) - 1
-            if k >= 0:
-                n, mirrored = self._mirror_blocks[k]
-                if serial < self._mirror_firsts[k] + n:
-                    label = self._labels.get(mirrored)
-        return label or "other"
-
-    def _follows_events(self) -> bool:
-        return bool(self._mirror_serials or self._mirrors)
-
-    def _follow(self, device: int, serial: int, requested: int, allocated: int) -> None:
-        if self._mirror_serials or self._mirrors:
-            self._emit_mirrors(device, serial, requested, allocated)

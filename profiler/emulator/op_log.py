@@ -65,7 +65,7 @@ REDUCE = "reduce"  # onto the first device (the gradients' reduce-add)
 GATHER = "gather"  # pieces from the others onto the first device (bytes: the pieces moved)
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, GATHER)
 SYNC = "sync"  # the host waits for the device (.item(), a copy to the host)
-HOST = -1  # the device index of the host (dpprof.emulator.counting.HOST)
+HOST = -1  # the device index of the host (dpprof.emulator.dispatch_state.HOST)
 
 aten = torch.ops.aten
 

@@ -1,8 +1,8 @@
-"""The op memo layer of the virtual devices, over meta tensors only: meta kernels are
+"""The op memo of the virtual devices, over meta tensors only: meta kernels are
 mostly Python (``torch._refs``), so a functional op on the same shapes is run once and its
 outputs' metadata replayed (:class:`OpMemo`, bounded), and ops that over meta tensors
 write and allocate nothing (random fills, in-place updates that return nothing) are
-skipped (:class:`MemoisedDevices`)."""
+skipped (:class:`MetaOpRunner`, a part of the virtual devices' dispatch mode)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from dpprof.emulator.counting import CountingDevices
 from dpprof.emulator.identity import op_key, storage_key
 
 aten = torch.ops.aten
@@ -217,19 +216,18 @@ def _tensor_outputs(out: Any) -> Iterator[torch.Tensor]:
                 yield o
 
 
-class MemoisedDevices(CountingDevices):
-    """Virtual devices whose meta ops go through the shared :data:`OP_MEMO`."""
+class MetaOpRunner:
+    """Runs ops over meta tensors through the shared :data:`OP_MEMO`."""
 
-    def __init__(self, num_devices: int, base: str = "meta") -> None:
-        super().__init__(num_devices, base)
+    def __init__(self) -> None:
         # Meta kernels are mostly Python (torch._refs): the same op on the same shapes is
-        # run once and its outputs' metadata replayed (fresh storages only, see _run). The
+        # run once and its outputs' metadata replayed (fresh storages only, see run). The
         # memo is a pure function of metadata, so every runtime shares it (a comparison's
         # scenarios and fixes run the same ops on the same shapes).
         self._op_cache = OP_MEMO
         self.cache_hits = 0
 
-    def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    def run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` over meta tensors, memoised for functional ops."""
         found = _FUNCTIONAL.get(op_key(func))
         functional = found[1] if found is not None and found[0] is func else _functional(func)

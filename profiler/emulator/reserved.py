@@ -12,16 +12,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dpprof.emulator.allocator import simulate
+from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.context import ContextModel
-from dpprof.emulator.counting import BLAS_BACKWARD, BLAS_FORWARD, BLAS_LT
 from dpprof.emulator.events import EventLog
+from dpprof.emulator.virtual_devices import BLAS_BACKWARD, BLAS_FORWARD, BLAS_LT
 
 __all__ = ["AllocationEvent", "DeviceFigures", "fill_gpu_overheads", "workspace_inserts"]
 
 
 class AllocationEvent(Protocol):
-    """What the model reads of an emulated allocation (``VirtualDevices.events``)."""
+    """What the model reads of an emulated allocation (``StorageLedger.events``)."""
 
     @property
     def device(self) -> int: ...  # < 0: a host storage
@@ -58,11 +58,11 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     (default: its index; DDP ranks: rank 0's device; a mirror: the device it mirrors).
     ``nccl``: whether the devices hold an NCCL communicator (default: DDP ranks do).
     ``blas_first``: where each device first ran cuBLAS, by thread
-    (:attr:`dpprof.emulator.counting.CountingDevices.blas_first`): each workspace enters
+    (:attr:`dpprof.emulator.virtual_devices.VirtualDevices.blas_first`): each workspace enters
     the sequence there, as a handle allocates it at its first use; a workspace whose
     thread ran no cuBLAS op (or without ``blas_first``) goes first.
     ``transients``: storages kept past the point where the steady state frees them
-    (:attr:`~dpprof.emulator.counting.CountingDevices.transients`): a device whose peak
+    (:attr:`~dpprof.emulator.storage_ledger.StorageLedger.transients`): a device whose peak
     counts some (``transient_bytes``) also gets the reserve with each freed there
     (``steady_peak_reserved_bytes``).
     """

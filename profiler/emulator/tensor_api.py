@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_devices import ORIGINALS, on_meta
+from dpprof.emulator.dispatch_state import HOST
+from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
 
-if TYPE_CHECKING:
-    from dpprof.emulator.virtual_cuda import VirtualCuda
 
-
-def install(vc: VirtualCuda, p: Patch) -> None:
+def install(vc: EmulatedCuda, p: Patch) -> None:
     """Patch torch's tensor API to place tensors on ``vc``'s virtual GPUs."""
     torch_load(vc, p)
     storage_addresses(vc, p)
@@ -31,7 +29,7 @@ def install(vc: VirtualCuda, p: Patch) -> None:
     factories(vc, p)
 
 
-def torch_load(vc: VirtualCuda, p: Patch) -> None:
+def torch_load(vc: EmulatedCuda, p: Patch) -> None:
     """``torch.load`` onto virtual GPUs (:meth:`VirtualCuda.load`)."""
     orig_load = torch.load
 
@@ -43,7 +41,7 @@ def torch_load(vc: VirtualCuda, p: Patch) -> None:
     p(torch, "load", load)
 
 
-def storage_addresses(vc: VirtualCuda, p: Patch) -> None:
+def storage_addresses(vc: EmulatedCuda, p: Patch) -> None:
     """``data_ptr()`` of meta storages: stand-in addresses, disjoint per storage."""
     T = torch.Tensor
     orig_data_ptr = T.data_ptr
@@ -64,7 +62,7 @@ def storage_addresses(vc: VirtualCuda, p: Patch) -> None:
     p(torch.UntypedStorage, "data_ptr", storage_ptr)
 
 
-def values_and_copies(vc: VirtualCuda, p: Patch) -> None:
+def values_and_copies(vc: EmulatedCuda, p: Patch) -> None:
     """Moves between the host and virtual GPUs, and values read from them (stand-ins)."""
     # Tensor methods that a CPU build refuses before dispatch, and stand-ins
     T = torch.Tensor
@@ -118,7 +116,7 @@ def values_and_copies(vc: VirtualCuda, p: Patch) -> None:
         # strides); an emulated GPU's tensor is refused as torch refuses a CUDA one
         if vc.rt.is_pinned(self):
             return self
-        if vc.rt.device_of(self) != HOST:
+        if vc.rt.storages.device_of(self) != HOST:
             raise RuntimeError(f"cannot pin a tensor of {vc.virtual_device(self)}: only "
                                "dense CPU tensors can be pinned")
         return vc.rt.pin(self.clone(memory_format=torch.preserve_format))
@@ -128,7 +126,7 @@ def values_and_copies(vc: VirtualCuda, p: Patch) -> None:
     p(T, "record_stream", lambda self, stream: None)
 
 
-def device_identity(vc: VirtualCuda, p: Patch) -> None:
+def device_identity(vc: EmulatedCuda, p: Patch) -> None:
     """A tensor's device as the program sees it: ``cuda:k``, not meta."""
     T = torch.Tensor
 
@@ -143,7 +141,7 @@ def device_identity(vc: VirtualCuda, p: Patch) -> None:
         # an emulated GPU tensor is not "meta" to the program (Keras re-creates meta
         # tensors with empty_like, dropping autograd)
         return on_meta(self) and (vc.rt.in_dispatch > 0
-                                   or vc.rt.device_of(self) == HOST)
+                                   or vc.rt.storages.device_of(self) == HOST)
 
     orig_repr = T.__repr__
 
@@ -161,7 +159,7 @@ def device_identity(vc: VirtualCuda, p: Patch) -> None:
     p(T, "get_device", get_device)
 
 
-def factories(vc: VirtualCuda, p: Patch) -> None:
+def factories(vc: EmulatedCuda, p: Patch) -> None:
     """Factories and modules given a CUDA device, or an int for one."""
     T = torch.Tensor
 

@@ -39,7 +39,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -48,18 +47,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpprof.emulator import cuda_api, tensor_api
-from dpprof.emulator.allocator import simulate
+from dpprof.emulator import cuda_api, emulated_cuda, tensor_api
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
-from dpprof.emulator.counting import HOST
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (
     ORIGINALS,
     CudaDevices,
-    caller_site,
     on_meta,
     real_device,
 )
+from dpprof.emulator.cuda_memory import CudaMemory
+from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
 from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
@@ -75,7 +73,7 @@ class _Cross(torch.autograd.Function):
     def forward(ctx: Any, vc: VirtualCuda, t: torch.Tensor, index: int,  # type: ignore[override]
                 dtype: torch.dtype | None) -> torch.Tensor:
         ctx.vc = vc
-        ctx.source = vc.rt.device_of(t)
+        ctx.source = vc.rt.storages.device_of(t)
         ctx.source_dtype = t.dtype
         ctx.source_real = real_device(t)
         return vc.copy(t, index, dtype)
@@ -116,17 +114,6 @@ def parse_visible_devices(value: str | None, physical: int) -> list[int]:
 
 
 
-@dataclass
-class MemoryAnswered:
-    """The most ``torch.cuda``'s memory functions told the program of one device, and which
-    call told it (``"torch.cuda.max_memory_allocated() at train.py:30"``)."""
-
-    allocated_bytes: int = 0  # memory_allocated, max_memory_allocated, memory_stats
-    allocated_by: str = ""
-    reserved_bytes: int = 0  # memory_reserved, max_memory_reserved, memory_stats, and
-    reserved_by: str = ""  # the capacity less mem_get_info's free bytes
-
-
 class VirtualCuda:
     """Context manager: ``torch.cuda`` played by ``num_gpus`` virtual GPUs (see the module).
 
@@ -148,9 +135,8 @@ class VirtualCuda:
         self.capacity_bytes = gpu_memory_bytes or self.spec.total_memory_bytes
         self._visible: list[int] | None = None
         self._current = 0
-        self._peak_from = [0] * num_gpus  # event index of each device's last peak reset
-        # runtime index -> the most torch.cuda's memory functions told the program of it
-        self.answered: dict[int, MemoryAnswered] = {}
+        # torch.cuda's memory functions, answered from the runtime's ledger
+        self.memory = CudaMemory(self.rt, self.capacity_bytes, self._dev)
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
@@ -186,7 +172,7 @@ class VirtualCuda:
         """``torch.cuda.is_initialized()``: once ``_lazy_init`` ran, or a tensor was put on
         a GPU by a path that reaches no Python (``Tensor.to``, ``cuda()``)."""
         if not self.initialised:
-            self.initialised = any(c.peak_allocated > 0 for c in self.rt.counters)
+            self.initialised = any(c.peak_allocated > 0 for c in self.rt.storages.counters)
         return self.initialised
 
     def current_device(self) -> int:
@@ -243,83 +229,10 @@ class VirtualCuda:
             gcnArchName="", warp_size=32, pci_bus_id=i, pci_device_id=0, pci_domain_id=0,
         )
 
-    # ---- memory ------------------------------------------------------------------------
-
     def _dev(self, device: Any) -> int:
+        """The virtual device a ``torch.cuda`` call's ``device`` argument names (None: the
+        current one)."""
         return self.index_of(device if device is not None else self.current_device())
-
-    def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:
-        """Note what the program was told of device ``i`` (the reported peak must be at
-        least that: dpprof.script checks it)."""
-        told = self.answered.setdefault(i, MemoryAnswered())
-        if allocated > told.allocated_bytes:
-            told.allocated_bytes, told.allocated_by = allocated, f"{what} at {caller_site()}"
-        if reserved > told.reserved_bytes:
-            told.reserved_bytes, told.reserved_by = reserved, f"{what} at {caller_site()}"
-
-    def memory_allocated(self, device: Any = None) -> int:
-        i = self._dev(device)
-        live = self.rt.live_bytes(i)
-        self._told(i, allocated=live, what="torch.cuda.memory_allocated()")
-        return live
-
-    def max_memory_allocated(self, device: Any = None) -> int:
-        i = self._dev(device)
-        peak = max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
-        self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
-        return peak
-
-    def _reserved(self, i: int) -> tuple[int, int]:
-        """(current, peak since the last reset) reserved bytes: the caching allocator
-        simulated over the device's allocations so far."""
-        events: list[tuple[Any, ...]] = []
-        for k, ev in enumerate(self.rt.events):
-            if k == self._peak_from[i]:
-                events.append(("reset_peak", -1, 0))
-            if ev.device == i and ev.requested != 0:
-                events.append(("alloc", ev.serial, ev.requested, self.rt.events.stream_of(k))
-                              if ev.requested > 0 else ("free", ev.serial, 0))
-        stats = simulate(events, timeline_points=None, stop_on_oom=False)
-        return stats.final_reserved_bytes, stats.peak_reserved_bytes
-
-    def memory_reserved(self, device: Any = None) -> int:
-        i = self._dev(device)
-        reserved = self._reserved(i)[0]
-        self._told(i, reserved=reserved, what="torch.cuda.memory_reserved()")
-        return reserved
-
-    def max_memory_reserved(self, device: Any = None) -> int:
-        i = self._dev(device)
-        peak = self._reserved(i)[1]
-        self._told(i, reserved=peak, what="torch.cuda.max_memory_reserved()")
-        return peak
-
-    def reset_peak_memory_stats(self, device: Any = None) -> None:
-        self._peak_from[self._dev(device)] = len(self.rt.events)
-
-    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        i = self._dev(device)
-        reserved = self._reserved(i)[0]
-        self._told(i, reserved=reserved, what="torch.cuda.mem_get_info()")
-        return (max(self.capacity_bytes - reserved, 0), self.capacity_bytes)
-
-    def memory_stats(self, device: Any = None) -> dict[str, int]:
-        i = self._dev(device)
-        reserved, peak_reserved = self._reserved(i)
-        peak = max(b for _, b in self.rt.timeline(i, self._peak_from[i]))
-        self._told(i, allocated=peak, reserved=peak_reserved, what="torch.cuda.memory_stats()")
-        return {
-            "allocated_bytes.all.current": self.rt.live_bytes(i),
-            "allocated_bytes.all.peak": peak,
-            "reserved_bytes.all.current": reserved,
-            "reserved_bytes.all.peak": peak_reserved,
-            "active_bytes.all.current": self.rt.live_bytes(i),
-            "requested_bytes.all.current": self.rt.counters[i].live_requested,
-        }
-
-    def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
-        stats = self.memory_stats(device)
-        return "\n".join(f"{k}: {v}" for k, v in stats.items())
 
     # ---- tensors -----------------------------------------------------------------------
 
@@ -338,12 +251,12 @@ class VirtualCuda:
                     return rt.host_stand_in(t, dtype)
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
                 out = ORIGINALS["to"](t, device=host, dtype=dtype, copy=True)
-                if rt.device_of(t) != HOST:
+                if rt.storages.device_of(t) != HOST:
                     # --compute: the GPU's values as the emulation computed them, read to
                     # the host; not the user's to write over their files either
                     rt.remember_emulated_on_host(out)
                 return out
-            if rt.device_of(t) == HOST and not isinstance(t, nn.Parameter):
+            if rt.storages.device_of(t) == HOST and not isinstance(t, nn.Parameter):
                 with rt.category(rt.current_category if rt.current_category == "parameters"
                                  else "inputs"):
                     return ORIGINALS["to"](t, device=self.base, dtype=dtype, copy=True)
@@ -351,7 +264,7 @@ class VirtualCuda:
 
     def to_index(self, t: torch.Tensor, index: int, dtype: torch.dtype | None = None,
                  copy: bool = False, memory_format: Any = None) -> torch.Tensor:
-        src = self.rt.device_of(t)
+        src = self.rt.storages.device_of(t)
         if src == index and not (src == HOST and on_meta(t) and self.rt.real_host):
             if dtype is None and memory_format is None and not copy:
                 return t
@@ -384,7 +297,7 @@ class VirtualCuda:
     def tensor_to(self, t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args and isinstance(args[0], torch.Tensor):  # t.to(other)
             other = args[0]
-            index = self.rt.device_of(other)
+            index = self.rt.storages.device_of(other)
             return self.to_index(t, index, other.dtype, copy=bool(kwargs.get("copy", False)))
         device = kwargs.pop("device", None)
         dtype = kwargs.pop("dtype", None)
@@ -414,7 +327,8 @@ class VirtualCuda:
         out = self.to_index(t, target, dtype, copy, memory_format)
         # copies are in order on virtual devices; a non-blocking copy from a GPU lands in
         # page-locked host memory, as torch's _to_copy allocates it
-        if non_blocking and target == HOST and out is not t and self.rt.device_of(t) != HOST:
+        if (non_blocking and target == HOST and out is not t
+                and self.rt.storages.device_of(t) != HOST):
             self.rt.pin(out)
         return out
 
@@ -479,7 +393,7 @@ class VirtualCuda:
         real = ORIGINALS["device"].__get__(t)
         if real != self.base or self.rt.in_dispatch:
             return real
-        i = self.rt.device_of(t)
+        i = self.rt.storages.device_of(t)
         if i == HOST:
             return real if real.type != "meta" else torch.device("cuda", self.current_device())
         return torch.device("cuda", self.logical(i))
@@ -494,10 +408,7 @@ class VirtualCuda:
         return self._stack.enter_context(cm)
 
     def __enter__(self) -> VirtualCuda:
-        global _ACTIVE
-        if _ACTIVE is not None:
-            raise RuntimeError("a VirtualCuda is already active")
-        _ACTIVE = self
+        emulated_cuda.activate(self)
         self.active = True
         try:
             # torch._dynamo and symbolic_shapes: stand-ins until something needs the real
@@ -532,11 +443,10 @@ class VirtualCuda:
                 put(owner, name, value)
 
     def __exit__(self, *exc: object) -> None:
-        global _ACTIVE
         self._patcher.restore()
         self._stack.close()
         self.active = False
-        _ACTIVE = None
+        emulated_cuda.deactivate()
         keras_core = sys.modules.get("keras.src.backend.torch.core")
         if (keras_core is not None and str(getattr(keras_core, "DEFAULT_DEVICE", "")) ==
                 "cuda" and not torch.cuda.is_available()):
@@ -600,9 +510,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
     return tree_map(once, obj)
 
 
-_ACTIVE: VirtualCuda | None = None
-
-
 def active() -> VirtualCuda | None:
     """The active :class:`VirtualCuda`, if any."""
-    return _ACTIVE
+    found = emulated_cuda.active()
+    return found if isinstance(found, VirtualCuda) else None

@@ -32,7 +32,8 @@ from torch import nn
 
 from dpprof.backends.emulated import build_on_device
 from dpprof.emulator.data_parallel import EmulatedDataParallel
-from dpprof.emulator.vdevice import VirtualDevices, to_device
+from dpprof.emulator.device_copies import to_device
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import Equivalence, EquivalenceEntry, EquivalenceFinding
 from dpprof.scenarios.measured_loop import ModelWithLoss, StepHooks, call_model, training_loop
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY

@@ -8,7 +8,8 @@ first (:func:`rungs`):
 * **mixed precision**: forward and loss under ``torch.autocast("cuda")``, bfloat16 where
   the GPU has it (compute capability 8.0 and up), float16 with a ``GradScaler`` elsewhere;
   parameters (the master weights), gradients, optimizer state and the loss stay float32
-  (the emulator re-enacts autocast's op lists: :class:`dpprof.emulator.kernels.EmulatedAutocast`);
+  (the emulator re-enacts autocast's op lists:
+  :class:`dpprof.emulator.emulated_autocast.EmulatedAutocast`);
 * **activation checkpointing** of the model's repeated blocks (:func:`repeated_blocks`:
   the children of its largest ``ModuleList``, else the instances of its most repeated
   module type), non-reentrant ``torch.utils.checkpoint``: each block's forward runs again

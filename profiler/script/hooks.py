@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.cuda_devices import CudaDevices, caller_site
 from dpprof.emulator.data_parallel import Gather
+from dpprof.emulator.emulated_autocast import EmulatedAutocast
 from dpprof.emulator.events import DeviceCounters
-from dpprof.emulator.kernels import EmulatedAutocast
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder_code import blocks_words
@@ -95,9 +95,9 @@ class Stepper:
     def _start_measuring(self) -> None:
         """Peaks restart here, after the warm-up step; the warm-up's are kept
         (:meth:`keep_higher_warmup_peaks`)."""
-        self.warmup_peaks = [dataclasses.replace(c) for c in self.rt.counters]
+        self.warmup_peaks = [dataclasses.replace(c) for c in self.rt.storages.counters]
         self.rt.reset_peaks()
-        self.measure_start = len(self.rt.events)
+        self.measure_start = len(self.rt.storages.events)
         if self.rt.op_log is not None:  # the measured steps' ops, for their time
             self.rt.op_log.on = True
 
@@ -110,7 +110,8 @@ class Stepper:
         steps_peaks: dict[int, int] = {}
         if not self.warmup_peaks:  # no warm-up ended: the peaks are the whole run's
             return steps_peaks
-        for i, (warm, c) in enumerate(zip(self.warmup_peaks, self.rt.counters, strict=True)):
+        counters = self.rt.storages.counters
+        for i, (warm, c) in enumerate(zip(self.warmup_peaks, counters, strict=True)):
             if warm.peak_allocated > c.peak_allocated:
                 steps_peaks[i] = c.peak_allocated
                 c.peak_allocated, c.peak_requested = warm.peak_allocated, warm.peak_requested
@@ -151,9 +152,9 @@ class Stepper:
     def _label(self, opt: torch.optim.Optimizer) -> None:
         rt = self.rt
         params = [p for g in opt.param_groups for p in g["params"]]
-        rt.label(params, "parameters")
-        rt.label([p.grad for p in params if p.grad is not None], "gradients")
-        rt.label([t for st in opt.state.values() for t in st.values()
+        rt.storages.label(params, "parameters")
+        rt.storages.label([p.grad for p in params if p.grad is not None], "gradients")
+        rt.storages.label([t for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor)], "optimizer_state")
 
     def backward_started(self) -> None:
@@ -279,8 +280,8 @@ def label_losses(vc: VirtualCuda, patcher: Patcher) -> None:
         if not torch.is_grad_enabled() or not _reaches_gather(inputs):
             return orig_call(loss, *args, **kwargs)
         for t in inputs:  # made by the expression: not the outputs or the batch themselves
-            if rt.category_of(t) == "activations":
-                rt.label(t, "loss")
+            if rt.storages.category_of(t) == "activations":
+                rt.storages.label(t, "loss")
         with rt.category("loss"):
             out = orig_call(loss, *args, **kwargs)
         if isinstance(out, torch.Tensor) and out.grad_fn is not None:
@@ -300,8 +301,8 @@ def _label_loss_backward(rt: Any, root: Any) -> None:
                 node, Gather._backward_cls):  # type: ignore[attr-defined]
             continue
         seen.add(node)
-        node.register_prehook(lambda *_: rt._set_category("loss"))
-        node.register_hook(lambda *_: rt._set_category("activations"))
+        node.register_prehook(lambda *_: rt.set_category("loss"))
+        node.register_hook(lambda *_: rt.set_category("activations"))
         stack.extend(n for n, _ in node.next_functions)
 
 

@@ -10,7 +10,7 @@ model's repeated blocks; both), applied by :class:`RungHooks` to the running scr
 
 * **mixed precision**: from the start of each outermost forward to the ``backward()`` call
   (or the optimizer's step), the script runs under the GPU's autocast
-  (:class:`dpprof.emulator.kernels.EmulatedAutocast`: CUDA's op lists), as a user wraps
+  (:class:`dpprof.emulator.emulated_autocast.EmulatedAutocast`: CUDA's op lists), as a user wraps
   forward and loss in ``torch.autocast("cuda")``; the change to the script is that
   ``with`` block around the script's own lines (:func:`dpprof.script.autocast_diff.autocast_at`);
 * **activation checkpointing**: at the model's first call, each of its repeated blocks

@@ -28,9 +28,10 @@ from dpprof.backends.emulated_figures import (
 from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.context import device_context
-from dpprof.emulator.counting import VirtualDeviceError
 from dpprof.emulator.data_parallel import replicas_float16_note
-from dpprof.emulator.kernels import CudaAutocastNames, GpuKernels
+from dpprof.emulator.dispatch_state import VirtualDeviceError
+from dpprof.emulator.emulated_autocast import CudaAutocastNames
+from dpprof.emulator.kernels import GpuKernels
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.reserved import DeviceFigures
@@ -469,7 +470,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     n = vc.device_count()
     run.visible_gpus = n
     visible = vc.visible
-    touched = [i for i in visible if rt.counters[i].peak_allocated > 0]
+    touched = [i for i in visible if rt.storages.counters[i].peak_allocated > 0]
     name = _kind(run, used, touched)
     kind = scenario(name)
     # the global batch, as compare's scenarios hold it: a rank's rows times the ranks
@@ -479,7 +480,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     devices = [
         device_result(
             rt, i, logical, cfg.capacity_bytes,
-            rt.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
+            rt.storages.counters[i].peak_allocated > 0 or (name == DP_LOSS_PRIMARY and i in used),
             run.shard_rows.get(i, 0) if split else run.batch_rows,
             timeline_points(rt, i, 0 if i in warmup_higher else start,
                             phase_before_start=True),
@@ -488,7 +489,8 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     ]
     notes = list(
         f"cuda:{logical} peaked in the warm-up step, at "
-        f"{fmt_bytes(rt.counters[i].peak_allocated)} ({rt.counters[i].peak_phase}), above "
+        f"{fmt_bytes(rt.storages.counters[i].peak_allocated)} "
+        f"({rt.storages.counters[i].peak_phase}), above "
         f"all that followed it ({fmt_bytes(warmup_higher[i])}): that peak is reported, as "
         "the GPU reaches it" for logical, i in enumerate(visible) if i in warmup_higher)
     if kind.ranks_alike and run.world_size > 1:
@@ -529,7 +531,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
 def _rank_device(vc: VirtualCuda, local_rank: int) -> int:
     """The device whose figures stand for a DDP run's rank: the rank's own GPU
     (``local_rank``), where the run used it, else the first it used."""
-    counters = vc.rt.counters
+    counters = vc.rt.storages.counters
     if local_rank < len(vc.visible) and counters[vc.visible[local_rank]].peak_allocated > 0:
         return vc.visible[local_rank]
     return next((i for i in vc.visible if counters[i].peak_allocated > 0), vc.visible[0])
@@ -561,7 +563,7 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
     run cannot be reported; "" where none is."""
     ranks_from = _rank_device(vc, local_rank)
     for d in s.devices:
-        told = vc.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
+        told = vc.memory.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
         if told is None:
             continue
         for reported, read, by, what in (
@@ -589,5 +591,5 @@ def _overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConf
         # a DDP rank: the device that ran it stands for every rank
         return _rank_device(vc, local_rank)
 
-    return with_gpu_overheads(devices, vc.rt.events, ctx, source=source,
-                              blas_first=vc.rt.blas_first, transients=vc.rt.transients)
+    return with_gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
+                              blas_first=vc.rt.blas_first, transients=vc.rt.storages.transients)

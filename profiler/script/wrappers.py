@@ -35,6 +35,7 @@ from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch, Patcher
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
+from dpprof.scenarios.measured_loop import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.engines import engines_refused
 
@@ -144,7 +145,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
     def _check_placement(self, src: int) -> None:
         rt = self._vc.rt
         for t in chain(self.module.parameters(), self.module.buffers()):
-            if rt.device_of(t) != src:
+            if rt.storages.device_of(t) != src:
                 raise RuntimeError(
                     "module must have its parameters and buffers on device "
                     f"{self.src_device_obj} (device_ids[0]) but found one of them on "
@@ -164,7 +165,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             # DDP(gradient_as_bucket_view=True) followed in a ledger of the rank's device,
             # from what the device holds now (the model, moved before it was wrapped)
             ledger = VariantLedger()
-            counters = rt.counters[src]
+            counters = rt.storages.counters[src]
             ledger.live_requested = ledger.peak_requested = counters.live_requested
             ledger.live_allocated = ledger.peak_allocated = counters.live_allocated
             rt.ledgers[src] = ledger
@@ -226,7 +227,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
             raise RuntimeError("VirtualDDP needs an active VirtualCuda")
         rt = vc.rt
         first = next(module.parameters(), None)
-        index = rt.device_of(first) if first is not None else vc.index_of(
+        index = rt.storages.device_of(first) if first is not None else vc.index_of(
             vc.current_device())
         index = index if index >= 0 else vc.index_of(vc.current_device())
         import torch.distributed as dist
@@ -267,7 +268,7 @@ class VirtualDDP(_DDP):  # type: ignore[misc,type-arg]
         rt = self.__dict__["_dpprof_vc"].rt
         # over NCCL the buckets a rebuild replaces outlive it (_keep_unreaped)
         rebuilt_before = self._has_rebuilt_buckets
-        events_before = len(rt.events)
+        events_before = len(rt.storages.events)
         with rt.meta_on(self.__dict__["_dpprof_index"]), rt.category("communication"), \
                 _without_c10_warning(_META_TIMER_WARNING):
             out = super()._pre_forward(*inputs, **kwargs)
@@ -303,7 +304,7 @@ def _keep_unreaped(ddp: VirtualDDP, rt: Any, rebuilt: bool, events_before: int) 
     # held here and the storage object made to ask are its only references
     kept = [t for t in held if torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2]
     for t in kept:
-        rt.note_transient(t, UNREAPED_BUCKETS, at_event=events_before)
+        rt.storages.note_transient(t, UNREAPED_BUCKETS, at_event=events_before)
     ddp.__dict__["_dpprof_unreaped"] = kept
 
 

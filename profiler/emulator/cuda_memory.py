@@ -1,0 +1,112 @@
+"""``torch.cuda``'s memory functions answered for virtual GPUs (:class:`CudaMemory`):
+allocated bytes from the runtime's ledger of storages, reserved bytes from the caching
+allocator simulated over a device's allocations so far, and the most each call told the
+program (:class:`MemoryAnswered`: the reported peak must be at least that)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dpprof.emulator.allocator_replay import simulate
+from dpprof.emulator.cuda_devices import CudaDevices, caller_site
+
+
+@dataclass
+class MemoryAnswered:
+    """The most ``torch.cuda``'s memory functions told the program of one device, and which
+    call told it (``"torch.cuda.max_memory_allocated() at train.py:30"``)."""
+
+    allocated_bytes: int = 0  # memory_allocated, max_memory_allocated, memory_stats
+    allocated_by: str = ""
+    reserved_bytes: int = 0  # memory_reserved, max_memory_reserved, memory_stats, and
+    reserved_by: str = ""  # the capacity less mem_get_info's free bytes
+
+
+class CudaMemory:
+    """``torch.cuda.memory_allocated`` and its kin for the devices of ``rt``, each ``device``
+    argument resolved to a virtual device by ``index_of`` (None: the current one)."""
+
+    def __init__(self, rt: CudaDevices, capacity_bytes: int,
+                 index_of: Callable[[Any], int]) -> None:
+        self.rt = rt
+        self.capacity_bytes = capacity_bytes
+        self._dev = index_of
+        self._peak_from = [0] * rt.num_devices  # event index of each device's last reset
+        # runtime index -> the most torch.cuda's memory functions told the program of it
+        self.answered: dict[int, MemoryAnswered] = {}
+
+    def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:
+        """Note what the program was told of device ``i`` (the reported peak must be at
+        least that: dpprof.script checks it)."""
+        told = self.answered.setdefault(i, MemoryAnswered())
+        if allocated > told.allocated_bytes:
+            told.allocated_bytes, told.allocated_by = allocated, f"{what} at {caller_site()}"
+        if reserved > told.reserved_bytes:
+            told.reserved_bytes, told.reserved_by = reserved, f"{what} at {caller_site()}"
+
+    def memory_allocated(self, device: Any = None) -> int:
+        i = self._dev(device)
+        live = self.rt.storages.live_bytes(i)
+        self._told(i, allocated=live, what="torch.cuda.memory_allocated()")
+        return live
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        i = self._dev(device)
+        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
+        self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
+        return peak
+
+    def _reserved(self, i: int) -> tuple[int, int]:
+        """(current, peak since the last reset) reserved bytes: the caching allocator
+        simulated over the device's allocations so far."""
+        events: list[tuple[Any, ...]] = []
+        log = self.rt.storages.events
+        for k, ev in enumerate(log):
+            if k == self._peak_from[i]:
+                events.append(("reset_peak", -1, 0))
+            if ev.device == i and ev.requested != 0:
+                events.append(("alloc", ev.serial, ev.requested, log.stream_of(k))
+                              if ev.requested > 0 else ("free", ev.serial, 0))
+        stats = simulate(events, timeline_points=None, stop_on_oom=False)
+        return stats.final_reserved_bytes, stats.peak_reserved_bytes
+
+    def memory_reserved(self, device: Any = None) -> int:
+        i = self._dev(device)
+        reserved = self._reserved(i)[0]
+        self._told(i, reserved=reserved, what="torch.cuda.memory_reserved()")
+        return reserved
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        i = self._dev(device)
+        peak = self._reserved(i)[1]
+        self._told(i, reserved=peak, what="torch.cuda.max_memory_reserved()")
+        return peak
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._peak_from[self._dev(device)] = len(self.rt.storages.events)
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        i = self._dev(device)
+        reserved = self._reserved(i)[0]
+        self._told(i, reserved=reserved, what="torch.cuda.mem_get_info()")
+        return (max(self.capacity_bytes - reserved, 0), self.capacity_bytes)
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        i = self._dev(device)
+        reserved, peak_reserved = self._reserved(i)
+        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
+        self._told(i, allocated=peak, reserved=peak_reserved, what="torch.cuda.memory_stats()")
+        return {
+            "allocated_bytes.all.current": self.rt.storages.live_bytes(i),
+            "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": reserved,
+            "reserved_bytes.all.peak": peak_reserved,
+            "active_bytes.all.current": self.rt.storages.live_bytes(i),
+            "requested_bytes.all.current": self.rt.storages.counters[i].live_requested,
+        }
+
+    def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
+        stats = self.memory_stats(device)
+        return "\n".join(f"{k}: {v}" for k, v in stats.items())
