@@ -178,7 +178,7 @@ def test_the_installed_classes_are_torchs_own(real: type, installed: type,
             assert ours is theirs, f"{installed.__name__}.{name} is not torch's"
     extra = {n for n in vars(installed) if not n.startswith("__")} - set(dir(real))
     # names of its own are dpprof's (the DataParallel re-enactment's helpers)
-    assert all(n in ("run", "_check_placement", "_ddp_forward") for n in extra), extra
+    assert all(n in ("run", "_check_placement", "as_ddp_rank") for n in extra), extra
 
 
 def test_an_instance_has_every_attribute_torchs_init_sets() -> None:

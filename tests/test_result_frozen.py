@@ -26,7 +26,7 @@ SOURCES = [p for d in ("profiler", "reports", "scenarios") for p in (ROOT / d).r
 # where dpprof writes an attribute of a frozen object of its own (not a result's), and why
 ALLOWED_BYPASSES = {
     # the allocator's settings parse themselves in __post_init__ (a frozen config)
-    ("profiler/emulator/allocator.py", "object.__setattr__"),
+    ("profiler/emulator/allocator_config.py", "object.__setattr__"),
     # torch's DDP and DataParallel subclasses keep dpprof's state beside torch's own
     ("profiler/script/wrappers.py", "object.__setattr__"),
     ("profiler/script/wrappers.py", "__dict__"),

@@ -270,7 +270,7 @@ def test_hugging_face_trainer_wraps_data_parallel_itself(
     assert written[shown + "model.safetensors"].replaced, sorted(written)
     assert written[shown + "model.safetensors"].emulated_values
     assert shown + "rng_state.pth" in written and not written[shown + "rng_state.pth"].replaced
-    assert result.seal is not None and result.seal.changed == []
+    assert result.seal is not None and result.seal.changed == ()
     assert capsys.readouterr().out.count("n_gpu 4 train batch 32") == 1
 
 
@@ -348,7 +348,7 @@ def test_a_save_into_a_file_the_script_opened_leaves_the_file_as_it_was(
     (w,) = [w for w in result.writes if w.path == "model.pt"]
     assert (w.kind, w.emulated_values, w.replaced) == ("file", True, existed)
     assert w.size_bytes > 0
-    assert result.seal is not None and result.seal.changed == []
+    assert result.seal is not None and result.seal.changed == ()
     # it ended by itself after its 14 backward passes, each a step (peaks from the second)
     assert s.notes[0].startswith(
         "the script ended after 14 backward pass(es); it makes no optimizer and updates its "
@@ -381,7 +381,7 @@ def test_a_file_the_script_writes_itself_goes_into_the_overlay(
                for w in result.writes}
     assert written[("log.bin", "file", True, False)] == 3
     assert ("host.pt", "file", False, False) in written
-    assert result.seal is not None and result.seal.changed == []
+    assert result.seal is not None and result.seal.changed == ()
 
 
 def test_a_whole_model_saved_on_a_gpu_is_loaded_onto_the_virtual_gpu(

@@ -118,7 +118,7 @@ def test_a_data_parallel_script_gets_the_ladder_on_its_ddp_alternative() -> None
     assert not Path("checkpoint.pt").exists()
     saved_by = {w.run for w in result.writes if w.path == "checkpoint.pt"}
     assert saved_by == {"as-written", "ddp", "loss-in-forward", "ladder-bf16"}
-    assert result.seal is not None and result.seal.changed == []
+    assert result.seal is not None and result.seal.changed == ()
 
 
 def test_a_script_already_under_autocast_gets_no_mixed_precision_rung(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.fixes.fix_registry import FIXES
-from dpprof.result import load
+from dpprof.saved_result import load
 from dpprof.script.strategy import Alternative
 from dpprof.script.strategy_registry import alternative_named, module_of, strategies
 

@@ -201,7 +201,7 @@ def test_every_write_program_leaves_the_folder_byte_identical(
         w.path.endswith(".final") or (finish == "none" and w.path.endswith("out.bin")))]
     assert len(final) == 1, (result.writes, text)
     assert final[0].emulated_values == from_gpu, (final[0], text)
-    assert result.seal is not None and result.seal.changed == []
+    assert result.seal is not None and result.seal.changed == ()
 
 
 @pytest.mark.parametrize("from_gpu", [True, False])
