@@ -86,15 +86,17 @@ def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
 
 def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
         batch_lines: tuple[int, ...] = (), rows: int = 0,
-        flags: tuple[str, ...] = ()) -> Rewrite:
+        flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = ()) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
     of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
-    DDP's further keyword arguments (``"broadcast_buffers=False"``), named in the title."""
+    DDP's further keyword arguments (``"broadcast_buffers=False"``), named in the title;
+    ``loader_sites``: ``file:line`` of the script's calls that made the DataLoaders whose
+    batch_size the DDP alternative divided (a library's loader factory's, where it used one)."""
     try:
         return _ddp(ScriptSource(source, path), dp_line, gpus,
                     (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
-                    batch_lines, rows)
+                    batch_lines, rows, loader_sites)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -144,7 +146,8 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 
 
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
-         batch_lines: tuple[int, ...] = (), scattered: int = 0) -> Rewrite:
+         batch_lines: tuple[int, ...] = (), scattered: int = 0,
+         loader_sites: tuple[str, ...] = ()) -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
@@ -179,6 +182,11 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
             edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
             notes.append(f"line {loader.lineno}: give each rank its share of the DataLoader by "
                          f"hand ({why})")
+    made = _share_made_loaders(src, edits, loader_sites, loaders, gpus, scattered)
+    for call in made:
+        at = src.statement(call).lineno
+        edits.insert_lines(at, [f"{src.indent(at)}# {_shard_comment(call)}"])
+        notes.append(f"line {call.lineno}: {_shard_note(call)}")
     add_imports(src, edits, ["os", "torch", "dist", "DDP",
                              *(["DistributedSampler"] if shared else [])], src.scope(wrap))
     line, indent = _init_line(src, wrap)
@@ -196,7 +204,7 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
             text = src.seg(node)
             edits.node(node, text.replace("cuda:0", "cuda"))
     divided = _divide_batches(src, edits, batch_lines, gpus, scattered)
-    if not loaders and not divided:
+    if not loaders and not made and not divided:
         edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share}"])
         notes.append("the script makes its batches without a DataLoader: give each rank its "
                      f"share (1/{gpus} of the batch) by hand")
@@ -255,14 +263,68 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
 
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
            batch_sites: tuple[str, ...] = (), rows: int = 0,
-           flags: tuple[str, ...] = ()) -> Rewrite:
-    """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches; ``rows``:
-    the batch DataParallel scattered)."""
+           flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = ()) -> Rewrite:
+    """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches and of the
+    calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered)."""
     try:
         path, line = site_of(dp_site)
         batch_lines = tuple(n for p, n in map(site_of, batch_sites) if p == path)
-        return ddp(read_source(path), path, line, gpus, bucket_view, batch_lines, rows, flags)
+        return ddp(read_source(path), path, line, gpus, bucket_view, batch_lines, rows, flags,
+                   loader_sites)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
 
+
+
+def _loader_call(src: ScriptSource, line: int) -> ast.Call | None:
+    """The call on ``line`` that made a DataLoader: of the calls that start there, the one
+    given a ``batch_size`` keyword, else the outermost (``make(build(ds), 8)``: ``make``)."""
+    starting = [c for c in calls_at(src, line) if c.lineno == line]
+    named = [c for c in starting if any(kw.arg == "batch_size" for kw in c.keywords)]
+    return (named or sorted(starting, key=lambda c: src.span(c)[0]))[0] if starting else None
+
+
+def _share_made_loaders(src: ScriptSource, edits: Edits, loader_sites: tuple[str, ...],
+                        loaders: list[ast.Call], gpus: int, scattered: int) -> list[ast.Call]:
+    """Each rank's share of the DataLoaders the script made through a call of its own that
+    is not ``DataLoader(...)`` (a library's factory, ``create_loader(ds, batch_size=B)``),
+    as the DDP alternative divided them at run time: that call's ``batch_size`` keyword
+    ``B`` -> ``B // gpus``; the calls edited. :class:`NoRewrite` where the alternative
+    divided a loader whose batch_size the diff cannot divide (the diff would promise a
+    per-rank peak the patched script does not have)."""
+    calls: list[ast.Call] = []
+    for site in loader_sites:
+        path, line = site_of(site)
+        where = f"{Path(path).name}:{line}"
+        if Path(path).resolve() != Path(src.path).resolve():
+            raise NoRewrite(f"the DataLoader made at {where} (a file other than the script) "
+                            f"is divided by the DDP alternative: give its batch_size // {gpus}"
+                            " there by hand")
+        call = _loader_call(src, line)
+        if call is None or call in loaders or call in calls:
+            continue  # a literal DataLoader(...): divided with its sampler above
+        rows = next((kw.value for kw in call.keywords if kw.arg == "batch_size"), None)
+        if rows is None:
+            callee = last_name(call.func) or "the call"
+            raise NoRewrite(f"line {line}: `{callee}(...)` makes the DataLoader the DDP "
+                            "alternative divided, and its batch size is not a `batch_size` "
+                            f"keyword the diff can divide: give it batch_size // {gpus} by hand")
+        edits.node(rows, _share(src, rows, gpus, scattered))
+        calls.append(call)
+    return calls
+
+
+def _shard_comment(call: ast.Call) -> str:
+    """The comment above a library's loader call whose batch_size the diff divided: the
+    sampler the diff cannot add through that call."""
+    return (f"DDP: {last_name(call.func) or 'this call'} makes the DataLoader, so no "
+            "DistributedSampler is added here: turn on its own distributed option (each rank "
+            "its own shard of the data)")
+
+
+def _shard_note(call: ast.Call) -> str:
+    """The fix's note for :func:`_shard_comment`'s call."""
+    return (f"`{last_name(call.func) or 'the call'}(...)` makes the DataLoader: its batch_size "
+            "is divided, but every rank still reads the whole dataset; give each rank its own "
+            "shard with the library's own distributed option (a DistributedSampler inside)")

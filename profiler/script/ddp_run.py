@@ -48,15 +48,16 @@ _LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_pa
 
 
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
-             batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> str:
+             batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = (),
+             loader_sites: tuple[str, ...] = ()) -> str:
     """The DDP change around the script's own DataParallel line (and each rank's share of
-    the batches it makes by hand, at ``batch_sites``; DDP's further keyword arguments,
-    ``flags``)."""
+    the batches it makes by hand, at ``batch_sites``, and of the DataLoaders the script's
+    calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``)."""
     if not run.dp_sites:
         return ""
     return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                                         batch_sites=batch_sites, rows=run.batch_rows,
-                                        flags=flags))
+                                        flags=flags, loader_sites=loader_sites))
 
 
 def _script_line(frame: Any) -> str | None:
@@ -66,6 +67,18 @@ def _script_line(frame: Any) -> str | None:
     if name.startswith("<") or in_dpprof(name) or name.startswith(_LIBRARY_DIRS):
         return None
     return f"{name}:{frame.f_lineno}"
+
+
+def script_site(frame: Any) -> str | None:
+    """``file:line`` of the innermost frame from ``frame`` outwards that is the script's
+    own code (:func:`_script_line`): the script's call that led to ``frame``, through any
+    library's functions (a loader factory's); None where no frame is the script's."""
+    while frame is not None:
+        site = _script_line(frame)
+        if site is not None:
+            return site
+        frame = frame.f_back
+    return None
 
 
 def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
@@ -164,6 +177,11 @@ class DdpInPlace(Alternative):
                 batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
                 state.batch_rows = state.batch_rows or batch_size
                 state.divided_loader = True
+                # the script's call that made this loader (a library's factory, where it
+                # used one): the diff divides that call's batch_size
+                site = script_site(sys._getframe(1))
+                if site is not None and site not in state.loader_sites:
+                    state.loader_sites.append(site)
             orig_init(loader, dataset, batch_size, *args, **kwargs)
 
         patcher.patch(DataLoader, "__init__", loader_init)
@@ -200,7 +218,8 @@ class DdpInPlace(Alternative):
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
                               diff_ddp(main, n, batch_sites=tuple(alt.batch_sites),
-                                       flags=self.flags))
+                                       flags=self.flags,
+                                       loader_sites=tuple(alt.loader_sites)))
         if fix is not None:
             runs.fixes.append(fix)
 

@@ -41,7 +41,8 @@ class BucketViewRun(RunStrategy):
                 "" if extra > 0 else " (the peak comes before the gradients all exist; "
                 "the gradient-sized copy is still saved later in the step)"),
             code=diff_ddp(main, runs.gpus, bucket_view=True,
-                          batch_sites=tuple(followed.batch_sites))))
+                          batch_sites=tuple(followed.batch_sites),
+                          loader_sites=tuple(followed.loader_sites))))
 
 
 STRATEGY = BucketViewRun(FIX)

@@ -161,6 +161,8 @@ class ScriptRun:
     # the DDP alternative: how each rank got its share of the batch ("": it did not)
     batch_division: str = ""
     batch_sites: list[str] = field(default_factory=list)  # "file:line" of hand-made batches
+    # "file:line" of the script's calls that made the DataLoaders the alternative divided
+    loader_sites: list[str] = field(default_factory=list)
     seconds: float = 0.0
     loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
     # loss-in-forward: loss site -> (callee, targets' batch tensor) of an expression
@@ -445,6 +447,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.loss_expressions = dict(log.loss_expressions)
     run.no_loss_forward = log.no_loss_forward
     run.batch_sites = [made.rpartition(" at ")[2] for made in state.divided_sites]
+    run.loader_sites = list(state.loader_sites)
     return used, ddp_devices
 
 

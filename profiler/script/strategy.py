@@ -49,6 +49,9 @@ class AlternativeState:
     # the script's lines whose hand-made batches were cut to it
     divided_loader: bool = False
     divided_sites: list[str] = field(default_factory=list)
+    # "file:line" of the script's own calls that made each DataLoader whose batch_size the
+    # alternative divided (a library's loader factory's call, where the script has one)
+    loader_sites: list[str] = field(default_factory=list)
 
 
 @dataclass
