@@ -188,17 +188,10 @@ NOT_A_DIFF = {
         "# no rewrite of the script's lines: `loss_fn` is not defined where the model is "
         "wrapped",
 }
-# timm's create_loader is not a DataLoader call the DDP rewrite divides: the diff leaves
-# batch_size as written (a comment asks for batch_size // 4), so each rank of the patched
-# script loads 8 rows where the DDP alternative measured 2 (peaks 15.4 MB against 10.1 MB
-# promised); the rewrite is the fix kinds' (profiler/script/rewrite.py), not changed here
-UNDIVIDED = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="the DDP diff leaves timm's create_loader's batch_size undivided")
-FRAMEWORK_CASES = [
-    pytest.param(script, fix, marks=[UNDIVIDED] if (script, fix) in {
-        ("timm_style_train.py", "ddp"),
-        ("timm_style_train.py", "gradient-as-bucket-view")} else [])
-    for script in FRAMEWORK_SCRIPTS for fix in DP_FIXES]
+# timm's create_loader makes its DataLoader: the DDP diff divides that call's batch_size
+# (where the DDP alternative divided the loader it made), so each rank of the patched
+# script loads the 2 rows the alternative measured, not 8
+FRAMEWORK_CASES = [(script, fix) for script in FRAMEWORK_SCRIPTS for fix in DP_FIXES]
 
 
 def framework_folder(folder: Path, script: str) -> Path:
@@ -247,6 +240,8 @@ def test_every_change_offered_for_a_framework_script_runs_as_promised(
     if (script, fix_name) in NOT_A_DIFF:  # said so, in place of a diff that would not apply
         assert code.startswith(NOT_A_DIFF[script, fix_name]) and "\n@@ " not in code, code
         return
+    # both scripts make DataLoaders (timm's style through create_loader): none is denied
+    assert "without a DataLoader" not in code, code
     fixed = framework_folder(tmp_path / "fixed", script)
     fixed.mkdir(exist_ok=True)
     check_the_change(script, FRAMEWORK_SCRIPTS[script], fixes[fix_name], fixed,

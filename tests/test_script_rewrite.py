@@ -238,6 +238,87 @@ def test_ddp_leaves_a_loader_with_its_own_sampler_to_the_user_and_says_so() -> N
         in new
 
 
+def loader_ddp(source: str, sites: list[tuple[str, str]]) -> rewrite.Rewrite:
+    """:func:`ddp` of ``source`` (as ``train.py``) told that the DDP alternative divided the
+    DataLoaders made by the calls on the lines holding each ``(file, text)`` of ``sites``."""
+    return ddp_diff.ddp(source, "train.py", line_of(source, "DataParallel("), 4,
+                        loader_sites=tuple(f"{f}:{line_of(source, t)}" for f, t in sites))
+
+
+def test_ddp_divides_the_batch_size_of_the_call_that_made_a_loader_through_a_library() -> None:
+    """A DataLoader the script made through a library's factory (no ``DataLoader(...)`` in
+    the script): the factory call's ``batch_size`` keyword is divided where the alternative
+    divided the loader it made, the call picked among those on its line (the one given a
+    batch_size), and a comment and a note say the sampler is the library's own option,
+    not that the script has no DataLoader."""
+    old = script("model = nn.DataParallel(Net())\n"
+                 "from loaders import build, make_loader\n"
+                 "data = list(range(8))\n"
+                 "train = make_loader(build(data), shuffle=True,\n"
+                 "                    batch_size=8)\n"
+                 "evaluate = make_loader(data, batch_size=len(data) + 1)\n")
+    rw = loader_ddp(old, [("train.py", "train = make_loader"),
+                          ("train.py", "evaluate = make_loader")])
+    new = checked(rw, old)
+    assert ("# DDP: make_loader makes the DataLoader: turn on its own distributed option (each "
+            "rank its own shard of the data)\n"
+            "train = make_loader(build(data), shuffle=True,\n"
+            "                    batch_size=8 // 4)\n") in new
+    assert "evaluate = make_loader(data, batch_size=(len(data) + 1) // 4)\n" in new
+    assert "DistributedSampler" not in new  # nothing to pass it to
+    assert [n.split(":")[0] for n in rw.notes] == [
+        f"line {line_of(old, 'train = make_loader')}",
+        f"line {line_of(old, 'evaluate = make_loader')}"], rw.notes
+    assert all("library's own distributed option" in n for n in rw.notes), rw.notes
+    assert not any("without a DataLoader" in n for n in rw.notes), rw.notes
+    # told nothing of the loaders (a run that divided none), the diff says what it said
+    told_nothing = ddp(old, "DataParallel(")
+    assert "batch_size=8 // 4" not in told_nothing.new_source
+    assert any("without a DataLoader" in n for n in told_nothing.notes)
+
+
+@pytest.mark.parametrize(("call", "why"), [
+    ("loader = make_loader(data, 8)\n", "is not a `batch_size` keyword"),
+    ("loader = make_loader(data, **options)\n", "is not a `batch_size` keyword"),
+])
+def test_ddp_gives_no_diff_where_it_cannot_divide_a_library_loaders_batch(
+        call: str, why: str) -> None:
+    """Where the call that made a divided DataLoader gives its batch size otherwise than by
+    keyword, no diff promises the alternative's per-rank peak: the reason says what to
+    change by hand."""
+    old = script("model = nn.DataParallel(Net())\n"
+                 "from loaders import make_loader\n"
+                 "data, options = list(range(8)), {'batch_size': 8}\n" + call)
+    rw = loader_ddp(old, [("train.py", "loader = make_loader")])
+    assert not rw.ok
+    assert rw.reason.startswith(f"line {line_of(old, 'loader = ')}: `make_loader(...)` makes "
+                                "the DataLoader"), rw.reason
+    assert why in rw.reason and "batch_size // 4 by hand" in rw.reason
+
+
+def test_ddp_gives_no_diff_where_the_loader_is_made_in_another_file() -> None:
+    old = script("model = nn.DataParallel(Net())\n"
+                 "from loaders import loader\n")
+    rw = ddp_diff.ddp(old, "train.py", line_of(old, "DataParallel("), 4,
+                      loader_sites=("/elsewhere/loaders.py:12",))
+    assert not rw.ok
+    assert rw.reason == ("the DataLoader made at loaders.py:12 (a file other than the script) "
+                         "is divided by the DDP alternative: give its batch_size // 4 there by "
+                         "hand"), rw.reason
+
+
+def test_ddp_divides_a_literal_loader_once_when_the_run_saw_it() -> None:
+    """A ``DataLoader(...)`` in the script, which the run recorded as the loader's site
+    too: divided once, with its sampler, as without the site."""
+    old = script("model = nn.DataParallel(Net())\n"
+                 "from torch.utils.data import DataLoader\n"
+                 "data = list(range(8))\n"
+                 "loader = DataLoader(data, batch_size=8)\n")
+    new = checked(loader_ddp(old, [("train.py", "loader = DataLoader")]), old)
+    assert new == checked(ddp(old, "DataParallel("), old)
+    assert "DataLoader(data, batch_size=8 // 4, sampler=DistributedSampler(data, " in new
+
+
 def test_ddp_takes_another_name_where_the_script_has_a_rank() -> None:
     old = script("rank = 0\nmodel = nn.DataParallel(Net())\n")
     new = checked(ddp(old, "DataParallel("), old)

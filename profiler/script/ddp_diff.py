@@ -318,9 +318,8 @@ def _share_made_loaders(src: ScriptSource, edits: Edits, loader_sites: tuple[str
 def _shard_comment(call: ast.Call) -> str:
     """The comment above a library's loader call whose batch_size the diff divided: the
     sampler the diff cannot add through that call."""
-    return (f"DDP: {last_name(call.func) or 'this call'} makes the DataLoader, so no "
-            "DistributedSampler is added here: turn on its own distributed option (each rank "
-            "its own shard of the data)")
+    return (f"DDP: {last_name(call.func) or 'this call'} makes the DataLoader: turn on its own "
+            "distributed option (each rank its own shard of the data)")
 
 
 def _shard_note(call: ast.Call) -> str:

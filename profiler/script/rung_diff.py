@@ -44,6 +44,8 @@ class RungSites:
     dp_line: int = 0  # 0: the rung ran on the script as written
     batch_lines: tuple[int, ...] = ()
     rows: int = 0  # the batch DataParallel scattered
+    # "file:line" of the script's calls that made the DataLoaders the alternative divided
+    loader_sites: tuple[str, ...] = ()
 
 
 def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
@@ -55,8 +57,10 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
     try:
         original = read_source(sites.path)
         text, notes = original, list[str]()
+        loader_lines = [int(n) for p, _, n in (s.rpartition(":") for s in sites.loader_sites)
+                        if p == sites.path and n.isdigit()]
         lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
-                                *sites.batch_lines) if k}
+                                *sites.batch_lines, *loader_lines) if k}
 
         def then(change: Rewrite, what: str) -> None:
             nonlocal text, lines
@@ -81,7 +85,10 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
         if sites.dp_line:
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
-                     rows=sites.rows),
+                     rows=sites.rows,
+                     loader_sites=tuple(f"{sites.path}:{at(n)}" if p == sites.path else s
+                                        for s in sites.loader_sites
+                                        for p, _, n in [s.rpartition(":")])),
                  "DDP")
         name = Path(sites.path).name
         diff = difflib.unified_diff(original.splitlines(), text.splitlines(),

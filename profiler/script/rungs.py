@@ -181,5 +181,5 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
                     if p == script and n.isdigit())
     return rung_changes(
         RungSites(script, forward, backward, dp[0] if dp else 0, batches,
-                          main.batch_rows if main is not None else 0),
+                  main.batch_rows if main is not None else 0, tuple(floor.loader_sites)),
         cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None)
