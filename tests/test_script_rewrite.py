@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.script import autocast_diff, ddp_diff, loss_in_forward_diff, rewrite
+from dpprof.script.rung_diff import RungSites, rung_changes
 from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command
 from dpprof.script.strategy_registry import alternative_named
@@ -317,6 +318,34 @@ def test_ddp_divides_a_literal_loader_once_when_the_run_saw_it() -> None:
     new = checked(loader_ddp(old, [("train.py", "loader = DataLoader")]), old)
     assert new == checked(ddp(old, "DataParallel("), old)
     assert "DataLoader(data, batch_size=8 // 4, sampler=DistributedSampler(data, " in new
+
+
+def test_a_rung_on_ddp_divides_a_library_loaders_batch_where_its_edits_moved_it(
+        tmp_path: Path) -> None:
+    """A bf16 rung on a DataParallel script's DDP alternative: the autocast edit moves the
+    loader factory's line down, and the DDP edit still divides that call's batch_size."""
+    old = script("def train(model, loader):\n"
+                 "    for x, y in loader:\n"
+                 "        out = model(x)\n"
+                 "        loss = out.sum()\n"
+                 "        loss.backward()\n"
+                 "\n"
+                 "\n"
+                 "from loaders import make_loader\n"
+                 "model = nn.DataParallel(Net())\n"
+                 "loader = make_loader(list(range(8)), batch_size=8)\n"
+                 "train(model, loader)\n")
+    path = tmp_path / "train.py"
+    path.write_text(old)
+    at = line_of(old, "loader = make_loader")
+    rw = rung_changes(RungSites(str(path), line_of(old, "out = model(x)"),
+                                line_of(old, "loss.backward()"), line_of(old, "DataParallel("),
+                                loader_sites=(f"{path}:{at}",)),
+                      4, "Bf16 autocast", "bfloat16", None)
+    new = checked(rw, old)
+    assert "loader = make_loader(list(range(8)), batch_size=8 // 4)\n" in new
+    assert 'with torch.autocast("cuda", dtype=torch.bfloat16)' in new
+    assert any("library's own distributed option" in n for n in rw.notes), rw.notes
 
 
 def test_ddp_takes_another_name_where_the_script_has_a_rank() -> None:

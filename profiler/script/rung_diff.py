@@ -76,6 +76,11 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
                 raise NoRewrite(f"line {line} was changed by the rung's other edits")
             return lines[line]
 
+        def moved_site(site: str) -> str:
+            """A loader's ``file:line`` in the script as the rung's other edits left it."""
+            path, _, num = site.rpartition(":")
+            return f"{path}:{at(int(num))}" if path == sites.path and num.isdigit() else site
+
         if blocks:
             then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
                  "activation checkpointing")
@@ -86,9 +91,7 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
                      rows=sites.rows,
-                     loader_sites=tuple(f"{sites.path}:{at(n)}" if p == sites.path else s
-                                        for s in sites.loader_sites
-                                        for p, _, n in [s.rpartition(":")])),
+                     loader_sites=tuple(map(moved_site, sites.loader_sites))),
                  "DDP")
         name = Path(sites.path).name
         diff = difflib.unified_diff(original.splitlines(), text.splitlines(),
