@@ -208,10 +208,6 @@ MAX_LINES = 600
 # The modules past MAX_LINES that hold one idea, each with the idea (reviewed: the idea is
 # what a reader finds in it, not a list of its parts).
 ONE_IDEA: dict[str, str] = {}
-# Today's long modules whose split is another branch's work; merged, each comes off this
-# list (the test below fails while a listed module is back under MAX_LINES).
-BEING_SPLIT_ELSEWHERE = "being split on another branch"
-BEING_SPLIT: dict[str, str] = {}
 
 
 def long_modules(repo: Path = REPO, limit: int = MAX_LINES) -> dict[str, int]:
@@ -274,10 +270,10 @@ def test_no_two_modules_share_a_file_name() -> None:
 
 
 def test_no_module_past_the_line_limit_holds_more_than_one_idea() -> None:
-    """A module past :data:`MAX_LINES` lines is listed with the one idea it holds (or as
-    being split elsewhere); any other is split into modules of one idea each."""
+    """A module past :data:`MAX_LINES` lines is listed with the one idea it holds; any other
+    is split into modules of one idea each."""
     unlisted = {path: lines for path, lines in long_modules().items()
-                if path not in ONE_IDEA and path not in BEING_SPLIT}
+                if path not in ONE_IDEA}
     assert not unlisted, (
         f"over {MAX_LINES} lines and not listed with its one idea: "
         + ", ".join(f"{path} ({lines} lines)" for path, lines in sorted(unlisted.items())))
@@ -287,9 +283,8 @@ def test_the_long_module_lists_name_only_long_modules() -> None:
     """A listed module that is gone or back under the limit comes off the list, so the list
     says what is long today."""
     long = long_modules()
-    stale = sorted((set(ONE_IDEA) | set(BEING_SPLIT)) - set(long))
+    stale = sorted(set(ONE_IDEA) - set(long))
     assert not stale, f"listed as over {MAX_LINES} lines but not (take them off): {stale}"
-    assert not set(ONE_IDEA) & set(BEING_SPLIT), "a module listed as one idea and being split"
     assert all(idea.strip() for idea in ONE_IDEA.values()), "a module listed without its idea"
 
 

@@ -69,13 +69,12 @@ def _with_prediction(emulated: ScenarioResult, s: ScenarioResult) -> ScenarioRes
     """The measured ``s`` with ``emulated``'s prediction: the step, and each used GPU's
     split by its place among the used GPUs (the measured ones carry their CUDA indices, a
     DDP rank its own row)."""
-    mine = [d for d in s.devices if d.used]
     theirs = [d for d in emulated.devices if d.used]
     devices = s.devices
-    if len(mine) == len(theirs):
-        busy = {id(d): dict(e.predicted_busy_s) for d, e in zip(mine, theirs, strict=True)}
-        devices = tuple(dataclasses.replace(d, predicted_busy_s=busy[id(d)]) if id(d) in busy
-                        else d for d in s.devices)
+    if sum(d.used for d in s.devices) == len(theirs):
+        split = iter(theirs)
+        devices = tuple(dataclasses.replace(d, predicted_busy_s=dict(next(split).predicted_busy_s))
+                        if d.used else d for d in s.devices)
     return dataclasses.replace(
         s, predicted_step_time_s=emulated.predicted_step_time_s,
         predicted_host_s=emulated.predicted_host_s,
