@@ -13,7 +13,7 @@ from dpprof.emulator.context import (
     cublaslt_workspace_size,
     device_context,
 )
-from dpprof.emulator.reserved import fill_gpu_overheads
+from dpprof.emulator.reserved import gpu_overheads
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -217,19 +217,19 @@ def test_context_overhead_rejects_bad_counts() -> None:
         context_overhead("not-a-gpu")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Dev:
-    """What fill_gpu_overheads reads and writes of a device's result."""
+    """What gpu_overheads reads of a device's result (frozen: it writes nothing)."""
 
     index: int
     used: bool = True
     rank: int | None = None
-    peak_reserved_bytes: int | None = None
-    workspace_bytes: int | None = None
-    context_bytes: int | None = None
-    context_breakdown_bytes: dict[str, int] = field(default_factory=dict)
     transient_bytes: dict[str, int] = field(default_factory=dict)
-    steady_peak_reserved_bytes: int | None = None
+
+
+def reserved_bytes(devs: list[Dev], log: object, ctx: object) -> list[int | None]:
+    return [None if f is None else f.peak_reserved_bytes
+            for f in gpu_overheads(devs, log, ctx)]  # type: ignore[arg-type]
 
 
 def test_an_allocation_on_a_side_stream_is_pooled_apart_in_a_devices_reserve() -> None:
@@ -246,9 +246,9 @@ def test_an_allocation_on_a_side_stream_is_pooled_apart_in_a_devices_reserve() -
         log.add(d, 10 * d + 1, -30 * mib, -30 * mib)
         log.add(d, 10 * d + 2, 30 * mib, 30 * mib)
     ctx = device_context((8, 0), uses_cudnn=False)
-    devs = [Dev(0), Dev(1)]
-    fill_gpu_overheads(devs, log, ctx)
-    assert devs[1].peak_reserved_bytes - devs[0].peak_reserved_bytes == 30 * mib
+    first, side = reserved_bytes([Dev(0), Dev(1)], log, ctx)
+    assert first is not None and side is not None
+    assert side - first == 30 * mib
 
 
 def test_devices_with_the_same_allocation_sequence_share_one_simulation(
@@ -286,15 +286,68 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     ctx = device_context((8, 0), uses_cudnn=False)
     monkeypatch.setattr(reserved, "simulate", counting)
     devs = [Dev(i) for i in range(6)]
-    fill_gpu_overheads(devs, log, ctx)
+    reserved = reserved_bytes(devs, log, ctx)
     assert len(calls) == 5  # {0, 1}, 2, 3, 4 and 5 (no events)
     workspaces = [("alloc", -1 - k, s) for k, s in enumerate(ctx.allocator_requests)]
-    for d in devs:
+    for d, got in zip(devs, reserved, strict=True):
         own = [("alloc", s, b) if b > 0 else ("free", s, 0) for s, b in seqs.get(d.index, [])]
-        assert d.peak_reserved_bytes == simulate(
+        assert got == simulate(
             workspaces + own, timeline_points=None, stop_on_oom=False).peak_reserved_bytes
     # the same figures from a plain list of events (no EventLog)
-    again = [Dev(i) for i in range(6)]
     calls.clear()
-    fill_gpu_overheads(again, list(log), ctx)
-    assert [d.peak_reserved_bytes for d in again] == [d.peak_reserved_bytes for d in devs]
+    assert reserved_bytes(devs, list(log), ctx) == reserved
+
+
+def test_the_overheads_make_new_results_and_leave_the_devices_given_as_they_were() -> None:
+    """The model returns its figures; the frozen results' adapter builds new results from
+    them: an unused device comes back as it was, a DDP rank's context counts its NCCL
+    communicator and another device's does not, and a device whose peak counts a transient
+    gets the reserve of its sequence with that storage freed where the steady state frees
+    it -- the reserve of a device that frees it there itself."""
+    import dataclasses
+
+    from dpprof.backends.emulated_figures import with_gpu_overheads
+    from dpprof.emulator.allocator_config import block_bytes
+    from dpprof.emulator.events import EventLog
+    from dpprof.result import DeviceResult
+
+    mib = 2**20
+    log = EventLog()
+
+    def add(device: int, serial: int, size: int) -> None:
+        log.add(device, serial, size, block_bytes(abs(size)) * (1 if size > 0 else -1))
+
+    # device 0 keeps storage 1 (the transient) to the end; device 1 frees it where the
+    # steady state does, before storage 3 is allocated
+    add(0, 1, 40 * mib)
+    add(0, 2, 20 * mib)
+    steady_free = len(log)
+    add(0, 3, 40 * mib)
+    add(0, 1, -40 * mib)
+    add(1, 11, 40 * mib)
+    add(1, 12, 20 * mib)
+    add(1, 11, -40 * mib)
+    add(1, 13, 40 * mib)
+    ctx = dataclasses.replace(device_context((8, 0), uses_cudnn=False), nccl_bytes=64 * mib)
+    devices = (
+        DeviceResult(index=0, transient_bytes={"warm_up": 40 * mib}),
+        DeviceResult(index=1, rank=1),
+        DeviceResult(index=2, used=False),
+    )
+    given = dataclasses.replace(devices[0]), dataclasses.replace(devices[1])
+    out = with_gpu_overheads(devices, log, ctx, transients={1: (steady_free, "warm_up")})
+    assert devices[:2] == given
+    assert out[2] is devices[2]
+    transient, rank, _ = out
+    assert transient.peak_reserved_bytes is not None and rank.peak_reserved_bytes is not None
+    assert transient.steady_peak_reserved_bytes == rank.peak_reserved_bytes
+    assert transient.steady_peak_reserved_bytes < transient.peak_reserved_bytes
+    assert rank.steady_peak_reserved_bytes is None  # no transient at its peak
+    assert "nccl" not in transient.context_breakdown_bytes
+    assert rank.context_breakdown_bytes["nccl"] == 64 * mib
+    assert rank.context_bytes == sum(rank.context_breakdown_bytes.values())
+    assert transient.context_bytes == sum(transient.context_breakdown_bytes.values())
+    assert transient.workspace_bytes == rank.workspace_bytes == sum(ctx.allocator_requests)
+    # nccl=True: every used device holds a communicator
+    told = with_gpu_overheads(devices, log, ctx, nccl=True)
+    assert told[0].context_breakdown_bytes["nccl"] == 64 * mib

@@ -30,7 +30,7 @@ class EmulationConfig:
     # BalancedDataParallel: rows per device at the batch (a micro-batch in proportion)
     dp_chunk_sizes: tuple[int, ...] | None = None
     # Over CPU tensors (compute): also simulate reserved memory and the context, as over meta
-    # (dpprof.emulator.reserved.fill_gpu_overheads), and count them in the out-of-memory check.
+    # (dpprof.emulator.reserved.gpu_overheads), and count them in the out-of-memory check.
     count_reserved: bool = False
     # The run stands for one rank of a process group over NCCL beside DDP's (FSDP2's
     # fully_shard): its context counts NCCL's memory, as a DDP rank's does.

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -17,7 +15,7 @@ from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
-from dpprof.emulator.reserved import AllocationEvent, fill_gpu_overheads
+from dpprof.emulator.reserved import AllocationEvent, gpu_overheads
 from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario
@@ -61,36 +59,24 @@ def judge(result: ScenarioResult, cfg: EmulationConfig) -> ScenarioResult:
             f" at its peak ({worst.peak_phase}), has {fmt_bytes(cfg.gpu_memory_bytes)}"))
 
 
-@dataclass
-class GpuOverheads:
-    """What :func:`~dpprof.emulator.reserved.fill_gpu_overheads` fills in for one device
-    (its :class:`~dpprof.emulator.reserved.DeviceFigures`), before the device's frozen
-    result takes it (:func:`with_gpu_overheads`)."""
-
-    index: int
-    used: bool
-    rank: int | None
-    peak_reserved_bytes: int | None
-    transient_bytes: dict[str, int]
-    steady_peak_reserved_bytes: int | None
-    workspace_bytes: int | None
-    context_bytes: int | None
-    context_breakdown_bytes: dict[str, int]
-
-
 def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[AllocationEvent],
-                       ctx: ContextModel, **options: Any) -> tuple[DeviceResult, ...]:
-    """``devices`` with the caching allocator's reserve and the context each holds
-    (:func:`~dpprof.emulator.reserved.fill_gpu_overheads`, with its ``options``)."""
-    figures = [GpuOverheads(
-        index=d.index, used=d.used, rank=d.rank, peak_reserved_bytes=d.peak_reserved_bytes,
-        transient_bytes=dict(d.transient_bytes),
-        steady_peak_reserved_bytes=d.steady_peak_reserved_bytes,
-        workspace_bytes=d.workspace_bytes, context_bytes=d.context_bytes,
-        context_breakdown_bytes=dict(d.context_breakdown_bytes)) for d in devices]
-    fill_gpu_overheads(figures, events, ctx, **options)
-    return tuple(dataclasses.replace(d, **{
-        k: v for k, v in dataclasses.asdict(f).items() if k not in ("index", "used", "rank")})
+                       ctx: ContextModel,
+                       source: Callable[[DeviceResult], int] | None = None,
+                       nccl: bool | None = None,
+                       blas_first: Mapping[tuple[int, str], int] | None = None,
+                       transients: Mapping[int, tuple[int, str]] | None = None,
+                       ) -> tuple[DeviceResult, ...]:
+    """``devices`` with the caching allocator's reserve and the context each used one holds
+    (:func:`~dpprof.emulator.reserved.gpu_overheads`, with these options); an unused device
+    as it was."""
+    figures = gpu_overheads(devices, events, ctx, source=source, nccl=nccl,
+                            blas_first=blas_first, transients=transients)
+    return tuple(d if f is None else dataclasses.replace(
+        d, peak_reserved_bytes=f.peak_reserved_bytes, workspace_bytes=f.workspace_bytes,
+        context_bytes=f.context_bytes, context_breakdown_bytes=dict(f.context_breakdown_bytes),
+        steady_peak_reserved_bytes=(d.steady_peak_reserved_bytes
+                                    if f.steady_peak_reserved_bytes is None
+                                    else f.steady_peak_reserved_bytes))
         for d, f in zip(devices, figures, strict=True))
 
 

@@ -8,7 +8,8 @@ allocation sequence, the long-lived cuBLAS workspaces first, and the context bes
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -17,7 +18,8 @@ from dpprof.emulator.context import ContextModel
 from dpprof.emulator.events import EventLog
 from dpprof.emulator.virtual_devices import BLAS_BACKWARD, BLAS_FORWARD, BLAS_LT
 
-__all__ = ["AllocationEvent", "DeviceFigures", "fill_gpu_overheads", "workspace_inserts"]
+__all__ = ["AllocationEvent", "GpuOverheads", "ModelledDevice", "gpu_overheads",
+           "workspace_inserts"]
 
 
 class AllocationEvent(Protocol):
@@ -33,26 +35,49 @@ class AllocationEvent(Protocol):
     def requested(self) -> int: ...  # > 0: an allocation of that size, < 0: a free
 
 
-class DeviceFigures(Protocol):
-    index: int
-    used: bool
-    rank: int | None  # DDP: the rank, else None
-    peak_reserved_bytes: int | None
-    transient_bytes: dict[str, int]  # a warm-up's blocks alive at the peak, by kind
+class ModelledDevice(Protocol):
+    """What the model reads of a device's result (``dpprof.result.DeviceResult``)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def used(self) -> bool: ...
+
+    @property
+    def rank(self) -> int | None: ...  # DDP: the rank, else None
+
+    @property
+    def transient_bytes(self) -> Mapping[str, int]: ...  # a warm-up's blocks alive at the peak
+
+
+@dataclass(frozen=True)
+class GpuOverheads:
+    """One used device's memory outside its tensors, as the model figures it."""
+
+    peak_reserved_bytes: int  # the caching allocator's reserve, the workspaces included
+    workspace_bytes: int  # the library workspaces the allocator serves (in the reserve)
+    context_bytes: int  # outside the allocator: the CUDA context, libraries, NCCL
+    # context_bytes by component, in the context model's order
+    context_breakdown_bytes: tuple[tuple[str, int], ...]
+    # the reserve once the transients are freed where the steady state frees them (None:
+    # no transient at the device's peak, or none given)
     steady_peak_reserved_bytes: int | None
-    workspace_bytes: int | None
-    context_bytes: int | None
-    context_breakdown_bytes: dict[str, int]
 
 
-def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[AllocationEvent],
-                       ctx: ContextModel,
-                       source: Callable[[DeviceFigures], int] | None = None,
-                       nccl: bool | None = None,
-                       blas_first: Mapping[tuple[int, str], int] | None = None,
-                       transients: Mapping[int, tuple[int, str]] | None = None) -> None:
-    """Per used device: the caching allocator's reserve (a simulation of its pools over the
-    device's allocation sequence, cuBLAS workspaces included) and the context.
+Device = TypeVar("Device", bound=ModelledDevice)
+
+
+def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
+                  ctx: ContextModel,
+                  source: Callable[[Device], int] | None = None,
+                  nccl: bool | None = None,
+                  blas_first: Mapping[tuple[int, str], int] | None = None,
+                  transients: Mapping[int, tuple[int, str]] | None = None,
+                  ) -> list[GpuOverheads | None]:
+    """Per device, in order, its :class:`GpuOverheads` (None: an unused device): the
+    caching allocator's reserve (a simulation of its pools over the device's allocation
+    sequence, cuBLAS workspaces included) and the context.
 
     ``source``: the event log's device whose sequence a result's device stands for
     (default: its index; DDP ranks: rank 0's device; a mirror: the device it mirrors).
@@ -70,8 +95,12 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
     simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
     steady: dict[int, int] = {}  # source device -> its steady state's reserve
     keys: dict[int, Any] = {}
+    library = tuple((k, v) for k, v in ctx.components().items()
+                    if v and k in ("cuda_context", "cudnn_library"))
+    out: list[GpuOverheads | None] = []
     for d in devices:
         if not d.used:
+            out.append(None)
             continue
         src = source(d) if source is not None else d.index
         key = keys.get(src)
@@ -82,20 +111,23 @@ def fill_gpu_overheads(devices: Sequence[DeviceFigures], events: Iterable[Alloca
         if stats is None:
             stats = simulated[key] = simulate(sequences.sequence(src, inserts),
                                               timeline_points=None, stop_on_oom=False)
-        d.peak_reserved_bytes = stats.peak_reserved_bytes
+        steady_reserved = None
         if d.transient_bytes and transients:
             if src not in steady:
                 moved = sequences.sequence(src, inserts, frees_at=transients)
                 steady[src] = simulate(moved, timeline_points=None,
                                        stop_on_oom=False).peak_reserved_bytes
-            d.steady_peak_reserved_bytes = steady[src]
-        d.workspace_bytes = ctx.workspace_bytes
-        d.context_bytes = ctx.outside_allocator_bytes
-        d.context_breakdown_bytes = {k: v for k, v in ctx.components().items()
-                                     if v and k in ("cuda_context", "cudnn_library")}
-        if (d.rank is not None if nccl is None else nccl) and ctx.nccl_bytes:
-            d.context_bytes += ctx.nccl_bytes
-            d.context_breakdown_bytes["nccl"] = ctx.nccl_bytes
+            steady_reserved = steady[src]
+        # a DDP rank (or as told) holds an NCCL communicator, where the model gives it bytes
+        communicator = (d.rank is not None if nccl is None else nccl) and ctx.nccl_bytes > 0
+        out.append(GpuOverheads(
+            peak_reserved_bytes=stats.peak_reserved_bytes,
+            workspace_bytes=ctx.workspace_bytes,
+            context_bytes=ctx.outside_allocator_bytes + (ctx.nccl_bytes if communicator else 0),
+            context_breakdown_bytes=(
+                (*library, ("nccl", ctx.nccl_bytes)) if communicator else library),
+            steady_peak_reserved_bytes=steady_reserved))
+    return out
 
 
 def workspace_inserts(ctx: ContextModel, device: int,

@@ -3,7 +3,7 @@
 What must fit on a device is its total: peak *reserved* memory (the caching allocator's
 segments, simulated over the emulated step's allocation events by
 :func:`dpprof.emulator.allocator.simulate`) plus the CUDA context and library workspaces
-(:func:`dpprof.emulator.reserved.fill_gpu_overheads`, the one model of both, for the target
+(:func:`dpprof.emulator.reserved.gpu_overheads`, the one model of both, for the target
 GPU's compute capability and the workload's cuDNN use).
 
 The search is over multiples of ``multiple_of``. Meta emulation costs the same at any batch,

@@ -34,7 +34,6 @@ from dpprof.emulator.emulated_autocast import CudaAutocastNames
 from dpprof.emulator.kernels import GpuKernels
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.reserved import DeviceFigures
 from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
@@ -584,11 +583,11 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
 def _overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
                local_rank: int) -> tuple[DeviceResult, ...]:
     """``devices`` with reserved and the CUDA context per used device: the emulator's one
-    model (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's
+    model (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's
     allocations."""
     ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
 
-    def source(d: DeviceFigures) -> int:
+    def source(d: DeviceResult) -> int:
         if d.rank is None:
             return vc.visible[d.index]
         # a DDP rank: the device that ran it stands for every rank
