@@ -44,15 +44,25 @@ __all__ = ["HOST", "VirtualDeviceError", "VirtualDevices", "subclass_in"]
 
 aten = torch.ops.aten
 
-# Ops that legitimately read one device and write another (a copy between GPUs).
-_CROSS_DEVICE_OK = {
+# Ops that legitimately read one device and write another (a copy between GPUs), by their
+# keys (dpprof.emulator.identity: an op's own hash is a Python call, and id() an audit
+# event; the op log asks for every op)
+_CROSS_DEVICE_KEYS = frozenset(map(op_key, (
     aten.copy_.default,
     aten._to_copy.default,
     aten.copy.default,
-}
-# the same by identity (an op's hash is a Python call; the op log asks for every op)
-_CROSS_DEVICE_OK_IDS = frozenset(id(op) for op in _CROSS_DEVICE_OK)
+)))
 _NO_SOURCES: frozenset[int] = frozenset()
+
+
+def _check_cross_device(func: Any, devices: Collection[int]) -> None:
+    """Inputs on two devices are an error, as on GPUs, unless ``func`` copies between them."""
+    if op_key(func) not in _CROSS_DEVICE_KEYS:
+        a, b = sorted(devices)[:2]
+        raise VirtualDeviceError(
+            "Expected all tensors to be on the same device, but found at least two "
+            f"devices, cuda:{a} and cuda:{b}! (while running {func})"
+        )
 
 
 class VirtualDevices(TorchDispatchMode):
@@ -211,12 +221,8 @@ class VirtualDevices(TorchDispatchMode):
                 kwargs = {**kwargs, "device": real}
         # storages made outside the mode (a view of one is no new one)
         devices, saw_host, outside = self.storages.inputs_where(args, kwargs)
-        if len(devices) > 1 and not self._state.allow_cross and func not in _CROSS_DEVICE_OK:
-            a, b = sorted(devices)[:2]
-            raise VirtualDeviceError(
-                "Expected all tensors to be on the same device, but found at least two "
-                f"devices, cuda:{a} and cuda:{b}! (while running {func})"
-            )
+        if len(devices) > 1 and not self._state.allow_cross:
+            _check_cross_device(func, devices)
         if self._meta and op_key(func) in _INDEX_RULE_KEYS:  # the meta kernels take other dtypes
             args = as_on_cuda(func, args)
         try:
@@ -247,7 +253,7 @@ class VirtualDevices(TorchDispatchMode):
             # a copy between devices: a copy op, or any op placed on another device (the
             # emulated .to(device) clones onto its target)
             state = self._state
-            moves = state.forced is not None or id(func) in _CROSS_DEVICE_OK_IDS
+            moves = state.forced is not None or op_key(func) in _CROSS_DEVICE_KEYS
             sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
             log.record(func, args, kwargs, out, target, sources, state.phase,
                        self.mirrors.mirrors_of(target))
@@ -273,12 +279,8 @@ class VirtualDevices(TorchDispatchMode):
         # the host's storages among the inputs (a view of one is no new one)
         devices, saw_host, outside = self.storages.inputs_where(args, kwargs)
         state = self._state
-        if len(devices) > 1 and not state.allow_cross and func not in _CROSS_DEVICE_OK:
-            a, b = sorted(devices)[:2]
-            raise VirtualDeviceError(
-                "Expected all tensors to be on the same device, but found at least two "
-                f"devices, cuda:{a} and cuda:{b}! (while running {func})"
-            )
+        if len(devices) > 1 and not state.allow_cross:
+            _check_cross_device(func, devices)
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # the innermost op is the one that failed: name it
