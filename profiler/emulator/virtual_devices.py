@@ -55,14 +55,13 @@ _CROSS_DEVICE_KEYS = frozenset(map(op_key, (
 _NO_SOURCES: frozenset[int] = frozenset()
 
 
-def _check_cross_device(func: Any, devices: Collection[int]) -> None:
-    """Inputs on two devices are an error, as on GPUs, unless ``func`` copies between them."""
-    if op_key(func) not in _CROSS_DEVICE_KEYS:
-        a, b = sorted(devices)[:2]
-        raise VirtualDeviceError(
-            "Expected all tensors to be on the same device, but found at least two "
-            f"devices, cuda:{a} and cuda:{b}! (while running {func})"
-        )
+def _two_devices(func: Any, devices: Collection[int]) -> VirtualDeviceError:
+    """The error of an op (not a copy) given inputs on two devices, as on GPUs."""
+    a, b = sorted(devices)[:2]
+    return VirtualDeviceError(
+        "Expected all tensors to be on the same device, but found at least two "
+        f"devices, cuda:{a} and cuda:{b}! (while running {func})"
+    )
 
 
 class VirtualDevices(TorchDispatchMode):
@@ -221,9 +220,10 @@ class VirtualDevices(TorchDispatchMode):
                 kwargs = {**kwargs, "device": real}
         # storages made outside the mode (a view of one is no new one)
         devices, saw_host, outside = self.storages.inputs_where(args, kwargs)
-        if len(devices) > 1 and not self._state.allow_cross:
-            _check_cross_device(func, devices)
-        if self._meta and op_key(func) in _INDEX_RULE_KEYS:  # the meta kernels take other dtypes
+        key = op_key(func)
+        if len(devices) > 1 and not self._state.allow_cross and key not in _CROSS_DEVICE_KEYS:
+            raise _two_devices(func, devices)
+        if self._meta and key in _INDEX_RULE_KEYS:  # the meta kernels take other dtypes
             args = as_on_cuda(func, args)
         try:
             out = self.memo.run(func, args, kwargs) if self._meta else func(*args, **kwargs)
@@ -253,7 +253,7 @@ class VirtualDevices(TorchDispatchMode):
             # a copy between devices: a copy op, or any op placed on another device (the
             # emulated .to(device) clones onto its target)
             state = self._state
-            moves = state.forced is not None or op_key(func) in _CROSS_DEVICE_KEYS
+            moves = state.forced is not None or key in _CROSS_DEVICE_KEYS
             sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
             log.record(func, args, kwargs, out, target, sources, state.phase,
                        self.mirrors.mirrors_of(target))
@@ -279,8 +279,8 @@ class VirtualDevices(TorchDispatchMode):
         # the host's storages among the inputs (a view of one is no new one)
         devices, saw_host, outside = self.storages.inputs_where(args, kwargs)
         state = self._state
-        if len(devices) > 1 and not state.allow_cross:
-            _check_cross_device(func, devices)
+        if len(devices) > 1 and not state.allow_cross and op_key(func) not in _CROSS_DEVICE_KEYS:
+            raise _two_devices(func, devices)
         try:
             out = func(*args, **kwargs)
         except Exception as e:  # the innermost op is the one that failed: name it
