@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pytest
 
 from dpprof.emulator.catalog import GPUS, GpuSpec, known_gpus, lookup_gpu
 from dpprof.emulator.context import (
+    ContextModel,
     context_overhead,
     cublas_workspace_size,
     cublaslt_workspace_size,
     device_context,
 )
-from dpprof.emulator.reserved import gpu_overheads
+from dpprof.emulator.reserved import AllocationEvent, gpu_overheads
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -227,9 +229,10 @@ class Dev:
     transient_bytes: dict[str, int] = field(default_factory=dict)
 
 
-def reserved_bytes(devs: list[Dev], log: object, ctx: object) -> list[int | None]:
-    return [None if f is None else f.peak_reserved_bytes
-            for f in gpu_overheads(devs, log, ctx)]  # type: ignore[arg-type]
+def reserved_bytes(devs: list[Dev], log: Iterable[AllocationEvent],
+                   ctx: ContextModel) -> list[int | None]:
+    """Each device's simulated reserve (None: unused)."""
+    return [None if f is None else f.peak_reserved_bytes for f in gpu_overheads(devs, log, ctx)]
 
 
 def test_an_allocation_on_a_side_stream_is_pooled_apart_in_a_devices_reserve() -> None:
@@ -286,16 +289,16 @@ def test_devices_with_the_same_allocation_sequence_share_one_simulation(
     ctx = device_context((8, 0), uses_cudnn=False)
     monkeypatch.setattr(reserved, "simulate", counting)
     devs = [Dev(i) for i in range(6)]
-    reserved = reserved_bytes(devs, log, ctx)
+    got = reserved_bytes(devs, log, ctx)
     assert len(calls) == 5  # {0, 1}, 2, 3, 4 and 5 (no events)
     workspaces = [("alloc", -1 - k, s) for k, s in enumerate(ctx.allocator_requests)]
-    for d, got in zip(devs, reserved, strict=True):
-        own = [("alloc", s, b) if b > 0 else ("free", s, 0) for s, b in seqs.get(d.index, [])]
-        assert got == simulate(
+    for dev, bytes_ in zip(devs, got, strict=True):
+        own = [("alloc", s, b) if b > 0 else ("free", s, 0) for s, b in seqs.get(dev.index, [])]
+        assert bytes_ == simulate(
             workspaces + own, timeline_points=None, stop_on_oom=False).peak_reserved_bytes
     # the same figures from a plain list of events (no EventLog)
     calls.clear()
-    assert reserved_bytes(devs, list(log), ctx) == reserved
+    assert reserved_bytes(devs, list(log), ctx) == got
 
 
 def test_the_overheads_make_new_results_and_leave_the_devices_given_as_they_were() -> None:
