@@ -340,8 +340,12 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool, *,
     ``dpprof check --save-calibration`` measured on a GPU of this compute capability
     (:mod:`dpprof.emulator.calibration`), else what was measured on an H100 (above), else the
     cited figures. A rank of a process group over NCCL (``world_size`` ranks,
-    ``gpus_per_node`` to a node, joined by ``link``, ``nccl_env`` the environment its
-    ``NCCL_*`` settings come from) adds NCCL's memory (``nccl_bytes``)."""
+    ``gpus_per_node`` to a node, else the environment's ``LOCAL_WORLD_SIZE``, else all on one,
+    joined by ``link``, ``nccl_env`` the environment its ``NCCL_*`` settings come from) adds
+    NCCL's memory (``nccl_bytes``)."""
+    local = (nccl_env or {}).get("LOCAL_WORLD_SIZE", "")
+    if gpus_per_node is None and local.isdigit():
+        gpus_per_node = int(local)
     cc = (int(compute_capability[0]), int(compute_capability[1]))
     found = calibration.load(cc)
     common: dict[str, Any] = {"uses_cudnn": uses_cudnn, "cublas_handles": CUBLAS_HANDLES_PER_DEVICE,
@@ -379,7 +383,7 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool, *,
              f"cuBLASLt workspace: {model.cublaslt_workspace_bytes:,} B on the forward's handle "
              "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
              f"{_MEASURED_ON}" for a in notes]
-    nccl = nccl_rank_memory(world_size, compute_capability=cc, link=link,
+    nccl = nccl_rank_memory(max(world_size, 1), compute_capability=cc, link=link,
                             gpus_per_node=gpus_per_node,
                             settings=NcclSettings.from_env(nccl_env or {}))
     notes.append(

@@ -584,16 +584,11 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
 
 def _overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
                local_rank: int, world_size: int = 1) -> tuple[DeviceResult, ...]:
-    """``devices`` with reserved and the CUDA context per used device: the emulator's one
-    model (:func:`dpprof.emulator.reserved.fill_gpu_overheads`) over the script's
-    allocations; a rank's NCCL at the script's world size, with the NCCL_* settings of the
-    environment the script runs in (dpprof's, and its launcher's)."""
-    env = {**os.environ, **cfg.launch.env}
-    per_node = env.get("LOCAL_WORLD_SIZE", "")
-    ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution,
-                         world_size=max(world_size, 1), link=link_of(cfg.gpu, cfg.interconnect),
-                         gpus_per_node=int(per_node) if per_node.isdigit() else None,
-                         nccl_env=env)
+    """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
+    script's environment) per used device: :func:`dpprof.emulator.reserved.fill_gpu_overheads`."""
+    ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
+                         link=link_of(cfg.gpu, cfg.interconnect),
+                         nccl_env={**os.environ, **cfg.launch.env})
 
     def source(d: DeviceFigures) -> int:
         if d.rank is None:
