@@ -91,9 +91,9 @@ def _int_env(env: Mapping[str, str], name: str, problems: list[str]) -> int | No
     text = env.get(name, "").strip()
     if not text:
         return None
+    octal = len(text) > 1 and text[0] == "0" and text.isdigit()  # Python's base 0 refuses it
     try:
-        return int(text, 0) if not (len(text) > 1 and text[0] == "0" and text.isdigit()) \
-            else int(text, 8)
+        return int(text, 8) if octal else int(text, 0)
     except ValueError:
         problems.append(f"{name}={text!r} is not a number NCCL reads (NCCL's strtoll takes 0 "
                         "from it); left out here: unset it or give a count or bytes")
