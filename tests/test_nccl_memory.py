@@ -199,3 +199,13 @@ def test_a_ddp_ranks_context_counts_nccl_at_the_runs_world_size(
     assert any("NCCL_MAX_NCHANNELS=2" in a for a in capped.assumptions)
     ctx = device_context(H100, False, world_size=8, link="pcie")
     assert ctx.nccl_bytes < eight.nccl_bytes  # PCIe: fewer channels, no NVLS
+
+
+def test_the_launchers_local_world_size_splits_the_ranks_into_nodes() -> None:
+    """torchrun's LOCAL_WORLD_SIZE in the script's environment: 16 ranks, 8 a node, cross
+    the network; without it they are taken as one node's."""
+    two_nodes = device_context(H100, False, world_size=16, nccl_env={"LOCAL_WORLD_SIZE": "8"})
+    one_node = device_context(H100, False, world_size=16, nccl_env={})
+    assert any("2 nodes" in a for a in two_nodes.assumptions)
+    assert not any("2 nodes" in a for a in one_node.assumptions)
+    assert two_nodes.nccl_bytes != one_node.nccl_bytes
