@@ -18,7 +18,8 @@ record to ``$OUT/measure.json`` as soon as it ends, so a run cut short keeps wha
   (torch's default) and on.
 * ``rank-W``: a fresh DDP rank (NCCL, world 1) of workload W: the process's NVML used memory,
   the device's, and the allocator's reserved at each stage (context, cuBLAS, cuDNN, the
-  process group, the DDP model, each step); then each step's peak over six steps, float32
+  process group, the DDP model, each step; NCCL's channels and device allocations as its
+  NCCL_DEBUG=INFO log gives them); then each step's peak over six steps, float32
   and bfloat16 autocast, without a pause and with 0.3 s between steps (the first
   iteration's buckets kept until ProcessGroupNCCL's watchdog reaps the all-reduce).
 * ``segments-W-RUNG``: a ladder rung (``scripts/gpu_ladder.py``) with the caching allocator's
@@ -448,6 +449,23 @@ def _nvml_reader() -> Callable[[], dict[str, int | None]]:
     return read
 
 
+def _nccl_log(text: str) -> dict[str, Any]:
+    """What NCCL_DEBUG=INFO (INIT, ALLOC) printed that sizes its memory on the GPU: its
+    channels, and every device allocation as asked (cuMem rounds each up to 2 MiB), for
+    dpprof.emulator.nccl_memory's fixed part."""
+    import re
+
+    channels = re.findall(r"(\d+) coll channels, (?:\d+ collnet channels, )?(\d+) nvls channels",
+                          text)
+    sizes = [int(n) for n in re.findall(
+        r"(?:Cuda Alloc Size|Allocated shareable buffer \S+ size) (\d+)", text)]
+    return {"coll_channels": int(channels[-1][0]) if channels else None,
+            "nvls_channels": int(channels[-1][1]) if channels else None,
+            "device_allocations": len(sizes), "device_allocated_bytes": sum(sizes),
+            "lines": [line for line in text.splitlines()
+                      if "channels" in line or "Alloc Size" in line][:400]}
+
+
 def rank(workload: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -483,6 +501,11 @@ def rank(workload: str) -> dict[str, Any]:
         torch.nn.functional.conv2d(x, torch.randn(8, 3, 3, 3, device=dev)).sum().backward()
         stage("cudnn")
     backend = "gloo" if DRY else "nccl"
+    # NCCL's own account of its channels and device allocations (read at its init)
+    nccl_log = OUT / f"nccl-{workload}-{os.getpid()}.log"
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,ALLOC")
+    os.environ.setdefault("NCCL_DEBUG_FILE", str(nccl_log))
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             device_id=None if DRY else dev)
     t = torch.ones(1 << 20, device=dev)
@@ -490,6 +513,8 @@ def rank(workload: str) -> dict[str, Any]:
     stage("process_group")
     out: dict[str, Any] = {"workload": workload, "uses_conv": uses_conv, "stages": stages,
                            "runs": []}
+    if nccl_log.exists():
+        out["nccl"] = _nccl_log(nccl_log.read_text(errors="replace"))
     rows = 16 if workload in ("lm", "attention", "classifier") else 64
     if DRY:
         rows = 2

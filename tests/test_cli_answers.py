@@ -93,7 +93,7 @@ def test_compare_shows_the_answers_in_every_format(tmp_path: Path) -> None:
     js, page = tmp_path / "r.json", tmp_path / "r.html"
     (tmp_path / "tiny.py").write_text(TINY)
     r = runner.invoke(app, ["compare", "-w", f"{tmp_path / 'tiny.py'}:workload", "-b", "8", "-g", "2", "--gpu-memory",
-                            "1GiB", "--maxbatch", "--multiple-of", "2", "--compute",
+                            "2GiB", "--maxbatch", "--multiple-of", "2", "--compute",
                             "-o", str(js), "-o", str(page)])
     assert r.exit_code == 0, r.output
     assert "why cuda:0 is heavier under dp-loss-primary" in r.stdout

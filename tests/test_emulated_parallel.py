@@ -113,7 +113,7 @@ def _tiny() -> Workload:
 
 def _devices(name: str, compute: bool = False, **extra: object) -> list[DeviceResult]:
     r = run_scenario(name, _tiny(), EmulationConfig(
-        gpus=2, gpu_memory_bytes=2**30, compute=compute,
+        gpus=2, gpu_memory_bytes=2**31, compute=compute,
         step=StepConfig(batch=4), **extra,  # type: ignore[arg-type]
     ))
     assert r.status == "ok", r.message
@@ -167,7 +167,7 @@ def test_single_and_ddp_hand_count() -> None:
 @pytest.mark.parametrize("name", ["dp-loss-primary", "dp-loss-forward", "ddp"])
 def test_uneven_and_small_batches_use_fewer_devices(name: str) -> None:
     r = run_scenario(name, _tiny(), EmulationConfig(
-        gpus=4, gpu_memory_bytes=2**30, step=StepConfig(batch=6),
+        gpus=4, gpu_memory_bytes=2**31, step=StepConfig(batch=6),
     ))
     assert r.status == "ok"
     used = [d.index for d in r.devices if d.used]

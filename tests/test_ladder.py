@@ -41,6 +41,16 @@ HERE = Path(__file__).parent
 LADDER = HERE / "ladder_models.py"
 FIDELITY = HERE / "fidelity_models.py"
 WORLD = 2  # the rows below are per rank: the global batch is rows * WORLD
+
+
+@pytest.fixture
+def nccl_as_at_world_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL over shared host memory on one ring channel: its GPU memory at two ranks is its
+    world-1 figure (dpprof.emulator.nccl_memory), so the capacities below weigh the rungs
+    alone, as they were chosen to."""
+    for name, value in (("NCCL_P2P_DISABLE", "1"), ("NCCL_ALGO", "Ring"),
+                        ("NCCL_MAX_NCHANNELS", "1")):
+        monkeypatch.setenv(name, value)
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
 RNG_STATE_BYTES = torch.get_rng_state().numel()
 
@@ -202,6 +212,7 @@ def test_a_checkpointed_model_computes_the_same_gradients() -> None:
     assert all(torch.allclose(a, b) for a, b in zip(*grads, strict=True))
 
 
+@pytest.mark.usefixtures("nccl_as_at_world_one")
 def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     from dpprof.cli.app import app
 
@@ -236,6 +247,7 @@ def test_compare_names_the_cheapest_rung_that_fits(tmp_path: Path) -> None:
     assert "reshard_after_forward=False" in fixes["ladder-fsdp2-zero2"]["code"]
 
 
+@pytest.mark.usefixtures("nccl_as_at_world_one")
 def test_fsdp2_with_its_bf16_and_checkpointing_fits_where_ddp_rungs_do_not(
         tmp_path: Path) -> None:
     """FSDP2's own mixed precision (MixedPrecisionPolicy, no autocast) and the blocks
@@ -324,6 +336,7 @@ def test_cpu_offload_is_not_emulated_where_the_model_would_not_fit_in_this_machi
     assert not any("CPU offload not measured" in n for n in notes)
 
 
+@pytest.mark.usefixtures("nccl_as_at_world_one")
 def test_cpu_offload_fits_where_the_weights_and_optimizer_state_leave_no_other_rung(
         ) -> None:
     """A model whose parameters, gradients and AdamW state outweigh its activations: at

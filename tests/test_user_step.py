@@ -162,7 +162,7 @@ def test_a_model_taking_the_batch_dict_is_called_with_it(scenario: str) -> None:
                                     torch.randint(0, 4, (rows,), device=device)),
         loss=F.cross_entropy,
     )
-    r = run_scenario(scenario, wl, EmulationConfig(gpus=2, gpu_memory_bytes=2**30,
+    r = run_scenario(scenario, wl, EmulationConfig(gpus=2, gpu_memory_bytes=2**31,
                                                    step=StepConfig(batch=8)))
     assert r.status == "ok", r.message
     assert r.devices[0].breakdown_bytes["parameters"] == 2 * 512  # weight 128 B, bias 16 B

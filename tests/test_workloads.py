@@ -50,7 +50,7 @@ def test_load_from_a_file_and_a_module(tmp_path: Path, monkeypatch: pytest.Monke
     wl2 = load_workload("my_workload:workload")
     assert wl2.name == "user-mlp"
     r = run_scenario("dp-loss-primary", wl2, EmulationConfig(
-        gpus=2, gpu_memory_bytes=2**30,
+        gpus=2, gpu_memory_bytes=2**31,
         step=StepConfig(batch=8),
     ))
     assert r.status == "ok"
@@ -68,7 +68,7 @@ def test_a_failing_model_is_an_error_result_not_a_crash() -> None:
 
     wl = Workload(name="boom", model=boom, batch=lambda r, d: (None, None), loss=lambda o, t: o)
     r = run_scenario("single", wl, EmulationConfig(
-        gpus=2, gpu_memory_bytes=2**30, step=StepConfig(batch=8),
+        gpus=2, gpu_memory_bytes=2**31, step=StepConfig(batch=8),
     ))
     assert r.status == "error" and "CUDA kernel missing" in r.message
 
@@ -114,7 +114,7 @@ def test_an_error_names_the_users_line_and_the_op(compute: bool) -> None:
                   loss=nn.functional.mse_loss)
     for name in SCENARIOS:
         r = run_scenario(name, wl, EmulationConfig(
-            gpus=2, gpu_memory_bytes=2**30, compute=compute,
+            gpus=2, gpu_memory_bytes=2**31, compute=compute,
             step=StepConfig(batch=4),
         ))
         assert r.status == "error"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,7 +34,8 @@ from dpprof.backends.emulated_figures import (
     with_gpu_overheads,
 )
 from dpprof.backends.emulated_time import fill_predicted_time
-from dpprof.emulator.context import ContextModel, device_context
+from dpprof.emulator.catalog import DEFAULT_GPU, lookup_gpu
+from dpprof.emulator.context import ContextModel, device_context, link_of
 from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import EmulatedDataParallel, replicas_float16_note
 from dpprof.emulator.ddp import EmulatedDDP
@@ -516,8 +518,12 @@ def model_devices(wl: Workload, gpus: int) -> list[int]:
 
 
 def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:
-    """The context/workspace model for the target GPU (cuDNN where convolutions run)."""
+    """The context/workspace model for the target GPU (cuDNN where convolutions run; a DDP
+    rank's NCCL at the run's world size, over the GPU's link, with the NCCL_* settings of
+    the environment dpprof runs in)."""
     uses_cudnn = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    return device_context(cfg.compute_capability, uses_cudnn)
+    link = link_of(lookup_gpu(cfg.gpu) if cfg.gpu else DEFAULT_GPU, cfg.interconnect)
+    return device_context(cfg.compute_capability, uses_cudnn, world_size=max(cfg.gpus, 1),
+                          link=link, nccl_env=os.environ)
 
 

@@ -8,12 +8,14 @@ allocator itself serves (cuBLAS / cuBLASLt workspaces), with the assumptions spe
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpprof.emulator import calibration, cudnn_workspace
 from dpprof.emulator.allocator_replay import simulate
-from dpprof.emulator.catalog import GpuSpec, compute_capability_of
+from dpprof.emulator.catalog import GpuSpec, compute_capability_of, peak_rates_of
+from dpprof.emulator.nccl_memory import FIXED_BYTES, NcclSettings, nccl_rank_memory
 
 __all__ = [
     "CUBLAS_HANDLES_PER_DEVICE",
@@ -26,6 +28,7 @@ __all__ = [
     "cublaslt_workspace_size",
     "device_context",
     "gpu_model_notes",
+    "link_of",
 ]
 
 _MiB = 1024 * 1024
@@ -113,8 +116,10 @@ class ContextModel:
     workspace_reserved_bytes: int  # segments the long-lived workspaces take on their own
     assumptions: list[str] = field(default_factory=list)
     # what a DDP rank's NCCL communicator holds outside the allocator (its library code and
-    # buffers), added to DDP ranks' context only
+    # buffers), added to DDP ranks' context only: the high end of the model's range
+    # (dpprof.emulator.nccl_memory), the low end beside it
     nccl_bytes: int = 0
+    nccl_low_bytes: int = 0
 
     @property
     def outside_allocator_bytes(self) -> int:
@@ -311,8 +316,10 @@ MEASURED_CUDA_CONTEXT_BYTES: dict[tuple[int, int], int] = {(9, 0): 787_283_968}
 #   minus that context; the assumed 64 MiB was four times too high there.
 MEASURED_CUDNN_LIBRARY_BYTES: dict[tuple[int, int], int] = {(9, 0): 16_777_216}
 # - a DDP rank (NCCL, world 1) holds this much more outside the allocator than the same step
-#   in one process: NCCL's library code and communicator buffers (more with more peers).
-NCCL_RANK_BYTES = 1_376_583_680 - 787_283_968  # 589,299,712 B = 562 MiB
+#   in one process: NCCL's library code and communicator (1,376,583,680 - 787,283,968 B =
+#   562 MiB); the high end of NCCL's memory at world 1 (dpprof.emulator.nccl_memory, which
+#   models more peers and the NCCL_* settings)
+NCCL_RANK_BYTES = FIXED_BYTES[1]
 # - the first addmm (a Linear with a bias) grew memory_allocated by 1 MiB beyond the cuBLAS
 #   workspace: cuBLASLt's own workspace (CUBLASLT_WORKSPACE_SIZE's 1024 KiB, not unified with
 #   cuBLAS's), on the forward's handle only (the backward runs plain mm).
@@ -326,11 +333,19 @@ RANK_OUTSIDE_SPREAD_MIB = (1298, 1318)
 RANK_OUTSIDE_MEASURED_ON = "an NVIDIA H200 (torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-28)"
 
 
-def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
+def device_context(compute_capability: tuple[int, int], uses_cudnn: bool, *,
+                   world_size: int = 1, link: str = "nvlink", gpus_per_node: int | None = None,
+                   nccl_env: Mapping[str, str] | None = None) -> ContextModel:
     """The context/workspace model of one device of the target GPU running a model: what
     ``dpprof check --save-calibration`` measured on a GPU of this compute capability
     (:mod:`dpprof.emulator.calibration`), else what was measured on an H100 (above), else the
-    cited figures."""
+    cited figures. A rank of a process group over NCCL (``world_size`` ranks,
+    ``gpus_per_node`` to a node, else the environment's ``LOCAL_WORLD_SIZE``, else all on one,
+    joined by ``link``, ``nccl_env`` the environment its ``NCCL_*`` settings come from) adds
+    NCCL's memory (``nccl_bytes``)."""
+    local = (nccl_env or {}).get("LOCAL_WORLD_SIZE", "")
+    if gpus_per_node is None and local.isdigit():
+        gpus_per_node = int(local)
     cc = (int(compute_capability[0]), int(compute_capability[1]))
     found = calibration.load(cc)
     common: dict[str, Any] = {"uses_cudnn": uses_cudnn, "cublas_handles": CUBLAS_HANDLES_PER_DEVICE,
@@ -368,19 +383,31 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool) -> Con
              f"cuBLASLt workspace: {model.cublaslt_workspace_bytes:,} B on the forward's handle "
              "(addmm), its own allocation beside the cuBLAS workspace, as measured on "
              f"{_MEASURED_ON}" for a in notes]
-    notes.append(f"DDP ranks: {NCCL_RANK_BYTES:,} B more outside the allocator for NCCL, "
-                 f"measured at world size 1 on {_MEASURED_ON}; more with more peers. A "
-                 "rank's memory outside the allocator (context, cuBLAS, NCCL) measured "
-                 f"{RANK_OUTSIDE_SPREAD_MIB[0]:,}-{RANK_OUTSIDE_SPREAD_MIB[1]:,} MiB in "
-                 f"five fresh ranks on {RANK_OUTSIDE_MEASURED_ON}, where the model (compute "
-                 "capability 9.0) gives "
-                 f"{(MEASURED_CUDA_CONTEXT_BYTES[(9, 0)] + NCCL_RANK_BYTES) // _MiB:,} MiB (+ "
-                 "cuDNN's where convolutions run), within 1.2 % of each. Over NCCL the first "
-                 "iteration's buckets outlive DDP's rebuild until the process group's "
-                 "watchdog reaps their all-reduce (within ~100 ms: the early steps of a fast "
-                 "loop): the peaks count them (the worst case), the steady state is shown "
-                 "beside")
-    return replace(model, assumptions=notes, nccl_bytes=NCCL_RANK_BYTES)
+    nccl = nccl_rank_memory(max(world_size, 1), compute_capability=cc, link=link,
+                            gpus_per_node=gpus_per_node,
+                            settings=NcclSettings.from_env(nccl_env or {}))
+    notes.append(
+        f"DDP (and FSDP) ranks: NCCL's memory outside the allocator, {nccl.low_bytes:,}-"
+        f"{nccl.high_bytes:,} B a rank at world size {world_size} (the high end counted): "
+        + "; ".join(nccl.notes) + ". A rank's memory outside the allocator (context, cuBLAS, "
+        f"NCCL) measured {RANK_OUTSIDE_SPREAD_MIB[0]:,}-{RANK_OUTSIDE_SPREAD_MIB[1]:,} MiB in "
+        f"five fresh ranks at world size 1 on {RANK_OUTSIDE_MEASURED_ON}, where the model "
+        "(compute capability 9.0) gives "
+        f"{(MEASURED_CUDA_CONTEXT_BYTES[(9, 0)] + NCCL_RANK_BYTES) // _MiB:,} MiB (+ "
+        "cuDNN's where convolutions run), within 1.2 % of each; more peers are modelled, not "
+        "measured. Over NCCL the first "
+        "iteration's buckets outlive DDP's rebuild until the process group's "
+        "watchdog reaps their all-reduce (within ~100 ms: the early steps of a fast "
+        "loop): the peaks count them (the worst case), the steady state is shown "
+        "beside")
+    return replace(model, assumptions=notes, nccl_bytes=nccl.high_bytes,
+                   nccl_low_bytes=nccl.low_bytes)
+
+
+def link_of(spec: GpuSpec, interconnect: str = "") -> str:
+    """The link NCCL's peers use: ``interconnect`` where given, else NVLink on a GPU that has
+    it (the high end of NCCL's memory: NVLink's channels and NVLS), else PCIe."""
+    return interconnect or ("nvlink" if peak_rates_of(spec).nvlink_gbytes_per_s else "pcie")
 
 
 def gpu_model_notes(ctx: ContextModel) -> list[str]:

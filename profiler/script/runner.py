@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import runpy
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from dpprof.backends.emulated_figures import (
 )
 from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
-from dpprof.emulator.context import device_context
+from dpprof.emulator.context import device_context, link_of
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.dispatch_state import VirtualDeviceError
 from dpprof.emulator.emulated_autocast import CudaAutocastNames
@@ -499,7 +500,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         own = vc.visible.index(_rank_device(vc, run.local_rank))
         devices = ddp_ranks(devices[own], min(run.world_size, n))
     if not cfg.compute:
-        devices = list(_overheads(devices, vc, cfg, run.local_rank))
+        devices = list(_overheads(devices, vc, cfg, run.local_rank, run.world_size))
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
@@ -581,11 +582,13 @@ def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
 
 
 def _overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
-               local_rank: int) -> tuple[DeviceResult, ...]:
-    """``devices`` with reserved and the CUDA context per used device: the emulator's one
-    model (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's
-    allocations."""
-    ctx = device_context(cfg.gpu.compute_capability, uses_cudnn=vc.rt.saw_convolution)
+               local_rank: int, world_size: int = 1) -> tuple[DeviceResult, ...]:
+    """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
+    script's environment) per used device: the emulator's one model
+    (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations."""
+    ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
+                         link=link_of(cfg.gpu, cfg.interconnect),
+                         nccl_env={**os.environ, **cfg.launch.env})
 
     def source(d: DeviceResult) -> int:
         if d.rank is None:
