@@ -160,6 +160,28 @@ def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: P
     assert max(peaks) == fix["max_peak_bytes"], (peaks, fix["max_peak_bytes"])
 
 
+@pytest.mark.parametrize("fix_name", ["ddp", "gradient-as-bucket-view"])
+def test_a_loader_with_its_own_sampler_gets_a_ddp_diff_that_peaks_as_promised(
+        fix_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader given a sampler of its own (dp_own_sampler.py: a WeightedRandomSampler,
+    30 rows a batch): the DDP alternative divided its batch_size at run time and kept its
+    sampler; the diff divides the batch_size the same way and gives each rank its share of
+    the sampler's indices, and applied with ``patch`` and run under torchrun, every rank
+    peaks where the alternative promised, to the byte (left as written, each rank would load
+    all 30 rows)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = "dp_own_sampler.py"
+    result = _run(["--", "python", str(SCRIPTS / script)], tmp_path / "r.json")
+    fixes = {f["name"]: f for f in result["fixes"]}
+    fix = fixes[fix_name]
+    assert "batch_size=(30 + 3) // 4" in fix["code"]
+    assert "sampler=RankShare(WeightedRandomSampler(" in fix["code"]
+    assert "by hand" not in fix["code"], fix["code"]
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    check_the_change(script, [], fix, fixed, tmp_path / "again.json", monkeypatch)
+
+
 def test_the_name_checks_catch_what_the_issue_found() -> None:
     """The checks above fail on code that uses a name nothing defines (an undefined
     ``make_optimizer``, ``contextlib`` never imported) or imports what does not exist."""

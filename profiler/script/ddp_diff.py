@@ -174,10 +174,17 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
                       if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"),
                      key=start_of)
     shared = False
+    own_samplers: list[ast.Call] = []  # loaders whose own sampler each rank takes a share of
+    helper = ""
     for loader in loaders:
-        why = _share_loader(src, edits, loader, gpus, scattered)
-        shared = shared or not why
-        if why:
+        if _own_sampler(loader) is not None and not helper:
+            helper = free_name(src, *_SAMPLER_SHARE_NAMES)
+        why = _share_loader(src, edits, loader, gpus, scattered, helper)
+        if not why and _own_sampler(loader) is not None:
+            own_samplers.append(loader)
+        elif not why:
+            shared = True
+        else:
             at = src.statement(loader).lineno
             edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
             notes.append(f"line {loader.lineno}: give each rank its share of the DataLoader by "
@@ -189,6 +196,13 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
         notes.append(f"line {call.lineno}: {_shard_note(call)}")
     add_imports(src, edits, ["os", "torch", "dist", "DDP",
                              *(["DistributedSampler"] if shared else [])], src.scope(wrap))
+    if own_samplers:
+        edits.insert_lines(import_line(src), ["", "", *_sampler_share(helper), "", ""])
+        for loader in own_samplers:
+            notes.append(f"line {loader.lineno}: each rank takes every {gpus}th index of the "
+                         f"DataLoader's own sampler (`{helper}`, defined after the imports: every "
+                         "rank draws the same order, seeded by the epoch), with "
+                         f"batch_size // {gpus}")
     line, indent = _init_line(src, wrap)
     name = Path(src.path).name
     edits.insert_lines(line, [
@@ -216,20 +230,73 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _LOADER_ARGS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler")
 
 
+def _loader_args(loader: ast.Call) -> dict[str, ast.expr]:
+    """``loader``'s arguments among :data:`_LOADER_ARGS`, by name (positional or keyword)."""
+    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    return given | {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
+
+
+def _own_sampler(loader: ast.Call) -> ast.expr | None:
+    """The sampler ``loader`` is given (``DataLoader(ds, 8, sampler=s)``: ``s``), if any."""
+    sampler = _loader_args(loader).get("sampler")
+    return None if isinstance(sampler, ast.Constant) and sampler.value is None else sampler
+
+
+# the names the helper that splits a loader's own sampler among the ranks may take
+_SAMPLER_SHARE_NAMES = ("RankShare", "RankShareSampler", "DdpRankShare")
+
+
+def _sampler_share(name: str) -> list[str]:
+    """The helper the diff defines (as ``name``) to give each rank its share of a loader's own
+    sampler as DistributedSampler shares a dataset: the sampler's order drawn alike on every
+    rank (torch's random generator seeded by the epoch, for the samplers that draw from it),
+    padded to a multiple of the ranks, every rank its every world-size-th index; torch has no
+    such wrapper."""
+    return [
+        f"class {name}:",
+        '    """DDP: this rank\'s share of a sampler\'s indices, as DistributedSampler shares a',
+        "    dataset: every rank draws the same order (torch's generator seeded by the epoch),",
+        '    padded to a multiple of the ranks, and takes every world-size-th index."""',
+        "",
+        "    def __init__(self, sampler):",
+        "        self.sampler, self.epoch = sampler, 0",
+        "",
+        "    def __len__(self):",
+        "        return -(-len(self.sampler) // dist.get_world_size())",
+        "",
+        "    def __iter__(self):",
+        "        with torch.random.fork_rng(devices=[]):",
+        "            torch.manual_seed(self.epoch)",
+        "            order = list(self.sampler)",
+        "        self.epoch += 1",
+        "        world = dist.get_world_size()",
+        "        order = (order * world)[:-(-len(order) // world) * world]",
+        "        return iter(order[dist.get_rank()::world])",
+    ]
+
+
 def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
-                  scattered: int) -> str:
+                  scattered: int, helper: str) -> str:
     """Each rank loads its share of ``loader``'s batches, as the DDP alternative divided
     them: ``batch_size`` // ``gpus`` and a ``DistributedSampler`` of its dataset (shuffling
-    as the loader did, which then no longer shuffles itself). "" where done, else why not."""
+    as the loader did, which then no longer shuffles itself), or, where the loader has a
+    sampler of its own, that sampler's share (``helper``, :func:`_sampler_share`). "" where
+    done, else why not."""
     if any(isinstance(a, ast.Starred) for a in loader.args) or any(
             kw.arg is None for kw in loader.keywords):
         return "its arguments are unpacked"
-    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    given = _loader_args(loader)
+    if "batch_sampler" in given:
+        return "it has a batch sampler of its own"
+    sampler = _own_sampler(loader)
+    if sampler is not None:
+        rows = given.get("batch_size")
+        if rows is not None and not (isinstance(rows, ast.Constant) and rows.value is None):
+            edits.node(rows, _share(src, rows, gpus, scattered))
+        edits.node(sampler, f"{helper}({src.seg(sampler)})")
+        return ""
     if len(loader.args) > 2:
         return "its shuffle or sampler is given by position"
-    given |= {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
-    if "sampler" in given or "batch_sampler" in given:
-        return "it has a sampler of its own"
     dataset, rows = given.get("dataset"), given.get("batch_size")
     if dataset is None or rows is None:
         return "no dataset or no batch_size given"
