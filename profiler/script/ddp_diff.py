@@ -104,6 +104,31 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
 _BATCH_FACTORIES = ("randint", "randn", "rand")
 
 
+def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ...],
+                              scattered: int) -> None:
+    """:class:`NoRewrite` where the script starts a process group itself (its own DDP path,
+    taken when a launcher starts it, as torchvision's reference does): a second
+    ``init_process_group`` would fail, and the script needs no lines changed, only the
+    launcher and each rank's batch, which the reason says."""
+    calls = [c for c in ast.walk(src.tree)
+             if isinstance(c, ast.Call) and last_name(c.func) == "init_process_group"]
+    if not calls:
+        return
+    starts = min(c.lineno for c in calls)
+    aliases = {"DistributedDataParallel"} | {
+        a.asname for n in ast.walk(src.tree) if isinstance(n, ast.ImportFrom)
+        for a in n.names if a.name == "DistributedDataParallel" and a.asname}
+    wraps = sorted(c.lineno for c in ast.walk(src.tree)
+                   if isinstance(c, ast.Call) and last_name(c.func) in aliases)
+    own = f" and wraps DistributedDataParallel itself (line {wraps[0]})" if wraps else ""
+    share = (f", each rank's DataLoader batch_size {-(-scattered // gpus)} (DataParallel's "
+             f"{scattered} rows // {gpus}, as the DDP alternative ran it)") if scattered else ""
+    options = f"; give its DistributedDataParallel {', '.join(flags)}" if flags else ""
+    raise NoRewrite(f"the script starts its own process group (line {starts}){own}: run it as "
+                    f"DDP ranks with `torchrun --nproc-per-node {gpus} "
+                    f"{Path(src.path).name}` rather than change its lines{share}{options}")
+
+
 def _batch_rows_node(call: ast.Call) -> ast.expr | None:
     """The first dimension of a random factory's size (``torch.randint(0, V, (B, T))``:
     ``B``; ``torch.randn(B, D)``: ``B``), as the DDP alternative read it."""
@@ -148,6 +173,7 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0,
          loader_sites: tuple[str, ...] = ()) -> Rewrite:
+    _refuse_own_process_group(src, gpus, flags, scattered)
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)

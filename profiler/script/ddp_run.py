@@ -23,7 +23,7 @@ from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.notes import alternative_fix, alternative_notes
-from dpprof.script.rewrite import rewrite_text
+from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
 
@@ -55,9 +55,33 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
     calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``)."""
     if not run.dp_sites:
         return ""
+    library = _library_site(run.dp_sites[0])
+    if library:
+        share = f", each rank loading {-(-run.batch_rows // gpus)} rows (DataParallel's " \
+            f"{run.batch_rows} // {gpus})" if run.batch_rows else ""
+        options = [*(["gradient_as_bucket_view=True"] if bucket_view else []), *flags]
+        with_flags = f", its DistributedDataParallel given {', '.join(options)}" if options \
+            else ""
+        return rewrite_text(Rewrite(reason=(
+            f"DataParallel is wrapped by a library's code ({library}), not by the script's "
+            "lines: nothing in the script to rewrite; where the library wraps "
+            "DistributedDataParallel itself once started by a launcher (Hugging Face's "
+            f"Trainer does), start the script with `torchrun --nproc-per-node {gpus}`"
+            f"{share}{with_flags}; the library's DDP has options of its own (Trainer's "
+            "find_unused_parameters=True, which skips DDP's bucket rebuild), so its peak is "
+            "that run's: measure it with `dpprof run -- torchrun ...`")))
     return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                                         batch_sites=batch_sites, rows=run.batch_rows,
                                         flags=flags, loader_sites=loader_sites))
+
+
+def _library_site(site: str) -> str:
+    """``site`` (``file:line``) relative to the library folder that holds it
+    (``transformers/trainer.py:1234``), or "" where it is not a library's."""
+    for folder in _LIBRARY_DIRS:
+        if site.startswith(folder.rstrip("/") + "/"):
+            return site[len(folder.rstrip("/")) + 1:]
+    return ""
 
 
 def _script_line(frame: Any) -> str | None:
