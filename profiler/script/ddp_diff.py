@@ -104,6 +104,17 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
 _BATCH_FACTORIES = ("randint", "randn", "rand")
 
 
+def own_process_group(source: str, path: str, gpus: int, rows: int = 0) -> str:
+    """Why the DDP change of the script in ``source`` is no diff where the script starts a
+    process group itself (:func:`_refuse_own_process_group`), else ""; checked on the lines
+    as written, so the reason names them (a rung's other edits move them)."""
+    try:
+        _refuse_own_process_group(ScriptSource(source, path), gpus, (), rows)
+    except NoRewrite as e:
+        return str(e)
+    return ""
+
+
 def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ...],
                               scattered: int) -> None:
     """:class:`NoRewrite` where the script starts a process group itself (its own DDP path,
@@ -223,7 +234,9 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
     add_imports(src, edits, ["os", "torch", "dist", "DDP",
                              *(["DistributedSampler"] if shared else [])], src.scope(wrap))
     if own_samplers:
-        edits.insert_lines(import_line(src), ["", "", *_sampler_share(helper), "", ""])
+        at = import_line(src)
+        spaced = at > len(src.lines) or not src.lines[at - 1].strip()  # a blank line follows
+        edits.insert_lines(at, ["", "", *_sampler_share(helper), *([] if spaced else ["", ""])])
         for loader in own_samplers:
             notes.append(f"line {loader.lineno}: each rank takes every {gpus}th index of the "
                          f"DataLoader's own sampler (`{helper}`, defined after the imports: every "

@@ -56,23 +56,30 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
     if not run.dp_sites:
         return ""
     library = _library_site(run.dp_sites[0])
-    if library:
-        share = f", each rank loading {-(-run.batch_rows // gpus)} rows (DataParallel's " \
-            f"{run.batch_rows} // {gpus})" if run.batch_rows else ""
-        options = [*(["gradient_as_bucket_view=True"] if bucket_view else []), *flags]
-        with_flags = f", its DistributedDataParallel given {', '.join(options)}" if options \
-            else ""
-        return rewrite_text(Rewrite(reason=(
-            f"DataParallel is wrapped by a library's code ({library}), not by the script's "
-            "lines: nothing in the script to rewrite; where the library wraps "
-            "DistributedDataParallel itself once started by a launcher (Hugging Face's "
-            f"Trainer does), start the script with `torchrun --nproc-per-node {gpus}`"
-            f"{share}{with_flags}; the library's DDP has options of its own (Trainer's "
-            "find_unused_parameters=True, which skips DDP's bucket rebuild), so its peak is "
-            "that run's: measure it with `dpprof run -- torchrun ...`")))
+    if library:  # nothing of the script's to rewrite
+        return rewrite_text(Rewrite(reason=_library_wrap(
+            library, gpus, run.batch_rows,
+            (*(("gradient_as_bucket_view=True",) if bucket_view else ()), *flags))))
     return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                                         batch_sites=batch_sites, rows=run.batch_rows,
                                         flags=flags, loader_sites=loader_sites))
+
+
+def _library_wrap(library: str, gpus: int, rows: int, options: tuple[str, ...]) -> str:
+    """Why there is no DDP diff where a library's code (``library``: its ``file:line``)
+    wrapped DataParallel (Hugging Face's Trainer does, seeing several GPUs in one process),
+    and what to do instead: start the script under a launcher, each rank loading its share
+    of DataParallel's ``rows``, DDP given ``options``."""
+    share = (f", each rank loading {-(-rows // gpus)} rows (DataParallel's {rows} // {gpus})"
+             if rows else "")
+    given = f", its DistributedDataParallel given {', '.join(options)}" if options else ""
+    return (f"DataParallel is wrapped by a library's code ({library}), not by the script's "
+            "lines: nothing in the script to rewrite; where the library wraps "
+            "DistributedDataParallel itself once started by a launcher (Hugging Face's "
+            f"Trainer does), start the script with `torchrun --nproc-per-node {gpus}`"
+            f"{share}{given}; the library's DDP has options of its own (Trainer's "
+            "find_unused_parameters=True, which skips DDP's bucket rebuild), so its peak is "
+            "that run's: measure it with `dpprof run -- torchrun ...`")
 
 
 def _library_site(site: str) -> str:
