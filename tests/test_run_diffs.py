@@ -404,3 +404,46 @@ def test_every_rung_offered_for_a_one_gpu_framework_script_runs_as_promised(
     for name, fix in fixes.items():
         check_the_change(script, args, fix, nanogpt_folder(tmp_path / name),
                          tmp_path / f"{name}.json", monkeypatch, one_gpu=True)
+
+
+BATCH_SAMPLER_SCRIPT = '''\
+import torch
+import torch.nn as nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+data = TensorDataset(torch.randn(120, 4096), torch.randint(0, 2, (120,)))
+loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 30, drop_last=False))
+model = nn.DataParallel(nn.Sequential(nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 2)))
+model = model.cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    loss = nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_note(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader given a batch sampler of its own (30 rows a batch): the DDP alternative
+    gives each rank its share of every batch (8 rows, DataParallel's first chunk), not the
+    whole batch on every rank; the diff cannot divide it, so the DDP change is a note that
+    says what to do by hand, not a diff whose patched script would load all 30 rows."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text(BATCH_SAMPLER_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = _run(["--", "python", str(script)], tmp_path / "r.json")
+    scenarios = {s["name"]: s for s in result["scenarios"]}
+    assert [d["batch_rows"] for d in scenarios["dp-loss-primary"]["devices"]] == [8, 8, 8, 6]
+    assert [d["batch_rows"] for d in scenarios["ddp"]["devices"]] == [8] * 4
+    at = BATCH_SAMPLER_SCRIPT.splitlines().index(
+        next(line for line in BATCH_SAMPLER_SCRIPT.splitlines() if "batch_sampler=" in line)) + 1
+    for fix in result["fixes"]:
+        if fix["name"] in ("ddp", "gradient-as-bucket-view"):
+            assert fix["code"] == (
+                f"# no rewrite of the script's lines: line {at}: the DDP alternative gave each "
+                "rank its share of this DataLoader's batches, which the diff cannot (it has a "
+                "batch sampler of its own): give each rank 1/4 of each of its batches by hand"), \
+                fix["code"]

@@ -256,6 +256,15 @@ def test_ddp_gives_each_rank_a_share_of_a_loaders_own_sampler() -> None:
     # a positional batch_size is divided as a keyword's is
     assert "plain = DataLoader(data, 8 // 4, sampler=DistributedSampler(data, shuffle=False))" \
         in new
+    # where the DDP alternative divided the batch sampler's batches as the script ran, a diff
+    # that leaves them whole would promise a peak the patched script does not have: no diff
+    divided = ddp_diff.ddp(old, "train.py", line_of(old, "DataParallel("), 4,
+                           loader_sites=(f"train.py:{at}",))
+    assert not divided.ok
+    assert divided.reason == (
+        f"line {at}: the DDP alternative gave each rank its share of this DataLoader's batches, "
+        "which the diff cannot (it has a batch sampler of its own): give each rank 1/4 of each "
+        "of its batches by hand")
 
 
 class _Ranks:

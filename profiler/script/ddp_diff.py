@@ -221,6 +221,13 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
             own_samplers.append(loader)
         elif not why:
             shared = True
+        elif why != _NO_BATCH_SIZE and _divided_at_run_time(src, loader, loader_sites):
+            # applied as given, each rank would load more than the alternative measured
+            by_hand = (f"1/{gpus} of each of its batches" if why == _OWN_BATCHES else
+                       f"batch_size // {gpus} and a DistributedSampler")
+            raise NoRewrite(f"line {loader.lineno}: the DDP alternative gave each rank its "
+                            f"share of this DataLoader's batches, which the diff cannot ({why})"
+                            f": give each rank {by_hand} by hand")
         else:
             at = src.statement(loader).lineno
             edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
@@ -281,6 +288,21 @@ def _own_sampler(loader: ast.Call) -> ast.expr | None:
     return None if isinstance(sampler, ast.Constant) and sampler.value is None else sampler
 
 
+# why a loader is left to the user where that changes nothing the alternative measured (its
+# batch_size the default 1, which the alternative's division left at 1)
+_NO_BATCH_SIZE = "no dataset or no batch_size given"
+_OWN_BATCHES = "it has a batch sampler of its own"
+
+
+def _divided_at_run_time(src: ScriptSource, loader: ast.Call, loader_sites: tuple[str, ...]
+                         ) -> bool:
+    """Whether the DDP alternative divided ``loader``'s batches as the script ran (a site it
+    recorded is on the call's lines)."""
+    first, last = loader.lineno, loader.end_lineno or loader.lineno
+    return any(Path(path).resolve() == Path(src.path).resolve() and first <= line <= last
+               for path, line in map(site_of, loader_sites))
+
+
 # the names the helper that splits a loader's own sampler among the ranks may take
 _SAMPLER_SHARE_NAMES = ("RankShare", "RankShareSampler", "DdpRankShare")
 
@@ -326,7 +348,7 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
         return "its arguments are unpacked"
     given = _loader_args(loader)
     if "batch_sampler" in given:
-        return "it has a batch sampler of its own"
+        return _OWN_BATCHES
     sampler = _own_sampler(loader)
     if sampler is not None:
         rows = given.get("batch_size")
@@ -338,7 +360,7 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
         return "its shuffle or sampler is given by position"
     dataset, rows = given.get("dataset"), given.get("batch_size")
     if dataset is None or rows is None:
-        return "no dataset or no batch_size given"
+        return _NO_BATCH_SIZE
     named = src.seg(dataset)
     if not isinstance(dataset, (ast.Name, ast.Attribute)):
         # the sampler needs the dataset too: made once, named, before the loader's statement

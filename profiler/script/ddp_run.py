@@ -170,6 +170,23 @@ def _divide_hand_made_batches(state: AlternativeState, vc: VirtualCuda,
         patcher.patch(torch, func, dividing(func, getattr(torch, func)))
 
 
+class RankShareOfBatches:
+    """A DataLoader's own batch sampler as one rank of ``world`` loads it under DDP: the
+    first ``ceil(len / world)`` indices of each batch (DataParallel's first chunk, the
+    heaviest rank's share)."""
+
+    def __init__(self, batches: Any, world: int) -> None:
+        self.batches, self.world = batches, world
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        for batch in self.batches:
+            indices = list(batch)
+            yield indices[:-(-len(indices) // self.world)]
+
+
 def _division(state: AlternativeState, world: int) -> str:
     """How the alternative gave each rank its share of the batch ("": it did not)."""
     ways = []
@@ -201,7 +218,18 @@ class DdpInPlace(Alternative):
 
         def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                         *args: Any, **kwargs: Any) -> None:
-            if batch_size:
+            batches = kwargs.get("batch_sampler", args[2] if len(args) > 2 else None)
+            if batches is not None:  # its own batches: each rank its share of every one
+                share = RankShareOfBatches(batches, vc.device_count())
+                if "batch_sampler" in kwargs:
+                    kwargs["batch_sampler"] = share
+                else:
+                    args = (*args[:2], share, *args[3:])
+                state.divided_loader = True
+                site = script_site(sys._getframe(1))
+                if site is not None and site not in state.loader_sites:
+                    state.loader_sites.append(site)
+            elif batch_size:
                 # one rank per GPU the script sees: asked here, not before the script ran
                 # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
                 world = vc.device_count()
