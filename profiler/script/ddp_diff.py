@@ -349,12 +349,12 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
     given = _loader_args(loader)
     if "batch_sampler" in given:
         return _OWN_BATCHES
-    sampler = _own_sampler(loader)
-    if sampler is not None:
+    own = _own_sampler(loader)
+    if own is not None:
         rows = given.get("batch_size")
         if rows is not None and not (isinstance(rows, ast.Constant) and rows.value is None):
             edits.node(rows, _share(src, rows, gpus, scattered))
-        edits.node(sampler, f"{helper}({src.seg(sampler)})")
+        edits.node(own, f"{helper}({src.seg(own)})")
         return ""
     if len(loader.args) > 2:
         return "its shuffle or sampler is given by position"
