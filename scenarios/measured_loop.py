@@ -79,6 +79,9 @@ class ModelWithLoss(nn.Module):
 
         model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn, keep_outputs=True))
         outputs, loss = dpprof.ModelWithLoss.split(model(inputs, targets))
+
+    Called without targets (``model(inputs)``, an evaluation loop's call), it returns the
+    model's outputs, gathered on cuda:0 as without the fix.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -88,8 +91,10 @@ class ModelWithLoss(nn.Module):
         self.loss_fn = loss_fn
         self.keep_outputs = keep_outputs
 
-    def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
+    def forward(self, inputs: Any, targets: Any = None) -> Any:
         outputs = call_model(self.model, inputs)
+        if targets is None:  # a call for the outputs alone (evaluation): as without the fix
+            return outputs
         weighted, count = self.weighted_loss(outputs, targets, inputs)
         return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 

@@ -127,11 +127,12 @@ def test_every_change_offered_applies_compiles_and_peaks_as_promised(
 
 
 def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: Path,
-                     out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                     out: Path, monkeypatch: pytest.MonkeyPatch, one_gpu: bool = False,
+                     dpprof_args: tuple[str, ...] = ()) -> None:
     """``fix``'s diff applied to ``script`` (as ``patch`` applies it) in the folder
     ``fixed``; the patched file compiles, uses no undefined name, imports what exists; run
     there under ``dpprof run`` as the diff says (``args`` the script's own), it peaks as
-    ``fix`` promised, to the byte."""
+    ``fix`` promised, to the byte (``one_gpu``: a one-GPU script's rung, run by python)."""
     code = fix["code"]
     assert code.startswith(f"--- {script} (as written)\n+++ {script} ("), code[:300]
     original = (SCRIPTS / script).read_text()
@@ -150,14 +151,37 @@ def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: P
 
     monkeypatch.chdir(fixed)
     command = launcher(code, script)
-    assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward")
-    again = _run(["--", *command, *args], out)
+    assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward" and not one_gpu)
+    again = _run([*dpprof_args, "--", *command, *args], out)
     ran = again["scenarios"][0]
     assert ran["status"] == "ok", ran
-    assert ran["name"] == ("dp-loss-forward" if fix["name"] == "loss-in-forward" else "ddp")
+    assert ran["name"] == ("single" if one_gpu else "dp-loss-forward"
+                           if fix["name"] == "loss-in-forward" else "ddp")
     peaks = [d["peak_allocated_bytes"] for d in ran["devices"]]
     assert peaks[0] == fix["primary_peak_bytes"], (peaks, fix["primary_peak_bytes"])
     assert max(peaks) == fix["max_peak_bytes"], (peaks, fix["max_peak_bytes"])
+
+
+@pytest.mark.parametrize("fix_name", ["ddp", "gradient-as-bucket-view"])
+def test_a_loader_with_its_own_sampler_gets_a_ddp_diff_that_peaks_as_promised(
+        fix_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader given a sampler of its own (dp_own_sampler.py: a WeightedRandomSampler,
+    30 rows a batch): the DDP alternative divided its batch_size at run time and kept its
+    sampler; the diff divides the batch_size the same way and gives each rank its share of
+    the sampler's indices, and applied with ``patch`` and run under torchrun, every rank
+    peaks where the alternative promised, to the byte (left as written, each rank would load
+    all 30 rows)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = "dp_own_sampler.py"
+    result = _run(["--", "python", str(SCRIPTS / script)], tmp_path / "r.json")
+    fixes = {f["name"]: f for f in result["fixes"]}
+    fix = fixes[fix_name]
+    assert "batch_size=(30 + 3) // 4" in fix["code"]
+    assert "sampler=RankShare(WeightedRandomSampler(" in fix["code"]
+    assert "by hand" not in fix["code"], fix["code"]
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    check_the_change(script, [], fix, fixed, tmp_path / "again.json", monkeypatch)
 
 
 def test_the_name_checks_catch_what_the_issue_found() -> None:
@@ -178,20 +202,52 @@ def test_the_name_checks_catch_what_the_issue_found() -> None:
 # The framework-style scripts (tests/scripts/) that DataParallel runs in one process: each
 # with the arguments and files it needs in its working folder, and the changes it is offered
 DP_FIXES = ("loss-in-forward", "ddp", "gradient-as-bucket-view")
+TV_ARGS = ["--data-path", "data", "-j", "0", "--train-crop-size", "64", "--val-resize-size",
+           "72", "--val-crop-size", "64", "--epochs", "1", "--print-freq", "1",
+           "--output-dir", "out"]
 FRAMEWORK_SCRIPTS: dict[str, list[str]] = {
     "imagenet_dummy.py": ["--dummy", "-b", "16", "--epochs", "1"],
     "timm_style_train.py": ["--data-dir", "data", "-b", "8", "--img-size", "64", "-j", "0"],
+    # the torchvision reference's style: DataParallel under plain python, its own DDP path
+    # (a process group, DistributedDataParallel, DistributedSampler) under torchrun
+    "tv_reference_train.py": ["-b", "8", *TV_ARGS],
+    # Hugging Face's Trainer wraps DataParallel itself, in transformers' own code
+    "hf_trainer.py": ["--output_dir", "out"],
 }
-# the changes dpprof cannot give as a diff of the script's lines, and the line it prints
+# the changes each is offered (Trainer computes the loss inside the model's forward)
+OFFERED = {script: DP_FIXES for script in FRAMEWORK_SCRIPTS} | {
+    "hf_trainer.py": ("ddp", "gradient-as-bucket-view")}
+
+
+def _line(script: str, text: str) -> int:
+    """The first line of ``script`` (tests/scripts/) that holds ``text``."""
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+NO_REWRITE = "# no rewrite of the script's lines: "
+TV_OWN_DDP = (f"{NO_REWRITE}the script starts its own process group (line "
+              f"{_line('tv_reference_train.py', 'init_process_group(')}) and wraps "
+              "DistributedDataParallel itself (line "
+              f"{_line('tv_reference_train.py', 'DistributedDataParallel(model')}): run it as "
+              "DDP ranks with `torchrun --nproc-per-node 4 tv_reference_train.py` rather than "
+              "change its lines, each rank's DataLoader batch_size 2 (DataParallel's 8 rows // "
+              "4, as the DDP alternative ran it)")
+# the changes dpprof cannot give as a diff of the script's lines, and what it prints
 NOT_A_DIFF = {
     ("timm_style_train.py", "loss-in-forward"):
-        "# no rewrite of the script's lines: `loss_fn` is not defined where the model is "
-        "wrapped",
+        f"{NO_REWRITE}`loss_fn` is not defined where the model is wrapped",
+    ("tv_reference_train.py", "ddp"): TV_OWN_DDP,
+    ("tv_reference_train.py", "gradient-as-bucket-view"):
+        f"{TV_OWN_DDP}; give its DistributedDataParallel gradient_as_bucket_view=True",
+    ("hf_trainer.py", "ddp"): f"{NO_REWRITE}DataParallel is wrapped by a library's code (",
+    ("hf_trainer.py", "gradient-as-bucket-view"):
+        f"{NO_REWRITE}DataParallel is wrapped by a library's code (",
 }
 # timm's create_loader makes its DataLoader: the DDP diff divides that call's batch_size
 # (where the DDP alternative divided the loader it made), so each rank of the patched
 # script loads the 2 rows the alternative measured, not 8
-FRAMEWORK_CASES = [(script, fix) for script in FRAMEWORK_SCRIPTS for fix in DP_FIXES]
+FRAMEWORK_CASES = [(script, fix) for script in FRAMEWORK_SCRIPTS for fix in OFFERED[script]]
 
 
 def framework_folder(folder: Path, script: str) -> Path:
@@ -200,6 +256,8 @@ def framework_folder(folder: Path, script: str) -> Path:
 
     if script == "timm_style_train.py":
         image_folder(folder / "data", {"train": 6, "validation": 2})
+    if script == "tv_reference_train.py":
+        image_folder(folder / "data", {"train": 6, "val": 2})
     return folder
 
 
@@ -235,7 +293,7 @@ def test_every_change_offered_for_a_framework_script_runs_as_promised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     fixes = {f["name"]: f for f in framework_offered(script)["fixes"]}
-    assert set(fixes) == set(DP_FIXES), sorted(fixes)
+    assert set(fixes) == set(OFFERED[script]), sorted(fixes)
     code = fixes[fix_name]["code"]
     if (script, fix_name) in NOT_A_DIFF:  # said so, in place of a diff that would not apply
         assert code.startswith(NOT_A_DIFF[script, fix_name]) and "\n@@ " not in code, code
@@ -246,3 +304,146 @@ def test_every_change_offered_for_a_framework_script_runs_as_promised(
     fixed.mkdir(exist_ok=True)
     check_the_change(script, FRAMEWORK_SCRIPTS[script], fixes[fix_name], fixed,
                      tmp_path / "again.json", monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fix_name", ["ddp", "gradient-as-bucket-view"])
+def test_what_the_note_says_for_a_script_with_its_own_ddp_path_peaks_as_promised(
+        fix_name: str, framework_offered: Callable[[str], dict[str, Any]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torchvision reference's style starts its own process group under torchrun, so
+    the DDP change is a note, not a diff (a second ``init_process_group`` would fail): done
+    as the note says (torchrun, each rank's batch 2 with the script's own ``-b``, its
+    DistributedDataParallel given the fix's flag), every rank peaks as the fix promised, to
+    the byte."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = "tv_reference_train.py"
+    fix = {f["name"]: f for f in framework_offered(script)["fixes"]}[fix_name]
+    assert fix["code"] == NOT_A_DIFF[script, fix_name], fix["code"]
+    fixed = framework_folder(tmp_path / "fixed", script)
+    source = (SCRIPTS / script).read_text()
+    if fix_name == "gradient-as-bucket-view":  # "give its DistributedDataParallel ..."
+        wrap = "DistributedDataParallel(model, device_ids=[args.gpu])"
+        assert source.count(wrap) == 1
+        source = source.replace(wrap, wrap[:-1] + ", gradient_as_bucket_view=True)")
+    (fixed / script).write_text(source)
+    monkeypatch.chdir(fixed)
+    again = _run(["--", "torchrun", "--nproc-per-node", "4", script, "-b", "2", *TV_ARGS],
+                 tmp_path / "again.json")
+    (ran,) = again["scenarios"]
+    assert ran["name"] == "ddp" and ran["status"] == "ok", ran
+    assert [d["batch_rows"] for d in ran["devices"]] == [2] * 4
+    peaks = [d["peak_allocated_bytes"] for d in ran["devices"]]
+    assert peaks == [fix["max_peak_bytes"]] * 4 and peaks[0] == fix["primary_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_the_note_for_a_library_that_wraps_data_parallel_names_its_line(
+        framework_offered: Callable[[str], dict[str, Any]]) -> None:
+    """Hugging Face's Trainer wraps DataParallel in transformers' code: the DDP changes are
+    notes that name that line (it holds the wrap) and the share each rank would load (8 of
+    Trainer's 32 scattered rows), not a diff of the library's file."""
+    import sysconfig
+
+    for fix in framework_offered("hf_trainer.py")["fixes"]:
+        said = re.match(r"# no rewrite of the script's lines: DataParallel is wrapped by a "
+                        r"library's code \((transformers/\S+\.py):(\d+)\), not by the "
+                        r"script's lines: .* start the script with `torchrun "
+                        r"--nproc-per-node 4`, each rank loading 8 rows \(DataParallel's "
+                        r"32 // 4\)(.*)$", fix["code"], re.S)
+        assert said is not None, fix["code"]
+        library = Path(sysconfig.get_paths()["purelib"]) / said.group(1)
+        assert "DataParallel(" in library.read_text().splitlines()[int(said.group(2)) - 1]
+        flag = ("" if fix["name"] == "ddp" else
+                ", its DistributedDataParallel given gradient_as_bucket_view=True")
+        assert said.group(3).startswith(f"{flag}; the library's DDP has options of its own")
+
+
+def nanogpt_folder(folder: Path) -> Path:
+    """``folder`` with nanoGPT's prepared data (uint16 token ids in data/train.bin and
+    data/val.bin, a vocabulary of 65 as shakespeare_char's)."""
+    import numpy as np
+
+    (folder / "data").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rng.integers(0, 65, 4000, dtype=np.uint16).tofile(folder / "data" / "train.bin")
+    rng.integers(0, 65, 1000, dtype=np.uint16).tofile(folder / "data" / "val.bin")
+    return folder
+
+
+# the one-GPU scripts (tests/scripts/) and the rungs ``--ladder`` offers them
+ONE_GPU_SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    # nanoGPT's style (DDP only under torchrun; bf16 autocast of its own)
+    "nanogpt_train.py": (["--data_dir=data", "--out_dir=out"], ("ladder-checkpoint",)),
+    # torch.accelerator's device, a two-layer MLP (no repeated blocks to checkpoint)
+    "accelerator.py": ([], ("ladder-bf16",)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(ONE_GPU_SCRIPTS))
+def test_every_rung_offered_for_a_one_gpu_framework_script_runs_as_promised(
+        script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-GPU script's rungs under ``--ladder``, each applied and run by python, peak as
+    promised. nanoGPT's style names a checkpoint dict ``checkpoint``, so the diff calls
+    torch's checkpoint by its path, and its last ``model = ...`` is in an ``if ddp:`` the
+    run did not take, so the blocks are wrapped after that branch, on whichever model was
+    made."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args, offered = ONE_GPU_SCRIPTS[script]
+    work = nanogpt_folder(tmp_path / "work")
+    monkeypatch.chdir(work)
+    result = _run(["--ladder", "--", "python", str(SCRIPTS / script), *args],
+                  tmp_path / "r.json")
+    fixes = {f["name"]: f for f in result["fixes"]}
+    assert set(fixes) == set(offered), sorted(fixes)
+    if script == "nanogpt_train.py":
+        code = fixes["ladder-checkpoint"]["code"]
+        assert "torch.utils.checkpoint.checkpoint(forward, " in code, code
+        assert 'getattr(model, "module", model).transformer.h' in code, code
+    for name, fix in fixes.items():
+        check_the_change(script, args, fix, nanogpt_folder(tmp_path / name),
+                         tmp_path / f"{name}.json", monkeypatch, one_gpu=True)
+
+
+BATCH_SAMPLER_SCRIPT = '''\
+import torch
+import torch.nn as nn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+data = TensorDataset(torch.randn(120, 4096), torch.randint(0, 2, (120,)))
+loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 30, drop_last=False))
+model = nn.DataParallel(nn.Sequential(nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 2)))
+model = model.cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    loss = nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+'''
+
+
+def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_note(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DataLoader given a batch sampler of its own (30 rows a batch): the DDP alternative
+    gives each rank its share of every batch (8 rows, DataParallel's first chunk), not the
+    whole batch on every rank; the diff cannot divide it, so the DDP change is a note that
+    says what to do by hand, not a diff whose patched script would load all 30 rows."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text(BATCH_SAMPLER_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    result = _run(["--", "python", str(script)], tmp_path / "r.json")
+    scenarios = {s["name"]: s for s in result["scenarios"]}
+    assert [d["batch_rows"] for d in scenarios["dp-loss-primary"]["devices"]] == [8, 8, 8, 6]
+    assert [d["batch_rows"] for d in scenarios["ddp"]["devices"]] == [8] * 4
+    at = BATCH_SAMPLER_SCRIPT.splitlines().index(
+        next(line for line in BATCH_SAMPLER_SCRIPT.splitlines() if "batch_sampler=" in line)) + 1
+    for fix in result["fixes"]:
+        if fix["name"] in ("ddp", "gradient-as-bucket-view"):
+            assert fix["code"] == (
+                f"# no rewrite of the script's lines: line {at}: the DDP alternative gave each "
+                "rank its share of this DataLoader's batches, which the diff cannot (it has a "
+                "batch sampler of its own): give each rank 1/4 of each of its batches by hand"), \
+                fix["code"]

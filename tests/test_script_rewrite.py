@@ -17,6 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import (
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
@@ -220,23 +228,108 @@ def test_ddp_starts_the_process_group_in_the_wraps_function() -> None:
     assert "from torch.utils.data.distributed import DistributedSampler\n" in new
 
 
-def test_ddp_leaves_a_loader_with_its_own_sampler_to_the_user_and_says_so() -> None:
+def test_ddp_gives_each_rank_a_share_of_a_loaders_own_sampler() -> None:
+    """A DataLoader with a sampler of its own (keyword or by position): its batch_size is
+    divided as the DDP alternative divided it at run time, and the sampler is wrapped in the
+    helper the diff defines once, after the imports, that gives each rank its share of the
+    sampler's indices; a batch sampler of its own is left to the user, and a note says so."""
     old = script("model = nn.DataParallel(Net())\n"
-                 "from torch.utils.data import DataLoader, RandomSampler\n"
+                 "from torch.utils.data import DataLoader, RandomSampler, SequentialSampler\n"
                  "data = list(range(8))\n"
                  "loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data))\n"
+                 "ordered = DataLoader(data, 6, False, SequentialSampler(data))\n"
+                 "batched = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])\n"
                  "plain = DataLoader(data, 8)\n")
     rw = ddp(old, "DataParallel(")
     new = checked(rw, old)
-    assert ("# DDP: each rank loads its share: batch_size // 4, sampler=DistributedSampler("
-            "dataset) (it shuffles: no shuffle=True)\nloader = DataLoader(data, batch_size=8, "
-            "sampler=RandomSampler(data))\n") in new
+    assert "loader = DataLoader(data, batch_size=8 // 4, sampler=RankShare(RandomSampler(data)))" \
+        in new
+    assert "ordered = DataLoader(data, 6 // 4, False, RankShare(SequentialSampler(data)))" in new
+    assert new.count("class RankShare:") == 1
+    assert new.index("class RankShare:") < new.index("dist.init_process_group")
     at = line_of(old, "sampler=RandomSampler")
+    assert any(n.startswith(f"line {at}: each rank takes every 4th index of the DataLoader's "
+                            "own sampler (`RankShare`") for n in rw.notes), rw.notes
+    at = line_of(old, "batch_sampler=")
     assert any(n.startswith(f"line {at}: give each rank its share of the DataLoader by hand (it "
-                            "has a sampler of its own)") for n in rw.notes), rw.notes
+                            "has a batch sampler of its own)") for n in rw.notes), rw.notes
     # a positional batch_size is divided as a keyword's is
     assert "plain = DataLoader(data, 8 // 4, sampler=DistributedSampler(data, shuffle=False))" \
         in new
+    # where the DDP alternative divided the batch sampler's batches as the script ran, a diff
+    # that leaves them whole would promise a peak the patched script does not have: no diff
+    divided = ddp_diff.ddp(old, "train.py", line_of(old, "DataParallel("), 4,
+                           loader_sites=(f"train.py:{at}",))
+    assert not divided.ok
+    assert divided.reason == (
+        f"line {at}: the DDP alternative gave each rank its share of this DataLoader's batches, "
+        "which the diff cannot (it has a batch sampler of its own): give each rank 1/4 of each "
+        "of its batches by hand")
+
+
+class _Ranks:
+    """torch.distributed's rank and world size as a rank of ``world`` sees them."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def get_world_size(self) -> int:
+        return self.world
+
+
+def sampler_share_helper() -> str:
+    """The helper class a DDP diff defines for a loader with a sampler of its own, as the
+    diff writes it."""
+    import ast
+
+    old = script("from torch.utils.data import DataLoader, RandomSampler\n"
+                 "model = nn.DataParallel(Net())\n"
+                 "loader = DataLoader([0, 1], batch_size=2, sampler=RandomSampler([0, 1]))\n")
+    new = checked(ddp(old, "DataParallel("), old)
+    helper = next(n for n in ast.parse(new).body if isinstance(n, ast.ClassDef))
+    return ast.get_source_segment(new, helper) or ""
+
+
+SAMPLERS: dict[str, Any] = {
+    "random": lambda rows: RandomSampler(range(rows)),
+    "weighted": lambda rows: WeightedRandomSampler([1.0] * rows, rows),
+    "subset": lambda rows: SubsetRandomSampler(list(range(0, 2 * rows, 2))),
+    "sequential": lambda rows: SequentialSampler(range(rows))}
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 23), world=st.integers(1, 5), kind=st.sampled_from(sorted(SAMPLERS)),
+       seeds=st.lists(st.integers(0, 2**31), min_size=6, max_size=6))
+def test_the_sampler_share_helper_splits_as_distributed_sampler_does(
+        rows: int, world: int, kind: str, seeds: list[int]) -> None:
+    """The helper the diff defines, run as each rank of ``world`` whose torch generator is
+    seeded differently, for two epochs: every rank's share is as long as ``len()`` says, all
+    of one length, and together, woven, they are the order the sampler draws for that epoch
+    (the same on every rank) padded from its start to a multiple of the ranks, as
+    DistributedSampler splits a dataset."""
+    import torch
+
+    code = compile(sampler_share_helper(), "helper", "exec")
+
+    def shares(rank: int, world: int, seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        space: dict[str, Any] = {"torch": torch, "dist": _Ranks(rank, world)}
+        exec(code, space)
+        share = space["RankShare"](SAMPLERS[kind](rows))
+        epochs = [list(share), list(share)]
+        assert [len(e) for e in epochs] == [len(share)] * 2
+        return epochs
+
+    ranks = [shares(rank, world, seeds[rank]) for rank in range(world)]
+    for epoch in range(2):
+        order = shares(0, 1, seeds[-1])[epoch]  # the order one rank alone draws
+        per_rank = {len(r[epoch]) for r in ranks}
+        assert per_rank == {-(-rows // world)}
+        woven = [r[epoch][i] for i in range(per_rank.pop()) for r in ranks]
+        assert woven == (order * world)[:len(woven)]
 
 
 def loader_ddp(source: str, sites: list[tuple[str, str]]) -> rewrite.Rewrite:

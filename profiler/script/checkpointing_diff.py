@@ -22,12 +22,14 @@ from dpprof.script.source import (
     bindings,
     calls_at,
     dotted_name,
+    import_line,
     last_name,
     start_of,
     until_scope,
 )
 
 _WRAPPERS = ("DataParallel", "DistributedDataParallel", "DDP")
+_MODULE = "torch.utils.checkpoint"  # imported by its path where the script binds `checkpoint`
 
 
 def _model_binding(src: ScriptSource, forward: ast.stmt, name: str) -> ast.stmt:
@@ -92,9 +94,19 @@ def _checkpointing(src: ScriptSource, forward_line: int, words: dict[str, object
     wrapped = any(isinstance(n, ast.Call) and last_name(n.func) in _WRAPPERS
                   for n in ast.walk(made))
     root = f"{model}.module" if wrapped else model
+    at: ast.stmt = made  # the lines go after it, or after the branches that hold it
+    around = set(until_scope(src, forward))
+    branches = [a for a in until_scope(src, made)
+                if isinstance(a, (ast.If, ast.Try, ast.Match)) and a not in around]
+    if branches:
+        # the last binding is in a branch the run may not have taken (nanoGPT's
+        # `if ddp: model = DDP(model)`): after the outermost, the model is whichever was made
+        at = branches[-1]
+        assert isinstance(at, ast.stmt)
+        root = f'getattr({model}, "module", {model})'
     helper = free_name(src, "checkpointed", "checkpoint_block")
     block = free_name(src, "block", "repeated_block")
-    indent, unit = src.indent(made.lineno), indent_unit(src, made)
+    indent, unit = src.indent(at.lineno), indent_unit(src, made)
     kind, count = words.get("kind", ""), len(names)
     if words.get("whole"):
         head = [f"{indent}for {block} in {root}.{words['blocks']}:  # the {count} repeated "
@@ -104,14 +116,26 @@ def _checkpointing(src: ScriptSource, forward_line: int, words: dict[str, object
         head = [f"{indent}for {block} in map({root}.get_submodule, ({listed},)):  # the "
                 f"{count} repeated {kind} blocks"]
     assert made.end_lineno is not None
+    assert at.end_lineno is not None
+    where = at.end_lineno + 1
     edits = Edits(src)
-    edits.insert_lines(made.end_lineno + 1, [
+    function = "checkpoint"
+    try:
+        add_imports(src, edits, ["checkpoint"], src.scope(made))
+    except NoRewrite:  # the script's own `checkpoint` (a dict it saves): torch's by its path
+        edits = Edits(src)
+        add_imports(src, edits, ["torch"], src.scope(made))
+        if not any(isinstance(n, ast.Import) and any(a.name == _MODULE and a.asname is None
+                                                     for a in n.names)
+                   for n in ast.walk(src.tree)):
+            edits.insert_lines(import_line(src), [f"import {_MODULE}"])
+        function = f"{_MODULE}.checkpoint"
+    edits.insert_lines(where, [
         f"{indent}def {helper}(block):  # its activations are recomputed in backward",
         f"{indent}{unit}forward = block.forward",
-        f"{indent}{unit}block.forward = lambda *a, **k: checkpoint(forward, *a, "
+        f"{indent}{unit}block.forward = lambda *a, **k: {function}(forward, *a, "
         "use_reentrant=False, **k)",
         "", *head, f"{indent}{unit}{helper}({block})"])
-    add_imports(src, edits, ["checkpoint"], src.scope(made))
     return finish(src, edits, "activation checkpointing", [])
 
 

@@ -104,6 +104,42 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
 _BATCH_FACTORIES = ("randint", "randn", "rand")
 
 
+def own_process_group(source: str, path: str, gpus: int, rows: int = 0) -> str:
+    """Why the DDP change of the script in ``source`` is no diff where the script starts a
+    process group itself (:func:`_refuse_own_process_group`), else ""; checked on the lines
+    as written, so the reason names them (a rung's other edits move them)."""
+    try:
+        _refuse_own_process_group(ScriptSource(source, path), gpus, (), rows)
+    except NoRewrite as e:
+        return str(e)
+    return ""
+
+
+def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ...],
+                              scattered: int) -> None:
+    """:class:`NoRewrite` where the script starts a process group itself (its own DDP path,
+    taken when a launcher starts it, as torchvision's reference does): a second
+    ``init_process_group`` would fail, and the script needs no lines changed, only the
+    launcher and each rank's batch, which the reason says."""
+    calls = [c for c in ast.walk(src.tree)
+             if isinstance(c, ast.Call) and last_name(c.func) == "init_process_group"]
+    if not calls:
+        return
+    starts = min(c.lineno for c in calls)
+    aliases = {"DistributedDataParallel"} | {
+        a.asname for n in ast.walk(src.tree) if isinstance(n, ast.ImportFrom)
+        for a in n.names if a.name == "DistributedDataParallel" and a.asname}
+    wraps = sorted(c.lineno for c in ast.walk(src.tree)
+                   if isinstance(c, ast.Call) and last_name(c.func) in aliases)
+    own = f" and wraps DistributedDataParallel itself (line {wraps[0]})" if wraps else ""
+    share = (f", each rank's DataLoader batch_size {-(-scattered // gpus)} (DataParallel's "
+             f"{scattered} rows // {gpus}, as the DDP alternative ran it)") if scattered else ""
+    options = f"; give its DistributedDataParallel {', '.join(flags)}" if flags else ""
+    raise NoRewrite(f"the script starts its own process group (line {starts}){own}: run it as "
+                    f"DDP ranks with `torchrun --nproc-per-node {gpus} "
+                    f"{Path(src.path).name}` rather than change its lines{share}{options}")
+
+
 def _batch_rows_node(call: ast.Call) -> ast.expr | None:
     """The first dimension of a random factory's size (``torch.randint(0, V, (B, T))``:
     ``B``; ``torch.randn(B, D)``: ``B``), as the DDP alternative read it."""
@@ -148,6 +184,7 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0,
          loader_sites: tuple[str, ...] = ()) -> Rewrite:
+    _refuse_own_process_group(src, gpus, flags, scattered)
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
@@ -174,10 +211,24 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
                       if isinstance(n, ast.Call) and last_name(n.func) == "DataLoader"),
                      key=start_of)
     shared = False
+    own_samplers: list[ast.Call] = []  # loaders whose own sampler each rank takes a share of
+    helper = ""
     for loader in loaders:
-        why = _share_loader(src, edits, loader, gpus, scattered)
-        shared = shared or not why
-        if why:
+        if _own_sampler(loader) is not None and not helper:
+            helper = free_name(src, *_SAMPLER_SHARE_NAMES)
+        why = _share_loader(src, edits, loader, gpus, scattered, helper)
+        if not why and _own_sampler(loader) is not None:
+            own_samplers.append(loader)
+        elif not why:
+            shared = True
+        elif why != _NO_BATCH_SIZE and _divided_at_run_time(src, loader, loader_sites):
+            # applied as given, each rank would load more than the alternative measured
+            by_hand = (f"1/{gpus} of each of its batches" if why == _OWN_BATCHES else
+                       f"batch_size // {gpus} and a DistributedSampler")
+            raise NoRewrite(f"line {loader.lineno}: the DDP alternative gave each rank its "
+                            f"share of this DataLoader's batches, which the diff cannot ({why})"
+                            f": give each rank {by_hand} by hand")
+        else:
             at = src.statement(loader).lineno
             edits.insert_lines(at, [f"{src.indent(at)}# {share}"])
             notes.append(f"line {loader.lineno}: give each rank its share of the DataLoader by "
@@ -189,6 +240,15 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
         notes.append(f"line {call.lineno}: {_shard_note(call)}")
     add_imports(src, edits, ["os", "torch", "dist", "DDP",
                              *(["DistributedSampler"] if shared else [])], src.scope(wrap))
+    if own_samplers:
+        at = import_line(src)
+        spaced = at > len(src.lines) or not src.lines[at - 1].strip()  # a blank line follows
+        edits.insert_lines(at, ["", "", *_sampler_share(helper), *([] if spaced else ["", ""])])
+        for loader in own_samplers:
+            notes.append(f"line {loader.lineno}: each rank takes every {gpus}th index of the "
+                         f"DataLoader's own sampler (`{helper}`, defined after the imports: every "
+                         "rank draws the same order, seeded by the epoch), with "
+                         f"batch_size // {gpus}")
     line, indent = _init_line(src, wrap)
     name = Path(src.path).name
     edits.insert_lines(line, [
@@ -216,23 +276,91 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _LOADER_ARGS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler")
 
 
+def _loader_args(loader: ast.Call) -> dict[str, ast.expr]:
+    """``loader``'s arguments among :data:`_LOADER_ARGS`, by name (positional or keyword)."""
+    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    return given | {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
+
+
+def _own_sampler(loader: ast.Call) -> ast.expr | None:
+    """The sampler ``loader`` is given (``DataLoader(ds, 8, sampler=s)``: ``s``), if any."""
+    sampler = _loader_args(loader).get("sampler")
+    return None if isinstance(sampler, ast.Constant) and sampler.value is None else sampler
+
+
+# why a loader is left to the user where that changes nothing the alternative measured (its
+# batch_size the default 1, which the alternative's division left at 1)
+_NO_BATCH_SIZE = "no dataset or no batch_size given"
+_OWN_BATCHES = "it has a batch sampler of its own"
+
+
+def _divided_at_run_time(src: ScriptSource, loader: ast.Call, loader_sites: tuple[str, ...]
+                         ) -> bool:
+    """Whether the DDP alternative divided ``loader``'s batches as the script ran (a site it
+    recorded is on the call's lines)."""
+    first, last = loader.lineno, loader.end_lineno or loader.lineno
+    return any(Path(path).resolve() == Path(src.path).resolve() and first <= line <= last
+               for path, line in map(site_of, loader_sites))
+
+
+# the names the helper that splits a loader's own sampler among the ranks may take
+_SAMPLER_SHARE_NAMES = ("RankShare", "RankShareSampler", "DdpRankShare")
+
+
+def _sampler_share(name: str) -> list[str]:
+    """The helper the diff defines (as ``name``) to give each rank its share of a loader's own
+    sampler as DistributedSampler shares a dataset: the sampler's order drawn alike on every
+    rank (torch's random generator seeded by the epoch, for the samplers that draw from it),
+    padded to a multiple of the ranks, every rank its every world-size-th index; torch has no
+    such wrapper."""
+    return [
+        f"class {name}:",
+        '    """DDP: this rank\'s share of a sampler\'s indices, as DistributedSampler shares a',
+        "    dataset: every rank draws the same order (torch's generator seeded by the epoch),",
+        '    padded to a multiple of the ranks, and takes every world-size-th index."""',
+        "",
+        "    def __init__(self, sampler):",
+        "        self.sampler, self.epoch = sampler, 0",
+        "",
+        "    def __len__(self):",
+        "        return -(-len(self.sampler) // dist.get_world_size())",
+        "",
+        "    def __iter__(self):",
+        "        with torch.random.fork_rng(devices=[]):",
+        "            torch.manual_seed(self.epoch)",
+        "            order = list(self.sampler)",
+        "        self.epoch += 1",
+        "        world = dist.get_world_size()",
+        "        order = (order * world)[:-(-len(order) // world) * world]",
+        "        return iter(order[dist.get_rank()::world])",
+    ]
+
+
 def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
-                  scattered: int) -> str:
+                  scattered: int, helper: str) -> str:
     """Each rank loads its share of ``loader``'s batches, as the DDP alternative divided
     them: ``batch_size`` // ``gpus`` and a ``DistributedSampler`` of its dataset (shuffling
-    as the loader did, which then no longer shuffles itself). "" where done, else why not."""
+    as the loader did, which then no longer shuffles itself), or, where the loader has a
+    sampler of its own, that sampler's share (``helper``, :func:`_sampler_share`). "" where
+    done, else why not."""
     if any(isinstance(a, ast.Starred) for a in loader.args) or any(
             kw.arg is None for kw in loader.keywords):
         return "its arguments are unpacked"
-    given = {name: arg for name, arg in zip(_LOADER_ARGS, loader.args, strict=False)}
+    given = _loader_args(loader)
+    if "batch_sampler" in given:
+        return _OWN_BATCHES
+    own = _own_sampler(loader)
+    if own is not None:
+        rows = given.get("batch_size")
+        if rows is not None and not (isinstance(rows, ast.Constant) and rows.value is None):
+            edits.node(rows, _share(src, rows, gpus, scattered))
+        edits.node(own, f"{helper}({src.seg(own)})")
+        return ""
     if len(loader.args) > 2:
         return "its shuffle or sampler is given by position"
-    given |= {kw.arg: kw.value for kw in loader.keywords if kw.arg in _LOADER_ARGS}
-    if "sampler" in given or "batch_sampler" in given:
-        return "it has a sampler of its own"
     dataset, rows = given.get("dataset"), given.get("batch_size")
     if dataset is None or rows is None:
-        return "no dataset or no batch_size given"
+        return _NO_BATCH_SIZE
     named = src.seg(dataset)
     if not isinstance(dataset, (ast.Name, ast.Attribute)):
         # the sampler needs the dataset too: made once, named, before the loader's statement

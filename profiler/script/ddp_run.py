@@ -23,7 +23,7 @@ from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.notes import alternative_fix, alternative_notes
-from dpprof.script.rewrite import rewrite_text
+from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
 
@@ -55,9 +55,40 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
     calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``)."""
     if not run.dp_sites:
         return ""
+    library = _library_site(run.dp_sites[0])
+    if library:  # nothing of the script's to rewrite
+        return rewrite_text(Rewrite(reason=_library_wrap(
+            library, gpus, run.batch_rows,
+            (*(("gradient_as_bucket_view=True",) if bucket_view else ()), *flags))))
     return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                                         batch_sites=batch_sites, rows=run.batch_rows,
                                         flags=flags, loader_sites=loader_sites))
+
+
+def _library_wrap(library: str, gpus: int, rows: int, options: tuple[str, ...]) -> str:
+    """Why there is no DDP diff where a library's code (``library``: its ``file:line``)
+    wrapped DataParallel (Hugging Face's Trainer does, seeing several GPUs in one process),
+    and what to do instead: start the script under a launcher, each rank loading its share
+    of DataParallel's ``rows``, DDP given ``options``."""
+    share = (f", each rank loading {-(-rows // gpus)} rows (DataParallel's {rows} // {gpus})"
+             if rows else "")
+    given = f", its DistributedDataParallel given {', '.join(options)}" if options else ""
+    return (f"DataParallel is wrapped by a library's code ({library}), not by the script's "
+            "lines: nothing in the script to rewrite; where the library wraps "
+            "DistributedDataParallel itself once started by a launcher (Hugging Face's "
+            f"Trainer does), start the script with `torchrun --nproc-per-node {gpus}`"
+            f"{share}{given}; the library's DDP has options of its own (Trainer's "
+            "find_unused_parameters=True, which skips DDP's bucket rebuild), so its peak is "
+            "that run's: measure it with `dpprof run -- torchrun ...`")
+
+
+def _library_site(site: str) -> str:
+    """``site`` (``file:line``) relative to the library folder that holds it
+    (``transformers/trainer.py:1234``), or "" where it is not a library's."""
+    for folder in _LIBRARY_DIRS:
+        if site.startswith(folder.rstrip("/") + "/"):
+            return site[len(folder.rstrip("/")) + 1:]
+    return ""
 
 
 def _script_line(frame: Any) -> str | None:
@@ -139,6 +170,23 @@ def _divide_hand_made_batches(state: AlternativeState, vc: VirtualCuda,
         patcher.patch(torch, func, dividing(func, getattr(torch, func)))
 
 
+class RankShareOfBatches:
+    """A DataLoader's own batch sampler as one rank of ``world`` loads it under DDP: the
+    first ``ceil(len / world)`` indices of each batch (DataParallel's first chunk, the
+    heaviest rank's share)."""
+
+    def __init__(self, batches: Any, world: int) -> None:
+        self.batches, self.world = batches, world
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        for batch in self.batches:
+            indices = list(batch)
+            yield indices[:-(-len(indices) // self.world)]
+
+
 def _division(state: AlternativeState, world: int) -> str:
     """How the alternative gave each rank its share of the batch ("": it did not)."""
     ways = []
@@ -170,7 +218,18 @@ class DdpInPlace(Alternative):
 
         def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                         *args: Any, **kwargs: Any) -> None:
-            if batch_size:
+            batches = kwargs.get("batch_sampler", args[2] if len(args) > 2 else None)
+            if batches is not None:  # its own batches: each rank its share of every one
+                share = RankShareOfBatches(batches, vc.device_count())
+                if "batch_sampler" in kwargs:
+                    kwargs["batch_sampler"] = share
+                else:
+                    args = (*args[:2], share, *args[3:])
+                state.divided_loader = True
+                site = script_site(sys._getframe(1))
+                if site is not None and site not in state.loader_sites:
+                    state.loader_sites.append(site)
+            elif batch_size:
                 # one rank per GPU the script sees: asked here, not before the script ran
                 # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
                 world = vc.device_count()

@@ -211,8 +211,10 @@ def _recording_class() -> type:
 
         shapes: list[Any]
 
-        def forward(self, inputs: Any, targets: Any) -> tuple[Any, ...]:
+        def forward(self, inputs: Any, targets: Any = None) -> Any:
             outputs = self.model(*as_args(inputs))
+            if targets is None:  # a call for the outputs alone, as ModelWithLoss's
+                return outputs
             self.shapes.append(tree_map(
                 lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
                 outputs))

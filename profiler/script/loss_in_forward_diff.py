@@ -311,8 +311,9 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                      and n is not model and src.seg(n.func) == callee_text})
     if others:
         notes.append(f"line {', '.join(map(str, others))} also call{'s' * (len(others) == 1)} "
-                     f"{callee_text}(...): with ModelWithLoss it takes (inputs, targets) and "
-                     "returns the loss; for the outputs call its .module.model")
+                     f"{callee_text}(...): ModelWithLoss given the inputs alone returns the "
+                     "model's outputs, gathered on cuda:0 as before; given the targets too, "
+                     "the loss")
     if any(isinstance(n, ast.Attribute) and n.attr == "module" for n in ast.walk(src.tree)):
         notes.append("the wrapped module is now the ModelWithLoss: the model is .module.model "
                      "(its state_dict keys gain `model.`)")

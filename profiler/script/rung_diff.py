@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dpprof.script.autocast_diff import autocast_until
 from dpprof.script.checkpointing_diff import checkpointing
-from dpprof.script.ddp_diff import ddp
+from dpprof.script.ddp_diff import ddp, own_process_group
 from dpprof.script.rewrite import (
     Rewrite,
     read_source,
@@ -57,6 +57,9 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
     try:
         original = read_source(sites.path)
         text, notes = original, list[str]()
+        own = own_process_group(original, sites.path, gpus, sites.rows) if sites.dp_line else ""
+        if own:
+            raise NoRewrite(f"DDP: {own}")
         loader_lines = [int(n) for p, _, n in (s.rpartition(":") for s in sites.loader_sites)
                         if p == sites.path and n.isdigit()]
         lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
