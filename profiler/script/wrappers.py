@@ -38,6 +38,7 @@ from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.measured_loop import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.engines import engines_refused
+from dpprof.script.launch import ProcessExit
 from dpprof.script.lightning_launch import LaunchedRanks, lightning_launcher_played
 
 if TYPE_CHECKING:
@@ -525,15 +526,22 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         patch(owner, "broadcast_object_list", broadcast_object_list)
 
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
-              join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
-        """``mp.spawn``: one process per rank; the rank this run plays runs here."""
+              join: bool = True, daemon: bool = False, start_method: str = "spawn") -> Any:
+        """``mp.spawn``: one process per rank; the rank this run plays runs here. A rank
+        other than 0 is a process of its own, which ends when its function returns (the
+        code after the spawn is the parent's: waiting for rank 0's results, Lightning's
+        launchers would wait for ever); rank 0 goes on as the parent, its processes
+        joined (``join=False``: a context whose processes have all ended)."""
         _log().spawned = max(_log().spawned, nprocs)
-        fn(min(_state().spawn_rank, nprocs - 1), *args)
-        return None
+        rank = min(_state().spawn_rank, nprocs - 1)
+        fn(rank, *args)
+        if rank != 0:
+            raise ProcessExit(0)
+        return None if join else mp.ProcessContext([], [])
 
     def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
                         join: bool = True, daemon: bool = False,
-                        start_method: str = "spawn") -> None:
+                        start_method: str = "spawn") -> Any:
         return spawn(fn, args, nprocs, join, daemon, start_method)
 
     import torch.multiprocessing.spawn as spawn_mod
