@@ -515,8 +515,9 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         never arrive; torch's unpickling of the bytes that did not come would fail), each
         counted as a value made up."""
         if _log().fake_group:
-            sender = (src if src is not None else
-                      dist.get_global_rank(group or dist.group.WORLD, group_src or 0))
+            within = group if group is not None else dist.group.WORLD
+            sender = (src if src is not None or within is None
+                      else dist.get_global_rank(within, group_src or 0))
             if dist.get_rank() != sender:
                 vc.rt.stand_ins.add("broadcast object", len(object_list))
                 return None
