@@ -178,3 +178,7 @@ def test_fabric_spawn_strategies_run_their_ranks_in_place_to_the_script_s_end(
     assert ddp["status"] == "ok" and len({d["peak_allocated_bytes"]
                                           for d in ddp["devices"]}) == 1, ddp
     assert output.count("done after 6 steps") == 1, output
+    assert [n for n in ddp["notes"] if n.startswith(
+        "the ranks are started by torch.multiprocessing.start_processes with lightning.fabric."
+        "strategies.launchers.multiprocessing's _MultiProcessingLauncher._wrapping_function "
+        f"(start method {'spawn' if strategy == 'ddp_spawn' else 'fork'})")], ddp["notes"]

@@ -212,6 +212,7 @@ class ScriptRun:
     # it raised because the emulation found tensors of two GPUs in one op (VirtualDeviceError)
     devices_mixed: bool = False
     spawned: bool = False  # the script called mp.spawn / start_processes (it gets a rank)
+    spawned_by: str = ""  # the library's function spawned, where not the script's own
     # the ranks Lightning's own launcher asked for as processes (none started), where it ran
     launched: LaunchedRanks | None = None
     noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
@@ -439,6 +440,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.call_sites = list(log.call_sites)
     run.loss_sites = list(log.loss_sites)
     run.spawned = log.spawned > 0
+    run.spawned_by = log.spawned_by
     run.launched = log.launched
     run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
                          log.launched.world if log.launched is not None else 1,

@@ -146,6 +146,12 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
         cfg = dataclasses.replace(cfg, launch=ranks_launch(cfg.launch, launched))
         main.scenario = dataclasses.replace(main.scenario, notes=(
             *main.scenario.notes, launched_note(launched, cfg.launch)))
+    elif main.spawned_by:  # a library's launcher spawned the ranks (Lightning's ddp_spawn)
+        main.scenario = dataclasses.replace(main.scenario, notes=(
+            *main.scenario.notes,
+            f"the ranks are started by torch.multiprocessing.start_processes with "
+            f"{main.spawned_by}: no process started, each rank played in place as "
+            "mp.spawn's are (rank 0 in dpprof's process, the others as --ranks says)"))
     # a rank is played where dpprof plays the launcher (torchrun's, accelerate's or
     # Lightning's environment, mp.spawn's argument); a script that starts its own
     # processes otherwise would run as rank 0 again

@@ -60,6 +60,9 @@ class ParallelLog:
     used_devices: list[int] = field(default_factory=list)  # runtime indices DP computed on
     world_size: int = 1  # of the (fake) process group, where one was initialised
     spawned: int = 0  # nprocs of mp.spawn / start_processes, where called
+    # the function a library's launcher spawned ("module's qualname", start method), where
+    # one did (Lightning's ddp_spawn / ddp_notebook); "": none, or the script's own
+    spawned_by: str = ""
     # the ranks Lightning's own launcher would have started as processes, where it ran
     launched: LaunchedRanks | None = None
     ddp_devices: list[int] = field(default_factory=list)  # runtime index of each DDP wrapper
@@ -534,6 +537,10 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         launchers would wait for ever); rank 0 goes on as the parent, its processes
         joined (``join=False``: a context whose processes have all ended)."""
         _log().spawned = max(_log().spawned, nprocs)
+        module = getattr(fn, "__module__", None) or "__main__"
+        if module != "__main__" and not _log().spawned_by:
+            _log().spawned_by = (f"{module}'s {getattr(fn, '__qualname__', repr(fn))} "
+                                 f"(start method {start_method})")
         rank = min(_state().spawn_rank, nprocs - 1)
         fn(rank, *args)
         if rank != 0:
