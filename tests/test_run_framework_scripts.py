@@ -194,10 +194,9 @@ def test_a_lightning_module_under_trainer_strategy_ddp_that_checkpoints(work: Pa
     pytest.importorskip("lightning")
     (work / "checkpoints").mkdir()
     (work / "checkpoints" / "last.ckpt").write_bytes(b"the user's checkpoint of yesterday")
-    # in a process of its own: Lightning's Trainer starts the other ranks as real processes
-    # (dpprof does not play its launcher yet), and once they fail its _ChildProcessObserver
-    # SIGKILLs the process that started them, which in pytest's would be the test worker;
-    # the torchvision shim through sitecustomize, as torchmetrics imports torchvision
+    # in a process of its own, as a user runs it (dpprof plays Lightning's launcher: no
+    # process starts; tests/test_run_lightning_launch.py holds that), the torchvision shim
+    # through sitecustomize, as torchmetrics imports torchvision
     site = work.parent / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(

@@ -220,16 +220,20 @@ def _torchrun(args: list[str], gpus: int, launcher: str, gpus_given: bool = True
 
 
 def as_rank(launch: Launch, rank: int) -> Launch:
-    """``launch`` as the launcher starts its rank ``rank``: the environment torchrun gives
-    that process (its global, local and node rank), ``--local-rank`` where
-    ``torch.distributed.launch`` passes it. A launch without a launcher's environment
-    (``mp.spawn`` under ``python``) is returned as is: the spawned function gets the rank."""
+    """``launch`` as the launcher starts its rank ``rank``: the environment the launcher
+    gives that process (torchrun's: its global, local and node rank; Lightning's: its local
+    and node rank), ``--local-rank`` where ``torch.distributed.launch`` passes it. A launch
+    without a launcher's environment (``mp.spawn`` under ``python``) is returned as is: the
+    spawned function gets the rank."""
     if "WORLD_SIZE" not in launch.env or rank == 0:
         return launch
     per_node = launch.nproc or int(launch.env.get("LOCAL_WORLD_SIZE", "1"))
     local, node = rank % per_node, rank // per_node
-    env = {**launch.env, "RANK": str(rank), "LOCAL_RANK": str(local),
-           "GROUP_RANK": str(node), "ROLE_RANK": str(rank)}
+    # the variables the launcher sets, each as this rank's (no other: a variable Lightning
+    # does not set, RANK among them, would tell it another launcher started the process)
+    own = {"RANK": rank, "LOCAL_RANK": local, "GROUP_RANK": node, "ROLE_RANK": rank,
+           "NODE_RANK": node}
+    env = {**launch.env, **{k: str(v) for k, v in own.items() if k in launch.env}}
     argv = [f"--local-rank={local}" if a == "--local-rank=0" else a for a in launch.argv]
     return dataclasses.replace(launch, env=env, argv=argv)
 

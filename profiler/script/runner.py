@@ -81,6 +81,7 @@ from dpprof.script.launch import (
     script_process,
     user_traceback,
 )
+from dpprof.script.lightning_launch import LaunchedRanks
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
 from dpprof.script.shared_files import SharedFiles
@@ -211,6 +212,9 @@ class ScriptRun:
     # it raised because the emulation found tensors of two GPUs in one op (VirtualDeviceError)
     devices_mixed: bool = False
     spawned: bool = False  # the script called mp.spawn / start_processes (it gets a rank)
+    spawned_by: str = ""  # the library's function spawned, where not the script's own
+    # the ranks Lightning's own launcher asked for as processes (none started), where it ran
+    launched: LaunchedRanks | None = None
     noted: bool = False  # the as-written run's notes are made (dpprof.script.session)
 
 
@@ -436,7 +440,10 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.call_sites = list(log.call_sites)
     run.loss_sites = list(log.loss_sites)
     run.spawned = log.spawned > 0
+    run.spawned_by = log.spawned_by
+    run.launched = log.launched
     run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
+                         log.launched.world if log.launched is not None else 1,
                          vc.device_count() if as_ranks else 1)
     used = list(log.used_devices)
     ddp_devices = list(log.ddp_devices)

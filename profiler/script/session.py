@@ -34,6 +34,7 @@ from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
+from dpprof.script.lightning_launch import launched_note, ranks_launch
 from dpprof.script.notes import (
     how_it_ended,
     library_branches,
@@ -140,9 +141,20 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
     into ``main``, rank 0's run (:mod:`dpprof.script.rank_runs`)."""
     world = main.world_size
     ranks, beyond = ranks_to_run(cfg.ranks, world)
-    # a rank is played where dpprof plays the launcher (torchrun's or accelerate's
-    # environment, mp.spawn's argument); a script that starts its own processes
-    # (Lightning's Trainer) would run as rank 0 again
+    launched = main.launched
+    if launched is not None:  # Lightning's launcher: each rank as it would have started it
+        cfg = dataclasses.replace(cfg, launch=ranks_launch(cfg.launch, launched))
+        main.scenario = dataclasses.replace(main.scenario, notes=(
+            *main.scenario.notes, launched_note(launched, cfg.launch)))
+    elif main.spawned_by:  # a library's launcher spawned the ranks (Lightning's ddp_spawn)
+        main.scenario = dataclasses.replace(main.scenario, notes=(
+            *main.scenario.notes,
+            f"the ranks are started by torch.multiprocessing.start_processes with "
+            f"{main.spawned_by}: no process started, each rank played in place as "
+            "mp.spawn's are (rank 0 in dpprof's process, the others as --ranks says)"))
+    # a rank is played where dpprof plays the launcher (torchrun's, accelerate's or
+    # Lightning's environment, mp.spawn's argument); a script that starts its own
+    # processes otherwise would run as rank 0 again
     playable = "WORLD_SIZE" in cfg.launch.env or main.spawned
     if ranks and not playable:
         main.scenario = dataclasses.replace(main.scenario, notes=(
@@ -157,6 +169,8 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
     if world > 1:
         main.ranks = merge_ranks(main, main.rank_runs, world,
                                  None if cfg.launch.is_module else cfg.launch.target, beyond)
+        if launched is not None:
+            main.ranks["started_by"] = launched.launcher
 
 
 def _gpus_of(main: ScriptRun) -> int:

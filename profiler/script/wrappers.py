@@ -38,6 +38,8 @@ from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.measured_loop import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.engines import engines_refused
+from dpprof.script.launch import ProcessExit
+from dpprof.script.lightning_launch import LaunchedRanks, lightning_launcher_played
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -58,6 +60,11 @@ class ParallelLog:
     used_devices: list[int] = field(default_factory=list)  # runtime indices DP computed on
     world_size: int = 1  # of the (fake) process group, where one was initialised
     spawned: int = 0  # nprocs of mp.spawn / start_processes, where called
+    # the function a library's launcher spawned ("module's qualname", start method), where
+    # one did (Lightning's ddp_spawn / ddp_notebook); "": none, or the script's own
+    spawned_by: str = ""
+    # the ranks Lightning's own launcher would have started as processes, where it ran
+    launched: LaunchedRanks | None = None
     ddp_devices: list[int] = field(default_factory=list)  # runtime index of each DDP wrapper
     replica_scalars: bool = False  # DataParallel's replicas returned one number each
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
@@ -432,6 +439,12 @@ def install(vc: VirtualCuda, patch: Patch) -> None:
         patch(real, "__init__", _making_virtual(real, virtual))
     _install_distributed(vc, patch)
     vc.enter_context(engines_refused())
+    log = vc.parallel.log
+
+    def record(launched: LaunchedRanks) -> None:
+        log.launched = launched
+
+    vc.enter_context(lightning_launcher_played(record))
 
 
 def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
@@ -495,17 +508,48 @@ def _install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if hasattr(owner, "get_backend"):
             patch(owner, "get_backend", get_backend)
     patch(dist, "is_nccl_available", lambda: True)
+    real_broadcast_objects = c10d.broadcast_object_list
+
+    def broadcast_object_list(object_list: list[Any], src: int | None = None,
+                              group: Any = None, device: Any = None,
+                              group_src: int | None = None) -> None:
+        """The sender's objects pickled as torch does; a receiving rank of the emulated
+        group keeps its own (the sender's run is another emulated process: its objects
+        never arrive; torch's unpickling of the bytes that did not come would fail), each
+        counted as a value made up."""
+        if _log().fake_group:
+            within = group if group is not None else dist.group.WORLD
+            sender = (src if src is not None or within is None
+                      else dist.get_global_rank(within, group_src or 0))
+            if dist.get_rank() != sender:
+                vc.rt.stand_ins.add("broadcast object", len(object_list))
+                return None
+        return real_broadcast_objects(object_list, src, group, device, group_src)  # type: ignore[no-any-return]
+
+    for owner in (dist, c10d):
+        patch(owner, "broadcast_object_list", broadcast_object_list)
 
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
-              join: bool = True, daemon: bool = False, start_method: str = "spawn") -> None:
-        """``mp.spawn``: one process per rank; the rank this run plays runs here."""
+              join: bool = True, daemon: bool = False, start_method: str = "spawn") -> Any:
+        """``mp.spawn``: one process per rank; the rank this run plays runs here. A rank
+        other than 0 is a process of its own, which ends when its function returns (the
+        code after the spawn is the parent's: waiting for rank 0's results, Lightning's
+        launchers would wait for ever); rank 0 goes on as the parent, its processes
+        joined (``join=False``: a context whose processes have all ended)."""
         _log().spawned = max(_log().spawned, nprocs)
-        fn(min(_state().spawn_rank, nprocs - 1), *args)
-        return None
+        module = getattr(fn, "__module__", None) or "__main__"
+        if module != "__main__" and not _log().spawned_by:
+            _log().spawned_by = (f"{module}'s {getattr(fn, '__qualname__', repr(fn))} "
+                                 f"(start method {start_method})")
+        rank = min(_state().spawn_rank, nprocs - 1)
+        fn(rank, *args)
+        if rank != 0:
+            raise ProcessExit(0)
+        return None if join else mp.ProcessContext([], [])
 
     def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
                         join: bool = True, daemon: bool = False,
-                        start_method: str = "spawn") -> None:
+                        start_method: str = "spawn") -> Any:
         return spawn(fn, args, nprocs, join, daemon, start_method)
 
     import torch.multiprocessing.spawn as spawn_mod
