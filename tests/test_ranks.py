@@ -104,14 +104,11 @@ class DiesBeforeJoining(Group):
 
 @pytest.mark.parametrize("die", [True, False])
 def test_a_rank_that_fails_while_the_group_is_set_up_does_not_hang_its_peer(die: bool) -> None:
-    import time
-
-    # without the watcher during set-up, rank 0 would wait the whole 30 s timeout in init
+    # without the watcher during set-up, rank 0 would wait the whole timeout in init and
+    # fail with gloo's timeout, not with the message naming rank 1 (checked below)
     group = DiesBeforeJoining(backend="gloo", device="cpu", timeout_s=30, grace_s=5,
                               join_timeout_s=120, die=die)
-    t0 = time.monotonic()
     outcomes = spawn_ranks(group, SumBody(), 2)
-    assert time.monotonic() - t0 < 20
     assert [o.ok for o in outcomes] == [False, False]
     assert outcomes[1].first_failure and not outcomes[0].first_failure
     if die:

@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator.cuda_devices import caller_frame, caller_site
 from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
 from dpprof.script.loss_expression import compiled, find_in_frame
+from dpprof.script.parallel_state import current
 from dpprof.script.source import dotted_name
-from dpprof.script.wrappers import current
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import runpy
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,18 +22,14 @@ from dpprof.backends.emulated_figures import (
     device_result,
     timeline_points,
     transient_note,
-    with_gpu_overheads,
 )
-from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
-from dpprof.emulator.context import device_context, link_of
 from dpprof.emulator.data_parallel import replicas_float16_note
 from dpprof.emulator.dispatch_state import VirtualDeviceError
 from dpprof.emulator.emulated_autocast import CudaAutocastNames
 from dpprof.emulator.kernels import GpuKernels
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
-from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
     Interrupted,
@@ -49,7 +43,7 @@ from dpprof.errors import (
     take_interrupt,
 )
 from dpprof.measure.ladder_rungs import Rung
-from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult
+from dpprof.result import STATUS_ERROR, STATUS_OK, STATUS_OOM, ScenarioResult
 from dpprof.scenarios.names import (
     DDP,
     DP_LOSS_FORWARD,
@@ -60,7 +54,7 @@ from dpprof.scenarios.names import (
     TENSOR_PARALLEL,
 )
 from dpprof.scenarios.registry import scenario
-from dpprof.script import seal, wrappers
+from dpprof.script import parallel_state, seal, wrappers
 from dpprof.script.census import Snapshot
 from dpprof.script.effects import ScriptEffects
 from dpprof.script.hooks import (
@@ -82,6 +76,12 @@ from dpprof.script.launch import (
     user_traceback,
 )
 from dpprof.script.lightning_launch import LaunchedRanks
+from dpprof.script.run_figures import (
+    below_what_the_script_was_told,
+    predict_time,
+    rank_device,
+    with_overheads,
+)
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
 from dpprof.script.shared_files import SharedFiles
@@ -289,11 +289,11 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
             with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
                     effects, Patcher() as patcher:
                 label_losses(vc, patcher)  # before an alternative's loss call, which calls it
-                wrappers.state_of(vc).alternative = alternative
-                wrappers.state_of(vc).keep_outputs = cfg.keep_outputs
+                parallel_state.state_of(vc).alternative = alternative
+                parallel_state.state_of(vc).keep_outputs = cfg.keep_outputs
                 if alternative is not None:
                     alternative.install(state, vc, patcher)
-                wrappers.state_of(vc).spawn_rank = cfg.rank
+                parallel_state.state_of(vc).spawn_rank = cfg.rank
                 compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()
@@ -330,7 +330,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     warmup_higher = stepper.keep_higher_warmup_peaks()
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
     if rt.op_log is not None:
-        run.scenario = _predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
+        run.scenario = predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
         rt.op_log = None
     if run.seal.breach is not None and run.ended == "script raised":
         # dpprof stopped it, not the script's error
@@ -428,7 +428,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     """What the wrappers logged while the script ran (:mod:`dpprof.script.wrappers`)
     into ``run``; the devices used and those DDP ran on."""
     launch = cfg.launch
-    log = wrappers.state_of(vc).log
+    log = parallel_state.state_of(vc).log
     run.data_parallel = log.data_parallel > 0
     as_ranks = cfg.alternative is not None and cfg.alternative.as_ranks
     run.ddp = log.ddp > 0 or (as_ranks and bool(log.ddp_devices))
@@ -504,10 +504,10 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         f"all that followed it ({fmt_bytes(warmup_higher[i])}): that peak is reported, as "
         "the GPU reaches it" for logical, i in enumerate(visible) if i in warmup_higher)
     if kind.ranks_alike and run.world_size > 1:
-        own = vc.visible.index(_rank_device(vc, run.local_rank))
+        own = vc.visible.index(rank_device(vc, run.local_rank))
         devices = ddp_ranks(devices[own], min(run.world_size, n))
     if not cfg.compute:
-        devices = list(_overheads(devices, vc, cfg, run.local_rank, run.world_size))
+        devices = list(with_overheads(devices, vc, cfg, run.local_rank, run.world_size))
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
@@ -525,7 +525,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         return dataclasses.replace(s, status=STATUS_ERROR, message=message,
                                    traceback=run.script_traceback)
     over = [d for d in s.devices if d.used and d.total_peak_bytes > cfg.capacity_bytes]
-    untold = _below_what_the_script_was_told(s, vc, run.local_rank)
+    untold = below_what_the_script_was_told(s, vc, run.local_rank)
     if untold:
         return dataclasses.replace(s, status=STATUS_ERROR, message=untold)
     if over:
@@ -536,72 +536,3 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
                      f"{fmt_bytes(worst.total_peak_bytes)} at its peak ({worst.peak_phase}),"
                      f" has {fmt_bytes(cfg.capacity_bytes)}"))
     return dataclasses.replace(s, status=STATUS_OK)
-
-
-def _rank_device(vc: VirtualCuda, local_rank: int) -> int:
-    """The device whose figures stand for a DDP run's rank: the rank's own GPU
-    (``local_rank``), where the run used it, else the first it used."""
-    counters = vc.rt.storages.counters
-    if local_rank < len(vc.visible) and counters[vc.visible[local_rank]].peak_allocated > 0:
-        return vc.visible[local_rank]
-    return next((i for i in vc.visible if counters[i].peak_allocated > 0), vc.visible[0])
-
-
-def _predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
-                  step_ends: list[int], local_rank: int) -> ScenarioResult:
-    """``s`` with the measured steps' mean time on the target GPU, predicted from their ops
-    (:func:`dpprof.emulator.step_time.predict_steps`): a rank of DDP (or FSDP2)
-    stands for every rank; the script's devices are the visible ones it names."""
-    log = vc.rt.op_log
-    if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
-        return s
-    ranks_from = _rank_device(vc, local_rank)
-
-    def source(d: DeviceResult) -> int:
-        return ranks_from if d.rank is not None else vc.visible[d.index]
-
-    shown = sorted({source(d) for d in s.devices if d.used})
-    rates = rates_for(cfg.gpu, cfg.interconnect)
-    pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
-    return write_prediction(s, pred, s.batch, source)
-
-
-def _below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
-                                    local_rank: int) -> str:
-    """Where a device's reported peak is below what ``torch.cuda``'s memory functions told
-    the script of it (the peak the GPU reaches is at least every reading of it), why the
-    run cannot be reported; "" where none is."""
-    ranks_from = _rank_device(vc, local_rank)
-    for d in s.devices:
-        told = vc.memory.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
-        if told is None:
-            continue
-        for reported, read, by, what in (
-                (d.peak_allocated_bytes, told.allocated_bytes, told.allocated_by, "allocated"),
-                (d.peak_reserved_bytes, told.reserved_bytes, told.reserved_by, "reserved")):
-            if reported is not None and read > reported:
-                return (f"not reported: dpprof's peak {what} for cuda:{d.index} "
-                        f"({fmt_bytes(reported)}) is below what the script was told, "
-                        f"{fmt_bytes(read)} by {by}; the peak the GPU reaches is at least "
-                        "every reading of it, so these figures are wrong (a dpprof bug: "
-                        "please report it)")
-    return ""
-
-
-def _overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
-               local_rank: int, world_size: int = 1) -> tuple[DeviceResult, ...]:
-    """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
-    script's environment) per used device: the emulator's one model
-    (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations."""
-    ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
-                         link=link_of(cfg.gpu, cfg.interconnect),
-                         nccl_env={**os.environ, **cfg.launch.env})
-
-    def source(d: DeviceResult) -> int:
-        if d.rank is None:
-            return vc.visible[d.index]
-        # a DDP rank: the device that ran it stands for every rank
-        return _rank_device(vc, local_rank)
-
-    return with_gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
-                              blas_first=vc.rt.blas_first, transients=vc.rt.storages.transients)

@@ -1,0 +1,175 @@
+"""torch.distributed as a script calls it during an emulated run: ``init_process_group``
+(any backend) initialises torch's fake process group, ``get_backend`` answers what the script
+asked for, ``broadcast_object_list`` keeps a receiving rank's own objects, ``mp.spawn`` runs
+the rank this run plays in place, and FSDP2's ``fully_shard`` and tensor parallelism are
+counted once a group exists."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from dpprof.emulator import fsdp
+from dpprof.emulator.patcher import Patch, Patcher
+from dpprof.script.launch import ProcessExit
+from dpprof.script.parallel_state import current
+
+if TYPE_CHECKING:
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+
+
+def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
+    import os
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        return
+    orig_init = dist.init_process_group
+    fsdp_hooks: list[bool] = []  # installed (once, by the first init_process_group)
+
+    def init_process_group(backend: Any = None, init_method: str | None = None,
+                           timeout: Any = None, world_size: int = -1, rank: int = -1,
+                           store: Any = None, group_name: str = "", pg_options: Any = None,
+                           device_id: Any = None, **_: Any) -> None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if world_size is None or world_size < 0:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if rank is None or rank < 0:
+            rank = int(os.environ.get("RANK", "0"))
+        orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        # the backend DDP's logging data names: NCCL's, as asked (torch's logger reads a
+        # gloo group's C++ backend, which the emulated group has not: then the fake one's)
+        asked = str(backend or "nccl")
+        current().backend = "nccl" if "nccl" in asked or asked == "cuda" else "fake"
+        current().asked_backend = asked
+        # the largest of the script's jobs (the DDP tutorial runs 4 ranks, then 2)
+        current().log.world_size = max(current().log.world_size, world_size)
+        current().log.fake_group = True
+        if not fsdp_hooks:
+            # FSDP2's hooks once a process group exists (FSDP2 needs one, a default mesh
+            # makes one here): importing FSDP2 loads DTensor and sympy, a second or more
+            # that neither compare's emulations nor a script without a group should pay
+            fsdp_hooks.append(True)
+            install_fsdp(vc)
+
+    patch(dist, "init_process_group", init_process_group)
+    # torch's own callers hold it by name: init_device_mesh initialises the default group
+    # itself when the script has not (else a real rendezvous waits for ranks that never
+    # come), as does FSDP2's default mesh
+    import torch.distributed.distributed_c10d as c10d
+
+    patch(c10d, "init_process_group", init_process_group)
+    from torch.distributed import device_mesh
+
+    if hasattr(device_mesh, "init_process_group"):
+        patch(device_mesh, "init_process_group", init_process_group)
+    real_get_backend = c10d.get_backend
+
+    def get_backend(group: Any = None) -> Any:
+        """The backend the script asked for where its group is the fake one: code reads
+        it (DeviceMesh sets each rank's device from LOCAL_RANK, except on the fake
+        backend; Lightning and accelerate branch on NCCL)."""
+        name = real_get_backend(group)
+        return c10d.Backend(current().asked_backend) if name == "fake" else name
+
+    for owner in (dist, c10d, device_mesh):
+        if hasattr(owner, "get_backend"):
+            patch(owner, "get_backend", get_backend)
+    patch(dist, "is_nccl_available", lambda: True)
+    real_broadcast_objects = c10d.broadcast_object_list
+
+    def broadcast_object_list(object_list: list[Any], src: int | None = None,
+                              group: Any = None, device: Any = None,
+                              group_src: int | None = None) -> None:
+        """The sender's objects pickled as torch does; a receiving rank of the emulated
+        group keeps its own (the sender's run is another emulated process: its objects
+        never arrive; torch's unpickling of the bytes that did not come would fail), each
+        counted as a value made up."""
+        if current().log.fake_group:
+            within = group if group is not None else dist.group.WORLD
+            sender = (src if src is not None or within is None
+                      else dist.get_global_rank(within, group_src or 0))
+            if dist.get_rank() != sender:
+                vc.rt.stand_ins.add("broadcast object", len(object_list))
+                return None
+        return real_broadcast_objects(object_list, src, group, device, group_src)  # type: ignore[no-any-return]
+
+    for owner in (dist, c10d):
+        patch(owner, "broadcast_object_list", broadcast_object_list)
+
+    def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
+              join: bool = True, daemon: bool = False, start_method: str = "spawn") -> Any:
+        """``mp.spawn``: one process per rank; the rank this run plays runs here. A rank
+        other than 0 is a process of its own, which ends when its function returns (the
+        code after the spawn is the parent's: waiting for rank 0's results, Lightning's
+        launchers would wait for ever); rank 0 goes on as the parent, its processes
+        joined (``join=False``: a context whose processes have all ended)."""
+        current().log.spawned = max(current().log.spawned, nprocs)
+        module = getattr(fn, "__module__", None) or "__main__"
+        if module != "__main__" and not current().log.spawned_by:
+            current().log.spawned_by = (f"{module}'s {getattr(fn, '__qualname__', repr(fn))} "
+                                 f"(start method {start_method})")
+        rank = min(current().spawn_rank, nprocs - 1)
+        fn(rank, *args)
+        if rank != 0:
+            raise ProcessExit(0)
+        return None if join else mp.ProcessContext([], [])
+
+    def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
+                        join: bool = True, daemon: bool = False,
+                        start_method: str = "spawn") -> Any:
+        return spawn(fn, args, nprocs, join, daemon, start_method)
+
+    import torch.multiprocessing.spawn as spawn_mod
+
+    patch(mp, "spawn", spawn)
+    patch(mp, "start_processes", start_processes)
+    patch(spawn_mod, "spawn", spawn)
+    patch(spawn_mod, "start_processes", start_processes)
+
+
+def install_fsdp(vc: VirtualCuda) -> None:
+    """FSDP2's ``fully_shard`` as the script calls it: torch's own code over the fake
+    process group, with what :func:`dpprof.emulator.fsdp.emulated_ranks` patches for the
+    ladder's rungs (its in-place storage resizes counted, DTensor's sharding propagation
+    on the real devices), for as long as ``vc`` is active."""
+    if fsdp.missing() is not None:
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    group_init = _fsdp_param_group.FSDPParamGroup.__init__
+
+    def counted(group: Any, *args: Any, **kwargs: Any) -> None:
+        group_init(group, *args, **kwargs)
+        current().log.fsdp += 1
+
+    vc.enter_context(_patched(_fsdp_param_group.FSDPParamGroup, "__init__", counted))
+
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed.tensor.parallel import api as tp_api
+
+    parallelize = tp_api.parallelize_module
+
+    def parallelize_module(*args: Any, **kwargs: Any) -> Any:
+        current().log.tensor_parallel += 1
+        return parallelize(*args, **kwargs)
+
+    for owner in (tp, tp_api):
+        vc.enter_context(_patched(owner, "parallelize_module", parallelize_module))
+    vc.enter_context(fsdp.storage_resizes_counted())
+    vc.enter_context(fsdp.sharding_propagation_apart())
+    vc.enter_context(fsdp.host_states_moved())
+    vc.enter_context(fsdp.dtensor_random_ops_run(type(vc.rt)))
+    vc.enter_context(fsdp.collectives_labelled())
+    vc.enter_context(fsdp.collectives_logged())  # for the predicted step time
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    with Patcher() as p:
+        p.patch(owner, name, value)
+        yield

@@ -1,0 +1,103 @@
+"""What the parallel wrappers of one emulated run share: the log of what the script wrapped
+(for the report) and the alternative being run, held by the run's VirtualCuda while active."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from dpprof.emulator.virtual_cuda import active
+from dpprof.script.lightning_launch import LaunchedRanks
+
+if TYPE_CHECKING:
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.strategy import Alternative
+    from dpprof.script.wrappers import VirtualDataParallel
+
+
+@dataclass
+class ParallelLog:
+    """What the script wrapped, for the report."""
+
+    data_parallel: int = 0  # DataParallel forwards
+    ddp: int = 0  # DistributedDataParallel wrappers built
+    used_devices: list[int] = field(default_factory=list)  # runtime indices DP computed on
+    world_size: int = 1  # of the (fake) process group, where one was initialised
+    spawned: int = 0  # nprocs of mp.spawn / start_processes, where called
+    # the function a library's launcher spawned ("module's qualname", start method), where
+    # one did (Lightning's ddp_spawn / ddp_notebook); "": none, or the script's own
+    spawned_by: str = ""
+    # the ranks Lightning's own launcher would have started as processes, where it ran
+    launched: LaunchedRanks | None = None
+    ddp_devices: list[int] = field(default_factory=list)  # runtime index of each DDP wrapper
+    replica_scalars: bool = False  # DataParallel's replicas returned one number each
+    loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
+    materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
+    fake_group: bool = False  # a fake default process group was initialised
+    fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
+    tensor_parallel: int = 0  # parallelize_module calls
+    dp_sites: list[str] = field(default_factory=list)  # "file:line" of nn.DataParallel(...)
+    call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
+    loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
+    # the loss-in-forward alternative: each loss on an expression of the outputs as (its
+    # callee, the batch tensor it took its targets from): ("criterion", "y") of
+    # ``criterion(out.view(-1, V), y.view(-1))``; "file:line" -> ("", "") where the loss
+    # took the outputs themselves. Where the outputs were used otherwise, why the loss
+    # could not move inside forward (the first reason)
+    loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    no_loss_forward: str = ""
+    # rows each device got of the first batch a training forward split (DataParallel's
+    # scatter) or moved (DDP), positional and keyword inputs alike: runtime index -> rows
+    shard_rows: dict[int, int] = field(default_factory=dict)
+
+    def note_shards(self, devices: Sequence[int], inputs: Sequence[Any],
+                    kwargs: Sequence[dict[str, Any]], dim: int) -> None:
+        if self.shard_rows or not torch.is_grad_enabled():
+            return
+        for device, args, kw in zip(devices, inputs, kwargs, strict=False):
+            rows = next((int(t.shape[dim]) for t in tree_leaves((args, kw))
+                         if isinstance(t, torch.Tensor) and t.dim() > dim), 0)
+            if rows:
+                self.shard_rows[device] = rows
+
+
+@dataclass
+class ScriptParallel:
+    """What the parallel wrappers of one emulated run share (the run's VirtualCuda holds it
+    while active): the paired alternative being run, and what the wrappers saw."""
+
+    # the fix the script runs with (dpprof.script.strategy): its DataParallel forward; None:
+    # the script as written
+    alternative: Alternative | None = None
+    # the loss inside forward for a script that uses the outputs besides the loss: the
+    # replicas return them too (ModelWithLoss(keep_outputs=True), the code the fix hands out),
+    # gathered on the output device beside the loss numbers
+    keep_outputs: bool = False
+    log: ParallelLog = field(default_factory=ParallelLog)
+    backend: str = "nccl"  # the backend the script's init_process_group asked for
+    asked_backend: str = "nccl"  # as the script named it (what get_backend answers)
+    # the rank mp.spawn's function is called with (the run plays that rank; a job of fewer
+    # processes plays its last)
+    spawn_rank: int = 0
+    # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
+    functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
+        default_factory=dict)
+
+
+def current() -> ScriptParallel:
+    """The wrappers' shared state in the active emulation."""
+    vc = active()
+    if vc is None or vc.parallel is None:
+        raise RuntimeError("the parallel wrappers run only under an active VirtualCuda")
+    return vc.parallel  # type: ignore[no-any-return]
+
+
+def state_of(vc: VirtualCuda) -> ScriptParallel:
+    """The wrappers' shared state in the emulation ``vc`` (installed by :func:`install`)."""
+    assert isinstance(vc.parallel, ScriptParallel), "wrappers.install(vc) first"
+    return vc.parallel

@@ -1,0 +1,90 @@
+"""The figures a script run's scenario gets beside the allocations it counted: each used
+device's reserved memory and context (a DDP rank's NCCL at the run's world size, in the
+script's environment), the measured steps' predicted time, and the check that no device's
+reported peak is below what ``torch.cuda``'s memory functions told the script."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dpprof.backends.emulated_figures import with_gpu_overheads
+from dpprof.backends.emulated_time import write_prediction
+from dpprof.emulator.context import device_context, link_of
+from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
+from dpprof.result import STATUS_ERROR, DeviceResult, ScenarioResult
+from dpprof.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.runner import ScriptConfig
+
+
+def rank_device(vc: VirtualCuda, local_rank: int) -> int:
+    """The device whose figures stand for a DDP run's rank: the rank's own GPU
+    (``local_rank``), where the run used it, else the first it used."""
+    counters = vc.rt.storages.counters
+    if local_rank < len(vc.visible) and counters[vc.visible[local_rank]].peak_allocated > 0:
+        return vc.visible[local_rank]
+    return next((i for i in vc.visible if counters[i].peak_allocated > 0), vc.visible[0])
+
+
+def predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
+                  step_ends: list[int], local_rank: int) -> ScenarioResult:
+    """``s`` with the measured steps' mean time on the target GPU, predicted from their ops
+    (:func:`dpprof.emulator.step_time.predict_steps`): a rank of DDP (or FSDP2)
+    stands for every rank; the script's devices are the visible ones it names."""
+    log = vc.rt.op_log
+    if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
+        return s
+    ranks_from = rank_device(vc, local_rank)
+
+    def source(d: DeviceResult) -> int:
+        return ranks_from if d.rank is not None else vc.visible[d.index]
+
+    shown = sorted({source(d) for d in s.devices if d.used})
+    rates = rates_for(cfg.gpu, cfg.interconnect)
+    pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
+    return write_prediction(s, pred, s.batch, source)
+
+
+def below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
+                                    local_rank: int) -> str:
+    """Where a device's reported peak is below what ``torch.cuda``'s memory functions told
+    the script of it (the peak the GPU reaches is at least every reading of it), why the
+    run cannot be reported; "" where none is."""
+    ranks_from = rank_device(vc, local_rank)
+    for d in s.devices:
+        told = vc.memory.answered.get(ranks_from if d.rank is not None else vc.visible[d.index])
+        if told is None:
+            continue
+        for reported, read, by, what in (
+                (d.peak_allocated_bytes, told.allocated_bytes, told.allocated_by, "allocated"),
+                (d.peak_reserved_bytes, told.reserved_bytes, told.reserved_by, "reserved")):
+            if reported is not None and read > reported:
+                return (f"not reported: dpprof's peak {what} for cuda:{d.index} "
+                        f"({fmt_bytes(reported)}) is below what the script was told, "
+                        f"{fmt_bytes(read)} by {by}; the peak the GPU reaches is at least "
+                        "every reading of it, so these figures are wrong (a dpprof bug: "
+                        "please report it)")
+    return ""
+
+
+def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
+               local_rank: int, world_size: int = 1) -> tuple[DeviceResult, ...]:
+    """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
+    script's environment) per used device: the emulator's one model
+    (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations."""
+    ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
+                         link=link_of(cfg.gpu, cfg.interconnect),
+                         nccl_env={**os.environ, **cfg.launch.env})
+
+    def source(d: DeviceResult) -> int:
+        if d.rank is None:
+            return vc.visible[d.index]
+        # a DDP rank: the device that ran it stands for every rank
+        return rank_device(vc, local_rank)
+
+    return with_gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
+                              blas_first=vc.rt.blas_first, transients=vc.rt.storages.transients)
