@@ -10,9 +10,11 @@ or overlayfs in them, leaves the process as it was). Then each run mounts a
 :class:`KernelOverlay`: a fresh ``tmpfs`` holds, for each sealed folder, a private upper
 layer over the real folder (overlayfs, ``userxattr``), and the folders are overlaid
 shallowest first (a mount point inside one gets an overlay of its own, over its own
-filesystem). After the run, :meth:`KernelOverlay.changes` lists what its upper layers hold
-(files, folders, whiteouts: removals), the overlays come off, and the real folders show
-again, untouched.
+filesystem), each over its real folder as a descriptor opened before any overlay held it (no
+path of the namespace leads to a real folder while the run is under way). After the run the
+overlays come off, the real folders show again, untouched, and
+:meth:`KernelOverlay.changes` lists what the upper layers hold (files, folders, whiteouts:
+removals).
 
 Linux only (kernel 5.11 or later for overlayfs in a user namespace); elsewhere, or where the
 probe fails, :func:`enter` says why and the seal keeps its Python line and its audit hook.
@@ -189,8 +191,8 @@ def _probe() -> str | None:
                 over.mount()
                 with open(os.path.join(tmp, "probe"), "w") as f:
                     f.write("x")
-                held = [c.path for c in over.changes()]
                 over.unmount_trees()
+                held = [c.path for c in over.changes()]
                 over.close()
                 if held != [os.path.join(tmp, "probe")] or os.listdir(tmp):
                     reason = b"the overlay did not hold the probe's write"
@@ -249,8 +251,8 @@ class KernelOverlay:
 
     def __init__(self, folders: Sequence[str]) -> None:
         self.folders = list(folders)
-        # the private tmpfs: lower binds, upper and work layers; what else a run keeps
-        # private (outside every overlay)
+        # the private tmpfs: upper and work layers; what else a run keeps private (outside
+        # every overlay)
         self.stage = ""
         self._mounted: list[str] = []
         self._libc = _libc()
@@ -267,21 +269,27 @@ class KernelOverlay:
         _mount(libc, "tmpfs", self.stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
         self._mounted.append(self.stage)
         fd = os.open(self.stage, os.O_RDONLY | os.O_DIRECTORY)
+        # each real folder held by a descriptor, every one before any overlay hides one: the
+        # lower layers are named through them, and once the overlays are on, the descriptors
+        # are closed; no path of the namespace leads to a real folder (nothing of the user's
+        # can be written, or linked from elsewhere, around the overlays)
+        lowers: list[int] = []
         try:
-            for i, folder in enumerate(self.folders):
-                for part in "luw":
+            for folder in self.folders:
+                lowers.append(os.open(folder, os.O_PATH | os.O_DIRECTORY))
+            for i in range(len(self.folders)):
+                for part in "uw":
                     os.mkdir(os.path.join(self.stage, f"{part}{i}"), 0o700)
-                _mount(libc, folder, os.path.join(self.stage, f"l{i}"), None, _MS_BIND, None)
-            # the layers named through the stage's descriptor: once a folder above the stage
-            # is overlaid, its path shows the folder's lower layer, without the stage
+            # the layers named through descriptors: once a folder above the stage is
+            # overlaid, its path shows the folder's lower layer, without the stage
             s = f"/proc/self/fd/{fd}"
             for i, folder in enumerate(self.folders):
                 _mount(libc, "overlay", folder, "overlay", 0,
-                       f"lowerdir={s}/l{i},upperdir={s}/u{i},workdir={s}/w{i},userxattr")
+                       f"lowerdir=/proc/self/fd/{lowers[i]},upperdir={s}/u{i},"
+                       f"workdir={s}/w{i},userxattr")
                 self._mounted.append(folder)
-            # the stage (with its lower binds), hidden now where a folder above it is
-            # overlaid, shown again
-            _mount(libc, f"/proc/self/fd/{fd}", self.stage, None, _MS_BIND | _MS_REC, None)
+            # the stage, hidden now where a folder above it is overlaid, shown again
+            _mount(libc, f"/proc/self/fd/{fd}", self.stage, None, _MS_BIND, None)
             self._mounted.append(self.stage)
         except OSError:
             self.unmount_trees()
@@ -289,16 +297,20 @@ class KernelOverlay:
             raise
         finally:
             os.close(fd)
+            for lower in lowers:
+                os.close(lower)
         os.chdir(self._cwd)  # into the overlay of the working directory
 
     def changes(self) -> list[Change]:
         """What the run left in the upper layers: files and links it wrote, folders it made,
-        real paths it removed (whiteouts)."""
+        real paths it removed (whiteouts); read once the overlays are off
+        (:meth:`unmount_trees`), against the real folders."""
+        if len(self._mounted) > 1:
+            raise OSError(errno.EBUSY, "the overlays are still on: unmount_trees() first")
         out: list[Change] = []
         for i, folder in enumerate(self.folders):
             upper = os.path.join(self.stage, f"u{i}")
-            lower = os.path.join(self.stage, f"l{i}")
-            self._walk(upper, lower, folder, "", out)
+            self._walk(upper, folder, folder, "", out)
         return out
 
     def _walk(self, upper: str, lower: str, folder: str, rel: str, out: list[Change]) -> None:
