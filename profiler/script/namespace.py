@@ -210,19 +210,33 @@ def _probe() -> str | None:
     return text or None
 
 
+# the mount table as last read -> its (mount point, filesystem type) pairs: read before every
+# run, parsed again only where it changed
+_MOUNTS_READ: dict[bytes, list[tuple[str, str]]] = {}
+
+
 def _mount_points() -> list[tuple[str, str]]:
     """(mount point, filesystem type) of every mount the process sees."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            table = f.read()
+    except OSError:
+        return []
+    known = _MOUNTS_READ.get(table)
+    if known is not None:
+        return list(known)
     out = []
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                sep = fields.index("-")
-                point = fields[4].encode().decode("unicode_escape")
-                out.append((point, fields[sep + 1]))
-    except (OSError, ValueError):
+        for line in table.decode().splitlines():
+            fields = line.split()
+            sep = fields.index("-")
+            point = fields[4].encode().decode("unicode_escape")
+            out.append((point, fields[sep + 1]))
+    except (UnicodeDecodeError, ValueError):
         pass
-    return out
+    _MOUNTS_READ.clear()
+    _MOUNTS_READ[table] = out
+    return list(out)
 
 
 def sealed_folders(candidates: Iterable[str]) -> list[str]:
