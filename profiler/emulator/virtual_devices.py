@@ -50,8 +50,9 @@ _CROSS_DEVICE_OK = {
     aten._to_copy.default,
     aten.copy.default,
 }
-# the same by identity (an op's hash is a Python call; the op log asks for every op)
-_CROSS_DEVICE_OK_IDS = frozenset(id(op) for op in _CROSS_DEVICE_OK)
+# the same by identity (an op's hash is a Python call, and id() an audited event: the op log
+# asks for every op)
+_CROSS_DEVICE_OK_KEYS = frozenset(op_key(op) for op in _CROSS_DEVICE_OK)
 _NO_SOURCES: frozenset[int] = frozenset()
 
 
@@ -247,7 +248,7 @@ class VirtualDevices(TorchDispatchMode):
             # a copy between devices: a copy op, or any op placed on another device (the
             # emulated .to(device) clones onto its target)
             state = self._state
-            moves = state.forced is not None or id(func) in _CROSS_DEVICE_OK_IDS
+            moves = state.forced is not None or op_key(func) in _CROSS_DEVICE_OK_KEYS
             sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
             log.record(func, args, kwargs, out, target, sources, state.phase,
                        self.mirrors.mirrors_of(target))
