@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from dpprof.script import census, namespace
 from dpprof.script.census import Difference, Snapshot
 from dpprof.script.overlay import Change
+from dpprof.script.real_fs import rmtree
 from dpprof.script.seal import Seal, SealedWrite
 from dpprof.script.shared_files import SharedFiles
 
@@ -156,7 +157,10 @@ class SealedRun:
             if self._kernel is not None:
                 self._kernel.close()
             else:
-                shutil.rmtree(self._base, ignore_errors=True)
+                try:
+                    rmtree(self._base)
+                except OSError:  # a folder the run made read-only: what can be removed
+                    shutil.rmtree(self._base, ignore_errors=True)
         assert self.before is not None
         after = census.again(self.before, self._excluded())
         out.differences = census.differences(self.before, after, seal.overlay.touched_real)
