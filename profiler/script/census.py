@@ -19,10 +19,12 @@ done again.
 Each file is watched by its inode as well (:meth:`FolderWatch.add_file`: a hard link made
 from a folder nobody watches would write it unseen), except where :func:`take` is told that
 no such link can be made during the runs (``every_inode=False``: the kernel line, where every
-process of the run sees the user's folders only through their overlays: ``link()`` from
-there to another mount fails with EXDEV, and one inside the overlay copies the file up
-first); there only a file that has another link already (``st_nlink > 1``: that link may lie
-in a folder no overlay covers) is watched by its inode.
+process of the run sees the user's folders only through their overlays,
+:mod:`dpprof.script.namespace`: ``link()`` from there to another mount fails with EXDEV, and
+one inside the overlay copies the file up first); there only a file that has another link
+already (``st_nlink > 1``: that link may lie in a folder no overlay covers) is watched by its
+inode. A change made by a process outside dpprof's namespace through a link it makes then
+is the one the record would not name there.
 """
 
 from __future__ import annotations

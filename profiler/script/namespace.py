@@ -10,8 +10,11 @@ or overlayfs in them, leaves the process as it was). Then each run mounts a
 :class:`KernelOverlay`: a fresh ``tmpfs`` holds, for each sealed folder, a private upper
 layer over the real folder (overlayfs, ``userxattr``), and the folders are overlaid
 shallowest first (a mount point inside one gets an overlay of its own, over its own
-filesystem), each over its real folder as a descriptor opened before any overlay held it (no
-path of the namespace leads to a real folder while the run is under way). After the run the
+filesystem), each over its real folder as a descriptor opened before any overlay held it and
+closed once they are on: while the run is under way no path of the namespace leads to a real
+folder (the one way around is another process's ``/proc/PID/root``, which the kernel refuses
+across user namespaces where it checks ptrace access, and which no writer of a training
+script takes). After the run the
 overlays come off, the real folders show again, untouched, and
 :meth:`KernelOverlay.changes` lists what the upper layers hold (files, folders, whiteouts:
 removals).
@@ -285,8 +288,8 @@ class KernelOverlay:
         fd = os.open(self.stage, os.O_RDONLY | os.O_DIRECTORY)
         # each real folder held by a descriptor, every one before any overlay hides one: the
         # lower layers are named through them, and once the overlays are on, the descriptors
-        # are closed; no path of the namespace leads to a real folder (nothing of the user's
-        # can be written, or linked from elsewhere, around the overlays)
+        # are closed; no path of the namespace leads to a real folder (see the module: nothing
+        # of the user's is written, or linked from elsewhere, around the overlays)
         lowers: list[int] = []
         try:
             for folder in self.folders:
