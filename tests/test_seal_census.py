@@ -148,3 +148,30 @@ def test_a_folder_walked_from_moved_away_makes_the_check_walk(tmp_path: Path) ->
     before = census.take([str(user)])
     os.rename(user, tmp_path / "moved")
     assert census.differences(before, census.again(before)) == walked(before) != []
+
+
+def test_where_no_new_link_can_be_made_a_file_linked_already_is_watched_by_its_inode(
+        tmp_path: Path) -> None:
+    """``every_inode=False`` (the kernel line): a file with a link outside the watched folders
+    before the runs is still watched by its inode: a write through that link is found."""
+    user = tmp_path / "user"
+    tree(user)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.link(user / "data/0/2.bin", outside / "old.lnk")
+    before = census.take([str(user)], every_inode=False)
+    subprocess.run(["sh", "-c", f"printf y >> '{outside / 'old.lnk'}'"], check=True)
+    assert from_record(before) == walked(before) == [
+        census.Difference(str(user / "data/0/2.bin"), "changed")]
+
+
+def test_every_file_watched_by_its_inode_from_the_run_that_needs_it(tmp_path: Path) -> None:
+    """A run that no kernel line holds, after runs that were: from then on a link made from
+    a folder not watched, and a write through it, are found."""
+    user = tmp_path / "user"
+    tree(user)
+    before = census.take([str(user)], every_inode=False)
+    census.watch_every_inode(before)
+    _write_through_a_link_outside(user, "data/1/5.bin")
+    assert from_record(before) == walked(before) == [
+        census.Difference(str(user / "data/1/5.bin"), "changed")]

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from dpprof.emulator.identity import op_key
+
 __all__ = [
     "ALL_GATHER",
     "ALL_REDUCE",
@@ -130,7 +132,8 @@ def _traits_of(func: Any) -> _OpTraits:
                      NORM if "batch_norm" in name else COMPUTE)
 
 
-# op's id -> its traits; an op (an OpOverload) lives as long as torch's op tables
+# op's key (dpprof.emulator.identity) -> its traits; an op (an OpOverload) lives as long
+# as torch's op tables
 _TRAITS: dict[int, _OpTraits] = {}
 # (op, its arguments with each tensor as its shape, its output's shapes) -> (FLOPs, GEMM):
 # both functions of the shapes alone (torch's formulas take nothing else), computed once
@@ -239,9 +242,10 @@ class OpLog:
                sources: Set[int], phase: str, mirrors: tuple[int, ...] = ()) -> None:
         """Log ``func`` run on ``device`` (its tensor inputs on ``sources``)."""
         # once per op of the emulated step: what it costs is the prediction's cost
-        traits = _TRAITS.get(id(func))
+        key = op_key(func)  # not id(): an audited event (dpprof.emulator.identity)
+        traits = _TRAITS.get(key)
         if traits is None or traits.func is not func:
-            traits = _TRAITS[id(func)] = _traits_of(func)
+            traits = _TRAITS[key] = _traits_of(func)
         name = traits.name
         ident = threading.get_ident()
         thread = self._threads.get(ident)

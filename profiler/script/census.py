@@ -13,7 +13,18 @@ The walk after a run costs a system call per file (tens of milliseconds in a fol
 thousands): where the kernel keeps a record of what changed in the folders walked
 (:mod:`dpprof.script.folder_watch`, begun with the walk before the runs), the state after is
 the state before with only the paths it names looked at again (and any folder made since
-walked whole); where it cannot vouch for that record, the walk is done again.
+walked whole), and only those compared; where it cannot vouch for that record, the walk is
+done again.
+
+Each file is watched by its inode as well (:meth:`FolderWatch.add_file`: a hard link made
+from a folder nobody watches would write it unseen), except where :func:`take` is told that
+no such link can be made during the runs (``every_inode=False``: the kernel line, where every
+process of the run sees the user's folders only through their overlays,
+:mod:`dpprof.script.namespace`: ``link()`` from there to another mount fails with EXDEV, and
+one inside the overlay copies the file up first); there only a file that has another link
+already (``st_nlink > 1``: that link may lie in a folder no overlay covers) is watched by its
+inode. A change made by a process outside dpprof's namespace through a link it makes then
+is the one the record would not name there.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from dataclasses import dataclass, field
 from dpprof.script.folder_watch import FolderWatch
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
-           "take"]
+           "take", "watch_every_inode"]
 
 # entries noted per snapshot (a data set under the working directory): the walk is the only
 # second line where no mount namespace holds the writes, a check of it where one does
@@ -51,6 +62,12 @@ class Snapshot:
     limit: int = LIMIT
     # the kernel's record of changes in every folder walked, since the walk (None: none)
     watch: FolderWatch | None = field(default=None, repr=False, compare=False)
+    # each file watched by its inode (else only those with more than one link)
+    every_inode: bool = True
+    # a snapshot made from another's record (:func:`again`): that one, and the only paths
+    # where the two can differ
+    made_from: Snapshot | None = field(default=None, repr=False, compare=False)
+    differs_only_at: set[str] = field(default_factory=set, repr=False, compare=False)
 
 
 @dataclass
@@ -60,10 +77,11 @@ class Difference:
 
 
 def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT,
-         watch: bool = True) -> Snapshot:
+         watch: bool = True, every_inode: bool = True) -> Snapshot:
     """Every entry under ``folders`` (not following links, not into ``exclude``), breadth
     first, up to ``limit`` entries; ``watch``: each folder watched from before its entries
-    are noted (:attr:`Snapshot.watch`)."""
+    are noted (:attr:`Snapshot.watch`), and each file by its inode (``every_inode`` False:
+    only a file with more than one link; see the module)."""
     skip = {os.path.realpath(e) for e in exclude}
     roots: list[str] = []
     for f in folders:
@@ -71,16 +89,34 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
         if os.path.isdir(real) and real not in roots and real not in skip \
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
-    snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None)
-    _walk(roots, skip, snap.entries, limit, snap)
+    snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None,
+                    every_inode=every_inode)
+    _walk(roots, skip, snap.entries, limit, snap, every_inode)
     return snap
 
 
+def watch_every_inode(snap: Snapshot) -> None:
+    """Each file of ``snap`` watched by its inode from now on, where :func:`take` watched
+    only those with more than one link: a run that is not held by the kernel line (its
+    overlays could not be mounted) follows runs that were, in which no new link to a file
+    of the user's could be made."""
+    if snap.every_inode or snap.watch is None:
+        return
+    snap.every_inode = True
+    for path, sig in snap.entries.items():
+        if stat.S_ISREG(sig[0]):
+            snap.watch.add_file(path)
+
+
 def _walk(roots: Iterable[str], skip: set[str], entries: dict[str, Signature], limit: int,
-          snap: Snapshot | None = None) -> bool:
+          snap: Snapshot | None = None, every_inode: bool = True) -> bool:
     """Every entry under ``roots`` into ``entries``, breadth first, until it holds
-    ``limit``; each folder added to ``snap``'s watch before it is read. Whether all fit."""
+    ``limit``; each folder added to ``snap``'s watch before it is read, and each file
+    (``every_inode`` False: each with more than one link) before it is noted. Whether all
+    fit."""
     watch = snap.watch if snap is not None else None
+    add_file = watch.add_file if watch is not None else None
+    is_dir = stat.S_ISDIR
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
@@ -96,17 +132,28 @@ def _walk(roots: Iterable[str], skip: set[str], entries: dict[str, Signature], l
                     if snap is not None:
                         snap.complete = False
                     return False
-                if entry.path in skip:
+                path = entry.path
+                if path in skip:
                     continue
-                if watch is not None and entry.is_file(follow_symlinks=False):
-                    watch.add_file(entry.path)  # before it is noted, as its folder
                 try:
-                    st = entry.stat(follow_symlinks=False)
+                    if add_file is not None and entry.is_file(follow_symlinks=False):
+                        if every_inode:
+                            add_file(path)  # before it is noted, as its folder
+                            st = entry.stat(follow_symlinks=False)
+                        else:
+                            st = entry.stat(follow_symlinks=False)
+                            if st.st_nlink > 1:  # watched, then noted
+                                add_file(path)
+                                st = os.lstat(path)
+                    else:
+                        st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                entries[entry.path] = _signature(st)
-                if stat.S_ISDIR(st.st_mode):
-                    todo.append(entry.path)
+                mode = st.st_mode
+                entries[path] = (mode, st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns,
+                                 st.st_ctime_ns)
+                if is_dir(mode):
+                    todo.append(path)
     return True
 
 
@@ -125,19 +172,22 @@ def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
 def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapshot:
     """``before`` with each path of ``changed`` looked at again: gone (with what it held),
     changed, or new; a folder made (or made again) since walked whole, as the walk would
-    find it (nothing in it is watched)."""
+    find it (nothing in it is watched). The paths it looked at are the only ones where it
+    can differ from ``before`` (:attr:`Snapshot.differs_only_at`)."""
     entries = dict(before.entries)
+    looked_at: set[str] = set()
     walk_again: list[str] = []
     for path in sorted(changed):
         if path in skip or _under(path, skip):
             continue
         was = before.entries.get(path)
+        looked_at.add(path)
         try:
             st = os.lstat(path)
         except OSError:
             entries.pop(path, None)
             if was is not None and stat.S_ISDIR(was[0]):
-                _drop_under(entries, path)
+                looked_at.update(_drop_under(entries, path))
             continue
         sig = _signature(st)
         if was is None and not before.complete:
@@ -145,30 +195,40 @@ def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapsh
         entries[path] = sig
         if stat.S_ISDIR(st.st_mode) and (was is None or not stat.S_ISDIR(was[0])
                                           or was[1:3] != sig[1:3]):
-            _drop_under(entries, path)
+            looked_at.update(_drop_under(entries, path))
             walk_again.append(path)
     if walk_again:
+        had = set(entries)
         _walk(walk_again, skip, entries, before.limit if before.complete else 1 << 62)
+        looked_at.update(entries.keys() - had)
     return Snapshot(entries=entries, roots=list(before.roots), complete=before.complete,
-                    limit=before.limit)
+                    limit=before.limit, made_from=before, differs_only_at=looked_at)
 
 
 def _under(path: str, folders: set[str]) -> bool:
     return any(path.startswith(f + "/") for f in folders)
 
 
-def _drop_under(entries: dict[str, Signature], folder: str) -> None:
+def _drop_under(entries: dict[str, Signature], folder: str) -> list[str]:
+    """What ``entries`` held under ``folder``, taken out of it."""
     inside = folder + "/"
-    for p in [p for p in entries if p.startswith(inside)]:
+    dropped = [p for p in entries if p.startswith(inside)]
+    for p in dropped:
         del entries[p]
+    return dropped
 
 
 def differences(before: Snapshot, after: Snapshot,
                 touched: dict[str, os.stat_result] | None = None) -> list[Difference]:
     """What differs between the two snapshots, and each of ``touched`` (a real file -> its
-    stat when the run first would have changed it) that is not as it was."""
+    stat when the run first would have changed it) that is not as it was. Where ``after``
+    was made from ``before``'s record, only the paths it looked at are compared (the others
+    it holds as ``before`` does)."""
     out: dict[str, Difference] = {}
-    for path, sig in before.entries.items():
+    at = after.differs_only_at if after.made_from is before else None
+    pairs = before.entries.items() if at is None else [
+        (p, before.entries[p]) for p in at if p in before.entries]
+    for path, sig in pairs:
         now = after.entries.get(path)
         if now is None:
             if after.complete or _gone(path):
@@ -176,7 +236,8 @@ def differences(before: Snapshot, after: Snapshot,
         elif now != sig and not (stat.S_ISDIR(sig[0]) and stat.S_ISDIR(now[0])):
             out[path] = Difference(path, "changed")
     if before.complete:
-        for path in after.entries.keys() - before.entries.keys():
+        made = after.entries.keys() if at is None else at.intersection(after.entries)
+        for path in made - before.entries.keys():
             out[path] = Difference(path, "created")
     for path, st in (touched or {}).items():
         if path in out:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from dpprof.emulator.cuda_devices import caller_site, in_dpprof
+from dpprof.emulator.identity import storage_key
 from dpprof.emulator.patcher import Patcher
 from dpprof.script import seal
 from dpprof.script.bound_names import patch_bound_names
@@ -53,6 +54,10 @@ IsEmulated = Callable[[torch.Tensor], bool]
 
 _OUTPUT_TAIL_BYTES = 8192  # what an alternative's run printed, kept for its error message
 _MAX_WALK = 100_000  # objects looked at in one saved object (a checkpoint's nested state)
+# an object's identity as a key, for what is asked of every object of a checkpoint: object's
+# own hash (its address, the bits rotated: distinct for distinct live objects), not id(),
+# an audited event that the seal's audit hook would be called for (dpprof.emulator.identity)
+_identity = object.__hash__
 # the line after the marker: what the file is, for whoever opens it
 _EXPLAINED = (b"A stand-in written by dpprof run: the tensors' shapes, no values (they were "
               b"emulated on virtual GPUs).\n")
@@ -158,9 +163,10 @@ class ScriptEffects:
         todo = [obj]
         while todo and len(seen) < _MAX_WALK:
             x = todo.pop()
-            if id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None))):
+            key = _identity(x)
+            if key in seen or isinstance(x, (str, bytes, int, float, bool, type(None))):
                 continue
-            seen.add(id(x))
+            seen.add(key)
             if isinstance(x, torch.Tensor):
                 if self.is_emulated(x):
                     return True
@@ -402,7 +408,7 @@ class _SkeletonPickler(pickle.Pickler):
                 or not self.is_emulated(obj)):
             return NotImplemented
         st = obj.untyped_storage()
-        key = self.storages.setdefault(id(st), len(self.storages))
+        key = self.storages.setdefault(storage_key(st), len(self.storages))
         return (_rebuild_tensor, (key, int(st.nbytes()), str(obj.device), obj.dtype,
                                   tuple(obj.shape), tuple(obj.stride()),
                                   int(obj.storage_offset()), obj.requires_grad,

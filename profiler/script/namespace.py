@@ -10,9 +10,14 @@ or overlayfs in them, leaves the process as it was). Then each run mounts a
 :class:`KernelOverlay`: a fresh ``tmpfs`` holds, for each sealed folder, a private upper
 layer over the real folder (overlayfs, ``userxattr``), and the folders are overlaid
 shallowest first (a mount point inside one gets an overlay of its own, over its own
-filesystem). After the run, :meth:`KernelOverlay.changes` lists what its upper layers hold
-(files, folders, whiteouts: removals), the overlays come off, and the real folders show
-again, untouched.
+filesystem), each over its real folder as a descriptor opened before any overlay held it and
+closed once they are on: while the run is under way no path of the namespace leads to a real
+folder (the one way around is another process's ``/proc/PID/root``, which the kernel refuses
+across user namespaces where it checks ptrace access, and which no writer of a training
+script takes). After the run the
+overlays come off, the real folders show again, untouched, and
+:meth:`KernelOverlay.changes` lists what the upper layers hold (files, folders, whiteouts:
+removals).
 
 Linux only (kernel 5.11 or later for overlayfs in a user namespace); elsewhere, or where the
 probe fails, :func:`enter` says why and the seal keeps its Python line and its audit hook.
@@ -189,8 +194,8 @@ def _probe() -> str | None:
                 over.mount()
                 with open(os.path.join(tmp, "probe"), "w") as f:
                     f.write("x")
-                held = [c.path for c in over.changes()]
                 over.unmount_trees()
+                held = [c.path for c in over.changes()]
                 over.close()
                 if held != [os.path.join(tmp, "probe")] or os.listdir(tmp):
                     reason = b"the overlay did not hold the probe's write"
@@ -208,19 +213,33 @@ def _probe() -> str | None:
     return text or None
 
 
+# the mount table as last read -> its (mount point, filesystem type) pairs: read before every
+# run, parsed again only where it changed
+_MOUNTS_READ: dict[bytes, list[tuple[str, str]]] = {}
+
+
 def _mount_points() -> list[tuple[str, str]]:
     """(mount point, filesystem type) of every mount the process sees."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            table = f.read()
+    except OSError:
+        return []
+    known = _MOUNTS_READ.get(table)
+    if known is not None:
+        return list(known)
     out = []
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                sep = fields.index("-")
-                point = fields[4].encode().decode("unicode_escape")
-                out.append((point, fields[sep + 1]))
-    except (OSError, ValueError):
+        for line in table.decode().splitlines():
+            fields = line.split()
+            sep = fields.index("-")
+            point = fields[4].encode().decode("unicode_escape")
+            out.append((point, fields[sep + 1]))
+    except (UnicodeDecodeError, ValueError):
         pass
-    return out
+    _MOUNTS_READ.clear()
+    _MOUNTS_READ[table] = out
+    return list(out)
 
 
 def sealed_folders(candidates: Iterable[str]) -> list[str]:
@@ -249,8 +268,8 @@ class KernelOverlay:
 
     def __init__(self, folders: Sequence[str]) -> None:
         self.folders = list(folders)
-        # the private tmpfs: lower binds, upper and work layers; what else a run keeps
-        # private (outside every overlay)
+        # the private tmpfs: upper and work layers; what else a run keeps private (outside
+        # every overlay)
         self.stage = ""
         self._mounted: list[str] = []
         self._libc = _libc()
@@ -267,21 +286,27 @@ class KernelOverlay:
         _mount(libc, "tmpfs", self.stage, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0700")
         self._mounted.append(self.stage)
         fd = os.open(self.stage, os.O_RDONLY | os.O_DIRECTORY)
+        # each real folder held by a descriptor, every one before any overlay hides one: the
+        # lower layers are named through them, and once the overlays are on, the descriptors
+        # are closed; no path of the namespace leads to a real folder (see the module: nothing
+        # of the user's is written, or linked from elsewhere, around the overlays)
+        lowers: list[int] = []
         try:
-            for i, folder in enumerate(self.folders):
-                for part in "luw":
+            for folder in self.folders:
+                lowers.append(os.open(folder, os.O_PATH | os.O_DIRECTORY))
+            for i in range(len(self.folders)):
+                for part in "uw":
                     os.mkdir(os.path.join(self.stage, f"{part}{i}"), 0o700)
-                _mount(libc, folder, os.path.join(self.stage, f"l{i}"), None, _MS_BIND, None)
-            # the layers named through the stage's descriptor: once a folder above the stage
-            # is overlaid, its path shows the folder's lower layer, without the stage
+            # the layers named through descriptors: once a folder above the stage is
+            # overlaid, its path shows the folder's lower layer, without the stage
             s = f"/proc/self/fd/{fd}"
             for i, folder in enumerate(self.folders):
                 _mount(libc, "overlay", folder, "overlay", 0,
-                       f"lowerdir={s}/l{i},upperdir={s}/u{i},workdir={s}/w{i},userxattr")
+                       f"lowerdir=/proc/self/fd/{lowers[i]},upperdir={s}/u{i},"
+                       f"workdir={s}/w{i},userxattr")
                 self._mounted.append(folder)
-            # the stage (with its lower binds), hidden now where a folder above it is
-            # overlaid, shown again
-            _mount(libc, f"/proc/self/fd/{fd}", self.stage, None, _MS_BIND | _MS_REC, None)
+            # the stage, hidden now where a folder above it is overlaid, shown again
+            _mount(libc, f"/proc/self/fd/{fd}", self.stage, None, _MS_BIND, None)
             self._mounted.append(self.stage)
         except OSError:
             self.unmount_trees()
@@ -289,16 +314,20 @@ class KernelOverlay:
             raise
         finally:
             os.close(fd)
+            for lower in lowers:
+                os.close(lower)
         os.chdir(self._cwd)  # into the overlay of the working directory
 
     def changes(self) -> list[Change]:
         """What the run left in the upper layers: files and links it wrote, folders it made,
-        real paths it removed (whiteouts)."""
+        real paths it removed (whiteouts); read once the overlays are off
+        (:meth:`unmount_trees`), against the real folders."""
+        if len(self._mounted) > 1:
+            raise OSError(errno.EBUSY, "the overlays are still on: unmount_trees() first")
         out: list[Change] = []
         for i, folder in enumerate(self.folders):
             upper = os.path.join(self.stage, f"u{i}")
-            lower = os.path.join(self.stage, f"l{i}")
-            self._walk(upper, lower, folder, "", out)
+            self._walk(upper, folder, folder, "", out)
         return out
 
     def _walk(self, upper: str, lower: str, folder: str, rel: str, out: list[Change]) -> None:

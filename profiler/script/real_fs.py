@@ -56,9 +56,20 @@ def rmtree(p: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         REAL_CALLS["unlink"](p)
         return
-    for name in REAL_CALLS["listdir"](p):
-        rmtree(os.path.join(p, name))
+    _empty(p)
     REAL_CALLS["rmdir"](p)
+
+
+def _empty(folder: str) -> None:
+    """What ``folder`` holds removed (each entry's kind as the folder lists it: no stat)."""
+    with REAL_CALLS["scandir"](folder) as it:
+        entries = list(it)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            _empty(entry.path)
+            REAL_CALLS["rmdir"](entry.path)
+        else:
+            REAL_CALLS["unlink"](entry.path)
 
 
 def copy_file(src: str, dst: str, st: os.stat_result) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from dpprof.script import census, namespace
 from dpprof.script.census import Difference, Snapshot
 from dpprof.script.overlay import Change
+from dpprof.script.real_fs import rmtree
 from dpprof.script.seal import Seal, SealedWrite
 from dpprof.script.shared_files import SharedFiles
 
@@ -52,9 +53,12 @@ def prepare_process() -> None:
 def take_census(script: str | None, keep_dir: str | None) -> Snapshot:
     """The user's files before the runs (:mod:`dpprof.script.census`): the working
     directory and the script's folder, the writes kept (``keep_dir``) left out; walked in
-    full where no mount namespace holds the writes, the shallowest where one does."""
+    full where no mount namespace holds the writes, the shallowest where one does (and there
+    only the files with another link watched by their inode: :mod:`dpprof.script.census`)."""
+    kernel = namespace.entered()
     return census.take(folders_of(script), [keep_dir] if keep_dir else [],
-                       census.LIMIT_UNDER_KERNEL if namespace.entered() else census.LIMIT)
+                       census.LIMIT_UNDER_KERNEL if kernel else census.LIMIT,
+                       every_inode=not kernel)
 
 
 def folders_of(script: str | None) -> list[str]:
@@ -108,6 +112,7 @@ class SealedRun:
                 pass
         if not self._base:
             self._base = tempfile.mkdtemp(prefix="dpprof-writes-")
+            census.watch_every_inode(self.before)  # no kernel line holds this run
         self._root = os.path.join(self._base, "py")
         if not os.path.isdir(self._root):
             os.mkdir(self._root, 0o700)
@@ -134,12 +139,13 @@ class SealedRun:
         seal, out = self._seal, self.outcome
         try:
             seal.__exit__(*exc)
-            kernel_changes: list[Change] = self._kernel.changes() if self._kernel else []
+            kernel_changes: list[Change] = []
+            if self._kernel is not None:
+                self._kernel.unmount_trees()
+                kernel_changes = self._kernel.changes()
             out.writes = seal.writes(kernel_changes)
             out.subprocesses = list(seal.lines.subprocesses)
             out.breach = seal.breach.line() if seal.breach is not None else None
-            if self._kernel is not None:
-                self._kernel.unmount_trees()
             if self.publish_to is not None:  # the real folders show again: kept outside
                 self.publish_to.publish(seal.removed_copies,
                                         [*seal.overlay.changes(), *kernel_changes])
@@ -151,7 +157,10 @@ class SealedRun:
             if self._kernel is not None:
                 self._kernel.close()
             else:
-                shutil.rmtree(self._base, ignore_errors=True)
+                try:
+                    rmtree(self._base)
+                except OSError:  # a folder the run made read-only: what can be removed
+                    shutil.rmtree(self._base, ignore_errors=True)
         assert self.before is not None
         after = census.again(self.before, self._excluded())
         out.differences = census.differences(self.before, after, seal.overlay.touched_real)
