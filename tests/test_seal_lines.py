@@ -268,3 +268,38 @@ def test_keep_writes_refuses_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     res = runner.invoke(app, ["run", "--keep-writes", "kept", "--", "python", "train.py"])
     assert res.exit_code == 2
     assert "--keep-writes kept: not a folder" in res.output
+
+
+@pytest.mark.parametrize("namespace", [True, False], ids=["kernel", "audit-hook"])
+def test_output_sent_to_a_file_in_the_working_folder_is_not_a_broken_seal(
+        tmp_path: Path, namespace: bool) -> None:
+    """``dpprof run -- python train.py > log.txt 2>&1`` in the script's folder, as users keep
+    a run's output (``nohup`` writes ``nohup.out`` there): the script's prints and dpprof's
+    lines go to the file the user named, and the check after each run does not count that
+    file as one of theirs the run changed (it did: exit 1, "SEAL BROKEN")."""
+    if namespace and (why := kernel_line()) is not None:
+        pytest.skip(f"no mount namespace on this machine: {why}")
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.DataParallel(torch.nn.Linear(4, 2).cuda())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+            print("step", step, flush=True)
+    """))
+    (tmp_path / "data.txt").write_text("the user's own file")
+    env = {k: v for k, v in os.environ.items() if k != "DPPROF_NO_NAMESPACE"}
+    if not namespace:
+        env["DPPROF_NO_NAMESPACE"] = "1"
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    with open(tmp_path / "log.txt", "w") as log:
+        done = subprocess.run([sys.executable, "-m", "dpprof", "run", "--gpus", "4", "-o",
+                               str(tmp_path.parent / f"{tmp_path.name}.json"), "--", "python",
+                               "train.py"], cwd=tmp_path, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=300)
+    text = (tmp_path / "log.txt").read_text()
+    assert done.returncode == 0, text
+    assert "SEAL BROKEN" not in text and "step 1" in text
+    assert (tmp_path / "data.txt").read_text() == "the user's own file"
+    result = json.loads((tmp_path.parent / f"{tmp_path.name}.json").read_text())
+    assert result["seal"]["changed"] == []

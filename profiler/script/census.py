@@ -7,7 +7,8 @@ it wrote over, appended to, renamed or removed: :attr:`dpprof.script.overlay.Ove
 A file is the same when its inode, size, permissions, modification time and change time
 are: the kernel sets the change time at every write, so a file written and put back, or
 given its old modification time, still differs. A folder counts by what it holds (a new
-file is found as created). Reads change none of these.
+file is found as created). Reads change none of these. The files dpprof's own output and
+errors go to (``> log.txt``) are left out: the user sent the script's prints there.
 
 The walk after a run costs a system call per file (tens of milliseconds in a folder of
 thousands): where the kernel keeps a record of what changed in the folders walked
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from dpprof.script.folder_watch import FolderWatch
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
-           "take", "watch_every_inode"]
+           "standard_stream_files", "take", "watch_every_inode"]
 
 # entries noted per snapshot (a data set under the working directory): the walk is the only
 # second line where no mount namespace holds the writes, a check of it where one does
@@ -68,6 +69,8 @@ class Snapshot:
     # where the two can differ
     made_from: Snapshot | None = field(default=None, repr=False, compare=False)
     differs_only_at: set[str] = field(default_factory=set, repr=False, compare=False)
+    # the paths not walked into or noted: the writes kept, the files dpprof's own output goes to
+    skip: set[str] = field(default_factory=set, repr=False, compare=False)
 
 
 @dataclass
@@ -82,7 +85,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
     first, up to ``limit`` entries; ``watch``: each folder watched from before its entries
     are noted (:attr:`Snapshot.watch`), and each file by its inode (``every_inode`` False:
     only a file with more than one link; see the module)."""
-    skip = {os.path.realpath(e) for e in exclude}
+    skip = {os.path.realpath(e) for e in exclude} | standard_stream_files()
     roots: list[str] = []
     for f in folders:
         real = os.path.realpath(f)
@@ -90,7 +93,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
     snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None,
-                    every_inode=every_inode)
+                    every_inode=every_inode, skip=skip)
     _walk(roots, skip, snap.entries, limit, snap, every_inode)
     return snap
 
@@ -161,12 +164,28 @@ def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
     """The same walk as ``before``'s, now: from ``before``'s watch where its record is
     whole, else walked again."""
     watch = before.watch
+    skip = before.skip | {os.path.realpath(e) for e in exclude}
     if watch is not None:
         changed = watch.changed()
         # a folder walked from moved or removed: what it held is named by no event
         if watch.complete and changed.isdisjoint(before.roots):
-            return _from_changes(before, changed, {os.path.realpath(e) for e in exclude})
-    return take(before.roots, exclude, before.limit, watch=False)
+            return _from_changes(before, changed, skip)
+    return take(before.roots, skip, before.limit, watch=False)
+
+
+def standard_stream_files() -> set[str]:
+    """The regular files this process's output and errors go to (``dpprof run ... >
+    log.txt`` in the working directory, ``nohup.out``): the user sent them there, the
+    script's prints go there as on the GPU, and dpprof's own lines too; not the user's files
+    to keep as they were."""
+    out = set()
+    for fd in (1, 2):
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                out.add(os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # closed, or no /proc: no file known
+            continue
+    return out
 
 
 def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapshot:
