@@ -10,9 +10,11 @@ it runs plain: :mod:`dpprof.script.gradient_as_bucket_view_run` reads its fix fr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import sysconfig
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -187,6 +189,23 @@ class RankShareOfBatches:
             yield indices[:-(-len(indices) // self.world)]
 
 
+def _made_from(batches: Any, divided: weakref.WeakSet[Any], depth: int = 3) -> bool:
+    """Whether ``batches`` is, or wraps (through the attributes libraries keep the batch
+    sampler they shard or wrap under), one of the ``divided`` batch samplers."""
+    for _ in range(depth + 1):
+        try:
+            if batches in divided:
+                return True
+        except TypeError:
+            return False
+        inner = next((getattr(batches, a) for a in ("batch_sampler", "sampler", "batches")
+                      if getattr(batches, a, None) is not None), None)
+        if inner is None:
+            return False
+        batches = inner
+    return False
+
+
 def _division(state: AlternativeState, world: int) -> str:
     """How the alternative gave each rank its share of the batch ("": it did not)."""
     ways = []
@@ -215,11 +234,16 @@ class DdpInPlace(Alternative):
         from torch.utils.data import DataLoader
 
         orig_init = DataLoader.__init__
+        # the batch samplers of loaders divided here: a library that makes a loader again
+        # from one (accelerate's prepare: its BatchSamplerShard over the first loader's
+        # batch sampler, under HF's Trainer) gets batches already divided
+        divided: weakref.WeakSet[Any] = weakref.WeakSet()
 
         def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                         *args: Any, **kwargs: Any) -> None:
             batches = kwargs.get("batch_sampler", args[2] if len(args) > 2 else None)
-            if batches is not None:  # its own batches: each rank its share of every one
+            again = batches is not None and _made_from(batches, divided)  # divided already
+            if batches is not None and not again:  # its own: each rank its share of each
                 share = RankShareOfBatches(batches, vc.device_count())
                 if "batch_sampler" in kwargs:
                     kwargs["batch_sampler"] = share
@@ -229,7 +253,7 @@ class DdpInPlace(Alternative):
                 site = script_site(sys._getframe(1))
                 if site is not None and site not in state.loader_sites:
                     state.loader_sites.append(site)
-            elif batch_size:
+            elif batches is None and batch_size:
                 # one rank per GPU the script sees: asked here, not before the script ran
                 # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
                 world = vc.device_count()
@@ -242,6 +266,9 @@ class DdpInPlace(Alternative):
                 if site is not None and site not in state.loader_sites:
                     state.loader_sites.append(site)
             orig_init(loader, dataset, batch_size, *args, **kwargs)
+            if not again and getattr(loader, "batch_sampler", None) is not None:
+                with contextlib.suppress(TypeError):  # one that cannot be weakly held
+                    divided.add(loader.batch_sampler)
 
         patcher.patch(DataLoader, "__init__", loader_init)
         if state.scattered_rows > 1:
