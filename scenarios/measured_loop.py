@@ -44,6 +44,11 @@ def as_args(inputs: Any) -> tuple[Any, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
+# ModelWithLoss called without its targets argument (not with None: a loss may ignore them,
+# as a Hugging Face model's does, and be given None)
+NO_TARGETS: Any = object()
+
+
 class ModelWithLoss(nn.Module):
     """Compute the loss inside ``forward``, on every replica: the DataParallel fix.
 
@@ -91,9 +96,9 @@ class ModelWithLoss(nn.Module):
         self.loss_fn = loss_fn
         self.keep_outputs = keep_outputs
 
-    def forward(self, inputs: Any, targets: Any = None) -> Any:
+    def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
         outputs = call_model(self.model, inputs)
-        if targets is None:  # a call for the outputs alone (evaluation): as without the fix
+        if targets is NO_TARGETS:  # a call for the outputs alone (evaluation): as without the fix
             return outputs
         weighted, count = self.weighted_loss(outputs, targets, inputs)
         return (weighted, count, outputs) if self.keep_outputs else (weighted, count)

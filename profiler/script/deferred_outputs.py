@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator.cuda_devices import caller_frame, caller_site
-from dpprof.scenarios.measured_loop import ModelWithLoss, as_args, batch_rows
+from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
 from dpprof.script.loss_expression import compiled, find_in_frame
 from dpprof.script.parallel_state import current
 from dpprof.script.source import dotted_name
@@ -211,9 +211,9 @@ def _recording_class() -> type:
 
         shapes: list[Any]
 
-        def forward(self, inputs: Any, targets: Any = None) -> Any:
+        def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
             outputs = self.model(*as_args(inputs))
-            if targets is None:  # a call for the outputs alone, as ModelWithLoss's
+            if targets is NO_TARGETS:  # a call for the outputs alone, as ModelWithLoss's
                 return outputs
             self.shapes.append(tree_map(
                 lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
