@@ -5,6 +5,7 @@ all-reduce overlapped with the backward)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -485,8 +486,12 @@ def _run_json(tmp_path: Path, *options: str) -> dict[str, Any]:
     from dpprof.cli.app import app
 
     out = tmp_path / f"run{len(list(tmp_path.iterdir()))}.json"
-    r = CliRunner().invoke(app, ["run", "-q", "--steps", "2", *options, "-o", str(out), "--",
-                                 "python", str(SCRIPTS / "dp_causal_lm.py"), *_WIDE_LM])
+    # in a folder of its own: the seal's check walks the working folder, where other tests
+    # running beside this one write (hypothesis's .hypothesis/)
+    with contextlib.chdir(tmp_path):
+        r = CliRunner().invoke(app, ["run", "-q", "--steps", "2", *options, "-o", str(out),
+                                     "--", "python", str(SCRIPTS / "dp_causal_lm.py"),
+                                     *_WIDE_LM])
     assert r.exit_code == 0, r.output
     return dict(json.loads(out.read_text()))
 
