@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -270,13 +271,15 @@ def test_keep_writes_refuses_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "--keep-writes kept: not a folder" in res.output
 
 
+@pytest.mark.parametrize("how", ["redirect", "tee"])
 @pytest.mark.parametrize("namespace", [True, False], ids=["kernel", "audit-hook"])
 def test_output_sent_to_a_file_in_the_working_folder_is_not_a_broken_seal(
-        tmp_path: Path, namespace: bool) -> None:
-    """``dpprof run -- python train.py > log.txt 2>&1`` in the script's folder, as users keep
-    a run's output (``nohup`` writes ``nohup.out`` there): the script's prints and dpprof's
-    lines go to the file the user named, and the check after each run does not count that
-    file as one of theirs the run changed (it did: exit 1, "SEAL BROKEN")."""
+        tmp_path: Path, namespace: bool, how: str) -> None:
+    """``dpprof run -- python train.py > log.txt 2>&1`` (or ``| tee log.txt``) in the
+    script's folder, as users keep a run's output (``nohup`` writes ``nohup.out`` there):
+    the script's prints and dpprof's lines go to the file the user named, and the check
+    after each run does not count that file as one of theirs the run changed (it did: exit
+    1, "SEAL BROKEN")."""
     if namespace and (why := kernel_line()) is not None:
         pytest.skip(f"no mount namespace on this machine: {why}")
     (tmp_path / "train.py").write_text(textwrap.dedent("""
@@ -292,11 +295,16 @@ def test_output_sent_to_a_file_in_the_working_folder_is_not_a_broken_seal(
     if not namespace:
         env["DPPROF_NO_NAMESPACE"] = "1"
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    with open(tmp_path / "log.txt", "w") as log:
-        done = subprocess.run([sys.executable, "-m", "dpprof", "run", "--gpus", "4", "-o",
-                               str(tmp_path.parent / f"{tmp_path.name}.json"), "--", "python",
-                               "train.py"], cwd=tmp_path, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=300)
+    command = [sys.executable, "-m", "dpprof", "run", "--gpus", "4", "-o",
+               str(tmp_path.parent / f"{tmp_path.name}.json"), "--", "python", "train.py"]
+    if how == "tee":  # the shell's status is dpprof's (pipefail)
+        done = subprocess.run(["bash", "-o", "pipefail", "-c",
+                               " ".join(map(shlex.quote, command)) + " 2>&1 | tee log.txt"],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, timeout=300)
+    else:
+        with open(tmp_path / "log.txt", "w") as log:
+            done = subprocess.run(command, cwd=tmp_path, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=300)
     text = (tmp_path / "log.txt").read_text()
     assert done.returncode == 0, text
     assert "SEAL BROKEN" not in text and "step 1" in text

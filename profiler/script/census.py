@@ -8,7 +8,8 @@ A file is the same when its inode, size, permissions, modification time and chan
 are: the kernel sets the change time at every write, so a file written and put back, or
 given its old modification time, still differs. A folder counts by what it holds (a new
 file is found as created). Reads change none of these. The files dpprof's own output and
-errors go to (``> log.txt``) are left out: the user sent the script's prints there.
+errors go to (``> log.txt``, ``| tee log.txt``: :mod:`dpprof.script.output_files`) are
+left out: the user sent the script's prints there.
 
 The walk after a run costs a system call per file (tens of milliseconds in a folder of
 thousands): where the kernel keeps a record of what changed in the folders walked
@@ -37,9 +38,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dpprof.script.folder_watch import FolderWatch
+from dpprof.script.output_files import output_files
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
-           "standard_stream_files", "take", "watch_every_inode"]
+           "take", "watch_every_inode"]
 
 # entries noted per snapshot (a data set under the working directory): the walk is the only
 # second line where no mount namespace holds the writes, a check of it where one does
@@ -85,7 +87,7 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
     first, up to ``limit`` entries; ``watch``: each folder watched from before its entries
     are noted (:attr:`Snapshot.watch`), and each file by its inode (``every_inode`` False:
     only a file with more than one link; see the module)."""
-    skip = {os.path.realpath(e) for e in exclude} | standard_stream_files()
+    skip = {os.path.realpath(e) for e in exclude} | output_files()
     roots: list[str] = []
     for f in folders:
         real = os.path.realpath(f)
@@ -171,21 +173,6 @@ def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
         if watch.complete and changed.isdisjoint(before.roots):
             return _from_changes(before, changed, skip)
     return take(before.roots, skip, before.limit, watch=False)
-
-
-def standard_stream_files() -> set[str]:
-    """The regular files this process's output and errors go to (``dpprof run ... >
-    log.txt`` in the working directory, ``nohup.out``): the user sent them there, the
-    script's prints go there as on the GPU, and dpprof's own lines too; not the user's files
-    to keep as they were."""
-    out = set()
-    for fd in (1, 2):
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                out.add(os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:  # closed, or no /proc: no file known
-            continue
-    return out
 
 
 def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapshot:

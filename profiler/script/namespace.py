@@ -35,6 +35,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 
+from dpprof.script.output_files import note_output_readers
 from dpprof.script.overlay import Change
 from dpprof.script.real_fs import lstat_or_none
 
@@ -168,6 +169,9 @@ def enter() -> bool:
     if probe is not None:
         _STATE["why_not"] = probe
         return False
+    # a process reading this one's output (``| tee log.txt``) is out of sight from inside a
+    # user namespace of our own: the files it writes are noted before
+    note_output_readers()
     try:
         _unshare(_libc())
     except OSError as e:
