@@ -403,8 +403,6 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
         return Rewrite(reason=str(e))
 
 
-
-
 def _loader_call(src: ScriptSource, line: int) -> ast.Call | None:
     """The call on ``line`` that made a DataLoader: of the calls that start there, the one
     given a ``batch_size`` keyword, else the outermost (``make(build(ds), 8)``: ``make``)."""

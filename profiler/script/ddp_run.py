@@ -242,23 +242,21 @@ class DdpInPlace(Alternative):
         def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                         *args: Any, **kwargs: Any) -> None:
             batches = kwargs.get("batch_sampler", args[2] if len(args) > 2 else None)
-            again = batches is not None and _made_from(batches, divided)  # divided already
-            if batches is not None and not again:  # its own: each rank its share of each
+            # a batch sampler of a loader divided here already is left as it is
+            divides = (not _made_from(batches, divided) if batches is not None
+                       else bool(batch_size))
+            # one rank per GPU the script sees: asked here, not before the script ran
+            # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+            if divides and batches is not None:  # its own: each rank its share of each
                 share = RankShareOfBatches(batches, vc.device_count())
                 if "batch_sampler" in kwargs:
                     kwargs["batch_sampler"] = share
                 else:
                     args = (*args[:2], share, *args[3:])
-                state.divided_loader = True
-                site = script_site(sys._getframe(1))
-                if site is not None and site not in state.loader_sites:
-                    state.loader_sites.append(site)
-            elif batches is None and batch_size:
-                # one rank per GPU the script sees: asked here, not before the script ran
-                # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
-                world = vc.device_count()
-                batch_size = -(-batch_size // world)  # each rank's share, as DDP sets it
+            elif divides and batch_size:
+                batch_size = -(-batch_size // vc.device_count())  # each rank's, as DDP sets it
                 state.batch_rows = state.batch_rows or batch_size
+            if divides:
                 state.divided_loader = True
                 # the script's call that made this loader (a library's factory, where it
                 # used one): the diff divides that call's batch_size
@@ -266,7 +264,7 @@ class DdpInPlace(Alternative):
                 if site is not None and site not in state.loader_sites:
                     state.loader_sites.append(site)
             orig_init(loader, dataset, batch_size, *args, **kwargs)
-            if not again and getattr(loader, "batch_sampler", None) is not None:
+            if divides and getattr(loader, "batch_sampler", None) is not None:
                 with contextlib.suppress(TypeError):  # one that cannot be weakly held
                     divided.add(loader.batch_sampler)
 

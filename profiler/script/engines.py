@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 from dpprof.emulator.patcher import Patcher
 from dpprof.errors import NotEmulated
-from dpprof.script.import_hook import ImportHook
+from dpprof.script.import_hook import on_each_load
 
 DEEPSPEED_NOT_EMULATED = (
     "dpprof run: DeepSpeed is not emulated; the nearest dpprof measures is FSDP2 (ZeRO-2: "
@@ -45,15 +44,6 @@ def _refuse(module: ModuleType, patcher: Patcher) -> None:
 def engines_refused() -> Iterator[None]:
     """For the duration: each engine of :data:`REFUSED` stops the run where it starts,
     whether the script imported it before or imports it during the run."""
-    with Patcher() as patcher:
-        for name in REFUSED:
-            module = sys.modules.get(name)
-            if module is not None:
-                _refuse(module, patcher)
-        finder = ImportHook(REFUSED, functools.partial(_refuse, patcher=patcher))
-        sys.meta_path.insert(0, finder)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(finder)
+    with Patcher() as patcher, on_each_load(REFUSED, functools.partial(_refuse,
+                                                                       patcher=patcher)):
+        yield

@@ -4,14 +4,15 @@ it does not emulate): a meta path finder that wraps the loader the other finders
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ImportHook"]
+__all__ = ["ImportHook", "on_each_load"]
 
 
 class ImportHook(importlib.abc.MetaPathFinder):
@@ -50,3 +51,20 @@ class _HookedLoader(importlib.abc.Loader):
 
     def __getattr__(self, name: str) -> Any:  # the rest of the loader's protocol
         return getattr(self.loader, name)
+
+
+@contextlib.contextmanager
+def on_each_load(names: Collection[str], on_load: Callable[[ModuleType], None]) -> Iterator[None]:
+    """For the duration: ``on_load(module)`` for each module named in ``names``, now where
+    it is loaded already, else as soon as it loads."""
+    for name in names:
+        module = sys.modules.get(name)
+        if module is not None:
+            on_load(module)
+    finder = ImportHook(names, on_load)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)

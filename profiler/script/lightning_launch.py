@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from dpprof.emulator.patcher import Patcher
-from dpprof.script.import_hook import ImportHook
+from dpprof.script.import_hook import on_each_load
 from dpprof.script.launch import Launch
 
 __all__ = ["LAUNCHER_MODULES", "LaunchedRanks", "UnstartedChild", "launched_note",
@@ -138,19 +137,9 @@ def lightning_launcher_played(record: Callable[[LaunchedRanks], None]) -> Iterat
     """For the duration: Lightning's subprocess launchers start no process (see the module),
     whether the script imported Lightning before or imports it during the run; ``record``
     is told what each launch asked."""
-    with Patcher() as patcher:
-        for name in LAUNCHER_MODULES:
-            module = sys.modules.get(name)
-            if module is not None:
-                _play(module, patcher, record)
-        finder = ImportHook(LAUNCHER_MODULES,
-                            functools.partial(_play, patcher=patcher, record=record))
-        sys.meta_path.insert(0, finder)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(finder)
+    with Patcher() as patcher, on_each_load(
+            LAUNCHER_MODULES, functools.partial(_play, patcher=patcher, record=record)):
+        yield
 
 
 def ranks_launch(launch: Launch, launched: LaunchedRanks) -> Launch:

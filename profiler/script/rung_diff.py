@@ -14,6 +14,7 @@ from dpprof.script.ddp_diff import ddp, own_process_group
 from dpprof.script.rewrite import (
     Rewrite,
     read_source,
+    site_of,
 )
 from dpprof.script.source import (
     NoRewrite,
@@ -60,8 +61,7 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
         own = own_process_group(original, sites.path, gpus, sites.rows) if sites.dp_line else ""
         if own:
             raise NoRewrite(f"DDP: {own}")
-        loader_lines = [int(n) for p, _, n in (s.rpartition(":") for s in sites.loader_sites)
-                        if p == sites.path and n.isdigit()]
+        loader_lines = [n for p, n in map(site_of, sites.loader_sites) if p == sites.path]
         lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
                                 *sites.batch_lines, *loader_lines) if k}
 
@@ -81,8 +81,8 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
 
         def moved_site(site: str) -> str:
             """A loader's ``file:line`` in the script as the rung's other edits left it."""
-            path, _, num = site.rpartition(":")
-            return f"{path}:{at(int(num))}" if path == sites.path and num.isdigit() else site
+            path, num = site_of(site)
+            return f"{path}:{at(num)}" if path == sites.path else site
 
         if blocks:
             then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
