@@ -117,9 +117,8 @@ class ContextModel:
     assumptions: list[str] = field(default_factory=list)
     # what a DDP rank's NCCL communicator holds outside the allocator (its library code and
     # buffers), added to DDP ranks' context only: the high end of the model's range
-    # (dpprof.emulator.nccl_memory), the low end beside it
+    # (dpprof.emulator.nccl_memory); the range itself is stated in the assumptions
     nccl_bytes: int = 0
-    nccl_low_bytes: int = 0
 
     @property
     def outside_allocator_bytes(self) -> int:
@@ -400,8 +399,7 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool, *,
         "watchdog reaps their all-reduce (within ~100 ms: the early steps of a fast "
         "loop): the peaks count them (the worst case), the steady state is shown "
         "beside")
-    return replace(model, assumptions=notes, nccl_bytes=nccl.high_bytes,
-                   nccl_low_bytes=nccl.low_bytes)
+    return replace(model, assumptions=notes, nccl_bytes=nccl.high_bytes)
 
 
 def link_of(spec: GpuSpec, interconnect: str = "") -> str:
