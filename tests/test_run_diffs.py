@@ -128,11 +128,13 @@ def test_every_change_offered_applies_compiles_and_peaks_as_promised(
 
 def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: Path,
                      out: Path, monkeypatch: pytest.MonkeyPatch, one_gpu: bool = False,
-                     dpprof_args: tuple[str, ...] = ()) -> None:
+                     dpprof_args: tuple[str, ...] = (), command: list[str] | None = None
+                     ) -> None:
     """``fix``'s diff applied to ``script`` (as ``patch`` applies it) in the folder
     ``fixed``; the patched file compiles, uses no undefined name, imports what exists; run
-    there under ``dpprof run`` as the diff says (``args`` the script's own), it peaks as
-    ``fix`` promised, to the byte (``one_gpu``: a one-GPU script's rung, run by python)."""
+    there under ``dpprof run`` as the diff says (``args`` the script's own), or as
+    ``command`` (what a note beside the diff says, or the script's own launcher), it peaks
+    as ``fix`` promised, to the byte (``one_gpu``: a one-GPU script's rung, run by python)."""
     code = fix["code"]
     assert code.startswith(f"--- {script} (as written)\n+++ {script} ("), code[:300]
     original = (SCRIPTS / script).read_text()
@@ -150,8 +152,9 @@ def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: P
     assert unresolved_imports(patched) == []
 
     monkeypatch.chdir(fixed)
-    command = launcher(code, script)
-    assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward" and not one_gpu)
+    if command is None:
+        command = launcher(code, script)
+        assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward" and not one_gpu)
     again = _run([*dpprof_args, "--", *command, *args], out)
     ran = again["scenarios"][0]
     assert ran["status"] == "ok", ran
@@ -214,8 +217,13 @@ FRAMEWORK_SCRIPTS: dict[str, list[str]] = {
     # Hugging Face's Trainer wraps DataParallel itself, in transformers' own code
     "hf_trainer.py": ["--output_dir", "out"],
 }
+# the ladder's rungs, run on the DDP alternative: the script patched with a rung's diff is
+# DDP ranks under torchrun, its blocks checkpointed, its forward to backward() under autocast
+RUNGS = ("ladder-bf16", "ladder-checkpoint", "ladder-bf16-checkpoint")
+# run under ``--ladder`` (one run each, for every change it offers)
+LADDER_SCRIPTS = ("imagenet_dummy.py", "timm_style_train.py", "tv_reference_train.py")
 # the changes each is offered (Trainer computes the loss inside the model's forward)
-OFFERED = {script: DP_FIXES for script in FRAMEWORK_SCRIPTS} | {
+OFFERED = {script: DP_FIXES + RUNGS for script in LADDER_SCRIPTS} | {
     "hf_trainer.py": ("ddp", "gradient-as-bucket-view")}
 
 
@@ -264,9 +272,10 @@ def framework_folder(folder: Path, script: str) -> Path:
 @pytest.fixture(scope="module")
 def framework_offered(
         tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
-    """A framework-style script's result under ``dpprof run``, run once per script when a
-    test first asks (pytest-xdist's workers each run only the scripts of their tests),
-    torchvision importable in this process (its C ops do not load over a CPU torch)."""
+    """A framework-style script's result under ``dpprof run`` (``--ladder`` where its rungs
+    are checked), run once per script when a test first asks (pytest-xdist's workers each
+    run only the scripts of their tests), torchvision importable in this process (its C ops
+    do not load over a CPU torch)."""
     from torchvision_shim import import_torchvision
 
     import_torchvision()
@@ -278,7 +287,8 @@ def framework_offered(
             with pytest.MonkeyPatch.context() as mp:
                 mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
                 mp.chdir(work)
-                results[script] = _run(["--", "python", str(SCRIPTS / script),
+                ladder = ["--ladder"] if script in LADDER_SCRIPTS else []
+                results[script] = _run([*ladder, "--", "python", str(SCRIPTS / script),
                                         *FRAMEWORK_SCRIPTS[script]],
                                        work.parent / f"{work.name}.json")
         return results[script]
@@ -300,10 +310,17 @@ def test_every_change_offered_for_a_framework_script_runs_as_promised(
         return
     # both scripts make DataLoaders (timm's style through create_loader): none is denied
     assert "without a DataLoader" not in code, code
+    assert "by hand" not in code, code  # a rung too is a diff of the script's own lines
     fixed = framework_folder(tmp_path / "fixed", script)
     fixed.mkdir(exist_ok=True)
-    check_the_change(script, FRAMEWORK_SCRIPTS[script], fixes[fix_name], fixed,
-                     tmp_path / "again.json", monkeypatch)
+    args, command = FRAMEWORK_SCRIPTS[script], None
+    if script == "tv_reference_train.py" and fix_name in RUNGS:
+        # the script's own DDP path: the rung's edits are a diff, the DDP change the note
+        # beside it, done as it says (torchrun, each rank's batch 2 with the script's -b)
+        assert code.endswith(f"\n# also: DDP: {TV_OWN_DDP.removeprefix(NO_REWRITE)}"), code
+        command, args = ["torchrun", "--nproc-per-node", "4", script], ["-b", "2", *TV_ARGS]
+    check_the_change(script, args, fixes[fix_name], fixed, tmp_path / "again.json",
+                     monkeypatch, command=command)
 
 
 @pytest.mark.slow

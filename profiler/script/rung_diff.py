@@ -58,9 +58,11 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
     try:
         original = read_source(sites.path)
         text, notes = original, list[str]()
+        # a script with its own DDP path (torchvision's reference) needs no DDP edit, only
+        # its launcher and batch, which a note says; the rung's own edits are still a diff
         own = own_process_group(original, sites.path, gpus, sites.rows) if sites.dp_line else ""
         if own:
-            raise NoRewrite(f"DDP: {own}")
+            notes.append(f"DDP: {own}")
         loader_lines = [n for p, n in map(site_of, sites.loader_sites) if p == sites.path]
         lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
                                 *sites.batch_lines, *loader_lines) if k}
@@ -90,7 +92,7 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
         if dtype is not None:
             then(autocast_until(ScriptSource(text, sites.path), at(sites.forward_line),
                                  at(sites.backward_line), dtype), "autocast")
-        if sites.dp_line:
+        if sites.dp_line and not own:
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
                      rows=sites.rows,
