@@ -445,7 +445,7 @@ def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A DataLoader given a batch sampler of its own (30 rows a batch): the DDP alternative
     gives each rank its share of every batch (8 rows, DataParallel's first chunk), not the
-    whole batch on every rank; the diff cannot divide it, so the DDP change is a note that
+    whole batch on every rank, and its note says so (not "batch_size divided"); the diff cannot divide it, so the DDP change is a note that
     says what to do by hand, not a diff whose patched script would load all 30 rows."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     script = tmp_path / "train.py"
@@ -455,6 +455,10 @@ def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_
     scenarios = {s["name"]: s for s in result["scenarios"]}
     assert [d["batch_rows"] for d in scenarios["dp-loss-primary"]["devices"]] == [8, 8, 8, 6]
     assert [d["batch_rows"] for d in scenarios["ddp"]["devices"]] == [8] * 4
+    # the alternative says what it did: no batch_size was divided, each batch was cut
+    shares = [n for n in scenarios["ddp"]["notes"] if n.startswith("each rank's share: ")]
+    assert shares == ["each rank's share: a DataLoader's own batch sampler: the first "
+                      "ceil(len / 4) indices of every batch it yields"], shares
     at = BATCH_SAMPLER_SCRIPT.splitlines().index(
         next(line for line in BATCH_SAMPLER_SCRIPT.splitlines() if "batch_sampler=" in line)) + 1
     for fix in result["fixes"]:
