@@ -423,6 +423,63 @@ def test_every_rung_offered_for_a_one_gpu_framework_script_runs_as_promised(
                          tmp_path / f"{name}.json", monkeypatch, one_gpu=True)
 
 
+# the DDP scripts in the frameworks' styles (no fix offered: they are DDP ranks already): how
+# each is started and its own arguments (batches large enough that the activations autocast
+# halves move the peak); ``--ladder`` offers them mixed precision (no repeated blocks)
+DDP_FRAMEWORK_SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    # accelerate's examples: started by `accelerate launch`, `accelerator.backward(loss)`
+    "accelerate_train.py": (["accelerate", "launch", "--num_processes", "4"],
+                            ["--output_dir", "out", "--batch_size", "256"]),
+    # Lightning's Trainer(strategy="ddp") from a plain python: Lightning calls the model and
+    # backward(), so the rung is Lightning's own precision setting
+    "lightning_ddp.py": (["python"], ["--batch-size", "128"]),
+}
+DDP_RUNG_CODE = {
+    "accelerate_train.py": '+            with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+                           "+                loss = nn.functional.cross_entropy(model(x), y)\n"
+                           "             accelerator.backward(loss)",
+    "lightning_ddp.py": 'enable_model_summary=True, precision="bf16-mixed")\n'
+                        "     trainer.fit(model, train, val)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(DDP_FRAMEWORK_SCRIPTS))
+def test_every_rung_offered_for_a_ddp_framework_script_runs_as_promised(
+        script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A framework's DDP script under ``--ladder`` (one run): its rung is a diff of the
+    script's own lines, though the library calls backward() (accelerate's
+    ``accelerator.backward``: autocast around the script's forward and loss before that
+    line) or the model too (Lightning: its Trainer given ``precision="bf16-mixed"``), and
+    applied and started as the user started it, it peaks as promised, to the byte."""
+    from torchvision_shim import import_torchvision
+
+    pytest.importorskip("accelerate" if script == "accelerate_train.py" else "lightning")
+    import_torchvision()  # torchmetrics, under Lightning, imports torchvision
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch, args = DDP_FRAMEWORK_SCRIPTS[script]
+    steps = ("--steps", "3")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    result = _run([*steps, "--ladder", "--", *launch, str(SCRIPTS / script), *args],
+                  tmp_path / "r.json")
+    assert [s["name"] for s in result["scenarios"]] == ["ddp"]
+    fixes = {f["name"]: f for f in result["fixes"]}
+    assert set(fixes) == {"ladder-bf16"}, sorted(fixes)
+    assert DDP_RUNG_CODE[script] in fixes["ladder-bf16"]["code"], fixes["ladder-bf16"]["code"]
+    # the rung lowers every rank's peak: the patched script peaking where it promised is
+    # the precision setting at work, not a peak autocast leaves where it was
+    (ddp,) = result["scenarios"]
+    assert fixes["ladder-bf16"]["max_peak_bytes"] < min(
+        d["peak_allocated_bytes"] for d in ddp["devices"])
+    for name, fix in fixes.items():
+        fixed = tmp_path / name
+        fixed.mkdir()
+        check_the_change(script, args, fix, fixed, tmp_path / f"{name}.json", monkeypatch,
+                         dpprof_args=steps, command=[*launch, script])
+
+
 BATCH_SAMPLER_SCRIPT = '''\
 import torch
 import torch.nn as nn

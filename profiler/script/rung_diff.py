@@ -20,6 +20,7 @@ from dpprof.script.source import (
     NoRewrite,
     ScriptSource,
 )
+from dpprof.script.trainer_precision_diff import fit_of_trainer, trainer_precision
 
 
 def _line_map(old: str, new: str) -> dict[int, int]:
@@ -90,8 +91,12 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
             then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
                  "activation checkpointing")
         if dtype is not None:
-            then(autocast_until(ScriptSource(text, sites.path), at(sites.forward_line),
-                                 at(sites.backward_line), dtype), "autocast")
+            src = ScriptSource(text, sites.path)
+            forward, backward = at(sites.forward_line), at(sites.backward_line)
+            # both under the script's `trainer.fit(...)`: Lightning's own precision
+            trainer = fit_of_trainer(src, forward) if forward == backward else None
+            then(autocast_until(src, forward, backward, dtype) if trainer is None
+                 else trainer_precision(src, trainer, dtype, title), "autocast")
         if sites.dp_line and not own:
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
