@@ -15,6 +15,7 @@ import builtins
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -273,24 +274,34 @@ def framework_folder(folder: Path, script: str) -> Path:
 def framework_offered(
         tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
     """A framework-style script's result under ``dpprof run`` (``--ladder`` where its rungs
-    are checked), run once per script when a test first asks (pytest-xdist's workers each
-    run only the scripts of their tests), torchvision importable in this process (its C ops
-    do not load over a CPU torch)."""
+    are checked), run once per script when a test first asks, and once in the whole session:
+    pytest-xdist's workers share it through the session's temporary folder (the first to
+    ask runs it while the others wait on its lock: CI's 2 workers each ran every script's
+    ladder before); torchvision importable in this process (its C ops do not load over a
+    CPU torch)."""
+    from filelock import FileLock  # torch's own dependency
     from torchvision_shim import import_torchvision
 
     import_torchvision()
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     results: dict[str, dict[str, Any]] = {}
 
     def offered(script: str) -> dict[str, Any]:
         if script not in results:
-            work = framework_folder(tmp_path_factory.mktemp("work"), script)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-                mp.chdir(work)
-                ladder = ["--ladder"] if script in LADDER_SCRIPTS else []
-                results[script] = _run([*ladder, "--", "python", str(SCRIPTS / script),
-                                        *FRAMEWORK_SCRIPTS[script]],
-                                       work.parent / f"{work.name}.json")
+            ran = shared / f"framework-offered-{script}.json"
+            with FileLock(f"{ran}.lock"):
+                if not ran.exists():
+                    work = framework_folder(tmp_path_factory.mktemp("work"), script)
+                    with pytest.MonkeyPatch.context() as mp:
+                        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+                        mp.chdir(work)
+                        ladder = ["--ladder"] if script in LADDER_SCRIPTS else []
+                        _run([*ladder, "--", "python", str(SCRIPTS / script),
+                              *FRAMEWORK_SCRIPTS[script]], work.parent / f"{work.name}.json")
+                    # shared once it passed: a failed run is each worker's own failure
+                    (work.parent / f"{work.name}.json").rename(ran)
+                results[script] = json.loads(ran.read_text())
         return results[script]
 
     return offered
