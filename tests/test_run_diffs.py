@@ -162,6 +162,8 @@ def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: P
     assert ran["name"] == ("single" if one_gpu else "dp-loss-forward"
                            if fix["name"] == "loss-in-forward" else "ddp")
     peaks = [d["peak_allocated_bytes"] for d in ran["devices"]]
+    print(f"{script} {fix['name']}: promised {fix['primary_peak_bytes']} B on GPU 0, "
+          f"{fix['max_peak_bytes']} B at most; the patched script {peaks} B")  # pytest -rP
     assert peaks[0] == fix["primary_peak_bytes"], (peaks, fix["primary_peak_bytes"])
     assert max(peaks) == fix["max_peak_bytes"], (peaks, fix["max_peak_bytes"])
 
@@ -536,3 +538,51 @@ def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_
                 "rank its share of this DataLoader's batches, which the diff cannot (it has a "
                 "batch sampler of its own): give each rank 1/4 of each of its batches by hand"), \
                 fix["code"]
+
+
+PASSED_MODEL_SCRIPT = '''\
+import torch
+import torch.nn as nn
+
+
+def train(loader, *, net, optimizer):
+    for x in loader:
+        loss = net(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def main():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        train([torch.randn(4, 8)], net=model, optimizer=optimizer)
+'''
+
+
+def test_checkpointing_follows_a_model_passed_to_the_training_function() -> None:
+    """The model a training function is given (as the ImageNet example, timm's and
+    torchvision's scripts pass it) is checkpointed where its caller makes it, once, before
+    the caller's loop, and the patched script runs (on CPU). A function called from
+    two places names no one model: the reason says so."""
+    from dpprof.script.checkpointing_diff import checkpointing
+
+    words = {"names": ["0", "1"], "kind": "Linear"}
+    forward = PASSED_MODEL_SCRIPT.splitlines().index("        loss = net(x).sum()") + 1
+    change = checkpointing(PASSED_MODEL_SCRIPT, "train.py", forward, words)
+    assert change.ok, change.reason
+    made = change.new_source.splitlines().index(
+        "    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))")
+    assert change.new_source.splitlines()[made + 6:made + 8] == [
+        "    for block in map(model.get_submodule, ('0', '1',)):  # the 2 repeated Linear "
+        "blocks", "        checkpointed(block)"]
+    scope: dict[str, Any] = {}
+    exec(compile(change.new_source, "train.py", "exec"), scope)
+    scope["main"]()
+    twice = PASSED_MODEL_SCRIPT + "    train([], net=model, optimizer=optimizer)\n"
+    refused = checkpointing(twice, "train.py", forward, words)
+    assert refused.reason == (f"line {forward}: no call of a model assigned before its loop: "
+                              "`net`, the model `train` calls, is its argument, and `train` is "
+                              "called 2 times in the script: which model to checkpoint is not "
+                              "one line")

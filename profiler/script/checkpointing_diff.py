@@ -32,6 +32,11 @@ _WRAPPERS = ("DataParallel", "DistributedDataParallel", "DDP")
 _MODULE = "torch.utils.checkpoint"  # imported by its path where the script binds `checkpoint`
 
 
+class _Unbound(NoRewrite):
+    """A name called on the model's line that nothing binds before its loop (not the model:
+    another call on that line)."""
+
+
 def _model_binding(src: ScriptSource, forward: ast.stmt, name: str) -> ast.stmt:
     """The statement that last binds ``name`` (the model the forward calls) before the loop
     that holds the forward, in the forward's function or the module; a function's parameter
@@ -59,8 +64,8 @@ def _last_binding(src: ScriptSource, forward: ast.stmt, name: str
         if binds:
             return max(binds, key=lambda b: b.pos).node, scope
         if isinstance(scope, ast.Module):
-            raise NoRewrite(f"`{name}`, the model called on line {forward.lineno}, is not "
-                            "assigned before its loop")
+            raise _Unbound(f"`{name}`, the model called on line {forward.lineno}, is not "
+                           "assigned before its loop")
         scope = src.scope(scope)
 
 
@@ -109,16 +114,20 @@ def _model_name(src: ScriptSource, forward_line: int) -> tuple[ast.stmt, str]:
     ``forward_line``, or the call that passes the model to the function holding it), and
     the model's name there."""
     stmt = statement_on(src, forward_line, "model's call")
+    why = ""  # why a call that names something bound is not the model's dpprof can follow
     for call in calls_at(src, forward_line):
         name = dotted_name(call.func)
         if name is None or call.lineno != forward_line:
             continue
         try:
             _model_binding(src, stmt, name)
-        except NoRewrite:
+        except _Unbound:
+            continue
+        except NoRewrite as e:
+            why = why or f": {e}"
             continue
         return _passed_in(src, stmt, name)
-    raise NoRewrite(f"line {forward_line}: no call of a model assigned before its loop")
+    raise NoRewrite(f"line {forward_line}: no call of a model assigned before its loop{why}")
 
 
 def checkpointing(source: str, path: str, forward_line: int, words: dict[str, object]
