@@ -54,8 +54,11 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
                  blocks: dict[str, object] | None) -> Rewrite:
     """A ladder rung as one diff of the user's file: its blocks checkpointed (``blocks``,
     where it checkpoints), its forward to ``backward()`` under autocast (``dtype``, where it
-    has one), and, where it ran on a DataParallel script's DDP alternative, the DDP change
-    too, so that the script patched with it is the one the rung measured."""
+    has one; Lightning's Trainer given its precision where Lightning calls both the model
+    and ``backward()``), and, where it ran on a DataParallel script's DDP alternative, the
+    DDP change too, so that the script patched with it is the one the rung measured (a
+    script with its own DDP path: a note of how to start it as DDP ranks, beside the
+    diff)."""
     try:
         original = read_source(sites.path)
         text, notes = original, list[str]()
