@@ -15,6 +15,7 @@ import builtins
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -128,11 +129,13 @@ def test_every_change_offered_applies_compiles_and_peaks_as_promised(
 
 def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: Path,
                      out: Path, monkeypatch: pytest.MonkeyPatch, one_gpu: bool = False,
-                     dpprof_args: tuple[str, ...] = ()) -> None:
+                     dpprof_args: tuple[str, ...] = (), command: list[str] | None = None
+                     ) -> None:
     """``fix``'s diff applied to ``script`` (as ``patch`` applies it) in the folder
     ``fixed``; the patched file compiles, uses no undefined name, imports what exists; run
-    there under ``dpprof run`` as the diff says (``args`` the script's own), it peaks as
-    ``fix`` promised, to the byte (``one_gpu``: a one-GPU script's rung, run by python)."""
+    there under ``dpprof run`` as the diff says (``args`` the script's own), or as
+    ``command`` (what a note beside the diff says, or the script's own launcher), it peaks
+    as ``fix`` promised, to the byte (``one_gpu``: a one-GPU script's rung, run by python)."""
     code = fix["code"]
     assert code.startswith(f"--- {script} (as written)\n+++ {script} ("), code[:300]
     original = (SCRIPTS / script).read_text()
@@ -150,14 +153,17 @@ def check_the_change(script: str, args: list[str], fix: dict[str, Any], fixed: P
     assert unresolved_imports(patched) == []
 
     monkeypatch.chdir(fixed)
-    command = launcher(code, script)
-    assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward" and not one_gpu)
+    if command is None:
+        command = launcher(code, script)
+        assert (command[0] == "torchrun") == (fix["name"] != "loss-in-forward" and not one_gpu)
     again = _run([*dpprof_args, "--", *command, *args], out)
     ran = again["scenarios"][0]
     assert ran["status"] == "ok", ran
     assert ran["name"] == ("single" if one_gpu else "dp-loss-forward"
                            if fix["name"] == "loss-in-forward" else "ddp")
     peaks = [d["peak_allocated_bytes"] for d in ran["devices"]]
+    print(f"{script} {fix['name']}: promised {fix['primary_peak_bytes']} B on GPU 0, "
+          f"{fix['max_peak_bytes']} B at most; the patched script {peaks} B")  # pytest -rP
     assert peaks[0] == fix["primary_peak_bytes"], (peaks, fix["primary_peak_bytes"])
     assert max(peaks) == fix["max_peak_bytes"], (peaks, fix["max_peak_bytes"])
 
@@ -214,8 +220,13 @@ FRAMEWORK_SCRIPTS: dict[str, list[str]] = {
     # Hugging Face's Trainer wraps DataParallel itself, in transformers' own code
     "hf_trainer.py": ["--output_dir", "out"],
 }
+# the ladder's rungs, run on the DDP alternative: the script patched with a rung's diff is
+# DDP ranks under torchrun, its blocks checkpointed, its forward to backward() under autocast
+RUNGS = ("ladder-bf16", "ladder-checkpoint", "ladder-bf16-checkpoint")
+# run under ``--ladder`` (one run each, for every change it offers)
+LADDER_SCRIPTS = ("imagenet_dummy.py", "timm_style_train.py", "tv_reference_train.py")
 # the changes each is offered (Trainer computes the loss inside the model's forward)
-OFFERED = {script: DP_FIXES for script in FRAMEWORK_SCRIPTS} | {
+OFFERED = {script: DP_FIXES + RUNGS for script in LADDER_SCRIPTS} | {
     "hf_trainer.py": ("ddp", "gradient-as-bucket-view")}
 
 
@@ -264,23 +275,35 @@ def framework_folder(folder: Path, script: str) -> Path:
 @pytest.fixture(scope="module")
 def framework_offered(
         tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
-    """A framework-style script's result under ``dpprof run``, run once per script when a
-    test first asks (pytest-xdist's workers each run only the scripts of their tests),
-    torchvision importable in this process (its C ops do not load over a CPU torch)."""
+    """A framework-style script's result under ``dpprof run`` (``--ladder`` where its rungs
+    are checked), run once per script when a test first asks, and once in the whole session:
+    pytest-xdist's workers share it through the session's temporary folder (the first to
+    ask runs it while the others wait on its lock: CI's 2 workers each ran every script's
+    ladder before); torchvision importable in this process (its C ops do not load over a
+    CPU torch)."""
+    from filelock import FileLock  # torch's own dependency
     from torchvision_shim import import_torchvision
 
     import_torchvision()
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     results: dict[str, dict[str, Any]] = {}
 
     def offered(script: str) -> dict[str, Any]:
         if script not in results:
-            work = framework_folder(tmp_path_factory.mktemp("work"), script)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-                mp.chdir(work)
-                results[script] = _run(["--", "python", str(SCRIPTS / script),
-                                        *FRAMEWORK_SCRIPTS[script]],
-                                       work.parent / f"{work.name}.json")
+            ran = shared / f"framework-offered-{script}.json"
+            with FileLock(f"{ran}.lock"):
+                if not ran.exists():
+                    work = framework_folder(tmp_path_factory.mktemp("work"), script)
+                    with pytest.MonkeyPatch.context() as mp:
+                        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+                        mp.chdir(work)
+                        ladder = ["--ladder"] if script in LADDER_SCRIPTS else []
+                        _run([*ladder, "--", "python", str(SCRIPTS / script),
+                              *FRAMEWORK_SCRIPTS[script]], work.parent / f"{work.name}.json")
+                    # shared once it passed: a failed run is each worker's own failure
+                    (work.parent / f"{work.name}.json").rename(ran)
+                results[script] = json.loads(ran.read_text())
         return results[script]
 
     return offered
@@ -300,10 +323,17 @@ def test_every_change_offered_for_a_framework_script_runs_as_promised(
         return
     # both scripts make DataLoaders (timm's style through create_loader): none is denied
     assert "without a DataLoader" not in code, code
+    assert "by hand" not in code, code  # a rung too is a diff of the script's own lines
     fixed = framework_folder(tmp_path / "fixed", script)
     fixed.mkdir(exist_ok=True)
-    check_the_change(script, FRAMEWORK_SCRIPTS[script], fixes[fix_name], fixed,
-                     tmp_path / "again.json", monkeypatch)
+    args, command = FRAMEWORK_SCRIPTS[script], None
+    if script == "tv_reference_train.py" and fix_name in RUNGS:
+        # the script's own DDP path: the rung's edits are a diff, the DDP change the note
+        # beside it, done as it says (torchrun, each rank's batch 2 with the script's -b)
+        assert code.endswith(f"\n# also: DDP: {TV_OWN_DDP.removeprefix(NO_REWRITE)}"), code
+        command, args = ["torchrun", "--nproc-per-node", "4", script], ["-b", "2", *TV_ARGS]
+    check_the_change(script, args, fixes[fix_name], fixed, tmp_path / "again.json",
+                     monkeypatch, command=command)
 
 
 @pytest.mark.slow
@@ -406,6 +436,63 @@ def test_every_rung_offered_for_a_one_gpu_framework_script_runs_as_promised(
                          tmp_path / f"{name}.json", monkeypatch, one_gpu=True)
 
 
+# the DDP scripts in the frameworks' styles (no fix offered: they are DDP ranks already): how
+# each is started and its own arguments (batches large enough that the activations autocast
+# halves move the peak); ``--ladder`` offers them mixed precision (no repeated blocks)
+DDP_FRAMEWORK_SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    # accelerate's examples: started by `accelerate launch`, `accelerator.backward(loss)`
+    "accelerate_train.py": (["accelerate", "launch", "--num_processes", "4"],
+                            ["--output_dir", "out", "--batch_size", "256"]),
+    # Lightning's Trainer(strategy="ddp") from a plain python: Lightning calls the model and
+    # backward(), so the rung is Lightning's own precision setting
+    "lightning_ddp.py": (["python"], ["--batch-size", "128"]),
+}
+DDP_RUNG_CODE = {
+    "accelerate_train.py": '+            with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+                           "+                loss = nn.functional.cross_entropy(model(x), y)\n"
+                           "             accelerator.backward(loss)",
+    "lightning_ddp.py": 'enable_model_summary=True, precision="bf16-mixed")\n'
+                        "     trainer.fit(model, train, val)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(DDP_FRAMEWORK_SCRIPTS))
+def test_every_rung_offered_for_a_ddp_framework_script_runs_as_promised(
+        script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A framework's DDP script under ``--ladder`` (one run): its rung is a diff of the
+    script's own lines, though the library calls backward() (accelerate's
+    ``accelerator.backward``: autocast around the script's forward and loss before that
+    line) or the model too (Lightning: its Trainer given ``precision="bf16-mixed"``), and
+    applied and started as the user started it, it peaks as promised, to the byte."""
+    from torchvision_shim import import_torchvision
+
+    pytest.importorskip("accelerate" if script == "accelerate_train.py" else "lightning")
+    import_torchvision()  # torchmetrics, under Lightning, imports torchvision
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launch, args = DDP_FRAMEWORK_SCRIPTS[script]
+    steps = ("--steps", "3")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    result = _run([*steps, "--ladder", "--", *launch, str(SCRIPTS / script), *args],
+                  tmp_path / "r.json")
+    assert [s["name"] for s in result["scenarios"]] == ["ddp"]
+    fixes = {f["name"]: f for f in result["fixes"]}
+    assert set(fixes) == {"ladder-bf16"}, sorted(fixes)
+    assert DDP_RUNG_CODE[script] in fixes["ladder-bf16"]["code"], fixes["ladder-bf16"]["code"]
+    # the rung lowers every rank's peak: the patched script peaking where it promised is
+    # the precision setting at work, not a peak autocast leaves where it was
+    (ddp,) = result["scenarios"]
+    assert fixes["ladder-bf16"]["max_peak_bytes"] < min(
+        d["peak_allocated_bytes"] for d in ddp["devices"])
+    for name, fix in fixes.items():
+        fixed = tmp_path / name
+        fixed.mkdir()
+        check_the_change(script, args, fix, fixed, tmp_path / f"{name}.json", monkeypatch,
+                         dpprof_args=steps, command=[*launch, script])
+
+
 BATCH_SAMPLER_SCRIPT = '''\
 import torch
 import torch.nn as nn
@@ -428,7 +515,7 @@ def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A DataLoader given a batch sampler of its own (30 rows a batch): the DDP alternative
     gives each rank its share of every batch (8 rows, DataParallel's first chunk), not the
-    whole batch on every rank; the diff cannot divide it, so the DDP change is a note that
+    whole batch on every rank, and its note says so (not "batch_size divided"); the diff cannot divide it, so the DDP change is a note that
     says what to do by hand, not a diff whose patched script would load all 30 rows."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     script = tmp_path / "train.py"
@@ -438,6 +525,10 @@ def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_
     scenarios = {s["name"]: s for s in result["scenarios"]}
     assert [d["batch_rows"] for d in scenarios["dp-loss-primary"]["devices"]] == [8, 8, 8, 6]
     assert [d["batch_rows"] for d in scenarios["ddp"]["devices"]] == [8] * 4
+    # the alternative says what it did: no batch_size was divided, each batch was cut
+    shares = [n for n in scenarios["ddp"]["notes"] if n.startswith("each rank's share: ")]
+    assert shares == ["each rank's share: a DataLoader's own batch sampler: the first "
+                      "ceil(len / 4) indices of every batch it yields"], shares
     at = BATCH_SAMPLER_SCRIPT.splitlines().index(
         next(line for line in BATCH_SAMPLER_SCRIPT.splitlines() if "batch_sampler=" in line)) + 1
     for fix in result["fixes"]:
@@ -447,3 +538,51 @@ def test_a_loader_with_its_own_batch_sampler_is_divided_and_its_ddp_change_is_a_
                 "rank its share of this DataLoader's batches, which the diff cannot (it has a "
                 "batch sampler of its own): give each rank 1/4 of each of its batches by hand"), \
                 fix["code"]
+
+
+PASSED_MODEL_SCRIPT = '''\
+import torch
+import torch.nn as nn
+
+
+def train(loader, *, net, optimizer):
+    for x in loader:
+        loss = net(x).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def main():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        train([torch.randn(4, 8)], net=model, optimizer=optimizer)
+'''
+
+
+def test_checkpointing_follows_a_model_passed_to_the_training_function() -> None:
+    """The model a training function is given (as the ImageNet example, timm's and
+    torchvision's scripts pass it) is checkpointed where its caller makes it, once, before
+    the caller's loop, and the patched script runs (on CPU). A function called from
+    two places names no one model: the reason says so."""
+    from dpprof.script.checkpointing_diff import checkpointing
+
+    words = {"names": ["0", "1"], "kind": "Linear"}
+    forward = PASSED_MODEL_SCRIPT.splitlines().index("        loss = net(x).sum()") + 1
+    change = checkpointing(PASSED_MODEL_SCRIPT, "train.py", forward, words)
+    assert change.ok, change.reason
+    made = change.new_source.splitlines().index(
+        "    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))")
+    assert change.new_source.splitlines()[made + 6:made + 8] == [
+        "    for block in map(model.get_submodule, ('0', '1',)):  # the 2 repeated Linear "
+        "blocks", "        checkpointed(block)"]
+    scope: dict[str, Any] = {}
+    exec(compile(change.new_source, "train.py", "exec"), scope)
+    scope["main"]()
+    twice = PASSED_MODEL_SCRIPT + "    train([], net=model, optimizer=optimizer)\n"
+    refused = checkpointing(twice, "train.py", forward, words)
+    assert refused.reason == (f"line {forward}: no call of a model assigned before its loop: "
+                              "`net`, the model `train` calls, is its argument, and `train` is "
+                              "called 2 times in the script: which model to checkpoint is not "
+                              "one line")

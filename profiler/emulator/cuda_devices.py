@@ -109,6 +109,21 @@ def caller_site(also_skip: tuple[str, ...] = ()) -> str:
     return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
+def caller_sites(limit: int = 64) -> tuple[str, ...]:
+    """``file:line`` of every frame outside torch and dpprof, innermost first (at most
+    ``limit``): the user's line, then the lines that called it (a library's first, where a
+    library called torch, then the script's that called the library)."""
+    out: list[str] = []
+    f = caller_frame()
+    while f is not None and len(out) < limit:
+        out.append(f"{f.f_code.co_filename}:{f.f_lineno}")
+        f = f.f_back
+        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
+                                                                  "<"))):
+            f = f.f_back
+    return tuple(out)
+
+
 def in_dpprof(filename: str) -> bool:
     """Whether ``filename`` is one of dpprof's own source files."""
     return filename.startswith(_DPPROF_DIR)

@@ -211,6 +211,9 @@ def _division(state: AlternativeState, world: int) -> str:
     ways = []
     if state.divided_loader:
         ways.append(f"each DataLoader's batch_size divided by {world}")
+    if state.cut_batch_sampler:
+        ways.append(f"a DataLoader's own batch sampler: the first ceil(len / {world}) indices "
+                    "of every batch it yields")
     if state.divided_sites:
         ways.append(f"the batches the script makes ({', '.join(state.divided_sites)}) "
                     f"cut to {state.batch_rows} rows of DataParallel's "
@@ -253,11 +256,12 @@ class DdpInPlace(Alternative):
                     kwargs["batch_sampler"] = share
                 else:
                     args = (*args[:2], share, *args[3:])
+                state.cut_batch_sampler = True
             elif divides and batch_size:
                 batch_size = -(-batch_size // vc.device_count())  # each rank's, as DDP sets it
                 state.batch_rows = state.batch_rows or batch_size
-            if divides:
                 state.divided_loader = True
+            if divides:
                 # the script's call that made this loader (a library's factory, where it
                 # used one): the diff divides that call's batch_size
                 site = script_site(sys._getframe(1))

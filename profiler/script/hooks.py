@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.emulator.cuda_devices import CudaDevices, caller_site
+from dpprof.emulator.cuda_devices import CudaDevices, caller_site, caller_sites
 from dpprof.emulator.data_parallel import Gather
 from dpprof.emulator.emulated_autocast import EmulatedAutocast
 from dpprof.emulator.events import DeviceCounters
@@ -88,6 +88,10 @@ class Stepper:
         self.blocks_words: dict[str, Any] = {}
         self.forward_site = ""
         self.backward_site = ""
+        # the same calls' every line outside torch and dpprof, innermost first (a library's
+        # that called torch, then the script's that called the library)
+        self.forward_sites: tuple[str, ...] = ()
+        self.backward_sites: tuple[str, ...] = ()
         # the op log's length as each measured optimizer step ended (the predicted step
         # time's steps: dpprof.emulator.step_time.predict_steps)
         self.step_ends: list[int] = []
@@ -167,6 +171,7 @@ class Stepper:
                 self._start_measuring()  # the first step was the warm-up
         if not self.backward_site:
             self.backward_site = caller_site()
+            self.backward_sites = caller_sites()
         for listener in self.listeners:
             listener.backward_started()
         self.phase(f"backward (step {self.done + 1})")
@@ -188,6 +193,7 @@ class Stepper:
                 # would keep its memory counted after the script let it go)
                 self.blocks_words = blocks_words(unwrapped(module))
                 self.forward_site = caller_site()
+                self.forward_sites = caller_sites()
             for listener in self.listeners:
                 listener.forward_started(module)
         self._depth += 1
@@ -331,7 +337,9 @@ class RungHooks:
         if self.rung.checkpoint and not self._checkpointed:
             self._checkpointed = True
             self.blocks = checkpoint_blocks(unwrapped(module))
-        if self.rung.amp is not None and self._region is None:
+        # a forward without grad (evaluation) has no backward to end a region: the rung's
+        # change puts the training step's forward and loss under autocast, not evaluation
+        if self.rung.amp is not None and self._region is None and torch.is_grad_enabled():
             self._region = EmulatedAutocast(getattr(torch, self.rung.amp))
             self._region.__enter__()
 

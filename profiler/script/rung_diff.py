@@ -20,6 +20,7 @@ from dpprof.script.source import (
     NoRewrite,
     ScriptSource,
 )
+from dpprof.script.trainer_precision_diff import fit_of_trainer, trainer_precision
 
 
 def _line_map(old: str, new: str) -> dict[int, int]:
@@ -53,14 +54,19 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
                  blocks: dict[str, object] | None) -> Rewrite:
     """A ladder rung as one diff of the user's file: its blocks checkpointed (``blocks``,
     where it checkpoints), its forward to ``backward()`` under autocast (``dtype``, where it
-    has one), and, where it ran on a DataParallel script's DDP alternative, the DDP change
-    too, so that the script patched with it is the one the rung measured."""
+    has one; Lightning's Trainer given its precision where Lightning calls both the model
+    and ``backward()``), and, where it ran on a DataParallel script's DDP alternative, the
+    DDP change too, so that the script patched with it is the one the rung measured (a
+    script with its own DDP path: a note of how to start it as DDP ranks, beside the
+    diff)."""
     try:
         original = read_source(sites.path)
         text, notes = original, list[str]()
+        # a script with its own DDP path (torchvision's reference) needs no DDP edit, only
+        # its launcher and batch, which a note says; the rung's own edits are still a diff
         own = own_process_group(original, sites.path, gpus, sites.rows) if sites.dp_line else ""
         if own:
-            raise NoRewrite(f"DDP: {own}")
+            notes.append(f"DDP: {own}")
         loader_lines = [n for p, n in map(site_of, sites.loader_sites) if p == sites.path]
         lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
                                 *sites.batch_lines, *loader_lines) if k}
@@ -88,9 +94,13 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
             then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
                  "activation checkpointing")
         if dtype is not None:
-            then(autocast_until(ScriptSource(text, sites.path), at(sites.forward_line),
-                                 at(sites.backward_line), dtype), "autocast")
-        if sites.dp_line:
+            src = ScriptSource(text, sites.path)
+            forward, backward = at(sites.forward_line), at(sites.backward_line)
+            # both under the script's `trainer.fit(...)`: Lightning's own precision
+            trainer = fit_of_trainer(src, forward) if forward == backward else None
+            then(autocast_until(src, forward, backward, dtype) if trainer is None
+                 else trainer_precision(src, trainer, dtype, title), "autocast")
+        if sites.dp_line and not own:
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
                      rows=sites.rows,

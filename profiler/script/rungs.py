@@ -168,7 +168,12 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
                   main: ScriptRun | None) -> Rewrite:
     script = str(Path(cfg.launch.target).resolve()) if not cfg.launch.is_module else ""
     on_ddp = main is not None and main.scenario.name == DP_LOSS_PRIMARY
-    sites = [floor.forward_site, floor.backward_site]
+    # the script's own lines: where a library's code called the model or backward()
+    # (accelerate's accelerator.backward, Lightning's Trainer), the script's call of it
+    sites = [next((s for s in chain if s.rpartition(":")[0] == script), chain[0] if chain
+                  else site)
+             for chain, site in ((floor.forward_sites, floor.forward_site),
+                                 (floor.backward_sites, floor.backward_site))]
     if on_ddp:
         assert main is not None
         if not main.dp_sites:

@@ -200,6 +200,10 @@ class ScriptRun:
     blocks_words: dict[str, Any] = field(default_factory=dict)
     forward_site: str = ""
     backward_site: str = ""
+    # each call's every line outside torch and dpprof, innermost first (where a library's
+    # code called the model or backward(), the script's line that called that library)
+    forward_sites: tuple[str, ...] = ()
+    backward_sites: tuple[str, ...] = ()
     checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
     variant: str = AS_WRITTEN  # the run's ScriptConfig.variant
     rung: str | None = None  # the name of the ladder's rung it ran, if any
@@ -324,6 +328,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.autocast_regions = autocast.regions
     run.blocks_words = stepper.blocks_words
     run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
+    run.forward_sites, run.backward_sites = stepper.forward_sites, stepper.backward_sites
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
     run.kernels = dict(kernels.chosen)

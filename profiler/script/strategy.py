@@ -45,9 +45,11 @@ class AlternativeState:
     keep_outputs: bool = False  # the replicas return their outputs too (the script uses them)
     batch_rows: int = 0  # the rows of a batch the alternative made (0: it made none)
     loss_calls: int = 0  # loss module calls the alternative computed inside forward
-    # how each rank got its share of the batch: "loader" (a DataLoader's batch_size), and
-    # the script's lines whose hand-made batches were cut to it
+    # how each rank got its share of the batch: a DataLoader's batch_size divided, a
+    # DataLoader's own batch sampler cut (each of its batches to its first share), and the
+    # script's lines whose hand-made batches were cut to it
     divided_loader: bool = False
+    cut_batch_sampler: bool = False
     divided_sites: list[str] = field(default_factory=list)
     # "file:line" of the script's own calls that made each DataLoader whose batch_size the
     # alternative divided (a library's loader factory's call, where the script has one)
