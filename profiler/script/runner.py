@@ -84,6 +84,7 @@ from dpprof.script.run_figures import (
 )
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
+from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.strategy import Alternative, AlternativeState
@@ -129,6 +130,9 @@ class ScriptConfig:
     # the filesystem the ranks share (dpprof.script.shared_files): rank 0's run keeps its
     # files there, a later rank's run is shown them; None: no other rank runs
     shared_files: SharedFiles | None = None
+    # what rank 0's run broadcast (dpprof.script.rank_broadcasts), given to the later ranks'
+    # runs; None: no other rank runs
+    broadcasts: Broadcasts | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -294,6 +298,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 if alternative is not None:
                     alternative.install(state, vc, patcher)
                 parallel_state.state_of(vc).spawn_rank = cfg.rank
+                parallel_state.state_of(vc).broadcasts = cfg.broadcasts
                 compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()
