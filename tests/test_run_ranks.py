@@ -304,3 +304,71 @@ def test_broadcasts_that_diverge_keep_the_rank_s_own_objects() -> None:
     assert "call 3: rank 0's objects could not be pickled" in note
     assert "call 4: rank 0 made 3 such call(s)" in note
     assert b.receive(1, 1, [None]) is False  # a sender keeps what it sends
+
+
+REMOVED_OUTSIDE_PYTHON = """\
+import ctypes
+import os
+import subprocess
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = DDP(nn.Linear(10, 5).cuda())
+if rank == 0:
+    torch.save({"step": 7, "model": model.state_dict()}, "model.checkpoint")
+    with open("vocab.txt", "w") as f:
+        f.write("a b c\\n")
+    subprocess.run(["sh", "-c", "echo 3 > epoch.txt"], check=True)  # written outside Python
+dist.barrier()
+state = torch.load("model.checkpoint", map_location={"cuda:0": f"cuda:{rank}"})
+with open("vocab.txt") as f:
+    vocab = f.read().split()
+with open("epoch.txt") as f:
+    epoch = int(f.read())
+if state["step"] != 7 or vocab != ["a", "b", "c"] or epoch != 3:
+    raise SystemExit(f"rank {rank} read {state['step']} {vocab} {epoch}")
+model.load_state_dict(state["model"])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(20, 10, device="cuda")).sum().backward()
+    opt.step()
+dist.barrier()
+if rank == 0:  # removed outside Python: a subprocess, and the C library through ctypes
+    subprocess.run(["rm", "model.checkpoint", "epoch.txt"], check=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unlink(b"vocab.txt") != 0:
+        raise OSError(ctypes.get_errno(), "unlink vocab.txt")
+dist.destroy_process_group()
+"""
+
+
+def test_a_later_rank_reads_files_rank_0_removed_outside_python(tmp_path: Path) -> None:
+    """Rank 0 saves a checkpoint and a vocabulary (Python) and an epoch file (a shell),
+    the ranks read them after a barrier, and rank 0 removes them at its end with ``rm`` and
+    the C library's ``unlink``: rank 3's run reads them as rank 0's run left them before it
+    removed them, as it does where rank 0 removes them through Python. The kernel's overlay
+    only: on the Python line alone, code outside Python never sees the run's files."""
+    from test_seal_lines import dpprof, kernel_line
+
+    if (why := kernel_line()) is not None:
+        pytest.skip(f"no mount namespace on this machine: {why}")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "train.py").write_text(REMOVED_OUTSIDE_PYTHON)
+    before = folder_bytes(folder)
+    done = dpprof(["-q", "--no-ladder", "--steps", "10", "--ranks", "last", "-o",
+                   str(tmp_path / "r.json"), "--", "torchrun", "--nproc-per-node", "4", "train.py"], folder,
+                  namespace=True)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["config"]["ranks"]["run"] == [0, 3] and "failed" not in data["config"]["ranks"]
+    assert data["config"]["steps_done"] == {"as-written": 3, "as-written rank 3": 3}
+    assert not any(w["run"] == "as-written rank 3" for w in data["writes"])
+    assert folder_bytes(folder) == before
