@@ -73,6 +73,7 @@ from dpprof.script.launch import (
     process_exit_caught,
     run_main_file,
     script_process,
+    started_in,
     user_traceback,
 )
 from dpprof.script.lightning_launch import LaunchedRanks
@@ -286,7 +287,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     # than 0 (the terminal shows one rank's output)
     effects = ScriptEffects(rt.is_emulated, silenced=(cfg.variant != AS_WRITTEN
                                                       or cfg.rung is not None or cfg.rank != 0))
-    with script_process(launch), sealed:
+    with script_process(launch), sealed, started_in(launch.cwd):
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
         try:
