@@ -113,15 +113,20 @@ def test_rank_0_only_work_is_cuda0s_excess(work: Path) -> None:
 
 
 def test_every_rank_run_and_rank_0_alone(work: Path) -> None:
-    """--ranks all runs each rank (none taken as another); --ranks none is rank 0 standing
-    for all, as the report says (the EMA's excess is then on every GPU)."""
+    """--ranks all runs each rank (none taken as another); the default runs the last
+    besides rank 0; --ranks none is rank 0 standing for all, as the report says (the EMA's
+    excess is then on every GPU)."""
     cmd = ["torchrun", "--nproc-per-node", "3", str(SCRIPTS / "ddp_rank0_ema.py")]
     status, stderr, every = dpprof_run(work, ["--ranks", "all"], cmd)
     assert status == 0, stderr
     assert every["config"]["ranks"] == {"world": 3, "run": [0, 1, 2]}
     peaks = [d["peak_allocated_bytes"] for d in every["scenarios"][0]["devices"]]
     assert peaks[0] > peaks[1] == peaks[2]
-    status, stderr, alone = dpprof_run(work, [], cmd)  # the default: --ranks none
+    status, stderr, default = dpprof_run(work, [], cmd)  # the default over meta: last
+    assert status == 0, stderr
+    assert default["config"]["ranks"] == {"world": 3, "run": [0, 2], "taken_as": 2}
+    assert "ranks run: 0, 2 of 3 (--ranks last)" in " ".join(default["scenarios"][0]["notes"])
+    status, stderr, alone = dpprof_run(work, ["--ranks", "none"], cmd)
     assert status == 0, stderr
     assert alone["config"]["ranks"] == {"world": 3, "run": [0], "taken_as": 0}
     assert [d["peak_allocated_bytes"] for d in alone["scenarios"][0]["devices"]] == [peaks[0]] * 3

@@ -94,8 +94,9 @@ def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if not current().log.fake_group:
             return real_broadcast_objects(object_list, src, group, device, group_src)  # type: ignore[no-any-return]
         within = group if group is not None else dist.group.WORLD
-        sender = (src if src is not None or within is None
-                  else dist.get_global_rank(within, group_src or 0))
+        sender = (src if src is not None
+                  else dist.get_global_rank(within, group_src or 0) if within is not None
+                  else 0)
         me = dist.get_rank()
         shared = current().broadcasts
         if me == sender:

@@ -63,7 +63,7 @@ def _pickled(objects: Sequence[Any]) -> tuple[bytes | None, str]:
         _NoTensors(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(list(objects))
     except _HoldsTensor:
         return None, "rank 0's objects hold a tensor (its values are emulated)"
-    except Exception as e:  # noqa: BLE001 - any object pickle refuses, for its own reason
+    except Exception as e:
         return None, f"rank 0's objects could not be pickled ({type(e).__name__}: {e})"
     return buffer.getvalue(), ""
 
@@ -108,7 +108,7 @@ class Broadcasts:
             return False
         try:
             objects = pickle.loads(call.payload)
-        except Exception as e:  # noqa: BLE001 - a class the rank's run does not define
+        except Exception as e:
             got.kept.append(f"{where}: rank 0's objects could not be unpickled "
                             f"({type(e).__name__}: {e})")
             return False

@@ -1,12 +1,13 @@
 """Every rank's code: a script started by a launcher (torchrun, ``mp.spawn``) runs each
 rank's code path, not rank 0's alone. The script as written plays rank 0; the ranks
-:func:`ranks_to_run` names (by default the last, the one that shares none of rank 0's
-own work) run again as written, each as its own emulated run (its launcher's environment,
-its own virtual GPU, collectives completing at once as on rank 0). :func:`merge_ranks`
-folds them into rank 0's scenario: each GPU shows its own rank's peaks, the ranks not run
-are said to be taken as the representative one, a rank that failed makes the run fail
-with its status and traceback, and a difference between rank 0 and the others (rank-0-only
-validation, EMA, saving) is named with the lines that branch on the rank."""
+:func:`ranks_to_run` names (by default over meta tensors the last, the one that shares
+none of rank 0's own work: :func:`default_ranks`) run again as written, each as its own
+emulated run (its launcher's environment, its own virtual GPU, collectives completing at
+once as on rank 0). :func:`merge_ranks` folds them into rank 0's scenario: each GPU shows
+its own rank's peaks, the ranks not run are said to be taken as the representative one, a
+rank that failed makes the run fail with its status and traceback, and a difference
+between rank 0 and the others (rank-0-only validation, EMA, saving) is named with the
+lines that branch on the rank."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from dpprof.result import STATUS_ERROR, DeviceResult
 from dpprof.script.runner import ScriptRun
 from dpprof.units import fmt_bytes
 
-__all__ = ["RANKS_HELP", "check_ranks", "default_ranks", "merge_ranks", "rank_branches", "ranks_to_run"]
+__all__ = ["RANKS_HELP", "check_ranks", "default_ranks", "merge_ranks", "rank_branches",
+           "ranks_to_run"]
 
 RANKS_HELP = ("The ranks run besides rank 0 (the script as written), each as its own "
               "emulated process: 'last' (the world's last rank; the default over meta "

@@ -77,6 +77,7 @@ from dpprof.script.launch import (
     user_traceback,
 )
 from dpprof.script.lightning_launch import LaunchedRanks
+from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.run_figures import (
     below_what_the_script_was_told,
     predict_time,
@@ -85,7 +86,6 @@ from dpprof.script.run_figures import (
 )
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome
-from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.strategy import Alternative, AlternativeState
