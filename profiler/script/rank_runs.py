@@ -29,8 +29,8 @@ RANKS_HELP = ("The ranks run besides rank 0 (the script as written), each as its
               "tensors: one more run of the script), 'all', ranks by number (1,3), or "
               "'none' (rank 0 stands for every rank; the default with --compute, where a "
               "rank's run computes the model on the CPU). The report says which ranks ran. "
-              "A later rank reads the files rank 0's run left or removed (a shared "
-              "filesystem) and receives rank 0's broadcast_object_list objects.")
+              "A later rank reads what rank 0's run wrote, even what it removed later (a "
+              "shared filesystem), and receives rank 0's broadcast_object_list objects.")
 
 
 def default_ranks(compute: bool) -> str:
