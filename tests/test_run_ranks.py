@@ -133,6 +133,16 @@ def test_every_rank_run_and_rank_0_alone(work: Path) -> None:
     assert "ranks 1, 2 not run: taken to be as rank 0" in " ".join(alone["scenarios"][0]["notes"])
 
 
+def test_over_cpu_tensors_rank_0_stands_for_every_rank_by_default(work: Path) -> None:
+    """--compute computes the model on the CPU in each rank's run: by default rank 0's run
+    alone, as the report says."""
+    status, stderr, data = dpprof_run(work, ["--compute"], [
+        "torchrun", "--nproc-per-node", "2", str(SCRIPTS / "ddp_rank0_ema.py")])
+    assert status == 0, stderr
+    assert data["config"]["ranks"] == {"world": 2, "run": [0], "taken_as": 0}
+    assert "ranks run: 0 of 2 (--ranks none)" in " ".join(data["scenarios"][0]["notes"])
+
+
 def test_bad_ranks_is_one_line(work: Path) -> None:
     r = runner.invoke(app, ["run", "--ranks", "odd", "--", "torchrun", "--nproc-per-node",
                             "2", str(SCRIPTS / "ddp_rank0_ema.py")])
