@@ -39,7 +39,8 @@ CASES = [(script, fix) for script in ("dp_causal_lm.py", "dp_causal_lm_shifted.p
 
 
 def _run(args: list[str], out: Path) -> dict[str, Any]:
-    r = CliRunner().invoke(app, ["run", "--gpus", "4", "-q", "-o", str(out), *args])
+    r = CliRunner().invoke(app, ["run", "--gpus", "4", "-q", "--ranks", "none", "-o", str(out),
+                                 *args])
     assert r.exit_code == 0, r.output
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 

@@ -182,3 +182,75 @@ def test_fabric_spawn_strategies_run_their_ranks_in_place_to_the_script_s_end(
         "the ranks are started by torch.multiprocessing.start_processes with lightning.fabric."
         "strategies.launchers.multiprocessing's _MultiProcessingLauncher._wrapping_function "
         f"(start method {'spawn' if strategy == 'ddp_spawn' else 'fork'})")], ddp["notes"]
+
+
+HYDRA_APP = '''\
+import os
+
+import hydra
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@hydra.main(version_base=None, config_path=None, config_name=None)
+def main(cfg: DictConfig) -> None:
+    with open("where.txt", "a") as f:  # in Hydra's run folder (hydra.job.chdir=True)
+        f.write(f"{os.environ.get('LOCAL_RANK', '0')} {os.getcwd()}\\n")
+    data = TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
+    trainer = L.Trainer(strategy="ddp", devices=4, accelerator="gpu", max_steps=3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Lit(), DataLoader(data, batch_size=16))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_hydra_app_s_ranks_run_as_lightning_starts_them(tmp_path: Path) -> None:
+    """Under Hydra, Lightning starts each child in Hydra's original working directory with
+    Hydra's run folder and a job name of its own (``train_ddp_process_<local rank>``):
+    rank 3's run is started so, in the run folder rank 0 ran in (where it logs its job as
+    rank 3's, not as the first child's)."""
+    if importlib.util.find_spec("hydra") is None or importlib.util.find_spec("lightning") is None:
+        pytest.skip("hydra-core and lightning are not installed (the test and zoo extras)")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(HYDRA_APP)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from torchvision_shim import import_torchvision\nimport_torchvision()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parent)])}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "dpprof", "run", "-q", "--gpus", "4",
+                           "--no-ladder", "--ranks", "last", "-o", str(out), "--", "python",
+                           "train.py", "hydra.job.chdir=True", "hydra.run.dir=outputs/run1"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["config"]["ranks"]["run"] == [0, 3]
+    writes = {(w["run"], w["path"]) for w in result["writes"] if w["kind"] == "file"}
+    assert ("as-written", "outputs/run1/where.txt") in writes
+    assert {p for r, p in writes if r == "as-written rank 3"} == {
+        "outputs/run1/where.txt", "outputs/run1/train_ddp_process_3.log"}
+    assert sorted(os.listdir(work)) == ["train.py"]

@@ -113,19 +113,34 @@ def test_rank_0_only_work_is_cuda0s_excess(work: Path) -> None:
 
 
 def test_every_rank_run_and_rank_0_alone(work: Path) -> None:
-    """--ranks all runs each rank (none taken as another); --ranks none is rank 0 standing
-    for all, as the report says (the EMA's excess is then on every GPU)."""
+    """--ranks all runs each rank (none taken as another); the default runs the last
+    besides rank 0; --ranks none is rank 0 standing for all, as the report says (the EMA's
+    excess is then on every GPU)."""
     cmd = ["torchrun", "--nproc-per-node", "3", str(SCRIPTS / "ddp_rank0_ema.py")]
     status, stderr, every = dpprof_run(work, ["--ranks", "all"], cmd)
     assert status == 0, stderr
     assert every["config"]["ranks"] == {"world": 3, "run": [0, 1, 2]}
     peaks = [d["peak_allocated_bytes"] for d in every["scenarios"][0]["devices"]]
     assert peaks[0] > peaks[1] == peaks[2]
-    status, stderr, alone = dpprof_run(work, [], cmd)  # the default: --ranks none
+    status, stderr, default = dpprof_run(work, [], cmd)  # the default over meta: last
+    assert status == 0, stderr
+    assert default["config"]["ranks"] == {"world": 3, "run": [0, 2], "taken_as": 2}
+    assert "ranks run: 0, 2 of 3 (--ranks last)" in " ".join(default["scenarios"][0]["notes"])
+    status, stderr, alone = dpprof_run(work, ["--ranks", "none"], cmd)
     assert status == 0, stderr
     assert alone["config"]["ranks"] == {"world": 3, "run": [0], "taken_as": 0}
     assert [d["peak_allocated_bytes"] for d in alone["scenarios"][0]["devices"]] == [peaks[0]] * 3
     assert "ranks 1, 2 not run: taken to be as rank 0" in " ".join(alone["scenarios"][0]["notes"])
+
+
+def test_over_cpu_tensors_rank_0_stands_for_every_rank_by_default(work: Path) -> None:
+    """--compute computes the model on the CPU in each rank's run: by default rank 0's run
+    alone, as the report says."""
+    status, stderr, data = dpprof_run(work, ["--compute"], [
+        "torchrun", "--nproc-per-node", "2", str(SCRIPTS / "ddp_rank0_ema.py")])
+    assert status == 0, stderr
+    assert data["config"]["ranks"] == {"world": 2, "run": [0], "taken_as": 0}
+    assert "ranks run: 0 of 2 (--ranks none)" in " ".join(data["scenarios"][0]["notes"])
 
 
 def test_bad_ranks_is_one_line(work: Path) -> None:
@@ -218,3 +233,157 @@ def test_a_later_rank_reads_the_files_rank_0_saved_before_a_barrier(
     # the folder and files rank 0 made are there for rank 3 already: not its writes
     assert by_run["as-written rank 3"] == {("rank3.log", "file")}
     assert not (work / "shared").exists()
+
+
+RANK_0_DECIDES = """\
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+# rank 0 names the run and draws its seed; the others are told
+chosen = ([f"run-{uuid.uuid4().hex[:8]}", int.from_bytes(os.urandom(4), "little")]
+          if rank == 0 else [None, None])
+dist.broadcast_object_list(chosen, src=0)
+name, seed = chosen
+if name is None:
+    raise SystemExit(f"rank {rank} was not told the run's name")
+if rank == 0:
+    os.makedirs(name)
+    with open(os.path.join(name, "seed.txt"), "w") as f:
+        f.write(str(seed))
+dist.barrier()
+with open(os.path.join(name, "seed.txt")) as f:  # the folder rank 0 named
+    assert int(f.read()) == seed, "another run's seed"
+torch.manual_seed(seed)
+# a tensor among the objects: not carried (its values are emulated)
+held = [torch.zeros(4, device="cuda")] if rank == 0 else [None]
+dist.broadcast_object_list(held, src=0)
+# a tensor broadcast: each rank keeps its own tensor (the collective completes at once)
+width = torch.tensor([64 if rank == 0 else 1], device="cuda")
+dist.broadcast(width, src=0)
+model = DDP(nn.Linear(16, 16).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 16, device="cuda")).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_later_ranks_receive_what_rank_0_broadcast(work: Path, tmp_path: Path) -> None:
+    """Rank 0 names the run (a folder it makes before a barrier, read by every rank) and
+    draws a seed: rank 3's run is given rank 0's objects at the same call and finds the
+    folder; objects that hold a tensor are not carried, and the report says so."""
+    script = tmp_path / "rank_0_decides.py"
+    script.write_text(RANK_0_DECIDES)
+    code, err, data = dpprof_run(work, ["--ranks", "last"], [
+        "torchrun", "--nproc-per-node", "4", str(script)])
+    assert code == 0, err
+    ranks = data["config"]["ranks"]
+    assert ranks["run"] == [0, 3] and "failed" not in ranks
+    assert data["config"]["steps_done"] == {"as-written": 3, "as-written rank 3": 3}
+    notes = " ".join(data["scenarios"][0]["notes"])
+    assert ("rank 3's broadcast_object_list: 1 of 2 call(s) received rank 0's objects as "
+            "its run sent them; its own objects kept (counted as values made up) at call 2: "
+            "rank 0's objects hold a tensor (its values are emulated)") in notes
+    # rank 3 wrote nothing: the run's folder and seed are rank 0's writes alone
+    folders = {w["path"] for w in data["writes"] if w["run"] == "as-written rank 3"}
+    assert folders == set()
+
+
+def test_broadcasts_that_diverge_keep_the_rank_s_own_objects() -> None:
+    """Calls that do not match rank 0's (another sender, another count, more calls) leave
+    the rank's own objects, each said."""
+    from dpprof.script.rank_broadcasts import Broadcasts
+
+    b = Broadcasts()
+    b.record(0, ["name", 7])
+    b.record(1, [None])  # rank 0 received this one
+    b.record(0, [lambda: 0])  # not picklable
+    first, second, third, fourth = [None, None], [None], [None], [None]
+    assert b.receive(2, 0, first) and first == ["name", 7]
+    assert not b.receive(2, 0, second) and second == [None]
+    assert not b.receive(2, 0, third) and third == [None]
+    assert not b.receive(2, 0, fourth)
+    (note,) = b.notes(2)
+    assert note.startswith("rank 2's broadcast_object_list: 1 of 4 call(s) received")
+    assert "call 2: 1 object(s) from rank 0 where rank 0's was 1 from rank 1" in note
+    assert "call 3: rank 0's objects could not be pickled" in note
+    assert "call 4: rank 0 made 3 such call(s)" in note
+    assert b.receive(1, 1, [None]) is False  # a sender keeps what it sends
+
+
+REMOVED_OUTSIDE_PYTHON = """\
+import ctypes
+import os
+import subprocess
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = DDP(nn.Linear(10, 5).cuda())
+if rank == 0:
+    torch.save({"step": 7, "model": model.state_dict()}, "model.checkpoint")
+    with open("vocab.txt", "w") as f:
+        f.write("a b c\\n")
+    subprocess.run(["sh", "-c", "echo 3 > epoch.txt"], check=True)  # written outside Python
+dist.barrier()
+state = torch.load("model.checkpoint", map_location={"cuda:0": f"cuda:{rank}"})
+with open("vocab.txt") as f:
+    vocab = f.read().split()
+with open("epoch.txt") as f:
+    epoch = int(f.read())
+if state["step"] != 7 or vocab != ["a", "b", "c"] or epoch != 3:
+    raise SystemExit(f"rank {rank} read {state['step']} {vocab} {epoch}")
+model.load_state_dict(state["model"])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(20, 10, device="cuda")).sum().backward()
+    opt.step()
+dist.barrier()
+if rank == 0:  # removed outside Python: a subprocess, and the C library through ctypes
+    subprocess.run(["rm", "model.checkpoint", "epoch.txt"], check=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unlink(b"vocab.txt") != 0:
+        raise OSError(ctypes.get_errno(), "unlink vocab.txt")
+dist.destroy_process_group()
+"""
+
+
+def test_a_later_rank_reads_files_rank_0_removed_outside_python(tmp_path: Path) -> None:
+    """Rank 0 saves a checkpoint and a vocabulary (Python) and an epoch file (a shell),
+    the ranks read them after a barrier, and rank 0 removes them at its end with ``rm`` and
+    the C library's ``unlink``: rank 3's run reads them as rank 0's run left them before it
+    removed them, as it does where rank 0 removes them through Python. The kernel's overlay
+    only: on the Python line alone, code outside Python never sees the run's files."""
+    from test_seal_lines import dpprof, kernel_line
+
+    if (why := kernel_line()) is not None:
+        pytest.skip(f"no mount namespace on this machine: {why}")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "train.py").write_text(REMOVED_OUTSIDE_PYTHON)
+    before = folder_bytes(folder)
+    done = dpprof(["-q", "--no-ladder", "--steps", "10", "--ranks", "last", "-o",
+                   str(tmp_path / "r.json"), "--", "torchrun", "--nproc-per-node", "4", "train.py"], folder,
+                  namespace=True)
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["config"]["ranks"]["run"] == [0, 3] and "failed" not in data["config"]["ranks"]
+    assert data["config"]["steps_done"] == {"as-written": 3, "as-written rank 3": 3}
+    assert not any(w["run"] == "as-written rank 3" for w in data["writes"])
+    assert folder_bytes(folder) == before

@@ -271,8 +271,8 @@ def test_fsdp2_built_on_meta_and_initialised_after_fully_shard() -> None:
 
 def test_fsdp2_verdict_names_fsdp2(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    res = runner.invoke(app, ["run", "-o", str(out), "--", "torchrun", "--nproc-per-node",
-                              "4", str(SCRIPTS / "fsdp2_meta_init.py")])
+    res = runner.invoke(app, ["run", "--ranks", "none", "-o", str(out), "--", "torchrun",
+                              "--nproc-per-node", "4", str(SCRIPTS / "fsdp2_meta_init.py")])
     assert res.exit_code == 0, res.output
     assert "FSDP2 balances all 4 GPUs at" in " ".join(res.output.split())
 
@@ -335,8 +335,8 @@ def test_tensor_parallel_attention_over_a_mesh_made_without_a_process_group(
     script.write_text(TENSOR_PARALLEL)
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "dpprof.cli.entry", "run", "--steps", "5", "-o", str(out), "--",
-         "torchrun", "--nproc-per-node", "4", str(script)],
+        [sys.executable, "-m", "dpprof.cli.entry", "run", "--steps", "5", "--ranks", "none",
+         "-o", str(out), "--", "torchrun", "--nproc-per-node", "4", str(script)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trained" in proc.stdout

@@ -450,8 +450,8 @@ def test_a_checkpoint_saved_then_loaded_back_reads_what_the_run_saved(
     ckpt = tmp_path / "model.checkpoint"
     if users_file:
         ckpt.write_bytes(b"the user's own file")
-    res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "--",
-                              "python", "tutorial.py", str(ckpt)])
+    res = runner.invoke(app, ["run", "--steps", "10", "--ranks", "none", "-o",
+                              str(tmp_path / "r.json"), "--", "python", "tutorial.py", str(ckpt)])
     out = capsys.readouterr().out + res.output
     assert res.exit_code == 0, out
     # rank 0's model (2 parameter blocks), DDP's bucket (1) and the state loaded (2 more)
@@ -475,8 +475,8 @@ def test_a_finished_mp_spawn_job_leaves_nothing_on_its_gpus(
     # optimizer are gone before the next job starts
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tutorial.py").write_text(textwrap.dedent(DDP_TUTORIAL_CHECKPOINT))
-    res = runner.invoke(app, ["run", "--steps", "10", "-o", str(tmp_path / "r.json"), "--",
-                              "python", "tutorial.py", str(tmp_path / "model.checkpoint")])
+    res = runner.invoke(app, ["run", "--steps", "10", "--ranks", "none", "-o",
+                              str(tmp_path / "r.json"), "--", "python", "tutorial.py", str(tmp_path / "model.checkpoint")])
     out = capsys.readouterr().out + res.output
     assert res.exit_code == 0, out
     assert out.count("after the job 0") == 3, out

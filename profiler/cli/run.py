@@ -43,7 +43,7 @@ from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import STATUS_ERROR, RunResult
 from dpprof.script import namespace
-from dpprof.script.rank_runs import RANKS_HELP, check_ranks
+from dpprof.script.rank_runs import RANKS_HELP, check_ranks, default_ranks
 from dpprof.script.session import (
     ScriptConfig,
     interrupted_while_writing,
@@ -100,9 +100,10 @@ def run_cmd(
             rich_help_panel=PANEL_MEASURE, show_default=False)
     ] = None,
     ranks: Annotated[
-        str, typer.Option("--ranks", help="Under torchrun, accelerate launch or mp.spawn: "
-                          + RANKS_HELP, rich_help_panel=PANEL_MEASURE)
-    ] = "none",
+        str | None, typer.Option("--ranks", help="Under torchrun, accelerate launch, "
+                                 "Lightning's launcher or mp.spawn: " + RANKS_HELP,
+                                 rich_help_panel=PANEL_MEASURE, show_default=False)
+    ] = None,
     output: Annotated[
         list[str] | None,  # str: a trailing '/' survives to be refused
         typer.Option("--output", "-o", metavar="FILE",
@@ -165,7 +166,8 @@ def run_cmd(
         cfg = ScriptConfig(launch=launch, gpus=gpus, gpu=target.spec,
                            gpu_memory_bytes=target.memory_bytes, steps=steps, compute=compute,
                            debug=debug, ladder=ladder, keep_writes=_keep_dir(keep_writes),
-                           ranks=check_ranks(ranks), interconnect=interconnect)
+                           ranks=check_ranks(ranks) if ranks is not None
+                           else default_ranks(compute), interconnect=interconnect)
         if debug and namespace.why_not():
             err.print(f"dpprof: no mount namespace for the seal: {namespace.why_not()}",
                       markup=False)

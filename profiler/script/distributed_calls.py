@@ -1,6 +1,7 @@
 """torch.distributed as a script calls it during an emulated run: ``init_process_group``
 (any backend) initialises torch's fake process group, ``get_backend`` answers what the script
-asked for, ``broadcast_object_list`` keeps a receiving rank's own objects, ``mp.spawn`` runs
+asked for, ``broadcast_object_list`` gives a receiving rank rank 0's objects where rank 0's
+run sent them (else it keeps its own), ``mp.spawn`` runs
 the rank this run plays in place, and FSDP2's ``fully_shard`` and tensor parallelism are
 counted once a group exists."""
 
@@ -85,18 +86,28 @@ def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
     def broadcast_object_list(object_list: list[Any], src: int | None = None,
                               group: Any = None, device: Any = None,
                               group_src: int | None = None) -> None:
-        """The sender's objects pickled as torch does; a receiving rank of the emulated
-        group keeps its own (the sender's run is another emulated process: its objects
-        never arrive; torch's unpickling of the bytes that did not come would fail), each
-        counted as a value made up."""
-        if current().log.fake_group:
-            within = group if group is not None else dist.group.WORLD
-            sender = (src if src is not None or within is None
-                      else dist.get_global_rank(within, group_src or 0))
-            if dist.get_rank() != sender:
-                vc.rt.stand_ins.add("broadcast object", len(object_list))
-                return None
-        return real_broadcast_objects(object_list, src, group, device, group_src)  # type: ignore[no-any-return]
+        """The sender's objects pickled as torch does. A receiving rank of the emulated
+        group: rank 0's objects where rank 0's run sent them at the same call
+        (:mod:`dpprof.script.rank_broadcasts`), else its own (the sender's run is another
+        emulated process; torch's unpickling of bytes that did not come would fail),
+        each counted as a value made up."""
+        if not current().log.fake_group:
+            return real_broadcast_objects(object_list, src, group, device, group_src)  # type: ignore[no-any-return]
+        within = group if group is not None else dist.group.WORLD
+        sender = (src if src is not None
+                  else dist.get_global_rank(within, group_src or 0) if within is not None
+                  else 0)
+        me = dist.get_rank()
+        shared = current().broadcasts
+        if me == sender:
+            real_broadcast_objects(object_list, src, group, device, group_src)
+        elif shared is None or me == 0 or not shared.receive(me, sender, object_list):
+            vc.rt.stand_ins.add("broadcast object", len(object_list))
+        if shared is not None and me == 0:
+            shared.record(sender, object_list)
+        elif shared is not None and me == sender:
+            shared.receive(me, sender, object_list)  # its place in the calls' order
+        return None
 
     for owner in (dist, c10d):
         patch(owner, "broadcast_object_list", broadcast_object_list)

@@ -27,7 +27,8 @@ from dpprof.errors import UsageError
 from dpprof.script.engines import DEEPSPEED_NOT_EMULATED
 
 __all__ = ["Launch", "ProcessExit", "as_rank", "main_path", "parse_command",
-           "process_exit_caught", "run_main_file", "script_process", "user_traceback"]
+           "process_exit_caught", "run_main_file", "script_process", "started_in",
+           "user_traceback"]
 
 
 @dataclass
@@ -40,6 +41,11 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # set for the run (torchrun's)
     launcher: str = "python"  # python | torchrun | torch.distributed.launch | accelerate launch
     nproc: int | None = None  # torchrun --nproc-per-node
+    # the folder the process starts in ("": dpprof's own)
+    cwd: str = ""
+    # a launcher that starts each local rank with a command and folder of its own
+    # (Lightning's: Hydra's job name and run folder): local rank -> its sys.argv[1:], folder
+    rank_commands: dict[int, tuple[list[str], str]] = field(default_factory=dict)
 
     @property
     def display(self) -> str:
@@ -222,7 +228,8 @@ def _torchrun(args: list[str], gpus: int, launcher: str, gpus_given: bool = True
 def as_rank(launch: Launch, rank: int) -> Launch:
     """``launch`` as the launcher starts its rank ``rank``: the environment the launcher
     gives that process (torchrun's: its global, local and node rank; Lightning's: its local
-    and node rank), ``--local-rank`` where ``torch.distributed.launch`` passes it. A launch
+    and node rank), ``--local-rank`` where ``torch.distributed.launch`` passes it, the
+    command and folder a launcher gave that local rank (``rank_commands``). A launch
     without a launcher's environment (``mp.spawn`` under ``python``) is returned as is: the
     spawned function gets the rank."""
     if "WORLD_SIZE" not in launch.env or rank == 0:
@@ -235,7 +242,29 @@ def as_rank(launch: Launch, rank: int) -> Launch:
            "NODE_RANK": node}
     env = {**launch.env, **{k: str(v) for k, v in own.items() if k in launch.env}}
     argv = [f"--local-rank={local}" if a == "--local-rank=0" else a for a in launch.argv]
-    return dataclasses.replace(launch, env=env, argv=argv)
+    cwd = launch.cwd
+    if local in launch.rank_commands:
+        argv, cwd = list(launch.rank_commands[local][0]), launch.rank_commands[local][1]
+    return dataclasses.replace(launch, env=env, argv=argv, cwd=cwd)
+
+
+@contextlib.contextmanager
+def started_in(folder: str) -> Iterator[None]:
+    """The script's working folder ``folder`` for the duration, as its launcher starts the
+    process there ("": dpprof's, as it is; one that cannot be entered: dpprof's too, the
+    run goes on where it is)."""
+    before = os.getcwd()
+    moved = False
+    if folder and os.path.abspath(folder) != before:
+        with contextlib.suppress(OSError):
+            os.chdir(folder)
+            moved = True
+    try:
+        yield
+    finally:
+        if moved:
+            with contextlib.suppress(OSError):
+                os.chdir(before)
 
 
 class ProcessExit(BaseException):

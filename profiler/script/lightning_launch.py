@@ -57,6 +57,9 @@ class LaunchedRanks:
     nodes: int
     commands: dict[int, list[str]] = field(default_factory=dict)
     envs: dict[int, dict[str, str]] = field(default_factory=dict)
+    # the folder each child starts in: the launcher's ``cwd`` (Hydra's original working
+    # directory, where Hydra runs), else the parent's at the launch, which a child inherits
+    cwds: dict[int, str] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -102,10 +105,12 @@ def _played(real: Callable[[Any], None], module: ModuleType, owner: str,
             per_node=int(self.num_processes), nodes=int(self.num_nodes))
 
         def popen(args: Sequence[str], *_: Any, env: dict[str, str] | None = None,
-                  **__: Any) -> UnstartedChild:
+                  cwd: Any = None, **__: Any) -> UnstartedChild:
             child_env = dict(env if env is not None else os.environ)
             local = int(child_env.get("LOCAL_RANK", len(launched.commands) + 1))
             launched.commands[local] = [str(a) for a in args]
+            launched.cwds[local] = os.path.abspath(os.fspath(cwd) if cwd is not None
+                                                   else os.getcwd())
             launched.envs[local] = {k: v for k, v in child_env.items() if before.get(k) != v}
             return UnstartedChild(args)
 
@@ -145,20 +150,28 @@ def lightning_launcher_played(record: Callable[[LaunchedRanks], None]) -> Iterat
 def ranks_launch(launch: Launch, launched: LaunchedRanks) -> Launch:
     """``launch`` (the script as ``python`` ran it) as Lightning starts its other ranks: the
     environment its launcher gave its first child (``as_rank`` sets each rank's own
-    ``LOCAL_RANK`` and ``NODE_RANK``), the arguments of that child's command."""
+    ``LOCAL_RANK`` and ``NODE_RANK``), and each child's arguments and folder (``as_rank``
+    gives each rank its own: under Hydra, Lightning names each child's job and starts it
+    in Hydra's original working directory)."""
     first = min(launched.envs) if launched.envs else None
     env = dict(launched.envs.get(first, {})) if first is not None else {}
     env.setdefault("WORLD_SIZE", str(launched.world))
     env.setdefault("NODE_RANK", "0")
     env["LOCAL_RANK"] = "0"  # rank 0's: as_rank gives each rank its own
-    argv = list(launch.argv)
-    command = launched.commands.get(first, []) if first is not None else []
-    if len(command) >= 3 and command[1] == "-m":
-        argv = command[3:]
-    elif len(command) >= 2:
-        argv = command[2:]
+    rank_commands = {local: (_script_args(command, launch.argv), launched.cwds.get(local, ""))
+                     for local, command in launched.commands.items()}
+    argv = rank_commands[first][0] if first is not None else list(launch.argv)
     return dataclasses.replace(launch, env=env, argv=argv, launcher=launched.launcher,
-                               nproc=launched.per_node)
+                               nproc=launched.per_node, rank_commands=rank_commands)
+
+
+def _script_args(command: list[str], given: list[str]) -> list[str]:
+    """The script's arguments in a child's command (``python [-m mod | file] ARGS``)."""
+    if len(command) >= 3 and command[1] == "-m":
+        return command[3:]
+    if len(command) >= 2:
+        return command[2:]
+    return list(given)
 
 
 def launched_note(launched: LaunchedRanks, launch: Launch) -> str:

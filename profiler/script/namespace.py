@@ -322,6 +322,11 @@ class KernelOverlay:
                 os.close(lower)
         os.chdir(self._cwd)  # into the overlay of the working directory
 
+    def uppers(self) -> list[tuple[str, str]]:
+        """Each overlay's upper layer (where the run's files are) and the folder it covers."""
+        return [(os.path.join(self.stage, f"u{i}"), folder)
+                for i, folder in enumerate(self.folders)]
+
     def changes(self) -> list[Change]:
         """What the run left in the upper layers: files and links it wrote, folders it made,
         real paths it removed (whiteouts); read once the overlays are off

@@ -16,6 +16,7 @@ from dpprof.script.lightning_launch import LaunchedRanks
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.script.rank_broadcasts import Broadcasts
     from dpprof.script.strategy import Alternative
     from dpprof.script.wrappers import VirtualDataParallel
 
@@ -84,6 +85,9 @@ class ScriptParallel:
     # the rank mp.spawn's function is called with (the run plays that rank; a job of fewer
     # processes plays its last)
     spawn_rank: int = 0
+    # rank 0's broadcast_object_list calls, recorded by rank 0's run and replayed to the
+    # later ranks' (dpprof.script.rank_broadcasts); None: no other rank runs
+    broadcasts: Broadcasts | None = None
     # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
     functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
         default_factory=dict)

@@ -1,12 +1,13 @@
 """Every rank's code: a script started by a launcher (torchrun, ``mp.spawn``) runs each
 rank's code path, not rank 0's alone. The script as written plays rank 0; the ranks
-:func:`ranks_to_run` names (by default the last, the one that shares none of rank 0's
-own work) run again as written, each as its own emulated run (its launcher's environment,
-its own virtual GPU, collectives completing at once as on rank 0). :func:`merge_ranks`
-folds them into rank 0's scenario: each GPU shows its own rank's peaks, the ranks not run
-are said to be taken as the representative one, a rank that failed makes the run fail
-with its status and traceback, and a difference between rank 0 and the others (rank-0-only
-validation, EMA, saving) is named with the lines that branch on the rank."""
+:func:`ranks_to_run` names (by default over meta tensors the last, the one that shares
+none of rank 0's own work: :func:`default_ranks`) run again as written, each as its own
+emulated run (its launcher's environment, its own virtual GPU, collectives completing at
+once as on rank 0). :func:`merge_ranks` folds them into rank 0's scenario: each GPU shows
+its own rank's peaks, the ranks not run are said to be taken as the representative one, a
+rank that failed makes the run fail with its status and traceback, and a difference
+between rank 0 and the others (rank-0-only validation, EMA, saving) is named with the
+lines that branch on the rank."""
 
 from __future__ import annotations
 
@@ -20,12 +21,23 @@ from dpprof.result import STATUS_ERROR, DeviceResult
 from dpprof.script.runner import ScriptRun
 from dpprof.units import fmt_bytes
 
-__all__ = ["RANKS_HELP", "check_ranks", "merge_ranks", "rank_branches", "ranks_to_run"]
+__all__ = ["RANKS_HELP", "check_ranks", "default_ranks", "merge_ranks", "rank_branches",
+           "ranks_to_run"]
 
 RANKS_HELP = ("The ranks run besides rank 0 (the script as written), each as its own "
-              "emulated process: 'none' (rank 0 stands for every rank, the default), "
-              "'last' (the world's last rank), 'all', or ranks by number (1,3). Each rank "
-              "reads the files it wrote, not those rank 0 wrote.")
+              "emulated process: 'last' (the world's last rank; the default over meta "
+              "tensors: one more run of the script), 'all', ranks by number (1,3), or "
+              "'none' (rank 0 stands for every rank; the default with --compute, where a "
+              "rank's run computes the model on the CPU). The report says which ranks ran. "
+              "A later rank reads what rank 0's run wrote, even what it removed later (a "
+              "shared filesystem), and receives rank 0's broadcast_object_list objects.")
+
+
+def default_ranks(compute: bool) -> str:
+    """``--ranks`` when not given: the last rank over meta tensors (a rank costs one more
+    run of the script, memory only), rank 0 alone over CPU tensors (``--compute``: a
+    rank's run computes the model for real)."""
+    return "none" if compute else "last"
 
 
 def check_ranks(spec: str) -> str:
@@ -51,11 +63,12 @@ def ranks_to_run(spec: str, world: int) -> tuple[list[int], list[int]]:
 
 
 def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
-                script: str | None, beyond: list[int]) -> dict[str, object]:
+                script: str | None, beyond: list[int], spec: str) -> dict[str, object]:
     """Fold the runs of the ranks ``others`` into ``main`` (rank 0's run, the script as
     written): each GPU its own rank's figures, the GPUs of ranks not run the last run
     rank's (said so), a failed rank's status and traceback as the run's own. ``script``:
-    the script file (its rank branches are named), None for a module. What the result's
+    the script file (its rank branches are named), None for a module; ``spec``: the
+    ``--ranks`` the runs were chosen by (the report names it). What the result's
     config records of the ranks is returned."""
     s = main.scenario
     notes = list(s.notes)
@@ -76,7 +89,7 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
         record["not_measured"] = [r.rank for r in unsure]
     if not others:  # rank 0's figures (every GPU a copy of them) stand for every rank
         record["taken_as"] = 0
-        notes.append(_ranks_sentence(ran, world, list(range(1, world)), 0, beyond))
+        notes.append(_ranks_sentence(ran, world, list(range(1, world)), 0, beyond, spec))
         main.scenario = dataclasses.replace(s, notes=tuple(notes))
         return record
     representative = others[-1]
@@ -99,7 +112,7 @@ def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,
             taken.append(i)
     if taken:
         record["taken_as"] = representative.rank
-    notes.append(_ranks_sentence(ran, world, taken, representative.rank, beyond))
+    notes.append(_ranks_sentence(ran, world, taken, representative.rank, beyond, spec))
     excess = ("" if main.ended == "script raised" or representative.ended == "script raised"
               else _excess_note(devices, representative, script))
     if excess:
@@ -132,10 +145,10 @@ def _own_device(run: ScriptRun) -> DeviceResult | None:
 
 
 def _ranks_sentence(ran: list[int], world: int, taken: list[int], representative: int,
-                    beyond: list[int]) -> str:
+                    beyond: list[int], spec: str) -> str:
     ranks = ", ".join(str(r) for r in ran)
-    text = (f"ranks run: {ranks} of {world}, each its own emulated process on its own GPU "
-            "(cuda:k shows rank k's peaks)")
+    text = (f"ranks run: {ranks} of {world} (--ranks {spec}), each its own emulated process "
+            "on its own GPU (cuda:k shows rank k's peaks)")
     if taken:
         text += (f"; ranks {_span(taken)} not run: taken to be as rank {representative} "
                  "(the same code path; --ranks all runs each)")

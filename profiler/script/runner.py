@@ -73,9 +73,11 @@ from dpprof.script.launch import (
     process_exit_caught,
     run_main_file,
     script_process,
+    started_in,
     user_traceback,
 )
 from dpprof.script.lightning_launch import LaunchedRanks
+from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.run_figures import (
     below_what_the_script_was_told,
     predict_time,
@@ -129,6 +131,9 @@ class ScriptConfig:
     # the filesystem the ranks share (dpprof.script.shared_files): rank 0's run keeps its
     # files there, a later rank's run is shown them; None: no other rank runs
     shared_files: SharedFiles | None = None
+    # what rank 0's run broadcast (dpprof.script.rank_broadcasts), given to the later ranks'
+    # runs; None: no other rank runs
+    broadcasts: Broadcasts | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -286,7 +291,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     # than 0 (the terminal shows one rank's output)
     effects = ScriptEffects(rt.is_emulated, silenced=(cfg.variant != AS_WRITTEN
                                                       or cfg.rung is not None or cfg.rank != 0))
-    with script_process(launch), sealed:
+    with script_process(launch), sealed, started_in(launch.cwd):
         seed_state = torch.random.get_rng_state()
         torch.manual_seed(0)
         try:
@@ -298,6 +303,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 if alternative is not None:
                     alternative.install(state, vc, patcher)
                 parallel_state.state_of(vc).spawn_rank = cfg.rank
+                parallel_state.state_of(vc).broadcasts = cfg.broadcasts
                 compile_eagerly(patcher, run.compiled)
                 _count_backwards(patcher, stepper)
                 stepper.install()

@@ -120,6 +120,8 @@ class SealedRun:
         self.outcome.kernel = bool(trees)
         if self.publish_to is not None:
             seal.removed_copies = os.path.join(self._base, "removed")
+            if self._kernel is not None:  # what code outside Python removes, held
+                self.publish_to.watch(self._kernel.uppers(), os.path.join(self._base, "held"))
         if self.seed_from is not None:
             def upper_of(c: str) -> str:
                 # a tree the kernel overlays: written through its overlay (its upper layer)
@@ -137,6 +139,8 @@ class SealedRun:
     def __exit__(self, *exc: object) -> None:
         assert self._seal is not None
         seal, out = self._seal, self.outcome
+        if self.publish_to is not None:
+            self.publish_to.unwatch()
         try:
             seal.__exit__(*exc)
             kernel_changes: list[Change] = []

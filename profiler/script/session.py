@@ -45,6 +45,7 @@ from dpprof.script.notes import (
     seal_notes,
     write_notes,
 )
+from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.rank_runs import merge_ranks, ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
@@ -89,13 +90,16 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     doing = ["the script as written"]  # what runs now, in words (the last is)
     # the filesystem the ranks share: what rank 0's run wrote, shown to the later ranks'
     shared = SharedFiles() if cfg.seal and cfg.ranks != "none" else None
+    # and what rank 0's run broadcast, given to the later ranks' at the same call
+    broadcasts = Broadcasts() if cfg.ranks != "none" else None
     try:
-        main = run_script(dataclasses.replace(cfg, shared_files=shared), step_cb("as written"))
+        ranks_cfg = dataclasses.replace(cfg, shared_files=shared, broadcasts=broadcasts)
+        main = run_script(ranks_cfg, step_cb("as written"))
         runs.append((AS_WRITTEN, main))
         n = _gpus_of(main)
         if main.ended != "script raised":
             doing.append("the other ranks")
-            _run_ranks(dataclasses.replace(cfg, shared_files=shared), main, step_cb)
+            _run_ranks(ranks_cfg, main, step_cb)
         if shared is not None:
             shared.close()
             shared = None
@@ -166,9 +170,13 @@ def _run_ranks(cfg: ScriptConfig, main: ScriptRun,
     for rank in ranks:  # each shown rank 0's files (cfg.shared_files), not another rank's
         main.rank_runs.append(run_script(dataclasses.replace(cfg, rank=rank),
                                          step_cb(f"rank {rank}")))
+    if cfg.broadcasts is not None:  # which of rank 0's objects each rank was given
+        main.scenario = dataclasses.replace(main.scenario, notes=(
+            *main.scenario.notes, *(n for r in ranks for n in cfg.broadcasts.notes(r))))
     if world > 1:
         main.ranks = merge_ranks(main, main.rank_runs, world,
-                                 None if cfg.launch.is_module else cfg.launch.target, beyond)
+                                 None if cfg.launch.is_module else cfg.launch.target, beyond,
+                                 cfg.ranks)
         if launched is not None:
             main.ranks["started_by"] = launched.launcher
 
