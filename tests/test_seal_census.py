@@ -57,11 +57,11 @@ CHANGES = {
     "link retargeted": lambda r: ((r / "link").unlink(), (r / "link").symlink_to("data")),
     "a read": lambda r: (r / "data/0/1.bin").read_bytes(),
     "hard link from a folder not watched, written through it (a shell)":
-        lambda r: _write_through_a_link_outside(r, "data/0/2.bin"),
+        lambda r: write_through_a_link_outside(r, "data/0/2.bin"),
 }
 
 
-def _write_through_a_link_outside(root: Path, rel: str) -> None:
+def write_through_a_link_outside(root: Path, rel: str) -> None:
     """A hard link to the user's file made in a folder outside the watched ones, and the
     file appended to through that link by another process: no event of the file's folder
     tells either."""
@@ -107,7 +107,7 @@ def test_a_write_through_a_hard_link_made_outside_is_found(tmp_path: Path) -> No
     user = tmp_path / "user"
     tree(user)
     before = census.take([str(user)])
-    _write_through_a_link_outside(user, "data/0/2.bin")
+    write_through_a_link_outside(user, "data/0/2.bin")
     assert from_record(before) == walked(before) == [
         census.Difference(str(user / "data/0/2.bin"), "changed")]
 
@@ -172,6 +172,6 @@ def test_every_file_watched_by_its_inode_from_the_run_that_needs_it(tmp_path: Pa
     tree(user)
     before = census.take([str(user)], every_inode=False)
     census.watch_every_inode(before)
-    _write_through_a_link_outside(user, "data/1/5.bin")
+    write_through_a_link_outside(user, "data/1/5.bin")
     assert from_record(before) == walked(before) == [
         census.Difference(str(user / "data/1/5.bin"), "changed")]

@@ -115,6 +115,12 @@ class FolderWatch:
             self._read()
         return self._changed
 
+    def take_changed(self) -> set[str]:
+        """:meth:`changed`, and the record begun anew: what changes from now on."""
+        changed = self.changed()
+        self._changed = set()
+        return changed
+
     def _read(self) -> None:
         while True:
             try:

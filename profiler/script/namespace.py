@@ -368,15 +368,17 @@ class KernelOverlay:
             with contextlib.suppress(OSError):
                 os.chdir(self._cwd)
 
-    def close(self) -> None:
-        """The stage unmounted and removed."""
+    def close(self, chdir: bool = True) -> None:
+        """The stage unmounted and removed; ``chdir``: back into the working directory
+        (False where it is called in a thread of its own, once :meth:`unmount_trees` has:
+        the working directory is the process's, the main thread's to set)."""
         for target in reversed(self._mounted):
             _umount(self._libc, target)
         self._mounted = []
         if self.stage:
             with contextlib.suppress(OSError):
                 os.rmdir(self.stage)
-        if self._cwd:
+        if chdir and self._cwd:
             with contextlib.suppress(OSError):
                 os.chdir(self._cwd)
 

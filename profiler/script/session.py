@@ -48,7 +48,7 @@ from dpprof.script.notes import (
 from dpprof.script.rank_runs import merge_ranks, ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
-from dpprof.script.sealed_run import prepare_process, take_census
+from dpprof.script.sealed_run import finish_removals, prepare_process, take_census
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.strategy import AlternativeRuns
 from dpprof.script.strategy_registry import strategies
@@ -122,6 +122,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     finally:
         if shared is not None:
             shared.close()
+        finish_removals()  # the runs' overlays, removed while the next set up
 
 
 def run_words(cfg: ScriptConfig) -> str:
