@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_seal_census import CHANGES, write_through_a_link_outside, from_record, tree, walked
+from test_seal_census import CHANGES, from_record, tree, walked, write_through_a_link_outside
 
 from dpprof.script import census, census_ahead
 

@@ -204,45 +204,40 @@ def _walk(roots: Iterable[str], skip: set[str], entries: dict[str, Signature], l
     (``every_inode`` False: each with more than one link) before it is noted. Whether all
     fit."""
     watch = snap.watch if snap is not None else None
-    add_file = watch.add_file if watch is not None else None
-    is_dir = stat.S_ISDIR
+    is_dir, is_reg = stat.S_ISDIR, stat.S_ISREG
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
         if watch is not None:
             watch.add(folder)
         try:
-            it = os.scandir(folder)
+            with os.scandir(folder) as it:
+                listed = [e for e in it if e.path not in skip]
         except OSError:
             continue
-        with it:
-            for entry in it:
-                if len(entries) >= limit:
-                    if snap is not None:
-                        snap.complete = False
-                    return False
-                path = entry.path
-                if path in skip:
-                    continue
-                try:
-                    if add_file is not None and entry.is_file(follow_symlinks=False):
-                        if every_inode:
-                            add_file(path)  # before it is noted, as its folder
-                            st = entry.stat(follow_symlinks=False)
-                        else:
-                            st = entry.stat(follow_symlinks=False)
-                            if st.st_nlink > 1:  # watched, then noted
-                                add_file(path)
-                                st = os.lstat(path)
-                    else:
-                        st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                mode = st.st_mode
-                entries[path] = (mode, st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns,
-                                 st.st_ctime_ns)
-                if is_dir(mode):
-                    todo.append(path)
+        if watch is not None and every_inode:
+            # each file watched before it is noted, as its folder: the folder's in one call
+            watch.add_files([e.path for e in listed[:max(0, limit - len(entries))]
+                             if e.is_file(follow_symlinks=False)])
+        for entry in listed:
+            if len(entries) >= limit:
+                if snap is not None:
+                    snap.complete = False
+                return False
+            path = entry.path
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if watch is not None and not every_inode and st.st_nlink > 1 \
+                        and is_reg(st.st_mode):
+                    watch.add_file(path)  # watched, then noted
+                    st = os.lstat(path)
+            except OSError:
+                continue
+            mode = st.st_mode
+            entries[path] = (mode, st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns,
+                             st.st_ctime_ns)
+            if is_dir(mode):
+                todo.append(path)
     return True
 
 

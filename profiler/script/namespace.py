@@ -360,9 +360,15 @@ class KernelOverlay:
                                   concrete=up))
 
     def unmount_trees(self) -> None:
-        """The overlays off (the stage stays, for what is copied out of it)."""
-        for target in reversed(self._mounted[1:]):
-            _umount(self._libc, target)
+        """The overlays off (the stage stays, for what is copied out of it). Each unmount
+        waits for the kernel's grace period (milliseconds on a loaded machine), so only the
+        outermost are unmounted: a lazy unmount takes every mount made on top of one with it
+        (the overlay of a mount point inside a folder, the stage shown again inside ``/tmp``),
+        each of which was mounted after the folder it lies in."""
+        trees = self._mounted[1:]
+        for k in reversed(range(len(trees))):
+            if not any(trees[k].startswith(t + "/") for t in trees[:k]):
+                _umount(self._libc, trees[k])
         self._mounted = self._mounted[:1]
         if self._cwd:
             with contextlib.suppress(OSError):
