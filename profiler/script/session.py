@@ -108,10 +108,13 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             doing.append("the ladder")
             ladder_on = run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
         doing.append("the result")
-        return _result(cfg, runs, rungs, notes, fixes, ladder_on), main
+        result = _result(cfg, runs, rungs, notes, fixes, ladder_on)
+        finish_removals()  # the runs' overlays, removed while the next set up (and this)
+        return result, main
     except (KeyboardInterrupt, Interrupted) as e:
         signum = interrupt_signal(e)
         take_interrupt(signum)  # stopping: the next signal is held until this is written
+        finish_removals()
         cut = e.run if isinstance(e, RunInterrupted) else None
         during = run_words(e.cfg) if isinstance(e, RunInterrupted) else doing[-1]
         if cut is not None and cut.rank != 0:  # rank 0's figures stand for every rank
@@ -122,7 +125,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     finally:
         if shared is not None:
             shared.close()
-        finish_removals()  # the runs' overlays, removed while the next set up
+        finish_removals()  # where anything else ended it
 
 
 def run_words(cfg: ScriptConfig) -> str:
