@@ -148,8 +148,6 @@ class Seal:
 
     def __enter__(self) -> Seal:
         self._previous = make_active(self)
-        install_audit_hook(kernel_line=bool(self.kernel_trees))
-        self._events_before = events_seen()
         p = self._patcher.patch
         p(builtins, "open", sealed_open)
         p(io, "open", sealed_open)
@@ -173,6 +171,10 @@ class Seal:
         for var, value in LOGGING_SERVICES.values():
             self._saved_env[var] = os.environ.get(var)
             os.environ[var] = value.format(cwd=cwd)
+        # last, before the run: the scan of every module for names bound above calls id()
+        # on each value, an audited event (a run's first scan reads thousands of modules)
+        install_audit_hook(kernel_line=bool(self.kernel_trees))
+        self._events_before = events_seen()
         return self
 
     def __exit__(self, *exc: object) -> None:
