@@ -39,10 +39,10 @@ class SealOutcome:
     checked_entries: int = 0  # files and folders compared after the run
     checked_complete: bool = True  # all of them (not cut at the census' limit)
     kept: str | None = None  # where --keep-writes put them
-    # the seal's own seconds in the run's thread: "before" the run (the mounts, the Python
-    # line put on: "mount"), "after" it (the overlays off: "unmount"; the check: "check"),
-    # and in the audit hook's checks of the events it watches ("hook"; the hook is called
-    # on each of ``hook_events`` audited events)
+    # the seal's own seconds in the run's thread: "before" the run (its set-up, the mounts
+    # among it: "mount"), "after" it (what it wrote, the check: "check"; the overlays off
+    # among it: "unmount"), and in the audit hook's checks of the events it watches
+    # ("hook"; the hook is called on each of ``hook_events`` audited events)
     seconds: dict[str, float] = field(default_factory=dict)
     hook_events: int = 0
 
@@ -194,8 +194,9 @@ class SealedRun:
             seal.__exit__(*exc)
             kernel_changes: list[Change] = []
             if self._kernel is not None:
+                unmounting = time.perf_counter()
                 self._kernel.unmount_trees()
-                out.seconds["unmount"] = time.perf_counter() - started
+                out.seconds["unmount"] = time.perf_counter() - unmounting
                 kernel_changes = self._kernel.changes()
             out.writes = seal.writes(kernel_changes)
             out.subprocesses = list(seal.lines.subprocesses)
