@@ -27,7 +27,7 @@ RUN_CHANGES = {
 }
 
 
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(window=st.lists(st.sampled_from(sorted(CHANGES)), max_size=4),
        run=st.lists(st.sampled_from(sorted(RUN_CHANGES)), max_size=3),

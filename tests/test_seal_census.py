@@ -175,3 +175,24 @@ def test_every_file_watched_by_its_inode_from_the_run_that_needs_it(tmp_path: Pa
     write_through_a_link_outside(user, "data/1/5.bin")
     assert from_record(before) == walked(before) == [
         census.Difference(str(user / "data/1/5.bin"), "changed")]
+
+
+def test_a_folder_made_again_with_the_old_ones_inode_number_is_walked(tmp_path: Path) -> None:
+    """A folder removed and made again may get the inode number of the one removed (ext4
+    reuses it): it is another folder, which no watch covers, so a file made in it is found
+    only where the check walks it; its old watch saw the folder go."""
+    tree(tmp_path)
+    before = census.take([str(tmp_path)], every_inode=False)
+    old = os.lstat(tmp_path / "data/1").st_ino
+    shutil.rmtree(tmp_path / "data/1")
+    for _ in range(20):  # until the file system hands the number out again
+        (tmp_path / "data/1").mkdir()
+        if os.lstat(tmp_path / "data/1").st_ino == old:
+            break
+        (tmp_path / "data/1").rename(tmp_path / f"data/other-{len(os.listdir(tmp_path))}")
+    else:
+        pytest.skip("this file system did not reuse the inode number")
+    (tmp_path / "data/1/made in the new folder.bin").write_bytes(b"n")
+    assert from_record(before) == walked(before)
+    assert census.Difference(str(tmp_path / "data/1/made in the new folder.bin"),
+                             "created") in from_record(before)

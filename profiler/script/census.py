@@ -132,7 +132,7 @@ def refresh(snap: Snapshot) -> bool:
     watch = snap.watch
     if watch is None or not watch.complete:
         return False
-    changed = watch.take_changed()
+    changed, gone = watch.take_changed()
     if not watch.complete or not changed.isdisjoint(snap.roots):
         return False
     entries, skip = snap.entries, snap.skip
@@ -157,7 +157,7 @@ def refresh(snap: Snapshot) -> bool:
             continue
         entries[path] = sig
         if stat.S_ISDIR(st.st_mode) and (was is None or not stat.S_ISDIR(was[0])
-                                          or was[1:3] != sig[1:3]):
+                                          or was[1:3] != sig[1:3] or path in gone):
             _drop_under(entries, path)
             walk_again.append(path)
     if walk_again:
@@ -250,15 +250,17 @@ def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
         changed = watch.changed()
         # a folder walked from moved or removed: what it held is named by no event
         if watch.complete and changed.isdisjoint(before.roots):
-            return _from_changes(before, changed, skip)
+            return _from_changes(before, changed, skip, watch.gone)
     return take(before.roots, skip, before.limit, watch=False)
 
 
-def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapshot:
+def _from_changes(before: Snapshot, changed: set[str], skip: set[str],
+                  gone: set[str]) -> Snapshot:
     """``before`` with each path of ``changed`` looked at again: gone (with what it held),
     changed, or new; a folder made (or made again) since walked whole, as the walk would
-    find it (nothing in it is watched). The paths it looked at are the only ones where it
-    can differ from ``before`` (:attr:`Snapshot.differs_only_at`)."""
+    find it (nothing in it is watched), also one made again with the inode number of the
+    one removed (a folder of ``gone``: its watch saw it go). The paths it looked at are
+    the only ones where it can differ from ``before`` (:attr:`Snapshot.differs_only_at`)."""
     entries = dict(before.entries)
     looked_at: set[str] = set()
     walk_again: list[str] = []
@@ -279,7 +281,7 @@ def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapsh
             continue  # beyond the limit, as the walk would leave it
         entries[path] = sig
         if stat.S_ISDIR(st.st_mode) and (was is None or not stat.S_ISDIR(was[0])
-                                          or was[1:3] != sig[1:3]):
+                                          or was[1:3] != sig[1:3] or path in gone):
             looked_at.update(_drop_under(entries, path))
             walk_again.append(path)
     if walk_again:

@@ -77,6 +77,9 @@ class FolderWatch:
         # watch descriptor -> the paths of a watched file (two hard links: one inode, one wd)
         self._paths_of: dict[int, set[str]] = {}
         self._changed: set[str] = set()
+        # watched folders removed or moved away since (a folder made again at the path may
+        # have the same inode number: it is another folder, which no watch covers)
+        self.gone: set[str] = set()
         self._libc = _libc() if os.name == "posix" else None
         if self._libc is None:
             return
@@ -136,11 +139,12 @@ class FolderWatch:
             self._read()
         return self._changed
 
-    def take_changed(self) -> set[str]:
-        """:meth:`changed`, and the record begun anew: what changes from now on."""
-        changed = self.changed()
-        self._changed = set()
-        return changed
+    def take_changed(self) -> tuple[set[str], set[str]]:
+        """:meth:`changed` and :attr:`gone`, and the record begun anew: what changes from
+        now on."""
+        changed, gone = self.changed(), self.gone
+        self._changed, self.gone = set(), set()
+        return changed, gone
 
     def _read(self) -> None:
         while True:
@@ -169,6 +173,8 @@ class FolderWatch:
                 folder = self._folder_of.get(wd)
                 if folder is None:
                     continue
+                if mask & (_IN_DELETE_SELF | _IN_MOVE_SELF):
+                    self.gone.add(folder)
                 self._changed.add(os.path.join(folder, os.fsdecode(name)) if name
                                   else folder)
 
