@@ -26,9 +26,12 @@ def main() -> None:
     if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "run":
         # the seal's kernel line needs a process with one thread: before torch's import
         # starts another (dpprof.script.namespace)
-        from dpprof.script import namespace
+        from dpprof.script import census_ahead, namespace
 
         namespace.enter()
+        # the census of the user's files, in a thread while torch is imported (the
+        # first run claims it, made current: dpprof.script.census_ahead)
+        census_ahead.start_for_command(sys.argv)
     # deferred: nothing but the handlers may come before they are installed (typer and
     # rich, then torch through the commands: see the module)
     from dpprof.cli.app import main as app_main

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from dpprof.script.folder_watch import FolderWatch
 from dpprof.script.output_files import output_files
 
 __all__ = ["LIMIT", "LIMIT_UNDER_KERNEL", "Difference", "Snapshot", "again", "differences",
-           "take", "watch_every_inode"]
+           "refresh", "roots_of", "skipped", "take", "watch_every_inode"]
 
 # entries noted per snapshot (a data set under the working directory): the walk is the only
 # second line where no mount namespace holds the writes, a check of it where one does
@@ -73,6 +74,10 @@ class Snapshot:
     differs_only_at: set[str] = field(default_factory=set, repr=False, compare=False)
     # the paths not walked into or noted: the writes kept, the files dpprof's own output goes to
     skip: set[str] = field(default_factory=set, repr=False, compare=False)
+    # seconds its walks took (wherever they ran: :mod:`dpprof.script.census_ahead`), and
+    # the seconds the runs waited for it
+    taken_s: float = field(default=0.0, compare=False)
+    waited_s: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -87,17 +92,96 @@ def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT
     first, up to ``limit`` entries; ``watch``: each folder watched from before its entries
     are noted (:attr:`Snapshot.watch`), and each file by its inode (``every_inode`` False:
     only a file with more than one link; see the module)."""
-    skip = {os.path.realpath(e) for e in exclude} | output_files()
+    started = time.perf_counter()
+    skip = skipped(exclude)
+    roots = roots_of(folders, skip)
+    snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None,
+                    every_inode=every_inode, skip=skip)
+    _walk(roots, skip, snap.entries, limit, snap, every_inode)
+    snap.taken_s = time.perf_counter() - started
+    return snap
+
+
+def skipped(exclude: Iterable[str]) -> set[str]:
+    """The paths a census of folders leaves out: ``exclude`` (made real), and the files
+    dpprof's own output goes to."""
+    return {os.path.realpath(e) for e in exclude} | output_files()
+
+
+def roots_of(folders: Iterable[str], skip: set[str]) -> list[str]:
+    """The folders a census of ``folders`` walks from: each made real, a folder inside
+    another (or left out) dropped."""
     roots: list[str] = []
     for f in folders:
         real = os.path.realpath(f)
         if os.path.isdir(real) and real not in roots and real not in skip \
                 and not any(real.startswith(r + "/") for r in roots):
             roots = [r for r in roots if not r.startswith(real + "/")] + [real]
-    snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None,
-                    every_inode=every_inode, skip=skip)
-    _walk(roots, skip, snap.entries, limit, snap, every_inode)
-    return snap
+    return roots
+
+
+def refresh(snap: Snapshot) -> bool:
+    """``snap`` brought up to now, in place, from its watch's record: each path that
+    changed since it was taken looked at again (a folder made or replaced since walked, and
+    watched, as :func:`take` walks), and the record begun anew, so that ``snap`` is what
+    :func:`take` would note now. A census taken ahead of the runs
+    (:mod:`dpprof.script.census_ahead`) is made current so before the first run. False
+    where the record cannot vouch for that (no watch, not whole, a folder walked from moved
+    or removed): then take it again."""
+    started = time.perf_counter()
+    watch = snap.watch
+    if watch is None or not watch.complete:
+        return False
+    changed, gone = watch.take_changed()
+    if not watch.complete or not changed.isdisjoint(snap.roots):
+        return False
+    entries, skip = snap.entries, snap.skip
+    # a folder's own times change with what it holds (events name the entry, not it)
+    changed |= {os.path.dirname(p) for p in changed if os.path.dirname(p) in entries}
+    walk_again: list[str] = []
+    for path in sorted(changed):
+        if path in skip or _under(path, skip):
+            continue
+        was = entries.get(path)
+        if was is None and not snap.complete:
+            continue  # beyond the limit, as the walk would leave it
+        st = _watched_lstat(snap, path, was)
+        if st is None:
+            entries.pop(path, None)
+            if was is not None and stat.S_ISDIR(was[0]):
+                _drop_under(entries, path)
+            continue
+        sig = _signature(st)
+        if was is None and len(entries) >= snap.limit:
+            snap.complete = False
+            continue
+        entries[path] = sig
+        if stat.S_ISDIR(st.st_mode) and (was is None or not stat.S_ISDIR(was[0])
+                                          or was[1:3] != sig[1:3] or path in gone):
+            _drop_under(entries, path)
+            walk_again.append(path)
+    if walk_again:
+        _walk(walk_again, skip, entries, snap.limit, snap, snap.every_inode)
+    snap.taken_s += time.perf_counter() - started
+    return watch.complete
+
+
+def _watched_lstat(snap: Snapshot, path: str, was: Signature | None) -> os.stat_result | None:
+    """``os.lstat(path)`` (None: gone); a file new at ``path`` (another inode) watched by its
+    inode first, as :func:`take` watches it (a folder is watched as it is walked)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or not (snap.every_inode or st.st_nlink > 1) or (
+            was is not None and was[1:3] == (st.st_ino, st.st_dev)):
+        return st
+    assert snap.watch is not None
+    snap.watch.add_file(path)  # before it is noted
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
 
 
 def watch_every_inode(snap: Snapshot) -> None:
@@ -120,45 +204,40 @@ def _walk(roots: Iterable[str], skip: set[str], entries: dict[str, Signature], l
     (``every_inode`` False: each with more than one link) before it is noted. Whether all
     fit."""
     watch = snap.watch if snap is not None else None
-    add_file = watch.add_file if watch is not None else None
-    is_dir = stat.S_ISDIR
+    is_dir, is_reg = stat.S_ISDIR, stat.S_ISREG
     todo = deque(roots)
     while todo:
         folder = todo.popleft()
         if watch is not None:
             watch.add(folder)
         try:
-            it = os.scandir(folder)
+            with os.scandir(folder) as it:
+                listed = [e for e in it if e.path not in skip]
         except OSError:
             continue
-        with it:
-            for entry in it:
-                if len(entries) >= limit:
-                    if snap is not None:
-                        snap.complete = False
-                    return False
-                path = entry.path
-                if path in skip:
-                    continue
-                try:
-                    if add_file is not None and entry.is_file(follow_symlinks=False):
-                        if every_inode:
-                            add_file(path)  # before it is noted, as its folder
-                            st = entry.stat(follow_symlinks=False)
-                        else:
-                            st = entry.stat(follow_symlinks=False)
-                            if st.st_nlink > 1:  # watched, then noted
-                                add_file(path)
-                                st = os.lstat(path)
-                    else:
-                        st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                mode = st.st_mode
-                entries[path] = (mode, st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns,
-                                 st.st_ctime_ns)
-                if is_dir(mode):
-                    todo.append(path)
+        if watch is not None and every_inode:
+            # each file watched before it is noted, as its folder: the folder's in one call
+            watch.add_files([e.path for e in listed[:max(0, limit - len(entries))]
+                             if e.is_file(follow_symlinks=False)])
+        for entry in listed:
+            if len(entries) >= limit:
+                if snap is not None:
+                    snap.complete = False
+                return False
+            path = entry.path
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if watch is not None and not every_inode and st.st_nlink > 1 \
+                        and is_reg(st.st_mode):
+                    watch.add_file(path)  # watched, then noted
+                    st = os.lstat(path)
+            except OSError:
+                continue
+            mode = st.st_mode
+            entries[path] = (mode, st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns,
+                             st.st_ctime_ns)
+            if is_dir(mode):
+                todo.append(path)
     return True
 
 
@@ -171,15 +250,17 @@ def again(before: Snapshot, exclude: Iterable[str] = ()) -> Snapshot:
         changed = watch.changed()
         # a folder walked from moved or removed: what it held is named by no event
         if watch.complete and changed.isdisjoint(before.roots):
-            return _from_changes(before, changed, skip)
+            return _from_changes(before, changed, skip, watch.gone)
     return take(before.roots, skip, before.limit, watch=False)
 
 
-def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapshot:
+def _from_changes(before: Snapshot, changed: set[str], skip: set[str],
+                  gone: set[str]) -> Snapshot:
     """``before`` with each path of ``changed`` looked at again: gone (with what it held),
     changed, or new; a folder made (or made again) since walked whole, as the walk would
-    find it (nothing in it is watched). The paths it looked at are the only ones where it
-    can differ from ``before`` (:attr:`Snapshot.differs_only_at`)."""
+    find it (nothing in it is watched), also one made again with the inode number of the
+    one removed (a folder of ``gone``: its watch saw it go). The paths it looked at are
+    the only ones where it can differ from ``before`` (:attr:`Snapshot.differs_only_at`)."""
     entries = dict(before.entries)
     looked_at: set[str] = set()
     walk_again: list[str] = []
@@ -200,7 +281,7 @@ def _from_changes(before: Snapshot, changed: set[str], skip: set[str]) -> Snapsh
             continue  # beyond the limit, as the walk would leave it
         entries[path] = sig
         if stat.S_ISDIR(st.st_mode) and (was is None or not stat.S_ISDIR(was[0])
-                                          or was[1:3] != sig[1:3]):
+                                          or was[1:3] != sig[1:3] or path in gone):
             looked_at.update(_drop_under(entries, path))
             walk_again.append(path)
     if walk_again:

@@ -25,6 +25,7 @@ import errno
 import os
 import struct
 import weakref
+from collections.abc import Iterable
 
 __all__ = ["FolderWatch"]
 
@@ -76,6 +77,9 @@ class FolderWatch:
         # watch descriptor -> the paths of a watched file (two hard links: one inode, one wd)
         self._paths_of: dict[int, set[str]] = {}
         self._changed: set[str] = set()
+        # watched folders removed or moved away since (a folder made again at the path may
+        # have the same inode number: it is another folder, which no watch covers)
+        self.gone: set[str] = set()
         self._libc = _libc() if os.name == "posix" else None
         if self._libc is None:
             return
@@ -108,12 +112,39 @@ class FolderWatch:
             return
         self._paths_of.setdefault(wd, set()).add(path)
 
+    def add_files(self, paths: Iterable[str]) -> None:
+        """:meth:`add_file` of each of ``paths``, in one call (a census watches thousands:
+        the calls' own cost counts)."""
+        if not self.complete or self._libc is None:
+            return
+        add_watch, fd, encode, paths_of = (self._libc.inotify_add_watch, self._fd, os.fsencode,
+                                           self._paths_of)
+        for path in paths:
+            wd = add_watch(fd, encode(path), _FILE_MASK)
+            if wd < 0:
+                if ctypes.get_errno() != errno.ENOENT:
+                    self.complete = False
+                    return
+                continue
+            known = paths_of.get(wd)
+            if known is None:
+                paths_of[wd] = {path}
+            else:
+                known.add(path)
+
     def changed(self) -> set[str]:
         """Every path (in a watched folder, or a watched folder itself) that changed since
         the watch began: the events read so far and any queued now."""
         if self.complete:
             self._read()
         return self._changed
+
+    def take_changed(self) -> tuple[set[str], set[str]]:
+        """:meth:`changed` and :attr:`gone`, and the record begun anew: what changes from
+        now on."""
+        changed, gone = self.changed(), self.gone
+        self._changed, self.gone = set(), set()
+        return changed, gone
 
     def _read(self) -> None:
         while True:
@@ -142,6 +173,8 @@ class FolderWatch:
                 folder = self._folder_of.get(wd)
                 if folder is None:
                     continue
+                if mask & (_IN_DELETE_SELF | _IN_MOVE_SELF):
+                    self.gone.add(folder)
                 self._changed.add(os.path.join(folder, os.fsdecode(name)) if name
                                   else folder)
 

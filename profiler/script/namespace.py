@@ -365,23 +365,31 @@ class KernelOverlay:
                                   concrete=up))
 
     def unmount_trees(self) -> None:
-        """The overlays off (the stage stays, for what is copied out of it)."""
-        for target in reversed(self._mounted[1:]):
-            _umount(self._libc, target)
+        """The overlays off (the stage stays, for what is copied out of it). Each unmount
+        waits for the kernel's grace period (milliseconds on a loaded machine), so only the
+        outermost are unmounted: a lazy unmount takes every mount made on top of one with it
+        (the overlay of a mount point inside a folder, the stage shown again inside ``/tmp``),
+        each of which was mounted after the folder it lies in."""
+        trees = self._mounted[1:]
+        for k in reversed(range(len(trees))):
+            if not any(trees[k].startswith(t + "/") for t in trees[:k]):
+                _umount(self._libc, trees[k])
         self._mounted = self._mounted[:1]
         if self._cwd:
             with contextlib.suppress(OSError):
                 os.chdir(self._cwd)
 
-    def close(self) -> None:
-        """The stage unmounted and removed."""
+    def close(self, chdir: bool = True) -> None:
+        """The stage unmounted and removed; ``chdir``: back into the working directory
+        (False where it is called in a thread of its own, once :meth:`unmount_trees` has:
+        the working directory is the process's, the main thread's to set)."""
         for target in reversed(self._mounted):
             _umount(self._libc, target)
         self._mounted = []
         if self.stage:
             with contextlib.suppress(OSError):
                 os.rmdir(self.stage)
-        if self._cwd:
+        if chdir and self._cwd:
             with contextlib.suppress(OSError):
                 os.chdir(self._cwd)
 

@@ -52,7 +52,7 @@ from dpprof.script.import_hook import ImportHook
 from dpprof.script.outside_python import OUTSIDE_PYTHON, patch_loaded, patch_outside
 from dpprof.script.overlay import Overlay
 from dpprof.script.real_fs import REAL_CALLS, REAL_OPEN, as_given, fd_path, lstat_or_none, makedirs
-from dpprof.script.seal_audit import SealBreach, install_audit_hook
+from dpprof.script.seal_audit import SealBreach, events_seen, install_audit_hook
 from dpprof.script.sealed_calls import (
     OS_WRAPPERS,
     WRITE_FLAGS,
@@ -109,6 +109,10 @@ class _Lines:
     """What the seal saw besides the writes: subprocesses (outside the Python line)."""
 
     subprocesses: list[str] = field(default_factory=list)
+    # the audit hook's cost: seconds in its checks of the events it watches, and the audited
+    # events it was called on while the run was under way
+    hook_s: float = 0.0
+    hook_events: int = 0
 
 
 class Seal:
@@ -133,6 +137,7 @@ class Seal:
         self._saved_env: dict[str, str | None] = {}
         self._held_openers: list[tuple[dict[Any, Any], Any, Any]] = []
         self._bytecode = sys.dont_write_bytecode
+        self._events_before = 0
         # rank 0's run, where later ranks run (dpprof.script.shared_files): a private folder
         # that keeps, by canonical path, each file the run removes or renames away
         self.removed_copies = ""
@@ -143,7 +148,6 @@ class Seal:
 
     def __enter__(self) -> Seal:
         self._previous = make_active(self)
-        install_audit_hook(kernel_line=bool(self.kernel_trees))
         p = self._patcher.patch
         p(builtins, "open", sealed_open)
         p(io, "open", sealed_open)
@@ -167,6 +171,10 @@ class Seal:
         for var, value in LOGGING_SERVICES.values():
             self._saved_env[var] = os.environ.get(var)
             os.environ[var] = value.format(cwd=cwd)
+        # last, before the run: the scan of every module for names bound above calls id()
+        # on each value, an audited event (a run's first scan reads thousands of modules)
+        install_audit_hook(kernel_line=bool(self.kernel_trees))
+        self._events_before = events_seen()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -185,6 +193,7 @@ class Seal:
         if self.overlay.in_root(cwd):  # the script changed into a folder only the run made
             REAL_CALLS["chdir"](self._nearest_real(self.overlay.from_upper(cwd)))
         make_active(self._previous)
+        self.lines.hook_events = events_seen() - self._events_before
 
     def _nearest_real(self, c: str) -> str:
         while not os.path.isdir(c):

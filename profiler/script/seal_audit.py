@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from dpprof.script.real_fs import REAL_CALLS, lstat_or_none
@@ -17,7 +18,7 @@ from dpprof.script.sealed_calls import WRITE_FLAGS, WRITE_MODE, active
 if TYPE_CHECKING:
     from dpprof.script.seal import Seal
 
-__all__ = ["SealBreach", "install_audit_hook"]
+__all__ = ["SealBreach", "events_seen", "install_audit_hook"]
 
 
 class SealBreach(BaseException):
@@ -48,6 +49,8 @@ _PATH_EVENTS: dict[str, tuple[int, ...]] = {
 _AUDITED = frozenset({"open", "sqlite3.connect", "subprocess.Popen", "os.system",
                       "os.posix_spawn", "os.exec", "os.spawn", *_PATH_EVENTS})
 _HOOKED = False
+# audited events the hook was called on (the seal's timers: what the hook costs a run)
+_SEEN = [0]
 
 
 def install_audit_hook(kernel_line: bool) -> None:
@@ -60,12 +63,22 @@ def install_audit_hook(kernel_line: bool) -> None:
     sys.addaudithook(_audit)
 
 
+def events_seen() -> int:
+    """How many audited events the hook was called on so far."""
+    return _SEEN[0]
+
+
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     # the events it does not watch return at once (the hook sees every audited event)
+    _SEEN[0] += 1
     if event in _AUDITED:
         seal = active()
         if seal is not None and not seal.kernel_trees:
-            _on_event(seal, event, args)
+            started = time.perf_counter()
+            try:
+                _on_event(seal, event, args)
+            finally:
+                seal.lines.hook_s += time.perf_counter() - started
 
 
 def _on_event(seal: Seal, event: str, args: tuple[Any, ...]) -> None:

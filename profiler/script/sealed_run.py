@@ -11,16 +11,19 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 
-from dpprof.script import census, namespace
+from dpprof.script import census, census_ahead, namespace
 from dpprof.script.census import Difference, Snapshot
 from dpprof.script.overlay import Change
 from dpprof.script.real_fs import rmtree
 from dpprof.script.seal import Seal, SealedWrite
 from dpprof.script.shared_files import SharedFiles
 
-__all__ = ["SealOutcome", "SealedRun", "folders_of", "prepare_process", "take_census"]
+__all__ = ["SealOutcome", "SealedRun", "finish_removals", "folders_of", "prepare_process",
+           "take_census"]
 
 
 @dataclass
@@ -36,6 +39,12 @@ class SealOutcome:
     checked_entries: int = 0  # files and folders compared after the run
     checked_complete: bool = True  # all of them (not cut at the census' limit)
     kept: str | None = None  # where --keep-writes put them
+    # the seal's own seconds in the run's thread: "before" the run (its set-up, the mounts
+    # among it: "mount"), "after" it (what it wrote, the check: "check"; the overlays off
+    # among it: "unmount"), and in the audit hook's checks of the events it watches
+    # ("hook"; the hook is called on each of ``hook_events`` audited events)
+    seconds: dict[str, float] = field(default_factory=dict)
+    hook_events: int = 0
 
 
 def prepare_process() -> None:
@@ -54,11 +63,17 @@ def take_census(script: str | None, keep_dir: str | None) -> Snapshot:
     """The user's files before the runs (:mod:`dpprof.script.census`): the working
     directory and the script's folder, the writes kept (``keep_dir``) left out; walked in
     full where no mount namespace holds the writes, the shallowest where one does (and there
-    only the files with another link watched by their inode: :mod:`dpprof.script.census`)."""
-    kernel = namespace.entered()
-    return census.take(folders_of(script), [keep_dir] if keep_dir else [],
-                       census.LIMIT_UNDER_KERNEL if kernel else census.LIMIT,
-                       every_inode=not kernel)
+    only the files with another link watched by their inode: :mod:`dpprof.script.census`).
+    The census taken ahead as ``dpprof run`` started, where it is this one
+    (:mod:`dpprof.script.census_ahead`)."""
+    started = time.perf_counter()
+    folders, exclude = folders_of(script), [keep_dir] if keep_dir else []
+    snap = census_ahead.claim(folders, exclude)
+    if snap is None:
+        limit, every_inode = census_ahead.settings()
+        snap = census.take(folders, exclude, limit, every_inode=every_inode)
+        snap.waited_s = time.perf_counter() - started
+    return snap
 
 
 def folders_of(script: str | None) -> list[str]:
@@ -67,6 +82,37 @@ def folders_of(script: str | None) -> list[str]:
     if script:
         folders.append(os.path.dirname(os.path.abspath(script)))
     return folders
+
+
+# the removals of ended runs' overlays, under way in threads of their own
+_REMOVING: list[threading.Thread] = []
+
+
+def _remove_later(kernel: namespace.KernelOverlay | None, base: str) -> None:
+    """A run's overlay (its stage, unmounted, or its folder) removed in a thread: nothing
+    waits on it (the user's folders are back, or were never covered; the overlay is dpprof's
+    private folder), and the next run's set-up, or the result's, goes on meanwhile. Joined
+    by :func:`finish_removals`."""
+    def remove() -> None:
+        if kernel is not None:
+            kernel.close(chdir=False)
+            return
+        try:
+            rmtree(base)
+        except OSError:  # a folder the run made read-only: what can be removed
+            shutil.rmtree(base, ignore_errors=True)
+
+    thread = threading.Thread(target=remove, name="dpprof-overlay-removal")
+    _REMOVING.append(thread)
+    thread.start()
+
+
+def finish_removals() -> None:
+    """Wait for the overlays of the runs that ended to be removed: before a seal goes on
+    (their removal calls :mod:`os`, whose functions a seal replaces), and before ``dpprof
+    run`` ends."""
+    while _REMOVING:
+        _REMOVING.pop(0).join()
 
 
 class SealedRun:
@@ -95,6 +141,8 @@ class SealedRun:
         self._cwd = ""
 
     def __enter__(self) -> Seal:
+        started = time.perf_counter()
+        finish_removals()  # before this seal patches the os functions they call
         self._cwd = os.getcwd()
         prepare_process()
         if self.before is None:
@@ -106,7 +154,9 @@ class SealedRun:
                 "/tmp", "/var/tmp"])
             kernel = namespace.KernelOverlay(folders)
             try:
+                mounting = time.perf_counter()
                 kernel.mount()
+                self.outcome.seconds["mount"] = time.perf_counter() - mounting
                 self._kernel, trees, self._base = kernel, folders, kernel.stage
             except OSError:  # this run keeps the Python line and the check after it
                 pass
@@ -130,7 +180,9 @@ class SealedRun:
             self.seed_from.seed_into(upper_of, seal.seeded)
             if seal.seeded.files:
                 seal.overlay.dirty = True
-        return seal.__enter__()
+        entered = seal.__enter__()
+        self.outcome.seconds["before"] = time.perf_counter() - started
+        return entered
 
     def _excluded(self) -> list[str]:
         shared = [s.folder for s in (self.publish_to, self.seed_from) if s is not None]
@@ -139,13 +191,16 @@ class SealedRun:
     def __exit__(self, *exc: object) -> None:
         assert self._seal is not None
         seal, out = self._seal, self.outcome
+        started = time.perf_counter()
         if self.publish_to is not None:
             self.publish_to.unwatch()
         try:
             seal.__exit__(*exc)
             kernel_changes: list[Change] = []
             if self._kernel is not None:
+                unmounting = time.perf_counter()
                 self._kernel.unmount_trees()
+                out.seconds["unmount"] = time.perf_counter() - unmounting
                 kernel_changes = self._kernel.changes()
             out.writes = seal.writes(kernel_changes)
             out.subprocesses = list(seal.lines.subprocesses)
@@ -158,18 +213,18 @@ class SealedRun:
             if self.keep_dir:
                 out.kept = self._keep(out.writes, [*seal.overlay.changes(), *kernel_changes])
         finally:
-            if self._kernel is not None:
-                self._kernel.close()
-            else:
-                try:
-                    rmtree(self._base)
-                except OSError:  # a folder the run made read-only: what can be removed
-                    shutil.rmtree(self._base, ignore_errors=True)
+            _remove_later(self._kernel, self._base)
         assert self.before is not None
+        checking = time.perf_counter()
         after = census.again(self.before, self._excluded())
         out.differences = census.differences(self.before, after, seal.overlay.touched_real)
         out.checked_entries = len(self.before.entries) + len(seal.overlay.touched_real)
         out.checked_complete = self.before.complete
+        done = time.perf_counter()
+        out.seconds["check"] = done - checking
+        out.seconds["after"] = done - started
+        out.seconds["hook"] = seal.lines.hook_s
+        out.hook_events = seal.lines.hook_events
 
     def _keep(self, writes: list[SealedWrite], changes: list[Change]) -> str:
         """The run's writes copied under ``keep_dir/<name>``, with a list of them."""

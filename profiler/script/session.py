@@ -49,7 +49,7 @@ from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.rank_runs import merge_ranks, ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
-from dpprof.script.sealed_run import prepare_process, take_census
+from dpprof.script.sealed_run import finish_removals, prepare_process, take_census
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.strategy import AlternativeRuns
 from dpprof.script.strategy_registry import strategies
@@ -112,10 +112,13 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
             doing.append("the ladder")
             ladder_on = run_ladder(cfg, main, runs, step_cb, notes, fixes, rungs)
         doing.append("the result")
-        return _result(cfg, runs, rungs, notes, fixes, ladder_on), main
+        result = _result(cfg, runs, rungs, notes, fixes, ladder_on)
+        finish_removals()  # the runs' overlays, removed while the next set up (and this)
+        return result, main
     except (KeyboardInterrupt, Interrupted) as e:
         signum = interrupt_signal(e)
         take_interrupt(signum)  # stopping: the next signal is held until this is written
+        finish_removals()
         cut = e.run if isinstance(e, RunInterrupted) else None
         during = run_words(e.cfg) if isinstance(e, RunInterrupted) else doing[-1]
         if cut is not None and cut.rank != 0:  # rank 0's figures stand for every rank
@@ -126,6 +129,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     finally:
         if shared is not None:
             shared.close()
+        finish_removals()  # where anything else ended it
 
 
 def run_words(cfg: ScriptConfig) -> str:
