@@ -30,6 +30,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pytest-xdist hands tests out in this order: the files that hold a test marked slow run
+    # first (each file whole, so its module-scoped fixtures are still built once), and the
+    # run ends on short tests, with no worker left alone on a long one
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "gpu" not in item.keywords:
