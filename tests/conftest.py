@@ -4,6 +4,7 @@ context on a GPU not its own) without two."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -27,6 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
     from hypothesis.configuration import set_hypothesis_home_dir
 
     set_hypothesis_home_dir(tempfile.mkdtemp(prefix="dpprof-hypothesis-"))
+    # pytest-xdist's controller imports the module of each warning a worker reports, to
+    # rebuild its category: a Lightning warning imports lightning, then torchmetrics, then
+    # torchvision, whose C ops do not load over a CPU torch -- the controller crashed
+    if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+            and config.getoption("numprocesses", None)
+            and importlib.util.find_spec("torchvision") is not None):
+        from torchvision_shim import import_torchvision
+
+        import_torchvision()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
