@@ -2,6 +2,7 @@
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,16 +170,23 @@ def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> 
     assert entries[fsdp[2]]["max_batch"] > max(
         e["max_batch"] for name, e in entries.items() if "micro-batches" not in name
         and name != fsdp[2])
+    runs: dict[int, Any] = {}  # one compare per batch: it measures every rung at once
+
+    def compare_at(batch: int) -> Any:
+        if batch not in runs:
+            runs[batch] = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=capacity,
+                                                    scenarios=("ddp",), ladder=True,
+                                                    step=StepConfig(batch=batch)),
+                                      workload=lm())
+        return runs[batch]
+
     for name in fsdp:
         e = entries[name]
         assert e["max_batch"] and e["max_batch"] % step == 0 and not e["errored"]
         assert e["needed_bytes"] <= capacity < e["next_needed_bytes"]
         for batch, need in ((e["max_batch"], e["needed_bytes"]),
                             (e["max_batch"] + step, e["next_needed_bytes"])):
-            run = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=capacity,
-                                            scenarios=("ddp",), ladder=True,
-                                            step=StepConfig(batch=batch)),
-                              workload=lm())
+            run = compare_at(batch)
             fix = next((f for f in run.fixes if f.name == f"ladder-{name}"), None)
             if name == "fsdp2-zero3-offload":
                 # compare leaves the last resort out where a rung before it fits (here
