@@ -77,7 +77,7 @@ def test_each_rung_equals_the_script_with_its_change_made_by_hand(tmp_path: Path
     result, main = run_command(config(LM, ladder=True))
     found = rungs(result)
     # the mixed-precision rung: its diff of the script, applied, run as written
-    change = autocast_diff.autocast_until_at(main.forward_site, main.backward_site,
+    change = autocast_diff.autocast_until_at(main.forward_sites[0], main.backward_sites[0],
                                                "bfloat16")
     assert change.ok, change.reason
     assert change.diff in found["ladder-bf16"].code

@@ -112,7 +112,8 @@ def caller_site(also_skip: tuple[str, ...] = ()) -> str:
 def caller_sites(limit: int = 64) -> tuple[str, ...]:
     """``file:line`` of every frame outside torch and dpprof, innermost first (at most
     ``limit``): the user's line, then the lines that called it (a library's first, where a
-    library called torch, then the script's that called the library)."""
+    library called torch, then the script's that called the library); ``("?",)`` where
+    there is none, as :func:`caller_site` says."""
     out: list[str] = []
     f = caller_frame()
     while f is not None and len(out) < limit:
@@ -121,7 +122,7 @@ def caller_sites(limit: int = 64) -> tuple[str, ...]:
         while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
                                                                   "<"))):
             f = f.f_back
-    return tuple(out)
+    return tuple(out) or ("?",)
 
 
 def in_dpprof(filename: str) -> bool:

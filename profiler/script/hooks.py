@@ -86,10 +86,8 @@ class Stepper:
         # words of the checkpointing code for its repeated blocks (blocks_words: "count"
         # of them); the script's lines of that call and of its first backward()
         self.blocks_words: dict[str, Any] = {}
-        self.forward_site = ""
-        self.backward_site = ""
-        # the same calls' every line outside torch and dpprof, innermost first (a library's
-        # that called torch, then the script's that called the library)
+        # each of those calls' every line outside torch and dpprof, innermost first (a
+        # library's that called torch, then the script's that called the library)
         self.forward_sites: tuple[str, ...] = ()
         self.backward_sites: tuple[str, ...] = ()
         # the op log's length as each measured optimizer step ended (the predicted step
@@ -169,8 +167,7 @@ class Stepper:
                 raise StopScript
             if self.backwards == 2:
                 self._start_measuring()  # the first step was the warm-up
-        if not self.backward_site:
-            self.backward_site = caller_site()
+        if not self.backward_sites:
             self.backward_sites = caller_sites()
         for listener in self.listeners:
             listener.backward_started()
@@ -188,11 +185,10 @@ class Stepper:
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and first.dim() > 0:
                 self._last_rows = int(first.shape[0])
-            if not self.forward_site:
+            if not self.forward_sites:
                 # the script's model, read at its first call and not kept (a reference
                 # would keep its memory counted after the script let it go)
                 self.blocks_words = blocks_words(unwrapped(module))
-                self.forward_site = caller_site()
                 self.forward_sites = caller_sites()
             for listener in self.listeners:
                 listener.forward_started(module)

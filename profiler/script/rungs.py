@@ -171,9 +171,8 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     # the script's own lines: where a library's code called the model or backward()
     # (accelerate's accelerator.backward, Lightning's Trainer), the script's call of it
     sites = [next((s for s in chain if s.rpartition(":")[0] == script), chain[0] if chain
-                  else site)
-             for chain, site in ((floor.forward_sites, floor.forward_site),
-                                 (floor.backward_sites, floor.backward_site))]
+                  else "")
+             for chain in (floor.forward_sites, floor.backward_sites)]
     if on_ddp:
         assert main is not None
         if not main.dp_sites:

@@ -201,12 +201,10 @@ class ScriptRun:
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
     # the script's model: the words of the checkpointing code for its repeated blocks
     # (dpprof.measure.ladder_code.blocks_words, their "count" among them); the lines of its
-    # first call and of the first backward() (file:line)
+    # first call and of the first backward() (file:line), each with every line outside torch
+    # and dpprof that led to it, innermost first (where a library's code called the model or
+    # backward(), the script's line that called that library)
     blocks_words: dict[str, Any] = field(default_factory=dict)
-    forward_site: str = ""
-    backward_site: str = ""
-    # each call's every line outside torch and dpprof, innermost first (where a library's
-    # code called the model or backward(), the script's line that called that library)
     forward_sites: tuple[str, ...] = ()
     backward_sites: tuple[str, ...] = ()
     checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
@@ -333,7 +331,6 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.stand_in_sites = dict(rt.stand_ins.sites)
     run.autocast_regions = autocast.regions
     run.blocks_words = stepper.blocks_words
-    run.forward_site, run.backward_site = stepper.forward_site, stepper.backward_site
     run.forward_sites, run.backward_sites = stepper.forward_sites, stepper.backward_sites
     run.checkpointed_blocks = rung.blocks if rung is not None else 0
     run.replicas_float16 = replicas_float16_note(rt)
