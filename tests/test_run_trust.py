@@ -852,15 +852,15 @@ def test_the_bucket_view_alternative_is_what_ddp_with_the_option_allocates(
     cfg = ScriptConfig(launch=parse_command(["python", script], 4),
                        alternative=alternative_named("ddp"))
     followed = run_script(cfg)
-    assert followed.bucket_view_peak_bytes is not None
+    assert followed.alternative_state.bucket_view_peak_bytes is not None
     plain_peak = followed.scenario.devices[0].peak_allocated_bytes
     monkeypatch.setattr(wrappers, "EmulatedDDP", functools.partial(
         wrappers.EmulatedDDP, gradient_as_bucket_view=True))
     with_option = run_script(dataclasses.replace(cfg))
     assert with_option.scenario.devices[0].peak_allocated_bytes == \
-        followed.bucket_view_peak_bytes
-    assert followed.bucket_view_peak_bytes <= plain_peak
+        followed.alternative_state.bucket_view_peak_bytes
+    assert followed.alternative_state.bucket_view_peak_bytes <= plain_peak
     result, _ = run_command(ScriptConfig(launch=parse_command(["python", script], 4)))
     fix = next(f for f in result.fixes if f.name == "gradient-as-bucket-view")
-    assert fix.max_peak_bytes == followed.bucket_view_peak_bytes
+    assert fix.max_peak_bytes == followed.alternative_state.bucket_view_peak_bytes
     assert "device_ids=[rank], gradient_as_bucket_view=True)" in fix.code

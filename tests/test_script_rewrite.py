@@ -990,8 +990,9 @@ def test_autocast_from_the_sites_dpprof_records_runs_under_dpprof(
     seen = run_script(ScriptConfig(launch=parse_command(["python", str(path)], 4), steps=3,
                                    alternative=alternative_named("loss-in-forward")))
     site = f"{path}:{line_of(ARGS_SCRIPT, 'loss = criterion(model(inputs), labels)')}"
-    assert seen.call_sites[0] == seen.loss_sites[0] == site
-    new = checked(autocast_diff.autocast_at(seen.call_sites[0], seen.loss_sites[0], dtype),
+    followed = seen.alternative_state
+    assert followed.call_sites[0] == followed.loss_sites[0] == site
+    new = checked(autocast_diff.autocast_at(followed.call_sites[0], followed.loss_sites[0], dtype),
                   ARGS_SCRIPT)
     assert ("scaler.step(optimizer)\n    scaler.update()\n" in new) == (dtype == "float16")
     path.write_text(new)

@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +33,10 @@ from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeStat
 if TYPE_CHECKING:
     from dpprof.emulator.patcher import Patcher
     from dpprof.emulator.virtual_cuda import VirtualCuda
-    from dpprof.script.runner import ScriptRun
+    from dpprof.script.runner import ScriptConfig, ScriptRun
     from dpprof.script.wrappers import VirtualDataParallel
 
-__all__ = ["STRATEGY", "DdpInPlace", "diff_ddp"]
+__all__ = ["STRATEGY", "DdpInPlace", "DdpState", "ddp_state", "diff_ddp"]
 
 SENTENCE = ("the same script with DistributedDataParallel in place of DataParallel (one "
             "emulated rank of {n}; each rank its share of the batch, as a DDP script makes it)")
@@ -47,6 +48,40 @@ DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gr
 BATCH_FACTORIES = ("randint", "randn", "rand")
 _LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                               sysconfig.get_paths()["stdlib"]}))
+
+
+@dataclass
+class DdpState(AlternativeState):
+    """What one run of the DDP alternative follows (its record, :func:`ddp_state`)."""
+
+    scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
+    # how each rank got its share of the batch: a DataLoader's batch_size divided, a
+    # DataLoader's own batch sampler cut (each of its batches to its first share), and the
+    # script's lines whose hand-made batches were cut to it ("torch.randn at file:line")
+    divided_loader: bool = False
+    cut_batch_sampler: bool = False
+    divided_sites: list[str] = field(default_factory=list)
+    # "file:line" of the script's own calls that made each DataLoader whose batch_size the
+    # alternative divided (a library's loader factory's call, where the script has one)
+    loader_sites: list[str] = field(default_factory=list)
+    # how each rank got its share of the batch, in words, once the run ended ("": it did not)
+    batch_division: str = ""
+    # the rank's peak under gradient_as_bucket_view=True (followed in a ledger while it ran
+    # plain), or why it could not be followed (the gradient-as-bucket-view fix reads them)
+    bucket_view_peak_bytes: int | None = None
+    bucket_view_unsure: str | None = None
+
+    @property
+    def batch_sites(self) -> tuple[str, ...]:
+        """``file:line`` of the script's hand-made batches cut to each rank's share."""
+        return tuple(made.rpartition(" at ")[2] for made in self.divided_sites)
+
+
+def ddp_state(run: ScriptRun) -> DdpState | None:
+    """What ``run`` followed where it ran as the DDP alternative (or a fix that is DDP with
+    other options), else None."""
+    state = run.alternative_state
+    return state if isinstance(state, DdpState) else None
 
 
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
@@ -142,7 +177,7 @@ def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: in
     return None
 
 
-def _divide_hand_made_batches(state: AlternativeState, vc: VirtualCuda,
+def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
                               patcher: Patcher) -> None:
     """Batches the script makes in its loop without a DataLoader (a random factory on its
     own line whose first dimension is the batch DataParallel scattered): each rank makes its
@@ -206,7 +241,7 @@ def _made_from(batches: Any, divided: weakref.WeakSet[Any], depth: int = 3) -> b
     return False
 
 
-def _division(state: AlternativeState, world: int) -> str:
+def _division(state: DdpState, world: int) -> str:
     """How the alternative gave each rank its share of the batch ("": it did not)."""
     ways = []
     if state.divided_loader:
@@ -233,8 +268,13 @@ class DdpInPlace(Alternative):
     sentence = SENTENCE  # the alternative's first note ({n}: the GPUs)
     detail = DETAIL  # its fix's detail ({gpus}: the GPUs)
 
+    def new_state(self, cfg: ScriptConfig) -> DdpState:
+        return DdpState(scattered_rows=cfg.scattered_rows)
+
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
         from torch.utils.data import DataLoader
+
+        assert isinstance(state, DdpState)  # this alternative's own (new_state)
 
         orig_init = DataLoader.__init__
         # the batch samplers of loaders divided here: a library that makes a loader again
@@ -280,34 +320,37 @@ class DdpInPlace(Alternative):
                    kwargs: dict[str, Any]) -> Any:
         return dp.as_ddp_rank(inputs, kwargs, self.options)
 
-    def after_run(self, run: ScriptRun, state: AlternativeState, vc: VirtualCuda,
+    def after_run(self, state: AlternativeState, vc: VirtualCuda,
                   ddp_devices: list[int]) -> None:
-        run.batch_division = _division(state, vc.device_count())
+        assert isinstance(state, DdpState)  # this alternative's own (new_state)
+        state.batch_division = _division(state, vc.device_count())
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
-            run.bucket_view_peak_bytes = (ledger.peak_allocated if ledger.unsure is None
-                                          else None)
-            run.bucket_view_unsure = ledger.unsure
+            state.bucket_view_peak_bytes = (ledger.peak_allocated if ledger.unsure is None
+                                            else None)
+            state.bucket_view_unsure = ledger.unsure
 
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
         alt = run_script(dataclasses.replace(cfg, alternative=self,
                                              scattered_rows=main.batch_rows),
                          runs.step_cb(self.name))
-        if not alt.batch_division:
+        followed = ddp_state(alt)
+        assert followed is not None  # run with this alternative
+        if not followed.batch_division:
             runs.notes.append("no DDP alternative: the script makes its batches neither with "
                               "a DataLoader nor with torch.randint/randn/rand of "
                               f"DataParallel's {main.batch_rows} rows on its own lines, so "
                               "dpprof cannot give each rank its share")
             return
         alt.scenario = dataclasses.replace(alt.scenario, notes=(
-            self.sentence.format(n=n), f"each rank's share: {alt.batch_division}",
+            self.sentence.format(n=n), f"each rank's share: {followed.batch_division}",
             *alt.scenario.notes, *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
-                              diff_ddp(main, n, batch_sites=tuple(alt.batch_sites),
+                              diff_ddp(main, n, batch_sites=followed.batch_sites,
                                        flags=self.flags,
-                                       loader_sites=tuple(alt.loader_sites)))
+                                       loader_sites=tuple(followed.loader_sites)))
         if fix is not None:
             runs.fixes.append(fix)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dpprof.fixes.kinds.bucket_view import FIX
 from dpprof.result import Fix
-from dpprof.script.ddp_run import diff_ddp
+from dpprof.script.ddp_run import ddp_state, diff_ddp
 from dpprof.script.strategy import AlternativeRuns, RunStrategy
 from dpprof.units import fmt_bytes
 
@@ -19,10 +19,12 @@ class BucketViewRun(RunStrategy):
     """The fix read from the ledger a DDP alternative's rank followed (see the module)."""
 
     def measure(self, runs: AlternativeRuns) -> None:
-        followed = next((alt for _, alt in runs.runs if alt.bucket_view_peak_bytes is not None
-                         or alt.bucket_view_unsure is not None), None)
-        if followed is None:
+        found = next(((alt, state) for alt, state in ((alt, ddp_state(alt)) for _, alt in runs.runs)
+                      if state is not None and (state.bucket_view_peak_bytes is not None
+                                                or state.bucket_view_unsure is not None)), None)
+        if found is None:
             return
+        alt, followed = found
         main = runs.main
         if followed.bucket_view_peak_bytes is None or not main.scenario.devices:
             if followed.bucket_view_unsure:
@@ -31,7 +33,7 @@ class BucketViewRun(RunStrategy):
             return
         p0 = main.scenario.devices[0].peak_allocated_bytes
         q = followed.bucket_view_peak_bytes
-        plain = max((d.peak_allocated_bytes for d in followed.scenario.devices), default=q)
+        plain = max((d.peak_allocated_bytes for d in alt.scenario.devices), default=q)
         extra = plain - q
         runs.fixes.append(Fix(
             name=self.name, title=self.kind.title, primary_peak_bytes=q, max_peak_bytes=q,
@@ -41,7 +43,7 @@ class BucketViewRun(RunStrategy):
                 "" if extra > 0 else " (the peak comes before the gradients all exist; "
                 "the gradient-sized copy is still saved later in the step)"),
             code=diff_ddp(main, runs.gpus, bucket_view=True,
-                          batch_sites=tuple(followed.batch_sites),
+                          batch_sites=followed.batch_sites,
                           loader_sites=tuple(followed.loader_sites))))
 
 

@@ -9,6 +9,7 @@ keeps them. Its change is the diff of :mod:`dpprof.script.loss_in_forward_diff`.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ from dpprof.script.deferred_outputs import (
 )
 from dpprof.script.loss_in_forward_diff import loss_in_forward_at
 from dpprof.script.notes import alternative_fix, alternative_notes, relative_site
+from dpprof.script.parallel_state import state_of
 from dpprof.script.rewrite import rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
@@ -31,10 +33,11 @@ from dpprof.units import fmt_bytes
 if TYPE_CHECKING:
     from dpprof.emulator.patcher import Patcher
     from dpprof.emulator.virtual_cuda import VirtualCuda
-    from dpprof.script.runner import ScriptRun
+    from dpprof.script.runner import ScriptConfig, ScriptRun
     from dpprof.script.wrappers import VirtualDataParallel
 
-__all__ = ["STRATEGY", "LossInForward", "diff_loss_in_forward"]
+__all__ = ["STRATEGY", "LossInForward", "LossInForwardState", "diff_loss_in_forward",
+           "loss_in_forward_state"]
 
 SENTENCE = ("the same script with its loss computed inside forward on every replica "
             "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
@@ -47,14 +50,41 @@ DETAIL = ("the same script with DataParallel(ModelWithLoss(model, loss)): cuda:0
           "one number per GPU instead of the outputs.")
 
 
+@dataclass
+class LossInForwardState(AlternativeState):
+    """What one run of the loss-inside-forward alternative follows (its record,
+    :func:`loss_in_forward_state`): the deferred outputs' log
+    (:mod:`dpprof.script.deferred_outputs`), read once the run ended."""
+
+    loss_calls: int = 0  # loss module calls on DataParallel's outputs computed inside forward
+    materialized: list[str] = field(default_factory=list)  # outputs used otherwise: file:line
+    call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
+    loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
+    # loss site -> (callee, targets' batch tensor) of a loss on an expression of the outputs
+    loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    no_loss_forward: str = ""  # why the loss could not move inside forward ("" where it did)
+
+    @property
+    def losses_inside_forward(self) -> bool:
+        return self.loss_calls > 0
+
+
+def loss_in_forward_state(run: ScriptRun) -> LossInForwardState | None:
+    """What ``run`` followed where it ran as the loss-inside-forward alternative, else None."""
+    state = run.alternative_state
+    return state if isinstance(state, LossInForwardState) else None
+
+
 def diff_loss_in_forward(run: ScriptRun) -> str:
     """The loss-inside-forward change as a diff of the script's own lines (the lines dpprof
-    saw: the DataParallel wrap, the model's call and the loss on its outputs)."""
-    if not (run.dp_sites and run.call_sites and run.loss_sites):
+    saw in ``run``, the alternative's: the DataParallel wrap, the model's call and the loss
+    on its outputs)."""
+    state = loss_in_forward_state(run)
+    if not (run.dp_sites and state is not None and state.call_sites and state.loss_sites):
         return ""
-    callee, targets = run.loss_expressions.get(run.loss_sites[0], ("", ""))
-    return rewrite_text(loss_in_forward_at(run.dp_sites[0], run.call_sites[0],
-                                           run.loss_sites[0], callee, targets))
+    callee, targets = state.loss_expressions.get(state.loss_sites[0], ("", ""))
+    return rewrite_text(loss_in_forward_at(run.dp_sites[0], state.call_sites[0],
+                                           state.loss_sites[0], callee, targets))
 
 
 def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:
@@ -68,7 +98,11 @@ def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:
 class LossInForward(Alternative):
     """The loss-inside-forward alternative (see the module)."""
 
+    def new_state(self, cfg: ScriptConfig) -> LossInForwardState:
+        return LossInForwardState()
+
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
+        assert isinstance(state, LossInForwardState)  # this alternative's own (new_state)
         loss_cls = nn.modules.loss._Loss
         orig_call = loss_cls.__call__
 
@@ -91,22 +125,34 @@ class LossInForward(Alternative):
             return DeferredOutputs(dp, inputs, caller_site())
         return dp.run(dp.module, inputs, kwargs)
 
+    def after_run(self, state: AlternativeState, vc: VirtualCuda,
+                  ddp_devices: list[int]) -> None:
+        assert isinstance(state, LossInForwardState)  # this alternative's own (new_state)
+        log = state_of(vc).log
+        state.materialized = list(log.materialized)
+        state.call_sites = list(log.call_sites)
+        state.loss_sites = list(log.loss_sites)
+        state.loss_expressions = dict(log.loss_expressions)
+        state.no_loss_forward = log.no_loss_forward
+
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
         alt = run_script(dataclasses.replace(cfg, alternative=self,
                                              scattered_rows=main.batch_rows),
                          runs.step_cb(self.name))
-        used = sorted({relative_site(site) for site in alt.materialized})
+        followed = _followed(alt)
+        used = sorted({relative_site(site) for site in followed.materialized})
         unkept: ScriptRun | None = None  # the loss inside forward, the outputs not gathered
-        if used and alt.loss_modules:
+        if used and followed.loss_calls:
             # the outputs are used besides the loss: the fix keeps them beside it
             # (ModelWithLoss(keep_outputs=True)), and so does the run it is measured by
             unkept = alt
             alt = run_script(dataclasses.replace(cfg, alternative=self, keep_outputs=True),
                              runs.step_cb(self.name))
-        if not alt.loss_modules:
+            followed = _followed(alt)
+        if not followed.loss_calls:
             runs.notes.append("no loss-inside-forward alternative: " + (
-                alt.no_loss_forward or "the script's loss is not an nn.Module loss called "
+                followed.no_loss_forward or "the script's loss is not an nn.Module loss called "
                 "on DataParallel's outputs"))
             return
         alt_notes = [(KEPT_OUTPUTS if unkept is not None else SENTENCE).format(n=n),
@@ -128,6 +174,13 @@ class LossInForward(Alternative):
         fix = alternative_fix(self.kind, main, alt, detail, diff_loss_in_forward(alt))
         if fix is not None:
             runs.fixes.append(fix)
+
+
+def _followed(run: ScriptRun) -> LossInForwardState:
+    """The record of ``run``, a run of this alternative."""
+    state = loss_in_forward_state(run)
+    assert state is not None  # run with this alternative
+    return state
 
 
 STRATEGY = LossInForward(FIX)

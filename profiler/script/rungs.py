@@ -46,6 +46,7 @@ from dpprof.scenarios.names import (
     SINGLE,
     TENSOR_PARALLEL,
 )
+from dpprof.script.ddp_run import ddp_state
 from dpprof.script.hooks import StepCallback
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.rung_diff import RungSites, rung_changes
@@ -181,9 +182,12 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     if not script or not all(s.rpartition(":")[0] == script for s in sites):
         return Rewrite(reason="the model's call and backward() are not in the script")
     forward, backward, *dp = (int(s.rpartition(":")[2]) for s in sites)
-    batches = tuple(int(n) for p, _, n in (b.rpartition(":") for b in floor.batch_sites)
-                    if p == script and n.isdigit())
+    # where the floor is the DDP alternative's run: the batches and loaders it divided
+    divided = ddp_state(floor)
+    batches = tuple(int(n) for p, _, n in (b.rpartition(":") for b in (
+        divided.batch_sites if divided is not None else ())) if p == script and n.isdigit())
+    loaders = tuple(divided.loader_sites) if divided is not None else ()
     return rung_changes(
         RungSites(script, forward, backward, dp[0] if dp else 0, batches,
-                  main.batch_rows if main is not None else 0, tuple(floor.loader_sites)),
+                  main.batch_rows if main is not None else 0, loaders),
         cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None)

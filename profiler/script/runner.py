@@ -164,17 +164,7 @@ class ScriptRun:
     tensor_parallel: bool = False  # and its layers with parallelize_module
     world_size: int = 1
     batch_rows: int = 0
-    # the DDP alternative: how each rank got its share of the batch ("": it did not)
-    batch_division: str = ""
-    batch_sites: list[str] = field(default_factory=list)  # "file:line" of hand-made batches
-    # "file:line" of the script's calls that made the DataLoaders the alternative divided
-    loader_sites: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    loss_modules: int = 0  # loss module calls on DataParallel outputs (loss-in-forward)
-    # loss-in-forward: loss site -> (callee, targets' batch tensor) of an expression
-    loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # loss-in-forward: why the loss could not move inside forward ("" where it did)
-    no_loss_forward: str = ""
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
@@ -182,10 +172,7 @@ class ScriptRun:
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
-    materialized: list[str] = field(default_factory=list)  # see wrappers.LOG
     dp_sites: list[str] = field(default_factory=list)  # see wrappers.LOG
-    call_sites: list[str] = field(default_factory=list)
-    loss_sites: list[str] = field(default_factory=list)
     seal: SealOutcome = field(default_factory=SealOutcome)  # what it wrote, the check after
     # stand-in files written for checkpoints of emulated tensors, and loaded back:
     # "torch.save ckpt.pt at train.py:40" -> times (dpprof.script.effects)
@@ -193,10 +180,6 @@ class ScriptRun:
     read_back: dict[str, int] = field(default_factory=dict)
     output_tail: str = ""  # an alternative's run: the end of what it printed (not shown)
     interrupted_by: int = 0  # the signal that cut the run short (ended == "interrupted")
-    # the DDP alternative: its rank's peak under gradient_as_bucket_view=True (followed in a
-    # ledger while it ran plain), or why it could not be followed
-    bucket_view_peak_bytes: int | None = None
-    bucket_view_unsure: str | None = None
     shard_rows: dict[int, int] = field(default_factory=dict)  # see wrappers.LOG
     visible_gpus: int = 0  # the GPUs the script saw (after its CUDA_VISIBLE_DEVICES)
     # the script's model: the words of the checkpointing code for its repeated blocks
@@ -209,6 +192,9 @@ class ScriptRun:
     backward_sites: tuple[str, ...] = ()
     checkpointed_blocks: int = 0  # a checkpointing rung's run: the blocks it wrapped
     variant: str = AS_WRITTEN  # the run's ScriptConfig.variant
+    # what the fix it ran with followed (its strategy's record, dpprof.script.strategy,
+    # read through the strategy's module); None: no fix
+    alternative_state: AlternativeState | None = None
     rung: str | None = None  # the name of the ladder's rung it ran, if any
     rank: int = 0  # the run's ScriptConfig.rank
     local_rank: int = 0  # its GPU on the node (LOCAL_RANK; mp.spawn's rank)
@@ -261,11 +247,12 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
         rt.op_log = OpLog()  # on from the first measured step (the Stepper turns it on)
         rt.op_log.on = cfg.steps <= 1  # no warm-up: every step is measured
     stepper = Stepper(rt, cfg.steps, on_step)
+    alternative = cfg.alternative
+    state = alternative.new_state(cfg) if alternative is not None else None
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
                     rung=cfg.rung.name if cfg.rung is not None else None, rank=cfg.rank,
-                    local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)))
-    alternative = cfg.alternative
-    state = AlternativeState(scattered_rows=cfg.scattered_rows, keep_outputs=cfg.keep_outputs)
+                    local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)),
+                    alternative_state=state)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
     # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
@@ -298,7 +285,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 label_losses(vc, patcher)  # before an alternative's loss call, which calls it
                 parallel_state.state_of(vc).alternative = alternative
                 parallel_state.state_of(vc).keep_outputs = cfg.keep_outputs
-                if alternative is not None:
+                if alternative is not None and state is not None:
                     alternative.install(state, vc, patcher)
                 parallel_state.state_of(vc).spawn_rank = cfg.rank
                 parallel_state.state_of(vc).broadcasts = cfg.broadcasts
@@ -313,8 +300,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                     stepper.remove()
                     wrappers.cleanup(vc)
                     used, ddp_devices = _read_log(run, cfg, vc, stepper, state)
-                    if alternative is not None:
-                        alternative.after_run(run, state, vc, ddp_devices)
+                    if alternative is not None and state is not None:
+                        alternative.after_run(state, vc, ddp_devices)
         finally:
             torch.random.set_rng_state(seed_state)
     run.seconds = time.perf_counter() - start
@@ -432,7 +419,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
 
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
-              state: AlternativeState) -> tuple[list[int], list[int]]:
+              state: AlternativeState | None) -> tuple[list[int], list[int]]:
     """What the wrappers logged while the script ran (:mod:`dpprof.script.wrappers`)
     into ``run``; the devices used and those DDP ran on."""
     launch = cfg.launch
@@ -443,10 +430,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.fsdp = log.fsdp > 0
     run.tensor_parallel = log.tensor_parallel > 0
     run.replica_scalars = log.replica_scalars
-    run.materialized = list(log.materialized)
     run.dp_sites = list(log.dp_sites)
-    run.call_sites = list(log.call_sites)
-    run.loss_sites = list(log.loss_sites)
     run.spawned = log.spawned > 0
     run.spawned_by = log.spawned_by
     run.launched = log.launched
@@ -457,12 +441,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     ddp_devices = list(log.ddp_devices)
     run.shard_rows = dict(log.shard_rows)
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
-                      or stepper.warmup_rows or state.batch_rows)
-    run.loss_modules = state.loss_calls
-    run.loss_expressions = dict(log.loss_expressions)
-    run.no_loss_forward = log.no_loss_forward
-    run.batch_sites = [made.rpartition(" at ")[2] for made in state.divided_sites]
-    run.loader_sites = list(state.loader_sites)
+                      or stepper.warmup_rows or (state.batch_rows if state is not None else 0))
     return used, ddp_devices
 
 
@@ -475,7 +454,9 @@ def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
         return DDP
     if run.data_parallel:
         # the replicas return their losses: as written, or as the alternative made them
-        return DP_LOSS_FORWARD if run.replica_scalars or run.loss_modules else DP_LOSS_PRIMARY
+        alternative = run.alternative_state
+        inside = alternative is not None and alternative.losses_inside_forward
+        return DP_LOSS_FORWARD if run.replica_scalars or inside else DP_LOSS_PRIMARY
     if len(devices_touched) > 1:
         return MODEL_PARALLEL
     return SINGLE

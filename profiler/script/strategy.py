@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,22 +38,19 @@ StepCallback = Callable[[int], None]
 
 @dataclass
 class AlternativeState:
-    """What one run of an alternative shares between its patches and the run's reading of
-    them (the alternative writes it as the script runs)."""
+    """What one run of an alternative follows: its patches write it as the script runs,
+    :meth:`Alternative.after_run` once it has ended, and the run keeps it
+    (:attr:`~dpprof.script.runner.ScriptRun.alternative_state`) for the fix's strategy to read.
+    Each alternative's record is its own subclass (:meth:`Alternative.new_state`), read
+    through its strategy's module; here is only what the run itself reads of any."""
 
-    scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
-    keep_outputs: bool = False  # the replicas return their outputs too (the script uses them)
     batch_rows: int = 0  # the rows of a batch the alternative made (0: it made none)
-    loss_calls: int = 0  # loss module calls the alternative computed inside forward
-    # how each rank got its share of the batch: a DataLoader's batch_size divided, a
-    # DataLoader's own batch sampler cut (each of its batches to its first share), and the
-    # script's lines whose hand-made batches were cut to it
-    divided_loader: bool = False
-    cut_batch_sampler: bool = False
-    divided_sites: list[str] = field(default_factory=list)
-    # "file:line" of the script's own calls that made each DataLoader whose batch_size the
-    # alternative divided (a library's loader factory's call, where the script has one)
-    loader_sites: list[str] = field(default_factory=list)
+
+    @property
+    def losses_inside_forward(self) -> bool:
+        """The alternative computed the script's loss inside forward on every replica (its
+        run is ``dp-loss-forward``, as a script whose replicas return their losses)."""
+        return False
 
 
 @dataclass
@@ -97,6 +94,10 @@ class Alternative(RunStrategy):
     # the ladder's rungs start from this alternative's run where it ran (they start from DDP)
     ladder_floor = False
 
+    def new_state(self, cfg: ScriptConfig) -> AlternativeState:
+        """The record of one run of this alternative (``cfg``'s), before the script runs."""
+        return AlternativeState()
+
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
         """The alternative's patches, through the run's ``patcher`` (undone with the run's);
         what they see goes into ``state``."""
@@ -106,7 +107,7 @@ class Alternative(RunStrategy):
         """DataParallel's forward in this alternative (as written, unless it changes it)."""
         return dp.run(dp.module, inputs, kwargs)
 
-    def after_run(self, run: ScriptRun, state: AlternativeState, vc: VirtualCuda,
+    def after_run(self, state: AlternativeState, vc: VirtualCuda,
                   ddp_devices: list[int]) -> None:
-        """What the run followed besides its peaks, read into ``run`` once it has ended
-        (``ddp_devices``: the devices DDP ran on)."""
+        """What the run followed besides its peaks, read into ``state`` (the run's record)
+        once it has ended (``ddp_devices``: the devices DDP ran on)."""
