@@ -166,7 +166,12 @@ class CudaIndices(Protocol):
 
 class CudaDevices(VirtualDevices):
     """The runtime under a :class:`VirtualCuda`: ``device=cuda:k`` means virtual device k,
-    the host stays real, reading a meta tensor's value gives a stand-in."""
+    the host stays real, reading a meta tensor's value gives a stand-in.
+
+    No real GPU is involved: these are the virtual devices (their tensors meta or CPU,
+    counted by the same dispatch, ledgers and mirrors) as ``torch.cuda`` names them, so
+    the DataParallel re-enactment and the FSDP2 patches take it as the
+    :class:`VirtualDevices` it is; the cuda backend measures real GPUs without it."""
 
     def __init__(self, num_devices: int, base: str = "meta", real_host: bool = True,
                  fix: str = "rerun with --compute (the same emulation over CPU tensors, "
