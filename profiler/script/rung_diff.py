@@ -128,6 +128,7 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
                                     f"{title[1:]})", lineterm="")
         return Rewrite(diff="\n".join(diff), new_source=text, notes=tuple(notes))
     except NoRewrite as e:
-        return Rewrite(reason=str(e))
+        # the rung ran as DDP ranks: starting them is part of the change made by hand
+        return Rewrite(reason=f"{e}; DDP: {sites.ddp_note}" if sites.ddp_note else str(e))
 
 
