@@ -85,7 +85,7 @@ from dpprof.script.run_figures import (
     with_overheads,
 )
 from dpprof.script.seal import SealBreach
-from dpprof.script.sealed_run import SealedRun, SealOutcome
+from dpprof.script.sealed_run import SealedRun, SealOutcome, written_but_missing
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.strategy import Alternative, AlternativeState
@@ -160,6 +160,9 @@ class ScriptRun:
     ended: str = ""  # "steps" | "script ended" | "script raised"
     exit_status: int = 0
     script_traceback: str | None = None
+    # a file the run wrote that the script's error says was missing (read from outside
+    # Python, which a seal without the kernel line does not hold)
+    written_but_missing: str | None = None
     stand_ins: dict[str, int] = field(default_factory=dict)
     stand_in_sites: dict[str, int] = field(default_factory=dict)
     data_parallel: bool = False
@@ -326,6 +329,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.seconds = time.perf_counter() - start
     if isinstance(sealed, SealedRun):
         run.seal = sealed.outcome
+        if exc is not None:
+            run.written_but_missing = written_but_missing(exc, sealed.outcome)
     run.stand_in_files = dict(effects.stand_ins)
     run.read_back = dict(effects.read_back)
     run.output_tail = effects.output_tail
