@@ -225,10 +225,11 @@ FRAMEWORK_SCRIPTS: dict[str, list[str]] = {
 # DDP ranks under torchrun, its blocks checkpointed, its forward to backward() under autocast
 RUNGS = ("ladder-bf16", "ladder-checkpoint", "ladder-bf16-checkpoint")
 # run under ``--ladder`` (one run each, for every change it offers)
-LADDER_SCRIPTS = ("imagenet_dummy.py", "timm_style_train.py", "tv_reference_train.py")
+LADDER_SCRIPTS = ("imagenet_dummy.py", "timm_style_train.py", "tv_reference_train.py",
+                  "hf_trainer.py")
 # the changes each is offered (Trainer computes the loss inside the model's forward)
 OFFERED = {script: DP_FIXES + RUNGS for script in LADDER_SCRIPTS} | {
-    "hf_trainer.py": ("ddp", "gradient-as-bucket-view")}
+    "hf_trainer.py": ("ddp", "gradient-as-bucket-view", *RUNGS)}
 
 
 def _line(script: str, text: str) -> int:
@@ -259,7 +260,9 @@ NOT_A_DIFF = {
 # timm's create_loader makes its DataLoader: the DDP diff divides that call's batch_size
 # (where the DDP alternative divided the loader it made), so each rank of the patched
 # script loads the 2 rows the alternative measured, not 8
-FRAMEWORK_CASES = [(script, fix) for script in FRAMEWORK_SCRIPTS for fix in OFFERED[script]]
+# (Trainer's rungs under DataParallel: the test of a library's wrap below)
+FRAMEWORK_CASES = [(script, fix) for script in FRAMEWORK_SCRIPTS for fix in OFFERED[script]
+                   if not (script == "hf_trainer.py" and fix in RUNGS)]
 
 
 def framework_folder(folder: Path, script: str) -> Path:
@@ -377,6 +380,8 @@ def test_the_note_for_a_library_that_wraps_data_parallel_names_its_line(
     import sysconfig
 
     for fix in framework_offered("hf_trainer.py")["fixes"]:
+        if fix["name"] in RUNGS:  # the settings diff, the test below
+            continue
         said = re.match(r"# no rewrite of the script's lines: DataParallel is wrapped by a "
                         r"library's code \((transformers/\S+\.py):(\d+)\), not by the "
                         r"script's lines: .* start the script with `torchrun "
@@ -388,6 +393,37 @@ def test_the_note_for_a_library_that_wraps_data_parallel_names_its_line(
         flag = ("" if fix["name"] == "ddp" else
                 ", its DistributedDataParallel given gradient_as_bucket_view=True")
         assert said.group(3).startswith(f"{flag}; the library's DDP has options of its own")
+
+
+# a ladder rung given to Hugging Face's Trainer: its TrainingArguments' keywords
+TRAINER_SETTINGS = {
+    "ladder-bf16": ("bf16=True",),
+    "ladder-checkpoint": ("activation_checkpointing=True",
+                          'activation_checkpointing_kwargs={"use_reentrant": False}'),
+    "ladder-bf16-checkpoint": ("bf16=True", "activation_checkpointing=True",
+                               'activation_checkpointing_kwargs={"use_reentrant": False}'),
+}
+
+
+@pytest.mark.slow
+def test_a_library_s_data_parallel_gets_its_rungs_as_trainer_settings_beside_the_ddp_note(
+        framework_offered: Callable[[str], dict[str, Any]]) -> None:
+    """Hugging Face's Trainer under DataParallel: each rung is the Trainer's own settings,
+    a diff of the script's TrainingArguments(...) (no loop of the script's to put under
+    autocast, no blocks of its own to wrap), with the DDP change as the note beside it (start
+    it under torchrun), not the generic loop a user would have to map to Trainer by hand."""
+    pytest.importorskip("transformers")
+    fixes = {f["name"]: f for f in framework_offered("hf_trainer.py")["fixes"]}
+    original = (SCRIPTS / "hf_trainer.py").read_text()
+    for name, settings in TRAINER_SETTINGS.items():
+        code = fixes[name]["code"]
+        diff, _, note = code.partition("\n# also: DDP: ")
+        assert note.startswith("DataParallel is wrapped by a library's code (transformers/"
+                               ), code
+        patched = apply_diff(original, diff)
+        made = patched[patched.index("TrainingArguments("):patched.index("trainer = ")]
+        assert [k for k in settings if k not in made] == [], made
+        compile(patched, "hf_trainer.py", "exec", dont_inherit=True)
 
 
 def nanogpt_folder(folder: Path) -> Path:
@@ -447,13 +483,20 @@ DDP_FRAMEWORK_SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     # Lightning's Trainer(strategy="ddp") from a plain python: Lightning calls the model and
     # backward(), so the rung is Lightning's own precision setting
     "lightning_ddp.py": (["python"], ["--batch-size", "128"]),
+    # Hugging Face's Trainer under torchrun wraps DDP itself (find_unused_parameters=True,
+    # False once the model checkpoints): each rung is its TrainingArguments' keywords
+    "hf_trainer.py": (["torchrun", "--nproc-per-node", "4"], ["--output_dir", "out"]),
 }
+# the rungs each is offered (the BERT of hf_trainer.py has repeated blocks)
+DDP_FRAMEWORK_RUNGS = {"accelerate_train.py": ("ladder-bf16",),
+                       "lightning_ddp.py": ("ladder-bf16",), "hf_trainer.py": RUNGS}
 DDP_RUNG_CODE = {
     "accelerate_train.py": '+            with torch.autocast("cuda", dtype=torch.bfloat16):\n'
                            "+                loss = nn.functional.cross_entropy(model(x), y)\n"
                            "             accelerator.backward(loss)",
     "lightning_ddp.py": 'enable_model_summary=True, precision="bf16-mixed")\n'
                         "     trainer.fit(model, train, val)",
+    "hf_trainer.py": "         disable_tqdm=True,\n+        bf16=True,\n     )",
 }
 
 
@@ -464,14 +507,18 @@ def test_every_rung_offered_for_a_ddp_framework_script_runs_as_promised(
     """A framework's DDP script under ``--ladder`` (one run): its rung is a diff of the
     script's own lines, though the library calls backward() (accelerate's
     ``accelerator.backward``: autocast around the script's forward and loss before that
-    line) or the model too (Lightning: its Trainer given ``precision="bf16-mixed"``), and
-    applied and started as the user started it, it peaks as promised, to the byte."""
+    line) or the model too (Lightning: its Trainer given ``precision="bf16-mixed"``;
+    Hugging Face's: its TrainingArguments given ``bf16=True`` and activation checkpointing,
+    which also turns its DDP's ``find_unused_parameters`` off, so DDP rebuilds its buckets:
+    the rung run by the Trainer's own settings counts that), and applied and started as
+    the user started it, it peaks as promised, to the byte."""
     from torchvision_shim import import_torchvision
 
     # first: torchmetrics, under Lightning, imports torchvision
     if importlib.util.find_spec("torchvision") is not None:
         import_torchvision()
-    pytest.importorskip("accelerate" if script == "accelerate_train.py" else "lightning")
+    pytest.importorskip({"accelerate_train.py": "accelerate",
+                         "hf_trainer.py": "transformers"}.get(script, "lightning"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     launch, args = DDP_FRAMEWORK_SCRIPTS[script]
     steps = ("--steps", "3")
@@ -482,7 +529,7 @@ def test_every_rung_offered_for_a_ddp_framework_script_runs_as_promised(
                   tmp_path / "r.json")
     assert [s["name"] for s in result["scenarios"]] == ["ddp"]
     fixes = {f["name"]: f for f in result["fixes"]}
-    assert set(fixes) == {"ladder-bf16"}, sorted(fixes)
+    assert set(fixes) == set(DDP_FRAMEWORK_RUNGS[script]), sorted(fixes)
     assert DDP_RUNG_CODE[script] in fixes["ladder-bf16"]["code"], fixes["ladder-bf16"]["code"]
     # the rung lowers every rank's peak: the patched script peaking where it promised is
     # the precision setting at work, not a peak autocast leaves where it was

@@ -8,7 +8,8 @@ its own):
   exits 1; a write around Python's line that Python can see (``_io.FileIO``, ``posix.open``)
   is stopped before it happens, naming the path;
 * code that opens paths outside Python (safetensors, h5py, sqlite3), imported by the
-  script, is handed the overlay's path;
+  script, is handed the overlay's path; where another such reader does not find a file
+  the run wrote, dpprof says why (a C library's own open, not a missing file);
 * logging services get no stand-in values; ``--keep-writes`` keeps the writes; the reports
   list them.
 """
@@ -192,6 +193,57 @@ def test_code_that_opens_paths_outside_python_is_given_the_overlays(tmp_path: Pa
     assert after == before
     written = {w["path"] for w in json.loads((tmp_path / "r.json").read_text())["writes"]}
     assert {"host.safetensors", "model.safetensors", "data.h5", "runs.db"} <= written
+
+
+C_READER = """
+    import ctypes, errno, os
+    with open("made.bin", "wb") as f:  # through Python's open: into the run's overlay
+        f.write(b"tokens")
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    if not libc.fopen(b"made.bin", b"rb"):  # a C library opens the path itself
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "made.bin")
+"""
+
+
+def test_a_file_the_run_wrote_that_a_c_reader_misses_is_explained(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a mount namespace, a C library that opens a file the run wrote through
+    Python looks on the real filesystem and fails: the script's FileNotFoundError is not the
+    user's missing file, and dpprof says so (pyarrow's reader of the cache that datasets
+    wrote, in transformers' run_clm.py, failed so), with what to do."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(C_READER))
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["run", "-q", "--", "python", "train.py"])
+    assert res.exit_code == 1, res.output
+    said = " ".join(res.output.split())
+    assert (f"it failed to open {tmp_path / 'made.bin'}, which the run itself had written: "
+            "without a mount namespace on this machine") in said, said
+    assert not (tmp_path / "made.bin").exists()
+
+
+def test_a_library_s_own_message_naming_the_file_is_read_too() -> None:
+    """pyarrow's reader raises FileNotFoundError with the path in its message only, and a
+    library may raise its own error from it; under the kernel line the overlay is every
+    reader's, so such an error is the script's own."""
+    from dpprof.script.seal import SealedWrite
+    from dpprof.script.sealed_run import SealOutcome, written_but_missing
+
+    arrow = "/cache/text/default/0.0.0/text-train.arrow"
+    outcome = SealOutcome(writes=[SealedWrite(path=arrow, kind="file")])
+    try:
+        try:
+            raise FileNotFoundError(f"[Errno 2] Failed to open local file '{arrow}'. "
+                                    "Detail: [errno 2] No such file or directory")
+        except FileNotFoundError as e:
+            raise RuntimeError("could not load the dataset") from e
+    except RuntimeError as error:
+        assert written_but_missing(error, outcome) == arrow
+        outcome.kernel = True
+        assert written_but_missing(error, outcome) is None
+    other = FileNotFoundError(2, "No such file or directory", "/data/never-written.bin")
+    assert written_but_missing(other, SealOutcome(writes=outcome.writes)) is None
 
 
 LOGGING = """

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dpprof.script.runner import ScriptConfig, ScriptRun
     from dpprof.script.wrappers import VirtualDataParallel
 
-__all__ = ["STRATEGY", "DdpInPlace", "DdpState", "ddp_state", "diff_ddp"]
+__all__ = ["STRATEGY", "DdpInPlace", "DdpState", "ddp_state", "diff_ddp", "library_wrap"]
 
 SENTENCE = ("the same script with DistributedDataParallel in place of DataParallel (one "
             "emulated rank of {n}; each rank its share of the batch, as a DDP script makes it)")
@@ -92,21 +92,23 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
     calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``)."""
     if not run.dp_sites:
         return ""
-    library = _library_site(run.dp_sites[0])
+    library = library_wrap(run.dp_sites[0], gpus, run.batch_rows,
+                           (*(("gradient_as_bucket_view=True",) if bucket_view else ()), *flags))
     if library:  # nothing of the script's to rewrite
-        return rewrite_text(Rewrite(reason=_library_wrap(
-            library, gpus, run.batch_rows,
-            (*(("gradient_as_bucket_view=True",) if bucket_view else ()), *flags))))
+        return rewrite_text(Rewrite(reason=library))
     return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                                         batch_sites=batch_sites, rows=run.batch_rows,
                                         flags=flags, loader_sites=loader_sites))
 
 
-def _library_wrap(library: str, gpus: int, rows: int, options: tuple[str, ...]) -> str:
-    """Why there is no DDP diff where a library's code (``library``: its ``file:line``)
-    wrapped DataParallel (Hugging Face's Trainer does, seeing several GPUs in one process),
-    and what to do instead: start the script under a launcher, each rank loading its share
-    of DataParallel's ``rows``, DDP given ``options``."""
+def library_wrap(site: str, gpus: int, rows: int, options: tuple[str, ...] = ()) -> str:
+    """Where a library's code wrapped DataParallel (``site``, its ``file:line``: Hugging
+    Face's Trainer does, seeing several GPUs in one process), why there is no DDP diff and
+    what to do instead: start the script under a launcher, each rank loading its share of
+    DataParallel's ``rows``, DDP given ``options``; "" where ``site`` is the script's."""
+    library = _library_site(site)
+    if not library:
+        return ""
     share = (f", each rank loading {-(-rows // gpus)} rows (DataParallel's {rows} // {gpus})"
              if rows else "")
     given = f", its DistributedDataParallel given {', '.join(options)}" if options else ""

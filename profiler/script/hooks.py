@@ -25,6 +25,7 @@ from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder_code import blocks_words
 from dpprof.measure.ladder_rungs import Rung
 from dpprof.measure.rung_models import checkpoint_blocks
+from dpprof.script.trainer_settings import checkpointing_layers
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
            "compile_eagerly", "label_losses", "unwrapped"]
@@ -321,10 +322,14 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 class RungHooks:
     """One rung applied to the running script, following :class:`Stepper`'s view of its
-    step (a :class:`~dpprof.script.hooks.StepListener`)."""
+    step (a :class:`~dpprof.script.hooks.StepListener`); ``by_trainer``: the rung is given
+    to Hugging Face's Trainer as its own settings
+    (:func:`dpprof.script.trainer_settings.given_to_trainer`), which checkpoints and
+    autocasts itself: the hooks only count the layers it checkpoints."""
 
-    def __init__(self, rung: Rung) -> None:
+    def __init__(self, rung: Rung, by_trainer: bool = False) -> None:
         self.rung = rung
+        self.by_trainer = by_trainer
         self.blocks = 0  # repeated blocks checkpointed
         self._checkpointed = False
         self._region: EmulatedAutocast | None = None
@@ -332,7 +337,10 @@ class RungHooks:
     def forward_started(self, module: nn.Module) -> None:
         if self.rung.checkpoint and not self._checkpointed:
             self._checkpointed = True
-            self.blocks = checkpoint_blocks(unwrapped(module))
+            self.blocks = (checkpointing_layers(unwrapped(module)) if self.by_trainer
+                           else checkpoint_blocks(unwrapped(module)))
+        if self.by_trainer:
+            return
         # a forward without grad (evaluation) has no backward to end a region: the rung's
         # change puts the training step's forward and loss under autocast, not evaluation
         if self.rung.amp is not None and self._region is None and torch.is_grad_enabled():

@@ -51,11 +51,24 @@ def library_branches(sites: dict[str, int], libraries: set[str] | None = None) -
             "otherwise); --compute runs it on real numbers"]
 
 
+def outside_python(path: str) -> str:
+    """Why a file the run wrote was missing to the script (see
+    :func:`dpprof.script.sealed_run.written_but_missing`), and what to do."""
+    return (f"it failed to open {path}, which the run itself had written: without a mount "
+            "namespace on this machine the run's writes are kept where Python's file calls "
+            "find them, and code outside Python (a C or C++ library reading the file "
+            "itself) looks on the real filesystem instead; run it where unprivileged user "
+            "namespaces are allowed (sysctl kernel.unprivileged_userns_clone=1, or "
+            "kernel.apparmor_restrict_unprivileged_userns=0)")
+
+
 def nothing_on_a_gpu(run: ScriptRun) -> str:
     """One line for a run that put nothing on a GPU: how the script ended."""
     if run.ended == "script raised":
         return (f"the script failed (exit status {run.exit_status}) before it put anything on "
-                "a GPU: nothing was measured")
+                "a GPU: nothing was measured" + (
+                    f"; {outside_python(run.written_but_missing)}"
+                    if run.written_but_missing else ""))
     if run.ended == "steps":  # a model trained on the host (--device=cpu and the like)
         done = (f"{run.backwards - 1} backward pass(es)" if run.by_backwards
                 else f"{run.steps_done} optimizer step(s)")
@@ -191,6 +204,8 @@ def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:
         how = f"the script ended after {steps}"
     else:
         how = f"the script raised after {steps} (exit status {run.exit_status})"
+        if run.written_but_missing:
+            how += f": {outside_python(run.written_but_missing)}"
     if manual:
         how += ("; it makes no optimizer and updates its parameters itself, a step per "
                 "backward pass; " + ("the first is the warm-up, peaks are over the others"

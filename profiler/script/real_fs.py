@@ -21,7 +21,7 @@ REAL_CALLS: dict[str, Any] = {name: getattr(os, name) for name in (
     "open", "close", "stat", "lstat", "access", "listdir", "scandir", "remove", "unlink",
     "rename", "replace", "mkdir", "rmdir", "truncate", "symlink", "link", "readlink", "chmod",
     "chown", "lchown", "utime", "chdir", "getcwd", "getcwdb", "mkfifo", "mknod", "setxattr",
-    "removexattr", "getxattr", "listxattr") if hasattr(os, name)}
+    "removexattr", "getxattr", "listxattr", "statvfs", "pathconf") if hasattr(os, name)}
 
 _lstat = REAL_CALLS["lstat"]
 

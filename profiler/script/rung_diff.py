@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dpprof.script.autocast_diff import autocast_until
 from dpprof.script.checkpointing_diff import checkpointing
@@ -21,6 +22,7 @@ from dpprof.script.source import (
     ScriptSource,
 )
 from dpprof.script.trainer_precision_diff import fit_of_trainer, trainer_precision
+from dpprof.script.trainer_settings_diff import arguments_of_trainer, trainer_settings
 
 
 def _line_map(old: str, new: str) -> dict[int, int]:
@@ -48,20 +50,28 @@ class RungSites:
     rows: int = 0  # the batch DataParallel scattered
     # "file:line" of the script's calls that made the DataLoaders the alternative divided
     loader_sites: tuple[str, ...] = ()
+    # the DDP change where it is no edit of the script (a library's code wrapped
+    # DataParallel: how to start the script under a launcher instead)
+    ddp_note: str = ""
 
 
 def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
-                 blocks: dict[str, object] | None) -> Rewrite:
+                 blocks: dict[str, object] | None,
+                 trainer: dict[str, Any] | None = None) -> Rewrite:
     """A ladder rung as one diff of the user's file: its blocks checkpointed (``blocks``,
     where it checkpoints), its forward to ``backward()`` under autocast (``dtype``, where it
     has one; Lightning's Trainer given its precision where Lightning calls both the model
-    and ``backward()``), and, where it ran on a DataParallel script's DDP alternative, the
-    DDP change too, so that the script patched with it is the one the rung measured (a
-    script with its own DDP path: a note of how to start it as DDP ranks, beside the
+    and ``backward()``); where Hugging Face's Trainer runs the model, its
+    ``TrainingArguments`` given the rung's settings instead (``trainer``: the keywords);
+    and, where it ran on a DataParallel script's DDP alternative, the DDP change too, so
+    that the script patched with it is the one the rung measured (a script with its own
+    DDP path, or a library's wrap: a note of how to start it as DDP ranks, beside the
     diff)."""
     try:
         original = read_source(sites.path)
         text, notes = original, list[str]()
+        if sites.ddp_note:
+            notes.append(f"DDP: {sites.ddp_note}")
         # a script with its own DDP path (torchvision's reference) needs no DDP edit, only
         # its launcher and batch, which a note says; the rung's own edits are still a diff
         own = own_process_group(original, sites.path, gpus, sites.rows) if sites.dp_line else ""
@@ -90,6 +100,12 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
             path, num = site_of(site)
             return f"{path}:{at(num)}" if path == sites.path else site
 
+        if trainer is not None:
+            src = ScriptSource(text, sites.path)
+            then(trainer_settings(src, arguments_of_trainer(src, at(sites.forward_line),
+                                                            trainer), trainer, title),
+                 "the Trainer's settings")
+            blocks, dtype = None, None
         if blocks:
             then(checkpointing(text, sites.path, at(sites.forward_line), blocks),
                  "activation checkpointing")
@@ -97,9 +113,9 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
             src = ScriptSource(text, sites.path)
             forward, backward = at(sites.forward_line), at(sites.backward_line)
             # both under the script's `trainer.fit(...)`: Lightning's own precision
-            trainer = fit_of_trainer(src, forward) if forward == backward else None
-            then(autocast_until(src, forward, backward, dtype) if trainer is None
-                 else trainer_precision(src, trainer, dtype, title), "autocast")
+            lightning = fit_of_trainer(src, forward) if forward == backward else None
+            then(autocast_until(src, forward, backward, dtype) if lightning is None
+                 else trainer_precision(src, lightning, dtype, title), "autocast")
         if sites.dp_line and not own:
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
@@ -112,6 +128,7 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
                                     f"{title[1:]})", lineterm="")
         return Rewrite(diff="\n".join(diff), new_source=text, notes=tuple(notes))
     except NoRewrite as e:
-        return Rewrite(reason=str(e))
+        # the rung ran as DDP ranks: starting them is part of the change made by hand
+        return Rewrite(reason=f"{e}; DDP: {sites.ddp_note}" if sites.ddp_note else str(e))
 
 

@@ -46,13 +46,14 @@ from dpprof.scenarios.names import (
     SINGLE,
     TENSOR_PARALLEL,
 )
-from dpprof.script.ddp_run import ddp_state
+from dpprof.script.ddp_run import ddp_state, library_wrap
 from dpprof.script.hooks import StepCallback
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.rung_diff import RungSites, rung_changes
 from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
 from dpprof.script.strategy import Alternative
 from dpprof.script.strategy_registry import alternative_named
+from dpprof.script.trainer_settings import run_by_trainer, settings_of
 
 __all__ = ["floor_of", "run_ladder", "rung_fix"]
 
@@ -110,11 +111,19 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
         notes.append("ladder: no activation checkpointing: the model has no repeated blocks "
                      "(no ModuleList of two or more, no module type repeated)")
     on = FLOOR_WORDS.get(floor.scenario.name, "")  # the DDP alternative's is ddp
+    # Hugging Face's Trainer given the rung as its own settings where it runs the floor
+    # itself (under a launcher, or on one GPU). On the DDP alternative of its DataParallel
+    # the Trainer still runs as DataParallel, where it neither autocasts (accelerate does
+    # not prepare a DataParallel model) nor wraps DDP: the rung's hooks measure what the
+    # settings do under torchrun, whose own DDP options the DDP note beside them names
+    by_trainer = alternative is None and run_by_trainer(floor.forward_sites,
+                                                        floor.backward_sites)
     for rung in ladder:
         # on the DDP alternative each rank makes its share of a hand-made batch, as the
         # alternative's own run did (the rows DataParallel scattered)
         run = run_script(dataclasses.replace(cfg, alternative=alternative, rung=rung,
-                                             scattered_rows=main.batch_rows),
+                                             scattered_rows=main.batch_rows,
+                                             rung_by_trainer=by_trainer),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
             notes.append(f"ladder: {rung.title} could not be measured: {run.scenario.message}")
@@ -154,6 +163,9 @@ def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     change = _rung_rewrite(rung, floor, cfg, main)
     if change.ok:
         return rewrite_text(change)
+    if run_by_trainer(floor.forward_sites, floor.backward_sites):
+        # the Trainer's settings: no loop of the script's to show the change in
+        return rewrite_text(change)
     why = f"# (no rewrite of the script's lines: {change.reason}; the change by hand:)\n"
     parts = []
     if rung.checkpoint:
@@ -174,11 +186,15 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     sites = [next((s for s in chain if s.rpartition(":")[0] == script), chain[0] if chain
                   else "")
              for chain in (floor.forward_sites, floor.backward_sites)]
+    ddp_note = ""
     if on_ddp:
         assert main is not None
         if not main.dp_sites:
             return Rewrite(reason="dpprof did not see the DataParallel wrap's line")
-        sites.append(main.dp_sites[0])
+        # a library's wrap (Hugging Face's Trainer): the DDP change is a note, not an edit
+        ddp_note = library_wrap(main.dp_sites[0], cfg.gpus, main.batch_rows)
+        if not ddp_note:
+            sites.append(main.dp_sites[0])
     if not script or not all(s.rpartition(":")[0] == script for s in sites):
         return Rewrite(reason="the model's call and backward() are not in the script")
     forward, backward, *dp = (int(s.rpartition(":")[2]) for s in sites)
@@ -187,7 +203,10 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     batches = tuple(int(n) for p, _, n in (b.rpartition(":") for b in (
         divided.batch_sites if divided is not None else ())) if p == script and n.isdigit())
     loaders = tuple(divided.loader_sites) if divided is not None else ()
+    trainer = (settings_of(rung) if run_by_trainer(floor.forward_sites, floor.backward_sites)
+               else None)
     return rung_changes(
         RungSites(script, forward, backward, dp[0] if dp else 0, batches,
-                  main.batch_rows if main is not None else 0, loaders),
-        cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None)
+                  main.batch_rows if main is not None else 0, loaders, ddp_note),
+        cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None,
+        trainer)

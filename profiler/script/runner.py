@@ -85,10 +85,11 @@ from dpprof.script.run_figures import (
     with_overheads,
 )
 from dpprof.script.seal import SealBreach
-from dpprof.script.sealed_run import SealedRun, SealOutcome
+from dpprof.script.sealed_run import SealedRun, SealOutcome, written_but_missing
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.strategy import Alternative, AlternativeState
+from dpprof.script.trainer_settings import given_to_trainer
 from dpprof.units import fmt_bytes
 
 __all__ = ["RunInterrupted", "ScriptConfig", "ScriptRun", "run_script"]
@@ -106,6 +107,9 @@ class ScriptConfig:
     alternative: Alternative | None = None
     debug: bool = False
     rung: Rung | None = None  # a rung of the ladder applied as the script runs
+    # the rung given as Hugging Face's Trainer's own settings (its TrainingArguments), where
+    # the Trainer runs the model and backward() (dpprof.script.trainer_settings)
+    rung_by_trainer: bool = False
     # the loss inside forward: the replicas return their outputs too (the script uses them)
     keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
@@ -156,6 +160,9 @@ class ScriptRun:
     ended: str = ""  # "steps" | "script ended" | "script raised"
     exit_status: int = 0
     script_traceback: str | None = None
+    # a file the run wrote that the script's error says was missing (read from outside
+    # Python, which a seal without the kernel line does not hold)
+    written_but_missing: str | None = None
     stand_ins: dict[str, int] = field(default_factory=dict)
     stand_in_sites: dict[str, int] = field(default_factory=dict)
     data_parallel: bool = False
@@ -260,7 +267,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     kernels = GpuKernels(cfg.gpu.compute_capability, rt)
     start = time.perf_counter()
     exc: BaseException | None = None
-    rung = RungHooks(cfg.rung) if cfg.rung is not None else None
+    rung = RungHooks(cfg.rung, cfg.rung_by_trainer) if cfg.rung is not None else None
     if rung is not None:
         stepper.listeners.append(rung)
     _note_first_stand_in(rt)
@@ -293,7 +300,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 _count_backwards(patcher, stepper)
                 stepper.install()
                 try:
-                    exc = _run_until_stopped(launch, run)
+                    with (given_to_trainer(cfg.rung) if cfg.rung is not None
+                          and cfg.rung_by_trainer else contextlib.nullcontext()):
+                        exc = _run_until_stopped(launch, run)
                 finally:
                     if rung is not None:
                         rung.close()
@@ -307,6 +316,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     run.seconds = time.perf_counter() - start
     if isinstance(sealed, SealedRun):
         run.seal = sealed.outcome
+        if exc is not None:
+            run.written_but_missing = written_but_missing(exc, sealed.outcome)
     run.stand_in_files = dict(effects.stand_ins)
     run.read_back = dict(effects.read_back)
     run.output_tail = effects.output_tail

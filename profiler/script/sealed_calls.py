@@ -241,7 +241,7 @@ def _lchown(path: Any, uid: int, gid: int) -> None:
 
 
 def _reader(name: str) -> Callable[..., Any]:
-    """A call that reads a path (getxattr, listxattr): from the view."""
+    """A call that reads a path (getxattr, listxattr, statvfs, pathconf): from the view."""
     def read(path: Any = None, *args: Any, **kwargs: Any) -> Any:
         at = _sealed(path, write=False) if path is not None else None
         if at is None:
@@ -306,6 +306,7 @@ OS_WRAPPERS: dict[str, Callable[..., Any]] = {
     "chmod": _metadata("chmod"), "chown": _metadata("chown"), "lchown": _lchown,
     "utime": _metadata("utime"), "setxattr": _metadata("setxattr"),
     "removexattr": _metadata("removexattr"), "getxattr": _reader("getxattr"),
-    "listxattr": _reader("listxattr"), "mkfifo": _maker("mkfifo"),
+    "listxattr": _reader("listxattr"), "statvfs": _reader("statvfs"),
+    "pathconf": _reader("pathconf"), "mkfifo": _maker("mkfifo"),
     "mknod": _maker("mknod"), "chdir": _chdir, "getcwd": _getcwd, "getcwdb": _getcwdb,
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -23,7 +24,7 @@ from dpprof.script.seal import Seal, SealedWrite
 from dpprof.script.shared_files import SharedFiles
 
 __all__ = ["SealOutcome", "SealedRun", "finish_removals", "folders_of", "prepare_process",
-           "take_census"]
+           "take_census", "written_but_missing"]
 
 
 @dataclass
@@ -45,6 +46,29 @@ class SealOutcome:
     # ("hook"; the hook is called on each of ``hook_events`` audited events)
     seconds: dict[str, float] = field(default_factory=dict)
     hook_events: int = 0
+
+
+def written_but_missing(error: BaseException, outcome: SealOutcome) -> str | None:
+    """A file the run wrote that ``error`` (the script's, or one it was raised from) says
+    was not there, where no kernel line held the run: the overlay that holds it is Python's
+    alone, so code outside Python (a C or C++ library's own reader) looked for it on the
+    real filesystem. None where the error names no such file."""
+    if outcome.kernel:
+        return None
+    written = {w.path for w in outcome.writes if w.kind == "file"}
+    seen: set[int] = set()
+    at: BaseException | None = error
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        if isinstance(at, FileNotFoundError):
+            named = [at.filename] if isinstance(at.filename, str) else []
+            # a library's own message ("Failed to open local file '/x/y.arrow'")
+            named += re.findall(r"'(/[^']+)'", str(at))
+            for path in named:
+                if os.path.realpath(path) in written:
+                    return os.path.realpath(path)
+        at = at.__cause__ or at.__context__
+    return None
 
 
 def prepare_process() -> None:

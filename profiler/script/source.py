@@ -222,6 +222,54 @@ def _declared_global(scope: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.Global) and name in n.names for n in scope_nodes(scope))
 
 
+def value_bound_to(src: ScriptSource, stmt: ast.stmt, node: ast.AST) -> ast.expr | None:
+    """The value last assigned to the name (or dotted attribute) ``node`` in ``stmt``'s scope
+    before ``stmt`` (``x = <value>``, ``x: T = <value>``); None where ``node`` is no name,
+    or it was last bound otherwise (a parameter, a loop, a tuple unpacked)."""
+    name = dotted_name(node)
+    if name is None:
+        return None
+    binds = [b for b in bindings(src, src.scope(stmt))
+             if b.name == name and b.pos <= start_of(stmt)]
+    if not binds:
+        return None
+    made = max(binds, key=lambda b: b.pos).node
+    if isinstance(made, ast.Assign) and len(made.targets) == 1 \
+            and dotted_name(made.targets[0]) == name:
+        return made.value
+    if isinstance(made, ast.AnnAssign) and dotted_name(made.target) == name:
+        return made.value
+    return None
+
+
+def given_keywords(src: ScriptSource, edits: Edits, call: ast.Call, given: dict[str, str]
+                   ) -> None:
+    """``call`` given each keyword of ``given`` (name -> its value's text): one the call has
+    already replaced, the others added after its last argument (each on a line of its own
+    where the call puts its arguments so)."""
+    added = []
+    for name, value in given.items():
+        have = next((k for k in call.keywords if k.arg == name), None)
+        if have is not None:
+            edits.node(have, f"{name}={value}")
+        else:
+            added.append(f"{name}={value}")
+    if not added:
+        return
+    given_now: list[ast.expr | ast.keyword] = [*call.args, *call.keywords]
+    last = max(given_now, key=lambda n: src.span(n)[1], default=None)
+    if last is None:
+        end = src.span(call)[1]
+        edits.replace(end - 1, end - 1, ", ".join(added))
+        return
+    start, at = src.span(last)
+    # one argument a line, the call closed on a line of its own
+    own_line = (last.lineno != call.lineno and call.end_lineno != last.end_lineno
+                and not src.text[src.line_start(last.lineno):start].strip())
+    sep = f",{src.newline()}{src.indent(last.lineno)}" if own_line else ", "
+    edits.replace(at, at, "".join(f"{sep}{a}" for a in added))
+
+
 def loaded_names(node: ast.AST) -> set[str]:
     """Every plain name ``node`` mentions."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}

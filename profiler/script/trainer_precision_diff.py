@@ -15,10 +15,9 @@ from dpprof.script.source import (
     Edits,
     NoRewrite,
     ScriptSource,
-    bindings,
-    dotted_name,
+    given_keywords,
     last_name,
-    start_of,
+    value_bound_to,
 )
 
 PRECISIONS = {"bfloat16": "bf16-mixed", "float16": "16-mixed"}  # Lightning's names
@@ -34,13 +33,7 @@ def fit_of_trainer(src: ScriptSource, line: int) -> ast.Call | None:
     for fit in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
         if not (isinstance(fit.func, ast.Attribute) and fit.func.attr == "fit"):
             continue
-        name = dotted_name(fit.func.value)
-        binds = [b for b in bindings(src, src.scope(stmt))
-                 if b.name == name and b.pos <= start_of(stmt)]
-        if not binds:
-            continue
-        made = max(binds, key=lambda b: b.pos).node
-        value = made.value if isinstance(made, (ast.Assign, ast.AnnAssign)) else None
+        value = value_bound_to(src, stmt, fit.func.value)
         if isinstance(value, ast.Call) and last_name(value.func) == "Trainer":
             return value
     return None
@@ -53,18 +46,6 @@ def trainer_precision(src: ScriptSource, trainer: ast.Call, dtype: str, title: s
     if dtype not in PRECISIONS:
         raise NoRewrite(f"dtype {dtype!r}: Lightning's precision takes \"bfloat16\" or "
                         "\"float16\"")
-    precision = f'precision="{PRECISIONS[dtype]}"'
     edits = Edits(src)
-    given = next((k for k in trainer.keywords if k.arg == "precision"), None)
-    if given is not None:
-        edits.node(given, precision)
-    else:
-        last = max((*trainer.args, *trainer.keywords), key=lambda n: src.span(n)[1],
-                   default=None)
-        if last is None:
-            end = src.span(trainer)[1]
-            edits.replace(end - 1, end - 1, precision)
-        else:
-            at = src.span(last)[1]
-            edits.replace(at, at, f", {precision}")
+    given_keywords(src, edits, trainer, {"precision": f'"{PRECISIONS[dtype]}"'})
     return finish(src, edits, title, [])
