@@ -75,16 +75,31 @@ class EventLog(Sequence[Event]):
         self.streams: dict[int, int] = {}
 
     def add(self, device: int, serial: int, requested: int, allocated: int) -> None:
-        self.device.append(device)
-        self.serial.append(serial)
-        self.requested.append(requested)
-        self.allocated.append(allocated)
+        try:
+            self.device.append(device)
+            self.serial.append(serial)
+            self.requested.append(requested)
+            self.allocated.append(allocated)
+        except BaseException:
+            self.drop_partial()
+            raise
+
+    def drop_partial(self) -> None:
+        """An event whose columns were not all appended (a stop signal raises between any
+        two bytecodes of the script's time) taken out again: the columns stay aligned for
+        the events after it (the frees of the interrupted script's tensors)."""
+        n = len(self.allocated)
+        for column in (self.device, self.serial, self.requested):
+            del column[n:]
 
     def append(self, ev: Event) -> None:
         self.add(*ev)
 
     def __len__(self) -> int:
-        return len(self.device)
+        # the column appended last (here and in the ledger's inline path): an event counts
+        # once it is whole, so a stop signal raised between the appends leaves the log as
+        # it was before it, not with columns of different lengths
+        return len(self.allocated)
 
     @overload
     def __getitem__(self, i: int) -> Event: ...
@@ -94,9 +109,17 @@ class EventLog(Sequence[Event]):
 
     def __getitem__(self, i: int | slice) -> Event | list[Event]:
         if isinstance(i, slice):
-            return list(map(Event, self.device[i], self.serial[i], self.requested[i],
-                            self.allocated[i]))
-        return Event(self.device[i], self.serial[i], self.requested[i], self.allocated[i])
+            return list(map(Event, *(column[i] for column in self._whole())))
+        k = range(len(self))[i]
+        return Event(self.device[k], self.serial[k], self.requested[k], self.allocated[k])
+
+    def _whole(self) -> tuple[array[int], ...]:
+        """The columns, each cut to the events that are whole (see ``__len__``)."""
+        columns = (self.device, self.serial, self.requested, self.allocated)
+        n = len(self.allocated)
+        if all(len(c) == n for c in columns[:3]):
+            return columns
+        return tuple(c[:n] for c in columns)
 
     def __iter__(self) -> Iterator[Event]:
         return map(Event, self.device, self.serial, self.requested, self.allocated)
@@ -104,14 +127,14 @@ class EventLog(Sequence[Event]):
     def column(self, name: str) -> np.ndarray:
         """One field as an int64 array (a copy: the log may grow while it is in use);
         ``"stream"``: each event's stream (0: the default stream's)."""
+        n = len(self)
         if name == "stream":
-            n = len(self.device)
             out = np.zeros(n, dtype=np.int64)
             for i, stream in list(self.streams.items()):
                 if i < n:
                     out[i] = stream
             return out
-        return np.array(getattr(self, name), dtype=np.int64)
+        return np.array(memoryview(getattr(self, name))[:n], dtype=np.int64)
 
     def stream_of(self, i: int) -> int:
         """The stream of event ``i`` (0: the default stream)."""

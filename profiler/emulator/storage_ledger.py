@@ -263,10 +263,17 @@ class StorageLedger(EventQueries):
         # storage of a step passes here)
         with self._lock:
             log = self.events
-            log.device.append(device)
-            log.serial.append(serial)
-            log.requested.append(requested)
-            log.allocated.append(rounded)
+            try:
+                log.device.append(device)
+                log.serial.append(serial)
+                log.requested.append(requested)
+                log.allocated.append(rounded)
+            except BaseException:  # a stop signal between the appends
+                log.drop_partial()
+                # not counted, so its free is not either
+                self._storages.pop(key, None)
+                self._refs.pop(key, None)
+                raise
             if self._streams and device in self._streams:
                 log.streams[len(log.device) - 1] = self._streams[device]
             c = self.counters[device]
@@ -339,10 +346,14 @@ class StorageLedger(EventQueries):
         else:  # emit and _count, inline, as in track (a free never raises a peak)
             with self._lock:
                 log = self.events
-                log.device.append(device)
-                log.serial.append(rec.serial)
-                log.requested.append(-rec.requested)
-                log.allocated.append(-rec.rounded)
+                try:
+                    log.device.append(device)
+                    log.serial.append(rec.serial)
+                    log.requested.append(-rec.requested)
+                    log.allocated.append(-rec.rounded)
+                except BaseException:  # a stop signal between the appends
+                    log.drop_partial()
+                    raise
                 c = self.counters[device]
                 c.live_requested -= rec.requested
                 c.live_allocated -= rec.rounded
