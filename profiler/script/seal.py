@@ -109,6 +109,8 @@ class _Lines:
     """What the seal saw besides the writes: subprocesses (outside the Python line)."""
 
     subprocesses: list[str] = field(default_factory=list)
+    # seconds in Python's file calls through the seal (:mod:`dpprof.script.sealed_calls`)
+    calls_s: float = 0.0
     # the audit hook's cost: seconds in its checks of the events it watches, and the audited
     # events it was called on while the run was under way
     hook_s: float = 0.0
@@ -206,12 +208,17 @@ class Seal:
         """The canonical path the overlay holds ``p`` under, or None where the call passes
         through untouched: a file descriptor, a device or the kernel's files, a tree the
         kernel line seals, or a read before the run wrote or removed anything."""
-        if isinstance(p, int) or (not write and not self.overlay.dirty):
-            return None
-        try:
-            s = os.fsdecode(os.fspath(p))
-        except TypeError:
-            return None
+        if type(p) is str:  # the common case first: a path as a string
+            if not write and not self.overlay.dirty:
+                return None
+            s = p
+        else:
+            if isinstance(p, int) or (not write and not self.overlay.dirty):
+                return None
+            try:
+                s = os.fsdecode(os.fspath(p))
+            except TypeError:
+                return None
         if dir_fd is not None and not s.startswith("/"):
             s = os.path.join(fd_path(dir_fd), s)
         a = self.overlay.absolute(s)
