@@ -85,8 +85,10 @@ class FolderWatch:
         self.complete = False
         self._fd = -1
         self._folder_of: dict[int, str] = {}  # watch descriptor -> its folder
-        # watch descriptor -> the paths of a watched file (two hard links: one inode, one wd)
-        self._paths_of: dict[int, set[str]] = {}
+        # watch descriptor -> the path of a watched file, and its other paths where it has
+        # more than one (two hard links: one inode, one wd)
+        self._path_of: dict[int, str] = {}
+        self._more_paths_of: dict[int, set[str]] = {}
         self._changed: set[str] = set()
         # watched folders removed or moved away since (a folder made again at the path may
         # have the same inode number: it is another folder, which no watch covers)
@@ -121,14 +123,19 @@ class FolderWatch:
             if ctypes.get_errno() != errno.ENOENT:
                 self.complete = False
             return
-        self._paths_of.setdefault(wd, set()).add(path)
+        self._note_file(wd, path)
+
+    def _note_file(self, wd: int, path: str) -> None:
+        known = self._path_of.setdefault(wd, path)
+        if known != path:
+            self._more_paths_of.setdefault(wd, set()).add(path)
 
     def add_files(self, paths: Iterable[str]) -> None:
         """:meth:`add_file` of each of ``paths``, in one call (a census watches thousands:
         the calls' own cost counts; each keeps the GIL)."""
         if not self.complete or self._libc is None:
             return
-        add_watch, fd, paths_of = _ADD_HELD[0], self._fd, self._paths_of
+        add_watch, fd, path_of = _ADD_HELD[0], self._fd, self._path_of
         encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
         for path in paths:
             wd = add_watch(fd, path.encode(encoding, errors), _FILE_MASK)  # os.fsencode's
@@ -137,11 +144,8 @@ class FolderWatch:
                     self.complete = False
                     return
                 continue
-            known = paths_of.get(wd)
-            if known is None:
-                paths_of[wd] = {path}
-            else:
-                known.add(path)
+            if path_of.setdefault(wd, path) != path:
+                self._note_file(wd, path)
 
     def changed(self) -> set[str]:
         """Every path (in a watched folder, or a watched folder itself) that changed since
@@ -177,9 +181,10 @@ class FolderWatch:
                 if mask & _IN_Q_OVERFLOW:  # events were lost: the record is not whole
                     self.complete = False
                     return
-                paths = self._paths_of.get(wd)
-                if paths is not None:  # a file's own watch: it names no entry
-                    self._changed.update(paths)
+                path = self._path_of.get(wd)
+                if path is not None:  # a file's own watch: it names no entry
+                    self._changed.add(path)
+                    self._changed.update(self._more_paths_of.get(wd, ()))
                     continue
                 folder = self._folder_of.get(wd)
                 if folder is None:
