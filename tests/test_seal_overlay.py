@@ -224,3 +224,50 @@ def test_a_program_that_changes_folder_into_one_only_it_made(tmp_path: Path) -> 
         os.chdir(cwd)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overlay"]
     assert list((tmp_path / "overlay").rglob("log.txt"))
+
+
+def test_a_folder_link_retargeted_during_the_run_resolves_anew(tmp_path: Path) -> None:
+    """The overlay keeps each path's resolution for the run (a checkpoint's path is named at
+    every step); a link the run replaces makes every path through it resolve afresh."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_bytes(b"d's x")
+    (tmp_path / "d2").mkdir()
+    (tmp_path / "d2" / "x").write_bytes(b"d2's x")
+    (tmp_path / "dl").symlink_to("d")
+    (tmp_path / "overlay").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with Seal(str(tmp_path / "overlay")):
+            Path("new").write_bytes(b"the run wrote")  # reads go through the view from now
+            assert Path("dl/x").read_bytes() == b"d's x"
+            assert os.stat("dl/x").st_size == len(b"d's x")
+            os.remove("dl")
+            os.symlink("d2", "dl")
+            assert Path("dl/x").read_bytes() == b"d2's x"
+            assert os.stat(str(tmp_path / "dl" / "x")).st_size == len(b"d2's x")
+    finally:
+        os.chdir(cwd)
+    assert os.readlink(tmp_path / "dl") == "d"
+
+
+def test_the_seals_file_calls_are_timed_while_it_is_on(tmp_path: Path) -> None:
+    """What Python's file calls through the seal cost is the seal's own
+    (``lines.calls_s``); a name bound during the run and called after it is not."""
+    (tmp_path / "overlay").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with Seal(str(tmp_path / "overlay")) as seal:
+            bound_stat = os.stat
+            assert seal.lines.calls_s == 0.0
+            Path("ckpt.pt").write_bytes(b"x")
+            after_open = seal.lines.calls_s
+            assert after_open > 0.0
+            os.stat("ckpt.pt")
+            timed = seal.lines.calls_s
+            assert timed > after_open
+        bound_stat("ckpt.pt" if Path("ckpt.pt").exists() else ".")
+        assert seal.lines.calls_s == timed
+    finally:
+        os.chdir(cwd)
