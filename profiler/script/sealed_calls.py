@@ -333,16 +333,18 @@ def _getcwdb() -> bytes:
 
 _os_remove = _remover("remove")
 
+_CALLS: dict[str, Callable[..., Any]] = {
+    "open": _os_open, "stat": _stat, "lstat": _lstat, "access": _access,
+    "listdir": _listdir, "scandir": _scandir, "remove": _os_remove,
+    "unlink": _remover("unlink"), "rename": _renamer("rename"),
+    "replace": _renamer("replace"), "mkdir": _mkdir, "rmdir": _rmdir,
+    "truncate": _truncate, "symlink": _symlink, "link": _link, "readlink": _readlink,
+    "chmod": _metadata("chmod"), "chown": _metadata("chown"), "lchown": _lchown,
+    "utime": _metadata("utime"), "setxattr": _metadata("setxattr"),
+    "removexattr": _metadata("removexattr"), "getxattr": _reader("getxattr"),
+    "listxattr": _reader("listxattr"), "mkfifo": _maker("mkfifo"),
+    "mknod": _maker("mknod"), "chdir": _chdir, "getcwd": _getcwd, "getcwdb": _getcwdb,
+}
+# os.open times only the finding of its path (as open does)
 OS_WRAPPERS: dict[str, Callable[..., Any]] = {
-    name: call if name == "open" else _timed(call) for name, call in {
-        "open": _os_open, "stat": _stat, "lstat": _lstat, "access": _access,
-        "listdir": _listdir, "scandir": _scandir, "remove": _os_remove,
-        "unlink": _remover("unlink"), "rename": _renamer("rename"),
-        "replace": _renamer("replace"), "mkdir": _mkdir, "rmdir": _rmdir,
-        "truncate": _truncate, "symlink": _symlink, "link": _link, "readlink": _readlink,
-        "chmod": _metadata("chmod"), "chown": _metadata("chown"), "lchown": _lchown,
-        "utime": _metadata("utime"), "setxattr": _metadata("setxattr"),
-        "removexattr": _metadata("removexattr"), "getxattr": _reader("getxattr"),
-        "listxattr": _reader("listxattr"), "mkfifo": _maker("mkfifo"),
-        "mknod": _maker("mknod"), "chdir": _chdir, "getcwd": _getcwd, "getcwdb": _getcwdb,
-    }.items()}
+    name: call if name == "open" else _timed(call) for name, call in _CALLS.items()}
