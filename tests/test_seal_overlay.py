@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -242,13 +243,27 @@ def test_a_folder_link_retargeted_during_the_run_resolves_anew(tmp_path: Path) -
             Path("new").write_bytes(b"the run wrote")  # reads go through the view from now
             assert Path("dl/x").read_bytes() == b"d's x"
             assert os.stat("dl/x").st_size == len(b"d's x")
+            for _ in range(2):  # the run's own file, written and read again at each step
+                with open("dl/x", "wb") as f:
+                    f.write(b"the run's x")
+                with open("dl/x", "rb") as f:
+                    assert f.read() == b"the run's x"
             os.remove("dl")
             os.symlink("d2", "dl")
-            assert Path("dl/x").read_bytes() == b"d2's x"
+            with open("dl/x", "rb") as f:
+                assert f.read() == b"d2's x"
             assert os.stat(str(tmp_path / "dl" / "x")).st_size == len(b"d2's x")
+            os.remove("dl")
+            os.symlink("d", "dl")
+            with open("dl/x", "rb") as f:
+                assert f.read() == b"the run's x"
+            os.remove("dl/x")
+            with pytest.raises(FileNotFoundError), open("dl/x", "rb"):
+                pass
     finally:
         os.chdir(cwd)
     assert os.readlink(tmp_path / "dl") == "d"
+    assert (tmp_path / "d" / "x").read_bytes() == b"d's x"
 
 
 def test_the_seals_file_calls_are_timed_while_it_is_on(tmp_path: Path) -> None:

@@ -86,6 +86,10 @@ class Overlay:
         # for the whole run): a script names the same few paths at every step
         self._resolved: dict[str, str] = {}
         self._absolute: dict[str, str] = {}
+        # counts the changes of the view that can change where a path leads (a link made or
+        # removed, anything removed, renamed or hidden): what was found before holds while
+        # it is the same
+        self.generation = 0
         self._has_links = False  # the run made a symbolic link
 
     # ---- paths -------------------------------------------------------------------------
@@ -169,6 +173,7 @@ class Overlay:
         removed, or what is removed or hidden changed)."""
         self._dirs.clear()
         self._resolved.clear()
+        self.generation += 1
 
     def _link_target(self, c: str) -> str | None:
         """Where the symbolic link at ``c`` points in the view (None: not a link)."""

@@ -140,6 +140,10 @@ class Seal:
         self._held_openers: list[tuple[dict[Any, Any], Any, Any]] = []
         self._bytecode = sys.dont_write_bytecode
         self._events_before = 0
+        # a path as opened (absolute, or the working directory and it) -> the run's own file
+        # it led to, while the overlay is at ``_own_generation`` (:meth:`open_path`)
+        self._own_files: dict[str, str] = {}
+        self._own_generation = 0
         # rank 0's run, where later ranks run (dpprof.script.shared_files): a private folder
         # that keeps, by canonical path, each file the run removes or renames away
         self.removed_copies = ""
@@ -267,7 +271,18 @@ class Seal:
             or "/" in self.kernel_trees
 
     def open_path(self, file: Any, mode: str) -> Any:
-        """Where ``open(file, mode)`` opens."""
+        """Where ``open(file, mode)`` opens. A path the run opened before that led to a file
+        of its own in the overlay (a checkpoint or a log written at every step) leads there
+        again while the view is as it was (no link, removal or rename since:
+        :attr:`Overlay.generation`) and the file is still a file: one look at it."""
+        key = ""
+        if type(file) is str and "x" not in mode and self.overlay.dirty:
+            key = file if file.startswith("/") else f"{REAL_CALLS['getcwd']()}\0{file}"
+            own = self._own_files.get(key)
+            if own is not None and self._own_generation == self.overlay.generation:
+                st = lstat_or_none(own)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    return own
         write = not WRITE_MODE.isdisjoint(mode)
         c = self.canon(file, write=write)
         if c is None:
@@ -278,6 +293,12 @@ class Seal:
                 truncate="w" in mode, exclusive="x" in mode)
         else:
             concrete = self.overlay.for_read(c, file)
+        if key and self.overlay.in_root(concrete):
+            if self._own_generation != self.overlay.generation:
+                self._own_files.clear()
+                self._own_generation = self.overlay.generation
+            if len(self._own_files) < 10_000:
+                self._own_files[key] = concrete
         return as_given(file, concrete)
 
     def open_flags_path(self, path: Any, flags: int, dir_fd: int | None) -> Any:
