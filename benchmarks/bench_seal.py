@@ -37,10 +37,11 @@ Two measures, since the cores are shared and loaded:
 * **the seal's own seconds**, from its timers (:attr:`dpprof.script.sealed_run.SealOutcome.
   seconds`), which the load does not swamp: the census as the runs waited for it, and in
   each run the seal's set-up before it (the mounts), its work after it (the overlays off,
-  what the run wrote, the check), and the audit hook (the seconds in its checks, and its
+  what the run wrote, the check), the Python line's file calls during the run (each
+  :mod:`os` call through the seal whole, an ``open`` up to the path it opens:
+  :mod:`dpprof.script.sealed_calls`), and the audit hook (the seconds in its checks, and its
   call on each audited event: the events counted, each at the cost of a call of the hook
-  measured in the same process); as a share of the sealed run's wall seconds. Not timed: the
-  Python line's wrappers of each file call during the run (the ratio holds them).
+  measured in the same process); as a share of the sealed run's wall seconds.
 
 5. ``cli_5000_files`` (``--cli-repeat`` rounds, default 3): case 4 as the user runs it,
    ``dpprof run`` in a process of its own, where the census is taken in a thread while torch
@@ -187,11 +188,12 @@ def _seal_seconds(hook_call_s: float) -> dict[str, float]:
     parts = {"census_waited": sum(s.waited_s for s in snaps),
              "census_taken": sum(s.taken_s for s in snaps),
              "before": part("before"), "mount": part("mount"), "after": part("after"),
-             "unmount": part("unmount"), "check": part("check"), "hook_checks": part("hook"),
+             "unmount": part("unmount"), "check": part("check"), "calls": part("calls"),
+             "hook_checks": part("hook"),
              "hook_events": float(sum(o.hook_events for o in outs)), "runs": float(len(outs))}
     parts["hook_calls"] = parts["hook_events"] * hook_call_s
     parts["seal"] = (parts["census_waited"] + parts["before"] + parts["after"]
-                     + parts["hook_checks"] + parts["hook_calls"])
+                     + parts["calls"] + parts["hook_checks"] + parts["hook_calls"])
     _TIMED["census"], _TIMED["outcomes"] = [], []
     return parts
 

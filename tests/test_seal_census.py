@@ -196,3 +196,46 @@ def test_a_folder_made_again_with_the_old_ones_inode_number_is_walked(tmp_path: 
     assert from_record(before) == walked(before)
     assert census.Difference(str(tmp_path / "data/1/made in the new folder.bin"),
                              "created") in from_record(before)
+
+
+def test_a_file_with_two_links_in_the_folders_is_named_by_both(tmp_path: Path) -> None:
+    """One inode, one watch: a write through a third link, made outside, names the file at
+    both of its paths the census noted."""
+    user = tmp_path / "user"
+    tree(user)
+    os.link(user / "data/0/2.bin", user / "data/1/two.lnk")
+    before = census.take([str(user)])
+    write_through_a_link_outside(user, "data/0/2.bin")
+    assert from_record(before) == walked(before) == [
+        census.Difference(str(user / "data/0/2.bin"), "changed"),
+        census.Difference(str(user / "data/1/two.lnk"), "changed")]
+
+
+def test_a_watch_let_go_is_closed_off_the_thread_that_lets_it_go(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing an inotify instance waits for the kernel to free its marks (a grace period,
+    milliseconds for thousands of watched files): a census let go closes it in a thread of
+    its own, and it is closed."""
+    import threading
+    import time
+
+    from dpprof.script import folder_watch
+
+    closed: list[tuple[str, int]] = []  # what each closed descriptor was, by which thread
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        closed.append((os.readlink(f"/proc/self/fd/{fd}"), threading.get_ident()))
+        real_close(fd)
+
+    monkeypatch.setattr(folder_watch.os, "close", close)
+    tree(tmp_path)
+    snap = census.take([str(tmp_path)])
+    assert snap.watch is not None and snap.watch.complete
+    del snap
+    for _ in range(500):
+        if closed:
+            break
+        time.sleep(0.01)
+    assert [what for what, _ in closed] == ["anon_inode:inotify"]
+    assert closed[0][1] != threading.get_ident()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -269,3 +270,64 @@ def test_every_os_function_that_takes_a_path_goes_through_the_seal() -> None:
     # the signatures are read, the unrepresentable one too
     assert {"statvfs", "open", "stat", "rename", "utime"} <= taking_a_path
     assert sorted(taking_a_path - set(OS_WRAPPERS) - set(NOT_SEALED)) == []
+
+
+def test_a_folder_link_retargeted_during_the_run_resolves_anew(tmp_path: Path) -> None:
+    """The overlay keeps each path's resolution for the run (a checkpoint's path is named at
+    every step); a link the run replaces makes every path through it resolve afresh."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_bytes(b"d's x")
+    (tmp_path / "d2").mkdir()
+    (tmp_path / "d2" / "x").write_bytes(b"d2's x")
+    (tmp_path / "dl").symlink_to("d")
+    (tmp_path / "overlay").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with Seal(str(tmp_path / "overlay")):
+            Path("new").write_bytes(b"the run wrote")  # reads go through the view from now
+            assert Path("dl/x").read_bytes() == b"d's x"
+            assert os.stat("dl/x").st_size == len(b"d's x")
+            for _ in range(2):  # the run's own file, written and read again at each step
+                with open("dl/x", "wb") as f:
+                    f.write(b"the run's x")
+                with open("dl/x", "rb") as f:
+                    assert f.read() == b"the run's x"
+            os.remove("dl")
+            os.symlink("d2", "dl")
+            with open("dl/x", "rb") as f:
+                assert f.read() == b"d2's x"
+            assert os.stat(str(tmp_path / "dl" / "x")).st_size == len(b"d2's x")
+            os.remove("dl")
+            os.symlink("d", "dl")
+            with open("dl/x", "rb") as f:
+                assert f.read() == b"the run's x"
+            os.remove("dl/x")
+            with pytest.raises(FileNotFoundError), open("dl/x", "rb"):
+                pass
+    finally:
+        os.chdir(cwd)
+    assert os.readlink(tmp_path / "dl") == "d"
+    assert (tmp_path / "d" / "x").read_bytes() == b"d's x"
+
+
+def test_the_seals_file_calls_are_timed_while_it_is_on(tmp_path: Path) -> None:
+    """What Python's file calls through the seal cost is the seal's own
+    (``lines.calls_s``); a name bound during the run and called after it is not."""
+    (tmp_path / "overlay").mkdir()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with Seal(str(tmp_path / "overlay")) as seal:
+            bound_stat = os.stat
+            assert seal.lines.calls_s == 0.0
+            Path("ckpt.pt").write_bytes(b"x")
+            after_open = seal.lines.calls_s
+            assert after_open > 0.0
+            os.stat("ckpt.pt")
+            timed = seal.lines.calls_s
+            assert timed > after_open
+        bound_stat("ckpt.pt" if Path("ckpt.pt").exists() else ".")
+        assert seal.lines.calls_s == timed
+    finally:
+        os.chdir(cwd)

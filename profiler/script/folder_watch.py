@@ -18,14 +18,16 @@ reached, its queue overflowed), :attr:`FolderWatch.complete` is False and the ch
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 import struct
+import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["FolderWatch"]
 
@@ -51,6 +53,11 @@ _FILE_MASK = (_IN_MODIFY | _IN_ATTRIB | _IN_CLOSE_WRITE | _IN_DELETE_SELF | _IN_
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (the name follows, NUL padded)
 
 _LIBC: list[ctypes.CDLL] = []
+# inotify_add_watch bound so that the call keeps the GIL (ctypes.PyDLL): a census watches
+# thousands of files, and in the thread that takes it beside torch's import
+# (:mod:`dpprof.script.census_ahead`) each release of the GIL is a wait for it to come back;
+# the call itself takes microseconds (a path looked up, a mark made)
+_ADD_HELD: list[Callable[[int, bytes, int], int]] = []
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -59,9 +66,13 @@ def _libc() -> ctypes.CDLL | None:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
             libc.inotify_init1.argtypes = [ctypes.c_int]
             libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+            held = ctypes.PyDLL(ctypes.util.find_library("c") or None,
+                                use_errno=True).inotify_add_watch
+            held.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         except (OSError, AttributeError):
             return None
         _LIBC.append(libc)
+        _ADD_HELD.append(held)
     return _LIBC[0]
 
 
@@ -74,8 +85,10 @@ class FolderWatch:
         self.complete = False
         self._fd = -1
         self._folder_of: dict[int, str] = {}  # watch descriptor -> its folder
-        # watch descriptor -> the paths of a watched file (two hard links: one inode, one wd)
-        self._paths_of: dict[int, set[str]] = {}
+        # watch descriptor -> the path of a watched file, and its other paths where it has
+        # more than one (two hard links: one inode, one wd)
+        self._path_of: dict[int, str] = {}
+        self._more_paths_of: dict[int, set[str]] = {}
         self._changed: set[str] = set()
         # watched folders removed or moved away since (a folder made again at the path may
         # have the same inode number: it is another folder, which no watch covers)
@@ -110,27 +123,29 @@ class FolderWatch:
             if ctypes.get_errno() != errno.ENOENT:
                 self.complete = False
             return
-        self._paths_of.setdefault(wd, set()).add(path)
+        self._note_file(wd, path)
+
+    def _note_file(self, wd: int, path: str) -> None:
+        known = self._path_of.setdefault(wd, path)
+        if known != path:
+            self._more_paths_of.setdefault(wd, set()).add(path)
 
     def add_files(self, paths: Iterable[str]) -> None:
         """:meth:`add_file` of each of ``paths``, in one call (a census watches thousands:
-        the calls' own cost counts)."""
+        the calls' own cost counts; each keeps the GIL)."""
         if not self.complete or self._libc is None:
             return
-        add_watch, fd, encode, paths_of = (self._libc.inotify_add_watch, self._fd, os.fsencode,
-                                           self._paths_of)
+        add_watch, fd, path_of = _ADD_HELD[0], self._fd, self._path_of
+        encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
         for path in paths:
-            wd = add_watch(fd, encode(path), _FILE_MASK)
+            wd = add_watch(fd, path.encode(encoding, errors), _FILE_MASK)  # os.fsencode's
             if wd < 0:
                 if ctypes.get_errno() != errno.ENOENT:
                     self.complete = False
                     return
                 continue
-            known = paths_of.get(wd)
-            if known is None:
-                paths_of[wd] = {path}
-            else:
-                known.add(path)
+            if path_of.setdefault(wd, path) != path:
+                self._note_file(wd, path)
 
     def changed(self) -> set[str]:
         """Every path (in a watched folder, or a watched folder itself) that changed since
@@ -166,9 +181,10 @@ class FolderWatch:
                 if mask & _IN_Q_OVERFLOW:  # events were lost: the record is not whole
                     self.complete = False
                     return
-                paths = self._paths_of.get(wd)
-                if paths is not None:  # a file's own watch: it names no entry
-                    self._changed.update(paths)
+                path = self._path_of.get(wd)
+                if path is not None:  # a file's own watch: it names no entry
+                    self._changed.add(path)
+                    self._changed.update(self._more_paths_of.get(wd, ()))
                     continue
                 folder = self._folder_of.get(wd)
                 if folder is None:
@@ -180,5 +196,14 @@ class FolderWatch:
 
 
 def _close(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+    """The inotify instance closed in a thread of its own: the kernel frees its marks after
+    a grace period that the close waits for (tens of milliseconds for thousands of watched
+    files on a loaded machine), and nothing waits on that (the record is no longer read)."""
+    def close() -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    try:  # a bare thread: Thread.start would wait until it runs
+        _thread.start_new_thread(close, ())
+    except RuntimeError:  # no new threads (the interpreter is ending): closed here
+        close()

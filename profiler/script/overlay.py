@@ -81,6 +81,15 @@ class Overlay:
         # before: checked unchanged after the run (:mod:`dpprof.script.census`)
         self.touched_real: dict[str, os.stat_result] = {}
         self._dirs: dict[str, str] = {}  # a folder as named -> as resolved in the view
+        # a path as :meth:`absolute` gives it -> :meth:`resolved` (made from ``_dirs``, and
+        # forgotten with it); a path as given, absolute -> :meth:`absolute` of it (the same
+        # for the whole run): a script names the same few paths at every step
+        self._resolved: dict[str, str] = {}
+        self._absolute: dict[str, str] = {}
+        # counts the changes of the view that can change where a path leads (a link made or
+        # removed, anything removed, renamed or hidden): what was found before holds while
+        # it is the same
+        self.generation = 0
         self._has_links = False  # the run made a symbolic link
 
     # ---- paths -------------------------------------------------------------------------
@@ -103,7 +112,12 @@ class Overlay:
         overlay (:meth:`from_upper`)."""
         if not p.startswith("/"):
             p = os.path.join(self.from_upper(_getcwd()), p)
-        return self.from_upper(os.path.normpath(p))
+        hit = self._absolute.get(p)
+        if hit is None:
+            if len(self._absolute) > 100_000:
+                self._absolute.clear()
+            hit = self._absolute[p] = self.from_upper(os.path.normpath(p))
+        return hit
 
     def canonical(self, p: str) -> str:
         """``p`` absolute with its folders' symbolic links resolved in the view (the last
@@ -112,10 +126,17 @@ class Overlay:
 
     def resolved(self, a: str) -> str:
         """:meth:`canonical` of ``a``, already as :meth:`absolute` gives it."""
+        hit = self._resolved.get(a)
+        if hit is not None:
+            return hit
         if a == "/":
             return a
         head, name = os.path.split(a)
-        return os.path.join(self._resolve_dir(head), name)
+        hit = os.path.join(self._resolve_dir(head), name)
+        if len(self._resolved) > 100_000:
+            self._resolved.clear()
+        self._resolved[a] = hit
+        return hit
 
     def _resolve_dir(self, d: str) -> str:
         hit = self._dirs.get(d)
@@ -143,9 +164,16 @@ class Overlay:
                 out = "/"
             todo.extend(target.split("/")[::-1])
         if len(self._dirs) > 100_000:
-            self._dirs.clear()
+            self._forget_resolved()
         self._dirs[d] = out
         return out
+
+    def _forget_resolved(self) -> None:
+        """The folders resolved so far resolved afresh from now on (a link made or
+        removed, or what is removed or hidden changed)."""
+        self._dirs.clear()
+        self._resolved.clear()
+        self.generation += 1
 
     def _link_target(self, c: str) -> str | None:
         """Where the symbolic link at ``c`` points in the view (None: not a link)."""
@@ -162,10 +190,17 @@ class Overlay:
 
     def follow(self, c: str) -> str:
         """``c`` with its last component's symbolic links followed in the view."""
+        return self.followed(c)[0]
+
+    def followed(self, c: str) -> tuple[str, str, os.stat_result | None]:
+        """:meth:`follow` of ``c``, with :meth:`in_view` of where it leads: one look at
+        each path on the way (a file of the run's, as a checkpoint written at every step
+        is, in one system call)."""
         for _ in range(_MAX_LINKS):
-            target = self._link_target(c)
-            if target is None:
-                return c
+            w, st = self.in_view(c)
+            if st is None or not stat.S_ISLNK(st.st_mode):
+                return c, w, st
+            target = _readlink(self.upper(c) if w == UPPER else c)
             c = self.canonical(os.path.join(os.path.dirname(c), target))
         raise os_error(errno.ELOOP, c)
 
@@ -218,16 +253,15 @@ class Overlay:
 
     def stat(self, c: str, follow_symlinks: bool, shown: Any) -> os.stat_result:
         if follow_symlinks:
-            c = self.follow(c)
-        st = self.lstat_in_view(c)
+            c, _, st = self.followed(c)
+        else:
+            st = self.lstat_in_view(c)
         if st is None:
             raise self.missing(c, shown)
-        if follow_symlinks and stat.S_ISLNK(st.st_mode):  # a real link to a missing target
-            raise os_error(errno.ENOENT, shown)
         return st
 
     def is_dir(self, c: str) -> bool:
-        st = self.lstat_in_view(self.follow(c))
+        st = self.followed(c)[2]
         return st is not None and stat.S_ISDIR(st.st_mode)
 
     def missing(self, c: str, shown: Any, other: Any = None) -> OSError:
@@ -246,9 +280,10 @@ class Overlay:
     def for_read(self, c: str, shown: Any, follow_symlinks: bool = True) -> str:
         """The concrete path that holds ``c`` for reading."""
         if follow_symlinks:
-            c = self.follow(c)
-        w = self.where(c)
-        if w == GONE or (w == REAL and not lexists(c)):
+            c, w, st = self.followed(c)
+        else:
+            w, st = self.in_view(c)
+        if st is None:
             raise self.missing(c, shown)
         return self.upper(c) if w == UPPER else c
 
@@ -299,8 +334,9 @@ class Overlay:
         file is copied up where the write keeps what it held. A real file that is not a
         regular one (a FIFO, a device) is opened as it is."""
         if follow_symlinks and not exclusive:
-            c = self.follow(c)
-        w, st = self.in_view(c)
+            c, w, st = self.followed(c)
+        else:
+            w, st = self.in_view(c)
         if st is not None:
             if exclusive and create:
                 raise os_error(errno.EEXIST, shown)
@@ -340,7 +376,7 @@ class Overlay:
         # stands there, or what is removed or hidden changed; a file written over a file
         # (every checkpoint after the first) keeps them
         if hidden or self._has_links or (real is not None and stat.S_ISLNK(real.st_mode)):
-            self._dirs.clear()
+            self._forget_resolved()
 
     def materialize(self, c: str, shown: Any, follow_symlinks: bool = True) -> str:
         """``c`` copied up (a file, a link, or an empty folder with the real one's
@@ -447,7 +483,7 @@ class Overlay:
             self.deleted = {p for p in self.deleted if not p.startswith(inside)}
             self.opaque = {p for p in self.opaque if not p.startswith(inside)}
         self.opaque.discard(c)
-        self._dirs.clear()
+        self._forget_resolved()
 
     def rmdir(self, c: str, shown: Any) -> None:
         st = self.lstat_in_view(c)

@@ -109,6 +109,8 @@ class _Lines:
     """What the seal saw besides the writes: subprocesses (outside the Python line)."""
 
     subprocesses: list[str] = field(default_factory=list)
+    # seconds in Python's file calls through the seal (:mod:`dpprof.script.sealed_calls`)
+    calls_s: float = 0.0
     # the audit hook's cost: seconds in its checks of the events it watches, and the audited
     # events it was called on while the run was under way
     hook_s: float = 0.0
@@ -138,6 +140,10 @@ class Seal:
         self._held_openers: list[tuple[dict[Any, Any], Any, Any]] = []
         self._bytecode = sys.dont_write_bytecode
         self._events_before = 0
+        # a path as opened (absolute, or the working directory and it) -> the run's own file
+        # it led to, while the overlay is at ``_own_generation`` (:meth:`open_path`)
+        self._own_files: dict[str, str] = {}
+        self._own_generation = 0
         # rank 0's run, where later ranks run (dpprof.script.shared_files): a private folder
         # that keeps, by canonical path, each file the run removes or renames away
         self.removed_copies = ""
@@ -206,12 +212,17 @@ class Seal:
         """The canonical path the overlay holds ``p`` under, or None where the call passes
         through untouched: a file descriptor, a device or the kernel's files, a tree the
         kernel line seals, or a read before the run wrote or removed anything."""
-        if isinstance(p, int) or (not write and not self.overlay.dirty):
-            return None
-        try:
-            s = os.fsdecode(os.fspath(p))
-        except TypeError:
-            return None
+        if type(p) is str:  # the common case first: a path as a string
+            if not write and not self.overlay.dirty:
+                return None
+            s = p
+        else:
+            if isinstance(p, int) or (not write and not self.overlay.dirty):
+                return None
+            try:
+                s = os.fsdecode(os.fspath(p))
+            except TypeError:
+                return None
         if dir_fd is not None and not s.startswith("/"):
             s = os.path.join(fd_path(dir_fd), s)
         a = self.overlay.absolute(s)
@@ -260,7 +271,18 @@ class Seal:
             or "/" in self.kernel_trees
 
     def open_path(self, file: Any, mode: str) -> Any:
-        """Where ``open(file, mode)`` opens."""
+        """Where ``open(file, mode)`` opens. A path the run opened before that led to a file
+        of its own in the overlay (a checkpoint or a log written at every step) leads there
+        again while the view is as it was (no link, removal or rename since:
+        :attr:`Overlay.generation`) and the file is still a file: one look at it."""
+        key = ""
+        if type(file) is str and "x" not in mode and self.overlay.dirty:
+            key = file if file.startswith("/") else f"{REAL_CALLS['getcwd']()}\0{file}"
+            own = self._own_files.get(key)
+            if own is not None and self._own_generation == self.overlay.generation:
+                st = lstat_or_none(own)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    return own
         write = not WRITE_MODE.isdisjoint(mode)
         c = self.canon(file, write=write)
         if c is None:
@@ -271,6 +293,12 @@ class Seal:
                 truncate="w" in mode, exclusive="x" in mode)
         else:
             concrete = self.overlay.for_read(c, file)
+        if key and self.overlay.in_root(concrete):
+            if self._own_generation != self.overlay.generation:
+                self._own_files.clear()
+                self._own_generation = self.overlay.generation
+            if len(self._own_files) < 10_000:
+                self._own_files[key] = concrete
         return as_given(file, concrete)
 
     def open_flags_path(self, path: Any, flags: int, dir_fd: int | None) -> Any:

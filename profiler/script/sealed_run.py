@@ -7,12 +7,13 @@ writes where ``--keep-writes`` asks (``DIR/<run>/`` + the absolute path of each 
 
 from __future__ import annotations
 
+import _thread
+import atexit
 import contextlib
 import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -42,8 +43,9 @@ class SealOutcome:
     kept: str | None = None  # where --keep-writes put them
     # the seal's own seconds in the run's thread: "before" the run (its set-up, the mounts
     # among it: "mount"), "after" it (what it wrote, the check: "check"; the overlays off
-    # among it: "unmount"), and in the audit hook's checks of the events it watches
-    # ("hook"; the hook is called on each of ``hook_events`` audited events)
+    # among it: "unmount"), in Python's file calls through it while the run was under way
+    # ("calls": :mod:`dpprof.script.sealed_calls`), and in the audit hook's checks of the
+    # events it watches ("hook"; the hook is called on each of ``hook_events`` audited events)
     seconds: dict[str, float] = field(default_factory=dict)
     hook_events: int = 0
 
@@ -108,27 +110,36 @@ def folders_of(script: str | None) -> list[str]:
     return folders
 
 
-# the removals of ended runs' overlays, under way in threads of their own
-_REMOVING: list[threading.Thread] = []
+# the removals of ended runs' overlays, under way in threads of their own: each holds its
+# lock until it is done
+_REMOVING: list[_thread.LockType] = []
 
 
 def _remove_later(kernel: namespace.KernelOverlay | None, base: str) -> None:
     """A run's overlay (its stage, unmounted, or its folder) removed in a thread: nothing
     waits on it (the user's folders are back, or were never covered; the overlay is dpprof's
     private folder), and the next run's set-up, or the result's, goes on meanwhile. Joined
-    by :func:`finish_removals`."""
+    by :func:`finish_removals`. A bare thread (``_thread``): ``Thread.start`` would wait
+    until the new thread runs, on a loaded machine a wait of milliseconds."""
     def remove() -> None:
-        if kernel is not None:
-            kernel.close(chdir=False)
-            return
         try:
-            rmtree(base)
-        except OSError:  # a folder the run made read-only: what can be removed
-            shutil.rmtree(base, ignore_errors=True)
+            if kernel is not None:
+                kernel.close(chdir=False)
+                return
+            try:
+                rmtree(base)
+            except OSError:  # a folder the run made read-only: what can be removed
+                shutil.rmtree(base, ignore_errors=True)
+        finally:
+            done.release()
 
-    thread = threading.Thread(target=remove, name="dpprof-overlay-removal")
-    _REMOVING.append(thread)
-    thread.start()
+    done = _thread.allocate_lock()
+    done.acquire()
+    try:
+        _thread.start_new_thread(remove, ())
+    except RuntimeError:  # no new threads (the interpreter is ending): removed here
+        remove()
+    _REMOVING.append(done)
 
 
 def finish_removals() -> None:
@@ -136,7 +147,13 @@ def finish_removals() -> None:
     (their removal calls :mod:`os`, whose functions a seal replaces), and before ``dpprof
     run`` ends."""
     while _REMOVING:
-        _REMOVING.pop(0).join()
+        done = _REMOVING[0]
+        done.acquire()
+        done.release()
+        _REMOVING.pop(0)
+
+
+atexit.register(finish_removals)  # a process that ends before joining them (bare threads)
 
 
 class SealedRun:
@@ -247,6 +264,7 @@ class SealedRun:
         done = time.perf_counter()
         out.seconds["check"] = done - checking
         out.seconds["after"] = done - started
+        out.seconds["calls"] = seal.lines.calls_s
         out.seconds["hook"] = seal.lines.hook_s
         out.hook_events = seal.lines.hook_events
 
