@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import tempfile
+from typing import Any
 
 import pytest
 import torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # a suite started as a background job of a non-interactive shell (`.ci/run > log &` in a
+    # script) inherits SIGINT ignored (POSIX shells ignore it for such jobs, and Python then
+    # keeps SIG_IGN instead of raising KeyboardInterrupt), and so would every process a test
+    # starts: the tests expect what a terminal or CI gives, Python's own handler
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # a calibration saved by `dpprof check` on this machine would change the emulated
     # context figures the tests expect: every test (and every process it starts) reads an
     # empty calibration folder unless it sets its own
@@ -40,9 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # pytest-xdist hands tests out in this order: the files that hold a test marked slow run
-    # first (each file whole, so its module-scoped fixtures are still built once), and the
-    # run ends on short tests, with no worker left alone on a long one
+    # pytest-xdist hands tests out in this order (see pytest_xdist_make_scheduler): the files
+    # that hold a test marked slow run first, and the run ends on short tests, with no worker
+    # left alone on a long one
     slow_files = {item.path for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.path not in slow_files)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -53,3 +61,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if gpus < need:
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {need} CUDA GPU{'s' if need > 1 else ''} (found {gpus})"))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadscope`` (pyproject's addopts), pytest-xdist hands out one test at a
+    time, in the order above, to whichever worker is free; a file whose tests share a
+    module-scoped fixture (DDP ranks launched once, a browser) goes whole to one worker.
+    Split between workers (as ``--dist worksteal`` split them), each built the fixture
+    again: test_fidelity.py's ranks were launched three times in one run. (``xdist_group``
+    marks would say it, but pytest-xdist 3.8 groups by renaming the node id, which pytest
+    9.2 no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+    shared: dict[str, bool] = {}
+
+    def shares_a_module_fixture(path: str) -> bool:
+        if path not in shared:
+            try:
+                source = (root / path).read_text()
+            except OSError:
+                source = ""
+            shared[path] = 'scope="module"' in source
+        return shared[path]
+
+    class OneTestOrASharedFile(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if shares_a_module_fixture(path) else nodeid
+
+    config.option.loadscopereorder = False  # keep the order above
+    return OneTestOrASharedFile(config, log)

@@ -17,3 +17,12 @@ def attention_checkpointed() -> dpprof.Workload:
     from fidelity_models import attention_small
 
     return checkpointed(attention_small())
+
+
+def lm_two_blocks() -> dpprof.Workload:
+    """The ``lm`` built-in's model at a size whose emulation is cheap (its cost is in the
+    ops dispatched: two blocks), still with repeated blocks for the checkpointing and FSDP2
+    rungs; its batches fit a GPU of under 2 GiB beside the context and NCCL's memory."""
+    from dpprof.scenarios.workloads import LMConfig, lm
+
+    return lm(LMConfig(vocab=8000, seq=64, d_model=128, layers=2))

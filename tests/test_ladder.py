@@ -411,12 +411,14 @@ def _compare(tmp_path: Path, *args: str, workload: str = "lm") -> dict[str, Any]
 
 
 def test_accumulation_takes_the_fewest_micro_batches_that_fit(tmp_path: Path) -> None:
-    data = _compare(tmp_path, "-b", "64", "--gpu-memory", "3GiB")
+    # 16 rows per rank: 8 micro-batches fit, 4 do not (at 64 rows, 16 and 8: twice the
+    # micro-batches to emulate for the same point)
+    data = _compare(tmp_path, "-b", "32", "--gpu-memory", "3GiB")
     rungs = [f for f in data["fixes"] if f["name"].startswith("ladder-")]
     acc = rungs[-1]
     assert acc["name"] == "ladder-accumulate"
     k = int(acc["title"].split("(")[1].split()[0])
-    assert acc["need_bytes"] <= 3 << 30 < _ddp_need("lm", 64, k // 2)
+    assert acc["need_bytes"] <= 3 << 30 < _ddp_need("lm", 32, k // 2)
     assert all(f["need_bytes"] > 3 << 30 for f in rungs[:-1])  # the cheaper rungs do not fit
     assert f"Gradient accumulation ({k} micro-batches) on DDP" in " ".join(
         data["comparison"]["verdict"].split())
@@ -427,16 +429,17 @@ def test_accumulation_takes_the_fewest_micro_batches_that_fit(tmp_path: Path) ->
 def test_where_no_micro_batch_count_fits_the_lightest_rung_accumulates(tmp_path: Path) -> None:
     # one row per micro-batch: fp32 just over the capacity, bf16 + checkpointing under it
     # (attention's rows are long: lm's one row weighs less than autocast's bf16 copies of
-    # its weights, so there bf16 + checkpointing is no lighter at 32 micro-batches)
-    plain = _ddp_need("attention", 64, 32)
-    light = _ddp_need("attention", 64, 32, "bfloat16", checkpoint=True)
+    # its weights, so there bf16 + checkpointing is no lighter at one row). Four rows per
+    # rank: the counts tried, 2 and 4, reach one row with few micro-batches to emulate
+    plain = _ddp_need("attention", 8, 4)
+    light = _ddp_need("attention", 8, 4, "bfloat16", checkpoint=True)
     assert light < plain
-    data = _compare(tmp_path, "-b", "64", "--gpu-memory", f"{(light + plain) // 2}B",
+    data = _compare(tmp_path, "-b", "8", "--gpu-memory", f"{(light + plain) // 2}B",
                     workload="attention")
     names = [f["name"] for f in data["fixes"] if f["name"].startswith("ladder-")]
     assert names[-2:] == ["ladder-accumulate", "ladder-bf16-checkpoint-accumulate"]
     fit = data["fixes"][-1]
-    assert fit["need_bytes"] == light and "32 micro-batches" in fit["title"]
+    assert fit["need_bytes"] == light and "4 micro-batches" in fit["title"]
     assert "torch.autocast" in fit["code"] and "checkpoint(" in fit["code"]
 
 

@@ -12,7 +12,7 @@ from dpprof.measure.maxbatch_search import ProbeResult, run_maxbatch, search
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
 from dpprof.scenarios.step import StepConfig
-from dpprof.scenarios.workloads import LMConfig, lm
+from dpprof.scenarios.workloads import LMConfig, lm, load_workload
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)
 
@@ -155,11 +155,14 @@ def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> 
 
     from dpprof.cli.app import app
 
-    capacity, step = 6 << 30, 8
+    # a small lm (two blocks: the search's cost is the ops each probe dispatches) on a GPU
+    # just larger than its context and NCCL's memory
+    capacity, step = 7 << 28, 8
+    spec = f"{Path(__file__).parent / 'ladder_models.py'}:lm_two_blocks"
     out = tmp_path / "mb.json"
-    r = CliRunner().invoke(app, ["maxbatch", "-w", "lm", "-g", "2", "--gpu-memory", "6GiB",
-                                 "-s", "ddp", "--multiple-of", str(step), "--ladder", "-q",
-                                 "-o", str(out)])
+    r = CliRunner().invoke(app, ["maxbatch", "-w", spec, "-g", "2", "--gpu-memory",
+                                 f"{capacity}B", "-s", "ddp", "--multiple-of", str(step),
+                                 "--ladder", "-q", "-o", str(out)])
     assert r.exit_code == 0, r.output
     entries = {e["scenario"]: e for e in json.loads(out.read_text())["maxbatch"]["entries"]}
     names = list(entries)
@@ -177,7 +180,7 @@ def test_maxbatch_ladder_searches_fsdp2_as_compare_counts_it(tmp_path: Path) -> 
             runs[batch] = run_compare(CompareConfig(gpus=2, gpu_memory_bytes=capacity,
                                                     scenarios=("ddp",), ladder=True,
                                                     step=StepConfig(batch=batch)),
-                                      workload=lm())
+                                      workload=load_workload(spec))
         return runs[batch]
 
     for name in fsdp:

@@ -128,3 +128,14 @@ def test_a_third_ctrl_c_quits_at_once_and_leaves_no_half_written_report(tmp_path
     assert "SIGINT again: quit without writing the partial result" in done.stderr
     assert "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_tests_and_what_they_start_take_sigint_as_python_does() -> None:
+    """However the suite was started (a background job of a script inherits SIGINT ignored:
+    tests/conftest.py puts Python's handler back), a test process and the processes it
+    starts raise KeyboardInterrupt on SIGINT, as from a terminal or CI."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    child = subprocess.run(
+        [PY, "-S", "-c", "import signal; print(signal.getsignal(signal.SIGINT) is "
+         "signal.default_int_handler)"], capture_output=True, text=True, timeout=60)
+    assert child.stdout.strip() == "True", child.stderr
