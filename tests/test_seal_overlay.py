@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dpprof.script.seal import Seal
@@ -180,6 +180,9 @@ def run_op(op: tuple[Any, ...]) -> Any:
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(OPS, min_size=1, max_size=14))
+# found by it: rmtree of a link to a folder the program removed (plain Python's walk by
+# descriptor opens the link first: FileNotFoundError; the walk by path refused the link)
+@example(program=[("rmtree", "d"), ("rmtree", "dl")])
 def test_a_program_sees_what_plain_python_sees_and_the_folder_is_untouched(
         program: list[tuple[Any, ...]], tmp_path_factory: Any) -> None:
     base = tmp_path_factory.mktemp("world")

@@ -41,7 +41,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,21 @@ class _Lines:
     hook_events: int = 0
 
 
+def _as_the_descriptor_walk(islink: Callable[..., bool]) -> Callable[..., bool]:
+    """shutil's check of rmtree's path on its walk by path, made to fail as its walk by
+    descriptor does (the one plain Python takes on Linux): that one opens the path,
+    following a link, before it refuses a link, so a link whose target is gone is
+    FileNotFoundError there, not "Cannot call rmtree on a symbolic link"."""
+    def checked(path: Any, *args: Any) -> bool:
+        if not islink(path, *args):
+            return False
+        if isinstance(path, (str, bytes, os.PathLike)):
+            os.stat(path)  # through the seal: the view's target, or FileNotFoundError
+        return True
+
+    return checked
+
+
 class Seal:
     """The seal of one run; a context manager (see the module).
 
@@ -162,6 +177,8 @@ class Seal:
                 p(os, name, wrapper)
         # rmtree by path, through the patched os (its descriptor-relative walk would not be)
         p(shutil, "_use_fd_functions", False)
+        if hasattr(shutil, "_rmtree_islink"):
+            p(shutil, "_rmtree_islink", _as_the_descriptor_walk(shutil._rmtree_islink))
         wrappers = dict(_WRAPPER_OF)
         for module, name, pos, kw, how in OUTSIDE_PYTHON:
             loaded = sys.modules.get(module)
