@@ -17,10 +17,12 @@ Every command exits with one of these (``--help`` and docs/ci.md say the same):
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,7 +171,35 @@ def on_stop_signal(signum: int, frame: Any = None) -> None:
         if callable(theirs):
             theirs(signum, frame)
         return
+    if _in_a_callback(frame):  # raised there, it would be printed and dropped
+        # delivered again in a moment, from another thread (tripped from here, it would be
+        # handled at once, inside this handler, still in the callback)
+        again = threading.Timer(0.002, _thread.interrupt_main, (signal.Signals(signum),))
+        again.daemon = True
+        again.start()
+        return
     _raise(signum)
+
+
+# the code of callbacks Python calls where an exception cannot go on (a weak reference's:
+# it is printed, "Exception ignored in", and dropped): a stop signal arriving in one is
+# raised once the callback has returned
+_CALLBACKS: set[Any] = set()
+
+
+def called_where_nothing_raises(callback: Any) -> Any:
+    """``callback`` (a function, or a method's function) marked as called where an
+    exception is dropped (see above); it is returned."""
+    _CALLBACKS.add(callback.__code__)
+    return callback
+
+
+def _in_a_callback(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code in _CALLBACKS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _raise(signum: int) -> None:

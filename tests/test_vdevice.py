@@ -144,6 +144,43 @@ def test_an_event_cut_in_half_by_a_stop_signal_is_not_in_the_log(rt: VirtualDevi
         del a, b
 
 
+def test_a_stop_signal_in_a_storages_death_is_raised_after_it(
+        rt: VirtualDevices, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage dies in a weak reference's callback, where Python prints an exception and
+    drops it: a stop signal whose handler runs there ("Exception ignored in ... _on_dead",
+    a traceback under an interrupted run, which went on) is raised once it has returned."""
+    import signal
+    import sys
+    import time
+
+    from dpprof import errors
+
+    monkeypatch.setattr(errors, "_STATE", type(errors._STATE)())  # no signal taken yet
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    previous = signal.signal(signal.SIGINT, errors.on_stop_signal)
+    try:
+        with rt:
+            with rt.device(0):
+                t = torch.empty(256)
+            free = rt.storages._on_free
+
+            def signal_arrives(key: int) -> None:
+                free(key)
+                errors.on_stop_signal(signal.SIGINT, sys._getframe())  # its handler, here
+
+            monkeypatch.setattr(rt.storages, "_on_free", signal_arrives)
+            with pytest.raises(KeyboardInterrupt):
+                del t
+                time.sleep(0.2)  # the callback long returned
+                for _ in range(100):  # the main thread's next instructions
+                    pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert unraisable == []
+    assert rt.storages.live_bytes(0) == 0
+
+
 def test_reset_peaks_restarts_from_resident(rt: VirtualDevices) -> None:
     with rt:
         with rt.device(0):

@@ -31,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dpprof.emulator.identity import op_key, storage_key
+from dpprof.errors import called_where_nothing_raises
 
 MAX_TENSOR_BYTES = 64 * 1024  # a mask or the labels of a large batch; no activation
 MAX_TOTAL_BYTES = 64 * 2**20  # what the values may hold on the host at once
@@ -174,6 +175,7 @@ class SmallValues:
         self._values[key] = (weakref.ref(st, self._dropper(key, nbytes)), flat)
 
     def _dropper(self, key: int, nbytes: int) -> Any:
+        @called_where_nothing_raises
         def drop(_ref: Any) -> None:
             if self._values.pop(key, None) is not None:
                 self.total_bytes -= nbytes

@@ -39,6 +39,7 @@ from dpprof.emulator.events import (
     PhaseMark,
 )
 from dpprof.emulator.identity import storage_key
+from dpprof.errors import called_where_nothing_raises
 
 _SEQ = (list, tuple)
 
@@ -331,6 +332,7 @@ class StorageLedger(EventQueries):
             raise ValueError("on_free needs a tracked storage")
         self._on_free_calls.setdefault(serial, []).append(callback)
 
+    @called_where_nothing_raises
     def _on_dead(self, ref: _StorageRef) -> None:
         """A tracked storage died (the weak reference's callback)."""
         self._on_free(ref.key)

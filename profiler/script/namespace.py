@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 
 from dpprof.script.output_files import note_output_readers
-from dpprof.script.overlay import Change
+from dpprof.script.overlay_changes import Change
 from dpprof.script.real_fs import lstat_or_none
 
 __all__ = ["KernelOverlay", "enter", "entered", "sealed_folders", "why_not"]

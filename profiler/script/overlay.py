@@ -23,9 +23,9 @@ import contextlib
 import errno
 import os
 import stat
-from dataclasses import dataclass
 from typing import Any
 
+from dpprof.script.overlay_changes import Change, changes_of
 from dpprof.script.overlay_entries import OverlayEntry, OverlayScandir
 from dpprof.script.real_fs import (
     REAL_CALLS,
@@ -37,7 +37,7 @@ from dpprof.script.real_fs import (
     rmtree,
 )
 
-__all__ = ["GONE", "REAL", "UPPER", "Change", "Overlay"]
+__all__ = ["GONE", "REAL", "UPPER", "Overlay"]
 
 UPPER = "upper"  # the run wrote it: it lives in the overlay
 REAL = "real"  # the real file (or nothing) shows through
@@ -55,19 +55,6 @@ _readlink = REAL_CALLS["readlink"]
 _listdir = REAL_CALLS["listdir"]
 _chmod = REAL_CALLS["chmod"]
 _getcwd = REAL_CALLS["getcwd"]
-
-@dataclass
-class Change:
-    """One thing the run left in its overlay: a file or link it wrote, a folder it made, or
-    a real path it removed."""
-
-    path: str  # canonical
-    kind: str  # "file" | "folder" | "link" | "removed"
-    size_bytes: int = 0
-    mtime_ns: int = 0
-    replaced: bool = False  # a real file stands at that path (the run's write is in its place)
-    concrete: str = ""  # where its bytes are now (in the overlay)
-
 
 class Overlay:
     """The view of one run (see the module). ``root``: an empty private folder."""
@@ -586,26 +573,4 @@ class Overlay:
 
     def changes(self) -> list[Change]:
         """Everything the run wrote, made or removed, by canonical path, sorted."""
-        out: list[Change] = []
-        for c in sorted(self.deleted):
-            out.append(Change(c, "removed", replaced=True))
-        if self.dirty:
-            self._walk_upper("/", out)
-        out.sort(key=lambda ch: ch.path)
-        return out
-
-    def _walk_upper(self, c: str, out: list[Change]) -> None:
-        up = self.upper(c)
-        for name in sorted(_listdir(up)):
-            p = os.path.join(c, name)
-            st = _lstat(self.upper(p))
-            real = lstat_or_none(p)
-            if stat.S_ISDIR(st.st_mode):
-                if real is None or not stat.S_ISDIR(real.st_mode) or p in self.opaque:
-                    out.append(Change(p, "folder", mtime_ns=st.st_mtime_ns,
-                                      replaced=real is not None))
-                self._walk_upper(p, out)
-            else:
-                out.append(Change(p, "link" if stat.S_ISLNK(st.st_mode) else "file",
-                                  st.st_size, st.st_mtime_ns, replaced=real is not None,
-                                  concrete=self.upper(p)))
+        return changes_of(self)

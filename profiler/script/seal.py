@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpprof.emulator.patcher import Patcher
-from dpprof.script import overlay as ov
 from dpprof.script.bound_names import patch_bound_names, patch_held_openers
 from dpprof.script.import_hook import ImportHook
 from dpprof.script.outside_python import OUTSIDE_PYTHON, patch_loaded, patch_outside
 from dpprof.script.overlay import Overlay
+from dpprof.script.overlay_changes import Change
 from dpprof.script.real_fs import REAL_CALLS, REAL_OPEN, as_given, fd_path, lstat_or_none, makedirs
 from dpprof.script.seal_audit import SealBreach, events_seen, install_audit_hook
 from dpprof.script.sealed_calls import (
@@ -363,7 +363,7 @@ class Seal:
 
     # ---- what the run left -------------------------------------------------------------
 
-    def writes(self, kernel: Sequence[ov.Change] = ()) -> list[SealedWrite]:
+    def writes(self, kernel: Sequence[Change] = ()) -> list[SealedWrite]:
         """What the run wrote, made or removed (the Python line's and ``kernel``'s, the
         kernel line's), each with whether it holds emulated values: a stand-in checkpoint
         (:data:`STAND_IN_MAGIC`), or written after the run read a value from an emulated
@@ -381,7 +381,7 @@ class Seal:
         out.sort(key=lambda w: w.path)
         return out
 
-    def _stand_in_file(self, ch: ov.Change) -> bool:
+    def _stand_in_file(self, ch: Change) -> bool:
         """Whether the file begins with :data:`STAND_IN_MAGIC` (gzip'd too)."""
         concrete = ch.concrete or self.overlay.upper(ch.path)
         try:

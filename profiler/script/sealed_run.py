@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dpprof.script import census, census_ahead, namespace
 from dpprof.script.census import Difference, Snapshot
-from dpprof.script.overlay import Change
+from dpprof.script.overlay_changes import Change
 from dpprof.script.real_fs import rmtree
 from dpprof.script.seal import Seal, SealedWrite
 from dpprof.script.shared_files import SharedFiles

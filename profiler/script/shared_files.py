@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from dpprof.script.overlay import Change
+from dpprof.script.overlay_changes import Change
 from dpprof.script.real_fs import REAL_CALLS, lstat_or_none, makedirs
 
 # the audit events before which code outside Python may remove a file of the run's
