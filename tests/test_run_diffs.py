@@ -426,6 +426,38 @@ def test_a_library_s_data_parallel_gets_its_rungs_as_trainer_settings_beside_the
         compile(patched, "hf_trainer.py", "exec", dont_inherit=True)
 
 
+@pytest.mark.slow
+def test_a_trainer_under_data_parallel_that_asks_for_bf16_is_told_it_runs_none(
+        framework_offered: Callable[[str], dict[str, Any]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hugging Face's Trainer leaves autocast to accelerate, which does not prepare a model
+    the Trainer wrapped in DataParallel: a script whose TrainingArguments ask for bf16 runs
+    in float32 there, to the byte as without it, and the report says so (not a rung of
+    bf16 that the script believes it has)."""
+    pytest.importorskip("transformers")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    source = (SCRIPTS / "hf_trainer.py").read_text()
+    asked = source.replace("        disable_tqdm=True,\n",
+                           "        disable_tqdm=True,\n        bf16=True,\n")
+    assert asked != source
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hf_trainer.py").write_text(asked)
+    monkeypatch.chdir(work)
+    result = _run(["--", "python", "hf_trainer.py", *FRAMEWORK_SCRIPTS["hf_trainer.py"]],
+                  tmp_path / "r.json")
+    main = result["scenarios"][0]
+    plain = framework_offered("hf_trainer.py")["scenarios"][0]
+    assert main["name"] == plain["name"] == "dp-loss-primary"
+    assert [d["peak_allocated_bytes"] for d in main["devices"]] == \
+        [d["peak_allocated_bytes"] for d in plain["devices"]]
+    said = " ".join(" ".join(main["notes"]).split())
+    assert ("the script's TrainingArguments ask for bf16=True, but under DataParallel "
+            "Hugging Face's Trainer ran no autocast") in said, said
+    assert "as DDP ranks (torchrun --nproc-per-node 4) it runs in bf16" in said
+    assert not any("TrainingArguments ask" in n for n in plain["notes"])
+
+
 def nanogpt_folder(folder: Path) -> Path:
     """``folder`` with nanoGPT's prepared data (uint16 token ids in data/train.bin and
     data/val.bin, a vocabulary of 65 as shakespeare_char's)."""

@@ -89,7 +89,7 @@ from dpprof.script.sealed_run import SealedRun, SealOutcome, written_but_missing
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.strategy import Alternative, AlternativeState
-from dpprof.script.trainer_settings import given_to_trainer
+from dpprof.script.trainer_settings import asked_precision, given_to_trainer
 from dpprof.units import fmt_bytes
 
 __all__ = ["RunInterrupted", "ScriptConfig", "ScriptRun", "run_script"]
@@ -173,6 +173,8 @@ class ScriptRun:
     batch_rows: int = 0
     seconds: float = 0.0
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
+    # the mixed precision Hugging Face's TrainingArguments asked for ("bf16", "fp16")
+    trainer_precision: list[str] = field(default_factory=list)
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
     compiled: list[str] = field(default_factory=list)  # torch.compile's sites, run eagerly
@@ -301,7 +303,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 stepper.install()
                 try:
                     with (given_to_trainer(cfg.rung) if cfg.rung is not None
-                          and cfg.rung_by_trainer else contextlib.nullcontext()):
+                          and cfg.rung_by_trainer else contextlib.nullcontext()), \
+                            asked_precision(run.trainer_precision):
                         exc = _run_until_stopped(launch, run)
                 finally:
                     if rung is not None:

@@ -291,6 +291,13 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
                         "region(s) re-enacted as on a GPU (autocast's CUDA op lists)")
     if main.replicas_float16 is not None:
         s0_notes.append(main.replicas_float16)
+    if main.data_parallel and main.trainer_precision and not main.autocast_regions:
+        asked = main.trainer_precision[0]
+        s0_notes.append(
+            f"the script's TrainingArguments ask for {asked}=True, but under DataParallel "
+            "Hugging Face's Trainer ran no autocast (it leaves autocast to accelerate, which "
+            "does not prepare a DataParallel model): these peaks are float32's; as DDP ranks "
+            f"(torchrun --nproc-per-node {cfg.gpus}) it runs in {asked}")
     if main.compiled:
         sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
         s0_notes.append(

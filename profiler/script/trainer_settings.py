@@ -26,7 +26,8 @@ from torch import nn
 from dpprof.measure.ladder_rungs import Rung
 from dpprof.script.import_hook import on_each_load
 
-__all__ = ["checkpointing_layers", "given_to_trainer", "run_by_trainer", "settings_of"]
+__all__ = ["asked_precision", "checkpointing_layers", "given_to_trainer", "run_by_trainer",
+           "settings_of"]
 
 _ARGUMENTS_MODULE = "transformers.training_args"
 _TRAINER_FILES = ("/transformers/trainer.py:", "/transformers/trainer_seq2seq.py:")
@@ -79,6 +80,34 @@ def given_to_trainer(rung: Rung) -> Iterator[None]:
             for name, value in settings.items():
                 setattr(self, name, value)
             return original(self, *args, **kwargs)
+
+        cls.__post_init__ = __post_init__
+        patched.append((cls, original))
+
+    with on_each_load([_ARGUMENTS_MODULE], patch):
+        try:
+            yield
+        finally:
+            for cls, original in reversed(patched):
+                cls.__post_init__ = original
+
+
+@contextlib.contextmanager
+def asked_precision(asked: list[str]) -> Iterator[None]:
+    """For the duration: the mixed precision each ``TrainingArguments`` made asks for
+    (``"bf16"``, ``"fp16"``) appended to ``asked``: under DataParallel the Trainer leaves
+    autocast to accelerate, which does not prepare a DataParallel model, so what a script
+    asks for there is not what it runs."""
+    patched: list[tuple[Any, Any]] = []
+
+    def patch(module: ModuleType) -> None:
+        cls = module.TrainingArguments
+        original = cls.__dict__["__post_init__"]
+
+        def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            done = original(self, *args, **kwargs)
+            asked.extend(k for k in ("bf16", "fp16") if getattr(self, k, False) is True)
+            return done
 
         cls.__post_init__ = __post_init__
         patched.append((cls, original))
