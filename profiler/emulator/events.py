@@ -86,7 +86,8 @@ class EventLog(Sequence[Event]):
 
     def drop_partial(self) -> None:
         """An event whose columns were not all appended (a stop signal raises between any
-        two bytecodes of the script's time) taken out again: the columns stay aligned for
+        two bytecodes of the script's time) taken out again, by every path that appends
+        (here and the ledger's inline ones): the columns stay aligned for readers and for
         the events after it (the frees of the interrupted script's tensors)."""
         n = len(self.allocated)
         for column in (self.device, self.serial, self.requested):
@@ -96,10 +97,7 @@ class EventLog(Sequence[Event]):
         self.add(*ev)
 
     def __len__(self) -> int:
-        # the column appended last (here and in the ledger's inline path): an event counts
-        # once it is whole, so a stop signal raised between the appends leaves the log as
-        # it was before it, not with columns of different lengths
-        return len(self.allocated)
+        return len(self.device)
 
     @overload
     def __getitem__(self, i: int) -> Event: ...
@@ -109,17 +107,9 @@ class EventLog(Sequence[Event]):
 
     def __getitem__(self, i: int | slice) -> Event | list[Event]:
         if isinstance(i, slice):
-            return list(map(Event, *(column[i] for column in self._whole())))
-        k = range(len(self))[i]
-        return Event(self.device[k], self.serial[k], self.requested[k], self.allocated[k])
-
-    def _whole(self) -> tuple[array[int], ...]:
-        """The columns, each cut to the events that are whole (see ``__len__``)."""
-        columns = (self.device, self.serial, self.requested, self.allocated)
-        n = len(self.allocated)
-        if all(len(c) == n for c in columns[:3]):
-            return columns
-        return tuple(c[:n] for c in columns)
+            return list(map(Event, self.device[i], self.serial[i], self.requested[i],
+                            self.allocated[i]))
+        return Event(self.device[i], self.serial[i], self.requested[i], self.allocated[i])
 
     def __iter__(self) -> Iterator[Event]:
         return map(Event, self.device, self.serial, self.requested, self.allocated)
@@ -127,14 +117,14 @@ class EventLog(Sequence[Event]):
     def column(self, name: str) -> np.ndarray:
         """One field as an int64 array (a copy: the log may grow while it is in use);
         ``"stream"``: each event's stream (0: the default stream's)."""
-        n = len(self)
         if name == "stream":
+            n = len(self.device)
             out = np.zeros(n, dtype=np.int64)
             for i, stream in list(self.streams.items()):
                 if i < n:
                     out[i] = stream
             return out
-        return np.array(memoryview(getattr(self, name))[:n], dtype=np.int64)
+        return np.array(getattr(self, name), dtype=np.int64)
 
     def stream_of(self, i: int) -> int:
         """The stream of event ``i`` (0: the default stream)."""

@@ -11,6 +11,7 @@ from dpprof.emulator.cuda_devices import STAND_INS
 from dpprof.fixes.fix_kind import FixKind
 from dpprof.result import Fix, ScriptWrite, SealCheck
 from dpprof.script.runner import ScriptConfig, ScriptRun
+from dpprof.script.seal_audit import WHERE_NAMESPACES
 
 __all__ = [
     "alternative_fix",
@@ -57,9 +58,7 @@ def outside_python(path: str) -> str:
     return (f"it failed to open {path}, which the run itself had written: without a mount "
             "namespace on this machine the run's writes are kept where Python's file calls "
             "find them, and code outside Python (a C or C++ library reading the file "
-            "itself) looks on the real filesystem instead; run it where unprivileged user "
-            "namespaces are allowed (sysctl kernel.unprivileged_userns_clone=1, or "
-            "kernel.apparmor_restrict_unprivileged_userns=0)")
+            f"itself) looks on the real filesystem instead; {WHERE_NAMESPACES}")
 
 
 def nothing_on_a_gpu(run: ScriptRun) -> str:

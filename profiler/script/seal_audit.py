@@ -18,7 +18,13 @@ from dpprof.script.sealed_calls import WRITE_FLAGS, WRITE_MODE, active
 if TYPE_CHECKING:
     from dpprof.script.seal import Seal
 
-__all__ = ["SealBreach", "events_seen", "install_audit_hook"]
+__all__ = ["WHERE_NAMESPACES", "SealBreach", "events_seen", "install_audit_hook"]
+
+
+# what to do where the machine gives dpprof no mount namespace (the kernel line)
+WHERE_NAMESPACES = ("run it where unprivileged user namespaces are allowed (sysctl "
+                    "kernel.unprivileged_userns_clone=1, or "
+                    "kernel.apparmor_restrict_unprivileged_userns=0)")
 
 
 class SealBreach(BaseException):
@@ -34,9 +40,7 @@ class SealBreach(BaseException):
     def line(self) -> str:
         return (f"the script wrote to {self.path} ({self.how}) around the seal, which this "
                 "machine has no mount namespace to catch: dpprof stopped the run before the "
-                "write reached your file; run it where unprivileged user namespaces are "
-                "allowed (sysctl kernel.unprivileged_userns_clone=1, or "
-                "kernel.apparmor_restrict_unprivileged_userns=0)")
+                f"write reached your file; {WHERE_NAMESPACES}")
 
 
 # audit events that change a path, and which of their arguments are paths

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import importlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -66,14 +66,30 @@ def settings_of(rung: Rung) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def given_to_trainer(rung: Rung) -> Iterator[None]:
-    """For the duration: every ``TrainingArguments`` made (and every subclass's, which calls
-    its ``__post_init__``) has ``rung``'s settings before transformers checks them."""
+def _post_init_wrapped(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+                       ) -> Iterator[None]:
+    """For the duration: ``TrainingArguments.__post_init__`` (which every subclass calls) is
+    ``wrap`` of itself, from the moment transformers' module is loaded."""
     patched: list[tuple[Any, Any]] = []
 
     def patch(module: ModuleType) -> None:
         cls = module.TrainingArguments
         original = cls.__dict__["__post_init__"]
+        cls.__post_init__ = wrap(original)
+        patched.append((cls, original))
+
+    with on_each_load([_ARGUMENTS_MODULE], patch):
+        try:
+            yield
+        finally:
+            for cls, original in reversed(patched):
+                cls.__post_init__ = original
+
+
+def given_to_trainer(rung: Rung) -> contextlib.AbstractContextManager[None]:
+    """For the duration: every ``TrainingArguments`` made has ``rung``'s settings before
+    transformers checks them."""
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         settings = settings_of(rung)
 
         def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,43 +97,25 @@ def given_to_trainer(rung: Rung) -> Iterator[None]:
                 setattr(self, name, value)
             return original(self, *args, **kwargs)
 
-        cls.__post_init__ = __post_init__
-        patched.append((cls, original))
+        return __post_init__
 
-    with on_each_load([_ARGUMENTS_MODULE], patch):
-        try:
-            yield
-        finally:
-            for cls, original in reversed(patched):
-                cls.__post_init__ = original
+    return _post_init_wrapped(wrap)
 
 
-@contextlib.contextmanager
-def asked_precision(asked: list[str]) -> Iterator[None]:
+def asked_precision(asked: list[str]) -> contextlib.AbstractContextManager[None]:
     """For the duration: the mixed precision each ``TrainingArguments`` made asks for
     (``"bf16"``, ``"fp16"``) appended to ``asked``: under DataParallel the Trainer leaves
     autocast to accelerate, which does not prepare a DataParallel model, so what a script
     asks for there is not what it runs."""
-    patched: list[tuple[Any, Any]] = []
-
-    def patch(module: ModuleType) -> None:
-        cls = module.TrainingArguments
-        original = cls.__dict__["__post_init__"]
-
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
             done = original(self, *args, **kwargs)
             asked.extend(k for k in ("bf16", "fp16") if getattr(self, k, False) is True)
             return done
 
-        cls.__post_init__ = __post_init__
-        patched.append((cls, original))
+        return __post_init__
 
-    with on_each_load([_ARGUMENTS_MODULE], patch):
-        try:
-            yield
-        finally:
-            for cls, original in reversed(patched):
-                cls.__post_init__ = original
+    return _post_init_wrapped(wrap)
 
 
 def checkpointing_layers(model: nn.Module) -> int:
