@@ -4,8 +4,10 @@ context on a GPU not its own) without two."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import signal
 import tempfile
 from typing import Any
@@ -24,7 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # a calibration saved by `dpprof check` on this machine would change the emulated
     # context figures the tests expect: every test (and every process it starts) reads an
     # empty calibration folder unless it sets its own
-    os.environ["DPPROF_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="dpprof-calibration-")
+    calibration = tempfile.mkdtemp(prefix="dpprof-calibration-")
+    os.environ["DPPROF_CALIBRATION_DIR"] = calibration
+    atexit.register(shutil.rmtree, calibration, ignore_errors=True)  # one per run and worker
     # `dpprof run` in the test process keeps its seal's Python line and audit hook: a process
     # that entered a mount namespace stays there, and whether the first test to run has one
     # thread would decide it for the rest; the kernel line's tests run dpprof in a process
