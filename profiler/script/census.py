@@ -145,7 +145,7 @@ def refresh(snap: Snapshot) -> bool:
         was = entries.get(path)
         if was is None and not snap.complete:
             continue  # beyond the limit, as the walk would leave it
-        st = _watched_lstat(snap, path, was)
+        st = _watched_lstat(snap, path)
         if st is None:
             entries.pop(path, None)
             if was is not None and stat.S_ISDIR(was[0]):
@@ -166,15 +166,17 @@ def refresh(snap: Snapshot) -> bool:
     return watch.complete
 
 
-def _watched_lstat(snap: Snapshot, path: str, was: Signature | None) -> os.stat_result | None:
-    """``os.lstat(path)`` (None: gone); a file new at ``path`` (another inode) watched by its
-    inode first, as :func:`take` watches it (a folder is watched as it is walked)."""
+def _watched_lstat(snap: Snapshot, path: str) -> os.stat_result | None:
+    """``os.lstat(path)`` (None: gone); the file at ``path`` watched by its inode first, as
+    :func:`take` watches it (a folder is watched as it is walked). Watched again even where
+    its inode number is the one noted: a file replaced twice can have its first inode's
+    number again (ext4 reuses them at once) while that inode's watch went with it; a watch
+    asked again of an inode already watched is the one it has."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode) or not (snap.every_inode or st.st_nlink > 1) or (
-            was is not None and was[1:3] == (st.st_ino, st.st_dev)):
+    if not stat.S_ISREG(st.st_mode) or not (snap.every_inode or st.st_nlink > 1):
         return st
     assert snap.watch is not None
     snap.watch.add_file(path)  # before it is noted
