@@ -750,3 +750,54 @@ def test_the_batch_is_the_models_rows_not_the_flattened_losss(tmp_path: Path) ->
                                             gpus=4, steps=3), False)
     assert result.batch == 8 and result.scenarios[0].batch == 8
     assert (main.forwards, main.backwards) == (2, 2)
+
+
+BUILT_THREE_WAYS = """
+import sys
+import torch
+import torch.nn as nn
+
+how = sys.argv[1]
+torch.cuda.set_device(0)  # as a launcher's rank sets its GPU first
+def net():
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
+if how == "on the gpu":
+    model = net().cuda()
+elif how == "on meta, then to_empty":  # torchtitan's and Lightning's empty_init
+    with torch.device("meta"):
+        model = net()
+    assert all(p.is_meta and p.device.type == "meta" for p in model.parameters())
+    assert torch.cuda.memory_allocated() == 0
+    model.to_empty(device="cuda")
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+else:  # the default device
+    torch.set_default_device("cuda")
+    model = net()
+opt = torch.optim.Adam(model.parameters())
+for _ in range(3):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_model_built_on_meta_or_on_the_default_device_is_the_model_built_on_the_gpu(
+        tmp_path: Path) -> None:
+    """On a GPU the three ways of building a model hold the same bytes: built on meta it
+    holds none until ``to_empty``, and under ``set_default_device("cuda")`` it is built
+    there. Before, torch's ``DeviceContext`` gave no device to the emulation's wrapped
+    constructors (the meta model was built on the host; the default device's on the host,
+    so nothing was measured), and a meta tensor made after ``set_device`` was counted on
+    that GPU."""
+    script = tmp_path / "built.py"
+    script.write_text(BUILT_THREE_WAYS)
+    peaks = {}
+    for how in ("on the gpu", "on meta, then to_empty", "the default device"):
+        (s,) = run(["python", str(script), how], gpus=1, alternatives=False).scenarios
+        assert s.status == "ok", (how, s.message)
+        peaks[how] = (s.devices[0].peak_allocated_bytes, s.devices[0].breakdown_bytes)
+    assert len(set(map(str, peaks.values()))) == 1, peaks
+    assert peaks["on the gpu"][1]["parameters"] == r512(4 * 512 * 1024) + r512(4 * 1024) \
+        + r512(4 * 1024 * 10) + r512(4 * 10)

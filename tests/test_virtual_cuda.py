@@ -454,3 +454,45 @@ def test_singular_values_on_a_gpu_allocate_no_singular_vectors() -> None:
         before = torch.cuda.memory_allocated()
         torch.linalg.svdvals(xg)  # its backward needs U and Vh: computed, as on a GPU
         assert torch.cuda.max_memory_allocated() - before >= 512 * 256 * 4 + 256 * 256 * 4
+
+
+def test_a_device_entered_or_set_as_default_is_the_constructors_device() -> None:
+    # torch's DeviceContext gives its device to torch's constructors; wrapped by the
+    # emulation they must still be the functions it names (on a GPU the 1000 floats below
+    # are on cuda:1, and torch.tensor's on the default device)
+    with VirtualCuda(2) as vc:
+        with torch.device("cuda:1"):
+            a = torch.empty(1000)
+            b = torch.tensor([1.0, 2.0])
+        assert [vc.rt.storages.device_of(t) for t in (a, b)] == [1, 1]
+        assert a.device == torch.device("cuda", 1)
+        assert torch.cuda.memory_allocated(1) == r512(4000) + r512(8)
+        torch.set_default_device("cuda")
+        try:
+            c = torch.zeros(250)
+        finally:
+            torch.set_default_device(None)
+        assert vc.rt.storages.device_of(c) == 0 and torch.cuda.memory_allocated(0) == r512(1000)
+        assert torch.zeros(3).device.type == "cpu"
+
+
+def test_the_program_s_own_meta_tensors_are_on_no_device() -> None:
+    # a model built on meta (torchtitan, Lightning's empty_init) holds no bytes anywhere
+    # until to_empty gives it memory on a GPU; .to() of it fails as torch's own does
+    with VirtualCuda(2) as vc:
+        torch.cuda.set_device(1)
+        with torch.device("meta"):
+            model = nn.Linear(1000, 1000)
+        explicit = torch.zeros(10, device="meta") * 2
+        moved = torch.ones(3).to("meta")
+        for t in (model.weight, explicit, moved):
+            assert t.device == torch.device("meta") and t.is_meta and not t.is_cuda
+        assert torch.cuda.memory_allocated(0) == torch.cuda.memory_allocated(1) == 0
+        with pytest.raises(NotImplementedError, match="to_empty"):
+            model.to("cuda")
+        model.to_empty(device="cuda")
+        assert model.weight.device == torch.device("cuda", 1)
+        assert vc.rt.storages.device_of(model.weight) == 1
+        assert torch.cuda.memory_allocated(1) == r512(4_000_000) + r512(4000)
+        with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+            model.weight.data.copy_(torch.empty(1000, 1000, device="meta"))

@@ -28,6 +28,7 @@ from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.op_rules import OpRules
 from dpprof.emulator.small_values import SmallValues
+from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta
 from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
 
 aten = torch.ops.aten
@@ -202,6 +203,9 @@ class CudaDevices(VirtualDevices):
         self._next_address = FIRST_ADDRESS
         # dpprof run --compute: CPU tensors everywhere, the host's not tracked
         self._beside_real_host = real_host and self.base.type == "cpu"
+        # the program's own meta tensors (a model built on meta before to_empty): on no
+        # device, as on a GPU machine
+        self.user_meta = UserMeta()
 
     def host_stand_in(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A real host tensor of ``t``'s shape (zeros) for a value read from a virtual GPU,
@@ -308,11 +312,29 @@ class CudaDevices(VirtualDevices):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if types and (sub := subclass_in(types)) is not None:  # a DTensor, a FakeTensor
             return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
+        user_meta = self.user_meta
+        if user_meta.asking or (user_meta and user_meta.reads(args, kwargs)):
+            return self._on_user_meta(func, args, kwargs or {})
         if self._beside_real_host:
             # --compute with a real host: no meta tensor anywhere, so no stand-in, no
             # data-dependent shape and no small value to follow; the fast path
             return REAL_HOST_RULES.rule_for(func)(self, func, types, args, kwargs)
         return RULES.rule_for(func)(self, func, types, args, kwargs)
+
+    def _on_user_meta(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """An op that makes or computes the program's own meta tensors: run on meta,
+        counted on no device. Copying one into a tensor of a device fails as torch fails."""
+        if func is torch.ops.aten.copy_.default and not self.user_meta.holds(args[0]):
+            raise NotImplementedError(CANNOT_COPY_OUT)
+        if kwargs.get("device") is not None:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        self.in_dispatch += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.in_dispatch -= 1
+        self.user_meta.remember(out)
+        return out
 
     def dispatch_counted(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The op run and counted, what it computes from host values followed: the rule of

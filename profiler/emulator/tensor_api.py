@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _device
 
 from dpprof.emulator.cuda_devices import ORIGINALS, on_meta
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
+from dpprof.emulator.user_meta import UserMeta, default_device, names_meta
 
 
 def install(vc: EmulatedCuda, p: Patch) -> None:
@@ -139,9 +141,16 @@ def device_identity(vc: EmulatedCuda, p: Patch) -> None:
 
     def is_meta(self: torch.Tensor) -> bool:
         # an emulated GPU tensor is not "meta" to the program (Keras re-creates meta
-        # tensors with empty_like, dropping autograd)
-        return on_meta(self) and (vc.rt.in_dispatch > 0
-                                   or vc.rt.storages.device_of(self) == HOST)
+        # tensors with empty_like, dropping autograd); a DTensor is what its shard is
+        # (Lightning refuses an optimizer over meta parameters)
+        if not on_meta(self):
+            return False
+        if vc.rt.in_dispatch > 0:
+            return True
+        local = getattr(self, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            return is_meta(local)
+        return vc.rt.user_meta.holds(self) or vc.rt.storages.device_of(self) == HOST
 
     orig_repr = T.__repr__
 
@@ -162,11 +171,22 @@ def device_identity(vc: EmulatedCuda, p: Patch) -> None:
 def factories(vc: EmulatedCuda, p: Patch) -> None:
     """Factories and modules given a CUDA device, or an int for one."""
     T = torch.Tensor
+    # torch's DeviceContext (``with torch.device(d)``, ``torch.set_default_device(d)``)
+    # gives its device to the functions in this set, which is made at its first use: made
+    # now it holds torch's own functions, the ones the wrappers below call (made while they
+    # are in place, it would hold the wrappers, and no call would get the device)
+    _device._device_constructors.cache_clear()
+    _device._device_constructors()
 
     # torch.tensor / torch.as_tensor with a CUDA device: made on the host, then moved
     def make(orig: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def factory(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             device = kwargs.pop("device", None)
+            if device is None:  # torch.device(d) entered, or set_default_device(d)
+                device = default_device()
+            if names_meta(device):
+                with vc.rt.user_meta.asked():
+                    return orig(data, *args, device=device, **kwargs)
             index = vc.target_of(device)
             if orig is ORIGINALS["as_tensor"] and isinstance(data, torch.Tensor):
                 # as_tensor of a tensor: no copy where it already is (autograd kept)
@@ -179,7 +199,8 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
                     kwargs["device"] = device
                 return orig(data, *args, **kwargs)
             requires_grad = kwargs.pop("requires_grad", False)
-            out = vc.copy(orig(data, *args, **kwargs), index, None)
+            # made on the host (given it: a device entered would be given to it instead)
+            out = vc.copy(orig(data, *args, device="cpu", **kwargs), index, None)
             return out.requires_grad_(requires_grad) if requires_grad else out
 
         return factory
@@ -231,9 +252,9 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
     # before dispatch and a CPU build does not have; here the accelerator is CUDA
     for name in INT_DEVICE_FACTORIES:
         if hasattr(torch, name):
-            p(torch, name, _int_device(getattr(torch, name)))
+            p(torch, name, _int_device(getattr(torch, name), vc.rt.user_meta))
     for name in INT_DEVICE_METHODS:
-        p(T, name, _int_device(getattr(T, name)))
+        p(T, name, _int_device(getattr(T, name), vc.rt.user_meta))
     p(torch, "device", Device)
 
 
@@ -255,13 +276,22 @@ def _cuda_if_int(device: Any) -> Any:
     return device
 
 
-def _int_device(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """``orig`` with ``device=k`` (an int) read as ``cuda:k``, as on a CUDA machine."""
+def _int_device(orig: Callable[..., Any], user_meta: UserMeta) -> Callable[..., Any]:
+    """``orig`` with ``device=k`` (an int) read as ``cuda:k``, as on a CUDA machine; where
+    the device it is given or takes (a constructor of torch's, under ``torch.device(d)``) is
+    meta, what it makes is the program's own meta tensors (:mod:`dpprof.emulator.user_meta`)."""
+    constructor = orig in _device._device_constructors()
 
     @functools.wraps(orig)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if "device" in kwargs:
-            kwargs["device"] = _cuda_if_int(kwargs["device"])
+        device = kwargs.get("device")
+        if device is not None:
+            device = kwargs["device"] = _cuda_if_int(device)
+        elif constructor:
+            device = default_device()
+        if names_meta(device):
+            with user_meta.asked():
+                return orig(*args, **kwargs)
         return orig(*args, **kwargs)
 
     return call

@@ -61,6 +61,7 @@ from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
 from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
+from dpprof.emulator.user_meta import CANNOT_COPY_OUT, names_meta
 
 # ---- crossings with autograd -----------------------------------------------------------------
 
@@ -250,7 +251,7 @@ class VirtualCuda:
                     rt.stand_in("host copy", t)
                     return rt.host_stand_in(t, dtype)
                 host = real or (torch.device("cpu") if rt.real_host else self.base)
-                out = ORIGINALS["to"](t, device=host, dtype=dtype, copy=True)
+                out = _emulators_to(t, device=host, dtype=dtype, copy=True)
                 if rt.storages.device_of(t) != HOST:
                     # --compute: the GPU's values as the emulation computed them, read to
                     # the host; not the user's to write over their files either
@@ -259,11 +260,13 @@ class VirtualCuda:
             if rt.storages.device_of(t) == HOST and not isinstance(t, nn.Parameter):
                 with rt.category(rt.current_category if rt.current_category == "parameters"
                                  else "inputs"):
-                    return ORIGINALS["to"](t, device=self.base, dtype=dtype, copy=True)
-            return ORIGINALS["to"](t, device=self.base, dtype=dtype, copy=True)
+                    return _emulators_to(t, device=self.base, dtype=dtype, copy=True)
+            return _emulators_to(t, device=self.base, dtype=dtype, copy=True)
 
     def to_index(self, t: torch.Tensor, index: int, dtype: torch.dtype | None = None,
                  copy: bool = False, memory_format: Any = None) -> torch.Tensor:
+        if self.rt.user_meta.holds(t):  # on a GPU machine too: there is nothing to copy
+            raise NotImplementedError(CANNOT_COPY_OUT)
         src = self.rt.storages.device_of(t)
         if src == index and not (src == HOST and on_meta(t) and self.rt.real_host):
             if dtype is None and memory_format is None and not copy:
@@ -273,7 +276,7 @@ class VirtualCuda:
                 kw["dtype"] = dtype
             if memory_format is not None:
                 kw["memory_format"] = memory_format
-            return ORIGINALS["to"](t, **kw)
+            return _emulators_to(t, **kw)
         if t.requires_grad and torch.is_grad_enabled():
             return _Cross.apply(self, t, index, dtype)
         return self.copy(t, index, dtype)
@@ -323,6 +326,9 @@ class VirtualCuda:
                 kw["dtype"] = dtype
             if memory_format is not None:
                 kw["memory_format"] = memory_format
+            if names_meta(device):  # the program's own meta tensor (a model emptied)
+                with self.rt.user_meta.asked():
+                    return ORIGINALS["to"](t, **kw)
             return ORIGINALS["to"](t, **kw)
         out = self.to_index(t, target, dtype, copy, memory_format)
         # copies are in order on virtual devices; a non-blocking copy from a GPU lands in
@@ -395,7 +401,9 @@ class VirtualCuda:
             return real
         i = self.rt.storages.device_of(t)
         if i == HOST:
-            return real if real.type != "meta" else torch.device("cuda", self.current_device())
+            if real.type != "meta" or self.rt.user_meta.holds_or_wraps(t):
+                return real
+            return torch.device("cuda", self.current_device())
         return torch.device("cuda", self.logical(i))
 
     # ---- activation --------------------------------------------------------------------
@@ -514,3 +522,12 @@ def active() -> VirtualCuda | None:
     """The active :class:`VirtualCuda`, if any."""
     found = emulated_cuda.active()
     return found if isinstance(found, VirtualCuda) else None
+
+
+def _emulators_to(t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.to`` as the emulation's own step (a copy onto a virtual device's base):
+    not a call of the program's, so no torch function mode sees it (a ``DeviceContext``
+    would hand it to the patched ``Tensor.to``, which reads ``device=meta`` as the
+    program's meta tensors; a counting mode of the user's would count it twice)."""
+    with torch._C.DisableTorchFunction():
+        return ORIGINALS["to"](t, **kwargs)  # type: ignore[no-any-return]
