@@ -387,3 +387,38 @@ def test_a_later_rank_reads_files_rank_0_removed_outside_python(tmp_path: Path) 
     assert data["config"]["steps_done"] == {"as-written": 3, "as-written rank 3": 3}
     assert not any(w["run"] == "as-written rank 3" for w in data["writes"])
     assert folder_bytes(folder) == before
+
+
+TWO_D_MESH = """
+import os
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+tp = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+w = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8, device="cuda"), tp, [Shard(0)]))
+opt = torch.optim.SGD([w], lr=0.1)
+for _ in range(3):
+    y = (w * 2).redistribute(tp, [Replicate()])  # the product's spec: sharding propagation
+    y.to_local().sum().backward()
+    opt.step()
+"""
+
+
+def test_each_rank_over_a_2d_mesh_asks_its_own_process_groups(work: Path) -> None:
+    """Ranks 2 and 3 of a 2x2 mesh are in another tensor-parallel group than ranks 0 and 1.
+    DTensor caches what its ops' sharding gives, keyed by the mesh's layout, which is every
+    rank's: a rank run after rank 0 in the same process must start without rank 0's
+    entries, as its own process would (they name rank 0's group, which rank 2 is not in:
+    "Could not resolve the process group registered under the name 3" before)."""
+    (work / "mesh.py").write_text(TWO_D_MESH)
+    status, stderr, data = dpprof_run(
+        work, ["--ranks", "all"], ["torchrun", "--nproc-per-node", "4", "mesh.py"])
+    assert status == 0, stderr
+    assert data["config"]["ranks"]["run"] == [0, 1, 2, 3]
+    assert "failed" not in data["config"]["ranks"]
+    (s,) = data["scenarios"]
+    assert s["status"] == "ok"
+    peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
+    assert peaks[0] == peaks[1] == peaks[2] == peaks[3] > 0

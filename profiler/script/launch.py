@@ -348,6 +348,31 @@ def _fresh_singletons() -> None:
             shared = getattr(getattr(module, name, None), "_shared_state", None)
             if isinstance(shared, dict):
                 shared.clear()
+    _fresh_distributed_tensors()
+
+
+def _fresh_distributed_tensors() -> None:
+    """DTensor's process-wide caches emptied, as a new process has them: they are keyed by
+    layout (a ``DeviceMesh`` equals another of the same shape and names), so a later run (a
+    rank other than 0, whose mesh is rank 0's in layout but whose process groups are its
+    own) would be handed rank 0's specs, meshes and all, and ask rank 0's groups."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:  # never imported: nothing cached
+        return
+    from torch.distributed import device_mesh
+    from torch.distributed.tensor import _random, _redistribute, debug
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    debug._clear_sharding_prop_cache()  # the Python propagation's and the C++ fast path's
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    _random._rng_tracker = None
+    mesh_env = getattr(device_mesh, "_mesh_resources", None)
+    if mesh_env is not None:
+        mesh_env.__init__()
 
 
 def main_path(target: str) -> str:
