@@ -504,15 +504,16 @@ DATA_DEPENDENT_FIX = ("rerun with --compute (the same emulation over CPU tensors
 def probe_model(wl: Workload, gpus: int) -> nn.Module:
     """The workload's model over meta tensors, to see what it contains (a model that
     names its GPUs builds under a virtual CUDA)."""
+    # no host of its own (real_host=False): every tensor is meta, a GPU's or the host's
     rt = CudaDevices(gpus, "meta", real_host=False)
-    with VirtualCuda(gpus, rt=rt, honour_visible_devices=False), torch.device("meta"):
+    with VirtualCuda(gpus, rt=rt, honour_visible_devices=False):
         return build_model(wl, 0)  # no values over meta; the caller's RNG untouched
 
 
 def model_devices(wl: Workload, gpus: int) -> list[int]:
     """The GPUs the workload's model puts its parameters on itself (``[0]``: one GPU)."""
     rt = CudaDevices(gpus, "meta", real_host=False)
-    with VirtualCuda(gpus, rt=rt, honour_visible_devices=False), torch.device("meta"):
+    with VirtualCuda(gpus, rt=rt, honour_visible_devices=False):
         model = build_model(wl, 0)
         return sorted({max(rt.storages.device_of(p), 0) for p in model.parameters()}) or [0]
 

@@ -28,7 +28,7 @@ from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.op_rules import OpRules
 from dpprof.emulator.small_values import SmallValues
-from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta
+from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, names_meta
 from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
 
 aten = torch.ops.aten
@@ -58,6 +58,9 @@ NUMERIC_FACTORIES = frozenset({
 _NOT_SPLIT = object()
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+# the emulator's patched entry points of the tensor API: a call through them is its caller's
+_ENTRY_POINT_FILES = frozenset(str(Path(__file__).parent / name)
+                               for name in ("tensor_api.py", "virtual_cuda.py"))
 
 
 FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storages begin
@@ -313,19 +316,35 @@ class CudaDevices(VirtualDevices):
         if types and (sub := subclass_in(types)) is not None:  # a DTensor, a FakeTensor
             return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
         user_meta = self.user_meta
-        if user_meta.asking or (user_meta and user_meta.reads(args, kwargs)):
+        if user_meta.asking:
             return self._on_user_meta(func, args, kwargs or {})
+        if user_meta:
+            if (func is aten.copy_.default and user_meta.holds(args[1])
+                    and not user_meta.holds(args[0])):  # out of a meta tensor: torch refuses
+                raise NotImplementedError(CANNOT_COPY_OUT)
+            if user_meta.reads(args, kwargs):
+                return self._on_user_meta(func, args, kwargs or {})
         if self._beside_real_host:
             # --compute with a real host: no meta tensor anywhere, so no stand-in, no
             # data-dependent shape and no small value to follow; the fast path
             return REAL_HOST_RULES.rule_for(func)(self, func, types, args, kwargs)
         return RULES.rule_for(func)(self, func, types, args, kwargs)
 
+    def program_asks_meta(self, device: Any) -> bool:
+        """Whether a ``device=`` given at a Python call (a patched entry point of the tensor
+        API) asks for the program's own meta tensors: meta, not asked by torch's own Python
+        code while the emulation dispatches (a decomposition's ``device=a.device``, which is
+        meta underneath there), nor by dpprof's (the emulator's base, which is meta)."""
+        if not names_meta(device) or self.in_dispatch:
+            return False
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename in _ENTRY_POINT_FILES:
+            f = f.f_back
+        return f is None or not in_dpprof(f.f_code.co_filename)
+
     def _on_user_meta(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """An op that makes or computes the program's own meta tensors: run on meta,
-        counted on no device. Copying one into a tensor of a device fails as torch fails."""
-        if func is torch.ops.aten.copy_.default and not self.user_meta.holds(args[0]):
-            raise NotImplementedError(CANNOT_COPY_OUT)
+        counted on no device."""
         if kwargs.get("device") is not None:
             kwargs = {**kwargs, "device": torch.device("meta")}
         self.in_dispatch += 1

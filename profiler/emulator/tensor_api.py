@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils import _device
 
-from dpprof.emulator.cuda_devices import ORIGINALS, on_meta
+from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
-from dpprof.emulator.user_meta import UserMeta, default_device, names_meta
+from dpprof.emulator.user_meta import default_device
 
 
 def install(vc: EmulatedCuda, p: Patch) -> None:
@@ -184,7 +184,7 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
             device = kwargs.pop("device", None)
             if device is None:  # torch.device(d) entered, or set_default_device(d)
                 device = default_device()
-            if names_meta(device):
+            if vc.rt.program_asks_meta(device):
                 with vc.rt.user_meta.asked():
                     return orig(data, *args, device=device, **kwargs)
             index = vc.target_of(device)
@@ -252,9 +252,9 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
     # before dispatch and a CPU build does not have; here the accelerator is CUDA
     for name in INT_DEVICE_FACTORIES:
         if hasattr(torch, name):
-            p(torch, name, _int_device(getattr(torch, name), vc.rt.user_meta))
+            p(torch, name, _int_device(getattr(torch, name), vc.rt))
     for name in INT_DEVICE_METHODS:
-        p(T, name, _int_device(getattr(T, name), vc.rt.user_meta))
+        p(T, name, _int_device(getattr(T, name), vc.rt))
     p(torch, "device", Device)
 
 
@@ -276,7 +276,7 @@ def _cuda_if_int(device: Any) -> Any:
     return device
 
 
-def _int_device(orig: Callable[..., Any], user_meta: UserMeta) -> Callable[..., Any]:
+def _int_device(orig: Callable[..., Any], rt: CudaDevices) -> Callable[..., Any]:
     """``orig`` with ``device=k`` (an int) read as ``cuda:k``, as on a CUDA machine; where
     the device it is given or takes (a constructor of torch's, under ``torch.device(d)``) is
     meta, what it makes is the program's own meta tensors (:mod:`dpprof.emulator.user_meta`)."""
@@ -289,8 +289,8 @@ def _int_device(orig: Callable[..., Any], user_meta: UserMeta) -> Callable[..., 
             device = kwargs["device"] = _cuda_if_int(device)
         elif constructor:
             device = default_device()
-        if names_meta(device):
-            with user_meta.asked():
+        if rt.program_asks_meta(device):
+            with rt.user_meta.asked():
                 return orig(*args, **kwargs)
         return orig(*args, **kwargs)
 

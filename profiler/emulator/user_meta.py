@@ -96,14 +96,23 @@ class UserMeta:
         return self.holds(local if isinstance(local, torch.Tensor) else t)
 
     def reads(self, args: Any, kwargs: dict[str, Any] | None) -> bool:
-        """Whether an op reads one of the program's meta tensors and is given no other
-        device: then what it makes is the program's meta tensors, as on a GPU machine."""
+        """Whether an op reads the program's meta tensors and no other tensor, and is given
+        no other device: then what it makes is the program's meta tensors, as on a GPU
+        machine. (Beside a tensor of a virtual GPU, the GPU's rules place it.)"""
         if not self._storages:
             return False
         if kwargs and kwargs.get("device") is not None and not names_meta(kwargs["device"]):
             return False
-        return any(isinstance(a, torch.Tensor) and self.holds(a)
-                   for a in tree_leaves((args, kwargs)))
+        tensor = torch.Tensor
+        found = False
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for b in ((a,) if isinstance(a, tensor) else a if isinstance(a, (list, tuple))
+                      else ()):
+                if isinstance(b, tensor):
+                    if not self.holds(b):
+                        return False
+                    found = True
+        return found
 
     def remember(self, out: Any) -> None:
         """The tensors of ``out`` (any nesting) are the program's meta tensors."""

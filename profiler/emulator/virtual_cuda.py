@@ -61,7 +61,7 @@ from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
 from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
-from dpprof.emulator.user_meta import CANNOT_COPY_OUT, names_meta
+from dpprof.emulator.user_meta import CANNOT_COPY_OUT
 
 # ---- crossings with autograd -----------------------------------------------------------------
 
@@ -326,7 +326,7 @@ class VirtualCuda:
                 kw["dtype"] = dtype
             if memory_format is not None:
                 kw["memory_format"] = memory_format
-            if names_meta(device):  # the program's own meta tensor (a model emptied)
+            if self.rt.program_asks_meta(device):  # the program's own meta tensor
                 with self.rt.user_meta.asked():
                     return ORIGINALS["to"](t, **kw)
             return ORIGINALS["to"](t, **kw)
