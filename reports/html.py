@@ -402,7 +402,7 @@ def _predicted_table(view: ReportView) -> str:
              "<th>× one GPU</th><th>measured</th><th>busy per GPU</th></tr>"]
     for t in rows:
         step = t.predicted_step_s or 0.0
-        busy = ", ".join(f"{b.label} {percent((b.compute_s + b.communication_s) / step)}"
+        busy = ", ".join(f"{b.label} {percent(b.busy_s / step)}"
                          for b in t.busy) if step else "-"
         measured = step_time(t.measured_step_s) if t.measured_step_s is not None else "-"
         table.append(f"<tr><td>{escape(t.scenario)}</td><td>{step_time(step)}</td>"

@@ -402,7 +402,11 @@ def hbar_figure(names: list[str], values: list[float], texts: list[str], x_title
 
 # ---- the predicted step: each GPU busy or waiting ----------------------------------------
 
-BUSY_COLOURS = {"compute": "#4c78a8", "communication": "#f58518", "waiting": "#d9d9d9"}
+# the parts a predicted step stacks into (they add up to the step): the name shown, the
+# BusyView attribute, the colour
+BUSY_PARTS = (("compute", "compute_s", "#4c78a8"),
+              ("communication beside no kernel", "exposed_communication_s", "#f58518"),
+              ("waiting", "waiting_s", "#d9d9d9"))
 
 
 # a scenario's bars past which its other GPUs are shown by their least, median and most busy
@@ -414,12 +418,12 @@ def _busy_bars(busy: tuple[BusyView, ...]) -> list[tuple[str, BusyView]]:
     the groups are still many, the first GPU's and the others' least, median and most busy."""
     groups: dict[tuple[float, float, float], list[BusyView]] = {}
     for b in busy:
-        key = (round(b.compute_s, 9), round(b.communication_s, 9), round(b.waiting_s, 9))
+        key = (round(b.compute_s, 9), round(b.exposed_communication_s, 9), round(b.waiting_s, 9))
         groups.setdefault(key, []).append(b)
     bars = [(_busy_label(g), g[0]) for g in groups.values()]
     if len(bars) <= BUSY_BARS_MAX:
         return bars
-    first, rest = bars[0], sorted(bars[1:], key=lambda lb: lb[1].compute_s + lb[1].communication_s)
+    first, rest = bars[0], sorted(bars[1:], key=lambda lb: lb[1].busy_s)
     picked = {"least busy": rest[0], "median": rest[len(rest) // 2], "most busy": rest[-1]}
     return [first, *((f"{label} ({how} of the others)", b)
                      for how, (label, b) in picked.items())]
@@ -444,8 +448,8 @@ def busy_figure(view: ReportView) -> go.Figure | None:
         return None
     names = [f"{scenario} · {label}" for scenario, label, _ in rows]
     bars = []
-    for part, colour in BUSY_COLOURS.items():
-        values = [getattr(b, f"{part}_s") * 1e3 for _, _, b in rows]
+    for part, attribute, colour in BUSY_PARTS:
+        values = [getattr(b, attribute) * 1e3 for _, _, b in rows]
         bars.append(go.Bar(
             orientation="h", y=[_wrap(n) for n in names], x=values, name=part,
             marker={"color": colour},

@@ -198,7 +198,7 @@ def _predicted_time(view: ReportView) -> list[str]:
     for t in rows:
         step = t.predicted_step_s or 0.0
         busy = ", ".join(
-            f"{md(b.label)} {percent((b.compute_s + b.communication_s) / step)}"
+            f"{md(b.label)} {percent(b.busy_s / step)}"
             for b in t.busy) if step else "-"
         measured = step_time(t.measured_step_s) if t.measured_step_s is not None else "-"
         out.append(f"| {md(t.scenario)} | {step_time(t.predicted_step_s)} | "

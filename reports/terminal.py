@@ -296,7 +296,7 @@ def _timing_table(view: ReportView) -> RenderableType | None:
                    title=Text("step time (* predicted without a GPU)"), narrow=True)
     for t in rows:
         step = t.predicted_step_s or 0.0
-        busy = [(b.compute_s + b.communication_s) / step if step else 0.0 for b in t.busy]
+        busy = [b.busy_s / step if step else 0.0 for b in t.busy]
         others = busy[1:]
         table.add_row(
             t.scenario, step_time(t.predicted_step_s), samples(t.predicted_samples_per_s),

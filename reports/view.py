@@ -96,13 +96,25 @@ class ScenarioView:
 
 @dataclass(frozen=True)
 class BusyView:
-    """One GPU's share of a scenario's predicted step: seconds computing, communicating,
-    waiting (they add up to the step)."""
+    """One GPU's share of a scenario's predicted step: seconds computing, communicating
+    (``overlap_s`` of it beside a kernel, on the collective stream), waiting; busy and
+    waiting add up to the step."""
 
     label: str
     compute_s: float
     communication_s: float
     waiting_s: float
+    overlap_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """The time the GPU ran anything (its streams' union)."""
+        return self.compute_s + self.communication_s - self.overlap_s
+
+    @property
+    def exposed_communication_s(self) -> float:
+        """The communication no kernel ran beside."""
+        return self.communication_s - self.overlap_s
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,8 @@ def _timings(run: RunResult) -> tuple[TimingView, ...]:
         up = ups.get(s.name)
         busy = tuple(BusyView(_label(s, d), d.predicted_busy_s.get("compute", 0.0),
                               d.predicted_busy_s.get("communication", 0.0),
-                              d.predicted_busy_s.get("waiting", 0.0))
+                              d.predicted_busy_s.get("waiting", 0.0),
+                              d.predicted_busy_s.get("overlap", 0.0))
                      for d in s.devices if d.used and d.predicted_busy_s)
         out.append(TimingView(
             scenario=s.name, predicted_step_s=s.predicted_step_time_s,

@@ -168,7 +168,7 @@ def test_each_measured_step_has_its_prediction_beside_it(
         assert m.predicted_step_time_s == pytest.approx(e.predicted_step_time_s, rel=1e-12)
         used = [d for d in m.devices if d.used]
         assert used and all(set(d.predicted_busy_s) == {"compute", "communication",
-                                                        "waiting"} for d in used)
+                                                        "overlap", "waiting"} for d in used)
     text = terminal.TerminalRenderer().render_view(terminal.build_view(measured))
     table = text[text.index("step time (* predicted without a GPU)"):]
     assert "measured" in table.splitlines()[2]  # the header: predicted, then measured

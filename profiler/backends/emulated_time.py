@@ -41,7 +41,7 @@ def write_prediction(result: ScenarioResult, pred: StepPrediction, rows: int,
         p = pred.devices.get(source(d)) if d.used else None
         devices.append(d if p is None else dataclasses.replace(d, predicted_busy_s={
             "compute": p.compute_s, "communication": p.communication_s,
-            "waiting": p.waiting_s}))
+            "overlap": p.overlap_s, "waiting": p.waiting_s}))
     return dataclasses.replace(
         result, predicted_step_time_s=pred.step_time_s, predicted_host_s=pred.host_s,
         predicted_samples_per_s=(rows / pred.step_time_s if pred.step_time_s > 0

@@ -131,10 +131,30 @@ class DevicePrediction:
     compute_s: float = 0.0
     communication_s: float = 0.0
     waiting_s: float = 0.0
+    # of communication_s, the time its collective stream ran beside a kernel of its compute
+    # stream (FSDP2's prefetched all-gathers, DDP's all-reduces during the backward)
+    overlap_s: float = 0.0
 
     @property
     def busy_s(self) -> float:
-        return self.compute_s + self.communication_s
+        """The time the GPU ran anything: its streams' union."""
+        return self.compute_s + self.communication_s - self.overlap_s
+
+
+def _overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The time two streams' spans run at once (each stream's spans in order, disjoint)."""
+    i = j = 0
+    both = 0.0
+    while i < len(a) and j < len(b):
+        lo = max(a[i][0], b[j][0])
+        hi = min(a[i][1], b[j][1])
+        if hi > lo:
+            both += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
 
 
 @dataclass
@@ -194,6 +214,18 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
     # device -> when its all-gathers not waited for yet end, oldest first: FSDP2's
     # wait_for_unshard makes the compute stream wait on each, in the order they were issued
     gathered: dict[int, deque[float]] = {}
+    # device -> its collective stream's spans, and its compute stream's (the union of the
+    # two is the time the device is busy)
+    comm_spans: dict[int, list[tuple[float, float]]] = {}
+    compute_spans: dict[int, list[tuple[float, float]]] = {}
+
+    def on_compute_stream(d: int, start: float, end: float) -> None:
+        spans = compute_spans.setdefault(d, [])
+        if spans and start <= spans[-1][1]:  # back to back: one span
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+
     out = {d: DevicePrediction() for d in devices}
     phase = None
     label = None
@@ -245,6 +277,7 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 start = max(t, comm_free.get(d, 0.0))
                 span = _ring_s(op, rates, k)
                 comm_free[d] = start + span
+                comm_spans.setdefault(d, []).append((start, start + span))
                 gathered.setdefault(d, deque()).append(start + span)
                 dev(d).communication_s += span
             continue
@@ -253,6 +286,7 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 start = max(free.get(d, 0.0), comm_free.get(d, 0.0))  # its bucket is ready
                 span = _ring_s(op, rates, k)
                 comm_free[d] = start + span
+                comm_spans.setdefault(d, []).append((start, start + span))
                 dev(d).communication_s += span
             continue
         if kind in (BROADCAST, REDUCE, GATHER):  # NCCL on the devices' current streams
@@ -261,6 +295,7 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
             start = max(t, *(free.get(d, 0.0) for d in targets))
             for d in targets:
                 free[d] = start + span
+                on_compute_stream(d, start, start + span)
                 dev(d).communication_s += span
             if synchronous:
                 host[lane] = start + span
@@ -274,6 +309,7 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 start = max(t, *(free.get(x, 0.0) for x in ends))
                 for x in ends:
                     free[x] = start + span
+                    on_compute_stream(x, start, start + span)
                     dev(x).communication_s += span
                 if HOST in (d, s):  # a pageable copy: the host waits for it
                     host[lane] = max(host[lane], start + span)
@@ -288,6 +324,7 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 free[d] = max(free.get(d, 0.0), comm_free.get(d, 0.0))
             start = max(t, free.get(d, 0.0))
             free[d] = start + span
+            on_compute_stream(d, start, start + span)
             p = out.get(d)
             if p is None:
                 p = out[d] = DevicePrediction()
@@ -296,6 +333,8 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
                 host[lane] = free[d]
     host_s = max(host.values(), default=0.0) + k.step_overhead_s
     step = max(host_s, *free.values(), *comm_free.values()) if free else host_s
+    for d, spans in comm_spans.items():
+        out[d].overlap_s = _overlap_s(compute_spans.get(d, []), spans)
     for p in out.values():
         p.waiting_s = max(step - p.busy_s, 0.0)
     return StepPrediction(step, host_s, out, len(records), kernels)
@@ -322,6 +361,7 @@ def predict_steps(records: Sequence[OpRecord], step_ends: Sequence[int], rates: 
             mean = out.devices.setdefault(d, DevicePrediction())
             mean.compute_s += dev.compute_s / n
             mean.communication_s += dev.communication_s / n
+            mean.overlap_s += dev.overlap_s / n
             mean.waiting_s += dev.waiting_s / n
     return out
 
