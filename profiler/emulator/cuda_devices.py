@@ -337,7 +337,7 @@ class CudaDevices(VirtualDevices):
         meta underneath there), nor by dpprof's (the emulator's base, which is meta)."""
         if not names_meta(device) or self.in_dispatch:
             return False
-        f = sys._getframe(1)
+        f: FrameType | None = sys._getframe(1)
         while f is not None and f.f_code.co_filename in _ENTRY_POINT_FILES:
             f = f.f_back
         return f is None or not in_dpprof(f.f_code.co_filename)
