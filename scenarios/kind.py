@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import nn
-
-from dpprof.scenarios.measured_loop import ModelWithLoss
 from dpprof.scenarios.names import DATA_PARALLEL, DISTRIBUTED, ONE_GPU
+
+if TYPE_CHECKING:  # what a scenario is, without torch: the reports read it (dpprof report)
+    from torch import nn
 
 
 class Wrappers(Protocol):
@@ -119,6 +119,8 @@ class DataParallelScenario(Scenario):
     setup: str = DATA_PARALLEL
 
     def wrap(self, model: nn.Module, loss_fn: Callable[..., Any], wrappers: Wrappers) -> Any:
+        from dpprof.scenarios.measured_loop import ModelWithLoss
+
         return wrappers.data_parallel(ModelWithLoss(model, loss_fn) if self.loss_inside
                                       else model)
 

@@ -474,18 +474,3 @@ def make_optimizer(wl: Workload, model: nn.Module, loss_fn: Any) -> torch.optim.
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"optimizer() returned {type(opt).__name__}, not a torch Optimizer")
     return opt
-
-
-def shard_sizes(batch: int, devices: int) -> list[int]:
-    """Rows per device as ``tensor.chunk(devices)`` splits them (DataParallel's scatter).
-
-    Chunks of ceil(B / N) rows, the last smaller, and fewer than N chunks when B is small:
-    10 over 4 -> [3, 3, 3, 1]; 6 over 4 -> [2, 2, 2].
-    """
-    size = math.ceil(batch / devices)
-    sizes = []
-    left = batch
-    while left > 0:
-        sizes.append(min(size, left))
-        left -= size
-    return sizes

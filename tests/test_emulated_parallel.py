@@ -19,8 +19,9 @@ from dpprof.emulator.comm import (
 )
 from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import DeviceResult
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.scenarios.step import StepConfig
-from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.scenarios.workloads import Workload
 
 
 def test_shard_sizes_follow_tensor_chunk() -> None:

@@ -11,6 +11,7 @@ from dpprof.backends.emulated import Alongside, EmulationConfig, run_scenario
 from dpprof.fixes.kinds.balanced_split import BalancedSplits, balanced_split, secant_split
 from dpprof.measure.fix_savings import alongside as fixes_alongside
 from dpprof.pipeline import CompareConfig, run_compare
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import (
     LMConfig,
@@ -18,7 +19,6 @@ from dpprof.scenarios.workloads import (
     classifier,
     convnet,
     lm,
-    shard_sizes,
 )
 
 SMALL_LM = LMConfig(vocab=8000, seq=64, d_model=128, layers=1)

@@ -11,7 +11,7 @@ from dpprof.backends.emulated import EmulationConfig
 from dpprof.backends.gloo import DistributedRunError, RankSpec, launch
 from dpprof.result import STATUS_ERROR, STATUS_OK, DeviceResult, ScenarioResult
 from dpprof.scenarios.names import DDP
-from dpprof.scenarios.workloads import shard_sizes
+from dpprof.scenarios.shards import shard_sizes
 
 
 def run_ddp_gloo(workload: str, cfg: EmulationConfig, ddp_timeout_s: float) -> ScenarioResult:

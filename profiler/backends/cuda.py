@@ -51,8 +51,9 @@ from dpprof.backends.cuda_measure import (
 from dpprof.nvml.queries import NvmlBackend
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.registry import find
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.scenarios.step import scenario_batch
-from dpprof.scenarios.workloads import Workload, make_optimizer, shard_sizes
+from dpprof.scenarios.workloads import Workload, make_optimizer
 
 __all__ = ["ASSUMPTIONS", "run_local_scenario"]
 

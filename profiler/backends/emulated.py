@@ -53,12 +53,12 @@ from dpprof.result import STATUS_ERROR, ScenarioResult
 from dpprof.scenarios.kind import Scenario
 from dpprof.scenarios.measured_loop import StepHooks, error_site, training_loop
 from dpprof.scenarios.registry import find
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.scenarios.step import Batch, build_model, scenario_batch, step_stream
 from dpprof.scenarios.workloads import (
     Workload,
     make_optimizer,
     map_tensors,
-    shard_sizes,
     tensors_in,
 )
 

@@ -19,7 +19,8 @@ from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import DeviceResult, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
 from dpprof.scenarios.registry import find
-from dpprof.scenarios.workloads import shard_sizes, tensors_in
+from dpprof.scenarios.shards import shard_sizes
+from dpprof.scenarios.workloads import tensors_in
 
 __all__ = [
     "ON_CUDA0",

@@ -20,7 +20,6 @@ from dpprof.reports.formats import file_suffixes, for_path, renderers
 from dpprof.result import RunResult
 from dpprof.saved_result import write_atomic
 from dpprof.scenarios.registry import SCENARIOS
-from dpprof.scenarios.workloads import load_workload
 
 if TYPE_CHECKING:
     from dpprof.scenarios.workloads import Workload
@@ -182,6 +181,8 @@ def load_user_workload(spec: str) -> Workload:
     raises a ``BaseException`` that is not an ``Exception`` (nor an interrupt or an exit) is
     the usage error any other raising factory is."""
     try:
+        from dpprof.scenarios.workloads import load_workload  # torch: not for dpprof report
+
         return load_workload(spec)
     except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise

@@ -37,8 +37,9 @@ from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import Equivalence, EquivalenceEntry, EquivalenceFinding
 from dpprof.scenarios.measured_loop import ModelWithLoss, StepHooks, call_model, training_loop
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.scenarios.step import build_model, scenario_batch, step_stream
-from dpprof.scenarios.workloads import Workload, map_tensors, shard_sizes
+from dpprof.scenarios.workloads import Workload, map_tensors
 
 TOLERANCE = 1e-4  # relative: float32 sums in another order differ by ~1e-6
 REFERENCE = "single-full-batch"

@@ -71,7 +71,8 @@ from dpprof.measure.ladder_rungs import (
 from dpprof.measure.rung_models import repeated_blocks, rung_workload
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix, RunResult, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY, SINGLE
-from dpprof.scenarios.workloads import Workload, shard_sizes
+from dpprof.scenarios.shards import shard_sizes
+from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
 
 # The share of this machine's free memory an emulated CPU-offload rung may take: it builds

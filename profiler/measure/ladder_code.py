@@ -11,7 +11,7 @@ from dpprof.fixes.kinds.ddp_in_place import CODE_SETUP
 from dpprof.measure.ladder_rungs import Rung
 from dpprof.measure.rung_models import repeated_blocks
 from dpprof.scenarios.names import DDP
-from dpprof.scenarios.workloads import shard_sizes
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.units import fmt_bytes
 
 CODE_SINGLE_LOOP = """\

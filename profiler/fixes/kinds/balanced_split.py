@@ -15,7 +15,7 @@ from dpprof.fixes.fix_kind import FURTHER_STEP, MIN_SAVING, FixKind, Trial, meas
 from dpprof.fixes.policy import Cost
 from dpprof.result import DeviceResult, Fix, ScenarioResult
 from dpprof.scenarios.names import DP_LOSS_PRIMARY
-from dpprof.scenarios.workloads import shard_sizes
+from dpprof.scenarios.shards import shard_sizes
 
 if TYPE_CHECKING:
     from dpprof.backends.emulated import Alongside, EmulationConfig

@@ -9,7 +9,7 @@ from dpprof.fixes.fix_kind import AS_SCENARIO, FixKind, Trial, against
 from dpprof.fixes.policy import Cost
 from dpprof.result import Fix, ScenarioResult
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
-from dpprof.scenarios.workloads import shard_sizes
+from dpprof.scenarios.shards import shard_sizes
 
 if TYPE_CHECKING:
     from dpprof.backends.emulated import EmulationConfig

@@ -10,7 +10,7 @@ from dpprof.fixes.fix_kind import FURTHER_STEP, FixKind, Trial, against, measure
 from dpprof.fixes.policy import Cost
 from dpprof.result import Fix
 from dpprof.scenarios.names import DP_LOSS_PRIMARY
-from dpprof.scenarios.workloads import shard_sizes
+from dpprof.scenarios.shards import shard_sizes
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
