@@ -197,6 +197,17 @@ def _scenario(run: RunResult, s: ScenarioResult) -> ScenarioView:
     )
 
 
+def _busy(label: str, split: dict[str, float], step_s: float | None) -> BusyView:
+    """One GPU's split of the predicted step. A result saved before the overlap of its two
+    streams was predicted counts it at least as the time their sum exceeds the step (a GPU
+    is never busy longer than the step)."""
+    compute, communication = split.get("compute", 0.0), split.get("communication", 0.0)
+    overlap = split.get("overlap")
+    if overlap is None:
+        overlap = max(compute + communication - (step_s or 0.0), 0.0) if step_s else 0.0
+    return BusyView(label, compute, communication, split.get("waiting", 0.0), overlap)
+
+
 def _timings(run: RunResult) -> tuple[TimingView, ...]:
     """Each timed scenario's step (predicted; measured on real GPUs) and each GPU's split."""
     ups = {u.scenario: u for u in speed_ups(run)}
@@ -205,10 +216,7 @@ def _timings(run: RunResult) -> tuple[TimingView, ...]:
         if s.status != "ok" or (s.predicted_step_time_s is None and s.step_time_s is None):
             continue
         up = ups.get(s.name)
-        busy = tuple(BusyView(_label(s, d), d.predicted_busy_s.get("compute", 0.0),
-                              d.predicted_busy_s.get("communication", 0.0),
-                              d.predicted_busy_s.get("waiting", 0.0),
-                              d.predicted_busy_s.get("overlap", 0.0))
+        busy = tuple(_busy(_label(s, d), d.predicted_busy_s, s.predicted_step_time_s)
                      for d in s.devices if d.used and d.predicted_busy_s)
         out.append(TimingView(
             scenario=s.name, predicted_step_s=s.predicted_step_time_s,
