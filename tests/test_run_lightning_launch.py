@@ -254,3 +254,33 @@ def test_a_hydra_app_s_ranks_run_as_lightning_starts_them(tmp_path: Path) -> Non
     assert {p for r, p in writes if r == "as-written rank 3"} == {
         "outputs/run1/where.txt", "outputs/run1/train_ddp_process_3.log"}
     assert sorted(os.listdir(work)) == ["train.py"]
+
+
+@pytest.mark.slow
+def test_fabric_model_parallel_built_on_meta_runs_every_rank_of_its_2d_mesh(
+        work: Path) -> None:
+    """``fabric_model_parallel.py``: Fabric's ModelParallelStrategy over a 2x2 mesh, the
+    model built under ``init_module(empty_init=True)`` and sharded by tensor parallelism,
+    then FSDP2. The model is on meta until Fabric materialises it on each GPU (it was built
+    on the host before: Lightning's 7B example was killed at 24 GB of host memory), and
+    ranks 2 and 3, whose tensor-parallel group is not rank 0's, run to the end (they
+    were handed rank 0's group by DTensor's caches). Each GPU holds a quarter of every
+    weight, and AdamW's two moments of that quarter."""
+    done, result, processes = dpprof_run(work, ["--steps", "3", "--ranks", "all"],
+                                         "fabric_model_parallel.py", [], namespace=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert script_processes(processes, "fabric_model_parallel.py") == [], processes
+    assert result["config"]["ranks"]["run"] == [0, 1, 2, 3]
+    assert "failed" not in result["config"]["ranks"]
+    (s,) = result["scenarios"]
+    assert s["status"] == "ok", s
+    # up: Linear(256, 1024) by columns, down: Linear(1024, 256) by rows over the tensor-
+    # parallel pair (down's bias whole), each then halved by FSDP2 over the other pair
+    quarter = (r512(4 * 256 * 256) + r512(4 * 256)          # up's weight and bias
+               + r512(4 * 128 * 512) + r512(4 * 128))        # down's weight and bias
+    peaks = set()
+    for d in s["devices"]:
+        assert d["breakdown_bytes"]["optimizer_state"] == 2 * quarter, d
+        peaks.add(d["peak_allocated_bytes"])
+    assert len(peaks) == 1
