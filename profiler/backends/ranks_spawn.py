@@ -164,9 +164,10 @@ def _end_ranks(
 ) -> None:
     """Join the ranks (briefly), report those that died unreported, then end every rank
     still running at once and close the queue."""
-    for p in procs:
-        if not interrupted:
-            p.join(timeout=10 if have_result else 2)
+    if not interrupted:  # one wait for all of them: a rank stuck in its teardown costs it once
+        deadline = time.monotonic() + (10 if have_result else 2)
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
     if not have_result and not interrupted:  # a rank that died is the news, before we
         for r, p in enumerate(procs):        # end the ones still running
             if (p.exitcode is not None and r not in reported_dead
