@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from dpprof.errors import WorkloadError
 from dpprof.scenarios.measured_loop import UserStep
+from dpprof.scenarios.workload_names import BUILTIN_WORKLOADS
 
 
 def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -353,7 +354,7 @@ BUILTINS: dict[str, Callable[[], Workload]] = {
     "classifier": classifier,
     "attention": attention,
 }
-DEFAULT = "lm"
+assert tuple(BUILTINS) == BUILTIN_WORKLOADS  # the names the CLI gives without torch
 
 
 # ---- loading -----------------------------------------------------------------------------

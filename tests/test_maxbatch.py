@@ -127,7 +127,7 @@ def test_maxbatch_ladder_searches_each_rung_on_ddp(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from dpprof.cli.app import app
-    from dpprof.measure.maxbatch_search import LADDER_MICRO_BATCHES
+    from dpprof.measure.maxbatch_limits import LADDER_MICRO_BATCHES
 
     out = tmp_path / "mb.json"
     md = tmp_path / "mb.md"

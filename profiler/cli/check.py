@@ -15,7 +15,6 @@ import typer
 from dpprof.cli.common import err, out, parse_scenarios
 from dpprof.cli.guard import guarded
 from dpprof.scenarios.registry import SCENARIOS
-from dpprof.self_check import check_lines, run_check, save_measured
 
 PANEL = "What to run"
 
@@ -58,6 +57,10 @@ def check_cmd(
     match (MIG, containers); whether per-process NVML works; and the NVML sampler's cost.
     Exits 2 without a GPU."""
     with guarded(debug):
+        # the GPU check's own modules (torch, the emulator) only where it runs: --help,
+        # dpprof report and the other commands start without them
+        from dpprof.self_check import check_lines, run_check, save_measured
+
         chosen = parse_scenarios(scenarios)
         report = run_check(device=device, workload=workload, batch=batch, steps=steps,
                            scenarios=chosen, nvml_interval_s=nvml_interval,

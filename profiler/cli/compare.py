@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dpprof.backends.cuda_ddp import torchrun_info
 from dpprof.cli.common import (
     check_writable,
     err,
@@ -47,25 +46,18 @@ from dpprof.cli.options import (
     exit_on_fail_reasons,
     target_gpu,
 )
+from dpprof.compare_config import DEFAULT_EMULATED_GPUS, CompareConfig
 from dpprof.errors import UsageError
-from dpprof.pipeline import (
-    DEFAULT_EMULATED_GPUS,
-    CompareConfig,
-    mark_partial,
-    resolve_backend,
-    run_compare,
-    visible_cuda_gpus,
-)
 from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import RunResult
-from dpprof.scenarios.step import (
+from dpprof.scenarios.step_config import (
     DEFAULT_MEASURED_STEPS,
     DEFAULT_WARMUP_STEPS,
     DdpOptions,
     StepConfig,
 )
-from dpprof.scenarios.workloads import BUILTINS
+from dpprof.scenarios.workload_names import BUILTIN_WORKLOADS
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -87,7 +79,7 @@ def compare_cmd(
         str,
         typer.Option(
             "--workload", "-w",
-            help=f"Built-in ({', '.join(BUILTINS)}) or your own: module.path:function or "
+            help=f"Built-in ({', '.join(BUILTIN_WORKLOADS)}) or your own: module.path:function or "
             "path/to/file.py:function returning a dpprof.Workload.",
             rich_help_panel=PANEL_WORKLOAD),
     ] = CONFIG.workload,
@@ -221,10 +213,13 @@ def compare_cmd(
     paths: list[tuple[Path, str]] = []
 
     def write_partial(partial: RunResult, signum: int) -> list[str]:
+        from dpprof.pipeline import mark_partial
+
         return [shown_path(p) for p in write_reports(mark_partial(partial, signum), paths, True,
                                                      include_host)]
 
     with guarded(debug, on_interrupt=write_partial):
+        from dpprof.backends.ranks import torchrun_info
         # --gpu NAME sets the target generation unless --compute-capability says otherwise
         target = target_gpu(gpu_memory, gpu, compute_capability_text)
 
@@ -291,6 +286,8 @@ def _compare_config(
 
 def _resolved_backend(cfg: CompareConfig, devices: str | None) -> str:
     """The backend ``auto`` stands for; ``--devices`` only where it picks real GPUs."""
+    from dpprof.pipeline import resolve_backend
+
     resolved = resolve_backend(cfg.backend)
     if cfg.devices is not None and resolved != "cuda":
         raise UsageError(
@@ -311,6 +308,8 @@ def _announce(cfg: CompareConfig, resolved: str, memory_bytes: int, rank: RankIn
             f"processes); workload {terminal_text(workload_name)}, batch {batch}",
             soft_wrap=True)  # one line, as a log shows it
     if resolved == "emulated":
+        from dpprof.pipeline import visible_cuda_gpus
+
         found = visible_cuda_gpus()
         why = ("--backend emulated" if cfg.backend != "auto" else "no CUDA GPUs found"
                if found == 0 else f"{found} CUDA GPU found (the comparison needs 2)")
@@ -330,6 +329,14 @@ def _announce(cfg: CompareConfig, resolved: str, memory_bytes: int, rank: RankIn
             f"{cfg.step.warmup_steps('cuda')} warm-up + "
             f"{cfg.step.measured_steps('cuda')} measured steps",
             soft_wrap=True)  # one line, as a log shows it
+
+
+def run_compare(cfg: CompareConfig, **kwargs: Any) -> RunResult | None:
+    """:func:`dpprof.pipeline.run_compare`, imported where a comparison runs: torch and the
+    backends are not loaded for --help or the other commands."""
+    from dpprof.pipeline import run_compare as run_pipeline
+
+    return run_pipeline(cfg, **kwargs)
 
 
 def _run(cfg: CompareConfig, wl: Workload, quiet: bool) -> RunResult | None:

@@ -34,17 +34,17 @@ from dpprof.cli.options import (
     check_bounds,
     target_gpu,
 )
+from dpprof.compare_config import DEFAULT_EMULATED_GPUS, CompareConfig
 from dpprof.emulator.catalog import GpuSpec
 from dpprof.errors import EXIT_ERROR, UsageError
-from dpprof.measure.maxbatch_search import LADDER_MICRO_BATCHES, run_maxbatch
-from dpprof.pipeline import DEFAULT_EMULATED_GPUS, CompareConfig
+from dpprof.measure.maxbatch_limits import LADDER_MICRO_BATCHES
 from dpprof.reports.answer_sections import maxbatch_renderable
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.reports.view_builder import build_view
 from dpprof.result import RunResult, new_result
 from dpprof.scenarios.registry import SCENARIOS
-from dpprof.scenarios.step import StepConfig
-from dpprof.scenarios.workloads import DEFAULT
+from dpprof.scenarios.step_config import StepConfig
+from dpprof.scenarios.workload_names import DEFAULT
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -130,6 +130,14 @@ def _check_maxbatch_options(gpus: int, multiple_of: int, seed: int) -> None:
     if multiple_of < 1:
         raise UsageError(f"--multiple-of must be at least 1, got {multiple_of}")
     check_bounds({"--gpus": gpus, "--multiple-of": multiple_of, "--seed": seed})
+
+
+def run_maxbatch(*args: Any, **kwargs: Any) -> MaxBatch:
+    """:func:`dpprof.measure.maxbatch_search.run_maxbatch`, imported where a search runs:
+    torch and the emulator are not loaded for --help or the other commands."""
+    from dpprof.measure.maxbatch_search import run_maxbatch as search
+
+    return search(*args, **kwargs)
 
 
 def _search(wl: Workload, names: tuple[str, ...], gpus: int, memory: int, spec: GpuSpec | None,

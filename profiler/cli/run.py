@@ -43,14 +43,7 @@ from dpprof.reports import terminal
 from dpprof.reports.escape import for_terminal, terminal_text
 from dpprof.result import STATUS_ERROR, RunResult
 from dpprof.script import namespace
-from dpprof.script.rank_runs import RANKS_HELP, check_ranks, default_ranks
-from dpprof.script.session import (
-    ScriptConfig,
-    interrupted_while_writing,
-    nothing_on_a_gpu,
-    parse_command,
-    run_command,
-)
+from dpprof.script.rank_spec import RANKS_HELP, check_ranks, default_ranks
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -151,6 +144,14 @@ def run_cmd(
         return [shown_path(p) for p in write_reports(partial, paths, True, include_host)]
 
     with guarded(debug, on_interrupt=write_partial):
+        # the runs' modules (torch, the emulator, the seal): imported by the console script
+        # before a command runs (dpprof.cli.entry), here for a caller that did not
+        from dpprof.script.session import (
+            ScriptConfig,
+            interrupted_while_writing,
+            parse_command,
+        )
+
         _check_run_options(DEFAULT_GPUS if gpus is None else gpus, steps)
         target = target_gpu(gpu_memory, gpu)
         interconnect = interconnect.strip().lower()
@@ -252,6 +253,8 @@ def _announce(cfg: ScriptConfig) -> None:
 def _run(cfg: ScriptConfig, alternatives: bool, quiet: bool) -> tuple[RunResult, ScriptRun]:
     """The script as written (and its alternatives), with a progress bar over the steps
     unless ``quiet``."""
+    from dpprof.script.session import run_command
+
     if quiet:
         return run_command(cfg, alternatives)
     with progress_bar("{task.completed}/{task.total} steps", err, redirect=False) as bar, \
@@ -272,6 +275,8 @@ def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, 
         sys.stderr.write(main.script_traceback.rstrip() + "\n")
     if not any(d.peak_allocated_bytes for s in result.scenarios for d in s.devices):
         # nothing reached a GPU: that is the answer, and there is no report to write
+        from dpprof.script.session import nothing_on_a_gpu
+
         unwritten = ", ".join(terminal_text(shown_path(p)) for p, _ in paths)
         status = "" if main.exit_status else f" (exit status {EXIT_ERROR})"
         err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written ({unwritten})"

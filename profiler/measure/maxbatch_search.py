@@ -37,6 +37,7 @@ from dpprof.emulator.fsdp import emulated_ranks
 from dpprof.fixes.policy import LADDER_PREFIX
 from dpprof.measure import ladder
 from dpprof.measure.ladder_rungs import Rung, accumulation_rung, fsdp_rungs, rungs
+from dpprof.measure.maxbatch_limits import DEFAULT_UPPER, LADDER_MICRO_BATCHES
 from dpprof.measure.rung_models import repeated_blocks, rung_workload
 from dpprof.result import (
     STATUS_ERROR,
@@ -50,9 +51,6 @@ from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
 
-# gradient accumulation's rung in the largest-batch search: the micro-batches per step
-LADDER_MICRO_BATCHES = 4
-DEFAULT_UPPER = 1 << 22  # rows: a search bound, reported as "capped" when reached
 COUNTS = ("peak reserved (simulated caching allocator, cuBLAS workspaces included) + the "
           "CUDA context (and NCCL's memory on DDP ranks)")
 

@@ -1,7 +1,7 @@
 """Every rank's code: a script started by a launcher (torchrun, ``mp.spawn``) runs each
 rank's code path, not rank 0's alone. The script as written plays rank 0; the ranks
-:func:`ranks_to_run` names (by default over meta tensors the last, the one that shares
-none of rank 0's own work: :func:`default_ranks`) run again as written, each as its own
+``--ranks`` names (:mod:`dpprof.script.rank_spec`; by default over meta tensors the last,
+the one that shares none of rank 0's own work) run again as written, each as its own
 emulated run (its launcher's environment, its own virtual GPU, collectives completing at
 once as on rank 0). :func:`merge_ranks` folds them into rank 0's scenario: each GPU shows
 its own rank's peaks, the ranks not run are said to be taken as the representative one, a
@@ -16,50 +16,11 @@ import dataclasses
 import re
 from pathlib import Path
 
-from dpprof.errors import UsageError
 from dpprof.result import STATUS_ERROR, DeviceResult
 from dpprof.script.runner import ScriptRun
 from dpprof.units import fmt_bytes
 
-__all__ = ["RANKS_HELP", "check_ranks", "default_ranks", "merge_ranks", "rank_branches",
-           "ranks_to_run"]
-
-RANKS_HELP = ("The ranks run besides rank 0 (the script as written), each as its own "
-              "emulated process: 'last' (the world's last rank; the default over meta "
-              "tensors: one more run of the script), 'all', ranks by number (1,3), or "
-              "'none' (rank 0 stands for every rank; the default with --compute, where a "
-              "rank's run computes the model on the CPU). The report says which ranks ran. "
-              "A later rank reads what rank 0's run wrote, even what it removed later (a "
-              "shared filesystem), and receives rank 0's broadcast_object_list objects.")
-
-
-def default_ranks(compute: bool) -> str:
-    """``--ranks`` when not given: the last rank over meta tensors (a rank costs one more
-    run of the script, memory only), rank 0 alone over CPU tensors (``--compute``: a
-    rank's run computes the model for real)."""
-    return "none" if compute else "last"
-
-
-def check_ranks(spec: str) -> str:
-    """``--ranks``: the spec, normalised, or one line naming what is wrong."""
-    words = [w.strip().lower() for w in spec.split(",") if w.strip()]
-    if words in (["last"], ["all"], ["none"]):
-        return words[0]
-    if words and all(w == "last" or w.isdigit() for w in words):
-        return ",".join(words)
-    raise UsageError(f"--ranks {spec!r}: give last, all, none, or rank numbers such as 1,3")
-
-
-def ranks_to_run(spec: str, world: int) -> tuple[list[int], list[int]]:
-    """The ranks other than 0 that ``spec`` (:func:`check_ranks`) runs in a world of
-    ``world`` ranks, ascending; and those it names beyond the world (not run)."""
-    if world <= 1 or spec == "none":
-        return [], []
-    if spec == "all":
-        return list(range(1, world)), []
-    wanted = {world - 1 if w == "last" else int(w) for w in spec.split(",")}
-    return (sorted(r for r in wanted if 0 < r < world),
-            sorted(r for r in wanted if r >= world))
+__all__ = ["merge_ranks", "rank_branches"]
 
 
 def merge_ranks(main: ScriptRun, others: list[ScriptRun], world: int,

@@ -46,7 +46,8 @@ from dpprof.script.notes import (
     write_notes,
 )
 from dpprof.script.rank_broadcasts import Broadcasts
-from dpprof.script.rank_runs import merge_ranks, ranks_to_run
+from dpprof.script.rank_runs import merge_ranks
+from dpprof.script.rank_spec import ranks_to_run
 from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.sealed_run import finish_removals, prepare_process, take_census
