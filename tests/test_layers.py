@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("result",),  # the result model, which records the environment
     ("saved_result",),  # the result as a file: strict reading, upgrades, atomic writing
     ("scenarios",),  # the scenarios, their names, the measured loop, the workloads
+    ("compare_config",),  # `dpprof compare`'s options, without torch (the CLI's flags)
     ("backends",),  # where a scenario runs: emulated, cpu (gloo), cuda
     ("fixes",),  # what each fix is; measured through the trial it is handed
     ("answers",),  # pure functions of a result: comparison, attribution, verdict

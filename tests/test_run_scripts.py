@@ -801,3 +801,27 @@ def test_a_model_built_on_meta_or_on_the_default_device_is_the_model_built_on_th
     assert len(set(map(str, peaks.values()))) == 1, peaks
     assert peaks["on the gpu"][1]["parameters"] == r512(4 * 512 * 1024) + r512(4 * 1024) \
         + r512(4 * 1024 * 10) + r512(4 * 10)
+
+
+def test_a_script_s_default_device_and_dtype_do_not_outlive_its_run(tmp_path: Path) -> None:
+    """A script that sets torch's default device and dtype leaves them set in dpprof's
+    process: the next run (an alternative, another rank) and dpprof's own tensors start from
+    torch's defaults again, as a new process does (before, every later factory in the
+    process went to "cuda" and failed outside the emulation)."""
+    import torch
+
+    script = tmp_path / "defaults.py"
+    script.write_text("import torch\n"
+                      "torch.set_default_device('cuda')\n"
+                      "torch.set_default_dtype(torch.float64)\n"
+                      "model = torch.nn.Linear(8, 8)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "for _ in range(3):\n"
+                      "    model(torch.randn(4, 8)).sum().backward()\n"
+                      "    opt.step()\n")
+    (s,) = run(["python", str(script)], gpus=1, alternatives=False).scenarios
+    assert s.status == "ok", s.message
+    assert s.devices[0].breakdown_bytes["parameters"] == r512(8 * 8 * 8) + r512(8 * 8)
+    assert torch.get_default_device() == torch.device("cpu")
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.empty(1).device.type == "cpu"

@@ -11,24 +11,22 @@ dispatch_counted`)."""
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from pathlib import Path
-from types import FrameType
 from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from dpprof.emulator.allocator_config import block_bytes
+from dpprof.emulator.call_sites import caller_line, caller_site
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.op_rules import OpRules
 from dpprof.emulator.small_values import SmallValues
-from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, names_meta
+from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, asked_by_program
 from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
 
 aten = torch.ops.aten
@@ -56,11 +54,6 @@ NUMERIC_FACTORIES = frozenset({
 })
 
 _NOT_SPLIT = object()
-_DPPROF_DIR = str(Path(__file__).resolve().parents[1])
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-# the emulator's patched entry points of the tensor API: a call through them is its caller's
-_ENTRY_POINT_FILES = frozenset(str(Path(__file__).parent / name)
-                               for name in ("tensor_api.py", "virtual_cuda.py"))
 
 
 FIRST_ADDRESS = 0x7F00_0000_0000  # where the stand-in addresses of meta storages begin
@@ -93,53 +86,6 @@ class DataDependentShapeError(RuntimeError):
     """An op whose output shape depends on tensor values, which meta tensors do not have."""
 
 
-def caller_frame(also_skip: tuple[str, ...] = ()) -> FrameType | None:
-    """The innermost frame outside torch and dpprof (the user's), and outside the files
-    ``also_skip`` names."""
-    f: FrameType | None = sys._getframe(1)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIR)
-                or name.startswith("<") or name in also_skip):
-            return f
-        f = f.f_back
-    return None
-
-
-def caller_site(also_skip: tuple[str, ...] = ()) -> str:
-    """``file:line`` of the innermost frame outside torch and dpprof (the user's line), and
-    outside the files ``also_skip`` names."""
-    f = caller_frame(also_skip)
-    return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
-
-
-def caller_sites(limit: int = 64) -> tuple[str, ...]:
-    """``file:line`` of every frame outside torch and dpprof, innermost first (at most
-    ``limit``): the user's line, then the lines that called it (a library's first, where a
-    library called torch, then the script's that called the library); ``("?",)`` where
-    there is none, as :func:`caller_site` says."""
-    out: list[str] = []
-    f = caller_frame()
-    while f is not None and len(out) < limit:
-        out.append(f"{f.f_code.co_filename}:{f.f_lineno}")
-        f = f.f_back
-        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
-                                                                  "<"))):
-            f = f.f_back
-    return tuple(out) or ("?",)
-
-
-def in_dpprof(filename: str) -> bool:
-    """Whether ``filename`` is one of dpprof's own source files."""
-    return filename.startswith(_DPPROF_DIR)
-
-
-def caller_line() -> str:
-    """The source text of :func:`caller_site`'s line ("" where unknown)."""
-    import linecache
-
-    path, _, num = caller_site().rpartition(":")
-    return linecache.getline(path, int(num)) if num.isdigit() else ""
 
 
 @dataclass
@@ -331,16 +277,9 @@ class CudaDevices(VirtualDevices):
         return RULES.rule_for(func)(self, func, types, args, kwargs)
 
     def program_asks_meta(self, device: Any) -> bool:
-        """Whether a ``device=`` given at a Python call (a patched entry point of the tensor
-        API) asks for the program's own meta tensors: meta, not asked by torch's own Python
-        code while the emulation dispatches (a decomposition's ``device=a.device``, which is
-        meta underneath there), nor by dpprof's (the emulator's base, which is meta)."""
-        if not names_meta(device) or self.in_dispatch:
-            return False
-        f: FrameType | None = sys._getframe(1)
-        while f is not None and f.f_code.co_filename in _ENTRY_POINT_FILES:
-            f = f.f_back
-        return f is None or not in_dpprof(f.f_code.co_filename)
+        """:func:`dpprof.emulator.user_meta.asked_by_program`, while this emulation does not
+        dispatch (torch's own Python code then asks ``device=a.device``: meta underneath)."""
+        return not self.in_dispatch and asked_by_program(device)
 
     def _on_user_meta(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """An op that makes or computes the program's own meta tensors: run on meta,

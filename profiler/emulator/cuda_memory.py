@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpprof.emulator.allocator_replay import simulate
-from dpprof.emulator.cuda_devices import CudaDevices, caller_site
+from dpprof.emulator.call_sites import caller_site
+from dpprof.emulator.cuda_devices import CudaDevices
 
 
 @dataclass

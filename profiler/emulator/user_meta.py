@@ -17,14 +17,18 @@ own meta tensors is its own meta tensors again (:meth:`UserMeta.reads`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 from torch.utils import _device
 from torch.utils._pytree import tree_leaves
 
+from dpprof.emulator.call_sites import in_dpprof
 from dpprof.emulator.identity import storage_key
 
 # Tensor.is_meta as torch answers it (the emulation patches the property)
@@ -42,6 +46,24 @@ def names_meta(device: Any) -> bool:
     if isinstance(device, str):
         return device == "meta" or device.startswith("meta:")
     return isinstance(device, torch.device) and device.type == "meta"
+
+
+# the emulator's patched entry points of the tensor API, and the runtime that asks: a call
+# through them is its caller's
+_ENTRY_POINT_FILES = frozenset(str(Path(__file__).parent / name)
+                               for name in ("tensor_api.py", "virtual_cuda.py", "cuda_devices.py"))
+
+
+def asked_by_program(device: Any) -> bool:
+    """Whether a ``device=`` given at a Python call (a patched entry point of the tensor API)
+    is the program asking for its own meta tensors: meta, and not asked by dpprof's own code
+    (the emulator's base, which is meta)."""
+    if not names_meta(device):
+        return False
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and f.f_code.co_filename in _ENTRY_POINT_FILES:
+        f = f.f_back
+    return f is None or not in_dpprof(f.f_code.co_filename)
 
 
 def default_device() -> torch.device | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpprof.emulator.cuda_devices import in_dpprof
+from dpprof.emulator.call_sites import in_dpprof
 from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpprof.emulator.cuda_devices import caller_frame, caller_site
+from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
 from dpprof.script.loss_expression import compiled, find_in_frame
 from dpprof.script.parallel_state import current

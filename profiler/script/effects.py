@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.emulator.cuda_devices import caller_site, in_dpprof
+from dpprof.emulator.call_sites import caller_site, in_dpprof
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.patcher import Patcher
 from dpprof.script import seal

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.emulator.cuda_devices import CudaDevices, caller_site, caller_sites
+from dpprof.emulator.call_sites import caller_site, caller_sites
+from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import Gather
 from dpprof.emulator.emulated_autocast import EmulatedAutocast
 from dpprof.emulator.events import DeviceCounters

@@ -307,6 +307,7 @@ def script_process(launch: Launch) -> Iterator[None]:
     saved_main = sys.modules.get("__main__")
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
+    saved_defaults = _torch_defaults()
     try:
         _fresh_singletons()
         os.environ.update(launch.env)
@@ -332,6 +333,10 @@ def script_process(launch: Launch) -> Iterator[None]:
                 handler.flush()
         root.handlers[:] = saved_logging[0]
         root.setLevel(saved_logging[1])
+        # torch.set_default_device("cuda") / set_default_dtype in the script: the next run
+        # (an alternative, another rank) and dpprof's own work start from torch's defaults,
+        # as a new process would
+        _restore_torch_defaults(saved_defaults)
         _fresh_singletons()
 
 
@@ -349,6 +354,29 @@ def _fresh_singletons() -> None:
             if isinstance(shared, dict):
                 shared.clear()
     _fresh_distributed_tensors()
+
+
+def _torch_defaults() -> tuple[object, object] | None:
+    """torch's default device (the context ``set_default_device`` entered, None for none)
+    and dtype now; None where torch is not imported yet (its own defaults)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    # the context itself: get_default_device() asks the device's backend for its index
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None), torch.get_default_dtype()
+
+
+def _restore_torch_defaults(saved: tuple[object, object] | None) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    context, dtype = saved if saved is not None else (None, torch.float32)
+    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not context:
+        torch.set_default_device(None)  # leaves the script's
+        if context is not None:
+            torch.set_default_device(context.device)  # type: ignore[attr-defined]
+    if torch.get_default_dtype() != dtype:
+        torch.set_default_dtype(dtype)
 
 
 def _fresh_distributed_tensors() -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dpprof.emulator.cuda_devices import caller_site
+from dpprof.emulator.call_sites import caller_site
 from dpprof.fixes.kinds.loss_in_forward import FIX
 from dpprof.script.deferred_outputs import (
     DeferredOutputs,

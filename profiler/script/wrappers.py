@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.emulator.cuda_devices import caller_site
+from dpprof.emulator.call_sites import caller_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger

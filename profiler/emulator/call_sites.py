@@ -1,0 +1,64 @@
+"""Where in the program a call comes from: the innermost frame outside torch and dpprof (the
+user's line, as reports name it), and whether a file is dpprof's own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+__all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "in_dpprof"]
+
+_DPPROF_DIR = str(Path(__file__).resolve().parents[1])
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
+def caller_frame(also_skip: tuple[str, ...] = ()) -> FrameType | None:
+    """The innermost frame outside torch and dpprof (the user's), and outside the files
+    ``also_skip`` names."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIR)
+                or name.startswith("<") or name in also_skip):
+            return f
+        f = f.f_back
+    return None
+
+
+def caller_site(also_skip: tuple[str, ...] = ()) -> str:
+    """``file:line`` of the innermost frame outside torch and dpprof (the user's line), and
+    outside the files ``also_skip`` names."""
+    f = caller_frame(also_skip)
+    return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def caller_sites(limit: int = 64) -> tuple[str, ...]:
+    """``file:line`` of every frame outside torch and dpprof, innermost first (at most
+    ``limit``): the user's line, then the lines that called it (a library's first, where a
+    library called torch, then the script's that called the library); ``("?",)`` where
+    there is none, as :func:`caller_site` says."""
+    out: list[str] = []
+    f = caller_frame()
+    while f is not None and len(out) < limit:
+        out.append(f"{f.f_code.co_filename}:{f.f_lineno}")
+        f = f.f_back
+        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
+                                                                  "<"))):
+            f = f.f_back
+    return tuple(out) or ("?",)
+
+
+def in_dpprof(filename: str) -> bool:
+    """Whether ``filename`` is one of dpprof's own source files."""
+    return filename.startswith(_DPPROF_DIR)
+
+
+def caller_line() -> str:
+    """The source text of :func:`caller_site`'s line ("" where unknown)."""
+    import linecache
+
+    path, _, num = caller_site().rpartition(":")
+    return linecache.getline(path, int(num)) if num.isdigit() else ""
