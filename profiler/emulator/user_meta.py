@@ -9,9 +9,11 @@ bytes; here they must not be counted on a virtual GPU, must say ``device(type='m
 and cannot be copied out (torch's own error, which the frameworks expect).
 
 The device argument alone cannot tell them apart in dispatch: torch's C++ code that makes a
-tensor "like" an emulated one passes ``device=meta`` too. What the program asked is seen
-where it asks, at the Python call (:meth:`UserMeta.asked`), and what it computes from its
-own meta tensors is its own meta tensors again (:meth:`UserMeta.reads`).
+tensor "like" an emulated one passes ``device=meta`` too, as do torch's Python
+decompositions while the emulation dispatches (``device=a.device``) and dpprof's own code
+(the emulator's base). What the program asked is seen where it asks, at the Python call
+(:func:`asked_by_program`, then :meth:`UserMeta.asked`), and what it computes from its own
+meta tensors alone is its own meta tensors again (:meth:`UserMeta.reads`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from dpprof.emulator.identity import storage_key
 # Tensor.is_meta as torch answers it (the emulation patches the property)
 _on_meta: Any = torch._C.TensorBase.__dict__["is_meta"].__get__
 
-# torch's own message (c10/core/impl/... copy_ of a meta tensor): libraries catch it and
-# fall back to Module.to_empty
+# torch's own message where a meta tensor is copied to a device (Tensor.to, copy_):
+# libraries catch it and fall back to Module.to_empty
 CANNOT_COPY_OUT = ("Cannot copy out of meta tensor; no data! Please use "
                    "torch.nn.Module.to_empty() instead of torch.nn.Module.to() when moving "
                    "module from meta to a different device.")
