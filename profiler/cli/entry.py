@@ -1,12 +1,11 @@
 """The ``dpprof`` console script (and ``python -m dpprof``): signals first, then the commands.
 
-The commands that measure import torch and the emulator (a second or more; those that read
-results, ``report``, ``env``, ``watch``, and ``--help``, do not), here, before the command
-runs: until then nothing needs undoing (no child, no temporary file, no output), so a
-Ctrl-C, SIGTERM or SIGHUP in that time ends the process at once with dpprof's one line and
-its exit status (130/143/129): no import traceback, and no half-imported module read again
-on the way out. A command then takes them as :mod:`dpprof.errors` says
-(:func:`dpprof.cli.app.main`).
+The commands that measure import torch and the emulator (a second or more; ``report``,
+``watch`` and ``--help`` do not), here, before the command runs: until then nothing needs
+undoing (no child, no temporary file, no output), so a Ctrl-C, SIGTERM or SIGHUP in that
+time ends the process at once with dpprof's one line and its exit status (130/143/129): no
+import traceback, and no half-imported module read again on the way out. A command then
+takes them as :mod:`dpprof.errors` says (:func:`dpprof.cli.app.main`).
 """
 
 from __future__ import annotations
