@@ -11,6 +11,7 @@ dispatch_counted`)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -84,8 +85,6 @@ def _tensorless(func: Any) -> bool:
 
 class DataDependentShapeError(RuntimeError):
     """An op whose output shape depends on tensor values, which meta tensors do not have."""
-
-
 
 
 @dataclass
@@ -276,10 +275,14 @@ class CudaDevices(VirtualDevices):
             return REAL_HOST_RULES.rule_for(func)(self, func, types, args, kwargs)
         return RULES.rule_for(func)(self, func, types, args, kwargs)
 
-    def program_asks_meta(self, device: Any) -> bool:
-        """:func:`dpprof.emulator.user_meta.asked_by_program`, while this emulation does not
-        dispatch (torch's own Python code then asks ``device=a.device``: meta underneath)."""
-        return not self.in_dispatch and asked_by_program(device)
+    def asking_for(self, device: Any) -> contextlib.AbstractContextManager[None]:
+        """The call's new tensors are the program's own meta tensors where ``device`` is
+        the program asking for them (:func:`dpprof.emulator.user_meta.asked_by_program`),
+        not torch's own Python code while this emulation dispatches (``device=a.device``,
+        meta underneath); else nothing changes."""
+        if not self.in_dispatch and asked_by_program(device):
+            return self.user_meta.asked()
+        return contextlib.nullcontext()
 
     def _on_user_meta(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """An op that makes or computes the program's own meta tensors: run on meta,

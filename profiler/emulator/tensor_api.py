@@ -19,7 +19,7 @@ from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
-from dpprof.emulator.user_meta import default_device
+from dpprof.emulator.user_meta import default_device, names_meta
 
 
 def install(vc: EmulatedCuda, p: Patch) -> None:
@@ -184,8 +184,8 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
             device = kwargs.pop("device", None)
             if device is None:  # torch.device(d) entered, or set_default_device(d)
                 device = default_device()
-            if vc.rt.program_asks_meta(device):
-                with vc.rt.user_meta.asked():
+            if names_meta(device):  # the program's own meta tensor, where it asks
+                with vc.rt.asking_for(device):
                     return orig(data, *args, device=device, **kwargs)
             index = vc.target_of(device)
             if orig is ORIGINALS["as_tensor"] and isinstance(data, torch.Tensor):
@@ -289,10 +289,8 @@ def _int_device(orig: Callable[..., Any], rt: CudaDevices) -> Callable[..., Any]
             device = kwargs["device"] = _cuda_if_int(device)
         elif constructor:
             device = default_device()
-        if rt.program_asks_meta(device):
-            with rt.user_meta.asked():
-                return orig(*args, **kwargs)
-        return orig(*args, **kwargs)
+        with rt.asking_for(device):
+            return orig(*args, **kwargs)
 
     return call
 

@@ -326,10 +326,8 @@ class VirtualCuda:
                 kw["dtype"] = dtype
             if memory_format is not None:
                 kw["memory_format"] = memory_format
-            if self.rt.program_asks_meta(device):  # the program's own meta tensor
-                with self.rt.user_meta.asked():
-                    return ORIGINALS["to"](t, **kw)
-            return ORIGINALS["to"](t, **kw)
+            with self.rt.asking_for(device):  # .to("meta"): the program's own meta tensor
+                return ORIGINALS["to"](t, **kw)
         out = self.to_index(t, target, dtype, copy, memory_format)
         # copies are in order on virtual devices; a non-blocking copy from a GPU lands in
         # page-locked host memory, as torch's _to_copy allocates it

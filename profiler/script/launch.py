@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.machinery import SourceFileLoader
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dpprof.errors import UsageError
 from dpprof.script.engines import DEEPSPEED_NOT_EMULATED
@@ -362,8 +362,13 @@ def _torch_defaults() -> tuple[object, object] | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    # the context itself: get_default_device() asks the device's backend for its index
-    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None), torch.get_default_dtype()
+    return _default_device_context(torch), torch.get_default_dtype()
+
+
+def _default_device_context(torch: Any) -> object:
+    # the context set_default_device entered (None: none); not get_default_device(), which
+    # asks the device's backend for an index
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
 
 
 def _restore_torch_defaults(saved: tuple[object, object] | None) -> None:
@@ -371,7 +376,7 @@ def _restore_torch_defaults(saved: tuple[object, object] | None) -> None:
     if torch is None:
         return
     context, dtype = saved if saved is not None else (None, torch.float32)
-    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not context:
+    if _default_device_context(torch) is not context:
         torch.set_default_device(None)  # leaves the script's
         if context is not None:
             torch.set_default_device(context.device)  # type: ignore[attr-defined]

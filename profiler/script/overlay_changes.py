@@ -33,7 +33,6 @@ class Change:
     concrete: str = ""  # where its bytes are now (in the overlay)
 
 
-
 def changes_of(overlay: Overlay) -> list[Change]:
     """Everything the run wrote, made or removed, by canonical path, sorted."""
     out = [Change(c, "removed", replaced=True) for c in sorted(overlay.deleted)]
