@@ -422,3 +422,45 @@ def test_each_rank_over_a_2d_mesh_asks_its_own_process_groups(work: Path) -> Non
     assert s["status"] == "ok"
     peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
     assert peaks[0] == peaks[1] == peaks[2] == peaks[3] > 0
+
+
+def test_a_distributed_checkpoint_is_saved_and_loaded_back_on_every_rank(work: Path) -> None:
+    """``torch.distributed.checkpoint`` over FSDP2's sharded state (PyTorch's DCP recipe: a
+    Stateful app state beside a plain epoch): each rank's save agrees a plan with the others,
+    which ranks run one after another cannot (the gathered plans held one rank's shards in
+    every slot: "invalid fill"). The save is a stand-in in the overlay and the load reads the
+    plain values back, as on a GPU; the script's own checks pass on every rank."""
+    status, stderr, data = dpprof_run(
+        work, ["--ranks", "all", "--steps", "10"],
+        ["torchrun", "--nproc-per-node", "2", str(SCRIPTS / "fsdp2_distributed_checkpoint.py")])
+    assert status == 0, stderr
+    (s,) = data["scenarios"]
+    assert s["status"] == "ok", s["notes"]
+    notes = " ".join(s["notes"])
+    assert "torch.distributed.checkpoint.save step-4" in notes
+    assert "read back as the run saved it, as on a GPU: torch.distributed.checkpoint.load" in notes
+    peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
+    # each rank holds half of every weight and bias and AdamW's two moments of it
+    params = 1024 * 4096 + 4096 + 4096 * 1024 + 1024
+    assert peaks[0] == peaks[1] >= 3 * 4 * params // 2
+    assert not (work / "checkpoints").exists()
+
+
+def test_loading_a_distributed_checkpoint_never_saved_fails_as_on_a_gpu(work: Path) -> None:
+    """A load from a folder that holds no checkpoint is torch's own: it raises
+    CheckpointException (a BaseException), which is the script's failure, with what was
+    measured before it and the first line of torch's message, not a dpprof error that
+    measured nothing."""
+    before = folder_bytes(work)
+    report = work.parent / "r.json"
+    r = runner.invoke(app, ["run", "--no-ladder", "--steps", "10", "-o", str(report), "--",
+                            "torchrun", "--nproc-per-node", "2",
+                            str(SCRIPTS / "fsdp2_distributed_checkpoint.py"), "missing"])
+    assert r.exit_code == 1
+    assert folder_bytes(work) == before
+    (s,) = json.loads(report.read_text())["scenarios"]
+    assert s["status"] == "error"
+    assert s["message"] == ("the script raised CheckpointException: CheckpointException "
+                            "ranks:dict_keys([0, 1]) (more in the traceback)")
+    assert "No such file or directory" in s["traceback"]
+    assert s["devices"][0]["peak_allocated_bytes"] > 0

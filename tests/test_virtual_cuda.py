@@ -496,3 +496,25 @@ def test_the_program_s_own_meta_tensors_are_on_no_device() -> None:
         assert torch.cuda.memory_allocated(1) == r512(4_000_000) + r512(4000)
         with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
             model.weight.data.copy_(torch.empty(1000, 1000, device="meta"))
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_large_value_read_to_the_host_takes_no_host_memory_until_written() -> None:
+    """A model's state copied to the host (a state dict with ``cpu_offload``, as Lightning's
+    distributed checkpoint takes it) has no values here: each copy is a stand-in of zeros.
+    Written by ``torch.zeros``, a 7B model's quarter took 24 GB of host memory and the run
+    was killed; the zeros are now pages the kernel gives only when touched."""
+    with VirtualCuda(1):
+        gpu = torch.empty(2**28, device="cuda")  # 1 GiB
+        before = _resident_bytes()
+        host = gpu.cpu()
+        grown = _resident_bytes() - before
+        assert host.device.type == "cpu" and host.shape == gpu.shape
+        assert grown < 64 * 2**20, grown
+        host[:8] = 1.0  # a stand-in is a plain host tensor: written and read as one
+        assert host[:16].tolist() == [1.0] * 8 + [0.0] * 8

@@ -18,6 +18,11 @@ from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
 
 
+# the NCCL that torch's CUDA builds are built with (its pin, .ci/docker/ci_commit_pins/nccl.txt:
+# v2.28.9-1), as torch.cuda.nccl.version() gives it
+EMULATED_NCCL_VERSION = (2, 28, 9)
+
+
 def install(vc: EmulatedCuda, p: Patch) -> None:
     """Patch ``torch.cuda`` and ``torch.accelerator`` to answer from ``vc``."""
     device_queries(vc, p)
@@ -57,6 +62,9 @@ def device_queries(vc: EmulatedCuda, p: Patch) -> None:
       lambda including_emulation=True: vc.spec.compute_capability >= (8, 0))
     p(cuda, "is_tf32_supported", lambda: vc.spec.compute_capability >= (8, 0))
     p(cuda, "can_device_access_peer", lambda device, peer_device: True)
+    # torch's c10d logger asks NCCL's version of every collective's caller (the distributed
+    # checkpoint's save, for one), DDP of its bf16 hook: a CPU build has no NCCL to ask
+    p(cuda.nccl, "version", lambda: EMULATED_NCCL_VERSION)
     # nn.LSTM / GRU ask whether cuDNN takes their weights; the CPU build answers no with a
     # warning that it was built without cuDNN, which the user's GPU machine never prints.
     # The RNNs run torch's own (non-cuDNN) path, as they do here: no, quietly.

@@ -29,6 +29,7 @@ from dpprof.emulator.op_rules import OpRules
 from dpprof.emulator.small_values import SmallValues
 from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, asked_by_program
 from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
+from dpprof.emulator.zero_pages import host_zeros
 
 aten = torch.ops.aten
 
@@ -158,7 +159,7 @@ class CudaDevices(VirtualDevices):
     def host_stand_in(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A real host tensor of ``t``'s shape (zeros) for a value read from a virtual GPU,
         remembered as a stand-in (:meth:`is_emulated`)."""
-        host = torch.zeros(t.shape, dtype=dtype or t.dtype, device="cpu")
+        host = host_zeros(t.shape, dtype or t.dtype)
         self._remember_stand_in(host.untyped_storage())
         return host
 

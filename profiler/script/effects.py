@@ -283,7 +283,7 @@ def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     _original("torch.save")(obj, f, *args, **kwargs)
 
 
-def _read_stand_in(f: Any) -> bytes | None:
+def read_stand_in(f: Any) -> bytes | None:
     """The pickled object of a stand-in file (a path or a readable file object at its
     position), or None where ``f`` is not one (a file object is left where it was)."""
     if _is_path(f):
@@ -307,7 +307,7 @@ def _read_stand_in(f: Any) -> bytes | None:
     return None
 
 
-def _stand_in_object(body: bytes, map_location: Any) -> Any:
+def stand_in_object(body: bytes, map_location: Any) -> Any:
     """What a stand-in file holds (after its explaining line), its tensors placed as
     ``map_location`` says."""
     _, _, pickled = body.partition(b"\n")
@@ -318,10 +318,10 @@ def _torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> 
     effects = _ACTIVE
     if effects is None:
         return _original("torch.load")(f, map_location, *args, **kwargs)
-    body = _read_stand_in(f)
+    body = read_stand_in(f)
     if body is not None:  # the run saved it a moment ago: read back as on a GPU
         effects.count(effects.read_back, "torch.load", f)
-        return _stand_in_object(body, map_location)
+        return stand_in_object(body, map_location)
     sealed = seal.active()
     if sealed is not None and _is_path(f):  # mmap=True opens the path in C++
         f = sealed.read_path(f)
@@ -343,11 +343,11 @@ def _safetensors_save(name: str) -> Callable[..., Any]:
 
 def _safetensors_load(filename: Any, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
     effects = _ACTIVE
-    body = _read_stand_in(filename) if effects is not None else None
+    body = read_stand_in(filename) if effects is not None else None
     if effects is None or body is None:
         return _original("safetensors.load_file")(filename, device, *args, **kwargs)
     effects.count(effects.read_back, "safetensors.load_file", filename)
-    return _stand_in_object(body, device)
+    return stand_in_object(body, device)
 
 
 class StandInSafeOpen:
@@ -381,11 +381,11 @@ class StandInSafeOpen:
 def _safe_open(filename: Any, framework: Any = "pt", device: Any = "cpu", *args: Any,
                **kwargs: Any) -> Any:
     effects = _ACTIVE
-    body = _read_stand_in(filename) if effects is not None else None
+    body = read_stand_in(filename) if effects is not None else None
     if effects is None or body is None:
         return _original("safetensors.safe_open")(filename, framework, device, *args, **kwargs)
     effects.count(effects.read_back, "safe_open", filename)
-    tensors = _stand_in_object(body, device)
+    tensors = stand_in_object(body, device)
     return StandInSafeOpen(tensors if isinstance(tensors, dict) else {})
 
 

@@ -56,6 +56,7 @@ from dpprof.scenarios.names import (
 from dpprof.scenarios.registry import scenario
 from dpprof.script import parallel_state, seal, wrappers
 from dpprof.script.census import Snapshot
+from dpprof.script.distributed_checkpoint import stand_ins as distributed_checkpoints
 from dpprof.script.effects import ScriptEffects
 from dpprof.script.hooks import (
     AS_WRITTEN,
@@ -290,7 +291,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
         torch.manual_seed(0)
         try:
             with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
-                    effects, Patcher() as patcher:
+                    effects, Patcher() as patcher, distributed_checkpoints(patcher.patch):
                 label_losses(vc, patcher)  # before an alternative's loss call, which calls it
                 parallel_state.state_of(vc).alternative = alternative
                 parallel_state.state_of(vc).keep_outputs = cfg.keep_outputs
@@ -417,7 +418,8 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         run.ended = "script ended" if run.exit_status == 0 else "script raised"
         if run.exit_status:
             run.script_traceback = f"SystemExit: {code}"
-    except Exception as e:  # the script's own error: its result
+    except BaseException as e:  # the script's own error, an Exception or not (torch's
+        # CheckpointException is a BaseException): its result, as Python would end with it
         run.ended = "script raised"
         run.exit_status = 1
         run.script_traceback = user_traceback(e, launch)
@@ -430,6 +432,21 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     if run.ended == "interrupted":
         take_interrupt(run.interrupted_by)  # dpprof stops: the next signal is held
     return error
+
+
+_HEADLINE_CHARS = 300  # of an error's message, in the report's headline
+
+
+def headline(text: str) -> str:
+    """``": "`` and the first line of an error's message (torch's CheckpointException holds
+    each rank's traceback; the report's traceback keeps the whole), or nothing."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return ""
+    first = lines[0].strip()
+    if len(first) > _HEADLINE_CHARS:
+        first = first[:_HEADLINE_CHARS].rstrip() + "..."
+    return f": {first}" + (" (more in the traceback)" if len(lines) > 1 else "")
 
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
@@ -521,8 +538,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         if isinstance(exc, NotEmulated):  # dpprof stopped it, where the script reached that
             message = str(exc)
         elif exc is not None:
-            message = (f"the script raised {type(exc).__name__}"
-                       + (f": {exc}" if str(exc) else ""))
+            message = f"the script raised {type(exc).__name__}" + headline(str(exc))
         else:
             message = f"the script exited with status {run.exit_status}"
         return dataclasses.replace(s, status=STATUS_ERROR, message=message,
