@@ -17,7 +17,6 @@ import torch
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
 
-
 # the NCCL that torch's CUDA builds are built with (its pin, .ci/docker/ci_commit_pins/nccl.txt:
 # v2.28.9-1), as torch.cuda.nccl.version() gives it
 EMULATED_NCCL_VERSION = (2, 28, 9)
