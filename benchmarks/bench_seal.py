@@ -44,8 +44,8 @@ Two measures, since the cores are shared and loaded:
   measured in the same process); as a share of the sealed run's wall seconds.
 
 5. ``cli_5000_files`` (``--cli-repeat`` rounds, default 3): case 4 as the user runs it,
-   ``dpprof run`` in a process of its own, where the census is taken in a thread while torch
-   is imported (:mod:`dpprof.script.census_ahead`): the seconds the census took there and
+   ``dpprof run`` in a process of its own, where the census is taken by a child process while
+   torch is imported (:mod:`dpprof.script.census_ahead`): the seconds the census took there and
    the seconds the first run waited for it, and the wall ratio of the whole command (torch's
    import included: noisy).
 
@@ -301,18 +301,18 @@ def cli_child(sealed: bool, timers: Path, argv: list[str]) -> None:
 
         namespace.enter()
         census_ahead.start_for_command(sys.argv)
-    import dpprof.cli.run as cli_run
+    import dpprof.script.session as session
     from dpprof.cli.app import main as app_main
 
     if sealed:
         _instrument()
-    else:
-        run_command = cli_run.run_command
+    else:  # the CLI imports run_command from the session as it runs
+        run_command = session.run_command
 
         def unsealed(cfg: Any, *args: Any) -> Any:
             return run_command(dataclasses.replace(cfg, seal=False), *args)
 
-        cli_run.run_command = unsealed  # type: ignore[assignment]
+        session.run_command = unsealed  # type: ignore[assignment]
     try:
         app_main()
     finally:
@@ -440,7 +440,7 @@ def main() -> None:
                   f"goal {GOAL}: {'met' if c['met'] else 'NOT MET'}")
     for line, c in cli.items():
         print(f"  cli_5000_files ({line}): wall {c['wall_ratio']['median']:.3f}, census "
-              f"{c['census_taken_ms']['median']:.1f} ms in its thread, the run waited "
+              f"{c['census_taken_ms']['median']:.1f} ms ahead, the run waited "
               f"{c['census_waited_ms']['median']:.1f} ms")
     if not args.no_write:
         (HERE / "results_seal.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -7,6 +7,8 @@ watches it); where it is not the census asked for, it is not used."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,51 @@ def test_a_census_taken_ahead_of_other_folders_is_not_used(tmp_path: Path, asked
         assert census_ahead.claim([str(user), str(other)], []) is None
     else:
         assert census_ahead.claim([str(user)], [str(user / "data")]) is None
+
+
+TAKEN_BY_A_CHILD = """
+import os, sys
+from dpprof.script import census, census_ahead
+
+user, pids = sys.argv[1], sys.argv[2]
+take = census.take
+
+
+def noting_its_process(*args, **kwargs):
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return take(*args, **kwargs)
+
+
+census.take = noting_its_process
+census_ahead.start([user])
+with open(os.path.join(user, "made meanwhile.pyc"), "wb") as f:
+    f.write(b"\\0")
+snap = census_ahead.claim([user], [])
+assert snap is not None and snap.watch is not None and snap.watch.complete
+assert snap.entries == take([user], watch=False).entries
+os.link(os.path.join(user, "log.csv"), os.path.join(sys.argv[3], "elsewhere"))
+with open(os.path.join(sys.argv[3], "elsewhere"), "a") as f:  # a link the record cannot name
+    f.write("written through a link from a folder nobody watches\\n")
+assert os.path.join(user, "log.csv") in snap.watch.changed(), snap.watch.changed()
+print("parent", os.getpid())
+"""
+
+
+def test_the_console_script_takes_the_census_in_a_child_into_its_own_record(
+        tmp_path: Path) -> None:
+    """``dpprof run``'s process has one thread when it begins the census: it forks, and the
+    child takes the census into the kernel's record the parent made (one inotify instance),
+    handing back the snapshot and its watches. The parent's record then names what a run
+    changes, also through a file's own watch, which the child made; the snapshot is the
+    walk's."""
+    user, outside = tmp_path / "user", tmp_path / "outside"
+    tree(user)
+    outside.mkdir()
+    pids = tmp_path / "pids.txt"
+    done = subprocess.run([sys.executable, "-c", TAKEN_BY_A_CHILD, str(user), str(pids),
+                           str(outside)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    parent = int(done.stdout.split()[-1])
+    taken_by = [int(p) for p in pids.read_text().split()]
+    assert len(taken_by) == 1 and taken_by[0] != parent

@@ -87,16 +87,18 @@ class Difference:
 
 
 def take(folders: Iterable[str], exclude: Iterable[str] = (), limit: int = LIMIT,
-         watch: bool = True, every_inode: bool = True) -> Snapshot:
+         watch: bool | FolderWatch = True, every_inode: bool = True) -> Snapshot:
     """Every entry under ``folders`` (not following links, not into ``exclude``), breadth
     first, up to ``limit`` entries; ``watch``: each folder watched from before its entries
-    are noted (:attr:`Snapshot.watch`), and each file by its inode (``every_inode`` False:
-    only a file with more than one link; see the module)."""
+    are noted (:attr:`Snapshot.watch`: a new one, or the one given), and each file by its
+    inode (``every_inode`` False: only a file with more than one link; see the module)."""
     started = time.perf_counter()
     skip = skipped(exclude)
     roots = roots_of(folders, skip)
-    snap = Snapshot(roots=roots, limit=limit, watch=FolderWatch() if watch else None,
-                    every_inode=every_inode, skip=skip)
+    if watch is True:
+        watch = FolderWatch()
+    snap = Snapshot(roots=roots, limit=limit, watch=watch or None, every_inode=every_inode,
+                    skip=skip)
     _walk(roots, skip, snap.entries, limit, snap, every_inode)
     snap.taken_s = time.perf_counter() - started
     return snap

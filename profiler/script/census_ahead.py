@@ -1,14 +1,22 @@
 """The census of the user's files (:mod:`dpprof.script.census`) taken ahead, while ``dpprof
-run`` starts: in a thread of its own, begun before dpprof imports torch (a second or more in
-which the process uses one core; ``scandir``, ``stat`` and the kernel's watches release the
-GIL), and claimed by the first run.
+run`` starts: begun before dpprof imports torch (a second or more in which the process uses
+one core), and claimed by the first run.
+
+It is taken in a child process where this one can fork safely (one thread: the console
+script, before torch starts any): the walk's thousands of ``stat`` calls and the kernel's
+watches then run on another core, and take nothing from the import (in a thread they
+competed with it for the GIL: 5,000 files took 0.95 s there, and the command 10 % longer).
+The watches are made in the kernel's record the parent made before the fork (one inotify
+instance, shared by the two processes' descriptors): the child hands back the snapshot and
+which watch is which path (:meth:`FolderWatch.marks`), and exits; the parent reads the
+record. Elsewhere (a process with threads: tests, a library call) it is taken in a thread.
 
 It is the same census as one taken then (:func:`claim`): the same folders, limit and watches,
 or it is not used; and whatever changed in those folders since it was taken (Python writing a
 module's bytecode beside it, another process) is looked at again from the kernel's record of
 changes the census keeps (:func:`dpprof.script.census.refresh`), so that it holds the state
 just before the first run, as a census taken then would. Nothing of the script runs before
-the claim, which waits for the thread: the census still precedes every run.
+the claim, which waits for the census: the census still precedes every run.
 
 The folders are guessed from the command line (the working directory, and the folder of the
 first ``.py`` file after ``--``); where the guess is not the folders the run asks for (a
@@ -17,23 +25,50 @@ module run as ``-m`` has none), the census is taken again at the claim, as befor
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import signal
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dpprof.script import census, namespace
 from dpprof.script.census import Snapshot
+from dpprof.script.folder_watch import FolderWatch
 
 __all__ = ["claim", "settings", "start", "start_for_command"]
 
 
 @dataclass
 class _Ahead:
-    thread: threading.Thread
-    # what the thread made: the snapshot, or what it raised
-    made: dict[str, object]
+    """A census under way, in a thread or in a child process (its pid, the pipe its result
+    comes through, the record it watches into)."""
+
+    # what it made: the snapshot, or what it raised
+    made: dict[str, object] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+    pid: int = 0
+    pipe: int = -1
+    watch: FolderWatch | None = None
+
+    def wait(self) -> None:
+        """Until it is done: :attr:`made` holds the snapshot (none where the child failed
+        or was stopped: the claim takes the census again)."""
+        if self.thread is not None:
+            self.thread.join()
+            return
+        with os.fdopen(self.pipe, "rb") as result:
+            data = result.read()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        if not data or self.watch is None:
+            return
+        snap, marks = pickle.loads(data)
+        self.watch.adopt(marks)
+        snap.watch = self.watch
+        self.made["snapshot"] = snap
 
 
 _PENDING: list[_Ahead] = []
@@ -48,21 +83,60 @@ def settings() -> tuple[int, bool]:
 
 
 def start(folders: Sequence[str]) -> None:
-    """The census of ``folders`` begun in a thread (after :func:`namespace.enter`: a process
-    entering its namespace must have one thread)."""
+    """The census of ``folders`` begun in a child process, or in a thread where this
+    process has threads (after :func:`namespace.enter`: a process entering its namespace
+    must have one thread)."""
     limit, every_inode = settings()
     folders = list(folders)
-    made: dict[str, object] = {}
+    if hasattr(os, "fork") and threading.active_count() == 1:
+        forked = _in_child(folders, limit, every_inode)
+        if forked is not None:
+            _PENDING[:] = [forked]
+            return
+    ahead = _Ahead()
 
     def take() -> None:
         try:
-            made["snapshot"] = census.take(folders, (), limit, every_inode=every_inode)
+            ahead.made["snapshot"] = census.take(folders, (), limit, every_inode=every_inode)
         except BaseException as e:  # said again by the census taken at the claim
-            made["error"] = e
+            ahead.made["error"] = e
 
-    ahead = _Ahead(threading.Thread(target=take, name="dpprof-census", daemon=True), made)
+    ahead.thread = threading.Thread(target=take, name="dpprof-census", daemon=True)
     _PENDING[:] = [ahead]
     ahead.thread.start()
+
+
+def _in_child(folders: list[str], limit: int, every_inode: bool) -> _Ahead | None:
+    """The census taken by a child into a record made here (see the module); None where
+    no child could be made."""
+    watch = FolderWatch()
+    read_end, write_end = os.pipe()
+    # a stop signal until the child has its own handlers is held (the parent's say
+    # "interrupted", which the child must not say again), and then delivered
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        pid = os.fork()
+    except OSError:  # no new process (a limit of processes): the thread takes it
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:  # the child: the census, handed back; nothing else of dpprof's runs here
+        try:
+            os.close(read_end)
+            for sig in stops:
+                signal.signal(sig, signal.SIG_DFL)  # a Ctrl-C ends it quietly
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            snap = census.take(folders, (), limit, watch=watch, every_inode=every_inode)
+            snap.watch = None
+            with os.fdopen(write_end, "wb") as out:
+                out.write(pickle.dumps((snap, watch.marks()), pickle.HIGHEST_PROTOCOL))
+        finally:
+            os._exit(0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    os.close(write_end)
+    return _Ahead(pid=pid, pipe=read_end, watch=watch)
 
 
 def start_for_command(argv: Sequence[str]) -> None:
@@ -85,7 +159,7 @@ def claim(folders: Iterable[str], exclude: Iterable[str]) -> Snapshot | None:
         return None
     started = time.perf_counter()
     ahead = _PENDING.pop()
-    ahead.thread.join()
+    ahead.wait()
     snap = ahead.made.get("snapshot")
     if not isinstance(snap, Snapshot) or (snap.limit, snap.every_inode) != settings():
         return None

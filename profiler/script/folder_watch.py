@@ -28,8 +28,9 @@ import struct
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-__all__ = ["FolderWatch"]
+__all__ = ["FolderWatch", "WatchMarks"]
 
 _IN_MODIFY = 0x2
 _IN_ATTRIB = 0x4
@@ -74,6 +75,17 @@ def _libc() -> ctypes.CDLL | None:
         _LIBC.append(libc)
         _ADD_HELD.append(held)
     return _LIBC[0]
+
+
+@dataclass
+class WatchMarks:
+    """The watches of a :class:`FolderWatch` by descriptor, as one process hands them to
+    another that shares the instance (:meth:`FolderWatch.marks`)."""
+
+    complete: bool
+    folder_of: dict[int, str]
+    path_of: dict[int, str]
+    more_paths_of: dict[int, set[str]]
 
 
 class FolderWatch:
@@ -146,6 +158,22 @@ class FolderWatch:
                 continue
             if path_of.setdefault(wd, path) != path:
                 self._note_file(wd, path)
+
+    def marks(self) -> WatchMarks:
+        """What the watches added so far are (each watch descriptor's path), for a process
+        that shares this instance of the kernel's record (a child that took a census into
+        it: :mod:`dpprof.script.census_ahead`) to hand back: :meth:`adopt`."""
+        return WatchMarks(self.complete, dict(self._folder_of), dict(self._path_of),
+                          {wd: set(paths) for wd, paths in self._more_paths_of.items()})
+
+    def adopt(self, marks: WatchMarks) -> None:
+        """The watches another process added to this same instance (its :meth:`marks`),
+        taken as this watch's own."""
+        self.complete = self.complete and marks.complete
+        self._folder_of.update(marks.folder_of)
+        self._path_of.update(marks.path_of)
+        for wd, paths in marks.more_paths_of.items():
+            self._more_paths_of.setdefault(wd, set()).update(paths)
 
     def changed(self) -> set[str]:
         """Every path (in a watched folder, or a watched folder itself) that changed since
