@@ -43,14 +43,19 @@ Two measures, since the cores are shared and loaded:
   call on each audited event: the events counted, each at the cost of a call of the hook
   measured in the same process); as a share of the sealed run's wall seconds.
 
-5. ``cli_5000_files`` (``--cli-repeat`` rounds, default 3): case 4 as the user runs it,
-   ``dpprof run`` in a process of its own, where the census is taken by a child process while
-   torch is imported (:mod:`dpprof.script.census_ahead`): the seconds the census took there and
-   the seconds the first run waited for it, and the wall ratio of the whole command (torch's
-   import included: noisy).
+Each case is measured twice:
 
-Goal <= 1.03 (the seal costs at most 3 % of a run): said met for a case where the median
-ratio is; the timers' share says how much of that is the seal's own.
+* **as the command** (``--cli-repeat`` rounds, default 5): ``dpprof run`` in a process of
+  its own each way, as the user runs it, the order alternating: torch's import, the census
+  taken ahead by a child process while it runs (:mod:`dpprof.script.census_ahead`), the
+  runs, the reports. **The goal's measure**: what the seal adds to what the user waits.
+* **in process** (``--repeat`` rounds, default 7): ``run_command`` alone, in one process,
+  where a run is tens of milliseconds: the seal's fixed milliseconds a run (its set-up and
+  check) and the census, taken there with the run waiting for it, weigh more there than in
+  any command; kept to show where the seal's time goes.
+
+Goal <= 1.03 (the seal costs at most 3 % of a run): said met for a case where the command's
+median ratio is; the timers' share says how much of that is the seal's own.
 """
 
 from __future__ import annotations
@@ -296,11 +301,14 @@ def cli_child(sealed: bool, timers: Path, argv: list[str]) -> None:
     import dataclasses
 
     sys.argv = ["dpprof", *argv]
+    startup_s = 0.0
     if sealed:
         from dpprof.script import census_ahead, namespace
 
+        started = time.perf_counter()
         namespace.enter()
         census_ahead.start_for_command(sys.argv)
+        startup_s = time.perf_counter() - started
     import dpprof.script.session as session
     from dpprof.cli.app import main as app_main
 
@@ -316,30 +324,51 @@ def cli_child(sealed: bool, timers: Path, argv: list[str]) -> None:
     try:
         app_main()
     finally:
-        timers.write_text(json.dumps(_seal_seconds(0.0)))
+        parts = _seal_seconds(0.0)
+        # the process's own start: its mount namespace entered, the census's child begun
+        parts["startup"] = startup_s
+        parts["seal"] += startup_s
+        timers.write_text(json.dumps(parts))
 
 
-def cli_line(repeat: int, env: dict[str, str], big: Path, report: Path) -> list[dict[str, Any]]:
-    """Case 5's rounds on one line: ``dpprof run`` in a process of its own each way."""
-    rows = []
-    command = ["run", "--gpus", "4", "--steps", "8", "-o", str(report), "--",
-               "python", "train_dp.py"]
+# each case as the user runs it: (folder, its arguments to dpprof run)
+CLI_CASES = {
+    "meta_with_alternatives": ("work", ["--gpus", "4", "--steps", "8", "--no-ladder", "--",
+                                        "python", "train_dp.py"]),
+    "compute": ("work", ["--gpus", "4", "--steps", "20", "--compute", "--no-alternatives",
+                         "--", "python", "train_small.py"]),
+    "checkpoint_every_step": ("work", ["--gpus", "4", "--steps", "8", "--no-alternatives",
+                                       "--", "python", "train_ckpt.py"]),
+    "meta_with_alternatives_5000_files": ("big", ["--gpus", "4", "--steps", "8",
+                                                  "--no-ladder", "--", "python",
+                                                  "train_dp.py"]),
+}
+
+
+def cli_line(repeat: int, env: dict[str, str], folders: dict[str, Path],
+             report: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each case's rounds on one line: ``dpprof run`` in a process of its own each way, the
+    order alternating."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in CLI_CASES}
     for r in range(repeat):
         print(f"round {r + 1}/{repeat}", flush=True)
-        got: dict[bool, float] = {}
-        timers: dict[str, float] = {}
-        for sealed in ((False, True) if r % 2 == 0 else (True, False)):
-            with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                started = time.perf_counter()
-                subprocess.run([sys.executable, __file__, "--cli-child",
-                                "sealed" if sealed else "unsealed", "--timers", out.name,
-                                "--", *command], env=env, cwd=big, check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                got[sealed] = time.perf_counter() - started
-                if sealed:
-                    timers = json.loads(Path(out.name).read_text())
-        rows.append({"unsealed_wall_s": got[False], "sealed_wall_s": got[True],
-                     "timers": timers})
+        for name, (folder, args) in CLI_CASES.items():
+            command = ["run", "-o", str(report), *args]
+            got: dict[bool, float] = {}
+            timers: dict[str, float] = {}
+            for sealed in ((False, True) if r % 2 == 0 else (True, False)):
+                with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                    started = time.perf_counter()
+                    subprocess.run([sys.executable, __file__, "--cli-child",
+                                    "sealed" if sealed else "unsealed", "--timers", out.name,
+                                    "--", *command], env=env, cwd=folders[folder],
+                                   check=True, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+                    got[sealed] = time.perf_counter() - started
+                    if sealed:
+                        timers = json.loads(Path(out.name).read_text())
+            rows[name].append({"unsealed_wall_s": got[False], "sealed_wall_s": got[True],
+                               "timers": timers})
     return rows
 
 
@@ -359,7 +388,6 @@ def _case_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
     parts = rows[0]["timers"].keys()
     return {
         "wall_ratio": _spread(wall), "cpu_ratio": _spread(cpu),
-        "met": statistics.median(wall) <= GOAL,
         "seal_share_of_wall": _spread(share, 4),
         "seal_ms_median": {k: round(statistics.median(r["timers"][k] for r in rows)
                                     * (1 if k in ("hook_events", "runs") else 1000), 2)
@@ -372,7 +400,14 @@ def _case_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _cli_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"wall_ratio": _spread([r["sealed_wall_s"] / r["unsealed_wall_s"] for r in rows]),
+    wall = [r["sealed_wall_s"] / r["unsealed_wall_s"] for r in rows]
+    return {"wall_ratio": _spread(wall), "met": statistics.median(wall) <= GOAL,
+            "seal_share_of_wall": _spread([r["timers"]["seal"] / r["sealed_wall_s"]
+                                           for r in rows], 4),
+            "seal_ms_median": round(statistics.median(r["timers"]["seal"] for r in rows)
+                                    * 1000, 2),
+            "startup_ms_median": round(statistics.median(r["timers"]["startup"] for r in rows)
+                                       * 1000, 2),
             "census_taken_ms": _spread([r["timers"]["census_taken"] * 1000 for r in rows], 2),
             "census_waited_ms": _spread([r["timers"]["census_waited"] * 1000 for r in rows], 2),
             "wall_s": {"unsealed": [round(r["unsealed_wall_s"], 2) for r in rows],
@@ -381,8 +416,10 @@ def _cli_record(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=7, help="rounds of cases 1-4 (default 7)")
-    ap.add_argument("--cli-repeat", type=int, default=3, help="rounds of case 5 (default 3)")
+    ap.add_argument("--repeat", type=int, default=7,
+                    help="rounds in process (default 7)")
+    ap.add_argument("--cli-repeat", type=int, default=5,
+                    help="rounds of the command (default 5)")
     ap.add_argument("--no-write", action="store_true", help="do not write results_seal.json")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
@@ -414,21 +451,24 @@ def main() -> None:
     lines["audit-hook"] = audit_hook_line(args.repeat, no_ns)
     cli: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        _, big = _user_folders(Path(tmp), True)
+        work, big = _user_folders(Path(tmp), True)
         for line, line_env in (("kernel", env), ("audit-hook", no_ns)):
-            print(f"case 5, the {line} line:", flush=True)
-            cli[line] = _cli_record(cli_line(args.cli_repeat, line_env, big,
-                                             Path(tmp) / "report.json"))
+            print(f"the command, the {line} line:", flush=True)
+            rows = cli_line(args.cli_repeat, line_env, {"work": work, "big": big},
+                            Path(tmp) / "report.json")
+            cli[line] = {name: _cli_record(r) for name, r in rows.items()}
     results: dict[str, Any] = {
         **machine(), "load_average_before_after": [
             [round(x, 2) for x in load_before], [round(x, 2) for x in os.getloadavg()]],
         "method": "wall and CPU seconds of the process, in process, each round each case once "
                   "each way side by side, the order alternating; median and spread over "
                   "rounds; the seal's own seconds from its timers; cores shared",
-        "goal": f"<= {GOAL} (median wall ratio)", "lines": {}, "cli_5000_files": cli}
+        "goal": f"<= {GOAL} (median wall ratio of the command: what the user waits)",
+        "command": cli, "lines": {}}
     for line, rec in lines.items():
         said = rec["line"] + (f" (asked for {line})" if rec["line"] != line else "")
-        print(f"{said}:" + (f" no namespace: {rec['why_not']}" if rec["why_not"] else ""))
+        print(f"in process, {said}:"
+              + (f" no namespace: {rec['why_not']}" if rec["why_not"] else ""))
         cases = {k: _case_record(v) for k, v in rec.pop("rows").items()}
         results["lines"][line] = {**rec, "cases": cases}
         for k, c in cases.items():
@@ -436,12 +476,17 @@ def main() -> None:
             print(f"  {k:<34} wall {w['median']:.3f} ({w['min']:.3f}-{w['max']:.3f})  "
                   f"cpu {p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f})  "
                   f"seal's own {100 * s['median']:.2f} % of the run "
-                  f"({c['seal_ms_median']['seal']:.1f} ms)  "
+                  f"({c['seal_ms_median']['seal']:.1f} ms)")
+    print("the command (dpprof run in a process of its own), the goal's measure:")
+    for line, cases in cli.items():
+        print(f"  {line}:")
+        for k, c in cases.items():
+            w, s = c["wall_ratio"], c["seal_share_of_wall"]
+            print(f"    {k:<34} wall {w['median']:.3f} ({w['min']:.3f}-{w['max']:.3f})  "
+                  f"seal's own {100 * s['median']:.2f} % ({c['seal_ms_median']:.1f} ms; "
+                  f"census {c['census_taken_ms']['median']:.1f} ms ahead, waited "
+                  f"{c['census_waited_ms']['median']:.1f} ms)  "
                   f"goal {GOAL}: {'met' if c['met'] else 'NOT MET'}")
-    for line, c in cli.items():
-        print(f"  cli_5000_files ({line}): wall {c['wall_ratio']['median']:.3f}, census "
-              f"{c['census_taken_ms']['median']:.1f} ms ahead, the run waited "
-              f"{c['census_waited_ms']['median']:.1f} ms")
     if not args.no_write:
         (HERE / "results_seal.json").write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {HERE / 'results_seal.json'}")
