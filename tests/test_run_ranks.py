@@ -464,3 +464,20 @@ def test_loading_a_distributed_checkpoint_never_saved_fails_as_on_a_gpu(work: Pa
                             "ranks:dict_keys([0, 1]) (more in the traceback)")
     assert "No such file or directory" in s["traceback"]
     assert s["devices"][0]["peak_allocated_bytes"] > 0
+
+
+def test_ddp_s_bf16_compression_hook_is_accepted_as_on_a_cuda_build(work: Path) -> None:
+    """DDP accepts its bf16 compression hook only where ``torch.version.cuda`` names a CUDA
+    and NCCL is 2.10 or later; the CPU build says None and has no NCCL, so the script that
+    runs on the GPU failed here. The virtual GPUs answer as the CUDA build of this torch
+    does, and the hook's half-size copy of each bucket is counted on each rank."""
+    status, stderr, data = dpprof_run(
+        work, ["--ranks", "all"],
+        ["torchrun", "--nproc-per-node", "2", str(SCRIPTS / "ddp_bf16_hook.py")])
+    assert status == 0, stderr
+    (s,) = data["scenarios"]
+    assert s["name"] == "ddp" and s["status"] == "ok"
+    peaks = [d["peak_allocated_bytes"] for d in s["devices"]]
+    weights = r512(512 * 512 * 4) + r512(512 * 4)
+    # the weights, their gradients, DDP's bucket of them, and the bucket's bf16 copy
+    assert peaks[0] == peaks[1] >= 3 * weights + weights // 2

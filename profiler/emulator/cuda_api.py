@@ -20,6 +20,9 @@ from dpprof.emulator.patcher import Patch
 # the NCCL that torch's CUDA builds are built with (its pin, .ci/docker/ci_commit_pins/nccl.txt:
 # v2.28.9-1), as torch.cuda.nccl.version() gives it
 EMULATED_NCCL_VERSION = (2, 28, 9)
+# the CUDA of torch 2.13's wheels on PyPI (torchvision 0.28.0's there says +cu130), as
+# torch.version.cuda gives it; where torch is a CUDA build, its own
+EMULATED_CUDA_VERSION = "13.0"
 
 
 def install(vc: EmulatedCuda, p: Patch) -> None:
@@ -64,6 +67,11 @@ def device_queries(vc: EmulatedCuda, p: Patch) -> None:
     # torch's c10d logger asks NCCL's version of every collective's caller (the distributed
     # checkpoint's save, for one), DDP of its bf16 hook: a CPU build has no NCCL to ask
     p(cuda.nccl, "version", lambda: EMULATED_NCCL_VERSION)
+    # a CPU build says None, which code reads as "not a CUDA build": DDP refuses its bf16
+    # compression hook; torch's meta kernel of _grouped_mm pads its output's rows only
+    # for a CUDA build
+    if torch.version.cuda is None:
+        p(torch.version, "cuda", EMULATED_CUDA_VERSION)
     # nn.LSTM / GRU ask whether cuDNN takes their weights; the CPU build answers no with a
     # warning that it was built without cuDNN, which the user's GPU machine never prints.
     # The RNNs run torch's own (non-cuDNN) path, as they do here: no, quietly.
