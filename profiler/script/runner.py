@@ -437,7 +437,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
 _HEADLINE_CHARS = 300  # of an error's message, in the report's headline
 
 
-def headline(text: str) -> str:
+def _headline(text: str) -> str:
     """``": "`` and the first line of an error's message (torch's CheckpointException holds
     each rank's traceback; the report's traceback keeps the whole), or nothing."""
     lines = text.strip().splitlines()
@@ -538,7 +538,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         if isinstance(exc, NotEmulated):  # dpprof stopped it, where the script reached that
             message = str(exc)
         elif exc is not None:
-            message = f"the script raised {type(exc).__name__}" + headline(str(exc))
+            message = f"the script raised {type(exc).__name__}" + _headline(str(exc))
         else:
             message = f"the script exited with status {run.exit_status}"
         return dataclasses.replace(s, status=STATUS_ERROR, message=message,
