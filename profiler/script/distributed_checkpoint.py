@@ -15,8 +15,8 @@ standing in:
   (``Stateful`` objects as their ``state_dict()``, as DCP saves them) with each tensor as its
   shape and dtype, and every other value as it is (an epoch, a step, a config). ``async_save``
   gives a future that is done.
-* ``load`` / ``load_state_dict`` of such a state dict from a folder whose ``.metadata`` is a
-  stand-in load as DCP loads: tensors in place (their values emulated), every other value
+* ``load`` / ``load_state_dict`` from a folder whose ``.metadata`` is a stand-in load as DCP
+  loads: tensors in place (their values emulated), every other value
   replaced by the saved one, a ``Stateful`` object given its ``load_state_dict``; a key the
   checkpoint lacks fails as DCP fails. From a real checkpoint (the user's, on disk) torch's
   own load reads it.
@@ -129,10 +129,14 @@ def _saver(name: str) -> Callable[..., Any]:
         effects = active()
         arguments = _arguments(name, args, kwargs)
         state_dict = arguments.get("state_dict")
-        if effects is None or not isinstance(state_dict, dict) or not effects.holds_emulated(
-                state_dict):
+        if effects is None or not isinstance(state_dict, dict):
             return _ORIGINALS[name](*args, **kwargs)
-        _write(effects, name, arguments, state_dict)
+        # what DCP saves: each Stateful object as its state_dict() (what it holds may be
+        # reachable from there alone)
+        saved = {k: v.state_dict() if _stateful(v) else v for k, v in state_dict.items()}
+        if not effects.holds_emulated(saved):
+            return _ORIGINALS[name](*args, **kwargs)
+        _write(effects, name, arguments, saved)
         from torch.distributed.checkpoint.metadata import Metadata
 
         # the storage layout is the ranks' agreed plan, which no rank alone knows
@@ -149,15 +153,16 @@ def _saver(name: str) -> Callable[..., Any]:
 
 
 def _write(effects: ScriptEffects, name: str, arguments: dict[str, Any],
-           state_dict: dict[str, Any]) -> None:
+           saved: dict[str, Any]) -> None:
+    """The stand-in of ``saved`` (the state dict, its Stateful objects as their state
+    dicts) written as the checkpoint's ``.metadata``, where the checkpoint has a folder."""
     folder = _folder(arguments, "storage_writer")
-    saved = {k: _skeleton(v.state_dict() if _stateful(v) else v) for k, v in state_dict.items()}
     effects.count(effects.stand_ins, f"{PACKAGE}.{name}", folder or "checkpoint")
     if folder is None:
         return
     os.makedirs(folder, exist_ok=True)  # as DCP's FileSystemWriter makes it
     with open(os.path.join(folder, METADATA_FILE), "wb") as out:
-        out.write(effects.stand_in_bytes(saved))
+        out.write(effects.stand_in_bytes({k: _skeleton(v) for k, v in saved.items()}))
 
 
 def _loader(name: str) -> Callable[..., Any]:
@@ -166,9 +171,10 @@ def _loader(name: str) -> Callable[..., Any]:
         arguments = _arguments(name, args, kwargs)
         state_dict = arguments.get("state_dict")
         folder = _folder(arguments, "storage_reader")
-        if (effects is None or folder is None or not isinstance(state_dict, dict)
-                or not effects.holds_emulated(state_dict)):
+        if effects is None or folder is None or not isinstance(state_dict, dict):
             return _ORIGINALS[name](*args, **kwargs)
+        # by the checkpoint, not the state dict: one the run stood in is read back here,
+        # whatever it is loaded into (torch's own reader cannot read it)
         body = read_stand_in(os.path.join(folder, METADATA_FILE))
         if body is None:  # the user's real checkpoint, or none: torch's own load says
             return _ORIGINALS[name](*args, **kwargs)

@@ -18,6 +18,9 @@ from torch.distributed.fsdp import fully_shard
 
 
 class AppState(Stateful):
+    # no __dict__: what it holds is reached through its state_dict(), as DCP reaches it
+    __slots__ = ("model", "optimizer", "loaded")
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
