@@ -481,3 +481,52 @@ def test_ddp_s_bf16_compression_hook_is_accepted_as_on_a_cuda_build(work: Path) 
     weights = r512(512 * 512 * 4) + r512(512 * 4)
     # the weights, their gradients, DDP's bucket of them, and the bucket's bf16 copy
     assert peaks[0] == peaks[1] >= 3 * weights + weights // 2
+
+
+KEYWORDS_ONLY = """\
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(32, 4)
+
+    def forward(self, features=None, labels=None):
+        return nn.functional.cross_entropy(self.body(features), labels)
+
+
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+model = fully_shard(Classifier().cuda())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(4):
+    batch = {"features": torch.randn(12, 32), "labels": torch.randint(0, 4, (12,))}
+    loss = model(**{k: v.cuda() for k, v in batch.items()})  # Hugging Face's model(**batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_the_batch_of_a_model_called_with_keywords_only_is_its_rows(work: Path) -> None:
+    """A model called with its inputs by keyword alone (``model(**batch)``, as Hugging
+    Face's Trainer calls it), sharded by FSDP2 (no wrapper module that sees the inputs),
+    gives no tensor to a global forward pre-hook: the batch was reported as 0 and the
+    samples a second as 0. It is read after the forward, from the
+    keywords: 12 rows a rank, 24 over the two."""
+    (work / "train.py").write_text(KEYWORDS_ONLY)
+    status, stderr, data = dpprof_run(work, [], ["torchrun", "--nproc-per-node", "2",
+                                                 "train.py"])
+    assert status == 0, stderr
+    (s,) = data["scenarios"]
+    assert s["status"] == "ok"
+    assert s["batch"] == 24 and [d["batch_rows"] for d in s["devices"]] == [12, 12]
+    assert s["predicted_samples_per_s"] > 0

@@ -75,6 +75,7 @@ class Stepper:
         self.batch_rows = 0  # rows of the first measured batch that reached backward
         self.warmup_rows = 0  # rows of the warm-up step's batch
         self._last_rows = 0  # rows of the last outermost module call
+        self._rows_from_kwargs = False  # that call had no tensor argument but by keyword
         self.forwards = 0  # outermost module calls
         self.backwards = 0  # backward() calls
         # no optimizer made: a script that updates its parameters itself (word_language_model)
@@ -184,9 +185,7 @@ class Stepper:
         if (self._depth == 0 and torch._C._current_graph_task_id() == -1
                 and next(module.parameters(), None) is not None):
             self.forwards += 1
-            first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
-            if first is not None and first.dim() > 0:
-                self._last_rows = int(first.shape[0])
+            self._rows_from_kwargs = not self._note_rows(args)
             if not self.forward_sites:
                 # the script's model, read at its first call and not kept (a reference
                 # would keep its memory counted after the script let it go)
@@ -196,8 +195,24 @@ class Stepper:
                 listener.forward_started(module)
         self._depth += 1
 
-    def _post_forward(self, module: Any, args: Any, output: Any) -> None:
+    def _note_rows(self, inputs: Any) -> bool:
+        """The rows of the first tensor among ``inputs`` noted as the batch's; whether
+        there was one."""
+        first = next((a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            return False
+        if first.dim() > 0:
+            self._last_rows = int(first.shape[0])
+        return True
+
+    def _post_forward(self, module: Any, args: Any, *kwargs_output: Any) -> None:
+        # (kwargs, output); (output) where torch calls it after forward raised
         self._depth = max(self._depth - 1, 0)
+        if self._depth == 0 and self._rows_from_kwargs and len(kwargs_output) == 2:
+            # a model called with keywords only (Hugging Face's model(**batch)): a global
+            # pre-hook is never given them, the hook after forward is
+            self._rows_from_kwargs = False
+            self._note_rows(kwargs_output[0])
 
     def install(self) -> None:
         from torch.nn.modules.module import (
@@ -212,7 +227,8 @@ class Stepper:
         self._handles = [register_optimizer_step_pre_hook(self.pre),
                          register_optimizer_step_post_hook(self.post),
                          register_module_forward_pre_hook(self._pre_forward),
-                         register_module_forward_hook(self._post_forward, always_call=True)]
+                         register_module_forward_hook(self._post_forward, with_kwargs=True,
+                                                      always_call=True)]
         orig_init = self._orig_optimizer_init = torch.optim.Optimizer.__init__
 
         def optimizer_init(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
