@@ -73,9 +73,13 @@ def _writes(view: ReportView) -> list[RenderableType]:
     if w.rows:
         table = _table(("run", "left"), ("path", "left"), ("size", "right"), ("", "left"),
                        narrow=True)
-        # the note wraps: at 80 columns, kept on one line, it squeezed the run and the path
-        # down to an ellipsis each
+        # the note wraps, and a long path folds: at 80 columns, each kept on one line, the
+        # note squeezed the run and the path down to an ellipsis each, and a checkpoint's
+        # path ("out/checkpoint-3/pytorch_model_fsdp_0/.metadata") the note to "virtu…"
+        table.columns[1].no_wrap = False
+        table.columns[1].overflow = "fold"
         table.columns[-1].no_wrap = False
+        table.columns[-1].min_width = 22
         for r in w.rows[:TERMINAL_WRITE_ROWS]:
             size = fmt_bytes(r.size_bytes) if r.kind in ("file", "link") else r.kind
             path = r.path + ("/" if r.kind == "folder" else "")

@@ -224,3 +224,40 @@ def test_without_the_seal_the_case_changes_the_users_file(tmp_path: Path, case: 
     run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 2), gpus=2,
                              steps=10, seal=False), False)
     assert digest_tree(tmp_path) != before, f"{case}: the case never touched the user's file"
+
+
+LONG_PATHS = """\
+import os
+import torch
+import torch.nn as nn
+
+model = nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+folder = "outputs/run-2026-11-29/checkpoint-2/pytorch_model_fsdp_0"
+os.makedirs(folder, exist_ok=True)
+torch.save(model.state_dict(), os.path.join(folder, "model_weights.pt"))
+"""
+
+
+def test_at_80_columns_a_long_path_folds_and_the_note_is_whole(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """The terminal's list of what the script wrote, 80 columns wide: a checkpoint's path as
+    Hugging Face's Trainer names them left the note "values of the virtual GPUs" a column
+    of "virtu…" and "(stan…"; the path folds now, and every word of the note is there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(LONG_PATHS)
+    res = CliRunner().invoke(app, ["run", "--gpus", "1", "--steps", "10", "-o",
+                                   str(tmp_path.parent / f"{tmp_path.name}.json"), "--",
+                                   "python", "train.py"])
+    assert res.exit_code == 0, res.output
+    table = res.output[res.output.index("the script wrote"):]
+    assert "…" not in table
+    words = " ".join(table.split())
+    # the note's lines sit beside the folded path's
+    assert "values of the virtual GPUs" in words and "(stand-ins)" in words
+    assert "/model_weights.pt" in words and "point-2/" in words  # the path, folded
