@@ -7,6 +7,7 @@ int64, every storage rounded up to 512 B as the CUDA caching allocator rounds it
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -518,3 +519,46 @@ def test_a_large_value_read_to_the_host_takes_no_host_memory_until_written() -> 
         assert grown < 64 * 2**20, grown
         host[:8] = 1.0  # a stand-in is a plain host tensor: written and read as one
         assert host[:16].tolist() == [1.0] * 8 + [0.0] * 8
+
+
+def test_the_memory_snapshot_is_the_simulated_allocator_s_in_torch_s_format(
+        tmp_path: Path) -> None:
+    """``torch.cuda.memory._record_memory_history`` / ``_dump_snapshot``, as a user profiling
+    memory calls them: the CPU build has neither (the script failed at its first call).
+    The snapshot holds the simulated caching allocator's segments (their sizes add up to
+    what ``memory_reserved`` answers) and, since the record began, each block's alloc and
+    free; torch's own readers of snapshots (``torch.cuda._memory_viz``) take it."""
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    with VirtualCuda(2):
+        kept = torch.empty(1024, device="cuda")  # before the record: in segments, no trace
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        model = nn.Linear(256, 512).cuda()
+        model(torch.randn(64, 256, device="cuda")).sum().backward()
+        path = tmp_path / "snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        reserved = torch.cuda.memory_reserved(0)
+        allocated = torch.cuda.memory_allocated(0)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        del kept
+    snap = pickle.loads(path.read_bytes())
+    segments = [s for s in snap["segments"] if s["device"] == 0]
+    assert sum(s["total_size"] for s in segments) == reserved
+    live = [b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert sum(b["size"] for b in live) == allocated
+    trace = snap["device_traces"][0]
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    frees = [e for e in trace if e["action"] == "free_completed"]
+    # from the record on: the weight's copy first (the tensor made before is no entry),
+    # then the bias, the input, the output and the gradients
+    assert allocs[0]["size"] == r512(512 * 256 * 4) and len(allocs) >= 6
+    assert {(e["addr"], e["size"]) for e in frees} <= {(e["addr"], e["size"]) for e in allocs}
+    assert snap["device_traces"][1] == []  # nothing on the second GPU
+    summary = _memory_viz.segsum(snap)  # torch's reader: the same totals
+    assert f"segments: {len(snap['segments'])}" in summary
+    assert f"total_reserved: {_memory_viz.Bytes(reserved)}" in summary
+    played = _memory_viz.trace(snap)  # and its replay of the trace, action by action
+    assert played.count("cudaMalloc(") == sum(e["action"] == "segment_alloc" for e in trace)
+    assert played.count("# free completed for") == len(frees)

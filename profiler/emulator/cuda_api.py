@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dpprof.emulator.emulated_cuda import EmulatedCuda
+from dpprof.emulator.memory_snapshot import MemoryHistory
 from dpprof.emulator.patcher import Patch
 
 # the NCCL that torch's CUDA builds are built with (its pin, .ci/docker/ci_commit_pins/nccl.txt:
@@ -32,6 +33,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     random_generators(vc, p)
     streams_and_events(vc, p)
     memory_module(p)
+    memory_history(vc, p)
     nvtx_ranges(p)
     accelerator(vc, p)
 
@@ -151,6 +153,19 @@ def memory_module(p: Patch) -> None:
                      "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
                      "mem_get_info", "empty_cache"):
             p(cuda_memory, name, getattr(cuda, name))
+
+
+def memory_history(vc: EmulatedCuda, p: Patch) -> None:
+    """The memory snapshot and its record of the allocator's actions
+    (:mod:`dpprof.emulator.memory_snapshot`): ``_dump_snapshot`` pickles what the patched
+    ``_snapshot`` gives, through Python's ``open``."""
+    import torch.cuda.memory as cuda_memory
+
+    history = MemoryHistory(vc.rt, lambda: [vc.index_of(k) for k in range(vc.device_count())])
+    p(cuda_memory, "_record_memory_history", history.record)
+    p(cuda_memory, "_snapshot", history.snapshot)
+    p(cuda_memory, "memory_snapshot", history.segments)
+    p(torch.cuda, "memory_snapshot", history.segments)
 
 
 def nvtx_ranges(p: Patch) -> None:

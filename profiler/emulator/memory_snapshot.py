@@ -1,0 +1,133 @@
+"""``torch.cuda``'s memory snapshot of the virtual GPUs: what PyTorch's memory visualizer
+(pytorch.org/memory_viz) reads, as the program asks for it.
+
+``torch.cuda.memory._record_memory_history()`` starts the record of each allocator action,
+``_snapshot()`` (and ``_dump_snapshot(path)``, which pickles it; ``memory_snapshot()``, its
+segments) gives the caching allocator's segments and blocks now and, while recording, the
+trace of its actions since. On a CPU build torch has none of these (``torch._C`` lacks
+them: the script failed at its first call). Here each device's allocations and frees so far
+(the runtime's event log) are replayed through the simulated caching allocator
+(:class:`dpprof.emulator.allocator.CachingAllocatorSim`, as ``torch.cuda.memory_reserved``
+is answered): its segments in address order, each block at its address with its state and
+requested size; the trace's ``alloc`` / ``free_requested`` / ``free_completed`` of each
+block and ``segment_alloc`` of each new segment, in order. The virtual GPUs record no call
+stacks: every ``frames`` is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
+from dpprof.emulator.cuda_devices import CudaDevices
+
+__all__ = ["MemoryHistory"]
+
+_NO_LIMIT = 2**63 - 1  # torch's default max_entries
+
+
+class MemoryHistory:
+    """The record ``_record_memory_history`` keeps for the devices of ``rt``: from which
+    event of the log it records (None: not recording), and how many entries it keeps."""
+
+    def __init__(self, rt: CudaDevices, devices: Callable[[], list[int]]) -> None:
+        self.rt = rt
+        self.devices = devices  # the runtime index of each device the program sees, in order
+        self.since: int | None = None
+        self.max_entries = _NO_LIMIT
+
+    def record(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        """``torch.cuda.memory._record_memory_history(enabled, ...)``: None (or False, the
+        old API's) stops the record; anything else starts it now, keeping the last
+        ``max_entries`` actions of each device."""
+        if enabled is None or enabled is False:
+            self.since = None
+            return
+        if self.since is None or kwargs.get("clear_history"):
+            self.since = len(self.rt.storages.events)
+        self.max_entries = int(kwargs.get("max_entries", _NO_LIMIT))
+
+    def snapshot(self, device: Any = None, augment_with_fx_traces: bool = False
+                 ) -> dict[str, Any]:
+        """``torch.cuda.memory._snapshot()``: every device's segments, and each device's
+        trace (empty where nothing was recorded)."""
+        segments: list[dict[str, Any]] = []
+        traces: list[list[dict[str, Any]]] = []
+        for index, runtime in enumerate(self.devices()):
+            device_segments, trace = self._replay(runtime)
+            segments += [{**s, "device": index} for s in device_segments]
+            traces.append(trace[-self.max_entries:] if self.max_entries else [])
+        return {"segments": segments, "device_traces": traces}
+
+    def segments(self, device: Any = None) -> list[dict[str, Any]]:
+        """``torch.cuda.memory_snapshot()``: the segments alone."""
+        return list(self.snapshot()["segments"])
+
+    def _replay(self, runtime: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The device's allocations and frees so far through the simulated allocator: its
+        segments now, and the actions recorded since :attr:`since`."""
+        sim = CachingAllocatorSim()
+        log = self.rt.storages.events
+        live: dict[int, Any] = {}
+        trace: list[dict[str, Any]] = []
+        since = self.since
+        for k, ev in enumerate(log):
+            if ev.device != runtime or ev.requested == 0:
+                continue
+            recording = since is not None and k >= since
+            stream = log.stream_of(k)
+            if ev.requested > 0:
+                segments_before = sim.segments
+                try:
+                    block = sim.malloc(ev.requested, stream)
+                except SimulatedOutOfMemory:
+                    continue
+                if block is None:
+                    continue
+                live[ev.serial] = block
+                if recording:
+                    if sim.segments > segments_before:
+                        trace.append(_entry("segment_alloc", _segment_of(sim, block), stream))
+                    trace.append(_entry("alloc", (block.addr, block.size), stream))
+            else:
+                block = live.pop(ev.serial, None)
+                if block is None:
+                    continue
+                if recording:
+                    trace.append(_entry("free_requested", (block.addr, block.size), stream))
+                    trace.append(_entry("free_completed", (block.addr, block.size), stream))
+                sim.free(block)
+        return [_segment(s) for s in sim.snapshot()], trace
+
+
+def _segment_of(sim: CachingAllocatorSim, block: Any) -> tuple[int, int]:
+    """(address, size) of the segment that holds ``block``."""
+    for s in sim.snapshot():
+        if s["address"] <= block.addr < s["address"] + s["total_size"]:
+            return s["address"], s["total_size"]
+    return block.addr, block.size
+
+
+def _entry(action: str, where: tuple[int, int], stream: int) -> dict[str, Any]:
+    addr, size = where
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "frames": []}
+
+
+def _segment(s: dict[str, Any]) -> dict[str, Any]:
+    """One segment of the simulation in torch's snapshot format: its blocks at their
+    addresses (contiguous from the segment's)."""
+    addr = s["address"]
+    blocks = []
+    for b in s["blocks"]:
+        blocks.append({"address": addr, "size": b["size"],
+                       "requested_size": b["requested_size"] if b["allocated"] else 0,
+                       "state": "active_allocated" if b["allocated"] else "inactive",
+                       "frames": []})
+        addr += b["size"]
+    allocated = s["allocated_size"]
+    return {"address": s["address"], "total_size": s["total_size"], "stream": s["stream"],
+            "segment_type": "large" if s["is_large"] else "small",
+            "segment_pool_id": (0, 0), "allocated_size": allocated, "active_size": allocated,
+            "requested_size": sum(b["requested_size"] for b in blocks),
+            "is_expandable": False, "frames": [], "blocks": blocks}
