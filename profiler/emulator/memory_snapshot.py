@@ -60,8 +60,9 @@ class MemoryHistory:
             traces.append(trace[-self.max_entries:] if self.max_entries else [])
         return {"segments": segments, "device_traces": traces}
 
-    def segments(self, device: Any = None) -> list[dict[str, Any]]:
-        """``torch.cuda.memory_snapshot()``: the segments alone."""
+    def segments(self, mempool_id: Any = None, include_traces: bool = True
+                 ) -> list[dict[str, Any]]:
+        """``torch.cuda.memory_snapshot()``: the segments alone (one pool: the default)."""
         return list(self.snapshot()["segments"])
 
     def _replay(self, runtime: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
