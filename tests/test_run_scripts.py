@@ -343,6 +343,9 @@ def test_tensor_parallel_attention_over_a_mesh_made_without_a_process_group(
     (s,) = json.loads(out.read_text())["scenarios"]
     assert s["name"] == "tensor-parallel" and s["status"] == "ok"
     assert [d["rank"] for d in s["devices"]] == [0, 1, 2, 3]
+    # the four ranks of the mesh compute on one batch of 2 rows (it was said 8, and the
+    # samples a second four times too many)
+    assert s["batch"] == 2
     # each rank holds a quarter of each projection's weight, and AdamW's two moments of it
     d = s["devices"][0]["breakdown_bytes"]
     assert d["optimizer_state"] == 2 * 4 * r512(4 * 16 * 64)

@@ -166,7 +166,12 @@ def install_fsdp(vc: VirtualCuda) -> None:
     parallelize = tp_api.parallelize_module
 
     def parallelize_module(*args: Any, **kwargs: Any) -> Any:
-        current().log.tensor_parallel += 1
+        log = current().log
+        log.tensor_parallel += 1
+        mesh = kwargs.get("device_mesh", args[1] if len(args) > 1 else None)
+        size = getattr(mesh, "size", None)
+        if callable(size):  # a DeviceMesh: its ranks compute on one batch
+            log.tensor_parallel_ranks = max(log.tensor_parallel_ranks, int(size()))
         return parallelize(*args, **kwargs)
 
     for owner in (tp, tp_api):

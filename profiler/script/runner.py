@@ -170,6 +170,7 @@ class ScriptRun:
     ddp: bool = False
     fsdp: bool = False  # the script sharded its model with FSDP2's fully_shard
     tensor_parallel: bool = False  # and its layers with parallelize_module
+    tensor_parallel_ranks: int = 1  # the ranks of its tensor-parallel mesh (one batch)
     world_size: int = 1
     batch_rows: int = 0
     seconds: float = 0.0
@@ -460,6 +461,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.ddp = log.ddp > 0 or (as_ranks and bool(log.ddp_devices))
     run.fsdp = log.fsdp > 0
     run.tensor_parallel = log.tensor_parallel > 0
+    run.tensor_parallel_ranks = log.tensor_parallel_ranks
     run.replica_scalars = log.replica_scalars
     run.dp_sites = list(log.dp_sites)
     run.spawned = log.spawned > 0
@@ -532,6 +534,9 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
             notes.append(note)
+    tp = run.tensor_parallel_ranks
+    if tp > 1 and world % tp == 0:  # the ranks of a tensor-parallel mesh share one batch
+        world //= tp
     s = ScenarioResult(name=name, batch=run.batch_rows * world, devices=tuple(devices),
                        notes=tuple(notes))
     if exc is not None or (run.ended == "script raised"):
