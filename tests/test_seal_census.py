@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -211,42 +212,39 @@ def test_a_file_with_two_links_in_the_folders_is_named_by_both(tmp_path: Path) -
         census.Difference(str(user / "data/1/two.lnk"), "changed")]
 
 
-def test_a_watch_let_go_is_closed_off_the_thread_that_lets_it_go(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+LET_GO = """
+import os, sys, threading, time
+from dpprof.script import census, folder_watch
+
+closed = []  # what each descriptor closed was, by which thread
+real_close = os.close
+
+
+def close(fd):
+    closed.append((os.readlink(f"/proc/self/fd/{fd}"), threading.get_ident()))
+    real_close(fd)
+
+
+folder_watch.os.close = close
+snap = census.take([sys.argv[1]])
+assert snap.watch is not None and snap.watch.complete
+closed.clear()  # the first watch of a process finds libc by running ldconfig
+del snap
+for _ in range(500):
+    if closed:
+        break
+    time.sleep(0.01)
+assert [what for what, _ in closed] == ["anon_inode:inotify"], closed
+assert closed[0][1] != threading.get_ident(), closed
+"""
+
+
+def test_a_watch_let_go_is_closed_off_the_thread_that_lets_it_go(tmp_path: Path) -> None:
     """Closing an inotify instance waits for the kernel to free its marks (a grace period,
     milliseconds for thousands of watched files): a census let go closes it in a thread of
-    its own, and it is closed."""
-    import threading
-    import time
-
-    from dpprof.script import folder_watch
-
-    def inotify_fds() -> set[int]:
-        fds = set()
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
-                    fds.add(int(fd))
-        return fds
-
-    closed: list[tuple[int, int]] = []  # each closed descriptor, by which thread
-    real_close = os.close
-
-    def close(fd: int) -> None:
-        closed.append((fd, threading.get_ident()))
-        real_close(fd)
-
-    monkeypatch.setattr(folder_watch.os, "close", close)
+    its own, and it is closed. In a process of its own: in the suite's, another test's
+    watch let go meanwhile is closed too (and its descriptor's number reused)."""
     tree(tmp_path)
-    before = inotify_fds()
-    snap = census.take([str(tmp_path)])
-    assert snap.watch is not None and snap.watch.complete
-    (ours,) = inotify_fds() - before  # another test's watch may be let go meanwhile
-    closed.clear()  # the first watch of a process finds libc by running ldconfig
-    del snap
-    for _ in range(500):
-        if any(fd == ours for fd, _ in closed):
-            break
-        time.sleep(0.01)
-    by = [thread for fd, thread in closed if fd == ours]
-    assert len(by) == 1 and by[0] != threading.get_ident()
+    done = subprocess.run([sys.executable, "-c", LET_GO, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
