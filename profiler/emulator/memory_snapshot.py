@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
+from dpprof.emulator.allocator import Block, CachingAllocatorSim, SimulatedOutOfMemory
 from dpprof.emulator.cuda_devices import CudaDevices
 
 __all__ = ["MemoryHistory"]
@@ -70,7 +70,7 @@ class MemoryHistory:
         segments now, and the actions recorded since :attr:`since`."""
         sim = CachingAllocatorSim()
         log = self.rt.storages.events
-        live: dict[int, Any] = {}
+        live: dict[int, Block] = {}
         trace: list[dict[str, Any]] = []
         since = self.since
         for k, ev in enumerate(log):
@@ -89,7 +89,7 @@ class MemoryHistory:
                 live[ev.serial] = block
                 if recording:
                     if sim.segments > segments_before:
-                        trace.append(_entry("segment_alloc", _segment_of(sim, block), stream))
+                        trace.append(_entry("segment_alloc", _segment_of(block), stream))
                     trace.append(_entry("alloc", (block.addr, block.size), stream))
             else:
                 block = live.pop(ev.serial, None)
@@ -102,12 +102,17 @@ class MemoryHistory:
         return [_segment(s) for s in sim.snapshot()], trace
 
 
-def _segment_of(sim: CachingAllocatorSim, block: Any) -> tuple[int, int]:
-    """(address, size) of the segment that holds ``block``."""
-    for s in sim.snapshot():
-        if s["address"] <= block.addr < s["address"] + s["total_size"]:
-            return s["address"], s["total_size"]
-    return block.addr, block.size
+def _segment_of(block: Block) -> tuple[int, int]:
+    """(address, size) of the segment that holds ``block``: its slices, linked."""
+    head = block
+    while head.prev is not None:
+        head = head.prev
+    size = 0
+    b: Block | None = head
+    while b is not None:
+        size += b.size
+        b = b.next
+    return head.addr, size
 
 
 def _entry(action: str, where: tuple[int, int], stream: int) -> dict[str, Any]:

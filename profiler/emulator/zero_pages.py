@@ -25,7 +25,7 @@ ZERO_PAGES_FROM_BYTES = 4 << 20
 def host_zeros(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous host tensor of zeros; from :data:`ZERO_PAGES_FROM_BYTES` on, over
     pages not yet touched (its storage then is not resizable)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < ZERO_PAGES_FROM_BYTES:
         return torch.zeros(shape, dtype=dtype, device="cpu")
     pages = mmap.mmap(-1, nbytes)  # kept alive by the tensor over it

@@ -50,6 +50,7 @@ _SAVERS = ("save", "async_save", "save_state_dict")
 _LOADERS = ("load", "load_state_dict")
 _DEFINED_IN = {**{name: f"{PACKAGE}.state_dict_saver" for name in _SAVERS},
                **{name: f"{PACKAGE}.state_dict_loader" for name in _LOADERS}}
+_TAKE_STATEFUL = ("save", "async_save")  # the deprecated save_state_dict saves them whole
 METADATA_FILE = ".metadata"  # DCP's own name for the file a checkpoint is read from first
 
 # torch's functions, as first found (a wrapper left bound by a library is never taken for one)
@@ -131,11 +132,13 @@ def _saver(name: str) -> Callable[..., Any]:
         state_dict = arguments.get("state_dict")
         if effects is None or not isinstance(state_dict, dict):
             return _ORIGINALS[name](*args, **kwargs)
-        # what DCP saves: each Stateful object as its state_dict() (what it holds may be
-        # reachable from there alone)
-        saved = {k: v.state_dict() if _stateful(v) else v for k, v in state_dict.items()}
+        # what DCP saves: save and async_save take each Stateful object as its
+        # state_dict() (what it holds may be reachable from there alone), once: torch's own
+        # save is handed the state dicts made here
+        saved = ({k: v.state_dict() if _stateful(v) else v for k, v in state_dict.items()}
+                 if name in _TAKE_STATEFUL else state_dict)
         if not effects.holds_emulated(saved):
-            return _ORIGINALS[name](*args, **kwargs)
+            return _ORIGINALS[name](**{**arguments, "state_dict": saved})
         _write(effects, name, arguments, saved)
         from torch.distributed.checkpoint.metadata import Metadata
 

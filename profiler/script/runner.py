@@ -507,6 +507,9 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     kind = scenario(name)
     # the global batch, as compare's scenarios hold it: a rank's rows times the ranks
     world = run.world_size if kind.ranks_alike and run.world_size > 1 else 1
+    tp = run.tensor_parallel_ranks
+    if tp > 1 and world % tp == 0:  # the ranks of a tensor-parallel mesh share one batch
+        world //= tp
     start = stepper.measure_start
     split = kind.scatters_batch and run.shard_rows
     devices = [
@@ -534,9 +537,6 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
             notes.append(note)
-    tp = run.tensor_parallel_ranks
-    if tp > 1 and world % tp == 0:  # the ranks of a tensor-parallel mesh share one batch
-        world //= tp
     s = ScenarioResult(name=name, batch=run.batch_rows * world, devices=tuple(devices),
                        notes=tuple(notes))
     if exc is not None or (run.ended == "script raised"):
