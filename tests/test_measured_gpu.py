@@ -159,9 +159,11 @@ H200_ROWS = [r for r in (json.loads(line) for line in (
 H200 = (9, 0)
 
 
-def _h200_row(workload: str, amp: str | None, scenario: str) -> dict[str, Any]:
-    run = next(r for r in H200_ROWS if r["workload"] == workload and r["amp"] == amp)
-    return next(row for row in run["rows"] if row["scenario"] == scenario)
+def _h200_rows(workload: str, amp: str | None, scenario: str) -> list[dict[str, Any]]:
+    """The scenario's row in every recorded H200 run of the workload (two runs of
+    2026-11-28: every workload in one process, then each in a process of its own)."""
+    return [row for run in H200_ROWS if run["workload"] == workload and run["amp"] == amp
+            for row in run["rows"] if row["scenario"] == scenario]
 
 
 @pytest.mark.parametrize(("workload", "amp"), [
@@ -170,15 +172,18 @@ def _h200_row(workload: str, amp: str | None, scenario: str) -> dict[str, Any]:
 def test_single_matches_the_h200(workload: str, amp: str | None) -> None:
     """Every built-in, classifier too: its 7.5 % (a 23 MB cuDNN workspace alive at the peak)
     is cuDNN's workspace, now estimated per convolution (dpprof.emulator.cudnn_workspace)."""
-    real = _h200_row(workload, amp, "single")
     d = _device(_emulate(workload, 16, amp), "single")
-    assert _as_the_gpu_counts(d) == pytest.approx(real["measured_allocated_bytes"], rel=1e-2)
-    # classifier's reserved: 4.0 % under (the workspaces' sizes decide its segments: the
-    # measured sizes give +2.7 %); scripts/gpu_measure.py's conv-split part measures more
-    tolerance = 0.045 if workload == "classifier" else 0.02
-    assert d.peak_reserved_bytes == pytest.approx(real["measured_reserved_bytes"],
-                                                  rel=tolerance)
-    assert d.total_peak_bytes == pytest.approx(real["nvml_peak_used_bytes"], rel=0.02)
+    rows = _h200_rows(workload, amp, "single")
+    assert rows
+    for real in rows:
+        assert _as_the_gpu_counts(d) == pytest.approx(real["measured_allocated_bytes"],
+                                                      rel=1e-2)
+        # classifier's reserved: 4.0 % under (the workspaces' sizes decide its segments:
+        # the measured sizes give +2.7 %); gpu_measure.py's conv-split part measures more
+        tolerance = 0.045 if workload == "classifier" else 0.02
+        assert d.peak_reserved_bytes == pytest.approx(real["measured_reserved_bytes"],
+                                                      rel=tolerance)
+        assert d.total_peak_bytes == pytest.approx(real["nvml_peak_used_bytes"], rel=0.02)
 
 
 @pytest.mark.parametrize(("workload", "amp"), [
@@ -187,25 +192,31 @@ def test_single_matches_the_h200(workload: str, amp: str | None) -> None:
 def test_ddp_brackets_what_the_h200s_measured_steps_held(workload: str, amp: str | None) -> None:
     """The GPU's measured steps (after 3 of warm-up) held the first iteration's buckets or
     not, as the watchdog's timing had it (a fast loop's, mlp's: yes; lm's 23 ms steps: no):
-    its peak is the emulator's worst case or its steady state, never above the first."""
-    real = _h200_row(workload, amp, "ddp")
+    its peak is the emulator's worst case or its steady state within 2 %, in each recorded
+    run, and never more than 2 % above the worst case."""
     d = _device(_emulate(workload, 16, amp), "ddp")
     worst = _as_the_gpu_counts(d)
     assert d.steady_peak_allocated_bytes is not None and d.transient_bytes
     steady = d.steady_peak_allocated_bytes + (d.workspace_bytes or 0)
-    measured = real["measured_allocated_bytes"]
-    assert measured <= worst * 1.01
-    # convnet's lies 2.2 MB over its steady state, 2.6 MB under its worst case (-2.03 %):
-    # not explained yet (its single is 0.8 MB under: cuDNN's workspaces at batch 16)
-    tolerance = 0.025 if workload == "convnet" else 0.02
-    assert min(abs(worst - measured), abs(steady - measured)) <= tolerance * measured
-    # reserved: cached segments stay, so a transient met in warm-up counts in it as well
     assert d.steady_peak_reserved_bytes is not None and d.peak_reserved_bytes is not None
-    reserved = real["measured_reserved_bytes"]
-    tolerance = 0.045 if workload == "classifier" else 0.02  # as single's, above
-    assert reserved <= d.peak_reserved_bytes * (1 + tolerance)
-    assert min(abs(d.peak_reserved_bytes - reserved),
-               abs(d.steady_peak_reserved_bytes - reserved)) <= tolerance * reserved
+    rows = _h200_rows(workload, amp, "ddp")
+    assert rows
+    for real in rows:
+        measured = real["measured_allocated_bytes"]
+        # never above the worst case beyond the issue's 2 %: convnet's second run is 1.3 %
+        # over it (its single 0.8 % over the emulator: cuDNN's workspaces at batch 16)
+        assert measured <= worst * 1.02
+        # convnet's first run lies 2.2 MB over its steady state, 2.6 MB under its worst
+        # case (-2.03 %), its second at the worst case (-1.3 %): which of its first
+        # iteration's buckets the watchdog had reaped is not recorded
+        tolerance = 0.025 if workload == "convnet" else 0.02
+        assert min(abs(worst - measured), abs(steady - measured)) <= tolerance * measured
+        # reserved: cached segments stay, so a transient met in warm-up counts in it as well
+        reserved = real["measured_reserved_bytes"]
+        tolerance = 0.045 if workload == "classifier" else 0.02  # as single's, above
+        assert reserved <= d.peak_reserved_bytes * (1 + tolerance)
+        assert min(abs(d.peak_reserved_bytes - reserved),
+                   abs(d.steady_peak_reserved_bytes - reserved)) <= tolerance * reserved
 
 
 def test_the_transient_is_the_first_buckets_that_a_paused_run_never_holds() -> None:
