@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh .whl      # on the GPU machine, $OUT set by it: the device call
 #                                         # carries .whl (cp ../shared/gpu-wheels/*.whl .whl/)
 #   GPU_SESSION_DRY=1 OUT=/tmp/s bash scripts/gpu_session.sh   # the plumbing, on a CPU box
+#   (GPU_SESSION_PARTS: gpu_measure.py's parts instead of the four below; GPU_CHECK_STEPS
+#   reaches gpu_check.sh)
 #
 # Order (what decides an open accuracy gap first; each step cut to what is left):
 #  1 install   the wheels into /tmp/site (no index), this checkout on the machine's own torch
@@ -57,8 +59,9 @@ else
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
 fi
 
+PARTS=${GPU_SESSION_PARTS:-conv-split,segments-classifier:16:plain,rank-classifier,rank-convnet}
 step measure 110 env OUT="$OUT/measure" "$PY" scripts/gpu_measure.py --deadline-s 100 \
-  --parts conv-split,segments-classifier:16:plain,rank-classifier,rank-convnet
+  --parts "$PARTS"
 if [ "$DRY" = 1 ]; then
   step compare 30 "$PY" benchmarks/emulator_vs_gpu.py --help  # it needs a GPU: the CLI only
 else

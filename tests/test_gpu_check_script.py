@@ -54,3 +54,22 @@ def test_the_python_checks_import_only_names_dpprof_has() -> None:
                                 hasattr(module, "__path__")
                                 and importlib.util.find_spec(f"{node.module}.{a.name}"))]
     assert not missing
+
+
+def test_the_session_script_runs_its_steps_in_order_within_its_budget(tmp_path: Path) -> None:
+    """scripts/gpu_session.sh, dry: the measurement first (one part here), the comparison's
+    command line, then gpu_check.sh (one step here), each step's rc in steps.tsv."""
+    env = dict(os.environ, GPU_SESSION_DRY="1", GPU_SESSION_PARTS="conv-split",
+               GPU_CHECK_STEPS="preflight", OUT=str(tmp_path), PYTHON=sys.executable,
+               BUDGET_S="200")
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_session.sh")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [line.split("\t") for line in (tmp_path / "steps.tsv").read_text().splitlines()[1:]]
+    assert [(name, rc) for name, rc, _ in steps] == [
+        ("measure", "0"), ("compare", "0"), ("check", "0")], steps
+    measured = json.loads((tmp_path / "measure" / "measure.json").read_text())
+    rows = measured["parts"]["conv-split"]["result"]["rows"]
+    assert rows and all("weight_grad_workspace_bytes" in row for row in rows)
+    gpu_steps = (tmp_path / "gpu" / "steps.tsv").read_text()
+    assert "preflight\t" in gpu_steps and "compare\tskipped" in gpu_steps
