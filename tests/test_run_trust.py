@@ -612,7 +612,7 @@ def test_the_scripts_error_is_shown_as_the_script_would_show_it(
     assert res.exit_code == 1
     assert expected in res.stderr
     assert "internal error" not in res.output
-    assert "nothing was measured; no report written (dpprof-reports/run-" in res.stderr
+    assert "nothing was measured; no report written to dpprof-reports/run-" in res.stderr
     assert not list(tmp_path.glob("dpprof-reports/*"))
     if "SyntaxError" not in expected:
         # the script's own frame, named as Python names it
@@ -650,7 +650,7 @@ def test_a_script_that_never_touches_cuda_says_nothing_was_measured(
     assert res.exit_code == 1, res.output
     assert res.stdout.startswith("hello\n")
     assert ("dpprof: the script ended without putting anything on a GPU (no tensor or module "
-            "moved to cuda): nothing was measured; no report written (r.json) (exit status 1)"
+            "moved to cuda): nothing was measured; no report written to r.json (exit status 1)"
             ) in res.stderr
     assert not (tmp_path / "r.json").exists()
 
@@ -666,7 +666,7 @@ def test_every_run_that_measured_nothing_exits_1(
     (tmp_path / "train.py").write_text(source)
     res = runner.invoke(app, ["run", "-q", "-o", "r.json", "--", "python", "train.py"])
     assert res.exit_code == 1, res.output
-    assert "nothing was measured; no report written (r.json) (exit status 1)" in res.stderr
+    assert "nothing was measured; no report written to r.json (exit status 1)" in res.stderr
 
 
 def test_a_script_that_trains_on_the_host_is_said_to_be_stopped_not_ended(

@@ -279,7 +279,7 @@ def _show_and_write(result: RunResult, main: ScriptRun, paths: list[tuple[Path, 
 
         unwritten = ", ".join(terminal_text(shown_path(p)) for p, _ in paths)
         status = "" if main.exit_status else f" (exit status {EXIT_ERROR})"
-        err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written ({unwritten})"
+        err.print(f"dpprof: {nothing_on_a_gpu(main)}; no report written to {unwritten}"
                   f"{status}", markup=False, highlight=False, soft_wrap=True)
         return False
     if not quiet:
