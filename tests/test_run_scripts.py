@@ -642,6 +642,7 @@ def test_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
     r = runner.invoke(app, args)
     assert r.exit_code == 2, r.output
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert "dpprof: running" not in r.stderr  # the error alone, no announcement before it
 
 
 def test_parse_command_forms() -> None:

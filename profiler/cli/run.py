@@ -160,6 +160,7 @@ def run_cmd(
             raise UsageError(problem)
         launch = parse_command(list(command or []), DEFAULT_GPUS if gpus is None else gpus,
                                gpus_given=gpus is not None)
+        launch.check_script()  # before the announcement: one line, as for any bad input
         gpus = _gpus_for(launch, gpus)
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         paths[:] = output_paths(output, f"run-{stamp}")

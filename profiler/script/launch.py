@@ -52,6 +52,12 @@ class Launch:
         name = self.target if self.is_module else Path(self.target).name
         return " ".join([name, *self.argv])
 
+    def check_script(self) -> None:
+        """Raise :class:`UsageError` where the script to run is not a file (a module is
+        looked for when it is imported)."""
+        if not self.is_module and not Path(self.target).is_file():
+            raise UsageError(f"dpprof run: {self.target}: no such file")
+
 
 def parse_command(command: list[str], gpus: int, gpus_given: bool = True) -> Launch:
     """``python [-u] train.py args``, ``python -m pkg args``, ``train.py args``,

@@ -12,7 +12,6 @@ import dataclasses
 import runpy
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.errors import (
     Interrupted,
     NotEmulated,
-    UsageError,
     deferred_interrupts,
     interrupt_delivered,
     interrupt_signal,
@@ -249,8 +247,7 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
 def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     """Run the script once, sealed (:mod:`dpprof.script.sealed_run`), and measure it."""
     launch = as_rank(cfg.launch, cfg.rank)
-    if not launch.is_module and not Path(launch.target).is_file():
-        raise UsageError(f"dpprof run: {launch.target}: no such file")
+    launch.check_script()
     vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
                      gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
