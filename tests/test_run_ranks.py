@@ -530,3 +530,39 @@ def test_the_batch_of_a_model_called_with_keywords_only_is_its_rows(work: Path) 
     assert s["status"] == "ok"
     assert s["batch"] == 24 and [d["batch_rows"] for d in s["devices"]] == [12, 12]
     assert s["predicted_samples_per_s"] > 0
+
+
+def _run_pipeline(work: Path, nproc: int, args: list[str]) -> tuple[int, str, dict]:
+    """``dpprof run --ranks all`` of tests/scripts/pipeline_two_stages.py: exit status,
+    stderr, the JSON report; the working folder checked byte-identical after it."""
+    before = folder_bytes(work)
+    report = work.parent / "r.json"
+    r = runner.invoke(app, ["run", "--no-ladder", "--ranks", "all", "-o", str(report), "--",
+                            "torchrun", "--nproc-per-node", str(nproc),
+                            str(SCRIPTS / "pipeline_two_stages.py"), *args])
+    assert folder_bytes(work) == before
+    return r.exit_code, r.stderr, json.loads(report.read_text())
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "dpprof run: pipeline parallelism across ranks (torch.distributed.pipelining) is "
+         "not emulated"),
+    (["objects"], "dpprof run: recv_object_list (objects sent by another rank while both "
+                  "run) is not emulated")])
+def test_what_one_rank_receives_from_another_while_both_run_is_refused_in_one_line(
+        work: Path, args: list[str], message: str) -> None:
+    """A pipeline's stages (and any rank's recv_object_list) wait for bytes another rank
+    sends while both run; each emulated rank runs on its own, so they never come. The run
+    stops there naming dpprof, not with torch's unpickling error read as the script's."""
+    status, stderr, data = _run_pipeline(work, 2, args)
+    assert status == 1
+    (s,) = data["scenarios"]
+    assert s["status"] == "error" and message in s["message"]  # ("rank 1 of 2: " first)
+    assert "Unpickling" not in stderr and s["devices"][0]["peak_allocated_bytes"] > 0
+
+
+def test_a_pipeline_stage_over_one_rank_runs(work: Path) -> None:
+    status, stderr, data = _run_pipeline(work, 1, [])
+    assert status == 0, stderr
+    (s,) = data["scenarios"]
+    assert s["status"] == "ok" and s["devices"][0]["peak_allocated_bytes"] > 0

@@ -1,7 +1,8 @@
 """torch.distributed as a script calls it during an emulated run: ``init_process_group``
 (any backend) initialises torch's fake process group, ``get_backend`` answers what the script
 asked for, ``broadcast_object_list`` gives a receiving rank rank 0's objects where rank 0's
-run sent them (else it keeps its own), ``mp.spawn`` runs
+run sent them (else it keeps its own), ``recv_object_list`` stops the run (what another
+rank sends while both run never arrives), ``mp.spawn`` runs
 the rank this run plays in place, and FSDP2's ``fully_shard`` and tensor parallelism are
 counted once a group exists."""
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpprof.emulator import fsdp
 from dpprof.emulator.patcher import Patch, Patcher
+from dpprof.errors import NotEmulated
 from dpprof.script.launch import ProcessExit
 from dpprof.script.parallel_state import current
 
@@ -111,6 +113,22 @@ def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
 
     for owner in (dist, c10d):
         patch(owner, "broadcast_object_list", broadcast_object_list)
+    real_recv_objects = c10d.recv_object_list
+
+    def recv_object_list(object_list: list[Any], src: int | None = None,
+                         *args: Any, **kwargs: Any) -> Any:
+        """Refused over the emulated group: the sender is another emulated run (earlier, or
+        not yet started), so its bytes never come, and torch's unpickling of what did not
+        come would fail as if the script were wrong."""
+        if not current().log.fake_group:
+            return real_recv_objects(object_list, src, *args, **kwargs)
+        raise NotEmulated(
+            "dpprof run: recv_object_list (objects sent by another rank while both run) is "
+            "not emulated: dpprof runs each rank on its own, one after another, so what "
+            "another rank sends never arrives; broadcast_object_list from rank 0 is")
+
+    for owner in (dist, c10d):
+        patch(owner, "recv_object_list", recv_object_list)
 
     def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,
               join: bool = True, daemon: bool = False, start_method: str = "spawn") -> Any:
