@@ -249,13 +249,15 @@ def wait_for_count(path: Path, needle: str, count: int, timeout: float = 60.0) -
 
 
 def _send_to_main(signum: int, times: int = 1) -> callable:  # type: ignore[valid-type]
-    """Once the command prints "ready", send ``signum`` to dpprof ``times`` times, each after
+    """Once the command has printed "ready", send ``signum`` to dpprof ``times`` times, each after
     the watcher has handled the one before (its record is in the samples file)."""
     main = threading.main_thread().ident
     assert main is not None
 
     def during(out_path: Path) -> None:
-        wait_for(out_path, b"ready")
+        # the whole line: unbuffered, print writes "ready" and its newline apart, and a
+        # signal between the two ends the command before the newline is written
+        wait_for(out_path, b"ready\n")
         samples = out_path.with_name("run.samples.jsonl")
         for i in range(times):
             signal.pthread_kill(main, signum)  # sent to dpprof alone, not from a terminal
