@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dpprof.script import census, namespace
 from dpprof.script.census import Snapshot
@@ -41,37 +41,51 @@ from dpprof.script.folder_watch import FolderWatch
 __all__ = ["claim", "settings", "start", "start_for_command"]
 
 
+class _InThread:
+    """A census taken in a thread of this process."""
+
+    def __init__(self, folders: list[str], limit: int, every_inode: bool) -> None:
+        self._snapshot: Snapshot | None = None
+        self._thread = threading.Thread(target=self._take, args=(folders, limit, every_inode),
+                                        name="dpprof-census", daemon=True)
+        self._thread.start()
+
+    def _take(self, folders: list[str], limit: int, every_inode: bool) -> None:
+        # an error is said again by the census taken at the claim
+        with contextlib.suppress(BaseException):
+            self._snapshot = census.take(folders, (), limit, every_inode=every_inode)
+
+    def wait(self) -> Snapshot | None:
+        """The snapshot, once taken (None where the census failed)."""
+        self._thread.join()
+        return self._snapshot
+
+
 @dataclass
-class _Ahead:
-    """A census under way, in a thread or in a child process (its pid, the pipe its result
-    comes through, the record it watches into)."""
+class _InChild:
+    """A census taken by a child process: its pid, the pipe its result comes through, the
+    record it watches into."""
 
-    # what it made: the snapshot, or what it raised
-    made: dict[str, object] = field(default_factory=dict)
-    thread: threading.Thread | None = None
-    pid: int = 0
-    pipe: int = -1
-    watch: FolderWatch | None = None
+    pid: int
+    pipe: int
+    watch: FolderWatch
 
-    def wait(self) -> None:
-        """Until it is done: :attr:`made` holds the snapshot (none where the child failed
-        or was stopped: the claim takes the census again)."""
-        if self.thread is not None:
-            self.thread.join()
-            return
+    def wait(self) -> Snapshot | None:
+        """The snapshot, once the child is done (None where it failed or was stopped: the
+        claim takes the census again)."""
         with os.fdopen(self.pipe, "rb") as result:
             data = result.read()
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
-        if not data or self.watch is None:
-            return
+        if not data:
+            return None
         snap, marks = pickle.loads(data)
         self.watch.adopt(marks)
         snap.watch = self.watch
-        self.made["snapshot"] = snap
+        return snap  # type: ignore[no-any-return]
 
 
-_PENDING: list[_Ahead] = []
+_PENDING: list[_InThread | _InChild] = []
 
 
 def settings() -> tuple[int, bool]:
@@ -93,20 +107,10 @@ def start(folders: Sequence[str]) -> None:
         if forked is not None:
             _PENDING[:] = [forked]
             return
-    ahead = _Ahead()
-
-    def take() -> None:
-        try:
-            ahead.made["snapshot"] = census.take(folders, (), limit, every_inode=every_inode)
-        except BaseException as e:  # said again by the census taken at the claim
-            ahead.made["error"] = e
-
-    ahead.thread = threading.Thread(target=take, name="dpprof-census", daemon=True)
-    _PENDING[:] = [ahead]
-    ahead.thread.start()
+    _PENDING[:] = [_InThread(folders, limit, every_inode)]
 
 
-def _in_child(folders: list[str], limit: int, every_inode: bool) -> _Ahead | None:
+def _in_child(folders: list[str], limit: int, every_inode: bool) -> _InChild | None:
     """The census taken by a child into a record made here (see the module); None where
     no child could be made."""
     watch = FolderWatch()
@@ -136,7 +140,7 @@ def _in_child(folders: list[str], limit: int, every_inode: bool) -> _Ahead | Non
             os._exit(0)
     signal.pthread_sigmask(signal.SIG_SETMASK, held)
     os.close(write_end)
-    return _Ahead(pid=pid, pipe=read_end, watch=watch)
+    return _InChild(pid=pid, pipe=read_end, watch=watch)
 
 
 def start_for_command(argv: Sequence[str]) -> None:
@@ -153,15 +157,13 @@ def start_for_command(argv: Sequence[str]) -> None:
 def claim(folders: Iterable[str], exclude: Iterable[str]) -> Snapshot | None:
     """The census taken ahead, where it is the one :func:`census.take` would take now of
     ``folders`` without ``exclude`` (with this process's :func:`settings`), made current;
-    None where there is none or it is not that one (take it now). Waits for the thread; the
+    None where there is none or it is not that one (take it now). Waits for the census; the
     seconds waited are its :attr:`Snapshot.waited_s`."""
     if not _PENDING:
         return None
     started = time.perf_counter()
-    ahead = _PENDING.pop()
-    ahead.wait()
-    snap = ahead.made.get("snapshot")
-    if not isinstance(snap, Snapshot) or (snap.limit, snap.every_inode) != settings():
+    snap = _PENDING.pop().wait()
+    if snap is None or (snap.limit, snap.every_inode) != settings():
         return None
     skip = census.skipped(exclude)
     if census.roots_of(folders, skip) != snap.roots:
