@@ -48,12 +48,22 @@ What is mirrored (read from pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp`
   all-gather and reduce-scatter streams). ``release_cached_blocks`` frees the cached
   segments of every stream.
 
+- CUDA graphs' private pools (``beginAllocateToPool``, Note [Interaction with CUDA graph
+  capture]): while a stream captures, its allocations are served from the graph's private
+  pool, a pool of its own like a stream's, under the key :func:`private_pool_key` (the pool
+  and the stream; negative, so it never meets a stream's id). A block of it freed goes back
+  to it, so only allocations into the same pool (a later capture given its handle) reuse it,
+  and ``release_cached_blocks`` leaves its segments alone: it frees a private pool's only
+  once no graph uses it (``graph_pools_freeable``), and graphs here live to the end.
+
 What is not modelled: ``record_stream`` (events, deferred frees: a free here returns the block at
-once, as it does for a block no other stream used), CUDA graph private pools,
-``expandable_segments`` (off by default; asking for it raises), ``garbage_collection_threshold``
-(only acts with ``set_per_process_memory_fraction``), the ``cudaMallocAsync`` backend, and
-free-memory callbacks (only IPC). Segment addresses are handed out in increasing order; the real
-driver's addresses only matter for tie-breaking between free blocks of equal size.
+once, as it does for a block no other stream used), a private pool freed after its graphs were
+deleted, the ordinary pools left cached by an out-of-memory retry during a capture
+(``captures_underway``), ``expandable_segments`` (off by default; asking for it raises),
+``garbage_collection_threshold`` (only acts with ``set_per_process_memory_fraction``), the
+``cudaMallocAsync`` backend, and free-memory callbacks (only IPC). Segment addresses are handed
+out in increasing order; the real driver's addresses only matter for tie-breaking between free
+blocks of equal size.
 
 ``capacity_bytes`` is what ``cudaMalloc`` can still hand to this allocator: the device's
 total memory minus the CUDA context, library workspaces outside the allocator and other
@@ -76,6 +86,25 @@ from dpprof.emulator.allocator_config import (
 )
 
 _KEY_SHIFT = 64  # free-block key: size << 64 | address (orders by size, then address)
+_POOL_SHIFT = 32  # a private pool's key: -(pool id << 32 | the capturing stream's id)
+
+
+def private_pool_key(pool_id: int, stream: int) -> int:
+    """The key under which a CUDA graph's private pool ``pool_id`` (a positive id) files the
+    blocks a capture on ``stream`` takes: an allocation made under it is that pool's."""
+    if pool_id <= 0 or not 0 <= stream < 1 << _POOL_SHIFT:
+        raise ValueError(f"no private pool key for pool {pool_id}, stream {stream}")
+    return -((pool_id << _POOL_SHIFT) | stream)
+
+
+def stream_of_key(key: int) -> int:
+    """The stream of an allocation's key: the stream's own id, or a private pool's stream."""
+    return key if key >= 0 else (-key) & ((1 << _POOL_SHIFT) - 1)
+
+
+def pool_of_key(key: int) -> int:
+    """The private pool of an allocation's key (0: the ordinary pools)."""
+    return 0 if key >= 0 else (-key) >> _POOL_SHIFT
 
 
 # --------------------------------------------------------------------------- the allocator
@@ -143,8 +172,9 @@ class CachingAllocatorSim:
     ``malloc(nbytes, stream)`` returns an opaque handle (``None`` for 0 bytes, as PyTorch
     hands out a null pointer without touching the allocator) or raises
     :class:`SimulatedOutOfMemory`; ``free(handle)`` returns it to its stream's pool.
-    ``stream`` names the stream current at the request (0: the default stream). Counters
-    mirror ``DeviceStats`` (aggregate pool).
+    ``stream`` names the stream current at the request (0: the default stream), or a CUDA
+    graph's private pool (:func:`private_pool_key`). Counters mirror ``DeviceStats``
+    (aggregate pool).
     """
 
     def __init__(
@@ -314,7 +344,8 @@ class CachingAllocatorSim:
                     "address": head.addr,
                     "total_size": total,
                     "is_large": not head.small,
-                    "stream": head.stream,
+                    "stream": stream_of_key(head.stream),
+                    "private_pool": pool_of_key(head.stream),  # 0: the ordinary pools
                     "allocated_size": sum(x["size"] for x in blocks if x["allocated"]),
                     "blocks": blocks,
                 }
@@ -407,8 +438,10 @@ class CachingAllocatorSim:
 
     def _release_cached_blocks(self) -> None:
         """``release_cached_blocks`` -> ``release_blocks``: free every cached segment that is not
-        split, large pool first, then small, every stream's."""
-        side = [self._streams[s] for s in sorted(self._streams)]
+        split, large pool first, then small, every stream's; a CUDA graph's private pool
+        keeps its segments while its graph lives."""
+        side = [self._streams[s] for s in sorted(self._streams)
+                if not isinstance(s, int) or s >= 0]
         for pool in (self._large, *(p[1] for p in side), self._small, *(p[0] for p in side)):
             for key in list(pool.keys):
                 block = pool.blocks[key]

@@ -1,8 +1,9 @@
 """``torch.cuda`` and ``torch.accelerator``'s own functions played by a
 :class:`dpprof.emulator.virtual_cuda.VirtualCuda`, grouped by what they stand in for: device
-queries, memory statistics, the random number generators, streams and events, NVTX ranges,
-and ``torch.accelerator``'s equivalents. Each group is patched through one ``Patch``
-(:meth:`dpprof.emulator.patcher.Patcher.patch`), in :func:`install`'s order."""
+queries, memory statistics, the random number generators, streams and events, CUDA graphs
+(:mod:`dpprof.emulator.cuda_graphs`), NVTX ranges, and ``torch.accelerator``'s equivalents.
+Each group is patched through one ``Patch`` (:meth:`dpprof.emulator.patcher.Patcher.patch`),
+in :func:`install`'s order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dpprof.emulator import cuda_graphs
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.memory_snapshot import MemoryHistory
 from dpprof.emulator.patcher import Patch
@@ -32,6 +34,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     memory_stats(vc, p)
     random_generators(vc, p)
     streams_and_events(vc, p)
+    cuda_graphs.install(vc, p)
     memory_module(p)
     memory_history(vc, p)
     nvtx_ranges(p)
@@ -139,7 +142,6 @@ def streams_and_events(vc: EmulatedCuda, p: Patch) -> None:
     p(cuda, "default_stream", streams.default)
     p(cuda, "stream", streams.using)
     p(cuda, "set_stream", streams.set)
-    p(cuda, "is_current_stream_capturing", lambda: False)
 
 
 def memory_module(p: Patch) -> None:
@@ -320,7 +322,7 @@ class Stream:
         return True
 
     def is_capturing(self) -> bool:
-        return False
+        return bool(_current_streams().vc.graphs.stream_capturing(self))
 
     def __enter__(self) -> Stream:
         """``with stream:``: the stream current inside, as ``torch.cuda.stream``."""

@@ -25,6 +25,7 @@ class EmulatedCuda(Protocol):
     spec: GpuSpec  # the GPU each virtual one is
     streams: Any  # dpprof.emulator.cuda_api.CurrentStreams: each thread's current streams
     memory: CudaMemory  # torch.cuda's memory functions
+    graphs: Any  # dpprof.emulator.cuda_graphs.Captures: the CUDA graphs' pools and captures
 
     def device_count(self) -> int: ...
     def initialise(self) -> None: ...

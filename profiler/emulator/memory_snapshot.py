@@ -19,7 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dpprof.emulator.allocator import Block, CachingAllocatorSim, SimulatedOutOfMemory
+from dpprof.emulator.allocator import (
+    Block,
+    CachingAllocatorSim,
+    SimulatedOutOfMemory,
+    stream_of_key,
+)
 from dpprof.emulator.cuda_devices import CudaDevices
 
 __all__ = ["MemoryHistory"]
@@ -77,11 +82,12 @@ class MemoryHistory:
             if ev.device != runtime or ev.requested == 0:
                 continue
             recording = since is not None and k >= since
-            stream = log.stream_of(k)
+            key = log.stream_of(k)  # a stream, or a CUDA graph's private pool
+            stream = stream_of_key(key)
             if ev.requested > 0:
                 segments_before = sim.segments
                 try:
-                    block = sim.malloc(ev.requested, stream)
+                    block = sim.malloc(ev.requested, key)
                 except SimulatedOutOfMemory:
                     continue
                 if block is None:
@@ -99,7 +105,10 @@ class MemoryHistory:
                     trace.append(_entry("free_requested", (block.addr, block.size), stream))
                     trace.append(_entry("free_completed", (block.addr, block.size), stream))
                 sim.free(block)
-        return [_segment(s) for s in sim.snapshot()], trace
+        graphs = getattr(self.rt.cuda, "graphs", None)
+        return [_segment(s, graphs.handle_of(s["private_pool"]) if graphs and s["private_pool"]
+                         else (0, 0))
+                for s in sim.snapshot()], trace
 
 
 def _segment_of(block: Block) -> tuple[int, int]:
@@ -120,9 +129,10 @@ def _entry(action: str, where: tuple[int, int], stream: int) -> dict[str, Any]:
     return {"action": action, "addr": addr, "size": size, "stream": stream, "frames": []}
 
 
-def _segment(s: dict[str, Any]) -> dict[str, Any]:
+def _segment(s: dict[str, Any], pool: tuple[int, int]) -> dict[str, Any]:
     """One segment of the simulation in torch's snapshot format: its blocks at their
-    addresses (contiguous from the segment's)."""
+    addresses (contiguous from the segment's); ``pool``: its pool's handle ((0, 0): the
+    ordinary pools, else a CUDA graph's private pool)."""
     addr = s["address"]
     blocks = []
     for b in s["blocks"]:
@@ -134,6 +144,6 @@ def _segment(s: dict[str, Any]) -> dict[str, Any]:
     allocated = s["allocated_size"]
     return {"address": s["address"], "total_size": s["total_size"], "stream": s["stream"],
             "segment_type": "large" if s["is_large"] else "small",
-            "segment_pool_id": (0, 0), "allocated_size": allocated, "active_size": allocated,
+            "segment_pool_id": pool, "allocated_size": allocated, "active_size": allocated,
             "requested_size": sum(b["requested_size"] for b in blocks),
             "is_expandable": False, "frames": [], "blocks": blocks}

@@ -16,7 +16,12 @@ import numpy as np
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.events import EventLog
-from dpprof.emulator.virtual_devices import BLAS_BACKWARD, BLAS_FORWARD, BLAS_LT
+from dpprof.emulator.virtual_devices import (
+    BLAS_BACKWARD,
+    BLAS_FORWARD,
+    BLAS_LT,
+    parse_blas_key,
+)
 
 __all__ = ["AllocationEvent", "GpuOverheads", "ModelledDevice", "gpu_overheads",
            "workspace_inserts"]
@@ -131,22 +136,34 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
 
 
 def workspace_inserts(ctx: ContextModel, device: int,
-                      blas_first: Mapping[tuple[int, str], int]) -> list[tuple[int, int, int]]:
-    """The long-lived workspaces of ``device`` as (event index, block id, bytes), in the
-    order the allocator gets them: the forward thread's cuBLAS workspace at its first
-    cuBLAS op, then (same op) cuBLASLt's at the first addmm, autograd's at its first; any
-    further ones (more streams) and those of a thread with no cuBLAS op first (index 0)."""
+                      blas_first: Mapping[tuple[int, str], int]
+                      ) -> list[tuple[int, int, int, int]]:
+    """The long-lived workspaces of ``device`` as (event index, block id, bytes, allocator
+    key), in the order the allocator gets them: the forward thread's cuBLAS workspace at its
+    first cuBLAS op, then (same op) cuBLASLt's at the first addmm, autograd's at its first;
+    any further ones (more streams) and those of a thread with no cuBLAS op first (index 0).
+    A handle's first op on a side stream adds that (handle, stream)'s workspace there, under
+    the stream's key, or a capturing CUDA graph's private pool's (``blas_first``'s
+    "<role>@<key>" names)."""
     roles = [BLAS_FORWARD, BLAS_BACKWARD]
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, int, int, int]] = []
     block = -1
     for k in range(ctx.cublas_workspaces):
         at = blas_first.get((device, roles[k])) if k < len(roles) else None
-        out.append((0 if at is None else at, block, ctx.cublas_workspace_bytes))
+        out.append((0 if at is None else at, block, ctx.cublas_workspace_bytes, 0))
         block -= 1
     if ctx.cublaslt_workspace_bytes:
         for _ in range(ctx.cublaslt_workspaces):
             at = blas_first.get((device, BLAS_LT))
-            out.append((0 if at is None else at, block, ctx.cublaslt_workspace_bytes))
+            out.append((0 if at is None else at, block, ctx.cublaslt_workspace_bytes, 0))
+            block -= 1
+    for (d, name), at in sorted(blas_first.items(), key=lambda kv: (kv[1], kv[0][1])):
+        role, key = parse_blas_key(name)
+        if d != device or not key:
+            continue
+        size = ctx.cublaslt_workspace_bytes if role == BLAS_LT else ctx.cublas_workspace_bytes
+        if size:
+            out.append((at, block, size, key))
             block -= 1
     return sorted(out, key=lambda r: r[0])  # stable: the cuBLAS workspace before Lt's
 
@@ -184,13 +201,13 @@ class _DeviceSequences:
             rows = self._rows[device] = np.flatnonzero(self.device == device)
         return rows
 
-    def _offsets(self, device: int, inserts: Sequence[tuple[int, int, int]]) -> list[int]:
+    def _offsets(self, device: int, inserts: Sequence[tuple[int, int, int, int]]) -> list[int]:
         """Where each insert goes among the device's rows (before the first row at or
         after its event index)."""
         at = self.index[self._of(device)]
-        return [int(np.searchsorted(at, index)) for index, _, _ in inserts]
+        return [int(np.searchsorted(at, insert[0])) for insert in inserts]
 
-    def key(self, device: int, inserts: Sequence[tuple[int, int, int]] = ()
+    def key(self, device: int, inserts: Sequence[tuple[int, int, int, int]] = ()
             ) -> tuple[bytes, ...]:
         """The sequence with its serials renumbered in order of first appearance."""
         rows = self._of(device)
@@ -199,14 +216,14 @@ class _DeviceSequences:
         rank = np.empty(len(first), dtype=np.int64)
         rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
         sizes = self.requested[rows]
-        placed = np.array([(o, size) for o, (_, _, size) in
+        placed = np.array([(o, size, key) for o, (_, _, size, key) in
                            zip(self._offsets(device, inserts), inserts, strict=True)],
                           dtype=np.int64)
         # (kind, bytes) as one number: an allocation's size, or -1 for a free
         return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes(),
                 self.stream[rows].tobytes(), placed.tobytes())
 
-    def sequence(self, device: int, inserts: Sequence[tuple[int, int, int]] = (),
+    def sequence(self, device: int, inserts: Sequence[tuple[int, int, int, int]] = (),
                  frees_at: Mapping[int, tuple[int, str]] | None = None
                  ) -> list[tuple[Any, ...]]:
         """The device's rows with ``inserts`` (workspaces) allocated where they go; with
@@ -220,8 +237,9 @@ class _DeviceSequences:
             for serial, size, stream in zip(serials, self.requested[rows].tolist(),
                                             self.stream[rows].tolist(), strict=True)]
         at = self.index[rows]
-        placed = [(int(np.searchsorted(at, index)), k, ("alloc", block, size))
-                  for k, (index, block, size) in enumerate(inserts)]
+        placed = [(int(np.searchsorted(at, index)), k,
+                   ("alloc", block, size, key) if key else ("alloc", block, size))
+                  for k, (index, block, size, key) in enumerate(inserts)]
         if frees_at:
             mine = set(serials) & set(frees_at)
             out = [r if r[0] != "free" or r[1] not in mine else None for r in out]  # type: ignore[misc]

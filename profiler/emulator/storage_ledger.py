@@ -93,9 +93,12 @@ class StorageLedger(EventQueries):
         # serials (ascending), (length, the labelled storage's serial)
         self._shared_firsts: list[int] = []
         self._shared_blocks: list[tuple[int, int]] = []
-        # device -> the stream current on it, where that is not its default stream (the
-        # virtual CUDA's torch.cuda.stream sets it): its allocations are tagged with it
+        # device -> the key its allocations are tagged with, where that is not its default
+        # stream's: the stream current on it (the virtual CUDA's torch.cuda.stream sets it),
+        # or the private pool of a CUDA graph that this stream is capturing
         self._streams: dict[int, int] = {}
+        self._current: dict[int, int] = {}  # device -> its current stream (absent: default)
+        self._captures: dict[int, tuple[int, int]] = {}  # device -> (stream, private pool key)
         # storages a real run keeps alive past the point where a later step frees them (a
         # warm-up's transient: DDP's first buckets, held until NCCL's watchdog reaps their
         # all-reduce): serial -> (the event index where the steady state frees it, its kind)
@@ -113,13 +116,46 @@ class StorageLedger(EventQueries):
         """Make ``stream`` (an id; 0: the default stream) current on ``device``: the
         storages allocated there from now on are that stream's (``EventLog.streams``)."""
         if stream:
-            self._streams[device] = stream
+            self._current[device] = stream
         else:
-            self._streams.pop(device, None)
+            self._current.pop(device, None)
+        self._retag(device)
 
     def stream_on(self, device: int) -> int:
         """The id of the stream current on ``device`` (0: its default stream)."""
+        return self._current.get(device, 0)
+
+    def tag_on(self, device: int) -> int:
+        """The allocator key of what is allocated on ``device`` now: the current stream's id,
+        or a capturing graph's private pool (0: the default stream)."""
         return self._streams.get(device, 0)
+
+    def begin_capture(self, device: int, stream: int, pool_key: int) -> None:
+        """A CUDA graph captures ``stream`` on ``device``: what is allocated on that stream
+        until :meth:`end_capture` is the graph's private pool's (``pool_key``, made by
+        :func:`dpprof.emulator.allocator.private_pool_key`)."""
+        self._captures[device] = (stream, pool_key)
+        self._retag(device)
+
+    def end_capture(self, device: int) -> None:
+        self._captures.pop(device, None)
+        self._retag(device)
+
+    def capturing(self, device: int) -> bool:
+        """Whether the stream current on ``device`` is capturing a CUDA graph."""
+        capture = self._captures.get(device)
+        return capture is not None and capture[0] == self._current.get(device, 0)
+
+    def _retag(self, device: int) -> None:
+        """The key of ``device``'s allocations from now on: the capture's private pool while
+        its stream is current, else the current stream (none: the default stream)."""
+        stream = self._current.get(device, 0)
+        capture = self._captures.get(device)
+        tag = capture[1] if capture is not None and capture[0] == stream else stream
+        if tag:
+            self._streams[device] = tag
+        else:
+            self._streams.pop(device, None)
 
     # ---- queries ----------------------------------------------------------------------
 

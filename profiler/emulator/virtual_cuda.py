@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpprof.emulator import cuda_api, emulated_cuda, tensor_api
+from dpprof.emulator import cuda_api, cuda_graphs, emulated_cuda, tensor_api
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (
@@ -149,6 +149,7 @@ class VirtualCuda:
         self.parallel: Any = None
         self.active = False
         self.streams = cuda_api.CurrentStreams(self)
+        self.graphs = cuda_graphs.Captures(self)
         self.initialised = False  # torch.cuda._lazy_init has run (see is_initialised)
 
     # ---- devices ------------------------------------------------------------------------
