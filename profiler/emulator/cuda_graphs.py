@@ -36,6 +36,8 @@ from dpprof.errors import NotEmulated
 
 __all__ = ["Captures", "install"]
 
+_POOL_IDS = itertools.count(1)  # the process's graph pools, as torch numbers them
+
 # torch's own words where CUDA refuses a capture on the legacy default stream
 DEFAULT_STREAM_CAPTURE = (
     "CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok "
@@ -53,28 +55,31 @@ class Captures:
 
     def __init__(self, vc: EmulatedCuda) -> None:
         self.vc = vc
-        self._ids = itertools.count(1)
-        self._pools: dict[tuple[int, int], int] = {}  # a pool's handle -> its id
+        self._user_made: set[int] = set()  # the pools graph_pool_handle gave out
         self._underway: dict[int, CUDAGraph] = {}  # runtime device -> the graph capturing
 
     def new_handle(self, own: bool) -> tuple[int, int]:
         """A new pool's handle: ``(id, 0)`` for a graph's own pool, ``(0, id)`` for one
-        from ``graph_pool_handle`` (``MempoolId_t``'s two kinds)."""
-        n = next(self._ids)
-        handle = (n, 0) if own else (0, n)
-        self._pools[handle] = n
-        return handle
+        from ``graph_pool_handle`` (``MempoolId_t``'s two kinds). Ids are the process's,
+        as torch's are: a handle a module kept from an earlier run names no pool of this
+        one's."""
+        n = next(_POOL_IDS)
+        if not own:
+            self._user_made.add(n)
+        return (n, 0) if own else (0, n)
 
     def handle_of(self, pool_id: int) -> tuple[int, int]:
         """The handle of the pool ``pool_id``."""
-        return (0, pool_id) if (0, pool_id) in self._pools else (pool_id, 0)
+        return (0, pool_id) if pool_id in self._user_made else (pool_id, 0)
 
-    def pool_id(self, handle: Any) -> int:
-        """The id of the pool ``handle`` names (a handle this emulation gave out)."""
-        key = tuple(handle) if isinstance(handle, (tuple, list)) else None
-        if key is None or key not in self._pools:
-            raise RuntimeError(f"not a graph pool handle of this run: {handle!r}")
-        return self._pools[key]  # type: ignore[index]
+    @staticmethod
+    def pool_id(handle: Any) -> int:
+        """The id of the pool ``handle`` names (``MempoolId_t``: one of its two ids)."""
+        ids = tuple(handle) if isinstance(handle, (tuple, list)) else ()
+        if (len(ids) != 2 or not all(isinstance(i, int) and i >= 0 for i in ids)
+                or (ids[0] == 0) == (ids[1] == 0)):
+            raise RuntimeError(f"not a graph pool handle: {handle!r}")
+        return int(ids[0] or ids[1])
 
     def begin(self, graph: CUDAGraph, handle: tuple[int, int]) -> None:
         stream = self.vc.streams.current()
