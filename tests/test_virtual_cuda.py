@@ -562,3 +562,13 @@ def test_the_memory_snapshot_is_the_simulated_allocator_s_in_torch_s_format(
     played = _memory_viz.trace(snap)  # and its replay of the trace, action by action
     assert played.count("cudaMalloc(") == sum(e["action"] == "segment_alloc" for e in trace)
     assert played.count("# free completed for") == len(frees)
+
+
+def test_clip_grad_norm_with_foreach_runs_as_on_a_gpu() -> None:
+    # torch groups the gradients by their real device (meta here), and foreach=True
+    # refuses a device without foreach kernels: a GPU has them
+    with VirtualCuda(1):
+        model = nn.Linear(64, 64).cuda()
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        assert norm.is_cuda and norm.shape == ()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dpprof.emulator import cuda_graphs
+from dpprof.emulator import cuda_graphs, flex_attention
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.memory_snapshot import MemoryHistory
 from dpprof.emulator.patcher import Patch
@@ -35,6 +35,8 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     random_generators(vc, p)
     streams_and_events(vc, p)
     cuda_graphs.install(vc, p)
+    flex_attention.install(vc, p)
+    foreach_kernels(vc, p)
     memory_module(p)
     memory_history(vc, p)
     nvtx_ranges(p)
@@ -142,6 +144,18 @@ def streams_and_events(vc: EmulatedCuda, p: Patch) -> None:
     p(cuda, "default_stream", streams.default)
     p(cuda, "stream", streams.using)
     p(cuda, "set_stream", streams.set)
+
+
+def foreach_kernels(vc: EmulatedCuda, p: Patch) -> None:
+    """CUDA's ``_foreach_*`` kernels for the virtual GPUs' tensors: torch groups tensors by
+    their real device (the emulation's meta or CPU), and ``clip_grad_norm_(foreach=True)``
+    refuses a device without foreach kernels, as it would never refuse a GPU's."""
+    import torch.utils._foreach_utils as foreach_utils
+
+    supported = foreach_utils._get_foreach_kernels_supported_devices
+    base = vc.rt.base.type
+    p(foreach_utils, "_get_foreach_kernels_supported_devices",
+      lambda: list(dict.fromkeys([*supported(), "cuda", base])))
 
 
 def memory_module(p: Patch) -> None:

@@ -398,6 +398,11 @@ class VirtualCuda:
         real = ORIGINALS["device"].__get__(t)
         if real != self.base or self.rt.in_dispatch:
             return real
+        # a functorch wrapper (vmap's batched tensor, grad's) has no storage of its own: the
+        # device is its innermost tensor's (FlexAttention vmaps its masks over the devices')
+        functorch = torch._C._functorch
+        while functorch.is_functorch_wrapped_tensor(t):
+            t = functorch.get_unwrapped(t)
         i = self.rt.storages.device_of(t)
         if i == HOST:
             if real.type != "meta" or self.rt.user_meta.holds_or_wraps(t):

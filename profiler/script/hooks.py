@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -21,6 +22,11 @@ from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import Gather
 from dpprof.emulator.emulated_autocast import EmulatedAutocast
 from dpprof.emulator.events import DeviceCounters
+from dpprof.emulator.flex_attention import (
+    compiled_region,
+    enter_compiled_region,
+    leave_compiled_region,
+)
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder_code import blocks_words
@@ -254,16 +260,55 @@ def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
     """``torch.compile(model)`` / ``@torch.compile`` / ``module.compile()`` in the script:
     the model or function as given, run eagerly. Dynamo cannot trace the emulation (its
     virtual devices, its patched ``torch.device``) and Inductor's CUDA kernels are not
-    played; each call's site goes into ``sites`` so the report can say so."""
+    played; each call's site goes into ``sites`` so the report can say so. A call of what
+    Inductor would compile (the default backend) runs as a compiled region
+    (:func:`dpprof.emulator.flex_attention.enter_compiled_region`): the kernels it fuses
+    whole, FlexAttention's, take the fused kernel's memory there."""
     def compile_(model: Any = None, **kwargs: Any) -> Any:
+        if caller_in_torch():  # torch compiling its own helper (flex's eager wrapper)
+            return model if model is not None else (lambda fn: fn)
         sites.append(caller_site())
+        inductor = kwargs.get("backend", "inductor") == "inductor"
         if model is None:  # @torch.compile(mode=...): the decorator
-            return lambda fn: fn
-        return model
+            return lambda fn: as_compiled(fn, inductor)
+        return as_compiled(model, inductor)
+
+    def module_compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        sites.append(caller_site())
+        as_compiled(self, kwargs.get("backend", "inductor") == "inductor")
 
     patcher.patch(torch, "compile", compile_)
-    patcher.patch(torch.nn.Module, "compile",
-                  lambda self, *a, **k: sites.append(caller_site()))
+    patcher.patch(torch.nn.Module, "compile", module_compile)
+
+
+def caller_in_torch() -> bool:
+    """Whether ``torch.compile``'s caller is torch's own code."""
+    import sys
+
+    frame = sys._getframe(2)
+    return frame.f_globals.get("__name__", "").startswith("torch.")
+
+
+def as_compiled(target: Any, inductor: bool) -> Any:
+    """``target`` (a module or a function) whose calls run as a compiled region, where
+    Inductor compiles it; as given otherwise (another backend runs its graph op by op)."""
+    if not inductor or target is None:
+        return target
+    if isinstance(target, nn.Module):
+        if not getattr(target, "_dpprof_compiled_region", False):
+            target.register_forward_pre_hook(lambda *_: enter_compiled_region())
+            target.register_forward_hook(lambda *_: leave_compiled_region(), always_call=True)
+            target._dpprof_compiled_region = True  # type: ignore[assignment]
+        return target
+    if not callable(target):
+        return target
+
+    @functools.wraps(target)
+    def compiled(*args: Any, **kwargs: Any) -> Any:
+        with compiled_region():
+            return target(*args, **kwargs)
+
+    return compiled
 
 
 # how far back from a loss module's argument its expression of DataParallel's outputs may

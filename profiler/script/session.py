@@ -303,7 +303,8 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
         sites = list(dict.fromkeys(main.compiled))  # in the order the script ran them
         s0_notes.append(
             f"torch.compile at {', '.join(relative_site(x) for x in sites[:3])}: run eagerly "
-            "(dpprof does not play compiled kernels); a compiled model may hold less (fused "
+            "(dpprof does not play compiled kernels, but for FlexAttention's, whose memory "
+            "it takes from Inductor's fused kernel); a compiled model may hold less (fused "
             "activations): these peaks are the eager model's")
     if main.kernels:
         s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
