@@ -149,6 +149,13 @@ class SmallValues:
         real_args, real_kwargs = tree_unflatten(real, spec)
         if real_kwargs.get("device") is not None:  # given as a string
             real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
+        if getattr(func, "namespace", "") in _COLLECTIVES:
+            # what other ranks contribute is not on this host: never the host's own run of
+            # the collective (over the fake group its output holds no data)
+            result = _collective_values(func, real_args)
+            if result is not None:
+                self.computed_ops += 1
+            return result
         try:
             result = func(*real_args, **real_kwargs)
         except Exception:  # a kernel the host lacks for this dtype: no values, as before
@@ -192,6 +199,35 @@ class SmallValues:
             found = self._values.pop(storage_key(st), None)
             if found is not None:
                 self.total_bytes -= found[1].untyped_storage().nbytes()
+
+
+# the functional collectives' namespaces (torch.distributed._functional_collectives)
+_COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def _collective_values(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """A functional collective's values as one rank of ranks that all run the same program
+    sees them (:mod:`dpprof.emulator.process_group`'s rule): an all-reduce of ``size`` equal
+    contributions (``sum``: the input times ``size``; ``avg``, ``min``, ``max``: the input);
+    ``wait_tensor`` and the autograd wrapper give their input. None for any other (a
+    stand-in is read instead)."""
+    name = func._schema.name.split("::")[-1]
+    if name in ("wait_tensor", "_wrap_tensor_autograd"):
+        return args[0]  # type: ignore[no-any-return]
+    if name != "all_reduce" or len(args) < 3:
+        return None
+    op = str(args[1]).lower()
+    if op in ("avg", "min", "max"):
+        return args[0].clone()  # type: ignore[no-any-return]
+    if op != "sum":
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        size = _resolve_process_group(args[2]).size()
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    return args[0] * size  # type: ignore[no-any-return]
 
 
 # op_key(op) -> (op, whether its schema says it writes): asked once per op, by identity
