@@ -7,12 +7,14 @@ working folder is byte-identical after each run (the seal)."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
+from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 SCRIPTS = Path(__file__).parent / "scripts"
 runner = CliRunner()
@@ -566,3 +568,33 @@ def test_a_pipeline_stage_over_one_rank_runs(work: Path) -> None:
     assert status == 0, stderr
     (s,) = data["scenarios"]
     assert s["status"] == "ok" and s["devices"][0]["peak_allocated_bytes"] > 0
+
+
+def test_each_rank_imports_the_scripts_own_modules_afresh(tmp_path: Path) -> None:
+    """A module of the script's own keeps its state for its process: a later rank (another
+    process on a GPU machine) starts with it as imported, not as the last rank left it
+    (torchtitan's CUDA graph manager held rank 0's stream and pool)."""
+    (tmp_path / "helper.py").write_text("STATE = {}\n")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import torch
+        import torch.distributed as dist
+        import helper
+
+        rank = int(os.environ["RANK"])
+        assert "rank" not in helper.STATE, f"found rank {helper.STATE['rank']}'s state"
+        helper.STATE["rank"] = rank
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).cuda())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 8, device="cuda")).sum().backward()
+        opt.step()
+    """))
+    result, main = run_command(ScriptConfig(
+        launch=parse_command(["torchrun", "--nproc-per-node", "2", str(script)], 2), gpus=2,
+        ranks="all"), alternatives=False)
+    assert main.exit_status == 0, main.script_traceback
+    assert [r.exit_status for r in main.rank_runs] == [0]
+    assert result.scenarios[0].status == "ok", result.scenarios[0].message

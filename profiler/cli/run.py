@@ -237,9 +237,9 @@ def _announce(cfg: ScriptConfig) -> None:
     kind = "CPU tensors" if cfg.compute else "meta tensors, memory only"
     world = int(launch.env.get("WORLD_SIZE", "1"))
     ranks = {"none": f"rank 0 of {world} standing for every rank",
-             "all": f"all {world} ranks, each its own process",
-             "last": f"ranks 0 and {world - 1} of {world}, each its own process"}.get(
-                 cfg.ranks, f"ranks 0,{cfg.ranks} of {world}, each its own process")
+             "all": f"all {world} ranks, each its own emulated process",
+             "last": f"ranks 0 and {world - 1} of {world}, each its own emulated process"}.get(
+                 cfg.ranks, f"ranks 0,{cfg.ranks} of {world}, each its own emulated process")
     how = f"; {launch.launcher} {ranks}" if world > 1 else ""
     from dpprof.script import namespace
 

@@ -14,6 +14,7 @@ import logging
 import os
 import runpy
 import sys
+import sysconfig
 import traceback
 import types
 import zipfile
@@ -314,6 +315,8 @@ def script_process(launch: Launch) -> Iterator[None]:
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
     saved_defaults = _torch_defaults()
+    imported_before = set(sys.modules)
+    code_root = os.getcwd() if launch.is_module else str(Path(launch.target).resolve().parent)
     try:
         _fresh_singletons()
         os.environ.update(launch.env)
@@ -326,6 +329,11 @@ def script_process(launch: Launch) -> Iterator[None]:
             sys.path.insert(0, str(path.parent))
         yield
     finally:
+        # the script's own modules start afresh in the next run (another rank, an
+        # alternative), as in a new process: their module-level state (a cache, a
+        # singleton holding a stream or a device) is not the last run's
+        for name in own_modules(set(sys.modules) - imported_before, code_root):
+            del sys.modules[name]
         sys.argv = saved_argv
         sys.path[:] = saved_path
         os.environ.clear()
@@ -344,6 +352,30 @@ def script_process(launch: Launch) -> Iterator[None]:
         # as a new process would
         _restore_torch_defaults(saved_defaults)
         _fresh_singletons()
+
+
+def own_modules(names: set[str], root: str) -> list[str]:
+    """Of the modules ``names``, those of the script's own code: Python source under
+    ``root`` (the script's folder; the working folder for ``-m``), not an installed
+    package's (site-packages) nor dpprof's. A compiled extension is left loaded: CPython
+    cannot load one twice."""
+    root = os.path.realpath(root)
+    installed = {os.path.realpath(p) for key, p in sysconfig.get_paths().items()
+                 if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    own = []
+    for name in names:
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not file.endswith((".py", ".pyc")):
+            continue
+        real = os.path.realpath(file)
+        parts = Path(real).parts
+        if (os.path.commonpath([real, root]) != root or "site-packages" in parts
+                or "dist-packages" in parts or name == "dpprof" or name.startswith("dpprof.")
+                or any(os.path.commonpath([real, p]) == p for p in installed)):
+            continue
+        own.append(name)
+    return own
 
 
 # accelerate's process-wide singletons (their state shared by every instance): a run of the
