@@ -29,6 +29,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
+from dpprof.script import namespace
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 runner = CliRunner()
@@ -207,19 +208,29 @@ C_READER = """
 """
 
 
+@pytest.mark.parametrize("why", ["overlayfs refused", namespace.THREADED])
 def test_a_file_the_run_wrote_that_a_c_reader_misses_is_explained(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a mount namespace, a C library that opens a file the run wrote through
     Python looks on the real filesystem and fails: the script's FileNotFoundError is not the
     user's missing file, and dpprof says so (pyarrow's reader of the cache that datasets
-    wrote, in transformers' run_clm.py, failed so), with what to do."""
+    wrote, in transformers' run_clm.py, failed so), with what to do: where the machine
+    refused the namespace, a machine that allows it; where threads started before dpprof
+    (a sitecustomize importing torch, as torchtitan's shim did), a start without them."""
     (tmp_path / "train.py").write_text(textwrap.dedent(C_READER))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(namespace, "why_not", lambda: why)
     res = runner.invoke(app, ["run", "-q", "--", "python", "train.py"])
     assert res.exit_code == 1, res.output
     said = " ".join(res.output.split())
-    assert (f"it failed to open {tmp_path / 'made.bin'}, which the run itself had written: "
-            "without a mount namespace on this machine") in said, said
+    opened = f"it failed to open {tmp_path / 'made.bin'}, which the run itself had written: "
+    if why == namespace.THREADED:
+        assert (opened + "without a mount namespace (the process was running threads before "
+                "dpprof started)") in said, said
+        assert "run dpprof without what imports a threaded library" in said
+    else:
+        assert opened + "without a mount namespace on this machine" in said, said
+        assert "kernel.unprivileged_userns_clone=1" in said
     assert not (tmp_path / "made.bin").exists()
 
 

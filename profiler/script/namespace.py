@@ -63,6 +63,14 @@ def entered() -> bool:
     return _STATE["entered"] == "yes"
 
 
+# why_not() where the process ran threads before dpprof's entry (the kernel refuses them a
+# user namespace): something imported at the interpreter's start (a sitecustomize, a .pth
+# file, PYTHONSTARTUP) that starts threads; torch does, on import
+THREADED = "the process already runs threads"
+WHERE_UNTHREADED = ("run dpprof without what imports a threaded library (torch starts a thread "
+                    "on import) as Python starts: a sitecustomize, a .pth file, PYTHONSTARTUP")
+
+
 def why_not() -> str | None:
     """Why the kernel line is not there (None: it is, or was not tried)."""
     return _STATE["why_not"]
@@ -163,7 +171,7 @@ def enter() -> bool:
         _STATE["why_not"] = "DPPROF_NO_NAMESPACE is set"
         return False
     if _threads() != 1:
-        _STATE["why_not"] = "the process already runs threads"
+        _STATE["why_not"] = THREADED
         return False
     probe = _probe()
     if probe is not None:

@@ -10,6 +10,7 @@ import os
 from dpprof.emulator.cuda_devices import STAND_INS
 from dpprof.fixes.fix_kind import FixKind
 from dpprof.result import Fix, ScriptWrite, SealCheck
+from dpprof.script import namespace
 from dpprof.script.runner import ScriptConfig, ScriptRun
 from dpprof.script.seal_audit import WHERE_NAMESPACES
 
@@ -55,10 +56,15 @@ def library_branches(sites: dict[str, int], libraries: set[str] | None = None) -
 def outside_python(path: str) -> str:
     """Why a file the run wrote was missing to the script (see
     :func:`dpprof.script.sealed_run.written_but_missing`), and what to do."""
+    threaded = namespace.why_not() == namespace.THREADED
     return (f"it failed to open {path}, which the run itself had written: without a mount "
-            "namespace on this machine the run's writes are kept where Python's file calls "
-            "find them, and code outside Python (a C or C++ library reading the file "
-            f"itself) looks on the real filesystem instead; {WHERE_NAMESPACES}")
+            + ("namespace (the process was running threads before dpprof started)"
+               if threaded else
+               "namespace on this machine")
+            + " the run's writes are kept where Python's file calls find them, and code "
+            "outside Python (a C or C++ library reading the file itself) looks on the real "
+            "filesystem instead; "
+            + (namespace.WHERE_UNTHREADED if threaded else WHERE_NAMESPACES))
 
 
 def nothing_on_a_gpu(run: ScriptRun) -> str:
