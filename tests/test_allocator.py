@@ -525,3 +525,21 @@ def test_random_events_leave_what_they_did_not_free() -> None:
     live = set(sizes) - {e[1] for e in events if e[0] == "free"}
     assert s.final_requested_bytes == sum(sizes[b] for b in live)
     assert s.final_allocated_bytes >= s.final_requested_bytes
+
+
+def test_the_allocator_settings_that_change_its_decisions_are_named() -> None:
+    from dpprof.emulator.allocator_config import allocator_setting, settings_not_modelled
+
+    # torch reads PYTORCH_ALLOC_CONF first, then the older name
+    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "a:1", "PYTORCH_ALLOC_CONF": "b:2"}) \
+        == ("PYTORCH_ALLOC_CONF", "b:2")
+    assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == ("PYTORCH_CUDA_ALLOC_CONF",
+                                                                    "a:1")
+    assert allocator_setting({}) is None
+    assert settings_not_modelled(
+        "expandable_segments:True,roundup_power2_divisions:[256:1,512:2,>:4],"
+        "pinned_use_cuda_host_register:True,max_split_size_mb:128") == [
+        "expandable_segments:True", "roundup_power2_divisions:[256:1,512:2,>:4]",
+        "max_split_size_mb:128"]
+    # the defaults spelled out, and settings of the host's pinned memory, change nothing
+    assert settings_not_modelled("expandable_segments:False,backend:native") == []

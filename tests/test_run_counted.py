@@ -135,3 +135,21 @@ def test_the_cli_says_so_and_exits_1_where_the_figures_are_below_a_reading(
     assert "(exit status 1)" in res.stderr
     saved = json.loads((tmp_path / "r.json").read_text())  # what was measured, marked
     assert saved["scenarios"][0]["status"] == "error"
+
+
+@pytest.mark.parametrize(("conf", "noted"), [
+    ("expandable_segments:True", True), ("expandable_segments:False", False)])
+def test_an_allocator_setting_the_emulation_does_not_model_is_said(
+        conf: str, noted: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchtitan's run_train.sh sets expandable segments: the reserved figures are the
+    # default allocator's, and the report says so
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(ONE_STEP_THEN_EVALUATE))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
+                            alternatives=False)
+    said = [n for n in result.scenarios[0].notes if n.startswith("PYTORCH_ALLOC_CONF=")]
+    assert bool(said) == noted
+    if noted:
+        assert said[0].startswith("PYTORCH_ALLOC_CONF=expandable_segments:True in the "
+                                  "script's environment: expandable_segments:True not modelled")

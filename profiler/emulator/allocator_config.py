@@ -130,3 +130,43 @@ def get_allocation_size(size: int, large_segment_size: int = K_LARGE_BUFFER) -> 
     if size < K_MIN_LARGE_ALLOC:
         return large_segment_size
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+# --------------------------------------------------------------------------- the environment
+
+# the settings of PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF before torch 2.9) that change
+# where blocks go or what they round to, with the value each has by default: the emulation
+# simulates the default allocator only
+_DECIDING = {"max_split_size_mb": None, "roundup_power2_divisions": None,
+             "expandable_segments": "false", "garbage_collection_threshold": None,
+             "backend": "native", "large_segment_size_mb": "20"}
+
+
+def allocator_setting(env: dict[str, str]) -> tuple[str, str] | None:
+    """The allocator's configuration variable the environment sets (torch reads
+    ``PYTORCH_ALLOC_CONF`` first, then ``PYTORCH_CUDA_ALLOC_CONF``) and its value."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if env.get(name, "").strip():
+            return name, env[name].strip()
+    return None
+
+
+def settings_not_modelled(value: str) -> list[str]:
+    """The ``key:value`` settings of an allocator configuration that differ from the
+    default allocator's decisions (``roundup_power2_divisions:[256:1,512:2]`` is one)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(value + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(value[start:i].strip())
+            start = i + 1
+    out = []
+    for item in items:
+        key, _, setting = item.partition(":")
+        key = key.strip()
+        if key in _DECIDING and setting.strip().lower() != _DECIDING[key]:
+            out.append(f"{key}:{setting.strip()}")
+    return out
