@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -282,9 +283,8 @@ def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
 
 
 def caller_in_torch() -> bool:
-    """Whether ``torch.compile``'s caller is torch's own code."""
-    import sys
-
+    """Whether ``torch.compile``'s caller (two frames up: this, then ``compile_``) is torch's
+    own code."""
     frame = sys._getframe(2)
     return frame.f_globals.get("__name__", "").startswith("torch.")
 
