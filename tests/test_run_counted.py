@@ -153,3 +153,24 @@ def test_an_allocator_setting_the_emulation_does_not_model_is_said(
     if noted:
         assert said[0].startswith("PYTORCH_ALLOC_CONF=expandable_segments:True in the "
                                   "script's environment: expandable_segments:True not modelled")
+
+
+def test_one_step_then_evaluate_predicts_no_step_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the script's only optimizer step is the warm-up: what follows it is its evaluation,
+    # which is not a training step (pytorch/examples' word_language_model --dry-run: its
+    # evaluation over the validation and test sets was predicted as a 48 s "step")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(ONE_STEP_THEN_EVALUATE))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
+                            alternatives=False)
+    s = result.scenarios[0]
+    assert s.status == "ok"
+    assert s.predicted_step_time_s is None
+    assert any(n.startswith("step time not predicted: no optimizer step ended after the "
+                            "warm-up") for n in s.notes)
+    two = tmp_path / "two.py"
+    two.write_text(textwrap.dedent(FIRST_STEP_TRANSIENT.format(steps=3, eval_rows=100)))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(two)], 1)),
+                            alternatives=False)
+    assert result.scenarios[0].predicted_step_time_s is not None

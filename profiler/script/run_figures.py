@@ -5,6 +5,7 @@ reported peak is below what ``torch.cuda``'s memory functions told the script.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -38,6 +39,13 @@ def predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
     log = vc.rt.op_log
     if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
         return s
+    if not step_ends:
+        # the log ran from the warm-up's end, and no step ended after it: what it holds is
+        # the script's work after its only step (an evaluation), not a training step
+        return dataclasses.replace(s, notes=(*s.notes, (
+            "step time not predicted: no optimizer step ended after the warm-up step "
+            "(--steps counts the warm-up; what ran after the script's only step is not a "
+            "training step)")))
     ranks_from = rank_device(vc, local_rank)
 
     def source(d: DeviceResult) -> int:
