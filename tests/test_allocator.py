@@ -96,9 +96,52 @@ def test_large_segment_size_option() -> None:
         AllocatorConfig(large_segment_size=4 * MiB)
 
 
-def test_expandable_segments_are_refused_not_silently_ignored() -> None:
-    with pytest.raises(NotImplementedError, match="expandable"):
-        simulate(allocs(100), config=AllocatorConfig(expandable_segments=True))
+EXPANDABLE = AllocatorConfig(expandable_segments=True)
+
+
+def test_expandable_segments_map_whole_pages_as_requests_need_them() -> None:
+    # one 30 MiB request maps two 20 MiB pages of the large pool's segment (default: a 30
+    # MiB segment); 30 small 100 KiB requests fill two 2 MiB pages, as two small segments
+    assert simulate([("alloc", 0, 30 * MiB)], config=EXPANDABLE).peak_reserved_bytes == 40 * MiB
+    assert simulate([("alloc", 0, 30 * MiB)]).peak_reserved_bytes == 30 * MiB
+    small = [("alloc", i, 100 * 1024) for i in range(30)]
+    assert simulate(small, config=EXPANDABLE).peak_reserved_bytes == 4 * MiB
+
+
+def test_expandable_segments_merge_what_separate_segments_cannot() -> None:
+    # four 12 MiB requests: by default four 12 MiB segments, and the first two freed cannot
+    # serve 24 MiB (each is a segment of its own): a fifth segment, 72 MiB. Expandable: one
+    # segment, grown a page at a time as a free tail cannot serve (20, 40, 60 MiB mapped);
+    # the first two freed merge into 24 MiB, which serves the request: 60 MiB
+    events = [*(("alloc", i, 12 * MiB) for i in range(4)), ("free", 0, 0), ("free", 1, 0),
+              ("alloc", 9, 24 * MiB)]
+    assert simulate(events).peak_reserved_bytes == 72 * MiB
+    assert simulate(events, config=EXPANDABLE).peak_reserved_bytes == 60 * MiB
+
+
+def test_expandable_segments_unmap_free_pages_and_map_the_lowest_room_again() -> None:
+    # 30 MiB (two pages, 10 MiB free after it) and 5 MiB (from that free tail); the 30 MiB
+    # freed and the cache emptied: its whole first page is unmapped, the rest of it (10 MiB
+    # of the second page) stays. 45 MiB: the hole (20 MiB) and the free 10 MiB after it are
+    # not enough, so the free 5 MiB at the end grows by two pages: 20 + 40 MiB mapped
+    events = [("alloc", 0, 30 * MiB), ("alloc", 1, 5 * MiB), ("free", 0, 0),
+              ("empty_cache", None, 0)]
+    emptied = simulate(events, config=EXPANDABLE)
+    assert (emptied.peak_reserved_bytes, emptied.final_reserved_bytes) == (40 * MiB, 20 * MiB)
+    grown = simulate([*events, ("alloc", 2, 45 * MiB)], config=EXPANDABLE)
+    assert grown.final_reserved_bytes == 60 * MiB
+
+
+def test_expandable_segments_unmap_free_pages_when_a_device_is_full() -> None:
+    # A 30 MiB and B 8 MiB share two pages (2 MiB free at the end); A freed. C 35 MiB: no
+    # free block serves it, so the free 2 MiB at the end grows by two pages (80 MiB), past
+    # a 60 MiB device: the retry unmaps A's whole page (20 MiB mapped now) and grows again
+    events = [("alloc", 0, 30 * MiB), ("alloc", 1, 8 * MiB), ("free", 0, 0),
+              ("alloc", 2, 35 * MiB)]
+    s = simulate(events, capacity_bytes=60 * MiB, config=EXPANDABLE)
+    assert s.fits and s.num_alloc_retries == 1 and s.final_reserved_bytes == 60 * MiB
+    assert simulate(events, capacity_bytes=59 * MiB, config=EXPANDABLE).oom
+    assert simulate(events, config=EXPANDABLE).peak_reserved_bytes == 80 * MiB
 
 
 # ----------------------------------------------------------------------------- small pool

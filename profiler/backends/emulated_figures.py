@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from dpprof.backends.emulated_config import EmulationConfig
+from dpprof.emulator.allocator_config import AllocatorConfig
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
@@ -65,12 +66,13 @@ def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[Allocat
                        nccl: bool | None = None,
                        blas_first: Mapping[tuple[int, str], int] | None = None,
                        transients: Mapping[int, tuple[int, str]] | None = None,
+                       config: AllocatorConfig | None = None,
                        ) -> tuple[DeviceResult, ...]:
     """``devices`` with the caching allocator's reserve and the context each used one holds
     (:func:`~dpprof.emulator.reserved.gpu_overheads`, with these options); an unused device
     as it was."""
     figures = gpu_overheads(devices, events, ctx, source=source, nccl=nccl,
-                            blas_first=blas_first, transients=transients)
+                            blas_first=blas_first, transients=transients, config=config)
     return tuple(d if f is None else dataclasses.replace(
         d, peak_reserved_bytes=f.peak_reserved_bytes, workspace_bytes=f.workspace_bytes,
         context_bytes=f.context_bytes, context_breakdown_bytes=dict(f.context_breakdown_bytes),

@@ -56,10 +56,18 @@ What is mirrored (read from pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp`
   and ``release_cached_blocks`` leaves its segments alone: it frees a private pool's only
   once no graph uses it (``graph_pools_freeable``), and graphs here live to the end.
 
+- ``expandable_segments:True`` (``find_expandable_block``, ``map_block``, ``unmap_block``,
+  ``try_allocate_expandable_block``): a stream's size class has one segment of address space
+  with nothing behind it at first; a request no free block serves maps pages (2 MiB small,
+  ``large_segment_size`` large) from the lowest address with room, a free block just before
+  unmapped space growing into it; best fit counts such a block at the size it can grow to;
+  a block is split wherever 512 B remain (``should_split``); ``release_cached_blocks``
+  unmaps the whole pages of free blocks.
+
 What is not modelled: ``record_stream`` (events, deferred frees: a free here returns the block at
 once, as it does for a block no other stream used), a private pool freed after its graphs were
 deleted, the ordinary pools left cached by an out-of-memory retry during a capture
-(``captures_underway``), ``expandable_segments`` (off by default; asking for it raises),
+(``captures_underway``), an expandable segment released whole once all of it is unmapped,
 ``garbage_collection_threshold`` (only acts with ``set_per_process_memory_fraction``), the
 ``cudaMallocAsync`` backend, and free-memory callbacks (only IPC). Segment addresses are handed
 out in increasing order; the real driver's addresses only matter for tie-breaking between free
@@ -72,9 +80,10 @@ processes (or ``set_per_process_memory_fraction``'s limit, which fails the same 
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from typing import Any
 
+from dpprof.emulator.allocator_blocks import KEY_SHIFT, Block, BlockPool
 from dpprof.emulator.allocator_config import (
     DEFAULT_CONFIG,
     K_MIN_BLOCK_SIZE,
@@ -84,8 +93,8 @@ from dpprof.emulator.allocator_config import (
     get_allocation_size,
     round_size,
 )
+from dpprof.emulator.expandable_segments import ExpandableSegments
 
-_KEY_SHIFT = 64  # free-block key: size << 64 | address (orders by size, then address)
 _POOL_SHIFT = 32  # a private pool's key: -(pool id << 32 | the capturing stream's id)
 
 
@@ -110,46 +119,6 @@ def pool_of_key(key: int) -> int:
 # --------------------------------------------------------------------------- the allocator
 
 
-class Block:
-    """``Block``: a slice of one segment; ``prev``/``next`` link the slices of a segment."""
-
-    __slots__ = ("addr", "allocated", "next", "prev", "requested", "size", "small", "stream")
-
-    def __init__(self, size: int, addr: int, small: bool, stream: int = 0) -> None:
-        self.size = size
-        self.addr = addr
-        self.small = small
-        self.stream = stream
-        self.allocated = False
-        self.requested = 0
-        self.prev: Block | None = None
-        self.next: Block | None = None
-
-
-class _Pool:
-    """``BlockPool::blocks``: free blocks ordered by ``(size, address)``."""
-
-    __slots__ = ("blocks", "keys")
-
-    def __init__(self) -> None:
-        self.keys: list[int] = []
-        self.blocks: dict[int, Block] = {}
-
-    def insert(self, block: Block) -> None:
-        key = (block.size << _KEY_SHIFT) | block.addr
-        insort(self.keys, key)
-        self.blocks[key] = block
-
-    def remove(self, block: Block) -> None:
-        key = (block.size << _KEY_SHIFT) | block.addr
-        keys = self.keys
-        del keys[bisect_left(keys, key)]
-        del self.blocks[key]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
 class SimulatedOutOfMemory(Exception):
     """The simulated ``torch.OutOfMemoryError``: no segment of ``alloc_bytes`` could be had."""
 
@@ -166,7 +135,7 @@ class SimulatedOutOfMemory(Exception):
         )
 
 
-class CachingAllocatorSim:
+class CachingAllocatorSim(ExpandableSegments):
     """``DeviceCachingAllocator`` for one device, in Python.
 
     ``malloc(nbytes, stream)`` returns an opaque handle (``None`` for 0 bytes, as PyTorch
@@ -181,11 +150,10 @@ class CachingAllocatorSim:
         self, capacity_bytes: int | None = None, config: AllocatorConfig | None = None
     ) -> None:
         self.config = config or DEFAULT_CONFIG
-        if self.config.expandable_segments:
-            raise NotImplementedError(
-                "expandable_segments:True is not modelled; the simulation covers the default "
-                "(cudaMalloc'd segments)"
-            )
+        self._expandable = self.config.expandable_segments
+        # expandable segments: each stream's and size class's unmapped address space, its
+        # blocks by address (find_expandable_block takes the lowest that has room)
+        self._unmapped: dict[tuple[int, bool], list[Block]] = {}
         if self.config.backend != "native":
             raise NotImplementedError(
                 f"allocator backend {self.config.backend!r} is not modelled (only 'native')"
@@ -193,11 +161,11 @@ class CachingAllocatorSim:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError("capacity_bytes must not be negative")
         self.capacity_bytes = capacity_bytes
-        self._small = _Pool()  # the default stream's free blocks
-        self._large = _Pool()
+        self._small = BlockPool()  # the default stream's free blocks
+        self._large = BlockPool()
         # every other stream's (small, large) pools: BlockPool's order puts the stream
         # first, so no search ever crosses from one stream's blocks to another's
-        self._streams: dict[int, tuple[_Pool, _Pool]] = {}
+        self._streams: dict[int, tuple[BlockPool, BlockPool]] = {}
         self._mss = self.config.max_split_size  # None: unlimited (size_t max)
         self._nsr = self.config.max_non_split_rounding_size
         self._lss = self.config.large_segment_size
@@ -240,20 +208,21 @@ class CachingAllocatorSim:
         block = self._get_free_block(pool, size)
         if block is None:
             alloc_size = get_allocation_size(size, self._lss)
-            block = self._alloc_block(alloc_size, small, False, stream)
+            block = self._new_block(alloc_size, size, small, False, stream)
             if block is None and self._release_available_cached_blocks(pool, size):
-                block = self._alloc_block(alloc_size, small, False, stream)
+                block = self._new_block(alloc_size, size, small, False, stream)
             if block is None:
                 self._release_cached_blocks()
-                block = self._alloc_block(alloc_size, small, True, stream)
+                block = self._new_block(alloc_size, size, small, True, stream)
             if block is None:
                 self.num_ooms += 1
                 raise SimulatedOutOfMemory(
-                    nbytes, alloc_size, self.reserved_bytes, self.allocated_bytes
+                    nbytes, size if self._expandable else alloc_size, self.reserved_bytes,
+                    self.allocated_bytes
                 )
         # should_split + alloc_found_block
         remaining = block.size - size
-        if small:
+        if small or self._expandable:
             split = remaining >= K_MIN_BLOCK_SIZE
         else:
             mss = self._mss
@@ -295,9 +264,15 @@ class CachingAllocatorSim:
         self.requested_bytes -= block.requested
         block.requested = 0
         pool = self._pool(block.small, block.stream)
+        self._merge_into(pool, block)
+        pool.insert(block)
+
+    def _merge_into(self, pool: BlockPool, block: Block) -> None:
+        """``try_merge_blocks`` with the free neighbours of ``block`` (a free block, not in
+        ``pool``): an expandable segment's unmapped space merges only with unmapped space."""
         prev = block.prev
-        if prev is not None and not prev.allocated:  # try_merge_blocks(block, prev): [prev block]
-            pool.remove(prev)
+        if prev is not None and not prev.allocated and prev.mapped == block.mapped:
+            self._take_out(pool, prev)
             block.addr = prev.addr
             block.size += prev.size
             block.prev = prev.prev
@@ -307,13 +282,29 @@ class CachingAllocatorSim:
                 self._segment_heads.discard(prev)
                 self._segment_heads.add(block)
         nxt = block.next
-        if nxt is not None and not nxt.allocated:  # try_merge_blocks(block, next): [block next]
-            pool.remove(nxt)
+        if nxt is not None and not nxt.allocated and nxt.mapped == block.mapped:
+            self._take_out(pool, nxt)
             block.size += nxt.size
             block.next = nxt.next
             if block.next is not None:
                 block.next.prev = block
-        pool.insert(block)
+
+    def _new_block(self, alloc_size: int, size: int, small: bool, is_retry: bool,
+                   stream: int) -> Block | None:
+        """``alloc_block``: a new segment (cudaMalloc), or with expandable segments memory
+        mapped into the stream's (``try_allocate_expandable_block``)."""
+        if not self._expandable:
+            return self._alloc_block(alloc_size, small, is_retry, stream)
+        if is_retry:
+            self.num_alloc_retries += 1
+        return self._grow(self._pool(small, stream), size, small, stream)
+
+    def _take_out(self, pool: BlockPool, block: Block) -> None:
+        """A free block out of the free pool, or unmapped space out of its segment's list."""
+        if block.mapped:
+            pool.remove(block)
+        else:
+            self._holes(block.small, block.stream).remove(block)
 
     def empty_cache(self) -> None:
         """``emptyCache``: ``release_cached_blocks``, every cached unsplit segment goes back."""
@@ -334,11 +325,13 @@ class CachingAllocatorSim:
             b: Block | None = head
             total = 0
             while b is not None:
-                blocks.append(
-                    {"size": b.size, "allocated": b.allocated, "requested_size": b.requested}
-                )
-                total += b.size
+                if b.mapped:  # an expandable segment's unmapped space holds no memory
+                    blocks.append({"size": b.size, "allocated": b.allocated,
+                                   "requested_size": b.requested})
+                    total += b.size
                 b = b.next
+            if not blocks:  # an expandable segment with nothing mapped
+                continue
             out.append(
                 {
                     "address": head.addr,
@@ -346,6 +339,7 @@ class CachingAllocatorSim:
                     "is_large": not head.small,
                     "stream": stream_of_key(head.stream),
                     "private_pool": pool_of_key(head.stream),  # 0: the ordinary pools
+                    "expandable": self._expandable,
                     "allocated_size": sum(x["size"] for x in blocks if x["allocated"]),
                     "blocks": blocks,
                 }
@@ -354,21 +348,31 @@ class CachingAllocatorSim:
 
     # -- internals --------------------------------------------------------------------
 
-    def _pool(self, small: bool, stream: int) -> _Pool:
+    def _pool(self, small: bool, stream: int) -> BlockPool:
         """The free blocks of ``stream`` of one size class."""
         if not stream:
             return self._small if small else self._large
         pools = self._streams.get(stream)
         if pools is None:
-            pools = self._streams[stream] = (_Pool(), _Pool())
+            pools = self._streams[stream] = (BlockPool(), BlockPool())
         return pools[0] if small else pools[1]
 
-    def _get_free_block(self, pool: _Pool, size: int) -> Block | None:
+    def _get_free_block(self, pool: BlockPool, size: int) -> Block | None:
         """``get_free_block``: lower_bound on (size, address), then the max_split_size rules."""
         keys = pool.keys
-        i = bisect_left(keys, size << _KEY_SHIFT)
+        i = bisect_left(keys, size << KEY_SHIFT)
         if i == len(keys):
             return None
+        if self._expandable:
+            # best fit counts a block followed by unmapped space at the size it can grow to:
+            # a larger block that cannot grow may fit better
+            def growable(b: Block) -> int:
+                nxt = b.next
+                return b.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+            while i + 1 < len(keys) and (growable(pool.blocks[keys[i + 1]])
+                                         < growable(pool.blocks[keys[i]])):
+                i += 1
         key = keys[i]
         block = pool.blocks[key]
         mss = self._mss
@@ -401,7 +405,7 @@ class CachingAllocatorSim:
         self.num_device_alloc += 1
         return block
 
-    def _release_block(self, pool: _Pool, block: Block) -> None:
+    def _release_block(self, pool: BlockPool, block: Block) -> None:
         """``release_block``: cudaFree a whole cached segment."""
         pool.remove(block)
         self._segment_heads.discard(block)
@@ -409,7 +413,7 @@ class CachingAllocatorSim:
         self.segments -= 1
         self.num_device_free += 1
 
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+    def _release_available_cached_blocks(self, pool: BlockPool, size: int) -> bool:
         """``release_available_cached_blocks``: only with ``max_split_size`` set, free one
         cached oversize segment large enough, else the largest ones until enough is freed."""
         mss = self._mss
@@ -417,7 +421,7 @@ class CachingAllocatorSim:
             return False
         key_size = size if size >= mss else mss
         keys = pool.keys
-        i = bisect_left(keys, key_size << _KEY_SHIFT)
+        i = bisect_left(keys, key_size << KEY_SHIFT)
         if i < len(keys):
             block = pool.blocks[keys[i]]
             if block.prev is None and block.next is None:
@@ -444,6 +448,10 @@ class CachingAllocatorSim:
                 if not isinstance(s, int) or s >= 0]
         for pool in (self._large, *(p[1] for p in side), self._small, *(p[0] for p in side)):
             for key in list(pool.keys):
-                block = pool.blocks[key]
-                if block.prev is None and block.next is None:
+                block = pool.blocks.get(key)
+                if block is None:
+                    continue
+                if self._expandable:
+                    self._unmap(pool, block)
+                elif block.prev is None and block.next is None:
                     self._release_block(pool, block)

@@ -151,6 +151,24 @@ def allocator_setting(env: dict[str, str]) -> tuple[str, str] | None:
     return None
 
 
+def config_from_setting(value: str | None) -> tuple[AllocatorConfig, list[str]]:
+    """The allocator configuration ``value`` (``PYTORCH_ALLOC_CONF``'s) sets, as far as the
+    simulation models it (``expandable_segments``, ``max_split_size_mb``), and the
+    ``key:value`` settings that change its decisions and are not modelled."""
+    if not value:
+        return DEFAULT_CONFIG, []
+    expandable, max_split, left = False, None, []
+    for item in settings_not_modelled(value):
+        key, _, setting = item.partition(":")
+        if key == "expandable_segments" and setting.lower() == "true":
+            expandable = True
+        elif key == "max_split_size_mb" and setting.isdigit() and int(setting) > 20:
+            max_split = int(setting) * _MB  # torch refuses 20 MB or less
+        else:
+            left.append(item)
+    return AllocatorConfig(max_split_size=max_split, expandable_segments=expandable), left
+
+
 def settings_not_modelled(value: str) -> list[str]:
     """The ``key:value`` settings of an allocator configuration that differ from the
     default allocator's decisions (``roundup_power2_divisions:[256:1,512:2]`` is one)."""

@@ -10,7 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dpprof.emulator.allocator import Block, CachingAllocatorSim, SimulatedOutOfMemory
+from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
+from dpprof.emulator.allocator_blocks import Block
 from dpprof.emulator.allocator_config import AllocatorConfig
 
 # --------------------------------------------------------------------------- the replay

@@ -177,7 +177,8 @@ def memory_history(vc: EmulatedCuda, p: Patch) -> None:
     ``_snapshot`` gives, through Python's ``open``."""
     import torch.cuda.memory as cuda_memory
 
-    history = MemoryHistory(vc.rt, lambda: [vc.index_of(k) for k in range(vc.device_count())])
+    history = MemoryHistory(vc.rt, lambda: [vc.index_of(k) for k in range(vc.device_count())],
+                            vc.memory.allocator_config)
     p(cuda_memory, "_record_memory_history", history.record)
     p(cuda_memory, "_snapshot", history.snapshot)
     p(cuda_memory, "memory_snapshot", history.segments)

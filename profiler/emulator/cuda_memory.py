@@ -5,10 +5,16 @@ program (:class:`MemoryAnswered`: the reported peak must be at least that)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dpprof.emulator.allocator_config import (
+    AllocatorConfig,
+    allocator_setting,
+    config_from_setting,
+)
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.call_sites import caller_site
 from dpprof.emulator.cuda_devices import CudaDevices
@@ -37,6 +43,16 @@ class CudaMemory:
         self._peak_from = [0] * rt.num_devices  # event index of each device's last reset
         # runtime index -> the most torch.cuda's memory functions told the program of it
         self.answered: dict[int, MemoryAnswered] = {}
+        self._config: AllocatorConfig | None = None
+
+    def allocator_config(self) -> AllocatorConfig:
+        """The caching allocator's configuration, as the program's environment sets it
+        (``PYTORCH_ALLOC_CONF``) when first asked: torch reads it once, at the first
+        allocation; the simulations read it here, the run asks before its end."""
+        if self._config is None:
+            setting = allocator_setting(dict(os.environ))
+            self._config = config_from_setting(setting[1] if setting else None)[0]
+        return self._config
 
     def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:
         """Note what the program was told of device ``i`` (the reported peak must be at
@@ -70,7 +86,8 @@ class CudaMemory:
             if ev.device == i and ev.requested != 0:
                 events.append(("alloc", ev.serial, ev.requested, log.stream_of(k))
                               if ev.requested > 0 else ("free", ev.serial, 0))
-        stats = simulate(events, timeline_points=None, stop_on_oom=False)
+        stats = simulate(events, timeline_points=None, stop_on_oom=False,
+                         config=self.allocator_config())
         return stats.final_reserved_bytes, stats.peak_reserved_bytes
 
     def memory_reserved(self, device: Any = None) -> int:

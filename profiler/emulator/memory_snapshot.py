@@ -19,12 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dpprof.emulator.allocator import (
-    Block,
-    CachingAllocatorSim,
-    SimulatedOutOfMemory,
-    stream_of_key,
-)
+from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory, stream_of_key
+from dpprof.emulator.allocator_blocks import Block
+from dpprof.emulator.allocator_config import DEFAULT_CONFIG, AllocatorConfig
 from dpprof.emulator.cuda_devices import CudaDevices
 
 __all__ = ["MemoryHistory"]
@@ -36,9 +33,11 @@ class MemoryHistory:
     """The record ``_record_memory_history`` keeps for the devices of ``rt``: from which
     event of the log it records (None: not recording), and how many entries it keeps."""
 
-    def __init__(self, rt: CudaDevices, devices: Callable[[], list[int]]) -> None:
+    def __init__(self, rt: CudaDevices, devices: Callable[[], list[int]],
+                 config: Callable[[], AllocatorConfig] = lambda: DEFAULT_CONFIG) -> None:
         self.rt = rt
         self.devices = devices  # the runtime index of each device the program sees, in order
+        self.config = config  # the caching allocator's configuration
         self.since: int | None = None
         self.max_entries = _NO_LIMIT
 
@@ -73,7 +72,7 @@ class MemoryHistory:
     def _replay(self, runtime: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The device's allocations and frees so far through the simulated allocator: its
         segments now, and the actions recorded since :attr:`since`."""
-        sim = CachingAllocatorSim()
+        sim = CachingAllocatorSim(config=self.config())
         log = self.rt.storages.events
         live: dict[int, Block] = {}
         trace: list[dict[str, Any]] = []
@@ -146,4 +145,4 @@ def _segment(s: dict[str, Any], pool: tuple[int, int]) -> dict[str, Any]:
             "segment_type": "large" if s["is_large"] else "small",
             "segment_pool_id": pool, "allocated_size": allocated, "active_size": allocated,
             "requested_size": sum(b["requested_size"] for b in blocks),
-            "is_expandable": False, "frames": [], "blocks": blocks}
+            "is_expandable": s["expandable"], "frames": [], "blocks": blocks}

@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from dpprof.emulator.allocator_config import AllocatorConfig
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.events import EventLog
@@ -79,6 +80,7 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
                   nccl: bool | None = None,
                   blas_first: Mapping[tuple[int, str], int] | None = None,
                   transients: Mapping[int, tuple[int, str]] | None = None,
+                  config: AllocatorConfig | None = None,
                   ) -> list[GpuOverheads | None]:
     """Per device, in order, its :class:`GpuOverheads` (None: an unused device): the
     caching allocator's reserve (a simulation of its pools over the device's allocation
@@ -94,7 +96,8 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
     ``transients``: storages kept past the point where the steady state frees them
     (:attr:`~dpprof.emulator.storage_ledger.StorageLedger.transients`): a device whose peak
     counts some (``transient_bytes``) also gets the reserve with each freed there
-    (``steady_peak_reserved_bytes``).
+    (``steady_peak_reserved_bytes``). ``config``: the caching allocator's (default: torch's
+    defaults).
     """
     sequences = _DeviceSequences(events)
     simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
@@ -115,13 +118,14 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
         stats = simulated.get(key)
         if stats is None:
             stats = simulated[key] = simulate(sequences.sequence(src, inserts),
-                                              timeline_points=None, stop_on_oom=False)
+                                              timeline_points=None, stop_on_oom=False,
+                                              config=config)
         steady_reserved = None
         if d.transient_bytes and transients:
             if src not in steady:
                 moved = sequences.sequence(src, inserts, frees_at=transients)
-                steady[src] = simulate(moved, timeline_points=None,
-                                       stop_on_oom=False).peak_reserved_bytes
+                steady[src] = simulate(moved, timeline_points=None, stop_on_oom=False,
+                                       config=config).peak_reserved_bytes
             steady_reserved = steady[src]
         # a DDP rank (or as told) holds an NCCL communicator, where the model gives it bytes
         communicator = (d.rank is not None if nccl is None else nccl) and ctx.nccl_bytes > 0

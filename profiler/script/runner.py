@@ -306,6 +306,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                             asked_precision(run.trainer_precision):
                         exc = _run_until_stopped(launch, run)
                 finally:
+                    vc.memory.allocator_config()  # the script's own environment's
                     if rung is not None:
                         rung.close()
                     stepper.remove()

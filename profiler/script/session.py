@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dpprof.answers.answer import partial_sentence, settled
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
-from dpprof.emulator.allocator_config import allocator_setting, settings_not_modelled
+from dpprof.emulator.allocator_config import allocator_setting, config_from_setting
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
@@ -309,12 +309,11 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             "it takes from Inductor's fused kernel); a compiled model may hold less (fused "
             "activations): these peaks are the eager model's")
     setting = allocator_setting({**os.environ, **cfg.launch.env})
-    if setting is not None and (differ := settings_not_modelled(setting[1])):
+    if setting is not None and (differ := config_from_setting(setting[1])[1]):
         s0_notes.append(
             f"{setting[0]}={setting[1]} in the script's environment: {', '.join(differ)} not "
-            "modelled; the reserved figures are the default caching allocator's (and "
-            "allocated its blocks' 512 B rounding), which a GPU run with this setting does "
-            "not hold to")
+            "modelled; the reserved figures are the caching allocator's without it (and "
+            "allocated its blocks' 512 B rounding), which a GPU run with it does not hold to")
     if main.kernels:
         s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,
