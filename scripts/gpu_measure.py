@@ -73,7 +73,7 @@ SEGMENT_RUNGS = ("lm:32:fsdp-zero3-bf16-checkpoint@4", "lm:32:fsdp-zero3-offload
 # in order of need: the memory-only parts next to each other run together (--jobs)
 DEFAULT_PARTS = ["rates", *(f"rank-{w}" for w in RANK_WORKLOADS), "cudnn", "conv-split",
                  *(f"segments-{r}" for r in SEGMENT_RUNGS), "kernels"]
-MEMORY_ONLY = ("cudnn", "conv-split", "segments-")
+MEMORY_ONLY = ("cudnn", "conv-split", "segments-", "expandable-")
 
 
 def _device() -> Any:
@@ -628,7 +628,7 @@ def trimmed(measure: dict[str, Any]) -> dict[str, Any]:
                 run["ops"] = [o for o in run.get("ops", [])
                               if o["op"].startswith("aten::") and o["self_device_us"] > 0]
                 run["kernels"] = run.get("kernels", [])[:20]
-        if name.startswith("segments-"):
+        if name.startswith(("segments-", "expandable-")):
             for seg in res.get("segments", []):
                 seg.pop("blocks", None)
         head_keys = ("gpu", "torch", "cuda", "cudnn", "nccl", "compute_capability",
@@ -654,6 +654,11 @@ def run_one(name: str) -> Any:
         return rank(name[5:])
     if name.startswith("segments-"):
         return segments(name[9:])
+    if name.startswith("expandable-"):
+        # the same record under expandable segments: torch reads the setting at its first
+        # allocation, and this part's process has made none yet
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+        return segments(name[11:])
     raise SystemExit(f"unknown part {name!r}")
 
 

@@ -5,14 +5,16 @@
 #   bash scripts/gpu_session.sh .whl      # on the GPU machine, $OUT set by it: the device call
 #                                         # carries .whl (cp ../shared/gpu-wheels/*.whl .whl/)
 #   GPU_SESSION_DRY=1 OUT=/tmp/s bash scripts/gpu_session.sh   # the plumbing, on a CPU box
-#   (GPU_SESSION_PARTS: gpu_measure.py's parts instead of the four below; GPU_CHECK_STEPS
+#   (GPU_SESSION_PARTS: gpu_measure.py's parts instead of the five below; GPU_CHECK_STEPS
 #   reaches gpu_check.sh)
 #
 # Order (what decides an open accuracy gap first; each step cut to what is left):
 #  1 install   the wheels into /tmp/site (no index), this checkout on the machine's own torch
 #  2 measure   gpu_measure.py: conv-split (each convolution's backward as cuDNN's two calls),
 #              segments-classifier:16:plain (the segments behind classifier's reserved, 4 %
-#              above the emulator's), rank-classifier and rank-convnet (a fresh DDP rank's steps)
+#              above the emulator's), expandable-classifier:16:plain (the same under
+#              expandable segments: the emulator's model of them has no measurement yet),
+#              rank-classifier and rank-convnet (a fresh DDP rank's steps)
 #  3 compare   emulator_vs_gpu.py for the convolution workloads, each in a process of its own
 #  4 check     gpu_check.sh (its own steps and summary) in the time left
 # Everything lands under $OUT: measure/measure.json, compare.jsonl, gpu/ and steps.tsv.
@@ -59,7 +61,7 @@ else
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
 fi
 
-PARTS=${GPU_SESSION_PARTS:-conv-split,segments-classifier:16:plain,rank-classifier,rank-convnet}
+PARTS=${GPU_SESSION_PARTS:-conv-split,segments-classifier:16:plain,expandable-classifier:16:plain,rank-classifier,rank-convnet}
 step measure 110 env OUT="$OUT/measure" "$PY" scripts/gpu_measure.py --deadline-s 100 \
   --parts "$PARTS"
 if [ "$DRY" = 1 ]; then
