@@ -457,6 +457,48 @@ def test_out_variants_into_a_tensor_of_their_shape_skip_the_kernel_over_meta(
     assert hits - plain_hits == 6  # the second and third round of each copy
 
 
+def test_in_place_ops_on_their_shapes_skip_the_kernel_over_meta(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An LSTM cell's ``sigmoid_``, ``tanh_`` and ``add_``: where the same in-place op on
+    the same metadata once returned its tensor unresized, its meta kernel is not run again;
+    the tensor comes back and the events are those of running it; a shape it cannot take
+    still raises, and ``resize_`` (which changes its tensor) runs every time."""
+    import dpprof.emulator.op_memo as op_memo
+
+    def run(skip: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, ...]], int]:
+        monkeypatch.setattr(op_memo, "OP_MEMO", op_memo.OpMemo())
+        if not skip:
+            monkeypatch.setattr(op_memo, "writes_self_only", lambda func: False)
+        rt = VirtualDevices(1)
+        shapes = []
+        with rt, rt.device(0):
+            gates, cell = torch.empty(20, 800), torch.empty(20, 200)
+            for _ in range(3):
+                assert gates.sigmoid_() is gates
+                assert cell.add_(gates[:, :200]) is cell
+                with pytest.raises(RuntimeError):
+                    cell.add_(gates)  # (20, 800) does not broadcast into (20, 200)
+            grown = torch.empty(4)
+            for n in (8, 16):
+                grown.resize_(n)
+                shapes.append(tuple(grown.shape))
+        monkeypatch.undo()
+        return ([(e.device, e.requested, e.allocated) for e in rt.storages.events], shapes,
+                rt.memo.cache_hits)
+
+    events, shapes, hits = run(skip=True)
+    assert op_memo.writes_self_only(torch.ops.aten.sigmoid_.default)
+    assert op_memo.writes_self_only(torch.ops.aten.add_.Tensor)
+    assert not op_memo.writes_self_only(torch.ops.aten.add.Tensor)  # allocates
+    assert not op_memo.writes_self_only(torch.ops.aten.mul.out)  # writes out=, not self
+    assert not op_memo.writes_self_only(torch.ops.aten.uniform_.default)  # draws numbers
+    plain_events, plain_shapes, plain_hits = run(skip=False)
+    assert (events, shapes) == (plain_events, plain_shapes)
+    assert shapes == [(8,), (16,)]
+    assert hits - plain_hits == 4  # the second and third round of sigmoid_ and add_
+
+
 def test_mirror_classes_can_change_between_mappings() -> None:
     """Devices of a class share their counts only while they mirror the same device."""
     rt = VirtualDevices(5)

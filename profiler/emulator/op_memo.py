@@ -78,6 +78,31 @@ def writes_in_place_only(func: Any) -> bool:
 
 
 _OUT_ONLY: dict[int, tuple[Any, tuple[str, bool] | None]] = {}
+_SELF_ONLY: dict[int, tuple[Any, bool]] = {}
+
+
+def writes_self_only(func: Any) -> bool:
+    """An in-place op that writes its first argument alone and returns it (``add_``,
+    ``sigmoid_``, ``mul_``: an LSTM's cell runs three a step, each a Python meta kernel
+    over meta tensors)."""
+    found = _SELF_ONLY.get(op_key(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    known = False
+    try:
+        schema = func._schema
+        written = [a for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        returns = schema.returns
+        known = (len(written) == 1 and written[0] is schema.arguments[0]
+                 and len(returns) == 1 and returns[0].alias_info is not None
+                 and returns[0].alias_info.is_write
+                 and returns[0].alias_info.before_set == written[0].alias_info.before_set
+                 and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()))
+    except AttributeError:
+        pass
+    _SELF_ONLY[op_key(func)] = (func, known)
+    return known
 
 
 def out_argument(func: Any) -> tuple[str, bool] | None:
@@ -240,6 +265,8 @@ class MetaOpRunner:
             written = out_argument(func)
             if written is not None:
                 return self._run_out(func, args, kwargs, *written)
+            if writes_self_only(func):
+                return self._run_self(func, args, kwargs)
             return func(*args, **kwargs)
         key = _key_of_call(func, args, kwargs)
         if key is _NO:
@@ -285,6 +312,29 @@ class MetaOpRunner:
         if tmpl is None:
             same = ((result is out) if returns else result is None) and before == [
                 _layout(t) for t in outs]
+            self._op_cache[key] = _SAME_OUT if same else _NO
+        return result
+
+    def _run_self(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """An in-place op on its first argument over meta tensors: where the same op on the
+        same metadata once returned that argument with its layout as it was (no resize),
+        it writes nothing over meta and allocates nothing, so it is not run again (its shape
+        checks passed on those shapes); the argument is returned as the kernel would."""
+        target = args[0] if args else None
+        if not isinstance(target, torch.Tensor) or not all(
+                _is_meta(t) for t in _tensor_args(args, kwargs)):
+            return func(*args, **kwargs)
+        key = _key_of_call(func, args, kwargs)
+        if key is _NO:
+            return func(*args, **kwargs)
+        tmpl = self._op_cache.get(key)
+        if tmpl is _SAME_OUT:
+            self.cache_hits += 1
+            return target
+        before = _layout(target)
+        result = func(*args, **kwargs)
+        if tmpl is None:
+            same = result is target and _layout(target) == before
             self._op_cache[key] = _SAME_OUT if same else _NO
         return result
 
