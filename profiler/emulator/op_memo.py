@@ -300,20 +300,7 @@ class MetaOpRunner:
         if (not isinstance(outs, (list, tuple)) or not outs
                 or not all(isinstance(t, torch.Tensor) and _is_meta(t) for t in outs)):
             return func(*args, **kwargs)
-        key = _key_of_call(func, args, kwargs)
-        if key is _NO:
-            return func(*args, **kwargs)
-        tmpl = self._op_cache.get(key)
-        if tmpl is _SAME_OUT:
-            self.cache_hits += 1
-            return out if returns else None
-        before = [_layout(t) for t in outs]
-        result = func(*args, **kwargs)
-        if tmpl is None:
-            same = ((result is out) if returns else result is None) and before == [
-                _layout(t) for t in outs]
-            self._op_cache[key] = _SAME_OUT if same else _NO
-        return result
+        return self._run_unchanged(func, args, kwargs, list(outs), out if returns else None)
 
     def _run_self(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """An in-place op on its first argument over meta tensors: where the same op on the
@@ -324,17 +311,24 @@ class MetaOpRunner:
         if not isinstance(target, torch.Tensor) or not all(
                 _is_meta(t) for t in _tensor_args(args, kwargs)):
             return func(*args, **kwargs)
+        return self._run_unchanged(func, args, kwargs, [target], target)
+
+    def _run_unchanged(self, func: Any, args: Any, kwargs: dict[str, Any],
+                       written: list[torch.Tensor], returned: Any) -> Any:
+        """``func`` over meta tensors, run once per op and metadata where it returned
+        ``returned`` and left the layouts of ``written`` (what it writes) as they were;
+        afterwards ``returned`` without running it."""
         key = _key_of_call(func, args, kwargs)
         if key is _NO:
             return func(*args, **kwargs)
         tmpl = self._op_cache.get(key)
         if tmpl is _SAME_OUT:
             self.cache_hits += 1
-            return target
-        before = _layout(target)
+            return returned
+        before = [_layout(t) for t in written]
         result = func(*args, **kwargs)
         if tmpl is None:
-            same = result is target and _layout(target) == before
+            same = result is returned and before == [_layout(t) for t in written]
             self._op_cache[key] = _SAME_OUT if same else _NO
         return result
 
