@@ -1,5 +1,8 @@
 """The virtual-device runtime's rules, each on a small hand-checked case."""
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -413,6 +416,24 @@ def test_in_place_updates_that_return_nothing_are_skipped_over_meta(
     assert steps == 2.0
 
 
+def memo_run(monkeypatch: pytest.MonkeyPatch, skip: bool, switch: str,
+             body: Callable[[], Any]) -> tuple[list[tuple[int, int, int]], Any, int]:
+    """``body`` on one virtual device with a fresh op memo, its path ``switch`` (the op_memo
+    function that picks it) on, or off (``skip`` False): the events, what ``body`` gave and
+    the memo's hits."""
+    import dpprof.emulator.op_memo as op_memo
+
+    monkeypatch.setattr(op_memo, "OP_MEMO", op_memo.OpMemo())
+    if not skip:
+        monkeypatch.setattr(op_memo, switch, lambda func: None)
+    rt = VirtualDevices(1)
+    with rt, rt.device(0):
+        result = body()
+    monkeypatch.undo()
+    return ([(e.device, e.requested, e.allocated) for e in rt.storages.events], result,
+            rt.memo.cache_hits)
+
+
 def test_out_variants_into_a_tensor_of_their_shape_skip_the_kernel_over_meta(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -422,29 +443,26 @@ def test_out_variants_into_a_tensor_of_their_shape_skip_the_kernel_over_meta(
     must resize is run every time."""
     import dpprof.emulator.op_memo as op_memo
 
-    def run(skip: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, ...]], int]:
-        monkeypatch.setattr(op_memo, "OP_MEMO", op_memo.OpMemo())
-        if not skip:
-            monkeypatch.setattr(op_memo, "out_argument", lambda func: None)
-        rt = VirtualDevices(1)
+    def body() -> list[tuple[int, ...]]:
         shapes = []
-        with rt, rt.device(0):
-            bucket = torch.empty(96)
-            grads = [torch.empty(8, 4), torch.empty(8, 4)]
-            for _ in range(3):
-                for k, g in enumerate(grads):
-                    view = bucket[32 * k:32 * (k + 1)].view(8, 4)
-                    got = torch.mul(g, 0.25, out=view)
-                    assert got is view
-                parts = [torch.empty(4, 4), torch.empty(4, 4)]
-                torch.split_with_sizes_copy(grads[0], [4, 4], out=parts)  # returns nothing
+        bucket = torch.empty(96)
+        grads = [torch.empty(8, 4), torch.empty(8, 4)]
+        for _ in range(3):
+            for k, g in enumerate(grads):
+                view = bucket[32 * k:32 * (k + 1)].view(8, 4)
+                got = torch.mul(g, 0.25, out=view)
+                assert got is view
+            parts = [torch.empty(4, 4), torch.empty(4, 4)]
+            torch.split_with_sizes_copy(grads[0], [4, 4], out=parts)  # returns nothing
+        small = torch.empty(0)
+        for _ in range(2):  # resized: a new storage each time, counted
+            torch.mul(grads[0], 0.25, out=small)
+            shapes.append(tuple(small.shape))
             small = torch.empty(0)
-            for _ in range(2):  # resized: a new storage each time, counted
-                torch.mul(grads[0], 0.25, out=small)
-                shapes.append(tuple(small.shape))
-                small = torch.empty(0)
-        monkeypatch.undo()
-        return [(e.device, e.requested, e.allocated) for e in rt.storages.events], shapes, rt.memo.cache_hits
+        return shapes
+
+    def run(skip: bool) -> tuple[list[tuple[int, int, int]], Any, int]:
+        return memo_run(monkeypatch, skip, "out_argument", body)
 
     events, shapes, hits = run(skip=True)
     assert op_memo.out_argument(torch.ops.aten.mul.out) == ("out", True)
@@ -466,26 +484,22 @@ def test_in_place_ops_on_their_shapes_skip_the_kernel_over_meta(
     still raises, and ``resize_`` (which changes its tensor) runs every time."""
     import dpprof.emulator.op_memo as op_memo
 
-    def run(skip: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, ...]], int]:
-        monkeypatch.setattr(op_memo, "OP_MEMO", op_memo.OpMemo())
-        if not skip:
-            monkeypatch.setattr(op_memo, "writes_self_only", lambda func: False)
-        rt = VirtualDevices(1)
+    def body() -> list[tuple[int, ...]]:
         shapes = []
-        with rt, rt.device(0):
-            gates, cell = torch.empty(20, 800), torch.empty(20, 200)
-            for _ in range(3):
-                assert gates.sigmoid_() is gates
-                assert cell.add_(gates[:, :200]) is cell
-                with pytest.raises(RuntimeError):
-                    cell.add_(gates)  # (20, 800) does not broadcast into (20, 200)
-            grown = torch.empty(4)
-            for n in (8, 16):
-                grown.resize_(n)
-                shapes.append(tuple(grown.shape))
-        monkeypatch.undo()
-        return ([(e.device, e.requested, e.allocated) for e in rt.storages.events], shapes,
-                rt.memo.cache_hits)
+        gates, cell = torch.empty(20, 800), torch.empty(20, 200)
+        for _ in range(3):
+            assert gates.sigmoid_() is gates
+            assert cell.add_(gates[:, :200]) is cell
+            with pytest.raises(RuntimeError):
+                cell.add_(gates)  # (20, 800) does not broadcast into (20, 200)
+        grown = torch.empty(4)
+        for n in (8, 16):
+            grown.resize_(n)
+            shapes.append(tuple(grown.shape))
+        return shapes
+
+    def run(skip: bool) -> tuple[list[tuple[int, int, int]], Any, int]:
+        return memo_run(monkeypatch, skip, "writes_self_only", body)
 
     events, shapes, hits = run(skip=True)
     assert op_memo.writes_self_only(torch.ops.aten.sigmoid_.default)
