@@ -312,6 +312,29 @@ def test_torch_compile_in_every_spelling_runs_eagerly(
             in " ".join(result.scenarios[0].notes))
 
 
+@pytest.mark.parametrize(("spelling", "noted"), [
+    ('mode="reduce-overhead"', True), ('mode="max-autotune"', True),
+    ('options={"triton.cudagraphs": True}', True), ('mode="max-autotune-no-cudagraphs"', False),
+    ("", False)])
+def test_a_compile_that_captures_cuda_graphs_says_their_pool_is_left_out(
+        spelling: str, noted: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(textwrap.dedent(f"""
+        import torch
+        model = torch.compile(torch.nn.Linear(4, 2).cuda(), {spelling})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(8, 4).cuda()).sum().backward(); opt.step(); opt.zero_grad()
+    """))
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", "train.py"], 1),
+                                            gpus=1, steps=5), False)
+    assert main.exit_status == 0, main.script_traceback
+    said = [n for n in result.scenarios[0].notes if "asks for CUDA graphs" in n]
+    assert bool(said) == noted
+    if noted:
+        assert said[0].startswith("torch.compile at train.py:3 asks for CUDA graphs")
+
+
 TRAIN_AND_SAVE = """
     import torch
     model = torch.nn.Linear(4, 2).cuda()

@@ -257,19 +257,24 @@ class Stepper:
 
 
 
-def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
+def compile_eagerly(patcher: Patcher, sites: list[str],
+                    graph_sites: list[str] | None = None) -> None:
     """``torch.compile(model)`` / ``@torch.compile`` / ``module.compile()`` in the script:
     the model or function as given, run eagerly. Dynamo cannot trace the emulation (its
     virtual devices, its patched ``torch.device``) and Inductor's CUDA kernels are not
     played; each call's site goes into ``sites`` so the report can say so. A call of what
     Inductor would compile (the default backend) runs as a compiled region
     (:func:`dpprof.emulator.flex_attention.enter_compiled_region`): the kernels it fuses
-    whole, FlexAttention's, take the fused kernel's memory there."""
+    whole, FlexAttention's, take the fused kernel's memory there. The sites whose mode
+    captures CUDA graphs go into ``graph_sites`` too (none is captured here)."""
     def compile_(model: Any = None, **kwargs: Any) -> Any:
         if caller_in_torch():  # torch compiling its own helper (flex's eager wrapper)
             return model if model is not None else (lambda fn: fn)
-        sites.append(caller_site())
+        site = caller_site()
+        sites.append(site)
         inductor = kwargs.get("backend", "inductor") == "inductor"
+        if inductor and graph_sites is not None and captures_graphs(kwargs):
+            graph_sites.append(site)
         if model is None:  # @torch.compile(mode=...): the decorator
             return lambda fn: as_compiled(fn, inductor)
         return as_compiled(model, inductor)
@@ -280,6 +285,14 @@ def compile_eagerly(patcher: Patcher, sites: list[str]) -> None:
 
     patcher.patch(torch, "compile", compile_)
     patcher.patch(torch.nn.Module, "compile", module_compile)
+
+
+def captures_graphs(kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.compile``'s options have Inductor capture CUDA graphs (its
+    ``reduce-overhead`` and ``max-autotune`` modes, or ``triton.cudagraphs``)."""
+    options = kwargs.get("options") or {}
+    return (kwargs.get("mode") in ("reduce-overhead", "max-autotune")
+            or bool(isinstance(options, dict) and options.get("triton.cudagraphs")))
 
 
 def caller_in_torch() -> bool:

@@ -178,6 +178,8 @@ class ScriptRun:
     replicas_float16: str | None = None  # data_parallel.replicas_float16_note, where it held
     kernels: dict[str, int] = field(default_factory=dict)  # GpuKernels.chosen
     compiled: list[str] = field(default_factory=list)  # torch.compile's sites, run eagerly
+    # those of them whose mode captures CUDA graphs on a GPU (reduce-overhead, max-autotune)
+    compiled_graphs: list[str] = field(default_factory=list)
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -297,7 +299,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                     alternative.install(state, vc, patcher)
                 parallel_state.state_of(vc).spawn_rank = cfg.rank
                 parallel_state.state_of(vc).broadcasts = cfg.broadcasts
-                compile_eagerly(patcher, run.compiled)
+                compile_eagerly(patcher, run.compiled, run.compiled_graphs)
                 _count_backwards(patcher, stepper)
                 stepper.install()
                 try:

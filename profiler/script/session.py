@@ -308,6 +308,14 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             "(dpprof does not play compiled kernels, but for FlexAttention's, whose memory "
             "it takes from Inductor's fused kernel); a compiled model may hold less (fused "
             "activations): these peaks are the eager model's")
+    if main.compiled_graphs:
+        graphs = list(dict.fromkeys(main.compiled_graphs))
+        s0_notes.append(
+            f"torch.compile at {', '.join(relative_site(x) for x in graphs[:3])} asks for "
+            "CUDA graphs (its mode or options): on a GPU Inductor captures the compiled "
+            "steps into a private pool that stays reserved; run eagerly here, nothing is "
+            "captured, so the reserved figures leave that pool out (torch.cuda.graph in "
+            "the script itself is played)")
     setting = allocator_setting({**os.environ, **cfg.launch.env})
     if setting is not None and (differ := config_from_setting(setting[1])[1]):
         s0_notes.append(
