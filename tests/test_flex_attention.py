@@ -158,3 +158,57 @@ def test_a_score_mod_reading_a_tensor_of_the_gpu_gives_its_values(fused: bool) -
             out = flex_attention(q, k, v, score_mod=head_bias)
         got = out.detach().cpu()
     torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_a_learned_bias_the_score_mod_closes_over_gets_its_gradient(fused: bool) -> None:
+    # a score_mod reading a tensor that requires grad (a learned per-head bias): its
+    # gradient, as the attention written out by hand gives it
+    t = 128
+
+    def by_hand() -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = _inputs("cpu", t)
+        bias = torch.linspace(-1, 1, H).requires_grad_()
+        s = (q @ k.transpose(-1, -2)) / D ** 0.5 + bias[None, :, None, None]
+        out = s.softmax(-1) @ v
+        (out * out).sum().backward()
+        return out.detach(), bias.grad  # type: ignore[return-value]
+
+    expected = by_hand()
+    with VirtualCuda(1, base="cpu"):
+        q, k, v = _inputs("cuda", t)
+        bias = torch.linspace(-1, 1, H, device="cuda").requires_grad_()
+
+        def head_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
+                      j: torch.Tensor) -> torch.Tensor:
+            return score + bias[h]
+
+        with compiled_region() if fused else contextlib.nullcontext():
+            out = flex_attention(q, k, v, score_mod=head_bias)
+        (out * out).sum().backward()
+        assert bias.grad is not None
+        got = (out.detach().cpu(), bias.grad.cpu())
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+GLOBAL_BIAS: torch.Tensor | None = None
+
+
+def global_head_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, i: torch.Tensor,
+                     j: torch.Tensor) -> torch.Tensor:
+    return score + GLOBAL_BIAS[h]  # type: ignore[index]
+
+
+def test_a_learned_bias_read_from_the_modules_globals_gets_its_gradient() -> None:
+    global GLOBAL_BIAS
+    with VirtualCuda(1):
+        q, k, v = (torch.empty(B, H, 256, D, device="cuda", requires_grad=True)
+                   for _ in range(3))
+        GLOBAL_BIAS = torch.zeros(H, device="cuda", requires_grad=True)
+        try:
+            flex_attention(q, k, v, score_mod=global_head_bias).sum().backward()
+            assert GLOBAL_BIAS.grad is not None and GLOBAL_BIAS.grad.shape == (H,)
+            assert GLOBAL_BIAS.grad.is_cuda
+        finally:
+            GLOBAL_BIAS = None

@@ -93,6 +93,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     import torch.nn.attention.flex_attention as public
 
     p(public, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    p(public, "flex_attention_hop", lifting_captured(public.flex_attention_hop))
     # the outputs of the fused forwards: their backward is the fused one too, as Inductor
     # compiles a compiled function's backward with it (it runs after the region has ended)
     fused: set[int] = set()  # their storages' serials (the ledger's)
@@ -100,6 +101,76 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
                      (hop.flex_attention_backward, _backward_rule(vc, hop, fused))):
         # a copy of the op's table with the mode's rule: restoring puts torch's back
         p(op, "python_key_table", {**op.python_key_table, mode_type: rule})
+
+
+def lifting_captured(hop: Callable[..., Any]) -> Callable[..., Any]:
+    """The op, called with the tensors a score_mod reads that require grad (a learned bias
+    in its closure or its module's globals) passed as its buffers, as dynamo lifts them when
+    it traces flex_attention: called as they are, the op's autograd never sees them and they
+    get no gradient. Inside, the score_mod reads each where it did, set for the call to the
+    buffer the op passes."""
+    def call(query: Any, key: Any, value: Any, score_mod: Callable[..., Any],
+             block_mask: Any, scale: Any, kernel_options: Any,
+             score_mod_other_buffers: tuple[Any, ...] = (),
+             mask_mod_other_buffers: tuple[Any, ...] = ()) -> Any:
+        learned = _learned_reads(score_mod) if torch.is_grad_enabled() else []
+        if not learned:
+            return hop(query, key, value, score_mod, block_mask, scale, kernel_options,
+                       score_mod_other_buffers, mask_mod_other_buffers)
+        given = len(score_mod_other_buffers)
+
+        def lifted(score: Any, b: Any, h: Any, m: Any, n: Any, *buffers: Any) -> Any:
+            held = [read.get() for read in learned]
+            for read, buffer in zip(learned, buffers[given:], strict=True):
+                read.set(buffer)
+            try:
+                return score_mod(score, b, h, m, n, *buffers[:given])
+            finally:
+                for read, was in zip(learned, held, strict=True):
+                    read.set(was)
+
+        return hop(query, key, value, lifted, block_mask, scale, kernel_options,
+                   (*score_mod_other_buffers, *(read.get() for read in learned)),
+                   mask_mod_other_buffers)
+
+    return call
+
+
+class _Read:
+    """Where a score_mod reads a tensor: a closure cell, or a name of its globals."""
+
+    def __init__(self, cell: Any = None, names: dict[str, Any] | None = None,
+                 name: str = "") -> None:
+        self.cell, self.names, self.name = cell, names, name
+
+    def get(self) -> Any:
+        return self.cell.cell_contents if self.names is None else self.names[self.name]
+
+    def set(self, value: Any) -> None:
+        if self.names is None:
+            self.cell.cell_contents = value
+        else:
+            self.names[self.name] = value
+
+
+def _learned_reads(score_mod: Callable[..., Any]) -> list[_Read]:
+    """The tensors requiring grad that ``score_mod`` reads from its closure or globals."""
+    reads = []
+    for cell in getattr(score_mod, "__closure__", None) or ():
+        try:
+            reads.append(_Read(cell=cell) if _learned(cell.cell_contents) else None)
+        except ValueError:  # an empty cell
+            continue
+    names = getattr(score_mod, "__globals__", None)
+    code = getattr(score_mod, "__code__", None)
+    if isinstance(names, dict) and code is not None:
+        reads += [_Read(names=names, name=n) for n in code.co_names
+                  if _learned(names.get(n))]
+    return [r for r in reads if r is not None]
+
+
+def _learned(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 @contextlib.contextmanager
