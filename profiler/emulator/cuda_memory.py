@@ -44,14 +44,16 @@ class CudaMemory:
         # runtime index -> the most torch.cuda's memory functions told the program of it
         self.answered: dict[int, MemoryAnswered] = {}
         self._config: AllocatorConfig | None = None
+        # the variable and value it was read from (None: unset, torch's defaults)
+        self.setting: tuple[str, str] | None = None
 
     def allocator_config(self) -> AllocatorConfig:
         """The caching allocator's configuration, as the program's environment sets it
         (``PYTORCH_ALLOC_CONF``) when first asked: torch reads it once, at the first
         allocation; the simulations read it here, the run asks before its end."""
         if self._config is None:
-            setting = allocator_setting(dict(os.environ))
-            self._config = config_from_setting(setting[1] if setting else None)[0]
+            self.setting = allocator_setting(dict(os.environ))
+            self._config = config_from_setting(self.setting[1] if self.setting else None)[0]
         return self._config
 
     def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:

@@ -180,6 +180,8 @@ class ScriptRun:
     compiled: list[str] = field(default_factory=list)  # torch.compile's sites, run eagerly
     # those of them whose mode captures CUDA graphs on a GPU (reduce-overhead, max-autotune)
     compiled_graphs: list[str] = field(default_factory=list)
+    # PYTORCH_ALLOC_CONF (or its older name) and its value, as the run read it (None: unset)
+    allocator_setting: tuple[str, str] | None = None
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -309,6 +311,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                         exc = _run_until_stopped(launch, run)
                 finally:
                     vc.memory.allocator_config()  # the script's own environment's
+                    run.allocator_setting = vc.memory.setting
                     if rung is not None:
                         rung.close()
                     stepper.remove()

@@ -23,14 +23,13 @@ run of the script (:mod:`dpprof.script.runner`), what dpprof hooks into it
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 from collections.abc import Callable
 
 from dpprof.answers.answer import partial_sentence, settled
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
-from dpprof.emulator.allocator_config import allocator_setting, config_from_setting
+from dpprof.emulator.allocator_config import config_from_setting
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
@@ -316,7 +315,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             "steps into a private pool that stays reserved; run eagerly here, nothing is "
             "captured, so the reserved figures leave that pool out (torch.cuda.graph in "
             "the script itself is played)")
-    setting = allocator_setting({**os.environ, **cfg.launch.env})
+    setting = main.allocator_setting  # as the run read it, the script's own setting included
     if setting is not None and (differ := config_from_setting(setting[1])[1]):
         s0_notes.append(
             f"{setting[0]}={setting[1]} in the script's environment: {', '.join(differ)} not "
