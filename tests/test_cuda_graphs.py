@@ -180,7 +180,7 @@ def test_a_capture_streams_cublas_workspace_is_allocated_in_its_pool() -> None:
             w @ w
             w @ w  # the same handle and stream: no other workspace
         ctx = device_context((9, 0), uses_cudnn=False)
-        inserts = workspace_inserts(ctx, 0, vc.rt.blas_first)
+        inserts = workspace_inserts(ctx, 0, vc.rt.blas_first, vc.rt.blas_side)
     keys = [key for _, _, _, key in inserts]
     assert keys.count(0) == ctx.cublas_workspaces + ctx.cublaslt_workspaces
     side = [k for k in keys if k]

@@ -397,6 +397,7 @@ def _measured_figures(
         devices = with_gpu_overheads(devices, rt.storages.events, context_model(cfg, model),
                                      source=lambda d: sources.get(d.index, d.index),
                                      nccl=cfg.collectives or None, blas_first=rt.blas_first,
+                                     blas_side=rt.blas_side,
                                      transients=rt.storages.transients)
     alike = kind is not None and kind.ranks_alike  # DDP's ranks: one note for all
     for d in devices[:1] if alike else devices:

@@ -65,6 +65,7 @@ def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[Allocat
                        source: Callable[[DeviceResult], int] | None = None,
                        nccl: bool | None = None,
                        blas_first: Mapping[tuple[int, str], int] | None = None,
+                       blas_side: Mapping[tuple[int, str, int], tuple[int, int]] | None = None,
                        transients: Mapping[int, tuple[int, str]] | None = None,
                        config: AllocatorConfig | None = None,
                        ) -> tuple[DeviceResult, ...]:
@@ -72,7 +73,8 @@ def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[Allocat
     (:func:`~dpprof.emulator.reserved.gpu_overheads`, with these options); an unused device
     as it was."""
     figures = gpu_overheads(devices, events, ctx, source=source, nccl=nccl,
-                            blas_first=blas_first, transients=transients, config=config)
+                            blas_first=blas_first, blas_side=blas_side, transients=transients,
+                            config=config)
     return tuple(d if f is None else dataclasses.replace(
         d, peak_reserved_bytes=f.peak_reserved_bytes, workspace_bytes=f.workspace_bytes,
         context_bytes=f.context_bytes, context_breakdown_bytes=dict(f.context_breakdown_bytes),

@@ -21,7 +21,6 @@ from dpprof.emulator.virtual_devices import (
     BLAS_BACKWARD,
     BLAS_FORWARD,
     BLAS_LT,
-    parse_blas_key,
 )
 
 __all__ = ["AllocationEvent", "GpuOverheads", "ModelledDevice", "gpu_overheads",
@@ -79,6 +78,7 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
                   source: Callable[[Device], int] | None = None,
                   nccl: bool | None = None,
                   blas_first: Mapping[tuple[int, str], int] | None = None,
+                  blas_side: Mapping[tuple[int, str, int], tuple[int, int]] | None = None,
                   transients: Mapping[int, tuple[int, str]] | None = None,
                   config: AllocatorConfig | None = None,
                   ) -> list[GpuOverheads | None]:
@@ -92,7 +92,8 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
     ``blas_first``: where each device first ran cuBLAS, by thread
     (:attr:`dpprof.emulator.virtual_devices.VirtualDevices.blas_first`): each workspace enters
     the sequence there, as a handle allocates it at its first use; a workspace whose
-    thread ran no cuBLAS op (or without ``blas_first``) goes first.
+    thread ran no cuBLAS op (or without ``blas_first``) goes first. ``blas_side``: where a
+    handle first ran cuBLAS on a side stream or in a capture, and under which key.
     ``transients``: storages kept past the point where the steady state frees them
     (:attr:`~dpprof.emulator.storage_ledger.StorageLedger.transients`): a device whose peak
     counts some (``transient_bytes``) also gets the reserve with each freed there
@@ -112,7 +113,7 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
             continue
         src = source(d) if source is not None else d.index
         key = keys.get(src)
-        inserts = workspace_inserts(ctx, src, blas_first or {})
+        inserts = workspace_inserts(ctx, src, blas_first or {}, blas_side or {})
         if key is None:
             key = keys[src] = sequences.key(src, inserts)
         stats = simulated.get(key)
@@ -140,15 +141,16 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
 
 
 def workspace_inserts(ctx: ContextModel, device: int,
-                      blas_first: Mapping[tuple[int, str], int]
+                      blas_first: Mapping[tuple[int, str], int],
+                      blas_side: Mapping[tuple[int, str, int], tuple[int, int]] | None = None,
                       ) -> list[tuple[int, int, int, int]]:
     """The long-lived workspaces of ``device`` as (event index, block id, bytes, allocator
     key), in the order the allocator gets them: the forward thread's cuBLAS workspace at its
     first cuBLAS op, then (same op) cuBLASLt's at the first addmm, autograd's at its first;
     any further ones (more streams) and those of a thread with no cuBLAS op first (index 0).
     A handle's first op on a side stream adds that (handle, stream)'s workspace there, under
-    the stream's key, or a capturing CUDA graph's private pool's (``blas_first``'s
-    "<role>@<key>" names)."""
+    the stream's key, or a capturing CUDA graph's private pool's (``blas_side``:
+    :attr:`dpprof.emulator.virtual_devices.VirtualDevices.blas_side`)."""
     roles = [BLAS_FORWARD, BLAS_BACKWARD]
     out: list[tuple[int, int, int, int]] = []
     block = -1
@@ -161,9 +163,9 @@ def workspace_inserts(ctx: ContextModel, device: int,
             at = blas_first.get((device, BLAS_LT))
             out.append((0 if at is None else at, block, ctx.cublaslt_workspace_bytes, 0))
             block -= 1
-    for (d, name), at in sorted(blas_first.items(), key=lambda kv: (kv[1], kv[0][1])):
-        role, key = parse_blas_key(name)
-        if d != device or not key:
+    for (d, role, _), (at, key) in sorted((blas_side or {}).items(),
+                                          key=lambda kv: (kv[1][0], kv[0][1])):
+        if d != device:
             continue
         size = ctx.cublaslt_workspace_bytes if role == BLAS_LT else ctx.cublas_workspace_bytes
         if size:

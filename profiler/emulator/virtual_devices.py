@@ -93,11 +93,11 @@ class VirtualDevices(TorchDispatchMode):
         # the event index after that op's outputs, where the handle's workspace is
         # allocated (lazily, at the handle's first use); dpprof.emulator.reserved places
         # the workspaces there in the caching allocator's sequence
-        # A handle's workspace is per (handle, stream): a thread's first op on a side stream
-        # gets another, filed as "<role>@<key>" with the key its allocation takes there (the
-        # stream, or a capturing CUDA graph's private pool: blas_key)
         self.blas_first: dict[tuple[int, str], int] = {}
-        self._blas_side: set[tuple[int, str, int]] = set()  # (device, role, stream) seen
+        # A handle's workspace is per (handle, stream): a thread's first op on a side stream
+        # gets another. (device, role, stream) -> (that event index, the allocator key the
+        # workspace takes there: the stream's, or a capturing CUDA graph's private pool's)
+        self.blas_side: dict[tuple[int, str, int], tuple[int, int]] = {}
         # the measured step's ops, for the step-time model (None: not asked for)
         self.op_log: OpLog | None = None
 
@@ -339,9 +339,8 @@ class VirtualDevices(TorchDispatchMode):
             for r in ((role, BLAS_LT) if lt else (role,)):
                 if not stream:
                     self.blas_first.setdefault((d, r), at)
-                elif (d, r, stream) not in self._blas_side:
-                    self._blas_side.add((d, r, stream))
-                    self.blas_first[(d, blas_key(r, self.storages.tag_on(d)))] = at
+                elif (d, r, stream) not in self.blas_side:
+                    self.blas_side[(d, r, stream)] = (at, self.storages.tag_on(d))
 
 
 # The ops CUDA runs through cuBLAS (aten/src/ATen/native/cuda/Blas.cpp): the first of each
@@ -357,17 +356,6 @@ BLAS_FORWARD = "forward"
 BLAS_BACKWARD = "backward"
 BLAS_LT = "lt"
 
-
-def blas_key(role: str, key: int) -> str:
-    """``blas_first``'s name for a handle's workspace on a side stream: its role and the
-    allocator key of the stream (or of a CUDA graph's private pool) it is allocated under."""
-    return f"{role}@{key}"
-
-
-def parse_blas_key(name: str) -> tuple[str, int]:
-    """(role, allocator key) of a ``blas_first`` name (key 0: the default stream)."""
-    role, _, key = name.partition("@")
-    return role, int(key) if key else 0
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 SUBCLASS = "subclass"

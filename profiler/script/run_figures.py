@@ -95,5 +95,6 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
         return rank_device(vc, local_rank)
 
     return with_gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
-                              blas_first=vc.rt.blas_first, transients=vc.rt.storages.transients,
+                              blas_first=vc.rt.blas_first, blas_side=vc.rt.blas_side,
+                              transients=vc.rt.storages.transients,
                               config=vc.memory.allocator_config())
