@@ -570,8 +570,10 @@ def test_random_events_leave_what_they_did_not_free() -> None:
     assert s.final_allocated_bytes >= s.final_requested_bytes
 
 
-def test_the_allocator_settings_that_change_its_decisions_are_named() -> None:
-    from dpprof.emulator.allocator_config import allocator_setting, settings_not_modelled
+def test_the_allocator_settings_are_read_as_c10_reads_them() -> None:
+    """c10's own cases (c10/test/core/AllocatorConfig_test.cpp), and the settings left as
+    notes: what it refuses, and what the simulation does not model."""
+    from dpprof.emulator.allocator_config import allocator_setting, config_from_setting
 
     # torch reads PYTORCH_ALLOC_CONF first, then the older name
     assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "a:1", "PYTORCH_ALLOC_CONF": "b:2"}) \
@@ -579,10 +581,43 @@ def test_the_allocator_settings_that_change_its_decisions_are_named() -> None:
     assert allocator_setting({"PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == ("PYTORCH_CUDA_ALLOC_CONF",
                                                                     "a:1")
     assert allocator_setting({}) is None
-    assert settings_not_modelled(
-        "expandable_segments:True,roundup_power2_divisions:[256:1,512:2,>:4],"
-        "pinned_use_cuda_host_register:True,max_split_size_mb:128") == [
-        "expandable_segments:True", "roundup_power2_divisions:[256:1,512:2,>:4]",
-        "max_split_size_mb:128"]
-    # the defaults spelled out, and settings of the host's pinned memory, change nothing
-    assert settings_not_modelled("expandable_segments:False,backend:native") == []
+    c, left = config_from_setting(
+        "max_split_size_mb:40,max_non_split_rounding_mb:30,garbage_collection_threshold:0.5,"
+        "roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1],"
+        "expandable_segments:True,pinned_use_background_threads:True")
+    assert left == []  # without a memory fraction the collection never runs
+    assert (c.large_segment_size, c.max_split_size, c.max_non_split_rounding_size) == (
+        20 * MiB, 40 * MiB, 30 * MiB)
+    assert c.expandable_segments
+    assert [c.divisions_for(mb * MiB) for mb in (32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                                   8192)] == [8, 8, 2, 4, 2, 4, 1, 1, 1]
+    c, left = config_from_setting("large_segment_size_mb:15,max_split_size_mb:20,"
+                                  "max_non_split_rounding_mb:40,garbage_collection_threshold:0.8",
+                                  fraction_set=True)
+    assert (c.large_segment_size, c.max_split_size, c.max_non_split_rounding_size) == (
+        15 * MiB, 20 * MiB, 40 * MiB)
+    assert left == ["garbage_collection_threshold:0.8"]
+    c, _ = config_from_setting("roundup_power2_divisions:[128:8,256:16,512:1,2048:8,>:2]")
+    assert [c.divisions_for(mb * MiB) for mb in (64, 128, 256, 512, 1024, 2048, 4096)] == [
+        8, 8, 16, 1, 0, 8, 2]
+    c, _ = config_from_setting("roundup_power2_divisions:4")
+    assert [c.divisions_for(mb * MiB) for mb in (64, 256, 2048)] == [4, 4, 4]
+    c, left = config_from_setting("max_split_size_mb:20,large_segment_size_mb:25")
+    assert c.max_split_size is None and c.large_segment_size == 25 * MiB
+    assert left == ["max_split_size_mb:20 (torch refuses it: it must be at least 25)"]
+    assert config_from_setting("backend:cudaMallocAsync")[1] == ["backend:cudaMallocAsync"]
+    assert config_from_setting("expandable_segments:False,backend:native") == (
+        config_from_setting(None)[0], [])
+
+
+def test_power_of_two_divisions_round_the_blocks_the_allocator_reserves() -> None:
+    from dpprof.emulator.allocator_config import config_from_setting
+
+    # 33 MiB with 4 divisions: the next of 32, 40, 48, 56 MiB (c10's
+    # roundup_power2_next_division); plain rounding: 33 MiB's own segment, 34 MiB (2 MiB steps)
+    events = [("alloc", k, 33 * MiB) for k in range(4)]
+    plain = simulate(events)
+    rounded = simulate(events, config=config_from_setting("roundup_power2_divisions:4")[0])
+    assert plain.peak_reserved_bytes == 4 * 34 * MiB
+    assert rounded.peak_reserved_bytes == 4 * 40 * MiB
+    assert rounded.peak_allocated_bytes == 4 * 40 * MiB

@@ -138,7 +138,9 @@ def test_the_cli_says_so_and_exits_1_where_the_figures_are_below_a_reading(
 
 
 @pytest.mark.parametrize(("conf", "noted"), [
-    ("roundup_power2_divisions:4,expandable_segments:True", "roundup_power2_divisions:4"),
+    ("backend:cudaMallocAsync,expandable_segments:True", "backend:cudaMallocAsync"),
+    ("garbage_collection_threshold:0.6", ""),  # c10 collects only under a memory fraction
+    ("roundup_power2_divisions:4", ""), ("large_segment_size_mb:12", ""),
     ("expandable_segments:True", ""), ("expandable_segments:False", "")])
 def test_an_allocator_setting_the_emulation_does_not_model_is_said(
         conf: str, noted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

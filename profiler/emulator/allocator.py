@@ -167,8 +167,8 @@ class CachingAllocatorSim(ExpandableSegments):
         # first, so no search ever crosses from one stream's blocks to another's
         self._streams: dict[int, tuple[BlockPool, BlockPool]] = {}
         self._mss = self.config.max_split_size  # None: unlimited (size_t max)
-        self._nsr = self.config.max_non_split_rounding_size
         self._lss = self.config.large_segment_size
+        self._nsr: int = self.config.max_non_split_rounding_size or self._lss
         self._plain_round = not self.config.roundup_power2_divisions
         self._next_addr = K_SMALL_BUFFER  # never 0: a null pointer is not a segment
         self._segment_heads: set[Block] = set()

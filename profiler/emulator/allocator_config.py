@@ -5,6 +5,7 @@ itself is simulated in :mod:`dpprof.emulator.allocator`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Constants of c10/core/AllocatorConfig.h (c10/cuda/CUDACachingAllocator.cpp in older trees).
@@ -30,9 +31,10 @@ class AllocatorConfig:
 
     Defaults are PyTorch's (``AcceleratorAllocatorConfig``): ``max_split_size`` unlimited
     (``None``), ``max_non_split_rounding_size`` 20 MiB, ``large_segment_size`` 20 MiB
-    (``large_segment_size_mb``, new in torch 2.13's ``AllocatorConfig.h``; taken to replace
-    ``kLargeBuffer`` in ``get_allocation_size``, kept at 10 MiB or more here so that every
-    request below 10 MiB fits its segment), no power-of-two rounding, no expandable segments.
+    (``large_segment_size_mb``, torch 2.13: the segment ``get_allocation_size`` gives a
+    request of 1-10 MiB, and an expandable segment's page in the large pool; c10 takes more
+    than 10 MiB, and makes it the least ``max_split_size`` and ``max_non_split_rounding_size``
+    may be), no power-of-two rounding, no expandable segments.
 
     ``roundup_power2_divisions`` is one number for every size interval or a sequence of 16,
     one per power-of-two interval from 1 MiB (index 0: sizes below 2 MiB) to 32 GiB and up
@@ -40,23 +42,28 @@ class AllocatorConfig:
     """
 
     max_split_size: int | None = None
-    max_non_split_rounding_size: int = K_LARGE_BUFFER
+    # None: the large segment size (c10 sets it so before it reads the setting)
+    max_non_split_rounding_size: int | None = None
     large_segment_size: int = K_LARGE_BUFFER  # segment for 1-10 MiB requests (torch 2.13+)
     roundup_power2_divisions: int | tuple[int, ...] = 0
     expandable_segments: bool = False
     backend: str = "native"
 
     def __post_init__(self) -> None:
-        if self.max_split_size is not None and self.max_split_size < K_LARGE_BUFFER:
+        if self.large_segment_size <= K_MIN_LARGE_ALLOC or self.large_segment_size % _MB:
             raise ValueError(
-                f"max_split_size must be at least {K_LARGE_BUFFER // _MB} MiB "
-                f"(PyTorch's minimum for max_split_size_mb), got {self.max_split_size} B"
+                "large_segment_size must be a whole number of MiB above 10 MiB "
+                f"(large_segment_size_mb > 10), got {self.large_segment_size} B"
             )
-        if self.large_segment_size < K_MIN_LARGE_ALLOC or self.large_segment_size % K_ROUND_LARGE:
-            raise ValueError(
-                "large_segment_size must be a multiple of 2 MiB and at least 10 MiB, "
-                f"got {self.large_segment_size} B"
-            )
+        if self.max_non_split_rounding_size is None:
+            object.__setattr__(self, "max_non_split_rounding_size", self.large_segment_size)
+        for name in ("max_split_size", "max_non_split_rounding_size"):
+            size = getattr(self, name)
+            if size is not None and size < self.large_segment_size:
+                raise ValueError(
+                    f"{name} must be at least {self.large_segment_size // _MB} MiB (the large "
+                    f"segment size, PyTorch's minimum for {name}_mb), got {size} B"
+                )
         divs = self.roundup_power2_divisions
         values = (divs,) if isinstance(divs, int) else tuple(divs)
         if not isinstance(divs, int) and len(values) != _ROUNDUP_INTERVALS:
@@ -134,14 +141,6 @@ def get_allocation_size(size: int, large_segment_size: int = K_LARGE_BUFFER) -> 
 
 # --------------------------------------------------------------------------- the environment
 
-# the settings of PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF before torch 2.9) that change
-# where blocks go or what they round to, with the value each has by default: the emulation
-# simulates the default allocator only
-_DECIDING = {"max_split_size_mb": None, "roundup_power2_divisions": None,
-             "expandable_segments": "false", "garbage_collection_threshold": None,
-             "backend": "native", "large_segment_size_mb": "20"}
-
-
 def allocator_setting(env: dict[str, str]) -> tuple[str, str] | None:
     """The allocator's configuration variable the environment sets (torch reads
     ``PYTORCH_ALLOC_CONF`` first, then ``PYTORCH_CUDA_ALLOC_CONF``) and its value."""
@@ -151,40 +150,102 @@ def allocator_setting(env: dict[str, str]) -> tuple[str, str] | None:
     return None
 
 
-def config_from_setting(value: str | None) -> tuple[AllocatorConfig, list[str]]:
-    """The allocator configuration ``value`` (``PYTORCH_ALLOC_CONF``'s) sets, as far as the
-    simulation models it (``expandable_segments``, ``max_split_size_mb``), and the
-    ``key:value`` settings that change its decisions and are not modelled."""
+def config_from_setting(value: str | None, fraction_set: bool = False
+                        ) -> tuple[AllocatorConfig, list[str]]:
+    """The allocator configuration ``value`` (``PYTORCH_ALLOC_CONF``'s) sets, read as c10's
+    ``AcceleratorAllocatorConfig::parseArgs`` reads it (``large_segment_size_mb`` first,
+    then the rest in order; a later key wins), and the ``key:value`` settings that change
+    the allocator's decisions and are not modelled: ``backend:cudaMallocAsync``, and
+    ``garbage_collection_threshold`` where the script set a memory fraction
+    (``fraction_set``; without one c10 never collects). A value c10 refuses (it raises at
+    the first allocation) is named among them."""
     if not value:
         return DEFAULT_CONFIG, []
-    expandable, max_split, left = False, None, []
-    for item in settings_not_modelled(value):
-        key, _, setting = item.partition(":")
-        if key == "expandable_segments" and setting.lower() == "true":
-            expandable = True
-        elif key == "max_split_size_mb" and setting.isdigit() and int(setting) > 20:
-            max_split = int(setting) * _MB  # torch refuses 20 MB or less
-        else:
-            left.append(item)
-    return AllocatorConfig(max_split_size=max_split, expandable_segments=expandable), left
+    fields: dict[str, object] = {}
+    left: list[str] = []
+    items = _items(value)
+    large = K_LARGE_BUFFER
+    for key, setting in items:
+        if key == "large_segment_size_mb":
+            mb = _whole(setting)
+            if mb is None or mb <= K_MIN_LARGE_ALLOC // _MB:
+                left.append(f"{key}:{setting} (torch refuses it: it must be more than 10)")
+            else:
+                large = mb * _MB
+    fields["large_segment_size"] = large
+    fields["max_non_split_rounding_size"] = large
+    for key, setting in items:
+        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            mb = _whole(setting)
+            if mb is None or mb * _MB < large:
+                left.append(f"{key}:{setting} (torch refuses it: it must be at least "
+                            f"{large // _MB})")
+            else:
+                fields["max_split_size" if key == "max_split_size_mb"
+                       else "max_non_split_rounding_size"] = mb * _MB
+        elif key == "roundup_power2_divisions":
+            divisions = _roundup_divisions(setting)
+            if divisions is None:
+                left.append(f"{key}:{setting} (torch refuses it: powers of 2 only)")
+            else:
+                fields["roundup_power2_divisions"] = divisions
+        elif key == "expandable_segments":
+            fields["expandable_segments"] = setting.lower() == "true"
+        elif ((key == "backend" and setting != "native")
+              or (key == "garbage_collection_threshold" and fraction_set)):
+            left.append(f"{key}:{setting}")
+    return dataclasses.replace(DEFAULT_CONFIG, **fields), left
 
 
-def settings_not_modelled(value: str) -> list[str]:
-    """The ``key:value`` settings of an allocator configuration that differ from the
-    default allocator's decisions (``roundup_power2_divisions:[256:1,512:2]`` is one)."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(value + ","):
+def _items(value: str) -> list[tuple[str, str]]:
+    """``key:value`` pairs at the top level of a configuration (a bracketed list is one
+    value), spaces dropped as c10's tokenizer drops them."""
+    out, depth, start = [], 0, 0
+    text = value.replace(" ", "")
+    for i, ch in enumerate(text + ","):
         if ch == "[":
             depth += 1
         elif ch == "]":
             depth -= 1
         elif ch == "," and depth == 0:
-            items.append(value[start:i].strip())
+            key, _, setting = text[start:i].partition(":")
+            if key:
+                out.append((key, setting))
             start = i + 1
-    out = []
-    for item in items:
-        key, _, setting = item.partition(":")
-        key = key.strip()
-        if key in _DECIDING and setting.strip().lower() != _DECIDING[key]:
-            out.append(f"{key}:{setting.strip()}")
     return out
+
+
+def _whole(setting: str) -> int | None:
+    return int(setting) if setting.isdigit() else None
+
+
+def _roundup_divisions(setting: str) -> int | tuple[int, ...] | None:
+    """``parseRoundUpPower2Divisions``: one number for every interval, or a list of
+    ``size_mb:divisions`` (the first entry also fills the intervals below it; ``>`` fills
+    those after the last named), or None where c10 refuses it."""
+    def power2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    if not setting.startswith("["):
+        n = _whole(setting)
+        return n if n is not None and power2(n) else None
+    table = [0] * _ROUNDUP_INTERVALS
+    first, last = True, 0
+    for entry in filter(None, setting.strip("[]").split(",")):
+        bound, _, count = entry.partition(":")
+        n = _whole(count)
+        if n is None or not (n == 0 or power2(n)):
+            return None
+        if bound == ">":
+            table[last + 1:] = [n] * (_ROUNDUP_INTERVALS - last - 1)
+            continue
+        size_mb = _whole(bound)
+        if size_mb is None or not power2(size_mb):
+            return None
+        index = min(size_mb.bit_length() - 1, _ROUNDUP_INTERVALS - 1)
+        if first:
+            table[:index] = [n] * index
+            first = False
+        table[index] = n
+        last = index
+    return tuple(table)
