@@ -178,10 +178,15 @@ def _verdict(run: RunResult, base: ScenarioResult | None, pick: Pick) -> tuple[s
     clause = ""
     if ooms:
         verb = "tried to allocate" if run.backend == "cuda" else "needs"
-        clause = (f"out of memory at {fmt_bytes(run.gpu_memory_bytes)} per GPU: " + ", ".join(
+        limited = all(s.oom_limit_bytes is not None for s in ooms)
+        clause = ("out of memory: " if limited else
+                  f"out of memory at {fmt_bytes(run.gpu_memory_bytes)} per GPU: ") + ", ".join(
+            (f"{s.name} (cuda:{s.oom_device} needs {fmt_bytes(s.oom_bytes or 0)} of reserve, "
+             f"its memory fraction allows {fmt_bytes(s.oom_limit_bytes)})")
+            if s.oom_limit_bytes is not None and s.oom_device is not None else
             f"{s.name} (cuda:{s.oom_device} {verb} "
             f"{fmt_bytes(s.oom_bytes or need_bytes(s))})" if s.oom_device is not None
-            else s.name for s in ooms))
+            else s.name for s in ooms)
         if len(fits) == 1:
             tail.append(f"only {fits[0].name} fits: {_fit_cost(run, fits[0], 'its')} "
                         f"({counts(run)})")

@@ -16,7 +16,7 @@ from dpprof.emulator.allocator_config import AllocatorConfig
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
-from dpprof.emulator.reserved import AllocationEvent, gpu_overheads
+from dpprof.emulator.reserved import AllocationEvent, GpuOverheads, gpu_overheads
 from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario
@@ -24,6 +24,7 @@ from dpprof.units import fmt_bytes
 
 __all__ = [
     "TIMELINE_POINTS",
+    "apply_overheads",
     "ddp_ranks",
     "device_result",
     "device_results",
@@ -75,6 +76,13 @@ def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[Allocat
     figures = gpu_overheads(devices, events, ctx, source=source, nccl=nccl,
                             blas_first=blas_first, blas_side=blas_side, transients=transients,
                             config=config)
+    return apply_overheads(devices, figures)
+
+
+def apply_overheads(devices: Sequence[DeviceResult], figures: Sequence[GpuOverheads | None]
+                    ) -> tuple[DeviceResult, ...]:
+    """``devices`` with their :func:`~dpprof.emulator.reserved.gpu_overheads` (in order;
+    None: an unused device, as it was)."""
     return tuple(d if f is None else dataclasses.replace(
         d, peak_reserved_bytes=f.peak_reserved_bytes, workspace_bytes=f.workspace_bytes,
         context_bytes=f.context_bytes, context_breakdown_bytes=dict(f.context_breakdown_bytes),

@@ -3,13 +3,15 @@ user's line, as reports name it), and whether a file is dpprof's own."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from types import FrameType
 
 import torch
 
-__all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "in_dpprof"]
+__all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "in_dpprof",
+           "relative_site"]
 
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -62,3 +64,10 @@ def caller_line() -> str:
 
     path, _, num = caller_site().rpartition(":")
     return linecache.getline(path, int(num)) if num.isdigit() else ""
+
+
+def relative_site(site: str) -> str:
+    """A site of the working directory's files as the user typed it (``train.py:40``, not
+    the absolute path Python gives the script's code)."""
+    cwd = os.getcwd() + os.sep
+    return site.removeprefix(cwd) if site.startswith(cwd) else site

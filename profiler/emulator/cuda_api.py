@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dpprof.emulator import cuda_graphs, flex_attention
+from dpprof.emulator import cuda_graphs, device_readings, flex_attention
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.memory_snapshot import MemoryHistory
 from dpprof.emulator.patcher import Patch
@@ -32,6 +32,8 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     """Patch ``torch.cuda`` and ``torch.accelerator`` to answer from ``vc``."""
     device_queries(vc, p)
     memory_stats(vc, p)
+    runtime_handles(vc, p)
+    device_readings.install(vc, p, vc.readings)
     random_generators(vc, p)
     streams_and_events(vc, p)
     cuda_graphs.install(vc, p)
@@ -111,8 +113,72 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
     p(cuda, "memory_cached", vc.memory.memory_reserved)
     p(cuda, "max_memory_cached", vc.memory.max_memory_reserved)
     p(cuda, "synchronize", initialising(vc, Noop()))
-    for name in ("empty_cache", "ipc_collect", "set_sync_debug_mode"):
+    for name in ("empty_cache", "ipc_collect"):
         p(cuda, name, Noop())
+    # the allocator's controls: a fraction limits what it may reserve (the run's figures
+    # are checked against it), raw blocks are counted as tensors' storages
+    for name in ("set_per_process_memory_fraction", "get_per_process_memory_fraction",
+                 "caching_allocator_alloc", "caching_allocator_delete",
+                 "get_allocator_backend"):
+        p(cuda, name, getattr(vc.memory, name))
+    import torch.cuda.memory as cuda_memory
+
+    for owner in (cuda, cuda_memory):
+        for name in ("caching_allocator_enable", "caching_allocator_disabled"):
+            if hasattr(owner, name):
+                p(owner, name, getattr(vc.memory, name))
+    # the host's pinned-memory statistics: no pinned memory is allocated here
+    for name in ("reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats"):
+        if hasattr(cuda, name):
+            p(cuda, name, Noop())
+
+
+def runtime_handles(vc: EmulatedCuda, p: Patch) -> None:
+    """What the CUDA runtime and its libraries hand out: cuBLAS's and cuSOLVER's handles
+    (addresses: stand-ins, each handle one of its own), the synchronisation debug mode (kept,
+    nothing synchronises), the runtime's module (``cudart()``: its profiler calls succeed,
+    there is no profiler to start) and a stream from another library (an emulated one)."""
+    cuda = torch.cuda
+    handles: dict[tuple[str, int], int] = {}
+
+    def handle(kind: str) -> Callable[[], int]:
+        def current() -> int:
+            key = (kind, vc.index_of(None))
+            return handles.setdefault(key, 0x5000_0000 + 0x1000 * len(handles))
+        return current
+
+    p(cuda, "current_blas_handle", handle("cublas"))
+    p(cuda, "current_solver_handle", handle("cusolver"))
+    kept = [0]
+
+    def set_sync_debug_mode(debug_mode: int | str) -> None:
+        modes = {"default": 0, "warn": 1, "error": 2}
+        kept[0] = modes[debug_mode] if isinstance(debug_mode, str) else int(debug_mode)
+
+    p(cuda, "set_sync_debug_mode", set_sync_debug_mode)
+    p(cuda, "get_sync_debug_mode", lambda: kept[0])
+    p(cuda, "cudart", lambda: CudaRuntime())
+    p(cuda, "check_error", check_error)
+    p(cuda, "get_stream_from_external",
+      lambda data_ptr, device=None: Stream(device, stream_id=int(data_ptr)))
+    p(cuda, "ExternalStream", ExternalStream)
+
+
+def check_error(res: int) -> None:
+    """``torch.cuda.check_error``: a runtime call's status, 0 for success (every emulated
+    runtime call's)."""
+    if res != 0:
+        raise RuntimeError(f"CUDA error: status {res} (a CUDA runtime call failed)")
+
+
+class CudaRuntime:
+    """``torch.cuda.cudart()`` of a virtual GPU: every runtime call succeeds (0,
+    ``cudaSuccess``) and does nothing (the profiler's start and stop, host registration)."""
+
+    def __getattr__(self, name: str) -> Callable[..., int]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: 0
 
 
 def random_generators(vc: EmulatedCuda, p: Patch) -> None:
@@ -167,8 +233,14 @@ def memory_module(p: Patch) -> None:
 
         for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                      "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
-                     "mem_get_info", "empty_cache"):
-            p(cuda_memory, name, getattr(cuda, name))
+                     "memory_summary", "mem_get_info", "empty_cache",
+                     "reset_accumulated_memory_stats", "reset_max_memory_allocated",
+                     "memory_cached", "max_memory_cached", "set_per_process_memory_fraction",
+                     "get_per_process_memory_fraction", "caching_allocator_alloc",
+                     "caching_allocator_delete", "get_allocator_backend",
+                     "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats"):
+            if hasattr(cuda_memory, name):
+                p(cuda_memory, name, getattr(cuda, name))
 
 
 def memory_history(vc: EmulatedCuda, p: Patch) -> None:
@@ -348,6 +420,13 @@ class Stream:
 
     def __exit__(self, *exc: object) -> None:
         _current_streams().set(self._before.pop())
+
+
+class ExternalStream(Stream):
+    """``torch.cuda.ExternalStream``: a stream another library made, by its address."""
+
+    def __init__(self, stream_ptr: int, device: Any = None, **kwargs: Any) -> None:
+        super().__init__(device, stream_id=int(stream_ptr))
 
 
 def _current_streams() -> CurrentStreams:

@@ -5,10 +5,13 @@ program (:class:`MemoryAnswered`: the reported peak must be at least that)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dpprof.emulator.allocator_config import (
     AllocatorConfig,
@@ -46,6 +49,14 @@ class CudaMemory:
         self._config: AllocatorConfig | None = None
         # the variable and value it was read from (None: unset, torch's defaults)
         self.setting: tuple[str, str] | None = None
+        # runtime index -> (fraction, the call that set it): set_per_process_memory_fraction
+        self.fractions: dict[int, tuple[float, str]] = {}
+        # caching_allocator_alloc's blocks by the address handed out, each a storage counted
+        # on its device as any tensor's
+        self._raw: dict[int, torch.Tensor] = {}
+        # the caching allocator switched off, and the calls that did it (in order)
+        self.caching_enabled = True
+        self.uncached_by: dict[str, None] = {}
 
     def allocator_config(self) -> AllocatorConfig:
         """The caching allocator's configuration, as the program's environment sets it
@@ -126,6 +137,74 @@ class CudaMemory:
             "active_bytes.all.current": self.rt.storages.live_bytes(i),
             "requested_bytes.all.current": self.rt.storages.counters[i].live_requested,
         }
+
+    def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction``: the caching allocator of the device
+        may reserve at most ``fraction`` of its memory (``allowed_memory_maximum``; beyond it
+        an allocation fails as out of memory, after the cache is released)."""
+        i = self._dev(device)
+        if not isinstance(fraction, float | int) or isinstance(fraction, bool):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.fractions[i] = (float(fraction), caller_site())
+
+    def get_per_process_memory_fraction(self, device: Any = None) -> float:
+        return self.fractions.get(self._dev(device), (1.0, ""))[0]
+
+    def limit_bytes(self, i: int) -> int | None:
+        """What the caching allocator of runtime device ``i`` may reserve (None: no fraction
+        set), as c10 computes it: ``fraction x total memory``."""
+        if i not in self.fractions:
+            return None
+        return int(self.fractions[i][0] * self.capacity_bytes)
+
+    def caching_allocator_alloc(self, size: int, device: Any = None, stream: Any = None) -> int:
+        """``torch.cuda.caching_allocator_alloc``: ``size`` bytes from the device's caching
+        allocator (counted as a tensor's storage would be), at an address of its own."""
+        i = self._dev(device)
+        if size < 0:
+            raise RuntimeError(f"caching_allocator_alloc: negative size {size}")
+        block = self.rt.storages.new_empty((int(size),), torch.uint8, i)
+        address = 0x7F00_0000_0000 + 512 * (len(self._raw) + 1) + (i << 40)
+        while address in self._raw:
+            address += 512
+        self._raw[address] = block
+        return address
+
+    def caching_allocator_delete(self, mem_ptr: int) -> None:
+        """``torch.cuda.caching_allocator_delete``: the block back to its pool."""
+        if self._raw.pop(int(mem_ptr), None) is None:
+            raise RuntimeError(f"invalid device pointer: {mem_ptr:#x}")
+
+    def caching_allocator_enable(self, value: bool = True) -> None:
+        """``torch.cuda.memory.caching_allocator_enable``: off, a GPU's allocations bypass
+        the caching allocator (``cudaMalloc`` and ``cudaFree`` each, outside torch.cuda's
+        statistics), which the simulation does not follow: the call is noted
+        (:attr:`uncached_by`) and the allocations counted as cached."""
+        if not value:
+            self.uncached_by.setdefault(caller_site(), None)
+        self.caching_enabled = bool(value)
+
+    @contextlib.contextmanager
+    def caching_allocator_disabled(self) -> Iterator[None]:
+        """``torch.cuda.memory.caching_allocator_disabled``: off inside the block."""
+        before = self.caching_enabled
+        self.caching_enabled = False
+        self.uncached_by.setdefault(caller_site((contextlib.__file__,)), None)
+        try:
+            yield
+        finally:
+            self.caching_enabled = before
+
+    def get_allocator_backend(self) -> str:
+        """``native``, or ``cudaMallocAsync`` where the allocator's configuration asks it."""
+        self.allocator_config()  # torch reads its configuration at the first allocation
+        setting = self.setting[1] if self.setting else ""
+        for item in setting.replace(" ", "").split(","):
+            if item == "backend:cudaMallocAsync":
+                return "cudaMallocAsync"
+        return "native"
 
     def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
         stats = self.memory_stats(device)

@@ -26,6 +26,7 @@ class EmulatedCuda(Protocol):
     streams: Any  # dpprof.emulator.cuda_api.CurrentStreams: each thread's current streams
     memory: CudaMemory  # torch.cuda's memory functions
     graphs: Any  # dpprof.emulator.cuda_graphs.Captures: the CUDA graphs' pools and captures
+    readings: Any  # dpprof.emulator.device_readings.Readings: NVML readings stood in for
 
     def device_count(self) -> int: ...
     def initialise(self) -> None: ...

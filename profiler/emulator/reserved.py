@@ -68,6 +68,9 @@ class GpuOverheads:
     # the reserve once the transients are freed where the steady state frees them (None:
     # no transient at the device's peak, or none given)
     steady_peak_reserved_bytes: int | None
+    # the limit the allocator ran out of memory at (set_per_process_memory_fraction's
+    # share of the GPU), None: no limit, or within it
+    out_of_limit_bytes: int | None = None
 
 
 Device = TypeVar("Device", bound=ModelledDevice)
@@ -81,6 +84,7 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
                   blas_side: Mapping[tuple[int, str, int], tuple[int, int]] | None = None,
                   transients: Mapping[int, tuple[int, str]] | None = None,
                   config: AllocatorConfig | None = None,
+                  limits: Mapping[int, int] | None = None,
                   ) -> list[GpuOverheads | None]:
     """Per device, in order, its :class:`GpuOverheads` (None: an unused device): the
     caching allocator's reserve (a simulation of its pools over the device's allocation
@@ -98,7 +102,10 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
     (:attr:`~dpprof.emulator.storage_ledger.StorageLedger.transients`): a device whose peak
     counts some (``transient_bytes``) also gets the reserve with each freed there
     (``steady_peak_reserved_bytes``). ``config``: the caching allocator's (default: torch's
-    defaults).
+    defaults). ``limits``: what the allocator of a source device may reserve
+    (``set_per_process_memory_fraction``): there the simulation runs under it, releasing its
+    cache to stay within it as c10 does, and says whether it ran out
+    (``out_of_limit_bytes``).
     """
     sequences = _DeviceSequences(events)
     simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
@@ -114,19 +121,20 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
         src = source(d) if source is not None else d.index
         key = keys.get(src)
         inserts = workspace_inserts(ctx, src, blas_first or {}, blas_side or {})
+        limit = (limits or {}).get(src)
         if key is None:
-            key = keys[src] = sequences.key(src, inserts)
+            key = keys[src] = (sequences.key(src, inserts), limit)
         stats = simulated.get(key)
         if stats is None:
-            stats = simulated[key] = simulate(sequences.sequence(src, inserts),
+            stats = simulated[key] = simulate(sequences.sequence(src, inserts), limit,
                                               timeline_points=None, stop_on_oom=False,
                                               config=config)
         steady_reserved = None
         if d.transient_bytes and transients:
             if src not in steady:
                 moved = sequences.sequence(src, inserts, frees_at=transients)
-                steady[src] = simulate(moved, timeline_points=None, stop_on_oom=False,
-                                       config=config).peak_reserved_bytes
+                steady[src] = simulate(moved, limit, timeline_points=None,
+                                       stop_on_oom=False, config=config).peak_reserved_bytes
             steady_reserved = steady[src]
         # a DDP rank (or as told) holds an NCCL communicator, where the model gives it bytes
         communicator = (d.rank is not None if nccl is None else nccl) and ctx.nccl_bytes > 0
@@ -136,7 +144,8 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
             context_bytes=ctx.outside_allocator_bytes + (ctx.nccl_bytes if communicator else 0),
             context_breakdown_bytes=(
                 (*library, ("nccl", ctx.nccl_bytes)) if communicator else library),
-            steady_peak_reserved_bytes=steady_reserved))
+            steady_peak_reserved_bytes=steady_reserved,
+            out_of_limit_bytes=limit if stats.oom else None))
     return out
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dpprof.emulator.call_sites import caller_site
+from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.fixes.kinds.loss_in_forward import FIX
 from dpprof.script.deferred_outputs import (
     DeferredOutputs,
@@ -23,7 +23,7 @@ from dpprof.script.deferred_outputs import (
     pending_in,
 )
 from dpprof.script.loss_in_forward_diff import loss_in_forward_at
-from dpprof.script.notes import alternative_fix, alternative_notes, relative_site
+from dpprof.script.notes import alternative_fix, alternative_notes
 from dpprof.script.parallel_state import state_of
 from dpprof.script.rewrite import rewrite_text
 from dpprof.script.runner import run_script

@@ -20,7 +20,6 @@ __all__ = [
     "how_it_ended",
     "library_branches",
     "nothing_on_a_gpu",
-    "relative_site",
     "script_assumptions",
     "seal_fields",
     "seal_notes",
@@ -180,13 +179,6 @@ def alternative_fix(kind: FixKind, main: ScriptRun, alt: ScriptRun, detail: str,
     heaviest = max(d.peak_allocated_bytes for d in alt.scenario.devices)
     return Fix(name=kind.name, title=kind.title, primary_peak_bytes=q0, max_peak_bytes=heaviest,
                saves_bytes=p0 - q0, detail=detail, code=code)
-
-
-def relative_site(site: str) -> str:
-    """A site of the working directory's files as the user typed it (``train.py:40``, not
-    the absolute path Python gives the script's code)."""
-    cwd = os.getcwd() + os.sep
-    return site.removeprefix(cwd) if site.startswith(cwd) else site
 
 
 def how_it_ended(run: ScriptRun, cfg: ScriptConfig) -> str:

@@ -10,9 +10,11 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dpprof.backends.emulated_figures import with_gpu_overheads
+from dpprof.backends.emulated_figures import apply_overheads
 from dpprof.backends.emulated_time import write_prediction
+from dpprof.emulator.call_sites import relative_site
 from dpprof.emulator.context import device_context, link_of
+from dpprof.emulator.reserved import GpuOverheads, gpu_overheads
 from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.result import STATUS_ERROR, DeviceResult, ScenarioResult
 from dpprof.units import fmt_bytes
@@ -79,11 +81,33 @@ def below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
     return ""
 
 
+@dataclasses.dataclass(frozen=True)
+class OverLimit:
+    """A device whose caching allocator ran out of the share of the GPU the script allowed
+    it (``torch.cuda.set_per_process_memory_fraction``)."""
+
+    device: DeviceResult
+    limit_bytes: int
+    fraction: float
+    set_by: str  # the script's call, "train.py:3"
+
+    def message(self) -> str:
+        d = self.device
+        return (f"out of memory on cuda:{d.index}: torch.cuda.set_per_process_memory_fraction"
+                f"({self.fraction:g}) at {relative_site(self.set_by)} lets its caching "
+                f"allocator reserve {fmt_bytes(self.limit_bytes)}; the run needs more "
+                f"(reserved {fmt_bytes(d.peak_reserved_bytes or 0)} without the limit, at "
+                f"{d.peak_phase or 'its peak'}): raise the fraction or lower the batch")
+
+
 def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
-               local_rank: int, world_size: int = 1) -> tuple[DeviceResult, ...]:
+                   local_rank: int, world_size: int = 1
+                   ) -> tuple[tuple[DeviceResult, ...], list[OverLimit]]:
     """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
     script's environment) per used device: the emulator's one model
-    (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations."""
+    (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations; and the
+    devices out of the memory fraction the script set (simulated under it as c10 limits
+    it: the cache released first, then out of memory)."""
     ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
                          link=link_of(cfg.gpu, cfg.interconnect),
                          nccl_env={**os.environ, **cfg.launch.env})
@@ -94,7 +118,18 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
         # a DDP rank: the device that ran it stands for every rank
         return rank_device(vc, local_rank)
 
-    return with_gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
-                              blas_first=vc.rt.blas_first, blas_side=vc.rt.blas_side,
-                              transients=vc.rt.storages.transients,
-                              config=vc.memory.allocator_config())
+    def figures(limits: dict[int, int] | None = None) -> list[GpuOverheads | None]:
+        return gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
+                             blas_first=vc.rt.blas_first, blas_side=vc.rt.blas_side,
+                             transients=vc.rt.storages.transients,
+                             config=vc.memory.allocator_config(), limits=limits)
+
+    out = apply_overheads(devices, figures())
+    limits = {i: b for i in vc.memory.fractions if (b := vc.memory.limit_bytes(i)) is not None}
+    over: list[OverLimit] = []
+    if limits:
+        for d, f in zip(out, figures(limits), strict=True):
+            if f is not None and f.out_of_limit_bytes is not None:
+                fraction, site = vc.memory.fractions[source(d)]
+                over.append(OverLimit(d, f.out_of_limit_bytes, fraction, site))
+    return out, over

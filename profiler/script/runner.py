@@ -78,6 +78,7 @@ from dpprof.script.launch import (
 from dpprof.script.lightning_launch import LaunchedRanks
 from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.run_figures import (
+    OverLimit,
     below_what_the_script_was_told,
     predict_time,
     rank_device,
@@ -182,6 +183,11 @@ class ScriptRun:
     compiled_graphs: list[str] = field(default_factory=list)
     # PYTORCH_ALLOC_CONF (or its older name) and its value, as the run read it (None: unset)
     allocator_setting: tuple[str, str] | None = None
+    # the report's words on NVML's activity readings answered with stand-ins (None: none)
+    readings_note: str | None = None
+    # the calls that switched the caching allocator off (caching_allocator_enable(False))
+    uncached_by: list[str] = field(default_factory=list)
+    memory_fraction_set: bool = False  # set_per_process_memory_fraction was called
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -312,6 +318,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 finally:
                     vc.memory.allocator_config()  # the script's own environment's
                     run.allocator_setting = vc.memory.setting
+                    run.readings_note = vc.readings.note()
+                    run.uncached_by = list(vc.memory.uncached_by)
+                    run.memory_fraction_set = bool(vc.memory.fractions)
                     if rung is not None:
                         rung.close()
                     stepper.remove()
@@ -534,8 +543,10 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     if kind.ranks_alike and run.world_size > 1:
         own = vc.visible.index(rank_device(vc, run.local_rank))
         devices = ddp_ranks(devices[own], min(run.world_size, n))
+    over_limit: list[OverLimit] = []
     if not cfg.compute:
-        devices = list(with_overheads(devices, vc, cfg, run.local_rank, run.world_size))
+        figured, over_limit = with_overheads(devices, vc, cfg, run.local_rank, run.world_size)
+        devices = list(figured)
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
@@ -555,6 +566,11 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     untold = below_what_the_script_was_told(s, vc, run.local_rank)
     if untold:
         return dataclasses.replace(s, status=STATUS_ERROR, message=untold)
+    if over_limit:
+        first = over_limit[0]
+        return dataclasses.replace(s, status=STATUS_OOM, oom_device=first.device.index,
+                                   oom_bytes=first.device.peak_reserved_bytes,
+                                   oom_limit_bytes=first.limit_bytes, message=first.message())
     if over:
         worst = max(over, key=lambda d: d.total_peak_bytes)
         return dataclasses.replace(

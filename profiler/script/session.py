@@ -30,6 +30,7 @@ from dpprof.answers.answer import partial_sentence, settled
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
 from dpprof.emulator.allocator_config import config_from_setting
+from dpprof.emulator.call_sites import relative_site
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
@@ -40,7 +41,6 @@ from dpprof.script.notes import (
     how_it_ended,
     library_branches,
     nothing_on_a_gpu,
-    relative_site,
     script_assumptions,
     seal_fields,
     seal_notes,
@@ -316,11 +316,27 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             "captured, so the reserved figures leave that pool out (torch.cuda.graph in "
             "the script itself is played)")
     setting = main.allocator_setting  # as the run read it, the script's own setting included
-    if setting is not None and (differ := config_from_setting(setting[1])[1]):
+    if setting is not None:
+        config, differ = config_from_setting(setting[1], main.memory_fraction_set)
+        if differ:
+            s0_notes.append(
+                f"{setting[0]}={setting[1]} in the script's environment: {', '.join(differ)} "
+                "not modelled; the reserved figures are the caching allocator's without it, "
+                "which a GPU run with it does not hold to")
+        if config.roundup_power2_divisions:
+            s0_notes.append(
+                f"{setting[0]}: roundup_power2_divisions rounds each block up to a power-of-two "
+                "division: the reserved figures follow it; the allocated ones count each "
+                "tensor's bytes rounded to 512 B, where torch.cuda.memory_allocated() on a GPU "
+                "counts the larger blocks")
+    if main.uncached_by:
         s0_notes.append(
-            f"{setting[0]}={setting[1]} in the script's environment: {', '.join(differ)} not "
-            "modelled; the reserved figures are the caching allocator's without it (and "
-            "allocated its blocks' 512 B rounding), which a GPU run with it does not hold to")
+            f"the caching allocator switched off at "
+            f"{', '.join(relative_site(x) for x in main.uncached_by[:3])}: on a GPU what is "
+            "allocated while it is off bypasses it (a cudaMalloc and cudaFree each, outside "
+            "torch.cuda's statistics); here it is counted as cached")
+    if main.readings_note:
+        s0_notes.append(main.readings_note)
     if main.kernels:
         s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,

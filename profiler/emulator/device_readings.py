@@ -1,0 +1,98 @@
+"""``torch.cuda``'s NVML readings on virtual GPUs (:func:`install`).
+
+A CUDA build answers ``torch.cuda.utilization()``, ``temperature()``, ``power_draw()``,
+``clock_rate()``, ``memory_usage()``, ``device_memory_used()`` and ``list_gpu_processes()``
+from NVML (``torch/cuda/__init__.py``, ``torch/cuda/memory.py``); a CPU build has no NVML
+and raises, which stopped a script that logs them. Here the memory readings are the
+emulation's own: what NVML would count as used is the caching allocator's reserve at that
+moment (simulated) plus the CUDA context and the libraries' memory as dpprof models them
+for one process. The others measure activity a virtual GPU does not have (nothing runs):
+each answers 0, a stand-in, and every such reading is counted with the line that asked
+(:class:`Readings`) for the report's note."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dpprof.emulator.call_sites import caller_site
+from dpprof.emulator.context import context_overhead
+from dpprof.emulator.emulated_cuda import EmulatedCuda
+from dpprof.emulator.patcher import Patch
+
+__all__ = ["ACTIVITY_READINGS", "Readings", "install", "used_bytes"]
+
+# torch.cuda's readings of what the GPU is doing (percent, degrees C, milliwatts, MHz):
+# stand-ins on a virtual GPU
+ACTIVITY_READINGS = ("utilization", "memory_usage", "temperature", "power_draw", "clock_rate")
+
+
+@dataclass
+class Readings:
+    """The activity readings answered with a stand-in, counted by call site
+    (``"train.py:40 (utilization)"``)."""
+
+    sites: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str) -> None:
+        key = f"{caller_site()} ({name})"
+        self.sites[key] = self.sites.get(key, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.sites.values())
+
+    def note(self) -> str | None:
+        """The report's words on them (None: none was read)."""
+        if not self.sites:
+            return None
+        where = "; ".join(f"{s} x{c}" for s, c in list(self.sites.items())[:3])
+        return (f"{self.total} reading(s) of GPU activity (torch.cuda's utilization, "
+                "memory_usage, temperature, power_draw or clock_rate) answered 0: a virtual "
+                f"GPU runs nothing to read: {where}")
+
+
+def used_bytes(vc: EmulatedCuda, device: Any = None) -> int:
+    """What NVML would count as used on ``device`` now: the caching allocator's reserve
+    (simulated over the allocations so far) and the CUDA context and libraries of one
+    process (cuDNN's once a convolution ran)."""
+    reserved = vc.memory.memory_reserved(device)
+    ctx = context_overhead(vc.spec.compute_capability, uses_cudnn=vc.rt.saw_convolution)
+    return reserved + ctx.outside_allocator_bytes
+
+
+def install(vc: EmulatedCuda, p: Patch, readings: Readings) -> None:
+    """Patch ``torch.cuda``'s NVML readings (and ``torch.cuda.memory``'s bindings of them)
+    to answer for ``vc``'s devices."""
+    import torch.cuda.memory as cuda_memory
+
+    def stand_in(name: str) -> Callable[..., int]:
+        def reading(device: Any = None) -> int:
+            vc.index_of(device)  # an unknown device raises as torch would
+            readings.add(name)
+            return 0
+        reading.__name__ = name
+        return reading
+
+    def device_memory_used(device: Any = None) -> int:
+        return used_bytes(vc, device)
+
+    def list_gpu_processes(device: Any = None) -> str:
+        # torch's own format (torch/cuda/memory.py): this process and its memory
+        index = vc.index_of(device)
+        mib = used_bytes(vc, device) / (1024 * 1024)
+        return "\n".join([f"GPU:{index}",
+                          f"process {os.getpid():>10d} uses {mib:>12.3f} MB GPU memory"])
+
+    for owner in (torch.cuda, cuda_memory):
+        for name in ACTIVITY_READINGS:
+            if hasattr(owner, name):
+                p(owner, name, stand_in(name))
+        for name, func in (("device_memory_used", device_memory_used),
+                           ("list_gpu_processes", list_gpu_processes)):
+            if hasattr(owner, name):
+                p(owner, name, func)

@@ -1,0 +1,194 @@
+"""Every public function and class of ``torch.cuda`` and ``torch.cuda.memory`` (their
+``__all__``, as the installed torch has them: a new torch's new names are checked too) runs
+on virtual GPUs: a script that calls one is not stopped by the CPU build under dpprof
+("Torch not compiled with CUDA enabled", a missing ``torch._C._cuda_*`` binding, NVML's
+library not found). A few take arguments; :data:`ARGUMENTS` gives them, and
+:data:`NOT_CALLED` the names left out, each with why."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.cuda.memory
+
+from dpprof.emulator.device_readings import ACTIVITY_READINGS
+from dpprof.emulator.virtual_cuda import VirtualCuda
+from dpprof.result import ScenarioResult
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+MiB = 2**20
+
+# what each name that needs arguments is called with (inside the emulation: a callable
+# makes them there)
+ARGUMENTS: dict[str, Callable[[], tuple[Any, ...]]] = {
+    "caching_allocator_alloc": lambda: (MiB,),
+    "caching_allocator_delete": lambda: (torch.cuda.caching_allocator_alloc(512),),
+    "can_device_access_peer": lambda: (0, 1),
+    "check_error": lambda: (0,),
+    "get_stream_from_external": lambda: (0x1234,),
+    "ExternalStream": lambda: (0x1234,),
+    "manual_seed": lambda: (0,),
+    "manual_seed_all": lambda: (0,),
+    "set_device": lambda: (1,),
+    "set_per_process_memory_fraction": lambda: (0.5,),
+    "set_rng_state": lambda: (torch.cuda.get_rng_state(),),
+    "set_rng_state_all": lambda: (torch.cuda.get_rng_state_all(),),
+    "set_stream": lambda: (torch.cuda.Stream(),),
+    "set_sync_debug_mode": lambda: ("warn",),
+    "stream": lambda: (torch.cuda.Stream(),),
+    "StreamContext": lambda: (torch.cuda.Stream(),),
+    "device": lambda: (0,),
+    "device_of": lambda: (torch.empty(1, device="cuda"),),
+    "graph": lambda: (torch.cuda.CUDAGraph(),),
+}
+
+NOT_CALLED = {
+    # tested where CUDA graphs are (tests/test_cuda_graphs.py): a capture needs a stream
+    "make_graphed_callables": "played with CUDA graphs, tests/test_cuda_graphs.py",
+    # swaps the caching allocator for one compiled into a shared library: nothing to load
+    "change_current_allocator": "loads a compiled allocator",
+    "CUDAPluggableAllocator": "loads a compiled allocator",
+    # a memory pool of a pluggable allocator, and the context that makes it current
+    "MemPool": "a pool of its own allocator",
+    "use_mem_pool": "a pool of its own allocator",
+    # deprecated aliases of classes kept for old code
+    "BFloat16Storage": "a storage class", "BFloat16Tensor": "a tensor class",
+    "BoolStorage": "a storage class", "BoolTensor": "a tensor class",
+    "ByteStorage": "a storage class", "ByteTensor": "a tensor class",
+    "CharStorage": "a storage class", "CharTensor": "a tensor class",
+    "ComplexDoubleStorage": "a storage class", "ComplexFloatStorage": "a storage class",
+    "DoubleStorage": "a storage class", "DoubleTensor": "a tensor class",
+    "FloatStorage": "a storage class", "FloatTensor": "a tensor class",
+    "HalfStorage": "a storage class", "HalfTensor": "a tensor class",
+    "IntStorage": "a storage class", "IntTensor": "a tensor class",
+    "LongStorage": "a storage class", "LongTensor": "a tensor class",
+    "ShortStorage": "a storage class", "ShortTensor": "a tensor class",
+    # torch.cuda's own errors and its typing helpers
+    "CudaError": "an exception class",
+    "DeferredCudaCallError": "an exception class",
+}
+
+
+def _public(module: Any) -> Iterator[tuple[str, Any]]:
+    for name in sorted(getattr(module, "__all__", ())):
+        obj = getattr(module, name, None)
+        if callable(obj) and not inspect.ismodule(obj):
+            yield name, obj
+
+
+NAMES = sorted({name for m in (torch.cuda, torch.cuda.memory) for name, _ in _public(m)})
+
+
+@pytest.fixture(autouse=True)
+def _no_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_the_tables_name_only_what_torch_cuda_has() -> None:
+    """A name torch dropped leaves these tables, so that they stay the list of exceptions."""
+    assert not (set(ARGUMENTS) | set(NOT_CALLED)) - set(NAMES)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in NOT_CALLED])
+def test_every_public_name_of_torch_cuda_runs_on_virtual_gpus(name: str) -> None:
+    with VirtualCuda(2):
+        torch.empty(MiB, device="cuda")
+        for module in (torch.cuda, torch.cuda.memory):
+            func = getattr(module, name, None)
+            if func is None or not callable(func):
+                continue
+            args = ARGUMENTS[name]() if name in ARGUMENTS else ()
+            out = func(*args)
+            if hasattr(out, "__enter__") and hasattr(out, "__exit__"):
+                with out:
+                    pass
+
+
+def test_a_memory_fraction_is_the_devices_own_and_checked_as_torch_checks_it() -> None:
+    with VirtualCuda(2) as vc:
+        assert torch.cuda.get_per_process_memory_fraction() == 1.0
+        torch.cuda.set_per_process_memory_fraction(0.25, device=1)
+        assert torch.cuda.get_per_process_memory_fraction(1) == 0.25
+        assert torch.cuda.memory.get_per_process_memory_fraction(0) == 1.0
+        assert vc.memory.limit_bytes(vc.index_of(1)) == int(0.25 * vc.capacity_bytes)
+        assert vc.memory.limit_bytes(vc.index_of(0)) is None
+        with pytest.raises(ValueError, match="Allowed range: 0~1"):
+            torch.cuda.set_per_process_memory_fraction(1.5)
+
+
+def test_a_raw_block_is_counted_until_it_is_deleted() -> None:
+    with VirtualCuda(1):
+        before = torch.cuda.memory_allocated()
+        ptr = torch.cuda.caching_allocator_alloc(3 * MiB)
+        assert torch.cuda.memory_allocated() == before + 3 * MiB
+        assert torch.cuda.memory_reserved() >= 3 * MiB
+        torch.cuda.caching_allocator_delete(ptr)
+        assert torch.cuda.memory_allocated() == before
+        with pytest.raises(RuntimeError, match="invalid device pointer"):
+            torch.cuda.caching_allocator_delete(ptr)
+
+
+def test_nvml_memory_readings_are_the_reserve_and_the_context() -> None:
+    with VirtualCuda(1) as vc:
+        empty = torch.cuda.device_memory_used()
+        x = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")
+        # the 30 MiB block takes a segment of its own (10 MiB or more: its size)
+        assert torch.cuda.device_memory_used() - empty == 30 * MiB
+        assert empty > 200 * MiB  # the CUDA context's
+        lines = torch.cuda.list_gpu_processes().splitlines()
+        assert lines[0] == "GPU:0" and str(os.getpid()) in lines[1]
+        assert vc.readings.total == 0
+        del x
+
+
+def test_activity_readings_answer_zero_and_are_counted_where_read() -> None:
+    with VirtualCuda(1) as vc:
+        for name in ACTIVITY_READINGS:
+            assert getattr(torch.cuda, name)() == 0
+        assert vc.readings.total == len(ACTIVITY_READINGS)
+        note = vc.readings.note()
+        assert note is not None and "test_cuda_namespace.py" in note
+
+
+SCRIPT = """
+import torch, torch.nn as nn
+torch.cuda.set_per_process_memory_fraction({fraction})
+print("utilization", torch.cuda.utilization())
+m = nn.Linear(2048, 2048).cuda()
+opt = torch.optim.Adam(m.parameters(), lr=0.1)
+for i in range(3):
+    x = torch.randn(2048, 2048, device="cuda")
+    m(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def _run(tmp_path: Path, fraction: float) -> tuple[ScenarioResult, int]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(fraction=fraction))
+    cfg = ScriptConfig(launch=parse_command(["python", str(script)], 1), steps=3)
+    result, _ = run_command(cfg, alternatives=False)
+    return result.scenarios[0], cfg.capacity_bytes
+
+
+def test_a_run_beyond_the_scripts_memory_fraction_is_out_of_memory(tmp_path: Path) -> None:
+    """The run reserves 96 MiB or so (two 16 MiB matrices with Adam's state, a 16 MiB
+    batch, the cuBLAS workspace): within a fraction of 0.01 of 80 GB (810 MB), beyond
+    0.0005 (40 MB); the limit is c10's, on the caching allocator's reserve."""
+    fits, capacity = _run(tmp_path, 0.01)
+    assert fits.status == "ok", fits.message
+    reserve = fits.devices[0].peak_reserved_bytes
+    assert reserve is not None and 40 * MiB < reserve < 810 * MiB
+    assert any("reading(s) of GPU activity" in n and "train.py:4" in n for n in fits.notes)
+    over, _ = _run(tmp_path, 0.0005)
+    assert over.status == "oom" and over.oom_device == 0
+    assert over.oom_limit_bytes == int(0.0005 * capacity)
+    assert "set_per_process_memory_fraction(0.0005) at" in over.message
+    assert over.oom_bytes == reserve
