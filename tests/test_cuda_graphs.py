@@ -248,5 +248,8 @@ def test_a_whole_network_graph_runs_and_reserves_its_pool(
         assert [int(n) for n in read[0][2:]] == [5]  # every step (or replay) ran
         assert s.devices[0].peak_reserved_bytes >= int(read[0][1])  # what the script read
         reserved[graphed] = s.devices[0].peak_reserved_bytes
-    # the capture's activations and gradients keep their segments in the graph's pool
-    assert reserved[1] > reserved[0]
+    # torch.cuda.graph empties the cache before it captures: the warm-up's segments on its
+    # side stream go back, where the eager steps on the default stream find them cached
+    # and take segments of their own beside them; the capture's pool stays reserved
+    # (test_what_a_capture_frees_stays_reserved_for_its_pool_alone)
+    assert reserved[1] < reserved[0]

@@ -113,8 +113,8 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
     p(cuda, "memory_cached", vc.memory.memory_reserved)
     p(cuda, "max_memory_cached", vc.memory.max_memory_reserved)
     p(cuda, "synchronize", initialising(vc, Noop()))
-    for name in ("empty_cache", "ipc_collect"):
-        p(cuda, name, Noop())
+    p(cuda, "empty_cache", vc.memory.empty_cache)
+    p(cuda, "ipc_collect", Noop())
     # the allocator's controls: a fraction limits what it may reserve (the run's figures
     # are checked against it), raw blocks are counted as tensors' storages
     for name in ("set_per_process_memory_fraction", "get_per_process_memory_fraction",
@@ -300,8 +300,9 @@ def accelerator(vc: EmulatedCuda, p: Patch) -> None:
                          "max_memory_reserved", "reset_peak_memory_stats", "memory_stats"):
                 if hasattr(m, name):
                     p(m, name, getattr(vc.memory, name))
-            for name in ("empty_cache", "empty_host_cache",
-                         "reset_accumulated_memory_stats"):
+            if hasattr(m, "empty_cache"):
+                p(m, "empty_cache", vc.memory.empty_cache)
+            for name in ("empty_host_cache", "reset_accumulated_memory_stats"):
                 if hasattr(m, name):
                     p(m, name, Noop())
             if hasattr(m, "get_memory_info"):

@@ -167,8 +167,8 @@ class CUDAGraph:
         self._captures().replay()
 
     def reset(self) -> None:
-        # the pool keeps its segments here: the allocator frees a private pool's only when
-        # no graph uses it, at an empty_cache the emulation leaves out
+        # the pool keeps its segments here: the allocator frees a private pool's at an
+        # empty_cache once no graph uses it, which the simulation does not follow
         self._captured = False
 
     def pool(self) -> tuple[int, int]:

@@ -88,17 +88,30 @@ class CudaMemory:
         self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
         return peak
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache``: every device's cached segments go back (in the
+        simulations of reserved memory, at this point of the allocations)."""
+        log = self.rt.storages.events
+        log.empty_caches.append(len(log))
+
     def _reserved(self, i: int) -> tuple[int, int]:
         """(current, peak since the last reset) reserved bytes: the caching allocator
         simulated over the device's allocations so far."""
         events: list[tuple[Any, ...]] = []
         log = self.rt.storages.events
+        empties = iter(log.empty_caches)
+        empty = next(empties, None)
         for k, ev in enumerate(log):
+            while empty is not None and empty <= k:
+                events.append(("empty_cache", -1, 0))
+                empty = next(empties, None)
             if k == self._peak_from[i]:
                 events.append(("reset_peak", -1, 0))
             if ev.device == i and ev.requested != 0:
                 events.append(("alloc", ev.serial, ev.requested, log.stream_of(k))
                               if ev.requested > 0 else ("free", ev.serial, 0))
+        if empty is not None:
+            events.append(("empty_cache", -1, 0))
         stats = simulate(events, timeline_points=None, stop_on_oom=False,
                          config=self.allocator_config())
         return stats.final_reserved_bytes, stats.peak_reserved_bytes

@@ -63,9 +63,13 @@ class EventLog(Sequence[Event]):
     ``streams``: the stream of each allocation made while a stream other than its device's
     default was current (event index -> the stream's id), the few a program's side streams
     make (FSDP2's all-gathers and reduce-scatters); every other event is the default
-    stream's (0). The caching allocator pools blocks per stream."""
+    stream's (0). The caching allocator pools blocks per stream.
 
-    __slots__ = ("allocated", "device", "requested", "serial", "streams")
+    ``empty_caches``: the log's length at each ``torch.cuda.empty_cache()`` (c10's
+    ``emptyCache`` releases every device's cached segments): where the replays of the log
+    release them too."""
+
+    __slots__ = ("allocated", "device", "empty_caches", "requested", "serial", "streams")
 
     def __init__(self) -> None:
         self.device = array("q")
@@ -73,6 +77,7 @@ class EventLog(Sequence[Event]):
         self.requested = array("q")
         self.allocated = array("q")
         self.streams: dict[int, int] = {}
+        self.empty_caches: list[int] = []
 
     def add(self, device: int, serial: int, requested: int, allocated: int) -> None:
         try:

@@ -77,7 +77,11 @@ class MemoryHistory:
         live: dict[int, Block] = {}
         trace: list[dict[str, Any]] = []
         since = self.since
+        empties = [*log.empty_caches, len(log) + 1]
         for k, ev in enumerate(log):
+            while empties[0] <= k:  # torch.cuda.empty_cache(): the cached segments go back
+                _released(sim, trace if since is not None and k >= since else None)
+                empties.pop(0)
             if ev.device != runtime or ev.requested == 0:
                 continue
             recording = since is not None and k >= since
@@ -104,10 +108,23 @@ class MemoryHistory:
                     trace.append(_entry("free_requested", (block.addr, block.size), stream))
                     trace.append(_entry("free_completed", (block.addr, block.size), stream))
                 sim.free(block)
+        if empties[0] <= len(log):
+            _released(sim, trace if since is not None else None)
         graphs = getattr(self.rt.cuda, "graphs", None)
         return [_segment(s, graphs.handle_of(s["private_pool"]) if graphs and s["private_pool"]
                          else (0, 0))
                 for s in sim.snapshot()], trace
+
+
+def _released(sim: CachingAllocatorSim, trace: list[dict[str, Any]] | None) -> None:
+    """``emptyCache`` in the simulation, each segment it releases a ``segment_free`` in
+    ``trace`` (None: not recording)."""
+    before = {(s["address"], s["total_size"], s["stream"]) for s in sim.snapshot()}
+    sim.empty_cache()
+    if trace is not None:
+        after = {(s["address"], s["total_size"], s["stream"]) for s in sim.snapshot()}
+        for address, size, stream in sorted(before - after):
+            trace.append(_entry("segment_free", (address, size), stream))
 
 
 def _segment_of(block: Block) -> tuple[int, int]:

@@ -203,11 +203,13 @@ class _DeviceSequences:
                 dev[keep], events.column("serial")[keep], req[keep],
                 events.column("stream")[keep])
             self.index = np.flatnonzero(keep)
+            self.empty_caches = np.array(events.empty_caches, dtype=np.int64)
         else:
             rows = [(ev.device, ev.serial, ev.requested, getattr(ev, "stream", 0), i)
                     for i, ev in enumerate(events) if ev.device >= 0 and ev.requested != 0]
             self.device, self.serial, self.requested, self.stream, self.index = (
                 np.array([r[i] for r in rows], dtype=np.int64) for i in range(5))
+            self.empty_caches = np.zeros(0, dtype=np.int64)
         self._rows: dict[int, np.ndarray] = {}
 
     def _of(self, device: int) -> np.ndarray:
@@ -234,9 +236,10 @@ class _DeviceSequences:
         placed = np.array([(o, size, key) for o, (_, _, size, key) in
                            zip(self._offsets(device, inserts), inserts, strict=True)],
                           dtype=np.int64)
+        empties = np.searchsorted(self.index[rows], self.empty_caches)
         # (kind, bytes) as one number: an allocation's size, or -1 for a free
         return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes(),
-                self.stream[rows].tobytes(), placed.tobytes())
+                self.stream[rows].tobytes(), placed.tobytes(), empties.tobytes())
 
     def sequence(self, device: int, inserts: Sequence[tuple[int, int, int, int]] = (),
                  frees_at: Mapping[int, tuple[int, str]] | None = None
@@ -255,6 +258,9 @@ class _DeviceSequences:
         placed = [(int(np.searchsorted(at, index)), k,
                    ("alloc", block, size, key) if key else ("alloc", block, size))
                   for k, (index, block, size, key) in enumerate(inserts)]
+        # torch.cuda.empty_cache(): before what the workspaces' first use put there
+        placed += [(int(np.searchsorted(at, index)), -1 - k, ("empty_cache", -1, 0))
+                   for k, index in enumerate(self.empty_caches.tolist())]
         if frees_at:
             mine = set(serials) & set(frees_at)
             out = [r if r[0] != "free" or r[1] not in mine else None for r in out]  # type: ignore[misc]

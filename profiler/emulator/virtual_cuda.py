@@ -12,8 +12,10 @@ While a :class:`VirtualCuda` is active, a program written for GPUs runs unchange
   ``Module.to/cuda``) live on virtual device ``k`` of a :class:`VirtualDevices` runtime, over
   meta tensors (memory only) or CPU tensors (``base="cpu"``: real numbers); they report
   ``device == cuda:k`` and ``is_cuda``; the host side of the program stays real;
-* ``torch.cuda.memory_allocated()`` and friends answer from the emulator; streams, events,
-  ``synchronize``, ``empty_cache``, seeds and ``non_blocking`` behave; ``pin_memory()``
+* ``torch.cuda.memory_allocated()`` and friends answer from the emulator (``empty_cache``
+  releases the cached segments in its simulations); every public function of ``torch.cuda``
+  runs (:mod:`dpprof.emulator.cuda_api`); streams, events,
+  ``synchronize``, seeds and ``non_blocking`` behave; ``pin_memory()``
   copies to host memory remembered as pinned (``is_pinned()``), as does a non-blocking
   copy from a GPU to the host;
 * ``.item()``, ``bool()``, ``float()``, ``.tolist()``, ``.numpy()`` and ``.cpu()`` of a meta
