@@ -5,7 +5,6 @@ itself is simulated in :mod:`dpprof.emulator.allocator`."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 # Constants of c10/core/AllocatorConfig.h (c10/cuda/CUDACachingAllocator.cpp in older trees).
@@ -161,7 +160,6 @@ def config_from_setting(value: str | None, fraction_set: bool = False
     the first allocation) is named among them."""
     if not value:
         return DEFAULT_CONFIG, []
-    fields: dict[str, object] = {}
     left: list[str] = []
     items = _items(value)
     large = K_LARGE_BUFFER
@@ -172,29 +170,34 @@ def config_from_setting(value: str | None, fraction_set: bool = False
                 left.append(f"{key}:{setting} (torch refuses it: it must be more than 10)")
             else:
                 large = mb * _MB
-    fields["large_segment_size"] = large
-    fields["max_non_split_rounding_size"] = large
+    max_split: int | None = None
+    non_split = large
+    divisions: int | tuple[int, ...] = 0
+    expandable = False
     for key, setting in items:
         if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
             mb = _whole(setting)
             if mb is None or mb * _MB < large:
                 left.append(f"{key}:{setting} (torch refuses it: it must be at least "
                             f"{large // _MB})")
+            elif key == "max_split_size_mb":
+                max_split = mb * _MB
             else:
-                fields["max_split_size" if key == "max_split_size_mb"
-                       else "max_non_split_rounding_size"] = mb * _MB
+                non_split = mb * _MB
         elif key == "roundup_power2_divisions":
-            divisions = _roundup_divisions(setting)
-            if divisions is None:
+            read = _roundup_divisions(setting)
+            if read is None:
                 left.append(f"{key}:{setting} (torch refuses it: powers of 2 only)")
             else:
-                fields["roundup_power2_divisions"] = divisions
+                divisions = read
         elif key == "expandable_segments":
-            fields["expandable_segments"] = setting.lower() == "true"
+            expandable = setting.lower() == "true"
         elif ((key == "backend" and setting != "native")
               or (key == "garbage_collection_threshold" and fraction_set)):
             left.append(f"{key}:{setting}")
-    return dataclasses.replace(DEFAULT_CONFIG, **fields), left
+    return AllocatorConfig(max_split_size=max_split, max_non_split_rounding_size=non_split,
+                           large_segment_size=large, roundup_power2_divisions=divisions,
+                           expandable_segments=expandable), left
 
 
 def _items(value: str) -> list[tuple[str, str]]:
