@@ -104,12 +104,13 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
     wait for the device or free its cache (nothing to do)."""
     cuda = torch.cuda
     p(cuda, "mem_get_info", initialising(vc, vc.memory.mem_get_info))
+    # torch's own memory_summary prints these statistics (it reads torch.cuda.memory's
+    # memory_stats, patched below)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
-                 "memory_summary"):
+                 "reset_accumulated_memory_stats"):
         p(cuda, name, getattr(vc.memory, name))
     p(cuda, "reset_max_memory_allocated", vc.memory.reset_peak_memory_stats)
-    p(cuda, "reset_accumulated_memory_stats", lambda device=None: None)
     p(cuda, "memory_cached", vc.memory.memory_reserved)
     p(cuda, "max_memory_cached", vc.memory.max_memory_reserved)
     p(cuda, "synchronize", initialising(vc, Noop()))
@@ -233,7 +234,7 @@ def memory_module(p: Patch) -> None:
 
         for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                      "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
-                     "memory_summary", "mem_get_info", "empty_cache",
+                     "mem_get_info", "empty_cache",
                      "reset_accumulated_memory_stats", "reset_max_memory_allocated",
                      "memory_cached", "max_memory_cached", "set_per_process_memory_fraction",
                      "get_per_process_memory_fraction", "caching_allocator_alloc",
@@ -302,7 +303,9 @@ def accelerator(vc: EmulatedCuda, p: Patch) -> None:
                     p(m, name, getattr(vc.memory, name))
             if hasattr(m, "empty_cache"):
                 p(m, "empty_cache", vc.memory.empty_cache)
-            for name in ("empty_host_cache", "reset_accumulated_memory_stats"):
+            if hasattr(m, "reset_accumulated_memory_stats"):
+                p(m, "reset_accumulated_memory_stats", vc.memory.reset_accumulated_memory_stats)
+            for name in ("empty_host_cache",):
                 if hasattr(m, name):
                     p(m, name, Noop())
             if hasattr(m, "get_memory_info"):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dpprof.emulator import allocator_stats
 from dpprof.emulator.allocator_config import (
     AllocatorConfig,
     allocator_setting,
@@ -44,6 +45,7 @@ class CudaMemory:
         self.capacity_bytes = capacity_bytes
         self._dev = index_of
         self._peak_from = [0] * rt.num_devices  # event index of each device's last reset
+        self._accumulated_from = [0] * rt.num_devices  # ... of reset_accumulated_memory_stats
         # runtime index -> the most torch.cuda's memory functions told the program of it
         self.answered: dict[int, MemoryAnswered] = {}
         self._config: AllocatorConfig | None = None
@@ -94,25 +96,34 @@ class CudaMemory:
         log = self.rt.storages.events
         log.empty_caches.append(len(log))
 
-    def _reserved(self, i: int) -> tuple[int, int]:
-        """(current, peak since the last reset) reserved bytes: the caching allocator
-        simulated over the device's allocations so far."""
+    def _events(self, i: int, accumulated: bool = False) -> list[tuple[Any, ...]]:
+        """Device ``i``'s allocations and frees so far as the simulations replay them, with
+        where the cache was emptied and the peaks reset (and, ``accumulated``, where the
+        accumulated statistics were)."""
         events: list[tuple[Any, ...]] = []
         log = self.rt.storages.events
         empties = iter(log.empty_caches)
         empty = next(empties, None)
-        for k, ev in enumerate(log):
+        for k in range(len(log) + 1):  # a mark may follow the last event
             while empty is not None and empty <= k:
                 events.append(("empty_cache", -1, 0))
                 empty = next(empties, None)
             if k == self._peak_from[i]:
                 events.append(("reset_peak", -1, 0))
+            if accumulated and k == self._accumulated_from[i]:
+                events.append(("reset_accumulated", -1, 0))
+            if k == len(log):
+                break
+            ev = log[k]
             if ev.device == i and ev.requested != 0:
                 events.append(("alloc", ev.serial, ev.requested, log.stream_of(k))
                               if ev.requested > 0 else ("free", ev.serial, 0))
-        if empty is not None:
-            events.append(("empty_cache", -1, 0))
-        stats = simulate(events, timeline_points=None, stop_on_oom=False,
+        return events
+
+    def _reserved(self, i: int) -> tuple[int, int]:
+        """(current, peak since the last reset) reserved bytes: the caching allocator
+        simulated over the device's allocations so far."""
+        stats = simulate(self._events(i), timeline_points=None, stop_on_oom=False,
                          config=self.allocator_config())
         return stats.final_reserved_bytes, stats.peak_reserved_bytes
 
@@ -138,18 +149,18 @@ class CudaMemory:
         return (max(self.capacity_bytes - reserved, 0), self.capacity_bytes)
 
     def memory_stats(self, device: Any = None) -> dict[str, int]:
+        """``torch.cuda.memory_stats``: every statistic torch's has
+        (:mod:`dpprof.emulator.allocator_stats`), over the device's allocations so far;
+        torch's own ``memory_summary`` prints them."""
         i = self._dev(device)
-        reserved, peak_reserved = self._reserved(i)
-        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
-        self._told(i, allocated=peak, reserved=peak_reserved, what="torch.cuda.memory_stats()")
-        return {
-            "allocated_bytes.all.current": self.rt.storages.live_bytes(i),
-            "allocated_bytes.all.peak": peak,
-            "reserved_bytes.all.current": reserved,
-            "reserved_bytes.all.peak": peak_reserved,
-            "active_bytes.all.current": self.rt.storages.live_bytes(i),
-            "requested_bytes.all.current": self.rt.storages.counters[i].live_requested,
-        }
+        stats = allocator_stats.memory_stats(self._events(i, accumulated=True),
+                                             self.allocator_config())
+        self._told(i, allocated=stats["allocated_bytes.all.peak"],
+                   reserved=stats["reserved_bytes.all.peak"], what="torch.cuda.memory_stats()")
+        return stats
+
+    def reset_accumulated_memory_stats(self, device: Any = None) -> None:
+        self._accumulated_from[self._dev(device)] = len(self.rt.storages.events)
 
     def set_per_process_memory_fraction(self, fraction: float, device: Any = None) -> None:
         """``torch.cuda.set_per_process_memory_fraction``: the caching allocator of the device
@@ -218,7 +229,3 @@ class CudaMemory:
             if item == "backend:cudaMallocAsync":
                 return "cudaMallocAsync"
         return "native"
-
-    def memory_summary(self, device: Any = None, abbreviated: bool = False) -> str:
-        stats = self.memory_stats(device)
-        return "\n".join(f"{k}: {v}" for k, v in stats.items())
