@@ -229,3 +229,33 @@ def test_a_runs_reserve_follows_its_empty_cache(tmp_path: Path) -> None:
     # a segment of its own: 160 MiB; released, the two take 60 MiB each: 120 MiB (the
     # cuBLAS workspaces the same in both)
     assert reserved[0] - reserved[1] == 40 * MiB
+
+
+SETTINGS = """
+import torch
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+x = [torch.empty(12 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+del x[:2]
+y = torch.empty(24 * 2**20, dtype=torch.uint8, device="cuda")
+print("settings", torch._C._accelerator_getAllocatorSettings())
+print("reserved", torch.cuda.max_memory_reserved())
+"""
+
+
+def test_allocator_settings_set_at_run_time_are_the_simulations(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.cuda.memory._set_allocator_settings before the first allocation: as the
+    environment's. Four 12 MiB blocks, two freed, 24 MiB asked: 72 MiB by default (a segment
+    each), 60 MiB expandable (the freed pages serve it; test_allocator works the same)."""
+    script = tmp_path / "train.py"
+    for source in (SETTINGS.replace('torch.cuda.memory._set_allocator_settings(', 'print('),
+                   SETTINGS):
+        script.write_text(source)
+        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
+                                alternatives=False)
+        assert result.scenarios[0].status == "ok", result.scenarios[0].message
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("settings")] == [
+        "settings ", "settings expandable_segments:True"]
+    assert [line for line in out if line.startswith("reserved")] == [
+        f"reserved {72 * MiB}", f"reserved {60 * MiB}"]

@@ -124,6 +124,12 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
         p(cuda, name, getattr(vc.memory, name))
     import torch.cuda.memory as cuda_memory
 
+    # the allocator's settings set at run time (torch.cuda.memory._set_allocator_settings
+    # calls the first)
+    for name, func in (("_accelerator_setAllocatorSettings", vc.memory.set_allocator_settings),
+                       ("_accelerator_getAllocatorSettings", vc.memory.get_allocator_settings)):
+        if hasattr(torch._C, name):
+            p(torch._C, name, func)
     for owner in (cuda, cuda_memory):
         for name in ("caching_allocator_enable", "caching_allocator_disabled"):
             if hasattr(owner, name):

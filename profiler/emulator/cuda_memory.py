@@ -59,6 +59,8 @@ class CudaMemory:
         # the caching allocator switched off, and the calls that did it (in order)
         self.caching_enabled = True
         self.uncached_by: dict[str, None] = {}
+        # where the program changed the allocator's settings after it allocated (None: not)
+        self.settings_late: str | None = None
 
     def allocator_config(self) -> AllocatorConfig:
         """The caching allocator's configuration, as the program's environment sets it
@@ -68,6 +70,21 @@ class CudaMemory:
             self.setting = allocator_setting(dict(os.environ))
             self._config = config_from_setting(self.setting[1] if self.setting else None)[0]
         return self._config
+
+    def set_allocator_settings(self, env: str) -> None:
+        """``torch._C._accelerator_setAllocatorSettings`` (``torch.cuda.memory.
+        _set_allocator_settings``): the settings as a program sets them at run time, in
+        place of its environment's. The simulations take one configuration for the whole
+        run: set after the first allocation, it is noted (:attr:`settings_late`)."""
+        self.allocator_config()
+        if len(self.rt.storages.events):
+            self.settings_late = caller_site()
+        self.setting = (f"the allocator settings set at {caller_site()}", str(env))
+        self._config = config_from_setting(str(env))[0]
+
+    def get_allocator_settings(self) -> str:
+        self.allocator_config()
+        return self.setting[1] if self.setting else ""
 
     def _told(self, i: int, allocated: int = 0, reserved: int = 0, what: str = "") -> None:
         """Note what the program was told of device ``i`` (the reported peak must be at

@@ -188,6 +188,8 @@ class ScriptRun:
     # the calls that switched the caching allocator off (caching_allocator_enable(False))
     uncached_by: list[str] = field(default_factory=list)
     memory_fraction_set: bool = False  # set_per_process_memory_fraction was called
+    # the allocator's settings were set at run time after the first allocation (there)
+    allocator_settings_late: str | None = None
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -321,6 +323,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                     run.readings_note = vc.readings.note()
                     run.uncached_by = list(vc.memory.uncached_by)
                     run.memory_fraction_set = bool(vc.memory.fractions)
+                    run.allocator_settings_late = vc.memory.settings_late
                     if rung is not None:
                         rung.close()
                     stepper.remove()

@@ -318,17 +318,23 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
     setting = main.allocator_setting  # as the run read it, the script's own setting included
     if setting is not None:
         config, differ = config_from_setting(setting[1], main.memory_fraction_set)
+        named = (f"{setting[0]}={setting[1]} in the script's environment"
+                 if setting[0].startswith("PYTORCH_") else f"{setting[0]} ({setting[1]})")
         if differ:
             s0_notes.append(
-                f"{setting[0]}={setting[1]} in the script's environment: {', '.join(differ)} "
-                "not modelled; the reserved figures are the caching allocator's without it, "
-                "which a GPU run with it does not hold to")
+                f"{named}: {', '.join(differ)} not modelled; the reserved figures are the "
+                "caching allocator's without it, which a GPU run with it does not hold to")
         if config.roundup_power2_divisions:
             s0_notes.append(
-                f"{setting[0]}: roundup_power2_divisions rounds each block up to a power-of-two "
+                f"{named}: roundup_power2_divisions rounds each block up to a power-of-two "
                 "division: the reserved figures follow it; the allocated ones count each "
                 "tensor's bytes rounded to 512 B, where torch.cuda.memory_allocated() on a GPU "
                 "counts the larger blocks")
+        if main.allocator_settings_late:
+            s0_notes.append(
+                f"{named}: set after the script's first allocation, where the allocator "
+                "follows them for its new segments only; the reserved figures take them "
+                "from the start")
     if main.uncached_by:
         s0_notes.append(
             f"the caching allocator switched off at "
