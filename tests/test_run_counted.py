@@ -151,8 +151,12 @@ def test_an_allocator_setting_the_emulation_does_not_model_is_said(
     script.write_text(textwrap.dedent(ONE_STEP_THEN_EVALUATE))
     result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
                             alternatives=False)
-    said = [n for n in result.scenarios[0].notes if n.startswith("PYTORCH_ALLOC_CONF=")]
+    notes = result.scenarios[0].notes
+    said = [n for n in notes if n.startswith("PYTORCH_ALLOC_CONF=") and "not modelled" in n]
     assert bool(said) == bool(noted)
+    # power-of-two rounding is simulated; the allocated figures' 512 B rounding is said
+    assert any("roundup_power2_divisions rounds each block" in n for n in notes) == (
+        "roundup" in conf)
     if noted:
         assert said[0].startswith(f"PYTORCH_ALLOC_CONF={conf} in the script's environment: "
                                   f"{noted} not modelled")
