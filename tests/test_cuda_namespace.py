@@ -259,3 +259,27 @@ def test_allocator_settings_set_at_run_time_are_the_simulations(
         "settings ", "settings expandable_segments:True"]
     assert [line for line in out if line.startswith("reserved")] == [
         f"reserved {72 * MiB}", f"reserved {60 * MiB}"]
+
+
+UNCACHED = """
+import torch
+x = torch.empty(2**20, device="cuda")
+with torch.cuda.memory.caching_allocator_disabled():
+    y = torch.empty(2**20, device="cuda")
+"""
+
+
+def test_the_caching_allocator_switched_off_is_said(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off, a GPU's allocations bypass the caching allocator (no cache, no statistics),
+    which the simulation does not follow: the report says where it was switched off."""
+    script = tmp_path / "train.py"
+    script.write_text(UNCACHED)
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    monkeypatch.chdir(tmp_path)
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
+                            alternatives=False)
+    said = [n for n in result.scenarios[0].notes if "caching allocator switched off" in n]
+    assert len(said) == 1
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the script's environment" in said[0]
+    assert "caching_allocator_disabled() at train.py:4" in said[0]

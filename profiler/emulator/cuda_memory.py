@@ -20,8 +20,11 @@ from dpprof.emulator.allocator_config import (
     config_from_setting,
 )
 from dpprof.emulator.allocator_replay import simulate
-from dpprof.emulator.call_sites import caller_site
+from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.emulator.cuda_devices import CudaDevices
+
+# c10's forceUncachedAllocator: each allocation a cudaMalloc of its own, no statistics
+NO_CACHING = "PYTORCH_NO_CUDA_MEMORY_CACHING"
 
 
 @dataclass
@@ -67,6 +70,8 @@ class CudaMemory:
         (``PYTORCH_ALLOC_CONF``) when first asked: torch reads it once, at the first
         allocation; the simulations read it here, the run asks before its end."""
         if self._config is None:
+            if os.environ.get(NO_CACHING) == "1":  # c10's check_env: "1" only
+                self.uncached_by.setdefault(f"{NO_CACHING}=1 in the script's environment")
             self.setting = allocator_setting(dict(os.environ))
             self._config = config_from_setting(self.setting[1] if self.setting else None)[0]
         return self._config
@@ -224,7 +229,8 @@ class CudaMemory:
         statistics), which the simulation does not follow: the call is noted
         (:attr:`uncached_by`) and the allocations counted as cached."""
         if not value:
-            self.uncached_by.setdefault(caller_site(), None)
+            self.uncached_by.setdefault(
+                f"caching_allocator_enable(False) at {relative_site(caller_site())}", None)
         self.caching_enabled = bool(value)
 
     @contextlib.contextmanager
@@ -232,7 +238,9 @@ class CudaMemory:
         """``torch.cuda.memory.caching_allocator_disabled``: off inside the block."""
         before = self.caching_enabled
         self.caching_enabled = False
-        self.uncached_by.setdefault(caller_site((contextlib.__file__,)), None)
+        self.uncached_by.setdefault(
+            "caching_allocator_disabled() at "
+            f"{relative_site(caller_site((contextlib.__file__,)))}", None)
         try:
             yield
         finally:

@@ -337,10 +337,9 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
                 "from the start")
     if main.uncached_by:
         s0_notes.append(
-            f"the caching allocator switched off at "
-            f"{', '.join(relative_site(x) for x in main.uncached_by[:3])}: on a GPU what is "
-            "allocated while it is off bypasses it (a cudaMalloc and cudaFree each, outside "
-            "torch.cuda's statistics); here it is counted as cached")
+            f"the caching allocator switched off ({'; '.join(main.uncached_by[:3])}): on a "
+            "GPU what is allocated while it is off bypasses it (a cudaMalloc and cudaFree "
+            "each, outside torch.cuda's statistics); here it is counted as cached")
     if main.readings_note:
         s0_notes.append(main.readings_note)
     if main.kernels:
