@@ -15,7 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.cuda.comm
 import torch.cuda.memory
+import torch.cuda.profiler
+import torch.cuda.tunable
 
 from dpprof.emulator.device_readings import ACTIVITY_READINGS
 from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -84,6 +87,36 @@ def _public(module: Any) -> Iterator[tuple[str, Any]]:
 
 NAMES = sorted({name for m in (torch.cuda, torch.cuda.memory) for name, _ in _public(m)})
 
+# the modules of torch.cuda a script calls by their own names, each walked the same way
+MODULES = {"torch.cuda.tunable": torch.cuda.tunable, "torch.cuda.comm": torch.cuda.comm,
+           "torch.cuda.profiler": torch.cuda.profiler}
+MODULE_ARGUMENTS: dict[str, Callable[[], tuple[Any, ...]]] = {
+    "set_max_tuning_duration": lambda: (10,),
+    "set_max_tuning_iterations": lambda: (10,),
+    "set_filename": lambda: ("results.csv",),
+    "tune_gemm_in_file": lambda: ("results.csv",),
+    "mgpu_tune_gemm_in_file": lambda: ("results*.csv", 2),
+    "set_rotating_buffer_size": lambda: (0,),
+    "set_numerical_check_tolerances": lambda: (True,),
+    "broadcast": lambda: (torch.ones(4, device="cuda"), [0, 1]),
+    "broadcast_coalesced": lambda: ([torch.ones(4, device="cuda")], [0, 1]),
+    "reduce_add": lambda: ([torch.ones(4, device="cuda:0"), torch.ones(4, device="cuda:1")],),
+    "reduce_add_coalesced": lambda: ([[torch.ones(4, device="cuda:0")],
+                                      [torch.ones(4, device="cuda:1")]],),
+    "scatter": lambda: (torch.ones(4, device="cuda"), [0, 1]),
+    "gather": lambda: ([torch.ones(4, device="cuda:0"), torch.ones(4, device="cuda:1")],),
+}
+
+
+def _module_names() -> list[str]:
+    out = []
+    for label, module in MODULES.items():
+        names = getattr(module, "__all__", None) or [
+            n for n, f in vars(module).items() if inspect.isfunction(f)
+            and f.__module__ == module.__name__ and not n.startswith("_")]
+        out += [f"{label}.{n}" for n in names]
+    return out
+
 
 @pytest.fixture(autouse=True)
 def _no_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,6 +141,68 @@ def test_every_public_name_of_torch_cuda_runs_on_virtual_gpus(name: str) -> None
             if hasattr(out, "__enter__") and hasattr(out, "__exit__"):
                 with out:
                     pass
+
+
+@pytest.mark.parametrize("qualified", _module_names())
+def test_every_function_of_torch_cudas_own_modules_runs_on_virtual_gpus(qualified: str) -> None:
+    label, name = qualified.rsplit(".", 1)
+    with VirtualCuda(2):
+        func = getattr(MODULES[label], name)
+        args = MODULE_ARGUMENTS[name]() if name in MODULE_ARGUMENTS else ()
+        out = func(*args)
+        if hasattr(out, "__enter__") and hasattr(out, "__exit__"):
+            with out:
+                pass
+
+
+def test_profiling_cuda_work_records_the_cpu_side_without_cuda_errors(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A CPU build's profiler asked for CUDA events printed a C++ stack trace per op."""
+    with VirtualCuda(1) as vc:
+        m = torch.nn.Linear(64, 64).cuda()
+        x = torch.randn(8, 64, device="cuda")
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            m(x).sum().backward()
+        assert "aten::addmm" in prof.key_averages().table(row_limit=50)
+        with torch.autograd.profiler.profile(use_device="cuda"):
+            m(x)
+        with torch.autograd.profiler.emit_nvtx():
+            m(x)
+        assert len(vc.profiled.sites) == 3
+        note = vc.profiled.note()
+        assert note is not None and "CUDA activity at" in note
+    assert "Failed to record CUDA event" not in capfd.readouterr().err
+
+
+def test_tunableop_keeps_its_settings() -> None:
+    with VirtualCuda(1) as vc:
+        tunable = torch.cuda.tunable
+        assert not tunable.is_enabled() and tunable.get_max_tuning_iterations() == 100
+        tunable.enable()
+        tunable.set_max_tuning_iterations(iterations=7)
+        tunable.set_filename("gemms.csv", insert_device_ordinal=True)
+        assert tunable.is_enabled() and tunable.get_max_tuning_iterations() == 7
+        assert tunable.get_filename() == "gemms.csv" and tunable.get_results() == ()
+        assert any(site.startswith("torch.cuda.tunable at") for site in vc.profiled.sites)
+
+
+def test_torch_cuda_comm_moves_the_bytes_comm_cpp_moves() -> None:
+    """A broadcast copies to the other device (the first keeps the tensor itself), a
+    scatter places each chunk on its device, a gather makes the whole on the destination,
+    reduce_add one result there."""
+    with VirtualCuda(2):
+        t = torch.ones(MiB, dtype=torch.uint8, device="cuda:0")
+        on = [torch.cuda.memory_allocated(i) for i in (0, 1)]
+        a, b = torch.cuda.comm.broadcast(t, [0, 1])
+        assert a is t and b.device == torch.device("cuda", 1)
+        assert torch.cuda.memory_allocated(1) - on[1] == MiB
+        pieces = torch.cuda.comm.scatter(t, [0, 1])
+        assert [p.device.index for p in pieces] == [0, 1] and pieces[1].numel() == MiB // 2
+        whole = torch.cuda.comm.gather(list(pieces), destination=1)
+        assert whole.device == torch.device("cuda", 1) and whole.numel() == MiB
+        total = torch.cuda.comm.reduce_add([t, b], destination=0)
+        assert total.device == torch.device("cuda", 0) and total.shape == t.shape
 
 
 def test_a_memory_fraction_is_the_devices_own_and_checked_as_torch_checks_it() -> None:

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from dpprof.emulator import cuda_graphs, device_readings, flex_attention
+from dpprof.emulator import (
+    cuda_comm,
+    cuda_graphs,
+    device_readings,
+    flex_attention,
+    profilers,
+)
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.memory_snapshot import MemoryHistory
 from dpprof.emulator.patcher import Patch
@@ -34,6 +40,8 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     memory_stats(vc, p)
     runtime_handles(vc, p)
     device_readings.install(vc, p, vc.readings)
+    profilers.install(p, vc.profiled)
+    cuda_comm.install(vc, p)
     random_generators(vc, p)
     streams_and_events(vc, p)
     cuda_graphs.install(vc, p)

@@ -27,6 +27,7 @@ class EmulatedCuda(Protocol):
     memory: CudaMemory  # torch.cuda's memory functions
     graphs: Any  # dpprof.emulator.cuda_graphs.Captures: the CUDA graphs' pools and captures
     readings: Any  # dpprof.emulator.device_readings.Readings: NVML readings stood in for
+    profiled: Any  # dpprof.emulator.profilers.Profiled: GPU profiling left out
 
     def device_count(self) -> int: ...
     def initialise(self) -> None: ...

@@ -49,7 +49,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpprof.emulator import cuda_api, cuda_graphs, device_readings, emulated_cuda, tensor_api
+from dpprof.emulator import (
+    cuda_api,
+    cuda_graphs,
+    device_readings,
+    emulated_cuda,
+    profilers,
+    tensor_api,
+)
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (
@@ -142,6 +149,8 @@ class VirtualCuda:
         self.memory = CudaMemory(self.rt, self.capacity_bytes, self._dev)
         # NVML's activity readings answered with stand-ins, by the line that read them
         self.readings = device_readings.Readings()
+        # the GPU profiling and tuning the script asked for, left out
+        self.profiled = profilers.Profiled()
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()

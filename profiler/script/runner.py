@@ -185,6 +185,8 @@ class ScriptRun:
     allocator_setting: tuple[str, str] | None = None
     # the report's words on NVML's activity readings answered with stand-ins (None: none)
     readings_note: str | None = None
+    # ... on the GPU profiling and tuning left out (None: none asked for)
+    profiled_note: str | None = None
     # the calls that switched the caching allocator off (caching_allocator_enable(False))
     uncached_by: list[str] = field(default_factory=list)
     memory_fraction_set: bool = False  # set_per_process_memory_fraction was called
@@ -321,6 +323,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                     vc.memory.allocator_config()  # the script's own environment's
                     run.allocator_setting = vc.memory.setting
                     run.readings_note = vc.readings.note()
+                    run.profiled_note = vc.profiled.note()
                     run.uncached_by = list(vc.memory.uncached_by)
                     run.memory_fraction_set = bool(vc.memory.fractions)
                     run.allocator_settings_late = vc.memory.settings_late

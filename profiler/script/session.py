@@ -340,8 +340,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             f"the caching allocator switched off ({'; '.join(main.uncached_by[:3])}): on a "
             "GPU what is allocated while it is off bypasses it (a cudaMalloc and cudaFree "
             "each, outside torch.cuda's statistics); here it is counted as cached")
-    if main.readings_note:
-        s0_notes.append(main.readings_note)
+    s0_notes.extend(n for n in (main.readings_note, main.profiled_note) if n)
     if main.kernels:
         s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,
