@@ -59,8 +59,7 @@ class CudaMemory:
         # caching_allocator_alloc's blocks by the address handed out, each a storage counted
         # on its device as any tensor's
         self._raw: dict[int, torch.Tensor] = {}
-        # the caching allocator switched off, and the calls that did it (in order)
-        self.caching_enabled = True
+        # what switched the caching allocator off, in order
         self.uncached_by: dict[str, None] = {}
         # where the program changed the allocator's settings after it allocated (None: not)
         self.settings_late: str | None = None
@@ -84,7 +83,8 @@ class CudaMemory:
         self.allocator_config()
         if len(self.rt.storages.events):
             self.settings_late = caller_site()
-        self.setting = (f"the allocator settings set at {caller_site()}", str(env))
+        self.setting = (f"the allocator settings set at {relative_site(caller_site())}",
+                        str(env))
         self._config = config_from_setting(str(env))[0]
 
     def get_allocator_settings(self) -> str:
@@ -231,20 +231,14 @@ class CudaMemory:
         if not value:
             self.uncached_by.setdefault(
                 f"caching_allocator_enable(False) at {relative_site(caller_site())}", None)
-        self.caching_enabled = bool(value)
 
     @contextlib.contextmanager
     def caching_allocator_disabled(self) -> Iterator[None]:
-        """``torch.cuda.memory.caching_allocator_disabled``: off inside the block."""
-        before = self.caching_enabled
-        self.caching_enabled = False
+        """``torch.cuda.memory.caching_allocator_disabled``: off inside the block (noted)."""
         self.uncached_by.setdefault(
             "caching_allocator_disabled() at "
             f"{relative_site(caller_site((contextlib.__file__,)))}", None)
-        try:
-            yield
-        finally:
-            self.caching_enabled = before
+        yield
 
     def get_allocator_backend(self) -> str:
         """``native``, or ``cudaMallocAsync`` where the allocator's configuration asks it."""
