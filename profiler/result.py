@@ -157,9 +157,10 @@ class ScenarioResult:
     devices: Annotated[tuple[DeviceResult, ...], MaxLen(MAX_DEVICES)] = ()
     oom_device: Index | None = None
     oom_bytes: Bytes | None = None  # bytes the device needed (emulated) or asked for (real OOM)
-    # the caching allocator's limit the device ran out of (the script's
-    # set_per_process_memory_fraction; oom_bytes: the reserve it needed), None: the GPU's memory
-    oom_limit_bytes: Bytes | None = None
+    # what the script lets the caching allocator reserve on its fullest device
+    # (set_per_process_memory_fraction), None: the GPU's memory; out of it, oom_bytes is the
+    # reserve the device needed
+    allocator_limit_bytes: Bytes | None = None
     loss: Float | None = None
     step_time_s: Float | None = None  # median over measured steps (real backends)
     step_time_spread_s: Float | None = None  # max - min over measured steps

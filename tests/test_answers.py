@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from reports_data import SAVED, saved
 
 from dpprof.answers.answer import baseline, build_answer
-from dpprof.answers.answer_figures import heaviest, measured, need_bytes
+from dpprof.answers.answer_figures import budget_bytes, heaviest, measured, need_bytes
 from dpprof.answers.comparison import compare
 from dpprof.fixes.fix_registry import cost_of
 from dpprof.fixes.policy import MARGIN, margin_bytes
@@ -67,7 +67,12 @@ def _figures(run: RunResult) -> set[str]:
         if f.need_bytes is not None:
             needs.append(f.need_bytes)
     values |= {abs(a - b) for a, b in itertools.combinations(peaks, 2)}
-    values |= set(needs) | {run.gpu_memory_bytes - n for n in needs}
+    # where the script limits its caching allocator (a memory fraction): the limit, and the
+    # budget it leaves a need (the limit and the context)
+    budgets = {run.gpu_memory_bytes} | {budget_bytes(run, s) for s in run.scenarios}
+    values |= budgets | {int(MARGIN * b) for b in budgets} | {
+        s.allocator_limit_bytes for s in run.scenarios if s.allocator_limit_bytes is not None}
+    values |= set(needs) | {b - n for n in needs for b in budgets}
     values |= {int(u * n) for n in needs for u in (0.10, 0.11)}  # FSDP2's understatement
     if run.maxbatch is not None:
         values |= {e.needed_bytes for e in run.maxbatch.entries if e.needed_bytes}
@@ -99,7 +104,7 @@ def check(run: RunResult) -> Recommendation:
         assert re.search(rf"\b{re.escape(s.name)} \(cuda:\d+ (needs|tried)", verdict), verdict
         assert f"only {s.name} fits" not in verdict
     if ooms and fits:
-        clause = verdict.split("out of memory at", 1)[1]
+        clause = re.split(r"out of memory(?: at [^:]+ per GPU)?:", verdict, maxsplit=1)[1]
         for s in fits:
             assert s.name in clause and fmt_bytes(need_bytes(s)) in clause, verdict
         fit_clause = re.search(r"(only [\w-]+ fits|[\w, -]+ fit):", clause)
@@ -135,13 +140,16 @@ def check_policy(run: RunResult, answer: Recommendation) -> None:
     fixes = {a.fix: a for a in answer.fixes}
     for a in answer.fixes:
         assert run.scenario(a.baseline) is not None  # against a scenario the user ran
+        if a.fits:  # within the GPU, or the share of it the script's memory fraction allows
+            assert a.need_bytes is not None
+            assert a.need_bytes <= budget_bytes(run, run.scenario(a.baseline)), a
     if answer.fix is not None:
         chosen = fixes[answer.fix]
         base = run.scenario(chosen.baseline)
         assert base is not None and measured(base), chosen
         assert chosen.heaviest_saves_bytes > 0
         assert chosen.fits is True and chosen.need_bytes is not None
-        assert chosen.need_bytes <= run.gpu_memory_bytes
+        assert chosen.need_bytes <= budget_bytes(run, base)
         assert answer.need_bytes == chosen.need_bytes
         own = {"loss-in-forward": DP_LOSS_FORWARD, "ddp": DDP}.get(chosen.fix)
         own_s = run.scenario(own) if own else None
@@ -151,7 +159,7 @@ def check_policy(run: RunResult, answer: Recommendation) -> None:
                 # a cheaper change that fits was passed over: under the margin or noise
                 assert a.fix in {p.fix for p in answer.passed_over}
                 assert (a.spare_bytes or 0) < margin_bytes(
-                    run.gpu_memory_bytes, a.need_bytes or 0, cost_of(a.fix)) or (
+                    budget_bytes(run, base), a.need_bytes or 0, cost_of(a.fix)) or (
                     "does not lower" in next(p.reason for p in answer.passed_over
                                              if p.fix == a.fix)), (a, answer)
     for a in answer.fixes:
@@ -199,14 +207,23 @@ def results(draw: st.DrawFn) -> RunResult:
                     gpu_memory_bytes=capacity, config={"command": draw(
                         st.sampled_from(["compare", "run"]))})
     scenarios = []
+    # a script's memory fraction (set_per_process_memory_fraction): a limit on every
+    # scenario's caching allocator, out of memory where a reserve exceeds it
+    limit = (draw(st.integers(1 * GiB, capacity // 2)) if overheads and draw(st.booleans())
+             and run.config["command"] == "run" else None)
     for name in names:
         n = 1 if name == SINGLE else gpus
         s = ScenarioResult(name=name, devices=tuple(draw(devices(n, overheads, capacity))),
-                           batch=8)
+                           batch=8, allocator_limit_bytes=limit)
         over = [d for d in s.devices if d.total_peak_bytes > capacity]
+        beyond = [d for d in s.devices if limit is not None
+                  and (d.peak_reserved_bytes or 0) > limit]
         if draw(st.integers(0, 9)) == 0:
             s = dataclasses.replace(s, status=STATUS_ERROR,
                                     message="the script raised RuntimeError: boom")
+        elif beyond:
+            s = dataclasses.replace(s, status=STATUS_OOM, oom_device=beyond[0].index,
+                                    oom_bytes=beyond[0].peak_reserved_bytes)
         elif over:
             s = dataclasses.replace(s, status=STATUS_OOM, oom_device=over[0].index,
                                     oom_bytes=over[0].total_peak_bytes)

@@ -284,7 +284,8 @@ def test_a_run_beyond_the_scripts_memory_fraction_is_out_of_memory(tmp_path: Pat
     assert any("reading(s) of GPU activity" in n and "train.py:4" in n for n in fits.notes)
     over, _ = _run(tmp_path, 0.0005)
     assert over.status == "oom" and over.oom_device == 0
-    assert over.oom_limit_bytes == int(0.0005 * capacity)
+    assert over.allocator_limit_bytes == int(0.0005 * capacity)
+    assert fits.allocator_limit_bytes == int(0.01 * capacity)
     assert "set_per_process_memory_fraction(0.0005) at" in over.message
     assert over.oom_bytes == reserve
 

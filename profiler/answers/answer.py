@@ -37,6 +37,7 @@ import statistics
 
 from dpprof.answers.answer_figures import (
     balanced,
+    budget_words,
     counts,
     device_label,
     excess_over_median,
@@ -178,12 +179,12 @@ def _verdict(run: RunResult, base: ScenarioResult | None, pick: Pick) -> tuple[s
     clause = ""
     if ooms:
         verb = "tried to allocate" if run.backend == "cuda" else "needs"
-        limited = all(s.oom_limit_bytes is not None for s in ooms)
+        limited = all(s.allocator_limit_bytes is not None for s in ooms)
         clause = ("out of memory: " if limited else
                   f"out of memory at {fmt_bytes(run.gpu_memory_bytes)} per GPU: ") + ", ".join(
             (f"{s.name} (cuda:{s.oom_device} needs {fmt_bytes(s.oom_bytes or 0)} of reserve, "
-             f"its memory fraction allows {fmt_bytes(s.oom_limit_bytes)})")
-            if s.oom_limit_bytes is not None and s.oom_device is not None else
+             f"its memory fraction allows {fmt_bytes(s.allocator_limit_bytes)})")
+            if s.allocator_limit_bytes is not None and s.oom_device is not None else
             f"{s.name} (cuda:{s.oom_device} {verb} "
             f"{fmt_bytes(s.oom_bytes or need_bytes(s))})" if s.oom_device is not None
             else s.name for s in ooms)
@@ -200,7 +201,7 @@ def _verdict(run: RunResult, base: ScenarioResult | None, pick: Pick) -> tuple[s
                         f"({counts(run)})")
     elif measured(base) and len(run.scenarios) == 1:
         tail.append(f"it fits: the fullest GPU needs {fmt_bytes(need_bytes(base))} of "
-                    f"{fmt_bytes(run.gpu_memory_bytes)} ({counts(run)})")
+                    f"{budget_words(run, base)} ({counts(run)})")
     if failed:
         tail.append(f"failed: {', '.join(failed)}")
     if pick.fix is not None:

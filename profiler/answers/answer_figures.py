@@ -8,6 +8,7 @@ import statistics
 
 from dpprof.fixes.fix_kind import MIN_SAVING
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, RunResult, ScenarioResult
+from dpprof.units import fmt_bytes
 
 MEASURED = (STATUS_OK, STATUS_OOM)
 # MIN_SAVING: a difference under 1 % of the heaviest GPU's peak is noise (a loss tensor), not
@@ -29,6 +30,25 @@ def need_bytes(s: ScenarioResult) -> int:
     """What the fullest GPU needs, as the out-of-memory check counts it: reserved (or
     allocated) plus the context, where they were modelled or measured."""
     return max((d.total_peak_bytes for d in used(s)), default=0)
+
+
+def budget_bytes(run: RunResult, s: ScenarioResult | None) -> int:
+    """What the fullest GPU of ``s`` may need: the GPU's memory, or where the script limits
+    its caching allocator (``set_per_process_memory_fraction``), that limit and the CUDA
+    context beside it (the need counts both)."""
+    if s is None or s.allocator_limit_bytes is None:
+        return run.gpu_memory_bytes
+    context = max((d.context_bytes or 0 for d in used(s)), default=0)
+    return min(run.gpu_memory_bytes, s.allocator_limit_bytes + context)
+
+
+def budget_words(run: RunResult, s: ScenarioResult | None) -> str:
+    """:func:`budget_bytes` in words, the memory fraction named where it sets it."""
+    cap = fmt_bytes(budget_bytes(run, s))
+    if s is None or s.allocator_limit_bytes is None:
+        return cap
+    return (f"{cap} (the script's memory fraction: {fmt_bytes(s.allocator_limit_bytes)} for "
+            "the caching allocator, and the CUDA context)")
 
 
 def heaviest(s: ScenarioResult) -> DeviceResult:

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dpprof.answers.answer_figures import (
+    budget_bytes,
+    budget_words,
     counts,
     device_label,
     heaviest,
@@ -100,16 +102,17 @@ def fix_answers(run: RunResult, base: ScenarioResult) -> list[FixAnswer]:
             primary = f.saves_bytes
         need = _fix_need(run, f)
         cost = cost_of(f.name)
-        fits = None if need is None else need <= run.gpu_memory_bytes
-        if need is None and f.max_peak_bytes > run.gpu_memory_bytes:
+        cap = budget_bytes(run, base)
+        fits = None if need is None else need <= cap
+        if need is None and f.max_peak_bytes > cap:
             fits = False  # its allocated peak alone is more than the GPU
-        if fits and need is not None and run.gpu_memory_bytes - need < cost.understated * need:
+        if fits and need is not None and cap - need < cost.understated * need:
             fits = None  # within what its need may be understated by: not known to fit
         out.append(FixAnswer(
             fix=f.name, title=f.title, baseline=base.name, heaviest_saves_bytes=saving,
             primary_saves_bytes=primary, max_peak_bytes=f.max_peak_bytes, need_bytes=need,
             fits=fits,
-            spare_bytes=None if need is None else run.gpu_memory_bytes - need,
+            spare_bytes=None if need is None else cap - need,
             cost_rank=cost.rank, cost=_cost_words(cost, f, added := _step_time_added(
                 base, run.scenario(as_scenario(f.name) or ""), f)),
             step_time_cost_s=cost.step_time_s if added is None else added,
@@ -177,7 +180,7 @@ def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, a: FixAnswer) -> str:
         effect += (f"; cuda:0 {fmt_bytes(primary)} less" if primary >= 0
                    else f"; cuda:0 {fmt_bytes(-primary)} more")
     effect += "."
-    cap = fmt_bytes(run.gpu_memory_bytes)
+    cap = budget_words(run, base)
     understated = cost_of(a.fix).understated
     if a.need_bytes is None and a.fits is False:
         need = f" Its heaviest GPU alone holds more than {cap}: it does not fit."
@@ -204,7 +207,8 @@ def counted_words(run: RunResult) -> str:
 
 
 def _margin(run: RunResult, a: FixAnswer) -> int:
-    return margin_bytes(run.gpu_memory_bytes, a.need_bytes or 0, cost_of(a.fix))
+    return margin_bytes(budget_bytes(run, run.scenario(a.baseline)), a.need_bytes or 0,
+                        cost_of(a.fix))
 
 
 def choose(run: RunResult, base: ScenarioResult | None, setup: str,
@@ -218,7 +222,7 @@ def choose(run: RunResult, base: ScenarioResult | None, setup: str,
     if not measured(base):
         return Pick(why=f"No recommendation: {base.name}, the scenario fixes are measured "
                      "against, failed.")
-    cap = run.gpu_memory_bytes
+    cap = budget_bytes(run, base)
     need = need_bytes(base)
     base_margin = margin_bytes(cap, need, NO_CHANGE)
     comp = run.comparison.scenarios.get(base.name)
@@ -229,7 +233,8 @@ def choose(run: RunResult, base: ScenarioResult | None, setup: str,
     if roomy and balanced_enough:
         return Pick(why=(
             f"Nothing to change: {base.name} fits, its fullest GPU needs {fmt_bytes(need)} of "
-            f"{fmt_bytes(cap)} ({counted_words(run)}), and its heaviest GPU is {imbalance:.2f}x "
+            f"{budget_words(run, base)} ({counted_words(run)}), and its heaviest GPU is "
+            f"{imbalance:.2f}x "
             f"the mean, within the policy's {IMBALANCE_THRESHOLD:.2f}x."),
             need_bytes=need, fits=True, margin_bytes=base_margin)
     helpful = [a for a in fixes if a.heaviest_saves_bytes > 0 and not within_noise(a)
@@ -249,7 +254,8 @@ def choose(run: RunResult, base: ScenarioResult | None, setup: str,
             f"only {fmt_bytes(chosen.spare_bytes)} to spare, under the margin of "
             f"{fmt_bytes(margin)} the policy asks (no change measured leaves that much)")
     why = (f"The cheapest change measured that fits: its fullest GPU needs "
-           f"{fmt_bytes(chosen.need_bytes)} of {fmt_bytes(cap)} ({room}); against {base.name} "
+           f"{fmt_bytes(chosen.need_bytes)} of {budget_words(run, base)} ({room}); against "
+           f"{base.name} "
            f"the heaviest GPU is {fmt_bytes(chosen.heaviest_saves_bytes)} lower. Cost: "
            f"{chosen.cost}.")
     if not fits:
@@ -295,7 +301,7 @@ def where_it_runs(run: RunResult, name: str) -> str:
 
 def _passed(run: RunResult, a: FixAnswer) -> PassedOver:
     """Why a change is not the answer."""
-    cap = run.gpu_memory_bytes
+    cap_words = budget_words(run, run.scenario(a.baseline))
     if a.heaviest_saves_bytes < 0 and not within_noise(a):
         reason = (f"it makes the heaviest GPU of {a.baseline} worse "
                   f"({fmt_bytes(-a.heaviest_saves_bytes)} more)")
@@ -303,16 +309,16 @@ def _passed(run: RunResult, a: FixAnswer) -> PassedOver:
         reason = (f"it does not lower the heaviest GPU of {a.baseline} "
                   f"({fmt_bytes(abs(a.heaviest_saves_bytes))} of difference)")
     elif a.need_bytes is None and a.fits is False:
-        reason = f"it does not fit: its heaviest GPU alone holds more than {fmt_bytes(cap)}"
+        reason = f"it does not fit: its heaviest GPU alone holds more than {cap_words}"
     elif a.need_bytes is None:
         reason = "its need (reserved memory and the CUDA context) was not measured"
     elif a.fits is None:
         reason = (f"it may not fit: its fullest GPU needs {fmt_bytes(a.need_bytes)} of "
-                  f"{fmt_bytes(cap)} as emulated, and its need may be understated by "
+                  f"{cap_words} as emulated, and its need may be understated by "
                   f"{cost_of(a.fix).understated:.0%}")
     elif not a.fits:
         reason = (f"it does not fit: its fullest GPU needs {fmt_bytes(a.need_bytes)} of "
-                  f"{fmt_bytes(cap)}")
+                  f"{cap_words}")
     else:
         reason = (f"it fits with only {fmt_bytes(a.spare_bytes)} to spare, under the margin "
                   f"of {fmt_bytes(_margin(run, a))}")
@@ -332,9 +338,9 @@ def _nothing_fits(run: RunResult, base: ScenarioResult, setup: str, fixes: list[
                 "its own share.")
     if not fits:
         if fixes:
-            return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}: no change "
+            return (f"Nothing measured fits in {budget_words(run, base)}: no change "
                     f"measured lowers {base.name}'s heaviest GPU enough (see below).")
-        return (f"Nothing measured fits in {fmt_bytes(run.gpu_memory_bytes)}, and no change "
+        return (f"Nothing measured fits in {budget_words(run, base)}, and no change "
                 "was measured (the fixes and the ladder were not run).")
     if fixes:
         return (f"Nothing to change: no change measured here lowers the heaviest GPU's peak "

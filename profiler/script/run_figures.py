@@ -82,14 +82,15 @@ def below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
 
 
 @dataclasses.dataclass(frozen=True)
-class OverLimit:
-    """A device whose caching allocator ran out of the share of the GPU the script allowed
-    it (``torch.cuda.set_per_process_memory_fraction``)."""
+class AllocatorLimit:
+    """The share of a GPU the script lets its caching allocator reserve
+    (``torch.cuda.set_per_process_memory_fraction``), and whether the device ran out of it."""
 
     device: DeviceResult
     limit_bytes: int
     fraction: float
     set_by: str  # the script's call, "train.py:3"
+    over: bool
 
     def message(self) -> str:
         d = self.device
@@ -102,12 +103,12 @@ class OverLimit:
 
 def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
                    local_rank: int, world_size: int = 1
-                   ) -> tuple[tuple[DeviceResult, ...], list[OverLimit]]:
+                   ) -> tuple[tuple[DeviceResult, ...], list[AllocatorLimit]]:
     """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
     script's environment) per used device: the emulator's one model
     (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations; and the
-    devices out of the memory fraction the script set (simulated under it as c10 limits
-    it: the cache released first, then out of memory)."""
+    limit of each used device whose memory fraction the script set (simulated under it as
+    c10 limits it: the cache released first, then out of memory)."""
     ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
                          link=link_of(cfg.gpu, cfg.interconnect),
                          nccl_env={**os.environ, **cfg.launch.env})
@@ -126,10 +127,11 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
 
     out = apply_overheads(devices, figures())
     limits = {i: b for i in vc.memory.fractions if (b := vc.memory.limit_bytes(i)) is not None}
-    over: list[OverLimit] = []
+    found: list[AllocatorLimit] = []
     if limits:
         for d, f in zip(out, figures(limits), strict=True):
-            if f is not None and f.out_of_limit_bytes is not None:
+            if f is not None and source(d) in limits:
                 fraction, site = vc.memory.fractions[source(d)]
-                over.append(OverLimit(d, f.out_of_limit_bytes, fraction, site))
-    return out, over
+                found.append(AllocatorLimit(d, limits[source(d)], fraction, site,
+                                            f.out_of_limit_bytes is not None))
+    return out, found

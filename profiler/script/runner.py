@@ -78,7 +78,7 @@ from dpprof.script.launch import (
 from dpprof.script.lightning_launch import LaunchedRanks
 from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.run_figures import (
-    OverLimit,
+    AllocatorLimit,
     below_what_the_script_was_told,
     predict_time,
     rank_device,
@@ -549,16 +549,17 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     if kind.ranks_alike and run.world_size > 1:
         own = vc.visible.index(rank_device(vc, run.local_rank))
         devices = ddp_ranks(devices[own], min(run.world_size, n))
-    over_limit: list[OverLimit] = []
+    limits: list[AllocatorLimit] = []
     if not cfg.compute:
-        figured, over_limit = with_overheads(devices, vc, cfg, run.local_rank, run.world_size)
+        figured, limits = with_overheads(devices, vc, cfg, run.local_rank, run.world_size)
         devices = list(figured)
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
             notes.append(note)
     s = ScenarioResult(name=name, batch=run.batch_rows * world, devices=tuple(devices),
-                       notes=tuple(notes))
+                       notes=tuple(notes), allocator_limit_bytes=min(
+                           (x.limit_bytes for x in limits), default=None))
     if exc is not None or (run.ended == "script raised"):
         if isinstance(exc, NotEmulated):  # dpprof stopped it, where the script reached that
             message = str(exc)
@@ -572,11 +573,11 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     untold = below_what_the_script_was_told(s, vc, run.local_rank)
     if untold:
         return dataclasses.replace(s, status=STATUS_ERROR, message=untold)
-    if over_limit:
+    if over_limit := [x for x in limits if x.over]:
         first = over_limit[0]
         return dataclasses.replace(s, status=STATUS_OOM, oom_device=first.device.index,
                                    oom_bytes=first.device.peak_reserved_bytes,
-                                   oom_limit_bytes=first.limit_bytes, message=first.message())
+                                   message=first.message())
     if over:
         worst = max(over, key=lambda d: d.total_peak_bytes)
         return dataclasses.replace(
