@@ -157,9 +157,8 @@ class ScenarioResult:
     devices: Annotated[tuple[DeviceResult, ...], MaxLen(MAX_DEVICES)] = ()
     oom_device: Index | None = None
     oom_bytes: Bytes | None = None  # bytes the device needed (emulated) or asked for (real OOM)
-    # what the script lets the caching allocator reserve on its fullest device
-    # (set_per_process_memory_fraction), None: the GPU's memory; out of it, oom_bytes is the
-    # reserve the device needed
+    # the caching allocator's limit the script set (set_per_process_memory_fraction; beyond
+    # it, oom_bytes is the reserve needed), None: the GPU's memory
     allocator_limit_bytes: Bytes | None = None
     loss: Float | None = None
     step_time_s: Float | None = None  # median over measured steps (real backends)
