@@ -108,8 +108,11 @@ def initialising(vc: EmulatedCuda, func: Callable[..., Any]) -> Callable[..., An
 
 
 def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
-    """The caching allocator's statistics, answered from the emulator, and the calls that
-    wait for the device or free its cache (nothing to do)."""
+    """The caching allocator's statistics and controls, answered from the emulator (its
+    simulation releases the cache at ``empty_cache``, a memory fraction limits it), and the
+    calls that wait for the device (nothing to wait for)."""
+    import torch.cuda.memory as cuda_memory
+
     cuda = torch.cuda
     p(cuda, "mem_get_info", initialising(vc, vc.memory.mem_get_info))
     # torch's own memory_summary prints these statistics (it reads torch.cuda.memory's
@@ -130,8 +133,6 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
                  "caching_allocator_alloc", "caching_allocator_delete",
                  "get_allocator_backend"):
         p(cuda, name, getattr(vc.memory, name))
-    import torch.cuda.memory as cuda_memory
-
     # the allocator's settings set at run time (torch.cuda.memory._set_allocator_settings
     # calls the first)
     for name, func in (("_accelerator_setAllocatorSettings", vc.memory.set_allocator_settings),
@@ -319,9 +320,8 @@ def accelerator(vc: EmulatedCuda, p: Patch) -> None:
                 p(m, "empty_cache", vc.memory.empty_cache)
             if hasattr(m, "reset_accumulated_memory_stats"):
                 p(m, "reset_accumulated_memory_stats", vc.memory.reset_accumulated_memory_stats)
-            for name in ("empty_host_cache",):
-                if hasattr(m, name):
-                    p(m, name, Noop())
+            if hasattr(m, "empty_host_cache"):
+                p(m, "empty_host_cache", Noop())
             if hasattr(m, "get_memory_info"):
                 p(m, "get_memory_info", vc.memory.mem_get_info)
 
