@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dpprof.emulator.call_sites import caller_site
+from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.emulator.context import context_overhead
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
@@ -39,7 +39,7 @@ class Readings:
     sites: dict[str, int] = field(default_factory=dict)
 
     def add(self, name: str) -> None:
-        key = f"{caller_site()} ({name})"
+        key = f"{relative_site(caller_site())} ({name})"
         self.sites[key] = self.sites.get(key, 0) + 1
 
     @property
