@@ -253,3 +253,57 @@ def test_a_whole_network_graph_runs_and_reserves_its_pool(
     # and take segments of their own beside them; the capture's pool stays reserved
     # (test_what_a_capture_frees_stays_reserved_for_its_pool_alone)
     assert reserved[1] < reserved[0]
+
+
+def test_a_pool_goes_back_at_empty_cache_once_no_graph_uses_it() -> None:
+    """c10's releasePool: a graph reset or deleted stops using its pool; the last one makes
+    the pool freeable, and the next empty_cache releases its cached segments (not before,
+    and not while another graph captured into the same pool lives)."""
+    with VirtualCuda(1):
+        s = torch.cuda.Stream()
+        first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            first.capture_begin()
+            scratch = mib(30)
+            del scratch
+            first.capture_end()
+            second.capture_begin(pool=first.pool())
+            scratch = mib(12)  # from the pool's free 30 MiB segment
+            del scratch
+            second.capture_end()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() == 30 * MiB  # both graphs use the pool
+        del first
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() == 30 * MiB  # the second still does
+        second.reset()
+        assert torch.cuda.memory_reserved() == 30 * MiB  # freeable, not yet released
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() == 0
+
+
+RELEASED = """
+import torch
+s = torch.cuda.Stream()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.stream(s):
+    g.capture_begin()
+    scratch = torch.empty(30 * 2**20, dtype=torch.uint8, device="cuda")
+    del scratch
+    g.capture_end()
+{drop}
+torch.cuda.empty_cache()
+eager = torch.empty(30 * 2**20, dtype=torch.uint8, device="cuda")
+"""
+
+
+def test_a_runs_reserve_lets_a_deleted_graphs_pool_go(tmp_path: Path) -> None:
+    reserved = []
+    for drop in ("", "del g"):
+        script = tmp_path / "train.py"
+        script.write_text(RELEASED.format(drop=drop))
+        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
+                                alternatives=False)
+        reserved.append(result.scenarios[0].devices[0].peak_reserved_bytes)
+    # kept, the pool's 30 MiB segment stays beside the eager one; released, it goes first
+    assert reserved[0] - reserved[1] == 30 * MiB

@@ -172,6 +172,7 @@ class CachingAllocatorSim(ExpandableSegments):
         self._plain_round = not self.config.roundup_power2_divisions
         self._next_addr = K_SMALL_BUFFER  # never 0: a null pointer is not a segment
         self._segment_heads: set[Block] = set()
+        self._freeable: set[int] = set()  # private pools no graph uses (graph_pools_freeable)
         # DeviceStats (aggregate)
         self.allocated_bytes = 0
         self.requested_bytes = 0
@@ -310,6 +311,12 @@ class CachingAllocatorSim(ExpandableSegments):
         """``emptyCache``: ``release_cached_blocks``, every cached unsplit segment goes back."""
         self._release_cached_blocks()
 
+    def release_pool(self, pool_id: int) -> None:
+        """``releasePool``: the last graph using the private pool ``pool_id`` is gone (its
+        ``use_count`` reached 0): the pool is freeable, its cached segments released with
+        the ordinary pools' at the next ``release_cached_blocks``."""
+        self._freeable.add(pool_id)
+
     def reset_peak_stats(self) -> None:
         """``resetPeakStats``: peaks become the current values."""
         self.peak_allocated_bytes = self.allocated_bytes
@@ -443,9 +450,10 @@ class CachingAllocatorSim(ExpandableSegments):
     def _release_cached_blocks(self) -> None:
         """``release_cached_blocks`` -> ``release_blocks``: free every cached segment that is not
         split, large pool first, then small, every stream's; a CUDA graph's private pool
-        keeps its segments while its graph lives."""
+        keeps its segments while a graph uses it (freeable once none does:
+        :meth:`release_pool`)."""
         side = [self._streams[s] for s in sorted(self._streams)
-                if not isinstance(s, int) or s >= 0]
+                if not isinstance(s, int) or s >= 0 or pool_of_key(s) in self._freeable]
         for pool in (self._large, *(p[1] for p in side), self._small, *(p[0] for p in side)):
             for key in list(pool.keys):
                 block = pool.blocks.get(key)

@@ -73,7 +73,8 @@ def simulate(
     Each event is ``(kind, block_id, size_bytes[, stream])``: ``"alloc"`` with the requested bytes
     of a storage and the stream current at the request (an int; 0, or left out: the default stream),
     ``"free"`` with the same ``block_id`` (size and stream ignored: a block goes back to its own
-    stream's pool), ``"empty_cache"`` (``torch.cuda.empty_cache()``) or ``"reset_peak"``
+    stream's pool), ``"empty_cache"`` (``torch.cuda.empty_cache()``), ``"release_pool"`` with
+    a CUDA graph's private pool id (no graph uses it any more) or ``"reset_peak"``
     (``torch.cuda.reset_peak_memory_stats()``). An allocation of 0 bytes takes no block.
 
     With ``capacity_bytes``, a segment that would push reserved memory past it fails as
@@ -123,6 +124,8 @@ def simulate(
                 free(block)
         elif kind == "empty_cache":
             sim.empty_cache()
+        elif kind == "release_pool":
+            sim.release_pool(int(ev[1]))
         elif kind == "reset_peak":
             sim.reset_peak_stats()
         else:
@@ -183,7 +186,7 @@ def _note_oom(stats: AllocatorStats, i: int, err: SimulatedOutOfMemory) -> None:
 def _unknown_kind(i: int, kind: Any) -> ValueError:
     return ValueError(
         f"event {i}: unknown kind {kind!r} (expected 'alloc', 'free', "
-        "'empty_cache' or 'reset_peak')"
+        "'empty_cache', 'release_pool' or 'reset_peak')"
     )
 
 

@@ -127,6 +127,8 @@ def memory_stats(events: Iterable[Sequence[Any]], config: AllocatorConfig) -> di
         elif kind == "empty_cache":
             sim.empty_cache()
             st.sync_all_streams += 1
+        elif kind == "release_pool":
+            sim.release_pool(int(ev[1]))
         elif kind == "reset_peak":
             st.reset_peaks()
         elif kind == "reset_accumulated":

@@ -31,6 +31,7 @@ import torch
 
 from dpprof.emulator.allocator import private_pool_key
 from dpprof.emulator.emulated_cuda import EmulatedCuda
+from dpprof.emulator.events import RELEASE_POOL
 from dpprof.emulator.patcher import Patch
 from dpprof.errors import NotEmulated
 
@@ -57,6 +58,7 @@ class Captures:
         self.vc = vc
         self._user_made: set[int] = set()  # the pools graph_pool_handle gave out
         self._underway: dict[int, CUDAGraph] = {}  # runtime device -> the graph capturing
+        self._uses: dict[int, int] = {}  # pool id -> the graphs captured into it (use_count)
 
     def new_handle(self, own: bool) -> tuple[int, int]:
         """A new pool's handle: ``(id, 0)`` for a graph's own pool, ``(0, id)`` for one
@@ -91,8 +93,23 @@ class Captures:
         self._underway[device] = graph
         graph.capture_device = device
         graph.capture_stream_id = stream.stream_id
+        pool = self.pool_id(handle)
+        self._uses[pool] = self._uses.get(pool, 0) + 1  # create_or_incref_pool
         self.vc.rt.storages.begin_capture(
-            device, stream.stream_id, private_pool_key(self.pool_id(handle), stream.stream_id))
+            device, stream.stream_id, private_pool_key(pool, stream.stream_id))
+
+    def release(self, handle: tuple[int, int]) -> None:
+        """``releasePool``: a graph captured into the pool of ``handle`` is reset or gone;
+        the last one makes the pool freeable, at this point of the allocations (a mark in
+        the runtime's log, :data:`dpprof.emulator.events.RELEASE_POOL`)."""
+        pool = self.pool_id(handle)
+        left = self._uses.get(pool, 0) - 1
+        if left < 0:
+            return
+        self._uses[pool] = left
+        if not left:
+            log = self.vc.rt.storages.events
+            log.marks.append((len(log), (RELEASE_POOL, pool, 0)))
 
     def end(self, graph: CUDAGraph) -> None:
         device = graph.capture_device
@@ -167,9 +184,18 @@ class CUDAGraph:
         self._captures().replay()
 
     def reset(self) -> None:
-        # the pool keeps its segments here: the allocator frees a private pool's at an
-        # empty_cache once no graph uses it, which the simulation does not follow
+        """``CUDAGraph::reset`` (and its destructor): the graph no longer uses its pool, whose
+        cached segments go back at the next release of the cache once no graph does."""
+        if self._captured and self._handle is not None:
+            self._captured = False
+            self._captures().release(self._handle)
         self._captured = False
+
+    def __del__(self) -> None:
+        from dpprof.emulator.emulated_cuda import active
+
+        if self._captured and active() is not None:
+            self.reset()
 
     def pool(self) -> tuple[int, int]:
         if self._handle is None:

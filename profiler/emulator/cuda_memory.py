@@ -22,6 +22,7 @@ from dpprof.emulator.allocator_config import (
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.emulator.cuda_devices import CudaDevices
+from dpprof.emulator.events import EMPTY_CACHE
 
 # c10's forceUncachedAllocator: each allocation a cudaMalloc of its own, no statistics
 NO_CACHING = "PYTORCH_NO_CUDA_MEMORY_CACHING"
@@ -116,20 +117,21 @@ class CudaMemory:
         """``torch.cuda.empty_cache``: every device's cached segments go back (in the
         simulations of reserved memory, at this point of the allocations)."""
         log = self.rt.storages.events
-        log.empty_caches.append(len(log))
+        log.marks.append((len(log), EMPTY_CACHE))
 
     def _events(self, i: int, accumulated: bool = False) -> list[tuple[Any, ...]]:
         """Device ``i``'s allocations and frees so far as the simulations replay them, with
-        where the cache was emptied and the peaks reset (and, ``accumulated``, where the
+        the allocator's own steps between them (the log's marks: the cache emptied, a
+        graph's pool released), where the peaks were reset (and, ``accumulated``, where the
         accumulated statistics were)."""
         events: list[tuple[Any, ...]] = []
         log = self.rt.storages.events
-        empties = iter(log.empty_caches)
-        empty = next(empties, None)
+        marks = iter(log.marks)
+        mark = next(marks, None)
         for k in range(len(log) + 1):  # a mark may follow the last event
-            while empty is not None and empty <= k:
-                events.append(("empty_cache", -1, 0))
-                empty = next(empties, None)
+            while mark is not None and mark[0] <= k:
+                events.append(mark[1])
+                mark = next(marks, None)
             if k == self._peak_from[i]:
                 events.append(("reset_peak", -1, 0))
             if accumulated and k == self._accumulated_from[i]:

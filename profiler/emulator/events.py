@@ -16,6 +16,9 @@ NO_EVENTS = np.zeros(0, dtype=np.int64)
 
 ALLOC = "alloc"
 FREE = "free"
+# the caching allocator's own steps between events, as the replays' rows name them
+EMPTY_CACHE = ("empty_cache", -1, 0)
+RELEASE_POOL = "release_pool"
 
 
 class KernelStep(NamedTuple):
@@ -65,11 +68,13 @@ class EventLog(Sequence[Event]):
     make (FSDP2's all-gathers and reduce-scatters); every other event is the default
     stream's (0). The caching allocator pools blocks per stream.
 
-    ``empty_caches``: the log's length at each ``torch.cuda.empty_cache()`` (c10's
-    ``emptyCache`` releases every device's cached segments): where the replays of the log
-    release them too."""
+    ``marks``: what the caching allocator does between two events, each at the log's length
+    when it happened, as the replays of the log play it (:data:`EMPTY_CACHE`:
+    ``torch.cuda.empty_cache()``, every device's cached segments released;
+    ``(RELEASE_POOL, pool id)``: the last graph using a private pool gone, its cached
+    segments released at the next release of the cache)."""
 
-    __slots__ = ("allocated", "device", "empty_caches", "requested", "serial", "streams")
+    __slots__ = ("allocated", "device", "marks", "requested", "serial", "streams")
 
     def __init__(self) -> None:
         self.device = array("q")
@@ -77,7 +82,7 @@ class EventLog(Sequence[Event]):
         self.requested = array("q")
         self.allocated = array("q")
         self.streams: dict[int, int] = {}
-        self.empty_caches: list[int] = []
+        self.marks: list[tuple[int, tuple[str, int, int]]] = []
 
     def add(self, device: int, serial: int, requested: int, allocated: int) -> None:
         try:

@@ -23,6 +23,7 @@ from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory,
 from dpprof.emulator.allocator_blocks import Block
 from dpprof.emulator.allocator_config import DEFAULT_CONFIG, AllocatorConfig
 from dpprof.emulator.cuda_devices import CudaDevices
+from dpprof.emulator.events import EMPTY_CACHE, RELEASE_POOL
 
 __all__ = ["MemoryHistory"]
 
@@ -77,11 +78,11 @@ class MemoryHistory:
         live: dict[int, Block] = {}
         trace: list[dict[str, Any]] = []
         since = self.since
-        empties = [*log.empty_caches, len(log) + 1]
+        marks = [*log.marks, (len(log) + 1, EMPTY_CACHE)]
         for k, ev in enumerate(log):
-            while empties[0] <= k:  # torch.cuda.empty_cache(): the cached segments go back
-                _released(sim, trace if since is not None and k >= since else None)
-                empties.pop(0)
+            while marks[0][0] <= k:  # the allocator's own steps: cached segments go back
+                _play(sim, marks.pop(0)[1], trace if since is not None and k >= since
+                      else None)
             if ev.device != runtime or ev.requested == 0:
                 continue
             recording = since is not None and k >= since
@@ -108,17 +109,21 @@ class MemoryHistory:
                     trace.append(_entry("free_requested", (block.addr, block.size), stream))
                     trace.append(_entry("free_completed", (block.addr, block.size), stream))
                 sim.free(block)
-        if empties[0] <= len(log):
-            _released(sim, trace if since is not None else None)
+        for _, row in marks[:-1]:
+            _play(sim, row, trace if since is not None else None)
         graphs = getattr(self.rt.cuda, "graphs", None)
         return [_segment(s, graphs.handle_of(s["private_pool"]) if graphs and s["private_pool"]
                          else (0, 0))
                 for s in sim.snapshot()], trace
 
 
-def _released(sim: CachingAllocatorSim, trace: list[dict[str, Any]] | None) -> None:
-    """``emptyCache`` in the simulation, each segment it releases a ``segment_free`` in
-    ``trace`` (None: not recording)."""
+def _play(sim: CachingAllocatorSim, row: tuple[str, int, int],
+          trace: list[dict[str, Any]] | None) -> None:
+    """One of the allocator's own steps (a log's mark) in the simulation, each segment it
+    releases a ``segment_free`` in ``trace`` (None: not recording)."""
+    if row[0] == RELEASE_POOL:
+        sim.release_pool(row[1])
+        return
     before = {(s["address"], s["total_size"], s["stream"]) for s in sim.snapshot()}
     sim.empty_cache()
     if trace is not None:

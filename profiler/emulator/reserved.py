@@ -16,7 +16,7 @@ import numpy as np
 from dpprof.emulator.allocator_config import AllocatorConfig
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.context import ContextModel
-from dpprof.emulator.events import EventLog
+from dpprof.emulator.events import RELEASE_POOL, EventLog
 from dpprof.emulator.virtual_devices import (
     BLAS_BACKWARD,
     BLAS_FORWARD,
@@ -203,13 +203,13 @@ class _DeviceSequences:
                 dev[keep], events.column("serial")[keep], req[keep],
                 events.column("stream")[keep])
             self.index = np.flatnonzero(keep)
-            self.empty_caches = np.array(events.empty_caches, dtype=np.int64)
+            self.marks: list[tuple[int, tuple[str, int, int]]] = list(events.marks)
         else:
             rows = [(ev.device, ev.serial, ev.requested, getattr(ev, "stream", 0), i)
                     for i, ev in enumerate(events) if ev.device >= 0 and ev.requested != 0]
             self.device, self.serial, self.requested, self.stream, self.index = (
                 np.array([r[i] for r in rows], dtype=np.int64) for i in range(5))
-            self.empty_caches = np.zeros(0, dtype=np.int64)
+            self.marks = []  # no marks outside an EventLog
         self._rows: dict[int, np.ndarray] = {}
 
     def _of(self, device: int) -> np.ndarray:
@@ -236,10 +236,12 @@ class _DeviceSequences:
         placed = np.array([(o, size, key) for o, (_, _, size, key) in
                            zip(self._offsets(device, inserts), inserts, strict=True)],
                           dtype=np.int64)
-        empties = np.searchsorted(self.index[rows], self.empty_caches)
+        marks = np.array([(o, row[0] == RELEASE_POOL, row[1]) for o, (_, row) in zip(
+            np.searchsorted(self.index[rows], [at for at, _ in self.marks]).tolist(),
+            self.marks, strict=True)], dtype=np.int64)
         # (kind, bytes) as one number: an allocation's size, or -1 for a free
         return (np.where(sizes > 0, sizes, -1).tobytes(), rank[inverse.reshape(-1)].tobytes(),
-                self.stream[rows].tobytes(), placed.tobytes(), empties.tobytes())
+                self.stream[rows].tobytes(), placed.tobytes(), marks.tobytes())
 
     def sequence(self, device: int, inserts: Sequence[tuple[int, int, int, int]] = (),
                  frees_at: Mapping[int, tuple[int, str]] | None = None
@@ -258,9 +260,10 @@ class _DeviceSequences:
         placed = [(int(np.searchsorted(at, index)), k,
                    ("alloc", block, size, key) if key else ("alloc", block, size))
                   for k, (index, block, size, key) in enumerate(inserts)]
-        # torch.cuda.empty_cache(): before what the workspaces' first use put there
-        placed += [(int(np.searchsorted(at, index)), -1 - k, ("empty_cache", -1, 0))
-                   for k, index in enumerate(self.empty_caches.tolist())]
+        # the allocator's own steps (the cache emptied, a graph's pool released), in their
+        # order, before what the workspaces' first use put at the same place
+        placed += [(int(np.searchsorted(at, index)), k - len(self.marks), row)
+                   for k, (index, row) in enumerate(self.marks)]
         if frees_at:
             mine = set(serials) & set(frees_at)
             out = [r if r[0] != "free" or r[1] not in mine else None for r in out]  # type: ignore[misc]
