@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_runs import peak_reserved
 from torch import nn
 
 from dpprof.emulator.allocator import private_pool_key, stream_of_key
@@ -298,12 +299,7 @@ eager = torch.empty(30 * 2**20, dtype=torch.uint8, device="cuda")
 
 
 def test_a_runs_reserve_lets_a_deleted_graphs_pool_go(tmp_path: Path) -> None:
-    reserved = []
-    for drop in ("", "del g"):
-        script = tmp_path / "train.py"
-        script.write_text(RELEASED.format(drop=drop))
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
-                                alternatives=False)
-        reserved.append(result.scenarios[0].devices[0].peak_reserved_bytes)
+    kept, released = (peak_reserved(tmp_path, RELEASED.format(drop=drop))
+                      for drop in ("", "del g"))
     # kept, the pool's 30 MiB segment stays beside the eager one; released, it goes first
-    assert reserved[0] - reserved[1] == 30 * MiB
+    assert kept - released == 30 * MiB

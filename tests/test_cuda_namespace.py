@@ -19,6 +19,7 @@ import torch.cuda.comm
 import torch.cuda.memory
 import torch.cuda.profiler
 import torch.cuda.tunable
+from script_runs import peak_reserved, run_script
 
 from dpprof.emulator.device_readings import ACTIVITY_READINGS
 from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -314,17 +315,12 @@ b = torch.empty(60 * 2**20, dtype=torch.uint8, device="cuda")
 
 
 def test_a_runs_reserve_follows_its_empty_cache(tmp_path: Path) -> None:
-    reserved = []
-    for empty in ("", "torch.cuda.empty_cache()"):
-        script = tmp_path / "train.py"
-        script.write_text(EMPTIES.format(empty=empty))
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
-                                alternatives=False)
-        reserved.append(result.scenarios[0].devices[0].peak_reserved_bytes)
+    kept, released = (peak_reserved(tmp_path, EMPTIES.format(empty=empty))
+                      for empty in ("", "torch.cuda.empty_cache()"))
     # kept, the cached 100 MiB segment serves the first 60 MiB (split) and the second needs
     # a segment of its own: 160 MiB; released, the two take 60 MiB each: 120 MiB (the
     # cuBLAS workspaces the same in both)
-    assert reserved[0] - reserved[1] == 40 * MiB
+    assert kept - released == 40 * MiB
 
 
 SETTINGS = """
@@ -343,13 +339,10 @@ def test_allocator_settings_set_at_run_time_are_the_simulations(
     """torch.cuda.memory._set_allocator_settings before the first allocation: as the
     environment's. Four 12 MiB blocks, two freed, 24 MiB asked: 72 MiB by default (a segment
     each), 60 MiB expandable (the freed pages serve it; test_allocator works the same)."""
-    script = tmp_path / "train.py"
     for source in (SETTINGS.replace('torch.cuda.memory._set_allocator_settings(', 'print('),
                    SETTINGS):
-        script.write_text(source)
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
-                                alternatives=False)
-        assert result.scenarios[0].status == "ok", result.scenarios[0].message
+        s = run_script(tmp_path, source)
+        assert s.status == "ok", s.message
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("settings")] == [
         "settings ", "settings expandable_segments:True"]
@@ -369,13 +362,10 @@ def test_the_caching_allocator_switched_off_is_said(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Off, a GPU's allocations bypass the caching allocator (no cache, no statistics),
     which the simulation does not follow: the report says where it was switched off."""
-    script = tmp_path / "train.py"
-    script.write_text(UNCACHED)
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     monkeypatch.chdir(tmp_path)
-    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1)),
-                            alternatives=False)
-    said = [n for n in result.scenarios[0].notes if "caching allocator switched off" in n]
+    said = [n for n in run_script(tmp_path, UNCACHED).notes
+            if "caching allocator switched off" in n]
     assert len(said) == 1
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the script's environment" in said[0]
     assert "caching_allocator_disabled() at train.py:4" in said[0]
