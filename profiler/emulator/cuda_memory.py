@@ -119,7 +119,7 @@ class CudaMemory:
         log = self.rt.storages.events
         log.marks.append((len(log), EMPTY_CACHE))
 
-    def _events(self, i: int, accumulated: bool = False) -> list[tuple[Any, ...]]:
+    def events_of(self, i: int, accumulated: bool = False) -> list[tuple[Any, ...]]:
         """Device ``i``'s allocations and frees so far as the simulations replay them, with
         the allocator's own steps between them (the log's marks: the cache emptied, a
         graph's pool released), where the peaks were reset (and, ``accumulated``, where the
@@ -147,7 +147,7 @@ class CudaMemory:
     def _reserved(self, i: int) -> tuple[int, int]:
         """(current, peak since the last reset) reserved bytes: the caching allocator
         simulated over the device's allocations so far."""
-        stats = simulate(self._events(i), timeline_points=None, stop_on_oom=False,
+        stats = simulate(self.events_of(i), timeline_points=None, stop_on_oom=False,
                          config=self.allocator_config())
         return stats.final_reserved_bytes, stats.peak_reserved_bytes
 
@@ -177,7 +177,7 @@ class CudaMemory:
         (:mod:`dpprof.emulator.allocator_stats`), over the device's allocations so far;
         torch's own ``memory_summary`` prints them."""
         i = self._dev(device)
-        stats = allocator_stats.memory_stats(self._events(i, accumulated=True),
+        stats = allocator_stats.memory_stats(self.events_of(i, accumulated=True),
                                              self.allocator_config())
         self._told(i, allocated=stats["allocated_bytes.all.peak"],
                    reserved=stats["reserved_bytes.all.peak"], what="torch.cuda.memory_stats()")

@@ -12,6 +12,7 @@ each answers 0, a stand-in, and every such reading is counted with the line that
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,11 +21,12 @@ from typing import Any
 import torch
 
 from dpprof.emulator.call_sites import caller_site, relative_site
-from dpprof.emulator.context import context_overhead
+from dpprof.emulator.context import ContextModel, context_overhead
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.patcher import Patch
 
-__all__ = ["ACTIVITY_READINGS", "Readings", "install", "used_bytes"]
+__all__ = ["ACTIVITY_READINGS", "Readings", "beside_tensors_bytes", "install", "outside_bytes",
+           "used_bytes"]
 
 # torch.cuda's readings of what the GPU is doing (percent, degrees C, milliwatts, MHz):
 # stand-ins on a virtual GPU
@@ -56,13 +58,28 @@ class Readings:
                 f"GPU runs nothing to read: {where}")
 
 
+@functools.cache
+def _context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextModel:
+    return context_overhead(compute_capability, uses_cudnn=uses_cudnn)
+
+
+def outside_bytes(vc: EmulatedCuda) -> int:
+    """What a process holds on a GPU beside the caching allocator's reserve, as modelled
+    now: the CUDA context and the libraries (cuDNN's once a convolution ran)."""
+    return _context(vc.spec.compute_capability, vc.rt.saw_convolution).outside_allocator_bytes
+
+
+def beside_tensors_bytes(vc: EmulatedCuda) -> int:
+    """What a GPU holds beside a process's tensors, as modelled now: :func:`outside_bytes`
+    and the cuBLAS workspaces the caching allocator serves."""
+    ctx = _context(vc.spec.compute_capability, vc.rt.saw_convolution)
+    return ctx.outside_allocator_bytes + ctx.workspace_reserved_bytes
+
+
 def used_bytes(vc: EmulatedCuda, device: Any = None) -> int:
     """What NVML would count as used on ``device`` now: the caching allocator's reserve
-    (simulated over the allocations so far) and the CUDA context and libraries of one
-    process (cuDNN's once a convolution ran)."""
-    reserved = vc.memory.memory_reserved(device)
-    ctx = context_overhead(vc.spec.compute_capability, uses_cudnn=vc.rt.saw_convolution)
-    return reserved + ctx.outside_allocator_bytes
+    (simulated over the allocations so far) and :func:`outside_bytes`."""
+    return vc.memory.memory_reserved(device) + outside_bytes(vc)
 
 
 def install(vc: EmulatedCuda, p: Patch, readings: Readings) -> None:

@@ -81,6 +81,9 @@ class StorageLedger(EventQueries):
         self.events = EventLog()
         self.phases: list[PhaseMark] = []
         self.followers: tuple[EventFollower, ...] = ()
+        # called with (device, serial, bytes) before a device's new storage is counted: it
+        # raises where the GPU would run out of memory (dpprof run's scripts), else None
+        self.capacity_guard: Callable[[int, int, int], None] | None = None
         self.host_requested = 0
         self._labels: dict[int, str] = {}  # serial -> category (the latest label wins)
         self._storages: dict[int, _Storage] = {}  # storage_key(storage) -> record
@@ -282,10 +285,13 @@ class StorageLedger(EventQueries):
         return False
 
     def track(self, st: Any, device: int) -> None:
-        """Count the new storage ``st`` on ``device`` until it dies."""
+        """Count the new storage ``st`` on ``device`` until it dies (unless the
+        :attr:`capacity_guard` refuses it: then it raises, and nothing is counted)."""
         requested = int(st.nbytes())
         self._serial += 1
         serial = self._serial
+        if self.capacity_guard is not None and device != HOST:
+            self.capacity_guard(device, serial, requested)
         rounded = block_bytes(requested)
         key = storage_key(st)
         self._storages[key] = _Storage(serial, device, requested, rounded)

@@ -169,6 +169,11 @@ class Stepper:
         rt.storages.label([t for st in opt.state.values() for t in st.values()
                   if isinstance(t, torch.Tensor)], "optimizer_state")
 
+    def abandoned(self) -> None:
+        """The step under way ran out of memory (and the script went on: a smaller batch):
+        its batch is not the one the run trains on."""
+        self.batch_rows = 0
+
     def backward_started(self) -> None:
         self.backwards += 1
         if not self.optimizer_made and not self.done:

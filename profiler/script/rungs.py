@@ -121,9 +121,10 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
     for rung in ladder:
         # on the DDP alternative each rank makes its share of a hand-made batch, as the
         # alternative's own run did (the rows DataParallel scattered)
+        # a rung measures what the script needs with it, past where a GPU would run out
         run = run_script(dataclasses.replace(cfg, alternative=alternative, rung=rung,
                                              scattered_rows=main.batch_rows,
-                                             rung_by_trainer=by_trainer),
+                                             rung_by_trainer=by_trainer, raise_oom=False),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
             notes.append(f"ladder: {rung.title} could not be measured: {run.scenario.message}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import runpy
 import time
 from dataclasses import dataclass, field
@@ -24,9 +25,11 @@ from dpprof.backends.emulated_figures import (
 )
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.data_parallel import replicas_float16_note
+from dpprof.emulator.device_readings import beside_tensors_bytes
 from dpprof.emulator.dispatch_state import VirtualDeviceError
 from dpprof.emulator.emulated_autocast import CudaAutocastNames
 from dpprof.emulator.kernels import GpuKernels
+from dpprof.emulator.oom_guard import OomGuard, OutOfMemoryRaised
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.patcher import Patcher
 from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -84,6 +87,7 @@ from dpprof.script.run_figures import (
     rank_device,
     with_overheads,
 )
+from dpprof.script.scenario_messages import headline, past_the_oom, stopped_by_oom
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome, written_but_missing
 from dpprof.script.shared_files import SharedFiles
@@ -124,6 +128,9 @@ class ScriptConfig:
     interconnect: str = ""
     # the measured steps' time predicted (off only to measure what that costs)
     predict_time: bool = True
+    # torch.OutOfMemoryError raised where the GPU runs out, as it would be (False: the run
+    # goes on past it, to measure what the script needs)
+    raise_oom: bool = True
     # the rows DataParallel scattered in the run as written (in the DDP alternative each
     # rank's share of a batch the script makes by hand follows from it)
     scattered_rows: int = 0
@@ -192,6 +199,10 @@ class ScriptRun:
     memory_fraction_set: bool = False  # set_per_process_memory_fraction was called
     # the allocator's settings were set at run time after the first allocation (there)
     allocator_settings_late: str | None = None
+    # the out-of-memory errors the run raised where the GPU would have, in words
+    oom_raised: list[str] = field(default_factory=list)
+    # the one the script did not catch (it ended the run), None: none
+    oom_uncaught: OutOfMemoryRaised | None = None
     forwards: int = 0  # outermost module calls seen
     backwards: int = 0  # backward() calls seen
     replica_scalars: bool = False  # the DataParallel replicas returned their losses
@@ -252,6 +263,12 @@ def run_script(cfg: ScriptConfig, on_step: StepCallback | None = None) -> Script
     :class:`RunInterrupted` is raised with what the run measured."""
     with deferred_interrupts():
         run = _run_script(cfg, on_step)
+        if run.oom_uncaught is not None and not pending_interrupt():
+            # the GPU stops the script there; run it again past that point to measure what
+            # it needs (the figures the out-of-memory would leave unknown)
+            stopped = run.oom_uncaught
+            run = _run_script(dataclasses.replace(cfg, raise_oom=False), on_step)
+            run.scenario = past_the_oom(run.scenario, stopped)
         signum = run.interrupted_by if run.ended == "interrupted" else pending_interrupt()
         if signum:
             raise RunInterrupted(signum, run, cfg)
@@ -265,10 +282,14 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
                      gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
     rt = vc.rt
+    guard = OomGuard(vc.memory, functools.partial(beside_tensors_bytes, vc), vc.logical)
+    if cfg.raise_oom:
+        guard.install()
     if cfg.predict_time:
         rt.op_log = OpLog()  # on from the first measured step (the Stepper turns it on)
         rt.op_log.on = cfg.steps <= 1  # no warm-up: every step is measured
     stepper = Stepper(rt, cfg.steps, on_step)
+    guard.listeners.append(stepper.abandoned)
     alternative = cfg.alternative
     state = alternative.new_state(cfg) if alternative is not None else None
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
@@ -327,6 +348,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                     run.uncached_by = list(vc.memory.uncached_by)
                     run.memory_fraction_set = bool(vc.memory.fractions)
                     run.allocator_settings_late = vc.memory.settings_late
+                    run.oom_raised = [raised.words() for raised in guard.raised]
+                    run.oom_uncaught = guard.raised_by(exc)
                     if rung is not None:
                         rung.close()
                     stepper.remove()
@@ -453,19 +476,6 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     return error
 
 
-_HEADLINE_CHARS = 300  # of an error's message, in the report's headline
-
-
-def _headline(text: str) -> str:
-    """``": "`` and the first line of an error's message (torch's CheckpointException holds
-    each rank's traceback; the report's traceback keeps the whole), or nothing."""
-    lines = text.strip().splitlines()
-    if not lines:
-        return ""
-    first = lines[0].strip()
-    if len(first) > _HEADLINE_CHARS:
-        first = first[:_HEADLINE_CHARS].rstrip() + "..."
-    return f": {first}" + (" (more in the traceback)" if len(lines) > 1 else "")
 
 
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
@@ -560,11 +570,13 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     s = ScenarioResult(name=name, batch=run.batch_rows * world, devices=tuple(devices),
                        notes=tuple(notes), allocator_limit_bytes=min(
                            (x.limit_bytes for x in limits), default=None))
+    if run.oom_uncaught is not None:  # the GPU's out-of-memory, raised in the run, ended it
+        return stopped_by_oom(s, run.oom_uncaught, run.script_traceback)
     if exc is not None or (run.ended == "script raised"):
         if isinstance(exc, NotEmulated):  # dpprof stopped it, where the script reached that
             message = str(exc)
         elif exc is not None:
-            message = f"the script raised {type(exc).__name__}" + _headline(str(exc))
+            message = f"the script raised {type(exc).__name__}" + headline(str(exc))
         else:
             message = f"the script exited with status {run.exit_status}"
         return dataclasses.replace(s, status=STATUS_ERROR, message=message,

@@ -341,6 +341,12 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             "GPU what is allocated while it is off bypasses it (a cudaMalloc and cudaFree "
             "each, outside torch.cuda's statistics); here it is counted as cached")
     s0_notes.extend(n for n in (main.readings_note, main.profiled_note) if n)
+    if main.oom_raised:
+        s0_notes.append(
+            f"torch.OutOfMemoryError raised {len(main.oom_raised)} time(s) in the run, where "
+            f"the GPU would raise it, and caught by the script, which went on (first: "
+            f"{main.oom_raised[0]}; last: {main.oom_raised[-1]}): the figures are those of "
+            "what it went on with")
     if main.kernels:
         s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
             *cfg.gpu.compute_capability,

@@ -1,0 +1,98 @@
+"""The GPU's out-of-memory error raised in the run (dpprof.emulator.oom_guard): a script that
+catches it and halves its batch goes on as on the GPU; one that does not is stopped where
+the GPU stops it, and run on past it to measure what it needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from script_runs import run_script
+
+GiB = 2**30
+
+# a 8192-wide MLP trained with Adam: each row of the batch holds 3 x 32 KiB of activations
+HALVING = """
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 8192)).cuda()
+opt = torch.optim.Adam(model.parameters())
+rows = 1 << 20
+while True:
+    try:
+        for _ in range(3):
+            x = torch.randn(rows, 8192, device="cuda")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        break
+    except torch.OutOfMemoryError as e:
+        assert str(e).startswith("CUDA out of memory. Tried to allocate"), e
+        rows //= 2
+        print("halved to", rows)
+"""
+
+UNCAUGHT = """
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 8192)).cuda()
+opt = torch.optim.Adam(model.parameters())
+for _ in range(3):
+    x = torch.randn(1 << 20, 8192, device="cuda")
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_a_script_that_halves_its_batch_on_oom_goes_on_as_on_the_gpu(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_script(tmp_path, HALVING)
+    halved = [int(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+              if line.startswith("halved to")]
+    # 1,048,576 rows need 96 GiB of activations alone: halved until the steps fit in 80 GB
+    assert halved and halved[-1] < 1 << 19
+    assert s.status == "ok", s.message
+    assert s.batch == halved[-1]  # the batch it trained on, not the first try's
+    d = s.devices[0]
+    assert d.total_peak_bytes <= d.capacity_bytes
+    said = [n for n in s.notes if n.startswith("torch.OutOfMemoryError raised")]
+    assert said and f"raised {len(halved)} time(s)" in said[0] and "train.py:" in said[0]
+
+
+def test_an_uncaught_oom_stops_the_script_where_the_gpu_would_and_the_need_is_measured(
+        tmp_path: Path) -> None:
+    s = run_script(tmp_path, UNCAUGHT)
+    assert s.status == "oom" and s.oom_device == 0
+    assert "on a GPU the script stops at torch.OutOfMemoryError at train.py:" in s.message
+    # run on past it: the need of the whole step (the activations of 1 Mi rows: > 96 GiB)
+    assert s.oom_bytes is not None and s.oom_bytes > 96 * GiB
+    assert s.devices[0].peak_allocated_bytes > 96 * GiB
+
+
+def test_accelerates_batch_size_finder_settles_where_the_gpu_has_room(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("accelerate")
+    s = run_script(tmp_path, """
+import torch, torch.nn as nn
+from accelerate.utils import find_executable_batch_size
+model = nn.Sequential(nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 8192)).cuda()
+opt = torch.optim.Adam(model.parameters())
+
+@find_executable_batch_size(starting_batch_size=1 << 20)
+def train(batch_size):
+    print("trying", batch_size)
+    for _ in range(3):
+        model(torch.randn(batch_size, 8192, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+train()
+""")
+    tried = [int(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("trying")]
+    assert len(tried) > 1 and s.status == "ok", s.message
+    assert s.batch == tried[-1]
