@@ -38,8 +38,8 @@ def past_the_oom(s: ScenarioResult, stopped: OutOfMemoryRaised) -> ScenarioResul
     """The scenario of a run past the out-of-memory error a GPU stops the script at (and
     the script did not catch): out of memory there, with what it needs from the run past
     it."""
-    where = (f"on a GPU the script stops at {stopped.words()} (torch.OutOfMemoryError, "
-             "uncaught); run on past it here to measure what it needs")
+    where = (f"on a GPU the script stops at {stopped.words()}, which it does not catch; "
+             "run on past it here to measure what it needs")
     if s.status == STATUS_OOM:
         return dataclasses.replace(s, message=f"{s.message}; {where}")
     if s.status == STATUS_ERROR:
