@@ -96,3 +96,27 @@ train()
              if line.startswith("trying")]
     assert len(tried) > 1 and s.status == "ok", s.message
     assert s.batch == tried[-1]
+
+
+def test_the_error_is_known_again_where_a_worker_thread_re_raised_a_copy() -> None:
+    """DataParallel's replicas run in threads: torch re-raises a replica's error in the
+    caller as a new error carrying its traceback's text (ExceptionWrapper)."""
+    import torch
+    from torch._utils import ExceptionWrapper
+
+    from dpprof.emulator.oom_guard import OomGuard
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+
+    with VirtualCuda(1) as vc:
+        guard = OomGuard(vc.memory, lambda: 0, lambda i: i)
+        vc.memory.set_per_process_memory_fraction(1e-6)  # about 85 KB for the allocator
+        guard.install()
+        try:
+            torch.empty(2**20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            wrapped = ExceptionWrapper(where="in replica 0 on device 0")
+        try:
+            wrapped.reraise()
+        except torch.OutOfMemoryError as copy:
+            assert guard.raised_by(copy) == guard.raised[0]
+        assert guard.raised_by(RuntimeError("another")) is None

@@ -28,7 +28,11 @@ from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.emulator.cuda_memory import CudaMemory
 from dpprof.emulator.events import RELEASE_POOL
 
-__all__ = ["OomGuard", "OutOfMemoryRaised", "format_size"]
+__all__ = ["MARK", "OomGuard", "OutOfMemoryRaised", "format_size"]
+
+# the end of the error's message: how the error is known again where it was re-raised as
+# another object (DataParallel's worker threads re-raise a copy with the traceback's text)
+MARK = "(dpprof: raised where the GPU would raise it, from its caching allocator simulated)"
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,7 @@ class OomGuard:
             f"{format_size(capacity - free)} memory in use. Of the allocated memory "
             f"{format_size(sim.allocated_bytes)} is allocated by PyTorch, and "
             f"{format_size(max(sim.reserved_bytes - sim.allocated_bytes, 0))} is reserved by "
-            "PyTorch but unallocated. (dpprof: raised where the GPU would raise it, from its "
-            "caching allocator simulated)")
+            f"PyTorch but unallocated. {MARK}")
         self.raised.append(raised)
         for listener in self.listeners:
             listener()
@@ -183,5 +186,7 @@ class OomGuard:
             raised: Any = getattr(exc, "dpprof_raised", None)
             if isinstance(raised, OutOfMemoryRaised):
                 return raised
+            if MARK in str(exc) and self.raised:  # a copy: the last one raised
+                return self.raised[-1]
             exc = exc.__cause__ or exc.__context__
         return None
