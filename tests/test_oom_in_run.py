@@ -120,3 +120,31 @@ def test_the_error_is_known_again_where_a_worker_thread_re_raised_a_copy() -> No
         except torch.OutOfMemoryError as copy:
             assert guard.raised_by(copy) == guard.raised[0]
         assert guard.raised_by(RuntimeError("another")) is None
+
+
+def test_the_live_simulation_keeps_to_the_replayed_one() -> None:
+    """Once started, the guard's simulation follows every event (a storage resized in place,
+    the cache emptied included): its reserve is what a replay of the device's allocations
+    gives (memory_reserved)."""
+    import torch
+
+    from dpprof.emulator.oom_guard import OomGuard
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+
+    MiB = 2**20
+    with VirtualCuda(1) as vc:
+        guard = OomGuard(vc.memory, lambda: 0, lambda i: i)
+        guard.install()
+        vc.memory.set_per_process_memory_fraction(0.001)  # about 85 MB: live from ~21 MB
+        keep = [torch.empty(12 * MiB, dtype=torch.uint8, device="cuda") for _ in range(3)]
+        sim = guard.simulation(vc.index_of(0))
+        assert sim is not None  # started
+        grown = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        grown.resize_(15 * MiB)  # in place: a free and an allocation the guard never saw
+        del keep[0]
+        torch.cuda.empty_cache()
+        more = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+        assert sim.reserved_bytes == torch.cuda.memory_reserved()
+        # the same tensors live in both (the blocks may be larger: one served whole)
+        assert sim.requested_bytes == vc.rt.storages.counters[vc.index_of(0)].live_requested
+        del grown, more

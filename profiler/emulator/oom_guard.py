@@ -85,6 +85,10 @@ class OomGuard:
         storages.capacity_guard = self.check
         storages.followers = (*storages.followers, self)
 
+    def simulation(self, device: int) -> CachingAllocatorSim | None:
+        """Runtime ``device``'s live simulation (None: not started)."""
+        return self._sims.get(device)
+
     def room(self, device: int) -> int:
         """What the caching allocator of runtime ``device`` can have now."""
         room = self.memory.capacity_bytes - self._outside()
@@ -103,6 +107,7 @@ class OomGuard:
                 limit = self.memory.limit_bytes(device)
                 if limit is None or (live + requested) * 4 <= limit:
                     return
+            self._play_marks()  # the others' first: the new one's replay holds them all
             sim = self._start(device)
         self._play_marks()
         room = self.room(device)
@@ -170,10 +175,19 @@ class OomGuard:
         return bool(self._sims)
 
     def follow(self, device: int, serial: int, requested: int, allocated: int) -> None:
-        """A free on a simulated device gives its block back."""
-        if requested < 0 and device in self._sims:
-            self._play_marks()
-            self._sims[device].free(self._blocks[device].pop(serial, None))
+        """An event on a simulated device: a free gives its block back; an allocation the
+        guard did not see (a kernel's own buffer, a storage resized in place, a mirrored
+        replica's) takes one, unchecked."""
+        sim = self._sims.get(device)
+        if sim is None:
+            return
+        self._play_marks()
+        blocks = self._blocks[device]
+        if requested < 0:
+            sim.free(blocks.pop(serial, None))
+        elif requested > 0 and serial not in blocks:
+            sim.capacity_bytes = None
+            blocks[serial] = sim.malloc(requested, self.memory.rt.storages.tag_on(device))
 
     # ---- after the run --------------------------------------------------------------------
 
