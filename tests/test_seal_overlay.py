@@ -183,6 +183,9 @@ def run_op(op: tuple[Any, ...]) -> Any:
 # found by it: rmtree of a link to a folder the program removed (plain Python's walk by
 # descriptor opens the link first: FileNotFoundError; the walk by path refused the link)
 @example(program=[("rmtree", "d"), ("rmtree", "dl")])
+# a rename between two hard links of one file does nothing (rename(2)): both names stay
+@example(program=[("link", "a", "new"), ("rename", "new", "a"), ("read", "new")])
+@example(program=[("link", "a", "new"), ("rename", "a", "new")])
 def test_a_program_sees_what_plain_python_sees_and_the_folder_is_untouched(
         program: list[tuple[Any, ...]], tmp_path_factory: Any) -> None:
     base = tmp_path_factory.mktemp("world")

@@ -494,6 +494,8 @@ class Overlay:
         if s.startswith(d + "/"):  # onto a folder above it, never empty
             raise os_error(errno.ENOTEMPTY, shown_s, shown_d)
         dst = self.lstat_in_view(d)
+        if dst is not None and (dst.st_dev, dst.st_ino) == (st.st_dev, st.st_ino):
+            return  # two hard links of one file: rename(2) does nothing, both names stay
         if dst is not None:
             if stat.S_ISDIR(st.st_mode):
                 if not stat.S_ISDIR(dst.st_mode):
