@@ -53,8 +53,8 @@ What is mirrored (read from pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp`
   pool, a pool of its own like a stream's, under the key :func:`private_pool_key` (the pool
   and the stream; negative, so it never meets a stream's id). A block of it freed goes back
   to it, so only allocations into the same pool (a later capture given its handle) reuse it,
-  and ``release_cached_blocks`` leaves its segments alone: it frees a private pool's only
-  once no graph uses it (``graph_pools_freeable``), and graphs here live to the end.
+  and ``release_cached_blocks`` leaves its segments alone until no graph uses the pool
+  (``releasePool``: :meth:`CachingAllocatorSim.release_pool`, ``graph_pools_freeable``).
 
 - ``expandable_segments:True`` (``find_expandable_block``, ``map_block``, ``unmap_block``,
   ``try_allocate_expandable_block``): a stream's size class has one segment of address space
@@ -65,9 +65,9 @@ What is mirrored (read from pytorch/pytorch ``c10/cuda/CUDACachingAllocator.cpp`
   unmaps the whole pages of free blocks.
 
 What is not modelled: ``record_stream`` (events, deferred frees: a free here returns the block at
-once, as it does for a block no other stream used), a private pool freed after its graphs were
-deleted, the ordinary pools left cached by an out-of-memory retry during a capture
-(``captures_underway``), an expandable segment released whole once all of it is unmapped,
+once, as it does for a block no other stream used), the ordinary pools left cached by an
+out-of-memory retry during a capture (``captures_underway``), an expandable segment released
+whole once all of it is unmapped,
 ``garbage_collection_threshold`` (only acts with ``set_per_process_memory_fraction``), the
 ``cudaMallocAsync`` backend, and free-memory callbacks (only IPC). Segment addresses are handed
 out in increasing order; the real driver's addresses only matter for tie-breaking between free
@@ -93,6 +93,7 @@ from dpprof.emulator.allocator_config import (
     get_allocation_size,
     round_size,
 )
+from dpprof.emulator.events import RELEASE_POOL
 from dpprof.emulator.expandable_segments import ExpandableSegments
 
 _POOL_SHIFT = 32  # a private pool's key: -(pool id << 32 | the capturing stream's id)
@@ -310,6 +311,16 @@ class CachingAllocatorSim(ExpandableSegments):
     def empty_cache(self) -> None:
         """``emptyCache``: ``release_cached_blocks``, every cached unsplit segment goes back."""
         self._release_cached_blocks()
+
+    def own_step(self, row: tuple[Any, ...]) -> None:
+        """One of the allocator's own steps between allocations, as a log's mark or a
+        replay's row names it: ``("empty_cache", ...)`` or ``(RELEASE_POOL, pool id, ...)``
+        (:data:`dpprof.emulator.events.EMPTY_CACHE`, :data:`~dpprof.emulator.events.
+        RELEASE_POOL`)."""
+        if row[0] == RELEASE_POOL:
+            self.release_pool(int(row[1]))
+        else:
+            self.empty_cache()
 
     def release_pool(self, pool_id: int) -> None:
         """``releasePool``: the last graph using the private pool ``pool_id`` is gone (its

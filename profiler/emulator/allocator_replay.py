@@ -13,6 +13,7 @@ from typing import Any
 from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
 from dpprof.emulator.allocator_blocks import Block
 from dpprof.emulator.allocator_config import AllocatorConfig
+from dpprof.emulator.events import OWN_STEPS
 
 # --------------------------------------------------------------------------- the replay
 
@@ -122,10 +123,8 @@ def simulate(
                 _forget_failed(failed, bid, i)
             else:
                 free(block)
-        elif kind == "empty_cache":
-            sim.empty_cache()
-        elif kind == "release_pool":
-            sim.release_pool(int(ev[1]))
+        elif kind in OWN_STEPS:
+            sim.own_step(ev)
         elif kind == "reset_peak":
             sim.reset_peak_stats()
         else:

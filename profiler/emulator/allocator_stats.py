@@ -24,6 +24,7 @@ from typing import Any
 from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
 from dpprof.emulator.allocator_blocks import Block
 from dpprof.emulator.allocator_config import K_SMALL_SIZE, AllocatorConfig, block_bytes
+from dpprof.emulator.events import EMPTY_CACHE, OWN_STEPS
 
 __all__ = ["POOLED", "Stat", "memory_stats"]
 
@@ -124,11 +125,9 @@ def memory_stats(events: Iterable[Sequence[Any]], config: AllocatorConfig) -> di
                 st.oversize["oversize_allocations"].change(-1)
             if split_stats:
                 _given_back(st, block, subsumed)
-        elif kind == "empty_cache":
-            sim.empty_cache()
-            st.sync_all_streams += 1
-        elif kind == "release_pool":
-            sim.release_pool(int(ev[1]))
+        elif kind in OWN_STEPS:
+            sim.own_step(ev)
+            st.sync_all_streams += kind == EMPTY_CACHE[0]
         elif kind == "reset_peak":
             st.reset_peaks()
         elif kind == "reset_accumulated":

@@ -19,6 +19,7 @@ FREE = "free"
 # the caching allocator's own steps between events, as the replays' rows name them
 EMPTY_CACHE = ("empty_cache", -1, 0)
 RELEASE_POOL = "release_pool"
+OWN_STEPS = (EMPTY_CACHE[0], RELEASE_POOL)  # the kinds of those rows
 
 
 class KernelStep(NamedTuple):

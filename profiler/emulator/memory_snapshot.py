@@ -23,7 +23,7 @@ from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory,
 from dpprof.emulator.allocator_blocks import Block
 from dpprof.emulator.allocator_config import DEFAULT_CONFIG, AllocatorConfig
 from dpprof.emulator.cuda_devices import CudaDevices
-from dpprof.emulator.events import EMPTY_CACHE, RELEASE_POOL
+from dpprof.emulator.events import EMPTY_CACHE
 
 __all__ = ["MemoryHistory"]
 
@@ -121,15 +121,14 @@ def _play(sim: CachingAllocatorSim, row: tuple[str, int, int],
           trace: list[dict[str, Any]] | None) -> None:
     """One of the allocator's own steps (a log's mark) in the simulation, each segment it
     releases a ``segment_free`` in ``trace`` (None: not recording)."""
-    if row[0] == RELEASE_POOL:
-        sim.release_pool(row[1])
+    if trace is None:
+        sim.own_step(row)
         return
     before = {(s["address"], s["total_size"], s["stream"]) for s in sim.snapshot()}
-    sim.empty_cache()
-    if trace is not None:
-        after = {(s["address"], s["total_size"], s["stream"]) for s in sim.snapshot()}
-        for address, size, stream in sorted(before - after):
-            trace.append(_entry("segment_free", (address, size), stream))
+    sim.own_step(row)
+    after = {(s["address"], s["total_size"], s["stream"]) for s in sim.snapshot()}
+    for address, size, stream in sorted(before - after):
+        trace.append(_entry("segment_free", (address, size), stream))
 
 
 def _segment_of(block: Block) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from dpprof.emulator.allocator import CachingAllocatorSim, SimulatedOutOfMemory
 from dpprof.emulator.allocator_blocks import Block
 from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.emulator.cuda_memory import CudaMemory
-from dpprof.emulator.events import RELEASE_POOL
+from dpprof.emulator.events import OWN_STEPS
 
 __all__ = ["MARK", "OomGuard", "OutOfMemoryRaised", "format_size"]
 
@@ -148,10 +148,8 @@ class OomGuard:
                 blocks[row[1]] = sim.malloc(row[2], row[3] if len(row) > 3 else 0)
             elif kind == "free":
                 sim.free(blocks.pop(row[1], None))
-            elif kind == "empty_cache":
-                sim.empty_cache()
-            elif kind == RELEASE_POOL:
-                sim.release_pool(row[1])
+            elif kind in OWN_STEPS:
+                sim.own_step(row)
         self._sims[device] = sim
         self._blocks[device] = blocks
         self._marks_seen = len(self.memory.rt.storages.events.marks)
@@ -163,10 +161,7 @@ class OomGuard:
         marks = self.memory.rt.storages.events.marks
         for _, row in marks[self._marks_seen:]:
             for sim in self._sims.values():
-                if row[0] == RELEASE_POOL:
-                    sim.release_pool(row[1])
-                else:
-                    sim.empty_cache()
+                sim.own_step(row)
         self._marks_seen = len(marks)
 
     # ---- the follower ---------------------------------------------------------------------
