@@ -80,6 +80,7 @@ class Stepper:
         self._handles: list[Any] = []
         self._phase: contextlib.ExitStack | None = None
         self.batch_rows = 0  # rows of the first measured batch that reached backward
+        self._rows_at = 0  # the steps done when batch_rows was noted
         self.warmup_rows = 0  # rows of the warm-up step's batch
         self._last_rows = 0  # rows of the last outermost module call
         self._rows_from_kwargs = False  # that call had no tensor argument but by keyword
@@ -171,8 +172,10 @@ class Stepper:
 
     def abandoned(self) -> None:
         """The step under way ran out of memory (and the script went on: a smaller batch):
-        its batch is not the one the run trains on."""
-        self.batch_rows = 0
+        its batch, where it is the one noted, is not the one the run trains on (a batch of
+        a step that ended is kept)."""
+        if self._rows_at == self.done:
+            self.batch_rows = 0
 
     def backward_started(self) -> None:
         self.backwards += 1
@@ -189,6 +192,7 @@ class Stepper:
         self.phase(f"backward (step {self.done + 1})")
         if not self.batch_rows:
             self.batch_rows = self._last_rows  # the batch of the forward this backs
+            self._rows_at = self.done  # ... in the step under way
 
     def _pre_forward(self, module: Any, args: Any) -> None:
         # a module called inside backward (checkpoint's recompute) is no forward of the step;
