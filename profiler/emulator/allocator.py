@@ -81,6 +81,7 @@ processes (or ``set_per_process_memory_fraction``'s limit, which fails the same 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
 
 from dpprof.emulator.allocator_blocks import KEY_SHIFT, Block, BlockPool
@@ -312,7 +313,7 @@ class CachingAllocatorSim(ExpandableSegments):
         """``emptyCache``: ``release_cached_blocks``, every cached unsplit segment goes back."""
         self._release_cached_blocks()
 
-    def own_step(self, row: tuple[Any, ...]) -> None:
+    def own_step(self, row: Sequence[Any]) -> None:
         """One of the allocator's own steps between allocations, as a log's mark or a
         replay's row names it: ``("empty_cache", ...)`` or ``(RELEASE_POOL, pool id, ...)``
         (:data:`dpprof.emulator.events.EMPTY_CACHE`, :data:`~dpprof.emulator.events.
