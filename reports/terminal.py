@@ -264,8 +264,9 @@ def _gpu_table(view: ReportView) -> RenderableType | None:
         return Text(text, style="bold red" if d.total_over_capacity else "")
 
     nccl = {d.nccl_bytes for d in devices if d.nccl_bytes}
-    context = "CUDA context" + (f" (DDP ranks: + {fmt_bytes(nccl.pop())} for NCCL)"
-                                if len(nccl) == 1 else " (DDP ranks: + NCCL)" if nccl else "")
+    # DDP's ranks and DataParallel's GPUs hold NCCL communicators, of different sizes
+    context = "CUDA context" + (f" (+ {fmt_bytes(nccl.pop())} for NCCL's communicators)"
+                                if len(nccl) == 1 else " (+ NCCL's communicators)" if nccl else "")
     # a line of its own: a table's title wraps to the table's width
     full_title = Text(f"{what} + {context}")
     short_title = Text(

@@ -10,6 +10,7 @@ from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.kernels import EFFICIENT, FLASH, MATH, SdpaCall, sdpa_backend
 from dpprof.scenarios.step import StepConfig
 from dpprof.scenarios.workloads import AttnConfig, attention, mlp
+from dpprof.units import fmt_bytes
 
 SEQ, HEADS, ROWS, LAYERS = 1024, 8, 4, 2
 
@@ -92,7 +93,12 @@ def test_reports_show_allocated_reserved_and_context_per_device() -> None:
     console = Console(width=200, record=True)
     console.print(terminal.render(run))
     text = console.export_text()
-    assert "on a GPU: reserved" in text and "+ 254 MiB" in text
+    # each GPU's context: the CUDA context (254 MiB) and DataParallel's NCCL communicator
+    d = run.scenarios[0].devices[0]
+    parts = d.context_breakdown_bytes
+    assert parts["cuda_context"] > 250 << 20 and d.context_bytes == sum(parts.values())
+    assert "on a GPU: reserved" in text and f"+ {fmt_bytes(d.context_bytes)}" in text
+    assert f"+ {fmt_bytes(parts['nccl'])} for NCCL's communicators" in text
     assert any("cuBLAS workspace" in a for a in run.assumptions)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from dpprof.backends.emulated import EmulationConfig, run_scenario
 from dpprof.emulator.context import device_context
+from dpprof.emulator.nccl_memory import nccl_clique_memory
 from dpprof.measure.maxbatch_search import ProbeResult, run_maxbatch, search
 from dpprof.pipeline import CompareConfig, run_compare
 from dpprof.result import STATUS_OK, STATUS_OOM
@@ -66,9 +67,11 @@ def test_count_reserved_over_cpu_tensors_counts_segments_and_context() -> None:
     s = run_scenario("dp-loss-primary", lm(SMALL_LM), counted)
     ctx = device_context(cfg.compute_capability, uses_cudnn=False)
     assert ctx.outside_allocator_bytes > 250 << 20  # the CUDA context alone is ~254 MiB
+    # and DataParallel's NCCL communicator on each GPU
+    nccl = nccl_clique_memory(2, compute_capability=cfg.compute_capability).high_bytes
     for d in s.devices:
         assert d.peak_reserved_bytes is not None and d.peak_reserved_bytes >= d.peak_allocated_bytes
-        assert d.context_bytes == ctx.outside_allocator_bytes
+        assert d.context_bytes == ctx.outside_allocator_bytes + nccl
         assert d.total_peak_bytes == d.peak_reserved_bytes + d.context_bytes
     # reserved memory comes in segments of at least 2 MiB
     assert s.devices[0].peak_reserved_bytes % (2 << 20) == 0

@@ -108,7 +108,7 @@ def test_the_error_is_known_again_where_a_worker_thread_re_raised_a_copy() -> No
     from dpprof.emulator.virtual_cuda import VirtualCuda
 
     with VirtualCuda(1) as vc:
-        guard = OomGuard(vc.memory, lambda: 0, lambda i: i)
+        guard = OomGuard(vc.memory, lambda device: 0, lambda i: i)
         vc.memory.set_per_process_memory_fraction(1e-6)  # about 85 KB for the allocator
         guard.install()
         try:
@@ -133,7 +133,7 @@ def test_the_live_simulation_keeps_to_the_replayed_one() -> None:
 
     MiB = 2**20
     with VirtualCuda(1) as vc:
-        guard = OomGuard(vc.memory, lambda: 0, lambda i: i)
+        guard = OomGuard(vc.memory, lambda device: 0, lambda i: i)
         guard.install()
         vc.memory.set_per_process_memory_fraction(0.001)  # about 85 MB: live from ~21 MB
         keep = [torch.empty(12 * MiB, dtype=torch.uint8, device="cuda") for _ in range(3)]

@@ -35,7 +35,13 @@ from dpprof.backends.emulated_figures import (
 )
 from dpprof.backends.emulated_time import fill_predicted_time
 from dpprof.emulator.catalog import DEFAULT_GPU, lookup_gpu
-from dpprof.emulator.context import ContextModel, device_context, link_of
+from dpprof.emulator.context import (
+    ContextModel,
+    clique_nccl_memory,
+    clique_note,
+    device_context,
+    link_of,
+)
 from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.data_parallel import EmulatedDataParallel, replicas_float16_note
 from dpprof.emulator.ddp import EmulatedDDP
@@ -104,7 +110,8 @@ ASSUMPTIONS = [
     "Allocated excludes, and the report shows separately per device: reserved (the caching "
     "allocator simulated over the allocation sequence, cuBLAS workspaces included where "
     "each thread's first matmul allocates them) and the CUDA context (+ cuDNN library code "
-    "where convolutions run; + NCCL's memory for DDP ranks). Allocated includes cuDNN's "
+    "where convolutions run; + NCCL's memory for DDP ranks and DataParallel's GPUs). "
+    "Allocated includes cuDNN's "
     "convolution workspace at each convolution, estimated from what an H200 measured "
     "(dpprof.emulator.cudnn_workspace). Peaks are the worst case a real run reaches: DDP's "
     "first-iteration buckets, which NCCL keeps until its watchdog reaps them, are counted; "
@@ -394,11 +401,17 @@ def _measured_figures(
     if rt.stand_ins.counts:
         notes.append(stand_in_note(rt))
     if not cfg.peaks_only and (not cfg.compute or cfg.count_reserved):
+        own_nccl = clique_nccl_memory(rt.nccl_cliques, cfg.compute_capability,
+                                      link=_link(cfg), nccl_env=os.environ)
         devices = with_gpu_overheads(devices, rt.storages.events, context_model(cfg, model),
                                      source=lambda d: sources.get(d.index, d.index),
                                      nccl=cfg.collectives or None, blas_first=rt.blas_first,
                                      blas_side=rt.blas_side,
-                                     transients=rt.storages.transients)
+                                     transients=rt.storages.transients,
+                                     own_nccl_bytes={d: m.high_bytes
+                                                     for d, m in own_nccl.items()})
+        if (note := clique_note(own_nccl)) is not None:
+            notes.append(note)
     alike = kind is not None and kind.ranks_alike  # DDP's ranks: one note for all
     for d in devices[:1] if alike else devices:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
@@ -524,8 +537,12 @@ def context_model(cfg: EmulationConfig, model: nn.Module) -> ContextModel:
     rank's NCCL at the run's world size, over the GPU's link, with the NCCL_* settings of
     the environment dpprof runs in)."""
     uses_cudnn = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    link = link_of(lookup_gpu(cfg.gpu) if cfg.gpu else DEFAULT_GPU, cfg.interconnect)
     return device_context(cfg.compute_capability, uses_cudnn, world_size=max(cfg.gpus, 1),
-                          link=link, nccl_env=os.environ)
+                          link=_link(cfg), nccl_env=os.environ)
+
+
+def _link(cfg: EmulationConfig) -> str:
+    """The link NCCL's peers use on the run's GPU."""
+    return link_of(lookup_gpu(cfg.gpu) if cfg.gpu else DEFAULT_GPU, cfg.interconnect)
 
 

@@ -69,13 +69,14 @@ def with_gpu_overheads(devices: Sequence[DeviceResult], events: Iterable[Allocat
                        blas_side: Mapping[tuple[int, str, int], tuple[int, int]] | None = None,
                        transients: Mapping[int, tuple[int, str]] | None = None,
                        config: AllocatorConfig | None = None,
+                       own_nccl_bytes: Mapping[int, int] | None = None,
                        ) -> tuple[DeviceResult, ...]:
     """``devices`` with the caching allocator's reserve and the context each used one holds
     (:func:`~dpprof.emulator.reserved.gpu_overheads`, with these options); an unused device
     as it was."""
     figures = gpu_overheads(devices, events, ctx, source=source, nccl=nccl,
                             blas_first=blas_first, blas_side=blas_side, transients=transients,
-                            config=config)
+                            config=config, own_nccl_bytes=own_nccl_bytes)
     return apply_overheads(devices, figures)
 
 

@@ -78,6 +78,7 @@ def broadcast_coalesced(
                 outputs[i] += [t.data for t in views]
             del views
         log_collective(rt, BROADCAST, flat, devices)
+        note_communicators(rt, devices)
         del flat, results
     if len(types) > 1:
         outputs = [outputs[0]] + [reorder_tensors_like(o, tensors) for o in outputs[1:]]
@@ -91,12 +92,25 @@ def log_collective(rt: VirtualDevices, kind: str, t: torch.Tensor, devices: Sequ
     log = rt.op_log
     if log is None or not log.on:
         return
-    # each device and the devices mirroring it (their replicas stood for, not run)
-    every = list(dict.fromkeys(x for d in devices for x in (d, *rt.mirrors.mirrors_of(d))))
+    every = _with_mirrors(rt, devices)
     if len(every) > 1:
         moved = t.numel() * t.element_size() if nbytes is None else nbytes
         log.collective(kind, moved, every[0], len(every), rt.current_phase,
                        tuple(every[1:]))
+
+
+def note_communicators(rt: VirtualDevices, devices: Sequence[int]) -> None:
+    """Note the communicators an NCCL call over ``devices`` makes (torch/csrc/cuda/nccl.cpp,
+    ``get_communicators``: one per device of the list, made at its first call and kept),
+    the devices mirroring them included."""
+    every = _with_mirrors(rt, devices)
+    if len(every) > 1:
+        rt.nccl_cliques.add(every)
+
+
+def _with_mirrors(rt: VirtualDevices, devices: Sequence[int]) -> tuple[int, ...]:
+    """Each device and the devices mirroring it (their replicas stood for, not run)."""
+    return tuple(dict.fromkeys(x for d in devices for x in (d, *rt.mirrors.mirrors_of(d))))
 
 
 def _no_dispatch(meta: bool) -> Any:
@@ -142,6 +156,7 @@ def reduce_add(
     result = torch.empty_like(inputs[root])
     devices = [rt.storages.device_of(t) for t in inputs]
     log_collective(rt, REDUCE, result, [destination, *(d for d in devices if d != destination)])
+    note_communicators(rt, devices)
     if rt.base.type == "meta":
         return result  # the sum is written in place: over meta there is nothing to write
     with rt.cross_device():

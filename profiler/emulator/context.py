@@ -8,14 +8,21 @@ allocator itself serves (cuBLAS / cuBLASLt workspaces), with the assumptions spe
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpprof.emulator import calibration, cudnn_workspace
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.catalog import GpuSpec, compute_capability_of, peak_rates_of
-from dpprof.emulator.nccl_memory import FIXED_BYTES, NcclSettings, nccl_rank_memory
+from dpprof.emulator.nccl_memory import (
+    FIXED_BYTES,
+    NCCL_SOURCE,
+    NcclRankMemory,
+    NcclSettings,
+    nccl_clique_memory,
+    nccl_rank_memory,
+)
 
 __all__ = [
     "CUBLAS_HANDLES_PER_DEVICE",
@@ -400,6 +407,39 @@ def device_context(compute_capability: tuple[int, int], uses_cudnn: bool, *,
         "loop): the peaks count them (the worst case), the steady state is shown "
         "beside")
     return replace(model, assumptions=notes, nccl_bytes=nccl.high_bytes)
+
+
+def clique_nccl_memory(cliques: Iterable[Sequence[int]], compute_capability: tuple[int, int],
+                       *, link: str = "nvlink", nccl_env: Mapping[str, str] | None = None
+                       ) -> dict[int, NcclRankMemory]:
+    """NCCL's memory on each device of one process's own communicators, by device:
+    ``cliques`` are the device lists of ``torch.cuda.nccl``'s calls
+    (:attr:`dpprof.emulator.virtual_devices.VirtualDevices.nccl_cliques`), each a
+    communicator per device; a device counts the largest list it is in (torch keys its
+    communicators by the list in order: the same GPUs in another order would make more,
+    which DataParallel does not)."""
+    settings = NcclSettings.from_env(nccl_env or {})
+    cc = (int(compute_capability[0]), int(compute_capability[1]))
+    sizes: dict[int, int] = {}
+    for clique in cliques:
+        for device in clique:
+            sizes[device] = max(sizes.get(device, 0), len(clique))
+    models = {n: nccl_clique_memory(n, compute_capability=cc, link=link, settings=settings)
+              for n in set(sizes.values())}
+    return {device: models[n] for device, n in sizes.items()}
+
+
+def clique_note(memory: Mapping[int, NcclRankMemory]) -> str | None:
+    """The report's words on :func:`clique_nccl_memory`'s figures (None: no communicator)."""
+    if not memory:
+        return None
+    first = memory[min(memory)]
+    devices = ", ".join(f"cuda:{d}" for d in sorted(memory))
+    settings = [n for n in first.notes if n.startswith("NCCL setting")]
+    return (f"NCCL's communicators on {devices} (torch.cuda.comm's broadcast and reduce, "
+            "DataParallel's: one a GPU, the ring's connections alone) hold "
+            f"{first.low_bytes:,}-{first.high_bytes:,} B a GPU outside the allocator, the high "
+            f"end counted (modelled from {NCCL_SOURCE})" + "".join(f"; {n}" for n in settings))
 
 
 def link_of(spec: GpuSpec, interconnect: str = "") -> str:

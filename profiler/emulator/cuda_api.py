@@ -114,7 +114,14 @@ def memory_stats(vc: EmulatedCuda, p: Patch) -> None:
     import torch.cuda.memory as cuda_memory
 
     cuda = torch.cuda
-    p(cuda, "mem_get_info", initialising(vc, vc.memory.mem_get_info))
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        free, total = vc.memory.mem_get_info(device)
+        # cudaMemGetInfo's free memory is the device's: the context, the libraries and NCCL's
+        # communicators hold theirs beside the allocator's reserve
+        return max(free - device_readings.outside_bytes(vc, vc.index_of(device)), 0), total
+
+    p(cuda, "mem_get_info", initialising(vc, mem_get_info))
     # torch's own memory_summary prints these statistics (it reads torch.cuda.memory's
     # memory_stats, patched below)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",

@@ -63,23 +63,25 @@ def _context(compute_capability: tuple[int, int], uses_cudnn: bool) -> ContextMo
     return context_overhead(compute_capability, uses_cudnn=uses_cudnn)
 
 
-def outside_bytes(vc: EmulatedCuda) -> int:
-    """What a process holds on a GPU beside the caching allocator's reserve, as modelled
-    now: the CUDA context and the libraries (cuDNN's once a convolution ran)."""
-    return _context(vc.spec.compute_capability, vc.rt.saw_convolution).outside_allocator_bytes
-
-
-def beside_tensors_bytes(vc: EmulatedCuda) -> int:
-    """What a GPU holds beside a process's tensors, as modelled now: :func:`outside_bytes`
-    and the cuBLAS workspaces the caching allocator serves."""
+def outside_bytes(vc: EmulatedCuda, device: int) -> int:
+    """What a process holds on runtime ``device`` beside the caching allocator's reserve, as
+    modelled now: the CUDA context, the libraries (cuDNN's once a convolution ran) and
+    NCCL's communicators."""
     ctx = _context(vc.spec.compute_capability, vc.rt.saw_convolution)
-    return ctx.outside_allocator_bytes + ctx.workspace_reserved_bytes
+    return ctx.outside_allocator_bytes + vc.nccl_bytes_on(device)
+
+
+def beside_tensors_bytes(vc: EmulatedCuda, device: int) -> int:
+    """What runtime ``device`` holds beside a process's tensors, as modelled now:
+    :func:`outside_bytes` and the cuBLAS workspaces the caching allocator serves."""
+    ctx = _context(vc.spec.compute_capability, vc.rt.saw_convolution)
+    return outside_bytes(vc, device) + ctx.workspace_reserved_bytes
 
 
 def used_bytes(vc: EmulatedCuda, device: Any = None) -> int:
     """What NVML would count as used on ``device`` now: the caching allocator's reserve
     (simulated over the allocations so far) and :func:`outside_bytes`."""
-    return vc.memory.memory_reserved(device) + outside_bytes(vc)
+    return vc.memory.memory_reserved(device) + outside_bytes(vc, vc.index_of(device))
 
 
 def install(vc: EmulatedCuda, p: Patch, readings: Readings) -> None:

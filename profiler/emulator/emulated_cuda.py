@@ -28,6 +28,7 @@ class EmulatedCuda(Protocol):
     graphs: Any  # dpprof.emulator.cuda_graphs.Captures: the CUDA graphs' pools and captures
     readings: Any  # dpprof.emulator.device_readings.Readings: NVML readings stood in for
     profiled: Any  # dpprof.emulator.profilers.Profiled: GPU profiling left out
+    nccl_bytes_on: Callable[[int], int]  # NCCL's memory on a runtime device now
 
     def device_count(self) -> int: ...
     def initialise(self) -> None: ...

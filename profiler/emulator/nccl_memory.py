@@ -17,7 +17,7 @@ and not counted.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = [
     "FIXED_BYTES",
@@ -25,6 +25,7 @@ __all__ = [
     "NCCL_SOURCE",
     "NcclRankMemory",
     "NcclSettings",
+    "nccl_clique_memory",
     "nccl_rank_memory",
     "net_connection_bytes",
     "nvls_buffer_bytes",
@@ -348,6 +349,30 @@ def nccl_rank_memory(world_size: int, *, compute_capability: tuple[int, int] = (
                      "protocol's buffer (p2p.cc:447, net.cc:881/1048)")
     return NcclRankMemory(world_size, sum(low.values()), sum(high.values()), high,
                           tuple(notes))
+
+
+def nccl_clique_memory(size: int, *, compute_capability: tuple[int, int] = (9, 0),
+                       link: str = "nvlink", settings: NcclSettings | None = None
+                       ) -> NcclRankMemory:
+    """NCCL's memory on each GPU of one process's communicators over ``size`` of its GPUs:
+    ``torch.cuda.nccl``'s, which ``torch/csrc/cuda/nccl.cpp`` makes with ``ncclCommInitAll``
+    over a call's devices (one communicator per GPU) and keeps for the process's life, for
+    ``torch.cuda.comm``'s broadcast and reduce on the NCCL path (DataParallel's replicate and
+    its gradients' reduction). Broadcast and reduce run the ring alone (src/graph/tuning.cc,
+    ncclTopoTuneModel: ``(coll == ncclFuncBroadcast || coll == ncclFuncReduce) && a !=
+    NCCL_ALGO_RING``), so only the ring's connections are made, at its first use; where
+    NCCL connects at init (``NCCL_RUNTIME_CONNECT=0``, or without cuMem) every allowed
+    algorithm's are, as for a rank."""
+    s = settings or NcclSettings()
+    if s.runtime_connect and s.cumem:
+        s = replace(s, algorithms=frozenset({"ring"}))
+    m = nccl_rank_memory(size, compute_capability=compute_capability, link=link,
+                         gpus_per_node=size, settings=s)
+    first = (f"NCCL's memory on each GPU of this process's communicators over {size} GPUs "
+             "(ncclCommInitAll, one per GPU: torch.cuda.comm's broadcast and reduce, "
+             "DataParallel's), the ring's connections alone (broadcast and reduce run no "
+             f"other), modelled from {NCCL_SOURCE} and the records")
+    return replace(m, notes=(first, *m.notes[1:]))
 
 
 def _transports(s: NcclSettings, world_size: int, per_node: int, cc: tuple[int, int],

@@ -67,7 +67,7 @@ class OomGuard:
     capacity_guard`) and an event follower: a caching allocator simulated live per device
     near its memory."""
 
-    def __init__(self, memory: CudaMemory, outside_bytes: Callable[[], int],
+    def __init__(self, memory: CudaMemory, outside_bytes: Callable[[int], int],
                  logical: Callable[[int], int]) -> None:
         self.memory = memory
         self._outside = outside_bytes
@@ -91,7 +91,7 @@ class OomGuard:
 
     def room(self, device: int) -> int:
         """What the caching allocator of runtime ``device`` can have now."""
-        room = self.memory.capacity_bytes - self._outside()
+        room = self.memory.capacity_bytes - self._outside(device)
         limit = self.memory.limit_bytes(device)
         return room if limit is None else min(room, limit)
 
@@ -123,7 +123,7 @@ class OomGuard:
         raised = OutOfMemoryRaised(relative_site(caller_site()), self._logical(device),
                                    requested, live, room)
         capacity = self.memory.capacity_bytes
-        free = max(capacity - sim.reserved_bytes - self._outside(), 0)
+        free = max(capacity - sim.reserved_bytes - self._outside(device), 0)
         err = torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_size(requested)}. GPU "
             f"{raised.device} has a total capacity of {format_size(capacity)} of which "

@@ -85,6 +85,7 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
                   transients: Mapping[int, tuple[int, str]] | None = None,
                   config: AllocatorConfig | None = None,
                   limits: Mapping[int, int] | None = None,
+                  own_nccl_bytes: Mapping[int, int] | None = None,
                   ) -> list[GpuOverheads | None]:
     """Per device, in order, its :class:`GpuOverheads` (None: an unused device): the
     caching allocator's reserve (a simulation of its pools over the device's allocation
@@ -105,7 +106,9 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
     defaults). ``limits``: what the allocator of a source device may reserve
     (``set_per_process_memory_fraction``): there the simulation runs under it, releasing its
     cache to stay within it as c10 does, and says whether it ran out
-    (``out_of_limit_bytes``).
+    (``out_of_limit_bytes``). ``own_nccl_bytes``: NCCL's memory on a source device from the
+    process's own communicators (``torch.cuda.nccl``'s: DataParallel's broadcast and reduce),
+    counted beside a rank's process group's.
     """
     sequences = _DeviceSequences(events)
     simulated: dict[Any, Any] = {}  # one simulation per distinct sequence
@@ -138,12 +141,13 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
             steady_reserved = steady[src]
         # a DDP rank (or as told) holds an NCCL communicator, where the model gives it bytes
         communicator = (d.rank is not None if nccl is None else nccl) and ctx.nccl_bytes > 0
+        nccl_bytes = (ctx.nccl_bytes if communicator else 0) + (own_nccl_bytes or {}).get(src, 0)
         out.append(GpuOverheads(
             peak_reserved_bytes=stats.peak_reserved_bytes,
             workspace_bytes=ctx.workspace_bytes,
-            context_bytes=ctx.outside_allocator_bytes + (ctx.nccl_bytes if communicator else 0),
+            context_bytes=ctx.outside_allocator_bytes + nccl_bytes,
             context_breakdown_bytes=(
-                (*library, ("nccl", ctx.nccl_bytes)) if communicator else library),
+                (*library, ("nccl", nccl_bytes)) if nccl_bytes else library),
             steady_peak_reserved_bytes=steady_reserved,
             out_of_limit_bytes=limit if stats.oom else None))
     return out

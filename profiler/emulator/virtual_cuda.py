@@ -151,6 +151,9 @@ class VirtualCuda:
         self.readings = device_readings.Readings()
         # the GPU profiling and tuning the script asked for, left out
         self.profiled = profilers.Profiled()
+        # NCCL's memory on a runtime device now, outside the allocator (who runs the script
+        # knows its process group and the GPUs' link: dpprof.script.run_figures); none here
+        self.nccl_bytes_on: Callable[[int], int] = lambda device: 0
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()

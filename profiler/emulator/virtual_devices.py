@@ -100,6 +100,10 @@ class VirtualDevices(TorchDispatchMode):
         self.blas_side: dict[tuple[int, str, int], tuple[int, int]] = {}
         # the measured step's ops, for the step-time model (None: not asked for)
         self.op_log: OpLog | None = None
+        # the device lists of torch.cuda.nccl's calls (DataParallel's broadcast and reduce):
+        # torch makes a communicator on each device of a list (ncclCommInitAll) at its
+        # first call and keeps it, NCCL's memory outside the allocator
+        self.nccl_cliques: set[tuple[int, ...]] = set()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -52,7 +52,7 @@ from dpprof.scenarios.workloads import Workload
 from dpprof.units import fmt_bytes
 
 COUNTS = ("peak reserved (simulated caching allocator, cuBLAS workspaces included) + the "
-          "CUDA context (and NCCL's memory on DDP ranks)")
+          "CUDA context (and NCCL's memory on DDP ranks and DataParallel's GPUs)")
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from dpprof.backends.emulated_figures import apply_overheads
 from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.call_sites import relative_site
-from dpprof.emulator.context import device_context, link_of
+from dpprof.emulator.context import clique_nccl_memory, clique_note, device_context, link_of
+from dpprof.emulator.nccl_memory import NcclRankMemory
 from dpprof.emulator.reserved import GpuOverheads, gpu_overheads
 from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
 from dpprof.result import STATUS_ERROR, DeviceResult, ScenarioResult
@@ -101,17 +102,57 @@ class AllocatorLimit:
                 f"{d.peak_phase or 'its peak'}): raise the fraction or lower the batch")
 
 
+def own_nccl(vc: VirtualCuda, cfg: ScriptConfig) -> dict[int, NcclRankMemory]:
+    """NCCL's memory on each runtime device of the process's own communicators
+    (``torch.cuda.nccl``'s: DataParallel's broadcast and reduce), in the script's
+    environment."""
+    return clique_nccl_memory(vc.rt.nccl_cliques, cfg.gpu.compute_capability,
+                              link=link_of(cfg.gpu, cfg.interconnect),
+                              nccl_env={**os.environ, **cfg.launch.env})
+
+
+class NcclOnDevices:
+    """NCCL's memory on a runtime device as the run goes, for the readings and the
+    out-of-memory check in the run (``vc.nccl_bytes_on``): the process's own communicators
+    from their first call, and a process group's over NCCL on the rank's device from the
+    group's start (DDP, FSDP and every collective connect it before a step runs), each at
+    the high end, as the figures after the run count them."""
+
+    def __init__(self, vc: VirtualCuda, cfg: ScriptConfig, local_rank: int) -> None:
+        self._vc, self._cfg, self._local_rank = vc, cfg, local_rank
+        self._key: tuple[int, int] = (0, 0)
+        self._own: dict[int, int] = {}
+        self._group_bytes = 0
+
+    def __call__(self, device: int) -> int:
+        log, backend = self._vc.parallel.log, self._vc.parallel.backend
+        world = log.world_size if log.fake_group and backend == "nccl" else 0
+        key = (len(self._vc.rt.nccl_cliques), world)
+        if key != self._key:  # a new communicator: figure them again
+            self._key = key
+            self._own = {d: m.high_bytes for d, m in own_nccl(self._vc, self._cfg).items()}
+            self._group_bytes = device_context(
+                self._cfg.gpu.compute_capability, False, world_size=max(world, 1),
+                link=link_of(self._cfg.gpu, self._cfg.interconnect),
+                nccl_env={**os.environ, **self._cfg.launch.env}).nccl_bytes if world else 0
+        group = self._group_bytes if (
+            world and device == rank_device(self._vc, self._local_rank)) else 0
+        return self._own.get(device, 0) + group
+
+
 def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
                    local_rank: int, world_size: int = 1
-                   ) -> tuple[tuple[DeviceResult, ...], list[AllocatorLimit]]:
+                   ) -> tuple[tuple[DeviceResult, ...], list[AllocatorLimit], list[str]]:
     """``devices`` with reserved and the CUDA context (a rank's NCCL at the world size, in the
-    script's environment) per used device: the emulator's one model
-    (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's allocations; and the
-    limit of each used device whose memory fraction the script set (simulated under it as
-    c10 limits it: the cache released first, then out of memory)."""
+    script's environment, and the process's own communicators') per used device: the
+    emulator's one model (:func:`dpprof.emulator.reserved.gpu_overheads`) over the script's
+    allocations; the limit of each used device whose memory fraction the script set
+    (simulated under it as c10 limits it: the cache released first, then out of memory);
+    and the notes on them."""
     ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
                          link=link_of(cfg.gpu, cfg.interconnect),
                          nccl_env={**os.environ, **cfg.launch.env})
+    own = own_nccl(vc, cfg)
 
     def source(d: DeviceResult) -> int:
         if d.rank is None:
@@ -123,7 +164,8 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
         return gpu_overheads(devices, vc.rt.storages.events, ctx, source=source,
                              blas_first=vc.rt.blas_first, blas_side=vc.rt.blas_side,
                              transients=vc.rt.storages.transients,
-                             config=vc.memory.allocator_config(), limits=limits)
+                             config=vc.memory.allocator_config(), limits=limits,
+                             own_nccl_bytes={d: m.high_bytes for d, m in own.items()})
 
     out = apply_overheads(devices, figures())
     limits = {i: b for i in vc.memory.fractions if (b := vc.memory.limit_bytes(i)) is not None}
@@ -134,4 +176,5 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
                 fraction, site = vc.memory.fractions[source(d)]
                 found.append(AllocatorLimit(d, limits[source(d)], fraction, site,
                                             f.out_of_limit_bytes is not None))
-    return out, found
+    note = clique_note({vc.logical(d): m for d, m in own.items()})
+    return out, found, [note] if note else []

@@ -82,6 +82,7 @@ from dpprof.script.lightning_launch import LaunchedRanks
 from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.run_figures import (
     AllocatorLimit,
+    NcclOnDevices,
     below_what_the_script_was_told,
     predict_time,
     rank_device,
@@ -118,8 +119,8 @@ class ScriptConfig:
     keep_outputs: bool = False
     ladder: bool | None = None  # --ladder / --no-ladder; None: where the floor is out of memory
     keep_writes: str | None = None  # --keep-writes DIR: each run's overlay copied there
-    # False only to measure what the seal costs (benchmarks/bench_seal.py) and, in tests, to
-    # show what it keeps out: the script then writes into the user's files
+    # False only to measure the seal's cost (benchmarks/bench_seal.py) and, in tests, what
+    # it keeps out: the script then writes into the user's files
     seal: bool = True
     # the user's files before the runs (dpprof.script.census), checked after each; None:
     # noted before this run
@@ -128,8 +129,7 @@ class ScriptConfig:
     interconnect: str = ""
     # the measured steps' time predicted (off only to measure what that costs)
     predict_time: bool = True
-    # torch.OutOfMemoryError raised where the GPU runs out, as it would be (False: the run
-    # goes on past it, to measure what the script needs)
+    # torch.OutOfMemoryError raised where the GPU runs out (False: the run goes on past it)
     raise_oom: bool = True
     # the rows DataParallel scattered in the run as written (in the DDP alternative each
     # rank's share of a batch the script makes by hand follows from it)
@@ -296,6 +296,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                     rung=cfg.rung.name if cfg.rung is not None else None, rank=cfg.rank,
                     local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)),
                     alternative_state=state)
+    vc.nccl_bytes_on = NcclOnDevices(vc, cfg, run.local_rank)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()
     # SDPA, dropout, rms_norm and the embedding backward as the target GPU runs them; over
@@ -397,8 +398,7 @@ def _note_first_stand_in(rt: Any) -> None:
     add, remember = rt.stand_ins.add, rt.remember_emulated_on_host
 
     def note() -> None:
-        sealed = seal.active()
-        if sealed is not None:
+        if (sealed := seal.active()) is not None:
             sealed.note_stand_in()
 
     def counted(kind: str, times: int = 1) -> None:
@@ -561,8 +561,8 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
         devices = ddp_ranks(devices[own], min(run.world_size, n))
     limits: list[AllocatorLimit] = []
     if not cfg.compute:
-        figured, limits = with_overheads(devices, vc, cfg, run.local_rank, run.world_size)
-        devices = list(figured)
+        figured, limits, more = with_overheads(devices, vc, cfg, run.local_rank, run.world_size)
+        devices, notes = list(figured), notes + more
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
