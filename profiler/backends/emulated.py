@@ -26,6 +26,7 @@ from dpprof.backends.emulated_alongside import (
 )
 from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.backends.emulated_figures import (
+    clique_note,
     device_results,
     judge,
     placed_devices,
@@ -38,7 +39,6 @@ from dpprof.emulator.catalog import DEFAULT_GPU, lookup_gpu
 from dpprof.emulator.context import (
     ContextModel,
     clique_nccl_memory,
-    clique_note,
     device_context,
     link_of,
 )

@@ -16,6 +16,7 @@ from dpprof.emulator.allocator_config import AllocatorConfig
 from dpprof.emulator.context import ContextModel
 from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
+from dpprof.emulator.nccl_memory import NcclRankMemory
 from dpprof.emulator.reserved import AllocationEvent, GpuOverheads, gpu_overheads
 from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
@@ -91,6 +92,21 @@ def apply_overheads(devices: Sequence[DeviceResult], figures: Sequence[GpuOverhe
                                     if f.steady_peak_reserved_bytes is None
                                     else f.steady_peak_reserved_bytes))
         for d, f in zip(devices, figures, strict=True))
+
+
+def clique_note(memory: Mapping[int, NcclRankMemory]) -> str | None:
+    """The report's words on the NCCL memory of a process's own communicators
+    (:func:`dpprof.emulator.context.clique_nccl_memory`; None: no communicator)."""
+    if not memory:
+        return None
+    first = memory[min(memory)]
+    devices = ", ".join(f"cuda:{d}" for d in sorted(memory))
+    settings = [n for n in first.notes if n.startswith("NCCL setting")]
+    return (f"NCCL's communicators on {devices} (torch.cuda.comm's broadcast and reduce, "
+            "DataParallel's: one a GPU, the ring's connections alone) hold "
+            f"{fmt_bytes(first.low_bytes)}-{fmt_bytes(first.high_bytes)} a GPU outside the "
+            "allocator, the high end counted (modelled from NCCL's source)"
+            + "".join(f"; {n}" for n in settings))
 
 
 def transient_note(d: DeviceResult, who: str | None = None) -> str | None:

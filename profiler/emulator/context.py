@@ -17,7 +17,6 @@ from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.catalog import GpuSpec, compute_capability_of, peak_rates_of
 from dpprof.emulator.nccl_memory import (
     FIXED_BYTES,
-    NCCL_SOURCE,
     NcclRankMemory,
     NcclSettings,
     nccl_clique_memory,
@@ -427,19 +426,6 @@ def clique_nccl_memory(cliques: Iterable[Sequence[int]], compute_capability: tup
     models = {n: nccl_clique_memory(n, compute_capability=cc, link=link, settings=settings)
               for n in set(sizes.values())}
     return {device: models[n] for device, n in sizes.items()}
-
-
-def clique_note(memory: Mapping[int, NcclRankMemory]) -> str | None:
-    """The report's words on :func:`clique_nccl_memory`'s figures (None: no communicator)."""
-    if not memory:
-        return None
-    first = memory[min(memory)]
-    devices = ", ".join(f"cuda:{d}" for d in sorted(memory))
-    settings = [n for n in first.notes if n.startswith("NCCL setting")]
-    return (f"NCCL's communicators on {devices} (torch.cuda.comm's broadcast and reduce, "
-            "DataParallel's: one a GPU, the ring's connections alone) hold "
-            f"{first.low_bytes:,}-{first.high_bytes:,} B a GPU outside the allocator, the high "
-            f"end counted (modelled from {NCCL_SOURCE})" + "".join(f"; {n}" for n in settings))
 
 
 def link_of(spec: GpuSpec, interconnect: str = "") -> str:

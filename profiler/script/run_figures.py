@@ -10,10 +10,10 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dpprof.backends.emulated_figures import apply_overheads
+from dpprof.backends.emulated_figures import apply_overheads, clique_note
 from dpprof.backends.emulated_time import write_prediction
 from dpprof.emulator.call_sites import relative_site
-from dpprof.emulator.context import clique_nccl_memory, clique_note, device_context, link_of
+from dpprof.emulator.context import clique_nccl_memory, device_context, link_of
 from dpprof.emulator.nccl_memory import NcclRankMemory
 from dpprof.emulator.reserved import GpuOverheads, gpu_overheads
 from dpprof.emulator.step_time import H200_FIT, predict_steps, rates_for
