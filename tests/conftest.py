@@ -39,7 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # and a property test beside them (pytest-xdist) would write .hypothesis/ there
     from hypothesis.configuration import set_hypothesis_home_dir
 
-    set_hypothesis_home_dir(tempfile.mkdtemp(prefix="dpprof-hypothesis-"))
+    examples = tempfile.mkdtemp(prefix="dpprof-hypothesis-")
+    set_hypothesis_home_dir(examples)
+    atexit.register(shutil.rmtree, examples, ignore_errors=True)  # as the calibration's
     # pytest-xdist's controller imports the module of each warning a worker reports, to
     # rebuild its category: a Lightning warning imports lightning, then torchmetrics, then
     # torchvision, whose C ops do not load over a CPU torch -- the controller crashed
