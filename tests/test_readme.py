@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_a_stale_block_in_a_page_is_found_and_rewritten(tmp_path: Path,
     text = (mod.DOCS / "maxbatch.md").read_text(encoding="utf-8")
     quoted = mod.quoted(text, "maxbatch")
     stale = docs / "maxbatch.md"
-    stale.write_text(text.replace(quoted, quoted.replace(" 544 ", " 999 ")), encoding="utf-8")
+    batch = re.search(r"dp-loss-primary +(\d+) ", quoted).group(1)  # type: ignore[union-attr]
+    stale.write_text(text.replace(quoted, quoted.replace(f" {batch} ", " 999 ")), encoding="utf-8")
     monkeypatch.setattr(mod, "README", tmp_path / "README.md")  # ROOT stays: the sessions' files
     monkeypatch.setattr(mod, "DOCS", docs)
     assert mod.main(["--check", "maxbatch"]) == 1

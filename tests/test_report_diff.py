@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from dpprof.cli.app import app
 from dpprof.reports import diff
 from dpprof.result import RunResult
+from dpprof.units import fmt_bytes
 
 runner = CliRunner()
 
@@ -45,7 +46,8 @@ def test_diff_per_scenario_and_device() -> None:
     assert all(d.delta_bytes == 0 for d in ddp.devices)
     lines = diff.summary(rd)
     # what the fullest GPU needs and whether it fits, then cuda:0's allocated peak
-    assert lines[0].startswith("dp-loss-primary: cuda:0 73.6 GiB, fits → 73.6 GiB, fits; "
+    need = fmt_bytes(before.scenario("dp-loss-primary").devices[0].total_peak_bytes)
+    assert lines[0].startswith(f"dp-loss-primary: cuda:0 {need}, fits → {need}, fits; "
                                "allocated cuda:0 69.5 GiB → 18.7 GiB (-50.8 GiB -73%)")
 
 
