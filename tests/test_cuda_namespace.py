@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.cuda.comm
 import torch.cuda.memory
+import torch.cuda.nccl
 import torch.cuda.profiler
 import torch.cuda.tunable
 from script_runs import peak_reserved, run_script
@@ -90,7 +91,7 @@ NAMES = sorted({name for m in (torch.cuda, torch.cuda.memory) for name, _ in _pu
 
 # the modules of torch.cuda a script calls by their own names, each walked the same way
 MODULES = {"torch.cuda.tunable": torch.cuda.tunable, "torch.cuda.comm": torch.cuda.comm,
-           "torch.cuda.profiler": torch.cuda.profiler}
+           "torch.cuda.profiler": torch.cuda.profiler, "torch.cuda.nccl": torch.cuda.nccl}
 MODULE_ARGUMENTS: dict[str, Callable[[], tuple[Any, ...]]] = {
     "set_max_tuning_duration": lambda: (10,),
     "set_max_tuning_iterations": lambda: (10,),
@@ -106,7 +107,17 @@ MODULE_ARGUMENTS: dict[str, Callable[[], tuple[Any, ...]]] = {
                                       [torch.ones(4, device="cuda:1")]],),
     "scatter": lambda: (torch.ones(4, device="cuda"), [0, 1]),
     "gather": lambda: ([torch.ones(4, device="cuda:0"), torch.ones(4, device="cuda:1")],),
+    # a module's own name where two modules share one (torch.cuda.nccl's take a tensor a GPU)
+    "torch.cuda.nccl.all_reduce": lambda: (_one_a_gpu(4),),
+    "torch.cuda.nccl.reduce": lambda: (_one_a_gpu(4),),
+    "torch.cuda.nccl.broadcast": lambda: (_one_a_gpu(4),),
+    "torch.cuda.nccl.all_gather": lambda: (_one_a_gpu(4), _one_a_gpu(8)),
+    "torch.cuda.nccl.reduce_scatter": lambda: (_one_a_gpu(4), _one_a_gpu(2)),
 }
+
+
+def _one_a_gpu(numel: int) -> list[torch.Tensor]:
+    return [torch.ones(numel, device=f"cuda:{i}") for i in range(2)]
 
 
 def _module_names() -> list[str]:
@@ -149,7 +160,8 @@ def test_every_function_of_torch_cudas_own_modules_runs_on_virtual_gpus(qualifie
     label, name = qualified.rsplit(".", 1)
     with VirtualCuda(2):
         func = getattr(MODULES[label], name)
-        args = MODULE_ARGUMENTS[name]() if name in MODULE_ARGUMENTS else ()
+        given = MODULE_ARGUMENTS.get(qualified) or MODULE_ARGUMENTS.get(name)
+        args = given() if given is not None else ()
         out = func(*args)
         if hasattr(out, "__enter__") and hasattr(out, "__exit__"):
             with out:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpprof.backends.emulated import run_scenario
 from dpprof.backends.emulated_config import EmulationConfig
@@ -185,3 +186,104 @@ def test_a_ddp_rank_is_told_of_its_process_groups_nccl_memory(
     assert nccl <= grew < nccl + (64 << 20)
     rank = result.scenarios[0].devices[0]
     assert rank.context_breakdown_bytes["nccl"] == nccl
+
+
+# torch.cuda.nccl called by hand, over CPU tensors: each result printed
+NCCL_BY_HAND = """
+import torch, torch.cuda.nccl as nccl
+def per_gpu(make):
+    return [make(i).to(f"cuda:{i}") for i in range(4)]
+def show(name, ts):
+    print(name, [t.cpu().tolist() for t in ts])
+print("available", nccl.is_available(per_gpu(lambda i: torch.zeros(2))))
+x = per_gpu(lambda i: torch.arange(6.0) * (i + 1)); nccl.all_reduce(x); show("all_reduce", x)
+x = per_gpu(lambda i: torch.arange(6.0) - i); nccl.all_reduce(x, op=2); show("max", x)
+x = per_gpu(lambda i: torch.arange(6.0) * (i + 1)); nccl.reduce(x, root=2, op=4)
+show("reduce_avg", x)
+x = per_gpu(lambda i: torch.full((3,), float(i))); nccl.broadcast(x, root=3)
+show("broadcast", x)
+x = per_gpu(lambda i: torch.full((2,), float(i))); out = per_gpu(lambda i: torch.empty(8))
+nccl.all_gather(x, out); show("all_gather", out)
+x = per_gpu(lambda i: torch.arange(8.0) + i); out = per_gpu(lambda i: torch.empty(2))
+nccl.reduce_scatter(x, out); show("reduce_scatter", out)
+for bad in ([torch.zeros(2, device="cuda:0"), torch.zeros(3, device="cuda:1")],
+            [torch.zeros(2, device="cuda:0"), torch.zeros(2, device="cuda:0")],
+            [torch.zeros(4, device="cuda:0")[::2], torch.zeros(2, device="cuda:1")]):
+    try:
+        nccl.all_reduce(bad)
+    except RuntimeError as e:
+        print("refused", e)
+"""
+
+
+@pytest.mark.usefixtures("_in_tmp")
+def test_torch_cuda_nccl_computes_what_nccl_computes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.cuda.nccl's collectives over one process's GPUs, called by hand: with --compute
+    each writes what NCCL writes (the same reductions done here on plain CPU tensors), and
+    refuses what nccl.cpp refuses."""
+    script = tmp_path / "train.py"
+    script.write_text(NCCL_BY_HAND)
+    _, main = run_command(ScriptConfig(
+        launch=parse_command(["python", str(script)], 4), gpus=4, compute=True),
+        alternatives=False)
+    assert main.exit_status == 0, main.script_traceback
+    said = {line.split(" ", 1)[0]: line.split(" ", 1)[1]
+            for line in capsys.readouterr().out.splitlines() if " " in line}
+    parts = [torch.arange(6.0) * (i + 1) for i in range(4)]
+    total = torch.stack(parts).sum(0).tolist()
+    assert said["available"] == "True"
+    assert said["all_reduce"] == str([total] * 4)
+    shifted = torch.stack([torch.arange(6.0) - i for i in range(4)]).amax(0).tolist()
+    assert said["max"] == str([shifted] * 4)
+    reduced = [p.tolist() for p in parts]
+    reduced[2] = (torch.stack(parts).sum(0) / 4).tolist()  # the root's only
+    assert said["reduce_avg"] == str(reduced)
+    assert said["broadcast"] == str([[3.0] * 3] * 4)
+    gathered = torch.cat([torch.full((2,), float(i)) for i in range(4)]).tolist()
+    assert said["all_gather"] == str([gathered] * 4)
+    summed = torch.stack([torch.arange(8.0) + i for i in range(4)]).sum(0)
+    assert said["reduce_scatter"] == str([summed[2 * i:2 * i + 2].tolist() for i in range(4)])
+    assert main.scenario.status == "ok"
+
+
+@pytest.mark.usefixtures("_in_tmp")
+def test_torch_cuda_nccl_refuses_what_nccl_cpp_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(NCCL_BY_HAND)
+    run_command(ScriptConfig(launch=parse_command(["python", str(script)], 4), gpus=4),
+                alternatives=False)
+    refused = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("refused")]
+    assert refused == ["refused all inputs must have the same number of elements",
+                       "refused inputs must be on unique devices",
+                       "refused all inputs and outputs have to be contiguous"]
+
+
+# torch.cuda.nccl over two of four GPUs, over meta tensors
+NCCL_TWO_OF_FOUR = """
+import torch, torch.cuda.nccl as nccl
+for i in range(4):
+    torch.zeros(1, device=f"cuda:{i}")
+nccl.all_reduce([torch.ones(1024, device="cuda:1"), torch.ones(1024, device="cuda:3")])
+"""
+
+
+@pytest.mark.usefixtures("_in_tmp")
+def test_torch_cuda_nccl_makes_communicators_on_the_gpus_it_joins(tmp_path: Path) -> None:
+    s = _run(tmp_path, NCCL_TWO_OF_FOUR)
+    spec = lookup_gpu("h100-80gb")
+    two = nccl_clique_memory(2, compute_capability=spec.compute_capability,
+                             link=link_of(spec)).high_bytes
+    nccl = {d.index: d.context_breakdown_bytes.get("nccl") for d in s.devices}
+    assert nccl == {0: None, 1: two, 2: None, 3: two}
+    assert any(n.startswith("NCCL's communicators on cuda:1, cuda:3") for n in s.notes)
+
+
+@pytest.mark.usefixtures("_in_tmp")
+def test_a_communicator_made_by_hand_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    s = _run(tmp_path, "import torch.cuda.nccl as nccl\nnccl.init_rank(2, nccl.unique_id(), 0)\n")
+    assert s.status == "error"
+    assert s.message.startswith("dpprof: torch.cuda.nccl.unique_id / init_rank"), s.message
+    assert "\n" not in s.message

@@ -18,6 +18,7 @@ import torch
 from dpprof.emulator import (
     cuda_comm,
     cuda_graphs,
+    cuda_nccl,
     device_readings,
     flex_attention,
     profilers,
@@ -42,6 +43,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     device_readings.install(vc, p, vc.readings)
     profilers.install(p, vc.profiled)
     cuda_comm.install(vc, p)
+    cuda_nccl.install(vc, p)
     random_generators(vc, p)
     streams_and_events(vc, p)
     cuda_graphs.install(vc, p)
