@@ -17,8 +17,11 @@ from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.emulator.catalog import lookup_gpu
 from dpprof.emulator.context import device_context, link_of
 from dpprof.emulator.nccl_memory import NcclSettings, nccl_clique_memory, nccl_rank_memory
+from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.result import ScenarioResult
 from dpprof.scenarios.workloads import load_workload
+from dpprof.script import parallel_state, wrappers
+from dpprof.script.run_figures import NcclOnDevices
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 H100 = (9, 0)
@@ -158,12 +161,10 @@ def test_the_oom_in_the_run_leaves_room_for_nccls_communicators(
 DDP_READS = """
 import os, torch, torch.distributed as dist, torch.nn as nn
 rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(rank)
-x = torch.zeros(1, device="cuda")
 before = torch.cuda.device_memory_used(rank)
 dist.init_process_group("nccl")
-model = nn.parallel.DistributedDataParallel(nn.Linear(16, 16).cuda(), device_ids=[rank])
-print("grew", torch.cuda.device_memory_used(rank) - before)
+print("grew", torch.cuda.device_memory_used(rank) - before)  # nothing allocated yet
+model = nn.parallel.DistributedDataParallel(nn.Linear(16, 16).to(rank), device_ids=[rank])
 """
 
 
@@ -171,7 +172,8 @@ print("grew", torch.cuda.device_memory_used(rank) - before)
 def test_a_ddp_rank_is_told_of_its_process_groups_nccl_memory(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A rank's process group over NCCL holds NCCL's memory on the rank's GPU: what the
-    script reads counts it from the group's start, as the run's figures do."""
+    script reads counts it from the group's start, before the rank allocated anything, as
+    the run's figures do."""
     script = tmp_path / "train.py"
     script.write_text(DDP_READS)
     spec = lookup_gpu("h100-80gb")
@@ -183,7 +185,7 @@ def test_a_ddp_rank_is_told_of_its_process_groups_nccl_memory(
                     if line.startswith("grew")).split()[-1])
     nccl = device_context(spec.compute_capability, False, world_size=2,
                           link=link_of(spec)).nccl_bytes
-    assert nccl <= grew < nccl + (64 << 20)
+    assert grew == nccl
     rank = result.scenarios[0].devices[0]
     assert rank.context_breakdown_bytes["nccl"] == nccl
 
@@ -287,3 +289,18 @@ def test_a_communicator_made_by_hand_stops_the_run_in_one_line(tmp_path: Path) -
     assert s.status == "error"
     assert s.message.startswith("dpprof: torch.cuda.nccl.unique_id / init_rank"), s.message
     assert "\n" not in s.message
+
+
+def test_a_later_ranks_communicator_is_on_its_own_gpu_before_it_allocates() -> None:
+    """The rank a run plays (its LOCAL_RANK) holds its process group's communicator on its
+    own GPU from the group's start, nothing allocated there yet; the other GPUs hold none."""
+    spec = lookup_gpu("h100-80gb")
+    cfg = ScriptConfig(launch=parse_command(["python", "train.py"], 4), gpus=4, gpu=spec)
+    nccl = device_context(spec.compute_capability, False, world_size=4,
+                          link=link_of(spec)).nccl_bytes
+    with VirtualCuda(4, spec, installers=[wrappers.install]) as vc:
+        on = NcclOnDevices(vc, cfg, local_rank=2)
+        assert [on(d) for d in range(4)] == [0, 0, 0, 0]  # no process group yet
+        log = parallel_state.state_of(vc).log
+        log.fake_group, log.world_size = True, 4
+        assert [on(d) for d in range(4)] == [0, 0, nccl, 0]

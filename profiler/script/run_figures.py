@@ -135,9 +135,16 @@ class NcclOnDevices:
                 self._cfg.gpu.compute_capability, False, world_size=max(world, 1),
                 link=link_of(self._cfg.gpu, self._cfg.interconnect),
                 nccl_env={**os.environ, **self._cfg.launch.env}).nccl_bytes if world else 0
-        group = self._group_bytes if (
-            world and device == rank_device(self._vc, self._local_rank)) else 0
+        group = self._group_bytes if world and device == self._group_device() else 0
         return self._own.get(device, 0) + group
+
+    def _group_device(self) -> int:
+        """The GPU of the rank's communicator: its local rank's, as launchers give it (the
+        rank's device by convention, whatever it has allocated yet), else where it ran."""
+        visible = self._vc.visible
+        if self._local_rank < len(visible):
+            return visible[self._local_rank]
+        return rank_device(self._vc, self._local_rank)
 
 
 def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: ScriptConfig,
