@@ -39,7 +39,7 @@ class DeviceView:
     out_of_memory: bool  # over capacity, or the device the scenario ran out of memory on
     peak_reserved_bytes: int | None
     context_bytes: int | None
-    nccl_bytes: int  # of context_bytes: a DDP rank's NCCL, outside the allocator
+    nccl_bytes: int  # of context_bytes: NCCL's communicators (DDP ranks, DataParallel's GPUs)
     total_peak_bytes: int  # reserved (or allocated) + context
     total_over_capacity: bool
     nvml_peak_used_bytes: int | None

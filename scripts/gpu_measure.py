@@ -71,7 +71,8 @@ SEGMENT_RUNGS = ("lm:32:fsdp-zero3-bf16-checkpoint@4", "lm:32:fsdp-zero3-offload
                  "attention:64:fsdp-zero3-offload@4", "attention:64:fsdp-zero2-offload@4",
                  "attention:64:fsdp-zero3@4", "classifier:16:plain")
 # in order of need: the memory-only parts next to each other run together (--jobs)
-DEFAULT_PARTS = ["rates", *(f"rank-{w}" for w in RANK_WORKLOADS), "cudnn", "conv-split",
+DEFAULT_PARTS = ["rates", *(f"rank-{w}" for w in RANK_WORKLOADS), "nccl-clique", "cudnn",
+                 "conv-split",
                  *(f"segments-{r}" for r in SEGMENT_RUNGS), "kernels"]
 MEMORY_ONLY = ("cudnn", "conv-split", "segments-", "expandable-")
 
@@ -466,15 +467,14 @@ def _nccl_log(text: str) -> dict[str, Any]:
                       if "channels" in line or "Alloc Size" in line][:400]}
 
 
-def rank(workload: str) -> dict[str, Any]:
+def _stages() -> tuple[list[dict[str, Any]], Callable[[str], None]]:
+    """The readings at each stage of a part (NVML's used memory, the allocator's), and the
+    function that takes one."""
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from dpprof.scenarios.workloads import make_optimizer
 
     nvml = _nvml_reader()
     stages: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
 
     def stage(name: str) -> None:
         _sync()
@@ -484,7 +484,63 @@ def rank(workload: str) -> dict[str, Any]:
                        allocated_bytes=int(torch.cuda.memory_allocated()))
         stages.append(row)
 
-    t0 = time.perf_counter()
+    return stages, stage
+
+
+def _nccl_logged(name: str) -> Path:
+    """NCCL's own account of its channels and device allocations, asked of it (read at its
+    init) into the file returned."""
+    log = OUT / f"nccl-{name}-{os.getpid()}.log"
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,ALLOC")
+    os.environ.setdefault("NCCL_DEBUG_FILE", str(log))
+    return log
+
+
+def nccl_clique() -> dict[str, Any]:
+    """torch.cuda.nccl's communicator on one GPU (``ncclCommInitAll`` over [0], as
+    DataParallel's broadcast and reduce make one on each of their GPUs), then a process
+    group's beside it in the same process: NVML's growth at each, for
+    dpprof.emulator.nccl_memory's fixed part of a communicator torch.cuda.nccl makes, and
+    whether a second communicator in one process costs it again (the code loaded once)."""
+    import torch
+    import torch.distributed as dist
+
+    stages, stage = _stages()
+    stage("start")
+    dev = _device()
+    torch.empty(1, device=dev)
+    stage("context")
+    a = torch.randn(512, 512, device=dev)
+    (a @ a).sum().item()
+    stage("cublas")
+    log = _nccl_logged("clique")
+    out: dict[str, Any] = {"stages": stages}
+    if DRY:  # a CPU build has no torch.cuda.nccl: the plumbing only
+        return out
+    t = torch.ones(1 << 20, device=dev)
+    torch.cuda.nccl.all_reduce([t])
+    stage("nccl_clique")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+    try:
+        dist.all_reduce(t)
+        stage("process_group")
+    finally:
+        dist.destroy_process_group()
+    if log.exists():
+        out["nccl"] = _nccl_log(log.read_text(errors="replace"))
+    return out
+
+
+def rank(workload: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dpprof.scenarios.workloads import make_optimizer
+
+    nvml = _nvml_reader()
+    stages, stage = _stages()
     stage("start")
     dev = _device()
     if not DRY:
@@ -501,11 +557,7 @@ def rank(workload: str) -> dict[str, Any]:
         torch.nn.functional.conv2d(x, torch.randn(8, 3, 3, 3, device=dev)).sum().backward()
         stage("cudnn")
     backend = "gloo" if DRY else "nccl"
-    # NCCL's own account of its channels and device allocations (read at its init)
-    nccl_log = OUT / f"nccl-{workload}-{os.getpid()}.log"
-    os.environ.setdefault("NCCL_DEBUG", "INFO")
-    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,ALLOC")
-    os.environ.setdefault("NCCL_DEBUG_FILE", str(nccl_log))
+    nccl_log = _nccl_logged(workload)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             device_id=None if DRY else dev)
     t = torch.ones(1 << 20, device=dev)
@@ -652,6 +704,8 @@ def run_one(name: str) -> Any:
         return conv_split()
     if name.startswith("rank-"):
         return rank(name[5:])
+    if name == "nccl-clique":
+        return nccl_clique()
     if name.startswith("segments-"):
         return segments(name[9:])
     if name.startswith("expandable-"):

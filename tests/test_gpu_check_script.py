@@ -73,3 +73,16 @@ def test_the_session_script_runs_its_steps_in_order_within_its_budget(tmp_path: 
     assert rows and all("weight_grad_workspace_bytes" in row for row in rows)
     gpu_steps = (tmp_path / "gpu" / "steps.tsv").read_text()
     assert "preflight\t" in gpu_steps and "compare\tskipped" in gpu_steps
+
+
+def test_the_nccl_clique_part_runs_dry(tmp_path: Path) -> None:
+    """gpu_measure.py's nccl-clique part (torch.cuda.nccl's communicator, then a process
+    group's), dry: its readings up to the communicators, which need a GPU."""
+    env = dict(os.environ, GPU_MEASURE_DRY="1", OUT=str(tmp_path))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_measure.py"), "--parts",
+                        "nccl-clique", "--deadline-s", "120"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    part = json.loads((tmp_path / "measure.json").read_text())["parts"]["nccl-clique"]
+    assert part["ok"], part
+    assert [s["stage"] for s in part["result"]["stages"]] == ["start", "context", "cublas"]
