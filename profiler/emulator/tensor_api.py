@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils import _device
 
 from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta
@@ -29,6 +30,53 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     values_and_copies(vc, p)
     device_identity(vc, p)
     factories(vc, p)
+
+
+def lazy_allowed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a Tensor property getter patched here: the device) as torch's own is on a
+    LazyModule's uninitialized parameter or buffer: one of the few it allows
+    (``UninitializedTensorMixin._allowed_methods``), run without its refusal of every other
+    torch function, which the emulation's body calls (the storage)."""
+    @functools.wraps(method)
+    def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self, UninitializedTensorMixin):
+            return method(self, *args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return method(self, *args, **kwargs)
+    return call
+
+
+def lazy_moved(move: Callable[..., torch.Tensor],
+               device_of: Callable[..., tuple[Any, Any]]) -> Callable[..., torch.Tensor]:
+    """``move`` (``to``, ``cuda``, ``cpu``), which on a LazyModule's uninitialized parameter
+    or buffer gives one of its class, uninitialized, on the device and of the dtype asked
+    (torch's move of its empty data; the shape comes at the first forward, there):
+    ``device_of(self, *args, **kwargs)`` gives them (None: the tensor's own)."""
+    @functools.wraps(move)
+    def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(self, UninitializedTensorMixin):
+            return move(self, *args, **kwargs)
+        device, dtype = device_of(self, *args, **kwargs)
+        made = {"device": self.device if device is None else device,
+                "dtype": self.dtype if dtype is None else dtype}
+        if isinstance(self, nn.parameter.UninitializedBuffer):
+            return nn.parameter.UninitializedBuffer(
+                requires_grad=self.requires_grad,
+                persistent=getattr(self, "persistent", True), **made)
+        return type(self)(requires_grad=self.requires_grad, **made)  # type: ignore[call-arg]
+    return call
+
+
+def _to_device(self: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype
+
+
+def _cuda_device(self: torch.Tensor, device: Any = None, *_: Any, **__: Any) -> tuple[Any, Any]:
+    if device is None:
+        return torch.device("cuda"), None
+    return (torch.device("cuda", device) if isinstance(device, int)
+            else torch.device(device)), None
 
 
 def torch_load(vc: EmulatedCuda, p: Patch) -> None:
@@ -106,9 +154,9 @@ def values_and_copies(vc: EmulatedCuda, p: Patch) -> None:
         return orig_format(self, spec)
 
     p(T, "__format__", format_)
-    p(T, "to", to)
-    p(T, "cuda", cuda_)
-    p(T, "cpu", cpu)
+    p(T, "to", lazy_moved(to, _to_device))
+    p(T, "cuda", lazy_moved(cuda_, _cuda_device))
+    p(T, "cpu", lazy_moved(cpu, lambda self, *a, **k: (torch.device("cpu"), None)))
     p(T, "tolist", tolist)
     p(T, "numpy", numpy)
 
@@ -161,11 +209,11 @@ def device_identity(vc: EmulatedCuda, p: Patch) -> None:
         finally:
             vc.rt.in_dispatch -= 1
 
-    p(T, "is_meta", property(is_meta))
+    p(T, "is_meta", property(lazy_allowed(is_meta)))
     p(T, "__repr__", repr_)
-    p(T, "device", property(vc.virtual_device))
-    p(T, "is_cuda", property(is_cuda))
-    p(T, "get_device", get_device)
+    p(T, "device", property(lazy_allowed(vc.virtual_device)))
+    p(T, "is_cuda", property(lazy_allowed(is_cuda)))
+    p(T, "get_device", lazy_allowed(get_device))
 
 
 def factories(vc: EmulatedCuda, p: Patch) -> None:
@@ -227,13 +275,24 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
     # would fail on parameters DDP's reducer holds).
     apply = nn.Module._apply
 
-    def apply_swapping(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    def apply_swapping(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                       *args: Any, **kwargs: Any) -> nn.Module:
         future = torch.__future__
         before = future.get_swap_module_params_on_conversion()
         future.set_swap_module_params_on_conversion(True)
+        # a LazyModule's uninitialized parameters: torch's swap wraps the moved one in a
+        # Parameter, which an uninitialized one refuses; swapped here, of their own class
+        # (LazyModuleMixin materializes the very objects an optimizer may hold already)
+        lazy = {k: v for k, v in self._parameters.items()
+                if isinstance(v, UninitializedTensorMixin)}
         try:
-            return apply(self, *args, **kwargs)  # type: ignore[no-any-return]
+            for key, param in lazy.items():
+                with torch.no_grad():
+                    torch.utils.swap_tensors(param, fn(param))
+                self._parameters[key] = None
+            return apply(self, fn, *args, **kwargs)  # type: ignore[no-any-return]
         finally:
+            self._parameters.update(lazy)
             future.set_swap_module_params_on_conversion(before)
 
     p(nn.Module, "_apply", apply_swapping)
