@@ -72,9 +72,9 @@ SEGMENT_RUNGS = ("lm:32:fsdp-zero3-bf16-checkpoint@4", "lm:32:fsdp-zero3-offload
                  "attention:64:fsdp-zero3@4", "classifier:16:plain")
 # in order of need: the memory-only parts next to each other run together (--jobs)
 DEFAULT_PARTS = ["rates", *(f"rank-{w}" for w in RANK_WORKLOADS), "nccl-clique", "cudnn",
-                 "conv-split",
+                 "cudnn-benchmark", "conv-split",
                  *(f"segments-{r}" for r in SEGMENT_RUNGS), "kernels"]
-MEMORY_ONLY = ("cudnn", "conv-split", "segments-", "expandable-")
+MEMORY_ONLY = ("cudnn", "conv-split", "segments-", "expandable-")  # cudnn-benchmark too
 
 
 def _device() -> Any:
@@ -310,54 +310,59 @@ def _conv_grid() -> list[tuple[int, int, int, int, int, int, int]]:
     return builtins + grid
 
 
-def cudnn() -> dict[str, Any]:
+def cudnn(benchmark: bool = False) -> dict[str, Any]:
+    """Each convolution's workspace, forward and backward, at its first call (where cuDNN's
+    engine is picked) and again. ``benchmark``: with torch.backends.cudnn.benchmark on, in a
+    process of its own (its part): torch keys its plan cache without the flag
+    (ConvolutionParams), so after a pass with it off the trials would never run; the first
+    call's peak then holds the trials' workspace (Conv_v8.cpp, generate_and_filter_plans:
+    the largest any candidate engine asks, up to the free memory)."""
     import torch
     import torch.nn.functional as F
 
     dev = _device()
     rows = []
     grid = _conv_grid()[:6] if DRY else _conv_grid()
-    for bench in (False, True):
-        torch.backends.cudnn.benchmark = bench
-        for dtype in (torch.float32, torch.bfloat16):
-            for n, c_in, side, c_out, k, s, p in grid:
-                if DRY and dtype is torch.bfloat16:
-                    continue
-                x = torch.randn(n, c_in, side, side, device=dev, dtype=dtype,
-                                requires_grad=True)
-                w = torch.randn(c_out, c_in, k, k, device=dev, dtype=dtype,
-                                requires_grad=True)
-                row: dict[str, Any] = {"n": n, "c_in": c_in, "side": side, "c_out": c_out,
-                                       "kernel": k, "stride": s, "padding": p,
-                                       "dtype": str(dtype).split(".")[-1], "benchmark": bench}
-                try:
-                    for first in (True, False):  # the first call picks; the second reuses
-                        _sync()
-                        base = _allocated()
-                        _reset_peak()
-                        y = F.conv2d(x, w, None, s, p)
-                        _sync()
-                        fwd = _peak() - base - y.nbytes
-                        gy = torch.randn_like(y)
-                        _sync()
-                        base2 = _allocated()
-                        _reset_peak()
-                        gx, gw = torch.autograd.grad(y, (x, w), gy)
-                        _sync()
-                        bwd = _peak() - base2 - gx.nbytes - gw.nbytes
-                        key = "first" if first else "again"
-                        row[f"forward_workspace_bytes_{key}"] = fwd
-                        row[f"backward_workspace_bytes_{key}"] = bwd
-                        del y, gy, gx, gw
-                    row.update(x_bytes=x.nbytes, w_bytes=w.nbytes,
-                               y_shape=list(F.conv2d(x.detach(), w.detach(), None, s,
-                                                     p).shape))
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(row)
-                del x, w
-                if not DRY:
-                    torch.cuda.empty_cache()
+    torch.backends.cudnn.benchmark = benchmark
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, c_in, side, c_out, k, s, p in grid:
+            if DRY and dtype is torch.bfloat16:
+                continue
+            x = torch.randn(n, c_in, side, side, device=dev, dtype=dtype,
+                            requires_grad=True)
+            w = torch.randn(c_out, c_in, k, k, device=dev, dtype=dtype,
+                            requires_grad=True)
+            row: dict[str, Any] = {"n": n, "c_in": c_in, "side": side, "c_out": c_out,
+                                   "kernel": k, "stride": s, "padding": p,
+                                   "dtype": str(dtype).split(".")[-1], "benchmark": benchmark}
+            try:
+                for first in (True, False):  # the first call picks; the second reuses
+                    _sync()
+                    base = _allocated()
+                    _reset_peak()
+                    y = F.conv2d(x, w, None, s, p)
+                    _sync()
+                    fwd = _peak() - base - y.nbytes
+                    gy = torch.randn_like(y)
+                    _sync()
+                    base2 = _allocated()
+                    _reset_peak()
+                    gx, gw = torch.autograd.grad(y, (x, w), gy)
+                    _sync()
+                    bwd = _peak() - base2 - gx.nbytes - gw.nbytes
+                    key = "first" if first else "again"
+                    row[f"forward_workspace_bytes_{key}"] = fwd
+                    row[f"backward_workspace_bytes_{key}"] = bwd
+                    del y, gy, gx, gw
+                row.update(x_bytes=x.nbytes, w_bytes=w.nbytes,
+                           y_shape=list(F.conv2d(x.detach(), w.detach(), None, s,
+                                                 p).shape))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            del x, w
+            if not DRY:
+                torch.cuda.empty_cache()
     torch.backends.cudnn.benchmark = False
     return {"rows": rows}
 
@@ -700,6 +705,8 @@ def run_one(name: str) -> Any:
         return kernels(os.environ.get("GPU_MEASURE_KERNELS", KERNEL_WORKLOADS))
     if name == "cudnn":
         return cudnn()
+    if name == "cudnn-benchmark":
+        return cudnn(benchmark=True)
     if name == "conv-split":
         return conv_split()
     if name.startswith("rank-"):

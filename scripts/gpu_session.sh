@@ -15,7 +15,9 @@
 #              above the emulator's), expandable-classifier:16:plain (the same under
 #              expandable segments: the emulator's model of them has no measurement yet),
 #              rank-classifier and rank-convnet (a fresh DDP rank's steps), nccl-clique
-#              (torch.cuda.nccl's communicator, DataParallel's kind, then a process group's)
+#              (torch.cuda.nccl's communicator, DataParallel's kind, then a process group's),
+#              cudnn-benchmark (the workspaces with torch.backends.cudnn.benchmark on, the
+#              first call's trials included)
 #  3 compare   emulator_vs_gpu.py for the convolution workloads, each in a process of its own
 #  4 check     gpu_check.sh (its own steps and summary) in the time left
 # Everything lands under $OUT: measure/measure.json, compare.jsonl, gpu/ and steps.tsv.
@@ -62,7 +64,7 @@ else
   nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
 fi
 
-PARTS=${GPU_SESSION_PARTS:-conv-split,segments-classifier:16:plain,expandable-classifier:16:plain,rank-classifier,rank-convnet,nccl-clique}
+PARTS=${GPU_SESSION_PARTS:-conv-split,segments-classifier:16:plain,expandable-classifier:16:plain,rank-classifier,rank-convnet,nccl-clique,cudnn-benchmark}
 step measure 110 env OUT="$OUT/measure" "$PY" scripts/gpu_measure.py --deadline-s 100 \
   --parts "$PARTS"
 if [ "$DRY" = 1 ]; then

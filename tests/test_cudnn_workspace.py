@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from script_runs import run_script
 
 from dpprof.emulator.cudnn_workspace import (
     BACKWARD,
@@ -108,3 +109,30 @@ def test_a_convolution_plays_its_workspace_after_its_output_and_frees_it() -> No
     ws = int(RATIOS[(BACKWARD, "float32", "spatial")] * (x_b + y_b + w_b))
     assert ws in backward and -ws in backward
     assert backward.index(ws) > backward.index(x_b)  # after the input's gradient
+
+
+# a convolution trained with cuDNN's benchmark mode on (as dcgan, among pytorch/examples, sets
+# it), or off
+BENCHMARKED = """
+import torch, torch.nn as nn
+torch.backends.cudnn.benchmark = {on}
+model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(8, 3, 32, 32, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+torch.backends.cudnn.benchmark = False
+"""
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_run_with_cudnn_benchmark_on_says_what_its_trials_leave_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Benchmark mode's first call of each shape times cuDNN's engines in a workspace the
+    emulation does not size: the run says so, and only where benchmark mode was on."""
+    monkeypatch.chdir(tmp_path)
+    s = run_script(tmp_path, BENCHMARKED.format(on=on))
+    assert s.status == "ok", s.message
+    said = [n for n in s.notes if n.startswith("torch.backends.cudnn.benchmark is on")]
+    assert len(said) == (1 if on else 0)

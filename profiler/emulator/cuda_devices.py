@@ -138,6 +138,9 @@ class CudaDevices(VirtualDevices):
         self.numeric_recipes: dict[int, tuple[weakref.ref[Any], Any, Any, dict[str, Any]]] = {}
         self.in_dispatch = 0
         self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
+        # a convolution ran with torch.backends.cudnn.benchmark on: on a GPU its shape's first
+        # call times cuDNN's engines in a workspace this emulation does not size
+        self.cudnn_benchmarked = False
         # dpprof run over meta tensors: the real values of small tensors that follow from
         # host data, so that reading one back needs no stand-in
         self.small_values = SmallValues() if real_host and self.base.type == "meta" else None
@@ -467,15 +470,20 @@ def _is_foreach(func: Any) -> bool:
 
 @RULES.register(aten.convolution.default)
 def _convolution(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-    mode.saw_convolution = True  # cuDNN's library is loaded where convolutions run
+    _saw_convolution(mode)
     return mode.dispatch_counted(func, types, args, kwargs)
 
 
 @REAL_HOST_RULES.register(aten.convolution.default)
 def _convolution_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
                              kwargs: Any) -> Any:
-    mode.saw_convolution = True
+    _saw_convolution(mode)
     return mode.dispatch_beside_host(func, types, args, kwargs)
+
+
+def _saw_convolution(mode: CudaDevices) -> None:
+    mode.saw_convolution = True  # cuDNN's library is loaded where convolutions run
+    mode.cudnn_benchmarked |= torch.backends.cudnn.benchmark
 
 
 @RULES.register(_is_foreach)

@@ -23,8 +23,12 @@ record's grid of shapes (:data:`RATIOS`, :func:`fit`), the built-in workloads' a
 ResNet's and a ViT's convolutions held out (``tests/test_cudnn_workspace.py`` states the
 error on them). It stands for cuDNN 9.19 on compute capability 9.0; other GPUs and cuDNN
 versions pick other engines. Not modelled: transposed and grouped convolutions (cuDNN or
-torch's own kernels), ``benchmark=True``'s trials (measured the same within noise there),
-``CUDNN_CONV_WSCAP_DBG``.
+torch's own kernels), ``CUDNN_CONV_WSCAP_DBG``, and ``benchmark=True``'s trials: the first
+call of a shape times cuDNN's candidate engines with one workspace as large as the largest
+of them asks, up to the memory free then (``generate_and_filter_plans``), which the record
+does not hold (its benchmark rows followed the benchmark-off ones, and torch keys its plan
+cache without the flag, ``ConvolutionParams``: they reused those plans, no trial ran;
+``scripts/gpu_measure.py``'s ``cudnn-benchmark`` part measures them in a process of its own).
 """
 
 from __future__ import annotations

@@ -25,6 +25,17 @@ if TYPE_CHECKING:
     from dpprof.script.runner import ScriptConfig
 
 
+CUDNN_BENCHMARK_NOTE = (
+    "torch.backends.cudnn.benchmark is on where the script's convolutions ran: on a GPU the "
+    "first call of each convolution's shape times cuDNN's candidate engines in one workspace "
+    "as large as the largest of them asks, up to the memory free then (Conv_v8.cpp, "
+    "generate_and_filter_plans), and the caching allocator keeps that segment; the figures "
+    "here count the workspace of the engine cuDNN's heuristics pick (as with benchmark "
+    "off), where the trials' fastest may take another: after the first step the GPU's "
+    "reserved memory and NVML's used memory can be higher. The trials take only memory "
+    "that is free then")
+
+
 def rank_device(vc: VirtualCuda, local_rank: int) -> int:
     """The device whose figures stand for a DDP run's rank: the rank's own GPU
     (``local_rank``), where the run used it, else the first it used."""
@@ -184,4 +195,7 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
                 found.append(AllocatorLimit(d, limits[source(d)], fraction, site,
                                             f.out_of_limit_bytes is not None))
     note = clique_note({vc.logical(d): m for d, m in own.items()})
-    return out, found, [note] if note else []
+    notes = [note] if note else []
+    if vc.rt.cudnn_benchmarked:
+        notes.append(CUDNN_BENCHMARK_NOTE)
+    return out, found, notes
