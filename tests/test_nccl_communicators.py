@@ -210,7 +210,8 @@ x = per_gpu(lambda i: torch.arange(8.0) + i); out = per_gpu(lambda i: torch.empt
 nccl.reduce_scatter(x, out); show("reduce_scatter", out)
 for bad in ([torch.zeros(2, device="cuda:0"), torch.zeros(3, device="cuda:1")],
             [torch.zeros(2, device="cuda:0"), torch.zeros(2, device="cuda:0")],
-            [torch.zeros(4, device="cuda:0")[::2], torch.zeros(2, device="cuda:1")]):
+            [torch.zeros(4, device="cuda:0")[::2], torch.zeros(2, device="cuda:1")],
+            [torch.zeros(2, device="cuda:0"), torch.zeros(2)]):
     try:
         nccl.all_reduce(bad)
     except RuntimeError as e:
@@ -260,7 +261,8 @@ def test_torch_cuda_nccl_refuses_what_nccl_cpp_refuses(
                if line.startswith("refused")]
     assert refused == ["refused all inputs must have the same number of elements",
                        "refused inputs must be on unique devices",
-                       "refused all inputs and outputs have to be contiguous"]
+                       "refused all inputs and outputs have to be contiguous",
+                       "refused input and output elements have to be cuda dense Tensors"]
 
 
 # torch.cuda.nccl over two of four GPUs, over meta tensors

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dpprof.emulator import comm
+from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.emulated_cuda import EmulatedCuda
 from dpprof.emulator.op_log import BROADCAST, GATHER, REDUCE
 from dpprof.emulator.patcher import Patch
@@ -51,7 +52,10 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
                 "inputs and outputs sequences have to be of the same length, but got input "
                 f"of length {len(inputs)} and output of length {len(outputs)}")
         devices = devices_of(inputs)
-        if len(set(devices)) != len(devices) or min(devices) < 0:
+        given = [t for t in (*inputs, *outputs) if t is not None]
+        if any(rt.storages.device_of(t) == HOST for t in given):
+            raise NcclCallError("input and output elements have to be cuda dense Tensors")
+        if len(set(devices)) != len(devices):
             raise NcclCallError("inputs must be on unique devices")
         numel, dtype = inputs[0].numel(), inputs[0].dtype
         for t, out in zip(inputs, outputs, strict=True):
