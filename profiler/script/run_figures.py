@@ -118,8 +118,12 @@ def own_nccl(vc: VirtualCuda, cfg: ScriptConfig) -> dict[int, NcclRankMemory]:
     (``torch.cuda.nccl``'s: DataParallel's broadcast and reduce), in the script's
     environment."""
     return clique_nccl_memory(vc.rt.nccl_cliques, cfg.gpu.compute_capability,
-                              link=link_of(cfg.gpu, cfg.interconnect),
-                              nccl_env={**os.environ, **cfg.launch.env})
+                              link=link_of(cfg.gpu, cfg.interconnect), nccl_env=_nccl_env(cfg))
+
+
+def _nccl_env(cfg: ScriptConfig) -> dict[str, str]:
+    """The environment the script's NCCL reads (its NCCL_* settings, the launcher's)."""
+    return {**os.environ, **cfg.launch.env}
 
 
 class NcclOnDevices:
@@ -145,7 +149,7 @@ class NcclOnDevices:
             self._group_bytes = device_context(
                 self._cfg.gpu.compute_capability, False, world_size=max(world, 1),
                 link=link_of(self._cfg.gpu, self._cfg.interconnect),
-                nccl_env={**os.environ, **self._cfg.launch.env}).nccl_bytes if world else 0
+                nccl_env=_nccl_env(self._cfg)).nccl_bytes if world else 0
         group = self._group_bytes if world and device == self._group_device() else 0
         return self._own.get(device, 0) + group
 
@@ -168,8 +172,7 @@ def with_overheads(devices: Sequence[DeviceResult], vc: VirtualCuda, cfg: Script
     (simulated under it as c10 limits it: the cache released first, then out of memory);
     and the notes on them."""
     ctx = device_context(cfg.gpu.compute_capability, vc.rt.saw_convolution, world_size=world_size,
-                         link=link_of(cfg.gpu, cfg.interconnect),
-                         nccl_env={**os.environ, **cfg.launch.env})
+                         link=link_of(cfg.gpu, cfg.interconnect), nccl_env=_nccl_env(cfg))
     own = own_nccl(vc, cfg)
 
     def source(d: DeviceResult) -> int:
