@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 from torch.utils import _device
 
 from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta
@@ -34,12 +34,12 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
 
 def lazy_allowed(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` (a Tensor property getter patched here: the device) as torch's own is on a
-    LazyModule's uninitialized parameter or buffer: one of the few it allows
-    (``UninitializedTensorMixin._allowed_methods``), run without its refusal of every other
+    LazyModule's uninitialized parameter or buffer: one of the few it allows (torch's
+    ``UninitializedTensorMixin._allowed_methods``), run without its refusal of every other
     torch function, which the emulation's body calls (the storage)."""
     @functools.wraps(method)
     def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self, UninitializedTensorMixin):
+        if not is_lazy(self):
             return method(self, *args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return method(self, *args, **kwargs)
@@ -54,16 +54,17 @@ def lazy_moved(move: Callable[..., torch.Tensor],
     ``device_of(self, *args, **kwargs)`` gives them (None: the tensor's own)."""
     @functools.wraps(move)
     def call(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not isinstance(self, UninitializedTensorMixin):
+        if not is_lazy(self):
             return move(self, *args, **kwargs)
         device, dtype = device_of(self, *args, **kwargs)
-        made = {"device": self.device if device is None else device,
+        made = {"requires_grad": self.requires_grad,
+                "device": self.device if device is None else device,
                 "dtype": self.dtype if dtype is None else dtype}
-        if isinstance(self, nn.parameter.UninitializedBuffer):
-            return nn.parameter.UninitializedBuffer(
-                requires_grad=self.requires_grad,
-                persistent=getattr(self, "persistent", True), **made)
-        return type(self)(requires_grad=self.requires_grad, **made)  # type: ignore[call-arg]
+        # their constructors are __new__'s (the type stubs give Parameter's and Buffer's)
+        lazy_class: Any = UninitializedParameter
+        if isinstance(self, UninitializedBuffer):
+            lazy_class, made["persistent"] = UninitializedBuffer, getattr(self, "persistent", True)
+        return lazy_class(**made)  # type: ignore[no-any-return]
     return call
 
 
@@ -283,8 +284,10 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
         # a LazyModule's uninitialized parameters: torch's swap wraps the moved one in a
         # Parameter, which an uninitialized one refuses; swapped here, of their own class
         # (LazyModuleMixin materializes the very objects an optimizer may hold already)
-        lazy = {k: v for k, v in self._parameters.items()
-                if isinstance(v, UninitializedTensorMixin)}
+        lazy: dict[str, nn.Parameter] = {}
+        for key, param in self._parameters.items():
+            if param is not None and is_lazy(param):
+                lazy[key] = param
         try:
             for key, param in lazy.items():
                 with torch.no_grad():
