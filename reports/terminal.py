@@ -210,22 +210,24 @@ def _peak_table(view: ReportView) -> FirstThatFits:
 
 
 def _scenario_notes(view: ReportView) -> list[str]:
-    """Each scenario's notes; the kernels each one picked, which differ only in their counts,
-    once for all, in one line: "kernels as on sm_80: dropout:fused, ..." (the counts per
-    scenario are in the reports' notes)."""
-    lines: list[str] = []
+    """Each scenario's notes, a note several scenarios share once, after their names; the
+    kernels each one picked, which differ only in their counts, once for all, in one line:
+    "kernels as on sm_80: dropout:fused, ..." (the counts per scenario are in the reports'
+    notes)."""
+    said: dict[str, list[str]] = {}  # note -> the scenarios that have it, in order
     kernels: dict[str, dict[str, list[str]]] = {}  # capability -> op -> variants
     for s in view.scenarios:
         for note in s.notes:
             m = KERNEL_NOTE.fullmatch(note)
             if m is None:
-                lines.append(f"{s.name}: {note}")
+                said.setdefault(note, []).append(s.name)
                 continue
             ops = kernels.setdefault(m.group(1), {})
             for choice in m.group(2).split(", "):
                 op, _, variant = choice.rsplit(" x", 1)[0].partition(":")
                 if variant not in ops.setdefault(op, []):
                     ops[op].append(variant)
+    lines = [f"{', '.join(names)}: {note}" for note, names in said.items()]
     for cc, ops in kernels.items():
         picked = ", ".join(f"{op}:{'/'.join(v)}" if any(v) else op for op, v in ops.items())
         major, minor = cc.split(".")
