@@ -26,9 +26,10 @@ versions pick other engines. Not modelled: transposed and grouped convolutions (
 torch's own kernels), ``CUDNN_CONV_WSCAP_DBG``, and ``benchmark=True``'s trials: the first
 call of a shape times cuDNN's candidate engines with one workspace as large as the largest
 of them asks, up to the memory free then (``generate_and_filter_plans``), which the record
-does not hold (its benchmark rows followed the benchmark-off ones, and torch keys its plan
-cache without the flag, ``ConvolutionParams``: they reused those plans, no trial ran;
-``scripts/gpu_measure.py``'s ``cudnn-benchmark`` part measures them in a process of its own).
+does not isolate (its benchmark rows followed the benchmark-off ones in one process, and
+torch keys its plan cache without the flag, ``ConvolutionParams``: 104 of its 126 benchmark
+rows have the benchmark-off rows' exact bytes, their plans reused; ``scripts/gpu_measure.py``'s
+``cudnn-benchmark`` part measures the trials in a process of its own).
 """
 
 from __future__ import annotations
