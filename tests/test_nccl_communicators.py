@@ -216,6 +216,10 @@ for bad in ([torch.zeros(2, device="cuda:0"), torch.zeros(3, device="cuda:1")],
         nccl.all_reduce(bad)
     except RuntimeError as e:
         print("refused", e)
+try:
+    nccl.all_reduce(per_gpu(lambda i: torch.zeros(2)), op=7)
+except RuntimeError as e:
+    print("refused", e)
 """
 
 
@@ -262,7 +266,9 @@ def test_torch_cuda_nccl_refuses_what_nccl_cpp_refuses(
     assert refused == ["refused all inputs must have the same number of elements",
                        "refused inputs must be on unique devices",
                        "refused all inputs and outputs have to be contiguous",
-                       "refused input and output elements have to be cuda dense Tensors"]
+                       "refused input and output elements have to be cuda dense Tensors",
+                       "refused torch.cuda.nccl: reduction op 7 is not one of SUM (0), PROD "
+                       "(1), MAX (2), MIN (3), AVG (4)"]
 
 
 # torch.cuda.nccl over two of four GPUs, over meta tensors

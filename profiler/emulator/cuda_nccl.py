@@ -43,8 +43,12 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
         return [rt.storages.device_of(t) for t in tensors]
 
     def checked(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor | None],
-                in_multiplier: int = 1, out_multiplier: int = 1) -> list[int]:
-        """nccl.cpp's check_inputs: the inputs' devices, in order."""
+                in_multiplier: int = 1, out_multiplier: int = 1, op: int = SUM) -> list[int]:
+        """nccl.cpp's check_inputs (and the reduction op NCCL takes): the inputs' devices, in
+        order."""
+        if op not in (SUM, PROD, MAX, MIN, AVG):
+            raise NcclCallError(f"torch.cuda.nccl: reduction op {op} is not one of SUM (0), "
+                                "PROD (1), MAX (2), MIN (3), AVG (4)")
         if not inputs:
             raise NcclCallError("input sequence can't be empty")
         if len(outputs) != len(inputs):
@@ -96,17 +100,14 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
                 target.mul_(part)
             elif op == MAX:
                 torch.maximum(target, part, out=target)
-            elif op == MIN:
-                torch.minimum(target, part, out=target)
             else:
-                raise NcclCallError(f"torch.cuda.nccl: reduction op {op} is not one of "
-                                    "SUM (0), PROD (1), MAX (2), MIN (3), AVG (4)")
+                torch.minimum(target, part, out=target)
         if op == AVG:
             target.div_(len(parts))
 
     def all_reduce(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], op: int,
                    streams: Any, comms: Any) -> None:
-        devices = checked(inputs, outputs)
+        devices = checked(inputs, outputs, op=op)
         if called((REDUCE, BROADCAST), inputs, devices):
             with rt.cross_device():
                 reduce_into(outputs[0], [outputs[0], *inputs[1:]]
@@ -118,7 +119,8 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
                streams: Any, comms: Any) -> None:
         if not 0 <= root < len(inputs):
             raise NcclCallError("invalid root")
-        devices = checked(inputs, [output if i == root else None for i in range(len(inputs))])
+        devices = checked(inputs, [output if i == root else None for i in range(len(inputs))],
+                          op=op)
         if called((REDUCE,), inputs, devices, root):
             with rt.cross_device():
                 reduce_into(output, [inputs[root], *(t for i, t in enumerate(inputs)
@@ -149,7 +151,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     def reduce_scatter(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                        op: int, streams: Any, comms: Any) -> None:
         n = len(inputs)
-        devices = checked(inputs, outputs, out_multiplier=n)
+        devices = checked(inputs, outputs, out_multiplier=n, op=op)
         if called((REDUCE,), inputs, devices):
             k = inputs[0].numel() // n
             with rt.cross_device():
