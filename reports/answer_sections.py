@@ -81,8 +81,13 @@ def fix_rows(view: ReportView) -> list[list[str]]:
 
 FIX_HEADER = ["fix", "saves", "heaviest", "needs", "fits"]
 # what the short headers mean, said once under the table
-FIX_COLUMNS = ("saves: on cuda:0; heaviest: the heaviest GPU's peak allocated; needs: what the "
-               "fullest GPU needs, {counts}")
+FIX_COLUMNS = ("saves: on {primary}; heaviest: the heaviest GPU's peak allocated; needs: what "
+               "the fullest GPU needs, {counts}")
+
+
+def fix_columns(view: ReportView) -> str:
+    """What the fixes table's short headers mean, said once under it."""
+    return FIX_COLUMNS.format(primary=view.primary, counts=view.need_counts)
 
 
 def recommendation_lines(view: ReportView) -> tuple[str, list[str]]:
@@ -138,7 +143,7 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> Group:
 def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
     parts: list[Group | Table | Text] = []
     for a in attribution_rows(view):
-        t = _table(f"why cuda:0 is heavier under {a.scenario}: "
+        t = _table(f"why {view.primary} is heavier under {a.scenario}: "
                    f"{fmt_bytes(a.excess_bytes, signed=True)} at its peak", ["cause", "bytes"],
                    _cause_rows(a))
         parts += [t, Text(a.answer)]
@@ -149,7 +154,7 @@ def terminal_parts(view: ReportView) -> list[Group | Table | Text]:
     if view.fixes:
         parts.append(_table(f"what each change buys against {view.baseline}, cheapest first",
                             FIX_HEADER, fix_rows(view)))
-        parts.append(Text(FIX_COLUMNS.format(counts=view.need_counts), style="dim"))
+        parts.append(Text(fix_columns(view), style="dim"))
         for f in view.fixes:
             parts.append(Text(f"{f.title}: {f.why}", style="dim"))
     if view.has_comparison:
@@ -207,7 +212,7 @@ def markdown_sections(view: ReportView, parts: tuple[str, ...] = ("attribution",
     m = markdown_text
     out: list[str] = []
     for a in attribution_rows(view) if "attribution" in parts else []:
-        out.append(f"### Why cuda:0 is heavier under {code_span(a.scenario)} "
+        out.append(f"### Why {m(view.primary)} is heavier under {code_span(a.scenario)} "
                    f"({m(fmt_bytes(a.excess_bytes, signed=True))})"
                    "\n\n" + md_table(["cause", "bytes"], _cause_rows(a))
                    + f"\n\n{m(a.answer)}."
@@ -247,7 +252,7 @@ def html_fix_table(view: ReportView) -> str:
     if not view.fixes:
         return ""
     return ("<details open><summary>Every change measured, cheapest first</summary>"
-            f"<p class='sub'>{_e(FIX_COLUMNS.format(counts=view.need_counts))}</p>"
+            f"<p class='sub'>{_e(fix_columns(view))}</p>"
             "<div class='card scroll'>" + _html_table(FIX_HEADER, fix_rows(view), "fixes")
             + "</div>" + "".join(f"<p class='sub'><strong>{_e(f.title)}</strong>: {_e(f.why)}</p>"
                                  for f in view.fixes) + "</details>")
@@ -267,10 +272,12 @@ def html_sections(view: ReportView, parts: tuple[str, ...] = ALL_PARTS) -> str:
     out: list[str] = []
     rows = attribution_rows(view) if "attribution" in parts else []
     if rows:
-        out.append("<section id='attribution'><h2>Why cuda:0 is heavier, by cause</h2>")
+        out.append(f"<section id='attribution'><h2>Why {_e(view.primary)} is heavier, by "
+                   "cause</h2>")
         for a in rows:
             out.append(f"<h3>{_e(a.scenario)}: {_e(fmt_bytes(a.excess_bytes, signed=True))} "
-                       "at cuda:0's peak</h3>" + _html_table(["cause", "bytes"], _cause_rows(a))
+                       f"at {_e(view.primary)}'s peak</h3>"
+                       + _html_table(["cause", "bytes"], _cause_rows(a))
                        + f"<p class='answer'>{_e(a.answer)}</p>"
                        + (f"<p class='sub'>{_e(a.negative_note)}</p>"
                           if a.negative_note else ""))

@@ -83,10 +83,11 @@ def _excess_table(view: ReportView) -> str:
         )
         rows.append(f"<tr><td>{escape(label)}</td>{cells}</tr>")
     total = "".join(f"<th>{escape(fmt_bytes(a.excess_bytes, signed=True))}</th>" for a in atts)
+    gpu = escape(view.primary)
     return (
-        "<details><summary>The numbers: cuda:0 minus the median other GPU, by cause"
+        f"<details><summary>The numbers: {gpu} minus the median other GPU, by cause"
         f"</summary><div class='card scroll'><table><tr><th>cause</th>{head}</tr>"
-        f"{''.join(rows)}<tr><th>cuda:0's excess</th>{total}</tr></table></div></details>"
+        f"{''.join(rows)}<tr><th>{gpu}'s excess</th>{total}</tr></table></div></details>"
     )
 
 
@@ -157,7 +158,7 @@ def _table(view: ReportView) -> str:
     # scroll inside the card, the scenario's name held at its left edge
     return (
         f"<div class='card scroll'><table id='peaks-table' class='sticky'><tr>"
-        f"<th>scenario</th><th class='l'>status</th>{head}<th>cuda:0 excess</th>"
+        f"<th>scenario</th><th class='l'>status</th>{head}<th>{escape(view.primary)} excess</th>"
         f"<th>max/mean</th></tr>{''.join(rows)}</table></div>"
     )
 
@@ -323,22 +324,23 @@ def _excess_section(view: ReportView, page: _Page) -> list[str]:
     body: list[str] = []
     exs = view.attributions
     if exs:
-        body.append(page.h2("Why cuda:0 is heavier"))
-        body.append("<p class='lead'>From the median other GPU to cuda:0, cause by cause: "
-                    "dark steps are memory that cuda:0 holds and the others do not, pale "
+        gpu = escape(view.primary)
+        body.append(page.h2(f"Why {view.primary} is heavier"))
+        body.append(f"<p class='lead'>From the median other GPU to {gpu}, cause by cause: "
+                    f"dark steps are memory that {gpu} holds and the others do not, pale "
                     "steps memory it holds less of.</p>")
         x_max = view.attribution_top_bytes
         shown = [ex for ex in exs if not ex.balanced]
         cells = []
         for k, ex in enumerate(shown):
             cells.append(
-                f"<div class='wf'><div class='wf-title'>{escape(ex.scenario)}: cuda:0 "
+                f"<div class='wf'><div class='wf-title'>{escape(ex.scenario)}: {gpu} "
                 f"{escape(fmt_bytes(ex.excess_bytes, signed=True))}</div>"
                 + page.chart(f"excess-{k}", waterfall_figure(ex, x_max)) + "</div>")
         body.append("<div class='grid'>" + "".join(cells) + "</div>")
         flat = [ex for ex in exs if ex.balanced]
         if flat:
-            body.append("<p class='lead'>Balanced (cuda:0 within 1 % of the others): "
+            body.append(f"<p class='lead'>Balanced ({gpu} within 1 % of the others): "
                         + escape(", ".join(
                             f"{ex.scenario} ({fmt_bytes(ex.excess_bytes, signed=True)})"
                             for ex in flat)) + ".</p>")

@@ -228,7 +228,7 @@ def waterfall_figure(ex: AttributionView, x_max: int) -> go.Figure:
         colours.append(UP if step.bytes > 0 else DOWN)
         texts.append(fmt_bytes(step.bytes, signed=True))
         level += step.bytes
-    names.append("cuda:0")
+    names.append(ex.primary)
     xs.append(ex.primary_bytes)
     bases.append(0)
     colours.append(TOTAL)

@@ -65,7 +65,7 @@ def _in(n: int | float, size: int) -> str:
 
 
 def _peak_table(view: ReportView) -> list[str]:
-    head = ["scenario", *view.columns, "cuda:0 excess", "max/mean", "status"]
+    head = ["scenario", *view.columns, f"{view.primary} excess", "max/mean", "status"]
     lines = ["| " + " | ".join(md(h) for h in head) + " |",
              "| --- |" + " ---: |" * (len(head) - 2) + " --- |"]
     for s in view.scenarios:
@@ -170,7 +170,7 @@ def _excess_table(view: ReportView) -> list[str]:
         cells = ["" if (v := a.bytes_of(cause)) is None else fmt_bytes(v, signed=True)
                  for a in atts]
         lines.append(f"| {md(label)} | " + " | ".join(cells) + " |")
-    lines.append("| **cuda:0's excess** | " + " | ".join(
+    lines.append(f"| **{md(view.primary)}'s excess** | " + " | ".join(
         f"**{fmt_bytes(a.excess_bytes, signed=True)}**" for a in atts) + " |")
     return lines
 
@@ -241,8 +241,9 @@ def render_view(view: ReportView) -> str:
     lines += _charts(view)
     excess = _excess_table(view)
     if excess:
-        lines += ["### cuda:0's excess by cause", "",
-                  "cuda:0 minus the median other GPU, at each device's peak.", "", *excess, ""]
+        gpu = md(view.primary)
+        lines += [f"### {gpu}'s excess by cause", "",
+                  f"{gpu} minus the median other GPU, at each device's peak.", "", *excess, ""]
     if view.timed:
         lines += ["### Step time and throughput", "",
                   "| scenario | step time (median) | spread | throughput |",
@@ -269,7 +270,7 @@ def render_view(view: ReportView) -> str:
     lines += [f"- {md(x)}" for x in why[1:]] + ([""] if why[1:] else [])
     if view.fixes:
         lines += [f"Every change measured against {code_span(view.baseline)}, cheapest "
-                  f"first ({md(answer_sections.FIX_COLUMNS.format(counts=view.need_counts))}):",
+                  f"first ({md(answer_sections.fix_columns(view))}):",
                   "",
                   answer_sections.md_table(answer_sections.FIX_HEADER,
                                            answer_sections.fix_rows(view)), "",

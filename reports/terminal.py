@@ -186,14 +186,14 @@ def _peak_table(view: ReportView) -> FirstThatFits:
 
     # every GPU, each cell with its unit
     full = _table(("scenario", "left"), *((c, "right") for c in view.columns),
-                  ("cuda:0 excess", "right"), ("max/mean", "right"), ("status", "left"),
+                  (f"{view.primary} excess", "right"), ("max/mean", "right"), ("status", "left"),
                   title=title)
     for s, cells in rows:
         full.add_row(Text(s.name), *(cell(d) for d in cells), *tail(s, False))
     # every GPU, one unit for the table, in its title
     title_in_unit = Text(f"{run_title(view)} · peak allocated in {unit}")
     short = _table(("scenario", "left"), *((_head(c), "right") for c in view.columns),
-                   ("cuda:0\nexcess", "right"), ("max/mean", "right"), ("status", "left"),
+                   (f"{view.primary}\nexcess", "right"), ("max/mean", "right"), ("status", "left"),
                    title=title_in_unit, narrow=True)
     for s, cells in rows:
         short.add_row(Text(s.name), *(value(d) for d in cells), *tail(s, True))
@@ -201,7 +201,7 @@ def _peak_table(view: ReportView) -> FirstThatFits:
     spread = _table(("scenario", "left"), (_head(view.columns[0]) if view.columns
                                           else "cuda:0", "right"),
                     ("others\nmin", "right"), ("\nmedian", "right"), ("\nmax", "right"),
-                    ("cuda:0\nexcess", "right"), ("max/mean", "right"), ("status", "left"),
+                    (f"{view.primary}\nexcess", "right"), ("max/mean", "right"), ("status", "left"),
                     title=title_in_unit, narrow=True)
     for s, cells in rows:
         spread.add_row(Text(s.name), *(value(d) for d in [cells[0] if cells else None,
@@ -299,7 +299,7 @@ def _timing_table(view: ReportView) -> RenderableType | None:
     measured = any(t.measured_step_s is not None for t in rows)
     table = _table(("scenario", "left"), ("step*", "right"), ("samples/s*", "right"),
                    ("x 1 GPU*", "right"), *((("measured", "right"),) if measured else ()),
-                   ("busy: cuda:0*", "right"), ("others*", "right"),
+                   (f"busy: {view.primary}*", "right"), ("others*", "right"),
                    title=Text("step time (* predicted without a GPU)"), narrow=True)
     for t in rows:
         step = t.predicted_step_s or 0.0

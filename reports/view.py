@@ -174,6 +174,7 @@ class AttributionView:
     negative_note: str | None  # why a cause is negative, where one is
     balanced: bool  # cuda:0 within 1 % of the others
     steps: tuple[CauseView, ...]  # the waterfall: large causes first, small ones folded
+    primary: str = "cuda:0"  # the GPU whose excess it is (DataParallel's first device)
 
     def bytes_of(self, cause: str) -> int | None:
         """The bytes of ``cause``; None where the attribution does not name it."""
@@ -358,6 +359,9 @@ class ReportView:
     # the step time, predicted (and measured on real GPUs): one sentence, one row a scenario
     speed_sentence: str = ""
     timings: tuple[TimingView, ...] = ()
+    # the GPU DataParallel's excess is measured on (its first device_ids: cuda:0 unless the
+    # script names others), as the headings name it
+    primary: str = "cuda:0"
     writes: WritesView | None = None  # `dpprof run`: what the script wrote
 
     @property

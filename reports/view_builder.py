@@ -8,7 +8,12 @@ the result stores (:func:`dpprof.answers.answer.answer_of`). The view's types ar
 from __future__ import annotations
 
 from dpprof.answers.answer import answer_of, maxbatch_ratio
-from dpprof.answers.answer_figures import BALANCED_FRACTION, counts
+from dpprof.answers.answer_figures import (
+    BALANCED_FRACTION,
+    counts,
+    primary_label,
+    run_primary_label,
+)
 from dpprof.answers.attribution import CAUSES, attribute, cause_label
 from dpprof.answers.post_mortem import post_mortem
 from dpprof.answers.speed import speed_sentence, speed_ups
@@ -106,7 +111,7 @@ def build_view(run: RunResult) -> ReportView:
                        for s in drawn for d in s.devices), default=0),
         breakdown_categories=_categories(drawn),
         attributions=attributions,
-        cause_rows=tuple((c, cause_label(c)) for c in CAUSES
+        cause_rows=tuple((c, cause_label(c, run_primary_label(run))) for c in CAUSES
                          if any(a.bytes_of(c) for a in attributions)),
         attribution_top_bytes=max((max(a.primary_bytes, a.reference_bytes)
                                    for a in attributions), default=0),
@@ -136,6 +141,7 @@ def build_view(run: RunResult) -> ReportView:
         watch=_watch(run, run.watch) if run.watch is not None else None,
         speed_sentence=speed_sentence(run),
         timings=_timings(run),
+        primary=run_primary_label(run),
         writes=_writes(run),
     )
 
@@ -336,8 +342,8 @@ def _attribution(run: RunResult, s: ScenarioResult, answer: Recommendation
     used = [d for d in s.devices if d.used]
     if att is None or not used or not _measured(s):
         return None
-    primary = used[0].peak_allocated_bytes
-    causes = tuple(CauseView(k, cause_label(k), v) for k, v in att.causes_bytes.items())
+    primary, gpu = used[0].peak_allocated_bytes, primary_label(s)
+    causes = tuple(CauseView(k, cause_label(k, gpu), v) for k, v in att.causes_bytes.items())
     small = max(primary // SMALL_CAUSE_DIVISOR, 1)
     steps = sorted((c for c in causes if abs(c.bytes) >= small), key=lambda c: -abs(c.bytes))
     folded = sum(c.bytes for c in causes if abs(c.bytes) < small)
@@ -349,7 +355,7 @@ def _attribution(run: RunResult, s: ScenarioResult, answer: Recommendation
         answer=answer.why_heavier.get(s.name, att.answer),
         negative_note=NEGATIVE_NOTE if any(c.bytes < 0 for c in causes) else None,
         balanced=abs(att.excess_bytes) <= BALANCED_FRACTION * max(primary, 1),
-        steps=tuple(steps))
+        steps=tuple(steps), primary=gpu)
 
 
 def _fix(f: Fix | None, a: FixAnswer) -> FixView:

@@ -44,6 +44,7 @@ from dpprof.answers.answer_figures import (
     heaviest,
     measured,
     need_bytes,
+    primary_label,
     used,
 )
 from dpprof.answers.attribution import why_heavier
@@ -114,7 +115,8 @@ def build_answer(run: RunResult) -> Recommendation:
     fixes = fix_answers(run, base) if base is not None and measured(base) else []
     pick = choose(run, base, setup, fixes)
     explained = tuple(s.name for s in run.scenarios if explains(run, s))
-    why = {name: why_heavier(att, remedy(run, att, fixes, pick.fix))
+    why = {name: why_heavier(att, remedy(run, att, fixes, pick.fix),
+                             primary_label(run.scenario(name)))
            for name in explained
            if (att := run.attribution.get(name) or attribution_of(run, name)) is not None}
     before, clause, after = _verdict(run, base, pick)
@@ -249,14 +251,15 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
         excess = c.primary_excess_bytes if c else int(excess_over_median(
             devs[0].peak_allocated_bytes, [d.peak_allocated_bytes for d in devs[1:]]))
         imbalance = f" ({c.imbalance:.2f}x the mean)" if c else ""
+        gpu = primary_label(s)  # DataParallel's first device: cuda:0 unless named otherwise
         if balanced(excess, top.peak_allocated_bytes):
-            return (f"under {s.name} cuda:0 is within {fmt_bytes(abs(excess))} of the other "
+            return (f"under {s.name} {gpu} is within {fmt_bytes(abs(excess))} of the other "
                     f"GPUs; the heaviest peaks at {fmt_bytes(top.peak_allocated_bytes)}")
         if excess < 0:
-            return (f"under {s.name} cuda:0 holds {fmt_bytes(-excess)} less than the other "
+            return (f"under {s.name} {gpu} holds {fmt_bytes(-excess)} less than the other "
                     f"GPUs; the heaviest, {device_label(top)}, peaks at "
                     f"{fmt_bytes(top.peak_allocated_bytes)}")
-        return f"cuda:0 needs {fmt_bytes(excess)} more than the other GPUs under {s.name}" \
+        return f"{gpu} needs {fmt_bytes(excess)} more than the other GPUs under {s.name}" \
                + imbalance
     if setup == DISTRIBUTED:
         who = distributed_words(s.name)

@@ -8,6 +8,7 @@ import statistics
 
 from dpprof.fixes.fix_kind import MIN_SAVING
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, RunResult, ScenarioResult
+from dpprof.scenarios.names import DP_LOSS_PRIMARY
 from dpprof.units import fmt_bytes
 
 MEASURED = (STATUS_OK, STATUS_OOM)
@@ -90,6 +91,20 @@ def median_devices(others: list[DeviceResult]) -> list[DeviceResult]:
     ordered = sorted(others, key=lambda d: (d.peak_allocated_bytes, d.index))
     k = len(ordered)
     return [ordered[k // 2]] if k % 2 else ordered[k // 2 - 1: k // 2 + 1]
+
+
+def primary_label(s: ScenarioResult | None) -> str:
+    """The GPU a scenario's excess is measured on, as the answers name it: the first it used
+    (DataParallel's first ``device_ids``: cuda:0 unless the script names others), by its
+    index alone (DataParallel is one process, on one node)."""
+    devs = used(s) if s is not None else []
+    return f"cuda:{devs[0].index}" if devs else "cuda:0"
+
+
+def run_primary_label(run: RunResult) -> str:
+    """The GPU the run's DataParallel excess is measured on (its baseline's:
+    :func:`primary_label`), for the reports' headings."""
+    return primary_label(run.scenario(DP_LOSS_PRIMARY))
 
 
 def primary_excess(devs: list[DeviceResult]) -> int:

@@ -46,13 +46,13 @@ from dpprof.result import (
 CAUSES: dict[str, str] = {
     "gathered_outputs": "gathered outputs",
     "loss": "loss, its temporaries and its gradient",
-    "input_batch": "input batch moved to cuda:0 before the scatter",
+    "input_batch": "input batch moved to {gpu} before the scatter",
     "master_parameters": "master parameters",
     "reduced_gradients": "reduced gradients",
     "optimizer_state": "optimizer state and step temporaries",
     "communication": "communication buffers",
-    "larger_shard": "cuda:0's larger shard (ceil division)",
-    "activations_timing": "activations at cuda:0's peak moment",
+    "larger_shard": "{gpu}'s larger shard (ceil division)",
+    "activations_timing": "activations at {gpu}'s peak moment",
     # measured on GPUs without a breakdown: the phase of the step cuda:0 is heavier in
     "phase_inputs": "heavier while the inputs move to the GPUs",
     "phase_forward": "heavier during forward",
@@ -76,9 +76,9 @@ _CATEGORY_CAUSE = {
 }
 
 
-def cause_label(key: str) -> str:
-    """A cause's words in every report."""
-    return CAUSES.get(key, key.replace("_", " "))
+def cause_label(key: str, gpu: str = "cuda:0") -> str:
+    """A cause's words in every report, ``gpu`` the one whose excess it explains."""
+    return CAUSES.get(key, key.replace("_", " ")).replace("{gpu}", gpu)
 
 
 def _reference(middle: list[DeviceResult]) -> tuple[dict[str, float], float, str]:
@@ -183,14 +183,15 @@ def lead_causes(att: Attribution) -> list[str]:
     return [k for k in top if positive[k] / total >= 0.1][:3] or top[:1]
 
 
-def why_heavier(att: Attribution, remedy: str = "") -> str:
-    """The dominant causes of cuda:0's excess, and ``remedy``: what removes them, as the one
-    answer says it from what was measured (:func:`dpprof.answers.answer.build_answer`)."""
+def why_heavier(att: Attribution, remedy: str = "", gpu: str = "cuda:0") -> str:
+    """The dominant causes of ``gpu``'s excess (cuda:0's, unless DataParallel's first device
+    is another), and ``remedy``: what removes them, as the one answer says it from what was
+    measured (:func:`dpprof.answers.answer.build_answer`)."""
     positive = {k: v for k, v in att.causes_bytes.items() if v > 0}
     if att.excess_bytes <= 0 or not positive:
-        return f"{att.scenario}: cuda:0 is not heavier than {att.reference}"
+        return f"{att.scenario}: {gpu} is not heavier than {att.reference}"
     total = sum(positive.values())
-    named = ", ".join(f"{CAUSES.get(k, k)} ({positive[k] / total:.0%})"
+    named = ", ".join(f"{cause_label(k, gpu)} ({positive[k] / total:.0%})"
                       for k in lead_causes(att))
-    return f"{att.scenario}: cuda:0's excess is mostly {named}" + (
+    return f"{att.scenario}: {gpu}'s excess is mostly {named}" + (
         f"; {remedy}" if remedy else "")

@@ -17,6 +17,7 @@ from dpprof.answers.answer_figures import (
     heaviest,
     measured,
     need_bytes,
+    primary_label,
     used,
 )
 from dpprof.answers.setups import (
@@ -177,8 +178,9 @@ def _why_fix(run: RunResult, f: Fix, base: ScenarioResult, a: FixAnswer) -> str:
         effect = (f"Against {base.name}: it makes the heaviest GPU worse, {top} at its peak, "
                   f"{fmt_bytes(-saving)} more")
     if primary is not None and primary != saving:
-        effect += (f"; cuda:0 {fmt_bytes(primary)} less" if primary >= 0
-                   else f"; cuda:0 {fmt_bytes(-primary)} more")
+        gpu = primary_label(base)
+        effect += (f"; {gpu} {fmt_bytes(primary)} less" if primary >= 0
+                   else f"; {gpu} {fmt_bytes(-primary)} more")
     effect += "."
     cap = budget_words(run, base)
     understated = cost_of(a.fix).understated

@@ -9,6 +9,7 @@ from dpprof.answers.answer_figures import (
     heaviest,
     measured,
     need_bytes,
+    primary_label,
     used,
 )
 from dpprof.answers.attribution import attribute, lead_causes
@@ -56,8 +57,8 @@ STATE_SIDE = {"optimizer_state", "reduced_gradients", "master_parameters", "phas
 REMEDY_WORDS = {
     "loss-in-forward": "computing the loss inside forward (dpprof.ModelWithLoss) removes it",
     "ddp": ("the loss is not the problem: DataParallel keeps the parameters, gradients and "
-            "optimizer state on cuda:0 only; DDP gives every GPU its own"),
-    "balanced-split": "a smaller share of the batch on cuda:0 (or a batch divisible by the "
+            "optimizer state on {gpu} only; DDP gives every GPU its own"),
+    "balanced-split": "a smaller share of the batch on {gpu} (or a batch divisible by the "
                       "GPU count) removes it",
     "input-batch": "moving the inputs straight to their GPUs (DDP) removes it",
 }
@@ -73,9 +74,9 @@ def remedy(run: RunResult, att: Attribution, fixes: list[FixAnswer], picked: str
     first = lead[0]
     kind = ("loss-in-forward" if first in LOSS_SIDE else "balanced-split"
             if first == "larger_shard" else "input-batch" if first == "input_batch" else "ddp")
-    words = REMEDY_WORDS[kind]
     fix_name = "ddp" if kind == "input-batch" else kind
     here = run.scenario(att.scenario)
+    words = REMEDY_WORDS[kind].replace("{gpu}", primary_label(here))
     own = as_scenario(fix_name)
     other = run.scenario(own) if own else None
     if here is not None and measured(here) and measured(other) and other is not here:
