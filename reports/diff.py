@@ -90,6 +90,13 @@ class RunDiff:
     scenarios: tuple[ScenarioDiff, ...]
 
 
+def _excess_label(rd: RunDiff) -> str:
+    """The excess rows' heading: the GPU both runs measure it on (cuda:0 unless
+    DataParallel's first device is another), or each run's."""
+    before, after = rd.before.primary, rd.after.primary
+    return f"{after} excess" if before == after else f"{before} / {after} excess"
+
+
 def _peaks(s: ScenarioView | None) -> dict[str, int]:
     if s is None or not s.measured:
         return {}
@@ -288,7 +295,7 @@ def render_markdown(rd: RunDiff) -> str:
             lines.append(f"| {md(role_title(s)) if k == 0 else ''} | {md(d.label)} | "
                          f"{_b(d.before_bytes)} | {_b(d.after_bytes)} | "
                          f"{_b(d.delta_bytes, True)} | {_pct(d)} |")
-        lines.append(f"| | *cuda:0 excess* | {_b(s.before_excess_bytes, True)} | "
+        lines.append(f"| | *{md(_excess_label(rd))}* | {_b(s.before_excess_bytes, True)} | "
                      f"{_b(s.after_excess_bytes, True)} | | |")
         if s.before_need is not None and s.after_need is not None:
             lines.append(f"| | *needs (fullest GPU)* | {_b(s.before_need.need_bytes)} "
@@ -350,7 +357,7 @@ def _render_html(rd: RunDiff) -> str:
                         f"{e(d.label)}</td><td>{e(_b(d.before_bytes))}</td>"
                         f"<td>{e(_b(d.after_bytes))}</td><td{cls}>{e(_b(delta, True))}</td>"
                         f"<td{cls}>{e(_pct(d))}</td></tr>")
-        rows.append(f"<tr><td></td><td class='l dim'>cuda:0 excess</td>"
+        rows.append(f"<tr><td></td><td class='l dim'>{e(_excess_label(rd))}</td>"
                     f"<td>{e(_b(s.before_excess_bytes, True))}</td>"
                     f"<td>{e(_b(s.after_excess_bytes, True))}</td><td></td><td></td></tr>")
         if s.before_need is not None and s.after_need is not None:

@@ -49,3 +49,7 @@ def test_the_reports_name_dataparallels_first_device(tmp_path: Path,
     html = page.read_text()
     assert "Why cuda:1 is heavier" in html and "cuda:1 excess</th>" in html
     assert "Why cuda:0" not in html and "cuda:0 excess" not in html
+    diffed = tmp_path / "diff.md"
+    assert CliRunner().invoke(app, ["report", str(saved), str(saved), "-o",
+                                    str(diffed)]).exit_code == 0
+    assert "*cuda:1 excess*" in diffed.read_text()
