@@ -14,7 +14,7 @@ import pytest
 from fake_cuda import CpuOps
 from typer.testing import CliRunner
 
-from dpprof.answers.attribution import CAUSES
+from dpprof.answers.attribution import cause_label
 from dpprof.backends.cuda_host import DeviceOps
 from dpprof.cli.app import app
 from dpprof.pipeline import CompareConfig, run_compare
@@ -137,7 +137,7 @@ def test_every_format_names_the_same_causes() -> None:
     run = run_compare(CompareConfig(workload="mlp", fixes=False, step=StepConfig(batch=8)))
     assert run is not None
     att = run.attribution[DP_LOSS_PRIMARY]
-    labels = [CAUSES[k] for k, v in att.causes_bytes.items() if v]
+    labels = [cause_label(k) for k, v in att.causes_bytes.items() if v]
     assert "loss, its temporaries and its gradient" in labels
     for fmt, text in _formats(run).items():
         text = text.replace("&#x27;", "'").replace("&#39;", "'")

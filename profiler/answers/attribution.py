@@ -24,7 +24,8 @@ Measured on real GPUs there is no breakdown by category, only the allocator's pe
 of the step: the excess is then split by phase (how much more cuda:0 holds in the phase it
 peaks in, and how much higher the reference's own peak is in another phase).
 
-This is the only split of the excess: every report renders :data:`CAUSES`' labels.
+This is the only split of the excess: every report renders :data:`CAUSES`' labels, through
+:func:`cause_label` (which names the GPU in those that name it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from dpprof.result import (
     ScenarioResult,
 )
 
-# cause -> its words in every report (the one set of labels: terminal, Markdown, HTML)
+# cause -> its words in every report (the one set of labels: terminal, Markdown, HTML);
+# "{gpu}": the GPU whose excess it is (cause_label fills it in)
 CAUSES: dict[str, str] = {
     "gathered_outputs": "gathered outputs",
     "loss": "loss, its temporaries and its gradient",
