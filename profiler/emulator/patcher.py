@@ -42,14 +42,35 @@ def put(owner: Any, name: str, value: Any) -> None:
         setattr(owner, name, value)
 
 
+def builtin_op(value: Any) -> str | None:
+    """The TorchScript builtin ``value`` stands for (``"aten::tensor"`` for ``torch.tensor``),
+    or None. TorchScript compiles a call by looking the function up in this table, by
+    identity: a replacement of ``torch.tensor`` it does not find there it tries to compile
+    as Python, and fails (``torch.distributed.optim`` scripts its functional optimizers at
+    import, and their bodies call ``torch.tensor``)."""
+    import torch.jit._builtins as builtins
+
+    return builtins._find_builtin(value)  # type: ignore[no-any-return]
+
+
 class Patcher:
-    """Patches made through it are undone by :meth:`restore` (or on leaving its ``with``)."""
+    """Patches made through it are undone by :meth:`restore` (or on leaving its ``with``). A
+    replacement of one of TorchScript's builtins stands for the same builtin while patched
+    (:func:`builtin_op`), so that code scripted meanwhile calls it as the original."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        self._builtins: list[Any] = []  # replacements registered as TorchScript builtins
 
     def patch(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.append((owner, name, own_attribute(owner, name)))
+        old = own_attribute(owner, name)
+        self._saved.append((owner, name, old))
+        op = builtin_op(old) if old is not MISSING else None
+        if op is not None and builtin_op(value) is None:
+            import torch.jit._builtins as builtins
+
+            builtins._register_builtin(value, op)
+            self._builtins.append(value)
         setattr(owner, name, value)
 
     def originals(self) -> list[tuple[Any, str, Any]]:
@@ -60,6 +81,12 @@ class Patcher:
         while self._saved:
             owner, name, value = self._saved.pop()
             put(owner, name, value)
+        if self._builtins:
+            import torch.jit._builtins as builtins
+
+            table = builtins._get_builtin_table()
+            while self._builtins:
+                table.pop(id(self._builtins.pop()), None)
 
     def __enter__(self) -> Patcher:
         return self
