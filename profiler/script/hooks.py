@@ -70,6 +70,10 @@ class Stepper:
         self.rt = rt
         self.steps = steps
         self.done = 0
+        # optimizer steps under way: an optimizer whose step calls another's (torch's
+        # ZeroRedundancyOptimizer, a Lookahead built on torch.optim.Optimizer) makes one
+        # step of the script, the outermost
+        self._stepping = 0
         self.on_step = on_step
         self.measure_start = 0
         # each device's counters when the warm-up ended (their peaks: the warm-up's)
@@ -140,12 +144,18 @@ class Stepper:
     def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.add(opt)
         self._label(opt)
+        self._stepping += 1
+        if self._stepping > 1:  # an optimizer stepped inside another's step
+            return
         for listener in self.listeners:
             listener.step_started()
         self.phase(f"optimizer (step {self.done + 1})")
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._label(opt)
+        self._stepping = max(self._stepping - 1, 0)
+        if self._stepping:  # the inner step of an optimizer stepping inside another's
+            return
         self.done += 1
         log = self.rt.op_log
         if log is not None and log.on:
@@ -173,9 +183,10 @@ class Stepper:
     def abandoned(self) -> None:
         """The step under way ran out of memory (and the script went on: a smaller batch):
         its batch, where it is the one noted, is not the one the run trains on (a batch of
-        a step that ended is kept)."""
+        a step that ended is kept). An optimizer step it stopped is no longer under way."""
         if self._rows_at == self.done:
             self.batch_rows = 0
+        self._stepping = 0
 
     def backward_started(self) -> None:
         self.backwards += 1
