@@ -4,6 +4,7 @@ the outermost, as it counts a plain optimizer's."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,48 @@ def test_a_wrapped_optimizers_step_is_one_step(tmp_path: Path, capsys: pytest.Ca
     # --steps 3 (the default): the script is stopped in its third step, after two
     assert stepped == ["stepped 0", "stepped 1"]
     assert any("stopped after 3 optimizer step(s)" in n for n in s.notes)
+
+
+# DDP over two ranks with Adam, or with ZeroRedundancyOptimizer sharding Adam's state
+DDP_ADAM = """
+import os, torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+model = DDP(nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048)).cuda(),
+            device_ids=[rank])
+opt = {make}
+for _ in range(3):
+    model(torch.randn(16, 2048, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+ADAM = "torch.optim.Adam(model.parameters())"
+ZERO = "ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)"
+
+
+def test_zero_redundancy_shards_adams_state_over_the_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeroRedundancyOptimizer (ZeRO-1) runs under dpprof: each of two ranks keeps Adam's
+    state for half the parameters (one of the two equal layers), so a rank's peak is lower
+    by a quarter of Adam's state at least (its two moments are twice the parameters)."""
+    from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for module in [m for m in sys.modules if m.startswith("torch.distributed.optim")]:
+        monkeypatch.delitem(sys.modules, module)  # imported (and scripted) in the run
+    peaks = {}
+    for name, make in (("adam", ADAM), ("zero", ZERO)):
+        script = tmp_path / f"{name}.py"
+        script.write_text(DDP_ADAM.format(make=make))
+        result, main = run_command(ScriptConfig(
+            launch=parse_command(["torchrun", "--nproc-per-node", "2", str(script)], 2),
+            gpus=2, ranks="none"), alternatives=False)
+        assert main.exit_status == 0, main.script_traceback
+        peaks[name] = result.scenarios[0].devices[0].peak_allocated_bytes
+    params = 2 * (2048 * 2048 + 2048) * 4
+    adam_state = 2 * params
+    assert peaks["adam"] - peaks["zero"] >= adam_state // 4, peaks
