@@ -42,10 +42,10 @@ from torch.futures import Future
 
 from dpprof.errors import NotEmulated
 
-__all__ = ["EmulatedRankGroup", "rank_group", "reap_all"]
+__all__ = ["EmulatedRankGroup", "completed_work", "rank_group", "reap_all"]
 
 
-def _done(value: Any) -> Any:
+def completed_work(value: Any) -> Any:
     """A work already complete, its future holding ``value`` (``c10d::Work`` from a future,
     as torch's Python process groups make theirs)."""
     from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
@@ -106,7 +106,7 @@ class EmulatedRankGroup(dist.ProcessGroup):
         self._reduce(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if self._backend == "nccl":  # in place: the input and output tensors are the same
             self.unreaped.extend(tensors)
-        return _done(tensors)
+        return completed_work(tensors)
 
     def reap(self) -> list[torch.Tensor]:
         """The watchdog drops the completed works: the tensors they held, handed to the
@@ -119,7 +119,7 @@ class EmulatedRankGroup(dist.ProcessGroup):
 
     def broadcast(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return _done(tensors)
+        return completed_work(tensors)
 
     def allgather(  # type: ignore[override]
             self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -128,17 +128,17 @@ class EmulatedRankGroup(dist.ProcessGroup):
             for slots, given in zip(outputs, inputs, strict=True):
                 for slot in slots:
                     slot.copy_(given)
-        return _done(outputs)
+        return completed_work(outputs)
 
     def _allgather_base(self, output: torch.Tensor, given: torch.Tensor,
                         opts: Any = None) -> Any:
         with torch.no_grad():
             for chunk in output.chunk(self._size):
                 chunk.copy_(given)
-        return _done([output])
+        return completed_work([output])
 
     def barrier(self, opts: Any = None) -> Any:
-        return _done([])
+        return completed_work([])
 
 
 def _not_written(name: str) -> Any:

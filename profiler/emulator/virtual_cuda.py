@@ -55,6 +55,7 @@ from dpprof.emulator import (
     device_readings,
     emulated_cuda,
     profilers,
+    sync_batch_norm,
     tensor_api,
 )
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
@@ -450,6 +451,8 @@ class VirtualCuda:
                 # the runtime's mode makes torch's composites take their paths for
                 # subclasses (other low bits of svdvals): the paths of plain Python instead
                 self._stack.enter_context(decided_as_without_a_mode())
+                # SyncBatchNorm's CUDA-only kernels, over meta and CPU tensors
+                self._stack.enter_context(sync_batch_norm.kernels_registered())
             self._install()
         except BaseException:
             self.__exit__(*sys.exc_info())

@@ -12,8 +12,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dpprof.emulator import fsdp
 from dpprof.emulator.patcher import Patch, Patcher
+from dpprof.emulator.process_group import completed_work
 from dpprof.errors import NotEmulated
 from dpprof.script.launch import ProcessExit
 from dpprof.script.parallel_state import current
@@ -83,6 +86,27 @@ def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
         if hasattr(owner, "get_backend"):
             patch(owner, "get_backend", get_backend)
     patch(dist, "is_nccl_available", lambda: True)
+    real_gather_single = c10d.all_gather_single
+
+    def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None,
+                          async_op: bool = False) -> Any:
+        """NCCL's all-gather into one tensor (ProcessGroupNCCL::_allgather_base) on the
+        emulated group: any output of the world's size times the input's elements
+        (SyncBatchNorm gathers into ``[1, W x n]``, which torch's fake group refuses), each
+        rank's part its input (the ranks run the same program)."""
+        if not current().log.fake_group:
+            return real_gather_single(output_tensor, input_tensor, group, async_op)
+        world = dist.get_world_size(group)
+        if output_tensor.numel() != world * input_tensor.numel():
+            raise ValueError("output tensor size must be equal to world_size times input "
+                             "tensor size")
+        with torch.no_grad():
+            for part in output_tensor.view(-1).chunk(world):
+                part.copy_(input_tensor.reshape(-1))
+        return completed_work([output_tensor]) if async_op else None
+
+    for owner in (dist, c10d):
+        patch(owner, "all_gather_single", all_gather_single)
     real_broadcast_objects = c10d.broadcast_object_list
 
     def broadcast_object_list(object_list: list[Any], src: int | None = None,

@@ -1,0 +1,72 @@
+"""SyncBatchNorm under DDP: its CUDA-only ops (dpprof.emulator.sync_batch_norm) and NCCL's
+all-gather into one tensor of any shape. With ranks that run the same program every rank's
+statistics are the same, so the synchronized statistics are each rank's own: the losses of
+a run with SyncBatchNorm are those of the same run with BatchNorm, step after step (the
+gradients too: each step starts from the parameters the last one left)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpprof.result import ScenarioResult
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+SCRIPT = """
+import os, torch, torch.nn as nn, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(8 * 14 * 14, 10))
+if {sync}:
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+model = DDP(model.cuda(), device_ids=[rank])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(3):
+    x = torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(step)).cuda()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print("loss", step, f"{{loss.item():.6f}}")
+"""
+
+
+def _run(folder: Path, sync: bool, compute: bool) -> ScenarioResult:
+    script = folder / f"train_{sync}.py"
+    script.write_text(SCRIPT.format(sync=sync))
+    result, _ = run_command(ScriptConfig(
+        launch=parse_command(["torchrun", "--nproc-per-node", "2", str(script)], 2), gpus=2,
+        compute=compute, ranks="none"), alternatives=False)
+    return result.scenarios[0]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_sync_batch_norm_trains_as_batch_norm_on_equal_ranks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    losses = {}
+    for sync in (False, True):
+        s = _run(tmp_path, sync, compute=True)
+        assert s.status == "ok", s.message
+        losses[sync] = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+                        if line.startswith("loss")]
+    assert len(losses[True]) == 2
+    # the same arithmetic but for its order (float32 rounding, as on a GPU)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_over_meta_tensors_the_gathered_counts_ask_for_compute(tmp_path: Path) -> None:
+    """SyncBatchNorm drops the ranks whose batch was empty by their all-gathered counts, a
+    shape the values decide: over meta tensors the run stops there, naming --compute."""
+    s = _run(tmp_path, True, compute=False)
+    assert s.status == "error"
+    assert "--compute" in s.message
