@@ -310,6 +310,40 @@ def _conv_grid() -> list[tuple[int, int, int, int, int, int, int]]:
     return builtins + grid
 
 
+def _over_the_grid(dry_shapes: int, requires_grad: bool,
+                   measure: Callable[[dict[str, Any], Any, Any, int, int], None],
+                   **fields: Any) -> list[dict[str, Any]]:
+    """A row for each convolution of the grid, in float32 and bfloat16 (dry: its first
+    ``dry_shapes`` shapes, float32): the shape, ``fields``, and what ``measure(row, x, w,
+    stride, padding)`` writes in it (an error it raises, the row's); the cache emptied after
+    each."""
+    import torch
+
+    dev = _device()
+    rows = []
+    grid = _conv_grid()[:dry_shapes] if DRY else _conv_grid()
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, c_in, side, c_out, k, s, p in grid:
+            if DRY and dtype is torch.bfloat16:
+                continue
+            x = torch.randn(n, c_in, side, side, device=dev, dtype=dtype,
+                            requires_grad=requires_grad)
+            w = torch.randn(c_out, c_in, k, k, device=dev, dtype=dtype,
+                            requires_grad=requires_grad)
+            row: dict[str, Any] = {"n": n, "c_in": c_in, "side": side, "c_out": c_out,
+                                   "kernel": k, "stride": s, "padding": p,
+                                   "dtype": str(dtype).split(".")[-1], **fields}
+            try:
+                measure(row, x, w, s, p)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            del x, w
+            if not DRY:
+                torch.cuda.empty_cache()
+    return rows
+
+
 def cudnn(benchmark: bool = False) -> dict[str, Any]:
     """Each convolution's workspace, forward and backward, at its first call (where cuDNN's
     engine is picked) and again. ``benchmark``: with torch.backends.cudnn.benchmark on, in a
@@ -320,51 +354,33 @@ def cudnn(benchmark: bool = False) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    dev = _device()
-    rows = []
-    grid = _conv_grid()[:6] if DRY else _conv_grid()
+    def measure(row: dict[str, Any], x: Any, w: Any, s: int, p: int) -> None:
+        for first in (True, False):  # the first call picks; the second reuses
+            _sync()
+            base = _allocated()
+            _reset_peak()
+            y = F.conv2d(x, w, None, s, p)
+            _sync()
+            fwd = _peak() - base - y.nbytes
+            gy = torch.randn_like(y)
+            _sync()
+            base2 = _allocated()
+            _reset_peak()
+            gx, gw = torch.autograd.grad(y, (x, w), gy)
+            _sync()
+            bwd = _peak() - base2 - gx.nbytes - gw.nbytes
+            key = "first" if first else "again"
+            row[f"forward_workspace_bytes_{key}"] = fwd
+            row[f"backward_workspace_bytes_{key}"] = bwd
+            del y, gy, gx, gw
+        row.update(x_bytes=x.nbytes, w_bytes=w.nbytes,
+                   y_shape=list(F.conv2d(x.detach(), w.detach(), None, s, p).shape))
+
     torch.backends.cudnn.benchmark = benchmark
-    for dtype in (torch.float32, torch.bfloat16):
-        for n, c_in, side, c_out, k, s, p in grid:
-            if DRY and dtype is torch.bfloat16:
-                continue
-            x = torch.randn(n, c_in, side, side, device=dev, dtype=dtype,
-                            requires_grad=True)
-            w = torch.randn(c_out, c_in, k, k, device=dev, dtype=dtype,
-                            requires_grad=True)
-            row: dict[str, Any] = {"n": n, "c_in": c_in, "side": side, "c_out": c_out,
-                                   "kernel": k, "stride": s, "padding": p,
-                                   "dtype": str(dtype).split(".")[-1], "benchmark": benchmark}
-            try:
-                for first in (True, False):  # the first call picks; the second reuses
-                    _sync()
-                    base = _allocated()
-                    _reset_peak()
-                    y = F.conv2d(x, w, None, s, p)
-                    _sync()
-                    fwd = _peak() - base - y.nbytes
-                    gy = torch.randn_like(y)
-                    _sync()
-                    base2 = _allocated()
-                    _reset_peak()
-                    gx, gw = torch.autograd.grad(y, (x, w), gy)
-                    _sync()
-                    bwd = _peak() - base2 - gx.nbytes - gw.nbytes
-                    key = "first" if first else "again"
-                    row[f"forward_workspace_bytes_{key}"] = fwd
-                    row[f"backward_workspace_bytes_{key}"] = bwd
-                    del y, gy, gx, gw
-                row.update(x_bytes=x.nbytes, w_bytes=w.nbytes,
-                           y_shape=list(F.conv2d(x.detach(), w.detach(), None, s,
-                                                 p).shape))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            del x, w
-            if not DRY:
-                torch.cuda.empty_cache()
-    torch.backends.cudnn.benchmark = False
-    return {"rows": rows}
+    try:
+        return {"rows": _over_the_grid(6, True, measure, benchmark=benchmark)}
+    finally:
+        torch.backends.cudnn.benchmark = False
 
 
 def conv_split() -> dict[str, Any]:
@@ -372,42 +388,24 @@ def conv_split() -> dict[str, Any]:
     measured apart: the peak ``memory_allocated`` of each beyond the gradient it returns."""
     import torch
 
-    dev = _device()
-    rows = []
-    grid = _conv_grid()[:4] if DRY else _conv_grid()
     conv_bwd = torch.ops.aten.convolution_backward.default
-    for dtype in (torch.float32, torch.bfloat16):
-        for n, c_in, side, c_out, k, s, p in grid:
-            if DRY and dtype is torch.bfloat16:
-                continue
-            x = torch.randn(n, c_in, side, side, device=dev, dtype=dtype)
-            w = torch.randn(c_out, c_in, k, k, device=dev, dtype=dtype)
-            row: dict[str, Any] = {"n": n, "c_in": c_in, "side": side, "c_out": c_out,
-                                   "kernel": k, "stride": s, "padding": p,
-                                   "dtype": str(dtype).split(".")[-1]}
-            try:
-                y = torch.nn.functional.conv2d(x, w, None, s, p)
-                gy = torch.randn_like(y)
-                for name, mask in (("input_grad", [True, False, False]),
-                                   ("weight_grad", [False, True, False])):
-                    _sync()
-                    base = _allocated()
-                    _reset_peak()
-                    out = conv_bwd(gy, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1,
-                                   mask)
-                    _sync()
-                    kept = sum(t.nbytes for t in out if t is not None)
-                    row[f"{name}_workspace_bytes"] = _peak() - base - kept
-                    del out
-                row.update(x_bytes=x.nbytes, w_bytes=w.nbytes, y_bytes=y.nbytes)
-                del y, gy
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            del x, w
-            if not DRY:
-                torch.cuda.empty_cache()
-    return {"rows": rows}
+
+    def measure(row: dict[str, Any], x: Any, w: Any, s: int, p: int) -> None:
+        y = torch.nn.functional.conv2d(x, w, None, s, p)
+        gy = torch.randn_like(y)
+        for name, mask in (("input_grad", [True, False, False]),
+                           ("weight_grad", [False, True, False])):
+            _sync()
+            base = _allocated()
+            _reset_peak()
+            out = conv_bwd(gy, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1, mask)
+            _sync()
+            kept = sum(t.nbytes for t in out if t is not None)
+            row[f"{name}_workspace_bytes"] = _peak() - base - kept
+            del out
+        row.update(x_bytes=x.nbytes, w_bytes=w.nbytes, y_bytes=y.nbytes)
+
+    return {"rows": _over_the_grid(4, False, measure)}
 
 
 def _allocated() -> int:
