@@ -381,3 +381,15 @@ def test_the_caching_allocator_switched_off_is_said(tmp_path: Path,
     assert len(said) == 1
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the script's environment" in said[0]
     assert "caching_allocator_disabled() at train.py:4" in said[0]
+
+
+def test_the_accelerators_memory_info_is_torch_cudas() -> None:
+    """torch.accelerator's get_memory_info answers as torch.cuda.mem_get_info: the free memory
+    less the context, not the capacity less the reserve alone."""
+    with VirtualCuda(1):
+        torch.empty(MiB, device="cuda")
+        free, total = torch.cuda.mem_get_info()
+        assert free < total - torch.cuda.memory_reserved()  # the context is not free
+        for module in (torch.accelerator, getattr(torch.accelerator, "memory", None)):
+            if module is not None and hasattr(module, "get_memory_info"):
+                assert module.get_memory_info() == (free, total)

@@ -331,8 +331,8 @@ def accelerator(vc: EmulatedCuda, p: Patch) -> None:
                 p(m, "reset_accumulated_memory_stats", vc.memory.reset_accumulated_memory_stats)
             if hasattr(m, "empty_host_cache"):
                 p(m, "empty_host_cache", Noop())
-            if hasattr(m, "get_memory_info"):
-                p(m, "get_memory_info", vc.memory.mem_get_info)
+            if hasattr(m, "get_memory_info"):  # torch.cuda's, the context left out of free
+                p(m, "get_memory_info", cuda.mem_get_info)
 
 
 class CurrentStreams:
