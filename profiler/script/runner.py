@@ -476,8 +476,6 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     return error
 
 
-
-
 def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepper,
               state: AlternativeState | None) -> tuple[list[int], list[int]]:
     """What the wrappers logged while the script ran (:mod:`dpprof.script.wrappers`)
