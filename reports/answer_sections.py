@@ -81,13 +81,13 @@ def fix_rows(view: ReportView) -> list[list[str]]:
 
 FIX_HEADER = ["fix", "saves", "heaviest", "needs", "fits"]
 # what the short headers mean, said once under the table
-FIX_COLUMNS = ("saves: on {primary}; heaviest: the heaviest GPU's peak allocated; needs: what "
+FIX_COLUMNS = ("saves: on {gpu}; heaviest: the heaviest GPU's peak allocated; needs: what "
                "the fullest GPU needs, {counts}")
 
 
 def fix_columns(view: ReportView) -> str:
     """What the fixes table's short headers mean, said once under it."""
-    return FIX_COLUMNS.format(primary=view.primary, counts=view.need_counts)
+    return FIX_COLUMNS.format(gpu=view.primary, counts=view.need_counts)
 
 
 def recommendation_lines(view: ReportView) -> tuple[str, list[str]]:
