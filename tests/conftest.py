@@ -100,3 +100,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False  # keep the order above
     return OneTestOrASharedFile(config, log)
+
+
+@pytest.fixture
+def in_script_folder(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The test's folder as the working folder of a script run under dpprof, without the
+    machine's CUDA_VISIBLE_DEVICES (the run sees every virtual GPU it is given)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -89,11 +89,9 @@ print("free fell", free_before - free_after)
 
 
 @pytest.fixture
-def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+def _in_tmp(in_script_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("NCCL_RUNTIME_CONNECT", "NCCL_P2P_DISABLE", "NCCL_MAX_NCHANNELS"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
 
 
 def _run(folder: Path, source: str, gpus: int = 4) -> ScenarioResult:

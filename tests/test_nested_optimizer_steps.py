@@ -34,11 +34,10 @@ for i in range(10):
 
 
 @pytest.mark.parametrize("wrap", ["opt", "Wrapped(opt)"])
-def test_a_wrapped_optimizers_step_is_one_step(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                               monkeypatch: pytest.MonkeyPatch,
+def test_a_wrapped_optimizers_step_is_one_step(in_script_folder: Path,
+                                               capsys: pytest.CaptureFixture[str],
                                                wrap: str) -> None:
-    monkeypatch.chdir(tmp_path)
-    s = run_script(tmp_path, LOOP.format(wrap=wrap))
+    s = run_script(in_script_folder, LOOP.format(wrap=wrap))
     assert s.status == "ok", s.message
     stepped = [line for line in capsys.readouterr().out.splitlines()
                if line.startswith("stepped")]
@@ -68,14 +67,13 @@ ZERO = "ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.
 
 
 def test_zero_redundancy_shards_adams_state_over_the_ranks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        in_script_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ZeroRedundancyOptimizer (ZeRO-1) runs under dpprof: each of two ranks keeps Adam's
     state for half the parameters (one of the two equal layers), so a rank's peak is lower
     by a quarter of Adam's state at least (its two moments are twice the parameters)."""
     from dpprof.script.session import ScriptConfig, parse_command, run_command
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tmp_path = in_script_folder
     for module in [m for m in sys.modules if m.startswith("torch.distributed.optim")]:
         monkeypatch.delitem(sys.modules, module)  # imported (and scripted) in the run
     peaks = {}

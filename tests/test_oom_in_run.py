@@ -43,10 +43,7 @@ for _ in range(3):
 """
 
 
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("in_script_folder")
 
 
 def test_a_script_that_halves_its_batch_on_oom_goes_on_as_on_the_gpu(

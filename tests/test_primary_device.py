@@ -24,10 +24,9 @@ for _ in range(3):
 """
 
 
-def test_the_reports_name_dataparallels_first_device(tmp_path: Path,
+def test_the_reports_name_dataparallels_first_device(in_script_folder: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    tmp_path = in_script_folder
     monkeypatch.setenv("COLUMNS", "120")
     (tmp_path / "train.py").write_text(SCRIPT)
     r = CliRunner().invoke(app, ["run", "--gpus", "4", "--no-alternatives", "--", "python",

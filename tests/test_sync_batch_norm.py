@@ -45,10 +45,7 @@ def _run(folder: Path, sync: bool, compute: bool) -> ScenarioResult:
     return result.scenarios[0]
 
 
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("in_script_folder")
 
 
 def test_sync_batch_norm_trains_as_batch_norm_on_equal_ranks(
