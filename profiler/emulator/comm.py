@@ -58,6 +58,8 @@ def broadcast_coalesced(
     """``torch::cuda::broadcast_coalesced``: device 0 gets the inputs themselves."""
     outputs: list[list[torch.Tensor]] = [list(tensors)] + [[] for _ in devices[1:]]
     types = {_type_key(t) for t in tensors}
+    if tensors:  # every chunk's NCCL call goes over the same devices' communicators
+        note_communicators(rt, devices)
     for chunk in take_tensors_cpp(tensors, buffer_size):
         with rt.category("communication"):
             flat = torch._C._nn.flatten_dense_tensors(chunk)  # a view if one tensor, else cat
@@ -78,7 +80,6 @@ def broadcast_coalesced(
                 outputs[i] += [t.data for t in views]
             del views
         log_collective(rt, BROADCAST, flat, devices)
-        note_communicators(rt, devices)
         del flat, results
     if len(types) > 1:
         outputs = [outputs[0]] + [reorder_tensors_like(o, tensors) for o in outputs[1:]]
