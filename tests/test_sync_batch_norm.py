@@ -1,8 +1,9 @@
 """SyncBatchNorm under DDP: its CUDA-only ops (dpprof.emulator.sync_batch_norm) and NCCL's
-all-gather into one tensor of any shape. With ranks that run the same program every rank's
-statistics are the same, so the synchronized statistics are each rank's own: the losses of
-a run with SyncBatchNorm are those of the same run with BatchNorm, step after step (the
-gradients too: each step starts from the parameters the last one left)."""
+all-gather into one tensor of any shape, over CPU tensors and over meta tensors. With ranks
+that run the same program every rank's statistics are the same, so the synchronized
+statistics are each rank's own: the losses of a run with SyncBatchNorm are those of the
+same run with BatchNorm, step after step (the gradients too: each step starts from the
+parameters the last one left)."""
 
 from __future__ import annotations
 
@@ -61,9 +62,19 @@ def test_sync_batch_norm_trains_as_batch_norm_on_equal_ranks(
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
-def test_over_meta_tensors_the_gathered_counts_ask_for_compute(tmp_path: Path) -> None:
-    """SyncBatchNorm drops the ranks whose batch was empty by their all-gathered counts, a
-    shape the values decide: over meta tensors the run stops there, naming --compute."""
-    s = _run(tmp_path, True, compute=False)
-    assert s.status == "error"
-    assert "--compute" in s.message
+def test_over_meta_tensors_sync_batch_norm_costs_what_it_costs_over_cpu_tensors(
+        tmp_path: Path) -> None:
+    """SyncBatchNorm drops the ranks whose batch was empty by their all-gathered counts
+    (``count_all[mask]``), a shape the values decide. Over meta tensors the counts are known
+    (the batch's shape) though the statistics gathered with them are not, so the run goes
+    on: SyncBatchNorm adds over meta tensors what it adds over CPU tensors, whose values
+    are real."""
+    peaks = {}
+    for sync in (False, True):
+        for compute in (False, True):
+            s = _run(tmp_path, sync, compute)
+            assert s.status == "ok", s.message
+            peaks[sync, compute] = s.devices[0].peak_allocated_bytes
+    added_over_cpu = peaks[True, True] - peaks[False, True]
+    assert added_over_cpu > 0
+    assert peaks[True, False] - peaks[False, False] == added_over_cpu

@@ -345,6 +345,11 @@ class CudaDevices(VirtualDevices):
         inputs' GPU with the shape it has; None where the values are not known."""
         assert self.small_values is not None
         real = self.small_values.compute(func, args, kwargs)
+        known = None
+        if real is None:  # the positions known, the values moved known in part or not
+            parts = self.small_values.compute_partly(func, args, kwargs)
+            if parts is not None and len(parts) == 1:
+                real, known = parts[0]
         if not isinstance(real, torch.Tensor):
             return None
         where = [self.storages.device_of(a) for a in _tensors_in(args) if on_meta(a)]
@@ -352,7 +357,7 @@ class CudaDevices(VirtualDevices):
             out = self._dispatch(aten.empty_strided.default, types,
                                  (list(real.shape), list(real.stride())),
                                  {"dtype": real.dtype, "device": self.base})
-        self.small_values.keep(out, real)
+        self.small_values.keep(out, real, known)
         return out
 
     def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:

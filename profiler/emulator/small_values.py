@@ -18,7 +18,13 @@ The rules that keep it honest:
 * an op that writes a storage it cannot compute (an input without values) drops that
   storage's values, so a value is never stale;
 * a view reads its base storage's values with its own geometry (a view of another dtype has
-  none); the memory the emulation counts is not changed by any of this.
+  none); the memory the emulation counts is not changed by any of this;
+* what is known may be part of a storage: an op that only moves elements (``cat``, ``copy_``
+  into a slice, indexing by known positions) or computes each output element from the
+  elements at its place (a pointwise op) carries the known elements through, each element
+  known where everything it came from is. A read needs every element it reads known.
+  SyncBatchNorm needs no more: it concatenates its statistics (the model's arithmetic) with
+  its count (the batch's shape), all-gathers them, and indexes by the counts alone.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ _REAL_DEVICE = torch._C.TensorBase.__dict__["device"]
 _is_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
 
 
+class _Followed:
+    """One storage's values: a weak reference to the meta storage, its values as one flat
+    host tensor, and which elements are known (a flat bool tensor; None: all of them)."""
+
+    __slots__ = ("known", "ref", "values")
+
+    def __init__(self, ref: weakref.ref[Any], values: torch.Tensor,
+                 known: torch.Tensor | None) -> None:
+        self.ref = ref
+        self.values = values
+        self.known = known
+
+
 class SmallValues:
     """Storage (meta bytes on a virtual GPU) -> its values on the host, for small ones."""
 
@@ -53,20 +72,27 @@ class SmallValues:
         self.max_tensor_bytes = max_tensor_bytes
         self.max_total_bytes = max_total_bytes
         self.total_bytes = 0
-        # storage_key(meta storage) -> (weak reference to it, its values as one flat host tensor)
-        self._values: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
+        # storage_key(meta storage) -> its values
+        self._values: dict[int, _Followed] = {}
         self.computed_ops = 0
 
-    def value_of(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``t``'s values on the host, if followed (a view: with its own geometry)."""
+    def _followed(self, t: torch.Tensor) -> _Followed | None:
+        """The values of ``t``'s storage, where followed and of ``t``'s dtype."""
         st = t.untyped_storage()
         found = self._values.get(storage_key(st))
-        if found is None or found[0]() is not st:
+        if found is None or found.ref() is not st or found.values.dtype != t.dtype:
             return None
-        flat = found[1]
-        if flat.dtype != t.dtype:
+        return found
+
+    def value_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s values on the host, if followed and every element of it known (a view:
+        with its own geometry)."""
+        found = self._followed(t)
+        if found is None:
             return None
-        return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+        if found.known is not None and not bool(_geometry_of(found.known, t).all()):
+            return None
+        return _geometry_of(found.values, t)
 
     def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                out: Any) -> None:
@@ -77,13 +103,24 @@ class SmallValues:
         values = self._values
         if func is _aten.copy_.default and self._copied_whole(args):
             return
+        carries = _carries(func)
+        whole = True
+        known_in = False  # an input followed, whole or in part
         for a in metas_in:
             # an input without values (an activation): nothing to compute (the common case;
             # a storage never followed is not among the values, the cheap test first)
-            if storage_key(a.untyped_storage()) not in values or self.value_of(a) is None:
-                if values and _mutable(func):
-                    self._forget_written(func, metas_in)
-                return
+            if storage_key(a.untyped_storage()) in values and self._followed(a) is not None:
+                known_in = True
+                if self.value_of(a) is not None:
+                    continue
+            whole = False
+            if known_in or not carries:
+                break  # else an input followed may come yet, its known elements carried
+        if not whole:
+            if not (known_in and carries and self._follow_partly(func, args, kwargs, out)) and (
+                    values and _mutable(func)):
+                self._forget_written(func, metas_in)
+            return
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
         if not outs and not metas_in:
             return
@@ -98,6 +135,23 @@ class SmallValues:
             if isinstance(m, torch.Tensor) and _is_meta(m) and isinstance(r, torch.Tensor):
                 self.keep(m, r)
 
+    def _follow_partly(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       out: Any) -> bool:
+        """After the meta op ``func`` over inputs of which some elements are known: the
+        known elements of what it made or wrote (:meth:`compute_partly`). False where the
+        rules do not apply (then what it wrote is forgotten)."""
+        if getattr(func, "is_view", False):
+            return True  # a view of a storage followed: its values are that storage's
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
+        if any(o.untyped_storage().nbytes() > self.max_tensor_bytes for o in outs):
+            return False
+        parts = self.compute_partly(func, args, kwargs)
+        if parts is None:
+            return False
+        for m, (r, known) in zip(outs, parts, strict=False):
+            self.keep(m, r, known)
+        return True
+
     def _copied_whole(self, args: tuple[Any, ...]) -> bool:
         """``dst.copy_(src)`` that writes every byte of a storage not followed yet (a buffer
         made by ``empty`` and then filled, as torch's C++ fills the bucket indices DDP's
@@ -109,7 +163,7 @@ class SmallValues:
             return False
         st = dst.untyped_storage()
         found = self._values.get(storage_key(st))
-        if found is not None and found[0]() is st:
+        if found is not None and found.ref() is st:
             return False  # followed already: written in place by the general rules
         if (not dst.is_contiguous() or dst.storage_offset()
                 or dst.numel() * dst.element_size() != st.nbytes()
@@ -163,29 +217,173 @@ class SmallValues:
         self.computed_ops += 1
         return result
 
-    def keep(self, m: torch.Tensor, r: torch.Tensor) -> None:
-        """``r`` (a host tensor of ``m``'s geometry) holds the values of ``m``'s storage."""
+    def compute_partly(self, func: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """``func`` over inputs of which some elements are known, where ``func`` carries
+        known elements through (a pointwise op, or one that only moves elements; the
+        positions it moves by, such as an index, known whole): each output's values and
+        which of them are known, an element known where everything it came from is. What
+        ``func`` writes is written in the values followed (a storage not followed yet gets
+        values, none of them known before). None where the rules do not apply."""
+        tags = getattr(func, "tags", ())
+        pointwise = torch.Tag.pointwise in tags
+        positions = _MOVES.get(func)
+        if (not pointwise and positions is None) or torch.Tag.nondeterministic_seeded in tags:
+            return None
+        schema = func._schema
+        names = [a.name for a in schema.arguments]
+        written = {a.name for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write}
+        leaves = _tensors(args, kwargs)
+        if any(isinstance(a, torch.nn.Parameter) for a in leaves) or not all(
+                _REAL_DEVICE.__get__(a).type in ("meta", "cpu") for a in leaves):
+            return None
+        if any(_is_meta(a) and a.numel() * a.element_size() > self.max_tensor_bytes
+               for a in leaves):
+            return None
+        pairs = [*zip(names, args, strict=False), *kwargs.items()]
+        targets = [a for n, a in pairs if n in written]
+        if not all(isinstance(t, torch.Tensor) and _is_meta(t) for t in targets):
+            return None  # a host tensor or a list written: not these rules
+        real: dict[str, Any] = {}
+        masks: dict[str, Any] = {}
+        for name, a in pairs:
+            pair = self._part_of(a, name in written, name in (positions or ()))
+            if pair is None:
+                return None
+            real[name], masks[name] = pair
+        at = len(args)
+        try:
+            result = func(*[real[n] for n in names[:at]],
+                          **{n: real[n] for n in names[at:] if n in real})
+            outs = [r for r in tree_leaves(result) if isinstance(r, torch.Tensor)]
+            if pointwise:
+                read = [masks[n] for n in masks if n not in written or n == "self"]
+                known = _all_known(read, [r.shape for r in outs])
+                for n in written:
+                    masks[n].copy_(known[0])
+            else:
+                mask_out = func(*[masks[n] for n in names[:at]],
+                                **{n: masks[n] for n in names[at:] if n in masks})
+                known = [k != 0 for k in tree_leaves(mask_out) if isinstance(k, torch.Tensor)]
+        except Exception:  # a kernel the host lacks, or shapes that do not broadcast
+            return None
+        finally:
+            for t in targets:
+                self._settle(t)
+        self.computed_ops += 1
+        return list(zip(outs, known, strict=True))
+
+    def _part_of(self, a: Any, written: bool, position: bool) -> tuple[Any, Any] | None:
+        """An argument's values and which of them are known, for :meth:`compute_partly`:
+        a tensor followed gives its own (written: views of the values followed, a storage not
+        followed yet given values), one not followed zeros and none known, a host tensor
+        its values, all known; a position (an index) must be known whole and is its own
+        mask. None where it cannot be had."""
+        if isinstance(a, (list, tuple)):
+            pairs = [self._part_of(b, written, position) for b in a]
+            if any(p is None for p in pairs):
+                return None
+            return type(a)(p[0] for p in pairs), type(a)(p[1] for p in pairs)  # type: ignore[index]
+        if isinstance(a, torch.device):
+            return torch.device("cpu"), torch.device("cpu")
+        if not isinstance(a, torch.Tensor):
+            return a, a
+        if not _is_meta(a):
+            return a, (a if position else torch.ones(a.shape, dtype=torch.bool))
+        if position:
+            value = self.value_of(a)
+            return None if value is None else (value, value)
+        found = self._followed(a) if not written else self._for_writing(a)
+        if found is None:
+            if written:
+                return None
+            return torch.zeros(a.shape, dtype=a.dtype), torch.zeros(a.shape, dtype=torch.bool)
+        if found.known is None:
+            if not written:
+                return _geometry_of(found.values, a), torch.ones(a.shape, dtype=torch.bool)
+            self._set_known(found, torch.ones(found.values.shape, dtype=torch.bool))
+        assert found.known is not None
+        return _geometry_of(found.values, a), _geometry_of(found.known, a)
+
+    def _for_writing(self, t: torch.Tensor) -> _Followed | None:
+        """The values of ``t``'s storage, to be written in part: a storage not followed yet
+        (small enough) gets values, none of them known yet."""
+        found = self._followed(t)
+        if found is not None:
+            return found
+        st = t.untyped_storage()
+        if storage_key(st) in self._values:
+            return None  # followed as another dtype (a view of its bytes): not these rules
+        count = st.nbytes() // max(t.element_size(), 1)
+        if st.nbytes() > self.max_tensor_bytes or st.nbytes() != count * t.element_size():
+            return None
+        self.keep_flat(st, torch.zeros(count, dtype=t.dtype), torch.zeros(count, dtype=torch.bool))
+        return self._followed(t)
+
+    def _settle(self, t: Any) -> None:
+        """After a write in part: a storage with every element known needs no mask, one with
+        none known is not followed."""
+        if not isinstance(t, torch.Tensor) or (found := self._followed(t)) is None:
+            return
+        if found.known is None:
+            return
+        if bool(found.known.all()):
+            self._set_known(found, None)
+        elif not bool(found.known.any()):
+            self._drop(storage_key(t.untyped_storage()))
+
+    def keep(self, m: torch.Tensor, r: torch.Tensor, known: torch.Tensor | None = None) -> None:
+        """``r`` (a host tensor of ``m``'s geometry) holds the values of ``m``'s storage,
+        ``known`` (of ``r``'s shape; None: all) which of them are known."""
         st = m.untyped_storage()
-        key = storage_key(st)
-        found = self._values.get(key)
-        if found is not None and found[0]() is st:
+        found = self._values.get(storage_key(st))
+        if found is not None and found.ref() is st:
             return  # written in place, or a view of a storage followed already
         if (r.dtype != m.dtype or r.stride() != m.stride()
                 or r.storage_offset() != m.storage_offset()):
             return
+        if known is not None:
+            if not bool(known.any()):
+                return
+            if bool(known.all()):
+                known = None
         nbytes = r.untyped_storage().nbytes()
-        if nbytes != st.nbytes() or self.total_bytes + nbytes > self.max_total_bytes:
+        if nbytes != st.nbytes():
             return
         flat = torch.empty(0, dtype=r.dtype).set_(
             r.untyped_storage(), 0, (nbytes // max(r.element_size(), 1),), (1,))
-        self.total_bytes += nbytes
-        self._values[key] = (weakref.ref(st, self._dropper(key, nbytes)), flat)
+        known_flat = None
+        if known is not None:
+            known_flat = torch.zeros(flat.shape, dtype=torch.bool)
+            known_flat.as_strided(r.shape, r.stride(), r.storage_offset()).copy_(known)
+        self.keep_flat(st, flat, known_flat)
 
-    def _dropper(self, key: int, nbytes: int) -> Any:
+    def keep_flat(self, st: Any, flat: torch.Tensor, known: torch.Tensor | None) -> None:
+        """Follow the meta storage ``st`` with ``flat`` (its values, one flat host tensor)
+        and ``known``, within the bytes the values may hold."""
+        nbytes = flat.untyped_storage().nbytes() + (0 if known is None else known.numel())
+        if self.total_bytes + nbytes > self.max_total_bytes:
+            return
+        key = storage_key(st)
+        self.total_bytes += nbytes
+        self._values[key] = _Followed(weakref.ref(st, self._dropper(key)), flat, known)
+
+    def _set_known(self, found: _Followed, known: torch.Tensor | None) -> None:
+        before = 0 if found.known is None else found.known.numel()
+        found.known = known
+        self.total_bytes += (0 if known is None else known.numel()) - before
+
+    def _drop(self, key: int) -> None:
+        found = self._values.pop(key, None)
+        if found is not None:
+            self.total_bytes -= found.values.untyped_storage().nbytes() + (
+                0 if found.known is None else found.known.numel())
+
+    def _dropper(self, key: int) -> Any:
         @called_where_nothing_raises
         def drop(_ref: Any) -> None:
-            if self._values.pop(key, None) is not None:
-                self.total_bytes -= nbytes
+            self._drop(key)
 
         return drop
 
@@ -195,10 +393,7 @@ class SmallValues:
         if schema is None or not schema.is_mutable:
             return
         for t in metas_in:
-            st = t.untyped_storage()
-            found = self._values.pop(storage_key(st), None)
-            if found is not None:
-                self.total_bytes -= found[1].untyped_storage().nbytes()
+            self._drop(storage_key(t.untyped_storage()))
 
 
 # the functional collectives' namespaces (torch.distributed._functional_collectives)
@@ -252,6 +447,52 @@ _UNINITIALIZED = frozenset({
     _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
     _aten.resize_.default,
 })
+
+
+# ops that only move elements, by the names of their arguments that say where to (known whole)
+_MOVES: dict[Any, tuple[str, ...]] = {
+    _aten.cat.default: (), _aten.stack.default: (), _aten.copy_.default: (),
+    _aten._to_copy.default: (), _aten.clone.default: (), _aten.repeat.default: (),
+    _aten._unsafe_view.default: (), _aten.index.Tensor: ("indices",),
+    _aten.index_select.default: ("index",),
+}
+
+
+# op_key(op) -> (op, whether it carries known elements through: pointwise or moving them)
+_CARRIES: dict[int, tuple[Any, bool]] = {}
+
+
+def _carries(func: Any) -> bool:
+    found = _CARRIES.get(op_key(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    schema = getattr(func, "_schema", None)
+    lists = schema is not None and any(
+        a.type.kind() == "ListType" and "Tensor" in str(a.type) for a in schema.arguments)
+    carries = func in _MOVES or (
+        torch.Tag.pointwise in getattr(func, "tags", ()) and not lists)
+    _CARRIES[op_key(func)] = (func, carries)
+    return carries
+
+
+def _geometry_of(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``flat`` (a storage's, flat) that ``t`` views, with ``t``'s geometry."""
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _all_known(masks: list[Any], shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """For a pointwise op: an output element is known where the elements of every input it
+    is computed from (broadcast) are."""
+    if any(isinstance(m, (list, tuple)) for m in masks):
+        raise ValueError("a list of tensors: each its own, not these rules")
+    found = []
+    for shape in shapes:
+        known = torch.ones(shape, dtype=torch.bool)
+        for m in masks:
+            if isinstance(m, torch.Tensor):
+                known &= m.broadcast_to(shape)
+        found.append(known)
+    return found
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
