@@ -103,7 +103,7 @@ class SmallValues:
         values = self._values
         if func is _aten.copy_.default and self._copied_whole(args):
             return
-        carries = _carries(func)
+        mutable, carries = _traits(func)
         whole = True
         known_in = False  # an input followed, whole or in part
         for a in metas_in:
@@ -113,12 +113,18 @@ class SmallValues:
                 known_in = True
                 if self.value_of(a) is not None:
                     continue
-            whole = False
-            if known_in or not carries:
-                break  # else an input followed may come yet, its known elements carried
+                whole = False
+            else:
+                whole = False
+                if carries is not _MOVED:
+                    # a pointwise op's every output element reads this input: none known
+                    carries = None
+                    break
+            if carries is None:
+                break
         if not whole:
             if not (known_in and carries and self._follow_partly(func, args, kwargs, out)) and (
-                    values and _mutable(func)):
+                    values and mutable):
                 self._forget_written(func, metas_in)
             return
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
@@ -425,19 +431,29 @@ def _collective_values(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
     return args[0] * size  # type: ignore[no-any-return]
 
 
-# op_key(op) -> (op, whether its schema says it writes): asked once per op, by identity
-# (an OpOverload's __hash__ is Python)
-_MUTABLE: dict[int, tuple[Any, bool]] = {}
+_POINTWISE = "pointwise"  # each output element from the inputs' elements at its place
+_MOVED = "moved"  # elements moved, from one input or several (cat, copy_ into a slice)
+
+# op_key(op) -> (op, whether its schema says it writes, how it carries known elements)
+_TRAITS: dict[int, tuple[Any, bool, str | None]] = {}
 
 
-def _mutable(func: Any) -> bool:
-    found = _MUTABLE.get(op_key(func))
+def _traits(func: Any) -> tuple[bool, str | None]:
+    """Whether ``func`` writes an input, and how it carries known elements through
+    (:data:`_POINTWISE`, :data:`_MOVED`, or None), asked once per op, by identity (an
+    OpOverload's __hash__ is Python)."""
+    found = _TRAITS.get(op_key(func))
     if found is not None and found[0] is func:
-        return found[1]
+        return found[1], found[2]
     schema = getattr(func, "_schema", None)
-    known = schema is not None and bool(schema.is_mutable)
-    _MUTABLE[op_key(func)] = (func, known)
-    return known
+    mutable = schema is not None and bool(schema.is_mutable)
+    lists = schema is not None and any(
+        a.type.kind() == "ListType" and "Tensor" in str(a.type) for a in schema.arguments)
+    carries = (_MOVED if func in _MOVES
+               else _POINTWISE if torch.Tag.pointwise in getattr(func, "tags", ()) and not lists
+               else None)
+    _TRAITS[op_key(func)] = (func, mutable, carries)
+    return mutable, carries
 
 
 _aten = torch.ops.aten
@@ -456,23 +472,6 @@ _MOVES: dict[Any, tuple[str, ...]] = {
     _aten._unsafe_view.default: (), _aten.index.Tensor: ("indices",),
     _aten.index_select.default: ("index",),
 }
-
-
-# op_key(op) -> (op, whether it carries known elements through: pointwise or moving them)
-_CARRIES: dict[int, tuple[Any, bool]] = {}
-
-
-def _carries(func: Any) -> bool:
-    found = _CARRIES.get(op_key(func))
-    if found is not None and found[0] is func:
-        return found[1]
-    schema = getattr(func, "_schema", None)
-    lists = schema is not None and any(
-        a.type.kind() == "ListType" and "Tensor" in str(a.type) for a in schema.arguments)
-    carries = func in _MOVES or (
-        torch.Tag.pointwise in getattr(func, "tags", ()) and not lists)
-    _CARRIES[op_key(func)] = (func, carries)
-    return carries
 
 
 def _geometry_of(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
