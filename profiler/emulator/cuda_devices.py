@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from dpprof.emulator import same_program
 from dpprof.emulator.allocator_config import block_bytes
 from dpprof.emulator.call_sites import caller_line, caller_site
 from dpprof.emulator.dispatch_state import HOST
@@ -548,6 +549,22 @@ def _index_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: A
             f"{caller_site()}; {mode.fix}"
         )
     return mode.dispatch_counted(func, types, args, kwargs)
+
+
+@RULES.register(*same_program.REDUCTIONS)
+def _reduction(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    out = mode.dispatch_counted(func, types, args, kwargs)
+    if mode.small_values is not None:
+        mode.small_values.reduce_followed(*same_program.contributions(func, args, out))
+    return out
+
+
+@REAL_HOST_RULES.register(*same_program.REDUCTIONS)
+def _reduction_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
+                           kwargs: Any) -> Any:
+    out = mode.dispatch_beside_host(func, types, args, kwargs)
+    same_program.reduce_in_place(*same_program.contributions(func, args, out))
+    return out
 
 
 @RULES.register(*NUMERIC_FACTORIES)

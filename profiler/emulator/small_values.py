@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from dpprof.emulator import same_program
 from dpprof.emulator.identity import op_key, storage_key
 from dpprof.errors import called_where_nothing_raises
 
@@ -339,6 +340,50 @@ class SmallValues:
         elif not bool(found.known.any()):
             self._drop(storage_key(t.untyped_storage()))
 
+    def known_part(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``t``'s values on the host and which of them are known (both with ``t``'s
+        geometry), where its storage is followed; None where it is not."""
+        found = self._followed(t)
+        if found is None:
+            return None
+        known = (torch.ones(t.shape, dtype=torch.bool) if found.known is None
+                 else _geometry_of(found.known, t))
+        return _geometry_of(found.values, t), known
+
+    def reduce_followed(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], kind: int,
+                        size: int) -> None:
+        """After a reduction across ranks (:func:`dpprof.emulator.same_program.
+        contributions`): each target's values the reduction of its contribution's, known
+        where the contribution's are (an element is reduced alone)."""
+        # every contribution read before any target is written (an all-reduce in place)
+        found = [(t, self.known_part(c)) for t, c in pairs]
+        for t, part in found:
+            if part is None:
+                self.write(t, None)
+            else:
+                self.write(t, same_program.reduced(part[0], kind, size), part[1].clone())
+
+    def write(self, t: torch.Tensor, values: torch.Tensor | None,
+              known: torch.Tensor | None = None) -> None:
+        """``t``'s elements now hold ``values`` (host values of ``t``'s shape; ``known``:
+        which of them are known, None: all), written by something other than an op followed
+        (a collective); ``values`` None: none known, so ``t``'s storage is followed no
+        longer."""
+        found = self._for_writing(t) if values is not None else None
+        if found is None:
+            self._drop(storage_key(t.untyped_storage()))
+            return
+        assert values is not None
+        if found.known is None and known is not None and not bool(known.all()):
+            self._set_known(found, torch.ones(found.values.shape, dtype=torch.bool))
+        _geometry_of(found.values, t).copy_(values)
+        if found.known is not None:
+            if known is None:
+                _geometry_of(found.known, t).fill_(True)
+            else:
+                _geometry_of(found.known, t).copy_(known)
+            self._settle(t)
+
     def keep(self, m: torch.Tensor, r: torch.Tensor, known: torch.Tensor | None = None) -> None:
         """``r`` (a host tensor of ``m``'s geometry) holds the values of ``m``'s storage,
         ``known`` (of ``r``'s shape; None: all) which of them are known."""
@@ -407,28 +452,13 @@ _COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_function
 
 
 def _collective_values(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
-    """A functional collective's values as one rank of ranks that all run the same program
-    sees them (:mod:`dpprof.emulator.process_group`'s rule): an all-reduce of ``size`` equal
-    contributions (``sum``: the input times ``size``; ``avg``, ``min``, ``max``: the input);
-    ``wait_tensor`` and the autograd wrapper give their input. None for any other (a
-    stand-in is read instead)."""
+    """A functional collective's values where they are its input's: ``wait_tensor`` and the
+    autograd wrapper. None for any other: what other ranks contribute is not on this host
+    (a reduction's values: :mod:`dpprof.emulator.same_program`, after the op)."""
     name = func._schema.name.split("::")[-1]
     if name in ("wait_tensor", "_wrap_tensor_autograd"):
         return args[0]  # type: ignore[no-any-return]
-    if name != "all_reduce" or len(args) < 3:
-        return None
-    op = str(args[1]).lower()
-    if op in ("avg", "min", "max"):
-        return args[0].clone()  # type: ignore[no-any-return]
-    if op != "sum":
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        size = _resolve_process_group(args[2]).size()
-    except (RuntimeError, ValueError, KeyError):
-        return None
-    return args[0] * size  # type: ignore[no-any-return]
+    return None
 
 
 _POINTWISE = "pointwise"  # each output element from the inputs' elements at its place
