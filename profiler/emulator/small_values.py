@@ -99,6 +99,10 @@ class SmallValues:
                out: Any) -> None:
         """After the meta op ``func`` made ``out``: compute its values where the rules allow,
         else forget the values of what it wrote."""
+        if isinstance(out, torch.Tensor) and not _is_meta(out):
+            # an op of the host (a data loader's indexing: its values are real), or a copy
+            # to it (read by the rule of copies): nothing on a virtual GPU made or written
+            return
         leaves = _tensors(args, kwargs)
         metas_in = [a for a in leaves if _is_meta(a)]
         values = self._values
