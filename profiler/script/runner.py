@@ -57,6 +57,7 @@ from dpprof.scenarios.names import (
 from dpprof.scenarios.registry import scenario
 from dpprof.script import parallel_state, seal, wrappers
 from dpprof.script.census import Snapshot
+from dpprof.script.computed_values import sharded_values_note
 from dpprof.script.distributed_checkpoint import stand_ins as distributed_checkpoints
 from dpprof.script.effects import ScriptEffects
 from dpprof.script.hooks import (
@@ -561,6 +562,7 @@ def _scenario(cfg: ScriptConfig, vc: VirtualCuda, run: ScriptRun, stepper: Stepp
     if not cfg.compute:
         figured, limits, more = with_overheads(devices, vc, cfg, run.local_rank, run.world_size)
         devices, notes = list(figured), notes + more
+    notes += sharded_values_note(cfg.compute, name, run.world_size)
     alike = kind.ranks_alike  # a DDP scenario's ranks: one note for all
     for d in [d for d in devices if d.used][:1 if alike else None]:
         if (note := transient_note(d, "each rank" if alike else None)) is not None:
