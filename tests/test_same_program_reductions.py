@@ -1,10 +1,10 @@
-"""A script's reductions across ranks read back what ranks that run the same program get
-(dpprof.emulator.same_program): the same script, its ranks contributing equal tensors, run
-plainly over gloo on two real CPU processes is the reference, and ``dpprof run`` of it over
-NCCL on two virtual GPUs (meta tensors, whose small values are followed, and ``--compute``)
-must print what it prints. Before, torch's fake process group left each rank its own
-contribution: a summed loss read back as one rank's, an average across ranks as 1/world of
-it."""
+"""A script's reductions and all-to-alls across ranks read back what ranks that run the
+same program get (dpprof.emulator.same_program): the same script, its ranks contributing
+equal tensors, run plainly over gloo on two real CPU processes is the reference, and
+``dpprof run`` of it over NCCL on two virtual GPUs (meta tensors, whose small values are
+followed, and ``--compute``) must print what it prints. Before, torch's fake process group
+left each rank its own contribution: a summed loss read back as one rank's, an average
+across ranks as 1/world of it, an all-to-all as the rank's own input."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ show("functional all_reduce", funcol.all_reduce(v(3., 4.), "sum", dist.group.WOR
 show("functional reduce_scatter",
      funcol.reduce_scatter_tensor(v(1., 2., 3., 4.), "sum", 0, dist.group.WORLD))
 tokens = torch.tensor([7], device=device); dist.all_reduce(tokens); show("tokens", tokens)
+out = torch.empty(4, device=device)
+dist.all_to_all_single(out, v(1., 2., 3., 4.)); show("all_to_all_single", out)
+outs = [torch.empty(2, device=device) for _ in range(2)]
+dist.all_to_all(outs, [v(1., 2.), v(3., 4.)]); show("all_to_all", torch.stack(outs))
+show("functional all_to_all", funcol.all_to_all_single(v(1., 2., 3., 4.), None, None,
+                                                        dist.group.WORLD))
 if rank == 0:
     print("\\n".join([*seen, "done"]), flush=True)
 dist.barrier()

@@ -551,7 +551,7 @@ def _index_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: A
     return mode.dispatch_counted(func, types, args, kwargs)
 
 
-@RULES.register(*same_program.REDUCTIONS)
+@RULES.register(*same_program.COLLECTIVES)
 def _reduction(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
     out = mode.dispatch_counted(func, types, args, kwargs)
     if mode.small_values is not None:
@@ -559,7 +559,7 @@ def _reduction(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any)
     return out
 
 
-@REAL_HOST_RULES.register(*same_program.REDUCTIONS)
+@REAL_HOST_RULES.register(*same_program.COLLECTIVES)
 def _reduction_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
                            kwargs: Any) -> Any:
     out = mode.dispatch_beside_host(func, types, args, kwargs)
