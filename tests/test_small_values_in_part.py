@@ -1,10 +1,11 @@
 """Values known in part (dpprof.emulator.small_values): over meta tensors a storage can hold
 elements that follow from host data beside elements the model computed. Generated programs
-concatenate known and unknown pieces, combine them pointwise, copy them into the chunks of
-a buffer (as an all-gather into one tensor does) and read regions back; the same program on
-plain CPU tensors is the reference. The guarantee: a read of known elements gives the real
-values, a read that touches one unknown element is a counted stand-in, never a made-up value
-passed off as real; a boolean mask made of known elements indexes as on the real tensors."""
+concatenate known and unknown pieces, combine them pointwise, convert them, copy them into
+the chunks of a buffer (as an all-gather into one tensor does) and read regions back
+(sliced or picked by index_select); the same program on plain CPU tensors is the
+reference. The guarantee: a read of known elements gives the real values, a read that
+touches one unknown element is a counted stand-in, never a made-up value passed off as
+real; a boolean mask made of known elements indexes as on the real tensors."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class Program:
     pieces: tuple[tuple[tuple[int, ...], bool], ...]  # (values, known from host data)
     other: tuple[tuple[int, ...], bool] | None  # a second operand, added elementwise
     rows: int  # the buffer's chunks, each a copy of the concatenation
+    widened: bool  # the concatenation converted to float64 before it is copied
+    picked: bool  # the columns read back picked by index_select, else sliced
     read: tuple[int, int]  # the columns read back
     mask_column: int  # the column a boolean mask is made of
 
@@ -49,8 +52,8 @@ def programs(draw: Any) -> Program:
         st.lists(st.integers(-3, 3), min_size=width, max_size=width).map(tuple),
         st.booleans()))
     start = draw(st.integers(0, width - 1))
-    return Program(pieces, other, draw(st.integers(1, 3)),
-                   (start, draw(st.integers(start + 1, width))),
+    return Program(pieces, other, draw(st.integers(1, 3)), draw(st.booleans()),
+                   draw(st.booleans()), (start, draw(st.integers(start + 1, width))),
                    draw(st.integers(0, width - 1)))
 
 
@@ -64,9 +67,14 @@ def _run(p: Program, device: str) -> tuple[torch.Tensor, Any]:
     joined = torch.cat([_made(v, k, device) for v, k in p.pieces]) * 2 + 1
     if p.other is not None:
         joined = joined + _made(*p.other, device)
+    if p.widened:
+        joined = joined.to(torch.float64)
     buf = torch.empty(p.rows, p.width, device=device)
     for part in buf.view(-1).chunk(p.rows):
         part.copy_(joined)
+    if p.picked:
+        columns = torch.arange(p.read[0], p.read[1]).to(device)
+        return buf, buf.index_select(1, columns).tolist()
     return buf, buf[:, p.read[0]:p.read[1]].tolist()
 
 
