@@ -552,7 +552,7 @@ def _index_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: A
 
 
 @RULES.register(*same_program.COLLECTIVES)
-def _reduction(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+def _collective(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
     out = mode.dispatch_counted(func, types, args, kwargs)
     if mode.small_values is not None:
         mode.small_values.reduce_followed(*same_program.contributions(func, args, out))
@@ -560,8 +560,8 @@ def _reduction(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any)
 
 
 @REAL_HOST_RULES.register(*same_program.COLLECTIVES)
-def _reduction_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
-                           kwargs: Any) -> Any:
+def _collective_beside_host(mode: CudaDevices, func: Any, types: Any, args: Any,
+                            kwargs: Any) -> Any:
     out = mode.dispatch_beside_host(func, types, args, kwargs)
     same_program.reduce_in_place(*same_program.contributions(func, args, out))
     return out
