@@ -75,7 +75,6 @@ class SmallValues:
         self.total_bytes = 0
         # storage_key(meta storage) -> its values
         self._values: dict[int, _Followed] = {}
-        self.computed_ops = 0
 
     def _followed(self, t: torch.Tensor) -> _Followed | None:
         """The values of ``t``'s storage, where followed and of ``t``'s dtype."""
@@ -217,16 +216,11 @@ class SmallValues:
         if getattr(func, "namespace", "") in _COLLECTIVES:
             # what other ranks contribute is not on this host: never the host's own run of
             # the collective (over the fake group its output holds no data)
-            result = _collective_values(func, real_args)
-            if result is not None:
-                self.computed_ops += 1
-            return result
+            return _collective_values(func, real_args)
         try:
-            result = func(*real_args, **real_kwargs)
+            return func(*real_args, **real_kwargs)
         except Exception:  # a kernel the host lacks for this dtype: no values, as before
             return None
-        self.computed_ops += 1
-        return result
 
     def compute_partly(self, func: Any, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -282,7 +276,6 @@ class SmallValues:
         finally:
             for t in targets:
                 self._settle(t)
-        self.computed_ops += 1
         return list(zip(outs, known, strict=True))
 
     def _part_of(self, a: Any, written: bool, position: bool) -> tuple[Any, Any] | None:
@@ -444,8 +437,7 @@ class SmallValues:
 
     def _forget_written(self, func: Any, metas_in: list[torch.Tensor]) -> None:
         """The op wrote storages it could not compute: their values are gone."""
-        schema = getattr(func, "_schema", None)
-        if schema is None or not schema.is_mutable:
+        if not _traits(func)[0]:  # it writes none
             return
         for t in metas_in:
             self._drop(storage_key(t.untyped_storage()))
