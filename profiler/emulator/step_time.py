@@ -22,6 +22,10 @@ the autograd engine runs in one thread per device (so DataParallel's replicas' b
 issue in parallel, while their forwards, in ``parallel_apply``'s threads, take turns on
 the GIL: one host timeline). A phase waits for the threads of the one before it.
 
+Work of the phase :data:`EVALUATION` (a script's validation between two optimizer steps) is
+no part of the training step: it is left out of the step and played alone, its time given
+beside it (``StepPrediction.evaluation_s``).
+
 The constants of :data:`H200_FIT` are fitted to what an NVIDIA H200 measured
 (``tests/data/h200_measured.json``; ``scripts/fit_step_time.py``), and checked on workloads
 held out of the fit (README, "How accurate is it?").
@@ -55,6 +59,7 @@ from dpprof.emulator.op_log import (
 )
 
 __all__ = [
+    "EVALUATION",
     "H200_FIT",
     "DevicePrediction",
     "DeviceRates",
@@ -157,6 +162,12 @@ def _overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
     return both
 
 
+# the phase of the ops a script runs between two steps with its trained model in eval mode
+# and no gradients (its validation): they repeat every N steps or once an epoch, not every
+# step, and a measured step they fall in is no longer the training step
+EVALUATION = "evaluation"
+
+
 @dataclass
 class StepPrediction:
     step_time_s: float
@@ -164,6 +175,10 @@ class StepPrediction:
     devices: dict[int, DevicePrediction] = field(default_factory=dict)
     ops: int = 0
     kernels: int = 0
+    # the EVALUATION phase's ops, left out of the step, played alone: their time (over all
+    # the steps played, not a step's mean) and how many there were
+    evaluation_s: float = 0.0
+    evaluation_ops: int = 0
 
 
 def matmul_shape_efficiency(gemm: tuple[int, int, int] | tuple[()],
@@ -207,7 +222,22 @@ def predict_step(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstan
     """Play the measured step's ops on devices of ``rates`` (see the module's docstring).
     A phase is the word before any "(step N)" its label carries.
 
-    ``devices``: the GPUs to report (each gets a row even if it ran nothing: it waited)."""
+    ``devices``: the GPUs to report (each gets a row even if it ran nothing: it waited).
+    Ops of the :data:`EVALUATION` phase are left out, and played alone for
+    ``evaluation_s``."""
+    evaluation = [op for op in records if op[3].startswith(EVALUATION)]
+    if evaluation:
+        step = _play([op for op in records if not op[3].startswith(EVALUATION)], rates, k,
+                     devices)
+        alone = _play(evaluation, rates, k, ())
+        step.evaluation_s, step.evaluation_ops = alone.step_time_s, len(evaluation)
+        return step
+    return _play(records, rates, k, devices)
+
+
+def _play(records: Sequence[OpRecord], rates: DeviceRates, k: TimeConstants,
+          devices: Sequence[int]) -> StepPrediction:
+    """:func:`predict_step` on ``records``, all of them."""
     host: dict[int, float] = {}  # host timeline -> when it is free
     free: dict[int, float] = {}  # device -> when its compute stream is free
     comm_free: dict[int, float] = {}  # device -> when its collective stream is free
@@ -355,7 +385,9 @@ def predict_steps(records: Sequence[OpRecord], step_ends: Sequence[int], rates: 
     out = StepPrediction(sum(p.step_time_s for p in steps) / n,
                          sum(p.host_s for p in steps) / n,
                          ops=sum(p.ops for p in steps) // n,
-                         kernels=sum(p.kernels for p in steps) // n)
+                         kernels=sum(p.kernels for p in steps) // n,
+                         evaluation_s=sum(p.evaluation_s for p in steps),
+                         evaluation_ops=sum(p.evaluation_ops for p in steps))
     for p in steps:
         for d, dev in p.devices.items():
             mean = out.devices.setdefault(d, DevicePrediction())

@@ -29,6 +29,7 @@ from dpprof.emulator.flex_attention import (
     leave_compiled_region,
 )
 from dpprof.emulator.patcher import Patcher
+from dpprof.emulator.step_time import EVALUATION
 from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder_code import blocks_words
 from dpprof.measure.ladder_rungs import Rung
@@ -81,6 +82,9 @@ class Stepper:
         # weakly: an optimizer the script drops (a finished mp.spawn job's, a stage's) frees
         # its parameters and state as it would on a GPU
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # the script validating between steps: the phase EVALUATION until the next training
+        # forward, backward or step
+        self._evaluating = False
         self._handles: list[Any] = []
         self._phase: contextlib.ExitStack | None = None
         self.batch_rows = 0  # rows of the first measured batch that reached backward
@@ -136,6 +140,7 @@ class Stepper:
         return steps_peaks
 
     def phase(self, name: str) -> None:
+        self._evaluating = name.startswith(EVALUATION)
         if self._phase is not None:
             self._phase.close()
         self._phase = contextlib.ExitStack()
@@ -209,8 +214,11 @@ class Stepper:
         # a module called inside backward (checkpoint's recompute) is no forward of the step;
         # nor is a module without parameters called on its own: the loss (nn.CrossEntropyLoss
         # on an LM's logits flattened to batch x seq rows)
-        if (self._depth == 0 and torch._C._current_graph_task_id() == -1
-                and next(module.parameters(), None) is not None):
+        first = next(module.parameters(), None) if self._depth == 0 else None
+        if first is not None and torch._C._current_graph_task_id() == -1:
+            if self._evaluates(module, first) != self._evaluating:
+                self.phase(f"{EVALUATION if not self._evaluating else 'forward'} "
+                           f"(step {self.done + 1})")
             self.forwards += 1
             self._rows_from_kwargs = not self._note_rows(args)
             if not self.forward_sites:
@@ -221,6 +229,14 @@ class Stepper:
             for listener in self.listeners:
                 listener.forward_started(module)
         self._depth += 1
+
+    def _evaluates(self, module: nn.Module, first: nn.Parameter) -> bool:
+        """Whether this outermost call is the script validating: its model, whose parameters
+        an optimizer steps, in eval mode with gradients off. A teacher or an EMA copy (not
+        stepped) and a GAN's generator called under ``no_grad`` (in train mode) are steps'."""
+        return (not module.training and not torch.is_grad_enabled()
+                and any(p is first for opt in self.optimizers
+                        for group in opt.param_groups for p in group["params"]))
 
     def _note_rows(self, inputs: Any) -> bool:
         """The rows of the first tensor among ``inputs`` noted as the batch's; whether

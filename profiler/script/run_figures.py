@@ -68,7 +68,14 @@ def predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
     shown = sorted({source(d) for d in s.devices if d.used})
     rates = rates_for(cfg.gpu, cfg.interconnect)
     pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
-    return write_prediction(s, pred, s.batch, source)
+    s = write_prediction(s, pred, s.batch, source)
+    if not pred.evaluation_ops:
+        return s
+    return dataclasses.replace(s, notes=(*s.notes, (
+        f"step time: the training step's; the script's evaluation between its steps (its "
+        f"model called in eval mode without gradients: {pred.evaluation_ops:,} ops) is left "
+        f"out of it, predicted at {pred.evaluation_s * 1e3:,.1f} ms in all over the "
+        f"measured steps")))
 
 
 def below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
