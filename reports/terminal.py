@@ -53,7 +53,9 @@ def render_view(view: ReportView) -> Group:
             parts.append(Text(f"{s.name}: {s.message}", style="red"))
         if s.traceback_tail:
             parts.append(Text("\n".join(f"  {line}" for line in s.traceback_tail), style="dim"))
-    parts += [Text(note, style="dim") for note in _scenario_notes(view)]
+    # the run's own notes (why an alternative was not run, a synthetic result), then each
+    # scenario's
+    parts += [Text(note, style="dim") for note in (*view.run_notes, *_scenario_notes(view))]
     parts += _writes(view)
     parts += answer_sections.terminal_parts(view)
     return Group(*parts)

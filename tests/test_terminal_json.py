@@ -96,3 +96,14 @@ def test_compare_at_80_columns_puts_the_verdict_on_the_first_screen(
     wide = CliRunner().invoke(app, ["compare", "-b", "512", "-o", "r.json"],
                               env={"COLUMNS": "160"})
     assert max(len(line.rstrip()) for line in wide.stdout.splitlines()) > WIDTH
+
+
+def test_the_runs_own_notes_are_said() -> None:
+    # a `dpprof run` says here why an alternative was not run; a synthetic result that
+    # nothing in it was measured
+    run = dataclasses.replace(saved("emulated-lm"), notes=(
+        "no loss-inside-forward alternative: the outputs are used at train.py:154 outside "
+        "the arguments of an nn.Module loss",))
+    text = " ".join(_text(run).split())
+    assert "no loss-inside-forward alternative: the outputs are used at train.py:154" in text
+    assert "nothing here was measured" in " ".join(_text(saved("synthetic-nvml")).split())
