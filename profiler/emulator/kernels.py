@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dpprof.emulator import ctc_loss
 from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.cuda_devices import on_meta
 from dpprof.emulator.cudnn_workspace import BACKWARD, FORWARD, conv_workspace_bytes
@@ -103,6 +104,8 @@ class GpuKernels:
             plans[torch.ops.aten.convolution.default] = self._convolution_plan
             plans[torch.ops.aten.convolution_backward.default] = (
                 self._convolution_backward_plan)
+            plans[torch.ops.aten._ctc_loss.default] = ctc_loss.forward_plan
+            plans[torch.ops.aten._ctc_loss_backward.default] = ctc_loss.backward_plan
         orig_dropout, orig_rms_norm = F.dropout, F.rms_norm
         self._orig_sdpa = F.scaled_dot_product_attention
         patch = self._patcher.patch
@@ -116,7 +119,9 @@ class GpuKernels:
         if self.rt is not None:
             for op in (torch.ops.aten.embedding_dense_backward.default,
                        torch.ops.aten.convolution.default,
-                       torch.ops.aten.convolution_backward.default):
+                       torch.ops.aten.convolution_backward.default,
+                       torch.ops.aten._ctc_loss.default,
+                       torch.ops.aten._ctc_loss_backward.default):
                 self.rt.kernel_plans.pop(op, None)
 
     def _embedding_backward_plan(self, args: Any, kwargs: dict[str, Any]) -> KernelPlan | None:

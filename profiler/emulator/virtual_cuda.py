@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator import (
+    ctc_loss,
     cuda_api,
     cuda_graphs,
     device_readings,
@@ -453,6 +454,8 @@ class VirtualCuda:
                 self._stack.enter_context(decided_as_without_a_mode())
                 # SyncBatchNorm's CUDA-only kernels, over meta and CPU tensors
                 self._stack.enter_context(sync_batch_norm.kernels_registered())
+                # CTC loss's GPU path and its backward's Meta kernel
+                self._stack.enter_context(ctc_loss.kernels_registered())
             self._install()
         except BaseException:
             self.__exit__(*sys.exc_info())
