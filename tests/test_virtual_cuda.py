@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from dpprof.emulator import cuda_devices
-from dpprof.emulator.cuda_devices import STAND_IN_FLOAT, STAND_IN_INT, DataDependentShapeError
+from dpprof.emulator.cuda_devices import DataDependentShapeError
 from dpprof.emulator.dispatch_state import HOST
+from dpprof.emulator.stand_in_values import STAND_IN_FLOAT, STAND_IN_INT
 from dpprof.emulator.virtual_cuda import VirtualCuda, parse_visible_devices
 from dpprof.script import wrappers
 

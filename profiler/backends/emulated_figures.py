@@ -14,10 +14,11 @@ import numpy as np
 from dpprof.backends.emulated_config import EmulationConfig
 from dpprof.emulator.allocator_config import AllocatorConfig
 from dpprof.emulator.context import ContextModel
-from dpprof.emulator.cuda_devices import STAND_INS, CudaDevices
+from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.ddp import UNREAPED_BUCKETS
 from dpprof.emulator.nccl_memory import NcclRankMemory
 from dpprof.emulator.reserved import AllocationEvent, GpuOverheads, gpu_overheads
+from dpprof.emulator.stand_in_values import STAND_INS
 from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import STATUS_OK, STATUS_OOM, DeviceResult, ScenarioResult, TimelinePoint
 from dpprof.scenarios.kind import Scenario

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Protocol
 
@@ -28,20 +27,17 @@ from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.op_rules import OpRules
 from dpprof.emulator.small_values import SmallValues
+from dpprof.emulator.stand_in_values import (
+    STAND_IN_BOOL,
+    STAND_IN_FLOAT,
+    STAND_IN_INT,
+    StandIns,
+)
 from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, asked_by_program
 from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
 from dpprof.emulator.zero_pages import host_zeros
 
 aten = torch.ops.aten
-
-STAND_IN_FLOAT = 1.0
-STAND_IN_INT = 1
-STAND_IN_BOOL = False
-STAND_INS = (
-    f"values read from emulated tensors are stand-ins: floats {STAND_IN_FLOAT}, integers "
-    f"{STAND_IN_INT}, booleans {STAND_IN_BOOL} (True where the line asks torch.isfinite), "
-    "host copies (.cpu(), .numpy(), .tolist()) zeros; GradScaler finds no inf"
-)
 
 # Ops whose output shape depends on the values (meta tensors have none).
 DATA_DEPENDENT = {
@@ -87,25 +83,6 @@ def _tensorless(func: Any) -> bool:
 
 class DataDependentShapeError(RuntimeError):
     """An op whose output shape depends on tensor values, which meta tensors do not have."""
-
-
-@dataclass
-class StandIns:
-    """Values the emulation made up, counted by kind and by the user's line."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    sites: dict[str, int] = field(default_factory=dict)  # "file:line (kind)" -> count
-
-    def add(self, kind: str, times: int = 1) -> None:
-        """One more value of ``kind`` made up (``times``: for a mirrored DataParallel
-        replica, once for each replica it stands for)."""
-        self.counts[kind] = self.counts.get(kind, 0) + times
-        key = f"{caller_site()} ({kind})"
-        self.sites[key] = self.sites.get(key, 0) + times
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
 
 
 class CudaIndices(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from dpprof.emulator.cuda_devices import STAND_INS
+from dpprof.emulator.stand_in_values import STAND_INS
 from dpprof.fixes.fix_kind import FixKind
 from dpprof.result import Fix, ScriptWrite, SealCheck
 from dpprof.script import namespace
