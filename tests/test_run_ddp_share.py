@@ -111,3 +111,60 @@ def test_the_ddp_fix_divides_the_hand_made_batch_and_runs_with_the_peaks_it_prom
     assert rank.name == "ddp" and rank.batch == 32
     assert all(d.batch_rows == 8 for d in rank.devices)
     assert fix.max_peak_bytes == max(d.peak_allocated_bytes for d in rank.devices)
+
+
+# A batch made row by row in a loop up to B, its lengths drawn with torch.randint of B
+# (Hugging Face style: the labels go into the model, which returns its loss beside the
+# logits): cutting the randint to a rank's share broke the script (IndexError at
+# ``lengths[b]``), and the DDP alternative ran nothing, named "single"
+ROW_BY_ROW = """
+import torch, torch.nn as nn
+V, D, T, B = 2000, 64, 32, 32
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1),
+                                           ignore_index=-100)
+        return loss, logits
+{setup}
+opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+for step in range(6):
+    lengths = torch.randint(4, T, ({rows},))
+    ids = torch.zeros({rows}, T, dtype=torch.long)
+    labels = torch.full(({rows}, T), -100)
+    for b in range({rows}):
+        ids[b, :lengths[b]] = torch.randint(0, V, (int(lengths[b]),))
+        labels[b, :lengths[b] - 1] = ids[b, 1:lengths[b]]
+    loss, logits = model(ids.cuda(), labels.cuda())
+    opt.zero_grad(); loss.mean().backward(); opt.step()
+"""
+
+
+def test_a_batch_made_row_by_row_is_cut_at_the_models_call_where_cutting_it_breaks_the_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    dp = _run(tmp_path, "train.py", ROW_BY_ROW.format(setup=DATA_PARALLEL, rows="B"),
+              ["python", "train.py"])
+    ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.status == "ok", dp.notes  # type: ignore[attr-defined]
+    assert ddp.batch == 32 and all(d.batch_rows == 8 for d in ddp.devices)
+    assert any(n.startswith("the DDP alternative cut the batches the script makes "
+                            "(torch.randint at") and "IndexError" in n
+               for n in dp.notes), dp.notes  # type: ignore[attr-defined]
+    assert any("the model's inputs cut at its call to DataParallel's first chunk, 8 of its "
+               "32 rows" in n for n in ddp.notes), ddp.notes
+    # against the DDP script a user would write (each rank making B // 4 rows): higher by at
+    # most the rest of the batch's inputs, which this rank's GPU still holds (ids and
+    # labels, int64, 24 of the 32 rows: 12,288 B; 6,144 B of them live at the peak)
+    by_hand = _run(tmp_path, "ddp.py", ROW_BY_ROW.format(setup=DDP, rows="B // 4"),
+                   ["torchrun", "--nproc-per-node", "4", "ddp.py"])
+    (rank,) = by_hand.scenarios  # type: ignore[attr-defined]
+    assert all(d.batch_rows == 8 for d in rank.devices)
+    rest = 2 * 24 * 32 * 8
+    for alt, own in zip(ddp.devices, rank.devices, strict=True):
+        assert own.peak_allocated_bytes < alt.peak_allocated_bytes
+        assert alt.peak_allocated_bytes <= own.peak_allocated_bytes + rest

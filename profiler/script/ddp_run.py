@@ -11,6 +11,7 @@ it runs plain: :mod:`dpprof.script.gradient_as_bucket_view_run` reads its fix fr
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import sys
 import sysconfig
@@ -20,9 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from dpprof.emulator.call_sites import in_dpprof
 from dpprof.fixes.kinds.ddp_in_place import FIX
+from dpprof.result import STATUS_ERROR
+from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.notes import alternative_fix, alternative_notes
@@ -70,6 +74,8 @@ class DdpState(AlternativeState):
     # plain), or why it could not be followed (the gradient-as-bucket-view fix reads them)
     bucket_view_peak_bytes: int | None = None
     bucket_view_unsure: str | None = None
+    # the rows each rank's inputs were cut to at the model's call (0: not cut there)
+    model_input_share: int = 0
 
     @property
     def batch_sites(self) -> tuple[str, ...]:
@@ -255,6 +261,11 @@ def _division(state: DdpState, world: int) -> str:
         ways.append(f"the batches the script makes ({', '.join(state.divided_sites)}) "
                     f"cut to {state.batch_rows} rows of DataParallel's "
                     f"{state.scattered_rows}")
+    if state.model_input_share:
+        ways.append(f"the model's inputs cut at its call to DataParallel's first chunk, "
+                    f"{state.model_input_share} of its {state.scattered_rows} rows (the "
+                    "script still makes its whole batch: the rank's GPU holds the rest of "
+                    "the batch's inputs too)")
     return "; ".join(ways)
 
 
@@ -269,6 +280,10 @@ class DdpInPlace(Alternative):
     flags: tuple[str, ...] = ()  # the DDP call's further keyword arguments in the diff
     sentence = SENTENCE  # the alternative's first note ({n}: the GPUs)
     detail = DETAIL  # its fix's detail ({gpus}: the GPUs)
+    # DataParallel's rows, where each rank's share is cut at the model's call rather than
+    # where the script makes its batches (0: where they are made); the share cut, once it was
+    model_input_rows = 0
+    model_input_share = 0
 
     def new_state(self, cfg: ScriptConfig) -> DdpState:
         return DdpState(scattered_rows=cfg.scattered_rows)
@@ -315,16 +330,29 @@ class DdpInPlace(Alternative):
                     divided.add(loader.batch_sampler)
 
         patcher.patch(DataLoader, "__init__", loader_init)
-        if state.scattered_rows > 1:
+        if state.scattered_rows > 1 and not self.model_input_rows:
             _divide_hand_made_batches(state, vc, patcher)
 
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
+        rows = self.model_input_rows
+        if rows and torch.is_grad_enabled():
+            # DataParallel's first chunk of each input with the batch's rows (its scatter)
+            share = -(-rows // len(dp.device_ids))
+
+            def cut(t: Any) -> Any:
+                if isinstance(t, torch.Tensor) and t.dim() > dp.dim and t.shape[dp.dim] == rows:
+                    self.model_input_share = share
+                    return t.narrow(dp.dim, 0, share)
+                return t
+            inputs, kwargs = tree_map(cut, (inputs, kwargs))
         return dp.as_ddp_rank(inputs, kwargs, self.options)
 
     def after_run(self, state: AlternativeState, vc: VirtualCuda,
                   ddp_devices: list[int]) -> None:
         assert isinstance(state, DdpState)  # this alternative's own (new_state)
+        if self.model_input_share:
+            state.model_input_share = state.batch_rows = self.model_input_share
         state.batch_division = _division(state, vc.device_count())
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
@@ -339,6 +367,25 @@ class DdpInPlace(Alternative):
                          runs.step_cb(self.name))
         followed = ddp_state(alt)
         assert followed is not None  # run with this alternative
+        failed = alt.scenario.status == STATUS_ERROR and main.scenario.status != STATUS_ERROR
+        if failed and followed.divided_sites:
+            # cutting the batches where the script makes them broke it (its loop indexes
+            # rows up to the batch size it set): cut where the model is called instead
+            at_call = copy.copy(self)
+            at_call.model_input_rows = main.batch_rows
+            retried = run_script(dataclasses.replace(cfg, alternative=at_call,
+                                                     scattered_rows=main.batch_rows),
+                                 runs.step_cb(self.name))
+            if retried.scenario.status != STATUS_ERROR:
+                runs.notes.append(
+                    f"the DDP alternative cut the batches the script makes "
+                    f"({', '.join(followed.divided_sites)}) to each rank's share, and the "
+                    f"script failed with them ({alt.scenario.message.split(';')[0]}): it "
+                    "was measured with the model's inputs cut at its call instead")
+                alt, followed = retried, ddp_state(retried)
+                assert followed is not None
+        if alt.scenario.status == STATUS_ERROR:  # it never reached DDP: named for it
+            alt.scenario = dataclasses.replace(alt.scenario, name=DDP)
         if not followed.batch_division:
             runs.notes.append("no DDP alternative: the script makes its batches neither with "
                               "a DataLoader nor with torch.randint/randn/rand of "
