@@ -338,6 +338,27 @@ class CudaDevices(VirtualDevices):
         self.small_values.keep(out, real, known)
         return out
 
+    def _by_mask_positions(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]
+                           ) -> Any:
+        """``x[mask]`` with boolean masks whose values are followed and an ``x`` whose are
+        not (an activation; its gradient in the backward of ``x[mask] = v``): indexed as
+        ATen's ``expandTensors`` indexes, each mask's positions first (``nonzero``, an
+        allocation of its own until the op returns), then ``x`` by them; None where a
+        mask's values are not known."""
+        assert self.small_values is not None
+        indices: list[Any] = []
+        positions = []  # kept until the op has run, as the GPU keeps nonzero's output
+        for ix in args[1]:
+            if not (isinstance(ix, torch.Tensor) and ix.dtype == torch.bool and on_meta(ix)):
+                indices.append(ix)
+                continue
+            found = self._by_values(aten.nonzero.default, types, (ix,), {})
+            if found is None:
+                return None
+            positions.append(found)
+            indices += [found.select(1, d) for d in range(ix.dim())]
+        return self.dispatch_counted(func, types, (args[0], indices, *args[2:]), kwargs)
+
     def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         self.in_dispatch += 1
         try:
@@ -518,6 +539,8 @@ def _index_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: A
            for i in (args[1] if len(args) > 1 else ())):
         if mode.small_values is not None:
             shaped = mode._by_values(func, types, args, kwargs or {})
+            if shaped is None:
+                shaped = mode._by_mask_positions(func, types, args, kwargs or {})
             if shaped is not None:
                 return shaped
         raise DataDependentShapeError(
@@ -549,6 +572,8 @@ def _numeric_factory(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs
     if mode.base.type != "meta":
         return mode.dispatch_counted(func, types, args, kwargs)
     out = mode._dispatch(func, types, args, kwargs)
+    if mode.small_values is not None and mode.small_values.keep_made(func, args, kwargs or {}, out):
+        return out  # its values followed: ops on it carry them (an index into a mask)
     st = out.untyped_storage()
     mode.numeric_recipes[storage_key(st)] = (weakref.ref(st), func, args, dict(kwargs or {}))
     return out

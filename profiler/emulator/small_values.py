@@ -6,8 +6,9 @@ libraries read are small and follow from host data alone: labels and masks moved
 (Hugging Face's ``attention_mask.all()`` picks its attention path on one), a step counter,
 a scalar learning rate. :class:`SmallValues` follows them: a storage made on a virtual GPU
 from values it knows (host tensors other than the model's parameters, or storages it
-follows) by a deterministic op, with every output within ``max_tensor_bytes``, gets its
-values computed on the host beside the meta op; reads of it give the real values. What the
+follows) by a deterministic op, with every output within ``max_tensor_bytes`` (integers and
+booleans: ``max_index_bytes``), gets its values computed on the host beside the meta op;
+reads of it give the real values. What the
 model computes from its parameters is not followed: its values are the GPU's arithmetic,
 and computing them is ``--compute``'s work.
 
@@ -34,13 +35,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dpprof.emulator import same_program
 from dpprof.emulator.identity import op_key, storage_key
 from dpprof.errors import called_where_nothing_raises
 
-MAX_TENSOR_BYTES = 64 * 1024  # a mask or the labels of a large batch; no activation
+MAX_TENSOR_BYTES = 64 * 1024  # a float tensor: a scalar, a schedule's rates; no activation
+# an integer or boolean tensor: labels, lengths, a mask of a batch of audio (8 clips of 16,000
+# samples: 1 MiB in int64, which Hugging Face's wav2vec2 reduces to its frames' lengths)
+MAX_INDEX_BYTES = 4 * 2**20
 MAX_TOTAL_BYTES = 64 * 2**20  # what the values may hold on the host at once
 
 
@@ -69,12 +74,19 @@ class SmallValues:
     """Storage (meta bytes on a virtual GPU) -> its values on the host, for small ones."""
 
     def __init__(self, max_tensor_bytes: int = MAX_TENSOR_BYTES,
-                 max_total_bytes: int = MAX_TOTAL_BYTES) -> None:
+                 max_total_bytes: int = MAX_TOTAL_BYTES,
+                 max_index_bytes: int = MAX_INDEX_BYTES) -> None:
         self.max_tensor_bytes = max_tensor_bytes
+        self.max_index_bytes = max_index_bytes
         self.max_total_bytes = max_total_bytes
         self.total_bytes = 0
         # storage_key(meta storage) -> its values
         self._values: dict[int, _Followed] = {}
+
+    def _small(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """Whether a storage of ``nbytes`` holding ``dtype`` is small enough to follow."""
+        floating = dtype.is_floating_point or dtype.is_complex
+        return nbytes <= (self.max_tensor_bytes if floating else self.max_index_bytes)
 
     def _followed(self, t: torch.Tensor) -> _Followed | None:
         """The values of ``t``'s storage, where followed and of ``t``'s dtype."""
@@ -129,17 +141,17 @@ class SmallValues:
         if not whole:
             if not (known_in and carries and self._follow_partly(func, args, kwargs, out)) and (
                     values and mutable):
-                self._forget_written(func, metas_in)
+                self._forget_written(func, args, kwargs, metas_in)
             return
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
         if not outs and not metas_in:
             return
-        small = all(o.untyped_storage().nbytes() <= self.max_tensor_bytes for o in outs) and all(
+        small = all(self._small(o.untyped_storage().nbytes(), o.dtype) for o in outs) and all(
             _REAL_DEVICE.__get__(a).type in ("meta", "cpu") for a in leaves)
         result = (self.compute(func, args, kwargs)
                   if small and func not in _UNINITIALIZED else None)
         if result is None:
-            self._forget_written(func, metas_in)
+            self._forget_written(func, args, kwargs, metas_in)
             return
         for m, r in zip(tree_leaves(out), tree_leaves(result), strict=False):
             if isinstance(m, torch.Tensor) and _is_meta(m) and isinstance(r, torch.Tensor):
@@ -153,7 +165,7 @@ class SmallValues:
         if getattr(func, "is_view", False):
             return True  # a view of a storage followed: its values are that storage's
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
-        if any(o.untyped_storage().nbytes() > self.max_tensor_bytes for o in outs):
+        if not all(self._small(o.untyped_storage().nbytes(), o.dtype) for o in outs):
             return False
         parts = self.compute_partly(func, args, kwargs)
         if parts is None:
@@ -177,7 +189,7 @@ class SmallValues:
             return False  # followed already: written in place by the general rules
         if (not dst.is_contiguous() or dst.storage_offset()
                 or dst.numel() * dst.element_size() != st.nbytes()
-                or st.nbytes() > self.max_tensor_bytes):
+                or not self._small(st.nbytes(), dst.dtype)):
             return False
         if _is_meta(src):
             values = self.value_of(src)
@@ -243,7 +255,7 @@ class SmallValues:
         if any(isinstance(a, torch.nn.Parameter) for a in leaves) or not all(
                 _REAL_DEVICE.__get__(a).type in ("meta", "cpu") for a in leaves):
             return None
-        if any(_is_meta(a) and a.numel() * a.element_size() > self.max_tensor_bytes
+        if any(_is_meta(a) and not self._small(a.numel() * a.element_size(), a.dtype)
                for a in leaves):
             return None
         pairs = [*zip(names, args, strict=False), *kwargs.items()]
@@ -320,7 +332,7 @@ class SmallValues:
         if storage_key(st) in self._values:
             return None  # followed as another dtype (a view of its bytes): not these rules
         count = st.nbytes() // max(t.element_size(), 1)
-        if st.nbytes() > self.max_tensor_bytes or st.nbytes() != count * t.element_size():
+        if not self._small(st.nbytes(), t.dtype) or st.nbytes() != count * t.element_size():
             return None
         self.keep_flat(st, torch.zeros(count, dtype=t.dtype), torch.zeros(count, dtype=torch.bool))
         return self._followed(t)
@@ -381,6 +393,18 @@ class SmallValues:
                 _geometry_of(found.known, t).copy_(known)
             self._settle(t)
 
+    def keep_made(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  out: torch.Tensor) -> bool:
+        """``out``, made on a virtual GPU by a factory whose values follow from its numbers
+        alone (``arange``: an index into a mask), followed with them where small enough;
+        whether it is."""
+        if not self._small(out.untyped_storage().nbytes(), out.dtype):
+            return False
+        with _disable_current_modes():
+            real = func(*args, **{**kwargs, "device": torch.device("cpu")})
+        self.keep(out, real)
+        return self._followed(out) is not None
+
     def keep(self, m: torch.Tensor, r: torch.Tensor, known: torch.Tensor | None = None) -> None:
         """``r`` (a host tensor of ``m``'s geometry) holds the values of ``m``'s storage,
         ``known`` (of ``r``'s shape; None: all) which of them are known."""
@@ -435,12 +459,31 @@ class SmallValues:
 
         return drop
 
-    def _forget_written(self, func: Any, metas_in: list[torch.Tensor]) -> None:
-        """The op wrote storages it could not compute: their values are gone."""
+    def _forget_written(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        metas_in: list[torch.Tensor]) -> None:
+        """The op wrote storages it could not compute: their values are gone. What it only
+        read keeps its values (the mask of ``x[mask] = v``, which its backward indexes by)."""
         if not _traits(func)[0]:  # it writes none
             return
-        for t in metas_in:
-            self._drop(storage_key(t.untyped_storage()))
+        written = _written(func, args, kwargs)
+        for t in metas_in if written is None else written:
+            if _is_meta(t):
+                self._drop(storage_key(t.untyped_storage()))
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> list[torch.Tensor] | None:
+    """The tensors ``func`` writes, its schema's ``(a!)`` arguments; None where it has no
+    schema to say (then every tensor it was given counts as written)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    written: list[torch.Tensor] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 # the functional collectives' namespaces (torch.distributed._functional_collectives)
