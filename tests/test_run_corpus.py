@@ -243,7 +243,8 @@ def test_hugging_face_trainer_wraps_data_parallel_itself(
     result, status = run(["python", str(SCRIPTS / "hf_trainer.py"), "--output_dir", "out"])
     assert status == 0
     dp = result.scenarios[0]
-    assert dp.name == "dp-loss-primary" and dp.status == "ok", dp.message
+    # the model computes its loss in each replica and returns it beside its logits
+    assert dp.name == "dp-loss-forward" and dp.status == "ok", dp.message
     # Trainer saw 4 GPUs: batch 8 per device, 32 scattered in 4 chunks
     assert dp.batch == 32 and [d.batch_rows for d in dp.devices] == [8, 8, 8, 8]
     from transformers import BertConfig, BertForSequenceClassification

@@ -28,6 +28,7 @@ from dpprof.result import (
 )
 from dpprof.scenarios.names import (
     DATA_PARALLEL,
+    DP_LOSS_FORWARD,
 )
 from dpprof.units import fmt_bytes
 
@@ -61,6 +62,12 @@ REMEDY_WORDS = {
     "balanced-split": "a smaller share of the batch on {gpu} (or a batch divisible by the "
                       "GPU count) removes it",
     "input-batch": "moving the inputs straight to their GPUs (DDP) removes it",
+    # the replicas compute their loss already (a Hugging Face model returns it beside its
+    # logits): what is gathered is the rest of what forward returns
+    "outputs-beside-loss": ("the replicas compute their loss already, and DataParallel "
+                            "gathers on {gpu} what forward returns beside it (the "
+                            "logits): returning the loss alone removes it, and DDP gathers "
+                            "nothing"),
 }
 
 
@@ -74,7 +81,9 @@ def remedy(run: RunResult, att: Attribution, fixes: list[FixAnswer], picked: str
     first = lead[0]
     kind = ("loss-in-forward" if first in LOSS_SIDE else "balanced-split"
             if first == "larger_shard" else "input-batch" if first == "input_batch" else "ddp")
-    fix_name = "ddp" if kind == "input-batch" else kind
+    if kind == "loss-in-forward" and att.scenario == DP_LOSS_FORWARD:
+        kind = "outputs-beside-loss"
+    fix_name = "ddp" if kind in ("input-batch", "outputs-beside-loss") else kind
     here = run.scenario(att.scenario)
     words = REMEDY_WORDS[kind].replace("{gpu}", primary_label(here))
     own = as_scenario(fix_name)

@@ -17,6 +17,7 @@ from torch import nn
 
 from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.fixes.kinds.loss_in_forward import FIX
+from dpprof.scenarios.names import DP_LOSS_FORWARD
 from dpprof.script.deferred_outputs import (
     DeferredOutputs,
     loss_in_forward_loss_call,
@@ -137,6 +138,8 @@ class LossInForward(Alternative):
 
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
+        if main.scenario.name == DP_LOSS_FORWARD:
+            return  # the replicas compute their loss already: the script is this fix
         alt = run_script(dataclasses.replace(cfg, alternative=self,
                                              scattered_rows=main.batch_rows),
                          runs.step_cb(self.name))

@@ -33,7 +33,7 @@ from dpprof.emulator.allocator_config import config_from_setting
 from dpprof.emulator.call_sites import relative_site
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
-from dpprof.scenarios.names import DDP, DP_LOSS_PRIMARY
+from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
 from dpprof.script.lightning_launch import launched_note, ranks_launch
@@ -105,7 +105,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         if shared is not None:
             shared.close()
             shared = None
-        if (alternatives and main.scenario.name == DP_LOSS_PRIMARY
+        if (alternatives and main.scenario.name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
                 and main.ended != "script raised"):
             doing.append("the alternatives")
             _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -94,9 +94,12 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         replicas = replicate(rt, module, used, not torch.is_grad_enabled())
         outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
         # per-replica losses: the loss is inside forward (with ModelWithLoss's keep_outputs,
-        # beside the outputs)
+        # or a model that returns its loss under "loss" beside its other outputs, as Hugging
+        # Face's do, the outputs gathered beside it)
         if isinstance(module, ModelWithLoss) or all(
-                t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)):
+                t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)) or (
+                isinstance(outputs[0], Mapping)
+                and isinstance(outputs[0].get("loss"), torch.Tensor)):
             current().log.replica_scalars = True
         with rt.category("outputs"):
             return gather(rt, outputs, vc.index_of(self.output_device), self.dim)
