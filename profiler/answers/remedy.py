@@ -65,9 +65,9 @@ REMEDY_WORDS = {
     # the replicas compute their loss already (a Hugging Face model returns it beside its
     # logits): what is gathered is the rest of what forward returns
     "outputs-beside-loss": ("the replicas compute their loss already, and DataParallel "
-                            "gathers on {gpu} what forward returns beside it (the "
-                            "logits): returning the loss alone removes it, and DDP gathers "
-                            "nothing"),
+                            "gathers on {gpu} what forward returns beside it (its "
+                            "outputs: a Hugging Face model's logits): returning the loss "
+                            "alone removes it, and DDP gathers nothing"),
 }
 
 

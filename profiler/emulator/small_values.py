@@ -8,9 +8,8 @@ a scalar learning rate. :class:`SmallValues` follows them: a storage made on a v
 from values it knows (host tensors other than the model's parameters, or storages it
 follows) by a deterministic op, with every output within ``max_tensor_bytes`` (integers and
 booleans: ``max_index_bytes``), gets its values computed on the host beside the meta op;
-reads of it give the real values. What the
-model computes from its parameters is not followed: its values are the GPU's arithmetic,
-and computing them is ``--compute``'s work.
+reads of it give the real values. What the model computes from its parameters is not
+followed: its values are the GPU's arithmetic, and computing them is ``--compute``'s work.
 
 The rules that keep it honest:
 
