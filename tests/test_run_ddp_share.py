@@ -168,3 +168,21 @@ def test_a_batch_made_row_by_row_is_cut_at_the_models_call_where_cutting_it_brea
     for alt, own in zip(ddp.devices, rank.devices, strict=True):
         assert own.peak_allocated_bytes < alt.peak_allocated_bytes
         assert alt.peak_allocated_bytes <= own.peak_allocated_bytes + rest
+
+
+def test_where_neither_cut_runs_the_ddp_alternative_says_why_and_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same batch, its loss computed outside the model on the whole batch's labels: cut
+    # at the model's call, the outputs have a rank's rows and the labels all of them
+    monkeypatch.chdir(tmp_path)
+    text = ROW_BY_ROW.format(setup=DATA_PARALLEL, rows="B").replace(
+        "    loss, logits = model(ids.cuda(), labels.cuda())\n",
+        "    logits = model(ids.cuda(), labels.cuda())[1]\n"
+        "    loss = nn.functional.cross_entropy(logits.reshape(-1, V), "
+        "labels.cuda().reshape(-1), ignore_index=-100)\n")
+    result = _run(tmp_path, "train.py", text, ["python", "train.py"])
+    assert result.scenario("ddp") is None  # type: ignore[attr-defined]
+    note = next(n for n in result.notes  # type: ignore[attr-defined]
+                if n.startswith("no DDP alternative: the DDP alternative cut the batches"))
+    assert "IndexError" in note and "with the model's inputs cut at its call instead it " \
+        "failed too" in note and "make each rank's share of the batch in the script" in note

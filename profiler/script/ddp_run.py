@@ -376,14 +376,20 @@ class DdpInPlace(Alternative):
             retried = run_script(dataclasses.replace(cfg, alternative=at_call,
                                                      scattered_rows=main.batch_rows),
                                  runs.step_cb(self.name))
-            if retried.scenario.status != STATUS_ERROR:
+            cut = (f"the DDP alternative cut the batches the script makes "
+                   f"({', '.join(followed.divided_sites)}) to each rank's share, and the "
+                   f"script failed with them ({alt.scenario.message.split(';')[0]})")
+            if retried.scenario.status == STATUS_ERROR:
                 runs.notes.append(
-                    f"the DDP alternative cut the batches the script makes "
-                    f"({', '.join(followed.divided_sites)}) to each rank's share, and the "
-                    f"script failed with them ({alt.scenario.message.split(';')[0]}): it "
-                    "was measured with the model's inputs cut at its call instead")
-                alt, followed = retried, ddp_state(retried)
-                assert followed is not None
+                    f"no DDP alternative: {cut}; with the model's inputs cut at its call "
+                    f"instead it failed too ({retried.scenario.message.split(';')[0]}): "
+                    "make each rank's share of the batch in the script (its size divided "
+                    "by the GPUs) to measure DDP")
+                return
+            runs.notes.append(f"{cut}: it was measured with the model's inputs cut at its "
+                              "call instead")
+            alt, followed = retried, ddp_state(retried)
+            assert followed is not None
         if alt.scenario.status == STATUS_ERROR:  # it never reached DDP: named for it
             alt.scenario = dataclasses.replace(alt.scenario, name=DDP)
         if not followed.batch_division:
