@@ -50,7 +50,7 @@ from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.emulated_autocast import CudaAutocastNames, EmulatedAutocast
 from dpprof.emulator.fsdp import host_bytes
 from dpprof.emulator.heap import frozen_heap
-from dpprof.emulator.kernels import GpuKernels
+from dpprof.emulator.kernels import GpuKernels, kernel_notes
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.op_log import OpLog
 from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -421,12 +421,7 @@ def _measured_figures(
             f"torch.autocast('cuda') in the workload's code: "
             f"{autocast_names.regions} region(s) re-enacted as on a GPU "
             "(autocast's CUDA op lists)")
-    if kernels.chosen:
-        notes.append(
-            "kernels as on a GPU of compute capability {}.{}: {}".format(
-                *cfg.compute_capability,
-                ", ".join(f"{k} x{v}" for k, v in sorted(kernels.chosen.items())))
-        )
+    notes += kernel_notes(kernels.chosen, cfg.compute_capability)
     return dataclasses.replace(result, devices=devices, notes=tuple(notes))
 
 

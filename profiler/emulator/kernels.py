@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.rnn as rnn_modules
 
 from dpprof.emulator import ctc_loss
 from dpprof.emulator.catalog import DEFAULT_GPU
@@ -76,6 +77,54 @@ def sdpa_backend(cc: tuple[int, int], call: SdpaCall) -> str:
     return MATH
 
 
+# RNNs a GPU runs with kernels the emulation does not play: the layers' calls (torch's _VF
+# functions) -> the key they are counted under in GpuKernels.chosen
+NOT_PLAYED = {"lstm": "cudnn_rnn", "gru": "cudnn_rnn", "rnn_tanh": "cudnn_rnn",
+              "rnn_relu": "cudnn_rnn", "lstm_cell": "fused_rnn_cell",
+              "gru_cell": "fused_rnn_cell"}
+NOT_PLAYED_NOTE = (
+    "nn.LSTM, nn.GRU or nn.RNN ran on a virtual GPU (calls: {layers}): counted is torch's own "
+    "path, step by step, each step's gates kept for the backward, where a GPU runs "
+    "cuDNN's RNN (the weights in one buffer, a reserve space kept from the forward to the "
+    "backward, a workspace: sizes cuDNN alone knows) or, for LSTMCell and GRUCell (and "
+    "with cuDNN off), its fused cell kernels (a 4 x hidden workspace a step): what those "
+    "layers hold is not the GPU's figure")
+
+
+def kernel_notes(chosen: dict[str, int], compute_capability: tuple[int, int]) -> list[str]:
+    """A run's notes on the kernels :class:`GpuKernels` chose (``chosen``): those played as
+    the GPU of ``compute_capability`` runs them, and the RNNs it does not play."""
+    played = {k: v for k, v in chosen.items() if k not in NOT_PLAYED.values()}
+    notes = []
+    if played:
+        notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
+            *compute_capability, ", ".join(f"{k} x{v}" for k, v in sorted(played.items()))))
+    layers = [f"{k} x{v}" for k, v in sorted(chosen.items()) if k in NOT_PLAYED.values()]
+    if layers:
+        notes.append(NOT_PLAYED_NOTE.format(layers=", ".join(layers)))
+    return notes
+
+
+class _CountedRnns:
+    """torch's ``_VF`` as ``torch.nn.modules.rnn`` calls it, counting the RNN calls made
+    on a virtual GPU (their first argument, the input, emulated)."""
+
+    def __init__(self, vf: Any, count: Callable[[str, torch.Tensor], None]) -> None:
+        self._vf, self._count = vf, count
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._vf, name)
+        key = NOT_PLAYED.get(name)
+        if key is None:
+            return fn
+
+        def counted(input: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(input, torch.Tensor) and on_meta(input):
+                self._count(key, input)
+            return fn(input, *args, **kwargs)
+        return counted
+
+
 class GpuKernels:
     """Route device-dependent ops to the implementation the target GPU would use.
 
@@ -112,6 +161,7 @@ class GpuKernels:
         patch(F, "scaled_dot_product_attention", self._sdpa)
         patch(F, "dropout", lambda *a, **k: self._dropout(orig_dropout, *a, **k))
         patch(F, "rms_norm", lambda *a, **k: self._rms_norm(orig_rms_norm, *a, **k))
+        patch(rnn_modules, "_VF", _CountedRnns(rnn_modules._VF, self._count))
         return self
 
     def __exit__(self, *exc: Any) -> None:

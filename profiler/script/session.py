@@ -31,6 +31,7 @@ from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
 from dpprof.emulator.allocator_config import config_from_setting
 from dpprof.emulator.call_sites import relative_site
+from dpprof.emulator.kernels import kernel_notes
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
@@ -347,10 +348,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             f"the GPU would raise it, and caught by the script, which went on (first: "
             f"{main.oom_raised[0]}; last: {main.oom_raised[-1]}): the figures are those of "
             "what it went on with")
-    if main.kernels:
-        s0_notes.append("kernels as on a GPU of compute capability {}.{}: {}".format(
-            *cfg.gpu.compute_capability,
-            ", ".join(f"{k} x{v}" for k, v in sorted(main.kernels.items()))))
+    s0_notes += kernel_notes(main.kernels, cfg.gpu.compute_capability)
     s0_notes.extend(write_notes(main))
     if main.stand_ins:
         s0_notes.append(
