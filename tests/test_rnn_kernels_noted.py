@@ -1,6 +1,8 @@
-"""RNNs on a virtual GPU: a GPU runs cuDNN's RNN and fused LSTM/GRU cells, which the
-emulation does not play (cuDNN alone knows its reserve space's size); the run says so, with
-the calls counted, and says nothing of it where no RNN ran on a virtual GPU."""
+"""RNNs on a virtual GPU: a GPU runs cuDNN's RNN and a fused GRU cell, which the emulation
+does not play (cuDNN alone knows its reserve space's size); the run says so, with the calls
+counted, and says nothing of it where no RNN ran on a virtual GPU. nn.LSTMCell runs CUDA's
+fused cell (``_thnn_fused_lstm_cell``), as a CUDA build runs it: the same as the script that
+calls that kernel itself, and, on the host, what torch's own cell computes and allocates."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from dpprof.backends.memtrace import record
+from dpprof.emulator.kernels import GpuKernels
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 SCRIPT = """
@@ -17,14 +22,15 @@ SCRIPT = """
         def __init__(self):
             super().__init__()
             self.rnn = nn.{layer}(32, 64, batch_first=True)
-            self.cell = nn.LSTMCell(64, 64)
+            self.cell = nn.{cell}(64, 64)
             self.out = nn.Linear(64, 10)
         def forward(self, x):
             y = self.rnn(x)[0]
-            h = c = torch.zeros(x.size(0), 64, device=x.device)
+            h = torch.zeros(x.size(0), 64, device=x.device)
+            state = (h, h) if isinstance(self.cell, nn.LSTMCell) else h
             for t in range(3):
-                h, c = self.cell(y[:, t], (h, c))
-            return self.out(h)
+                state = self.cell(y[:, t], state)
+            return self.out(state[0] if isinstance(state, tuple) else state)
     model = M().to("{device}")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
@@ -35,24 +41,79 @@ SCRIPT = """
 """
 
 
-def _notes(tmp_path: Path, layer: str, device: str) -> tuple[str, ...]:
+def _notes(tmp_path: Path, layer: str, device: str, cell: str = "LSTMCell"
+           ) -> tuple[str, ...]:
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(layer=layer, device=device)))
+    script.write_text(textwrap.dedent(SCRIPT.format(layer=layer, device=device, cell=cell)))
     result, main = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
                                             gpus=1))
     assert main.exit_status == 0, main.script_traceback
     return result.scenarios[0].notes
 
 
-@pytest.mark.parametrize("layer", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize(("layer", "cell", "calls"), [
+    ("LSTM", "LSTMCell", "cudnn_rnn x3"), ("GRU", "GRUCell", "cudnn_rnn x3, fused_gru_cell x9"),
+    ("RNN", "LSTMCell", "cudnn_rnn x3")])
 def test_an_rnn_on_a_virtual_gpu_is_said_not_to_be_played_as_cudnn(
-        tmp_path: Path, layer: str) -> None:
-    note = next(n for n in _notes(tmp_path, layer, "cuda") if n.startswith("nn.LSTM, nn.GRU"))
+        tmp_path: Path, layer: str, cell: str, calls: str) -> None:
+    notes = _notes(tmp_path, layer, "cuda", cell)
+    note = next(n for n in notes if n.startswith("nn.LSTM, nn.GRU"))
     # the sequence layer once a step, the cell three times a step, over the 2 measured steps
     # and the warm-up: counted as the calls were made
-    assert "(calls: cudnn_rnn x3, fused_rnn_cell x9)" in note
+    assert f"(calls: {calls})" in note
     assert "cuDNN's RNN" in note and "not the GPU's figure" in note
+    assert ("lstm_cell:fused x9" in " ".join(notes)) == (cell == "LSTMCell")
 
 
 def test_an_rnn_on_the_host_is_not_noted(tmp_path: Path) -> None:
     assert not any(n.startswith("nn.LSTM, nn.GRU") for n in _notes(tmp_path, "LSTM", "cpu"))
+
+
+CELLS = """
+    import torch, torch.nn as nn
+    cell = nn.LSTMCell(64, 96).cuda()
+    opt = torch.optim.SGD(cell.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 5, 64, device="cuda")
+        h = c = torch.zeros(8, 96, device="cuda")
+        for t in range(5):
+            {step}
+        h.pow(2).mean().backward()
+        opt.step(); opt.zero_grad()
+"""
+BY_CELL = "h, c = cell(x[:, t], (h, c))"
+# RNN.cpp's LSTMCell on a CUDA input, spelled out: the gates' two matmuls, the fused kernel
+BY_KERNEL = ("h, c = torch.ops.aten._thnn_fused_lstm_cell(torch.matmul(x[:, t], "
+             "cell.weight_ih.t()), torch.matmul(h, cell.weight_hh.t()), c, cell.bias_ih, "
+             "cell.bias_hh)[:2]")
+
+
+def _peak(tmp_path: Path, step: str) -> tuple[int, dict[str, int]]:
+    script = tmp_path / "cells.py"
+    script.write_text(textwrap.dedent(CELLS.format(step=step)))
+    result, main = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
+                                            gpus=1))
+    assert main.exit_status == 0, main.script_traceback
+    d = result.scenarios[0].devices[0]
+    return d.peak_allocated_bytes, dict(d.breakdown_bytes)
+
+
+def test_an_lstm_cell_on_a_virtual_gpu_runs_cudas_fused_cell(tmp_path: Path) -> None:
+    assert _peak(tmp_path, BY_CELL) == _peak(tmp_path, BY_KERNEL)
+
+
+def test_an_lstm_cell_on_the_host_computes_and_allocates_as_torchs_own() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cell = torch.nn.LSTMCell(6, 5)
+    x, h, c = (torch.randn(3, n, generator=gen) for n in (6, 5, 5))
+
+    def run() -> list[torch.Tensor]:
+        hy, cy = cell(x, (h, c))
+        return [hy, cy, *torch.autograd.grad((hy * cy).sum(), list(cell.parameters()))]
+
+    plain, plain_allocations = run(), [a.size for a in record(run)[1]]
+    with GpuKernels():
+        ours, our_allocations = run(), [a.size for a in record(run)[1]]
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert our_allocations == plain_allocations

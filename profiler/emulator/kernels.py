@@ -30,6 +30,8 @@ as the CPU would run them.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,16 +81,20 @@ def sdpa_backend(cc: tuple[int, int], call: SdpaCall) -> str:
 
 # RNNs a GPU runs with kernels the emulation does not play: the layers' calls (torch's _VF
 # functions) -> the key they are counted under in GpuKernels.chosen
+# (nn.LSTMCell's lstm_cell is played: GpuKernels runs CUDA's fused cell)
 NOT_PLAYED = {"lstm": "cudnn_rnn", "gru": "cudnn_rnn", "rnn_tanh": "cudnn_rnn",
-              "rnn_relu": "cudnn_rnn", "lstm_cell": "fused_rnn_cell",
-              "gru_cell": "fused_rnn_cell"}
+              "rnn_relu": "cudnn_rnn", "gru_cell": "fused_gru_cell"}
 NOT_PLAYED_NOTE = (
-    "nn.LSTM, nn.GRU or nn.RNN ran on a virtual GPU (calls: {layers}): counted is torch's own "
-    "path, step by step, each step's gates kept for the backward, where a GPU runs "
-    "cuDNN's RNN (the weights in one buffer, a reserve space kept from the forward to the "
-    "backward, a workspace: sizes cuDNN alone knows) or, for LSTMCell and GRUCell (and "
-    "with cuDNN off), its fused cell kernels (a 4 x hidden workspace a step): what those "
-    "layers hold is not the GPU's figure")
+    "nn.LSTM, nn.GRU, nn.RNN or nn.GRUCell ran on a virtual GPU (calls: {layers}): counted is "
+    "torch's own path, step by step, each step's gates kept for the backward, where a GPU "
+    "runs cuDNN's RNN (the weights in one buffer, a reserve space kept from the forward to "
+    "the backward, a workspace: sizes cuDNN alone knows) or, for GRUCell (and with cuDNN "
+    "off), its fused cell kernel (a 5 x hidden workspace a step): what those layers hold "
+    "is not the GPU's figure")
+
+
+def _cell_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, w.t())
 
 
 def kernel_notes(chosen: dict[str, int], compute_capability: tuple[int, int]) -> list[str]:
@@ -125,6 +131,27 @@ class _CountedRnns:
         return counted
 
 
+def lstm_cell(kernels: GpuKernels, input: torch.Tensor, hx: Any, w_ih: torch.Tensor,
+              w_hh: torch.Tensor, b_ih: torch.Tensor | None = None,
+              b_hh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten::lstm_cell`` as ATen's ``LSTMCell`` runs it (``RNN.cpp``): on a GPU (an input
+    on a virtual GPU) the gates' two matmuls and CUDA's fused cell,
+    ``_thnn_fused_lstm_cell`` (its outputs and a ``4 x hidden`` workspace, saved for the
+    backward), elsewhere the host's path, op for op."""
+    h, c = hx[0], hx[1]
+    if on_meta(input):
+        kernels.count("lstm_cell:fused", input)
+        hy, cy, _ = torch.ops.aten._thnn_fused_lstm_cell(
+            _cell_matmul(input, w_ih), _cell_matmul(h, w_hh), c, b_ih, b_hh)
+        return hy, cy
+    gates = F.linear(h, w_hh, b_hh).add_(F.linear(input, w_ih, b_ih))
+    ingate, forgetgate, cellgate, outgate = gates.unsafe_chunk(4, 1)
+    ingate, forgetgate = ingate.sigmoid_(), forgetgate.sigmoid_()
+    cellgate, outgate = cellgate.tanh_(), outgate.sigmoid_()
+    cy = (forgetgate * c).add_(ingate * cellgate)
+    return outgate * cy.tanh(), cy
+
+
 class GpuKernels:
     """Route device-dependent ops to the implementation the target GPU would use.
 
@@ -144,6 +171,7 @@ class GpuKernels:
         self._patcher = Patcher()
         self.rt = rt  # where the kernels' own buffers are played (aten-level routes)
         self._orig_sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
+        self._lib: Any = None  # the kernels registered while entered (lstm_cell's)
 
     def __enter__(self) -> GpuKernels:
         if self.rt is not None:
@@ -161,11 +189,19 @@ class GpuKernels:
         patch(F, "scaled_dot_product_attention", self._sdpa)
         patch(F, "dropout", lambda *a, **k: self._dropout(orig_dropout, *a, **k))
         patch(F, "rms_norm", lambda *a, **k: self._rms_norm(orig_rms_norm, *a, **k))
-        patch(rnn_modules, "_VF", _CountedRnns(rnn_modules._VF, self._count))
+        patch(rnn_modules, "_VF", _CountedRnns(rnn_modules._VF, self.count))
+        self._lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+            self._lib.impl("lstm_cell", functools.partial(lstm_cell, self),
+                           "CompositeImplicitAutograd")
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._patcher.restore()
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
         if self.rt is not None:
             for op in (torch.ops.aten.embedding_dense_backward.default,
                        torch.ops.aten.convolution.default,
@@ -186,7 +222,7 @@ class GpuKernels:
             grad_copy_bytes=0 if grad.is_contiguous() else grad.numel() * grad.element_size(),
             indices_copy_bytes=(0 if indices.is_contiguous()
                                 else indices.numel() * indices.element_size()))
-        self._count("embedding_backward:" + ("sorted" if plan.before else "direct"), grad)
+        self.count("embedding_backward:" + ("sorted" if plan.before else "direct"), grad)
         return plan if plan.before or plan.after else None
 
     def _convolution_plan(self, args: Any, kwargs: dict[str, Any]) -> KernelPlan | None:
@@ -220,11 +256,11 @@ class GpuKernels:
             x.numel() * x.element_size(), out_bytes, w.numel() * w.element_size())
         if nbytes <= 0:
             return None
-        self._count(f"cudnn_workspace:{direction}", x)
+        self.count(f"cudnn_workspace:{direction}", x)
         name = "cuDNN workspace"
         return KernelPlan((), (KernelStep(ALLOC, name, nbytes), KernelStep(FREE, name)))
 
-    def _count(self, key: str, on: torch.Tensor) -> None:
+    def count(self, key: str, on: torch.Tensor) -> None:
         """One more choice of ``key``, for every device ``on``'s storage stands for (a
         DataParallel replica's device mirrored by its equals' counts for each of them)."""
         n = 1 if self.rt is None else self.rt.mirrors.multiplicity(self.rt.storages.device_of(on))
@@ -236,7 +272,7 @@ class GpuKernels:
         if (not train or p == 0 or p == 1 or inplace or not input.is_floating_point()
                 or not on_meta(input)):  # a real host tensor (dpprof run): the CPU's kernel
             return func(input, p, train, inplace)
-        self._count("dropout:fused", input)
+        self.count("dropout:fused", input)
         return torch.native_dropout(input, p, True)[0]
 
     def _rms_norm(self, func: Callable[..., Any], input: torch.Tensor,
@@ -244,7 +280,7 @@ class GpuKernels:
                   eps: float | None = None) -> torch.Tensor:
         if not on_meta(input) or not fused_rms_norm_applies(input, weight):
             return func(input, normalized_shape, weight, eps)
-        self._count("rms_norm:fused", input)
+        self.count("rms_norm:fused", input)
         dims = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
         return FusedRmsNorm.apply(input, weight, dims)  # type: ignore[no-any-return]
 
@@ -258,7 +294,7 @@ class GpuKernels:
                                    enable_gqa=enable_gqa)
         call = SdpaCall(int(query.shape[-1]), query.dtype, attn_mask is not None)
         backend = sdpa_backend(self.cc, call) if not enable_gqa else MATH
-        self._count(f"sdpa:{backend}", query)
+        self.count(f"sdpa:{backend}", query)
         if backend == FLASH:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
