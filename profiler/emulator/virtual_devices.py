@@ -256,16 +256,22 @@ class VirtualDevices(TorchDispatchMode):
             target = self._last_device
         else:
             target = self._state.device  # a factory: the current device
-        log = self.op_log
-        if log is not None and log.on:
-            # a copy between devices: a copy op, or any op placed on another device (the
-            # emulated .to(device) clones onto its target)
-            state = self._state
-            moves = state.forced is not None or key in _CROSS_DEVICE_KEYS
-            sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
-            log.record(func, args, kwargs, out, target, sources, state.phase,
-                       self.mirrors.mirrors_of(target))
+        self._log(func, args, kwargs, out, target, devices, saw_host)
         return self._place(func, args, kwargs, out, target, outside)
+
+    def _log(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
+             devices: Collection[int], saw_host: bool) -> None:
+        """The op into the measured steps' op log (their predicted time), where it is on."""
+        log = self.op_log
+        if log is None or not log.on:
+            return
+        # a copy between devices: a copy op, or any op placed on another device (the
+        # emulated .to(device) clones onto its target)
+        state = self._state
+        moves = state.forced is not None or op_key(func) in _CROSS_DEVICE_KEYS
+        sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
+        log.record(func, args, kwargs, out, target, sources, state.phase,
+                   self.mirrors.mirrors_of(target))
 
     def dispatch_beside_real_host(self, func: Any, args: Any,
                                   kwargs: dict[str, Any] | None) -> Any:
@@ -311,6 +317,7 @@ class VirtualDevices(TorchDispatchMode):
             target = state.device
         if target == HOST:
             return out
+        self._log(func, args, kwargs, out, target, devices, saw_host)
         return self._place(func, args, kwargs, out, target, outside)
 
     def _place(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
