@@ -23,7 +23,7 @@ events (:attr:`~VirtualDevices.ledgers`, :class:`~dpprof.emulator.ledgers.Varian
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Set
 from typing import Any
 
 import torch
@@ -260,7 +260,7 @@ class VirtualDevices(TorchDispatchMode):
         return self._place(func, args, kwargs, out, target, outside)
 
     def _log(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
-             devices: Collection[int], saw_host: bool) -> None:
+             devices: Set[int], saw_host: bool) -> None:
         """The op into the measured steps' op log (their predicted time), where it is on."""
         log = self.op_log
         if log is None or not log.on:
