@@ -1,8 +1,9 @@
-"""RNNs on a virtual GPU: a GPU runs cuDNN's RNN and a fused GRU cell, which the emulation
-does not play (cuDNN alone knows its reserve space's size); the run says so, with the calls
-counted, and says nothing of it where no RNN ran on a virtual GPU. nn.LSTMCell runs CUDA's
-fused cell (``_thnn_fused_lstm_cell``), as a CUDA build runs it: the same as the script that
-calls that kernel itself, and, on the host, what torch's own cell computes and allocates."""
+"""RNNs on a virtual GPU: a GPU runs cuDNN's RNN, which the emulation does not play (cuDNN
+alone knows its reserve space's size); the run says so, with the calls counted, and says
+nothing of it where no RNN ran on a virtual GPU. nn.LSTMCell and nn.GRUCell run CUDA's fused
+cells (``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell``), as a CUDA build runs them: the
+same as the script that calls those kernels itself, and, on the host, what torch's own cells
+compute and allocate."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _notes(tmp_path: Path, layer: str, device: str, cell: str = "LSTMCell"
 
 
 @pytest.mark.parametrize(("layer", "cell", "calls"), [
-    ("LSTM", "LSTMCell", "cudnn_rnn x3"), ("GRU", "GRUCell", "cudnn_rnn x3, fused_gru_cell x9"),
+    ("LSTM", "LSTMCell", "cudnn_rnn x3"), ("GRU", "GRUCell", "cudnn_rnn x3"),
     ("RNN", "LSTMCell", "cudnn_rnn x3")])
 def test_an_rnn_on_a_virtual_gpu_is_said_not_to_be_played_as_cudnn(
         tmp_path: Path, layer: str, cell: str, calls: str) -> None:
@@ -62,7 +63,8 @@ def test_an_rnn_on_a_virtual_gpu_is_said_not_to_be_played_as_cudnn(
     # and the warm-up: counted as the calls were made
     assert f"(calls: {calls})" in note
     assert "cuDNN's RNN" in note and "not the GPU's figure" in note
-    assert ("lstm_cell:fused x9" in " ".join(notes)) == (cell == "LSTMCell")
+    fused = "lstm_cell:fused x9" if cell == "LSTMCell" else "gru_cell:fused x9"
+    assert fused in " ".join(notes)
 
 
 def test_an_rnn_on_the_host_is_not_noted(tmp_path: Path) -> None:
@@ -71,7 +73,7 @@ def test_an_rnn_on_the_host_is_not_noted(tmp_path: Path) -> None:
 
 CELLS = """
     import torch, torch.nn as nn
-    cell = nn.LSTMCell(64, 96).cuda()
+    cell = nn.{cell}(64, 96).cuda()
     opt = torch.optim.SGD(cell.parameters(), lr=0.1)
     for step in range(3):
         x = torch.randn(8, 5, 64, device="cuda")
@@ -81,16 +83,22 @@ CELLS = """
         h.pow(2).mean().backward()
         opt.step(); opt.zero_grad()
 """
-BY_CELL = "h, c = cell(x[:, t], (h, c))"
-# RNN.cpp's LSTMCell on a CUDA input, spelled out: the gates' two matmuls, the fused kernel
-BY_KERNEL = ("h, c = torch.ops.aten._thnn_fused_lstm_cell(torch.matmul(x[:, t], "
-             "cell.weight_ih.t()), torch.matmul(h, cell.weight_hh.t()), c, cell.bias_ih, "
-             "cell.bias_hh)[:2]")
+# RNN.cpp's LSTMCell and GRUCell on a CUDA input, spelled out: the gates' two matmuls, then
+# the fused kernel
+BY_CELL = {"LSTMCell": "h, c = cell(x[:, t], (h, c))", "GRUCell": "h = cell(x[:, t], h)"}
+BY_KERNEL = {
+    "LSTMCell": ("h, c = torch.ops.aten._thnn_fused_lstm_cell(torch.matmul(x[:, t], "
+                 "cell.weight_ih.t()), torch.matmul(h, cell.weight_hh.t()), c, cell.bias_ih, "
+                 "cell.bias_hh)[:2]"),
+    "GRUCell": ("h = torch.ops.aten._thnn_fused_gru_cell(torch.matmul(x[:, t], "
+                "cell.weight_ih.t()), torch.matmul(h, cell.weight_hh.t()), h, cell.bias_ih, "
+                "cell.bias_hh)[0]"),
+}
 
 
-def _peak(tmp_path: Path, step: str) -> tuple[int, dict[str, int]]:
+def _peak(tmp_path: Path, cell: str, step: str) -> tuple[int, dict[str, int]]:
     script = tmp_path / "cells.py"
-    script.write_text(textwrap.dedent(CELLS.format(step=step)))
+    script.write_text(textwrap.dedent(CELLS.format(cell=cell, step=step)))
     result, main = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
                                             gpus=1))
     assert main.exit_status == 0, main.script_traceback
@@ -98,18 +106,21 @@ def _peak(tmp_path: Path, step: str) -> tuple[int, dict[str, int]]:
     return d.peak_allocated_bytes, dict(d.breakdown_bytes)
 
 
-def test_an_lstm_cell_on_a_virtual_gpu_runs_cudas_fused_cell(tmp_path: Path) -> None:
-    assert _peak(tmp_path, BY_CELL) == _peak(tmp_path, BY_KERNEL)
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+def test_a_cell_on_a_virtual_gpu_runs_cudas_fused_cell(tmp_path: Path, cell: str) -> None:
+    assert _peak(tmp_path, cell, BY_CELL[cell]) == _peak(tmp_path, cell, BY_KERNEL[cell])
 
 
-def test_an_lstm_cell_on_the_host_computes_and_allocates_as_torchs_own() -> None:
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+def test_a_cell_on_the_host_computes_and_allocates_as_torchs_own(cell: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    cell = torch.nn.LSTMCell(6, 5)
+    module = getattr(torch.nn, cell)(6, 5)
     x, h, c = (torch.randn(3, n, generator=gen) for n in (6, 5, 5))
 
     def run() -> list[torch.Tensor]:
-        hy, cy = cell(x, (h, c))
-        return [hy, cy, *torch.autograd.grad((hy * cy).sum(), list(cell.parameters()))]
+        out = module(x, (h, c)) if cell == "LSTMCell" else (module(x, h),)
+        total = out[0] * out[-1] if len(out) > 1 else out[0]
+        return [*out, *torch.autograd.grad(total.sum(), list(module.parameters()))]
 
     plain, plain_allocations = run(), [a.size for a in record(run)[1]]
     with GpuKernels():

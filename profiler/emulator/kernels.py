@@ -81,16 +81,16 @@ def sdpa_backend(cc: tuple[int, int], call: SdpaCall) -> str:
 
 # RNNs a GPU runs with kernels the emulation does not play: the layers' calls (torch's _VF
 # functions) -> the key they are counted under in GpuKernels.chosen
-# (nn.LSTMCell's lstm_cell is played: GpuKernels runs CUDA's fused cell)
+# (nn.LSTMCell's lstm_cell and nn.GRUCell's gru_cell are played: GpuKernels runs CUDA's
+# fused cells)
 NOT_PLAYED = {"lstm": "cudnn_rnn", "gru": "cudnn_rnn", "rnn_tanh": "cudnn_rnn",
-              "rnn_relu": "cudnn_rnn", "gru_cell": "fused_gru_cell"}
+              "rnn_relu": "cudnn_rnn"}
 NOT_PLAYED_NOTE = (
-    "nn.LSTM, nn.GRU, nn.RNN or nn.GRUCell ran on a virtual GPU (calls: {layers}): counted is "
-    "torch's own path, step by step, each step's gates kept for the backward, where a GPU "
-    "runs cuDNN's RNN (the weights in one buffer, a reserve space kept from the forward to "
-    "the backward, a workspace: sizes cuDNN alone knows) or, for GRUCell (and with cuDNN "
-    "off), its fused cell kernel (a 5 x hidden workspace a step): what those layers hold "
-    "is not the GPU's figure")
+    "nn.LSTM, nn.GRU or nn.RNN ran on a virtual GPU (calls: {layers}): counted is torch's "
+    "own path, step by step, each step's gates kept for the backward, where a GPU runs "
+    "cuDNN's RNN (the weights in one buffer, a reserve space kept from the forward to the "
+    "backward, a workspace: sizes cuDNN alone knows; with cuDNN off, its fused cells): "
+    "what those layers hold is not the GPU's figure")
 
 
 def _cell_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -152,6 +152,46 @@ def lstm_cell(kernels: GpuKernels, input: torch.Tensor, hx: Any, w_ih: torch.Ten
     return outgate * cy.tanh(), cy
 
 
+def gru_cell(kernels: GpuKernels, input: torch.Tensor, hx: torch.Tensor, w_ih: torch.Tensor,
+             w_hh: torch.Tensor, b_ih: torch.Tensor | None = None,
+             b_hh: torch.Tensor | None = None) -> torch.Tensor:
+    """``aten::gru_cell`` as ATen's ``GRUCell`` runs it (``RNN.cpp``): on a GPU the gates' two
+    matmuls and CUDA's fused cell, ``_thnn_fused_gru_cell`` (a ``5 x hidden`` workspace
+    saved for the backward), elsewhere the host's path, op for op."""
+    if on_meta(input):
+        kernels.count("gru_cell:fused", input)
+        return torch.ops.aten._thnn_fused_gru_cell(
+            _cell_matmul(input, w_ih), _cell_matmul(hx, w_hh), hx, b_ih, b_hh)[0]
+    igates = F.linear(input, w_ih, b_ih).unsafe_chunk(3, 1)
+    hgates = F.linear(hx, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = hgates[0].add_(igates[0]).sigmoid_()
+    input_gate = hgates[1].add_(igates[1]).sigmoid_()
+    new_gate = igates[2].add(hgates[2].mul_(reset_gate)).tanh_()
+    return (hx - new_gate).mul_(input_gate).add_(new_gate)
+
+
+def _fused_gru_cell_meta(input_gates: torch.Tensor, hidden_gates: torch.Tensor,
+                         hx: torch.Tensor, input_bias: torch.Tensor | None = None,
+                         hidden_bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_thnn_fused_gru_cell_cuda``'s outputs (``RNN.cu``): the workspace ``[B, 5 H]``
+    (made first), ``hy`` like ``hx``."""
+    workspace = hx.new_empty((hx.shape[0], hx.shape[1] * 5))
+    return torch.empty(hx.shape, dtype=hx.dtype, device=hx.device), workspace
+
+
+def _fused_gru_cell_backward_meta(grad_hy: torch.Tensor, workspace: torch.Tensor,
+                                  has_bias: bool) -> tuple[torch.Tensor, ...]:
+    """``_thnn_fused_gru_cell_backward_cuda``'s outputs: both gates' gradients ``[B, 3 H]``,
+    ``hx``'s, and the biases' (their sums over the batch) where there are biases."""
+    rows, hidden = workspace.shape[0], workspace.shape[1] // 5
+    gates = (workspace.new_empty((rows, 3 * hidden)), workspace.new_empty((rows, 3 * hidden)))
+    grad_hx = torch.empty(grad_hy.shape, dtype=grad_hy.dtype, device=grad_hy.device)
+    biases = ((gates[0].new_empty(3 * hidden), gates[1].new_empty(3 * hidden)) if has_bias
+              else (gates[0].new_empty(0), gates[1].new_empty(0)))
+    return (*gates, grad_hx, *biases)
+
+
 class GpuKernels:
     """Route device-dependent ops to the implementation the target GPU would use.
 
@@ -195,6 +235,12 @@ class GpuKernels:
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
             self._lib.impl("lstm_cell", functools.partial(lstm_cell, self),
                            "CompositeImplicitAutograd")
+            self._lib.impl("gru_cell", functools.partial(gru_cell, self),
+                           "CompositeImplicitAutograd")
+            # torch has no Meta kernels of CUDA's fused GRU cell
+            self._lib.impl("_thnn_fused_gru_cell", _fused_gru_cell_meta, "Meta")
+            self._lib.impl("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward_meta,
+                           "Meta")
         return self
 
     def __exit__(self, *exc: Any) -> None:
