@@ -186,3 +186,22 @@ def test_where_neither_cut_runs_the_ddp_alternative_says_why_and_what_to_do(
                 if n.startswith("no DDP alternative: the DDP alternative cut the batches"))
     assert "IndexError" in note and "with the model's inputs cut at its call instead it " \
         "failed too" in note and "make each rank's share of the batch in the script" in note
+
+
+def test_a_batch_sized_tensor_made_once_before_the_loop_is_not_cut(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # dcgan's fixed noise, made once to draw samples from as training goes: no step's batch;
+    # a DDP script keeps it whole on every rank
+    monkeypatch.chdir(tmp_path)
+    source = LM.format(setup=DATA_PARALLEL, rows="B").replace(
+        "for step in range(6):",
+        'fixed = torch.randint(0, V, (B, T), device="cuda")\nfor step in range(6):')
+    dp = _run(tmp_path, "train.py", source, ["python", "train.py"])
+    ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.status == "ok"
+    share = next(n for n in ddp.notes if n.startswith("each rank's share"))
+    assert "train.py:17" in share and "train.py:15" not in share, share
+    fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    patched = apply_diff(source, fix.code)
+    assert 'fixed = torch.randint(0, V, (B, T), device="cuda")' in patched
+    assert 'torch.randint(0, V, (B // 4, T + 1), device="cuda")' in patched

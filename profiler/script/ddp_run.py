@@ -10,9 +10,12 @@ it runs plain: :mod:`dpprof.script.gradient_as_bucket_view_run` reads its fix fr
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
+import functools
+import linecache
 import sys
 import sysconfig
 import weakref
@@ -145,6 +148,31 @@ def _script_line(frame: Any) -> str | None:
     return f"{name}:{frame.f_lineno}"
 
 
+@functools.lru_cache(maxsize=32)
+def _loop_lines(filename: str) -> tuple[tuple[int, int], ...] | None:
+    """The line spans of ``filename``'s loops (``for``, ``while``); None where its source
+    cannot be read or parsed."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return None
+    return tuple((node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree)
+                 if isinstance(node, (ast.For, ast.AsyncFor, ast.While)))
+
+
+def _in_a_loop(frame: Any) -> bool:
+    """Whether the script's code that led to ``frame`` runs in a loop of the script (its
+    training loop: a batch made there is each step's), at any of its frames from ``frame``
+    outwards (a helper the loop calls); True where a file's source cannot be read."""
+    while frame is not None:
+        if _script_line(frame) is not None:
+            spans = _loop_lines(frame.f_code.co_filename)
+            if spans is None or any(a <= frame.f_lineno <= b for a, b in spans):
+                return True
+        frame = frame.f_back
+    return False
+
+
 def script_site(frame: Any) -> str | None:
     """``file:line`` of the innermost frame from ``frame`` outwards that is the script's
     own code (:func:`_script_line`): the script's call that led to ``frame``, through any
@@ -188,15 +216,17 @@ def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: in
 def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
                               patcher: Patcher) -> None:
     """Batches the script makes in its loop without a DataLoader (a random factory on its
-    own line whose first dimension is the batch DataParallel scattered): each rank makes its
-    share, DataParallel's first chunk (``ceil(B / N)`` rows), as a DDP script would make
-    ``B // N`` rows on every rank."""
+    own line, in a loop of the script, whose first dimension is the batch DataParallel
+    scattered): each rank makes its share, DataParallel's first chunk (``ceil(B / N)``
+    rows), as a DDP script would make ``B // N`` rows on every rank. One made once, before
+    the loop (a GAN's fixed noise to draw samples from), is no step's batch."""
     rows = state.scattered_rows
 
     def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def factory(*args: Any, **kwargs: Any) -> Any:
-            site = _script_line(sys._getframe(1))
-            if site is None:
+            caller = sys._getframe(1)
+            site = _script_line(caller)
+            if site is None or not _in_a_loop(caller):
                 return original(*args, **kwargs)
             # the GPUs the script sees, asked when it makes a batch (not before it ran:
             # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
