@@ -205,3 +205,22 @@ def test_a_batch_sized_tensor_made_once_before_the_loop_is_not_cut(
     patched = apply_diff(source, fix.code)
     assert 'fixed = torch.randint(0, V, (B, T), device="cuda")' in patched
     assert 'torch.randint(0, V, (B // 4, T + 1), device="cuda")' in patched
+
+
+def test_a_script_written_again_between_runs_is_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # first a script whose line 15 makes a batch-sized tensor before its loop, then, at the
+    # same path, one whose line 15 makes the batch inside its loop: that one is cut
+    monkeypatch.chdir(tmp_path)
+    before = LM.format(setup=DATA_PARALLEL, rows="B").replace(
+        "for step in range(6):",
+        'fixed = torch.randint(0, V, (B, T), device="cuda")\nfor step in range(6):')
+    _run(tmp_path, "train.py", before, ["python", "train.py"])
+    inside = LM.format(setup=DATA_PARALLEL, rows="B").replace(
+        "opt = torch.optim.AdamW(model.parameters(), lr=3e-4)\ncrit = nn.CrossEntropyLoss()",
+        "opt = torch.optim.AdamW(model.parameters(), lr=3e-4); crit = nn.CrossEntropyLoss()")
+    assert inside.splitlines()[14].lstrip().startswith("ids = torch.randint")  # line 15
+    dp = _run(tmp_path, "train.py", inside, ["python", "train.py"])
+    ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.status == "ok", dp.notes  # type: ignore[attr-defined]
+    assert any("train.py:15) cut to 8 rows" in n for n in ddp.notes), ddp.notes

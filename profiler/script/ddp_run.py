@@ -15,9 +15,10 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import linecache
+import os
 import sys
 import sysconfig
+import tokenize
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -149,12 +150,14 @@ def _script_line(frame: Any) -> str | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _loop_lines(filename: str) -> tuple[tuple[int, int], ...] | None:
-    """The line spans of ``filename``'s loops (``for``, ``while``); None where its source
-    cannot be read or parsed."""
+def _loop_lines(filename: str, stamp: tuple[int, int]) -> tuple[tuple[int, int], ...] | None:
+    """The line spans of ``filename``'s loops (``for``, ``while``) as of ``stamp`` (its
+    modification time and size: a script written again between runs is read again); None
+    where its source cannot be read or parsed."""
     try:
-        tree = ast.parse("".join(linecache.getlines(filename)))
-    except (SyntaxError, ValueError):
+        with tokenize.open(filename) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
         return None
     return tuple((node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree)
                  if isinstance(node, (ast.For, ast.AsyncFor, ast.While)))
@@ -166,7 +169,12 @@ def _in_a_loop(frame: Any) -> bool:
     outwards (a helper the loop calls); True where a file's source cannot be read."""
     while frame is not None:
         if _script_line(frame) is not None:
-            spans = _loop_lines(frame.f_code.co_filename)
+            name = frame.f_code.co_filename
+            try:
+                st = os.stat(name)
+            except OSError:
+                return True
+            spans = _loop_lines(name, (st.st_mtime_ns, st.st_size))
             if spans is None or any(a <= frame.f_lineno <= b for a, b in spans):
                 return True
         frame = frame.f_back
