@@ -7,7 +7,7 @@ reads them to the host and goes on with lists; under any dispatch mode, though,
 ``_ctc_loss.Tensor``, which has no Meta kernel: a script training with CTC over meta
 tensors stopped at its loss. Its backward, ``_ctc_loss_backward``, has none either.
 
-:func:`kernels_registered` gives, while an emulation runs, both overloads of ``ctc_loss``
+:data:`KERNELS` gives, while an emulation runs, both overloads of ``ctc_loss``
 the GPU's path (:func:`ctc_loss`: the lengths read to the host, the values the emulator
 follows, then ``_ctc_loss`` with lists, whose Meta kernel sizes ``log_alpha`` by the
 longest target, and the reduction as ``ctc_loss_impl`` makes it), and the backward a Meta
@@ -27,17 +27,16 @@ workspace of its own).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from dpprof.emulator.aten_kernels import Kernel
 from dpprof.emulator.events import ALLOC, FREE, KernelPlan, KernelStep
 
-__all__ = ["backward_plan", "ctc_loss", "forward_plan", "kernels_registered"]
+__all__ = ["KERNELS", "backward_plan", "ctc_loss", "forward_plan"]
 
 aten = torch.ops.aten
 
@@ -85,21 +84,13 @@ def _backward_meta(grad: torch.Tensor, log_probs: torch.Tensor, targets: torch.T
     return torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
 
 
-@contextlib.contextmanager
-def kernels_registered() -> Iterator[None]:
-    """:func:`ctc_loss` as both overloads' CompositeImplicitAutograd kernel and
-    :func:`_backward_meta` as the backward's Meta kernel while entered; torch's own
-    restored on exit."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-            for overload in ("ctc_loss.IntList", "ctc_loss.Tensor"):
-                lib.impl(overload, ctc_loss, "CompositeImplicitAutograd")
-            lib.impl("_ctc_loss_backward", _backward_meta, "Meta")
-        yield
-    finally:
-        lib._destroy()
+# both overloads of ctc_loss the GPU's path, the backward a Meta kernel (registered while an
+# emulation runs: dpprof.emulator.aten_kernels)
+KERNELS: tuple[Kernel, ...] = (
+    ("ctc_loss.IntList", ctc_loss, "CompositeImplicitAutograd"),
+    ("ctc_loss.Tensor", ctc_loss, "CompositeImplicitAutograd"),
+    ("_ctc_loss_backward", _backward_meta, "Meta"),
+)
 
 
 def _lengths_on_gpu(batch: int) -> tuple[KernelStep, ...]:

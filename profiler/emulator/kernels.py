@@ -30,8 +30,8 @@ as the CPU would run them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 import torch.nn.modules.rnn as rnn_modules
 
-from dpprof.emulator import ctc_loss
+from dpprof.emulator import aten_kernels, ctc_loss
 from dpprof.emulator.catalog import DEFAULT_GPU
 from dpprof.emulator.cuda_devices import on_meta
 from dpprof.emulator.cudnn_workspace import BACKWARD, FORWARD, conv_workspace_bytes
@@ -211,7 +211,8 @@ class GpuKernels:
         self._patcher = Patcher()
         self.rt = rt  # where the kernels' own buffers are played (aten-level routes)
         self._orig_sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
-        self._lib: Any = None  # the kernels registered while entered (lstm_cell's)
+        # the RNN cells' kernels, registered while entered
+        self._kernels = contextlib.ExitStack()
 
     def __enter__(self) -> GpuKernels:
         if self.rt is not None:
@@ -230,24 +231,17 @@ class GpuKernels:
         patch(F, "dropout", lambda *a, **k: self._dropout(orig_dropout, *a, **k))
         patch(F, "rms_norm", lambda *a, **k: self._rms_norm(orig_rms_norm, *a, **k))
         patch(rnn_modules, "_VF", _CountedRnns(rnn_modules._VF, self.count))
-        self._lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
-            self._lib.impl("lstm_cell", functools.partial(lstm_cell, self),
-                           "CompositeImplicitAutograd")
-            self._lib.impl("gru_cell", functools.partial(gru_cell, self),
-                           "CompositeImplicitAutograd")
+        self._kernels.enter_context(aten_kernels.registered((
+            ("lstm_cell", functools.partial(lstm_cell, self), "CompositeImplicitAutograd"),
+            ("gru_cell", functools.partial(gru_cell, self), "CompositeImplicitAutograd"),
             # torch has no Meta kernels of CUDA's fused GRU cell
-            self._lib.impl("_thnn_fused_gru_cell", _fused_gru_cell_meta, "Meta")
-            self._lib.impl("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward_meta,
-                           "Meta")
+            ("_thnn_fused_gru_cell", _fused_gru_cell_meta, "Meta"),
+            ("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward_meta, "Meta"))))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._patcher.restore()
-        if self._lib is not None:
-            self._lib._destroy()
-            self._lib = None
+        self._kernels.close()
         if self.rt is not None:
             for op in (torch.ops.aten.embedding_dense_backward.default,
                        torch.ops.aten.convolution.default,

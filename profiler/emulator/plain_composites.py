@@ -11,24 +11,21 @@ mode, a host tensor's ``torch.linalg.svdvals`` therefore computes the singular v
 (``matrix_norm(ord=2)``, ``norm``, ``cond``, ``matrix_rank``, ``torch.svd(compute_uv=
 False)``), ``eigvalsh`` (``_linalg_eigh(compute_v=True)``) and ``eigvals`` (``linalg_eig``).
 
-:func:`decided_as_without_a_mode` registers, for as long as it is entered, kernels of these
-ops that take the same decision without the mode's clause: the mode is dpprof's, not the
-program's, so the program gets the path it gets in plain Python, on the host and on a
-virtual GPU alike (where the decision also decides what is allocated: a GPU without a
-mode computes no singular vectors either). A meta tensor counts as the GPU tensor it
-plays, not as a subclass. C++ callers (``matrix_norm`` calls ``at::linalg_svdvals``) go
+:data:`KERNELS`, registered while an emulation runs (:mod:`dpprof.emulator.aten_kernels`),
+are kernels of these ops that take the same decision without the mode's clause: the mode is
+dpprof's, not the program's, so the program gets the path it gets in plain Python, on the
+host and on a virtual GPU alike (where the decision also decides what is allocated: a GPU
+without a mode computes no singular vectors either). A meta tensor counts as the GPU tensor
+it plays, not as a subclass. C++ callers (``matrix_norm`` calls ``at::linalg_svdvals``) go
 through the dispatcher, so they get these kernels too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
-from typing import Any
-
 import torch
 import torch.autograd.forward_ad as forward_ad
+
+from dpprof.emulator.aten_kernels import Kernel
 
 aten = torch.ops.aten
 
@@ -65,25 +62,9 @@ def _eigvals(a: torch.Tensor) -> torch.Tensor:
     return aten._linalg_eigvals.default(a)
 
 
-# op name -> the kernel that decides as in plain Python
-KERNELS: dict[str, Any] = {
-    "linalg_svdvals": _svdvals,
-    "linalg_eigvalsh": _eigvalsh,
-    "linalg_eigvals": _eigvals,
-}
-
-
-@contextlib.contextmanager
-def decided_as_without_a_mode() -> Iterator[None]:
-    """:data:`KERNELS` registered as the ops' CompositeImplicitAutograd kernels while
-    entered; torch's own restored on exit."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():
-            # "Overriding a previously registered kernel": that is the point, and undone
-            warnings.simplefilter("ignore")
-            for name, kernel in KERNELS.items():
-                lib.impl(name, kernel, "CompositeImplicitAutograd")
-        yield
-    finally:
-        lib._destroy()
+# the kernels that decide as in plain Python, as each op's CompositeImplicitAutograd kernel
+# (registered while an emulation runs: dpprof.emulator.aten_kernels)
+KERNELS: tuple[Kernel, ...] = tuple(
+    (name, kernel, "CompositeImplicitAutograd") for name, kernel in (
+        ("linalg_svdvals", _svdvals), ("linalg_eigvalsh", _eigvalsh),
+        ("linalg_eigvals", _eigvals)))

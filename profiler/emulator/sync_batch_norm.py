@@ -6,25 +6,22 @@ all-gathers them, and normalizes with ops only CUDA implements
 ``batch_norm_gather_stats_with_counts`` (and ``batch_norm_gather_stats``),
 ``batch_norm_elemt``, ``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt``.
 Neither meta nor CPU tensors have kernels for them, so a DDP script that converts its
-BatchNorms (``SyncBatchNorm.convert_sync_batchnorm``) stopped at its first forward.
-:func:`kernels_registered` gives them Meta and CPU kernels, written with torch's own ops,
-while an emulation runs: each returns what the CUDA kernel returns, of the same shapes and
-dtypes (per-channel statistics in the input's accumulate type, float32 for 16-bit inputs;
-the output and the input's gradient like the input), computed as the CUDA kernel computes
-it. What a kernel computes on the way is not allocated from the caching allocator on a GPU,
-and is not counted here either (the emulator counts an op's outputs).
+BatchNorms (``SyncBatchNorm.convert_sync_batchnorm``) stopped at its first forward. :data:`KERNELS`
+gives them Meta and CPU kernels, written with torch's own ops, while an emulation runs
+(:mod:`dpprof.emulator.aten_kernels`): each returns what the CUDA kernel returns, of the
+same shapes and dtypes (per-channel statistics in the input's accumulate type, float32 for
+16-bit inputs; the output and the input's gradient like the input), computed as the CUDA
+kernel computes it. What a kernel computes on the way is not allocated from the caching
+allocator on a GPU, and is not counted here either (the emulator counts an op's outputs).
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
-from typing import Any
-
 import torch
 
-__all__ = ["KERNELS", "kernels_registered"]
+from dpprof.emulator.aten_kernels import Kernel
+
+__all__ = ["KERNELS"]
 
 
 def _dims(x: torch.Tensor) -> list[int]:
@@ -125,29 +122,15 @@ def batch_norm_backward_elemt(
     return g.to(x.dtype)
 
 
-# op (overload) -> its kernel
-KERNELS: dict[str, Any] = {
-    "batch_norm_stats": batch_norm_stats,
-    "batch_norm_elemt": batch_norm_elemt,
-    "batch_norm_elemt.out": batch_norm_elemt_out,
-    "batch_norm_gather_stats": batch_norm_gather_stats,
-    "batch_norm_gather_stats_with_counts": batch_norm_gather_stats_with_counts,
-    "batch_norm_backward_reduce": batch_norm_backward_reduce,
-    "batch_norm_backward_elemt": batch_norm_backward_elemt,
-}
-
-
-@contextlib.contextmanager
-def kernels_registered() -> Iterator[None]:
-    """:data:`KERNELS` as the ops' Meta and CPU kernels while entered (torch has none
-    there); unregistered on exit."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a kernel torch may add one day: ours, while here
-            for name, kernel in KERNELS.items():
-                for key in ("Meta", "CPU"):
-                    lib.impl(name, kernel, key)
-        yield
-    finally:
-        lib._destroy()
+# the CUDA-only ops' kernels, as their Meta and CPU kernels (torch has none there; a kernel
+# torch may add one day is ours while an emulation runs: dpprof.emulator.aten_kernels)
+KERNELS: tuple[Kernel, ...] = tuple(
+    (name, kernel, key) for name, kernel in (
+        ("batch_norm_stats", batch_norm_stats),
+        ("batch_norm_elemt", batch_norm_elemt),
+        ("batch_norm_elemt.out", batch_norm_elemt_out),
+        ("batch_norm_gather_stats", batch_norm_gather_stats),
+        ("batch_norm_gather_stats_with_counts", batch_norm_gather_stats_with_counts),
+        ("batch_norm_backward_reduce", batch_norm_backward_reduce),
+        ("batch_norm_backward_elemt", batch_norm_backward_elemt),
+    ) for key in ("Meta", "CPU"))

@@ -50,11 +50,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator import (
+    aten_kernels,
     ctc_loss,
     cuda_api,
     cuda_graphs,
     device_readings,
     emulated_cuda,
+    plain_composites,
     profilers,
     sync_batch_norm,
     tensor_api,
@@ -70,7 +72,6 @@ from dpprof.emulator.cuda_devices import (
 from dpprof.emulator.cuda_memory import CudaMemory
 from dpprof.emulator.dispatch_state import HOST
 from dpprof.emulator.patcher import Patch, Patcher, own_attribute, put
-from dpprof.emulator.plain_composites import decided_as_without_a_mode
 from dpprof.emulator.standins import load_real, standing_in
 from dpprof.emulator.user_meta import CANNOT_COPY_OUT
 
@@ -450,12 +451,11 @@ class VirtualCuda:
                 self._stack.enter_context(self.rt)
                 self._stack.enter_context(self.rt.device(HOST))
                 # the runtime's mode makes torch's composites take their paths for
-                # subclasses (other low bits of svdvals): the paths of plain Python instead
-                self._stack.enter_context(decided_as_without_a_mode())
-                # SyncBatchNorm's CUDA-only kernels, over meta and CPU tensors
-                self._stack.enter_context(sync_batch_norm.kernels_registered())
-                # CTC loss's GPU path and its backward's Meta kernel
-                self._stack.enter_context(ctc_loss.kernels_registered())
+                # subclasses (other low bits of svdvals): the paths of plain Python instead;
+                # SyncBatchNorm's CUDA-only kernels, over meta and CPU tensors; CTC loss's
+                # GPU path and its backward's Meta kernel
+                self._stack.enter_context(aten_kernels.registered(
+                    (*plain_composites.KERNELS, *sync_batch_norm.KERNELS, *ctc_loss.KERNELS)))
             self._install()
         except BaseException:
             self.__exit__(*sys.exc_info())
