@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from dpprof.emulator import same_program
 from dpprof.errors import NotEmulated
 
 __all__ = ["EmulatedRankGroup", "completed_work", "rank_group", "reap_all"]
@@ -92,14 +93,10 @@ class EmulatedRankGroup(dist.ProcessGroup):
     # ---- collectives -------------------------------------------------------------------
 
     def _reduce(self, tensors: list[torch.Tensor], op: Any) -> None:
-        ops = dist.ReduceOp
+        kind = int(getattr(op, "op", op))  # a ReduceOp, or its RedOpType
         with torch.no_grad():
             for t in tensors:
-                if op == ops.SUM:
-                    t.mul_(self._size)
-                elif op == ops.PRODUCT:
-                    t.pow_(self._size)
-                # AVG, MIN, MAX, BAND, BOR, BXOR of equal contributions: the tensor itself
+                same_program.reduce_(t, kind, self._size)
 
     def allreduce(  # type: ignore[override]
             self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

@@ -7,8 +7,8 @@ contribution, so an all-reduce leaves the tensor as it was and a reduce-scatter 
 rank's own chunk. Ranks that run the same program contribute equally, and NCCL gives them the
 reduction of ``size`` equal contributions: ``SUM`` the contribution times ``size``,
 ``PRODUCT`` to the power ``size``, ``AVG``, ``MIN``, ``MAX`` and the bitwise ones the
-contribution itself. This is the rule of DDP's group
-(:class:`dpprof.emulator.process_group.EmulatedRankGroup`), which reduces in Python itself;
+contribution itself (:func:`reduce_`). DDP's group
+(:class:`dpprof.emulator.process_group.EmulatedRankGroup`) reduces by it in Python itself;
 here it is applied after the fake group's collective, to what the script reads back (a loss
 averaged across ranks: ``all_reduce(loss); loss / world_size``). An all-to-all gives each
 slot what every rank sends this rank: its own chunk for it (the fake group gives the rank
@@ -128,13 +128,20 @@ def _split(t: torch.Tensor, sizes: Any, size: int) -> tuple[torch.Tensor, ...]:
     return t.split([int(n) for n in sizes]) if sizes else t.chunk(size)
 
 
+def reduce_(t: torch.Tensor, kind: int, size: int) -> torch.Tensor:
+    """``t``, holding one contribution, made the reduction of ``size`` equal ones in place
+    (``kind``: ``ReduceOp``'s ``RedOpType`` as an int): the rule itself."""
+    if kind == _SUM:
+        t.mul_(size)
+    elif kind == _PRODUCT:
+        t.pow_(size)
+    # AVG, MIN, MAX, BAND, BOR, BXOR of equal contributions: the contribution itself
+    return t
+
+
 def reduced(contribution: torch.Tensor, kind: int, size: int) -> torch.Tensor:
     """The reduction of ``size`` contributions equal to ``contribution`` (host values)."""
-    if kind == _SUM:
-        return contribution * size
-    if kind == _PRODUCT:
-        return contribution ** size
-    return contribution
+    return reduce_(contribution.clone(), kind, size)
 
 
 def reduce_in_place(pairs: list[tuple[torch.Tensor, torch.Tensor]], kind: int,
@@ -145,7 +152,4 @@ def reduce_in_place(pairs: list[tuple[torch.Tensor, torch.Tensor]], kind: int,
         for target, contribution in pairs:
             if contribution is not target:
                 target.copy_(contribution)
-            if kind == _SUM:
-                target.mul_(size)
-            elif kind == _PRODUCT:
-                target.pow_(size)
+            reduce_(target, kind, size)
