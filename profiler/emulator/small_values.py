@@ -118,7 +118,7 @@ class SmallValues:
         values = self._values
         if func is _aten.copy_.default and self._copied_whole(args):
             return
-        mutable, carries = _traits(func)
+        writes, carries = _traits(func)
         whole = True
         known_in = False  # an input followed, whole or in part
         for a in metas_in:
@@ -139,8 +139,8 @@ class SmallValues:
                 break
         if not whole:
             if not (known_in and carries and self._follow_partly(func, args, kwargs, out)) and (
-                    values and mutable):
-                self._forget_written(func, args, kwargs, metas_in)
+                    values and writes):
+                self._forget_written(writes, args, kwargs)
             return
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
         if not outs and not metas_in:
@@ -150,7 +150,7 @@ class SmallValues:
         result = (self.compute(func, args, kwargs)
                   if small and func not in _UNINITIALIZED else None)
         if result is None:
-            self._forget_written(func, args, kwargs, metas_in)
+            self._forget_written(writes, args, kwargs)
             return
         for m, r in zip(tree_leaves(out), tree_leaves(result), strict=False):
             if isinstance(m, torch.Tensor) and _is_meta(m) and isinstance(r, torch.Tensor):
@@ -458,31 +458,15 @@ class SmallValues:
 
         return drop
 
-    def _forget_written(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        metas_in: list[torch.Tensor]) -> None:
-        """The op wrote storages it could not compute: their values are gone. What it only
-        read keeps its values (the mask of ``x[mask] = v``, which its backward indexes by)."""
-        if not _traits(func)[0]:  # it writes none
-            return
-        written = _written(func, args, kwargs)
-        for t in metas_in if written is None else written:
-            if _is_meta(t):
-                self._drop(storage_key(t.untyped_storage()))
-
-
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-             ) -> list[torch.Tensor] | None:
-    """The tensors ``func`` writes, its schema's ``(a!)`` arguments; None where it has no
-    schema to say (then every tensor it was given counts as written)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return None
-    written: list[torch.Tensor] = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(a.name)
-            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return written
+    def _forget_written(self, writes: tuple[tuple[int, str], ...], args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> None:
+        """The op wrote storages it could not compute (its arguments ``writes``, from
+        :func:`_traits`): their values are gone. What it only read keeps its values (the
+        mask of ``x[mask] = v``, which its backward indexes by)."""
+        for i, name in writes:
+            for t in tree_leaves(args[i] if i < len(args) else kwargs.get(name)):
+                if isinstance(t, torch.Tensor) and _is_meta(t):
+                    self._drop(storage_key(t.untyped_storage()))
 
 
 # the functional collectives' namespaces (torch.distributed._functional_collectives)
@@ -503,25 +487,26 @@ _POINTWISE = "pointwise"  # each output element from the inputs' elements at its
 _MOVED = "moved"  # elements moved, from one input or several (cat, copy_ into a slice)
 
 # op_key(op) -> (op, whether its schema says it writes, how it carries known elements)
-_TRAITS: dict[int, tuple[Any, bool, str | None]] = {}
+_TRAITS: dict[int, tuple[Any, tuple[tuple[int, str], ...], str | None]] = {}
 
 
-def _traits(func: Any) -> tuple[bool, str | None]:
-    """Whether ``func`` writes an input, and how it carries known elements through
+def _traits(func: Any) -> tuple[tuple[tuple[int, str], ...], str | None]:
+    """The arguments ``func`` writes (position and name: its schema's ``(a!)`` ones; none
+    where it has no schema), and how it carries known elements through
     (:data:`_POINTWISE`, :data:`_MOVED`, or None), asked once per op, by identity (an
     OpOverload's __hash__ is Python)."""
     found = _TRAITS.get(op_key(func))
     if found is not None and found[0] is func:
         return found[1], found[2]
-    schema = getattr(func, "_schema", None)
-    mutable = schema is not None and bool(schema.is_mutable)
-    lists = schema is not None and any(
-        a.type.kind() == "ListType" and "Tensor" in str(a.type) for a in schema.arguments)
+    arguments = getattr(getattr(func, "_schema", None), "arguments", ())
+    writes = tuple((i, a.name) for i, a in enumerate(arguments)
+                   if a.alias_info is not None and a.alias_info.is_write)
+    lists = any(a.type.kind() == "ListType" and "Tensor" in str(a.type) for a in arguments)
     carries = (_MOVED if func in _MOVES
                else _POINTWISE if torch.Tag.pointwise in getattr(func, "tags", ()) and not lists
                else None)
-    _TRAITS[op_key(func)] = (func, mutable, carries)
-    return mutable, carries
+    _TRAITS[op_key(func)] = (func, writes, carries)
+    return writes, carries
 
 
 _aten = torch.ops.aten
