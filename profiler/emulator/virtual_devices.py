@@ -256,19 +256,21 @@ class VirtualDevices(TorchDispatchMode):
             target = self._last_device
         else:
             target = self._state.device  # a factory: the current device
-        self._log(func, args, kwargs, out, target, devices, saw_host)
+        self._log(func, args, kwargs, out, target, devices, saw_host, key)
         return self._place(func, args, kwargs, out, target, outside)
 
     def _log(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any, target: int,
-             devices: Set[int], saw_host: bool) -> None:
-        """The op into the measured steps' op log (their predicted time), where it is on."""
+             devices: Set[int], saw_host: bool, key: int | None = None) -> None:
+        """The op into the measured steps' op log (their predicted time), where it is on
+        (``key``: the op's :func:`op_key`, where the caller has it)."""
         log = self.op_log
         if log is None or not log.on:
             return
         # a copy between devices: a copy op, or any op placed on another device (the
         # emulated .to(device) clones onto its target)
         state = self._state
-        moves = state.forced is not None or op_key(func) in _CROSS_DEVICE_KEYS
+        moves = state.forced is not None or (
+            key if key is not None else op_key(func)) in _CROSS_DEVICE_KEYS
         sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
         log.record(func, args, kwargs, out, target, sources, state.phase,
                    self.mirrors.mirrors_of(target))
