@@ -22,7 +22,13 @@ choice. :class:`GpuKernels` is a ``TorchFunctionMode`` that re-routes them, per 
   ``embedding_dense_backward_cuda`` sorts the indices and sums partial segments through
   buffers of its own (:mod:`dpprof.emulator.embedding_backward`); meta allocates only the
   gradient. These buffers are played as allocations and frees around the gradient, in the
-  kernel's order, on the op's device (:class:`dpprof.emulator.events.KernelPlan`).
+  kernel's order, on the op's device (:class:`dpprof.emulator.events.KernelPlan`). So are
+  CTC loss's (:mod:`dpprof.emulator.ctc_loss`) and cuDNN's convolution workspace.
+* ``aten::lstm_cell`` / ``gru_cell`` (``nn.LSTMCell``, ``nn.GRUCell``) — on a CUDA input
+  ATen's cells run two matmuls and a fused kernel that saves one workspace; meta takes the
+  host's unfused cell (its gates saved). :func:`lstm_cell` and :func:`gru_cell` run the
+  CUDA branch for an input on a virtual GPU. ``nn.LSTM``/``GRU``/``RNN`` (cuDNN's RNN) are
+  not played, only counted for a note (:func:`kernel_notes`).
 
 Only meaningful over meta tensors: over CPU tensors (``--compute``) the CPU kernels run,
 as the CPU would run them.
@@ -195,8 +201,9 @@ def _fused_gru_cell_backward_meta(grad_hy: torch.Tensor, workspace: torch.Tensor
 class GpuKernels:
     """Route device-dependent ops to the implementation the target GPU would use.
 
-    A context manager that swaps ``torch.nn.functional.scaled_dot_product_attention`` and
-    ``torch.nn.functional.dropout`` (what ``nn.Dropout`` calls) for the duration. (A
+    A context manager that swaps ``torch.nn.functional.scaled_dot_product_attention``,
+    ``torch.nn.functional.dropout`` (what ``nn.Dropout`` calls) and ``rms_norm`` for the
+    duration, registers the RNN cells' kernels and plays the kernels' own buffers. (A
     ``TorchFunctionMode`` would catch more spellings, but makes every torch call go through
     Python and imports torch._dynamo: several times slower.) A model that imported the
     function by name before the emulation (``from torch.nn.functional import
