@@ -35,13 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dpprof.answers.answer_figures import need_bytes
+from dpprof.answers.setups import SETUPS
 from dpprof.measure.ladder_code import CODE_CHECKPOINT, CODE_LOOP_BF16, CODE_LOOP_FP16, detail
 from dpprof.measure.ladder_rungs import Rung, rungs
 from dpprof.result import STATUS_OK, STATUS_OOM, Fix
 from dpprof.scenarios.names import (
+    DATA_PARALLEL,
     DDP,
-    DP_LOSS_FORWARD,
-    DP_LOSS_PRIMARY,
     FSDP2,
     MODEL_PARALLEL,
     SINGLE,
@@ -68,7 +68,7 @@ def floor_of(main: ScriptRun, runs: list[tuple[str, ScriptRun]]
     and the run): the alternative a ladder starts from (DDP's) of a DataParallel script,
     else the script as written; None for a DataParallel script without one (the rungs
     would run under DataParallel, which they do not fix)."""
-    if main.scenario.name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD):
+    if SETUPS.get(main.scenario.name) == DATA_PARALLEL:
         return next(((alt, r) for alt, r in ((alternative_named(v), r) for v, r in runs)
                      if alt is not None and alt.ladder_floor), None)
     if main.scenario.name in (DDP, SINGLE, MODEL_PARALLEL):
@@ -182,7 +182,7 @@ def rung_code(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
 def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
                   main: ScriptRun | None) -> Rewrite:
     script = str(Path(cfg.launch.target).resolve()) if not cfg.launch.is_module else ""
-    on_ddp = main is not None and main.scenario.name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
+    on_ddp = main is not None and SETUPS.get(main.scenario.name) == DATA_PARALLEL
     # the script's own lines: where a library's code called the model or backward()
     # (accelerate's accelerator.backward, Lightning's Trainer), the script's call of it
     sites = [next((s for s in chain if s.rpartition(":")[0] == script), chain[0] if chain

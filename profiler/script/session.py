@@ -29,12 +29,13 @@ from collections.abc import Callable
 from dpprof.answers.answer import partial_sentence, settled
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
+from dpprof.answers.setups import SETUPS
 from dpprof.emulator.allocator_config import config_from_setting
 from dpprof.emulator.call_sites import relative_site
 from dpprof.emulator.kernels import kernel_notes
 from dpprof.errors import Interrupted, interrupt_signal, take_interrupt
 from dpprof.result import STATUS_ERROR, Fix, RunResult, new_result
-from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
+from dpprof.scenarios.names import DATA_PARALLEL, DDP
 from dpprof.script.hooks import AS_WRITTEN, StepCallback
 from dpprof.script.launch import parse_command
 from dpprof.script.lightning_launch import launched_note, ranks_launch
@@ -106,7 +107,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         if shared is not None:
             shared.close()
             shared = None
-        if (alternatives and main.scenario.name in (DP_LOSS_PRIMARY, DP_LOSS_FORWARD)
+        if (alternatives and SETUPS.get(main.scenario.name) == DATA_PARALLEL
                 and main.ended != "script raised"):
             doing.append("the alternatives")
             _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
