@@ -38,7 +38,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dpprof.emulator import same_program
-from dpprof.emulator.identity import op_key, storage_key
+from dpprof.emulator.flat_values import all_known, geometry_of
+from dpprof.emulator.identity import storage_key
+from dpprof.emulator.value_traits import (
+    COLLECTIVES,
+    MOVED,
+    MOVES,
+    UNINITIALIZED,
+    collective_values,
+    tensors,
+    traits,
+)
 from dpprof.errors import called_where_nothing_raises
 
 MAX_TENSOR_BYTES = 64 * 1024  # a float tensor: a scalar, a schedule's rates; no activation
@@ -54,6 +64,7 @@ _REAL_DEVICE = torch._C.TensorBase.__dict__["device"]
 
 # Tensor.is_meta as torch answers it (the emulation patches the property); no device made
 _is_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
+_aten = torch.ops.aten
 
 
 class _Followed:
@@ -101,9 +112,9 @@ class SmallValues:
         found = self._followed(t)
         if found is None:
             return None
-        if found.known is not None and not bool(_geometry_of(found.known, t).all()):
+        if found.known is not None and not bool(geometry_of(found.known, t).all()):
             return None
-        return _geometry_of(found.values, t)
+        return geometry_of(found.values, t)
 
     def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                out: Any) -> None:
@@ -113,12 +124,12 @@ class SmallValues:
             # an op of the host (a data loader's indexing: its values are real), or a copy
             # to it (read by the rule of copies): nothing on a virtual GPU made or written
             return
-        leaves = _tensors(args, kwargs)
+        leaves = tensors(args, kwargs)
         metas_in = [a for a in leaves if _is_meta(a)]
         values = self._values
         if func is _aten.copy_.default and self._copied_whole(args):
             return
-        writes, carries = _traits(func)
+        writes, carries = traits(func)
         whole = True
         known_in = False  # an input followed, whole or in part
         for a in metas_in:
@@ -131,7 +142,7 @@ class SmallValues:
                 whole = False
             else:
                 whole = False
-                if carries is not _MOVED:
+                if carries is not MOVED:
                     # a pointwise op's every output element reads this input: none known
                     carries = None
                     break
@@ -148,7 +159,7 @@ class SmallValues:
         small = all(self._small(o.untyped_storage().nbytes(), o.dtype) for o in outs) and all(
             _REAL_DEVICE.__get__(a).type in ("meta", "cpu") for a in leaves)
         result = (self.compute(func, args, kwargs)
-                  if small and func not in _UNINITIALIZED else None)
+                  if small and func not in UNINITIALIZED else None)
         if result is None:
             self._forget_written(writes, args, kwargs)
             return
@@ -209,7 +220,7 @@ class SmallValues:
         """``func`` over the values of its arguments, on the host; None where one has none,
         one is a parameter (what the model computes is not followed, only what host data
         alone decides), the op draws random numbers, or the host cannot run it."""
-        leaves = _tensors(args, kwargs)
+        leaves = tensors(args, kwargs)
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) or any(
                 isinstance(a, torch.nn.Parameter) for a in leaves):
             return None
@@ -224,10 +235,10 @@ class SmallValues:
         real_args, real_kwargs = tree_unflatten(real, spec)
         if real_kwargs.get("device") is not None:  # given as a string
             real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
-        if getattr(func, "namespace", "") in _COLLECTIVES:
+        if getattr(func, "namespace", "") in COLLECTIVES:
             # what other ranks contribute is not on this host: never the host's own run of
             # the collective (over the fake group its output holds no data)
-            return _collective_values(func, real_args)
+            return collective_values(func, real_args)
         try:
             return func(*real_args, **real_kwargs)
         except Exception:  # a kernel the host lacks for this dtype: no values, as before
@@ -243,14 +254,14 @@ class SmallValues:
         values, none of them known before). None where the rules do not apply."""
         tags = getattr(func, "tags", ())
         pointwise = torch.Tag.pointwise in tags
-        positions = _MOVES.get(func)
+        positions = MOVES.get(func)
         if (not pointwise and positions is None) or torch.Tag.nondeterministic_seeded in tags:
             return None
         schema = func._schema
         names = [a.name for a in schema.arguments]
         written = {a.name for a in schema.arguments
                    if a.alias_info is not None and a.alias_info.is_write}
-        leaves = _tensors(args, kwargs)
+        leaves = tensors(args, kwargs)
         if any(isinstance(a, torch.nn.Parameter) for a in leaves) or not all(
                 _REAL_DEVICE.__get__(a).type in ("meta", "cpu") for a in leaves):
             return None
@@ -275,7 +286,7 @@ class SmallValues:
             outs = [r for r in tree_leaves(result) if isinstance(r, torch.Tensor)]
             if pointwise:
                 read = [masks[n] for n in masks if n not in written or n == "self"]
-                known = _all_known(read, [r.shape for r in outs])
+                known = all_known(read, [r.shape for r in outs])
                 for n in written:
                     masks[n].copy_(known[0])
             else:
@@ -316,10 +327,10 @@ class SmallValues:
             return torch.zeros(a.shape, dtype=a.dtype), torch.zeros(a.shape, dtype=torch.bool)
         if found.known is None:
             if not written:
-                return _geometry_of(found.values, a), torch.ones(a.shape, dtype=torch.bool)
+                return geometry_of(found.values, a), torch.ones(a.shape, dtype=torch.bool)
             self._set_known(found, torch.ones(found.values.shape, dtype=torch.bool))
         assert found.known is not None
-        return _geometry_of(found.values, a), _geometry_of(found.known, a)
+        return geometry_of(found.values, a), geometry_of(found.known, a)
 
     def _for_writing(self, t: torch.Tensor) -> _Followed | None:
         """The values of ``t``'s storage, to be written in part: a storage not followed yet
@@ -355,8 +366,8 @@ class SmallValues:
         if found is None:
             return None
         known = (torch.ones(t.shape, dtype=torch.bool) if found.known is None
-                 else _geometry_of(found.known, t))
-        return _geometry_of(found.values, t), known
+                 else geometry_of(found.known, t))
+        return geometry_of(found.values, t), known
 
     def reduce_followed(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], kind: int,
                         size: int) -> None:
@@ -384,12 +395,12 @@ class SmallValues:
         assert values is not None
         if found.known is None and known is not None and not bool(known.all()):
             self._set_known(found, torch.ones(found.values.shape, dtype=torch.bool))
-        _geometry_of(found.values, t).copy_(values)
+        geometry_of(found.values, t).copy_(values)
         if found.known is not None:
             if known is None:
-                _geometry_of(found.known, t).fill_(True)
+                geometry_of(found.known, t).fill_(True)
             else:
-                _geometry_of(found.known, t).copy_(known)
+                geometry_of(found.known, t).copy_(known)
             self._settle(t)
 
     def keep_made(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -461,98 +472,9 @@ class SmallValues:
     def _forget_written(self, writes: tuple[tuple[int, str], ...], args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> None:
         """The op wrote storages it could not compute (its arguments ``writes``, from
-        :func:`_traits`): their values are gone. What it only read keeps its values (the
+        :func:`traits`): their values are gone. What it only read keeps its values (the
         mask of ``x[mask] = v``, which its backward indexes by)."""
         for i, name in writes:
             for t in tree_leaves(args[i] if i < len(args) else kwargs.get(name)):
                 if isinstance(t, torch.Tensor) and _is_meta(t):
                     self._drop(storage_key(t.untyped_storage()))
-
-
-# the functional collectives' namespaces (torch.distributed._functional_collectives)
-_COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
-
-
-def _collective_values(func: Any, args: tuple[Any, ...]) -> torch.Tensor | None:
-    """A functional collective's values where they are its input's: ``wait_tensor`` and the
-    autograd wrapper. None for any other: what other ranks contribute is not on this host
-    (a reduction's values: :mod:`dpprof.emulator.same_program`, after the op)."""
-    name = func._schema.name.split("::")[-1]
-    if name in ("wait_tensor", "_wrap_tensor_autograd"):
-        return args[0]  # type: ignore[no-any-return]
-    return None
-
-
-_POINTWISE = "pointwise"  # each output element from the inputs' elements at its place
-_MOVED = "moved"  # elements moved, from one input or several (cat, copy_ into a slice)
-
-# op_key(op) -> (op, whether its schema says it writes, how it carries known elements)
-_TRAITS: dict[int, tuple[Any, tuple[tuple[int, str], ...], str | None]] = {}
-
-
-def _traits(func: Any) -> tuple[tuple[tuple[int, str], ...], str | None]:
-    """The arguments ``func`` writes (position and name: its schema's ``(a!)`` ones; none
-    where it has no schema), and how it carries known elements through
-    (:data:`_POINTWISE`, :data:`_MOVED`, or None), asked once per op, by identity (an
-    OpOverload's __hash__ is Python)."""
-    found = _TRAITS.get(op_key(func))
-    if found is not None and found[0] is func:
-        return found[1], found[2]
-    arguments = getattr(getattr(func, "_schema", None), "arguments", ())
-    writes = tuple((i, a.name) for i, a in enumerate(arguments)
-                   if a.alias_info is not None and a.alias_info.is_write)
-    lists = any(a.type.kind() == "ListType" and "Tensor" in str(a.type) for a in arguments)
-    carries = (_MOVED if func in _MOVES
-               else _POINTWISE if torch.Tag.pointwise in getattr(func, "tags", ()) and not lists
-               else None)
-    _TRAITS[op_key(func)] = (func, writes, carries)
-    return writes, carries
-
-
-_aten = torch.ops.aten
-# ops whose output holds whatever memory held: no values until something writes them
-_UNINITIALIZED = frozenset({
-    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
-    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
-    _aten.resize_.default,
-})
-
-
-# ops that only move elements, by the names of their arguments that say where to (known whole)
-_MOVES: dict[Any, tuple[str, ...]] = {
-    _aten.cat.default: (), _aten.stack.default: (), _aten.copy_.default: (),
-    _aten._to_copy.default: (), _aten.clone.default: (), _aten.repeat.default: (),
-    _aten._unsafe_view.default: (), _aten.index.Tensor: ("indices",),
-    _aten.index_select.default: ("index",),
-}
-
-
-def _geometry_of(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The elements of ``flat`` (a storage's, flat) that ``t`` views, with ``t``'s geometry."""
-    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
-
-
-def _all_known(masks: list[Any], shapes: list[torch.Size]) -> list[torch.Tensor]:
-    """For a pointwise op: an output element is known where the elements of every input it
-    is computed from (broadcast) are."""
-    if any(isinstance(m, (list, tuple)) for m in masks):
-        raise ValueError("a list of tensors: each its own, not these rules")
-    found = []
-    for shape in shapes:
-        known = torch.ones(shape, dtype=torch.bool)
-        for m in masks:
-            if isinstance(m, torch.Tensor):
-                known &= m.broadcast_to(shape)
-        found.append(known)
-    return found
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensor arguments of an aten op (top level, and in lists: ``TensorList``)."""
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(b for b in a if isinstance(b, torch.Tensor))
-    return found
