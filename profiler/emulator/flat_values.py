@@ -1,6 +1,6 @@
 """A storage's values as :mod:`dpprof.emulator.small_values` keeps them, one flat host
-tensor: the elements a view reads in it, and which elements of a pointwise op's output are
-known."""
+tensor: the elements a view reads in it, whether a view covers its whole storage, and which
+elements of a pointwise op's output are known."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_known", "geometry_of"]
+__all__ = ["all_known", "geometry_of", "whole_storage"]
+
+
+def whole_storage(t: torch.Tensor, st: Any) -> bool:
+    """Whether ``t`` views every byte of its storage ``st``, in order."""
+    return (t.is_contiguous() and not t.storage_offset()
+            and t.numel() * t.element_size() == st.nbytes())
 
 
 def geometry_of(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -31,19 +31,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from dpprof.emulator import same_program
-from dpprof.emulator.flat_values import all_known, geometry_of
+from dpprof.emulator.flat_values import all_known, geometry_of, whole_storage
 from dpprof.emulator.identity import storage_key
 from dpprof.emulator.value_traits import (
     COLLECTIVES,
     MOVED,
     MOVES,
+    REBINDS,
     UNINITIALIZED,
     collective_values,
     tensors,
@@ -80,6 +81,15 @@ class _Followed:
         self.known = known
 
 
+class _Pieces(NamedTuple):
+    """Pieces of a storage too large to follow whose values are known: a weak reference to
+    the meta storage, (element offset, flat values) for each, and their bytes."""
+
+    ref: weakref.ref[Any]
+    pieces: list[tuple[int, torch.Tensor]]
+    nbytes: int
+
+
 class SmallValues:
     """Storage (meta bytes on a virtual GPU) -> its values on the host, for small ones."""
 
@@ -92,6 +102,8 @@ class SmallValues:
         self.total_bytes = 0
         # storage_key(meta storage) -> its values
         self._values: dict[int, _Followed] = {}
+        # storage_key(meta storage too large to follow) -> the values of some of its pieces
+        self._pieces: dict[int, _Pieces] = {}
 
     def _small(self, nbytes: int, dtype: torch.dtype) -> bool:
         """Whether a storage of ``nbytes`` holding ``dtype`` is small enough to follow."""
@@ -124,10 +136,16 @@ class SmallValues:
             # an op of the host (a data loader's indexing: its values are real), or a copy
             # to it (read by the rule of copies): nothing on a virtual GPU made or written
             return
+        if func in REBINDS:
+            # ``t.set_(storage)`` points ``t`` at a storage and writes no byte of it: the
+            # storage keeps its values (torch's storage copy and deepcopy go through it)
+            return
         leaves = tensors(args, kwargs)
         metas_in = [a for a in leaves if _is_meta(a)]
         values = self._values
-        if func is _aten.copy_.default and self._copied_whole(args):
+        if func is _aten.copy_.default and (self._copied_storage(args)
+                                            or self._copied_whole(args)
+                                            or self._copied_piece(args)):
             return
         writes, carries = traits(func)
         whole = True
@@ -149,8 +167,11 @@ class SmallValues:
             if carries is None:
                 break
         if not whole:
-            if not (known_in and carries and self._follow_partly(func, args, kwargs, out)) and (
-                    values and writes):
+            if known_in and carries and self._follow_partly(func, args, kwargs, out):
+                return
+            if known_in and func is _aten.cat.default:
+                self._note_pieces(args, kwargs, out)
+            if (values or self._pieces) and writes:
                 self._forget_written(writes, args, kwargs)
             return
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and _is_meta(o)]
@@ -183,6 +204,72 @@ class SmallValues:
         for m, (r, known) in zip(outs, parts, strict=False):
             self.keep(m, r, known)
         return True
+
+    def _copied_storage(self, args: tuple[Any, ...]) -> bool:
+        """``dst.copy_(src)`` where each views every byte of its storage, as one dtype (a
+        storage's ``copy_``: torch views both as bytes; ``copy.deepcopy`` of a CUDA tensor
+        and ``UntypedStorage.clone`` copy so): ``dst``'s storage gets the values ``src``'s
+        has, as whatever dtype they are followed. False where the rule does not apply."""
+        dst, src = args[0], args[1]
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+                and _is_meta(dst) and _is_meta(src) and dst.dtype == src.dtype):
+            return False
+        src_st, dst_st = src.untyped_storage(), dst.untyped_storage()
+        found = self._values.get(storage_key(src_st))
+        if found is None or found.ref() is not src_st or not (
+                whole_storage(dst, dst_st) and whole_storage(src, src_st)
+                and dst_st.nbytes() == src_st.nbytes()):
+            return False
+        self._drop(storage_key(dst_st))
+        self.keep_flat(dst_st, found.values.clone(),
+                       None if found.known is None else found.known.clone())
+        return True
+
+    def _note_pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """``cat`` of 1-D tensors into one too large to follow (a bucket of a module's
+        parameters and buffers, as torch's ``flatten_dense_tensors`` makes the one DDP
+        broadcasts): the values of the inputs known whole, kept as pieces of it for a copy
+        back out of it (:meth:`_copied_piece`); anything that writes it drops them."""
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(out, torch.Tensor) or out.dim() != 1 or dim not in (0, -1):
+            return
+        pieces: list[tuple[int, torch.Tensor]] = []
+        at, nbytes = out.storage_offset(), 0
+        for t in args[0]:
+            values = self.value_of(t) if _is_meta(t) else None
+            if values is not None and t.numel():
+                pieces.append((at, values.reshape(-1).to(out.dtype, copy=True)))
+                nbytes += pieces[-1][1].untyped_storage().nbytes()
+            at += t.numel()
+        if not pieces or self.total_bytes + nbytes > self.max_total_bytes:
+            return
+        st = out.untyped_storage()
+        key = storage_key(st)
+        self._drop(key)
+        self.total_bytes += nbytes
+        self._pieces[key] = _Pieces(weakref.ref(st, self._dropper(key)), pieces, nbytes)
+
+    def _copied_piece(self, args: tuple[Any, ...]) -> bool:
+        """``dst.copy_(src)`` where ``src`` lies in a piece of a concatenation whose values
+        are known (:meth:`_note_pieces`; DDP copies its broadcast bucket back into the
+        module's tensors so): ``dst`` gets them. False where the rule does not apply."""
+        if not self._pieces:
+            return False
+        dst, src = args[0], args[1]
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+                and _is_meta(dst) and _is_meta(src)):
+            return False
+        st = src.untyped_storage()
+        found = self._pieces.get(storage_key(st))
+        if (found is None or found.ref() is not st or not src.is_contiguous()
+                or src.dtype != dst.dtype or src.shape != dst.shape):
+            return False
+        start, count = src.storage_offset(), src.numel()
+        for at, values in found.pieces:
+            if at <= start and start + count <= at + values.numel():
+                self.write(dst, values[start - at:start - at + count].view(src.shape))
+                return True
+        return False
 
     def _copied_whole(self, args: tuple[Any, ...]) -> bool:
         """``dst.copy_(src)`` that writes every byte of a storage not followed yet (a buffer
@@ -422,8 +509,7 @@ class SmallValues:
         found = self._values.get(storage_key(st))
         if found is not None and found.ref() is st:
             return  # written in place, or a view of a storage followed already
-        if (r.dtype != m.dtype or r.stride() != m.stride()
-                or r.storage_offset() != m.storage_offset()):
+        if r.dtype != m.dtype or r.shape != m.shape:
             return
         if known is not None:
             if not bool(known.any()):
@@ -431,7 +517,11 @@ class SmallValues:
             if bool(known.all()):
                 known = None
         nbytes = r.untyped_storage().nbytes()
-        if nbytes != st.nbytes():
+        if (nbytes != st.nbytes() or r.stride() != m.stride()
+                or r.storage_offset() != m.storage_offset()):
+            # the host's kernel laid its result out otherwise (``ones_like`` of a view
+            # with one element: stride 2 on the host, 1 on meta): placed as meta has it
+            self._keep_placed(m, st, r, known)
             return
         flat = torch.empty(0, dtype=r.dtype).set_(
             r.untyped_storage(), 0, (nbytes // max(r.element_size(), 1),), (1,))
@@ -440,6 +530,22 @@ class SmallValues:
             known_flat = torch.zeros(flat.shape, dtype=torch.bool)
             known_flat.as_strided(r.shape, r.stride(), r.storage_offset()).copy_(known)
         self.keep_flat(st, flat, known_flat)
+
+    def _keep_placed(self, m: torch.Tensor, st: Any, r: torch.Tensor,
+                     known: torch.Tensor | None) -> None:
+        """``r``'s values (``known``: which of them) written where ``m`` views its storage
+        ``st``; what ``m`` does not view is not known."""
+        count = st.nbytes() // max(m.element_size(), 1)
+        if count * m.element_size() != st.nbytes() or not self._small(st.nbytes(), m.dtype):
+            return
+        flat = torch.zeros(count, dtype=m.dtype)
+        known_flat = torch.zeros(count, dtype=torch.bool)
+        try:
+            geometry_of(flat, m).copy_(r)
+            geometry_of(known_flat, m).copy_(True if known is None else known)
+        except RuntimeError:  # a view that overlaps itself: several values for one element
+            return
+        self.keep_flat(st, flat, None if bool(known_flat.all()) else known_flat)
 
     def keep_flat(self, st: Any, flat: torch.Tensor, known: torch.Tensor | None) -> None:
         """Follow the meta storage ``st`` with ``flat`` (its values, one flat host tensor)
@@ -461,6 +567,9 @@ class SmallValues:
         if found is not None:
             self.total_bytes -= found.values.untyped_storage().nbytes() + (
                 0 if found.known is None else found.known.numel())
+        pieces = self._pieces.pop(key, None)
+        if pieces is not None:
+            self.total_bytes -= pieces.nbytes
 
     def _dropper(self, key: int) -> Any:
         @called_where_nothing_raises

@@ -12,9 +12,8 @@ import torch
 
 from dpprof.emulator.identity import op_key
 
-__all__ = ["COLLECTIVES", "MOVED", "MOVES", "POINTWISE", "UNINITIALIZED", "collective_values",
-           "tensors", "traits"]
-
+__all__ = ["COLLECTIVES", "MOVED", "MOVES", "POINTWISE", "REBINDS", "UNINITIALIZED",
+           "collective_values", "tensors", "traits"]
 
 # the functional collectives' namespaces (torch.distributed._functional_collectives)
 COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
@@ -72,6 +71,13 @@ MOVES: dict[Any, tuple[str, ...]] = {
     _aten._unsafe_view.default: (), _aten.index.Tensor: ("indices",),
     _aten.index_select.default: ("index",),
 }
+
+
+# ops that point a tensor at a storage (another's, a new one) and write none of its bytes
+REBINDS = frozenset({
+    _aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset,
+    _aten.set_.source_Tensor, _aten.set_.source_Tensor_storage_offset, _aten.set_.default,
+})
 
 
 
