@@ -1,13 +1,16 @@
 """``torch``'s tensor API played by a :class:`dpprof.emulator.virtual_cuda.VirtualCuda`: the
 Tensor methods a CPU build refuses before dispatch (``to``, ``cuda``, ``cpu``), the reads
 of values that meta tensors do not have (stand-ins), a tensor's device as the program sees
-it, stand-in addresses, ``torch.load``, and the factories and modules given a CUDA device
-(``torch.tensor``, ``Module.to``, ``device=rank``). Each group is patched through one
-``Patch`` (:meth:`dpprof.emulator.patcher.Patcher.patch`), in :func:`install`'s order."""
+it, stand-in addresses, ``torch.load``, the factories and modules given a CUDA device
+(``torch.tensor``, ``Module.to``, ``device=rank``), and the tensors torch makes from Python
+data for a tensor's device (an index given as a list, ``new_tensor``). Each group is patched
+through one ``Patch`` (:meth:`dpprof.emulator.patcher.Patcher.patch`), in :func:`install`'s
+order."""
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +33,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     values_and_copies(vc, p)
     device_identity(vc, p)
     factories(vc, p)
+    python_data(p)
 
 
 def lazy_allowed(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -318,6 +322,90 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
     for name in INT_DEVICE_METHODS:
         p(T, name, _int_device(getattr(T, name), vc.rt))
     p(torch, "device", Device)
+
+
+def python_data(p: Patch) -> None:
+    """Tensors torch's C++ makes from Python data on a tensor's device: an index given as a
+    list (``x[[0, 2]]``, ``x[:, [1, 3]] = v``) and ``x.new_tensor(data)``. For a meta
+    device C++ makes them empty (``internal_new_from_data`` skips the copy of the data, out
+    of sight of dispatch modes), so the values of what they index or hold were lost; on a
+    virtual GPU they are made on the host and moved, as ``torch.tensor`` is, and keep
+    them. The memory is a GPU's: the index, moved inside the op, is the same bytes."""
+    T = torch.Tensor
+    getitem, setitem, new_tensor = T.__getitem__, T.__setitem__, T.new_tensor
+
+    def get(self: torch.Tensor, index: Any) -> Any:
+        if on_meta(self) and _has_sequence(index):
+            return _warning_as_torch(getitem, self, _host_index(index))
+        return getitem(self, index)
+
+    def set_(self: torch.Tensor, index: Any, value: Any) -> None:
+        if on_meta(self) and _has_sequence(index):
+            _warning_as_torch(setitem, self, _host_index(index), value)
+            return
+        setitem(self, index, value)
+
+    def new(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or not on_meta(self) or isinstance(data, torch.Tensor):
+            return new_tensor(self, data, *args, **kwargs)  # a copy of a tensor: dispatched
+        dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
+        return torch.tensor(data, dtype=self.dtype if dtype is None else dtype,
+                            device=self.device if device is None else device, **kwargs)
+
+    p(T, "__getitem__", get)
+    p(T, "__setitem__", set_)
+    p(T, "new_tensor", new)
+
+
+# what torch's indexing turns into an index tensor (``PySequence_Check`` in
+# python_variable_indexing.cpp: numpy arrays are copied by a dispatched op, and keep values)
+_SEQUENCES = (list, tuple, range)
+
+
+def _has_sequence(index: Any) -> bool:
+    """Whether ``index`` holds a sequence torch turns into an index tensor (cheap: every
+    indexing of a virtual tensor asks)."""
+    cls = type(index)
+    if cls is list or cls is range:
+        return True
+    return cls is tuple and any(isinstance(e, _SEQUENCES) for e in index)
+
+
+def _host_index(index: Any) -> Any:
+    """``index`` with each sequence torch would turn into an index tensor made a host tensor
+    of the dtype torch gives it (bool or uint8 kept, others int64): as torch wraps an index
+    (``wrapTuple``), a tuple's sequences are, and a list's where NumPy's rule reads it as a
+    tuple (it holds a sequence, a slice, a tensor, None or ``...``, and has under 32
+    items); any other list is one index. What torch would refuse stays as it is, for
+    torch's own error."""
+    if type(index) is tuple:
+        return tuple(_host_sequence(e) for e in index)
+    if len(index) < 32 and any(isinstance(e, (*_SEQUENCES, slice, torch.Tensor))
+                               or e is None or e is Ellipsis for e in index):
+        return [_host_sequence(e) for e in index]  # a list still: torch's warning kept
+    return _host_sequence(index)
+
+
+def _warning_as_torch(op: Callable[..., Any], *args: Any) -> Any:
+    """``op(*args)`` (torch's indexing), its warnings given at the program's line, where
+    torch's C++ gives them when the program calls it (called from here, they were given at
+    this module's, once for all the program's lines)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = op(*args)
+    for w in caught:
+        warnings.warn(w.message, w.category, stacklevel=3)
+    return out
+
+
+def _host_sequence(seq: Any) -> Any:
+    if not isinstance(seq, _SEQUENCES):
+        return seq
+    try:
+        made = ORIGINALS["tensor"](seq)
+    except (TypeError, ValueError, RuntimeError):
+        return seq
+    return made if made.dtype in (torch.bool, torch.uint8) else made.to(torch.long)
 
 
 _REAL_DEVICE = torch.device

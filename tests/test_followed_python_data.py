@@ -1,0 +1,81 @@
+"""Values made from the script's Python data keep their values on a virtual GPU: an index
+given as a list (``gain[[2, 3]]``, ``x[:, [0, 2]]``, ``y[[0, 2]] = 5``), ``new_tensor``,
+and what a host kernel lays out otherwise than meta does (``ones_like`` of a view of one
+element: stride 2 on the host, 1 on meta).
+
+Found on ultralytics' YOLOv5 loss (``build_targets``): ``gain[[2, 3]] - gxy`` read back as
+stand-ins, and with one target left ``torch.stack((torch.ones_like(j), j, k, l, m))`` had no
+values; the next boolean mask stopped the run. torch's C++ makes a list index for a meta
+tensor without copying the list's values (``internal_new_from_data``), out of sight of
+dispatch modes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import runpy
+import textwrap
+import warnings
+from pathlib import Path
+
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+SCRIPT = """
+    import torch
+
+    dev = "cuda"
+    x = torch.arange(12, device=dev).view(3, 4).float()
+    print("new_tensor", x.new_tensor([1.5, 2.5]).tolist(), x.new_tensor([1, 2]).dtype)
+    print("list", x[[0, 2]].tolist())
+    print("tuple with a list", x[:, [0, 2]].tolist())
+    print("two lists", x[[0, 1], [1, 2]].tolist())
+    print("a list of bools", x[[True, False, True]].tolist())
+    print("a list read as a tuple", x[[[0, 1], [2, 0]]].tolist())
+    print("an int and a list", x[1, [0, 3]].tolist())
+    print("a range", x[range(1, 3)].tolist())
+    y = x.clone()
+    y[[0, 2]] = 5.0
+    y[:, [1]] += 1
+    print("written", y.tolist())
+    for n in (3, 1):  # YOLOv5's offsets of its targets, with three targets and with one
+        g = 0.5
+        t = torch.tensor([[0, 1, 6.5, 1.4, 2, 2, 0]] * n, device=dev)
+        gain = torch.ones(7, device=dev)
+        gain[2:6] = torch.tensor((8, 3, 4, 4))[[3, 2, 3, 2]]
+        gxy = t[:, 2:4]
+        gxi = gain[[2, 3]] - gxy
+        j, k = ((gxy % 1 < g) & (gxy > 1)).T
+        l, m = ((gxi % 1 < g) & (gxi > 1)).T
+        j = torch.stack((torch.ones_like(j), j, k, l, m))
+        print(n, "offsets kept", t.repeat((5, 1, 1))[j].shape[0], j.tolist())
+"""
+
+
+def _plain(script: Path) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path(str(script), run_name="__main__")
+    return out.getvalue()
+
+
+def test_tensors_made_from_python_data_keep_their_values(tmp_path: Path) -> None:
+    script = tmp_path / "indices.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    plain = tmp_path / "plain.py"
+    plain.write_text(textwrap.dedent(SCRIPT).replace('dev = "cuda"', 'dev = "cpu"'))
+    expected = _plain(plain)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
+                                             steps=1))
+    s = result.scenarios[0]
+    assert s.status == "ok", s.message
+    assert out.getvalue() == expected
+    assert "1 offsets kept 2 [[True], [False], [True], [False], [False]]" in expected
+    assert not any("stand-in" in n for n in s.notes), s.notes
+    # torch's warning of a list read as a tuple is the script's line's, as without dpprof
+    deprecated = [w for w in caught if "non-tuple sequence" in str(w.message)]
+    assert deprecated and all(w.filename == str(script) for w in deprecated), [
+        (w.filename, w.lineno) for w in deprecated]
