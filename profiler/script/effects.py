@@ -87,6 +87,29 @@ class _Silenced(io.TextIOBase):
         return False
 
 
+class _ScriptStream:
+    """``sys.stdout`` or ``sys.stderr`` as every run of the script sees it: one object for
+    the process, which writes where the current run's output goes (shown, or an
+    alternative's kept tail). An installed package the script imports stays imported for
+    the next runs, with the stream it took in the first (a logging handler made at its
+    import): through this object, an alternative's output through it is kept too."""
+
+    def __init__(self) -> None:
+        self.target: Any = None
+
+    def write(self, s: str) -> int:
+        return self.target.write(s)  # type: ignore[no-any-return]
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)  # isatty, fileno, encoding: the target's
+
+
+_SCRIPT_STREAMS = {"stdout": _ScriptStream(), "stderr": _ScriptStream()}
+
+
 class ScriptEffects:
     """The rules of the module for one run of the script; a context manager.
 
@@ -102,6 +125,7 @@ class ScriptEffects:
         self._originals: dict[str, Any] = {}
         self._tail: collections.deque[str] = collections.deque()
         self._previous: ScriptEffects | None = None
+        self._targets: dict[str, Any] = {}  # each stream's target before this run
 
     # ---- activation ------------------------------------------------------------------
 
@@ -117,9 +141,12 @@ class ScriptEffects:
         patch_bound_names(self._patcher, wrappers)
         self._originals["warnings.showwarning"] = warnings.showwarning
         p(warnings, "showwarning", _showwarning)
-        if self.silenced:
-            p(sys, "stdout", _Silenced(sys.stdout, self._tail))
-            p(sys, "stderr", _Silenced(sys.stderr, self._tail))
+        for name, stream in _SCRIPT_STREAMS.items():
+            current = getattr(sys, name)
+            shown = stream.target if current is stream else current  # within another run
+            self._targets[name] = shown
+            stream.target = _Silenced(shown, self._tail) if self.silenced else shown
+            p(sys, name, stream)
         return self
 
     def _writers(self) -> list[tuple[str, Any, str, Any]]:
@@ -143,6 +170,9 @@ class ScriptEffects:
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
         self._patcher.restore()
+        for name, stream in _SCRIPT_STREAMS.items():
+            # after the last run, what a library kept writes where the output went before
+            stream.target = self._targets[name]
         _ACTIVE = self._previous
 
     @property
