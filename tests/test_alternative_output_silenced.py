@@ -75,3 +75,41 @@ def test_an_alternatives_output_is_not_shown_through_a_stream_a_library_kept(
         assert shown.count(f"printed step {step}\n") == 1, shown
         assert shown.count(f"logged step {step}\n") == 1, shown
 
+
+FAILING = """
+    import sys
+
+    import torch
+    from torch import nn
+
+    model = nn.DataParallel(nn.Linear(8, 2).cuda())
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    for step, (x, y) in enumerate(torch.utils.data.DataLoader(data, batch_size=16)):
+        loss = criterion(model(x.cuda()), y.cuda())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        # a progress bar as tqdm and rich draw it: colours, "erase line", carriage returns
+        sys.stderr.write(f"\\r\\x1b[K  train: \\x1b[34m━━━━\\x1b[0m {step + 1}/3 loss 0.69")
+        sys.stderr.flush()
+        if x.shape[0] != 16:  # the DDP alternative's share of the batch (its DataLoader's)
+            sys.stderr.write("\\n")
+            raise RuntimeError("this script runs batches of 16 only")
+"""
+
+
+def test_an_alternatives_last_output_is_noted_as_a_terminal_shows_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(FAILING))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 2),
+                                             steps=3))
+    ddp = next(s for s in result.scenarios if s.name == "ddp")
+    assert ddp.status == "error", ddp.message
+    last = [n for n in ddp.notes if n.startswith("its last output: ")]
+    assert last == ["its last output: train: ━━━━ 1/3 loss 0.69"], ddp.notes
+    # what it held up to its failure is no measurement of DDP: no fix, nothing recommended
+    fixes = [f.name for f in result.fixes]
+    assert fixes and not any("ddp" in name.lower() for name in fixes), fixes

@@ -6,10 +6,11 @@ verdict, and the assumptions."""
 from __future__ import annotations
 
 import os
+import re
 
 from dpprof.emulator.stand_in_values import STAND_INS
 from dpprof.fixes.fix_kind import FixKind
-from dpprof.result import Fix, ScriptWrite, SealCheck
+from dpprof.result import STATUS_ERROR, Fix, ScriptWrite, SealCheck
 from dpprof.script import namespace
 from dpprof.script.runner import ScriptConfig, ScriptRun
 from dpprof.script.seal_audit import WHERE_NAMESPACES
@@ -17,6 +18,7 @@ from dpprof.script.seal_audit import WHERE_NAMESPACES
 __all__ = [
     "alternative_fix",
     "alternative_notes",
+    "as_on_a_terminal",
     "how_it_ended",
     "library_branches",
     "nothing_on_a_gpu",
@@ -101,9 +103,23 @@ def alternative_notes(alt: ScriptRun) -> list[str]:
     """An alternative's run: its stand-in checkpoints, its output not shown."""
     notes = write_notes(alt)
     notes.append("its output is not shown (the run as written printed it)")
-    if alt.ended == "script raised" and alt.output_tail.strip():
-        notes.append("its last output: " + alt.output_tail.strip()[-400:])
+    shown = as_on_a_terminal(alt.output_tail).strip()
+    if alt.ended == "script raised" and shown:
+        notes.append("its last output: " + shown[-400:])
     return notes
+
+
+# a terminal's control sequences: CSI (colours, "erase line"), OSC (a title, a link), and
+# the single-character escapes
+_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+
+
+def as_on_a_terminal(text: str) -> str:
+    """``text`` as a terminal leaves it on screen: without its control sequences (a
+    progress bar's colours and "erase line"), of each line rewritten with carriage returns
+    its last part (tqdm's updates)."""
+    lines = _ESCAPES.sub("", text).split("\n")
+    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines)
 
 
 MAX_WRITES_LISTED = 1000  # per run, in the result's writes
@@ -171,8 +187,11 @@ def seal_notes(check: SealCheck) -> list[str]:
 def alternative_fix(kind: FixKind, main: ScriptRun, alt: ScriptRun, detail: str,
                     code: str) -> Fix | None:
     """What the alternative ``alt`` (the script with fix ``kind`` made) saves on cuda:0
-    against the script as written, ``main``; ``code``: its change to the script's lines."""
-    if not main.scenario.devices or not alt.scenario.devices:
+    against the script as written, ``main``; ``code``: its change to the script's lines.
+    None where it was not measured: an alternative that failed measured only what it held up
+    to its failure (running out of memory is a measurement: it does not fit)."""
+    if (not main.scenario.devices or not alt.scenario.devices
+            or alt.scenario.status == STATUS_ERROR):
         return None
     p0 = main.scenario.devices[0].peak_allocated_bytes
     q0 = alt.scenario.devices[0].peak_allocated_bytes
