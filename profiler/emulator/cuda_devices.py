@@ -518,6 +518,23 @@ def _local_scalar(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: A
     return mode.dispatch_counted(func, types, args, kwargs)
 
 
+# torch.allclose and torch.equal answer a bool in C++ (no Meta kernel reads one): played as
+# CUDA runs them, the comparison's tensors allocated and the bool read from them (followed
+# values, else a stand-in)
+@RULES.register(aten.allclose.default, aten.equal.default)
+def _compared(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    a, b = args[0], args[1]
+    if not (on_meta(a) or on_meta(b)):
+        return mode.dispatch_counted(func, types, args, kwargs)
+    if func is aten.equal.default:
+        if a.shape != b.shape:  # cuda_equal: no kernel runs
+            return False
+        same = mode.dispatch_counted(aten.eq.Tensor, types, (a, b), {})
+    else:
+        same = mode.dispatch_counted(aten.isclose.default, types, args, kwargs or {})
+    return bool(mode.stand_in_scalar(mode.dispatch_counted(aten.all.default, types, (same,), {})))
+
+
 @RULES.register(*DATA_DEPENDENT)
 def _data_dependent(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
     if mode.small_values is not None:
