@@ -320,8 +320,23 @@ def test_ops_with_no_tensor_run_uncounted() -> None:
     assert not cuda_devices._tensorless(torch.ops.aten.add.t)  # a generic list: may hold one
 
 
-def test_data_dependent_shapes_name_the_fix() -> None:
-    with VirtualCuda(1):
+def test_data_dependent_shapes_of_unknown_values_are_the_stand_ins_counted() -> None:
+    """A shape that depends on values the emulation does not have (an activation's) is the
+    one its stand-ins give (zeros: a mask selects nothing), counted at the line; values it
+    follows (a mask of host data) give the real one."""
+    with VirtualCuda(1) as vc:
+        x = torch.randn(10, 3, device="cuda")
+        assert torch.nonzero(x > 0).shape == (0, 2)
+        assert x[x[:, 0] > 0].shape == (0, 3)
+        assert torch.unique(x, return_counts=True)[1].shape == (1,)  # one value: zero
+        assert vc.rt.stand_ins.counts == {"shape": 3}
+        keep = torch.tensor([True, False] * 5).cuda()
+        assert x[keep].shape == (5, 3) and vc.rt.stand_ins.total == 3
+        assert x[keep].device == torch.device("cuda", 0)
+
+
+def test_data_dependent_shapes_without_a_real_host_name_the_fix() -> None:
+    with VirtualCuda(1, rt=cuda_devices.CudaDevices(1, real_host=False)):
         x = torch.randn(10, device="cuda")
         with pytest.raises(DataDependentShapeError, match="--compute"):
             torch.nonzero(x > 0)

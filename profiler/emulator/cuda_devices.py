@@ -1,8 +1,9 @@
 """The runtime under a :class:`dpprof.emulator.virtual_cuda.VirtualCuda`: ``device=cuda:k``
 means virtual device k (:class:`CudaDevices`), the host stays real, and reading a meta
-tensor's value gives a stated stand-in, counted per call site (:class:`StandIns`); ops
-whose output shape depends on values stop with one line naming the fix
-(:class:`DataDependentShapeError`).
+tensor's value gives a stated stand-in, counted per call site (:class:`StandIns`), and an
+op whose output's shape depends on values takes the shape the values followed give it, else
+the stand-ins' (:mod:`dpprof.emulator.value_shapes`); without values followed (no real
+host) it stops with one line naming the fix (:class:`DataDependentShapeError`).
 
 The ops with rules of their own are registered per op in :data:`RULES` (and, beside a real
 host, :data:`REAL_HOST_RULES`), as ``FakeTensorMode`` registers its op implementations;
@@ -34,6 +35,7 @@ from dpprof.emulator.stand_in_values import (
     StandIns,
 )
 from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, asked_by_program
+from dpprof.emulator.value_shapes import by_mask_positions, by_values
 from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
 from dpprof.emulator.zero_pages import host_zeros
 
@@ -45,6 +47,9 @@ DATA_DEPENDENT = {
     aten._unique2.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
     aten.nonzero_static.default, aten._unique.default,
 }
+# what torch's Meta kernel made from a fake kernel raises where the fake kernel asks for a
+# data-dependent size (torch/_library/fake_impl.py)
+DATA_DEPENDENT_FAKE = "output Tensor with data-dependent shape"
 # Factories whose values follow from their numeric arguments alone: over meta a read of their
 # values (``.item()``, ``.tolist()``) is answered with the real numbers, recomputed on the host.
 NUMERIC_FACTORIES = frozenset({
@@ -282,7 +287,17 @@ class CudaDevices(VirtualDevices):
     def dispatch_counted(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The op run and counted, what it computes from host values followed: the rule of
         every op without one of its own (:data:`RULES`)."""
-        out = self._dispatch(func, types, args, kwargs)
+        try:
+            out = self._dispatch(func, types, args, kwargs)
+        except RuntimeError as e:
+            # an op whose Meta kernel is a fake kernel asking for a data-dependent size
+            # (torchvision's nms): the shape its host kernel gives, as for aten's own
+            if DATA_DEPENDENT_FAKE not in str(e):
+                raise
+            shaped = by_values(self, func, types, args, kwargs or {}, stand_ins=True)
+            if shaped is None:
+                raise
+            return shaped
         if self.small_values is not None:
             self.small_values.follow(func, args, kwargs or {}, out)
         if self._host_stand_ins:
@@ -316,48 +331,6 @@ class CudaDevices(VirtualDevices):
         with _disable_current_modes():
             dst.copy_(values, non_blocking=non_blocking)
         return dst
-
-    def _by_values(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """An op whose output shape depends on the values, over inputs whose values are
-        followed (:class:`SmallValues`): computed on the host, its output allocated on the
-        inputs' GPU with the shape it has; None where the values are not known."""
-        assert self.small_values is not None
-        real = self.small_values.compute(func, args, kwargs)
-        known = None
-        if real is None:  # the positions known, the values moved known in part or not
-            parts = self.small_values.compute_partly(func, args, kwargs)
-            if parts is not None and len(parts) == 1:
-                real, known = parts[0]
-        if not isinstance(real, torch.Tensor):
-            return None
-        where = [self.storages.device_of(a) for a in _tensors_in(args) if on_meta(a)]
-        with self.placing_on(where[0] if where else self.current_device):
-            out = self._dispatch(aten.empty_strided.default, types,
-                                 (list(real.shape), list(real.stride())),
-                                 {"dtype": real.dtype, "device": self.base})
-        self.small_values.keep(out, real, known)
-        return out
-
-    def _by_mask_positions(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]
-                           ) -> Any:
-        """``x[mask]`` with boolean masks whose values are followed and an ``x`` whose are
-        not (an activation; its gradient in the backward of ``x[mask] = v``): indexed as
-        ATen's ``expandTensors`` indexes, each mask's positions first (``nonzero``, an
-        allocation of its own until the op returns), then ``x`` by them; None where a
-        mask's values are not known."""
-        assert self.small_values is not None
-        indices: list[Any] = []
-        positions = []  # kept until the op has run, as the GPU keeps nonzero's output
-        for ix in args[1]:
-            if not (isinstance(ix, torch.Tensor) and ix.dtype == torch.bool and on_meta(ix)):
-                indices.append(ix)
-                continue
-            found = self._by_values(aten.nonzero.default, types, (ix,), {})
-            if found is None:
-                return None
-            positions.append(found)
-            indices += [found.select(1, d) for d in range(ix.dim())]
-        return self.dispatch_counted(func, types, (args[0], indices, *args[2:]), kwargs)
 
     def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         self.in_dispatch += 1
@@ -451,16 +424,6 @@ def real_device(t: torch.Tensor) -> torch.device:
 on_meta: Callable[[torch.Tensor], bool] = torch._C.TensorBase.__dict__["is_meta"].__get__
 
 
-def _tensors_in(args: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(b for b in a if isinstance(b, torch.Tensor))
-    return found
-
-
 # ---- the ops with rules of their own --------------------------------------------------
 
 RULES: OpRules[CudaDevices] = OpRules(CudaDevices.dispatch_counted)
@@ -537,10 +500,9 @@ def _compared(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) 
 
 @RULES.register(*DATA_DEPENDENT)
 def _data_dependent(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-    if mode.small_values is not None:
-        shaped = mode._by_values(func, types, args, kwargs or {})
-        if shaped is not None:
-            return shaped
+    shaped = by_values(mode, func, types, args, kwargs or {}, stand_ins=True)
+    if shaped is not None:
+        return shaped
     if any(isinstance(a, torch.Tensor) and on_meta(a) for a in args):
         raise DataDependentShapeError(
             f"{func.__name__} makes a tensor whose shape depends on the values, and "
@@ -554,12 +516,11 @@ def _data_dependent(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs:
 def _index_tensor(mode: CudaDevices, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
     if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and on_meta(i)
            for i in (args[1] if len(args) > 1 else ())):
-        if mode.small_values is not None:
-            shaped = mode._by_values(func, types, args, kwargs or {})
-            if shaped is None:
-                shaped = mode._by_mask_positions(func, types, args, kwargs or {})
-            if shaped is not None:
-                return shaped
+        shaped = by_values(mode, func, types, args, kwargs or {})
+        if shaped is None:
+            shaped = by_mask_positions(mode, func, types, args, kwargs or {}, stand_ins=True)
+        if shaped is not None:
+            return shaped
         raise DataDependentShapeError(
             "indexing with a boolean mask makes a tensor whose shape depends on the "
             f"values, and the emulated tensors have none (meta tensors), at "

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -123,7 +124,10 @@ class SmallValues:
         with its own geometry)."""
         found = self._followed(t)
         if found is None:
-            return None
+            # a tensor of no elements has every value it holds known: none (NMS that kept
+            # no box, compared with another)
+            return (torch.empty(t.size(), dtype=t.dtype) if 0 in t.size() and not is_lazy(t)
+                    else None)
         if found.known is not None and not bool(geometry_of(found.known, t).all()):
             return None
         return geometry_of(found.values, t)
@@ -158,6 +162,8 @@ class SmallValues:
                 if self.value_of(a) is not None:
                     continue
                 whole = False
+            elif 0 in a.size() and not is_lazy(a):  # (a LazyModule's: not made yet)
+                continue  # no element: nothing unknown
             else:
                 whole = False
                 if carries is not MOVED:

@@ -16,7 +16,9 @@ STAND_IN_BOOL = False
 STAND_INS = (
     f"values read from emulated tensors are stand-ins: floats {STAND_IN_FLOAT}, integers "
     f"{STAND_IN_INT}, booleans {STAND_IN_BOOL} (True where the line asks torch.isfinite), "
-    "host copies (.cpu(), .numpy(), .tolist()) zeros; GradScaler finds no inf"
+    "host copies (.cpu(), .numpy(), .tolist()) zeros, and an op whose output's shape "
+    "depends on values (x[mask], nonzero, unique) takes the shape those zeros give it (a "
+    "mask selects nothing); GradScaler finds no inf"
 )
 
 

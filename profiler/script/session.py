@@ -357,7 +357,11 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             "with stand-ins (" + ", ".join(f"{k} x{v}" for k, v in sorted(
                 main.stand_ins.items())) + "): " + "; ".join(
                 f"{relative_site(site)} x{c}"
-                for site, c in list(main.stand_in_sites.items())[:5]))
+                for site, c in list(main.stand_in_sites.items())[:5])
+            + ("; an op's output shaped by stand-ins (x[mask] of a mask whose values are the "
+               "model's selects nothing) is not the GPU's: --compute runs the same "
+               "emulation over CPU tensors, with the real values"
+               if "shape" in main.stand_ins else ""))
         s0_notes.extend(library_branches(main.stand_in_sites))
     main.scenario = dataclasses.replace(main.scenario, notes=tuple(s0_notes))
 
