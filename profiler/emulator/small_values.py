@@ -242,13 +242,13 @@ class SmallValues:
         if not isinstance(out, torch.Tensor) or out.dim() != 1 or dim not in (0, -1):
             return
         pieces: list[tuple[int, torch.Tensor]] = []
-        at, nbytes = out.storage_offset(), 0
+        at, nbytes = int(out.storage_offset()), 0
         for t in args[0]:
             values = self.value_of(t) if _is_meta(t) else None
             if values is not None and t.numel():
                 pieces.append((at, values.reshape(-1).to(out.dtype, copy=True)))
                 nbytes += pieces[-1][1].untyped_storage().nbytes()
-            at += t.numel()
+            at += int(t.numel())
         if not pieces or self.total_bytes + nbytes > self.max_total_bytes:
             return
         st = out.untyped_storage()
@@ -550,7 +550,10 @@ class SmallValues:
         known_flat = torch.zeros(count, dtype=torch.bool)
         try:
             geometry_of(flat, m).copy_(r)
-            geometry_of(known_flat, m).copy_(True if known is None else known)
+            if known is None:
+                geometry_of(known_flat, m).fill_(True)
+            else:
+                geometry_of(known_flat, m).copy_(known)
         except RuntimeError:  # a view that overlaps itself: several values for one element
             return
         self.keep_flat(st, flat, None if bool(known_flat.all()) else known_flat)

@@ -34,8 +34,10 @@ class ValueShapes(Protocol):
 
     small_values: SmallValues | None
     storages: StorageLedger
-    current_device: int
     base: torch.device
+
+    @property
+    def current_device(self) -> int: ...
 
     def placing_on(self, index: int) -> contextlib.AbstractContextManager[None]: ...
 
