@@ -1,11 +1,16 @@
 """A script written to a folder and run under ``dpprof run`` (one GPU, no alternatives), for
-tests that compare the figures of two variants of one script."""
+tests that compare the figures of two variants of one script; a script run with what it
+prints kept, and the same script run by plain Python on the host (its device ``"cpu"``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import runpy
+import warnings
 from pathlib import Path
 
-from dpprof.result import ScenarioResult
+from dpprof.result import RunResult, ScenarioResult
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 
@@ -23,3 +28,25 @@ def peak_reserved(folder: Path, source: str) -> int:
     reserved = run_script(folder, source).devices[0].peak_reserved_bytes
     assert reserved is not None
     return reserved
+
+
+def run_printing(script: Path, gpus: int = 1, steps: int = 3) -> tuple[RunResult, str]:
+    """``python script`` under ``dpprof run`` on ``gpus`` virtual GPUs, alternatives and all:
+    its result, and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], gpus),
+                                             steps=steps))
+    return result, out.getvalue()
+
+
+def printed_on_the_host(folder: Path, source: str) -> str:
+    """What ``source`` prints run by plain Python with its ``dev = "cuda"`` made ``"cpu"``
+    (its warnings not shown)."""
+    plain = folder / "plain.py"
+    plain.write_text(source.replace('dev = "cuda"', 'dev = "cpu"'))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path(str(plain), run_name="__main__")
+    return out.getvalue()

@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from script_runs import run_printing
 
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
@@ -61,16 +62,12 @@ def test_an_alternatives_output_is_not_shown_through_a_stream_a_library_kept(
     code.mkdir()
     script = code / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 2),
-                                             steps=3))
+    result, shown = run_printing(script, gpus=2)
     sys.modules.pop("dpprof_test_installed_logger", None)
     names = [s.name for s in result.scenarios]
     assert len(names) > 1, names  # alternatives ran
     assert all(s.status == "ok" for s in result.scenarios), [s.message for s in
                                                              result.scenarios]
-    shown = out.getvalue()
     for step in range(2):  # the third step's optimizer.step() ends each run
         assert shown.count(f"printed step {step}\n") == 1, shown
         assert shown.count(f"logged step {step}\n") == 1, shown

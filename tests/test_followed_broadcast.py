@@ -10,12 +10,10 @@ alternative"."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import textwrap
 from pathlib import Path
 
-from dpprof.script.session import ScriptConfig, parse_command, run_command
+from script_runs import run_printing
 
 SCRIPT = """
     import torch
@@ -58,13 +56,10 @@ SCRIPT = """
 def test_ddps_broadcast_of_a_large_module_keeps_its_buffers_values(tmp_path: Path) -> None:
     script = tmp_path / "detect.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 2),
-                                             steps=3))
+    result, printed = run_printing(script, gpus=2)
     by_name = {s.name: s for s in result.scenarios}
     assert "ddp" in by_name, result.notes
     for s in result.scenarios:
         assert s.status == "ok", (s.name, s.message)
         assert not any("stand-in" in n for n in s.notes), s.notes
-    assert out.getvalue().count("kept 8\n") == 3
+    assert printed.count("kept 8\n") == 3

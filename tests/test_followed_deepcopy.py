@@ -11,13 +11,10 @@ with a boolean mask makes a tensor whose shape depends on the values"."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import runpy
 import textwrap
 from pathlib import Path
 
-from dpprof.script.session import ScriptConfig, parse_command, run_command
+from script_runs import printed_on_the_host, run_printing
 
 SCRIPT = """
     import copy
@@ -66,20 +63,14 @@ SCRIPT = """
 
 def test_deep_copies_keep_the_values_followed_in_the_original_and_the_copy(
         tmp_path: Path) -> None:
+    source = textwrap.dedent(SCRIPT)
     script = tmp_path / "ema.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    plain = tmp_path / "plain.py"
-    plain.write_text(textwrap.dedent(SCRIPT).replace('dev = "cuda"', 'dev = "cpu"'))
-    expected = io.StringIO()
-    with contextlib.redirect_stdout(expected):
-        runpy.run_path(str(plain), run_name="__main__")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
-                                             steps=2))
+    script.write_text(source)
+    expected = printed_on_the_host(tmp_path, source)
+    result, printed = run_printing(script, steps=2)
     s = result.scenarios[0]
     assert s.status == "ok", s.message
-    assert out.getvalue() == expected.getvalue()
-    assert "views share a storage True" in out.getvalue()
-    assert "kept 8" in out.getvalue()
+    assert printed == expected
+    assert "views share a storage True" in printed
+    assert "kept 8" in printed
     assert not any("stand-in" in n for n in s.notes), s.notes

@@ -8,13 +8,10 @@ with "indexing with a boolean mask makes a tensor whose shape depends on the val
 
 from __future__ import annotations
 
-import contextlib
-import io
-import runpy
 import textwrap
 from pathlib import Path
 
-from dpprof.script.session import ScriptConfig, parse_command, run_command
+from script_runs import printed_on_the_host, run_printing
 
 SCRIPT = """
     import torch
@@ -48,19 +45,13 @@ SCRIPT = """
 
 def test_masks_from_host_data_are_followed_through_indexing_and_its_backward(
         tmp_path: Path) -> None:
+    source = textwrap.dedent(SCRIPT)
     script = tmp_path / "masks.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    plain = tmp_path / "plain.py"
-    plain.write_text(textwrap.dedent(SCRIPT).replace('dev = "cuda"', 'dev = "cpu"'))
-    expected = io.StringIO()
-    with contextlib.redirect_stdout(expected):
-        runpy.run_path(str(plain), run_name="__main__")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
-                                             steps=1))
+    script.write_text(source)
+    expected = printed_on_the_host(tmp_path, source)
+    result, printed = run_printing(script, steps=1)
     s = result.scenarios[0]
     assert s.status == "ok", s.message
-    assert out.getvalue() == expected.getvalue()
-    assert "frames [24, 27, 31, 34, 37, 40, 43, 46]" in out.getvalue()
+    assert printed == expected
+    assert "frames [24, 27, 31, 34, 37, 40, 43, 46]" in printed
     assert not any("stand-in" in n for n in s.notes), s.notes

@@ -11,14 +11,11 @@ dispatch modes."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import runpy
 import textwrap
 import warnings
 from pathlib import Path
 
-from dpprof.script.session import ScriptConfig, parse_command, run_command
+from script_runs import printed_on_the_host, run_printing
 
 SCRIPT = """
     import torch
@@ -51,28 +48,17 @@ SCRIPT = """
 """
 
 
-def _plain(script: Path) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        runpy.run_path(str(script), run_name="__main__")
-    return out.getvalue()
-
-
 def test_tensors_made_from_python_data_keep_their_values(tmp_path: Path) -> None:
+    source = textwrap.dedent(SCRIPT)
     script = tmp_path / "indices.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    plain = tmp_path / "plain.py"
-    plain.write_text(textwrap.dedent(SCRIPT).replace('dev = "cuda"', 'dev = "cpu"'))
-    expected = _plain(plain)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), warnings.catch_warnings(record=True) as caught:
+    script.write_text(source)
+    expected = printed_on_the_host(tmp_path, source)
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
-                                             steps=1))
+        result, printed = run_printing(script, steps=1)
     s = result.scenarios[0]
     assert s.status == "ok", s.message
-    assert out.getvalue() == expected
+    assert printed == expected
     assert "1 offsets kept 2 [[True], [False], [True], [False], [False]]" in expected
     assert not any("stand-in" in n for n in s.notes), s.notes
     # torch's warning of a list read as a tuple is the script's line's, as without dpprof

@@ -11,12 +11,10 @@ under autocast."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import textwrap
 from pathlib import Path
 
-from dpprof.script.session import ScriptConfig, parse_command, run_command
+from script_runs import run_printing
 
 SCRIPT = """
     import torch
@@ -59,15 +57,12 @@ def test_a_mask_of_unknown_values_selects_nothing_counted_and_the_run_goes_on(
         tmp_path: Path) -> None:
     script = tmp_path / "detect.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 1),
-                                             steps=3))
+    result, printed = run_printing(script)
     s = result.scenarios[0]
     assert s.status == "ok", s.message
     # both passes kept no box: equal shapes, and allclose over no element is True, as a
     # GPU's close outputs make it: mixed precision stays on
-    assert "amp True" in out.getvalue()
+    assert "amp True" in printed
     counted = [n for n in s.notes if "stand-in" in n]
     assert counted and "shape x2" in counted[0] and "detect.py:8 (shape) x2" in counted[0], \
         counted
