@@ -140,10 +140,8 @@ class SmallValues:
             # an op of the host (a data loader's indexing: its values are real), or a copy
             # to it (read by the rule of copies): nothing on a virtual GPU made or written
             return
-        if func in REBINDS:
-            # ``t.set_(storage)`` points ``t`` at a storage and writes no byte of it: the
-            # storage keeps its values (torch's storage copy and deepcopy go through it)
-            return
+        if func in REBINDS:  # ``t.set_(storage)`` writes no byte of the storage it points
+            return  # ``t`` at (torch's storage copy and deepcopy go through it)
         leaves = tensors(args, kwargs)
         metas_in = [a for a in leaves if _is_meta(a)]
         values = self._values
@@ -234,10 +232,9 @@ class SmallValues:
         return True
 
     def _note_pieces(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """``cat`` of 1-D tensors into one too large to follow (a bucket of a module's
-        parameters and buffers, as torch's ``flatten_dense_tensors`` makes the one DDP
-        broadcasts): the values of the inputs known whole, kept as pieces of it for a copy
-        back out of it (:meth:`_copied_piece`); anything that writes it drops them."""
+        """``cat`` of 1-D tensors into one not followed (DDP's broadcast bucket, as torch's
+        ``flatten_dense_tensors`` makes it): its inputs known whole kept as pieces of it, for
+        a copy back out of it (:meth:`_copied_piece`); anything that writes it drops them."""
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if not isinstance(out, torch.Tensor) or out.dim() != 1 or dim not in (0, -1):
             return
@@ -561,10 +558,12 @@ class SmallValues:
     def keep_flat(self, st: Any, flat: torch.Tensor, known: torch.Tensor | None) -> None:
         """Follow the meta storage ``st`` with ``flat`` (its values, one flat host tensor)
         and ``known``, within the bytes the values may hold."""
+        key = storage_key(st)
+        if key in self._pieces:  # its pieces' values: now the whole storage's, or none
+            self._drop(key)
         nbytes = flat.untyped_storage().nbytes() + (0 if known is None else known.numel())
         if self.total_bytes + nbytes > self.max_total_bytes:
             return
-        key = storage_key(st)
         self.total_bytes += nbytes
         self._values[key] = _Followed(weakref.ref(st, self._dropper(key)), flat, known)
 

@@ -329,8 +329,9 @@ def python_data(p: Patch) -> None:
     list (``x[[0, 2]]``, ``x[:, [1, 3]] = v``) and ``x.new_tensor(data)``. For a meta
     device C++ makes them empty (``internal_new_from_data`` skips the copy of the data, out
     of sight of dispatch modes), so the values of what they index or hold were lost; on a
-    virtual GPU they are made on the host and moved, as ``torch.tensor`` is, and keep
-    them. The memory is a GPU's: the index, moved inside the op, is the same bytes."""
+    virtual GPU they are made on the host, as ``torch.tensor`` is, and keep them. (The
+    index's bytes on the GPU, made there from the list or moved there inside the op, are
+    freed as the op returns; the emulation counts them in neither case.)"""
     T = torch.Tensor
     getitem, setitem, new_tensor = T.__getitem__, T.__setitem__, T.new_tensor
 

@@ -18,7 +18,6 @@ from dpprof.script.seal_audit import WHERE_NAMESPACES
 __all__ = [
     "alternative_fix",
     "alternative_notes",
-    "as_on_a_terminal",
     "how_it_ended",
     "library_branches",
     "nothing_on_a_gpu",
@@ -103,7 +102,7 @@ def alternative_notes(alt: ScriptRun) -> list[str]:
     """An alternative's run: its stand-in checkpoints, its output not shown."""
     notes = write_notes(alt)
     notes.append("its output is not shown (the run as written printed it)")
-    shown = as_on_a_terminal(alt.output_tail).strip()
+    shown = _as_on_a_terminal(alt.output_tail).strip()
     if alt.ended == "script raised" and shown:
         notes.append("its last output: " + shown[-400:])
     return notes
@@ -114,7 +113,7 @@ def alternative_notes(alt: ScriptRun) -> list[str]:
 _ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
 
 
-def as_on_a_terminal(text: str) -> str:
+def _as_on_a_terminal(text: str) -> str:
     """``text`` as a terminal leaves it on screen: without its control sequences (a
     progress bar's colours and "erase line"), of each line rewritten with carriage returns
     its last part (tqdm's updates)."""
