@@ -333,6 +333,17 @@ def test_data_dependent_shapes_of_unknown_values_are_the_stand_ins_counted() -> 
         keep = torch.tensor([True, False] * 5).cuda()
         assert x[keep].shape == (5, 3) and vc.rt.stand_ins.total == 3
         assert x[keep].device == torch.device("cuda", 0)
+        labels = torch.tensor([0, 2, 2, 5]).cuda()
+        assert torch.bincount(labels).tolist() == [1, 0, 2, 0, 0, 1]
+        assert vc.rt.stand_ins.total == 3
+        # under inference_mode composites reach the dispatch whole (Ultralytics' validator
+        # assigns its targets by mask_gt.nonzero(as_tuple=True) there)
+        with torch.inference_mode():
+            rows, cols = (x > 0).nonzero(as_tuple=True)
+            assert rows.shape == cols.shape == (0,)
+            assert torch.where(x > 0)[0].shape == (0,) and torch.argwhere(x).shape == (0, 2)
+            assert torch.where(keep)[0].tolist() == [0, 2, 4, 6, 8]
+        assert vc.rt.stand_ins.counts == {"shape": 6}
 
 
 def test_data_dependent_shapes_without_a_real_host_name_the_fix() -> None:

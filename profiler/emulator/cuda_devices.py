@@ -45,7 +45,10 @@ aten = torch.ops.aten
 DATA_DEPENDENT = {
     aten.nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
     aten._unique2.default, aten.unique_dim.default, aten.repeat_interleave.Tensor,
-    aten.nonzero_static.default, aten._unique.default,
+    aten.nonzero_static.default, aten._unique.default, aten.bincount.default,
+    # composites that reach the mode whole under torch.inference_mode (no autograd key to
+    # decompose them at): x.nonzero(as_tuple=True), torch.where(mask), torch.argwhere
+    aten.nonzero_numpy.default, aten.where.default, aten.argwhere.default,
 }
 # what torch's Meta kernel made from a fake kernel raises where the fake kernel asks for a
 # data-dependent size (torch/_library/fake_impl.py)
