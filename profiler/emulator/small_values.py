@@ -46,6 +46,7 @@ from dpprof.emulator.value_traits import (
     MOVED,
     MOVES,
     REBINDS,
+    SHAPE_ONLY,
     UNINITIALIZED,
     collective_values,
     tensors,
@@ -83,8 +84,7 @@ class _Followed:
 
 
 class _Pieces(NamedTuple):
-    """Pieces of a storage too large to follow whose values are known: a weak reference to
-    the meta storage, (element offset, flat values) for each, and their bytes."""
+    """A storage not followed, pieces of it known: (element offset, flat values) each."""
 
     ref: weakref.ref[Any]
     pieces: list[tuple[int, torch.Tensor]]
@@ -152,7 +152,7 @@ class SmallValues:
         writes, carries = traits(func)
         whole = True
         known_in = False  # an input followed, whole or in part
-        for a in metas_in:
+        for a in metas_in if func not in SHAPE_ONLY else ():
             # an input without values (an activation): nothing to compute (the common case;
             # a storage never followed is not among the values, the cheap test first)
             if storage_key(a.untyped_storage()) in values and self._followed(a) is not None:
@@ -313,17 +313,18 @@ class SmallValues:
         one is a parameter (what the model computes is not followed, only what host data
         alone decides), the op draws random numbers, or the host cannot run it."""
         leaves = tensors(args, kwargs)
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) or any(
-                isinstance(a, torch.nn.Parameter) for a in leaves):
-            return None
-        if any(_is_meta(a) and self.value_of(a) is None for a in leaves):
+        shape_only = func in SHAPE_ONLY  # ``new_full``, ``zeros_like``: no value read
+        unknown = not shape_only and any(isinstance(a, torch.nn.Parameter) or (_is_meta(a) and (
+            self.value_of(a) is None)) for a in leaves)
+        if unknown or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             return None
         flat, spec = tree_flatten((args, kwargs))
         # a device, positional (``aten.to.device``) or keyword, is a virtual GPU or meta:
         # the host here
-        real = [self.value_of(a) if isinstance(a, torch.Tensor) and _is_meta(a)
-                else torch.device("cpu") if isinstance(a, torch.device) else a
-                for a in flat]
+        real = [torch.device("cpu") if isinstance(a, torch.device)
+                else a if not (isinstance(a, torch.Tensor) and _is_meta(a))
+                else torch.zeros((), dtype=a.dtype).expand(a.shape) if shape_only
+                else self.value_of(a) for a in flat]
         real_args, real_kwargs = tree_unflatten(real, spec)
         if real_kwargs.get("device") is not None:  # given as a string
             real_kwargs = {**real_kwargs, "device": torch.device("cpu")}

@@ -12,7 +12,7 @@ import torch
 
 from dpprof.emulator.identity import op_key
 
-__all__ = ["COLLECTIVES", "MOVED", "MOVES", "POINTWISE", "REBINDS", "UNINITIALIZED",
+__all__ = ["COLLECTIVES", "MOVED", "MOVES", "POINTWISE", "REBINDS", "SHAPE_ONLY", "UNINITIALIZED",
            "collective_values", "tensors", "traits"]
 
 # the functional collectives' namespaces (torch.distributed._functional_collectives)
@@ -71,6 +71,14 @@ MOVES: dict[Any, tuple[str, ...]] = {
     _aten._unsafe_view.default: (), _aten.index.Tensor: ("indices",),
     _aten.index_select.default: ("index",),
 }
+
+
+# ops that read their input's shape, dtype and layout, never its values (the model's
+# activation an op makes a filled tensor like: Ultralytics' stride tensor by new_full)
+SHAPE_ONLY = frozenset({
+    _aten.new_full.default, _aten.new_zeros.default, _aten.new_ones.default,
+    _aten.full_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+})
 
 
 # ops that point a tensor at a storage (another's, a new one) and write none of its bytes
