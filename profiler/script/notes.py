@@ -70,10 +70,22 @@ def outside_python(path: str) -> str:
 def nothing_on_a_gpu(run: ScriptRun) -> str:
     """One line for a run that put nothing on a GPU: how the script ended."""
     if run.ended == "script raised":
+        # the commands the seal saw started, and the one a CalledProcessError names
+        found = (_LAUNCHES_RANKS.search(text) for text in (
+            *run.seal.subprocesses, (run.script_traceback or "").strip().rsplit("\n", 1)[-1]))
+        launcher = next((m.group(2).replace("'", "").replace(",", "") for m in found if m),
+                        None)
         return (f"the script failed (exit status {run.exit_status}) before it put anything on "
                 "a GPU: nothing was measured" + (
                     f"; {outside_python(run.written_but_missing)}"
-                    if run.written_but_missing else ""))
+                    if run.written_but_missing else "") + (
+                    f"; it started its ranks itself, as processes of their own ({launcher}): "
+                    "dpprof plays the GPUs in its own process, and in those torch finds none. "
+                    "Run the script on one GPU with a rank's share of the batch (what a DDP "
+                    "rank holds, but for DDP's gradient buckets), or give dpprof the "
+                    "launcher's command (dpprof run --gpus N -- torchrun --nproc-per-node N "
+                    "script.py)"
+                    if launcher else ""))
     if run.ended == "steps":  # a model trained on the host (--device=cpu and the like)
         done = (f"{run.backwards - 1} backward pass(es)" if run.by_backwards
                 else f"{run.steps_done} optimizer step(s)")
@@ -82,6 +94,12 @@ def nothing_on_a_gpu(run: ScriptRun) -> str:
                 "script keep it on the CPU?): nothing was measured")
     return ("the script ended without putting anything on a GPU (no tensor or module moved "
             "to cuda): nothing was measured")
+
+
+# a command that starts a script's DDP ranks as processes of their own
+# (a command line, or a list's repr in a CalledProcessError)
+_LAUNCHES_RANKS = re.compile(r"(^|[\s/'\"])(torchrun|torch\.distributed\.(?:run|launch)|"
+                             r"accelerate'?,? '?launch|deepspeed)(?=['\"\s,]|$)")
 
 
 def write_notes(run: ScriptRun) -> list[str]:
