@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -239,11 +239,15 @@ class Stepper:
                         for group in opt.param_groups for p in group["params"]))
 
     def _note_rows(self, inputs: Any) -> bool:
-        """The rows of the first tensor among ``inputs`` noted as the batch's; whether
-        there was one."""
-        first = next((a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor)), None)
-        if first is None:
+        """The rows of the first tensor among ``inputs`` noted as the batch's (of a batch
+        given as one mapping, its largest tensor's: Ultralytics' labels sort before its
+        images, 24 boxes of 8 images); whether there was one."""
+        tensors = [a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor)]
+        if not tensors:
             return False
+        one_mapping = isinstance(inputs, (tuple, list)) and len(inputs) == 1 and isinstance(
+            inputs[0], Mapping)
+        first = max(tensors, key=lambda t: t.numel()) if one_mapping else tensors[0]
         if first.dim() > 0:
             self._last_rows = int(first.shape[0])
         return True
