@@ -112,6 +112,18 @@ class Stepper:
         # the op log's length as each measured optimizer step ended (the predicted step
         # time's steps: dpprof.emulator.step_time.predict_steps)
         self.step_ends: list[int] = []
+        # the backward passes done as each optimizer step ended (gradient accumulation:
+        # several a step, each over a batch)
+        self._backwards_at_ends: list[int] = []
+
+    @property
+    def batches_per_step(self) -> float:
+        """The batches (backward passes) of a measured optimizer step, their mean: more
+        than one where the script accumulates gradients; 1 before a second step ends."""
+        ends = self._backwards_at_ends
+        if len(ends) < 2 or ends[-1] == ends[0]:
+            return 1.0
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
 
     def _start_measuring(self) -> None:
         """Peaks restart here, after the warm-up step; the warm-up's are kept
@@ -162,6 +174,7 @@ class Stepper:
         if self._stepping:  # the inner step of an optimizer stepping inside another's
             return
         self.done += 1
+        self._backwards_at_ends.append(self.backwards)
         log = self.rt.op_log
         if log is not None and log.on:
             self.step_ends.append(len(log.records))

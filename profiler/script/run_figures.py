@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dpprof.backends.emulated_figures import apply_overheads, clique_note
 from dpprof.backends.emulated_time import write_prediction
@@ -45,11 +45,22 @@ def rank_device(vc: VirtualCuda, local_rank: int) -> int:
     return next((i for i in vc.visible if counters[i].peak_allocated > 0), vc.visible[0])
 
 
+class MeasuredSteps(Protocol):
+    """What of the run's :class:`dpprof.script.hooks.Stepper` the step time reads."""
+
+    step_ends: list[int]
+
+    @property
+    def batches_per_step(self) -> float: ...
+
+
 def predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
-                  step_ends: list[int], local_rank: int) -> ScenarioResult:
+                 steps: MeasuredSteps, local_rank: int) -> ScenarioResult:
     """``s`` with the measured steps' mean time on the target GPU, predicted from their ops
-    (:func:`dpprof.emulator.step_time.predict_steps`): a rank of DDP (or FSDP2)
-    stands for every rank; the script's devices are the visible ones it names."""
+    (:func:`dpprof.emulator.step_time.predict_steps`), and the samples a second of it (each
+    step's batches: several where the script accumulates gradients): a rank of DDP (or
+    FSDP2) stands for every rank; the script's devices are the visible ones it names."""
+    step_ends = steps.step_ends
     log = vc.rt.op_log
     if log is None or not s.devices or s.status == STATUS_ERROR or not log.records:
         return s
@@ -68,7 +79,7 @@ def predict_time(s: ScenarioResult, vc: VirtualCuda, cfg: ScriptConfig,
     shown = sorted({source(d) for d in s.devices if d.used})
     rates = rates_for(cfg.gpu, cfg.interconnect)
     pred = predict_steps(log.records, step_ends, rates, H200_FIT, shown)
-    s = write_prediction(s, pred, s.batch, source)
+    s = write_prediction(s, pred, round(s.batch * steps.batches_per_step), source)
     if not pred.evaluation_ops:
         return s
     return dataclasses.replace(s, notes=(*s.notes, (

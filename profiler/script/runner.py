@@ -384,7 +384,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     warmup_higher = stepper.keep_higher_warmup_peaks()
     run.scenario = _scenario(cfg, vc, run, stepper, used, ddp_devices, exc, warmup_higher)
     if rt.op_log is not None:
-        run.scenario = predict_time(run.scenario, vc, cfg, stepper.step_ends, run.local_rank)
+        run.scenario = predict_time(run.scenario, vc, cfg, stepper, run.local_rank)
         rt.op_log = None
     if run.seal.breach is not None and run.ended == "script raised":
         # dpprof stopped it, not the script's error
