@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from script_runs import run_printing
 
 SCRIPT = """
