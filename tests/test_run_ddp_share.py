@@ -224,3 +224,39 @@ def test_a_script_written_again_between_runs_is_read_again(
     ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
     assert ddp is not None and ddp.status == "ok", dp.notes  # type: ignore[attr-defined]
     assert any("train.py:15) cut to 8 rows" in n for n in ddp.notes), ddp.notes
+
+
+TARGETS = """
+import torch, torch.nn as nn
+B, D = 32, 64
+model = nn.DataParallel(nn.Linear(D, D).cuda())
+critic = nn.DataParallel(nn.Linear(D, 1).cuda())
+opt = torch.optim.SGD([*model.parameters(), *critic.parameters()], lr=0.1)
+mse, bce = nn.MSELoss(), nn.BCEWithLogitsLoss()
+for step in range(6):
+    x = torch.randn(B, D).cuda()
+    out = model(x)
+    real = torch.full((B, 1), 1.0, device="cuda")  # a GAN's labels
+    loss = mse(out, torch.zeros(B, D).cuda()) + bce(critic(out), real)
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_targets_and_labels_made_in_the_loop_are_cut_with_the_inputs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's targets and labels made by torch.zeros and torch.full in the loop (a
+    regression's target, a GAN's labels) are the batch's too: cut with its inputs, as a
+    DDP script makes them. Only torch.randint/randn/rand were cut, and the loss of the cut
+    outputs against the whole targets stopped both tries ("no DDP alternative")."""
+    monkeypatch.chdir(tmp_path)
+    result = _run(tmp_path, "train.py", TARGETS, ["python", "train.py"])
+    ddp = result.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.status == "ok", result.notes  # type: ignore[attr-defined]
+    assert all(d.batch_rows == 8 for d in ddp.devices)
+    (cut,) = [n for n in ddp.notes if n.startswith("each rank's share")]
+    for made in ("torch.randn at", "torch.full at", "torch.zeros at"):
+        assert made in cut, cut
+    fix = next(f for f in result.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    rewritten = apply_diff(TARGETS, fix.code)
+    assert "torch.randn(B // 4, D)" in rewritten and "torch.full((B // 4, 1), 1.0" in rewritten
+    assert "torch.zeros(B // 4, D)" in rewritten

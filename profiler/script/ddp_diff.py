@@ -101,7 +101,10 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
         return Rewrite(reason=str(e))
 
 
-_BATCH_FACTORIES = ("randint", "randn", "rand")
+# torch's factories a script makes a batch with in its loop (``torch.randint(0, V, (B, T))``,
+# ``torch.randn(B, D)``, its targets ``torch.zeros(B, D)``, a GAN's labels ``torch.full((B,),
+# 1.0)``): under DDP each rank makes its own share of the rows
+BATCH_FACTORIES = ("randint", "randn", "rand", "zeros", "ones", "empty", "full")
 
 
 def own_process_group(source: str, path: str, gpus: int, rows: int = 0) -> str:
@@ -141,8 +144,9 @@ def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ..
 
 
 def _batch_rows_node(call: ast.Call) -> ast.expr | None:
-    """The first dimension of a random factory's size (``torch.randint(0, V, (B, T))``:
-    ``B``; ``torch.randn(B, D)``: ``B``), as the DDP alternative read it."""
+    """The first dimension of a batch factory's size (``torch.randint(0, V, (B, T))``:
+    ``B``; ``torch.randn(B, D)``, ``torch.full((B,), 1.0)``: ``B``), as the DDP alternative
+    read it."""
     size = next((k.value for k in call.keywords if k.arg == "size"), None)
     if size is None:
         if last_name(call.func) == "randint":
@@ -172,7 +176,7 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
     done = []
     for line in lines:
         call = next((c for c in calls_at(src, line)
-                     if last_name(c.func) in _BATCH_FACTORIES), None)
+                     if last_name(c.func) in BATCH_FACTORIES), None)
         rows = _batch_rows_node(call) if call is not None else None
         if rows is None or isinstance(rows, ast.Starred):
             continue

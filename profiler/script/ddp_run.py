@@ -51,9 +51,6 @@ SENTENCE = ("the same script with DistributedDataParallel in place of DataParall
 DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gradients, "
           "optimizer state and its share of each batch.")
 
-# torch's factories a script makes a batch with in its loop (``torch.randint(0, V, (B, T))``,
-# ``torch.randn(B, D)``): under DDP each rank makes its own share of the rows
-BATCH_FACTORIES = ("randint", "randn", "rand")
 _LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                               sysconfig.get_paths()["stdlib"]}))
 
@@ -213,6 +210,9 @@ def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: in
             return None
         new = cut(args[at])
         return None if new is None else ((*args[:at], new, *args[at + 1:]), kwargs)
+    if func == "full" and args:  # full((B, D), value)
+        new = cut(args[0])
+        return None if new is None else ((new, *args[1:]), kwargs)
     if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):  # randn((B, D))
         new = cut(args[0])
         return None if new is None else ((new,), kwargs)
@@ -223,11 +223,12 @@ def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: in
 
 def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
                               patcher: Patcher) -> None:
-    """Batches the script makes in its loop without a DataLoader (a random factory on its
-    own line, in a loop of the script, whose first dimension is the batch DataParallel
-    scattered): each rank makes its share, DataParallel's first chunk (``ceil(B / N)``
-    rows), as a DDP script would make ``B // N`` rows on every rank. One made once, before
-    the loop (a GAN's fixed noise to draw samples from), is no step's batch."""
+    """Batches the script makes in its loop without a DataLoader (a factory of
+    :data:`dpprof.script.ddp_diff.BATCH_FACTORIES` in a loop of the script, whose first
+    dimension is the batch DataParallel scattered: inputs, targets, labels): each rank
+    makes its share, DataParallel's first chunk (``ceil(B / N)`` rows), as a DDP script
+    would make ``B // N`` rows on every rank. One made once, before the loop (a GAN's fixed
+    noise to draw samples from), is no step's batch."""
     rows = state.scattered_rows
 
     def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -249,7 +250,7 @@ def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
             return original(*cut[0], **cut[1])
         return factory
 
-    for func in BATCH_FACTORIES:
+    for func in ddp_diff.BATCH_FACTORIES:
         patcher.patch(torch, func, dividing(func, getattr(torch, func)))
 
 
@@ -432,7 +433,8 @@ class DdpInPlace(Alternative):
             alt.scenario = dataclasses.replace(alt.scenario, name=DDP)
         if not followed.batch_division:
             runs.notes.append("no DDP alternative: the script makes its batches neither with "
-                              "a DataLoader nor with torch.randint/randn/rand of "
+                              "a DataLoader nor with a torch factory (randint, randn, "
+                              "rand, zeros, ones, empty, full) of "
                               f"DataParallel's {main.batch_rows} rows on its own lines, so "
                               "dpprof cannot give each rank its share")
             return
