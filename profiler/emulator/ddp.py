@@ -31,6 +31,21 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 # ---- DistributedDataParallel: one rank (c10d/reducer.cpp) ---------------------------------
 
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
+# reducer.cpp's words where a backward left parameters without their gradient (rank 0's)
+UNUSED_PARAMETERS = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. "
+    "This error indicates that your module has parameters that were not used in producing "
+    "loss. You can enable unused parameter detection by passing the keyword argument "
+    "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by \n"
+    "making sure all `forward` function outputs participate in calculating loss. \n"
+    "If you already have done the above, then the distributed data parallel module wasn't "
+    "able to locate the output tensors in the return value of your module's `forward` "
+    "function. Please include the loss function and the structure of the return value of "
+    "`forward` of your module when reporting this issue (e.g. list, dict, iterable).\n"
+    "Parameter indices which did not receive grad for rank 0: {indices}\n In addition, you "
+    "can set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to "
+    "print out information about which particular parameters did not receive gradient on "
+    "this rank as part of this error")
 DDP_MAX_IN_FLIGHT = 2  # c10d/comm.cpp broadcast_coalesced: at most two broadcasts in flight
 # the kind of transient (StorageLedger.note_transient) the first iteration's buckets are
 # under NCCL: replaced by the rebuild, kept by their all-reduce's work until reaped
@@ -245,6 +260,10 @@ class EmulatedDDP(nn.Module):
         self.has_rebuilt = False
         self._rebuilt: list[int] = []
         self._expect_hooks = False
+        # reducer.cpp's require_finalize_: a synchronised forward waits for every
+        # parameter's gradient in its backward; the parameters ready so far
+        self._require_finalize = False
+        self._ready: set[int] = set()
         self._buckets: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
         # for the step-time model: each parameter's bucket, the parameters each bucket
@@ -363,6 +382,9 @@ class EmulatedDDP(nn.Module):
         if not self.has_rebuilt and not self.find_unused_parameters:
             self._rebuilt.append(i)
         self._mark_variable_ready_dense(i)
+        self._ready.add(i)
+        if len(self._ready) == len(self.params):  # finalize_backward
+            self._require_finalize, self._ready = False, set()
 
     def _mark_variable_ready_dense(self, i: int) -> None:
         self._ready_dense(i)
@@ -417,6 +439,12 @@ class EmulatedDDP(nn.Module):
         if sync:
             self.iteration += 1  # prepare_for_forward
         if grad:  # _pre_forward: the rebuild does not wait for a synchronised forward
+            if self._require_finalize and not self.find_unused_parameters:
+                # rebuild_buckets' ensure_prior_reduction_finished: a parameter no loss
+                # used never got its gradient, and the prior backward never finished
+                unused = sorted(set(range(len(self.params))) - self._ready)
+                raise RuntimeError(UNUSED_PARAMETERS.format(
+                    indices=" ".join(map(str, unused))))
             self.rebuild_buckets()
             if self.broadcast_buffers and self.require_forward_param_sync:
                 bufs = [b for b in self.module.buffers()]
@@ -429,6 +457,8 @@ class EmulatedDDP(nn.Module):
             # that backward's autograd hooks return at once
             self.require_forward_param_sync = sync
             self._expect_hooks = sync
+            if sync and self.params:  # prepare_for_backward
+                self._require_finalize, self._ready = True, set()
             # _DDPSink, with or without no_sync
             if self.find_unused_parameters:
                 # distributed.py: pytree-flattened, the outputs with a grad_fn through

@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator.call_sites import in_dpprof
+from dpprof.emulator.ddp import UNUSED_PARAMETERS
 from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.result import STATUS_ERROR
 from dpprof.scenarios.names import DDP
@@ -77,6 +78,9 @@ class DdpState(AlternativeState):
     bucket_view_unsure: str | None = None
     # the rows each rank's inputs were cut to at the model's call (0: not cut there)
     model_input_share: int = 0
+    # the DDP call's further keyword arguments the run was measured with (a fix derived
+    # from it, gradient_as_bucket_view's, writes them too: find_unused_parameters=True)
+    flags: tuple[str, ...] = ()
 
     @property
     def batch_sites(self) -> tuple[str, ...]:
@@ -406,7 +410,24 @@ class DdpInPlace(Alternative):
                          runs.step_cb(self.name))
         followed = ddp_state(alt)
         assert followed is not None  # run with this alternative
+        followed.flags = self.flags
         failed = alt.scenario.status == STATUS_ERROR and main.scenario.status != STATUS_ERROR
+        if (failed and UNUSED_PARAMETERS.split(".")[0] in alt.scenario.message
+                and not self.options.find_unused_parameters):
+            # DDP as a user writes it stops at its second step: the model has parameters no
+            # loss uses; measured (and changed) as DDP must be given then
+            unused = copy.copy(self)
+            unused.options = dataclasses.replace(self.options, find_unused_parameters=True)
+            unused.flags = (*self.flags, "find_unused_parameters=True")
+            runs.notes.append(
+                f"{self.name}: the model has parameters no loss uses (a parameter got no "
+                "gradient in the first backward): DDP as a user writes it stops at its "
+                "second step (\"Expected to have finished reduction in the prior "
+                "iteration\"); measured with find_unused_parameters=True, which the change "
+                "sets (its cost: the autograd graph searched every step, an int a parameter "
+                "on the GPU)")
+            unused.measure(runs)
+            return
         if failed and followed.divided_sites:
             # cutting the batches where the script makes them broke it (its loop indexes
             # rows up to the batch size it set): cut where the model is called instead
@@ -429,6 +450,7 @@ class DdpInPlace(Alternative):
                               "call instead")
             alt, followed = retried, ddp_state(retried)
             assert followed is not None
+            followed.flags = self.flags
         if alt.scenario.status == STATUS_ERROR:  # it never reached DDP: named for it
             alt.scenario = dataclasses.replace(alt.scenario, name=DDP)
         if not followed.batch_division:

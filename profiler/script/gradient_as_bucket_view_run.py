@@ -43,7 +43,7 @@ class BucketViewRun(RunStrategy):
                 "" if extra > 0 else " (the peak comes before the gradients all exist; "
                 "the gradient-sized copy is still saved later in the step)"),
             code=diff_ddp(main, runs.gpus, bucket_view=True,
-                          batch_sites=followed.batch_sites,
+                          batch_sites=followed.batch_sites, flags=followed.flags,
                           loader_sites=tuple(followed.loader_sites))))
 
 
