@@ -66,6 +66,10 @@ def test_the_emulated_ddp_stops_where_torchs_does_with_its_words(tmp_path: Path)
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
         dist.init_process_group("gloo", rank=0, world_size=1)
+        used = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+        used(torch.randn(4, 8))  # a forward never backpropagated (a sample under grad)
+        used(torch.randn(4, 8)).sum().backward()
+        used(torch.randn(4, 8)).sum().backward()  # no error: nothing was left waiting
         model = nn.parallel.DistributedDataParallel(Net())
         try:
             for _ in range(2):
@@ -78,6 +82,23 @@ def test_the_emulated_ddp_stops_where_torchs_does_with_its_words(tmp_path: Path)
     said = subprocess.run([sys.executable, "real.py"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120).stdout.strip()
     assert said == UNUSED_PARAMETERS.format(indices="2 3")
+
+
+def test_a_forward_never_backpropagated_leaves_ddp_waiting_for_nothing(tmp_path: Path) -> None:
+    """dcgan samples its generator under grad every 100 steps and never backpropagates the
+    sample: torch's DDP waits for nothing then (the reducer's wait begins with the
+    backward's first gradient), and the DDP alternative runs on, without the flag."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT).replace(
+        "        self.unused_head = nn.Linear(32, 4)  # built, never called\n", "").replace(
+        "        x = torch.randn(16, 32)\n",
+        "        x = torch.randn(16, 32)\n        sample = model(torch.randn(16, 32).cuda())\n"))
+    result, _ = run_printing(script, gpus=2)
+    ddp = result.scenario("ddp")
+    assert ddp is not None and ddp.status == "ok", result.notes
+    assert not any("no loss uses" in n for n in result.notes), result.notes
+    codes = {f.name: f.code for f in result.fixes}
+    assert "find_unused_parameters" not in codes["ddp"]
 
 
 def test_the_ddp_alternative_of_a_model_with_unused_parameters_sets_find_unused(

@@ -260,8 +260,9 @@ class EmulatedDDP(nn.Module):
         self.has_rebuilt = False
         self._rebuilt: list[int] = []
         self._expect_hooks = False
-        # reducer.cpp's require_finalize_: a synchronised forward waits for every
-        # parameter's gradient in its backward; the parameters ready so far
+        # reducer.cpp's require_finalize_: a synchronised backward, once its first gradient
+        # arrived, waits for every parameter's (a forward alone, never backpropagated, does
+        # not: dcgan samples its generator under grad); the parameters ready so far
         self._require_finalize = False
         self._ready: set[int] = set()
         self._buckets: list[torch.Tensor] = []
@@ -383,8 +384,9 @@ class EmulatedDDP(nn.Module):
             self._rebuilt.append(i)
         self._mark_variable_ready_dense(i)
         self._ready.add(i)
-        if len(self._ready) == len(self.params):  # finalize_backward
-            self._require_finalize, self._ready = False, set()
+        self._require_finalize = len(self._ready) < len(self.params)  # else finalized
+        if not self._require_finalize:
+            self._ready = set()
 
     def _mark_variable_ready_dense(self, i: int) -> None:
         self._ready_dense(i)
@@ -457,8 +459,8 @@ class EmulatedDDP(nn.Module):
             # that backward's autograd hooks return at once
             self.require_forward_param_sync = sync
             self._expect_hooks = sync
-            if sync and self.params:  # prepare_for_backward
-                self._require_finalize, self._ready = True, set()
+            if sync:  # prepare_for_backward: the counting starts afresh
+                self._ready = set()
             # _DDPSink, with or without no_sync
             if self.find_unused_parameters:
                 # distributed.py: pytree-flattened, the outputs with a grad_fn through
