@@ -91,8 +91,9 @@ def test_a_forward_never_backpropagated_leaves_ddp_waiting_for_nothing(tmp_path:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT).replace(
         "        self.unused_head = nn.Linear(32, 4)  # built, never called\n", "").replace(
-        "        x = torch.randn(16, 32)\n",
-        "        x = torch.randn(16, 32)\n        sample = model(torch.randn(16, 32).cuda())\n"))
+        "    x = torch.randn(16, 32)\n",
+        "    x = torch.randn(16, 32)\n    sample = model(torch.randn(16, 32).cuda())\n"))
+    assert "sample = model(" in script.read_text()
     result, _ = run_printing(script, gpus=2)
     ddp = result.scenario("ddp")
     assert ddp is not None and ddp.status == "ok", result.notes
