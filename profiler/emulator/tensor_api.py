@@ -34,6 +34,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     device_identity(vc, p)
     factories(vc, p)
     python_data(p)
+    legacy_types(vc, p)
 
 
 def lazy_allowed(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -356,6 +357,81 @@ def python_data(p: Patch) -> None:
     p(T, "__getitem__", get)
     p(T, "__setitem__", set_)
     p(T, "new_tensor", new)
+
+
+# the legacy tensor types' names (torch.cuda.FloatTensor, "torch.cuda.HalfTensor")
+LEGACY_TYPES = {
+    "DoubleTensor": torch.float64, "FloatTensor": torch.float32, "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+    "BoolTensor": torch.bool,
+}
+_LEGACY_NAME = {dtype: name for name, dtype in LEGACY_TYPES.items()}
+
+
+def legacy_types(vc: EmulatedCuda, p: Patch) -> None:
+    """The legacy tensor types of older scripts on a virtual GPU: ``x.type()`` names
+    ``torch.cuda.FloatTensor`` (not meta's), ``x.type(torch.cuda.HalfTensor)`` (a class or
+    its name) converts as torch does (the device kept where it is CUDA already, else the
+    current one), and ``torch.cuda.FloatTensor(2, 3)`` / ``(data)`` make one, of which
+    ``isinstance`` answers as on a GPU. A CPU build refused them all."""
+    T = torch.Tensor
+    orig_type = T.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
+              **kwargs: Any) -> Any:
+        virtual = on_meta(self) and vc.virtual_device(self).type == "cuda"
+        if dtype is None:
+            name = _LEGACY_NAME.get(self.dtype)
+            if virtual and name is not None:
+                return f"torch.cuda.{name}"
+            return orig_type(self, **kwargs)
+        cuda, scalar = _legacy_type(dtype)
+        if scalar is None or not (virtual or cuda):
+            return orig_type(self, dtype, non_blocking, **kwargs)
+        device = self.device if cuda == virtual else (
+            torch.device("cuda", vc.current_device()) if cuda else torch.device("cpu"))
+        if device == self.device and scalar == self.dtype:
+            return self  # of the type already: no copy, as torch's
+        return self.to(device=device, dtype=scalar, non_blocking=non_blocking)
+
+    p(T, "type", type_)
+    for name, scalar in LEGACY_TYPES.items():
+        if hasattr(torch.cuda, name):
+            p(torch.cuda, name, _LegacyCudaType(name, (), {"dtype": scalar, "is_cuda": True,
+                                                          "virtual": vc}))
+
+
+def _legacy_type(t: Any) -> tuple[bool, torch.dtype | None]:
+    """A legacy type given to ``Tensor.type`` (its name, or its class): whether it is
+    CUDA's, and its dtype (None: not one of them)."""
+    if isinstance(t, str):
+        cuda = t.startswith("torch.cuda.")
+        return cuda, LEGACY_TYPES.get(t.rpartition(".")[2]) if t.startswith("torch.") else None
+    scalar = getattr(t, "dtype", None)
+    if isinstance(t, type) and isinstance(scalar, torch.dtype):
+        return bool(getattr(t, "is_cuda", False)), scalar
+    return False, None
+
+
+class _LegacyCudaType(type):
+    """``torch.cuda.FloatTensor`` and its kin while a virtual GPU is on: calling one makes a
+    tensor on the current virtual GPU (sizes, or data), ``isinstance`` asks the tensor's
+    dtype and device."""
+
+    dtype: torch.dtype
+    virtual: EmulatedCuda
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        device = torch.device("cuda", cls.virtual.current_device())
+        sizes = args[0] if len(args) == 1 and isinstance(args[0], torch.Size) else args or (0,)
+        if all(isinstance(a, int) and not isinstance(a, bool) for a in sizes):
+            return torch.empty(tuple(sizes), dtype=cls.dtype, device=device)
+        return torch.tensor(args[0], dtype=cls.dtype, device=device)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return (isinstance(obj, torch.Tensor) and obj.dtype == cls.dtype
+                and cls.virtual.virtual_device(obj).type == "cuda")
 
 
 # what torch's indexing turns into an index tensor (``PySequence_Check`` in
