@@ -540,21 +540,11 @@ class SmallValues:
     def _keep_placed(self, m: torch.Tensor, st: Any, r: torch.Tensor,
                      known: torch.Tensor | None) -> None:
         """``r``'s values (``known``: which of them) written where ``m`` views its storage
-        ``st``; what ``m`` does not view is not known."""
-        count = st.nbytes() // max(m.element_size(), 1)
-        if count * m.element_size() != st.nbytes() or not self._small(st.nbytes(), m.dtype):
-            return
-        flat = torch.zeros(count, dtype=m.dtype)
-        known_flat = torch.zeros(count, dtype=torch.bool)
+        ``st`` (not followed yet); what ``m`` does not view is not known."""
         try:
-            geometry_of(flat, m).copy_(r)
-            if known is None:
-                geometry_of(known_flat, m).fill_(True)
-            else:
-                geometry_of(known_flat, m).copy_(known)
+            self.write(m, r, known)
         except RuntimeError:  # a view that overlaps itself: several values for one element
-            return
-        self.keep_flat(st, flat, None if bool(known_flat.all()) else known_flat)
+            self._drop(storage_key(st))
 
     def keep_flat(self, st: Any, flat: torch.Tensor, known: torch.Tensor | None) -> None:
         """Follow the meta storage ``st`` with ``flat`` (its values, one flat host tensor)

@@ -65,10 +65,10 @@ def by_values(rt: ValueShapes, func: Any, types: Any, args: Any, kwargs: dict[st
         real = _over_stand_ins(values, func, args, kwargs)
         if real is not None:
             rt.stand_in("shape", metas[0])
-    if real is None or not all(isinstance(r, torch.Tensor) for r in _leaves(real)):
+    flat, spec = tree_flatten(real)
+    if real is None or not all(isinstance(r, torch.Tensor) for r in flat):
         return None
     where = [rt.storages.device_of(a) for a in metas]
-    flat, spec = tree_flatten(real)
     made = []
     with rt.placing_on(where[0] if where else rt.current_device):
         for r in flat:
@@ -122,6 +122,3 @@ def _over_stand_ins(values: SmallValues, func: Any, args: Any, kwargs: dict[str,
     except Exception:  # a kernel the host lacks for this dtype
         return None
 
-
-def _leaves(x: Any) -> list[Any]:
-    return tree_flatten(x)[0]
