@@ -91,12 +91,12 @@ def fix_columns(view: ReportView) -> str:
 
 
 def recommendation_lines(view: ReportView) -> tuple[str, list[str]]:
-    """("Recommended: <title>", the answer's sentences): why it (or nothing), and why each
+    """(the heading, the answer's sentences): why it (or nothing), and why each
     cheaper change was passed over; the same words in every format."""
     lines = [view.recommendation_why]
     if view.passed_over:
         lines += [f"Passed over: {title}: {why}." for title, why in view.passed_over]
-    return f"Recommended: {view.recommendation_title}", lines
+    return view.recommendation_heading, lines
 
 
 def _float(x: float | None) -> str:

@@ -340,7 +340,9 @@ class ReportView:
     attribution_top_bytes: int  # the largest of cuda:0's and the references' peaks
     fixes: tuple[FixView, ...]  # every fix against the scenario the user ran, cheapest first
     recommended: FixView | None  # the answer's change (None: nothing to change)
-    recommendation_title: str  # its title, or "nothing to change"
+    # "Recommended: <the change's title>", "Recommended: nothing to change" where what the
+    # user runs fits as it is, "No recommendation" where nothing measured fits
+    recommendation_heading: str
     recommendation_why: str  # why it (or nothing) is the answer
     passed_over: tuple[tuple[str, str], ...]  # (title, why not) of each cheaper change
     baseline: str  # the scenario that stands for what the user runs; the fixes are against it

@@ -117,7 +117,7 @@ def build_view(run: RunResult) -> ReportView:
                                    for a in attributions), default=0),
         fixes=fixes,
         recommended=next((f for f in fixes if f.name == answer.fix), None),
-        recommendation_title=answer.title or "nothing to change",
+        recommendation_heading=_heading(answer),
         recommendation_why=answer.why,
         passed_over=tuple((p.title, p.reason) for p in answer.passed_over),
         baseline=answer.baseline or "",
@@ -231,6 +231,14 @@ def _timings(run: RunResult) -> tuple[TimingView, ...]:
             measured_step_s=s.step_time_s, speedup_measured=up.measured if up else None,
             busy=busy))
     return tuple(out)
+
+
+def _heading(answer: Recommendation) -> str:
+    """The recommendation's heading: the change, or whether none is wanted (what the user
+    runs fits) or none was found (it does not fit, or nothing was measured)."""
+    if answer.fix is not None:
+        return f"Recommended: {answer.title}"
+    return "Recommended: nothing to change" if answer.fits else "No recommendation"
 
 
 def _headline(answer: Recommendation, scenarios: tuple[ScenarioView, ...]) -> Headline:

@@ -26,25 +26,31 @@ from dpprof.reports.formats import renderers
 from dpprof.result import Recommendation, RunResult
 
 NOTHING = "nothing to change"
+NONE_FOUND = "none found"  # the heading "No recommendation": nothing measured fits
 RATIO = re.compile(r"(?<![\w.])(\d+\.\d\d)x\b")
 
 
 def named(run: RunResult) -> dict[str, str]:
-    """The change each format recommends, by title ("nothing to change": none)."""
+    """The change each format recommends, by title ("nothing to change": none wanted, "none
+    found": the heading says there is no recommendation)."""
     data = json.loads(renderers()["json"].render(run))["recommended"]
     titles = {a["fix"]: a["title"] for a in data["fixes"]}  # the fixes it read, by name
     page = renderers()["html"].render(run)
     text = renderers()["markdown"].render(run)
     term = renderers()["terminal"].render(run)
-    html_title = re.search(r"<h3>Recommended: (.*?)</h3>", page)
-    md_title = re.search(r"^\*\*Recommended: (.*?)\*\*$", text, re.M)
-    term_title = re.search(r"^Recommended: (.*?)\s*$", term, re.M)
+    heading = r"(?:Recommended: (.*?)|No recommendation)"
+    html_title = re.search(rf"<h3>{heading}</h3>", page)
+    md_title = re.search(rf"^\*\*{heading}\*\*$", text, re.M)
+    term_title = re.search(rf"^{heading}\s*$", term, re.M)
     assert html_title and md_title and term_title
+    json_title = (titles.get(data["fix"], data["fix"]) if data["fix"] else
+                  NOTHING if data["fits"] else NONE_FOUND)
     return {
-        "json": titles.get(data["fix"], data["fix"]) if data["fix"] else NOTHING,
-        "html": std_html.unescape(html_title.group(1)),
-        "markdown": re.sub(r"\\(.)", r"\1", std_html.unescape(md_title.group(1))),
-        "terminal": term_title.group(1),
+        "json": json_title,
+        "html": std_html.unescape(html_title.group(1) or NONE_FOUND),
+        "markdown": re.sub(r"\\(.)", r"\1",
+                           std_html.unescape(md_title.group(1) or NONE_FOUND)),
+        "terminal": term_title.group(1) or NONE_FOUND,
     }
 
 
@@ -64,7 +70,10 @@ def check(run: RunResult) -> Recommendation:
     said = named(run)
     assert len(set(said.values())) == 1, said
     if answer.fix is None:
-        assert said["html"] == NOTHING
+        # "nothing to change" only where the scenario the user runs was measured and fits
+        base = run.scenario(answer.baseline) if answer.baseline else None
+        fits = base is not None and base.status == "ok"
+        assert said["html"] == (NOTHING if fits else NONE_FOUND), (said, answer.why)
     else:
         chosen = next(a for a in answer.fixes if a.fix == answer.fix)
         assert said["html"] == chosen.title

@@ -335,7 +335,7 @@ def _nothing_fits(run: RunResult, base: ScenarioResult, setup: str, fixes: list[
                 f"itself (model parallel); its heaviest GPU is {device_label(heaviest(base))}.")
     if setup == ONE_GPU and not fixes:
         return "No fix applies: the step runs on one GPU."
-    if setup == DISTRIBUTED and not fixes:
+    if setup == DISTRIBUTED and not fixes and fits:
         return (f"Nothing to change: {distributed_words(base.name)} already gives every GPU "
                 "its own share.")
     if not fits:
