@@ -3,7 +3,11 @@
 (:class:`DeferredOutputs`) until an ``nn.Module`` loss is called on them, which then runs
 inside forward on every replica (``ModelWithLoss``); a loss on an expression of the outputs
 (``out.view(-1, V)``) is a :class:`PendingLoss` until the statement reads it; any other use of
-the outputs computes them as written (gathered)."""
+the outputs computes them as written (gathered). Another loss on the same outputs (mixup's
+``lam * criterion(out, y_a) + (1 - lam) * criterion(out, y_b)``, a main and an auxiliary
+loss) is computed inside forward too, on each replica's own outputs, held from the first
+loss until the backward begins: the forward runs once, as in the fixed code, where every
+loss is computed before forward returns."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator.call_sites import caller_frame, caller_site
+from dpprof.emulator.data_parallel import gather, scatter_kwargs
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
 from dpprof.script.loss_expression import compiled, find_in_frame
 from dpprof.script.parallel_state import current
@@ -38,6 +43,9 @@ class DeferredOutputs:
         self.used_as_loss = False
         self.pending: PendingLoss | None = None  # the loss of an expression of them
         self.shapes: list[Any] = []  # each replica's outputs as (shape, dtype) leaves
+        # (device, that replica's outputs) once a loss was computed inside forward on them,
+        # while another loss may still be: until the backward begins
+        self.replicas: list[tuple[int, Any]] = []
 
     def materialize(self) -> Any:
         if self.value is None:
@@ -118,12 +126,39 @@ class DeferredOutputs:
         keep = current().keep_outputs
         wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
         wrapped.shapes = self.shapes
+        wrapped.kept = []
         inputs = self.inputs if len(self.inputs) != 1 else self.inputs[0]
         out = self.dp.run(wrapped, (inputs, targets), {})
-        current().log.loss_in_forward += 1
+        log = current().log
+        log.loss_in_forward += 1
+        self.replicas = list(zip(log.used_devices, wrapped.kept, strict=True))
+        log.holding_replica_outputs.append(self)
         if keep:  # the script's later uses of the outputs get the gathered ones
             self.value = ModelWithLoss.split(out)[0]
         return ModelWithLoss.combine(out)
+
+    def beside(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
+        """Another loss on these outputs, inside forward beside the first: on each replica's
+        own outputs and its shard of ``targets``, combined as one number."""
+        rt = self.dp._vc.rt
+        ids = [device for device, _ in self.replicas]
+        with rt.category("inputs"):
+            shards, _ = scatter_kwargs(rt, (targets,), {}, ids, self.dp.dim)
+        weigh = ModelWithLoss(nn.Identity(), loss_fn)
+        pairs = []
+        for (device, outputs), (shard,) in zip(self.replicas, shards, strict=True):
+            with rt.device(device), rt.category("activations"):
+                pairs.append(weigh.weighted_loss(outputs, shard, shard))
+        current().log.loss_in_forward += 1
+        with rt.category("outputs"):
+            gathered = gather(rt, pairs, self.dp._vc.index_of(self.dp.output_device),
+                              self.dp.dim)
+        return ModelWithLoss.combine(gathered)
+
+    def release(self) -> None:
+        """The backward begins: every loss on the outputs was computed (in the fixed code,
+        before forward returned); the replicas' outputs are not held for another."""
+        self.replicas = []
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -210,6 +245,7 @@ def _recording_class() -> type:
         """``ModelWithLoss`` that notes each replica's output shapes (for stand-ins)."""
 
         shapes: list[Any]
+        kept: list[Any]  # each replica's outputs, in the order the replicas ran
 
         def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
             outputs = self.model(*as_args(inputs))
@@ -218,6 +254,7 @@ def _recording_class() -> type:
             self.shapes.append(tree_map(
                 lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
                 outputs))
+            self.kept.append(outputs)
             weighted, count = self.weighted_loss(outputs, targets, inputs)
             return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
@@ -232,11 +269,16 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
                               kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
     inside forward on every replica, combined by rows (None: not such a call)."""
-    if not args or not isinstance(args[0], DeferredOutputs) or args[0].value is not None:
+    if not args or not isinstance(args[0], DeferredOutputs):
         return None
     deferred: DeferredOutputs = args[0]
     targets = args[1] if len(args) > 1 else kwargs.get("target")
     if targets is None or len(args) > 2:
+        return None
+    if deferred.replicas:  # a loss on them is inside forward already: this one beside it
+        current().log.loss_sites.append(caller_site())
+        return deferred.beside(loss_fn, targets)
+    if deferred.value is not None:
         return None
     deferred.used_as_loss = True
     current().log.call_sites.append(deferred.site)

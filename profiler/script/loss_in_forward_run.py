@@ -90,10 +90,11 @@ def diff_loss_in_forward(run: ScriptRun) -> str:
 
 def _kept_outputs_detail(sites: list[str], further_bytes: int) -> str:
     lines = ", ".join(site.rpartition(":")[2] for site in sites)
+    further = (f"; computing that inside forward as well would save {fmt_bytes(further_bytes)} "
+               "more on cuda:0" if further_bytes > 0 else "")
     return ("the same script with DataParallel(ModelWithLoss(model, loss, keep_outputs=True)): "
             f"the loss and its temporaries on each replica; the outputs, which line {lines} "
-            "uses, still gathered on cuda:0; computing that inside forward as well would save "
-            f"{fmt_bytes(further_bytes)} more on cuda:0.")
+            f"uses, still gathered on cuda:0{further}.")
 
 
 class LossInForward(Alternative):
@@ -119,6 +120,15 @@ class LossInForward(Alternative):
             return out
 
         patcher.patch(loss_cls, "__call__", loss_call)
+        orig_backward = torch.autograd.backward
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            held = state_of(vc).log.holding_replica_outputs
+            while held:
+                held.pop().release()
+            return orig_backward(*args, **kwargs)
+
+        patcher.patch(torch.autograd, "backward", backward)
 
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
@@ -169,8 +179,9 @@ class LossInForward(Alternative):
                 alt_notes.append(
                     "the script also uses the outputs besides the loss (" + ", ".join(used)
                     + "), so this alternative keeps them, as its code does; computing that "
-                    "inside forward as well would leave them off cuda:0: "
-                    f"{fmt_bytes(further)} less there at its peak")
+                    "inside forward as well would leave them off cuda:0: " + (
+                        f"{fmt_bytes(further)} less there at its peak" if further > 0 else
+                        "no less there at its peak"))
             detail = _kept_outputs_detail(used, further)
         alt.scenario = dataclasses.replace(alt.scenario, notes=tuple(alt_notes))
         runs.runs.append((self.name, alt))

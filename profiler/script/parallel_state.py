@@ -39,6 +39,9 @@ class ParallelLog:
     replica_scalars: bool = False  # DataParallel's replicas returned one number each
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
+    # deferred outputs whose replicas' outputs are held for another loss on them, until the
+    # backward begins (the loss inside forward computes every loss on them there)
+    holding_replica_outputs: list[Any] = field(default_factory=list)
     fake_group: bool = False  # a fake default process group was initialised
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     tensor_parallel: int = 0  # parallelize_module calls
