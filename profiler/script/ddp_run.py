@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import os
 import sys
-import sysconfig
 import tokenize
 import weakref
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from dpprof.result import STATUS_ERROR
 from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
+from dpprof.script.installed_code import installed_site, is_installed
 from dpprof.script.notes import alternative_fix, alternative_notes
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
@@ -52,8 +52,6 @@ SENTENCE = ("the same script with DistributedDataParallel in place of DataParall
 DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gradients, "
           "optimizer state and its share of each batch.")
 
-_LIBRARY_DIRS = tuple(sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                              sysconfig.get_paths()["stdlib"]}))
 
 
 @dataclass
@@ -133,19 +131,19 @@ def library_wrap(site: str, gpus: int, rows: int, options: tuple[str, ...] = ())
 
 
 def _library_site(site: str) -> str:
-    """``site`` (``file:line``) relative to the library folder that holds it
-    (``transformers/trainer.py:1234``), or "" where it is not a library's."""
-    for folder in _LIBRARY_DIRS:
-        if site.startswith(folder.rstrip("/") + "/"):
-            return site[len(folder.rstrip("/")) + 1:]
-    return ""
+    """``site`` (``file:line``) relative to the folder its package is installed in
+    (``transformers/trainer.py:1234``), or "" where it is not a library's
+    (:mod:`dpprof.script.installed_code`)."""
+    path, _, line = site.rpartition(":")
+    relative = installed_site(path)
+    return f"{relative}:{line}" if relative else ""
 
 
 def _script_line(frame: Any) -> str | None:
     """``file:line`` of ``frame`` where it is the script's own code (not a library's, not
     torch's, not dpprof's), else None."""
     name = frame.f_code.co_filename
-    if name.startswith("<") or in_dpprof(name) or name.startswith(_LIBRARY_DIRS):
+    if name.startswith("<") or in_dpprof(name) or is_installed(name):
         return None
     return f"{name}:{frame.f_lineno}"
 

@@ -14,7 +14,6 @@ import logging
 import os
 import runpy
 import sys
-import sysconfig
 import traceback
 import types
 import zipfile
@@ -26,6 +25,7 @@ from typing import Any, NoReturn
 
 from dpprof.errors import UsageError
 from dpprof.script.engines import DEEPSPEED_NOT_EMULATED
+from dpprof.script.installed_code import is_installed
 
 __all__ = ["Launch", "ProcessExit", "as_rank", "main_path", "parse_command",
            "process_exit_caught", "run_main_file", "script_process", "started_in",
@@ -360,8 +360,6 @@ def own_modules(names: set[str], root: str) -> list[str]:
     package's (site-packages) nor dpprof's. A compiled extension is left loaded: CPython
     cannot load one twice."""
     root = os.path.realpath(root)
-    installed = {os.path.realpath(p) for key, p in sysconfig.get_paths().items()
-                 if key in ("stdlib", "platstdlib", "purelib", "platlib")}
     own = []
     for name in names:
         module = sys.modules.get(name)
@@ -369,10 +367,8 @@ def own_modules(names: set[str], root: str) -> list[str]:
         if not isinstance(file, str) or not file.endswith((".py", ".pyc")):
             continue
         real = os.path.realpath(file)
-        parts = Path(real).parts
-        if (os.path.commonpath([real, root]) != root or "site-packages" in parts
-                or "dist-packages" in parts or name == "dpprof" or name.startswith("dpprof.")
-                or any(os.path.commonpath([real, p]) == p for p in installed)):
+        if (os.path.commonpath([real, root]) != root or name == "dpprof"
+                or name.startswith("dpprof.") or is_installed(real)):
             continue
         own.append(name)
     return own

@@ -12,6 +12,7 @@ from dpprof.emulator.stand_in_values import STAND_INS
 from dpprof.fixes.fix_kind import FixKind
 from dpprof.result import STATUS_ERROR, Fix, ScriptWrite, SealCheck
 from dpprof.script import namespace
+from dpprof.script.installed_code import installed_site
 from dpprof.script.runner import ScriptConfig, ScriptRun
 from dpprof.script.seal_audit import WHERE_NAMESPACES
 
@@ -29,23 +30,17 @@ __all__ = [
 ]
 
 
-def library_branches(sites: dict[str, int], libraries: set[str] | None = None) -> list[str]:
-    """Where a library (not the script) decided something on a stand-in: the GPU, which
-    has the real value, may take the other path there. ``libraries``: the folders
-    installed packages live in (default: this Python's site-packages)."""
-    import sysconfig
-
-    if libraries is None:
-        libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+def library_branches(sites: dict[str, int]) -> list[str]:
+    """Where a library (not the script: :mod:`dpprof.script.installed_code`) decided
+    something on a stand-in: the GPU, which has the real value, may take the other path
+    there."""
     found = []
     for key in sites:
         site, _, kind = key.rpartition(" (")
-        path = site.rpartition(":")[0]
-        if kind.startswith("bool") and any(path.startswith(lib) for lib in libraries):
-            short = site
-            for lib in libraries:
-                short = short.removeprefix(lib + os.sep)
-            found.append(short)
+        path, _, line = site.rpartition(":")
+        relative = installed_site(path)
+        if kind.startswith("bool") and relative:
+            found.append(f"{relative}:{line}")
     if not found:
         return []
     return [f"a library decided a branch on a stand-in value at {', '.join(found[:5])}: on a "
