@@ -1,0 +1,160 @@
+"""The loss inside forward over generated ways of writing a loss on DataParallel's outputs:
+one loss call or several on the same outputs (a sum in one statement, a helper function as
+mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE,
+with and without a later read of the outputs (an accuracy). For each, the
+``loss-in-forward`` alternative is held to two things it does not compute itself:
+
+* its peaks, per GPU, equal those of the same script with the fix written by hand (a module
+  that computes the same losses in its forward, wrapped in DataParallel), run as written;
+* with real numbers (``--compute``), the loss it prints equals the loss the script as written
+  prints (the whole batch's, on cuda:0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dpprof.script.loss_in_forward_run import STRATEGY
+from dpprof.script.runner import run_script
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+CRITERIA = {
+    "ce": ("nn.CrossEntropyLoss()", "y"),
+    "ce_ignore": ("nn.CrossEntropyLoss(ignore_index=0)", "y"),
+    "mse": ("nn.MSELoss()", "z"),
+}
+
+# how the loop computes its loss from the outputs ``out`` and two targets ``t1``, ``t2``
+FORMS = {
+    "one": ("loss = crit_a(out, {t1})", "loss = self.crit_a(out, {t1})"),
+    "sum": ("loss = crit_a(out, {t1}) + 0.5 * crit_b(out, {t2})",
+            "loss = self.crit_a(out, {t1}) + 0.5 * self.crit_b(out, {t2})"),
+    "helper": ("loss = mixed(crit_a, out, {t1}, {t2}, 0.7)",
+               "loss = mixed(self.crit_a, out, {t1}, {t2}, 0.7)"),
+    "statements": ("first = crit_a(out, {t1})\n    second = crit_b(out, {t2})\n"
+                   "    loss = first + second",
+                   "first = self.crit_a(out, {t1})\n        second = self.crit_b(out, {t2})\n"
+                   "        loss = first + second"),
+}
+
+HEAD = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+B, D, C = {rows}, 64, 512
+net = nn.Sequential(nn.Linear(D, 256), nn.ReLU(), nn.Linear(256, C)).cuda()
+crit_a = {crit_a}
+crit_b = {crit_b}
+
+
+def mixed(criterion, pred, y_a, y_b, lam):
+    return lam * criterion(pred, y_a) + (1 - lam) * criterion(pred, y_b)
+
+
+def batch():
+    x = torch.randn(B, D).cuda()
+    y = torch.randint(0, C, (B,)).cuda()
+    y2 = torch.randint(0, C, (B,)).cuda()
+    z = torch.randn(B, C).cuda()
+    z2 = torch.randn(B, C).cuda()
+    return x, y, y2, z, z2
+"""
+
+AS_WRITTEN = HEAD + """
+model = nn.DataParallel(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x, y, y2, z, z2 = batch()
+    out = model(x)
+    {form}
+    {read}
+    print("loss", repr(loss.item()))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+BY_HAND = HEAD + """
+
+class WithLoss(nn.Module):
+    def __init__(self, model, crit_a, crit_b):
+        super().__init__()
+        self.model, self.crit_a, self.crit_b = model, crit_a, crit_b
+
+    def forward(self, x, y, y2, z, z2):
+        out = self.model(x)
+        {form}
+        return {returned}
+
+
+model = nn.DataParallel(WithLoss(net, crit_a, crit_b))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x, y, y2, z, z2 = batch()
+    {call}
+    {read}
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+READ = "correct = out.argmax(1).eq(y).sum()"
+SLACK_BYTES = 64 * 1024  # the per-replica scalars each way returns and gathers
+
+
+def _config(script: Path, compute: bool = False) -> ScriptConfig:
+    return ScriptConfig(launch=parse_command(["python", str(script)], 2), steps=3,
+                        compute=compute)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(form=st.sampled_from(sorted(FORMS)), crit_a=st.sampled_from(sorted(CRITERIA)),
+       crit_b=st.sampled_from(sorted(CRITERIA)), reads=st.booleans(),
+       rows=st.sampled_from([64, 96, 100]))
+def test_each_way_of_writing_the_loss_moves_inside_forward_as_written_by_hand(
+        tmp_path: Path, form: str, crit_a: str, crit_b: str, reads: bool, rows: int) -> None:
+    loop, inside = FORMS[form]
+    if form == "helper":  # mixup's helper calls one criterion twice
+        crit_b = crit_a
+    t1, t2 = CRITERIA[crit_a][1], CRITERIA[crit_b][1] + "2"
+    head = {"rows": rows, "crit_a": CRITERIA[crit_a][0], "crit_b": CRITERIA[crit_b][0]}
+    read = READ if reads else ""
+    script = tmp_path / "train.py"
+    script.write_text(AS_WRITTEN.format(**head, form=loop.format(t1=t1, t2=t2), read=read))
+    fixed = tmp_path / "fixed.py"
+    call = ("loss, out = model(x, y, y2, z, z2)\n    loss = loss.mean()" if reads
+            else "loss = model(x, y, y2, z, z2).mean()")
+    fixed.write_text(BY_HAND.format(**head, form=inside.format(t1=t1, t2=t2), read=read,
+                                    call=call, returned="loss, out" if reads else "loss"))
+
+    ran, _ = run_command(_config(script))
+    alt = next(s for s in ran.scenarios if s.name == "dp-loss-forward")
+    by_hand, _ = run_command(_config(fixed), alternatives=False)
+    written = by_hand.scenarios[0]
+    assert alt.status == written.status == "ok", (alt.message, written.message)
+    for moved, hand in zip(alt.devices, written.devices, strict=True):
+        assert abs(moved.peak_allocated_bytes - hand.peak_allocated_bytes) <= SLACK_BYTES, (
+            form, moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
+
+    # the value: real numbers, the loss each prints
+    printed_main = io.StringIO()
+    with contextlib.redirect_stdout(printed_main):
+        main = run_script(_config(script, compute=True))
+    inside_run = run_script(dataclasses.replace(_config(script, compute=True),
+                                                alternative=STRATEGY,
+                                                scattered_rows=main.batch_rows))
+    printed = [re.findall(r"^loss (\S+)$", text, re.M)
+               for text in (printed_main.getvalue(), inside_run.output_tail)]
+    assert printed[0] and len(printed[0]) == len(printed[1])
+    for whole, combined in zip(*printed, strict=True):
+        assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole))), (
+            form, printed)
