@@ -10,8 +10,8 @@ from types import FrameType
 
 import torch
 
-__all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "in_dpprof",
-           "relative_site"]
+__all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "constructing_site",
+           "in_dpprof", "relative_site"]
 
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -34,6 +34,19 @@ def caller_site(also_skip: tuple[str, ...] = ()) -> str:
     """``file:line`` of the innermost frame outside torch and dpprof (the user's line), and
     outside the files ``also_skip`` names."""
     f = caller_frame(also_skip)
+    return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def constructing_site(obj: object) -> str:
+    """:func:`caller_site` of the line that constructed ``obj``: past the ``__init__`` of its
+    own class or of a subclass (the user's ``BalancedDataParallel(...)``, not that class's
+    ``super().__init__``)."""
+    f = caller_frame()
+    while f is not None and f.f_code.co_name == "__init__" and f.f_locals.get("self") is obj:
+        f = f.f_back
+        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
+                                                                  "<"))):
+            f = f.f_back
     return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 

@@ -132,6 +132,13 @@ class LossInForward(Alternative):
 
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
+        if dp.own_split:  # its own split of the batch, which ModelWithLoss's would not be
+            log = state_of(dp._vc).log
+            log.no_loss_forward = log.no_loss_forward or (
+                f"the script's DataParallel subclass {dp.own_split} splits the batch in a "
+                "forward of its own, which the alternative does not rewrite; compute the loss "
+                "in the wrapped module's forward by hand")
+            return dp.as_written(inputs, kwargs)
         if not kwargs and len(dp.device_ids) > 1 and torch.is_grad_enabled():
             return DeferredOutputs(dp, inputs, caller_site())
         return dp.run(dp.module, inputs, kwargs)

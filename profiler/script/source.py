@@ -298,8 +298,7 @@ def calls_at(src: ScriptSource, line: int) -> list[ast.Call]:
 
 
 def _is_data_parallel(call: ast.Call) -> bool:
-    name = last_name(call.func)
-    return name.endswith("DataParallel") and name != "DistributedDataParallel"
+    return last_name(call.func) == "DataParallel"
 
 
 def data_parallel_call(src: ScriptSource, line: int) -> ast.Call:
@@ -312,8 +311,16 @@ def data_parallel_call(src: ScriptSource, line: int) -> ast.Call:
                         "there is no wrap to replace: for DDP wrap each model once where it "
                         "is built, DDP(model.cuda(rank), device_ids=[rank]), and call its "
                         "module directly in forward")
+    made = [c for c in calls_at(src, line) if c.lineno == line and last_name(c.func)]
+    if made:  # a subclass of the script's (BalancedDataParallel(8, model)), or its factory
+        # the first call on the line, the innermost of those starting there: ``Wrap(m)``
+        # of ``Wrap(m).cuda()``
+        name = last_name(min(made, key=lambda c: (c.col_offset, c.end_col_offset or 0)).func)
+        raise NoRewrite(f"line {line}: {name}(...) makes the DataParallel, with arguments of "
+                        "its own: replace it with DDP(<the module>.cuda(rank), "
+                        "device_ids=[rank]) by hand")
     raise NoRewrite(f"line {line}: no DataParallel(...) call to rewrite "
-                    "(a subclass's own __init__, or a wrap dpprof cannot see in the text)")
+                    "(a wrap dpprof cannot see in the text)")
 
 
 def module_arg(call: ast.Call) -> ast.expr:

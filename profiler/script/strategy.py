@@ -105,7 +105,7 @@ class Alternative(RunStrategy):
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         """DataParallel's forward in this alternative (as written, unless it changes it)."""
-        return dp.run(dp.module, inputs, kwargs)
+        return dp.as_written(inputs, kwargs)
 
     def after_run(self, state: AlternativeState, vc: VirtualCuda,
                   ddp_devices: list[int]) -> None:

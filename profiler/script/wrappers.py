@@ -17,7 +17,9 @@ backend initialises that fake group.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from dpprof.emulator.call_sites import caller_site
+from dpprof.emulator.call_sites import constructing_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
@@ -61,16 +63,49 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         # balance), so every attribute is the one torch sets
         super().__init__(module, device_ids, output_device, dim)
         self._vc = vc
-        current().log.dp_sites.append(caller_site())
+        current().log.dp_sites.append(constructing_site(self))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # a script's subclass with a forward of its own (transformer-xl's
+        # BalancedDataParallel: its own split of the batch, then torch's replicate,
+        # parallel_apply and gather) runs it as written, counted as DataParallel's forward
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("forward")
+        if own is not None and own is not VirtualDataParallel.forward:
+            cls._own_forward = own
+            cls.forward = VirtualDataParallel.forward  # type: ignore[method-assign]
+
+    _own_forward: Callable[..., Any] | None = None  # a subclass's own forward (see above)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.device_ids:
             return self.module(*inputs, **kwargs)
+        if self.__dict__.get("_in_own_forward"):  # the subclass's forward calls DataParallel's
+            return self.run(self.module, inputs, kwargs)
         current().log.data_parallel += 1
         alternative = current().alternative  # the fix the script runs with (None: as written)
         if alternative is not None:
             return alternative.dp_forward(self, inputs, kwargs)
-        return self.run(self.module, inputs, kwargs)
+        return self.as_written(inputs, kwargs)
+
+    @property
+    def own_split(self) -> str:
+        """The name of the script's subclass whose forward splits the batch its own way ("":
+        DataParallel's)."""
+        return type(self).__name__ if type(self)._own_forward is not None else ""
+
+    def as_written(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward as the script's class defines it: DataParallel's, or a subclass's own."""
+        own = type(self)._own_forward
+        if own is None:
+            return self.run(self.module, inputs, kwargs)
+        self.__dict__["_in_own_forward"] = True
+        token = _SPLIT_DIM.set(self.dim)
+        try:
+            return own(self, *inputs, **kwargs)
+        finally:
+            _SPLIT_DIM.reset(token)
+            self.__dict__["_in_own_forward"] = False
 
     def run(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """DataParallel's forward (``data_parallel.py``) on virtual devices, for ``module``
@@ -333,13 +368,18 @@ def install(vc: VirtualCuda, patch: Patch) -> None:
     """Replace the wrappers for the duration of ``vc`` (``patch`` records and restores)."""
     vc.parallel = ScriptParallel()
     import torch.nn.parallel as par
-    import torch.nn.parallel.data_parallel as dp_mod
     import torch.nn.parallel.distributed as ddp_mod
+
+    # the module (``import torch.nn.parallel.data_parallel as m`` names the package's
+    # function of that name)
+    dp_mod = sys.modules["torch.nn.parallel.data_parallel"]
 
     for owner in (nn, par, dp_mod):
         patch(owner, "DataParallel", VirtualDataParallel)
     patch(par, "data_parallel", data_parallel)
     patch(dp_mod, "data_parallel", data_parallel)
+    for owner in (par, sys.modules["torch.nn.parallel.parallel_apply"], dp_mod):
+        patch(owner, "parallel_apply", parallel_apply_on_virtual_devices)
     for owner in (nn.parallel, ddp_mod):
         patch(owner, "DistributedDataParallel", VirtualDDP)
     # a library imported before the run holds the real classes by name (Lightning's DDP
@@ -355,6 +395,47 @@ def install(vc: VirtualCuda, patch: Patch) -> None:
         log.launched = launched
 
     vc.enter_context(lightning_launcher_played(record))
+
+
+# the dimension a subclass's own forward splits its batch along (its DataParallel's ``dim``)
+_SPLIT_DIM: contextvars.ContextVar[int] = contextvars.ContextVar("split_dim", default=0)
+
+
+def parallel_apply_on_virtual_devices(modules: Sequence[nn.Module], inputs: Sequence[Any],
+                                      kwargs_tup: Sequence[dict[str, Any]] | None = None,
+                                      devices: Sequence[Any] | None = None) -> list[Any]:
+    """torch's ``nn.parallel.parallel_apply`` on virtual devices: each replica in turn, on
+    this thread (torch starts a thread per replica, where the emulation, this thread's, is
+    not), on its device as torch picks it (the given one, else its input's); a replica's
+    exception is raised as torch raises it ("Caught ... in replica i on device d")."""
+    from torch._utils import ExceptionWrapper
+    from torch.nn.parallel.parallel_apply import get_a_var
+
+    vc = active()
+    if vc is None:
+        raise RuntimeError("parallel_apply_on_virtual_devices needs an active VirtualCuda")
+    rt = vc.rt
+    if len(modules) != len(inputs):
+        raise AssertionError(f"The number of modules {len(modules)} is not equal to the "
+                             f"number of inputs {len(inputs)}")
+    kwargs_tup = list(kwargs_tup) if kwargs_tup is not None else [{}] * len(modules)
+    indices = []
+    for k, given in enumerate(devices if devices is not None else [None] * len(modules)):
+        first = get_a_var(inputs[k]) if given is None else None
+        indices.append(vc.index_of(given) if given is not None else
+                       rt.storages.device_of(first) if first is not None else 0)
+    log = current().log
+    log.used_devices = indices
+    log.note_shards(indices, [i if isinstance(i, (list, tuple)) else (i,) for i in inputs],
+                    kwargs_tup, _SPLIT_DIM.get())
+    outputs = []
+    for k, module in enumerate(modules):
+        try:
+            outputs.append(parallel_apply(rt, [module], [inputs[k]], [kwargs_tup[k]],
+                                          [indices[k]])[0])
+        except Exception:
+            ExceptionWrapper(where=f"in replica {k} on device {indices[k]}").reraise()
+    return outputs
 
 
 def _making_virtual(real: type, virtual: type) -> Callable[..., None]:
