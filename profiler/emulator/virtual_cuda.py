@@ -61,6 +61,7 @@ from dpprof.emulator import (
     sync_batch_norm,
     tensor_api,
 )
+from dpprof.emulator.call_sites import caller_site
 from dpprof.emulator.catalog import GpuSpec, lookup_gpu
 from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.cuda_devices import (
@@ -160,6 +161,9 @@ class VirtualCuda:
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
         self._local = threading.local()
+        self._thread = threading.get_ident()  # the emulation's (set again on entry)
+        # the script's lines that moved tensors to a GPU on a thread of its own
+        self.other_thread_sites: dict[str, None] = {}
         self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``
         self.honour_visible_devices = honour_visible_devices
         # patches installed on entry after torch.cuda's, restored with them
@@ -255,12 +259,26 @@ class VirtualCuda:
         current one)."""
         return self.index_of(device if device is not None else self.current_device())
 
+    def other_threads_note(self) -> str:
+        """The report's words on tensors the script moved to a GPU on a thread of its own
+        ("": none did)."""
+        if not self.other_thread_sites:
+            return ""
+        return (f"the script moved tensors to a GPU on a thread of its own "
+                f"({', '.join(list(self.other_thread_sites)[:3])}): dpprof emulates the GPUs "
+                "on the thread the script runs on, so the memory of what such a thread "
+                "allocates is not counted (the figures are low by it) and the two threads' "
+                "devices and categories may mix; move them on the training loop's thread "
+                "(the DataLoader's pin_memory=True copies nothing to the GPU)")
+
     # ---- tensors -----------------------------------------------------------------------
 
     def copy(self, t: torch.Tensor, index: int, dtype: torch.dtype | None,
              real: torch.device | None = None) -> torch.Tensor:
         """A copy of ``t`` on runtime device ``index`` (HOST: the host) as ``dtype``."""
         rt = self.rt
+        if index != HOST and threading.get_ident() != self._thread:
+            self.other_thread_sites.setdefault(caller_site(), None)
         dtype = dtype or t.dtype
         with rt.placing_on(index):
             if index == HOST:
@@ -439,6 +457,7 @@ class VirtualCuda:
         return self._stack.enter_context(cm)
 
     def __enter__(self) -> VirtualCuda:
+        self._thread = threading.get_ident()
         emulated_cuda.activate(self)
         self.active = True
         try:

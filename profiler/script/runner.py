@@ -191,10 +191,9 @@ class ScriptRun:
     compiled_graphs: list[str] = field(default_factory=list)
     # PYTORCH_ALLOC_CONF (or its older name) and its value, as the run read it (None: unset)
     allocator_setting: tuple[str, str] | None = None
-    # the report's words on NVML's activity readings answered with stand-ins (None: none)
-    readings_note: str | None = None
-    # ... on the GPU profiling and tuning left out (None: none asked for)
-    profiled_note: str | None = None
+    # the report's words on what the emulation left out or answered otherwise: NVML's
+    # activity readings (stand-ins), GPU profiling and tuning, another thread's CUDA work
+    emulation_notes: list[str] = field(default_factory=list)
     # the calls that switched the caching allocator off (caching_allocator_enable(False))
     uncached_by: list[str] = field(default_factory=list)
     memory_fraction_set: bool = False  # set_per_process_memory_fraction was called
@@ -345,8 +344,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 finally:
                     vc.memory.allocator_config()  # the script's own environment's
                     run.allocator_setting = vc.memory.setting
-                    run.readings_note = vc.readings.note()
-                    run.profiled_note = vc.profiled.note()
+                    run.emulation_notes = [n for n in (vc.readings.note(), vc.profiled.note(),
+                                                       vc.other_threads_note()) if n]
                     run.uncached_by = list(vc.memory.uncached_by)
                     run.memory_fraction_set = bool(vc.memory.fractions)
                     run.allocator_settings_late = vc.memory.settings_late

@@ -342,7 +342,7 @@ def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
             f"the caching allocator switched off ({'; '.join(main.uncached_by[:3])}): on a "
             "GPU what is allocated while it is off bypasses it (a cudaMalloc and cudaFree "
             "each, outside torch.cuda's statistics); here it is counted as cached")
-    s0_notes.extend(n for n in (main.readings_note, main.profiled_note) if n)
+    s0_notes.extend(main.emulation_notes)
     if main.oom_raised:
         s0_notes.append(
             f"torch.OutOfMemoryError raised {len(main.oom_raised)} time(s) in the run, where "
