@@ -247,6 +247,9 @@ class Fix:
     # one step with the fix, predicted (dpprof.emulator.step_time), where its own run was
     # emulated beside the scenarios (a ladder's rung, a variant of a scenario); None else
     predicted_step_time_s: Float | None = None
+    # what making it takes where that differs from its kind's cost ("": the kind's): DDP
+    # where a library wraps the model (Hugging Face's Trainer) is only a launcher
+    change: Text = ""
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,11 @@ def test_a_library_on_pythonpath_that_wraps_data_parallel_gets_no_diff_of_its_fi
     r = CliRunner().invoke(app, ["run", "--gpus", "2", "--steps", "3", "--ranks", "none",
                                  "-o", str(out), "--", "python", str(script)])
     assert r.exit_code == 0, r.output
-    fixes = {f["name"]: f for f in json.loads(out.read_text())["fixes"]}
+    result = json.loads(out.read_text())
+    fixes = {f["name"]: f for f in result["fixes"]}
     code = fixes["ddp"]["code"]
     assert "wrapped by a library's code (wrapper_library.py:" in code, code
     assert "+++" not in code  # no diff of the library's lines
+    # and what it costs is the launcher alone, not a process group and a sampler to write
+    why = next(a["why"] for a in result["recommended"]["fixes"] if a["fix"] == "ddp")
+    assert "Cost: a launcher: torchrun --nproc-per-node 2 (where the library" in why, why

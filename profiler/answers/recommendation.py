@@ -153,7 +153,7 @@ def _step_time_added(base: ScenarioResult, own: ScenarioResult | None,
 
 def _cost_words(cost: Cost, f: Fix, added_s: float | None = None) -> str:
     lines = lines_changed(f.code)
-    words = cost.change + (f" ({lines} lines changed)" if lines else "")
+    words = (f.change or cost.change) + (f" ({lines} lines changed)" if lines else "")
     words += f"; step time: {cost.step_time}" if cost.step_time else ""
     if added_s is not None:
         words += f" (predicted {added_s * 1e3:+.1f} ms a step)"

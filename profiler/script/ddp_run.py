@@ -466,6 +466,11 @@ class DdpInPlace(Alternative):
                               diff_ddp(main, n, batch_sites=followed.batch_sites,
                                        flags=self.flags,
                                        loader_sites=tuple(followed.loader_sites)))
+        if fix is not None and main.dp_sites and _library_site(main.dp_sites[0]):
+            # the library wraps DDP itself once started by a launcher: nothing else to write
+            fix = dataclasses.replace(fix, change=(
+                f"a launcher: torchrun --nproc-per-node {n} (where the library, as Hugging "
+                "Face's Trainer does, makes the process group, the sampler and DDP itself)"))
         if fix is not None:
             runs.fixes.append(fix)
 
