@@ -247,9 +247,7 @@ class Fix:
     # one step with the fix, predicted (dpprof.emulator.step_time), where its own run was
     # emulated beside the scenarios (a ladder's rung, a variant of a scenario); None else
     predicted_step_time_s: Float | None = None
-    # what making it takes where that differs from its kind's cost ("": the kind's): DDP
-    # where a library wraps the model (Hugging Face's Trainer) is only a launcher
-    change: Text = ""
+    change: Text = ""  # what making it takes, where not its kind's ("": the kind's cost)
 
 
 @dataclass(frozen=True)
@@ -513,8 +511,7 @@ class WatchOom:
     allocated_by_pytorch_bytes: Bytes | None = None
     reserved_unallocated_bytes: Bytes | None = None
     exception: Text | None = None  # e.g. torch.OutOfMemoryError
-    # per watched GPU ("cuda:N"): the last NVML reading at or before t_s, and the highest in
-    # the second before it
+    # per watched GPU ("cuda:N"): the last NVML reading at or before t_s, the highest before
     used_at_oom_bytes: BytesMap = field(default_factory=dict)
     peak_before_oom_bytes: BytesMap = field(default_factory=dict)
 

@@ -72,7 +72,8 @@ def _edited(view: ReportView) -> ReportView:
         scenarios=scenarios,
         attributions=(att, *view.attributions[1:]),
         cause_rows=((key, "cause label from the view"), *view.cause_rows[1:]),
-        fixes=(fix,), recommended=fix, recommendation_title="fix title from the view",
+        fixes=(fix,), recommended=fix,
+        recommendation_heading="Recommended: fix title from the view",
         notes=("note from the view",),
         assumptions=("assumption from the view",),
     )
