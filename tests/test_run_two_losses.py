@@ -110,3 +110,33 @@ def test_two_losses_on_the_outputs_move_inside_forward_as_the_hand_written_fix(
     if not reads_outputs:  # and lower on cuda:0 than the losses over the whole batch there
         primary = ran["dp-loss-primary"].devices[0].peak_allocated_bytes
         assert alt.devices[0].peak_allocated_bytes < primary
+
+
+EVALUATED = COMMON + """
+model = nn.DataParallel(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    for k in range({evaluations}):  # an evaluation left under grad: losses, no backward
+        xv = torch.randn(256, 512).cuda()
+        yv = torch.randint(0, 8192, (256,)).cuda()
+        out = model(xv)
+        seen = criterion(out, yv) + criterion(out, yv.flip(0))
+    x = torch.randn(256, 512).cuda()
+    y = torch.randint(0, 8192, (256,)).cuda()
+    loss = criterion(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_outputs_held_for_a_second_loss_go_with_the_next_forward(tmp_path: Path) -> None:
+    """A loop that computes losses without a backward (an evaluation under grad) lets each
+    iteration's outputs go, as the fixed code does: the peak is the same after one such
+    iteration as after four (the held outputs piled up until the next backward)."""
+    peaks = []
+    for evaluations in (1, 4):
+        ran = _scenarios(tmp_path, f"eval{evaluations}.py",
+                         EVALUATED.format(evaluations=evaluations), True)
+        peaks.append([d.peak_allocated_bytes for d in ran["dp-loss-forward"].devices])
+    assert peaks[0] == peaks[1]

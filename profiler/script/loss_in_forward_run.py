@@ -123,9 +123,7 @@ class LossInForward(Alternative):
         orig_backward = torch.autograd.backward
 
         def backward(*args: Any, **kwargs: Any) -> Any:
-            held = state_of(vc).log.holding_replica_outputs
-            while held:
-                held.pop().release()
+            _release_held(vc)
             return orig_backward(*args, **kwargs)
 
         patcher.patch(torch.autograd, "backward", backward)
@@ -140,6 +138,7 @@ class LossInForward(Alternative):
                 "in the wrapped module's forward by hand")
             return dp.as_written(inputs, kwargs)
         if not kwargs and len(dp.device_ids) > 1 and torch.is_grad_enabled():
+            _release_held(dp._vc)  # a new forward: the last one's losses are all computed
             return DeferredOutputs(dp, inputs, caller_site())
         return dp.run(dp.module, inputs, kwargs)
 
@@ -195,6 +194,14 @@ class LossInForward(Alternative):
         fix = alternative_fix(self.kind, main, alt, detail, diff_loss_in_forward(alt))
         if fix is not None:
             runs.fixes.append(fix)
+
+
+def _release_held(vc: VirtualCuda) -> None:
+    """The replicas' outputs held for another loss on them are let go: the backward begins,
+    or the next forward (a loop with no backward: an evaluation under grad)."""
+    held = state_of(vc).log.holding_replica_outputs
+    while held:
+        held.pop().release()
 
 
 def _followed(run: ScriptRun) -> LossInForwardState:
