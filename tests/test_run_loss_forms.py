@@ -1,6 +1,6 @@
 """The loss inside forward over generated ways of writing a loss on DataParallel's outputs:
-one loss call or several on the same outputs (a sum in one statement, a helper function as
-mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE,
+one loss call or several on the same outputs (a sum in one statement, each on half the
+outputs' columns, a helper function as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE,
 with and without a later read of the outputs (an accuracy). For each, the
 ``loss-in-forward`` alternative is held to two things it does not compute itself:
 
@@ -18,7 +18,7 @@ import io
 import re
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dpprof.script.loss_in_forward_run import STRATEGY
@@ -38,6 +38,8 @@ FORMS = {
             "loss = self.crit_a(out, {t1}) + 0.5 * self.crit_b(out, {t2})"),
     "helper": ("loss = mixed(crit_a, out, {t1}, {t2}, 0.7)",
                "loss = mixed(self.crit_a, out, {t1}, {t2}, 0.7)"),
+    "halves": ("loss = crit_a(out[:, :256], {t1}) + 0.5 * crit_b(out[:, 256:], {t2})",
+               "loss = self.crit_a(out[:, :256], {t1}) + 0.5 * self.crit_b(out[:, 256:], {t2})"),
     "statements": ("first = crit_a(out, {t1})\n    second = crit_b(out, {t2})\n"
                    "    loss = first + second",
                    "first = self.crit_a(out, {t1})\n        second = self.crit_b(out, {t2})\n"
@@ -115,8 +117,10 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
                         compute=compute)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
+@example(form="halves", crit_a="ce_ignore", crit_b="mse", reads=False, rows=100)
+@example(form="helper", crit_a="ce", crit_b="ce", reads=True, rows=64)
 @given(form=st.sampled_from(sorted(FORMS)), crit_a=st.sampled_from(sorted(CRITERIA)),
        crit_b=st.sampled_from(sorted(CRITERIA)), reads=st.booleans(),
        rows=st.sampled_from([64, 96, 100]))
@@ -126,6 +130,9 @@ def test_each_way_of_writing_the_loss_moves_inside_forward_as_written_by_hand(
     if form == "helper":  # mixup's helper calls one criterion twice
         crit_b = crit_a
     t1, t2 = CRITERIA[crit_a][1], CRITERIA[crit_b][1] + "2"
+    if form == "halves":  # each loss on half the outputs' columns, its targets to match
+        t1 = f"{t1} % 256" if t1 == "y" else f"{t1}[:, :256]"
+        t2 = f"{t2} % 256" if t2 == "y2" else f"{t2}[:, 256:]"
     head = {"rows": rows, "crit_a": CRITERIA[crit_a][0], "crit_b": CRITERIA[crit_b][0]}
     read = READ if reads else ""
     script = tmp_path / "train.py"

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, scatter_kwargs
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
-from dpprof.script.loss_expression import compiled, find_in_frame
+from dpprof.script.loss_expression import FoundLoss, compiled, losses_in_frame
 from dpprof.script.parallel_state import current
 from dpprof.script.source import dotted_name
 
@@ -46,6 +46,8 @@ class DeferredOutputs:
         # (device, that replica's outputs) once a loss was computed inside forward on them,
         # while another loss may still be: until the backward begins
         self.replicas: list[tuple[int, Any]] = []
+        self.queued: list[FoundLoss] = []  # the statement's further losses on the outputs
+        self.losses = 0  # the losses computed inside forward on them
 
     def materialize(self) -> Any:
         if self.value is None:
@@ -97,7 +99,15 @@ class DeferredOutputs:
         is a stand-in that the loss call answers with the combined loss. None: any other
         use (the outputs computed as written)."""
         if self.pending is not None:
-            return None if self.pending.answered else self.pending
+            if not self.pending.answered:
+                return self.pending
+            if not (self.queued and self.replicas):
+                return None
+            # the statement's next loss on the outputs: beside the first, inside forward
+            found = self.queued.pop(0)
+            current().log.loss_sites.append(found.site)
+            self.pending = PendingLoss(self.beside(compiled(found), found.targets))
+            return self.pending
         if self.value is not None or self.used_as_loss or not torch.is_grad_enabled():
             return None
         frame = caller_frame()
@@ -107,12 +117,13 @@ class DeferredOutputs:
         rows = next((int(t.shape[self.dp.dim]) for t in tree_leaves(self.inputs)
                      if isinstance(t, torch.Tensor) and t.dim() > self.dp.dim), 0)
         try:
-            found = find_in_frame(frame, lambda v: v is self, self.dp, rows, self.dp.dim)
+            losses = losses_in_frame(frame, lambda v: v is self, self.dp, rows, self.dp.dim)
         except Exception as e:  # reading the script's own values: it runs on, as written
-            found = f"dpprof could not read the loss's expression ({type(e).__name__}: {e})"
-        if isinstance(found, str):
-            log.no_loss_forward = log.no_loss_forward or found
+            losses = f"dpprof could not read the loss's expression ({type(e).__name__}: {e})"
+        if isinstance(losses, str):
+            log.no_loss_forward = log.no_loss_forward or losses
             return None
+        found, *self.queued = losses
         self.used_as_loss = True
         log.call_sites.append(self.site)
         log.loss_sites.append(found.site)
@@ -131,6 +142,8 @@ class DeferredOutputs:
         out = self.dp.run(wrapped, (inputs, targets), {})
         log = current().log
         log.loss_in_forward += 1
+        self.losses += 1
+        log.most_losses_on_outputs = max(log.most_losses_on_outputs, self.losses)
         self.replicas = list(zip(log.used_devices, wrapped.kept, strict=True))
         log.holding_replica_outputs.append(self)
         if keep:  # the script's later uses of the outputs get the gathered ones
@@ -149,7 +162,10 @@ class DeferredOutputs:
         for (device, outputs), (shard,) in zip(self.replicas, shards, strict=True):
             with rt.device(device), rt.category("activations"):
                 pairs.append(weigh.weighted_loss(outputs, shard, shard))
-        current().log.loss_in_forward += 1
+        log = current().log
+        log.loss_in_forward += 1
+        self.losses += 1
+        log.most_losses_on_outputs = max(log.most_losses_on_outputs, self.losses)
         with rt.category("outputs"):
             gathered = gather(rt, pairs, self.dp._vc.index_of(self.dp.output_device),
                               self.dp.dim)

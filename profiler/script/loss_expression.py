@@ -166,10 +166,18 @@ class FoundLoss:
 
 def find_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module,
                   rows: int, dim: int) -> FoundLoss | str:
-    """The loss call of the statement ``frame`` is running whose arguments read the outputs
-    (a name whose value ``is_outputs``, or ``model``'s call), as a :class:`LossFunction`
-    whose targets are the one tensor of the batch (``rows`` along ``dim``) it reads; or,
-    where there is none, why (one sentence)."""
+    """The first of :func:`losses_in_frame`, or why there is none."""
+    found = losses_in_frame(frame, is_outputs, model, rows, dim)
+    return found if isinstance(found, str) else found[0]
+
+
+def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module,
+                    rows: int, dim: int) -> list[FoundLoss] | str:
+    """The loss calls of the statement ``frame`` is running whose arguments read the
+    outputs (a name whose value ``is_outputs``, or ``model``'s call), in the order Python
+    evaluates them (left to right: ``crit(out[0], y) + 0.4 * crit(out[1], y)``), each as a
+    :class:`LossFunction` whose targets are the one tensor of the batch (``rows`` along
+    ``dim``) it reads; or, where there is none, why (one sentence)."""
     path, line = frame.f_code.co_filename, frame.f_lineno
     where = f"{Path(path).name}:{line}"
     src = _source(path)
@@ -195,10 +203,25 @@ def find_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn
                     f"loss (`{text}`)")
         if not any(loss is seen for seen in losses):
             losses.append(loss)
-    if len(losses) > 1:
-        return (f"{where} computes {len(losses)} losses on the outputs (a sum of losses), "
-                "and dpprof moves one loss call inside forward")
-    loss = losses[0]
+    model_calls = [r for r in refs if isinstance(r, ast.Call)]
+    if len(losses) > 1 and model_calls:  # each loss its own forward: not the same outputs
+        return (f"{where} computes {len(losses)} losses, each on a call of the model, and "
+                "dpprof moves the losses of one forward inside it")
+    found: list[FoundLoss] = []
+    for loss in sorted(losses, key=lambda c: (c.lineno, c.col_offset)):
+        one = _found_loss(frame, src, loss, refs, is_outputs, rows, dim)
+        if isinstance(one, str):
+            return one
+        found.append(one)
+    return found
+
+
+def _found_loss(frame: FrameType, src: ScriptSource, loss: ast.Call, refs: list[ast.expr],
+                is_outputs: Callable[[Any], bool], rows: int, dim: int) -> FoundLoss | str:
+    """The loss call ``loss`` (of the outputs' places ``refs``) as a :class:`FoundLoss`, or
+    why not."""
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    where = f"{Path(path).name}:{line}"
     model_call = next((r for r in refs if isinstance(r, ast.Call)), None)
     outputs_name = next((r.id for r in refs if isinstance(r, ast.Name)), "")
     callee_root = (dotted_name(loss.func) or "").split(".")[0]

@@ -26,7 +26,7 @@ from dpprof.script.deferred_outputs import (
 from dpprof.script.loss_in_forward_diff import loss_in_forward_at
 from dpprof.script.notes import alternative_fix, alternative_notes
 from dpprof.script.parallel_state import state_of
-from dpprof.script.rewrite import rewrite_text
+from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
 from dpprof.units import fmt_bytes
@@ -64,6 +64,7 @@ class LossInForwardState(AlternativeState):
     # loss site -> (callee, targets' batch tensor) of a loss on an expression of the outputs
     loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
     no_loss_forward: str = ""  # why the loss could not move inside forward ("" where it did)
+    most_losses: int = 0  # the most losses computed inside forward on one forward's outputs
 
     @property
     def losses_inside_forward(self) -> bool:
@@ -83,6 +84,12 @@ def diff_loss_in_forward(run: ScriptRun) -> str:
     state = loss_in_forward_state(run)
     if not (run.dp_sites and state is not None and state.call_sites and state.loss_sites):
         return ""
+    if state.most_losses > 1:  # the diff moves one loss call
+        return rewrite_text(Rewrite(reason=(
+            f"{relative_site(state.loss_sites[0])}: {state.most_losses} losses on the same "
+            "outputs, which the alternative computed inside forward together: give "
+            "ModelWithLoss one function of the outputs and the targets that computes them "
+            "all, by hand")))
     callee, targets = state.loss_expressions.get(state.loss_sites[0], ("", ""))
     return rewrite_text(loss_in_forward_at(run.dp_sites[0], state.call_sites[0],
                                            state.loss_sites[0], callee, targets))
@@ -151,6 +158,7 @@ class LossInForward(Alternative):
         state.loss_sites = list(log.loss_sites)
         state.loss_expressions = dict(log.loss_expressions)
         state.no_loss_forward = log.no_loss_forward
+        state.most_losses = log.most_losses_on_outputs
 
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus

@@ -42,6 +42,7 @@ class ParallelLog:
     # deferred outputs whose replicas' outputs are held for another loss on them, until the
     # backward begins (the loss inside forward computes every loss on them there)
     holding_replica_outputs: list[Any] = field(default_factory=list)
+    most_losses_on_outputs: int = 0  # of one forward's outputs, computed inside forward
     fake_group: bool = False  # a fake default process group was initialised
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     tensor_parallel: int = 0  # parallelize_module calls
