@@ -22,7 +22,7 @@ from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, scatter_kwargs
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
 from dpprof.script.loss_expression import FoundLoss, compiled, losses_in_frame
-from dpprof.script.parallel_state import current
+from dpprof.script.parallel_state import ParallelLog, current
 from dpprof.script.source import dotted_name
 
 if TYPE_CHECKING:
@@ -140,10 +140,7 @@ class DeferredOutputs:
         wrapped.kept = []
         inputs = self.inputs if len(self.inputs) != 1 else self.inputs[0]
         out = self.dp.run(wrapped, (inputs, targets), {})
-        log = current().log
-        log.loss_in_forward += 1
-        self.losses += 1
-        log.most_losses_on_outputs = max(log.most_losses_on_outputs, self.losses)
+        log = self._count_loss()
         self.replicas = list(zip(log.used_devices, wrapped.kept, strict=True))
         log.holding_replica_outputs.append(self)
         if keep:  # the script's later uses of the outputs get the gathered ones
@@ -162,14 +159,19 @@ class DeferredOutputs:
         for (device, outputs), (shard,) in zip(self.replicas, shards, strict=True):
             with rt.device(device), rt.category("activations"):
                 pairs.append(weigh.weighted_loss(outputs, shard, shard))
-        log = current().log
-        log.loss_in_forward += 1
-        self.losses += 1
-        log.most_losses_on_outputs = max(log.most_losses_on_outputs, self.losses)
+        self._count_loss()
         with rt.category("outputs"):
             gathered = gather(rt, pairs, self.dp._vc.index_of(self.dp.output_device),
                               self.dp.dim)
         return ModelWithLoss.combine(gathered)
+
+    def _count_loss(self) -> ParallelLog:
+        """One more loss computed inside forward on these outputs, in the run's log."""
+        log = current().log
+        log.loss_in_forward += 1
+        self.losses += 1
+        log.most_losses_on_outputs = max(log.most_losses_on_outputs, self.losses)
+        return log
 
     def release(self) -> None:
         """The backward begins: every loss on the outputs was computed (in the fixed code,
