@@ -53,7 +53,6 @@ DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gr
           "optimizer state and its share of each batch.")
 
 
-
 @dataclass
 class DdpState(AlternativeState):
     """What one run of the DDP alternative follows (its record, :func:`ddp_state`)."""
