@@ -165,3 +165,35 @@ def test_each_way_of_writing_the_loss_moves_inside_forward_as_written_by_hand(
     for whole, combined in zip(*printed, strict=True):
         assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole))), (
             form, printed)
+
+
+EVALUATED = HEAD + """
+model = nn.DataParallel(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    for k in range({evaluations}):  # an evaluation left under grad: losses, no backward
+        x, y, y2, z, z2 = batch()
+        out = model(x)
+        seen = crit_a(out, y) + crit_b(out, y2)
+    x, y, y2, z, z2 = batch()
+    loss = crit_a(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_outputs_held_for_a_second_loss_go_with_the_next_forward(tmp_path: Path) -> None:
+    """A loop that computes losses without a backward (an evaluation under grad) lets each
+    iteration's outputs go, as the fixed code does: the peak is the same after one such
+    iteration as after four (the held outputs piled up until the next backward)."""
+    peaks = []
+    criterion = CRITERIA["ce"][0]
+    for evaluations in (1, 4):
+        script = tmp_path / f"eval{evaluations}.py"
+        script.write_text(EVALUATED.format(rows=256, crit_a=criterion, crit_b=criterion,
+                                           evaluations=evaluations))
+        ran, _ = run_command(_config(script))
+        alt = next(s for s in ran.scenarios if s.name == "dp-loss-forward")
+        peaks.append([d.peak_allocated_bytes for d in alt.devices])
+    assert peaks[0] == peaks[1]
