@@ -30,6 +30,7 @@ from dpprof.answers.setups import (
 from dpprof.fixes.fix_kind import MIN_SAVING
 from dpprof.fixes.fix_registry import applies_to, as_scenario, cost_of, from_scenarios
 from dpprof.fixes.policy import (
+    IMBALANCE_FLOOR,
     IMBALANCE_THRESHOLD,
     LADDER_PREFIX,
     Cost,
@@ -231,13 +232,19 @@ def choose(run: RunResult, base: ScenarioResult | None, setup: str,
     imbalance = comp.imbalance if comp is not None else 1.0
     fits = base.status == STATUS_OK
     roomy = fits and need + base_margin <= cap
-    balanced_enough = imbalance <= IMBALANCE_THRESHOLD or len(used(base)) < 2
+    above_mean = int(comp.max_bytes - comp.mean_bytes) if comp is not None else 0
+    slight = above_mean < IMBALANCE_FLOOR * cap  # under the floor: nothing a GPU notices
+    balanced_enough = imbalance <= IMBALANCE_THRESHOLD or len(used(base)) < 2 or slight
     if roomy and balanced_enough:
+        balance = (f"its heaviest GPU is {imbalance:.2f}x the mean, within the policy's "
+                   f"{IMBALANCE_THRESHOLD:.2f}x" if imbalance <= IMBALANCE_THRESHOLD
+                   or len(used(base)) < 2 else
+                   f"its heaviest GPU, {imbalance:.2f}x the mean, is above it by less than "
+                   f"the policy's {IMBALANCE_FLOOR:.0%} of the GPU (what the imbalance costs "
+                   "at a larger batch: dpprof maxbatch)")
         return Pick(why=(
             f"Nothing to change: {base.name} fits, its fullest GPU needs {fmt_bytes(need)} of "
-            f"{budget_words(run, base)} ({counted_words(run)}), and its heaviest GPU is "
-            f"{imbalance:.2f}x "
-            f"the mean, within the policy's {IMBALANCE_THRESHOLD:.2f}x."),
+            f"{budget_words(run, base)} ({counted_words(run)}), and {balance}."),
             need_bytes=need, fits=True, margin_bytes=base_margin)
     helpful = [a for a in fixes if a.heaviest_saves_bytes > 0 and not within_noise(a)
                and a.fits is True]
