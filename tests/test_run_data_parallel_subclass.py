@@ -105,6 +105,22 @@ def test_dataparallels_forward_written_out_with_torchs_pieces_peaks_as_dataparal
     assert [d["batch_rows"] for d in written["devices"]] == [16] * 4
 
 
+def test_replicas_under_bf16_autocast_compute_as_torchs_threads_make_them(
+        tmp_path: Path) -> None:
+    """torch's parallel_apply enters autocast in each replica's thread without a dtype:
+    float16 there, whatever the caller's region asked; called by a subclass as by
+    DataParallel itself."""
+    region = ("    with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+              "        out = model(x)\n")
+    notes = []
+    for name, source in (("written.py", WRITTEN_OUT), ("plain.py", PLAIN)):
+        source = source.replace("    out = model(x)\n", region)
+        notes.append([n for n in _scenario(_run(tmp_path, name, source),
+                                           "dp-loss-primary")["notes"]
+                      if "replicas compute in float16, not bfloat16" in n])
+    assert notes[0] and notes[0] == notes[1]
+
+
 @pytest.mark.parametrize("first", [4, 10])
 def test_a_subclass_that_splits_the_batch_its_own_way_runs_as_written(
         tmp_path: Path, first: int) -> None:

@@ -405,7 +405,7 @@ def replicas_float16_note(rt: VirtualDevices) -> str | None:
 def parallel_apply(
     rt: VirtualDevices, modules: Sequence[nn.Module], inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]], devices: Sequence[int],
-    mirrors: Sequence[Sequence[int]] = (),
+    mirrors: Sequence[Sequence[int]] = (), threads: int = 0,
 ) -> list[Any]:
     """Each replica on its own device; threads in torch, one after another here.
 
@@ -416,7 +416,8 @@ def parallel_apply(
     """
     outputs: list[Any] = []
     log = rt.storages.events.device
-    threads = len(modules) + sum(len(m) for m in mirrors)  # torch's: one per device used
+    # torch's: one per device used (``threads``: where the caller runs part of them)
+    threads = threads or len(modules) + sum(len(m) for m in mirrors)
     for k, module in enumerate(modules):
         inp = inputs[k]
         if not isinstance(inp, (list, tuple)):

@@ -432,7 +432,7 @@ def parallel_apply_on_virtual_devices(modules: Sequence[nn.Module], inputs: Sequ
     for k, module in enumerate(modules):
         try:
             outputs.append(parallel_apply(rt, [module], [inputs[k]], [kwargs_tup[k]],
-                                          [indices[k]])[0])
+                                          [indices[k]], threads=len(modules))[0])
         except Exception:
             ExceptionWrapper(where=f"in replica {k} on device {indices[k]}").reraise()
     return outputs
