@@ -74,6 +74,8 @@ def check(run: RunResult) -> Recommendation:
         base = run.scenario(answer.baseline) if answer.baseline else None
         fits = base is not None and base.status == "ok"
         assert said["html"] == (NOTHING if fits else NONE_FOUND), (said, answer.why)
+        # and the verdict's words agree with the heading
+        assert ("recommended: nothing to change" in answer.verdict) <= fits, answer.verdict
     else:
         chosen = next(a for a in answer.fixes if a.fix == answer.fix)
         assert said["html"] == chosen.title

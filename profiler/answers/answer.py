@@ -209,8 +209,10 @@ def _verdict(run: RunResult, base: ScenarioResult | None, pick: Pick) -> tuple[s
     if pick.fix is not None:
         tail.append(f"recommended: {pick.title}{pick.on}, the cheapest change measured that "
                     "fits (the code is below)")
-    elif measured(base) and (pick.fix is None) and pick.why:
-        tail.append("recommended: nothing to change")
+    elif measured(base) and pick.why:
+        # "nothing to change" only where what the user runs fits as it is
+        tail.append("recommended: nothing to change" if pick.fits else
+                    "no recommendation: no change measured fits")
     before = prefix + "; ".join(parts)
     after = "".join("; " + t for t in tail)
     if clause:
