@@ -187,7 +187,9 @@ def test_where_no_rung_fits_the_report_says_so_and_what_each_needs(tmp_path: Pat
     passed = {p.title: p.reason for p in answer.passed_over}
     for fix in rungs(result).values():
         assert passed[fix.title].startswith("it does not fit: its fullest GPU needs")
-    assert "recommended: nothing to change" in result.comparison.verdict
+    # not "recommended: nothing to change" after "none of the scenarios run fits"
+    assert "no recommendation: no change measured fits" in result.comparison.verdict
+    assert "nothing to change" not in result.comparison.verdict
 
 
 def test_a_script_that_shards_its_model_itself_is_told_why_it_gets_no_ladder() -> None:
