@@ -197,3 +197,46 @@ def test_outputs_held_for_a_second_loss_go_with_the_next_forward(tmp_path: Path)
         alt = next(s for s in ran.scenarios if s.name == "dp-loss-forward")
         peaks.append([d.peak_allocated_bytes for d in alt.devices])
     assert peaks[0] == peaks[1]
+
+
+KEYWORDS = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 512)
+
+    def forward(self, features):
+        return self.fc(features)
+
+
+model = nn.DataParallel(Net().cuda())
+criterion = nn.CrossEntropyLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x = torch.randn(64, 64).cuda()
+    y = torch.randint(0, 512, (64,)).cuda()
+    out = model(features=x)
+    loss = criterion(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_model_called_with_keywords_is_told_why_its_loss_stays_outside(
+        tmp_path: Path) -> None:
+    """``model(input_ids=ids)`` (Hugging Face's way of calling a model): the alternative
+    does not defer such a call; the report said "the script's loss is not an nn.Module loss
+    called on DataParallel's outputs", which it is."""
+    script = tmp_path / "train.py"
+    script.write_text(KEYWORDS)
+    ran, _ = run_command(_config(script))
+    line = next(i for i, text in enumerate(KEYWORDS.splitlines(), 1) if "features=x" in text)
+    (said,) = [n for n in ran.notes if n.startswith("no loss-inside-forward alternative")]
+    assert said.startswith("no loss-inside-forward alternative: the model is called with "
+                           "keyword arguments (features) at "), said
+    assert f"train.py:{line}, which ModelWithLoss's forward does not take" in said, said

@@ -147,6 +147,13 @@ class LossInForward(Alternative):
         if not kwargs and len(dp.device_ids) > 1 and torch.is_grad_enabled():
             _release_held(dp._vc)  # a new forward: the last one's losses are all computed
             return DeferredOutputs(dp, inputs, caller_site())
+        if kwargs and torch.is_grad_enabled():
+            log = state_of(dp._vc).log
+            log.no_loss_forward = log.no_loss_forward or (
+                f"the model is called with keyword arguments ({', '.join(sorted(kwargs))}) "
+                f"at {relative_site(caller_site())}, which ModelWithLoss's forward does not "
+                "take: compute the loss in the model's forward by hand (as a Hugging Face "
+                "model does when given labels=)")
         return dp.run(dp.module, inputs, kwargs)
 
     def after_run(self, state: AlternativeState, vc: VirtualCuda,
