@@ -25,9 +25,12 @@ _INSTALL_KEYS = ("stdlib", "platstdlib", "purelib", "platlib")
 _PACKAGE_FOLDERS = ("site-packages", "dist-packages")
 
 
+@functools.lru_cache(maxsize=4096)
 def installed_site(path: str) -> str:
     """``path`` relative to the folder its package is installed in
-    (``transformers/trainer.py``), or "" where it is not an installed package's file."""
+    (``transformers/trainer.py``), or "" where it is not an installed package's file.
+    Cached by the path as given: a frame's file name, asked at each batch the DDP
+    alternative cuts (the file system asked once)."""
     if not path or path.startswith("<"):
         return ""
     return _installed(os.path.realpath(path))
@@ -38,7 +41,6 @@ def is_installed(path: str) -> bool:
     return bool(installed_site(path))
 
 
-@functools.lru_cache(maxsize=4096)
 def _installed(real: str) -> str:
     for root in _install_roots():
         if real.startswith(root + os.sep):
