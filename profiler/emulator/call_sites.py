@@ -3,15 +3,17 @@ user's line, as reports name it), and whether a file is dpprof's own."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 
 __all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "constructing_site",
-           "in_dpprof", "relative_site"]
+           "frame_locals", "in_dpprof", "relative_site"]
 
 _DPPROF_DIR = str(Path(__file__).resolve().parents[1])
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -37,12 +39,35 @@ def caller_site(also_skip: tuple[str, ...] = ()) -> str:
     return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
+def frame_locals(frame: FrameType) -> dict[str, Any]:
+    """A copy of ``frame``'s local names and their values, read without keeping them.
+
+    Before Python 3.13, reading ``f_locals`` of a function's frame leaves a dict on the frame
+    holding every local's value at that moment, until the next read: a training loop read at
+    its loss statement would keep the last step's loss and its graph alive through the
+    backward, memory the program itself does not hold. That dict is emptied after the copy,
+    unless the program holds it too (its own ``locals()``, which is the same dict)."""
+    names = frame.f_locals
+    copy = dict(names)
+    if (sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED
+            and names is not frame.f_globals
+            and sys.getrefcount(names) <= _HELD_BY_FRAME_AND_HERE):
+        names.clear()
+    return copy
+
+
+# references to a frame's locals dict that this module's read makes: the frame's own, the
+# name ``names`` and getrefcount's argument
+_HELD_BY_FRAME_AND_HERE = 3
+
+
 def constructing_site(obj: object) -> str:
     """:func:`caller_site` of the line that constructed ``obj``: past the ``__init__`` of its
     own class or of a subclass (the user's ``BalancedDataParallel(...)``, not that class's
     ``super().__init__``)."""
     f = caller_frame()
-    while f is not None and f.f_code.co_name == "__init__" and f.f_locals.get("self") is obj:
+    while (f is not None and f.f_code.co_name == "__init__"
+           and frame_locals(f).get("self") is obj):
         f = f.f_back
         while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
                                                                   "<"))):
