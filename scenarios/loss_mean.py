@@ -9,9 +9,9 @@ each replica's shard, the whole batch's loss is ``sum_i loss_i * d_i / sum_i d_i
 returns ``(loss_i * d_i, d_i)`` and combines them so. A loss with ``reduction="sum"`` adds
 up instead: its shards add up, which this weighting does not give (no denominator).
 
-:func:`loss_calls` records the loss modules a loss function calls (``lambda out, y:
-criterion(out.view(-1, V), y.view(-1))``), so the denominator of the one loss module behind
-it can be read.
+:func:`loss_calls` records the losses a loss function calls (``lambda out, y:
+criterion(out.view(-1, V), y.view(-1))``, ``F.cross_entropy(..., ignore_index=-1)``), so the
+denominator of the one loss behind it can be read.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from dpprof.scenarios.losses import as_module_call, is_functional_loss
 
 # losses whose mean is over every element of the (broadcast) input and target
 _ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
@@ -76,12 +79,32 @@ def _record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             output: Any) -> None:
     calls = getattr(_recording, "calls", None)
     if calls is not None and isinstance(module, nn.modules.loss._Loss):
+        if calls and calls[-1][3] is output:  # the function its forward returned: one call
+            calls.pop()
         calls.append((module, args, kwargs, output))
+
+
+class _FunctionalLosses(TorchFunctionMode):
+    """Records each call of a loss function of ``torch.nn.functional`` (whatever name the
+    code calls it by) as the loss module that computes the same
+    (:func:`dpprof.scenarios.losses.as_module_call`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        calls = getattr(_recording, "calls", None)
+        if calls is not None and is_functional_loss(func):
+            as_module = as_module_call(func, args, kwargs)
+            if as_module is not None:
+                calls.append((as_module[0], as_module[1], {}, out))
+        return out
 
 
 @contextlib.contextmanager
 def loss_calls() -> Iterator[list[tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any]]]:
-    """The loss modules called on this thread inside the block, with their arguments and
+    """The losses called on this thread inside the block, as loss modules (a function of
+    ``torch.nn.functional`` as the module that computes the same), with their arguments and
     output (DataParallel's replicas run in threads of their own: each records its own)."""
     outer = getattr(_recording, "calls", None)
     calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any]] = []
@@ -89,7 +112,8 @@ def loss_calls() -> Iterator[list[tuple[nn.Module, tuple[Any, ...], dict[str, An
     handle = nn.modules.module.register_module_forward_hook(
         lambda m, a, k, o: _record(m, a, k, o), with_kwargs=True)
     try:
-        yield calls
+        with _FunctionalLosses():
+            yield calls
     finally:
         handle.remove()
         _recording.calls = outer

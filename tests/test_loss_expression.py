@@ -2,7 +2,8 @@
 (:mod:`dpprof.script.loss_expression`), over generated losses x views.
 
 Each example is a script: a model wrapped in ``nn.DataParallel`` whose loop computes
-``criterion(<an expression of logits>, <an expression of y>)``. Checked:
+``criterion(<an expression of logits>, <an expression of y>)``, the criterion one of torch's
+loss modules or of torch.nn.functional's losses (its settings in the call). Checked:
 
 * offered: in the statement as it runs, the loss call is found (not a reason);
 * the value: the function found, applied by ``ModelWithLoss`` to each replica's shards
@@ -22,7 +23,7 @@ import textwrap
 from typing import Any
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_script_rewrite import apply_diff, line_of
 from torch import nn
@@ -31,16 +32,24 @@ from dpprof.scenarios.measured_loop import ModelWithLoss
 from dpprof.script import loss_in_forward_diff
 from dpprof.script.loss_expression import FoundLoss, compiled, find_in_frame
 
+# the loss, the kind of its targets, what its call is given besides (a function of
+# torch.nn.functional takes its settings in the call)
 LOSSES = {
-    "ce": ("nn.CrossEntropyLoss()", "index"),
-    "ce_smooth": ("nn.CrossEntropyLoss(label_smoothing=0.1)", "index"),
-    "ce_ignore": ("nn.CrossEntropyLoss(ignore_index=0)", "index"),
+    "ce": ("nn.CrossEntropyLoss()", "index", ""),
+    "ce_smooth": ("nn.CrossEntropyLoss(label_smoothing=0.1)", "index", ""),
+    "ce_ignore": ("nn.CrossEntropyLoss(ignore_index=0)", "index", ""),
     "ce_ignore_smooth": ("nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.2)",
-                         "index"),
+                         "index", ""),
     "ce_weight_ignore": ("nn.CrossEntropyLoss(weight=torch.linspace(0.5, 2.0, V), "
-                         "ignore_index=0)", "index"),
-    "nll_ignore": ("nn.NLLLoss(ignore_index=0)", "log_softmax"),
-    "mse": ("nn.MSELoss()", "float"),
+                         "ignore_index=0)", "index", ""),
+    "nll_ignore": ("nn.NLLLoss(ignore_index=0)", "log_softmax", ""),
+    "mse": ("nn.MSELoss()", "float", ""),
+    "f_ce_ignore": ("F.cross_entropy", "index", ", ignore_index=0"),
+    "f_ce_smooth": ("F.cross_entropy", "index", ", label_smoothing=0.1"),
+    "f_ce_weight_ignore": ("F.cross_entropy", "index",
+                           ", weight=torch.linspace(0.5, 2.0, V), ignore_index=0"),
+    "f_nll_ignore": ("F.nll_loss", "log_softmax", ", ignore_index=0"),
+    "f_mse": ("F.mse_loss", "float", ""),
 }
 
 SCRIPT = '''\
@@ -68,7 +77,7 @@ ids = torch.randint(1, V, (B, T))
 y = ids.masked_fill(torch.rand(B, T) < 0.3, 0)
 z = torch.randn(B, T, V)
 logits = model(ids)
-loss = criterion({outputs}, {targets})
+loss = criterion({outputs}, {targets}{extra})
 print(repr(loss.item()))
 '''
 
@@ -154,16 +163,21 @@ def run_printed(text: str, data_parallel: type[nn.Module]) -> float:
 
 
 @settings(max_examples=40, deadline=None)
+@example(kind="f_ce_weight_ignore", shift=True, layout="view", as_float=False, contiguous=False,
+         rows=5)
+@example(kind="f_nll_ignore", shift=False, layout="transpose", as_float=True, contiguous=True,
+         rows=7)
 @given(kind=st.sampled_from(sorted(LOSSES)), shift=st.booleans(),
        layout=st.sampled_from(["view", "reshape", "transpose"]), as_float=st.booleans(),
        contiguous=st.booleans(), rows=st.integers(3, 9))
 def test_a_loss_on_any_view_of_the_outputs_moves_inside_forward(
         kind: str, shift: bool, layout: str, as_float: bool, contiguous: bool,
         rows: int) -> None:
-    loss_text, target_kind = LOSSES[kind]
+    loss_text, target_kind, extra = LOSSES[kind]
     kind = target_kind
     outputs, targets = expressions(kind, shift, layout, as_float, contiguous)
-    text = SCRIPT.format(rows=rows, loss=loss_text, outputs=outputs, targets=targets)
+    text = SCRIPT.format(rows=rows, loss=loss_text, outputs=outputs, targets=targets,
+                         extra=extra)
     as_written = run_printed(text, nn.DataParallel)
 
     # the statement as it runs, the outputs not computed yet: the loss call is found
@@ -194,8 +208,8 @@ def test_a_loss_on_any_view_of_the_outputs_moves_inside_forward(
                                                  strict=True)]
     combined = ModelWithLoss.combine(tuple(torch.cat([r[i] for r in per_replica])
                                            for i in range(2)))
-    whole = env["criterion"](*[eval(a, {**env, "logits": model(env["ids"])})
-                               for a in (outputs, targets)])
+    whole = eval(f"criterion({outputs}, {targets}{extra})",
+                 {**env, "logits": model(env["ids"])})
     torch.testing.assert_close(combined, whole)
     assert abs(whole.item() - as_written) <= 1e-5 * max(1.0, abs(as_written))
 

@@ -1,6 +1,7 @@
 """The loss inside forward over generated ways of writing a loss on DataParallel's outputs:
 one loss call or several on the same outputs (a sum in one statement, each on half the
-outputs' columns, a helper function as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE,
+outputs' columns, a helper function as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE, as loss
+modules, as torch.nn.functional's functions and as a module of the script's own,
 with and without a later read of the outputs (an accuracy). For each, the
 ``loss-in-forward`` alternative is held to two things it does not compute itself:
 
@@ -29,6 +30,10 @@ CRITERIA = {
     "ce": ("nn.CrossEntropyLoss()", "y"),
     "ce_ignore": ("nn.CrossEntropyLoss(ignore_index=0)", "y"),
     "mse": ("nn.MSELoss()", "z"),
+    # torch.nn.functional's losses, and a module of the script's without parameters
+    "f_ce": ("F.cross_entropy", "y"),
+    "f_mse": ("F.mse_loss", "z"),
+    "smoothed": ("Smoothed()", "y"),
 }
 
 # how the loop computes its loss from the outputs ``out`` and two targets ``t1``, ``t2``
@@ -48,7 +53,14 @@ FORMS = {
 
 HEAD = """
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+class Smoothed(nn.Module):
+    def forward(self, logits, target):
+        return F.cross_entropy(logits, target, label_smoothing=0.1)
+
 
 torch.manual_seed(0)
 B, D, C = {rows}, 64, 512
@@ -121,6 +133,9 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
                                                                   HealthCheck.function_scoped_fixture])
 @example(form="halves", crit_a="ce_ignore", crit_b="mse", reads=False, rows=100)
 @example(form="helper", crit_a="ce", crit_b="ce", reads=True, rows=64)
+@example(form="one", crit_a="f_ce", crit_b="ce", reads=False, rows=64)
+@example(form="sum", crit_a="smoothed", crit_b="f_mse", reads=True, rows=100)
+@example(form="statements", crit_a="ce", crit_b="f_ce", reads=True, rows=64)
 @given(form=st.sampled_from(sorted(FORMS)), crit_a=st.sampled_from(sorted(CRITERIA)),
        crit_b=st.sampled_from(sorted(CRITERIA)), reads=st.booleans(),
        rows=st.sampled_from([64, 96, 100]))

@@ -1,16 +1,17 @@
 """The loss inside forward in a running script (the ``loss-in-forward`` alternative,
 :mod:`dpprof.script.loss_in_forward_run`): DataParallel's outputs deferred
-(:class:`DeferredOutputs`) until an ``nn.Module`` loss is called on them, which then runs
-inside forward on every replica (``ModelWithLoss``); a loss on an expression of the outputs
-(``out.view(-1, V)``) is a :class:`PendingLoss` until the statement reads it; any other use of
-the outputs computes them as written (gathered). Another loss on the same outputs (mixup's
-``lam * criterion(out, y_a) + (1 - lam) * criterion(out, y_b)``, a main and an auxiliary
-loss) is computed inside forward too, on each replica's own outputs, held from the first
-loss until the backward begins: the forward runs once, as in the fixed code, where every
-loss is computed before forward returns."""
+(:class:`DeferredOutputs`) until a loss (:mod:`dpprof.scenarios.losses`) is called on them,
+which then runs inside forward on every replica (``ModelWithLoss``); a loss on an expression
+of the outputs (``out.view(-1, V)``) is a :class:`PendingLoss` until the statement reads it;
+any other use of the outputs computes them as written (gathered). Another loss on the same
+outputs (mixup's ``lam * criterion(out, y_a) + (1 - lam) * criterion(out, y_b)``, a main and
+an auxiliary loss) is computed inside forward too, on each replica's own outputs, held from
+the first loss until the backward begins: the forward runs once, as in the fixed code, where
+every loss is computed before forward returns."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +21,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, scatter_kwargs
+from dpprof.scenarios.losses import is_functional_loss
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
 from dpprof.script.loss_expression import FoundLoss, compiled, losses_in_frame
 from dpprof.script.parallel_state import ParallelLog, current
 from dpprof.script.source import dotted_name
 
 if TYPE_CHECKING:
-    from dpprof.emulator.virtual_cuda import VirtualCuda
     from dpprof.script.wrappers import VirtualDataParallel
 
 
@@ -190,9 +191,13 @@ class DeferredOutputs:
         deferred = [x for x in tree_leaves((args, kwargs or {}),
                                            is_leaf=lambda x: isinstance(x, DeferredOutputs))
                     if isinstance(x, DeferredOutputs)]
+        if deferred and is_functional_loss(func):  # F.nll_loss(out, y)
+            loss = loss_in_forward_loss_call(func, args, kwargs or {})
+            if loss is not None:
+                return loss
         pending = deferred[0].in_loss() if deferred else None
-        if pending is not None:
-            return pending
+        if pending is not None:  # torch.nn.functional's loss answers it: F.nll_loss(out.log())
+            return pending.answer() if is_functional_loss(func) else pending
 
         def real(x: Any) -> Any:
             return x.materialize() if isinstance(x, DeferredOutputs) else x
@@ -239,9 +244,10 @@ class PendingLoss:
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        return next(x for x in tree_leaves((args, kwargs or {}),
-                                           is_leaf=lambda x: isinstance(x, PendingLoss))
-                    if isinstance(x, PendingLoss))
+        pending = next(x for x in tree_leaves((args, kwargs or {}),
+                                              is_leaf=lambda x: isinstance(x, PendingLoss))
+                       if isinstance(x, PendingLoss))
+        return pending.answer() if is_functional_loss(func) else pending
 
     def _same(self, *_: Any) -> PendingLoss:
         return self
@@ -283,16 +289,28 @@ def t_rows(x: Any) -> int:
     return batch_rows(x)
 
 
-def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[Any, ...],
+def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...],
                               kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
-    inside forward on every replica, combined by rows (None: not such a call)."""
+    inside forward on every replica, combined by rows (None: not such a call). The
+    statement's losses are read from its source first (:meth:`DeferredOutputs.in_loss`:
+    another loss on the same outputs then comes beside this one, whatever its form); where
+    that source cannot be followed, a call on the outputs themselves and one tensor of
+    targets still moves inside forward."""
     if not args or not isinstance(args[0], DeferredOutputs):
         return None
     deferred: DeferredOutputs = args[0]
+    pending = deferred.in_loss()
+    if pending is not None:
+        return pending.answer()
     targets = args[1] if len(args) > 1 else kwargs.get("target")
-    if targets is None or len(args) > 2:
+    rest = args[2:]  # the call's further arguments (a function of torch's gets all of them)
+    keywords = {k: v for k, v in kwargs.items() if k != "target" or len(args) > 1}
+    if targets is None or any(isinstance(x, (DeferredOutputs, PendingLoss))
+                              for x in tree_leaves((rest, keywords))):
         return None
+    if rest or keywords:
+        loss_fn = functools.partial(_with_further, loss_fn, rest, keywords)
     if deferred.replicas:  # a loss on them is inside forward already: this one beside it
         current().log.loss_sites.append(caller_site())
         return deferred.beside(loss_fn, targets)
@@ -302,3 +320,10 @@ def loss_in_forward_loss_call(vc: VirtualCuda, loss_fn: nn.Module, args: tuple[A
     current().log.call_sites.append(deferred.site)
     current().log.loss_sites.append(caller_site())
     return deferred.in_forward(loss_fn, targets)
+
+
+def _with_further(loss_fn: Callable[..., Any], rest: tuple[Any, ...], keywords: dict[str, Any],
+                  outputs: Any, targets: Any) -> Any:
+    """``loss_fn(outputs, targets, *rest, **keywords)``: a loss call's further arguments,
+    as written, reach its call inside forward."""
+    return loss_fn(outputs, targets, *rest, **keywords)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -34,6 +35,7 @@ from dpprof.emulator.virtual_cuda import VirtualCuda
 from dpprof.measure.ladder_code import blocks_words
 from dpprof.measure.ladder_rungs import Rung
 from dpprof.measure.rung_models import checkpoint_blocks
+from dpprof.scenarios.losses import functional_loss_names, is_loss
 from dpprof.script.trainer_settings import checkpointing_layers
 
 __all__ = ["AS_WRITTEN", "RungHooks", "StepCallback", "StepListener", "Stepper", "StopScript",
@@ -399,27 +401,51 @@ def _reaches_gather(tensors: list[torch.Tensor]) -> bool:
 
 
 def label_losses(vc: VirtualCuda, patcher: Patcher) -> None:
-    """A loss module called on (an expression of) DataParallel's gathered outputs files its
-    memory under "loss", as compare's steps do: what its call allocates, the tensors its
-    arguments' expression made of the outputs (``logits.float()``, a copy of a slice), and,
-    in backward, what its autograd nodes and the expression's allocate, down to the gather."""
+    """A loss (:mod:`dpprof.scenarios.losses`: a loss module, one of torch.nn.functional's,
+    a module without parameters given the outputs and the targets) called on (an expression
+    of) DataParallel's gathered outputs files its memory under "loss", as compare's steps
+    do: what its call allocates, the tensors its arguments' expression made of the outputs
+    (``logits.float()``, a copy of a slice), and, in backward, what its autograd nodes and
+    the expression's allocate, down to the gather."""
     rt = vc.rt
-    orig_call = nn.modules.loss._Loss.__call__
+    inside: list[bool] = []  # a loss module's call under way: its F.* call is the same loss
 
-    def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def labelled(call: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        if inside or not torch.is_grad_enabled():
+            return call(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not torch.is_grad_enabled() or not _reaches_gather(inputs):
-            return orig_call(loss, *args, **kwargs)
+        if not _reaches_gather(inputs):
+            return call(*args, **kwargs)
         for t in inputs:  # made by the expression: not the outputs or the batch themselves
             if rt.storages.category_of(t) == "activations":
                 rt.storages.label(t, "loss")
-        with rt.category("loss"):
-            out = orig_call(loss, *args, **kwargs)
+        inside.append(True)
+        try:
+            with rt.category("loss"):
+                out = call(*args, **kwargs)
+        finally:
+            inside.pop()
         if isinstance(out, torch.Tensor) and out.grad_fn is not None:
             _label_loss_backward(rt, out.grad_fn)
         return out
 
-    patcher.patch(nn.modules.loss._Loss, "__call__", loss_call)
+    orig_call = nn.Module.__call__
+
+    def module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if len(args) + len(kwargs) < 2 or not is_loss(module, len(args) + len(kwargs)):
+            return orig_call(module, *args, **kwargs)
+        return labelled(functools.partial(orig_call, module), args, kwargs)
+
+    patcher.patch(nn.Module, "__call__", module_call)
+    for name in functional_loss_names():
+        orig_fn = getattr(F, name)
+
+        @functools.wraps(orig_fn)
+        def functional(*args: Any, _orig: Callable[..., Any] = orig_fn, **kwargs: Any) -> Any:
+            return labelled(_orig, args, kwargs)
+
+        patcher.patch(F, name, functional)
 
 
 def _label_loss_backward(rt: Any, root: Any) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpprof.emulator.call_sites import frame_locals
+from dpprof.scenarios.losses import LOSS_FORMS, is_loss
 from dpprof.script.source import NoRewrite, ScriptSource, dotted_name
 
 _OUTPUTS = "outputs"  # the parameter's name where the model's call is inside the loss call
@@ -137,15 +139,16 @@ def _statement_at(src: ScriptSource, line: int) -> ast.stmt | None:
 _MISSING = object()
 
 
-def _value(frame: FrameType, node: ast.AST, opaque: Callable[[Any], bool]) -> Any:
-    """The value of a name or dotted attribute in ``frame`` (``_MISSING`` where it is not
+def _value(names: dict[str, Any], node: ast.AST, opaque: Callable[[Any], bool]) -> Any:
+    """The value of a name or dotted attribute in ``names`` (a frame's globals and locals:
+    :func:`_names_of`; ``_MISSING`` where it is not
     one, or not bound, or an attribute of a value that is ``opaque``: the outputs, whose
     attributes are what is being looked for)."""
     key = dotted_name(node)
     if key is None:
         return _MISSING
     root, *attrs = key.split(".")
-    value = frame.f_locals.get(root, frame.f_globals.get(root, _MISSING))
+    value = names.get(root, _MISSING)
     for attr in attrs:
         if value is _MISSING or opaque(value):
             return _MISSING
@@ -161,7 +164,13 @@ class FoundLoss:
     call: ast.Call
     site: str  # "file:line" of the loss call
     targets: torch.Tensor  # the batch tensor the targets are taken from (the whole batch)
-    env: dict[str, Any]  # the names the function reads: the frame's globals and locals
+    env: dict[str, Any]  # the values of the names the function reads, from the frame
+
+
+def _names_of(frame: FrameType) -> dict[str, Any]:
+    """The names ``frame`` sees, its locals over its globals (read as
+    :func:`dpprof.emulator.call_sites.frame_locals` reads them: keeping none)."""
+    return {**frame.f_globals, **frame_locals(frame)}
 
 
 def find_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module,
@@ -180,6 +189,7 @@ def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: 
     ``dim``) it reads; or, where there is none, why (one sentence)."""
     path, line = frame.f_code.co_filename, frame.f_lineno
     where = f"{Path(path).name}:{line}"
+    names = _names_of(frame)
     src = _source(path)
     stmt = _statement_at(src, line) if src is not None else None
     if src is None or stmt is None:
@@ -187,20 +197,21 @@ def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: 
     refs: list[ast.expr] = []
     for node in ast.walk(stmt):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            if is_outputs(_value(frame, node, is_outputs)):
+            if is_outputs(_value(names, node, is_outputs)):
                 refs.append(node)
-        elif isinstance(node, ast.Call) and _value(frame, node.func, is_outputs) is model:
+        elif isinstance(node, ast.Call) and _value(names, node.func, is_outputs) is model:
             refs.append(node)
     if not refs:
         return f"the outputs are used at {where} through an expression dpprof cannot follow"
     losses: list[ast.Call] = []
     for ref in refs:
-        loss = next((a for a in src.ancestors(ref) if isinstance(a, ast.Call) and isinstance(
-            _value(frame, a.func, is_outputs), nn.modules.loss._Loss) and ref is not a.func), None)
+        loss = next((a for a in src.ancestors(ref) if isinstance(a, ast.Call)
+                     and ref is not a.func and is_loss(_value(names, a.func, is_outputs),
+                                                       len(a.args) + len(a.keywords))), None)
         if loss is None:
             text = src.line_text(line).strip()
-            return (f"the outputs are used at {where} outside the arguments of an nn.Module "
-                    f"loss (`{text}`)")
+            return (f"the outputs are used at {where} outside the arguments of a loss "
+                    f"(`{text}`; {LOSS_FORMS})")
         if not any(loss is seen for seen in losses):
             losses.append(loss)
     model_calls = [r for r in refs if isinstance(r, ast.Call)]
@@ -209,25 +220,25 @@ def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: 
                 "dpprof moves the losses of one forward inside it")
     found: list[FoundLoss] = []
     for loss in sorted(losses, key=lambda c: (c.lineno, c.col_offset)):
-        one = _found_loss(frame, src, loss, refs, is_outputs, rows, dim)
+        one = _found_loss(path, line, names, src, loss, refs, is_outputs, rows, dim)
         if isinstance(one, str):
             return one
         found.append(one)
     return found
 
 
-def _found_loss(frame: FrameType, src: ScriptSource, loss: ast.Call, refs: list[ast.expr],
-                is_outputs: Callable[[Any], bool], rows: int, dim: int) -> FoundLoss | str:
-    """The loss call ``loss`` (of the outputs' places ``refs``) as a :class:`FoundLoss`, or
-    why not."""
-    path, line = frame.f_code.co_filename, frame.f_lineno
+def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,
+                loss: ast.Call, refs: list[ast.expr], is_outputs: Callable[[Any], bool],
+                rows: int, dim: int) -> FoundLoss | str:
+    """The loss call ``loss`` on ``line`` of ``path`` (of the outputs' places ``refs``; the
+    frame's ``names``) as a :class:`FoundLoss`, or why not."""
     where = f"{Path(path).name}:{line}"
     model_call = next((r for r in refs if isinstance(r, ast.Call)), None)
     outputs_name = next((r.id for r in refs if isinstance(r, ast.Name)), "")
     callee_root = (dotted_name(loss.func) or "").split(".")[0]
     batch: dict[str, torch.Tensor] = {}
     for name in loaded_outside(loss, refs):
-        value = _value(frame, name, is_outputs)
+        value = _value(names, name, is_outputs)
         if (name.id != callee_root and isinstance(value, torch.Tensor)
                 and value.dim() > dim and value.shape[dim] == rows):
             batch[name.id] = value
@@ -244,8 +255,13 @@ def _found_loss(frame: FrameType, src: ScriptSource, loss: ast.Call, refs: list[
         function = loss_function(src, loss, outputs_name, model_call, targets_name)
     except NoRewrite as e:
         return str(e)
-    return FoundLoss(function=function, call=loss, site=f"{path}:{line}", targets=targets,
-                     env={**frame.f_globals, **frame.f_locals})
+    # the names the call reads, and no more: a copy of the whole frame would keep its other
+    # tensors (the last step's loss, its batch) alive as long as the function
+    read = {n.id for n in ast.walk(loss) if isinstance(n, ast.Name)
+            and isinstance(n.ctx, ast.Load)} - {function.outputs_name, function.targets_name}
+    env = {name: names[name] for name in read | {"__builtins__"} if name in names}
+    return FoundLoss(function=function, call=loss, site=f"{path}:{line}",
+                     targets=targets, env=env)
 
 
 def compiled(found: FoundLoss) -> Callable[[Any, Any], Any]:

@@ -101,6 +101,26 @@ def _loss_fn_text(src: ScriptSource, loss: ast.Call) -> tuple[str, str, ast.expr
             loss.func)
 
 
+def _plain_loss(src: ScriptSource, site: _LossSite, targets_name: str
+                ) -> tuple[str, str, ast.expr] | None:
+    """The loss call of ``site`` as :func:`_loss_fn_text` gives it, where the call is the
+    loss applied to the outputs themselves and to ``targets_name`` (``criterion(out, y)``,
+    ``F.nll_loss(out, y, reduction="sum")``): ModelWithLoss then takes the loss as it is
+    named, not a function of an expression; else None."""
+    loss = site.loss
+    first = loss.args[0] if loss.args else None
+    outputs = first is site.model or (isinstance(first, ast.Name) and site.outputs_name != ""
+                                      and first.id == site.outputs_name)
+    given = (loss.args[1] if len(loss.args) > 1
+             else next((kw.value for kw in loss.keywords if kw.arg == "target"), None))
+    if not (outputs and isinstance(given, ast.Name) and given.id == targets_name):
+        return None
+    try:
+        return _loss_fn_text(src, loss)
+    except NoRewrite:
+        return None
+
+
 def _constant(node: ast.expr) -> bool:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         return _constant(node.operand)
@@ -237,9 +257,15 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
     dp = data_parallel_call(src, dp_line)
     wrap = src.statement(dp)
     expression: LossFunction | None = None
+    plain: tuple[str, str, ast.expr] | None = None  # the loss given as itself: criterion
     if targets_name:
         site, expression = _expression_site(src, dp, loss_line, call_line, loss_callee,
                                             targets_name)
+        plain = _plain_loss(src, site, targets_name)
+    if plain is not None:
+        expression = None
+        loss_fn, targets, callee = plain
+    elif expression is not None:
         _free_names_at_wrap(src, expression, site.loss, wrap)
         loss_fn, targets, callee = expression.text, targets_name, site.loss.func
     else:

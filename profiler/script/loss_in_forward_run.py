@@ -1,10 +1,11 @@
 """The loss inside forward, as ``dpprof run`` measures it (the ``loss-in-forward`` fix's
 strategy, :mod:`dpprof.fixes.kinds.loss_in_forward`): the script run once more with
-DataParallel's outputs deferred (:class:`dpprof.script.deferred_outputs.DeferredOutputs`) until an
-``nn.Module`` loss is called on them, which then runs inside forward on every replica
-(``ModelWithLoss``: cuda:0 gathers one number per GPU instead of the outputs); a script that
-uses the outputs besides the loss is run once more with the outputs kept, as the fix's code
-keeps them. Its change is the diff of :mod:`dpprof.script.loss_in_forward_diff`."""
+DataParallel's outputs deferred (:class:`dpprof.script.deferred_outputs.DeferredOutputs`)
+until a loss (:mod:`dpprof.scenarios.losses`) is called on them, which then runs inside
+forward on every replica (``ModelWithLoss``: cuda:0 gathers one number per GPU instead of the
+outputs); a script that uses the outputs besides the loss is run once more with the outputs
+kept, as the fix's code keeps them. Its change is the diff of
+:mod:`dpprof.script.loss_in_forward_diff`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from dpprof.emulator.call_sites import caller_site, relative_site
 from dpprof.fixes.kinds.loss_in_forward import FIX
+from dpprof.scenarios.losses import LOSS_FORMS, is_loss
 from dpprof.scenarios.names import DP_LOSS_FORWARD
 from dpprof.script.deferred_outputs import (
     DeferredOutputs,
@@ -57,7 +59,7 @@ class LossInForwardState(AlternativeState):
     :func:`loss_in_forward_state`): the deferred outputs' log
     (:mod:`dpprof.script.deferred_outputs`), read once the run ended."""
 
-    loss_calls: int = 0  # loss module calls on DataParallel's outputs computed inside forward
+    loss_calls: int = 0  # losses on DataParallel's outputs computed inside forward
     materialized: list[str] = field(default_factory=list)  # outputs used otherwise: file:line
     call_sites: list[str] = field(default_factory=list)  # of the DataParallel model's call
     loss_sites: list[str] = field(default_factory=list)  # of the loss on its outputs
@@ -112,21 +114,20 @@ class LossInForward(Alternative):
 
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
         assert isinstance(state, LossInForwardState)  # this alternative's own (new_state)
-        loss_cls = nn.modules.loss._Loss
-        orig_call = loss_cls.__call__
+        orig_call = nn.Module.__call__
 
-        def loss_call(loss: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            # a loss on an expression of the outputs (``out.view(-1, V)``), computed inside
-            # forward when the statement first read them
+        def module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # a loss (dpprof.scenarios.losses) on the outputs, or on an expression of them
+            # (``out.view(-1, V)``) computed inside forward when the statement first read them
+            n = len(args) + len(kwargs)
+            if n < 2 or not is_loss(module, n):
+                return orig_call(module, *args, **kwargs)
             pending = pending_in(args, kwargs)
             out = (pending.answer() if pending is not None
-                   else loss_in_forward_loss_call(vc, loss, args, kwargs))
-            if out is None:
-                return orig_call(loss, *args, **kwargs)
-            state.loss_calls += 1
-            return out
+                   else loss_in_forward_loss_call(module, args, kwargs))
+            return orig_call(module, *args, **kwargs) if out is None else out
 
-        patcher.patch(loss_cls, "__call__", loss_call)
+        patcher.patch(nn.Module, "__call__", module_call)
         orig_backward = torch.autograd.backward
 
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -166,6 +167,7 @@ class LossInForward(Alternative):
         state.loss_expressions = dict(log.loss_expressions)
         state.no_loss_forward = log.no_loss_forward
         state.most_losses = log.most_losses_on_outputs
+        state.loss_calls = log.loss_in_forward
 
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
@@ -186,8 +188,8 @@ class LossInForward(Alternative):
             followed = _followed(alt)
         if not followed.loss_calls:
             runs.notes.append("no loss-inside-forward alternative: " + (
-                followed.no_loss_forward or "the script's loss is not an nn.Module loss called "
-                "on DataParallel's outputs"))
+                followed.no_loss_forward or "the script computes no loss on DataParallel's "
+                f"outputs ({LOSS_FORMS})"))
             return
         alt_notes = [(KEPT_OUTPUTS if unkept is not None else SENTENCE).format(n=n),
                      *alt.scenario.notes, *alternative_notes(alt)]
