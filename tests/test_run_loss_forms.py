@@ -224,8 +224,8 @@ class Net(nn.Module):
         super().__init__()
         self.fc = nn.Linear(64, 512)
 
-    def forward(self, features):
-        return self.fc(features)
+    def forward(self, features, scale=1.0):
+        return self.fc(features) * scale
 
 
 model = nn.DataParallel(Net().cuda())
@@ -234,7 +234,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(4):
     x = torch.randn(64, 64).cuda()
     y = torch.randint(0, 512, (64,)).cuda()
-    out = model(features=x)
+    out = model(x, scale=2.0)
     loss = criterion(out, y)
     opt.zero_grad()
     loss.backward()
@@ -242,16 +242,17 @@ for step in range(4):
 """
 
 
-def test_a_model_called_with_keywords_is_told_why_its_loss_stays_outside(
+def test_a_model_called_with_positional_and_keyword_arguments_is_told_why(
         tmp_path: Path) -> None:
-    """``model(input_ids=ids)`` (Hugging Face's way of calling a model): the alternative
-    does not defer such a call; the report said "the script's loss is not an nn.Module loss
-    called on DataParallel's outputs", which it is."""
+    """``model(x, scale=2.0)``: ModelWithLoss passes the model a tuple or a dict of inputs,
+    not both, so the alternative does not defer such a call, and says so (it said "the
+    script's loss is not an nn.Module loss called on DataParallel's outputs", which it is).
+    Keywords alone, Hugging Face's way, move inside forward (tests/test_run_loss_parts.py)."""
     script = tmp_path / "train.py"
     script.write_text(KEYWORDS)
     ran, _ = run_command(_config(script))
-    line = next(i for i, text in enumerate(KEYWORDS.splitlines(), 1) if "features=x" in text)
+    line = next(i for i, text in enumerate(KEYWORDS.splitlines(), 1) if "scale=2.0" in text)
     (said,) = [n for n in ran.notes if n.startswith("no loss-inside-forward alternative")]
     assert said.startswith("no loss-inside-forward alternative: the model is called with "
-                           "keyword arguments (features) at "), said
-    assert f"train.py:{line}, which ModelWithLoss's forward does not take" in said, said
+                           "positional and keyword arguments (scale) at "), said
+    assert f"train.py:{line}, and ModelWithLoss passes the model one kind" in said, said

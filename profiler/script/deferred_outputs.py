@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, scatter_kwargs
 from dpprof.scenarios.losses import is_functional_loss
-from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, as_args, batch_rows
-from dpprof.script.loss_expression import FoundLoss, compiled, losses_in_frame
+from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, batch_rows, call_model
+from dpprof.script.loss_expression import FoundLoss, compiled, losses_in_frame, parts_bound
 from dpprof.script.parallel_state import ParallelLog, current
 from dpprof.script.source import dotted_name
 
@@ -36,10 +36,24 @@ class DeferredOutputs:
     the loss module is called on them (then every replica computes its loss,
     ``ModelWithLoss``); any other use computes them as written (gathered)."""
 
-    def __init__(self, dp: VirtualDataParallel, inputs: tuple[Any, ...], site: str) -> None:
+    def __init__(self, dp: VirtualDataParallel, inputs: tuple[Any, ...], site: str,
+                 kwargs: dict[str, Any] | None = None, base: DeferredOutputs | None = None,
+                 path: tuple[tuple[str, Any], ...] = ()) -> None:
         self.dp = dp
+        # the model's inputs, until the forward ran with the loss inside (the fixed code holds
+        # them no longer than the script does); a part holds none: its base's are used
         self.inputs = inputs
+        self.kwargs = kwargs or {}  # a call with keyword arguments alone: model(**batch)
+        self.rows = next((int(t.shape[dp.dim]) for t in tree_leaves((inputs, self.kwargs))
+                          if isinstance(t, torch.Tensor) and t.dim() > dp.dim),
+                         base.rows if base is not None else 0)
+        self.ran = False  # the forward ran, with the loss inside
         self.site = site
+        # a part of another's outputs (``logits = outputs.logits``, ``out, aux = model(x)``):
+        # that one's forward, and the ("attr", name) / ("item", key) steps to this part
+        self._base = base  # None: these are the whole outputs (no cycle to itself: a cycle
+        # would keep the outputs alive until the garbage collector runs, not the script)
+        self.path = path
         self.value: Any = None
         self.used_as_loss = False
         self.pending: PendingLoss | None = None  # the loss of an expression of them
@@ -50,7 +64,14 @@ class DeferredOutputs:
         self.queued: list[FoundLoss] = []  # the statement's further losses on the outputs
         self.losses = 0  # the losses computed inside forward on them
 
+    @property
+    def base(self) -> DeferredOutputs:
+        """The whole outputs this is a part of (itself, where it is them)."""
+        return self._base if self._base is not None else self
+
     def materialize(self) -> Any:
+        if self.value is None and self.base is not self:
+            self.value = part_of(self.base.materialize(), self.path)
         if self.value is None:
             current().log.materialized.append(caller_site())
             if self.used_as_loss:
@@ -58,8 +79,25 @@ class DeferredOutputs:
                 # stand-ins of the gathered shapes on the output device, no gradient
                 self.value = self._stand_ins()
             else:  # used before any loss: computed as written
-                self.value = self.dp.run(self.dp.module, self.inputs, {})
+                self.value = self.dp.run(self.dp.module, self.inputs, self.kwargs)
         return self.value
+
+    def model_inputs(self) -> Any:
+        """What ``ModelWithLoss`` is given as the model's inputs: the one argument, the
+        arguments' tuple, or the keywords' dict (which it passes as keywords)."""
+        if self.kwargs:
+            return dict(self.kwargs)
+        return self.inputs if len(self.inputs) != 1 else self.inputs[0]
+
+    def part(self, step: tuple[str, Any]) -> DeferredOutputs:
+        """The part one attribute or index further in (not computed until used)."""
+        return DeferredOutputs(self.dp, (), self.site, None, self.base, (*self.path, step))
+
+    def on_part(self, loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """``loss_fn`` of this part, as a function of the whole outputs."""
+        if not self.path:
+            return loss_fn
+        return functools.partial(_loss_on_part, loss_fn, self.path)
 
     def _stand_ins(self) -> Any:
         vc = self.dp._vc
@@ -99,38 +137,44 @@ class DeferredOutputs:
         applied to each replica's shards; what the statement then computes of the outputs
         is a stand-in that the loss call answers with the combined loss. None: any other
         use (the outputs computed as written)."""
+        base = self.base
         if self.pending is not None:
             if not self.pending.answered:
                 return self.pending
-            if not (self.queued and self.replicas):
+            if not (self.queued and base.replicas):
                 return None
             # the statement's next loss on the outputs: beside the first, inside forward
             found = self.queued.pop(0)
             current().log.loss_sites.append(found.site)
-            self.pending = PendingLoss(self.beside(compiled(found), found.targets))
+            self.pending = PendingLoss(base.beside(self.on_part(compiled(found)),
+                                                   found.targets))
             return self.pending
-        if self.value is not None or self.used_as_loss or not torch.is_grad_enabled():
+        if (self.value is not None or not torch.is_grad_enabled()
+                or (base.used_as_loss and not base.replicas)):
             return None
         frame = caller_frame()
         log = current().log
         if frame is None:
             return None
-        rows = next((int(t.shape[self.dp.dim]) for t in tree_leaves(self.inputs)
-                     if isinstance(t, torch.Tensor) and t.dim() > self.dp.dim), 0)
         try:
-            losses = losses_in_frame(frame, lambda v: v is self, self.dp, rows, self.dp.dim)
+            losses = losses_in_frame(frame, lambda v: v is self, self.dp, self.rows,
+                                     self.dp.dim)
         except Exception as e:  # reading the script's own values: it runs on, as written
             losses = f"dpprof could not read the loss's expression ({type(e).__name__}: {e})"
         if isinstance(losses, str):
             log.no_loss_forward = log.no_loss_forward or losses
             return None
         found, *self.queued = losses
-        self.used_as_loss = True
-        log.call_sites.append(self.site)
         log.loss_sites.append(found.site)
         log.loss_expressions.setdefault(found.site, (dotted_name(found.call.func) or "",
                                                       found.function.targets_name))
-        self.pending = PendingLoss(self.in_forward(compiled(found), found.targets))
+        loss_fn = self.on_part(compiled(found))
+        if base.replicas:  # a loss on the outputs is inside forward already: beside it
+            self.pending = PendingLoss(base.beside(loss_fn, found.targets))
+            return self.pending
+        base.used_as_loss = True
+        log.call_sites.append(self.site)
+        self.pending = PendingLoss(base.in_forward(loss_fn, found.targets))
         return self.pending
 
     def in_forward(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
@@ -139,8 +183,8 @@ class DeferredOutputs:
         wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
         wrapped.shapes = self.shapes
         wrapped.kept = []
-        inputs = self.inputs if len(self.inputs) != 1 else self.inputs[0]
-        out = self.dp.run(wrapped, (inputs, targets), {})
+        out = self.dp.run(wrapped, (self.model_inputs(), targets), {})
+        self.inputs, self.kwargs, self.ran = (), {}, True
         log = self._count_loss()
         self.replicas = list(zip(log.used_devices, wrapped.kept, strict=True))
         log.holding_replica_outputs.append(self)
@@ -182,8 +226,23 @@ class DeferredOutputs:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if self._binds_parts() == 1:  # logits = outputs.logits
+            return self.part(("attr", name))
         pending = self.in_loss()
         return getattr(pending if pending is not None else self.materialize(), name)
+
+    def _binds_parts(self) -> int:
+        """How many names the statement now running binds to parts of these outputs, not yet
+        computed (:func:`dpprof.script.loss_expression.parts_bound`): only while no loss
+        was computed on them, under grad, as the training step's."""
+        if (self.value is not None or self.base.used_as_loss or self.pending is not None
+                or not torch.is_grad_enabled()):
+            return 0
+        frame = caller_frame()
+        try:
+            return parts_bound(frame, lambda v: v is self, self.dp) if frame else 0
+        except Exception:  # reading the script's own values: it runs on, as written
+            return 0
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -207,6 +266,8 @@ class DeferredOutputs:
         return func(*args, **kwargs)
 
     def __getitem__(self, key: Any) -> Any:
+        if self._binds_parts() == 1:  # logits = outputs[0]
+            return self.part(("item", key))
         pending = self.in_loss()
         return pending if pending is not None else self.materialize()[key]
 
@@ -214,6 +275,9 @@ class DeferredOutputs:
         return len(self.materialize())
 
     def __iter__(self) -> Any:
+        names = self._binds_parts()  # out, aux = model(x)
+        if names:
+            return iter([self.part(("item", i)) for i in range(names)])
         return iter(self.materialize())
 
 
@@ -272,12 +336,10 @@ def _recording_class() -> type:
         kept: list[Any]  # each replica's outputs, in the order the replicas ran
 
         def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
-            outputs = self.model(*as_args(inputs))
+            outputs = call_model(self.model, inputs)
             if targets is NO_TARGETS:  # a call for the outputs alone, as ModelWithLoss's
                 return outputs
-            self.shapes.append(tree_map(
-                lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
-                outputs))
+            self.shapes.append(tree_map(_shape_only, outputs))
             self.kept.append(outputs)
             weighted, count = self.weighted_loss(outputs, targets, inputs)
             return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
@@ -299,10 +361,11 @@ def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...]
     targets still moves inside forward."""
     if not args or not isinstance(args[0], DeferredOutputs):
         return None
-    deferred: DeferredOutputs = args[0]
-    pending = deferred.in_loss()
+    part: DeferredOutputs = args[0]
+    pending = part.in_loss()
     if pending is not None:
         return pending.answer()
+    deferred = part.base
     targets = args[1] if len(args) > 1 else kwargs.get("target")
     rest = args[2:]  # the call's further arguments (a function of torch's gets all of them)
     keywords = {k: v for k, v in kwargs.items() if k != "target" or len(args) > 1}
@@ -311,10 +374,11 @@ def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...]
         return None
     if rest or keywords:
         loss_fn = functools.partial(_with_further, loss_fn, rest, keywords)
+    loss_fn = part.on_part(loss_fn)
     if deferred.replicas:  # a loss on them is inside forward already: this one beside it
         current().log.loss_sites.append(caller_site())
         return deferred.beside(loss_fn, targets)
-    if deferred.value is not None:
+    if deferred.value is not None or part.value is not None or deferred.ran:
         return None
     deferred.used_as_loss = True
     current().log.call_sites.append(deferred.site)
@@ -327,3 +391,24 @@ def _with_further(loss_fn: Callable[..., Any], rest: tuple[Any, ...], keywords: 
     """``loss_fn(outputs, targets, *rest, **keywords)``: a loss call's further arguments,
     as written, reach its call inside forward."""
     return loss_fn(outputs, targets, *rest, **keywords)
+
+
+def part_of(outputs: Any, path: tuple[tuple[str, Any], ...]) -> Any:
+    """The part of ``outputs`` that ``path``'s attribute and index steps lead to."""
+    for kind, key in path:
+        outputs = getattr(outputs, key) if kind == "attr" else outputs[key]
+    return outputs
+
+
+def _loss_on_part(loss_fn: Callable[[Any, Any], Any], path: tuple[tuple[str, Any], ...],
+                  outputs: Any, targets: Any) -> Any:
+    return loss_fn(part_of(outputs, path), targets)
+
+
+def _shape_only(leaf: Any) -> Any:
+    """A leaf of a replica's outputs as its stand-in is made of: a tensor's (shape, dtype), a
+    plain value itself, any other object nothing (a cache of keys and values the outputs
+    carry would stay alive with it)."""
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype)
+    return leaf if isinstance(leaf, (int, float, str, bool)) else None

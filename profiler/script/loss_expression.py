@@ -75,10 +75,14 @@ def loaded_outside(loss: ast.Call, skip: list[ast.expr]) -> list[ast.Name]:
 
 
 def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
-                  model_call: ast.Call | None, targets_name: str) -> LossFunction:
+                  model_call: ast.Call | None, targets_name: str, part: str = "",
+                  whole_name: str = "") -> LossFunction:
     """The loss call ``loss`` as ``lambda <outputs>, <targets>: <the call as written>``
     (the model's call inside it, where it is there, replaced by the outputs' parameter);
-    or NoRewrite where the call cannot move into forward as written."""
+    or NoRewrite where the call cannot move into forward as written. ``part``: the loss
+    reads ``outputs_name``, a part of the outputs (``logits = outputs.logits``), whose
+    expression of the whole outputs this formats (``"{}.logits"``); the function is then of
+    the whole outputs, its parameter ``whole_name``, each read of the part that expression."""
     if dotted_name(loss.func) is None:
         raise NoRewrite(f"line {loss.lineno}: the loss function is an expression "
                         f"({src.seg(loss.func)}), not a name")
@@ -94,12 +98,15 @@ def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
     if param == targets_name:
         raise NoRewrite(f"line {loss.lineno}: the outputs and the targets have one name "
                         f"({param})")
+    if part:
+        param = whole_name if whole_name and whole_name not in names else next(
+            p for p in (_OUTPUTS, f"{_OUTPUTS}_", f"{_OUTPUTS}__") if p not in names)
     start, end = src.span(loss)
     text = src.text[start:end]
     for ref in sorted(refs, key=lambda r: src.span(r)[0], reverse=True):
-        if isinstance(ref, ast.Call):  # the model's call inside the loss call
+        if isinstance(ref, ast.Call) or part:  # the model's call inside the loss, or a part
             a, b = src.span(ref)
-            text = text[:a - start] + param + text[b - start:]
+            text = text[:a - start] + (part.format(param) if part else param) + text[b - start:]
     # a call over several lines stays inside its own parentheses: one expression
     return LossFunction(text=f"lambda {param}, {targets_name}: {text}", outputs_name=param,
                         targets_name=targets_name)
@@ -225,6 +232,36 @@ def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: 
             return one
         found.append(one)
     return found
+
+
+def parts_bound(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module) -> int:
+    """How many names the statement ``frame`` is running binds to parts of the outputs (a
+    name whose value ``is_outputs``, or ``model``'s call) and to nothing else: 1 for
+    ``logits = outputs.logits`` or ``logits = outputs[0]`` (a constant index), k for ``a, b =
+    model(x)`` or ``a, b = outputs`` (k names, none starred); 0 for any other statement."""
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    src = _source(path)
+    stmt = _statement_at(src, line) if src is not None else None
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        return 0
+    names = _names_of(frame)
+
+    def outputs(node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return is_outputs(_value(names, node, is_outputs))
+        return isinstance(node, ast.Call) and _value(names, node.func, is_outputs) is model
+
+    (target,), value = stmt.targets, stmt.value
+    if isinstance(target, ast.Name):
+        if isinstance(value, ast.Attribute):
+            return int(outputs(value.value))
+        if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant):
+            return int(outputs(value.value))
+        return 0
+    if (isinstance(target, (ast.Tuple, ast.List)) and target.elts
+            and all(isinstance(e, ast.Name) for e in target.elts)):
+        return len(target.elts) if outputs(value) else 0
+    return 0
 
 
 def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,

@@ -44,6 +44,12 @@ class _LossSite:
     model: ast.Call  # model(inputs)
     outputs_stmt: ast.stmt | None  # ``outputs = model(inputs)``, where separate
     outputs_name: str  # "" where the model's call is inside the loss call
+    # the loss reads a part of the outputs (``logits = outputs.logits``, ``out, aux =
+    # model(x)``): its expression of the whole outputs (``"{}.logits"``), the statement
+    # that binds it apart from the model's call, and the name the outputs had
+    part: str = ""
+    part_stmt: ast.stmt | None = None
+    whole_name: str = ""
 
 
 def _loss_site(src: ScriptSource, loss_line: int, call_line: int) -> _LossSite:
@@ -101,6 +107,25 @@ def _loss_fn_text(src: ScriptSource, loss: ast.Call) -> tuple[str, str, ast.expr
             loss.func)
 
 
+def _model_inputs(src: ScriptSource, model: ast.Call) -> str:
+    """The model's call's inputs as ModelWithLoss takes them: the one argument, a tuple of
+    several, or the keywords as a dict (``dict(input_ids=ids, attention_mask=mask)``; the
+    dict itself for ``model(**batch)``), which it passes on as keywords."""
+    if any(isinstance(a, ast.Starred) for a in model.args) or (model.args and model.keywords):
+        raise NoRewrite(f"line {model.lineno}: the model's call unpacks its arguments (*) or "
+                        "takes positional and keyword ones; ModelWithLoss takes (inputs, "
+                        "targets), the inputs one tuple or one dict")
+    if model.keywords:
+        if len(model.keywords) == 1 and model.keywords[0].arg is None:
+            return src.seg(model.keywords[0].value)  # model(**batch)
+        return f"dict({', '.join(src.seg(k) for k in model.keywords)})"
+    if not model.args:
+        raise NoRewrite(f"line {model.lineno}: the model's call takes no inputs")
+    inputs = ", ".join(src.seg(a) for a in model.args)
+    # ModelWithLoss passes a tuple on as the model's arguments
+    return f"({inputs})" if len(model.args) > 1 else inputs
+
+
 def _plain_loss(src: ScriptSource, site: _LossSite, targets_name: str
                 ) -> tuple[str, str, ast.expr] | None:
     """The loss call of ``site`` as :func:`_loss_fn_text` gives it, where the call is the
@@ -108,6 +133,8 @@ def _plain_loss(src: ScriptSource, site: _LossSite, targets_name: str
     ``F.nll_loss(out, y, reduction="sum")``): ModelWithLoss then takes the loss as it is
     named, not a function of an expression; else None."""
     loss = site.loss
+    if site.part:  # the loss takes a part of the outputs: a function of them all
+        return None
     first = loss.args[0] if loss.args else None
     outputs = first is site.model or (isinstance(first, ast.Name) and site.outputs_name != ""
                                       and first.id == site.outputs_name)
@@ -208,10 +235,11 @@ def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line:
                        and model_name is not None and dotted_name(n.func) == model_name
                        and n.lineno <= call_line <= (n.end_lineno or 0)), None)
         site = (_LossSite(loss, inline, None, "") if inline is not None
-                else _named_outputs(src, loss, call_line))
+                else _named_outputs(src, loss, call_line) or _part_outputs(src, loss, call_line))
         if site is None:
             continue
-        return site, loss_function(src, loss, site.outputs_name, inline, targets_name)
+        return site, loss_function(src, loss, site.outputs_name, inline, targets_name,
+                                   site.part, site.whole_name)
     raise NoRewrite(f"line {loss_line}: no call of {loss_callee or 'the loss'} whose "
                     f"arguments read the model's outputs from line {call_line}")
 
@@ -228,6 +256,66 @@ def _named_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSi
             if name and isinstance(targets[0], ast.Name) and output_refs(loss, name, None):
                 return _LossSite(loss, node.value, node, name)
     return None
+
+
+def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSite | None:
+    """The loss site where ``loss`` reads a part of the outputs of the model's call on
+    ``call_line``: one name of ``a, b = model(x)``, or the name ``logits = outputs.logits``
+    (or ``outputs[0]``) binds from ``outputs = model(x)``; NoRewrite where the outputs or the
+    part are read elsewhere too (the fix would need them kept beside the loss)."""
+    scope = src.scope(loss)
+    nodes = list(scope_nodes(scope))
+    reads = [n for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    for node in nodes:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and node.lineno <= call_line <= (node.end_lineno or 0)
+                and isinstance(node.value, ast.Call)):
+            continue
+        (target,) = node.targets
+        if isinstance(target, (ast.Tuple, ast.List)) and all(
+                isinstance(e, ast.Name) for e in target.elts):
+            names = [e.id for e in target.elts if isinstance(e, ast.Name)]
+            read = [i for i, name in enumerate(names) if output_refs(loss, name, None)]
+            if len(read) != 1:
+                continue
+            (i,) = read
+            _read_only_in(src, loss, reads, names, names[i])
+            return _LossSite(loss, node.value, node, names[i], part=f"{{}}[{i}]")
+        if not isinstance(target, ast.Name):
+            continue
+        whole = target.id
+        for bind in nodes:
+            if not (isinstance(bind, ast.Assign) and len(bind.targets) == 1
+                    and isinstance(bind.targets[0], ast.Name)
+                    and start_of(node) < start_of(bind) < start_of(src.statement(loss))):
+                continue
+            value = bind.value
+            step = (f".{value.attr}" if isinstance(value, ast.Attribute) else
+                    f"[{src.seg(value.slice)}]" if isinstance(value, ast.Subscript)
+                    and isinstance(value.slice, ast.Constant) else "")
+            name = bind.targets[0].id
+            if not (step and isinstance(value, (ast.Attribute, ast.Subscript))
+                    and isinstance(value.value, ast.Name) and value.value.id == whole
+                    and output_refs(loss, name, None)):
+                continue
+            _read_only_in(src, loss, [r for r in reads if r is not value.value], [whole, name],
+                          name)
+            return _LossSite(loss, node.value, node, name, part="{}" + step, part_stmt=bind,
+                             whole_name=whole)
+    return None
+
+
+def _read_only_in(src: ScriptSource, loss: ast.Call, reads: list[ast.Name], names: list[str],
+                  part: str) -> None:
+    """NoRewrite where one of ``names`` (the outputs, their parts) is read anywhere but as
+    ``part`` inside the loss call."""
+    inside = {id(r) for r in output_refs(loss, part, None)}
+    elsewhere = sorted({r.lineno for r in reads if r.id in names and id(r) not in inside})
+    if elsewhere:
+        raise NoRewrite(f"line {', '.join(map(str, elsewhere))} also read the model's outputs "
+                        f"or a part of them besides the loss (line {loss.lineno}): with the "
+                        "loss inside forward they are not returned; keep them with "
+                        "ModelWithLoss(..., keep_outputs=True) by hand")
 
 
 def _free_names_at_wrap(src: ScriptSource, fn: LossFunction, loss: ast.Call,
@@ -272,12 +360,7 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         site = _loss_site(src, loss_line, call_line)
         loss_fn, targets, callee = _loss_fn_text(src, site.loss)
     model = site.model
-    if model.keywords or any(isinstance(a, ast.Starred) for a in model.args) or not model.args:
-        raise NoRewrite(f"line {model.lineno}: the model's call takes keyword or unpacked "
-                        "arguments, or none; ModelWithLoss takes (inputs, targets)")
-    inputs = ", ".join(src.seg(a) for a in model.args)
-    if len(model.args) > 1:
-        inputs = f"({inputs})"  # ModelWithLoss passes a tuple on as the model's arguments
+    inputs = _model_inputs(src, model)
     call = f"{parenthesized(src, model.func)}({inputs}, {targets})"
     loss_stmt = src.statement(site.loss)
     scope = src.scope(loss_stmt)
@@ -311,6 +394,10 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         if len(src.block(stmt)) == 1:
             lines.append(f"{indent}pass")
         edits.replace(start, end, "".join(line + src.newline() for line in lines))
+        if site.part_stmt is not None:  # logits = outputs.logits: read inside forward now
+            start, end = src.whole_lines(site.part_stmt)
+            edits.replace(start, end, f"{src.indent(site.part_stmt.lineno)}pass{src.newline()}"
+                          if len(src.block(site.part_stmt)) == 1 else "")
     if keep:
         assert isinstance(loss_stmt, ast.Assign)
         edits.node(loss_stmt, f"{site.outputs_name}, {src.seg(loss_stmt.targets[0])} = "

@@ -145,16 +145,19 @@ class LossInForward(Alternative):
                 "forward of its own, which the alternative does not rewrite; compute the loss "
                 "in the wrapped module's forward by hand")
             return dp.as_written(inputs, kwargs)
-        if not kwargs and len(dp.device_ids) > 1 and torch.is_grad_enabled():
+        # ModelWithLoss takes the model's inputs as one argument: a tuple of positional ones,
+        # or a dict of keywords (model(**batch))
+        one_kind = not (inputs and kwargs)
+        if one_kind and len(dp.device_ids) > 1 and torch.is_grad_enabled():
             _release_held(dp._vc)  # a new forward: the last one's losses are all computed
-            return DeferredOutputs(dp, inputs, caller_site())
-        if kwargs and torch.is_grad_enabled():
+            return DeferredOutputs(dp, inputs, caller_site(), kwargs)
+        if not one_kind and torch.is_grad_enabled():
             log = state_of(dp._vc).log
             log.no_loss_forward = log.no_loss_forward or (
-                f"the model is called with keyword arguments ({', '.join(sorted(kwargs))}) "
-                f"at {relative_site(caller_site())}, which ModelWithLoss's forward does not "
-                "take: compute the loss in the model's forward by hand (as a Hugging Face "
-                "model does when given labels=)")
+                f"the model is called with positional and keyword arguments "
+                f"({', '.join(sorted(kwargs))}) at {relative_site(caller_site())}, and "
+                "ModelWithLoss passes the model one kind: compute the loss in the model's "
+                "forward by hand (as a Hugging Face model does when given labels=)")
         return dp.run(dp.module, inputs, kwargs)
 
     def after_run(self, state: AlternativeState, vc: VirtualCuda,
