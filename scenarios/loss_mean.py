@@ -7,7 +7,8 @@ element for ``nn.MSELoss``, the rows for ``KLDivLoss(reduction="batchmean")``. C
 each replica's shard, the whole batch's loss is ``sum_i loss_i * d_i / sum_i d_i`` with
 ``d_i`` that replica's denominator: :class:`~dpprof.scenarios.measured_loop.ModelWithLoss`
 returns ``(loss_i * d_i, d_i)`` and combines them so. A loss with ``reduction="sum"`` adds
-up instead: its shards add up, which this weighting does not give (no denominator).
+up instead: its shards add up (:func:`sums`; the replicas return ``(loss_i, -1)``, which
+``combine`` adds).
 
 :func:`loss_calls` records the losses a loss function calls (``lambda out, y:
 criterion(out.view(-1, V), y.view(-1))``, ``F.cross_entropy(..., ignore_index=-1)``), so the
@@ -66,6 +67,12 @@ def denominator(loss_fn: nn.Module, args: tuple[Any, ...],
     if isinstance(loss_fn, _PER_ROW):
         return _count(inputs, inputs.size(0) if inputs.dim() > 1 else 1)
     return None
+
+
+def sums(loss_fn: nn.Module) -> bool:
+    """Whether ``loss_fn``, one of torch's losses, adds its elements up
+    (``reduction="sum"``): the whole batch's loss is then the sum of the replicas'."""
+    return getattr(loss_fn, "reduction", None) == "sum"
 
 
 def _count(like: torch.Tensor, n: int) -> torch.Tensor:

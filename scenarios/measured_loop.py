@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpprof.scenarios.loss_mean import denominator, loss_calls
+from dpprof.scenarios.loss_mean import denominator, loss_calls, sums
 from dpprof.scenarios.names import BACKWARD, FORWARD, INPUTS, LOSS, OPTIMIZER, ZERO_GRAD
 from dpprof.scenarios.step import take_rows
 
@@ -44,6 +44,10 @@ def as_args(inputs: Any) -> tuple[Any, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
+# the count a replica returns beside a loss that adds up (reduction="sum"): its loss is its
+# share of the sum, and the counts' negative total tells combine to add
+SUMMED = -1.0
+
 # ModelWithLoss called without its targets argument (not with None: a loss may ignore them,
 # as a Hugging Face model's does, and be given None)
 NO_TARGETS: Any = object()
@@ -64,7 +68,9 @@ class ModelWithLoss(nn.Module):
     batch: the same number as the loss over the whole batch even when the shards are uneven
     (a plain ``.mean()`` of the per-replica losses is not). The share is what the loss's
     mean divides by (the targets a ``CrossEntropyLoss`` does not ignore, the elements of an
-    ``MSELoss``), so ``ignore_index`` and padding combine exactly too.
+    ``MSELoss``), so ``ignore_index`` and padding combine exactly too. A loss that adds up
+    (``reduction="sum"``, a VAE's ``F.binary_cross_entropy(..., reduction="sum")``) combines
+    as the sum of the replicas' losses.
 
     ``loss_fn`` may be the expression the loop computed on the gathered outputs, as a
     function of the outputs and the targets; each replica then applies it to its own
@@ -110,6 +116,8 @@ class ModelWithLoss(nn.Module):
         where ``loss_fn`` is one loss module or calls one, else the shard's rows."""
         with loss_calls() as calls:
             loss = self.loss_fn(outputs, targets)
+        if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
+            return loss.reshape(1), loss.new_full((1,), SUMMED)
         count = denominator(*calls[0][:3]) if len(calls) == 1 else None
         if count is None:
             rows = float(batch_rows(targets) or batch_rows(inputs))
@@ -120,7 +128,9 @@ class ModelWithLoss(nn.Module):
     def combine(out: tuple[Any, ...]) -> torch.Tensor:
         """The batch loss from the gathered ``(loss * rows, rows)`` of every replica."""
         weighted, rows = out[0], out[1]
-        return weighted.sum() / rows.sum()
+        total = rows.sum()
+        # a loss that adds up (reduction="sum") returns SUMMED as its count: the sum is it
+        return weighted.sum() / torch.where(total < 0, torch.ones_like(total), total)
 
     @staticmethod
     def split(out: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:

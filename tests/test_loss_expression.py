@@ -50,6 +50,9 @@ LOSSES = {
                            ", weight=torch.linspace(0.5, 2.0, V), ignore_index=0"),
     "f_nll_ignore": ("F.nll_loss", "log_softmax", ", ignore_index=0"),
     "f_mse": ("F.mse_loss", "float", ""),
+    # losses that add up: the replicas' losses are summed
+    "f_ce_sum": ("F.cross_entropy", "index", ", ignore_index=0, reduction='sum'"),
+    "mse_sum": ("nn.MSELoss(reduction='sum')", "float", ""),
 }
 
 SCRIPT = '''\
@@ -167,6 +170,8 @@ def run_printed(text: str, data_parallel: type[nn.Module]) -> float:
          rows=5)
 @example(kind="f_nll_ignore", shift=False, layout="transpose", as_float=True, contiguous=True,
          rows=7)
+@example(kind="f_ce_sum", shift=True, layout="reshape", as_float=False, contiguous=False, rows=6)
+@example(kind="mse_sum", shift=False, layout="view", as_float=True, contiguous=True, rows=9)
 @given(kind=st.sampled_from(sorted(LOSSES)), shift=st.booleans(),
        layout=st.sampled_from(["view", "reshape", "transpose"]), as_float=st.booleans(),
        contiguous=st.booleans(), rows=st.integers(3, 9))

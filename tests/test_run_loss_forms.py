@@ -1,6 +1,6 @@
 """The loss inside forward over generated ways of writing a loss on DataParallel's outputs:
 one loss call or several on the same outputs (a sum in one statement, each on half the
-outputs' columns, a helper function as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE, as loss
+outputs' columns, on the outputs through Python's operators (``out / T``), a helper function as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE, as loss
 modules, as torch.nn.functional's functions and as a module of the script's own,
 with and without a later read of the outputs (an accuracy). For each, the
 ``loss-in-forward`` alternative is held to two things it does not compute itself:
@@ -45,6 +45,8 @@ FORMS = {
                "loss = mixed(self.crit_a, out, {t1}, {t2}, 0.7)"),
     "halves": ("loss = crit_a(out[:, :256], {t1}) + 0.5 * crit_b(out[:, 256:], {t2})",
                "loss = self.crit_a(out[:, :256], {t1}) + 0.5 * self.crit_b(out[:, 256:], {t2})"),
+    "operators": ("loss = crit_a(out / 2.0, {t1}) + crit_b(-out, {t2})",
+                  "loss = self.crit_a(out / 2.0, {t1}) + self.crit_b(-out, {t2})"),
     "statements": ("first = crit_a(out, {t1})\n    second = crit_b(out, {t2})\n"
                    "    loss = first + second",
                    "first = self.crit_a(out, {t1})\n        second = self.crit_b(out, {t2})\n"
@@ -136,6 +138,7 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
 @example(form="one", crit_a="f_ce", crit_b="ce", reads=False, rows=64)
 @example(form="sum", crit_a="smoothed", crit_b="f_mse", reads=True, rows=100)
 @example(form="statements", crit_a="ce", crit_b="f_ce", reads=True, rows=64)
+@example(form="operators", crit_a="f_ce", crit_b="mse", reads=True, rows=96)
 @given(form=st.sampled_from(sorted(FORMS)), crit_a=st.sampled_from(sorted(CRITERIA)),
        crit_b=st.sampled_from(sorted(CRITERIA)), reads=st.booleans(),
        rows=st.sampled_from([64, 96, 100]))

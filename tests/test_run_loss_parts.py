@@ -201,3 +201,67 @@ def test_the_diff_for_a_part_taken_by_keywords_is_the_fix_and_peaks_as_promised(
     ran = json.loads((tmp_path / "again.json").read_text())["scenarios"][0]
     assert ran["name"] == "dp-loss-forward"
     assert ran["devices"][0]["peak_allocated_bytes"] == fix["primary_peak_bytes"]
+
+
+VAE = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VAE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(784, 400)
+        self.mu, self.logvar = nn.Linear(400, 20), nn.Linear(400, 20)
+        self.dec = nn.Sequential(nn.Linear(20, 400), nn.ReLU(), nn.Linear(400, 784))
+
+    def forward(self, x):
+        h = F.relu(self.enc(x.view(-1, 784)))
+        mu, logvar = self.mu(h), self.logvar(h)
+        return torch.sigmoid(self.dec(mu + torch.exp(0.5 * logvar))), mu, logvar
+
+
+def loss_function(recon_x, x, mu, logvar):
+    bce = F.binary_cross_entropy(recon_x, x.view(-1, 784), reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
+torch.manual_seed(0)
+model = nn.DataParallel(VAE()).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for step in range(4):
+    data = torch.rand(128, 1, 28, 28).cuda()
+    recon_batch, mu, logvar = model(data)
+    loss = loss_function(recon_batch, data, mu, logvar)
+    print("loss", repr(loss.item()))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_the_outputs_through_python_operators_after_the_loss(tmp_path: Path) -> None:
+    """PyTorch's VAE example's loss: a loss on one part of the outputs (``recon_x``), then
+    arithmetic on the others (``1 + logvar - mu.pow(2)``). The alternative ran into
+    ``TypeError: unsupported operand type(s) for +: 'int' and 'DeferredOutputs'``; it runs,
+    keeps the outputs for the arithmetic as the fix would, and prints the script's loss."""
+    script = tmp_path / "vae.py"
+    script.write_text(VAE)
+    ran, _ = run_command(_config(script))
+    alt = next(s for s in ran.scenarios if s.name == "dp-loss-forward")
+    assert alt.status == "ok", alt.message
+    assert any(re.search(r"uses the outputs besides the loss \([^)]*vae\.py:\d+", n)
+               for n in alt.notes), alt.notes
+    printed_main = io.StringIO()
+    with contextlib.redirect_stdout(printed_main):
+        main = run_script(_config(script, compute=True))
+    inside = run_script(dataclasses.replace(_config(script, compute=True), alternative=STRATEGY,
+                                            scattered_rows=main.batch_rows,
+                                            keep_outputs=True))  # as the alternative reported
+    printed = [re.findall(r"^loss (\S+)$", text, re.M)
+               for text in (printed_main.getvalue(), inside.output_tail)]
+    assert printed[0] and len(printed[0]) == len(printed[1])
+    for whole, combined in zip(*printed, strict=True):
+        assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole)))

@@ -12,6 +12,7 @@ every loss is computed before forward returns."""
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -279,6 +280,33 @@ class DeferredOutputs:
         if names:
             return iter([self.part(("item", i)) for i in range(names)])
         return iter(self.materialize())
+
+    __hash__ = object.__hash__  # by identity, as its comparisons below do not
+
+
+def _operator(name: str, reflected: bool) -> Callable[..., Any]:
+    """An operator of :class:`DeferredOutputs` (``out / T``, ``1 + logvar``): inside a loss's
+    arguments, the statement's pending loss; else the operator on the outputs computed."""
+    op = getattr(operator, name)
+
+    def method(self: DeferredOutputs, *other: Any) -> Any:
+        pending = self.in_loss()
+        if pending is not None:
+            return pending
+        value = self.materialize()
+        return op(other[0], value) if reflected else op(value, *other)
+
+    return method
+
+
+_BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_",
+           "xor", "lshift", "rshift")
+for _name in _BINARY:
+    _dunder = _name.rstrip("_")
+    setattr(DeferredOutputs, f"__{_dunder}__", _operator(_name, False))
+    setattr(DeferredOutputs, f"__r{_dunder}__", _operator(_name, True))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne", "neg", "pos", "abs", "invert"):
+    setattr(DeferredOutputs, f"__{_name}__", _operator(_name, False))
 
 
 class PendingLoss:

@@ -190,9 +190,13 @@ class LossInForward(Alternative):
                              runs.step_cb(self.name))
             followed = _followed(alt)
         if not followed.loss_calls:
+            failed = alt.scenario.status != "ok" and not followed.no_loss_forward
             runs.notes.append("no loss-inside-forward alternative: " + (
-                followed.no_loss_forward or "the script computes no loss on DataParallel's "
-                f"outputs ({LOSS_FORMS})"))
+                followed.no_loss_forward or (
+                    f"its run, DataParallel's outputs deferred until a loss, stopped before "
+                    f"one: {alt.scenario.message} (dpprof's own limit: please report it)"
+                    if failed else "the script computes no loss on DataParallel's outputs "
+                    f"({LOSS_FORMS})")))
             return
         alt_notes = [(KEPT_OUTPUTS if unkept is not None else SENTENCE).format(n=n),
                      *alt.scenario.notes, *alternative_notes(alt)]
