@@ -130,7 +130,7 @@ class ModelWithLoss(nn.Module):
         weighted, rows = out[0], out[1]
         total = rows.sum()
         # a loss that adds up (reduction="sum") returns SUMMED as its count: the sum is it
-        return weighted.sum() / torch.where(total < 0, torch.ones_like(total), total)
+        return weighted.sum() / torch.where(total < 0, 1.0, total)
 
     @staticmethod
     def split(out: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
