@@ -45,9 +45,9 @@ class DeferredOutputs:
         # them no longer than the script does); a part holds none: its base's are used
         self.inputs = inputs
         self.kwargs = kwargs or {}  # a call with keyword arguments alone: model(**batch)
-        self.rows = next((int(t.shape[dp.dim]) for t in tree_leaves((inputs, self.kwargs))
-                          if isinstance(t, torch.Tensor) and t.dim() > dp.dim),
-                         base.rows if base is not None else 0)
+        rows_before = base.rows if base is not None else 0
+        self.rows: int = next((int(t.shape[dp.dim]) for t in tree_leaves((inputs, self.kwargs))
+                               if isinstance(t, torch.Tensor) and t.dim() > dp.dim), rows_before)
         self.ran = False  # the forward ran, with the loss inside
         self.site = site
         # a part of another's outputs (``logits = outputs.logits``, ``out, aux = model(x)``):
