@@ -47,12 +47,19 @@ def _run(args: list[str], out: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def offered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Each script's result under ``dpprof run --ladder`` (run once per script)."""
+    """Each script's result under ``dpprof run --ladder`` (run once per script), run in a
+    folder of its own: the seal watches the working folder, and in the repository's the
+    other test workers write Python's bytecode caches while the script runs."""
     out = {}
+    before = Path.cwd()
     for script in sorted({s for s, _ in CASES}):
         work = tmp_path_factory.mktemp("ladder")
-        out[script] = _run(["--ladder", "--", "python", str(SCRIPTS / script)],
-                           work / "r.json")
+        os.chdir(work)
+        try:
+            out[script] = _run(["--ladder", "--", "python", str(SCRIPTS / script)],
+                               work / "r.json")
+        finally:
+            os.chdir(before)
     return out
 
 

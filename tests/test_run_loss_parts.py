@@ -1,7 +1,8 @@
 """The loss inside forward where the loop takes a part of DataParallel's outputs before its
 loss, over generated programs: outputs a tuple, a named tuple or a dict; the part taken by
-unpacking (``logits, aux = model(x)``), an attribute (``logits = out.logits``), an index or a
-key; the model called with positional arguments, keywords (``model(input_ids=x)``, the
+unpacking (``logits, aux = model(x)``), an attribute (``logits = out.logits``), an index, a
+key, or a chain of them and method calls (``out[0][:, :C].float()``, on a name or on the
+model's call itself); the model called with positional arguments, keywords (``model(input_ids=x)``, the
 Hugging Face way) or an unpacked dict (``model(**batch)``); a loss module or
 ``F.cross_entropy(..., ignore_index=0)``; with and without a later read of the outputs.
 
@@ -66,11 +67,16 @@ TAKES = {
     "attr": ("out = model({call})\n    logits = out.logits", ("named",)),
     "index": ("out = model({call})\n    logits = out[0]", ("tuple", "named")),
     "key": ('out = model({call})\n    logits = out["logits"]', ("dict",)),
+    # a chain of attributes, indexes and method calls, on a name or on the call itself
+    "chain": ("out = model({call})\n    logits = out[0][:, :C].float().contiguous()",
+              ("tuple", "named")),
+    "on_the_call": ('logits = model({call})["logits"][..., :].view(-1, C)', ("dict",)),
 }
 CALLS = {"positional": "x", "keywords": "features=x", "unpacked": "**batch"}
 CRITERIA = {"module": ("nn.CrossEntropyLoss()", "criterion(logits, y)"),
             "functional": ("F.cross_entropy", "criterion(logits, y, ignore_index=0)")}
-PART = {"unpack": "[0]", "attr": ".logits", "index": "[0]", "key": '["logits"]'}
+PART = {"unpack": "[0]", "attr": ".logits", "index": "[0]", "key": '["logits"]',
+        "chain": "[0][:, :C].float().contiguous()", "on_the_call": '["logits"][..., :].view(-1, C)'}
 
 AS_WRITTEN = HEAD + """
 model = nn.DataParallel(Net()).cuda()
@@ -140,6 +146,10 @@ def _programs(take: str, call: str, criterion: str, kind: str, reads: bool,
 @example(take="unpack", call="positional", criterion="module", kind="tuple", reads=True,
          rows=100)
 @example(take="key", call="unpacked", criterion="module", kind="dict", reads=False, rows=96)
+@example(take="chain", call="keywords", criterion="functional", kind="tuple", reads=True,
+         rows=100)
+@example(take="on_the_call", call="positional", criterion="module", kind="dict", reads=False,
+         rows=64)
 @given(take=st.sampled_from(sorted(TAKES)), call=st.sampled_from(sorted(CALLS)),
        criterion=st.sampled_from(sorted(CRITERIA)), kind=st.sampled_from(sorted(RETURNED)),
        reads=st.booleans(), rows=st.sampled_from([64, 96, 100]))
@@ -175,13 +185,22 @@ def test_a_part_of_the_outputs_moves_inside_forward_as_written_by_hand(
         assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole)))
 
 
-def test_the_diff_for_a_part_taken_by_keywords_is_the_fix_and_peaks_as_promised(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Hugging Face way: ``out = model(features=x); logits = out.logits; loss =
-    F.cross_entropy(logits, y, ignore_index=0)``. The diff removes the two statements, gives
-    ModelWithLoss the keywords as a dict and the loss as a function of the whole outputs;
-    the patched script runs under ``dpprof run`` and peaks as the fix promised."""
-    as_written, _ = _programs("attr", "keywords", "functional", "named", False, 64)
+@pytest.mark.parametrize(("take", "call", "criterion", "kind"), [
+    ("attr", "keywords", "functional", "named"),  # the Hugging Face way
+    ("unpack", "positional", "module", "tuple"),
+    ("index", "unpacked", "module", "named"),
+    ("key", "positional", "functional", "dict"),
+    ("chain", "keywords", "module", "tuple"),
+    ("on_the_call", "unpacked", "functional", "dict"),
+])
+def test_the_diff_for_a_part_is_the_fix_and_peaks_as_promised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, take: str, call: str, criterion: str,
+        kind: str) -> None:
+    """The diff removes the statements that take the part, gives ModelWithLoss the inputs
+    (keywords as a dict) and the loss as a function of the whole outputs (the part's
+    expression in it); the patched script runs under ``dpprof run`` and peaks as the fix
+    promised, to the byte."""
+    as_written, _ = _programs(take, call, criterion, kind, False, 64)
     (tmp_path / "train.py").write_text(as_written)
     runner = CliRunner()
     monkeypatch.chdir(tmp_path)
@@ -191,9 +210,10 @@ def test_the_diff_for_a_part_taken_by_keywords_is_the_fix_and_peaks_as_promised(
     fix = next(f for f in json.loads((tmp_path / "first.json").read_text())["fixes"]
                if f["name"] == "loss-in-forward")
     patched = apply_diff(as_written, fix["code"])
-    assert "model(dict(features=x), y)" in patched, fix["code"]
-    assert ("lambda out, y: criterion(out.logits, y, ignore_index=0)" in patched), fix["code"]
-    assert "logits = out.logits" not in patched
+    inputs = {"positional": "x", "keywords": "dict(features=x)", "unpacked": "batch"}[call]
+    assert f"dpprof.ModelWithLoss.combine(model({inputs}, y))" in patched, fix["code"]
+    assert PART[take] + ", y" in patched, fix["code"]  # the part's expression in the loss
+    assert "logits" not in patched.split("for step in range(4):")[1], patched
     (tmp_path / "train.py").write_text(patched)
     again = runner.invoke(app, ["run", "--gpus", "2", "-o", "again.json", "--", "python",
                                 "train.py"])

@@ -24,7 +24,14 @@ from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, scatter_kwargs
 from dpprof.scenarios.losses import is_functional_loss
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, batch_rows, call_model
-from dpprof.script.loss_expression import FoundLoss, compiled, losses_in_frame, parts_bound
+from dpprof.script.loss_expression import (
+    Binding,
+    FoundLoss,
+    Step,
+    compiled,
+    losses_in_frame,
+    parts_bound,
+)
 from dpprof.script.parallel_state import ParallelLog, current
 from dpprof.script.source import dotted_name
 
@@ -39,7 +46,7 @@ class DeferredOutputs:
 
     def __init__(self, dp: VirtualDataParallel, inputs: tuple[Any, ...], site: str,
                  kwargs: dict[str, Any] | None = None, base: DeferredOutputs | None = None,
-                 path: tuple[tuple[str, Any], ...] = ()) -> None:
+                 path: tuple[Step, ...] = ()) -> None:
         self.dp = dp
         # the model's inputs, until the forward ran with the loss inside (the fixed code holds
         # them no longer than the script does); a part holds none: its base's are used
@@ -55,6 +62,9 @@ class DeferredOutputs:
         self._base = base  # None: these are the whole outputs (no cycle to itself: a cycle
         # would keep the outputs alive until the garbage collector runs, not the script)
         self.path = path
+        # the steps still to come in the statement that made this part, and its lines
+        self.expect: tuple[Step, ...] = ()
+        self.where: frozenset[tuple[str, int]] = frozenset()
         self.value: Any = None
         self.used_as_loss = False
         self.pending: PendingLoss | None = None  # the loss of an expression of them
@@ -90,9 +100,13 @@ class DeferredOutputs:
             return dict(self.kwargs)
         return self.inputs if len(self.inputs) != 1 else self.inputs[0]
 
-    def part(self, step: tuple[str, Any]) -> DeferredOutputs:
-        """The part one attribute or index further in (not computed until used)."""
-        return DeferredOutputs(self.dp, (), self.site, None, self.base, (*self.path, step))
+    def part(self, step: Step, expect: tuple[Step, ...] = (),
+             where: frozenset[tuple[str, int]] = frozenset()) -> DeferredOutputs:
+        """The part one step further in (not computed until used); ``expect``: the steps
+        still to come in the statement (its lines ``where``) that binds it."""
+        part = DeferredOutputs(self.dp, (), self.site, None, self.base, (*self.path, step))
+        part.expect, part.where = expect, where
+        return part
 
     def on_part(self, loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """``loss_fn`` of this part, as a function of the whole outputs."""
@@ -227,23 +241,42 @@ class DeferredOutputs:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        if self._binds_parts() == 1:  # logits = outputs.logits
-            return self.part(("attr", name))
+        part = self._step(("attr", name))  # logits = outputs.logits
+        if part is not None:
+            return part
         pending = self.in_loss()
         return getattr(pending if pending is not None else self.materialize(), name)
 
-    def _binds_parts(self) -> int:
-        """How many names the statement now running binds to parts of these outputs, not yet
-        computed (:func:`dpprof.script.loss_expression.parts_bound`): only while no loss
-        was computed on them, under grad, as the training step's."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        part = self._step(("call", args, kwargs))  # logits = out.float()
+        return part if part is not None else self.materialize()(*args, **kwargs)
+
+    def _binding(self) -> Binding | None:
+        """What the statement now running binds of these outputs, not yet computed
+        (:func:`dpprof.script.loss_expression.parts_bound`): only while no loss was computed
+        on them, under grad, as the training step's."""
         if (self.value is not None or self.base.used_as_loss or self.pending is not None
                 or not torch.is_grad_enabled()):
-            return 0
+            return None
         frame = caller_frame()
         try:
-            return parts_bound(frame, lambda v: v is self, self.dp) if frame else 0
+            return parts_bound(frame, lambda v: v is self, self.dp) if frame else None
         except Exception:  # reading the script's own values: it runs on, as written
-            return 0
+            return None
+
+    def _step(self, step: Step) -> DeferredOutputs | None:
+        """The part ``step`` leads to, where it is the next step of the chain the statement
+        now running binds to a name; else None."""
+        if self.expect:  # a part made earlier in this statement's chain
+            frame = caller_frame()
+            if (frame is not None and (frame.f_code.co_filename, frame.f_lineno) in self.where
+                    and _same_step(self.expect[0], step)):
+                return self.part(step, self.expect[1:], self.where)
+            return None
+        binding = self._binding()
+        if binding is None or not binding.steps or not _same_step(binding.steps[0], step):
+            return None
+        return self.part(step, binding.steps[1:], binding.where)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -267,8 +300,9 @@ class DeferredOutputs:
         return func(*args, **kwargs)
 
     def __getitem__(self, key: Any) -> Any:
-        if self._binds_parts() == 1:  # logits = outputs[0]
-            return self.part(("item", key))
+        part = self._step(("item", key))  # logits = outputs[0]
+        if part is not None:
+            return part
         pending = self.in_loss()
         return pending if pending is not None else self.materialize()[key]
 
@@ -276,9 +310,9 @@ class DeferredOutputs:
         return len(self.materialize())
 
     def __iter__(self) -> Any:
-        names = self._binds_parts()  # out, aux = model(x)
-        if names:
-            return iter([self.part(("item", i)) for i in range(names)])
+        binding = None if self.expect else self._binding()  # out, aux = model(x)
+        if binding is not None and binding.names:
+            return iter([self.part(("item", i)) for i in range(binding.names)])
         return iter(self.materialize())
 
     __hash__ = object.__hash__  # by identity, as its comparisons below do not
@@ -421,14 +455,22 @@ def _with_further(loss_fn: Callable[..., Any], rest: tuple[Any, ...], keywords: 
     return loss_fn(outputs, targets, *rest, **keywords)
 
 
-def part_of(outputs: Any, path: tuple[tuple[str, Any], ...]) -> Any:
-    """The part of ``outputs`` that ``path``'s attribute and index steps lead to."""
-    for kind, key in path:
-        outputs = getattr(outputs, key) if kind == "attr" else outputs[key]
+def part_of(outputs: Any, path: tuple[Step, ...]) -> Any:
+    """The part of ``outputs`` that ``path``'s attribute, index and call steps lead to."""
+    for kind, *key in path:
+        outputs = (getattr(outputs, key[0]) if kind == "attr" else outputs[key[0]]
+                   if kind == "item" else outputs(*key[0], **key[1]))
     return outputs
 
 
-def _loss_on_part(loss_fn: Callable[[Any, Any], Any], path: tuple[tuple[str, Any], ...],
+def _same_step(a: Step, b: Step) -> bool:
+    try:
+        return a[0] == b[0] and bool(a[1:] == b[1:])
+    except Exception:  # a key that does not compare (a tensor): not the chain's
+        return False
+
+
+def _loss_on_part(loss_fn: Callable[[Any, Any], Any], path: tuple[Step, ...],
                   outputs: Any, targets: Any) -> Any:
     return loss_fn(part_of(outputs, path), targets)
 

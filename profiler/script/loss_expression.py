@@ -234,16 +234,35 @@ def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: 
     return found
 
 
-def parts_bound(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module) -> int:
-    """How many names the statement ``frame`` is running binds to parts of the outputs (a
-    name whose value ``is_outputs``, or ``model``'s call) and to nothing else: 1 for
-    ``logits = outputs.logits`` or ``logits = outputs[0]`` (a constant index), k for ``a, b =
-    model(x)`` or ``a, b = outputs`` (k names, none starred); 0 for any other statement."""
+# A step from the outputs to a part of them: ("attr", name), ("item", key) or ("call", args,
+# kwargs) (a method's call: the step before it took the method)
+Step = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What the statement now running binds of the outputs: ``names`` names to their first
+    ``names`` items (``a, b = model(x)``), or one name to the end of ``steps``
+    (``logits = outputs.logits[:, :-1].float()``)."""
+
+    names: int = 0
+    steps: tuple[Step, ...] = ()
+    where: frozenset[tuple[str, int]] = frozenset()  # (file, line) of the statement's lines
+
+
+def parts_bound(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.Module
+                ) -> Binding | None:
+    """What the statement ``frame`` is running binds of the outputs (a name whose value
+    ``is_outputs``, or ``model``'s call), where it binds them and nothing else: k names
+    unpacked (``a, b = model(x)``, ``a, b = outputs``; none starred), or one name to a chain
+    of attributes, indexes and method calls on them whose keys and arguments are plain
+    values (``logits = outputs.logits``, ``out = model(x)[0]``, ``logits =
+    out[:, :-1].float()``); None for any other statement."""
     path, line = frame.f_code.co_filename, frame.f_lineno
     src = _source(path)
     stmt = _statement_at(src, line) if src is not None else None
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-        return 0
+        return None
     names = _names_of(frame)
 
     def outputs(node: ast.expr) -> bool:
@@ -253,15 +272,75 @@ def parts_bound(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.M
 
     (target,), value = stmt.targets, stmt.value
     if isinstance(target, ast.Name):
-        if isinstance(value, ast.Attribute):
-            return int(outputs(value.value))
-        if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant):
-            return int(outputs(value.value))
-        return 0
+        steps = _chain(value, outputs, names)
+        where = frozenset((path, n) for n in range(stmt.lineno, (stmt.end_lineno or 0) + 1))
+        return Binding(steps=tuple(steps), where=where) if steps else None
     if (isinstance(target, (ast.Tuple, ast.List)) and target.elts
-            and all(isinstance(e, ast.Name) for e in target.elts)):
-        return len(target.elts) if outputs(value) else 0
-    return 0
+            and all(isinstance(e, ast.Name) for e in target.elts) and outputs(value)):
+        return Binding(names=len(target.elts))
+    return None
+
+
+def _chain(node: ast.expr, outputs: Callable[[ast.expr], bool],
+           names: dict[str, Any]) -> list[Step] | None:
+    """The steps from the outputs to ``node``, a chain of attributes, indexes and method
+    calls rooted at them; None where ``node`` is no such chain or a key or an argument is
+    not a plain value (a tensor, or anything computed by a call)."""
+    steps: list[Step] = []
+    while not outputs(node):
+        if isinstance(node, ast.Attribute):
+            steps.append(("attr", node.attr))
+            node = node.value
+        elif isinstance(node, ast.Subscript):
+            key = _plain(node.slice, names, index=True)
+            if key is _MISSING:
+                return None
+            steps.append(("item", key))
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            args = [_plain(a, names) for a in node.args]
+            kwargs = {k.arg: _plain(k.value, names) for k in node.keywords}
+            if _MISSING in args or _MISSING in kwargs.values() or None in kwargs:
+                return None
+            steps.append(("call", tuple(args), kwargs))
+            node = node.func
+        else:
+            return None
+    return steps[::-1] or None
+
+
+_PLAIN = (int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
+
+
+class _Key:
+    """``_Key()[k]`` is ``k``: a subscript's key (slices and all) evaluated as Python does."""
+
+    def __getitem__(self, key: Any) -> Any:
+        return key
+
+
+def _plain(node: ast.expr, names: dict[str, Any], index: bool = False) -> Any:
+    """The value of ``node``, an index (``index``) or a method's argument, where it is plain
+    (numbers, slices, dtypes and tuples of them, read without calling anything); else
+    ``_MISSING``."""
+    if any(isinstance(n, (ast.Call, ast.Starred, ast.Lambda, ast.NamedExpr, ast.Await,
+                          ast.Yield, ast.YieldFrom, ast.ListComp, ast.GeneratorExp,
+                          ast.DictComp, ast.SetComp)) for n in ast.walk(node)):
+        return _MISSING
+    if index:  # a slice is an expression only inside a subscript
+        node = ast.Subscript(value=ast.Name(id="_dpprof_key", ctx=ast.Load()), slice=node,
+                             ctx=ast.Load())
+    expression = ast.fix_missing_locations(ast.Expression(body=node))
+    try:
+        value = eval(compile(expression, "<index>", "eval"),
+                     {**names, "_dpprof_key": _Key()})
+    except Exception:
+        return _MISSING
+
+    def plain(v: Any) -> bool:
+        return isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(plain(x) for x in v))
+
+    return value if plain(value) else _MISSING
 
 
 def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,

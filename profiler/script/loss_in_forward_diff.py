@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,14 +60,16 @@ def _loss_site(src: ScriptSource, loss_line: int, call_line: int) -> _LossSite:
         if not loss.args or isinstance(loss.args[0], ast.Starred):
             continue
         first = loss.args[0]
-        if isinstance(first, ast.Call) and first.lineno <= call_line <= (first.end_lineno or 0):
+        if _names_a_callee(first) and first.lineno <= call_line <= (first.end_lineno or 0):
+            assert isinstance(first, ast.Call)
             return _LossSite(loss, first, None, "")
         if isinstance(first, ast.Name):
             scope = src.scope(loss)
             for node in scope_nodes(scope):
                 if (isinstance(node, (ast.Assign, ast.AnnAssign))
                         and node.lineno <= call_line <= (node.end_lineno or 0)
-                        and isinstance(node.value, ast.Call)):
+                        and _names_a_callee(node.value)):
+                    assert isinstance(node.value, ast.Call)
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     if len(targets) == 1 and dotted_name(targets[0]) == first.id:
                         return _LossSite(loss, node.value, node, first.id)
@@ -235,7 +238,8 @@ def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line:
                        and model_name is not None and dotted_name(n.func) == model_name
                        and n.lineno <= call_line <= (n.end_lineno or 0)), None)
         site = (_LossSite(loss, inline, None, "") if inline is not None
-                else _named_outputs(src, loss, call_line) or _part_outputs(src, loss, call_line))
+                else _named_outputs(src, loss, call_line)
+                or _part_outputs(src, loss, call_line, model_name))
         if site is None:
             continue
         return site, loss_function(src, loss, site.outputs_name, inline, targets_name,
@@ -244,13 +248,20 @@ def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line:
                     f"arguments read the model's outputs from line {call_line}")
 
 
+def _names_a_callee(node: ast.AST | None) -> bool:
+    """Whether ``node`` is a call of a name or a dotted one (``model(x)``, ``self.net(x)``),
+    as the model's is: not a method of an expression (``model(x)[0].float()``)."""
+    return isinstance(node, ast.Call) and dotted_name(node.func) is not None
+
+
 def _named_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSite | None:
     """The loss site where ``loss`` reads the name that ``name = model(...)`` on
     ``call_line`` binds."""
     for node in scope_nodes(src.scope(loss)):
         if (isinstance(node, (ast.Assign, ast.AnnAssign))
                 and node.lineno <= call_line <= (node.end_lineno or 0)
-                and isinstance(node.value, ast.Call)):
+                and _names_a_callee(node.value)):
+            assert isinstance(node.value, ast.Call)
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             name = dotted_name(targets[0]) if len(targets) == 1 else None
             if name and isinstance(targets[0], ast.Name) and output_refs(loss, name, None):
@@ -258,20 +269,34 @@ def _named_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSi
     return None
 
 
-def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSite | None:
+def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int,
+                  model_name: str | None) -> _LossSite | None:
     """The loss site where ``loss`` reads a part of the outputs of the model's call on
-    ``call_line``: one name of ``a, b = model(x)``, or the name ``logits = outputs.logits``
-    (or ``outputs[0]``) binds from ``outputs = model(x)``; NoRewrite where the outputs or the
-    part are read elsewhere too (the fix would need them kept beside the loss)."""
+    ``call_line``: one name of ``a, b = model(x)``; the name a chain of attributes, indexes
+    and method calls binds, on the call itself (``logits = model(x)["logits"].float()``) or
+    on the name ``outputs = model(x)`` binds (``logits = outputs.logits[:, :-1]``); NoRewrite
+    where the outputs or the part are read elsewhere too (the fix would need them kept
+    beside the loss)."""
     scope = src.scope(loss)
     nodes = list(scope_nodes(scope))
     reads = [n for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
     for node in nodes:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and node.lineno <= call_line <= (node.end_lineno or 0)
-                and isinstance(node.value, ast.Call)):
+                and node.lineno <= call_line <= (node.end_lineno or 0)):
             continue
         (target,) = node.targets
+        if isinstance(target, ast.Name) and not _names_a_callee(node.value):
+            # the chain on the model's call itself
+            root = _chain_root(node.value, lambda n: isinstance(n, ast.Call)
+                               and n.lineno <= call_line <= (n.end_lineno or 0)
+                               and model_name is not None and dotted_name(n.func) == model_name)
+            step = _chain_text(src, root, node.value) if isinstance(root, ast.Call) else ""
+            if isinstance(root, ast.Call) and step and output_refs(loss, target.id, None):
+                _read_only_in(src, loss, reads, [target.id], target.id)
+                return _LossSite(loss, root, node, target.id, part="{}" + step)
+            continue
+        if not _names_a_callee(node.value):
+            continue
         if isinstance(target, (ast.Tuple, ast.List)) and all(
                 isinstance(e, ast.Name) for e in target.elts):
             names = [e.id for e in target.elts if isinstance(e, ast.Name)]
@@ -289,20 +314,36 @@ def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int) -> _LossSit
                     and isinstance(bind.targets[0], ast.Name)
                     and start_of(node) < start_of(bind) < start_of(src.statement(loss))):
                 continue
-            value = bind.value
-            step = (f".{value.attr}" if isinstance(value, ast.Attribute) else
-                    f"[{src.seg(value.slice)}]" if isinstance(value, ast.Subscript)
-                    and isinstance(value.slice, ast.Constant) else "")
+            root = _chain_root(bind.value, lambda n, whole=whole: isinstance(n, ast.Name)
+                               and n.id == whole)
+            step = _chain_text(src, root, bind.value) if root is not None else ""
             name = bind.targets[0].id
-            if not (step and isinstance(value, (ast.Attribute, ast.Subscript))
-                    and isinstance(value.value, ast.Name) and value.value.id == whole
-                    and output_refs(loss, name, None)):
+            if not (root is not None and step and output_refs(loss, name, None)):
                 continue
-            _read_only_in(src, loss, [r for r in reads if r is not value.value], [whole, name],
-                          name)
+            _read_only_in(src, loss, [r for r in reads if r is not root], [whole, name], name)
             return _LossSite(loss, node.value, node, name, part="{}" + step, part_stmt=bind,
                              whole_name=whole)
     return None
+
+
+def _chain_root(node: ast.expr, is_root: Callable[[ast.expr], bool]) -> ast.expr | None:
+    """The node ``is_root`` picks at the bottom of ``node``, a chain of attributes, indexes
+    and method calls (``out[0][:, :-1].float()``); None where the chain breaks first."""
+    while not is_root(node):
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func
+        else:
+            return None
+    return node
+
+
+def _chain_text(src: ScriptSource, root: ast.expr, value: ast.expr) -> str:
+    """The chain's text after its root (``[0][:, :-1].float()``), or "" where it is not
+    plainly written after it (a root in parentheses)."""
+    text = src.text[src.span(root)[1]:src.span(value)[1]]
+    return text if text[:1] in (".", "[") else ""
 
 
 def _read_only_in(src: ScriptSource, loss: ast.Call, reads: list[ast.Name], names: list[str],
