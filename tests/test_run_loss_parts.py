@@ -285,3 +285,47 @@ def test_the_outputs_through_python_operators_after_the_loss(tmp_path: Path) -> 
     assert printed[0] and len(printed[0]) == len(printed[1])
     for whole, combined in zip(*printed, strict=True):
         assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole)))
+
+
+TWO_PARTS = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x, sizes):
+        return self.fc(x).log_softmax(-1), sizes
+
+
+model = nn.DataParallel(Net()).cuda()
+ctc = nn.CTCLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x = torch.randn(8, 50, 16).cuda()
+    sizes = torch.full((8,), 50, dtype=torch.long).cuda()
+    targets = torch.randint(1, 10, (8 * 5,)).cuda()
+    target_sizes = torch.full((8,), 5, dtype=torch.long).cuda()
+    out, output_sizes = model(x, sizes)
+    out = out.transpose(0, 1)
+    loss = ctc(out, targets, output_sizes, target_sizes)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_loss_on_two_parts_of_the_outputs_is_declined_in_one_line(tmp_path: Path) -> None:
+    """deepspeech.pytorch's way: ``out, output_sizes = model(x, sizes)``, then a CTC loss on
+    both. The loss function dpprof makes takes one part; it said nothing of the other, which
+    reached the replicas' loss as outputs not computed. It declines, and says why."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_PARTS)
+    ran, _ = run_command(_config(script))
+    (said,) = [n for n in ran.notes if n.startswith("no loss-inside-forward alternative")]
+    assert said.endswith("reads output_sizes, another part of the outputs, besides its "
+                         "first; dpprof moves a loss on one part of them"), said
+    assert ran.scenarios[0].status == "ok"

@@ -355,6 +355,10 @@ def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,
     batch: dict[str, torch.Tensor] = {}
     for name in loaded_outside(loss, refs):
         value = _value(names, name, is_outputs)
+        if not isinstance(value, torch.Tensor) and hasattr(type(value), "__torch_function__"):
+            # outputs not computed yet, another part of them (``crit(out, y, out_sizes)``)
+            return (f"the loss at {where} reads {name.id}, another part of the outputs, "
+                    "besides its first; dpprof moves a loss on one part of them")
         if (name.id != callee_root and isinstance(value, torch.Tensor)
                 and value.dim() > dim and value.shape[dim] == rows):
             batch[name.id] = value
