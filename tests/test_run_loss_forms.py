@@ -171,18 +171,26 @@ def test_each_way_of_writing_the_loss_moves_inside_forward_as_written_by_hand(
             form, moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
 
     # the value: real numbers, the loss each prints
+    assert_the_same_losses_printed(_config(script, compute=True))
+
+
+def assert_the_same_losses_printed(cfg: ScriptConfig, keep_outputs: bool = False) -> None:
+    """The script (``cfg``, with ``--compute``) prints ``loss <value>`` lines: the
+    loss-inside-forward alternative (``keep_outputs``: keeping them, as the alternative is
+    reported where the script reads the outputs besides the loss) prints the same values as
+    the script as written, the whole batch's loss on cuda:0."""
     printed_main = io.StringIO()
     with contextlib.redirect_stdout(printed_main):
-        main = run_script(_config(script, compute=True))
-    inside_run = run_script(dataclasses.replace(_config(script, compute=True),
-                                                alternative=STRATEGY,
-                                                scattered_rows=main.batch_rows))
+        main = run_script(cfg)
+    inside_run = run_script(dataclasses.replace(cfg, alternative=STRATEGY,
+                                                scattered_rows=main.batch_rows,
+                                                keep_outputs=keep_outputs))
     printed = [re.findall(r"^loss (\S+)$", text, re.M)
                for text in (printed_main.getvalue(), inside_run.output_tail)]
     assert printed[0] and len(printed[0]) == len(printed[1])
     for whole, combined in zip(*printed, strict=True):
         assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole))), (
-            form, printed)
+            printed)
 
 
 EVALUATED = HEAD + """

@@ -14,9 +14,6 @@ as promised, to the byte.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import io
 import json
 import re
 from pathlib import Path
@@ -24,12 +21,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_run_loss_forms import assert_the_same_losses_printed
 from test_script_rewrite import apply_diff
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
-from dpprof.script.loss_in_forward_run import STRATEGY
-from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 HEAD = """
@@ -173,16 +169,7 @@ def test_a_part_of_the_outputs_moves_inside_forward_as_written_by_hand(
             moved.index, moved.peak_allocated_bytes, mine.peak_allocated_bytes)
 
     # the value: real numbers, the loss each prints
-    printed_main = io.StringIO()
-    with contextlib.redirect_stdout(printed_main):
-        main = run_script(_config(script, compute=True))
-    inside = run_script(dataclasses.replace(_config(script, compute=True), alternative=STRATEGY,
-                                            scattered_rows=main.batch_rows))
-    printed = [re.findall(r"^loss (\S+)$", text, re.M)
-               for text in (printed_main.getvalue(), inside.output_tail)]
-    assert printed[0] and len(printed[0]) == len(printed[1])
-    for whole, combined in zip(*printed, strict=True):
-        assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole)))
+    assert_the_same_losses_printed(_config(script, compute=True))
 
 
 @pytest.mark.parametrize(("take", "call", "criterion", "kind"), [
@@ -274,17 +261,7 @@ def test_the_outputs_through_python_operators_after_the_loss(tmp_path: Path) -> 
     assert alt.status == "ok", alt.message
     assert any(re.search(r"uses the outputs besides the loss \([^)]*vae\.py:\d+", n)
                for n in alt.notes), alt.notes
-    printed_main = io.StringIO()
-    with contextlib.redirect_stdout(printed_main):
-        main = run_script(_config(script, compute=True))
-    inside = run_script(dataclasses.replace(_config(script, compute=True), alternative=STRATEGY,
-                                            scattered_rows=main.batch_rows,
-                                            keep_outputs=True))  # as the alternative reported
-    printed = [re.findall(r"^loss (\S+)$", text, re.M)
-               for text in (printed_main.getvalue(), inside.output_tail)]
-    assert printed[0] and len(printed[0]) == len(printed[1])
-    for whole, combined in zip(*printed, strict=True):
-        assert abs(float(whole) - float(combined)) <= 1e-5 * max(1.0, abs(float(whole)))
+    assert_the_same_losses_printed(_config(script, compute=True), keep_outputs=True)
 
 
 TWO_PARTS = """
