@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 
 
 class DeferredOutputs:
-    """DataParallel's outputs in the loss-inside-forward alternative: nothing is computed until
-    the loss module is called on them (then every replica computes its loss,
-    ``ModelWithLoss``); any other use computes them as written (gathered)."""
+    """DataParallel's outputs in the loss-inside-forward alternative, or a part of them taken
+    before the loss: nothing is computed until a loss is called on them (then every replica
+    computes its loss, ``ModelWithLoss``); any other use computes them as written
+    (gathered)."""
 
     def __init__(self, dp: VirtualDataParallel, inputs: tuple[Any, ...], site: str,
                  kwargs: dict[str, Any] | None = None, base: DeferredOutputs | None = None,
@@ -58,7 +59,7 @@ class DeferredOutputs:
         self.ran = False  # the forward ran, with the loss inside
         self.site = site
         # a part of another's outputs (``logits = outputs.logits``, ``out, aux = model(x)``):
-        # that one's forward, and the ("attr", name) / ("item", key) steps to this part
+        # that one's forward, and the steps to this part (loss_expression.Step)
         self._base = base  # None: these are the whole outputs (no cycle to itself: a cycle
         # would keep the outputs alive until the garbage collector runs, not the script)
         self.path = path
