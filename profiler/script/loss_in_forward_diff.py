@@ -295,7 +295,8 @@ def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int,
                 _read_only_in(src, loss, reads, [target.id], target.id)
                 return _LossSite(loss, root, node, target.id, part="{}" + step)
             continue
-        if not _names_a_callee(node.value):
+        call = node.value
+        if not (_names_a_callee(call) and isinstance(call, ast.Call)):
             continue
         if isinstance(target, (ast.Tuple, ast.List)) and all(
                 isinstance(e, ast.Name) for e in target.elts):
@@ -305,7 +306,7 @@ def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int,
                 continue
             (i,) = read
             _read_only_in(src, loss, reads, names, names[i])
-            return _LossSite(loss, node.value, node, names[i], part=f"{{}}[{i}]")
+            return _LossSite(loss, call, node, names[i], part=f"{{}}[{i}]")
         if not isinstance(target, ast.Name):
             continue
         whole = target.id
@@ -314,16 +315,20 @@ def _part_outputs(src: ScriptSource, loss: ast.Call, call_line: int,
                     and isinstance(bind.targets[0], ast.Name)
                     and start_of(node) < start_of(bind) < start_of(src.statement(loss))):
                 continue
-            root = _chain_root(bind.value, lambda n, whole=whole: isinstance(n, ast.Name)
-                               and n.id == whole)
+            root = _chain_root(bind.value, _named(whole))
             step = _chain_text(src, root, bind.value) if root is not None else ""
             name = bind.targets[0].id
             if not (root is not None and step and output_refs(loss, name, None)):
                 continue
             _read_only_in(src, loss, [r for r in reads if r is not root], [whole, name], name)
-            return _LossSite(loss, node.value, node, name, part="{}" + step, part_stmt=bind,
+            return _LossSite(loss, call, node, name, part="{}" + step, part_stmt=bind,
                              whole_name=whole)
     return None
+
+
+def _named(name: str) -> Callable[[ast.expr], bool]:
+    """Whether a node is the name ``name``."""
+    return lambda node: isinstance(node, ast.Name) and node.id == name
 
 
 def _chain_root(node: ast.expr, is_root: Callable[[ast.expr], bool]) -> ast.expr | None:
