@@ -112,8 +112,20 @@ class FolderWatch:
         if fd < 0:
             return
         self._fd = fd
-        weakref.finalize(self, _close, fd)
+        self._closing = weakref.finalize(self, _close, fd)
         self.complete = True
+
+    def close(self) -> None:
+        """The inotify instance let go now, not when the watch is collected (each holds one
+        of the user's ``fs.inotify.max_user_instances``, 128 by default, and a process that
+        runs many scripts, as a test worker does, ran out); what it recorded is read first
+        and stays, and nothing is recorded after."""
+        closing = getattr(self, "_closing", None)
+        if closing is None or not closing.alive:
+            return
+        self.changed()
+        closing()
+        self.complete = False  # no longer recording: a later change would go unseen
 
     def add(self, folder: str) -> None:
         """``folder`` watched from now on (before what it holds is noted: nothing that

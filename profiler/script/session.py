@@ -83,10 +83,13 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     def step_cb(what: str) -> StepCallback:
         return lambda k: progress(what, k, cfg.steps) if progress else None
 
-    if cfg.seal and cfg.files_before is None:  # the user's files, checked after each run
+    census = None  # the user's files, checked after each run (a census taken here is let go
+    # here: its folder watch holds one of the user's inotify instances)
+    if cfg.seal and cfg.files_before is None:
         prepare_process()
-        cfg = dataclasses.replace(cfg, files_before=take_census(
-            None if cfg.launch.is_module else cfg.launch.target, cfg.keep_writes))
+        census = take_census(None if cfg.launch.is_module else cfg.launch.target,
+                             cfg.keep_writes)
+        cfg = dataclasses.replace(cfg, files_before=census)
     runs: list[tuple[str, ScriptRun]] = []
     rungs: list[tuple[str, ScriptRun]] = []
     notes: list[str] = []
@@ -133,6 +136,8 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
     finally:
         if shared is not None:
             shared.close()
+        if census is not None and census.watch is not None:
+            census.watch.close()
         finish_removals()  # where anything else ended it
 
 
