@@ -34,9 +34,9 @@ LOSS_FORMS = ("a loss is an nn loss module, one of torch.nn.functional's losses,
 
 
 @functools.cache
-def _modules_by_function() -> dict[Callable[..., Any], tuple[type[nn.Module], ...]]:
-    """Each function of ``torch.nn.functional`` that a loss module of torch calls in its
-    ``forward`` (the original, where one is patched), and the modules that call it."""
+def _callers() -> dict[str, tuple[type[nn.Module], ...]]:
+    """The name of each function of ``torch.nn.functional`` that a loss module of torch calls
+    in its ``forward``, and the modules that call it."""
     import torch.nn.modules.loss as losses
 
     callers: dict[str, list[type[nn.Module]]] = {}
@@ -50,8 +50,14 @@ def _modules_by_function() -> dict[Callable[..., Any], tuple[type[nn.Module], ..
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                         and isinstance(node.func.value, ast.Name) and node.func.value.id == "F"):
                     callers.setdefault(node.func.attr, []).append(getattr(losses, cls.name))
-    return {_original(getattr(F, name)): tuple(classes) for name, classes in sorted(callers.items())
+    return {name: tuple(classes) for name, classes in sorted(callers.items())
             if callable(getattr(F, name, None))}
+
+
+@functools.cache
+def _modules_by_function() -> dict[Callable[..., Any], tuple[type[nn.Module], ...]]:
+    """:func:`_callers` by the function itself (the original, where one is patched)."""
+    return {_original(getattr(F, name)): classes for name, classes in _callers().items()}
 
 
 def functional_losses() -> frozenset[Callable[..., Any]]:
@@ -62,7 +68,7 @@ def functional_losses() -> frozenset[Callable[..., Any]]:
 
 def functional_loss_names() -> list[str]:
     """The names under ``torch.nn.functional`` of :func:`functional_losses`."""
-    return sorted(name for name in dir(F) if is_functional_loss(getattr(F, name, None)))
+    return list(_callers())
 
 
 def is_functional_loss(fn: Any) -> bool:

@@ -234,11 +234,11 @@ def choose(run: RunResult, base: ScenarioResult | None, setup: str,
     roomy = fits and need + base_margin <= cap
     above_mean = int(comp.max_bytes - comp.mean_bytes) if comp is not None else 0
     slight = above_mean < IMBALANCE_FLOOR * cap  # under the floor: nothing a GPU notices
-    balanced_enough = imbalance <= IMBALANCE_THRESHOLD or len(used(base)) < 2 or slight
+    within_ratio = imbalance <= IMBALANCE_THRESHOLD or len(used(base)) < 2
+    balanced_enough = within_ratio or slight
     if roomy and balanced_enough:
         balance = (f"its heaviest GPU is {imbalance:.2f}x the mean, within the policy's "
-                   f"{IMBALANCE_THRESHOLD:.2f}x" if imbalance <= IMBALANCE_THRESHOLD
-                   or len(used(base)) < 2 else
+                   f"{IMBALANCE_THRESHOLD:.2f}x" if within_ratio else
                    f"its heaviest GPU, {imbalance:.2f}x the mean, is above it by less than "
                    f"the policy's {IMBALANCE_FLOOR:.0%} of the GPU (what the imbalance costs "
                    "at a larger batch: dpprof maxbatch)")

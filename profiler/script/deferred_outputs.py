@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, scatter_kwargs
 from dpprof.scenarios.losses import is_functional_loss
-from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, batch_rows, call_model
+from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, call_model
 from dpprof.script.loss_expression import (
     Binding,
     FoundLoss,
@@ -53,10 +53,9 @@ class DeferredOutputs:
         # them no longer than the script does); a part holds none: its base's are used
         self.inputs = inputs
         self.kwargs = kwargs or {}  # a call with keyword arguments alone: model(**batch)
-        rows_before = base.rows if base is not None else 0
+        # the batch's rows (a part's are its base's)
         self.rows: int = next((int(t.shape[dp.dim]) for t in tree_leaves((inputs, self.kwargs))
-                               if isinstance(t, torch.Tensor) and t.dim() > dp.dim), rows_before)
-        self.ran = False  # the forward ran, with the loss inside
+                               if isinstance(t, torch.Tensor) and t.dim() > dp.dim), 0)
         self.site = site
         # a part of another's outputs (``logits = outputs.logits``, ``out, aux = model(x)``):
         # that one's forward, and the steps to this part (loss_expression.Step)
@@ -173,7 +172,7 @@ class DeferredOutputs:
         if frame is None:
             return None
         try:
-            losses = losses_in_frame(frame, lambda v: v is self, self.dp, self.rows,
+            losses = losses_in_frame(frame, lambda v: v is self, self.dp, base.rows,
                                      self.dp.dim)
         except Exception as e:  # reading the script's own values: it runs on, as written
             losses = f"dpprof could not read the loss's expression ({type(e).__name__}: {e})"
@@ -200,7 +199,7 @@ class DeferredOutputs:
         wrapped.shapes = self.shapes
         wrapped.kept = []
         out = self.dp.run(wrapped, (self.model_inputs(), targets), {})
-        self.inputs, self.kwargs, self.ran = (), {}, True
+        self.inputs, self.kwargs = (), {}  # held no longer: used_as_loss says it ran
         log = self._count_loss()
         self.replicas = list(zip(log.used_devices, wrapped.kept, strict=True))
         log.holding_replica_outputs.append(self)
@@ -410,10 +409,6 @@ def _recording_class() -> type:
     return RecordingModelWithLoss
 
 
-def t_rows(x: Any) -> int:
-    return batch_rows(x)
-
-
 def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...],
                               kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
@@ -441,7 +436,7 @@ def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...]
     if deferred.replicas:  # a loss on them is inside forward already: this one beside it
         current().log.loss_sites.append(caller_site())
         return deferred.beside(loss_fn, targets)
-    if deferred.value is not None or part.value is not None or deferred.ran:
+    if deferred.value is not None or part.value is not None or deferred.used_as_loss:
         return None
     deferred.used_as_loss = True
     current().log.call_sites.append(deferred.site)

@@ -105,6 +105,7 @@ class FolderWatch:
         # watched folders removed or moved away since (a folder made again at the path may
         # have the same inode number: it is another folder, which no watch covers)
         self.gone: set[str] = set()
+        self._closing: weakref.finalize | None = None  # the instance's close, once opened
         self._libc = _libc() if os.name == "posix" else None
         if self._libc is None:
             return
@@ -120,11 +121,10 @@ class FolderWatch:
         of the user's ``fs.inotify.max_user_instances``, 128 by default, and a process that
         runs many scripts, as a test worker does, ran out); what it recorded is read first
         and stays, and nothing is recorded after."""
-        closing = getattr(self, "_closing", None)
-        if closing is None or not closing.alive:
+        if self._closing is None or not self._closing.alive:
             return
         self.changed()
-        closing()
+        self._closing()
         self.complete = False  # no longer recording: a later change would go unseen
 
     def add(self, folder: str) -> None:
