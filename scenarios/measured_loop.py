@@ -9,7 +9,6 @@ rebinds it.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import os
 import traceback
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpprof.emulator.call_sites import dpprof_dirs
 from dpprof.scenarios.loss_mean import denominator, loss_calls, sums
 from dpprof.scenarios.names import BACKWARD, FORWARD, INPUTS, LOSS, OPTIMIZER, ZERO_GRAD
 from dpprof.scenarios.step import take_rows
@@ -183,12 +183,7 @@ def _library_dirs() -> tuple[str, ...]:
     import sysconfig
 
     dirs = [os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
-    # dpprof's own three source trees, located without importing them (reports is a layer
-    # above this one)
-    for name in ("dpprof", "dpprof.scenarios", "dpprof.reports"):
-        spec = importlib.util.find_spec(name)
-        dirs.append(os.path.dirname(spec.origin or "") if spec is not None else "")
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+    return (*(os.path.join(os.path.realpath(d), "") for d in dirs), *dpprof_dirs())
 
 
 def error_site(exc: BaseException) -> str:

@@ -3,6 +3,8 @@ user's line, as reports name it), and whether a file is dpprof's own."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import inspect
 import os
 import sys
@@ -13,9 +15,25 @@ from typing import Any
 import torch
 
 __all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "constructing_site",
-           "frame_locals", "in_dpprof", "relative_site"]
+           "dpprof_dirs", "frame_locals", "in_dpprof", "relative_site"]
 
-_DPPROF_DIR = str(Path(__file__).resolve().parents[1])
+
+
+@functools.cache
+def dpprof_dirs() -> tuple[str, ...]:
+    """dpprof's source folders, real paths each ending in a separator: one in an installed
+    wheel; in an editable install of the repository also scenarios/ and reports/ beside
+    profiler/ (pyproject.toml's package-dir), whose frames are dpprof's all the same.
+    Located without importing the packages above this one."""
+    dirs = {os.path.realpath(Path(__file__).parents[1])}
+    for package in ("dpprof.scenarios", "dpprof.reports"):
+        spec = importlib.util.find_spec(package)
+        dirs.update(os.path.realpath(d) for d in (
+            spec.submodule_search_locations or [] if spec is not None else []))
+    return tuple(sorted(os.path.join(d, "") for d in dirs))
+
+
+_DPPROF_DIRS = dpprof_dirs()  # a tuple, as str.startswith takes it
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 
@@ -25,7 +43,7 @@ def caller_frame(also_skip: tuple[str, ...] = ()) -> FrameType | None:
     f: FrameType | None = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIR)
+        if not (name.startswith(_TORCH_DIR) or name.startswith(_DPPROF_DIRS)
                 or name.startswith("<") or name in also_skip):
             return f
         f = f.f_back
@@ -69,7 +87,7 @@ def constructing_site(obj: object) -> str:
     while (f is not None and f.f_code.co_name == "__init__"
            and frame_locals(f).get("self") is obj):
         f = f.f_back
-        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
+        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, *_DPPROF_DIRS,
                                                                   "<"))):
             f = f.f_back
     return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
@@ -85,7 +103,7 @@ def caller_sites(limit: int = 64) -> tuple[str, ...]:
     while f is not None and len(out) < limit:
         out.append(f"{f.f_code.co_filename}:{f.f_lineno}")
         f = f.f_back
-        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, _DPPROF_DIR,
+        while f is not None and (f.f_code.co_filename.startswith((_TORCH_DIR, *_DPPROF_DIRS,
                                                                   "<"))):
             f = f.f_back
     return tuple(out) or ("?",)
@@ -93,7 +111,7 @@ def caller_sites(limit: int = 64) -> tuple[str, ...]:
 
 def in_dpprof(filename: str) -> bool:
     """Whether ``filename`` is one of dpprof's own source files."""
-    return filename.startswith(_DPPROF_DIR)
+    return filename.startswith(_DPPROF_DIRS)
 
 
 def caller_line() -> str:

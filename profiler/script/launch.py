@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from dpprof.errors import UsageError
 from dpprof.script.engines import DEEPSPEED_NOT_EMULATED
 from dpprof.script.installed_code import is_installed
+from dpprof.script.script_error import script_frames
 
 __all__ = ["Launch", "ProcessExit", "as_rank", "main_path", "parse_command",
            "process_exit_caught", "run_main_file", "script_process", "started_in",
@@ -471,10 +472,10 @@ def run_main_file(target: str) -> None:
 
 
 def user_traceback(e: BaseException, launch: Launch) -> str:
-    """The traceback as Python would print it for the script: dpprof's and runpy's frames
-    left out (a script that does not compile, or a module not found, has none of its own)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(_DPPROF_DIR) and "runpy" not in f.filename]
+    """The traceback as Python would print it for the script on a GPU: dpprof's, runpy's
+    and the emulated kernels' frames left out (a script that does not compile, or a module
+    not found, has none of its own)."""
+    frames = script_frames(e)
     if launch.is_module and isinstance(e, ImportError) and not frames:
         return f"{sys.executable}: {e}"  # python -m no_such_module says just this
     head = ["Traceback (most recent call last):\n"] if frames else []
@@ -482,5 +483,3 @@ def user_traceback(e: BaseException, launch: Launch) -> str:
             else traceback.format_exception_only(type(e), e))
     return "".join([*head, *traceback.format_list(frames), *last])
 
-
-_DPPROF_DIR = str(Path(__file__).resolve().parents[1])

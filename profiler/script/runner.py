@@ -90,6 +90,7 @@ from dpprof.script.run_figures import (
     with_overheads,
 )
 from dpprof.script.scenario_messages import headline, past_the_oom, stopped_by_oom
+from dpprof.script.script_error import RaisedAt, raised_at
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome, written_but_missing
 from dpprof.script.shared_files import SharedFiles
@@ -168,6 +169,7 @@ class ScriptRun:
     ended: str = ""  # "steps" | "script ended" | "script raised"
     exit_status: int = 0
     script_traceback: str | None = None
+    raised_at: RaisedAt | None = None  # the script's line its error was raised at
     # a file the run wrote that the script's error says was missing (read from outside
     # Python, which a seal without the kernel line does not hold)
     written_but_missing: str | None = None
@@ -232,8 +234,7 @@ class ScriptRun:
     rung: str | None = None  # the name of the ladder's rung it ran, if any
     rank: int = 0  # the run's ScriptConfig.rank
     local_rank: int = 0  # its GPU on the node (LOCAL_RANK; mp.spawn's rank)
-    # the script as written: the runs of the other ranks (dpprof.script.rank_runs), and what the
-    # result records of the ranks
+    # the script as written: the other ranks' runs (dpprof.script.rank_runs), their record
     rank_runs: list[ScriptRun] = field(default_factory=list)
     ranks: dict[str, object] = field(default_factory=dict)
     # it raised because the emulation found tensors of two GPUs in one op (VirtualDeviceError)
@@ -464,7 +465,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
         # CheckpointException is a BaseException): its result, as Python would end with it
         run.ended = "script raised"
         run.exit_status = 1
-        run.script_traceback = user_traceback(e, launch)
+        run.script_traceback, run.raised_at = user_traceback(e, launch), raised_at(e)
         run.devices_mixed = isinstance(e, VirtualDeviceError)
         error = e
     delivered = interrupt_delivered()
