@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import os
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 
 from dpprof.emulator.call_sites import dpprof_dirs
 from dpprof.scenarios.loss_mean import denominator, loss_calls, sums
+from dpprof.scenarios.loss_state import modules_of, on_the_replica
 from dpprof.scenarios.names import BACKWARD, FORWARD, INPUTS, LOSS, OPTIMIZER, ZERO_GRAD
 from dpprof.scenarios.step import take_rows
 
@@ -81,7 +83,11 @@ class ModelWithLoss(nn.Module):
         loss = dpprof.ModelWithLoss.combine(model(x, y))
 
     Where it calls more than one loss module (a sum of two losses), the replicas are
-    weighted by their rows.
+    weighted by their rows. The loss modules a function computes with (``criterion`` above,
+    found in its closure, its globals and their attributes it reads, a ``functools.partial``'s
+    arguments) are held as submodules, so each replica computes with its own copy of their
+    parameters and buffers (a weighted loss's class weights), as a module given as the loss
+    does.
 
     A loop that also uses the outputs (accuracy from ``torch.max(outputs, 1)``) keeps them
     with ``keep_outputs=True``: each replica returns its outputs too, gathered on cuda:0 as
@@ -101,6 +107,13 @@ class ModelWithLoss(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
         self.keep_outputs = keep_outputs
+        # the modules a loss function computes with, replicated with the model (a module
+        # given as the loss is a submodule already); the original, which every replica's
+        # copy of __dict__ shares, to find their copies by: weakly (a reference to itself
+        # would keep each wrapper, and what it holds, to the garbage collector)
+        self.loss_modules = nn.ModuleList(
+            [] if isinstance(loss_fn, nn.Module) else modules_of(loss_fn, model))
+        self._source = weakref.ref(self)
 
     def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
         outputs = call_model(self.model, inputs)
@@ -109,16 +122,27 @@ class ModelWithLoss(nn.Module):
         weighted, count = self.weighted_loss(outputs, targets, inputs)
         return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)  # a weak reference does not pickle: made again on load
+        state.pop("_source", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._source = weakref.ref(self)
+
     def weighted_loss(self, outputs: Any, targets: Any,
                       inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss * d, d)`` of this replica: ``d`` what the loss's mean divided by (the
         targets not ignored, the elements: :func:`dpprof.scenarios.loss_mean.denominator`)
         where ``loss_fn`` is one loss module or calls one, else the shard's rows."""
-        with loss_calls() as calls:
-            loss = self.loss_fn(outputs, targets)
-        if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
-            return loss.reshape(1), loss.new_full((1,), SUMMED)
-        count = denominator(*calls[0][:3]) if len(calls) == 1 else None
+        # the denominator reads the loss module's tensors too (a weighted loss's weights)
+        with on_the_replica(self, self._source() or self):
+            with loss_calls() as calls:
+                loss = self.loss_fn(outputs, targets)
+            if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
+                return loss.reshape(1), loss.new_full((1,), SUMMED)
+            count = denominator(*calls[0][:3]) if len(calls) == 1 else None
         if count is None:
             rows = float(batch_rows(targets) or batch_rows(inputs))
             return loss.reshape(1) * rows, loss.new_full((1,), rows)

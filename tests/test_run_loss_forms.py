@@ -1,6 +1,8 @@
 """The loss inside forward over generated ways of writing a loss on DataParallel's outputs:
 one loss call or several on the same outputs (a sum in one statement, each on half the
-outputs' columns, on the outputs through Python's operators (``out / T``), a helper function as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``, MSE, as loss
+outputs' columns, on the outputs through Python's operators (``out / T``), a helper function
+as mixup writes it, separate statements), cross-entropy with and without ``ignore_index``
+and with class weights (a loss module holding a tensor on cuda:0), MSE, as loss
 modules, as torch.nn.functional's functions and as a module of the script's own,
 with and without a later read of the outputs (an accuracy). For each, the
 ``loss-in-forward`` alternative is held to two things it does not compute itself:
@@ -34,6 +36,8 @@ CRITERIA = {
     "f_ce": ("F.cross_entropy", "y"),
     "f_mse": ("F.mse_loss", "z"),
     "smoothed": ("Smoothed()", "y"),
+    # a loss module holding a tensor: its class weights, on cuda:0 (each replica's copy)
+    "ce_weighted": ("nn.CrossEntropyLoss(weight=torch.rand(W).cuda())", "y"),
 }
 
 # how the loop computes its loss from the outputs ``out`` and two targets ``t1``, ``t2``
@@ -66,6 +70,7 @@ class Smoothed(nn.Module):
 
 torch.manual_seed(0)
 B, D, C = {rows}, 64, 512
+W = {classes}  # the classes a loss is given (half of them where it takes half the columns)
 net = nn.Sequential(nn.Linear(D, 256), nn.ReLU(), nn.Linear(256, C)).cuda()
 crit_a = {crit_a}
 crit_b = {crit_b}
@@ -131,7 +136,7 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
                         compute=compute)
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @example(form="halves", crit_a="ce_ignore", crit_b="mse", reads=False, rows=100)
 @example(form="helper", crit_a="ce", crit_b="ce", reads=True, rows=64)
@@ -139,6 +144,10 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
 @example(form="sum", crit_a="smoothed", crit_b="f_mse", reads=True, rows=100)
 @example(form="statements", crit_a="ce", crit_b="f_ce", reads=True, rows=64)
 @example(form="operators", crit_a="f_ce", crit_b="mse", reads=True, rows=96)
+@example(form="sum", crit_a="ce_weighted", crit_b="ce", reads=False, rows=100)
+@example(form="helper", crit_a="ce_weighted", crit_b="ce_weighted", reads=True, rows=64)
+@example(form="one", crit_a="ce_weighted", crit_b="ce", reads=False, rows=96)
+@example(form="halves", crit_a="ce", crit_b="ce_weighted", reads=False, rows=64)
 @given(form=st.sampled_from(sorted(FORMS)), crit_a=st.sampled_from(sorted(CRITERIA)),
        crit_b=st.sampled_from(sorted(CRITERIA)), reads=st.booleans(),
        rows=st.sampled_from([64, 96, 100]))
@@ -151,7 +160,8 @@ def test_each_way_of_writing_the_loss_moves_inside_forward_as_written_by_hand(
     if form == "halves":  # each loss on half the outputs' columns, its targets to match
         t1 = f"{t1} % 256" if t1 == "y" else f"{t1}[:, :256]"
         t2 = f"{t2} % 256" if t2 == "y2" else f"{t2}[:, 256:]"
-    head = {"rows": rows, "crit_a": CRITERIA[crit_a][0], "crit_b": CRITERIA[crit_b][0]}
+    head = {"rows": rows, "crit_a": CRITERIA[crit_a][0], "crit_b": CRITERIA[crit_b][0],
+            "classes": 256 if form == "halves" else "C"}
     read = READ if reads else ""
     script = tmp_path / "train.py"
     script.write_text(AS_WRITTEN.format(**head, form=loop.format(t1=t1, t2=t2), read=read))
@@ -218,7 +228,7 @@ def test_outputs_held_for_a_second_loss_go_with_the_next_forward(tmp_path: Path)
     for evaluations in (1, 4):
         script = tmp_path / f"eval{evaluations}.py"
         script.write_text(EVALUATED.format(rows=256, crit_a=criterion, crit_b=criterion,
-                                           evaluations=evaluations))
+                                           classes="C", evaluations=evaluations))
         ran, _ = run_command(_config(script))
         alt = next(s for s in ran.scenarios if s.name == "dp-loss-forward")
         peaks.append([d.peak_allocated_bytes for d in alt.devices])

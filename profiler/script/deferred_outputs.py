@@ -14,14 +14,14 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpprof.emulator.call_sites import caller_frame, caller_site
-from dpprof.emulator.data_parallel import gather, scatter_kwargs
+from dpprof.emulator.data_parallel import gather, replicate, scatter_kwargs
 from dpprof.scenarios.losses import is_functional_loss
 from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, call_model
 from dpprof.script.loss_expression import (
@@ -215,10 +215,17 @@ class DeferredOutputs:
         with rt.category("inputs"):
             shards, _ = scatter_kwargs(rt, (targets,), {}, ids, self.dp.dim)
         weigh = ModelWithLoss(nn.Identity(), loss_fn)
+        # its loss modules' tensors (a weighted loss's weights) on every replica's GPU, as
+        # the replicate of a wrapper holding both losses puts them there
+        held = [*weigh.loss_modules.parameters(), *weigh.loss_modules.buffers()]
+        copies = (cast("list[ModelWithLoss]", replicate(rt, weigh, ids,
+                                                        not torch.is_grad_enabled()))
+                  if held and len(ids) > 1 else [weigh] * len(ids))
         pairs = []
-        for (device, outputs), (shard,) in zip(self.replicas, shards, strict=True):
+        for copy, (device, outputs), (shard,) in zip(copies, self.replicas, shards,
+                                                     strict=True):
             with rt.device(device), rt.category("activations"):
-                pairs.append(weigh.weighted_loss(outputs, shard, shard))
+                pairs.append(copy.weighted_loss(outputs, shard, shard))
         self._count_loss()
         with rt.category("outputs"):
             gathered = gather(rt, pairs, self.dp._vc.index_of(self.dp.output_device),
