@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_map
 
-from dpprof.emulator.call_sites import in_dpprof
+from dpprof.emulator.call_sites import in_dpprof, relative_site
 from dpprof.emulator.ddp import UNUSED_PARAMETERS
 from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.result import STATUS_ERROR
@@ -34,7 +34,7 @@ from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.installed_code import installed_site, is_installed
-from dpprof.script.notes import alternative_fix, alternative_notes
+from dpprof.script.notes import alternative_fix, alternative_notes, raised_on_a_share
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
@@ -433,14 +433,18 @@ class DdpInPlace(Alternative):
             retried = run_script(dataclasses.replace(cfg, alternative=at_call,
                                                      scattered_rows=main.batch_rows),
                                  runs.step_cb(self.name))
+            made = [f"{what} at {relative_site(site)}" for what, _, site in
+                    (m.rpartition(" at ") for m in followed.divided_sites)]
             cut = (f"the DDP alternative cut the batches the script makes "
-                   f"({', '.join(followed.divided_sites)}) to each rank's share, and the "
+                   f"({', '.join(made)}) to each rank's share, and the "
                    f"script failed with them ({alt.scenario.message.split(';')[0]})")
             if retried.scenario.status == STATUS_ERROR:
                 runs.notes.append(
                     f"no DDP alternative: {cut}; with the model's inputs cut at its call "
                     f"instead it failed too ({retried.scenario.message.split(';')[0]}): "
-                    "make each rank's share of the batch in the script (its size divided "
+                    + "".join(f"{share}; " for share in [
+                        raised_on_a_share(retried, main, n, "rank")] if share)
+                    + "make each rank's share of the batch in the script (its size divided "
                     "by the GPUs) to measure DDP")
                 return
             runs.notes.append(f"{cut}: it was measured with the model's inputs cut at its "
@@ -457,9 +461,11 @@ class DdpInPlace(Alternative):
                               f"DataParallel's {main.batch_rows} rows on its own lines, so "
                               "dpprof cannot give each rank its share")
             return
+        share = (raised_on_a_share(alt, main, n, "rank")
+                 if alt.scenario.status == STATUS_ERROR else None)
         alt.scenario = dataclasses.replace(alt.scenario, notes=(
             self.sentence.format(n=n), f"each rank's share: {followed.batch_division}",
-            *alt.scenario.notes, *alternative_notes(alt)))
+            *([share] if share else []), *alt.scenario.notes, *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
                               diff_ddp(main, n, batch_sites=followed.batch_sites,

@@ -26,7 +26,7 @@ from dpprof.script.deferred_outputs import (
     pending_in,
 )
 from dpprof.script.loss_in_forward_diff import loss_in_forward_at
-from dpprof.script.notes import alternative_fix, alternative_notes
+from dpprof.script.notes import alternative_fix, alternative_notes, raised_on_a_share
 from dpprof.script.parallel_state import state_of
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
@@ -191,10 +191,12 @@ class LossInForward(Alternative):
             followed = _followed(alt)
         if not followed.loss_calls:
             failed = alt.scenario.status != "ok" and not followed.no_loss_forward
+            share = raised_on_a_share(alt, main, n, "replica") if failed else None
             runs.notes.append("no loss-inside-forward alternative: " + (
                 followed.no_loss_forward or (
                     f"its run, DataParallel's outputs deferred until a loss, stopped before "
-                    f"one: {alt.scenario.message} (dpprof's own limit: please report it)"
+                    f"one: {alt.scenario.message} ("
+                    + (share or "dpprof's own limit: please report it") + ")"
                     if failed else "the script computes no loss on DataParallel's outputs "
                     f"({LOSS_FORMS})")))
             return

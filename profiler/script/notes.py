@@ -22,6 +22,7 @@ __all__ = [
     "how_it_ended",
     "library_branches",
     "nothing_on_a_gpu",
+    "raised_on_a_share",
     "script_assumptions",
     "seal_fields",
     "seal_notes",
@@ -117,8 +118,35 @@ def alternative_notes(alt: ScriptRun) -> list[str]:
     notes.append("its output is not shown (the run as written printed it)")
     shown = _as_on_a_terminal(alt.output_tail).strip()
     if alt.ended == "script raised" and shown:
-        notes.append("its last output: " + shown[-400:])
+        last = shown[-_LAST_OUTPUT_CHARS:]
+        if len(last) < len(shown) and "\n" in last:  # from a line's start, not mid-word
+            last = last.split("\n", 1)[1]
+        notes.append("its last output: " + last)
     return notes
+
+
+_LAST_OUTPUT_CHARS = 400  # of an alternative's output, where its run raised
+
+
+def raised_on_a_share(alt: ScriptRun, main: ScriptRun, gpus: int, who: str) -> str | None:
+    """Where an alternative's run, each ``who`` ("rank", "replica") given its share of the
+    batch on its own GPU, raised in the script's own code while the run as written, with
+    the whole batch on cuda:0 there, did not: its words, else None (dpprof's own code
+    raised, or nothing did)."""
+    at, rows = alt.raised_at, main.batch_rows
+    if (at is None or at.in_dpprof or not at.site or rows < 2
+            or main.scenario.status == STATUS_ERROR):
+        return None
+    line = f"{at.site}" + (f" ({at.text})" if at.text else "")
+    if alt.devices_mixed:
+        return (f"on a {who}'s GPU the script raised at {line}; as written, on cuda:0, it "
+                "did not: a tensor the code holds on cuda:0 (not a parameter or buffer of a "
+                f"module, which DataParallel copies to every GPU) meets a {who}'s there")
+    share = -(-rows // gpus)
+    return (f"on a {who}'s share of the batch ({share} of {rows} rows) the script raised at "
+            f"{line}; as written, with the whole batch there, it did not: code that holds "
+            f"tensors made for the whole batch's rows fails so, and must take a {who}'s rows "
+            "instead")
 
 
 # a terminal's control sequences: CSI (colours, "erase line"), OSC (a title, a link), and
