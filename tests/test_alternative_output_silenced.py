@@ -16,8 +16,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from script_runs import run_printing
 
+from dpprof.result import ScenarioResult
+from dpprof.script.notes import alternative_notes
+from dpprof.script.runner import ScriptRun
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 LIBRARY = """
@@ -110,3 +115,28 @@ def test_an_alternatives_last_output_is_noted_as_a_terminal_shows_it(tmp_path: P
     # what it held up to its failure is no measurement of DDP: no fix, nothing recommended
     fixes = [f.name for f in result.fixes]
     assert fixes and not any("ddp" in name.lower() for name in fixes), fixes
+
+
+@settings(max_examples=60, deadline=None)
+@given(lines=st.lists(st.text(alphabet="ab ", min_size=0, max_size=150)
+                      | st.text(alphabet="ab", min_size=390, max_size=500),
+                      min_size=1, max_size=12))
+def test_an_alternatives_last_output_begins_where_a_line_does(lines: list[str]) -> None:
+    # the note keeps the end of what the run printed: from a line's start, never mid-word
+    # (pytorch-YOLOv4's DDP run showed "cesses in total. Our suggested max number ...")
+    printed = "\n".join(lines)
+    run = ScriptRun(scenario=ScenarioResult(name="ddp"), ended="script raised",
+                    output_tail=printed)
+    notes = [n for n in alternative_notes(run) if n.startswith("its last output: ")]
+    shown = printed.strip()
+    if not shown:
+        assert notes == []
+        return
+    (note,) = notes
+    last = note.removeprefix("its last output: ")
+    assert shown.endswith(last) and len(last) <= 400
+    start = len(shown) - len(last)
+    # a last line longer than the note: its end (no line starts within it)
+    assert start == 0 or shown[start - 1] == "\n" or "\n" not in shown[-400:]
+    if len(shown) <= 400:
+        assert last == shown
