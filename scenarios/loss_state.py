@@ -86,7 +86,7 @@ def _reached(fn: Any, seen: set[int]) -> Iterator[Any]:
                 yield from _reached(value, seen)
 
 
-def _attributes(value: Any, names: set[str]) -> Iterator[nn.Module]:
+def _attributes(value: Any, names: list[str]) -> Iterator[nn.Module]:
     """The modules among ``value``'s attributes of ``names`` (``self.criterion``), where
     ``value`` is an object of the script's (not a module, a Python module or a class)."""
     if isinstance(value, (nn.Module, types.ModuleType, type)):
@@ -100,13 +100,14 @@ def _attributes(value: Any, names: set[str]) -> Iterator[nn.Module]:
             yield found
 
 
-def _names(code: types.CodeType) -> set[str]:
-    """The global and attribute names ``code`` and the functions inside it read."""
-    out = set(code.co_names)
+def _names(code: types.CodeType) -> list[str]:
+    """The global and attribute names ``code`` and the functions inside it read, in the
+    order the code first reads them (the modules found are held in it)."""
+    out = dict.fromkeys(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            out |= _names(const)
-    return out
+            out.update(dict.fromkeys(_names(const)))
+    return list(out)
 
 
 def _filled(cell: types.CellType) -> bool:

@@ -136,7 +136,7 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
                         compute=compute)
 
 
-@settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=19, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @example(form="halves", crit_a="ce_ignore", crit_b="mse", reads=False, rows=100)
 @example(form="helper", crit_a="ce", crit_b="ce", reads=True, rows=64)
@@ -148,6 +148,7 @@ def _config(script: Path, compute: bool = False) -> ScriptConfig:
 @example(form="helper", crit_a="ce_weighted", crit_b="ce_weighted", reads=True, rows=64)
 @example(form="one", crit_a="ce_weighted", crit_b="ce", reads=False, rows=96)
 @example(form="halves", crit_a="ce", crit_b="ce_weighted", reads=False, rows=64)
+@example(form="statements", crit_a="ce", crit_b="ce_weighted", reads=False, rows=64)
 @given(form=st.sampled_from(sorted(FORMS)), crit_a=st.sampled_from(sorted(CRITERIA)),
        crit_b=st.sampled_from(sorted(CRITERIA)), reads=st.booleans(),
        rows=st.sampled_from([64, 96, 100]))

@@ -217,7 +217,7 @@ class DeferredOutputs:
         weigh = ModelWithLoss(nn.Identity(), loss_fn)
         # its loss modules' tensors (a weighted loss's weights) on every replica's GPU, as
         # the replicate of a wrapper holding both losses puts them there
-        held = [*weigh.loss_modules.parameters(), *weigh.loss_modules.buffers()]
+        held = [*weigh.parameters(), *weigh.buffers()]  # the loss module's, or its function's
         copies = (cast("list[ModelWithLoss]", replicate(rt, weigh, ids,
                                                         not torch.is_grad_enabled()))
                   if held and len(ids) > 1 else [weigh] * len(ids))
