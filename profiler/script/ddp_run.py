@@ -35,6 +35,7 @@ from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.installed_code import installed_site, is_installed
 from dpprof.script.notes import alternative_fix, alternative_notes, raised_on_a_share
+from dpprof.script.parallel_state import state_of
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
@@ -78,6 +79,8 @@ class DdpState(AlternativeState):
     # the DDP call's further keyword arguments the run was measured with (a fix derived
     # from it, gradient_as_bucket_view's, writes them too: find_unused_parameters=True)
     flags: tuple[str, ...] = ()
+    # DDP raised its error on parameters no loss used (whether or not the script caught it)
+    unused_raised: bool = False
 
     @property
     def batch_sites(self) -> tuple[str, ...]:
@@ -394,6 +397,7 @@ class DdpInPlace(Alternative):
         if self.model_input_share:
             state.model_input_share = state.batch_rows = self.model_input_share
         state.batch_division = _division(state, vc.device_count())
+        state.unused_raised = bool(state_of(vc).log.ddp_unused_raised)
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
             state.bucket_view_peak_bytes = (ledger.peak_allocated if ledger.unsure is None
@@ -409,7 +413,10 @@ class DdpInPlace(Alternative):
         assert followed is not None  # run with this alternative
         followed.flags = self.flags
         failed = alt.scenario.status == STATUS_ERROR and main.scenario.status != STATUS_ERROR
-        if (failed and UNUSED_PARAMETERS.split(".")[0] in alt.scenario.message
+        # the script may catch DDP's error and go on (a loop's try/except around its step):
+        # its run then trained no further, and is no measurement of DDP either
+        caught = followed.unused_raised and alt.scenario.status != STATUS_ERROR
+        if (((failed and UNUSED_PARAMETERS.split(".")[0] in alt.scenario.message) or caught)
                 and not self.options.find_unused_parameters):
             # DDP as a user writes it stops at its second step: the model has parameters no
             # loss uses; measured (and changed) as DDP must be given then
@@ -420,9 +427,15 @@ class DdpInPlace(Alternative):
                 f"{self.name}: the model has parameters no loss uses (a parameter got no "
                 "gradient in the first backward): DDP as a user writes it stops at its "
                 "second step (\"Expected to have finished reduction in the prior "
-                "iteration\"); measured with find_unused_parameters=True, which the change "
+                "iteration\")" + (", an error the script catches and goes on from, "
+                                   "training no further" if caught else "")
+                + "; measured with find_unused_parameters=True, which the change "
                 "sets (its cost: the autograd graph searched every step, an int a parameter "
-                "on the GPU)")
+                "on the GPU)" + (
+                    "; stand-in values decided shapes or branches in this run (x[mask], "
+                    "bool()): on a GPU, with the real values, the loss may use them all "
+                    "(--compute runs the real values)"
+                    if {"shape", "bool"} & set(alt.stand_ins) else ""))
             unused.measure(runs)
             return
         if failed and followed.divided_sites:
