@@ -415,9 +415,9 @@ class DdpInPlace(Alternative):
         failed = alt.scenario.status == STATUS_ERROR and main.scenario.status != STATUS_ERROR
         # the script may catch DDP's error and go on (a loop's try/except around its step):
         # its run then trained no further, and is no measurement of DDP either
-        caught = followed.unused_raised and alt.scenario.status != STATUS_ERROR
-        if (((failed and UNUSED_PARAMETERS.split(".")[0] in alt.scenario.message) or caught)
-                and not self.options.find_unused_parameters):
+        ended_by_it = failed and UNUSED_PARAMETERS.split(".")[0] in alt.scenario.message
+        caught = followed.unused_raised and not ended_by_it
+        if (ended_by_it or caught) and not self.options.find_unused_parameters:
             # DDP as a user writes it stops at its second step: the model has parameters no
             # loss uses; measured (and changed) as DDP must be given then
             unused = copy.copy(self)
