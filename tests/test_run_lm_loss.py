@@ -23,7 +23,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 CASES = {
     "dp_causal_lm.py": (
+        # the criterion, defined after the wrap, moves before it: ModelWithLoss finds the
+        # loss modules its function calls when it is made
         "-model = nn.DataParallel(model).to(device)\n"
+        "+criterion = nn.CrossEntropyLoss()\n"
         "+model = nn.DataParallel(dpprof.ModelWithLoss(model, lambda logits, y: criterion("
         "logits.view(-1, logits.size(-1)), y.view(-1)))).to(device)\n",
         "+    loss = dpprof.ModelWithLoss.combine(model(x, y))\n"),

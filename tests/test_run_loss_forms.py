@@ -18,12 +18,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import re
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_run_diffs import SCRIPTS, check_the_change
+from typer.testing import CliRunner
 
+from dpprof.cli.app import app
 from dpprof.script.loss_in_forward_run import STRATEGY
 from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command, run_command
@@ -278,3 +283,30 @@ def test_a_model_called_with_positional_and_keyword_arguments_is_told_why(
     assert said.startswith("no loss-inside-forward alternative: the model is called with "
                            "positional and keyword arguments (scale) at "), said
     assert f"train.py:{line}, and ModelWithLoss passes the model one kind" in said, said
+
+
+def test_the_fix_of_weighted_losses_runs_with_each_replica_s_weights_as_promised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss-inside-forward change for a loss whose module holds its weights on cuda:0,
+    on an expression of the outputs (``ModelWithLoss(model, lambda outputs, labels:
+    criterion(outputs / temperature, labels))``), applied as a user applies it
+    and run: each replica computes with its own copy of the weights (the wrapper holds the
+    function's loss modules), and the patched script peaks as the fix promised, to the byte.
+    Before, the alternative stopped at cuda:1's replica reading cuda:0's weights, and no
+    change was offered."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    out = work / "r.json"
+    r = CliRunner().invoke(app, ["run", "--gpus", "4", "-q", "--ranks", "none", "-o", str(out),
+                                 "--", "python", str(SCRIPTS / "dp_weighted_losses.py")])
+    assert r.exit_code == 0, r.output
+    fixes = {f["name"]: f for f in json.loads(out.read_text())["fixes"]}
+    fix = fixes["loss-in-forward"]
+    assert "dpprof.ModelWithLoss(" in fix["code"] and "lambda" in fix["code"], fix["code"]
+    # the loss module, defined after the wrap, moves before it: ModelWithLoss finds it there
+    assert "`criterion` (line 14) moves before the wrap" in fix["code"], fix["code"]
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    check_the_change("dp_weighted_losses.py", [], fix, fixed, tmp_path / "again.json",
+                     monkeypatch)

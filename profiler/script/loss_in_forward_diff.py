@@ -461,6 +461,18 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
     if expression is None and not _available(src, wrap_scope, key, wrap):
         moved = _hoist(src, edits, wrap_scope, key, wrap)
         notes.append(f"`{key}` (line {moved}) moves before the wrap, which now needs it")
+    elif expression is not None and not _available(src, wrap_scope, key, wrap):
+        # ModelWithLoss finds the loss modules its function calls when it is made (to copy
+        # their tensors, a weighted loss's weights, to every GPU): they must exist by then
+        try:
+            moved = _hoist(src, edits, wrap_scope, key, wrap)
+            notes.append(f"`{key}` (line {moved}) moves before the wrap, where ModelWithLoss "
+                         "finds the loss modules its function calls, to copy their tensors "
+                         "to every GPU")
+        except NoRewrite as e:
+            notes.append(f"{e}: ModelWithLoss finds the loss modules its function calls "
+                         "when it is made, so a loss that holds tensors (class weights) "
+                         "must be defined before the wrap")
     keep_arg = ", keep_outputs=True" if keep else ""
     edits.node(module_arg(dp),
                f"dpprof.ModelWithLoss({src.seg(module_arg(dp))}, {loss_fn}{keep_arg})")
