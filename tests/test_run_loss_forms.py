@@ -304,8 +304,10 @@ def test_the_fix_of_weighted_losses_runs_with_each_replica_s_weights_as_promised
     fixes = {f["name"]: f for f in json.loads(out.read_text())["fixes"]}
     fix = fixes["loss-in-forward"]
     assert "dpprof.ModelWithLoss(" in fix["code"] and "lambda" in fix["code"], fix["code"]
-    # the loss module, defined after the wrap, moves before it: ModelWithLoss finds it there
-    assert "`criterion` (line 14) moves before the wrap" in fix["code"], fix["code"]
+    # the loss module, defined after the wrap, moves before it (and the weights it is made
+    # of, defined after the wrap too): ModelWithLoss finds it there
+    assert "`weights` (line 13) and `criterion` (line 14) move before the wrap" in fix[
+        "code"], fix["code"]
     fixed = tmp_path / "fixed"
     fixed.mkdir()
     check_the_change("dp_weighted_losses.py", [], fix, fixed, tmp_path / "again.json",

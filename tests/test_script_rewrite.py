@@ -507,9 +507,19 @@ def test_the_loss_defined_after_the_wrap_moves_before_it() -> None:
     assert "    outputs = model(x)\n" not in new
     assert any(n.startswith(f"line {used} also uses outputs") for n in rw.notes)
     assert any("conditional" in n for n in rw.notes)
-    # a loss that needs what is set after the wrap cannot move: a reason, no code
-    bad = lif(old.replace("label_smoothing=0.1", "weight=weights"), "DataParallel(",
-              "outputs = model", "loss = criterion")
+    # a loss made of what is set after the wrap moves with it, that first
+    weighted = old.replace("label_smoothing=0.1", "weight=weights")
+    both = lif(weighted, "DataParallel(", "outputs = model", "loss = criterion")
+    new = checked(both, weighted)
+    assert ("model = Net()\nweights = torch.ones(4)\ncriterion = nn.CrossEntropyLoss(\n"
+            "    weight=weights)\nif torch.cuda.device_count() > 1:\n") in new
+    assert any(n.startswith(f"`weights` (line {line_of(weighted, 'weights = ')}) and "
+                            f"`criterion` (line {line_of(weighted, 'criterion = ')}) move "
+                            "before the wrap") for n in both.notes), both.notes
+    # what it is made of set twice after the wrap cannot move: a reason, no code
+    bad = lif(weighted.replace("weights = torch.ones(4)\n",
+                               "weights = torch.ones(4)\nweights = weights * 2\n"),
+              "DataParallel(", "outputs = model", "loss = criterion")
     assert not bad.ok and bad.new_source == "" and "weights" in bad.reason
 
 

@@ -177,11 +177,28 @@ def _available(src: ScriptSource, scope: ast.AST, key: str, at: ast.stmt) -> boo
     return hasattr(builtins, key)
 
 
-def _hoist(src: ScriptSource, edits: Edits, scope: ast.AST, key: str, wrap: ast.stmt) -> int:
+def _hoist(src: ScriptSource, edits: Edits, scope: ast.AST, key: str, wrap: ast.stmt) -> str:
     """Move the one assignment of ``key`` that follows the wrap (in the same statement list
-    as the wrap or a statement holding it) to just before that statement; its line."""
+    as the wrap or a statement holding it) to just before that statement, and first those of
+    the names it reads that are set between (``weights`` of ``criterion =
+    CrossEntropyLoss(weight=weights)``), each as it; all are checked before any moves. The
+    words for the note: each name moved and its line."""
+    order = _to_hoist(src, scope, key, wrap, ())
+    for assign, holder in order:
+        start, end = src.whole_lines(assign)
+        text = src.text[start:end]
+        edits.replace(start, end, "")
+        at = src.line_start(holder.lineno)
+        edits.replace(at, at, text)  # after those inserted here before: their order kept
+    return " and ".join(f"`{src.seg(a.targets[0])}` (line {a.lineno})" for a, _ in order)
+
+
+def _to_hoist(src: ScriptSource, scope: ast.AST, key: str, wrap: ast.stmt,
+              seen: tuple[str, ...]) -> list[tuple[ast.Assign, ast.stmt]]:
+    """The assignments :func:`_hoist` moves for ``key``, those it reads first, each with the
+    statement it moves before; NoRewrite where one cannot move."""
     binds = [b for b in bindings(src, scope) if b.name == key]
-    if len(binds) != 1 or not isinstance(binds[0].node, ast.Assign):
+    if key in seen or len(binds) != 1 or not isinstance(binds[0].node, ast.Assign):
         raise NoRewrite(f"`{key}` is not defined where the model is wrapped (line "
                         f"{wrap.lineno}), and no single assignment of it can move there")
     assign = binds[0].node
@@ -192,17 +209,18 @@ def _hoist(src: ScriptSource, edits: Edits, scope: ast.AST, key: str, wrap: ast.
     if holder is None:
         raise NoRewrite(f"`{key}` (line {assign.lineno}) is defined in another block than "
                         f"the wrap (line {wrap.lineno}): move it before the wrap by hand")
-    moved = bound_between(src, scope, loaded_names(assign.value), start_of(holder),
-                           start_of(assign))
-    if moved:
-        raise NoRewrite(f"`{key}` (line {assign.lineno}) uses {', '.join(moved)}, set after "
-                        f"the wrap (line {wrap.lineno}), so it cannot move before it")
-    start, end = src.whole_lines(assign)
-    text = src.text[start:end]
-    edits.replace(start, end, "")
-    at = src.line_start(holder.lineno)
-    edits.replace(at, at, text)
-    return assign.lineno
+    out: list[tuple[ast.Assign, ast.stmt]] = []
+    needs = bound_between(src, scope, loaded_names(assign.value), start_of(holder),
+                          start_of(assign))
+    for name in sorted(needs, key=lambda n: min(start_of(b.node) for b in bindings(src, scope)
+                                                 if b.name == n)):
+        try:
+            first = _to_hoist(src, scope, name, wrap, (*seen, key))
+        except NoRewrite:
+            raise NoRewrite(f"`{key}` (line {assign.lineno}) uses {name}, set after the wrap "
+                            f"(line {wrap.lineno}), which cannot move before it") from None
+        out += [item for item in first if not any(item[0] is a for a, _ in out)]
+    return [*out, (assign, holder)]
 
 
 def loss_in_forward(source: str, path: str, dp_line: int, call_line: int,
@@ -460,15 +478,16 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                      "loss the training step calls")
     if expression is None and not _available(src, wrap_scope, key, wrap):
         moved = _hoist(src, edits, wrap_scope, key, wrap)
-        notes.append(f"`{key}` (line {moved}) moves before the wrap, which now needs it")
+        notes.append(f"{moved} move{'s' * (' and ' not in moved)} before the wrap, which now "
+                     "needs it")
     elif expression is not None and not _available(src, wrap_scope, key, wrap):
         # ModelWithLoss finds the loss modules its function calls when it is made (to copy
         # their tensors, a weighted loss's weights, to every GPU): they must exist by then
         try:
             moved = _hoist(src, edits, wrap_scope, key, wrap)
-            notes.append(f"`{key}` (line {moved}) moves before the wrap, where ModelWithLoss "
-                         "finds the loss modules its function calls, to copy their tensors "
-                         "to every GPU")
+            notes.append(f"{moved} move{'s' * (' and ' not in moved)} before the wrap, "
+                         "where ModelWithLoss finds the loss modules its function calls, to "
+                         "copy their tensors to every GPU")
         except NoRewrite as e:
             notes.append(f"{e}: ModelWithLoss finds the loss modules its function calls "
                          "when it is made, so a loss that holds tensors (class weights) "

@@ -7,10 +7,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 device = torch.device("cuda:0")
 classes = 500
-weights = torch.linspace(0.5, 2.0, classes, device=device)  # rarer classes weigh more
 model = nn.DataParallel(nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, classes)))
 model.to(device)
 
+weights = torch.linspace(0.5, 2.0, classes, device=device)  # rarer classes weigh more
 criterion = nn.CrossEntropyLoss(weight=weights, label_smoothing=0.1)
 temperature = 2.0
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
