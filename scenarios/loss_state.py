@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,9 +27,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from dpprof.emulator.call_sites import in_torch
+
 __all__ = ["modules_of", "on_the_replica"]
 
-_TORCH_DIR = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "")
 # the wrappers whose replicas are not the loss's (a loss that names the DataParallel model
 # reads its module, which the wrapper holds already)
 _WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
@@ -73,8 +73,8 @@ def _reached(fn: Any, seen: set[int]) -> Iterator[Any]:
         if isinstance(fn.__func__, types.FunctionType):
             yield from _attributes(fn.__self__, _names(fn.__func__.__code__))
         yield from _reached(fn.__func__, seen)
-    elif isinstance(fn, types.FunctionType) and not fn.__code__.co_filename.startswith(
-            _TORCH_DIR):  # torch's own functions hold no module of the script's
+    elif isinstance(fn, types.FunctionType) and not in_torch(fn.__code__.co_filename):
+        # (torch's own functions hold no module of the script's)
         names = _names(fn.__code__)
         values = [c.cell_contents for c in fn.__closure__ or () if _filled(c)]
         values += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 __all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "constructing_site",
-           "dpprof_dirs", "frame_locals", "in_dpprof", "relative_site"]
+           "dpprof_dirs", "frame_locals", "in_dpprof", "in_torch", "relative_site"]
 
 
 
@@ -107,6 +107,11 @@ def caller_sites(limit: int = 64) -> tuple[str, ...]:
                                                                   "<"))):
             f = f.f_back
     return tuple(out) or ("?",)
+
+
+def in_torch(filename: str) -> bool:
+    """Whether ``filename`` is one of torch's own source files."""
+    return filename.startswith(_TORCH_DIR + os.sep)
 
 
 def in_dpprof(filename: str) -> bool:

@@ -30,6 +30,12 @@ DDP_BUCKET_CAP_MB = 25  # DistributedDataParallel(bucket_cap_mb=None) -> 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 # ---- DistributedDataParallel: one rank (c10d/reducer.cpp) ---------------------------------
 
+class UnusedParametersError(RuntimeError):
+    """torch's reducer's error where a backward left parameters without their gradient: a
+    RuntimeError, as torch raises it, of its own class so that a run can tell it raised it
+    (a script may catch it and go on)."""
+
+
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.broadcast_bucket_size
 # reducer.cpp's words where a backward left parameters without their gradient (rank 0's)
 UNUSED_PARAMETERS = (
@@ -445,7 +451,7 @@ class EmulatedDDP(nn.Module):
                 # rebuild_buckets' ensure_prior_reduction_finished: a parameter no loss
                 # used never got its gradient, and the prior backward never finished
                 unused = sorted(set(range(len(self.params))) - self._ready)
-                raise RuntimeError(UNUSED_PARAMETERS.format(
+                raise UnusedParametersError(UNUSED_PARAMETERS.format(
                     indices=" ".join(map(str, unused))))
             self.rebuild_buckets()
             if self.broadcast_buffers and self.require_forward_param_sync:

@@ -397,7 +397,7 @@ class DdpInPlace(Alternative):
         if self.model_input_share:
             state.model_input_share = state.batch_rows = self.model_input_share
         state.batch_division = _division(state, vc.device_count())
-        state.unused_raised = bool(state_of(vc).log.ddp_unused_raised)
+        state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
             state.bucket_view_peak_bytes = (ledger.peak_allocated if ledger.unsure is None

@@ -36,9 +36,9 @@ class ParallelLog:
     # the ranks Lightning's own launcher would have started as processes, where it ran
     launched: LaunchedRanks | None = None
     ddp_devices: list[int] = field(default_factory=list)  # runtime index of each DDP wrapper
-    # DDP's error on parameters no loss used (its first line), raised in the DDP
-    # alternative's run, whether the script let it end the run or caught it and went on
-    ddp_unused_raised: str = ""
+    # DDP's error on parameters no loss used was raised in the DDP alternative's run,
+    # whether the script let it end the run or caught it and went on
+    ddp_unused_raised: bool = False
     replica_scalars: bool = False  # DataParallel's replicas returned one number each
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise

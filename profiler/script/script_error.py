@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from dpprof.emulator.call_sites import in_dpprof, relative_site
+from dpprof.emulator.call_sites import in_dpprof, in_torch, relative_site
 from dpprof.emulator.dispatch_state import VirtualDeviceError
 
 __all__ = ["RaisedAt", "raised_at", "script_frames"]
 
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + "/"
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + "/"  # a frame's path inside it
 # torch's files an operator reaches only through Python dispatch: a meta kernel, a
 # reference implementation, a decomposition (on a GPU: the kernel's C++, no frame)
 _DISPATCH_FILES = ("_ops.py", "_meta_registrations.py", "_refs/", "_prims/",
@@ -55,7 +55,7 @@ def script_frames(e: BaseException) -> list[traceback.FrameSummary]:
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not in_dpprof(f.filename) and "runpy" not in f.filename]
     end = len(frames)  # the trailing frames in torch: where the script called into it
-    while end and frames[end - 1].filename.startswith(_TORCH_DIR):
+    while end and in_torch(frames[end - 1].filename):
         end -= 1
     cut = next((i for i in range(end, len(frames)) if _is_dispatch(frames[i])), len(frames))
     return frames[:cut]
@@ -71,7 +71,7 @@ def raised_at(e: BaseException) -> RaisedAt | None:
     if not every:
         return None
     own = [f for f in every
-           if not f.filename.startswith(_TORCH_DIR) and not in_dpprof(f.filename)]
+           if not in_torch(f.filename) and not in_dpprof(f.filename)]
     where = own[-1] if own else None
     site = "" if where is None else relative_site(f"{where.filename}:{where.lineno}")
     text = "" if where is None else (

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.call_sites import constructing_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
-from dpprof.emulator.ddp import UNREAPED_BUCKETS, UNUSED_PARAMETERS, EmulatedDDP
+from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP, UnusedParametersError
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch
 from dpprof.emulator.process_group import rank_group, reap_all
@@ -185,9 +185,8 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         with rt.device(src):
             try:
                 return impl(*inputs, **kwargs)
-            except RuntimeError as e:  # noted, in case the script catches it and goes on
-                if str(e).startswith(UNUSED_PARAMETERS.split(".")[0]):
-                    current().log.ddp_unused_raised = str(e).split(".")[0]
+            except UnusedParametersError:  # noted, in case the script catches it and goes on
+                current().log.ddp_unused_raised = True
                 raise
 
 
