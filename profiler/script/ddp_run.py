@@ -81,6 +81,8 @@ class DdpState(AlternativeState):
     flags: tuple[str, ...] = ()
     # DDP raised its error on parameters no loss used (whether or not the script caught it)
     unused_raised: bool = False
+    # the script's DataParallel subclass whose own scatter gave the rank its inputs ("": none)
+    rank_scatter: str = ""
 
     @property
     def batch_sites(self) -> tuple[str, ...]:
@@ -309,6 +311,10 @@ def _division(state: DdpState, world: int) -> str:
                     f"{state.model_input_share} of its {state.scattered_rows} rows (the "
                     "script still makes its whole batch: the rank's GPU holds the rest of "
                     "the batch's inputs too)")
+    if state.rank_scatter:
+        ways.append(f"the model given what {state.rank_scatter}'s own scatter gives the "
+                    "rank's GPU alone (a rank is DataParallel on one GPU; a DDP script "
+                    "passes its model that)")
     return "; ".join(ways)
 
 
@@ -396,6 +402,7 @@ class DdpInPlace(Alternative):
         assert isinstance(state, DdpState)  # this alternative's own (new_state)
         if self.model_input_share:
             state.model_input_share = state.batch_rows = self.model_input_share
+        state.rank_scatter = state_of(vc).log.rank_scatter
         state.batch_division = _division(state, vc.device_count())
         state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None

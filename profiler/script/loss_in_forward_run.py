@@ -141,9 +141,8 @@ class LossInForward(Alternative):
         if dp.own_split:  # its own split of the batch, which ModelWithLoss's would not be
             log = state_of(dp._vc).log
             log.no_loss_forward = log.no_loss_forward or (
-                f"the script's DataParallel subclass {dp.own_split} splits the batch in a "
-                "forward of its own, which the alternative does not rewrite; compute the loss "
-                "in the wrapped module's forward by hand")
+                f"the script's DataParallel subclass {dp.own_split}, which the alternative "
+                "does not rewrite; compute the loss in the wrapped module's forward by hand")
             return dp.as_written(inputs, kwargs)
         # ModelWithLoss takes the model's inputs as one argument: a tuple of positional ones,
         # or a dict of keywords (model(**batch))

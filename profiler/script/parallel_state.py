@@ -40,6 +40,10 @@ class ParallelLog:
     # whether the script let it end the run or caught it and went on
     ddp_unused_raised: bool = False
     replica_scalars: bool = False  # DataParallel's replicas returned one number each
+    # the DataParallel subclass whose own scatter gave a DDP rank its inputs ("": none)
+    rank_scatter: str = ""
+    # who replaced DataParallel's replicate, which dpprof did not call, in words ("": none)
+    own_replicate: str = ""
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
     materialized: list[str] = field(default_factory=list)  # deferred outputs used otherwise
     # deferred outputs whose replicas' outputs are held for another loss on them, until the

@@ -170,8 +170,7 @@ class ScriptRun:
     exit_status: int = 0
     script_traceback: str | None = None
     raised_at: RaisedAt | None = None  # the script's line its error was raised at
-    # a file the run wrote that the script's error says was missing (read from outside
-    # Python, which a seal without the kernel line does not hold)
+    # a file the run wrote that the script's error says was missing (read outside Python)
     written_but_missing: str | None = None
     stand_ins: dict[str, int] = field(default_factory=dict)
     stand_in_sites: dict[str, int] = field(default_factory=dict)
@@ -193,8 +192,8 @@ class ScriptRun:
     compiled_graphs: list[str] = field(default_factory=list)
     # PYTORCH_ALLOC_CONF (or its older name) and its value, as the run read it (None: unset)
     allocator_setting: tuple[str, str] | None = None
-    # the report's words on what the emulation left out or answered otherwise: NVML's
-    # activity readings (stand-ins), GPU profiling and tuning, another thread's CUDA work
+    # the report's words on what the emulation left out or answered otherwise: NVML's activity
+    # readings, GPU profiling and tuning, another thread's CUDA work, a subclass's replicate
     emulation_notes: list[str] = field(default_factory=list)
     # the calls that switched the caching allocator off (caching_allocator_enable(False))
     uncached_by: list[str] = field(default_factory=list)
@@ -345,8 +344,9 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
                 finally:
                     vc.memory.allocator_config()  # the script's own environment's
                     run.allocator_setting = vc.memory.setting
-                    run.emulation_notes = [n for n in (vc.readings.note(), vc.profiled.note(),
-                                                       vc.other_threads_note()) if n]
+                    run.emulation_notes = [n for n in (
+                        vc.readings.note(), vc.profiled.note(), vc.other_threads_note(),
+                        wrappers.replicate_note(vc)) if n]
                     run.uncached_by = list(vc.memory.uncached_by)
                     run.memory_fraction_set = bool(vc.memory.fractions)
                     run.allocator_settings_late = vc.memory.settings_late

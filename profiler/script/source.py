@@ -316,8 +316,8 @@ def data_parallel_call(src: ScriptSource, line: int) -> ast.Call:
         # the first call on the line, the innermost of those starting there: ``Wrap(m)``
         # of ``Wrap(m).cuda()``
         name = last_name(min(made, key=lambda c: (c.col_offset, c.end_col_offset or 0)).func)
-        raise NoRewrite(f"line {line}: {name}(...) makes the DataParallel, with arguments of "
-                        "its own: replace it with DDP(<the module>.cuda(rank), "
+        raise NoRewrite(f"line {line}: {name}(...) makes the DataParallel, a class or function "
+                        "of the script's: replace it with DDP(<the module>.cuda(rank), "
                         "device_ids=[rank]) by hand")
     raise NoRewrite(f"line {line}: no DataParallel(...) call to rewrite "
                     "(a wrap dpprof cannot see in the text)")

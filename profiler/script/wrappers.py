@@ -22,7 +22,7 @@ import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -88,11 +88,23 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             return alternative.dp_forward(self, inputs, kwargs)
         return self.as_written(inputs, kwargs)
 
+    def own_piece(self, name: str) -> bool:
+        """Whether the script's subclass, or the script on this instance, replaces one of the
+        pieces DataParallel's forward calls (``scatter``, ``replicate``, ``parallel_apply``,
+        ``gather``): CSAIL's UserScatteredDataParallel scatters a list of per-GPU batches,
+        patch_replication_callback sets ``replicate`` on the instance."""
+        return name in self.__dict__ or getattr(type(self), name) is not getattr(
+            _DataParallel, name)
+
     @property
     def own_split(self) -> str:
-        """The name of the script's subclass whose forward splits the batch its own way ("":
-        DataParallel's)."""
-        return type(self).__name__ if type(self)._own_forward is not None else ""
+        """How the script's subclass splits the batch its own way, its name first ("":
+        DataParallel's split)."""
+        if type(self)._own_forward is not None:
+            return f"{type(self).__name__} splits the batch in a forward of its own"
+        if self.own_piece("scatter"):
+            return f"{type(self).__name__} splits the batch with a scatter of its own"
+        return ""
 
     def as_written(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The forward as the script's class defines it: DataParallel's, or a subclass's own."""
@@ -116,7 +128,12 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         src = ids[0]
         self._check_placement(src)
         with rt.category("inputs"):
-            inputs, module_kwargs = scatter_kwargs(rt, inputs, kwargs, ids, self.dim)
+            # torch's forward calls the instance's pieces: a subclass's scatter and gather
+            # run as written (they split the batch and place the outputs); its replicate is
+            # DataParallel's (see _replicas)
+            inputs, module_kwargs = (self.scatter(inputs, kwargs, self.device_ids)
+                                     if self.own_piece("scatter") else
+                                     scatter_kwargs(rt, inputs, kwargs, ids, self.dim))
         current().log.note_shards(ids, inputs, module_kwargs, self.dim)
         if not inputs and not module_kwargs:
             inputs, module_kwargs = ((),), ({},)
@@ -126,8 +143,11 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                 return module(*inputs[0], **module_kwargs[0])
         used = ids[: len(inputs)]
         current().log.used_devices = used
-        replicas = replicate(rt, module, used, not torch.is_grad_enabled())
-        outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
+        replicas = self._replicas(module, used)
+        if self.own_piece("parallel_apply"):
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+        else:
+            outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
         # per-replica losses: the loss is inside forward (with ModelWithLoss's keep_outputs,
         # or a model that returns its loss under "loss" beside its other outputs, as Hugging
         # Face's do, the outputs gathered beside it)
@@ -137,7 +157,24 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                 and isinstance(outputs[0].get("loss"), torch.Tensor)):
             current().log.replica_scalars = True
         with rt.category("outputs"):
+            if self.own_piece("gather"):
+                return self.gather(outputs, self.output_device)
             return gather(rt, outputs, vc.index_of(self.output_device), self.dim)
+
+    def _replicas(self, module: nn.Module, used: list[int]) -> list[nn.Module]:
+        """DataParallel's replicate, whether or not the script replaces it: a replacement
+        runs replication callbacks (``DataParallelWithCallback``, patch_replication_callback:
+        a synchronized BatchNorm's), whose replicas wait on each other in forward, where
+        here they run one after another; noted, their exchange not counted."""
+        if self.own_piece("replicate"):
+            log = current().log
+            log.own_replicate = log.own_replicate or (
+                "the script replaces its DataParallel's replicate on the instance"
+                if "replicate" in self.__dict__ else
+                f"the script's DataParallel subclass {type(self).__name__} replaces "
+                "DataParallel's replicate")
+        return cast("list[nn.Module]", replicate(self._vc.rt, module, used,
+                                                 not torch.is_grad_enabled()))
 
     def _check_placement(self, src: int) -> None:
         rt = self._vc.rt
@@ -178,8 +215,13 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         current().log.used_devices = [src]
 
         with rt.category("inputs"):
-            moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if inputs or kwargs \
-                else ((), {})
+            if self.own_piece("scatter"):  # a rank is DataParallel on its one GPU
+                current().log.rank_scatter = type(self).__name__
+                shards, shard_kwargs = self.scatter(inputs, kwargs, self.device_ids[:1])
+                moved = (tuple(shards[0]), dict(shard_kwargs[0])) if shards else ((), {})
+            else:
+                moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if (
+                    inputs or kwargs) else ((), {})
         inputs, kwargs = moved
         current().log.note_shards([src], [inputs], [kwargs], self.dim)
         with rt.device(src):
@@ -458,6 +500,20 @@ def _making_virtual(real: type, virtual: type) -> Callable[..., None]:
             real_init(self, *args, **kwargs)
 
     return __init__
+
+
+def replicate_note(vc: VirtualCuda) -> str:
+    """The words on a DataParallel subclass's own replicate, which the run did not call
+    ("": none)."""
+    replaced = state_of(vc).log.own_replicate
+    if not replaced:
+        return ""
+    return (f"{replaced} (with replication callbacks, as DataParallelWithCallback and "
+            "patch_replication_callback add for a synchronized BatchNorm): its replicas "
+            "were made as DataParallel's own replicate makes them, without the callbacks, "
+            "since here they run one after another and a synchronized BatchNorm's replicas "
+            "wait on each other; each BatchNorm normalized its replica's rows alone, and "
+            "what they would exchange (a few numbers a channel) is not counted")
 
 
 def cleanup(vc: VirtualCuda) -> None:

@@ -1,0 +1,210 @@
+"""A DataParallel subclass that replaces a piece of DataParallel's forward (``scatter``,
+``gather``, ``parallel_apply``, ``replicate``), not the forward itself, runs under ``dpprof
+run`` as torch's forward runs it, calling the instance's pieces. CSAIL's
+semantic-segmentation-pytorch (``UserScatteredDataParallel``: the loader makes each GPU's
+batch, its ``scatter`` copies each to its GPU) failed at its first step ("list indices must
+be integers or slices, not str"): dpprof's DataParallel split the list itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from dpprof.cli.app import app
+
+HEAD = """
+import threading
+
+import torch
+from torch import nn
+from torch.nn.parallel._functions import Gather
+from torch.utils.data import DataLoader, Dataset
+
+torch.manual_seed(0)
+ROWS = 6  # each GPU's
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 1000))
+        self.crit = nn.CrossEntropyLoss()
+
+    def forward(self, batch):
+        if getattr(self, "barrier", None) is not None:  # set on replicas by a callback
+            self.barrier.wait(timeout=20)
+        return self.crit(self.body(batch["x"]), batch["y"])
+"""
+
+# the batch as one dict of the loader's rows, scattered by DataParallel
+PLAIN = HEAD + """
+
+class Rows(Dataset):
+    def __len__(self):
+        return 8 * 2 * ROWS
+
+    def __getitem__(self, i):
+        return {"x": torch.randn(256), "y": torch.randint(0, 1000, ())}
+
+
+model = WRAP
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for batch in DataLoader(Rows(), batch_size=2 * ROWS):
+    loss = model(batch).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+# each GPU's batch made by the loader, as CSAIL's TrainDataset makes them
+PER_GPU = HEAD + """
+
+class PerGpuBatches(nn.DataParallel):
+    def scatter(self, inputs, kwargs, device_ids):
+        (batches,) = inputs
+        assert len(batches) == len(device_ids), (len(batches), device_ids)
+        return ([[{k: v.cuda(d, non_blocking=True) for k, v in b.items()}]
+                 for b, d in zip(batches, device_ids)], [{} for _ in device_ids])
+
+    def gather(self, outputs, output_device):
+        return Gather.apply(output_device, self.dim, *[o.unsqueeze(0) for o in outputs])
+
+
+class PerGpu(Dataset):
+    def __len__(self):
+        return 8 * 2
+
+    def __getitem__(self, i):
+        return {"x": torch.randn(ROWS, 256), "y": torch.randint(0, 1000, (ROWS,))}
+
+
+model = PerGpuBatches(Net()).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for batches in DataLoader(PerGpu(), batch_size=torch.cuda.device_count(),
+                          collate_fn=lambda b: b):
+    loss = model(batches).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+# replication callbacks whose replicas wait on each other in forward (a synchronized
+# BatchNorm's master and its copies), on the class or patched on the instance
+CALLBACK_CLASS = """
+class WithCallback(nn.DataParallel):
+    def replicate(self, module, device_ids):
+        replicas = super().replicate(module, device_ids)
+        barrier = threading.Barrier(len(replicas))
+        for replica in replicas:
+            replica.barrier = barrier
+        return replicas
+"""
+
+PATCHED = """
+
+def patch_replication_callback(dp):
+    old = dp.replicate
+
+    def new_replicate(module, device_ids):
+        replicas = old(module, device_ids)
+        barrier = threading.Barrier(len(replicas))
+        for replica in replicas:
+            replica.barrier = barrier
+        return replicas
+
+    dp.replicate = new_replicate
+    return dp
+
+"""
+
+OWN_PARALLEL_APPLY = """
+class Counted(nn.DataParallel):
+    calls = 0
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        Counted.calls += 1
+        if Counted.calls == 1:
+            print("the script's parallel_apply ran")
+        return super().parallel_apply(replicas, inputs, kwargs)
+"""
+
+
+def _run(tmp_path: Path, name: str, source: str) -> tuple[dict[str, Any], str]:
+    script = tmp_path / name
+    script.write_text(source)
+    out = tmp_path / f"{name}.json"
+    r = CliRunner().invoke(app, ["run", "--gpus", "2", "--steps", "3", "-o", str(out), "--",
+                                 "python", str(script)])
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text()), r.output
+
+
+def _scenario(result: dict[str, Any], name: str) -> dict[str, Any]:
+    (s,) = [s for s in result["scenarios"] if s["name"] == name]
+    assert s["status"] == "ok", s["message"]
+    return s  # type: ignore[no-any-return]
+
+
+def _peaks(s: dict[str, Any]) -> list[tuple[int, int]]:
+    return [(d["peak_allocated_bytes"], d["batch_rows"]) for d in s["devices"]]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("plain"), "plain.py",
+                PLAIN.replace("WRAP", "nn.DataParallel(Net()).cuda()"))[0]
+
+
+def test_a_scatter_of_its_own_gives_each_gpu_the_batch_the_script_made_for_it(
+        tmp_path: Path, plain: dict[str, Any]) -> None:
+    """Each GPU's batch copied there by the script's scatter, gathered by its gather: every
+    GPU peaks as DataParallel's own split of the same rows; DDP's rank is DataParallel on
+    its one GPU (the loader's batch of per-GPU batches divided by 2: one, scattered by the
+    script's scatter), as a DDP script's rank loads its share."""
+    result, _ = _run(tmp_path, "per_gpu.py", PER_GPU)
+    as_written = _scenario(result, "dp-loss-forward")
+    assert _peaks(as_written) == _peaks(_scenario(plain, "dp-loss-forward"))
+    assert [d["batch_rows"] for d in as_written["devices"]] == [6, 6]
+    assert _peaks(_scenario(result, "ddp")) == _peaks(_scenario(plain, "ddp"))
+    ddp_notes = " ".join(_scenario(result, "ddp")["notes"])
+    assert "each DataLoader's batch_size divided by 2" in ddp_notes
+    assert "the model given what PerGpuBatches's own scatter gives the rank's GPU alone" in \
+        ddp_notes
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+def test_a_replicate_of_its_own_is_noted_and_its_waiting_replicas_do_not_hang_the_run(
+        tmp_path: Path, plain: dict[str, Any], where: str) -> None:
+    """Replicas made to wait for each other (a synchronized BatchNorm's callbacks) would
+    wait forever here, where they run one after another: DataParallel's replicate makes
+    them, and the report says what that leaves out."""
+    if where == "class":
+        source = PLAIN.replace("WRAP", "WithCallback(Net()).cuda()").replace(
+            "\n\nclass Rows(", CALLBACK_CLASS + "\n\nclass Rows(")
+    else:
+        source = PLAIN.replace("WRAP", "patch_replication_callback(nn.DataParallel(Net()).cuda())"
+                              ).replace("\n\nclass Rows(", PATCHED + "class Rows(")
+    result, _ = _run(tmp_path, "callback.py", source)
+    as_written = _scenario(result, "dp-loss-forward")
+    assert _peaks(as_written) == _peaks(_scenario(plain, "dp-loss-forward"))
+    who = ("subclass WithCallback replaces DataParallel's replicate" if where == "class"
+           else "the script replaces its DataParallel's replicate on the instance")
+    assert any(who in n
+               and "without the callbacks" in n for n in as_written["notes"]), \
+        as_written["notes"]
+    plain_notes = _scenario(plain, "dp-loss-forward")["notes"]
+    assert not any("replaces DataParallel's replicate" in n for n in plain_notes)
+
+
+def test_a_parallel_apply_of_its_own_runs_the_replicas(tmp_path: Path,
+                                                       plain: dict[str, Any]) -> None:
+    source = PLAIN.replace("WRAP", "Counted(Net()).cuda()").replace(
+        "\n\nclass Rows(", OWN_PARALLEL_APPLY + "\n\nclass Rows(")
+    result, output = _run(tmp_path, "counted.py", source)
+    assert "the script's parallel_apply ran" in output
+    assert _peaks(_scenario(result, "dp-loss-forward")) == _peaks(
+        _scenario(plain, "dp-loss-forward"))
