@@ -428,8 +428,9 @@ def _share_made_loaders(src: ScriptSource, edits: Edits, loader_sites: tuple[str
         path, line = site_of(site)
         where = f"{Path(path).name}:{line}"
         if Path(path).resolve() != Path(src.path).resolve():
-            raise NoRewrite(f"the DataLoader made at {where} (a file other than the script) "
-                            f"is divided by the DDP alternative: give its batch_size // {gpus}"
+            raise NoRewrite(f"the DataLoader made at {where} (a file other than "
+                            f"{Path(src.path).name}, where the DataParallel is made) is "
+                            f"divided by the DDP alternative: give its batch_size // {gpus}"
                             " there by hand")
         call = _loader_call(src, line)
         if call is None or call in loaders or call in calls:
