@@ -271,6 +271,10 @@ class EmulatedDDP(nn.Module):
         # not: dcgan samples its generator under grad); the parameters ready so far
         self._require_finalize = False
         self._ready: set[int] = set()
+        # the last synchronised backward finalized, no forward since; the gradients that
+        # arrived after it (a second backward over its outputs), never all-reduced
+        self._finalized = False
+        self.late_gradients = 0
         self._buckets: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
         # for the step-time model: each parameter's bucket, the parameters each bucket
@@ -384,6 +388,11 @@ class EmulatedDDP(nn.Module):
 
     def _autograd_hook(self, p: torch.Tensor) -> None:
         if not self._expect_hooks:
+            # reducer.cpp's autograd_hook returns at once: under no_sync, or after
+            # finalize_backward, where a second backward over one forward's outputs
+            # leaves its gradients in .grad, this rank's own, never all-reduced
+            if self._finalized:
+                self.late_gradients += 1
             return
         i = self._index[id(p)]
         if not self.has_rebuilt and not self.find_unused_parameters:
@@ -392,7 +401,10 @@ class EmulatedDDP(nn.Module):
         self._ready.add(i)
         self._require_finalize = len(self._ready) < len(self.params)  # else finalized
         if not self._require_finalize:
+            # finalize_backward (queued for the end of this backward) clears
+            # expect_autograd_hooks_ until the next forward's prepare_for_backward
             self._ready = set()
+            self._expect_hooks, self._finalized = False, True
 
     def _mark_variable_ready_dense(self, i: int) -> None:
         self._ready_dense(i)
@@ -464,7 +476,7 @@ class EmulatedDDP(nn.Module):
             # last synchronised backward, and a forward under no_sync does not set it:
             # that backward's autograd hooks return at once
             self.require_forward_param_sync = sync
-            self._expect_hooks = sync
+            self._expect_hooks, self._finalized = sync, False
             if sync:  # prepare_for_backward: the counting starts afresh
                 self._ready = set()
             # _DDPSink, with or without no_sync

@@ -34,7 +34,12 @@ from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.installed_code import installed_site, is_installed
-from dpprof.script.notes import alternative_fix, alternative_notes, raised_on_a_share
+from dpprof.script.notes import (
+    about_the_share,
+    alternative_fix,
+    alternative_notes,
+    raised_on_a_share,
+)
 from dpprof.script.parallel_state import state_of
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
@@ -83,6 +88,8 @@ class DdpState(AlternativeState):
     unused_raised: bool = False
     # the script's DataParallel subclass whose own scatter gave the rank its inputs ("": none)
     rank_scatter: str = ""
+    # a backward after DDP had all-reduced its forward's gradients (LATE_GRADIENTS)
+    late_gradients: bool = False
 
     @property
     def batch_sites(self) -> tuple[str, ...]:
@@ -318,6 +325,17 @@ def _division(state: DdpState, world: int) -> str:
     return "; ".join(ways)
 
 
+LATE_GRADIENTS = (
+    "the script calls backward() again on the outputs of one forward after DDP all-reduced "
+    "that forward's gradients (a GAN's generator and discriminator losses from one call of "
+    "the model, each with its own backward()): DDP's autograd hooks are off from the end of "
+    "the first backward until the next forward (reducer.cpp's expect_autograd_hooks_), so "
+    "the later gradients stay each rank's own, never averaged, and the ranks' weights drift "
+    "apart; measured so (the memory is alike), but a DDP script computes each backward's "
+    "losses from a forward of its own (SPADE calls its model once for the generator's "
+    "losses, once for the discriminator's)")
+
+
 class DdpInPlace(Alternative):
     """The DDP alternative (see the module). A fix that is DDP with other options is this
     class with its own :attr:`options`, :attr:`flags` (their words in the diff),
@@ -403,6 +421,7 @@ class DdpInPlace(Alternative):
         if self.model_input_share:
             state.model_input_share = state.batch_rows = self.model_input_share
         state.rank_scatter = state_of(vc).log.rank_scatter
+        state.late_gradients = state_of(vc).log.ddp_late_gradients
         state.batch_division = _division(state, vc.device_count())
         state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
@@ -445,7 +464,7 @@ class DdpInPlace(Alternative):
                     if {"shape", "bool"} & set(alt.stand_ins) else ""))
             unused.measure(runs)
             return
-        if failed and followed.divided_sites:
+        if failed and followed.divided_sites and about_the_share(alt, main, n):
             # cutting the batches where the script makes them broke it (its loop indexes
             # rows up to the batch size it set): cut where the model is called instead
             at_call = copy.copy(self)
@@ -483,9 +502,11 @@ class DdpInPlace(Alternative):
             return
         share = (raised_on_a_share(alt, main, n, "rank")
                  if alt.scenario.status == STATUS_ERROR else None)
+        late = LATE_GRADIENTS if followed.late_gradients else None
         alt.scenario = dataclasses.replace(alt.scenario, notes=(
             self.sentence.format(n=n), f"each rank's share: {followed.batch_division}",
-            *([share] if share else []), *alt.scenario.notes, *alternative_notes(alt)))
+            *([share] if share else []), *([late] if late else []), *alt.scenario.notes,
+            *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
                               diff_ddp(main, n, batch_sites=followed.batch_sites,

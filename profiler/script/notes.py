@@ -131,8 +131,9 @@ _LAST_OUTPUT_CHARS = 400  # of an alternative's output, where its run raised
 def raised_on_a_share(alt: ScriptRun, main: ScriptRun, gpus: int, who: str) -> str | None:
     """Where an alternative's run, each ``who`` ("rank", "replica") given its share of the
     batch on its own GPU, raised in the script's own code while the run as written, with
-    the whole batch on cuda:0 there, did not: its words, else None (dpprof's own code
-    raised, or nothing did)."""
+    the whole batch on cuda:0 there, did not: its words (why, where the error is about the
+    share: :func:`about_the_share`), else None (dpprof's own code raised, or nothing
+    did)."""
     at, rows = alt.raised_at, main.batch_rows
     if (at is None or at.in_dpprof or not at.site or rows < 2
             or main.scenario.status == STATUS_ERROR):
@@ -143,10 +144,26 @@ def raised_on_a_share(alt: ScriptRun, main: ScriptRun, gpus: int, who: str) -> s
                 "did not: a tensor the code holds on cuda:0 (not a parameter or buffer of a "
                 f"module, which DataParallel copies to every GPU) meets a {who}'s there")
     share = -(-rows // gpus)
+    if not about_the_share(alt, main, gpus):
+        # another cause (DDP's own rules: a second backward over one forward's outputs
+        # with find_unused_parameters): where, not why
+        return (f"with each {who} on its own GPU the script raised at {line}, where as "
+                "written it did not")
     return (f"on a {who}'s share of the batch ({share} of {rows} rows) the script raised at "
             f"{line}; as written, with the whole batch there, it did not: code that holds "
             f"tensors made for the whole batch's rows fails so, and must take a {who}'s rows "
             "instead")
+
+
+def about_the_share(alt: ScriptRun, main: ScriptRun, gpus: int) -> bool:
+    """Whether the error an alternative's run ended with is about tensors' sizes and names
+    the share's or the whole batch's rows (torch's "The size of tensor a (32) must match
+    the size of tensor b (64) at non-singleton dimension 0", "shape '[64, 10]' is invalid
+    for input of size 320"): the share of the batch broke it."""
+    rows = main.batch_rows
+    numbers = {int(n) for n in re.findall(r"\d+", alt.scenario.message)}
+    return bool({-(-rows // gpus), rows} & numbers) and re.search(
+        r"size|shape|dimension|match", alt.scenario.message, re.IGNORECASE) is not None
 
 
 # a terminal's control sequences: CSI (colours, "erase line"), OSC (a title, a link), and

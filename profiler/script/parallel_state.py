@@ -40,6 +40,8 @@ class ParallelLog:
     # whether the script let it end the run or caught it and went on
     ddp_unused_raised: bool = False
     replica_scalars: bool = False  # DataParallel's replicas returned one number each
+    # the DDP alternative's rank got gradients after its reducer finalized a backward
+    ddp_late_gradients: bool = False
     # the DataParallel subclass whose own scatter gave a DDP rank its inputs ("": none)
     rank_scatter: str = ""
     # who replaced DataParallel's replicate, which dpprof did not call, in words ("": none)

@@ -212,7 +212,11 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                                    bucket_view_ledger=ledger, nccl_stash=True)  # GPUs' DDP
             object.__setattr__(self, "_ddp_impl", impl)
             current().log.ddp_devices.append(src)
-        current().log.used_devices = [src]
+        log = current().log
+        log.used_devices = [src]
+        # the last forward's second backward (read at the next forward: a run stops after
+        # its steps, each with a forward after the one before)
+        log.ddp_late_gradients = log.ddp_late_gradients or impl.late_gradients > 0
 
         with rt.category("inputs"):
             if self.own_piece("scatter"):  # a rank is DataParallel on its one GPU
