@@ -88,3 +88,36 @@ def test_zero_redundancy_shards_adams_state_over_the_ranks(
     params = 2 * (2048 * 2048 + 2048) * 4
     adam_state = 2 * params
     assert peaks["adam"] - peaks["zero"] >= adam_state // 4, peaks
+
+
+# a framework that logs the exception its loop ends with, then raises it on (ignite's
+# Engine: "Engine run is terminating due to exception: %s")
+LOGGED = """
+import torch, torch.nn as nn
+
+model = nn.Linear(64, 64).cuda()
+{make}
+try:
+    for i in range(10):
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        {step}
+except BaseException as e:
+    print(f"terminating due to exception: {{e}}")
+    raise
+"""
+
+
+@pytest.mark.parametrize(("make", "step", "words"), [
+    ("opt = torch.optim.Adam(model.parameters())", "opt.step()", "3 optimizer steps"),
+    ("lr = 0.1", "[p.data.add_(p.grad, alpha=-lr) for p in model.parameters()]",
+     "3 backward passes"),
+])
+def test_the_stop_says_what_it_is_where_the_script_logs_it(
+        in_script_folder: Path, capsys: pytest.CaptureFixture[str], make: str, step: str,
+        words: str) -> None:
+    s = run_script(in_script_folder, LOGGED.format(make=make, step=step))
+    assert s.status == "ok", s.message
+    logged = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("terminating due to exception")]
+    assert logged == [f"terminating due to exception: dpprof stops the script here: {words} "
+                      "measured (--steps)"]

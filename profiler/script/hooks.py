@@ -189,7 +189,10 @@ class Stepper:
             # warm-up's where no other step follows
             self.warmup_rows, self.batch_rows = self.batch_rows, 0
         if self.done >= self.steps:
-            raise StopScript
+            # its words are what a framework that logs the exception on its way out shows
+            # (ignite: "Engine run is terminating due to exception: ...")
+            raise StopScript(f"dpprof stops the script here: {self.done} optimizer steps "
+                             "measured (--steps)")
         self.phase(f"forward (step {self.done + 1})")
 
     def _label(self, opt: torch.optim.Optimizer) -> None:
@@ -213,7 +216,8 @@ class Stepper:
         if not self.optimizer_made and not self.done:
             if self.backwards > self.steps:
                 self.by_backwards = True
-                raise StopScript
+                raise StopScript(f"dpprof stops the script here: {self.steps} backward "
+                                 "passes measured (--steps)")
             if self.backwards == 2:
                 self._start_measuring()  # the first step was the warm-up
         if not self.backward_sites:
