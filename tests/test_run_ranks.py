@@ -570,31 +570,46 @@ def test_a_pipeline_stage_over_one_rank_runs(work: Path) -> None:
     assert s["status"] == "ok" and s["devices"][0]["peak_allocated_bytes"] > 0
 
 
-def test_each_rank_imports_the_scripts_own_modules_afresh(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("where", "imported"), [
+    ("helper.py", "import helper"),
+    ("lib/__init__.py", "from lib import helper"),  # a package
+    ("lib/helper.py", "from lib import helper"),  # a namespace package (KAIR's utils/)
+])
+def test_each_rank_imports_the_scripts_own_modules_afresh(tmp_path: Path, where: str,
+                                                          imported: str) -> None:
     """A module of the script's own keeps its state for its process: a later rank (another
     process on a GPU machine) starts with it as imported, not as the last rank left it
-    (torchtitan's CUDA graph manager held rank 0's stream and pool)."""
-    (tmp_path / "helper.py").write_text("STATE = {}\n")
+    (torchtitan's CUDA graph manager held rank 0's stream and pool). So does a module of a
+    namespace package, a folder without ``__init__.py``, whose package the next run found
+    holding the last run's module (whose classes then did not pickle by name: "it's not the
+    same object as utils.utils_option.NoneDict", KAIR's DataLoader workers under torchrun)."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / where).write_text("STATE = {}\n\n\nclass Options(dict):\n    pass\n")
+    if where == "lib/__init__.py":
+        (tmp_path / "lib" / "helper.py").write_text("from lib import STATE, Options\n")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         import os
+        import pickle
         import torch
         import torch.distributed as dist
-        import helper
+        IMPORTED
 
         rank = int(os.environ["RANK"])
         assert "rank" not in helper.STATE, f"found rank {helper.STATE['rank']}'s state"
         helper.STATE["rank"] = rank
+        pickle.dumps(helper.Options(rank=rank))  # by its module's name, as spawn does
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).cuda())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.randn(4, 8, device="cuda")).sum().backward()
         opt.step()
-    """))
+    """).replace("IMPORTED", imported))
     result, main = run_command(ScriptConfig(
         launch=parse_command(["torchrun", "--nproc-per-node", "2", str(script)], 2), gpus=2,
         ranks="all"), alternatives=False)
     assert main.exit_status == 0, main.script_traceback
-    assert [r.exit_status for r in main.rank_runs] == [0]
+    assert [r.exit_status for r in main.rank_runs] == [0], [
+        r.script_traceback for r in main.rank_runs]
     assert result.scenarios[0].status == "ok", result.scenarios[0].message

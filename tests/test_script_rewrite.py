@@ -390,6 +390,33 @@ def test_ddp_gives_no_diff_where_it_cannot_divide_a_library_loaders_batch(
     assert why in rw.reason and "batch_size // 4 by hand" in rw.reason
 
 
+def test_ddp_gives_no_diff_where_the_file_wraps_ddp_itself_beside_the_data_parallel() -> None:
+    """KAIR's model_to_device: ``DistributedDataParallel(...)`` if its option asks, else
+    ``DataParallel(...)``, the process group started by the script in another file. The
+    change is not a DDP wrap written into the DataParallel branch beside the code's own: it
+    is running that path, which the reason says."""
+    old = script("""
+        from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+
+        def model_to_device(network, opt):
+            network = network.to("cuda")
+            if opt["dist"]:
+                network = DistributedDataParallel(network, device_ids=[torch.cuda.current_device()])
+            else:
+                network = DataParallel(network)
+            return network
+        """)
+    rw = ddp_diff.ddp(old, "/work/models/model_base.py", line_of(old, "DataParallel(network)"),
+                      2)
+    assert not rw.ok
+    assert rw.reason.startswith(
+        f"model_base.py wraps DistributedDataParallel itself (line "
+        f"{line_of(old, 'DistributedDataParallel(network')}) beside this DataParallel: the "
+        "code has a DDP path of its own"), rw.reason
+    assert "`torchrun --nproc-per-node 2`" in rw.reason
+
+
 def test_ddp_gives_no_diff_where_the_loader_is_made_in_another_file() -> None:
     """The diff edits the file that makes the DataParallel, which may not be the script the
     user ran (KAIR wraps its model in models/model_base.py, its main_train_psnr.py makes the

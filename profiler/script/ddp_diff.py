@@ -126,18 +126,27 @@ def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ..
     launcher and each rank's batch, which the reason says."""
     calls = [c for c in ast.walk(src.tree)
              if isinstance(c, ast.Call) and last_name(c.func) == "init_process_group"]
-    if not calls:
-        return
-    starts = min(c.lineno for c in calls)
     aliases = {"DistributedDataParallel"} | {
         a.asname for n in ast.walk(src.tree) if isinstance(n, ast.ImportFrom)
         for a in n.names if a.name == "DistributedDataParallel" and a.asname}
     wraps = sorted(c.lineno for c in ast.walk(src.tree)
                    if isinstance(c, ast.Call) and last_name(c.func) in aliases)
-    own = f" and wraps DistributedDataParallel itself (line {wraps[0]})" if wraps else ""
+    if not calls and not wraps:
+        return
     share = (f", each rank's DataLoader batch_size {-(-scattered // gpus)} (DataParallel's "
              f"{scattered} rows // {gpus}, as the DDP alternative ran it)") if scattered else ""
     options = f"; give its DistributedDataParallel {', '.join(flags)}" if flags else ""
+    if not calls:
+        # a DDP path of its own whose process group another file starts (KAIR's
+        # model_to_device: DistributedDataParallel(...) if opt['dist'] else DataParallel(...))
+        raise NoRewrite(
+            f"{Path(src.path).name} wraps DistributedDataParallel itself (line {wraps[0]}) "
+            "beside this DataParallel: the code has a DDP path of its own, whose process "
+            f"group it starts elsewhere; run it as DDP ranks with `torchrun --nproc-per-node "
+            f"{gpus}` and what the code takes to choose that path (an option such as --dist) "
+            f"rather than change its lines{share}{options}")
+    starts = min(c.lineno for c in calls)
+    own = f" and wraps DistributedDataParallel itself (line {wraps[0]})" if wraps else ""
     raise NoRewrite(f"the script starts its own process group (line {starts}){own}: run it as "
                     f"DDP ranks with `torchrun --nproc-per-node {gpus} "
                     f"{Path(src.path).name}` rather than change its lines{share}{options}")

@@ -365,11 +365,18 @@ def own_modules(names: set[str], root: str) -> list[str]:
     for name in names:
         module = sys.modules.get(name)
         file = getattr(module, "__file__", None)
-        if not isinstance(file, str) or not file.endswith((".py", ".pyc")):
-            continue
-        real = os.path.realpath(file)
-        if (os.path.commonpath([real, root]) != root or name == "dpprof"
-                or name.startswith("dpprof.") or is_installed(real)):
+        if file is None and getattr(module, "__spec__", None) is not None:
+            # a namespace package (a folder without __init__.py: KAIR's utils/): kept, it
+            # would hand the next run the last run's submodules, bound as its attributes
+            # (``from utils import utils_option`` finds the old one, whose classes no
+            # longer pickle by name)
+            files = [os.path.join(p, "") for p in getattr(module, "__path__", None) or ()]
+        else:
+            files = [file] if isinstance(file, str) and file.endswith((".py", ".pyc")) else []
+        reals = [os.path.realpath(f) for f in files]
+        if (not reals or any(os.path.commonpath([r, root]) != root or is_installed(r)
+                             for r in reals)
+                or name == "dpprof" or name.startswith("dpprof.")):
             continue
         own.append(name)
     return own
