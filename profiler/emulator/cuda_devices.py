@@ -130,6 +130,9 @@ class CudaDevices(VirtualDevices):
         # dpprof run over meta tensors: the real values of small tensors that follow from
         # host data, so that reading one back needs no stand-in
         self.small_values = SmallValues() if real_host and self.base.type == "meta" else None
+        # lines where a finiteness check's result was too large to follow (assume_checked):
+        # a boolean read there answers as the check would
+        self._unfollowed_checks: set[str] = set()
         # host copies made up for values read from virtual GPUs (zeros): id of the
         # storage -> a weak reference to it, so that nothing saves them as real values
         self._host_stand_ins: dict[int, weakref.ref[Any]] = {}
@@ -389,13 +392,29 @@ class CudaDevices(VirtualDevices):
         """Count a value of ``t`` made up, once per device ``t``'s storage stands for."""
         self.stand_ins.add(kind, self.mirrors.multiplicity(self.storages.device_of(t)))
 
+    def assume_checked(self, t: torch.Tensor, value: bool, check: str) -> None:
+        """``t``, the result of a finiteness check (``torch.isfinite(loss)``) of values the
+        emulation has not: every element ``value``, as for finite values (the stand-ins'
+        rule), known from here on (``.all()`` of it, ``not`` of it), so that another read on
+        the line (``loss == 0``) keeps its own answer."""
+        small = self.small_values
+        if small is None or self.real_values(t) is not None:
+            return
+        self.stand_in(f"bool ({check})", t)
+        if t.untyped_storage().nbytes() <= small.max_index_bytes:
+            small.keep(t, torch.full(t.shape, value, dtype=torch.bool))
+        if small.value_of(t) is None:
+            self._unfollowed_checks.add(caller_site())
+
     def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
         real = self.real_values(t)
         if real is not None:
             return real.item()
         if t.dtype == torch.bool:
-            if "isfinite" in caller_line():  # torch.isfinite(loss): emulated values are
-                self.stand_in("bool (isfinite)", t)
+            line = caller_line()
+            if "isfinite" in line and (self.small_values is None
+                                       or caller_site() in self._unfollowed_checks):
+                self.stand_in("bool (isfinite)", t)  # emulated values are finite
                 return True
             self.stand_in("bool", t)
             return STAND_IN_BOOL

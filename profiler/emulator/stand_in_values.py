@@ -15,10 +15,11 @@ STAND_IN_INT = 1
 STAND_IN_BOOL = False
 STAND_INS = (
     f"values read from emulated tensors are stand-ins: floats {STAND_IN_FLOAT}, integers "
-    f"{STAND_IN_INT}, booleans {STAND_IN_BOOL} (True where the line asks torch.isfinite), "
+    f"{STAND_IN_INT}, booleans {STAND_IN_BOOL}, "
     "host copies (.cpu(), .numpy(), .tolist()) zeros, and an op whose output's shape "
     "depends on values (x[mask], nonzero, unique) takes the shape those zeros give it (a "
-    "mask selects nothing); GradScaler finds no inf"
+    "mask selects nothing); the values are finite: torch.isfinite answers True, "
+    "torch.isnan and torch.isinf False, and GradScaler finds no inf"
 )
 
 

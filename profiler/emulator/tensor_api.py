@@ -31,6 +31,7 @@ def install(vc: EmulatedCuda, p: Patch) -> None:
     torch_load(vc, p)
     storage_addresses(vc, p)
     values_and_copies(vc, p)
+    finiteness_checks(vc, p)
     device_identity(vc, p)
     factories(vc, p)
     python_data(p)
@@ -116,6 +117,30 @@ def storage_addresses(vc: EmulatedCuda, p: Patch) -> None:
 
     p(T, "data_ptr", data_ptr)
     p(torch.UntypedStorage, "data_ptr", storage_ptr)
+
+
+# torch's checks of finiteness, and what each answers of the emulated values: finite, as
+# GradScaler finds them (isfinite is composite: its ops alone would not say what it asked)
+FINITENESS_CHECKS = {"isfinite": True, "isnan": False, "isinf": False, "isposinf": False,
+                     "isneginf": False}
+
+
+def finiteness_checks(vc: EmulatedCuda, p: Patch) -> None:
+    """``torch.isfinite(loss)`` and the like on a virtual GPU: results known, every element
+    the check's answer for finite values (:meth:`CudaDevices.assume_checked`)."""
+    def checked(original: Callable[..., Any], answer: bool, name: str) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def check(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            # the program's own check, not a meta kernel's (torch._refs.clamp calls isnan)
+            if isinstance(out, torch.Tensor) and on_meta(out) and not vc.rt.in_dispatch:
+                vc.rt.assume_checked(out, answer, name)
+            return out
+        return check
+
+    for name, answer in FINITENESS_CHECKS.items():
+        for owner in (torch, torch.Tensor):
+            p(owner, name, checked(getattr(owner, name), answer, name))
 
 
 def values_and_copies(vc: EmulatedCuda, p: Patch) -> None:
