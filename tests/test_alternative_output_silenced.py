@@ -140,3 +140,59 @@ def test_an_alternatives_last_output_begins_where_a_line_does(lines: list[str]) 
     assert start == 0 or shown[start - 1] == "\n" or "\n" not in shown[-400:]
     if len(shown) <= 400:
         assert last == shown
+
+
+# open-reid's Logger, copied into torchreid and many ReID repositories: sys.stdout wrapped,
+# and closed when the wrapper is collected
+CLOSING_LOGGER = """
+import sys
+import torch
+from torch import nn
+
+
+class Logger:
+    def __init__(self):
+        self.console = sys.stdout
+
+    def write(self, msg):
+        self.console.write(msg)
+
+    def flush(self):
+        self.console.flush()
+
+    def __del__(self):
+        self.console.close()
+
+
+sys.stdout = Logger()
+model = nn.DataParallel(nn.Linear(8, 2).cuda())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = nn.functional.cross_entropy(model(torch.randn(16, 8).cuda()),
+                                       torch.randint(0, 2, (16,)).cuda())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    print("printed step", step)
+"""
+
+
+def test_a_script_that_closes_its_standard_output_leaves_the_report_shown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import json
+
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(CLOSING_LOGGER)
+    gc.collect()
+    r = CliRunner().invoke(app, ["run", "--gpus", "2", "-o", "r.json", "--", "python",
+                                 "train.py"])
+    gc.collect()  # the script's Logger, collected: it closes what it wrapped
+    assert r.exit_code == 0, r.output
+    assert "printed step 0" in r.output and "recommended" in r.output.lower()
+    assert {s["name"] for s in json.loads((tmp_path / "r.json").read_text())["scenarios"]} \
+        >= {"dp-loss-primary", "ddp"}

@@ -103,6 +103,12 @@ class _ScriptStream:
     def flush(self) -> None:
         self.target.flush()
 
+    def close(self) -> None:
+        # the script closing its standard output (open-reid's Logger, copied into
+        # torchreid, closes the stream it wraps when collected) ends its process's, not
+        # dpprof's, which still shows the report
+        self.flush()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)  # isatty, fileno, encoding: the target's
 
