@@ -65,3 +65,39 @@ def test_tensors_made_from_python_data_keep_their_values(tmp_path: Path) -> None
     deprecated = [w for w in caught if "non-tuple sequence" in str(w.message)]
     assert deprecated and all(w.filename == str(script) for w in deprecated), [
         (w.filename, w.lineno) for w in deprecated]
+
+
+# tensors made from lists of 0-d tensors, as a loop logs its losses and as Hugging Face's
+# datasets hand a column of labels (simpletransformers: torch.tensor(dataset["labels"]))
+FROM_TENSORS = """
+    import torch
+
+    dev = "cuda"
+    losses = [torch.tensor(1.5), torch.tensor(2.5)]
+    print("floats", torch.tensor(losses).tolist(), torch.tensor(losses).dtype)
+    print("ints", torch.tensor([torch.tensor(1), torch.tensor(0)], dtype=torch.long).tolist())
+    print("half", torch.tensor([torch.tensor(1.0, dtype=torch.float16)]).dtype)
+    print("on the gpu", torch.tensor(losses, device=dev).tolist())
+    print("as_tensor", torch.as_tensor([torch.tensor(3)]).tolist())
+    x = torch.arange(6, device=dev)
+    print("indexed", x[[1, 4]].tolist(), x[torch.tensor([0, 5])].tolist())
+"""
+
+
+def test_tensors_made_from_lists_of_tensors_as_torch_makes_them(tmp_path: Path) -> None:
+    """The list index above is kept by a ``__getitem__`` of torch.Tensor's own while the
+    script runs, which made a tensor a sequence to C code (CPython fills ``sq_item`` too):
+    torch.tensor of a list of 0-d tensors raised "len() of a 0-d tensor", during the run and
+    after it, for the rest of the process."""
+    import torch
+
+    source = textwrap.dedent(FROM_TENSORS)
+    script = tmp_path / "from_tensors.py"
+    script.write_text(source)
+    expected = printed_on_the_host(tmp_path, source)
+    result, printed = run_printing(script, steps=1)
+    assert result.scenarios[0].status == "ok", result.scenarios[0].message
+    assert printed == expected
+    assert "floats [1.5, 2.5] torch.float32" in printed and "half torch.float16" in printed
+    # the patch restored: torch's types as they were
+    assert torch.tensor([torch.tensor(1), torch.tensor(0)]).tolist() == [1, 0]

@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from dpprof.emulator.type_slots import SEQUENCE_DUNDERS, assigned_keeping_sequence_slots
+
 # what a group of patches is given: Patcher.patch (owner, name, value)
 Patch = Callable[[Any, str, Any], None]
 
@@ -34,12 +36,19 @@ def own_attribute(owner: Any, name: str) -> Any:
 
 
 def put(owner: Any, name: str, value: Any) -> None:
-    """``setattr``, or ``delattr`` for :data:`MISSING`."""
-    if value is MISSING:
-        with contextlib.suppress(AttributeError):
-            delattr(owner, name)
+    """``setattr``, or ``delattr`` for :data:`MISSING`; a class's sequence slots kept where
+    the name fills one (:mod:`dpprof.emulator.type_slots`)."""
+    def assign() -> None:
+        if value is MISSING:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, name)
+        else:
+            setattr(owner, name, value)
+
+    if isinstance(owner, type) and name in SEQUENCE_DUNDERS:
+        assigned_keeping_sequence_slots(owner, assign)
     else:
-        setattr(owner, name, value)
+        assign()
 
 
 def builtin_op(value: Any) -> str | None:
@@ -71,7 +80,7 @@ class Patcher:
 
             builtins._register_builtin(value, op)
             self._builtins.append(value)
-        setattr(owner, name, value)
+        put(owner, name, value)
 
     def originals(self) -> list[tuple[Any, str, Any]]:
         """(owner, name, what stood there before) of every patch, oldest first."""
