@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import runpy
 import warnings
 from pathlib import Path
+from typing import Any
 
 from dpprof.result import RunResult, ScenarioResult
 from dpprof.script.session import ScriptConfig, parse_command, run_command
@@ -50,3 +52,19 @@ def printed_on_the_host(folder: Path, source: str) -> str:
         warnings.simplefilter("ignore")
         runpy.run_path(str(plain), run_name="__main__")
     return out.getvalue()
+
+
+def run_cli(folder: Path, name: str, source: str, gpus: int) -> tuple[dict[str, Any], str]:
+    """``source`` as ``folder/name``, run as a user runs it (``dpprof run --gpus N --steps 3
+    -o name.json -- python name``, alternatives and all): the JSON report, and the output."""
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    script = folder / name
+    script.write_text(source)
+    out = folder / f"{name}.json"
+    r = CliRunner().invoke(app, ["run", "--gpus", str(gpus), "--steps", "3", "-o", str(out),
+                                 "--", "python", str(script)])
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text()), r.output

@@ -36,6 +36,16 @@ class GD(nn.Module):
         loss_d = self.D(fake.detach()).mean() + self.D(x).mean()
         return [loss_g, loss_d]
 
+
+def train_step(model, x, opt_g, opt_d):
+    loss_g, loss_d = [loss.mean() for loss in model(x)]  # the replicas' means
+    opt_g.zero_grad()
+    loss_g.backward()
+    opt_g.step()
+    opt_d.zero_grad()
+    loss_d.backward()
+    opt_d.step()
+
 """
 
 DATA_PARALLEL = GAN + """
@@ -43,14 +53,7 @@ model = nn.DataParallel(GD()).cuda()
 opt_g = torch.optim.Adam(model.module.G.parameters())
 opt_d = torch.optim.Adam(model.module.D.parameters())
 for step in range(5):
-    x = torch.randn(64, 256).cuda()
-    loss_g, loss_d = [loss.mean() for loss in model(x)]
-    opt_g.zero_grad()
-    loss_g.backward()
-    opt_g.step()
-    opt_d.zero_grad()
-    loss_d.backward()
-    opt_d.step()
+    train_step(model, torch.randn(64, 256).cuda(), opt_g, opt_d)
 """
 
 # torch's own DDP, one gloo rank on the CPU, the same program: what it raises, if anything
@@ -66,13 +69,7 @@ opt_g = torch.optim.Adam(model.module.G.parameters())
 opt_d = torch.optim.Adam(model.module.D.parameters())
 try:
     for step in range(3):
-        loss_g, loss_d = model(torch.randn(32, 256))
-        opt_g.zero_grad()
-        loss_g.backward()
-        opt_g.step()
-        opt_d.zero_grad()
-        loss_d.backward()
-        opt_d.step()
+        train_step(model, torch.randn(32, 256), opt_g, opt_d)
     print("RAN")
 except RuntimeError as e:
     print("RAISED", str(e).splitlines()[0])

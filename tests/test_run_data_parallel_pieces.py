@@ -7,14 +7,11 @@ be integers or slices, not str"): dpprof's DataParallel split the list itself.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
-
-from dpprof.cli.app import app
+from script_runs import run_cli
 
 HEAD = """
 import threading
@@ -134,13 +131,7 @@ class Counted(nn.DataParallel):
 
 
 def _run(tmp_path: Path, name: str, source: str) -> tuple[dict[str, Any], str]:
-    script = tmp_path / name
-    script.write_text(source)
-    out = tmp_path / f"{name}.json"
-    r = CliRunner().invoke(app, ["run", "--gpus", "2", "--steps", "3", "-o", str(out), "--",
-                                 "python", str(script)])
-    assert r.exit_code == 0, r.output
-    return json.loads(out.read_text()), r.output
+    return run_cli(tmp_path, name, source, gpus=2)
 
 
 def _scenario(result: dict[str, Any], name: str) -> dict[str, Any]:

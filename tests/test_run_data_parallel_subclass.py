@@ -6,10 +6,10 @@ failed ("Caught NotImplementedError in replica 0 on device 0")."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from script_runs import run_cli
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
@@ -79,13 +79,7 @@ model = FewerOnFirst({first}, net, dim=0).cuda()
 
 
 def _run(tmp_path: Path, name: str, source: str) -> dict:  # type: ignore[type-arg]
-    script = tmp_path / name
-    script.write_text(source)
-    out = tmp_path / f"{name}.json"
-    r = CliRunner().invoke(app, ["run", "--gpus", "4", "--steps", "3", "-o", str(out), "--",
-                                 "python", str(script)])
-    assert r.exit_code == 0, r.output
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return run_cli(tmp_path, name, source, gpus=4)[0]
 
 
 def _scenario(result: dict, name: str) -> dict:  # type: ignore[type-arg]
