@@ -199,3 +199,75 @@ def test_a_parallel_apply_of_its_own_runs_the_replicas(tmp_path: Path,
     assert "the script's parallel_apply ran" in output
     assert _peaks(_scenario(result, "dp-loss-forward")) == _peaks(
         _scenario(plain, "dp-loss-forward"))
+
+
+# PyTorch Geometric's DataParallel: a forward of its own over a list of graphs (objects no
+# scatter splits), each GPU's share batched into one; over one GPU it batches them all
+GRAPH_PARALLEL = """
+import torch
+from torch import nn
+
+
+class Graph:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+def batched(graphs, device):
+    return {"x": torch.cat([g.x for g in graphs]).to(device),
+            "y": torch.cat([g.y for g in graphs]).to(device)}
+
+
+class NAME(nn.DataParallel):
+    def forward(self, graphs):
+        if len(self.device_ids) == 1:
+            return self.module(batched(graphs, f"cuda:{self.device_ids[0]}"))
+        half = len(graphs) // len(self.device_ids)
+        inputs = [(batched(graphs[i * half:(i + 1) * half], f"cuda:{d}"),)
+                  for i, d in enumerate(self.device_ids)]
+        replicas = self.replicate(self.module, self.device_ids)
+        outputs = self.parallel_apply(replicas, inputs, None)
+        return self.gather(outputs, self.output_device)
+"""
+
+GRAPHS = HEAD + """
+HOW
+
+
+graphs = [Graph(torch.randn(ROWS, 256), torch.randint(0, 1000, (ROWS,))) for _ in range(16)]
+model = NAME(Net()).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for chunk in DataLoader(graphs, batch_size=2, collate_fn=lambda b: b):
+    loss = model(chunk).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("where", ["script", "library"])
+def test_a_forward_of_its_own_over_objects_no_scatter_splits_makes_a_ranks_inputs(
+        tmp_path: Path, plain: dict[str, Any], where: str) -> None:
+    """A DDP rank is the subclass's forward over its one GPU (PyG's batches the rank's
+    graphs there), its module the rank's DDP: before, the rank's model got the list. Where
+    the class is a library's of torch's own name (PyG's ``DataParallel``), the DDP change
+    rewrites the wrap and says what the model must be given."""
+    if where == "script":
+        source = GRAPHS.replace("HOW", GRAPH_PARALLEL.replace("NAME", "GraphParallel"))
+        source, named = source.replace("NAME(", "GraphParallel("), "GraphParallel"
+    else:
+        (tmp_path / "graph_lib.py").write_text(GRAPH_PARALLEL.replace("NAME", "DataParallel"))
+        source = GRAPHS.replace("HOW", "from graph_lib import DataParallel, Graph")
+        source, named = source.replace("NAME(", "DataParallel("), "graph_lib.DataParallel"
+    result, _ = _run(tmp_path, "graphs.py", source)
+    assert _peaks(_scenario(result, "dp-loss-forward")) == _peaks(
+        _scenario(plain, "dp-loss-forward"))
+    ddp = _scenario(result, "ddp")
+    assert _peaks(ddp) == _peaks(_scenario(plain, "ddp"))
+    made = f"{named}'s own forward"
+    assert f"the model given what {made} gives the rank's GPU alone" in " ".join(
+        ddp["notes"]), ddp["notes"]
+    (fix,) = [f for f in result["fixes"] if f["name"] == "ddp"]
+    if where == "library":
+        assert f"graphs.py:{source.splitlines().index('model = DataParallel(Net()).cuda()') + 1}" \
+            f": {made} made each GPU's input" in fix["code"], fix["code"]

@@ -106,19 +106,27 @@ def ddp_state(run: ScriptRun) -> DdpState | None:
 
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
              batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = (),
-             loader_sites: tuple[str, ...] = ()) -> str:
+             loader_sites: tuple[str, ...] = (), rank_inputs: str = "") -> str:
     """The DDP change around the script's own DataParallel line (and each rank's share of
     the batches it makes by hand, at ``batch_sites``, and of the DataLoaders the script's
-    calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``)."""
+    calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``; what made a
+    rank's inputs where the subclass's own piece did, ``rank_inputs``: DdpState's
+    ``rank_scatter``)."""
     if not run.dp_sites:
         return ""
     library = library_wrap(run.dp_sites[0], gpus, run.batch_rows,
                            (*(("gradient_as_bucket_view=True",) if bucket_view else ()), *flags))
     if library:  # nothing of the script's to rewrite
         return rewrite_text(Rewrite(reason=library))
-    return rewrite_text(ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
-                                        batch_sites=batch_sites, rows=run.batch_rows,
-                                        flags=flags, loader_sites=loader_sites))
+    rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
+                              batch_sites=batch_sites, rows=run.batch_rows, flags=flags,
+                              loader_sites=loader_sites)
+    if rank_inputs and rewrite.ok:  # the change as the alternative ran it
+        rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, (
+            f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
+            "passes the model the batch as loaded: give it what that makes for one GPU (the "
+            "rank's), as the DDP alternative measured")))
+    return rewrite_text(rewrite)
 
 
 def library_wrap(site: str, gpus: int, rows: int, options: tuple[str, ...] = ()) -> str:
@@ -319,9 +327,8 @@ def _division(state: DdpState, world: int) -> str:
                     "script still makes its whole batch: the rank's GPU holds the rest of "
                     "the batch's inputs too)")
     if state.rank_scatter:
-        ways.append(f"the model given what {state.rank_scatter}'s own scatter gives the "
-                    "rank's GPU alone (a rank is DataParallel on one GPU; a DDP script "
-                    "passes its model that)")
+        ways.append(f"the model given what {state.rank_scatter} gives the rank's GPU alone "
+                    "(a rank is DataParallel on one GPU; a DDP script passes its model that)")
     return "; ".join(ways)
 
 
@@ -511,7 +518,8 @@ class DdpInPlace(Alternative):
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
                               diff_ddp(main, n, batch_sites=followed.batch_sites,
                                        flags=self.flags,
-                                       loader_sites=tuple(followed.loader_sites)))
+                                       loader_sites=tuple(followed.loader_sites),
+                                       rank_inputs=followed.rank_scatter))
         if fix is not None and main.dp_sites and _library_site(main.dp_sites[0]):
             # the library wraps DDP itself once started by a launcher: nothing else to write
             fix = dataclasses.replace(fix, change=(

@@ -44,7 +44,8 @@ class BucketViewRun(RunStrategy):
                 "the gradient-sized copy is still saved later in the step)"),
             code=diff_ddp(main, runs.gpus, bucket_view=True,
                           batch_sites=followed.batch_sites, flags=followed.flags,
-                          loader_sites=tuple(followed.loader_sites))))
+                          loader_sites=tuple(followed.loader_sites),
+                          rank_inputs=followed.rank_scatter)))
 
 
 STRATEGY = BucketViewRun(FIX)

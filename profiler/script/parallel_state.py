@@ -42,7 +42,8 @@ class ParallelLog:
     replica_scalars: bool = False  # DataParallel's replicas returned one number each
     # the DDP alternative's rank got gradients after its reducer finalized a backward
     ddp_late_gradients: bool = False
-    # the DataParallel subclass whose own scatter gave a DDP rank its inputs ("": none)
+    # the DataParallel subclass's own piece that gave a DDP rank its inputs, in words ("":
+    # none): "PerGpuBatches's own scatter", "DataParallel's own forward" (PyG's)
     rank_scatter: str = ""
     # who replaced DataParallel's replicate, which dpprof did not call, in words ("": none)
     own_replicate: str = ""

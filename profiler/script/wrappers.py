@@ -101,10 +101,17 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         """How the script's subclass splits the batch its own way, its name first ("":
         DataParallel's split)."""
         if type(self)._own_forward is not None:
-            return f"{type(self).__name__} splits the batch in a forward of its own"
+            return f"{self._class_words()} splits the batch in a forward of its own"
         if self.own_piece("scatter"):
-            return f"{type(self).__name__} splits the batch with a scatter of its own"
+            return f"{self._class_words()} splits the batch with a scatter of its own"
         return ""
+
+    def _class_words(self) -> str:
+        """The subclass's name; a library's of torch's own name with its module
+        (``torch_geometric.nn.data_parallel.DataParallel``)."""
+        cls = type(self)
+        return (cls.__name__ if cls.__name__ != "DataParallel"
+                else f"{cls.__module__}.{cls.__qualname__}")
 
     def as_written(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The forward as the script's class defines it: DataParallel's, or a subclass's own."""
@@ -148,14 +155,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             outputs = self.parallel_apply(replicas, inputs, module_kwargs)
         else:
             outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
-        # per-replica losses: the loss is inside forward (with ModelWithLoss's keep_outputs,
-        # or a model that returns its loss under "loss" beside its other outputs, as Hugging
-        # Face's do, the outputs gathered beside it)
-        if isinstance(module, ModelWithLoss) or all(
-                t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)) or (
-                isinstance(outputs[0], Mapping)
-                and isinstance(outputs[0].get("loss"), torch.Tensor)):
-            current().log.replica_scalars = True
+        _note_replica_losses(module, outputs)
         with rt.category("outputs"):
             if self.own_piece("gather"):
                 return self.gather(outputs, self.output_device)
@@ -171,7 +171,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             log.own_replicate = log.own_replicate or (
                 "the script replaces its DataParallel's replicate on the instance"
                 if "replicate" in self.__dict__ else
-                f"the script's DataParallel subclass {type(self).__name__} replaces "
+                f"the script's DataParallel subclass {self._class_words()} replaces "
                 "DataParallel's replicate")
         return cast("list[nn.Module]", replicate(self._vc.rt, module, used,
                                                  not torch.is_grad_enabled()))
@@ -218,22 +218,69 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         # its steps, each with a forward after the one before)
         log.ddp_late_gradients = log.ddp_late_gradients or impl.late_gradients > 0
 
+        own = type(self)._own_forward
+        if own is not None and not any(isinstance(t, torch.Tensor)
+                                       for t in tree_leaves((inputs, kwargs))):
+            # inputs no scatter can split (PyG's list of graphs): the subclass's forward,
+            # on the rank's one GPU, makes them (a Batch of the rank's graphs)
+            log.rank_scatter = f"{self._class_words()}'s own forward"
+            return self._own_forward_as_rank(own, impl, src, inputs, kwargs)
         with rt.category("inputs"):
-            if self.own_piece("scatter"):  # a rank is DataParallel on its one GPU
-                current().log.rank_scatter = type(self).__name__
+            if self.own_piece("scatter") and own is None:
+                # a rank is DataParallel on its one GPU, torch's forward calling the
+                # script's scatter (a forward of the script's own calls it its own way)
+                log.rank_scatter = f"{self._class_words()}'s own scatter"
                 shards, shard_kwargs = self.scatter(inputs, kwargs, self.device_ids[:1])
                 moved = (tuple(shards[0]), dict(shard_kwargs[0])) if shards else ((), {})
             else:
                 moved = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if (
                     inputs or kwargs) else ((), {})
         inputs, kwargs = moved
-        current().log.note_shards([src], [inputs], [kwargs], self.dim)
-        with rt.device(src):
-            try:
-                return impl(*inputs, **kwargs)
-            except UnusedParametersError:  # noted, in case the script catches it and goes on
-                current().log.ddp_unused_raised = True
-                raise
+        log.note_shards([src], [inputs], [kwargs], self.dim)
+        with rt.device(src), _unused_noted():
+            return impl(*inputs, **kwargs)
+
+    def _own_forward_as_rank(self, own: Callable[..., Any], impl: nn.Module, src: int,
+                             inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The subclass's own forward as DataParallel over the rank's one GPU, whose module
+        is the rank's DDP."""
+        held = self.device_ids, self._modules["module"]
+        self.device_ids, self._modules["module"] = held[0][:1], impl
+        self.__dict__["_in_own_forward"] = True
+        log = current().log
+        # the rank's rows: those its module is given
+        noting = impl.register_forward_pre_hook(
+            lambda _, args, kw: log.note_shards([src], [args], [kw], self.dim),
+            with_kwargs=True)
+        try:
+            with self._vc.rt.device(src), _unused_noted():
+                return own(self, *inputs, **kwargs)
+        finally:
+            noting.remove()
+            self.device_ids, self._modules["module"] = held
+            self.__dict__["_in_own_forward"] = False
+
+
+def _note_replica_losses(module: nn.Module, outputs: Sequence[Any]) -> None:
+    """The replicas computed their losses: the loss is inside forward (with ModelWithLoss's
+    keep_outputs, or a model that returns its loss under "loss" beside its other outputs, as
+    Hugging Face's do, the outputs gathered beside it)."""
+    if isinstance(module, ModelWithLoss) or all(
+            t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)) or (
+            outputs and isinstance(outputs[0], Mapping)
+            and isinstance(outputs[0].get("loss"), torch.Tensor)):
+        current().log.replica_scalars = True
+
+
+@contextlib.contextmanager
+def _unused_noted() -> Iterator[None]:
+    """DDP's error on parameters no loss used, noted as it passes (the script may catch it
+    and go on)."""
+    try:
+        yield
+    except UnusedParametersError:
+        current().log.ddp_unused_raised = True
+        raise
 
 
 # the names torch's classes have: a framework names the wrapper it was given by its class
@@ -485,6 +532,8 @@ def parallel_apply_on_virtual_devices(modules: Sequence[nn.Module], inputs: Sequ
                                           [indices[k]], threads=len(modules))[0])
         except Exception:
             ExceptionWrapper(where=f"in replica {k} on device {indices[k]}").reraise()
+    if modules and torch.is_grad_enabled():  # a subclass's forward, or its parallel_apply
+        _note_replica_losses(modules[0], outputs)
     return outputs
 
 
