@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from script_runs import printed_on_the_host, run_printing
 
 SCRIPT = """
@@ -40,15 +41,19 @@ for step in range(5):
 """
 
 
+@pytest.mark.parametrize("made", ["on the device", "under a default device"])
 def test_each_check_answers_as_for_finite_values_and_a_comparison_beside_it_its_own(
-        tmp_path: Path) -> None:
+        tmp_path: Path, made: str) -> None:
+    source = SCRIPT if made == "on the device" else SCRIPT.replace(
+        'dev = "cuda"\n', 'dev = "cuda"\ntorch.set_default_device(dev)\n').replace(
+        "torch.randn(16, 64, device=dev)", "torch.randn(16, 64)")
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     result, printed = run_printing(script)
     (s,) = result.scenarios
     assert s.status == "ok", s.message
     checks = [line for line in printed.splitlines() if not line.startswith("stepped")]
-    host = printed_on_the_host(tmp_path, SCRIPT).splitlines()
+    host = printed_on_the_host(tmp_path, source).splitlines()
     assert checks == [line for line in host if not line.startswith("stepped")]
     assert checks == ["isfinite True True True", "isnan False False False False",
                       "beside a comparison False"]

@@ -402,7 +402,8 @@ class CudaDevices(VirtualDevices):
             return
         self.stand_in(f"bool ({check})", t)
         if t.untyped_storage().nbytes() <= small.max_index_bytes:
-            small.keep(t, torch.full(t.shape, value, dtype=torch.bool))
+            # on the host (a script's default device would put it on a virtual GPU)
+            small.keep(t, torch.full(t.shape, value, dtype=torch.bool, device="cpu"))
         if small.value_of(t) is None:
             self._unfollowed_checks.add(caller_site())
 

@@ -132,9 +132,12 @@ def finiteness_checks(vc: EmulatedCuda, p: Patch) -> None:
         @functools.wraps(original)
         def check(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
-            # the program's own check, not a meta kernel's (torch._refs.clamp calls isnan)
-            if isinstance(out, torch.Tensor) and on_meta(out) and not vc.rt.in_dispatch:
-                vc.rt.assume_checked(out, answer, name)
+            # the program's own check, not a meta kernel's (torch._refs.clamp calls isnan),
+            # of a virtual GPU's tensor (under a DeviceContext is_meta answers otherwise)
+            if (isinstance(out, torch.Tensor) and not vc.rt.in_dispatch
+                    and vc.rt.storages.device_of(out) != HOST):
+                with torch._C.DisableTorchFunction():  # the emulation's own host tensors
+                    vc.rt.assume_checked(out, answer, name)
             return out
         return check
 
