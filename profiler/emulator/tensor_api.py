@@ -132,12 +132,14 @@ def finiteness_checks(vc: EmulatedCuda, p: Patch) -> None:
         @functools.wraps(original)
         def check(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
-            # the program's own check, not a meta kernel's (torch._refs.clamp calls isnan),
-            # of a virtual GPU's tensor (under a DeviceContext is_meta answers otherwise)
-            if (isinstance(out, torch.Tensor) and not vc.rt.in_dispatch
-                    and vc.rt.storages.device_of(out) != HOST):
-                with torch._C.DisableTorchFunction():  # the emulation's own host tensors
+            # the program's own check, not a meta kernel's (torch._refs.clamp calls isnan)
+            if isinstance(out, torch.Tensor) and not vc.rt.in_dispatch:
+                if on_meta(out):
                     vc.rt.assume_checked(out, answer, name)
+                elif out.device.type == "cuda":
+                    # a virtual GPU's, which is_meta does not say (a DeviceContext's, vmap's):
+                    # not followed, its line's booleans answered as the check would
+                    vc.rt.unfollowed_check()
             return out
         return check
 
