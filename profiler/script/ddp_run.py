@@ -86,7 +86,8 @@ class DdpState(AlternativeState):
     flags: tuple[str, ...] = ()
     # DDP raised its error on parameters no loss used (whether or not the script caught it)
     unused_raised: bool = False
-    # the script's DataParallel subclass whose own scatter gave the rank its inputs ("": none)
+    # what of the script's DataParallel subclass gave the rank its inputs, in words ("":
+    # DataParallel's scatter): "PerGpuBatches's own scatter", "...DataParallel's own forward"
     rank_scatter: str = ""
     # a backward after DDP had all-reduced its forward's gradients (LATE_GRADIENTS)
     late_gradients: bool = False
