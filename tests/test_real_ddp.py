@@ -182,7 +182,7 @@ def test_the_installed_classes_are_torchs_own(real: type, installed: type,
     # names of its own are dpprof's (the DataParallel re-enactment's helpers)
     assert all(n in ("run", "_check_placement", "as_ddp_rank", "as_written", "own_split",
                      "_own_forward", "own_piece", "_replicas", "_own_forward_as_rank",
-                     "_class_words") for n in extra), extra
+                     "_class_words", "_own_forward_running") for n in extra), extra
 
 
 def test_an_instance_has_every_attribute_torchs_init_sets() -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 __all__ = ["caller_frame", "caller_line", "caller_site", "caller_sites", "constructing_site",
-           "dpprof_dirs", "frame_locals", "in_dpprof", "in_torch", "relative_site"]
+           "dpprof_dirs", "frame_locals", "in_dpprof", "in_torch", "relative_site",
+           "torch_path"]
 
 
 
@@ -109,9 +110,16 @@ def caller_sites(limit: int = 64) -> tuple[str, ...]:
     return tuple(out) or ("?",)
 
 
+def torch_path(filename: str) -> str | None:
+    """``filename``'s path inside torch's package (``_refs/__init__.py``), where it is one of
+    torch's own source files; else None."""
+    inside = filename.removeprefix(_TORCH_DIR + os.sep)
+    return inside if inside != filename else None
+
+
 def in_torch(filename: str) -> bool:
     """Whether ``filename`` is one of torch's own source files."""
-    return filename.startswith(_TORCH_DIR + os.sep)
+    return torch_path(filename) is not None
 
 
 def in_dpprof(filename: str) -> bool:

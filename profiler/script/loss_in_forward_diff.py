@@ -193,11 +193,17 @@ def _hoist(src: ScriptSource, edits: Edits, scope: ast.AST, key: str, wrap: ast.
     return " and ".join(f"`{src.seg(a.targets[0])}` (line {a.lineno})" for a, _ in order)
 
 
+def _moves(moved: str) -> str:
+    """``_hoist``'s words with their verb: "`w` (line 9) and `c` (line 10) move"."""
+    return f"{moved} move{'s' * (' and ' not in moved)}"
+
+
 def _to_hoist(src: ScriptSource, scope: ast.AST, key: str, wrap: ast.stmt,
               seen: tuple[str, ...]) -> list[tuple[ast.Assign, ast.stmt]]:
     """The assignments :func:`_hoist` moves for ``key``, those it reads first, each with the
     statement it moves before; NoRewrite where one cannot move."""
-    binds = [b for b in bindings(src, scope) if b.name == key]
+    every = bindings(src, scope)
+    binds = [b for b in every if b.name == key]
     if key in seen or len(binds) != 1 or not isinstance(binds[0].node, ast.Assign):
         raise NoRewrite(f"`{key}` is not defined where the model is wrapped (line "
                         f"{wrap.lineno}), and no single assignment of it can move there")
@@ -212,7 +218,7 @@ def _to_hoist(src: ScriptSource, scope: ast.AST, key: str, wrap: ast.stmt,
     out: list[tuple[ast.Assign, ast.stmt]] = []
     needs = bound_between(src, scope, loaded_names(assign.value), start_of(holder),
                           start_of(assign))
-    for name in sorted(needs, key=lambda n: min(start_of(b.node) for b in bindings(src, scope)
+    for name in sorted(needs, key=lambda n: min(start_of(b.node) for b in every
                                                  if b.name == n)):
         try:
             first = _to_hoist(src, scope, name, wrap, (*seen, key))
@@ -477,17 +483,15 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                      f"are in different functions: `{key}` at the wrap is taken to be the "
                      "loss the training step calls")
     if expression is None and not _available(src, wrap_scope, key, wrap):
-        moved = _hoist(src, edits, wrap_scope, key, wrap)
-        notes.append(f"{moved} move{'s' * (' and ' not in moved)} before the wrap, which now "
-                     "needs it")
+        notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, wrap))} before the wrap, "
+                     "which now needs it")
     elif expression is not None and not _available(src, wrap_scope, key, wrap):
         # ModelWithLoss finds the loss modules its function calls when it is made (to copy
         # their tensors, a weighted loss's weights, to every GPU): they must exist by then
         try:
-            moved = _hoist(src, edits, wrap_scope, key, wrap)
-            notes.append(f"{moved} move{'s' * (' and ' not in moved)} before the wrap, "
-                         "where ModelWithLoss finds the loss modules its function calls, to "
-                         "copy their tensors to every GPU")
+            notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, wrap))} before the "
+                         "wrap, where ModelWithLoss finds the loss modules its function calls, "
+                         "to copy their tensors to every GPU")
         except NoRewrite as e:
             notes.append(f"{e}: ModelWithLoss finds the loss modules its function calls "
                          "when it is made, so a loss that holds tensors (class weights) "

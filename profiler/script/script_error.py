@@ -12,16 +12,14 @@ from __future__ import annotations
 import linecache
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from dpprof.emulator.call_sites import in_dpprof, in_torch, relative_site
+from dpprof.emulator.call_sites import in_dpprof, in_torch, relative_site, torch_path
 from dpprof.emulator.dispatch_state import VirtualDeviceError
 
 __all__ = ["RaisedAt", "raised_at", "script_frames"]
 
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + "/"  # a frame's path inside it
 # torch's files an operator reaches only through Python dispatch: a meta kernel, a
 # reference implementation, a decomposition (on a GPU: the kernel's C++, no frame)
 _DISPATCH_FILES = ("_ops.py", "_meta_registrations.py", "_refs/", "_prims/",
@@ -44,9 +42,9 @@ class RaisedAt:
 
 
 def _is_dispatch(frame: traceback.FrameSummary) -> bool:
-    inside = frame.filename.removeprefix(_TORCH_DIR)
-    return inside.startswith(_DISPATCH_FILES) or (
-        inside == "__init__.py" and frame.name.startswith(_CHECKS))
+    inside = torch_path(frame.filename)
+    return inside is not None and (inside.startswith(_DISPATCH_FILES) or (
+        inside == "__init__.py" and frame.name.startswith(_CHECKS)))
 
 
 def script_frames(e: BaseException) -> list[traceback.FrameSummary]:

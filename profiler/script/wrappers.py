@@ -118,10 +118,17 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         own = type(self)._own_forward
         if own is None:
             return self.run(self.module, inputs, kwargs)
+        with self._own_forward_running():
+            return own(self, *inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def _own_forward_running(self) -> Iterator[None]:
+        """While the subclass's own forward runs: its call of DataParallel's forward is
+        DataParallel's, and torch's parallel_apply splits along its ``dim``."""
         self.__dict__["_in_own_forward"] = True
         token = _SPLIT_DIM.set(self.dim)
         try:
-            return own(self, *inputs, **kwargs)
+            yield
         finally:
             _SPLIT_DIM.reset(token)
             self.__dict__["_in_own_forward"] = False
@@ -246,19 +253,17 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         is the rank's DDP."""
         held = self.device_ids, self._modules["module"]
         self.device_ids, self._modules["module"] = held[0][:1], impl
-        self.__dict__["_in_own_forward"] = True
         log = current().log
         # the rank's rows: those its module is given
         noting = impl.register_forward_pre_hook(
             lambda _, args, kw: log.note_shards([src], [args], [kw], self.dim),
             with_kwargs=True)
         try:
-            with self._vc.rt.device(src), _unused_noted():
+            with self._own_forward_running(), self._vc.rt.device(src), _unused_noted():
                 return own(self, *inputs, **kwargs)
         finally:
             noting.remove()
             self.device_ids, self._modules["module"] = held
-            self.__dict__["_in_own_forward"] = False
 
 
 def _note_replica_losses(module: nn.Module, outputs: Sequence[Any]) -> None:
