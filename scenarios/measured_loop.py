@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.call_sites import dpprof_dirs
 from dpprof.scenarios.loss_mean import denominator, loss_calls, sums
@@ -72,7 +73,10 @@ class ModelWithLoss(nn.Module):
     mean divides by (the targets a ``CrossEntropyLoss`` does not ignore, the elements of an
     ``MSELoss``), so ``ignore_index`` and padding combine exactly too. A loss that adds up
     (``reduction="sum"``, a VAE's ``F.binary_cross_entropy(..., reduction="sum")``) combines
-    as the sum of the replicas' losses.
+    as the sum of the replicas' losses. A loss kept per element (``reduction="none"``, a
+    function returning one loss per sample) comes back gathered, the whole batch's, for the
+    loop to reduce as it did (``(loss * mask).sum() / mask.sum()``): the logits stay on the
+    replicas all the same.
 
     ``loss_fn`` may be the expression the loop computed on the gathered outputs, as a
     function of the outputs and the targets; each replica then applies it to its own
@@ -140,6 +144,8 @@ class ModelWithLoss(nn.Module):
         with on_the_replica(self, self._source() or self):
             with loss_calls() as calls:
                 loss = self.loss_fn(outputs, targets)
+            if isinstance(loss, torch.Tensor) and loss.dim() > 0:
+                return per_element(loss, (outputs, targets))
             if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
                 return loss.reshape(1), loss.new_full((1,), SUMMED)
             count = denominator(*calls[0][:3]) if len(calls) == 1 else None
@@ -152,6 +158,8 @@ class ModelWithLoss(nn.Module):
     def combine(out: tuple[Any, ...]) -> torch.Tensor:
         """The batch loss from the gathered ``(loss * rows, rows)`` of every replica."""
         weighted, rows = out[0], out[1]
+        if rows.numel() == 0:  # a loss per element: gathered as the whole batch's
+            return weighted  # type: ignore[no-any-return]
         total = rows.sum()
         # a loss that adds up (reduction="sum") returns SUMMED as its count: the sum is it
         return weighted.sum() / torch.where(total < 0, 1.0, total)
@@ -162,6 +170,30 @@ class ModelWithLoss(nn.Module):
         if len(out) < 3:
             raise ValueError("ModelWithLoss.split needs ModelWithLoss(..., keep_outputs=True)")
         return out[2], ModelWithLoss.combine(out)
+
+
+def per_element(loss: torch.Tensor, operands: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A replica's loss kept per element (``reduction="none"``: one loss per row, or per
+    token) as ``(loss, no count)``: DataParallel's gather concatenates the replicas' along
+    the batch, which is the whole batch's loss as the gathered outputs would have given it,
+    and :meth:`ModelWithLoss.combine` returns it for the loop to reduce as it does. Its first
+    dimension must be a shard's rows, or those rows flattened with the dimensions after
+    them (``out.view(-1, V)``: rows x tokens), of the outputs or of the targets
+    (``operands``); any other shape (a loss per class) has no such order: a clear error."""
+    firsts = set()
+    for t in tree_leaves(operands):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            n = 1
+            for size in t.shape:
+                n *= int(size)
+                firsts.add(n)
+    if int(loss.shape[0]) not in firsts:
+        raise ValueError(
+            f"the loss returns a tensor of shape {tuple(loss.shape)}, which is not one value "
+            "per row of the batch (nor per element of a row, rows first): the replicas' "
+            "losses do not make the whole batch's; reduce it inside the loss function (a "
+            "mean or a sum), or keep the loss outside forward")
+    return loss, loss.new_empty((0,))
 
 
 @contextlib.contextmanager
@@ -258,7 +290,7 @@ def where_outputs_are(targets: Any, outputs: Any) -> Any:
     """``targets`` on the device of the first tensor of ``outputs``: the model-parallel
     tutorial's ``labels.to(outputs.device)``, for a model that ends on another GPU than the
     one its inputs went to (elsewhere a no-op: the outputs are where the targets are)."""
-    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils._pytree import tree_map
 
     out = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
     if out is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -74,6 +75,11 @@ class DeferredOutputs:
         self.replicas: list[tuple[int, Any]] = []
         self.queued: list[FoundLoss] = []  # the statement's further losses on the outputs
         self.losses = 0  # the losses computed inside forward on them
+        # the wrap's outputs before these, kept by the script (keep_outputs) and alive when
+        # the model was called: alive until this forward ran, as in the fixed code, where
+        # the name they are bound to is rebound by the statement that runs the forward
+        # (``out, loss = ModelWithLoss.split(model(x, y))``), not before it
+        self.previous: DeferredOutputs | None = None
 
     @property
     def base(self) -> DeferredOutputs:
@@ -91,7 +97,15 @@ class DeferredOutputs:
                 self.value = self._stand_ins()
             else:  # used before any loss: computed as written
                 self.value = self.dp.run(self.dp.module, self.inputs, self.kwargs)
+            self.previous = None
         return self.value
+
+    def after(self, last: weakref.ref[DeferredOutputs] | None) -> None:
+        """These outputs follow ``last``, the wrap's previous call's (weakly: gone where
+        the script let them go)."""
+        previous = last() if last is not None else None
+        if previous is not None and previous.value is not None:
+            self.previous = previous
 
     def model_inputs(self) -> Any:
         """What ``ModelWithLoss`` is given as the model's inputs: the one argument, the
@@ -200,7 +214,8 @@ class DeferredOutputs:
         wrapped.kept = []
         out = self.dp.run(wrapped, (self.model_inputs(), targets), {})
         self.inputs, self.kwargs = (), {}  # held no longer: used_as_loss says it ran
-        log = self._count_loss()
+        self.previous = None
+        log = self._count_loss(out)
         self.replicas = list(zip(log.used_devices, wrapped.kept, strict=True))
         log.holding_replica_outputs.append(self)
         if keep:  # the script's later uses of the outputs get the gathered ones
@@ -226,16 +241,19 @@ class DeferredOutputs:
                                                      strict=True):
             with rt.device(device), rt.category("activations"):
                 pairs.append(copy.weighted_loss(outputs, shard, shard))
-        self._count_loss()
         with rt.category("outputs"):
             gathered = gather(rt, pairs, self.dp._vc.index_of(self.dp.output_device),
                               self.dp.dim)
+        self._count_loss(gathered)
         return ModelWithLoss.combine(gathered)
 
-    def _count_loss(self) -> ParallelLog:
-        """One more loss computed inside forward on these outputs, in the run's log."""
+    def _count_loss(self, gathered: tuple[Any, ...]) -> ParallelLog:
+        """One more loss computed inside forward on these outputs (``gathered``: what
+        ``ModelWithLoss``'s replicas returned), in the run's log."""
         log = current().log
         log.loss_in_forward += 1
+        if gathered[1].numel() == 0:  # kept per element: the gathered loss, not a count
+            log.per_element_losses += 1
         self.losses += 1
         log.most_losses_on_outputs = max(log.most_losses_on_outputs, self.losses)
         return log

@@ -10,6 +10,7 @@ kept, as the fix's code keeps them. Its change is the diff of
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,11 @@ __all__ = ["STRATEGY", "LossInForward", "LossInForwardState", "diff_loss_in_forw
 SENTENCE = ("the same script with its loss computed inside forward on every replica "
             "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
             "instead of the gathered outputs)")
+# where the loss is kept per element (reduction="none"), for the loop to reduce as it does
+PER_ELEMENT = ("the same script with its loss computed inside forward on every replica "
+               "(dpprof.ModelWithLoss: the replicas return their losses, kept per element as "
+               "the script computes them (reduction=\"none\"): cuda:0 gathers those, not the "
+               "outputs, and reduces them as written)")
 # the alternative of a script that also uses the outputs (accuracy)
 KEPT_OUTPUTS = ("the same script with its loss computed inside forward on every replica, "
                 "the outputs kept (dpprof.ModelWithLoss(..., keep_outputs=True): the replicas "
@@ -67,6 +73,7 @@ class LossInForwardState(AlternativeState):
     loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
     no_loss_forward: str = ""  # why the loss could not move inside forward ("" where it did)
     most_losses: int = 0  # the most losses computed inside forward on one forward's outputs
+    per_element_losses: int = 0  # of those losses, kept per element (reduction="none")
 
     @property
     def losses_inside_forward(self) -> bool:
@@ -149,7 +156,11 @@ class LossInForward(Alternative):
         one_kind = not (inputs and kwargs)
         if one_kind and len(dp.device_ids) > 1 and torch.is_grad_enabled():
             _release_held(dp._vc)  # a new forward: the last one's losses are all computed
-            return DeferredOutputs(dp, inputs, caller_site(), kwargs)
+            deferred = DeferredOutputs(dp, inputs, caller_site(), kwargs)
+            last = state_of(dp._vc).log.last_outputs
+            deferred.after(last.get(id(dp)))
+            last[id(dp)] = weakref.ref(deferred)
+            return deferred
         if not one_kind and torch.is_grad_enabled():
             log = state_of(dp._vc).log
             log.no_loss_forward = log.no_loss_forward or (
@@ -170,6 +181,7 @@ class LossInForward(Alternative):
         state.no_loss_forward = log.no_loss_forward
         state.most_losses = log.most_losses_on_outputs
         state.loss_calls = log.loss_in_forward
+        state.per_element_losses = log.per_element_losses
 
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
@@ -199,7 +211,9 @@ class LossInForward(Alternative):
                     if failed else "the script computes no loss on DataParallel's outputs "
                     f"({LOSS_FORMS})")))
             return
-        alt_notes = [(KEPT_OUTPUTS if unkept is not None else SENTENCE).format(n=n),
+        sentence = (KEPT_OUTPUTS if unkept is not None
+                    else PER_ELEMENT if followed.per_element_losses else SENTENCE)
+        alt_notes = [sentence.format(n=n),
                      *alt.scenario.notes, *alternative_notes(alt)]
         detail = DETAIL
         if unkept is not None:

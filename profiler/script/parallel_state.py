@@ -53,6 +53,10 @@ class ParallelLog:
     # backward begins (the loss inside forward computes every loss on them there)
     holding_replica_outputs: list[Any] = field(default_factory=list)
     most_losses_on_outputs: int = 0  # of one forward's outputs, computed inside forward
+    # the last deferred outputs of a wrap, weakly: the next call's forward keeps them alive
+    # while it runs, as the fixed code's name for them is rebound only once it returns
+    last_outputs: dict[int, Any] = field(default_factory=dict)
+    per_element_losses: int = 0  # of those, kept per element (reduction="none")
     fake_group: bool = False  # a fake default process group was initialised
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     tensor_parallel: int = 0  # parallelize_module calls
