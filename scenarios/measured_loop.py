@@ -86,6 +86,10 @@ class ModelWithLoss(nn.Module):
             model, lambda logits, y: criterion(logits.view(-1, logits.size(-1)), y.view(-1))))
         loss = dpprof.ModelWithLoss.combine(model(x, y))
 
+    A loss that reads several tensors of the batch (a CTC loss's targets and lengths) takes
+    them all, each scattered with the inputs: ``lambda preds, text, lengths: ...`` and
+    ``model(x, text, lengths)``.
+
     Where it calls more than one loss module (a sum of two losses), the replicas are
     weighted by their rows. The loss modules a function computes with (``criterion`` above,
     found in its closure, its globals and their attributes it reads, a ``functools.partial``'s
@@ -119,11 +123,11 @@ class ModelWithLoss(nn.Module):
             [] if isinstance(loss_fn, nn.Module) else modules_of(loss_fn, model))
         self._source = weakref.ref(self)
 
-    def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
+    def forward(self, inputs: Any, targets: Any = NO_TARGETS, *more_targets: Any) -> Any:
         outputs = call_model(self.model, inputs)
         if targets is NO_TARGETS:  # a call for the outputs alone (evaluation): as without the fix
             return outputs
-        weighted, count = self.weighted_loss(outputs, targets, inputs)
+        weighted, count = self.weighted_loss(outputs, targets, inputs, more_targets)
         return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -135,17 +139,17 @@ class ModelWithLoss(nn.Module):
         super().__setstate__(state)
         self._source = weakref.ref(self)
 
-    def weighted_loss(self, outputs: Any, targets: Any,
-                      inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def weighted_loss(self, outputs: Any, targets: Any, inputs: Any,
+                      more_targets: tuple[Any, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss * d, d)`` of this replica: ``d`` what the loss's mean divided by (the
         targets not ignored, the elements: :func:`dpprof.scenarios.loss_mean.denominator`)
         where ``loss_fn`` is one loss module or calls one, else the shard's rows."""
         # the denominator reads the loss module's tensors too (a weighted loss's weights)
         with on_the_replica(self, self._source() or self):
             with loss_calls() as calls:
-                loss = self.loss_fn(outputs, targets)
+                loss = self.loss_fn(outputs, targets, *more_targets)
             if isinstance(loss, torch.Tensor) and loss.dim() > 0:
-                return per_element(loss, (outputs, targets))
+                return per_element(loss, (outputs, targets, more_targets))
             if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
                 return loss.reshape(1), loss.new_full((1,), SUMMED)
             count = denominator(*calls[0][:3]) if len(calls) == 1 else None

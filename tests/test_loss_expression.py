@@ -209,7 +209,7 @@ def test_a_loss_on_any_view_of_the_outputs_moves_inside_forward(
     # its value: per replica on uneven shards, combined, equals the whole batch's
     model = env["model"].module
     wrapped = ModelWithLoss(model, compiled(found))
-    per_replica = [wrapped(x, t) for x, t in zip(env["ids"].chunk(4), found.targets.chunk(4),
+    per_replica = [wrapped(x, t) for x, t in zip(env["ids"].chunk(4), found.targets[0].chunk(4),
                                                  strict=True)]
     combined = ModelWithLoss.combine(tuple(torch.cat([r[i] for r in per_replica])
                                            for i in range(2)))
@@ -232,19 +232,22 @@ def test_a_loss_on_any_view_of_the_outputs_moves_inside_forward(
         patched, patched_loss, as_written)
 
 
-def test_a_use_of_the_outputs_outside_the_loss_says_why_in_one_line() -> None:
+def test_a_loss_on_several_tensors_of_the_batch_takes_them_all_as_targets() -> None:
+    """``criterion(logits[mask], y[mask])``: the mask and the labels both scattered (it was
+    declined: "reads mask and y, 2 tensors of the batch, and dpprof scatters one"); on
+    uneven shards, each selecting its own count of rows, combined it is the whole batch's."""
     text = textwrap.dedent('''\
         import torch
         import torch.nn as nn
         criterion = nn.CrossEntropyLoss()
-        y = torch.randint(0, 5, (4, 3))
-        mask = y > 0
+        y = torch.randint(0, 5, (5, 3))
+        mask = y > 1
         loss = criterion(logits[mask], y[mask])
         ''')
     lines = text.splitlines(keepends=True)
     env: dict[str, Any] = {"__name__": "__main__"}
     exec(compile("".join(lines[:5]), "train.py", "exec"), env)
-    env["logits"] = _Outputs(nn.Linear(2, 2), 4)
+    env["logits"] = _Outputs(nn.Linear(2, 2), 5)
     import linecache
 
     linecache.cache["train.py"] = (len(text), None, lines, "train.py")
@@ -254,6 +257,14 @@ def test_a_use_of_the_outputs_outside_the_loss_says_why_in_one_line() -> None:
         found = e.found
     finally:
         linecache.cache.pop("train.py", None)
-    # boolean indexing by a tensor of the batch: data-dependent, two batch tensors read
-    assert found == ("the loss at train.py:6 reads mask and y, 2 tensors of the batch, "
-                     "and dpprof scatters one as the targets")
+    assert isinstance(found, FoundLoss), found
+    assert found.function.text == "lambda logits, mask, y: criterion(logits[mask], y[mask])"
+    assert found.targets[0] is env["mask"] and found.targets[1] is env["y"]
+    logits = torch.randn(5, 3, 5)
+    wrapped = ModelWithLoss(nn.Identity(), compiled(found))
+    per_replica = [wrapped(o, m, t) for o, m, t in zip(logits.chunk(2), env["mask"].chunk(2),
+                                                      env["y"].chunk(2), strict=True)]
+    combined = ModelWithLoss.combine(tuple(torch.cat([r[i] for r in per_replica])
+                                           for i in range(2)))
+    torch.testing.assert_close(combined, env["criterion"](logits[env["mask"]],
+                                                          env["y"][env["mask"]]))

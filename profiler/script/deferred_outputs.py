@@ -40,6 +40,13 @@ if TYPE_CHECKING:
     from dpprof.script.wrappers import VirtualDataParallel
 
 
+# what a shape read of the outputs can ask (preds.size(1), len(out)): answered from the
+# replicas' outputs, not gathered
+SHAPE_READS = frozenset({"size", "shape", "dim", "ndim", "ndimension", "dtype", "numel",
+                         "nelement"})
+_NOT_READ = object()
+
+
 class DeferredOutputs:
     """DataParallel's outputs in the loss-inside-forward alternative, or a part of them taken
     before the loss: nothing is computed until a loss is called on them (then every replica
@@ -91,7 +98,9 @@ class DeferredOutputs:
             self.value = part_of(self.base.materialize(), self.path)
         if self.value is None:
             current().log.materialized.append(caller_site())
-            if self.used_as_loss:
+            if self.replicas and not self.losses:  # held for a loss (their shape read)
+                self.value = self._gather_held()
+            elif self.used_as_loss:
                 # used after the loss (accuracy, logging): the replicas kept no outputs;
                 # stand-ins of the gathered shapes on the output device, no gradient
                 self.value = self._stand_ins()
@@ -99,6 +108,59 @@ class DeferredOutputs:
                 self.value = self.dp.run(self.dp.module, self.inputs, self.kwargs)
             self.previous = None
         return self.value
+
+    def _shape_read(self, name: str) -> Any:
+        """``name`` (:data:`SHAPE_READS`) of the gathered outputs, where these are a tensor
+        or a part of the outputs reached by attributes and indexes (``preds.size(1)``,
+        ``out.logits.shape``), read without gathering them: the replicas' forward runs
+        (:meth:`held_forward`, once) and their outputs wait on their GPUs for the loss, which
+        computes beside them, as inside the fixed code's forward; ``_NOT_READ`` otherwise
+        (a part computed by a call, whose shape is the computation's)."""
+        base = self.base
+        if (name not in SHAPE_READS or self.value is not None or base.value is not None
+                or not torch.is_grad_enabled() or any(s[0] == "call" for s in self.path)
+                or len(base.dp.device_ids) < 2):
+            return _NOT_READ
+        if not base.replicas and (base.used_as_loss or not base.held_forward()):
+            return _NOT_READ
+        parts = [part_of(outputs, self.path) for _, outputs in base.replicas]
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            return _NOT_READ
+        size = list(parts[0].shape)
+        dim = self.dp.dim
+        if len(size) > dim:
+            size[dim] = sum(int(p.shape[dim]) for p in parts)
+        shape = torch.Size(size)
+        numel = functools.reduce(operator.mul, size, 1)
+        return {"size": lambda d=None: shape if d is None else shape[d], "shape": shape,
+                "dim": lambda: len(shape), "ndimension": lambda: len(shape),
+                "ndim": len(shape), "dtype": parts[0].dtype, "numel": lambda: numel,
+                "nelement": lambda: numel}[name]
+
+    def held_forward(self) -> bool:
+        """The replicas' forward, without the loss: their outputs held on their GPUs
+        (:attr:`replicas`) for the loss to come, as the fixed code's forward holds them
+        until its loss; False where it cannot run so (the inputs gone)."""
+        if not (self.inputs or self.kwargs) or self.value is not None:
+            return False
+        held = _HeldForward(self.dp.module)
+        held.shapes, held.kept = self.shapes, []
+        self.dp.run(held, (self.model_inputs(),), {})
+        self.inputs, self.kwargs = (), {}
+        log = current().log
+        log.call_sites.append(self.site)
+        self.replicas = list(zip(log.used_devices, held.kept, strict=True))
+        log.holding_replica_outputs.append(self)
+        self.previous = None
+        return True
+
+    def _gather_held(self) -> Any:
+        """The held replicas' outputs gathered on the output device, as DataParallel's
+        forward gathers them."""
+        rt = self.dp._vc.rt
+        with rt.category("outputs"):
+            return gather(rt, [outputs for _, outputs in self.replicas],
+                          self.dp._vc.index_of(self.dp.output_device), self.dp.dim)
 
     def after(self, last: weakref.ref[DeferredOutputs] | None) -> None:
         """These outputs follow ``last``, the wrap's previous call's (weakly: gone where
@@ -122,7 +184,7 @@ class DeferredOutputs:
         part.expect, part.where = expect, where
         return part
 
-    def on_part(self, loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def on_part(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` of this part, as a function of the whole outputs."""
         if not self.path:
             return loss_fn
@@ -199,20 +261,27 @@ class DeferredOutputs:
                                                       found.function.targets_name))
         loss_fn = self.on_part(compiled(found))
         if base.replicas:  # a loss on the outputs is inside forward already: beside it
+            held = not base.losses  # or the forward ran for their shape: its first loss
             self.pending = PendingLoss(base.beside(loss_fn, found.targets))
+            if held:
+                base.used_as_loss = True
+                if current().keep_outputs:  # gathered with the loss, as the fix's are
+                    base.value = base._gather_held()
             return self.pending
         base.used_as_loss = True
         log.call_sites.append(self.site)
         self.pending = PendingLoss(base.in_forward(loss_fn, found.targets))
         return self.pending
 
-    def in_forward(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
-        """The loss computed inside forward on every replica, combined as one number."""
+    def in_forward(self, loss_fn: Callable[..., Any],
+                   targets: tuple[Any, ...]) -> torch.Tensor:
+        """The loss computed inside forward on every replica (of the outputs and each of
+        ``targets``, scattered with the inputs), combined as one number."""
         keep = current().keep_outputs
         wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
         wrapped.shapes = self.shapes
         wrapped.kept = []
-        out = self.dp.run(wrapped, (self.model_inputs(), targets), {})
+        out = self.dp.run(wrapped, (self.model_inputs(), *targets), {})
         self.inputs, self.kwargs = (), {}  # held no longer: used_as_loss says it ran
         self.previous = None
         log = self._count_loss(out)
@@ -222,13 +291,13 @@ class DeferredOutputs:
             self.value = ModelWithLoss.split(out)[0]
         return ModelWithLoss.combine(out)
 
-    def beside(self, loss_fn: Callable[[Any, Any], Any], targets: Any) -> torch.Tensor:
+    def beside(self, loss_fn: Callable[..., Any], targets: tuple[Any, ...]) -> torch.Tensor:
         """Another loss on these outputs, inside forward beside the first: on each replica's
         own outputs and its shard of ``targets``, combined as one number."""
         rt = self.dp._vc.rt
         ids = [device for device, _ in self.replicas]
         with rt.category("inputs"):
-            shards, _ = scatter_kwargs(rt, (targets,), {}, ids, self.dp.dim)
+            shards, _ = scatter_kwargs(rt, tuple(targets), {}, ids, self.dp.dim)
         weigh = ModelWithLoss(nn.Identity(), loss_fn)
         # its loss modules' tensors (a weighted loss's weights) on every replica's GPU, as
         # the replicate of a wrapper holding both losses puts them there
@@ -237,10 +306,10 @@ class DeferredOutputs:
                                                         not torch.is_grad_enabled()))
                   if held and len(ids) > 1 else [weigh] * len(ids))
         pairs = []
-        for copy, (device, outputs), (shard,) in zip(copies, self.replicas, shards,
-                                                     strict=True):
+        for copy, (device, outputs), (shard, *more) in zip(copies, self.replicas, shards,
+                                                           strict=True):
             with rt.device(device), rt.category("activations"):
-                pairs.append(copy.weighted_loss(outputs, shard, shard))
+                pairs.append(copy.weighted_loss(outputs, shard, shard, tuple(more)))
         with rt.category("outputs"):
             gathered = gather(rt, pairs, self.dp._vc.index_of(self.dp.output_device),
                               self.dp.dim)
@@ -266,6 +335,9 @@ class DeferredOutputs:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        shape = self._shape_read(name)  # preds.size(1): the forward runs, nothing gathered
+        if shape is not _NOT_READ:
+            return shape
         part = self._step(("attr", name))  # logits = outputs.logits
         if part is not None:
             return part
@@ -332,6 +404,9 @@ class DeferredOutputs:
         return pending if pending is not None else self.materialize()[key]
 
     def __len__(self) -> int:
+        shape = self._shape_read("shape")
+        if shape is not _NOT_READ and len(shape):
+            return int(shape[0])
         return len(self.materialize())
 
     def __iter__(self) -> Any:
@@ -415,6 +490,25 @@ def pending_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingLoss | N
                  if isinstance(x, PendingLoss)), None)
 
 
+class _HeldForward(nn.Module):
+    """The model's forward on each replica, its outputs kept (and their shapes noted) for a
+    loss computed beside them; what it returns for DataParallel to gather is empty."""
+
+    shapes: list[Any]
+    kept: list[Any]
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        outputs = call_model(self.model, inputs)
+        self.shapes.append(tree_map(_shape_only, outputs))
+        self.kept.append(outputs)
+        first = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
+        return first.new_empty((0,)) if first is not None else torch.empty(0)
+
+
 def _recording_class() -> type:
     class RecordingModelWithLoss(ModelWithLoss):
         """``ModelWithLoss`` that notes each replica's output shapes (for stand-ins)."""
@@ -422,13 +516,13 @@ def _recording_class() -> type:
         shapes: list[Any]
         kept: list[Any]  # each replica's outputs, in the order the replicas ran
 
-        def forward(self, inputs: Any, targets: Any = NO_TARGETS) -> Any:
+        def forward(self, inputs: Any, targets: Any = NO_TARGETS, *more_targets: Any) -> Any:
             outputs = call_model(self.model, inputs)
             if targets is NO_TARGETS:  # a call for the outputs alone, as ModelWithLoss's
                 return outputs
             self.shapes.append(tree_map(_shape_only, outputs))
             self.kept.append(outputs)
-            weighted, count = self.weighted_loss(outputs, targets, inputs)
+            weighted, count = self.weighted_loss(outputs, targets, inputs, more_targets)
             return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
 
     return RecordingModelWithLoss
@@ -460,13 +554,13 @@ def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...]
     loss_fn = part.on_part(loss_fn)
     if deferred.replicas:  # a loss on them is inside forward already: this one beside it
         current().log.loss_sites.append(caller_site())
-        return deferred.beside(loss_fn, targets)
+        return deferred.beside(loss_fn, (targets,))
     if deferred.value is not None or part.value is not None or deferred.used_as_loss:
         return None
     deferred.used_as_loss = True
     current().log.call_sites.append(deferred.site)
     current().log.loss_sites.append(caller_site())
-    return deferred.in_forward(loss_fn, targets)
+    return deferred.in_forward(loss_fn, (targets,))
 
 
 def _with_further(loss_fn: Callable[..., Any], rest: tuple[Any, ...], keywords: dict[str, Any],
@@ -491,9 +585,9 @@ def _same_step(a: Step, b: Step) -> bool:
         return False
 
 
-def _loss_on_part(loss_fn: Callable[[Any, Any], Any], path: tuple[Step, ...],
-                  outputs: Any, targets: Any) -> Any:
-    return loss_fn(part_of(outputs, path), targets)
+def _loss_on_part(loss_fn: Callable[..., Any], path: tuple[Step, ...],
+                  outputs: Any, *targets: Any) -> Any:
+    return loss_fn(part_of(outputs, path), *targets)
 
 
 def _shape_only(leaf: Any) -> Any:

@@ -43,7 +43,14 @@ class LossFunction:
 
     text: str  # ``lambda logits, y: criterion(...)``
     outputs_name: str  # the function's first parameter
-    targets_name: str  # its second: the batch tensor DataParallel scatters as the targets
+    # the others: the batch tensors DataParallel scatters as the targets, in the order the
+    # loss call reads them (``y``; a CTC loss's ``text, preds_size, length``)
+    targets_names: tuple[str, ...]
+
+    @property
+    def targets_name(self) -> str:
+        """The targets' parameters as the function and the model's call list them."""
+        return ", ".join(self.targets_names)
 
 
 def output_refs(loss: ast.Call, outputs_name: str, model_call: ast.Call | None
@@ -79,7 +86,8 @@ def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
                   whole_name: str = "") -> LossFunction:
     """The loss call ``loss`` as ``lambda <outputs>, <targets>: <the call as written>``
     (the model's call inside it, where it is there, replaced by the outputs' parameter);
-    or NoRewrite where the call cannot move into forward as written. ``part``: the loss
+    or NoRewrite where the call cannot move into forward as written. ``targets_name``: one
+    name, or several as a parameter list (``text, preds_size, length``). ``part``: the loss
     reads ``outputs_name``, a part of the outputs (``logits = outputs.logits``), whose
     expression of the whole outputs this formats (``"{}.logits"``); the function is then of
     the whole outputs, its parameter ``whole_name``, each read of the part that expression."""
@@ -92,10 +100,11 @@ def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
     if not targets_name:
         raise NoRewrite(f"line {loss.lineno}: the loss takes no tensor of the batch as its "
                         "targets")
+    targets_names = tuple(n.strip() for n in targets_name.split(","))
     names = {n.id for n in ast.walk(loss) if isinstance(n, ast.Name)}
     param = outputs_name or next(p for p in (_OUTPUTS, f"{_OUTPUTS}_", f"{_OUTPUTS}__")
                                  if p not in names)
-    if param == targets_name:
+    if param in targets_names:
         raise NoRewrite(f"line {loss.lineno}: the outputs and the targets have one name "
                         f"({param})")
     if part:
@@ -108,8 +117,8 @@ def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
             a, b = src.span(ref)
             text = text[:a - start] + (part.format(param) if part else param) + text[b - start:]
     # a call over several lines stays inside its own parentheses: one expression
-    return LossFunction(text=f"lambda {param}, {targets_name}: {text}", outputs_name=param,
-                        targets_name=targets_name)
+    return LossFunction(text=f"lambda {param}, {', '.join(targets_names)}: {text}",
+                        outputs_name=param, targets_names=targets_names)
 
 
 # ---- in the running script -------------------------------------------------------------
@@ -170,7 +179,8 @@ class FoundLoss:
     function: LossFunction
     call: ast.Call
     site: str  # "file:line" of the loss call
-    targets: torch.Tensor  # the batch tensor the targets are taken from (the whole batch)
+    # the batch tensors the targets are taken from (the whole batch's), the function's order
+    targets: tuple[torch.Tensor, ...]
     env: dict[str, Any]  # the values of the names the function reads, from the frame
 
 
@@ -353,7 +363,7 @@ def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,
     outputs_name = next((r.id for r in refs if isinstance(r, ast.Name)), "")
     callee_root = (dotted_name(loss.func) or "").split(".")[0]
     batch: dict[str, torch.Tensor] = {}
-    for name in loaded_outside(loss, refs):
+    for name in sorted(loaded_outside(loss, refs), key=lambda n: (n.lineno, n.col_offset)):
         value = _value(names, name, is_outputs)
         if not isinstance(value, torch.Tensor) and hasattr(type(value), "__torch_function__"):
             # outputs not computed yet, another part of them (``crit(out, y, out_sizes)``)
@@ -362,30 +372,38 @@ def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,
         if (name.id != callee_root and isinstance(value, torch.Tensor)
                 and value.dim() > dim and value.shape[dim] == rows):
             batch[name.id] = value
-    if len(batch) != 1:
+    if not batch:
         others = sorted({n.id for n in loaded_outside(loss, refs)} - {callee_root})
-        if not batch:
-            return (f"the loss at {where} reads no tensor of the batch's {rows} rows besides "
-                    f"the outputs ({', '.join(others) or 'nothing else'}), so there are no "
-                    "targets to scatter with the inputs")
-        return (f"the loss at {where} reads {' and '.join(sorted(batch))}, "
-                f"{len(batch)} tensors of the batch, and dpprof scatters one as the targets")
-    (targets_name, targets), = batch.items()
+        return (f"the loss at {where} reads no tensor of the batch's {rows} rows besides "
+                f"the outputs ({', '.join(others) or 'nothing else'}), so there are no "
+                "targets to scatter with the inputs")
     try:
-        function = loss_function(src, loss, outputs_name, model_call, targets_name)
+        function = loss_function(src, loss, outputs_name, model_call, ", ".join(batch))
     except NoRewrite as e:
         return str(e)
     # the names the call reads, and no more: a copy of the whole frame would keep its other
     # tensors (the last step's loss, its batch) alive as long as the function
     read = {n.id for n in ast.walk(loss) if isinstance(n, ast.Name)
-            and isinstance(n.ctx, ast.Load)} - {function.outputs_name, function.targets_name}
+            and isinstance(n.ctx, ast.Load)} - {function.outputs_name, *batch}
     env = {name: names[name] for name in read | {"__builtins__"} if name in names}
+    whole = sorted(name for name in read if type(env.get(name)) is int and env[name] == rows)
+    if whole:
+        # B of ``out.view(B * T, V)``, read from the batch or the gathered outputs' shape:
+        # inside forward a replica's shard has fewer rows
+        return (f"the loss at {where} reads {' and '.join(whole)} ({rows}, the whole "
+                "batch's rows), which inside forward is each replica's share: size the "
+                "loss's views from the outputs (-1, or the outputs' own size) and dpprof "
+                "moves it")
     return FoundLoss(function=function, call=loss, site=f"{path}:{line}",
-                     targets=targets, env=env)
+                     targets=tuple(batch.values()), env=env)
 
 
-def compiled(found: FoundLoss) -> Callable[[Any, Any], Any]:
-    """The loss function, made in the script's names (those of the loss call's frame)."""
+def compiled(found: FoundLoss) -> Callable[..., Any]:
+    """The loss function, made in the script's names (those of the loss call's frame): of
+    the outputs and each of ``found.targets``."""
     path = found.site.rpartition(":")[0]
-    fn = eval(compile(found.function.text, path, "eval"), dict(found.env))
+    # at the loss call's line: an error inside a replica's loss points there
+    tree = ast.increment_lineno(ast.parse(found.function.text, mode="eval"),
+                                found.call.lineno - 1)
+    fn = eval(compile(tree, path, "eval"), dict(found.env))
     return fn  # type: ignore[no-any-return]

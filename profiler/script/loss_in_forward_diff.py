@@ -393,7 +393,7 @@ def _free_names_at_wrap(src: ScriptSource, fn: LossFunction, loss: ast.Call,
     """The loss function, made at the wrap, reads its names when it runs: each must be one
     the wrap's scope sees (its own, an enclosing function's, the module's, a builtin)."""
     scope = src.scope(wrap)
-    for name in sorted(loaded_names(loss) - {fn.outputs_name, fn.targets_name}):
+    for name in sorted(loaded_names(loss) - {fn.outputs_name, *fn.targets_names}):
         seen = scope
         while True:
             if not isinstance(seen, ast.ClassDef) and any(

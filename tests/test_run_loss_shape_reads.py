@@ -1,0 +1,200 @@
+"""The loss inside forward where the step reads the outputs' shape before its loss, and where
+the loss reads several tensors of the batch: a CTC loss as clovaai's
+deep-text-recognition-benchmark writes it (``preds_size = torch.IntTensor([preds.size(1)] *
+batch_size)``, then ``criterion(preds, text, preds_size, length)``), a segmentation loss
+method that takes ``n, c, h, w = logit.size()`` first (pytorch-deeplab-xception's), a
+language model's ``B, T, V = out.shape`` before ``out.view(-1, V)``.
+
+A shape read runs the replicas' forward and holds their outputs on their GPUs, answering
+from their shapes (nothing gathered), and the loss is computed beside them, as inside the
+fixed code's forward; every batch tensor the loss reads is scattered with the inputs. Before,
+each was declined ("the outputs are used ... outside the arguments of a loss"; "reads text
+and length, 2 tensors of the batch, and dpprof scatters one"). Each generated way is held to
+the same script with the fix written by hand (its peaks) and, with real numbers, to the loss
+the script prints as written. A loss sized by the whole batch's rows (``out.view(B * T,
+V)``) cannot move as written, and is declined with its reason (it failed, blaming line 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_run_loss_forms import SLACK_BYTES, assert_the_same_losses_printed
+
+from dpprof.script.session import ScriptConfig, parse_command, run_command
+
+HEAD = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Recognizer(nn.Module):  # frames of features to per-frame class scores
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, batch_first=True)
+        self.fc = nn.Linear(64, 40)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+class Segmenter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(32, 21, 3, padding=1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class SegmentationLosses:  # a loss method of a plain class, as deeplab-xception's
+    def __init__(self, batch_average=True):
+        self.batch_average = batch_average
+
+    def ce(self, logit, target):
+        n, c, h, w = logit.size()
+        criterion = nn.CrossEntropyLoss(ignore_index=255)
+        loss = criterion(logit, target.long())
+        if self.batch_average:
+            loss /= n
+        return loss
+
+
+torch.manual_seed(0)
+B, T = {rows}, 30
+ctc = nn.CTCLoss(zero_infinity=True)
+seg = SegmentationLosses()
+
+
+def batch():
+    frames = torch.randn(B, T, 32).cuda()
+    length = torch.randint(3, 9, (B,), dtype=torch.int32)
+    text = torch.randint(1, 40, (B, 8)).cuda()
+    image = torch.randn(B, 3, 24, 24).cuda()
+    mask = torch.randint(0, 21, (B, 24, 24)).cuda()
+    return frames, length, text, image, mask
+"""
+
+# (the model, the loop's lines from the outputs to the loss, the by-hand forward's lines
+# from the model's outputs ``out`` to its return, the by-hand model's extra arguments)
+FORMS = {
+    "ctc_size_read": (
+        "Recognizer()",
+        "preds = model(frames)\n"
+        "    preds_size = torch.IntTensor([preds.size(1)] * frames.size(0))\n"
+        "    preds = preds.log_softmax(2).permute(1, 0, 2)\n"
+        "    loss = ctc(preds, text, preds_size, length)",
+        "preds = out.log_softmax(2).permute(1, 0, 2)\n"
+        "        return ctc(preds, text, preds_size, length)",
+        "frames, text, torch.IntTensor([T] * B), length"),
+    "ctc_lengths_known": (
+        "Recognizer()",
+        "preds_size = torch.IntTensor([T] * frames.size(0))\n"
+        "    preds = model(frames).log_softmax(2).permute(1, 0, 2)\n"
+        "    loss = ctc(preds, text, preds_size, length)",
+        "preds = out.log_softmax(2).permute(1, 0, 2)\n"
+        "        return ctc(preds, text, preds_size, length)",
+        "frames, text, torch.IntTensor([T] * B), length"),
+    "method_size_read": (
+        "Segmenter()",
+        "output = model(image)\n    loss = seg.ce(output, mask)",
+        "return nn.CrossEntropyLoss(ignore_index=255)(out, mask.long())",
+        "image, mask"),
+    "lm_shape_read": (
+        "Recognizer()",
+        "out = model(frames)\n    N, S, V = out.shape\n"
+        "    loss = F.cross_entropy(out.view(-1, V), text.repeat(1, 4)[:, :S].reshape(-1))",
+        "return F.cross_entropy(out.view(-1, out.shape[-1]), "
+        "text.repeat(1, 4)[:, :out.shape[1]].reshape(-1))",
+        "frames, text"),
+}
+
+AS_WRITTEN = HEAD + """
+model = nn.DataParallel({model}.cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    frames, length, text, image, mask = batch()
+    {loop}
+    print("loss", repr(loss.item()))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+BY_HAND = HEAD + """
+
+class WithLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, *batch):
+        out = self.model(x)
+        {unpack} = batch
+        {inside}
+
+
+model = nn.DataParallel(WithLoss({model}.cuda()))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    frames, length, text, image, mask = batch()
+    loss = model({args}).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def _config(script: Path, compute: bool = False) -> ScriptConfig:
+    return ScriptConfig(launch=parse_command(["python", str(script)], 2), steps=3,
+                        compute=compute)
+
+
+@pytest.mark.parametrize("rows", [16, 13])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_a_loss_after_a_shape_read_or_on_several_batch_tensors_moves_inside_forward(
+        tmp_path: Path, form: str, rows: int) -> None:
+    model, loop, inside, args = FORMS[form]
+    script = tmp_path / "train.py"
+    script.write_text(AS_WRITTEN.format(rows=rows, model=model, loop=loop))
+    fixed = tmp_path / "fixed.py"
+    names = [a.strip() for a in args.split(",")[1:]]
+    if "torch.IntTensor([T] * B)" in args:
+        names = ["text", "preds_size", "length"]
+    fixed.write_text(BY_HAND.format(rows=rows, model=model, inside=inside, args=args,
+                                    unpack=", ".join(names) + ("," if len(names) == 1 else "")))
+
+    ran, _ = run_command(_config(script))
+    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
+    assert alt is not None, ran.notes
+    by_hand, _ = run_command(_config(fixed), alternatives=False)
+    written = by_hand.scenarios[0]
+    assert alt.status == written.status == "ok", (alt.message, written.message)
+    for moved, hand in zip(alt.devices, written.devices, strict=True):
+        assert abs(moved.peak_allocated_bytes - hand.peak_allocated_bytes) <= SLACK_BYTES, (
+            form, moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
+
+    assert_the_same_losses_printed(_config(script, compute=True))
+
+
+def test_a_loss_sized_by_the_whole_batch_is_declined_with_its_reason(tmp_path: Path) -> None:
+    """``out.view(B * T, V)`` with B the batch's rows (from the outputs' shape or the
+    inputs'): on a replica's shard the view is wrong, so the loss stays where it is written
+    and the report says why, naming the loss's line and the name (it raised ValueError
+    inside the alternative, blamed on line 1 of the script)."""
+    loop = ("out = model(frames)\n    N, S, V = out.shape\n"
+            "    loss = F.cross_entropy(out.view(N * S, V), text.repeat(1, 4)[:, :S].reshape(-1))")
+    script = tmp_path / "train.py"
+    script.write_text(AS_WRITTEN.format(rows=16, model="Recognizer()", loop=loop))
+    ran, _ = run_command(_config(script))
+    assert ran.scenarios[0].status == "ok"
+    assert "dp-loss-forward" not in [s.name for s in ran.scenarios]
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), 1)
+                if "view(N * S, V)" in text)
+    (said,) = [n for n in ran.notes if n.startswith("no loss-inside-forward alternative")]
+    assert said == ("no loss-inside-forward alternative: the loss at train.py:"
+                    f"{line} reads N (16, the whole batch's rows), which inside forward is "
+                    "each replica's share: size the loss's views from the outputs (-1, or the "
+                    "outputs' own size) and dpprof moves it"), said
