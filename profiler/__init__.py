@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dpprof.scenarios.measured_loop import ModelWithLoss
+    from dpprof.scenarios.model_with_loss import ModelWithLoss
     from dpprof.scenarios.registry import SCENARIOS
     from dpprof.scenarios.workloads import Workload
     from dpprof.version import __version__
@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return SCENARIOS
     if name == "ModelWithLoss":
-        from dpprof.scenarios.measured_loop import ModelWithLoss
+        from dpprof.scenarios.model_with_loss import ModelWithLoss
 
         return ModelWithLoss
     if name == "Workload":

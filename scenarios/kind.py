@@ -119,7 +119,7 @@ class DataParallelScenario(Scenario):
     setup: str = DATA_PARALLEL
 
     def wrap(self, model: nn.Module, loss_fn: Callable[..., Any], wrappers: Wrappers) -> Any:
-        from dpprof.scenarios.measured_loop import ModelWithLoss
+        from dpprof.scenarios.model_with_loss import ModelWithLoss
 
         return wrappers.data_parallel(ModelWithLoss(model, loss_fn) if self.loss_inside
                                       else model)

@@ -5,7 +5,7 @@ divided by a denominator that is not always the rows: the targets that are not
 ``ignore_index`` (weighted by ``weight[target]`` where the loss has class weights), every
 element for ``nn.MSELoss``, the rows for ``KLDivLoss(reduction="batchmean")``. Computed on
 each replica's shard, the whole batch's loss is ``sum_i loss_i * d_i / sum_i d_i`` with
-``d_i`` that replica's denominator: :class:`~dpprof.scenarios.measured_loop.ModelWithLoss`
+``d_i`` that replica's denominator: :class:`~dpprof.scenarios.model_with_loss.ModelWithLoss`
 returns ``(loss_i * d_i, d_i)`` and combines them so. A loss with ``reduction="sum"`` adds
 up instead: its shards add up (:func:`sums`; the replicas return ``(loss_i, -1)``, which
 ``combine`` adds).

@@ -1,6 +1,6 @@
 """Which calls are a script's loss: one rule, for the loss moved inside forward (``dpprof
 run``'s alternative), for the "loss" the run as written files its memory under, and for what
-:class:`~dpprof.scenarios.measured_loop.ModelWithLoss` divides a replica's loss by
+:class:`~dpprof.scenarios.model_with_loss.ModelWithLoss` divides a replica's loss by
 (:mod:`dpprof.scenarios.loss_mean`).
 
 A loss is called on the model's outputs and the batch's targets, in one of three forms:

@@ -9,195 +9,19 @@ rebinds it.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import traceback
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpprof.emulator.call_sites import dpprof_dirs
-from dpprof.scenarios.loss_mean import denominator, loss_calls, sums
-from dpprof.scenarios.loss_state import modules_of, on_the_replica
+from dpprof.scenarios.model_with_loss import ModelWithLoss, batch_rows, call_model
 from dpprof.scenarios.names import BACKWARD, FORWARD, INPUTS, LOSS, OPTIMIZER, ZERO_GRAD
 from dpprof.scenarios.step import take_rows
-
-
-def batch_rows(x: Any) -> int:
-    """Rows (dim 0) of the first tensor found in ``x`` (a tensor, tuple, list or dict)."""
-    if isinstance(x, torch.Tensor):
-        return int(x.shape[0]) if x.dim() > 0 else 1
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        for v in x:
-            n = batch_rows(v)
-            if n:
-                return n
-    return 0
-
-
-def as_args(inputs: Any) -> tuple[Any, ...]:
-    """A workload's inputs as the positional arguments of the model."""
-    return inputs if isinstance(inputs, tuple) else (inputs,)
-
-
-# the count a replica returns beside a loss that adds up (reduction="sum"): its loss is its
-# share of the sum, and the counts' negative total tells combine to add
-SUMMED = -1.0
-
-# ModelWithLoss called without its targets argument (not with None: a loss may ignore them,
-# as a Hugging Face model's does, and be given None)
-NO_TARGETS: Any = object()
-
-
-class ModelWithLoss(nn.Module):
-    """Compute the loss inside ``forward``, on every replica: the DataParallel fix.
-
-    Wrap the model and the loss, give DataParallel the targets too, and combine::
-
-        model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn))
-        loss = dpprof.ModelWithLoss.combine(model(inputs, targets))
-        loss.backward()
-
-    cuda:0 then receives one number per GPU instead of the whole batch's outputs, and the
-    loss, its temporaries and its gradient are computed per replica. Each replica returns
-    ``(loss * rows, rows)``, so :meth:`combine` weights replicas by their share of the
-    batch: the same number as the loss over the whole batch even when the shards are uneven
-    (a plain ``.mean()`` of the per-replica losses is not). The share is what the loss's
-    mean divides by (the targets a ``CrossEntropyLoss`` does not ignore, the elements of an
-    ``MSELoss``), so ``ignore_index`` and padding combine exactly too. A loss that adds up
-    (``reduction="sum"``, a VAE's ``F.binary_cross_entropy(..., reduction="sum")``) combines
-    as the sum of the replicas' losses. A loss kept per element (``reduction="none"``, a
-    function returning one loss per sample) comes back gathered, the whole batch's, for the
-    loop to reduce as it did (``(loss * mask).sum() / mask.sum()``): the logits stay on the
-    replicas all the same.
-
-    ``loss_fn`` may be the expression the loop computed on the gathered outputs, as a
-    function of the outputs and the targets; each replica then applies it to its own
-    shards::
-
-        model = nn.DataParallel(dpprof.ModelWithLoss(
-            model, lambda logits, y: criterion(logits.view(-1, logits.size(-1)), y.view(-1))))
-        loss = dpprof.ModelWithLoss.combine(model(x, y))
-
-    A loss that reads several tensors of the batch (a CTC loss's targets and lengths) takes
-    them all, each scattered with the inputs: ``lambda preds, text, lengths: ...`` and
-    ``model(x, text, lengths)``.
-
-    Where it calls more than one loss module (a sum of two losses), the replicas are
-    weighted by their rows. The loss modules a function computes with (``criterion`` above,
-    found in its closure, its globals and their attributes it reads, a ``functools.partial``'s
-    arguments) are held as submodules, so each replica computes with its own copy of their
-    parameters and buffers (a weighted loss's class weights), as a module given as the loss
-    does.
-
-    A loop that also uses the outputs (accuracy from ``torch.max(outputs, 1)``) keeps them
-    with ``keep_outputs=True``: each replica returns its outputs too, gathered on cuda:0 as
-    without the fix (the loss and its temporaries still stay on the replicas), and
-    :meth:`split` gives both::
-
-        model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn, keep_outputs=True))
-        outputs, loss = dpprof.ModelWithLoss.split(model(inputs, targets))
-
-    Called without targets (``model(inputs)``, an evaluation loop's call), it returns the
-    model's outputs, gathered on cuda:0 as without the fix.
-    """
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 keep_outputs: bool = False) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.keep_outputs = keep_outputs
-        # the modules a loss function computes with, replicated with the model (a module
-        # given as the loss is a submodule already); the original, which every replica's
-        # copy of __dict__ shares, to find their copies by: weakly (a reference to itself
-        # would keep each wrapper, and what it holds, to the garbage collector)
-        self.loss_modules = nn.ModuleList(
-            [] if isinstance(loss_fn, nn.Module) else modules_of(loss_fn, model))
-        self._source = weakref.ref(self)
-
-    def forward(self, inputs: Any, targets: Any = NO_TARGETS, *more_targets: Any) -> Any:
-        outputs = call_model(self.model, inputs)
-        if targets is NO_TARGETS:  # a call for the outputs alone (evaluation): as without the fix
-            return outputs
-        weighted, count = self.weighted_loss(outputs, targets, inputs, more_targets)
-        return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)  # a weak reference does not pickle: made again on load
-        state.pop("_source", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._source = weakref.ref(self)
-
-    def weighted_loss(self, outputs: Any, targets: Any, inputs: Any,
-                      more_targets: tuple[Any, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss * d, d)`` of this replica: ``d`` what the loss's mean divided by (the
-        targets not ignored, the elements: :func:`dpprof.scenarios.loss_mean.denominator`)
-        where ``loss_fn`` is one loss module or calls one, else the shard's rows."""
-        # the denominator reads the loss module's tensors too (a weighted loss's weights)
-        with on_the_replica(self, self._source() or self):
-            with loss_calls() as calls:
-                loss = self.loss_fn(outputs, targets, *more_targets)
-            if isinstance(loss, torch.Tensor) and loss.dim() > 0:
-                return per_element(loss, (outputs, targets, more_targets))
-            if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
-                return loss.reshape(1), loss.new_full((1,), SUMMED)
-            count = denominator(*calls[0][:3]) if len(calls) == 1 else None
-        if count is None:
-            rows = float(batch_rows(targets) or batch_rows(inputs))
-            return loss.reshape(1) * rows, loss.new_full((1,), rows)
-        return loss.reshape(1) * count, count
-
-    @staticmethod
-    def combine(out: tuple[Any, ...]) -> torch.Tensor:
-        """The batch loss from the gathered ``(loss * rows, rows)`` of every replica."""
-        weighted, rows = out[0], out[1]
-        if rows.numel() == 0:  # a loss per element: gathered as the whole batch's
-            return weighted  # type: ignore[no-any-return]
-        total = rows.sum()
-        # a loss that adds up (reduction="sum") returns SUMMED as its count: the sum is it
-        return weighted.sum() / torch.where(total < 0, 1.0, total)
-
-    @staticmethod
-    def split(out: tuple[Any, ...]) -> tuple[Any, torch.Tensor]:
-        """(the gathered outputs, the batch loss) of a ``keep_outputs=True`` model."""
-        if len(out) < 3:
-            raise ValueError("ModelWithLoss.split needs ModelWithLoss(..., keep_outputs=True)")
-        return out[2], ModelWithLoss.combine(out)
-
-
-def per_element(loss: torch.Tensor, operands: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A replica's loss kept per element (``reduction="none"``: one loss per row, or per
-    token) as ``(loss, no count)``: DataParallel's gather concatenates the replicas' along
-    the batch, which is the whole batch's loss as the gathered outputs would have given it,
-    and :meth:`ModelWithLoss.combine` returns it for the loop to reduce as it does. Its first
-    dimension must be a shard's rows, or those rows flattened with the dimensions after
-    them (``out.view(-1, V)``: rows x tokens), of the outputs or of the targets
-    (``operands``); any other shape (a loss per class) has no such order: a clear error."""
-    firsts = set()
-    for t in tree_leaves(operands):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            n = 1
-            for size in t.shape:
-                n *= int(size)
-                firsts.add(n)
-    if int(loss.shape[0]) not in firsts:
-        raise ValueError(
-            f"the loss returns a tensor of shape {tuple(loss.shape)}, which is not one value "
-            "per row of the batch (nor per element of a row, rows first): the replicas' "
-            "losses do not make the whole batch's; reduce it inside the loss function (a "
-            "mean or a sum), or keep the loss outside forward")
-    return loss, loss.new_empty((0,))
 
 
 @contextlib.contextmanager
@@ -266,30 +90,6 @@ def error_site(exc: BaseException) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def takes_one_dict(model: Callable[..., Any], inputs: dict[str, Any]) -> bool:
-    """Whether the plain model (inside DataParallel, DDP, ModelWithLoss) takes the dict
-    ``inputs`` as its one positional parameter (``forward(self, batch)``) rather than its keys
-    as keyword arguments (``forward(self, input_ids, labels)``, the Hugging Face way)."""
-    inner: Any = model
-    while isinstance(getattr(inner, "module", None), nn.Module):
-        inner = inner.module
-    if isinstance(inner, ModelWithLoss):
-        inner = inner.model
-    try:
-        params = list(inspect.signature(inner.forward if isinstance(inner, nn.Module)
-                                        else inner).parameters.values())
-    except (TypeError, ValueError):  # no signature to read: the keys, as before
-        return False
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return False
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if set(inputs) <= named:
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) == 1 or (
-        bool(positional) and all(p.default is not p.empty for p in positional[1:]))
-
-
 def where_outputs_are(targets: Any, outputs: Any) -> Any:
     """``targets`` on the device of the first tensor of ``outputs``: the model-parallel
     tutorial's ``labels.to(outputs.device)``, for a model that ends on another GPU than the
@@ -302,16 +102,6 @@ def where_outputs_are(targets: Any, outputs: Any) -> Any:
     device = out.device
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor)
                     and t.device != device else t, targets)
-
-
-def call_model(model: Callable[..., Any], inputs: Any) -> Any:
-    """The model called on a workload's inputs: a dict as keyword arguments (``model(**batch)``,
-    the Hugging Face way) or, where the model's forward takes one positional parameter and not
-    the keys, as that one argument (``model(batch)``); a tuple as positional arguments,
-    anything else as the one argument."""
-    if isinstance(inputs, dict):
-        return model(inputs) if takes_one_dict(model, inputs) else model(**inputs)
-    return model(*as_args(inputs))
 
 
 def micro_batch_rows(rows: int, micro_batches: int) -> list[tuple[int, int]]:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from test_script_rewrite import apply_diff, line_of
 from torch import nn
 
-from dpprof.scenarios.measured_loop import ModelWithLoss
+from dpprof.scenarios.model_with_loss import ModelWithLoss
 from dpprof.script import loss_in_forward_diff
 from dpprof.script.loss_expression import FoundLoss, compiled, find_in_frame
 

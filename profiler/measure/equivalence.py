@@ -35,7 +35,8 @@ from dpprof.emulator.data_parallel import EmulatedDataParallel
 from dpprof.emulator.device_copies import to_device
 from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.result import Equivalence, EquivalenceEntry, EquivalenceFinding
-from dpprof.scenarios.measured_loop import ModelWithLoss, StepHooks, call_model, training_loop
+from dpprof.scenarios.measured_loop import StepHooks, training_loop
+from dpprof.scenarios.model_with_loss import ModelWithLoss, call_model
 from dpprof.scenarios.names import DDP, DP_LOSS_FORWARD, DP_LOSS_PRIMARY
 from dpprof.scenarios.shards import shard_sizes
 from dpprof.scenarios.step import build_model, scenario_batch, step_stream

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, replicate, scatter_kwargs
 from dpprof.scenarios.losses import is_functional_loss
-from dpprof.scenarios.measured_loop import NO_TARGETS, ModelWithLoss, call_model
+from dpprof.scenarios.model_with_loss import NO_TARGETS, ModelWithLoss, call_model
 from dpprof.script.loss_expression import (
     Binding,
     FoundLoss,

@@ -35,7 +35,7 @@ from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
-from dpprof.scenarios.measured_loop import ModelWithLoss
+from dpprof.scenarios.model_with_loss import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.distributed_calls import install_distributed
 from dpprof.script.engines import engines_refused
