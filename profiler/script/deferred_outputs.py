@@ -257,6 +257,7 @@ class DeferredOutputs:
             return None
         found, *self.queued = losses
         log.loss_sites.append(found.site)
+        log.whole_rows = log.whole_rows or found.whole_rows
         log.loss_expressions.setdefault(found.site, (dotted_name(found.call.func) or "",
                                                       found.function.targets_name))
         loss_fn = self.on_part(compiled(found))

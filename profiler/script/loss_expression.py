@@ -182,6 +182,8 @@ class FoundLoss:
     # the batch tensors the targets are taken from (the whole batch's), the function's order
     targets: tuple[torch.Tensor, ...]
     env: dict[str, Any]  # the values of the names the function reads, from the frame
+    # where it reads a number equal to the whole batch's rows, what to say if it fails so
+    whole_rows: str = ""
 
 
 def _names_of(frame: FrameType) -> dict[str, Any]:
@@ -386,16 +388,15 @@ def _found_loss(path: str, line: int, names: dict[str, Any], src: ScriptSource,
     read = {n.id for n in ast.walk(loss) if isinstance(n, ast.Name)
             and isinstance(n.ctx, ast.Load)} - {function.outputs_name, *batch}
     env = {name: names[name] for name in read | {"__builtins__"} if name in names}
+    # B of ``out.view(B * T, V)``, read from the batch or the outputs' shape, is the whole
+    # batch's rows where a replica has its share; or a size that equals it (V == B)
     whole = sorted(name for name in read if type(env.get(name)) is int and env[name] == rows)
-    if whole:
-        # B of ``out.view(B * T, V)``, read from the batch or the gathered outputs' shape:
-        # inside forward a replica's shard has fewer rows
-        return (f"the loss at {where} reads {' and '.join(whole)} ({rows}, the whole "
-                "batch's rows), which inside forward is each replica's share: size the "
-                "loss's views from the outputs (-1, or the outputs' own size) and dpprof "
-                "moves it")
     return FoundLoss(function=function, call=loss, site=f"{path}:{line}",
-                     targets=tuple(batch.values()), env=env)
+                     targets=tuple(batch.values()), env=env,
+                     whole_rows=(f"the loss at {where} reads {' and '.join(whole)} ({rows}, the "
+                                 "whole batch's rows), which inside forward is each replica's "
+                                 "share: size the loss's views from the outputs (-1, or the "
+                                 "outputs' own size)") if whole else "")
 
 
 def compiled(found: FoundLoss) -> Callable[..., Any]:

@@ -73,6 +73,7 @@ class LossInForwardState(AlternativeState):
     loss_expressions: dict[str, tuple[str, str]] = field(default_factory=dict)
     no_loss_forward: str = ""  # why the loss could not move inside forward ("" where it did)
     most_losses: int = 0  # the most losses computed inside forward on one forward's outputs
+    whole_rows: str = ""  # a loss that reads the whole batch's rows, in words ("": none)
     per_element_losses: int = 0  # of those losses, kept per element (reduction="none")
 
     @property
@@ -180,6 +181,7 @@ class LossInForward(Alternative):
         state.loss_expressions = dict(log.loss_expressions)
         state.no_loss_forward = log.no_loss_forward
         state.most_losses = log.most_losses_on_outputs
+        state.whole_rows = log.whole_rows
         state.loss_calls = log.loss_in_forward
         state.per_element_losses = log.per_element_losses
 
@@ -203,6 +205,10 @@ class LossInForward(Alternative):
         if not followed.loss_calls:
             failed = alt.scenario.status != "ok" and not followed.no_loss_forward
             share = raised_on_a_share(alt, main, n, "replica") if failed else None
+            if failed and followed.whole_rows:  # failed at the loss it moved
+                runs.notes.append("no loss-inside-forward alternative: with the loss inside "
+                                  f"forward {alt.scenario.message} ({followed.whole_rows})")
+                return
             runs.notes.append("no loss-inside-forward alternative: " + (
                 followed.no_loss_forward or (
                     f"its run, DataParallel's outputs deferred until a loss, stopped before "

@@ -57,6 +57,9 @@ class ParallelLog:
     # while it runs, as the fixed code's name for them is rebound only once it returns
     last_outputs: dict[int, Any] = field(default_factory=dict)
     per_element_losses: int = 0  # of those, kept per element (reduction="none")
+    # a loss moved inside forward that reads a number equal to the whole batch's rows
+    # (out.view(B * T, V)): what the alternative says where it then fails
+    whole_rows: str = ""
     fake_group: bool = False  # a fake default process group was initialised
     fsdp: int = 0  # FSDP2 parameter groups made (fully_shard calls with parameters)
     tensor_parallel: int = 0  # parallelize_module calls
