@@ -93,6 +93,9 @@ class Stepper:
         self._rows_at = 0  # the steps done when batch_rows was noted
         self.warmup_rows = 0  # rows of the warm-up step's batch
         self._last_rows = 0  # rows of the last outermost module call
+        # whether those rows are a count of objects that are no tensors (PyG's graphs): how
+        # many of them each GPU got is its scatter's, unknown here
+        self.rows_are_items = False
         self._rows_from_kwargs = False  # that call had no tensor argument but by keyword
         self.forwards = 0  # outermost module calls
         self.backwards = 0  # backward() calls
@@ -260,15 +263,20 @@ class Stepper:
     def _note_rows(self, inputs: Any) -> bool:
         """The rows of the first tensor among ``inputs`` noted as the batch's (of a batch
         given as one mapping, its largest tensor's: Ultralytics' labels sort before its
-        images, 24 boxes of 8 images); whether there was one."""
+        images, 24 boxes of 8 images; of a list of objects that are no tensors, as PyTorch
+        Geometric's DataParallel takes graphs, their count); whether there was one."""
         tensors = [a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor)]
         if not tensors:
+            items = inputs[0] if isinstance(inputs, (tuple, list)) and len(inputs) == 1 else None
+            if isinstance(items, (list, tuple)) and items:
+                self._last_rows, self.rows_are_items = len(items), True
+                return True
             return False
         one_mapping = isinstance(inputs, (tuple, list)) and len(inputs) == 1 and isinstance(
             inputs[0], Mapping)
         first = max(tensors, key=lambda t: t.numel()) if one_mapping else tensors[0]
         if first.dim() > 0:
-            self._last_rows = int(first.shape[0])
+            self._last_rows, self.rows_are_items = int(first.shape[0]), False
         return True
 
     def _post_forward(self, module: Any, args: Any, *kwargs_output: Any) -> None:

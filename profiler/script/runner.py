@@ -1,9 +1,8 @@
 """One run of the user's script on virtual GPUs (:func:`run_script`), measured: the script
-runs in dpprof's process (``runpy``) under a
-:class:`~dpprof.emulator.virtual_cuda.VirtualCuda` until it has run
-:attr:`ScriptConfig.steps` optimizer steps, ends or raises; what it ran (DataParallel,
-DDP, a model placed by hand on several GPUs, one GPU) becomes a scenario's result
-(:class:`ScriptRun`)."""
+runs in dpprof's process (``runpy``) under a :class:`~dpprof.emulator.virtual_cuda.VirtualCuda`
+until it has run :attr:`ScriptConfig.steps` optimizer steps, ends or raises; what it ran
+(DataParallel, DDP, a model placed by hand on several GPUs, one GPU) becomes a scenario's
+result (:class:`ScriptRun`)."""
 
 from __future__ import annotations
 
@@ -498,11 +497,12 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
                          log.launched.world if log.launched is not None else 1,
                          vc.device_count() if as_ranks else 1)
     used = list(log.used_devices)
-    ddp_devices = list(log.ddp_devices)
-    run.shard_rows = dict(log.shard_rows)
+    # objects a forward of the script's own scatters (PyG's graphs): no GPU's count known
+    objects = used if stepper.rows_are_items else []
+    run.shard_rows = dict(log.shard_rows) or dict.fromkeys(objects, 0)
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
                       or stepper.warmup_rows or (state.batch_rows if state is not None else 0))
-    return used, ddp_devices
+    return used, list(log.ddp_devices)
 
 
 def _kind(run: ScriptRun, used: list[int], devices_touched: list[int]) -> str:
