@@ -96,6 +96,10 @@ def test_a_rank_s_share_from_a_dataloader_fails_where_the_script_s_code_does(
     assert ddp.traceback is not None
     last = re.findall(r'^  File "(.+)", line (\d+), in (\S+)$', ddp.traceback, re.M)[-1]
     assert (Path(last[0]).name, int(last[1]), last[2]) == ("train.py", line, "forward")
+    # no change is offered on DDP's run: its gradient_as_bucket_view fix read the failed
+    # rank's ledger ("saves 559 MiB" for pytorch-YOLOv4, beside DDP's error)
+    assert not [f.name for f in result.fixes if "ddp" in f.name or "bucket" in f.name], (
+        result.fixes)
 
 
 def test_a_loss_of_no_batch_size_moves_to_forward_and_ddp(

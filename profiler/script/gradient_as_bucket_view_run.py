@@ -7,7 +7,7 @@ fix is that rank's peak under the option, its change DDP's diff with the flag.""
 from __future__ import annotations
 
 from dpprof.fixes.kinds.bucket_view import FIX
-from dpprof.result import Fix
+from dpprof.result import STATUS_ERROR, Fix
 from dpprof.script.ddp_run import ddp_state, diff_ddp
 from dpprof.script.strategy import AlternativeRuns, RunStrategy
 from dpprof.units import fmt_bytes
@@ -26,6 +26,8 @@ class BucketViewRun(RunStrategy):
             return
         alt, followed = found
         main = runs.main
+        if alt.scenario.status == STATUS_ERROR:  # the DDP run it was followed in failed
+            return
         if followed.bucket_view_peak_bytes is None or not main.scenario.devices:
             if followed.bucket_view_unsure:
                 runs.notes.append("no gradient_as_bucket_view alternative: "
