@@ -3,7 +3,8 @@ the loss reads several tensors of the batch: a CTC loss as clovaai's
 deep-text-recognition-benchmark writes it (``preds_size = torch.IntTensor([preds.size(1)] *
 batch_size)``, then ``criterion(preds, text, preds_size, length)``), a segmentation loss
 method that takes ``n, c, h, w = logit.size()`` first (pytorch-deeplab-xception's), a
-language model's ``B, T, V = out.shape`` before ``out.view(-1, V)``.
+language model's ``B, T, V = out.shape`` before ``out.view(-1, V)``, the targets moved to
+``out.device``.
 
 A shape read runs the replicas' forward and holds their outputs on their GPUs, answering
 from their shapes (nothing gathered), and the loss is computed beside them, as inside the
@@ -101,6 +102,14 @@ FORMS = {
         "Segmenter()",
         "output = model(image)\n    loss = seg.ce(output, mask)",
         "return nn.CrossEntropyLoss(ignore_index=255)(out, mask.long())",
+        "image, mask"),
+    # the targets moved to the outputs' device first (the model-parallel tutorial's way):
+    # it was "could not read the loss's expression (RecursionError ...)"
+    "device_read": (
+        "Segmenter()",
+        "output = model(image)\n    target = mask.to(output.device)\n"
+        "    loss = F.cross_entropy(output, target)",
+        "return F.cross_entropy(out, mask)",
         "image, mask"),
     "lm_shape_read": (
         "Recognizer()",

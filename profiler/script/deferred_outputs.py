@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 # what a shape read of the outputs can ask (preds.size(1), len(out)): answered from the
 # replicas' outputs, not gathered
 SHAPE_READS = frozenset({"size", "shape", "dim", "ndim", "ndimension", "dtype", "numel",
-                         "nelement"})
+                         "nelement", "device"})
 _NOT_READ = object()
 
 
@@ -132,6 +132,10 @@ class DeferredOutputs:
             size[dim] = sum(int(p.shape[dim]) for p in parts)
         shape = torch.Size(size)
         numel = functools.reduce(operator.mul, size, 1)
+        if name == "device":  # the output device's, where its replica's part says it
+            gathered_on = self.dp._vc.index_of(self.dp.output_device)
+            on = [p for (d, _), p in zip(base.replicas, parts, strict=True) if d == gathered_on]
+            return on[0].device if on else _NOT_READ
         return {"size": lambda d=None: shape if d is None else shape[d], "shape": shape,
                 "dim": lambda: len(shape), "ndimension": lambda: len(shape),
                 "ndim": len(shape), "dtype": parts[0].dtype, "numel": lambda: numel,

@@ -299,6 +299,9 @@ def _chain(node: ast.expr, outputs: Callable[[ast.expr], bool],
     calls rooted at them; None where ``node`` is no such chain or a key or an argument is
     not a plain value (a tensor, or anything computed by a call)."""
     steps: list[Step] = []
+    if any(outputs(n) for n in ast.walk(node) if isinstance(n, ast.expr)
+           and n is not _root(node)):
+        return None  # ``y.to(out.device)``: the outputs read in a key or an argument
     while not outputs(node):
         if isinstance(node, ast.Attribute):
             steps.append(("attr", node.attr))
@@ -319,6 +322,17 @@ def _chain(node: ast.expr, outputs: Callable[[ast.expr], bool],
         else:
             return None
     return steps[::-1] or None
+
+
+def _root(node: ast.expr) -> ast.expr:
+    """The expression a chain of attributes, indexes and method calls starts from."""
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        else:
+            return node
 
 
 _PLAIN = (int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
