@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from test_run_loss_forms import SLACK_BYTES, assert_the_same_losses_printed
 
 from dpprof.script.session import ScriptConfig, parse_command, run_command
@@ -208,3 +210,95 @@ def test_a_loss_sized_by_the_whole_batch_is_declined_with_its_reason(tmp_path: P
     assert said.endswith(f"(the loss at train.py:{line} reads N (16, the whole batch's rows), "
                          "which inside forward is each replica's share: size the loss's views "
                          "from the outputs (-1, or the outputs' own size))"), said
+
+
+# generated: what the step reads of the outputs before its loss, by the loss written on them
+READS = {
+    "nothing": "",
+    "size": "n = out.size(0)",
+    "shape": "N, S, V = out.shape",
+    "len": "rows = len(out)",
+    "dim": "assert out.dim() == 3",
+    "dtype": "assert out.dtype == torch.float32",
+    "device": "tgt = tgt.to(out.device)",
+}
+# (as written, the loss on ``out``; by hand, inside forward; by hand, the loop's line)
+LOSSES = {
+    "view": ("loss = F.cross_entropy(out.view(-1, 40), tgt.view(-1))",
+             "return F.cross_entropy(out.view(-1, 40), tgt.view(-1))",
+             "loss = model(frames, tgt, fmask).mean()"),
+    "per_element": ("per = F.cross_entropy(out.transpose(1, 2), tgt, reduction='none')\n"
+                    "    loss = (per * fmask).sum() / fmask.sum()",
+                    "return F.cross_entropy(out.transpose(1, 2), tgt, reduction='none')",
+                    "per = model(frames, tgt, fmask)\n    loss = (per * fmask).sum() / fmask.sum()"),
+    "two_targets": ("loss = F.cross_entropy(out[fmask > 0], tgt[fmask > 0])",
+                    "return F.cross_entropy(out[fmask > 0], tgt[fmask > 0])",
+                    "loss = model(frames, tgt, fmask).mean()"),
+}
+
+READ_THEN_LOSS = HEAD + """
+model = nn.DataParallel(Recognizer().cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    frames, length, text, image, mask = batch()
+    tgt = text.repeat(1, 4)[:, :T].contiguous()
+    fmask = (tgt % 3 > 0).float()
+    out = model(frames)
+    {read}
+    {loss}
+    print("loss", repr(loss.item()))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+READ_THEN_LOSS_BY_HAND = HEAD + """
+
+class WithLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, tgt, fmask):
+        out = self.model(x)
+        {inside}
+
+
+model = nn.DataParallel(WithLoss(Recognizer().cuda()))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    frames, length, text, image, mask = batch()
+    tgt = text.repeat(1, 4)[:, :T].contiguous()
+    fmask = (tgt % 3 > 0).float()
+    {loop}
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@example(read="shape", loss="per_element", rows=13)
+@example(read="device", loss="two_targets", rows=16)
+@example(read="len", loss="view", rows=13)
+@given(read=st.sampled_from(sorted(READS)), loss=st.sampled_from(sorted(LOSSES)),
+       rows=st.sampled_from([13, 16]))
+def test_any_read_of_the_outputs_before_any_loss_moves_it_inside_forward(
+        tmp_path: Path, read: str, loss: str, rows: int) -> None:
+    written, inside, loop = LOSSES[loss]
+    script = tmp_path / "train.py"
+    script.write_text(READ_THEN_LOSS.format(rows=rows, read=READS[read], loss=written))
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(READ_THEN_LOSS_BY_HAND.format(rows=rows, inside=inside, loop=loop))
+    ran, _ = run_command(_config(script))
+    assert ran.scenarios[0].status == "ok", ran.scenarios[0].message  # as written it runs
+    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
+    assert alt is not None, ran.notes
+    by_hand, _ = run_command(_config(fixed), alternatives=False)
+    hand = by_hand.scenarios[0]
+    assert alt.status == hand.status == "ok", (alt.message, hand.message)
+    for moved, device in zip(alt.devices, hand.devices, strict=True):
+        assert abs(moved.peak_allocated_bytes - device.peak_allocated_bytes) <= SLACK_BYTES, (
+            read, loss, moved.index, moved.peak_allocated_bytes, device.peak_allocated_bytes)
+    assert_the_same_losses_printed(_config(script, compute=True))
