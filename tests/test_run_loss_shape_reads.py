@@ -302,3 +302,63 @@ def test_any_read_of_the_outputs_before_any_loss_moves_it_inside_forward(
         assert abs(moved.peak_allocated_bytes - device.peak_allocated_bytes) <= SLACK_BYTES, (
             read, loss, moved.index, moved.peak_allocated_bytes, device.peak_allocated_bytes)
     assert_the_same_losses_printed(_config(script, compute=True))
+
+
+TWO = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 512)).cuda()
+crit = nn.CrossEntropyLoss()
+
+
+class WithLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        out = self.model(x)
+        return crit(out, y), out
+
+
+model = nn.DataParallel({wrapped})
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    x1, x2 = torch.randn(64, 32).cuda(), torch.randn(64, 32).cuda()
+    y1, y2 = torch.randint(0, 512, (64,)).cuda(), torch.randint(0, 512, (64,)).cuda()
+    {loop}
+    print("loss", repr(loss.item()))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+# as written: the first outputs' shape read before the second forward (a siamese step),
+# then an accuracy on the first before the losses; by hand: each forward with its loss
+TWO_AS_WRITTEN = ("o1 = model(x1)\n    n = o1.size(0)\n    o2 = model(x2)\n"
+                  "    correct = (o1.argmax(1) == y1).sum()\n"
+                  "    loss = crit(o1, y1) + crit(o2, y2)")
+TWO_BY_HAND = ("l1, o1 = model(x1, y1)\n    l2, o2 = model(x2, y2)\n"
+               "    correct = (o1.argmax(1) == y1).sum()\n    loss = l1.mean() + l2.mean()")
+
+
+def test_outputs_read_for_their_shape_wait_on_their_replicas_through_another_forward(
+        tmp_path: Path) -> None:
+    """``o1.size(0)`` runs the first forward; the second forward (a siamese step's) leaves
+    the first outputs on their replicas for their loss (it let them go, and the loss called
+    the model with no inputs: "forward() missing 1 required positional argument"); an
+    accuracy read of them gathers them, as the fix's keep_outputs does."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO.format(wrapped="net", loop=TWO_AS_WRITTEN))
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(TWO.format(wrapped="WithLoss(net)", loop=TWO_BY_HAND))
+    ran, _ = run_command(_config(script))
+    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
+    assert alt is not None, ran.notes
+    by_hand, _ = run_command(_config(fixed), alternatives=False)
+    assert alt.status == by_hand.scenarios[0].status == "ok"
+    for moved, hand in zip(alt.devices, by_hand.scenarios[0].devices, strict=True):
+        assert abs(moved.peak_allocated_bytes - hand.peak_allocated_bytes) <= SLACK_BYTES, (
+            moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
+    assert_the_same_losses_printed(_config(script, compute=True), keep_outputs=True)

@@ -156,7 +156,7 @@ class LossInForward(Alternative):
         # or a dict of keywords (model(**batch))
         one_kind = not (inputs and kwargs)
         if one_kind and len(dp.device_ids) > 1 and torch.is_grad_enabled():
-            _release_held(dp._vc)  # a new forward: the last one's losses are all computed
+            _release_held(dp._vc, forward=True)  # the last one's losses are all computed
             deferred = DeferredOutputs(dp, inputs, caller_site(), kwargs)
             last = state_of(dp._vc).log.last_outputs
             deferred.after(last.get(id(dp)))
@@ -241,12 +241,18 @@ class LossInForward(Alternative):
             runs.fixes.append(fix)
 
 
-def _release_held(vc: VirtualCuda) -> None:
+def _release_held(vc: VirtualCuda, forward: bool = False) -> None:
     """The replicas' outputs held for another loss on them are let go: the backward begins,
-    or the next forward (a loop with no backward: an evaluation under grad)."""
-    held = state_of(vc).log.holding_replica_outputs
-    while held:
-        held.pop().release()
+    or the next ``forward`` (a loop with no backward: an evaluation under grad), where those
+    held for their first loss (their shape read, ``o1.size(0)`` before ``o2 = model(x2)``,
+    no loss and not gathered yet) wait on for it, as the fixed code computes it."""
+    log = state_of(vc).log
+    waiting = [d for d in log.holding_replica_outputs
+               if forward and not d.losses and d.value is None]
+    for done in log.holding_replica_outputs:
+        if not any(done is d for d in waiting):
+            done.release()
+    log.holding_replica_outputs = waiting
 
 
 def _followed(run: ScriptRun) -> LossInForwardState:
