@@ -7,7 +7,9 @@ any other use of the outputs computes them as written (gathered). Another loss o
 outputs (mixup's ``lam * criterion(out, y_a) + (1 - lam) * criterion(out, y_b)``, a main and
 an auxiliary loss) is computed inside forward too, on each replica's own outputs, held from
 the first loss until the backward begins: the forward runs once, as in the fixed code, where
-every loss is computed before forward returns."""
+every loss is computed before forward returns. A read of their shape, dtype or device before
+the loss (``preds.size(1)``) runs the replicas' forward and holds their outputs there for the
+loss to come, which is computed beside them; nothing is gathered."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpprof.emulator.call_sites import caller_frame, caller_site
 from dpprof.emulator.data_parallel import gather, replicate, scatter_kwargs
 from dpprof.scenarios.losses import is_functional_loss
-from dpprof.scenarios.model_with_loss import NO_TARGETS, ModelWithLoss, call_model
+from dpprof.scenarios.model_with_loss import ModelWithLoss
 from dpprof.script.loss_expression import (
     Binding,
     FoundLoss,
@@ -34,6 +36,7 @@ from dpprof.script.loss_expression import (
     parts_bound,
 )
 from dpprof.script.parallel_state import ParallelLog, current
+from dpprof.script.replica_modules import HeldForward, recording_class
 from dpprof.script.source import dotted_name
 
 if TYPE_CHECKING:
@@ -147,7 +150,7 @@ class DeferredOutputs:
         until its loss; False where it cannot run so (the inputs gone)."""
         if not (self.inputs or self.kwargs) or self.value is not None:
             return False
-        held = _HeldForward(self.dp.module)
+        held = HeldForward(self.dp.module)
         held.shapes, held.kept = self.shapes, []
         self.dp.run(held, (self.model_inputs(),), {})
         self.inputs, self.kwargs = (), {}
@@ -283,7 +286,7 @@ class DeferredOutputs:
         """The loss computed inside forward on every replica (of the outputs and each of
         ``targets``, scattered with the inputs), combined as one number."""
         keep = current().keep_outputs
-        wrapped = _recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
+        wrapped = recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
         wrapped.shapes = self.shapes
         wrapped.kept = []
         out = self.dp.run(wrapped, (self.model_inputs(), *targets), {})
@@ -495,44 +498,6 @@ def pending_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PendingLoss | N
                  if isinstance(x, PendingLoss)), None)
 
 
-class _HeldForward(nn.Module):
-    """The model's forward on each replica, its outputs kept (and their shapes noted) for a
-    loss computed beside them; what it returns for DataParallel to gather is empty."""
-
-    shapes: list[Any]
-    kept: list[Any]
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs: Any) -> torch.Tensor:
-        outputs = call_model(self.model, inputs)
-        self.shapes.append(tree_map(_shape_only, outputs))
-        self.kept.append(outputs)
-        first = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
-        return first.new_empty((0,)) if first is not None else torch.empty(0)
-
-
-def _recording_class() -> type:
-    class RecordingModelWithLoss(ModelWithLoss):
-        """``ModelWithLoss`` that notes each replica's output shapes (for stand-ins)."""
-
-        shapes: list[Any]
-        kept: list[Any]  # each replica's outputs, in the order the replicas ran
-
-        def forward(self, inputs: Any, targets: Any = NO_TARGETS, *more_targets: Any) -> Any:
-            outputs = call_model(self.model, inputs)
-            if targets is NO_TARGETS:  # a call for the outputs alone, as ModelWithLoss's
-                return outputs
-            self.shapes.append(tree_map(_shape_only, outputs))
-            self.kept.append(outputs)
-            weighted, count = self.weighted_loss(outputs, targets, inputs, more_targets)
-            return (weighted, count, outputs) if self.keep_outputs else (weighted, count)
-
-    return RecordingModelWithLoss
-
-
 def loss_in_forward_loss_call(loss_fn: Callable[..., Any], args: tuple[Any, ...],
                               kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``loss_fn(outputs, targets)`` on deferred DataParallel outputs: the loss computed
@@ -593,12 +558,3 @@ def _same_step(a: Step, b: Step) -> bool:
 def _loss_on_part(loss_fn: Callable[..., Any], path: tuple[Step, ...],
                   outputs: Any, *targets: Any) -> Any:
     return loss_fn(part_of(outputs, path), *targets)
-
-
-def _shape_only(leaf: Any) -> Any:
-    """A leaf of a replica's outputs as its stand-in is made of: a tensor's (shape, dtype), a
-    plain value itself, any other object nothing (a cache of keys and values the outputs
-    carry would stay alive with it)."""
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.dtype)
-    return leaf if isinstance(leaf, (int, float, str, bool)) else None
