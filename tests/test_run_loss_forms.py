@@ -29,6 +29,7 @@ from test_run_diffs import SCRIPTS, check_the_change
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
+from dpprof.result import RunResult
 from dpprof.script.loss_in_forward_run import STRATEGY
 from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command, run_command
@@ -177,17 +178,27 @@ def test_each_way_of_writing_the_loss_moves_inside_forward_as_written_by_hand(
     fixed.write_text(BY_HAND.format(**head, form=inside.format(t1=t1, t2=t2), read=read,
                                     call=call, returned="loss, out" if reads else "loss"))
 
-    ran, _ = run_command(_config(script))
-    alt = next(s for s in ran.scenarios if s.name == "dp-loss-forward")
-    by_hand, _ = run_command(_config(fixed), alternatives=False)
-    written = by_hand.scenarios[0]
-    assert alt.status == written.status == "ok", (alt.message, written.message)
-    for moved, hand in zip(alt.devices, written.devices, strict=True):
-        assert abs(moved.peak_allocated_bytes - hand.peak_allocated_bytes) <= SLACK_BYTES, (
-            form, moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
+    assert_moved_as_by_hand(_config(script), _config(fixed))
 
-    # the value: real numbers, the loss each prints
-    assert_the_same_losses_printed(_config(script, compute=True))
+
+def assert_moved_as_by_hand(written: ScriptConfig, fixed: ScriptConfig,
+                            keep_outputs: bool = False) -> RunResult:
+    """``written``'s loss-inside-forward alternative peaks on every GPU as ``fixed``, the
+    same script with the fix written by hand, run as it is (within :data:`SLACK_BYTES`), and,
+    with real numbers, prints the losses the script prints as written
+    (:func:`assert_the_same_losses_printed`); the run's result."""
+    ran, _ = run_command(written)
+    assert ran.scenarios[0].status == "ok", ran.scenarios[0].message  # as written it runs
+    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
+    assert alt is not None, ran.notes
+    by_hand, _ = run_command(fixed, alternatives=False)
+    hand = by_hand.scenarios[0]
+    assert alt.status == hand.status == "ok", (alt.message, hand.message)
+    for moved, device in zip(alt.devices, hand.devices, strict=True):
+        assert abs(moved.peak_allocated_bytes - device.peak_allocated_bytes) <= SLACK_BYTES, (
+            moved.index, moved.peak_allocated_bytes, device.peak_allocated_bytes)
+    assert_the_same_losses_printed(dataclasses.replace(written, compute=True), keep_outputs)
+    return ran
 
 
 def assert_the_same_losses_printed(cfg: ScriptConfig, keep_outputs: bool = False) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_run_loss_forms import SLACK_BYTES, assert_the_same_losses_printed
+from test_run_loss_forms import assert_moved_as_by_hand
 
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
@@ -177,17 +177,7 @@ def test_a_loss_after_a_shape_read_or_on_several_batch_tensors_moves_inside_forw
     fixed.write_text(BY_HAND.format(rows=rows, model=model, inside=inside, args=args,
                                     unpack=", ".join(names) + ("," if len(names) == 1 else "")))
 
-    ran, _ = run_command(_config(script))
-    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
-    assert alt is not None, ran.notes
-    by_hand, _ = run_command(_config(fixed), alternatives=False)
-    written = by_hand.scenarios[0]
-    assert alt.status == written.status == "ok", (alt.message, written.message)
-    for moved, hand in zip(alt.devices, written.devices, strict=True):
-        assert abs(moved.peak_allocated_bytes - hand.peak_allocated_bytes) <= SLACK_BYTES, (
-            form, moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
-
-    assert_the_same_losses_printed(_config(script, compute=True))
+    assert_moved_as_by_hand(_config(script), _config(fixed))
 
 
 def test_a_loss_sized_by_the_whole_batch_is_declined_with_its_reason(tmp_path: Path) -> None:
@@ -291,17 +281,7 @@ def test_any_read_of_the_outputs_before_any_loss_moves_it_inside_forward(
     script.write_text(READ_THEN_LOSS.format(rows=rows, read=READS[read], loss=written))
     fixed = tmp_path / "fixed.py"
     fixed.write_text(READ_THEN_LOSS_BY_HAND.format(rows=rows, inside=inside, loop=loop))
-    ran, _ = run_command(_config(script))
-    assert ran.scenarios[0].status == "ok", ran.scenarios[0].message  # as written it runs
-    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
-    assert alt is not None, ran.notes
-    by_hand, _ = run_command(_config(fixed), alternatives=False)
-    hand = by_hand.scenarios[0]
-    assert alt.status == hand.status == "ok", (alt.message, hand.message)
-    for moved, device in zip(alt.devices, hand.devices, strict=True):
-        assert abs(moved.peak_allocated_bytes - device.peak_allocated_bytes) <= SLACK_BYTES, (
-            read, loss, moved.index, moved.peak_allocated_bytes, device.peak_allocated_bytes)
-    assert_the_same_losses_printed(_config(script, compute=True))
+    assert_moved_as_by_hand(_config(script), _config(fixed))
 
 
 TWO = """
@@ -353,12 +333,4 @@ def test_outputs_read_for_their_shape_wait_on_their_replicas_through_another_for
     script.write_text(TWO.format(wrapped="net", loop=TWO_AS_WRITTEN))
     fixed = tmp_path / "fixed.py"
     fixed.write_text(TWO.format(wrapped="WithLoss(net)", loop=TWO_BY_HAND))
-    ran, _ = run_command(_config(script))
-    alt = next((s for s in ran.scenarios if s.name == "dp-loss-forward"), None)
-    assert alt is not None, ran.notes
-    by_hand, _ = run_command(_config(fixed), alternatives=False)
-    assert alt.status == by_hand.scenarios[0].status == "ok"
-    for moved, hand in zip(alt.devices, by_hand.scenarios[0].devices, strict=True):
-        assert abs(moved.peak_allocated_bytes - hand.peak_allocated_bytes) <= SLACK_BYTES, (
-            moved.index, moved.peak_allocated_bytes, hand.peak_allocated_bytes)
-    assert_the_same_losses_printed(_config(script, compute=True), keep_outputs=True)
+    assert_moved_as_by_hand(_config(script), _config(fixed), keep_outputs=True)
