@@ -63,6 +63,16 @@ DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gr
 class DdpState(AlternativeState):
     """What one run of the DDP alternative follows (its record, :func:`ddp_state`)."""
 
+    @property
+    def evaluated_only(self) -> tuple[str, ...]:
+        """The divided loaders' sites iterated without gradients and never with them, and
+        ``"?"`` before those never iterated (an evaluation's, where they do not shuffle:
+        the ones the training steps read were)."""
+        return (*(s for s in self.evaluated_loader_sites
+                  if s not in self.trained_loader_sites),
+                *(f"?{s}" for s in self.loader_sites
+                  if s not in self.trained_loader_sites and s not in self.evaluated_loader_sites))
+
     scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
     # how each rank got its share of the batch: a DataLoader's batch_size divided, a
     # DataLoader's own batch sampler cut (each of its batches to its first share), and the
@@ -73,6 +83,9 @@ class DdpState(AlternativeState):
     # "file:line" of the script's own calls that made each DataLoader whose batch_size the
     # alternative divided (a library's loader factory's call, where the script has one)
     loader_sites: list[str] = field(default_factory=list)
+    # of those, the ones iterated with gradients on (training) and off (an evaluation's)
+    trained_loader_sites: list[str] = field(default_factory=list)
+    evaluated_loader_sites: list[str] = field(default_factory=list)
     # how each rank got its share of the batch, in words, once the run ended ("": it did not)
     batch_division: str = ""
     # the rank's peak under gradient_as_bucket_view=True (followed in a ledger while it ran
@@ -107,12 +120,14 @@ def ddp_state(run: ScriptRun) -> DdpState | None:
 
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
              batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = (),
-             loader_sites: tuple[str, ...] = (), rank_inputs: str = "") -> str:
+             loader_sites: tuple[str, ...] = (), rank_inputs: str = "",
+             script: str = "", evaluated: tuple[str, ...] = ()) -> str:
     """The DDP change around the script's own DataParallel line (and each rank's share of
     the batches it makes by hand, at ``batch_sites``, and of the DataLoaders the script's
     calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``; what made a
     rank's inputs where the subclass's own piece did, ``rank_inputs``: DdpState's
-    ``rank_scatter``)."""
+    ``rank_scatter``; ``script``: the file the launcher runs, where the wrap may be in a
+    file it imports; ``evaluated``: the loaders' sites iterated only without gradients)."""
     if not run.dp_sites:
         return ""
     library = library_wrap(run.dp_sites[0], gpus, run.batch_rows,
@@ -121,7 +136,8 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
         return rewrite_text(Rewrite(reason=library))
     rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                               batch_sites=batch_sites, rows=run.batch_rows, flags=flags,
-                              loader_sites=loader_sites)
+                              loader_sites=loader_sites, script=script,
+                              evaluated=evaluated)
     if rank_inputs and rewrite.ok:  # the change as the alternative ran it
         rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, (
             f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
@@ -373,6 +389,7 @@ class DdpInPlace(Alternative):
         # from one (accelerate's prepare: its BatchSamplerShard over the first loader's
         # batch sampler, under HF's Trainer) gets batches already divided
         divided: weakref.WeakSet[Any] = weakref.WeakSet()
+        made_at: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # its site
 
         def loader_init(loader: Any, dataset: Any, batch_size: int | None = 1,
                         *args: Any, **kwargs: Any) -> None:
@@ -399,12 +416,26 @@ class DdpInPlace(Alternative):
                 site = script_site(sys._getframe(1))
                 if site is not None and site not in state.loader_sites:
                     state.loader_sites.append(site)
+                if site is not None:
+                    made_at[loader] = site
             orig_init(loader, dataset, batch_size, *args, **kwargs)
             if divides and getattr(loader, "batch_sampler", None) is not None:
                 with contextlib.suppress(TypeError):  # one that cannot be weakly held
                     divided.add(loader.batch_sampler)
 
         patcher.patch(DataLoader, "__init__", loader_init)
+        orig_iter = DataLoader.__iter__
+
+        def loader_iter(loader: Any) -> Any:
+            site = made_at.get(loader)
+            if site is not None:  # trained on, or evaluated (no gradients)
+                seen = (state.trained_loader_sites if torch.is_grad_enabled()
+                        else state.evaluated_loader_sites)
+                if site not in seen:
+                    seen.append(site)
+            return orig_iter(loader)
+
+        patcher.patch(DataLoader, "__iter__", loader_iter)
         if state.scattered_rows > 1 and not self.model_input_rows:
             _divide_hand_made_batches(state, vc, patcher)
 
@@ -520,7 +551,9 @@ class DdpInPlace(Alternative):
                               diff_ddp(main, n, batch_sites=followed.batch_sites,
                                        flags=self.flags,
                                        loader_sites=tuple(followed.loader_sites),
-                                       rank_inputs=followed.rank_scatter))
+                                       rank_inputs=followed.rank_scatter,
+                                       script=runs.cfg.launch.script_file,
+                                       evaluated=followed.evaluated_only))
         if fix is not None and main.dp_sites and _library_site(main.dp_sites[0]):
             # the library wraps DDP itself once started by a launcher: nothing else to write
             fix = dataclasses.replace(fix, change=(

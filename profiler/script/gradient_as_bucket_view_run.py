@@ -47,7 +47,9 @@ class BucketViewRun(RunStrategy):
             code=diff_ddp(main, runs.gpus, bucket_view=True,
                           batch_sites=followed.batch_sites, flags=followed.flags,
                           loader_sites=tuple(followed.loader_sites),
-                          rank_inputs=followed.rank_scatter)))
+                          rank_inputs=followed.rank_scatter,
+                          script=runs.cfg.launch.script_file,
+                          evaluated=followed.evaluated_only)))
 
 
 STRATEGY = BucketViewRun(FIX)

@@ -50,6 +50,11 @@ class Launch:
     rank_commands: dict[int, tuple[list[str], str]] = field(default_factory=dict)
 
     @property
+    def script_file(self) -> str:
+        """The script's file, resolved ("" for a module run with -m)."""
+        return "" if self.is_module else str(Path(self.target).resolve())
+
+    @property
     def display(self) -> str:
         name = self.target if self.is_module else Path(self.target).name
         return " ".join([name, *self.argv])

@@ -53,15 +53,17 @@ def read_source(path: str) -> str:
         raise NoRewrite(f"cannot read {path}: {e}") from None
 
 
-def finish(src: ScriptSource, edits: Edits, title: str, notes: list[str]) -> Rewrite:
-    """``edits`` made to ``src``: the new text compiled, its diff titled ``title``."""
+def finish(src: ScriptSource, edits: Edits, title: str, notes: list[str],
+           label: str = "") -> Rewrite:
+    """``edits`` made to ``src``: the new text compiled, its diff titled ``title``, the file
+    named ``label`` (its name where not given)."""
     new = edits.apply()
     try:
         compile(new, src.path, "exec", dont_inherit=True)
     except SyntaxError as e:  # pragma: no cover - a bug here: say so rather than show it
         raise NoRewrite(f"the rewritten script does not compile ({e.msg}, line {e.lineno})"
                         ) from None
-    name = Path(src.path).name
+    name = label or Path(src.path).name
     diff = difflib.unified_diff(src.text.splitlines(), new.splitlines(),
                                 f"{name} (as written)", f"{name} ({title})", lineterm="")
     return Rewrite(diff="\n".join(diff), new_source=new, notes=tuple(notes))
