@@ -225,12 +225,14 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
         outer = src.parents[parent]
     edits.node(outer, f"DDP({', '.join(args)})")
     loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites, evaluated=evaluated)
-    starts = not elsewhere or _same_file(src.path, script)  # the process group, here
+    # the process group starts here: with the batches, or at the script's start, before the
+    # other files' loaders (or, the script unknown, a module run with -m, at the wrap)
+    starts = not elsewhere or not script or _same_file(src.path, script)
     add_imports(src, edits, ["os", *(["torch", "dist"] if starts else []), "DDP",
                              *(["DistributedSampler"] if loaders.shared else [])],
                 src.scope(wrap))
     loaders.define_sampler_share()
-    if not elsewhere:
+    if not elsewhere or not script:
         line, indent = _init_line(src, wrap)
         edits.insert_lines(line, _starts(gpus, Path(script or src.path).name, rank, indent))
     elif starts:  # before the other files' loaders: at the script's start
@@ -307,7 +309,8 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
     calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered;
     ``script``: the file the launcher runs). Batches made in other files of the user's (the
     training loop's file, where a model file wraps the model) are divided there: one diff
-    of every file, the paths relative to the script's folder, as ``patch -p0`` applies it."""
+    of every file, named from the folder that holds them all (the script's, unless one is
+    outside it), as ``patch -p0`` applies it there."""
     try:
         path, line = site_of(dp_site)
         here = Path(path).resolve()
