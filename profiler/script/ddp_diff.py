@@ -349,10 +349,10 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
                               starts=other == launched, evaluated=evaluated)
             parts.append(dataclasses.replace(done, notes=tuple(f"{label} {n}"
                                                                for n in done.notes)))
-        where = ([] if root == start else [
+        apply_at = ([] if root == start else [
             f"the files are named from {root}: apply the diff with `patch -p0` there"])
         return Rewrite(diff="\n".join(r.diff for r in parts), new_source=main.new_source,
-                       notes=(*(n for r in parts for n in r.notes), *where))
+                       notes=(*(n for r in parts for n in r.notes), *apply_at))
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
