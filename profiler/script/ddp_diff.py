@@ -95,8 +95,8 @@ def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
 def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
         batch_lines: tuple[int, ...] = (), rows: int = 0,
         flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (), script: str = "",
-        elsewhere: bool = False, label: str = "", evaluated: tuple[str, ...] = ()
-        ) -> Rewrite:
+        elsewhere: bool = False, label: str = "", evaluated: tuple[str, ...] = (),
+        unread: tuple[str, ...] = ()) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
     of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
@@ -107,12 +107,13 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
     script imports); ``elsewhere``: the batches are made in other files, which their own
     diffs divide (:func:`ddp_at`); ``label``: the file's name in the diff (its own name);
     ``evaluated``: ``file:line`` of the DataLoaders the alternative saw iterated only without
-    gradients, and ``?file:line`` of those it never saw iterated (an evaluation's where they
-    do not shuffle): no DistributedSampler, which would shard the evaluation."""
+    gradients, ``unread``: of those it never saw iterated (an evaluation's where they do not
+    shuffle): no DistributedSampler, which would shard the evaluation."""
     try:
         return _ddp(ScriptSource(source, path), dp_line, gpus,
                     (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
-                    batch_lines, rows, loader_sites, script, elsewhere, label, evaluated)
+                    batch_lines, rows, loader_sites, script, elsewhere, label, evaluated,
+                    unread)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -202,7 +203,8 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0,
          loader_sites: tuple[str, ...] = (), script: str = "", elsewhere: bool = False,
-         label: str = "", evaluated: tuple[str, ...] = ()) -> Rewrite:
+         label: str = "", evaluated: tuple[str, ...] = (), unread: tuple[str, ...] = ()
+         ) -> Rewrite:
     _refuse_own_process_group(src, gpus, flags, scattered)
     edits = Edits(src)
     notes: list[str] = []
@@ -224,7 +226,8 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
     if isinstance(parent, ast.Attribute) and _move(src, src.parents.get(parent, dp)) is dp:
         outer = src.parents[parent]
     edits.node(outer, f"DDP({', '.join(args)})")
-    loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites, evaluated=evaluated)
+    loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites,
+                          evaluated=evaluated, unread=unread)
     # the process group starts here: with the batches, or at the script's start, before the
     # other files' loaders (or, the script unknown, a module run with -m, at the wrap)
     starts = not elsewhere or not script or _same_file(src.path, script)
@@ -304,7 +307,8 @@ def _rank_devices(src: ScriptSource, edits: Edits, replaced: tuple[int, int] = (
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
            batch_sites: tuple[str, ...] = (), rows: int = 0,
            flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (),
-           script: str = "", evaluated: tuple[str, ...] = ()) -> Rewrite:
+           script: str = "", evaluated: tuple[str, ...] = (),
+           unread: tuple[str, ...] = ()) -> Rewrite:
     """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches and of the
     calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered;
     ``script``: the file the launcher runs). Batches made in other files of the user's (the
@@ -335,7 +339,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
                    tuple(batches.get(str(here), ())), rows, flags,
                    tuple(loaders.get(str(here), ())), script, elsewhere=bool(others),
                    label=here.relative_to(root).as_posix() if others else "",
-                   evaluated=evaluated)
+                   evaluated=evaluated, unread=unread)
         if not main.ok or not others:
             return main
         parts = [main]
@@ -346,7 +350,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
             label = Path(other).relative_to(root).as_posix()
             done = _elsewhere(other, gpus, tuple(batches.get(other, ())), rows,
                               tuple(loaders.get(other, ())), flags, label,
-                              starts=other == launched, evaluated=evaluated)
+                              starts=other == launched, evaluated=evaluated, unread=unread)
             parts.append(dataclasses.replace(done, notes=tuple(f"{label} {n}"
                                                                for n in done.notes)))
         apply_at = ([] if root == start else [
@@ -359,7 +363,8 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
 
 def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: int,
                loader_sites: tuple[str, ...], flags: tuple[str, ...], label: str,
-               starts: bool, evaluated: tuple[str, ...] = ()) -> Rewrite:
+               starts: bool, evaluated: tuple[str, ...] = (),
+               unread: tuple[str, ...] = ()) -> Rewrite:
     """The DDP change of a file other than the wrap's where the batches are made: each
     rank's share of its DataLoaders and hand-made batches, ``"cuda:0"`` the rank's device;
     where it is the launched script (``starts``), the process group started at its start."""
@@ -367,7 +372,7 @@ def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: in
     edits = Edits(src)
     notes: list[str] = []
     loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites, only_divided=True,
-                       evaluated=evaluated)
+                          evaluated=evaluated, unread=unread)
     add_imports(src, edits, [*(["os"] if starts else []),
                              *(["torch", "dist"] if starts or loaders.own_samplers else []),
                              *(["DistributedSampler"] if loaders.shared else [])], src.tree)

@@ -46,7 +46,7 @@ class RankLoaders:
 
     def __init__(self, src: ScriptSource, edits: Edits, notes: list[str], gpus: int,
                  scattered: int, loader_sites: tuple[str, ...], only_divided: bool = False,
-                 evaluated: tuple[str, ...] = ()) -> None:
+                 evaluated: tuple[str, ...] = (), unread: tuple[str, ...] = ()) -> None:
         self.src, self.edits, self.notes, self.gpus = src, edits, notes, gpus
         # ``only_divided``: the loaders of a file other than the script's that the DDP
         # alternative divided, not its others (a library-like module's evaluation loaders)
@@ -58,10 +58,10 @@ class RankLoaders:
         self.shared = False  # a DistributedSampler given to one
         self.own_samplers: list[ast.Call] = []  # loaders whose own sampler each rank shares
         self.helper = ""
-        seen = tuple(site for site in evaluated if not site.startswith("?"))
-        unread = tuple(site[1:] for site in evaluated if site.startswith("?"))
+        # ``evaluated``: the sites of those iterated only without gradients; ``unread``:
+        # never iterated (the training steps read theirs), an evaluation's where unshuffled
         for loader in loaders:
-            if _divided_at_run_time(src, loader, seen) or (
+            if _divided_at_run_time(src, loader, evaluated) or (
                     _divided_at_run_time(src, loader, unread) and _unshuffled(loader)):
                 # iterated only without gradients (an evaluation): every rank evaluates all
                 # of it, as the script's metrics expect, in its share of each batch

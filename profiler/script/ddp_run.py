@@ -65,13 +65,15 @@ class DdpState(AlternativeState):
 
     @property
     def evaluated_only(self) -> tuple[str, ...]:
-        """The divided loaders' sites iterated without gradients and never with them, and
-        ``"?"`` before those never iterated (an evaluation's, where they do not shuffle:
-        the ones the training steps read were)."""
-        return (*(s for s in self.evaluated_loader_sites
-                  if s not in self.trained_loader_sites),
-                *(f"?{s}" for s in self.loader_sites
-                  if s not in self.trained_loader_sites and s not in self.evaluated_loader_sites))
+        """The divided loaders' sites iterated without gradients and never with them."""
+        return tuple(s for s in self.evaluated_loader_sites
+                     if s not in self.trained_loader_sites)
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """The divided loaders' sites never iterated (the training steps' were)."""
+        return tuple(s for s in self.loader_sites if s not in self.trained_loader_sites
+                     and s not in self.evaluated_loader_sites)
 
     scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
     # how each rank got its share of the batch: a DataLoader's batch_size divided, a
@@ -121,13 +123,15 @@ def ddp_state(run: ScriptRun) -> DdpState | None:
 def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
              batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = (),
              loader_sites: tuple[str, ...] = (), rank_inputs: str = "",
-             script: str = "", evaluated: tuple[str, ...] = ()) -> str:
+             script: str = "", evaluated: tuple[str, ...] = (),
+             unread: tuple[str, ...] = ()) -> str:
     """The DDP change around the script's own DataParallel line (and each rank's share of
     the batches it makes by hand, at ``batch_sites``, and of the DataLoaders the script's
     calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``; what made a
     rank's inputs where the subclass's own piece did, ``rank_inputs``: DdpState's
     ``rank_scatter``; ``script``: the file the launcher runs, where the wrap may be in a
-    file it imports; ``evaluated``: the loaders' sites iterated only without gradients)."""
+    file it imports; ``evaluated``: the loaders' sites iterated only without gradients,
+    ``unread``: never iterated)."""
     if not run.dp_sites:
         return ""
     library = library_wrap(run.dp_sites[0], gpus, run.batch_rows,
@@ -137,7 +141,7 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
     rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                               batch_sites=batch_sites, rows=run.batch_rows, flags=flags,
                               loader_sites=loader_sites, script=script,
-                              evaluated=evaluated)
+                              evaluated=evaluated, unread=unread)
     if rank_inputs and rewrite.ok:  # the change as the alternative ran it
         rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, (
             f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
@@ -553,7 +557,8 @@ class DdpInPlace(Alternative):
                                        loader_sites=tuple(followed.loader_sites),
                                        rank_inputs=followed.rank_scatter,
                                        script=runs.cfg.launch.script_file,
-                                       evaluated=followed.evaluated_only))
+                                       evaluated=followed.evaluated_only,
+                                       unread=followed.unread))
         if fix is not None and main.dp_sites and _library_site(main.dp_sites[0]):
             # the library wraps DDP itself once started by a launcher: nothing else to write
             fix = dataclasses.replace(fix, change=(

@@ -49,7 +49,7 @@ class BucketViewRun(RunStrategy):
                           loader_sites=tuple(followed.loader_sites),
                           rank_inputs=followed.rank_scatter,
                           script=runs.cfg.launch.script_file,
-                          evaluated=followed.evaluated_only)))
+                          evaluated=followed.evaluated_only, unread=followed.unread)))
 
 
 STRATEGY = BucketViewRun(FIX)
