@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from dpprof.script.ddp_loaders import RankLoaders, share, share_words
@@ -72,17 +73,20 @@ def _init_line(src: ScriptSource, wrap: ast.stmt) -> tuple[int, str]:
     """Where the process group starts: the top of the wrap's function, of the script's
     ``if __name__ == "__main__":`` block, or of the script after its imports."""
     scope = src.scope(wrap)
-    body: list[ast.stmt] | None = None
     if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        body = scope.body
-    else:
-        main = next((a for a in until_scope(src, wrap) if isinstance(a, ast.If)
-                     and "__name__" in ast.unparse(a.test)
-                     and "__main__" in ast.unparse(a.test)), None)
-        if main is not None:
-            body = main.body
-    if body is None:
-        return _after_imports(src), ""
+        return _top_of(src, scope.body)
+    main = _main_guard(until_scope(src, wrap))
+    return _top_of(src, main.body) if main is not None else (_after_imports(src), "")
+
+
+def _main_guard(nodes: Iterable[ast.AST]) -> ast.If | None:
+    """The ``if __name__ == "__main__":`` block among ``nodes``."""
+    return next((n for n in nodes if isinstance(n, ast.If) and "__name__" in ast.unparse(n.test)
+                 and "__main__" in ast.unparse(n.test)), None)
+
+
+def _top_of(src: ScriptSource, body: list[ast.stmt]) -> tuple[int, str]:
+    """The line and indent of ``body``'s first statement after its docstring."""
     first = body[0]
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
             and isinstance(first.value.value, str) and len(body) > 1:
@@ -264,12 +268,10 @@ def _script_start(src: ScriptSource) -> tuple[int, str]:
     """Where the launched script starts the process group before anything else it runs
     (its DataLoaders' samplers need it): the top of its ``if __name__ == "__main__":`` block,
     else after its imports."""
-    guard = next((n for n in src.tree.body if isinstance(n, ast.If)
-                  and "__name__" in ast.unparse(n.test) and "__main__" in ast.unparse(n.test)),
-                 None)
-    if guard is not None:
-        return guard.body[0].lineno, src.indent(guard.body[0].lineno)
-    return _after_imports(src), ""
+    guard = _main_guard(src.tree.body)
+    if guard is None:
+        return _after_imports(src), ""
+    return guard.body[0].lineno, src.indent(guard.body[0].lineno)
 
 
 def _after_imports(src: ScriptSource) -> int:

@@ -63,18 +63,6 @@ DETAIL = ("the same script as {gpus} DDP ranks: every GPU its own parameters, gr
 class DdpState(AlternativeState):
     """What one run of the DDP alternative follows (its record, :func:`ddp_state`)."""
 
-    @property
-    def evaluated_only(self) -> tuple[str, ...]:
-        """The divided loaders' sites iterated without gradients and never with them."""
-        return tuple(s for s in self.evaluated_loader_sites
-                     if s not in self.trained_loader_sites)
-
-    @property
-    def unread(self) -> tuple[str, ...]:
-        """The divided loaders' sites never iterated (the training steps' were)."""
-        return tuple(s for s in self.loader_sites if s not in self.trained_loader_sites
-                     and s not in self.evaluated_loader_sites)
-
     scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
     # how each rank got its share of the batch: a DataLoader's batch_size divided, a
     # DataLoader's own batch sampler cut (each of its batches to its first share), and the
@@ -108,6 +96,18 @@ class DdpState(AlternativeState):
     late_gradients: bool = False
 
     @property
+    def evaluated_only(self) -> tuple[str, ...]:
+        """The divided loaders' sites iterated without gradients and never with them."""
+        return tuple(s for s in self.evaluated_loader_sites
+                     if s not in self.trained_loader_sites)
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """The divided loaders' sites never iterated (the training steps' were)."""
+        return tuple(s for s in self.loader_sites if s not in self.trained_loader_sites
+                     and s not in self.evaluated_loader_sites)
+
+    @property
     def batch_sites(self) -> tuple[str, ...]:
         """``file:line`` of the script's hand-made batches cut to each rank's share."""
         return tuple(made.rpartition(" at ")[2] for made in self.divided_sites)
@@ -120,18 +120,14 @@ def ddp_state(run: ScriptRun) -> DdpState | None:
     return state if isinstance(state, DdpState) else None
 
 
-def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
-             batch_sites: tuple[str, ...] = (), flags: tuple[str, ...] = (),
-             loader_sites: tuple[str, ...] = (), rank_inputs: str = "",
-             script: str = "", evaluated: tuple[str, ...] = (),
-             unread: tuple[str, ...] = ()) -> str:
-    """The DDP change around the script's own DataParallel line (and each rank's share of
-    the batches it makes by hand, at ``batch_sites``, and of the DataLoaders the script's
-    calls at ``loader_sites`` made; DDP's further keyword arguments, ``flags``; what made a
-    rank's inputs where the subclass's own piece did, ``rank_inputs``: DdpState's
-    ``rank_scatter``; ``script``: the file the launcher runs, where the wrap may be in a
-    file it imports; ``evaluated``: the loaders' sites iterated only without gradients,
-    ``unread``: never iterated)."""
+def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
+             bucket_view: bool = False) -> str:
+    """The DDP change around the script's own DataParallel line, as the DDP alternative
+    whose record is ``followed`` ran it (each rank's share of the batches made by hand and
+    of the DataLoaders it divided, which of those were an evaluation's, DDP's further
+    keyword arguments, what made a rank's inputs where a subclass's own piece did);
+    ``script``: the file the launcher runs, where the wrap may be in a file it imports."""
+    flags, rank_inputs = followed.flags, followed.rank_scatter
     if not run.dp_sites:
         return ""
     library = library_wrap(run.dp_sites[0], gpus, run.batch_rows,
@@ -139,9 +135,10 @@ def diff_ddp(run: ScriptRun, gpus: int, bucket_view: bool = False,
     if library:  # nothing of the script's to rewrite
         return rewrite_text(Rewrite(reason=library))
     rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
-                              batch_sites=batch_sites, rows=run.batch_rows, flags=flags,
-                              loader_sites=loader_sites, script=script,
-                              evaluated=evaluated, unread=unread)
+                              batch_sites=followed.batch_sites, rows=run.batch_rows,
+                              flags=flags, loader_sites=tuple(followed.loader_sites),
+                              script=script, evaluated=followed.evaluated_only,
+                              unread=followed.unread)
     if rank_inputs and rewrite.ok:  # the change as the alternative ran it
         rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, (
             f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
@@ -552,13 +549,7 @@ class DdpInPlace(Alternative):
             *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),
-                              diff_ddp(main, n, batch_sites=followed.batch_sites,
-                                       flags=self.flags,
-                                       loader_sites=tuple(followed.loader_sites),
-                                       rank_inputs=followed.rank_scatter,
-                                       script=runs.cfg.launch.script_file,
-                                       evaluated=followed.evaluated_only,
-                                       unread=followed.unread))
+                              diff_ddp(main, n, followed, runs.cfg.launch.script_file))
         if fix is not None and main.dp_sites and _library_site(main.dp_sites[0]):
             # the library wraps DDP itself once started by a launcher: nothing else to write
             fix = dataclasses.replace(fix, change=(

@@ -44,12 +44,8 @@ class BucketViewRun(RunStrategy):
             "than plain DDP per GPU at the peak" + (
                 "" if extra > 0 else " (the peak comes before the gradients all exist; "
                 "the gradient-sized copy is still saved later in the step)"),
-            code=diff_ddp(main, runs.gpus, bucket_view=True,
-                          batch_sites=followed.batch_sites, flags=followed.flags,
-                          loader_sites=tuple(followed.loader_sites),
-                          rank_inputs=followed.rank_scatter,
-                          script=runs.cfg.launch.script_file,
-                          evaluated=followed.evaluated_only, unread=followed.unread)))
+            code=diff_ddp(main, runs.gpus, followed, runs.cfg.launch.script_file,
+                          bucket_view=True)))
 
 
 STRATEGY = BucketViewRun(FIX)

@@ -43,18 +43,17 @@ if TYPE_CHECKING:
 __all__ = ["STRATEGY", "LossInForward", "LossInForwardState", "diff_loss_in_forward",
            "loss_in_forward_state"]
 
-SENTENCE = ("the same script with its loss computed inside forward on every replica "
-            "(dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets {n} numbers "
-            "instead of the gathered outputs)")
+_INSIDE = "the same script with its loss computed inside forward on every replica"
+SENTENCE = (f"{_INSIDE} (dpprof.ModelWithLoss: the replicas return their losses, cuda:0 gets "
+            "{n} numbers instead of the gathered outputs)")
 # where the loss is kept per element (reduction="none"), for the loop to reduce as it does
-PER_ELEMENT = ("the same script with its loss computed inside forward on every replica "
-               "(dpprof.ModelWithLoss: the replicas return their losses, kept per element as "
-               "the script computes them (reduction=\"none\"): cuda:0 gathers those, not the "
-               "outputs, and reduces them as written)")
+PER_ELEMENT = (f"{_INSIDE} (dpprof.ModelWithLoss: the replicas return their losses, kept per "
+               "element as the script computes them (reduction=\"none\"): cuda:0 gathers "
+               "those, not the outputs, and reduces them as written)")
 # the alternative of a script that also uses the outputs (accuracy)
-KEPT_OUTPUTS = ("the same script with its loss computed inside forward on every replica, "
-                "the outputs kept (dpprof.ModelWithLoss(..., keep_outputs=True): the replicas "
-                "return their losses and their outputs, gathered on cuda:0 as before)")
+KEPT_OUTPUTS = (f"{_INSIDE}, the outputs kept (dpprof.ModelWithLoss(..., keep_outputs=True): "
+                "the replicas return their losses and their outputs, gathered on cuda:0 as "
+                "before)")
 DETAIL = ("the same script with DataParallel(ModelWithLoss(model, loss)): cuda:0 gathers "
           "one number per GPU instead of the outputs.")
 
@@ -247,12 +246,12 @@ def _release_held(vc: VirtualCuda, forward: bool = False) -> None:
     held for their first loss (their shape read, ``o1.size(0)`` before ``o2 = model(x2)``,
     no loss and not gathered yet) wait on for it, as the fixed code computes it."""
     log = state_of(vc).log
-    waiting = [d for d in log.holding_replica_outputs
-               if forward and not d.losses and d.value is None]
-    for done in log.holding_replica_outputs:
-        if not any(done is d for d in waiting):
-            done.release()
-    log.holding_replica_outputs = waiting
+    held, log.holding_replica_outputs = log.holding_replica_outputs, []
+    for outputs in held:
+        if forward and not outputs.losses and outputs.value is None:
+            log.holding_replica_outputs.append(outputs)  # waits for its first loss
+        else:
+            outputs.release()
 
 
 def _followed(run: ScriptRun) -> LossInForwardState:
