@@ -96,7 +96,17 @@ class ModelWithLoss(nn.Module):
 
     Called without targets (``model(inputs)``, an evaluation loop's call), it returns the
     model's outputs, gathered on cuda:0 as without the fix.
+
+    The wrapper stands in for the model where a script reaches it as ``model.module``: its
+    ``state_dict`` is the model's, with the model's keys (a checkpoint saved with the fix
+    loads without it, and one saved before it loads with it), ``load_state_dict`` takes
+    them, and the model's attributes read and set through it (``model.module.fc``). Only
+    ``named_parameters()`` and ``named_modules()`` show it, their names under ``model.``.
     """
+
+    # the wrapper's own attributes: never the model's, though the model may have the names
+    _OWN = frozenset({"model", "loss_fn", "keep_outputs", "loss_modules", "_source",
+                      "_loading_under"})
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
                  keep_outputs: bool = False) -> None:
@@ -111,6 +121,36 @@ class ModelWithLoss(nn.Module):
         self.loss_modules = nn.ModuleList(
             [] if isinstance(loss_fn, nn.Module) else modules_of(loss_fn, model))
         self._source = weakref.ref(self)
+        self._register_load_state_dict_pre_hook(_the_model_s_keys, with_module=True)
+        self.register_load_state_dict_post_hook(_keys_as_given)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name in self._OWN:
+                raise
+            return getattr(model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        model = self.__dict__.get("_modules", {}).get("model")
+        if (model is not None and name not in self._OWN and not self._holds(name)
+                and hasattr(model, name)):
+            setattr(model, name, value)  # model.module.fc = nn.Linear(...): the model's fc
+            return
+        super().__setattr__(name, value)
+
+    def _holds(self, name: str) -> bool:
+        return name in self.__dict__ or any(
+            name in self.__dict__.get(d, {}) for d in ("_parameters", "_buffers", "_modules"))
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        """The model's ``state_dict``: its keys as without the wrapper (the loss's buffers,
+        a weighted loss's class weights, are the script's constants and left out)."""
+        return self.model.state_dict(*args, destination=destination, prefix=prefix,
+                                     keep_vars=keep_vars)
 
     def forward(self, inputs: Any, targets: Any = NO_TARGETS, *more_targets: Any) -> Any:
         outputs = call_model(self.model, inputs)
@@ -163,6 +203,32 @@ class ModelWithLoss(nn.Module):
         if len(out) < 3:
             raise ValueError("ModelWithLoss.split needs ModelWithLoss(..., keep_outputs=True)")
         return out[2], ModelWithLoss.combine(out)
+
+
+def _the_model_s_keys(wrapper: ModelWithLoss, state_dict: dict[str, Any], prefix: str,
+                      *_: Any) -> None:
+    """Before ``load_state_dict`` reaches the wrapper: the model's keys (as
+    :meth:`ModelWithLoss.state_dict` gives them, and as the script saved them before the fix)
+    moved under ``model.``, and the loss's own tensors given as they are, so that a strict
+    load finds every key it expects and no other."""
+    wrapper.__dict__["_loading_under"] = prefix  # for _keys_as_given, after the model's
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[f"{prefix}model.{key[len(prefix):]}"] = state_dict.pop(key)
+    own = nn.Module.state_dict(wrapper, prefix=prefix, keep_vars=True)
+    for key, value in own.items():
+        if not key.startswith(f"{prefix}model."):
+            state_dict.setdefault(key, value)
+
+
+def _keys_as_given(wrapper: ModelWithLoss, incompatible: Any) -> None:
+    """After ``load_state_dict`` has loaded the model: the missing and unexpected keys it
+    names, as the state dict had them (without the ``model.`` they were moved under)."""
+    prefix = wrapper.__dict__.pop("_loading_under", None)
+    if prefix is None:
+        return
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [prefix + k[len(prefix) + 6:] if k.startswith(f"{prefix}model.") else k
+                   for k in keys]
 
 
 def per_element(loss: torch.Tensor, operands: Any) -> tuple[torch.Tensor, torch.Tensor]:

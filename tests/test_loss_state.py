@@ -68,7 +68,9 @@ def test_the_model_s_own_modules_wrappers_and_torch_s_functions_are_left_out() -
 def test_a_function_loss_s_modules_are_the_wrapper_s_and_a_module_loss_is_itself() -> None:
     wrapped = dpprof.ModelWithLoss(MODEL, by_global)
     assert list(wrapped.loss_modules) == [WEIGHTED, PLAIN]
-    assert "loss_modules.0.weight" in wrapped.state_dict()
+    # its buffers, which replicate copies to every GPU (the state_dict is the model's alone)
+    assert "loss_modules.0.weight" in dict(wrapped.named_buffers())
+    assert "loss_modules.0.weight" not in wrapped.state_dict()
     assert len(dpprof.ModelWithLoss(MODEL, WEIGHTED).loss_modules) == 0
     again = pickle.loads(pickle.dumps(dpprof.ModelWithLoss(MODEL, WEIGHTED)))
     assert isinstance(again, dpprof.ModelWithLoss)

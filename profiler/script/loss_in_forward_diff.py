@@ -509,8 +509,10 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                      "model's outputs, gathered on cuda:0 as before; given the targets too, "
                      "the loss")
     if any(isinstance(n, ast.Attribute) and n.attr == "module" for n in ast.walk(src.tree)):
-        notes.append("the wrapped module is now the ModelWithLoss: the model is .module.model "
-                     "(its state_dict keys gain `model.`)")
+        notes.append("the wrapped module is now the ModelWithLoss, which stands in for the "
+                     "model: .module's attributes, state_dict and load_state_dict are the "
+                     "model's (checkpoints keep their keys); isinstance() and "
+                     "named_parameters() see the wrapper (the model is .module.model)")
     if any(isinstance(a, (ast.If, ast.IfExp)) for a in [*until_scope(src, dp)]):
         notes.append(f"the wrap (line {wrap.lineno}) is conditional: where it does not run, "
                      "the model's call with the targets needs dpprof.ModelWithLoss too")
