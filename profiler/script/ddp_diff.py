@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dpprof.script.ddp_loaders import RankLoaders, share, share_words
 from dpprof.script.installed_code import installed_site, is_installed
+from dpprof.script.own_ddp_path import divides_itself, loader_batch_sizes, spawns
 from dpprof.script.rewrite import (
     Rewrite,
     finish,
@@ -168,9 +169,30 @@ def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ..
             f"rather than change its lines{share}{options}")
     starts = min(c.lineno for c in calls)
     own = f" and wraps DistributedDataParallel itself (line {wraps[0]})" if wraps else ""
-    raise NoRewrite(f"the script starts its own process group (line {starts}){own}: run it as "
-                    f"DDP ranks with `torchrun --nproc-per-node {gpus} "
-                    f"{Path(src.path).name}` rather than change its lines{share}{options}")
+    name = Path(src.path).name
+    started = spawns(src)
+    if not started:
+        raise NoRewrite(f"the script starts its own process group (line {starts}){own}: run "
+                        f"it as DDP ranks with `torchrun --nproc-per-node {gpus} {name}` "
+                        f"rather than change its lines{share}{options}")
+    # its ranks are processes it starts itself, on a path its options choose (ImageNet's
+    # mp.spawn under --multiprocessing-distributed): torchrun as it stands would run the
+    # DataParallel path in every process
+    spawn = started[0]
+    when = f", when `{spawn.condition}`" if spawn.condition else ""
+    chosen = " ".join(spawn.options)
+    if spawn.options:
+        when += f": the option{'s' * (len(spawn.options) > 1)} {', '.join(spawn.options)}"
+    divided = next(((b, line) for b in loader_batch_sizes(src)
+                    if (line := divides_itself(src, b))), None)
+    if divided and scattered:
+        share += (f"; the script divides {divided[0]} by the ranks itself (line {divided[1]}): "
+                  f"give it DataParallel's {scattered}")
+    raise NoRewrite(
+        f"the script starts its own process group (line {starts}){own} in processes it starts "
+        f"itself ({spawn.call}, line {spawn.line}{when}): take that path rather than change its "
+        f"lines or start it under torchrun{share}{options}; `dpprof run --gpus {gpus} -- "
+        f"python {name} {chosen + ' ' if chosen else ''}...` measures it")
 
 
 def _batch_rows_node(call: ast.Call) -> ast.expr | None:

@@ -42,10 +42,18 @@ def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
                            device_id: Any = None, **_: Any) -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        if world_size is None or world_size < 0:
+        # -1 (the default) is "not given": the launcher's environment says, as torch reads it
+        if world_size is None or world_size == -1:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if rank is None or rank < 0:
+        if rank is None or rank == -1:
             rank = int(os.environ.get("RANK", "0"))
+        if not 0 <= rank < world_size:
+            # as NCCL's and gloo's groups refuse it (gloo: "rank < size. 0 vs -2"), where
+            # the emulated group would carry on: pytorch/examples' ImageNet script, given
+            # --multiprocessing-distributed without --world-size, asks for world size -2
+            raise ValueError(f"init_process_group: rank {rank} of world size {world_size}: a "
+                             "rank is at least 0 and below the world size (the real process "
+                             "group fails here)")
         orig_init("fake", store=FakeStore(), rank=rank, world_size=world_size)
         # the backend DDP's logging data names: NCCL's, as asked (torch's logger reads a
         # gloo group's C++ backend, which the emulated group has not: then the fake one's)
