@@ -453,6 +453,13 @@ class EmulatedDDP(nn.Module):
             self.require_backward_grad_sync = old
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward_of(self.module, inputs, kwargs)
+
+    def forward_of(self, part: nn.Module, inputs: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """DDP's forward, around ``part`` of the module called in place of the module: a
+        DataParallel that wraps a part of the model (its features) became this rank's DDP
+        over the whole model, whose own forward runs around it."""
         rt = self.rt
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
@@ -470,7 +477,7 @@ class EmulatedDDP(nn.Module):
                 bufs = [b for b in self.module.buffers()]
                 with rt.device(self.device):
                     ddp_broadcast_coalesced(rt, bufs)
-        output = self.module(*inputs, **kwargs)
+        output = part(*inputs, **kwargs)
         if grad:
             # _post_forward; finalize_backward has cleared expect_autograd_hooks_ after the
             # last synchronised backward, and a forward under no_sync does not set it:

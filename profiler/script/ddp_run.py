@@ -94,6 +94,9 @@ class DdpState(AlternativeState):
     rank_scatter: str = ""
     # a backward after DDP had all-reduced its forward's gradients (LATE_GRADIENTS)
     late_gradients: bool = False
+    # the DataParallel wraps a part of the model, and the rank's DDP the whole ("VGG's
+    # features"; "": what the script calls)
+    part_of_model: str = ""
 
     @property
     def evaluated_only(self) -> tuple[str, ...]:
@@ -139,6 +142,13 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
                               flags=flags, loader_sites=tuple(followed.loader_sites),
                               script=script, evaluated=followed.evaluated_only,
                               unread=followed.unread)
+    if followed.part_of_model and rewrite.ok:
+        rewrite = Rewrite(reason=(
+            f"{relative_site(run.dp_sites[0])}: DataParallel wraps a part of the model "
+            f"({followed.part_of_model}), which the model's own forward calls: DDP wraps the "
+            "whole model instead, where it is built (`model = DDP(model.cuda(rank), "
+            "device_ids=[rank])`, as the DDP alternative ran it), the part left unwrapped: by "
+            "hand"))
     if rank_inputs and rewrite.ok:  # the change as the alternative ran it
         rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, (
             f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
@@ -350,6 +360,14 @@ def _division(state: DdpState, world: int) -> str:
     return "; ".join(ways)
 
 
+PART_OF_MODEL = (
+    "DataParallel wraps a part of the model ({part}): the rank's DDP wraps the whole model, as "
+    "a DDP script does, every parameter's gradient in its buckets and all-reduced, the rest's "
+    "too (DDP around the part alone would leave the rest's gradients each rank's own, and "
+    "the ranks' weights apart); it is built at the part's first forward, inside the model's, "
+    "where a script builds it before its loop: the caching allocator's segments can differ "
+    "(reserved memory), the allocated bytes do not")
+
 LATE_GRADIENTS = (
     "the script calls backward() again on the outputs of one forward after DDP all-reduced "
     "that forward's gradients (a GAN's generator and discriminator losses from one call of "
@@ -462,6 +480,7 @@ class DdpInPlace(Alternative):
             state.model_input_share = state.batch_rows = self.model_input_share
         state.rank_scatter = state_of(vc).log.rank_scatter
         state.late_gradients = state_of(vc).log.ddp_late_gradients
+        state.part_of_model = state_of(vc).log.part_of_model
         state.batch_division = _division(state, vc.device_count())
         state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
@@ -543,9 +562,12 @@ class DdpInPlace(Alternative):
         share = (raised_on_a_share(alt, main, n, "rank")
                  if alt.scenario.status == STATUS_ERROR else None)
         late = LATE_GRADIENTS if followed.late_gradients else None
+        part = PART_OF_MODEL.format(part=followed.part_of_model) if (
+            followed.part_of_model) else None
         alt.scenario = dataclasses.replace(alt.scenario, notes=(
             self.sentence.format(n=n), f"each rank's share: {followed.batch_division}",
-            *([share] if share else []), *([late] if late else []), *alt.scenario.notes,
+            *([share] if share else []), *([late] if late else []),
+            *([part] if part else []), *alt.scenario.notes,
             *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),

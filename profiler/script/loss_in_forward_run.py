@@ -29,6 +29,7 @@ from dpprof.script.deferred_outputs import (
 from dpprof.script.loss_in_forward_diff import loss_in_forward_at
 from dpprof.script.notes import alternative_fix, alternative_notes, raised_on_a_share
 from dpprof.script.parallel_state import state_of
+from dpprof.script.part_of_model import whole_model
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
@@ -150,6 +151,17 @@ class LossInForward(Alternative):
             log.no_loss_forward = log.no_loss_forward or (
                 f"the script's DataParallel subclass {dp.own_split}, which the alternative "
                 "does not rewrite; compute the loss in the wrapped module's forward by hand")
+            return dp.as_written(inputs, kwargs)
+        if "_whole_model" not in dp.__dict__:  # asked once: it walks the calling frames
+            dp.__dict__["_whole_model"] = whole_model(dp)
+        whole = dp.__dict__["_whole_model"]
+        if whole is not None:
+            log = state_of(dp._vc).log
+            log.no_loss_forward = log.no_loss_forward or (
+                f"DataParallel wraps a part of the model ({whole.words}), whose outputs the "
+                "model's own forward uses: no loss is computed on them to move inside it "
+                "(the rest of the model runs on cuda:0, on the gathered outputs; DDP wraps "
+                "the whole model)")
             return dp.as_written(inputs, kwargs)
         # ModelWithLoss takes the model's inputs as one argument: a tuple of positional ones,
         # or a dict of keywords (model(**batch))

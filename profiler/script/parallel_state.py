@@ -45,6 +45,9 @@ class ParallelLog:
     # the DataParallel subclass's own piece that gave a DDP rank its inputs, in words ("":
     # none): "PerGpuBatches's own scatter", "DataParallel's own forward" (PyG's)
     rank_scatter: str = ""
+    # the DataParallel wraps a part of the model, whose rank of DDP wraps the whole model, in
+    # words ("VGG's features"; "": it wraps what the script calls)
+    part_of_model: str = ""
     # who replaced DataParallel's replicate, which dpprof did not call, in words ("": none)
     own_replicate: str = ""
     loss_in_forward: int = 0  # losses computed inside forward (the paired alternative)
@@ -114,6 +117,9 @@ class ScriptParallel:
     # nn.parallel.data_parallel's wrappers: id(module) -> (module, placement, wrapper)
     functional: dict[int, tuple[nn.Module, Any, VirtualDataParallel]] = field(
         default_factory=dict)
+    # the DDP alternative's rank of a whole model that DataParallel wrappers are parts of:
+    # id(model) -> (model, its EmulatedDDP), one reducer for every part
+    whole_ddp: dict[int, tuple[nn.Module, nn.Module]] = field(default_factory=dict)
 
 
 def current() -> ScriptParallel:

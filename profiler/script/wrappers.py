@@ -41,6 +41,7 @@ from dpprof.script.distributed_calls import install_distributed
 from dpprof.script.engines import engines_refused
 from dpprof.script.lightning_launch import LaunchedRanks, lightning_launcher_played
 from dpprof.script.parallel_state import ScriptParallel, current, state_of
+from dpprof.script.part_of_model import whole_model
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -203,6 +204,13 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         self._check_placement(src)
         impl = self.__dict__.get("_ddp_impl")
         if impl is None:
+            # a DataParallel around a part of the model: the rank's DDP wraps the whole (one
+            # reducer for all its parameters), its forward around this part's
+            whole = whole_model(self)
+            model = whole.model if whole is not None else self.module
+            shared = current().whole_ddp.get(id(model)) if whole is not None else None
+            impl = shared[1] if shared is not None and shared[0] is model else None
+        if impl is None:
             # DDP(gradient_as_bucket_view=True) followed in a ledger of the rank's device,
             # from what the device holds now (the model, moved before it was wrapped)
             ledger = VariantLedger()
@@ -211,14 +219,17 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             ledger.live_allocated = ledger.peak_allocated = counters.live_allocated
             rt.ledgers[src] = ledger
             with rt.device(src):
-                impl = EmulatedDDP(self.module, rt, world_size=len(self.device_ids),
+                impl = EmulatedDDP(model, rt, world_size=len(self.device_ids),
                                    bucket_cap_mb=options.bucket_cap_mb,
                                    gradient_as_bucket_view=options.gradient_as_bucket_view,
                                    find_unused_parameters=options.find_unused_parameters,
                                    broadcast_buffers=options.broadcast_buffers,
                                    bucket_view_ledger=ledger, nccl_stash=True)  # GPUs' DDP
-            object.__setattr__(self, "_ddp_impl", impl)
             current().log.ddp_devices.append(src)
+            if whole is not None:
+                current().whole_ddp[id(model)] = (model, impl)
+                current().log.part_of_model = whole.words
+        object.__setattr__(self, "_ddp_impl", impl)
         log = current().log
         log.used_devices = [src]
         # the last forward's second backward (read at the next forward: a run stops after
@@ -245,6 +256,8 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         inputs, kwargs = moved
         log.note_shards([src], [inputs], [kwargs], self.dim)
         with rt.device(src), _unused_noted():
+            if impl.module is not self.module:  # the whole model's DDP (see above)
+                return impl.forward_of(self.module, inputs, kwargs)
             return impl(*inputs, **kwargs)
 
     def _own_forward_as_rank(self, own: Callable[..., Any], impl: nn.Module, src: int,

@@ -1,0 +1,56 @@
+"""DataParallel around a part of a model: ``model.features = nn.DataParallel(model.features)``,
+as pytorch/examples' ImageNet script wraps AlexNet's and VGG's convolutions (their large
+classifier then runs on cuda:0 alone, on the gathered features). The whole model is the
+outermost module whose forward is running when the wrapper's runs and that holds it: its own
+forward, not a loss, uses the wrapper's outputs, and DDP in place of that DataParallel wraps
+the whole model, as a DDP script does (every parameter's gradient averaged across the ranks,
+the classifier's too: DDP around the part alone would train a different classifier on each
+rank)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+# torch's class, held before a run puts its own in place (a subclass of it)
+_DATA_PARALLEL = nn.DataParallel
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """The model a DataParallel wrapper is a part of."""
+
+    model: nn.Module
+    name: str  # the wrapper's name in it: "features"
+
+    @property
+    def words(self) -> str:
+        """``VGG's features``."""
+        return f"{type(self.model).__name__}'s {self.name}"
+
+
+def whole_model(wrapper: nn.Module) -> WholeModel | None:
+    """The outermost module in forward on the calling stack that holds ``wrapper`` as a
+    submodule (read from the frames' ``self``: ``Module._call_impl``'s and the forwards'),
+    or None where the script calls the wrapper itself."""
+    found: nn.Module | None = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in (
+            "_call_impl", "_wrapped_call_impl", "forward") else None
+        if isinstance(owner, nn.Module) and owner is not wrapper and any(
+                m is wrapper for m in owner.modules()):
+            found = owner
+        frame = frame.f_back  # type: ignore[assignment]
+    if found is None:
+        return None
+    # a model whose every trained parameter is inside a DataParallel (a GAN's module that
+    # holds both networks, each wrapped): each wrap's DDP covers its own, as before
+    inside = {id(p) for m in found.modules() if isinstance(m, _DATA_PARALLEL)
+              for p in m.parameters()}
+    if not any(p.requires_grad and id(p) not in inside for p in found.parameters()):
+        return None
+    name = next(n for n, m in found.named_modules() if m is wrapper)
+    return WholeModel(found, name)
