@@ -152,9 +152,10 @@ class LossInForward(Alternative):
                 f"the script's DataParallel subclass {dp.own_split}, which the alternative "
                 "does not rewrite; compute the loss in the wrapped module's forward by hand")
             return dp.as_written(inputs, kwargs)
-        if "_whole_model" not in dp.__dict__:  # asked once: it walks the calling frames
-            dp.__dict__["_whole_model"] = whole_model(dp)
-        whole = dp.__dict__["_whole_model"]
+        parts = state_of(dp._vc).parts
+        if id(dp) not in parts:  # asked once a wrapper: it walks the calling frames
+            parts[id(dp)] = whole_model(dp)
+        whole = parts[id(dp)]
         if whole is not None:
             log = state_of(dp._vc).log
             log.no_loss_forward = log.no_loss_forward or (
