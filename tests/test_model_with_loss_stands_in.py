@@ -88,7 +88,8 @@ def test_the_state_dict_is_the_model_s_and_loads_both_ways(model: str, loss: str
         result = target.load_state_dict(_saved(source))  # strict: every key, no other
         assert not result.missing_keys and not result.unexpected_keys
         assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(),
-                                                     target.state_dict().values()))
+                                                     target.state_dict().values(),
+                                                     strict=True))
 
 
 def test_the_loss_s_own_buffers_stay_as_they_are_through_a_load() -> None:

@@ -89,6 +89,7 @@ def test_the_whole_model_is_the_outermost_holder_with_parameters_of_its_own() ->
     pair = Pair()
     found_g, found_d = pair(None)
     assert found_g is not None and (found_g.model, found_g.name) == (pair, "g")
+    assert found_d is not None and (found_d.model, found_d.name) == (pair, "d")
     pair.head.requires_grad_(False)  # every trained parameter inside a DataParallel
     assert pair(None) == (None, None)
     assert whole_model(pair.g) is None  # called by the script itself

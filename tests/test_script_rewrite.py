@@ -8,6 +8,7 @@ when applied to the old one.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -1092,3 +1093,56 @@ def test_outputs_read_between_the_call_and_the_loss_are_a_reason() -> None:
                                    "    loss = criterion(outputs, y) * 2.0\n")
     rw = lif(inline, "DataParallel(", "outputs = model", "loss = criterion")
     assert not rw.ok and "part of a larger statement" in rw.reason
+
+
+CONDITIONAL_WRAPS = {
+    # how scripts wrap only where there are GPUs to split over: on this machine (no GPU)
+    # the wrap does not run, and the model's call with its targets must still work
+    "if": "if torch.cuda.device_count() > 1:\n    model = nn.DataParallel(model)\n",
+    "if-else": ("if torch.cuda.device_count() > 1:\n    model = nn.DataParallel(model)\n"
+                "else:\n    model = model.to('cpu')\n"),
+    "branches": ("use_gpu = torch.cuda.is_available()\nif not use_gpu:\n    print('cpu')\n"
+                 "elif torch.cuda.device_count() > 1:\n"
+                 "    model = torch.nn.DataParallel(model).cuda()\nelse:\n    model.cuda()\n"),
+    "expression": "model = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model\n",
+    "always": "if True:\n    model = nn.DataParallel(model)\n",  # wrapped, over no GPU
+}
+
+
+def test_a_conditional_wrap_gets_model_with_loss_before_its_condition(tmp_path: Path) -> None:
+    """``if torch.cuda.device_count() > 1: model = nn.DataParallel(model)``: ModelWithLoss
+    had replaced the wrapped model inside the branch, so that where the branch did not run
+    (one GPU, the CPU) the fixed script called the plain model with its targets and failed.
+    Now it wraps the model before the condition: every fixed script runs here, with no GPU,
+    and prints the loss its unfixed self prints."""
+    root = Path(__file__).resolve().parents[1]
+    driver = ["import io, contextlib, sys", "for path in sys.argv[1:]:",
+              "    out = io.StringIO()", "    with contextlib.redirect_stdout(out):",
+              "        exec(compile(open(path).read(), path, 'exec'), {'__name__': '__main__'})",
+              "    print(path.rsplit('/', 1)[1], out.getvalue().split()[-1])"]
+    paths = []
+    for name, wrap in CONDITIONAL_WRAPS.items():
+        old = script("torch.manual_seed(0)\nmodel = Net(8, v=4)\n" + wrap + textwrap.dedent("""\
+            criterion = nn.CrossEntropyLoss()
+            x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+            out = model(x)
+            loss = criterion(out, y)
+            print(f"{loss.item():.6f}")
+            """))
+        rw = lif(old, "DataParallel(", "out = model", "loss = criterion")
+        new = checked(rw, old)
+        assert new.count("dpprof.ModelWithLoss(model, criterion)") == 1, new
+        before = new.index("model = dpprof.ModelWithLoss(model, criterion)\n")
+        assert before < new.index("DataParallel(model)") and "criterion = nn" in new[:before]
+        assert any("ModelWithLoss wraps `model` before the condition" in n for n in rw.notes)
+        for kind, text in (("old", old), ("new", new)):
+            paths.append(tmp_path / f"{name}-{kind}.py")
+            paths[-1].write_text(text)
+    (tmp_path / "driver.py").write_text("\n".join(driver) + "\n")
+    done = subprocess.run([sys.executable, str(tmp_path / "driver.py"), *map(str, paths)],
+                          capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    printed = dict(line.split() for line in done.stdout.splitlines())
+    for name in CONDITIONAL_WRAPS:
+        assert printed[f"{name}-old.py"] == printed[f"{name}-new.py"], (name, printed)

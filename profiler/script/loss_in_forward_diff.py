@@ -414,6 +414,15 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
     wrap = src.statement(dp)
+    # a wrap that runs under a condition (``if torch.cuda.device_count() > 1:``): where the
+    # wrapped model is a name bound before it, ModelWithLoss wraps it there, before the
+    # condition, so that the model's call with its targets works on every path (one GPU,
+    # the CPU, a DDP branch), and the wrap stays as written
+    condition = _condition_of(src, dp, wrap)
+    arg = module_arg(dp)
+    before = (condition if condition is not None and isinstance(arg, ast.Name)
+              and _available(src, src.scope(wrap), arg.id, condition) else None)
+    anchor = before or wrap  # where the loss function must exist
     expression: LossFunction | None = None
     plain: tuple[str, str, ast.expr] | None = None  # the loss given as itself: criterion
     if targets_name:
@@ -424,7 +433,7 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         expression = None
         loss_fn, targets, callee = plain
     elif expression is not None:
-        _free_names_at_wrap(src, expression, site.loss, wrap)
+        _free_names_at_wrap(src, expression, site.loss, anchor)
         loss_fn, targets, callee = expression.text, targets_name, site.loss.func
     else:
         site = _loss_site(src, loss_line, call_line)
@@ -482,14 +491,14 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         notes.append(f"the wrap (line {wrap.lineno}) and the loss (line {loss_stmt.lineno}) "
                      f"are in different functions: `{key}` at the wrap is taken to be the "
                      "loss the training step calls")
-    if expression is None and not _available(src, wrap_scope, key, wrap):
-        notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, wrap))} before the wrap, "
+    if expression is None and not _available(src, wrap_scope, key, anchor):
+        notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, anchor))} before the wrap, "
                      "which now needs it")
-    elif expression is not None and not _available(src, wrap_scope, key, wrap):
+    elif expression is not None and not _available(src, wrap_scope, key, anchor):
         # ModelWithLoss finds the loss modules its function calls when it is made (to copy
         # their tensors, a weighted loss's weights, to every GPU): they must exist by then
         try:
-            notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, wrap))} before the "
+            notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, anchor))} before the "
                          "wrap, where ModelWithLoss finds the loss modules its function calls, "
                          "to copy their tensors to every GPU")
         except NoRewrite as e:
@@ -497,8 +506,16 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                          "when it is made, so a loss that holds tensors (class weights) "
                          "must be defined before the wrap")
     keep_arg = ", keep_outputs=True" if keep else ""
-    edits.node(module_arg(dp),
-               f"dpprof.ModelWithLoss({src.seg(module_arg(dp))}, {loss_fn}{keep_arg})")
+    wrapped = f"dpprof.ModelWithLoss({src.seg(arg)}, {loss_fn}{keep_arg})"
+    if before is not None:
+        assert isinstance(arg, ast.Name)
+        edits.insert_lines(before.lineno, [f"{src.indent(before.lineno)}{arg.id} = {wrapped}"])
+        notes.append(f"the wrap (line {wrap.lineno}) is conditional: ModelWithLoss wraps "
+                     f"`{arg.id}` before the condition (line {before.lineno}), so that the "
+                     "model's call with the targets works where DataParallel does not wrap it "
+                     "too (one GPU, the CPU)")
+    else:
+        edits.node(arg, wrapped)
     add_imports(src, edits, ["dpprof"], wrap_scope)
     callee_text = src.seg(model.func)
     others = sorted({n.lineno for n in ast.walk(src.tree) if isinstance(n, ast.Call)
@@ -513,10 +530,21 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                      "model: .module's attributes, state_dict and load_state_dict are the "
                      "model's (checkpoints keep their keys); isinstance() and "
                      "named_parameters() see the wrapper (the model is .module.model)")
-    if any(isinstance(a, (ast.If, ast.IfExp)) for a in [*until_scope(src, dp)]):
+    if condition is not None and before is None:
         notes.append(f"the wrap (line {wrap.lineno}) is conditional: where it does not run, "
                      "the model's call with the targets needs dpprof.ModelWithLoss too")
     return finish(src, edits, LOSS_IN_FORWARD_TITLE, notes)
+
+
+def _condition_of(src: ScriptSource, dp: ast.Call, wrap: ast.stmt) -> ast.stmt | None:
+    """The statement that holds the condition the wrap runs under, in the wrap's function:
+    the outermost ``if`` around it, or the wrap itself where it is a conditional expression
+    (``nn.DataParallel(model) if n > 1 else model``); None where it always runs."""
+    around = list(until_scope(src, dp))
+    ifs = [a for a in around if isinstance(a, ast.If)]
+    if ifs:
+        return ifs[-1]
+    return wrap if any(isinstance(a, ast.IfExp) for a in around) else None
 
 
 def _keep_outputs(src: ScriptSource, site: _LossSite, loss_stmt: ast.stmt,

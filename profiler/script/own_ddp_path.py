@@ -100,11 +100,11 @@ def divides_itself(src: ScriptSource, batch_size: str) -> int:
         if isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Div, ast.FloorDiv)):
             if src.seg(node.target) == batch_size:
                 return node.lineno
-        elif isinstance(node, ast.Assign) and any(src.seg(t) == batch_size
-                                                  for t in node.targets):
-            if any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.FloorDiv))
-                   and src.seg(n.left) == batch_size for n in ast.walk(node.value)):
-                return node.lineno
+        elif (isinstance(node, ast.Assign)
+              and any(src.seg(t) == batch_size for t in node.targets)
+              and any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.FloorDiv))
+                      and src.seg(n.left) == batch_size for n in ast.walk(node.value))):
+            return node.lineno
     return 0
 
 

@@ -15,6 +15,7 @@ from dpprof.emulator.virtual_cuda import active
 from dpprof.script.lightning_launch import LaunchedRanks
 
 if TYPE_CHECKING:
+    from dpprof.emulator.ddp import EmulatedDDP
     from dpprof.emulator.virtual_cuda import VirtualCuda
     from dpprof.script.part_of_model import WholeModel
     from dpprof.script.rank_broadcasts import Broadcasts
@@ -120,7 +121,7 @@ class ScriptParallel:
         default_factory=dict)
     # the DDP alternative's rank of a whole model that DataParallel wrappers are parts of:
     # id(model) -> (model, its EmulatedDDP), one reducer for every part
-    whole_ddp: dict[int, tuple[nn.Module, nn.Module]] = field(default_factory=dict)
+    whole_ddp: dict[int, tuple[nn.Module, EmulatedDDP]] = field(default_factory=dict)
     # each DataParallel wrapper's whole model, where it wraps a part of one (None: it does
     # not): id(wrapper) -> WholeModel, asked once
     parts: dict[int, WholeModel | None] = field(default_factory=dict)

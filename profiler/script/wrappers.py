@@ -202,7 +202,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         rt = vc.rt
         src = vc.index_of(self.device_ids[0])
         self._check_placement(src)
-        impl = self.__dict__.get("_ddp_impl")
+        impl: EmulatedDDP | None = self.__dict__.get("_ddp_impl")
         if impl is None:
             # a DataParallel around a part of the model: the rank's DDP wraps the whole (one
             # reducer for all its parameters), its forward around this part's
