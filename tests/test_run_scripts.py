@@ -109,11 +109,11 @@ def test_data_parallel_loss_outside_forward_and_its_alternatives() -> None:
     code = fixes["loss-in-forward"].code
     assert code.startswith("--- dp_loss_outside.py (as written)\n"
                            "+++ dp_loss_outside.py (the loss inside forward)\n")
-    assert ("-    model = nn.DataParallel(model)\n"
-            "+    model = nn.DataParallel(dpprof.ModelWithLoss(model, criterion, "
-            "keep_outputs=True))\n") in code
-    # the loss is defined after the wrap, which now needs it: it moves before
-    assert " model = Net()\n+criterion = nn.CrossEntropyLoss()\n if torch.cuda" in code
+    # the wrap is conditional: ModelWithLoss wraps the model before the condition, and the
+    # loss, defined after the wrap, moves before that
+    assert "-    model = nn.DataParallel(model)\n" not in code
+    assert (" model = Net()\n+criterion = nn.CrossEntropyLoss()\n+model = dpprof.ModelWithLoss("
+            "model, criterion, keep_outputs=True)\n if torch.cuda") in code
     # the loop's accuracy reads the outputs (line 48): they are kept beside the loss
     assert ("-        outputs = model(inputs)\n-        loss = criterion(outputs, labels)\n"
             "+        outputs, loss = dpprof.ModelWithLoss.split(model(inputs, labels))") in code

@@ -528,8 +528,10 @@ def test_the_loss_defined_after_the_wrap_moves_before_it() -> None:
         """)
     rw = lif(old, "DataParallel(", "outputs = model", "loss = criterion")
     new = checked(rw, old)
+    # the wrap conditional: ModelWithLoss before the condition, the wrap as written
     assert ("model = Net()\ncriterion = nn.CrossEntropyLoss(\n    label_smoothing=0.1)\n"
-            "if torch.cuda.device_count() > 1:\n") in new
+            "model = dpprof.ModelWithLoss(model, criterion, keep_outputs=True)\n"
+            "if torch.cuda.device_count() > 1:\n    model = nn.DataParallel(model)\n") in new
     assert new.count("criterion = nn.CrossEntropyLoss(") == 1
     # the outputs used besides the loss: kept, gathered beside the loss; said in the notes
     used = line_of(old, "torch.max(outputs")
@@ -543,7 +545,8 @@ def test_the_loss_defined_after_the_wrap_moves_before_it() -> None:
     both = lif(weighted, "DataParallel(", "outputs = model", "loss = criterion")
     new = checked(both, weighted)
     assert ("model = Net()\nweights = torch.ones(4)\ncriterion = nn.CrossEntropyLoss(\n"
-            "    weight=weights)\nif torch.cuda.device_count() > 1:\n") in new
+            "    weight=weights)\nmodel = dpprof.ModelWithLoss(model, criterion, "
+            "keep_outputs=True)\nif torch.cuda.device_count() > 1:\n") in new
     assert any(n.startswith(f"`weights` (line {line_of(weighted, 'weights = ')}) and "
                             f"`criterion` (line {line_of(weighted, 'criterion = ')}) move "
                             "before the wrap") for n in both.notes), both.notes
