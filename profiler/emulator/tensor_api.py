@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 from torch.utils import _device
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dpprof.emulator.cuda_devices import ORIGINALS, CudaDevices, on_meta
 from dpprof.emulator.dispatch_state import HOST
@@ -308,14 +309,37 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
     # .to(), .half(): Module._apply) swap the tensors instead (torch.utils.swap_tensors), so
     # the Parameter objects an optimizer built before .cuda() holds stay the module's, as
     # on a GPU. Only there: load_state_dict copies into the parameters, as on a GPU (a swap
-    # would fail on parameters DDP's reducer holds).
+    # would fail on parameters DDP's reducer holds). Only there: a parameter the conversion
+    # leaves as it is (``model.to(device)`` after ``DDP(model.cuda(rank))``) stays as it is,
+    # and one converted on the GPU (``.half()``) takes the new tensor as its ``.data``, as
+    # torch does: a swap of a parameter DDP holds fails.
     apply = nn.Module._apply
+    swap = torch.utils.swap_tensors
 
     def apply_swapping(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
                        *args: Any, **kwargs: Any) -> nn.Module:
         future = torch.__future__
         before = future.get_swap_module_params_on_conversion()
         future.set_swap_module_params_on_conversion(True)
+        unchanged: set[int] = set()  # the tensors ``fn`` returned as they were
+
+        def converted(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if out is t:
+                unchanged.add(id(t))
+            return out
+
+        def swap_changed(t1: torch.Tensor, t2: torch.Tensor) -> None:
+            if id(t1) in unchanged:
+                return
+            if not is_traceable_wrapper_subclass(t2) and torch._has_compatible_shallow_copy_type(
+                    t1, t2):
+                t1.data = t2.data  # a GPU's conversion on the GPU (.half()): torch's own way
+                return
+            swap(t1, t2)  # a wrapper subclass's (DTensor's), as torch does; a host tensor's
+
+        outer = torch.utils.swap_tensors  # a parent module's, in its children's conversion
+        torch.utils.swap_tensors = swap_changed
         # a LazyModule's uninitialized parameters: torch's swap wraps the moved one in a
         # Parameter, which an uninitialized one refuses; swapped here, of their own class
         # (LazyModuleMixin materializes the very objects an optimizer may hold already)
@@ -328,10 +352,11 @@ def factories(vc: EmulatedCuda, p: Patch) -> None:
                 with torch.no_grad():
                     torch.utils.swap_tensors(param, fn(param))
                 self._parameters[key] = None
-            return apply(self, fn, *args, **kwargs)  # type: ignore[no-any-return]
+            return apply(self, converted, *args, **kwargs)  # type: ignore[no-any-return]
         finally:
             self._parameters.update(lazy)
             future.set_swap_module_params_on_conversion(before)
+            torch.utils.swap_tensors = outer
 
     p(nn.Module, "_apply", apply_swapping)
     # torch.Generator(device="cuda"): a host generator (the values are not emulated)
