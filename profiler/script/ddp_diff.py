@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from dpprof.script.ddp_loaders import RankLoaders, share, share_words
+from dpprof.script.ddp_loaders import UNSEEN, LoaderUse, RankLoaders, share, share_words
 from dpprof.script.installed_code import installed_site, is_installed
 from dpprof.script.own_ddp_path import divides_itself, loader_batch_sizes, spawns
 from dpprof.script.rewrite import (
@@ -100,8 +100,7 @@ def _top_of(src: ScriptSource, body: list[ast.stmt]) -> tuple[int, str]:
 def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
         batch_lines: tuple[int, ...] = (), rows: int = 0,
         flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (), script: str = "",
-        elsewhere: bool = False, label: str = "", evaluated: tuple[str, ...] = (),
-        unread: tuple[str, ...] = ()) -> Rewrite:
+        elsewhere: bool = False, label: str = "", use: LoaderUse = UNSEEN) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
     of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
@@ -111,14 +110,13 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
     ``script``: the file the launcher runs, where it is not ``path`` (a model file the
     script imports); ``elsewhere``: the batches are made in other files, which their own
     diffs divide (:func:`ddp_at`); ``label``: the file's name in the diff (its own name);
-    ``evaluated``: ``file:line`` of the DataLoaders the alternative saw iterated only without
-    gradients, ``unread``: of those it never saw iterated (an evaluation's where they do not
-    shuffle): no DistributedSampler, which would shard the evaluation."""
+    ``use``: how the alternative saw the divided DataLoaders used (an evaluation's gets no
+    DistributedSampler, which would shard it; a batch_size the ranks do not divide is
+    rounded up)."""
     try:
         return _ddp(ScriptSource(source, path), dp_line, gpus,
                     (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
-                    batch_lines, rows, loader_sites, script, elsewhere, label, evaluated,
-                    unread)
+                    batch_lines, rows, loader_sites, script, elsewhere, label, use)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -229,31 +227,25 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0,
          loader_sites: tuple[str, ...] = (), script: str = "", elsewhere: bool = False,
-         label: str = "", evaluated: tuple[str, ...] = (), unread: tuple[str, ...] = ()
-         ) -> Rewrite:
+         label: str = "", use: LoaderUse = UNSEEN) -> Rewrite:
     _refuse_own_process_group(src, gpus, flags, scattered)
     edits = Edits(src)
     notes: list[str] = []
     dp = data_parallel_call(src, dp_line)
     wrap = src.statement(dp)
-    module = module_arg(dp)
-    inner = _move(src, module) or module
     rank = free_name(src, "rank", "local_rank")
-    args = [f"{parenthesized(src, inner)}.cuda({rank})", f"device_ids=[{rank}]"]
-    if len(dp.args) > 3:
-        args.append(f"dim={src.seg(dp.args[3])}")
-    args += [src.seg(kw) for kw in dp.keywords if kw.arg == "dim"]
-    if any(kw.arg is None for kw in dp.keywords):
-        raise NoRewrite(f"line {dp.lineno}: DataParallel's arguments are unpacked (**)")
-    args += flags
-    # DataParallel(model).cuda(): DDP's module is on its device already
-    outer: ast.AST = dp
-    parent = src.parents.get(dp)
-    if isinstance(parent, ast.Attribute) and _move(src, src.parents.get(parent, dp)) is dp:
-        outer = src.parents[parent]
-    edits.node(outer, f"DDP({', '.join(args)})")
-    loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites,
-                          evaluated=evaluated, unread=unread)
+    replaced = []
+    # the same model wrapped again on a path the run did not take (VainF's DeepLabV3+: one
+    # wrap after loading a checkpoint, one without): each becomes DDP alike
+    for call in [dp, *_other_wraps(src, dp)]:
+        outer, text = _ddp_call(src, call, rank, flags)
+        edits.node(outer, text)
+        replaced.append(src.span(outer))
+        if call is not dp:
+            notes.append(f"line {call.lineno} wraps {src.seg(module_arg(call))} in DataParallel "
+                         f"too, on a path this run did not take (line {dp.lineno} ran): DDP "
+                         "there as well")
+    loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites, use=use)
     # the process group starts here: with the batches, or at the script's start, before the
     # other files' loaders (or, the script unknown, a module run with -m, at the wrap)
     starts = not elsewhere or not script or _same_file(src.path, script)
@@ -270,7 +262,7 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
     else:  # the script starts it: the rank, read here
         line, indent = _init_line(src, wrap)
         edits.insert_lines(line, [f'{indent}{rank} = int(os.environ["LOCAL_RANK"])'])
-    _rank_devices(src, edits, src.span(outer))
+    _rank_devices(src, edits, replaced)
     divided = _divide_batches(src, edits, batch_lines, gpus, scattered)
     if not loaders.any and not divided and not elsewhere:
         edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share_words(gpus)}"])
@@ -318,21 +310,51 @@ def _title(flags: tuple[str, ...]) -> str:
     return ", ".join([DDP_TITLE, *(f.partition("=")[0] for f in flags)])
 
 
-def _rank_devices(src: ScriptSource, edits: Edits, replaced: tuple[int, int] = (0, 0)) -> None:
+def _rank_devices(src: ScriptSource, edits: Edits,
+                  replaced: list[tuple[int, int]] | None = None) -> None:
     """``"cuda:0"`` made ``"cuda"``, every rank's own device once set_device has run (outside
-    ``replaced``, the span the wrap's edit rewrites)."""
+    ``replaced``, the spans the wraps' edits rewrite)."""
     for node in ast.walk(src.tree):
         if isinstance(node, ast.Constant) and node.value == "cuda:0" and not isinstance(
-                src.parents.get(node), ast.JoinedStr) and not (
-                replaced[0] <= src.span(node)[0] < replaced[1]):
+                src.parents.get(node), ast.JoinedStr) and not any(
+                start <= src.span(node)[0] < end for start, end in replaced or ()):
             edits.node(node, src.seg(node).replace("cuda:0", "cuda"))
+
+
+def _ddp_call(src: ScriptSource, dp: ast.Call, rank: str, flags: tuple[str, ...]
+              ) -> tuple[ast.AST, str]:
+    """The node a DataParallel wrap's DDP replaces (with a ``.cuda()`` after it: both) and
+    the DDP call's text."""
+    module = module_arg(dp)
+    inner = _move(src, module) or module
+    args = [f"{parenthesized(src, inner)}.cuda({rank})", f"device_ids=[{rank}]"]
+    if len(dp.args) > 3:
+        args.append(f"dim={src.seg(dp.args[3])}")
+    args += [src.seg(kw) for kw in dp.keywords if kw.arg == "dim"]
+    if any(kw.arg is None for kw in dp.keywords):
+        raise NoRewrite(f"line {dp.lineno}: DataParallel's arguments are unpacked (**)")
+    args += flags
+    # DataParallel(model).cuda(): DDP's module is on its device already
+    outer: ast.AST = dp
+    parent = src.parents.get(dp)
+    if isinstance(parent, ast.Attribute) and _move(src, src.parents.get(parent, dp)) is dp:
+        outer = src.parents[parent]
+    return outer, f"DDP({', '.join(args)})"
+
+
+def _other_wraps(src: ScriptSource, dp: ast.Call) -> list[ast.Call]:
+    """The other DataParallel wraps of the same module, as written, in the same function."""
+    scope, module = src.scope(dp), src.seg(module_arg(dp))
+    return sorted((n for n in ast.walk(scope) if isinstance(n, ast.Call) and n is not dp
+                   and last_name(n.func) == "DataParallel" and (n.args or n.keywords)
+                   and src.scope(n) is scope and src.seg(module_arg(n)) == module),
+                  key=start_of)
 
 
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
            batch_sites: tuple[str, ...] = (), rows: int = 0,
            flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (),
-           script: str = "", evaluated: tuple[str, ...] = (),
-           unread: tuple[str, ...] = ()) -> Rewrite:
+           script: str = "", use: LoaderUse = UNSEEN) -> Rewrite:
     """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches and of the
     calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered;
     ``script``: the file the launcher runs). Batches made in other files of the user's (the
@@ -363,7 +385,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
                    tuple(batches.get(str(here), ())), rows, flags,
                    tuple(loaders.get(str(here), ())), script, elsewhere=bool(others),
                    label=here.relative_to(root).as_posix() if others else "",
-                   evaluated=evaluated, unread=unread)
+                   use=use)
         if not main.ok or not others:
             return main
         parts = [main]
@@ -374,7 +396,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
             label = Path(other).relative_to(root).as_posix()
             done = _elsewhere(other, gpus, tuple(batches.get(other, ())), rows,
                               tuple(loaders.get(other, ())), flags, label,
-                              starts=other == launched, evaluated=evaluated, unread=unread)
+                              starts=other == launched, use=use)
             parts.append(dataclasses.replace(done, notes=tuple(f"{label} {n}"
                                                                for n in done.notes)))
         apply_at = ([] if root == start else [
@@ -387,8 +409,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
 
 def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: int,
                loader_sites: tuple[str, ...], flags: tuple[str, ...], label: str,
-               starts: bool, evaluated: tuple[str, ...] = (),
-               unread: tuple[str, ...] = ()) -> Rewrite:
+               starts: bool, use: LoaderUse = UNSEEN) -> Rewrite:
     """The DDP change of a file other than the wrap's where the batches are made: each
     rank's share of its DataLoaders and hand-made batches, ``"cuda:0"`` the rank's device;
     where it is the launched script (``starts``), the process group started at its start."""
@@ -396,7 +417,7 @@ def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: in
     edits = Edits(src)
     notes: list[str] = []
     loaders = RankLoaders(src, edits, notes, gpus, scattered, loader_sites, only_divided=True,
-                          evaluated=evaluated, unread=unread)
+                          use=use)
     add_imports(src, edits, [*(["os"] if starts else []),
                              *(["torch", "dist"] if starts or loaders.own_samplers else []),
                              *(["DistributedSampler"] if loaders.shared else [])], src.tree)

@@ -7,6 +7,7 @@ divided; an evaluation's loader (iterated without gradients) evaluated whole by 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 from dpprof.script.rewrite import free_name, site_of
@@ -20,16 +21,33 @@ from dpprof.script.source import (
     start_of,
 )
 
-__all__ = ["RankLoaders", "share", "share_words"]
+__all__ = ["UNSEEN", "LoaderUse", "RankLoaders", "share", "share_words"]
 
 
-def share(src: ScriptSource, rows: ast.expr, gpus: int, scattered: int) -> str:
+@dataclass(frozen=True)
+class LoaderUse:
+    """How the DDP alternative saw the DataLoaders it divided used, each by the ``file:line``
+    of the script's call that made it."""
+
+    evaluated: tuple[str, ...] = ()  # iterated only without gradients (an evaluation's)
+    unread: tuple[str, ...] = ()  # never iterated (the training steps read theirs)
+    # a batch_size the ranks do not divide (an evaluation's 1 over 2 ranks): rounded up, as
+    # the alternative gave each rank (rounded down it would be 0, which DataLoader refuses)
+    uneven: tuple[str, ...] = ()
+
+
+UNSEEN = LoaderUse()  # no use seen: every divided loader a training one, evenly divided
+
+
+def share(src: ScriptSource, rows: ast.expr, gpus: int, scattered: int,
+          uneven: bool = False) -> str:
     """Each rank's share of the rows ``rows`` reads: ``rows // gpus``, rounded up where the
     run saw DataParallel scatter ``scattered`` rows that ``gpus`` does not divide (its first
-    chunk, the heaviest, is what the DDP alternative measured)."""
+    chunk, the heaviest, is what the DDP alternative measured), or saw these rows
+    ``uneven``."""
     text = src.seg(rows)
     simple = isinstance(rows, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call))
-    if scattered % gpus:
+    if scattered % gpus or uneven:
         return f"({text} + {gpus - 1}) // {gpus}"
     return f"{text if simple else f'({text})'} // {gpus}"
 
@@ -46,7 +64,7 @@ class RankLoaders:
 
     def __init__(self, src: ScriptSource, edits: Edits, notes: list[str], gpus: int,
                  scattered: int, loader_sites: tuple[str, ...], only_divided: bool = False,
-                 evaluated: tuple[str, ...] = (), unread: tuple[str, ...] = ()) -> None:
+                 use: LoaderUse = UNSEEN) -> None:
         self.src, self.edits, self.notes, self.gpus = src, edits, notes, gpus
         # ``only_divided``: the loaders of a file other than the script's that the DDP
         # alternative divided, not its others (a library-like module's evaluation loaders)
@@ -58,16 +76,16 @@ class RankLoaders:
         self.shared = False  # a DistributedSampler given to one
         self.own_samplers: list[ast.Call] = []  # loaders whose own sampler each rank shares
         self.helper = ""
-        # ``evaluated``: the sites of those iterated only without gradients; ``unread``:
-        # never iterated (the training steps read theirs), an evaluation's where unshuffled
+        # an evaluation's: iterated only without gradients, or never and unshuffled
         for loader in loaders:
-            if _divided_at_run_time(src, loader, evaluated) or (
-                    _divided_at_run_time(src, loader, unread) and _unshuffled(loader)):
+            uneven = _divided_at_run_time(src, loader, use.uneven)
+            if _divided_at_run_time(src, loader, use.evaluated) or (
+                    _divided_at_run_time(src, loader, use.unread) and _unshuffled(loader)):
                 # iterated only without gradients (an evaluation): every rank evaluates all
                 # of it, as the script's metrics expect, in its share of each batch
                 rows = _loader_args(loader).get("batch_size")
                 if rows is not None:
-                    edits.node(rows, share(src, rows, gpus, scattered))
+                    edits.node(rows, share(src, rows, gpus, scattered, uneven))
                     notes.append(f"line {loader.lineno}: an evaluation's DataLoader: each rank "
                                  f"evaluates all of it in batches // {gpus}; a "
                                  "DistributedSampler would give each rank 1/"
@@ -75,7 +93,7 @@ class RankLoaders:
                 continue
             if _own_sampler(loader) is not None and not self.helper:
                 self.helper = free_name(src, *_SAMPLER_SHARE_NAMES)
-            why = _share_loader(src, edits, loader, gpus, scattered, self.helper)
+            why = _share_loader(src, edits, loader, gpus, scattered, self.helper, uneven)
             if not why and _own_sampler(loader) is not None:
                 self.own_samplers.append(loader)
             elif not why:
@@ -92,7 +110,8 @@ class RankLoaders:
                 edits.insert_lines(at, [f"{src.indent(at)}# {share_words(gpus)}"])
                 notes.append(f"line {loader.lineno}: give each rank its share of the "
                              f"DataLoader by hand ({why})")
-        made = _share_made_loaders(src, edits, loader_sites, loaders, gpus, scattered)
+        made = _share_made_loaders(src, edits, loader_sites, loaders, gpus, scattered,
+                                   use.uneven)
         for call in made:
             at = src.statement(call).lineno
             edits.insert_lines(at, [f"{src.indent(at)}# {_shard_comment(call)}"])
@@ -194,7 +213,7 @@ def _sampler_share(name: str) -> list[str]:
 
 
 def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
-                  scattered: int, helper: str) -> str:
+                  scattered: int, helper: str, uneven: bool = False) -> str:
     """Each rank loads its share of ``loader``'s batches, as the DDP alternative divided
     them: ``batch_size`` // ``gpus`` and a ``DistributedSampler`` of its dataset (shuffling
     as the loader did, which then no longer shuffles itself), or, where the loader has a
@@ -210,7 +229,7 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
     if own is not None:
         rows = given.get("batch_size")
         if rows is not None and not (isinstance(rows, ast.Constant) and rows.value is None):
-            edits.node(rows, share(src, rows, gpus, scattered))
+            edits.node(rows, share(src, rows, gpus, scattered, uneven))
         edits.node(own, f"{helper}({src.seg(own)})")
         return ""
     if len(loader.args) > 2:
@@ -233,7 +252,7 @@ def _share_loader(src: ScriptSource, edits: Edits, loader: ast.Call, gpus: int,
         edits.insert_lines(stmt.lineno, [f"{src.indent(stmt.lineno)}{named} = "
                                          f"{src.seg(dataset)}"])
         edits.node(dataset, named)
-    edits.node(rows, share(src, rows, gpus, scattered))
+    edits.node(rows, share(src, rows, gpus, scattered, uneven))
     shuffle = next((kw for kw in loader.keywords if kw.arg == "shuffle"), None)
     order = src.seg(shuffle.value) if shuffle is not None else "False"
     sampler = f"sampler=DistributedSampler({named}, shuffle={order})"
@@ -255,7 +274,8 @@ def _loader_call(src: ScriptSource, line: int) -> ast.Call | None:
 
 
 def _share_made_loaders(src: ScriptSource, edits: Edits, loader_sites: tuple[str, ...],
-                        loaders: list[ast.Call], gpus: int, scattered: int) -> list[ast.Call]:
+                        loaders: list[ast.Call], gpus: int, scattered: int,
+                        uneven: tuple[str, ...] = ()) -> list[ast.Call]:
     """Each rank's share of the DataLoaders the script made through a call of its own that
     is not ``DataLoader(...)`` (a library's factory, ``create_loader(ds, batch_size=B)``),
     as the DDP alternative divided them at run time: that call's ``batch_size`` keyword
@@ -280,7 +300,7 @@ def _share_made_loaders(src: ScriptSource, edits: Edits, loader_sites: tuple[str
             raise NoRewrite(f"line {line}: `{callee}(...)` makes the DataLoader the DDP "
                             "alternative divided, and its batch size is not a `batch_size` "
                             f"keyword the diff can divide: give it batch_size // {gpus} by hand")
-        edits.node(rows, share(src, rows, gpus, scattered))
+        edits.node(rows, share(src, rows, gpus, scattered, site in uneven))
         calls.append(call)
     return calls
 

@@ -33,6 +33,7 @@ from dpprof.result import STATUS_ERROR
 from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
+from dpprof.script.ddp_loaders import LoaderUse
 from dpprof.script.installed_code import installed_site, is_installed
 from dpprof.script.notes import (
     about_the_share,
@@ -76,6 +77,8 @@ class DdpState(AlternativeState):
     # of those, the ones iterated with gradients on (training) and off (an evaluation's)
     trained_loader_sites: list[str] = field(default_factory=list)
     evaluated_loader_sites: list[str] = field(default_factory=list)
+    # of those, the ones whose batch_size the ranks do not divide (rounded up for each rank)
+    uneven_loader_sites: list[str] = field(default_factory=list)
     # how each rank got its share of the batch, in words, once the run ended ("": it did not)
     batch_division: str = ""
     # the rank's peak under gradient_as_bucket_view=True (followed in a ledger while it ran
@@ -103,6 +106,11 @@ class DdpState(AlternativeState):
         """The divided loaders' sites iterated without gradients and never with them."""
         return tuple(s for s in self.evaluated_loader_sites
                      if s not in self.trained_loader_sites)
+
+    @property
+    def use(self) -> LoaderUse:
+        """How the divided loaders were used, as the DDP diff reads it."""
+        return LoaderUse(self.evaluated_only, self.unread, tuple(self.uneven_loader_sites))
 
     @property
     def unread(self) -> tuple[str, ...]:
@@ -140,8 +148,7 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
     rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                               batch_sites=followed.batch_sites, rows=run.batch_rows,
                               flags=flags, loader_sites=tuple(followed.loader_sites),
-                              script=script, evaluated=followed.evaluated_only,
-                              unread=followed.unread)
+                              script=script, use=followed.use)
     if followed.part_of_model and rewrite.ok:
         rewrite = Rewrite(reason=(
             f"{relative_site(run.dp_sites[0])}: DataParallel wraps a part of the model "
@@ -425,7 +432,9 @@ class DdpInPlace(Alternative):
                 else:
                     args = (*args[:2], share, *args[3:])
                 state.cut_batch_sampler = True
-            elif divides and batch_size:
+            uneven = False
+            if divides and batches is None and batch_size:
+                uneven = batch_size % vc.device_count() != 0
                 batch_size = -(-batch_size // vc.device_count())  # each rank's, as DDP sets it
                 state.batch_rows = state.batch_rows or batch_size
                 state.divided_loader = True
@@ -435,6 +444,8 @@ class DdpInPlace(Alternative):
                 site = script_site(sys._getframe(1))
                 if site is not None and site not in state.loader_sites:
                     state.loader_sites.append(site)
+                if uneven and site is not None and site not in state.uneven_loader_sites:
+                    state.uneven_loader_sites.append(site)
                 if site is not None:
                     made_at[loader] = site
             orig_init(loader, dataset, batch_size, *args, **kwargs)
