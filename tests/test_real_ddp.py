@@ -180,7 +180,8 @@ def test_the_installed_classes_are_torchs_own(real: type, installed: type,
             assert ours is theirs, f"{installed.__name__}.{name} is not torch's"
     extra = {n for n in vars(installed) if not n.startswith("__")} - set(dir(real))
     # names of its own are dpprof's (the DataParallel re-enactment's helpers)
-    assert all(n in ("run", "_check_placement", "as_ddp_rank", "as_written", "own_split",
+    assert all(n in ("run", "_check_placement", "as_ddp_rank", "rank_at_wrap", "as_written",
+                     "own_split",
                      "_own_forward", "own_piece", "_replicas", "_own_forward_as_rank",
                      "_class_words", "_own_forward_running") for n in extra), extra
 

@@ -34,6 +34,7 @@ from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
 from dpprof.script.ddp_loaders import LoaderUse
+from dpprof.script.ddp_rank import built_at_the_wrap
 from dpprof.script.installed_code import installed_site, is_installed
 from dpprof.script.notes import (
     about_the_share,
@@ -42,6 +43,7 @@ from dpprof.script.notes import (
     raised_on_a_share,
 )
 from dpprof.script.parallel_state import state_of
+from dpprof.script.part_of_model import PART_OF_MODEL
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
@@ -367,14 +369,6 @@ def _division(state: DdpState, world: int) -> str:
     return "; ".join(ways)
 
 
-PART_OF_MODEL = (
-    "DataParallel wraps a part of the model ({part}): the rank's DDP wraps the whole model, as "
-    "a DDP script does, every parameter's gradient in its buckets and all-reduced, the rest's "
-    "too (DDP around the part alone would leave the rest's gradients each rank's own, and "
-    "the ranks' weights apart); it is built at the part's first forward, inside the model's, "
-    "where a script builds it before its loop: the caching allocator's segments can differ "
-    "(reserved memory), the allocated bytes do not")
-
 LATE_GRADIENTS = (
     "the script calls backward() again on the outputs of one forward after DDP all-reduced "
     "that forward's gradients (a GAN's generator and discriminator losses from one call of "
@@ -468,6 +462,11 @@ class DdpInPlace(Alternative):
         patcher.patch(DataLoader, "__iter__", loader_iter)
         if state.scattered_rows > 1 and not self.model_input_rows:
             _divide_hand_made_batches(state, vc, patcher)
+
+    def dp_made(self, dp: VirtualDataParallel, site: str) -> None:
+        # where the fix builds DDP: at the wrap (dpprof.script.ddp_rank)
+        if dp.device_ids and built_at_the_wrap(site):
+            dp.rank_at_wrap(self.options)
 
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:

@@ -17,6 +17,15 @@ from torch import nn
 # torch's class, held before a run puts its own in place (a subclass of it)
 _DATA_PARALLEL = nn.DataParallel
 
+# the DDP alternative's note where its rank wraps the whole model
+PART_OF_MODEL = (
+    "DataParallel wraps a part of the model ({part}): the rank's DDP wraps the whole model, as "
+    "a DDP script does, every parameter's gradient in its buckets and all-reduced, the rest's "
+    "too (DDP around the part alone would leave the rest's gradients each rank's own, and "
+    "the ranks' weights apart); it is built at the part's first forward, inside the model's, "
+    "where a script builds it before its loop: the caching allocator's segments can differ "
+    "(reserved memory), the allocated bytes do not")
+
 
 @dataclass(frozen=True)
 class WholeModel:

@@ -102,6 +102,10 @@ class Alternative(RunStrategy):
         """The alternative's patches, through the run's ``patcher`` (undone with the run's);
         what they see goes into ``state``."""
 
+    def dp_made(self, dp: VirtualDataParallel, site: str) -> None:
+        """The script made a DataParallel wrapper at ``site`` ("file:line"): nothing, unless
+        the alternative acts on it."""
+
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         """DataParallel's forward in this alternative (as written, unless it changes it)."""

@@ -31,12 +31,12 @@ from torch.utils._pytree import tree_leaves
 from dpprof.emulator.call_sites import constructing_site
 from dpprof.emulator.data_parallel import gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP, UnusedParametersError
-from dpprof.emulator.ledgers import VariantLedger
 from dpprof.emulator.patcher import Patch
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.model_with_loss import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
+from dpprof.script.ddp_rank import build_rank
 from dpprof.script.distributed_calls import install_distributed
 from dpprof.script.engines import engines_refused
 from dpprof.script.lightning_launch import LaunchedRanks, lightning_launcher_played
@@ -64,7 +64,11 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         # balance), so every attribute is the one torch sets
         super().__init__(module, device_ids, output_device, dim)
         self._vc = vc
-        current().log.dp_sites.append(constructing_site(self))
+        site = constructing_site(self)
+        current().log.dp_sites.append(site)
+        alternative = current().alternative
+        if alternative is not None:
+            alternative.dp_made(self, site)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # a script's subclass with a forward of its own (transformer-xl's
@@ -194,10 +198,19 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                     f"device: {t.device}"
                 )
 
+    def rank_at_wrap(self, options: DdpOptions) -> None:
+        """The DDP alternative's rank built now, where the script wraps: its module moved to
+        the rank's GPU first, as the fix's ``DDP(<module>.cuda(rank), ...)`` does there."""
+        self.module.to(self.src_device_obj)
+        impl = build_rank(self._vc, self._vc.index_of(self.device_ids[0]), self.module,
+                          len(self.device_ids), options)
+        object.__setattr__(self, "_ddp_impl", impl)
+
     def as_ddp_rank(self, inputs: tuple[Any, ...], kwargs: dict[str, Any],
                     options: DdpOptions = PLAIN_DDP) -> Any:
         """The forward as one rank of DDP on cuda:0, with DDP's ``options`` (the DDP
-        alternative's; lazily built: the script may move the module after wrapping it)."""
+        alternative's): the rank built at the wrap (:meth:`rank_at_wrap`), else now
+        (:mod:`dpprof.script.ddp_rank`)."""
         vc = self._vc
         rt = vc.rt
         src = vc.index_of(self.device_ids[0])
@@ -211,21 +224,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             shared = current().whole_ddp.get(id(model)) if whole is not None else None
             impl = shared[1] if shared is not None and shared[0] is model else None
         if impl is None:
-            # DDP(gradient_as_bucket_view=True) followed in a ledger of the rank's device,
-            # from what the device holds now (the model, moved before it was wrapped)
-            ledger = VariantLedger()
-            counters = rt.storages.counters[src]
-            ledger.live_requested = ledger.peak_requested = counters.live_requested
-            ledger.live_allocated = ledger.peak_allocated = counters.live_allocated
-            rt.ledgers[src] = ledger
-            with rt.device(src):
-                impl = EmulatedDDP(model, rt, world_size=len(self.device_ids),
-                                   bucket_cap_mb=options.bucket_cap_mb,
-                                   gradient_as_bucket_view=options.gradient_as_bucket_view,
-                                   find_unused_parameters=options.find_unused_parameters,
-                                   broadcast_buffers=options.broadcast_buffers,
-                                   bucket_view_ledger=ledger, nccl_stash=True)  # GPUs' DDP
-            current().log.ddp_devices.append(src)
+            impl = build_rank(vc, src, model, len(self.device_ids), options)
             if whole is not None:
                 current().whole_ddp[id(model)] = (model, impl)
                 current().log.part_of_model = whole.words
