@@ -133,6 +133,7 @@ class _Interrupts:
         self.theirs: dict[int, Any] | None = None
         self.exiting: int | None = None  # the exit status decided: only exiting is left
         self.half_written: set[str] = set()  # temporary files a quit at once removes
+        self.pid = os.getpid()  # dpprof's process: a fork of it (a DataLoader's worker) is not
 
 
 _STATE = _Interrupts()
@@ -146,6 +147,9 @@ def _say(line: str) -> None:
 def on_stop_signal(signum: int, frame: Any = None) -> None:
     """The command line's handler of :data:`STOP_SIGNALS` (see above)."""
     state = _STATE
+    if os.getpid() != state.pid:
+        _as_without_dpprof(signum, frame)  # a process the script forked: the signal is its
+        return
     name = signal.Signals(signum).name
     if state.exiting is not None:  # all is written and said: the status stays
         os._exit(state.exiting)
@@ -200,6 +204,28 @@ def _in_a_callback(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _as_without_dpprof(signum: int, frame: Any) -> None:
+    """A stop signal in a process the script forked from dpprof's (a DataLoader's worker,
+    which torch's ``terminate()`` stops with SIGTERM), taken as the interpreter takes it
+    without dpprof: by the script's own handler, else SIGINT as KeyboardInterrupt and the
+    others by their default action, the process ended by the signal. It inherited dpprof's
+    handler, which would unwind dpprof's run in it (a partial report written over the
+    parent's, the parent's temporary files removed)."""
+    theirs = (_STATE.theirs or {}).get(signum, signal.SIG_DFL)
+    if callable(theirs):
+        theirs(signum, frame)
+        return
+    if theirs == signal.SIG_IGN:
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    _SET_HANDLER(signum, signal.SIG_DFL)  # Python's own (the script's runs replace it)
+    os.kill(os.getpid(), signum)
+
+
+_SET_HANDLER = signal.signal
 
 
 def _raise(signum: int) -> None:
