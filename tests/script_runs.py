@@ -68,3 +68,20 @@ def run_cli(folder: Path, name: str, source: str, gpus: int) -> tuple[dict[str, 
                                  "--", "python", str(script)])
     assert r.exit_code == 0, r.output
     return json.loads(out.read_text()), r.output
+
+
+def run_report(command: list[str], out: Path, options: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``dpprof run -q <options> -o out -- <command>`` as a user runs it, in the working
+    folder: the JSON report (the run must succeed)."""
+    from typer.testing import CliRunner
+
+    from dpprof.cli.app import app
+
+    r = CliRunner().invoke(app, ["run", "-q", *options, "-o", str(out), "--", *command])
+    assert r.exit_code == 0, r.output
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def peaks(scenario: dict[str, Any]) -> list[tuple[int, int]]:
+    """A reported scenario's (allocated, reserved) peak of each GPU."""
+    return [(d["peak_allocated_bytes"], d["peak_reserved_bytes"]) for d in scenario["devices"]]

@@ -7,16 +7,13 @@ applied peaks as the alternative promised, reserved memory too, to the byte."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from script_runs import peaks, run_report
 
-from dpprof.cli.app import app
 from dpprof.script.ddp_rank import built_at_the_wrap
 
 VGG = '''\
@@ -38,14 +35,6 @@ for step in range(3):
 '''
 
 
-def _run(args: list[str], out: Path, options: tuple[str, ...] = ()) -> dict[str, Any]:
-    r = CliRunner().invoke(app, ["run", "-q", *options, "-o", str(out), "--", *args])
-    assert r.exit_code == 0, r.output
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
-
-
-def _peaks(scenario: dict[str, Any]) -> list[tuple[int, int]]:
-    return [(d["peak_allocated_bytes"], d["peak_reserved_bytes"]) for d in scenario["devices"]]
 
 
 @pytest.mark.slow
@@ -58,14 +47,14 @@ def test_the_ddp_fix_applied_reserves_what_the_alternative_promised(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     (tmp_path / "train.py").write_text(VGG)
     monkeypatch.chdir(tmp_path)
-    result = _run(["python", "train.py"], tmp_path / "dp.json", ("--gpus", "2"))
+    result = run_report(["python", "train.py"], tmp_path / "dp.json", ("--gpus", "2"))
     alternative = {s["name"]: s for s in result["scenarios"]}["ddp"]
     diff = {f["name"]: f["code"] for f in result["fixes"]}["ddp"]
     subprocess.run(["patch", "-p0", "-s"], input=diff, text=True, check=True, cwd=tmp_path)
-    fixed = _run(["torchrun", "--nproc-per-node", "2", "train.py"], tmp_path / "ddp.json")
+    fixed = run_report(["torchrun", "--nproc-per-node", "2", "train.py"], tmp_path / "ddp.json")
     (ran,) = fixed["scenarios"]
     assert [d["batch_rows"] for d in ran["devices"]] == [16, 16]
-    assert _peaks(ran) == _peaks(alternative)  # reserved memory too
+    assert peaks(ran) == peaks(alternative)  # reserved memory too
 
 
 def _site(tmp_path: Path, source: str, text: str) -> str:

@@ -8,16 +8,14 @@ hand, to the byte; the loss-inside-forward alternative and the DDP diff say why 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_runs import peaks, run_report
 from torch import nn
-from typer.testing import CliRunner
 
-from dpprof.cli.app import app
 from dpprof.script.part_of_model import whole_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "dp_part_of_model.py"
@@ -30,14 +28,6 @@ BY_HAND = ('import os\nimport torch.distributed as dist\n'
 WRITTEN = "model.features = nn.DataParallel(model.features)\nmodel.cuda()\nrows = 32\n"
 
 
-def _run(args: list[str], out: Path, gpus: tuple[str, ...] = ()) -> dict[str, Any]:
-    r = CliRunner().invoke(app, ["run", "-q", *gpus, "-o", str(out), "--", *args])
-    assert r.exit_code == 0, r.output
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
-
-
-def _peaks(scenario: dict[str, Any]) -> list[tuple[int, int]]:
-    return [(d["peak_allocated_bytes"], d["peak_reserved_bytes"]) for d in scenario["devices"]]
 
 
 def test_the_ddp_rank_wraps_the_whole_model_and_peaks_as_the_ddp_script_by_hand(
@@ -48,16 +38,16 @@ def test_the_ddp_rank_wraps_the_whole_model_and_peaks_as_the_ddp_script_by_hand(
     assert source.count(WRITTEN) == 1
     (tmp_path / "by_hand.py").write_text(source.replace(WRITTEN, BY_HAND))
     monkeypatch.chdir(tmp_path)
-    result = _run(["python", SCRIPT.name], tmp_path / "dp.json", ("--gpus", "4"))
+    result = run_report(["python", SCRIPT.name], tmp_path / "dp.json", ("--gpus", "4"))
     scenarios = {s["name"]: s for s in result["scenarios"]}
     assert set(scenarios) == {"dp-loss-primary", "ddp"}
     ddp = scenarios["ddp"]
     assert any("DataParallel wraps a part of the model (Net's features): the rank's DDP wraps "
                "the whole model" in n for n in ddp["notes"]), ddp["notes"]
-    by_hand = _run(["torchrun", "--nproc-per-node", "4", "by_hand.py"], tmp_path / "ddp.json")
+    by_hand = run_report(["torchrun", "--nproc-per-node", "4", "by_hand.py"], tmp_path / "ddp.json")
     (ran,) = by_hand["scenarios"]
     assert [d["batch_rows"] for d in ran["devices"]] == [8] * 4
-    assert _peaks(ddp) == _peaks(ran)
+    assert peaks(ddp) == peaks(ran)
     # the classifier's gradients in the rank's buckets: the part's alone are far fewer
     classifier_bytes = (64 * 8 * 8 * 2048 + 2048 + 2048 * 100 + 100) * 4
     assert ddp["devices"][0]["peak_allocated_bytes"] > (

@@ -10,29 +10,17 @@ runs on both branches, each rank peaking as promised, to the byte."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
-from dpprof.cli.app import app
+from script_runs import peaks, run_report
 
 SCRIPT = Path(__file__).parent / "scripts" / "dp_resume_branches.py"
 
 
-def _run(args: list[str], out: Path, options: tuple[str, ...] = ()) -> dict[str, Any]:
-    r = CliRunner().invoke(app, ["run", "-q", *options, "-o", str(out), "--", *args])
-    assert r.exit_code == 0, r.output
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
-
-
-def _peaks(scenario: dict[str, Any]) -> list[tuple[int, int]]:
-    return [(d["peak_allocated_bytes"], d["peak_reserved_bytes"]) for d in scenario["devices"]]
 
 
 def test_both_wraps_become_ddp_and_the_fixed_script_runs_as_promised_on_both_branches(
@@ -40,7 +28,7 @@ def test_both_wraps_become_ddp_and_the_fixed_script_runs_as_promised_on_both_bra
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     shutil.copy(SCRIPT, tmp_path)
     monkeypatch.chdir(tmp_path)
-    result = _run(["python", SCRIPT.name], tmp_path / "dp.json", ("--gpus", "2"))
+    result = run_report(["python", SCRIPT.name], tmp_path / "dp.json", ("--gpus", "2"))
     fix = {f["name"]: f for f in result["fixes"]}["ddp"]
     diff = fix["code"]
     assert diff.count("+        model = DDP(model.cuda(rank), device_ids=[rank])") == 2, diff
@@ -49,19 +37,19 @@ def test_both_wraps_become_ddp_and_the_fixed_script_runs_as_promised_on_both_bra
     assert "batch_size=args.batch_size // 2" in diff
     assert "wraps model in DataParallel too, on a path this run did not take" in diff
     subprocess.run(["patch", "-p0", "-s"], input=diff, text=True, check=True, cwd=tmp_path)
-    ran = _run(["torchrun", "--nproc-per-node", "2", SCRIPT.name], tmp_path / "ddp.json")
+    ran = run_report(["torchrun", "--nproc-per-node", "2", SCRIPT.name], tmp_path / "ddp.json")
     (ddp,) = ran["scenarios"]
     assert ddp["status"] == "ok", ddp
     assert [d["batch_rows"] for d in ddp["devices"]] == [4, 4]
-    assert [p[0] for p in _peaks(ddp)] == [fix["max_peak_bytes"]] * 2
+    assert [p[0] for p in peaks(ddp)] == [fix["max_peak_bytes"]] * 2
     alternative = {s["name"]: s for s in result["scenarios"]}["ddp"]
-    assert _peaks(ddp) == _peaks(alternative)
+    assert peaks(ddp) == peaks(alternative)
     # the other branch: the checkpoint loaded, then its DDP
     import tests.scripts.dp_resume_branches as written
 
     torch.save({"model": written.Net().state_dict()}, tmp_path / "ck.pt")
-    resumed = _run(["torchrun", "--nproc-per-node", "2", SCRIPT.name, "--ckpt", "ck.pt"],
+    resumed = run_report(["torchrun", "--nproc-per-node", "2", SCRIPT.name, "--ckpt", "ck.pt"],
                    tmp_path / "resumed.json")
     (again,) = resumed["scenarios"]
-    assert again["status"] == "ok" and [p[0] for p in _peaks(again)] == [
+    assert again["status"] == "ok" and [p[0] for p in peaks(again)] == [
         fix["max_peak_bytes"]] * 2
