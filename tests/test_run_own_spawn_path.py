@@ -20,7 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dpprof.cli.app import app
-from dpprof.script.own_ddp_path import divides_itself, spawns
+from dpprof.script.ddp_diff import own_process_group
+from dpprof.script.own_ddp_path import divided_batch, divides_itself, spawns
 from dpprof.script.source import ScriptSource
 
 SCRIPT = Path(__file__).parent / "scripts" / "spawn_own_ddp.py"
@@ -149,3 +150,39 @@ def test_a_batch_size_the_path_divides_itself(statement: str, divides: bool) -> 
     assert divides_itself(ScriptSource(source, "train.py"), "args.batch_size") == (
         2 if divides else 0)
     ast.parse(source)
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    # a DataLoader's batch size divided before it is made (ImageNet's)
+    ("loader = DataLoader(ds, batch_size=args.batch_size)\n"
+     "args.batch_size = int(args.batch_size / ngpus)\n", ("args.batch_size", 2)),
+    # divided in the call that makes the loader (YOLOv5's create_dataloader)
+    ("loader, ds = create_dataloader(path, 640, batch_size // WORLD_SIZE, gs, hyp=hyp)\n",
+     ("batch_size (`batch_size // WORLD_SIZE`)", 1)),
+    ("loader = DataLoader(ds, batch_size=opt.batch // world)\n",
+     ("opt.batch (`opt.batch // world`)", 1)),
+    ("loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True)\n", None),
+    ("x = make(lr / world, steps // 2)\n", None),  # a division, not of a batch size
+])
+def test_the_batch_size_a_ddp_path_divides_is_found(source: str,
+                                                    found: tuple[str, int] | None) -> None:
+    assert divided_batch(ScriptSource(source, "train.py")) == found
+
+
+def test_a_torchrun_path_that_divides_its_batch_says_to_give_it_the_whole() -> None:
+    """YOLOv5's DDP path starts its process group under torchrun and divides ``--batch-size``
+    by the ranks itself: the fix says to give it DataParallel's whole batch (each rank's
+    share, given, would be cut again)."""
+    source = textwrap.dedent("""\
+        import os
+        import torch.distributed as dist
+        WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))
+        if WORLD_SIZE > 1:
+            dist.init_process_group("nccl")
+        loader, ds = create_dataloader(path, 640, batch_size // WORLD_SIZE, gs)
+        """)
+    reason = own_process_group(source, "/work/train.py", 2, 8)
+    assert reason.startswith("the script starts its own process group (line 5): run it as DDP "
+                             "ranks with `torchrun --nproc-per-node 2 train.py`"), reason
+    assert reason.endswith("; the script divides batch_size (`batch_size // WORLD_SIZE`) by "
+                           "the ranks itself (line 6): give it DataParallel's 8"), reason

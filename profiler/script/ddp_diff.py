@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dpprof.script.ddp_loaders import UNSEEN, LoaderUse, RankLoaders, share, share_words
 from dpprof.script.installed_code import installed_site, is_installed
-from dpprof.script.own_ddp_path import divides_itself, loader_batch_sizes, spawns
+from dpprof.script.own_ddp_path import divided_batch, spawns
 from dpprof.script.rewrite import (
     Rewrite,
     finish,
@@ -168,6 +168,10 @@ def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ..
     starts = min(c.lineno for c in calls)
     own = f" and wraps DistributedDataParallel itself (line {wraps[0]})" if wraps else ""
     name = Path(src.path).name
+    divided = divided_batch(src)
+    if divided and scattered:  # the path divides it: a batch of a rank's would be cut again
+        share += (f"; the script divides {divided[0]} by the ranks itself (line {divided[1]}): "
+                  f"give it DataParallel's {scattered}")
     started = spawns(src)
     if not started:
         raise NoRewrite(f"the script starts its own process group (line {starts}){own}: run "
@@ -181,11 +185,6 @@ def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ..
     chosen = " ".join(spawn.options)
     if spawn.options:
         when += f": the option{'s' * (len(spawn.options) > 1)} {', '.join(spawn.options)}"
-    divided = next(((b, line) for b in loader_batch_sizes(src)
-                    if (line := divides_itself(src, b))), None)
-    if divided and scattered:
-        share += (f"; the script divides {divided[0]} by the ranks itself (line {divided[1]}): "
-                  f"give it DataParallel's {scattered}")
     raise NoRewrite(
         f"the script starts its own process group (line {starts}){own} in processes it starts "
         f"itself ({spawn.call}, line {spawn.line}{when}): take that path rather than change its "

@@ -113,3 +113,22 @@ def loader_batch_sizes(src: ScriptSource) -> list[str]:
     return [src.seg(k.value) for node in ast.walk(src.tree)
             if isinstance(node, ast.Call) and last_name(node.func) == "DataLoader"
             for k in node.keywords if k.arg == "batch_size"]
+
+
+def divided_batch(src: ScriptSource) -> tuple[str, int] | None:
+    """Where the script divides its batch size by the ranks itself, as (what, line): a
+    DataLoader's ``batch_size`` it divides before making it (ImageNet's ``args.batch_size =
+    int(args.batch_size / ngpus_per_node)``), else a batch size divided in a call's arguments
+    (YOLOv5's ``create_dataloader(path, imgsz, batch_size // WORLD_SIZE, ...)``); None where
+    neither is written."""
+    for rows in loader_batch_sizes(src):
+        line = divides_itself(src, rows)
+        if line:
+            return rows, line
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Call):
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if (isinstance(arg, ast.BinOp) and isinstance(arg.op, (ast.Div, ast.FloorDiv))
+                        and "batch" in src.seg(arg.left).lower()):
+                    return f"{src.seg(arg.left)} (`{src.seg(arg)}`)", arg.lineno
+    return None
