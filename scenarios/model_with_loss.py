@@ -135,8 +135,10 @@ class ModelWithLoss(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         model = self.__dict__.get("_modules", {}).get("model")
-        if (model is not None and name not in self._OWN and not self._holds(name)
-                and hasattr(model, name)):
+        # a name of the model's, public (nn.Module's own bookkeeping, _forward_hooks and
+        # the like, which unpickling may set, stays the wrapper's)
+        if (model is not None and not name.startswith("_") and name not in self._OWN
+                and not self._holds(name) and hasattr(model, name)):
             setattr(model, name, value)  # model.module.fc = nn.Linear(...): the model's fc
             return
         super().__setattr__(name, value)
@@ -227,8 +229,8 @@ def _keys_as_given(wrapper: ModelWithLoss, incompatible: Any) -> None:
     if prefix is None:
         return
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
-        keys[:] = [prefix + k[len(prefix) + 6:] if k.startswith(f"{prefix}model.") else k
-                   for k in keys]
+        under = f"{prefix}model."
+        keys[:] = [prefix + k[len(under):] if k.startswith(under) else k for k in keys]
 
 
 def per_element(loss: torch.Tensor, operands: Any) -> tuple[torch.Tensor, torch.Tensor]:

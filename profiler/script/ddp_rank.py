@@ -15,7 +15,6 @@ is built then (:mod:`dpprof.script.part_of_model`)."""
 from __future__ import annotations
 
 import ast
-import sys
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -24,6 +23,7 @@ from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.parallel_state import current
+from dpprof.script.part_of_model import modules_in_forward
 from dpprof.script.rewrite import read_source, site_of
 from dpprof.script.source import NoRewrite, ScriptSource
 
@@ -56,12 +56,8 @@ def built_at_the_wrap(site: str) -> bool:
     """Whether the rank is built where the script made its DataParallel, at ``site``: the
     statement there binds it to a plain name (``model = nn.DataParallel(model).cuda()``) and
     no module's forward is running (the wrapper is the model the script calls)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl") and isinstance(
-                frame.f_locals.get("self"), nn.Module):
-            return False
-        frame = frame.f_back  # type: ignore[assignment]
+    if next(modules_in_forward(), None) is not None:
+        return False
     try:
         path, line = site_of(site)
         src = ScriptSource(read_source(path), path)

@@ -10,6 +10,7 @@ rank)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -40,19 +41,25 @@ class WholeModel:
         return f"{type(self.model).__name__}'s {self.name}"
 
 
-def whole_model(wrapper: nn.Module) -> WholeModel | None:
-    """The outermost module in forward on the calling stack that holds ``wrapper`` as a
-    submodule (read from the frames' ``self``: ``Module._call_impl``'s and the forwards'),
-    or None where the script calls the wrapper itself."""
-    found: nn.Module | None = None
+def modules_in_forward() -> Iterator[nn.Module]:
+    """The modules whose forward is running on the calling stack, innermost first (read from
+    the frames' ``self``: ``Module._call_impl``'s and the forwards')."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self") if frame.f_code.co_name in (
             "_call_impl", "_wrapped_call_impl", "forward") else None
-        if isinstance(owner, nn.Module) and owner is not wrapper and any(
-                m is wrapper for m in owner.modules()):
-            found = owner
+        if isinstance(owner, nn.Module):
+            yield owner
         frame = frame.f_back  # type: ignore[assignment]
+
+
+def whole_model(wrapper: nn.Module) -> WholeModel | None:
+    """The outermost module in forward on the calling stack that holds ``wrapper`` as a
+    submodule, or None where the script calls the wrapper itself."""
+    found: nn.Module | None = None
+    for owner in modules_in_forward():
+        if owner is not wrapper and any(m is wrapper for m in owner.modules()):
+            found = owner
     if found is None:
         return None
     # a model whose every trained parameter is inside a DataParallel (a GAN's module that

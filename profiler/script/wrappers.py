@@ -223,12 +223,12 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             model = whole.model if whole is not None else self.module
             shared = current().whole_ddp.get(id(model)) if whole is not None else None
             impl = shared[1] if shared is not None and shared[0] is model else None
-        if impl is None:
-            impl = build_rank(vc, src, model, len(self.device_ids), options)
-            if whole is not None:
-                current().whole_ddp[id(model)] = (model, impl)
-                current().log.part_of_model = whole.words
-        object.__setattr__(self, "_ddp_impl", impl)
+            if impl is None:
+                impl = build_rank(vc, src, model, len(self.device_ids), options)
+                if whole is not None:
+                    current().whole_ddp[id(model)] = (model, impl)
+                    current().log.part_of_model = whole.words
+            object.__setattr__(self, "_ddp_impl", impl)
         log = current().log
         log.used_devices = [src]
         # the last forward's second backward (read at the next forward: a run stops after
