@@ -15,6 +15,7 @@ is built then (:mod:`dpprof.script.part_of_model`)."""
 from __future__ import annotations
 
 import ast
+import sys
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -23,7 +24,7 @@ from dpprof.emulator.ddp import EmulatedDDP
 from dpprof.emulator.ledgers import VariantLedger
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.parallel_state import current
-from dpprof.script.part_of_model import modules_in_forward
+from dpprof.script.part_of_model import WholeModel, modules_in_forward, trains_besides
 from dpprof.script.rewrite import read_source, site_of
 from dpprof.script.source import NoRewrite, ScriptSource
 
@@ -52,10 +53,28 @@ def build_rank(vc: VirtualCuda, src: int, model: nn.Module, world: int,
     return impl
 
 
-def built_at_the_wrap(site: str) -> bool:
-    """Whether the rank is built where the script made its DataParallel, at ``site``: the
-    statement there binds it to a plain name (``model = nn.DataParallel(model).cuda()``) and
-    no module's forward is running (the wrapper is the model the script calls)."""
+def rank_of(vc: VirtualCuda, src: int, model: nn.Module, world: int, options: DdpOptions,
+            whole: WholeModel | None = None) -> EmulatedDDP:
+    """The rank's DDP around ``model``: built (:func:`build_rank`), or, where ``model`` is the
+    ``whole`` model a DataParallel is a part of, the one another part of it built already."""
+    shared = current().whole_ddp.get(id(model)) if whole is not None else None
+    if shared is not None and shared[0] is model:
+        return shared[1]
+    impl = build_rank(vc, src, model, world, options)
+    if whole is not None:
+        current().whole_ddp[id(model)] = (model, impl)
+        current().log.part_of_model = whole.words
+    return impl
+
+
+def built_at_the_wrap(site: str, wrapped: nn.Module) -> WholeModel | bool:
+    """Whether the rank is built where the script made its DataParallel (around ``wrapped``)
+    at ``site``, outside any module's forward: True where the statement there binds it to a
+    plain name (``model = nn.DataParallel(model).cuda()``: the wrapper is the model the
+    script calls); the model it is set into, where it sets it as an attribute of a model
+    that trains parameters of its own besides (``model.features =
+    nn.DataParallel(model.features)``: the rank's DDP wraps that model, whole); else False,
+    the rank built at the wrapper's first forward."""
     if next(modules_in_forward(), None) is not None:
         return False
     try:
@@ -70,4 +89,36 @@ def built_at_the_wrap(site: str) -> bool:
     stmt = max(held, key=lambda n: (n.lineno, sum(1 for _ in src.ancestors(n))))  # innermost
     targets = (stmt.targets if isinstance(stmt, ast.Assign) else
                [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
-    return len(targets) == 1 and isinstance(targets[0], ast.Name)
+    if len(targets) != 1:
+        return False
+    if isinstance(targets[0], ast.Name):
+        return True
+    if not isinstance(targets[0], ast.Attribute):
+        return False
+    owner = _value_at(path, line, targets[0].value)
+    if not isinstance(owner, nn.Module) or not trains_besides(owner, wrapped):
+        return False
+    return WholeModel(owner, targets[0].attr)
+
+
+def _value_at(path: str, line: int, node: ast.expr) -> object:
+    """What the dotted name ``node`` (``model``, ``self.net``) holds in the script's frame
+    running ``path:line``, outside a constructor (an object being built is no whole model
+    yet); None where there is no such frame or name."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.insert(0, node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_filename == path
+                                     and frame.f_lineno == line):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None or frame.f_code.co_name == "__init__":
+        return None
+    missing = object()
+    value = frame.f_locals.get(node.id, frame.f_globals.get(node.id, missing))
+    for name in names:
+        value = getattr(value, name, missing)
+    return None if value is missing else value

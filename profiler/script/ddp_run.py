@@ -43,7 +43,7 @@ from dpprof.script.notes import (
     raised_on_a_share,
 )
 from dpprof.script.parallel_state import state_of
-from dpprof.script.part_of_model import PART_OF_MODEL
+from dpprof.script.part_of_model import PART_OF_MODEL, WholeModel
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
 from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
@@ -465,8 +465,9 @@ class DdpInPlace(Alternative):
 
     def dp_made(self, dp: VirtualDataParallel, site: str) -> None:
         # where the fix builds DDP: at the wrap (dpprof.script.ddp_rank)
-        if dp.device_ids and built_at_the_wrap(site):
-            dp.rank_at_wrap(self.options)
+        where = built_at_the_wrap(site, dp.module) if dp.device_ids else False
+        if where:
+            dp.rank_at_wrap(self.options, where if isinstance(where, WholeModel) else None)
 
     def dp_forward(self, dp: VirtualDataParallel, inputs: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:

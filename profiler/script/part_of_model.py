@@ -23,9 +23,10 @@ PART_OF_MODEL = (
     "DataParallel wraps a part of the model ({part}): the rank's DDP wraps the whole model, as "
     "a DDP script does, every parameter's gradient in its buckets and all-reduced, the rest's "
     "too (DDP around the part alone would leave the rest's gradients each rank's own, and "
-    "the ranks' weights apart); it is built at the part's first forward, inside the model's, "
-    "where a script builds it before its loop: the caching allocator's segments can differ "
-    "(reserved memory), the allocated bytes do not")
+    "the ranks' weights apart); built where the script sets the wrapper into its model, or, "
+    "where that model is not to be told there, at the part's first forward, after the first "
+    "batch, where the caching allocator's segments can come out otherwise (reserved memory; "
+    "the allocated bytes do not)")
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,16 @@ def whole_model(wrapper: nn.Module) -> WholeModel | None:
     for owner in modules_in_forward():
         if owner is not wrapper and any(m is wrapper for m in owner.modules()):
             found = owner
-    if found is None:
-        return None
-    # a model whose every trained parameter is inside a DataParallel (a GAN's module that
-    # holds both networks, each wrapped): each wrap's DDP covers its own, as before
-    inside = {id(p) for m in found.modules() if isinstance(m, _DATA_PARALLEL)
-              for p in m.parameters()}
-    if not any(p.requires_grad and id(p) not in inside for p in found.parameters()):
+    if found is None or not trains_besides(found, wrapper):
         return None
     name = next(n for n, m in found.named_modules() if m is wrapper)
     return WholeModel(found, name)
+
+
+def trains_besides(model: nn.Module, part: nn.Module) -> bool:
+    """Whether ``model`` trains parameters outside ``part`` and every DataParallel it holds
+    (not so a GAN's module that holds both networks, each wrapped: each wrap's DDP covers
+    its own)."""
+    inside = {id(p) for m in [part, *model.modules()] if m is part
+              or isinstance(m, _DATA_PARALLEL) for p in m.parameters()}
+    return any(p.requires_grad and id(p) not in inside for p in model.parameters())

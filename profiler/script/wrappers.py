@@ -36,12 +36,12 @@ from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
 from dpprof.scenarios.model_with_loss import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
-from dpprof.script.ddp_rank import build_rank
+from dpprof.script.ddp_rank import rank_of
 from dpprof.script.distributed_calls import install_distributed
 from dpprof.script.engines import engines_refused
 from dpprof.script.lightning_launch import LaunchedRanks, lightning_launcher_played
 from dpprof.script.parallel_state import ScriptParallel, current, state_of
-from dpprof.script.part_of_model import whole_model
+from dpprof.script.part_of_model import WholeModel, whole_model
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -198,13 +198,15 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
                     f"device: {t.device}"
                 )
 
-    def rank_at_wrap(self, options: DdpOptions) -> None:
-        """The DDP alternative's rank built now, where the script wraps: its module moved to
-        the rank's GPU first, as the fix's ``DDP(<module>.cuda(rank), ...)`` does there."""
-        self.module.to(self.src_device_obj)
-        impl = build_rank(self._vc, self._vc.index_of(self.device_ids[0]), self.module,
-                          len(self.device_ids), options)
-        object.__setattr__(self, "_ddp_impl", impl)
+    def rank_at_wrap(self, options: DdpOptions, whole: WholeModel | None = None) -> None:
+        """The DDP alternative's rank built now, where the script wraps: around its module,
+        or the ``whole`` model it is set into, moved to the rank's GPU first, as the fix's
+        ``DDP(<module>.cuda(rank), ...)`` does there."""
+        model = self.module if whole is None else whole.model
+        model.to(self.src_device_obj)
+        object.__setattr__(self, "_ddp_impl", rank_of(
+            self._vc, self._vc.index_of(self.device_ids[0]), model, len(self.device_ids),
+            options, whole))
 
     def as_ddp_rank(self, inputs: tuple[Any, ...], kwargs: dict[str, Any],
                     options: DdpOptions = PLAIN_DDP) -> Any:
@@ -220,14 +222,8 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             # a DataParallel around a part of the model: the rank's DDP wraps the whole (one
             # reducer for all its parameters), its forward around this part's
             whole = whole_model(self)
-            model = whole.model if whole is not None else self.module
-            shared = current().whole_ddp.get(id(model)) if whole is not None else None
-            impl = shared[1] if shared is not None and shared[0] is model else None
-            if impl is None:
-                impl = build_rank(vc, src, model, len(self.device_ids), options)
-                if whole is not None:
-                    current().whole_ddp[id(model)] = (model, impl)
-                    current().log.part_of_model = whole.words
+            impl = rank_of(vc, src, self.module if whole is None else whole.model,
+                           len(self.device_ids), options, whole)
             object.__setattr__(self, "_ddp_impl", impl)
         log = current().log
         log.used_devices = [src]
