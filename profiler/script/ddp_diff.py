@@ -37,6 +37,7 @@ from dpprof.script.source import (
     data_parallel_call,
     dotted_name,
     import_line,
+    is_data_parallel,
     last_name,
     module_arg,
     parenthesized,
@@ -345,7 +346,7 @@ def _other_wraps(src: ScriptSource, dp: ast.Call) -> list[ast.Call]:
     """The other DataParallel wraps of the same module, as written, in the same function."""
     scope, module = src.scope(dp), src.seg(module_arg(dp))
     return sorted((n for n in ast.walk(scope) if isinstance(n, ast.Call) and n is not dp
-                   and last_name(n.func) == "DataParallel" and (n.args or n.keywords)
+                   and is_data_parallel(n) and (n.args or n.keywords)
                    and src.scope(n) is scope and src.seg(module_arg(n)) == module),
                   key=start_of)
 

@@ -25,8 +25,8 @@ from dpprof.emulator.ledgers import VariantLedger
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.parallel_state import current
 from dpprof.script.part_of_model import WholeModel, modules_in_forward, trains_besides
-from dpprof.script.rewrite import read_source, site_of
-from dpprof.script.source import NoRewrite, ScriptSource
+from dpprof.script.rewrite import site_of
+from dpprof.script.source import NoRewrite, running_source
 
 if TYPE_CHECKING:
     from dpprof.emulator.virtual_cuda import VirtualCuda
@@ -79,8 +79,10 @@ def built_at_the_wrap(site: str, wrapped: nn.Module) -> WholeModel | bool:
         return False
     try:
         path, line = site_of(site)
-        src = ScriptSource(read_source(path), path)
-    except (NoRewrite, ValueError):
+    except NoRewrite:
+        return False
+    src = running_source(path)
+    if src is None:
         return False
     held = [n for n in ast.walk(src.tree) if isinstance(n, ast.stmt)
             and n.lineno <= line <= (n.end_lineno or n.lineno)]

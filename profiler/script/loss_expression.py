@@ -32,7 +32,7 @@ from torch import nn
 
 from dpprof.emulator.call_sites import frame_locals
 from dpprof.scenarios.losses import LOSS_FORMS, is_loss
-from dpprof.script.source import NoRewrite, ScriptSource, dotted_name
+from dpprof.script.source import NoRewrite, ScriptSource, dotted_name, running_source
 
 _OUTPUTS = "outputs"  # the parameter's name where the model's call is inside the loss call
 
@@ -123,24 +123,6 @@ def loss_function(src: ScriptSource, loss: ast.Call, outputs_name: str,
 
 # ---- in the running script -------------------------------------------------------------
 
-_SOURCES: dict[str, ScriptSource] = {}
-
-
-def _source(path: str) -> ScriptSource | None:
-    import linecache
-
-    text = "".join(linecache.getlines(path))
-    held = _SOURCES.get(path)
-    if held is not None and held.text == text:
-        return held
-    try:
-        src = ScriptSource(text, path)
-    except NoRewrite:
-        return None
-    _SOURCES[path] = src
-    return src
-
-
 def _statement_at(src: ScriptSource, line: int) -> ast.stmt | None:
     """The innermost statement whose lines hold ``line``."""
     best: ast.stmt | None = None
@@ -209,7 +191,7 @@ def losses_in_frame(frame: FrameType, is_outputs: Callable[[Any], bool], model: 
     path, line = frame.f_code.co_filename, frame.f_lineno
     where = f"{Path(path).name}:{line}"
     names = _names_of(frame)
-    src = _source(path)
+    src = running_source(path)
     stmt = _statement_at(src, line) if src is not None else None
     if src is None or stmt is None:
         return f"the outputs are used at {where}, whose source dpprof cannot read"
@@ -271,7 +253,7 @@ def parts_bound(frame: FrameType, is_outputs: Callable[[Any], bool], model: nn.M
     values (``logits = outputs.logits``, ``out = model(x)[0]``, ``logits =
     out[:, :-1].float()``); None for any other statement."""
     path, line = frame.f_code.co_filename, frame.f_lineno
-    src = _source(path)
+    src = running_source(path)
     stmt = _statement_at(src, line) if src is not None else None
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
         return None

@@ -297,14 +297,35 @@ def calls_at(src: ScriptSource, line: int) -> list[ast.Call]:
     return sorted(calls, key=lambda c: (c.lineno != line, -c.lineno, -c.col_offset))
 
 
-def _is_data_parallel(call: ast.Call) -> bool:
+def is_data_parallel(call: ast.Call) -> bool:
+    """Whether ``call`` makes an ``nn.DataParallel`` (any spelling of torch's name)."""
     return last_name(call.func) == "DataParallel"
+
+
+_RUNNING: dict[str, ScriptSource] = {}
+
+
+def running_source(path: str) -> ScriptSource | None:
+    """The source of ``path`` as the running script has it (Python's line cache), parsed
+    once while it stays the same; None where it does not parse."""
+    import linecache
+
+    text = "".join(linecache.getlines(path))
+    held = _RUNNING.get(path)
+    if held is not None and held.text == text:
+        return held
+    try:
+        src = ScriptSource(text, path)
+    except NoRewrite:
+        return None
+    _RUNNING[path] = src
+    return src
 
 
 def data_parallel_call(src: ScriptSource, line: int) -> ast.Call:
     """The ``nn.DataParallel(...)`` call on ``line``."""
     for call in calls_at(src, line):
-        if _is_data_parallel(call):
+        if is_data_parallel(call):
             return call
     if any(last_name(call.func) == "data_parallel" for call in calls_at(src, line)):
         raise NoRewrite(f"line {line}: nn.parallel.data_parallel(...) runs on every call, so "
