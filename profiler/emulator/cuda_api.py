@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -335,19 +336,25 @@ def accelerator(vc: EmulatedCuda, p: Patch) -> None:
                 p(m, "get_memory_info", cuda.mem_get_info)
 
 
+class _ThreadSideStreams(threading.local):
+    """One thread's current side streams: runtime device -> its stream (absent: the
+    default)."""
+
+    def __init__(self) -> None:
+        self.current: dict[int, Stream] = {}
+
+
 class CurrentStreams:
     """Which stream is current on each virtual device (``torch.cuda.current_stream``,
     ``set_stream``, ``torch.cuda.stream(s)``), told to the runtime
     (:meth:`dpprof.emulator.storage_ledger.StorageLedger.set_stream`) so that each allocation
     is known to be its stream's: FSDP2 allocates its all-gather and reduce-scatter buffers
     on streams of its own, and the caching allocator never lends one stream's free blocks
-    to another. One current stream per device for the whole process, where CUDA keeps one
-    per thread: the threads besides the program's (DataParallel's replicas) only make the
-    default stream current."""
+    to another. Each thread has its own current streams, as in CUDA."""
 
     def __init__(self, vc: EmulatedCuda) -> None:
         self.vc = vc
-        self._current: dict[int, Stream] = {}  # runtime device -> its current side stream
+        self._threads = _ThreadSideStreams()
         self._defaults: dict[int, Stream] = {}
 
     def _index(self, device: Any) -> int:
@@ -366,7 +373,7 @@ class CurrentStreams:
 
     def current(self, device: Any = None) -> Stream:
         i = self._index(device)
-        return self._current.get(i) or self._default_at(i)
+        return self._threads.current.get(i) or self._default_at(i)
 
     def set(self, stream: Any) -> None:
         if stream is None:
@@ -374,9 +381,9 @@ class CurrentStreams:
         i = self._index(stream.device)
         sid = getattr(stream, "stream_id", 0)
         if sid:
-            self._current[i] = stream
+            self._threads.current[i] = stream
         else:
-            self._current.pop(i, None)
+            self._threads.current.pop(i, None)
         self.vc.rt.storages.set_stream(i, sid)
 
     @contextlib.contextmanager

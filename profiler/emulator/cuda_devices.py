@@ -122,7 +122,6 @@ class CudaDevices(VirtualDevices):
         # storages made over meta by factories whose values follow from numbers alone
         # (linspace, arange, ...): their recipe, to answer a read with the real values
         self.numeric_recipes: dict[int, tuple[weakref.ref[Any], Any, Any, dict[str, Any]]] = {}
-        self.in_dispatch = 0
         self.saw_convolution = False  # cuDNN's library is loaded where convolutions run
         # a convolution ran with torch.backends.cudnn.benchmark on: on a GPU its shape's first
         # call times cuDNN's engines in a workspace this emulation does not size
@@ -250,9 +249,23 @@ class CudaDevices(VirtualDevices):
             return self.base, self._state.meta_device
         return self.base, None
 
+    @property
+    def in_dispatch(self) -> int:
+        """How deep this thread is in the emulation's own dispatch (tensors show their real,
+        meta device meanwhile)."""
+        return self._state.in_dispatch
+
+    @in_dispatch.setter
+    def in_dispatch(self, depth: int) -> None:
+        self._state.in_dispatch = depth
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if types and (sub := subclass_in(types)) is not None:  # a DTensor, a FakeTensor
             return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
+        with self.one_op_at_a_time:
+            return self._by_rule(func, types, args, kwargs)
+
+    def _by_rule(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         user_meta = self.user_meta
         if user_meta.asking:
             return self._on_user_meta(func, args, kwargs or {})

@@ -4,7 +4,7 @@ device index of the host; the error a real GPU's refusal becomes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
 
 HOST = -1  # the device index of the host
 
@@ -13,16 +13,35 @@ class VirtualDeviceError(RuntimeError):
     """The program did something a real GPU would refuse (tensors on two devices)."""
 
 
-@dataclass
-class DispatchState:
+class DispatchState(threading.local):
     """The contexts the dispatch mode's callers have entered (one object, shared by the
-    mode and its parts: every storage allocated reads the category and the phase)."""
+    mode and its parts: every storage allocated reads the category and the phase).
 
-    category: str = "activations"
-    device: int = HOST
-    forced: int | None = None  # place every new storage here (copies between devices)
-    allow_cross: bool = False
-    phase: str = ""
-    # torch's own code that names the device of an emulated tensor (``device=x.device``,
-    # which is meta underneath) means this virtual device (None: the rules of dispatch)
-    meta_device: int | None = None
+    Each thread has its own, as CUDA keeps the current device per thread: a thread the
+    program starts (:mod:`dpprof.emulator.script_threads`) places its copies and factories
+    by its own contexts while the program's thread is inside others."""
+
+    def __init__(self) -> None:
+        self.category = "activations"
+        self.device = HOST
+        self.forced: int | None = None  # place every new storage here (copies between devices)
+        self.allow_cross = False
+        self.phase = ""
+        # torch's own code that names the device of an emulated tensor (``device=x.device``,
+        # which is meta underneath) means this virtual device (None: the rules of dispatch)
+        self.meta_device: int | None = None
+        # the device of the last op with device tensor inputs (a factory inside a backward
+        # node goes there, as CUDA's engine runs each node under its device's guard)
+        self.last_device: int | None = None
+        # depth of the emulation's own dispatch on this thread (tensors show their real,
+        # meta device meanwhile)
+        self.in_dispatch = 0
+
+    def inherited(self) -> tuple[str, str]:
+        """What a thread started now takes of this thread's state, for :meth:`adopt` on the
+        new thread: the category and the phase (its allocations are filed as the work that
+        started it); the device and the rest start afresh, as CUDA's do."""
+        return self.category, self.phase
+
+    def adopt(self, inherited: tuple[str, str]) -> None:
+        self.category, self.phase = inherited

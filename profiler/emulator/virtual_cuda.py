@@ -58,6 +58,7 @@ from dpprof.emulator import (
     emulated_cuda,
     plain_composites,
     profilers,
+    script_threads,
     sync_batch_norm,
     tensor_api,
 )
@@ -128,6 +129,14 @@ def parse_visible_devices(value: str | None, physical: int) -> list[int]:
 
 
 
+class _ThreadOnGpus(threading.local):
+    """One thread's CUDA state: its current device, and whether it runs on the virtual
+    GPUs (the class's values until the thread sets its own)."""
+
+    device = 0
+    on_gpus = False
+
+
 class VirtualCuda:
     """Context manager: ``torch.cuda`` played by ``num_gpus`` virtual GPUs (see the module).
 
@@ -148,7 +157,6 @@ class VirtualCuda:
         self.base = self.rt.base
         self.capacity_bytes = gpu_memory_bytes or self.spec.total_memory_bytes
         self._visible: list[int] | None = None
-        self._current = 0
         # torch.cuda's memory functions, answered from the runtime's ledger
         self.memory = CudaMemory(self.rt, self.capacity_bytes, self._dev)
         # NVML's activity readings answered with stand-ins, by the line that read them
@@ -160,8 +168,10 @@ class VirtualCuda:
         self.nccl_bytes_on: Callable[[int], int] = lambda device: 0
         self._patcher = Patcher()
         self._stack = contextlib.ExitStack()
-        self._local = threading.local()
-        self._thread = threading.get_ident()  # the emulation's (set again on entry)
+        # each thread's current device (CUDA's is per thread, 0 on a new one) and whether
+        # the thread runs on the virtual GPUs (the emulation's, and the threads the program
+        # starts: dpprof.emulator.script_threads)
+        self._local = _ThreadOnGpus()
         # the script's lines that moved tensors to a GPU on a thread of its own
         self.other_thread_sites: dict[str, None] = {}
         self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``
@@ -204,7 +214,7 @@ class VirtualCuda:
         """The current device: the replica's inside DataParallel's threads, else the one
         set with ``set_device``."""
         d = self.rt.current_device
-        return d if d != HOST else self._current
+        return d if d != HOST else self._local.device
 
     def index_of(self, device: Any) -> int:
         """The runtime's device index for a cuda device the program names (logical index
@@ -229,7 +239,7 @@ class VirtualCuda:
         i = device_index(device)
         if i is not None and i >= 0:
             self.index_of(i)  # validates
-            self._current = i
+            self._local.device = i
 
     @contextlib.contextmanager
     def device(self, device: Any) -> Iterator[None]:
@@ -237,12 +247,12 @@ class VirtualCuda:
         if i is None or i < 0:
             yield
             return
-        prev = self._current
+        prev = self._local.device
         self.set_device(i)
         try:
             yield
         finally:
-            self._current = prev
+            self._local.device = prev
 
     def properties(self, device: Any = None) -> _DeviceProperties:
         i = self.index_of(device if device is not None else self.current_device())
@@ -260,16 +270,16 @@ class VirtualCuda:
         return self.index_of(device if device is not None else self.current_device())
 
     def other_threads_note(self) -> str:
-        """The report's words on tensors the script moved to a GPU on a thread of its own
-        ("": none did)."""
+        """The report's words on tensors moved to a GPU on a thread off the virtual GPUs
+        ("": none was): one not started through ``threading`` while the script ran (every
+        thread it starts so runs on them, :mod:`dpprof.emulator.script_threads`)."""
         if not self.other_thread_sites:
             return ""
-        return (f"the script moved tensors to a GPU on a thread of its own "
-                f"({', '.join(list(self.other_thread_sites)[:3])}): dpprof emulates the GPUs "
-                "on the thread the script runs on, so the memory of what such a thread "
-                "allocates is not counted (the figures are low by it) and the two threads' "
-                "devices and categories may mix; move them on the training loop's thread "
-                "(the DataLoader's pin_memory=True copies nothing to the GPU)")
+        return (f"the script moved tensors to a GPU on a thread dpprof did not see start "
+                f"({', '.join(list(self.other_thread_sites)[:3])}; not a threading.Thread "
+                "started while the script ran, which runs on the virtual GPUs as the "
+                "script's own thread does): what such a thread allocates is not counted (the "
+                "figures are low by it); start it with threading.Thread")
 
     # ---- tensors -----------------------------------------------------------------------
 
@@ -277,7 +287,7 @@ class VirtualCuda:
              real: torch.device | None = None) -> torch.Tensor:
         """A copy of ``t`` on runtime device ``index`` (HOST: the host) as ``dtype``."""
         rt = self.rt
-        if index != HOST and threading.get_ident() != self._thread:
+        if index != HOST and not self._local.on_gpus:
             self.other_thread_sites.setdefault(caller_site(), None)
         dtype = dtype or t.dtype
         with rt.placing_on(index):
@@ -452,12 +462,19 @@ class VirtualCuda:
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._patcher.patch(owner, name, value)
 
+    def enter_thread(self) -> None:
+        """This thread runs on the virtual GPUs from now on (one the program started)."""
+        self._local.on_gpus = True
+
+    def leave_thread(self) -> None:
+        self._local.on_gpus = False
+
     def enter_context(self, cm: contextlib.AbstractContextManager[Any]) -> Any:
         """Enter ``cm`` until this emulation ends (its patches undone with the others)."""
         return self._stack.enter_context(cm)
 
     def __enter__(self) -> VirtualCuda:
-        self._thread = threading.get_ident()
+        self._local.on_gpus = True
         emulated_cuda.activate(self)
         self.active = True
         try:
@@ -499,6 +516,7 @@ class VirtualCuda:
         self._patcher.restore()
         self._stack.close()
         self.active = False
+        self._local.on_gpus = False
         emulated_cuda.deactivate()
         keras_core = sys.modules.get("keras.src.backend.torch.core")
         if (keras_core is not None and str(getattr(keras_core, "DEFAULT_DEVICE", "")) ==
@@ -515,6 +533,7 @@ class VirtualCuda:
         p = self._patch
         cuda_api.install(vc, p)
         tensor_api.install(vc, p)
+        script_threads.install(vc, p)
 
         # Keras 3 on torch picks its device once, at import: a Keras imported before the
         # GPUs appeared must place its variables and inputs on them too

@@ -23,6 +23,7 @@ events (:attr:`~VirtualDevices.ledgers`, :class:`~dpprof.emulator.ledgers.Varian
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Collection, Iterator, Set
 from typing import Any
 
@@ -84,7 +85,9 @@ class VirtualDevices(TorchDispatchMode):
         self.ledgers = VariantLedgers()  # device -> a variant of its allocations
         self.storages.followers = (self.mirrors, self.ledgers)
         self.memo = MetaOpRunner()
-        self._last_device: int | None = None  # of the last op with device tensor inputs
+        # one op at a time: the threads the program starts dispatch here too
+        # (dpprof.emulator.script_threads), and an op's accounting is several steps
+        self.one_op_at_a_time = threading.RLock()
         # ops whose kernel on the target GPU allocates buffers of its own that the meta
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
@@ -182,6 +185,14 @@ class VirtualDevices(TorchDispatchMode):
     def current_category(self) -> str:
         return self._state.category
 
+    def thread_inheritance(self) -> tuple[str, str]:
+        """What a thread started now takes of this thread's dispatch state, for
+        :meth:`adopt_inheritance` on the new thread (:mod:`dpprof.emulator.script_threads`)."""
+        return self._state.inherited()
+
+    def adopt_inheritance(self, inherited: tuple[str, str]) -> None:
+        self._state.adopt(inherited)
+
     # ---- across the parts -------------------------------------------------------------
 
     def reset_peaks(self) -> None:
@@ -211,7 +222,8 @@ class VirtualDevices(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if types and (sub := subclass_in(types)) is not None:
             return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
-        return self.count_dispatch(func, types, args, kwargs)
+        with self.one_op_at_a_time:
+            return self.count_dispatch(func, types, args, kwargs)
 
     def count_dispatch(self, func: Any, types: Any, args: Any = (),
                        kwargs: Any = None) -> Any:
@@ -246,14 +258,15 @@ class VirtualDevices(TorchDispatchMode):
             target = placed
         elif devices:
             target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
-            self._last_device = target
+            self._state.last_device = target
         elif saw_host:
             target = HOST
-        elif self._last_device is not None and torch._C._current_graph_task_id() != -1:
+        elif (self._state.last_device is not None
+              and torch._C._current_graph_task_id() != -1):
             # a factory inside a backward node (``at::zeros`` in a backward formula): CUDA's
             # engine runs each node under its device's guard; here, the device of the
             # node's tensors, the last ones an op read
-            target = self._last_device
+            target = self._state.last_device
         else:
             target = self._state.device  # a factory: the current device
         self._log(func, args, kwargs, out, target, devices, saw_host, key)
@@ -310,11 +323,11 @@ class VirtualDevices(TorchDispatchMode):
             target = placed
         elif devices:
             target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
-            self._last_device = target
+            self._state.last_device = target
         elif outside or saw_host:
             return out  # the host's inputs only: the host's output
-        elif self._last_device is not None and torch._C._current_graph_task_id() != -1:
-            target = self._last_device  # a factory inside a backward node, as above
+        elif state.last_device is not None and torch._C._current_graph_task_id() != -1:
+            target = state.last_device  # a factory inside a backward node, as above
         else:
             target = state.device
         if target == HOST:
