@@ -147,3 +147,46 @@ def test_batches_moved_to_the_gpu_on_a_background_thread_are_counted(
     batch_bytes = 256 * 512 * 4
     assert (background.devices[0].peak_allocated_bytes
             >= here.devices[0].peak_allocated_bytes + batch_bytes)
+
+
+IN_A_THREAD = """
+import threading
+
+import torch
+from torch import nn
+
+
+def train():
+    model = nn.DataParallel(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(),
+                                          nn.Linear(1024, 10)).cuda())
+    opt = torch.optim.Adam(model.parameters())
+    for step in range(100):
+        x, y = torch.randn(64, 256).cuda(), torch.randint(0, 10, (64,)).cuda()
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+{start}
+"""
+
+
+@pytest.mark.parametrize("start", ["train()", "t = threading.Thread(target=train)\n"
+                                                "t.start()\nt.join()"])
+def test_a_training_loop_on_a_thread_is_measured_and_stopped_after_its_steps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], start: str) -> None:
+    """The loop on a thread the script starts is measured as on the script's own thread,
+    and stopped after --steps there without a traceback (dpprof's stop, not the script's
+    error)."""
+    script = tmp_path / "train.py"
+    script.write_text(IN_A_THREAD.format(start=start))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 2),
+                                         steps=3), alternatives=False)
+    (scenario,) = result.scenarios
+    assert scenario.status == "ok", scenario.message
+    assert result.config["steps_done"]["as-written"] == 3
+    assert "Traceback" not in capsys.readouterr().err
+    if start != "train()":
+        here = _run(tmp_path, "here.py", IN_A_THREAD.format(start="train()"), 2)
+        assert _peaks(scenario) == _peaks(here)

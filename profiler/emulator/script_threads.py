@@ -14,7 +14,10 @@ filed under the category and phase of the work that started it.
 
 The runtime takes one op at a time (its accounting is several steps), so threads interleave
 between ops as the GIL lets them; the peak is that of the interleaving this run took, as a
-GPU's is of the timing its run took. Threads started by dpprof itself are left alone.
+GPU's is of the timing its run took. A thread's matmuls share the cuBLAS workspace of the
+program's thread (on a GPU, a thread takes a handle from torch's per-device pool,
+``CublasHandlePool.cpp``: a new one, with a workspace of its own, where none is free).
+Threads started by dpprof itself are left alone.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def _run_on_gpus(vc: VirtualCuda, run: Callable[[], None],
     _push_mode(vc.rt)
     try:
         run()
+    except vc.quiet_thread_ends:
+        pass  # the caller's own stop (dpprof run's, after --steps) ends the thread quietly
     finally:
         _pop_mode()
         vc.leave_thread()

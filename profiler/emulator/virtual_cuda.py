@@ -142,14 +142,16 @@ class VirtualCuda:
 
     ``rt`` may be given (a :class:`CudaDevices`); otherwise one is made over ``base``.
     ``on_data_parallel`` builds what ``nn.DataParallel(...)`` returns (default: the
-    re-enactment, :class:`VirtualDataParallel`).
+    re-enactment, :class:`VirtualDataParallel`). ``quiet_thread_ends``: what ends a thread
+    the program started without a traceback (the caller's own stop).
     """
 
     def __init__(self, num_gpus: int = 4, gpu: str | GpuSpec = "a100-80gb",
                  base: str = "meta", rt: CudaDevices | None = None,
                  gpu_memory_bytes: int | None = None, enter_runtime: bool = True,
                  honour_visible_devices: bool = True,
-                 installers: Sequence[Callable[[VirtualCuda, Patch], None]] = ()) -> None:
+                 installers: Sequence[Callable[[VirtualCuda, Patch], None]] = (),
+                 quiet_thread_ends: tuple[type[BaseException], ...] = ()) -> None:
         self.spec = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
         self.physical = num_gpus
         self.rt = rt or CudaDevices(num_gpus, base)
@@ -172,6 +174,7 @@ class VirtualCuda:
         # the thread runs on the virtual GPUs (the emulation's, and the threads the program
         # starts: dpprof.emulator.script_threads)
         self._local = _ThreadOnGpus()
+        self.quiet_thread_ends = quiet_thread_ends
         # the script's lines that moved tensors to a GPU on a thread of its own
         self.other_thread_sites: dict[str, None] = {}
         self.enter_runtime = enter_runtime  # False: the caller has entered ``rt``

@@ -36,6 +36,7 @@ from dpprof.script import ddp_diff
 from dpprof.script.ddp_loaders import LoaderUse
 from dpprof.script.ddp_rank import built_at_the_wrap
 from dpprof.script.installed_code import installed_site, is_installed
+from dpprof.script.losses_on_replicas import with_criteria_unwrapped
 from dpprof.script.notes import (
     about_the_share,
     alternative_fix,
@@ -102,6 +103,8 @@ class DdpState(AlternativeState):
     # the DataParallel wraps a part of the model, and the rank's DDP the whole ("VGG's
     # features"; "": what the script calls)
     part_of_model: str = ""
+    # how the rank applied a criterion the script wraps in DataParallel (no DDP), in words
+    rank_criteria: tuple[str, ...] = ()
 
     @property
     def evaluated_only(self) -> tuple[str, ...]:
@@ -163,7 +166,7 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
             f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
             "passes the model the batch as loaded: give it what that makes for one GPU (the "
             "rank's), as the DDP alternative measured")))
-    return rewrite_text(rewrite)
+    return rewrite_text(with_criteria_unwrapped(rewrite, followed.rank_criteria))
 
 
 def library_wrap(site: str, gpus: int, rows: int, options: tuple[str, ...] = ()) -> str:
@@ -492,6 +495,7 @@ class DdpInPlace(Alternative):
         state.rank_scatter = state_of(vc).log.rank_scatter
         state.late_gradients = state_of(vc).log.ddp_late_gradients
         state.part_of_model = state_of(vc).log.part_of_model
+        state.rank_criteria = tuple(state_of(vc).log.rank_criteria)
         state.batch_division = _division(state, vc.device_count())
         state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
@@ -578,7 +582,7 @@ class DdpInPlace(Alternative):
         alt.scenario = dataclasses.replace(alt.scenario, notes=(
             self.sentence.format(n=n), f"each rank's share: {followed.batch_division}",
             *([share] if share else []), *([late] if late else []),
-            *([part] if part else []), *alt.scenario.notes,
+            *([part] if part else []), *followed.rank_criteria, *alt.scenario.notes,
             *alternative_notes(alt)))
         runs.runs.append((self.name, alt))
         fix = alternative_fix(self.kind, main, alt, self.detail.format(gpus=n),

@@ -47,6 +47,9 @@ class ParallelLog:
     # the DataParallel subclass's own piece that gave a DDP rank its inputs, in words ("":
     # none): "PerGpuBatches's own scatter", "DataParallel's own forward" (PyG's)
     rank_scatter: str = ""
+    # how a DDP rank applied a criterion the script wraps in DataParallel, in words
+    # (dpprof.script.losses_on_replicas)
+    rank_criteria: list[str] = field(default_factory=list)
     # the DataParallel wraps a part of the model, whose rank of DDP wraps the whole model, in
     # words ("VGG's features"; "": it wraps what the script calls)
     part_of_model: str = ""

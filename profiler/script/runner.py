@@ -279,7 +279,8 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     launch = as_rank(cfg.launch, cfg.rank)
     launch.check_script()
     vc = VirtualCuda(cfg.gpus, cfg.gpu, base="cpu" if cfg.compute else "meta",
-                     gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install])
+                     gpu_memory_bytes=cfg.capacity_bytes, installers=[wrappers.install],
+                     quiet_thread_ends=(StopScript,))  # a loop on a thread of the script's
     rt = vc.rt
     guard = OomGuard(vc.memory, functools.partial(beside_tensors_bytes, vc), vc.logical)
     if cfg.raise_oom:
@@ -293,8 +294,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     state = alternative.new_state(cfg) if alternative is not None else None
     run = ScriptRun(scenario=ScenarioResult(name=AS_WRITTEN), variant=cfg.variant,
                     rung=cfg.rung.name if cfg.rung is not None else None, rank=cfg.rank,
-                    local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)),
-                    alternative_state=state)
+                    local_rank=int(launch.env.get("LOCAL_RANK", cfg.rank)), alternative_state=state)
     vc.nccl_bytes_on = NcclOnDevices(vc, cfg, run.local_rank)
     # torch.autocast("cuda") in the script: re-enacted as on a GPU (autocast's CUDA lists)
     autocast = CudaAutocastNames()

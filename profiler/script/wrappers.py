@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import functools
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,12 +34,17 @@ from dpprof.emulator.ddp import UNREAPED_BUCKETS, EmulatedDDP, UnusedParametersE
 from dpprof.emulator.patcher import Patch
 from dpprof.emulator.process_group import rank_group, reap_all
 from dpprof.emulator.virtual_cuda import active
-from dpprof.scenarios.model_with_loss import ModelWithLoss
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script.ddp_rank import rank_of
 from dpprof.script.distributed_calls import install_distributed
 from dpprof.script.engines import engines_refused
 from dpprof.script.lightning_launch import LaunchedRanks, lightning_launcher_played
+from dpprof.script.losses_on_replicas import (
+    criterion_on_the_rank,
+    note_loss_on_each_gpu,
+    note_replica_losses,
+    wraps_a_criterion,
+)
 from dpprof.script.parallel_state import ScriptParallel, current, state_of
 from dpprof.script.part_of_model import WholeModel, whole_model
 
@@ -106,12 +111,12 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         """How the script's subclass splits the batch its own way, its name first ("":
         DataParallel's split)."""
         if type(self)._own_forward is not None:
-            return f"{self._class_words()} splits the batch in a forward of its own"
+            return f"{self.class_words()} splits the batch in a forward of its own"
         if self.own_piece("scatter"):
-            return f"{self._class_words()} splits the batch with a scatter of its own"
+            return f"{self.class_words()} splits the batch with a scatter of its own"
         return ""
 
-    def _class_words(self) -> str:
+    def class_words(self) -> str:
         """The subclass's name; a library's of torch's own name with its module
         (``torch_geometric.nn.data_parallel.DataParallel``)."""
         cls = type(self)
@@ -124,7 +129,9 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         if own is None:
             return self.run(self.module, inputs, kwargs)
         with self._own_forward_running():
-            return own(self, *inputs, **kwargs)
+            result = own(self, *inputs, **kwargs)
+        note_loss_on_each_gpu(self, result)
+        return result
 
     @contextlib.contextmanager
     def _own_forward_running(self) -> Iterator[None]:
@@ -167,7 +174,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             outputs = self.parallel_apply(replicas, inputs, module_kwargs)
         else:
             outputs = parallel_apply(rt, replicas, inputs, module_kwargs, used)
-        _note_replica_losses(module, outputs)
+        note_replica_losses(module, outputs)
         with rt.category("outputs"):
             if self.own_piece("gather"):
                 return self.gather(outputs, self.output_device)
@@ -183,7 +190,7 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
             log.own_replicate = log.own_replicate or (
                 "the script replaces its DataParallel's replicate on the instance"
                 if "replicate" in self.__dict__ else
-                f"the script's DataParallel subclass {self._class_words()} replaces "
+                f"the script's DataParallel subclass {self.class_words()} replaces "
                 "DataParallel's replicate")
         return cast("list[nn.Module]", replicate(self._vc.rt, module, used,
                                                  not torch.is_grad_enabled()))
@@ -217,6 +224,13 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         rt = vc.rt
         src = vc.index_of(self.device_ids[0])
         self._check_placement(src)
+        own = type(self)._own_forward
+        if wraps_a_criterion(self):  # no DDP around it: dpprof.script.losses_on_replicas
+            with rt.category("inputs"):
+                inputs, kwargs = scatter(rt, (inputs, kwargs), [src], self.dim)[0] if (
+                    inputs or kwargs) else ((), {})
+            with rt.device(src):
+                return criterion_on_the_rank(self, own is not None, inputs, kwargs)
         impl: EmulatedDDP | None = self.__dict__.get("_ddp_impl")
         if impl is None:
             # a DataParallel around a part of the model: the rank's DDP wraps the whole (one
@@ -231,18 +245,17 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         # its steps, each with a forward after the one before)
         log.ddp_late_gradients = log.ddp_late_gradients or impl.late_gradients > 0
 
-        own = type(self)._own_forward
         if own is not None and not any(isinstance(t, torch.Tensor)
                                        for t in tree_leaves((inputs, kwargs))):
             # inputs no scatter can split (PyG's list of graphs): the subclass's forward,
             # on the rank's one GPU, makes them (a Batch of the rank's graphs)
-            log.rank_scatter = f"{self._class_words()}'s own forward"
+            log.rank_scatter = f"{self.class_words()}'s own forward"
             return self._own_forward_as_rank(own, impl, src, inputs, kwargs)
         with rt.category("inputs"):
             if self.own_piece("scatter") and own is None:
                 # a rank is DataParallel on its one GPU, torch's forward calling the
                 # script's scatter (a forward of the script's own calls it its own way)
-                log.rank_scatter = f"{self._class_words()}'s own scatter"
+                log.rank_scatter = f"{self.class_words()}'s own scatter"
                 shards, shard_kwargs = self.scatter(inputs, kwargs, self.device_ids[:1])
                 moved = (tuple(shards[0]), dict(shard_kwargs[0])) if shards else ((), {})
             else:
@@ -272,17 +285,6 @@ class VirtualDataParallel(_DataParallel):  # type: ignore[misc,type-arg]
         finally:
             noting.remove()
             self.device_ids, self._modules["module"] = held
-
-
-def _note_replica_losses(module: nn.Module, outputs: Sequence[Any]) -> None:
-    """The replicas computed their losses: the loss is inside forward (with ModelWithLoss's
-    keep_outputs, or a model that returns its loss under "loss" beside its other outputs, as
-    Hugging Face's do, the outputs gathered beside it)."""
-    if isinstance(module, ModelWithLoss) or all(
-            t.numel() == 1 for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)) or (
-            outputs and isinstance(outputs[0], Mapping)
-            and isinstance(outputs[0].get("loss"), torch.Tensor)):
-        current().log.replica_scalars = True
 
 
 @contextlib.contextmanager
@@ -546,7 +548,7 @@ def parallel_apply_on_virtual_devices(modules: Sequence[nn.Module], inputs: Sequ
         except Exception:
             ExceptionWrapper(where=f"in replica {k} on device {indices[k]}").reraise()
     if modules and torch.is_grad_enabled():  # a subclass's forward, or its parallel_apply
-        _note_replica_losses(modules[0], outputs)
+        note_replica_losses(modules[0], outputs)
     return outputs
 
 
