@@ -36,7 +36,7 @@ from dpprof.emulator.stand_in_values import (
 )
 from dpprof.emulator.user_meta import CANNOT_COPY_OUT, UserMeta, asked_by_program
 from dpprof.emulator.value_shapes import by_mask_positions, by_values
-from dpprof.emulator.virtual_devices import SUBCLASS, VirtualDevices, subclass_in
+from dpprof.emulator.virtual_devices import VirtualDevices
 from dpprof.emulator.zero_pages import host_zeros
 
 aten = torch.ops.aten
@@ -246,26 +246,10 @@ class CudaDevices(VirtualDevices):
         if device.type == "meta" and self.cuda is not None:
             # x.device of an emulated tensor seen by torch's own code: the current GPU
             # where a caller said which (meta_on), else the rules of dispatch
-            return self.base, self._state.meta_device
+            return self.base, self.state.meta_device
         return self.base, None
 
-    @property
-    def in_dispatch(self) -> int:
-        """How deep this thread is in the emulation's own dispatch (tensors show their real,
-        meta device meanwhile)."""
-        return self._state.in_dispatch
-
-    @in_dispatch.setter
-    def in_dispatch(self, depth: int) -> None:
-        self._state.in_dispatch = depth
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if types and (sub := subclass_in(types)) is not None:  # a DTensor, a FakeTensor
-            return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
-        with self.one_op_at_a_time:
-            return self._by_rule(func, types, args, kwargs)
-
-    def _by_rule(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    def dispatch_one(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         user_meta = self.user_meta
         if user_meta.asking:
             return self._on_user_meta(func, args, kwargs or {})
@@ -286,7 +270,7 @@ class CudaDevices(VirtualDevices):
         the program asking for them (:func:`dpprof.emulator.user_meta.asked_by_program`),
         not torch's own Python code while this emulation dispatches (``device=a.device``,
         meta underneath); else nothing changes."""
-        if not self.in_dispatch and asked_by_program(device):
+        if not self.state.in_dispatch and asked_by_program(device):
             return self.user_meta.asked()
         return contextlib.nullcontext()
 
@@ -295,11 +279,11 @@ class CudaDevices(VirtualDevices):
         counted on no device."""
         if kwargs.get("device") is not None:
             kwargs = {**kwargs, "device": torch.device("meta")}
-        self.in_dispatch += 1
+        self.state.in_dispatch += 1
         try:
             out = func(*args, **kwargs)
         finally:
-            self.in_dispatch -= 1
+            self.state.in_dispatch -= 1
         self.user_meta.remember(out)
         return out
 
@@ -326,11 +310,11 @@ class CudaDevices(VirtualDevices):
     def dispatch_beside_host(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """The op run and counted beside a real host (``--compute``): the rule of every op
         without one of its own (:data:`REAL_HOST_RULES`)."""
-        self.in_dispatch += 1
+        self.state.in_dispatch += 1
         try:
             out = self.dispatch_beside_real_host(func, args, kwargs)
         finally:
-            self.in_dispatch -= 1
+            self.state.in_dispatch -= 1
         if self._host_stand_ins:
             self._follow_stand_ins(args, kwargs or {}, out)
         return out
@@ -352,11 +336,11 @@ class CudaDevices(VirtualDevices):
         return dst
 
     def _dispatch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        self.in_dispatch += 1
+        self.state.in_dispatch += 1
         try:
             return self.count_dispatch(func, types, args, kwargs)
         finally:
-            self.in_dispatch -= 1
+            self.state.in_dispatch -= 1
 
     def _foreach_by_device(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """A ``_foreach_*`` op over tensors of several virtual devices, run per device as

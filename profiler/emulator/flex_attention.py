@@ -176,11 +176,11 @@ def _learned(value: Any) -> bool:
 @contextlib.contextmanager
 def _real_devices(vc: EmulatedCuda) -> Iterator[None]:
     """Tensors show their real device (meta or CPU), as inside the dispatch mode."""
-    vc.rt.in_dispatch += 1
+    vc.rt.state.in_dispatch += 1
     try:
         yield
     finally:
-        vc.rt.in_dispatch -= 1
+        vc.rt.state.in_dispatch -= 1
 
 
 def _computes(vc: EmulatedCuda) -> bool:

@@ -214,6 +214,8 @@ def sharding_propagation_apart() -> Iterator[None]:
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from dpprof.emulator.cuda_devices import CudaDevices
+
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
     # random ops' propagations under way for a runtime (whose mode is off meanwhile)
@@ -221,9 +223,9 @@ def sharding_propagation_apart() -> Iterator[None]:
 
     def apart(self: Any, op_schema: Any, *args: Any, **kwargs: Any) -> Any:
         rt = _runtime()
-        if rt is None or not hasattr(rt, "in_dispatch"):
+        if not isinstance(rt, CudaDevices):  # under no runtime, or compare's
             return propagate(self, op_schema, *args, **kwargs)
-        rt.in_dispatch += 1  # the virtual CUDA shows real devices meanwhile
+        rt.state.in_dispatch += 1  # the virtual CUDA shows real devices meanwhile
         random = torch.Tag.nondeterministic_seeded in getattr(op_schema.op, "tags", ())
         random_ops[0] += random
         try:
@@ -231,7 +233,7 @@ def sharding_propagation_apart() -> Iterator[None]:
                 return propagate(self, op_schema, *args, **kwargs)
         finally:
             random_ops[0] -= random
-            rt.in_dispatch -= 1
+            rt.state.in_dispatch -= 1
 
     from torch.distributed.tensor import _op_schema
 

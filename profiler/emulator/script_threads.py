@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 if TYPE_CHECKING:
-    from dpprof.emulator.virtual_cuda import VirtualCuda
+    from dpprof.emulator.emulated_cuda import EmulatedCuda
 
 _OWN_PACKAGE = __name__.split(".")[0] + "."
 
 
-def install(vc: VirtualCuda, patch: Callable[[Any, str, Any], None]) -> None:
+def install(vc: EmulatedCuda, patch: Callable[[Any, str, Any], None]) -> None:
     """Patch ``threading.Thread.start`` (with ``patch``, undone with the emulation's other
     patches) so that each thread the program starts runs on ``vc``'s virtual GPUs."""
     original_start = threading.Thread.start
@@ -52,7 +52,7 @@ def install(vc: VirtualCuda, patch: Callable[[Any, str, Any], None]) -> None:
     patch(threading.Thread, "start", start)
 
 
-def _run_on_gpus(vc: VirtualCuda, run: Callable[[], None],
+def _run_on_gpus(vc: EmulatedCuda, run: Callable[[], None],
                  inherited: tuple[str, str]) -> None:
     """``run`` with the emulation's mode on this thread's stack, while the emulation that
     started it is still on (a thread that outlives it runs as without dpprof)."""

@@ -134,7 +134,7 @@ def finiteness_checks(vc: EmulatedCuda, p: Patch) -> None:
         def check(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             # the program's own check, not a meta kernel's (torch._refs.clamp calls isnan)
-            if isinstance(out, torch.Tensor) and not vc.rt.in_dispatch:
+            if isinstance(out, torch.Tensor) and not vc.rt.state.in_dispatch:
                 if on_meta(out):
                     vc.rt.assume_checked(out, answer, name)
                 elif out.device.type == "cuda":
@@ -230,7 +230,7 @@ def device_identity(vc: EmulatedCuda, p: Patch) -> None:
         # (Lightning refuses an optimizer over meta parameters)
         if not on_meta(self):
             return False
-        if vc.rt.in_dispatch > 0:
+        if vc.rt.state.in_dispatch > 0:
             return True
         local = getattr(self, "_local_tensor", None)
         if isinstance(local, torch.Tensor):
@@ -240,11 +240,11 @@ def device_identity(vc: EmulatedCuda, p: Patch) -> None:
     orig_repr = T.__repr__
 
     def repr_(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
-        vc.rt.in_dispatch += 1  # torch's printing sees the real (meta) device
+        vc.rt.state.in_dispatch += 1  # torch's printing sees the real (meta) device
         try:
             return orig_repr(self, *args, **kwargs)
         finally:
-            vc.rt.in_dispatch -= 1
+            vc.rt.state.in_dispatch -= 1
 
     p(T, "is_meta", property(lazy_allowed(is_meta)))
     p(T, "__repr__", repr_)

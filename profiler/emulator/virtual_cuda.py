@@ -446,7 +446,7 @@ class VirtualCuda:
 
     def virtual_device(self, t: torch.Tensor) -> torch.device:
         real = ORIGINALS["device"].__get__(t)
-        if real != self.base or self.rt.in_dispatch:
+        if real != self.base or self.rt.state.in_dispatch:
             return real
         # a functorch wrapper (vmap's batched tensor, grad's) has no storage of its own: the
         # device is its innermost tensor's (FlexAttention vmaps its masks over the devices')

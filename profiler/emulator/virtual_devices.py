@@ -77,10 +77,10 @@ class VirtualDevices(TorchDispatchMode):
             raise ValueError("num_devices must be at least 1")
         self.num_devices = num_devices
         self.base = torch.device(base)
-        self._state = DispatchState()
+        self.state = DispatchState()  # each thread's contexts, as its dispatch reads them
         self._meta = self.base.type == "meta"
         # the parts: the ledger of storages and those that follow its events, in order
-        self.storages = StorageLedger(num_devices, self._state)
+        self.storages = StorageLedger(num_devices, self.state)
         self.mirrors = ReplicaMirrors(self.storages)
         self.ledgers = VariantLedgers()  # device -> a variant of its allocations
         self.storages.followers = (self.mirrors, self.ledgers)
@@ -118,14 +118,14 @@ class VirtualDevices(TorchDispatchMode):
 
     @contextlib.contextmanager
     def _set(self, **changes: Any) -> Iterator[None]:
-        old = {k: getattr(self._state, k) for k in changes}
+        old = {k: getattr(self.state, k) for k in changes}
         for k, v in changes.items():
-            setattr(self._state, k, v)
+            setattr(self.state, k, v)
         try:
             yield
         finally:
             for k, v in old.items():
-                setattr(self._state, k, v)
+                setattr(self.state, k, v)
 
     def device(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Factory ops (no tensor inputs) place their storage on ``index``."""
@@ -170,28 +170,28 @@ class VirtualDevices(TorchDispatchMode):
 
     def set_category(self, name: str) -> None:
         """Switch the category without a context (autograd hooks switch it back)."""
-        self._state.category = name
+        self.state.category = name
 
     @property
     def current_phase(self) -> str:
         """The phase of the step now running (:meth:`phase`)."""
-        return self._state.phase
+        return self.state.phase
 
     @property
     def current_device(self) -> int:
-        return self._state.device
+        return self.state.device
 
     @property
     def current_category(self) -> str:
-        return self._state.category
+        return self.state.category
 
     def thread_inheritance(self) -> tuple[str, str]:
         """What a thread started now takes of this thread's dispatch state, for
         :meth:`adopt_inheritance` on the new thread (:mod:`dpprof.emulator.script_threads`)."""
-        return self._state.inherited()
+        return self.state.inherited()
 
     def adopt_inheritance(self, inherited: tuple[str, str]) -> None:
-        self._state.adopt(inherited)
+        self.state.adopt(inherited)
 
     # ---- across the parts -------------------------------------------------------------
 
@@ -223,7 +223,12 @@ class VirtualDevices(TorchDispatchMode):
         if types and (sub := subclass_in(types)) is not None:
             return NotImplemented if sub == SUBCLASS else func(*args, **(kwargs or {}))
         with self.one_op_at_a_time:
-            return self.count_dispatch(func, types, args, kwargs)
+            return self.dispatch_one(func, types, args, kwargs)
+
+    def dispatch_one(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """One op, no subclass among its inputs (a DTensor, a FakeTensor), while no other
+        thread's runs: run and counted."""
+        return self.count_dispatch(func, types, args, kwargs)
 
     def count_dispatch(self, func: Any, types: Any, args: Any = (),
                        kwargs: Any = None) -> Any:
@@ -241,7 +246,7 @@ class VirtualDevices(TorchDispatchMode):
         # storages made outside the mode (a view of one is no new one)
         devices, saw_host, outside = self.storages.inputs_where(args, kwargs)
         key = op_key(func)
-        if len(devices) > 1 and not self._state.allow_cross and key not in _CROSS_DEVICE_KEYS:
+        if len(devices) > 1 and not self.state.allow_cross and key not in _CROSS_DEVICE_KEYS:
             raise _two_devices(func, devices)
         if self._meta and key in _INDEX_RULE_KEYS:  # the meta kernels take other dtypes
             args = as_on_cuda(func, args)
@@ -252,23 +257,23 @@ class VirtualDevices(TorchDispatchMode):
                 with contextlib.suppress(AttributeError, TypeError):
                     e.dpprof_op = getattr(getattr(func, "_schema", None), "name", str(func))  # type: ignore[attr-defined]
             raise
-        if self._state.forced is not None:
-            target = self._state.forced
+        if self.state.forced is not None:
+            target = self.state.forced
         elif placed is not None:
             target = placed
         elif devices:
             target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
-            self._state.last_device = target
+            self.state.last_device = target
         elif saw_host:
             target = HOST
-        elif (self._state.last_device is not None
+        elif (self.state.last_device is not None
               and torch._C._current_graph_task_id() != -1):
             # a factory inside a backward node (``at::zeros`` in a backward formula): CUDA's
             # engine runs each node under its device's guard; here, the device of the
             # node's tensors, the last ones an op read
-            target = self._state.last_device
+            target = self.state.last_device
         else:
-            target = self._state.device  # a factory: the current device
+            target = self.state.device  # a factory: the current device
         self._log(func, args, kwargs, out, target, devices, saw_host, key)
         return self._place(func, args, kwargs, out, target, outside)
 
@@ -281,7 +286,7 @@ class VirtualDevices(TorchDispatchMode):
             return
         # a copy between devices: a copy op, or any op placed on another device (the
         # emulated .to(device) clones onto its target)
-        state = self._state
+        state = self.state
         moves = state.forced is not None or (
             key if key is not None else op_key(func)) in _CROSS_DEVICE_KEYS
         sources = ({*devices, HOST} if saw_host else devices) if moves else _NO_SOURCES
@@ -307,7 +312,7 @@ class VirtualDevices(TorchDispatchMode):
             kwargs = {}
         # the host's storages among the inputs (a view of one is no new one)
         devices, saw_host, outside = self.storages.inputs_where(args, kwargs)
-        state = self._state
+        state = self.state
         if len(devices) > 1 and not state.allow_cross and op_key(func) not in _CROSS_DEVICE_KEYS:
             raise _two_devices(func, devices)
         try:
@@ -323,7 +328,7 @@ class VirtualDevices(TorchDispatchMode):
             target = placed
         elif devices:
             target = min(devices)  # CPU scalars next to GPU tensors: the GPU wins
-            self._state.last_device = target
+            self.state.last_device = target
         elif outside or saw_host:
             return out  # the host's inputs only: the host's output
         elif state.last_device is not None and torch._C._current_graph_task_id() != -1:

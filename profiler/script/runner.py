@@ -79,6 +79,7 @@ from dpprof.script.launch import (
     user_traceback,
 )
 from dpprof.script.lightning_launch import LaunchedRanks
+from dpprof.script.process_end import run_at_the_end
 from dpprof.script.rank_broadcasts import Broadcasts
 from dpprof.script.run_figures import (
     AllocatorLimit,
@@ -311,8 +312,7 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     if cfg.rank:
         name += f" rank {cfg.rank}"
     sealed = (SealedRun(name, None if launch.is_module else launch.target, cfg.keep_writes,
-                        cfg.files_before,
-                        publish_to=cfg.shared_files if cfg.rank == 0 else None,
+                        cfg.files_before, publish_to=cfg.shared_files if cfg.rank == 0 else None,
                         seed_from=cfg.shared_files if cfg.rank != 0 else None)
               if cfg.seal else contextlib.nullcontext())
     # an alternative's run prints nothing (dpprof.script.effects), nor does a rank's other
@@ -432,7 +432,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     error: BaseException | None = None
     try:
         with scripts_stop_handlers() as theirs, interrupts_allowed(theirs), \
-                process_exit_caught():
+                process_exit_caught(), run_at_the_end():
             # the script's own time: a stop signal stops it
             if launch.is_module:
                 runpy.run_module(launch.target, run_name="__main__", alter_sys=True)

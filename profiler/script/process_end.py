@@ -1,0 +1,102 @@
+"""What the script's process does as it ends, done as its run ends: its exit handlers run,
+its daemonic children end.
+
+``atexit.register`` in a process of its own runs the handler when that process ends: a
+log's last line, a run's summary, a results file written at exit. dpprof runs the script in
+its own process, so a handler registered while the script ran would otherwise run at
+dpprof's exit, after every run's seal is gone, and write into the user's folders after the
+report said they were untouched (and once for all the runs, not once a run). While the script
+runs, ``atexit.register`` and ``atexit.unregister`` keep the run's handlers (the script's, and
+those of a library it imports then); when the run ends (its main module returned or raised,
+``sys.exit``, dpprof's stop after ``--steps``, Ctrl-C) they run, last registered first, inside
+the run's seal and on its virtual GPUs, each error printed as Python prints it and ignored.
+Then the daemonic processes the run started and left running (a DataLoader's
+``persistent_workers``) are terminated and joined, as ``multiprocessing``'s own exit function
+ends them: left running, they outlived the run's overlay (their sockets were in it) and failed
+at dpprof's exit. ``os._exit`` ends a process without any of it, and so it ends the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dpprof.emulator.patcher import Patcher
+from dpprof.script.hooks import StopScript
+from dpprof.script.launch import ProcessExit
+from dpprof.script.seal_audit import SealBreach
+
+__all__ = ["run_at_the_end"]
+
+Handler = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+@contextlib.contextmanager
+def run_at_the_end() -> Iterator[list[Handler]]:
+    """While inside, the exit handlers registered are the run's (the list given); on leaving,
+    however the run ended, unless by ``os._exit``, they run and the daemonic children
+    started inside end (see the module)."""
+    handlers: list[Handler] = []
+    real_unregister = atexit.unregister
+    children_before = set(multiprocessing.active_children())
+
+    def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        handlers.append((func, args, kwargs))
+        return func  # as atexit's: usable as a decorator
+
+    def unregister(func: Callable[..., Any]) -> None:
+        handlers[:] = [h for h in handlers if h[0] != func]
+        real_unregister(func)  # one registered before the run, as Python would
+
+    with Patcher() as patcher:
+        patcher.patch(atexit, "register", register)
+        patcher.patch(atexit, "unregister", unregister)
+        ended: BaseException | None = None
+        try:
+            yield handlers
+        except ProcessExit:
+            raise
+        except BaseException as e:  # the handlers run after it, not while it is handled
+            ended = e
+        _run(handlers, ended)
+        _end_daemonic_children(children_before)
+        if ended is not None:
+            raise ended
+
+
+def _run(handlers: list[Handler], ended: BaseException | None = None) -> None:
+    """Each handler, last registered first; one registered meanwhile is dropped, as an
+    ending process drops it; an error printed as Python's ``atexit`` prints it, and
+    ignored (dpprof's own stops and Ctrl-C end the run there). ``ended``: what ended the
+    run, which a handler's error is not raised from (the process has it handled)."""
+    ending = handlers[:]
+    handlers.clear()
+    while ending:
+        func, args, kwargs = ending.pop()
+        try:
+            func(*args, **kwargs)
+        except (KeyboardInterrupt, ProcessExit, SealBreach, StopScript):
+            raise
+        except BaseException as e:  # as CPython's atexit_callfuncs: printed, ignored
+            if e.__context__ is ended:
+                e.__context__ = None
+            print(f"Exception ignored in atexit callback: {func!r}", file=sys.stderr)
+            # from the handler's own frame, as Python shows it
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__
+                                      else None, file=sys.stderr)
+    handlers.clear()
+
+
+def _end_daemonic_children(before: set[multiprocessing.process.BaseProcess]) -> None:
+    """The daemonic processes started since ``before`` and still running terminated, then
+    joined, as ``multiprocessing.util._exit_function`` ends them at a process's exit."""
+    ending = [p for p in multiprocessing.active_children() if p not in before and p.daemon]
+    for p in ending:
+        p.terminate()
+    for p in ending:
+        p.join()

@@ -1,0 +1,204 @@
+"""What the script's process does as it ends is done as its run ends: its exit handlers
+(``atexit.register``) run inside the seal, its daemonic children end.
+
+A handler that writes a file (a log's last line, a summary, a metric read from the GPU)
+ran at dpprof's own exit, after every seal was gone: it wrote into the user's folder while
+the report said "the script wrote nothing ... your files are as they were". Now each run's
+handlers run as that run ends, however it ends (the script returns, ``sys.exit``, an error,
+dpprof's stop after ``--steps``), last registered first, on the virtual GPUs, errors printed
+and ignored as Python's ``atexit`` does; ``os._exit`` runs none, as it runs none in a process.
+
+Checked as a user runs it, ``dpprof run`` in a process of its own (the leak happened at that
+process's exit): the folder is byte for byte as it was after dpprof exits, the report lists
+the handlers' files, and ``--keep-writes`` shows what they wrote. A DataLoader's persistent
+workers, left running by each run, outlived its overlay and failed at dpprof's exit
+("FileNotFoundError: ... /tmp/pymp-.../listener-..." tracebacks after the report); now they
+end with their run, as a process's daemonic children end with it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+HELPER = """
+import atexit
+import json
+
+ORDER = []
+
+
+def remember(name):
+    ORDER.append(name)
+
+
+@atexit.register
+def order_last():  # registered first: runs last, and writes the order the others ran in
+    with open("exit/order.json", "w") as f:
+        json.dump(ORDER, f)
+"""
+
+SCRIPT = """
+import atexit
+import os
+import pathlib
+import sys
+
+import torch
+from torch import nn
+
+import helper
+
+
+def summary(path, *, text):
+    helper.remember("summary")
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(text)
+
+
+def broken():
+    helper.remember("broken")
+    raise ValueError("a handler's own error")
+
+
+atexit.register(summary, "exit/summary.txt", text="done\\n")
+atexit.register(broken)
+
+
+@atexit.register
+def peak():
+    helper.remember("peak")
+    with open("exit/peak.json", "w") as f:
+        json.dump(torch.cuda.max_memory_allocated(0), f)
+
+
+import json
+
+model = nn.DataParallel(nn.Linear(64, 64).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range({steps}):
+    loss = model(torch.randn(32, 64).cuda()).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+{ending}
+"""
+
+# the ending -> (its code after the loop, the loop's steps: 2 end before --steps 3)
+ENDINGS = {
+    "returns": ("", 2),
+    "sys.exit(0)": ("sys.exit(0)", 2),
+    "sys.exit(3)": ("sys.exit(3)", 2),
+    "raises": ("raise RuntimeError('the script fails')", 2),
+    "stopped after --steps": ("", 100),
+    "os._exit": ("os._exit(0)", 2),
+}
+HANDLER_FILES = ["exit/order.json", "exit/peak.json", "exit/summary.txt"]
+
+
+def _dpprof_run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m dpprof run ARGS`` as a user runs it, in a process of its own (with the
+    kernel's mount namespace where the machine gives one, as by default)."""
+    env = {k: v for k, v in os.environ.items() if k != "DPPROF_NO_NAMESPACE"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run([sys.executable, "-m", "dpprof", "run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_process_end_run_in_the_run_and_never_touch_the_users_folder(
+        tmp_path: Path, ending: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    code, steps = ENDINGS[ending]
+    (work / "helper.py").write_text(textwrap.dedent(HELPER))
+    (work / "train.py").write_text(SCRIPT.format(steps=steps, ending=code))
+    (work / "exit").mkdir()
+    (work / "exit" / "summary.txt").write_text("the user's own summary\n")
+    before = _hashes(work)
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "--no-alternatives", "--keep-writes",
+                        str(tmp_path / "kept"), "-o", str(tmp_path / "r.json"), "--", "python",
+                        "train.py"], work)
+    assert _hashes(work) == before, done.stderr[-3000:]  # after dpprof's own exit
+    # the script's own status, as dpprof ends with it
+    assert done.returncode == {"raises": 1, "sys.exit(3)": 3}.get(ending, 0), done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    written = sorted(w["path"] for w in result["writes"] if w["kind"] == "file")
+    kept = tmp_path / "kept" / "as-written" / str(work).lstrip("/")
+    if ending == "os._exit":  # a process that ends so runs no handler
+        assert written == [] and "atexit callback" not in done.stderr
+        return
+    assert written == HANDLER_FILES
+    # last registered first; the error printed, ignored, the handlers after it run
+    assert json.loads((kept / "exit" / "order.json").read_text()) == [
+        "peak", "broken", "summary"]
+    assert (kept / "exit" / "summary.txt").read_text() == "done\n"
+    assert "Exception ignored in atexit callback" in done.stderr
+    assert ("ValueError: a handler's own error" in done.stderr
+            and "During handling" not in done.stderr)
+    # on the virtual GPUs: the run's own peak, read as the run ended
+    peak = json.loads((kept / "exit" / "peak.json").read_text())
+    (scenario,) = result["scenarios"]
+    assert peak == scenario["devices"][0]["peak_allocated_bytes"] > 0
+
+
+def test_each_run_runs_its_own_handlers(tmp_path: Path) -> None:
+    """The script runs once more for each alternative: its handlers run at the end of each,
+    once each, as in a process of their own."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "helper.py").write_text(textwrap.dedent(HELPER))
+    (work / "train.py").write_text(SCRIPT.format(steps=4, ending=""))
+    (work / "exit").mkdir()
+    before = _hashes(work)
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "--keep-writes", str(tmp_path / "kept"),
+                        "-o", str(tmp_path / "r.json"), "--", "python", "train.py"], work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _hashes(work) == before
+    runs = sorted(p.name for p in (tmp_path / "kept").iterdir() if p.is_dir())
+    assert "as-written" in runs and "ddp" in runs
+    for run in runs:
+        kept = tmp_path / "kept" / run / str(work).lstrip("/")
+        assert json.loads((kept / "exit" / "order.json").read_text()) == [
+            "peak", "broken", "summary"], run
+
+
+PERSISTENT = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+data = TensorDataset(torch.randn(1024, 64), torch.randint(0, 10, (1024,)))
+loader = DataLoader(data, batch_size=128, num_workers=2, persistent_workers=True,
+                    pin_memory=True)
+model = nn.DataParallel(nn.Linear(64, 10).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(2):
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+print("trained")
+"""
+
+
+def test_persistent_workers_end_with_their_run(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(PERSISTENT)
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "-o", str(tmp_path / "r.json"), "--",
+                        "python", "train.py"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [s["status"] for s in result["scenarios"]] == ["ok"] * 3
