@@ -1,5 +1,7 @@
 """What the script's process does as it ends is done as its run ends: its exit handlers
-(``atexit.register``) run inside the seal, its daemonic children end.
+(``atexit.register``) run inside the seal, its daemonic children end, its objects are
+released (an object that writes its file in ``__del__`` wrote into the user's folder once
+dpprof dropped the run's modules, after the seal: "SEAL BROKEN").
 
 A handler that writes a file (a log's last line, a summary, a metric read from the GPU)
 ran at dpprof's own exit, after every seal was gone: it wrote into the user's folder while
@@ -202,3 +204,69 @@ def test_persistent_workers_end_with_their_run(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert [s["status"] for s in result["scenarios"]] == ["ok"] * 3
+
+
+LOGGER = """
+class Logger:  # writes its lines when collected, as loggers copied between repositories do
+    def __init__(self, path):
+        self.path, self.lines = path, []
+
+    def log(self, line):
+        self.lines.append(line)
+
+    def __del__(self):
+        with open(self.path, "w") as f:
+            f.write("\\n".join(self.lines) + "\\n")
+"""
+
+COLLECTED = """
+import torch
+from torch import nn
+
+from logger import Logger
+
+{where}
+
+
+def train(logger, steps):
+    model = nn.DataParallel(nn.Linear(64, 64).cuda())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        loss = model(torch.randn(32, 64).cuda()).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        logger.log(f"step {{step}}")
+    {end}
+
+
+{call}
+"""
+# where the logger lives -> (code at the module's top, the end of train(), the call)
+HOLDERS = {
+    "a global of the script": ("LOGGER = Logger('log.txt')", "", "train(LOGGER, 2)"),
+    "a global of its own module": ("import logger\nlogger.LOG = Logger('log.txt')", "",
+                                   "train(logger.LOG, 2)"),
+    "a local, the run stopped after --steps": (
+        "", "", "def main():\n    log = Logger('log.txt')\n    train(log, 100)\n\n\nmain()"),
+    "a local, the script raised": (
+        "", "raise RuntimeError('the script fails')",
+        "def main():\n    log = Logger('log.txt')\n    train(log, 2)\n\n\nmain()"),
+}
+
+
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+def test_objects_collected_as_the_run_ends_write_inside_it(tmp_path: Path, holder: str) -> None:
+    top, end, call = HOLDERS[holder]
+    (tmp_path / "logger.py").write_text(LOGGER)
+    (tmp_path / "train.py").write_text(COLLECTED.format(where=top, end=end, call=call))
+    before = _hashes(tmp_path)
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "--no-alternatives", "--keep-writes",
+                        str(tmp_path.parent / "kept"), "-o", str(tmp_path.parent / "r.json"),
+                        "--", "python", "train.py"], tmp_path)
+    assert _hashes(tmp_path) == before, done.stderr[-3000:]
+    assert "SEAL BROKEN" not in done.stderr + done.stdout
+    result = json.loads((tmp_path.parent / "r.json").read_text())
+    assert [w["path"] for w in result["writes"]] == ["log.txt"], done.stderr[-3000:]
+    kept = tmp_path.parent / "kept" / "as-written" / str(tmp_path).lstrip("/")
+    assert (kept / "log.txt").read_text() == "step 0\nstep 1\n"

@@ -55,6 +55,11 @@ class Launch:
         return "" if self.is_module else str(Path(self.target).resolve())
 
     @property
+    def code_root(self) -> str:
+        """The folder of the script's own code: its file's (the working folder for -m)."""
+        return os.getcwd() if self.is_module else str(Path(self.target).resolve().parent)
+
+    @property
     def display(self) -> str:
         name = self.target if self.is_module else Path(self.target).name
         return " ".join([name, *self.argv])
@@ -322,7 +327,7 @@ def script_process(launch: Launch) -> Iterator[None]:
     saved_logging = (list(root.handlers), root.level)
     saved_defaults = _torch_defaults()
     imported_before = set(sys.modules)
-    code_root = os.getcwd() if launch.is_module else str(Path(launch.target).resolve().parent)
+    code_root = launch.code_root
     try:
         _fresh_singletons()
         os.environ.update(launch.env)

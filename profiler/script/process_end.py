@@ -13,13 +13,18 @@ the run's seal and on its virtual GPUs, each error printed as Python prints it a
 Then the daemonic processes the run started and left running (a DataLoader's
 ``persistent_workers``) are terminated and joined, as ``multiprocessing``'s own exit function
 ends them: left running, they outlived the run's overlay (their sockets were in it) and failed
-at dpprof's exit. ``os._exit`` ends a process without any of it, and so it ends the run.
+at dpprof's exit. Last, the script's objects are released, as Python's finalization
+releases a process's (its modules' globals cleared, the frames of what ended it, cycles
+collected): an object whose ``__del__`` writes a file (a logger that writes its lines when
+collected) wrote into the user's folder once dpprof dropped the run's modules, after its seal.
+``os._exit`` ends a process without any of it, and so it ends the run.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import multiprocessing
 import sys
 import traceback
@@ -28,7 +33,7 @@ from typing import Any
 
 from dpprof.emulator.patcher import Patcher
 from dpprof.script.hooks import StopScript
-from dpprof.script.launch import ProcessExit
+from dpprof.script.launch import Launch, ProcessExit, own_modules
 from dpprof.script.seal_audit import SealBreach
 
 __all__ = ["run_at_the_end"]
@@ -37,13 +42,14 @@ Handler = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
 @contextlib.contextmanager
-def run_at_the_end() -> Iterator[list[Handler]]:
+def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
     """While inside, the exit handlers registered are the run's (the list given); on leaving,
-    however the run ended, unless by ``os._exit``, they run and the daemonic children
-    started inside end (see the module)."""
+    however the run ended, unless by ``os._exit``, they run, the daemonic children started
+    inside end and the script's objects are released (see the module)."""
     handlers: list[Handler] = []
     real_unregister = atexit.unregister
     children_before = set(multiprocessing.active_children())
+    main_before, modules_before = sys.modules.get("__main__"), set(sys.modules)
 
     def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
         handlers.append((func, args, kwargs))
@@ -65,6 +71,10 @@ def run_at_the_end() -> Iterator[list[Handler]]:
             ended = e
         _run(handlers, ended)
         _end_daemonic_children(children_before)
+        main = sys.modules.get("__main__")
+        _release([*([main] if main is not main_before else []), *(
+            sys.modules[name] for name in own_modules(set(sys.modules) - modules_before,
+                                                      launch.code_root))], ended)
         if ended is not None:
             raise ended
 
@@ -100,3 +110,16 @@ def _end_daemonic_children(before: set[multiprocessing.process.BaseProcess]) -> 
         p.terminate()
     for p in ending:
         p.join()
+
+
+def _release(modules: list[Any], ended: BaseException | None) -> None:
+    """The script's objects released as Python's finalization releases a process's: the
+    locals of the frames of what ended the run (``ended``'s traceback; what it says of them
+    is kept) and the globals of the script's own ``modules`` cleared, cycles collected. Each
+    object's ``__del__`` (a logger that writes its file when collected) runs now, inside the
+    seal and on the virtual GPUs, not once dpprof drops the run's modules after both."""
+    if ended is not None and ended.__traceback__ is not None:
+        traceback.clear_frames(ended.__traceback__)
+    for module in modules:
+        module.__dict__.clear()
+    gc.collect()

@@ -432,7 +432,7 @@ def _run_until_stopped(launch: Launch, run: ScriptRun) -> BaseException | None:
     error: BaseException | None = None
     try:
         with scripts_stop_handlers() as theirs, interrupts_allowed(theirs), \
-                process_exit_caught(), run_at_the_end():
+                process_exit_caught(), run_at_the_end(launch):
             # the script's own time: a stop signal stops it
             if launch.is_module:
                 runpy.run_module(launch.target, run_name="__main__", alter_sys=True)
