@@ -1,5 +1,5 @@
 """What the script's process does as it ends, done as its run ends: its exit handlers run,
-its daemonic children end.
+its daemonic children end, its objects are released.
 
 ``atexit.register`` in a process of its own runs the handler when that process ends: a
 log's last line, a run's summary, a results file written at exit. dpprof runs the script in
@@ -7,9 +7,10 @@ its own process, so a handler registered while the script ran would otherwise ru
 dpprof's exit, after every run's seal is gone, and write into the user's folders after the
 report said they were untouched (and once for all the runs, not once a run). While the script
 runs, ``atexit.register`` and ``atexit.unregister`` keep the run's handlers (the script's, and
-those of a library it imports then); when the run ends (its main module returned or raised,
-``sys.exit``, dpprof's stop after ``--steps``, Ctrl-C) they run, last registered first, inside
-the run's seal and on its virtual GPUs, each error printed as Python prints it and ignored.
+those of a library it imports then; Python's own modules' stay the process's); when the run
+ends (its main module returned or raised, ``sys.exit``, dpprof's stop after ``--steps``,
+Ctrl-C) they run, last registered first, inside the run's seal and on its virtual GPUs, each
+error printed as Python prints it and ignored.
 Then the daemonic processes the run started and left running (a DataLoader's
 ``persistent_workers``) are terminated and joined, as ``multiprocessing``'s own exit function
 ends them: left running, they outlived the run's overlay (their sockets were in it) and failed
@@ -47,12 +48,18 @@ def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
     however the run ended, unless by ``os._exit``, they run, the daemonic children started
     inside end and the script's objects are released (see the module)."""
     handlers: list[Handler] = []
-    real_unregister = atexit.unregister
+    real_register, real_unregister = atexit.register, atexit.unregister
     children_before = set(multiprocessing.active_children())
     main_before, modules_before = sys.modules.get("__main__"), set(sys.modules)
 
     def register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        handlers.append((func, args, kwargs))
+        caller = sys._getframe(1).f_globals.get("__name__") or ""
+        if caller.split(".")[0] in sys.stdlib_module_names:
+            # Python's own housekeeping (weakref's finalizers, logging's shutdown) stays
+            # the process's: run by one run, it would end them for dpprof and the next runs
+            real_register(func, *args, **kwargs)
+        else:
+            handlers.append((func, args, kwargs))
         return func  # as atexit's: usable as a decorator
 
     def unregister(func: Callable[..., Any]) -> None:
@@ -121,5 +128,7 @@ def _release(modules: list[Any], ended: BaseException | None) -> None:
     if ended is not None and ended.__traceback__ is not None:
         traceback.clear_frames(ended.__traceback__)
     for module in modules:
-        module.__dict__.clear()
+        names = module.__dict__
+        for name in [n for n in names if not (n.startswith("__") and n.endswith("__"))]:
+            del names[name]  # its own names: what it is (__file__, __spec__) stays told
     gc.collect()
