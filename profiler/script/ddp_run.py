@@ -36,7 +36,7 @@ from dpprof.script import ddp_diff
 from dpprof.script.ddp_loaders import LoaderUse
 from dpprof.script.ddp_rank import built_at_the_wrap
 from dpprof.script.installed_code import installed_site, is_installed
-from dpprof.script.losses_on_replicas import with_criteria_unwrapped
+from dpprof.script.losses_on_replicas import with_criteria_unwrapped, wraps_a_criterion
 from dpprof.script.notes import (
     about_the_share,
     alternative_fix,
@@ -467,8 +467,9 @@ class DdpInPlace(Alternative):
             _divide_hand_made_batches(state, vc, patcher)
 
     def dp_made(self, dp: VirtualDataParallel, site: str) -> None:
-        # where the fix builds DDP: at the wrap (dpprof.script.ddp_rank)
-        where = built_at_the_wrap(site, dp.module) if dp.device_ids else False
+        # where the fix builds DDP: at the wrap (dpprof.script.ddp_rank); none around a criterion
+        where = (built_at_the_wrap(site, dp.module)
+                 if dp.device_ids and not wraps_a_criterion(dp) else False)
         if where:
             dp.rank_at_wrap(self.options, where if isinstance(where, WholeModel) else None)
 

@@ -32,6 +32,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.patcher import Patcher
 from dpprof.script.hooks import StopScript
 from dpprof.script.launch import Launch, ProcessExit, own_modules
@@ -66,7 +67,8 @@ def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
         handlers[:] = [h for h in handlers if h[0] != func]
         real_unregister(func)  # one registered before the run, as Python would
 
-    with Patcher() as patcher:
+    # the collection at the end scans what the run made, not dpprof's and torch's objects
+    with Patcher() as patcher, frozen_heap():
         patcher.patch(atexit, "register", register)
         patcher.patch(atexit, "unregister", unregister)
         ended: BaseException | None = None
