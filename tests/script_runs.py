@@ -85,3 +85,14 @@ def run_report(command: list[str], out: Path, options: tuple[str, ...] = ()) -> 
 def peaks(scenario: dict[str, Any]) -> list[tuple[int, int]]:
     """A reported scenario's (allocated, reserved) peak of each GPU."""
     return [(d["peak_allocated_bytes"], d["peak_reserved_bytes"]) for d in scenario["devices"]]
+
+
+def beside_by_hand(folder: Path, script: Path, *changes: tuple[str, str]) -> None:
+    """``script`` copied into ``folder``, and ``by_hand.py`` beside it: the same script with
+    each change (its text as written, each found there once; the text by hand) made."""
+    source = script.read_text()
+    (folder / script.name).write_text(source)
+    for written, by_hand in changes:
+        assert source.count(written) == 1, written
+        source = source.replace(written, by_hand)
+    (folder / "by_hand.py").write_text(source)

@@ -8,11 +8,10 @@ peaking as the DDP script written by hand, to the byte; the DDP change says to u
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from script_runs import peaks, run_report
+from script_runs import beside_by_hand, peaks, run_report
 
 SCRIPT = Path(__file__).parent / "scripts" / "dp_criterion_per_gpu.py"
 WRITTEN = ("model = OutputsPerGpu(model)\n"
@@ -31,11 +30,7 @@ LOSS_BY_HAND = "loss = criterion(*outputs, target)"
 def test_the_loss_on_each_gpu_is_measured_and_its_ddp_rank_peaks_as_by_hand(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    shutil.copy(SCRIPT, tmp_path)
-    source = SCRIPT.read_text()
-    assert source.count(WRITTEN) == 1 and source.count(LOSS) == 1
-    (tmp_path / "by_hand.py").write_text(
-        source.replace(WRITTEN, BY_HAND).replace(LOSS, LOSS_BY_HAND))
+    beside_by_hand(tmp_path, SCRIPT, (WRITTEN, BY_HAND), (LOSS, LOSS_BY_HAND))
     monkeypatch.chdir(tmp_path)
     result = run_report(["python", SCRIPT.name], tmp_path / "dp.json", ("--gpus", "2"))
     scenarios = {s["name"]: s for s in result["scenarios"]}

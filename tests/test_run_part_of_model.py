@@ -8,12 +8,11 @@ hand, to the byte; the loss-inside-forward alternative and the DDP diff say why 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from script_runs import peaks, run_report
+from script_runs import beside_by_hand, peaks, run_report
 from torch import nn
 
 from dpprof.script.part_of_model import whole_model
@@ -28,15 +27,10 @@ BY_HAND = ('import os\nimport torch.distributed as dist\n'
 WRITTEN = "model.features = nn.DataParallel(model.features)\nmodel.cuda()\nrows = 32\n"
 
 
-
-
 def test_the_ddp_rank_wraps_the_whole_model_and_peaks_as_the_ddp_script_by_hand(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    shutil.copy(SCRIPT, tmp_path)
-    source = SCRIPT.read_text()
-    assert source.count(WRITTEN) == 1
-    (tmp_path / "by_hand.py").write_text(source.replace(WRITTEN, BY_HAND))
+    beside_by_hand(tmp_path, SCRIPT, (WRITTEN, BY_HAND))
     monkeypatch.chdir(tmp_path)
     result = run_report(["python", SCRIPT.name], tmp_path / "dp.json", ("--gpus", "4"))
     scenarios = {s["name"]: s for s in result["scenarios"]}
