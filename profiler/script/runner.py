@@ -93,6 +93,7 @@ from dpprof.script.scenario_messages import headline, past_the_oom, stopped_by_o
 from dpprof.script.script_error import RaisedAt, raised_at
 from dpprof.script.seal import SealBreach
 from dpprof.script.sealed_run import SealedRun, SealOutcome, written_but_missing
+from dpprof.script.seeds import same_seeds
 from dpprof.script.shared_files import SharedFiles
 from dpprof.script.stop_handlers import scripts_stop_handlers
 from dpprof.script.strategy import Alternative, AlternativeState
@@ -319,47 +320,42 @@ def _run_script(cfg: ScriptConfig, on_step: StepCallback | None) -> ScriptRun:
     # than 0 (the terminal shows one rank's output)
     effects = ScriptEffects(rt.is_emulated, silenced=(cfg.variant != AS_WRITTEN
                                                       or cfg.rung is not None or cfg.rank != 0))
-    with script_process(launch), sealed, started_in(launch.cwd):
-        seed_state = torch.random.get_rng_state()
-        torch.manual_seed(0)
+    with script_process(launch), sealed, started_in(launch.cwd), same_seeds(), vc, \
+            (contextlib.nullcontext() if cfg.compute else kernels), autocast, effects, \
+            Patcher() as patcher, distributed_checkpoints(patcher.patch):
+        label_losses(vc, patcher)  # before an alternative's loss call, which calls it
+        parallel_state.state_of(vc).alternative = alternative
+        parallel_state.state_of(vc).keep_outputs = cfg.keep_outputs
+        if alternative is not None and state is not None:
+            alternative.install(state, vc, patcher)
+        parallel_state.state_of(vc).spawn_rank = cfg.rank
+        parallel_state.state_of(vc).broadcasts = cfg.broadcasts
+        compile_eagerly(patcher, run.compiled, run.compiled_graphs)
+        _count_backwards(patcher, stepper)
+        stepper.install()
         try:
-            with vc, (contextlib.nullcontext() if cfg.compute else kernels), autocast, \
-                    effects, Patcher() as patcher, distributed_checkpoints(patcher.patch):
-                label_losses(vc, patcher)  # before an alternative's loss call, which calls it
-                parallel_state.state_of(vc).alternative = alternative
-                parallel_state.state_of(vc).keep_outputs = cfg.keep_outputs
-                if alternative is not None and state is not None:
-                    alternative.install(state, vc, patcher)
-                parallel_state.state_of(vc).spawn_rank = cfg.rank
-                parallel_state.state_of(vc).broadcasts = cfg.broadcasts
-                compile_eagerly(patcher, run.compiled, run.compiled_graphs)
-                _count_backwards(patcher, stepper)
-                stepper.install()
-                try:
-                    with (given_to_trainer(cfg.rung) if cfg.rung is not None
-                          and cfg.rung_by_trainer else contextlib.nullcontext()), \
-                            asked_precision(run.trainer_precision):
-                        exc = _run_until_stopped(launch, run)
-                finally:
-                    vc.memory.allocator_config()  # the script's own environment's
-                    run.allocator_setting = vc.memory.setting
-                    run.emulation_notes = [n for n in (
-                        vc.readings.note(), vc.profiled.note(), vc.other_threads_note(),
-                        wrappers.replicate_note(vc)) if n]
-                    run.uncached_by = list(vc.memory.uncached_by)
-                    run.memory_fraction_set = bool(vc.memory.fractions)
-                    run.allocator_settings_late = vc.memory.settings_late
-                    run.oom_raised = [raised.words() for raised in guard.raised]
-                    run.oom_uncaught = guard.raised_by(exc)
-                    if rung is not None:
-                        rung.close()
-                    stepper.remove()
-                    wrappers.cleanup(vc)
-                    used, ddp_devices = _read_log(run, cfg, vc, stepper, state)
-                    if alternative is not None and state is not None:
-                        alternative.after_run(state, vc, ddp_devices)
+            with (given_to_trainer(cfg.rung) if cfg.rung is not None
+                  and cfg.rung_by_trainer else contextlib.nullcontext()), \
+                    asked_precision(run.trainer_precision):
+                exc = _run_until_stopped(launch, run)
         finally:
-            torch.random.set_rng_state(seed_state)
+            vc.memory.allocator_config()  # the script's own environment's
+            run.allocator_setting = vc.memory.setting
+            run.emulation_notes = [n for n in (
+                vc.readings.note(), vc.profiled.note(), vc.other_threads_note(),
+                wrappers.replicate_note(vc)) if n]
+            run.uncached_by = list(vc.memory.uncached_by)
+            run.memory_fraction_set = bool(vc.memory.fractions)
+            run.allocator_settings_late = vc.memory.settings_late
+            run.oom_raised = [raised.words() for raised in guard.raised]
+            run.oom_uncaught = guard.raised_by(exc)
+            if rung is not None:
+                rung.close()
+            stepper.remove()
+            wrappers.cleanup(vc)
+            used, ddp_devices = _read_log(run, cfg, vc, stepper, state)
+            if alternative is not None and state is not None:
+                alternative.after_run(state, vc, ddp_devices)
     run.seconds = time.perf_counter() - start
     if isinstance(sealed, SealedRun):
         run.seal = sealed.outcome
