@@ -383,6 +383,8 @@ class SealCheck:
     checked_all: bool = True  # False: more than the check's limit; the shallowest compared
     changed: TextList = ()  # "path: changed after the as-written run"
     subprocesses: TextList = ()  # commands the script started
+    # commands of the processes a run started that still ran at its end, ended with it
+    ended_processes: TextList = ()
     omitted_writes: Count = 0  # writes left out of ``RunResult.writes`` (too many to list)
     kept_in: Text | None = None  # --keep-writes DIR
 

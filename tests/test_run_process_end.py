@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,7 @@ def test_persistent_workers_end_with_their_run(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
     assert [s["status"] for s in result["scenarios"]] == ["ok"] * 3
+    assert result["seal"]["ended_processes"] == []  # they ended as the run did, not after
 
 
 LOGGER = """
@@ -270,3 +272,59 @@ def test_objects_collected_as_the_run_ends_write_inside_it(tmp_path: Path, holde
     assert [w["path"] for w in result["writes"]] == ["log.txt"], done.stderr[-3000:]
     kept = tmp_path.parent / "kept" / "as-written" / str(tmp_path).lstrip("/")
     assert (kept / "log.txt").read_text() == "step 0\nstep 1\n"
+
+
+OUTLIVING = """
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+LATE = os.path.abspath("late.txt")
+
+
+def write_late():
+    import time
+    time.sleep(2)
+    with open(LATE, "w") as f:
+        f.write("late")
+
+
+{start}
+model = nn.DataParallel(nn.Linear(64, 64).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    loss = model(torch.randn(32, 64).cuda()).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+STARTS = {
+    "subprocess.Popen": ("subprocess.Popen(['sh', '-c', 'sleep 2; echo late > ' + LATE])",
+                         "sh -c sleep 2; echo late > "),
+    "a shell's background job": ("os.system('(sleep 2; echo late > ' + LATE + ') &')",
+                                 "sh -c (sleep 2; echo late > "),
+    "multiprocessing.Process": (
+        "if __name__ == '__main__':\n    multiprocessing.Process(target=write_late).start()",
+        "a process the script forked"),
+}
+
+
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_processes_that_outlive_their_run_end_with_it(tmp_path: Path, start: str) -> None:
+    """A process the script starts and leaves running outlived its run: its write, after
+    the run's overlays were lifted, went into the user's folder. Now it ends with its run
+    (a process's end does not wait for it), and the report names it."""
+    code, named = STARTS[start]
+    (tmp_path / "train.py").write_text(OUTLIVING.format(start=code))
+    before = _hashes(tmp_path)
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "--no-alternatives", "-o",
+                        str(tmp_path.parent / "r.json"), "--", "python", "train.py"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    time.sleep(3)  # past the write it would have made
+    assert _hashes(tmp_path) == before
+    ended = json.loads((tmp_path.parent / "r.json").read_text())["seal"]["ended_processes"]
+    assert len(ended) >= 1 and any(named in e for e in ended), ended

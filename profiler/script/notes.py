@@ -191,6 +191,7 @@ def seal_fields(runs: list[tuple[str, ScriptRun]],
     omitted, checked, checked_all = 0, 0, True
     changed: list[str] = []
     subprocesses: list[str] = []
+    ended: list[str] = []
     for name, run in runs:
         outcome = run.seal
         for w in outcome.writes[:MAX_WRITES_LISTED]:
@@ -205,10 +206,12 @@ def seal_fields(runs: list[tuple[str, ScriptRun]],
         for cmd in outcome.subprocesses:
             if cmd not in subprocesses:
                 subprocesses.append(cmd)
+        ended += [f"{cmd} (the {name} run's)" for cmd in outcome.ended_processes]
     return writes, SealCheck(
         lines=("python", "kernel" if kernel else "audit hook"), checked_entries=checked,
         checked_all=checked_all, changed=tuple(changed), subprocesses=tuple(subprocesses),
-        omitted_writes=omitted, kept_in=os.path.abspath(keep_writes) if keep_writes else None)
+        ended_processes=tuple(ended), omitted_writes=omitted,
+        kept_in=os.path.abspath(keep_writes) if keep_writes else None)
 
 
 def shown_path(path: str) -> str:
@@ -238,6 +241,11 @@ def seal_notes(check: SealCheck) -> list[str]:
                      "(their writes were not redirected; the check after the run covers the "
                      "working directory and the script's folder): "
                      + "; ".join(check.subprocesses[:5]))
+    if check.ended_processes:
+        notes.append("processes the script started still ran when their run ended, and were "
+                     "ended with it (left running, they would write into your files after its "
+                     "seal; a process's end does not wait for them): "
+                     + "; ".join(check.ended_processes[:5]))
     return notes
 
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from dpprof.script import census, census_ahead, namespace
+from dpprof.script import census, census_ahead, leftover_processes, namespace
 from dpprof.script.census import Difference, Snapshot
 from dpprof.script.overlay_changes import Change
 from dpprof.script.real_fs import rmtree
@@ -38,6 +38,8 @@ class SealOutcome:
     kernel: bool = False  # the kernel line held this run
     breach: str | None = None  # the line of a write the audit hook stopped
     subprocesses: list[str] = field(default_factory=list)  # commands the script started
+    # the processes it started that still ran at its end, ended before the seal was lifted
+    ended_processes: list[str] = field(default_factory=list)
     checked_entries: int = 0  # files and folders compared after the run
     checked_complete: bool = True  # all of them (not cut at the census' limit)
     kept: str | None = None  # where --keep-writes put them
@@ -78,11 +80,15 @@ def prepare_process() -> None:
     caches them for the process (``tempfile``'s, and ``multiprocessing``'s, where a
     DataLoader's workers bind the sockets that pass tensors), and one made inside a run's
     overlay would be gone for the next run (and a socket cannot be bound inside an overlay
-    only Python sees). ``multiprocessing`` removes its folder when the process ends."""
+    only Python sees). ``multiprocessing`` removes its folder when the process ends. And
+    the process adopts the orphans among what the runs start (their subreaper)."""
     import multiprocessing.util
 
     tempfile.gettempdir()
     multiprocessing.util.get_temp_dir()
+    # the processes a run starts stay dpprof's descendants however they detach, so that
+    # those still running as it ends are found (dpprof.script.leftover_processes)
+    leftover_processes.adopt_orphans()
 
 
 def take_census(script: str | None, keep_dir: str | None) -> Snapshot:
@@ -180,6 +186,7 @@ class SealedRun:
         self._root = ""
         self._seal: Seal | None = None
         self._cwd = ""
+        self._children: set[int] = set()  # the processes running as the run began
 
     def __enter__(self) -> Seal:
         started = time.perf_counter()
@@ -222,6 +229,7 @@ class SealedRun:
             if seal.seeded.files:
                 seal.overlay.dirty = True
         entered = seal.__enter__()
+        self._children = leftover_processes.children()  # dpprof's own (the census')
         self.outcome.seconds["before"] = time.perf_counter() - started
         return entered
 
@@ -233,6 +241,8 @@ class SealedRun:
         assert self._seal is not None
         seal, out = self._seal, self.outcome
         started = time.perf_counter()
+        # while the overlays still hold what they write (dpprof.script.leftover_processes)
+        out.ended_processes = leftover_processes.end_leftovers(self._children)
         if self.publish_to is not None:
             self.publish_to.unwatch()
         try:

@@ -1,0 +1,121 @@
+"""The processes a run started that still run when it ends, ended before its seal is lifted.
+
+A process the script starts (``subprocess.Popen`` of an upload, a shell's background job, a
+``multiprocessing.Process`` it would stop at its end, which dpprof's stop after ``--steps``
+skipped) is not waited for by a process's end, and so outlived its run: the run's overlays
+were lifted under it, and its later writes went into the user's folders after the report said
+the script wrote nothing (a ``sleep 3; echo late > /path/late.txt`` did). Such processes are
+the run's: they are ended as it ends, while its overlays still hold what they write (SIGTERM,
+then SIGKILL to what remains a second later), each with the processes it started, and the
+report names their commands. Found from ``/proc`` (the children of dpprof's process started
+since the run began, and theirs); where there is no ``/proc``, nothing is found. A process
+that detaches (a shell's ``cmd &``, whose shell exits at once; a double fork) would be no
+child of dpprof's: dpprof's process is made their subreaper (``PR_SET_CHILD_SUBREAPER``), so
+an orphan of the run's is adopted by it, not by init, and found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["adopt_orphans", "children", "end_leftovers"]
+
+PROC = Path("/proc")
+GRACE_S = 1.0  # between SIGTERM and SIGKILL
+
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+
+
+def adopt_orphans() -> bool:
+    """Make this process the subreaper of its descendants (Linux): an orphan among them is
+    re-parented to it, not to init. Whether it is (False: not Linux, or refused)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of ``pid``; None where it is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    return fields[0], int(fields[1])
+
+
+def _living(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and stat[0] not in ("Z", "X"):
+            out.add(pid)
+    return out
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent pid (empty where there is no /proc)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for entry in PROC.iterdir():
+            if entry.name.isdigit():
+                stat = _stat(int(entry.name))
+                if stat is not None:
+                    out[int(entry.name)] = stat[1]
+    return out
+
+
+def children() -> set[int]:
+    """The living child processes of this process now."""
+    me = os.getpid()
+    return _living({pid for pid, parent in _parents().items() if parent == me})
+
+
+def _command(pid: int) -> str:
+    """The process's command; a process forked from this one (``multiprocessing``'s) has
+    dpprof's own, and is named so."""
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+        if raw == (PROC / "self" / "cmdline").read_bytes():
+            return f"a process the script forked (pid {pid})"
+    except OSError:
+        return f"pid {pid}"
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)[:200]
+
+
+def end_leftovers(before: set[int]) -> list[str]:
+    """End the child processes not in ``before`` that still run, with their descendants;
+    their commands (the children's), in the order found."""
+    started = children() - before
+    if not started:
+        return []
+    commands = [_command(pid) for pid in sorted(started)]
+    parents = _parents()
+    tree, todo = set(started), list(started)
+    while todo:  # the descendants, found before any is ended (an orphan's parent changes)
+        pid = todo.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in tree:
+                tree.add(child)
+                todo.append(child)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _living(tree):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + GRACE_S
+        while _living(tree) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not _living(tree):
+            break
+    return commands
