@@ -9,6 +9,8 @@ other on the script's thread, to the byte."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +192,52 @@ def test_a_training_loop_on_a_thread_is_measured_and_stopped_after_its_steps(
     if start != "train()":
         here = _run(tmp_path, "here.py", IN_A_THREAD.format(start="train()"), 2)
         assert _peaks(scenario) == _peaks(here)
+
+
+HEARTBEAT = """
+import threading
+import time
+
+import torch
+from torch import nn
+
+
+def beat():
+    while True:
+        time.sleep(0.02)
+        with open("heartbeat.txt", "a") as f:
+            f.write("beat\\n")
+
+
+threading.Thread(target=beat, daemon={daemon}, name="dpprof-test-heartbeat").start()
+model = nn.DataParallel(nn.Linear(64, 64).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100):
+    loss = model(torch.randn(32, 64).cuda()).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("daemon", [True, False])
+def test_threads_left_running_end_with_their_run(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 daemon: bool) -> None:
+    """A thread the script leaves running (a heartbeat written every 20 ms) ended with its
+    run, as a process's end ends it: left running, it wrote into the next run's overlay,
+    and after the last, with Python's file calls its own again, into the user's folder.
+    Each run's own heartbeat is in its overlay."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text(HEARTBEAT.format(daemon=daemon))
+    result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], 2),
+                                         steps=3))
+    assert [s.status for s in result.scenarios] == ["ok"] * len(result.scenarios)
+    time.sleep(0.3)  # past a few beats
+    assert not [t for t in threading.enumerate()
+                if t.name == "dpprof-test-heartbeat" and t.is_alive()]
+    assert not (tmp_path / "heartbeat.txt").exists()
+    assert sorted(w.run for w in result.writes if w.path == "heartbeat.txt") == sorted(
+        {"as-written", "loss-in-forward", "ddp"} & {w.run for w in result.writes})

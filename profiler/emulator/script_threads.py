@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from dpprof.emulator.emulated_cuda import EmulatedCuda
 
 _OWN_PACKAGE = __name__.split(".")[0] + "."
+# each emulation's threads the program started (those alive, weakly)
+_STARTED: weakref.WeakKeyDictionary[Any, weakref.WeakSet[threading.Thread]] = (
+    weakref.WeakKeyDictionary())
 
 
 def install(vc: EmulatedCuda, patch: Callable[[Any, str, Any], None]) -> None:
@@ -47,9 +51,15 @@ def install(vc: EmulatedCuda, patch: Callable[[Any, str, Any], None]) -> None:
             inherited = vc.rt.thread_inheritance()
             # an instance attribute: the thread's own run (a subclass's too) inside
             thread.run = lambda: _run_on_gpus(vc, run, inherited)  # type: ignore[method-assign]
+            _STARTED.setdefault(vc, weakref.WeakSet()).add(thread)
         original_start(thread)
 
     patch(threading.Thread, "start", start)
+
+
+def threads_started(vc: EmulatedCuda) -> list[threading.Thread]:
+    """The threads the program started under ``vc`` that are still alive."""
+    return [t for t in _STARTED.get(vc, ()) if t.is_alive()]
 
 
 def _run_on_gpus(vc: EmulatedCuda, run: Callable[[], None],

@@ -1,5 +1,6 @@
-"""What the script's process does as it ends, done as its run ends: its exit handlers run,
-its daemonic children end, its objects are released.
+"""What the script's process does as it ends, done as its run ends, in the order of Python's
+exit: its threads are waited for, its exit handlers run, its daemonic children end, the
+threads still running are stopped, its objects are released.
 
 ``atexit.register`` in a process of its own runs the handler when that process ends: a
 log's last line, a run's summary, a results file written at exit. dpprof runs the script in
@@ -18,28 +19,38 @@ at dpprof's exit. Last, the script's objects are released, as Python's finalizat
 releases a process's (its modules' globals cleared, the frames of what ended it, cycles
 collected): an object whose ``__del__`` writes a file (a logger that writes its lines when
 collected) wrote into the user's folder once dpprof dropped the run's modules, after its seal.
-``os._exit`` ends a process without any of it, and so it ends the run.
+The threads the script started are waited for a while (Python's exit waits for the
+non-daemonic ones for ever; a loop dpprof stopped early may wait for a stop never sent), then
+those still running get ``SystemExit`` at their next step in Python: left running, one that
+writes now and then wrote into the next run's overlay, and after the last run into the
+user's folders. ``os._exit`` ends a process without any of it, and so it ends the run.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import multiprocessing
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dpprof.emulator.emulated_cuda import active
 from dpprof.emulator.heap import frozen_heap
 from dpprof.emulator.patcher import Patcher
+from dpprof.emulator.script_threads import threads_started
 from dpprof.script.hooks import StopScript
 from dpprof.script.launch import Launch, ProcessExit, own_modules
 from dpprof.script.seal_audit import SealBreach
 
 __all__ = ["run_at_the_end"]
 
+THREAD_GRACE_S = 1.0  # how long the end of a run waits for the script's non-daemonic threads
 Handler = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
@@ -78,8 +89,12 @@ def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
             raise
         except BaseException as e:  # the handlers run after it, not while it is handled
             ended = e
+        # in the order of Python's exit: the threads waited for, the handlers, then what
+        # still runs ended and the objects released
+        threads = _wait_for_threads()
         _run(handlers, ended)
         _end_daemonic_children(children_before)
+        _stop(threads)
         main = sys.modules.get("__main__")
         _release([*([main] if main is not main_before else []), *(
             sys.modules[name] for name in own_modules(set(sys.modules) - modules_before,
@@ -134,3 +149,28 @@ def _release(modules: list[Any], ended: BaseException | None) -> None:
         for name in [n for n in names if not (n.startswith("__") and n.endswith("__"))]:
             del names[name]  # its own names: what it is (__file__, __spec__) stays told
     gc.collect()
+
+
+def _wait_for_threads() -> list[threading.Thread]:
+    """The threads the script started that still run, its non-daemonic ones waited for a
+    while first, as Python's exit waits for them (for ever there: a loop dpprof stopped
+    early may wait for a stop it was never sent)."""
+    vc = active()
+    threads = [t for t in (threads_started(vc) if vc is not None else [])
+               if t is not threading.current_thread()]
+    deadline = time.monotonic() + THREAD_GRACE_S
+    for t in threads:
+        if not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
+
+
+def _stop(threads: list[threading.Thread]) -> None:
+    """Each thread still running given ``SystemExit`` at its next step in Python, as a
+    process's end stops its threads. Left running, a thread that writes now and then (a
+    heartbeat, a log flushed on a timer) wrote into the next run's overlay, and after the
+    last run, with Python's file calls its own again, into the user's folders."""
+    for t in threads:
+        if t.is_alive() and t.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                       ctypes.py_object(SystemExit))
