@@ -360,8 +360,7 @@ class Equivalence:
 
 @dataclass(frozen=True)
 class ScriptWrite:
-    """What a script under ``dpprof run`` wrote, made or removed: into its run's private
-    overlay, never into the user's files."""
+    """What a script under ``dpprof run`` wrote, made or removed (into its run's overlay)."""
 
     run: Text  # "as-written", or the alternative's or rung's run that wrote it
     path: Text  # relative to the working directory where inside it, else absolute
@@ -383,8 +382,7 @@ class SealCheck:
     checked_all: bool = True  # False: more than the check's limit; the shallowest compared
     changed: TextList = ()  # "path: changed after the as-written run"
     subprocesses: TextList = ()  # commands the script started
-    # commands of the processes a run started that still ran at its end, ended with it
-    ended_processes: TextList = ()
+    ended_processes: TextList = ()  # commands still running as their run ended, ended then
     omitted_writes: Count = 0  # writes left out of ``RunResult.writes`` (too many to list)
     kept_in: Text | None = None  # --keep-writes DIR
 
