@@ -328,3 +328,19 @@ def test_processes_that_outlive_their_run_end_with_it(tmp_path: Path, start: str
     assert _hashes(tmp_path) == before
     ended = json.loads((tmp_path.parent / "r.json").read_text())["seal"]["ended_processes"]
     assert len(ended) >= 1 and any(named in e for e in ended), ended
+
+
+def test_pythons_own_helper_processes_serve_on(tmp_path: Path) -> None:
+    """multiprocessing's resource tracker, started by a run that first needs it (shared
+    memory, a semaphore), serves the process for its life: it is not the run's to end, nor
+    named as the script's (KAIR's DDP path started it, and the report named it)."""
+    (tmp_path / "train.py").write_text(OUTLIVING.format(
+        start="from multiprocessing import shared_memory\n"
+              "block = shared_memory.SharedMemory(create=True, size=64)\n"
+              "block.close()\nblock.unlink()"))
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "-o", str(tmp_path.parent / "r.json"),
+                        "--", "python", "train.py"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path.parent / "r.json").read_text())
+    assert result["seal"]["ended_processes"] == []
+    assert "resource_tracker" not in done.stderr + done.stdout

@@ -94,10 +94,22 @@ def _command(pid: int) -> str:
     return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)[:200]
 
 
+def _pythons_own() -> set[int]:
+    """Python's own helper processes, which serve the process for its life: the
+    ``multiprocessing`` resource tracker and fork server (started by a run when it first
+    needs them, and by no other)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = (getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None))
+    return {pid for pid in pids if isinstance(pid, int)}
+
+
 def end_leftovers(before: set[int]) -> list[str]:
-    """End the child processes not in ``before`` that still run, with their descendants;
-    their commands (the children's), in the order found."""
-    started = children() - before
+    """End the child processes not in ``before`` that still run, with their descendants
+    (Python's own helpers left running); their commands (the children's), in the order
+    found."""
+    started = children() - before - _pythons_own()
     if not started:
         return []
     commands = [_command(pid) for pid in sorted(started)]
