@@ -57,8 +57,9 @@ Handler = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 @contextlib.contextmanager
 def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
     """While inside, the exit handlers registered are the run's (the list given); on leaving,
-    however the run ended, unless by ``os._exit``, they run, the daemonic children started
-    inside end and the script's objects are released (see the module)."""
+    however the run ended, unless by ``os._exit``, the script's process ends as the module
+    says: its threads waited for, the handlers run, its daemonic children ended, its threads
+    still running stopped, its objects released."""
     handlers: list[Handler] = []
     real_register, real_unregister = atexit.register, atexit.unregister
     children_before = set(multiprocessing.active_children())
@@ -92,13 +93,15 @@ def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
         # in the order of Python's exit: the threads waited for, the handlers, then what
         # still runs ended and the objects released
         threads = _wait_for_threads()
-        _run(handlers, ended)
-        _end_daemonic_children(children_before)
-        _stop(threads)
-        main = sys.modules.get("__main__")
-        _release([*([main] if main is not main_before else []), *(
-            sys.modules[name] for name in own_modules(set(sys.modules) - modules_before,
-                                                      launch.code_root))], ended)
+        try:
+            _run(handlers, ended)
+        finally:  # a handler's Ctrl-C (or dpprof's stop) ends the run; the rest still ends
+            _end_daemonic_children(children_before)
+            _stop(threads)
+            main = sys.modules.get("__main__")
+            _release([*([main] if main is not main_before else []), *(
+                sys.modules[name] for name in own_modules(set(sys.modules) - modules_before,
+                                                          launch.code_root))], ended)
         if ended is not None:
             raise ended
 
