@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["adopt_orphans", "children", "end_leftovers"]
+__all__ = ["adopt_orphans", "children", "descendants", "end_leftovers"]
 
 PROC = Path("/proc")
 GRACE_S = 1.0  # between SIGTERM and SIGKILL
@@ -65,7 +65,8 @@ def _living(pids: set[int]) -> set[int]:
 
 
 def _parents() -> dict[int, int]:
-    """Every process's parent pid (empty where there is no /proc)."""
+    """Every process's parent pid (empty where there is no /proc): the slow way, where the
+    kernel keeps no list of a process's children."""
     out = {}
     with contextlib.suppress(OSError):
         for entry in PROC.iterdir():
@@ -76,10 +77,48 @@ def _parents() -> dict[int, int]:
     return out
 
 
+def _children_of(pid: int | str) -> set[int] | None:
+    """The children of ``pid`` ("self": this process) from the kernel's list of each of its
+    threads' (``/proc/PID/task/TID/children``, a few files), None where it keeps none."""
+    try:
+        tasks = list((PROC / str(pid) / "task").iterdir())
+    except OSError:
+        return set() if pid != "self" else None
+    out: set[int] = set()
+    for task in tasks:
+        try:
+            out.update(int(c) for c in (task / "children").read_text().split())
+        except FileNotFoundError:
+            return None  # a kernel without the lists (CONFIG_PROC_CHILDREN)
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return out
+
+
 def children() -> set[int]:
     """The living child processes of this process now."""
-    me = os.getpid()
-    return _living({pid for pid, parent in _parents().items() if parent == me})
+    listed = _children_of("self")
+    if listed is None:
+        me = os.getpid()
+        listed = {pid for pid, parent in _parents().items() if parent == me}
+    return _living(listed)
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """``pids`` and every process below them, found before any is ended (an orphan's parent
+    changes)."""
+    tree, todo = set(pids), list(pids)
+    parents: dict[int, int] | None = None
+    while todo:
+        pid = todo.pop()
+        below = _children_of(pid)
+        if below is None:
+            parents = parents if parents is not None else _parents()
+            below = {child for child, parent in parents.items() if parent == pid}
+        for child in below - tree:
+            tree.add(child)
+            todo.append(child)
+    return tree
 
 
 def _command(pid: int) -> str:
@@ -113,14 +152,7 @@ def end_leftovers(before: set[int]) -> list[str]:
     if not started:
         return []
     commands = [_command(pid) for pid in sorted(started)]
-    parents = _parents()
-    tree, todo = set(started), list(started)
-    while todo:  # the descendants, found before any is ended (an orphan's parent changes)
-        pid = todo.pop()
-        for child, parent in parents.items():
-            if parent == pid and child not in tree:
-                tree.add(child)
-                todo.append(child)
+    tree = descendants(started)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in _living(tree):
             with contextlib.suppress(OSError):
