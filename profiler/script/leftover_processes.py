@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -33,9 +34,10 @@ GRACE_S = 1.0  # between SIGTERM and SIGKILL
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
+@functools.cache
 def adopt_orphans() -> bool:
-    """Make this process the subreaper of its descendants (Linux): an orphan among them is
-    re-parented to it, not to init. Whether it is (False: not Linux, or refused)."""
+    """Make this process the subreaper of its descendants (Linux), once: an orphan among
+    them is re-parented to it, not to init. Whether it is (False: not Linux, or refused)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -136,11 +138,11 @@ def _command(pid: int) -> str:
 def _pythons_own() -> set[int]:
     """Python's own helper processes, which serve the process for its life: the
     ``multiprocessing`` resource tracker and fork server (started by a run when it first
-    needs them, and by no other)."""
-    from multiprocessing import forkserver, resource_tracker
-
-    pids = (getattr(resource_tracker._resource_tracker, "_pid", None),
-            getattr(forkserver._forkserver, "_forkserver_pid", None))
+    needs them, and by no other; none where their module was never imported)."""
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    server = sys.modules.get("multiprocessing.forkserver")
+    pids = (getattr(getattr(tracker, "_resource_tracker", None), "_pid", None),
+            getattr(getattr(server, "_forkserver", None), "_forkserver_pid", None))
     return {pid for pid in pids if isinstance(pid, int)}
 
 
@@ -148,7 +150,9 @@ def end_leftovers(before: set[int]) -> list[str]:
     """End the child processes not in ``before`` that still run, with their descendants
     (Python's own helpers left running); their commands (the children's), in the order
     found."""
-    started = children() - before - _pythons_own()
+    started = children() - before
+    if started:
+        started -= _pythons_own()
     if not started:
         return []
     commands = [_command(pid) for pid in sorted(started)]
