@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import gc
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -100,8 +101,8 @@ def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
             _stop(threads)
             main = sys.modules.get("__main__")
             _release([*([main] if main is not main_before else []), *(
-                sys.modules[name] for name in own_modules(set(sys.modules) - modules_before,
-                                                          launch.code_root))], ended)
+                sys.modules[name] for name in _own(set(sys.modules) - modules_before,
+                                                   launch.code_root))], ended)
         if ended is not None:
             raise ended
 
@@ -177,3 +178,17 @@ def _stop(threads: list[threading.Thread]) -> None:
         if t.is_alive() and t.ident is not None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
                                                        ctypes.py_object(SystemExit))
+
+
+def _own(names: set[str], root: str) -> list[str]:
+    """The script's own modules among ``names`` (:func:`own_modules`), asked only of those
+    whose file or folder is named under ``root``: it resolves each path, and inside the seal
+    each resolution is file calls through it (a run imports hundreds of torch's modules)."""
+    prefix = os.path.join(root, "")
+    near = set()
+    for name in names:
+        module = sys.modules.get(name)
+        files = [getattr(module, "__file__", None), *(getattr(module, "__path__", None) or ())]
+        if any(isinstance(f, str) and f.startswith(prefix) for f in files):
+            near.add(name)
+    return own_modules(near, root)

@@ -228,8 +228,8 @@ class SealedRun:
             self.seed_from.seed_into(upper_of, seal.seeded)
             if seal.seeded.files:
                 seal.overlay.dirty = True
-        entered = seal.__enter__()
         self._children = leftover_processes.children()  # dpprof's own (the census')
+        entered = seal.__enter__()
         self.outcome.seconds["before"] = time.perf_counter() - started
         return entered
 
@@ -241,12 +241,13 @@ class SealedRun:
         assert self._seal is not None
         seal, out = self._seal, self.outcome
         started = time.perf_counter()
-        # while the overlays still hold what they write (dpprof.script.leftover_processes)
-        out.ended_processes = leftover_processes.end_leftovers(self._children)
         if self.publish_to is not None:
             self.publish_to.unwatch()
         try:
             seal.__exit__(*exc)
+            # while the overlays still hold what they write (dpprof.script.leftover_processes;
+            # its reads of /proc are dpprof's own, past Python's seal)
+            out.ended_processes = leftover_processes.end_leftovers(self._children)
             kernel_changes: list[Change] = []
             if self._kernel is not None:
                 unmounting = time.perf_counter()
