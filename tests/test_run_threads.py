@@ -195,6 +195,7 @@ def test_a_training_loop_on_a_thread_is_measured_and_stopped_after_its_steps(
 
 
 HEARTBEAT = """
+import os
 import threading
 import time
 
@@ -202,10 +203,15 @@ import torch
 from torch import nn
 
 
+# beside the script, not the working folder: a thread left running by code without this
+# mend would write on after the test, wherever the test process then stands
+BEAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heartbeat.txt")
+
+
 def beat():
     while True:
         time.sleep(0.02)
-        with open("heartbeat.txt", "a") as f:
+        with open(BEAT, "a") as f:
             f.write("beat\\n")
 
 

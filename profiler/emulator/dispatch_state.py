@@ -15,9 +15,9 @@ class VirtualDeviceError(RuntimeError):
 
 class DispatchState(threading.local):
     """The contexts the dispatch mode's callers have entered (one object, shared by the
-    mode and its parts: every storage allocated reads the category and the phase).
+    mode and its parts: every storage allocated reads the category, the phase and the stream).
 
-    Each thread has its own, as CUDA keeps the current device per thread: a thread the
+    Each thread has its own, as CUDA keeps the current device and stream per thread: a thread the
     program starts (:mod:`dpprof.emulator.script_threads`) places its copies and factories
     by its own contexts while the program's thread is inside others."""
 
@@ -36,6 +36,11 @@ class DispatchState(threading.local):
         # depth of the emulation's own dispatch on this thread (tensors show their real,
         # meta device meanwhile)
         self.in_dispatch = 0
+        # device -> the stream current on it (absent: the default stream), and device -> the
+        # key its allocations are tagged with where that is not the default stream's (the
+        # current stream, or the private pool of a CUDA graph it captures)
+        self.streams: dict[int, int] = {}
+        self.stream_tags: dict[int, int] = {}
 
     def inherited(self) -> tuple[str, str]:
         """What a thread started now takes of this thread's state, for :meth:`adopt` on the

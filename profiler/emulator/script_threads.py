@@ -48,7 +48,7 @@ def install(vc: EmulatedCuda, patch: Callable[[Any, str, Any], None]) -> None:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if vc.active and not caller.startswith(_OWN_PACKAGE):
             run = thread.run
-            inherited = vc.rt.thread_inheritance()
+            inherited = vc.rt.state.inherited()
             # an instance attribute: the thread's own run (a subclass's too) inside
             thread.run = lambda: _run_on_gpus(vc, run, inherited)  # type: ignore[method-assign]
             _STARTED.setdefault(vc, weakref.WeakSet()).add(thread)
@@ -69,7 +69,7 @@ def _run_on_gpus(vc: EmulatedCuda, run: Callable[[], None],
     if not vc.active:
         run()
         return
-    vc.rt.adopt_inheritance(inherited)
+    vc.rt.state.adopt(inherited)
     vc.enter_thread()
     _push_mode(vc.rt)
     try:

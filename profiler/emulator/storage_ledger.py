@@ -71,16 +71,6 @@ class _StorageRef(weakref.ref):  # type: ignore[type-arg]
     key: int
 
 
-class _ThreadStreams(threading.local):
-    """One thread's streams: device -> its current stream (absent: the default stream), and
-    device -> the key its allocations are tagged with where that is not the default
-    stream's (the current stream, or the private pool of a CUDA graph it captures)."""
-
-    def __init__(self) -> None:
-        self.current: dict[int, int] = {}
-        self.tags: dict[int, int] = {}
-
-
 class StorageLedger(EventQueries):
     """Live bytes per virtual device, storage by storage, and the log of their events."""
 
@@ -106,9 +96,6 @@ class StorageLedger(EventQueries):
         # serials (ascending), (length, the labelled storage's serial)
         self._shared_firsts: list[int] = []
         self._shared_blocks: list[tuple[int, int]] = []
-        # each thread's current streams and the keys its allocations are tagged with (the
-        # virtual CUDA's torch.cuda.stream sets them; CUDA keeps them per thread)
-        self._threads = _ThreadStreams()
         self._captures: dict[int, tuple[int, int]] = {}  # device -> (stream, private pool key)
         # storages a real run keeps alive past the point where a later step frees them (a
         # warm-up's transient: DDP's first buckets, held until NCCL's watchdog reaps their
@@ -126,7 +113,7 @@ class StorageLedger(EventQueries):
     def set_stream(self, device: int, stream: int) -> None:
         """Make ``stream`` (an id; 0: the default stream) current on ``device``: the
         storages allocated there from now on are that stream's (``EventLog.streams``)."""
-        current = self._threads.current
+        current = self.state.streams
         if stream:
             current[device] = stream
         else:
@@ -135,12 +122,12 @@ class StorageLedger(EventQueries):
 
     def stream_on(self, device: int) -> int:
         """The id of the stream current on ``device`` (0: its default stream)."""
-        return self._threads.current.get(device, 0)
+        return self.state.streams.get(device, 0)
 
     def tag_on(self, device: int) -> int:
         """The allocator key of what is allocated on ``device`` now: the current stream's id,
         or a capturing graph's private pool (0: the default stream)."""
-        return self._threads.tags.get(device, 0)
+        return self.state.stream_tags.get(device, 0)
 
     def begin_capture(self, device: int, stream: int, pool_key: int) -> None:
         """A CUDA graph captures ``stream`` on ``device``: what is allocated on that stream
@@ -156,15 +143,15 @@ class StorageLedger(EventQueries):
     def capturing(self, device: int) -> bool:
         """Whether the stream current on ``device`` is capturing a CUDA graph."""
         capture = self._captures.get(device)
-        return capture is not None and capture[0] == self._threads.current.get(device, 0)
+        return capture is not None and capture[0] == self.state.streams.get(device, 0)
 
     def _retag(self, device: int) -> None:
         """The key of ``device``'s allocations from now on: the capture's private pool while
         its stream is current, else the current stream (none: the default stream)."""
-        stream = self._threads.current.get(device, 0)
+        stream = self.state.streams.get(device, 0)
         capture = self._captures.get(device)
         tag = capture[1] if capture is not None and capture[0] == stream else stream
-        tags = self._threads.tags
+        tags = self.state.stream_tags
         if tag:
             tags[device] = tag
         else:
@@ -327,7 +314,7 @@ class StorageLedger(EventQueries):
                 self._storages.pop(key, None)
                 self._refs.pop(key, None)
                 raise
-            tags = self._threads.tags
+            tags = self.state.stream_tags
             if tags and device in tags:
                 log.streams[len(log.device) - 1] = tags[device]
             c = self.counters[device]
@@ -348,7 +335,7 @@ class StorageLedger(EventQueries):
         (the same event on each device mirroring this storage's, a variant ledger's)."""
         with self._lock:
             self.events.add(device, serial, requested, allocated)
-            tags = self._threads.tags
+            tags = self.state.stream_tags
             if requested > 0 and tags and device in tags:
                 self.events.streams[len(self.events) - 1] = tags[device]
             if device == HOST:

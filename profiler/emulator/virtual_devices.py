@@ -185,14 +185,6 @@ class VirtualDevices(TorchDispatchMode):
     def current_category(self) -> str:
         return self.state.category
 
-    def thread_inheritance(self) -> tuple[str, str]:
-        """What a thread started now takes of this thread's dispatch state, for
-        :meth:`adopt_inheritance` on the new thread (:mod:`dpprof.emulator.script_threads`)."""
-        return self.state.inherited()
-
-    def adopt_inheritance(self, inherited: tuple[str, str]) -> None:
-        self.state.adopt(inherited)
-
     # ---- across the parts -------------------------------------------------------------
 
     def reset_peaks(self) -> None:
