@@ -17,15 +17,16 @@ from dpprof.scenarios.loss_mean import denominator, loss_calls, sums
 from dpprof.scenarios.loss_state import modules_of, on_the_replica
 
 
-def batch_rows(x: Any) -> int:
-    """Rows (dim 0) of the first tensor found in ``x`` (a tensor, tuple, list or dict)."""
+def batch_rows(x: Any, dim: int = 0) -> int:
+    """Rows (along ``dim``, DataParallel's) of the first tensor found in ``x`` (a tensor,
+    tuple, list or dict) that has that dimension."""
     if isinstance(x, torch.Tensor):
-        return int(x.shape[0]) if x.dim() > 0 else 1
+        return int(x.shape[dim]) if x.dim() > dim else int(dim == 0)
     if isinstance(x, dict):
         x = list(x.values())
     if isinstance(x, (list, tuple)):
         for v in x:
-            n = batch_rows(v)
+            n = batch_rows(v, dim)
             if n:
                 return n
     return 0
@@ -97,6 +98,14 @@ class ModelWithLoss(nn.Module):
     Called without targets (``model(inputs)``, an evaluation loop's call), it returns the
     model's outputs, gathered on cuda:0 as without the fix.
 
+    A DataParallel that splits the batch along another dimension (``nn.DataParallel(model,
+    dim=1)``, a sequence-first model's) gathers along it too, and a replica's one number
+    cannot be gathered along a dimension it lacks ("Dimension out of range"): give the
+    wrapper the same ``dim``, and each replica returns its loss and count with that many
+    dimensions more (and counts its rows along it)::
+
+        model = nn.DataParallel(dpprof.ModelWithLoss(model, loss_fn, dim=1), dim=1)
+
     The wrapper stands in for the model where a script reaches it as ``model.module``: its
     ``state_dict`` is the model's, with the model's keys (a checkpoint saved with the fix
     loads without it, and one saved before it loads with it), ``load_state_dict`` takes
@@ -105,15 +114,19 @@ class ModelWithLoss(nn.Module):
     """
 
     # the wrapper's own attributes: never the model's, though the model may have the names
-    _OWN = frozenset({"model", "loss_fn", "keep_outputs", "loss_modules", "_source",
+    _OWN = frozenset({"model", "loss_fn", "keep_outputs", "dim", "loss_modules", "_source",
                       "_loading_under"})
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 keep_outputs: bool = False) -> None:
+                 keep_outputs: bool = False, dim: int = 0) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.keep_outputs = keep_outputs
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise ValueError(f"ModelWithLoss: dim={dim!r}: give DataParallel's dim, a "
+                             "dimension index from 0 (its default)")
+        self.dim = dim  # DataParallel's: what the replicas' losses are gathered along
         # the modules a loss function computes with, replicated with the model (a module
         # given as the loss is a submodule already); the original, which every replica's
         # copy of __dict__ shares, to find their copies by: weakly (a reference to itself
@@ -180,14 +193,16 @@ class ModelWithLoss(nn.Module):
             with loss_calls() as calls:
                 loss = self.loss_fn(outputs, targets, *more_targets)
             if isinstance(loss, torch.Tensor) and loss.dim() > 0:
-                return per_element(loss, (outputs, targets, more_targets))
+                return per_element(loss, (outputs, targets, more_targets), self.dim)
+            # one value a replica, with a dimension to gather along: DataParallel's
+            one = (1,) * (self.dim + 1)
             if len(calls) == 1 and sums(calls[0][0]):  # the replicas' losses add up
-                return loss.reshape(1), loss.new_full((1,), SUMMED)
+                return loss.reshape(one), loss.new_full(one, SUMMED)
             count = denominator(*calls[0][:3]) if len(calls) == 1 else None
         if count is None:
-            rows = float(batch_rows(targets) or batch_rows(inputs))
-            return loss.reshape(1) * rows, loss.new_full((1,), rows)
-        return loss.reshape(1) * count, count
+            rows = float(batch_rows(targets, self.dim) or batch_rows(inputs, self.dim))
+            return loss.reshape(one) * rows, loss.new_full(one, rows)
+        return loss.reshape(one) * count.reshape(one), count.reshape(one)
 
     @staticmethod
     def combine(out: tuple[Any, ...]) -> torch.Tensor:
@@ -233,14 +248,28 @@ def _keys_as_given(wrapper: ModelWithLoss, incompatible: Any) -> None:
         keys[:] = [prefix + k[len(under):] if k.startswith(under) else k for k in keys]
 
 
-def per_element(loss: torch.Tensor, operands: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def per_element(loss: torch.Tensor, operands: Any,
+                dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A replica's loss kept per element (``reduction="none"``: one loss per row, or per
     token) as ``(loss, no count)``: DataParallel's gather concatenates the replicas' along
     the batch, which is the whole batch's loss as the gathered outputs would have given it,
     and :meth:`ModelWithLoss.combine` returns it for the loop to reduce as it does. Its first
     dimension must be a shard's rows, or those rows flattened with the dimensions after
     them (``out.view(-1, V)``: rows x tokens), of the outputs or of the targets
-    (``operands``); any other shape (a loss per class) has no such order: a clear error."""
+    (``operands``); any other shape (a loss per class) has no such order: a clear error.
+    Gathered along DataParallel's ``dim`` beyond 0, it must keep that dimension, the
+    shard's rows there (a sequence-first model's ``(T, rows)`` loss per token)."""
+    if dim:
+        if loss.dim() <= dim or not any(
+                isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == loss.shape[dim]
+                for t in tree_leaves(operands)):
+            raise ValueError(
+                f"the loss returns a tensor of shape {tuple(loss.shape)}, which does not keep "
+                f"the batch's rows in dimension {dim}, the one DataParallel gathers along: "
+                "the replicas' losses do not make the whole batch's; reduce it inside the "
+                "loss function (a mean or a sum), keep that dimension, or keep the loss "
+                "outside forward")
+        return loss, loss.new_empty((1,) * dim + (0,))
     firsts = set()
     for t in tree_leaves(operands):
         if isinstance(t, torch.Tensor) and t.dim() > 0:

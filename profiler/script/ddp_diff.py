@@ -101,7 +101,8 @@ def _top_of(src: ScriptSource, body: list[ast.stmt]) -> tuple[int, str]:
 def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = False,
         batch_lines: tuple[int, ...] = (), rows: int = 0,
         flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (), script: str = "",
-        elsewhere: bool = False, label: str = "", use: LoaderUse = UNSEEN) -> Rewrite:
+        elsewhere: bool = False, label: str = "", use: LoaderUse = UNSEEN,
+        dim: int = 0) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
     of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
@@ -113,11 +114,12 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
     diffs divide (:func:`ddp_at`); ``label``: the file's name in the diff (its own name);
     ``use``: how the alternative saw the divided DataLoaders used (an evaluation's gets no
     DistributedSampler, which would shard it; a batch_size the ranks do not divide is
-    rounded up)."""
+    rounded up); ``dim``: the dimension of the hand-made batches' size DataParallel split
+    (its ``dim``)."""
     try:
         return _ddp(ScriptSource(source, path), dp_line, gpus,
                     (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
-                    batch_lines, rows, loader_sites, script, elsewhere, label, use)
+                    batch_lines, rows, loader_sites, script, elsewhere, label, use, dim)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -193,30 +195,35 @@ def _refuse_own_process_group(src: ScriptSource, gpus: int, flags: tuple[str, ..
         f"python {name} {chosen + ' ' if chosen else ''}...` measures it")
 
 
-def _batch_rows_node(call: ast.Call) -> ast.expr | None:
-    """The first dimension of a batch factory's size (``torch.randint(0, V, (B, T))``:
-    ``B``; ``torch.randn(B, D)``, ``torch.full((B,), 1.0)``: ``B``), as the DDP alternative
+def _batch_rows_node(call: ast.Call, dim: int = 0) -> ast.expr | None:
+    """The dimension ``dim`` (DataParallel's) of a batch factory's size
+    (``torch.randint(0, V, (B, T))``: ``B``; ``torch.randn(B, D)``, ``torch.full((B,),
+    1.0)``: ``B``; along 1, ``torch.randint(0, V, (T, B))``: ``B``), as the DDP alternative
     read it."""
     size = next((k.value for k in call.keywords if k.arg == "size"), None)
     if size is None:
         if last_name(call.func) == "randint":
             size = next((a for a in call.args if isinstance(a, (ast.Tuple, ast.List))), None)
+        elif call.args and isinstance(call.args[0], (ast.Tuple, ast.List)):
+            size = call.args[0]
+        elif len(call.args) > dim and last_name(call.func) != "full":  # randn(T, B, D)
+            size = ast.Tuple(elts=list(call.args), ctx=ast.Load())
         elif call.args:
             size = call.args[0]
     if isinstance(size, (ast.Tuple, ast.List)):
-        return size.elts[0] if size.elts else None
-    return size
+        return size.elts[dim] if len(size.elts) > dim else None
+    return size if dim == 0 else None
 
 
 def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpus: int,
-                    scattered: int) -> list[int]:
+                    scattered: int, dim: int = 0) -> list[int]:
     """Each rank makes its share of a hand-made batch: ``B`` -> ``B // gpus`` in the
     factories on ``lines``; the lines edited."""
     done = []
     for line in lines:
         call = next((c for c in calls_at(src, line)
                      if last_name(c.func) in BATCH_FACTORIES), None)
-        rows = _batch_rows_node(call) if call is not None else None
+        rows = _batch_rows_node(call, dim) if call is not None else None
         if rows is None or isinstance(rows, ast.Starred):
             continue
         edits.node(rows, share(src, rows, gpus, scattered))
@@ -227,7 +234,7 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0,
          loader_sites: tuple[str, ...] = (), script: str = "", elsewhere: bool = False,
-         label: str = "", use: LoaderUse = UNSEEN) -> Rewrite:
+         label: str = "", use: LoaderUse = UNSEEN, dim: int = 0) -> Rewrite:
     _refuse_own_process_group(src, gpus, flags, scattered)
     edits = Edits(src)
     notes: list[str] = []
@@ -263,7 +270,7 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
         line, indent = _init_line(src, wrap)
         edits.insert_lines(line, [f'{indent}{rank} = int(os.environ["LOCAL_RANK"])'])
     _rank_devices(src, edits, replaced)
-    divided = _divide_batches(src, edits, batch_lines, gpus, scattered)
+    divided = _divide_batches(src, edits, batch_lines, gpus, scattered, dim)
     if not loaders.any and not divided and not elsewhere:
         edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share_words(gpus)}"])
         notes.append("the script makes its batches without a DataLoader: give each rank its "
@@ -354,9 +361,10 @@ def _other_wraps(src: ScriptSource, dp: ast.Call) -> list[ast.Call]:
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
            batch_sites: tuple[str, ...] = (), rows: int = 0,
            flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (),
-           script: str = "", use: LoaderUse = UNSEEN) -> Rewrite:
+           script: str = "", use: LoaderUse = UNSEEN, dim: int = 0) -> Rewrite:
     """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches and of the
-    calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered;
+    calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered,
+    along ``dim``;
     ``script``: the file the launcher runs). Batches made in other files of the user's (the
     training loop's file, where a model file wraps the model) are divided there: one diff
     of every file, named from the folder that holds them all (the script's, unless one is
@@ -385,7 +393,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
                    tuple(batches.get(str(here), ())), rows, flags,
                    tuple(loaders.get(str(here), ())), script, elsewhere=bool(others),
                    label=here.relative_to(root).as_posix() if others else "",
-                   use=use)
+                   use=use, dim=dim)
         if not main.ok or not others:
             return main
         parts = [main]
@@ -396,7 +404,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
             label = Path(other).relative_to(root).as_posix()
             done = _elsewhere(other, gpus, tuple(batches.get(other, ())), rows,
                               tuple(loaders.get(other, ())), flags, label,
-                              starts=other == launched, use=use)
+                              starts=other == launched, use=use, dim=dim)
             parts.append(dataclasses.replace(done, notes=tuple(f"{label} {n}"
                                                                for n in done.notes)))
         apply_at = ([] if root == start else [
@@ -409,7 +417,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
 
 def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: int,
                loader_sites: tuple[str, ...], flags: tuple[str, ...], label: str,
-               starts: bool, use: LoaderUse = UNSEEN) -> Rewrite:
+               starts: bool, use: LoaderUse = UNSEEN, dim: int = 0) -> Rewrite:
     """The DDP change of a file other than the wrap's where the batches are made: each
     rank's share of its DataLoaders and hand-made batches, ``"cuda:0"`` the rank's device;
     where it is the launched script (``starts``), the process group started at its start."""
@@ -427,5 +435,5 @@ def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: in
         edits.insert_lines(line, _starts(gpus, Path(path).name,
                                          free_name(src, "rank", "local_rank"), indent))
     _rank_devices(src, edits)
-    _divide_batches(src, edits, batch_lines, gpus, scattered)
+    _divide_batches(src, edits, batch_lines, gpus, scattered, dim)
     return finish(src, edits, _title(flags), notes, label)

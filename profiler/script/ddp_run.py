@@ -33,6 +33,7 @@ from dpprof.result import STATUS_ERROR
 from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
+from dpprof.script.batch_shares import with_rows
 from dpprof.script.ddp_loaders import LoaderUse
 from dpprof.script.ddp_rank import built_at_the_wrap
 from dpprof.script.installed_code import installed_site, is_installed
@@ -68,6 +69,7 @@ class DdpState(AlternativeState):
     """What one run of the DDP alternative follows (its record, :func:`ddp_state`)."""
 
     scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
+    scattered_dim: int = 0  # the dimension it split them along
     # how each rank got its share of the batch: a DataLoader's batch_size divided, a
     # DataLoader's own batch sampler cut (each of its batches to its first share), and the
     # script's lines whose hand-made batches were cut to it ("torch.randn at file:line")
@@ -153,7 +155,7 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
     rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                               batch_sites=followed.batch_sites, rows=run.batch_rows,
                               flags=flags, loader_sites=tuple(followed.loader_sites),
-                              script=script, use=followed.use)
+                              script=script, use=followed.use, dim=followed.scattered_dim)
     if followed.part_of_model and rewrite.ok:
         rewrite = Rewrite(reason=(
             f"{relative_site(run.dp_sites[0])}: DataParallel wraps a part of the model "
@@ -251,45 +253,15 @@ def script_site(frame: Any) -> str | None:
     return None
 
 
-def with_rows(func: str, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int,
-              share: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """``func``'s arguments with a size whose first dimension is ``rows`` given ``share``
-    rows instead; None where the size does not begin with ``rows``."""
-    def cut(size: Any) -> Any:
-        if isinstance(size, (tuple, list, torch.Size)) and size and size[0] == rows:
-            return type(size)([share, *size[1:]]) if not isinstance(size, torch.Size) \
-                else torch.Size([share, *size[1:]])
-        return None
-
-    if "size" in kwargs:
-        new = cut(kwargs["size"])
-        return None if new is None else (args, {**kwargs, "size": new})
-    if func == "randint":  # randint(high, size) / randint(low, high, size)
-        at = next((i for i, a in enumerate(args) if isinstance(a, (tuple, list, torch.Size))),
-                  None)
-        if at is None:
-            return None
-        new = cut(args[at])
-        return None if new is None else ((*args[:at], new, *args[at + 1:]), kwargs)
-    if func == "full" and args:  # full((B, D), value)
-        new = cut(args[0])
-        return None if new is None else ((new, *args[1:]), kwargs)
-    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):  # randn((B, D))
-        new = cut(args[0])
-        return None if new is None else ((new,), kwargs)
-    if args and isinstance(args[0], int) and args[0] == rows:  # randn(B, D)
-        return (share, *args[1:]), kwargs
-    return None
-
-
 def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
                               patcher: Patcher) -> None:
     """Batches the script makes in its loop without a DataLoader (a factory of
-    :data:`dpprof.script.ddp_diff.BATCH_FACTORIES` in a loop of the script, whose first
-    dimension is the batch DataParallel scattered: inputs, targets, labels): each rank
-    makes its share, DataParallel's first chunk (``ceil(B / N)`` rows), as a DDP script
-    would make ``B // N`` rows on every rank. One made once, before the loop (a GAN's fixed
-    noise to draw samples from), is no step's batch."""
+    :data:`dpprof.script.ddp_diff.BATCH_FACTORIES` in a loop of the script, with the batch
+    DataParallel scattered in the dimension it split along, the first or its ``dim``:
+    inputs, targets, labels): each rank makes its share, DataParallel's first chunk
+    (``ceil(B / N)`` rows), as a DDP script would make ``B // N`` rows on every rank. One
+    made once, before the loop (a GAN's fixed noise to draw samples from), is no step's
+    batch."""
     rows = state.scattered_rows
 
     def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -301,7 +273,7 @@ def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
             # the GPUs the script sees, asked when it makes a batch (not before it ran:
             # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
             share = -(-rows // vc.device_count())
-            cut = with_rows(func, args, kwargs, rows, share)
+            cut = with_rows(func, args, kwargs, rows, share, state.scattered_dim)
             if cut is None:
                 return original(*args, **kwargs)
             made = f"torch.{func} at {site}"
@@ -400,7 +372,7 @@ class DdpInPlace(Alternative):
     model_input_share = 0
 
     def new_state(self, cfg: ScriptConfig) -> DdpState:
-        return DdpState(scattered_rows=cfg.scattered_rows)
+        return DdpState(scattered_rows=cfg.scattered_rows, scattered_dim=cfg.scattered_dim)
 
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
         from torch.utils.data import DataLoader
@@ -508,7 +480,8 @@ class DdpInPlace(Alternative):
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
         alt = run_script(dataclasses.replace(cfg, alternative=self,
-                                             scattered_rows=main.batch_rows),
+                                             scattered_rows=main.batch_rows,
+                                             scattered_dim=main.batch_dim),
                          runs.step_cb(self.name))
         followed = ddp_state(alt)
         assert followed is not None  # run with this alternative
@@ -545,7 +518,8 @@ class DdpInPlace(Alternative):
             at_call = copy.copy(self)
             at_call.model_input_rows = main.batch_rows
             retried = run_script(dataclasses.replace(cfg, alternative=at_call,
-                                                     scattered_rows=main.batch_rows),
+                                                     scattered_rows=main.batch_rows,
+                                                     scattered_dim=main.batch_dim),
                                  runs.step_cb(self.name))
             made = [f"{what} at {relative_site(site)}" for what, _, site in
                     (m.rpartition(" at ") for m in followed.divided_sites)]

@@ -150,7 +150,7 @@ class DeferredOutputs:
         until its loss; False where it cannot run so (the inputs gone)."""
         if not (self.inputs or self.kwargs) or self.value is not None:
             return False
-        held = HeldForward(self.dp.module)
+        held = HeldForward(self.dp.module, self.dp.dim)
         held.shapes, held.kept = self.shapes, []
         self.dp.run(held, (self.model_inputs(),), {})
         self.inputs, self.kwargs = (), {}
@@ -286,7 +286,8 @@ class DeferredOutputs:
         """The loss computed inside forward on every replica (of the outputs and each of
         ``targets``, scattered with the inputs), combined as one number."""
         keep = current().keep_outputs
-        wrapped = recording_class()(self.dp.module, loss_fn, keep_outputs=keep)
+        wrapped = recording_class()(self.dp.module, loss_fn, keep_outputs=keep,
+                                     dim=self.dp.dim)
         wrapped.shapes = self.shapes
         wrapped.kept = []
         out = self.dp.run(wrapped, (self.model_inputs(), *targets), {})
@@ -306,7 +307,7 @@ class DeferredOutputs:
         ids = [device for device, _ in self.replicas]
         with rt.category("inputs"):
             shards, _ = scatter_kwargs(rt, tuple(targets), {}, ids, self.dp.dim)
-        weigh = ModelWithLoss(nn.Identity(), loss_fn)
+        weigh = ModelWithLoss(nn.Identity(), loss_fn, dim=self.dp.dim)
         # its loss modules' tensors (a weighted loss's weights) on every replica's GPU, as
         # the replicate of a wrapper holding both losses puts them there
         held = [*weigh.parameters(), *weigh.buffers()]  # the loss module's, or its function's

@@ -28,6 +28,7 @@ from dpprof.script.source import (
     bound_between,
     calls_at,
     data_parallel_call,
+    dim_arg,
     dotted_name,
     loaded_names,
     module_arg,
@@ -506,6 +507,10 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                          "when it is made, so a loss that holds tensors (class weights) "
                          "must be defined before the wrap")
     keep_arg = ", keep_outputs=True" if keep else ""
+    # DataParallel gathers the replicas' losses along its dim: ModelWithLoss shapes them so
+    dim = dim_arg(dp)
+    if dim is not None and not (isinstance(dim, ast.Constant) and dim.value == 0):
+        keep_arg += f", dim={src.seg(dim)}"
     wrapped = f"dpprof.ModelWithLoss({src.seg(arg)}, {loss_fn}{keep_arg})"
     if before is not None:
         assert isinstance(arg, ast.Name)

@@ -86,6 +86,7 @@ class ParallelLog:
     # rows each device got of the first batch a training forward split (DataParallel's
     # scatter) or moved (DDP), positional and keyword inputs alike: runtime index -> rows
     shard_rows: dict[int, int] = field(default_factory=dict)
+    shard_dim: int = 0  # the dimension they were split along (DataParallel's dim)
 
     def note_shards(self, devices: Sequence[int], inputs: Sequence[Any],
                     kwargs: Sequence[dict[str, Any]], dim: int) -> None:
@@ -96,6 +97,7 @@ class ParallelLog:
                          if isinstance(t, torch.Tensor) and t.dim() > dim), 0)
             if rows:
                 self.shard_rows[device] = rows
+                self.shard_dim = dim
 
 
 @dataclass

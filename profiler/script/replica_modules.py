@@ -21,16 +21,18 @@ class HeldForward(nn.Module):
     shapes: list[Any]
     kept: list[Any]
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dim: int = 0) -> None:
         super().__init__()
         self.model = model
+        self.dim = dim  # DataParallel's, which the empty result is gathered along
 
     def forward(self, inputs: Any) -> torch.Tensor:
         outputs = call_model(self.model, inputs)
         self.shapes.append(tree_map(shape_only, outputs))
         self.kept.append(outputs)
         first = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
-        return first.new_empty((0,)) if first is not None else torch.empty(0)
+        empty = (1,) * self.dim + (0,)
+        return first.new_empty(empty) if first is not None else torch.empty(empty)
 
 
 def recording_class() -> type:

@@ -125,6 +125,7 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
         # a rung measures what the script needs with it, past where a GPU would run out
         run = run_script(dataclasses.replace(cfg, alternative=alternative, rung=rung,
                                              scattered_rows=main.batch_rows,
+                                             scattered_dim=main.batch_dim,
                                              rung_by_trainer=by_trainer, raise_oom=False),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:

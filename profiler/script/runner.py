@@ -134,9 +134,10 @@ class ScriptConfig:
     predict_time: bool = True
     # torch.OutOfMemoryError raised where the GPU runs out (False: the run goes on past it)
     raise_oom: bool = True
-    # the rows DataParallel scattered in the run as written (in the DDP alternative each
-    # rank's share of a batch the script makes by hand follows from it)
+    # the rows DataParallel scattered in the run as written, and along which dimension (in
+    # the DDP alternative each rank's share of a batch the script makes by hand follows)
     scattered_rows: int = 0
+    scattered_dim: int = 0
     # the rank this run plays (its launcher's environment, mp.spawn's argument, its own
     # virtual GPU); the script as written is rank 0
     rank: int = 0
@@ -182,6 +183,7 @@ class ScriptRun:
     tensor_parallel_ranks: int = 1  # the ranks of its tensor-parallel mesh (one batch)
     world_size: int = 1
     batch_rows: int = 0
+    batch_dim: int = 0  # the dimension DataParallel split them along (its dim)
     seconds: float = 0.0
     autocast_regions: int = 0  # torch.autocast("cuda") regions the script entered
     # the mixed precision Hugging Face's TrainingArguments asked for ("bf16", "fp16")
@@ -496,6 +498,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     # objects a forward of the script's own scatters (PyG's graphs): no GPU's count known
     objects = used if stepper.rows_are_items else []
     run.shard_rows = dict(log.shard_rows) or dict.fromkeys(objects, 0)
+    run.batch_dim = log.shard_dim
     run.batch_rows = (sum(log.shard_rows.values()) or stepper.batch_rows
                       or stepper.warmup_rows or (state.batch_rows if state is not None else 0))
     return used, list(log.ddp_devices)

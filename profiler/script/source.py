@@ -354,6 +354,18 @@ def module_arg(call: ast.Call) -> ast.expr:
     raise NoRewrite(f"line {call.lineno}: DataParallel's module is not given as an argument")
 
 
+def dim_arg(call: ast.Call) -> ast.expr | None:
+    """The ``dim`` a ``DataParallel(...)`` call splits the batch along, as written (its
+    keyword, or torch's fourth positional argument); None where left to its default, 0."""
+    for kw in call.keywords:
+        if kw.arg == "dim":
+            return kw.value
+    if last_name(call.func) == "DataParallel" and len(call.args) > 3 and not any(
+            isinstance(a, ast.Starred) for a in call.args[:4]):
+        return call.args[3]
+    return None
+
+
 def parenthesized(src: ScriptSource, node: ast.expr) -> str:
     """``node``'s text, in parentheses where ``.attr`` or a call could not follow it bare."""
     text = src.seg(node)
