@@ -109,15 +109,53 @@ def _losses(script: Path) -> list[float]:
     return [float(v) for v in re.findall(r"^loss (\S+)$", done.stdout, re.M)]
 
 
-def test_the_fixed_loss_is_the_written_one_s(tmp_path: Path,
+# ways a sequence-first loop writes its loss on the (T, B, V) outputs
+FORMS = {
+    "flat view": "loss = crit(out.view(-1, V), y.reshape(-1))",
+    "ignored targets": "loss = crit_ignoring(out.reshape(-1, V), y.reshape(-1))",
+    "classes second": "loss = crit(out.permute(1, 2, 0), y.t())",
+    "shifted": "loss = crit(out[:-1].reshape(-1, V), y[1:].reshape(-1))",
+    "elementwise": "loss = F.mse_loss(out, z)",
+    "outputs read too": ("loss = crit(out.reshape(-1, V), y.reshape(-1)); "
+                         "hits = (out.argmax(-1) == y).sum()"),
+}
+SMALL = """
+import torch, torch.nn as nn, torch.nn.functional as F
+V, D, T, B = 50, 16, 12, 8
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V)
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+model = nn.DataParallel(LM().cuda(), dim=1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+crit, crit_ignoring = nn.CrossEntropyLoss(), nn.CrossEntropyLoss(ignore_index=0)
+for step in range(4):
+    x = torch.randint(0, V, (T, B), device="cuda")
+    y = torch.randint(0, V, (T, B), device="cuda")
+    z = torch.randn(T, B, V, device="cuda")
+    out = model(x)
+    {loss}
+    opt.zero_grad(); loss.backward(); opt.step()
+    print(f"loss {{loss.item():.6f}}")
+"""
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_the_fixed_loss_is_the_written_one_s(form: str, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Computed for real (``--compute``), the loss the fixed script combines from the
     replicas along dim 1 is the loss over the gathered outputs, step by step."""
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "train.py"
-    script.write_text(LM.format(setup=DATA_PARALLEL, rows="B"))
+    script.write_text(SMALL.format(loss=FORMS[form]))
     result = _run(script, ["python", "train.py"])
+    forward = result.scenario("dp-loss-forward")  # type: ignore[attr-defined]
+    assert forward is not None and forward.status == "ok", result.notes  # type: ignore[attr-defined]
     lif = next(f for f in result.fixes if f.name == "loss-in-forward")  # type: ignore[attr-defined]
+    assert ", dim=1), dim=1)" in lif.code, lif.code
     (tmp_path / "fixed.py").write_text(apply_diff(script.read_text(), lif.code))
     written, fixed = _losses(script), _losses(tmp_path / "fixed.py")
     assert written and len(fixed) == len(written)
