@@ -426,8 +426,14 @@ def parallel_apply(
         region = replica_autocast(threads)
         if isinstance(region, EmulatedAutocast):
             rt.mirrors.replicas_float16_instead_of = emulated_autocast_dtype()
-        with rt.device(devices[k]), rt.category("activations"), region:
-            outputs.append(module(*inp, **kwargs_tup[k]))
+        # torch runs two replicas or more each in a thread of its own, with its own handle
+        worker, rt.state.worker_thread = rt.state.worker_thread, threads > 1 or (
+            rt.state.worker_thread)
+        try:
+            with rt.device(devices[k]), rt.category("activations"), region:
+                outputs.append(module(*inp, **kwargs_tup[k]))
+        finally:
+            rt.state.worker_thread = worker
         if k < len(mirrors) and mirrors[k]:
             own = {devices[k], *mirrors[k]}
             other = next((d for d in log[start:] if d not in own), None)

@@ -41,6 +41,10 @@ class DispatchState(threading.local):
         # current stream, or the private pool of a CUDA graph it captures)
         self.streams: dict[int, int] = {}
         self.stream_tags: dict[int, int] = {}
+        # whose cuBLAS handle the thread's ops run with: the program's own thread's, or a
+        # thread it (or DataParallel's parallel_apply) starts, which takes a handle of
+        # its own from torch's per-device pool (CublasHandlePool.cpp: one a thread)
+        self.worker_thread = False
 
     def inherited(self) -> tuple[str, str]:
         """What a thread started now takes of this thread's state, for :meth:`adopt` on the
@@ -50,3 +54,4 @@ class DispatchState(threading.local):
 
     def adopt(self, inherited: tuple[str, str]) -> None:
         self.category, self.phase = inherited
+        self.worker_thread = True

@@ -21,6 +21,7 @@ from dpprof.emulator.virtual_devices import (
     BLAS_BACKWARD,
     BLAS_FORWARD,
     BLAS_LT,
+    BLAS_WORKER,
 )
 
 __all__ = ["AllocationEvent", "GpuOverheads", "ModelledDevice", "gpu_overheads",
@@ -144,7 +145,8 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
         nccl_bytes = (ctx.nccl_bytes if communicator else 0) + (own_nccl_bytes or {}).get(src, 0)
         out.append(GpuOverheads(
             peak_reserved_bytes=stats.peak_reserved_bytes,
-            workspace_bytes=ctx.workspace_bytes,
+            # the context's workspaces and any further handle's or stream's
+            workspace_bytes=sum(size for _, _, size, _ in inserts),
             context_bytes=ctx.outside_allocator_bytes + nccl_bytes,
             context_breakdown_bytes=(
                 (*library, ("nccl", nccl_bytes)) if nccl_bytes else library),
@@ -160,16 +162,26 @@ def workspace_inserts(ctx: ContextModel, device: int,
     """The long-lived workspaces of ``device`` as (event index, block id, bytes, allocator
     key), in the order the allocator gets them: the forward thread's cuBLAS workspace at its
     first cuBLAS op, then (same op) cuBLASLt's at the first addmm, autograd's at its first;
-    any further ones (more streams) and those of a thread with no cuBLAS op first (index 0).
+    any further ones (more streams) and those of a thread with no cuBLAS op first (index 0);
+    where the program's thread and a thread it started (DataParallel's replica's) both ran
+    cuBLAS on the device, one handle each, the second's workspace at its first op.
     A handle's first op on a side stream adds that (handle, stream)'s workspace there, under
     the stream's key, or a capturing CUDA graph's private pool's (``blas_side``:
     :attr:`dpprof.emulator.virtual_devices.VirtualDevices.blas_side`)."""
-    roles = [BLAS_FORWARD, BLAS_BACKWARD]
+    # the forward's handle is the program thread's, or where only threads it started ran
+    # cuBLAS on the device (DataParallel's replicas), theirs; where both did, the second
+    # handle's workspace comes at its first op
+    forward = [at for at in (blas_first.get((device, BLAS_FORWARD)),
+                             blas_first.get((device, BLAS_WORKER))) if at is not None]
+    firsts = [min(forward) if forward else None, blas_first.get((device, BLAS_BACKWARD))]
     out: list[tuple[int, int, int, int]] = []
     block = -1
     for k in range(ctx.cublas_workspaces):
-        at = blas_first.get((device, roles[k])) if k < len(roles) else None
+        at = firsts[k] if k < len(firsts) else None
         out.append((0 if at is None else at, block, ctx.cublas_workspace_bytes, 0))
+        block -= 1
+    if len(forward) == 2 and ctx.cublas_workspaces:
+        out.append((max(forward), block, ctx.cublas_workspace_bytes, 0))
         block -= 1
     if ctx.cublaslt_workspace_bytes:
         for _ in range(ctx.cublaslt_workspaces):

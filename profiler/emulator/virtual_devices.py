@@ -92,7 +92,8 @@ class VirtualDevices(TorchDispatchMode):
         # kernel does not (dpprof.emulator.kernels): op -> its plan for the op's arguments
         self.kernel_plans: dict[Any, Callable[[Any, dict[str, Any]], KernelPlan | None]] = {}
         # where each device first ran a cuBLAS op, by the thread's role (BLAS_FORWARD, the
-        # forward's thread; BLAS_BACKWARD, autograd's; BLAS_LT, cuBLASLt's first addmm):
+        # program's thread; BLAS_WORKER, a thread started for the work, as DataParallel's
+        # replicas'; BLAS_BACKWARD, autograd's; BLAS_LT, cuBLASLt's first addmm):
         # the event index after that op's outputs, where the handle's workspace is
         # allocated (lazily, at the handle's first use); dpprof.emulator.reserved places
         # the workspaces there in the caching allocator's sequence
@@ -354,7 +355,8 @@ class VirtualDevices(TorchDispatchMode):
     def _note_blas(self, func: Any, device: int) -> None:
         """A cuBLAS op ran on ``device``: the first one of its thread's role places that
         handle's workspace (``getCurrentCUDABlasHandle`` allocates it at first use)."""
-        role = BLAS_BACKWARD if torch._C._current_graph_task_id() != -1 else BLAS_FORWARD
+        role = (BLAS_BACKWARD if torch._C._current_graph_task_id() != -1
+                else BLAS_WORKER if self.state.worker_thread else BLAS_FORWARD)
         at = len(self.storages.events)
         lt = func in LT_OPS
         stream = self.storages.stream_on(device)
@@ -376,6 +378,10 @@ BLAS_OPS = frozenset({
 })
 LT_OPS = frozenset({aten.addmm.default, aten._addmm_activation.default})
 BLAS_FORWARD = "forward"
+# a thread the program or DataParallel's parallel_apply starts: a handle of its own, taken
+# from the device's pool (one a thread alive at a time: a thread that ends gives it back, so
+# the next replica thread on the device reuses it and its workspace)
+BLAS_WORKER = "worker"
 BLAS_BACKWARD = "backward"
 BLAS_LT = "lt"
 
