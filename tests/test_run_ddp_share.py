@@ -15,9 +15,8 @@ from test_script_rewrite import apply_diff
 
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
-LM = """
-import torch, torch.nn as nn
-V, D, T, B = 2000, 64, 32, 32
+# a token model: embedding, MLP, vocabulary head; the same whichever dimension is the batch
+LM_MODEL = """
 class LM(nn.Module):
     def __init__(self):
         super().__init__()
@@ -26,7 +25,10 @@ class LM(nn.Module):
         self.head = nn.Linear(D, V)
     def forward(self, ids):
         return self.head(self.mix(self.emb(ids)))
-{setup}
+"""
+LM = """
+import torch, torch.nn as nn
+V, D, T, B = 2000, 64, 32, 32""" + LM_MODEL + """{setup}
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 crit = nn.CrossEntropyLoss()
 for step in range(6):

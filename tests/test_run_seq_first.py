@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_run_ddp_share import LM_MODEL
 from test_script_rewrite import apply_diff
 from torch import nn
 
@@ -24,18 +25,10 @@ from dpprof import ModelWithLoss
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 # T differs from B, so that a share cut along the wrong dimension shows
+# sequence first: (T, B) in, (T, B, V) out
 LM = """
 import torch, torch.nn as nn
-V, D, T, B = 500, 32, 24, 16
-class LM(nn.Module):  # sequence first: (T, B) in, (T, B, V) out
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.mix = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
-        self.head = nn.Linear(D, V)
-    def forward(self, ids):
-        return self.head(self.mix(self.emb(ids)))
-{setup}
+V, D, T, B = 500, 32, 24, 16""" + LM_MODEL + """{setup}
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 crit = nn.CrossEntropyLoss()
 for step in range(4):
