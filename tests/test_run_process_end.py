@@ -286,9 +286,9 @@ from torch import nn
 LATE = os.path.abspath("late.txt")
 
 
-def write_late():
+def write_late(seconds=2):
     import time
-    time.sleep(2)
+    time.sleep(seconds)
     with open(LATE, "w") as f:
         f.write("late")
 
@@ -307,8 +307,12 @@ STARTS = {
                          "sh -c sleep 2; echo late > "),
     "a shell's background job": ("os.system('(sleep 2; echo late > ' + LATE + ') &')",
                                  "sh -c (sleep 2; echo late > "),
+    # a non-daemonic child is joined as the run ends, as Python's exit joins it: one that
+    # runs past the while its run waits for it (a consumer waiting for work the stopped
+    # script never sends) ends with the run
     "multiprocessing.Process": (
-        "if __name__ == '__main__':\n    multiprocessing.Process(target=write_late).start()",
+        "if __name__ == '__main__':\n"
+        "    multiprocessing.Process(target=write_late, args=(60,)).start()",
         "a process the script forked"),
 }
 
@@ -328,6 +332,28 @@ def test_processes_that_outlive_their_run_end_with_it(tmp_path: Path, start: str
     assert _hashes(tmp_path) == before
     ended = json.loads((tmp_path.parent / "r.json").read_text())["seal"]["ended_processes"]
     assert len(ended) >= 1 and any(named in e for e in ended), ended
+
+
+def test_a_process_the_script_leaves_to_finish_is_joined_inside_its_run(tmp_path: Path) -> None:
+    """A non-daemonic ``multiprocessing.Process`` the script starts and never joins (a
+    checkpoint written in a process of its own): Python's exit waits for it, and so does
+    the end of its run: its write is the run's, inside the run's overlay, and it is no
+    process the run left behind. It used to be ended with the run, its file never
+    written."""
+    (tmp_path / "train.py").write_text(OUTLIVING.format(
+        start="if __name__ == '__main__':\n"
+              "    multiprocessing.Process(target=write_late, args=(0.5,)).start()"))
+    before = _hashes(tmp_path)
+    done = _dpprof_run(["--gpus", "2", "--steps", "3", "--no-alternatives", "--keep-writes",
+                        str(tmp_path.parent / "kept"), "-o", str(tmp_path.parent / "r.json"),
+                        "--", "python", "train.py"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _hashes(tmp_path) == before
+    result = json.loads((tmp_path.parent / "r.json").read_text())
+    assert result["seal"]["ended_processes"] == []
+    assert [w["path"] for w in result["writes"]] == ["late.txt"]
+    kept = tmp_path.parent / "kept" / "as-written" / str(tmp_path).lstrip("/")
+    assert (kept / "late.txt").read_text() == "late"
 
 
 def test_pythons_own_helper_processes_serve_on(tmp_path: Path) -> None:

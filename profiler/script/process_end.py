@@ -1,6 +1,7 @@
 """What the script's process does as it ends, done as its run ends, in the order of Python's
-exit: its threads are waited for, its exit handlers run, its daemonic children end, the
-threads still running are stopped, its objects are released.
+exit: its threads are waited for, its exit handlers run, its daemonic children end and
+its other children are joined, the threads still running are stopped, its objects are
+released.
 
 ``atexit.register`` in a process of its own runs the handler when that process ends: a
 log's last line, a run's summary, a results file written at exit. dpprof runs the script in
@@ -13,12 +14,16 @@ ends (its main module returned or raised, ``sys.exit``, dpprof's stop after ``--
 Ctrl-C) they run, last registered first, inside the run's seal and on its virtual GPUs, each
 error printed as Python prints it and ignored.
 Then the daemonic processes the run started and left running (a DataLoader's
-``persistent_workers``) are terminated and joined, as ``multiprocessing``'s own exit function
-ends them: left running, they outlived the run's overlay (their sockets were in it) and failed
-at dpprof's exit. Last, the script's objects are released, as Python's finalization
-releases a process's (its modules' globals cleared, the frames of what ended it, cycles
-collected): an object whose ``__del__`` writes a file (a logger that writes its lines when
-collected) wrote into the user's folder once dpprof dropped the run's modules, after its seal.
+``persistent_workers``) are terminated and joined, as ``multiprocessing``'s own exit
+function ends them: left running, they outlived the run's overlay (their sockets were in it)
+and failed at dpprof's exit. Its non-daemonic ones (a checkpoint written in a process of its
+own) are joined next, as that function joins them: a while (Python waits for ever; one that
+waits for work the stopped script never sends would wait for ever here too), then those
+still running are left to the seal's end, which ends them and names them. Last, the script's
+objects are released, as Python's finalization releases a process's (its modules' globals
+cleared, the frames of what ended it, cycles collected): an object whose ``__del__`` writes
+a file (a logger that writes its lines when collected) wrote into the user's folder once
+dpprof dropped the run's modules, after its seal.
 The threads the script started are waited for a while (Python's exit waits for the
 non-daemonic ones for ever; a loop dpprof stopped early may wait for a stop never sent), then
 those still running get ``SystemExit`` at their next step in Python: left running, one that
@@ -52,6 +57,7 @@ from dpprof.script.seal_audit import SealBreach
 __all__ = ["run_at_the_end"]
 
 THREAD_GRACE_S = 1.0  # how long the end of a run waits for the script's non-daemonic threads
+CHILD_GRACE_S = 5.0  # ... and for its non-daemonic multiprocessing children
 Handler = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
@@ -98,6 +104,7 @@ def run_at_the_end(launch: Launch) -> Iterator[list[Handler]]:
             _run(handlers, ended)
         finally:  # a handler's Ctrl-C (or dpprof's stop) ends the run; the rest still ends
             _end_daemonic_children(children_before)
+            _join_children(children_before)
             _stop(threads)
             main = sys.modules.get("__main__")
             _release([*([main] if main is not main_before else []), *(
@@ -138,6 +145,17 @@ def _end_daemonic_children(before: set[multiprocessing.process.BaseProcess]) -> 
         p.terminate()
     for p in ending:
         p.join()
+
+
+def _join_children(before: set[multiprocessing.process.BaseProcess],
+                   grace_s: float = CHILD_GRACE_S) -> None:
+    """The non-daemonic processes started since ``before`` joined, as
+    ``multiprocessing.util._exit_function`` joins them at a process's exit, for ``grace_s``
+    in all: what then still runs the seal's end ends (:mod:`dpprof.script.leftover_processes`)."""
+    deadline = time.monotonic() + grace_s
+    for p in multiprocessing.active_children():
+        if p not in before and not p.daemon:
+            p.join(max(0.0, deadline - time.monotonic()))
 
 
 def _release(modules: list[Any], ended: BaseException | None) -> None:
