@@ -115,6 +115,43 @@ def test_the_ddp_fix_divides_the_hand_made_batch_and_runs_with_the_peaks_it_prom
     assert fix.max_peak_bytes == max(d.peak_allocated_bytes for d in rank.devices)
 
 
+
+# Inputs and targets made on one line, as the tutorials write them: each factory is cut
+# (the diff cut the first twice and gave up: "the changes overlap"); a factory of another
+# size on the line (the noise's 10) is left as it is
+ONE_LINE = """
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 1000))
+    def forward(self, x):
+        return self.f(x)
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+model = nn.DataParallel(Net()).to(device)
+opt = torch.optim.Adam(model.parameters())
+crit = nn.CrossEntropyLoss()
+for step in range(5):
+    x, y, w = torch.randn(256, 128).to(device), torch.randint(0, 1000, (256,)).to(device), torch.rand(10)
+    loss = crit(model(x), y) * w.mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_every_batch_factory_on_a_line_is_divided(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    dp = _run(tmp_path, "train.py", ONE_LINE, ["python", "train.py"])
+    fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    assert fix.code.startswith("---"), fix.code
+    patched = apply_diff(ONE_LINE, fix.code)
+    assert ("torch.randn(256 // 4, 128).to(device), torch.randint(0, 1000, (256 // 4,))"
+            ".to(device), torch.rand(10)") in patched
+    ran = _run(tmp_path, "train.py", patched, ["torchrun", "--nproc-per-node", "4", "train.py"])
+    (rank,) = ran.scenarios  # type: ignore[attr-defined]
+    assert rank.name == "ddp" and all(d.batch_rows == 64 for d in rank.devices)
+    assert fix.max_peak_bytes == max(d.peak_allocated_bytes for d in rank.devices)
+
 # A batch made row by row in a loop up to B, its lengths drawn with torch.randint of B
 # (Hugging Face style: the labels go into the model, which returns its loss beside the
 # logits): cutting the randint to a rank's share broke the script (IndexError at

@@ -220,14 +220,18 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
     """Each rank makes its share of a hand-made batch: ``B`` -> ``B // gpus`` in the
     factories on ``lines``; the lines edited."""
     done = []
-    for line in lines:
-        call = next((c for c in calls_at(src, line)
-                     if last_name(c.func) in BATCH_FACTORIES), None)
-        rows = _batch_rows_node(call, dim) if call is not None else None
-        if rows is None or isinstance(rows, ast.Starred):
-            continue
-        edits.node(rows, share(src, rows, gpus, scattered))
-        done.append(line)
+    for line in dict.fromkeys(lines):  # a line's factories once, however many the run cut
+        # every factory of the line the run could have cut (``x, y = torch.randn(B, D),
+        # torch.randint(0, C, (B,))``): not one whose rows are a number other than the batch's
+        for call in calls_at(src, line):
+            rows = _batch_rows_node(call, dim) if last_name(call.func) in BATCH_FACTORIES \
+                else None
+            if rows is None or isinstance(rows, ast.Starred) or (
+                    isinstance(rows, ast.Constant) and scattered and rows.value != scattered):
+                continue
+            edits.node(rows, share(src, rows, gpus, scattered))
+            if line not in done:
+                done.append(line)
     return done
 
 
