@@ -152,6 +152,29 @@ def test_every_batch_factory_on_a_line_is_divided(tmp_path: Path,
     assert rank.name == "ddp" and all(d.batch_rows == 64 for d in rank.devices)
     assert fix.max_peak_bytes == max(d.peak_allocated_bytes for d in rank.devices)
 
+
+def test_the_alternatives_use_the_gpus_data_parallel_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nn.DataParallel(model, device_ids=[0, 1])`` on a machine of four GPUs: DDP runs a
+    rank on each of those two (their batch 128 rows each), not four of 64 (which made DDP
+    look lighter by using twice the GPUs), and its diff says two; applied and run so under
+    torchrun, the ranks peak as promised."""
+    monkeypatch.chdir(tmp_path)
+    source = ONE_LINE.replace("nn.DataParallel(Net())", "nn.DataParallel(Net(), device_ids=[0, 1])")
+    dp = _run(tmp_path, "train.py", source, ["python", "train.py"])
+    ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.batch == 256, dp.notes  # type: ignore[attr-defined]
+    assert [d.batch_rows for d in ddp.devices] == [128, 128]
+    assert any("one emulated rank of 2" in n for n in ddp.notes), ddp.notes
+    fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    assert "# torchrun --nproc-per-node 2 train.py" in fix.code, fix.code
+    patched = apply_diff(source, fix.code)
+    assert "torch.randn(256 // 2, 128)" in patched
+    ran = _run(tmp_path, "train.py", patched, ["torchrun", "--nproc-per-node", "2", "train.py"])
+    (rank,) = ran.scenarios  # type: ignore[attr-defined]
+    assert [d.peak_allocated_bytes for d in rank.devices] == [
+        d.peak_allocated_bytes for d in ddp.devices]
+
 # A batch made row by row in a loop up to B, its lengths drawn with torch.randint of B
 # (Hugging Face style: the labels go into the model, which returns its loss beside the
 # logits): cutting the randint to a rank's share broke the script (IndexError at

@@ -70,6 +70,7 @@ class DdpState(AlternativeState):
 
     scattered_rows: int = 0  # the rows DataParallel scattered in the run as written (0: unknown)
     scattered_dim: int = 0  # the dimension it split them along
+    world: int = 0  # the GPUs it split them to, the ranks (0: every GPU the script sees)
     # how each rank got its share of the batch: a DataLoader's batch_size divided, a
     # DataLoader's own batch sampler cut (each of its batches to its first share), and the
     # script's lines whose hand-made batches were cut to it ("torch.randn at file:line")
@@ -272,7 +273,7 @@ def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
                 return original(*args, **kwargs)
             # the GPUs the script sees, asked when it makes a batch (not before it ran:
             # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
-            share = -(-rows // vc.device_count())
+            share = -(-rows // (state.world or vc.device_count()))
             cut = with_rows(func, args, kwargs, rows, share, state.scattered_dim)
             if cut is None:
                 return original(*args, **kwargs)
@@ -372,7 +373,8 @@ class DdpInPlace(Alternative):
     model_input_share = 0
 
     def new_state(self, cfg: ScriptConfig) -> DdpState:
-        return DdpState(scattered_rows=cfg.scattered_rows, scattered_dim=cfg.scattered_dim)
+        return DdpState(scattered_rows=cfg.scattered_rows, scattered_dim=cfg.scattered_dim,
+                        world=cfg.scattered_gpus)
 
     def install(self, state: AlternativeState, vc: VirtualCuda, patcher: Patcher) -> None:
         from torch.utils.data import DataLoader
@@ -392,10 +394,11 @@ class DdpInPlace(Alternative):
             # a batch sampler of a loader divided here already is left as it is
             divides = (not _made_from(batches, divided) if batches is not None
                        else bool(batch_size))
-            # one rank per GPU the script sees: asked here, not before the script ran
-            # (CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
+            # one rank per GPU DataParallel split the batch to, else per GPU the script
+            # sees: asked here, not before the script ran (CUDA reads
+            # CUDA_VISIBLE_DEVICES once, and the script may set it)
             if divides and batches is not None:  # its own: each rank its share of each
-                share = RankShareOfBatches(batches, vc.device_count())
+                share = RankShareOfBatches(batches, state.world or vc.device_count())
                 if "batch_sampler" in kwargs:
                     kwargs["batch_sampler"] = share
                 else:
@@ -403,8 +406,9 @@ class DdpInPlace(Alternative):
                 state.cut_batch_sampler = True
             uneven = False
             if divides and batches is None and batch_size:
-                uneven = batch_size % vc.device_count() != 0
-                batch_size = -(-batch_size // vc.device_count())  # each rank's, as DDP sets it
+                world = state.world or vc.device_count()
+                uneven = batch_size % world != 0
+                batch_size = -(-batch_size // world)  # each rank's, as DDP sets it
                 state.batch_rows = state.batch_rows or batch_size
                 state.divided_loader = True
             if divides:
@@ -469,7 +473,7 @@ class DdpInPlace(Alternative):
         state.late_gradients = state_of(vc).log.ddp_late_gradients
         state.part_of_model = state_of(vc).log.part_of_model
         state.rank_criteria = tuple(state_of(vc).log.rank_criteria)
-        state.batch_division = _division(state, vc.device_count())
+        state.batch_division = _division(state, state.world or vc.device_count())
         state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
@@ -481,7 +485,7 @@ class DdpInPlace(Alternative):
         cfg, main, n = runs.cfg, runs.main, runs.gpus
         alt = run_script(dataclasses.replace(cfg, alternative=self,
                                              scattered_rows=main.batch_rows,
-                                             scattered_dim=main.batch_dim),
+                                             scattered_dim=main.batch_dim, scattered_gpus=n),
                          runs.step_cb(self.name))
         followed = ddp_state(alt)
         assert followed is not None  # run with this alternative
@@ -519,7 +523,8 @@ class DdpInPlace(Alternative):
             at_call.model_input_rows = main.batch_rows
             retried = run_script(dataclasses.replace(cfg, alternative=at_call,
                                                      scattered_rows=main.batch_rows,
-                                                     scattered_dim=main.batch_dim),
+                                                     scattered_dim=main.batch_dim,
+                                                     scattered_gpus=n),
                                  runs.step_cb(self.name))
             made = [f"{what} at {relative_site(site)}" for what, _, site in
                     (m.rpartition(" at ") for m in followed.divided_sites)]

@@ -52,7 +52,7 @@ from dpprof.script.hooks import StepCallback
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.rung_diff import RungSites, rung_changes
 from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
-from dpprof.script.strategy import Alternative
+from dpprof.script.strategy import Alternative, data_parallel_gpus
 from dpprof.script.strategy_registry import alternative_named
 from dpprof.script.trainer_settings import run_by_trainer, settings_of
 
@@ -126,6 +126,7 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
         run = run_script(dataclasses.replace(cfg, alternative=alternative, rung=rung,
                                              scattered_rows=main.batch_rows,
                                              scattered_dim=main.batch_dim,
+                                             scattered_gpus=data_parallel_gpus(main),
                                              rung_by_trainer=by_trainer, raise_oom=False),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
@@ -190,12 +191,14 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
                   else "")
              for chain in (floor.forward_sites, floor.backward_sites)]
     ddp_note = ""
+    gpus = cfg.gpus  # on DDP: a rank on each GPU DataParallel used
     if on_ddp:
         assert main is not None
         if not main.dp_sites:
             return Rewrite(reason="dpprof did not see the DataParallel wrap's line")
+        gpus = data_parallel_gpus(main)
         # a library's wrap (Hugging Face's Trainer): the DDP change is a note, not an edit
-        ddp_note = library_wrap(main.dp_sites[0], cfg.gpus, main.batch_rows)
+        ddp_note = library_wrap(main.dp_sites[0], gpus, main.batch_rows)
         if not ddp_note:
             sites.append(main.dp_sites[0])
     if not script or not all(s.rpartition(":")[0] == script for s in sites):
@@ -211,5 +214,5 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
     return rung_changes(
         RungSites(script, forward, backward, dp[0] if dp else 0, batches,
                   main.batch_rows if main is not None else 0, loaders, ddp_note),
-        cfg.gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None,
+        gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None,
         trainer)

@@ -138,6 +138,7 @@ class ScriptConfig:
     # the DDP alternative each rank's share of a batch the script makes by hand follows)
     scattered_rows: int = 0
     scattered_dim: int = 0
+    scattered_gpus: int = 0  # ... and to how many GPUs (0: every GPU the script sees)
     # the rank this run plays (its launcher's environment, mp.spawn's argument, its own
     # virtual GPU); the script as written is rank 0
     rank: int = 0
@@ -493,7 +494,7 @@ def _read_log(run: ScriptRun, cfg: ScriptConfig, vc: VirtualCuda, stepper: Stepp
     run.launched = log.launched
     run.world_size = max(log.world_size, log.spawned, launch.nproc or 1,
                          log.launched.world if log.launched is not None else 1,
-                         vc.device_count() if as_ranks else 1)
+                         (cfg.scattered_gpus or vc.device_count()) if as_ranks else 1)
     used = list(log.used_devices)
     # objects a forward of the script's own scatters (PyG's graphs): no GPU's count known
     objects = used if stepper.rows_are_items else []

@@ -55,7 +55,7 @@ from dpprof.script.rungs import run_ladder
 from dpprof.script.runner import RunInterrupted, ScriptConfig, ScriptRun, run_script
 from dpprof.script.sealed_run import finish_removals, prepare_process, take_census
 from dpprof.script.shared_files import SharedFiles
-from dpprof.script.strategy import AlternativeRuns
+from dpprof.script.strategy import AlternativeRuns, data_parallel_gpus
 from dpprof.script.strategy_registry import strategies
 
 # ScriptConfig, ScriptRun, parse_command and nothing_on_a_gpu live in modules of their own;
@@ -103,7 +103,6 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         ranks_cfg = dataclasses.replace(cfg, shared_files=shared, broadcasts=broadcasts)
         main = run_script(ranks_cfg, step_cb("as written"))
         runs.append((AS_WRITTEN, main))
-        n = _gpus_of(main)
         if main.ended != "script raised":
             doing.append("the other ranks")
             _run_ranks(ranks_cfg, main, step_cb)
@@ -113,7 +112,7 @@ def run_command(cfg: ScriptConfig, alternatives: bool = True,
         if (alternatives and SETUPS.get(main.scenario.name) == DATA_PARALLEL
                 and main.ended != "script raised"):
             doing.append("the alternatives")
-            _run_alternatives(cfg, main, n, step_cb, runs, notes, fixes)
+            _run_alternatives(cfg, main, data_parallel_gpus(main), step_cb, runs, notes, fixes)
         ladder_on = None
         if main.ended != "script raised" and not main.exit_status:
             doing.append("the ladder")

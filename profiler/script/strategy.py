@@ -53,6 +53,13 @@ class AlternativeState:
         return False
 
 
+def data_parallel_gpus(main: ScriptRun) -> int:
+    """The GPUs the DataParallel script as written used (``device_ids=[0, 1]`` of four:
+    two; BalancedDataParallel's cuda:0 with no rows of the batch counts): its alternatives
+    run on the same GPUs, DDP with a rank on each."""
+    return sum(1 for d in main.scenario.devices if d.used) or len(main.scenario.devices)
+
+
 @dataclass
 class AlternativeRuns:
     """The session's runs of a DataParallel script, as the strategies add to them: the
