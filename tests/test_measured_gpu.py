@@ -57,6 +57,25 @@ def test_the_workspaces_are_what_the_h100_allocated_at_first_use() -> None:
     assert ctx.cublaslt_workspace_bytes * ctx.cublaslt_workspaces == growth["addmm_main_thread"]
 
 
+def test_the_script_the_h100_ran_reads_each_workspace_as_the_h100_did() -> None:
+    """scripts/gpu_attribution.py's first-use probe, run on virtual H100s: what it reads of
+    ``memory_allocated`` grows as the H100's did, to the byte, at each library's first use:
+    a thread's first matmul (its handle's cuBLAS workspace), the first addmm (cuBLASLt's),
+    the backward (autograd's thread), another thread's and a side stream's matmul (a handle,
+    and a (handle, stream), of their own); nothing for a handle's later ops."""
+    import sys
+
+    sys.path.insert(0, str(DATA.parent.parent / "scripts"))
+    from gpu_attribution import libraries
+
+    from dpprof.emulator.virtual_cuda import VirtualCuda
+
+    with VirtualCuda(1, gpu="h100-80gb"):
+        read = libraries()
+    measured = MEASURED["library_first_use_growth_bytes"]
+    assert {k: read[k] for k in measured} == measured
+
+
 @pytest.mark.parametrize("scenario", ["dp-loss-primary", "dp-loss-forward", "single"])
 def test_one_process_scenarios_match_the_h100_allocated_and_reserved(scenario: str) -> None:
     mlp = _device(_emulate("mlp", 64), scenario)

@@ -276,7 +276,7 @@ def memory_history(vc: EmulatedCuda, p: Patch) -> None:
     import torch.cuda.memory as cuda_memory
 
     history = MemoryHistory(vc.rt, lambda: [vc.index_of(k) for k in range(vc.device_count())],
-                            vc.memory.allocator_config)
+                            vc.memory.allocator_config, vc.memory.workspaces)
     p(cuda_memory, "_record_memory_history", history.record)
     p(cuda_memory, "_snapshot", history.snapshot)
     p(cuda_memory, "memory_snapshot", history.segments)

@@ -1,7 +1,9 @@
 """``torch.cuda``'s memory functions answered for virtual GPUs (:class:`CudaMemory`):
 allocated bytes from the runtime's ledger of storages, reserved bytes from the caching
-allocator simulated over a device's allocations so far, and the most each call told the
-program (:class:`MemoryAnswered`: the reported peak must be at least that)."""
+allocator simulated over a device's allocations so far, each with the cuBLAS workspaces the
+process's handles took from the allocator so far (as a GPU's readings count them: 32 MiB at
+a thread's first matmul on Hopper), and the most each call told the program
+(:class:`MemoryAnswered`: the reported peak must be at least that)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from dpprof.emulator.allocator_config import (
 )
 from dpprof.emulator.allocator_replay import simulate
 from dpprof.emulator.call_sites import caller_site, relative_site
+from dpprof.emulator.context import ContextModel, device_context
 from dpprof.emulator.cuda_devices import CudaDevices
 from dpprof.emulator.events import EMPTY_CACHE
+from dpprof.emulator.reserved import workspace_inserts
 
 # c10's forceUncachedAllocator: each allocation a cudaMalloc of its own, no statistics
 NO_CACHING = "PYTORCH_NO_CUDA_MEMORY_CACHING"
@@ -44,10 +48,18 @@ class CudaMemory:
     argument resolved to a virtual device by ``index_of`` (None: the current one)."""
 
     def __init__(self, rt: CudaDevices, capacity_bytes: int,
-                 index_of: Callable[[Any], int]) -> None:
+                 index_of: Callable[[Any], int],
+                 compute_capability: tuple[int, int] | None = None) -> None:
         self.rt = rt
         self.capacity_bytes = capacity_bytes
         self._dev = index_of
+        # the GPU's, for its cuBLAS workspaces' size (None: none counted)
+        self._workspace_model: ContextModel | None = (
+            None if compute_capability is None
+            else device_context(compute_capability, uses_cudnn=False))
+        # the event spans of processes that ended (a spawned rank's function that returned):
+        # the workspaces their handles took went with them
+        self.ended_processes: list[tuple[int, int]] = []
         self._peak_from = [0] * rt.num_devices  # event index of each device's last reset
         self._accumulated_from = [0] * rt.num_devices  # ... of reset_accumulated_memory_stats
         # runtime index -> the most torch.cuda's memory functions told the program of it
@@ -103,13 +115,14 @@ class CudaMemory:
 
     def memory_allocated(self, device: Any = None) -> int:
         i = self._dev(device)
-        live = self.rt.storages.live_bytes(i)
+        live = self.rt.storages.live_bytes(i) + self._workspace_bytes(i)
         self._told(i, allocated=live, what="torch.cuda.memory_allocated()")
         return live
 
     def max_memory_allocated(self, device: Any = None) -> int:
         i = self._dev(device)
-        peak = max(b for _, b in self.rt.storages.timeline(i, self._peak_from[i]))
+        peak = max(b + self._workspace_bytes(i, before=k)
+                   for k, b in self.rt.storages.timeline(i, self._peak_from[i]))
         self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
         return peak
 
@@ -119,19 +132,45 @@ class CudaMemory:
         log = self.rt.storages.events
         log.marks.append((len(log), EMPTY_CACHE))
 
+    def workspaces(self, i: int) -> list[tuple[int, int, int, int]]:
+        """Device ``i``'s cuBLAS workspaces this process took so far, as
+        :func:`dpprof.emulator.reserved.workspace_inserts` places them (each handle's at its
+        first cuBLAS op), less those of processes that ended."""
+        if self._workspace_model is None:
+            return []
+        return [w for w in workspace_inserts(self._workspace_model, i, self.rt.blas_first,
+                                             self.rt.blas_side, used_only=True)
+                if not any(start <= w[0] <= end for start, end in self.ended_processes)]
+
+    def process_ended(self, start: int) -> None:
+        """A process the run plays in this one ended (a spawned rank's function returned):
+        the handles it took from the event ``start`` on went with it."""
+        self.ended_processes.append((start, len(self.rt.storages.events)))
+
+    def _workspace_bytes(self, i: int, before: int | None = None) -> int:
+        return sum(size for at, _, size, _ in self.workspaces(i)
+                   if before is None or at <= before)
+
     def events_of(self, i: int, accumulated: bool = False) -> list[tuple[Any, ...]]:
         """Device ``i``'s allocations and frees so far as the simulations replay them, with
         the allocator's own steps between them (the log's marks: the cache emptied, a
-        graph's pool released), where the peaks were reset (and, ``accumulated``, where the
-        accumulated statistics were)."""
+        graph's pool released), its cuBLAS workspaces where their handles took them, where
+        the peaks were reset (and, ``accumulated``, where the accumulated statistics
+        were)."""
         events: list[tuple[Any, ...]] = []
         log = self.rt.storages.events
         marks = iter(log.marks)
         mark = next(marks, None)
+        workspaces = iter(sorted(self.workspaces(i)))
+        workspace = next(workspaces, None)
         for k in range(len(log) + 1):  # a mark may follow the last event
             while mark is not None and mark[0] <= k:
                 events.append(mark[1])
                 mark = next(marks, None)
+            while workspace is not None and workspace[0] <= k:
+                _, block, size, key = workspace
+                events.append(("alloc", block, size, key) if key else ("alloc", block, size))
+                workspace = next(workspaces, None)
             if k == self._peak_from[i]:
                 events.append(("reset_peak", -1, 0))
             if accumulated and k == self._accumulated_from[i]:

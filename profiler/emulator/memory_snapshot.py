@@ -35,9 +35,14 @@ class MemoryHistory:
     event of the log it records (None: not recording), and how many entries it keeps."""
 
     def __init__(self, rt: CudaDevices, devices: Callable[[], list[int]],
-                 config: Callable[[], AllocatorConfig] = lambda: DEFAULT_CONFIG) -> None:
+                 config: Callable[[], AllocatorConfig] = lambda: DEFAULT_CONFIG,
+                 workspaces: Callable[[int], list[tuple[int, int, int, int]]] = lambda i: []
+                 ) -> None:
         self.rt = rt
         self.devices = devices  # the runtime index of each device the program sees, in order
+        # a device's cuBLAS workspaces as (event index, block, bytes, allocator key): each
+        # allocated there, as its handle takes it (dpprof.emulator.cuda_memory)
+        self.workspaces = workspaces
         self.config = config  # the caching allocator's configuration
         self.since: int | None = None
         self.max_entries = _NO_LIMIT
@@ -79,28 +84,37 @@ class MemoryHistory:
         trace: list[dict[str, Any]] = []
         since = self.since
         marks = [*log.marks, (len(log) + 1, EMPTY_CACHE)]
-        for k, ev in enumerate(log):
+        workspaces = sorted(self.workspaces(runtime))
+
+        def alloc(serial: int, nbytes: int, key: int, recording: bool) -> None:
+            stream = stream_of_key(key)
+            segments_before = sim.segments
+            try:
+                block = sim.malloc(nbytes, key)
+            except SimulatedOutOfMemory:
+                return
+            if block is None:
+                return
+            live[serial] = block
+            if recording:
+                if sim.segments > segments_before:
+                    trace.append(_entry("segment_alloc", _segment_of(block), stream))
+                trace.append(_entry("alloc", (block.addr, block.size), stream))
+
+        for k, ev in enumerate([*log, None]):  # a workspace may follow the last event
             while marks[0][0] <= k:  # the allocator's own steps: cached segments go back
                 _play(sim, marks.pop(0)[1], trace if since is not None and k >= since
                       else None)
-            if ev.device != runtime or ev.requested == 0:
+            while workspaces and workspaces[0][0] <= k:
+                _, block_id, nbytes, key = workspaces.pop(0)
+                alloc(block_id, nbytes, key, since is not None and k >= since)
+            if ev is None or ev.device != runtime or ev.requested == 0:
                 continue
             recording = since is not None and k >= since
             key = log.stream_of(k)  # a stream, or a CUDA graph's private pool
             stream = stream_of_key(key)
             if ev.requested > 0:
-                segments_before = sim.segments
-                try:
-                    block = sim.malloc(ev.requested, key)
-                except SimulatedOutOfMemory:
-                    continue
-                if block is None:
-                    continue
-                live[ev.serial] = block
-                if recording:
-                    if sim.segments > segments_before:
-                        trace.append(_entry("segment_alloc", _segment_of(block), stream))
-                    trace.append(_entry("alloc", (block.addr, block.size), stream))
+                alloc(ev.serial, ev.requested, key, recording)
             else:
                 block = live.pop(ev.serial, None)
                 if block is None:

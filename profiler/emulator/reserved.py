@@ -158,7 +158,7 @@ def gpu_overheads(devices: Sequence[Device], events: Iterable[AllocationEvent],
 def workspace_inserts(ctx: ContextModel, device: int,
                       blas_first: Mapping[tuple[int, str], int],
                       blas_side: Mapping[tuple[int, str, int], tuple[int, int]] | None = None,
-                      ) -> list[tuple[int, int, int, int]]:
+                      used_only: bool = False) -> list[tuple[int, int, int, int]]:
     """The long-lived workspaces of ``device`` as (event index, block id, bytes, allocator
     key), in the order the allocator gets them: the forward thread's cuBLAS workspace at its
     first cuBLAS op, then (same op) cuBLASLt's at the first addmm, autograd's at its first;
@@ -167,7 +167,8 @@ def workspace_inserts(ctx: ContextModel, device: int,
     cuBLAS on the device, one handle each, the second's workspace at its first op.
     A handle's first op on a side stream adds that (handle, stream)'s workspace there, under
     the stream's key, or a capturing CUDA graph's private pool's (``blas_side``:
-    :attr:`dpprof.emulator.virtual_devices.VirtualDevices.blas_side`)."""
+    :attr:`dpprof.emulator.virtual_devices.VirtualDevices.blas_side`). ``used_only``: those
+    of the handles that ran cuBLAS so far only (what the allocator holds now, mid-run)."""
     # the forward's handle is the program thread's, or where only threads it started ran
     # cuBLAS on the device (DataParallel's replicas), theirs; where both did, the second
     # handle's workspace comes at its first op
@@ -178,7 +179,8 @@ def workspace_inserts(ctx: ContextModel, device: int,
     block = -1
     for k in range(ctx.cublas_workspaces):
         at = firsts[k] if k < len(firsts) else None
-        out.append((0 if at is None else at, block, ctx.cublas_workspace_bytes, 0))
+        if at is not None or not used_only:
+            out.append((0 if at is None else at, block, ctx.cublas_workspace_bytes, 0))
         block -= 1
     if len(forward) == 2 and ctx.cublas_workspaces:
         out.append((max(forward), block, ctx.cublas_workspace_bytes, 0))
@@ -186,7 +188,8 @@ def workspace_inserts(ctx: ContextModel, device: int,
     if ctx.cublaslt_workspace_bytes:
         for _ in range(ctx.cublaslt_workspaces):
             at = blas_first.get((device, BLAS_LT))
-            out.append((0 if at is None else at, block, ctx.cublaslt_workspace_bytes, 0))
+            if at is not None or not used_only:
+                out.append((0 if at is None else at, block, ctx.cublaslt_workspace_bytes, 0))
             block -= 1
     for (d, role, _), (at, key) in sorted((blas_side or {}).items(),
                                           key=lambda kv: (kv[1][0], kv[0][1])):

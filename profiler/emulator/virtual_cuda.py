@@ -159,8 +159,8 @@ class VirtualCuda:
         self.base = self.rt.base
         self.capacity_bytes = gpu_memory_bytes or self.spec.total_memory_bytes
         self._visible: list[int] | None = None
-        # torch.cuda's memory functions, answered from the runtime's ledger
-        self.memory = CudaMemory(self.rt, self.capacity_bytes, self._dev)
+        self.memory = CudaMemory(self.rt, self.capacity_bytes, self._dev,
+                                 self.spec.compute_capability)
         # NVML's activity readings answered with stand-ins, by the line that read them
         self.readings = device_readings.Readings()
         # the GPU profiling and tuning the script asked for, left out

@@ -175,9 +175,11 @@ def install_distributed(vc: VirtualCuda, patch: Patch) -> None:
             current().log.spawned_by = (f"{module}'s {getattr(fn, '__qualname__', repr(fn))} "
                                  f"(start method {start_method})")
         rank = min(current().spawn_rank, nprocs - 1)
+        start = len(vc.rt.storages.events)
         fn(rank, *args)
         if rank != 0:
             raise ProcessExit(0)
+        vc.memory.process_ended(start)  # its cuBLAS handles' workspaces went with it
         return None if join else mp.ProcessContext([], [])
 
     def start_processes(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1,

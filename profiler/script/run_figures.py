@@ -100,7 +100,7 @@ def below_what_the_script_was_told(s: ScenarioResult, vc: VirtualCuda,
         if told is None:
             continue
         for reported, read, by, what in (
-                (d.peak_allocated_bytes, told.allocated_bytes, told.allocated_by, "allocated"),
+                (d.gpu_allocated_bytes, told.allocated_bytes, told.allocated_by, "allocated"),
                 (d.peak_reserved_bytes, told.reserved_bytes, told.reserved_by, "reserved")):
             if reported is not None and read > reported:
                 return (f"not reported: dpprof's peak {what} for cuda:{d.index} "
