@@ -121,8 +121,13 @@ class CudaMemory:
 
     def max_memory_allocated(self, device: Any = None) -> int:
         i = self._dev(device)
-        peak = max(b + self._workspace_bytes(i, before=k)
-                   for k, b in self.rt.storages.timeline(i, self._peak_from[i]))
+        placed = sorted((at, size) for at, _, size, _ in self.workspaces(i))
+        peak, held, n = 0, 0, 0
+        for k, b in self.rt.storages.timeline(i, self._peak_from[i]):  # in event order
+            while n < len(placed) and placed[n][0] <= k:
+                held += placed[n][1]
+                n += 1
+            peak = max(peak, b + held)
         self._told(i, allocated=peak, what="torch.cuda.max_memory_allocated()")
         return peak
 
@@ -147,9 +152,8 @@ class CudaMemory:
         the handles it took from the event ``start`` on went with it."""
         self.ended_processes.append((start, len(self.rt.storages.events)))
 
-    def _workspace_bytes(self, i: int, before: int | None = None) -> int:
-        return sum(size for at, _, size, _ in self.workspaces(i)
-                   if before is None or at <= before)
+    def _workspace_bytes(self, i: int) -> int:
+        return sum(size for _, _, size, _ in self.workspaces(i))
 
     def events_of(self, i: int, accumulated: bool = False) -> list[tuple[Any, ...]]:
         """Device ``i``'s allocations and frees so far as the simulations replay them, with
