@@ -80,10 +80,11 @@ def test_a_batch_made_without_a_dataloader_is_divided_among_the_ranks(
     assert ddp.devices[0].breakdown_bytes == rank.devices[0].breakdown_bytes
 
 
-def test_a_batch_the_alternative_cannot_divide_gets_no_ddp_alternative_and_says_why(
+def test_rows_sliced_from_a_tensor_in_memory_are_divided_as_they_move(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows sliced from a tensor made once (not a factory in the loop): no share to give,
-    so no DDP alternative measured at 4x its batch, and the reason in the notes."""
+    """Rows sliced from a tensor made once (not a factory in the loop) and moved to the GPU
+    each step: each rank moves its share (there was no DDP alternative), and the change
+    names the line to divide by hand."""
     monkeypatch.chdir(tmp_path)
     text = LM.format(setup=DATA_PARALLEL, rows="B").replace(
         'ids = torch.randint(0, V, (B, T + 1), device="cuda")',
@@ -91,9 +92,10 @@ def test_a_batch_the_alternative_cannot_divide_gets_no_ddp_alternative_and_says_
         "for step in range(6):", "data = torch.randint(0, V, (6 * B, T + 1))\n"
         "for step in range(6):")
     result = _run(tmp_path, "train.py", text, ["python", "train.py"])
-    assert result.scenario("ddp") is None  # type: ignore[attr-defined]
-    assert any(n.startswith("no DDP alternative: the script makes its batches neither")
-               for n in result.notes)  # type: ignore[attr-defined]
+    ddp = result.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and all(d.batch_rows == 8 for d in ddp.devices)
+    fix = next(f for f in result.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    assert "train.py:17 moves the batch's 32 rows to the GPU" in fix.code, fix.code
 
 
 def test_the_ddp_fix_divides_the_hand_made_batch_and_runs_with_the_peaks_it_promised(
@@ -174,6 +176,58 @@ def test_the_alternatives_use_the_gpus_data_parallel_used(
     (rank,) = ran.scenarios  # type: ignore[attr-defined]
     assert [d.peak_allocated_bytes for d in rank.devices] == [
         d.peak_allocated_bytes for d in ddp.devices]
+
+
+# Batches made another way than a torch factory: numpy's arrays, torch.arange's labels, a
+# legacy FloatTensor: each moved to the GPU in the loop
+MOVED = """
+import numpy as np
+import torch, torch.nn as nn
+B = 256
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 1000))
+    def forward(self, x):
+        return self.f(x)
+{setup}
+opt = torch.optim.Adam(model.parameters())
+crit = nn.CrossEntropyLoss()
+for step in range(5):
+    x = torch.from_numpy(np.random.rand({rows}, 128)).float().cuda()
+    y = (torch.arange({rows}) % 1000).to("cuda")
+    w = torch.FloatTensor({rows}).fill_(1.0).cuda()
+    loss = (nn.functional.cross_entropy(model(x), y, reduction="none") * w).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+MOVED_DDP = """import torch.distributed as dist, os
+dist.init_process_group("nccl")
+rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
+model = nn.parallel.DistributedDataParallel(Net().cuda(rank), device_ids=[rank])"""
+
+
+def test_a_batch_made_without_a_torch_factory_is_divided_as_it_moves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the loop moves to a GPU with the batch's rows, made with numpy, torch.arange
+    or a legacy constructor: each rank moves its share (there was no DDP alternative: "the
+    script makes its batches neither with a DataLoader nor with a torch factory"), and it
+    peaks as the DDP script whose ranks make B // 4 rows; the change says which lines to
+    divide by hand."""
+    monkeypatch.chdir(tmp_path)
+    dp = _run(tmp_path, "train.py", MOVED.format(setup="model = nn.DataParallel(Net()).cuda()",
+                                                  rows="B"), ["python", "train.py"])
+    ddp = dp.scenario("ddp")  # type: ignore[attr-defined]
+    assert ddp is not None and ddp.status == "ok", dp.notes  # type: ignore[attr-defined]
+    assert ddp.batch == 256 and all(d.batch_rows == 64 for d in ddp.devices)
+    by_hand = _run(tmp_path, "ddp.py", MOVED.format(setup=MOVED_DDP, rows="B // 4"),
+                   ["torchrun", "--nproc-per-node", "4", "ddp.py"])
+    (rank,) = by_hand.scenarios  # type: ignore[attr-defined]
+    assert [d.peak_allocated_bytes for d in rank.devices] == [
+        d.peak_allocated_bytes for d in ddp.devices]
+    fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    for line in (15, 16, 17):
+        assert (f"train.py:{line} moves the batch's 256 rows to the GPU" in fix.code
+                and "make each rank's 64 (rows // 4) there by hand" in fix.code), fix.code
 
 # A batch made row by row in a loop up to B, its lengths drawn with torch.randint of B
 # (Hugging Face style: the labels go into the model, which returns its loss beside the

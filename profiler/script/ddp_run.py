@@ -10,33 +10,28 @@ it runs plain: :mod:`dpprof.script.gradient_as_bucket_view_run` reads its fix fr
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import copy
 import dataclasses
-import functools
-import os
 import sys
-import tokenize
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from dpprof.emulator.call_sites import in_dpprof, relative_site
+from dpprof.emulator.call_sites import relative_site
 from dpprof.emulator.ddp import UNUSED_PARAMETERS
 from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.result import STATUS_ERROR
 from dpprof.scenarios.names import DDP
 from dpprof.scenarios.step import DdpOptions
 from dpprof.script import ddp_diff
-from dpprof.script.batch_shares import with_rows
+from dpprof.script.batch_shares import divide_hand_made_batches, script_line
 from dpprof.script.ddp_loaders import LoaderUse
 from dpprof.script.ddp_rank import built_at_the_wrap
-from dpprof.script.installed_code import installed_site, is_installed
+from dpprof.script.installed_code import installed_site
 from dpprof.script.losses_on_replicas import with_criteria_unwrapped, wraps_a_criterion
 from dpprof.script.notes import (
     about_the_share,
@@ -77,6 +72,9 @@ class DdpState(AlternativeState):
     divided_loader: bool = False
     cut_batch_sampler: bool = False
     divided_sites: list[str] = field(default_factory=list)
+    # "file:line" of the loop's moves to a GPU of tensors with the batch's rows made another
+    # way (numpy's, torch.arange(B)'s), each cut to the rank's share as it moved
+    moved_sites: list[str] = field(default_factory=list)
     # "file:line" of the script's own calls that made each DataLoader whose batch_size the
     # alternative divided (a library's loader factory's call, where the script has one)
     loader_sites: list[str] = field(default_factory=list)
@@ -164,6 +162,12 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
             "whole model instead, where it is built (`model = DDP(model.cuda(rank), "
             "device_ids=[rank])`, as the DDP alternative ran it), the part left unwrapped: by "
             "hand"))
+    if followed.moved_sites and rewrite.ok:  # cut as they moved: no line to rewrite
+        rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, *(
+            f"{relative_site(site)} moves the batch's {followed.scattered_rows} rows to the "
+            f"GPU, made with neither a DataLoader nor a torch factory: make each rank's "
+            f"{followed.batch_rows} (rows // {gpus}) there by hand, as the DDP alternative "
+            "ran it" for site in followed.moved_sites)))
     if rank_inputs and rewrite.ok:  # the change as the alternative ran it
         rewrite = dataclasses.replace(rewrite, notes=(*rewrite.notes, (
             f"{relative_site(run.dp_sites[0])}: {rank_inputs} made each GPU's input; DDP "
@@ -201,91 +205,17 @@ def _library_site(site: str) -> str:
     return f"{relative}:{line}" if relative else ""
 
 
-def _script_line(frame: Any) -> str | None:
-    """``file:line`` of ``frame`` where it is the script's own code (not a library's, not
-    torch's, not dpprof's), else None."""
-    name = frame.f_code.co_filename
-    if name.startswith("<") or in_dpprof(name) or is_installed(name):
-        return None
-    return f"{name}:{frame.f_lineno}"
-
-
-@functools.lru_cache(maxsize=32)
-def _loop_lines(filename: str, stamp: tuple[int, int]) -> tuple[tuple[int, int], ...] | None:
-    """The line spans of ``filename``'s loops (``for``, ``while``) as of ``stamp`` (its
-    modification time and size: a script written again between runs is read again); None
-    where its source cannot be read or parsed."""
-    try:
-        with tokenize.open(filename) as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return None
-    return tuple((node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree)
-                 if isinstance(node, (ast.For, ast.AsyncFor, ast.While)))
-
-
-def _in_a_loop(frame: Any) -> bool:
-    """Whether the script's code that led to ``frame`` runs in a loop of the script (its
-    training loop: a batch made there is each step's), at any of its frames from ``frame``
-    outwards (a helper the loop calls); True where a file's source cannot be read."""
-    while frame is not None:
-        if _script_line(frame) is not None:
-            name = frame.f_code.co_filename
-            try:
-                st = os.stat(name)
-            except OSError:
-                return True
-            spans = _loop_lines(name, (st.st_mtime_ns, st.st_size))
-            if spans is None or any(a <= frame.f_lineno <= b for a, b in spans):
-                return True
-        frame = frame.f_back
-    return False
-
-
 def script_site(frame: Any) -> str | None:
     """``file:line`` of the innermost frame from ``frame`` outwards that is the script's
-    own code (:func:`_script_line`): the script's call that led to ``frame``, through any
-    library's functions (a loader factory's); None where no frame is the script's."""
+    own code (:func:`dpprof.script.batch_shares.script_line`): the script's call that led to
+    ``frame``, through any library's functions (a loader factory's); None where no frame is
+    the script's."""
     while frame is not None:
-        site = _script_line(frame)
+        site = script_line(frame)
         if site is not None:
             return site
         frame = frame.f_back
     return None
-
-
-def _divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
-                              patcher: Patcher) -> None:
-    """Batches the script makes in its loop without a DataLoader (a factory of
-    :data:`dpprof.script.ddp_diff.BATCH_FACTORIES` in a loop of the script, with the batch
-    DataParallel scattered in the dimension it split along, the first or its ``dim``:
-    inputs, targets, labels): each rank makes its share, DataParallel's first chunk
-    (``ceil(B / N)`` rows), as a DDP script would make ``B // N`` rows on every rank. One
-    made once, before the loop (a GAN's fixed noise to draw samples from), is no step's
-    batch."""
-    rows = state.scattered_rows
-
-    def dividing(func: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def factory(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            site = _script_line(caller)
-            if site is None or not _in_a_loop(caller):
-                return original(*args, **kwargs)
-            # the GPUs the script sees, asked when it makes a batch (not before it ran:
-            # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
-            share = -(-rows // (state.world or vc.device_count()))
-            cut = with_rows(func, args, kwargs, rows, share, state.scattered_dim)
-            if cut is None:
-                return original(*args, **kwargs)
-            made = f"torch.{func} at {site}"
-            if made not in state.divided_sites:
-                state.divided_sites.append(made)
-            state.batch_rows = state.batch_rows or share
-            return original(*cut[0], **cut[1])
-        return factory
-
-    for func in ddp_diff.BATCH_FACTORIES:
-        patcher.patch(torch, func, dividing(func, getattr(torch, func)))
 
 
 class RankShareOfBatches:
@@ -334,6 +264,11 @@ def _division(state: DdpState, world: int) -> str:
         ways.append(f"the batches the script makes ({', '.join(state.divided_sites)}) "
                     f"cut to {state.batch_rows} rows of DataParallel's "
                     f"{state.scattered_rows}")
+    if state.moved_sites:
+        ways.append(f"what the loop moves to a GPU with the batch's rows (at "
+                    f"{', '.join(relative_site(m) for m in state.moved_sites)}) cut to "
+                    f"{state.batch_rows} rows of DataParallel's {state.scattered_rows} as it "
+                    "moved")
     if state.model_input_share:
         ways.append(f"the model's inputs cut at its call to DataParallel's first chunk, "
                     f"{state.model_input_share} of its {state.scattered_rows} rows (the "
@@ -440,7 +375,7 @@ class DdpInPlace(Alternative):
 
         patcher.patch(DataLoader, "__iter__", loader_iter)
         if state.scattered_rows > 1 and not self.model_input_rows:
-            _divide_hand_made_batches(state, vc, patcher)
+            divide_hand_made_batches(state, vc, patcher)
 
     def dp_made(self, dp: VirtualDataParallel, site: str) -> None:
         # where the fix builds DDP: at the wrap (dpprof.script.ddp_rank); none around a criterion
