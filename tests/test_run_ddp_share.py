@@ -225,6 +225,9 @@ def test_a_batch_made_without_a_torch_factory_is_divided_as_it_moves(
     assert [d.peak_allocated_bytes for d in rank.devices] == [
         d.peak_allocated_bytes for d in ddp.devices]
     fix = next(f for f in dp.fixes if f.name == "ddp")  # type: ignore[attr-defined]
+    # no DataLoader: the wrap's comment says what each rank makes, not how it loads
+    assert "# DDP: each rank makes its share of every batch, 1/4 of its rows" in fix.code
+    assert "DistributedSampler" not in fix.code
     for line in (15, 16, 17):
         assert (f"train.py:{line} moves the batch's 256 rows to the GPU" in fix.code
                 and "make each rank's 64 (rows // 4) there by hand" in fix.code), fix.code

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from dpprof.script.ddp_loaders import UNSEEN, LoaderUse, RankLoaders, share, share_words
+from dpprof.script.ddp_loaders import UNSEEN, LoaderUse, RankLoaders, share
 from dpprof.script.installed_code import installed_site, is_installed
 from dpprof.script.own_ddp_path import divided_batch, spawns
 from dpprof.script.rewrite import (
@@ -276,7 +276,9 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
     _rank_devices(src, edits, replaced)
     divided = _divide_batches(src, edits, batch_lines, gpus, scattered, dim)
     if not loaders.any and not divided and not elsewhere:
-        edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# {share_words(gpus)}"])
+        # no DataLoader to give a sampler: the batches the loop makes, each rank its share
+        edits.insert_lines(wrap.lineno, [f"{src.indent(wrap.lineno)}# DDP: each rank makes "
+                                         f"its share of every batch, 1/{gpus} of its rows"])
         notes.append("the script makes its batches without a DataLoader: give each rank its "
                      f"share (1/{gpus} of the batch) by hand")
     return finish(src, edits, _title(flags), notes, label)
