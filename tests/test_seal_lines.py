@@ -223,7 +223,7 @@ def test_a_file_the_run_wrote_that_a_c_reader_misses_is_explained(
     res = runner.invoke(app, ["run", "-q", "--", "python", "train.py"])
     assert res.exit_code == 1, res.output
     said = " ".join(res.output.split())
-    opened = f"it failed to open {tmp_path / 'made.bin'}, which the run itself had written: "
+    opened = f"it failed to open {tmp_path / 'made.bin'}, which the run itself had made: "
     if why == namespace.THREADED:
         assert (opened + "without a mount namespace (the process was running threads before "
                 "dpprof started)") in said, said
@@ -232,6 +232,34 @@ def test_a_file_the_run_wrote_that_a_c_reader_misses_is_explained(
         assert opened + "without a mount namespace on this machine" in said, said
         assert "kernel.unprivileged_userns_clone=1" in said
     assert not (tmp_path / "made.bin").exists()
+
+
+C_WRITER = """
+    import ctypes, os
+    os.makedirs("out")  # through Python: into the run's overlay
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    if not libc.fopen(b"out/tokenizer.json", b"wb"):  # a Rust or C writer opens it itself
+        raise Exception("No such file or directory (os error 2)")  # as Rust's io::Error says
+"""
+
+
+def test_a_writer_outside_python_into_a_folder_the_run_made_is_explained(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a mount namespace, Hugging Face tokenizers' Rust ``Tokenizer.save`` into the
+    folder ``save_pretrained`` made through Python failed with "No such file or directory
+    (os error 2)", no path named, reported as the script's own error; dpprof now says it
+    was the folder the run made, and what to do."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(C_WRITER))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(namespace, "why_not", lambda: namespace.THREADED)
+    res = runner.invoke(app, ["run", "-q", "--", "python", "train.py"])
+    assert res.exit_code == 1, res.output
+    said = " ".join(res.output.split())
+    assert (f"it failed to open a file in {tmp_path / 'out'}, which the run itself had made: "
+            "without a mount namespace") in said, said
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_library_s_own_message_naming_the_file_is_read_too() -> None:

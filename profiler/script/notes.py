@@ -53,13 +53,13 @@ def outside_python(path: str) -> str:
     """Why a file the run wrote was missing to the script (see
     :func:`dpprof.script.sealed_run.written_but_missing`), and what to do."""
     threaded = namespace.why_not() == namespace.THREADED
-    return (f"it failed to open {path}, which the run itself had written: without a mount "
+    return (f"it failed to open {path}, which the run itself had made: without a mount "
             + ("namespace (the process was running threads before dpprof started)"
                if threaded else
                "namespace on this machine")
             + " the run's writes are kept where Python's file calls find them, and code "
-            "outside Python (a C or C++ library reading the file itself) looks on the real "
-            "filesystem instead; "
+            "outside Python (a C, C++ or Rust library opening the file itself) looks on the "
+            "real filesystem instead; "
             + (namespace.WHERE_UNTHREADED if threaded else WHERE_NAMESPACES))
 
 

@@ -60,8 +60,10 @@ def written_but_missing(error: BaseException, outcome: SealOutcome) -> str | Non
     if outcome.kernel:
         return None
     written = {w.path for w in outcome.writes if w.kind == "file"}
+    folders = [w.path for w in outcome.writes if w.kind == "folder"]
     seen: set[int] = set()
     at: BaseException | None = error
+    unnamed = False  # a native library's own "No such file or directory" with no path
     while at is not None and id(at) not in seen:
         seen.add(id(at))
         if isinstance(at, FileNotFoundError):
@@ -71,8 +73,18 @@ def written_but_missing(error: BaseException, outcome: SealOutcome) -> str | Non
             for path in named:
                 if os.path.realpath(path) in written:
                     return os.path.realpath(path)
+        unnamed = unnamed or bool(_NO_SUCH_FILE.search(str(at)))
         at = at.__cause__ or at.__context__
+    if unnamed and folders:
+        # Rust's (HF tokenizers' Tokenizer.save) and C's own writers into a folder the run
+        # made through Python, which holds it where they do not look
+        return f"a file in {' or '.join(folders[-3:])}"
     return None
+
+
+# the OS's words for ENOENT, as a library outside Python passes them on (Rust's io::Error:
+# "No such file or directory (os error 2)")
+_NO_SUCH_FILE = re.compile(r"No such file or directory|os error 2\b")
 
 
 def prepare_process() -> None:
