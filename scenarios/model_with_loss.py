@@ -269,7 +269,7 @@ def per_element(loss: torch.Tensor, operands: Any,
                 "the replicas' losses do not make the whole batch's; reduce it inside the "
                 "loss function (a mean or a sum), keep that dimension, or keep the loss "
                 "outside forward")
-        return loss, loss.new_empty((1,) * dim + (0,))
+        return loss, nothing_to_gather(loss, dim)
     firsts = set()
     for t in tree_leaves(operands):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -283,7 +283,15 @@ def per_element(loss: torch.Tensor, operands: Any,
             "per row of the batch (nor per element of a row, rows first): the replicas' "
             "losses do not make the whole batch's; reduce it inside the loss function (a "
             "mean or a sum), or keep the loss outside forward")
-    return loss, loss.new_empty((0,))
+    return loss, nothing_to_gather(loss)
+
+
+def nothing_to_gather(like: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """An empty tensor a replica returns where it has nothing for DataParallel to gather
+    (no count beside a loss per element; outputs held for a loss to come), with the
+    dimension DataParallel gathers along (``dim``) for the gather to take it."""
+    shape = (1,) * dim + (0,)
+    return like.new_empty(shape) if like is not None else torch.empty(shape)
 
 
 def takes_one_dict(model: Callable[..., Any], inputs: dict[str, Any]) -> bool:

@@ -121,15 +121,17 @@ def test_the_ddp_fix_divides_the_hand_made_batch_and_runs_with_the_peaks_it_prom
 # Inputs and targets made on one line, as the tutorials write them: each factory is cut
 # (the diff cut the first twice and gave up: "the changes overlap"); a factory of another
 # size on the line (the noise's 10) is left as it is
-ONE_LINE = """
-import torch, torch.nn as nn
-class Net(nn.Module):
+# a classifier on 128 features, as the tutorials' scripts make it
+NET = """class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.f = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 1000))
     def forward(self, x):
         return self.f(x)
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""
+ONE_LINE = """
+import torch, torch.nn as nn
+""" + NET + """device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = nn.DataParallel(Net()).to(device)
 opt = torch.optim.Adam(model.parameters())
 crit = nn.CrossEntropyLoss()
@@ -184,13 +186,7 @@ MOVED = """
 import numpy as np
 import torch, torch.nn as nn
 B = 256
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.f = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 1000))
-    def forward(self, x):
-        return self.f(x)
-{setup}
+""" + NET + """{setup}
 opt = torch.optim.Adam(model.parameters())
 crit = nn.CrossEntropyLoss()
 for step in range(5):

@@ -427,13 +427,9 @@ def parallel_apply(
         if isinstance(region, EmulatedAutocast):
             rt.mirrors.replicas_float16_instead_of = emulated_autocast_dtype()
         # torch runs two replicas or more each in a thread of its own, with its own handle
-        worker, rt.state.worker_thread = rt.state.worker_thread, threads > 1 or (
-            rt.state.worker_thread)
-        try:
-            with rt.device(devices[k]), rt.category("activations"), region:
-                outputs.append(module(*inp, **kwargs_tup[k]))
-        finally:
-            rt.state.worker_thread = worker
+        thread = rt.worker_thread() if threads > 1 else contextlib.nullcontext()
+        with rt.device(devices[k]), rt.category("activations"), thread, region:
+            outputs.append(module(*inp, **kwargs_tup[k]))
         if k < len(mirrors) and mirrors[k]:
             own = {devices[k], *mirrors[k]}
             other = next((d for d in log[start:] if d not in own), None)

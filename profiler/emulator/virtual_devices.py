@@ -128,6 +128,11 @@ class VirtualDevices(TorchDispatchMode):
             for k, v in old.items():
                 setattr(self.state, k, v)
 
+    def worker_thread(self) -> contextlib.AbstractContextManager[None]:
+        """Ops run as on a thread the work started (DataParallel's replica threads): its own
+        cuBLAS handle, and workspace, from the device's pool."""
+        return self._set(worker_thread=True)
+
     def device(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Factory ops (no tensor inputs) place their storage on ``index``."""
         self.storages.check_index(index)

@@ -122,9 +122,7 @@ def divide_hand_made_batches(state: DdpState, vc: VirtualCuda,
             site = script_line(caller)
             if site is None or not in_a_loop(caller):
                 return original(*args, **kwargs)
-            # the GPUs the script sees, asked when it makes a batch (not before it ran:
-            # CUDA reads CUDA_VISIBLE_DEVICES once, and the script may set it)
-            share = -(-rows // (state.world or vc.device_count()))
+            share = state.share(vc)
             cut = with_rows(func, args, kwargs, rows, share, state.scattered_dim)
             if cut is None:
                 return original(*args, **kwargs)
@@ -157,7 +155,7 @@ def _divide_moves(state: DdpState, vc: VirtualCuda, patcher: Patcher) -> None:
                     and vc.rt.storages.device_of(self) == HOST):
                 caller = sys._getframe(1)
                 site = script_line(caller)
-                share = -(-rows // (state.world or vc.device_count()))
+                share = state.share(vc)
                 if site is not None and share < rows and in_a_loop(caller):
                     if site not in state.moved_sites:
                         state.moved_sites.append(site)

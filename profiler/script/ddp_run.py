@@ -43,7 +43,12 @@ from dpprof.script.parallel_state import state_of
 from dpprof.script.part_of_model import PART_OF_MODEL, WholeModel
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
-from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
+from dpprof.script.strategy import (
+    Alternative,
+    AlternativeRuns,
+    AlternativeState,
+    scattered_as_in,
+)
 
 if TYPE_CHECKING:
     from dpprof.emulator.patcher import Patcher
@@ -123,6 +128,16 @@ class DdpState(AlternativeState):
         """The divided loaders' sites never iterated (the training steps' were)."""
         return tuple(s for s in self.loader_sites if s not in self.trained_loader_sites
                      and s not in self.evaluated_loader_sites)
+
+    def ranks(self, vc: VirtualCuda) -> int:
+        """A rank on each GPU DataParallel split the batch to, else on each GPU the script
+        sees: asked when a batch is made, not before the script ran (CUDA reads
+        CUDA_VISIBLE_DEVICES once, and the script may set it)."""
+        return self.world or vc.device_count()
+
+    def share(self, vc: VirtualCuda) -> int:
+        """A rank's rows of the batch: DataParallel's first chunk, ``ceil(B / N)``."""
+        return -(-self.scattered_rows // self.ranks(vc))
 
     @property
     def batch_sites(self) -> tuple[str, ...]:
@@ -329,11 +344,8 @@ class DdpInPlace(Alternative):
             # a batch sampler of a loader divided here already is left as it is
             divides = (not _made_from(batches, divided) if batches is not None
                        else bool(batch_size))
-            # one rank per GPU DataParallel split the batch to, else per GPU the script
-            # sees: asked here, not before the script ran (CUDA reads
-            # CUDA_VISIBLE_DEVICES once, and the script may set it)
             if divides and batches is not None:  # its own: each rank its share of each
-                share = RankShareOfBatches(batches, state.world or vc.device_count())
+                share = RankShareOfBatches(batches, state.ranks(vc))
                 if "batch_sampler" in kwargs:
                     kwargs["batch_sampler"] = share
                 else:
@@ -341,7 +353,7 @@ class DdpInPlace(Alternative):
                 state.cut_batch_sampler = True
             uneven = False
             if divides and batches is None and batch_size:
-                world = state.world or vc.device_count()
+                world = state.ranks(vc)
                 uneven = batch_size % world != 0
                 batch_size = -(-batch_size // world)  # each rank's, as DDP sets it
                 state.batch_rows = state.batch_rows or batch_size
@@ -408,7 +420,7 @@ class DdpInPlace(Alternative):
         state.late_gradients = state_of(vc).log.ddp_late_gradients
         state.part_of_model = state_of(vc).log.part_of_model
         state.rank_criteria = tuple(state_of(vc).log.rank_criteria)
-        state.batch_division = _division(state, state.world or vc.device_count())
+        state.batch_division = _division(state, state.ranks(vc))
         state.unused_raised = state_of(vc).log.ddp_unused_raised
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
@@ -418,10 +430,7 @@ class DdpInPlace(Alternative):
 
     def measure(self, runs: AlternativeRuns) -> None:
         cfg, main, n = runs.cfg, runs.main, runs.gpus
-        alt = run_script(dataclasses.replace(cfg, alternative=self,
-                                             scattered_rows=main.batch_rows,
-                                             scattered_dim=main.batch_dim, scattered_gpus=n),
-                         runs.step_cb(self.name))
+        alt = run_script(scattered_as_in(cfg, main, alternative=self), runs.step_cb(self.name))
         followed = ddp_state(alt)
         assert followed is not None  # run with this alternative
         followed.flags = self.flags
@@ -456,10 +465,7 @@ class DdpInPlace(Alternative):
             # rows up to the batch size it set): cut where the model is called instead
             at_call = copy.copy(self)
             at_call.model_input_rows = main.batch_rows
-            retried = run_script(dataclasses.replace(cfg, alternative=at_call,
-                                                     scattered_rows=main.batch_rows,
-                                                     scattered_dim=main.batch_dim,
-                                                     scattered_gpus=n),
+            retried = run_script(scattered_as_in(cfg, main, alternative=at_call),
                                  runs.step_cb(self.name))
             made = [f"{what} at {relative_site(site)}" for what, _, site in
                     (m.rpartition(" at ") for m in followed.divided_sites)]

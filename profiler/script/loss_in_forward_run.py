@@ -32,7 +32,12 @@ from dpprof.script.parallel_state import state_of
 from dpprof.script.part_of_model import whole_model
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
-from dpprof.script.strategy import Alternative, AlternativeRuns, AlternativeState
+from dpprof.script.strategy import (
+    Alternative,
+    AlternativeRuns,
+    AlternativeState,
+    scattered_as_in,
+)
 from dpprof.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -201,9 +206,7 @@ class LossInForward(Alternative):
         cfg, main, n = runs.cfg, runs.main, runs.gpus
         if main.scenario.name == DP_LOSS_FORWARD:
             return  # the replicas compute their loss already: the script is this fix
-        alt = run_script(dataclasses.replace(cfg, alternative=self,
-                                             scattered_rows=main.batch_rows),
-                         runs.step_cb(self.name))
+        alt = run_script(scattered_as_in(cfg, main, alternative=self), runs.step_cb(self.name))
         followed = _followed(alt)
         used = sorted({relative_site(site) for site in followed.materialized})
         unkept: ScriptRun | None = None  # the loss inside forward, the outputs not gathered

@@ -11,7 +11,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpprof.scenarios.model_with_loss import NO_TARGETS, ModelWithLoss, call_model
+from dpprof.scenarios.model_with_loss import (
+    NO_TARGETS,
+    ModelWithLoss,
+    call_model,
+    nothing_to_gather,
+)
 
 
 class HeldForward(nn.Module):
@@ -31,8 +36,7 @@ class HeldForward(nn.Module):
         self.shapes.append(tree_map(shape_only, outputs))
         self.kept.append(outputs)
         first = next((t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)), None)
-        empty = (1,) * self.dim + (0,)
-        return first.new_empty(empty) if first is not None else torch.empty(empty)
+        return nothing_to_gather(first, self.dim)
 
 
 def recording_class() -> type:

@@ -30,7 +30,6 @@ A script that already runs under ``torch.autocast("cuda")`` gets no mixed-precis
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,7 +51,7 @@ from dpprof.script.hooks import StepCallback
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.rung_diff import RungSites, rung_changes
 from dpprof.script.runner import ScriptConfig, ScriptRun, run_script
-from dpprof.script.strategy import Alternative, data_parallel_gpus
+from dpprof.script.strategy import Alternative, data_parallel_gpus, scattered_as_in
 from dpprof.script.strategy_registry import alternative_named
 from dpprof.script.trainer_settings import run_by_trainer, settings_of
 
@@ -123,11 +122,8 @@ def run_ladder(cfg: ScriptConfig, main: ScriptRun, runs: list[tuple[str, ScriptR
         # on the DDP alternative each rank makes its share of a hand-made batch, as the
         # alternative's own run did (the rows DataParallel scattered)
         # a rung measures what the script needs with it, past where a GPU would run out
-        run = run_script(dataclasses.replace(cfg, alternative=alternative, rung=rung,
-                                             scattered_rows=main.batch_rows,
-                                             scattered_dim=main.batch_dim,
-                                             scattered_gpus=data_parallel_gpus(main),
-                                             rung_by_trainer=by_trainer, raise_oom=False),
+        run = run_script(scattered_as_in(cfg, main, alternative=alternative, rung=rung,
+                                         rung_by_trainer=by_trainer, raise_oom=False),
                          step_cb(rung.name))
         if run.scenario.status not in (STATUS_OK, STATUS_OOM) or not run.scenario.devices:
             notes.append(f"ladder: {rung.title} could not be measured: {run.scenario.message}")

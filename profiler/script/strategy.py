@@ -20,6 +20,7 @@ fix's name is compared outside the fix's own module.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,16 @@ def data_parallel_gpus(main: ScriptRun) -> int:
     two; BalancedDataParallel's cuda:0 with no rows of the batch counts): its alternatives
     run on the same GPUs, DDP with a rank on each."""
     return sum(1 for d in main.scenario.devices if d.used) or len(main.scenario.devices)
+
+
+def scattered_as_in(cfg: ScriptConfig, main: ScriptRun, **changes: Any) -> ScriptConfig:
+    """``cfg`` for an alternative's (or a rung's) run of the script as written ``main``,
+    with ``changes``: the batch DataParallel scattered there (its rows, the dimension it
+    split them along, the GPUs it used), from which the DDP alternative gives each rank its
+    share."""
+    return dataclasses.replace(cfg, scattered_rows=main.batch_rows,
+                               scattered_dim=main.batch_dim,
+                               scattered_gpus=data_parallel_gpus(main), **changes)
 
 
 @dataclass
