@@ -52,6 +52,25 @@ def test_cross_entropy_keeps_bfloat16_log_probs_and_saves_a_float32_copy() -> No
     assert full == ["torch.bfloat16", "torch.float32"]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_bound_before_the_region_is_cast_as_inside_it(reduction: str) -> None:
+    """``criterion = F.cross_entropy`` taken before ``with torch.autocast(...)``, as training
+    scripts write it, meets the region as a call written inside it: the same saved tensors
+    and a float32 loss (nll_loss's policy), not a bfloat16 loss over bfloat16 ops."""
+    criterion = F.cross_entropy
+    logits, target = _logits(), torch.randint(0, CLASSES, (ROWS,))
+    with EmulatedAutocast(torch.bfloat16, "cuda"):
+        bound = _saved(lambda: criterion(logits, target, reduction=reduction))
+        loss = criterion(logits, target, reduction=reduction)
+        written = _saved(lambda: F.cross_entropy(logits, target, reduction=reduction))
+    assert loss.dtype == torch.float32
+    assert [(t.dtype, t.shape) for t in bound] == [(t.dtype, t.shape) for t in written]
+    assert sorted(str(t.dtype) for t in bound if t.shape == logits.shape) == [
+        "torch.bfloat16", "torch.float32"]
+    torch.testing.assert_close(
+        loss, F.nll_loss(logits.log_softmax(1).float(), target, reduction=reduction))
+
+
 def test_cpu_lists_still_cast_cross_entropy_to_float32() -> None:
     logits, target = _logits(), torch.randint(0, CLASSES, (ROWS,))
     with torch.autocast("cpu", torch.bfloat16):

@@ -156,6 +156,20 @@ def cross_entropy_composite(input: torch.Tensor, target: torch.Tensor,
     return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes)
 
 
+_REDUCTIONS = ("none", "mean", "sum")  # torch._reduction.get_enum's order
+
+
+def _cross_entropy_loss(input: torch.Tensor, target: torch.Tensor,
+                        weight: torch.Tensor | None = None, reduction: int = 1,
+                        ignore_index: int = -100, label_smoothing: float = 0.0
+                        ) -> torch.Tensor:
+    """``torch._C._nn.cross_entropy_loss`` (what ``F.cross_entropy`` calls, its reduction
+    as torch's enum) as :func:`cross_entropy_composite`."""
+    return cross_entropy_composite(input, target, weight, ignore_index=ignore_index,
+                                   reduction=_REDUCTIONS[reduction],
+                                   label_smoothing=label_smoothing)
+
+
 class EmulatedAutocast:
     """``torch.autocast("cuda", dtype)`` for tensors on any device (meta included).
 
@@ -167,7 +181,7 @@ class EmulatedAutocast:
     prod, the linalg norms) are asked for a float32 result unless given a dtype, norm's
     fp32_append_dtype overloads get a float32 dtype appended, the promote ops run in the
     widest floating dtype among their arguments, and ``binary_cross_entropy`` raises as
-    CUDA's autocast makes it raise; ``F.cross_entropy`` runs op by op
+    CUDA's autocast makes it raise; ``F.cross_entropy``'s binding runs op by op
     (:func:`cross_entropy_composite`). Casts of leaf tensors that require grad (the
     weights) are cached until :meth:`clear_cache` (autocast clears its cache when the
     outermost region exits: once per forward), so each weight is copied once per forward
@@ -223,6 +237,7 @@ class EmulatedAutocast:
             cast_kwargs = {k: self._cast(kwargs[k], target) for k in reversed(kwargs)}
             cast_args = [self._cast(a, target) for a in reversed(args)][::-1]
             return fn(*cast_args, **{k: cast_kwargs[k] for k in kwargs})
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]  # what inspect.unwrap finds
         return wrapped
 
     @staticmethod
@@ -283,7 +298,10 @@ class EmulatedAutocast:
         for owner, name, policy in cuda_entry_points():
             self._patcher.patch(owner, name, self._policy_wrapper(
                 policy, getattr(owner, name), name))
-        self._patcher.patch(F, "cross_entropy", cross_entropy_composite)
+        # At the binding F.cross_entropy calls, not at F.cross_entropy: a script's
+        # ``criterion = F.cross_entropy`` bound before the region reaches it too, and
+        # F.cross_entropy's own __torch_function__ check still comes first.
+        self._patcher.patch(torch._C._nn, "cross_entropy_loss", _cross_entropy_loss)
         _patch_autocast_state(self._patcher)
         _REGION.regions = [*getattr(_REGION, "regions", []), self]
         return self
@@ -311,6 +329,9 @@ class EmulatedAutocast:
                 return fn(*args, **kwargs)
             return cast(*args, **kwargs)
         setattr(wrapped, ENTRY_POINT_MARK, True)
+        # inspect.unwrap finds the binding: which function a call is (a loss of torch's,
+        # scenarios.losses) does not hang on whether a region was open when first asked
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapped
 
     def __exit__(self, *exc: Any) -> None:

@@ -455,15 +455,30 @@ for _name in ("lt", "le", "gt", "ge", "eq", "ne", "neg", "pos", "abs", "invert")
 class PendingLoss:
     """What a statement computes of the outputs on its way into a loss call whose loss was
     computed inside forward: every method, index, operator and torch function of it is
-    itself, and the loss call answers it with :attr:`loss` (once)."""
+    itself, and the loss call answers it with the loss (once). Once answered it holds the
+    loss weakly: the outputs keep this object until the next forward, and the loss as the
+    call returned it (before the script divides it for accumulation, say) must be freed when
+    the script lets it go, as the fixed code's is."""
 
     def __init__(self, loss: torch.Tensor) -> None:
-        self.loss = loss
-        self.answered = False
+        self._loss: torch.Tensor | None = loss
+        self._answered: weakref.ref[torch.Tensor] | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self._answered is not None
 
     def answer(self) -> torch.Tensor:
-        self.answered = True
-        return self.loss
+        loss = self._loss
+        if loss is None:  # answered already: the same tensor, while the script holds it
+            assert self._answered is not None
+            loss = self._answered()
+            if loss is None:
+                raise RuntimeError("the loss computed inside forward was asked for again "
+                                   "after the script let it go")
+            return loss
+        self._answered, self._loss = weakref.ref(loss), None
+        return loss
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
