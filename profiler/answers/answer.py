@@ -227,6 +227,11 @@ def _fit_cost(run: RunResult, s: ScenarioResult, article: str) -> str:
     return cost
 
 
+def _all(gpus: int) -> str:
+    """``gpus`` GPUs, all of them, in words: "both GPUs", "all 4 GPUs"."""
+    return "both GPUs" if gpus == 2 else f"all {gpus} GPUs" if gpus > 2 else "its one GPU"
+
+
 def _placement(s: ScenarioResult) -> str:
     return ", ".join(f"{device_label(d)} ({fmt_bytes(d.peak_allocated_bytes)})" for d in used(s))
 
@@ -249,7 +254,11 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
     setup = SETUPS.get(s.name)
     if setup == DATA_PARALLEL:
         if len(devs) < 2:
-            return f"{s.name} uses a single GPU at this batch size"
+            rows = s.batch or run.batch
+            why = (f" (a batch of {rows} row{'s' if rows != 1 else ''} splits no further)"
+                   if rows and rows < len(s.devices) else "")
+            return (f"under {s.name} DataParallel runs on one GPU, {device_label(top)}, "
+                    f"peaking at {fmt_bytes(top.peak_allocated_bytes)}{why}")
         excess = c.primary_excess_bytes if c else int(excess_over_median(
             devs[0].peak_allocated_bytes, [d.peak_allocated_bytes for d in devs[1:]]))
         imbalance = f" ({c.imbalance:.2f}x the mean)" if c else ""
@@ -271,7 +280,7 @@ def _headline(run: RunResult, s: ScenarioResult) -> str:
         if s.status == STATUS_OOM:
             return f"{who} spreads the step over {len(devs)} GPUs"
         if balanced(top.peak_allocated_bytes - mean, top.peak_allocated_bytes):
-            return f"{who} balances all {len(devs)} GPUs at {fmt_bytes(top.peak_allocated_bytes)}"
+            return f"{who} balances {_all(len(devs))} at {fmt_bytes(top.peak_allocated_bytes)}"
         return (f"under {who} the heaviest of the {len(devs)} GPUs, {device_label(top)}, peaks at "
                 f"{fmt_bytes(top.peak_allocated_bytes)} ({top.peak_allocated_bytes / mean:.2f}x "
                 "the mean)")
@@ -291,7 +300,7 @@ def _alternative(base: ScenarioResult, s: ScenarioResult) -> str:
     words = ALTERNATIVE_WORDS[s.name]
     if SETUPS.get(s.name) == DISTRIBUTED:
         devs = used(s)
-        words = (f"DDP balances all {len(devs)} GPUs at {fmt_bytes(now)}"
+        words = (f"DDP balances {_all(len(devs))} at {fmt_bytes(now)}"
                  if balanced(now - statistics.fmean(d.peak_allocated_bytes for d in devs), now)
                  else f"DDP's heaviest GPU peaks at {fmt_bytes(now)}")
         if abs(was - now) < MIN_SAVING * max(was, now):

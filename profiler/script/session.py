@@ -27,6 +27,7 @@ import signal
 from collections.abc import Callable
 
 from dpprof.answers.answer import partial_sentence, settled
+from dpprof.answers.answer_figures import device_label
 from dpprof.answers.attribution import attribute_run
 from dpprof.answers.comparison import compare
 from dpprof.answers.setups import SETUPS
@@ -284,9 +285,30 @@ def _run_alternatives(cfg: ScriptConfig, main: ScriptRun, n: int,
     """Measure each fix ``dpprof run`` has a strategy for on a DataParallel script, in the
     fix registry's order (:mod:`dpprof.script.strategy_registry`): each alternative's run
     goes into ``runs``, what it saves into ``fixes``, why it could not run into ``notes``."""
+    if n == 1:
+        notes.append(_one_gpu_note(main))
+        return
     found = AlternativeRuns(cfg, main, n, step_cb, runs, notes, fixes)
     for strategy in strategies():
         strategy.measure(found)
+
+
+def _one_gpu_note(main: ScriptRun) -> str:
+    """Why a DataParallel script on one GPU gets no alternatives, and what spreads it."""
+    visible = len(main.scenario.devices)
+    rows = main.batch_rows
+    if visible > 1 and rows == 1:
+        why = (f"its batch of one row splits into one chunk of the {visible} GPUs; a larger "
+               "batch spreads over them")
+    elif visible > 1:
+        why = (f"device_ids names one of the {visible} GPUs; device_ids=None (DataParallel's "
+               "default) spreads each batch over all of them")
+    else:
+        why = "one GPU is seen; run with --gpus N to plan for N"
+    gpu = next((d for d in main.scenario.devices if d.used), main.scenario.devices[0])
+    return (f"no alternatives: DataParallel ran on one GPU, {device_label(gpu)}, where it "
+            "splits and gathers nothing: no imbalance for the loss inside forward or DDP to "
+            f"remove; {why}")
 
 
 def _note_the_main_run(main: ScriptRun, cfg: ScriptConfig) -> None:
