@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 
 from dpprof.cli.app import app
 from dpprof.script import autocast_diff, ddp_diff, loss_in_forward_diff, rewrite
+from dpprof.script.ddp_diff import OutputDevice
 from dpprof.script.rung_diff import RungSites, rung_changes
 from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command
@@ -470,6 +471,36 @@ def test_a_rung_on_ddp_divides_a_library_loaders_batch_where_its_edits_moved_it(
     assert "loader = make_loader(list(range(8)), batch_size=8 // 4)\n" in new
     assert 'with torch.autocast("cuda", dtype=torch.bfloat16)' in new
     assert any("library's own distributed option" in n for n in rw.notes), rw.notes
+
+
+def test_a_rung_on_ddp_keeps_dataparallels_dim_and_output_device(tmp_path: Path) -> None:
+    """A bf16 rung on the DDP alternative of ``DataParallel(net, dim=1, output_device=2)``
+    whose batch is made by hand, its rows along dimension 1: the autocast edit moves the
+    lines down, and the DDP edit still divides the rows DataParallel split (dimension 1, not
+    0) and puts the targets the script put on cuda:2 on each rank's own GPU, as the DDP
+    alternative ran it."""
+    old = script("model = nn.DataParallel(Net(), dim=1, output_device=2)\n"
+                 "for step in range(4):\n"
+                 "    x = torch.randn(3, 96, 8).cuda()\n"
+                 "    y = torch.randn(3, 96, 4).cuda(2)\n"
+                 "    out = model(x)\n"
+                 "    loss = (out - y).pow(2).mean()\n"
+                 "    loss.backward()\n")
+    path = tmp_path / "train.py"
+    path.write_text(old)
+    x_line, y_line = line_of(old, "x = torch.randn"), line_of(old, "y = torch.randn")
+    rw = rung_changes(RungSites(str(path), line_of(old, "out = model(x)"),
+                                line_of(old, "loss.backward()"), line_of(old, "DataParallel("),
+                                batch_lines=(x_line, y_line), rows=96, dim=1,
+                                output_device=OutputDevice(2, (f"{path}:{y_line}",))),
+                      4, "Bf16 autocast", "bfloat16", None)
+    new = checked(rw, old)
+    assert 'with torch.autocast("cuda", dtype=torch.bfloat16)' in new
+    assert "DDP(Net().cuda(rank), device_ids=[rank], dim=1)" in new
+    assert "x = torch.randn(3, 96 // 4, 8).cuda()\n" in new
+    assert "y = torch.randn(3, 96 // 4, 4).cuda()\n" in new
+    assert any("puts tensors on cuda:2, DataParallel's output_device" in n
+               for n in rw.notes), rw.notes
 
 
 def test_ddp_takes_another_name_where_the_script_has_a_rank() -> None:

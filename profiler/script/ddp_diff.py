@@ -47,6 +47,16 @@ from dpprof.script.source import (
 
 DDP_TITLE = "DistributedDataParallel"  # and the names of its flags (gradient_as_bucket_view)
 
+
+@dataclasses.dataclass(frozen=True)
+class OutputDevice:
+    """DataParallel's ``output_device`` where it is not its first GPU: its (logical) index,
+    and ``file:line`` of the script's lines that named that GPU in the DDP alternative's run
+    (which took it for the rank's own GPU, as the rewrite of those lines makes it)."""
+
+    index: int
+    sites: tuple[str, ...] = ()
+
 # calls that only move a module or tensor between devices: dropped where DDP places the module
 _MOVES = ("cuda", "to")
 
@@ -102,7 +112,7 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
         batch_lines: tuple[int, ...] = (), rows: int = 0,
         flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (), script: str = "",
         elsewhere: bool = False, label: str = "", use: LoaderUse = UNSEEN,
-        dim: int = 0) -> Rewrite:
+        dim: int = 0, output_device: OutputDevice | None = None) -> Rewrite:
     """The script as ``gpus`` DistributedDataParallel ranks (see the module).
     ``batch_lines``: the lines where the script makes its batches by hand (a random factory
     of the scattered rows, which the DDP alternative cut to each rank's share); ``flags``:
@@ -115,11 +125,13 @@ def ddp(source: str, path: str, dp_line: int, gpus: int, bucket_view: bool = Fal
     ``use``: how the alternative saw the divided DataLoaders used (an evaluation's gets no
     DistributedSampler, which would shard it; a batch_size the ranks do not divide is
     rounded up); ``dim``: the dimension of the hand-made batches' size DataParallel split
-    (its ``dim``)."""
+    (its ``dim``); ``output_device``: DataParallel's, where it is not its first GPU (each
+    naming of that GPU becomes the rank's own)."""
     try:
         return _ddp(ScriptSource(source, path), dp_line, gpus,
                     (("gradient_as_bucket_view=True",) if bucket_view else ()) + flags,
-                    batch_lines, rows, loader_sites, script, elsewhere, label, use, dim)
+                    batch_lines, rows, loader_sites, script, elsewhere, label, use, dim,
+                    output_device)
     except NoRewrite as e:
         return Rewrite(reason=str(e))
 
@@ -238,7 +250,8 @@ def _divide_batches(src: ScriptSource, edits: Edits, lines: tuple[int, ...], gpu
 def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
          batch_lines: tuple[int, ...] = (), scattered: int = 0,
          loader_sites: tuple[str, ...] = (), script: str = "", elsewhere: bool = False,
-         label: str = "", use: LoaderUse = UNSEEN, dim: int = 0) -> Rewrite:
+         label: str = "", use: LoaderUse = UNSEEN, dim: int = 0,
+         output_device: OutputDevice | None = None) -> Rewrite:
     _refuse_own_process_group(src, gpus, flags, scattered)
     edits = Edits(src)
     notes: list[str] = []
@@ -273,7 +286,7 @@ def _ddp(src: ScriptSource, dp_line: int, gpus: int, flags: tuple[str, ...],
     else:  # the script starts it: the rank, read here
         line, indent = _init_line(src, wrap)
         edits.insert_lines(line, [f'{indent}{rank} = int(os.environ["LOCAL_RANK"])'])
-    _rank_devices(src, edits, replaced)
+    notes += _rank_devices(src, edits, replaced, output_device)
     divided = _divide_batches(src, edits, batch_lines, gpus, scattered, dim)
     if not loaders.any and not divided and not elsewhere:
         # no DataLoader to give a sampler: the batches the loop makes, each rank its share
@@ -324,14 +337,83 @@ def _title(flags: tuple[str, ...]) -> str:
 
 
 def _rank_devices(src: ScriptSource, edits: Edits,
-                  replaced: list[tuple[int, int]] | None = None) -> None:
+                  replaced: list[tuple[int, int]] | None = None,
+                  output_device: OutputDevice | None = None) -> list[str]:
     """``"cuda:0"`` made ``"cuda"``, every rank's own device once set_device has run (outside
-    ``replaced``, the spans the wraps' edits rewrite)."""
+    ``replaced``, the spans the wraps' edits rewrite); so too DataParallel's
+    ``output_device`` where it is another GPU, cuda:k: ``"cuda:k"``, ``.cuda(k)``,
+    ``.to(k)``, ``torch.device("cuda", k)``. The notes: the lines changed for cuda:k, and the
+    lines the run saw name it that are left to change by hand."""
+    k = output_device.index if output_device is not None else None
+    names = {"cuda:0"} | ({f"cuda:{k}"} if k is not None else set())
+    kept = [(start, end) for start, end in replaced or ()]
+    changed: list[int] = []
+
+    def outside(node: ast.AST) -> bool:
+        return not any(start <= src.span(node)[0] < end for start, end in kept)
+
     for node in ast.walk(src.tree):
-        if isinstance(node, ast.Constant) and node.value == "cuda:0" and not isinstance(
-                src.parents.get(node), ast.JoinedStr) and not any(
-                start <= src.span(node)[0] < end for start, end in replaced or ()):
-            edits.node(node, src.seg(node).replace("cuda:0", "cuda"))
+        if isinstance(node, ast.Constant) and node.value in names and not isinstance(
+                src.parents.get(node), ast.JoinedStr) and outside(node):
+            edits.node(node, src.seg(node).replace(node.value, "cuda"))
+            if node.value != "cuda:0":
+                changed.append(node.lineno)
+        elif k is not None and isinstance(node, ast.Call) and outside(node):
+            line = _rank_device_call(src, edits, node, k)
+            if line:
+                changed.append(line)
+    if output_device is None:
+        return []
+    lines = sorted(set(changed))
+    here = Path(src.path).resolve()
+    seen = sorted({int(n) for p, _, n in (s.rpartition(":") for s in output_device.sites)
+                   if n.isdigit() and Path(p).resolve() == here})
+    # a line that reads a name a changed line binds (``OUT = "cuda:k"``, then ``device=OUT``)
+    bound = {t.id for n in ast.walk(src.tree) if isinstance(n, ast.Assign) and n.lineno in lines
+             for t in n.targets if isinstance(t, ast.Name)}
+    read = {n.lineno for n in ast.walk(src.tree)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in bound}
+    by_hand = [n for n in seen if n not in lines and n not in read]
+    notes = []
+    if lines:
+        notes.append(f"{_lines(lines)} put{'s' * (len(lines) == 1)} tensors on cuda:{k}, "
+                     "DataParallel's output_device: under DDP each rank's own GPU (\"cuda\" "
+                     "once set_device has run)")
+    if by_hand:
+        notes.append(f"{_lines(by_hand)} name{'s' * (len(by_hand) == 1)} cuda:{k}, "
+                     "DataParallel's output_device, another way: make it each rank's own "
+                     "GPU by hand (torch.device(\"cuda\", rank)), as the DDP alternative "
+                     "ran it")
+    return notes
+
+
+def _lines(lines: list[int]) -> str:
+    return f"line {lines[0]}" if len(lines) == 1 else \
+        f"lines {', '.join(map(str, lines[:-1]))} and {lines[-1]}"
+
+
+def _rank_device_call(src: ScriptSource, edits: Edits, call: ast.Call, k: int) -> int:
+    """``x.cuda(k)`` -> ``x.cuda()``, ``x.to(k)`` -> ``x.to("cuda")``, ``torch.device("cuda",
+    k)`` -> ``torch.device("cuda")``; the call's line, 0 where it is none of them."""
+    def is_k(node: ast.expr) -> bool:
+        return isinstance(node, ast.Constant) and type(node.value) is int and node.value == k
+
+    name = last_name(call.func)
+    if name == "cuda" and isinstance(call.func, ast.Attribute):
+        given = [a for a in call.args[:1] if is_k(a)] + [
+            kw for kw in call.keywords if kw.arg == "device" and is_k(kw.value)]
+        if given and len(call.args) + len(call.keywords) == 1:
+            edits.node(given[0], "")
+            return call.lineno
+    elif name == "to" and isinstance(call.func, ast.Attribute):
+        if call.args and is_k(call.args[0]):
+            edits.node(call.args[0], '"cuda"')
+            return call.lineno
+    elif name == "device" and len(call.args) == 2 and not call.keywords and is_k(call.args[1]) \
+            and isinstance(call.args[0], ast.Constant) and call.args[0].value == "cuda":
+        edits.node(call, f'{src.seg(call.func)}("cuda")')
+        return call.lineno
+    return 0
 
 
 def _ddp_call(src: ScriptSource, dp: ast.Call, rank: str, flags: tuple[str, ...]
@@ -367,10 +449,12 @@ def _other_wraps(src: ScriptSource, dp: ast.Call) -> list[ast.Call]:
 def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
            batch_sites: tuple[str, ...] = (), rows: int = 0,
            flags: tuple[str, ...] = (), loader_sites: tuple[str, ...] = (),
-           script: str = "", use: LoaderUse = UNSEEN, dim: int = 0) -> Rewrite:
+           script: str = "", use: LoaderUse = UNSEEN, dim: int = 0,
+           output_device: OutputDevice | None = None) -> Rewrite:
     """:func:`ddp` from the wrap's ``file:line`` (and those of hand-made batches and of the
     calls that made the divided DataLoaders; ``rows``: the batch DataParallel scattered,
-    along ``dim``;
+    along ``dim``; ``output_device``: DataParallel's, where it is another GPU than its
+    first;
     ``script``: the file the launcher runs). Batches made in other files of the user's (the
     training loop's file, where a model file wraps the model) are divided there: one diff
     of every file, named from the folder that holds them all (the script's, unless one is
@@ -399,7 +483,7 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
                    tuple(batches.get(str(here), ())), rows, flags,
                    tuple(loaders.get(str(here), ())), script, elsewhere=bool(others),
                    label=here.relative_to(root).as_posix() if others else "",
-                   use=use, dim=dim)
+                   use=use, dim=dim, output_device=output_device)
         if not main.ok or not others:
             return main
         parts = [main]
@@ -410,7 +494,8 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
             label = Path(other).relative_to(root).as_posix()
             done = _elsewhere(other, gpus, tuple(batches.get(other, ())), rows,
                               tuple(loaders.get(other, ())), flags, label,
-                              starts=other == launched, use=use, dim=dim)
+                              starts=other == launched, use=use, dim=dim,
+                              output_device=output_device)
             parts.append(dataclasses.replace(done, notes=tuple(f"{label} {n}"
                                                                for n in done.notes)))
         apply_at = ([] if root == start else [
@@ -423,7 +508,8 @@ def ddp_at(dp_site: str, gpus: int, bucket_view: bool = False,
 
 def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: int,
                loader_sites: tuple[str, ...], flags: tuple[str, ...], label: str,
-               starts: bool, use: LoaderUse = UNSEEN, dim: int = 0) -> Rewrite:
+               starts: bool, use: LoaderUse = UNSEEN, dim: int = 0,
+               output_device: OutputDevice | None = None) -> Rewrite:
     """The DDP change of a file other than the wrap's where the batches are made: each
     rank's share of its DataLoaders and hand-made batches, ``"cuda:0"`` the rank's device;
     where it is the launched script (``starts``), the process group started at its start."""
@@ -440,6 +526,6 @@ def _elsewhere(path: str, gpus: int, batch_lines: tuple[int, ...], scattered: in
         line, indent = _script_start(src)
         edits.insert_lines(line, _starts(gpus, Path(path).name,
                                          free_name(src, "rank", "local_rank"), indent))
-    _rank_devices(src, edits)
+    notes += _rank_devices(src, edits, output_device=output_device)
     _divide_batches(src, edits, batch_lines, gpus, scattered, dim)
     return finish(src, edits, _title(flags), notes, label)

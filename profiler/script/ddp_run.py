@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from dpprof.emulator.call_sites import relative_site
+from dpprof.emulator.cuda_api import device_index
 from dpprof.emulator.ddp import UNUSED_PARAMETERS
 from dpprof.fixes.kinds.ddp_in_place import FIX
 from dpprof.result import STATUS_ERROR
@@ -39,7 +40,7 @@ from dpprof.script.notes import (
     alternative_notes,
     raised_on_a_share,
 )
-from dpprof.script.parallel_state import state_of
+from dpprof.script.parallel_state import current, state_of
 from dpprof.script.part_of_model import PART_OF_MODEL, WholeModel
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.runner import run_script
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
     from dpprof.script.runner import ScriptConfig, ScriptRun
     from dpprof.script.wrappers import VirtualDataParallel
 
-__all__ = ["STRATEGY", "DdpInPlace", "DdpState", "ddp_state", "diff_ddp", "library_wrap"]
+__all__ = ["STRATEGY", "DdpInPlace", "DdpState", "ddp_state", "diff_ddp", "library_wrap",
+           "rank_output_device"]
 
 SENTENCE = ("the same script with DistributedDataParallel in place of DataParallel (one "
             "emulated rank of {n}; each rank its share of the batch, as a DDP script makes it)")
@@ -111,6 +113,11 @@ class DdpState(AlternativeState):
     part_of_model: str = ""
     # how the rank applied a criterion the script wraps in DataParallel (no DDP), in words
     rank_criteria: tuple[str, ...] = ()
+    # DataParallel's output_device where it is not its first GPU (logical; None: it is, or
+    # no DataParallel was made), which the rank took for its own GPU, and "file:line" of
+    # the script's lines that named it once the wrap was made (the diff rewrites them)
+    output_device: int | None = None
+    output_device_sites: list[str] = field(default_factory=list)
 
     @property
     def evaluated_only(self) -> tuple[str, ...]:
@@ -169,7 +176,8 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
     rewrite = ddp_diff.ddp_at(run.dp_sites[0], gpus, bucket_view=bucket_view,
                               batch_sites=followed.batch_sites, rows=run.batch_rows,
                               flags=flags, loader_sites=tuple(followed.loader_sites),
-                              script=script, use=followed.use, dim=followed.scattered_dim)
+                              script=script, use=followed.use, dim=followed.scattered_dim,
+                              output_device=rank_output_device(followed))
     if followed.part_of_model and rewrite.ok:
         rewrite = Rewrite(reason=(
             f"{relative_site(run.dp_sites[0])}: DataParallel wraps a part of the model "
@@ -189,6 +197,14 @@ def diff_ddp(run: ScriptRun, gpus: int, followed: DdpState, script: str,
             "passes the model the batch as loaded: give it what that makes for one GPU (the "
             "rank's), as the DDP alternative measured")))
     return rewrite_text(with_criteria_unwrapped(rewrite, followed.rank_criteria))
+
+
+def rank_output_device(followed: DdpState) -> ddp_diff.OutputDevice | None:
+    """DataParallel's output_device as the DDP diff takes it, where the alternative's rank
+    took it for its own GPU (None: it is DataParallel's first GPU)."""
+    if followed.output_device is None:
+        return None
+    return ddp_diff.OutputDevice(followed.output_device, tuple(followed.output_device_sites))
 
 
 def library_wrap(site: str, gpus: int, rows: int, options: tuple[str, ...] = ()) -> str:
@@ -231,6 +247,34 @@ def script_site(frame: Any) -> str | None:
             return site
         frame = frame.f_back
     return None
+
+
+def _output_device_on_the_rank(state: DdpState, vc: VirtualCuda, patcher: Patcher) -> None:
+    """Once the script wraps DataParallel with an ``output_device`` other than its first GPU
+    (``cuda:k``, where the script then puts its targets and computes the loss), each naming
+    of cuda:k by the script's own lines (``.cuda(k)``, ``"cuda:k"``) is the rank's own GPU,
+    as the DDP diff rewrites them (without it a rank's outputs meet targets on another GPU);
+    those lines go into ``state``. torch's and libraries' code (DataParallel's own pieces
+    among them) is not rewritten, and keeps its devices."""
+    index_of = vc.index_of
+
+    def rank_index_of(device: Any) -> int:
+        moved = current().log.rank_output_device
+        if moved is not None and device_index(device) == moved[0]:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__", "").startswith(
+                    "dpprof."):  # the interception of the call
+                frame = frame.f_back
+            # the script's own call (torch's: DataParallel's pieces, a library's: neither
+            # is in the diff)
+            site = script_line(frame) if frame is not None else None
+            if site is not None:
+                if site not in state.output_device_sites:
+                    state.output_device_sites.append(site)
+                device = moved[1]
+        return index_of(device)
+
+    patcher.patch(vc, "index_of", rank_index_of)
 
 
 class RankShareOfBatches:
@@ -388,8 +432,11 @@ class DdpInPlace(Alternative):
         patcher.patch(DataLoader, "__iter__", loader_iter)
         if state.scattered_rows > 1 and not self.model_input_rows:
             divide_hand_made_batches(state, vc, patcher)
+        _output_device_on_the_rank(state, vc, patcher)
 
     def dp_made(self, dp: VirtualDataParallel, site: str) -> None:
+        if dp.device_ids and dp.output_device != dp.device_ids[0]:
+            current().log.rank_output_device = (dp.output_device, dp.device_ids[0])
         # where the fix builds DDP: at the wrap (dpprof.script.ddp_rank); none around a criterion
         where = (built_at_the_wrap(site, dp.module)
                  if dp.device_ids and not wraps_a_criterion(dp) else False)
@@ -422,6 +469,8 @@ class DdpInPlace(Alternative):
         state.rank_criteria = tuple(state_of(vc).log.rank_criteria)
         state.batch_division = _division(state, state.ranks(vc))
         state.unused_raised = state_of(vc).log.ddp_unused_raised
+        moved = state_of(vc).log.rank_output_device
+        state.output_device = moved[0] if moved is not None else None
         ledger = vc.rt.ledgers.get(ddp_devices[0]) if ddp_devices else None
         if ledger is not None:
             state.bucket_view_peak_bytes = (ledger.peak_allocated if ledger.unsure is None

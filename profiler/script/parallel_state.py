@@ -50,6 +50,9 @@ class ParallelLog:
     # how a DDP rank applied a criterion the script wraps in DataParallel, in words
     # (dpprof.script.losses_on_replicas)
     rank_criteria: list[str] = field(default_factory=list)
+    # under the DDP alternative, DataParallel's output_device and its first GPU (logical),
+    # where they differ: the rank's GPU stands for both, as the DDP diff rewrites the script
+    rank_output_device: tuple[int, int] | None = None
     # the DataParallel wraps a part of the model, whose rank of DDP wraps the whole model, in
     # words ("VGG's features"; "": it wraps what the script calls)
     part_of_model: str = ""

@@ -11,7 +11,7 @@ from typing import Any
 
 from dpprof.script.autocast_diff import autocast_until
 from dpprof.script.checkpointing_diff import checkpointing
-from dpprof.script.ddp_diff import ddp, own_process_group
+from dpprof.script.ddp_diff import OutputDevice, ddp, own_process_group
 from dpprof.script.rewrite import (
     Rewrite,
     read_source,
@@ -53,6 +53,9 @@ class RungSites:
     # the DDP change where it is no edit of the script (a library's code wrapped
     # DataParallel: how to start the script under a launcher instead)
     ddp_note: str = ""
+    dim: int = 0  # the dimension DataParallel split the batch along
+    # DataParallel's output_device, where it is another GPU than its first (None: it is not)
+    output_device: OutputDevice | None = None
 
 
 def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
@@ -78,8 +81,10 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
         if own:
             notes.append(f"DDP: {own}")
         loader_lines = [n for p, n in map(site_of, sites.loader_sites) if p == sites.path]
+        output_sites = sites.output_device.sites if sites.output_device is not None else ()
+        output_lines = [n for p, n in map(site_of, output_sites) if p == sites.path]
         lines = {k: k for k in (sites.forward_line, sites.backward_line, sites.dp_line,
-                                *sites.batch_lines, *loader_lines) if k}
+                                *sites.batch_lines, *loader_lines, *output_lines) if k}
 
         def then(change: Rewrite, what: str) -> None:
             nonlocal text, lines
@@ -117,10 +122,16 @@ def rung_changes(sites: RungSites, gpus: int, title: str, dtype: str | None,
             then(autocast_until(src, forward, backward, dtype) if lightning is None
                  else trainer_precision(src, lightning, dtype, title), "autocast")
         if sites.dp_line and not own:
+            output_device = sites.output_device
+            if output_device is not None:  # its lines where the rung's other edits left them
+                output_device = OutputDevice(output_device.index, tuple(
+                    moved_site(site) for site in output_device.sites
+                    if site_of(site)[0] != sites.path or site_of(site)[1] in lines))
             then(ddp(text, sites.path, at(sites.dp_line), gpus,
                      batch_lines=tuple(lines[b] for b in sites.batch_lines if b in lines),
                      rows=sites.rows,
-                     loader_sites=tuple(map(moved_site, sites.loader_sites))),
+                     loader_sites=tuple(map(moved_site, sites.loader_sites)),
+                     dim=sites.dim, output_device=output_device),
                  "DDP")
         name = Path(sites.path).name
         diff = difflib.unified_diff(original.splitlines(), text.splitlines(),

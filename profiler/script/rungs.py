@@ -46,7 +46,7 @@ from dpprof.scenarios.names import (
     SINGLE,
     TENSOR_PARALLEL,
 )
-from dpprof.script.ddp_run import ddp_state, library_wrap
+from dpprof.script.ddp_run import ddp_state, library_wrap, rank_output_device
 from dpprof.script.hooks import StepCallback
 from dpprof.script.rewrite import Rewrite, rewrite_text
 from dpprof.script.rung_diff import RungSites, rung_changes
@@ -209,6 +209,8 @@ def _rung_rewrite(rung: Rung, floor: ScriptRun, cfg: ScriptConfig,
                else None)
     return rung_changes(
         RungSites(script, forward, backward, dp[0] if dp else 0, batches,
-                  main.batch_rows if main is not None else 0, loaders, ddp_note),
+                  main.batch_rows if main is not None else 0, loaders, ddp_note,
+                  dim=main.batch_dim if main is not None else 0,
+                  output_device=rank_output_device(divided) if divided is not None else None),
         gpus, rung.title, rung.amp, floor.blocks_words if rung.checkpoint else None,
         trainer)
