@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpprof.script.hoisting import available, hoist, moves
 from dpprof.script.loss_expression import LossFunction, loss_function, output_refs
 from dpprof.script.rewrite import (
     Rewrite,
@@ -37,6 +38,7 @@ from dpprof.script.source import (
     start_of,
     until_scope,
 )
+from dpprof.script.wrap_elsewhere import WrapElsewhere, set_inside, wrap_elsewhere
 
 LOSS_IN_FORWARD_TITLE = "the loss inside forward"
 
@@ -158,78 +160,6 @@ def _constant(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant)
 
 
-def _available(src: ScriptSource, scope: ast.AST, key: str, at: ast.stmt) -> bool:
-    """Whether ``key`` (a name or dotted attribute) names something at statement ``at`` of
-    ``scope`` (a local bound before it, a global, a builtin)."""
-    binds = [b for b in bindings(src, scope) if b.name == key]
-    if binds:
-        return any(b.pos <= start_of(at) for b in binds)
-    root = key.split(".")[0]
-    if root != key:
-        return _available(src, scope, root, at)
-    # a free name: an enclosing function's or the module's, bound by the time it runs (a
-    # class body's names are not visible in its methods)
-    outer = scope
-    while not isinstance(outer, ast.Module):
-        outer = src.scope(outer)
-        if not isinstance(outer, ast.ClassDef) and any(
-                b.name == key for b in bindings(src, outer)):
-            return True
-    return hasattr(builtins, key)
-
-
-def _hoist(src: ScriptSource, edits: Edits, scope: ast.AST, key: str, wrap: ast.stmt) -> str:
-    """Move the one assignment of ``key`` that follows the wrap (in the same statement list
-    as the wrap or a statement holding it) to just before that statement, and first those of
-    the names it reads that are set between (``weights`` of ``criterion =
-    CrossEntropyLoss(weight=weights)``), each as it; all are checked before any moves. The
-    words for the note: each name moved and its line."""
-    order = _to_hoist(src, scope, key, wrap, ())
-    for assign, holder in order:
-        start, end = src.whole_lines(assign)
-        text = src.text[start:end]
-        edits.replace(start, end, "")
-        at = src.line_start(holder.lineno)
-        edits.replace(at, at, text)  # after those inserted here before: their order kept
-    return " and ".join(f"`{src.seg(a.targets[0])}` (line {a.lineno})" for a, _ in order)
-
-
-def _moves(moved: str) -> str:
-    """``_hoist``'s words with their verb: "`w` (line 9) and `c` (line 10) move"."""
-    return f"{moved} move{'s' * (' and ' not in moved)}"
-
-
-def _to_hoist(src: ScriptSource, scope: ast.AST, key: str, wrap: ast.stmt,
-              seen: tuple[str, ...]) -> list[tuple[ast.Assign, ast.stmt]]:
-    """The assignments :func:`_hoist` moves for ``key``, those it reads first, each with the
-    statement it moves before; NoRewrite where one cannot move."""
-    every = bindings(src, scope)
-    binds = [b for b in every if b.name == key]
-    if key in seen or len(binds) != 1 or not isinstance(binds[0].node, ast.Assign):
-        raise NoRewrite(f"`{key}` is not defined where the model is wrapped (line "
-                        f"{wrap.lineno}), and no single assignment of it can move there")
-    assign = binds[0].node
-    assert isinstance(assign, ast.Assign)
-    block = src.block(assign)
-    holder = next((s for s in [wrap, *src.ancestors(wrap)]
-                   if isinstance(s, ast.stmt) and any(s is b for b in block)), None)
-    if holder is None:
-        raise NoRewrite(f"`{key}` (line {assign.lineno}) is defined in another block than "
-                        f"the wrap (line {wrap.lineno}): move it before the wrap by hand")
-    out: list[tuple[ast.Assign, ast.stmt]] = []
-    needs = bound_between(src, scope, loaded_names(assign.value), start_of(holder),
-                          start_of(assign))
-    for name in sorted(needs, key=lambda n: min(start_of(b.node) for b in every
-                                                 if b.name == n)):
-        try:
-            first = _to_hoist(src, scope, name, wrap, (*seen, key))
-        except NoRewrite:
-            raise NoRewrite(f"`{key}` (line {assign.lineno}) uses {name}, set after the wrap "
-                            f"(line {wrap.lineno}), which cannot move before it") from None
-        out += [item for item in first if not any(item[0] is a for a, _ in out)]
-    return [*out, (assign, holder)]
-
-
 def loss_in_forward(source: str, path: str, dp_line: int, call_line: int,
                     loss_line: int, loss_callee: str = "", targets_name: str = "") -> Rewrite:
     """The script with its loss computed inside forward on every replica (see the module).
@@ -248,12 +178,13 @@ def loss_in_forward(source: str, path: str, dp_line: int, call_line: int,
         return Rewrite(reason=str(e))
 
 
-def _expression_site(src: ScriptSource, dp: ast.Call, loss_line: int, call_line: int,
+def _expression_site(src: ScriptSource, dp: ast.Call | None, loss_line: int, call_line: int,
                      loss_callee: str, targets_name: str) -> tuple[_LossSite, LossFunction]:
     """The loss call ``loss_callee(...)`` on ``loss_line`` whose arguments read the outputs
     of the model's call on ``call_line`` (written inside it, or a name that line binds), and
-    it as a function of the outputs and ``targets_name``."""
-    wrap = src.statement(dp)
+    it as a function of the outputs and ``targets_name`` (``dp``: the wrap, where it is in
+    this file: the name it binds is the model's)."""
+    wrap = src.statement(dp) if dp is not None else None
     model_name = (dotted_name(wrap.targets[0]) if isinstance(wrap, ast.Assign)
                   and len(wrap.targets) == 1 else None)
     for loss in calls_at(src, loss_line):
@@ -410,19 +341,21 @@ def _free_names_at_wrap(src: ScriptSource, fn: LossFunction, loss: ast.Call,
 
 
 def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line: int,
-                     loss_callee: str = "", targets_name: str = "") -> Rewrite:
+                     loss_callee: str = "", targets_name: str = "",
+                     elsewhere: WrapElsewhere | None = None) -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
-    dp = data_parallel_call(src, dp_line)
-    wrap = src.statement(dp)
+    dp = data_parallel_call(src, dp_line) if elsewhere is None else None
+    wrap = src.statement(dp) if dp is not None else None
     # a wrap that runs under a condition (``if torch.cuda.device_count() > 1:``): where the
     # wrapped model is a name bound before it, ModelWithLoss wraps it there, before the
     # condition, so that the model's call with its targets works on every path (one GPU,
     # the CPU, a DDP branch), and the wrap stays as written
-    condition = _condition_of(src, dp, wrap)
-    arg = module_arg(dp)
-    before = (condition if condition is not None and isinstance(arg, ast.Name)
-              and _available(src, src.scope(wrap), arg.id, condition) else None)
+    condition = _condition_of(src, dp, wrap) if dp is not None and wrap is not None else None
+    arg = module_arg(dp) if dp is not None else None
+    before = (condition if condition is not None and wrap is not None
+              and isinstance(arg, ast.Name)
+              and available(src, src.scope(wrap), arg.id, condition) else None)
     anchor = before or wrap  # where the loss function must exist
     expression: LossFunction | None = None
     plain: tuple[str, str, ast.expr] | None = None  # the loss given as itself: criterion
@@ -434,7 +367,8 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         expression = None
         loss_fn, targets, callee = plain
     elif expression is not None:
-        _free_names_at_wrap(src, expression, site.loss, anchor)
+        if anchor is not None:
+            _free_names_at_wrap(src, expression, site.loss, anchor)
         loss_fn, targets, callee = expression.text, targets_name, site.loss.func
     else:
         site = _loss_site(src, loss_line, call_line)
@@ -484,6 +418,13 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                    f"dpprof.ModelWithLoss.split({call})")
     else:
         edits.node(site.loss, f"dpprof.ModelWithLoss.combine({call})")
+    keep_arg = ", keep_outputs=True" if keep else ""
+    if elsewhere is not None:  # the training file sets it inside the DataParallel it holds
+        reads = (loaded_names(site.loss) - {expression.outputs_name, *expression.targets_names}
+                 if expression is not None else loaded_names(callee))
+        notes += set_inside(src, edits, model, loss_fn, reads, keep_arg, elsewhere)
+        return finish(src, edits, LOSS_IN_FORWARD_TITLE, notes)
+    assert dp is not None and wrap is not None and arg is not None and anchor is not None
     # the loss function must exist where the model is wrapped
     wrap_scope = src.scope(wrap)
     key = dotted_name(callee)
@@ -492,21 +433,20 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         notes.append(f"the wrap (line {wrap.lineno}) and the loss (line {loss_stmt.lineno}) "
                      f"are in different functions: `{key}` at the wrap is taken to be the "
                      "loss the training step calls")
-    if expression is None and not _available(src, wrap_scope, key, anchor):
-        notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, anchor))} before the wrap, "
+    if expression is None and not available(src, wrap_scope, key, anchor):
+        notes.append(f"{moves(hoist(src, edits, wrap_scope, key, anchor))} before the wrap, "
                      "which now needs it")
-    elif expression is not None and not _available(src, wrap_scope, key, anchor):
+    elif expression is not None and not available(src, wrap_scope, key, anchor):
         # ModelWithLoss finds the loss modules its function calls when it is made (to copy
         # their tensors, a weighted loss's weights, to every GPU): they must exist by then
         try:
-            notes.append(f"{_moves(_hoist(src, edits, wrap_scope, key, anchor))} before the "
+            notes.append(f"{moves(hoist(src, edits, wrap_scope, key, anchor))} before the "
                          "wrap, where ModelWithLoss finds the loss modules its function calls, "
                          "to copy their tensors to every GPU")
         except NoRewrite as e:
             notes.append(f"{e}: ModelWithLoss finds the loss modules its function calls "
                          "when it is made, so a loss that holds tensors (class weights) "
                          "must be defined before the wrap")
-    keep_arg = ", keep_outputs=True" if keep else ""
     # DataParallel gathers the replicas' losses along its dim: ModelWithLoss shapes them so
     dim = dim_arg(dp)
     if dim is not None and not (isinstance(dim, ast.Constant) and dim.value == 0):
@@ -576,13 +516,18 @@ def _keep_outputs(src: ScriptSource, site: _LossSite, loss_stmt: ast.stmt,
 
 def loss_in_forward_at(dp_site: str, call_site: str, loss_site: str, loss_callee: str = "",
                        targets_name: str = "") -> Rewrite:
-    """:func:`loss_in_forward` from ``file:line`` sites (all in one file)."""
+    """:func:`loss_in_forward` from ``file:line`` sites: all in one file, or the wrap in
+    another than the model's call and the loss (a model file's), which stays as written
+    (:mod:`dpprof.script.wrap_elsewhere`)."""
     try:
         (path, dp_line), (p2, call_line), (p3, loss_line) = map(
             site_of, (dp_site, call_site, loss_site))
-        if not path == p2 == p3:
-            raise NoRewrite("the wrap, the model's call and the loss are in different files "
-                            f"({Path(path).name}, {Path(p2).name}, {Path(p3).name})")
+        if p2 != p3:
+            raise NoRewrite("the model's call and the loss are in different files "
+                            f"({Path(p2).name}, {Path(p3).name})")
+        if path != p2:
+            return _loss_in_forward(ScriptSource(read_source(p2), p2), 0, call_line, loss_line,
+                                    loss_callee, targets_name, wrap_elsewhere(dp_site))
         return loss_in_forward(read_source(path), path, dp_line, call_line, loss_line, loss_callee,
                                targets_name)
     except NoRewrite as e:
