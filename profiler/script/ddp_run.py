@@ -16,6 +16,7 @@ import dataclasses
 import sys
 import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -261,7 +262,7 @@ def _output_device_on_the_rank(state: DdpState, vc: VirtualCuda, patcher: Patche
     def rank_index_of(device: Any) -> int:
         moved = current().log.rank_output_device
         if moved is not None and device_index(device) == moved[0]:
-            frame = sys._getframe(1)
+            frame: FrameType | None = sys._getframe(1)
             while frame is not None and frame.f_globals.get("__name__", "").startswith(
                     "dpprof."):  # the interception of the call
                 frame = frame.f_back

@@ -75,7 +75,8 @@ def model_bound(src: ScriptSource, model: ast.Call) -> ast.stmt:
                         f"where the caller makes the model, set `{name}.module = dpprof."
                         f"ModelWithLoss({name}.module, <loss>)` by hand")
     if not isinstance(node, (ast.Assign, ast.AnnAssign)):
-        raise NoRewrite(f"line {node.lineno}: `{name}` is bound by a {type(node).__name__} "
+        raise NoRewrite(f"line {start_of(node)[0]}: `{name}` is bound by a "
+                        f"{type(node).__name__} "
                         "statement, not an assignment: set its DataParallel's module to "
                         "dpprof.ModelWithLoss(<module>, <loss>) by hand")
     return node
