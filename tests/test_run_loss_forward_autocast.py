@@ -29,22 +29,26 @@ criterion = {criterion}
 accum = 2
 """
 
-AS_WRITTEN = HEAD + """
-model = nn.DataParallel(net)
+# the loop, as the AMP recipe writes it, around the step's forward and loss ({step})
+LOOP = """
+model = nn.DataParallel({model})
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 scaler = torch.amp.GradScaler("cuda")
 for step in range(4):
     x = torch.randn(B, D).cuda()
     y = torch.randint(0, C, (B,)).cuda()
-    with torch.autocast("cuda", dtype={dtype}):
-        out = model(x)
-        loss = {loss}
-    print("loss", repr(loss.item()))
+    with torch.autocast("cuda", dtype={{dtype}}):
+{step}
     scaler.scale(loss).backward()
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
 """
+
+AS_WRITTEN = HEAD + LOOP.format(model="net", step="""\
+        out = model(x)
+        loss = {loss}
+    print("loss", repr(loss.item()))""")
 
 BY_HAND = HEAD + """
 
@@ -57,20 +61,7 @@ class WithLoss(nn.Module):
         out = self.model(x)
         return {loss}
 
-
-model = nn.DataParallel(WithLoss(net))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-scaler = torch.amp.GradScaler("cuda")
-for step in range(4):
-    x = torch.randn(B, D).cuda()
-    y = torch.randint(0, C, (B,)).cuda()
-    with torch.autocast("cuda", dtype={dtype}):
-        loss = model(x, y).mean()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
-"""
+""" + LOOP.format(model="WithLoss(net)", step="        loss = model(x, y).mean()")
 
 # the criterion, and the loss the loop computes with it from the outputs ``out``
 LOSSES = {

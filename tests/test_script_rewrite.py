@@ -503,6 +503,30 @@ def test_a_rung_on_ddp_keeps_dataparallels_dim_and_output_device(tmp_path: Path)
                for n in rw.notes), rw.notes
 
 
+@pytest.mark.parametrize(("written", "rewritten"), [
+    ("y = t.cuda(1)", "y = t.cuda()"),
+    ("y = t.cuda(1, non_blocking=True)", "y = t.cuda(non_blocking=True)"),
+    ("y = t.cuda(non_blocking=True, device=1)", "y = t.cuda(non_blocking=True)"),
+    ("y = t.to(1)", 'y = t.to("cuda")'),
+    ('y = t.to("cuda:1")', 'y = t.to("cuda")'),
+    ('y = t.to(torch.device("cuda", 1))', 'y = t.to(torch.device("cuda"))'),
+    ("y = t.cuda(2)", "y = t.cuda(2)"),  # another GPU than the output device: as written
+])
+def test_ddp_makes_dataparallels_output_device_each_ranks_own(written: str,
+                                                              rewritten: str) -> None:
+    old = script(f"model = nn.DataParallel(Net(), output_device=1)\nt = torch.randn(6, 8)\n"
+                 f"{written}\n")
+    site = f"train.py:{line_of(old, written)}"
+    rw = ddp_diff.ddp(old, "train.py", line_of(old, "DataParallel("), 4,
+                      output_device=ddp_diff.OutputDevice(1, (site,)))
+    new = checked(rw, old)
+    assert f"\n{rewritten}\n" in new
+    assert "DDP(Net().cuda(rank), device_ids=[rank])" in new
+    changed = written != rewritten
+    assert any("puts tensors on cuda:1" in n for n in rw.notes) == changed, rw.notes
+    assert any("by hand (torch.device" in n for n in rw.notes) != changed, rw.notes
+
+
 def test_ddp_takes_another_name_where_the_script_has_a_rank() -> None:
     old = script("rank = 0\nmodel = nn.DataParallel(Net())\n")
     new = checked(ddp(old, "DataParallel("), old)

@@ -346,11 +346,10 @@ def _rank_devices(src: ScriptSource, edits: Edits,
     lines the run saw name it that are left to change by hand."""
     k = output_device.index if output_device is not None else None
     names = {"cuda:0"} | ({f"cuda:{k}"} if k is not None else set())
-    kept = [(start, end) for start, end in replaced or ()]
     changed: list[int] = []
 
     def outside(node: ast.AST) -> bool:
-        return not any(start <= src.span(node)[0] < end for start, end in kept)
+        return not any(start <= src.span(node)[0] < end for start, end in replaced or ())
 
     for node in ast.walk(src.tree):
         if isinstance(node, ast.Constant) and node.value in names and not isinstance(
@@ -400,10 +399,18 @@ def _rank_device_call(src: ScriptSource, edits: Edits, call: ast.Call, k: int) -
 
     name = last_name(call.func)
     if name == "cuda" and isinstance(call.func, ast.Attribute):
-        given = [a for a in call.args[:1] if is_k(a)] + [
+        # the device alone, or first with non_blocking=True after it (``x.cuda(k, True)``:
+        # positional, left as written)
+        given: list[ast.AST] = [a for a in call.args[:1] if is_k(a)] + [
             kw for kw in call.keywords if kw.arg == "device" and is_k(kw.value)]
-        if given and len(call.args) + len(call.keywords) == 1:
-            edits.node(given[0], "")
+        rest = [n for n in [*call.args, *call.keywords] if n is not given[0]] if given else []
+        if given and not any(isinstance(n, ast.expr) for n in rest):
+            start, end = src.span(given[0])
+            after = [src.span(n)[0] for n in rest if src.span(n)[0] > start]
+            before = [src.span(n)[1] for n in rest if src.span(n)[0] < start]
+            # with its comma: up to the next argument, or from the one before
+            edits.replace(*((start, min(after)) if after else (max(before), end) if before
+                            else (start, end)), "")
             return call.lineno
     elif name == "to" and isinstance(call.func, ast.Attribute):
         if call.args and is_k(call.args[0]):
