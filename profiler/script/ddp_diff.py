@@ -35,6 +35,7 @@ from dpprof.script.source import (
     add_imports,
     calls_at,
     data_parallel_call,
+    dim_arg,
     dotted_name,
     import_line,
     is_data_parallel,
@@ -430,9 +431,9 @@ def _ddp_call(src: ScriptSource, dp: ast.Call, rank: str, flags: tuple[str, ...]
     module = module_arg(dp)
     inner = _move(src, module) or module
     args = [f"{parenthesized(src, inner)}.cuda({rank})", f"device_ids=[{rank}]"]
-    if len(dp.args) > 3:
-        args.append(f"dim={src.seg(dp.args[3])}")
-    args += [src.seg(kw) for kw in dp.keywords if kw.arg == "dim"]
+    dim = dim_arg(dp)  # as the loss-inside-forward diff reads it: a subclass's 4th is its own
+    if dim is not None:
+        args.append(f"dim={src.seg(dim)}")
     if any(kw.arg is None for kw in dp.keywords):
         raise NoRewrite(f"line {dp.lineno}: DataParallel's arguments are unpacked (**)")
     args += flags
