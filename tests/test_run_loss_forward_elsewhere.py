@@ -51,24 +51,27 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(4):
     x = torch.randn(B, 64).cuda()
     y = torch.randint(0, 128, (B, 4)).cuda()
-    out = model(x)
     {loss}
     opt.zero_grad()
     loss.backward()
     opt.step()
 """
 
-# (lines before the model's binding, lines after it, the loss on the outputs)
+CALL = "out = model(x)\n    "
+# (lines before the model's binding, lines after it, the step's forward and loss)
 FORMS = {
     # the loss module defined after the model: the new line comes after both
     "module_after": ("", "criterion = nn.CrossEntropyLoss()",
-                     "loss = criterion(out.transpose(1, 2), y)"),
+                     CALL + "loss = criterion(out.transpose(1, 2), y)"),
     # a function of torch's, bound before the model
     "function_before": ("criterion = F.cross_entropy", "",
-                        "loss = criterion(out.transpose(1, 2), y)"),
+                        CALL + "loss = criterion(out.transpose(1, 2), y)"),
     # the loss on a view of the outputs (an LM's): a function of the outputs and targets
     "view": ("", "criterion = nn.CrossEntropyLoss(label_smoothing=0.1)",
-             "loss = criterion(out.view(-1, 128), y.view(-1))"),
+             CALL + "loss = criterion(out.view(-1, 128), y.view(-1))"),
+    # the same with the model's call inside the loss's: the model's name read from the call
+    "view_inline": ("", "criterion = nn.CrossEntropyLoss()",
+                    "loss = criterion(model(x).view(-1, 128), y.view(-1))"),
 }
 
 

@@ -38,7 +38,12 @@ from dpprof.script.source import (
     start_of,
     until_scope,
 )
-from dpprof.script.wrap_elsewhere import WrapElsewhere, set_inside, wrap_elsewhere
+from dpprof.script.wrap_elsewhere import (
+    WrapElsewhere,
+    called_model,
+    set_inside,
+    wrap_elsewhere,
+)
 
 LOSS_IN_FORWARD_TITLE = "the loss inside forward"
 
@@ -190,6 +195,8 @@ def _expression_site(src: ScriptSource, dp: ast.Call | None, loss_line: int, cal
     for loss in calls_at(src, loss_line):
         if dotted_name(loss.func) != loss_callee:
             continue
+        if wrap is None:  # the wrap is in another file: the name it is called by here
+            model_name = called_model(src, loss, call_line)
         inline = next((n for n in ast.walk(loss) if n is not loss and isinstance(n, ast.Call)
                        and model_name is not None and dotted_name(n.func) == model_name
                        and n.lineno <= call_line <= (n.end_lineno or 0)), None)
@@ -420,7 +427,9 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
         edits.node(site.loss, f"dpprof.ModelWithLoss.combine({call})")
     keep_arg = ", keep_outputs=True" if keep else ""
     if elsewhere is not None:  # the training file sets it inside the DataParallel it holds
-        reads = (loaded_names(site.loss) - {expression.outputs_name, *expression.targets_names}
+        # the names the loss function reads (its text: the model's call is its parameter)
+        reads = (loaded_names(ast.parse(loss_fn, mode="eval"))
+                 - {expression.outputs_name, *expression.targets_names}
                  if expression is not None else loaded_names(callee))
         notes += set_inside(src, edits, model, loss_fn, reads, keep_arg, elsewhere)
         return finish(src, edits, LOSS_IN_FORWARD_TITLE, notes)

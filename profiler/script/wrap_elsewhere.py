@@ -25,7 +25,7 @@ from dpprof.script.source import (
     start_of,
 )
 
-__all__ = ["WrapElsewhere", "model_bound", "set_inside", "wrap_elsewhere"]
+__all__ = ["WrapElsewhere", "called_model", "model_bound", "set_inside", "wrap_elsewhere"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,20 @@ def wrap_elsewhere(dp_site: str) -> WrapElsewhere:
     dim = dim_arg(dp)
     return WrapElsewhere(dp_site, dim is not None and not (
         isinstance(dim, ast.Constant) and dim.value == 0))
+
+
+def called_model(src: ScriptSource, loss: ast.Call, call_line: int) -> str | None:
+    """The name the model is called by inside ``loss`` on ``call_line``
+    (``criterion(model(x).view(-1, V), y)``: ``model``), where the wrap's own file cannot
+    say: the one plain name called there that an assignment binds (not a builtin, ``int``,
+    nor a function of the script's); None where there is not exactly one."""
+    scope = src.scope(loss)
+    assigned = {b.name for s in (scope, src.tree) for b in bindings(src, s)
+                if isinstance(b.node, (ast.Assign, ast.AnnAssign))}
+    names = {n.func.id for n in ast.walk(loss) if isinstance(n, ast.Call) and n is not loss
+             and isinstance(n.func, ast.Name) and n.func.id in assigned
+             and n.lineno <= call_line <= (n.end_lineno or n.lineno)}
+    return names.pop() if len(names) == 1 else None
 
 
 def model_bound(src: ScriptSource, model: ast.Call) -> ast.stmt:
