@@ -352,17 +352,25 @@ def _loss_in_forward(src: ScriptSource, dp_line: int, call_line: int, loss_line:
                      elsewhere: WrapElsewhere | None = None) -> Rewrite:
     edits = Edits(src)
     notes: list[str] = []
-    dp = data_parallel_call(src, dp_line) if elsewhere is None else None
-    wrap = src.statement(dp) if dp is not None else None
-    # a wrap that runs under a condition (``if torch.cuda.device_count() > 1:``): where the
-    # wrapped model is a name bound before it, ModelWithLoss wraps it there, before the
-    # condition, so that the model's call with its targets works on every path (one GPU,
-    # the CPU, a DDP branch), and the wrap stays as written
-    condition = _condition_of(src, dp, wrap) if dp is not None and wrap is not None else None
-    arg = module_arg(dp) if dp is not None else None
-    before = (condition if condition is not None and wrap is not None
-              and isinstance(arg, ast.Name)
-              and available(src, src.scope(wrap), arg.id, condition) else None)
+    # the wrap, where it is in this file (else the training file sets ModelWithLoss inside
+    # the DataParallel it holds: dpprof.script.wrap_elsewhere)
+    dp: ast.Call | None = None
+    wrap: ast.stmt | None = None
+    condition: ast.stmt | None = None
+    arg: ast.expr | None = None
+    before: ast.stmt | None = None
+    if elsewhere is None:
+        dp = data_parallel_call(src, dp_line)
+        wrap = src.statement(dp)
+        # a wrap that runs under a condition (``if torch.cuda.device_count() > 1:``): where
+        # the wrapped model is a name bound before it, ModelWithLoss wraps it there, before
+        # the condition, so that the model's call with its targets works on every path (one
+        # GPU, the CPU, a DDP branch), and the wrap stays as written
+        condition = _condition_of(src, dp, wrap)
+        arg = module_arg(dp)
+        if condition is not None and isinstance(arg, ast.Name) and available(
+                src, src.scope(wrap), arg.id, condition):
+            before = condition
     anchor = before or wrap  # where the loss function must exist
     expression: LossFunction | None = None
     plain: tuple[str, str, ast.expr] | None = None  # the loss given as itself: criterion
