@@ -39,6 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # and a property test beside them (pytest-xdist) would write .hypothesis/ there
     from hypothesis.configuration import set_hypothesis_home_dir
 
+    share_the_cores(config)
     examples = tempfile.mkdtemp(prefix="dpprof-hypothesis-")
     set_hypothesis_home_dir(examples)
     atexit.register(shutil.rmtree, examples, ignore_errors=True)  # as the calibration's
@@ -51,6 +52,21 @@ def pytest_configure(config: pytest.Config) -> None:
         from torchvision_shim import import_torchvision
 
         import_torchvision()
+
+
+def share_the_cores(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's torch (and each process it starts) takes its share
+    of the cores for its intra-op threads. Each would take every core, and OpenMP's threads
+    spin for a while after each parallel region: with two workers on two cores, the tests that
+    compute for real ran three times slower than alone (measured, tests/test_run_loss_shape_
+    reads.py)."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    workers = int(worker.get("workercount", 1))
+    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
