@@ -10,9 +10,9 @@ are offered, measured and written for it, each checked against the code a user w
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from test_script_rewrite import apply_diff
 from torch import nn
 
 from dpprof import ModelWithLoss
+from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 # T differs from B, so that a share cut along the wrong dimension shows
@@ -93,13 +94,14 @@ def test_both_fixes_of_a_data_parallel_split_along_dim_1(
 
 
 def _losses(script: Path) -> list[float]:
-    """The losses a script printed, run under ``dpprof run --compute`` (real numbers)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "dpprof", "run", "--gpus", "4", "--compute", "--no-alternatives",
-         "-q", "--", "python", script.name], cwd=script.parent, capture_output=True,
-        text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    return [float(v) for v in re.findall(r"^loss (\S+)$", done.stdout, re.M)]
+    """The losses a script printed, run as ``dpprof run --compute`` runs it (real numbers),
+    in this process: a ``dpprof`` process would spend most of its time importing torch."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ran = run_script(ScriptConfig(launch=parse_command(["python", script.name], 4),
+                                      gpus=4, compute=True))
+    assert ran.exit_status == 0, ran.script_traceback
+    return [float(v) for v in re.findall(r"^loss (\S+)$", printed.getvalue(), re.M)]
 
 
 # ways a sequence-first loop writes its loss on the (T, B, V) outputs
