@@ -66,7 +66,7 @@ class SegmentationLosses:  # a loss method of a plain class, as deeplab-xception
 
 
 torch.manual_seed(0)
-B, T = {rows}, 30
+B, T = {rows}, 12  # frames: few, as the LSTM runs op by op on virtual GPUs
 ctc = nn.CTCLoss(zero_infinity=True)
 seg = SegmentationLosses()
 
