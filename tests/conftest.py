@@ -55,18 +55,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def share_the_cores(config: pytest.Config) -> None:
-    """Under pytest-xdist, each worker's torch (and each process it starts) takes its share
-    of the cores for its intra-op threads. Each would take every core, and OpenMP's threads
-    spin for a while after each parallel region: with two workers on two cores, the tests that
-    compute for real ran three times slower than alone (measured, tests/test_run_loss_shape_
-    reads.py)."""
+    """Under pytest-xdist, each worker's torch takes its share of the cores for its intra-op
+    threads. Each would take every core, and OpenMP's threads spin for a while after each
+    parallel region: with two workers on two cores, the tests that compute for real in the
+    worker ran three times slower than alone (measured, tests/test_run_loss_shape_reads.py).
+    The processes a test starts keep torch's default, as a user's do: gloo ranks limited to
+    one thread each raced more often with gloo's worker thread (tests/test_fsdp.py)."""
     worker = getattr(config, "workerinput", None)
     if worker is None or "OMP_NUM_THREADS" in os.environ:
         return
     workers = int(worker.get("workercount", 1))
-    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
