@@ -186,6 +186,11 @@ def run_op(op: tuple[Any, ...]) -> Any:
 # a rename between two hard links of one file does nothing (rename(2)): both names stay
 @example(program=[("link", "a", "new"), ("rename", "new", "a"), ("read", "new")])
 @example(program=[("link", "a", "new"), ("rename", "a", "new")])
+# a file renamed to a name inside itself: rename(2) looks the destination's folder up
+# first (ENOTDIR; the seal said EINVAL, a folder moved into itself)
+@example(program=[("write", "new", "wb", b""), ("rename", "new", "new/z")])
+@example(program=[("write", "new", "wb", b""), ("rename", "new", "new/y/z")])
+@example(program=[("rename", "d", "d/nothing/z")])
 def test_a_program_sees_what_plain_python_sees_and_the_folder_is_untouched(
         program: list[tuple[Any, ...]], tmp_path_factory: Any) -> None:
     base = tmp_path_factory.mktemp("world")

@@ -276,14 +276,15 @@ class Overlay:
 
     # ---- writing -----------------------------------------------------------------------
 
-    def _parent_check(self, c: str, shown: Any) -> None:
-        """The folder of ``c`` exists in the view (else the error a real call gives)."""
+    def _parent_check(self, c: str, shown: Any, other: Any = None) -> None:
+        """The folder of ``c`` exists in the view (else the error a real call gives, naming
+        ``shown`` and ``other``)."""
         parent = os.path.dirname(c)
         st = self.lstat_in_view(parent)
         if st is None:
-            raise self.missing(parent, shown)
+            raise self.missing(parent, shown, other)
         if not stat.S_ISDIR(st.st_mode):
-            raise os_error(errno.ENOTDIR, shown)
+            raise os_error(errno.ENOTDIR, shown, other)
 
     def _parent_ready(self, c: str, shown: Any) -> None:
         """The folder of ``c`` exists in the view and in the overlay (made there, empty,
@@ -489,6 +490,9 @@ class Overlay:
             raise self.missing(s, shown_s, shown_d)
         if s == d:
             return
+        # rename(2) looks the destination's folder up before it compares the two paths:
+        # a file renamed to a name inside itself ("new" -> "new/z") is ENOTDIR, not EINVAL
+        self._parent_check(d, shown_s, shown_d)
         if d.startswith(s + "/"):  # a folder into itself
             raise os_error(errno.EINVAL, shown_s, shown_d)
         if s.startswith(d + "/"):  # onto a folder above it, never empty
