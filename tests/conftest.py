@@ -59,8 +59,9 @@ def share_the_cores(config: pytest.Config) -> None:
     threads. Each would take every core, and OpenMP's threads spin for a while after each
     parallel region: with two workers on two cores, the tests that compute for real in the
     worker ran three times slower than alone (measured, tests/test_run_loss_shape_reads.py).
-    The processes a test starts keep torch's default, as a user's do: gloo ranks limited to
-    one thread each raced more often with gloo's worker thread (tests/test_fsdp.py)."""
+    The processes a test starts keep torch's default, as a user's do (gloo ranks limited to
+    one thread each needed tests/test_fsdp.py's relaunch in 2 of 3 loaded runs, against 1
+    of 3 with the default: too few runs to say, so nothing of theirs changes)."""
     worker = getattr(config, "workerinput", None)
     if worker is None or "OMP_NUM_THREADS" in os.environ:
         return
