@@ -34,12 +34,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # thread would decide it for the rest; the kernel line's tests run dpprof in a process
     # of its own (tests/test_seal_kernel.py)
     os.environ["DPPROF_NO_NAMESPACE"] = "1"
+    share_the_cores(config)
     # hypothesis keeps its examples outside the repository: tests that run `dpprof run` with
     # the repository as the working folder check after each run that nothing in it changed,
     # and a property test beside them (pytest-xdist) would write .hypothesis/ there
     from hypothesis.configuration import set_hypothesis_home_dir
 
-    share_the_cores(config)
     examples = tempfile.mkdtemp(prefix="dpprof-hypothesis-")
     set_hypothesis_home_dir(examples)
     atexit.register(shutil.rmtree, examples, ignore_errors=True)  # as the calibration's

@@ -32,13 +32,16 @@ def peak_reserved(folder: Path, source: str) -> int:
     return reserved
 
 
-def run_printing(script: Path, gpus: int = 1, steps: int = 3) -> tuple[RunResult, str]:
-    """``python script`` under ``dpprof run`` on ``gpus`` virtual GPUs, alternatives and all:
-    its result, and what it printed."""
+def run_printing(script: Path, gpus: int = 1, steps: int = 3, compute: bool = False,
+                 alternatives: bool = True) -> tuple[RunResult, str]:
+    """``python script`` under ``dpprof run`` on ``gpus`` virtual GPUs (``--compute``: real
+    numbers; alternatives and all unless ``alternatives`` is false): its result, and what it
+    printed."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         result, _ = run_command(ScriptConfig(launch=parse_command(["python", str(script)], gpus),
-                                             steps=steps))
+                                             steps=steps, compute=compute),
+                                alternatives=alternatives)
     return result, out.getvalue()
 
 

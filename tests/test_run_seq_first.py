@@ -10,19 +10,17 @@ are offered, measured and written for it, each checked against the code a user w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from script_runs import run_printing
 from test_run_ddp_share import LM_MODEL
 from test_script_rewrite import apply_diff
 from torch import nn
 
 from dpprof import ModelWithLoss
-from dpprof.script.runner import run_script
 from dpprof.script.session import ScriptConfig, parse_command, run_command
 
 # T differs from B, so that a share cut along the wrong dimension shows
@@ -94,14 +92,12 @@ def test_both_fixes_of_a_data_parallel_split_along_dim_1(
 
 
 def _losses(script: Path) -> list[float]:
-    """The losses a script printed, run as ``dpprof run --compute`` runs it (real numbers),
-    in this process: a ``dpprof`` process would spend most of its time importing torch."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        ran = run_script(ScriptConfig(launch=parse_command(["python", script.name], 4),
-                                      gpus=4, compute=True))
-    assert ran.exit_status == 0, ran.script_traceback
-    return [float(v) for v in re.findall(r"^loss (\S+)$", printed.getvalue(), re.M)]
+    """The losses a script printed, run as ``dpprof run --compute --no-alternatives`` runs it
+    (real numbers), in this process: a ``dpprof`` process would spend most of its time
+    importing torch."""
+    result, printed = run_printing(script, gpus=4, compute=True, alternatives=False)
+    assert result.scenarios[0].status == "ok", result.scenarios[0].message
+    return [float(v) for v in re.findall(r"^loss (\S+)$", printed, re.M)]
 
 
 # ways a sequence-first loop writes its loss on the (T, B, V) outputs

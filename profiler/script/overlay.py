@@ -508,7 +508,7 @@ class Overlay:
                     raise os_error(errno.ENOTEMPTY, shown_s, shown_d)
             elif stat.S_ISDIR(dst.st_mode):
                 raise os_error(errno.EISDIR, shown_s, shown_d)
-        self._parent_ready(d, shown_d)
+        self._make_upper_dirs(os.path.dirname(d))  # its folder was checked above
         if dst is not None:
             self._drop(d)
         self.dirty = True
